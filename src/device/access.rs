@@ -1,0 +1,216 @@
+//! Declared memory accesses: what an enqueued operation reads and writes.
+//!
+//! Every operation declares its accesses, derived from its typed arguments (see
+//! [`kernel`](super::kernel)). The simulator executes a kernel on exactly these regions, the
+//! checker orders them, and graph capture verifies the replay contract from them. Regions are
+//! strided (up to three count/stride dimensions), not byte hulls, so a view of one attention head
+//! or a matrix with a leading-dimension gap does not conflict with its neighbours.
+
+use super::BufferId;
+
+/// How an operation touches a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AccessMode {
+    /// Reads only.
+    Read,
+    /// Writes every element of the region without reading it.
+    Write,
+    /// Reads and writes.
+    ReadWrite,
+}
+
+impl AccessMode {
+    /// Whether the region is read.
+    pub fn reads(self) -> bool {
+        matches!(self, AccessMode::Read | AccessMode::ReadWrite)
+    }
+
+    /// Whether the region is written.
+    pub fn writes(self) -> bool {
+        matches!(self, AccessMode::Write | AccessMode::ReadWrite)
+    }
+}
+
+/// One dimension of a strided region, in elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Dim {
+    /// Number of positions along this dimension.
+    pub count: usize,
+    /// Distance in elements between consecutive positions.
+    pub stride: usize,
+}
+
+/// A strided set of elements of one buffer: `offset + Σ iₖ·strideₖ` for `iₖ < countₖ`,
+/// outermost dimension first. Elements are enumerated in that (row-major) order.
+///
+/// ```
+/// use graphed::device::Region;
+/// // Head 1 of a (seq=4, heads=2, dim=3) row-major tensor: 4 rows of 3 elements, 6 apart.
+/// let head = Region::strided(3, &[(4, 6), (3, 1)]).unwrap();
+/// assert_eq!(head.len(), 12);
+/// assert_eq!(head.end(), 24);
+/// assert!(!head.is_contiguous());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Region {
+    offset: usize,
+    rank: u8,
+    dims: [Dim; 3],
+}
+
+const UNIT: Dim = Dim { count: 1, stride: 1 };
+
+impl Region {
+    /// `len` consecutive elements starting at `offset`.
+    pub fn contiguous(offset: usize, len: usize) -> Region {
+        Region {
+            offset,
+            rank: 1,
+            dims: [Dim { count: len, stride: 1 }, UNIT, UNIT],
+        }
+    }
+
+    /// A strided region; `dims` are `(count, stride)` pairs, outermost first, at most three.
+    /// Returns `None` for more than three dimensions.
+    pub fn strided(offset: usize, dims: &[(usize, usize)]) -> Option<Region> {
+        if dims.len() > 3 {
+            return None;
+        }
+        let mut out = [UNIT; 3];
+        for (slot, &(count, stride)) in out.iter_mut().zip(dims) {
+            *slot = Dim { count, stride };
+        }
+        Some(Region {
+            offset,
+            rank: dims.len().max(1) as u8,
+            dims: out,
+        })
+    }
+
+    /// First element (the base of the region).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The dimensions, outermost first.
+    pub fn dims(&self) -> &[Dim] {
+        &self.dims[..self.rank as usize]
+    }
+
+    /// Number of elements in the region.
+    pub fn len(&self) -> usize {
+        self.dims().iter().map(|d| d.count).product()
+    }
+
+    /// Whether the region has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// One past the highest element index touched (`offset` for an empty region).
+    pub fn end(&self) -> usize {
+        if self.is_empty() {
+            return self.offset;
+        }
+        self.offset + self.dims().iter().map(|d| (d.count - 1) * d.stride).sum::<usize>() + 1
+    }
+
+    /// Whether the elements are consecutive and in order.
+    pub fn is_contiguous(&self) -> bool {
+        self.is_empty() || self.end() - self.offset == self.len() && self.is_injective_dense()
+    }
+
+    fn is_injective_dense(&self) -> bool {
+        let mut expected = 1;
+        for d in self.dims().iter().rev() {
+            if d.count > 1 && d.stride != expected {
+                return false;
+            }
+            expected *= d.count;
+        }
+        true
+    }
+
+    /// Element indices in enumeration order.
+    pub fn indices(&self) -> impl Iterator<Item = usize> + '_ {
+        let [d0, d1, d2] = self.dims;
+        let base = self.offset;
+        (0..d0.count).flat_map(move |i| {
+            (0..d1.count).flat_map(move |j| {
+                (0..d2.count).map(move |k| base + i * d0.stride + j * d1.stride + k * d2.stride)
+            })
+        })
+    }
+
+    /// Calls `f(start, len)` for each maximal run of consecutive elements, in order.
+    pub(crate) fn for_each_run(&self, mut f: impl FnMut(usize, usize)) {
+        let dims = self.dims();
+        let inner = dims[dims.len() - 1];
+        if inner.stride != 1 || inner.count <= 1 {
+            self.indices().for_each(|i| f(i, 1));
+            return;
+        }
+        let outer = Region::strided(self.offset, &dims[..dims.len() - 1].iter().map(|d| (d.count, d.stride)).collect::<Vec<_>>())
+            .expect("fewer dimensions than a valid region");
+        if dims.len() == 1 {
+            f(self.offset, inner.count);
+        } else {
+            outer.indices().for_each(|i| f(i, inner.count));
+        }
+    }
+}
+
+/// Who declared an access: a kernel argument, or a hidden access of a library call (a GEMM
+/// workspace, an epilogue output) that no argument names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AccessRole {
+    /// Argument `index` of the launch.
+    Arg(usize),
+    /// Hidden access, named for reports.
+    Hidden(&'static str),
+}
+
+/// One declared access of an enqueued operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Access {
+    /// The buffer touched.
+    pub buffer: BufferId,
+    /// Size of one element of `region`, in bytes.
+    pub elem_bytes: usize,
+    /// Which elements.
+    pub region: Region,
+    /// Read, write or both.
+    pub mode: AccessMode,
+    /// Where the declaration comes from.
+    pub role: AccessRole,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contiguous_region_enumerates_in_order() {
+        let r = Region::contiguous(5, 4);
+        assert_eq!(r.indices().collect::<Vec<_>>(), vec![5, 6, 7, 8]);
+        assert!(r.is_contiguous());
+        assert_eq!(r.end(), 9);
+    }
+
+    #[test]
+    fn head_view_skips_other_heads() {
+        // (seq=2, heads=2, dim=2): head 0 is elements 0,1 and 4,5.
+        let r = Region::strided(0, &[(2, 4), (2, 1)]).unwrap();
+        assert_eq!(r.indices().collect::<Vec<_>>(), vec![0, 1, 4, 5]);
+        assert!(!r.is_contiguous());
+        let mut runs = vec![];
+        r.for_each_run(|s, n| runs.push((s, n)));
+        assert_eq!(runs, vec![(0, 2), (4, 2)]);
+    }
+
+    #[test]
+    fn a_dense_matrix_is_contiguous_and_too_many_dims_are_refused() {
+        assert!(Region::strided(0, &[(3, 4), (4, 1)]).unwrap().is_contiguous());
+        assert!(Region::strided(0, &[(1, 1), (1, 1), (1, 1), (1, 1)]).is_none());
+    }
+}

@@ -1,0 +1,175 @@
+//! The contract between the public device API and its two backends.
+//!
+//! [`Backend`] is implemented by `sim::SimDevice` and `cuda::CudaDevice`; the public types
+//! (`Stream`, `Event`, buffers, `Graph`, `GraphExec`) hold a [`Repr`] with the backend's own
+//! handle and dispatch with one `match`. Argument checks that do not depend on the backend
+//! (device identity, bounds, lengths) are done once in the public layer before dispatch.
+
+use std::sync::Arc;
+
+use super::kernel::{Arg, Kernel, LaunchDims};
+use super::memory::{MemKind, RawBuffer};
+use super::{cuda, sim, CaptureMode, CaptureStatus, NodeInfo};
+use crate::{Error, Result};
+
+/// A backend's handle for one object, or the other backend's.
+pub(crate) enum Repr<S, C> {
+    Sim(S),
+    Cuda(C),
+}
+
+impl<S, C> Repr<S, C> {
+    pub(crate) fn sim(&self) -> Result<&S> {
+        match self {
+            Repr::Sim(s) => Ok(s),
+            Repr::Cuda(_) => Err(mixed()),
+        }
+    }
+
+    pub(crate) fn cuda(&self) -> Result<&C> {
+        match self {
+            Repr::Cuda(c) => Ok(c),
+            Repr::Sim(_) => Err(mixed()),
+        }
+    }
+}
+
+// Unreachable through the public API, which compares device ids first; kept as an error rather
+// than a panic so that a bug here cannot abort a training run.
+fn mixed() -> Error {
+    Error::Unsupported { op: "dispatch", backend: "sim", why: "an object of one backend reached the other; please report this as a bug" }
+}
+
+pub(crate) type StreamRepr = Repr<<sim::SimDevice as Backend>::Stream, <cuda::CudaDevice as Backend>::Stream>;
+pub(crate) type EventRepr = Repr<<sim::SimDevice as Backend>::Event, <cuda::CudaDevice as Backend>::Event>;
+pub(crate) type MemRepr = Repr<<sim::SimDevice as Backend>::Mem, <cuda::CudaDevice as Backend>::Mem>;
+pub(crate) type GraphRepr = Repr<<sim::SimDevice as Backend>::Graph, <cuda::CudaDevice as Backend>::Graph>;
+pub(crate) type ExecRepr = Repr<<sim::SimDevice as Backend>::Exec, <cuda::CudaDevice as Backend>::Exec>;
+
+/// Direction of a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CopyDir {
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
+}
+
+/// An operation to enqueue. Offsets and lengths are in bytes and already bounds-checked.
+pub(crate) enum Op<'a> {
+    Kernel { kernel: &'static Kernel, dims: LaunchDims, args: &'a [Arg<'a>] },
+    Copy { dir: CopyDir, src: &'a Arc<RawBuffer>, src_offset: usize, dst: &'a Arc<RawBuffer>, dst_offset: usize, bytes: usize },
+    Memset { dst: &'a Arc<RawBuffer>, offset: usize, bytes: usize, value: u8 },
+}
+
+impl Op<'_> {
+    /// The operation's name in graphs and reports.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Op::Kernel { kernel, .. } => kernel.name,
+            Op::Copy { dir: CopyDir::HostToDevice, .. } => "memcpy_h2d",
+            Op::Copy { dir: CopyDir::DeviceToHost, .. } => "memcpy_d2h",
+            Op::Copy { dir: CopyDir::DeviceToDevice, .. } => "memcpy_d2d",
+            Op::Memset { .. } => "memset",
+        }
+    }
+}
+
+/// What each backend implements. Handles carry their own ids for error messages.
+pub(crate) trait Backend: Send + Sync + 'static {
+    type Stream: Send + Sync;
+    type Event: Send + Sync;
+    type Mem: Send + Sync;
+    type Graph: Send + Sync;
+    type Exec: Send + Sync;
+
+    fn create_stream(&self, id: super::StreamId, priority: i32) -> Result<Self::Stream>;
+    fn legacy_stream(&self, id: super::StreamId) -> Result<Self::Stream>;
+    fn priority_range(&self) -> Result<(i32, i32)>;
+    /// A new event; `timing` events can measure elapsed time (and are slower to record).
+    fn create_event(&self, id: super::EventId, timing: bool) -> Result<Self::Event>;
+    /// Milliseconds between two completed records of timing events.
+    fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f32>;
+    fn alloc(&self, id: super::BufferId, bytes: usize, kind: MemKind) -> Result<Self::Mem>;
+
+    fn enqueue(&self, stream: &Self::Stream, op: &Op<'_>) -> Result<()>;
+    fn record(&self, stream: &Self::Stream, event: &Self::Event, external: bool) -> Result<()>;
+    fn wait(&self, stream: &Self::Stream, event: &Self::Event, external: bool) -> Result<()>;
+
+    fn stream_synchronize(&self, stream: &Self::Stream) -> Result<()>;
+    fn stream_query(&self, stream: &Self::Stream) -> Result<bool>;
+    fn event_query(&self, event: &Self::Event) -> Result<bool>;
+    fn event_synchronize(&self, event: &Self::Event) -> Result<()>;
+    fn synchronize(&self) -> Result<()>;
+
+    /// Copies `out.len()` bytes at `offset` of device memory to the host after all work queued on
+    /// `stream`, and waits for it.
+    fn read_blocking(&self, stream: &Self::Stream, mem: &Self::Mem, offset: usize, out: &mut [u8]) -> Result<()>;
+    /// Copies `data` to device memory at `offset` after all work queued on `stream`, and waits.
+    fn write_blocking(&self, stream: &Self::Stream, mem: &Self::Mem, offset: usize, data: &[u8]) -> Result<()>;
+    /// Host read of pinned memory, now (no ordering).
+    fn read_pinned(mem: &Self::Mem, out: &mut [u8]) -> Result<()>;
+    /// Host write of pinned memory, now (no ordering).
+    fn write_pinned(mem: &Self::Mem, data: &[u8]) -> Result<()>;
+
+    fn begin_capture(&self, stream: &Self::Stream, mode: CaptureMode) -> Result<()>;
+    fn end_capture(&self, stream: &Self::Stream) -> Result<Self::Graph>;
+    fn capture_status(&self, stream: &Self::Stream) -> Result<CaptureStatus>;
+
+    fn graph_nodes(&self, graph: &Self::Graph) -> Result<Vec<NodeInfo>>;
+    fn graph_dot(&self, graph: &Self::Graph) -> Result<String>;
+    fn instantiate(&self, graph: &Self::Graph) -> Result<Self::Exec>;
+    fn upload(&self, exec: &Self::Exec, stream: &Self::Stream) -> Result<()>;
+    fn launch(&self, exec: &Self::Exec, stream: &Self::Stream) -> Result<()>;
+}
+
+/// Which backend a device runs on.
+pub(crate) enum BackendImpl {
+    Sim(sim::SimDevice),
+    Cuda(cuda::CudaDevice),
+}
+
+/// Dispatches one backend call: `dispatch!(backend, b => call)`, where `call` uses `b` and the
+/// `.sim()?`/`.cuda()?` accessor named by `pick!`.
+macro_rules! dispatch {
+    ($backend:expr, |$b:ident, $pick:ident| $body:expr) => {
+        match $backend {
+            $crate::device::backend::BackendImpl::Sim($b) => {
+                #[allow(unused_imports)]
+                use $crate::device::{backend::Backend as _, WrapRepr as _};
+                #[allow(unused_macros)]
+                macro_rules! $pick {
+                    ($e:expr) => {
+                        $e.sim()?
+                    };
+                }
+                $body
+            }
+            $crate::device::backend::BackendImpl::Cuda($b) => {
+                #[allow(unused_imports)]
+                use $crate::device::{backend::Backend as _, WrapRepr as _};
+                #[allow(unused_macros)]
+                macro_rules! $pick {
+                    ($e:expr) => {
+                        $e.cuda()?
+                    };
+                }
+                $body
+            }
+        }
+    };
+}
+pub(crate) use dispatch;
+
+pub(crate) fn read_pinned(raw: &RawBuffer, out: &mut [u8]) -> Result<()> {
+    match &raw.mem {
+        Repr::Sim(m) => <sim::SimDevice as Backend>::read_pinned(m, out),
+        Repr::Cuda(m) => <cuda::CudaDevice as Backend>::read_pinned(m, out),
+    }
+}
+
+pub(crate) fn write_pinned(raw: &RawBuffer, data: &[u8]) -> Result<()> {
+    match &raw.mem {
+        Repr::Sim(m) => <sim::SimDevice as Backend>::write_pinned(m, data),
+        Repr::Cuda(m) => <cuda::CudaDevice as Backend>::write_pinned(m, data),
+    }
+}

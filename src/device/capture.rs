@@ -1,0 +1,66 @@
+//! Stream capture: modes, status, and the guard that always ends a capture.
+
+use super::{Graph, Stream};
+use crate::Result;
+
+/// Which synchronous calls a capture forbids (CUDA's `CUstreamCaptureMode`).
+///
+/// "Synchronous calls" are: device synchronize, blocking copies, plain allocation and module
+/// loading. Synchronizing or querying a capturing stream is forbidden in every mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CaptureMode {
+    /// Forbidden on every thread while the capture is active.
+    Global,
+    /// Forbidden on the capturing thread (the default, as in PyTorch and graphed's captures).
+    #[default]
+    ThreadLocal,
+    /// Not forbidden. Needed to grow a memory pool during capture.
+    Relaxed,
+}
+
+/// The capture state of a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureStatus {
+    /// Not capturing.
+    None,
+    /// Capturing, valid so far.
+    Active,
+    /// Capturing, but invalidated by an error: `end_capture` will fail.
+    Invalidated,
+}
+
+/// A capture in progress. [`Capture::finish`] returns the graph; dropping the guard without
+/// finishing ends the capture and discards what was captured, so an error inside the captured
+/// region never leaves a stream capturing.
+#[must_use = "a capture ends when its guard is dropped; call finish() to keep the graph"]
+pub struct Capture<'s> {
+    stream: &'s Stream,
+    done: bool,
+}
+
+impl<'s> Capture<'s> {
+    pub(crate) fn new(stream: &'s Stream) -> Capture<'s> {
+        Capture { stream, done: false }
+    }
+
+    /// The capturing stream.
+    pub fn stream(&self) -> &'s Stream {
+        self.stream
+    }
+
+    /// Ends the capture and returns the graph.
+    pub fn finish(mut self) -> Result<Graph> {
+        self.done = true;
+        self.stream.end_capture()
+    }
+}
+
+impl Drop for Capture<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            // The capture is being abandoned because of an earlier error, which the caller is
+            // already propagating; the graph and any error of ending it are discarded.
+            let _ = self.stream.end_capture();
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! Captured graphs and their executables.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use super::backend::{dispatch, ExecRepr, GraphRepr};
+use super::{ids, Device, EventId, GraphId, Stream};
+use crate::{Error, Result};
+
+/// The kind of a graph node (CUDA's `CUgraphNodeType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NodeKind {
+    /// A kernel launch (also what library calls such as cuBLAS capture as).
+    Kernel,
+    /// A memory copy.
+    Memcpy,
+    /// A memset.
+    Memset,
+    /// An external event record.
+    EventRecord,
+    /// An external event wait.
+    EventWait,
+    /// A node with no work.
+    Empty,
+    /// A host function.
+    Host,
+    /// A child graph.
+    ChildGraph,
+    /// A stream-ordered allocation (graphed never captures these).
+    MemAlloc,
+    /// A stream-ordered free (graphed never captures these).
+    MemFree,
+    /// A node type graphed does not know, by its CUDA number.
+    Other(u32),
+}
+
+/// One node of a captured graph.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// Its kind.
+    pub kind: NodeKind,
+    /// The kernel name for kernel nodes, else a short description.
+    pub name: String,
+    /// Indices (into the node list) of the nodes it depends on.
+    pub deps: Vec<usize>,
+    /// For event-record and event-wait nodes, the event.
+    pub event: Option<EventId>,
+}
+
+/// A captured graph (CUDA's `CUgraph`): inspect it, then [`instantiate`](Graph::instantiate) it.
+/// It keeps alive every buffer and event its nodes use.
+pub struct Graph {
+    dev: Device,
+    id: GraphId,
+    repr: GraphRepr,
+}
+
+impl Graph {
+    pub(crate) fn new(dev: Device, repr: GraphRepr) -> Result<Graph> {
+        Ok(Graph { dev, id: GraphId(ids::next_id()), repr })
+    }
+
+    /// The graph's identity (shared by its executables).
+    pub fn id(&self) -> GraphId {
+        self.id
+    }
+
+    /// The device it was captured on.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Its nodes, in a topological order.
+    pub fn nodes(&self) -> Result<Vec<NodeInfo>> {
+        dispatch!(self.dev.backend(), |b, pick| b.graph_nodes(pick!(self.repr)))
+    }
+
+    /// How many nodes of each kind.
+    pub fn node_counts(&self) -> Result<BTreeMap<NodeKind, usize>> {
+        let mut counts = BTreeMap::new();
+        for n in self.nodes()? {
+            *counts.entry(n.kind).or_insert(0) += 1;
+        }
+        Ok(counts)
+    }
+
+    /// The events that the graph's external event-record nodes record, in node order.
+    pub fn external_record_events(&self) -> Result<Vec<EventId>> {
+        Ok(self.nodes()?.into_iter().filter(|n| n.kind == NodeKind::EventRecord).filter_map(|n| n.event).collect())
+    }
+
+    /// The graph in Graphviz DOT (on CUDA, the driver's verbose dump).
+    pub fn dot(&self) -> Result<String> {
+        dispatch!(self.dev.backend(), |b, pick| b.graph_dot(pick!(self.repr)))
+    }
+
+    /// Instantiates an executable graph.
+    pub fn instantiate(&self) -> Result<GraphExec> {
+        let repr = dispatch!(self.dev.backend(), |b, pick| b.wrap_exec(b.instantiate(pick!(self.repr))?));
+        Ok(GraphExec { dev: self.dev.clone(), id: self.id, repr: Some(repr) })
+    }
+}
+
+/// An executable graph (CUDA's `CUgraphExec`): launch it on any stream of its device. Launches
+/// of one executable run one after another, whatever streams they are launched on.
+pub struct GraphExec {
+    dev: Device,
+    id: GraphId,
+    repr: Option<ExecRepr>,
+}
+
+impl GraphExec {
+    /// The identity of the graph it was instantiated from.
+    pub fn id(&self) -> GraphId {
+        self.id
+    }
+
+    fn repr(&self, op: &'static str) -> Result<&ExecRepr> {
+        self.repr.as_ref().ok_or(Error::GraphReset { op })
+    }
+
+    fn check_stream(&self, op: &'static str, stream: &Stream) -> Result<()> {
+        self.dev.check_same(op, "stream", stream.device().id())
+    }
+
+    /// Uploads the executable's work descriptors to the device ahead of the first launch.
+    pub fn upload(&self, stream: &Stream) -> Result<()> {
+        const OP: &str = "GraphExec::upload";
+        self.check_stream(OP, stream)?;
+        let repr = self.repr(OP)?;
+        dispatch!(self.dev.backend(), |b, pick| b.upload(pick!(repr), pick!(stream.repr())))
+    }
+
+    /// Launches the graph on `stream` (any stream of the device, not only the capture stream).
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        const OP: &str = "GraphExec::launch";
+        self.check_stream(OP, stream)?;
+        let repr = self.repr(OP)?;
+        dispatch!(self.dev.backend(), |b, pick| b.launch(pick!(repr), pick!(stream.repr())))
+    }
+
+    /// Destroys the executable now; later launches return [`Error::GraphReset`]. Launches
+    /// already queued complete normally.
+    pub fn reset(&mut self) {
+        self.repr = None;
+    }
+
+    /// Whether [`reset`](GraphExec::reset) was called.
+    pub fn is_reset(&self) -> bool {
+        self.repr.is_none()
+    }
+}
+
+/// Graphviz DOT of a node list (the simulator's dump).
+pub(crate) fn dot_of(nodes: &[NodeInfo]) -> String {
+    let mut out = String::from("digraph graphed {\n  rankdir=TB;\n");
+    for (i, n) in nodes.iter().enumerate() {
+        let event = n.event.map(|e| format!("\\n{e}")).unwrap_or_default();
+        let _ = writeln!(out, "  n{i} [shape=box,label=\"{i}: {:?}\\n{}{event}\"];", n.kind, n.name.replace('"', "'"));
+    }
+    for (i, n) in nodes.iter().enumerate() {
+        for d in &n.deps {
+            let _ = writeln!(out, "  n{d} -> n{i};");
+        }
+    }
+    out.push_str("}\n");
+    out
+}

@@ -1,0 +1,320 @@
+//! The op abstraction: a kernel is described once, and its launch arguments declare its accesses.
+//!
+//! A [`Kernel`] names a CUDA C entry point and its source, and gives a CPU path. A launch passes
+//! typed arguments: [`In`], [`Out`] and [`InOut`] views of buffers, and scalars. The declared
+//! [`Access`]es are derived from those arguments, so they cannot drift from what the launch
+//! passes. On the simulator the CPU path sees exactly its declared regions, gathered into dense
+//! slices in region order, and writes back only what it declared as written; on CUDA each view is
+//! passed as a pointer to its first element. Scalars are copied when the launch is enqueued, so a
+//! captured graph freezes them as CUDA does.
+//!
+//! ```
+//! use graphed::device::{args, Device, In, Kernel, LaunchDims, Out};
+//!
+//! fn scale_cpu(a: &graphed::device::CpuArgs) -> graphed::Result<()> {
+//!     let (x, k) = (a.input::<f32>(1)?, a.f32(2)?);
+//!     for (y, x) in a.output::<f32>(0)?.iter_mut().zip(x.iter()) {
+//!         *y = k * x;
+//!     }
+//!     Ok(())
+//! }
+//! static SCALE: Kernel = Kernel {
+//!     name: "scale",
+//!     source: r#"extern "C" __global__ void scale(float* y, const float* x, float k, unsigned n) {
+//!         unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) y[i] = k * x[i]; }"#,
+//!     cpu: scale_cpu,
+//! };
+//!
+//! let dev = Device::sim();
+//! let s = dev.stream()?;
+//! let x = dev.alloc_from(&s, &[1.0f32, 2.0])?;
+//! let y = dev.alloc::<f32>(2)?;
+//! s.launch(&SCALE, LaunchDims::for_elems(2), &args![Out(&y), In(&x), 3.0f32, 2u32])?;
+//! assert_eq!(y.to_vec(&s)?, vec![3.0, 6.0]);
+//! # Ok::<(), graphed::Error>(())
+//! ```
+
+use std::cell::{Ref, RefCell, RefMut};
+use std::sync::Arc;
+
+use super::memory::RawBuffer;
+use super::{Access, AccessMode, AccessRole, DType, DeviceBuffer, Elem, Region, View};
+use crate::{Error, Result};
+
+/// The CPU path of a kernel.
+pub type CpuFn = fn(&CpuArgs) -> Result<()>;
+
+/// A kernel, described once for both devices.
+#[derive(Debug)]
+pub struct Kernel {
+    /// The `extern "C" __global__` entry point in `source`.
+    pub name: &'static str,
+    /// CUDA C source containing the entry point; compiled by NVRTC on CUDA.
+    pub source: &'static str,
+    /// The CPU path, run by the simulator on the declared regions.
+    pub cpu: CpuFn,
+}
+
+/// Grid and block sizes of a launch (ignored by the simulator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchDims {
+    /// Blocks per grid.
+    pub grid: (u32, u32, u32),
+    /// Threads per block.
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory in bytes.
+    pub shared_mem_bytes: u32,
+}
+
+impl LaunchDims {
+    /// One thread per element, blocks of 256.
+    pub fn for_elems(n: usize) -> LaunchDims {
+        let blocks = n.div_ceil(256).max(1) as u32;
+        LaunchDims { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+}
+
+/// A scalar kernel argument, copied at enqueue.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Scalar {
+    /// `float`
+    F32(f32),
+    /// `unsigned int`
+    U32(u32),
+    /// `int`
+    I32(i32),
+    /// `unsigned long long`
+    U64(u64),
+}
+
+impl Scalar {
+    /// The scalar's bytes, as the kernel parameter receives them.
+    pub(crate) fn bytes(&self) -> [u8; 8] {
+        let mut out = [0u8; 8];
+        match *self {
+            Scalar::F32(v) => out[..4].copy_from_slice(&v.to_ne_bytes()),
+            Scalar::U32(v) => out[..4].copy_from_slice(&v.to_ne_bytes()),
+            Scalar::I32(v) => out[..4].copy_from_slice(&v.to_ne_bytes()),
+            Scalar::U64(v) => out.copy_from_slice(&v.to_ne_bytes()),
+        }
+        out
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Scalar::F32(_) => "f32 scalar",
+            Scalar::U32(_) => "u32 scalar",
+            Scalar::I32(_) => "i32 scalar",
+            Scalar::U64(_) => "u64 scalar",
+        }
+    }
+}
+
+macro_rules! scalar_from {
+    ($($t:ty => $v:ident),*) => { $(impl From<$t> for Arg<'_> { fn from(v: $t) -> Self { Arg::Scalar(Scalar::$v(v)) } })* };
+}
+scalar_from!(f32 => F32, u32 => U32, i32 => I32, u64 => U64);
+
+/// One launch argument: a buffer region with its access mode, or a scalar.
+#[derive(Clone)]
+pub enum Arg<'a> {
+    /// A buffer region.
+    Buf(BufArg<'a>),
+    /// A scalar.
+    Scalar(Scalar),
+}
+
+/// A buffer argument of a launch.
+#[derive(Clone)]
+pub struct BufArg<'a> {
+    pub(crate) raw: &'a Arc<RawBuffer>,
+    pub(crate) region: Region,
+    pub(crate) buffer_len: usize,
+    pub(crate) dtype: DType,
+    pub(crate) mode: AccessMode,
+}
+
+/// Something that can be viewed as a device region of `Elem`: a buffer or a view.
+pub trait AsView<'a> {
+    /// Element type.
+    type Elem: Elem;
+    /// The view.
+    fn as_view(self) -> View<'a, Self::Elem>;
+}
+
+impl<'a, T: Elem> AsView<'a> for View<'a, T> {
+    type Elem = T;
+    fn as_view(self) -> View<'a, T> {
+        self
+    }
+}
+
+impl<'a, T: Elem> AsView<'a> for &'a DeviceBuffer<T> {
+    type Elem = T;
+    fn as_view(self) -> View<'a, T> {
+        self.view()
+    }
+}
+
+/// The kernel reads this region.
+pub struct In<V>(pub V);
+/// The kernel writes every element of this region without reading it.
+pub struct Out<V>(pub V);
+/// The kernel reads and writes this region.
+pub struct InOut<V>(pub V);
+
+fn buf_arg<'a, V: AsView<'a>>(v: V, mode: AccessMode) -> Arg<'a> {
+    let v = v.as_view();
+    Arg::Buf(BufArg { raw: v.raw, region: v.region, buffer_len: v.buffer_len, dtype: V::Elem::DTYPE, mode })
+}
+
+impl<'a, V: AsView<'a>> From<In<V>> for Arg<'a> {
+    fn from(v: In<V>) -> Self {
+        buf_arg(v.0, AccessMode::Read)
+    }
+}
+impl<'a, V: AsView<'a>> From<Out<V>> for Arg<'a> {
+    fn from(v: Out<V>) -> Self {
+        buf_arg(v.0, AccessMode::Write)
+    }
+}
+impl<'a, V: AsView<'a>> From<InOut<V>> for Arg<'a> {
+    fn from(v: InOut<V>) -> Self {
+        buf_arg(v.0, AccessMode::ReadWrite)
+    }
+}
+
+/// Builds a launch's argument list, converting each item with `Into<Arg>`.
+#[macro_export]
+macro_rules! args {
+    ($($a:expr),* $(,)?) => { [$($crate::device::Arg::from($a)),*] };
+}
+pub use args;
+
+/// The declared accesses of an argument list, in argument order.
+pub fn accesses(args: &[Arg<'_>]) -> Vec<Access> {
+    args.iter()
+        .enumerate()
+        .filter_map(|(i, a)| match a {
+            Arg::Buf(b) => Some(Access {
+                buffer: b.raw.id,
+                elem_bytes: b.dtype.size(),
+                region: b.region,
+                mode: b.mode,
+                role: AccessRole::Arg(i),
+            }),
+            Arg::Scalar(_) => None,
+        })
+        .collect()
+}
+
+/// A buffer region gathered into dense, 8-byte aligned storage.
+pub(crate) struct Gathered {
+    pub(crate) words: Vec<u64>,
+    pub(crate) bytes: usize,
+}
+
+impl Gathered {
+    pub(crate) fn zeroed(bytes: usize) -> Gathered {
+        Gathered { words: vec![0; bytes.div_ceil(8)], bytes }
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.bytes]
+    }
+
+    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.bytes]
+    }
+}
+
+pub(crate) enum CpuSlot {
+    Buf { dtype: DType, mode: AccessMode, data: RefCell<Gathered> },
+    Scalar(Scalar),
+}
+
+/// What a kernel's CPU path sees: each buffer argument as a dense slice of its declared region
+/// (in region order), and the scalars.
+pub struct CpuArgs {
+    pub(crate) kernel: &'static str,
+    pub(crate) slots: Vec<CpuSlot>,
+}
+
+impl CpuArgs {
+    fn mismatch(&self, index: usize, expected: String) -> Error {
+        let found = match self.slots.get(index) {
+            None => "missing".to_string(),
+            Some(CpuSlot::Scalar(s)) => s.kind().to_string(),
+            Some(CpuSlot::Buf { dtype, mode, .. }) => format!("a {mode:?} {dtype} buffer"),
+        };
+        Error::KernelArg { kernel: self.kernel, index, expected, found }
+    }
+
+    fn buf<T: Elem>(&self, index: usize, want_read: bool) -> Result<&RefCell<Gathered>> {
+        match self.slots.get(index) {
+            Some(CpuSlot::Buf { dtype, mode, data })
+                if *dtype == T::DTYPE && (if want_read { mode.reads() } else { mode.writes() }) =>
+            {
+                Ok(data)
+            }
+            _ => {
+                let what = if want_read { "In/InOut" } else { "Out/InOut" };
+                Err(self.mismatch(index, format!("an {what} {} buffer", T::DTYPE)))
+            }
+        }
+    }
+
+    /// Argument `index` as a read-only slice (`In` or `InOut`).
+    pub fn input<T: Elem>(&self, index: usize) -> Result<Ref<'_, [T]>> {
+        let cell = self.buf::<T>(index, true)?;
+        let r = cell.try_borrow().map_err(|_| self.mismatch(index, "an argument not borrowed mutably".into()))?;
+        Ok(Ref::map(r, |g| bytemuck::cast_slice(g.as_bytes())))
+    }
+
+    /// Argument `index` as a mutable slice (`Out` or `InOut`); `Out` slices start with the
+    /// region's current contents.
+    pub fn output<T: Elem>(&self, index: usize) -> Result<RefMut<'_, [T]>> {
+        let cell = self.buf::<T>(index, false)?;
+        let r = cell.try_borrow_mut().map_err(|_| self.mismatch(index, "an argument not borrowed elsewhere".into()))?;
+        Ok(RefMut::map(r, |g| bytemuck::cast_slice_mut(g.as_bytes_mut())))
+    }
+
+    fn scalar(&self, index: usize, expected: &str) -> Result<Scalar> {
+        match self.slots.get(index) {
+            Some(CpuSlot::Scalar(s)) => Ok(*s),
+            _ => Err(self.mismatch(index, expected.to_string())),
+        }
+    }
+
+    /// Argument `index` as an `f32` scalar.
+    pub fn f32(&self, index: usize) -> Result<f32> {
+        match self.scalar(index, "an f32 scalar")? {
+            Scalar::F32(v) => Ok(v),
+            _ => Err(self.mismatch(index, "an f32 scalar".into())),
+        }
+    }
+
+    /// Argument `index` as a `u32` scalar.
+    pub fn u32(&self, index: usize) -> Result<u32> {
+        match self.scalar(index, "a u32 scalar")? {
+            Scalar::U32(v) => Ok(v),
+            _ => Err(self.mismatch(index, "a u32 scalar".into())),
+        }
+    }
+
+    /// Argument `index` as an `i32` scalar.
+    pub fn i32(&self, index: usize) -> Result<i32> {
+        match self.scalar(index, "an i32 scalar")? {
+            Scalar::I32(v) => Ok(v),
+            _ => Err(self.mismatch(index, "an i32 scalar".into())),
+        }
+    }
+
+    /// Argument `index` as a `u64` scalar.
+    pub fn u64(&self, index: usize) -> Result<u64> {
+        match self.scalar(index, "a u64 scalar")? {
+            Scalar::U64(v) => Ok(v),
+            _ => Err(self.mismatch(index, "a u64 scalar".into())),
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! Layer 1, the execution substrate: devices, streams, events, memory, kernels, capture, graphs.
+//!
+//! | CUDA                          | graphed                                  | simulator                       |
+//! |-------------------------------|------------------------------------------|---------------------------------|
+//! | `CUcontext` on one GPU        | [`Device`] (`Device::cuda`, `::sim`)     | host memory, seeded scheduler   |
+//! | `CUstream` (non-blocking)     | [`Stream`]                               | a deferred queue                |
+//! | `CUevent`                     | [`Event`]                                | a binding to a queued record    |
+//! | `cuMemAlloc`, `cuMemHostAlloc`| [`DeviceBuffer`], [`PinnedBuffer`]       | 8-byte aligned host memory      |
+//! | `cuLaunchKernel`              | [`Stream::launch`] of a [`Kernel`]       | the kernel's CPU path           |
+//! | `cuStreamBeginCapture` / End  | [`Stream::begin_capture`] / `end_capture`| the same capture rules          |
+//! | `CUgraph` / `CUgraphExec`     | [`Graph`] / [`GraphExec`]                | a DAG of deferred operations    |
+//!
+//! This layer uses no other layer of graphed. Only `cuda/` names cudarc. Every enqueued operation
+//! declares its [`Access`]es, derived from its typed arguments.
+
+mod access;
+pub(crate) mod backend;
+mod capture;
+mod cuda;
+mod dtype;
+mod event;
+mod graph;
+mod ids;
+pub mod kernel;
+mod memory;
+pub mod sim;
+mod stream;
+
+use std::sync::Arc;
+
+pub use access::{Access, AccessMode, AccessRole, Dim, Region};
+pub use capture::{Capture, CaptureMode, CaptureStatus};
+pub use dtype::{DType, Elem};
+pub use event::Event;
+pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};
+pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
+pub use kernel::{args, Arg, AsView, CpuArgs, In, InOut, Kernel, LaunchDims, Out, Scalar};
+pub use memory::{DeviceBuffer, HostView, MemKind, PinnedBuffer, View};
+pub use sim::{Policy, SimConfig};
+pub use stream::Stream;
+
+use backend::{dispatch, BackendImpl, Repr};
+use memory::RawBuffer;
+
+use crate::{Error, Result};
+
+/// Which backend a [`Device`] runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// An NVIDIA GPU through the CUDA driver.
+    Cuda,
+    /// The CPU simulator.
+    Sim,
+}
+
+/// A device: an NVIDIA GPU or the CPU simulator, behind one API.
+///
+/// Cloning is cheap and yields the same device.
+///
+/// ```
+/// use graphed::device::{Device, DeviceKind};
+/// let dev = Device::sim();
+/// assert_eq!(dev.kind(), DeviceKind::Sim);
+/// let s = dev.stream()?;
+/// let e = dev.event()?;
+/// s.record(&e)?;
+/// e.synchronize()?;
+/// # Ok::<(), graphed::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<DeviceInner>,
+}
+
+struct DeviceInner {
+    id: DeviceId,
+    backend: BackendImpl,
+}
+
+impl Device {
+    /// The simulator with the default configuration (random scheduling, seed 0).
+    pub fn sim() -> Device {
+        Device::sim_with(SimConfig::default())
+    }
+
+    /// The simulator with a chosen scheduling policy and seed.
+    pub fn sim_with(config: SimConfig) -> Device {
+        let id = DeviceId(ids::next_id());
+        Device { inner: Arc::new(DeviceInner { id, backend: BackendImpl::Sim(sim::SimDevice::new(config)) }) }
+    }
+
+    /// The GPU with this ordinal.
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] when the driver, the GPU or a needed library is missing.
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        let id = DeviceId(ids::next_id());
+        let backend = cuda::CudaDevice::new(id, ordinal)?;
+        Ok(Device { inner: Arc::new(DeviceInner { id, backend: BackendImpl::Cuda(backend) }) })
+    }
+
+    /// GPU 0 when a driver and a GPU are present, else the simulator; says which on stderr in one
+    /// line when it falls back.
+    pub fn auto() -> Device {
+        match Device::cuda(0) {
+            Ok(dev) => dev,
+            Err(e) => {
+                eprintln!("graphed: {e}; using the simulator");
+                Device::sim()
+            }
+        }
+    }
+
+    /// The device's identity.
+    pub fn id(&self) -> DeviceId {
+        self.inner.id
+    }
+
+    /// CUDA or simulator.
+    pub fn kind(&self) -> DeviceKind {
+        match &self.inner.backend {
+            BackendImpl::Sim(_) => DeviceKind::Sim,
+            BackendImpl::Cuda(_) => DeviceKind::Cuda,
+        }
+    }
+
+    /// A human-readable name ("NVIDIA H200", "simulator (random, seed 0)").
+    pub fn name(&self) -> String {
+        match &self.inner.backend {
+            BackendImpl::Sim(b) => b.describe(),
+            BackendImpl::Cuda(b) => b.describe(),
+        }
+    }
+
+    pub(crate) fn backend(&self) -> &BackendImpl {
+        &self.inner.backend
+    }
+
+    pub(crate) fn check_same(&self, op: &'static str, what: &'static str, other: DeviceId) -> Result<()> {
+        if other != self.inner.id {
+            return Err(Error::WrongDevice { op, what, expected: self.inner.id, found: other });
+        }
+        Ok(())
+    }
+
+    /// A new non-blocking stream at default priority.
+    pub fn stream(&self) -> Result<Stream> {
+        self.stream_with_priority(0)
+    }
+
+    /// A new non-blocking stream; lower numbers are higher priority (see [`Device::priority_range`]).
+    pub fn stream_with_priority(&self, priority: i32) -> Result<Stream> {
+        let id = StreamId(ids::next_id());
+        let repr = dispatch!(self.backend(), |b, _pick| b.wrap_stream(b.create_stream(id, priority)?));
+        Ok(Stream::new(self.clone(), id, priority, false, repr))
+    }
+
+    /// The legacy default stream. It cannot be captured; it exists so that code can be checked
+    /// against that rule.
+    pub fn legacy_stream(&self) -> Result<Stream> {
+        let id = StreamId(ids::next_id());
+        let repr = dispatch!(self.backend(), |b, _pick| b.wrap_stream(b.legacy_stream(id)?));
+        Ok(Stream::new(self.clone(), id, 0, true, repr))
+    }
+
+    /// `(least, greatest)` stream priority: numerically `(0, -5)` style, greatest is the most urgent.
+    pub fn priority_range(&self) -> Result<(i32, i32)> {
+        dispatch!(self.backend(), |b, _pick| b.priority_range())
+    }
+
+    /// A new event (no timing: the cheapest to record and wait on).
+    pub fn event(&self) -> Result<Event> {
+        self.new_event(false)
+    }
+
+    /// A new event that can measure elapsed GPU time with [`Event::elapsed_ms`]. The simulator
+    /// has no clock: its timing events record and wait like others, and `elapsed_ms` is an error.
+    pub fn timing_event(&self) -> Result<Event> {
+        self.new_event(true)
+    }
+
+    fn new_event(&self, timing: bool) -> Result<Event> {
+        let id = EventId(ids::next_id());
+        let repr = dispatch!(self.backend(), |b, _pick| b.wrap_event(b.create_event(id, timing)?));
+        Ok(Event::new(self.clone(), id, repr))
+    }
+
+    fn alloc_raw(&self, bytes: usize, kind: MemKind) -> Result<RawBuffer> {
+        let id = BufferId(ids::next_id());
+        let mem = dispatch!(self.backend(), |b, _pick| b.wrap_mem(b.alloc(id, bytes, kind)?));
+        Ok(RawBuffer { id, device: self.id(), bytes, kind, mem })
+    }
+
+    /// Device memory for `len` elements. Contents are unspecified (zero on the simulator).
+    ///
+    /// A plain allocation is synchronous: the capture modes forbid it like CUDA does (see
+    /// [`CaptureMode`]).
+    pub fn alloc<T: Elem>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        Ok(DeviceBuffer::from_raw(self.alloc_raw(len * T::DTYPE.size(), MemKind::Device)?))
+    }
+
+    /// Page-locked host memory for `len` elements, zeroed.
+    pub fn alloc_pinned<T: Elem>(&self, len: usize) -> Result<PinnedBuffer<T>> {
+        let buf = PinnedBuffer::from_raw(self.alloc_raw(len * T::DTYPE.size(), MemKind::Pinned)?);
+        buf.write(&vec![T::zeroed(); len])?;
+        Ok(buf)
+    }
+
+    /// Device memory holding a copy of `data`, written after the work queued on `stream`
+    /// (a blocking copy).
+    pub fn alloc_from<T: Elem>(&self, stream: &Stream, data: &[T]) -> Result<DeviceBuffer<T>> {
+        let buf = self.alloc::<T>(data.len())?;
+        buf.write_from(stream, data)?;
+        Ok(buf)
+    }
+
+    /// Waits for all work on all streams of this device.
+    pub fn synchronize(&self) -> Result<()> {
+        dispatch!(self.backend(), |b, _pick| b.synchronize())
+    }
+}
+
+/// Puts a backend's handle into the matching [`Repr`] variant.
+pub(crate) trait WrapRepr: backend::Backend {
+    fn wrap_stream(&self, s: Self::Stream) -> backend::StreamRepr;
+    fn wrap_event(&self, e: Self::Event) -> backend::EventRepr;
+    fn wrap_mem(&self, m: Self::Mem) -> backend::MemRepr;
+    fn wrap_graph(&self, g: Self::Graph) -> backend::GraphRepr;
+    fn wrap_exec(&self, x: Self::Exec) -> backend::ExecRepr;
+}
+
+macro_rules! wrap_repr {
+    ($ty:ty, $variant:ident) => {
+        impl WrapRepr for $ty {
+            fn wrap_stream(&self, s: Self::Stream) -> backend::StreamRepr {
+                Repr::$variant(s)
+            }
+            fn wrap_event(&self, e: Self::Event) -> backend::EventRepr {
+                Repr::$variant(e)
+            }
+            fn wrap_mem(&self, m: Self::Mem) -> backend::MemRepr {
+                Repr::$variant(m)
+            }
+            fn wrap_graph(&self, g: Self::Graph) -> backend::GraphRepr {
+                Repr::$variant(g)
+            }
+            fn wrap_exec(&self, x: Self::Exec) -> backend::ExecRepr {
+                Repr::$variant(x)
+            }
+        }
+    };
+}
+wrap_repr!(sim::SimDevice, Sim);
+wrap_repr!(cuda::CudaDevice, Cuda);
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Device({}, {})", self.inner.id, self.name())
+    }
+}

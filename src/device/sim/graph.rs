@@ -1,0 +1,134 @@
+//! Captured graphs on the simulator, and their launches as DAGs of queued work.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use super::schedule::{Action, WorkId};
+use super::task::Task;
+use super::{Record, State};
+use crate::device::{ids, EventId, NodeInfo, NodeKind, StreamId};
+use crate::error::{CaptureErrorKind, CaptureSite};
+use crate::{Error, Result};
+
+pub(crate) enum NodeTask {
+    Run(Arc<Task>),
+    /// An external event record: every launch re-records the event when the node runs.
+    Record(EventId),
+    /// An external event wait: binds to the event's latest record at each launch.
+    Wait(EventId),
+}
+
+pub(crate) struct SimNode {
+    pub(super) kind: NodeKind,
+    pub(super) name: String,
+    /// Earlier nodes this one depends on (nodes are in capture order, so topological).
+    pub(super) deps: Vec<usize>,
+    pub(super) task: NodeTask,
+}
+
+/// A captured graph: shared by the graph handle and its executables.
+pub(crate) struct SimGraph {
+    nodes: Arc<Vec<SimNode>>,
+}
+
+impl SimGraph {
+    pub(super) fn new(nodes: Vec<SimNode>) -> SimGraph {
+        SimGraph { nodes: Arc::new(nodes) }
+    }
+
+    /// The given nodes and all their ancestors.
+    pub(super) fn ancestors_of(&self, nodes: &[usize]) -> BTreeSet<usize> {
+        let mut seen = BTreeSet::new();
+        let mut stack = nodes.to_vec();
+        while let Some(n) = stack.pop() {
+            if seen.insert(n) {
+                stack.extend(&self.nodes[n].deps);
+            }
+        }
+        seen
+    }
+
+    pub(crate) fn node_infos(&self) -> Vec<NodeInfo> {
+        self.nodes
+            .iter()
+            .map(|n| NodeInfo {
+                kind: n.kind,
+                name: n.name.clone(),
+                deps: n.deps.clone(),
+                event: match n.task {
+                    NodeTask::Record(e) | NodeTask::Wait(e) => Some(e),
+                    NodeTask::Run(_) => None,
+                },
+            })
+            .collect()
+    }
+}
+
+/// An executable: the graph's nodes plus an identity that orders its launches.
+pub(crate) struct SimExec {
+    id: u64,
+    nodes: Arc<Vec<SimNode>>,
+}
+
+impl SimExec {
+    pub(super) fn new(graph: &SimGraph) -> SimExec {
+        SimExec { id: ids::next_id(), nodes: graph.nodes.clone() }
+    }
+}
+
+impl State {
+    /// Queues one launch: a work item per node, ordered after the stream's previous work and
+    /// after the executable's previous launch (CUDA runs launches of one executable in order).
+    pub(super) fn launch(&mut self, exec: &SimExec, stream: StreamId) -> Result<()> {
+        const OP: &str = "GraphExec::launch";
+        if self.active_capture_of(OP, stream)?.is_some() {
+            return Err(Error::Unsupported {
+                op: OP,
+                backend: "sim",
+                why: "launching a graph inside a capture (a child-graph node) is not simulated; launch it before begin_capture or after end_capture",
+            });
+        }
+        let before = [self.stream(stream).last, self.exec_last.get(&exec.id).copied()];
+        let mut work: Vec<WorkId> = Vec::with_capacity(exec.nodes.len());
+        let mut has_dependent = vec![false; exec.nodes.len()];
+        let mut records: HashMap<EventId, WorkId> = HashMap::new();
+        for node in exec.nodes.iter() {
+            let mut deps: Vec<Option<WorkId>> = node.deps.iter().map(|d| Some(work[*d])).collect();
+            for d in &node.deps {
+                has_dependent[*d] = true;
+            }
+            if node.deps.is_empty() {
+                deps.extend(before);
+            }
+            let action = match &node.task {
+                NodeTask::Run(task) => Action::Run(task.clone()),
+                NodeTask::Record(_) => Action::Nop,
+                NodeTask::Wait(e) => {
+                    if let Some(Record::At(Some(w))) = self.events.get(e) {
+                        deps.push(Some(*w));
+                    }
+                    Action::Nop
+                }
+            };
+            let id = self.queue.push(deps, action);
+            if let NodeTask::Record(e) = node.task {
+                records.insert(e, id);
+            }
+            work.push(id);
+        }
+        let sinks: Vec<Option<WorkId>> =
+            work.iter().zip(&has_dependent).filter(|(_, d)| !**d).map(|(w, _)| Some(*w)).collect();
+        let end = if sinks.is_empty() { self.queue.push(before, Action::Nop) } else { self.queue.push(sinks, Action::Nop) };
+        self.stream(stream).last = Some(end);
+        self.exec_last.insert(exec.id, end);
+        for (e, w) in records {
+            self.events.insert(e, Record::At(Some(w)));
+        }
+        Ok(())
+    }
+}
+
+/// The error for a capture rule broken by a call on `stream` (used by the sibling modules).
+pub(super) fn capture_error(op: &'static str, stream: StreamId, kind: CaptureErrorKind) -> Error {
+    Error::Capture { op, on: CaptureSite::Stream(stream), kind }
+}

@@ -1,0 +1,355 @@
+//! The simulator backend: CUDA's stream, event, capture and graph semantics on host memory.
+//!
+//! Work is deferred into a [`schedule`] queue and run by a seeded scheduler under one of three
+//! [`Policy`]s. The rules reproduced here, each checked against CUDA by the conformance suite:
+//! - a wait binds to the event's latest record at the time of the host call; a wait on a
+//!   never-recorded event does nothing;
+//! - launches of one graph executable run one after another, whatever their streams;
+//! - capture isolation: a capturing stream waiting on an event recorded outside the capture
+//!   invalidates the capture, and an invalidated capture stays invalid until it is ended;
+//!   a stream that waits on an event recorded inside a capture joins that capture;
+//! - a fork not joined back before `end_capture` fails it;
+//! - synchronizing a capturing stream is forbidden; synchronous calls (device synchronize,
+//!   blocking copies, plain allocation) are forbidden on every thread in global mode and on the
+//!   capturing thread in thread-local mode, and invalidate the capture.
+
+mod capture;
+mod graph;
+mod schedule;
+mod task;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub use schedule::Policy;
+
+use self::capture::CaptureState;
+use self::graph::{SimExec, SimGraph};
+use self::schedule::{Action, Queue, WorkId};
+pub(crate) use self::task::SimMem;
+use self::task::Task;
+use super::backend::{Backend, Op};
+use super::memory::MemKind;
+use super::{BufferId, CaptureMode, CaptureStatus, EventId, NodeInfo, StreamId};
+use crate::error::{CaptureErrorKind, CaptureSite};
+use crate::{Error, Result};
+
+/// How the simulator schedules deferred work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SimConfig {
+    /// The scheduling policy.
+    pub policy: Policy,
+    /// Seed of the random policy (and of any future randomness of the simulator).
+    pub seed: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { policy: Policy::Random, seed: 0 }
+    }
+}
+
+impl SimConfig {
+    /// A configuration with this policy and seed 0.
+    pub fn with_policy(policy: Policy) -> SimConfig {
+        SimConfig { policy, seed: 0 }
+    }
+}
+
+/// The simulator device.
+pub(crate) struct SimDevice {
+    config: SimConfig,
+    state: Mutex<State>,
+}
+
+/// What a wait on an event binds to.
+#[derive(Clone, Debug)]
+pub(crate) enum Record {
+    /// Never recorded: a wait does nothing.
+    Never,
+    /// Recorded outside any capture after this work item (`None`: after nothing).
+    At(Option<WorkId>),
+    /// Recorded inside a capture, after these nodes of the capture's graph.
+    Captured { capture: u64, frontier: Vec<usize> },
+}
+
+pub(crate) struct StreamState {
+    legacy: bool,
+    /// The last item queued on the stream.
+    last: Option<WorkId>,
+    /// The capture the stream takes part in, if any.
+    capture: Option<u64>,
+    /// Inside a capture: the nodes the stream's next node depends on.
+    frontier: Vec<usize>,
+}
+
+pub(crate) struct State {
+    queue: Queue,
+    streams: HashMap<StreamId, StreamState>,
+    events: HashMap<EventId, Record>,
+    captures: HashMap<u64, CaptureState>,
+    next_capture: u64,
+    /// For each executable, the end marker of its latest launch.
+    exec_last: HashMap<u64, WorkId>,
+}
+
+/// A simulated stream: its state lives in the device.
+pub(crate) struct SimStream {
+    id: StreamId,
+}
+
+/// A simulated event: its latest record lives in the device.
+pub(crate) struct SimEvent {
+    id: EventId,
+}
+
+impl SimDevice {
+    pub(crate) fn new(config: SimConfig) -> SimDevice {
+        let state = State {
+            queue: Queue::new(config.policy, config.seed),
+            streams: HashMap::new(),
+            events: HashMap::new(),
+            captures: HashMap::new(),
+            next_capture: 1,
+            exec_last: HashMap::new(),
+        };
+        SimDevice { config, state: Mutex::new(state) }
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        format!("simulator ({:?}, seed {})", self.config.policy, self.config.seed)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // State is only mutated by code that cannot panic half-way except on a bug; keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl State {
+    fn stream(&mut self, id: StreamId) -> &mut StreamState {
+        self.streams.get_mut(&id).expect("streams are registered at creation and never removed")
+    }
+
+    /// Queues `action` on a stream that is not capturing, after its previous work and `extra`.
+    fn push_on(&mut self, stream: StreamId, extra: Option<WorkId>, action: Action) -> WorkId {
+        let last = self.stream(stream).last;
+        let id = self.queue.push([last, extra], action);
+        self.stream(stream).last = Some(id);
+        id
+    }
+
+    fn enqueue(&mut self, op_name: &'static str, stream: StreamId, task: Task) -> Result<()> {
+        if let Some(cap) = self.active_capture_of(op_name, stream)? {
+            let kind = task.node_kind();
+            let name = task.name();
+            self.add_node(cap, stream, kind, name, graph::NodeTask::Run(Arc::new(task)));
+            return Ok(());
+        }
+        self.push_on(stream, None, Action::Run(Arc::new(task)));
+        Ok(())
+    }
+
+    fn record(&mut self, stream: StreamId, event: EventId, external: bool) -> Result<()> {
+        let op = if external { "record_external" } else { "record" };
+        let rec = match self.active_capture_of(op, stream)? {
+            Some(cap) if external => {
+                let node = self.add_node(cap, stream, super::NodeKind::EventRecord, format!("record {event}"), graph::NodeTask::Record(event));
+                Record::Captured { capture: cap, frontier: vec![node] }
+            }
+            Some(cap) => Record::Captured { capture: cap, frontier: self.stream(stream).frontier.clone() },
+            None => Record::At(self.stream(stream).last),
+        };
+        self.events.insert(event, rec);
+        Ok(())
+    }
+
+    fn wait(&mut self, stream: StreamId, event: EventId, external: bool) -> Result<()> {
+        let op = if external { "wait_external" } else { "wait" };
+        let rec = self.events.get(&event).cloned().unwrap_or(Record::Never);
+        match self.active_capture_of(op, stream)? {
+            Some(cap) if external => {
+                self.add_node(cap, stream, super::NodeKind::EventWait, format!("wait {event}"), graph::NodeTask::Wait(event));
+                Ok(())
+            }
+            Some(cap) => self.capture_wait(op, cap, stream, rec),
+            None => match rec {
+                Record::Never | Record::At(None) => Ok(()),
+                Record::At(Some(w)) => {
+                    self.push_on(stream, Some(w), Action::Nop);
+                    Ok(())
+                }
+                Record::Captured { capture, frontier } => self.join_capture(op, stream, capture, frontier),
+            },
+        }
+    }
+
+    fn synchronize_stream(&mut self, stream: StreamId, op: &'static str) -> Result<()> {
+        self.forbid_on_capturing(op, stream)?;
+        let last: Vec<WorkId> = self.stream(stream).last.into_iter().collect();
+        self.queue.run_until(&last)
+    }
+
+    fn event_target(&self, op: &'static str, event: EventId) -> Result<Option<WorkId>> {
+        match self.events.get(&event) {
+            None | Some(Record::Never) | Some(Record::At(None)) => Ok(None),
+            Some(Record::At(Some(w))) => Ok(Some(*w)),
+            Some(Record::Captured { .. }) => {
+                Err(Error::Capture { op, on: CaptureSite::Event(event), kind: CaptureErrorKind::CapturedEvent })
+            }
+        }
+    }
+}
+
+impl Backend for SimDevice {
+    type Stream = SimStream;
+    type Event = SimEvent;
+    type Mem = SimMem;
+    type Graph = SimGraph;
+    type Exec = SimExec;
+
+    fn create_stream(&self, id: StreamId, _priority: i32) -> Result<SimStream> {
+        self.lock().streams.insert(id, StreamState { legacy: false, last: None, capture: None, frontier: vec![] });
+        Ok(SimStream { id })
+    }
+
+    fn legacy_stream(&self, id: StreamId) -> Result<SimStream> {
+        self.lock().streams.insert(id, StreamState { legacy: true, last: None, capture: None, frontier: vec![] });
+        Ok(SimStream { id })
+    }
+
+    fn priority_range(&self) -> Result<(i32, i32)> {
+        Ok((0, -5))
+    }
+
+    fn create_event(&self, id: EventId, _timing: bool) -> Result<SimEvent> {
+        self.lock().events.insert(id, Record::Never);
+        Ok(SimEvent { id })
+    }
+
+    fn elapsed_ms(&self, _start: &SimEvent, _end: &SimEvent) -> Result<f32> {
+        Err(Error::Unsupported {
+            op: "Event::elapsed_ms",
+            backend: "sim",
+            why: "the simulator has no clock; time host work with std::time::Instant, or run on CUDA",
+        })
+    }
+
+    fn alloc(&self, _id: BufferId, bytes: usize, kind: MemKind) -> Result<SimMem> {
+        let op = match kind {
+            MemKind::Device => "alloc",
+            MemKind::Pinned => "alloc_pinned",
+        };
+        self.lock().forbid_sync_call(op)?;
+        Ok(SimMem::zeroed(bytes))
+    }
+
+    fn enqueue(&self, stream: &SimStream, op: &Op<'_>) -> Result<()> {
+        self.lock().enqueue(op.name(), stream.id, Task::from_op(op))
+    }
+
+    fn record(&self, stream: &SimStream, event: &SimEvent, external: bool) -> Result<()> {
+        self.lock().record(stream.id, event.id, external)
+    }
+
+    fn wait(&self, stream: &SimStream, event: &SimEvent, external: bool) -> Result<()> {
+        self.lock().wait(stream.id, event.id, external)
+    }
+
+    fn stream_synchronize(&self, stream: &SimStream) -> Result<()> {
+        self.lock().synchronize_stream(stream.id, "Stream::synchronize")
+    }
+
+    fn stream_query(&self, stream: &SimStream) -> Result<bool> {
+        let mut st = self.lock();
+        st.forbid_on_capturing("Stream::query", stream.id)?;
+        match st.stream(stream.id).last {
+            None => Ok(true),
+            Some(w) => {
+                st.queue.step_towards(w)?;
+                Ok(st.queue.is_done(w))
+            }
+        }
+    }
+
+    fn event_query(&self, event: &SimEvent) -> Result<bool> {
+        let mut st = self.lock();
+        match st.event_target("Event::query", event.id)? {
+            None => Ok(true),
+            Some(w) => {
+                st.queue.step_towards(w)?;
+                Ok(st.queue.is_done(w))
+            }
+        }
+    }
+
+    fn event_synchronize(&self, event: &SimEvent) -> Result<()> {
+        let mut st = self.lock();
+        let target: Vec<WorkId> = st.event_target("Event::synchronize", event.id)?.into_iter().collect();
+        st.queue.run_until(&target)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        let mut st = self.lock();
+        st.forbid_sync_call("Device::synchronize")?;
+        st.queue.run_all()
+    }
+
+    fn read_blocking(&self, stream: &SimStream, mem: &SimMem, offset: usize, out: &mut [u8]) -> Result<()> {
+        let mut st = self.lock();
+        st.forbid_sync_call("to_vec")?;
+        st.synchronize_stream(stream.id, "to_vec")?;
+        mem.read(offset, out);
+        Ok(())
+    }
+
+    fn write_blocking(&self, stream: &SimStream, mem: &SimMem, offset: usize, data: &[u8]) -> Result<()> {
+        let mut st = self.lock();
+        st.forbid_sync_call("write_from")?;
+        st.synchronize_stream(stream.id, "write_from")?;
+        mem.write(offset, data);
+        Ok(())
+    }
+
+    fn read_pinned(mem: &SimMem, out: &mut [u8]) -> Result<()> {
+        mem.read(0, out);
+        Ok(())
+    }
+
+    fn write_pinned(mem: &SimMem, data: &[u8]) -> Result<()> {
+        mem.write(0, data);
+        Ok(())
+    }
+
+    fn begin_capture(&self, stream: &SimStream, mode: CaptureMode) -> Result<()> {
+        self.lock().begin_capture(stream.id, mode)
+    }
+
+    fn end_capture(&self, stream: &SimStream) -> Result<SimGraph> {
+        self.lock().end_capture(stream.id)
+    }
+
+    fn capture_status(&self, stream: &SimStream) -> Result<CaptureStatus> {
+        Ok(self.lock().capture_status(stream.id))
+    }
+
+    fn graph_nodes(&self, graph: &SimGraph) -> Result<Vec<NodeInfo>> {
+        Ok(graph.node_infos())
+    }
+
+    fn graph_dot(&self, graph: &SimGraph) -> Result<String> {
+        Ok(super::graph::dot_of(&graph.node_infos()))
+    }
+
+    fn instantiate(&self, graph: &SimGraph) -> Result<SimExec> {
+        Ok(SimExec::new(graph))
+    }
+
+    fn upload(&self, _exec: &SimExec, stream: &SimStream) -> Result<()> {
+        self.lock().active_capture_of("GraphExec::upload", stream.id).map(|_| ())
+    }
+
+    fn launch(&self, exec: &SimExec, stream: &SimStream) -> Result<()> {
+        self.lock().launch(exec, stream.id)
+    }
+}

@@ -1,0 +1,169 @@
+//! What a queued operation does to simulated memory, and the memory itself.
+
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::device::backend::{Op, Repr};
+use crate::device::kernel::{Arg, CpuArgs, CpuSlot, Gathered, Kernel};
+use crate::device::memory::RawBuffer;
+use crate::device::{AccessMode, DType, Region};
+use crate::{Error, Result};
+
+/// Simulated memory of one allocation (device or pinned): 8-byte aligned host bytes.
+pub(crate) struct SimMem {
+    bytes: usize,
+    words: Mutex<Vec<u64>>,
+}
+
+impl SimMem {
+    pub(crate) fn zeroed(bytes: usize) -> SimMem {
+        SimMem { bytes, words: Mutex::new(vec![0; bytes.div_ceil(8)]) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<u64>> {
+        // A panic while holding this lock can only come from a bug in a CPU kernel path; the
+        // bytes are still plain data, so keep using them.
+        self.words.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn read(&self, offset: usize, out: &mut [u8]) {
+        let w = self.lock();
+        out.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(&w)[offset..offset + out.len()]);
+    }
+
+    pub(crate) fn write(&self, offset: usize, data: &[u8]) {
+        let mut w = self.lock();
+        bytemuck::cast_slice_mut::<u64, u8>(&mut w)[offset..offset + data.len()].copy_from_slice(data);
+    }
+
+    fn gather(&self, region: &Region, elem: usize) -> Gathered {
+        let mut g = Gathered::zeroed(region.len() * elem);
+        let w = self.lock();
+        let src = &bytemuck::cast_slice::<u64, u8>(&w)[..self.bytes];
+        let dst = g.as_bytes_mut();
+        let mut at = 0;
+        region.for_each_run(|start, n| {
+            dst[at..at + n * elem].copy_from_slice(&src[start * elem..(start + n) * elem]);
+            at += n * elem;
+        });
+        g
+    }
+
+    fn scatter(&self, region: &Region, elem: usize, g: &Gathered) {
+        let mut w = self.lock();
+        let dst = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut w)[..self.bytes];
+        let src = g.as_bytes();
+        let mut at = 0;
+        region.for_each_run(|start, n| {
+            dst[start * elem..(start + n) * elem].copy_from_slice(&src[at..at + n * elem]);
+            at += n * elem;
+        });
+    }
+}
+
+fn sim_mem(raw: &RawBuffer) -> Result<&SimMem> {
+    match &raw.mem {
+        Repr::Sim(m) => Ok(m),
+        Repr::Cuda(_) => Err(Error::Unsupported { op: "simulate", backend: "sim", why: "a CUDA buffer reached the simulator; please report this as a bug" }),
+    }
+}
+
+/// A buffer argument, owned: the queue keeps the allocation alive until the task has run.
+pub(crate) struct OwnedBuf {
+    raw: Arc<RawBuffer>,
+    region: Region,
+    dtype: DType,
+    mode: AccessMode,
+}
+
+pub(crate) enum OwnedArg {
+    Buf(OwnedBuf),
+    Scalar(crate::device::Scalar),
+}
+
+/// A queued operation with everything it needs, frozen at enqueue.
+pub(crate) enum Task {
+    Kernel { kernel: &'static Kernel, args: Vec<OwnedArg> },
+    Copy { name: &'static str, src: Arc<RawBuffer>, src_offset: usize, dst: Arc<RawBuffer>, dst_offset: usize, bytes: usize },
+    Memset { dst: Arc<RawBuffer>, offset: usize, bytes: usize, value: u8 },
+}
+
+impl Task {
+    pub(crate) fn from_op(op: &Op<'_>) -> Task {
+        match *op {
+            Op::Kernel { kernel, args, .. } => Task::Kernel {
+                kernel,
+                args: args
+                    .iter()
+                    .map(|a| match a {
+                        Arg::Buf(b) => OwnedArg::Buf(OwnedBuf { raw: b.raw.clone(), region: b.region, dtype: b.dtype, mode: b.mode }),
+                        Arg::Scalar(s) => OwnedArg::Scalar(*s),
+                    })
+                    .collect(),
+            },
+            Op::Copy { src, src_offset, dst, dst_offset, bytes, .. } => {
+                Task::Copy { name: op.name(), src: src.clone(), src_offset, dst: dst.clone(), dst_offset, bytes }
+            }
+            Op::Memset { dst, offset, bytes, value } => Task::Memset { dst: dst.clone(), offset, bytes, value },
+        }
+    }
+
+    /// The name shown in graph nodes.
+    pub(crate) fn name(&self) -> String {
+        match self {
+            Task::Kernel { kernel, .. } => kernel.name.to_string(),
+            Task::Copy { name, src, dst, .. } => format!("{name} {} -> {}", src.id, dst.id),
+            Task::Memset { dst, .. } => format!("memset {}", dst.id),
+        }
+    }
+
+    pub(crate) fn node_kind(&self) -> crate::device::NodeKind {
+        use crate::device::NodeKind;
+        match self {
+            Task::Kernel { .. } => NodeKind::Kernel,
+            Task::Copy { .. } => NodeKind::Memcpy,
+            Task::Memset { .. } => NodeKind::Memset,
+        }
+    }
+
+    /// Runs the operation on simulated memory.
+    pub(crate) fn run(&self) -> Result<()> {
+        match self {
+            Task::Kernel { kernel, args } => run_kernel(kernel, args),
+            Task::Copy { src, src_offset, dst, dst_offset, bytes, .. } => {
+                let mut tmp = vec![0u8; *bytes];
+                sim_mem(src)?.read(*src_offset, &mut tmp);
+                sim_mem(dst)?.write(*dst_offset, &tmp);
+                Ok(())
+            }
+            Task::Memset { dst, offset, bytes, value } => {
+                sim_mem(dst)?.write(*offset, &vec![*value; *bytes]);
+                Ok(())
+            }
+        }
+    }
+}
+
+fn run_kernel(kernel: &'static Kernel, args: &[OwnedArg]) -> Result<()> {
+    let mut slots = Vec::with_capacity(args.len());
+    for a in args {
+        slots.push(match a {
+            OwnedArg::Buf(b) => CpuSlot::Buf {
+                dtype: b.dtype,
+                mode: b.mode,
+                data: RefCell::new(sim_mem(&b.raw)?.gather(&b.region, b.dtype.size())),
+            },
+            OwnedArg::Scalar(s) => CpuSlot::Scalar(*s),
+        });
+    }
+    let cpu = CpuArgs { kernel: kernel.name, slots };
+    (kernel.cpu)(&cpu).map_err(|e| Error::KernelFailed { kernel: kernel.name, message: e.to_string() })?;
+    for (a, slot) in args.iter().zip(&cpu.slots) {
+        if let (OwnedArg::Buf(b), CpuSlot::Buf { data, .. }) = (a, slot) {
+            if b.mode.writes() {
+                sim_mem(&b.raw)?.scatter(&b.region, b.dtype.size(), &data.borrow());
+            }
+        }
+    }
+    Ok(())
+}

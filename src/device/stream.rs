@@ -1,0 +1,291 @@
+//! Streams: ordered queues of device work, and the verbs that enqueue on them.
+
+use std::sync::Arc;
+
+use super::backend::{dispatch, CopyDir, Op, StreamRepr};
+use super::capture::{Capture, CaptureMode, CaptureStatus};
+use super::kernel::{Arg, AsView, Kernel, LaunchDims};
+use super::{Device, DeviceBuffer, Elem, Event, Graph, HostView, StreamId};
+use crate::{Error, Result};
+
+/// A non-blocking stream of one device. Cloning yields the same stream.
+#[derive(Clone)]
+pub struct Stream {
+    inner: Arc<StreamInner>,
+}
+
+struct StreamInner {
+    dev: Device,
+    id: StreamId,
+    priority: i32,
+    legacy: bool,
+    repr: StreamRepr,
+}
+
+impl Stream {
+    pub(crate) fn new(dev: Device, id: StreamId, priority: i32, legacy: bool, repr: StreamRepr) -> Stream {
+        Stream { inner: Arc::new(StreamInner { dev, id, priority, legacy, repr }) }
+    }
+
+    /// The stream's identity.
+    pub fn id(&self) -> StreamId {
+        self.inner.id
+    }
+
+    /// The device the stream belongs to.
+    pub fn device(&self) -> &Device {
+        &self.inner.dev
+    }
+
+    /// The priority it was created with.
+    pub fn priority(&self) -> i32 {
+        self.inner.priority
+    }
+
+    /// Whether this is the legacy default stream.
+    pub fn is_legacy(&self) -> bool {
+        self.inner.legacy
+    }
+
+    pub(crate) fn repr(&self) -> &StreamRepr {
+        &self.inner.repr
+    }
+
+    fn check_buf(&self, op: &'static str, dev: super::DeviceId) -> Result<()> {
+        self.inner.dev.check_same(op, "buffer", dev)
+    }
+
+    fn enqueue(&self, op: &Op<'_>) -> Result<()> {
+        dispatch!(self.inner.dev.backend(), |b, pick| b.enqueue(pick!(self.inner.repr), op))
+    }
+
+    /// Enqueues a kernel. Its declared accesses are derived from `args` (see [`Kernel`]).
+    ///
+    /// # Errors
+    /// A buffer of another device, a view outside its buffer, or a capture error.
+    pub fn launch(&self, kernel: &'static Kernel, dims: LaunchDims, args: &[Arg<'_>]) -> Result<()> {
+        for a in args {
+            if let Arg::Buf(b) = a {
+                self.check_buf(kernel.name, b.raw.device)?;
+                if b.region.end() > b.buffer_len {
+                    return Err(Error::OutOfBounds {
+                        op: kernel.name,
+                        buffer: b.raw.id,
+                        start: b.region.offset(),
+                        end: b.region.end(),
+                        len: b.buffer_len,
+                    });
+                }
+            }
+        }
+        self.enqueue(&Op::Kernel { kernel, dims, args })
+    }
+
+    /// Copies pinned host memory to device memory, asynchronously.
+    pub fn copy_h2d<T: Elem>(&self, src: HostView<'_, T>, dst: impl for<'a> AsViewOf<'a, T>) -> Result<()> {
+        let dst = dst.view_of();
+        const OP: &str = "copy_h2d";
+        src.check_bounds(OP)?;
+        dst.check_bounds(OP)?;
+        self.copy(OP, CopyDir::HostToDevice, (src.raw, src.region), (dst.raw, dst.region), T::DTYPE.size())
+    }
+
+    /// Copies device memory to pinned host memory, asynchronously. Read the host buffer only
+    /// after an event recorded after this copy has completed.
+    pub fn copy_d2h<T: Elem>(&self, src: impl for<'a> AsViewOf<'a, T>, dst: HostView<'_, T>) -> Result<()> {
+        let src = src.view_of();
+        const OP: &str = "copy_d2h";
+        src.check_bounds(OP)?;
+        dst.check_bounds(OP)?;
+        self.copy(OP, CopyDir::DeviceToHost, (src.raw, src.region), (dst.raw, dst.region), T::DTYPE.size())
+    }
+
+    /// Copies device memory to device memory, asynchronously.
+    pub fn copy_d2d<T: Elem>(&self, src: impl for<'a> AsViewOf<'a, T>, dst: impl for<'a> AsViewOf<'a, T>) -> Result<()> {
+        let (src, dst) = (src.view_of(), dst.view_of());
+        const OP: &str = "copy_d2d";
+        src.check_bounds(OP)?;
+        dst.check_bounds(OP)?;
+        self.copy(OP, CopyDir::DeviceToDevice, (src.raw, src.region), (dst.raw, dst.region), T::DTYPE.size())
+    }
+
+    fn copy(
+        &self,
+        op: &'static str,
+        dir: CopyDir,
+        (src, src_region): (&Arc<super::memory::RawBuffer>, super::Region),
+        (dst, dst_region): (&Arc<super::memory::RawBuffer>, super::Region),
+        elem: usize,
+    ) -> Result<()> {
+        self.check_buf(op, src.device)?;
+        self.check_buf(op, dst.device)?;
+        if src_region.len() != dst_region.len() {
+            return Err(Error::LengthMismatch { op, src: src_region.len(), dst: dst_region.len() });
+        }
+        for (buf, r) in [(src, src_region), (dst, dst_region)] {
+            if !r.is_contiguous() {
+                return Err(Error::NotContiguous { op, buffer: buf.id });
+            }
+        }
+        self.enqueue(&Op::Copy {
+            dir,
+            src,
+            src_offset: src_region.offset() * elem,
+            dst,
+            dst_offset: dst_region.offset() * elem,
+            bytes: src_region.len() * elem,
+        })
+    }
+
+    /// Sets every byte of a contiguous device view to `value`, asynchronously.
+    pub fn memset<T: Elem>(&self, dst: impl for<'a> AsViewOf<'a, T>, value: u8) -> Result<()> {
+        let dst = dst.view_of();
+        const OP: &str = "memset";
+        dst.check_bounds(OP)?;
+        self.check_buf(OP, dst.raw.device)?;
+        if !dst.region.is_contiguous() {
+            return Err(Error::NotContiguous { op: OP, buffer: dst.raw.id });
+        }
+        let elem = T::DTYPE.size();
+        self.enqueue(&Op::Memset { dst: dst.raw, offset: dst.region.offset() * elem, bytes: dst.region.len() * elem, value })
+    }
+
+    /// Records `event` after the work queued so far. Inside a capture this adds no node: it
+    /// marks a point that other streams can wait on (a fork or a join).
+    pub fn record(&self, event: &Event) -> Result<()> {
+        self.event_op("record", event, EventVerb::Record(false))
+    }
+
+    /// Records `event` as an *external* event: inside a capture this adds an event-record node,
+    /// so that every launch of the graph records the event when the node runs. Outside a
+    /// capture it is a plain record.
+    pub fn record_external(&self, event: &Event) -> Result<()> {
+        self.event_op("record_external", event, EventVerb::Record(true))
+    }
+
+    /// Makes later work on this stream wait for the latest record of `event` at the time of
+    /// this call. A wait on a never-recorded event does nothing (as on CUDA).
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        self.event_op("wait", event, EventVerb::Wait(false))
+    }
+
+    /// Waits with the external flag: inside a capture this adds an event-wait node that binds
+    /// to the event's latest record at each launch, instead of a capture edge.
+    pub fn wait_external(&self, event: &Event) -> Result<()> {
+        self.event_op("wait_external", event, EventVerb::Wait(true))
+    }
+
+    fn event_op(&self, op: &'static str, event: &Event, verb: EventVerb) -> Result<()> {
+        self.inner.dev.check_same(op, "event", event.device().id())?;
+        dispatch!(self.inner.dev.backend(), |b, pick| match verb {
+            EventVerb::Record(external) => b.record(pick!(self.inner.repr), pick!(event.repr()), external),
+            EventVerb::Wait(external) => b.wait(pick!(self.inner.repr), pick!(event.repr()), external),
+        })
+    }
+
+    /// Blocks the host until all work queued on this stream has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        dispatch!(self.inner.dev.backend(), |b, pick| b.stream_synchronize(pick!(self.inner.repr)))
+    }
+
+    /// Whether all work queued on this stream has completed.
+    pub fn query(&self) -> Result<bool> {
+        dispatch!(self.inner.dev.backend(), |b, pick| b.stream_query(pick!(self.inner.repr)))
+    }
+
+    /// Starts capturing this stream: work enqueued from now on (and on streams that join the
+    /// capture through events) is recorded into a graph instead of running. Prefer
+    /// [`Stream::capture`], whose guard ends the capture on error.
+    pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
+        dispatch!(self.inner.dev.backend(), |b, pick| b.begin_capture(pick!(self.inner.repr), mode))
+    }
+
+    /// Ends the capture begun on this stream and returns the captured graph.
+    ///
+    /// # Errors
+    /// [`Error::Capture`] with `Unmatched` on a stream that did not begin a capture, `Unjoined`
+    /// if a forked stream was not joined back, `Invalidated` if the capture was invalidated.
+    pub fn end_capture(&self) -> Result<Graph> {
+        let repr = dispatch!(self.inner.dev.backend(), |b, pick| b.wrap_graph(b.end_capture(pick!(self.inner.repr))?));
+        Graph::new(self.inner.dev.clone(), repr)
+    }
+
+    /// Whether the stream is capturing, and whether that capture is still valid.
+    pub fn capture_status(&self) -> Result<CaptureStatus> {
+        dispatch!(self.inner.dev.backend(), |b, pick| b.capture_status(pick!(self.inner.repr)))
+    }
+
+    /// Begins a capture and returns a guard; [`Capture::finish`] ends it and returns the graph,
+    /// and dropping the guard (for example on `?`) ends the capture and discards the graph.
+    ///
+    /// ```
+    /// use graphed::device::{CaptureMode, Device};
+    /// let dev = Device::sim();
+    /// let s = dev.stream()?;
+    /// let x = dev.alloc::<f32>(4)?;
+    /// let cap = s.capture(CaptureMode::ThreadLocal)?;
+    /// s.memset(&x, 0)?;
+    /// let graph = cap.finish()?;
+    /// assert_eq!(graph.nodes()?.len(), 1);
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    pub fn capture(&self, mode: CaptureMode) -> Result<Capture<'_>> {
+        self.begin_capture(mode)?;
+        Ok(Capture::new(self))
+    }
+}
+
+/// Record or wait, and whether with the external flag.
+#[derive(Clone, Copy)]
+enum EventVerb {
+    Record(bool),
+    Wait(bool),
+}
+
+/// A device buffer or view with element type `T` (what the copy verbs accept).
+pub trait AsViewOf<'a, T: Elem> {
+    /// The view.
+    fn view_of(self) -> super::View<'a, T>;
+}
+
+impl<'a, T: Elem, V: AsView<'a, Elem = T>> AsViewOf<'a, T> for V {
+    fn view_of(self) -> super::View<'a, T> {
+        self.as_view()
+    }
+}
+
+impl<T: Elem> DeviceBuffer<T> {
+    /// Copies the buffer to a new `Vec` after the work queued on `stream`, blocking the host.
+    /// A blocking copy: capture modes forbid it like CUDA does.
+    pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
+        stream.inner.dev.check_same("to_vec", "buffer", self.raw.device)?;
+        let mut out = vec![T::zeroed(); self.len()];
+        dispatch!(stream.inner.dev.backend(), |b, pick| b.read_blocking(
+            pick!(stream.inner.repr),
+            pick!(self.raw.mem),
+            0,
+            bytemuck::cast_slice_mut(&mut out)
+        ))?;
+        Ok(out)
+    }
+
+    /// Overwrites the buffer with `data` after the work queued on `stream`, blocking the host.
+    pub fn write_from(&self, stream: &Stream, data: &[T]) -> Result<()> {
+        stream.inner.dev.check_same("write_from", "buffer", self.raw.device)?;
+        if data.len() != self.len() {
+            return Err(Error::LengthMismatch { op: "write_from", src: data.len(), dst: self.len() });
+        }
+        dispatch!(stream.inner.dev.backend(), |b, pick| b.write_blocking(
+            pick!(stream.inner.repr),
+            pick!(self.raw.mem),
+            0,
+            bytemuck::cast_slice(data)
+        ))
+    }
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream({})", self.inner.id)
+    }
+}

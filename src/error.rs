@@ -1,0 +1,233 @@
+//! The one error type of graphed. Every variant says when it occurs; `Display` ends with the fix.
+
+use crate::device::{BufferId, DeviceId, EventId, StreamId};
+
+/// Result alias used throughout graphed.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in graphed, grouped by layer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    // ---- device selection -------------------------------------------------------------------
+    /// CUDA was asked for but the driver, a GPU or a library is missing.
+    #[error("CUDA is not available: {reason}. Use Device::sim() (or Device::auto()) to run on the simulator")]
+    CudaUnavailable {
+        /// What was missing.
+        reason: String,
+    },
+
+    /// A stream, event, buffer or graph of one device was passed to another device.
+    #[error("{op}: the {what} belongs to device {found} but the operation runs on device {expected}; create it from the same Device")]
+    WrongDevice {
+        /// The operation that was called.
+        op: &'static str,
+        /// Which argument was foreign ("stream", "event", "buffer", "graph").
+        what: &'static str,
+        /// The device the operation runs on.
+        expected: DeviceId,
+        /// The device the argument came from.
+        found: DeviceId,
+    },
+
+    // ---- capture ----------------------------------------------------------------------------
+    /// A stream-capture rule was broken; `kind` says which. The same kind is returned on CUDA and
+    /// on the simulator.
+    #[error("{op} on {on}: {kind}; {}", kind.fix())]
+    Capture {
+        /// The operation that was called.
+        op: &'static str,
+        /// The stream (or, for event queries, the event) the operation was called on.
+        on: CaptureSite,
+        /// Which rule.
+        kind: CaptureErrorKind,
+    },
+
+    // ---- graphs -----------------------------------------------------------------------------
+    /// A graph executable was used after `reset()`.
+    #[error("{op}: this graph was reset and holds no executable; capture a new graph")]
+    GraphReset {
+        /// The operation that was called.
+        op: &'static str,
+    },
+
+    // ---- memory and arguments ---------------------------------------------------------------
+    /// An access reaches outside the buffer it names.
+    #[error("{op}: region [{start}, {end}) elements is outside buffer {buffer} of {len} elements; use a smaller view")]
+    OutOfBounds {
+        /// The operation that was called.
+        op: &'static str,
+        /// The buffer.
+        buffer: BufferId,
+        /// First element touched.
+        start: usize,
+        /// One past the last element touched.
+        end: usize,
+        /// Length of the buffer in elements.
+        len: usize,
+    },
+
+    /// Two views that must have the same length do not.
+    #[error("{op}: source has {src} elements but destination has {dst}; pass views of equal length")]
+    LengthMismatch {
+        /// The operation that was called.
+        op: &'static str,
+        /// Source length.
+        src: usize,
+        /// Destination length.
+        dst: usize,
+    },
+
+    /// The operation needs a contiguous view.
+    #[error("{op}: needs a contiguous view of buffer {buffer}; copy strided data with a kernel")]
+    NotContiguous {
+        /// The operation that was called.
+        op: &'static str,
+        /// The buffer.
+        buffer: BufferId,
+    },
+
+    /// A kernel's CPU path asked for an argument that its launch did not pass in that form.
+    #[error("kernel {kernel}: argument {index} is {found}, but the CPU path reads it as {expected}; fix the launch's argument list")]
+    KernelArg {
+        /// Kernel name.
+        kernel: &'static str,
+        /// Argument index.
+        index: usize,
+        /// What the CPU path expected.
+        expected: String,
+        /// What was passed.
+        found: String,
+    },
+
+    /// A kernel failed while running (on the simulator: its CPU path returned an error). Like a
+    /// CUDA launch failure it is reported by the next call that synchronizes.
+    #[error("kernel {kernel} failed while running: {message}")]
+    KernelFailed {
+        /// Kernel name.
+        kernel: &'static str,
+        /// What the kernel reported.
+        message: String,
+    },
+
+    /// A kernel failed to compile; `log` is the compiler's log.
+    #[error("kernel module {module} failed to compile for {arch}:\n{log}")]
+    Compile {
+        /// The module (first kernel name of the source).
+        module: String,
+        /// The target architecture.
+        arch: String,
+        /// NVRTC's log.
+        log: String,
+    },
+
+    /// The backend cannot do this.
+    #[error("{op} is not supported on the {backend} device: {why}")]
+    Unsupported {
+        /// The operation that was called.
+        op: &'static str,
+        /// "cuda" or "sim".
+        backend: &'static str,
+        /// Why, and what to do instead.
+        why: &'static str,
+    },
+
+    /// A CUDA driver, NVRTC or library call failed with a code graphed has no better kind for.
+    #[error("CUDA call {op} failed: {message}")]
+    Cuda {
+        /// The operation that was called.
+        op: &'static str,
+        /// The driver's name and description of the code.
+        message: String,
+    },
+}
+
+/// The object a capture error was raised on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureSite {
+    /// A stream.
+    Stream(StreamId),
+    /// An event.
+    Event(EventId),
+}
+
+impl std::fmt::Display for CaptureSite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CaptureSite::Stream(s) => write!(f, "stream {s}"),
+            CaptureSite::Event(e) => write!(f, "event {e}"),
+        }
+    }
+}
+
+/// Which stream-capture rule was broken. Mirrors CUDA's capture error codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CaptureErrorKind {
+    /// The call is not permitted while a capture is active (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED):
+    /// synchronizing a capturing stream, or a synchronous call (device synchronize, blocking copy,
+    /// plain allocation, module loading) that the capture mode forbids. It invalidates the capture.
+    Unsupported,
+    /// The capture was invalidated by an earlier error (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED).
+    Invalidated,
+    /// A capturing stream waited on an event recorded outside the capture
+    /// (CUDA_ERROR_STREAM_CAPTURE_ISOLATION). It invalidates the capture.
+    Isolation,
+    /// A stream forked into the capture was not joined back before `end_capture`
+    /// (CUDA_ERROR_STREAM_CAPTURE_UNJOINED).
+    Unjoined,
+    /// `end_capture` on a stream that did not begin the capture (CUDA_ERROR_STREAM_CAPTURE_UNMATCHED).
+    Unmatched,
+    /// A wait would merge two separate captures (CUDA_ERROR_STREAM_CAPTURE_MERGE).
+    Merge,
+    /// `end_capture` from another thread than `begin_capture` in global or thread-local mode
+    /// (CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD).
+    WrongThread,
+    /// Query or synchronize of an event last recorded inside a capture (CUDA_ERROR_CAPTURED_EVENT).
+    CapturedEvent,
+    /// `begin_capture` on a stream that is already capturing (CUDA_ERROR_ILLEGAL_STATE).
+    AlreadyCapturing,
+}
+
+impl CaptureErrorKind {
+    /// What the caller should do about it.
+    pub fn fix(self) -> &'static str {
+        match self {
+            Self::Unsupported => "do synchronous work (synchronize, blocking copies, allocation, kernel loading) before begin_capture or after end_capture, or capture in relaxed mode; legacy default streams cannot be captured, use Device::stream()",
+            Self::Invalidated => "end the capture, fix the earlier error, and capture again",
+            Self::Isolation => "make the stream wait on that event before begin_capture, or wait with wait_external to add an event-wait node",
+            Self::Unjoined => "make the capture's origin stream wait on an event recorded on every forked stream after its last captured work",
+            Self::Unmatched => "end the capture on the stream that began it",
+            Self::Merge => "do not wait on an event recorded in another capture",
+            Self::WrongThread => "end the capture on the thread that began it, or begin it in relaxed mode",
+            Self::CapturedEvent => "query or synchronize the event only after end_capture and a launch of the graph",
+            Self::AlreadyCapturing => "end the current capture first",
+        }
+    }
+}
+
+impl std::fmt::Display for CaptureErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Unsupported => "operation not permitted while capturing",
+            Self::Invalidated => "the capture was invalidated by an earlier error",
+            Self::Isolation => "wait on an event recorded outside the capture",
+            Self::Unjoined => "a stream forked into the capture was not joined back",
+            Self::Unmatched => "this stream did not begin the capture",
+            Self::Merge => "the wait would merge two captures",
+            Self::WrongThread => "the capture was begun on another thread",
+            Self::CapturedEvent => "the event was last recorded inside a capture",
+            Self::AlreadyCapturing => "the stream is already capturing",
+        })
+    }
+}
+
+impl Error {
+    /// The capture rule this error reports, if it is a capture error.
+    pub fn capture_kind(&self) -> Option<CaptureErrorKind> {
+        match self {
+            Error::Capture { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+}

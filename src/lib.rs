@@ -1,0 +1,32 @@
+//! # graphed
+//!
+//! Capture neural-network training steps, forward and backward of each layer, into CUDA graphs
+//! and replay them, with a CPU simulator of CUDA's stream, event and graph semantics so that
+//! everything runs and is tested without a GPU.
+//!
+//! The crate is built in layers (see `DESIGN.md`); each uses only the ones before it:
+//!
+//! 1. [`device`]: devices (CUDA or simulator), streams, events, memory, kernels, capture, graphs.
+//!
+//! ```
+//! use graphed::device::{CaptureMode, Device};
+//!
+//! let dev = Device::sim();
+//! let s = dev.stream()?;
+//! let x = dev.alloc_from(&s, &[1.0f32; 4])?;
+//! let cap = s.capture(CaptureMode::ThreadLocal)?;
+//! s.memset(&x, 0)?;                       // recorded, not run
+//! let exec = cap.finish()?.instantiate()?;
+//! assert_eq!(x.to_vec(&s)?, vec![1.0; 4]);
+//! exec.launch(&s)?;                       // replayed
+//! assert_eq!(x.to_vec(&s)?, vec![0.0; 4]);
+//! # Ok::<(), graphed::Error>(())
+//! ```
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod device;
+mod error;
+
+pub use error::{CaptureErrorKind, CaptureSite, Error, Result};
