@@ -151,6 +151,18 @@ impl GraphExec {
     }
 }
 
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Graph({})", self.id)
+    }
+}
+
+impl std::fmt::Debug for GraphExec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphExec({}{})", self.id, if self.is_reset() { ", reset" } else { "" })
+    }
+}
+
 /// Graphviz DOT of a node list (the simulator's dump).
 pub(crate) fn dot_of(nodes: &[NodeInfo]) -> String {
     let mut out = String::from("digraph graphed {\n  rankdir=TB;\n");

@@ -137,6 +137,11 @@ macro_rules! buffer_common {
                 self.region.is_empty()
             }
 
+            /// Size of one element in bytes.
+            pub(crate) fn dtype_size(&self) -> usize {
+                T::DTYPE.size()
+            }
+
             /// The region of the buffer this view covers.
             pub fn region(&self) -> Region {
                 self.region

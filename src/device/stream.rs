@@ -82,8 +82,8 @@ impl Stream {
     }
 
     /// Copies pinned host memory to device memory, asynchronously.
-    pub fn copy_h2d<T: Elem>(&self, src: HostView<'_, T>, dst: impl for<'a> AsViewOf<'a, T>) -> Result<()> {
-        let dst = dst.view_of();
+    pub fn copy_h2d<'d, T: Elem>(&self, src: HostView<'_, T>, dst: impl AsView<'d, Elem = T>) -> Result<()> {
+        let dst = dst.as_view();
         const OP: &str = "copy_h2d";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
@@ -92,8 +92,8 @@ impl Stream {
 
     /// Copies device memory to pinned host memory, asynchronously. Read the host buffer only
     /// after an event recorded after this copy has completed.
-    pub fn copy_d2h<T: Elem>(&self, src: impl for<'a> AsViewOf<'a, T>, dst: HostView<'_, T>) -> Result<()> {
-        let src = src.view_of();
+    pub fn copy_d2h<'s, T: Elem>(&self, src: impl AsView<'s, Elem = T>, dst: HostView<'_, T>) -> Result<()> {
+        let src = src.as_view();
         const OP: &str = "copy_d2h";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
@@ -101,8 +101,8 @@ impl Stream {
     }
 
     /// Copies device memory to device memory, asynchronously.
-    pub fn copy_d2d<T: Elem>(&self, src: impl for<'a> AsViewOf<'a, T>, dst: impl for<'a> AsViewOf<'a, T>) -> Result<()> {
-        let (src, dst) = (src.view_of(), dst.view_of());
+    pub fn copy_d2d<'s, 'd, T: Elem>(&self, src: impl AsView<'s, Elem = T>, dst: impl AsView<'d, Elem = T>) -> Result<()> {
+        let (src, dst) = (src.as_view(), dst.as_view());
         const OP: &str = "copy_d2d";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
@@ -138,15 +138,15 @@ impl Stream {
     }
 
     /// Sets every byte of a contiguous device view to `value`, asynchronously.
-    pub fn memset<T: Elem>(&self, dst: impl for<'a> AsViewOf<'a, T>, value: u8) -> Result<()> {
-        let dst = dst.view_of();
+    pub fn memset<'d>(&self, dst: impl AsView<'d>, value: u8) -> Result<()> {
+        let dst = dst.as_view();
         const OP: &str = "memset";
         dst.check_bounds(OP)?;
         self.check_buf(OP, dst.raw.device)?;
         if !dst.region.is_contiguous() {
             return Err(Error::NotContiguous { op: OP, buffer: dst.raw.id });
         }
-        let elem = T::DTYPE.size();
+        let elem = dst.dtype_size();
         self.enqueue(&Op::Memset { dst: dst.raw, offset: dst.region.offset() * elem, bytes: dst.region.len() * elem, value })
     }
 
@@ -240,18 +240,6 @@ impl Stream {
 enum EventVerb {
     Record(bool),
     Wait(bool),
-}
-
-/// A device buffer or view with element type `T` (what the copy verbs accept).
-pub trait AsViewOf<'a, T: Elem> {
-    /// The view.
-    fn view_of(self) -> super::View<'a, T>;
-}
-
-impl<'a, T: Elem, V: AsView<'a, Elem = T>> AsViewOf<'a, T> for V {
-    fn view_of(self) -> super::View<'a, T> {
-        self.as_view()
-    }
 }
 
 impl<T: Elem> DeviceBuffer<T> {

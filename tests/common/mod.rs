@@ -1,0 +1,50 @@
+//! Shared test helpers: the per-device test macro and small assertions.
+#![allow(dead_code)]
+
+use graphed::CaptureErrorKind;
+
+/// Generates, for each case `fn name(dev: &Device) -> Result<()>`, a `sim::name` test that runs it
+/// under every scheduler policy (and several seeds of the random one) and a `cuda::name` test,
+/// ignored unless run with `--ignored` on a machine with a GPU.
+#[macro_export]
+macro_rules! per_device {
+    ($($name:ident),* $(,)?) => {
+        mod sim {
+            use graphed::device::{Device, Policy, SimConfig};
+            $(
+                #[test]
+                fn $name() {
+                    let mut configs: Vec<SimConfig> = Policy::ALL.iter().map(|p| SimConfig::with_policy(*p)).collect();
+                    configs.extend((1..4).map(|seed| SimConfig { policy: Policy::Random, seed }));
+                    for config in configs {
+                        let dev = Device::sim_with(config);
+                        if let Err(e) = super::$name(&dev) {
+                            panic!("{} under {config:?}: {e}", stringify!($name));
+                        }
+                    }
+                }
+            )*
+        }
+        mod cuda {
+            use graphed::device::Device;
+            $(
+                #[test]
+                #[ignore = "needs a CUDA GPU"]
+                fn $name() {
+                    let dev = Device::cuda(0).unwrap_or_else(|e| panic!("{e}"));
+                    if let Err(e) = super::$name(&dev) {
+                        panic!("{} on CUDA: {e}", stringify!($name));
+                    }
+                }
+            )*
+        }
+    };
+}
+
+/// Fails unless `r` is a capture error of `kind`.
+pub fn expect_capture<T: std::fmt::Debug>(r: graphed::Result<T>, kind: CaptureErrorKind) -> anyhow::Result<()> {
+    match r {
+        Err(e) if e.capture_kind() == Some(kind) => Ok(()),
+        other => anyhow::bail!("expected capture error {kind:?}, got {other:?}"),
+    }
+}

@@ -1,0 +1,94 @@
+//! Events between streams and with the host.
+
+use anyhow::ensure;
+use graphed::device::Device;
+use graphed::ops::elementwise;
+
+fn event_orders_two_streams(dev: &Device) -> anyhow::Result<()> {
+    let (producer, consumer) = (dev.stream()?, dev.stream()?);
+    let n = 2048;
+    let (x, y) = (dev.alloc::<f32>(n)?, dev.alloc::<f32>(n)?);
+    let ready = dev.event()?;
+    for step in 0..5 {
+        elementwise::fill(x.view(), step as f32, &producer)?;
+        producer.record(&ready)?;
+        consumer.wait(&ready)?;
+        elementwise::scale(y.view(), x.view(), 2.0, &consumer)?;
+        // The producer must not overwrite x before the consumer read it.
+        let done = dev.event()?;
+        consumer.record(&done)?;
+        producer.wait(&done)?;
+    }
+    ensure!(y.to_vec(&consumer)?.iter().all(|v| *v == 8.0));
+    Ok(())
+}
+
+fn wait_on_never_recorded_event_does_nothing(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let never = dev.event()?;
+    s.wait(&never)?;
+    ensure!(never.query()?, "a never-recorded event counts as complete");
+    never.synchronize()?;
+    let x = dev.alloc::<f32>(4)?;
+    elementwise::fill(x.view(), 7.0, &s)?;
+    ensure!(x.to_vec(&s)? == vec![7.0; 4]);
+    Ok(())
+}
+
+fn wait_binds_to_the_record_at_call_time(dev: &Device) -> anyhow::Result<()> {
+    // s2 waits on e's first record; s1 then records e again after waiting on s2. If the wait
+    // followed the later record the streams would wait on each other and never finish.
+    let (s1, s2) = (dev.stream()?, dev.stream()?);
+    let (e, f) = (dev.event()?, dev.event()?);
+    let x = dev.alloc::<f32>(16)?;
+    elementwise::fill(x.view(), 1.0, &s1)?;
+    s1.record(&e)?;
+    s2.wait(&e)?;
+    elementwise::add_scalar(x.view(), 1.0, &s2)?;
+    s2.record(&f)?;
+    s1.wait(&f)?;
+    s1.record(&e)?;
+    dev.synchronize()?;
+    ensure!(x.to_vec(&s1)? == vec![2.0; 16]);
+    Ok(())
+}
+
+fn query_and_synchronize_follow_the_work(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let e = dev.event()?;
+    let x = dev.alloc::<f32>(1 << 16)?;
+    for _ in 0..10 {
+        elementwise::add_scalar(x.view(), 1.0, &s)?;
+    }
+    s.record(&e)?;
+    // Polling must make progress and end.
+    while !e.query()? {}
+    ensure!(s.query()?, "the stream has nothing after the event");
+    e.synchronize()?;
+    ensure!(x.to_vec(&s)?.iter().all(|v| *v == 10.0));
+    Ok(())
+}
+
+fn streams_with_priorities(dev: &Device) -> anyhow::Result<()> {
+    let (least, greatest) = dev.priority_range()?;
+    ensure!(greatest <= least, "greatest priority is numerically lowest: {greatest} vs {least}");
+    let hi = dev.stream_with_priority(greatest)?;
+    let lo = dev.stream_with_priority(least)?;
+    ensure!(hi.priority() == greatest && lo.priority() == least);
+    let x = dev.alloc::<f32>(8)?;
+    elementwise::fill(x.view(), 3.0, &hi)?;
+    let e = dev.event()?;
+    hi.record(&e)?;
+    lo.wait(&e)?;
+    elementwise::add_scalar(x.view(), 1.0, &lo)?;
+    ensure!(x.to_vec(&lo)? == vec![4.0; 8]);
+    Ok(())
+}
+
+crate::per_device!(
+    event_orders_two_streams,
+    wait_on_never_recorded_event_does_nothing,
+    wait_binds_to_the_record_at_call_time,
+    query_and_synchronize_follow_the_work,
+    streams_with_priorities,
+);

@@ -1,0 +1,82 @@
+//! Buffers, copies, memset and kernel launches on one stream.
+
+use anyhow::ensure;
+use graphed::device::Device;
+use graphed::ops::elementwise;
+
+fn blocking_roundtrip(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let data: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
+    let x = dev.alloc_from(&s, &data)?;
+    ensure!(x.to_vec(&s)? == data);
+    let empty = dev.alloc_from::<f32>(&s, &[])?;
+    ensure!(empty.to_vec(&s)?.is_empty());
+    Ok(())
+}
+
+fn async_copies_through_pinned_memory(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let n = 4096;
+    let host_in = dev.alloc_pinned::<f32>(n)?;
+    let host_out = dev.alloc_pinned::<f32>(n)?;
+    let data: Vec<f32> = (0..n).map(|i| (i % 97) as f32).collect();
+    host_in.write(&data)?;
+    let (a, b) = (dev.alloc::<f32>(n)?, dev.alloc::<f32>(n)?);
+    s.copy_h2d(host_in.view(), &a)?;
+    s.copy_d2d(&a, &b)?;
+    s.memset(a.slice(..10), 0)?;
+    s.copy_d2h(&b, host_out.view())?;
+    s.synchronize()?;
+    ensure!(host_out.read()? == data, "h2d -> d2d -> d2h roundtrip changed the data");
+    let a_now = a.to_vec(&s)?;
+    ensure!(a_now[..10].iter().all(|v| *v == 0.0) && a_now[10..] == data[10..], "memset touched the wrong range");
+    Ok(())
+}
+
+fn partial_copies_respect_offsets(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let x = dev.alloc_from(&s, &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0])?;
+    let y = dev.alloc_from(&s, &[0.0f32; 6])?;
+    s.copy_d2d(x.slice(1..3), y.slice(4..))?;
+    ensure!(y.to_vec(&s)? == vec![0.0, 0.0, 0.0, 0.0, 2.0, 3.0]);
+    Ok(())
+}
+
+fn kernels_in_stream_order(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let n = 1000;
+    let x = dev.alloc::<f32>(n)?;
+    let y = dev.alloc::<f32>(n)?;
+    elementwise::fill(x.view(), 1.0, &s)?;
+    for _ in 0..20 {
+        elementwise::axpy(y.view(), x.view(), 0.5, &s)?;
+        elementwise::add_scalar(x.view(), 1.0, &s)?;
+    }
+    // y = 0.5 * (1 + 2 + ... + 20) = 105, for every element.
+    ensure!(y.to_vec(&s)?.iter().all(|v| *v == 105.0));
+    Ok(())
+}
+
+fn strided_views_touch_only_their_elements(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    // A (4 x 6) matrix seen as 2 heads of width 3; scale head 1 only.
+    let data: Vec<f32> = (0..24).map(|i| i as f32).collect();
+    let x = dev.alloc_from(&s, &data)?;
+    let y = dev.alloc_from(&s, &[-1.0f32; 24])?;
+    let head = |buf| graphed::device::DeviceBuffer::strided(buf, 3, &[(4, 6), (3, 1)]).expect("two dims");
+    elementwise::scale_rows(head(&y), head(&x), 2.0, &s)?;
+    let got = y.to_vec(&s)?;
+    for (i, v) in got.iter().enumerate() {
+        let want = if i % 6 >= 3 { 2.0 * i as f32 } else { -1.0 };
+        ensure!(*v == want, "element {i}: {v} != {want}");
+    }
+    Ok(())
+}
+
+crate::per_device!(
+    blocking_roundtrip,
+    async_copies_through_pinned_memory,
+    partial_copies_respect_offsets,
+    kernels_in_stream_order,
+    strided_views_touch_only_their_elements,
+);
