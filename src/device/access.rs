@@ -63,11 +63,7 @@ const UNIT: Dim = Dim { count: 1, stride: 1 };
 impl Region {
     /// `len` consecutive elements starting at `offset`.
     pub fn contiguous(offset: usize, len: usize) -> Region {
-        Region {
-            offset,
-            rank: 1,
-            dims: [Dim { count: len, stride: 1 }, UNIT, UNIT],
-        }
+        Region { offset, rank: 1, dims: [Dim { count: len, stride: 1 }, UNIT, UNIT] }
     }
 
     /// A strided region; `dims` are `(count, stride)` pairs, outermost first, at most three.
@@ -80,11 +76,7 @@ impl Region {
         for (slot, &(count, stride)) in out.iter_mut().zip(dims) {
             *slot = Dim { count, stride };
         }
-        Some(Region {
-            offset,
-            rank: dims.len().max(1) as u8,
-            dims: out,
-        })
+        Some(Region { offset, rank: dims.len().max(1) as u8, dims: out })
     }
 
     /// First element (the base of the region).
@@ -136,9 +128,8 @@ impl Region {
         let [d0, d1, d2] = self.dims;
         let base = self.offset;
         (0..d0.count).flat_map(move |i| {
-            (0..d1.count).flat_map(move |j| {
-                (0..d2.count).map(move |k| base + i * d0.stride + j * d1.stride + k * d2.stride)
-            })
+            (0..d1.count)
+                .flat_map(move |j| (0..d2.count).map(move |k| base + i * d0.stride + j * d1.stride + k * d2.stride))
         })
     }
 
@@ -150,8 +141,11 @@ impl Region {
             self.indices().for_each(|i| f(i, 1));
             return;
         }
-        let outer = Region::strided(self.offset, &dims[..dims.len() - 1].iter().map(|d| (d.count, d.stride)).collect::<Vec<_>>())
-            .expect("fewer dimensions than a valid region");
+        let outer = Region::strided(
+            self.offset,
+            &dims[..dims.len() - 1].iter().map(|d| (d.count, d.stride)).collect::<Vec<_>>(),
+        )
+        .expect("fewer dimensions than a valid region");
         if dims.len() == 1 {
             f(self.offset, inner.count);
         } else {

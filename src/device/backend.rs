@@ -37,7 +37,11 @@ impl<S, C> Repr<S, C> {
 // Unreachable through the public API, which compares device ids first; kept as an error rather
 // than a panic so that a bug here cannot abort a training run.
 fn mixed() -> Error {
-    Error::Unsupported { op: "dispatch", backend: "sim", why: "an object of one backend reached the other; please report this as a bug" }
+    Error::Unsupported {
+        op: "dispatch",
+        backend: "sim",
+        why: "an object of one backend reached the other; please report this as a bug",
+    }
 }
 
 pub(crate) type StreamRepr = Repr<<sim::SimDevice as Backend>::Stream, <cuda::CudaDevice as Backend>::Stream>;
@@ -56,9 +60,25 @@ pub(crate) enum CopyDir {
 
 /// An operation to enqueue. Offsets and lengths are in bytes and already bounds-checked.
 pub(crate) enum Op<'a> {
-    Kernel { kernel: &'static Kernel, dims: LaunchDims, args: &'a [Arg<'a>] },
-    Copy { dir: CopyDir, src: &'a Arc<RawBuffer>, src_offset: usize, dst: &'a Arc<RawBuffer>, dst_offset: usize, bytes: usize },
-    Memset { dst: &'a Arc<RawBuffer>, offset: usize, bytes: usize, value: u8 },
+    Kernel {
+        kernel: &'static Kernel,
+        dims: LaunchDims,
+        args: &'a [Arg<'a>],
+    },
+    Copy {
+        dir: CopyDir,
+        src: &'a Arc<RawBuffer>,
+        src_offset: usize,
+        dst: &'a Arc<RawBuffer>,
+        dst_offset: usize,
+        bytes: usize,
+    },
+    Memset {
+        dst: &'a Arc<RawBuffer>,
+        offset: usize,
+        bytes: usize,
+        value: u8,
+    },
 }
 
 impl Op<'_> {

@@ -135,23 +135,23 @@ pub struct BufArg<'a> {
 }
 
 /// Something that can be viewed as a device region of `Elem`: a buffer or a view.
-pub trait AsView<'a> {
+pub trait IntoView<'a> {
     /// Element type.
     type Elem: Elem;
     /// The view.
-    fn as_view(self) -> View<'a, Self::Elem>;
+    fn into_view(self) -> View<'a, Self::Elem>;
 }
 
-impl<'a, T: Elem> AsView<'a> for View<'a, T> {
+impl<'a, T: Elem> IntoView<'a> for View<'a, T> {
     type Elem = T;
-    fn as_view(self) -> View<'a, T> {
+    fn into_view(self) -> View<'a, T> {
         self
     }
 }
 
-impl<'a, T: Elem> AsView<'a> for &'a DeviceBuffer<T> {
+impl<'a, T: Elem> IntoView<'a> for &'a DeviceBuffer<T> {
     type Elem = T;
-    fn as_view(self) -> View<'a, T> {
+    fn into_view(self) -> View<'a, T> {
         self.view()
     }
 }
@@ -163,22 +163,22 @@ pub struct Out<V>(pub V);
 /// The kernel reads and writes this region.
 pub struct InOut<V>(pub V);
 
-fn buf_arg<'a, V: AsView<'a>>(v: V, mode: AccessMode) -> Arg<'a> {
-    let v = v.as_view();
+fn buf_arg<'a, V: IntoView<'a>>(v: V, mode: AccessMode) -> Arg<'a> {
+    let v = v.into_view();
     Arg::Buf(BufArg { raw: v.raw, region: v.region, buffer_len: v.buffer_len, dtype: V::Elem::DTYPE, mode })
 }
 
-impl<'a, V: AsView<'a>> From<In<V>> for Arg<'a> {
+impl<'a, V: IntoView<'a>> From<In<V>> for Arg<'a> {
     fn from(v: In<V>) -> Self {
         buf_arg(v.0, AccessMode::Read)
     }
 }
-impl<'a, V: AsView<'a>> From<Out<V>> for Arg<'a> {
+impl<'a, V: IntoView<'a>> From<Out<V>> for Arg<'a> {
     fn from(v: Out<V>) -> Self {
         buf_arg(v.0, AccessMode::Write)
     }
 }
-impl<'a, V: AsView<'a>> From<InOut<V>> for Arg<'a> {
+impl<'a, V: IntoView<'a>> From<InOut<V>> for Arg<'a> {
     fn from(v: InOut<V>) -> Self {
         buf_arg(v.0, AccessMode::ReadWrite)
     }

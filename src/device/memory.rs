@@ -137,11 +137,6 @@ macro_rules! buffer_common {
                 self.region.is_empty()
             }
 
-            /// Size of one element in bytes.
-            pub(crate) fn dtype_size(&self) -> usize {
-                T::DTYPE.size()
-            }
-
             /// The region of the buffer this view covers.
             pub fn region(&self) -> Region {
                 self.region
@@ -177,6 +172,13 @@ impl<T: Elem> DeviceBuffer<T> {
     /// three. Returns `None` for more than three dimensions; bounds are checked when it is used.
     pub fn strided(&self, offset: usize, dims: &[(usize, usize)]) -> Option<View<'_, T>> {
         Some(View { raw: &self.raw, region: Region::strided(offset, dims)?, buffer_len: self.len, _t: PhantomData })
+    }
+}
+
+impl<T: Elem> View<'_, T> {
+    /// Size of one element in bytes.
+    pub(crate) fn dtype_size(&self) -> usize {
+        T::DTYPE.size()
     }
 }
 

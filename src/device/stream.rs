@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::backend::{dispatch, CopyDir, Op, StreamRepr};
 use super::capture::{Capture, CaptureMode, CaptureStatus};
-use super::kernel::{Arg, AsView, Kernel, LaunchDims};
+use super::kernel::{Arg, IntoView, Kernel, LaunchDims};
 use super::{Device, DeviceBuffer, Elem, Event, Graph, HostView, StreamId};
 use crate::{Error, Result};
 
@@ -82,8 +82,8 @@ impl Stream {
     }
 
     /// Copies pinned host memory to device memory, asynchronously.
-    pub fn copy_h2d<'d, T: Elem>(&self, src: HostView<'_, T>, dst: impl AsView<'d, Elem = T>) -> Result<()> {
-        let dst = dst.as_view();
+    pub fn copy_h2d<'d, T: Elem>(&self, src: HostView<'_, T>, dst: impl IntoView<'d, Elem = T>) -> Result<()> {
+        let dst = dst.into_view();
         const OP: &str = "copy_h2d";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
@@ -92,8 +92,8 @@ impl Stream {
 
     /// Copies device memory to pinned host memory, asynchronously. Read the host buffer only
     /// after an event recorded after this copy has completed.
-    pub fn copy_d2h<'s, T: Elem>(&self, src: impl AsView<'s, Elem = T>, dst: HostView<'_, T>) -> Result<()> {
-        let src = src.as_view();
+    pub fn copy_d2h<'s, T: Elem>(&self, src: impl IntoView<'s, Elem = T>, dst: HostView<'_, T>) -> Result<()> {
+        let src = src.into_view();
         const OP: &str = "copy_d2h";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
@@ -101,8 +101,12 @@ impl Stream {
     }
 
     /// Copies device memory to device memory, asynchronously.
-    pub fn copy_d2d<'s, 'd, T: Elem>(&self, src: impl AsView<'s, Elem = T>, dst: impl AsView<'d, Elem = T>) -> Result<()> {
-        let (src, dst) = (src.as_view(), dst.as_view());
+    pub fn copy_d2d<'s, 'd, T: Elem>(
+        &self,
+        src: impl IntoView<'s, Elem = T>,
+        dst: impl IntoView<'d, Elem = T>,
+    ) -> Result<()> {
+        let (src, dst) = (src.into_view(), dst.into_view());
         const OP: &str = "copy_d2d";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
@@ -138,8 +142,8 @@ impl Stream {
     }
 
     /// Sets every byte of a contiguous device view to `value`, asynchronously.
-    pub fn memset<'d>(&self, dst: impl AsView<'d>, value: u8) -> Result<()> {
-        let dst = dst.as_view();
+    pub fn memset<'d>(&self, dst: impl IntoView<'d>, value: u8) -> Result<()> {
+        let dst = dst.into_view();
         const OP: &str = "memset";
         dst.check_bounds(OP)?;
         self.check_buf(OP, dst.raw.device)?;
@@ -147,7 +151,12 @@ impl Stream {
             return Err(Error::NotContiguous { op: OP, buffer: dst.raw.id });
         }
         let elem = dst.dtype_size();
-        self.enqueue(&Op::Memset { dst: dst.raw, offset: dst.region.offset() * elem, bytes: dst.region.len() * elem, value })
+        self.enqueue(&Op::Memset {
+            dst: dst.raw,
+            offset: dst.region.offset() * elem,
+            bytes: dst.region.len() * elem,
+            value,
+        })
     }
 
     /// Records `event` after the work queued so far. Inside a capture this adds no node: it

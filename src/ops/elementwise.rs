@@ -96,7 +96,11 @@ pub static SCALE_ROWS: Kernel = Kernel { name: "scale_rows_f32", source: SOURCE,
 pub fn scale_rows(y: View<'_, f32>, x: View<'_, f32>, k: f32, stream: &Stream) -> Result<()> {
     let (ry, rx) = (y.region(), x.region());
     let (Some((rows, cols, ld_y)), Some((rows_x, cols_x, ld_x))) = (matrix_of(&ry), matrix_of(&rx)) else {
-        return Err(Error::Unsupported { op: "scale_rows", backend: "any", why: "views must be 2-D (rows, cols) with unit column stride" });
+        return Err(Error::Unsupported {
+            op: "scale_rows",
+            backend: "any",
+            why: "views must be 2-D (rows, cols) with unit column stride",
+        });
     };
     if (rows, cols) != (rows_x, cols_x) {
         return Err(Error::LengthMismatch { op: "scale_rows", src: rows_x * cols_x, dst: rows * cols });

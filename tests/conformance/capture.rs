@@ -65,7 +65,10 @@ fn unjoined_fork_fails_end_capture(dev: &Device) -> anyhow::Result<()> {
     s.begin_capture(CaptureMode::ThreadLocal)?;
     s.record(&fork)?;
     side.wait(&fork)?;
-    ensure!(side.capture_status()? == CaptureStatus::Active, "a stream that waits on a captured event joins the capture");
+    ensure!(
+        side.capture_status()? == CaptureStatus::Active,
+        "a stream that waits on a captured event joins the capture"
+    );
     elementwise::fill(x.view(), 1.0, &side)?;
     expect_capture(s.end_capture(), Kind::Unjoined)?;
     ensure!(s.capture_status()? == CaptureStatus::None && side.capture_status()? == CaptureStatus::None);

@@ -18,7 +18,10 @@ fn graph_replays_the_captured_work(dev: &Device) -> anyhow::Result<()> {
     exec.upload(&s)?;
     for step in 1..=3 {
         exec.launch(&s)?;
-        ensure!(y.to_vec(&s)? == vec![3.0 * step as f32; 64], "replay {step}: scalars are frozen, inputs are read live");
+        ensure!(
+            y.to_vec(&s)? == vec![3.0 * step as f32; 64],
+            "replay {step}: scalars are frozen, inputs are read live"
+        );
     }
     Ok(())
 }
@@ -87,7 +90,10 @@ fn external_record_node_signals_the_caller(dev: &Device) -> anyhow::Result<()> {
         graph_stream.wait(&entry)?;
         exec.launch(&graph_stream)?;
         main.wait(&done)?;
-        ensure!(y.to_vec(&main)? == vec![2.0 * step as f32; 1024], "step {step}: the caller resumes after y is written");
+        ensure!(
+            y.to_vec(&main)? == vec![2.0 * step as f32; 1024],
+            "step {step}: the caller resumes after y is written"
+        );
         graph_stream.synchronize()?;
         ensure!(tail.to_vec(&main)? == vec![20.0 * step as f32; 1024]);
     }

@@ -32,11 +32,17 @@ fn views_outside_their_buffer_are_refused(dev: &Device) -> anyhow::Result<()> {
     let s = dev.stream()?;
     let x = dev.alloc::<f32>(10)?;
     let y = dev.alloc::<f32>(10)?;
-    ensure!(matches!(elementwise::fill(x.slice(5..12), 1.0, &s), Err(Error::OutOfBounds { start: 5, end: 12, len: 10, .. })));
+    ensure!(matches!(
+        elementwise::fill(x.slice(5..12), 1.0, &s),
+        Err(Error::OutOfBounds { start: 5, end: 12, len: 10, .. })
+    ));
     let strided = x.strided(0, &[(4, 3), (2, 1)]).expect("two dims");
     ensure!(matches!(elementwise::fill(strided, 1.0, &s), Err(Error::OutOfBounds { end: 11, .. })));
     ensure!(matches!(s.copy_d2d(x.slice(..4), y.slice(..5)), Err(Error::LengthMismatch { src: 4, dst: 5, .. })));
-    ensure!(matches!(s.memset(x.strided(0, &[(2, 4), (2, 1)]).expect("two dims"), 0), Err(Error::NotContiguous { .. })));
+    ensure!(matches!(
+        s.memset(x.strided(0, &[(2, 4), (2, 1)]).expect("two dims"), 0),
+        Err(Error::NotContiguous { .. })
+    ));
     ensure!(matches!(x.write_from(&s, &[1.0; 3]), Err(Error::LengthMismatch { .. })));
     ensure!(x.to_vec(&s)? == vec![0.0; 10] || dev.kind() == graphed::device::DeviceKind::Cuda, "nothing was enqueued");
     Ok(())

@@ -19,6 +19,16 @@ impl CudaDevice {
     }
 }
 
+/// The raw cudarc baseline needs the CUDA backend.
+pub(crate) fn raw_launch_baseline(
+    _: usize,
+    _: &'static super::Kernel,
+    _: usize,
+    _: usize,
+) -> Result<super::RawLaunchTimes> {
+    Err(Error::CudaUnavailable { reason: "this build has no CUDA backend yet".into() })
+}
+
 /// Handle types of the placeholder backend; uninhabited like the device.
 pub(crate) enum Never {}
 

@@ -39,7 +39,14 @@ impl State {
     }
 
     /// Adds a node after the stream's frontier; it becomes the new frontier.
-    pub(super) fn add_node(&mut self, cap: u64, stream: StreamId, kind: NodeKind, name: String, task: NodeTask) -> usize {
+    pub(super) fn add_node(
+        &mut self,
+        cap: u64,
+        stream: StreamId,
+        kind: NodeKind,
+        name: String,
+        task: NodeTask,
+    ) -> usize {
         let deps = std::mem::take(&mut self.stream(stream).frontier);
         let nodes = &mut self.captures.get_mut(&cap).expect("active capture exists").nodes;
         nodes.push(SimNode { kind, name, deps, task });
@@ -70,7 +77,13 @@ impl State {
     }
 
     /// A stream outside any capture waits on an event recorded inside one: it joins (a fork).
-    pub(super) fn join_capture(&mut self, op: &'static str, stream: StreamId, cap: u64, frontier: Vec<usize>) -> Result<()> {
+    pub(super) fn join_capture(
+        &mut self,
+        op: &'static str,
+        stream: StreamId,
+        cap: u64,
+        frontier: Vec<usize>,
+    ) -> Result<()> {
         match self.captures.get_mut(&cap) {
             None => Err(err(op, stream, CaptureErrorKind::CapturedEvent)),
             Some(c) if c.invalid => Err(err(op, stream, CaptureErrorKind::Invalidated)),
@@ -130,7 +143,10 @@ impl State {
         st.capture = Some(cap);
         st.frontier.clear();
         let thread = std::thread::current().id();
-        self.captures.insert(cap, CaptureState { origin: stream, mode, thread, invalid: false, nodes: vec![], members: vec![stream] });
+        self.captures.insert(
+            cap,
+            CaptureState { origin: stream, mode, thread, invalid: false, nodes: vec![], members: vec![stream] },
+        );
         Ok(())
     }
 

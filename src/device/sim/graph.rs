@@ -118,7 +118,8 @@ impl State {
         }
         let sinks: Vec<Option<WorkId>> =
             work.iter().zip(&has_dependent).filter(|(_, d)| !**d).map(|(w, _)| Some(*w)).collect();
-        let end = if sinks.is_empty() { self.queue.push(before, Action::Nop) } else { self.queue.push(sinks, Action::Nop) };
+        let end =
+            if sinks.is_empty() { self.queue.push(before, Action::Nop) } else { self.queue.push(sinks, Action::Nop) };
         self.stream(stream).last = Some(end);
         self.exec_last.insert(exec.id, end);
         for (e, w) in records {

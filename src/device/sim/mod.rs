@@ -154,7 +154,13 @@ impl State {
         let op = if external { "record_external" } else { "record" };
         let rec = match self.active_capture_of(op, stream)? {
             Some(cap) if external => {
-                let node = self.add_node(cap, stream, super::NodeKind::EventRecord, format!("record {event}"), graph::NodeTask::Record(event));
+                let node = self.add_node(
+                    cap,
+                    stream,
+                    super::NodeKind::EventRecord,
+                    format!("record {event}"),
+                    graph::NodeTask::Record(event),
+                );
                 Record::Captured { capture: cap, frontier: vec![node] }
             }
             Some(cap) => Record::Captured { capture: cap, frontier: self.stream(stream).frontier.clone() },
@@ -169,7 +175,13 @@ impl State {
         let rec = self.events.get(&event).cloned().unwrap_or(Record::Never);
         match self.active_capture_of(op, stream)? {
             Some(cap) if external => {
-                self.add_node(cap, stream, super::NodeKind::EventWait, format!("wait {event}"), graph::NodeTask::Wait(event));
+                self.add_node(
+                    cap,
+                    stream,
+                    super::NodeKind::EventWait,
+                    format!("wait {event}"),
+                    graph::NodeTask::Wait(event),
+                );
                 Ok(())
             }
             Some(cap) => self.capture_wait(op, cap, stream, rec),

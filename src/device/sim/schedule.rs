@@ -93,7 +93,8 @@ impl Queue {
         match self.policy {
             Policy::InOrder => self.pending.iter().find(|(_, w)| self.is_ready(w)).map(|(id, _)| *id),
             Policy::Random => {
-                let ready: Vec<WorkId> = self.pending.iter().filter(|(_, w)| self.is_ready(w)).map(|(id, _)| *id).collect();
+                let ready: Vec<WorkId> =
+                    self.pending.iter().filter(|(_, w)| self.is_ready(w)).map(|(id, _)| *id).collect();
                 (!ready.is_empty()).then(|| ready[self.rng.random_range(0..ready.len())])
             }
             Policy::Adversarial => need.iter().rev().copied().find(|id| self.is_ready(&self.pending[id])),

@@ -64,7 +64,11 @@ impl SimMem {
 fn sim_mem(raw: &RawBuffer) -> Result<&SimMem> {
     match &raw.mem {
         Repr::Sim(m) => Ok(m),
-        Repr::Cuda(_) => Err(Error::Unsupported { op: "simulate", backend: "sim", why: "a CUDA buffer reached the simulator; please report this as a bug" }),
+        Repr::Cuda(_) => Err(Error::Unsupported {
+            op: "simulate",
+            backend: "sim",
+            why: "a CUDA buffer reached the simulator; please report this as a bug",
+        }),
     }
 }
 
@@ -83,9 +87,24 @@ pub(crate) enum OwnedArg {
 
 /// A queued operation with everything it needs, frozen at enqueue.
 pub(crate) enum Task {
-    Kernel { kernel: &'static Kernel, args: Vec<OwnedArg> },
-    Copy { name: &'static str, src: Arc<RawBuffer>, src_offset: usize, dst: Arc<RawBuffer>, dst_offset: usize, bytes: usize },
-    Memset { dst: Arc<RawBuffer>, offset: usize, bytes: usize, value: u8 },
+    Kernel {
+        kernel: &'static Kernel,
+        args: Vec<OwnedArg>,
+    },
+    Copy {
+        name: &'static str,
+        src: Arc<RawBuffer>,
+        src_offset: usize,
+        dst: Arc<RawBuffer>,
+        dst_offset: usize,
+        bytes: usize,
+    },
+    Memset {
+        dst: Arc<RawBuffer>,
+        offset: usize,
+        bytes: usize,
+        value: u8,
+    },
 }
 
 impl Task {
@@ -96,7 +115,12 @@ impl Task {
                 args: args
                     .iter()
                     .map(|a| match a {
-                        Arg::Buf(b) => OwnedArg::Buf(OwnedBuf { raw: b.raw.clone(), region: b.region, dtype: b.dtype, mode: b.mode }),
+                        Arg::Buf(b) => OwnedArg::Buf(OwnedBuf {
+                            raw: b.raw.clone(),
+                            region: b.region,
+                            dtype: b.dtype,
+                            mode: b.mode,
+                        }),
                         Arg::Scalar(s) => OwnedArg::Scalar(*s),
                     })
                     .collect(),

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds everything the GPU machine needs (it has no Rust toolchain) into .gpu/ and prints the
+# one command that runs the GPU tests and benchmarks there. Usage: scripts/gpu-prepare.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .gpu
+cargo nextest archive --cargo-profile release --archive-file .gpu/tests.tar.zst
+cargo build --release
+cp target/release/graphed .gpu/graphed
+cp "$(command -v cargo-nextest)" .gpu/cargo-nextest
+du -sh .gpu
+cat <<'CMD'
+Run on the GPU machine (device tool: carry [".gpu"]):
+  set -o pipefail; export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels;
+  .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all --no-fail-fast 2>&1 | tee $OUT/tests.log;
+  .gpu/graphed bench launch --device cuda --json $OUT/launch.json 2>&1 | tee $OUT/bench.log;
+  .gpu/graphed train 2>&1 | tee $OUT/train.log
+CMD

@@ -1,0 +1,100 @@
+//! Command-line arguments, validated by clap before any device is touched.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use graphed::device::Policy;
+
+/// Capture training steps into CUDA graphs and replay them; with a CPU simulator of CUDA.
+#[derive(Parser, Debug)]
+#[command(name = "graphed", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the main job. Until training lands, a demo: a stack of layers stepped eagerly and as
+    /// one captured graph, compared bitwise, with host time per step.
+    Train(TrainArgs),
+    /// Benchmarks.
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct DeviceArgs {
+    /// Which device: the GPU when there is one, else the simulator (auto), or force one.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+    /// Simulator scheduling policy.
+    #[arg(long, value_enum, default_value_t = PolicyArg::Random)]
+    pub policy: PolicyArg,
+    /// Simulator seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceChoice {
+    Auto,
+    Cuda,
+    Sim,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyArg {
+    InOrder,
+    Random,
+    Adversarial,
+}
+
+impl From<PolicyArg> for Policy {
+    fn from(p: PolicyArg) -> Policy {
+        match p {
+            PolicyArg::InOrder => Policy::InOrder,
+            PolicyArg::Random => Policy::Random,
+            PolicyArg::Adversarial => Policy::Adversarial,
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Layers in the demo stack (default: 8 on CUDA, 4 on the simulator).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=512))]
+    pub layers: Option<u32>,
+    /// Elements per activation (default: 1Mi on CUDA, 4096 on the simulator).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub width: Option<u32>,
+    /// Steps to run each way (default: 50 on CUDA, 5 on the simulator).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub steps: Option<u32>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub which: BenchCommand,
+}
+
+#[derive(Subcommand, Debug, Clone)]
+pub enum BenchCommand {
+    /// N tiny kernels launched eagerly against one graph of N, with raw cudarc as the baseline.
+    Launch(LaunchBenchArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LaunchBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Kernel counts to measure.
+    #[arg(long, value_delimiter = ',', default_values_t = [10, 100, 1000])]
+    pub n: Vec<usize>,
+    /// Timed repetitions per measurement (the median is reported).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub reps: u32,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}

@@ -1,0 +1,34 @@
+//! Layer 8, the binary: parses arguments, picks the device, runs a subcommand. Uses only the
+//! library's public API.
+
+pub mod args;
+mod bench;
+mod train;
+
+use graphed::device::{Device, SimConfig};
+
+use args::{Cli, Command, DeviceChoice};
+
+/// Runs one command.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Train(a) => train::run(&open_device(&a.device)?, &a),
+        Command::Bench(b) => bench::run(&b),
+    }
+}
+
+/// The device a command runs on.
+pub fn open_device(choice: &args::DeviceArgs) -> anyhow::Result<Device> {
+    let sim = SimConfig { policy: choice.policy.into(), seed: choice.seed };
+    Ok(match choice.device {
+        DeviceChoice::Auto => match Device::cuda(0) {
+            Ok(dev) => dev,
+            Err(e) => {
+                eprintln!("graphed: {e}; using the simulator");
+                Device::sim_with(sim)
+            }
+        },
+        DeviceChoice::Cuda => Device::cuda(0)?,
+        DeviceChoice::Sim => Device::sim_with(sim),
+    })
+}
