@@ -318,3 +318,38 @@ impl CpuArgs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+
+    #[test]
+    fn accesses_follow_the_argument_list() {
+        let dev = Device::sim();
+        let (x, y) = (dev.alloc::<f32>(12).unwrap(), dev.alloc::<half::bf16>(8).unwrap());
+        let head = x.strided(1, &[(3, 4), (2, 1)]).unwrap();
+        let list = args![Out(y.slice(2..6)), In(head), 1.5f32, InOut(&x), 7u32];
+        let acc = accesses(&list);
+        assert_eq!(acc.len(), 3, "scalars declare no access");
+        assert_eq!((acc[0].buffer, acc[0].mode, acc[0].role), (y.id(), AccessMode::Write, AccessRole::Arg(0)));
+        assert_eq!((acc[0].region, acc[0].elem_bytes), (Region::contiguous(2, 4), 2));
+        assert_eq!((acc[1].buffer, acc[1].mode, acc[1].role), (x.id(), AccessMode::Read, AccessRole::Arg(1)));
+        assert_eq!(acc[1].region.indices().collect::<Vec<_>>(), vec![1, 2, 5, 6, 9, 10]);
+        assert_eq!((acc[2].mode, acc[2].role, acc[2].region), (AccessMode::ReadWrite, AccessRole::Arg(3), Region::contiguous(0, 12)));
+    }
+
+    #[test]
+    fn cpu_args_refuse_the_wrong_form() {
+        let slots = vec![
+            CpuSlot::Buf { dtype: DType::F32, mode: AccessMode::Read, data: RefCell::new(Gathered::zeroed(8)) },
+            CpuSlot::Scalar(Scalar::U32(3)),
+        ];
+        let a = CpuArgs { kernel: "k", slots };
+        assert_eq!(a.input::<f32>(0).unwrap().len(), 2);
+        assert!(matches!(a.output::<f32>(0), Err(Error::KernelArg { index: 0, .. })), "an In buffer is not writable");
+        assert!(matches!(a.input::<u32>(0), Err(Error::KernelArg { .. })), "dtype is checked");
+        assert_eq!(a.u32(1).unwrap(), 3);
+        assert!(a.f32(1).is_err() && a.f32(9).is_err());
+    }
+}

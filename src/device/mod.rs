@@ -214,6 +214,13 @@ impl Device {
         Ok(buf)
     }
 
+    /// Compiles (on CUDA, or reads from the on-disk cache) and loads `kernel`'s module now.
+    /// Launches load modules on first use; call this before capturing, since loading a module
+    /// is a synchronous call that capture modes forbid.
+    pub fn load_kernel(&self, kernel: &'static Kernel) -> Result<()> {
+        dispatch!(self.backend(), |b, _pick| b.load_kernel(kernel))
+    }
+
     /// Waits for all work on all streams of this device.
     pub fn synchronize(&self) -> Result<()> {
         dispatch!(self.backend(), |b, _pick| b.synchronize())

@@ -161,6 +161,17 @@ fn device_synchronize_follows_the_capture_mode(dev: &Device) -> anyhow::Result<(
     Ok(())
 }
 
+fn module_loading_follows_the_capture_mode(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    s.begin_capture(CaptureMode::ThreadLocal)?;
+    expect_capture(dev.load_kernel(&elementwise::AXPY), Kind::Unsupported)?;
+    expect_capture(s.end_capture(), Kind::Invalidated)?;
+    s.begin_capture(CaptureMode::Relaxed)?;
+    dev.load_kernel(&elementwise::AXPY)?;
+    s.end_capture()?;
+    Ok(())
+}
+
 fn end_capture_on_another_thread_is_refused(dev: &Device) -> anyhow::Result<()> {
     let s = dev.stream()?;
     s.begin_capture(CaptureMode::ThreadLocal)?;
@@ -214,6 +225,7 @@ crate::per_device!(
     blocking_copy_from_capturing_stream_is_refused,
     allocation_follows_the_capture_mode,
     device_synchronize_follows_the_capture_mode,
+    module_loading_follows_the_capture_mode,
     end_capture_on_another_thread_is_refused,
     query_of_event_recorded_in_capture_is_refused,
     dropped_guard_ends_the_capture,

@@ -256,6 +256,10 @@ impl Backend for SimDevice {
         Ok(SimMem::zeroed(bytes))
     }
 
+    fn load_kernel(&self, _kernel: &'static crate::device::Kernel) -> Result<()> {
+        self.lock().forbid_sync_call("Device::load_kernel")
+    }
+
     fn enqueue(&self, stream: &SimStream, op: &Op<'_>) -> Result<()> {
         self.lock().enqueue(op.name(), stream.id, Task::from_op(op))
     }
