@@ -32,7 +32,9 @@ struct LaunchRow {
 #[derive(Serialize, Debug)]
 struct LaunchReport {
     bench: &'static str,
+    date: String,
     device: String,
+    commit: &'static str,
     reps: u32,
     rows: Vec<LaunchRow>,
 }
@@ -109,7 +111,14 @@ fn launch(args: &LaunchBenchArgs) -> anyhow::Result<()> {
         });
     }
     print_table(&rows);
-    let report = LaunchReport { bench: "launch", device: dev.name(), reps: args.reps, rows };
+    let report = LaunchReport {
+        bench: "launch",
+        date: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        device: dev.name(),
+        commit: env!("GRAPHED_COMMIT"),
+        reps: args.reps,
+        rows,
+    };
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
         println!("wrote {}", path.display());
