@@ -7,6 +7,7 @@
 //! The crate is built in layers (see `DESIGN.md`); each uses only the ones before it:
 //!
 //! 1. [`device`]: devices (CUDA or simulator), streams, events, memory, kernels, capture, graphs.
+//! 3. [`memory`]: the caching allocator's bookkeeping (graph pools next).
 //! 4. [`ops`]: kernels with a CPU path and a CUDA path side by side.
 //!
 //! ```
@@ -29,6 +30,7 @@
 
 pub mod device;
 mod error;
+pub mod memory;
 pub mod ops;
 
 pub use error::{CaptureErrorKind, CaptureSite, Error, Result};

@@ -336,7 +336,10 @@ mod tests {
         assert_eq!((acc[0].region, acc[0].elem_bytes), (Region::contiguous(2, 4), 2));
         assert_eq!((acc[1].buffer, acc[1].mode, acc[1].role), (x.id(), AccessMode::Read, AccessRole::Arg(1)));
         assert_eq!(acc[1].region.indices().collect::<Vec<_>>(), vec![1, 2, 5, 6, 9, 10]);
-        assert_eq!((acc[2].mode, acc[2].role, acc[2].region), (AccessMode::ReadWrite, AccessRole::Arg(3), Region::contiguous(0, 12)));
+        assert_eq!(
+            (acc[2].mode, acc[2].role, acc[2].region),
+            (AccessMode::ReadWrite, AccessRole::Arg(3), Region::contiguous(0, 12))
+        );
     }
 
     #[test]

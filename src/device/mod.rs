@@ -34,7 +34,7 @@ pub use dtype::{DType, Elem};
 pub use event::Event;
 pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};
 pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
-pub use kernel::{args, Arg, IntoView, CpuArgs, In, InOut, Kernel, LaunchDims, Out, Scalar};
+pub use kernel::{args, Arg, CpuArgs, In, InOut, IntoView, Kernel, LaunchDims, Out, Scalar};
 pub use memory::{DeviceBuffer, HostView, MemKind, PinnedBuffer, View};
 pub use sim::{Policy, SimConfig};
 pub use stream::Stream;
