@@ -172,6 +172,41 @@ fn module_loading_follows_the_capture_mode(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn waiting_on_other_work_follows_the_capture_mode(dev: &Device) -> anyhow::Result<()> {
+    let (s, other) = (dev.stream()?, dev.stream()?);
+    let e = dev.event()?;
+    let x = dev.alloc::<f32>(8)?;
+    elementwise::fill(x.view(), 1.0, &other)?;
+    other.record(&e)?;
+    s.begin_capture(CaptureMode::ThreadLocal)?;
+    expect_capture(other.synchronize(), Kind::Unsupported)?;
+    expect_capture(s.end_capture(), Kind::Invalidated)?;
+    s.begin_capture(CaptureMode::ThreadLocal)?;
+    expect_capture(e.query(), Kind::Unsupported)?;
+    expect_capture(s.end_capture(), Kind::Invalidated)?;
+    s.begin_capture(CaptureMode::Relaxed)?;
+    other.synchronize()?;
+    ensure!(e.query()?);
+    e.synchronize()?;
+    s.end_capture()?;
+    Ok(())
+}
+
+fn fork_without_work_needs_no_join(dev: &Device) -> anyhow::Result<()> {
+    let (s, side) = (dev.stream()?, dev.stream()?);
+    let fork = dev.event()?;
+    let x = dev.alloc::<f32>(8)?;
+    s.begin_capture(CaptureMode::ThreadLocal)?;
+    elementwise::fill(x.view(), 1.0, &s)?;
+    s.record(&fork)?;
+    side.wait(&fork)?;
+    elementwise::add_scalar(x.view(), 1.0, &s)?;
+    let graph = s.end_capture()?;
+    ensure!(graph.nodes()?.len() == 2);
+    ensure!(side.capture_status()? == CaptureStatus::None);
+    Ok(())
+}
+
 fn end_capture_on_another_thread_is_refused(dev: &Device) -> anyhow::Result<()> {
     let s = dev.stream()?;
     s.begin_capture(CaptureMode::ThreadLocal)?;
@@ -185,9 +220,10 @@ fn end_capture_on_another_thread_is_refused(dev: &Device) -> anyhow::Result<()> 
 }
 
 fn query_of_event_recorded_in_capture_is_refused(dev: &Device) -> anyhow::Result<()> {
+    // Relaxed, so that the query itself is not a forbidden synchronous call.
     let s = dev.stream()?;
     let e = dev.event()?;
-    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    let cap = s.capture(CaptureMode::Relaxed)?;
     s.record(&e)?;
     expect_capture(e.query(), Kind::CapturedEvent)?;
     cap.finish()?;
@@ -227,6 +263,8 @@ crate::per_device!(
     device_synchronize_follows_the_capture_mode,
     module_loading_follows_the_capture_mode,
     end_capture_on_another_thread_is_refused,
+    waiting_on_other_work_follows_the_capture_mode,
+    fork_without_work_needs_no_join,
     query_of_event_recorded_in_capture_is_refused,
     dropped_guard_ends_the_capture,
 );

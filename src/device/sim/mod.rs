@@ -9,9 +9,10 @@
 //!   invalidates the capture, and an invalidated capture stays invalid until it is ended;
 //!   a stream that waits on an event recorded inside a capture joins that capture;
 //! - a fork not joined back before `end_capture` fails it;
-//! - synchronizing a capturing stream is forbidden; synchronous calls (device synchronize,
-//!   blocking copies, plain allocation) are forbidden on every thread in global mode and on the
-//!   capturing thread in thread-local mode, and invalidate the capture.
+//! - synchronizing or querying a capturing stream is forbidden in every mode; synchronous calls
+//!   (synchronizing or querying any stream, event or the device, blocking copies, plain
+//!   allocation, module loading) are forbidden on every thread in global mode and on the
+//!   capturing thread in thread-local mode; both invalidate the capture.
 
 mod capture;
 mod graph;
@@ -198,6 +199,7 @@ impl State {
 
     fn synchronize_stream(&mut self, stream: StreamId, op: &'static str) -> Result<()> {
         self.forbid_on_capturing(op, stream)?;
+        self.forbid_sync_call(op)?;
         let last: Vec<WorkId> = self.stream(stream).last.into_iter().collect();
         self.queue.run_until(&last)
     }
@@ -279,6 +281,7 @@ impl Backend for SimDevice {
     fn stream_query(&self, stream: &SimStream) -> Result<bool> {
         let mut st = self.lock();
         st.forbid_on_capturing("Stream::query", stream.id)?;
+        st.forbid_sync_call("Stream::query")?;
         match st.stream(stream.id).last {
             None => Ok(true),
             Some(w) => {
@@ -290,7 +293,9 @@ impl Backend for SimDevice {
 
     fn event_query(&self, event: &SimEvent) -> Result<bool> {
         let mut st = self.lock();
-        match st.event_target("Event::query", event.id)? {
+        let target = st.event_target("Event::query", event.id)?;
+        st.forbid_sync_call("Event::query")?;
+        match target {
             None => Ok(true),
             Some(w) => {
                 st.queue.step_towards(w)?;
@@ -302,6 +307,7 @@ impl Backend for SimDevice {
     fn event_synchronize(&self, event: &SimEvent) -> Result<()> {
         let mut st = self.lock();
         let target: Vec<WorkId> = st.event_target("Event::synchronize", event.id)?.into_iter().collect();
+        st.forbid_sync_call("Event::synchronize")?;
         st.queue.run_until(&target)
     }
 
@@ -313,7 +319,6 @@ impl Backend for SimDevice {
 
     fn read_blocking(&self, stream: &SimStream, mem: &SimMem, offset: usize, out: &mut [u8]) -> Result<()> {
         let mut st = self.lock();
-        st.forbid_sync_call("to_vec")?;
         st.synchronize_stream(stream.id, "to_vec")?;
         mem.read(offset, out);
         Ok(())
@@ -321,7 +326,6 @@ impl Backend for SimDevice {
 
     fn write_blocking(&self, stream: &SimStream, mem: &SimMem, offset: usize, data: &[u8]) -> Result<()> {
         let mut st = self.lock();
-        st.forbid_sync_call("write_from")?;
         st.synchronize_stream(stream.id, "write_from")?;
         mem.write(offset, data);
         Ok(())
