@@ -3,7 +3,7 @@
 use anyhow::ensure;
 use graphed::device::{CaptureMode, CaptureStatus, Device};
 use graphed::ops::elementwise;
-use graphed::CaptureErrorKind as Kind;
+use graphed::{CaptureErrorKind as Kind, CaptureSite};
 
 use crate::common::expect_capture;
 
@@ -81,13 +81,14 @@ fn end_capture_on_another_stream_is_unmatched(dev: &Device) -> anyhow::Result<()
     let join = dev.event()?;
     s.begin_capture(CaptureMode::ThreadLocal)?;
     expect_capture(stranger.end_capture(), Kind::Unmatched)?;
+    ensure!(s.capture_status()? == CaptureStatus::Active, "a stream outside the capture cannot disturb it");
     s.record(&fork)?;
     side.wait(&fork)?;
     expect_capture(side.end_capture(), Kind::Unmatched)?;
-    side.record(&join)?;
-    s.wait(&join)?;
-    ensure!(s.capture_status()? == CaptureStatus::Active, "a refused end leaves the capture running");
-    s.end_capture()?;
+    ensure!(s.capture_status()? == CaptureStatus::Invalidated, "ending from a joined stream invalidates the capture");
+    expect_capture(side.record(&join), Kind::Invalidated)?;
+    expect_capture(s.end_capture(), Kind::Invalidated)?;
+    ensure!(side.capture_status()? == CaptureStatus::None);
     Ok(())
 }
 
@@ -207,6 +208,34 @@ fn fork_without_work_needs_no_join(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn a_wait_cannot_merge_two_captures(dev: &Device) -> anyhow::Result<()> {
+    let (s, s2) = (dev.stream()?, dev.stream()?);
+    let other = dev.event()?;
+    s.begin_capture(CaptureMode::ThreadLocal)?;
+    s2.begin_capture(CaptureMode::ThreadLocal)?;
+    s2.record(&other)?;
+    expect_capture(s.wait(&other), Kind::Merge)?;
+    ensure!((s.capture_status()?, s2.capture_status()?) == (CaptureStatus::Invalidated, CaptureStatus::Invalidated));
+    expect_capture(s.end_capture(), Kind::Invalidated)?;
+    expect_capture(s2.end_capture(), Kind::Invalidated)?;
+    Ok(())
+}
+
+fn a_graph_cannot_be_launched_into_a_capture(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let x = dev.alloc_from(&s, &[0.0f32; 4])?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    elementwise::add_scalar(x.view(), 1.0, &s)?;
+    let exec = cap.finish()?.instantiate()?;
+    s.begin_capture(CaptureMode::ThreadLocal)?;
+    expect_capture(exec.launch(&s), Kind::Unsupported)?;
+    ensure!(s.capture_status()? == CaptureStatus::Invalidated);
+    expect_capture(s.end_capture(), Kind::Invalidated)?;
+    exec.launch(&s)?;
+    ensure!(x.to_vec(&s)? == vec![1.0; 4]);
+    Ok(())
+}
+
 fn end_capture_on_another_thread_is_refused(dev: &Device) -> anyhow::Result<()> {
     let s = dev.stream()?;
     s.begin_capture(CaptureMode::ThreadLocal)?;
@@ -215,7 +244,8 @@ fn end_capture_on_another_thread_is_refused(dev: &Device) -> anyhow::Result<()> 
         Ok(r) => expect_capture(r, Kind::WrongThread)?,
         Err(_) => anyhow::bail!("the ending thread panicked"),
     }
-    s.end_capture()?;
+    ensure!(s.capture_status()? == CaptureStatus::None, "the refused end also ended the capture");
+    expect_capture(s.end_capture(), Kind::Unmatched)?;
     Ok(())
 }
 
@@ -223,10 +253,14 @@ fn query_of_event_recorded_in_capture_is_refused(dev: &Device) -> anyhow::Result
     // Relaxed, so that the query itself is not a forbidden synchronous call.
     let s = dev.stream()?;
     let e = dev.event()?;
-    let cap = s.capture(CaptureMode::Relaxed)?;
+    s.begin_capture(CaptureMode::Relaxed)?;
     s.record(&e)?;
-    expect_capture(e.query(), Kind::CapturedEvent)?;
-    cap.finish()?;
+    match e.query() {
+        Err(graphed::Error::Capture { on, kind: Kind::CapturedEvent, .. }) => ensure!(on == CaptureSite::Event(e.id())),
+        other => anyhow::bail!("expected CapturedEvent, got {other:?}"),
+    }
+    ensure!(s.capture_status()? == CaptureStatus::Invalidated, "the refused query invalidates the capture");
+    expect_capture(s.end_capture(), Kind::Invalidated)?;
     Ok(())
 }
 
@@ -263,6 +297,8 @@ crate::per_device!(
     device_synchronize_follows_the_capture_mode,
     module_loading_follows_the_capture_mode,
     end_capture_on_another_thread_is_refused,
+    a_wait_cannot_merge_two_captures,
+    a_graph_cannot_be_launched_into_a_capture,
     waiting_on_other_work_follows_the_capture_mode,
     fork_without_work_needs_no_join,
     query_of_event_recorded_in_capture_is_refused,

@@ -1,123 +1,232 @@
-//! The CUDA backend. Placeholder until the CUDA backend issue lands: an uninhabited type, so no
-//! CUDA object can exist and `Device::cuda` returns a typed error.
+//! The CUDA backend: CUDA's own streams, events, memory, kernels, capture and graphs, through the
+//! driver API (cudarc 0.19 with the CUDA 13.0 bindings).
+//!
+//! - [`context`] opens a GPU without ever panicking (cudarc panics on a missing library);
+//! - [`stream`] has streams and events, [`memory`] allocations and copies, [`launch`] kernels
+//!   (compiled and cached by [`nvrtc`]);
+//! - [`capture`] is the process-wide registry of captures: what each graph must keep alive, and
+//!   the frees that must wait until no capture is active;
+//! - [`graph`] owns graphs and executables and reads nodes back;
+//! - [`ffi`] holds the few raw driver and NVRTC calls, each wrapped once; [`error`] maps result
+//!   codes to [`Error`](crate::Error);
+//! - `baseline` measures raw cudarc launches, the yardstick for graphed's launch overhead.
+//!
+//! cudarc's event tracking is off: it would make every use of memory wait on events recorded
+//! before a capture, which CUDA refuses (isolation). All ordering is graphed's, through events.
 
+#![allow(unsafe_code)]
+
+mod baseline;
+
+pub(crate) use baseline::raw_launch_baseline;
+mod capture;
+mod context;
+mod error;
+mod ffi;
+mod graph;
+mod launch;
+mod memory;
+mod nvrtc;
+mod stream;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, CudaContext};
+
+use self::error as err;
+use self::graph::{CuExec, CuGraph};
+use self::launch::Kernels;
+use self::memory::CuMem;
+use self::stream::{CuEvent, CuStream};
 use super::backend::{Backend, Op};
 use super::memory::MemKind;
 use super::{BufferId, CaptureMode, CaptureStatus, DeviceId, EventId, NodeInfo, StreamId};
-use crate::{Error, Result};
+use crate::error::CaptureSite;
+use crate::Result;
 
-/// No value of this type exists yet.
-pub(crate) enum CudaDevice {}
+/// One GPU, through its primary context.
+pub(crate) struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    kernels: Kernels,
+    description: String,
+}
 
 impl CudaDevice {
-    pub(crate) fn new(_id: DeviceId, _ordinal: usize) -> Result<CudaDevice> {
-        Err(Error::CudaUnavailable { reason: "this build has no CUDA backend yet".into() })
+    /// Opens GPU `ordinal`; [`Error::CudaUnavailable`](crate::Error::CudaUnavailable) when the
+    /// driver, NVRTC or the GPU is missing, or the GPU is older than compute capability 7.0.
+    pub(crate) fn new(_id: DeviceId, ordinal: usize) -> Result<CudaDevice> {
+        let opened = context::open(ordinal)?;
+        let version = ffi::driver_version().map_err(|e| err::driver("Device::cuda", None, e))?;
+        let compiler = nvrtc::Compiler::new(opened.cc)?;
+        let description =
+            format!("{} ({}, driver {}.{})", opened.name, compiler.arch(), version / 1000, version % 1000 / 10);
+        Ok(CudaDevice { kernels: Kernels::new(opened.ctx.clone(), compiler), ctx: opened.ctx, description })
     }
 
+    /// "NVIDIA H200 (sm_90, driver 13.0)".
     pub(crate) fn describe(&self) -> String {
-        match *self {}
+        self.description.clone()
+    }
+
+    /// Makes the device's context current on this thread, as driver calls without a stream need;
+    /// also reports an error left on the context by an earlier destructor.
+    fn bind(&self, op: &'static str) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| err::driver(op, None, e))
     }
 }
-
-/// The raw cudarc baseline needs the CUDA backend.
-pub(crate) fn raw_launch_baseline(
-    _: usize,
-    _: &'static super::Kernel,
-    _: usize,
-    _: usize,
-) -> Result<super::RawLaunchTimes> {
-    Err(Error::CudaUnavailable { reason: "this build has no CUDA backend yet".into() })
-}
-
-/// Handle types of the placeholder backend; uninhabited like the device.
-pub(crate) enum Never {}
 
 impl Backend for CudaDevice {
-    type Stream = Never;
-    type Event = Never;
-    type Mem = Never;
-    type Graph = Never;
-    type Exec = Never;
+    type Stream = CuStream;
+    type Event = CuEvent;
+    type Mem = CuMem;
+    type Graph = CuGraph;
+    type Exec = CuExec;
 
-    fn create_stream(&self, _: StreamId, _: i32) -> Result<Never> {
-        match *self {}
+    fn create_stream(&self, id: StreamId, priority: i32) -> Result<CuStream> {
+        stream::create(&self.ctx, id, priority)
     }
-    fn legacy_stream(&self, _: StreamId) -> Result<Never> {
-        match *self {}
+
+    fn legacy_stream(&self, id: StreamId) -> Result<CuStream> {
+        Ok(stream::legacy(&self.ctx, id))
     }
+
     fn priority_range(&self) -> Result<(i32, i32)> {
-        match *self {}
+        const OP: &str = "priority_range";
+        self.bind(OP)?;
+        result::stream::get_priority_range().map_err(|e| err::driver(OP, None, e))
     }
-    fn create_event(&self, _: EventId, _: bool) -> Result<Never> {
-        match *self {}
+
+    fn create_event(&self, id: EventId, timing: bool) -> Result<CuEvent> {
+        stream::create_event(&self.ctx, id, timing)
     }
-    fn elapsed_ms(&self, _: &Never, _: &Never) -> Result<f32> {
-        match *self {}
+
+    fn elapsed_ms(&self, start: &CuEvent, end: &CuEvent) -> Result<f32> {
+        self.bind("Event::elapsed_ms")?;
+        stream::elapsed_ms(start, end)
     }
-    fn alloc(&self, _: BufferId, _: usize, _: MemKind) -> Result<Never> {
-        match *self {}
+
+    fn alloc(&self, _id: BufferId, bytes: usize, kind: MemKind) -> Result<CuMem> {
+        self.bind("alloc")?;
+        memory::alloc(&self.ctx, bytes, kind)
     }
-    fn load_kernel(&self, _: &'static super::Kernel) -> Result<()> {
-        match *self {}
+
+    fn load_kernel(&self, kernel: &'static crate::device::Kernel) -> Result<()> {
+        const OP: &str = "Device::load_kernel";
+        self.bind(OP)?;
+        // A refusal is reported on the capture that forbids the load, as for allocations.
+        let on = capture::forbidding_site().unwrap_or(CaptureSite::Stream(StreamId(0)));
+        self.kernels.load(kernel, on)
     }
-    fn enqueue(&self, _: &Never, _: &Op<'_>) -> Result<()> {
-        match *self {}
+
+    fn enqueue(&self, stream: &CuStream, op: &Op<'_>) -> Result<()> {
+        let name = op.name();
+        self.bind(name)?;
+        let capture = capture::active_id(&stream.raw).map_err(|e| err::at(name, CaptureSite::Stream(stream.id), e))?;
+        match *op {
+            Op::Kernel { kernel, dims, args } => self.kernels.launch(stream, kernel, &dims, args)?,
+            Op::Copy { dir, src, src_offset, dst, dst_offset, bytes } => {
+                memory::copy(name, stream, dir, (src, src_offset), (dst, dst_offset), bytes)?
+            }
+            Op::Memset { dst, offset, bytes, value } => memory::memset(name, stream, (dst, offset), bytes, value)?,
+        }
+        if let Some(id) = capture {
+            capture::hold_op(id, op);
+        }
+        Ok(())
     }
-    fn record(&self, _: &Never, _: &Never, _: bool) -> Result<()> {
-        match *self {}
+
+    fn record(&self, stream: &CuStream, event: &CuEvent, external: bool) -> Result<()> {
+        self.bind("record")?;
+        stream::record(stream, event, external)
     }
-    fn wait(&self, _: &Never, _: &Never, _: bool) -> Result<()> {
-        match *self {}
+
+    fn wait(&self, stream: &CuStream, event: &CuEvent, external: bool) -> Result<()> {
+        self.bind("wait")?;
+        stream::wait(stream, event, external)
     }
-    fn stream_synchronize(&self, _: &Never) -> Result<()> {
-        match *self {}
+
+    fn stream_synchronize(&self, stream: &CuStream) -> Result<()> {
+        stream::synchronize("Stream::synchronize", stream)
     }
-    fn stream_query(&self, _: &Never) -> Result<bool> {
-        match *self {}
+
+    fn stream_query(&self, stream: &CuStream) -> Result<bool> {
+        self.bind("Stream::query")?;
+        stream::query(stream)
     }
-    fn event_query(&self, _: &Never) -> Result<bool> {
-        match *self {}
+
+    fn event_query(&self, event: &CuEvent) -> Result<bool> {
+        stream::event_query(event)
     }
-    fn event_synchronize(&self, _: &Never) -> Result<()> {
-        match *self {}
+
+    fn event_synchronize(&self, event: &CuEvent) -> Result<()> {
+        stream::event_synchronize(event)
     }
+
     fn synchronize(&self) -> Result<()> {
-        match *self {}
+        const OP: &str = "Device::synchronize";
+        self.ctx.synchronize().map_err(|e| err::driver(OP, capture::forbidding_site(), e))?;
+        capture::flush_deferred();
+        Ok(())
     }
-    fn read_blocking(&self, _: &Never, _: &Never, _: usize, _: &mut [u8]) -> Result<()> {
-        match *self {}
+
+    fn read_blocking(&self, stream: &CuStream, mem: &CuMem, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.bind("to_vec")?;
+        memory::read_blocking(stream, mem, offset, out)
     }
-    fn write_blocking(&self, _: &Never, _: &Never, _: usize, _: &[u8]) -> Result<()> {
-        match *self {}
+
+    fn write_blocking(&self, stream: &CuStream, mem: &CuMem, offset: usize, data: &[u8]) -> Result<()> {
+        self.bind("write_from")?;
+        memory::write_blocking(stream, mem, offset, data)
     }
-    fn read_pinned(m: &Never, _: &mut [u8]) -> Result<()> {
-        match *m {}
+
+    fn read_pinned(mem: &CuMem, out: &mut [u8]) -> Result<()> {
+        mem.read_pinned(out)
     }
-    fn write_pinned(m: &Never, _: &[u8]) -> Result<()> {
-        match *m {}
+
+    fn write_pinned(mem: &CuMem, data: &[u8]) -> Result<()> {
+        mem.write_pinned(data)
     }
-    fn begin_capture(&self, _: &Never, _: CaptureMode) -> Result<()> {
-        match *self {}
+
+    fn begin_capture(&self, stream: &CuStream, mode: CaptureMode) -> Result<()> {
+        capture::begin(stream, mode)
     }
-    fn end_capture(&self, _: &Never) -> Result<Never> {
-        match *self {}
+
+    fn end_capture(&self, stream: &CuStream) -> Result<CuGraph> {
+        self.bind("end_capture")?;
+        let (graph, held) = capture::end(stream)?;
+        Ok(CuGraph::new(graph, held))
     }
-    fn capture_status(&self, _: &Never) -> Result<CaptureStatus> {
-        match *self {}
+
+    fn capture_status(&self, stream: &CuStream) -> Result<CaptureStatus> {
+        capture::status(stream)
     }
-    fn graph_nodes(&self, _: &Never) -> Result<Vec<NodeInfo>> {
-        match *self {}
+
+    fn graph_nodes(&self, graph: &CuGraph) -> Result<Vec<NodeInfo>> {
+        graph.nodes(&self.kernels)
     }
-    fn graph_dot(&self, _: &Never) -> Result<String> {
-        match *self {}
+
+    fn graph_dot(&self, graph: &CuGraph) -> Result<String> {
+        graph.dot()
     }
-    fn instantiate(&self, _: &Never) -> Result<Never> {
-        match *self {}
+
+    fn instantiate(&self, graph: &CuGraph) -> Result<CuExec> {
+        self.bind("Graph::instantiate")?;
+        graph.instantiate()
     }
-    fn upload(&self, _: &Never, _: &Never) -> Result<()> {
-        match *self {}
+
+    fn upload(&self, exec: &CuExec, stream: &CuStream) -> Result<()> {
+        const OP: &str = "GraphExec::upload";
+        self.bind(OP)?;
+        exec.upload(&stream.raw).map_err(|e| err::at(OP, CaptureSite::Stream(stream.id), e))
     }
-    fn launch(&self, _: &Never, _: &Never) -> Result<()> {
-        match *self {}
+
+    fn launch(&self, exec: &CuExec, stream: &CuStream) -> Result<()> {
+        const OP: &str = "GraphExec::launch";
+        self.bind(OP)?;
+        // Into a capturing stream CUDA 13.0 refuses it (Unsupported), so no capture ever needs
+        // to hold what the graph holds.
+        exec.launch(&stream.raw).map_err(|e| err::at(OP, CaptureSite::Stream(stream.id), e))
     }
 }

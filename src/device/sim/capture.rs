@@ -32,7 +32,7 @@ impl State {
         }
     }
 
-    fn invalidate(&mut self, cap: u64) {
+    pub(super) fn invalidate(&mut self, cap: u64) {
         if let Some(c) = self.captures.get_mut(&cap) {
             c.invalid = true;
         }
@@ -69,8 +69,10 @@ impl State {
                 st.frontier = merged.into_iter().collect();
                 Ok(())
             }
-            Record::Captured { .. } => {
+            Record::Captured { capture: other, .. } => {
+                // CUDA invalidates both captures.
                 self.invalidate(cap);
+                self.invalidate(other);
                 Err(err(op, stream, CaptureErrorKind::Merge))
             }
         }
@@ -157,11 +159,11 @@ impl State {
         };
         let c = &self.captures[&cap];
         if c.origin != stream {
+            // CUDA refuses, and the capture cannot succeed any more.
+            self.invalidate(cap);
             return Err(err(OP, stream, CaptureErrorKind::Unmatched));
         }
-        if c.mode != CaptureMode::Relaxed && c.thread != std::thread::current().id() {
-            return Err(err(OP, stream, CaptureErrorKind::WrongThread));
-        }
+        let wrong_thread = c.mode != CaptureMode::Relaxed && c.thread != std::thread::current().id();
         let c = self.captures.remove(&cap).expect("checked above");
         let frontiers: Vec<(StreamId, Vec<usize>)> = c
             .members
@@ -172,6 +174,10 @@ impl State {
                 (*m, std::mem::take(&mut st.frontier))
             })
             .collect();
+        // CUDA ends the capture in both cases.
+        if wrong_thread {
+            return Err(err(OP, stream, CaptureErrorKind::WrongThread));
+        }
         if c.invalid {
             return Err(err(OP, stream, CaptureErrorKind::Invalidated));
         }

@@ -81,12 +81,10 @@ impl State {
     /// after the executable's previous launch (CUDA runs launches of one executable in order).
     pub(super) fn launch(&mut self, exec: &SimExec, stream: StreamId) -> Result<()> {
         const OP: &str = "GraphExec::launch";
-        if self.active_capture_of(OP, stream)?.is_some() {
-            return Err(Error::Unsupported {
-                op: OP,
-                backend: "sim",
-                why: "launching a graph inside a capture (a child-graph node) is not simulated; launch it before begin_capture or after end_capture",
-            });
+        if let Some(cap) = self.active_capture_of(OP, stream)? {
+            // CUDA 13.0 refuses a graph launch into a capturing stream and invalidates the capture.
+            self.invalidate(cap);
+            return Err(capture_error(OP, stream, CaptureErrorKind::Unsupported));
         }
         let before = [self.stream(stream).last, self.exec_last.get(&exec.id).copied()];
         let mut work: Vec<WorkId> = Vec::with_capacity(exec.nodes.len());

@@ -8,7 +8,12 @@
 //! - capture isolation: a capturing stream waiting on an event recorded outside the capture
 //!   invalidates the capture, and an invalidated capture stays invalid until it is ended;
 //!   a stream that waits on an event recorded inside a capture joins that capture;
-//! - a fork not joined back before `end_capture` fails it;
+//! - a fork not joined back before `end_capture` fails it; `end_capture` on a stream that
+//!   joined but did not begin the capture is refused and invalidates it; from another thread
+//!   (global and thread-local modes) it is refused and ends the capture;
+//! - querying an event recorded in a capture, a wait that would merge two captures, and a graph
+//!   launch into a capturing stream are refused and invalidate the capture(s) involved (what
+//!   CUDA 13.0 does on the H200);
 //! - synchronizing or querying a capturing stream is forbidden in every mode; synchronous calls
 //!   (synchronizing or querying any stream, event or the device, blocking copies, plain
 //!   allocation, module loading) are forbidden on every thread in global mode and on the
@@ -204,11 +209,14 @@ impl State {
         self.queue.run_until(&last)
     }
 
-    fn event_target(&self, op: &'static str, event: EventId) -> Result<Option<WorkId>> {
+    fn event_target(&mut self, op: &'static str, event: EventId) -> Result<Option<WorkId>> {
         match self.events.get(&event) {
             None | Some(Record::Never) | Some(Record::At(None)) => Ok(None),
             Some(Record::At(Some(w))) => Ok(Some(*w)),
-            Some(Record::Captured { .. }) => {
+            Some(Record::Captured { capture, .. }) => {
+                // CUDA refuses and invalidates the capture the event was recorded in.
+                let capture = *capture;
+                self.invalidate(capture);
                 Err(Error::Capture { op, on: CaptureSite::Event(event), kind: CaptureErrorKind::CapturedEvent })
             }
         }

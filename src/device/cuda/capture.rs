@@ -1,0 +1,292 @@
+//! The captures graphed has begun, process-wide: what each keeps alive, and the frees that wait
+//! for them.
+//!
+//! A captured graph refers to buffers and events by address, and the user may drop their handles
+//! before the graph's last launch. So while a stream captures, every buffer and external event an
+//! enqueued operation names is held by its capture, and `end_capture` hands the [`Holdings`] to
+//! the graph. Freeing memory (`cuMemFree`, `cuMemFreeHost`) is a synchronous call that global and
+//! thread-local captures forbid, and trying it would invalidate them; so while any capture is
+//! active, frees are deferred, and run when the last capture ends (or at the next allocation or
+//! device synchronize, if none is active then).
+//!
+//! The registry is process-wide because both facts are: capture ids are unique per process, and a
+//! global-mode capture forbids synchronous calls on every thread and context. Its lock also orders
+//! frees against `begin_capture`, so a free never lands inside a capture that began meanwhile.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::ThreadId;
+
+use cudarc::driver::{sys, CudaStream, DriverError};
+
+use super::error as err;
+use super::ffi::{self, OwnedGraph, CAPTURE_ACTIVE, CAPTURE_INVALIDATED, CAPTURE_NONE};
+use super::memory::Alloc;
+use super::stream::{CuStream, EventInner};
+use crate::device::backend::Op;
+use crate::device::kernel::Arg;
+use crate::device::memory::RawBuffer;
+use crate::device::{BufferId, CaptureMode, CaptureStatus, EventId, StreamId};
+use crate::error::{CaptureErrorKind, CaptureSite};
+use crate::{Error, Result};
+
+/// What a captured graph keeps alive: the buffers and events its nodes name. (CUDA 13.0 refuses
+/// to launch a graph into a capture, so graphs never hold other graphs.)
+#[derive(Default)]
+pub(super) struct Holdings {
+    buffers: HashMap<BufferId, Arc<RawBuffer>>,
+    events: HashMap<EventId, Arc<EventInner>>,
+}
+
+impl Holdings {
+    fn add_buffer(&mut self, raw: &Arc<RawBuffer>) {
+        self.buffers.entry(raw.id).or_insert_with(|| raw.clone());
+    }
+
+    fn add_op(&mut self, op: &Op<'_>) {
+        match op {
+            Op::Kernel { args, .. } => {
+                for arg in args.iter() {
+                    if let Arg::Buf(b) = arg {
+                        self.add_buffer(b.raw);
+                    }
+                }
+            }
+            Op::Copy { src, dst, .. } => {
+                self.add_buffer(src);
+                self.add_buffer(dst);
+            }
+            Op::Memset { dst, .. } => self.add_buffer(dst),
+        }
+    }
+
+    /// The id of a held event, by its driver handle (as graph nodes report it).
+    pub(super) fn event_id(&self, raw: sys::CUevent) -> Option<EventId> {
+        self.events.values().find(|e| e.raw.cu_event() == raw).map(|e| e.id)
+    }
+}
+
+/// Who began a capture, for error sites and for ending it if its stream is dropped.
+#[derive(Clone, Copy)]
+struct Began {
+    origin: StreamId,
+    mode: CaptureMode,
+    thread: ThreadId,
+}
+
+struct Live {
+    id: u64,
+    /// `None` for a capture graphed did not begin but whose streams it was asked to use; its
+    /// holdings then live as long as the process, since graphed cannot see it end.
+    began: Option<Began>,
+    held: Holdings,
+}
+
+struct State {
+    captures: Vec<Live>,
+    deferred: Vec<Alloc>,
+}
+
+struct Registry {
+    /// Captures begun and not yet ended; read without the lock by every enqueue.
+    active: AtomicUsize,
+    state: Mutex<State>,
+}
+
+static REGISTRY: Registry =
+    Registry { active: AtomicUsize::new(0), state: Mutex::new(State { captures: Vec::new(), deferred: Vec::new() }) };
+
+fn lock() -> MutexGuard<'static, State> {
+    // The state stays consistent across a panic in another thread (each update is one push or
+    // remove), so keep using it.
+    REGISTRY.state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn any_active() -> bool {
+    REGISTRY.active.load(Ordering::SeqCst) > 0
+}
+
+/// How many captures graphed has begun and not yet seen end.
+#[cfg(test)]
+pub(super) fn active_count() -> usize {
+    REGISTRY.active.load(Ordering::SeqCst)
+}
+
+/// The id of the active capture `stream` takes part in, if any. Costs one driver query, and only
+/// while some capture is active; otherwise nothing.
+pub(super) fn active_id(stream: &CudaStream) -> Result<Option<u64>, DriverError> {
+    if !any_active() {
+        return Ok(None);
+    }
+    let info = ffi::capture_info(stream)?;
+    Ok((info.status == CAPTURE_ACTIVE).then_some(info.id))
+}
+
+/// Holds everything `op` names for as long as capture `id`'s graph lives.
+pub(super) fn hold_op(id: u64, op: &Op<'_>) {
+    with_holdings(id, |h| h.add_op(op));
+}
+
+/// Holds an event recorded or waited on with the external flag (it is named by a node).
+pub(super) fn hold_event(id: u64, event: &Arc<EventInner>) {
+    with_holdings(id, |h| {
+        h.events.entry(event.id).or_insert_with(|| event.clone());
+    });
+}
+
+fn with_holdings(id: u64, add: impl FnOnce(&mut Holdings)) {
+    let mut st = lock();
+    let pos = match st.captures.iter().position(|c| c.id == id) {
+        Some(pos) => pos,
+        None => {
+            st.captures.push(Live { id, began: None, held: Holdings::default() });
+            st.captures.len() - 1
+        }
+    };
+    add(&mut st.captures[pos].held);
+}
+
+fn cu_mode(mode: CaptureMode) -> sys::CUstreamCaptureMode {
+    match mode {
+        CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        CaptureMode::ThreadLocal => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+    }
+}
+
+/// `cuStreamBeginCapture_v2`, registering the capture.
+pub(super) fn begin(stream: &CuStream, mode: CaptureMode) -> Result<()> {
+    const OP: &str = "begin_capture";
+    let on = CaptureSite::Stream(stream.id);
+    let mut st = lock();
+    stream.raw.begin_capture(cu_mode(mode)).map_err(|e| match e.0 {
+        sys::CUresult::CUDA_ERROR_ILLEGAL_STATE => {
+            Error::Capture { op: OP, on, kind: CaptureErrorKind::AlreadyCapturing }
+        }
+        _ => err::at(OP, on, e),
+    })?;
+    let info = match ffi::capture_info(&stream.raw) {
+        Ok(info) => info,
+        Err(e) => {
+            // An unregistered capture would hold nothing; end it rather than let it run.
+            drop(ffi::end_capture(&stream.raw, stream.raw.context()));
+            return Err(err::at(OP, on, e));
+        }
+    };
+    let began = Began { origin: stream.id, mode, thread: std::thread::current().id() };
+    st.captures.push(Live { id: info.id, began: Some(began), held: Holdings::default() });
+    REGISTRY.active.fetch_add(1, Ordering::SeqCst);
+    Ok(())
+}
+
+/// `cuStreamEndCapture`: the graph and what it must keep alive.
+///
+/// A failed end may or may not end the capture (on CUDA 13.0 an invalidated or unjoined capture
+/// ends, and so does one ended from the wrong thread); the driver is asked, and the holdings are
+/// released only once the capture is over.
+pub(super) fn end(stream: &CuStream) -> Result<(OwnedGraph, Holdings)> {
+    const OP: &str = "end_capture";
+    let on = CaptureSite::Stream(stream.id);
+    let info = ffi::capture_info(&stream.raw).map_err(|e| err::at(OP, on, e))?;
+    if info.status == CAPTURE_NONE {
+        return Err(Error::Capture { op: OP, on, kind: CaptureErrorKind::Unmatched });
+    }
+    let ended = ffi::end_capture(&stream.raw, stream.raw.context());
+    // If the capture cannot be queried after a failed end, keep its holdings: a leak is safe, a
+    // graph whose buffers were freed is not.
+    let over = ended.is_ok()
+        || ffi::capture_info(&stream.raw).is_ok_and(|now| now.status == CAPTURE_NONE || now.id != info.id);
+    let held = if over { finish(info.id) } else { Holdings::default() };
+    match ended {
+        Ok(graph) => Ok((graph, held)),
+        Err(e) => Err(err::at(OP, on, e)),
+    }
+}
+
+/// Forgets an ended capture and returns its holdings (dropped by the caller, outside the lock);
+/// if it was the last active capture, runs the frees it deferred.
+fn finish(id: u64) -> Holdings {
+    let mut st = lock();
+    let Some(pos) = st.captures.iter().position(|c| c.id == id) else {
+        return Holdings::default();
+    };
+    let live = st.captures.swap_remove(pos);
+    if live.began.is_some() {
+        REGISTRY.active.fetch_sub(1, Ordering::SeqCst);
+    }
+    free_deferred(&mut st);
+    live.held
+}
+
+/// Ends the capture that `stream` began, if it is still capturing when the stream is dropped, so
+/// that the registry never waits for a capture no one can end. Errors are left on the context.
+pub(super) fn abandon(stream: &CuStream) {
+    if !any_active() {
+        return;
+    }
+    let Ok(info) = ffi::capture_info(&stream.raw) else { return };
+    let began_here = info.status != CAPTURE_NONE
+        && lock().captures.iter().any(|c| c.id == info.id && c.began.is_some_and(|b| b.origin == stream.id));
+    if began_here {
+        let ctx = stream.raw.context();
+        ctx.record_err(ctx.bind_to_thread());
+        ctx.record_err(ffi::end_capture(&stream.raw, ctx).map(drop));
+        drop(finish(info.id));
+    }
+}
+
+/// The state of `stream`'s capture.
+pub(super) fn status(stream: &CuStream) -> Result<CaptureStatus> {
+    const OP: &str = "capture_status";
+    let info = ffi::capture_info(&stream.raw).map_err(|e| err::at(OP, CaptureSite::Stream(stream.id), e))?;
+    match info.status {
+        CAPTURE_NONE => Ok(CaptureStatus::None),
+        CAPTURE_ACTIVE => Ok(CaptureStatus::Active),
+        CAPTURE_INVALIDATED => Ok(CaptureStatus::Invalidated),
+        other => Err(Error::Cuda {
+            op: OP,
+            message: format!("the driver reported capture status {other}, unknown to graphed"),
+        }),
+    }
+}
+
+/// Where to report a synchronous call (allocation, device synchronize, blocking copy) that a
+/// capture refused: the origin stream of a capture that forbids it on this thread, else of any
+/// capture graphed began.
+pub(super) fn forbidding_site() -> Option<CaptureSite> {
+    let me = std::thread::current().id();
+    let st = lock();
+    let began = || st.captures.iter().filter_map(|c| c.began);
+    began()
+        .find(|b| match b.mode {
+            CaptureMode::Global => true,
+            CaptureMode::ThreadLocal => b.thread == me,
+            CaptureMode::Relaxed => false,
+        })
+        .or_else(|| began().next())
+        .map(|b| CaptureSite::Stream(b.origin))
+}
+
+/// Frees `alloc` now, or when the last active capture ends.
+pub(super) fn free_or_defer(alloc: Alloc) {
+    let mut st = lock();
+    if any_active() {
+        st.deferred.push(alloc);
+    } else {
+        alloc.free();
+    }
+}
+
+/// Runs the deferred frees if no capture is active (at allocation and device synchronize).
+pub(super) fn flush_deferred() {
+    free_deferred(&mut lock());
+}
+
+fn free_deferred(st: &mut State) {
+    if !any_active() {
+        for alloc in st.deferred.drain(..) {
+            alloc.free();
+        }
+    }
+}

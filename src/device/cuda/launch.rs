@@ -1,0 +1,173 @@
+//! Kernels: each source compiled once for the GPU's architecture (see [`nvrtc`](super::nvrtc)),
+//! loaded once per device, and launched with arguments marshalled on the stack.
+//!
+//! The hot path of a launch is one lock and one pointer-keyed lookup; the source text is hashed
+//! only the first time a kernel is launched.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudarc::driver::{sys, CudaContext, CudaModule, DriverError};
+use cudarc::nvrtc::Ptx;
+
+use super::error as err;
+use super::ffi::{self, Function};
+use super::memory;
+use super::nvrtc::Compiler;
+use super::stream::CuStream;
+use crate::device::kernel::{Arg, Kernel, LaunchDims};
+use crate::error::CaptureSite;
+use crate::{Error, Result};
+
+/// Launches with at most this many arguments marshal them without allocating.
+const INLINE_ARGS: usize = 16;
+
+/// The kernels loaded on one device.
+pub(super) struct Kernels {
+    ctx: Arc<CudaContext>,
+    compiler: Compiler,
+    loaded: Mutex<Loaded>,
+}
+
+#[derive(Default)]
+struct Loaded {
+    /// By the address of the `&'static Kernel`.
+    functions: HashMap<usize, Function>,
+    /// By source text; keeps every function above loaded for the device's lifetime.
+    modules: HashMap<&'static str, Arc<CudaModule>>,
+    /// Kernel names by [`Function::key`], for graph introspection.
+    names: HashMap<usize, &'static str>,
+}
+
+impl Kernels {
+    pub(super) fn new(ctx: Arc<CudaContext>, compiler: Compiler) -> Kernels {
+        Kernels { ctx, compiler, loaded: Mutex::new(Loaded::default()) }
+    }
+
+    /// The name of a kernel loaded here, by its function's key.
+    pub(super) fn name_of(&self, key: usize) -> Option<&'static str> {
+        self.lock().names.get(&key).copied()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Loaded> {
+        // Every update is a completed insert, so the maps stay consistent across a panic.
+        self.loaded.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Loads the kernel's module now (see `Device::load_kernel`): under a global or thread-local
+    /// capture CUDA refuses it, and that error is returned.
+    pub(super) fn load(&self, kernel: &'static Kernel, on: CaptureSite) -> Result<()> {
+        self.function(kernel, on, Loading::AsIs).map(|_| ())
+    }
+
+    /// The kernel's function, compiling and loading its source on first use. The lock is held
+    /// throughout, so concurrent first launches compile a source once.
+    fn function(&self, kernel: &'static Kernel, on: CaptureSite, loading: Loading) -> Result<Function> {
+        let key = ptr::from_ref(kernel) as usize;
+        let mut loaded = self.lock();
+        if let Some(f) = loaded.functions.get(&key) {
+            return Ok(*f);
+        }
+        let module = match loaded.modules.get(kernel.source) {
+            Some(m) => m.clone(),
+            None => {
+                let cubin = self.compiler.cubin(kernel.name, kernel.source)?;
+                let load = || self.ctx.load_module(Ptx::from_binary(cubin));
+                let m = match loading {
+                    Loading::AsIs => load(),
+                    Loading::Relaxed => relaxed(load),
+                }
+                .map_err(|e| err::at(kernel.name, on, e))?;
+                loaded.modules.insert(kernel.source, m.clone());
+                m
+            }
+        };
+        if kernel.name.contains('\0') {
+            return Err(Error::Cuda { op: kernel.name, message: "the kernel name contains a NUL byte".into() });
+        }
+        let f = module.load_function(kernel.name).map_err(|e| Error::Cuda {
+            op: kernel.name,
+            message: format!(
+                "loading the function from its compiled source: {}; is it an extern \"C\" __global__ function of Kernel::source?",
+                err::describe(e)
+            ),
+        })?;
+        let f = Function::of(&f);
+        loaded.functions.insert(key, f);
+        loaded.names.insert(f.key(), kernel.name);
+        Ok(f)
+    }
+
+    /// Enqueues `kernel` on `stream`. The device's context must be bound.
+    pub(super) fn launch(
+        &self,
+        stream: &CuStream,
+        kernel: &'static Kernel,
+        dims: &LaunchDims,
+        args: &[Arg<'_>],
+    ) -> Result<()> {
+        let on = CaptureSite::Stream(stream.id);
+        let func = self.function(kernel, on, Loading::Relaxed)?;
+        let n = args.len();
+        if n <= INLINE_ARGS {
+            let mut values = [0u64; INLINE_ARGS];
+            let mut params = [ptr::null_mut(); INLINE_ARGS];
+            launch_with(func, stream, kernel.name, dims, args, &mut values[..n], &mut params[..n])
+        } else {
+            launch_with(func, stream, kernel.name, dims, args, &mut vec![0; n], &mut vec![ptr::null_mut(); n])
+        }
+    }
+}
+
+/// How a module load treats an active capture.
+#[derive(Clone, Copy)]
+enum Loading {
+    /// As CUDA does: global and thread-local captures refuse it.
+    AsIs,
+    /// In relaxed mode for this thread, so that a kernel first launched inside a capture loads
+    /// instead of invalidating the capture (the captured launch itself is unaffected).
+    Relaxed,
+}
+
+/// Runs `f` with this thread in relaxed capture mode, then restores the previous mode.
+fn relaxed<T>(f: impl FnOnce() -> Result<T, DriverError>) -> Result<T, DriverError> {
+    let previous = ffi::exchange_capture_mode(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+    let out = f();
+    ffi::exchange_capture_mode(previous)?;
+    out
+}
+
+/// Marshals `args` into `values` (one 8-byte slot each) and `params` (a pointer to each slot),
+/// and launches.
+///
+/// A buffer argument is the device address of its view's first element. A scalar is stored with
+/// [`Scalar::bytes`](crate::device::Scalar), so its slot begins with the value in its own type
+/// and size (4 bytes for `f32`, `u32`, `i32`), which is what the driver copies for a parameter of
+/// that type.
+fn launch_with(
+    func: Function,
+    stream: &CuStream,
+    name: &'static str,
+    dims: &LaunchDims,
+    args: &[Arg<'_>],
+    values: &mut [u64],
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    for (value, arg) in values.iter_mut().zip(args) {
+        *value = match arg {
+            Arg::Buf(b) => memory::kernel_arg(name, b.raw, b.region.offset() * b.dtype.size())?,
+            Arg::Scalar(s) => u64::from_ne_bytes(s.bytes()),
+        };
+    }
+    for (param, value) in params.iter_mut().zip(values.iter_mut()) {
+        *param = ptr::from_mut(value).cast();
+    }
+    // SAFETY: the function's module stays loaded in `Kernels`; `params` has one pointer per
+    // argument, each to an 8-byte slot that outlives the call and begins with the argument's
+    // value. That the list matches the kernel's signature is the contract of `Kernel`, as for any
+    // CUDA launch. Buffers outlive the launch as explained in `memory::copy`.
+    unsafe { ffi::launch(func, dims, &stream.raw, params) }
+        .map_err(|e| err::at(name, CaptureSite::Stream(stream.id), e))
+}

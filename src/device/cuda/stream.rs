@@ -1,0 +1,116 @@
+//! Streams and events, and the verbs between them: record, wait, query, synchronize.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+
+use super::capture;
+use super::error as err;
+use super::ffi;
+use crate::device::{EventId, StreamId};
+use crate::error::CaptureSite;
+use crate::Result;
+
+/// A stream: a non-blocking stream with a priority, or the legacy NULL stream.
+pub(crate) struct CuStream {
+    pub(super) id: StreamId,
+    pub(super) raw: Arc<CudaStream>,
+}
+
+impl CuStream {
+    fn site(&self) -> CaptureSite {
+        CaptureSite::Stream(self.id)
+    }
+}
+
+impl Drop for CuStream {
+    fn drop(&mut self) {
+        capture::abandon(self);
+    }
+}
+
+/// An event. Shared, so that a graph whose node records or waits on it can keep it alive.
+pub(crate) struct CuEvent(pub(super) Arc<EventInner>);
+
+pub(super) struct EventInner {
+    pub(super) id: EventId,
+    pub(super) raw: CudaEvent,
+}
+
+impl CuEvent {
+    fn site(&self) -> CaptureSite {
+        CaptureSite::Event(self.0.id)
+    }
+}
+
+/// A new non-blocking stream; the driver clamps `priority` into the device's range.
+pub(super) fn create(ctx: &Arc<CudaContext>, id: StreamId, priority: i32) -> Result<CuStream> {
+    let raw = ctx.new_stream_with_priority(priority).map_err(|e| err::driver("create_stream", None, e))?;
+    Ok(CuStream { id, raw })
+}
+
+/// The legacy NULL stream, which CUDA refuses to capture.
+pub(super) fn legacy(ctx: &Arc<CudaContext>, id: StreamId) -> CuStream {
+    CuStream { id, raw: ctx.default_stream() }
+}
+
+/// A new event; only `timing` events can measure elapsed time (the others record faster).
+pub(super) fn create_event(ctx: &Arc<CudaContext>, id: EventId, timing: bool) -> Result<CuEvent> {
+    let flags = if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
+    let raw = ctx.new_event(Some(flags)).map_err(|e| err::driver("create_event", None, e))?;
+    Ok(CuEvent(Arc::new(EventInner { id, raw })))
+}
+
+/// Records `event` on `stream`; an external record inside a capture becomes a node that holds the
+/// event. The device's context must be bound.
+pub(super) fn record(stream: &CuStream, event: &CuEvent, external: bool) -> Result<()> {
+    if !external {
+        return event.0.raw.record(&stream.raw).map_err(|e| err::at("record", stream.site(), e));
+    }
+    const OP: &str = "record_external";
+    let capture = capture::active_id(&stream.raw).map_err(|e| err::at(OP, stream.site(), e))?;
+    ffi::record_external(&event.0.raw, &stream.raw).map_err(|e| err::at(OP, stream.site(), e))?;
+    if let Some(id) = capture {
+        capture::hold_event(id, &event.0);
+    }
+    Ok(())
+}
+
+/// Makes `stream` wait on `event`'s latest record; an external wait inside a capture becomes a
+/// node that holds the event. The device's context must be bound.
+pub(super) fn wait(stream: &CuStream, event: &CuEvent, external: bool) -> Result<()> {
+    let op = if external { "wait_external" } else { "wait" };
+    // Only an external wait adds a node that names the event; a plain wait adds edges.
+    let capture =
+        if external { capture::active_id(&stream.raw).map_err(|e| err::at(op, stream.site(), e))? } else { None };
+    ffi::wait(&stream.raw, &event.0.raw, external).map_err(|e| err::at(op, stream.site(), e))?;
+    if let Some(id) = capture {
+        capture::hold_event(id, &event.0);
+    }
+    Ok(())
+}
+
+/// `cuStreamSynchronize`: refused on a capturing stream, in every capture mode.
+pub(super) fn synchronize(op: &'static str, stream: &CuStream) -> Result<()> {
+    stream.raw.synchronize().map_err(|e| err::at(op, stream.site(), e))
+}
+
+/// `cuStreamQuery`. The device's context must be bound.
+pub(super) fn query(stream: &CuStream) -> Result<bool> {
+    ffi::stream_query(&stream.raw).map_err(|e| err::at("Stream::query", stream.site(), e))
+}
+
+/// `cuEventQuery`: `Ok(false)` while the work before the latest record is pending.
+pub(super) fn event_query(event: &CuEvent) -> Result<bool> {
+    event.0.raw.try_is_complete().map_err(|e| err::at("Event::query", event.site(), e))
+}
+
+/// `cuEventSynchronize`.
+pub(super) fn event_synchronize(event: &CuEvent) -> Result<()> {
+    event.0.raw.synchronize().map_err(|e| err::at("Event::synchronize", event.site(), e))
+}
+
+/// `cuEventElapsedTime_v2` between two completed records. The device's context must be bound.
+pub(super) fn elapsed_ms(start: &CuEvent, end: &CuEvent) -> Result<f32> {
+    ffi::elapsed_ms(&start.0.raw, &end.0.raw).map_err(|e| err::at("Event::elapsed_ms", start.site(), e))
+}
