@@ -165,8 +165,8 @@ impl std::fmt::Display for CaptureSite {
 #[non_exhaustive]
 pub enum CaptureErrorKind {
     /// The call is not permitted while a capture is active (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED):
-    /// synchronizing a capturing stream, or a synchronous call (device synchronize, blocking copy,
-    /// plain allocation, module loading) that the capture mode forbids. It invalidates the capture.
+    /// synchronizing a capturing stream, or a synchronous call (synchronize or query, blocking
+    /// copy, plain allocation) that the capture mode forbids. It invalidates the capture.
     Unsupported,
     /// The capture was invalidated by an earlier error (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED).
     Invalidated,
@@ -193,7 +193,7 @@ impl CaptureErrorKind {
     /// What the caller should do about it.
     pub fn fix(self) -> &'static str {
         match self {
-            Self::Unsupported => "do synchronous work (synchronize, blocking copies, allocation, kernel loading) before begin_capture or after end_capture, or capture in relaxed mode; legacy default streams cannot be captured, use Device::stream()",
+            Self::Unsupported => "do synchronous work (synchronize, query, blocking copies, allocation) before begin_capture or after end_capture, or capture in relaxed mode; legacy default streams cannot be captured, use Device::stream()",
             Self::Invalidated => "end the capture, fix the earlier error, and capture again",
             Self::Isolation => "make the stream wait on that event before begin_capture, or wait with wait_external to add an event-wait node",
             Self::Unjoined => "make the capture's origin stream wait on an event recorded on every forked stream after its last captured work",

@@ -111,8 +111,7 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f32>;
     fn alloc(&self, id: super::BufferId, bytes: usize, kind: MemKind) -> Result<Self::Mem>;
 
-    /// Compiles (or reads from the cache) and loads the kernel's module now. A synchronous call:
-    /// capture modes forbid it as CUDA forbids module loading.
+    /// Compiles (or reads from the cache) and loads the kernel's module now.
     fn load_kernel(&self, kernel: &'static Kernel) -> Result<()>;
     fn enqueue(&self, stream: &Self::Stream, op: &Op<'_>) -> Result<()>;
     fn record(&self, stream: &Self::Stream, event: &Self::Event, external: bool) -> Result<()>;

@@ -5,8 +5,9 @@ use crate::Result;
 
 /// Which synchronous calls a capture forbids (CUDA's `CUstreamCaptureMode`).
 ///
-/// "Synchronous calls" are: device synchronize, blocking copies, plain allocation and module
-/// loading. Synchronizing or querying a capturing stream is forbidden in every mode.
+/// "Synchronous calls" are: synchronizing or querying the device, a stream or an event,
+/// blocking copies, and plain allocation. Synchronizing or querying a capturing stream is
+/// forbidden in every mode. (Module loading is allowed: CUDA 13.0 allows it.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CaptureMode {
     /// Forbidden on every thread while the capture is active.

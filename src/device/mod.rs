@@ -215,8 +215,8 @@ impl Device {
     }
 
     /// Compiles (on CUDA, or reads from the on-disk cache) and loads `kernel`'s module now.
-    /// Launches load modules on first use; call this before capturing, since loading a module
-    /// is a synchronous call that capture modes forbid.
+    /// Launches load modules on first use, so this is only needed to keep compilation time out
+    /// of a timed or captured region; CUDA 13.0 allows loading during a capture of any mode.
     pub fn load_kernel(&self, kernel: &'static Kernel) -> Result<()> {
         dispatch!(self.backend(), |b, _pick| b.load_kernel(kernel))
     }

@@ -9,7 +9,7 @@ use std::ffi::c_void;
 use std::ptr;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudarc::driver::{sys, CudaContext, CudaModule, DriverError};
+use cudarc::driver::{CudaContext, CudaModule};
 use cudarc::nvrtc::Ptx;
 
 use super::error as err;
@@ -56,15 +56,14 @@ impl Kernels {
         self.loaded.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Loads the kernel's module now (see `Device::load_kernel`): under a global or thread-local
-    /// capture CUDA refuses it, and that error is returned.
+    /// Loads the kernel's module now (see `Device::load_kernel`).
     pub(super) fn load(&self, kernel: &'static Kernel, on: CaptureSite) -> Result<()> {
-        self.function(kernel, on, Loading::AsIs).map(|_| ())
+        self.function(kernel, on).map(|_| ())
     }
 
     /// The kernel's function, compiling and loading its source on first use. The lock is held
     /// throughout, so concurrent first launches compile a source once.
-    fn function(&self, kernel: &'static Kernel, on: CaptureSite, loading: Loading) -> Result<Function> {
+    fn function(&self, kernel: &'static Kernel, on: CaptureSite) -> Result<Function> {
         let key = ptr::from_ref(kernel) as usize;
         let mut loaded = self.lock();
         if let Some(f) = loaded.functions.get(&key) {
@@ -74,12 +73,8 @@ impl Kernels {
             Some(m) => m.clone(),
             None => {
                 let cubin = self.compiler.cubin(kernel.name, kernel.source)?;
-                let load = || self.ctx.load_module(Ptx::from_binary(cubin));
-                let m = match loading {
-                    Loading::AsIs => load(),
-                    Loading::Relaxed => relaxed(load),
-                }
-                .map_err(|e| err::at(kernel.name, on, e))?;
+                // CUDA 13.0 allows this during captures (the conformance suite checks every mode).
+                let m = self.ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| err::at(kernel.name, on, e))?;
                 loaded.modules.insert(kernel.source, m.clone());
                 m
             }
@@ -109,7 +104,7 @@ impl Kernels {
         args: &[Arg<'_>],
     ) -> Result<()> {
         let on = CaptureSite::Stream(stream.id);
-        let func = self.function(kernel, on, Loading::Relaxed)?;
+        let func = self.function(kernel, on)?;
         let n = args.len();
         if n <= INLINE_ARGS {
             let mut values = [0u64; INLINE_ARGS];
@@ -119,24 +114,6 @@ impl Kernels {
             launch_with(func, stream, kernel.name, dims, args, &mut vec![0; n], &mut vec![ptr::null_mut(); n])
         }
     }
-}
-
-/// How a module load treats an active capture.
-#[derive(Clone, Copy)]
-enum Loading {
-    /// As CUDA does: global and thread-local captures refuse it.
-    AsIs,
-    /// In relaxed mode for this thread, so that a kernel first launched inside a capture loads
-    /// instead of invalidating the capture (the captured launch itself is unaffected).
-    Relaxed,
-}
-
-/// Runs `f` with this thread in relaxed capture mode, then restores the previous mode.
-fn relaxed<T>(f: impl FnOnce() -> Result<T, DriverError>) -> Result<T, DriverError> {
-    let previous = ffi::exchange_capture_mode(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-    let out = f();
-    ffi::exchange_capture_mode(previous)?;
-    out
 }
 
 /// Marshals `args` into `values` (one 8-byte slot each) and `params` (a pointer to each slot),
