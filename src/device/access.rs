@@ -123,6 +123,11 @@ impl Region {
         true
     }
 
+    /// The same region `by` elements further.
+    pub fn shifted(&self, by: usize) -> Region {
+        Region { offset: self.offset + by, ..*self }
+    }
+
     /// Element indices in enumeration order.
     pub fn indices(&self) -> impl Iterator<Item = usize> + '_ {
         let [d0, d1, d2] = self.dims;

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::kernel::{Arg, Kernel, LaunchDims};
-use super::memory::{MemKind, RawBuffer};
+use super::memory::{Block, MemKind};
 use super::{cuda, sim, CaptureMode, CaptureStatus, NodeInfo};
 use crate::{Error, Result};
 
@@ -58,27 +58,12 @@ pub(crate) enum CopyDir {
     DeviceToDevice,
 }
 
-/// An operation to enqueue. Offsets and lengths are in bytes and already bounds-checked.
+/// An operation to enqueue. Offsets are in bytes from the start of the block's `raw`
+/// allocation; everything is already bounds-checked.
 pub(crate) enum Op<'a> {
-    Kernel {
-        kernel: &'static Kernel,
-        dims: LaunchDims,
-        args: &'a [Arg<'a>],
-    },
-    Copy {
-        dir: CopyDir,
-        src: &'a Arc<RawBuffer>,
-        src_offset: usize,
-        dst: &'a Arc<RawBuffer>,
-        dst_offset: usize,
-        bytes: usize,
-    },
-    Memset {
-        dst: &'a Arc<RawBuffer>,
-        offset: usize,
-        bytes: usize,
-        value: u8,
-    },
+    Kernel { kernel: &'static Kernel, dims: LaunchDims, args: &'a [Arg<'a>] },
+    Copy { dir: CopyDir, src: &'a Arc<Block>, src_offset: usize, dst: &'a Arc<Block>, dst_offset: usize, bytes: usize },
+    Memset { dst: &'a Arc<Block>, offset: usize, bytes: usize, value: u8 },
 }
 
 impl Op<'_> {
@@ -109,7 +94,7 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn create_event(&self, id: super::EventId, timing: bool) -> Result<Self::Event>;
     /// Milliseconds between two completed records of timing events.
     fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f32>;
-    fn alloc(&self, id: super::BufferId, bytes: usize, kind: MemKind) -> Result<Self::Mem>;
+    fn alloc(&self, bytes: usize, kind: MemKind) -> Result<Self::Mem>;
 
     /// Compiles (or reads from the cache) and loads the kernel's module now.
     fn load_kernel(&self, kernel: &'static Kernel) -> Result<()>;
@@ -128,10 +113,10 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn read_blocking(&self, stream: &Self::Stream, mem: &Self::Mem, offset: usize, out: &mut [u8]) -> Result<()>;
     /// Copies `data` to device memory at `offset` after all work queued on `stream`, and waits.
     fn write_blocking(&self, stream: &Self::Stream, mem: &Self::Mem, offset: usize, data: &[u8]) -> Result<()>;
-    /// Host read of pinned memory, now (no ordering).
-    fn read_pinned(mem: &Self::Mem, out: &mut [u8]) -> Result<()>;
-    /// Host write of pinned memory, now (no ordering).
-    fn write_pinned(mem: &Self::Mem, data: &[u8]) -> Result<()>;
+    /// Host read of pinned memory at byte `offset`, now (no ordering).
+    fn read_pinned(mem: &Self::Mem, offset: usize, out: &mut [u8]) -> Result<()>;
+    /// Host write of pinned memory at byte `offset`, now (no ordering).
+    fn write_pinned(mem: &Self::Mem, offset: usize, data: &[u8]) -> Result<()>;
 
     fn begin_capture(&self, stream: &Self::Stream, mode: CaptureMode) -> Result<()>;
     fn end_capture(&self, stream: &Self::Stream) -> Result<Self::Graph>;
@@ -182,16 +167,16 @@ macro_rules! dispatch {
 }
 pub(crate) use dispatch;
 
-pub(crate) fn read_pinned(raw: &RawBuffer, out: &mut [u8]) -> Result<()> {
-    match &raw.mem {
-        Repr::Sim(m) => <sim::SimDevice as Backend>::read_pinned(m, out),
-        Repr::Cuda(m) => <cuda::CudaDevice as Backend>::read_pinned(m, out),
+pub(crate) fn read_pinned(block: &Block, out: &mut [u8]) -> Result<()> {
+    match &block.raw.mem {
+        Repr::Sim(m) => <sim::SimDevice as Backend>::read_pinned(m, block.base, out),
+        Repr::Cuda(m) => <cuda::CudaDevice as Backend>::read_pinned(m, block.base, out),
     }
 }
 
-pub(crate) fn write_pinned(raw: &RawBuffer, data: &[u8]) -> Result<()> {
-    match &raw.mem {
-        Repr::Sim(m) => <sim::SimDevice as Backend>::write_pinned(m, data),
-        Repr::Cuda(m) => <cuda::CudaDevice as Backend>::write_pinned(m, data),
+pub(crate) fn write_pinned(block: &Block, data: &[u8]) -> Result<()> {
+    match &block.raw.mem {
+        Repr::Sim(m) => <sim::SimDevice as Backend>::write_pinned(m, block.base, data),
+        Repr::Cuda(m) => <cuda::CudaDevice as Backend>::write_pinned(m, block.base, data),
     }
 }

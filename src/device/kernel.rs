@@ -37,7 +37,7 @@
 use std::cell::{Ref, RefCell, RefMut};
 use std::sync::Arc;
 
-use super::memory::RawBuffer;
+use super::memory::{Block, RawBuffer};
 use super::{Access, AccessMode, AccessRole, DType, DeviceBuffer, Elem, Region, View};
 use crate::{Error, Result};
 
@@ -127,8 +127,13 @@ pub enum Arg<'a> {
 /// A buffer argument of a launch.
 #[derive(Clone)]
 pub struct BufArg<'a> {
+    pub(crate) block: &'a Arc<Block>,
+    /// The block's allocation, which backends address.
     pub(crate) raw: &'a Arc<RawBuffer>,
+    /// In elements from the start of `raw`.
     pub(crate) region: Region,
+    /// In elements from the start of the block (what the caller wrote).
+    pub(crate) view: Region,
     pub(crate) buffer_len: usize,
     pub(crate) dtype: DType,
     pub(crate) mode: AccessMode,
@@ -165,7 +170,15 @@ pub struct InOut<V>(pub V);
 
 fn buf_arg<'a, V: IntoView<'a>>(v: V, mode: AccessMode) -> Arg<'a> {
     let v = v.into_view();
-    Arg::Buf(BufArg { raw: v.raw, region: v.region, buffer_len: v.buffer_len, dtype: V::Elem::DTYPE, mode })
+    Arg::Buf(BufArg {
+        block: v.block,
+        raw: &v.block.raw,
+        region: v.absolute(),
+        view: v.region,
+        buffer_len: v.buffer_len,
+        dtype: V::Elem::DTYPE,
+        mode,
+    })
 }
 
 impl<'a, V: IntoView<'a>> From<In<V>> for Arg<'a> {
@@ -197,9 +210,9 @@ pub fn accesses(args: &[Arg<'_>]) -> Vec<Access> {
         .enumerate()
         .filter_map(|(i, a)| match a {
             Arg::Buf(b) => Some(Access {
-                buffer: b.raw.id,
+                buffer: b.block.id,
                 elem_bytes: b.dtype.size(),
-                region: b.region,
+                region: b.view,
                 mode: b.mode,
                 role: AccessRole::Arg(i),
             }),

@@ -9,7 +9,9 @@ use std::ops::{Bound, RangeBounds};
 use std::sync::Arc;
 
 use super::backend::MemRepr;
-use super::{BufferId, DType, DeviceId, Elem, Region};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+use super::{BufferId, DType, DeviceId, Elem, Region, StreamId};
 
 /// Where an allocation lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,13 +22,95 @@ pub enum MemKind {
     Pinned,
 }
 
-/// An allocation, untyped; shared by the typed handle and by queued work and graphs.
+/// An allocation of the device, untyped: a whole buffer, or a segment that an allocator splits
+/// into blocks. Shared by the blocks in it, queued work and graphs.
 pub(crate) struct RawBuffer {
-    pub(crate) id: BufferId,
     pub(crate) device: DeviceId,
     pub(crate) bytes: usize,
     pub(crate) kind: MemKind,
     pub(crate) mem: MemRepr,
+}
+
+/// Where a block goes back when it is freed (an allocator), and when.
+pub(crate) trait BlockOwner: Send + Sync {
+    /// Whether the block returns when its handle is dropped (true, for graph-pool blocks whose
+    /// reuse the pool's replay order makes safe) or when the last reference to it goes, queued
+    /// work and graphs included (false).
+    fn release_on_handle_drop(&self) -> bool;
+    /// Takes the block back. `last_stream` is the stream that used it last, `streams_used` how
+    /// many different streams used it.
+    fn release(&self, block: &Block, last_stream: Option<StreamId>, streams_used: u32);
+}
+
+/// The memory a buffer handle owns: a byte range of a [`RawBuffer`].
+pub(crate) struct Block {
+    pub(crate) id: BufferId,
+    pub(crate) raw: Arc<RawBuffer>,
+    /// Byte offset of the block in `raw`.
+    pub(crate) base: usize,
+    pub(crate) bytes: usize,
+    owner: Option<Arc<dyn BlockOwner>>,
+    /// The last stream that enqueued work on the block (0: none yet).
+    last_stream: AtomicU64,
+    /// How many times the using stream changed.
+    stream_changes: AtomicU32,
+    released: AtomicBool,
+}
+
+impl Block {
+    /// A block covering all of `raw`, owned by nobody (freed with `raw`).
+    pub(crate) fn whole(raw: RawBuffer) -> Block {
+        Block::new(Arc::new(raw), 0, None, BufferId(super::ids::next_id()), None)
+    }
+
+    /// A block of `bytes` at `base` in `raw`, returned to `owner` when freed.
+    pub(crate) fn new(
+        raw: Arc<RawBuffer>,
+        base: usize,
+        bytes: Option<usize>,
+        id: BufferId,
+        owner: Option<Arc<dyn BlockOwner>>,
+    ) -> Block {
+        let bytes = bytes.unwrap_or(raw.bytes - base);
+        Block {
+            id,
+            raw,
+            base,
+            bytes,
+            owner,
+            last_stream: AtomicU64::new(0),
+            stream_changes: AtomicU32::new(0),
+            released: AtomicBool::new(false),
+        }
+    }
+
+    /// Notes that `stream` enqueues work on the block: stream-ordered reuse needs to know.
+    pub(crate) fn note_use(&self, stream: StreamId) {
+        let before = self.last_stream.swap(stream.0, Ordering::Relaxed);
+        if before != 0 && before != stream.0 {
+            self.stream_changes.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn release(&self) {
+        if let Some(owner) = &self.owner {
+            if !self.released.swap(true, Ordering::AcqRel) {
+                let last = self.last_stream.load(Ordering::Relaxed);
+                let streams = self.stream_changes.load(Ordering::Relaxed) + u32::from(last != 0);
+                owner.release(self, (last != 0).then_some(StreamId(last)), streams);
+            }
+        }
+    }
+
+    fn release_on_handle_drop(&self) -> bool {
+        self.owner.as_ref().is_some_and(|o| o.release_on_handle_drop())
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// Device memory holding `len` elements of `T`.
@@ -40,7 +124,7 @@ pub(crate) struct RawBuffer {
 /// # Ok::<(), graphed::Error>(())
 /// ```
 pub struct DeviceBuffer<T: Elem> {
-    pub(crate) raw: Arc<RawBuffer>,
+    pub(crate) block: Arc<Block>,
     len: usize,
     _t: PhantomData<T>,
 }
@@ -49,7 +133,7 @@ pub struct DeviceBuffer<T: Elem> {
 /// copies. The host reads and writes it with [`PinnedBuffer::read`] and [`PinnedBuffer::write`];
 /// ordering those against queued copies is the caller's job (synchronize an event first).
 pub struct PinnedBuffer<T: Elem> {
-    pub(crate) raw: Arc<RawBuffer>,
+    pub(crate) block: Arc<Block>,
     len: usize,
     _t: PhantomData<T>,
 }
@@ -57,7 +141,8 @@ pub struct PinnedBuffer<T: Elem> {
 /// A region of a [`DeviceBuffer`], typed. Made by [`DeviceBuffer::view`], `slice` or `strided`.
 #[derive(Clone, Copy)]
 pub struct View<'a, T: Elem> {
-    pub(crate) raw: &'a Arc<RawBuffer>,
+    pub(crate) block: &'a Arc<Block>,
+    /// Relative to the block.
     pub(crate) region: Region,
     pub(crate) buffer_len: usize,
     _t: PhantomData<T>,
@@ -66,7 +151,8 @@ pub struct View<'a, T: Elem> {
 /// A contiguous range of a [`PinnedBuffer`].
 #[derive(Clone, Copy)]
 pub struct HostView<'a, T: Elem> {
-    pub(crate) raw: &'a Arc<RawBuffer>,
+    pub(crate) block: &'a Arc<Block>,
+    /// Relative to the block.
     pub(crate) region: Region,
     pub(crate) buffer_len: usize,
     _t: PhantomData<T>,
@@ -89,9 +175,9 @@ fn range_of(len: usize, range: impl RangeBounds<usize>) -> (usize, usize) {
 macro_rules! buffer_common {
     ($name:ident, $view:ident) => {
         impl<T: Elem> $name<T> {
-            pub(crate) fn from_raw(raw: RawBuffer) -> Self {
-                let len = raw.bytes / T::DTYPE.size();
-                $name { raw: Arc::new(raw), len, _t: PhantomData }
+            pub(crate) fn from_block(block: Block) -> Self {
+                let len = block.bytes / T::DTYPE.size();
+                $name { block: Arc::new(block), len, _t: PhantomData }
             }
 
             /// Number of elements.
@@ -106,7 +192,7 @@ macro_rules! buffer_common {
 
             /// The buffer's identity (used in reports and errors).
             pub fn id(&self) -> BufferId {
-                self.raw.id
+                self.block.id
             }
 
             /// The element type.
@@ -122,7 +208,12 @@ macro_rules! buffer_common {
             /// A contiguous range of elements. Bounds are checked when the view is used.
             pub fn slice(&self, range: impl RangeBounds<usize>) -> $view<'_, T> {
                 let (start, len) = range_of(self.len, range);
-                $view { raw: &self.raw, region: Region::contiguous(start, len), buffer_len: self.len, _t: PhantomData }
+                $view {
+                    block: &self.block,
+                    region: Region::contiguous(start, len),
+                    buffer_len: self.len,
+                    _t: PhantomData,
+                }
             }
         }
 
@@ -142,11 +233,16 @@ macro_rules! buffer_common {
                 self.region
             }
 
+            /// The region in elements from the start of the underlying allocation.
+            pub(crate) fn absolute(&self) -> Region {
+                self.region.shifted(self.block.base / T::DTYPE.size())
+            }
+
             pub(crate) fn check_bounds(&self, op: &'static str) -> crate::Result<()> {
                 if self.region.end() > self.buffer_len {
                     return Err(crate::Error::OutOfBounds {
                         op,
-                        buffer: self.raw.id,
+                        buffer: self.block.id,
                         start: self.region.offset(),
                         end: self.region.end(),
                         len: self.buffer_len,
@@ -158,7 +254,7 @@ macro_rules! buffer_common {
 
         impl<T: Elem> std::fmt::Debug for $name<T> {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                write!(f, "{}<{}>({} x {})", stringify!($name), T::DTYPE, self.raw.id, self.len)
+                write!(f, "{}<{}>({} x {})", stringify!($name), T::DTYPE, self.block.id, self.len)
             }
         }
     };
@@ -171,7 +267,7 @@ impl<T: Elem> DeviceBuffer<T> {
     /// A strided view: `dims` are `(count, stride)` pairs in elements, outermost first, at most
     /// three. Returns `None` for more than three dimensions; bounds are checked when it is used.
     pub fn strided(&self, offset: usize, dims: &[(usize, usize)]) -> Option<View<'_, T>> {
-        Some(View { raw: &self.raw, region: Region::strided(offset, dims)?, buffer_len: self.len, _t: PhantomData })
+        Some(View { block: &self.block, region: Region::strided(offset, dims)?, buffer_len: self.len, _t: PhantomData })
     }
 }
 
@@ -187,7 +283,7 @@ impl<T: Elem> PinnedBuffer<T> {
     /// copies: synchronize the copy's event or stream first.
     pub fn read(&self) -> crate::Result<Vec<T>> {
         let mut out = vec![T::zeroed(); self.len];
-        super::backend::read_pinned(&self.raw, bytemuck::cast_slice_mut(&mut out))?;
+        super::backend::read_pinned(&self.block, bytemuck::cast_slice_mut(&mut out))?;
         Ok(out)
     }
 
@@ -197,6 +293,20 @@ impl<T: Elem> PinnedBuffer<T> {
         if data.len() != self.len {
             return Err(crate::Error::LengthMismatch { op: "PinnedBuffer::write", src: data.len(), dst: self.len });
         }
-        super::backend::write_pinned(&self.raw, bytemuck::cast_slice(data))
+        super::backend::write_pinned(&self.block, bytemuck::cast_slice(data))
     }
 }
+
+macro_rules! handle_drop {
+    ($name:ident) => {
+        impl<T: Elem> Drop for $name<T> {
+            fn drop(&mut self) {
+                if self.block.release_on_handle_drop() {
+                    self.block.release();
+                }
+            }
+        }
+    };
+}
+handle_drop!(DeviceBuffer);
+handle_drop!(PinnedBuffer);

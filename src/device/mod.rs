@@ -40,7 +40,7 @@ pub use sim::{Policy, SimConfig};
 pub use stream::Stream;
 
 use backend::{dispatch, BackendImpl, Repr};
-use memory::RawBuffer;
+use memory::{Block, RawBuffer};
 
 use crate::{Error, Result};
 
@@ -185,10 +185,9 @@ impl Device {
         Ok(Event::new(self.clone(), id, repr))
     }
 
-    fn alloc_raw(&self, bytes: usize, kind: MemKind) -> Result<RawBuffer> {
-        let id = BufferId(ids::next_id());
-        let mem = dispatch!(self.backend(), |b, _pick| b.wrap_mem(b.alloc(id, bytes, kind)?));
-        Ok(RawBuffer { id, device: self.id(), bytes, kind, mem })
+    pub(crate) fn alloc_raw(&self, bytes: usize, kind: MemKind) -> Result<RawBuffer> {
+        let mem = dispatch!(self.backend(), |b, _pick| b.wrap_mem(b.alloc(bytes, kind)?));
+        Ok(RawBuffer { device: self.id(), bytes, kind, mem })
     }
 
     /// Device memory for `len` elements. Contents are unspecified (zero on the simulator).
@@ -196,12 +195,12 @@ impl Device {
     /// A plain allocation is synchronous: the capture modes forbid it like CUDA does (see
     /// [`CaptureMode`]).
     pub fn alloc<T: Elem>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        Ok(DeviceBuffer::from_raw(self.alloc_raw(len * T::DTYPE.size(), MemKind::Device)?))
+        Ok(DeviceBuffer::from_block(Block::whole(self.alloc_raw(len * T::DTYPE.size(), MemKind::Device)?)))
     }
 
     /// Page-locked host memory for `len` elements, zeroed.
     pub fn alloc_pinned<T: Elem>(&self, len: usize) -> Result<PinnedBuffer<T>> {
-        let buf = PinnedBuffer::from_raw(self.alloc_raw(len * T::DTYPE.size(), MemKind::Pinned)?);
+        let buf = PinnedBuffer::from_block(Block::whole(self.alloc_raw(len * T::DTYPE.size(), MemKind::Pinned)?));
         buf.write(&vec![T::zeroed(); len])?;
         Ok(buf)
     }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use super::backend::{dispatch, CopyDir, Op, StreamRepr};
 use super::capture::{Capture, CaptureMode, CaptureStatus};
 use super::kernel::{Arg, IntoView, Kernel, LaunchDims};
+use super::memory::Block;
 use super::{Device, DeviceBuffer, Elem, Event, Graph, HostView, StreamId};
 use crate::{Error, Result};
 
@@ -67,18 +68,24 @@ impl Stream {
         for a in args {
             if let Arg::Buf(b) = a {
                 self.check_buf(kernel.name, b.raw.device)?;
-                if b.region.end() > b.buffer_len {
+                if b.view.end() > b.buffer_len {
                     return Err(Error::OutOfBounds {
                         op: kernel.name,
-                        buffer: b.raw.id,
-                        start: b.region.offset(),
-                        end: b.region.end(),
+                        buffer: b.block.id,
+                        start: b.view.offset(),
+                        end: b.view.end(),
                         len: b.buffer_len,
                     });
                 }
             }
         }
-        self.enqueue(&Op::Kernel { kernel, dims, args })
+        self.enqueue(&Op::Kernel { kernel, dims, args })?;
+        for a in args {
+            if let Arg::Buf(b) = a {
+                b.block.note_use(self.inner.id);
+            }
+        }
+        Ok(())
     }
 
     /// Copies pinned host memory to device memory, asynchronously.
@@ -87,7 +94,7 @@ impl Stream {
         const OP: &str = "copy_h2d";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
-        self.copy(OP, CopyDir::HostToDevice, (src.raw, src.region), (dst.raw, dst.region), T::DTYPE.size())
+        self.copy(OP, CopyDir::HostToDevice, (src.block, src.absolute()), (dst.block, dst.absolute()), T::DTYPE.size())
     }
 
     /// Copies device memory to pinned host memory, asynchronously. Read the host buffer only
@@ -97,7 +104,7 @@ impl Stream {
         const OP: &str = "copy_d2h";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
-        self.copy(OP, CopyDir::DeviceToHost, (src.raw, src.region), (dst.raw, dst.region), T::DTYPE.size())
+        self.copy(OP, CopyDir::DeviceToHost, (src.block, src.absolute()), (dst.block, dst.absolute()), T::DTYPE.size())
     }
 
     /// Copies device memory to device memory, asynchronously.
@@ -110,19 +117,25 @@ impl Stream {
         const OP: &str = "copy_d2d";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
-        self.copy(OP, CopyDir::DeviceToDevice, (src.raw, src.region), (dst.raw, dst.region), T::DTYPE.size())
+        self.copy(
+            OP,
+            CopyDir::DeviceToDevice,
+            (src.block, src.absolute()),
+            (dst.block, dst.absolute()),
+            T::DTYPE.size(),
+        )
     }
 
     fn copy(
         &self,
         op: &'static str,
         dir: CopyDir,
-        (src, src_region): (&Arc<super::memory::RawBuffer>, super::Region),
-        (dst, dst_region): (&Arc<super::memory::RawBuffer>, super::Region),
+        (src, src_region): (&Arc<Block>, super::Region),
+        (dst, dst_region): (&Arc<Block>, super::Region),
         elem: usize,
     ) -> Result<()> {
-        self.check_buf(op, src.device)?;
-        self.check_buf(op, dst.device)?;
+        self.check_buf(op, src.raw.device)?;
+        self.check_buf(op, dst.raw.device)?;
         if src_region.len() != dst_region.len() {
             return Err(Error::LengthMismatch { op, src: src_region.len(), dst: dst_region.len() });
         }
@@ -138,7 +151,10 @@ impl Stream {
             dst,
             dst_offset: dst_region.offset() * elem,
             bytes: src_region.len() * elem,
-        })
+        })?;
+        src.note_use(self.inner.id);
+        dst.note_use(self.inner.id);
+        Ok(())
     }
 
     /// Sets every byte of a contiguous device view to `value`, asynchronously.
@@ -146,17 +162,20 @@ impl Stream {
         let dst = dst.into_view();
         const OP: &str = "memset";
         dst.check_bounds(OP)?;
-        self.check_buf(OP, dst.raw.device)?;
+        self.check_buf(OP, dst.block.raw.device)?;
         if !dst.region.is_contiguous() {
-            return Err(Error::NotContiguous { op: OP, buffer: dst.raw.id });
+            return Err(Error::NotContiguous { op: OP, buffer: dst.block.id });
         }
         let elem = dst.dtype_size();
+        let region = dst.absolute();
         self.enqueue(&Op::Memset {
-            dst: dst.raw,
-            offset: dst.region.offset() * elem,
-            bytes: dst.region.len() * elem,
+            dst: dst.block,
+            offset: region.offset() * elem,
+            bytes: region.len() * elem,
             value,
-        })
+        })?;
+        dst.block.note_use(self.inner.id);
+        Ok(())
     }
 
     /// Records `event` after the work queued so far. Inside a capture this adds no node: it
@@ -255,12 +274,12 @@ impl<T: Elem> DeviceBuffer<T> {
     /// Copies the buffer to a new `Vec` after the work queued on `stream`, blocking the host.
     /// A blocking copy: capture modes forbid it like CUDA does.
     pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
-        stream.inner.dev.check_same("to_vec", "buffer", self.raw.device)?;
+        stream.inner.dev.check_same("to_vec", "buffer", self.block.raw.device)?;
         let mut out = vec![T::zeroed(); self.len()];
         dispatch!(stream.inner.dev.backend(), |b, pick| b.read_blocking(
             pick!(stream.inner.repr),
-            pick!(self.raw.mem),
-            0,
+            pick!(self.block.raw.mem),
+            self.block.base,
             bytemuck::cast_slice_mut(&mut out)
         ))?;
         Ok(out)
@@ -268,14 +287,14 @@ impl<T: Elem> DeviceBuffer<T> {
 
     /// Overwrites the buffer with `data` after the work queued on `stream`, blocking the host.
     pub fn write_from(&self, stream: &Stream, data: &[T]) -> Result<()> {
-        stream.inner.dev.check_same("write_from", "buffer", self.raw.device)?;
+        stream.inner.dev.check_same("write_from", "buffer", self.block.raw.device)?;
         if data.len() != self.len() {
             return Err(Error::LengthMismatch { op: "write_from", src: data.len(), dst: self.len() });
         }
         dispatch!(stream.inner.dev.backend(), |b, pick| b.write_blocking(
             pick!(stream.inner.repr),
-            pick!(self.raw.mem),
-            0,
+            pick!(self.block.raw.mem),
+            self.block.base,
             bytemuck::cast_slice(data)
         ))
     }

@@ -26,7 +26,7 @@ use super::memory::Alloc;
 use super::stream::{CuStream, EventInner};
 use crate::device::backend::Op;
 use crate::device::kernel::Arg;
-use crate::device::memory::RawBuffer;
+use crate::device::memory::Block;
 use crate::device::{BufferId, CaptureMode, CaptureStatus, EventId, StreamId};
 use crate::error::{CaptureErrorKind, CaptureSite};
 use crate::{Error, Result};
@@ -35,13 +35,13 @@ use crate::{Error, Result};
 /// to launch a graph into a capture, so graphs never hold other graphs.)
 #[derive(Default)]
 pub(super) struct Holdings {
-    buffers: HashMap<BufferId, Arc<RawBuffer>>,
+    buffers: HashMap<BufferId, Arc<Block>>,
     events: HashMap<EventId, Arc<EventInner>>,
 }
 
 impl Holdings {
-    fn add_buffer(&mut self, raw: &Arc<RawBuffer>) {
-        self.buffers.entry(raw.id).or_insert_with(|| raw.clone());
+    fn add_buffer(&mut self, block: &Arc<Block>) {
+        self.buffers.entry(block.id).or_insert_with(|| block.clone());
     }
 
     fn add_op(&mut self, op: &Op<'_>) {
@@ -49,7 +49,7 @@ impl Holdings {
             Op::Kernel { args, .. } => {
                 for arg in args.iter() {
                     if let Arg::Buf(b) = arg {
-                        self.add_buffer(b.raw);
+                        self.add_buffer(b.block);
                     }
                 }
             }

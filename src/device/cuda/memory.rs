@@ -213,8 +213,8 @@ fn blocking_error(op: &'static str, stream: &CuStream, e: cudarc::driver::Driver
 
 impl CuMem {
     /// Host read of pinned memory, now.
-    pub(super) fn read_pinned(&self, out: &mut [u8]) -> Result<()> {
-        let src = self.pinned("PinnedBuffer::read", out.len())?;
+    pub(super) fn read_pinned(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let src = self.pinned("PinnedBuffer::read", offset, out.len())?;
         let _guard = self.host.lock().unwrap_or_else(PoisonError::into_inner);
         // SAFETY: `src` addresses `out.len()` bytes of the live pinned allocation (range-checked),
         // which does not overlap `out`; other host accesses are excluded by the lock.
@@ -223,18 +223,19 @@ impl CuMem {
     }
 
     /// Host write of pinned memory, now.
-    pub(super) fn write_pinned(&self, data: &[u8]) -> Result<()> {
-        let dst = self.pinned("PinnedBuffer::write", data.len())?;
+    pub(super) fn write_pinned(&self, offset: usize, data: &[u8]) -> Result<()> {
+        let dst = self.pinned("PinnedBuffer::write", offset, data.len())?;
         let _guard = self.host.lock().unwrap_or_else(PoisonError::into_inner);
         // SAFETY: as for `read_pinned`.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
         Ok(())
     }
 
-    fn pinned(&self, op: &'static str, len: usize) -> Result<*mut u8> {
-        check_range(op, self, 0, len)?;
+    fn pinned(&self, op: &'static str, offset: usize, len: usize) -> Result<*mut u8> {
+        check_range(op, self, offset, len)?;
         match self.ptr {
-            Ptr::Host(p) => Ok(p.as_ptr()),
+            // SAFETY: `offset + len` is within the allocation (checked above).
+            Ptr::Host(p) => Ok(unsafe { p.as_ptr().add(offset) }),
             Ptr::Device(_) => Err(bug(op, "a device buffer reached a pinned host access; please report this as a bug")),
         }
     }

@@ -42,7 +42,7 @@ use self::memory::CuMem;
 use self::stream::{CuEvent, CuStream};
 use super::backend::{Backend, Op};
 use super::memory::MemKind;
-use super::{BufferId, CaptureMode, CaptureStatus, DeviceId, EventId, NodeInfo, StreamId};
+use super::{CaptureMode, CaptureStatus, DeviceId, EventId, NodeInfo, StreamId};
 use crate::error::CaptureSite;
 use crate::Result;
 
@@ -107,7 +107,7 @@ impl Backend for CudaDevice {
         stream::elapsed_ms(start, end)
     }
 
-    fn alloc(&self, _id: BufferId, bytes: usize, kind: MemKind) -> Result<CuMem> {
+    fn alloc(&self, bytes: usize, kind: MemKind) -> Result<CuMem> {
         self.bind("alloc")?;
         memory::alloc(&self.ctx, bytes, kind)
     }
@@ -127,9 +127,9 @@ impl Backend for CudaDevice {
         match *op {
             Op::Kernel { kernel, dims, args } => self.kernels.launch(stream, kernel, &dims, args)?,
             Op::Copy { dir, src, src_offset, dst, dst_offset, bytes } => {
-                memory::copy(name, stream, dir, (src, src_offset), (dst, dst_offset), bytes)?
+                memory::copy(name, stream, dir, (&src.raw, src_offset), (&dst.raw, dst_offset), bytes)?
             }
-            Op::Memset { dst, offset, bytes, value } => memory::memset(name, stream, (dst, offset), bytes, value)?,
+            Op::Memset { dst, offset, bytes, value } => memory::memset(name, stream, (&dst.raw, offset), bytes, value)?,
         }
         if let Some(id) = capture {
             capture::hold_op(id, op);
@@ -181,12 +181,12 @@ impl Backend for CudaDevice {
         memory::write_blocking(stream, mem, offset, data)
     }
 
-    fn read_pinned(mem: &CuMem, out: &mut [u8]) -> Result<()> {
-        mem.read_pinned(out)
+    fn read_pinned(mem: &CuMem, offset: usize, out: &mut [u8]) -> Result<()> {
+        mem.read_pinned(offset, out)
     }
 
-    fn write_pinned(mem: &CuMem, data: &[u8]) -> Result<()> {
-        mem.write_pinned(data)
+    fn write_pinned(mem: &CuMem, offset: usize, data: &[u8]) -> Result<()> {
+        mem.write_pinned(offset, data)
     }
 
     fn begin_capture(&self, stream: &CuStream, mode: CaptureMode) -> Result<()> {

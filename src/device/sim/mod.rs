@@ -36,7 +36,7 @@ pub(crate) use self::task::SimMem;
 use self::task::Task;
 use super::backend::{Backend, Op};
 use super::memory::MemKind;
-use super::{BufferId, CaptureMode, CaptureStatus, EventId, NodeInfo, StreamId};
+use super::{CaptureMode, CaptureStatus, EventId, NodeInfo, StreamId};
 use crate::error::{CaptureErrorKind, CaptureSite};
 use crate::{Error, Result};
 
@@ -257,7 +257,7 @@ impl Backend for SimDevice {
         })
     }
 
-    fn alloc(&self, _id: BufferId, bytes: usize, kind: MemKind) -> Result<SimMem> {
+    fn alloc(&self, bytes: usize, kind: MemKind) -> Result<SimMem> {
         let op = match kind {
             MemKind::Device => "alloc",
             MemKind::Pinned => "alloc_pinned",
@@ -340,13 +340,13 @@ impl Backend for SimDevice {
         Ok(())
     }
 
-    fn read_pinned(mem: &SimMem, out: &mut [u8]) -> Result<()> {
-        mem.read(0, out);
+    fn read_pinned(mem: &SimMem, offset: usize, out: &mut [u8]) -> Result<()> {
+        mem.read(offset, out);
         Ok(())
     }
 
-    fn write_pinned(mem: &SimMem, data: &[u8]) -> Result<()> {
-        mem.write(0, data);
+    fn write_pinned(mem: &SimMem, offset: usize, data: &[u8]) -> Result<()> {
+        mem.write(offset, data);
         Ok(())
     }
 

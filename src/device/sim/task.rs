@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::device::backend::{Op, Repr};
 use crate::device::kernel::{Arg, CpuArgs, CpuSlot, Gathered, Kernel};
-use crate::device::memory::RawBuffer;
+use crate::device::memory::{Block, RawBuffer};
 use crate::device::{AccessMode, DType, Region};
 use crate::{Error, Result};
 
@@ -74,7 +74,7 @@ fn sim_mem(raw: &RawBuffer) -> Result<&SimMem> {
 
 /// A buffer argument, owned: the queue keeps the allocation alive until the task has run.
 pub(crate) struct OwnedBuf {
-    raw: Arc<RawBuffer>,
+    block: Arc<Block>,
     region: Region,
     dtype: DType,
     mode: AccessMode,
@@ -87,24 +87,9 @@ pub(crate) enum OwnedArg {
 
 /// A queued operation with everything it needs, frozen at enqueue.
 pub(crate) enum Task {
-    Kernel {
-        kernel: &'static Kernel,
-        args: Vec<OwnedArg>,
-    },
-    Copy {
-        name: &'static str,
-        src: Arc<RawBuffer>,
-        src_offset: usize,
-        dst: Arc<RawBuffer>,
-        dst_offset: usize,
-        bytes: usize,
-    },
-    Memset {
-        dst: Arc<RawBuffer>,
-        offset: usize,
-        bytes: usize,
-        value: u8,
-    },
+    Kernel { kernel: &'static Kernel, args: Vec<OwnedArg> },
+    Copy { name: &'static str, src: Arc<Block>, src_offset: usize, dst: Arc<Block>, dst_offset: usize, bytes: usize },
+    Memset { dst: Arc<Block>, offset: usize, bytes: usize, value: u8 },
 }
 
 impl Task {
@@ -116,7 +101,7 @@ impl Task {
                     .iter()
                     .map(|a| match a {
                         Arg::Buf(b) => OwnedArg::Buf(OwnedBuf {
-                            raw: b.raw.clone(),
+                            block: b.block.clone(),
                             region: b.region,
                             dtype: b.dtype,
                             mode: b.mode,
@@ -156,12 +141,12 @@ impl Task {
             Task::Kernel { kernel, args } => run_kernel(kernel, args),
             Task::Copy { src, src_offset, dst, dst_offset, bytes, .. } => {
                 let mut tmp = vec![0u8; *bytes];
-                sim_mem(src)?.read(*src_offset, &mut tmp);
-                sim_mem(dst)?.write(*dst_offset, &tmp);
+                sim_mem(&src.raw)?.read(*src_offset, &mut tmp);
+                sim_mem(&dst.raw)?.write(*dst_offset, &tmp);
                 Ok(())
             }
             Task::Memset { dst, offset, bytes, value } => {
-                sim_mem(dst)?.write(*offset, &vec![*value; *bytes]);
+                sim_mem(&dst.raw)?.write(*offset, &vec![*value; *bytes]);
                 Ok(())
             }
         }
@@ -175,7 +160,7 @@ fn run_kernel(kernel: &'static Kernel, args: &[OwnedArg]) -> Result<()> {
             OwnedArg::Buf(b) => CpuSlot::Buf {
                 dtype: b.dtype,
                 mode: b.mode,
-                data: RefCell::new(sim_mem(&b.raw)?.gather(&b.region, b.dtype.size())),
+                data: RefCell::new(sim_mem(&b.block.raw)?.gather(&b.region, b.dtype.size())),
             },
             OwnedArg::Scalar(s) => CpuSlot::Scalar(*s),
         });
@@ -185,7 +170,7 @@ fn run_kernel(kernel: &'static Kernel, args: &[OwnedArg]) -> Result<()> {
     for (a, slot) in args.iter().zip(&cpu.slots) {
         if let (OwnedArg::Buf(b), CpuSlot::Buf { data, .. }) = (a, slot) {
             if b.mode.writes() {
-                sim_mem(&b.raw)?.scatter(&b.region, b.dtype.size(), &data.borrow());
+                sim_mem(&b.block.raw)?.scatter(&b.region, b.dtype.size(), &data.borrow());
             }
         }
     }
