@@ -1,6 +1,6 @@
 //! The one error type of graphed. Every variant says when it occurs; `Display` ends with the fix.
 
-use crate::device::{BufferId, DeviceId, EventId, StreamId};
+use crate::device::{BufferId, DeviceId, EventId, GraphId, StreamId};
 
 /// Result alias used throughout graphed.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -49,6 +49,53 @@ pub enum Error {
     GraphReset {
         /// The operation that was called.
         op: &'static str,
+    },
+
+    /// A captured graph contains stream-ordered allocation or free nodes (`cudaMallocAsync`
+    /// inside the capture, by code other than graphed). graphed refuses such graphs: their memory
+    /// lives in the driver's graph pool and binds replays to one stream.
+    #[error("the captured graph has {count} memory allocation/free nodes; allocate with graphed's allocator (or before the capture) instead of stream-ordered allocation inside it")]
+    MemoryNodes {
+        /// How many such nodes.
+        count: usize,
+    },
+
+    /// A graph of a shared pool was replayed out of the pool's capture order (replay contract
+    /// R5): graphs that share a pool reuse each other's memory, so only that order is safe.
+    #[error("graph {graph} of {pool} replayed out of capture order: the next graph of the pool is {expected}; replay the pool's graphs in the order they were captured (cyclically)")]
+    PoolOrder {
+        /// The pool.
+        pool: crate::memory::PoolId,
+        /// The graph whose replay was refused.
+        graph: GraphId,
+        /// The graph that must come next.
+        expected: GraphId,
+    },
+
+    /// A graph of a shared pool was replayed on another stream than the pool's previous replay
+    /// with no ordering between them that graphed has seen (R5: no concurrent replays).
+    #[error("graph {graph} of {pool} replayed on stream {stream} while {previous} of the same pool was last replayed on stream {previous_stream}; replay on {previous_stream}, or call GraphPool::join({stream}) first")]
+    PoolConcurrent {
+        /// The pool.
+        pool: crate::memory::PoolId,
+        /// The graph whose replay was refused.
+        graph: GraphId,
+        /// Its stream.
+        stream: StreamId,
+        /// The pool's previous replay.
+        previous: GraphId,
+        /// Its stream.
+        previous_stream: StreamId,
+    },
+
+    /// An allocation on a capturing stream whose capture was not begun by the allocator, so it
+    /// has no pool to come from.
+    #[error("{op}: stream {stream} is capturing, but not through CachingAllocator::capture; begin the capture with the allocator (and a pool) or allocate before it")]
+    NoCapturePool {
+        /// The operation that was called.
+        op: &'static str,
+        /// The capturing stream.
+        stream: StreamId,
     },
 
     // ---- memory and arguments ---------------------------------------------------------------

@@ -94,7 +94,11 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn create_event(&self, id: super::EventId, timing: bool) -> Result<Self::Event>;
     /// Milliseconds between two completed records of timing events.
     fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f32>;
-    fn alloc(&self, bytes: usize, kind: MemKind) -> Result<Self::Mem>;
+    /// A plain (synchronous) allocation. `relaxed` makes it in relaxed capture-interaction mode
+    /// for this thread, so that an allocator can grow during a capture (as PyTorch's does).
+    fn alloc(&self, bytes: usize, kind: MemKind, relaxed: bool) -> Result<Self::Mem>;
+    /// The id of the active capture `stream` takes part in, if any.
+    fn capture_id(&self, stream: &Self::Stream) -> Result<Option<u64>>;
 
     /// Compiles (or reads from the cache) and loads the kernel's module now.
     fn load_kernel(&self, kernel: &'static Kernel) -> Result<()>;

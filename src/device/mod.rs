@@ -20,9 +20,9 @@ mod cuda;
 mod dtype;
 mod event;
 mod graph;
-mod ids;
+pub(crate) mod ids;
 pub mod kernel;
-mod memory;
+pub(crate) mod memory;
 pub mod sim;
 mod stream;
 
@@ -185,8 +185,8 @@ impl Device {
         Ok(Event::new(self.clone(), id, repr))
     }
 
-    pub(crate) fn alloc_raw(&self, bytes: usize, kind: MemKind) -> Result<RawBuffer> {
-        let mem = dispatch!(self.backend(), |b, _pick| b.wrap_mem(b.alloc(bytes, kind)?));
+    pub(crate) fn alloc_raw(&self, bytes: usize, kind: MemKind, relaxed: bool) -> Result<RawBuffer> {
+        let mem = dispatch!(self.backend(), |b, _pick| b.wrap_mem(b.alloc(bytes, kind, relaxed)?));
         Ok(RawBuffer { device: self.id(), bytes, kind, mem })
     }
 
@@ -195,12 +195,13 @@ impl Device {
     /// A plain allocation is synchronous: the capture modes forbid it like CUDA does (see
     /// [`CaptureMode`]).
     pub fn alloc<T: Elem>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        Ok(DeviceBuffer::from_block(Block::whole(self.alloc_raw(len * T::DTYPE.size(), MemKind::Device)?)))
+        Ok(DeviceBuffer::from_block(Block::whole(self.alloc_raw(len * T::DTYPE.size(), MemKind::Device, false)?)))
     }
 
     /// Page-locked host memory for `len` elements, zeroed.
     pub fn alloc_pinned<T: Elem>(&self, len: usize) -> Result<PinnedBuffer<T>> {
-        let buf = PinnedBuffer::from_block(Block::whole(self.alloc_raw(len * T::DTYPE.size(), MemKind::Pinned)?));
+        let buf =
+            PinnedBuffer::from_block(Block::whole(self.alloc_raw(len * T::DTYPE.size(), MemKind::Pinned, false)?));
         buf.write(&vec![T::zeroed(); len])?;
         Ok(buf)
     }

@@ -6,7 +6,7 @@ use super::backend::{dispatch, CopyDir, Op, StreamRepr};
 use super::capture::{Capture, CaptureMode, CaptureStatus};
 use super::kernel::{Arg, IntoView, Kernel, LaunchDims};
 use super::memory::Block;
-use super::{Device, DeviceBuffer, Elem, Event, Graph, HostView, StreamId};
+use super::{Device, DeviceBuffer, Elem, Event, Graph, HostView, NodeKind, StreamId};
 use crate::{Error, Result};
 
 /// A non-blocking stream of one device. Cloning yields the same stream.
@@ -235,7 +235,21 @@ impl Stream {
     /// if a forked stream was not joined back, `Invalidated` if the capture was invalidated.
     pub fn end_capture(&self) -> Result<Graph> {
         let repr = dispatch!(self.inner.dev.backend(), |b, pick| b.wrap_graph(b.end_capture(pick!(self.inner.repr))?));
-        Graph::new(self.inner.dev.clone(), repr)
+        let graph = Graph::new(self.inner.dev.clone(), repr)?;
+        // graphed allocates only outside graphs; a memory node means foreign code allocated
+        // stream-ordered memory during the capture, which ties the graph to one replay stream.
+        let counts = graph.node_counts()?;
+        let memory_nodes = [NodeKind::MemAlloc, NodeKind::MemFree].iter().filter_map(|k| counts.get(k)).sum::<usize>();
+        if memory_nodes > 0 {
+            return Err(Error::MemoryNodes { count: memory_nodes });
+        }
+        Ok(graph)
+    }
+
+    /// The identity of the active capture this stream takes part in (begun on it, or joined
+    /// through an event), if any. Allocators route allocations of a capture by it.
+    pub fn capture_id(&self) -> Result<Option<u64>> {
+        dispatch!(self.inner.dev.backend(), |b, pick| b.capture_id(pick!(self.inner.repr)))
     }
 
     /// Whether the stream is capturing, and whether that capture is still valid.

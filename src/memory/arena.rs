@@ -179,13 +179,20 @@ impl Arena {
         }
     }
 
-    /// Frees the used block at (`segment`, `offset`). Returns false if there is no such block.
+    /// Frees the used block at (`segment`, `offset`), reusable by the stream it was allocated
+    /// for. Returns false if there is no such block.
     pub fn free(&mut self, segment: SegmentId, offset: usize) -> bool {
+        self.free_with(segment, offset, None)
+    }
+
+    /// Frees the used block at (`segment`, `offset`), reusable by `tag` (the stream that used it
+    /// last, or any stream if none did); `None` means the stream it was allocated for.
+    pub fn free_with(&mut self, segment: SegmentId, offset: usize, tag: Option<FreeTag>) -> bool {
         let Some(seg) = self.segments.get_mut(&segment) else { return false };
         let Some(&(size, BlockState::Used(stream))) = seg.blocks.get(&offset) else { return false };
         seg.blocks.remove(&offset);
         self.stats.allocated -= size;
-        self.insert_free(segment, offset, size, FreeTag::Stream(stream));
+        self.insert_free(segment, offset, size, tag.unwrap_or(FreeTag::Stream(stream)));
         true
     }
 
@@ -222,6 +229,16 @@ impl Arena {
             self.free.remove(&key);
             self.segments.get_mut(&seg).expect("free blocks belong to segments").blocks.remove(&off);
             self.insert_free(seg, off, size, FreeTag::Any);
+        }
+    }
+
+    /// Every free block becomes reusable by all streams (the device was synchronized).
+    pub fn mark_all_ordered(&mut self) {
+        let tags: BTreeSet<FreeTag> = self.free.iter().map(|k| k.0).filter(|t| *t != FreeTag::Any).collect();
+        for tag in tags {
+            if let FreeTag::Stream(s) = tag {
+                self.mark_ordered(s);
+            }
         }
     }
 

@@ -9,3 +9,4 @@ mod events;
 mod graphs;
 mod memory;
 mod misuse;
+mod pools;

@@ -123,6 +123,17 @@ pub(super) fn active_id(stream: &CudaStream) -> Result<Option<u64>, DriverError>
     Ok((info.status == CAPTURE_ACTIVE).then_some(info.id))
 }
 
+/// Runs `f` with this thread in relaxed capture-interaction mode (`cuThreadExchangeStreamCaptureMode`),
+/// then restores the previous mode: synchronous calls in `f` neither fail nor invalidate a capture.
+pub(super) fn relaxed<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    const OP: &str = "relaxed capture mode";
+    let previous = ffi::exchange_capture_mode(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(|e| err::driver(OP, None, e))?;
+    let out = f();
+    ffi::exchange_capture_mode(previous).map_err(|e| err::driver(OP, None, e))?;
+    out
+}
+
 /// Holds everything `op` names for as long as capture `id`'s graph lives.
 pub(super) fn hold_op(id: u64, op: &Op<'_>) {
     with_holdings(id, |h| h.add_op(op));

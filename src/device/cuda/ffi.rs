@@ -91,6 +91,15 @@ pub(super) fn elapsed_ms(start: &CudaEvent, end: &CudaEvent) -> Result<f32, Driv
 }
 
 /// `cuDriverGetVersion`, e.g. 13000 for CUDA 13.0.
+/// Swaps this thread's capture-interaction mode (`cuThreadExchangeStreamCaptureMode`) and
+/// returns the previous one.
+pub(super) fn exchange_capture_mode(mode: sys::CUstreamCaptureMode) -> Result<sys::CUstreamCaptureMode, DriverError> {
+    let mut mode = mode;
+    // SAFETY: the driver reads and overwrites the one mode value passed by pointer.
+    unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }.result()?;
+    Ok(mode)
+}
+
 pub(super) fn driver_version() -> Result<i32, DriverError> {
     let mut version: c_int = 0;
     // SAFETY: writes one int.

@@ -107,9 +107,19 @@ impl Backend for CudaDevice {
         stream::elapsed_ms(start, end)
     }
 
-    fn alloc(&self, bytes: usize, kind: MemKind) -> Result<CuMem> {
+    fn alloc(&self, bytes: usize, kind: MemKind, relaxed: bool) -> Result<CuMem> {
         self.bind("alloc")?;
-        memory::alloc(&self.ctx, bytes, kind)
+        if relaxed {
+            capture::relaxed(|| memory::alloc(&self.ctx, bytes, kind))
+        } else {
+            memory::alloc(&self.ctx, bytes, kind)
+        }
+    }
+
+    fn capture_id(&self, stream: &CuStream) -> Result<Option<u64>> {
+        const OP: &str = "Stream::capture_id";
+        self.bind(OP)?;
+        capture::active_id(&stream.raw).map_err(|e| err::at(OP, CaptureSite::Stream(stream.id), e))
     }
 
     fn load_kernel(&self, kernel: &'static crate::device::Kernel) -> Result<()> {

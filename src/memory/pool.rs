@@ -1,0 +1,183 @@
+//! Graph pools: memory shared by the graphs captured into it, and the replay order that makes
+//! the sharing safe (replay contract R5).
+//!
+//! Note [Pool replay order]: a block freed inside the capture of graph A is reused by a later
+//! capture B of the same pool, so A and B overlap in memory. Replaying them in capture order on
+//! one stream is safe: B's reads of the shared block come after A is done with it. Any other
+//! order, or A and B running at once on two streams, corrupts data silently on a GPU. The pool
+//! therefore records the capture order and refuses a replay that breaks it (cyclically: after
+//! the last graph comes the first again), and refuses a replay on another stream than the
+//! previous one until [`GraphPool::join`] or [`CachingAllocator::synchronize`] orders them.
+//!
+//! [`CachingAllocator::synchronize`]: super::CachingAllocator::synchronize
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::Arc;
+
+use super::allocator::Inner;
+use super::arena::{Arena, StreamKey};
+use crate::device::{Graph, GraphExec, GraphId, Stream};
+use crate::{Error, Result};
+
+/// Identity of a [`GraphPool`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolId(pub(crate) u64);
+
+impl fmt::Display for PoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pool{}", self.0)
+    }
+}
+
+/// What the allocator keeps for a pool.
+#[derive(Default)]
+pub(crate) struct PoolState {
+    pub(crate) arena: Arena,
+    /// Graphs in capture order.
+    order: Vec<GraphId>,
+    /// Index in `order` of the graph that must be replayed next.
+    cursor: usize,
+    /// The previous replay: its graph and stream (a clone, to join on).
+    last: Option<(GraphId, Stream)>,
+    /// The capture in progress, and the streams that freed pool blocks during it.
+    pub(crate) capturing: Option<u64>,
+    pub(crate) capture_frees: BTreeSet<StreamKey>,
+    /// Whether replays are checked (only tests that show the hazard turn this off).
+    unguarded: bool,
+}
+
+impl PoolState {
+    pub(crate) fn add_graph(&mut self, graph: GraphId) -> usize {
+        self.order.push(graph);
+        self.order.len() - 1
+    }
+
+    /// The host saw everything finish: a replay may use any stream next.
+    pub(crate) fn forget_last_stream(&mut self) {
+        self.last = None;
+    }
+
+    fn check(&self, pool: PoolId, index: usize, stream: &Stream) -> Result<()> {
+        if self.unguarded {
+            return Ok(());
+        }
+        let graph = self.order[index];
+        if index != self.cursor {
+            return Err(Error::PoolOrder { pool, graph, expected: self.order[self.cursor] });
+        }
+        match &self.last {
+            Some((previous, s)) if s.id() != stream.id() => Err(Error::PoolConcurrent {
+                pool,
+                graph,
+                stream: stream.id(),
+                previous: *previous,
+                previous_stream: s.id(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn launched(&mut self, index: usize, stream: &Stream) {
+        self.cursor = (index + 1) % self.order.len();
+        self.last = Some((self.order[index], stream.clone()));
+    }
+}
+
+/// A pool of memory shared by the graphs captured into it. Cloning yields the same pool.
+#[derive(Clone)]
+pub struct GraphPool {
+    pub(crate) id: PoolId,
+    pub(crate) alloc: Arc<Inner>,
+}
+
+impl GraphPool {
+    /// The pool's identity.
+    pub fn id(&self) -> PoolId {
+        self.id
+    }
+
+    /// Makes `stream` wait for every replay of the pool so far, so that the next replay may run
+    /// on `stream`.
+    pub fn join(&self, stream: &Stream) -> Result<()> {
+        let last = self.alloc.with_pool(self.id, |p| p.last.as_ref().map(|(_, s)| s.clone()));
+        if let Some(previous) = last.flatten() {
+            if previous.id() != stream.id() {
+                let e = stream.device().event()?;
+                previous.record(&e)?;
+                stream.wait(&e)?;
+            }
+        }
+        self.alloc.with_pool(self.id, |p| {
+            if let Some((_, s)) = &mut p.last {
+                *s = stream.clone();
+            }
+        });
+        Ok(())
+    }
+
+    /// Stops checking the replay order of this pool. Only for demonstrating what the check
+    /// prevents: out-of-order replays then corrupt data.
+    pub fn disable_order_check(&self) {
+        self.alloc.with_pool(self.id, |p| p.unguarded = true);
+    }
+}
+
+impl fmt::Debug for GraphPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "GraphPool({})", self.id)
+    }
+}
+
+/// A graph captured into a pool. Its executables replay only in the pool's order.
+pub struct PoolGraph {
+    pub(crate) graph: Graph,
+    pub(crate) pool: GraphPool,
+    pub(crate) index: usize,
+}
+
+impl PoolGraph {
+    /// The captured graph, for inspection.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// The pool it was captured into.
+    pub fn pool(&self) -> &GraphPool {
+        &self.pool
+    }
+
+    /// Instantiates an executable that replays under the pool's order check.
+    pub fn instantiate(&self) -> Result<PoolExec> {
+        Ok(PoolExec { exec: self.graph.instantiate()?, pool: self.pool.clone(), index: self.index })
+    }
+}
+
+/// An executable graph of a pool: [`launch`](PoolExec::launch) checks the pool's order (R5).
+pub struct PoolExec {
+    exec: GraphExec,
+    pool: GraphPool,
+    index: usize,
+}
+
+impl PoolExec {
+    /// The graph's identity.
+    pub fn id(&self) -> GraphId {
+        self.exec.id()
+    }
+
+    /// Uploads the executable (see [`GraphExec::upload`]).
+    pub fn upload(&self, stream: &Stream) -> Result<()> {
+        self.exec.upload(stream)
+    }
+
+    /// Launches the graph on `stream` if that keeps the pool's replay order (Note [Pool replay
+    /// order]); otherwise [`Error::PoolOrder`] or [`Error::PoolConcurrent`], naming both graphs.
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        let pool = self.pool.id;
+        self.pool.alloc.with_pool(pool, |p| p.check(pool, self.index, stream)).unwrap_or(Ok(()))?;
+        self.exec.launch(stream)?;
+        self.pool.alloc.with_pool(pool, |p| p.launched(self.index, stream));
+        Ok(())
+    }
+}
