@@ -7,7 +7,7 @@
 //! The crate is built in layers (see `DESIGN.md`); each uses only the ones before it:
 //!
 //! 1. [`device`]: devices (CUDA or simulator), streams, events, memory, kernels, capture, graphs.
-//! 3. [`memory`]: the caching allocator's bookkeeping (graph pools next).
+//! 3. [`memory`]: a caching allocator with stream-ordered reuse and graph pools.
 //! 4. [`ops`]: kernels with a CPU path and a CUDA path side by side.
 //!
 //! ```

@@ -82,6 +82,24 @@ pub struct BenchArgs {
 pub enum BenchCommand {
     /// N tiny kernels launched eagerly against one graph of N, with raw cudarc as the baseline.
     Launch(LaunchBenchArgs),
+    /// Host cost of allocating and freeing through the caching allocator against plain device
+    /// allocation.
+    Alloc(AllocBenchArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct AllocBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Allocation sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_values_t = [4096, 1 << 20, 64 << 20])]
+    pub sizes: Vec<usize>,
+    /// Alloc/free pairs per size.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub pairs: u32,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -38,8 +38,8 @@ pub(crate) trait BlockOwner: Send + Sync {
     /// work and graphs included (false).
     fn release_on_handle_drop(&self) -> bool;
     /// Takes the block back. `last_stream` is the stream that used it last, `streams_used` how
-    /// many different streams used it.
-    fn release(&self, block: &Block, last_stream: Option<StreamId>, streams_used: u32);
+    /// many times the using stream changed, plus one.
+    fn release(&self, last_stream: Option<StreamId>, streams_used: u32);
 }
 
 /// The memory a buffer handle owns: a byte range of a [`RawBuffer`].
@@ -97,7 +97,7 @@ impl Block {
             if !self.released.swap(true, Ordering::AcqRel) {
                 let last = self.last_stream.load(Ordering::Relaxed);
                 let streams = self.stream_changes.load(Ordering::Relaxed) + u32::from(last != 0);
-                owner.release(self, (last != 0).then_some(StreamId(last)), streams);
+                owner.release((last != 0).then_some(StreamId(last)), streams);
             }
         }
     }

@@ -125,7 +125,7 @@ impl BlockOwner for Lease {
         self.pool.is_some()
     }
 
-    fn release(&self, _block: &Block, last_stream: Option<StreamId>, streams_used: u32) {
+    fn release(&self, last_stream: Option<StreamId>, streams_used: u32) {
         if let Some(alloc) = self.alloc.upgrade() {
             let stream = match (last_stream, streams_used) {
                 (None, _) => None,
