@@ -98,6 +98,11 @@ pub enum Error {
         stream: StreamId,
     },
 
+    // ---- checker ------------------------------------------------------------------------------
+    /// In strict mode, the checker found a hazard in this call (its work was enqueued).
+    #[error("hazard: {0}")]
+    Hazard(Box<crate::check::Hazard>),
+
     // ---- memory and arguments ---------------------------------------------------------------
     /// An access reaches outside the buffer it names.
     #[error("{op}: region [{start}, {end}) elements is outside buffer {buffer} of {len} elements; use a smaller view")]

@@ -7,6 +7,7 @@
 //! The crate is built in layers (see `DESIGN.md`); each uses only the ones before it:
 //!
 //! 1. [`device`]: devices (CUDA or simulator), streams, events, memory, kernels, capture, graphs.
+//! 2. [`check`]: the stream-safety checker, happens-before over declared accesses.
 //! 3. [`memory`]: a caching allocator with stream-ordered reuse and graph pools.
 //! 4. [`ops`]: kernels with a CPU path and a CUDA path side by side.
 //!
@@ -28,6 +29,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod check;
 pub mod device;
 mod error;
 pub mod memory;

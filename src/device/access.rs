@@ -128,6 +128,43 @@ impl Region {
         Region { offset: self.offset + by, ..*self }
     }
 
+    /// Whether element `i` is in the region. Exact for regions whose dimensions nest (each
+    /// stride at least the extent of the dimensions inside it, as views of tensors do);
+    /// otherwise true whenever `i` is inside the region's hull (a conservative answer).
+    pub fn contains(&self, i: usize) -> bool {
+        if i < self.offset || i >= self.end() {
+            return false;
+        }
+        let mut dims: Vec<Dim> = self.dims().iter().copied().filter(|d| d.count > 1).collect();
+        dims.sort_by(|a, b| b.stride.cmp(&a.stride));
+        let nested = dims.windows(2).all(|w| w[0].stride >= w[1].stride * w[1].count);
+        if !nested {
+            return true;
+        }
+        let mut rem = i - self.offset;
+        for d in &dims {
+            let k = (rem / d.stride).min(d.count - 1);
+            rem -= k * d.stride;
+        }
+        rem == 0
+    }
+
+    /// Whether the two regions share an element. Exact for nesting regions of up to 2^16
+    /// elements; larger or irregular ones that share a hull are reported as overlapping.
+    pub fn overlaps(&self, other: &Region) -> bool {
+        if self.is_empty() || other.is_empty() || self.end() <= other.offset || other.end() <= self.offset {
+            return false;
+        }
+        if self.is_contiguous() && other.is_contiguous() {
+            return true;
+        }
+        let (small, big) = if self.len() <= other.len() { (self, other) } else { (other, self) };
+        if small.len() > 1 << 16 {
+            return true;
+        }
+        small.indices().any(|i| big.contains(i))
+    }
+
     /// Element indices in enumeration order.
     pub fn indices(&self) -> impl Iterator<Item = usize> + '_ {
         let [d0, d1, d2] = self.dims;
@@ -174,6 +211,11 @@ pub enum AccessRole {
 pub struct Access {
     /// The buffer touched.
     pub buffer: BufferId,
+    /// The allocation the buffer is a block of (a segment of an allocator, or the buffer's own
+    /// allocation): blocks reused by another buffer meet here.
+    pub memory: BufferId,
+    /// `region` in elements from the start of `memory`.
+    pub at: Region,
     /// Size of one element of `region`, in bytes.
     pub elem_bytes: usize,
     /// Which elements.
@@ -205,6 +247,16 @@ mod tests {
         let mut runs = vec![];
         r.for_each_run(|s, n| runs.push((s, n)));
         assert_eq!(runs, vec![(0, 2), (4, 2)]);
+    }
+
+    #[test]
+    fn interleaved_heads_do_not_overlap_but_a_row_does() {
+        let head0 = Region::strided(0, &[(4, 6), (3, 1)]).unwrap();
+        let head1 = Region::strided(3, &[(4, 6), (3, 1)]).unwrap();
+        assert!(!head0.overlaps(&head1) && !head1.overlaps(&head0));
+        assert!(head1.overlaps(&Region::contiguous(6, 6)), "row 1 holds head 1's elements 9..12");
+        assert!(!head1.overlaps(&Region::contiguous(6, 3)));
+        assert!(head0.contains(13) && !head0.contains(15));
     }
 
     #[test]

@@ -45,7 +45,17 @@ impl Event {
     /// # Errors
     /// `CaptureErrorKind::CapturedEvent` if the latest record was made inside a capture.
     pub fn query(&self) -> Result<bool> {
-        dispatch!(self.inner.dev.backend(), |b, pick| b.event_query(pick!(self.inner.repr)))
+        let done = dispatch!(self.inner.dev.backend(), |b, pick| b.event_query(pick!(self.inner.repr)))?;
+        if done {
+            self.host_saw();
+        }
+        Ok(done)
+    }
+
+    fn host_saw(&self) {
+        if let Some(o) = self.inner.dev.observer() {
+            o.host_sync(super::observe::HostSync::Event(self.inner.id));
+        }
     }
 
     /// GPU milliseconds from this event's latest record to `end`'s; both must be timing events
@@ -57,7 +67,9 @@ impl Event {
 
     /// Blocks the host until the work before the latest record has completed.
     pub fn synchronize(&self) -> Result<()> {
-        dispatch!(self.inner.dev.backend(), |b, pick| b.event_synchronize(pick!(self.inner.repr)))
+        dispatch!(self.inner.dev.backend(), |b, pick| b.event_synchronize(pick!(self.inner.repr)))?;
+        self.host_saw();
+        Ok(())
     }
 }
 

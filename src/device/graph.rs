@@ -97,7 +97,7 @@ impl Graph {
     /// Instantiates an executable graph.
     pub fn instantiate(&self) -> Result<GraphExec> {
         let repr = dispatch!(self.dev.backend(), |b, pick| b.wrap_exec(b.instantiate(pick!(self.repr))?));
-        Ok(GraphExec { dev: self.dev.clone(), id: self.id, repr: Some(repr) })
+        Ok(GraphExec { dev: self.dev.clone(), id: self.id, exec: ids::next_id(), repr: Some(repr) })
     }
 }
 
@@ -106,6 +106,8 @@ impl Graph {
 pub struct GraphExec {
     dev: Device,
     id: GraphId,
+    /// This executable's own identity (a graph may be instantiated more than once).
+    exec: u64,
     repr: Option<ExecRepr>,
 }
 
@@ -136,13 +138,26 @@ impl GraphExec {
         const OP: &str = "GraphExec::launch";
         self.check_stream(OP, stream)?;
         let repr = self.repr(OP)?;
-        dispatch!(self.dev.backend(), |b, pick| b.launch(pick!(repr), pick!(stream.repr())))
+        dispatch!(self.dev.backend(), |b, pick| b.launch(pick!(repr), pick!(stream.repr())))?;
+        match self.dev.observer() {
+            Some(o) => o.launch(self.id, self.exec, stream.id()),
+            None => Ok(()),
+        }
     }
 
     /// Destroys the executable now; later launches return [`Error::GraphReset`]. Launches
-    /// already queued complete normally.
-    pub fn reset(&mut self) {
-        self.repr = None;
+    /// already queued complete normally. Join the last launch first (replay contract R4): the
+    /// checker reports a reset the host has not seen the last launch finish before.
+    ///
+    /// # Errors
+    /// Only in the checker's strict mode, [`Error::Hazard`] for that report.
+    pub fn reset(&mut self) -> Result<()> {
+        if self.repr.take().is_some() {
+            if let Some(o) = self.dev.observer() {
+                return o.reset(self.id);
+            }
+        }
+        Ok(())
     }
 
     /// Whether [`reset`](GraphExec::reset) was called.
@@ -154,6 +169,13 @@ impl GraphExec {
 impl std::fmt::Debug for Graph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Graph({})", self.id)
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        // Reports only: a drop cannot fail, so strict mode's error is dropped with it.
+        let _ = self.reset();
     }
 }
 

@@ -211,6 +211,8 @@ pub fn accesses(args: &[Arg<'_>]) -> Vec<Access> {
         .filter_map(|(i, a)| match a {
             Arg::Buf(b) => Some(Access {
                 buffer: b.block.id,
+                memory: b.raw.id,
+                at: b.region,
                 elem_bytes: b.dtype.size(),
                 region: b.view,
                 mode: b.mode,

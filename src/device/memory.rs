@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::backend::MemRepr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use super::{BufferId, DType, DeviceId, Elem, Region, StreamId};
+use super::{Access, AccessMode, AccessRole, BufferId, DType, DeviceId, Elem, Region, StreamId};
 
 /// Where an allocation lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,10 +25,14 @@ pub enum MemKind {
 /// An allocation of the device, untyped: a whole buffer, or a segment that an allocator splits
 /// into blocks. Shared by the blocks in it, queued work and graphs.
 pub(crate) struct RawBuffer {
+    /// Identity of the allocation (blocks of one segment share it).
+    pub(crate) id: BufferId,
     pub(crate) device: DeviceId,
     pub(crate) bytes: usize,
     pub(crate) kind: MemKind,
     pub(crate) mem: MemRepr,
+    /// The device's checker, for host accesses of pinned memory.
+    pub(crate) observer: Option<Arc<dyn super::observe::Observer>>,
 }
 
 /// Where a block goes back when it is freed (an allocator), and when.
@@ -271,6 +275,19 @@ impl<T: Elem> DeviceBuffer<T> {
     }
 }
 
+/// The access a view declares, for the checker.
+pub(crate) fn access_of(block: &Block, region: Region, elem_bytes: usize, mode: AccessMode, index: usize) -> Access {
+    Access {
+        buffer: block.id,
+        memory: block.raw.id,
+        at: region.shifted(block.base / elem_bytes),
+        elem_bytes,
+        region,
+        mode,
+        role: AccessRole::Arg(index),
+    }
+}
+
 impl<T: Elem> View<'_, T> {
     /// Size of one element in bytes.
     pub(crate) fn dtype_size(&self) -> usize {
@@ -284,7 +301,18 @@ impl<T: Elem> PinnedBuffer<T> {
     pub fn read(&self) -> crate::Result<Vec<T>> {
         let mut out = vec![T::zeroed(); self.len];
         super::backend::read_pinned(&self.block, bytemuck::cast_slice_mut(&mut out))?;
+        self.observe("PinnedBuffer::read", AccessMode::Read)?;
         Ok(out)
+    }
+
+    fn observe(&self, op: &'static str, mode: AccessMode) -> crate::Result<()> {
+        match &self.block.raw.observer {
+            Some(o) => {
+                let a = access_of(&self.block, Region::contiguous(0, self.len), T::DTYPE.size(), mode, 0);
+                o.host_access(op, None, &[a])
+            }
+            None => Ok(()),
+        }
     }
 
     /// Writes `data` into the buffer from the host, now. Not ordered against queued copies that
@@ -293,7 +321,8 @@ impl<T: Elem> PinnedBuffer<T> {
         if data.len() != self.len {
             return Err(crate::Error::LengthMismatch { op: "PinnedBuffer::write", src: data.len(), dst: self.len });
         }
-        super::backend::write_pinned(&self.block, bytemuck::cast_slice(data))
+        super::backend::write_pinned(&self.block, bytemuck::cast_slice(data))?;
+        self.observe("PinnedBuffer::write", AccessMode::Write)
     }
 }
 

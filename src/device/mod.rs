@@ -23,6 +23,7 @@ mod graph;
 pub(crate) mod ids;
 pub mod kernel;
 pub(crate) mod memory;
+pub(crate) mod observe;
 pub mod sim;
 mod stream;
 
@@ -75,6 +76,8 @@ pub struct Device {
 struct DeviceInner {
     id: DeviceId,
     backend: BackendImpl,
+    /// The stream-safety checker, when on (always on the simulator).
+    observer: Option<Arc<dyn observe::Observer>>,
 }
 
 impl Device {
@@ -83,20 +86,41 @@ impl Device {
         Device::sim_with(SimConfig::default())
     }
 
-    /// The simulator with a chosen scheduling policy and seed.
+    /// The simulator with a chosen scheduling policy and seed. Its stream-safety checker is
+    /// always on (see [`crate::check`]).
     pub fn sim_with(config: SimConfig) -> Device {
         let id = DeviceId(ids::next_id());
-        Device { inner: Arc::new(DeviceInner { id, backend: BackendImpl::Sim(sim::SimDevice::new(config)) }) }
+        // The one reference from this layer to a later one: the simulator comes with the checker.
+        let observer = Some(crate::check::Checker::new_observer(false));
+        Device { inner: Arc::new(DeviceInner { id, backend: BackendImpl::Sim(sim::SimDevice::new(config)), observer }) }
     }
 
-    /// The GPU with this ordinal.
+    /// The GPU with this ordinal. The stream-safety checker is off unless the environment
+    /// variable `GRAPHED_CHECK` is `1` (reports) or `strict` (hazards become errors).
     ///
     /// # Errors
     /// [`Error::CudaUnavailable`] when the driver, the GPU or a needed library is missing.
     pub fn cuda(ordinal: usize) -> Result<Device> {
+        let check = std::env::var("GRAPHED_CHECK").ok();
+        let strict = check.as_deref() == Some("strict");
+        Device::open_cuda(ordinal, matches!(check.as_deref(), Some("1") | Some("strict")), strict)
+    }
+
+    /// The GPU with this ordinal, with the stream-safety checker on (host-side bookkeeping on
+    /// every call; see `graphed bench check` for its cost).
+    pub fn cuda_checked(ordinal: usize) -> Result<Device> {
+        Device::open_cuda(ordinal, true, false)
+    }
+
+    fn open_cuda(ordinal: usize, check: bool, strict: bool) -> Result<Device> {
         let id = DeviceId(ids::next_id());
         let backend = cuda::CudaDevice::new(id, ordinal)?;
-        Ok(Device { inner: Arc::new(DeviceInner { id, backend: BackendImpl::Cuda(backend) }) })
+        let observer = check.then(|| crate::check::Checker::new_observer(strict));
+        Ok(Device { inner: Arc::new(DeviceInner { id, backend: BackendImpl::Cuda(backend), observer }) })
+    }
+
+    pub(crate) fn observer(&self) -> Option<&Arc<dyn observe::Observer>> {
+        self.inner.observer.as_ref()
     }
 
     /// GPU 0 when a driver and a GPU are present, else the simulator; says which on stderr in one
@@ -187,7 +211,14 @@ impl Device {
 
     pub(crate) fn alloc_raw(&self, bytes: usize, kind: MemKind, relaxed: bool) -> Result<RawBuffer> {
         let mem = dispatch!(self.backend(), |b, _pick| b.wrap_mem(b.alloc(bytes, kind, relaxed)?));
-        Ok(RawBuffer { device: self.id(), bytes, kind, mem })
+        Ok(RawBuffer {
+            id: BufferId(ids::next_id()),
+            device: self.id(),
+            bytes,
+            kind,
+            mem,
+            observer: self.inner.observer.clone(),
+        })
     }
 
     /// Device memory for `len` elements. Contents are unspecified (zero on the simulator).
@@ -223,7 +254,11 @@ impl Device {
 
     /// Waits for all work on all streams of this device.
     pub fn synchronize(&self) -> Result<()> {
-        dispatch!(self.backend(), |b, _pick| b.synchronize())
+        dispatch!(self.backend(), |b, _pick| b.synchronize())?;
+        if let Some(o) = self.observer() {
+            o.host_sync(observe::HostSync::Device);
+        }
+        Ok(())
     }
 }
 

@@ -5,8 +5,9 @@ use std::sync::Arc;
 use super::backend::{dispatch, CopyDir, Op, StreamRepr};
 use super::capture::{Capture, CaptureMode, CaptureStatus};
 use super::kernel::{Arg, IntoView, Kernel, LaunchDims};
-use super::memory::Block;
-use super::{Device, DeviceBuffer, Elem, Event, Graph, HostView, NodeKind, StreamId};
+use super::memory::{access_of, Block};
+use super::observe::{HostSync, Observer};
+use super::{AccessMode, Device, DeviceBuffer, Elem, Event, Graph, HostView, NodeKind, Region, StreamId};
 use crate::{Error, Result};
 
 /// A non-blocking stream of one device. Cloning yields the same stream.
@@ -60,6 +61,14 @@ impl Stream {
         dispatch!(self.inner.dev.backend(), |b, pick| b.enqueue(pick!(self.inner.repr), op))
     }
 
+    /// Reports to the device's checker, if it has one, with the stream's capture.
+    fn observe(&self, f: impl FnOnce(&dyn Observer, Option<u64>) -> Result<()>) -> Result<()> {
+        match self.inner.dev.observer() {
+            Some(o) => f(o.as_ref(), self.capture_id()?),
+            None => Ok(()),
+        }
+    }
+
     /// Enqueues a kernel. Its declared accesses are derived from `args` (see [`Kernel`]).
     ///
     /// # Errors
@@ -85,7 +94,7 @@ impl Stream {
                 b.block.note_use(self.inner.id);
             }
         }
-        Ok(())
+        self.observe(|o, cap| o.enqueue(self.inner.id, cap, kernel.name, &super::kernel::accesses(args)))
     }
 
     /// Copies pinned host memory to device memory, asynchronously.
@@ -94,7 +103,13 @@ impl Stream {
         const OP: &str = "copy_h2d";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
-        self.copy(OP, CopyDir::HostToDevice, (src.block, src.absolute()), (dst.block, dst.absolute()), T::DTYPE.size())
+        self.copy(
+            OP,
+            CopyDir::HostToDevice,
+            (src.block, src.absolute(), src.region),
+            (dst.block, dst.absolute(), dst.region),
+            T::DTYPE.size(),
+        )
     }
 
     /// Copies device memory to pinned host memory, asynchronously. Read the host buffer only
@@ -104,7 +119,13 @@ impl Stream {
         const OP: &str = "copy_d2h";
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
-        self.copy(OP, CopyDir::DeviceToHost, (src.block, src.absolute()), (dst.block, dst.absolute()), T::DTYPE.size())
+        self.copy(
+            OP,
+            CopyDir::DeviceToHost,
+            (src.block, src.absolute(), src.region),
+            (dst.block, dst.absolute(), dst.region),
+            T::DTYPE.size(),
+        )
     }
 
     /// Copies device memory to device memory, asynchronously.
@@ -120,8 +141,8 @@ impl Stream {
         self.copy(
             OP,
             CopyDir::DeviceToDevice,
-            (src.block, src.absolute()),
-            (dst.block, dst.absolute()),
+            (src.block, src.absolute(), src.region),
+            (dst.block, dst.absolute(), dst.region),
             T::DTYPE.size(),
         )
     }
@@ -130,8 +151,8 @@ impl Stream {
         &self,
         op: &'static str,
         dir: CopyDir,
-        (src, src_region): (&Arc<Block>, super::Region),
-        (dst, dst_region): (&Arc<Block>, super::Region),
+        (src, src_region, src_rel): (&Arc<Block>, Region, Region),
+        (dst, dst_region, dst_rel): (&Arc<Block>, Region, Region),
         elem: usize,
     ) -> Result<()> {
         self.check_buf(op, src.raw.device)?;
@@ -154,7 +175,13 @@ impl Stream {
         })?;
         src.note_use(self.inner.id);
         dst.note_use(self.inner.id);
-        Ok(())
+        self.observe(|o, cap| {
+            let accesses = [
+                access_of(src, src_rel, elem, AccessMode::Read, 0),
+                access_of(dst, dst_rel, elem, AccessMode::Write, 1),
+            ];
+            o.enqueue(self.inner.id, cap, op, &accesses)
+        })
     }
 
     /// Sets every byte of a contiguous device view to `value`, asynchronously.
@@ -175,7 +202,9 @@ impl Stream {
             value,
         })?;
         dst.block.note_use(self.inner.id);
-        Ok(())
+        self.observe(|o, cap| {
+            o.enqueue(self.inner.id, cap, OP, &[access_of(dst.block, dst.region, elem, AccessMode::Write, 0)])
+        })
     }
 
     /// Records `event` after the work queued so far. Inside a capture this adds no node: it
@@ -208,24 +237,44 @@ impl Stream {
         dispatch!(self.inner.dev.backend(), |b, pick| match verb {
             EventVerb::Record(external) => b.record(pick!(self.inner.repr), pick!(event.repr()), external),
             EventVerb::Wait(external) => b.wait(pick!(self.inner.repr), pick!(event.repr()), external),
+        })?;
+        self.observe(|o, cap| match verb {
+            EventVerb::Record(external) => o.record(self.inner.id, cap, event.id(), external),
+            EventVerb::Wait(external) => o.wait(self.inner.id, cap, event.id(), external),
         })
     }
 
     /// Blocks the host until all work queued on this stream has completed.
     pub fn synchronize(&self) -> Result<()> {
-        dispatch!(self.inner.dev.backend(), |b, pick| b.stream_synchronize(pick!(self.inner.repr)))
+        dispatch!(self.inner.dev.backend(), |b, pick| b.stream_synchronize(pick!(self.inner.repr)))?;
+        self.host_saw_all();
+        Ok(())
     }
 
     /// Whether all work queued on this stream has completed.
     pub fn query(&self) -> Result<bool> {
-        dispatch!(self.inner.dev.backend(), |b, pick| b.stream_query(pick!(self.inner.repr)))
+        let done = dispatch!(self.inner.dev.backend(), |b, pick| b.stream_query(pick!(self.inner.repr)))?;
+        if done {
+            self.host_saw_all();
+        }
+        Ok(done)
+    }
+
+    fn host_saw_all(&self) {
+        if let Some(o) = self.inner.dev.observer() {
+            o.host_sync(HostSync::Stream(self.inner.id));
+        }
     }
 
     /// Starts capturing this stream: work enqueued from now on (and on streams that join the
     /// capture through events) is recorded into a graph instead of running. Prefer
     /// [`Stream::capture`], whose guard ends the capture on error.
     pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
-        dispatch!(self.inner.dev.backend(), |b, pick| b.begin_capture(pick!(self.inner.repr), mode))
+        dispatch!(self.inner.dev.backend(), |b, pick| b.begin_capture(pick!(self.inner.repr), mode))?;
+        if let (Some(o), Some(id)) = (self.inner.dev.observer(), self.capture_id()?) {
+            o.begin_capture(self.inner.id, id);
+        }
+        Ok(())
     }
 
     /// Ends the capture begun on this stream and returns the captured graph.
@@ -234,8 +283,25 @@ impl Stream {
     /// [`Error::Capture`] with `Unmatched` on a stream that did not begin a capture, `Unjoined`
     /// if a forked stream was not joined back, `Invalidated` if the capture was invalidated.
     pub fn end_capture(&self) -> Result<Graph> {
-        let repr = dispatch!(self.inner.dev.backend(), |b, pick| b.wrap_graph(b.end_capture(pick!(self.inner.repr))?));
-        let graph = Graph::new(self.inner.dev.clone(), repr)?;
+        let observed = match self.inner.dev.observer() {
+            Some(o) => self.capture_id()?.map(|id| (o, id)),
+            None => None,
+        };
+        let ended = dispatch!(self.inner.dev.backend(), |b, pick| b
+            .end_capture(pick!(self.inner.repr))
+            .map(|g| b.wrap_graph(g)));
+        let graph = match ended {
+            Ok(repr) => Graph::new(self.inner.dev.clone(), repr)?,
+            Err(e) => {
+                if let Some((o, id)) = observed {
+                    o.end_capture(id, None)?;
+                }
+                return Err(e);
+            }
+        };
+        if let Some((o, id)) = observed {
+            o.end_capture(id, Some(graph.id()))?;
+        }
         // graphed allocates only outside graphs; a memory node means foreign code allocated
         // stream-ordered memory during the capture, which ties the graph to one replay stream.
         let counts = graph.node_counts()?;
@@ -296,7 +362,18 @@ impl<T: Elem> DeviceBuffer<T> {
             self.block.base,
             bytemuck::cast_slice_mut(&mut out)
         ))?;
+        self.observe_host(stream, "to_vec", AccessMode::Read)?;
         Ok(out)
+    }
+
+    fn observe_host(&self, stream: &Stream, op: &'static str, mode: AccessMode) -> Result<()> {
+        match stream.inner.dev.observer() {
+            Some(o) => {
+                let a = access_of(&self.block, Region::contiguous(0, self.len()), T::DTYPE.size(), mode, 0);
+                o.host_access(op, Some(stream.id()), &[a])
+            }
+            None => Ok(()),
+        }
     }
 
     /// Overwrites the buffer with `data` after the work queued on `stream`, blocking the host.
@@ -310,7 +387,8 @@ impl<T: Elem> DeviceBuffer<T> {
             pick!(self.block.raw.mem),
             self.block.base,
             bytemuck::cast_slice(data)
-        ))
+        ))?;
+        self.observe_host(stream, "write_from", AccessMode::Write)
     }
 }
 

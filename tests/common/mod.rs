@@ -21,6 +21,8 @@ macro_rules! per_device {
                         if let Err(e) = super::$name(&dev) {
                             panic!("{} under {config:?}: {e}", stringify!($name));
                         }
+                        let hazards = graphed::check::Checker::of(&dev).expect("the simulator is checked").hazards();
+                        assert!(hazards.is_empty(), "{} under {config:?}: the checker reported {} hazards:\n{}", stringify!($name), hazards.len(), hazards.iter().map(|h| h.to_string()).collect::<Vec<_>>().join("\n"));
                     }
                 }
             )*
@@ -31,10 +33,12 @@ macro_rules! per_device {
                 #[test]
                 #[ignore = "needs a CUDA GPU"]
                 fn $name() {
-                    let dev = Device::cuda(0).unwrap_or_else(|e| panic!("{e}"));
+                    let dev = Device::cuda_checked(0).unwrap_or_else(|e| panic!("{e}"));
                     if let Err(e) = super::$name(&dev) {
                         panic!("{} on CUDA: {e}", stringify!($name));
                     }
+                    let hazards = graphed::check::Checker::of(&dev).expect("checked").hazards();
+                    assert!(hazards.is_empty(), "{} on CUDA: the checker reported:\n{}", stringify!($name), hazards.iter().map(|h| h.to_string()).collect::<Vec<_>>().join("\n"));
                 }
             )*
         }
@@ -47,4 +51,12 @@ pub fn expect_capture<T: std::fmt::Debug>(r: graphed::Result<T>, kind: CaptureEr
         Err(e) if e.capture_kind() == Some(kind) => Ok(()),
         other => anyhow::bail!("expected capture error {kind:?}, got {other:?}"),
     }
+}
+
+/// Fails unless the device's checker reported exactly one hazard, of `kind`; forgets it.
+pub fn expect_only_hazard(dev: &graphed::device::Device, kind: graphed::check::HazardKind) -> anyhow::Result<()> {
+    let checker = graphed::check::Checker::of(dev).ok_or_else(|| anyhow::anyhow!("the device has no checker"))?;
+    let hazards = checker.take_hazards();
+    anyhow::ensure!(hazards.len() == 1 && hazards[0].kind == kind, "expected one {kind:?}, got {hazards:#?}");
+    Ok(())
 }

@@ -55,7 +55,7 @@ fn never_recorded_event_is_allowed_in_capture(dev: &Device) -> anyhow::Result<()
     let cap = s.capture(CaptureMode::ThreadLocal)?;
     s.wait(&never)?;
     ensure!(cap.finish()?.nodes()?.is_empty());
-    Ok(())
+    crate::common::expect_only_hazard(dev, graphed::check::HazardKind::WaitNeverRecorded)
 }
 
 fn unjoined_fork_fails_end_capture(dev: &Device) -> anyhow::Result<()> {
@@ -172,7 +172,8 @@ fn module_loading_is_allowed_during_capture(dev: &Device) -> anyhow::Result<()> 
     s.begin_capture(CaptureMode::ThreadLocal)?;
     dev.load_kernel(&MODULE_OF_ITS_OWN)?;
     s.end_capture()?;
-    graph.instantiate()?.launch(&s)?;
+    let exec = graph.instantiate()?;
+    exec.launch(&s)?;
     ensure!(x.to_vec(&s)? == vec![1.0; 8]);
     Ok(())
 }

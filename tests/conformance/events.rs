@@ -32,7 +32,7 @@ fn wait_on_never_recorded_event_does_nothing(dev: &Device) -> anyhow::Result<()>
     let x = dev.alloc::<f32>(4)?;
     elementwise::fill(x.view(), 7.0, &s)?;
     ensure!(x.to_vec(&s)? == vec![7.0; 4]);
-    Ok(())
+    crate::common::expect_only_hazard(dev, graphed::check::HazardKind::WaitNeverRecorded)
 }
 
 fn wait_binds_to_the_record_at_call_time(dev: &Device) -> anyhow::Result<()> {

@@ -63,7 +63,8 @@ fn fork_and_join_inside_a_capture(dev: &Device) -> anyhow::Result<()> {
     ensure!(nodes.len() == 3);
     let last = nodes.iter().position(|n| n.name == "axpy_f32").expect("axpy node");
     ensure!(nodes[last].deps.len() == 2, "the join node depends on both branches: {:?}", nodes[last]);
-    graph.instantiate()?.launch(&side)?;
+    let exec = graph.instantiate()?;
+    exec.launch(&side)?;
     ensure!(b.to_vec(&side)? == vec![14.0; 128]);
     Ok(())
 }
@@ -141,11 +142,11 @@ fn reset_graph_refuses_launch(dev: &Device) -> anyhow::Result<()> {
     s.memset(&x, 0)?;
     let mut exec = cap.finish()?.instantiate()?;
     exec.launch(&s)?;
-    exec.reset();
+    s.synchronize()?;
+    exec.reset()?;
     ensure!(exec.is_reset());
     ensure!(matches!(exec.launch(&s), Err(Error::GraphReset { .. })));
     ensure!(matches!(exec.upload(&s), Err(Error::GraphReset { .. })));
-    s.synchronize()?;
     Ok(())
 }
 

@@ -1,0 +1,468 @@
+//! Layer 2, the stream-safety checker: happens-before over the declared accesses of every
+//! operation, with vector clocks per stream, per capture lane and per graph launch, event
+//! snapshots, and the host as a lane of its own. Uses only [`device`](crate::device).
+//!
+//! Always on for the simulator; on CUDA opt in with [`Device::cuda_checked`](crate::device::Device::cuda_checked)
+//! or `GRAPHED_CHECK=1` (`=strict` for strict mode). Find a device's checker with
+//! [`Checker::of`].
+//!
+//! The rules:
+//! - an operation happens after everything earlier on its stream, after what the host had seen
+//!   when it was issued, and after the record that each of its stream's waits bound to;
+//! - inside a graph launch, a node happens after the launch's entry and its graph ancestors;
+//!   an external event recorded inside the graph covers only the record node's ancestors, so
+//!   work after it (the tail) stays unordered for a caller that waits on it;
+//! - two accesses of overlapping memory of which one writes must be ordered; so must a host
+//!   access and the device work on the same memory;
+//! - a wait on a never-recorded event is reported; so is resetting a graph whose last launch the
+//!   host has not seen finish.
+
+mod clock;
+mod report;
+mod summary;
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+pub use report::{Hazard, HazardKind, OpRef, Site};
+
+use self::clock::{Clock, Lane};
+use self::summary::{GraphSummary, Node};
+use crate::device::observe::{HostSync, Observer};
+use crate::device::{Access, AccessMode, BufferId, Device, EventId, GraphId, StreamId};
+use crate::{Error, Result};
+
+/// At most this many access records are kept per allocation; older ones are dropped (a missed
+/// report is possible past it, a false one is not).
+const RECORDS_PER_MEMORY: usize = 256;
+
+/// The checker of a device: its reports, and strict mode.
+#[derive(Clone)]
+pub struct Checker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    strict: AtomicBool,
+    state: Mutex<State>,
+}
+
+/// What a wait on an event binds to.
+#[derive(Clone)]
+enum Snapshot {
+    At(Clock),
+    Captured { capture: u64, clock: Clock },
+}
+
+/// One access that may still conflict with later ones.
+enum Record {
+    Op {
+        lane: Lane,
+        pos: u64,
+        op: &'static str,
+        site: Site,
+        access: Access,
+    },
+    /// Every access of a graph launch to this allocation (see [`GraphSummary::footprint`]).
+    Launch {
+        launch: u64,
+    },
+}
+
+struct Capture {
+    streams: HashMap<StreamId, Clock>,
+    nodes: Vec<Node>,
+    records: Vec<(EventId, Clock)>,
+    waits: Vec<EventId>,
+}
+
+struct Launch {
+    graph: GraphId,
+    stream: StreamId,
+    summary: Arc<GraphSummary>,
+}
+
+#[derive(Default)]
+struct State {
+    streams: HashMap<StreamId, Clock>,
+    host: Clock,
+    events: HashMap<EventId, Snapshot>,
+    shadow: HashMap<BufferId, Vec<Record>>,
+    captures: HashMap<u64, Capture>,
+    graphs: HashMap<GraphId, Arc<GraphSummary>>,
+    launches: HashMap<u64, Launch>,
+    last_launch: HashMap<GraphId, u64>,
+    /// The clock after each executable's latest launch: the next launch of it runs after.
+    exec_end: HashMap<u64, Clock>,
+    next_launch: u64,
+    hazards: Vec<Hazard>,
+}
+
+fn conflict(a: AccessMode, b: AccessMode) -> Option<HazardKind> {
+    match (a.writes(), b.writes()) {
+        (true, true) => Some(HazardKind::WriteAfterWrite),
+        (true, false) => Some(HazardKind::ReadAfterWrite),
+        (false, true) => Some(HazardKind::WriteAfterRead),
+        (false, false) => None,
+    }
+}
+
+fn site_lane_name(site: &Site) -> String {
+    match site {
+        Site::Stream(s) => format!("stream {s}"),
+        Site::Host => "the host".into(),
+        Site::Graph { graph, stream } => format!("stream {stream} (graph {graph})"),
+    }
+}
+
+/// The ordering that fixes a race between `earlier` and `later`.
+fn fix_for(earlier: &OpRef, later: &OpRef) -> String {
+    match (&earlier.site, &later.site) {
+        (_, Site::Host) => format!(
+            "record an event on {} after {} and synchronize it before the host touches the memory",
+            site_lane_name(&earlier.site),
+            earlier.op
+        ),
+        (Site::Host, _) => {
+            format!("enqueue {} only after the host's access, or have the host synchronize first", later.op)
+        }
+        (Site::Graph { graph, .. }, Site::Graph { graph: g2, .. }) if graph == g2 => {
+            "inside the capture, record an event after the earlier node and make the later node's stream wait on it"
+                .into()
+        }
+        _ => format!(
+            "record an event E on {} after {}, and make {} wait on E before {}",
+            site_lane_name(&earlier.site),
+            earlier.op,
+            site_lane_name(&later.site),
+            later.op
+        ),
+    }
+}
+
+/// The bytes of `later`'s buffer that both accesses' hulls cover.
+fn byte_range(later: &Access, prior: &Access) -> (usize, usize) {
+    let base = later.at.offset() - later.region.offset();
+    let lo = later.at.offset().max(prior.at.offset()) - base;
+    let hi = (later.at.end().min(prior.at.end()) - base).max(lo);
+    (lo * later.elem_bytes, hi * later.elem_bytes)
+}
+
+impl State {
+    fn stream_clock(&mut self, stream: StreamId) -> &mut Clock {
+        self.streams.entry(stream).or_default()
+    }
+
+    /// Checks `access` by an operation whose clock is `clock` against everything recorded on the
+    /// same memory.
+    fn check(&mut self, clock: &Clock, later: &OpRef, access: &Access) {
+        let Some(records) = self.shadow.get(&access.memory) else { return };
+        let mut found = Vec::new();
+        for rec in records {
+            match rec {
+                Record::Op { lane, pos, op, site, access: prior } => {
+                    if clock.covers(*lane, *pos) || !prior.at.overlaps(&access.at) {
+                        continue;
+                    }
+                    if let Some(kind) = conflict(prior.mode, access.mode) {
+                        found.push((kind, OpRef { op: op.to_string(), site: *site }, *prior));
+                    }
+                }
+                Record::Launch { launch } => {
+                    let Some(l) = self.launches.get(launch) else { continue };
+                    for (node, prior) in l.summary.accesses_of(access.memory) {
+                        if clock.covers(Lane::Launch(*launch, node.lane), node.pos) || !prior.at.overlaps(&access.at) {
+                            continue;
+                        }
+                        if let Some(kind) = conflict(prior.mode, access.mode) {
+                            let site = Site::Graph { graph: l.graph, stream: l.stream };
+                            found.push((kind, OpRef { op: node.op.to_string(), site }, *prior));
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        for (kind, earlier, prior) in found {
+            let fix = fix_for(&earlier, later);
+            let bytes = Some(byte_range(access, &prior));
+            self.hazards.push(Hazard {
+                kind,
+                buffer: Some(access.buffer),
+                bytes,
+                event: None,
+                earlier: Some(earlier),
+                later: later.clone(),
+                fix,
+            });
+        }
+    }
+
+    fn remember(&mut self, memory: BufferId, rec: Record) {
+        let recs = self.shadow.entry(memory).or_default();
+        if recs.len() >= RECORDS_PER_MEMORY {
+            recs.remove(0);
+        }
+        recs.push(rec);
+    }
+
+    /// The host has seen every queued operation finish: nothing recorded can race any more.
+    fn forget_completed(&mut self) {
+        self.shadow.clear();
+        let live: Vec<u64> = self.last_launch.values().copied().collect();
+        self.launches.retain(|id, _| live.contains(id));
+    }
+}
+
+impl Checker {
+    /// A new checker, not attached to any device (see [`Device::sim`] and
+    /// [`Device::cuda_checked`](crate::device::Device::cuda_checked)).
+    pub(crate) fn new_observer(strict: bool) -> Arc<dyn Observer> {
+        Arc::new(Checker { inner: Arc::new(Inner { strict: AtomicBool::new(strict), state: Mutex::default() }) })
+    }
+
+    /// The checker of `dev`, if it has one.
+    pub fn of(dev: &Device) -> Option<Checker> {
+        dev.observer().and_then(|o| o.as_any().downcast_ref::<Checker>()).cloned()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Every hazard found so far.
+    pub fn hazards(&self) -> Vec<Hazard> {
+        self.lock().hazards.clone()
+    }
+
+    /// Returns the hazards found so far and forgets them.
+    pub fn take_hazards(&self) -> Vec<Hazard> {
+        std::mem::take(&mut self.lock().hazards)
+    }
+
+    /// The hazards as JSON, for tools.
+    pub fn hazards_json(&self) -> String {
+        serde_json::to_string_pretty(&self.hazards()).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+
+    /// In strict mode a call that creates a hazard returns [`Error::Hazard`] instead of
+    /// recording a report (the call's work was already enqueued).
+    pub fn set_strict(&self, strict: bool) {
+        self.inner.strict.store(strict, Ordering::Relaxed);
+    }
+
+    /// Raises the hazards found since `before` as an error in strict mode.
+    fn finish(&self, st: &mut State, before: usize) -> Result<()> {
+        if self.inner.strict.load(Ordering::Relaxed) && st.hazards.len() > before {
+            let h = st.hazards.remove(before);
+            st.hazards.truncate(before);
+            return Err(Error::Hazard(Box::new(h)));
+        }
+        Ok(())
+    }
+}
+
+impl Observer for Checker {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn enqueue(&self, stream: StreamId, capture: Option<u64>, op: &'static str, accesses: &[Access]) -> Result<()> {
+        let mut st = self.lock();
+        if let Some(cap) = capture.and_then(|id| st.captures.get_mut(&id).map(|c| (id, c))) {
+            let (id, c) = cap;
+            let clock = c.streams.entry(stream).or_default();
+            let lane = Lane::Capture(id, stream.raw());
+            let pos = clock.tick(lane);
+            c.nodes.push(Node::captured(op, lane, pos, clock.clone(), accesses));
+            return Ok(());
+        }
+        let before = st.hazards.len();
+        let host = st.host.clone();
+        let clock = st.stream_clock(stream);
+        clock.join(&host);
+        let pos = clock.tick(Lane::Stream(stream.raw()));
+        let clock = clock.clone();
+        let later = OpRef { op: op.to_string(), site: Site::Stream(stream) };
+        for a in accesses {
+            st.check(&clock, &later, a);
+        }
+        for a in accesses {
+            st.remember(
+                a.memory,
+                Record::Op { lane: Lane::Stream(stream.raw()), pos, op, site: Site::Stream(stream), access: *a },
+            );
+        }
+        self.finish(&mut st, before)
+    }
+
+    fn record(&self, stream: StreamId, capture: Option<u64>, event: EventId, external: bool) -> Result<()> {
+        let mut st = self.lock();
+        let snap = match capture.and_then(|id| st.captures.get_mut(&id).map(|c| (id, c))) {
+            Some((id, c)) => {
+                let clock = c.streams.entry(stream).or_default().clone();
+                if external {
+                    c.records.push((event, clock.clone()));
+                }
+                Snapshot::Captured { capture: id, clock }
+            }
+            None => Snapshot::At(st.stream_clock(stream).clone()),
+        };
+        st.events.insert(event, snap);
+        Ok(())
+    }
+
+    fn wait(&self, stream: StreamId, capture: Option<u64>, event: EventId, external: bool) -> Result<()> {
+        let mut st = self.lock();
+        let before = st.hazards.len();
+        let snap = st.events.get(&event).cloned();
+        match (capture, snap) {
+            (Some(id), _) if external => {
+                if let Some(c) = st.captures.get_mut(&id) {
+                    c.waits.push(event);
+                }
+            }
+            (_, None) => {
+                let later = OpRef { op: "wait".into(), site: Site::Stream(stream) };
+                st.hazards.push(Hazard {
+                    kind: HazardKind::WaitNeverRecorded,
+                    buffer: None,
+                    bytes: None,
+                    event: Some(event),
+                    earlier: None,
+                    later,
+                    fix: format!("record {event} (inside the graph, with record_external, if a graph is to signal it) before waiting on it; this wait orders nothing"),
+                });
+            }
+            (_, Some(Snapshot::At(clock))) => st.stream_clock(stream).join(&clock),
+            (_, Some(Snapshot::Captured { capture: cap, clock })) => {
+                if let Some(c) = st.captures.get_mut(&cap) {
+                    c.streams.entry(stream).or_default().join(&clock);
+                }
+            }
+        }
+        self.finish(&mut st, before)
+    }
+
+    fn begin_capture(&self, stream: StreamId, capture: u64) {
+        let mut st = self.lock();
+        let mut streams = HashMap::new();
+        streams.insert(stream, Clock::default());
+        st.captures.insert(capture, Capture { streams, nodes: vec![], records: vec![], waits: vec![] });
+    }
+
+    fn end_capture(&self, capture: u64, graph: Option<GraphId>) -> Result<()> {
+        let mut st = self.lock();
+        let before = st.hazards.len();
+        let Some(c) = st.captures.remove(&capture) else { return Ok(()) };
+        if let Some(graph) = graph {
+            let (summary, races) = GraphSummary::build(graph, c.nodes, c.records, c.waits);
+            st.hazards.extend(races);
+            st.graphs.insert(graph, Arc::new(summary));
+        }
+        self.finish(&mut st, before)
+    }
+
+    fn launch(&self, graph: GraphId, exec: u64, stream: StreamId) -> Result<()> {
+        let mut st = self.lock();
+        let before = st.hazards.len();
+        let Some(summary) = st.graphs.get(&graph).cloned() else { return Ok(()) };
+        st.next_launch += 1;
+        let launch = st.next_launch;
+        let host = st.host.clone();
+        let mut entry = st.stream_clock(stream).clone();
+        entry.join(&host);
+        if let Some(previous) = st.exec_end.get(&exec) {
+            entry.join(&previous.clone());
+        }
+        for e in &summary.waits {
+            if let Some(Snapshot::At(c)) = st.events.get(e) {
+                entry.join(&c.clone());
+            }
+        }
+        let later_site = Site::Graph { graph, stream };
+        for (node, access) in summary.footprint() {
+            let later = OpRef { op: node.op.to_string(), site: later_site };
+            st.check(&entry, &later, access);
+        }
+        st.launches.insert(launch, Launch { graph, stream, summary: summary.clone() });
+        for memory in summary.memories() {
+            st.remember(memory, Record::Launch { launch });
+        }
+        for (event, clock) in summary.records_at(launch, &entry) {
+            st.events.insert(event, Snapshot::At(clock));
+        }
+        let after = summary.end_clock(launch, &entry);
+        st.exec_end.insert(exec, after.clone());
+        let s = st.stream_clock(stream);
+        s.join(&after);
+        s.tick(Lane::Stream(stream.raw()));
+        st.last_launch.insert(graph, launch);
+        self.finish(&mut st, before)
+    }
+
+    fn reset(&self, graph: GraphId) -> Result<()> {
+        let mut st = self.lock();
+        let before = st.hazards.len();
+        if let Some(launch) = st.last_launch.remove(&graph) {
+            if let Some(l) = st.launches.get(&launch) {
+                if !l.summary.lanes_end(launch).all(|(lane, pos)| st.host.covers(lane, pos)) {
+                    let stream = l.stream;
+                    st.hazards.push(Hazard {
+                        kind: HazardKind::TailNotJoined,
+                        buffer: None,
+                        bytes: None,
+                        event: None,
+                        earlier: Some(OpRef { op: format!("launch of {graph}"), site: Site::Graph { graph, stream } }),
+                        later: OpRef { op: "GraphExec::reset".into(), site: Site::Host },
+                        fix: format!("synchronize stream {stream} (or an event recorded on it after the launch) before resetting the graph"),
+                    });
+                }
+            }
+        }
+        self.finish(&mut st, before)
+    }
+
+    fn host_sync(&self, what: HostSync) {
+        let mut st = self.lock();
+        match what {
+            HostSync::Stream(s) => {
+                let c = st.stream_clock(s).clone();
+                st.host.join(&c);
+            }
+            HostSync::Event(e) => {
+                if let Some(Snapshot::At(c)) = st.events.get(&e).cloned() {
+                    st.host.join(&c);
+                }
+            }
+            HostSync::Device => {
+                let all: Vec<Clock> = st.streams.values().cloned().collect();
+                for c in all {
+                    st.host.join(&c);
+                }
+                st.forget_completed();
+            }
+        }
+    }
+
+    fn host_access(&self, op: &'static str, after: Option<StreamId>, accesses: &[Access]) -> Result<()> {
+        let mut st = self.lock();
+        let before = st.hazards.len();
+        if let Some(s) = after {
+            let c = st.stream_clock(s).clone();
+            st.host.join(&c);
+        }
+        let pos = st.host.tick(Lane::Host);
+        let clock = st.host.clone();
+        let later = OpRef { op: op.to_string(), site: Site::Host };
+        for a in accesses {
+            st.check(&clock, &later, a);
+        }
+        for a in accesses {
+            st.remember(a.memory, Record::Op { lane: Lane::Host, pos, op, site: Site::Host, access: *a });
+        }
+        self.finish(&mut st, before)
+    }
+}

@@ -1,0 +1,154 @@
+//! The per-graph access summary, computed once at the end of a capture: each node's accesses and
+//! its position in the graph's partial order, so that a replay costs the checker work per
+//! distinct region the graph touches, not per node, and the graph layer can verify the replay
+//! contract at capture time (what is written after an external event, what the tail touches).
+
+use std::collections::HashMap;
+
+use super::clock::{Clock, Lane};
+use super::report::{Hazard, OpRef, Site};
+use super::{conflict, fix_for};
+use crate::device::{Access, BufferId, EventId, GraphId, StreamId};
+
+/// A node as the capture saw it.
+pub(crate) struct Node {
+    pub(crate) op: &'static str,
+    lane: Lane,
+    pos: u64,
+    clock: Clock,
+    accesses: Vec<Access>,
+}
+
+impl Node {
+    pub(crate) fn captured(op: &'static str, lane: Lane, pos: u64, clock: Clock, accesses: &[Access]) -> Node {
+        Node { op, lane, pos, clock, accesses: accesses.to_vec() }
+    }
+}
+
+/// A node of the summary: its lane (index among the capture's streams) and position there.
+pub(crate) struct SummaryNode {
+    pub(crate) op: &'static str,
+    pub(crate) lane: u32,
+    pub(crate) pos: u64,
+}
+
+/// What a graph reads and writes, node by node, and where its external events are recorded.
+pub(crate) struct GraphSummary {
+    nodes: Vec<SummaryNode>,
+    by_memory: HashMap<BufferId, Vec<(usize, Access)>>,
+    /// One (node, access) per distinct (memory, region, mode).
+    footprint: Vec<(usize, Access)>,
+    lane_end: Vec<u64>,
+    records: Vec<(EventId, Vec<(u32, u64)>)>,
+    pub(crate) waits: Vec<EventId>,
+}
+
+fn rebase(clock: &Clock, lanes: &HashMap<Lane, u32>) -> Vec<(u32, u64)> {
+    clock.lanes().filter_map(|(l, p)| lanes.get(l).map(|i| (*i, *p))).collect()
+}
+
+impl GraphSummary {
+    /// Builds the summary and reports pairs of nodes that touch the same memory, one of them
+    /// writing, with no graph path between them.
+    pub(crate) fn build(
+        graph: GraphId,
+        nodes: Vec<Node>,
+        records: Vec<(EventId, Clock)>,
+        waits: Vec<EventId>,
+    ) -> (GraphSummary, Vec<Hazard>) {
+        let mut lanes: HashMap<Lane, u32> = HashMap::new();
+        for n in &nodes {
+            let next = lanes.len() as u32;
+            lanes.entry(n.lane).or_insert(next);
+        }
+        let mut races = Vec::new();
+        let site = Site::Graph { graph, stream: StreamId(0) };
+        for (i, a) in nodes.iter().enumerate() {
+            for b in &nodes[i + 1..] {
+                let ordered = b.clock.covers(a.lane, a.pos) || a.clock.covers(b.lane, b.pos);
+                if ordered {
+                    continue;
+                }
+                for x in &a.accesses {
+                    for y in b.accesses.iter().filter(|y| y.memory == x.memory && y.at.overlaps(&x.at)) {
+                        if let Some(kind) = conflict(x.mode, y.mode) {
+                            let earlier = OpRef { op: a.op.to_string(), site };
+                            let later = OpRef { op: b.op.to_string(), site };
+                            let fix = fix_for(&earlier, &later);
+                            races.push(Hazard {
+                                kind,
+                                buffer: Some(y.buffer),
+                                bytes: None,
+                                event: None,
+                                earlier: Some(earlier),
+                                later,
+                                fix,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        let mut lane_end = vec![0; lanes.len()];
+        let mut by_memory: HashMap<BufferId, Vec<(usize, Access)>> = HashMap::new();
+        let mut footprint: Vec<(usize, Access)> = Vec::new();
+        let mut summary_nodes = Vec::with_capacity(nodes.len());
+        for (i, n) in nodes.iter().enumerate() {
+            let lane = lanes[&n.lane];
+            lane_end[lane as usize] = lane_end[lane as usize].max(n.pos);
+            for a in &n.accesses {
+                by_memory.entry(a.memory).or_default().push((i, *a));
+                if !footprint.iter().any(|(_, f)| f.memory == a.memory && f.at == a.at && f.mode == a.mode) {
+                    footprint.push((i, *a));
+                }
+            }
+            summary_nodes.push(SummaryNode { op: n.op, lane, pos: n.pos });
+        }
+        let records = records.iter().map(|(e, c)| (*e, rebase(c, &lanes))).collect();
+        (GraphSummary { nodes: summary_nodes, by_memory, footprint, lane_end, records, waits }, races)
+    }
+
+    /// The accesses of `memory`, with their nodes.
+    pub(crate) fn accesses_of(&self, memory: BufferId) -> impl Iterator<Item = (&SummaryNode, &Access)> {
+        self.by_memory.get(&memory).into_iter().flatten().map(|(n, a)| (&self.nodes[*n], a))
+    }
+
+    /// One access per distinct (memory, region, mode), with a node that makes it.
+    pub(crate) fn footprint(&self) -> impl Iterator<Item = (&SummaryNode, &Access)> {
+        self.footprint.iter().map(|(n, a)| (&self.nodes[*n], a))
+    }
+
+    /// Every allocation the graph touches.
+    pub(crate) fn memories(&self) -> impl Iterator<Item = BufferId> + '_ {
+        self.by_memory.keys().copied()
+    }
+
+    /// For each external event, the clock its record has in `launch`: the entry, plus the
+    /// record node's ancestors (not the tail after it).
+    pub(crate) fn records_at(&self, launch: u64, entry: &Clock) -> Vec<(EventId, Clock)> {
+        self.records
+            .iter()
+            .map(|(e, after)| {
+                let mut c = entry.clone();
+                for (lane, pos) in after {
+                    c.raise(Lane::Launch(launch, *lane), *pos);
+                }
+                (*e, c)
+            })
+            .collect()
+    }
+
+    /// The end of every lane of `launch`.
+    pub(crate) fn lanes_end(&self, launch: u64) -> impl Iterator<Item = (Lane, u64)> + '_ {
+        self.lane_end.iter().enumerate().map(move |(i, p)| (Lane::Launch(launch, i as u32), *p))
+    }
+
+    /// The clock after the whole of `launch`.
+    pub(crate) fn end_clock(&self, launch: u64, entry: &Clock) -> Clock {
+        let mut c = entry.clone();
+        for (lane, pos) in self.lanes_end(launch) {
+            c.raise(lane, pos);
+        }
+        c
+    }
+}
