@@ -167,7 +167,7 @@ impl State {
                         continue;
                     }
                     if let Some(kind) = conflict(prior.mode, access.mode) {
-                        found.push((kind, OpRef { op: op.to_string(), site: *site }, *prior));
+                        found.push((kind, OpRef { op: op.to_string(), site: *site }, **prior));
                     }
                 }
                 Record::Launch { launch } => {
@@ -461,7 +461,7 @@ impl Observer for Checker {
             st.check(&clock, &later, a);
         }
         for a in accesses {
-            st.remember(a.memory, Record::Op { lane: Lane::Host, pos, op, site: Site::Host, access: *a });
+            st.remember(a.memory, Record::Op { lane: Lane::Host, pos, op, site: Site::Host, access: Box::new(*a) });
         }
         self.finish(&mut st, before)
     }

@@ -136,7 +136,7 @@ impl Region {
             return false;
         }
         let mut dims: Vec<Dim> = self.dims().iter().copied().filter(|d| d.count > 1).collect();
-        dims.sort_by(|a, b| b.stride.cmp(&a.stride));
+        dims.sort_by_key(|d| std::cmp::Reverse(d.stride));
         let nested = dims.windows(2).all(|w| w[0].stride >= w[1].stride * w[1].count);
         if !nested {
             return true;
