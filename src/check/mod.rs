@@ -63,7 +63,7 @@ enum Record {
         pos: u64,
         op: &'static str,
         site: Site,
-        access: Access,
+        access: Box<Access>,
     },
     /// Every access of a graph launch to this allocation (see [`GraphSummary::footprint`]).
     Launch {
@@ -292,7 +292,13 @@ impl Observer for Checker {
         for a in accesses {
             st.remember(
                 a.memory,
-                Record::Op { lane: Lane::Stream(stream.raw()), pos, op, site: Site::Stream(stream), access: *a },
+                Record::Op {
+                    lane: Lane::Stream(stream.raw()),
+                    pos,
+                    op,
+                    site: Site::Stream(stream),
+                    access: Box::new(*a),
+                },
             );
         }
         self.finish(&mut st, before)
