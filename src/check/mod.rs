@@ -113,6 +113,7 @@ fn site_lane_name(site: &Site) -> String {
     match site {
         Site::Stream(s) => format!("stream {s}"),
         Site::Host => "the host".into(),
+        Site::Captured { graph } => format!("the capture of graph {graph}"),
         Site::Graph { graph, stream } => format!("stream {stream} (graph {graph})"),
     }
 }
@@ -128,7 +129,7 @@ fn fix_for(earlier: &OpRef, later: &OpRef) -> String {
         (Site::Host, _) => {
             format!("enqueue {} only after the host's access, or have the host synchronize first", later.op)
         }
-        (Site::Graph { graph, .. }, Site::Graph { graph: g2, .. }) if graph == g2 => {
+        (Site::Captured { .. }, Site::Captured { .. }) => {
             "inside the capture, record an event after the earlier node and make the later node's stream wait on it"
                 .into()
         }

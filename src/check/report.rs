@@ -29,6 +29,11 @@ pub enum Site {
     Stream(StreamId),
     /// On the host.
     Host,
+    /// A node of a graph, found at the end of its capture.
+    Captured {
+        /// The graph.
+        graph: GraphId,
+    },
     /// A node of a graph launched on a stream.
     Graph {
         /// The graph.
@@ -43,6 +48,7 @@ impl fmt::Display for Site {
         match self {
             Site::Stream(s) => write!(f, "stream {s}"),
             Site::Host => f.write_str("the host"),
+            Site::Captured { graph } => write!(f, "graph {graph} (as captured)"),
             Site::Graph { graph, stream } => write!(f, "graph {graph} launched on stream {stream}"),
         }
     }

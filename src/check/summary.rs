@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use super::clock::{Clock, Lane};
 use super::report::{Hazard, OpRef, Site};
 use super::{conflict, fix_for};
-use crate::device::{Access, BufferId, EventId, GraphId, StreamId};
+use crate::device::{Access, BufferId, EventId, GraphId};
 
 /// A node as the capture saw it.
 pub(crate) struct Node {
@@ -62,7 +62,7 @@ impl GraphSummary {
             lanes.entry(n.lane).or_insert(next);
         }
         let mut races = Vec::new();
-        let site = Site::Graph { graph, stream: StreamId(0) };
+        let site = Site::Captured { graph };
         for (i, a) in nodes.iter().enumerate() {
             for b in &nodes[i + 1..] {
                 let ordered = b.clock.covers(a.lane, a.pos) || a.clock.covers(b.lane, b.pos);
