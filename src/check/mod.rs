@@ -160,8 +160,10 @@ impl State {
     /// same memory.
     fn check(&mut self, clock: &Clock, later: &OpRef, access: &Access) {
         let Some(records) = self.shadow.get(&access.memory) else { return };
-        let mut found = Vec::new();
-        for rec in records {
+        // Newest first, one report per earlier site: ordering after the newest conflicting
+        // operation of a stream orders after all its earlier ones too.
+        let mut found: Vec<(HazardKind, OpRef, Access)> = Vec::new();
+        for rec in records.iter().rev() {
             match rec {
                 Record::Op { lane, pos, op, site, access: prior } => {
                     if clock.covers(*lane, *pos) || !prior.at.overlaps(&access.at) {
@@ -186,6 +188,12 @@ impl State {
                 }
             }
         }
+        let mut seen = Vec::new();
+        found.retain(|(_, earlier, _)| {
+            let first = !seen.contains(&earlier.site);
+            seen.push(earlier.site);
+            first
+        });
         for (kind, earlier, prior) in found {
             let fix = fix_for(&earlier, later);
             let bytes = Some(byte_range(access, &prior));

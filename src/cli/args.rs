@@ -85,6 +85,27 @@ pub enum BenchCommand {
     /// Host cost of allocating and freeing through the caching allocator against plain device
     /// allocation.
     Alloc(AllocBenchArgs),
+    /// The stream-safety checker: its host cost on CUDA, and a planted race with and without
+    /// its fix (how often it corrupts data, and the checker's report).
+    Check(CheckBenchArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct CheckBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Kernels per timed batch.
+    #[arg(long, default_value_t = 1000)]
+    pub n: usize,
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub reps: u32,
+    /// Runs of the planted race, each way.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub trials: u32,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug, Clone)]

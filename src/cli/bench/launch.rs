@@ -7,73 +7,8 @@ use graphed::device::{CaptureMode, DeviceKind};
 use graphed::ops::elementwise;
 use serde::Serialize;
 
-use graphed::memory::CachingAllocator;
-
-use super::args::{AllocBenchArgs, BenchArgs, BenchCommand, LaunchBenchArgs};
-
-pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    match &args.which {
-        BenchCommand::Launch(a) => launch(a),
-        BenchCommand::Alloc(a) => alloc(a),
-    }
-}
-
-#[derive(Serialize, Debug)]
-struct AllocRow {
-    bytes: usize,
-    cached_us: f64,
-    plain_us: f64,
-}
-
-#[derive(Serialize, Debug)]
-struct AllocReport {
-    bench: &'static str,
-    date: String,
-    device: String,
-    commit: &'static str,
-    pairs: u32,
-    rows: Vec<AllocRow>,
-}
-
-/// Host µs per alloc+free pair: the caching allocator (after its first, growing allocation)
-/// against a plain device allocation (`cuMemAlloc` + `cuMemFree` on CUDA).
-fn alloc(args: &AllocBenchArgs) -> anyhow::Result<()> {
-    let dev = super::open_device(&args.device)?;
-    let s = dev.stream()?;
-    let cache = CachingAllocator::new(&dev);
-    let mut rows = Vec::new();
-    for &bytes in &args.sizes {
-        drop(cache.alloc::<u8>(&s, bytes)?);
-        let t = Instant::now();
-        for _ in 0..args.pairs {
-            drop(cache.alloc::<u8>(&s, bytes)?);
-        }
-        let cached_us = t.elapsed().as_secs_f64() * 1e6 / f64::from(args.pairs);
-        let t = Instant::now();
-        for _ in 0..args.pairs {
-            drop(dev.alloc::<u8>(bytes)?);
-        }
-        let plain_us = t.elapsed().as_secs_f64() * 1e6 / f64::from(args.pairs);
-        rows.push(AllocRow { bytes, cached_us, plain_us });
-    }
-    println!("{:>12} | {:>10} {:>10} | host µs per alloc+free", "bytes", "cached", "plain");
-    for r in &rows {
-        println!("{:>12} | {:>10.3} {:>10.3} |", r.bytes, r.cached_us, r.plain_us);
-    }
-    let report = AllocReport {
-        bench: "alloc",
-        date: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-        device: dev.name(),
-        commit: env!("GRAPHED_COMMIT"),
-        pairs: args.pairs,
-        rows,
-    };
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
-        println!("wrote {}", path.display());
-    }
-    Ok(())
-}
+use super::{median, write_json, Report};
+use crate::cli::args::LaunchBenchArgs;
 
 /// One row of results: per kernel unless named per launch.
 #[derive(Serialize, Debug)]
@@ -89,23 +24,8 @@ struct LaunchRow {
     raw_graph_gpu_us: Option<f64>,
 }
 
-#[derive(Serialize, Debug)]
-struct LaunchReport {
-    bench: &'static str,
-    date: String,
-    device: String,
-    commit: &'static str,
-    reps: u32,
-    rows: Vec<LaunchRow>,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn launch(args: &LaunchBenchArgs) -> anyhow::Result<()> {
-    let dev = super::open_device(&args.device)?;
+pub fn run(args: &LaunchBenchArgs) -> anyhow::Result<()> {
+    let dev = super::super::open_device(&args.device)?;
     let on_gpu = dev.kind() == DeviceKind::Cuda;
     let s = dev.stream()?;
     let x = dev.alloc_from(&s, &[0.0f32])?;
@@ -171,19 +91,7 @@ fn launch(args: &LaunchBenchArgs) -> anyhow::Result<()> {
         });
     }
     print_table(&rows);
-    let report = LaunchReport {
-        bench: "launch",
-        date: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-        device: dev.name(),
-        commit: env!("GRAPHED_COMMIT"),
-        reps: args.reps,
-        rows,
-    };
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
-        println!("wrote {}", path.display());
-    }
-    Ok(())
+    write_json(&args.json, &Report::new("launch", &dev, args.reps, rows))
 }
 
 fn print_table(rows: &[LaunchRow]) {

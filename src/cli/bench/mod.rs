@@ -1,0 +1,57 @@
+//! `graphed bench`: benchmarks whose results go to `bench/results/`.
+
+mod alloc;
+mod check;
+mod launch;
+
+use std::path::PathBuf;
+
+use graphed::device::Device;
+use serde::Serialize;
+
+use super::args::{BenchArgs, BenchCommand};
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    match &args.which {
+        BenchCommand::Launch(a) => launch::run(a),
+        BenchCommand::Alloc(a) => alloc::run(a),
+        BenchCommand::Check(a) => check::run(a),
+    }
+}
+
+/// A benchmark's results with what identifies the run: date, device, commit.
+#[derive(Serialize, Debug)]
+struct Report<R: Serialize> {
+    bench: &'static str,
+    date: String,
+    device: String,
+    commit: &'static str,
+    reps: u32,
+    rows: Vec<R>,
+}
+
+impl<R: Serialize> Report<R> {
+    fn new(bench: &'static str, dev: &Device, reps: u32, rows: Vec<R>) -> Report<R> {
+        Report {
+            bench,
+            date: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            device: dev.name(),
+            commit: env!("GRAPHED_COMMIT"),
+            reps,
+            rows,
+        }
+    }
+}
+
+fn write_json<R: Serialize>(path: &Option<PathBuf>, report: &Report<R>) -> anyhow::Result<()> {
+    if let Some(path) = path {
+        std::fs::write(path, serde_json::to_string_pretty(report)?)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
