@@ -15,5 +15,6 @@ Run on the GPU machine (device tool: carry [".gpu"]):
   .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all --no-fail-fast 2>&1 | tee $OUT/tests.log;
   .gpu/graphed bench launch --device cuda --json $OUT/launch.json 2>&1 | tee $OUT/bench.log;
   .gpu/graphed bench alloc --device cuda --json $OUT/alloc.json 2>&1 | tee -a $OUT/bench.log;
+  .gpu/graphed bench check --device cuda --json $OUT/check.json 2>&1 | tee -a $OUT/bench.log;
   .gpu/graphed train 2>&1 | tee $OUT/train.log
 CMD
