@@ -47,6 +47,11 @@ impl Clock {
         self.get(lane) >= pos
     }
 
+    /// Drops the lanes `gone` selects.
+    pub(crate) fn forget(&mut self, gone: impl Fn(&Lane) -> bool) {
+        self.0.retain(|lane, _| !gone(lane));
+    }
+
     pub(crate) fn lanes(&self) -> impl Iterator<Item = (&Lane, &u64)> {
         self.0.iter()
     }

@@ -159,56 +159,8 @@ impl State {
     /// Checks `access` by an operation whose clock is `clock` against everything recorded on the
     /// same memory.
     fn check(&mut self, clock: &Clock, later: &OpRef, access: &Access) {
-        let Some(records) = self.shadow.get(&access.memory) else { return };
-        // Newest first, one report per earlier site: ordering after the newest conflicting
-        // operation of a stream orders after all its earlier ones too.
-        let mut found: Vec<(HazardKind, OpRef, Access)> = Vec::new();
-        for rec in records.iter().rev() {
-            match rec {
-                Record::Op { lane, pos, op, site, access: prior } => {
-                    if clock.covers(*lane, *pos) || !prior.at.overlaps(&access.at) {
-                        continue;
-                    }
-                    if let Some(kind) = conflict(prior.mode, access.mode) {
-                        found.push((kind, OpRef { op: op.to_string(), site: *site }, **prior));
-                    }
-                }
-                Record::Launch { launch } => {
-                    let Some(l) = self.launches.get(launch) else { continue };
-                    for (node, prior) in l.summary.accesses_of(access.memory) {
-                        if clock.covers(Lane::Launch(*launch, node.lane), node.pos) || !prior.at.overlaps(&access.at) {
-                            continue;
-                        }
-                        if let Some(kind) = conflict(prior.mode, access.mode) {
-                            let site = Site::Graph { graph: l.graph, stream: l.stream };
-                            found.push((kind, OpRef { op: node.op.to_string(), site }, *prior));
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        let mut seen = Vec::new();
-        found.retain(|(_, earlier, _)| {
-            let first = !seen.contains(&earlier.site);
-            seen.push(earlier.site);
-            first
-        });
-        for (kind, earlier, prior) in found {
-            let fix = fix_for(&earlier, later);
-            let bytes = Some(byte_range(access, &prior));
-            self.hazards.push(Hazard {
-                kind,
-                buffer: Some(access.buffer),
-                bytes,
-                event: None,
-                earlier: Some(earlier),
-                later: later.clone(),
-                fix,
-            });
-        }
+        check(&self.shadow, &self.launches, &mut self.hazards, clock, later, access);
     }
-
     fn remember(&mut self, memory: BufferId, rec: Record) {
         let recs = self.shadow.entry(memory).or_default();
         if recs.len() >= RECORDS_PER_MEMORY {
@@ -217,11 +169,98 @@ impl State {
         recs.push(rec);
     }
 
-    /// The host has seen every queued operation finish: nothing recorded can race any more.
-    fn forget_completed(&mut self) {
-        self.shadow.clear();
-        let live: Vec<u64> = self.last_launch.values().copied().collect();
-        self.launches.retain(|id, _| live.contains(id));
+    /// Forgets what the host has seen finish: every later operation is issued after the host's
+    /// knowledge, so records it covers can no longer race, and the lanes of launches whose
+    /// records are gone need not be tracked (clocks would otherwise grow with every launch).
+    fn collect_garbage(&mut self) {
+        let host = &self.host;
+        let launches = &self.launches;
+        let done =
+            |l: &u64| launches.get(l).is_none_or(|x| x.summary.lanes_end(*l).all(|(lane, pos)| host.covers(lane, pos)));
+        for recs in self.shadow.values_mut() {
+            recs.retain(|r| match r {
+                Record::Op { lane, pos, .. } => !host.covers(*lane, *pos),
+                Record::Launch { launch } => !done(launch),
+            });
+        }
+        self.shadow.retain(|_, recs| !recs.is_empty());
+        let finished: Vec<u64> = self.launches.keys().copied().filter(|l| done(l)).collect();
+        for l in &finished {
+            self.launches.remove(l);
+        }
+        self.last_launch.retain(|_, l| !finished.contains(l));
+        let gone = |lane: &Lane| match lane {
+            Lane::Launch(l, _) => finished.contains(l),
+            _ => false,
+        };
+        for c in self.streams.values_mut().chain(self.exec_end.values_mut()).chain(std::iter::once(&mut self.host)) {
+            c.forget(gone);
+        }
+        for snap in self.events.values_mut() {
+            if let Snapshot::At(c) = snap {
+                c.forget(gone);
+            }
+        }
+    }
+}
+
+/// Checks `access` by an operation whose clock is `clock` against everything `shadow` recorded
+/// on the same memory, and reports each conflict not ordered before it.
+fn check(
+    shadow: &HashMap<BufferId, Vec<Record>>,
+    launches: &HashMap<u64, Launch>,
+    hazards: &mut Vec<Hazard>,
+    clock: &Clock,
+    later: &OpRef,
+    access: &Access,
+) {
+    let Some(records) = shadow.get(&access.memory) else { return };
+    // Newest first, one report per earlier site: ordering after the newest conflicting
+    // operation of a stream orders after all its earlier ones too.
+    let mut found: Vec<(HazardKind, OpRef, Access)> = Vec::new();
+    for rec in records.iter().rev() {
+        match rec {
+            Record::Op { lane, pos, op, site, access: prior } => {
+                if clock.covers(*lane, *pos) || !prior.at.overlaps(&access.at) {
+                    continue;
+                }
+                if let Some(kind) = conflict(prior.mode, access.mode) {
+                    found.push((kind, OpRef { op: op.to_string(), site: *site }, **prior));
+                }
+            }
+            Record::Launch { launch } => {
+                let Some(l) = launches.get(launch) else { continue };
+                for (node, prior) in l.summary.accesses_of(access.memory) {
+                    if clock.covers(Lane::Launch(*launch, node.lane), node.pos) || !prior.at.overlaps(&access.at) {
+                        continue;
+                    }
+                    if let Some(kind) = conflict(prior.mode, access.mode) {
+                        let site = Site::Graph { graph: l.graph, stream: l.stream };
+                        found.push((kind, OpRef { op: node.op.to_string(), site }, *prior));
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let mut seen = Vec::new();
+    found.retain(|(_, earlier, _)| {
+        let first = !seen.contains(&earlier.site);
+        seen.push(earlier.site);
+        first
+    });
+    for (kind, earlier, prior) in found {
+        let fix = fix_for(&earlier, later);
+        let bytes = Some(byte_range(access, &prior));
+        hazards.push(Hazard {
+            kind,
+            buffer: Some(access.buffer),
+            bytes,
+            event: None,
+            earlier: Some(earlier),
+            later: later.clone(),
+            fix,
+        });
     }
 }
 
@@ -289,26 +328,18 @@ impl Observer for Checker {
             return Ok(());
         }
         let before = st.hazards.len();
-        let host = st.host.clone();
-        let clock = st.stream_clock(stream);
-        clock.join(&host);
-        let pos = clock.tick(Lane::Stream(stream.raw()));
-        let clock = clock.clone();
+        let State { streams, host, shadow, launches, hazards, .. } = &mut *st;
+        let clock = streams.entry(stream).or_default();
+        clock.join(host);
+        let lane = Lane::Stream(stream.raw());
+        let pos = clock.tick(lane);
         let later = OpRef { op: op.to_string(), site: Site::Stream(stream) };
         for a in accesses {
-            st.check(&clock, &later, a);
+            check(shadow, launches, hazards, clock, &later, a);
         }
         for a in accesses {
-            st.remember(
-                a.memory,
-                Record::Op {
-                    lane: Lane::Stream(stream.raw()),
-                    pos,
-                    op,
-                    site: Site::Stream(stream),
-                    access: Box::new(*a),
-                },
-            );
+            let rec = Record::Op { lane, pos, op, site: Site::Stream(stream), access: Box::new(*a) };
+            st.remember(a.memory, rec);
         }
         self.finish(&mut st, before)
     }
@@ -457,9 +488,9 @@ impl Observer for Checker {
                 for c in all {
                     st.host.join(&c);
                 }
-                st.forget_completed();
             }
         }
+        st.collect_garbage();
     }
 
     fn host_access(&self, op: &'static str, after: Option<StreamId>, accesses: &[Access]) -> Result<()> {
@@ -468,6 +499,7 @@ impl Observer for Checker {
         if let Some(s) = after {
             let c = st.stream_clock(s).clone();
             st.host.join(&c);
+            st.collect_garbage();
         }
         let pos = st.host.tick(Lane::Host);
         let clock = st.host.clone();

@@ -97,10 +97,12 @@ fn overhead(dev: &Device, n: usize, reps: u32) -> anyhow::Result<(f64, f64)> {
 /// A producer stream accumulates into `x` with many kernels; a consumer stream copies `x`
 /// without waiting (or, fixed, after waiting on an event recorded after the producer).
 fn race(dev: &Device, fixed: bool, trials: u32) -> anyhow::Result<(u32, Option<String>)> {
-    const N: usize = 1 << 20;
+    // On the GPU each producer kernel must take longer than the host takes to issue the next,
+    // or the producer is done before the consumer starts and the race never shows.
+    let n: usize = if dev.kind() == DeviceKind::Cuda { 1 << 26 } else { 1 << 12 };
     const STEPS: usize = 64;
     let (producer, consumer) = (dev.stream()?, dev.stream()?);
-    let (x, y) = (dev.alloc::<f32>(N)?, dev.alloc::<f32>(N)?);
+    let (x, y) = (dev.alloc::<f32>(n)?, dev.alloc::<f32>(n)?);
     let done = dev.event()?;
     let checker = Checker::of(dev);
     let mut corrupted = 0;
