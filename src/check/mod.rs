@@ -53,7 +53,27 @@ struct Inner {
 #[derive(Clone)]
 enum Snapshot {
     At(Clock),
-    Captured { capture: u64, clock: Clock },
+    /// Recorded by an external record node of `launch` of `graph` on `stream`.
+    Launched {
+        clock: Clock,
+        launch: u64,
+        graph: GraphId,
+        stream: StreamId,
+    },
+    Captured {
+        capture: u64,
+        clock: Clock,
+    },
+}
+
+impl Snapshot {
+    /// The clock a wait joins, for records outside captures.
+    fn at(&self) -> Option<&Clock> {
+        match self {
+            Snapshot::At(c) | Snapshot::Launched { clock: c, .. } => Some(c),
+            Snapshot::Captured { .. } => None,
+        }
+    }
 }
 
 /// One access that may still conflict with later ones.
@@ -94,6 +114,8 @@ struct State {
     graphs: HashMap<GraphId, Arc<GraphSummary>>,
     launches: HashMap<u64, Launch>,
     last_launch: HashMap<GraphId, u64>,
+    /// Each stream's latest graph launch.
+    stream_launch: HashMap<StreamId, (u64, GraphId)>,
     /// The clock after each executable's latest launch: the next launch of it runs after.
     exec_end: HashMap<u64, Clock>,
     next_launch: u64,
@@ -197,7 +219,7 @@ impl State {
             c.forget(gone);
         }
         for snap in self.events.values_mut() {
-            if let Snapshot::At(c) = snap {
+            if let Snapshot::At(c) | Snapshot::Launched { clock: c, .. } = snap {
                 c.forget(gone);
             }
         }
@@ -259,6 +281,7 @@ fn check(
             event: None,
             earlier: Some(earlier),
             later: later.clone(),
+            at: None,
             fix,
         });
     }
@@ -360,7 +383,14 @@ impl Observer for Checker {
         Ok(())
     }
 
-    fn wait(&self, stream: StreamId, capture: Option<u64>, event: EventId, external: bool) -> Result<()> {
+    fn wait(
+        &self,
+        stream: StreamId,
+        capture: Option<u64>,
+        event: EventId,
+        external: bool,
+        at: Option<&str>,
+    ) -> Result<()> {
         let mut st = self.lock();
         let before = st.hazards.len();
         let snap = st.events.get(&event).cloned();
@@ -379,10 +409,27 @@ impl Observer for Checker {
                     event: Some(event),
                     earlier: None,
                     later,
+                    at: at.map(str::to_string),
                     fix: format!("record {event} (inside the graph, with record_external, if a graph is to signal it) before waiting on it; this wait orders nothing"),
                 });
             }
             (_, Some(Snapshot::At(clock))) => st.stream_clock(stream).join(&clock),
+            (_, Some(Snapshot::Launched { clock, launch, graph, stream: on })) => {
+                st.stream_clock(stream).join(&clock);
+                if let Some(&(newer, newer_graph)) = st.stream_launch.get(&on).filter(|(l, _)| *l != launch) {
+                    let _ = newer;
+                    st.hazards.push(Hazard {
+                        kind: HazardKind::StaleRecord,
+                        buffer: None,
+                        bytes: None,
+                        event: Some(event),
+                        earlier: Some(OpRef { op: format!("launch of {newer_graph}"), site: Site::Graph { graph: newer_graph, stream: on } }),
+                        later: OpRef { op: "wait".into(), site: Site::Stream(stream) },
+                        at: at.map(str::to_string),
+                        fix: format!("this wait binds to {event} as recorded by the earlier launch of {graph}, not to the later launch of {newer_graph} on stream {on}; wait right after the launch you depend on, or give each graph its own event"),
+                    });
+                }
+            }
             (_, Some(Snapshot::Captured { capture: cap, clock })) => {
                 if let Some(c) = st.captures.get_mut(&cap) {
                     c.streams.entry(stream).or_default().join(&clock);
@@ -424,7 +471,7 @@ impl Observer for Checker {
             entry.join(&previous.clone());
         }
         for e in &summary.waits {
-            if let Some(Snapshot::At(c)) = st.events.get(e) {
+            if let Some(c) = st.events.get(e).and_then(Snapshot::at) {
                 entry.join(&c.clone());
             }
         }
@@ -438,8 +485,9 @@ impl Observer for Checker {
             st.remember(memory, Record::Launch { launch });
         }
         for (event, clock) in summary.records_at(launch, &entry) {
-            st.events.insert(event, Snapshot::At(clock));
+            st.events.insert(event, Snapshot::Launched { clock, launch, graph, stream });
         }
+        st.stream_launch.insert(stream, (launch, graph));
         let after = summary.end_clock(launch, &entry);
         st.exec_end.insert(exec, after.clone());
         let s = st.stream_clock(stream);
@@ -463,6 +511,7 @@ impl Observer for Checker {
                         event: None,
                         earlier: Some(OpRef { op: format!("launch of {graph}"), site: Site::Graph { graph, stream } }),
                         later: OpRef { op: "GraphExec::reset".into(), site: Site::Host },
+                        at: None,
                         fix: format!("synchronize stream {stream} (or an event recorded on it after the launch) before resetting the graph"),
                     });
                 }
@@ -479,7 +528,7 @@ impl Observer for Checker {
                 st.host.join(&c);
             }
             HostSync::Event(e) => {
-                if let Some(Snapshot::At(c)) = st.events.get(&e).cloned() {
+                if let Some(c) = st.events.get(&e).and_then(Snapshot::at).cloned() {
                     st.host.join(&c);
                 }
             }

@@ -20,6 +20,9 @@ pub enum HazardKind {
     WaitNeverRecorded,
     /// A graph was reset while work of its last launch may still run (R4).
     TailNotJoined,
+    /// A wait bound to an event's record by an earlier graph launch, while the stream that
+    /// launched it has a later launch the wait does not cover (R6).
+    StaleRecord,
 }
 
 /// Where an operation ran.
@@ -84,6 +87,8 @@ pub struct Hazard {
     pub earlier: Option<OpRef>,
     /// The later operation, which the report is raised at.
     pub later: OpRef,
+    /// Where in the caller's source the later operation was issued, when known (waits).
+    pub at: Option<String>,
     /// The ordering that would fix it.
     pub fix: String,
 }
@@ -97,8 +102,12 @@ impl fmt::Display for Hazard {
         if let Some(e) = self.event {
             write!(f, " (event {e})")?;
         }
+        if let Some(at) = &self.at {
+            write!(f, " at {at}")?;
+        }
         if let Some(earlier) = &self.earlier {
-            write!(f, " unordered with {earlier}")?;
+            let relation = if self.kind == HazardKind::StaleRecord { "not covering" } else { "unordered with" };
+            write!(f, " {relation} {earlier}")?;
         }
         write!(f, "; fix: {}", self.fix)
     }

@@ -82,6 +82,7 @@ impl GraphSummary {
                                 event: None,
                                 earlier: Some(earlier),
                                 later,
+                                at: None,
                                 fix,
                             });
                         }

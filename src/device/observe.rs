@@ -22,7 +22,15 @@ pub(crate) trait Observer: Send + Sync {
     fn as_any(&self) -> &dyn std::any::Any;
     fn enqueue(&self, stream: StreamId, capture: Option<u64>, op: &'static str, accesses: &[Access]) -> Result<()>;
     fn record(&self, stream: StreamId, capture: Option<u64>, event: EventId, external: bool) -> Result<()>;
-    fn wait(&self, stream: StreamId, capture: Option<u64>, event: EventId, external: bool) -> Result<()>;
+    /// `at`: the caller's source location of the wait.
+    fn wait(
+        &self,
+        stream: StreamId,
+        capture: Option<u64>,
+        event: EventId,
+        external: bool,
+        at: Option<&str>,
+    ) -> Result<()>;
     fn begin_capture(&self, stream: StreamId, capture: u64);
     fn end_capture(&self, capture: u64, graph: Option<GraphId>) -> Result<()>;
     /// A launch of executable `exec` (launches of one executable run in order) of `graph`.

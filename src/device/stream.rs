@@ -222,17 +222,22 @@ impl Stream {
 
     /// Makes later work on this stream wait for the latest record of `event` at the time of
     /// this call. A wait on a never-recorded event does nothing (as on CUDA).
+    #[track_caller]
     pub fn wait(&self, event: &Event) -> Result<()> {
         self.event_op("wait", event, EventVerb::Wait(false))
     }
 
     /// Waits with the external flag: inside a capture this adds an event-wait node that binds
     /// to the event's latest record at each launch, instead of a capture edge.
+    #[track_caller]
     pub fn wait_external(&self, event: &Event) -> Result<()> {
         self.event_op("wait_external", event, EventVerb::Wait(true))
     }
 
+    #[track_caller]
     fn event_op(&self, op: &'static str, event: &Event, verb: EventVerb) -> Result<()> {
+        // The caller's source location, for reports of waits (`#[track_caller]` up to the verb).
+        let at = std::panic::Location::caller();
         self.inner.dev.check_same(op, "event", event.device().id())?;
         dispatch!(self.inner.dev.backend(), |b, pick| match verb {
             EventVerb::Record(external) => b.record(pick!(self.inner.repr), pick!(event.repr()), external),
@@ -240,7 +245,7 @@ impl Stream {
         })?;
         self.observe(|o, cap| match verb {
             EventVerb::Record(external) => o.record(self.inner.id, cap, event.id(), external),
-            EventVerb::Wait(external) => o.wait(self.inner.id, cap, event.id(), external),
+            EventVerb::Wait(external) => o.wait(self.inner.id, cap, event.id(), external, Some(&at.to_string())),
         })
     }
 

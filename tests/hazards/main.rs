@@ -169,6 +169,48 @@ fn host_reads_pinned_memory_early(dev: &Device) -> anyhow::Result<()> {
     no_hazard(dev)
 }
 
+/// The host writes a pinned buffer that a queued H2D copy still reads.
+fn host_writes_pinned_memory_a_copy_still_reads(dev: &Device) -> anyhow::Result<()> {
+    let h2d = dev.stream()?;
+    let host = dev.alloc_pinned::<f32>(32)?;
+    let act = dev.alloc::<f32>(32)?;
+    h2d.copy_h2d(host.view(), &act)?;
+    host.write(&[9.0; 32])?;
+    let h = one_hazard(dev)?;
+    ensure!(
+        h.kind == HazardKind::WriteAfterRead && h.buffer == Some(host.id()) && h.later.op == "PinnedBuffer::write",
+        "{h}"
+    );
+    h2d.synchronize()?;
+    host.write(&[8.0; 32])?;
+    no_hazard(dev)
+}
+
+/// R6: the caller waits on the event of an earlier launch while a later launch on the graph's
+/// stream, which recorded no event, is what it needed.
+fn wait_on_a_stale_record(dev: &Device) -> anyhow::Result<()> {
+    let (main, g) = (dev.stream()?, dev.stream()?);
+    let first = side_graph(dev, &g, false)?;
+    let x = dev.alloc::<f32>(64)?;
+    let cap = g.capture(CaptureMode::ThreadLocal)?;
+    elementwise::fill(x.view(), 1.0, &g)?;
+    let second = cap.finish()?.instantiate()?;
+    first.exec.launch(&g)?;
+    second.launch(&g)?;
+    main.wait(&first.done)?;
+    let h = one_hazard(dev)?;
+    ensure!(h.kind == HazardKind::StaleRecord && h.event == Some(first.done.id()), "{h}");
+    ensure!(
+        h.earlier.as_ref().is_some_and(|e| matches!(e.site, Site::Graph { graph, .. } if graph == second.id())),
+        "{h}"
+    );
+    first.exec.launch(&g)?;
+    main.wait(&first.done)?;
+    no_hazard(dev)?;
+    dev.synchronize()?;
+    Ok(())
+}
+
 /// Offload H9: a reloaded buffer is consumed before its H2D copy ended.
 fn reloaded_buffer_consumed_early(dev: &Device) -> anyhow::Result<()> {
     let (main, h2d) = (dev.stream()?, dev.stream()?);
@@ -327,6 +369,8 @@ per_device!(
     static_input_overwritten_under_the_tail,
     host_reads_pinned_memory_early,
     reloaded_buffer_consumed_early,
+    host_writes_pinned_memory_a_copy_still_reads,
+    wait_on_a_stale_record,
     offload_source_reused_early,
     pinned_buffer_reused_before_its_reload_read_it,
     unordered_nodes_in_one_graph,
