@@ -34,8 +34,9 @@ use crate::device::observe::{HostSync, Observer};
 use crate::device::{Access, AccessMode, BufferId, Device, EventId, GraphId, StreamId};
 use crate::{Error, Result};
 
-/// At most this many access records are kept per allocation; older ones are dropped (a missed
-/// report is possible past it, a false one is not).
+/// At most this many access records are kept per allocation, after older records covered by
+/// newer ones of the same lane were dropped; past it the oldest go (a missed report is possible
+/// then, a false one is not).
 const RECORDS_PER_MEMORY: usize = 256;
 
 /// The checker of a device: its reports, and strict mode.
@@ -185,6 +186,18 @@ impl State {
     }
     fn remember(&mut self, memory: BufferId, rec: Record) {
         let recs = self.shadow.entry(memory).or_default();
+        if let Record::Op { lane, access: new, .. } = &rec {
+            // An older record of the same lane that the new one covers can go: whatever is not
+            // ordered after the older one is not ordered after the newer one either (clocks are
+            // per lane), and conflicts with it conflicts with the newer one, unless the older one
+            // writes and the newer one only reads.
+            recs.retain(|old| match old {
+                Record::Op { lane: l, access: o, .. } => {
+                    !(l == lane && covers(&new.at, &o.at) && (new.mode.writes() || !o.mode.writes()))
+                }
+                Record::Launch { .. } => true,
+            });
+        }
         if recs.len() >= RECORDS_PER_MEMORY {
             recs.remove(0);
         }
@@ -224,6 +237,12 @@ impl State {
             }
         }
     }
+}
+
+/// Whether region `a` holds every element of `b` (exact for equal or contiguous regions; false
+/// otherwise, which only keeps a record longer).
+fn covers(a: &crate::device::Region, b: &crate::device::Region) -> bool {
+    a == b || (a.is_contiguous() && b.is_contiguous() && a.offset() <= b.offset() && b.end() <= a.end())
 }
 
 /// Checks `access` by an operation whose clock is `clock` against everything `shadow` recorded

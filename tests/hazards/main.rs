@@ -186,6 +186,27 @@ fn host_writes_pinned_memory_a_copy_still_reads(dev: &Device) -> anyhow::Result<
     no_hazard(dev)
 }
 
+/// A weight written once and read by many kernels is still checked against a stream that never
+/// waited for the write (the checker drops covered records, not the write). Found by fuzzing.
+fn write_followed_by_many_reads(dev: &Device) -> anyhow::Result<()> {
+    let (a, b) = (dev.stream()?, dev.stream()?);
+    let (x, y, z) = (dev.alloc::<f32>(4)?, dev.alloc::<f32>(4)?, dev.alloc::<f32>(4)?);
+    elementwise::fill(x.view(), 1.0, &a)?;
+    for _ in 0..300 {
+        elementwise::scale(y.view(), x.view(), 1.0, &a)?;
+    }
+    elementwise::scale(z.view(), x.view(), 1.0, &b)?;
+    let h = one_hazard(dev)?;
+    ensure!(
+        h.kind == HazardKind::ReadAfterWrite
+            && h.buffer == Some(x.id())
+            && h.earlier.as_ref().is_some_and(|e| e.op == "fill_f32"),
+        "{h}"
+    );
+    dev.synchronize()?;
+    Ok(())
+}
+
 /// R6: the caller waits on the event of an earlier launch while a later launch on the graph's
 /// stream, which recorded no event, is what it needed.
 fn wait_on_a_stale_record(dev: &Device) -> anyhow::Result<()> {
@@ -371,6 +392,7 @@ per_device!(
     reloaded_buffer_consumed_early,
     host_writes_pinned_memory_a_copy_still_reads,
     wait_on_a_stale_record,
+    write_followed_by_many_reads,
     offload_source_reused_early,
     pinned_buffer_reused_before_its_reload_read_it,
     unordered_nodes_in_one_graph,

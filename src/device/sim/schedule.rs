@@ -21,9 +21,11 @@ pub enum Policy {
     InOrder,
     /// A runnable item chosen at random (seeded).
     Random,
-    /// The newest runnable item needed by what the host waits for: every stream runs as late as
-    /// its dependencies allow, so consumers that forgot to wait run before their producers, and
-    /// writers that forgot to wait run before earlier readers.
+    /// The newest runnable item among those the host waits for: work that is not needed yet stays
+    /// queued, and a later-issued item runs before an earlier one it is not ordered after, so a
+    /// consumer that forgot to wait often runs before its producer and a writer that forgot to
+    /// wait before an earlier reader. Not every race shows this way; the random policy with
+    /// several seeds covers the rest, and the checker reports races whatever the schedule.
     Adversarial,
 }
 
