@@ -119,6 +119,17 @@ pub enum Error {
         len: usize,
     },
 
+    /// A tensor has the wrong shape for the operation.
+    #[error("{op}: expected {expected}, found shape {found:?}; pass a tensor of the expected shape")]
+    Shape {
+        /// The operation that was called.
+        op: &'static str,
+        /// What the operation needs.
+        expected: String,
+        /// The shape passed.
+        found: Vec<usize>,
+    },
+
     /// Two views that must have the same length do not.
     #[error("{op}: source has {src} elements but destination has {dst}; pass views of equal length")]
     LengthMismatch {

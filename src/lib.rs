@@ -9,7 +9,7 @@
 //! 1. [`device`]: devices (CUDA or simulator), streams, events, memory, kernels, capture, graphs.
 //! 2. [`check`]: the stream-safety checker, happens-before over declared accesses.
 //! 3. [`memory`]: a caching allocator with stream-ordered reuse and graph pools.
-//! 4. [`ops`]: kernels with a CPU path and a CUDA path side by side.
+//! 4. [`tensor`] and [`ops`]: kernels with a CPU path and a CUDA path side by side.
 //!
 //! ```
 //! use graphed::device::{CaptureMode, Device};
@@ -34,5 +34,6 @@ pub mod device;
 mod error;
 pub mod memory;
 pub mod ops;
+pub mod tensor;
 
 pub use error::{CaptureErrorKind, CaptureSite, Error, Result};

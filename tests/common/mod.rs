@@ -60,3 +60,29 @@ pub fn expect_only_hazard(dev: &graphed::device::Device, kind: graphed::check::H
     anyhow::ensure!(hazards.len() == 1 && hazards[0].kind == kind, "expected one {kind:?}, got {hazards:#?}");
     Ok(())
 }
+
+/// Central finite differences of a scalar function of `x` (in f64 on the host), for gradient
+/// checks on the simulator: `f` runs the forward on the device and returns the loss.
+pub fn numeric_grad(mut f: impl FnMut(&[f32]) -> anyhow::Result<f64>, x: &[f32], eps: f32) -> anyhow::Result<Vec<f64>> {
+    let mut grad = Vec::with_capacity(x.len());
+    let mut probe = x.to_vec();
+    for i in 0..x.len() {
+        probe[i] = x[i] + eps;
+        let up = f(&probe)?;
+        probe[i] = x[i] - eps;
+        let down = f(&probe)?;
+        probe[i] = x[i];
+        grad.push((up - down) / (2.0 * f64::from(eps)));
+    }
+    Ok(grad)
+}
+
+/// Fails unless `got` and `want` agree within `atol + rtol·|want|` everywhere.
+pub fn ensure_close(what: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64) -> anyhow::Result<()> {
+    anyhow::ensure!(got.len() == want.len(), "{what}: {} values, expected {}", got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let g = f64::from(*g);
+        anyhow::ensure!((g - w).abs() <= atol + rtol * w.abs(), "{what}[{i}]: {g} vs {w}");
+    }
+    Ok(())
+}
