@@ -61,16 +61,40 @@ pub(crate) enum CopyDir {
 /// An operation to enqueue. Offsets are in bytes from the start of the block's `raw`
 /// allocation; everything is already bounds-checked.
 pub(crate) enum Op<'a> {
-    Kernel { kernel: &'static Kernel, dims: LaunchDims, args: &'a [Arg<'a>] },
-    Copy { dir: CopyDir, src: &'a Arc<Block>, src_offset: usize, dst: &'a Arc<Block>, dst_offset: usize, bytes: usize },
-    Memset { dst: &'a Arc<Block>, offset: usize, bytes: usize, value: u8 },
+    Kernel {
+        kernel: &'static Kernel,
+        dims: LaunchDims,
+        args: &'a [Arg<'a>],
+    },
+    /// A GEMM: `kernel` is its CPU path and name, `args` as `Gemm::args` lays them out.
+    Gemm {
+        kernel: &'static Kernel,
+        args: &'a [Arg<'a>],
+        spec: super::gemm::GemmSpec,
+        alpha: f32,
+        beta: f32,
+    },
+    Copy {
+        dir: CopyDir,
+        src: &'a Arc<Block>,
+        src_offset: usize,
+        dst: &'a Arc<Block>,
+        dst_offset: usize,
+        bytes: usize,
+    },
+    Memset {
+        dst: &'a Arc<Block>,
+        offset: usize,
+        bytes: usize,
+        value: u8,
+    },
 }
 
 impl Op<'_> {
     /// The operation's name in graphs and reports.
     pub(crate) fn name(&self) -> &'static str {
         match self {
-            Op::Kernel { kernel, .. } => kernel.name,
+            Op::Kernel { kernel, .. } | Op::Gemm { kernel, .. } => kernel.name,
             Op::Copy { dir: CopyDir::HostToDevice, .. } => "memcpy_h2d",
             Op::Copy { dir: CopyDir::DeviceToHost, .. } => "memcpy_d2h",
             Op::Copy { dir: CopyDir::DeviceToDevice, .. } => "memcpy_d2d",
@@ -102,6 +126,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
 
     /// Compiles (or reads from the cache) and loads the kernel's module now.
     fn load_kernel(&self, kernel: &'static Kernel) -> Result<()>;
+    /// Bytes of the per-stream workspace a GEMM is given (and declares as a hidden access).
+    fn gemm_workspace_bytes(&self) -> usize;
     fn enqueue(&self, stream: &Self::Stream, op: &Op<'_>) -> Result<()>;
     fn record(&self, stream: &Self::Stream, event: &Self::Event, external: bool) -> Result<()>;
     fn wait(&self, stream: &Self::Stream, event: &Self::Event, external: bool) -> Result<()>;

@@ -137,6 +137,8 @@ pub struct BufArg<'a> {
     pub(crate) buffer_len: usize,
     pub(crate) dtype: DType,
     pub(crate) mode: AccessMode,
+    /// Set for a hidden access of a library call (a workspace), named for reports.
+    pub(crate) hidden: Option<&'static str>,
 }
 
 /// Something that can be viewed as a device region of `Elem`: a buffer or a view.
@@ -178,7 +180,21 @@ fn buf_arg<'a, V: IntoView<'a>>(v: V, mode: AccessMode) -> Arg<'a> {
         buffer_len: v.buffer_len,
         dtype: V::Elem::DTYPE,
         mode,
+        hidden: None,
     })
+}
+
+/// A buffer a library call reads and writes without the caller naming it (a workspace); declared
+/// like an argument so that the simulator, the checker and graph summaries see it.
+pub(crate) struct Hidden<V>(pub &'static str, pub V);
+
+impl<'a, V: IntoView<'a>> From<Hidden<V>> for Arg<'a> {
+    fn from(h: Hidden<V>) -> Self {
+        match buf_arg(h.1, AccessMode::ReadWrite) {
+            Arg::Buf(b) => Arg::Buf(BufArg { hidden: Some(h.0), ..b }),
+            scalar => scalar,
+        }
+    }
 }
 
 impl<'a, V: IntoView<'a>> From<In<V>> for Arg<'a> {
@@ -216,7 +232,7 @@ pub fn accesses(args: &[Arg<'_>]) -> Vec<Access> {
                 elem_bytes: b.dtype.size(),
                 region: b.view,
                 mode: b.mode,
-                role: AccessRole::Arg(i),
+                role: b.hidden.map_or(AccessRole::Arg(i), AccessRole::Hidden),
             }),
             Arg::Scalar(_) => None,
         })

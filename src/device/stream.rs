@@ -1,9 +1,10 @@
 //! Streams: ordered queues of device work, and the verbs that enqueue on them.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::backend::{dispatch, CopyDir, Op, StreamRepr};
 use super::capture::{Capture, CaptureMode, CaptureStatus};
+use super::gemm::{Gemm, GemmElem};
 use super::kernel::{Arg, IntoView, Kernel, LaunchDims};
 use super::memory::{access_of, Block};
 use super::observe::{HostSync, Observer};
@@ -22,11 +23,14 @@ struct StreamInner {
     priority: i32,
     legacy: bool,
     repr: StreamRepr,
+    /// The GEMM workspace of this stream, made at its first GEMM (cuBLASLt needs one per
+    /// stream for reproducible results).
+    workspace: OnceLock<DeviceBuffer<u8>>,
 }
 
 impl Stream {
     pub(crate) fn new(dev: Device, id: StreamId, priority: i32, legacy: bool, repr: StreamRepr) -> Stream {
-        Stream { inner: Arc::new(StreamInner { dev, id, priority, legacy, repr }) }
+        Stream { inner: Arc::new(StreamInner { dev, id, priority, legacy, repr, workspace: OnceLock::new() }) }
     }
 
     /// The stream's identity.
@@ -89,12 +93,52 @@ impl Stream {
             }
         }
         self.enqueue(&Op::Kernel { kernel, dims, args })?;
+        self.enqueued(kernel.name, args)
+    }
+
+    /// After a kernel or library call was enqueued: note the streams of the blocks it touches,
+    /// and report it to the checker.
+    fn enqueued(&self, name: &'static str, args: &[Arg<'_>]) -> Result<()> {
         for a in args {
             if let Arg::Buf(b) = a {
                 b.block.note_use(self.inner.id);
             }
         }
-        self.observe(|o, cap| o.enqueue(self.inner.id, cap, kernel.name, &super::kernel::accesses(args)))
+        self.observe(|o, cap| o.enqueue(self.inner.id, cap, name, &super::kernel::accesses(args)))
+    }
+
+    /// Enqueues a GEMM (cuBLASLt on CUDA; see [`Gemm`]).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when a view is not the matrix the dimensions say, a buffer of another
+    /// device, a view outside its buffer, or a capture error.
+    pub fn gemm<T: GemmElem>(&self, g: Gemm<'_, T>) -> Result<()> {
+        const OP: &str = "Stream::gemm";
+        for (v, dev) in [(&g.c, g.c.block.raw.device), (&g.a, g.a.block.raw.device), (&g.b, g.b.block.raw.device)] {
+            self.check_buf(OP, dev)?;
+            v.check_bounds(OP)?;
+        }
+        if let Some(bias) = &g.bias {
+            self.check_buf(OP, bias.block.raw.device)?;
+            bias.check_bounds(OP)?;
+        }
+        let spec = g.spec()?;
+        let workspace = self.workspace()?;
+        let args = g.args(&spec, workspace.view());
+        let kernel = g.kernel();
+        self.enqueue(&Op::Gemm { kernel, args: &args, spec, alpha: g.alpha, beta: g.beta })?;
+        self.enqueued(kernel.name, &args)
+    }
+
+    fn workspace(&self) -> Result<&DeviceBuffer<u8>> {
+        if let Some(w) = self.inner.workspace.get() {
+            return Ok(w);
+        }
+        let dev = &self.inner.dev;
+        let bytes = dispatch!(dev.backend(), |b, _pick| b.gemm_workspace_bytes());
+        // In relaxed mode: a stream's first GEMM may be inside a capture.
+        let raw = dev.alloc_raw(bytes, super::MemKind::Device, true)?;
+        Ok(self.inner.workspace.get_or_init(|| DeviceBuffer::from_block(Block::whole(raw))))
     }
 
     /// Copies pinned host memory to device memory, asynchronously.

@@ -122,15 +122,28 @@ impl<T: Elem> Tensor<T> {
             return Err(shape_error("Tensor::reshape", format!("{} elements", self.numel()), shape));
         }
         if !self.is_contiguous() {
-            return Err(Error::Unsupported { op: "Tensor::reshape", backend: "any", why: "the tensor is not contiguous; reshape before taking strided views" });
+            return Err(Error::Unsupported {
+                op: "Tensor::reshape",
+                backend: "any",
+                why: "the tensor is not contiguous; reshape before taking strided views",
+            });
         }
-        Ok(Tensor { buf: self.buf.clone(), offset: self.offset, shape: shape.to_vec(), strides: contiguous_strides(shape) })
+        Ok(Tensor {
+            buf: self.buf.clone(),
+            offset: self.offset,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+        })
     }
 
     /// Elements `start..start + len` along `dim`.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor<T>> {
         if dim >= self.shape.len() || start + len > self.shape[dim] {
-            return Err(shape_error("Tensor::narrow", format!("dim {dim} holding {start}..{}", start + len), &self.shape));
+            return Err(shape_error(
+                "Tensor::narrow",
+                format!("dim {dim} holding {start}..{}", start + len),
+                &self.shape,
+            ));
         }
         let mut t = self.clone();
         t.offset += start * self.strides[dim];
@@ -165,7 +178,7 @@ impl<T: Elem> Tensor<T> {
         if dims.is_empty() {
             dims.push((self.numel(), 1));
         }
-        self.buf.strided(self.offset, &dims).ok_or_else(|| Error::Unsupported {
+        self.buf.strided(self.offset, &dims).ok_or(Error::Unsupported {
             op: "Tensor::view",
             backend: "any",
             why: "kernels take views of at most 3 strided dimensions; make the tensor contiguous first",

@@ -6,6 +6,7 @@ mod common;
 
 mod capture;
 mod events;
+mod gemm;
 mod graphs;
 mod memory;
 mod misuse;

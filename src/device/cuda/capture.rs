@@ -46,7 +46,7 @@ impl Holdings {
 
     fn add_op(&mut self, op: &Op<'_>) {
         match op {
-            Op::Kernel { args, .. } => {
+            Op::Kernel { args, .. } | Op::Gemm { args, .. } => {
                 for arg in args.iter() {
                     if let Arg::Buf(b) = arg {
                         self.add_buffer(b.block);

@@ -17,6 +17,7 @@
 #![allow(unsafe_code)]
 
 mod baseline;
+mod blas;
 
 pub(crate) use baseline::raw_launch_baseline;
 mod capture;
@@ -50,6 +51,7 @@ use crate::Result;
 pub(crate) struct CudaDevice {
     ctx: Arc<CudaContext>,
     kernels: Kernels,
+    blas: blas::Blas,
     description: String,
 }
 
@@ -62,7 +64,12 @@ impl CudaDevice {
         let compiler = nvrtc::Compiler::new(opened.cc)?;
         let description =
             format!("{} ({}, driver {}.{})", opened.name, compiler.arch(), version / 1000, version % 1000 / 10);
-        Ok(CudaDevice { kernels: Kernels::new(opened.ctx.clone(), compiler), ctx: opened.ctx, description })
+        Ok(CudaDevice {
+            kernels: Kernels::new(opened.ctx.clone(), compiler),
+            blas: blas::Blas::default(),
+            ctx: opened.ctx,
+            description,
+        })
     }
 
     /// "NVIDIA H200 (sm_90, driver 13.0)".
@@ -130,12 +137,20 @@ impl Backend for CudaDevice {
         self.kernels.load(kernel, on)
     }
 
+    fn gemm_workspace_bytes(&self) -> usize {
+        // cuBLASLt's recommendation for Hopper.
+        32 << 20
+    }
+
     fn enqueue(&self, stream: &CuStream, op: &Op<'_>) -> Result<()> {
         let name = op.name();
         self.bind(name)?;
         let capture = capture::active_id(&stream.raw).map_err(|e| err::at(name, CaptureSite::Stream(stream.id), e))?;
         match *op {
             Op::Kernel { kernel, dims, args } => self.kernels.launch(stream, kernel, &dims, args)?,
+            Op::Gemm { args, spec, alpha, beta, .. } => {
+                self.blas.gemm(stream, &spec, alpha, beta, args, self.gemm_workspace_bytes())?
+            }
             Op::Copy { dir, src, src_offset, dst, dst_offset, bytes } => {
                 memory::copy(name, stream, dir, (&src.raw, src_offset), (&dst.raw, dst_offset), bytes)?
             }

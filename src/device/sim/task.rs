@@ -95,7 +95,7 @@ pub(crate) enum Task {
 impl Task {
     pub(crate) fn from_op(op: &Op<'_>) -> Task {
         match *op {
-            Op::Kernel { kernel, args, .. } => Task::Kernel {
+            Op::Kernel { kernel, args, .. } | Op::Gemm { kernel, args, .. } => Task::Kernel {
                 kernel,
                 args: args
                     .iter()

@@ -1,0 +1,255 @@
+//! cuBLASLt GEMMs: one handle per device, and a plan (descriptors and the algorithm the
+//! heuristic picked) per GEMM layout, made once and reused, so a GEMM in a training step costs a
+//! lookup and one `cublasLtMatmul`.
+//!
+//! graphed's GEMMs are row-major; cuBLASLt is column-major. A row-major `C = op(A)·op(B)` is the
+//! column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`, so cuBLASLt gets B as its first operand and A as its second,
+//! each described by its stored shape with rows and columns swapped.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::mem::{size_of, MaybeUninit};
+use std::sync::{Mutex, PoisonError};
+
+use cudarc::cublaslt::result::{self as lt, CublasError};
+use cudarc::cublaslt::sys;
+
+use super::memory;
+use super::stream::CuStream;
+use crate::device::gemm::{GemmSpec, Operand};
+use crate::device::kernel::Arg;
+use crate::device::DType;
+use crate::{Error, Result};
+
+fn fail(op: &'static str) -> impl Fn(CublasError) -> Error {
+    move |e| Error::Cuda { op, message: format!("cuBLASLt: {:?}", e.0) }
+}
+
+/// A cuBLASLt handle, destroyed with the device.
+struct Handle(sys::cublasLtHandle_t);
+
+// SAFETY: a cuBLASLt handle may be used from any thread; graphed serializes its use with the
+// `Blas` lock.
+unsafe impl Send for Handle {}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created by `lt::create_handle` and is destroyed once.
+        let _ = unsafe { lt::destroy_handle(self.0) };
+    }
+}
+
+/// The descriptors and algorithm of one GEMM layout.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+// SAFETY: the descriptors are plain host objects, used under the `Blas` lock.
+unsafe impl Send for Plan {}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each descriptor was created once for this plan and is destroyed once.
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.desc);
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    handle: Option<Handle>,
+    plans: HashMap<GemmSpec, Plan>,
+}
+
+/// The device's cuBLASLt state.
+#[derive(Default)]
+pub(super) struct Blas {
+    state: Mutex<State>,
+}
+
+fn data_type(dtype: DType) -> Result<sys::cudaDataType> {
+    match dtype {
+        DType::F32 => Ok(sys::cudaDataType_t::CUDA_R_32F),
+        DType::BF16 => Ok(sys::cudaDataType_t::CUDA_R_16BF),
+        _ => Err(Error::Unsupported { op: "Stream::gemm", backend: "cuda", why: "GEMMs take f32 or bf16" }),
+    }
+}
+
+/// A column-major layout of a row-major operand: its stored shape, rows and columns swapped.
+fn layout(
+    ty: sys::cudaDataType,
+    o: &Operand,
+    batch: usize,
+) -> std::result::Result<sys::cublasLtMatrixLayout_t, CublasError> {
+    let l = lt::create_matrix_layout(ty, o.cols as u64, o.rows as u64, o.ld as i64)?;
+    if batch > 1 {
+        let count = batch as i32;
+        let stride = o.batch_stride as i64;
+        // SAFETY: `l` is live; each value is the size the attribute expects (int32, int64).
+        unsafe {
+            set_layout(l, sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count)?;
+            set_layout(l, sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride)?;
+        }
+    }
+    Ok(l)
+}
+
+/// # Safety
+/// `l` must be live and `T` the attribute's type.
+unsafe fn set_layout<T>(
+    l: sys::cublasLtMatrixLayout_t,
+    attr: sys::cublasLtMatrixLayoutAttribute_t,
+    v: &T,
+) -> std::result::Result<(), CublasError> {
+    // SAFETY: forwarded from the caller.
+    unsafe { lt::set_matrix_layout_attribute(l, attr, (v as *const T).cast::<c_void>(), size_of::<T>()) }
+}
+
+/// # Safety
+/// `d` must be live and `T` the attribute's type.
+unsafe fn set_desc<T>(
+    d: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> std::result::Result<(), CublasError> {
+    // SAFETY: forwarded from the caller.
+    unsafe { lt::set_matmul_desc_attribute(d, attr, (v as *const T).cast::<c_void>(), size_of::<T>()) }
+}
+
+/// `cublasOperation_t` as the attribute stores it: `CUBLAS_OP_N` = 0, `CUBLAS_OP_T` = 1.
+fn operation(transpose: bool) -> i32 {
+    i32::from(transpose)
+}
+
+impl Plan {
+    fn new(handle: &Handle, spec: &GemmSpec, workspace_bytes: usize) -> std::result::Result<Plan, CublasError> {
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        let ty = data_type(spec.dtype).map_err(|_| CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED))?;
+        // IEEE f32 accumulation for both types: bf16 inputs, f32 sums; f32 without TF32.
+        let desc =
+            lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)?;
+        let plan = Plan {
+            desc,
+            layouts: [
+                layout(ty, &spec.b, spec.batch)?,
+                layout(ty, &spec.a, spec.batch)?,
+                layout(ty, &spec.c, spec.batch)?,
+            ],
+            // SAFETY: a plain C struct that the heuristic below fills before it is read.
+            algo: unsafe { MaybeUninit::zeroed().assume_init() },
+        };
+        // SAFETY: `desc` is live; the values are int32 operations and a uint32 epilogue.
+        unsafe {
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &operation(spec.trans_b))?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &operation(spec.trans_a))?;
+            if spec.bias {
+                set_desc(
+                    desc,
+                    D::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    &(sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32),
+                )?;
+            }
+        }
+        let pref = lt::create_matmul_pref()?;
+        let bytes = workspace_bytes as u64;
+        // SAFETY: `pref` is live; the workspace limit is a uint64; it is destroyed once, below.
+        let found = unsafe {
+            let set = lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&bytes as *const u64).cast::<c_void>(),
+                size_of::<u64>(),
+            );
+            let found = set.and_then(|_| {
+                let [a, b, c] = plan.layouts;
+                lt::get_matmul_algo_heuristic(handle.0, desc, a, b, c, c, pref)
+            });
+            let _ = lt::destroy_matmul_pref(pref);
+            found?
+        };
+        Ok(Plan { algo: found.algo, ..plan })
+    }
+}
+
+impl Blas {
+    /// Enqueues the GEMM on `stream`. `args` are laid out as `Gemm::args` makes them.
+    pub(super) fn gemm(
+        &self,
+        stream: &CuStream,
+        spec: &GemmSpec,
+        alpha: f32,
+        beta: f32,
+        args: &[Arg<'_>],
+        workspace_bytes: usize,
+    ) -> Result<()> {
+        const OP: &str = "Stream::gemm";
+        let ptr = |i: usize| -> Result<u64> {
+            match args.get(i) {
+                Some(Arg::Buf(b)) => memory::kernel_arg(OP, b.raw, b.region.offset() * b.dtype.size()),
+                _ => Err(Error::Unsupported {
+                    op: OP,
+                    backend: "cuda",
+                    why: "a GEMM's arguments are malformed; please report this as a bug",
+                }),
+            }
+        };
+        let (c, a, b) = (ptr(0)?, ptr(1)?, ptr(2)?);
+        let (bias, ws) = if spec.bias { (Some(ptr(3)?), ptr(4)?) } else { (None, ptr(3)?) };
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let st = &mut *st;
+        if st.handle.is_none() {
+            // SAFETY: only asks whether the library can be loaded.
+            if !unsafe { sys::is_culib_present() } {
+                return Err(Error::CudaUnavailable {
+                    reason: "libcublasLt could not be loaded; install cuBLAS or add it to LD_LIBRARY_PATH".into(),
+                });
+            }
+            st.handle = Some(Handle(lt::create_handle().map_err(fail(OP))?));
+        }
+        let handle = st.handle.as_ref().expect("created above");
+        if !st.plans.contains_key(spec) {
+            let plan = Plan::new(handle, spec, workspace_bytes).map_err(fail(OP))?;
+            st.plans.insert(*spec, plan);
+        }
+        let plan = &st.plans[spec];
+        if let Some(bias) = bias {
+            // SAFETY: the plan's descriptor is live; the bias pointer is a device address, set
+            // under the lock right before the call that reads it.
+            unsafe {
+                set_desc(plan.desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)
+            }
+            .map_err(fail(OP))?;
+        }
+        let [la, lb, lc] = plan.layouts;
+        // SAFETY: the pointers address live, range-checked allocations laid out as the plan's
+        // layouts say (the public layer checked the views against the dimensions); the workspace
+        // holds `workspace_bytes`; the stream is live. Buffers outlive the call as for kernels.
+        unsafe {
+            lt::matmul(
+                handle.0,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                b as *const c_void,
+                la,
+                a as *const c_void,
+                lb,
+                c as *const c_void,
+                lc,
+                c as *mut c_void,
+                lc,
+                &plan.algo,
+                ws as *mut c_void,
+                workspace_bytes,
+                stream.raw.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| Error::Cuda { op: OP, message: format!("cuBLASLt matmul: {:?}", e.0) })
+    }
+}
