@@ -127,7 +127,7 @@ fn gemm_is_captured_as_kernels(dev: &Device) -> anyhow::Result<()> {
     ensure!(counts.keys().all(|k| *k == NodeKind::Kernel) && !counts.is_empty(), "{counts:?}");
     let exec = graph.instantiate()?;
     exec.launch(&s)?;
-    close(&c.to_vec(&s)?, &reference(&ha, &hb, &vec![0.0; 16], None, (m, n, k), false, false, 2.0, 0.0), 1e-5)
+    close(&c.to_vec(&s)?, &reference(&ha, &hb, &[0.0; 16], None, (m, n, k), false, false, 2.0, 0.0), 1e-5)
 }
 
 fn mismatched_gemm_shapes_are_refused(dev: &Device) -> anyhow::Result<()> {
