@@ -134,7 +134,8 @@ impl Plan {
         // IEEE f32 accumulation for both types: bf16 inputs, f32 sums; f32 without TF32.
         let desc =
             lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)?;
-        let plan = Plan {
+        // Built first, so that every descriptor is destroyed once whatever fails below.
+        let mut plan = Plan {
             desc,
             layouts: [
                 layout(ty, &spec.b, spec.batch)?,
@@ -173,7 +174,8 @@ impl Plan {
             let _ = lt::destroy_matmul_pref(pref);
             found?
         };
-        Ok(Plan { algo: found.algo, ..plan })
+        plan.algo = found.algo;
+        Ok(plan)
     }
 }
 
