@@ -88,6 +88,23 @@ pub enum BenchCommand {
     /// The stream-safety checker: its host cost on CUDA, and a planted race with and without
     /// its fix (how often it corrupts data, and the checker's report).
     Check(CheckBenchArgs),
+    /// TFLOP/s of a d×d×d bf16 GEMM (compare with `bench/torch_reference.py gemm`).
+    Gemm(GemmBenchArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct GemmBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Matrix size.
+    #[arg(long, default_value_t = 4096)]
+    pub d: usize,
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub reps: u32,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -2,6 +2,7 @@
 
 mod alloc;
 mod check;
+mod gemm;
 mod launch;
 
 use std::path::PathBuf;
@@ -16,6 +17,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Launch(a) => launch::run(a),
         BenchCommand::Alloc(a) => alloc::run(a),
         BenchCommand::Check(a) => check::run(a),
+        BenchCommand::Gemm(a) => gemm::run(a),
     }
 }
 
