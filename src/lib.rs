@@ -10,6 +10,7 @@
 //! 2. [`check`]: the stream-safety checker, happens-before over declared accesses.
 //! 3. [`memory`]: a caching allocator with stream-ordered reuse and graph pools.
 //! 4. [`tensor`] and [`ops`]: kernels with a CPU path and a CUDA path side by side.
+//! 5. [`nn`]: modules with explicit forward and backward (the unit of graph capture).
 //!
 //! ```
 //! use graphed::device::{CaptureMode, Device};
@@ -33,6 +34,7 @@ pub mod check;
 pub mod device;
 mod error;
 pub mod memory;
+pub mod nn;
 pub mod ops;
 pub mod tensor;
 

@@ -1,0 +1,154 @@
+//! `y = x·Wᵀ + b`: the GEMMs of a fully connected layer, with the bias in cuBLASLt's epilogue.
+//!
+//! Gradients: `dx = dy·W` (written), `dW += dyᵀ·x`, `db += dyᵀ·1` (accumulated; the bias
+//! gradient is a GEMM against a vector of ones, so its sum runs in cuBLASLt's fixed order).
+
+use super::{Module, Param, ParamStore, SaveHook};
+use crate::device::{Gemm, Stream};
+use crate::memory::CachingAllocator;
+use crate::ops::elementwise;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// A fully connected layer over the last dimension of an `(n, in)` input.
+pub struct Linear {
+    name: String,
+    alloc: CachingAllocator,
+    /// `(out, in)`.
+    pub weight: Param,
+    /// `(out)`.
+    pub bias: Param,
+}
+
+/// What the forward saves: the input.
+pub struct LinearCtx {
+    /// `(n, in)`.
+    pub input: Tensor<f32>,
+}
+
+fn uniform(n: usize, bound: f32, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * bound
+        })
+        .collect()
+}
+
+impl Linear {
+    /// A layer with weights uniform in ±1/√in (PyTorch's default) from `seed`, bias zero.
+    pub fn new(store: &mut ParamStore, alloc: &CachingAllocator, name: &str, (inputs, outputs): (usize, usize), seed: u64, stream: &Stream) -> Result<Linear> {
+        let bound = 1.0 / (inputs as f32).sqrt();
+        let weight = store.add(&format!("{name}.weight"), &[outputs, inputs], &uniform(inputs * outputs, bound, seed), stream)?;
+        let bias = store.add(&format!("{name}.bias"), &[outputs], &vec![0.0; outputs], stream)?;
+        Ok(Linear { name: name.to_string(), alloc: alloc.clone(), weight, bias })
+    }
+
+    fn dims(&self) -> (usize, usize) {
+        (self.weight.value.shape()[1], self.weight.value.shape()[0])
+    }
+
+    fn rows(&self, op: &'static str, t: &Tensor<f32>, cols: usize) -> Result<usize> {
+        match t.shape() {
+            [n, c] if *c == cols => Ok(*n),
+            other => Err(Error::Shape { op, expected: format!("(n, {cols})"), found: other.to_vec() }),
+        }
+    }
+}
+
+impl Module for Linear {
+    type Ctx = LinearCtx;
+
+    fn forward(&self, inputs: &[&Tensor<f32>], hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, LinearCtx)> {
+        const OP: &str = "Linear::forward";
+        let (i, o) = self.dims();
+        let x = inputs.first().ok_or(Error::Shape { op: OP, expected: "one input".into(), found: vec![] })?;
+        let n = self.rows(OP, x, i)?;
+        let y = Tensor::uninit(&self.alloc, stream, &[n, o])?;
+        let gemm = Gemm { bias: Some(self.bias.value.view()?), trans_b: true, ..Gemm::new(y.view()?, x.view()?, self.weight.value.view()?, (n, o, i)) };
+        stream.gemm(gemm)?;
+        hook.open_group(&self.name)?;
+        let input = hook.save("input", (*x).clone(), stream)?;
+        hook.commit_group(&self.name)?;
+        Ok((vec![y], LinearCtx { input }))
+    }
+
+    fn backward(&self, ctx: LinearCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>> {
+        const OP: &str = "Linear::backward";
+        let (i, o) = self.dims();
+        let dy = grad_outputs.first().ok_or(Error::Shape { op: OP, expected: "one output gradient".into(), found: vec![] })?;
+        let n = self.rows(OP, dy, o)?;
+        let x = &ctx.input;
+        let dx = Tensor::uninit(&self.alloc, stream, &[n, i])?;
+        stream.gemm(Gemm::new(dx.view()?, dy.view()?, self.weight.value.view()?, (n, i, o)))?;
+        let dw = Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.weight.grad.view()?, dy.view()?, x.view()?, (o, i, n)) };
+        stream.gemm(dw)?;
+        let ones = Tensor::uninit(&self.alloc, stream, &[n])?;
+        elementwise::fill(ones.view()?, 1.0, stream)?;
+        let db = Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.bias.grad.view()?, dy.view()?, ones.view()?, (o, 1, n)) };
+        stream.gemm(db)?;
+        Ok(vec![dx])
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        vec![&self.weight, &self.bias]
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use crate::nn::KeepOnDevice;
+
+    /// Loss Σ y⊙r, its gradient by the module, and by central differences on the host.
+    #[test]
+    fn gradients_match_finite_differences() {
+        let dev = Device::sim();
+        let s = dev.stream().unwrap();
+        let alloc = CachingAllocator::new(&dev);
+        let mut store = ParamStore::new(&alloc, &s, 64).unwrap();
+        let lin = Linear::new(&mut store, &alloc, "fc", (4, 3), 7, &s).unwrap();
+        let xh = uniform(8, 1.0, 1);
+        let r = uniform(6, 1.0, 2);
+        let loss = |x: &[f32], w: &[f32], b: &[f32]| -> f64 {
+            (0..2)
+                .flat_map(|n| (0..3).map(move |j| (n, j)))
+                .map(|(n, j)| {
+                    let y = (0..4).map(|k| f64::from(x[n * 4 + k]) * f64::from(w[j * 4 + k])).sum::<f64>() + f64::from(b[j]);
+                    y * f64::from(r[n * 3 + j])
+                })
+                .sum()
+        };
+        let w = lin.weight.value.to_vec(&s).unwrap();
+        let b = lin.bias.value.to_vec(&s).unwrap();
+        let x = Tensor::from_host(&alloc, &s, &xh, &[2, 4]).unwrap();
+        let (y, ctx) = lin.forward(&[&x], &KeepOnDevice, &s).unwrap();
+        let got: f64 = y[0].to_vec(&s).unwrap().iter().zip(&r).map(|(y, r)| f64::from(*y) * f64::from(*r)).sum();
+        assert!((got - loss(&xh, &w, &b)).abs() < 1e-5);
+        let dy = Tensor::from_host(&alloc, &s, &r, &[2, 3]).unwrap();
+        let dx = lin.backward(ctx, &[&dy], &s).unwrap().remove(0).to_vec(&s).unwrap();
+        let num = |v: &[f32], f: &dyn Fn(&[f32]) -> f64| -> Vec<f64> {
+            (0..v.len())
+                .map(|i| {
+                    let (mut up, mut down) = (v.to_vec(), v.to_vec());
+                    up[i] += 1e-2;
+                    down[i] -= 1e-2;
+                    (f(&up) - f(&down)) / 2e-2
+                })
+                .collect()
+        };
+        let close = |got: &[f32], want: &[f64]| got.iter().zip(want).all(|(g, w)| (f64::from(*g) - w).abs() < 1e-3);
+        assert!(close(&dx, &num(&xh, &|x| loss(x, &w, &b))));
+        assert!(close(&lin.weight.grad.to_vec(&s).unwrap(), &num(&w, &|w| loss(&xh, w, &b))));
+        assert!(close(&lin.bias.grad.to_vec(&s).unwrap(), &num(&b, &|b| loss(&xh, &w, b))));
+        // A second backward accumulates the parameter gradients.
+        let (_, ctx) = lin.forward(&[&x], &KeepOnDevice, &s).unwrap();
+        lin.backward(ctx, &[&dy], &s).unwrap();
+        let twice = lin.bias.grad.to_vec(&s).unwrap();
+        assert!(close(&twice, &num(&b, &|b| 2.0 * loss(&xh, &w, b))));
+    }
+}

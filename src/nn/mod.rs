@@ -1,0 +1,65 @@
+//! Layer 5, modules with explicit forward and backward: the unit that graph capture works on.
+//!
+//! The contract ([`Module`]), after llm.c and TransformerEngine:
+//! - `forward` returns the outputs and a saved context for the backward;
+//! - `backward` consumes that context and the output gradients, returns the input gradients
+//!   (written, `=`) and accumulates the parameter gradients (`+=`), so that microbatches of one
+//!   step sum without extra kernels;
+//! - `backward_dw`, for modules that split it out, runs the weight-gradient part separately;
+//! - saved activations go through a [`SaveHook`] at named sites, which does nothing by default,
+//!   so that activation offloading can plug in without touching every module.
+//!
+//! Parameters live in one flat buffer per model ([`ParamStore`]), with gradients in another of
+//! the same layout, so that the optimizer updates every parameter in one launch.
+
+mod linear;
+mod params;
+
+pub use linear::{Linear, LinearCtx};
+pub use params::{Param, ParamStore};
+
+use crate::device::Stream;
+use crate::tensor::Tensor;
+use crate::Result;
+
+/// Where saved activations pass on their way from forward to backward. The default does
+/// nothing; an offload manager implements it to move them to host memory and back.
+pub trait SaveHook: Send + Sync {
+    /// A module starts saving for one forward (`site` names the module instance).
+    fn open_group(&self, _site: &str) -> Result<()> {
+        Ok(())
+    }
+    /// One saved tensor, by name; returns the tensor to keep in the context (the same by
+    /// default, a handle to a reload later for an offloader).
+    fn save(&self, _name: &str, t: Tensor<f32>, _stream: &Stream) -> Result<Tensor<f32>> {
+        Ok(t)
+    }
+    /// The module finished saving.
+    fn commit_group(&self, _site: &str) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The hook that keeps everything on the device.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct KeepOnDevice;
+
+impl SaveHook for KeepOnDevice {}
+
+/// A module with an explicit forward and backward (see the module docs for the conventions).
+pub trait Module {
+    /// What the forward saves for the backward.
+    type Ctx;
+
+    /// Computes the outputs of `inputs`, enqueued on `stream`.
+    fn forward(&self, inputs: &[&Tensor<f32>], hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, Self::Ctx)>;
+
+    /// Returns the input gradients (`=`) and accumulates the parameter gradients (`+=`).
+    fn backward(&self, ctx: Self::Ctx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>>;
+
+    /// The module's parameters.
+    fn parameters(&self) -> Vec<&Param>;
+
+    /// Turns training behaviour (dropout) on or off.
+    fn set_training(&mut self, training: bool);
+}

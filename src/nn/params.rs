@@ -1,0 +1,65 @@
+//! Parameters: slices of one flat buffer, with gradients in a second buffer of the same layout.
+
+use crate::device::Stream;
+use crate::memory::CachingAllocator;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// One parameter: its value and its gradient, views into the store's two flat buffers.
+#[derive(Clone, Debug)]
+pub struct Param {
+    /// Name, for reports and checkpoints.
+    pub name: String,
+    /// The value.
+    pub value: Tensor<f32>,
+    /// The gradient (accumulated by backward passes).
+    pub grad: Tensor<f32>,
+}
+
+/// All parameters of a model in one flat buffer (and their gradients in another), so that the
+/// optimizer touches every parameter in one launch.
+pub struct ParamStore {
+    alloc: CachingAllocator,
+    values: Tensor<f32>,
+    grads: Tensor<f32>,
+    used: usize,
+}
+
+impl ParamStore {
+    /// Room for `capacity` parameters (elements), zeroed, with zeroed gradients.
+    pub fn new(alloc: &CachingAllocator, stream: &Stream, capacity: usize) -> Result<ParamStore> {
+        let (values, grads) = (Tensor::zeros(alloc, stream, &[capacity])?, Tensor::zeros(alloc, stream, &[capacity])?);
+        Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0 })
+    }
+
+    /// A new parameter of `shape`, set to `init` (row-major) after the work queued on `stream`.
+    pub fn add(&mut self, name: &str, shape: &[usize], init: &[f32], stream: &Stream) -> Result<Param> {
+        let n: usize = shape.iter().product();
+        if init.len() != n {
+            return Err(Error::Shape { op: "ParamStore::add", expected: format!("{} initial values", init.len()), found: shape.to_vec() });
+        }
+        if self.used + n > self.values.numel() {
+            return Err(Error::Shape {
+                op: "ParamStore::add",
+                expected: format!("at most {} more elements; make the store larger", self.values.numel() - self.used),
+                found: shape.to_vec(),
+            });
+        }
+        let value = self.values.narrow(0, self.used, n)?.reshape(shape)?;
+        let grad = self.grads.narrow(0, self.used, n)?.reshape(shape)?;
+        self.used += n;
+        let staging = Tensor::from_host(&self.alloc, stream, init, &[n])?;
+        stream.copy_d2d(staging.view()?, value.view()?)?;
+        Ok(Param { name: name.to_string(), value, grad })
+    }
+
+    /// Every parameter value, as one flat tensor (the used part).
+    pub fn values(&self) -> Result<Tensor<f32>> {
+        self.values.narrow(0, 0, self.used)
+    }
+
+    /// Every gradient, as one flat tensor (the used part).
+    pub fn grads(&self) -> Result<Tensor<f32>> {
+        self.grads.narrow(0, 0, self.used)
+    }
+}
