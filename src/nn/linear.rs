@@ -38,9 +38,21 @@ fn uniform(n: usize, bound: f32, seed: u64) -> Vec<f32> {
 
 impl Linear {
     /// A layer with weights uniform in ±1/√in (PyTorch's default) from `seed`, bias zero.
-    pub fn new(store: &mut ParamStore, alloc: &CachingAllocator, name: &str, (inputs, outputs): (usize, usize), seed: u64, stream: &Stream) -> Result<Linear> {
+    pub fn new(
+        store: &mut ParamStore,
+        alloc: &CachingAllocator,
+        name: &str,
+        (inputs, outputs): (usize, usize),
+        seed: u64,
+        stream: &Stream,
+    ) -> Result<Linear> {
         let bound = 1.0 / (inputs as f32).sqrt();
-        let weight = store.add(&format!("{name}.weight"), &[outputs, inputs], &uniform(inputs * outputs, bound, seed), stream)?;
+        let weight = store.add(
+            &format!("{name}.weight"),
+            &[outputs, inputs],
+            &uniform(inputs * outputs, bound, seed),
+            stream,
+        )?;
         let bias = store.add(&format!("{name}.bias"), &[outputs], &vec![0.0; outputs], stream)?;
         Ok(Linear { name: name.to_string(), alloc: alloc.clone(), weight, bias })
     }
@@ -60,13 +72,22 @@ impl Linear {
 impl Module for Linear {
     type Ctx = LinearCtx;
 
-    fn forward(&self, inputs: &[&Tensor<f32>], hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, LinearCtx)> {
+    fn forward(
+        &self,
+        inputs: &[&Tensor<f32>],
+        hook: &dyn SaveHook,
+        stream: &Stream,
+    ) -> Result<(Vec<Tensor<f32>>, LinearCtx)> {
         const OP: &str = "Linear::forward";
         let (i, o) = self.dims();
         let x = inputs.first().ok_or(Error::Shape { op: OP, expected: "one input".into(), found: vec![] })?;
         let n = self.rows(OP, x, i)?;
         let y = Tensor::uninit(&self.alloc, stream, &[n, o])?;
-        let gemm = Gemm { bias: Some(self.bias.value.view()?), trans_b: true, ..Gemm::new(y.view()?, x.view()?, self.weight.value.view()?, (n, o, i)) };
+        let gemm = Gemm {
+            bias: Some(self.bias.value.view()?),
+            trans_b: true,
+            ..Gemm::new(y.view()?, x.view()?, self.weight.value.view()?, (n, o, i))
+        };
         stream.gemm(gemm)?;
         hook.open_group(&self.name)?;
         let input = hook.save("input", (*x).clone(), stream)?;
@@ -77,16 +98,22 @@ impl Module for Linear {
     fn backward(&self, ctx: LinearCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>> {
         const OP: &str = "Linear::backward";
         let (i, o) = self.dims();
-        let dy = grad_outputs.first().ok_or(Error::Shape { op: OP, expected: "one output gradient".into(), found: vec![] })?;
+        let dy = grad_outputs.first().ok_or(Error::Shape {
+            op: OP,
+            expected: "one output gradient".into(),
+            found: vec![],
+        })?;
         let n = self.rows(OP, dy, o)?;
         let x = &ctx.input;
         let dx = Tensor::uninit(&self.alloc, stream, &[n, i])?;
         stream.gemm(Gemm::new(dx.view()?, dy.view()?, self.weight.value.view()?, (n, i, o)))?;
-        let dw = Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.weight.grad.view()?, dy.view()?, x.view()?, (o, i, n)) };
+        let dw =
+            Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.weight.grad.view()?, dy.view()?, x.view()?, (o, i, n)) };
         stream.gemm(dw)?;
         let ones = Tensor::uninit(&self.alloc, stream, &[n])?;
         elementwise::fill(ones.view()?, 1.0, stream)?;
-        let db = Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.bias.grad.view()?, dy.view()?, ones.view()?, (o, 1, n)) };
+        let db =
+            Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.bias.grad.view()?, dy.view()?, ones.view()?, (o, 1, n)) };
         stream.gemm(db)?;
         Ok(vec![dx])
     }
@@ -118,7 +145,8 @@ mod tests {
             (0..2)
                 .flat_map(|n| (0..3).map(move |j| (n, j)))
                 .map(|(n, j)| {
-                    let y = (0..4).map(|k| f64::from(x[n * 4 + k]) * f64::from(w[j * 4 + k])).sum::<f64>() + f64::from(b[j]);
+                    let y = (0..4).map(|k| f64::from(x[n * 4 + k]) * f64::from(w[j * 4 + k])).sum::<f64>()
+                        + f64::from(b[j]);
                     y * f64::from(r[n * 3 + j])
                 })
                 .sum()

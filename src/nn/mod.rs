@@ -52,7 +52,12 @@ pub trait Module {
     type Ctx;
 
     /// Computes the outputs of `inputs`, enqueued on `stream`.
-    fn forward(&self, inputs: &[&Tensor<f32>], hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, Self::Ctx)>;
+    fn forward(
+        &self,
+        inputs: &[&Tensor<f32>],
+        hook: &dyn SaveHook,
+        stream: &Stream,
+    ) -> Result<(Vec<Tensor<f32>>, Self::Ctx)>;
 
     /// Returns the input gradients (`=`) and accumulates the parameter gradients (`+=`).
     fn backward(&self, ctx: Self::Ctx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>>;

@@ -36,7 +36,11 @@ impl ParamStore {
     pub fn add(&mut self, name: &str, shape: &[usize], init: &[f32], stream: &Stream) -> Result<Param> {
         let n: usize = shape.iter().product();
         if init.len() != n {
-            return Err(Error::Shape { op: "ParamStore::add", expected: format!("{} initial values", init.len()), found: shape.to_vec() });
+            return Err(Error::Shape {
+                op: "ParamStore::add",
+                expected: format!("{} initial values", init.len()),
+                found: shape.to_vec(),
+            });
         }
         if self.used + n > self.values.numel() {
             return Err(Error::Shape {

@@ -1,1 +1,106 @@
-//! (being written)
+//! Casts between f32 and bf16 (mixed-precision weights and activations) and the residual add.
+//! The CPU paths sit beside the CUDA entry points in `cast.cu`. Casts round to nearest, ties to
+//! even, and are bitwise equal to [`half::bf16::from_f32`] and [`half::bf16::to_f32`] on both
+//! devices (the CUDA side does the same integer operations on the bits).
+//!
+//! ```
+//! use graphed::device::Device;
+//! use graphed::memory::CachingAllocator;
+//! use graphed::ops::cast;
+//! use graphed::tensor::Tensor;
+//! use half::bf16;
+//! let dev = Device::sim();
+//! let s = dev.stream()?;
+//! let alloc = CachingAllocator::new(&dev);
+//! let x = Tensor::from_host(&alloc, &s, &[1.0f32, 1.00390625, 3.0e38], &[3])?;
+//! let h = Tensor::<bf16>::zeros(&alloc, &s, &[3])?;
+//! cast::cast_f32_to_bf16(&h, &x, &s)?;
+//! let h = h.to_vec(&s)?;
+//! assert_eq!(h[1], bf16::ONE, "1 + 2^-8 is a tie between 1 and 1 + 2^-7: to even");
+//! assert_eq!(h[2].to_bits(), bf16::from_f32(3.0e38).to_bits());
+//! # Ok::<(), graphed::Error>(())
+//! ```
+
+use super::dense;
+use half::bf16;
+
+use crate::device::{args, CpuArgs, In, Kernel, LaunchDims, Out, Stream};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+const SOURCE: &str = include_str!("cast.cu");
+
+/// f32 → bf16.
+pub static CAST_F32_TO_BF16: Kernel = Kernel { name: "cast_f32_to_bf16", source: SOURCE, cpu: f32_to_bf16_cpu };
+
+fn f32_to_bf16_cpu(a: &CpuArgs) -> Result<()> {
+    let inp = a.input::<f32>(1)?;
+    a.output::<bf16>(0)?.iter_mut().zip(inp.iter()).for_each(|(y, &x)| *y = bf16::from_f32(x));
+    Ok(())
+}
+
+/// `out = bf16(inp)`, rounding to nearest even; shapes equal, both contiguous.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) for unequal shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+pub fn cast_f32_to_bf16(out: &Tensor<bf16>, inp: &Tensor<f32>, stream: &Stream) -> Result<()> {
+    const OP: &str = "cast_f32_to_bf16";
+    out.expect_shape(OP, inp.shape())?;
+    let Some((dims, n)) = elems(OP, inp.numel())? else { return Ok(()) };
+    stream.launch(&CAST_F32_TO_BF16, dims, &args![Out(dense(OP, out)?), In(dense(OP, inp)?), n])
+}
+
+/// bf16 → f32.
+pub static CAST_BF16_TO_F32: Kernel = Kernel { name: "cast_bf16_to_f32", source: SOURCE, cpu: bf16_to_f32_cpu };
+
+fn bf16_to_f32_cpu(a: &CpuArgs) -> Result<()> {
+    let inp = a.input::<bf16>(1)?;
+    a.output::<f32>(0)?.iter_mut().zip(inp.iter()).for_each(|(y, &x)| *y = x.to_f32());
+    Ok(())
+}
+
+/// `out = f32(inp)`, exact; shapes equal, both contiguous.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) for unequal shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+pub fn cast_bf16_to_f32(out: &Tensor<f32>, inp: &Tensor<bf16>, stream: &Stream) -> Result<()> {
+    const OP: &str = "cast_bf16_to_f32";
+    out.expect_shape(OP, inp.shape())?;
+    let Some((dims, n)) = elems(OP, inp.numel())? else { return Ok(()) };
+    stream.launch(&CAST_BF16_TO_F32, dims, &args![Out(dense(OP, out)?), In(dense(OP, inp)?), n])
+}
+
+/// `out = a + b` in f32.
+pub static RESIDUAL_ADD: Kernel = Kernel { name: "residual_add_f32", source: SOURCE, cpu: residual_add_cpu };
+
+fn residual_add_cpu(args: &CpuArgs) -> Result<()> {
+    let (a, b) = (args.input::<f32>(1)?, args.input::<f32>(2)?);
+    args.output::<f32>(0)?.iter_mut().zip(a.iter().zip(b.iter())).for_each(|(y, (&a, &b))| *y = a + b);
+    Ok(())
+}
+
+/// `out = a + b` (a residual connection's forward; its backward passes the gradient to both
+/// inputs unchanged); shapes equal, all contiguous. Bitwise equal on both devices.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) for unequal shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+pub fn residual_add(out: &Tensor<f32>, a: &Tensor<f32>, b: &Tensor<f32>, stream: &Stream) -> Result<()> {
+    const OP: &str = "residual_add";
+    out.expect_shape(OP, a.shape())?;
+    b.expect_shape(OP, a.shape())?;
+    let Some((dims, n)) = elems(OP, a.numel())? else { return Ok(()) };
+    stream.launch(&RESIDUAL_ADD, dims, &args![Out(dense(OP, out)?), In(dense(OP, a)?), In(dense(OP, b)?), n])
+}
+
+/// One thread per element, or `None` for no elements.
+fn elems(op: &'static str, n: usize) -> Result<Option<(LaunchDims, u32)>> {
+    if n == 0 {
+        return Ok(None);
+    }
+    let count = u32::try_from(n).map_err(|_| Error::Unsupported {
+        op,
+        backend: "any",
+        why: "tensors of 2^32 elements or more are not supported by this kernel; split the tensor",
+    })?;
+    Ok(Some((LaunchDims::for_elems(n), count)))
+}

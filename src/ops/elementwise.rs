@@ -13,18 +13,11 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
+use super::count;
 use crate::device::{args, CpuArgs, In, InOut, Kernel, LaunchDims, Out, Stream, View};
 use crate::{Error, Result};
 
 const SOURCE: &str = include_str!("elementwise.cu");
-
-fn len_u32(n: usize) -> Result<u32> {
-    u32::try_from(n).map_err(|_| Error::Unsupported {
-        op: "elementwise",
-        backend: "any",
-        why: "views of 2^32 elements or more are not supported by these kernels; split the view",
-    })
-}
 
 /// `y = value`.
 pub static FILL: Kernel = Kernel { name: "fill_f32", source: SOURCE, cpu: fill_cpu };
@@ -37,7 +30,7 @@ fn fill_cpu(a: &CpuArgs) -> Result<()> {
 
 /// Sets every element of `y` to `value`.
 pub fn fill(y: View<'_, f32>, value: f32, stream: &Stream) -> Result<()> {
-    let n = len_u32(y.len())?;
+    let n = count("elementwise", y.len())?;
     stream.launch(&FILL, LaunchDims::for_elems(y.len()), &args![Out(y), value, n])
 }
 
@@ -52,7 +45,7 @@ fn add_scalar_cpu(a: &CpuArgs) -> Result<()> {
 
 /// Adds `c` to every element of `y`.
 pub fn add_scalar(y: View<'_, f32>, c: f32, stream: &Stream) -> Result<()> {
-    let n = len_u32(y.len())?;
+    let n = count("elementwise", y.len())?;
     stream.launch(&ADD_SCALAR, LaunchDims::for_elems(y.len()), &args![InOut(y), c, n])
 }
 
@@ -68,7 +61,7 @@ fn scale_cpu(a: &CpuArgs) -> Result<()> {
 /// `y = k·x`; `y` and `x` have the same length.
 pub fn scale(y: View<'_, f32>, x: View<'_, f32>, k: f32, stream: &Stream) -> Result<()> {
     same_len("scale", &y, &x)?;
-    let n = len_u32(y.len())?;
+    let n = count("elementwise", y.len())?;
     stream.launch(&SCALE, LaunchDims::for_elems(y.len()), &args![Out(y), In(x), k, n])
 }
 
@@ -84,7 +77,7 @@ fn axpy_cpu(args: &CpuArgs) -> Result<()> {
 /// `y += a·x`; `y` and `x` have the same length.
 pub fn axpy(y: View<'_, f32>, x: View<'_, f32>, a: f32, stream: &Stream) -> Result<()> {
     same_len("axpy", &y, &x)?;
-    let n = len_u32(y.len())?;
+    let n = count("elementwise", y.len())?;
     stream.launch(&AXPY, LaunchDims::for_elems(y.len()), &args![InOut(y), In(x), a, n])
 }
 
@@ -106,7 +99,7 @@ pub fn scale_rows(y: View<'_, f32>, x: View<'_, f32>, k: f32, stream: &Stream) -
         return Err(Error::LengthMismatch { op: "scale_rows", src: rows_x * cols_x, dst: rows * cols });
     }
     let dims = LaunchDims::for_elems(rows * cols);
-    let [rows, cols, ld_y, ld_x] = [rows, cols, ld_y, ld_x].map(len_u32);
+    let [rows, cols, ld_y, ld_x] = [rows, cols, ld_y, ld_x].map(|n| count("scale_rows", n));
     stream.launch(&SCALE_ROWS, dims, &args![Out(y), In(x), k, rows?, cols?, ld_y?, ld_x?])
 }
 

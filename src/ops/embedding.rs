@@ -1,1 +1,190 @@
-//! (being written)
+//! Token + position embedding (GPT-2's encoder): `out[b, t] = wte[tokens[b, t]] + wpe[t]`. The
+//! backward accumulates (`+=`) into the parameter gradients `dwte` and `dwpe`, as llm.c's
+//! `encoder.cuh` does. The CPU paths sit beside the CUDA entry points in `embedding.cu`.
+//!
+//! Deterministic without atomics: each gradient element is summed by one thread over the
+//! positions in order (see `embedding.cu`), and the CPU paths add in that same order, so both
+//! devices give bitwise equal results. The `dwte` kernel reads every position for every (v, c):
+//! O(V·C·B·T) work, cheap for the small vocabularies this project trains on; a large vocabulary
+//! wants a sort-by-token kernel instead. A token not below V makes the CPU path fail (reported
+//! by the next synchronizing call); a kernel cannot fail, so CUDA skips it: a zero token
+//! embedding in the forward, no gradient in the backward.
+//!
+//! ```
+//! use graphed::device::Device;
+//! use graphed::memory::CachingAllocator;
+//! use graphed::ops::embedding;
+//! use graphed::tensor::Tensor;
+//! let dev = Device::sim();
+//! let s = dev.stream()?;
+//! let alloc = CachingAllocator::new(&dev);
+//! let wte = Tensor::from_host(&alloc, &s, &[0.0f32, 0.0, 10.0, 20.0], &[2, 2])?; // (V, C)
+//! let wpe = Tensor::from_host(&alloc, &s, &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2])?; // (Tmax, C)
+//! let tokens = Tensor::from_host(&alloc, &s, &[1u32, 0], &[1, 2])?; // (B, T)
+//! let out = Tensor::<f32>::zeros(&alloc, &s, &[1, 2, 2])?;
+//! embedding::embedding_forward(&out, &tokens, &wte, &wpe, &s)?;
+//! assert_eq!(out.to_vec(&s)?, vec![11.0, 22.0, 3.0, 4.0]);
+//! # Ok::<(), graphed::Error>(())
+//! ```
+
+use super::{count, dense};
+use crate::device::{args, CpuArgs, In, InOut, Kernel, LaunchDims, Out, Stream};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+const SOURCE: &str = include_str!("embedding.cu");
+
+/// Embedding forward.
+pub static EMBEDDING_FORWARD: Kernel = Kernel { name: "embedding_forward_f32", source: SOURCE, cpu: forward_cpu };
+
+fn forward_cpu(a: &CpuArgs) -> Result<()> {
+    let (tokens, wte, wpe) = (a.input::<u32>(1)?, a.input::<f32>(2)?, a.input::<f32>(3)?);
+    let (t_len, c) = (a.u32(5)? as usize, a.u32(6)? as usize);
+    let mut out = a.output::<f32>(0)?;
+    for (bt, (y, &tok)) in out.chunks_exact_mut(c).zip(tokens.iter()).enumerate() {
+        let row = token_row(a, &wte, tok, c, bt)?;
+        let pos = &wpe[(bt % t_len) * c..][..c];
+        y.iter_mut().zip(row).zip(pos).for_each(|((y, &e), &p)| *y = e + p);
+    }
+    Ok(())
+}
+
+/// `out (B, T, C) = wte[tokens]` + `wpe[..T]`, with `tokens (B, T)`, `wte (V, C)`, `wpe (Tmax, C)`,
+/// T ≤ Tmax, all contiguous.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) for other shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+pub fn embedding_forward(
+    out: &Tensor<f32>,
+    tokens: &Tensor<u32>,
+    wte: &Tensor<f32>,
+    wpe: &Tensor<f32>,
+    stream: &Stream,
+) -> Result<()> {
+    const OP: &str = "embedding_forward";
+    let d = Dims::of(OP, tokens, wte, wpe)?;
+    out.expect_shape(OP, &[d.b, d.t, d.c])?;
+    let n = count(OP, d.b * d.t * d.c)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let wpe = wpe.narrow(0, 0, d.t)?;
+    let (t, c, v) = (count(OP, d.t)?, count(OP, d.c)?, count(OP, d.v)?);
+    count(OP, d.v * d.c)?; // the kernel's offsets into wte are u32
+    stream.launch(
+        &EMBEDDING_FORWARD,
+        LaunchDims::for_elems(n as usize),
+        &args![Out(dense(OP, out)?), In(dense(OP, tokens)?), In(dense(OP, wte)?), In(dense(OP, &wpe)?), n, t, c, v],
+    )
+}
+
+/// Embedding backward into the token table's gradient.
+pub static EMBEDDING_BACKWARD_WTE: Kernel =
+    Kernel { name: "embedding_backward_wte_f32", source: SOURCE, cpu: backward_wte_cpu };
+
+fn backward_wte_cpu(a: &CpuArgs) -> Result<()> {
+    let (dout, tokens, c) = (a.input::<f32>(1)?, a.input::<u32>(2)?, a.u32(4)? as usize);
+    let mut dwte = a.output::<f32>(0)?;
+    // Per (v, c) the same order as the kernel: positions ascending, starting from 0.
+    let mut acc = vec![0.0f32; dwte.len()];
+    for (p, (dy, &tok)) in dout.chunks_exact(c).zip(tokens.iter()).enumerate() {
+        let row = acc.get_mut(tok as usize * c..(tok as usize + 1) * c).ok_or_else(|| bad_token(a, tok, p))?;
+        row.iter_mut().zip(dy).for_each(|(s, &d)| *s += d);
+    }
+    dwte.iter_mut().zip(&acc).for_each(|(w, &s)| *w += s);
+    Ok(())
+}
+
+/// Embedding backward into the position table's gradient.
+pub static EMBEDDING_BACKWARD_WPE: Kernel =
+    Kernel { name: "embedding_backward_wpe_f32", source: SOURCE, cpu: backward_wpe_cpu };
+
+fn backward_wpe_cpu(a: &CpuArgs) -> Result<()> {
+    let (dout, tc) = (a.input::<f32>(1)?, a.u32(2)? as usize);
+    let mut dwpe = a.output::<f32>(0)?;
+    // Per (t, c) the same order as the kernel: b ascending, starting from 0.
+    let mut acc = vec![0.0f32; tc];
+    for dy in dout.chunks_exact(tc) {
+        acc.iter_mut().zip(dy).for_each(|(s, &d)| *s += d);
+    }
+    dwpe.iter_mut().zip(&acc).for_each(|(w, &s)| *w += s);
+    Ok(())
+}
+
+/// `dwte (V, C) += Σ dout` over the positions holding each token and `dwpe (Tmax, C)[..T] +=
+/// Σ_b dout[b]`, with `dout (B, T, C)` and the `tokens (B, T)` of the forward, all contiguous.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) for other shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+pub fn embedding_backward(
+    dwte: &Tensor<f32>,
+    dwpe: &Tensor<f32>,
+    dout: &Tensor<f32>,
+    tokens: &Tensor<u32>,
+    stream: &Stream,
+) -> Result<()> {
+    const OP: &str = "embedding_backward";
+    let d = Dims::of(OP, tokens, dwte, dwpe)?;
+    dout.expect_shape(OP, &[d.b, d.t, d.c])?;
+    let (positions, vc, tc) = (count(OP, d.b * d.t)?, count(OP, d.v * d.c)?, count(OP, d.t * d.c)?);
+    if positions == 0 {
+        return Ok(());
+    }
+    let dwpe = dwpe.narrow(0, 0, d.t)?;
+    let (dout, tokens) = (dense(OP, dout)?, dense(OP, tokens)?);
+    stream.launch(
+        &EMBEDDING_BACKWARD_WTE,
+        LaunchDims::for_elems(vc as usize),
+        &args![InOut(dense(OP, dwte)?), In(dout), In(tokens), vc, count(OP, d.c)?, positions],
+    )?;
+    stream.launch(
+        &EMBEDDING_BACKWARD_WPE,
+        LaunchDims::for_elems(tc as usize),
+        &args![InOut(dense(OP, &dwpe)?), In(dout), tc, count(OP, d.b)?],
+    )
+}
+
+/// The sizes shared by forward and backward, from `tokens (B, T)`, a `(V, C)` token table and a
+/// `(Tmax, C)` position table.
+struct Dims {
+    b: usize,
+    t: usize,
+    c: usize,
+    v: usize,
+}
+
+impl Dims {
+    fn of(op: &'static str, tokens: &Tensor<u32>, wte: &Tensor<f32>, wpe: &Tensor<f32>) -> Result<Dims> {
+        let &[b, t] = tokens.shape() else {
+            return Err(Error::Shape { op, expected: "(B, T) tokens".into(), found: tokens.shape().to_vec() });
+        };
+        let &[v, c] = wte.shape() else {
+            return Err(Error::Shape { op, expected: "a (V, C) token table".into(), found: wte.shape().to_vec() });
+        };
+        if v == 0 || c == 0 {
+            return Err(Error::Shape {
+                op, expected: "a (V, C) token table with V, C ≥ 1".into(), found: vec![v, c]
+            });
+        }
+        match *wpe.shape() {
+            [t_max, c_pos] if c_pos == c && t_max >= t => Ok(Dims { b, t, c, v }),
+            _ => Err(Error::Shape {
+                op,
+                expected: format!("a (Tmax, {c}) position table with Tmax ≥ T = {t}"),
+                found: wpe.shape().to_vec(),
+            }),
+        }
+    }
+}
+
+/// Row `tok` of a `(V, c)` table, or the out-of-vocabulary failure of position `p`.
+fn token_row<'w>(a: &CpuArgs, table: &'w [f32], tok: u32, c: usize, p: usize) -> Result<&'w [f32]> {
+    table.get(tok as usize * c..(tok as usize + 1) * c).ok_or_else(|| bad_token(a, tok, p))
+}
+
+fn bad_token(a: &CpuArgs, tok: u32, p: usize) -> Error {
+    Error::KernelFailed {
+        kernel: a.kernel,
+        message: format!("token {tok} at position {p} is not below the vocabulary size (CUDA skips it)"),
+    }
+}

@@ -1,1 +1,214 @@
-//! (being written)
+//! GELU with the tanh approximation, as PyTorch's `gelu(approximate='tanh')` (the MLP activation
+//! of the benchmark layer), plain and fused with the bias add of the preceding linear layer: the
+//! CPU path of each kernel beside its CUDA entry point in `gelu.cu`.
+//!
+//! Gradient convention (llm.c `layernorm.cuh`): parameter gradients accumulate (`dbias +=`), so
+//! micro-batches sum into one buffer; activation gradients are written (`dinp =`). Tensors must be
+//! contiguous; outputs must not alias inputs.
+//!
+//! ```
+//! use graphed::device::Device;
+//! use graphed::memory::CachingAllocator;
+//! use graphed::ops::gelu;
+//! use graphed::tensor::Tensor;
+//!
+//! let dev = Device::sim();
+//! let s = dev.stream()?;
+//! let alloc = CachingAllocator::new(&dev);
+//! let inp = Tensor::from_host(&alloc, &s, &[-1.0f32, 0.0, 1.0], &[3])?;
+//! let out = Tensor::uninit(&alloc, &s, &[3])?;
+//! gelu::gelu_forward(&out, &inp, &s)?;
+//! let y = out.to_vec(&s)?;
+//! assert!((y[0] + 0.158808).abs() < 1e-6 && y[1] == 0.0 && (y[2] - 0.841192).abs() < 1e-6);
+//! # Ok::<(), graphed::Error>(())
+//! ```
+
+use super::{checked, count, rows_cols};
+use crate::device::{args, CpuArgs, In, InOut, Kernel, LaunchDims, Out, Stream};
+use crate::tensor::Tensor;
+use crate::Result;
+
+const SOURCE: &str = include_str!("gelu.cu");
+
+/// √(2/π) as f32 (`GELU_K` in `gelu.cu`).
+const GELU_K: f32 = 0.797_884_6;
+const GELU_CUBE: f32 = 0.044715;
+/// 3·`GELU_CUBE`, written as in `gelu.cu` so both round to the same f32.
+const GELU_CUBE3: f32 = 0.134145;
+
+fn gelu(x: f32) -> f32 {
+    let cube = GELU_CUBE * x * x * x;
+    0.5 * x * (1.0 + (GELU_K * (x + cube)).tanh())
+}
+
+/// d gelu/dx, with sech² = 1 − tanh² (as `gelu.cu`).
+fn gelu_grad(x: f32) -> f32 {
+    let cube = GELU_CUBE * x * x * x;
+    let t = (GELU_K * (x + cube)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + GELU_CUBE3 * x * x)
+}
+
+/// `out = gelu(inp)`, elementwise.
+pub static GELU_FORWARD: Kernel = Kernel { name: "gelu_forward_f32", source: SOURCE, cpu: forward_cpu };
+
+fn forward_cpu(a: &CpuArgs) -> Result<()> {
+    let inp = a.input::<f32>(1)?;
+    a.output::<f32>(0)?.iter_mut().zip(inp.iter()).for_each(|(y, &x)| *y = gelu(x));
+    Ok(())
+}
+
+/// `out = gelu(inp)` for tensors of one shape.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) if the shapes differ; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+pub fn gelu_forward(out: &Tensor<f32>, inp: &Tensor<f32>, stream: &Stream) -> Result<()> {
+    const OP: &str = "gelu_forward";
+    let shape = inp.shape();
+    let args = args![Out(checked(OP, "out", out, shape)?), In(checked(OP, "inp", inp, shape)?), n_of(OP, inp)?];
+    stream.launch(&GELU_FORWARD, LaunchDims::for_elems(inp.numel()), &args)
+}
+
+/// `dinp = gelu'(inp)·dout`, elementwise.
+pub static GELU_BACKWARD: Kernel = Kernel { name: "gelu_backward_f32", source: SOURCE, cpu: backward_cpu };
+
+fn backward_cpu(a: &CpuArgs) -> Result<()> {
+    let (inp, dout) = (a.input::<f32>(1)?, a.input::<f32>(2)?);
+    let mut dinp = a.output::<f32>(0)?;
+    dinp.iter_mut().zip(inp.iter().zip(dout.iter())).for_each(|(dx, (&x, g))| *dx = gelu_grad(x) * g);
+    Ok(())
+}
+
+/// Writes `dinp = gelu'(inp)·dout` for tensors of one shape.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) if the shapes differ; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+pub fn gelu_backward(dinp: &Tensor<f32>, inp: &Tensor<f32>, dout: &Tensor<f32>, stream: &Stream) -> Result<()> {
+    const OP: &str = "gelu_backward";
+    let shape = inp.shape();
+    let args = args![
+        Out(checked(OP, "dinp", dinp, shape)?),
+        In(checked(OP, "inp", inp, shape)?),
+        In(checked(OP, "dout", dout, shape)?),
+        n_of(OP, inp)?,
+    ];
+    stream.launch(&GELU_BACKWARD, LaunchDims::for_elems(inp.numel()), &args)
+}
+
+/// `out[r, c] = gelu(inp[r, c] + bias[c])`, elementwise.
+pub static BIAS_GELU_FORWARD: Kernel = Kernel { name: "bias_gelu_forward_f32", source: SOURCE, cpu: bias_forward_cpu };
+
+fn bias_forward_cpu(a: &CpuArgs) -> Result<()> {
+    let (inp, bias) = (a.input::<f32>(1)?, a.input::<f32>(2)?);
+    let c = a.u32(4)? as usize;
+    for (y, x) in a.output::<f32>(0)?.chunks_exact_mut(c).zip(inp.chunks_exact(c)) {
+        y.iter_mut().zip(x.iter().zip(bias.iter())).for_each(|(y, (x, b))| *y = gelu(x + b));
+    }
+    Ok(())
+}
+
+/// `out = gelu(inp + bias)` for a pre-activation `inp` (N, C) and its bias (C), broadcast over
+/// rows: the bias add of the preceding linear layer fused into the activation.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) unless `inp` is (N, C) with C > 0, `out` (N, C) and `bias` (C);
+/// [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+pub fn bias_gelu_forward(out: &Tensor<f32>, inp: &Tensor<f32>, bias: &Tensor<f32>, stream: &Stream) -> Result<()> {
+    const OP: &str = "bias_gelu_forward";
+    let (n, c) = rows_cols(OP, inp)?;
+    let args = args![
+        Out(checked(OP, "out", out, &[n, c])?),
+        In(checked(OP, "inp", inp, &[n, c])?),
+        In(checked(OP, "bias", bias, &[c])?),
+        n_of(OP, inp)?,
+        count(OP, c)?,
+    ];
+    stream.launch(&BIAS_GELU_FORWARD, LaunchDims::for_elems(inp.numel()), &args)
+}
+
+/// `dinp[r, c] = gelu'(inp[r, c] + bias[c])·dout[r, c]`, elementwise.
+pub static BIAS_GELU_BACKWARD: Kernel =
+    Kernel { name: "bias_gelu_backward_f32", source: SOURCE, cpu: bias_backward_cpu };
+
+fn bias_backward_cpu(a: &CpuArgs) -> Result<()> {
+    let (inp, bias, dout) = (a.input::<f32>(1)?, a.input::<f32>(2)?, a.input::<f32>(3)?);
+    let c = a.u32(5)? as usize;
+    let mut dinp = a.output::<f32>(0)?;
+    for ((dx, x), g) in dinp.chunks_exact_mut(c).zip(inp.chunks_exact(c)).zip(dout.chunks_exact(c)) {
+        for ((dx, (x, b)), g) in dx.iter_mut().zip(x.iter().zip(bias.iter())).zip(g) {
+            *dx = gelu_grad(x + b) * g;
+        }
+    }
+    Ok(())
+}
+
+/// `acc[c] += Σ_r x[r, c]` (one thread per column on CUDA, rows in index order).
+pub static COLUMN_SUM_ADD: Kernel = Kernel { name: "column_sum_add_f32", source: SOURCE, cpu: column_sum_add_cpu };
+
+fn column_sum_add_cpu(a: &CpuArgs) -> Result<()> {
+    let x = a.input::<f32>(1)?;
+    let c = a.u32(3)? as usize;
+    // The CUDA kernel's order: each column summed from zero over rows in order, added once.
+    let mut sums = vec![0.0f32; c];
+    for row in x.chunks_exact(c) {
+        sums.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+    }
+    a.output::<f32>(0)?.iter_mut().zip(sums).for_each(|(acc, s)| *acc += s);
+    Ok(())
+}
+
+/// Writes `dinp`, the gradient of [`bias_gelu_forward`] for its pre-activation, and accumulates
+/// `dbias += Σ_rows dinp`.
+///
+/// # Errors
+/// [`Error::Shape`](crate::Error::Shape) unless `inp` is (N, C) with C > 0, `dinp` and `dout` (N, C), `bias` and
+/// `dbias` (C); [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+pub fn bias_gelu_backward(
+    dinp: &Tensor<f32>,
+    dbias: &Tensor<f32>,
+    inp: &Tensor<f32>,
+    bias: &Tensor<f32>,
+    dout: &Tensor<f32>,
+    stream: &Stream,
+) -> Result<()> {
+    const OP: &str = "bias_gelu_backward";
+    let (n, c) = rows_cols(OP, inp)?;
+    let dinp = checked(OP, "dinp", dinp, &[n, c])?;
+    let (numel, c32) = (n_of(OP, inp)?, count(OP, c)?);
+    let args = args![
+        Out(dinp),
+        In(checked(OP, "inp", inp, &[n, c])?),
+        In(checked(OP, "bias", bias, &[c])?),
+        In(checked(OP, "dout", dout, &[n, c])?),
+        numel,
+        c32,
+    ];
+    let sums = args![InOut(checked(OP, "dbias", dbias, &[c])?), In(dinp), count(OP, n)?, c32];
+    stream.launch(&BIAS_GELU_BACKWARD, LaunchDims::for_elems(inp.numel()), &args)?;
+    stream.launch(&COLUMN_SUM_ADD, LaunchDims::for_elems(c), &sums)
+}
+
+fn n_of(op: &'static str, t: &Tensor<f32>) -> Result<u32> {
+    count(op, t.numel())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_cuda_source() {
+        assert_eq!(GELU_K, (2.0 / std::f64::consts::PI).sqrt() as f32);
+        for (name, v) in [("GELU_K", GELU_K), ("GELU_CUBE", GELU_CUBE), ("GELU_CUBE3", GELU_CUBE3)] {
+            assert!(SOURCE.contains(&format!("#define {name} {v}f")), "{name} differs in gelu.cu");
+        }
+    }
+
+    #[test]
+    fn matches_the_formula_in_f64() {
+        // The tanh formula and its derivative evaluated in f64 (central differences agree).
+        for (x, y, dy) in [(1.0f32, 0.841_192, 1.082_964_1), (-2.5, -0.015_084_266, -0.037_951_576)] {
+            assert!((gelu(x) - y).abs() < 1e-6, "gelu({x}) = {}", gelu(x));
+            assert!((gelu_grad(x) - dy).abs() < 1e-5, "gelu'({x}) = {}", gelu_grad(x));
+        }
+    }
+}

@@ -13,3 +13,46 @@ pub mod layernorm;
 pub mod loss;
 pub mod rng;
 pub mod softmax;
+
+use crate::device::{Elem, View};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// The tensor's view, refused unless the tensor is contiguous: the CUDA kernels index densely,
+/// so a strided view would be right on the simulator (which gathers) and wrong on the GPU.
+pub(crate) fn dense<'t, T: Elem>(op: &'static str, t: &'t Tensor<T>) -> Result<View<'t, T>> {
+    if !t.is_contiguous() {
+        return Err(Error::NotContiguous { op, buffer: t.buffer().id() });
+    }
+    t.view()
+}
+
+/// `t`'s dense view, refused unless its shape is `shape` (`name` names the argument).
+pub(crate) fn checked<'t, T: Elem>(
+    op: &'static str,
+    name: &str,
+    t: &'t Tensor<T>,
+    shape: &[usize],
+) -> Result<View<'t, T>> {
+    if t.shape() != shape {
+        return Err(Error::Shape { op, expected: format!("{name} of shape {shape:?}"), found: t.shape().to_vec() });
+    }
+    dense(op, t)
+}
+
+/// A size as the kernels' `unsigned`.
+pub(crate) fn count(op: &'static str, n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::Unsupported {
+        op,
+        backend: "any",
+        why: "sizes of 2^32 or more are not supported by this kernel; split the tensor",
+    })
+}
+
+/// The (rows, columns) of a matrix with at least one column.
+pub(crate) fn rows_cols(op: &'static str, t: &Tensor<f32>) -> Result<(usize, usize)> {
+    match *t.shape() {
+        [n, c] if c > 0 => Ok((n, c)),
+        _ => Err(Error::Shape { op, expected: "a matrix (N, C) with C > 0".into(), found: t.shape().to_vec() }),
+    }
+}

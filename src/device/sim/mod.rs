@@ -1,6 +1,6 @@
 //! The simulator backend: CUDA's stream, event, capture and graph semantics on host memory.
 //!
-//! Work is deferred into a [`schedule`] queue and run by a seeded scheduler under one of three
+//! Work is deferred into a queue (`schedule.rs`) and run by a seeded scheduler under one of three
 //! [`Policy`]s. The rules reproduced here, each checked against CUDA by the conformance suite:
 //! - a wait binds to the event's latest record at the time of the host call; a wait on a
 //!   never-recorded event does nothing;

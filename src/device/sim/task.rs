@@ -166,7 +166,11 @@ fn run_kernel(kernel: &'static Kernel, args: &[OwnedArg]) -> Result<()> {
         });
     }
     let cpu = CpuArgs { kernel: kernel.name, slots };
-    (kernel.cpu)(&cpu).map_err(|e| Error::KernelFailed { kernel: kernel.name, message: e.to_string() })?;
+    (kernel.cpu)(&cpu).map_err(|e| match e {
+        // A CPU path that reports a runtime failure itself keeps its own message.
+        e @ Error::KernelFailed { .. } => e,
+        e => Error::KernelFailed { kernel: kernel.name, message: e.to_string() },
+    })?;
     for (a, slot) in args.iter().zip(&cpu.slots) {
         if let (OwnedArg::Buf(b), CpuSlot::Buf { data, .. }) = (a, slot) {
             if b.mode.writes() {

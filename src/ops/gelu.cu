@@ -1,0 +1,54 @@
+// GELU, tanh approximation (PyTorch's gelu(approximate='tanh')), on f32; the CPU paths in gelu.rs
+// use the same formulas and constants.
+//
+// Determinism: the elementwise kernels have no reductions. column_sum_add_f32 runs one thread per
+// column that sums its rows 0, 1, 2, ... in order and adds the total once, without atomics, so
+// every result has one fixed order of additions.
+
+#define GELU_K 0.7978846f       // sqrt(2 / pi) as f32; GELU_K in gelu.rs is the same value
+#define GELU_CUBE 0.044715f
+#define GELU_CUBE3 0.134145f    // 3 * GELU_CUBE, the derivative of the cubic term
+
+__device__ float gelu(float x) {
+    float cube = GELU_CUBE * x * x * x;
+    return 0.5f * x * (1.0f + tanhf(GELU_K * (x + cube)));
+}
+
+// d gelu / dx, with sech^2 = 1 - tanh^2 (no coshf, which overflows for large arguments).
+__device__ float gelu_grad(float x) {
+    float cube = GELU_CUBE * x * x * x;
+    float t = tanhf(GELU_K * (x + cube));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * GELU_K * (1.0f + GELU_CUBE3 * x * x);
+}
+
+extern "C" __global__ void gelu_forward_f32(float* out, const float* inp, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = gelu(inp[i]);
+}
+
+extern "C" __global__ void gelu_backward_f32(float* dinp, const float* inp, const float* dout, unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dinp[i] = gelu_grad(inp[i]) * dout[i];
+}
+
+// out[r, c] = gelu(inp[r, c] + bias[c]) over n = rows * C elements.
+extern "C" __global__ void bias_gelu_forward_f32(float* out, const float* inp, const float* bias, unsigned n,
+                                                 unsigned C) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = gelu(inp[i] + bias[i % C]);
+}
+
+extern "C" __global__ void bias_gelu_backward_f32(float* dinp, const float* inp, const float* bias,
+                                                  const float* dout, unsigned n, unsigned C) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dinp[i] = gelu_grad(inp[i] + bias[i % C]) * dout[i];
+}
+
+// acc[c] += sum over rows of x[r, c]: one thread per column, rows in index order.
+extern "C" __global__ void column_sum_add_f32(float* acc, const float* x, unsigned rows, unsigned C) {
+    unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float sum = 0.0f;
+    for (unsigned r = 0; r < rows; r++) sum += x[(unsigned long long)r * C + c];
+    acc[c] += sum;
+}
