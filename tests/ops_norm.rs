@@ -344,7 +344,8 @@ fn causal_mask_and_row_sums(dev: &Device) -> anyhow::Result<()> {
         let sum: f64 = row.iter().map(|p| f64::from(*p)).sum();
         ensure!(
             row.iter().all(|p| p.is_finite()) && (sum - 1.0).abs() < 1e-5,
-            "row {r} of shifted scores sums to {sum}"
+            "row {r} of shifted scores sums to {sum}; it starts {:?}",
+            &row[..row.len().min(4)]
         );
     }
     Ok(())
