@@ -73,7 +73,23 @@ fn strided_views_touch_only_their_elements(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn blocking_writes_land_before_later_work(dev: &Device) -> anyhow::Result<()> {
+    // A regression test: a synchronous cuMemcpyHtoD from pageable memory returns before its DMA
+    // lands, so a kernel enqueued next on a non-blocking stream could read the old bytes.
+    let s = dev.stream()?;
+    let n = if dev.kind() == graphed::device::DeviceKind::Cuda { 16 << 20 } else { 1 << 10 };
+    let y = dev.alloc::<f32>(n)?;
+    for step in 1..=3 {
+        let x = dev.alloc_from(&s, &vec![step as f32; n])?;
+        elementwise::scale(y.view(), x.view(), 1.0, &s)?;
+        let got = y.to_vec(&s)?;
+        ensure!(got.iter().all(|v| *v == step as f32), "step {step}: the kernel read bytes the write had not landed yet");
+    }
+    Ok(())
+}
+
 crate::per_device!(
+    blocking_writes_land_before_later_work,
     blocking_roundtrip,
     async_copies_through_pinned_memory,
     partial_copies_respect_offsets,

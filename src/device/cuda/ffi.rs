@@ -200,14 +200,6 @@ pub(super) unsafe fn copy_dtoh(dst: &mut [u8], src: sys::CUdeviceptr) -> Result<
     result::memcpy_dtoh_sync(dst, src)
 }
 
-/// `cuMemcpyHtoD_v2`, synchronous.
-///
-/// # Safety
-/// `dst` addresses `src.len()` bytes of live device memory.
-pub(super) unsafe fn copy_htod(dst: sys::CUdeviceptr, src: &[u8]) -> Result<(), DriverError> {
-    result::memcpy_htod_sync(dst, src)
-}
-
 // ---- kernels ----------------------------------------------------------------------------------
 
 /// A loaded kernel's `CUfunction`, valid while its module stays loaded.

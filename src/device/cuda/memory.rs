@@ -192,10 +192,18 @@ pub(super) fn read_blocking(stream: &CuStream, mem: &CuMem, offset: usize, out: 
 /// Waits for `stream`, then copies `data` to device memory synchronously.
 pub(super) fn write_blocking(stream: &CuStream, mem: &CuMem, offset: usize, data: &[u8]) -> Result<()> {
     const OP: &str = "write_from";
+    // Synchronizing first refuses the call inside a capture, as a blocking copy must be.
     super::stream::synchronize(OP, stream)?;
     let dst = blocking_ptr(OP, mem, offset, data.len())?;
-    // SAFETY: `dst` addresses `data.len()` bytes of the live allocation (range-checked).
-    unsafe { ffi::copy_htod(dst, data) }.map_err(|e| blocking_error(OP, stream, e))
+    // Not `cuMemcpyHtoD`: from pageable memory it returns once the data is staged, before the
+    // DMA lands, and our non-blocking streams are not ordered after the legacy stream it uses,
+    // so a kernel queued next could read the old bytes. A copy on the stream itself, waited
+    // for, is ordered and complete.
+    // SAFETY: `dst` addresses `data.len()` bytes of the live allocation (range-checked); `data`
+    // outlives the copy, which the synchronize below waits for.
+    unsafe { ffi::copy_htod_async(dst, data.as_ptr(), data.len(), &stream.raw) }
+        .map_err(|e| blocking_error(OP, stream, e))?;
+    super::stream::synchronize(OP, stream)
 }
 
 fn blocking_ptr(op: &'static str, mem: &CuMem, offset: usize, len: usize) -> Result<sys::CUdeviceptr> {
