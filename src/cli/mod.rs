@@ -3,6 +3,7 @@
 
 pub mod args;
 mod bench;
+mod demo;
 mod train;
 
 use graphed::device::{Device, SimConfig};
@@ -13,13 +14,14 @@ use args::{Cli, Command, DeviceChoice};
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(a) => train::run(&open_device(&a.device)?, &a),
+        Command::Demo(a) => demo::run(&open_device(&a.device)?, &a),
         Command::Bench(b) => bench::run(&b),
     }
 }
 
 /// The device a command runs on.
 pub fn open_device(choice: &args::DeviceArgs) -> anyhow::Result<Device> {
-    let sim = SimConfig { policy: choice.policy.into(), seed: choice.seed };
+    let sim = SimConfig { policy: choice.policy.into(), seed: choice.sim_seed };
     Ok(match choice.device {
         DeviceChoice::Auto => match Device::cuda(0) {
             Ok(dev) => dev,

@@ -201,7 +201,9 @@ impl<T: GemmElem> Gemm<'_, T> {
     }
 }
 
-/// The simulator's GEMM: f32 accumulation over `k` in index order.
+/// The simulator's GEMM: f32 accumulation over `k` in index order for every element (the loop
+/// runs row by row over op(B)'s contiguous rows, so that it vectorizes; the order of each sum is
+/// unchanged).
 fn gemm_cpu<T: GemmElem, const BIAS: bool>(args: &CpuArgs) -> Result<()> {
     let s = if BIAS { 5 } else { 4 };
     let [m, n, k, batch] = [s, s + 1, s + 2, s + 3].map(|i| args.u64(i).map(|v| v as usize));
@@ -211,25 +213,40 @@ fn gemm_cpu<T: GemmElem, const BIAS: bool>(args: &CpuArgs) -> Result<()> {
     let (trans_a, trans_b) = (flags & 1 != 0, flags & 2 != 0);
     let a = args.input::<T>(1)?;
     let b = args.input::<T>(2)?;
-    let bias = if BIAS { Some(args.input::<T>(3)?) } else { None };
+    let bias: Option<Vec<f32>> =
+        if BIAS { Some(args.input::<T>(3)?.iter().map(|v| v.to_f32()).collect()) } else { None };
     let mut c = args.output::<T>(0)?;
+    let mut op_a = vec![0.0f32; m * k];
+    let mut op_b = vec![0.0f32; k * n];
+    let mut acc = vec![0.0f32; n];
     for p in 0..batch {
         let (a, b) = (&a[p * m * k..(p + 1) * m * k], &b[p * k * n..(p + 1) * k * n]);
         for i in 0..m {
+            for q in 0..k {
+                op_a[i * k + q] = if trans_a { a[q * m + i] } else { a[i * k + q] }.to_f32();
+            }
+        }
+        for q in 0..k {
             for j in 0..n {
-                let mut acc = 0.0f32;
-                for q in 0..k {
-                    let x = if trans_a { a[q * m + i] } else { a[i * k + q] };
-                    let y = if trans_b { b[j * k + q] } else { b[q * n + j] };
-                    acc += x.to_f32() * y.to_f32();
+                op_b[q * n + j] = if trans_b { b[j * k + q] } else { b[q * n + j] }.to_f32();
+            }
+        }
+        for i in 0..m {
+            acc.fill(0.0);
+            for q in 0..k {
+                let x = op_a[i * k + q];
+                for (acc, y) in acc.iter_mut().zip(&op_b[q * n..(q + 1) * n]) {
+                    *acc += x * y;
                 }
+            }
+            for (j, sum) in acc.iter().enumerate() {
                 let out = &mut c[p * m * n + i * n + j];
-                let mut v = alpha * acc;
+                let mut v = alpha * sum;
                 if beta != 0.0 {
                     v += beta * out.to_f32();
                 }
                 if let Some(bias) = &bias {
-                    v += bias[j].to_f32();
+                    v += bias[j];
                 }
                 *out = T::from_f32(v);
             }

@@ -3,6 +3,7 @@
 //! Gradients: `dx = dy·W` (written), `dW += dyᵀ·x`, `db += dyᵀ·1` (accumulated; the bias
 //! gradient is a GEMM against a vector of ones, so its sum runs in cuBLASLt's fixed order).
 
+use super::params::init_uniform;
 use super::{Module, Param, ParamStore, SaveHook};
 use crate::device::{Gemm, Stream};
 use crate::memory::CachingAllocator;
@@ -26,16 +27,6 @@ pub struct LinearCtx {
     pub input: Tensor<f32>,
 }
 
-fn uniform(n: usize, bound: f32, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * bound
-        })
-        .collect()
-}
-
 impl Linear {
     /// A layer with weights uniform in ±1/√in (PyTorch's default) from `seed`, bias zero.
     pub fn new(
@@ -50,7 +41,7 @@ impl Linear {
         let weight = store.add(
             &format!("{name}.weight"),
             &[outputs, inputs],
-            &uniform(inputs * outputs, bound, seed),
+            &init_uniform(inputs * outputs, bound, seed),
             stream,
         )?;
         let bias = store.add(&format!("{name}.bias"), &[outputs], &vec![0.0; outputs], stream)?;
@@ -139,8 +130,8 @@ mod tests {
         let alloc = CachingAllocator::new(&dev);
         let mut store = ParamStore::new(&alloc, &s, 64).unwrap();
         let lin = Linear::new(&mut store, &alloc, "fc", (4, 3), 7, &s).unwrap();
-        let xh = uniform(8, 1.0, 1);
-        let r = uniform(6, 1.0, 2);
+        let xh = init_uniform(8, 1.0, 1);
+        let r = init_uniform(6, 1.0, 2);
         let loss = |x: &[f32], w: &[f32], b: &[f32]| -> f64 {
             (0..2)
                 .flat_map(|n| (0..3).map(move |j| (n, j)))

@@ -12,11 +12,27 @@
 //! Parameters live in one flat buffer per model ([`ParamStore`]), with gradients in another of
 //! the same layout, so that the optimizer updates every parameter in one launch.
 
+mod attention;
+mod dropout;
+mod embedding;
+mod gpt;
+mod layernorm;
 mod linear;
+mod lm_head;
+mod mlp;
 mod params;
+mod transformer;
 
+pub use attention::{AttentionCtx, CausalSelfAttention};
+pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
+pub use embedding::Embedding;
+pub use gpt::{Gpt, GptConfig, GptCtx};
+pub use layernorm::{LayerNorm, LayerNormCtx};
 pub use linear::{Linear, LinearCtx};
+pub use lm_head::{LmHead, LmHeadCtx};
+pub use mlp::{Mlp, MlpCtx};
 pub use params::{Param, ParamStore};
+pub use transformer::{TransformerCtx, TransformerLayer};
 
 use crate::device::Stream;
 use crate::tensor::Tensor;

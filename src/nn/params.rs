@@ -67,3 +67,15 @@ impl ParamStore {
         self.grads.narrow(0, 0, self.used)
     }
 }
+
+/// `n` values uniform in ±`bound` from `seed` (a 64-bit LCG): parameter initialization that is the
+/// same on every device and every run.
+pub(crate) fn init_uniform(n: usize, bound: f32, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * bound
+        })
+        .collect()
+}

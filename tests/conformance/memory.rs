@@ -83,7 +83,10 @@ fn blocking_writes_land_before_later_work(dev: &Device) -> anyhow::Result<()> {
         let x = dev.alloc_from(&s, &vec![step as f32; n])?;
         elementwise::scale(y.view(), x.view(), 1.0, &s)?;
         let got = y.to_vec(&s)?;
-        ensure!(got.iter().all(|v| *v == step as f32), "step {step}: the kernel read bytes the write had not landed yet");
+        ensure!(
+            got.iter().all(|v| *v == step as f32),
+            "step {step}: the kernel read bytes the write had not landed yet"
+        );
     }
     Ok(())
 }

@@ -1,6 +1,5 @@
-//! `graphed train`. Until the training issues land this is a real, small demo of what the
-//! library does today: a stack of layers stepped eagerly, then captured once and replayed on a
-//! side stream whose caller resumes at an event recorded inside the graph; the two runs are
+//! `graphed demo`: a stack of elementwise layers stepped eagerly, then captured once and replayed
+//! on a side stream whose caller resumes at an event recorded inside the graph; the two runs are
 //! compared bitwise and their host time per step is reported.
 
 use std::time::{Duration, Instant};
@@ -9,7 +8,7 @@ use anyhow::ensure;
 use graphed::device::{CaptureMode, Device, DeviceBuffer, DeviceKind, PinnedBuffer, Stream};
 use graphed::ops::elementwise;
 
-use super::args::TrainArgs;
+use super::args::DemoArgs;
 
 /// A layer of the demo: `y = k·x; y += x/2; y += b`.
 struct Layer {
@@ -54,7 +53,7 @@ fn step_input(host: &PinnedBuffer<f32>, step: u32) -> graphed::Result<()> {
     )
 }
 
-pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
+pub fn run(dev: &Device, args: &DemoArgs) -> anyhow::Result<()> {
     let on_gpu = dev.kind() == DeviceKind::Cuda;
     let layers = args.layers.unwrap_or(if on_gpu { 8 } else { 4 }) as usize;
     let width = args.width.unwrap_or(if on_gpu { 1 << 20 } else { 4096 }) as usize;

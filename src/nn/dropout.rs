@@ -1,0 +1,109 @@
+//! Dropout as a module around [`ops::dropout`](crate::ops::dropout), with the model's shared
+//! device-side step counter (Note [Graph-safe RNG] in `ops/rng.rs`): a captured graph draws new
+//! masks when the step is written between replays, and the same mask again for the same step.
+
+use super::layernorm::single_input;
+use super::{Module, Param, SaveHook};
+use crate::device::Stream;
+use crate::memory::CachingAllocator;
+use crate::ops::dropout;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// Where a model's dropout layers draw their masks from; cloned into each layer.
+#[derive(Clone, Debug)]
+pub struct DropoutSpec {
+    /// Drop probability, in `[0, 1)`; 0 turns dropout off.
+    pub p: f32,
+    /// The model's RNG seed.
+    pub seed: u32,
+    /// The layer's site, distinct per dropout layer so that layers draw independent masks.
+    pub site: u32,
+    /// The one-element step counter shared by the model.
+    pub step: Tensor<u64>,
+}
+
+/// Inverted dropout; the identity when `p == 0` or in evaluation.
+pub struct Dropout {
+    p: f32,
+    seed: u32,
+    site: u32,
+    step: Tensor<u64>,
+    training: bool,
+    alloc: CachingAllocator,
+}
+
+/// What the forward saves: the mask, or nothing when the forward was the identity.
+pub struct DropoutCtx {
+    mask: Option<Tensor<u8>>,
+}
+
+impl Dropout {
+    /// A dropout layer drawing from `spec`, in training mode.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] unless `0 ≤ p < 1`; [`Error::Shape`] unless the step is one element.
+    pub fn new(alloc: &CachingAllocator, spec: &DropoutSpec) -> Result<Dropout> {
+        const OP: &str = "Dropout::new";
+        if !(0.0..1.0).contains(&spec.p) {
+            return Err(Error::Unsupported { op: OP, backend: "any", why: "the drop probability p must be in [0, 1)" });
+        }
+        spec.step.expect_shape(OP, &[1])?;
+        Ok(Dropout {
+            p: spec.p,
+            seed: spec.seed,
+            site: spec.site,
+            step: spec.step.clone(),
+            training: true,
+            alloc: alloc.clone(),
+        })
+    }
+
+    /// The step counter the masks depend on, shared with the model's other dropout layers.
+    pub fn step(&self) -> &Tensor<u64> {
+        &self.step
+    }
+
+    fn active(&self) -> bool {
+        self.training && self.p > 0.0
+    }
+}
+
+impl Module for Dropout {
+    type Ctx = DropoutCtx;
+
+    /// One input of any contiguous shape, one output of its shape: the input itself (no copy)
+    /// when inactive.
+    fn forward(
+        &self,
+        inputs: &[&Tensor<f32>],
+        _hook: &dyn SaveHook,
+        stream: &Stream,
+    ) -> Result<(Vec<Tensor<f32>>, DropoutCtx)> {
+        let x = single_input("Dropout::forward", inputs)?;
+        if !self.active() {
+            return Ok((vec![x.clone()], DropoutCtx { mask: None }));
+        }
+        let out = Tensor::uninit(&self.alloc, stream, x.shape())?;
+        let mask = Tensor::uninit(&self.alloc, stream, x.shape())?;
+        dropout::dropout_forward(&out, &mask, x, self.p, self.seed, self.site, &self.step, stream)?;
+        Ok((vec![out], DropoutCtx { mask: Some(mask) }))
+    }
+
+    /// The output gradient itself when the forward was the identity.
+    fn backward(&self, ctx: DropoutCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>> {
+        let dy = single_input("Dropout::backward", grad_outputs)?;
+        let Some(mask) = ctx.mask else { return Ok(vec![dy.clone()]) };
+        let dx = Tensor::uninit(&self.alloc, stream, dy.shape())?;
+        dropout::dropout_backward(&dx, dy, &mask, self.p, stream)?;
+        Ok(vec![dx])
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        Vec::new()
+    }
+
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+}

@@ -1,0 +1,71 @@
+//! Token and position embedding: `out[b, t] = wte[token[b, t]] + wpe[t]`.
+//!
+//! Not a [`Module`](super::Module): its input is token ids, not activations, and it has no input
+//! gradient. The backward accumulates into both tables (`+=`).
+
+use super::params::init_uniform;
+use super::{Param, ParamStore};
+use crate::device::Stream;
+use crate::memory::CachingAllocator;
+use crate::ops::embedding::{embedding_backward, embedding_forward};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// Token (`vocab × dim`) and position (`max_len × dim`) tables.
+pub struct Embedding {
+    alloc: CachingAllocator,
+    /// `(vocab, dim)`.
+    pub wte: Param,
+    /// `(max_len, dim)`.
+    pub wpe: Param,
+}
+
+impl Embedding {
+    /// Tables initialized with standard deviation 0.02 (GPT-2's), uniform.
+    pub fn new(
+        store: &mut ParamStore,
+        alloc: &CachingAllocator,
+        name: &str,
+        (vocab, max_len, dim): (usize, usize, usize),
+        seed: u64,
+        stream: &Stream,
+    ) -> Result<Embedding> {
+        let bound = 0.02 * 3f32.sqrt();
+        let wte = store.add(&format!("{name}.wte"), &[vocab, dim], &init_uniform(vocab * dim, bound, seed), stream)?;
+        let wpe = store.add(
+            &format!("{name}.wpe"),
+            &[max_len, dim],
+            &init_uniform(max_len * dim, bound, seed ^ 0x9e37),
+            stream,
+        )?;
+        Ok(Embedding { alloc: alloc.clone(), wte, wpe })
+    }
+
+    fn dim(&self) -> usize {
+        self.wte.value.shape()[1]
+    }
+
+    /// `(B, T, dim)` embeddings of `(B, T)` tokens.
+    pub fn forward(&self, tokens: &Tensor<u32>, stream: &Stream) -> Result<Tensor<f32>> {
+        let [b, t] = *tokens.shape() else {
+            return Err(Error::Shape {
+                op: "Embedding::forward",
+                expected: "(B, T) tokens".into(),
+                found: tokens.shape().to_vec(),
+            });
+        };
+        let out = Tensor::uninit(&self.alloc, stream, &[b, t, self.dim()])?;
+        embedding_forward(&out, tokens, &self.wte.value, &self.wpe.value, stream)?;
+        Ok(out)
+    }
+
+    /// Accumulates the tables' gradients from `dout` (`(B, T, dim)`).
+    pub fn backward(&self, tokens: &Tensor<u32>, dout: &Tensor<f32>, stream: &Stream) -> Result<()> {
+        embedding_backward(&self.wte.grad, &self.wpe.grad, dout, tokens, stream)
+    }
+
+    /// The two tables.
+    pub fn parameters(&self) -> Vec<&Param> {
+        vec![&self.wte, &self.wpe]
+    }
+}

@@ -1,0 +1,157 @@
+//! A small GPT: token and position embedding, pre-LN transformer layers, a final LayerNorm and a
+//! language-model head with cross-entropy. Parameters live in one [`ParamStore`], so one AdamW
+//! launch updates them all.
+
+use super::{
+    DropoutSpec, Embedding, KeepOnDevice, LayerNorm, LayerNormCtx, LmHead, LmHeadCtx, Module, ParamStore,
+    TransformerLayer,
+};
+use crate::device::Stream;
+use crate::memory::CachingAllocator;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// The shape of a [`Gpt`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GptConfig {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Longest sequence.
+    pub max_len: usize,
+    /// Model width.
+    pub dim: usize,
+    /// Transformer layers.
+    pub layers: usize,
+    /// Attention heads per layer.
+    pub heads: usize,
+    /// Dropout probability (0: none).
+    pub dropout: f32,
+    /// Seed of the initialization and of dropout.
+    pub seed: u64,
+}
+
+impl GptConfig {
+    /// Number of parameters.
+    pub fn parameter_count(&self) -> usize {
+        let (v, t, c) = (self.vocab, self.max_len, self.dim);
+        let layer = 2 * c + (3 * c * c + 3 * c) + (c * c + c) + 2 * c + (4 * c * c + 4 * c) + (4 * c * c + c);
+        v * c + t * c + self.layers * layer + 2 * c + (c * v + v)
+    }
+}
+
+/// The model.
+pub struct Gpt {
+    config: GptConfig,
+    alloc: CachingAllocator,
+    store: ParamStore,
+    embedding: Embedding,
+    layers: Vec<TransformerLayer>,
+    ln_f: LayerNorm,
+    head: LmHead,
+    step: Tensor<u64>,
+}
+
+/// What a forward saves for the backward.
+pub struct GptCtx {
+    tokens: Tensor<u32>,
+    /// Batch and sequence length of `tokens`.
+    b: usize,
+    t: usize,
+    layers: Vec<<TransformerLayer as Module>::Ctx>,
+    ln_f: LayerNormCtx,
+    head: LmHeadCtx,
+}
+
+impl Gpt {
+    /// A model with parameters initialized from `config.seed`.
+    pub fn new(alloc: &CachingAllocator, config: GptConfig, stream: &Stream) -> Result<Gpt> {
+        let mut store = ParamStore::new(alloc, stream, config.parameter_count())?;
+        let (c, seed) = (config.dim, config.seed);
+        let embedding = Embedding::new(&mut store, alloc, "emb", (config.vocab, config.max_len, c), seed, stream)?;
+        let step = Tensor::<u64>::zeros(alloc, stream, &[1])?;
+        let mut layers = Vec::with_capacity(config.layers);
+        for l in 0..config.layers {
+            let dropout = DropoutSpec { p: config.dropout, seed: seed as u32, site: 2 * l as u32, step: step.clone() };
+            let layer_seed = seed.wrapping_add(1000 * (l as u64 + 1));
+            layers.push(TransformerLayer::new(
+                &mut store,
+                alloc,
+                &format!("h{l}"),
+                (c, config.heads),
+                &dropout,
+                layer_seed,
+                stream,
+            )?);
+        }
+        let ln_f = LayerNorm::new(&mut store, alloc, "ln_f", c, stream)?;
+        let head = LmHead::new(&mut store, alloc, "head", (c, config.vocab), seed.wrapping_add(7), stream)?;
+        Ok(Gpt { config, alloc: alloc.clone(), store, embedding, layers, ln_f, head, step })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// Every parameter and gradient, as two flat buffers.
+    pub fn parameters(&self) -> &ParamStore {
+        &self.store
+    }
+
+    /// The dropout step counter: advance it before each training step (on the stream) so that
+    /// every step draws new masks, also inside graphs.
+    pub fn dropout_step(&self) -> &Tensor<u64> {
+        &self.step
+    }
+
+    /// Turns dropout on or off.
+    pub fn set_training(&mut self, training: bool) {
+        for l in &mut self.layers {
+            l.set_training(training);
+        }
+    }
+
+    /// Per-position losses `(B·T)` of `tokens` `(B, T)` against next-token `targets` `(B·T)`.
+    pub fn forward(
+        &self,
+        tokens: &Tensor<u32>,
+        targets: &Tensor<u32>,
+        stream: &Stream,
+    ) -> Result<(Tensor<f32>, GptCtx)> {
+        let [b, t] = *tokens.shape() else {
+            return Err(Error::Shape {
+                op: "Gpt::forward",
+                expected: "(B, T) tokens".into(),
+                found: tokens.shape().to_vec(),
+            });
+        };
+        let mut x = self.embedding.forward(tokens, stream)?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let (mut out, ctx) = layer.forward(&[&x], &KeepOnDevice, stream)?;
+            x = out.remove(0);
+            layers.push(ctx);
+        }
+        let (mut normed, ln_f) = self.ln_f.forward(&[&x.reshape(&[b * t, self.config.dim])?], &KeepOnDevice, stream)?;
+        let (losses, head) = self.head.forward(&normed.remove(0), targets, stream)?;
+        Ok((losses, GptCtx { tokens: tokens.clone(), b, t, layers, ln_f, head }))
+    }
+
+    /// Accumulates every parameter's gradient of `Σ dlosses ⊙ losses`.
+    pub fn backward(&self, ctx: GptCtx, dlosses: &Tensor<f32>, stream: &Stream) -> Result<()> {
+        let (b, t) = (ctx.b, ctx.t);
+        let dnormed = self.head.backward(ctx.head, dlosses, stream)?;
+        let mut dx = self.ln_f.backward(ctx.ln_f, &[&dnormed], stream)?.remove(0).reshape(&[b, t, self.config.dim])?;
+        for (layer, lctx) in self.layers.iter().zip(ctx.layers).rev() {
+            dx = layer.backward(lctx, &[&dx], stream)?.remove(0);
+        }
+        self.embedding.backward(&ctx.tokens, &dx, stream)
+    }
+
+    /// The softmax of the next-token logits `(B·T, vocab)`, for decoding.
+    pub fn probabilities(&self, tokens: &Tensor<u32>, stream: &Stream) -> Result<Tensor<f32>> {
+        let targets = Tensor::<u32>::zeros(&self.alloc, stream, &[tokens.numel()])?;
+        let (_, ctx) = self.forward(tokens, &targets, stream)?;
+        Ok(ctx.head.probs)
+    }
+}

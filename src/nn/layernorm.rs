@@ -1,0 +1,106 @@
+//! LayerNorm over the last dimension (LN1 and LN2 of the benchmark layer), a module around
+//! [`ops::layernorm`](crate::ops::layernorm): weight 1, bias 0, eps 1e-5 as PyTorch's default.
+
+use super::{Module, Param, ParamStore, SaveHook};
+use crate::device::Stream;
+use crate::memory::CachingAllocator;
+use crate::ops::layernorm;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+const EPS: f32 = 1e-5;
+
+/// LayerNorm of `(.., C)` inputs; any leading dimensions are treated as rows.
+pub struct LayerNorm {
+    name: String,
+    alloc: CachingAllocator,
+    /// `(C)`, the scale.
+    pub weight: Param,
+    /// `(C)`, the shift.
+    pub bias: Param,
+}
+
+/// What the forward saves: the input as rows and each row's statistics.
+pub struct LayerNormCtx {
+    shape: Vec<usize>,
+    input: Tensor<f32>,
+    mean: Tensor<f32>,
+    rstd: Tensor<f32>,
+}
+
+/// The one input of a single-input module, or a shape error naming `op`.
+pub(super) fn single_input<'a>(op: &'static str, inputs: &[&'a Tensor<f32>]) -> Result<&'a Tensor<f32>> {
+    match inputs {
+        [x] => Ok(x),
+        _ => Err(Error::Shape { op, expected: "exactly one tensor".into(), found: vec![inputs.len()] }),
+    }
+}
+
+/// `t` as `(N, c)` rows (contiguous tensors only), or a shape error naming `op`.
+pub(super) fn as_rows(op: &'static str, t: &Tensor<f32>, c: usize) -> Result<Tensor<f32>> {
+    match t.shape().last() {
+        Some(&last) if last == c => t.reshape(&[t.numel() / c.max(1), c]),
+        _ => Err(Error::Shape { op, expected: format!("(.., {c})"), found: t.shape().to_vec() }),
+    }
+}
+
+impl LayerNorm {
+    /// A LayerNorm over `dim` features, parameters `{name}.weight` and `{name}.bias` in `store`.
+    pub fn new(
+        store: &mut ParamStore,
+        alloc: &CachingAllocator,
+        name: &str,
+        dim: usize,
+        stream: &Stream,
+    ) -> Result<LayerNorm> {
+        let weight = store.add(&format!("{name}.weight"), &[dim], &vec![1.0; dim], stream)?;
+        let bias = store.add(&format!("{name}.bias"), &[dim], &vec![0.0; dim], stream)?;
+        Ok(LayerNorm { name: name.to_string(), alloc: alloc.clone(), weight, bias })
+    }
+
+    fn dim(&self) -> usize {
+        self.weight.value.numel()
+    }
+}
+
+impl Module for LayerNorm {
+    type Ctx = LayerNormCtx;
+
+    fn forward(
+        &self,
+        inputs: &[&Tensor<f32>],
+        hook: &dyn SaveHook,
+        stream: &Stream,
+    ) -> Result<(Vec<Tensor<f32>>, LayerNormCtx)> {
+        const OP: &str = "LayerNorm::forward";
+        let x = single_input(OP, inputs)?;
+        let rows = as_rows(OP, x, self.dim())?;
+        let n = rows.shape()[0];
+        let out = Tensor::uninit(&self.alloc, stream, rows.shape())?;
+        let (mean, rstd) = (Tensor::uninit(&self.alloc, stream, &[n])?, Tensor::uninit(&self.alloc, stream, &[n])?);
+        layernorm::layernorm_forward(&out, &mean, &rstd, &rows, &self.weight.value, &self.bias.value, EPS, stream)?;
+        hook.open_group(&self.name)?;
+        let input = hook.save("input", rows, stream)?;
+        let mean = hook.save("mean", mean, stream)?;
+        let rstd = hook.save("rstd", rstd, stream)?;
+        hook.commit_group(&self.name)?;
+        Ok((vec![out.reshape(x.shape())?], LayerNormCtx { shape: x.shape().to_vec(), input, mean, rstd }))
+    }
+
+    fn backward(&self, ctx: LayerNormCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>> {
+        const OP: &str = "LayerNorm::backward";
+        let dy = single_input(OP, grad_outputs)?;
+        dy.expect_shape(OP, &ctx.shape)?;
+        let dy = as_rows(OP, dy, self.dim())?;
+        let dx = Tensor::uninit(&self.alloc, stream, dy.shape())?;
+        let (w, b) = (&self.weight, &self.bias);
+        layernorm::layernorm_backward(&dx, &w.grad, &b.grad, &dy, &ctx.input, &w.value, &ctx.mean, &ctx.rstd, stream)?;
+        Ok(vec![dx.reshape(&ctx.shape)?])
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        vec![&self.weight, &self.bias]
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}

@@ -1,0 +1,62 @@
+//! The language-model head: logits `x·Wᵀ + b` over the vocabulary and their cross-entropy.
+//!
+//! The loss of each position is weighted in the backward (`dlosses`): a weight of 0 leaves a
+//! position out (the prompt of a task), `1/count` averages over the positions that count.
+
+use super::{KeepOnDevice, Linear, LinearCtx, Module, Param, ParamStore};
+use crate::device::Stream;
+use crate::memory::CachingAllocator;
+use crate::ops::loss::{cross_entropy_backward, cross_entropy_forward};
+use crate::tensor::Tensor;
+use crate::Result;
+
+/// Projection to the vocabulary, with the loss.
+pub struct LmHead {
+    alloc: CachingAllocator,
+    proj: Linear,
+}
+
+/// What the forward saves.
+pub struct LmHeadCtx {
+    linear: LinearCtx,
+    /// `(N, vocab)` softmax of the logits.
+    pub probs: Tensor<f32>,
+    targets: Tensor<u32>,
+}
+
+impl LmHead {
+    /// A head from `dim` to `vocab`.
+    pub fn new(
+        store: &mut ParamStore,
+        alloc: &CachingAllocator,
+        name: &str,
+        (dim, vocab): (usize, usize),
+        seed: u64,
+        stream: &Stream,
+    ) -> Result<LmHead> {
+        Ok(LmHead { alloc: alloc.clone(), proj: Linear::new(store, alloc, name, (dim, vocab), seed, stream)? })
+    }
+
+    /// Per-position losses `(N)` of `x` (`(N, dim)`) against `targets` (`(N)`).
+    pub fn forward(&self, x: &Tensor<f32>, targets: &Tensor<u32>, stream: &Stream) -> Result<(Tensor<f32>, LmHeadCtx)> {
+        let (mut logits, linear) = self.proj.forward(&[x], &KeepOnDevice, stream)?;
+        let logits = logits.remove(0);
+        let n = logits.shape()[0];
+        let losses = Tensor::uninit(&self.alloc, stream, &[n])?;
+        let probs = Tensor::uninit(&self.alloc, stream, logits.shape())?;
+        cross_entropy_forward(&losses, &probs, &logits, targets, stream)?;
+        Ok((losses, LmHeadCtx { linear, probs, targets: targets.clone() }))
+    }
+
+    /// The gradient of `Σ dlosses ⊙ losses` with respect to `x` (parameter gradients `+=`).
+    pub fn backward(&self, ctx: LmHeadCtx, dlosses: &Tensor<f32>, stream: &Stream) -> Result<Tensor<f32>> {
+        let dlogits = Tensor::uninit(&self.alloc, stream, ctx.probs.shape())?;
+        cross_entropy_backward(&dlogits, &ctx.probs, &ctx.targets, dlosses, stream)?;
+        Ok(self.proj.backward(ctx.linear, &[&dlogits], stream)?.remove(0))
+    }
+
+    /// The projection's weight and bias.
+    pub fn parameters(&self) -> Vec<&Param> {
+        self.proj.parameters()
+    }
+}

@@ -1,0 +1,136 @@
+//! One pre-LayerNorm GPT layer (the benchmark layer):
+//! `h = x + Drop(Attn(LN1(x)))`, `y = h + Drop(MLP(LN2(h)))`.
+//! The backward adds the gradient that reaches each residual stream through its branch to the
+//! one that skips it: `dh = dy + dLN2(h)`, `dx = dh + dLN1(x)`.
+
+use super::attention::AttentionCtx;
+use super::dropout::DropoutCtx;
+use super::layernorm::{single_input, LayerNormCtx};
+use super::mlp::MlpCtx;
+use super::{CausalSelfAttention, Dropout, DropoutSpec, LayerNorm, Mlp, Module, Param, ParamStore, SaveHook};
+use crate::device::Stream;
+use crate::memory::CachingAllocator;
+use crate::ops::cast::residual_add;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// A transformer layer over `(B, T, C)` inputs.
+pub struct TransformerLayer {
+    alloc: CachingAllocator,
+    /// Before attention.
+    pub ln1: LayerNorm,
+    /// Causal self-attention.
+    pub attn: CausalSelfAttention,
+    /// Before the MLP.
+    pub ln2: LayerNorm,
+    /// The feed-forward block.
+    pub mlp: Mlp,
+    /// After the attention projection, before the first residual add.
+    pub drop1: Dropout,
+    /// After the MLP, before the second residual add.
+    pub drop2: Dropout,
+}
+
+/// What the forward saves: the sub-modules' contexts.
+pub struct TransformerCtx {
+    ln1: LayerNormCtx,
+    attn: AttentionCtx,
+    drop1: DropoutCtx,
+    ln2: LayerNormCtx,
+    mlp: MlpCtx,
+    drop2: DropoutCtx,
+}
+
+impl TransformerLayer {
+    /// A layer on `dim` features in `heads` heads; parameters `{name}.ln1`, `{name}.attn.qkv`,
+    /// `{name}.attn.proj`, `{name}.ln2`, `{name}.mlp.fc1`, `{name}.mlp.fc2`, the linear ones from
+    /// `seed`..`seed + 3`. Its dropouts draw at sites `dropout.site` and `dropout.site + 1`, so
+    /// give consecutive layers sites two apart.
+    ///
+    /// # Errors
+    /// As [`CausalSelfAttention::new`] and [`Dropout::new`]; [`Error::Shape`] if the store is full.
+    pub fn new(
+        store: &mut ParamStore,
+        alloc: &CachingAllocator,
+        name: &str,
+        (dim, heads): (usize, usize),
+        dropout: &DropoutSpec,
+        seed: u64,
+        stream: &Stream,
+    ) -> Result<TransformerLayer> {
+        let second_site = dropout.site.checked_add(1).ok_or(Error::Unsupported {
+            op: "TransformerLayer::new",
+            backend: "any",
+            why: "the dropout site must leave room for a second site",
+        })?;
+        Ok(TransformerLayer {
+            alloc: alloc.clone(),
+            ln1: LayerNorm::new(store, alloc, &format!("{name}.ln1"), dim, stream)?,
+            attn: CausalSelfAttention::new(store, alloc, &format!("{name}.attn"), (dim, heads), seed, stream)?,
+            ln2: LayerNorm::new(store, alloc, &format!("{name}.ln2"), dim, stream)?,
+            mlp: Mlp::new(store, alloc, &format!("{name}.mlp"), dim, seed.wrapping_add(2), stream)?,
+            drop1: Dropout::new(alloc, dropout)?,
+            drop2: Dropout::new(alloc, &DropoutSpec { site: second_site, ..dropout.clone() })?,
+        })
+    }
+
+    fn add(&self, a: &Tensor<f32>, b: &Tensor<f32>, stream: &Stream) -> Result<Tensor<f32>> {
+        let out = Tensor::uninit(&self.alloc, stream, a.shape())?;
+        residual_add(&out, a, b, stream)?;
+        Ok(out)
+    }
+}
+
+/// The one output of a sub-module.
+fn only<C>((mut outputs, ctx): (Vec<Tensor<f32>>, C)) -> (Tensor<f32>, C) {
+    (outputs.remove(0), ctx)
+}
+
+impl Module for TransformerLayer {
+    type Ctx = TransformerCtx;
+
+    /// One contiguous input `(B, T, C)`, one output `(B, T, C)`.
+    fn forward(
+        &self,
+        inputs: &[&Tensor<f32>],
+        hook: &dyn SaveHook,
+        stream: &Stream,
+    ) -> Result<(Vec<Tensor<f32>>, TransformerCtx)> {
+        let x = single_input("TransformerLayer::forward", inputs)?;
+        let (a, ln1) = only(self.ln1.forward(&[x], hook, stream)?);
+        let (a, attn) = only(self.attn.forward(&[&a], hook, stream)?);
+        let (a, drop1) = only(self.drop1.forward(&[&a], hook, stream)?);
+        let h = self.add(x, &a, stream)?;
+        let (m, ln2) = only(self.ln2.forward(&[&h], hook, stream)?);
+        let (m, mlp) = only(self.mlp.forward(&[&m], hook, stream)?);
+        let (m, drop2) = only(self.drop2.forward(&[&m], hook, stream)?);
+        let y = self.add(&h, &m, stream)?;
+        Ok((vec![y], TransformerCtx { ln1, attn, drop1, ln2, mlp, drop2 }))
+    }
+
+    fn backward(
+        &self,
+        ctx: TransformerCtx,
+        grad_outputs: &[&Tensor<f32>],
+        stream: &Stream,
+    ) -> Result<Vec<Tensor<f32>>> {
+        let dy = single_input("TransformerLayer::backward", grad_outputs)?;
+        let dm = self.drop2.backward(ctx.drop2, &[dy], stream)?.remove(0);
+        let dm = self.mlp.backward(ctx.mlp, &[&dm], stream)?.remove(0);
+        let dm = self.ln2.backward(ctx.ln2, &[&dm], stream)?.remove(0);
+        let dh = self.add(dy, &dm, stream)?;
+        let da = self.drop1.backward(ctx.drop1, &[&dh], stream)?.remove(0);
+        let da = self.attn.backward(ctx.attn, &[&da], stream)?.remove(0);
+        let da = self.ln1.backward(ctx.ln1, &[&da], stream)?.remove(0);
+        Ok(vec![self.add(&dh, &da, stream)?])
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        [self.ln1.parameters(), self.attn.parameters(), self.ln2.parameters(), self.mlp.parameters()].concat()
+    }
+
+    fn set_training(&mut self, training: bool) {
+        self.drop1.set_training(training);
+        self.drop2.set_training(training);
+    }
+}

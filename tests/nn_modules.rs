@@ -1,0 +1,199 @@
+//! The transformer layer's modules (LayerNorm, dropout, MLP, causal self-attention, the whole
+//! pre-LN layer): input and parameter gradients against finite differences on the simulator,
+//! CUDA against the simulator, gradient accumulation, dropout's dependence on the step counter.
+
+#[path = "common/mod.rs"]
+mod common;
+
+use anyhow::ensure;
+use common::{ensure_close, numeric_grad};
+use graphed::device::{Device, DeviceKind, Stream};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{
+    CausalSelfAttention, Dropout, DropoutSpec, KeepOnDevice, LayerNorm, Mlp, Module, ParamStore, TransformerLayer,
+};
+use graphed::ops::rng;
+use graphed::tensor::Tensor;
+use graphed::Error;
+
+type Result<T = ()> = anyhow::Result<T>;
+
+/// Batch, sequence, width and heads of every case: tiny, so that finite differences stay cheap.
+const SHAPE: [usize; 3] = [2, 3, 8];
+const HEADS: usize = 2;
+
+/// Deterministic values uniform in `[-1, 1)` (Knuth's MMIX generator).
+fn lcg(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            ((x >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+        })
+        .collect()
+}
+
+/// A step counter at step 1 and the dropout spec over it.
+fn spec(alloc: &CachingAllocator, s: &Stream, p: f32, site: u32) -> graphed::Result<DropoutSpec> {
+    let step = Tensor::zeros(alloc, s, &[1])?;
+    rng::step_write(&step, 1, s)?;
+    Ok(DropoutSpec { p, seed: 1234, site, step })
+}
+
+/// Builds the module under test the same way on any device.
+type Build<M> = fn(&mut ParamStore, &CachingAllocator, &Stream) -> graphed::Result<M>;
+
+/// One module on one device with a fixed input `x` and loss weights `r` (loss = Σ y⊙r).
+struct Case<M> {
+    s: Stream,
+    alloc: CachingAllocator,
+    store: ParamStore,
+    module: M,
+    x: Vec<f32>,
+    r: Vec<f32>,
+}
+
+/// The results of one forward and backward with `dy = r`.
+struct Run {
+    y: Vec<f32>,
+    dx: Vec<f32>,
+    grads: Vec<f32>,
+}
+
+impl<M: Module> Case<M> {
+    fn new(dev: &Device, build: Build<M>) -> Result<Case<M>> {
+        let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+        let mut store = ParamStore::new(&alloc, &s, 1024)?;
+        let module = build(&mut store, &alloc, &s)?;
+        let n = SHAPE.iter().product();
+        Ok(Case { s, alloc, store, module, x: lcg(n, 1), r: lcg(n, 2) })
+    }
+
+    fn put(&self, data: &[f32]) -> Result<Tensor<f32>> {
+        Ok(Tensor::from_host(&self.alloc, &self.s, data, &SHAPE)?)
+    }
+
+    fn set_params(&self, values: &[f32]) -> Result {
+        let staging = Tensor::from_host(&self.alloc, &self.s, values, &[values.len()])?;
+        Ok(self.s.copy_d2d(staging.view()?, self.store.values()?.view()?)?)
+    }
+
+    fn forward(&self, x: &[f32]) -> Result<Vec<f32>> {
+        let (y, _) = self.module.forward(&[&self.put(x)?], &KeepOnDevice, &self.s)?;
+        Ok(y[0].to_vec(&self.s)?)
+    }
+
+    fn loss(&self, x: &[f32]) -> Result<f64> {
+        Ok(self.forward(x)?.iter().zip(&self.r).map(|(y, r)| f64::from(*y) * f64::from(*r)).sum())
+    }
+
+    fn run(&self) -> Result<Run> {
+        let (y, ctx) = self.module.forward(&[&self.put(&self.x)?], &KeepOnDevice, &self.s)?;
+        let dx = self.module.backward(ctx, &[&self.put(&self.r)?], &self.s)?;
+        ensure!(y.len() == 1 && dx.len() == 1 && y[0].shape() == SHAPE && dx[0].shape() == SHAPE);
+        Ok(Run { y: y[0].to_vec(&self.s)?, dx: dx[0].to_vec(&self.s)?, grads: self.store.grads()?.to_vec(&self.s)? })
+    }
+}
+
+/// Gradients of `build`'s module: on the simulator against central differences (every
+/// `stride`-th parameter), on CUDA against the simulator; and a second backward doubles the
+/// parameter gradients.
+fn check_gradients<M: Module>(dev: &Device, build: Build<M>, stride: usize) -> Result {
+    let case = Case::new(dev, build)?;
+    let first = case.run()?;
+    let twice = case.run()?.grads;
+    let doubled: Vec<f64> = first.grads.iter().map(|g| 2.0 * f64::from(*g)).collect();
+    ensure_close("accumulated parameter gradients", &twice, &doubled, 1e-6, 1e-5)?;
+    if dev.kind() == DeviceKind::Cuda {
+        let sim = Case::new(&Device::sim(), build)?.run()?;
+        let wide = |v: &[f32]| v.iter().map(|x| f64::from(*x)).collect::<Vec<_>>();
+        ensure_close("output vs simulator", &first.y, &wide(&sim.y), 1e-5, 1e-4)?;
+        ensure_close("input gradient vs simulator", &first.dx, &wide(&sim.dx), 1e-5, 1e-4)?;
+        return ensure_close("parameter gradients vs simulator", &first.grads, &wide(&sim.grads), 1e-5, 1e-4);
+    }
+    let (atol, rtol, eps) = (2e-3, 1e-2, 1e-2);
+    let want_dx = numeric_grad(|x| case.loss(x), &case.x, eps)?;
+    ensure_close("input gradient", &first.dx, &want_dx, atol, rtol)?;
+    let values = case.store.values()?.to_vec(&case.s)?;
+    let picked: Vec<usize> = (0..values.len()).step_by(stride).collect();
+    let sub: Vec<f32> = picked.iter().map(|&i| values[i]).collect();
+    let want = numeric_grad(
+        |sub| {
+            let mut all = values.clone();
+            picked.iter().zip(sub).for_each(|(&i, v)| all[i] = *v);
+            case.set_params(&all)?;
+            case.loss(&case.x)
+        },
+        &sub,
+        eps,
+    )?;
+    let got: Vec<f32> = picked.iter().map(|&i| first.grads[i]).collect();
+    ensure_close("parameter gradients", &got, &want, atol, rtol)
+}
+
+fn layernorm_gradients(dev: &Device) -> Result {
+    check_gradients(dev, |store, alloc, s| LayerNorm::new(store, alloc, "ln", SHAPE[2], s), 1)
+}
+
+fn mlp_gradients(dev: &Device) -> Result {
+    check_gradients(dev, |store, alloc, s| Mlp::new(store, alloc, "mlp", SHAPE[2], 3, s), 3)
+}
+
+fn attention_gradients(dev: &Device) -> Result {
+    check_gradients(dev, |store, alloc, s| CausalSelfAttention::new(store, alloc, "attn", (SHAPE[2], HEADS), 5, s), 2)
+}
+
+fn transformer_layer_gradients(dev: &Device) -> Result {
+    let build: Build<TransformerLayer> = |store, alloc, s| {
+        TransformerLayer::new(store, alloc, "layer", (SHAPE[2], HEADS), &spec(alloc, s, 0.0, 0)?, 9, s)
+    };
+    check_gradients(dev, build, 5)
+}
+
+/// With the step fixed the mask is fixed, so dropout (p = 0.5) is differentiable as any module.
+fn dropout_gradients(dev: &Device) -> Result {
+    check_gradients(dev, |_, alloc, s| Dropout::new(alloc, &spec(alloc, s, 0.5, 3)?), 1)
+}
+
+fn dropout_follows_the_step_and_the_mode(dev: &Device) -> Result {
+    let build: Build<TransformerLayer> = |store, alloc, s| {
+        TransformerLayer::new(store, alloc, "layer", (SHAPE[2], HEADS), &spec(alloc, s, 0.5, 0)?, 9, s)
+    };
+    let mut case = Case::new(dev, build)?;
+    let step = case.module.drop1.step().clone();
+    let first = case.forward(&case.x)?;
+    ensure!(case.forward(&case.x)? == first, "the same step draws the same masks");
+    rng::step_write(&step, 2, &case.s)?;
+    let second = case.forward(&case.x)?;
+    ensure!(second != first, "a new step draws new masks");
+    case.module.set_training(false);
+    let eval = case.forward(&case.x)?;
+    ensure!(eval != first && eval != second, "evaluation does not drop");
+    rng::step_write(&step, 3, &case.s)?;
+    ensure!(case.forward(&case.x)? == eval, "evaluation is deterministic");
+    Ok(())
+}
+
+fn bad_shapes_are_refused(dev: &Device) -> Result {
+    let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+    let mut store = ParamStore::new(&alloc, &s, 1024)?;
+    let bad = CausalSelfAttention::new(&mut store, &alloc, "attn", (SHAPE[2], 3), 1, &s);
+    ensure!(matches!(bad, Err(Error::Shape { .. })), "3 heads do not divide 8 features");
+    let attn = CausalSelfAttention::new(&mut store, &alloc, "attn", (SHAPE[2], HEADS), 1, &s)?;
+    let flat = Tensor::<f32>::zeros(&alloc, &s, &[6, 8])?;
+    ensure!(matches!(attn.forward(&[&flat], &KeepOnDevice, &s), Err(Error::Shape { .. })), "(B, T, C) only");
+    let ln = LayerNorm::new(&mut store, &alloc, "ln", 4, &s)?;
+    ensure!(matches!(ln.forward(&[&flat], &KeepOnDevice, &s), Err(Error::Shape { .. })), "width 4, not 8");
+    ensure!(matches!(Dropout::new(&alloc, &spec(&alloc, &s, 1.0, 0)?), Err(Error::Unsupported { .. })), "p < 1");
+    Ok(())
+}
+
+per_device!(
+    layernorm_gradients,
+    mlp_gradients,
+    attention_gradients,
+    transformer_layer_gradients,
+    dropout_gradients,
+    dropout_follows_the_step_and_the_mode,
+    bad_shapes_are_refused,
+);
