@@ -9,10 +9,10 @@ const THRESHOLD: f64 = 0.5;
 
 #[test]
 fn a_small_gpt_learns_addition_on_the_simulator() {
-    let out = Command::new(env!("CARGO_BIN_EXE_graphed"))
-        .args(["train", "--device", "sim", "--eval", "20"])
-        .output()
-        .expect("the graphed binary runs");
+    // Under a nextest archive (the GPU machine) the binary is elsewhere; nextest says where.
+    let exe = std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string());
+    let out =
+        Command::new(exe).args(["train", "--device", "sim", "--eval", "20"]).output().expect("the graphed binary runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "train failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let loss: f64 = stdout

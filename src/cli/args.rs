@@ -76,7 +76,11 @@ pub struct TrainArgs {
     /// Sums per batch (default: 256 on CUDA, 64 on the simulator).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub batch: Option<u32>,
-    /// Optimizer steps (default: 3000 on CUDA, 600 on the simulator).
+    /// Run the model eagerly, kernel by kernel. The only mode until graphed layers land, so
+    /// also the default.
+    #[arg(long)]
+    pub eager: bool,
+    /// Optimizer steps (default: 1000 on CUDA, 600 on the simulator).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub steps: Option<u32>,
     /// Peak learning rate, cosine decay after a warmup (default: 3e-3 on CUDA, 5e-3 on the

@@ -50,7 +50,7 @@ fn plan(dev: &Device, args: &TrainArgs) -> anyhow::Result<Plan> {
         config,
         lr,
         batch: pick(args.batch, 256, 64),
-        steps: pick(args.steps, 3000, 600),
+        steps: pick(args.steps, 1000, 600),
         eval: pick(args.eval, 1000, 100),
     })
 }
