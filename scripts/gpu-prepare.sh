@@ -18,6 +18,8 @@ Run on the GPU machine (device tool: carry [".gpu"]):
   .gpu/graphed bench check --device cuda --json $OUT/check.json 2>&1 | tee -a $OUT/bench.log;
   .gpu/graphed bench gemm --device cuda --json $OUT/gemm.json 2>&1 | tee -a $OUT/bench.log;
   python3 bench/torch_reference.py gemm > $OUT/gemm-torch.json; cat $OUT/gemm-torch.json;
+  .gpu/graphed bench layer --device cuda --json $OUT/layer.json 2>&1 | tee -a $OUT/bench.log;
+  python3 bench/torch_reference.py layer > $OUT/layer-torch.json; cat $OUT/layer-torch.json;
   .gpu/graphed train 2>&1 | tee $OUT/train.log;
   .gpu/graphed demo 2>&1 | tee $OUT/demo.log
 CMD

@@ -131,6 +131,24 @@ pub enum BenchCommand {
     Check(CheckBenchArgs),
     /// TFLOP/s of a d×d×d bf16 GEMM (compare with `bench/torch_reference.py gemm`).
     Gemm(GemmBenchArgs),
+    /// One transformer layer's forward and backward, eager, f32 (compare with
+    /// `bench/torch_reference.py layer`).
+    Layer(LayerBenchArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LayerBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// BENCH.md configurations to run.
+    #[arg(long, value_delimiter = ',', default_values_t = ["S".to_string(), "M".to_string(), "L".to_string()])]
+    pub configs: Vec<String>,
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub reps: u32,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -11,10 +11,15 @@ use crate::ops::elementwise;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
+use std::sync::{Mutex, PoisonError};
+
 /// A fully connected layer over the last dimension of an `(n, in)` input.
 pub struct Linear {
     name: String,
     alloc: CachingAllocator,
+    /// With a split weight gradient, the `(dy, x)` pairs whose weight gradients
+    /// [`Module::backward_dw`] still owes; `None` when `backward` computes them itself.
+    deferred: Option<Mutex<Vec<(Tensor<f32>, Tensor<f32>)>>>,
     /// `(out, in)`.
     pub weight: Param,
     /// `(out)`.
@@ -45,7 +50,27 @@ impl Linear {
             stream,
         )?;
         let bias = store.add(&format!("{name}.bias"), &[outputs], &vec![0.0; outputs], stream)?;
-        Ok(Linear { name: name.to_string(), alloc: alloc.clone(), weight, bias })
+        Ok(Linear { name: name.to_string(), alloc: alloc.clone(), deferred: None, weight, bias })
+    }
+
+    /// Splits the weight gradient out of `backward` into [`Module::backward_dw`] (or joins it
+    /// back). Work already deferred is dropped on a change, so switch between steps.
+    pub fn set_split_dw(&mut self, split: bool) {
+        self.deferred = split.then(|| Mutex::new(Vec::new()));
+    }
+
+    /// `dW += dyᵀ·x` and `db += dyᵀ·1`.
+    fn weight_gradients(&self, dy: &Tensor<f32>, x: &Tensor<f32>, stream: &Stream) -> Result<()> {
+        let (i, o) = self.dims();
+        let n = dy.shape()[0];
+        let dw =
+            Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.weight.grad.view()?, dy.view()?, x.view()?, (o, i, n)) };
+        stream.gemm(dw)?;
+        let ones = Tensor::uninit(&self.alloc, stream, &[n])?;
+        elementwise::fill(ones.view()?, 1.0, stream)?;
+        let db =
+            Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.bias.grad.view()?, dy.view()?, ones.view()?, (o, 1, n)) };
+        stream.gemm(db)
     }
 
     fn dims(&self) -> (usize, usize) {
@@ -95,18 +120,19 @@ impl Module for Linear {
             found: vec![],
         })?;
         let n = self.rows(OP, dy, o)?;
-        let x = &ctx.input;
         let dx = Tensor::uninit(&self.alloc, stream, &[n, i])?;
         stream.gemm(Gemm::new(dx.view()?, dy.view()?, self.weight.value.view()?, (n, i, o)))?;
-        let dw =
-            Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.weight.grad.view()?, dy.view()?, x.view()?, (o, i, n)) };
-        stream.gemm(dw)?;
-        let ones = Tensor::uninit(&self.alloc, stream, &[n])?;
-        elementwise::fill(ones.view()?, 1.0, stream)?;
-        let db =
-            Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.bias.grad.view()?, dy.view()?, ones.view()?, (o, 1, n)) };
-        stream.gemm(db)?;
+        match &self.deferred {
+            Some(queue) => queue.lock().unwrap_or_else(PoisonError::into_inner).push(((*dy).clone(), ctx.input)),
+            None => self.weight_gradients(dy, &ctx.input, stream)?,
+        }
         Ok(vec![dx])
+    }
+
+    fn backward_dw(&self, stream: &Stream) -> Result<()> {
+        let Some(queue) = &self.deferred else { return Ok(()) };
+        let pending = std::mem::take(&mut *queue.lock().unwrap_or_else(PoisonError::into_inner));
+        pending.iter().try_for_each(|(dy, x)| self.weight_gradients(dy, x, stream))
     }
 
     fn parameters(&self) -> Vec<&Param> {
@@ -164,6 +190,15 @@ mod tests {
         assert!(close(&dx, &num(&xh, &|x| loss(x, &w, &b))));
         assert!(close(&lin.weight.grad.to_vec(&s).unwrap(), &num(&w, &|w| loss(&xh, w, &b))));
         assert!(close(&lin.bias.grad.to_vec(&s).unwrap(), &num(&b, &|b| loss(&xh, &w, b))));
+        // Split: backward leaves the weight gradients to backward_dw, which adds the same.
+        let mut split = Linear::new(&mut store, &alloc, "fc2", (4, 3), 7, &s).unwrap();
+        split.set_split_dw(true);
+        let (_, ctx) = split.forward(&[&x], &KeepOnDevice, &s).unwrap();
+        split.backward(ctx, &[&dy], &s).unwrap();
+        assert!(split.weight.grad.to_vec(&s).unwrap().iter().all(|g| *g == 0.0), "deferred");
+        split.backward_dw(&s).unwrap();
+        assert_eq!(split.weight.grad.to_vec(&s).unwrap(), lin.weight.grad.to_vec(&s).unwrap());
+        assert_eq!(split.bias.grad.to_vec(&s).unwrap(), lin.bias.grad.to_vec(&s).unwrap());
         // A second backward accumulates the parameter gradients.
         let (_, ctx) = lin.forward(&[&x], &KeepOnDevice, &s).unwrap();
         lin.backward(ctx, &[&dy], &s).unwrap();

@@ -78,6 +78,13 @@ pub trait Module {
     /// Returns the input gradients (`=`) and accumulates the parameter gradients (`+=`).
     fn backward(&self, ctx: Self::Ctx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>>;
 
+    /// Runs the weight-gradient work that `backward` left for later, for modules that split it
+    /// out (TransformerEngine's `backward_dw`, which pipeline schedules use to fill bubbles).
+    /// The default does nothing: such a module's `backward` accumulated its weight gradients.
+    fn backward_dw(&self, _stream: &Stream) -> Result<()> {
+        Ok(())
+    }
+
     /// The module's parameters.
     fn parameters(&self) -> Vec<&Param>;
 

@@ -4,6 +4,7 @@ mod alloc;
 mod check;
 mod gemm;
 mod launch;
+mod layer;
 
 use std::path::PathBuf;
 
@@ -18,6 +19,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Alloc(a) => alloc::run(a),
         BenchCommand::Check(a) => check::run(a),
         BenchCommand::Gemm(a) => gemm::run(a),
+        BenchCommand::Layer(a) => layer::run(a),
     }
 }
 
