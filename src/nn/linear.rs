@@ -13,13 +13,16 @@ use crate::{Error, Result};
 
 use std::sync::{Mutex, PoisonError};
 
+/// A weight-gradient computation left for `backward_dw`: the output gradient and the input.
+type Deferred = (Tensor<f32>, Tensor<f32>);
+
 /// A fully connected layer over the last dimension of an `(n, in)` input.
 pub struct Linear {
     name: String,
     alloc: CachingAllocator,
     /// With a split weight gradient, the `(dy, x)` pairs whose weight gradients
     /// [`Module::backward_dw`] still owes; `None` when `backward` computes them itself.
-    deferred: Option<Mutex<Vec<(Tensor<f32>, Tensor<f32>)>>>,
+    deferred: Option<Mutex<Vec<Deferred>>>,
     /// `(out, in)`.
     pub weight: Param,
     /// `(out)`.
