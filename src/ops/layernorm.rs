@@ -27,16 +27,12 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use super::{checked, count, rows_cols};
+use super::{checked, count, row_blocks, rows_cols};
 use crate::device::{args, CpuArgs, In, InOut, Kernel, LaunchDims, Out, Stream};
 use crate::tensor::Tensor;
 use crate::Result;
 
-const SOURCE: &str = include_str!("layernorm.cu");
-
-/// Threads per block of the per-row kernels: `LN_BLOCK` in `layernorm.cu`, which sizes their
-/// shared memory (a unit test keeps the two equal).
-const BLOCK: u32 = 256;
+const SOURCE: &str = concat!(include_str!("reduce.cu"), include_str!("layernorm.cu"));
 
 /// Normalizes each row and saves its statistics (one block per row on CUDA).
 pub static LAYERNORM_FORWARD: Kernel = Kernel { name: "layernorm_forward_f32", source: SOURCE, cpu: forward_cpu };
@@ -178,20 +174,4 @@ pub fn layernorm_backward(
     ];
     stream.launch(&LAYERNORM_BACKWARD_DINP, row_blocks(OP, n)?, &args)?;
     stream.launch(&LAYERNORM_BACKWARD_PARAMS, LaunchDims::for_elems(c), &params)
-}
-
-/// One block of [`BLOCK`] threads per row; at least one block, as CUDA refuses an empty grid (the
-/// kernels skip rows past the end).
-fn row_blocks(op: &'static str, rows: usize) -> Result<LaunchDims> {
-    Ok(LaunchDims { grid: (count(op, rows.max(1))?, 1, 1), block: (BLOCK, 1, 1), shared_mem_bytes: 0 })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn block_size_matches_the_cuda_source() {
-        assert!(SOURCE.contains(&format!("#define LN_BLOCK {BLOCK}\n")));
-    }
 }

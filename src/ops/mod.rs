@@ -14,7 +14,7 @@ pub mod loss;
 pub mod rng;
 pub mod softmax;
 
-use crate::device::{Elem, View};
+use crate::device::{Elem, LaunchDims, View};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -54,5 +54,23 @@ pub(crate) fn rows_cols(op: &'static str, t: &Tensor<f32>) -> Result<(usize, usi
     match *t.shape() {
         [n, c] if c > 0 => Ok((n, c)),
         _ => Err(Error::Shape { op, expected: "a matrix (N, C) with C > 0".into(), found: t.shape().to_vec() }),
+    }
+}
+
+/// Threads per block of the one-block-per-row kernels: `ROW_BLOCK` in `reduce.cu`, which sizes
+/// their shared memory.
+const ROW_BLOCK: u32 = 256;
+
+/// One block of [`ROW_BLOCK`] threads per row; at least one block, as CUDA refuses an empty grid
+/// (the kernels skip rows past the end).
+pub(crate) fn row_blocks(op: &'static str, rows: usize) -> Result<LaunchDims> {
+    Ok(LaunchDims { grid: (count(op, rows.max(1))?, 1, 1), block: (ROW_BLOCK, 1, 1), shared_mem_bytes: 0 })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_row_block_matches_the_cuda_source() {
+        assert!(include_str!("reduce.cu").contains(&format!("#define ROW_BLOCK {}\n", super::ROW_BLOCK)));
     }
 }

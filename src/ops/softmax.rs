@@ -25,16 +25,12 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use super::{checked, count};
-use crate::device::{args, CpuArgs, In, Kernel, LaunchDims, Out, Stream};
+use super::{checked, count, row_blocks};
+use crate::device::{args, CpuArgs, In, Kernel, Out, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-const SOURCE: &str = include_str!("softmax.cu");
-
-/// Threads per block: `SM_BLOCK` in `softmax.cu`, which sizes the shared memory (a unit test keeps
-/// the two equal).
-const BLOCK: u32 = 256;
+const SOURCE: &str = concat!(include_str!("reduce.cu"), include_str!("softmax.cu"));
 
 /// `probs = softmax(scale·scores)` over the visible keys of each row (one block per row on CUDA).
 pub static SOFTMAX_CAUSAL_FORWARD: Kernel =
@@ -130,21 +126,5 @@ fn rows_of(op: &'static str, t: &Tensor<f32>) -> Result<(usize, usize)> {
             expected: "attention scores (B, H, T, T) with T > 0".into(),
             found: t.shape().to_vec(),
         }),
-    }
-}
-
-/// One block of [`BLOCK`] threads per row; at least one block, as CUDA refuses an empty grid (the
-/// kernels skip rows past the end).
-fn row_blocks(op: &'static str, rows: usize) -> Result<LaunchDims> {
-    Ok(LaunchDims { grid: (count(op, rows.max(1))?, 1, 1), block: (BLOCK, 1, 1), shared_mem_bytes: 0 })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn block_size_matches_the_cuda_source() {
-        assert!(SOURCE.contains(&format!("#define SM_BLOCK {BLOCK}\n")));
     }
 }
