@@ -102,7 +102,7 @@ fn a_failing_kernel_is_reported_by_the_next_synchronize() {
     fn wrong_type(a: &CpuArgs) -> graphed::Result<()> {
         a.input::<u32>(1).map(|_| ())
     }
-    static BAD: Kernel = Kernel { name: "reads_f32_as_u32", source: "", cpu: wrong_type };
+    static BAD: Kernel = Kernel { name: "reads_f32_as_u32", source: "", cpu: wrong_type, strided: false };
     let dev = Device::sim();
     let s = dev.stream().unwrap();
     let (x, y) = (dev.alloc::<f32>(2).unwrap(), dev.alloc::<f32>(2).unwrap());

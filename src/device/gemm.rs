@@ -58,10 +58,11 @@ impl GemmElem for bf16 {
     }
 }
 
-static GEMM_F32: Kernel = Kernel { name: "gemm_f32", source: "", cpu: gemm_cpu::<f32, false> };
-static GEMM_F32_BIAS: Kernel = Kernel { name: "gemm_f32_bias", source: "", cpu: gemm_cpu::<f32, true> };
-static GEMM_BF16: Kernel = Kernel { name: "gemm_bf16", source: "", cpu: gemm_cpu::<bf16, false> };
-static GEMM_BF16_BIAS: Kernel = Kernel { name: "gemm_bf16_bias", source: "", cpu: gemm_cpu::<bf16, true> };
+static GEMM_F32: Kernel = Kernel { name: "gemm_f32", source: "", cpu: gemm_cpu::<f32, false>, strided: true };
+static GEMM_F32_BIAS: Kernel = Kernel { name: "gemm_f32_bias", source: "", cpu: gemm_cpu::<f32, true>, strided: true };
+static GEMM_BF16: Kernel = Kernel { name: "gemm_bf16", source: "", cpu: gemm_cpu::<bf16, false>, strided: true };
+static GEMM_BF16_BIAS: Kernel =
+    Kernel { name: "gemm_bf16_bias", source: "", cpu: gemm_cpu::<bf16, true>, strided: true };
 
 /// `C = alpha·op(A)·op(B) + beta·C (+ bias)`, row-major, over `batch` matrices.
 ///

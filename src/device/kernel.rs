@@ -23,6 +23,7 @@
 //!     source: r#"extern "C" __global__ void scale(float* y, const float* x, float k, unsigned n) {
 //!         unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) y[i] = k * x[i]; }"#,
 //!     cpu: scale_cpu,
+//!     strided: false,
 //! };
 //!
 //! let dev = Device::sim();
@@ -53,6 +54,11 @@ pub struct Kernel {
     pub source: &'static str,
     /// The CPU path, run by the simulator on the declared regions.
     pub cpu: CpuFn,
+    /// Whether the CUDA code indexes its arguments with strides it is given, and so accepts
+    /// strided views. A kernel that indexes densely must not be given one: CUDA receives only a
+    /// pointer to the first element, while the simulator gathers the region, so the two would
+    /// disagree. [`Stream::launch`](super::Stream::launch) refuses such launches.
+    pub strided: bool,
 }
 
 /// Grid and block sizes of a launch (ignored by the simulator).

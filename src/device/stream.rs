@@ -90,6 +90,9 @@ impl Stream {
                         len: b.buffer_len,
                     });
                 }
+                if !kernel.strided && !b.view.is_contiguous() {
+                    return Err(Error::NotContiguous { op: kernel.name, buffer: b.block.id });
+                }
             }
         }
         self.enqueue(&Op::Kernel { kernel, dims, args })?;

@@ -59,7 +59,7 @@ impl Default for AdamW {
 }
 
 /// One AdamW step of every parameter.
-pub static ADAMW: Kernel = Kernel { name: "adamw_f32", source: SOURCE, cpu: adamw_cpu };
+pub static ADAMW: Kernel = Kernel { name: "adamw_f32", source: SOURCE, cpu: adamw_cpu, strided: false };
 
 fn adamw_cpu(a: &CpuArgs) -> Result<()> {
     let (grads, lr, step) = (a.input::<f32>(3)?, a.input::<f32>(4)?, rng::step_of(a, 5)?);

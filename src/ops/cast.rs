@@ -31,7 +31,8 @@ use crate::{Error, Result};
 const SOURCE: &str = include_str!("cast.cu");
 
 /// f32 → bf16.
-pub static CAST_F32_TO_BF16: Kernel = Kernel { name: "cast_f32_to_bf16", source: SOURCE, cpu: f32_to_bf16_cpu };
+pub static CAST_F32_TO_BF16: Kernel =
+    Kernel { name: "cast_f32_to_bf16", source: SOURCE, cpu: f32_to_bf16_cpu, strided: false };
 
 fn f32_to_bf16_cpu(a: &CpuArgs) -> Result<()> {
     let inp = a.input::<f32>(1)?;
@@ -51,7 +52,8 @@ pub fn cast_f32_to_bf16(out: &Tensor<bf16>, inp: &Tensor<f32>, stream: &Stream) 
 }
 
 /// bf16 → f32.
-pub static CAST_BF16_TO_F32: Kernel = Kernel { name: "cast_bf16_to_f32", source: SOURCE, cpu: bf16_to_f32_cpu };
+pub static CAST_BF16_TO_F32: Kernel =
+    Kernel { name: "cast_bf16_to_f32", source: SOURCE, cpu: bf16_to_f32_cpu, strided: false };
 
 fn bf16_to_f32_cpu(a: &CpuArgs) -> Result<()> {
     let inp = a.input::<bf16>(1)?;
@@ -71,7 +73,8 @@ pub fn cast_bf16_to_f32(out: &Tensor<f32>, inp: &Tensor<bf16>, stream: &Stream) 
 }
 
 /// `out = a + b` in f32.
-pub static RESIDUAL_ADD: Kernel = Kernel { name: "residual_add_f32", source: SOURCE, cpu: residual_add_cpu };
+pub static RESIDUAL_ADD: Kernel =
+    Kernel { name: "residual_add_f32", source: SOURCE, cpu: residual_add_cpu, strided: false };
 
 fn residual_add_cpu(args: &CpuArgs) -> Result<()> {
     let (a, b) = (args.input::<f32>(1)?, args.input::<f32>(2)?);

@@ -30,7 +30,8 @@ use crate::{Error, Result};
 const SOURCE: &str = concat!(include_str!("rng.cu"), include_str!("dropout.cu"));
 
 /// Dropout forward: the output and the mask.
-pub static DROPOUT_FORWARD: Kernel = Kernel { name: "dropout_forward_f32", source: SOURCE, cpu: forward_cpu };
+pub static DROPOUT_FORWARD: Kernel =
+    Kernel { name: "dropout_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
     let (inp, step) = (a.input::<f32>(2)?, rng::step_of(a, 3)?);
@@ -81,7 +82,8 @@ pub fn dropout_forward(
 }
 
 /// Dropout backward: the input's gradient from the saved mask.
-pub static DROPOUT_BACKWARD: Kernel = Kernel { name: "dropout_backward_f32", source: SOURCE, cpu: backward_cpu };
+pub static DROPOUT_BACKWARD: Kernel =
+    Kernel { name: "dropout_backward_f32", source: SOURCE, cpu: backward_cpu, strided: false };
 
 fn backward_cpu(a: &CpuArgs) -> Result<()> {
     let (dout, mask, scale) = (a.input::<f32>(1)?, a.input::<u8>(2)?, a.f32(3)?);

@@ -35,7 +35,8 @@ use crate::{Error, Result};
 const SOURCE: &str = include_str!("embedding.cu");
 
 /// Embedding forward.
-pub static EMBEDDING_FORWARD: Kernel = Kernel { name: "embedding_forward_f32", source: SOURCE, cpu: forward_cpu };
+pub static EMBEDDING_FORWARD: Kernel =
+    Kernel { name: "embedding_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
     let (tokens, wte, wpe) = (a.input::<u32>(1)?, a.input::<f32>(2)?, a.input::<f32>(3)?);
@@ -80,7 +81,7 @@ pub fn embedding_forward(
 
 /// Embedding backward into the token table's gradient.
 pub static EMBEDDING_BACKWARD_WTE: Kernel =
-    Kernel { name: "embedding_backward_wte_f32", source: SOURCE, cpu: backward_wte_cpu };
+    Kernel { name: "embedding_backward_wte_f32", source: SOURCE, cpu: backward_wte_cpu, strided: false };
 
 fn backward_wte_cpu(a: &CpuArgs) -> Result<()> {
     let (dout, tokens, c) = (a.input::<f32>(1)?, a.input::<u32>(2)?, a.u32(4)? as usize);
@@ -97,7 +98,7 @@ fn backward_wte_cpu(a: &CpuArgs) -> Result<()> {
 
 /// Embedding backward into the position table's gradient.
 pub static EMBEDDING_BACKWARD_WPE: Kernel =
-    Kernel { name: "embedding_backward_wpe_f32", source: SOURCE, cpu: backward_wpe_cpu };
+    Kernel { name: "embedding_backward_wpe_f32", source: SOURCE, cpu: backward_wpe_cpu, strided: false };
 
 fn backward_wpe_cpu(a: &CpuArgs) -> Result<()> {
     let (dout, tc) = (a.input::<f32>(1)?, a.u32(2)? as usize);

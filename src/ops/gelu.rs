@@ -49,7 +49,7 @@ fn gelu_grad(x: f32) -> f32 {
 }
 
 /// `out = gelu(inp)`, elementwise.
-pub static GELU_FORWARD: Kernel = Kernel { name: "gelu_forward_f32", source: SOURCE, cpu: forward_cpu };
+pub static GELU_FORWARD: Kernel = Kernel { name: "gelu_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
     let inp = a.input::<f32>(1)?;
@@ -69,7 +69,8 @@ pub fn gelu_forward(out: &Tensor<f32>, inp: &Tensor<f32>, stream: &Stream) -> Re
 }
 
 /// `dinp = gelu'(inp)·dout`, elementwise.
-pub static GELU_BACKWARD: Kernel = Kernel { name: "gelu_backward_f32", source: SOURCE, cpu: backward_cpu };
+pub static GELU_BACKWARD: Kernel =
+    Kernel { name: "gelu_backward_f32", source: SOURCE, cpu: backward_cpu, strided: false };
 
 fn backward_cpu(a: &CpuArgs) -> Result<()> {
     let (inp, dout) = (a.input::<f32>(1)?, a.input::<f32>(2)?);
@@ -95,7 +96,8 @@ pub fn gelu_backward(dinp: &Tensor<f32>, inp: &Tensor<f32>, dout: &Tensor<f32>, 
 }
 
 /// `out[r, c] = gelu(inp[r, c] + bias[c])`, elementwise.
-pub static BIAS_GELU_FORWARD: Kernel = Kernel { name: "bias_gelu_forward_f32", source: SOURCE, cpu: bias_forward_cpu };
+pub static BIAS_GELU_FORWARD: Kernel =
+    Kernel { name: "bias_gelu_forward_f32", source: SOURCE, cpu: bias_forward_cpu, strided: false };
 
 fn bias_forward_cpu(a: &CpuArgs) -> Result<()> {
     let (inp, bias) = (a.input::<f32>(1)?, a.input::<f32>(2)?);
@@ -127,7 +129,7 @@ pub fn bias_gelu_forward(out: &Tensor<f32>, inp: &Tensor<f32>, bias: &Tensor<f32
 
 /// `dinp[r, c] = gelu'(inp[r, c] + bias[c])·dout[r, c]`, elementwise.
 pub static BIAS_GELU_BACKWARD: Kernel =
-    Kernel { name: "bias_gelu_backward_f32", source: SOURCE, cpu: bias_backward_cpu };
+    Kernel { name: "bias_gelu_backward_f32", source: SOURCE, cpu: bias_backward_cpu, strided: false };
 
 fn bias_backward_cpu(a: &CpuArgs) -> Result<()> {
     let (inp, bias, dout) = (a.input::<f32>(1)?, a.input::<f32>(2)?, a.input::<f32>(3)?);
@@ -142,7 +144,8 @@ fn bias_backward_cpu(a: &CpuArgs) -> Result<()> {
 }
 
 /// `acc[c] += Σ_r x[r, c]` (one thread per column on CUDA, rows in index order).
-pub static COLUMN_SUM_ADD: Kernel = Kernel { name: "column_sum_add_f32", source: SOURCE, cpu: column_sum_add_cpu };
+pub static COLUMN_SUM_ADD: Kernel =
+    Kernel { name: "column_sum_add_f32", source: SOURCE, cpu: column_sum_add_cpu, strided: false };
 
 fn column_sum_add_cpu(a: &CpuArgs) -> Result<()> {
     let x = a.input::<f32>(1)?;

@@ -35,7 +35,8 @@ use crate::Result;
 const SOURCE: &str = concat!(include_str!("reduce.cu"), include_str!("layernorm.cu"));
 
 /// Normalizes each row and saves its statistics (one block per row on CUDA).
-pub static LAYERNORM_FORWARD: Kernel = Kernel { name: "layernorm_forward_f32", source: SOURCE, cpu: forward_cpu };
+pub static LAYERNORM_FORWARD: Kernel =
+    Kernel { name: "layernorm_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
     let (inp, weight, bias) = (a.input::<f32>(3)?, a.input::<f32>(4)?, a.input::<f32>(5)?);
@@ -90,7 +91,7 @@ pub fn layernorm_forward(
 
 /// The input gradient of each row (one block per row on CUDA).
 pub static LAYERNORM_BACKWARD_DINP: Kernel =
-    Kernel { name: "layernorm_backward_dinp_f32", source: SOURCE, cpu: backward_dinp_cpu };
+    Kernel { name: "layernorm_backward_dinp_f32", source: SOURCE, cpu: backward_dinp_cpu, strided: false };
 
 fn backward_dinp_cpu(a: &CpuArgs) -> Result<()> {
     let (dout, inp, weight) = (a.input::<f32>(1)?, a.input::<f32>(2)?, a.input::<f32>(3)?);
@@ -110,7 +111,7 @@ fn backward_dinp_cpu(a: &CpuArgs) -> Result<()> {
 
 /// The parameter gradients, accumulated (one thread per column on CUDA).
 pub static LAYERNORM_BACKWARD_PARAMS: Kernel =
-    Kernel { name: "layernorm_backward_params_f32", source: SOURCE, cpu: backward_params_cpu };
+    Kernel { name: "layernorm_backward_params_f32", source: SOURCE, cpu: backward_params_cpu, strided: false };
 
 fn backward_params_cpu(a: &CpuArgs) -> Result<()> {
     let (dout, inp, mean, rstd) = (a.input::<f32>(2)?, a.input::<f32>(3)?, a.input::<f32>(4)?, a.input::<f32>(5)?);

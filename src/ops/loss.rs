@@ -37,7 +37,7 @@ const THREADS: u32 = 256;
 
 /// Cross-entropy forward: per-row losses and the saved softmax.
 pub static CROSS_ENTROPY_FORWARD: Kernel =
-    Kernel { name: "cross_entropy_forward_f32", source: SOURCE, cpu: forward_cpu };
+    Kernel { name: "cross_entropy_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
     let (logits, targets, v) = (a.input::<f32>(2)?, a.input::<u32>(3)?, a.u32(4)? as usize);
@@ -79,7 +79,7 @@ pub fn cross_entropy_forward(
 
 /// Cross-entropy backward: the logits' gradient.
 pub static CROSS_ENTROPY_BACKWARD: Kernel =
-    Kernel { name: "cross_entropy_backward_f32", source: SOURCE, cpu: backward_cpu };
+    Kernel { name: "cross_entropy_backward_f32", source: SOURCE, cpu: backward_cpu, strided: false };
 
 fn backward_cpu(a: &CpuArgs) -> Result<()> {
     let (probs, targets, dlosses, v) = (a.input::<f32>(1)?, a.input::<u32>(2)?, a.input::<f32>(3)?, a.u32(4)? as usize);

@@ -65,7 +65,7 @@ pub fn random_u32(seed: u32, site: u32, step: u64, index: u64) -> u32 {
 }
 
 /// Fills a `u32` tensor with random bits.
-pub static RANDOM_U32: Kernel = Kernel { name: "random_u32", source: SOURCE, cpu: random_u32_cpu };
+pub static RANDOM_U32: Kernel = Kernel { name: "random_u32", source: SOURCE, cpu: random_u32_cpu, strided: false };
 
 fn random_u32_cpu(a: &CpuArgs) -> Result<()> {
     let step = step_of(a, 1)?;
@@ -90,7 +90,7 @@ pub fn random_bits(out: &Tensor<u32>, seed: u32, site: u32, step: &Tensor<u64>, 
 }
 
 /// Sets a step counter to a value.
-pub static STEP_WRITE: Kernel = Kernel { name: "step_write_u64", source: SOURCE, cpu: step_write_cpu };
+pub static STEP_WRITE: Kernel = Kernel { name: "step_write_u64", source: SOURCE, cpu: step_write_cpu, strided: false };
 
 fn step_write_cpu(a: &CpuArgs) -> Result<()> {
     let value = a.u64(1)?;
@@ -108,7 +108,7 @@ pub fn step_write(step: &Tensor<u64>, value: u64, stream: &Stream) -> Result<()>
 }
 
 /// Adds to a step counter.
-pub static STEP_ADD: Kernel = Kernel { name: "step_add_u64", source: SOURCE, cpu: step_add_cpu };
+pub static STEP_ADD: Kernel = Kernel { name: "step_add_u64", source: SOURCE, cpu: step_add_cpu, strided: false };
 
 fn step_add_cpu(a: &CpuArgs) -> Result<()> {
     let by = a.u64(1)?;

@@ -34,7 +34,7 @@ const SOURCE: &str = concat!(include_str!("reduce.cu"), include_str!("softmax.cu
 
 /// `probs = softmax(scale·scores)` over the visible keys of each row (one block per row on CUDA).
 pub static SOFTMAX_CAUSAL_FORWARD: Kernel =
-    Kernel { name: "softmax_causal_forward_f32", source: SOURCE, cpu: forward_cpu };
+    Kernel { name: "softmax_causal_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
     let (scores, scale, t) = (a.input::<f32>(1)?, a.f32(2)?, a.u32(4)? as usize);
@@ -73,7 +73,7 @@ pub fn softmax_causal_forward(probs: &Tensor<f32>, scores: &Tensor<f32>, scale: 
 /// `dscores = scale·probs ⊙ (dprobs − Σ dprobs ⊙ probs)` over the visible keys of each row (one
 /// block per row on CUDA).
 pub static SOFTMAX_CAUSAL_BACKWARD: Kernel =
-    Kernel { name: "softmax_causal_backward_f32", source: SOURCE, cpu: backward_cpu };
+    Kernel { name: "softmax_causal_backward_f32", source: SOURCE, cpu: backward_cpu, strided: false };
 
 fn backward_cpu(a: &CpuArgs) -> Result<()> {
     let (probs, dprobs) = (a.input::<f32>(1)?, a.input::<f32>(2)?);

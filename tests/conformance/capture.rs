@@ -178,8 +178,12 @@ fn module_loading_is_allowed_during_capture(dev: &Device) -> anyhow::Result<()> 
     Ok(())
 }
 
-static MODULE_OF_ITS_OWN: graphed::device::Kernel =
-    graphed::device::Kernel { name: "nothing", source: r#"extern "C" __global__ void nothing() {}"#, cpu: |_| Ok(()) };
+static MODULE_OF_ITS_OWN: graphed::device::Kernel = graphed::device::Kernel {
+    name: "nothing",
+    source: r#"extern "C" __global__ void nothing() {}"#,
+    cpu: |_| Ok(()),
+    strided: false,
+};
 
 fn waiting_on_other_work_follows_the_capture_mode(dev: &Device) -> anyhow::Result<()> {
     let (s, other) = (dev.stream()?, dev.stream()?);

@@ -145,6 +145,7 @@ mod tests {
         name: "touch",
         source: r#"extern "C" __global__ void touch(float* y, float c, unsigned n) { if (threadIdx.x < n) y[threadIdx.x] += c; }"#,
         cpu: |_| Ok(()),
+        strided: false,
     };
 
     #[test]

@@ -20,7 +20,7 @@ extern "C" __global__ void add_one(float* x, unsigned n) {
     if (i < n) x[i] += 1.0f;
 }
 "#;
-static ADD_ONE: Kernel = Kernel { name: "add_one", source: SOURCE, cpu: add_one_cpu };
+static ADD_ONE: Kernel = Kernel { name: "add_one", source: SOURCE, cpu: add_one_cpu, strided: false };
 
 /// Every scalar type, and more arguments than are marshalled on the stack.
 const MANY_SOURCE: &str = r#"
@@ -31,8 +31,9 @@ extern "C" __global__ void many(float* out, float a, unsigned b, int c, unsigned
     out[4] = (float)(p0 + p1 + p2 + p3 + p4 + p5 + p6 + p7 + p8 + p9 + p10 + p11 + p12);
 }
 "#;
-static MANY: Kernel = Kernel { name: "many", source: MANY_SOURCE, cpu: add_one_cpu };
-static BROKEN: Kernel = Kernel { name: "broken", source: "extern \"C\" __global__ void broken( {", cpu: add_one_cpu };
+static MANY: Kernel = Kernel { name: "many", source: MANY_SOURCE, cpu: add_one_cpu, strided: false };
+static BROKEN: Kernel =
+    Kernel { name: "broken", source: "extern \"C\" __global__ void broken( {", cpu: add_one_cpu, strided: false };
 
 /// Serializes the tests that use the GPU in one process: a global-mode capture in one would
 /// refuse the allocations and frees of the others.
