@@ -90,8 +90,8 @@ fn adamw_cpu(a: &CpuArgs) -> Result<()> {
 /// correction: advance it before the step).
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) for unequal element counts or an `lr` or `t` that is not one element;
-/// [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] for unequal element counts or an `lr` or `t` that is not one element;
+/// [`Error::NotContiguous`] for a strided tensor.
 #[allow(clippy::too_many_arguments)] // llm.c's order: parameter buffers, device scalars, hyperparameters, stream
 pub fn adamw_step(
     params: &Tensor<f32>,

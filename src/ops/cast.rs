@@ -43,7 +43,7 @@ fn f32_to_bf16_cpu(a: &CpuArgs) -> Result<()> {
 /// `out = bf16(inp)`, rounding to nearest even; shapes equal, both contiguous.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) for unequal shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] for unequal shapes; [`Error::NotContiguous`] for a strided tensor.
 pub fn cast_f32_to_bf16(out: &Tensor<bf16>, inp: &Tensor<f32>, stream: &Stream) -> Result<()> {
     const OP: &str = "cast_f32_to_bf16";
     out.expect_shape(OP, inp.shape())?;
@@ -64,7 +64,7 @@ fn bf16_to_f32_cpu(a: &CpuArgs) -> Result<()> {
 /// `out = f32(inp)`, exact; shapes equal, both contiguous.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) for unequal shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] for unequal shapes; [`Error::NotContiguous`] for a strided tensor.
 pub fn cast_bf16_to_f32(out: &Tensor<f32>, inp: &Tensor<bf16>, stream: &Stream) -> Result<()> {
     const OP: &str = "cast_bf16_to_f32";
     out.expect_shape(OP, inp.shape())?;
@@ -86,7 +86,7 @@ fn residual_add_cpu(args: &CpuArgs) -> Result<()> {
 /// inputs unchanged); shapes equal, all contiguous. Bitwise equal on both devices.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) for unequal shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] for unequal shapes; [`Error::NotContiguous`] for a strided tensor.
 pub fn residual_add(out: &Tensor<f32>, a: &Tensor<f32>, b: &Tensor<f32>, stream: &Stream) -> Result<()> {
     const OP: &str = "residual_add";
     out.expect_shape(OP, a.shape())?;

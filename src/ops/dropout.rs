@@ -54,8 +54,8 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 /// and write a new `step` before each replay of a graph that captured this launch.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) for mismatched shapes or a step counter that is not one element;
-/// [`Error::Unsupported`](crate::Error::Unsupported) unless `0 ≤ p < 1`; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] for mismatched shapes or a step counter that is not one element;
+/// [`Error::Unsupported`] unless `0 ≤ p < 1`; [`Error::NotContiguous`] for a strided tensor.
 #[allow(clippy::too_many_arguments)] // outputs, input, p, the RNG's coordinates (seed, site, step), stream
 pub fn dropout_forward(
     out: &Tensor<f32>,

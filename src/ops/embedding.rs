@@ -54,7 +54,7 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 /// T ≤ Tmax, all contiguous.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) for other shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
 pub fn embedding_forward(
     out: &Tensor<f32>,
     tokens: &Tensor<u32>,
@@ -116,7 +116,7 @@ fn backward_wpe_cpu(a: &CpuArgs) -> Result<()> {
 /// Σ_b dout[b]`, with `dout (B, T, C)` and the `tokens (B, T)` of the forward, all contiguous.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) for other shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
 pub fn embedding_backward(
     dwte: &Tensor<f32>,
     dwpe: &Tensor<f32>,

@@ -58,7 +58,7 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 /// `losses (N)`, `probs (N, V)`, `logits (N, V)`, `targets (N)`, all contiguous, V ≥ 1.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) for other shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
 pub fn cross_entropy_forward(
     losses: &Tensor<f32>,
     probs: &Tensor<f32>,
@@ -101,7 +101,7 @@ fn backward_cpu(a: &CpuArgs) -> Result<()> {
 /// Shapes as in [`cross_entropy_forward`], `dlosses (N)`.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) for other shapes; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
 pub fn cross_entropy_backward(
     dlogits: &Tensor<f32>,
     probs: &Tensor<f32>,

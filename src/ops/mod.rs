@@ -1,5 +1,5 @@
 //! Layer 4, kernels: each op's CPU path beside its CUDA C, launched through the device layer on
-//! [`Tensor`](crate::tensor::Tensor)s or views. Launchers take outputs, then inputs, then sizes,
+//! [`Tensor`]s or views. Launchers take outputs, then inputs, then sizes,
 //! and the stream last. Kernels with reductions sum in a fixed order without atomics, so results
 //! are bitwise reproducible run to run on each device.
 

@@ -81,7 +81,7 @@ fn random_u32_cpu(a: &CpuArgs) -> Result<()> {
 /// [`random_u32`]`(seed, site, step, i)`, on either device.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) unless `step` is one element; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided `out`.
+/// [`Error::Shape`] unless `step` is one element; [`Error::NotContiguous`] for a strided `out`.
 pub fn random_bits(out: &Tensor<u32>, seed: u32, site: u32, step: &Tensor<u64>, stream: &Stream) -> Result<()> {
     const OP: &str = "random_bits";
     let (out_v, n) = (dense(OP, out)?, count(OP, out.numel())?);
@@ -102,7 +102,7 @@ fn step_write_cpu(a: &CpuArgs) -> Result<()> {
 /// scalar, frozen if captured: call it eagerly before each replay of a graph that reads `step`.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) unless `step` is one element.
+/// [`Error::Shape`] unless `step` is one element.
 pub fn step_write(step: &Tensor<u64>, value: u64, stream: &Stream) -> Result<()> {
     stream.launch(&STEP_WRITE, ONE_THREAD, &args![Out(step_view("step_write", step)?), value])
 }
@@ -120,7 +120,7 @@ fn step_add_cpu(a: &CpuArgs) -> Result<()> {
 /// advances the counter on every replay (as an optimizer's step count must).
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) unless `step` is one element.
+/// [`Error::Shape`] unless `step` is one element.
 pub fn step_add(step: &Tensor<u64>, by: u64, stream: &Stream) -> Result<()> {
     stream.launch(&STEP_ADD, ONE_THREAD, &args![InOut(step_view("step_add", step)?), by])
 }

@@ -54,8 +54,8 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 /// for `j > i`.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) unless `scores` is (B, H, T, T) with T > 0 and `probs` has its shape;
-/// [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] unless `scores` is (B, H, T, T) with T > 0 and `probs` has its shape;
+/// [`Error::NotContiguous`] for a strided tensor.
 pub fn softmax_causal_forward(probs: &Tensor<f32>, scores: &Tensor<f32>, scale: f32, stream: &Stream) -> Result<()> {
     const OP: &str = "softmax_causal_forward";
     let (rows, t) = rows_of(OP, scores)?;
@@ -94,8 +94,8 @@ fn backward_cpu(a: &CpuArgs) -> Result<()> {
 /// exactly 0 for `j > i`, from the `probs` of [`softmax_causal_forward`] with the same `scale`.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) unless `probs` is (B, H, T, T) with T > 0 and `dscores` and `dprobs` have its
-/// shape; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`] unless `probs` is (B, H, T, T) with T > 0 and `dscores` and `dprobs` have its
+/// shape; [`Error::NotContiguous`] for a strided tensor.
 pub fn softmax_causal_backward(
     dscores: &Tensor<f32>,
     probs: &Tensor<f32>,
