@@ -7,11 +7,13 @@
 //! | `CUevent`                     | [`Event`]                                | a binding to a queued record    |
 //! | `cuMemAlloc`, `cuMemHostAlloc`| [`DeviceBuffer`], [`PinnedBuffer`]       | 8-byte aligned host memory      |
 //! | `cuLaunchKernel`              | [`Stream::launch`] of a [`Kernel`]       | the kernel's CPU path           |
+//! | `cublasLtMatmul`              | [`Stream::gemm`] of a [`Gemm`]           | a CPU loop, same sum order      |
 //! | `cuStreamBeginCapture` / End  | [`Stream::begin_capture`] / `end_capture`| the same capture rules          |
 //! | `CUgraph` / `CUgraphExec`     | [`Graph`] / [`GraphExec`]                | a DAG of deferred operations    |
 //!
-//! This layer uses no other layer of graphed. Only `cuda/` names cudarc. Every enqueued operation
-//! declares its [`Access`]es, derived from its typed arguments.
+//! This layer uses no other layer of graphed, with one exception: the simulator comes with the
+//! stream-safety checker (layer 2) installed, through the `observe` hook. Only `cuda/` names
+//! cudarc. Every enqueued operation declares its [`Access`]es, derived from its typed arguments.
 
 mod access;
 pub(crate) mod backend;
