@@ -1,14 +1,15 @@
-//! Causal multi-head self-attention, unfused as in the benchmark layer: a QKV projection, then
-//! per batch element `scores = Q_h·K_hᵀ` batched over heads, a causal softmax with scale
-//! 1/√head_dim over all of (B, H, T, T) in one launch, `att_h = probs·V_h`, and the output
-//! projection. Heads are column blocks of the `(B·T, 3C)` QKV activation and of the `(B·T, C)`
-//! attention output, passed to the GEMMs as strided views, so no head is ever copied.
+//! Causal multi-head self-attention, unfused as in the benchmark layer: a QKV projection; the
+//! heads of Q, K and V permuted from column blocks of the `(B·T, 3C)` activation into
+//! `(B, H, T, hd)` (`ops::heads`), so that one strided-batched GEMM covers every (batch element,
+//! head) pair; `scores = Q·Kᵀ`, a causal softmax with scale 1/√head_dim, `att = probs·V`, permuted
+//! back into `(B·T, C)`; and the output projection. A call costs a fixed number of launches,
+//! whatever the batch.
 
 use super::layernorm::single_input;
 use super::{Linear, LinearCtx, Module, Param, ParamStore, SaveHook};
 use crate::device::{Gemm, Stream};
 use crate::memory::CachingAllocator;
-use crate::ops::softmax;
+use crate::ops::{heads, softmax};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -23,11 +24,14 @@ pub struct CausalSelfAttention {
     heads: usize,
 }
 
-/// What the forward saves: the projections' contexts (their inputs x and att), qkv and probs.
+/// What the forward saves: the projections' contexts (their inputs x and att), the heads of
+/// q, k and v, and the attention probabilities.
 pub struct AttentionCtx {
     dims: Dims,
     qkv_ctx: LinearCtx,
-    qkv: Tensor<f32>,
+    q: Tensor<f32>,
+    k: Tensor<f32>,
+    v: Tensor<f32>,
     probs: Tensor<f32>,
     proj_ctx: LinearCtx,
 }
@@ -42,13 +46,14 @@ struct Dims {
 }
 
 impl Dims {
-    /// Head-major `(H, T, hd)` view of batch element `b` in a `(B·T, parts·C)` activation, block
-    /// `part` of `parts` (Q, K, V of the QKV activation; the only one of a `(B·T, C)` one).
-    fn heads(&self, t: &Tensor<f32>, parts: usize, b: usize, part: usize) -> Result<Tensor<f32>> {
-        t.reshape(&[self.batch, self.seq, parts, self.heads, self.hd])?
-            .narrow(0, b, 1)?
-            .narrow(2, part, 1)?
-            .transpose(1, 3)
+    /// `(B, H, T, hd)`, the layout of the heads.
+    fn head_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.seq, self.hd]
+    }
+
+    /// Every (batch element, head) pair: the batch of the attention GEMMs.
+    fn pairs(&self) -> usize {
+        self.batch * self.heads
     }
 
     fn scale(&self) -> f32 {
@@ -118,25 +123,27 @@ impl Module for CausalSelfAttention {
         let (bt, c) = (d.batch * d.seq, d.heads * d.hd);
         let (mut qkv, qkv_ctx) = self.qkv.forward(&[&x.reshape(&[bt, c])?], hook, stream)?;
         let qkv = qkv.remove(0);
+        let heads = |part| -> Result<Tensor<f32>> {
+            let t = Tensor::uninit(&self.alloc, stream, &d.head_shape())?;
+            heads::heads_from_rows(&t, &qkv, part, stream)?;
+            Ok(t)
+        };
+        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let tt = [d.batch, d.heads, d.seq, d.seq];
         let (scores, probs) = (Tensor::uninit(&self.alloc, stream, &tt)?, Tensor::uninit(&self.alloc, stream, &tt)?);
-        for b in 0..d.batch {
-            let (q, k) = (d.heads(&qkv, 3, b, 0)?, d.heads(&qkv, 3, b, 1)?);
-            batched(stream, (&scores.narrow(0, b, 1)?, &q, &k), (d.seq, d.seq, d.hd), d.heads, (false, true))?;
-        }
+        batched(stream, (&scores, &q, &k), (d.seq, d.seq, d.hd), d.pairs(), (false, true))?;
         softmax::softmax_causal_forward(&probs, &scores, d.scale(), stream)?;
+        let att_heads = Tensor::uninit(&self.alloc, stream, &d.head_shape())?;
+        batched(stream, (&att_heads, &probs, &v), (d.seq, d.hd, d.seq), d.pairs(), (false, false))?;
         let att = Tensor::uninit(&self.alloc, stream, &[bt, c])?;
-        for b in 0..d.batch {
-            let (p, v) = (probs.narrow(0, b, 1)?, d.heads(&qkv, 3, b, 2)?);
-            batched(stream, (&d.heads(&att, 1, b, 0)?, &p, &v), (d.seq, d.hd, d.seq), d.heads, (false, false))?;
-        }
+        heads::rows_from_heads(&att, 0, &att_heads, stream)?;
         hook.open_group(&self.name)?;
-        let qkv = hook.save("qkv", qkv, stream)?;
+        let (q, k, v) = (hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?);
         let probs = hook.save("probs", probs, stream)?;
         hook.commit_group(&self.name)?;
         let (mut y, proj_ctx) = self.proj.forward(&[&att], hook, stream)?;
         let y = y.remove(0).reshape(x.shape())?;
-        Ok((vec![y], AttentionCtx { dims: d, qkv_ctx, qkv, probs, proj_ctx }))
+        Ok((vec![y], AttentionCtx { dims: d, qkv_ctx, q, k, v, probs, proj_ctx }))
     }
 
     fn backward(&self, ctx: AttentionCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>> {
@@ -146,21 +153,22 @@ impl Module for CausalSelfAttention {
         let (bt, c) = (d.batch * d.seq, d.heads * d.hd);
         dy.expect_shape(OP, &[d.batch, d.seq, c])?;
         let datt = self.proj.backward(ctx.proj_ctx, &[&dy.reshape(&[bt, c])?], stream)?.remove(0);
-        let (qkv, probs) = (&ctx.qkv, &ctx.probs);
+        let (q, k, v, probs) = (&ctx.q, &ctx.k, &ctx.v, &ctx.probs);
+        let heads = || Tensor::uninit(&self.alloc, stream, &d.head_shape());
+        let datt_heads = heads()?;
+        heads::heads_from_rows(&datt_heads, &datt, 0, stream)?;
         let tt = [d.batch, d.heads, d.seq, d.seq];
         let (dprobs, dscores) = (Tensor::uninit(&self.alloc, stream, &tt)?, Tensor::uninit(&self.alloc, stream, &tt)?);
-        let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c])?;
-        let (t, hd, h) = (d.seq, d.hd, d.heads);
-        for b in 0..d.batch {
-            let (da, v) = (d.heads(&datt, 1, b, 0)?, d.heads(qkv, 3, b, 2)?);
-            batched(stream, (&dprobs.narrow(0, b, 1)?, &da, &v), (t, t, hd), h, (false, true))?;
-            batched(stream, (&d.heads(&dqkv, 3, b, 2)?, &probs.narrow(0, b, 1)?, &da), (t, hd, t), h, (true, false))?;
-        }
+        let (t, hd, pairs) = (d.seq, d.hd, d.pairs());
+        let (dq, dk, dv) = (heads()?, heads()?, heads()?);
+        batched(stream, (&dprobs, &datt_heads, v), (t, t, hd), pairs, (false, true))?;
+        batched(stream, (&dv, probs, &datt_heads), (t, hd, t), pairs, (true, false))?;
         softmax::softmax_causal_backward(&dscores, probs, &dprobs, d.scale(), stream)?;
-        for b in 0..d.batch {
-            let (ds, q, k) = (dscores.narrow(0, b, 1)?, d.heads(qkv, 3, b, 0)?, d.heads(qkv, 3, b, 1)?);
-            batched(stream, (&d.heads(&dqkv, 3, b, 0)?, &ds, &k), (t, hd, t), h, (false, false))?;
-            batched(stream, (&d.heads(&dqkv, 3, b, 1)?, &ds, &q), (t, hd, t), h, (true, false))?;
+        batched(stream, (&dq, &dscores, k), (t, hd, t), pairs, (false, false))?;
+        batched(stream, (&dk, &dscores, q), (t, hd, t), pairs, (true, false))?;
+        let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c])?;
+        for (part, g) in [&dq, &dk, &dv].into_iter().enumerate() {
+            heads::rows_from_heads(&dqkv, part, g, stream)?;
         }
         let dx = self.qkv.backward(ctx.qkv_ctx, &[&dqkv], stream)?.remove(0);
         Ok(vec![dx.reshape(&[d.batch, d.seq, c])?])

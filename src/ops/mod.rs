@@ -9,6 +9,7 @@ pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gelu;
+pub mod heads;
 pub mod layernorm;
 pub mod loss;
 pub mod rng;
