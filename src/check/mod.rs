@@ -435,8 +435,7 @@ impl Observer for Checker {
             (_, Some(Snapshot::At(clock))) => st.stream_clock(stream).join(&clock),
             (_, Some(Snapshot::Launched { clock, launch, graph, stream: on })) => {
                 st.stream_clock(stream).join(&clock);
-                if let Some(&(newer, newer_graph)) = st.stream_launch.get(&on).filter(|(l, _)| *l != launch) {
-                    let _ = newer;
+                if let Some(&(_, newer_graph)) = st.stream_launch.get(&on).filter(|(l, _)| *l != launch) {
                     st.hazards.push(Hazard {
                         kind: HazardKind::StaleRecord,
                         buffer: None,
