@@ -98,6 +98,17 @@ pub enum Error {
         stream: StreamId,
     },
 
+    // ---- graphed callables ---------------------------------------------------------------------
+    /// A graphed callable refused a call, or `make_graphed_callables` refused its arguments or a
+    /// capture; `kind` says why and what to do.
+    #[error("graphed callable {callable}: {kind}")]
+    Graphed {
+        /// The callable (its name and index), or "make_graphed_callables" for the call as a whole.
+        callable: String,
+        /// What went wrong.
+        kind: crate::graph::GraphedErrorKind,
+    },
+
     // ---- checker ------------------------------------------------------------------------------
     /// In strict mode, the checker found a hazard in this call (its work was enqueued).
     #[error("hazard: {0}")]
@@ -286,6 +297,14 @@ impl std::fmt::Display for CaptureErrorKind {
 }
 
 impl Error {
+    /// What a graphed callable refused, if this is a graphed-callable error.
+    pub fn graphed_kind(&self) -> Option<&crate::graph::GraphedErrorKind> {
+        match self {
+            Error::Graphed { kind, .. } => Some(kind),
+            _ => None,
+        }
+    }
+
     /// The capture rule this error reports, if it is a capture error.
     pub fn capture_kind(&self) -> Option<CaptureErrorKind> {
         match self {

@@ -11,6 +11,7 @@
 //! 3. [`memory`]: a caching allocator with stream-ordered reuse and graph pools.
 //! 4. [`tensor`] and [`ops`]: kernels with a CPU path and a CUDA path side by side.
 //! 5. [`nn`]: modules with explicit forward and backward (the unit of graph capture).
+//! 6. [`graph`]: `make_graphed_callables`, replay on any stream under the replay contract.
 //!
 //! ```
 //! use graphed::device::{CaptureMode, Device};
@@ -33,6 +34,7 @@
 pub mod check;
 pub mod device;
 mod error;
+pub mod graph;
 pub mod memory;
 pub mod nn;
 pub mod ops;

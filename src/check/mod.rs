@@ -23,10 +23,11 @@ mod summary;
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 pub use report::{Hazard, HazardKind, OpRef, Site};
+pub use summary::{SyncPoint, TailAccess};
 
 use self::clock::{Clock, Lane};
 use self::summary::{GraphSummary, Node};
@@ -47,6 +48,11 @@ pub struct Checker {
 
 struct Inner {
     strict: AtomicBool,
+    /// Whether only captures are watched (a CUDA device without `GRAPHED_CHECK`): graph summaries
+    /// for capture-time verification, no cost on eager work or replays.
+    captures_only: bool,
+    /// Captures in progress, so that eager work skips the checker while there are none.
+    active: AtomicUsize,
     state: Mutex<State>,
 }
 
@@ -310,7 +316,35 @@ impl Checker {
     /// A new checker, not attached to any device (see [`Device::sim`] and
     /// [`Device::cuda_checked`](crate::device::Device::cuda_checked)).
     pub(crate) fn new_observer(strict: bool) -> Arc<dyn Observer> {
-        Arc::new(Checker { inner: Arc::new(Inner { strict: AtomicBool::new(strict), state: Mutex::default() }) })
+        Checker::build(strict, false)
+    }
+
+    /// A checker that watches captures only: it builds every graph's access summary (for the
+    /// graph layer's capture-time verification, see [`Checker::sync_point`]) and reports races
+    /// inside captures, and costs eager work and replays one atomic load.
+    pub(crate) fn new_capture_observer() -> Arc<dyn Observer> {
+        Checker::build(false, true)
+    }
+
+    fn build(strict: bool, captures_only: bool) -> Arc<dyn Observer> {
+        let inner = Inner {
+            strict: AtomicBool::new(strict),
+            captures_only,
+            active: AtomicUsize::new(0),
+            state: Mutex::default(),
+        };
+        Arc::new(Checker { inner: Arc::new(inner) })
+    }
+
+    /// Whether this checker watches eager work and replays too, not only captures.
+    pub fn watches_everything(&self) -> bool {
+        !self.inner.captures_only
+    }
+
+    /// Where `event` is recorded inside `graph` and what the graph does after it (the tail), from
+    /// the access summary of its capture; `None` if this checker did not see the capture.
+    pub fn sync_point(&self, graph: GraphId, event: EventId) -> Option<SyncPoint> {
+        self.lock().graphs.get(&graph).map(|g| g.sync_point(event))
     }
 
     /// The checker of `dev`, if it has one.
@@ -359,7 +393,14 @@ impl Observer for Checker {
         self
     }
 
+    fn watching(&self) -> bool {
+        !self.inner.captures_only || self.inner.active.load(Ordering::Relaxed) > 0
+    }
+
     fn enqueue(&self, stream: StreamId, capture: Option<u64>, op: &'static str, accesses: &[Access]) -> Result<()> {
+        if capture.is_none() && self.inner.captures_only {
+            return Ok(());
+        }
         let mut st = self.lock();
         if let Some(cap) = capture.and_then(|id| st.captures.get_mut(&id).map(|c| (id, c))) {
             let (id, c) = cap;
@@ -387,6 +428,9 @@ impl Observer for Checker {
     }
 
     fn record(&self, stream: StreamId, capture: Option<u64>, event: EventId, external: bool) -> Result<()> {
+        if capture.is_none() && self.inner.captures_only {
+            return Ok(());
+        }
         let mut st = self.lock();
         let snap = match capture.and_then(|id| st.captures.get_mut(&id).map(|c| (id, c))) {
             Some((id, c)) => {
@@ -410,6 +454,9 @@ impl Observer for Checker {
         external: bool,
         at: Option<&str>,
     ) -> Result<()> {
+        if self.inner.captures_only && (capture.is_none() || external) {
+            return Ok(());
+        }
         let mut st = self.lock();
         let before = st.hazards.len();
         let snap = st.events.get(&event).cloned();
@@ -419,7 +466,7 @@ impl Observer for Checker {
                     c.waits.push(event);
                 }
             }
-            (_, None) => {
+            (_, None) if !self.inner.captures_only => {
                 let later = OpRef { op: "wait".into(), site: Site::Stream(stream) };
                 st.hazards.push(Hazard {
                     kind: HazardKind::WaitNeverRecorded,
@@ -432,6 +479,7 @@ impl Observer for Checker {
                     fix: format!("record {event} (inside the graph, with record_external, if a graph is to signal it) before waiting on it; this wait orders nothing"),
                 });
             }
+            (_, None) => {}
             (_, Some(Snapshot::At(clock))) => st.stream_clock(stream).join(&clock),
             (_, Some(Snapshot::Launched { clock, launch, graph, stream: on })) => {
                 st.stream_clock(stream).join(&clock);
@@ -458,6 +506,7 @@ impl Observer for Checker {
     }
 
     fn begin_capture(&self, stream: StreamId, capture: u64) {
+        self.inner.active.fetch_add(1, Ordering::Relaxed);
         let mut st = self.lock();
         let mut streams = HashMap::new();
         streams.insert(stream, Clock::default());
@@ -468,6 +517,7 @@ impl Observer for Checker {
         let mut st = self.lock();
         let before = st.hazards.len();
         let Some(c) = st.captures.remove(&capture) else { return Ok(()) };
+        self.inner.active.fetch_sub(1, Ordering::Relaxed);
         if let Some(graph) = graph {
             let (summary, races) = GraphSummary::build(graph, c.nodes, c.records, c.waits);
             st.hazards.extend(races);
@@ -477,6 +527,9 @@ impl Observer for Checker {
     }
 
     fn launch(&self, graph: GraphId, exec: u64, stream: StreamId) -> Result<()> {
+        if self.inner.captures_only {
+            return Ok(());
+        }
         let mut st = self.lock();
         let before = st.hazards.len();
         let Some(summary) = st.graphs.get(&graph).cloned() else { return Ok(()) };
@@ -516,6 +569,9 @@ impl Observer for Checker {
     }
 
     fn reset(&self, graph: GraphId) -> Result<()> {
+        if self.inner.captures_only {
+            return Ok(());
+        }
         let mut st = self.lock();
         let before = st.hazards.len();
         if let Some(launch) = st.last_launch.remove(&graph) {
@@ -539,6 +595,9 @@ impl Observer for Checker {
     }
 
     fn host_sync(&self, what: HostSync) {
+        if self.inner.captures_only {
+            return;
+        }
         let mut st = self.lock();
         match what {
             HostSync::Stream(s) => {
@@ -561,6 +620,9 @@ impl Observer for Checker {
     }
 
     fn host_access(&self, op: &'static str, after: Option<StreamId>, accesses: &[Access]) -> Result<()> {
+        if self.inner.captures_only {
+            return Ok(());
+        }
         let mut st = self.lock();
         let before = st.hazards.len();
         if let Some(s) = after {

@@ -25,6 +25,28 @@ impl Node {
     }
 }
 
+/// An access of a graph's tail: work that is not ordered before an external event's record.
+#[derive(Debug, Clone)]
+pub struct TailAccess {
+    /// The operation.
+    pub op: &'static str,
+    /// What it touches.
+    pub access: Access,
+}
+
+/// Where an external event is recorded inside a graph, and what the graph does after it.
+#[derive(Debug, Clone)]
+pub struct SyncPoint {
+    /// How many record nodes of the event the graph has (exactly one makes a well-defined point).
+    pub records: usize,
+    /// Whether the graph also waits on external events (a replay that resumes the caller at the
+    /// record could then deadlock: replay contract R7).
+    pub waits_external: bool,
+    /// The accesses of the nodes that are not ancestors of the record (all of them if the event
+    /// is never recorded).
+    pub tail: Vec<TailAccess>,
+}
+
 /// A node of the summary: its lane (index among the capture's streams) and position there.
 pub(crate) struct SummaryNode {
     pub(crate) op: &'static str,
@@ -107,6 +129,22 @@ impl GraphSummary {
         }
         let records = records.iter().map(|(e, c)| (*e, rebase(c, &lanes))).collect();
         (GraphSummary { nodes: summary_nodes, by_memory, footprint, lane_end, records, waits }, races)
+    }
+
+    /// The record of `event` in this graph and the accesses after it (see [`SyncPoint`]).
+    pub(crate) fn sync_point(&self, event: EventId) -> SyncPoint {
+        let records: Vec<&Vec<(u32, u64)>> = self.records.iter().filter(|(e, _)| *e == event).map(|(_, a)| a).collect();
+        let before = |n: &SummaryNode| {
+            records.first().is_some_and(|after| after.iter().any(|(lane, pos)| *lane == n.lane && n.pos <= *pos))
+        };
+        let tail = self
+            .by_memory
+            .values()
+            .flatten()
+            .filter(|(n, _)| !before(&self.nodes[*n]))
+            .map(|(n, a)| TailAccess { op: self.nodes[*n].op, access: *a })
+            .collect();
+        SyncPoint { records: records.len(), waits_external: !self.waits.is_empty(), tail }
     }
 
     /// The accesses of `memory`, with their nodes.

@@ -289,6 +289,11 @@ pub(crate) fn access_of(block: &Block, region: Region, elem_bytes: usize, mode: 
 }
 
 impl<T: Elem> View<'_, T> {
+    /// The access an operation that touches this view with `mode` declares.
+    pub fn access(&self, mode: AccessMode) -> Access {
+        access_of(self.block, self.region, T::DTYPE.size(), mode, 0)
+    }
+
     /// Size of one element in bytes.
     pub(crate) fn dtype_size(&self) -> usize {
         T::DTYPE.size()

@@ -119,8 +119,15 @@ impl Device {
     fn open_cuda(ordinal: usize, check: bool, strict: bool) -> Result<Device> {
         let id = DeviceId(ids::next_id());
         let backend = cuda::CudaDevice::new(id, ordinal)?;
-        let observer = check.then(|| crate::check::Checker::new_observer(strict));
-        Ok(Device { inner: Arc::new(DeviceInner { id, backend: BackendImpl::Cuda(backend), observer }) })
+        // Without the full checker, captures are still watched: the graph layer verifies the
+        // replay contract from their access summaries.
+        let observer = match check {
+            true => crate::check::Checker::new_observer(strict),
+            false => crate::check::Checker::new_capture_observer(),
+        };
+        Ok(Device {
+            inner: Arc::new(DeviceInner { id, backend: BackendImpl::Cuda(backend), observer: Some(observer) }),
+        })
     }
 
     pub(crate) fn observer(&self) -> Option<&Arc<dyn observe::Observer>> {

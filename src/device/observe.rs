@@ -20,6 +20,9 @@ pub(crate) enum HostSync {
 pub(crate) trait Observer: Send + Sync {
     /// For `Checker::of`, which finds the checker behind a device.
     fn as_any(&self) -> &dyn std::any::Any;
+    /// Whether enqueued work should be reported now (false lets eager work skip the capture
+    /// query when only captures are watched and none is in progress).
+    fn watching(&self) -> bool;
     fn enqueue(&self, stream: StreamId, capture: Option<u64>, op: &'static str, accesses: &[Access]) -> Result<()>;
     fn record(&self, stream: StreamId, capture: Option<u64>, event: EventId, external: bool) -> Result<()>;
     /// `at`: the caller's source location of the wait.

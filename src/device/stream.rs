@@ -68,8 +68,8 @@ impl Stream {
     /// Reports to the device's checker, if it has one, with the stream's capture.
     fn observe(&self, f: impl FnOnce(&dyn Observer, Option<u64>) -> Result<()>) -> Result<()> {
         match self.inner.dev.observer() {
-            Some(o) => f(o.as_ref(), self.capture_id()?),
-            None => Ok(()),
+            Some(o) if o.watching() => f(o.as_ref(), self.capture_id()?),
+            _ => Ok(()),
         }
     }
 

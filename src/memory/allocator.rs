@@ -322,6 +322,15 @@ impl CachingAllocator {
             .collect()
     }
 
+    /// Whether `memory` (an [`Access::memory`](crate::device::Access::memory)) is a segment of
+    /// `pool`.
+    pub fn pool_holds(&self, pool: &GraphPool, memory: BufferId) -> bool {
+        let st = lock(&self.inner.state);
+        st.pools.get(&pool.id).is_some_and(|p| {
+            p.arena.blocks().iter().any(|b| st.segments.get(&b.segment).is_some_and(|raw| raw.id == memory))
+        })
+    }
+
     /// Where the block of `buffer` is, if this allocator handed it out and it is still held.
     pub fn block_of(&self, buffer: BufferId) -> Option<BlockEntry> {
         self.blocks().into_iter().find(|b| b.buffer == Some(buffer))
@@ -354,8 +363,8 @@ impl PoolCapture<'_> {
             pool.arena.mark_ordered(stream);
         }
         let graph = graph?;
-        let index = pool.add_graph(graph.id());
-        Ok(PoolGraph { graph, pool: self.pool.clone(), index })
+        pool.add_graph(graph.id());
+        Ok(PoolGraph { graph, pool: self.pool.clone() })
     }
 }
 

@@ -48,9 +48,8 @@ pub(crate) struct PoolState {
 }
 
 impl PoolState {
-    pub(crate) fn add_graph(&mut self, graph: GraphId) -> usize {
+    pub(crate) fn add_graph(&mut self, graph: GraphId) {
         self.order.push(graph);
-        self.order.len() - 1
     }
 
     /// The host saw everything finish: a replay may use any stream next.
@@ -58,13 +57,14 @@ impl PoolState {
         self.last = None;
     }
 
-    fn check(&self, pool: PoolId, index: usize, stream: &Stream) -> Result<()> {
+    fn check(&self, pool: PoolId, graph: GraphId, stream: &Stream) -> Result<()> {
         if self.unguarded {
             return Ok(());
         }
-        let graph = self.order[index];
-        if index != self.cursor {
-            return Err(Error::PoolOrder { pool, graph, expected: self.order[self.cursor] });
+        match self.order.get(self.cursor) {
+            Some(next) if *next == graph => {}
+            Some(next) => return Err(Error::PoolOrder { pool, graph, expected: *next }),
+            None => return Err(Error::GraphReset { op: "PoolExec::launch" }),
         }
         match &self.last {
             Some((previous, s)) if s.id() != stream.id() => Err(Error::PoolConcurrent {
@@ -78,9 +78,24 @@ impl PoolState {
         }
     }
 
-    fn launched(&mut self, index: usize, stream: &Stream) {
-        self.cursor = (index + 1) % self.order.len();
-        self.last = Some((self.order[index], stream.clone()));
+    fn launched(&mut self, graph: GraphId, stream: &Stream) {
+        if let Some(i) = self.order.iter().position(|g| *g == graph) {
+            self.cursor = (i + 1) % self.order.len();
+        }
+        self.last = Some((graph, stream.clone()));
+    }
+
+    /// Takes `graph` out of the replay order (its executable was reset).
+    fn remove(&mut self, graph: GraphId) {
+        if let Some(i) = self.order.iter().position(|g| *g == graph) {
+            self.order.remove(i);
+            if i < self.cursor {
+                self.cursor -= 1;
+            }
+            if self.cursor >= self.order.len() {
+                self.cursor = 0;
+            }
+        }
     }
 }
 
@@ -116,6 +131,40 @@ impl GraphPool {
         Ok(())
     }
 
+    /// How many graphs the pool's order holds: a mark to [`GraphPool::roll_back`] to.
+    pub(crate) fn order_len(&self) -> usize {
+        self.alloc.with_pool(self.id, |p| p.order.len()).unwrap_or(0)
+    }
+
+    /// Forgets the graphs captured after `mark` (a capture that failed midway leaves the pool's
+    /// order as it found it).
+    pub(crate) fn roll_back(&self, mark: usize) {
+        self.alloc.with_pool(self.id, |p| {
+            p.order.truncate(mark);
+            if p.cursor >= p.order.len() {
+                p.cursor = 0;
+            }
+        });
+    }
+
+    /// Records that `to` now waits for everything queued on `from` (an event recorded on `from`
+    /// after the launch of `graph`, or after any launch when `graph` is `None`): if the pool's
+    /// previous replay is that one, on `from`, the next replay may run on `to`.
+    pub(crate) fn ordered_after(&self, graph: Option<GraphId>, from: &Stream, to: &Stream) {
+        self.alloc.with_pool(self.id, |p| {
+            if let Some((g, s)) = &mut p.last {
+                if s.id() == from.id() && graph.is_none_or(|graph| graph == *g) {
+                    *s = to.clone();
+                }
+            }
+        });
+    }
+
+    /// The graphs of the pool in their replay order.
+    pub fn order(&self) -> Vec<GraphId> {
+        self.alloc.with_pool(self.id, |p| p.order.clone()).unwrap_or_default()
+    }
+
     /// Stops checking the replay order of this pool. Only for demonstrating what the check
     /// prevents: out-of-order replays then corrupt data.
     pub fn disable_order_check(&self) {
@@ -133,7 +182,6 @@ impl fmt::Debug for GraphPool {
 pub struct PoolGraph {
     pub(crate) graph: Graph,
     pub(crate) pool: GraphPool,
-    pub(crate) index: usize,
 }
 
 impl PoolGraph {
@@ -149,7 +197,7 @@ impl PoolGraph {
 
     /// Instantiates an executable that replays under the pool's order check.
     pub fn instantiate(&self) -> Result<PoolExec> {
-        Ok(PoolExec { exec: self.graph.instantiate()?, pool: self.pool.clone(), index: self.index })
+        Ok(PoolExec { exec: self.graph.instantiate()?, pool: self.pool.clone() })
     }
 }
 
@@ -157,7 +205,6 @@ impl PoolGraph {
 pub struct PoolExec {
     exec: GraphExec,
     pool: GraphPool,
-    index: usize,
 }
 
 impl PoolExec {
@@ -174,10 +221,25 @@ impl PoolExec {
     /// Launches the graph on `stream` if that keeps the pool's replay order (Note [Pool replay
     /// order]); otherwise [`Error::PoolOrder`] or [`Error::PoolConcurrent`], naming both graphs.
     pub fn launch(&self, stream: &Stream) -> Result<()> {
-        let pool = self.pool.id;
-        self.pool.alloc.with_pool(pool, |p| p.check(pool, self.index, stream)).unwrap_or(Ok(()))?;
+        let (pool, graph) = (self.pool.id, self.exec.id());
+        self.pool.alloc.with_pool(pool, |p| p.check(pool, graph, stream)).unwrap_or(Ok(()))?;
         self.exec.launch(stream)?;
-        self.pool.alloc.with_pool(pool, |p| p.launched(self.index, stream));
+        self.pool.alloc.with_pool(pool, |p| p.launched(graph, stream));
         Ok(())
+    }
+
+    /// Destroys the executable (see [`GraphExec::reset`]) and takes its graph out of the pool's
+    /// replay order, so that the pool's other graphs replay without it.
+    pub fn reset(&mut self) -> Result<()> {
+        if !self.exec.is_reset() {
+            let graph = self.exec.id();
+            self.pool.alloc.with_pool(self.pool.id, |p| p.remove(graph));
+        }
+        self.exec.reset()
+    }
+
+    /// Whether [`reset`](PoolExec::reset) was called.
+    pub fn is_reset(&self) -> bool {
+        self.exec.is_reset()
     }
 }

@@ -138,6 +138,10 @@ impl Module for Linear {
         pending.iter().try_for_each(|(dy, x)| self.weight_gradients(dy, x, stream))
     }
 
+    fn splits_dw(&self) -> bool {
+        self.deferred.is_some()
+    }
+
     fn parameters(&self) -> Vec<&Param> {
         vec![&self.weight, &self.bias]
     }

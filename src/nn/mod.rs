@@ -54,6 +54,12 @@ pub trait SaveHook: Send + Sync {
     fn commit_group(&self, _site: &str) -> Result<()> {
         Ok(())
     }
+    /// A captured pass is over and its sync event recorded: make `stream` wait for the streams
+    /// forked for work that may finish after the caller resumes (the graph's tail, such as
+    /// offload copies). Capture needs every forked stream joined before it ends.
+    fn end_pass(&self, _stream: &Stream) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The hook that keeps everything on the device.
@@ -83,6 +89,11 @@ pub trait Module {
     /// The default does nothing: such a module's `backward` accumulated its weight gradients.
     fn backward_dw(&self, _stream: &Stream) -> Result<()> {
         Ok(())
+    }
+
+    /// Whether `backward` leaves weight gradients to [`Module::backward_dw`].
+    fn splits_dw(&self) -> bool {
+        false
     }
 
     /// The module's parameters.

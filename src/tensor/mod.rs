@@ -78,6 +78,15 @@ impl<T: Elem> Tensor<T> {
         Ok(self.indices().map(|i| all[i]).collect())
     }
 
+    /// Whether `other` is this very view: the same memory, offset, shape and strides (a graphed
+    /// call skips the copy into a static input when it is given the static input itself).
+    pub fn is_same_view(&self, other: &Tensor<T>) -> bool {
+        Arc::ptr_eq(&self.buf, &other.buf)
+            && self.offset == other.offset
+            && self.shape == other.shape
+            && self.strides == other.strides
+    }
+
     /// The shape.
     pub fn shape(&self) -> &[usize] {
         &self.shape

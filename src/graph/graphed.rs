@@ -1,0 +1,383 @@
+//! A graphed callable: its captured graphs, static surfaces and replay.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::callable::{Input, Inputs};
+use super::replay::{Route, StaticTensor, Tail};
+use super::{GraphedErrorKind, Mode, Replay};
+use crate::device::{Event, EventId, Graph, NodeKind, Stream};
+use crate::memory::{GraphPool, PoolExec, PoolGraph};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// Which pass a graph captures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Pass {
+    /// The forward.
+    Forward,
+    /// The backward (input gradients, and weight gradients unless split).
+    Backward,
+    /// The split weight-gradient pass.
+    BackwardDw,
+}
+
+/// One captured graph of a callable and its executable.
+pub(crate) struct Captured {
+    pub(crate) pass: Pass,
+    pub(crate) graph: PoolGraph,
+    pub(crate) exec: PoolExec,
+}
+
+/// What the callables of one `make_graphed_callables` call share.
+pub(crate) struct Shared {
+    pub(crate) pool: GraphPool,
+    pub(crate) sync_event: Option<Arc<Event>>,
+    pub(crate) mode: Mode,
+}
+
+/// A static tensor of a surface and what it is.
+pub(crate) struct Slot {
+    pub(crate) input: Input,
+    /// Whether it is the previous callable's output (chaining): never copied into.
+    pub(crate) chained: bool,
+}
+
+/// One callable of [`make_graphed_callables`](super::make_graphed_callables): its forward,
+/// backward and split weight-gradient graphs, replayed over static buffers.
+///
+/// Outputs and input gradients are [`StaticTensor`]s: views of static buffers that the next
+/// replay of the same graph overwrites, which they detect. Parameter gradients accumulate in
+/// place into the parameters' own gradient buffers, so nothing a replay returns aliases them.
+pub struct GraphedCallable {
+    pub(crate) name: String,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) graphs: Vec<Captured>,
+    pub(crate) inputs: Vec<Slot>,
+    pub(crate) positional: usize,
+    pub(crate) outputs: Vec<Tensor<f32>>,
+    pub(crate) grad_outputs: Vec<Tensor<f32>>,
+    pub(crate) grad_inputs: Vec<Option<Tensor<f32>>>,
+    pub(crate) forward_replays: Arc<AtomicU64>,
+    pub(crate) backward_replays: Arc<AtomicU64>,
+    pub(crate) route: Route,
+    pub(crate) entry: Event,
+    pub(crate) done: Arc<Event>,
+    pub(crate) reset: bool,
+}
+
+impl GraphedCallable {
+    fn err(&self, kind: GraphedErrorKind) -> Error {
+        Error::Graphed { callable: self.name.clone(), kind }
+    }
+
+    /// Its name: the callable's name and index.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The pool its graphs were captured into.
+    pub fn pool(&self) -> &GraphPool {
+        &self.shared.pool
+    }
+
+    /// The event its graphs record for [`Replay::resume_at`], if captured with one.
+    pub fn sync_event(&self) -> Option<&Event> {
+        self.shared.sync_event.as_deref()
+    }
+
+    /// The static input buffers, in [`Inputs::iter`] order: pass them to skip the copy-in.
+    pub fn static_inputs(&self) -> Vec<&Tensor<f32>> {
+        self.inputs.iter().map(|s| &s.input.tensor).collect()
+    }
+
+    /// The static output-gradient buffers: pass them to `backward` to skip the copy-in.
+    pub fn static_grad_outputs(&self) -> &[Tensor<f32>] {
+        &self.grad_outputs
+    }
+
+    fn exec(&self, pass: Pass) -> Result<&PoolExec> {
+        if self.reset {
+            return Err(self.err(GraphedErrorKind::Reset));
+        }
+        match self.graphs.iter().find(|c| c.pass == pass) {
+            Some(c) => Ok(&c.exec),
+            None if self.shared.mode == Mode::Inference => Err(self.err(GraphedErrorKind::Inference)),
+            None => Err(self.err(GraphedErrorKind::NoSplitDw)),
+        }
+    }
+
+    fn route(&self, caller: &Stream, replay: Replay<'_>) -> Result<Route> {
+        Ok(match replay {
+            Replay::Caller => Route::Caller,
+            Replay::Joined(s) if s.id() == caller.id() => Route::Caller,
+            Replay::Joined(s) => Route::Joined(s.clone()),
+            Replay::ResumeAt(s, e) => {
+                let bound = self.shared.sync_event.as_ref().map(|b| b.id());
+                if bound != Some(e.id()) {
+                    return Err(self.err(GraphedErrorKind::EventNotRecorded { event: e.id(), bound }));
+                }
+                if s.id() == caller.id() {
+                    return Err(self.err(GraphedErrorKind::EventOnCallerStream));
+                }
+                Route::ResumeAt(s.clone())
+            }
+        })
+    }
+
+    /// Checks `given` against the static input slots: the same positional count, every named
+    /// input once, equal shapes. Returns, per slot, the tensor to copy from (`None`: no copy).
+    fn match_inputs<'a>(&self, given: &'a Inputs) -> Result<Vec<Option<&'a Tensor<f32>>>> {
+        let positional = given.positional_inputs();
+        if positional.len() != self.positional {
+            let (expected, found) = (self.positional, positional.len());
+            return Err(self.err(GraphedErrorKind::InputCount { what: "positional inputs", expected, found }));
+        }
+        let mut named: BTreeMap<&str, &Tensor<f32>> = BTreeMap::new();
+        for i in given.named_inputs() {
+            let name = i.name.as_deref().unwrap_or_default();
+            if named.insert(name, &i.tensor).is_some() {
+                return Err(self.err(GraphedErrorKind::DuplicateInput { name: name.into() }));
+            }
+            if !self.inputs.iter().any(|s| s.input.name.as_deref() == Some(name)) {
+                return Err(self.err(GraphedErrorKind::UnknownInput { name: name.into() }));
+            }
+        }
+        let mut sources = Vec::with_capacity(self.inputs.len());
+        for (k, slot) in self.inputs.iter().enumerate() {
+            let src = match &slot.input.name {
+                None => &positional[k].tensor,
+                Some(n) => {
+                    named.get(n.as_str()).ok_or_else(|| self.err(GraphedErrorKind::MissingInput { name: n.clone() }))?
+                }
+            };
+            let dst = &slot.input.tensor;
+            if src.shape() != dst.shape() {
+                let (expected, found) = (dst.shape().to_vec(), src.shape().to_vec());
+                return Err(self.err(GraphedErrorKind::InputShape { input: slot.input.label(k), expected, found }));
+            }
+            sources.push((!src.is_same_view(dst)).then_some(src));
+        }
+        Ok(sources)
+    }
+
+    /// Launches `pass` under `route` after the copies on `caller`; returns the tail.
+    fn launch(&self, pass: Pass, caller: &Stream, route: &Route) -> Result<Tail> {
+        let exec = self.exec(pass)?;
+        let pool = &self.shared.pool;
+        match route {
+            Route::Caller => {
+                exec.launch(caller)?;
+                Ok(Tail::none())
+            }
+            Route::Joined(side) | Route::ResumeAt(side) => {
+                caller.record(&self.entry)?;
+                side.wait(&self.entry)?;
+                pool.ordered_after(None, caller, side);
+                exec.launch(side)?;
+                match (route, &self.shared.sync_event) {
+                    (Route::ResumeAt(_), Some(event)) => {
+                        caller.wait(event)?;
+                        side.record(&self.done)?;
+                        Ok(Tail::pending(self.done.clone(), exec.id(), side, caller, pool))
+                    }
+                    _ => {
+                        side.record(&self.done)?;
+                        caller.wait(&self.done)?;
+                        pool.ordered_after(Some(exec.id()), side, caller);
+                        Ok(Tail::none())
+                    }
+                }
+            }
+        }
+    }
+
+    /// Replays the forward graph: copies `inputs` into the static inputs on `caller` (skipping
+    /// any input that is its static buffer), replays as `replay` says, and returns the outputs
+    /// and the tail. The backward replays the same way unless told otherwise (R8).
+    ///
+    /// # Errors
+    /// [`Error::Graphed`] for inputs that do not match the capture or a refused replay choice;
+    /// [`Error::PoolOrder`] or [`Error::PoolConcurrent`] for a replay out of the pool's order.
+    pub fn forward(
+        &mut self,
+        caller: &Stream,
+        inputs: &Inputs,
+        replay: Replay<'_>,
+    ) -> Result<(Vec<StaticTensor>, Tail)> {
+        self.exec(Pass::Forward)?;
+        let route = self.route(caller, replay)?;
+        let sources = self.match_inputs(inputs)?;
+        for (src, slot) in sources.iter().zip(&self.inputs) {
+            if let Some(src) = src {
+                caller.copy_d2d(src.view()?, slot.input.tensor.view()?)?;
+            }
+        }
+        let tail = self.launch(Pass::Forward, caller, &route)?;
+        self.forward_replays.fetch_add(1, Ordering::AcqRel);
+        self.route = route;
+        let outputs = self
+            .outputs
+            .iter()
+            .enumerate()
+            .map(|(k, t)| StaticTensor::new(t, &self.forward_replays, format!("{}: output {k}", self.name)))
+            .collect();
+        Ok((outputs, tail))
+    }
+
+    /// Replays the backward graph the way the last forward replayed: copies `grad_outputs` into
+    /// the static output gradients (skipping any that is its static buffer), and returns one
+    /// gradient per input (`None` for constant or unused inputs) and the tail. Parameter
+    /// gradients accumulate into the parameters' gradient buffers.
+    pub fn backward(
+        &mut self,
+        caller: &Stream,
+        grad_outputs: &[&Tensor<f32>],
+    ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
+        let route = self.route.clone();
+        self.backward_routed(caller, grad_outputs, route)
+    }
+
+    /// [`backward`](GraphedCallable::backward) with another replay choice than the forward's.
+    pub fn backward_with(
+        &mut self,
+        caller: &Stream,
+        grad_outputs: &[&Tensor<f32>],
+        replay: Replay<'_>,
+    ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
+        let route = self.route(caller, replay)?;
+        self.backward_routed(caller, grad_outputs, route)
+    }
+
+    fn backward_routed(
+        &mut self,
+        caller: &Stream,
+        grad_outputs: &[&Tensor<f32>],
+        route: Route,
+    ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
+        self.exec(Pass::Backward)?;
+        if grad_outputs.len() != self.grad_outputs.len() {
+            let (expected, found) = (self.grad_outputs.len(), grad_outputs.len());
+            return Err(self.err(GraphedErrorKind::InputCount { what: "output gradients", expected, found }));
+        }
+        for (k, (src, dst)) in grad_outputs.iter().zip(&self.grad_outputs).enumerate() {
+            if src.shape() != dst.shape() {
+                let (expected, found) = (dst.shape().to_vec(), src.shape().to_vec());
+                return Err(self.err(GraphedErrorKind::InputShape {
+                    input: format!("output gradient {k}"),
+                    expected,
+                    found,
+                }));
+            }
+        }
+        for (src, dst) in grad_outputs.iter().zip(&self.grad_outputs) {
+            if !src.is_same_view(dst) {
+                caller.copy_d2d(src.view()?, dst.view()?)?;
+            }
+        }
+        let tail = self.launch(Pass::Backward, caller, &route)?;
+        self.backward_replays.fetch_add(1, Ordering::AcqRel);
+        let grads = self
+            .grad_inputs
+            .iter()
+            .enumerate()
+            .map(|(k, g)| {
+                g.as_ref().map(|t| {
+                    let what = format!("{}: gradient of {}", self.name, self.inputs[k].input.label(k));
+                    StaticTensor::new(t, &self.backward_replays, what)
+                })
+            })
+            .collect();
+        Ok((grads, tail))
+    }
+
+    /// Replays the split weight-gradient graph (after the backward), the way the backward's
+    /// forward replayed.
+    pub fn backward_dw(&mut self, caller: &Stream) -> Result<Tail> {
+        let route = self.route.clone();
+        self.launch(Pass::BackwardDw, caller, &route)
+    }
+
+    /// Destroys the graphs, after waiting for the device (so that no tail is still running:
+    /// R4), and takes them out of the pool's replay order. Later calls return
+    /// [`GraphedErrorKind::Reset`]. The static buffers stay until the callable is dropped.
+    pub fn reset(&mut self) -> Result<()> {
+        if self.reset {
+            return Ok(());
+        }
+        self.entry.device().synchronize()?;
+        self.reset = true;
+        for c in &mut self.graphs {
+            c.exec.reset()?;
+        }
+        Ok(())
+    }
+
+    /// What was captured, for `graphed inspect`.
+    pub fn report(&self) -> Result<CallableReport> {
+        let mut graphs = Vec::new();
+        for c in &self.graphs {
+            graphs.push(GraphReport {
+                pass: c.pass,
+                graph: c.graph.graph().id().to_string(),
+                nodes: c.graph.graph().node_counts()?,
+                records: c.graph.graph().external_record_events()?,
+            });
+        }
+        let bytes = |ts: &mut dyn Iterator<Item = &Tensor<f32>>| ts.map(|t| t.numel() * 4).sum::<usize>();
+        Ok(CallableReport {
+            name: self.name.clone(),
+            graphs,
+            input_shapes: self.inputs.iter().map(|s| s.input.tensor.shape().to_vec()).collect(),
+            output_shapes: self.outputs.iter().map(|t| t.shape().to_vec()).collect(),
+            static_bytes: bytes(&mut self.inputs.iter().filter(|s| !s.chained).map(|s| &s.input.tensor))
+                + bytes(&mut self.grad_outputs.iter()),
+        })
+    }
+
+    /// The captured graphs, for DOT dumps and node listings.
+    pub fn graphs(&self) -> Vec<(Pass, &Graph)> {
+        self.graphs.iter().map(|c| (c.pass, c.graph.graph())).collect()
+    }
+}
+
+impl std::fmt::Debug for GraphedCallable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "GraphedCallable({}, {} graphs{})",
+            self.name,
+            self.graphs.len(),
+            if self.reset { ", reset" } else { "" }
+        )
+    }
+}
+
+/// One graph of a [`CallableReport`].
+#[derive(Debug, Clone)]
+pub struct GraphReport {
+    /// Which pass.
+    pub pass: Pass,
+    /// The graph's identity.
+    pub graph: String,
+    /// Nodes by kind.
+    pub nodes: BTreeMap<NodeKind, usize>,
+    /// The external events it records.
+    pub records: Vec<EventId>,
+}
+
+/// What a graphed callable holds: its graphs and static surfaces.
+#[derive(Debug, Clone)]
+pub struct CallableReport {
+    /// The callable.
+    pub name: String,
+    /// Its graphs, in capture order.
+    pub graphs: Vec<GraphReport>,
+    /// Shapes of the static inputs.
+    pub input_shapes: Vec<Vec<usize>>,
+    /// Shapes of the static outputs.
+    pub output_shapes: Vec<Vec<usize>>,
+    /// Bytes of static buffers outside the pool (inputs not chained, output gradients).
+    pub static_bytes: usize,
+}

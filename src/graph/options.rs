@@ -1,0 +1,177 @@
+//! How [`make_graphed_callables`](super::make_graphed_callables) warms up and captures.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::device::{CaptureMode, Event, Stream};
+use crate::memory::GraphPool;
+use crate::nn::{KeepOnDevice, SaveHook};
+use crate::Result;
+
+/// Which pass a capture-time hook runs around.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Before a forward.
+    ForwardPre,
+    /// After a forward.
+    Forward,
+    /// Before a backward.
+    BackwardPre,
+    /// After a backward.
+    Backward,
+}
+
+/// Forward and backward graphs (training), or forward graphs only (inference).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Forward, backward (and split weight-gradient) graphs.
+    Training,
+    /// Forward graphs only; the callables' modules should be in evaluation mode.
+    Inference,
+}
+
+type WarmupHook = Box<dyn FnMut(&Stream) -> Result<()>>;
+type PassHook = Box<dyn FnMut(usize, Phase, &Stream) -> Result<()>>;
+
+/// Options of [`make_graphed_callables`](super::make_graphed_callables), built by chaining.
+///
+/// ```
+/// use graphed::graph::GraphOptions;
+/// let options = GraphOptions::default()
+///     .warmup_iters(2)
+///     .chain(true)
+///     .pre_warmup(|_| Ok(()))   // e.g. turn activation offloading off
+///     .post_warmup(|_| Ok(())); // and on again
+/// ```
+pub struct GraphOptions {
+    pub(crate) warmup_iters: usize,
+    pub(crate) mode: Mode,
+    pub(crate) pool: Option<GraphPool>,
+    pub(crate) stream: Option<Stream>,
+    pub(crate) capture_mode: CaptureMode,
+    pub(crate) allow_unused_input: bool,
+    pub(crate) chain: bool,
+    pub(crate) sync_event: Option<Arc<Event>>,
+    pub(crate) save_hook: Arc<dyn SaveHook>,
+    pub(crate) pre_warmup: Option<WarmupHook>,
+    pub(crate) post_warmup: Option<WarmupHook>,
+    pub(crate) pass_hook: Option<PassHook>,
+}
+
+impl Default for GraphOptions {
+    fn default() -> GraphOptions {
+        GraphOptions {
+            warmup_iters: 3,
+            mode: Mode::Training,
+            pool: None,
+            stream: None,
+            capture_mode: CaptureMode::ThreadLocal,
+            allow_unused_input: false,
+            chain: false,
+            sync_event: None,
+            save_hook: Arc::new(KeepOnDevice),
+            pre_warmup: None,
+            post_warmup: None,
+            pass_hook: None,
+        }
+    }
+}
+
+impl GraphOptions {
+    /// Eager iterations (all forwards, then all backwards in reverse) before capture; default 3,
+    /// at least 1 in training.
+    pub fn warmup_iters(mut self, n: usize) -> GraphOptions {
+        self.warmup_iters = n;
+        self
+    }
+
+    /// Forward graphs only.
+    pub fn inference(mut self) -> GraphOptions {
+        self.mode = Mode::Inference;
+        self
+    }
+
+    /// Captures into `pool`, shared with other captures (replayed in one cyclic order with them:
+    /// replay contract R5), instead of a new pool.
+    pub fn pool(mut self, pool: &GraphPool) -> GraphOptions {
+        self.pool = Some(pool.clone());
+        self
+    }
+
+    /// Warms up and captures on `stream` instead of a new stream. The legacy default stream
+    /// cannot capture.
+    pub fn stream(mut self, stream: &Stream) -> GraphOptions {
+        self.stream = Some(stream.clone());
+        self
+    }
+
+    /// The capture mode (default [`CaptureMode::ThreadLocal`]).
+    pub fn capture_mode(mut self, mode: CaptureMode) -> GraphOptions {
+        self.capture_mode = mode;
+        self
+    }
+
+    /// Lets a differentiable input get no gradient (it then has none at replay).
+    pub fn allow_unused_input(mut self, allow: bool) -> GraphOptions {
+        self.allow_unused_input = allow;
+        self
+    }
+
+    /// Feeds each callable's first output to the next callable's first input (and the first
+    /// input gradient back as the previous callable's output gradient), so that a stack of
+    /// layers replays with no copies between layers.
+    pub fn chain(mut self, chain: bool) -> GraphOptions {
+        self.chain = chain;
+        self
+    }
+
+    /// Records `event` as an external event inside every graph, after the pass's last write the
+    /// caller can observe and before the save hook's [`end_pass`](SaveHook::end_pass) joins the
+    /// tail; verified at capture (R2, R3, R7). Replays may then resume the caller at it
+    /// ([`Replay::resume_at`](super::Replay::resume_at)).
+    pub fn sync_event(mut self, event: Event) -> GraphOptions {
+        self.sync_event = Some(Arc::new(event));
+        self
+    }
+
+    /// Where saved activations go (default: they stay on the device).
+    pub fn save_hook(mut self, hook: Arc<dyn SaveHook>) -> GraphOptions {
+        self.save_hook = hook;
+        self
+    }
+
+    /// Called once before the whole warmup, on the warmup stream.
+    pub fn pre_warmup(mut self, f: impl FnMut(&Stream) -> Result<()> + 'static) -> GraphOptions {
+        self.pre_warmup = Some(Box::new(f));
+        self
+    }
+
+    /// Called once after the whole warmup, on the warmup stream; also when the warmup failed,
+    /// so that it pairs with [`pre_warmup`](GraphOptions::pre_warmup).
+    pub fn post_warmup(mut self, f: impl FnMut(&Stream) -> Result<()> + 'static) -> GraphOptions {
+        self.post_warmup = Some(Box::new(f));
+        self
+    }
+
+    /// Called with (callable index, phase, stream) around every forward and backward of the
+    /// warmup and of the capture, outside the captured region: never part of a graph, never
+    /// replayed (for work that cannot be captured, such as host-side state updates).
+    pub fn capture_time_hook(mut self, f: impl FnMut(usize, Phase, &Stream) -> Result<()> + 'static) -> GraphOptions {
+        self.pass_hook = Some(Box::new(f));
+        self
+    }
+}
+
+impl fmt::Debug for GraphOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GraphOptions")
+            .field("warmup_iters", &self.warmup_iters)
+            .field("mode", &self.mode)
+            .field("pool", &self.pool)
+            .field("capture_mode", &self.capture_mode)
+            .field("allow_unused_input", &self.allow_unused_input)
+            .field("chain", &self.chain)
+            .field("sync_event", &self.sync_event.as_ref().map(|e| e.id()))
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,179 @@
+//! Where a replay runs and how the caller resumes (replay contract R1–R4, R6, R8), the tail
+//! handle, and outputs that know when a later replay overwrote them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::GraphedErrorKind;
+use crate::device::{Event, GraphId, Stream};
+use crate::memory::{CachingAllocator, GraphPool};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// Where a graphed call replays its graph, and how the caller's stream resumes.
+#[derive(Clone, Copy, Debug)]
+pub enum Replay<'a> {
+    /// On the caller's stream.
+    Caller,
+    /// On another stream that waits for the caller's (R1); the caller waits for all of it.
+    Joined(&'a Stream),
+    /// On another stream that waits for the caller's (R1); the caller resumes at the event the
+    /// graph records (R2), while the graph's tail may still run (join it: R4).
+    ResumeAt(&'a Stream, &'a Event),
+}
+
+impl<'a> Replay<'a> {
+    /// On the caller's stream.
+    pub fn caller() -> Replay<'a> {
+        Replay::Caller
+    }
+
+    /// On `stream`, joined as a whole.
+    pub fn joined(stream: &'a Stream) -> Replay<'a> {
+        Replay::Joined(stream)
+    }
+
+    /// On `stream`, resuming the caller at `event`, which the graphs must record (bound at
+    /// capture with [`GraphOptions::sync_event`](super::GraphOptions::sync_event)).
+    pub fn resume_at(stream: &'a Stream, event: &'a Event) -> Replay<'a> {
+        Replay::ResumeAt(stream, event)
+    }
+}
+
+/// A replay choice, owned, kept from a forward for its backward (R8).
+#[derive(Clone)]
+pub(crate) enum Route {
+    Caller,
+    Joined(Stream),
+    ResumeAt(Stream),
+}
+
+/// Work of a side-stream replay that may still run after the caller resumed (the graph's tail).
+/// Join it before anything reads what the tail wrote (R4); dropping it joins it into the
+/// caller's stream. Keep it alive (`let (y, tail) = ...`) for the caller to overlap the tail.
+#[must_use = "dropping the tail joins it at once, which gives up the overlap"]
+pub struct Tail {
+    pending: Option<Pending>,
+}
+
+struct Pending {
+    done: Arc<Event>,
+    graph: GraphId,
+    replay: Stream,
+    caller: Stream,
+    pool: GraphPool,
+}
+
+impl Tail {
+    pub(crate) fn none() -> Tail {
+        Tail { pending: None }
+    }
+
+    pub(crate) fn pending(
+        done: Arc<Event>,
+        graph: GraphId,
+        replay: &Stream,
+        caller: &Stream,
+        pool: &GraphPool,
+    ) -> Tail {
+        let p = Pending { done, graph, replay: replay.clone(), caller: caller.clone(), pool: pool.clone() };
+        Tail { pending: Some(p) }
+    }
+
+    /// Whether there is nothing to join (the replay was joined as a whole).
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_none()
+    }
+
+    /// Makes `stream` wait for the whole replay, tail included.
+    pub fn join(mut self, stream: &Stream) -> Result<()> {
+        match self.pending.take() {
+            Some(p) => p.join(stream),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Pending {
+    fn join(self, stream: &Stream) -> Result<()> {
+        stream.wait(&self.done)?;
+        self.pool.ordered_after(Some(self.graph), &self.replay, stream);
+        Ok(())
+    }
+}
+
+impl Drop for Tail {
+    fn drop(&mut self) {
+        if let Some(p) = self.pending.take() {
+            let caller = p.caller.clone();
+            if let Err(e) = p.join(&caller) {
+                tracing::warn!("joining a dropped graph tail into stream {} failed: {e}", caller.id());
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Tail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tail({})", if self.is_empty() { "joined" } else { "pending" })
+    }
+}
+
+/// An output or input gradient of a graphed call: a view of a static buffer that the next
+/// replay of the same graph overwrites. Reading it after that replay is an error, not stale
+/// data; copy it with [`to_owned`](StaticTensor::to_owned) to keep it.
+#[derive(Clone)]
+pub struct StaticTensor {
+    tensor: Tensor<f32>,
+    generation: Arc<AtomicU64>,
+    made_by: u64,
+    what: Arc<str>,
+}
+
+impl StaticTensor {
+    pub(crate) fn new(tensor: &Tensor<f32>, generation: &Arc<AtomicU64>, what: String) -> StaticTensor {
+        let made_by = generation.load(Ordering::Acquire);
+        StaticTensor { tensor: tensor.clone(), generation: generation.clone(), made_by, what: what.into() }
+    }
+
+    /// The tensor, if no later replay has overwritten it.
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::StaleOutput`] after a later replay of its graph.
+    pub fn get(&self) -> Result<&Tensor<f32>> {
+        let now = self.generation.load(Ordering::Acquire);
+        if now != self.made_by {
+            let (what, made_by) = (self.what.to_string(), self.made_by);
+            return Err(Error::Graphed {
+                callable: what.split(':').next().unwrap_or_default().to_string(),
+                kind: GraphedErrorKind::StaleOutput { what, made_by, now },
+            });
+        }
+        Ok(&self.tensor)
+    }
+
+    /// Whether no later replay has overwritten it.
+    pub fn is_fresh(&self) -> bool {
+        self.generation.load(Ordering::Acquire) == self.made_by
+    }
+
+    /// A copy in fresh memory from `alloc`, made on `stream` (after the replay, on the caller's
+    /// stream or after joining the replay).
+    pub fn to_owned(&self, alloc: &CachingAllocator, stream: &Stream) -> Result<Tensor<f32>> {
+        let t = self.get()?;
+        let out = Tensor::uninit(alloc, stream, t.shape())?;
+        stream.copy_d2d(t.view()?, out.view()?)?;
+        Ok(out)
+    }
+
+    /// Its shape.
+    pub fn shape(&self) -> &[usize] {
+        self.tensor.shape()
+    }
+}
+
+impl std::fmt::Debug for StaticTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StaticTensor({}, {:?}, replay {})", self.what, self.tensor.shape(), self.made_by)
+    }
+}
