@@ -13,8 +13,9 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Run the main job: train a small GPT on 3-digit addition (eagerly, until graphed layers
-    /// land) and report loss, host time per step and exact-match accuracy on held-out sums.
+    /// Run the main job: train a small GPT on 3-digit addition with graphed transformer layers
+    /// (or eagerly) and report loss, host and wall time per step and exact-match accuracy on
+    /// held-out sums.
     Train(TrainArgs),
     /// A demo of capture and side-stream replay: a stack of layers stepped eagerly and as one
     /// captured graph, compared bitwise, with host time per step.
@@ -76,10 +77,17 @@ pub struct TrainArgs {
     /// Sums per batch (default: 256 on CUDA, 64 on the simulator).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub batch: Option<u32>,
-    /// Run the model eagerly, kernel by kernel. The only mode until graphed layers land, so
-    /// also the default.
+    /// Run the model eagerly, kernel by kernel, instead of replaying graphed layers.
     #[arg(long)]
     pub eager: bool,
+    /// Replay the graphed layers on a side stream, resuming the main stream at the event each
+    /// graph records.
+    #[arg(long, conflicts_with = "eager")]
+    pub side_stream: bool,
+    /// Give each layer its own graph pool instead of one pool shared by all layers (more memory;
+    /// the layers' graphs may then replay in any relative order).
+    #[arg(long, conflicts_with = "eager")]
+    pub pool_per_layer: bool,
     /// Optimizer steps (default: 1000 on CUDA, 600 on the simulator).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub steps: Option<u32>,
