@@ -341,6 +341,12 @@ impl Checker {
         !self.inner.captures_only
     }
 
+    /// Whether `graph` writes memory that `access` touches; `None` if this checker did not see
+    /// its capture.
+    pub fn graph_writes(&self, graph: GraphId, access: &Access) -> Option<bool> {
+        self.lock().graphs.get(&graph).map(|g| g.writes_overlapping(access))
+    }
+
     /// Where `event` is recorded inside `graph` and what the graph does after it (the tail), from
     /// the access summary of its capture; `None` if this checker did not see the capture.
     pub fn sync_point(&self, graph: GraphId, event: EventId) -> Option<SyncPoint> {

@@ -147,6 +147,11 @@ impl GraphSummary {
         SyncPoint { records: records.len(), waits_external: !self.waits.is_empty(), tail }
     }
 
+    /// Whether some node writes memory that `a` touches.
+    pub(crate) fn writes_overlapping(&self, a: &Access) -> bool {
+        self.by_memory.get(&a.memory).into_iter().flatten().any(|(_, w)| w.mode.writes() && w.at.overlaps(&a.at))
+    }
+
     /// The accesses of `memory`, with their nodes.
     pub(crate) fn accesses_of(&self, memory: BufferId) -> impl Iterator<Item = (&SummaryNode, &Access)> {
         self.by_memory.get(&memory).into_iter().flatten().map(|(n, a)| (&self.nodes[*n], a))

@@ -2,16 +2,16 @@
 //! the sync event, and the static surfaces. Transactional: on any error the parameters'
 //! gradients, the pool's replay order and the hooks are as they were.
 
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use super::callable::{Callable, Inputs, Saved};
 use super::graphed::{Captured, GraphedCallable, Pass, Shared, Slot};
 use super::options::{GraphOptions, Mode, Phase};
 use super::replay::Route;
-use super::verify::verify_sync_point;
+use super::verify::{verify_sync_point, Surface};
 use super::GraphedErrorKind;
-use crate::device::Stream;
+use crate::check::Checker;
+use crate::device::{AccessMode, GraphId, Stream};
 use crate::memory::{CachingAllocator, GraphPool, PoolGraph};
 use crate::nn::Param;
 use crate::tensor::Tensor;
@@ -121,6 +121,15 @@ pub fn make_graphed_callables(
     let callables = captured?;
     stream.synchronize()?;
     Ok(callables)
+}
+
+/// The graphs of `pool` that write memory of `t` (all of them if the device's checker did not see
+/// their captures, which cannot happen for captures made through the allocator).
+fn writers_of(pool: &GraphPool, t: &Tensor<f32>) -> Arc<[GraphId]> {
+    let order = pool.order();
+    let (Some(checker), Ok(view)) = (Checker::of(pool.device()), t.view()) else { return order.into() };
+    let access = view.access(AccessMode::Write);
+    order.into_iter().filter(|g| checker.graph_writes(*g, &access).unwrap_or(true)).collect()
 }
 
 /// Static input buffers: copies of the samples, except the chained first inputs (`None`), which
@@ -389,6 +398,9 @@ impl Warmup<'_> {
                 .enumerate()
                 .map(|(k, x)| Slot { input: x.clone(), chained: self.statics[i][k].is_none() })
                 .collect();
+            let output_writers = f.outputs.iter().map(|y| writers_of(pool, y)).collect();
+            let grad_writers =
+                dxs.iter().map(|d| d.as_ref().map_or_else(|| Arc::from([]), |d| writers_of(pool, d))).collect();
             out.push(GraphedCallable {
                 name: self.names[i].clone(),
                 shared: shared.clone(),
@@ -398,11 +410,11 @@ impl Warmup<'_> {
                 outputs: f.outputs,
                 grad_outputs: dys.into_iter().flatten().collect(),
                 grad_inputs: dxs,
-                forward_replays: Arc::new(AtomicU64::new(0)),
-                backward_replays: Arc::new(AtomicU64::new(0)),
+                output_writers,
+                grad_writers,
                 route: Route::Caller,
                 entry: dev.event()?,
-                done: Arc::new(dev.event()?),
+                done: dev.event()?,
                 reset: false,
             });
         }
@@ -420,23 +432,36 @@ impl Warmup<'_> {
         grad_inputs: &[Vec<Option<Tensor<f32>>>],
     ) -> Result<()> {
         let Some(event) = &options.sync_event else { return Ok(()) };
-        let mut surfaces: Vec<(String, &Tensor<f32>)> = Vec::new();
+        let graph_of = |i: usize, pass: Pass| graphs[i].iter().find(|(p, _)| *p == pass).map(|(_, g)| g.graph().id());
+        let mut surfaces: Vec<Surface<'_>> = Vec::new();
         for (i, f) in forwards.iter().enumerate() {
             let name = &self.names[i];
-            surfaces.extend(f.inputs.iter().enumerate().map(|(k, x)| (format!("{name} {}", x.label(k)), &x.tensor)));
-            surfaces.extend(f.outputs.iter().enumerate().map(|(k, y)| (format!("{name} output {k}"), y)));
-            surfaces.extend(
-                grad_outputs[i].iter().flatten().enumerate().map(|(k, d)| (format!("{name} output gradient {k}"), d)),
-            );
-            surfaces.extend(
-                grad_inputs[i]
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(k, d)| d.as_ref().map(|d| (format!("{name} gradient of input {k}"), d))),
-            );
+            let (fwd, bwd) = (graph_of(i, Pass::Forward), graph_of(i, Pass::Backward));
+            let mut add = |what: String, tensor, owner| surfaces.push(Surface { what, tensor, owner });
+            for (k, x) in f.inputs.iter().enumerate() {
+                // A chained input is the previous callable's output: its forward graph makes it.
+                let owner = if self.statics[i][k].is_none() { graph_of(i - 1, Pass::Forward) } else { None };
+                add(format!("{name} {}", x.label(k)), &x.tensor, owner);
+            }
+            for (k, y) in f.outputs.iter().enumerate() {
+                add(format!("{name} output {k}"), y, fwd);
+            }
+            for (k, d) in grad_outputs[i].iter().flatten().enumerate() {
+                let chained = options.chain && k == 0 && i + 1 < forwards.len();
+                add(
+                    format!("{name} output gradient {k}"),
+                    d,
+                    if chained { graph_of(i + 1, Pass::Backward) } else { None },
+                );
+            }
+            for (k, d) in grad_inputs[i].iter().enumerate() {
+                if let Some(d) = d {
+                    add(format!("{name} gradient of input {k}"), d, bwd);
+                }
+            }
             for p in self.callables[i].parameters() {
-                surfaces.push((format!("parameter {}", p.name), &p.value));
-                surfaces.push((format!("gradient of {}", p.name), &p.grad));
+                add(format!("parameter {}", p.name), &p.value, None);
+                add(format!("gradient of {}", p.name), &p.grad, None);
             }
         }
         for (i, mine) in graphs.iter().enumerate() {

@@ -94,9 +94,11 @@ pub enum GraphedErrorKind {
     StaleOutput {
         /// Which one.
         what: String,
-        /// The replay it came from.
+        /// The graph whose replay overwrote it.
+        graph: GraphId,
+        /// That graph's launches when the tensor was returned.
         made_by: u64,
-        /// Replays of that graph since the start.
+        /// Its launches now.
         now: u64,
     },
     /// The callable was reset.
@@ -164,9 +166,9 @@ impl fmt::Display for GraphedErrorKind {
                 f,
                 "resuming at an event needs a replay stream other than the caller's; pass a side stream, or use Replay::caller"
             ),
-            Self::StaleOutput { what, made_by, now } => write!(
+            Self::StaleOutput { what, graph, made_by, now } => write!(
                 f,
-                "{what} came from replay {made_by}, and replay {now} has overwritten its static buffer since; copy it (StaticTensor::to_owned) before the next replay"
+                "{what} was overwritten by launch {now} of graph {graph} (it was returned after launch {made_by}); copy it (StaticTensor::to_owned) before replaying further"
             ),
             Self::Reset => write!(f, "it was reset and holds no graphs; capture again with make_graphed_callables"),
             Self::Inference => write!(f, "it was graphed for inference (forward graphs only); graph it in training mode"),

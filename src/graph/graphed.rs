@@ -1,13 +1,12 @@
 //! A graphed callable: its captured graphs, static surfaces and replay.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::callable::{Input, Inputs};
 use super::replay::{Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
-use crate::device::{Event, EventId, Graph, NodeKind, Stream};
+use crate::device::{Event, EventId, Graph, GraphId, NodeKind, Stream};
 use crate::memory::{GraphPool, PoolExec, PoolGraph};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -33,7 +32,7 @@ pub(crate) struct Captured {
 /// What the callables of one `make_graphed_callables` call share.
 pub(crate) struct Shared {
     pub(crate) pool: GraphPool,
-    pub(crate) sync_event: Option<Arc<Event>>,
+    pub(crate) sync_event: Option<Event>,
     pub(crate) mode: Mode,
 }
 
@@ -59,11 +58,12 @@ pub struct GraphedCallable {
     pub(crate) outputs: Vec<Tensor<f32>>,
     pub(crate) grad_outputs: Vec<Tensor<f32>>,
     pub(crate) grad_inputs: Vec<Option<Tensor<f32>>>,
-    pub(crate) forward_replays: Arc<AtomicU64>,
-    pub(crate) backward_replays: Arc<AtomicU64>,
+    /// Per output, and per input gradient, the graphs of the pool that write its memory.
+    pub(crate) output_writers: Vec<Arc<[GraphId]>>,
+    pub(crate) grad_writers: Vec<Arc<[GraphId]>>,
     pub(crate) route: Route,
     pub(crate) entry: Event,
-    pub(crate) done: Arc<Event>,
+    pub(crate) done: Event,
     pub(crate) reset: bool,
 }
 
@@ -84,7 +84,7 @@ impl GraphedCallable {
 
     /// The event its graphs record for [`Replay::resume_at`], if captured with one.
     pub fn sync_event(&self) -> Option<&Event> {
-        self.shared.sync_event.as_deref()
+        self.shared.sync_event.as_ref()
     }
 
     /// The static input buffers, in [`Inputs::iter`] order: pass them to skip the copy-in.
@@ -215,13 +215,10 @@ impl GraphedCallable {
             }
         }
         let tail = self.launch(Pass::Forward, caller, &route)?;
-        self.forward_replays.fetch_add(1, Ordering::AcqRel);
         self.route = route;
-        let outputs = self
-            .outputs
-            .iter()
-            .enumerate()
-            .map(|(k, t)| StaticTensor::new(t, &self.forward_replays, format!("{}: output {k}", self.name)))
+        let pool = &self.shared.pool;
+        let outputs = (self.outputs.iter().zip(&self.output_writers).enumerate())
+            .map(|(k, (t, w))| StaticTensor::new(t, pool, w, format!("{}: output {k}", self.name)))
             .collect();
         Ok((outputs, tail))
     }
@@ -277,15 +274,12 @@ impl GraphedCallable {
             }
         }
         let tail = self.launch(Pass::Backward, caller, &route)?;
-        self.backward_replays.fetch_add(1, Ordering::AcqRel);
-        let grads = self
-            .grad_inputs
-            .iter()
-            .enumerate()
-            .map(|(k, g)| {
+        let pool = &self.shared.pool;
+        let grads = (self.grad_inputs.iter().zip(&self.grad_writers).enumerate())
+            .map(|(k, (g, w))| {
                 g.as_ref().map(|t| {
                     let what = format!("{}: gradient of {}", self.name, self.inputs[k].input.label(k));
-                    StaticTensor::new(t, &self.backward_replays, what)
+                    StaticTensor::new(t, pool, w, what)
                 })
             })
             .collect();
@@ -339,6 +333,16 @@ impl GraphedCallable {
     /// The captured graphs, for DOT dumps and node listings.
     pub fn graphs(&self) -> Vec<(Pass, &Graph)> {
         self.graphs.iter().map(|c| (c.pass, c.graph.graph())).collect()
+    }
+}
+
+impl Drop for GraphedCallable {
+    /// Waits for the device first, as `reset` does (R4: nothing of a graph may still run when
+    /// its static buffers go back to the pool).
+    fn drop(&mut self) {
+        if let Err(e) = self.reset() {
+            tracing::warn!("dropping graphed callable {}: {e}", self.name);
+        }
     }
 }
 

@@ -51,7 +51,7 @@ pub struct GraphOptions {
     pub(crate) capture_mode: CaptureMode,
     pub(crate) allow_unused_input: bool,
     pub(crate) chain: bool,
-    pub(crate) sync_event: Option<Arc<Event>>,
+    pub(crate) sync_event: Option<Event>,
     pub(crate) save_hook: Arc<dyn SaveHook>,
     pub(crate) pre_warmup: Option<WarmupHook>,
     pub(crate) post_warmup: Option<WarmupHook>,
@@ -129,8 +129,8 @@ impl GraphOptions {
     /// caller can observe and before the save hook's [`end_pass`](SaveHook::end_pass) joins the
     /// tail; verified at capture (R2, R3, R7). Replays may then resume the caller at it
     /// ([`Replay::resume_at`](super::Replay::resume_at)).
-    pub fn sync_event(mut self, event: Event) -> GraphOptions {
-        self.sync_event = Some(Arc::new(event));
+    pub fn sync_event(mut self, event: &Event) -> GraphOptions {
+        self.sync_event = Some(event.clone());
         self
     }
 

@@ -1,7 +1,6 @@
 //! Where a replay runs and how the caller resumes (replay contract R1–R4, R6, R8), the tail
 //! handle, and outputs that know when a later replay overwrote them.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::GraphedErrorKind;
@@ -57,7 +56,7 @@ pub struct Tail {
 }
 
 struct Pending {
-    done: Arc<Event>,
+    done: Event,
     graph: GraphId,
     replay: Stream,
     caller: Stream,
@@ -69,13 +68,7 @@ impl Tail {
         Tail { pending: None }
     }
 
-    pub(crate) fn pending(
-        done: Arc<Event>,
-        graph: GraphId,
-        replay: &Stream,
-        caller: &Stream,
-        pool: &GraphPool,
-    ) -> Tail {
+    pub(crate) fn pending(done: Event, graph: GraphId, replay: &Stream, caller: &Stream, pool: &GraphPool) -> Tail {
         let p = Pending { done, graph, replay: replay.clone(), caller: caller.clone(), pool: pool.clone() };
         Tail { pending: Some(p) }
     }
@@ -119,42 +112,54 @@ impl std::fmt::Debug for Tail {
     }
 }
 
-/// An output or input gradient of a graphed call: a view of a static buffer that the next
-/// replay of the same graph overwrites. Reading it after that replay is an error, not stale
-/// data; copy it with [`to_owned`](StaticTensor::to_owned) to keep it.
+/// An output or input gradient of a graphed call: a view of a static buffer in the graph pool.
+/// The next replay of any graph of the pool that writes that memory (its own graph, or another
+/// whose internals reuse it) overwrites it, and the tensor then refuses to be read instead of
+/// giving stale data; copy it with [`to_owned`](StaticTensor::to_owned) to keep it.
 #[derive(Clone)]
 pub struct StaticTensor {
     tensor: Tensor<f32>,
-    generation: Arc<AtomicU64>,
-    made_by: u64,
+    pool: GraphPool,
+    /// The graphs that write its memory, and their launch counts when it was made.
+    writers: Arc<[GraphId]>,
+    made_at: Vec<u64>,
     what: Arc<str>,
 }
 
 impl StaticTensor {
-    pub(crate) fn new(tensor: &Tensor<f32>, generation: &Arc<AtomicU64>, what: String) -> StaticTensor {
-        let made_by = generation.load(Ordering::Acquire);
-        StaticTensor { tensor: tensor.clone(), generation: generation.clone(), made_by, what: what.into() }
+    pub(crate) fn new(tensor: &Tensor<f32>, pool: &GraphPool, writers: &Arc<[GraphId]>, what: String) -> StaticTensor {
+        let made_at = pool.launch_counts(writers);
+        let (pool, writers, what) = (pool.clone(), writers.clone(), what.into());
+        StaticTensor { tensor: tensor.clone(), pool, writers, made_at, what }
+    }
+
+    /// The first writer launched since this tensor was made, with its launch count then and now.
+    fn overwritten(&self) -> Option<(GraphId, u64, u64)> {
+        let now = self.pool.launch_counts(&self.writers);
+        self.writers
+            .iter()
+            .zip(self.made_at.iter().zip(now))
+            .find(|(_, (a, b))| **a != *b)
+            .map(|(g, (a, b))| (*g, *a, b))
     }
 
     /// The tensor, if no later replay has overwritten it.
     ///
     /// # Errors
-    /// [`GraphedErrorKind::StaleOutput`] after a later replay of its graph.
+    /// [`GraphedErrorKind::StaleOutput`] after a later replay of a graph that writes its memory.
     pub fn get(&self) -> Result<&Tensor<f32>> {
-        let now = self.generation.load(Ordering::Acquire);
-        if now != self.made_by {
-            let (what, made_by) = (self.what.to_string(), self.made_by);
-            return Err(Error::Graphed {
-                callable: what.split(':').next().unwrap_or_default().to_string(),
-                kind: GraphedErrorKind::StaleOutput { what, made_by, now },
-            });
+        match self.overwritten() {
+            None => Ok(&self.tensor),
+            Some((graph, made_by, now)) => Err(Error::Graphed {
+                callable: self.what.split(':').next().unwrap_or_default().to_string(),
+                kind: GraphedErrorKind::StaleOutput { what: self.what.to_string(), graph, made_by, now },
+            }),
         }
-        Ok(&self.tensor)
     }
 
     /// Whether no later replay has overwritten it.
     pub fn is_fresh(&self) -> bool {
-        self.generation.load(Ordering::Acquire) == self.made_by
+        self.overwritten().is_none()
     }
 
     /// A copy in fresh memory from `alloc`, made on `stream` (after the replay, on the caller's
@@ -174,6 +179,6 @@ impl StaticTensor {
 
 impl std::fmt::Debug for StaticTensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "StaticTensor({}, {:?}, replay {})", self.what, self.tensor.shape(), self.made_by)
+        write!(f, "StaticTensor({}, {:?})", self.what, self.tensor.shape())
     }
 }

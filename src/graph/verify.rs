@@ -1,24 +1,36 @@
 //! Capture-time verification of a graph's sync event from the checker's access summary: the
 //! event is recorded once (R2), every write the caller can observe comes before it (R2), the
-//! tail touches only the graph's own pool memory outside the static surfaces (R3), and the graph
-//! waits on no external event (R7).
+//! tail touches only pool memory outside the static surfaces the caller may use meanwhile (R3),
+//! and the graph waits on no external event (R7).
+//!
+//! Pool memory is reused across the pool's graphs: a block that one graph uses internally can
+//! be another graph's output. The tail may touch such a block, because the graph writes it
+//! anyway, so the other graph's output is stale after this replay and a
+//! [`StaticTensor`](super::StaticTensor) of it refuses to be read.
 
 use super::GraphedErrorKind;
 use crate::check::Checker;
-use crate::device::{AccessMode, Event, Graph};
+use crate::device::{AccessMode, Event, Graph, GraphId};
 use crate::memory::{CachingAllocator, GraphPool};
 use crate::tensor::Tensor;
+
+/// A static surface: what it is, its tensor, and the graph that produces it (`None` for memory
+/// the caller writes: static inputs and output gradients, parameters and their gradients).
+pub(crate) struct Surface<'a> {
+    pub(crate) what: String,
+    pub(crate) tensor: &'a Tensor<f32>,
+    pub(crate) owner: Option<GraphId>,
+}
 
 pub(crate) fn verify_sync_point(
     alloc: &CachingAllocator,
     pool: &GraphPool,
     graph: &Graph,
     event: &Event,
-    surfaces: &[(String, &Tensor<f32>)],
+    surfaces: &[Surface<'_>],
 ) -> Result<(), GraphedErrorKind> {
-    let point = Checker::of(graph.device())
-        .and_then(|c| c.sync_point(graph.id(), event.id()))
-        .ok_or(GraphedErrorKind::Unverifiable)?;
+    let checker = Checker::of(graph.device()).ok_or(GraphedErrorKind::Unverifiable)?;
+    let point = checker.sync_point(graph.id(), event.id()).ok_or(GraphedErrorKind::Unverifiable)?;
     let contract = |rule, detail| GraphedErrorKind::SyncContract { graph: graph.id(), rule, detail };
     if point.records != 1 {
         let detail = format!("event {} is recorded {} times inside the graph, not once", event.id(), point.records);
@@ -32,20 +44,21 @@ pub(crate) fn verify_sync_point(
     }
     for t in &point.tail {
         let a = &t.access;
-        let hit = surfaces.iter().find(|(_, s)| {
-            s.view().is_ok_and(|v| {
-                let s = v.access(AccessMode::Read);
-                s.memory == a.memory && s.at.overlaps(&a.at)
-            })
+        let hit = surfaces.iter().find(|s| {
+            let Ok(v) = s.tensor.view() else { return false };
+            let at = v.access(AccessMode::Read);
+            let reused =
+                s.owner.is_some_and(|o| o != graph.id()) && checker.graph_writes(graph.id(), &at).unwrap_or(false);
+            at.memory == a.memory && at.at.overlaps(&a.at) && !reused
         });
         match hit {
-            Some((what, _)) if a.mode.writes() => {
-                return Err(contract("R2", format!("{} writes {what} after the event", t.op)));
+            Some(s) if a.mode.writes() => {
+                return Err(contract("R2", format!("{} writes {} after the event", t.op, s.what)));
             }
-            Some((what, _)) => {
+            Some(s) => {
                 return Err(contract(
                     "R3",
-                    format!("{} reads {what} after the event, while the caller may overwrite it", t.op),
+                    format!("{} reads {} after the event, while the caller may overwrite it", t.op, s.what),
                 ));
             }
             None if !alloc.pool_holds(pool, a.memory) => {

@@ -67,7 +67,7 @@ pub struct CachingAllocator {
 }
 
 pub(crate) struct Inner {
-    dev: Device,
+    pub(crate) dev: Device,
     poison: bool,
     state: Mutex<State>,
     /// Blocks given back, waiting to be put into their arena. Kept apart from `state` because

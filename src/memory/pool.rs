@@ -11,7 +11,7 @@
 //!
 //! [`CachingAllocator::synchronize`]: super::CachingAllocator::synchronize
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::Arc;
 
@@ -45,6 +45,8 @@ pub(crate) struct PoolState {
     pub(crate) capture_frees: BTreeSet<StreamKey>,
     /// Whether replays are checked (only tests that show the hazard turn this off).
     unguarded: bool,
+    /// Launches of each graph so far.
+    launches: HashMap<GraphId, u64>,
 }
 
 impl PoolState {
@@ -83,6 +85,7 @@ impl PoolState {
             self.cursor = (i + 1) % self.order.len();
         }
         self.last = Some((graph, stream.clone()));
+        *self.launches.entry(graph).or_default() += 1;
     }
 
     /// Takes `graph` out of the replay order (its executable was reset).
@@ -131,6 +134,11 @@ impl GraphPool {
         Ok(())
     }
 
+    /// The device of the pool's memory.
+    pub fn device(&self) -> &crate::device::Device {
+        &self.alloc.dev
+    }
+
     /// How many graphs the pool's order holds: a mark to [`GraphPool::roll_back`] to.
     pub(crate) fn order_len(&self) -> usize {
         self.alloc.with_pool(self.id, |p| p.order.len()).unwrap_or(0)
@@ -158,6 +166,13 @@ impl GraphPool {
                 }
             }
         });
+    }
+
+    /// How many times each of `graphs` was launched.
+    pub(crate) fn launch_counts(&self, graphs: &[GraphId]) -> Vec<u64> {
+        self.alloc
+            .with_pool(self.id, |p| graphs.iter().map(|g| p.launches.get(g).copied().unwrap_or(0)).collect())
+            .unwrap_or_default()
     }
 
     /// The graphs of the pool in their replay order.

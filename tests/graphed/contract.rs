@@ -1,0 +1,112 @@
+//! The sync event's contract, verified at capture (R2, R3, R7), and the overlap it buys.
+
+use anyhow::ensure;
+use graphed::device::{Device, DeviceKind};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedErrorKind, Inputs, Replay};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{Linear, ParamStore};
+use graphed::tensor::Tensor;
+use std::sync::Arc;
+
+use super::api::expect_kind;
+use super::fixtures::{lcg, Result, Stack, TailHook, TailWork};
+
+/// Graphs a Linear with `hook` and a sync event; returns the result of the capture.
+fn capture_linear(
+    dev: &Device,
+    make_hook: impl FnOnce(&CachingAllocator) -> Result<TailHook>,
+) -> Result<graphed::Result<()>> {
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let mut store = ParamStore::new(&alloc, &s, 8 * 4 + 4)?;
+    let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
+    let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
+    let hook = Arc::new(make_hook(&alloc)?);
+    let options = GraphOptions::default().sync_event(&dev.event()?).save_hook(hook);
+    Ok(make_graphed_callables(&alloc, &[&lin as &dyn Callable], &[Inputs::args(&[&x])], options).map(|_| ()))
+}
+
+fn contract(rule: &'static str) -> impl Fn(&GraphedErrorKind) -> bool {
+    move |k| matches!(k, GraphedErrorKind::SyncContract { rule: r, .. } if *r == rule)
+}
+
+/// A tail that reads the static input, which the caller overwrites with the next input as soon
+/// as it resumes: R3.
+pub fn tail_reading_static_input_is_refused(dev: &Device) -> Result {
+    expect_kind(capture_linear(dev, |a| TailHook::new(dev, a, TailWork::ReadSaved))?, contract("R3"))
+}
+
+/// A tail that writes memory the caller reads after resuming: R2.
+pub fn tail_writing_output_is_refused(dev: &Device) -> Result {
+    expect_kind(capture_linear(dev, |a| TailHook::new(dev, a, TailWork::WriteSaved))?, contract("R2"))
+}
+
+/// The event recorded twice inside the graph: no single sync point (R2).
+pub fn event_recorded_twice_is_refused(dev: &Device) -> Result {
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let mut store = ParamStore::new(&alloc, &s, 8 * 4 + 4)?;
+    let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
+    let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
+    let e = dev.event()?;
+    let mut hook = TailHook::new(dev, &alloc, TailWork::Churn(1))?;
+    hook.extra_record = Some(e.clone());
+    let options = GraphOptions::default().sync_event(&e).save_hook(Arc::new(hook));
+    let r = make_graphed_callables(&alloc, &[&lin as &dyn Callable], &[Inputs::args(&[&x])], options);
+    expect_kind(r, contract("R2"))
+}
+
+/// A graph that waits on an external event cannot resume the caller at its sync event (R7).
+pub fn external_wait_is_refused(dev: &Device) -> Result {
+    let other = dev.event()?;
+    expect_kind(
+        capture_linear(dev, |a| {
+            let mut h = TailHook::new(dev, a, TailWork::Churn(1))?;
+            h.extra_wait = Some(other.clone());
+            Ok(h)
+        })?,
+        contract("R7"),
+    )
+}
+
+/// A long legal tail (work on the pool's scratch memory after the event): capture accepts it, the
+/// results equal a plain replay's, and on CUDA the caller's stream measurably resumes before the
+/// tail ends.
+pub fn side_stream_resumes_before_tail_ends(dev: &Device) -> Result {
+    let churn = if dev.kind() == DeviceKind::Cuda { 400 } else { 2 };
+    let plain = Stack::new(dev)?;
+    let stack = Stack::new(dev)?;
+    let (side, e) = (dev.stream()?, dev.event()?);
+    let (x0, _) = stack.data(0)?;
+    let hook = Arc::new(TailHook::new(dev, &stack.alloc, TailWork::Churn(churn))?);
+    let options = GraphOptions::default().sync_event(&e).save_hook(hook);
+    let mut g = make_graphed_callables(&stack.alloc, &stack.callables()[..1], &[Inputs::args(&[&x0])], options)?;
+    let mut p = make_graphed_callables(
+        &plain.alloc,
+        &plain.callables()[..1],
+        &[Inputs::args(&[&x0])],
+        GraphOptions::default(),
+    )?;
+    for k in 1..4 {
+        let (x, _) = stack.data(k)?;
+        let (resumed, tail_end) = (dev.timing_event()?, dev.timing_event()?);
+        let (y, tail) = g[0].forward(&stack.s, &Inputs::args(&[&x]), Replay::resume_at(&side, &e))?;
+        stack.s.record(&resumed)?;
+        side.record(&tail_end)?;
+        let got = y[0].get()?.to_vec(&stack.s)?;
+        tail.join(&stack.s)?;
+        let (yp, _t) = p[0].forward(&plain.s, &Inputs::args(&[&x]), Replay::caller())?;
+        ensure!(got == yp[0].get()?.to_vec(&plain.s)?, "replay {k}: side-stream output differs");
+        let dy = Tensor::zeros(&stack.alloc, &stack.s, y[0].shape())?;
+        let (_dx, _t) = g[0].backward(&stack.s, &[&dy])?;
+        let dy = Tensor::zeros(&plain.alloc, &plain.s, y[0].shape())?;
+        let (_dx, _t) = p[0].backward(&plain.s, &[&dy])?;
+        if dev.kind() == DeviceKind::Cuda {
+            tail_end.synchronize()?;
+            let lead = resumed.elapsed_ms(&tail_end)?;
+            println!("replay {k}: the caller resumed {lead:.3} ms before the tail ended");
+            ensure!(lead > 0.0, "replay {k}: the caller resumed only after the tail ({lead} ms)");
+        }
+    }
+    Ok(())
+}

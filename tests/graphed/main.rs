@@ -1,0 +1,38 @@
+//! Graphed callables against eager execution, bitwise, and every refusal of the replay contract,
+//! on the simulator under all scheduler policies and on CUDA.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod api;
+mod contract;
+mod equivalence;
+mod fixtures;
+
+pub use api::*;
+pub use contract::*;
+pub use equivalence::*;
+
+per_device!(
+    stack_caller_matches_eager,
+    stack_joined_matches_eager,
+    stack_side_stream_matches_eager,
+    layers_unchained_match_eager,
+    split_weight_gradient_matches_eager,
+    training_and_inference_graphs_mix,
+    hooks_run_in_order_outside_capture,
+    post_warmup_runs_when_warmup_fails,
+    failed_capture_changes_nothing,
+    reset_then_recapture,
+    named_inputs_are_checked,
+    unused_inputs_are_refused_unless_allowed,
+    outputs_refuse_reads_after_overwrite,
+    bad_arguments_are_refused,
+    replay_choices_are_checked,
+    tail_reading_static_input_is_refused,
+    tail_writing_output_is_refused,
+    event_recorded_twice_is_refused,
+    external_wait_is_refused,
+    side_stream_resumes_before_tail_ends,
+    pool_order_is_enforced_across_calls,
+);
