@@ -21,3 +21,25 @@ fn a_small_gpt_learns_addition_on_the_simulator() {
         .unwrap_or_else(|| panic!("no final loss in:\n{stdout}"));
     assert!(loss < THRESHOLD, "final loss {loss} is not below {THRESHOLD}:\n{stdout}");
 }
+
+/// The loss lines of `graphed train` with `extra` arguments: a short run with dropout on.
+fn losses(extra: &[&str]) -> Vec<String> {
+    let exe = std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string());
+    let mut args = vec!["train", "--device", "sim", "--steps", "30", "--eval", "5", "--dropout", "0.1"];
+    args.extend(extra);
+    let out = Command::new(exe).args(&args).output().expect("the graphed binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "train {extra:?} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<String> =
+        stdout.lines().filter(|l| l.starts_with("step") || l.starts_with("final loss")).map(str::to_string).collect();
+    assert!(lines.len() >= 3, "no loss lines in:\n{stdout}");
+    lines
+}
+
+#[test]
+fn graphed_training_follows_eager_bitwise() {
+    let eager = losses(&["--eager"]);
+    for mode in [&[][..], &["--side-stream"], &["--pool-per-layer"]] {
+        assert_eq!(losses(mode), eager, "graphed train {mode:?} against --eager");
+    }
+}

@@ -54,10 +54,15 @@ pub struct Gpt {
 /// What a forward saves for the backward.
 pub struct GptCtx {
     tokens: Tensor<u32>,
-    /// Batch and sequence length of `tokens`.
+    layers: Vec<<TransformerLayer as Module>::Ctx>,
+    head: HeadCtx,
+}
+
+/// What [`Gpt::head`] saves for [`Gpt::head_backward`].
+pub struct HeadCtx {
+    /// Batch and sequence length.
     b: usize,
     t: usize,
-    layers: Vec<<TransformerLayer as Module>::Ctx>,
     ln_f: LayerNormCtx,
     head: LmHeadCtx,
 }
@@ -111,6 +116,39 @@ impl Gpt {
         }
     }
 
+    /// The transformer layers, for callers that run them themselves (graphed).
+    pub fn layers(&self) -> &[TransformerLayer] {
+        &self.layers
+    }
+
+    /// The `(B, T, dim)` embeddings of `(B, T)` tokens: the first layer's input.
+    pub fn embed(&self, tokens: &Tensor<u32>, stream: &Stream) -> Result<Tensor<f32>> {
+        self.embedding.forward(tokens, stream)
+    }
+
+    /// Accumulates the embedding tables' gradients from the first layer's input gradient.
+    pub fn embed_backward(&self, tokens: &Tensor<u32>, dx: &Tensor<f32>, stream: &Stream) -> Result<()> {
+        self.embedding.backward(tokens, dx, stream)
+    }
+
+    /// The final LayerNorm and the head: per-position losses `(B·T)` of the last layer's output
+    /// `x` `(B, T, dim)` against next-token `targets` `(B·T)`.
+    pub fn head(&self, x: &Tensor<f32>, targets: &Tensor<u32>, stream: &Stream) -> Result<(Tensor<f32>, HeadCtx)> {
+        let [b, t, c] = *x.shape() else {
+            return Err(Error::Shape { op: "Gpt::head", expected: "(B, T, dim)".into(), found: x.shape().to_vec() });
+        };
+        let (mut normed, ln_f) = self.ln_f.forward(&[&x.reshape(&[b * t, c])?], &KeepOnDevice, stream)?;
+        let (losses, head) = self.head.forward(&normed.remove(0), targets, stream)?;
+        Ok((losses, HeadCtx { b, t, ln_f, head }))
+    }
+
+    /// The gradient `(B, T, dim)` of `Σ dlosses ⊙ losses` with respect to the last layer's
+    /// output; accumulates the head's and final LayerNorm's parameter gradients.
+    pub fn head_backward(&self, ctx: HeadCtx, dlosses: &Tensor<f32>, stream: &Stream) -> Result<Tensor<f32>> {
+        let dnormed = self.head.backward(ctx.head, dlosses, stream)?;
+        self.ln_f.backward(ctx.ln_f, &[&dnormed], stream)?.remove(0).reshape(&[ctx.b, ctx.t, self.config.dim])
+    }
+
     /// Per-position losses `(B·T)` of `tokens` `(B, T)` against next-token `targets` `(B·T)`.
     pub fn forward(
         &self,
@@ -118,40 +156,30 @@ impl Gpt {
         targets: &Tensor<u32>,
         stream: &Stream,
     ) -> Result<(Tensor<f32>, GptCtx)> {
-        let [b, t] = *tokens.shape() else {
-            return Err(Error::Shape {
-                op: "Gpt::forward",
-                expected: "(B, T) tokens".into(),
-                found: tokens.shape().to_vec(),
-            });
-        };
-        let mut x = self.embedding.forward(tokens, stream)?;
+        let mut x = self.embed(tokens, stream)?;
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
             let (mut out, ctx) = layer.forward(&[&x], &KeepOnDevice, stream)?;
             x = out.remove(0);
             layers.push(ctx);
         }
-        let (mut normed, ln_f) = self.ln_f.forward(&[&x.reshape(&[b * t, self.config.dim])?], &KeepOnDevice, stream)?;
-        let (losses, head) = self.head.forward(&normed.remove(0), targets, stream)?;
-        Ok((losses, GptCtx { tokens: tokens.clone(), b, t, layers, ln_f, head }))
+        let (losses, head) = self.head(&x, targets, stream)?;
+        Ok((losses, GptCtx { tokens: tokens.clone(), layers, head }))
     }
 
     /// Accumulates every parameter's gradient of `Σ dlosses ⊙ losses`.
     pub fn backward(&self, ctx: GptCtx, dlosses: &Tensor<f32>, stream: &Stream) -> Result<()> {
-        let (b, t) = (ctx.b, ctx.t);
-        let dnormed = self.head.backward(ctx.head, dlosses, stream)?;
-        let mut dx = self.ln_f.backward(ctx.ln_f, &[&dnormed], stream)?.remove(0).reshape(&[b, t, self.config.dim])?;
+        let mut dx = self.head_backward(ctx.head, dlosses, stream)?;
         for (layer, lctx) in self.layers.iter().zip(ctx.layers).rev() {
             dx = layer.backward(lctx, &[&dx], stream)?.remove(0);
         }
-        self.embedding.backward(&ctx.tokens, &dx, stream)
+        self.embed_backward(&ctx.tokens, &dx, stream)
     }
 
     /// The softmax of the next-token logits `(B·T, vocab)`, for decoding.
     pub fn probabilities(&self, tokens: &Tensor<u32>, stream: &Stream) -> Result<Tensor<f32>> {
         let targets = Tensor::<u32>::zeros(&self.alloc, stream, &[tokens.numel()])?;
         let (_, ctx) = self.forward(tokens, &targets, stream)?;
-        Ok(ctx.head.probs)
+        Ok(ctx.head.head.probs)
     }
 }

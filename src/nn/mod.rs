@@ -26,7 +26,7 @@ mod transformer;
 pub use attention::{AttentionCtx, CausalSelfAttention};
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;
-pub use gpt::{Gpt, GptConfig, GptCtx};
+pub use gpt::{Gpt, GptConfig, GptCtx, HeadCtx};
 pub use layernorm::{LayerNorm, LayerNormCtx};
 pub use linear::{Linear, LinearCtx};
 pub use lm_head::{LmHead, LmHeadCtx};

@@ -1,8 +1,11 @@
-//! `graphed train`: a small GPT learns 3-digit addition (`addition.rs`), eagerly for now; graphed
-//! layers replace the eager step in the graph issue. Reports the loss as it goes, host and wall
-//! time per step, and exact-match accuracy on held-out sums with greedy decoding.
+//! `graphed train`: a small GPT learns 3-digit addition (`addition.rs`). Its transformer layers
+//! replay as graphed callables (`step.rs`; on a side stream with `--side-stream`), the embedding
+//! and the head run eagerly around them; `--eager` runs everything eagerly. Reports the loss as it
+//! goes, host and wall time per step, and exact-match accuracy on held-out sums with greedy
+//! decoding.
 
 mod addition;
+mod step;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -72,14 +75,16 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     let alloc = CachingAllocator::new(dev);
     let mut model = Gpt::new(&alloc, cfg, &s)?;
     println!("device: {}", dev.name());
+    let mut stepper = step::Stepper::new(&model, &alloc, &s, plan.batch, args)?;
     println!(
-        "model: {} layers, width {}, {} heads, {} parameters; batch {}, {} steps, eager",
+        "model: {} layers, width {}, {} heads, {} parameters; batch {}, {} steps, {}",
         cfg.layers,
         cfg.dim,
         cfg.heads,
         cfg.parameter_count(),
         plan.batch,
-        plan.steps
+        plan.steps,
+        stepper.describe()
     );
 
     let params = model.parameters().values()?;
@@ -106,8 +111,7 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
         let weights = Tensor::from_host(&alloc, &s, &batch.weights, &[n])?;
         let issued = Instant::now();
         step_add(model.dropout_step(), 1, &s)?;
-        let (losses, ctx) = model.forward(&tokens, &targets, &s)?;
-        model.backward(ctx, &weights, &s)?;
+        let losses = stepper.step(&model, &tokens, &targets, &weights)?;
         elementwise::fill(lr.view()?, learning_rate(plan.lr, step, plan.steps), &s)?;
         step_add(&t, 1, &s)?;
         adamw_step(&params, &grads, &m, &v, &lr, &t, &hyper, &s)?;
@@ -129,6 +133,7 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     s.synchronize()?;
     let wall = started.elapsed();
     bar.finish_and_clear();
+    drop(stepper);
     model.set_training(false);
     let accuracy = accuracy(&model, &alloc, &s, &held)?;
     let per_step = |d: Duration| d.as_secs_f64() * 1e6 / plan.steps as f64;
