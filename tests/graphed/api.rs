@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{bail, ensure};
 use graphed::device::{Device, Stream};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedErrorKind, Inputs, Phase, Replay, Saved};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedErrorKind, Inputs, Replay, Saved};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Linear, Param, ParamStore, SaveHook};
 use graphed::tensor::Tensor;
