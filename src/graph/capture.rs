@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::callable::{Callable, Inputs, Saved};
 use super::graphed::{Captured, GraphedCallable, Pass, Shared, Slot};
 use super::options::{GraphOptions, Mode, Phase};
-use super::replay::Route;
+use super::replay::{Origin, Route};
 use super::verify::{verify_sync_point, Surface};
 use super::GraphedErrorKind;
 use crate::check::Checker;
@@ -398,9 +398,16 @@ impl Warmup<'_> {
                 .enumerate()
                 .map(|(k, x)| Slot { input: x.clone(), chained: self.statics[i][k].is_none() })
                 .collect();
-            let output_writers = f.outputs.iter().map(|y| writers_of(pool, y)).collect();
-            let grad_writers =
-                dxs.iter().map(|d| d.as_ref().map_or_else(|| Arc::from([]), |d| writers_of(pool, d))).collect();
+            let name = &self.names[i];
+            let origin = |what: String, t: Option<&Tensor<f32>>| Origin {
+                what: what.into(),
+                writers: t.map_or_else(|| Arc::from([]), |t| writers_of(pool, t)),
+            };
+            let output_origins =
+                f.outputs.iter().enumerate().map(|(k, y)| origin(format!("{name}: output {k}"), Some(y))).collect();
+            let grad_origins = (dxs.iter().zip(f.inputs.iter()).enumerate())
+                .map(|(k, (d, x))| origin(format!("{name}: gradient of {}", x.label(k)), d.as_ref()))
+                .collect();
             out.push(GraphedCallable {
                 name: self.names[i].clone(),
                 shared: shared.clone(),
@@ -410,8 +417,8 @@ impl Warmup<'_> {
                 outputs: f.outputs,
                 grad_outputs: dys.into_iter().flatten().collect(),
                 grad_inputs: dxs,
-                output_writers,
-                grad_writers,
+                output_origins,
+                grad_origins,
                 route: Route::Caller,
                 entry: dev.event()?,
                 done: dev.event()?,

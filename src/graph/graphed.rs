@@ -4,9 +4,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::callable::{Input, Inputs};
-use super::replay::{Route, StaticTensor, Tail};
+use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
-use crate::device::{Event, EventId, Graph, GraphId, NodeKind, Stream};
+use crate::device::{Event, EventId, Graph, NodeKind, Stream};
 use crate::memory::{GraphPool, PoolExec, PoolGraph};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -58,9 +58,9 @@ pub struct GraphedCallable {
     pub(crate) outputs: Vec<Tensor<f32>>,
     pub(crate) grad_outputs: Vec<Tensor<f32>>,
     pub(crate) grad_inputs: Vec<Option<Tensor<f32>>>,
-    /// Per output, and per input gradient, the graphs of the pool that write its memory.
-    pub(crate) output_writers: Vec<Arc<[GraphId]>>,
-    pub(crate) grad_writers: Vec<Arc<[GraphId]>>,
+    /// Per output, and per input gradient, what it is and the graphs that write its memory.
+    pub(crate) output_origins: Vec<Origin>,
+    pub(crate) grad_origins: Vec<Origin>,
     pub(crate) route: Route,
     pub(crate) entry: Event,
     pub(crate) done: Event,
@@ -217,9 +217,8 @@ impl GraphedCallable {
         let tail = self.launch(Pass::Forward, caller, &route)?;
         self.route = route;
         let pool = &self.shared.pool;
-        let outputs = (self.outputs.iter().zip(&self.output_writers).enumerate())
-            .map(|(k, (t, w))| StaticTensor::new(t, pool, w, format!("{}: output {k}", self.name)))
-            .collect();
+        let outputs =
+            self.outputs.iter().zip(&self.output_origins).map(|(t, o)| StaticTensor::new(t, pool, o)).collect();
         Ok((outputs, tail))
     }
 
@@ -275,13 +274,8 @@ impl GraphedCallable {
         }
         let tail = self.launch(Pass::Backward, caller, &route)?;
         let pool = &self.shared.pool;
-        let grads = (self.grad_inputs.iter().zip(&self.grad_writers).enumerate())
-            .map(|(k, (g, w))| {
-                g.as_ref().map(|t| {
-                    let what = format!("{}: gradient of {}", self.name, self.inputs[k].input.label(k));
-                    StaticTensor::new(t, pool, w, what)
-                })
-            })
+        let grads = (self.grad_inputs.iter().zip(&self.grad_origins))
+            .map(|(g, o)| g.as_ref().map(|t| StaticTensor::new(t, pool, o)))
             .collect();
         Ok((grads, tail))
     }

@@ -112,6 +112,13 @@ impl std::fmt::Debug for Tail {
     }
 }
 
+/// What a static output is, and the graphs of its pool that write its memory; computed once at
+/// capture so that a replay only clones it.
+pub(crate) struct Origin {
+    pub(crate) what: Arc<str>,
+    pub(crate) writers: Arc<[GraphId]>,
+}
+
 /// An output or input gradient of a graphed call: a view of a static buffer in the graph pool.
 /// The next replay of any graph of the pool that writes that memory (its own graph, or another
 /// whose internals reuse it) overwrites it, and the tensor then refuses to be read instead of
@@ -127,9 +134,9 @@ pub struct StaticTensor {
 }
 
 impl StaticTensor {
-    pub(crate) fn new(tensor: &Tensor<f32>, pool: &GraphPool, writers: &Arc<[GraphId]>, what: String) -> StaticTensor {
-        let made_at = pool.launch_counts(writers);
-        let (pool, writers, what) = (pool.clone(), writers.clone(), what.into());
+    pub(crate) fn new(tensor: &Tensor<f32>, pool: &GraphPool, origin: &Origin) -> StaticTensor {
+        let made_at = pool.launch_counts(&origin.writers);
+        let (pool, writers, what) = (pool.clone(), origin.writers.clone(), origin.what.clone());
         StaticTensor { tensor: tensor.clone(), pool, writers, made_at, what }
     }
 
