@@ -21,5 +21,9 @@ Run on the GPU machine (device tool: carry [".gpu"]):
   .gpu/graphed bench layer --device cuda --json $OUT/layer.json 2>&1 | tee -a $OUT/bench.log;
   python3 bench/torch_reference.py layer > $OUT/layer-torch.json; cat $OUT/layer-torch.json;
   .gpu/graphed train 2>&1 | tee $OUT/train.log;
+  .gpu/graphed train --side-stream 2>&1 | tee $OUT/train-side.log;
+  .gpu/graphed train --eager 2>&1 | tee $OUT/train-eager.log;
+  .gpu/graphed bench graphs --device cuda --json $OUT/graphs.json 2>&1 | tee $OUT/graphs.log;
+  .gpu/graphed inspect --device cuda --side-stream --dot $OUT/dot 2>&1 | tee $OUT/inspect.log;
   .gpu/graphed demo 2>&1 | tee $OUT/demo.log
 CMD

@@ -22,6 +22,9 @@ pub enum Command {
     Demo(DemoArgs),
     /// Benchmarks.
     Bench(BenchArgs),
+    /// Graph a stack of transformer layers and print, for each graph, its node counts, pool
+    /// memory, static surfaces and event records; write DOT files.
+    Inspect(InspectArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -142,6 +145,51 @@ pub enum BenchCommand {
     /// One transformer layer's forward and backward, eager, f32 (compare with
     /// `bench/torch_reference.py layer`).
     Layer(LayerBenchArgs),
+    /// Per-layer graphed training step against eager and a whole-step graph (BENCH.md's
+    /// configurations).
+    Graphs(GraphsBenchArgs),
+}
+
+/// Arguments of `bench graphs`.
+#[derive(Args, Debug, Clone)]
+pub struct GraphsBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// BENCH.md configurations to run, or `tiny` (the only one the simulator runs).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        ignore_case = true,
+        value_parser = super::stack::CONFIG_NAMES,
+        default_values_t = ["S".to_string(), "M".to_string(), "L".to_string()]
+    )]
+    pub configs: Vec<String>,
+    /// Timed steps per variant (median, min and max are reported).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub steps: u32,
+    /// Untimed steps per variant before the timed ones.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    pub warmup: u32,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// Arguments of `inspect`.
+#[derive(Args, Debug, Clone)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// BENCH.md configuration, or `tiny` (default: S on CUDA, tiny on the simulator, the only
+    /// one it runs).
+    #[arg(long, ignore_case = true, value_parser = super::stack::CONFIG_NAMES)]
+    pub config: Option<String>,
+    /// Write each graph as Graphviz DOT to `<callable>-<pass>.dot` in this directory.
+    #[arg(long)]
+    pub dot: Option<std::path::PathBuf>,
+    /// Capture with a sync event, as for side-stream replay, so that each graph records it.
+    #[arg(long)]
+    pub side_stream: bool,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -4,6 +4,8 @@
 pub mod args;
 mod bench;
 mod demo;
+mod inspect;
+mod stack;
 mod train;
 
 use graphed::device::{Device, SimConfig};
@@ -16,6 +18,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(a) => train::run(&open_device(&a.device)?, &a),
         Command::Demo(a) => demo::run(&open_device(&a.device)?, &a),
         Command::Bench(b) => bench::run(&b),
+        Command::Inspect(a) => inspect::run(&open_device(&a.device)?, &a),
     }
 }
 

@@ -58,7 +58,9 @@ pub fn event_recorded_twice_is_refused(dev: &Device) -> Result {
 
 /// A graph that waits on an external event cannot resume the caller at its sync event (R7).
 pub fn external_wait_is_refused(dev: &Device) -> Result {
+    // Recorded once outside, so that the wait is on a real event (on CUDA too).
     let other = dev.event()?;
+    dev.stream()?.record(&other)?;
     expect_kind(
         capture_linear(dev, |a| {
             let mut h = TailHook::new(dev, a, TailWork::Churn(1))?;

@@ -3,6 +3,7 @@
 mod alloc;
 mod check;
 mod gemm;
+mod graphs;
 mod launch;
 mod layer;
 
@@ -20,6 +21,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Check(a) => check::run(a),
         BenchCommand::Gemm(a) => gemm::run(a),
         BenchCommand::Layer(a) => layer::run(a),
+        BenchCommand::Graphs(a) => graphs::run(a),
     }
 }
 
@@ -55,7 +57,20 @@ fn write_json<R: Serialize>(path: &Option<PathBuf>, report: &Report<R>) -> anyho
     Ok(())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+fn median(v: Vec<f64>) -> f64 {
+    spread(v).median
+}
+
+/// The median and range of some samples.
+#[derive(Serialize, Debug, Clone, Copy)]
+struct Spread {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+/// The median and range of `v`, which must not be empty.
+fn spread(mut v: Vec<f64>) -> Spread {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    Spread { median: v[v.len() / 2], min: v[0], max: v[v.len() - 1] }
 }

@@ -1,0 +1,254 @@
+//! `graphed bench graphs`: a training step of `BENCH.md`'s model (every layer's forward, then
+//! every backward in reverse from a fixed upstream gradient; no optimizer) run four ways:
+//! eagerly, as one graphed callable per layer replayed on the caller's stream or on a side
+//! stream, and as one graph of the whole step (the floor: our kernels with no host gaps). Each
+//! variant gets a fresh allocator and model, so that its memory is its own. In f32, the
+//! dtype graphed's modules have today.
+
+use std::time::Instant;
+
+use anyhow::bail;
+use graphed::device::{CaptureMode, Device, DeviceKind, Stream};
+use graphed::graph::{GraphedCallable, Inputs, Replay, StaticTensor};
+use graphed::memory::CachingAllocator;
+use serde::Serialize;
+
+use super::{spread, write_json, Report, Spread};
+use crate::cli::args::{DeviceChoice, GraphsBenchArgs};
+use crate::cli::stack::{Config, Stack};
+
+/// How a step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// Module by module, kernel by kernel, on the main stream.
+    Eager,
+    /// One graphed callable per layer, replayed on the main stream.
+    Graphed,
+    /// One graphed callable per layer, replayed on a side stream; the main stream resumes at
+    /// the event each graph records.
+    Side,
+    /// The whole eager step captured as one graph.
+    Floor,
+}
+
+const VARIANTS: [Variant; 4] = [Variant::Eager, Variant::Graphed, Variant::Side, Variant::Floor];
+
+impl Variant {
+    /// Its name in `BENCH.md`.
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Eager => "graphed-eager",
+            Variant::Graphed => "graphed",
+            Variant::Side => "graphed-side",
+            Variant::Floor => "graphed-floor",
+        }
+    }
+}
+
+/// One (configuration, variant): times per step, memory and capture cost.
+#[derive(Serialize, Debug)]
+struct GraphsRow {
+    config: &'static str,
+    dim: usize,
+    layers: usize,
+    batch: usize,
+    seq: usize,
+    dtype: &'static str,
+    variant: &'static str,
+    /// Issue and `synchronize` of the main stream.
+    wall_ms: Spread,
+    /// Issue only: from the first call of the step to the last.
+    host_us: Spread,
+    /// Between timing events on the main stream; none on the simulator, which has no clock.
+    gpu_ms: Option<Spread>,
+    /// Median host time per graphed call or graph launch; none for eager.
+    host_us_per_call: Option<f64>,
+    /// Device memory the allocator holds after the timed steps (cache and graph pool together):
+    /// the variant's steady footprint. The areas' peaks are not added up, as they do not
+    /// coincide (the warmup's cache is emptied before capture).
+    reserved_bytes: usize,
+    /// Wall time of `make_graphed_callables` (its warmup iterations included) or of the floor's
+    /// capture, instantiation and upload; none for eager.
+    capture_ms: Option<f64>,
+}
+
+/// Per-step samples of one variant.
+#[derive(Default)]
+struct Samples {
+    wall_ms: Vec<f64>,
+    host_us: Vec<f64>,
+    gpu_ms: Vec<f64>,
+}
+
+/// Runs every requested configuration through every variant.
+pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
+    let dev = super::super::open_device(&args.device)?;
+    if dev.kind() != DeviceKind::Cuda && args.device.device != DeviceChoice::Sim {
+        bail!("bench graphs times GPU work; run it on a CUDA device (or smoke-test it with `--device sim --configs tiny`)");
+    }
+    let configs = args.configs.iter().map(|name| Config::named(name)).collect::<anyhow::Result<Vec<_>>>()?;
+    // Refuse every configuration before timing any, so that a refusal does not come after minutes.
+    for config in &configs {
+        config.check_device(&dev, "--configs")?;
+    }
+    println!("f32 throughout: graphed's modules are f32 today (BENCH.md specifies bf16)");
+    let mut rows = Vec::new();
+    for &config in &configs {
+        println!("{config}");
+        let first = rows.len();
+        for variant in VARIANTS {
+            let row = run_variant(&dev, config, variant, args)?;
+            print_row(&row);
+            rows.push(row);
+        }
+        print_ratios(&rows[first..]);
+    }
+    write_json(&args.json, &Report::new("graphs", &dev, args.steps, rows))
+}
+
+fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenchArgs) -> anyhow::Result<GraphsRow> {
+    let alloc = CachingAllocator::new(dev);
+    let main = dev.stream()?;
+    let stack = Stack::new(&alloc, &main, config)?;
+    let (samples, capture_ms, calls) = match variant {
+        Variant::Eager => (measure(dev, &main, args, &mut || Ok(stack.eager_step(&main)?))?, None, None),
+        Variant::Graphed | Variant::Side => {
+            let (side, event) = (dev.stream()?, dev.event()?);
+            let on_side = variant == Variant::Side;
+            let began = Instant::now();
+            let mut graphed = stack.graph(&alloc, on_side.then_some(&event))?;
+            let capture_ms = began.elapsed().as_secs_f64() * 1e3;
+            // Our own handle, not `graphed[0].sync_event()`: that borrow of `graphed` would last
+            // across the `&mut` replays.
+            let replay = if on_side { Replay::resume_at(&side, &event) } else { Replay::caller() };
+            let samples = measure(dev, &main, args, &mut || graphed_step(&mut graphed, &stack, &main, replay))?;
+            (samples, Some(capture_ms), Some(2 * config.layers))
+        }
+        Variant::Floor => {
+            // Warm up as make_graphed_callables does: the capture then sees a warm allocator
+            // cache and loaded kernels.
+            for _ in 0..2 {
+                stack.eager_step(&main)?;
+            }
+            let pool = alloc.new_pool();
+            let began = Instant::now();
+            let capture = alloc.capture(&main, CaptureMode::ThreadLocal, &pool)?;
+            stack.eager_step(&main)?;
+            let graph = capture.finish()?;
+            let exec = graph.instantiate()?;
+            exec.upload(&main)?;
+            main.synchronize()?;
+            let capture_ms = began.elapsed().as_secs_f64() * 1e3;
+            (measure(dev, &main, args, &mut || Ok(exec.launch(&main)?))?, Some(capture_ms), Some(1))
+        }
+    };
+    alloc.synchronize()?;
+    let host_us = spread(samples.host_us);
+    Ok(GraphsRow {
+        config: config.name,
+        dim: config.dim,
+        layers: config.layers,
+        batch: config.batch,
+        seq: config.seq,
+        dtype: "f32",
+        variant: variant.name(),
+        wall_ms: spread(samples.wall_ms),
+        host_us,
+        gpu_ms: (!samples.gpu_ms.is_empty()).then(|| spread(samples.gpu_ms)),
+        host_us_per_call: calls.map(|n| host_us.median / n as f64),
+        reserved_bytes: alloc.stats().total.reserved,
+        capture_ms,
+    })
+}
+
+/// One step of the graphed callables: forwards in order, each layer's input being the previous
+/// layer's static output (its own static input, so nothing is copied), then backwards in reverse,
+/// each layer's output gradient being the later layer's input gradient; the tails of side-stream
+/// replays are joined into `main` at the end.
+fn graphed_step(
+    graphed: &mut [GraphedCallable],
+    stack: &Stack,
+    main: &Stream,
+    replay: Replay<'_>,
+) -> anyhow::Result<()> {
+    let mut tails = Vec::with_capacity(2 * graphed.len());
+    let mut y: Option<StaticTensor> = None;
+    for g in graphed.iter_mut() {
+        let inputs = match &y {
+            None => Inputs::args(&[&stack.x]),
+            Some(y) => Inputs::args(&[y.get()?]),
+        };
+        let (mut outputs, tail) = g.forward(main, &inputs, replay)?;
+        tails.push(tail);
+        y = Some(outputs.swap_remove(0));
+    }
+    let mut dx: Option<StaticTensor> = None;
+    for g in graphed.iter_mut().rev() {
+        let (mut grads, tail) = match &dx {
+            None => g.backward(main, &[&stack.dy])?,
+            Some(dx) => g.backward(main, &[dx.get()?])?,
+        };
+        tails.push(tail);
+        dx = grads.swap_remove(0);
+    }
+    for tail in tails {
+        tail.join(main)?;
+    }
+    Ok(())
+}
+
+/// Runs `step` `warmup` times untimed, then `steps` times timed.
+fn measure(
+    dev: &Device,
+    main: &Stream,
+    args: &GraphsBenchArgs,
+    step: &mut dyn FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<Samples> {
+    let on_gpu = dev.kind() == DeviceKind::Cuda;
+    let (start, end) = (dev.timing_event()?, dev.timing_event()?);
+    let mut samples = Samples::default();
+    for i in 0..args.warmup + args.steps {
+        main.record(&start)?;
+        let issued = Instant::now();
+        step()?;
+        let host = issued.elapsed();
+        main.record(&end)?;
+        main.synchronize()?;
+        let wall = issued.elapsed();
+        if i >= args.warmup {
+            samples.wall_ms.push(wall.as_secs_f64() * 1e3);
+            samples.host_us.push(host.as_secs_f64() * 1e6);
+            if on_gpu {
+                samples.gpu_ms.push(f64::from(start.elapsed_ms(&end)?));
+            }
+        }
+    }
+    Ok(samples)
+}
+
+fn print_row(r: &GraphsRow) {
+    let range = |s: &Spread, unit: &str| format!("{:.3} {unit} [{:.3}–{:.3}]", s.median, s.min, s.max);
+    let gpu = r.gpu_ms.as_ref().map_or_else(|| "-".to_string(), |s| range(s, "ms"));
+    let per_call = r.host_us_per_call.map_or_else(|| "-".to_string(), |v| format!("{v:.2} µs"));
+    let capture = r.capture_ms.map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms"));
+    println!(
+        "  {:<14} wall {}  host {}  gpu {}  host/call {}  reserved {:.1} MiB  capture {}",
+        r.variant,
+        range(&r.wall_ms, "ms"),
+        range(&r.host_us, "µs"),
+        gpu,
+        per_call,
+        r.reserved_bytes as f64 / (1 << 20) as f64,
+        capture
+    );
+}
+
+/// Wall-time ratios of one configuration's rows: graphed against eager and against the floor.
+fn print_ratios(rows: &[GraphsRow]) {
+    let wall = |v: Variant| rows.iter().find(|r| r.variant == v.name()).map(|r| r.wall_ms.median);
+    if let (Some(eager), Some(graphed), Some(floor)) =
+        (wall(Variant::Eager), wall(Variant::Graphed), wall(Variant::Floor))
+    {
+        println!("  wall time: graphed/eager {:.2}x, graphed/floor {:.2}x", graphed / eager, graphed / floor);
+    }
+}

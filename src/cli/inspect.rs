@@ -1,0 +1,117 @@
+//! `graphed inspect`: graphs `BENCH.md`'s stack of transformer layers as `bench graphs` does and
+//! prints what was captured, so that a graph's contents can be checked without a profiler: per
+//! graph its nodes by kind and the external events it records, per callable its static surfaces,
+//! and the pool's memory and replay order; optionally each graph as Graphviz DOT.
+
+use std::collections::BTreeMap;
+
+use anyhow::Context;
+use graphed::device::{Device, DeviceKind, GraphId};
+use graphed::graph::GraphedCallable;
+use graphed::memory::CachingAllocator;
+
+use super::args::InspectArgs;
+use super::stack::{Config, Stack};
+
+/// Graphs the stack and prints the report.
+pub fn run(dev: &Device, args: &InspectArgs) -> anyhow::Result<()> {
+    let config = match &args.config {
+        Some(name) => Config::named(name)?,
+        None if dev.kind() == DeviceKind::Cuda => Config::named("S")?,
+        None => Config::named("tiny")?,
+    };
+    config.check_device(dev, "--config")?;
+    let alloc = CachingAllocator::new(dev);
+    let stream = dev.stream()?;
+    let stack = Stack::new(&alloc, &stream, config)?;
+    let event = if args.side_stream { Some(dev.event()?) } else { None };
+    let graphed = stack.graph(&alloc, event.as_ref())?;
+    let first = graphed.first().context("a configuration has at least one layer")?;
+    let pool = first.pool();
+    let sync = first.sync_event().map_or_else(|| "no sync event".to_string(), |e| format!("sync event {}", e.id()));
+    println!("{config}: {} graphed callables in {}, chained, {sync}", graphed.len(), pool.id());
+
+    // Graph ids name the graphs in the replay order and the DOT files.
+    let mut names: BTreeMap<GraphId, String> = BTreeMap::new();
+    for g in &graphed {
+        print_callable(g)?;
+        for (pass, graph) in g.graphs() {
+            names.insert(graph.id(), format!("{} {pass:?}", g.name()));
+        }
+    }
+
+    let stats = alloc.stats();
+    let (_, mine) =
+        stats.pools.iter().find(|(id, _)| *id == pool.id()).with_context(|| {
+            format!("the allocator reports no {}, which the callables were captured into", pool.id())
+        })?;
+    println!(
+        "{}: allocated {}, reserved {}, peak allocated {}, peak reserved {}",
+        pool.id(),
+        bytes(mine.allocated),
+        bytes(mine.reserved),
+        bytes(mine.peak_allocated),
+        bytes(mine.peak_reserved)
+    );
+    let order: Vec<String> = pool
+        .order()
+        .iter()
+        .map(|id| names.get(id).map_or_else(|| id.to_string(), |name| format!("{name} ({id})")))
+        .collect();
+    println!("replay order: {}", order.join(" -> "));
+
+    if let Some(dir) = &args.dot {
+        write_dots(&graphed, dir)?;
+    }
+    Ok(())
+}
+
+fn print_callable(g: &GraphedCallable) -> anyhow::Result<()> {
+    let report = g.report()?;
+    println!(
+        "{}: inputs {:?}, outputs {:?}, static buffers outside the pool {}",
+        report.name,
+        report.input_shapes,
+        report.output_shapes,
+        bytes(report.static_bytes)
+    );
+    for graph in &report.graphs {
+        let total: usize = graph.nodes.values().sum();
+        let kinds: Vec<String> = graph.nodes.iter().map(|(kind, n)| format!("{kind:?} {n}")).collect();
+        let records = match graph.records.as_slice() {
+            [] => "none".to_string(),
+            events => events.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+        };
+        println!(
+            "  {} {:?} {}: {total} nodes ({}), records {records}",
+            report.name,
+            graph.pass,
+            graph.graph,
+            kinds.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Writes each graph to `<callable>-<pass>.dot` in `dir`, `#` made `_` so that the names are
+/// safe in shells and URLs.
+fn write_dots(graphed: &[GraphedCallable], dir: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create {}; pass a writable directory to --dot", dir.display()))?;
+    let mut written = 0;
+    for g in graphed {
+        for (pass, graph) in g.graphs() {
+            let path = dir.join(format!("{}-{pass:?}.dot", g.name().replace('#', "_")));
+            std::fs::write(&path, graph.dot()?)
+                .with_context(|| format!("cannot write {}; pass a writable directory to --dot", path.display()))?;
+            written += 1;
+        }
+    }
+    println!("wrote {written} DOT files to {}", dir.display());
+    Ok(())
+}
+
+/// Bytes, with MiB for reading at a glance.
+fn bytes(n: usize) -> String {
+    format!("{n} B ({:.2} MiB)", n as f64 / (1 << 20) as f64)
+}

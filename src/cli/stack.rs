@@ -1,0 +1,151 @@
+//! The benchmark model of `BENCH.md` for `bench graphs` and `inspect`: its configurations, and a
+//! stack of transformer layers with one input and one upstream gradient, stepped eagerly or
+//! graphed one callable per layer. In f32, the dtype graphed's modules have today (`BENCH.md`
+//! specifies bf16).
+
+use std::fmt;
+
+use anyhow::bail;
+use graphed::device::{Device, DeviceKind, Event, Stream};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, Inputs};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{DropoutSpec, KeepOnDevice, Module, ParamStore, TransformerLayer};
+use graphed::tensor::Tensor;
+
+/// One model configuration: a `BENCH.md` row, or `tiny`, small enough for the simulator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// `tiny`, `S`, `M` or `L`.
+    pub name: &'static str,
+    /// Model width.
+    pub dim: usize,
+    /// Transformer layers.
+    pub layers: usize,
+    /// Sequences per batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+}
+
+/// Every configuration, smallest first; S, M and L are `BENCH.md`'s.
+pub const CONFIGS: [Config; 4] = [
+    Config { name: "tiny", dim: 64, layers: 2, batch: 2, seq: 16 },
+    Config { name: "S", dim: 256, layers: 8, batch: 2, seq: 64 },
+    Config { name: "M", dim: 1024, layers: 8, batch: 4, seq: 512 },
+    Config { name: "L", dim: 4096, layers: 4, batch: 2, seq: 2048 },
+];
+
+/// The names clap accepts for a configuration (case-insensitively).
+pub const CONFIG_NAMES: [&str; 4] = ["tiny", "S", "M", "L"];
+
+impl Config {
+    /// The configuration called `name`, in any case.
+    pub fn named(name: &str) -> anyhow::Result<Config> {
+        match CONFIGS.iter().find(|c| c.name.eq_ignore_ascii_case(name)) {
+            Some(c) => Ok(*c),
+            None => bail!("no configuration `{name}`; pick one of {}", CONFIG_NAMES.join(", ")),
+        }
+    }
+
+    /// Heads of 64 features, as `BENCH.md` says (one for a model narrower than that).
+    pub fn heads(&self) -> usize {
+        (self.dim / 64).max(1)
+    }
+
+    /// Parameters of one layer: QKV, Proj, FC1, FC2 with biases (12d² + 9d) and two
+    /// LayerNorms (4d).
+    fn layer_params(&self) -> usize {
+        12 * self.dim * self.dim + 13 * self.dim
+    }
+
+    /// Refuses any configuration but `tiny` on the simulator, whose CPU kernels would take
+    /// minutes to hours on S, M and L; `flag` names the option that picks the configuration.
+    pub fn check_device(&self, dev: &Device, flag: &str) -> anyhow::Result<()> {
+        if dev.kind() != DeviceKind::Cuda && self.name != "tiny" {
+            bail!(
+                "configuration {} is too large for the simulator, which runs kernels on the CPU; pass `{flag} tiny` \
+                 or run on a CUDA device",
+                self.name
+            );
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: d={} heads={} layers={} batch={} seq={} (f32)",
+            self.name,
+            self.dim,
+            self.heads(),
+            self.layers,
+            self.batch,
+            self.seq
+        )
+    }
+}
+
+/// A configuration's layers over one parameter store, with the input and upstream gradient of a
+/// step.
+pub struct Stack {
+    /// The layers, in forward order; dropout is off (p = 0) as in `BENCH.md`'s benchmarks.
+    pub layers: Vec<TransformerLayer>,
+    /// The input, `(batch, seq, dim)`, deterministic so that runs compare.
+    pub x: Tensor<f32>,
+    /// The fixed upstream gradient of the last layer's output: ones.
+    pub dy: Tensor<f32>,
+}
+
+impl Stack {
+    /// Builds `config`'s layers, input and upstream gradient from `alloc`, on `stream`.
+    pub fn new(alloc: &CachingAllocator, stream: &Stream, config: Config) -> graphed::Result<Stack> {
+        let Config { dim, layers: n, batch, seq, .. } = config;
+        let mut store = ParamStore::new(alloc, stream, n * config.layer_params())?;
+        let step = Tensor::<u64>::zeros(alloc, stream, &[1])?;
+        let layers = (0..n)
+            .map(|l| {
+                // Sites two apart: each layer has two dropouts. Init seeds four apart: each
+                // layer seeds its linear layers from `seed` to `seed + 3`.
+                let spec = DropoutSpec { p: 0.0, seed: 0, site: 2 * l as u32, step: step.clone() };
+                let name = format!("layer{l}");
+                TransformerLayer::new(&mut store, alloc, &name, (dim, config.heads()), &spec, 1 + 4 * l as u64, stream)
+            })
+            .collect::<graphed::Result<Vec<_>>>()?;
+        let numel = batch * seq * dim;
+        let x: Vec<f32> = (0..numel).map(|i| (i * 7919 % 1000) as f32 / 1000.0 - 0.5).collect();
+        let x = Tensor::from_host(alloc, stream, &x, &[batch, seq, dim])?;
+        let dy = Tensor::from_host(alloc, stream, &vec![1.0f32; numel], &[batch, seq, dim])?;
+        Ok(Stack { layers, x, dy })
+    }
+
+    /// One eager step on `stream`: every forward in order, then every backward in reverse from
+    /// `dy`; parameter gradients accumulate.
+    pub fn eager_step(&self, stream: &Stream) -> graphed::Result<()> {
+        let mut saved = Vec::with_capacity(self.layers.len());
+        let mut h = self.x.clone();
+        for layer in &self.layers {
+            let (mut y, ctx) = Module::forward(layer, &[&h], &KeepOnDevice, stream)?;
+            saved.push(ctx);
+            h = y.swap_remove(0);
+        }
+        let mut dy = self.dy.clone();
+        for (layer, ctx) in self.layers.iter().zip(saved).rev() {
+            dy = Module::backward(layer, ctx, &[&dy], stream)?.swap_remove(0);
+        }
+        Ok(())
+    }
+
+    /// Graphs each layer as one callable, chained so that layers replay with no copies between
+    /// them, into one pool; with `sync_event`, every graph records it for side-stream replay.
+    pub fn graph(&self, alloc: &CachingAllocator, sync_event: Option<&Event>) -> graphed::Result<Vec<GraphedCallable>> {
+        let callables: Vec<&dyn Callable> = self.layers.iter().map(|l| l as &dyn Callable).collect();
+        let samples: Vec<Inputs> = self.layers.iter().map(|_| Inputs::args(&[&self.x])).collect();
+        let mut options = GraphOptions::default().chain(true);
+        if let Some(event) = sync_event {
+            options = options.sync_event(event);
+        }
+        make_graphed_callables(alloc, &callables, &samples, options)
+    }
+}
