@@ -32,4 +32,4 @@ pub use capture::make_graphed_callables;
 pub use error::GraphedErrorKind;
 pub use graphed::{CallableReport, GraphReport, GraphedCallable, Pass};
 pub use options::{GraphOptions, Mode, Phase};
-pub use replay::{Replay, StaticTensor, Tail};
+pub use replay::{Replay, StaticTensor, Tail, Tails};

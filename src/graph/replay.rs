@@ -87,6 +87,52 @@ impl Tail {
     }
 }
 
+/// The tails of one caller's replays, joined together: a tail replaces an earlier one of the same
+/// replay stream (launches on one stream run in order, so the later tail's end covers the earlier
+/// one's), and joining waits once per replay stream instead of once per replay.
+///
+/// ```no_run
+/// # use graphed::graph::{Tails, Tail};
+/// # fn step(replays: Vec<Tail>, main: &graphed::device::Stream) -> graphed::Result<()> {
+/// let mut tails = Tails::new();
+/// for tail in replays {
+///     tails.push(tail);
+/// }
+/// tails.join(main)?; // before the optimizer, or anything else that reads what the tails wrote
+/// # Ok(()) }
+/// ```
+#[derive(Default, Debug)]
+#[must_use = "dropping the tails joins them at once"]
+pub struct Tails {
+    latest: Vec<Tail>,
+}
+
+impl Tails {
+    /// No tails.
+    pub fn new() -> Tails {
+        Tails::default()
+    }
+
+    /// Adds `tail`, issued after every tail already here.
+    pub fn push(&mut self, mut tail: Tail) {
+        let Some(p) = &tail.pending else { return };
+        let stream = p.replay.id();
+        let same = self.latest.iter_mut().find(|t| t.pending.as_ref().is_some_and(|q| q.replay.id() == stream));
+        match same {
+            // Covered by the new one: let it go without a wait.
+            Some(old) => {
+                old.pending = tail.pending.take();
+            }
+            None => self.latest.push(tail),
+        }
+    }
+
+    /// Makes `stream` wait for every tail.
+    pub fn join(self, stream: &Stream) -> Result<()> {
+        self.latest.into_iter().try_for_each(|t| t.join(stream))
+    }
+}
+
 impl Pending {
     fn join(self, stream: &Stream) -> Result<()> {
         stream.wait(&self.done)?;

@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 
 use graphed::device::{Device, Event, Stream};
-use graphed::graph::{Callable, GraphedCallable, Inputs, Replay, Saved, Tail};
+use graphed::graph::{Callable, GraphedCallable, Inputs, Replay, Saved, Tails};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{DropoutSpec, KeepOnDevice, Module, Param, ParamStore, SaveHook, TransformerLayer};
 use graphed::ops::adamw::{adamw_step, AdamW};
@@ -111,7 +111,7 @@ impl Stack {
         replay: Replay<'_>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         rng::step_add(&self.step, 1, &self.s)?;
-        let mut tails: Vec<Tail> = Vec::new();
+        let mut tails = Tails::new();
         let mut h = x.clone();
         for gi in g.iter_mut() {
             let (y, tail) = gi.forward(&self.s, &Inputs::args(&[&h]), replay)?;
@@ -126,9 +126,7 @@ impl Stack {
             d = dx[0].as_ref().ok_or_else(|| anyhow::anyhow!("no input gradient"))?.get()?.clone();
         }
         let dx = d.to_vec(&self.s)?;
-        for t in tails {
-            t.join(&self.s)?;
-        }
+        tails.join(&self.s)?;
         Ok((y, dx))
     }
 

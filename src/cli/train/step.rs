@@ -2,7 +2,7 @@
 //! graphed callables between the eager embedding and head.
 
 use graphed::device::{Event, Stream};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, Inputs, Replay, Tail};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, Inputs, Replay, Tails};
 use graphed::memory::CachingAllocator;
 use graphed::nn::Gpt;
 use graphed::tensor::Tensor;
@@ -98,7 +98,7 @@ impl Stepper {
                     Some((s, e)) => Replay::resume_at(s, e),
                     None => Replay::caller(),
                 };
-                let mut tails: Vec<Tail> = Vec::with_capacity(2 * layers.len());
+                let mut tails = Tails::new();
                 let mut h = model.embed(tokens, stream)?;
                 for layer in layers.iter_mut() {
                     let (y, tail) = layer.forward(stream, &Inputs::args(&[&h]), replay)?;
@@ -119,9 +119,7 @@ impl Stepper {
                 }
                 model.embed_backward(tokens, &d, stream)?;
                 // The optimizer comes next: join every tail first (R4).
-                for t in tails {
-                    t.join(stream)?;
-                }
+                tails.join(stream)?;
                 Ok(losses)
             }
         }
