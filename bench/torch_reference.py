@@ -3,10 +3,14 @@
 
 Usage: python3 bench/torch_reference.py gemm [--d 4096] [--reps 50]
        python3 bench/torch_reference.py layer [--configs S,M,L]
+       python3 bench/torch_reference.py graphs [--configs S,M,L] [--dtype f32|bf16]
 Prints one JSON object on stdout.
 """
 import argparse
 import json
+import statistics
+import sys
+import time
 
 import torch
 
@@ -83,15 +87,95 @@ def layer(configs: list, reps: int) -> dict:
             "gpu": torch.cuda.get_device_name()}
 
 
+SHAPES = {"S": (256, 8, 2, 64), "M": (1024, 8, 4, 512), "L": (4096, 4, 2, 2048)}
+
+
+def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup: int) -> dict:
+    """One (configuration, variant) of `graphs`, in a function so that its memory goes on return."""
+    d, n, b, t = SHAPES[name]
+    layers = [Layer(d).cuda().to(dt) for _ in range(n)]
+    x = torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.ones(b, t, d, device="cuda", dtype=dt)
+    capture_ms = None
+
+    def eager_step():
+        h = x
+        for m in layers:
+            h = m(h)
+        h.backward(dy)
+
+    step = eager_step
+    if variant == "torch-graphed":
+        began = time.perf_counter()
+        samples = tuple((torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True),) for _ in layers)
+        layers = list(torch.cuda.make_graphed_callables(tuple(layers), samples))
+        torch.cuda.synchronize()
+        capture_ms = (time.perf_counter() - began) * 1e3
+    elif variant == "torch-floor":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                eager_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        began = time.perf_counter()
+        with torch.cuda.graph(graph):
+            eager_step()
+        torch.cuda.synchronize()
+        capture_ms = (time.perf_counter() - began) * 1e3
+        step = graph.replay
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    wall, host, gpu = [], [], []
+    for i in range(warmup + steps):
+        start.record()
+        issued = time.perf_counter()
+        step()
+        issuing = time.perf_counter() - issued
+        end.record()
+        torch.cuda.synchronize()
+        total = time.perf_counter() - issued
+        if i >= warmup:
+            wall.append(total * 1e3)
+            host.append(issuing * 1e6)
+            gpu.append(start.elapsed_time(end))
+    row = {"config": name, "variant": variant, "dtype": str(dt).removeprefix("torch."),
+           "wall_ms": statistics.median(wall), "wall_min_ms": min(wall), "host_us": statistics.median(host),
+           "host_min_us": min(host), "gpu_ms": statistics.median(gpu),
+           "reserved_bytes": torch.cuda.memory_reserved(), "capture_ms": capture_ms}
+    print(f"{name} {variant:14} wall {row['wall_ms']:.3f} ms  host {row['host_us']:.1f} us  "
+          f"gpu {row['gpu_ms']:.3f} ms  reserved {row['reserved_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
+    return row
+
+
+def graphs(configs: list, dtype: str, steps: int, warmup: int) -> dict:
+    """BENCH.md's step (every layer's forward, then backward from ones; no optimizer), as
+    `graphed bench graphs` runs it: torch-eager, torch-graphed (make_graphed_callables, one
+    callable per layer) and torch-floor (the whole step in one torch.cuda.graph). TF32 off."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    rows = []
+    for name in configs:
+        for variant in ["torch-eager", "torch-graphed", "torch-floor"]:
+            rows.append(graphs_variant(name, variant, dt, steps, warmup))
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    return {"bench": "graphs", "impl": "torch", "rows": rows, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("which", choices=["gemm", "layer"])
+    p.add_argument("which", choices=["gemm", "layer", "graphs"])
     p.add_argument("--d", type=int, default=4096)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--configs", default="S,M,L")
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     args = p.parse_args()
     if args.which == "gemm":
         print(json.dumps(gemm(args.d, args.reps)))
+    elif args.which == "graphs":
+        print(json.dumps(graphs(args.configs.split(","), args.dtype, 20, 5)))
     else:
         print(json.dumps(layer(args.configs.split(","), min(args.reps, 10))))
 
