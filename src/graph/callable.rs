@@ -16,6 +16,7 @@ pub type Saved = Box<dyn Any + Send>;
 ///
 /// Every [`Module`] is a callable taking positional inputs. Implement this trait directly for a
 /// callable that takes named inputs (the kwargs of PyTorch's API, such as an attention mask).
+/// With both traits in scope, name the one meant: `Module::forward(&layer, ...)`.
 pub trait Callable: Sync {
     /// A name for errors and reports.
     fn name(&self) -> String {

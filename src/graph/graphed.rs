@@ -179,8 +179,7 @@ impl GraphedCallable {
                 match (route, &self.shared.sync_event) {
                     (Route::ResumeAt(_), Some(event)) => {
                         caller.wait(event)?;
-                        side.record(&self.done)?;
-                        Ok(Tail::pending(self.done.clone(), exec.id(), side, caller, pool))
+                        Ok(Tail::pending(self.done.clone(), side, caller, pool))
                     }
                     _ => {
                         side.record(&self.done)?;

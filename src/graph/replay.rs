@@ -50,6 +50,10 @@ pub(crate) enum Route {
 /// Work of a side-stream replay that may still run after the caller resumed (the graph's tail).
 /// Join it before anything reads what the tail wrote (R4); dropping it joins it into the
 /// caller's stream. Keep it alive (`let (y, tail) = ...`) for the caller to overlap the tail.
+///
+/// Joining waits for everything queued on the replay stream when the join is issued (an event
+/// recorded then, not at the replay: the replay itself costs one driver call less, and a later
+/// replay's work on that stream is waited for too, which is safe).
 #[must_use = "dropping the tail joins it at once, which gives up the overlap"]
 pub struct Tail {
     pending: Option<Pending>,
@@ -57,7 +61,6 @@ pub struct Tail {
 
 struct Pending {
     done: Event,
-    graph: GraphId,
     replay: Stream,
     caller: Stream,
     pool: GraphPool,
@@ -68,8 +71,8 @@ impl Tail {
         Tail { pending: None }
     }
 
-    pub(crate) fn pending(done: Event, graph: GraphId, replay: &Stream, caller: &Stream, pool: &GraphPool) -> Tail {
-        let p = Pending { done, graph, replay: replay.clone(), caller: caller.clone(), pool: pool.clone() };
+    pub(crate) fn pending(done: Event, replay: &Stream, caller: &Stream, pool: &GraphPool) -> Tail {
+        let p = Pending { done, replay: replay.clone(), caller: caller.clone(), pool: pool.clone() };
         Tail { pending: Some(p) }
     }
 
@@ -135,8 +138,10 @@ impl Tails {
 
 impl Pending {
     fn join(self, stream: &Stream) -> Result<()> {
+        self.replay.record(&self.done)?;
         stream.wait(&self.done)?;
-        self.pool.ordered_after(Some(self.graph), &self.replay, stream);
+        // The record covers every launch on the replay stream so far, the pool's last included.
+        self.pool.ordered_after(None, &self.replay, stream);
         Ok(())
     }
 }
