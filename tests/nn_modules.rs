@@ -6,7 +6,7 @@
 mod common;
 
 use anyhow::ensure;
-use common::{ensure_close, numeric_grad};
+use common::{ensure_close, lcg, numeric_grad};
 use graphed::device::{Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
@@ -21,17 +21,6 @@ type Result<T = ()> = anyhow::Result<T>;
 /// Batch, sequence, width and heads of every case: tiny, so that finite differences stay cheap.
 const SHAPE: [usize; 3] = [2, 3, 8];
 const HEADS: usize = 2;
-
-/// Deterministic values uniform in `[-1, 1)` (Knuth's MMIX generator).
-fn lcg(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-            ((x >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-        })
-        .collect()
-}
 
 /// A step counter at step 1 and the dropout spec over it.
 fn spec(alloc: &CachingAllocator, s: &Stream, p: f32, site: u32) -> graphed::Result<DropoutSpec> {

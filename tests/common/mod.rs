@@ -86,3 +86,14 @@ pub fn ensure_close(what: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64)
     }
     Ok(())
 }
+
+/// `n` deterministic values uniform in `[-1, 1)` from `seed` (Knuth's MMIX generator).
+pub fn lcg(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            ((x >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+        })
+        .collect()
+}

@@ -12,6 +12,8 @@ use graphed::ops::cast::residual_add;
 use graphed::ops::{elementwise, rng};
 use graphed::tensor::Tensor;
 
+pub use super::common::lcg;
+
 pub type Result<T = ()> = anyhow::Result<T>;
 
 /// Batch, sequence, width; heads; layers; dropout.
@@ -19,17 +21,6 @@ pub const SHAPE: [usize; 3] = [2, 4, 16];
 const HEADS: usize = 2;
 pub const LAYERS: usize = 2;
 const DROPOUT: f32 = 0.25;
-
-/// Deterministic values uniform in `[-1, 1)`.
-pub fn lcg(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-            ((x >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-        })
-        .collect()
-}
 
 /// A stack of transformer layers, its parameters, step counter and AdamW state.
 pub struct Stack {
