@@ -336,11 +336,6 @@ impl Checker {
         Arc::new(Checker { inner: Arc::new(inner) })
     }
 
-    /// Whether this checker watches eager work and replays too, not only captures.
-    pub fn watches_everything(&self) -> bool {
-        !self.inner.captures_only
-    }
-
     /// Whether `graph` writes memory that `access` touches; `None` if this checker did not see
     /// its capture.
     pub fn graph_writes(&self, graph: GraphId, access: &Access) -> Option<bool> {

@@ -168,6 +168,24 @@ fn snapshot(alloc: &CachingAllocator, stream: &Stream, params: &[Param]) -> Resu
         .collect()
 }
 
+/// A callable's output gradients: `given[k]` where there is one; else, for the first output, the
+/// next callable's first input gradient (`chained_dx`) when the shapes agree; else zeros.
+fn output_grads(
+    alloc: &CachingAllocator,
+    stream: &Stream,
+    outputs: &[Tensor<f32>],
+    given: &[Option<Tensor<f32>>],
+    chained_dx: Option<&Tensor<f32>>,
+) -> Result<Vec<Tensor<f32>>> {
+    (outputs.iter().enumerate())
+        .map(|(k, y)| match (given.get(k).cloned().flatten(), chained_dx) {
+            (Some(d), _) => Ok(d),
+            (None, Some(dx)) if k == 0 && dx.shape() == y.shape() => Ok(dx.clone()),
+            _ => Tensor::zeros(alloc, stream, y.shape()),
+        })
+        .collect()
+}
+
 fn restore(stream: &Stream, params: &[Param], saved: &[Tensor<f32>]) -> Result<()> {
     for (p, t) in params.iter().zip(saved) {
         stream.copy_d2d(t.view()?, p.grad.view()?)?;
@@ -226,25 +244,6 @@ impl Warmup<'_> {
         Ok(self.samples[i].with_tensors(tensors))
     }
 
-    /// The output gradients of callable `i`: the chained input gradient of the next callable
-    /// for its first output, else from `fresh` (zeros).
-    fn grad_outputs(
-        &self,
-        chain: bool,
-        outputs: &[Tensor<f32>],
-        next_dx: Option<&Tensor<f32>>,
-        fresh: &mut dyn FnMut(&[usize]) -> Result<Tensor<f32>>,
-    ) -> Result<Vec<Tensor<f32>>> {
-        outputs
-            .iter()
-            .enumerate()
-            .map(|(k, y)| match (chain, k, next_dx) {
-                (true, 0, Some(dx)) if dx.shape() == y.shape() => Ok(dx.clone()),
-                _ => fresh(y.shape()),
-            })
-            .collect()
-    }
-
     /// Checks a backward's gradients against the inputs: one per input, none missing for a
     /// differentiable input unless allowed.
     fn check_grads(&self, i: usize, inputs: &Inputs, grads: &[Option<Tensor<f32>>], allow_unused: bool) -> Result<()> {
@@ -280,8 +279,8 @@ impl Warmup<'_> {
             for i in (0..n).rev() {
                 Self::hook(options, i, Phase::BackwardPre, stream)?;
                 let f = &mut forwards[i];
-                let mut zeros = |shape: &[usize]| Tensor::zeros(self.alloc, stream, shape);
-                let dys = self.grad_outputs(options.chain, &f.outputs, next_dx.as_ref(), &mut zeros)?;
+                let chained_dx = if options.chain { next_dx.as_ref() } else { None };
+                let dys = output_grads(self.alloc, stream, &f.outputs, &[], chained_dx)?;
                 let saved = f.saved.take().expect("each forward is backed once");
                 let grads = self.callables[i].backward(saved, &dys.iter().collect::<Vec<_>>(), stream)?;
                 self.check_grads(i, &f.inputs, &grads, options.allow_unused_input)?;
@@ -343,15 +342,7 @@ impl Warmup<'_> {
         if training {
             for i in (0..n).rev() {
                 let next_dx = grad_inputs.get(i + 1).and_then(|g| g.first().cloned().flatten());
-                let dys: Vec<Tensor<f32>> = grad_outputs[i]
-                    .iter()
-                    .enumerate()
-                    .map(|(k, d)| match (d, k, &next_dx) {
-                        (Some(d), _, _) => Ok(d.clone()),
-                        (None, 0, Some(dx)) if dx.shape() == forwards[i].outputs[0].shape() => Ok(dx.clone()),
-                        (None, _, _) => Tensor::zeros(self.alloc, stream, forwards[i].outputs[k].shape()),
-                    })
-                    .collect::<Result<_>>()?;
+                let dys = output_grads(self.alloc, stream, &forwards[i].outputs, &grad_outputs[i], next_dx.as_ref())?;
                 Self::hook(options, i, Phase::BackwardPre, stream)?;
                 let saved = forwards[i].saved.take().expect("each forward is backed once");
                 let mut saved = Some(saved);

@@ -162,9 +162,8 @@ impl GraphedCallable {
         Ok(sources)
     }
 
-    /// Launches `pass` under `route` after the copies on `caller`; returns the tail.
-    fn launch(&self, pass: Pass, caller: &Stream, route: &Route) -> Result<Tail> {
-        let exec = self.exec(pass)?;
+    /// Launches `exec` under `route` after the copies on `caller`; returns the tail.
+    fn launch(&self, exec: &PoolExec, caller: &Stream, route: &Route) -> Result<Tail> {
         let pool = &self.shared.pool;
         match route {
             Route::Caller => {
@@ -205,7 +204,7 @@ impl GraphedCallable {
         inputs: &Inputs,
         replay: Replay<'_>,
     ) -> Result<(Vec<StaticTensor>, Tail)> {
-        self.exec(Pass::Forward)?;
+        let exec = self.exec(Pass::Forward)?;
         let route = self.route(caller, replay)?;
         let sources = self.match_inputs(inputs)?;
         for (src, slot) in sources.iter().zip(&self.inputs) {
@@ -213,7 +212,7 @@ impl GraphedCallable {
                 caller.copy_d2d(src.view()?, slot.input.tensor.view()?)?;
             }
         }
-        let tail = self.launch(Pass::Forward, caller, &route)?;
+        let tail = self.launch(exec, caller, &route)?;
         self.route = route;
         let pool = &self.shared.pool;
         let outputs =
@@ -251,7 +250,7 @@ impl GraphedCallable {
         grad_outputs: &[&Tensor<f32>],
         route: Route,
     ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
-        self.exec(Pass::Backward)?;
+        let exec = self.exec(Pass::Backward)?;
         if grad_outputs.len() != self.grad_outputs.len() {
             let (expected, found) = (self.grad_outputs.len(), grad_outputs.len());
             return Err(self.err(GraphedErrorKind::InputCount { what: "output gradients", expected, found }));
@@ -271,7 +270,7 @@ impl GraphedCallable {
                 caller.copy_d2d(src.view()?, dst.view()?)?;
             }
         }
-        let tail = self.launch(Pass::Backward, caller, &route)?;
+        let tail = self.launch(exec, caller, &route)?;
         let pool = &self.shared.pool;
         let grads = (self.grad_inputs.iter().zip(&self.grad_origins))
             .map(|(g, o)| g.as_ref().map(|t| StaticTensor::new(t, pool, o)))
@@ -283,7 +282,7 @@ impl GraphedCallable {
     /// forward replayed.
     pub fn backward_dw(&mut self, caller: &Stream) -> Result<Tail> {
         let route = self.route.clone();
-        self.launch(Pass::BackwardDw, caller, &route)
+        self.launch(self.exec(Pass::BackwardDw)?, caller, &route)
     }
 
     /// Destroys the graphs, after waiting for the device (so that no tail is still running:

@@ -42,15 +42,21 @@ pub(crate) fn verify_sync_point(
                 .into();
         return Err(contract("R7", detail));
     }
+    // The surfaces the tail must not touch: all but another graph's outputs whose memory this
+    // graph reuses (see the module docs).
+    let mut guarded = Vec::with_capacity(surfaces.len());
+    for s in surfaces {
+        let Ok(view) = s.tensor.view() else { continue };
+        let at = view.access(AccessMode::Read);
+        let reused = s.owner.is_some_and(|o| o != graph.id()) && checker.graph_writes(graph.id(), &at).unwrap_or(false);
+        if !reused {
+            guarded.push((s, at));
+        }
+    }
+    let pool_memory = alloc.pool_segments(pool);
     for t in &point.tail {
         let a = &t.access;
-        let hit = surfaces.iter().find(|s| {
-            let Ok(v) = s.tensor.view() else { return false };
-            let at = v.access(AccessMode::Read);
-            let reused =
-                s.owner.is_some_and(|o| o != graph.id()) && checker.graph_writes(graph.id(), &at).unwrap_or(false);
-            at.memory == a.memory && at.at.overlaps(&a.at) && !reused
-        });
+        let hit = guarded.iter().find(|(_, at)| at.memory == a.memory && at.at.overlaps(&a.at)).map(|(s, _)| s);
         match hit {
             Some(s) if a.mode.writes() => {
                 return Err(contract("R2", format!("{} writes {} after the event", t.op, s.what)));
@@ -61,7 +67,7 @@ pub(crate) fn verify_sync_point(
                     format!("{} reads {} after the event, while the caller may overwrite it", t.op, s.what),
                 ));
             }
-            None if !alloc.pool_holds(pool, a.memory) => {
+            None if !pool_memory.contains(&a.memory) => {
                 return Err(contract(
                     "R3",
                     format!("{} touches memory outside the graph's pool after the event (the caller's buffers)", t.op),

@@ -322,13 +322,17 @@ impl CachingAllocator {
             .collect()
     }
 
-    /// Whether `memory` (an [`Access::memory`](crate::device::Access::memory)) is a segment of
-    /// `pool`.
-    pub fn pool_holds(&self, pool: &GraphPool, memory: BufferId) -> bool {
+    /// The segments of `pool`, as the [`Access::memory`](crate::device::Access::memory) of their
+    /// blocks' accesses.
+    pub fn pool_segments(&self, pool: &GraphPool) -> Vec<BufferId> {
         let st = lock(&self.inner.state);
-        st.pools.get(&pool.id).is_some_and(|p| {
-            p.arena.blocks().iter().any(|b| st.segments.get(&b.segment).is_some_and(|raw| raw.id == memory))
-        })
+        let mut ids: Vec<BufferId> = (st.pools.get(&pool.id).into_iter())
+            .flat_map(|p| p.arena.blocks())
+            .filter_map(|b| st.segments.get(&b.segment).map(|raw| raw.id))
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
 
     /// Where the block of `buffer` is, if this allocator handed it out and it is still held.
