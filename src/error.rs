@@ -141,6 +141,38 @@ pub enum Error {
         found: Vec<usize>,
     },
 
+    /// A module was called with inputs it does not take (counted as positional and named).
+    #[error("{op}: takes {expected}, but was given {positional} positional and {named} named inputs; pass the inputs it takes")]
+    InputArity {
+        /// The module's operation.
+        op: &'static str,
+        /// What it takes.
+        expected: &'static str,
+        /// Positional inputs given.
+        positional: usize,
+        /// Named inputs given.
+        named: usize,
+    },
+
+    /// A module needs a named input that the call did not pass.
+    #[error("{op}: needs the named input `{name}`; pass it with Inputs::named or Inputs::constant")]
+    MissingInput {
+        /// The module's operation.
+        op: &'static str,
+        /// The missing name.
+        name: String,
+    },
+
+    /// A module's backward gave no gradient where the caller needs one (a stack feeds each
+    /// layer's input gradient to the layer before it).
+    #[error("{op}: {what} has no gradient; a module in a stack must return its input's gradient")]
+    MissingGradient {
+        /// The operation that needed it.
+        op: &'static str,
+        /// Which gradient.
+        what: String,
+    },
+
     /// Two views that must have the same length do not.
     #[error("{op}: source has {src} elements but destination has {dst}; pass views of equal length")]
     LengthMismatch {

@@ -38,6 +38,7 @@ pub mod graph;
 pub mod memory;
 pub mod nn;
 pub mod ops;
+pub mod optim;
 pub mod tensor;
 
 pub use error::{CaptureErrorKind, CaptureSite, Error, Result};

@@ -259,7 +259,7 @@ fn embedding_out_of_range_tokens_fail_on_the_simulator_and_are_skipped_on_cuda(d
 // ---- AdamW -------------------------------------------------------------------------------------
 
 /// PyTorch's AdamW step (`torch.optim.AdamW`, single-tensor path) in f64.
-fn adamw_f64(p: &mut [f64], m: &mut [f64], v: &mut [f64], g: &[f32], lr: f64, t: i32, h: &adamw::AdamW) {
+fn adamw_f64(p: &mut [f64], m: &mut [f64], v: &mut [f64], g: &[f32], lr: f64, t: i32, h: &adamw::AdamWHyper) {
     let (b1, b2, eps, wd) = (f64::from(h.beta1), f64::from(h.beta2), f64::from(h.eps), f64::from(h.weight_decay));
     let (bias1, bias2_sqrt) = (1.0 - b1.powi(t), (1.0 - b2.powi(t)).sqrt());
     for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
@@ -278,7 +278,7 @@ fn adamw_matches_pytorch_over_three_replays_of_one_graph(dev: &Device) -> Result
     let env = Env::new(dev)?;
     let n = 1000;
     let mut lcg = Lcg(4);
-    let hyper = adamw::AdamW { weight_decay: 0.1, ..adamw::AdamW::default() };
+    let hyper = adamw::AdamWHyper { weight_decay: 0.1, ..adamw::AdamWHyper::default() };
     let p0 = lcg.vec(n, 1.0);
     let params = env.put(&p0, &[n])?;
     let (grads, m, v) = (env.zeros::<f32>(&[n])?, env.zeros::<f32>(&[n])?, env.zeros::<f32>(&[n])?);
@@ -500,7 +500,7 @@ fn bad_shapes_are_refused(dev: &Device) -> Result {
     expect_shape("1-D tokens", embedding::embedding_forward(&f(&[2, 4, 8])?, &u(&[8])?, &wte, &wpe, s))?;
     expect_shape("dout", embedding::embedding_backward(&wte, &wpe, &f(&[2, 5, 8])?, &tokens, s))?;
     let (p, lr, t) = (f(&[10])?, f(&[1])?, env.zeros::<u64>(&[1])?);
-    let h = adamw::AdamW::default();
+    let h = adamw::AdamWHyper::default();
     expect_shape("m", adamw::adamw_step(&p, &p, &f(&[9])?, &p, &lr, &t, &h, s))?;
     expect_shape("lr", adamw::adamw_step(&p, &p, &p, &p, &f(&[2])?, &t, &h, s))?;
     expect_shape("t", adamw::adamw_step(&p, &p, &p, &p, &lr, &env.zeros::<u64>(&[2])?, &h, s))?;

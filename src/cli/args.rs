@@ -160,7 +160,7 @@ pub struct GraphsBenchArgs {
         long,
         value_delimiter = ',',
         ignore_case = true,
-        value_parser = super::stack::CONFIG_NAMES,
+        value_parser = super::bench_model::CONFIG_NAMES,
         default_values_t = ["S".to_string(), "M".to_string(), "L".to_string()]
     )]
     pub configs: Vec<String>,
@@ -182,7 +182,7 @@ pub struct InspectArgs {
     pub device: DeviceArgs,
     /// BENCH.md configuration, or `tiny` (default: S on CUDA, tiny on the simulator, the only
     /// one it runs).
-    #[arg(long, ignore_case = true, value_parser = super::stack::CONFIG_NAMES)]
+    #[arg(long, ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES)]
     pub config: Option<String>,
     /// Write each graph as Graphviz DOT to `<callable>-<pass>.dot` in this directory.
     #[arg(long)]

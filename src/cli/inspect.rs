@@ -11,7 +11,7 @@ use graphed::graph::GraphedCallable;
 use graphed::memory::CachingAllocator;
 
 use super::args::InspectArgs;
-use super::stack::{Config, Stack};
+use super::bench_model::{BenchModel, Config};
 
 /// Graphs the stack and prints the report.
 pub fn run(dev: &Device, args: &InspectArgs) -> anyhow::Result<()> {
@@ -23,17 +23,17 @@ pub fn run(dev: &Device, args: &InspectArgs) -> anyhow::Result<()> {
     config.check_device(dev, "--config")?;
     let alloc = CachingAllocator::new(dev);
     let stream = dev.stream()?;
-    let stack = Stack::new(&alloc, &stream, config)?;
+    let model = BenchModel::new(&alloc, &stream, config)?;
     let event = if args.side_stream { Some(dev.event()?) } else { None };
-    let graphed = stack.graph(&alloc, event.as_ref())?;
-    let first = graphed.first().context("a configuration has at least one layer")?;
-    let pool = first.pool();
-    let sync = first.sync_event().map_or_else(|| "no sync event".to_string(), |e| format!("sync event {}", e.id()));
-    println!("{config}: {} graphed callables in {}, chained, {sync}", graphed.len(), pool.id());
+    let stack = model.graph(&alloc, event.as_ref())?;
+    let graphed = stack.layers();
+    let pool = stack.pool();
+    let sync = stack.sync_event().map_or_else(|| "no sync event".to_string(), |e| format!("sync event {}", e.id()));
+    println!("{config}: a graphed stack of {} layers in {}, {sync}", graphed.len(), pool.id());
 
     // Graph ids name the graphs in the replay order and the DOT files.
     let mut names: BTreeMap<GraphId, String> = BTreeMap::new();
-    for g in &graphed {
+    for g in graphed {
         print_callable(g)?;
         for (pass, graph) in g.graphs() {
             names.insert(graph.id(), format!("{} {pass:?}", g.name()));
@@ -61,7 +61,7 @@ pub fn run(dev: &Device, args: &InspectArgs) -> anyhow::Result<()> {
     println!("replay order: {}", order.join(" -> "));
 
     if let Some(dir) = &args.dot {
-        write_dots(&graphed, dir)?;
+        write_dots(graphed, dir)?;
     }
     Ok(())
 }

@@ -5,7 +5,7 @@ pub mod args;
 mod bench;
 mod demo;
 mod inspect;
-mod stack;
+mod bench_model;
 mod train;
 
 use graphed::device::{Device, SimConfig};

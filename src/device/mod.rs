@@ -15,6 +15,7 @@
 //! stream-safety checker (layer 2) installed, through the `observe` hook. Only `cuda/` names
 //! cudarc. Every enqueued operation declares its [`Access`]es, derived from its typed arguments.
 
+mod deferred_stub;
 mod access;
 pub(crate) mod backend;
 mod capture;

@@ -1,13 +1,13 @@
 //! A graphed callable: its captured graphs, static surfaces and replay.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
-use super::callable::{Input, Inputs};
 use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
 use crate::device::{Event, EventId, Graph, NodeKind, Stream};
 use crate::memory::{GraphPool, PoolExec, PoolGraph};
+use crate::nn::{Input, Inputs};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -29,9 +29,8 @@ pub(crate) struct Captured {
     pub(crate) exec: PoolExec,
 }
 
-/// What the callables of one `make_graphed_callables` call share.
+/// What the callables of one capture share.
 pub(crate) struct Shared {
-    pub(crate) pool: GraphPool,
     pub(crate) sync_event: Option<Event>,
     pub(crate) mode: Mode,
 }
@@ -39,12 +38,13 @@ pub(crate) struct Shared {
 /// A static tensor of a surface and what it is.
 pub(crate) struct Slot {
     pub(crate) input: Input,
-    /// Whether it is the previous callable's output (chaining): never copied into.
+    /// Whether it is the previous layer's output (in a stack): never copied into.
     pub(crate) chained: bool,
 }
 
-/// One callable of [`make_graphed_callables`](super::make_graphed_callables): its forward,
-/// backward and split weight-gradient graphs, replayed over static buffers.
+/// One callable of [`make_graphed_callables`](super::make_graphed_callables) (or one layer of a
+/// [`GraphedStack`](super::GraphedStack)): its forward, backward and split weight-gradient
+/// graphs, replayed over static buffers.
 ///
 /// Outputs and input gradients are [`StaticTensor`]s: views of static buffers that the next
 /// replay of the same graph overwrites, which they detect. Parameter gradients accumulate in
@@ -52,16 +52,20 @@ pub(crate) struct Slot {
 pub struct GraphedCallable {
     pub(crate) name: String,
     pub(crate) shared: Arc<Shared>,
+    pub(crate) pool: GraphPool,
     pub(crate) graphs: Vec<Captured>,
     pub(crate) inputs: Vec<Slot>,
     pub(crate) positional: usize,
+    /// A layer of a stack: replayed only through the stack.
+    pub(crate) in_stack: bool,
     pub(crate) outputs: Vec<Tensor<f32>>,
     pub(crate) grad_outputs: Vec<Tensor<f32>>,
     pub(crate) grad_inputs: Vec<Option<Tensor<f32>>>,
     /// Per output, and per input gradient, what it is and the graphs that write its memory.
     pub(crate) output_origins: Vec<Origin>,
     pub(crate) grad_origins: Vec<Origin>,
-    pub(crate) route: Route,
+    /// The last forward's replay choice, for the backward (R8).
+    pub(crate) route: Mutex<Route>,
     pub(crate) entry: Event,
     pub(crate) done: Event,
     pub(crate) reset: bool,
@@ -79,10 +83,10 @@ impl GraphedCallable {
 
     /// The pool its graphs were captured into.
     pub fn pool(&self) -> &GraphPool {
-        &self.shared.pool
+        &self.pool
     }
 
-    /// The event its graphs record for [`Replay::resume_at`], if captured with one.
+    /// The event its graphs record for side-stream replays, if captured with one.
     pub fn sync_event(&self) -> Option<&Event> {
         self.shared.sync_event.as_ref()
     }
@@ -97,7 +101,7 @@ impl GraphedCallable {
         &self.grad_outputs
     }
 
-    fn exec(&self, pass: Pass) -> Result<&PoolExec> {
+    pub(crate) fn exec(&self, pass: Pass) -> Result<&PoolExec> {
         if self.reset {
             return Err(self.err(GraphedErrorKind::Reset));
         }
@@ -108,22 +112,34 @@ impl GraphedCallable {
         }
     }
 
-    fn route(&self, caller: &Stream, replay: Replay<'_>) -> Result<Route> {
+    /// The route of `replay` from `caller`, or why it is refused.
+    pub(crate) fn route_for(&self, caller: &Stream, replay: Replay<'_>) -> Result<Route> {
         Ok(match replay {
             Replay::Caller => Route::Caller,
             Replay::Joined(s) if s.id() == caller.id() => Route::Caller,
             Replay::Joined(s) => Route::Joined(s.clone()),
-            Replay::ResumeAt(s, e) => {
-                let bound = self.shared.sync_event.as_ref().map(|b| b.id());
-                if bound != Some(e.id()) {
-                    return Err(self.err(GraphedErrorKind::EventNotRecorded { event: e.id(), bound }));
+            Replay::Side(s) => {
+                if self.shared.sync_event.is_none() {
+                    return Err(self.err(GraphedErrorKind::NoSyncEvent));
                 }
                 if s.id() == caller.id() {
-                    return Err(self.err(GraphedErrorKind::EventOnCallerStream));
+                    return Err(self.err(GraphedErrorKind::SideIsCaller));
                 }
-                Route::ResumeAt(s.clone())
+                Route::Side(s.clone())
             }
         })
+    }
+
+    /// The route of the last forward, for its backward (R8).
+    pub(crate) fn last_route(&self) -> Route {
+        self.route.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    fn refuse_in_stack(&self) -> Result<()> {
+        match self.in_stack {
+            true => Err(self.err(GraphedErrorKind::StackLayer)),
+            false => Ok(()),
+        }
     }
 
     /// Checks `given` against the static input slots: the same positional count, every named
@@ -152,31 +168,85 @@ impl GraphedCallable {
                     named.get(n.as_str()).ok_or_else(|| self.err(GraphedErrorKind::MissingInput { name: n.clone() }))?
                 }
             };
-            let dst = &slot.input.tensor;
-            if src.shape() != dst.shape() {
-                let (expected, found) = (dst.shape().to_vec(), src.shape().to_vec());
-                return Err(self.err(GraphedErrorKind::InputShape { input: slot.input.label(k), expected, found }));
-            }
-            sources.push((!src.is_same_view(dst)).then_some(src));
+            sources.push(self.copy_source(src, &slot.input.tensor, || slot.input.label(k))?);
         }
         Ok(sources)
     }
 
+    /// `src` if it must be copied into `dst` (`None` when it is `dst`), or a shape error.
+    pub(crate) fn copy_source<'a>(
+        &self,
+        src: &'a Tensor<f32>,
+        dst: &Tensor<f32>,
+        label: impl FnOnce() -> String,
+    ) -> Result<Option<&'a Tensor<f32>>> {
+        if src.shape() != dst.shape() {
+            let (expected, found) = (dst.shape().to_vec(), src.shape().to_vec());
+            return Err(self.err(GraphedErrorKind::InputShape { input: label(), expected, found }));
+        }
+        Ok((!src.is_same_view(dst)).then_some(src))
+    }
+
+    /// The static buffer that a stack's input (forward) or upstream gradient (backward) is
+    /// copied into.
+    pub(crate) fn static_copy_target(&self, pass: Pass) -> Result<&Tensor<f32>> {
+        let target = match pass {
+            Pass::Forward => self.inputs.first().map(|s| &s.input.tensor),
+            _ => self.grad_outputs.first(),
+        };
+        let what = if pass == Pass::Forward { "inputs" } else { "output gradients" };
+        target.ok_or_else(|| self.err(GraphedErrorKind::InputCount { what, expected: 1, found: 0 }))
+    }
+
+    /// Checks output gradients against the static ones; returns the tensors to copy.
+    pub(crate) fn match_grad_outputs<'a>(&self, given: &[&'a Tensor<f32>]) -> Result<Vec<Option<&'a Tensor<f32>>>> {
+        if given.len() != self.grad_outputs.len() {
+            let (expected, found) = (self.grad_outputs.len(), given.len());
+            return Err(self.err(GraphedErrorKind::InputCount { what: "output gradients", expected, found }));
+        }
+        (given.iter().zip(&self.grad_outputs).enumerate())
+            .map(|(k, (src, dst))| self.copy_source(src, dst, || format!("output gradient {k}")))
+            .collect()
+    }
+
+    /// Copies `sources` into `statics` on `caller`, then launches `pass` under `route`. Every
+    /// check is made before this is called.
+    pub(crate) fn replay(
+        &self,
+        pass: Pass,
+        caller: &Stream,
+        route: &Route,
+        sources: &[Option<&Tensor<f32>>],
+        statics: &[&Tensor<f32>],
+    ) -> Result<Tail> {
+        let exec = self.exec(pass)?;
+        for (src, dst) in sources.iter().zip(statics) {
+            if let Some(src) = src {
+                caller.copy_d2d(src.view()?, dst.view()?)?;
+            }
+        }
+        let tail = self.launch(exec, caller, route)?;
+        if pass == Pass::Forward {
+            *self.route.lock().unwrap_or_else(PoisonError::into_inner) = route.clone();
+        }
+        Ok(tail)
+    }
+
     /// Launches `exec` under `route` after the copies on `caller`; returns the tail.
     fn launch(&self, exec: &PoolExec, caller: &Stream, route: &Route) -> Result<Tail> {
-        let pool = &self.shared.pool;
+        let pool = &self.pool;
         match route {
             Route::Caller => {
                 exec.launch(caller)?;
                 Ok(Tail::none())
             }
-            Route::Joined(side) | Route::ResumeAt(side) => {
+            Route::Joined(side) | Route::Side(side) => {
                 caller.record(&self.entry)?;
                 side.wait(&self.entry)?;
                 pool.ordered_after(None, caller, side);
                 exec.launch(side)?;
                 match (route, &self.shared.sync_event) {
-                    (Route::ResumeAt(_), Some(event)) => {
+                    (Route::Side(_), Some(event)) => {
                         caller.wait(event)?;
                         Ok(Tail::pending(self.done.clone(), side, caller, pool))
                     }
@@ -191,98 +261,74 @@ impl GraphedCallable {
         }
     }
 
+    /// The outputs of the last forward replay.
+    pub(crate) fn static_outputs(&self) -> Vec<StaticTensor> {
+        self.outputs.iter().zip(&self.output_origins).map(|(t, o)| StaticTensor::new(t, &self.pool, o)).collect()
+    }
+
+    /// The input gradients of the last backward replay.
+    pub(crate) fn static_grad_inputs(&self) -> Vec<Option<StaticTensor>> {
+        (self.grad_inputs.iter().zip(&self.grad_origins))
+            .map(|(g, o)| g.as_ref().map(|t| StaticTensor::new(t, &self.pool, o)))
+            .collect()
+    }
+
     /// Replays the forward graph: copies `inputs` into the static inputs on `caller` (skipping
     /// any input that is its static buffer), replays as `replay` says, and returns the outputs
     /// and the tail. The backward replays the same way unless told otherwise (R8).
     ///
     /// # Errors
-    /// [`Error::Graphed`] for inputs that do not match the capture or a refused replay choice;
-    /// [`Error::PoolOrder`] or [`Error::PoolConcurrent`] for a replay out of the pool's order.
-    pub fn forward(
-        &mut self,
-        caller: &Stream,
-        inputs: &Inputs,
-        replay: Replay<'_>,
-    ) -> Result<(Vec<StaticTensor>, Tail)> {
-        let exec = self.exec(Pass::Forward)?;
-        let route = self.route(caller, replay)?;
+    /// [`Error::Graphed`] for inputs that do not match the capture, a refused replay choice or a
+    /// layer of a stack; [`Error::PoolOrder`] or [`Error::PoolConcurrent`] for a replay out of
+    /// the pool's order.
+    pub fn forward(&self, caller: &Stream, inputs: &Inputs, replay: Replay<'_>) -> Result<(Vec<StaticTensor>, Tail)> {
+        self.refuse_in_stack()?;
+        self.exec(Pass::Forward)?;
+        let route = self.route_for(caller, replay)?;
         let sources = self.match_inputs(inputs)?;
-        for (src, slot) in sources.iter().zip(&self.inputs) {
-            if let Some(src) = src {
-                caller.copy_d2d(src.view()?, slot.input.tensor.view()?)?;
-            }
-        }
-        let tail = self.launch(exec, caller, &route)?;
-        self.route = route;
-        let pool = &self.shared.pool;
-        let outputs =
-            self.outputs.iter().zip(&self.output_origins).map(|(t, o)| StaticTensor::new(t, pool, o)).collect();
-        Ok((outputs, tail))
+        let statics: Vec<&Tensor<f32>> = self.inputs.iter().map(|s| &s.input.tensor).collect();
+        let tail = self.replay(Pass::Forward, caller, &route, &sources, &statics)?;
+        Ok((self.static_outputs(), tail))
     }
 
     /// Replays the backward graph the way the last forward replayed: copies `grad_outputs` into
     /// the static output gradients (skipping any that is its static buffer), and returns one
     /// gradient per input (`None` for constant or unused inputs) and the tail. Parameter
     /// gradients accumulate into the parameters' gradient buffers.
-    pub fn backward(
-        &mut self,
-        caller: &Stream,
-        grad_outputs: &[&Tensor<f32>],
-    ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
-        let route = self.route.clone();
-        self.backward_routed(caller, grad_outputs, route)
+    pub fn backward(&self, caller: &Stream, grad_outputs: &[&Tensor<f32>]) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
+        self.backward_routed(caller, grad_outputs, self.last_route())
     }
 
     /// [`backward`](GraphedCallable::backward) with another replay choice than the forward's.
     pub fn backward_with(
-        &mut self,
+        &self,
         caller: &Stream,
         grad_outputs: &[&Tensor<f32>],
         replay: Replay<'_>,
     ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
-        let route = self.route(caller, replay)?;
+        let route = self.route_for(caller, replay)?;
         self.backward_routed(caller, grad_outputs, route)
     }
 
     fn backward_routed(
-        &mut self,
+        &self,
         caller: &Stream,
         grad_outputs: &[&Tensor<f32>],
         route: Route,
     ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
-        let exec = self.exec(Pass::Backward)?;
-        if grad_outputs.len() != self.grad_outputs.len() {
-            let (expected, found) = (self.grad_outputs.len(), grad_outputs.len());
-            return Err(self.err(GraphedErrorKind::InputCount { what: "output gradients", expected, found }));
-        }
-        for (k, (src, dst)) in grad_outputs.iter().zip(&self.grad_outputs).enumerate() {
-            if src.shape() != dst.shape() {
-                let (expected, found) = (dst.shape().to_vec(), src.shape().to_vec());
-                return Err(self.err(GraphedErrorKind::InputShape {
-                    input: format!("output gradient {k}"),
-                    expected,
-                    found,
-                }));
-            }
-        }
-        for (src, dst) in grad_outputs.iter().zip(&self.grad_outputs) {
-            if !src.is_same_view(dst) {
-                caller.copy_d2d(src.view()?, dst.view()?)?;
-            }
-        }
-        let tail = self.launch(exec, caller, &route)?;
-        let pool = &self.shared.pool;
-        let grads = (self.grad_inputs.iter().zip(&self.grad_origins))
-            .map(|(g, o)| g.as_ref().map(|t| StaticTensor::new(t, pool, o)))
-            .collect();
-        Ok((grads, tail))
+        self.refuse_in_stack()?;
+        self.exec(Pass::Backward)?;
+        let sources = self.match_grad_outputs(grad_outputs)?;
+        let statics: Vec<&Tensor<f32>> = self.grad_outputs.iter().collect();
+        let tail = self.replay(Pass::Backward, caller, &route, &sources, &statics)?;
+        Ok((self.static_grad_inputs(), tail))
     }
 
     /// Replays the split weight-gradient graph (after the backward), the way the backward's
     /// forward replayed.
-    pub fn backward_dw(&mut self, caller: &Stream) -> Result<Tail> {
-        let route = self.route.clone();
-        self.launch(self.exec(Pass::BackwardDw)?, caller, &route)
+    pub fn backward_dw(&self, caller: &Stream) -> Result<Tail> {
+        self.refuse_in_stack()?;
+        self.replay(Pass::BackwardDw, caller, &self.last_route(), &[], &[])
     }
 
     /// Destroys the graphs, after waiting for the device (so that no tail is still running:
@@ -330,10 +376,10 @@ impl GraphedCallable {
 
 impl Drop for GraphedCallable {
     /// Waits for the device first, as `reset` does (R4: nothing of a graph may still run when
-    /// its static buffers go back to the pool).
+    /// its static buffers go back to the pool); an error is kept for the device's next call.
     fn drop(&mut self) {
         if let Err(e) = self.reset() {
-            tracing::warn!("dropping graphed callable {}: {e}", self.name);
+            self.entry.device().record_err(e);
         }
     }
 }

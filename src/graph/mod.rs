@@ -1,13 +1,16 @@
 //! Layer 6, graphed callables: the Rust counterpart of TransformerEngine's
 //! `make_graphed_callables`, with side-stream replay synced by an event recorded inside the graph.
 //!
-//! [`make_graphed_callables`] warms each [`Callable`] up, captures its forward and backward (and
-//! split weight-gradient pass) into graphs of one [`GraphPool`](crate::memory::GraphPool), and
-//! returns [`GraphedCallable`]s that replay them over static buffers under the replay contract
-//! of `DESIGN.md`:
+//! [`make_graphed_stack`] captures the layers of an [`nn::Stack`](crate::nn::Stack) as one
+//! [`GraphedStack`] whose layers feed each other through static buffers;
+//! [`make_graphed_callables`] captures independent modules (the per-layer escape hatch, with
+//! named inputs); [`make_graphed_fn`] captures any other work (the optimizer step). Each warms
+//! its modules up, captures their forward and backward (and split weight-gradient pass) into
+//! graphs of one [`GraphPool`](crate::memory::GraphPool), and replays them over static buffers
+//! under the replay contract of `DESIGN.md`:
 //!
 //! - R1: the replay stream waits for the caller's stream (copies into static inputs included);
-//! - R2: with [`Replay::ResumeAt`] the caller waits only for the sync event, which capture
+//! - R2: with [`Replay::Side`] the caller waits only for the sync event, which capture
 //!   verified is recorded once, after every write the caller can observe;
 //! - R3: the work after the event (the tail) touches only pool memory outside the static
 //!   surfaces, verified at capture from the checker's access summary;
@@ -19,17 +22,25 @@
 //! - R9: graphs are pure in the step counter, so warmup and capture leave the RNG as it was;
 //! - outputs are [`StaticTensor`]s that refuse to be read after a later replay overwrote them.
 
+mod build;
 mod callable;
 mod capture;
 mod error;
 mod graphed;
+mod graphed_fn;
 mod options;
+mod plan;
+mod record;
 mod replay;
+mod stack;
 mod verify;
+mod warmup;
 
-pub use callable::{Callable, Input, Inputs, Saved};
-pub use capture::make_graphed_callables;
+pub use callable::{Callable, Saved};
+pub use capture::{make_graphed_callables, make_graphed_stack};
 pub use error::GraphedErrorKind;
 pub use graphed::{CallableReport, GraphReport, GraphedCallable, Pass};
+pub use graphed_fn::{make_graphed_fn, GraphedFn};
 pub use options::{GraphOptions, Mode, Phase};
 pub use replay::{Replay, StaticTensor, Tail, Tails};
+pub use stack::GraphedStack;

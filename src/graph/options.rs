@@ -33,13 +33,13 @@ pub enum Mode {
 type WarmupHook = Box<dyn FnMut(&Stream) -> Result<()>>;
 type PassHook = Box<dyn FnMut(usize, Phase, &Stream) -> Result<()>>;
 
-/// Options of [`make_graphed_callables`](super::make_graphed_callables), built by chaining.
+/// Options of [`make_graphed_callables`](super::make_graphed_callables) and
+/// [`make_graphed_stack`](super::make_graphed_stack), built by chaining.
 ///
 /// ```
 /// use graphed::graph::GraphOptions;
 /// let options = GraphOptions::default()
 ///     .warmup_iters(2)
-///     .chain(true)
 ///     .pre_warmup(|_| Ok(()))   // e.g. turn activation offloading off
 ///     .post_warmup(|_| Ok(())); // and on again
 /// ```
@@ -50,7 +50,7 @@ pub struct GraphOptions {
     pub(crate) stream: Option<Stream>,
     pub(crate) capture_mode: CaptureMode,
     pub(crate) allow_unused_input: bool,
-    pub(crate) chain: bool,
+    pub(crate) pool_per_callable: bool,
     pub(crate) sync_event: Option<Event>,
     pub(crate) save_hook: Arc<dyn SaveHook>,
     pub(crate) pre_warmup: Option<WarmupHook>,
@@ -67,7 +67,7 @@ impl Default for GraphOptions {
             stream: None,
             capture_mode: CaptureMode::ThreadLocal,
             allow_unused_input: false,
-            chain: false,
+            pool_per_callable: false,
             sync_event: None,
             save_hook: Arc::new(KeepOnDevice),
             pre_warmup: None,
@@ -117,18 +117,17 @@ impl GraphOptions {
         self
     }
 
-    /// Feeds each callable's first output to the next callable's first input (and the first
-    /// input gradient back as the previous callable's output gradient), so that a stack of
-    /// layers replays with no copies between layers.
-    pub fn chain(mut self, chain: bool) -> GraphOptions {
-        self.chain = chain;
+    /// Captures each callable (each layer of a stack) into a pool of its own instead of one
+    /// shared pool: more memory, no replay order between them.
+    pub fn pool_per_callable(mut self, yes: bool) -> GraphOptions {
+        self.pool_per_callable = yes;
         self
     }
 
     /// Records `event` as an external event inside every graph, after the pass's last write the
     /// caller can observe and before the save hook's [`end_pass`](SaveHook::end_pass) joins the
-    /// tail; verified at capture (R2, R3, R7). Replays may then resume the caller at it
-    /// ([`Replay::resume_at`](super::Replay::resume_at)).
+    /// tail; verified at capture (R2, R3, R7). Side-stream replays
+    /// ([`Replay::side`](super::Replay::side)) then resume the caller at it.
     pub fn sync_event(mut self, event: &Event) -> GraphOptions {
         self.sync_event = Some(event.clone());
         self
@@ -162,6 +161,13 @@ impl GraphOptions {
     }
 }
 
+impl GraphOptions {
+    /// Runs the capture-time hook, if any, for pass `phase` of callable `i`.
+    pub(crate) fn run_pass_hook(&mut self, i: usize, phase: Phase, stream: &Stream) -> Result<()> {
+        self.pass_hook.as_mut().map_or(Ok(()), |h| h(i, phase, stream))
+    }
+}
+
 impl fmt::Debug for GraphOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GraphOptions")
@@ -170,7 +176,7 @@ impl fmt::Debug for GraphOptions {
             .field("pool", &self.pool)
             .field("capture_mode", &self.capture_mode)
             .field("allow_unused_input", &self.allow_unused_input)
-            .field("chain", &self.chain)
+            .field("pool_per_callable", &self.pool_per_callable)
             .field("sync_event", &self.sync_event.as_ref().map(|e| e.id()))
             .finish_non_exhaustive()
     }

@@ -9,16 +9,18 @@ use crate::memory::{CachingAllocator, GraphPool};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-/// Where a graphed call replays its graph, and how the caller's stream resumes.
+/// Where a graphed call replays its graphs, and how the caller's stream resumes.
 #[derive(Clone, Copy, Debug)]
 pub enum Replay<'a> {
     /// On the caller's stream.
     Caller,
     /// On another stream that waits for the caller's (R1); the caller waits for all of it.
     Joined(&'a Stream),
-    /// On another stream that waits for the caller's (R1); the caller resumes at the event the
-    /// graph records (R2), while the graph's tail may still run (join it: R4).
-    ResumeAt(&'a Stream, &'a Event),
+    /// On another stream that waits for the caller's (R1); the caller resumes at the sync event
+    /// bound at capture ([`GraphOptions::sync_event`](super::GraphOptions::sync_event)), which the
+    /// graphs record after every write the caller can observe (R2), while the graph's tail may
+    /// still run (join it: R4).
+    Side(&'a Stream),
 }
 
 impl<'a> Replay<'a> {
@@ -32,19 +34,18 @@ impl<'a> Replay<'a> {
         Replay::Joined(stream)
     }
 
-    /// On `stream`, resuming the caller at `event`, which the graphs must record (bound at
-    /// capture with [`GraphOptions::sync_event`](super::GraphOptions::sync_event)).
-    pub fn resume_at(stream: &'a Stream, event: &'a Event) -> Replay<'a> {
-        Replay::ResumeAt(stream, event)
+    /// On `stream`, the caller resuming at the sync event the graphs record.
+    pub fn side(stream: &'a Stream) -> Replay<'a> {
+        Replay::Side(stream)
     }
 }
 
 /// A replay choice, owned, kept from a forward for its backward (R8).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub(crate) enum Route {
     Caller,
     Joined(Stream),
-    ResumeAt(Stream),
+    Side(Stream),
 }
 
 /// Work of a side-stream replay that may still run after the caller resumed (the graph's tail).
@@ -130,6 +131,11 @@ impl Tails {
         }
     }
 
+    /// Adds every tail of `other`, issued after the tails already here.
+    pub fn append(&mut self, other: Tails) {
+        other.latest.into_iter().for_each(|t| self.push(t));
+    }
+
     /// Makes `stream` wait for every tail.
     pub fn join(self, stream: &Stream) -> Result<()> {
         self.latest.into_iter().try_for_each(|t| t.join(stream))
@@ -151,7 +157,7 @@ impl Drop for Tail {
         if let Some(p) = self.pending.take() {
             let caller = p.caller.clone();
             if let Err(e) = p.join(&caller) {
-                tracing::warn!("joining a dropped graph tail into stream {} failed: {e}", caller.id());
+                caller.device().record_err(e);
             }
         }
     }

@@ -6,7 +6,7 @@
 //! whatever the batch.
 
 use super::layernorm::single_input;
-use super::{Linear, LinearCtx, Module, Param, ParamStore, SaveHook};
+use super::{input_grad, Inputs, Linear, LinearCtx, Module, Param, ParamStore, SaveHook};
 use crate::device::{Gemm, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::{heads, softmax};
@@ -113,15 +113,15 @@ impl Module for CausalSelfAttention {
     /// One contiguous input `(B, T, C)`, one output `(B, T, C)`.
     fn forward(
         &self,
-        inputs: &[&Tensor<f32>],
+        inputs: &Inputs,
         hook: &dyn SaveHook,
         stream: &Stream,
     ) -> Result<(Vec<Tensor<f32>>, AttentionCtx)> {
         const OP: &str = "CausalSelfAttention::forward";
-        let x = single_input(OP, inputs)?;
+        let x = inputs.only(OP)?;
         let d = self.dims(OP, x)?;
         let (bt, c) = (d.batch * d.seq, d.heads * d.hd);
-        let (mut qkv, qkv_ctx) = self.qkv.forward(&[&x.reshape(&[bt, c])?], hook, stream)?;
+        let (mut qkv, qkv_ctx) = self.qkv.forward(&Inputs::one(&x.reshape(&[bt, c])?), hook, stream)?;
         let qkv = qkv.remove(0);
         let heads = |part| -> Result<Tensor<f32>> {
             let t = Tensor::uninit(&self.alloc, stream, &d.head_shape())?;
@@ -141,18 +141,18 @@ impl Module for CausalSelfAttention {
         let (q, k, v) = (hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?);
         let probs = hook.save("probs", probs, stream)?;
         hook.commit_group(&self.name)?;
-        let (mut y, proj_ctx) = self.proj.forward(&[&att], hook, stream)?;
+        let (mut y, proj_ctx) = self.proj.forward(&Inputs::one(&att), hook, stream)?;
         let y = y.remove(0).reshape(x.shape())?;
         Ok((vec![y], AttentionCtx { dims: d, qkv_ctx, q, k, v, probs, proj_ctx }))
     }
 
-    fn backward(&self, ctx: AttentionCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>> {
+    fn backward(&self, ctx: AttentionCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Option<Tensor<f32>>>> {
         const OP: &str = "CausalSelfAttention::backward";
         let dy = single_input(OP, grad_outputs)?;
         let d = ctx.dims;
         let (bt, c) = (d.batch * d.seq, d.heads * d.hd);
         dy.expect_shape(OP, &[d.batch, d.seq, c])?;
-        let datt = self.proj.backward(ctx.proj_ctx, &[&dy.reshape(&[bt, c])?], stream)?.remove(0);
+        let datt = input_grad(OP, self.proj.backward(ctx.proj_ctx, &[&dy.reshape(&[bt, c])?], stream)?)?;
         let (q, k, v, probs) = (&ctx.q, &ctx.k, &ctx.v, &ctx.probs);
         let heads = || Tensor::uninit(&self.alloc, stream, &d.head_shape());
         let datt_heads = heads()?;
@@ -170,8 +170,8 @@ impl Module for CausalSelfAttention {
         for (part, g) in [&dq, &dk, &dv].into_iter().enumerate() {
             heads::rows_from_heads(&dqkv, part, g, stream)?;
         }
-        let dx = self.qkv.backward(ctx.qkv_ctx, &[&dqkv], stream)?.remove(0);
-        Ok(vec![dx.reshape(&[d.batch, d.seq, c])?])
+        let dx = input_grad(OP, self.qkv.backward(ctx.qkv_ctx, &[&dqkv], stream)?)?;
+        Ok(vec![Some(dx.reshape(&[d.batch, d.seq, c])?)])
     }
 
     fn parameters(&self) -> Vec<&Param> {

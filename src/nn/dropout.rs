@@ -3,7 +3,7 @@
 //! masks when the step is written between replays, and the same mask again for the same step.
 
 use super::layernorm::single_input;
-use super::{Module, Param, SaveHook};
+use super::{Inputs, Module, Param, SaveHook};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::dropout;
@@ -76,11 +76,11 @@ impl Module for Dropout {
     /// when inactive.
     fn forward(
         &self,
-        inputs: &[&Tensor<f32>],
+        inputs: &Inputs,
         _hook: &dyn SaveHook,
         stream: &Stream,
     ) -> Result<(Vec<Tensor<f32>>, DropoutCtx)> {
-        let x = single_input("Dropout::forward", inputs)?;
+        let x = inputs.only("Dropout::forward")?;
         if !self.active() {
             return Ok((vec![x.clone()], DropoutCtx { mask: None }));
         }
@@ -91,12 +91,12 @@ impl Module for Dropout {
     }
 
     /// The output gradient itself when the forward was the identity.
-    fn backward(&self, ctx: DropoutCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>> {
+    fn backward(&self, ctx: DropoutCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Option<Tensor<f32>>>> {
         let dy = single_input("Dropout::backward", grad_outputs)?;
-        let Some(mask) = ctx.mask else { return Ok(vec![dy.clone()]) };
+        let Some(mask) = ctx.mask else { return Ok(vec![Some(dy.clone())]) };
         let dx = Tensor::uninit(&self.alloc, stream, dy.shape())?;
         dropout::dropout_backward(&dx, dy, &mask, self.p, stream)?;
-        Ok(vec![dx])
+        Ok(vec![Some(dx)])
     }
 
     fn parameters(&self) -> Vec<&Param> {

@@ -3,8 +3,8 @@
 //! launch updates them all.
 
 use super::{
-    DropoutSpec, Embedding, KeepOnDevice, LayerNorm, LayerNormCtx, LmHead, LmHeadCtx, Module, ParamStore,
-    TransformerLayer,
+    input_grad, DropoutSpec, Embedding, Inputs, KeepOnDevice, LayerNorm, LayerNormCtx, LmHead, LmHeadCtx, Module,
+    ParamStore, Stack, StackCtx, TransformerLayer,
 };
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
@@ -45,7 +45,7 @@ pub struct Gpt {
     alloc: CachingAllocator,
     store: ParamStore,
     embedding: Embedding,
-    layers: Vec<TransformerLayer>,
+    layers: Stack<TransformerLayer>,
     ln_f: LayerNorm,
     head: LmHead,
     step: Tensor<u64>,
@@ -54,7 +54,7 @@ pub struct Gpt {
 /// What a forward saves for the backward.
 pub struct GptCtx {
     tokens: Tensor<u32>,
-    layers: Vec<<TransformerLayer as Module>::Ctx>,
+    layers: StackCtx<<TransformerLayer as Module>::Ctx>,
     head: HeadCtx,
 }
 
@@ -90,7 +90,7 @@ impl Gpt {
         }
         let ln_f = LayerNorm::new(&mut store, alloc, "ln_f", c, stream)?;
         let head = LmHead::new(&mut store, alloc, "head", (c, config.vocab), seed.wrapping_add(7), stream)?;
-        Ok(Gpt { config, alloc: alloc.clone(), store, embedding, layers, ln_f, head, step })
+        Ok(Gpt { config, alloc: alloc.clone(), store, embedding, layers: Stack::new(layers), ln_f, head, step })
     }
 
     /// The configuration.
@@ -111,13 +111,11 @@ impl Gpt {
 
     /// Turns dropout on or off.
     pub fn set_training(&mut self, training: bool) {
-        for l in &mut self.layers {
-            l.set_training(training);
-        }
+        self.layers.set_training(training);
     }
 
     /// The transformer layers, for callers that run them themselves (graphed).
-    pub fn layers(&self) -> &[TransformerLayer] {
+    pub fn layers(&self) -> &Stack<TransformerLayer> {
         &self.layers
     }
 
@@ -137,7 +135,7 @@ impl Gpt {
         let [b, t, c] = *x.shape() else {
             return Err(Error::Shape { op: "Gpt::head", expected: "(B, T, dim)".into(), found: x.shape().to_vec() });
         };
-        let (mut normed, ln_f) = self.ln_f.forward(&[&x.reshape(&[b * t, c])?], &KeepOnDevice, stream)?;
+        let (mut normed, ln_f) = self.ln_f.forward(&Inputs::one(&x.reshape(&[b * t, c])?), &KeepOnDevice, stream)?;
         let (losses, head) = self.head.forward(&normed.remove(0), targets, stream)?;
         Ok((losses, HeadCtx { b, t, ln_f, head }))
     }
@@ -146,7 +144,11 @@ impl Gpt {
     /// output; accumulates the head's and final LayerNorm's parameter gradients.
     pub fn head_backward(&self, ctx: HeadCtx, dlosses: &Tensor<f32>, stream: &Stream) -> Result<Tensor<f32>> {
         let dnormed = self.head.backward(ctx.head, dlosses, stream)?;
-        self.ln_f.backward(ctx.ln_f, &[&dnormed], stream)?.remove(0).reshape(&[ctx.b, ctx.t, self.config.dim])
+        input_grad("Gpt::head_backward", self.ln_f.backward(ctx.ln_f, &[&dnormed], stream)?)?.reshape(&[
+            ctx.b,
+            ctx.t,
+            self.config.dim,
+        ])
     }
 
     /// Per-position losses `(B·T)` of `tokens` `(B, T)` against next-token `targets` `(B·T)`.
@@ -156,23 +158,16 @@ impl Gpt {
         targets: &Tensor<u32>,
         stream: &Stream,
     ) -> Result<(Tensor<f32>, GptCtx)> {
-        let mut x = self.embed(tokens, stream)?;
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
-            let (mut out, ctx) = layer.forward(&[&x], &KeepOnDevice, stream)?;
-            x = out.remove(0);
-            layers.push(ctx);
-        }
-        let (losses, head) = self.head(&x, targets, stream)?;
+        let x = self.embed(tokens, stream)?;
+        let (mut y, layers) = self.layers.forward(&Inputs::one(&x), &KeepOnDevice, stream)?;
+        let (losses, head) = self.head(&y.remove(0), targets, stream)?;
         Ok((losses, GptCtx { tokens: tokens.clone(), layers, head }))
     }
 
     /// Accumulates every parameter's gradient of `Σ dlosses ⊙ losses`.
     pub fn backward(&self, ctx: GptCtx, dlosses: &Tensor<f32>, stream: &Stream) -> Result<()> {
-        let mut dx = self.head_backward(ctx.head, dlosses, stream)?;
-        for (layer, lctx) in self.layers.iter().zip(ctx.layers).rev() {
-            dx = layer.backward(lctx, &[&dx], stream)?.remove(0);
-        }
+        let dy = self.head_backward(ctx.head, dlosses, stream)?;
+        let dx = input_grad("Gpt::backward", self.layers.backward(ctx.layers, &[&dy], stream)?)?;
         self.embed_backward(&ctx.tokens, &dx, stream)
     }
 

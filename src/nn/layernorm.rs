@@ -1,7 +1,7 @@
 //! LayerNorm over the last dimension (LN1 and LN2 of the benchmark layer), a module around
 //! [`ops::layernorm`](crate::ops::layernorm): weight 1, bias 0, eps 1e-5 as PyTorch's default.
 
-use super::{Module, Param, ParamStore, SaveHook};
+use super::{Inputs, Module, Param, ParamStore, SaveHook};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::layernorm;
@@ -68,12 +68,12 @@ impl Module for LayerNorm {
 
     fn forward(
         &self,
-        inputs: &[&Tensor<f32>],
+        inputs: &Inputs,
         hook: &dyn SaveHook,
         stream: &Stream,
     ) -> Result<(Vec<Tensor<f32>>, LayerNormCtx)> {
         const OP: &str = "LayerNorm::forward";
-        let x = single_input(OP, inputs)?;
+        let x = inputs.only(OP)?;
         let rows = as_rows(OP, x, self.dim())?;
         let n = rows.shape()[0];
         let out = Tensor::uninit(&self.alloc, stream, rows.shape())?;
@@ -87,7 +87,7 @@ impl Module for LayerNorm {
         Ok((vec![out.reshape(x.shape())?], LayerNormCtx { shape: x.shape().to_vec(), input, mean, rstd }))
     }
 
-    fn backward(&self, ctx: LayerNormCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>> {
+    fn backward(&self, ctx: LayerNormCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Option<Tensor<f32>>>> {
         const OP: &str = "LayerNorm::backward";
         let dy = single_input(OP, grad_outputs)?;
         dy.expect_shape(OP, &ctx.shape)?;
@@ -95,7 +95,7 @@ impl Module for LayerNorm {
         let dx = Tensor::uninit(&self.alloc, stream, dy.shape())?;
         let (w, b) = (&self.weight, &self.bias);
         layernorm::layernorm_backward(&dx, &w.grad, &b.grad, &dy, &ctx.input, &w.value, &ctx.mean, &ctx.rstd, stream)?;
-        Ok(vec![dx.reshape(&ctx.shape)?])
+        Ok(vec![Some(dx.reshape(&ctx.shape)?)])
     }
 
     fn parameters(&self) -> Vec<&Param> {

@@ -4,7 +4,7 @@
 //! gradient is a GEMM against a vector of ones, so its sum runs in cuBLASLt's fixed order).
 
 use super::params::init_uniform;
-use super::{Module, Param, ParamStore, SaveHook};
+use super::{Inputs, Module, Param, ParamStore, SaveHook};
 use crate::device::{Gemm, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::elementwise;
@@ -93,13 +93,13 @@ impl Module for Linear {
 
     fn forward(
         &self,
-        inputs: &[&Tensor<f32>],
+        inputs: &Inputs,
         hook: &dyn SaveHook,
         stream: &Stream,
     ) -> Result<(Vec<Tensor<f32>>, LinearCtx)> {
         const OP: &str = "Linear::forward";
         let (i, o) = self.dims();
-        let x = inputs.first().ok_or(Error::Shape { op: OP, expected: "one input".into(), found: vec![] })?;
+        let x = inputs.only(OP)?;
         let n = self.rows(OP, x, i)?;
         let y = Tensor::uninit(&self.alloc, stream, &[n, o])?;
         let gemm = Gemm {
@@ -109,12 +109,12 @@ impl Module for Linear {
         };
         stream.gemm(gemm)?;
         hook.open_group(&self.name)?;
-        let input = hook.save("input", (*x).clone(), stream)?;
+        let input = hook.save("input", x.clone(), stream)?;
         hook.commit_group(&self.name)?;
         Ok((vec![y], LinearCtx { input }))
     }
 
-    fn backward(&self, ctx: LinearCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>> {
+    fn backward(&self, ctx: LinearCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Option<Tensor<f32>>>> {
         const OP: &str = "Linear::backward";
         let (i, o) = self.dims();
         let dy = grad_outputs.first().ok_or(Error::Shape {
@@ -129,7 +129,7 @@ impl Module for Linear {
             Some(queue) => queue.lock().unwrap_or_else(PoisonError::into_inner).push(((*dy).clone(), ctx.input)),
             None => self.weight_gradients(dy, &ctx.input, stream)?,
         }
-        Ok(vec![dx])
+        Ok(vec![Some(dx)])
     }
 
     fn backward_dw(&self, stream: &Stream) -> Result<()> {
@@ -182,7 +182,7 @@ mod tests {
         let got: f64 = y[0].to_vec(&s).unwrap().iter().zip(&r).map(|(y, r)| f64::from(*y) * f64::from(*r)).sum();
         assert!((got - loss(&xh, &w, &b)).abs() < 1e-5);
         let dy = Tensor::from_host(&alloc, &s, &r, &[2, 3]).unwrap();
-        let dx = lin.backward(ctx, &[&dy], &s).unwrap().remove(0).to_vec(&s).unwrap();
+        let dx = lin.backward(ctx, &[&dy], &s).unwrap().remove(0).unwrap().to_vec(&s).unwrap();
         let num = |v: &[f32], f: &dyn Fn(&[f32]) -> f64| -> Vec<f64> {
             (0..v.len())
                 .map(|i| {

@@ -3,7 +3,7 @@
 //! The loss of each position is weighted in the backward (`dlosses`): a weight of 0 leaves a
 //! position out (the prompt of a task), `1/count` averages over the positions that count.
 
-use super::{KeepOnDevice, Linear, LinearCtx, Module, Param, ParamStore};
+use super::{input_grad, Inputs, KeepOnDevice, Linear, LinearCtx, Module, Param, ParamStore};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::loss::{cross_entropy_backward, cross_entropy_forward};
@@ -39,7 +39,7 @@ impl LmHead {
 
     /// Per-position losses `(N)` of `x` (`(N, dim)`) against `targets` (`(N)`).
     pub fn forward(&self, x: &Tensor<f32>, targets: &Tensor<u32>, stream: &Stream) -> Result<(Tensor<f32>, LmHeadCtx)> {
-        let (mut logits, linear) = self.proj.forward(&[x], &KeepOnDevice, stream)?;
+        let (mut logits, linear) = self.proj.forward(&Inputs::one(x), &KeepOnDevice, stream)?;
         let logits = logits.remove(0);
         let n = logits.shape()[0];
         let losses = Tensor::uninit(&self.alloc, stream, &[n])?;
@@ -52,7 +52,7 @@ impl LmHead {
     pub fn backward(&self, ctx: LmHeadCtx, dlosses: &Tensor<f32>, stream: &Stream) -> Result<Tensor<f32>> {
         let dlogits = Tensor::uninit(&self.alloc, stream, ctx.probs.shape())?;
         cross_entropy_backward(&dlogits, &ctx.probs, &ctx.targets, dlosses, stream)?;
-        Ok(self.proj.backward(ctx.linear, &[&dlogits], stream)?.remove(0))
+        input_grad("LmHead::backward", self.proj.backward(ctx.linear, &[&dlogits], stream)?)
     }
 
     /// The projection's weight and bias.

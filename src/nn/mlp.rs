@@ -3,7 +3,7 @@
 //! each bias gradient is accumulated once, by its [`Linear`].
 
 use super::layernorm::{as_rows, single_input};
-use super::{Linear, LinearCtx, Module, Param, ParamStore, SaveHook};
+use super::{input_grad, Inputs, Linear, LinearCtx, Module, Param, ParamStore, SaveHook};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::gelu;
@@ -54,33 +54,33 @@ impl Module for Mlp {
     /// One contiguous input `(.., C)`, one output of its shape.
     fn forward(
         &self,
-        inputs: &[&Tensor<f32>],
+        inputs: &Inputs,
         hook: &dyn SaveHook,
         stream: &Stream,
     ) -> Result<(Vec<Tensor<f32>>, MlpCtx)> {
         const OP: &str = "Mlp::forward";
-        let x = single_input(OP, inputs)?;
+        let x = inputs.only(OP)?;
         let rows = as_rows(OP, x, self.dim())?;
-        let (mut pre, fc1) = self.fc1.forward(&[&rows], hook, stream)?;
+        let (mut pre, fc1) = self.fc1.forward(&Inputs::one(&rows), hook, stream)?;
         let pre = pre.remove(0);
         let act = Tensor::uninit(&self.alloc, stream, pre.shape())?;
         gelu::gelu_forward(&act, &pre, stream)?;
         hook.open_group(&self.name)?;
         let pre = hook.save("pre", pre, stream)?;
         hook.commit_group(&self.name)?;
-        let (mut y, fc2) = self.fc2.forward(&[&act], hook, stream)?;
+        let (mut y, fc2) = self.fc2.forward(&Inputs::one(&act), hook, stream)?;
         Ok((vec![y.remove(0).reshape(x.shape())?], MlpCtx { shape: x.shape().to_vec(), fc1, pre, fc2 }))
     }
 
-    fn backward(&self, ctx: MlpCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>> {
+    fn backward(&self, ctx: MlpCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Option<Tensor<f32>>>> {
         const OP: &str = "Mlp::backward";
         let dy = single_input(OP, grad_outputs)?;
         dy.expect_shape(OP, &ctx.shape)?;
-        let dact = self.fc2.backward(ctx.fc2, &[&as_rows(OP, dy, self.dim())?], stream)?.remove(0);
+        let dact = input_grad(OP, self.fc2.backward(ctx.fc2, &[&as_rows(OP, dy, self.dim())?], stream)?)?;
         let dpre = Tensor::uninit(&self.alloc, stream, dact.shape())?;
         gelu::gelu_backward(&dpre, &ctx.pre, &dact, stream)?;
-        let dx = self.fc1.backward(ctx.fc1, &[&dpre], stream)?.remove(0);
-        Ok(vec![dx.reshape(&ctx.shape)?])
+        let dx = input_grad(OP, self.fc1.backward(ctx.fc1, &[&dpre], stream)?)?;
+        Ok(vec![Some(dx.reshape(&ctx.shape)?)])
     }
 
     fn parameters(&self) -> Vec<&Param> {

@@ -16,27 +16,31 @@ mod attention;
 mod dropout;
 mod embedding;
 mod gpt;
+mod inputs;
 mod layernorm;
 mod linear;
 mod lm_head;
 mod mlp;
 mod params;
+mod stack;
 mod transformer;
 
 pub use attention::{AttentionCtx, CausalSelfAttention};
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;
 pub use gpt::{Gpt, GptConfig, GptCtx, HeadCtx};
+pub use inputs::{Input, Inputs};
 pub use layernorm::{LayerNorm, LayerNormCtx};
 pub use linear::{Linear, LinearCtx};
 pub use lm_head::{LmHead, LmHeadCtx};
 pub use mlp::{Mlp, MlpCtx};
 pub use params::{Param, ParamStore};
+pub use stack::{backward_pass, forward_pass, Stack, StackCtx, Traverse};
 pub use transformer::{TransformerCtx, TransformerLayer};
 
 use crate::device::Stream;
 use crate::tensor::Tensor;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Where saved activations pass on their way from forward to backward. The default does
 /// nothing; an offload manager implements it to move them to host memory and back.
@@ -69,20 +73,45 @@ pub struct KeepOnDevice;
 impl SaveHook for KeepOnDevice {}
 
 /// A module with an explicit forward and backward (see the module docs for the conventions).
-pub trait Module {
+///
+/// The one contract of the crate for a unit of computation: eager code calls it, [`Stack`] chains
+/// it, and graph capture (`graph::make_graphed_callables`, `graph::make_graphed_stack`) captures
+/// it. Inputs are [`Inputs`] (positional tensors, then named ones such as a mask); gradients come
+/// back one per input, in [`Inputs::iter`] order, `None` for a constant or unused input.
+///
+/// ```
+/// use graphed::device::Device;
+/// use graphed::memory::CachingAllocator;
+/// use graphed::nn::{Inputs, KeepOnDevice, Linear, Module, ParamStore};
+/// use graphed::tensor::Tensor;
+///
+/// let dev = Device::sim();
+/// let s = dev.stream()?;
+/// let alloc = CachingAllocator::new(&dev);
+/// let mut store = ParamStore::new(&alloc, &s, 15)?;
+/// let fc = Linear::new(&mut store, &alloc, "fc", (4, 3), 1, &s)?;
+/// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
+/// let (y, ctx) = fc.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+/// let dy = Tensor::from_host(&alloc, &s, &[1.0f32; 6], &[2, 3])?;
+/// let dx = fc.backward(ctx, &[&dy], &s)?;
+/// assert_eq!((y[0].shape(), dx[0].as_ref().map(|d| d.shape())), (&[2, 3][..], Some(&[2, 4][..])));
+/// # Ok::<(), graphed::Error>(())
+/// ```
+pub trait Module: Send + Sync {
     /// What the forward saves for the backward.
-    type Ctx;
+    type Ctx: Send + 'static;
 
     /// Computes the outputs of `inputs`, enqueued on `stream`.
-    fn forward(
-        &self,
-        inputs: &[&Tensor<f32>],
-        hook: &dyn SaveHook,
-        stream: &Stream,
-    ) -> Result<(Vec<Tensor<f32>>, Self::Ctx)>;
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, Self::Ctx)>;
 
-    /// Returns the input gradients (`=`) and accumulates the parameter gradients (`+=`).
-    fn backward(&self, ctx: Self::Ctx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Tensor<f32>>>;
+    /// One gradient per input, in [`Inputs::iter`] order (`None`: a constant or unused input),
+    /// written (`=`); parameter gradients accumulated (`+=`) into their [`Param::grad`].
+    fn backward(
+        &self,
+        ctx: Self::Ctx,
+        grad_outputs: &[&Tensor<f32>],
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor<f32>>>>;
 
     /// Runs the weight-gradient work that `backward` left for later, for modules that split it
     /// out (TransformerEngine's `backward_dw`, which pipeline schedules use to fill bubbles).
@@ -101,4 +130,12 @@ pub trait Module {
 
     /// Turns training behaviour (dropout) on or off.
     fn set_training(&mut self, training: bool);
+}
+
+/// The gradient of a module's one input, from its `backward`'s result.
+///
+/// # Errors
+/// [`Error::MissingGradient`] when the backward returned none for it.
+pub fn input_grad(op: &'static str, grads: Vec<Option<Tensor<f32>>>) -> Result<Tensor<f32>> {
+    grads.into_iter().next().flatten().ok_or_else(|| Error::MissingGradient { op, what: "input 0".into() })
 }

@@ -7,7 +7,9 @@ use super::attention::AttentionCtx;
 use super::dropout::DropoutCtx;
 use super::layernorm::{single_input, LayerNormCtx};
 use super::mlp::MlpCtx;
-use super::{CausalSelfAttention, Dropout, DropoutSpec, LayerNorm, Mlp, Module, Param, ParamStore, SaveHook};
+use super::{
+    input_grad, CausalSelfAttention, Dropout, DropoutSpec, Inputs, LayerNorm, Mlp, Module, Param, ParamStore, SaveHook,
+};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::cast::residual_add;
@@ -92,18 +94,18 @@ impl Module for TransformerLayer {
     /// One contiguous input `(B, T, C)`, one output `(B, T, C)`.
     fn forward(
         &self,
-        inputs: &[&Tensor<f32>],
+        inputs: &Inputs,
         hook: &dyn SaveHook,
         stream: &Stream,
     ) -> Result<(Vec<Tensor<f32>>, TransformerCtx)> {
-        let x = single_input("TransformerLayer::forward", inputs)?;
-        let (a, ln1) = only(self.ln1.forward(&[x], hook, stream)?);
-        let (a, attn) = only(self.attn.forward(&[&a], hook, stream)?);
-        let (a, drop1) = only(self.drop1.forward(&[&a], hook, stream)?);
+        let x = inputs.only("TransformerLayer::forward")?;
+        let (a, ln1) = only(self.ln1.forward(&Inputs::one(x), hook, stream)?);
+        let (a, attn) = only(self.attn.forward(&Inputs::one(&a), hook, stream)?);
+        let (a, drop1) = only(self.drop1.forward(&Inputs::one(&a), hook, stream)?);
         let h = self.add(x, &a, stream)?;
-        let (m, ln2) = only(self.ln2.forward(&[&h], hook, stream)?);
-        let (m, mlp) = only(self.mlp.forward(&[&m], hook, stream)?);
-        let (m, drop2) = only(self.drop2.forward(&[&m], hook, stream)?);
+        let (m, ln2) = only(self.ln2.forward(&Inputs::one(&h), hook, stream)?);
+        let (m, mlp) = only(self.mlp.forward(&Inputs::one(&m), hook, stream)?);
+        let (m, drop2) = only(self.drop2.forward(&Inputs::one(&m), hook, stream)?);
         let y = self.add(&h, &m, stream)?;
         Ok((vec![y], TransformerCtx { ln1, attn, drop1, ln2, mlp, drop2 }))
     }
@@ -113,16 +115,17 @@ impl Module for TransformerLayer {
         ctx: TransformerCtx,
         grad_outputs: &[&Tensor<f32>],
         stream: &Stream,
-    ) -> Result<Vec<Tensor<f32>>> {
-        let dy = single_input("TransformerLayer::backward", grad_outputs)?;
-        let dm = self.drop2.backward(ctx.drop2, &[dy], stream)?.remove(0);
-        let dm = self.mlp.backward(ctx.mlp, &[&dm], stream)?.remove(0);
-        let dm = self.ln2.backward(ctx.ln2, &[&dm], stream)?.remove(0);
+    ) -> Result<Vec<Option<Tensor<f32>>>> {
+        const OP: &str = "TransformerLayer::backward";
+        let dy = single_input(OP, grad_outputs)?;
+        let dm = input_grad(OP, self.drop2.backward(ctx.drop2, &[dy], stream)?)?;
+        let dm = input_grad(OP, self.mlp.backward(ctx.mlp, &[&dm], stream)?)?;
+        let dm = input_grad(OP, self.ln2.backward(ctx.ln2, &[&dm], stream)?)?;
         let dh = self.add(dy, &dm, stream)?;
-        let da = self.drop1.backward(ctx.drop1, &[&dh], stream)?.remove(0);
-        let da = self.attn.backward(ctx.attn, &[&da], stream)?.remove(0);
-        let da = self.ln1.backward(ctx.ln1, &[&da], stream)?.remove(0);
-        Ok(vec![self.add(&dh, &da, stream)?])
+        let da = input_grad(OP, self.drop1.backward(ctx.drop1, &[&dh], stream)?)?;
+        let da = input_grad(OP, self.attn.backward(ctx.attn, &[&da], stream)?)?;
+        let da = input_grad(OP, self.ln1.backward(ctx.ln1, &[&da], stream)?)?;
+        Ok(vec![Some(self.add(&dh, &da, stream)?)])
     }
 
     fn parameters(&self) -> Vec<&Param> {

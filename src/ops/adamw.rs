@@ -23,7 +23,7 @@
 //! let (lr, t) = (Tensor::<f32>::zeros(&alloc, &s, &[1])?, Tensor::<u64>::zeros(&alloc, &s, &[1])?);
 //! elementwise::fill(lr.view()?, 0.1, &s)?;
 //! rng::step_add(&t, 1, &s)?;
-//! let hyper = adamw::AdamW { weight_decay: 0.0, ..adamw::AdamW::default() };
+//! let hyper = adamw::AdamWHyper { weight_decay: 0.0, ..adamw::AdamWHyper::default() };
 //! adamw::adamw_step(&params, &grads, &m, &v, &lr, &t, &hyper, &s)?;
 //! let p = params.to_vec(&s)?; // the first step moves each parameter by about lr against its gradient
 //! assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] + 0.9).abs() < 1e-6);
@@ -40,7 +40,7 @@ const SOURCE: &str = include_str!("adamw.cu");
 
 /// AdamW's hyperparameters other than the learning rate (which lives on the device).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamW {
+pub struct AdamWHyper {
     /// Decay of the first moment.
     pub beta1: f32,
     /// Decay of the second moment.
@@ -51,10 +51,10 @@ pub struct AdamW {
     pub weight_decay: f32,
 }
 
-impl Default for AdamW {
+impl Default for AdamWHyper {
     /// PyTorch's defaults.
-    fn default() -> AdamW {
-        AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+    fn default() -> AdamWHyper {
+        AdamWHyper { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
     }
 }
 
@@ -100,7 +100,7 @@ pub fn adamw_step(
     v: &Tensor<f32>,
     lr: &Tensor<f32>,
     t: &Tensor<u64>,
-    hyper: &AdamW,
+    hyper: &AdamWHyper,
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "adamw_step";
@@ -129,7 +129,7 @@ pub fn adamw_step(
     if len == 0 {
         return Ok(());
     }
-    let AdamW { beta1, beta2, eps, weight_decay } = *hyper;
+    let AdamWHyper { beta1, beta2, eps, weight_decay } = *hyper;
     stream.launch(
         &ADAMW,
         LaunchDims::for_elems(len),

@@ -13,6 +13,7 @@ pub mod heads;
 pub mod layernorm;
 pub mod loss;
 pub mod rng;
+pub mod schedule;
 pub mod softmax;
 
 use crate::device::{Elem, LaunchDims, View};

@@ -9,13 +9,13 @@ use std::time::Instant;
 
 use anyhow::bail;
 use graphed::device::{CaptureMode, Device, DeviceKind, Stream};
-use graphed::graph::{GraphedCallable, Inputs, Replay, StaticTensor, Tails};
+use graphed::graph::{GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use serde::Serialize;
 
 use super::{spread, write_json, Report, Spread};
 use crate::cli::args::{DeviceChoice, GraphsBenchArgs};
-use crate::cli::stack::{Config, Stack};
+use crate::cli::bench_model::{BenchModel, Config};
 
 /// How a step runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,36 +109,34 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
 fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenchArgs) -> anyhow::Result<GraphsRow> {
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
-    let stack = Stack::new(&alloc, &main, config)?;
+    let model = BenchModel::new(&alloc, &main, config)?;
     let (samples, capture_ms, calls) = match variant {
-        Variant::Eager => (measure(dev, &main, args, &mut || Ok(stack.eager_step(&main)?))?, None, None),
+        Variant::Eager => (measure(dev, &main, args, &mut || Ok(model.eager_step(&main)?))?, None, None),
         Variant::Graphed | Variant::Side => {
             let (side, event) = (dev.stream()?, dev.event()?);
             let on_side = variant == Variant::Side;
             let began = Instant::now();
-            let mut graphed = stack.graph(&alloc, on_side.then_some(&event))?;
+            let graphed = model.graph(&alloc, on_side.then_some(&event))?;
             let capture_ms = began.elapsed().as_secs_f64() * 1e3;
             // The static input holds the sample, x, since capture; the upstream gradient goes
             // into its static buffer once, so that steps replay with no copy-in.
-            if let Some(static_dy) = graphed.last().and_then(|g| g.static_grad_outputs().first()) {
-                main.copy_d2d(stack.dy.view()?, static_dy.view()?)?;
+            if let Some(static_dy) = graphed.static_grad_output() {
+                main.copy_d2d(model.dy.view()?, static_dy.view()?)?;
             }
-            // Our own handle, not `graphed[0].sync_event()`: that borrow of `graphed` would last
-            // across the `&mut` replays.
-            let replay = if on_side { Replay::resume_at(&side, &event) } else { Replay::caller() };
-            let samples = measure(dev, &main, args, &mut || graphed_step(&mut graphed, &stack, &main, replay))?;
+            let replay = if on_side { Replay::side(&side) } else { Replay::caller() };
+            let samples = measure(dev, &main, args, &mut || graphed_step(&graphed, &model, &main, replay))?;
             (samples, Some(capture_ms), Some(2 * config.layers))
         }
         Variant::Floor => {
             // Warm up as make_graphed_callables does: the capture then sees a warm allocator
             // cache and loaded kernels.
             for _ in 0..2 {
-                stack.eager_step(&main)?;
+                model.eager_step(&main)?;
             }
             let pool = alloc.new_pool();
             let began = Instant::now();
             let capture = alloc.capture(&main, CaptureMode::ThreadLocal, &pool)?;
-            stack.eager_step(&main)?;
+            model.eager_step(&main)?;
             let graph = capture.finish()?;
             let exec = graph.instantiate()?;
             exec.upload(&main)?;
@@ -166,42 +164,14 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
     })
 }
 
-/// One step of the graphed callables: forwards in order, each layer's input being the previous
-/// layer's static output (its own static input, so nothing is copied), then backwards in reverse,
-/// each layer's output gradient being the later layer's input gradient; the tails of side-stream
-/// replays are joined into `main` at the end. The first input and the upstream gradient are the
-/// static buffers themselves (holding the stack's `x` and `dy`), so the host time is the
-/// replays' alone, without copy-ins, as the host-time goals are stated.
-fn graphed_step(
-    graphed: &mut [GraphedCallable],
-    stack: &Stack,
-    main: &Stream,
-    replay: Replay<'_>,
-) -> anyhow::Result<()> {
-    let mut tails = Tails::new();
-    let x = graphed.first().and_then(|g| g.static_inputs().first().map(|t| (*t).clone()));
-    let dy = graphed.last().and_then(|g| g.static_grad_outputs().first().cloned());
-    let (x, dy) = (x.unwrap_or_else(|| stack.x.clone()), dy.unwrap_or_else(|| stack.dy.clone()));
-    let mut y: Option<StaticTensor> = None;
-    for g in graphed.iter_mut() {
-        let inputs = match &y {
-            None => Inputs::args(&[&x]),
-            Some(y) => Inputs::args(&[y.get()?]),
-        };
-        let (mut outputs, tail) = g.forward(main, &inputs, replay)?;
-        tails.push(tail);
-        y = Some(outputs.swap_remove(0));
-    }
-    let mut dx: Option<StaticTensor> = None;
-    for g in graphed.iter_mut().rev() {
-        let (mut grads, tail) = match &dx {
-            None => g.backward(main, &[&dy])?,
-            Some(dx) => g.backward(main, &[dx.get()?])?,
-        };
-        tails.push(tail);
-        dx = grads.swap_remove(0);
-    }
-    tails.join(main)?;
+/// One step of the graphed stack: every forward, every backward, the tails joined into `main`.
+/// The input and upstream gradient are the static buffers themselves (holding the model's `x`
+/// and `dy`), so the host time is the replays' alone, without copy-ins, as the host-time goals
+/// are stated.
+fn graphed_step(graphed: &GraphedStack, model: &BenchModel, main: &Stream, replay: Replay<'_>) -> anyhow::Result<()> {
+    graphed.forward(main, graphed.static_input(), replay)?;
+    graphed.backward(main, graphed.static_grad_output().unwrap_or(&model.dy))?;
+    graphed.join(main)?;
     Ok(())
 }
 

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use graphed::device::DeviceKind;
 use graphed::memory::CachingAllocator;
-use graphed::nn::{DropoutSpec, KeepOnDevice, Module, ParamStore, TransformerLayer};
+use graphed::nn::{Inputs, DropoutSpec, KeepOnDevice, Module, ParamStore, TransformerLayer};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -44,7 +44,7 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
         for rep in 0..args.reps + 3 {
             s.record(&start)?;
             let issued = Instant::now();
-            let (_, ctx) = layer.forward(&[&x], &KeepOnDevice, &s)?;
+            let (_, ctx) = layer.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
             layer.backward(ctx, &[&dy], &s)?;
             let h = issued.elapsed().as_secs_f64() * 1e3;
             s.record(&end)?;

@@ -13,9 +13,8 @@ use std::time::{Duration, Instant};
 use graphed::device::{Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Gpt, GptConfig};
-use graphed::ops::adamw::{adamw_step, AdamW};
-use graphed::ops::elementwise;
 use graphed::ops::rng::step_add;
+use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::SmallRng;
@@ -58,14 +57,9 @@ fn plan(dev: &Device, args: &TrainArgs) -> anyhow::Result<Plan> {
     })
 }
 
-/// Learning rate at `step`: linear warmup over the first 5%, then cosine decay to 10%.
-fn learning_rate(peak: f32, step: usize, steps: usize) -> f32 {
-    let warmup = (steps / 20).max(1);
-    if step < warmup {
-        return peak * (step + 1) as f32 / warmup as f32;
-    }
-    let progress = (step - warmup) as f32 / (steps - warmup).max(1) as f32;
-    peak * (0.1 + 0.9 * 0.5 * (1.0 + (std::f32::consts::PI * progress).cos()))
+/// The learning rate: linear warmup over the first 5% of the steps, then cosine decay to 10%.
+fn schedule(peak: f32, steps: usize) -> LrSchedule {
+    LrSchedule::WarmupCosine { peak, warmup: (steps as u64 / 20).max(1), total: steps as u64, floor: 0.1 }
 }
 
 pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
@@ -75,7 +69,9 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     let alloc = CachingAllocator::new(dev);
     let mut model = Gpt::new(&alloc, cfg, &s)?;
     println!("device: {}", dev.name());
-    let mut stepper = step::Stepper::new(&model, &alloc, &s, plan.batch, args)?;
+    let hyper = AdamWHyper { weight_decay: 0.0, ..AdamWHyper::default() };
+    let optimizer = AdamW::new(&alloc, model.parameters(), hyper, schedule(plan.lr, plan.steps), &s)?;
+    let stepper = step::Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args)?;
     println!(
         "model: {} layers, width {}, {} heads, {} parameters; batch {}, {} steps, {}",
         cfg.layers,
@@ -86,13 +82,6 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
         plan.steps,
         stepper.describe()
     );
-
-    let params = model.parameters().values()?;
-    let grads = model.parameters().grads()?;
-    let (m, v) = (Tensor::<f32>::zeros(&alloc, &s, params.shape())?, Tensor::<f32>::zeros(&alloc, &s, params.shape())?);
-    let lr = Tensor::<f32>::zeros(&alloc, &s, &[1])?;
-    let t = Tensor::<u64>::zeros(&alloc, &s, &[1])?;
-    let hyper = AdamW { weight_decay: 0.0, ..AdamW::default() };
 
     let held = addition::held_out(plan.eval, args.seed ^ 0x5eed);
     let held_set: HashSet<(u32, u32)> = held.iter().copied().collect();
@@ -111,11 +100,7 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
         let weights = Tensor::from_host(&alloc, &s, &batch.weights, &[n])?;
         let issued = Instant::now();
         step_add(model.dropout_step(), 1, &s)?;
-        let losses = stepper.step(&model, &tokens, &targets, &weights)?;
-        elementwise::fill(lr.view()?, learning_rate(plan.lr, step, plan.steps), &s)?;
-        step_add(&t, 1, &s)?;
-        adamw_step(&params, &grads, &m, &v, &lr, &t, &hyper, &s)?;
-        s.memset(grads.view()?, 0)?;
+        let losses = stepper.step(&model, &optimizer, &tokens, &targets, &weights)?;
         host += issued.elapsed();
         if step % 25 == 0 || step + 1 == plan.steps {
             let l = losses.to_vec(&s)?;

@@ -1,16 +1,18 @@
-//! One training step's forward and backward: eager, or with the transformer layers replayed as
-//! graphed callables between the eager embedding and head.
+//! One training step: forward, backward and the optimizer, eager, or with the transformer layers
+//! replayed as a graphed stack between the eager embedding and head and the optimizer replayed as
+//! one more graph.
 
-use graphed::device::{Event, Stream};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, Inputs, Replay, Tails};
+use graphed::device::Stream;
+use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, GraphedFn, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::Gpt;
+use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 
 use super::addition;
 use crate::cli::args::TrainArgs;
 
-/// Runs the forward and backward of a step on `stream`, the way the arguments say.
+/// Runs a step on `stream`, the way the arguments say.
 pub struct Stepper {
     stream: Stream,
     /// `None` with `--eager`.
@@ -18,17 +20,20 @@ pub struct Stepper {
 }
 
 struct Graphed {
-    layers: Vec<GraphedCallable>,
-    /// The side stream and the event its graphs record, with `--side-stream`.
-    side: Option<(Stream, Event)>,
-    shared_pool: bool,
+    stack: GraphedStack,
+    optimizer: GraphedFn,
+    /// The side stream, with `--side-stream`.
+    side: Option<Stream>,
+    pool_per_layer: bool,
 }
 
 impl Stepper {
-    /// Captures the model's layers unless `--eager`: one pool for all (chained, so that no copies
-    /// run between layers) or, with `--pool-per-layer`, one pool per layer.
+    /// Captures the model's layers and the optimizer step unless `--eager`: the layers into one
+    /// pool (chained, so that no copies run between layers) or, with `--pool-per-layer`, one pool
+    /// per layer.
     pub fn new(
         model: &Gpt,
+        optimizer: &AdamW,
         alloc: &CachingAllocator,
         stream: &Stream,
         batch: usize,
@@ -39,29 +44,17 @@ impl Stepper {
         }
         let dev = stream.device();
         let x = Tensor::<f32>::zeros(alloc, stream, &[batch, addition::INPUT, model.config().dim])?;
-        let side = match args.side_stream {
-            true => Some((dev.stream()?, dev.event()?)),
-            false => None,
+        let (side, event) = match args.side_stream {
+            true => (Some(dev.stream()?), Some(dev.event()?)),
+            false => (None, None),
         };
-        let options = || {
-            let o = GraphOptions::default();
-            match &side {
-                Some((_, e)) => o.sync_event(e),
-                None => o,
-            }
-        };
-        let callables: Vec<&dyn Callable> = model.layers().iter().map(|l| l as &dyn Callable).collect();
-        let layers = if args.pool_per_layer {
-            let mut all = Vec::new();
-            for c in &callables {
-                all.extend(make_graphed_callables(alloc, &[*c], &[Inputs::args(&[&x])], options())?);
-            }
-            all
-        } else {
-            let samples: Vec<Inputs> = callables.iter().map(|_| Inputs::args(&[&x])).collect();
-            make_graphed_callables(alloc, &callables, &samples, options().chain(true))?
-        };
-        let graphed = Graphed { layers, side, shared_pool: !args.pool_per_layer };
+        let mut options = GraphOptions::default().pool_per_callable(args.pool_per_layer);
+        if let Some(e) = &event {
+            options = options.sync_event(e);
+        }
+        let stack = make_graphed_stack(alloc, model.layers(), &x, options)?;
+        let optimizer = make_graphed_fn(alloc, |s| optimizer.step(s))?;
+        let graphed = Graphed { stack, optimizer, side, pool_per_layer: args.pool_per_layer };
         Ok(Stepper { stream: stream.clone(), graphed: Some(graphed) })
     }
 
@@ -69,59 +62,41 @@ impl Stepper {
     pub fn describe(&self) -> String {
         match &self.graphed {
             None => "eager".into(),
-            Some(Graphed { layers, side, shared_pool }) => format!(
-                "{} graphed layers ({}, {})",
-                layers.len(),
+            Some(Graphed { stack, side, pool_per_layer, .. }) => format!(
+                "a graphed stack of {} layers ({}, {}) and a graphed optimizer step",
+                stack.layers().len(),
                 if side.is_some() { "side stream, resuming at the in-graph event" } else { "caller's stream" },
-                if *shared_pool { "one shared pool" } else { "a pool per layer" }
+                if *pool_per_layer { "a pool per layer" } else { "one shared pool" }
             ),
         }
     }
 
-    /// Forward and backward of one batch; returns the per-position losses.
+    /// Forward, backward and optimizer step of one batch; returns the per-position losses.
     pub fn step(
-        &mut self,
+        &self,
         model: &Gpt,
+        optimizer: &AdamW,
         tokens: &Tensor<u32>,
         targets: &Tensor<u32>,
         weights: &Tensor<f32>,
     ) -> anyhow::Result<Tensor<f32>> {
         let stream = &self.stream;
-        match &mut self.graphed {
-            None => {
-                let (losses, ctx) = model.forward(tokens, targets, stream)?;
-                model.backward(ctx, weights, stream)?;
-                Ok(losses)
-            }
-            Some(Graphed { layers, side, .. }) => {
-                let replay = match side {
-                    Some((s, e)) => Replay::resume_at(s, e),
-                    None => Replay::caller(),
-                };
-                let mut tails = Tails::new();
-                let mut h = model.embed(tokens, stream)?;
-                for layer in layers.iter_mut() {
-                    let (y, tail) = layer.forward(stream, &Inputs::args(&[&h]), replay)?;
-                    tails.push(tail);
-                    h = y[0].get()?.clone();
-                }
-                let (losses, head) = model.head(&h, targets, stream)?;
-                let mut d = model.head_backward(head, weights, stream)?;
-                for layer in layers.iter_mut().rev() {
-                    let (dx, tail) = layer.backward(stream, &[&d])?;
-                    tails.push(tail);
-                    let dx = dx
-                        .into_iter()
-                        .next()
-                        .flatten()
-                        .ok_or_else(|| anyhow::anyhow!("a layer gave no input gradient"))?;
-                    d = dx.get()?.clone();
-                }
-                model.embed_backward(tokens, &d, stream)?;
-                // The optimizer comes next: join every tail first (R4).
-                tails.join(stream)?;
-                Ok(losses)
-            }
-        }
+        let Some(g) = &self.graphed else {
+            let (losses, ctx) = model.forward(tokens, targets, stream)?;
+            model.backward(ctx, weights, stream)?;
+            optimizer.step(stream)?;
+            return Ok(losses);
+        };
+        let replay = g.side.as_ref().map_or(Replay::caller(), Replay::side);
+        let h = model.embed(tokens, stream)?;
+        let y = g.stack.forward(stream, &h, replay)?;
+        let (losses, head) = model.head(y.get()?, targets, stream)?;
+        let dy = model.head_backward(head, weights, stream)?;
+        let dx = g.stack.backward(stream, &dy)?.ok_or_else(|| anyhow::anyhow!("the first layer gave no input gradient"))?;
+        model.embed_backward(tokens, dx.get()?, stream)?;
+        // The optimizer reads every gradient: join the tails first (R4).
+        g.stack.join(stream)?;
+        g.optimizer.replay(stream)?;
+        Ok(losses)
     }
 }

@@ -7,9 +7,9 @@ use std::fmt;
 
 use anyhow::bail;
 use graphed::device::{Device, DeviceKind, Event, Stream};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, Inputs};
+use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{DropoutSpec, KeepOnDevice, Module, ParamStore, TransformerLayer};
+use graphed::nn::{DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, Stack, TransformerLayer};
 use graphed::tensor::Tensor;
 
 /// One model configuration: a `BENCH.md` row, or `tiny`, small enough for the simulator.
@@ -89,18 +89,18 @@ impl fmt::Display for Config {
 
 /// A configuration's layers over one parameter store, with the input and upstream gradient of a
 /// step.
-pub struct Stack {
+pub struct BenchModel {
     /// The layers, in forward order; dropout is off (p = 0) as in `BENCH.md`'s benchmarks.
-    pub layers: Vec<TransformerLayer>,
+    pub stack: Stack<TransformerLayer>,
     /// The input, `(batch, seq, dim)`, deterministic so that runs compare.
     pub x: Tensor<f32>,
     /// The fixed upstream gradient of the last layer's output: ones.
     pub dy: Tensor<f32>,
 }
 
-impl Stack {
+impl BenchModel {
     /// Builds `config`'s layers, input and upstream gradient from `alloc`, on `stream`.
-    pub fn new(alloc: &CachingAllocator, stream: &Stream, config: Config) -> graphed::Result<Stack> {
+    pub fn new(alloc: &CachingAllocator, stream: &Stream, config: Config) -> graphed::Result<BenchModel> {
         let Config { dim, layers: n, batch, seq, .. } = config;
         let mut store = ParamStore::new(alloc, stream, n * config.layer_params())?;
         let step = Tensor::<u64>::zeros(alloc, stream, &[1])?;
@@ -117,35 +117,24 @@ impl Stack {
         let x: Vec<f32> = (0..numel).map(|i| (i * 7919 % 1000) as f32 / 1000.0 - 0.5).collect();
         let x = Tensor::from_host(alloc, stream, &x, &[batch, seq, dim])?;
         let dy = Tensor::from_host(alloc, stream, &vec![1.0f32; numel], &[batch, seq, dim])?;
-        Ok(Stack { layers, x, dy })
+        Ok(BenchModel { stack: Stack::new(layers), x, dy })
     }
 
     /// One eager step on `stream`: every forward in order, then every backward in reverse from
     /// `dy`; parameter gradients accumulate.
     pub fn eager_step(&self, stream: &Stream) -> graphed::Result<()> {
-        let mut saved = Vec::with_capacity(self.layers.len());
-        let mut h = self.x.clone();
-        for layer in &self.layers {
-            let (mut y, ctx) = Module::forward(layer, &[&h], &KeepOnDevice, stream)?;
-            saved.push(ctx);
-            h = y.swap_remove(0);
-        }
-        let mut dy = self.dy.clone();
-        for (layer, ctx) in self.layers.iter().zip(saved).rev() {
-            dy = Module::backward(layer, ctx, &[&dy], stream)?.swap_remove(0);
-        }
+        let (_, ctx) = self.stack.forward(&Inputs::one(&self.x), &KeepOnDevice, stream)?;
+        self.stack.backward(ctx, &[&self.dy], stream)?;
         Ok(())
     }
 
-    /// Graphs each layer as one callable, chained so that layers replay with no copies between
-    /// them, into one pool; with `sync_event`, every graph records it for side-stream replay.
-    pub fn graph(&self, alloc: &CachingAllocator, sync_event: Option<&Event>) -> graphed::Result<Vec<GraphedCallable>> {
-        let callables: Vec<&dyn Callable> = self.layers.iter().map(|l| l as &dyn Callable).collect();
-        let samples: Vec<Inputs> = self.layers.iter().map(|_| Inputs::args(&[&self.x])).collect();
-        let mut options = GraphOptions::default().chain(true);
+    /// Graphs the stack into one pool, its layers chained so that they replay with no copies
+    /// between them; with `sync_event`, every graph records it for side-stream replay.
+    pub fn graph(&self, alloc: &CachingAllocator, sync_event: Option<&Event>) -> graphed::Result<GraphedStack> {
+        let mut options = GraphOptions::default();
         if let Some(event) = sync_event {
             options = options.sync_event(event);
         }
-        make_graphed_callables(alloc, &callables, &samples, options)
+        make_graphed_stack(alloc, &self.stack, &self.x, options)
     }
 }

@@ -1,0 +1,121 @@
+//! From what the capture recorded to graphed callables: the sync event verified against every
+//! static surface (R2, R3, R7), executables instantiated and uploaded, outputs' origins computed.
+
+use std::sync::{Arc, Mutex};
+
+use super::graphed::{Captured, GraphedCallable, Pass, Shared, Slot};
+use super::options::GraphOptions;
+use super::plan::Plan;
+use super::record::Recorded;
+use super::replay::{Origin, Route};
+use super::verify::{verify_sync_point, Surface};
+use crate::check::Checker;
+use crate::device::{AccessMode, GraphId};
+use crate::memory::GraphPool;
+use crate::tensor::Tensor;
+use crate::Result;
+
+/// Verifies the recorded graphs and makes one graphed callable per callable.
+pub(crate) fn build(
+    plan: &Plan<'_>,
+    pools: &[GraphPool],
+    options: &GraphOptions,
+    recorded: Recorded,
+) -> Result<Vec<GraphedCallable>> {
+    verify(plan, pools, options, &recorded)?;
+    let shared = Arc::new(Shared { sync_event: options.sync_event.clone(), mode: options.mode });
+    let (stream, dev) = (plan.stream, plan.stream.device());
+    let Recorded { graphs, inputs, outputs, grad_outputs, grad_inputs } = recorded;
+    let mut out = Vec::with_capacity(plan.len());
+    let per_callable = graphs.into_iter().zip(inputs).zip(outputs).zip(grad_outputs.into_iter().zip(grad_inputs));
+    for (i, (((mine, inputs), outputs), (dys, dxs))) in per_callable.enumerate() {
+        let pool = &pools[i];
+        let mut captured = Vec::with_capacity(mine.len());
+        for (pass, graph) in mine {
+            let exec = graph.instantiate()?;
+            exec.upload(stream)?;
+            captured.push(Captured { pass, graph, exec });
+        }
+        let fed = plan.statics[i].is_none();
+        let slots = inputs.iter().map(|x| Slot { input: x.clone(), chained: fed }).collect();
+        let name = &plan.names[i];
+        let origin = |what: String, t: Option<&Tensor<f32>>| Origin {
+            what: what.into(),
+            writers: t.map_or_else(|| Arc::from([]), |t| writers_of(pool, t)),
+        };
+        let output_origins =
+            outputs.iter().enumerate().map(|(k, y)| origin(format!("{name}: output {k}"), Some(y))).collect();
+        let grad_origins = (dxs.iter().zip(inputs.iter()).enumerate())
+            .map(|(k, (d, x))| origin(format!("{name}: gradient of {}", x.label(k)), d.as_ref()))
+            .collect();
+        out.push(GraphedCallable {
+            name: name.clone(),
+            shared: shared.clone(),
+            pool: pool.clone(),
+            graphs: captured,
+            positional: inputs.positional_inputs().len(),
+            inputs: slots,
+            in_stack: plan.in_stack,
+            outputs,
+            grad_outputs: dys,
+            grad_inputs: dxs,
+            output_origins,
+            grad_origins,
+            route: Mutex::new(Route::Caller),
+            entry: dev.event()?,
+            done: dev.event()?,
+            reset: false,
+        });
+    }
+    Ok(out)
+}
+
+/// The graphs of `pool` that write memory of `t` (all of them if the device's checker did not see
+/// their captures, which cannot happen for captures made through the allocator).
+fn writers_of(pool: &GraphPool, t: &Tensor<f32>) -> Arc<[GraphId]> {
+    let order = pool.order();
+    let (Some(checker), Ok(view)) = (Checker::of(pool.device()), t.view()) else { return order.into() };
+    let access = view.access(AccessMode::Write);
+    order.into_iter().filter(|g| checker.graph_writes(*g, &access).unwrap_or(true)).collect()
+}
+
+/// Checks every graph's sync event against the static surfaces (R2, R3, R7).
+fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded: &Recorded) -> Result<()> {
+    let Some(event) = &options.sync_event else { return Ok(()) };
+    let graph_of = |i: usize, pass: Pass| {
+        recorded.graphs.get(i)?.iter().find(|(p, _)| *p == pass).map(|(_, g)| g.graph().id())
+    };
+    let mut surfaces: Vec<Surface<'_>> = Vec::new();
+    for (i, inputs) in recorded.inputs.iter().enumerate() {
+        let name = &plan.names[i];
+        let (fwd, bwd) = (graph_of(i, Pass::Forward), graph_of(i, Pass::Backward));
+        let mut add = |what: String, tensor, owner| surfaces.push(Surface { what, tensor, owner });
+        // An input fed by the previous callable is that callable's output: its forward makes it.
+        let input_owner = if plan.statics[i].is_none() { i.checked_sub(1).and_then(|p| graph_of(p, Pass::Forward)) } else { None };
+        for (k, x) in inputs.iter().enumerate() {
+            add(format!("{name} {}", x.label(k)), &x.tensor, input_owner);
+        }
+        for (k, y) in recorded.outputs[i].iter().enumerate() {
+            add(format!("{name} output {k}"), y, fwd);
+        }
+        let grad_owner = if plan.feeds_next(i) { graph_of(i + 1, Pass::Backward) } else { None };
+        for (k, d) in recorded.grad_outputs[i].iter().enumerate() {
+            add(format!("{name} output gradient {k}"), d, grad_owner);
+        }
+        for (k, d) in recorded.grad_inputs[i].iter().enumerate() {
+            if let Some(d) = d {
+                add(format!("{name} gradient of input {k}"), d, bwd);
+            }
+        }
+        for p in plan.callables[i].parameters_dyn() {
+            add(format!("parameter {}", p.name), &p.value, None);
+            add(format!("gradient of {}", p.name), &p.grad, None);
+        }
+    }
+    for (i, mine) in recorded.graphs.iter().enumerate() {
+        for (_, g) in mine {
+            verify_sync_point(plan.alloc, &pools[i], g.graph(), event, &surfaces).map_err(|kind| plan.err(i, kind))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,70 @@
+//! Any eager work captured as one graph, replayed on the caller's stream: the optimizer step of
+//! a graphed training loop, say.
+
+use crate::device::{CaptureMode, Graph, Stream};
+use crate::memory::{CachingAllocator, GraphPool, PoolExec, PoolGraph};
+use crate::Result;
+
+/// Work captured by [`make_graphed_fn`], in a pool of its own.
+pub struct GraphedFn {
+    graph: PoolGraph,
+    exec: PoolExec,
+}
+
+/// Captures what `f` enqueues on a capture stream into one graph (in a new pool of `alloc`, so
+/// that it replays in any order with other graphs) and uploads it. Nothing runs: `f` is called
+/// once, during the capture, and must not synchronize. Its scalars are frozen, so anything that
+/// changes from step to step must live in device memory (the optimizer's step counter and
+/// learning rate do).
+///
+/// ```
+/// use graphed::device::Device;
+/// use graphed::graph::make_graphed_fn;
+/// use graphed::memory::CachingAllocator;
+/// use graphed::ops::elementwise;
+/// use graphed::tensor::Tensor;
+///
+/// let dev = Device::sim();
+/// let s = dev.stream()?;
+/// let alloc = CachingAllocator::new(&dev);
+/// let x = Tensor::from_host(&alloc, &s, &[1.0f32, 2.0], &[2])?;
+/// let double = make_graphed_fn(&alloc, |c| elementwise::scale(x.view()?, x.view()?, 2.0, c))?;
+/// double.replay(&s)?;
+/// double.replay(&s)?;
+/// assert_eq!(x.to_vec(&s)?, vec![4.0, 8.0]);
+/// # Ok::<(), graphed::Error>(())
+/// ```
+///
+/// # Errors
+/// `f`'s own errors and capture errors (work that cannot be captured); the capture then leaves
+/// nothing behind.
+pub fn make_graphed_fn(alloc: &CachingAllocator, f: impl FnOnce(&Stream) -> Result<()>) -> Result<GraphedFn> {
+    let stream = alloc.device().stream()?;
+    let pool: GraphPool = alloc.new_pool();
+    alloc.synchronize()?;
+    let cap = alloc.capture(&stream, CaptureMode::ThreadLocal, &pool)?;
+    f(&stream)?;
+    let graph = cap.finish()?;
+    let exec = graph.instantiate()?;
+    exec.upload(&stream)?;
+    stream.synchronize()?;
+    Ok(GraphedFn { graph, exec })
+}
+
+impl GraphedFn {
+    /// Replays the work on `caller`, after everything queued there.
+    pub fn replay(&self, caller: &Stream) -> Result<()> {
+        self.exec.launch(caller)
+    }
+
+    /// The captured graph, for inspection.
+    pub fn graph(&self) -> &Graph {
+        self.graph.graph()
+    }
+}
+
+impl std::fmt::Debug for GraphedFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphedFn({})", self.graph.graph().id())
+    }
+}

@@ -1,0 +1,112 @@
+//! What the warmup and the capture share: the callables, their static inputs, and the rules for
+//! feeding a callable from the one before it (in a stack) and its gradients from the one after.
+
+use super::callable::Callable;
+use super::options::{GraphOptions, Mode};
+use super::GraphedErrorKind;
+use crate::device::Stream;
+use crate::memory::CachingAllocator;
+use crate::nn::Inputs;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// The validated arguments of one capture.
+pub(crate) struct Plan<'a> {
+    pub(crate) alloc: &'a CachingAllocator,
+    pub(crate) stream: &'a Stream,
+    pub(crate) callables: &'a [&'a dyn Callable],
+    pub(crate) names: Vec<String>,
+    /// Per callable, its static inputs (copies of the samples); `None` for a callable fed by the
+    /// previous one's outputs.
+    pub(crate) statics: Vec<Option<Inputs>>,
+    pub(crate) in_stack: bool,
+    pub(crate) training: bool,
+    pub(crate) allow_unused: bool,
+}
+
+impl<'a> Plan<'a> {
+    /// Copies the samples into static input buffers on `stream`.
+    pub(crate) fn new(
+        alloc: &'a CachingAllocator,
+        stream: &'a Stream,
+        callables: &'a [&'a dyn Callable],
+        names: Vec<String>,
+        samples: &[Option<Inputs>],
+        in_stack: bool,
+        options: &GraphOptions,
+    ) -> Result<Plan<'a>> {
+        let mut statics = Vec::with_capacity(samples.len());
+        for sample in samples {
+            let Some(sample) = sample else {
+                statics.push(None);
+                continue;
+            };
+            let mut copies = Vec::with_capacity(sample.len());
+            for input in sample.iter() {
+                let t = Tensor::uninit(alloc, stream, input.tensor.shape())?;
+                stream.copy_d2d(input.tensor.view()?, t.view()?)?;
+                copies.push(t);
+            }
+            statics.push(Some(sample.with_tensors(copies)));
+        }
+        Ok(Plan {
+            alloc,
+            stream,
+            callables,
+            names,
+            statics,
+            in_stack,
+            training: options.mode == Mode::Training,
+            allow_unused: options.allow_unused_input,
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.callables.len()
+    }
+
+    pub(crate) fn err(&self, i: usize, kind: GraphedErrorKind) -> Error {
+        Error::Graphed { callable: self.names[i].clone(), kind }
+    }
+
+    /// Whether callable `i + 1` takes callable `i`'s outputs as its inputs.
+    pub(crate) fn feeds_next(&self, i: usize) -> bool {
+        self.statics.get(i + 1).is_some_and(Option::is_none)
+    }
+
+    /// Callable `i`'s inputs: its static inputs, or the previous callable's `outputs`.
+    pub(crate) fn inputs(&self, i: usize, previous: &[Tensor<f32>]) -> Inputs {
+        match &self.statics[i] {
+            Some(statics) => statics.clone(),
+            None => Inputs::args(&previous.iter().collect::<Vec<_>>()),
+        }
+    }
+
+    /// Callable `i`'s output gradients when the next callable's input gradients feed them: each
+    /// must exist.
+    pub(crate) fn chained_grads(&self, i: usize, next: Vec<Option<Tensor<f32>>>) -> Result<Vec<Tensor<f32>>> {
+        (next.into_iter().enumerate())
+            .map(|(k, d)| d.ok_or_else(|| self.err(i + 1, GraphedErrorKind::StackGradient { input: format!("input {k}") })))
+            .collect()
+    }
+
+    /// Checks a backward's gradients against the inputs: one per input, none missing for a
+    /// differentiable input unless allowed (never for an input the previous callable fed).
+    pub(crate) fn check_grads(&self, i: usize, inputs: &Inputs, grads: &[Option<Tensor<f32>>]) -> Result<()> {
+        if grads.len() != inputs.len() {
+            let (expected, found) = (inputs.len(), grads.len());
+            let what = "input gradients from the backward";
+            return Err(self.err(i, GraphedErrorKind::InputCount { what, expected, found }));
+        }
+        let fed = self.statics[i].is_none();
+        for (k, (input, g)) in inputs.iter().zip(grads).enumerate() {
+            if fed && g.is_none() {
+                return Err(self.err(i, GraphedErrorKind::StackGradient { input: input.label(k) }));
+            }
+            if input.differentiable && g.is_none() && !self.allow_unused {
+                return Err(self.err(i, GraphedErrorKind::UnusedInput { input: input.label(k) }));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,186 @@
+//! A graphed stack: the layers of an `nn::Stack` replayed as chained graphed callables, through
+//! the same traversal as the eager stack.
+
+use std::sync::{Mutex, PoisonError};
+
+use super::graphed::{GraphedCallable, Pass};
+use super::replay::{Route, StaticTensor, Tails};
+use super::{GraphedErrorKind, Replay};
+use crate::device::{Event, Stream};
+use crate::memory::GraphPool;
+use crate::nn::{backward_pass, forward_pass, Traverse};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// The layers of a stack captured by [`make_graphed_stack`](super::make_graphed_stack): a replay
+/// copies only the stack's input (forward) and upstream gradient (backward) into static buffers;
+/// each layer reads the previous layer's static output directly. The stack keeps the route of
+/// each forward for its backward (R8) and the tails of side-stream replays until
+/// [`join`](GraphedStack::join). Replays take `&self`.
+///
+/// A step of several microbatches is `forward`, `backward` per microbatch, then `join` before
+/// anything reads what the tails wrote (the optimizer).
+pub struct GraphedStack {
+    layers: Vec<GraphedCallable>,
+    tails: Mutex<Tails>,
+}
+
+/// Replays every layer's graph of one pass, layer by layer, collecting the tails.
+struct Replayer<'a> {
+    layers: &'a [GraphedCallable],
+    caller: &'a Stream,
+    /// The forward's route; the backward uses each layer's last one.
+    route: Option<Route>,
+    /// The stack's input (forward) or upstream gradient (backward), when it must be copied.
+    source: Option<&'a Tensor<f32>>,
+    tails: Tails,
+}
+
+impl Replayer<'_> {
+    fn replay(&mut self, i: usize, pass: Pass, feeds_source: bool) -> Result<()> {
+        let layer = &self.layers[i];
+        let route = self.route.clone().unwrap_or_else(|| layer.last_route());
+        let (sources, statics) = match feeds_source {
+            true => (vec![self.source], vec![layer.static_copy_target(pass)?]),
+            false => (Vec::new(), Vec::new()),
+        };
+        self.tails.push(layer.replay(pass, self.caller, &route, &sources, &statics)?);
+        Ok(())
+    }
+}
+
+impl Traverse for Replayer<'_> {
+    type Act = ();
+    type Grad = ();
+    type Saved = ();
+
+    fn forward(&mut self, i: usize, (): ()) -> Result<((), ())> {
+        self.replay(i, Pass::Forward, i == 0)?;
+        Ok(((), ()))
+    }
+
+    fn backward(&mut self, i: usize, (): (), (): ()) -> Result<()> {
+        self.replay(i, Pass::Backward, i + 1 == self.layers.len())
+    }
+}
+
+impl GraphedStack {
+    pub(crate) fn new(layers: Vec<GraphedCallable>) -> GraphedStack {
+        GraphedStack { layers, tails: Mutex::new(Tails::new()) }
+    }
+
+    fn first(&self) -> &GraphedCallable {
+        &self.layers[0]
+    }
+
+    fn last(&self) -> &GraphedCallable {
+        &self.layers[self.layers.len() - 1]
+    }
+
+    /// Every layer's `pass` is ready to replay (none was reset; training graphs for a backward).
+    fn check_ready(&self, pass: Pass) -> Result<()> {
+        self.layers.iter().try_for_each(|l| l.exec(pass).map(|_| ()))
+    }
+
+    fn run(&self, pass: Pass, caller: &Stream, route: Option<Route>, source: Option<&Tensor<f32>>) -> Result<()> {
+        let mut r = Replayer { layers: &self.layers, caller, route, source, tails: Tails::new() };
+        let result = match pass {
+            Pass::Forward => forward_pass(&mut r, self.layers.len(), ()).map(|_| ()),
+            _ => backward_pass(&mut r, vec![(); self.layers.len()], ()),
+        };
+        self.tails.lock().unwrap_or_else(PoisonError::into_inner).append(r.tails);
+        result
+    }
+
+    /// Replays every layer's forward: copies `x` into the first layer's static input on `caller`
+    /// (skipped when `x` is that buffer), replays as `replay` says, and returns the last layer's
+    /// output.
+    ///
+    /// # Errors
+    /// [`Error::Graphed`] for an input of another shape or a refused replay choice;
+    /// [`Error::PoolOrder`] or [`Error::PoolConcurrent`] for a replay out of the pool's order.
+    pub fn forward(&self, caller: &Stream, x: &Tensor<f32>, replay: Replay<'_>) -> Result<StaticTensor> {
+        self.check_ready(Pass::Forward)?;
+        let first = self.first();
+        let route = first.route_for(caller, replay)?;
+        let target = first.static_copy_target(Pass::Forward)?;
+        let source = first.copy_source(x, target, || "input 0".into())?;
+        self.run(Pass::Forward, caller, Some(route), source)?;
+        self.last().static_outputs().into_iter().next().ok_or_else(|| self.no_output())
+    }
+
+    /// Replays every layer's backward, last layer first, each the way its forward replayed (R8):
+    /// copies `dy` into the last layer's static output gradient (skipped when `dy` is that
+    /// buffer) and returns the first layer's input gradient (`None` if it has none). Parameter
+    /// gradients accumulate into the parameters' gradient buffers.
+    ///
+    /// # Errors
+    /// As [`forward`](GraphedStack::forward).
+    pub fn backward(&self, caller: &Stream, dy: &Tensor<f32>) -> Result<Option<StaticTensor>> {
+        self.check_ready(Pass::Backward)?;
+        let last = self.last();
+        let source = last.match_grad_outputs(&[dy])?.pop().flatten();
+        self.run(Pass::Backward, caller, None, source)?;
+        Ok(self.first().static_grad_inputs().into_iter().next().flatten())
+    }
+
+    /// Replays the split weight-gradient graphs of the layers that have one, last layer first,
+    /// each the way its forward replayed.
+    pub fn backward_dw(&self, caller: &Stream) -> Result<()> {
+        let mut tails = Tails::new();
+        for layer in self.layers.iter().rev().filter(|l| l.graphs().iter().any(|(p, _)| *p == Pass::BackwardDw)) {
+            tails.push(layer.replay(Pass::BackwardDw, caller, &layer.last_route(), &[], &[])?);
+        }
+        self.tails.lock().unwrap_or_else(PoisonError::into_inner).append(tails);
+        Ok(())
+    }
+
+    /// Makes `caller` wait for the tails of every replay since the last join (R4): before the
+    /// optimizer, or anything else that reads what the tails wrote.
+    pub fn join(&self, caller: &Stream) -> Result<()> {
+        std::mem::take(&mut *self.tails.lock().unwrap_or_else(PoisonError::into_inner)).join(caller)
+    }
+
+    /// The layers, for inspection (reports, graphs, static buffers); they replay only through the
+    /// stack.
+    pub fn layers(&self) -> &[GraphedCallable] {
+        &self.layers
+    }
+
+    /// The pool of the first layer (of every layer, unless captured with a pool per layer).
+    pub fn pool(&self) -> &GraphPool {
+        self.first().pool()
+    }
+
+    /// The sync event the graphs record, if captured with one.
+    pub fn sync_event(&self) -> Option<&Event> {
+        self.first().sync_event()
+    }
+
+    /// The first layer's static input: pass it to `forward` to skip the copy-in.
+    pub fn static_input(&self) -> &Tensor<f32> {
+        &self.first().inputs[0].input.tensor
+    }
+
+    /// The last layer's static output gradient: pass it to `backward` to skip the copy-in (a
+    /// stack captured for inference has none).
+    pub fn static_grad_output(&self) -> Option<&Tensor<f32>> {
+        self.last().static_grad_outputs().first()
+    }
+
+    /// Resets every layer (waiting for the device first, R4); later replays are refused.
+    pub fn reset(&mut self) -> Result<()> {
+        self.layers.iter_mut().try_for_each(GraphedCallable::reset)
+    }
+
+    fn no_output(&self) -> Error {
+        let kind = GraphedErrorKind::InputCount { what: "outputs of the last layer", expected: 1, found: 0 };
+        Error::Graphed { callable: self.last().name().to_string(), kind }
+    }
+}
+
+impl std::fmt::Debug for GraphedStack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphedStack({} layers)", self.layers.len())
+    }
+}

@@ -1,0 +1,185 @@
+//! A stack of modules (candle's `Sequential`, llm.c's layer loop) and the one traversal that
+//! every way of running a stack goes through: forwards in order, each fed the previous layer's
+//! outputs, then backwards in reverse, each fed the next layer's input gradients.
+//!
+//! Eager stacks ([`Stack`]'s [`Module`] impl), graphed stacks (`graph::GraphedStack`) and the
+//! warmup and capture of `graph::make_graphed_callables` implement [`Traverse`] and run
+//! [`forward_pass`] and [`backward_pass`], so the order is written once.
+
+use super::{Inputs, Module, Param, SaveHook};
+use crate::device::Stream;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// One way of running the layers of a stack: what a layer's forward and backward do, and what
+/// flows between layers. [`forward_pass`] and [`backward_pass`] supply the order.
+pub trait Traverse {
+    /// What flows forward, from a layer to the next.
+    type Act;
+    /// What flows backward, from a layer to the one before it.
+    type Grad;
+    /// What a layer's forward keeps for its backward.
+    type Saved;
+
+    /// Layer `layer`'s forward of `x`: its output and what its backward needs.
+    fn forward(&mut self, layer: usize, x: Self::Act) -> Result<(Self::Act, Self::Saved)>;
+
+    /// Layer `layer`'s backward of `dy`: the gradient for the layer before it.
+    fn backward(&mut self, layer: usize, saved: Self::Saved, dy: Self::Grad) -> Result<Self::Grad>;
+}
+
+/// Runs the forward of `layers` layers in order, feeding each the previous layer's output;
+/// returns the last output and what each layer saved.
+///
+/// # Errors
+/// The first error of a layer's forward; later layers do not run.
+pub fn forward_pass<T: Traverse + ?Sized>(t: &mut T, layers: usize, x: T::Act) -> Result<(T::Act, Vec<T::Saved>)> {
+    let mut saved = Vec::with_capacity(layers);
+    let mut x = x;
+    for layer in 0..layers {
+        let (y, s) = t.forward(layer, x)?;
+        saved.push(s);
+        x = y;
+    }
+    Ok((x, saved))
+}
+
+/// Runs the backward of every layer that [`forward_pass`] saved, last layer first, feeding each
+/// the gradient of the layer after it; returns the first layer's input gradient.
+///
+/// # Errors
+/// The first error of a layer's backward; earlier layers do not run.
+pub fn backward_pass<T: Traverse + ?Sized>(t: &mut T, saved: Vec<T::Saved>, dy: T::Grad) -> Result<T::Grad> {
+    let mut d = dy;
+    for (layer, s) in saved.into_iter().enumerate().rev() {
+        d = t.backward(layer, s, d)?;
+    }
+    Ok(d)
+}
+
+/// Modules run one after another: the first takes the stack's inputs, each later one takes the
+/// previous one's outputs as its positional inputs. A stack is itself a [`Module`].
+///
+/// ```
+/// use graphed::device::Device;
+/// use graphed::memory::CachingAllocator;
+/// use graphed::nn::{Inputs, KeepOnDevice, Linear, Module, ParamStore, Stack};
+/// use graphed::tensor::Tensor;
+///
+/// let dev = Device::sim();
+/// let s = dev.stream()?;
+/// let alloc = CachingAllocator::new(&dev);
+/// let mut store = ParamStore::new(&alloc, &s, 40)?;
+/// let stack = Stack::new(vec![
+///     Linear::new(&mut store, &alloc, "fc0", (4, 4), 1, &s)?,
+///     Linear::new(&mut store, &alloc, "fc1", (4, 4), 2, &s)?,
+/// ]);
+/// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
+/// let (y, ctx) = stack.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+/// let dx = stack.backward(ctx, &[&y[0]], &s)?;
+/// assert_eq!(dx[0].as_ref().map(|d| d.shape()), Some(&[2, 4][..]));
+/// # Ok::<(), graphed::Error>(())
+/// ```
+pub struct Stack<M> {
+    layers: Vec<M>,
+}
+
+/// What a [`Stack`]'s forward saves: each layer's context, in order.
+pub struct StackCtx<C> {
+    layers: Vec<C>,
+}
+
+impl<M: Module> Stack<M> {
+    /// A stack of `layers`, run in order.
+    pub fn new(layers: Vec<M>) -> Stack<M> {
+        Stack { layers }
+    }
+
+    /// The layers, in forward order.
+    pub fn layers(&self) -> &[M] {
+        &self.layers
+    }
+
+    /// The layers, mutably (to switch training mode per layer, say).
+    pub fn layers_mut(&mut self) -> &mut [M] {
+        &mut self.layers
+    }
+
+    /// How many layers.
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether it has no layers.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+}
+
+/// The eager traversal: each layer's own forward and backward on one stream.
+struct Eager<'a, M> {
+    layers: &'a [M],
+    hook: &'a dyn SaveHook,
+    stream: &'a Stream,
+}
+
+impl<M: Module> Traverse for Eager<'_, M> {
+    type Act = Inputs;
+    type Grad = Vec<Option<Tensor<f32>>>;
+    type Saved = M::Ctx;
+
+    fn forward(&mut self, layer: usize, x: Inputs) -> Result<(Inputs, M::Ctx)> {
+        let (y, ctx) = self.layers[layer].forward(&x, self.hook, self.stream)?;
+        Ok((Inputs::args(&y.iter().collect::<Vec<_>>()), ctx))
+    }
+
+    fn backward(&mut self, layer: usize, ctx: M::Ctx, dy: Self::Grad) -> Result<Self::Grad> {
+        let dy = dy
+            .into_iter()
+            .enumerate()
+            .map(|(k, d)| {
+                d.ok_or_else(|| Error::MissingGradient {
+                    op: "Stack::backward",
+                    what: format!("layer {}'s input {k}, which is layer {layer}'s output {k},", layer + 1),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.layers[layer].backward(ctx, &dy.iter().collect::<Vec<_>>(), self.stream)
+    }
+}
+
+impl<M: Module> Module for Stack<M> {
+    type Ctx = StackCtx<M::Ctx>;
+
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, Self::Ctx)> {
+        let mut eager = Eager { layers: &self.layers, hook, stream };
+        let (y, layers) = forward_pass(&mut eager, self.layers.len(), inputs.clone())?;
+        Ok((y.positional().cloned().collect(), StackCtx { layers }))
+    }
+
+    fn backward(
+        &self,
+        ctx: Self::Ctx,
+        grad_outputs: &[&Tensor<f32>],
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor<f32>>>> {
+        let mut eager = Eager { layers: &self.layers, hook: &super::KeepOnDevice, stream };
+        backward_pass(&mut eager, ctx.layers, grad_outputs.iter().map(|d| Some((*d).clone())).collect())
+    }
+
+    fn backward_dw(&self, stream: &Stream) -> Result<()> {
+        self.layers.iter().rev().try_for_each(|l| l.backward_dw(stream))
+    }
+
+    fn splits_dw(&self) -> bool {
+        self.layers.iter().any(Module::splits_dw)
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        self.layers.iter().flat_map(Module::parameters).collect()
+    }
+
+    fn set_training(&mut self, training: bool) {
+        self.layers.iter_mut().for_each(|l| l.set_training(training));
+    }
+}
