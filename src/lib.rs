@@ -10,8 +10,10 @@
 //! 2. [`check`]: the stream-safety checker, happens-before over declared accesses.
 //! 3. [`memory`]: a caching allocator with stream-ordered reuse and graph pools.
 //! 4. [`tensor`] and [`ops`]: kernels with a CPU path and a CUDA path side by side.
-//! 5. [`nn`]: modules with explicit forward and backward (the unit of graph capture).
-//! 6. [`graph`]: `make_graphed_callables`, replay on any stream under the replay contract.
+//! 5. [`nn`]: modules with explicit forward and backward (the unit of graph capture), stacks of
+//!    them and their one traversal; [`optim`]: optimizers with their state on the device.
+//! 6. [`graph`]: `make_graphed_stack` and `make_graphed_callables`, replay on any stream under the
+//!    replay contract.
 //!
 //! ```
 //! use graphed::device::{CaptureMode, Device};

@@ -10,7 +10,8 @@ use common::{ensure_close, lcg, numeric_grad};
 use graphed::device::{Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    CausalSelfAttention, Dropout, DropoutSpec, KeepOnDevice, LayerNorm, Mlp, Module, ParamStore, TransformerLayer,
+    CausalSelfAttention, Dropout, DropoutSpec, Inputs, KeepOnDevice, LayerNorm, Mlp, Module, ParamStore,
+    TransformerLayer,
 };
 use graphed::ops::rng;
 use graphed::tensor::Tensor;
@@ -68,7 +69,7 @@ impl<M: Module> Case<M> {
     }
 
     fn forward(&self, x: &[f32]) -> Result<Vec<f32>> {
-        let (y, _) = self.module.forward(&[&self.put(x)?], &KeepOnDevice, &self.s)?;
+        let (y, _) = self.module.forward(&Inputs::one(&self.put(x)?), &KeepOnDevice, &self.s)?;
         Ok(y[0].to_vec(&self.s)?)
     }
 
@@ -77,10 +78,12 @@ impl<M: Module> Case<M> {
     }
 
     fn run(&self) -> Result<Run> {
-        let (y, ctx) = self.module.forward(&[&self.put(&self.x)?], &KeepOnDevice, &self.s)?;
-        let dx = self.module.backward(ctx, &[&self.put(&self.r)?], &self.s)?;
-        ensure!(y.len() == 1 && dx.len() == 1 && y[0].shape() == SHAPE && dx[0].shape() == SHAPE);
-        Ok(Run { y: y[0].to_vec(&self.s)?, dx: dx[0].to_vec(&self.s)?, grads: self.store.grads()?.to_vec(&self.s)? })
+        let (y, ctx) = self.module.forward(&Inputs::one(&self.put(&self.x)?), &KeepOnDevice, &self.s)?;
+        let mut dx = self.module.backward(ctx, &[&self.put(&self.r)?], &self.s)?;
+        ensure!(y.len() == 1 && dx.len() == 1 && y[0].shape() == SHAPE, "one output and one gradient");
+        let dx = dx.remove(0).ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+        ensure!(dx.shape() == SHAPE, "the input gradient has the input's shape");
+        Ok(Run { y: y[0].to_vec(&self.s)?, dx: dx.to_vec(&self.s)?, grads: self.store.grads()?.to_vec(&self.s)? })
     }
 }
 
@@ -170,14 +173,51 @@ fn bad_shapes_are_refused(dev: &Device) -> Result {
     ensure!(matches!(bad, Err(Error::Shape { .. })), "3 heads do not divide 8 features");
     let attn = CausalSelfAttention::new(&mut store, &alloc, "attn", (SHAPE[2], HEADS), 1, &s)?;
     let flat = Tensor::<f32>::zeros(&alloc, &s, &[6, 8])?;
-    ensure!(matches!(attn.forward(&[&flat], &KeepOnDevice, &s), Err(Error::Shape { .. })), "(B, T, C) only");
+    ensure!(matches!(attn.forward(&Inputs::one(&flat), &KeepOnDevice, &s), Err(Error::Shape { .. })), "(B, T, C) only");
     let ln = LayerNorm::new(&mut store, &alloc, "ln", 4, &s)?;
-    ensure!(matches!(ln.forward(&[&flat], &KeepOnDevice, &s), Err(Error::Shape { .. })), "width 4, not 8");
+    ensure!(matches!(ln.forward(&Inputs::one(&flat), &KeepOnDevice, &s), Err(Error::Shape { .. })), "width 4, not 8");
     ensure!(matches!(Dropout::new(&alloc, &spec(&alloc, &s, 1.0, 0)?), Err(Error::Unsupported { .. })), "p < 1");
     Ok(())
 }
 
+/// A stack runs its layers in order and their backwards in reverse, the same as calling them one
+/// by one; its parameters are its layers'; a layer that gives no input gradient is refused.
+fn stack_runs_its_layers_in_order(dev: &Device) -> Result {
+    use graphed::nn::{input_grad, Stack};
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let c = SHAPE[2];
+    let mut store = ParamStore::new(&alloc, &s, 2 * (12 * c * c + 13 * c))?;
+    let layers = (0..2)
+        .map(|l| {
+            let spec = spec(&alloc, &s, 0.0, 2 * l)?;
+            TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (c, 2), &spec, 5 + u64::from(l), &s)
+        })
+        .collect::<graphed::Result<Vec<_>>>()?;
+    let stack = Stack::new(layers);
+    let n: usize = SHAPE.iter().product();
+    let x = Tensor::from_host(&alloc, &s, &lcg(n, 1), &SHAPE)?;
+    let dy = Tensor::from_host(&alloc, &s, &lcg(n, 2), &SHAPE)?;
+    let (y, ctx) = stack.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+    let dx = input_grad("stack", stack.backward(ctx, &[&dy], &s)?)?;
+    let (y, dx, grads) = (y[0].to_vec(&s)?, dx.to_vec(&s)?, store.grads()?.to_vec(&s)?);
+    s.memset(store.grads()?.view()?, 0)?;
+    let [a, b] = stack.layers() else { anyhow::bail!("two layers") };
+    let (h, ca) = a.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+    let (y2, cb) = b.forward(&Inputs::one(&h[0]), &KeepOnDevice, &s)?;
+    let dh = input_grad("b", b.backward(cb, &[&dy], &s)?)?;
+    let dx2 = input_grad("a", a.backward(ca, &[&dh], &s)?)?;
+    ensure!(y == y2[0].to_vec(&s)? && dx == dx2.to_vec(&s)?, "the stack differs from its layers one by one");
+    ensure!(grads == store.grads()?.to_vec(&s)?, "parameter gradients differ");
+    ensure!(stack.parameters().len() == a.parameters().len() + b.parameters().len(), "the layers' parameters");
+    // Two inputs for a layer that takes one.
+    let two = Inputs::one(&x).arg(&x);
+    ensure!(matches!(stack.forward(&two, &KeepOnDevice, &s), Err(Error::InputArity { .. })), "two inputs refused");
+    Ok(())
+}
+
 per_device!(
+    stack_runs_its_layers_in_order,
     layernorm_gradients,
     mlp_gradients,
     attention_gradients,

@@ -520,7 +520,39 @@ fn bad_shapes_are_refused(dev: &Device) -> Result {
     Ok(())
 }
 
+// ---- learning-rate schedule and the AdamW optimizer object ---------------------------------------
+
+/// The schedule kernel writes, step after step, the rate the host formula gives (bit for bit:
+/// both compute in double and round once) and counts the steps; a graph of the optimizer step
+/// follows the schedule on every replay.
+fn schedule_follows_the_host_formula_in_a_graph(dev: &Device) -> Result {
+    use graphed::graph::make_graphed_fn;
+    use graphed::nn::ParamStore;
+    use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
+    let env = Env::new(dev)?;
+    let schedule = LrSchedule::WarmupCosine { peak: 3e-3, warmup: 3, total: 10, floor: 0.1 };
+    let mut store = ParamStore::new(&env.alloc, &env.s, 4)?;
+    let p = store.add("p", &[4], &[0.5, -0.5, 1.0, -1.0], &env.s)?;
+    let opt = AdamW::new(&env.alloc, &store, AdamWHyper::default(), schedule, &env.s)?;
+    let graph = make_graphed_fn(&env.alloc, |s| opt.step(s))?;
+    ensure!(opt.steps(&env.s)? == 0, "capturing the step ran it");
+    for step in 0..12u64 {
+        elementwise::fill(p.grad.view()?, 0.25, &env.s)?;
+        graph.replay(&env.s)?;
+        ensure!(opt.steps(&env.s)? == step + 1, "step {step}: the counter");
+        let (got, want) = (opt.learning_rate(&env.s)?, schedule.rate(step));
+        ensure!(got.to_bits() == want.to_bits(), "step {step}: rate {got} on the device, {want} on the host");
+        ensure!(p.grad.to_vec(&env.s)? == vec![0.0; 4], "step {step}: the gradients were zeroed");
+    }
+    ensure!(schedule.rate(0) < schedule.rate(2) && schedule.rate(11) == schedule.rate(10), "warmup, then the floor");
+    let zero_warmup = LrSchedule::WarmupCosine { peak: 1.0, warmup: 0, total: 10, floor: 0.1 };
+    let bad = AdamW::new(&env.alloc, &store, AdamWHyper::default(), zero_warmup, &env.s)?;
+    ensure!(matches!(bad.step(&env.s), Err(Error::Unsupported { .. })), "a warmup of 0 steps is refused");
+    Ok(())
+}
+
 per_device!(
+    schedule_follows_the_host_formula_in_a_graph,
     cross_entropy_matches_finite_differences_and_the_simulator,
     embedding_matches_finite_differences_and_the_simulator,
     embedding_out_of_range_tokens_fail_on_the_simulator_and_are_skipped_on_cuda,

@@ -1,49 +1,51 @@
-//! `graphed demo`: a stack of elementwise layers stepped eagerly, then captured once and replayed
-//! on a side stream whose caller resumes at an event recorded inside the graph; the two runs are
-//! compared bitwise and their host time per step is reported.
+//! `graphed demo`: a stack of elementwise layers stepped eagerly, then graphed (for inference) and
+//! replayed on a side stream whose caller resumes at the event recorded inside each graph; the two
+//! runs are compared bitwise and their host time per step is reported.
 
 use std::time::{Duration, Instant};
 
 use anyhow::ensure;
-use graphed::device::{CaptureMode, Device, DeviceBuffer, DeviceKind, PinnedBuffer, Stream};
+use graphed::device::{Device, DeviceKind, PinnedBuffer, Stream};
+use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{Inputs, KeepOnDevice, Module, Param, SaveHook, Stack};
 use graphed::ops::elementwise;
+use graphed::tensor::Tensor;
 
 use super::args::DemoArgs;
 
-/// A layer of the demo: `y = k·x; y += x/2; y += b`.
-struct Layer {
+/// A layer of the demo: `y = k·x + x/2 + b`, three kernels.
+struct Affine {
+    alloc: CachingAllocator,
     k: f32,
     b: f32,
-    out: DeviceBuffer<f32>,
 }
 
-struct Stack {
-    input: DeviceBuffer<f32>,
-    layers: Vec<Layer>,
-}
+impl Module for Affine {
+    type Ctx = ();
 
-impl Stack {
-    fn new(dev: &Device, layers: usize, width: usize) -> graphed::Result<Stack> {
-        let layers = (0..layers)
-            .map(|l| Ok(Layer { k: 0.5 + 0.25 * (l % 3) as f32, b: -1.0 / (l + 2) as f32, out: dev.alloc(width)? }))
-            .collect::<graphed::Result<_>>()?;
-        Ok(Stack { input: dev.alloc(width)?, layers })
+    fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor<f32>>, ())> {
+        let x = inputs.only("Affine::forward")?;
+        let y = Tensor::uninit(&self.alloc, s, x.shape())?;
+        elementwise::scale(y.view()?, x.view()?, self.k, s)?;
+        elementwise::axpy(y.view()?, x.view()?, 0.5, s)?;
+        elementwise::add_scalar(y.view()?, self.b, s)?;
+        Ok((vec![y], ()))
     }
 
-    fn forward(&self, s: &Stream) -> graphed::Result<()> {
-        let mut x = &self.input;
-        for layer in &self.layers {
-            elementwise::scale(layer.out.view(), x.view(), layer.k, s)?;
-            elementwise::axpy(layer.out.view(), x.view(), 0.5, s)?;
-            elementwise::add_scalar(layer.out.view(), layer.b, s)?;
-            x = &layer.out;
-        }
-        Ok(())
+    fn backward(&self, (): (), dys: &[&Tensor<f32>], s: &Stream) -> graphed::Result<Vec<Option<Tensor<f32>>>> {
+        let dy =
+            dys.first().ok_or(graphed::Error::MissingGradient { op: "Affine::backward", what: "output 0".into() })?;
+        let dx = Tensor::uninit(&self.alloc, s, dy.shape())?;
+        elementwise::scale(dx.view()?, dy.view()?, self.k + 0.5, s)?;
+        Ok(vec![Some(dx)])
     }
 
-    fn output(&self) -> &DeviceBuffer<f32> {
-        &self.layers.last().expect("at least one layer").out
+    fn parameters(&self) -> Vec<&Param> {
+        Vec::new()
     }
+
+    fn set_training(&mut self, _training: bool) {}
 }
 
 fn step_input(host: &PinnedBuffer<f32>, step: u32) -> graphed::Result<()> {
@@ -63,7 +65,13 @@ pub fn run(dev: &Device, args: &DemoArgs) -> anyhow::Result<()> {
 
     let main = dev.stream()?;
     let side = dev.stream()?;
-    let stack = Stack::new(dev, layers, width)?;
+    let alloc = CachingAllocator::new(dev);
+    let stack = Stack::new(
+        (0..layers)
+            .map(|l| Affine { alloc: alloc.clone(), k: 0.5 + 0.25 * (l % 3) as f32, b: -1.0 / (l + 2) as f32 })
+            .collect(),
+    );
+    let x = Tensor::<f32>::zeros(&alloc, &main, &[width])?;
     let host_in = dev.alloc_pinned::<f32>(width)?;
 
     // Eager: every kernel launched from the host each step.
@@ -72,45 +80,40 @@ pub fn run(dev: &Device, args: &DemoArgs) -> anyhow::Result<()> {
     for step in 0..steps {
         step_input(&host_in, step)?;
         let t = Instant::now();
-        main.copy_h2d(host_in.view(), &stack.input)?;
-        stack.forward(&main)?;
+        main.copy_h2d(host_in.view(), x.view()?)?;
+        let (y, _) = stack.forward(&Inputs::one(&x), &KeepOnDevice, &main)?;
         eager_host += t.elapsed();
-        eager.push(stack.output().to_vec(&main)?);
+        eager.push(y[0].to_vec(&main)?);
     }
 
-    // Graphed: capture the stack once on the side stream, with an external event at its end.
+    // Graphed: the stack captured for inference, each layer's graph recording an event that the
+    // caller resumes at, replayed on the side stream.
     let t = Instant::now();
     let done = dev.event()?;
-    let entry = dev.event()?;
-    let cap = side.capture(CaptureMode::ThreadLocal)?;
-    stack.forward(&side)?;
-    side.record_external(&done)?;
-    let graph = cap.finish()?;
-    let exec = graph.instantiate()?;
-    exec.upload(&side)?;
+    let graphed = make_graphed_stack(&alloc, &stack, &x, GraphOptions::default().inference().sync_event(&done))?;
     let capture_time = t.elapsed();
-    let counts = graph.node_counts()?;
-    ensure!(graph.external_record_events()? == vec![done.id()], "the graph records the completion event");
+    let counts = graphed.layers()[0].report()?.graphs[0].nodes.clone();
 
     let mut graphed_host = Duration::ZERO;
     let mut mismatches = 0;
     for (step, expected) in (0..steps).zip(&eager) {
         step_input(&host_in, step)?;
         let t = Instant::now();
-        main.copy_h2d(host_in.view(), &stack.input)?;
-        main.record(&entry)?;
-        side.wait(&entry)?;
-        exec.launch(&side)?;
-        main.wait(&done)?;
+        main.copy_h2d(host_in.view(), graphed.static_input().view()?)?;
+        let y = graphed.forward(&main, graphed.static_input(), Replay::side(&side))?;
         graphed_host += t.elapsed();
-        if stack.output().to_vec(&main)? != *expected {
+        if y.get()?.to_vec(&main)? != *expected {
             mismatches += 1;
         }
     }
+    graphed.join(&main)?;
     dev.synchronize()?;
 
     let per_step = |d: Duration| d.as_secs_f64() * 1e6 / steps as f64;
-    println!("captured graph: {counts:?} (capture + instantiate + upload {:.2} ms)", capture_time.as_secs_f64() * 1e3);
+    println!(
+        "captured {layers} graphs, each {counts:?} (warmup, capture, instantiate and upload {:.2} ms)",
+        capture_time.as_secs_f64() * 1e3
+    );
     println!(
         "host time per step: eager {:.1} µs, graphed {:.1} µs ({:.1}x less)",
         per_step(eager_host),

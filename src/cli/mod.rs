@@ -3,9 +3,9 @@
 
 pub mod args;
 mod bench;
+mod bench_model;
 mod demo;
 mod inspect;
-mod bench_model;
 mod train;
 
 use graphed::device::{Device, SimConfig};

@@ -15,11 +15,11 @@
 //! stream-safety checker (layer 2) installed, through the `observe` hook. Only `cuda/` names
 //! cudarc. Every enqueued operation declares its [`Access`]es, derived from its typed arguments.
 
-mod deferred_stub;
 mod access;
 pub(crate) mod backend;
 mod capture;
 mod cuda;
+mod deferred_stub;
 mod dtype;
 mod event;
 mod gemm;

@@ -82,16 +82,16 @@ fn writers_of(pool: &GraphPool, t: &Tensor<f32>) -> Arc<[GraphId]> {
 /// Checks every graph's sync event against the static surfaces (R2, R3, R7).
 fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded: &Recorded) -> Result<()> {
     let Some(event) = &options.sync_event else { return Ok(()) };
-    let graph_of = |i: usize, pass: Pass| {
-        recorded.graphs.get(i)?.iter().find(|(p, _)| *p == pass).map(|(_, g)| g.graph().id())
-    };
+    let graph_of =
+        |i: usize, pass: Pass| recorded.graphs.get(i)?.iter().find(|(p, _)| *p == pass).map(|(_, g)| g.graph().id());
     let mut surfaces: Vec<Surface<'_>> = Vec::new();
     for (i, inputs) in recorded.inputs.iter().enumerate() {
         let name = &plan.names[i];
         let (fwd, bwd) = (graph_of(i, Pass::Forward), graph_of(i, Pass::Backward));
         let mut add = |what: String, tensor, owner| surfaces.push(Surface { what, tensor, owner });
         // An input fed by the previous callable is that callable's output: its forward makes it.
-        let input_owner = if plan.statics[i].is_none() { i.checked_sub(1).and_then(|p| graph_of(p, Pass::Forward)) } else { None };
+        let input_owner =
+            if plan.statics[i].is_none() { i.checked_sub(1).and_then(|p| graph_of(p, Pass::Forward)) } else { None };
         for (k, x) in inputs.iter().enumerate() {
             add(format!("{name} {}", x.label(k)), &x.tensor, input_owner);
         }

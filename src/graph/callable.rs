@@ -19,6 +19,25 @@ mod sealed {
 /// A [`Module`] with its context type erased, as `make_graphed_callables` takes it
 /// (`&[&dyn Callable]`). Every module is one; implement [`Module`], never this trait. Its methods
 /// carry a `_dyn` suffix so that they never shadow the module's own with both traits in scope.
+///
+/// ```
+/// use graphed::device::Device;
+/// use graphed::graph::Callable;
+/// use graphed::memory::CachingAllocator;
+/// use graphed::nn::{Inputs, KeepOnDevice, Linear, Module, ParamStore};
+/// use graphed::tensor::Tensor;
+///
+/// let dev = Device::sim();
+/// let s = dev.stream()?;
+/// let alloc = CachingAllocator::new(&dev);
+/// let mut store = ParamStore::new(&alloc, &s, 15)?;
+/// let fc = Linear::new(&mut store, &alloc, "fc", (4, 3), 1, &s)?;
+/// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
+/// let (y, _ctx) = fc.forward(&Inputs::one(&x), &KeepOnDevice, &s)?; // the module's own forward
+/// let as_callable: &dyn Callable = &fc;
+/// assert_eq!((y[0].shape(), as_callable.name().as_str()), (&[2, 3][..], "Linear"));
+/// # Ok::<(), graphed::Error>(())
+/// ```
 pub trait Callable: Sync + sealed::Sealed {
     /// A name for errors and reports: the module's type name.
     fn name(&self) -> String;

@@ -138,6 +138,8 @@ pub enum GraphedErrorKind {
     NoSplitDw,
     /// A layer of a graphed stack was replayed on its own: its input is the previous layer's
     /// static output, which only the stack's replay feeds correctly.
-    #[error("it is a layer of a graphed stack, whose inputs are the previous layer's outputs; replay the GraphedStack")]
+    #[error(
+        "it is a layer of a graphed stack, whose inputs are the previous layer's outputs; replay the GraphedStack"
+    )]
     StackLayer,
 }

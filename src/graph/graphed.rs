@@ -295,7 +295,11 @@ impl GraphedCallable {
     /// the static output gradients (skipping any that is its static buffer), and returns one
     /// gradient per input (`None` for constant or unused inputs) and the tail. Parameter
     /// gradients accumulate into the parameters' gradient buffers.
-    pub fn backward(&self, caller: &Stream, grad_outputs: &[&Tensor<f32>]) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
+    pub fn backward(
+        &self,
+        caller: &Stream,
+        grad_outputs: &[&Tensor<f32>],
+    ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
         self.backward_routed(caller, grad_outputs, self.last_route())
     }
 

@@ -86,7 +86,9 @@ impl<'a> Plan<'a> {
     /// must exist.
     pub(crate) fn chained_grads(&self, i: usize, next: Vec<Option<Tensor<f32>>>) -> Result<Vec<Tensor<f32>>> {
         (next.into_iter().enumerate())
-            .map(|(k, d)| d.ok_or_else(|| self.err(i + 1, GraphedErrorKind::StackGradient { input: format!("input {k}") })))
+            .map(|(k, d)| {
+                d.ok_or_else(|| self.err(i + 1, GraphedErrorKind::StackGradient { input: format!("input {k}") }))
+            })
             .collect()
     }
 

@@ -146,7 +146,12 @@ impl Module for CausalSelfAttention {
         Ok((vec![y], AttentionCtx { dims: d, qkv_ctx, q, k, v, probs, proj_ctx }))
     }
 
-    fn backward(&self, ctx: AttentionCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(
+        &self,
+        ctx: AttentionCtx,
+        grad_outputs: &[&Tensor<f32>],
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor<f32>>>> {
         const OP: &str = "CausalSelfAttention::backward";
         let dy = single_input(OP, grad_outputs)?;
         let d = ctx.dims;

@@ -91,7 +91,12 @@ impl Module for Dropout {
     }
 
     /// The output gradient itself when the forward was the identity.
-    fn backward(&self, ctx: DropoutCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(
+        &self,
+        ctx: DropoutCtx,
+        grad_outputs: &[&Tensor<f32>],
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor<f32>>>> {
         let dy = single_input("Dropout::backward", grad_outputs)?;
         let Some(mask) = ctx.mask else { return Ok(vec![Some(dy.clone())]) };
         let dx = Tensor::uninit(&self.alloc, stream, dy.shape())?;

@@ -87,7 +87,12 @@ impl Module for LayerNorm {
         Ok((vec![out.reshape(x.shape())?], LayerNormCtx { shape: x.shape().to_vec(), input, mean, rstd }))
     }
 
-    fn backward(&self, ctx: LayerNormCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(
+        &self,
+        ctx: LayerNormCtx,
+        grad_outputs: &[&Tensor<f32>],
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor<f32>>>> {
         const OP: &str = "LayerNorm::backward";
         let dy = single_input(OP, grad_outputs)?;
         dy.expect_shape(OP, &ctx.shape)?;

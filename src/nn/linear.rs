@@ -91,12 +91,7 @@ impl Linear {
 impl Module for Linear {
     type Ctx = LinearCtx;
 
-    fn forward(
-        &self,
-        inputs: &Inputs,
-        hook: &dyn SaveHook,
-        stream: &Stream,
-    ) -> Result<(Vec<Tensor<f32>>, LinearCtx)> {
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, LinearCtx)> {
         const OP: &str = "Linear::forward";
         let (i, o) = self.dims();
         let x = inputs.only(OP)?;
@@ -114,7 +109,12 @@ impl Module for Linear {
         Ok((vec![y], LinearCtx { input }))
     }
 
-    fn backward(&self, ctx: LinearCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(
+        &self,
+        ctx: LinearCtx,
+        grad_outputs: &[&Tensor<f32>],
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor<f32>>>> {
         const OP: &str = "Linear::backward";
         let (i, o) = self.dims();
         let dy = grad_outputs.first().ok_or(Error::Shape {
@@ -178,7 +178,7 @@ mod tests {
         let w = lin.weight.value.to_vec(&s).unwrap();
         let b = lin.bias.value.to_vec(&s).unwrap();
         let x = Tensor::from_host(&alloc, &s, &xh, &[2, 4]).unwrap();
-        let (y, ctx) = lin.forward(&[&x], &KeepOnDevice, &s).unwrap();
+        let (y, ctx) = lin.forward(&Inputs::one(&x), &KeepOnDevice, &s).unwrap();
         let got: f64 = y[0].to_vec(&s).unwrap().iter().zip(&r).map(|(y, r)| f64::from(*y) * f64::from(*r)).sum();
         assert!((got - loss(&xh, &w, &b)).abs() < 1e-5);
         let dy = Tensor::from_host(&alloc, &s, &r, &[2, 3]).unwrap();
@@ -200,14 +200,14 @@ mod tests {
         // Split: backward leaves the weight gradients to backward_dw, which adds the same.
         let mut split = Linear::new(&mut store, &alloc, "fc2", (4, 3), 7, &s).unwrap();
         split.set_split_dw(true);
-        let (_, ctx) = split.forward(&[&x], &KeepOnDevice, &s).unwrap();
+        let (_, ctx) = split.forward(&Inputs::one(&x), &KeepOnDevice, &s).unwrap();
         split.backward(ctx, &[&dy], &s).unwrap();
         assert!(split.weight.grad.to_vec(&s).unwrap().iter().all(|g| *g == 0.0), "deferred");
         split.backward_dw(&s).unwrap();
         assert_eq!(split.weight.grad.to_vec(&s).unwrap(), lin.weight.grad.to_vec(&s).unwrap());
         assert_eq!(split.bias.grad.to_vec(&s).unwrap(), lin.bias.grad.to_vec(&s).unwrap());
         // A second backward accumulates the parameter gradients.
-        let (_, ctx) = lin.forward(&[&x], &KeepOnDevice, &s).unwrap();
+        let (_, ctx) = lin.forward(&Inputs::one(&x), &KeepOnDevice, &s).unwrap();
         lin.backward(ctx, &[&dy], &s).unwrap();
         let twice = lin.bias.grad.to_vec(&s).unwrap();
         assert!(close(&twice, &num(&b, &|b| 2.0 * loss(&xh, &w, b))));

@@ -52,12 +52,7 @@ impl Module for Mlp {
     type Ctx = MlpCtx;
 
     /// One contiguous input `(.., C)`, one output of its shape.
-    fn forward(
-        &self,
-        inputs: &Inputs,
-        hook: &dyn SaveHook,
-        stream: &Stream,
-    ) -> Result<(Vec<Tensor<f32>>, MlpCtx)> {
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, MlpCtx)> {
         const OP: &str = "Mlp::forward";
         let x = inputs.only(OP)?;
         let rows = as_rows(OP, x, self.dim())?;
@@ -72,7 +67,12 @@ impl Module for Mlp {
         Ok((vec![y.remove(0).reshape(x.shape())?], MlpCtx { shape: x.shape().to_vec(), fc1, pre, fc2 }))
     }
 
-    fn backward(&self, ctx: MlpCtx, grad_outputs: &[&Tensor<f32>], stream: &Stream) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(
+        &self,
+        ctx: MlpCtx,
+        grad_outputs: &[&Tensor<f32>],
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor<f32>>>> {
         const OP: &str = "Mlp::backward";
         let dy = single_input(OP, grad_outputs)?;
         dy.expect_shape(OP, &ctx.shape)?;

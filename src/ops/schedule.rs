@@ -86,7 +86,11 @@ const ONE_THREAD: LaunchDims = LaunchDims { grid: (1, 1, 1), block: (1, 1, 1), s
 pub fn lr_schedule_step(step: &Tensor<u64>, lr: &Tensor<f32>, schedule: &LrSchedule, stream: &Stream) -> Result<()> {
     const OP: &str = "lr_schedule_step";
     if lr.numel() != 1 {
-        return Err(Error::Shape { op: OP, expected: "a learning rate of 1 element".into(), found: lr.shape().to_vec() });
+        return Err(Error::Shape {
+            op: OP,
+            expected: "a learning rate of 1 element".into(),
+            found: lr.shape().to_vec(),
+        });
     }
     let (kind, peak, warmup, total, floor) = match *schedule {
         LrSchedule::Constant(rate) => (0u32, rate, 1u64, 1u64, 1.0f32),

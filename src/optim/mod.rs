@@ -4,6 +4,6 @@
 
 mod adamw;
 
-pub use adamw::AdamW;
 pub use crate::ops::adamw::AdamWHyper;
 pub use crate::ops::schedule::LrSchedule;
+pub use adamw::AdamW;

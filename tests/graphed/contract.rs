@@ -2,14 +2,14 @@
 
 use anyhow::ensure;
 use graphed::device::{Device, DeviceKind};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedErrorKind, Inputs, Replay};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedErrorKind, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Linear, ParamStore};
+use graphed::nn::{Inputs, Linear, ParamStore};
 use graphed::tensor::Tensor;
 use std::sync::Arc;
 
 use super::api::expect_kind;
-use super::fixtures::{lcg, Result, Stack, TailHook, TailWork};
+use super::fixtures::{lcg, Model, Result, TailHook, TailWork};
 
 /// Graphs a Linear with `hook` and a sync event; returns the result of the capture.
 fn capture_linear(
@@ -23,7 +23,7 @@ fn capture_linear(
     let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
     let hook = Arc::new(make_hook(&alloc)?);
     let options = GraphOptions::default().sync_event(&dev.event()?).save_hook(hook);
-    Ok(make_graphed_callables(&alloc, &[&lin as &dyn Callable], &[Inputs::args(&[&x])], options).map(|_| ()))
+    Ok(make_graphed_callables(&alloc, &[&lin as &dyn Callable], &[Inputs::one(&x)], options).map(|_| ()))
 }
 
 fn contract(rule: &'static str) -> impl Fn(&GraphedErrorKind) -> bool {
@@ -52,7 +52,7 @@ pub fn event_recorded_twice_is_refused(dev: &Device) -> Result {
     let mut hook = TailHook::new(dev, &alloc, TailWork::Churn(1))?;
     hook.extra_record = Some(e.clone());
     let options = GraphOptions::default().sync_event(&e).save_hook(Arc::new(hook));
-    let r = make_graphed_callables(&alloc, &[&lin as &dyn Callable], &[Inputs::args(&[&x])], options);
+    let r = make_graphed_callables(&alloc, &[&lin as &dyn Callable], &[Inputs::one(&x)], options);
     expect_kind(r, contract("R2"))
 }
 
@@ -76,28 +76,24 @@ pub fn external_wait_is_refused(dev: &Device) -> Result {
 /// tail ends.
 pub fn side_stream_resumes_before_tail_ends(dev: &Device) -> Result {
     let churn = if dev.kind() == DeviceKind::Cuda { 400 } else { 2 };
-    let plain = Stack::new(dev)?;
-    let stack = Stack::new(dev)?;
+    let plain = Model::new(dev)?;
+    let stack = Model::new(dev)?;
     let (side, e) = (dev.stream()?, dev.event()?);
     let (x0, _) = stack.data(0)?;
     let hook = Arc::new(TailHook::new(dev, &stack.alloc, TailWork::Churn(churn))?);
     let options = GraphOptions::default().sync_event(&e).save_hook(hook);
-    let mut g = make_graphed_callables(&stack.alloc, &stack.callables()[..1], &[Inputs::args(&[&x0])], options)?;
-    let mut p = make_graphed_callables(
-        &plain.alloc,
-        &plain.callables()[..1],
-        &[Inputs::args(&[&x0])],
-        GraphOptions::default(),
-    )?;
+    let g = make_graphed_callables(&stack.alloc, &stack.callables()[..1], &[Inputs::one(&x0)], options)?;
+    let p =
+        make_graphed_callables(&plain.alloc, &plain.callables()[..1], &[Inputs::one(&x0)], GraphOptions::default())?;
     for k in 1..4 {
         let (x, _) = stack.data(k)?;
         let (resumed, tail_end) = (dev.timing_event()?, dev.timing_event()?);
-        let (y, tail) = g[0].forward(&stack.s, &Inputs::args(&[&x]), Replay::resume_at(&side, &e))?;
+        let (y, tail) = g[0].forward(&stack.s, &Inputs::one(&x), Replay::side(&side))?;
         stack.s.record(&resumed)?;
         side.record(&tail_end)?;
         let got = y[0].get()?.to_vec(&stack.s)?;
         tail.join(&stack.s)?;
-        let (yp, _t) = p[0].forward(&plain.s, &Inputs::args(&[&x]), Replay::caller())?;
+        let (yp, _t) = p[0].forward(&plain.s, &Inputs::one(&x), Replay::caller())?;
         ensure!(got == yp[0].get()?.to_vec(&plain.s)?, "replay {k}: side-stream output differs");
         let dy = Tensor::zeros(&stack.alloc, &stack.s, y[0].shape())?;
         let (_dx, _t) = g[0].backward(&stack.s, &[&dy])?;

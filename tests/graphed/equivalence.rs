@@ -1,14 +1,15 @@
 //! Graphed against eager, bitwise: outputs, input gradients, parameter gradients and parameters
-//! over 3 AdamW steps of 2 microbatches each, dropout on, with new inputs every microbatch.
+//! over 3 AdamW steps of 2 microbatches each, dropout on, with new inputs every microbatch; the
+//! graphed side also replays its optimizer step as a graph.
 
 use anyhow::ensure;
 use graphed::device::Device;
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, Inputs, Replay};
+use graphed::graph::{make_graphed_callables, make_graphed_fn, Callable, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{KeepOnDevice, Linear, Module, ParamStore};
+use graphed::nn::{Inputs, KeepOnDevice, Linear, Module, ParamStore};
 use graphed::tensor::Tensor;
 
-use super::fixtures::{lcg, Result, Stack};
+use super::fixtures::{lcg, Model, Result};
 
 const STEPS: u64 = 3;
 const MICROBATCHES: u64 = 2;
@@ -18,29 +19,39 @@ enum How {
     Caller,
     Joined,
     Side,
+    /// One graphed callable per layer, each input copied in.
+    PerLayer,
 }
 
-/// Trains twin stacks, one eagerly and one graphed, and compares everything bitwise.
-fn twin_training(dev: &Device, how: How, chain: bool) -> Result {
-    let eager = Stack::new(dev)?;
-    let graphed = Stack::new(dev)?;
+/// Trains twin models, one eagerly and one graphed (its optimizer step a graph too), and
+/// compares everything bitwise.
+fn twin_training(dev: &Device, how: How) -> Result {
+    let eager = Model::new(dev)?;
+    let graphed = Model::new(dev)?;
     let side = dev.stream()?;
     let event = dev.event()?;
-    let (x0, _) = graphed.data(0)?;
-    let samples: Vec<Inputs> = (0..graphed.layers.len()).map(|_| Inputs::args(&[&x0])).collect();
-    let mut options = GraphOptions::default().chain(chain);
-    if let How::Side = how {
-        options = options.sync_event(&event);
-    }
+    let options = match how {
+        How::Side => GraphOptions::default().sync_event(&event),
+        _ => GraphOptions::default(),
+    };
     let step_before = graphed.step.to_vec(&graphed.s)?;
     let grads_before = graphed.grads()?;
-    let mut g = make_graphed_callables(&graphed.alloc, &graphed.callables(), &samples, options)?;
+    let (stack, layers) = match how {
+        How::PerLayer => {
+            let (x0, _) = graphed.data(0)?;
+            let samples: Vec<Inputs> = graphed.layers().iter().map(|_| Inputs::one(&x0)).collect();
+            (None, make_graphed_callables(&graphed.alloc, &graphed.callables(), &samples, options)?)
+        }
+        _ => (Some(graphed.graph(options)?), Vec::new()),
+    };
+    let optimizer = make_graphed_fn(&graphed.alloc, |s| graphed.optimizer.step(s))?;
     ensure!(graphed.step.to_vec(&graphed.s)? == step_before, "warmup and capture moved the RNG step counter");
     ensure!(graphed.grads()? == grads_before, "warmup left gradients behind");
+    ensure!(graphed.optimizer.steps(&graphed.s)? == 0, "capturing the optimizer stepped it");
     let replay = match how {
-        How::Caller => Replay::caller(),
+        How::Caller | How::PerLayer => Replay::caller(),
         How::Joined => Replay::joined(&side),
-        How::Side => Replay::resume_at(&side, &event),
+        How::Side => Replay::side(&side),
     };
     for step in 0..STEPS {
         for mb in 0..MICROBATCHES {
@@ -48,34 +59,39 @@ fn twin_training(dev: &Device, how: How, chain: bool) -> Result {
             let (x, dy) = eager.data(k)?;
             let (ye, dxe) = eager.eager(&x, &dy)?;
             let (x, dy) = graphed.data(k)?;
-            let (yg, dxg) = graphed.graphed(&mut g, &x, &dy, replay)?;
+            let (yg, dxg) = match &stack {
+                Some(g) => graphed.graphed(g, &x, &dy, replay)?,
+                None => graphed.per_layer(&layers, &x, &dy)?,
+            };
             ensure!(ye == yg, "step {step} microbatch {mb}: outputs differ");
             ensure!(dxe == dxg, "step {step} microbatch {mb}: input gradients differ");
         }
         ensure!(eager.grads()? == graphed.grads()?, "step {step}: accumulated parameter gradients differ");
         eager.optimizer_step()?;
-        graphed.optimizer_step()?;
+        optimizer.replay(&graphed.s)?;
         ensure!(eager.params()? == graphed.params()?, "step {step}: parameters differ after AdamW");
+        ensure!(graphed.grads()?.iter().all(|g| *g == 0.0), "step {step}: the graphed optimizer left gradients");
     }
-    ensure!(eager.params()? != Stack::new(dev)?.params()?, "training changed nothing");
+    ensure!(graphed.optimizer.steps(&graphed.s)? == STEPS, "the graphed optimizer counted its steps");
+    ensure!(eager.params()? != Model::new(dev)?.params()?, "training changed nothing");
     Ok(())
 }
 
 pub fn stack_caller_matches_eager(dev: &Device) -> Result {
-    twin_training(dev, How::Caller, true)
+    twin_training(dev, How::Caller)
 }
 
 pub fn stack_joined_matches_eager(dev: &Device) -> Result {
-    twin_training(dev, How::Joined, true)
+    twin_training(dev, How::Joined)
 }
 
 pub fn stack_side_stream_matches_eager(dev: &Device) -> Result {
-    twin_training(dev, How::Side, true)
+    twin_training(dev, How::Side)
 }
 
 /// Per layer, not chained: every input is copied into its layer's static input.
 pub fn layers_unchained_match_eager(dev: &Device) -> Result {
-    twin_training(dev, How::Caller, false)
+    twin_training(dev, How::PerLayer)
 }
 
 /// A Linear with its weight gradient split out: backward then backward_dw, graphed and eager.
@@ -88,16 +104,15 @@ pub fn split_weight_gradient_matches_eager(dev: &Device) -> Result {
     eager.set_split_dw(true);
     graphed.set_split_dw(true);
     let x0 = Tensor::from_host(&alloc, &s, &lcg(24, 1), &[3, 8])?;
-    let mut g =
-        make_graphed_callables(&alloc, &[&graphed as &dyn Callable], &[Inputs::args(&[&x0])], GraphOptions::default())?;
+    let g = make_graphed_callables(&alloc, &[&graphed as &dyn Callable], &[Inputs::one(&x0)], GraphOptions::default())?;
     for k in 0..3 {
         let x = Tensor::from_host(&alloc, &s, &lcg(24, 10 + k), &[3, 8])?;
         let dy = Tensor::from_host(&alloc, &s, &lcg(12, 20 + k), &[3, 4])?;
-        let (_, ctx) = Module::forward(&eager, &[&x], &KeepOnDevice, &s)?;
-        let dxe = Module::backward(&eager, ctx, &[&dy], &s)?.remove(0).to_vec(&s)?;
+        let (_, ctx) = eager.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+        let dxe = eager.backward(ctx, &[&dy], &s)?.remove(0).expect("an input gradient").to_vec(&s)?;
         ensure!(eager.weight.grad.to_vec(&s)? == graphed.weight.grad.to_vec(&s)?, "dw ran in backward");
-        Module::backward_dw(&eager, &s)?;
-        let (_, _t) = g[0].forward(&s, &Inputs::args(&[&x]), Replay::caller())?;
+        eager.backward_dw(&s)?;
+        let (_, _t) = g[0].forward(&s, &Inputs::one(&x), Replay::caller())?;
         let (dx, _t) = g[0].backward(&s, &[&dy])?;
         ensure!(dx[0].as_ref().unwrap().get()?.to_vec(&s)? == dxe, "input gradients differ");
         let _t = g[0].backward_dw(&s)?;
@@ -111,52 +126,32 @@ pub fn split_weight_gradient_matches_eager(dev: &Device) -> Result {
 /// inference (dropout off); interleaved, both match eager. In one pool, the inference forward
 /// out of the training order is refused.
 pub fn training_and_inference_graphs_mix(dev: &Device) -> Result {
-    let eager = Stack::new(dev)?;
-    let mut graphed = Stack::new(dev)?;
-    let (x0, _) = graphed.data(0)?;
-    let samples: Vec<Inputs> = (0..graphed.layers.len()).map(|_| Inputs::args(&[&x0])).collect();
-    let mut train =
-        make_graphed_callables(&graphed.alloc, &graphed.callables(), &samples, GraphOptions::default().chain(true))?;
-    graphed.layers.iter_mut().for_each(|l| l.set_training(false));
-    let mut infer = make_graphed_callables(
-        &graphed.alloc,
-        &graphed.callables(),
-        &samples,
-        GraphOptions::default().chain(true).inference(),
-    )?;
-    let mut eval = Stack::new(dev)?;
-    eval.layers.iter_mut().for_each(|l| l.set_training(false));
+    let eager = Model::new(dev)?;
+    let mut graphed = Model::new(dev)?;
+    let train = graphed.graph(GraphOptions::default())?;
+    graphed.stack.set_training(false);
+    let infer = graphed.graph(GraphOptions::default().inference())?;
+    let mut eval = Model::new(dev)?;
+    eval.stack.set_training(false);
     for k in 0..3 {
         let (x, dy) = graphed.data(k)?;
         let (ye, dxe) = eager.eager(&x, &dy)?;
-        let (yg, dxg) = graphed.graphed(&mut train, &x, &dy, Replay::caller())?;
+        let (yg, dxg) = graphed.graphed(&train, &x, &dy, Replay::caller())?;
         ensure!(ye == yg && dxe == dxg, "training replay {k} differs from eager");
         // Inference: forward only, no dropout, with the parameters the training shares.
-        let mut h = x.clone();
-        for gi in infer.iter_mut() {
-            let (y, _t) = gi.forward(&graphed.s, &Inputs::args(&[&h]), Replay::caller())?;
-            h = y[0].get()?.clone();
-        }
-        let mut he = x.clone();
-        for l in &eval.layers {
-            he = Module::forward(l, &[&he], &KeepOnDevice, &eval.s)?.0.remove(0);
-        }
-        ensure!(h.to_vec(&graphed.s)? == he.to_vec(&eval.s)?, "inference replay {k} differs from eager evaluation");
-        match infer[0].backward(&graphed.s, &[&dy]) {
+        let h = infer.forward(&graphed.s, &x, Replay::caller())?.get()?.to_vec(&graphed.s)?;
+        let (he, _) = eval.stack.forward(&Inputs::one(&x), &KeepOnDevice, &eval.s)?;
+        ensure!(h == he[0].to_vec(&eval.s)?, "inference replay {k} differs from eager evaluation");
+        match infer.backward(&graphed.s, &dy) {
             Err(e) if matches!(e.graphed_kind(), Some(graphed::graph::GraphedErrorKind::Inference)) => {}
             other => anyhow::bail!("backward of an inference graph: {other:?}"),
         }
     }
     // Inference graphs captured into the training pool: out of order when interleaved.
-    let mut shared = make_graphed_callables(
-        &graphed.alloc,
-        &graphed.callables(),
-        &samples,
-        GraphOptions::default().chain(true).inference().pool(train[0].pool()),
-    )?;
+    let shared = graphed.graph(GraphOptions::default().inference().pool(train.pool()))?;
     let (x, _) = graphed.data(9)?;
-    let (_y, _t) = train[0].forward(&graphed.s, &Inputs::args(&[&x]), Replay::caller())?;
-    match shared[0].forward(&graphed.s, &Inputs::args(&[&x]), Replay::caller()) {
+    train.forward(&graphed.s, &x, Replay::caller())?;
+    match shared.forward(&graphed.s, &x, Replay::caller()) {
         Err(graphed::Error::PoolOrder { .. }) => Ok(()),
         other => anyhow::bail!("an out-of-order replay in a shared pool: {other:?}"),
     }

@@ -1,15 +1,18 @@
 //! A small transformer stack with its optimizer, twin-built for eager and graphed runs, and
-//! callables and save hooks that plant what the tests need.
+//! modules and save hooks that plant what the tests need.
 
 use std::sync::Mutex;
 
 use graphed::device::{Device, Event, Stream};
-use graphed::graph::{Callable, GraphedCallable, Inputs, Replay, Saved, Tails};
+use graphed::graph::{make_graphed_stack, Callable, GraphOptions, GraphedCallable, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{DropoutSpec, KeepOnDevice, Module, Param, ParamStore, SaveHook, TransformerLayer};
-use graphed::ops::adamw::{adamw_step, AdamW};
+use graphed::nn::{
+    backward_pass, forward_pass, input_grad, DropoutSpec, Inputs, KeepOnDevice, Module, Param, ParamStore, SaveHook,
+    Stack, TransformerLayer, Traverse,
+};
 use graphed::ops::cast::residual_add;
 use graphed::ops::{elementwise, rng};
+use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 
 pub use super::common::lcg;
@@ -22,22 +25,19 @@ const HEADS: usize = 2;
 pub const LAYERS: usize = 2;
 const DROPOUT: f32 = 0.25;
 
-/// A stack of transformer layers, its parameters, step counter and AdamW state.
-pub struct Stack {
+/// A stack of transformer layers, its parameters, step counter and optimizer.
+pub struct Model {
     pub s: Stream,
     pub alloc: CachingAllocator,
     pub store: ParamStore,
-    pub layers: Vec<TransformerLayer>,
+    pub stack: Stack<TransformerLayer>,
     pub step: Tensor<u64>,
-    m: Tensor<f32>,
-    v: Tensor<f32>,
-    lr: Tensor<f32>,
-    t: Tensor<u64>,
+    pub optimizer: AdamW,
 }
 
-impl Stack {
+impl Model {
     /// The same parameters and dropout seeds on every call.
-    pub fn new(dev: &Device) -> Result<Stack> {
+    pub fn new(dev: &Device) -> Result<Model> {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let c = SHAPE[2];
@@ -46,25 +46,19 @@ impl Stack {
         let mut layers = Vec::new();
         for l in 0..LAYERS {
             let spec = DropoutSpec { p: DROPOUT, seed: 77, site: 2 * l as u32, step: step.clone() };
-            layers.push(TransformerLayer::new(
-                &mut store,
-                &alloc,
-                &format!("h{l}"),
-                (c, HEADS),
-                &spec,
-                10 + l as u64,
-                &s,
-            )?);
+            let name = format!("h{l}");
+            layers.push(TransformerLayer::new(&mut store, &alloc, &name, (c, HEADS), &spec, 10 + l as u64, &s)?);
         }
-        let n = store.values()?.numel();
-        let (m, v) = (Tensor::zeros(&alloc, &s, &[n])?, Tensor::zeros(&alloc, &s, &[n])?);
-        let lr = Tensor::from_host(&alloc, &s, &[1e-2f32], &[1])?;
-        let t = Tensor::zeros(&alloc, &s, &[1])?;
-        Ok(Stack { s, alloc, store, layers, step, m, v, lr, t })
+        let optimizer = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-2), &s)?;
+        Ok(Model { s, alloc, store, stack: Stack::new(layers), step, optimizer })
+    }
+
+    pub fn layers(&self) -> &[TransformerLayer] {
+        self.stack.layers()
     }
 
     pub fn callables(&self) -> Vec<&dyn Callable> {
-        self.layers.iter().map(|l| l as &dyn Callable).collect()
+        self.layers().iter().map(|l| l as &dyn Callable).collect()
     }
 
     /// Microbatch `k`'s input and upstream gradient: new values every microbatch.
@@ -75,59 +69,50 @@ impl Stack {
         Ok((x, dy))
     }
 
+    /// The stack graphed with `options`, from microbatch 0's input.
+    pub fn graph(&self, options: GraphOptions) -> Result<GraphedStack> {
+        let (x0, _) = self.data(0)?;
+        Ok(make_graphed_stack(&self.alloc, &self.stack, &x0, options)?)
+    }
+
     /// One eager microbatch: the step counter advanced, forward, backward; returns (y, dx).
     pub fn eager(&self, x: &Tensor<f32>, dy: &Tensor<f32>) -> Result<(Vec<f32>, Vec<f32>)> {
         rng::step_add(&self.step, 1, &self.s)?;
-        let mut h = x.clone();
-        let mut ctxs = Vec::new();
-        for l in &self.layers {
-            let (mut out, ctx) = Module::forward(l, &[&h], &KeepOnDevice, &self.s)?;
-            h = out.remove(0);
-            ctxs.push(ctx);
-        }
-        let y = h.to_vec(&self.s)?;
-        let mut d = dy.clone();
-        for (l, ctx) in self.layers.iter().zip(ctxs).rev() {
-            d = Module::backward(l, ctx, &[&d], &self.s)?.remove(0);
-        }
-        Ok((y, d.to_vec(&self.s)?))
+        let (y, ctx) = self.stack.forward(&Inputs::one(x), &KeepOnDevice, &self.s)?;
+        let dx = input_grad("eager", self.stack.backward(ctx, &[dy], &self.s)?)?;
+        Ok((y[0].to_vec(&self.s)?, dx.to_vec(&self.s)?))
     }
 
-    /// One graphed microbatch, every replay as `replay` says; tails joined at the end.
+    /// One graphed microbatch, replayed as `replay` says; tails joined at the end.
     pub fn graphed(
         &self,
-        g: &mut [GraphedCallable],
+        g: &GraphedStack,
         x: &Tensor<f32>,
         dy: &Tensor<f32>,
         replay: Replay<'_>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         rng::step_add(&self.step, 1, &self.s)?;
-        let mut tails = Tails::new();
-        let mut h = x.clone();
-        for gi in g.iter_mut() {
-            let (y, tail) = gi.forward(&self.s, &Inputs::args(&[&h]), replay)?;
-            tails.push(tail);
-            h = y[0].get()?.clone();
-        }
-        let y = h.to_vec(&self.s)?;
-        let mut d = dy.clone();
-        for gi in g.iter_mut().rev() {
-            let (dx, tail) = gi.backward(&self.s, &[&d])?;
-            tails.push(tail);
-            d = dx[0].as_ref().ok_or_else(|| anyhow::anyhow!("no input gradient"))?.get()?.clone();
-        }
-        let dx = d.to_vec(&self.s)?;
-        tails.join(&self.s)?;
+        let y = g.forward(&self.s, x, replay)?.get()?.to_vec(&self.s)?;
+        let dx = g.backward(&self.s, dy)?.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+        let dx = dx.get()?.to_vec(&self.s)?;
+        g.join(&self.s)?;
         Ok((y, dx))
     }
 
-    /// AdamW over every parameter, then the gradients zeroed.
+    /// One microbatch through layers graphed one by one (`make_graphed_callables`), each input
+    /// copied into its layer's static input: the stack traversal over the escape hatch.
+    pub fn per_layer(&self, g: &[GraphedCallable], x: &Tensor<f32>, dy: &Tensor<f32>) -> Result<(Vec<f32>, Vec<f32>)> {
+        rng::step_add(&self.step, 1, &self.s)?;
+        let mut t = PerLayer { g, s: &self.s };
+        let (y, saved) = forward_pass(&mut t, g.len(), x.clone())?;
+        let y = y.to_vec(&self.s)?;
+        let dx = backward_pass(&mut t, saved, dy.clone())?;
+        Ok((y, dx.to_vec(&self.s)?))
+    }
+
+    /// The optimizer's step (the gradients zeroed after it).
     pub fn optimizer_step(&self) -> Result {
-        let (p, g) = (self.store.values()?, self.store.grads()?);
-        rng::step_add(&self.t, 1, &self.s)?;
-        adamw_step(&p, &g, &self.m, &self.v, &self.lr, &self.t, &AdamW::default(), &self.s)?;
-        self.s.memset(g.view()?, 0)?;
-        Ok(())
+        Ok(self.optimizer.step(&self.s)?)
     }
 
     pub fn params(&self) -> Result<Vec<f32>> {
@@ -136,6 +121,31 @@ impl Stack {
 
     pub fn grads(&self) -> Result<Vec<f32>> {
         Ok(self.store.grads()?.to_vec(&self.s)?)
+    }
+}
+
+/// Per-layer graphed callables replayed on the caller's stream, their outputs and gradients
+/// passed on as tensors.
+struct PerLayer<'a> {
+    g: &'a [GraphedCallable],
+    s: &'a Stream,
+}
+
+impl Traverse for PerLayer<'_> {
+    type Act = Tensor<f32>;
+    type Grad = Tensor<f32>;
+    type Saved = ();
+
+    fn forward(&mut self, i: usize, x: Tensor<f32>) -> graphed::Result<(Tensor<f32>, ())> {
+        let (y, _tail) = self.g[i].forward(self.s, &Inputs::one(&x), Replay::caller())?;
+        Ok((y[0].get()?.clone(), ()))
+    }
+
+    fn backward(&mut self, i: usize, (): (), dy: Tensor<f32>) -> graphed::Result<Tensor<f32>> {
+        let (dx, _tail) = self.g[i].backward(self.s, &[&dy])?;
+        let dx = dx.into_iter().next().flatten();
+        let dx = dx.ok_or(graphed::Error::MissingGradient { op: "PerLayer::backward", what: "input 0".into() })?;
+        Ok(dx.get()?.clone())
     }
 }
 
@@ -161,16 +171,23 @@ impl Shifted {
     }
 }
 
-impl Callable for Shifted {
-    fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor<f32>>, Saved)> {
-        let x = inputs.positional().next().expect("one positional input");
-        let shift = inputs.get("shift").expect("a shift");
+impl Module for Shifted {
+    type Ctx = ();
+
+    fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor<f32>>, ())> {
+        let x = inputs.positional().next().ok_or(graphed::Error::InputArity {
+            op: "Shifted::forward",
+            expected: "one positional input",
+            positional: 0,
+            named: inputs.named_inputs().len(),
+        })?;
+        let shift = inputs.require("Shifted::forward", "shift")?;
         let y = Tensor::uninit(&self.alloc, s, x.shape())?;
         residual_add(&y, x, shift, s)?;
-        Ok((vec![y], Box::new(())))
+        Ok((vec![y], ()))
     }
 
-    fn backward(&self, _saved: Saved, dys: &[&Tensor<f32>], s: &Stream) -> graphed::Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, (): (), dys: &[&Tensor<f32>], s: &Stream) -> graphed::Result<Vec<Option<Tensor<f32>>>> {
         let dx = self.copy(dys[0], s)?;
         let dshift = self.copy(dys[0], s)?;
         elementwise::add_scalar(self.p.grad.view()?, 1.0, s)?;
@@ -180,6 +197,8 @@ impl Callable for Shifted {
     fn parameters(&self) -> Vec<&Param> {
         vec![&self.p]
     }
+
+    fn set_training(&mut self, _training: bool) {}
 }
 
 /// What a planted tail does with the tensors it is given to save.

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use graphed::device::DeviceKind;
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Inputs, DropoutSpec, KeepOnDevice, Module, ParamStore, TransformerLayer};
+use graphed::nn::{DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 

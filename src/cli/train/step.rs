@@ -92,7 +92,8 @@ impl Stepper {
         let y = g.stack.forward(stream, &h, replay)?;
         let (losses, head) = model.head(y.get()?, targets, stream)?;
         let dy = model.head_backward(head, weights, stream)?;
-        let dx = g.stack.backward(stream, &dy)?.ok_or_else(|| anyhow::anyhow!("the first layer gave no input gradient"))?;
+        let dx =
+            g.stack.backward(stream, &dy)?.ok_or_else(|| anyhow::anyhow!("the first layer gave no input gradient"))?;
         model.embed_backward(tokens, dx.get()?, stream)?;
         // The optimizer reads every gradient: join the tails first (R4).
         g.stack.join(stream)?;
