@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
-use crate::device::{Event, EventId, Graph, NodeKind, Stream};
-use crate::memory::{GraphPool, PoolExec, PoolGraph};
+use crate::device::{Event, EventId, Graph, GraphId, NodeKind, Stream};
+use crate::memory::{GraphPool, PoolExec, PoolGraph, PoolId};
 use crate::nn::{Input, Inputs};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -209,8 +209,8 @@ impl GraphedCallable {
             .collect()
     }
 
-    /// Copies `sources` into `statics` on `caller`, then launches `pass` under `route`. Every
-    /// check is made before this is called.
+    /// Checks that `pass` may replay under `route` (the pool's order, R5), then copies `sources`
+    /// into `statics` on `caller` and launches: a refused replay copies and enqueues nothing.
     pub(crate) fn replay(
         &self,
         pass: Pass,
@@ -220,6 +220,7 @@ impl GraphedCallable {
         statics: &[&Tensor<f32>],
     ) -> Result<Tail> {
         let exec = self.exec(pass)?;
+        check_order(&[(&self.pool, exec.id())], caller, route)?;
         for (src, dst) in sources.iter().zip(statics) {
             if let Some(src) = src {
                 caller.copy_d2d(src.view()?, dst.view()?)?;
@@ -376,6 +377,25 @@ impl GraphedCallable {
     pub fn graphs(&self) -> Vec<(Pass, &Graph)> {
         self.graphs.iter().map(|c| (c.pass, c.graph.graph())).collect()
     }
+}
+
+/// Refuses, before anything is copied or enqueued, replays of `graphs` (in launch order, each
+/// with its pool) under `route` that would break a pool's replay order (R5).
+pub(crate) fn check_order(graphs: &[(&GraphPool, GraphId)], caller: &Stream, route: &Route) -> Result<()> {
+    let (stream, after) = match route {
+        Route::Caller => (caller, None),
+        Route::Joined(s) | Route::Side(s) => (s, Some(caller)),
+    };
+    let mut seen: Vec<PoolId> = Vec::new();
+    for (pool, _) in graphs {
+        if seen.contains(&pool.id()) {
+            continue;
+        }
+        seen.push(pool.id());
+        let mine: Vec<GraphId> = graphs.iter().filter(|(p, _)| p.id() == pool.id()).map(|(_, g)| *g).collect();
+        pool.check_launches(&mine, stream, after)?;
+    }
+    Ok(())
 }
 
 impl Drop for GraphedCallable {

@@ -3,7 +3,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use super::graphed::{GraphedCallable, Pass};
+use super::graphed::{check_order, GraphedCallable, Pass};
 use super::replay::{Route, StaticTensor, Tails};
 use super::{GraphedErrorKind, Replay};
 use crate::device::{Event, Stream};
@@ -83,6 +83,16 @@ impl GraphedStack {
     }
 
     fn run(&self, pass: Pass, caller: &Stream, route: Option<Route>, source: Option<&Tensor<f32>>) -> Result<()> {
+        // The whole pass is checked against the pools' order before the input is copied.
+        let mut graphs = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            graphs.push((layer.pool(), layer.exec(pass)?.id()));
+        }
+        if pass != Pass::Forward {
+            graphs.reverse();
+        }
+        let checked = route.clone().unwrap_or_else(|| self.last().last_route());
+        check_order(&graphs, caller, &checked)?;
         let mut r = Replayer { layers: &self.layers, caller, route, source, tails: Tails::new() };
         let result = match pass {
             Pass::Forward => forward_pass(&mut r, self.layers.len(), ()).map(|_| ()),

@@ -59,25 +59,36 @@ impl PoolState {
         self.last = None;
     }
 
-    fn check(&self, pool: PoolId, graph: GraphId, stream: &Stream) -> Result<()> {
+    /// Whether launching `graphs` one after another on `stream` keeps the pool's order, when
+    /// `stream` first waits for everything queued on `after` (if given); the first refusal
+    /// otherwise. Changes nothing.
+    fn check_run(&self, pool: PoolId, graphs: &[GraphId], stream: &Stream, after: Option<&Stream>) -> Result<()> {
         if self.unguarded {
             return Ok(());
         }
-        match self.order.get(self.cursor) {
-            Some(next) if *next == graph => {}
-            Some(next) => return Err(Error::PoolOrder { pool, graph, expected: *next }),
-            None => return Err(Error::GraphReset { op: "PoolExec::launch" }),
+        let mut cursor = self.cursor;
+        let mut last = self.last.as_ref().map(|(g, s)| (*g, s.id()));
+        if let (Some((_, s)), Some(after)) = (&mut last, after) {
+            if *s == after.id() {
+                *s = stream.id();
+            }
         }
-        match &self.last {
-            Some((previous, s)) if s.id() != stream.id() => Err(Error::PoolConcurrent {
-                pool,
-                graph,
-                stream: stream.id(),
-                previous: *previous,
-                previous_stream: s.id(),
-            }),
-            _ => Ok(()),
+        for &graph in graphs {
+            match self.order.get(cursor) {
+                Some(next) if *next == graph => {}
+                Some(next) => return Err(Error::PoolOrder { pool, graph, expected: *next }),
+                None => return Err(Error::GraphReset { op: "PoolExec::launch" }),
+            }
+            if let Some((previous, previous_stream)) = last {
+                if previous_stream != stream.id() {
+                    let stream = stream.id();
+                    return Err(Error::PoolConcurrent { pool, graph, stream, previous, previous_stream });
+                }
+            }
+            cursor = (cursor + 1) % self.order.len();
+            last = Some((graph, stream.id()));
         }
+        Ok(())
     }
 
     fn launched(&mut self, graph: GraphId, stream: &Stream) {
@@ -168,6 +179,14 @@ impl GraphPool {
         });
     }
 
+    /// Whether launching `graphs` one after another on `stream` (which first waits for what is
+    /// queued on `after`, if given) keeps the pool's replay order (R5); the refusal that the first
+    /// out-of-order launch would get otherwise. Nothing changes either way, so a caller can refuse
+    /// a replay before it copies or enqueues anything.
+    pub fn check_launches(&self, graphs: &[GraphId], stream: &Stream, after: Option<&Stream>) -> Result<()> {
+        self.alloc.with_pool(self.id, |p| p.check_run(self.id, graphs, stream, after)).unwrap_or(Ok(()))
+    }
+
     /// How many times each of `graphs` was launched.
     pub(crate) fn launch_counts(&self, graphs: &[GraphId]) -> Vec<u64> {
         self.alloc
@@ -237,7 +256,7 @@ impl PoolExec {
     /// order]); otherwise [`Error::PoolOrder`] or [`Error::PoolConcurrent`], naming both graphs.
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         let (pool, graph) = (self.pool.id, self.exec.id());
-        self.pool.alloc.with_pool(pool, |p| p.check(pool, graph, stream)).unwrap_or(Ok(()))?;
+        self.pool.alloc.with_pool(pool, |p| p.check_run(pool, &[graph], stream, None)).unwrap_or(Ok(()))?;
         self.exec.launch(stream)?;
         self.pool.alloc.with_pool(pool, |p| p.launched(graph, stream));
         Ok(())

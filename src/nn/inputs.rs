@@ -146,9 +146,3 @@ impl Inputs {
         Inputs { positional, named }
     }
 }
-
-impl From<&Tensor<f32>> for Inputs {
-    fn from(t: &Tensor<f32>) -> Inputs {
-        Inputs::one(t)
-    }
-}

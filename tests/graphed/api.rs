@@ -365,3 +365,29 @@ pub fn pool_order_is_enforced_across_calls(dev: &Device) -> Result {
     let (_dx, _t) = b[0].backward(&stack.s, &[&dy])?;
     Ok(())
 }
+
+/// A replay refused for the pool's order copies nothing: the static input still holds the input
+/// of the forward whose backward is pending (a graphed callable and a graphed stack alike).
+pub fn refused_replay_changes_nothing(dev: &Device) -> Result {
+    let stack = Model::new(dev)?;
+    let g =
+        make_graphed_callables(&stack.alloc, &stack.callables()[..1], &samples(&stack)?[..1], GraphOptions::default())?;
+    let ((x1, dy), (x2, _)) = (stack.data(1)?, stack.data(2)?);
+    let (_y, _t) = g[0].forward(&stack.s, &Inputs::one(&x1), Replay::caller())?;
+    match g[0].forward(&stack.s, &Inputs::one(&x2), Replay::caller()) {
+        Err(graphed::Error::PoolOrder { .. }) => {}
+        other => bail!("a second forward before the backward: {other:?}"),
+    }
+    ensure!(g[0].static_inputs()[0].to_vec(&stack.s)? == x1.to_vec(&stack.s)?, "the refused forward copied its input");
+    let (_dx, _t) = g[0].backward(&stack.s, &[&dy])?;
+    let graphed = stack.graph(GraphOptions::default())?;
+    graphed.forward(&stack.s, &x1, Replay::caller())?;
+    match graphed.forward(&stack.s, &x2, Replay::caller()) {
+        Err(graphed::Error::PoolOrder { .. }) => {}
+        other => bail!("a second stack forward before the backward: {other:?}"),
+    }
+    ensure!(graphed.static_input().to_vec(&stack.s)? == x1.to_vec(&stack.s)?, "the refused stack forward copied");
+    graphed.backward(&stack.s, &dy)?;
+    graphed.join(&stack.s)?;
+    Ok(())
+}

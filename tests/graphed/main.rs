@@ -35,4 +35,5 @@ per_device!(
     external_wait_is_refused,
     side_stream_resumes_before_tail_ends,
     pool_order_is_enforced_across_calls,
+    refused_replay_changes_nothing,
 );

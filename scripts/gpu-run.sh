@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, after scripts/gpu-prepare.sh built .gpu/ here:
+# every test (the CUDA variants included), train in each mode with their loss lines compared, and
+# the benchmarks named in $BENCHES (default: graphs). Logs and JSON go to $OUT.
+# Usage (device tool, carry [".gpu"]): bash scripts/gpu-run.sh
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+.gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
+    --no-fail-fast 2>&1 | tee "$OUT/tests.log" | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed" | tail -40
+for mode in graphed side-stream pool-per-layer eager; do
+    flag=$([ "$mode" = graphed ] || echo "--$mode")
+    .gpu/graphed train $flag > "$OUT/train-$mode.log" 2>&1
+    tail -3 "$OUT/train-$mode.log"
+done
+for mode in side-stream pool-per-layer eager; do
+    if diff <(grep -E '^step|^final|accuracy' "$OUT/train-graphed.log") \
+            <(grep -E '^step|^final|accuracy' "$OUT/train-$mode.log") > /dev/null; then
+        echo "train $mode: loss lines equal to graphed"
+    else
+        echo "train $mode: loss lines DIFFER from graphed"
+    fi
+done | tee "$OUT/train-compare.txt"
+for bench in ${BENCHES:-graphs}; do
+    .gpu/graphed bench "$bench" --device cuda --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log"
+done
+.gpu/graphed inspect --device cuda --side-stream 2>&1 | tail -5 | tee "$OUT/inspect.log"
+.gpu/graphed demo 2>&1 | tail -3 | tee "$OUT/demo.log"
