@@ -30,6 +30,19 @@ pub enum Error {
         found: DeviceId,
     },
 
+    /// A drop failed (a `Drop` cannot return an error), and the device kept the error for its
+    /// next fallible call, which returns it instead of doing its work. Returned once; also
+    /// available earlier from [`Device::take_error`](crate::device::Device::take_error).
+    #[error("dropping {during} failed: {error}{}; the device kept this error and returned it from its next call, which did nothing: handle it, then repeat that call", later_drops(*more))]
+    Deferred {
+        /// What was being dropped ("a graph executable", "a device buffer", ...).
+        during: &'static str,
+        /// The error of the drop.
+        error: Box<Error>,
+        /// How many more drops failed while this error was kept (only the first is kept).
+        more: usize,
+    },
+
     // ---- capture ----------------------------------------------------------------------------
     /// A stream-capture rule was broken; `kind` says which. The same kind is returned on CUDA and
     /// on the simulator.
@@ -248,6 +261,15 @@ pub enum Error {
     },
 }
 
+/// The note on the drop errors that came after a kept one.
+fn later_drops(more: usize) -> String {
+    match more {
+        0 => String::new(),
+        1 => " (1 later drop failed too; its error was not kept)".into(),
+        n => format!(" ({n} later drops failed too; their errors were not kept)"),
+    }
+}
+
 /// The object a capture error was raised on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CaptureSite {
@@ -267,31 +289,40 @@ impl std::fmt::Display for CaptureSite {
 }
 
 /// Which stream-capture rule was broken. Mirrors CUDA's capture error codes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum CaptureErrorKind {
     /// The call is not permitted while a capture is active (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED):
     /// synchronizing a capturing stream, or a synchronous call (synchronize or query, blocking
     /// copy, plain allocation) that the capture mode forbids. It invalidates the capture.
+    #[error("operation not permitted while capturing")]
     Unsupported,
     /// The capture was invalidated by an earlier error (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED).
+    #[error("the capture was invalidated by an earlier error")]
     Invalidated,
     /// A capturing stream waited on an event recorded outside the capture
     /// (CUDA_ERROR_STREAM_CAPTURE_ISOLATION). It invalidates the capture.
+    #[error("wait on an event recorded outside the capture")]
     Isolation,
     /// A stream forked into the capture was not joined back before `end_capture`
     /// (CUDA_ERROR_STREAM_CAPTURE_UNJOINED).
+    #[error("a stream forked into the capture was not joined back")]
     Unjoined,
     /// `end_capture` on a stream that did not begin the capture (CUDA_ERROR_STREAM_CAPTURE_UNMATCHED).
+    #[error("this stream did not begin the capture")]
     Unmatched,
     /// A wait would merge two separate captures (CUDA_ERROR_STREAM_CAPTURE_MERGE).
+    #[error("the wait would merge two captures")]
     Merge,
     /// `end_capture` from another thread than `begin_capture` in global or thread-local mode
     /// (CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD).
+    #[error("the capture was begun on another thread")]
     WrongThread,
     /// Query or synchronize of an event last recorded inside a capture (CUDA_ERROR_CAPTURED_EVENT).
+    #[error("the event was last recorded inside a capture")]
     CapturedEvent,
     /// `begin_capture` on a stream that is already capturing (CUDA_ERROR_ILLEGAL_STATE).
+    #[error("the stream is already capturing")]
     AlreadyCapturing,
 }
 
@@ -309,22 +340,6 @@ impl CaptureErrorKind {
             Self::CapturedEvent => "query or synchronize the event only after end_capture and a launch of the graph",
             Self::AlreadyCapturing => "end the current capture first",
         }
-    }
-}
-
-impl std::fmt::Display for CaptureErrorKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Unsupported => "operation not permitted while capturing",
-            Self::Invalidated => "the capture was invalidated by an earlier error",
-            Self::Isolation => "wait on an event recorded outside the capture",
-            Self::Unjoined => "a stream forked into the capture was not joined back",
-            Self::Unmatched => "this stream did not begin the capture",
-            Self::Merge => "the wait would merge two captures",
-            Self::WrongThread => "the capture was begun on another thread",
-            Self::CapturedEvent => "the event was last recorded inside a capture",
-            Self::AlreadyCapturing => "the stream is already capturing",
-        })
     }
 }
 

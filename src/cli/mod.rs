@@ -26,13 +26,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 pub fn open_device(choice: &args::DeviceArgs) -> anyhow::Result<Device> {
     let sim = SimConfig { policy: choice.policy.into(), seed: choice.sim_seed };
     Ok(match choice.device {
-        DeviceChoice::Auto => match Device::cuda(0) {
-            Ok(dev) => dev,
-            Err(e) => {
+        DeviceChoice::Auto => {
+            let (dev, why) = Device::cuda_or_sim(sim);
+            if let Some(e) = why {
                 eprintln!("graphed: {e}; using the simulator");
-                Device::sim_with(sim)
             }
-        },
+            dev
+        }
         DeviceChoice::Cuda => Device::cuda(0)?,
         DeviceChoice::Sim => Device::sim_with(sim),
     })

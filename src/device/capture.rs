@@ -1,7 +1,7 @@
 //! Stream capture: modes, status, and the guard that always ends a capture.
 
 use super::{Graph, Stream};
-use crate::Result;
+use crate::{Error, Result};
 
 /// Which synchronous calls a capture forbids (CUDA's `CUstreamCaptureMode`).
 ///
@@ -58,10 +58,16 @@ impl<'s> Capture<'s> {
 
 impl Drop for Capture<'_> {
     fn drop(&mut self) {
-        if !self.done {
-            // The capture is being abandoned because of an earlier error, which the caller is
-            // already propagating; the graph and any error of ending it are discarded.
-            let _ = self.stream.end_capture();
+        if self.done {
+            return;
+        }
+        // The capture is abandoned, usually because of an error the caller is propagating. The
+        // graph is discarded, and so are errors that only describe it: a capture rule it broke
+        // (it is typically invalidated or unjoined), memory nodes, a race found in it. Anything
+        // else, such as a driver failure, is kept for the device's next call.
+        match self.stream.end_capture() {
+            Ok(_) | Err(Error::Capture { .. } | Error::MemoryNodes { .. } | Error::Hazard(_)) => {}
+            Err(e) => self.stream.device().record_drop_err("a capture guard", e),
         }
     }
 }

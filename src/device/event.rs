@@ -67,6 +67,7 @@ impl Event {
 
     /// Blocks the host until the work before the latest record has completed.
     pub fn synchronize(&self) -> Result<()> {
+        self.inner.dev.check_err()?;
         dispatch!(self.inner.dev.backend(), |b, pick| b.event_synchronize(pick!(self.inner.repr)))?;
         self.host_saw();
         Ok(())

@@ -128,6 +128,7 @@ impl GraphExec {
     /// Uploads the executable's work descriptors to the device ahead of the first launch.
     pub fn upload(&self, stream: &Stream) -> Result<()> {
         const OP: &str = "GraphExec::upload";
+        self.dev.check_err()?;
         self.check_stream(OP, stream)?;
         let repr = self.repr(OP)?;
         dispatch!(self.dev.backend(), |b, pick| b.upload(pick!(repr), pick!(stream.repr())))
@@ -136,6 +137,7 @@ impl GraphExec {
     /// Launches the graph on `stream` (any stream of the device, not only the capture stream).
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         const OP: &str = "GraphExec::launch";
+        self.dev.check_err()?;
         self.check_stream(OP, stream)?;
         let repr = self.repr(OP)?;
         dispatch!(self.dev.backend(), |b, pick| b.launch(pick!(repr), pick!(stream.repr())))?;
@@ -174,8 +176,10 @@ impl std::fmt::Debug for Graph {
 
 impl Drop for GraphExec {
     fn drop(&mut self) {
-        // Reports only: a drop cannot fail, so strict mode's error is dropped with it.
-        let _ = self.reset();
+        // Strict mode's report of a launch not joined (R4) is kept for the device's next call.
+        if let Err(e) = self.reset() {
+            self.dev.record_drop_err("a graph executable", e);
+        }
     }
 }
 

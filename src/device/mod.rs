@@ -19,7 +19,6 @@ mod access;
 pub(crate) mod backend;
 mod capture;
 mod cuda;
-mod deferred_stub;
 mod dtype;
 mod event;
 mod gemm;
@@ -31,7 +30,8 @@ pub(crate) mod observe;
 pub mod sim;
 mod stream;
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 pub use access::{Access, AccessMode, AccessRole, Dim, Region};
 pub use capture::{Capture, CaptureMode, CaptureStatus};
@@ -61,7 +61,10 @@ pub enum DeviceKind {
 
 /// A device: an NVIDIA GPU or the CPU simulator, behind one API.
 ///
-/// Cloning is cheap and yields the same device.
+/// Cloning is cheap and yields the same device. An error raised in a `Drop` (destroying a graph,
+/// freeing memory) is kept by the device and returned, as [`Error::Deferred`], by its next
+/// launch, GEMM, async copy or memset, event record or wait, graph launch or synchronize, which
+/// then does nothing else; [`Device::take_error`] returns it sooner.
 ///
 /// ```
 /// use graphed::device::{Device, DeviceKind};
@@ -81,6 +84,8 @@ pub struct Device {
 struct DeviceInner {
     id: DeviceId,
     backend: BackendImpl,
+    /// Errors of drops, for the next fallible call; shared with the CUDA backend's handles.
+    errors: Arc<ErrorSlot>,
     /// The stream-safety checker, when on (always on the simulator).
     observer: Option<Arc<dyn observe::Observer>>,
 }
@@ -97,7 +102,8 @@ impl Device {
         let id = DeviceId(ids::next_id());
         // The one reference from this layer to a later one: the simulator comes with the checker.
         let observer = Some(crate::check::Checker::new_observer(false));
-        Device { inner: Arc::new(DeviceInner { id, backend: BackendImpl::Sim(sim::SimDevice::new(config)), observer }) }
+        let backend = BackendImpl::Sim(sim::SimDevice::new(config));
+        Device { inner: Arc::new(DeviceInner { id, backend, errors: Arc::default(), observer }) }
     }
 
     /// The GPU with this ordinal. The stream-safety checker is off unless the environment
@@ -119,7 +125,8 @@ impl Device {
 
     fn open_cuda(ordinal: usize, check: bool, strict: bool) -> Result<Device> {
         let id = DeviceId(ids::next_id());
-        let backend = cuda::CudaDevice::new(id, ordinal)?;
+        let errors = Arc::new(ErrorSlot::default());
+        let backend = cuda::CudaDevice::new(id, ordinal, errors.clone())?;
         // Without the full checker, captures are still watched: the graph layer verifies the
         // replay contract from their access summaries.
         let observer = match check {
@@ -127,7 +134,7 @@ impl Device {
             false => crate::check::Checker::new_capture_observer(),
         };
         Ok(Device {
-            inner: Arc::new(DeviceInner { id, backend: BackendImpl::Cuda(backend), observer: Some(observer) }),
+            inner: Arc::new(DeviceInner { id, backend: BackendImpl::Cuda(backend), errors, observer: Some(observer) }),
         })
     }
 
@@ -135,15 +142,51 @@ impl Device {
         self.inner.observer.as_ref()
     }
 
-    /// GPU 0 when a driver and a GPU are present, else the simulator; says which on stderr in one
-    /// line when it falls back.
+    /// GPU 0 when a driver and a GPU are present, else the default simulator. Why CUDA was not
+    /// used is logged (`tracing`, info level); [`Device::cuda_or_sim`] returns it instead.
     pub fn auto() -> Device {
+        let (dev, why) = Device::cuda_or_sim(SimConfig::default());
+        if let Some(e) = why {
+            tracing::info!("{e}; using the simulator");
+        }
+        dev
+    }
+
+    /// GPU 0 when a driver and a GPU are present, else the simulator with `config`, with the
+    /// reason CUDA was not used (an [`Error::CudaUnavailable`], for the caller to show).
+    pub fn cuda_or_sim(config: SimConfig) -> (Device, Option<Error>) {
         match Device::cuda(0) {
-            Ok(dev) => dev,
-            Err(e) => {
-                eprintln!("graphed: {e}; using the simulator");
-                Device::sim()
-            }
+            Ok(dev) => (dev, None),
+            Err(e) => (Device::sim_with(config), Some(e)),
+        }
+    }
+
+    /// Keeps `e`, an error raised where it cannot be returned (in a `Drop` of something of this
+    /// device): the device's next fallible call returns it as [`Error::Deferred`]. Only the
+    /// first error is kept until it is returned; later ones are counted in it.
+    pub fn record_err(&self, e: Error) {
+        self.inner.errors.record("a value of this device", e);
+    }
+
+    /// [`Device::record_err`], naming what was being dropped ("a graph executable").
+    pub(crate) fn record_drop_err(&self, during: &'static str, e: Error) {
+        self.inner.errors.record(during, e);
+    }
+
+    /// The kept error of a failed drop, as [`Error::Deferred`], if any; it is cleared, so the
+    /// next call does not return it.
+    pub fn take_error(&self) -> Option<Error> {
+        self.inner.errors.take()
+    }
+
+    /// Returns the kept error of a failed drop, once. Called first by the calls made on every
+    /// step (launches, copies, event verbs, synchronizes): when nothing is kept, it costs one
+    /// atomic load.
+    #[inline]
+    pub(crate) fn check_err(&self) -> Result<()> {
+        match self.inner.errors.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 
@@ -266,11 +309,51 @@ impl Device {
 
     /// Waits for all work on all streams of this device.
     pub fn synchronize(&self) -> Result<()> {
+        self.check_err()?;
         dispatch!(self.backend(), |b, _pick| b.synchronize())?;
         if let Some(o) = self.observer() {
             o.host_sync(observe::HostSync::Device);
         }
         Ok(())
+    }
+}
+
+/// The error of the first failed drop not yet returned, and how many failed after it. Shared by
+/// a device and its CUDA handles, which may be dropped on any thread.
+#[derive(Default)]
+pub(crate) struct ErrorSlot {
+    /// Whether `kept` holds an error: the one load the calls of every step pay.
+    pending: AtomicBool,
+    kept: Mutex<Kept>,
+}
+
+#[derive(Default)]
+struct Kept {
+    first: Option<(&'static str, Error)>,
+    more: usize,
+}
+
+impl ErrorSlot {
+    /// Keeps the error of dropping `during`, or counts it if one is already kept.
+    pub(crate) fn record(&self, during: &'static str, error: Error) {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        match kept.first {
+            Some(_) => kept.more += 1,
+            None => kept.first = Some((during, error)),
+        }
+        self.pending.store(true, Ordering::Release);
+    }
+
+    /// The kept error as [`Error::Deferred`], clearing the slot.
+    #[inline]
+    pub(crate) fn take(&self) -> Option<Error> {
+        if !self.pending.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        self.pending.store(false, Ordering::Relaxed);
+        let (during, error) = kept.first.take()?;
+        Some(Error::Deferred { during, error: Box::new(error), more: std::mem::take(&mut kept.more) })
     }
 }
 
@@ -340,4 +423,91 @@ pub fn raw_cuda_launch_baseline(
     reps: usize,
 ) -> Result<RawLaunchTimes> {
     cuda::raw_launch_baseline(ordinal, kernel, n, reps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn add_one_cpu(a: &CpuArgs) -> Result<()> {
+        a.output::<f32>(0)?.iter_mut().for_each(|y| *y += 1.0);
+        Ok(())
+    }
+
+    static ADD_ONE: Kernel = Kernel { name: "add_one", source: "", cpu: add_one_cpu, strided: false };
+
+    fn launch(s: &Stream, y: &DeviceBuffer<f32>) -> Result<()> {
+        s.launch(&ADD_ONE, LaunchDims::for_elems(y.len()), &args![InOut(y)])
+    }
+
+    fn failed_drop() -> Error {
+        Error::Cuda { op: "cuGraphExecDestroy", message: "CUDA_ERROR_INVALID_VALUE".into() }
+    }
+
+    #[test]
+    fn a_kept_error_is_returned_by_the_next_launch_once_and_the_launch_does_nothing() -> Result<()> {
+        let dev = Device::sim();
+        let s = dev.stream()?;
+        let y = dev.alloc_from(&s, &[0.0f32; 4])?;
+        dev.record_drop_err("a graph executable", failed_drop());
+        match launch(&s, &y) {
+            Err(Error::Deferred { during: "a graph executable", error, more: 0 }) => {
+                assert!(matches!(*error, Error::Cuda { op: "cuGraphExecDestroy", .. }));
+            }
+            other => panic!("expected the kept error, got {other:?}"),
+        }
+        launch(&s, &y)?;
+        s.synchronize()?;
+        assert_eq!(y.to_vec(&s)?, vec![1.0; 4]);
+        Ok(())
+    }
+
+    #[test]
+    fn take_error_returns_and_clears_the_kept_error_and_counts_later_ones() -> Result<()> {
+        let dev = Device::sim();
+        dev.record_err(failed_drop());
+        dev.record_err(Error::GraphReset { op: "GraphExec::launch" });
+        dev.record_err(Error::GraphReset { op: "GraphExec::launch" });
+        let e = dev.take_error().expect("an error was recorded");
+        assert!(matches!(&e, Error::Deferred { during: "a value of this device", more: 2, .. }));
+        assert!(e.to_string().contains("2 later drops failed too"), "{e}");
+        assert!(dev.take_error().is_none());
+        dev.synchronize()
+    }
+
+    #[test]
+    fn with_nothing_kept_every_call_runs() -> Result<()> {
+        let dev = Device::sim();
+        let (s, t) = (dev.stream()?, dev.stream()?);
+        let e = dev.event()?;
+        let y = dev.alloc_from(&s, &[0.0f32; 4])?;
+        let graph = {
+            let cap = s.capture(CaptureMode::ThreadLocal)?;
+            launch(&s, &y)?;
+            cap.finish()?
+        }
+        .instantiate()?;
+        launch(&s, &y)?;
+        graph.launch(&s)?;
+        s.record(&e)?;
+        t.wait(&e)?;
+        s.memset(&y, 0)?;
+        dev.synchronize()?;
+        assert!(dev.take_error().is_none());
+        Ok(())
+    }
+
+    #[test]
+    fn abandoning_a_capture_keeps_no_error_about_its_discarded_graph() -> Result<()> {
+        let dev = Device::sim();
+        let s = dev.stream()?;
+        let y = dev.alloc_from(&s, &[0.0f32; 4])?;
+        {
+            let _cap = s.capture(CaptureMode::ThreadLocal)?;
+            // Invalidates the capture: ending it when the guard drops fails, for that graph only.
+            assert!(s.synchronize().is_err());
+        }
+        assert!(dev.take_error().is_none());
+        launch(&s, &y)
+    }
 }

@@ -78,6 +78,7 @@ impl Stream {
     /// # Errors
     /// A buffer of another device, a view outside its buffer, or a capture error.
     pub fn launch(&self, kernel: &'static Kernel, dims: LaunchDims, args: &[Arg<'_>]) -> Result<()> {
+        self.inner.dev.check_err()?;
         for a in args {
             if let Arg::Buf(b) = a {
                 self.check_buf(kernel.name, b.raw.device)?;
@@ -117,6 +118,7 @@ impl Stream {
     /// device, a view outside its buffer, or a capture error.
     pub fn gemm<T: GemmElem>(&self, g: Gemm<'_, T>) -> Result<()> {
         const OP: &str = "Stream::gemm";
+        self.inner.dev.check_err()?;
         for (v, dev) in [(&g.c, g.c.block.raw.device), (&g.a, g.a.block.raw.device), (&g.b, g.b.block.raw.device)] {
             self.check_buf(OP, dev)?;
             v.check_bounds(OP)?;
@@ -148,6 +150,7 @@ impl Stream {
     pub fn copy_h2d<'d, T: Elem>(&self, src: HostView<'_, T>, dst: impl IntoView<'d, Elem = T>) -> Result<()> {
         let dst = dst.into_view();
         const OP: &str = "copy_h2d";
+        self.inner.dev.check_err()?;
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
         self.copy(
@@ -164,6 +167,7 @@ impl Stream {
     pub fn copy_d2h<'s, T: Elem>(&self, src: impl IntoView<'s, Elem = T>, dst: HostView<'_, T>) -> Result<()> {
         let src = src.into_view();
         const OP: &str = "copy_d2h";
+        self.inner.dev.check_err()?;
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
         self.copy(
@@ -183,6 +187,7 @@ impl Stream {
     ) -> Result<()> {
         let (src, dst) = (src.into_view(), dst.into_view());
         const OP: &str = "copy_d2d";
+        self.inner.dev.check_err()?;
         src.check_bounds(OP)?;
         dst.check_bounds(OP)?;
         self.copy(
@@ -235,6 +240,7 @@ impl Stream {
     pub fn memset<'d>(&self, dst: impl IntoView<'d>, value: u8) -> Result<()> {
         let dst = dst.into_view();
         const OP: &str = "memset";
+        self.inner.dev.check_err()?;
         dst.check_bounds(OP)?;
         self.check_buf(OP, dst.block.raw.device)?;
         if !dst.region.is_contiguous() {
@@ -285,6 +291,7 @@ impl Stream {
     fn event_op(&self, op: &'static str, event: &Event, verb: EventVerb) -> Result<()> {
         // The caller's source location, for reports of waits (`#[track_caller]` up to the verb).
         let at = std::panic::Location::caller();
+        self.inner.dev.check_err()?;
         self.inner.dev.check_same(op, "event", event.device().id())?;
         dispatch!(self.inner.dev.backend(), |b, pick| match verb {
             EventVerb::Record(external) => b.record(pick!(self.inner.repr), pick!(event.repr()), external),
@@ -298,6 +305,7 @@ impl Stream {
 
     /// Blocks the host until all work queued on this stream has completed.
     pub fn synchronize(&self) -> Result<()> {
+        self.inner.dev.check_err()?;
         dispatch!(self.inner.dev.backend(), |b, pick| b.stream_synchronize(pick!(self.inner.repr)))?;
         self.host_saw_all();
         Ok(())

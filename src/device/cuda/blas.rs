@@ -35,7 +35,10 @@ unsafe impl Send for Handle {}
 impl Drop for Handle {
     fn drop(&mut self) {
         // SAFETY: the handle was created by `lt::create_handle` and is destroyed once.
-        let _ = unsafe { lt::destroy_handle(self.0) };
+        if let Err(e) = unsafe { lt::destroy_handle(self.0) } {
+            // Dropped with its device: no call of the device remains to return the error.
+            tracing::warn!("graphed: destroying the cuBLASLt handle failed: {:?}", e.0);
+        }
     }
 }
 
@@ -52,11 +55,14 @@ unsafe impl Send for Plan {}
 impl Drop for Plan {
     fn drop(&mut self) {
         // SAFETY: each descriptor was created once for this plan and is destroyed once.
-        unsafe {
-            let _ = lt::destroy_matmul_desc(self.desc);
-            for l in self.layouts {
-                let _ = lt::destroy_matrix_layout(l);
-            }
+        let destroyed = unsafe {
+            let layouts = self.layouts.map(|l| lt::destroy_matrix_layout(l));
+            layouts.into_iter().fold(lt::destroy_matmul_desc(self.desc), Result::and)
+        };
+        if let Err(e) = destroyed {
+            // Dropped with its device, or by a `Plan::new` whose GEMM returns its own error: no
+            // call remains to return this one.
+            tracing::warn!("graphed: destroying a cuBLASLt GEMM plan failed: {:?}", e.0);
         }
     }
 }

@@ -181,7 +181,7 @@ pub(super) fn begin(stream: &CuStream, mode: CaptureMode) -> Result<()> {
         Ok(info) => info,
         Err(e) => {
             // An unregistered capture would hold nothing; end it rather than let it run.
-            drop(ffi::end_capture(&stream.raw, stream.raw.context()));
+            drop(ffi::end_capture(&stream.raw, stream.raw.context(), &stream.errors));
             return Err(err::at(OP, on, e));
         }
     };
@@ -203,7 +203,7 @@ pub(super) fn end(stream: &CuStream) -> Result<(OwnedGraph, Holdings)> {
     if info.status == CAPTURE_NONE {
         return Err(Error::Capture { op: OP, on, kind: CaptureErrorKind::Unmatched });
     }
-    let ended = ffi::end_capture(&stream.raw, stream.raw.context());
+    let ended = ffi::end_capture(&stream.raw, stream.raw.context(), &stream.errors);
     // If the capture cannot be queried after a failed end, keep its holdings: a leak is safe, a
     // graph whose buffers were freed is not.
     let over = ended.is_ok()
@@ -231,7 +231,8 @@ fn finish(id: u64) -> Holdings {
 }
 
 /// Ends the capture that `stream` began, if it is still capturing when the stream is dropped, so
-/// that the registry never waits for a capture no one can end. Errors are left on the context.
+/// that the registry never waits for a capture no one can end. Errors are kept for the device's
+/// next call.
 pub(super) fn abandon(stream: &CuStream) {
     if !any_active() {
         return;
@@ -240,9 +241,18 @@ pub(super) fn abandon(stream: &CuStream) {
     let began_here = info.status != CAPTURE_NONE
         && lock().captures.iter().any(|c| c.id == info.id && c.began.is_some_and(|b| b.origin == stream.id));
     if began_here {
+        const DURING: &str = "a capturing stream";
         let ctx = stream.raw.context();
-        ctx.record_err(ctx.bind_to_thread());
-        ctx.record_err(ffi::end_capture(&stream.raw, ctx).map(drop));
+        if let Err(e) = ctx.bind_to_thread() {
+            stream.errors.record(DURING, err::driver("cuCtxSetCurrent", None, e));
+        }
+        match ffi::end_capture(&stream.raw, ctx, &stream.errors) {
+            // The graph is discarded, so a capture rule it broke concerns no one.
+            Err(e) if err::capture_kind(e.0).is_none() => {
+                stream.errors.record(DURING, err::at("end_capture", CaptureSite::Stream(stream.id), e));
+            }
+            _ => {}
+        }
         drop(finish(info.id));
     }
 }

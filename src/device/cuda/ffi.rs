@@ -16,7 +16,8 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStre
 use cudarc::nvrtc::result::{self as nvrtc_result, NvrtcError};
 use cudarc::nvrtc::sys as nvrtc_sys;
 
-use crate::device::LaunchDims;
+use super::error as err;
+use crate::device::{ErrorSlot, LaunchDims};
 
 // ---- streams and events -----------------------------------------------------------------------
 
@@ -243,7 +244,9 @@ pub(super) unsafe fn launch(
 /// serialized, so shared use goes through a lock.
 pub(super) struct OwnedGraph {
     raw: sys::CUgraph,
+    /// Keeps the context alive until the graph is destroyed.
     ctx: Arc<CudaContext>,
+    errors: Arc<ErrorSlot>,
 }
 
 // SAFETY: a CUgraph may be used from any thread as long as calls on it are serialized; without
@@ -253,21 +256,26 @@ unsafe impl Send for OwnedGraph {}
 impl Drop for OwnedGraph {
     fn drop(&mut self) {
         // SAFETY: the graph is owned and destroyed once; nodes borrowed from it are gone.
-        let destroyed = unsafe { result::graph::destroy(self.raw) };
-        // As everywhere in cudarc, an error in a destructor surfaces from the next call.
-        self.ctx.record_err(destroyed);
+        if let Err(e) = unsafe { result::graph::destroy(self.raw) } {
+            self.errors.record("a captured graph", err::driver("cuGraphDestroy", None, e));
+        }
     }
 }
 
-/// `cuStreamEndCapture`: the captured graph. Needs the context bound.
-pub(super) fn end_capture(stream: &CudaStream, ctx: &Arc<CudaContext>) -> Result<OwnedGraph, DriverError> {
+/// `cuStreamEndCapture`: the captured graph, whose destruction reports to `errors`. Needs the
+/// context bound.
+pub(super) fn end_capture(
+    stream: &CudaStream,
+    ctx: &Arc<CudaContext>,
+    errors: &Arc<ErrorSlot>,
+) -> Result<OwnedGraph, DriverError> {
     // SAFETY: the stream is alive while borrowed; the graph returned is owned by the caller.
     let raw = unsafe { result::stream::end_capture(stream.cu_stream()) }?;
     if raw.is_null() {
         // The driver returns no graph only for an invalidated capture, with that code.
         return Err(DriverError(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED));
     }
-    Ok(OwnedGraph { raw, ctx: ctx.clone() })
+    Ok(OwnedGraph { raw, ctx: ctx.clone(), errors: errors.clone() })
 }
 
 /// A node of an [`OwnedGraph`], valid while the graph is borrowed.
@@ -339,7 +347,7 @@ impl OwnedGraph {
     pub(super) fn instantiate(&self) -> Result<OwnedExec, DriverError> {
         // SAFETY: the graph is alive; the executable returned is owned by the caller.
         let raw = unsafe { result::graph::instantiate(self.raw, sys::CUgraphInstantiate_flags(0)) }?;
-        Ok(OwnedExec { raw, ctx: self.ctx.clone() })
+        Ok(OwnedExec { raw, _ctx: self.ctx.clone(), errors: self.errors.clone() })
     }
 }
 
@@ -409,7 +417,9 @@ impl Node<'_> {
 /// A `CUgraphExec`, destroyed on drop; like [`OwnedGraph`], used by one thread at a time.
 pub(super) struct OwnedExec {
     raw: sys::CUgraphExec,
-    ctx: Arc<CudaContext>,
+    /// Keeps the context alive until the executable is destroyed.
+    _ctx: Arc<CudaContext>,
+    errors: Arc<ErrorSlot>,
 }
 
 // SAFETY: as for `OwnedGraph`.
@@ -418,8 +428,9 @@ unsafe impl Send for OwnedExec {}
 impl Drop for OwnedExec {
     fn drop(&mut self) {
         // SAFETY: the executable is owned and destroyed once; launches already queued complete.
-        let destroyed = unsafe { result::graph::exec_destroy(self.raw) };
-        self.ctx.record_err(destroyed);
+        if let Err(e) = unsafe { result::graph::exec_destroy(self.raw) } {
+            self.errors.record("a graph executable", err::driver("cuGraphExecDestroy", None, e));
+        }
     }
 }
 
@@ -480,6 +491,14 @@ impl Program {
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 
+    /// `nvrtcDestroyProgram`, with its error; dropping a program instead discards the error.
+    pub(super) fn destroy(mut self) -> Result<(), NvrtcError> {
+        // SAFETY: the program is owned and destroyed once: the null handle tells `drop`.
+        let destroyed = unsafe { nvrtc_result::destroy_program(self.raw) };
+        self.raw = ptr::null_mut();
+        destroyed
+    }
+
     /// `nvrtcGetCUBIN` of a program compiled for a real architecture (`sm_XY`).
     pub(super) fn cubin(&self) -> Result<Vec<u8>, NvrtcError> {
         let mut size: usize = 0;
@@ -494,8 +513,11 @@ impl Program {
 
 impl Drop for Program {
     fn drop(&mut self) {
-        // SAFETY: the program is owned and destroyed once. Destroying a valid program has no
-        // failure a caller could act on, so the result is not kept.
-        let _ = unsafe { nvrtc_result::destroy_program(self.raw) };
+        // A program is dropped undestroyed only on the way out of a failed compile, whose error
+        // is the one its caller gets; a second, from destroying, would add nothing.
+        if !self.raw.is_null() {
+            // SAFETY: the program is owned and not yet destroyed.
+            let _ = unsafe { nvrtc_result::destroy_program(self.raw) };
+        }
     }
 }

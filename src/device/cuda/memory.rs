@@ -16,6 +16,7 @@ use super::ffi;
 use super::stream::CuStream;
 use crate::device::backend::CopyDir;
 use crate::device::memory::{MemKind, RawBuffer};
+use crate::device::ErrorSlot;
 use crate::error::CaptureSite;
 use crate::{Error, Result};
 
@@ -32,6 +33,7 @@ pub(crate) struct CuMem {
     /// The size asked for; the allocation may be larger (see the module docs).
     bytes: usize,
     ctx: Arc<CudaContext>,
+    errors: Arc<ErrorSlot>,
     /// Serializes host reads and writes of pinned memory, which would otherwise race.
     host: Mutex<()>,
 }
@@ -42,39 +44,49 @@ unsafe impl Send for CuMem {}
 // SAFETY: as for Send: shared access reads the address, or takes `host` to touch the bytes.
 unsafe impl Sync for CuMem {}
 
-/// An allocation on its way to being freed, with the context it belongs to.
+/// An allocation on its way to being freed, with the context it belongs to and its device's
+/// error slot.
 pub(super) struct Alloc {
     ptr: Ptr,
     ctx: Arc<CudaContext>,
+    errors: Arc<ErrorSlot>,
 }
 
 // SAFETY: the allocation is no longer reachable from anything but this value.
 unsafe impl Send for Alloc {}
 
 impl Alloc {
-    /// Frees the allocation; an error is left on the context, to surface from its next call.
+    /// Frees the allocation; an error is kept for the device's next call.
     pub(super) fn free(self) {
-        self.ctx.record_err(self.ctx.bind_to_thread());
+        const DURING: &str = "a buffer";
+        // Freed even if binding fails: the error may be one left on the context by an earlier
+        // destructor of cudarc's, with the context still current.
+        if let Err(e) = self.ctx.bind_to_thread() {
+            self.errors.record(DURING, err::driver("cuCtxSetCurrent", None, e));
+        }
         // Each pointer came from the matching allocator and this is its only free; no graph
         // holds the buffer (graphs hold the `RawBuffer`, whose drop led here).
-        let freed = match self.ptr {
+        let (op, freed) = match self.ptr {
             // SAFETY: as above.
-            Ptr::Device(p) => unsafe { ffi::mem_free(p) },
+            Ptr::Device(p) => ("cuMemFree", unsafe { ffi::mem_free(p) }),
             // SAFETY: as above.
-            Ptr::Host(p) => unsafe { ffi::mem_free_host(p) },
+            Ptr::Host(p) => ("cuMemFreeHost", unsafe { ffi::mem_free_host(p) }),
         };
-        self.ctx.record_err(freed);
+        if let Err(e) = freed {
+            self.errors.record(DURING, err::driver(op, None, e));
+        }
     }
 }
 
 impl Drop for CuMem {
     fn drop(&mut self) {
-        capture::free_or_defer(Alloc { ptr: self.ptr, ctx: self.ctx.clone() });
+        capture::free_or_defer(Alloc { ptr: self.ptr, ctx: self.ctx.clone(), errors: self.errors.clone() });
     }
 }
 
-/// Allocates `bytes` of `kind` memory. The device's context must be bound.
-pub(super) fn alloc(ctx: &Arc<CudaContext>, bytes: usize, kind: MemKind) -> Result<CuMem> {
+/// Allocates `bytes` of `kind` memory, whose free reports to `errors`. The device's context must
+/// be bound.
+pub(super) fn alloc(ctx: &Arc<CudaContext>, errors: &Arc<ErrorSlot>, bytes: usize, kind: MemKind) -> Result<CuMem> {
     let op = match kind {
         MemKind::Device => "alloc",
         MemKind::Pinned => "alloc_pinned",
@@ -86,7 +98,7 @@ pub(super) fn alloc(ctx: &Arc<CudaContext>, bytes: usize, kind: MemKind) -> Resu
         MemKind::Pinned => ffi::mem_alloc_host(size).map(Ptr::Host),
     }
     .map_err(|e| err::driver(op, capture::forbidding_site(), e))?;
-    Ok(CuMem { ptr, bytes, ctx: ctx.clone(), host: Mutex::new(()) })
+    Ok(CuMem { ptr, bytes, ctx: ctx.clone(), errors: errors.clone(), host: Mutex::new(()) })
 }
 
 /// The error for a buffer the public layer should not have let through; it names the bug.

@@ -43,7 +43,7 @@ use self::memory::CuMem;
 use self::stream::{CuEvent, CuStream};
 use super::backend::{Backend, Op};
 use super::memory::MemKind;
-use super::{CaptureMode, CaptureStatus, DeviceId, EventId, NodeInfo, StreamId};
+use super::{CaptureMode, CaptureStatus, DeviceId, ErrorSlot, EventId, NodeInfo, StreamId};
 use crate::error::CaptureSite;
 use crate::Result;
 
@@ -53,12 +53,15 @@ pub(crate) struct CudaDevice {
     kernels: Kernels,
     blas: blas::Blas,
     description: String,
+    /// The device's error slot, handed to every stream and allocation.
+    errors: Arc<ErrorSlot>,
 }
 
 impl CudaDevice {
     /// Opens GPU `ordinal`; [`Error::CudaUnavailable`](crate::Error::CudaUnavailable) when the
     /// driver, NVRTC or the GPU is missing, or the GPU is older than compute capability 7.0.
-    pub(crate) fn new(_id: DeviceId, ordinal: usize) -> Result<CudaDevice> {
+    /// Handles whose destruction fails keep the error in `errors`.
+    pub(crate) fn new(_id: DeviceId, ordinal: usize, errors: Arc<ErrorSlot>) -> Result<CudaDevice> {
         let opened = context::open(ordinal)?;
         let version = ffi::driver_version().map_err(|e| err::driver("Device::cuda", None, e))?;
         let compiler = nvrtc::Compiler::new(opened.cc)?;
@@ -69,6 +72,7 @@ impl CudaDevice {
             blas: blas::Blas::default(),
             ctx: opened.ctx,
             description,
+            errors,
         })
     }
 
@@ -78,7 +82,8 @@ impl CudaDevice {
     }
 
     /// Makes the device's context current on this thread, as driver calls without a stream need;
-    /// also reports an error left on the context by an earlier destructor.
+    /// also reports an error that one of cudarc's destructors (streams, events, modules) left on
+    /// the context.
     fn bind(&self, op: &'static str) -> Result<()> {
         self.ctx.bind_to_thread().map_err(|e| err::driver(op, None, e))
     }
@@ -92,11 +97,11 @@ impl Backend for CudaDevice {
     type Exec = CuExec;
 
     fn create_stream(&self, id: StreamId, priority: i32) -> Result<CuStream> {
-        stream::create(&self.ctx, id, priority)
+        stream::create(&self.ctx, &self.errors, id, priority)
     }
 
     fn legacy_stream(&self, id: StreamId) -> Result<CuStream> {
-        Ok(stream::legacy(&self.ctx, id))
+        Ok(stream::legacy(&self.ctx, &self.errors, id))
     }
 
     fn priority_range(&self) -> Result<(i32, i32)> {
@@ -117,9 +122,9 @@ impl Backend for CudaDevice {
     fn alloc(&self, bytes: usize, kind: MemKind, relaxed: bool) -> Result<CuMem> {
         self.bind("alloc")?;
         if relaxed {
-            capture::relaxed(|| memory::alloc(&self.ctx, bytes, kind))
+            capture::relaxed(|| memory::alloc(&self.ctx, &self.errors, bytes, kind))
         } else {
-            memory::alloc(&self.ctx, bytes, kind)
+            memory::alloc(&self.ctx, &self.errors, bytes, kind)
         }
     }
 

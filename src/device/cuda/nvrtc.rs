@@ -78,7 +78,9 @@ impl Compiler {
                 log
             }));
         }
-        program.cubin().map_err(|e| err::nvrtc("nvrtcGetCUBIN", e))
+        let cubin = program.cubin().map_err(|e| err::nvrtc("nvrtcGetCUBIN", e))?;
+        program.destroy().map_err(|e| err::nvrtc("nvrtcDestroyProgram", e))?;
+        Ok(cubin)
     }
 }
 

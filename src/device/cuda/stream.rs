@@ -7,7 +7,7 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use super::capture;
 use super::error as err;
 use super::ffi;
-use crate::device::{EventId, StreamId};
+use crate::device::{ErrorSlot, EventId, StreamId};
 use crate::error::CaptureSite;
 use crate::Result;
 
@@ -15,6 +15,8 @@ use crate::Result;
 pub(crate) struct CuStream {
     pub(super) id: StreamId,
     pub(super) raw: Arc<CudaStream>,
+    /// The device's error slot, for what its drop and the graphs captured on it fail to destroy.
+    pub(super) errors: Arc<ErrorSlot>,
 }
 
 impl CuStream {
@@ -44,14 +46,14 @@ impl CuEvent {
 }
 
 /// A new non-blocking stream; the driver clamps `priority` into the device's range.
-pub(super) fn create(ctx: &Arc<CudaContext>, id: StreamId, priority: i32) -> Result<CuStream> {
+pub(super) fn create(ctx: &Arc<CudaContext>, errors: &Arc<ErrorSlot>, id: StreamId, priority: i32) -> Result<CuStream> {
     let raw = ctx.new_stream_with_priority(priority).map_err(|e| err::driver("create_stream", None, e))?;
-    Ok(CuStream { id, raw })
+    Ok(CuStream { id, raw, errors: errors.clone() })
 }
 
 /// The legacy NULL stream, which CUDA refuses to capture.
-pub(super) fn legacy(ctx: &Arc<CudaContext>, id: StreamId) -> CuStream {
-    CuStream { id, raw: ctx.default_stream() }
+pub(super) fn legacy(ctx: &Arc<CudaContext>, errors: &Arc<ErrorSlot>, id: StreamId) -> CuStream {
+    CuStream { id, raw: ctx.default_stream(), errors: errors.clone() }
 }
 
 /// A new event; only `timing` events can measure elapsed time (the others record faster).
