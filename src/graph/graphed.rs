@@ -403,7 +403,7 @@ impl Drop for GraphedCallable {
     /// its static buffers go back to the pool); an error is kept for the device's next call.
     fn drop(&mut self) {
         if let Err(e) = self.reset() {
-            self.entry.device().record_err(e);
+            self.entry.device().record_drop_err("a graphed callable (its reset)", e);
         }
     }
 }

@@ -157,7 +157,7 @@ impl Drop for Tail {
         if let Some(p) = self.pending.take() {
             let caller = p.caller.clone();
             if let Err(e) = p.join(&caller) {
-                caller.device().record_err(e);
+                caller.device().record_drop_err("a graph tail (its join)", e);
             }
         }
     }
