@@ -207,16 +207,39 @@ pub enum Error {
     },
 
     /// A kernel's CPU path asked for an argument that its launch did not pass in that form.
-    #[error("kernel {kernel}: argument {index} is {found}, but the CPU path reads it as {expected}; fix the launch's argument list")]
+    #[error("kernel {kernel}: argument `{param}` is {found}, but the CPU path reads it as {expected}; fix the launch's argument list")]
     KernelArg {
         /// Kernel name.
         kernel: &'static str,
-        /// Argument index.
-        index: usize,
+        /// The parameter's name.
+        param: String,
         /// What the CPU path expected.
         expected: String,
         /// What was passed.
         found: String,
+    },
+
+    /// A kernel's CPU path asked for a parameter that the kernel does not have.
+    #[error("kernel {kernel}: the CPU path reads parameter `{param}`, but the kernel's parameters are {known:?}; fix the CPU path or `Kernel::params`")]
+    UnknownKernelParam {
+        /// Kernel name.
+        kernel: &'static str,
+        /// The name the CPU path asked for.
+        param: String,
+        /// The kernel's parameters.
+        known: &'static [&'static str],
+    },
+
+    /// A launch passed a different number of arguments than the kernel has parameters; refused
+    /// before anything is enqueued.
+    #[error("kernel {kernel}: the launch passes {found} arguments for its {} parameters {params:?}", .params.len())]
+    KernelArgCount {
+        /// Kernel name.
+        kernel: &'static str,
+        /// The kernel's parameters.
+        params: &'static [&'static str],
+        /// The number of arguments passed.
+        found: usize,
     },
 
     /// A kernel failed while running (on the simulator: its CPU path returned an error). Like a

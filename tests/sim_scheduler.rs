@@ -100,15 +100,16 @@ fn caller_that_skips_the_graph_event_reads_stale_outputs() {
 fn a_failing_kernel_is_reported_by_the_next_synchronize() {
     use graphed::device::{args, CpuArgs, In, Kernel, LaunchDims, Out};
     fn wrong_type(a: &CpuArgs) -> graphed::Result<()> {
-        a.input::<u32>(1).map(|_| ())
+        a.input::<u32>("x").map(|_| ())
     }
-    static BAD: Kernel = Kernel { name: "reads_f32_as_u32", source: "", cpu: wrong_type, strided: false };
+    static BAD: Kernel =
+        Kernel { name: "reads_f32_as_u32", source: "", params: &["y", "x"], cpu: wrong_type, strided: false };
     let dev = Device::sim();
     let s = dev.stream().unwrap();
     let (x, y) = (dev.alloc::<f32>(2).unwrap(), dev.alloc::<f32>(2).unwrap());
     s.launch(&BAD, LaunchDims::for_elems(2), &args![Out(&y), In(&x)]).unwrap();
     let err = s.synchronize().unwrap_err();
     assert!(matches!(err, graphed::Error::KernelFailed { kernel: "reads_f32_as_u32", .. }), "{err}");
-    assert!(err.to_string().contains("argument 1 is a Read f32 buffer"), "{err}");
+    assert!(err.to_string().contains("argument `x` is a Read f32 buffer"), "{err}");
     s.synchronize().unwrap();
 }

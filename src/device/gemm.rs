@@ -58,11 +58,18 @@ impl GemmElem for bf16 {
     }
 }
 
-static GEMM_F32: Kernel = Kernel { name: "gemm_f32", source: "", cpu: gemm_cpu::<f32, false>, strided: true };
-static GEMM_F32_BIAS: Kernel = Kernel { name: "gemm_f32_bias", source: "", cpu: gemm_cpu::<f32, true>, strided: true };
-static GEMM_BF16: Kernel = Kernel { name: "gemm_bf16", source: "", cpu: gemm_cpu::<bf16, false>, strided: true };
+/// The arguments [`Gemm::args`] passes: cuBLASLt has no CUDA entry point to name them.
+const PARAMS: &[&str] = &["c", "a", "b", "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"];
+const PARAMS_BIAS: &[&str] = &["c", "a", "b", "bias", "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"];
+
+static GEMM_F32: Kernel =
+    Kernel { name: "gemm_f32", source: "", params: PARAMS, cpu: gemm_cpu::<f32, false>, strided: true };
+static GEMM_F32_BIAS: Kernel =
+    Kernel { name: "gemm_f32_bias", source: "", params: PARAMS_BIAS, cpu: gemm_cpu::<f32, true>, strided: true };
+static GEMM_BF16: Kernel =
+    Kernel { name: "gemm_bf16", source: "", params: PARAMS, cpu: gemm_cpu::<bf16, false>, strided: true };
 static GEMM_BF16_BIAS: Kernel =
-    Kernel { name: "gemm_bf16_bias", source: "", cpu: gemm_cpu::<bf16, true>, strided: true };
+    Kernel { name: "gemm_bf16_bias", source: "", params: PARAMS_BIAS, cpu: gemm_cpu::<bf16, true>, strided: true };
 
 /// `C = alpha·op(A)·op(B) + beta·C (+ bias)`, row-major, over `batch` matrices.
 ///
@@ -175,7 +182,7 @@ impl<T: GemmElem> Gemm<'_, T> {
         })
     }
 
-    /// The launch arguments: C, A, B, the bias if any, the workspace, then the sizes.
+    /// The launch arguments, one per name of [`PARAMS`] (or [`PARAMS_BIAS`] with a bias).
     pub(crate) fn args<'w>(&'w self, spec: &GemmSpec, workspace: View<'w, u8>) -> Vec<Arg<'w>> {
         let c: Arg<'_> = if self.beta == 0.0 { Out(self.c).into() } else { InOut(self.c).into() };
         let mut args = vec![c, In(self.a).into(), In(self.b).into()];
@@ -206,17 +213,16 @@ impl<T: GemmElem> Gemm<'_, T> {
 /// runs row by row over op(B)'s contiguous rows, so that it vectorizes; the order of each sum is
 /// unchanged).
 fn gemm_cpu<T: GemmElem, const BIAS: bool>(args: &CpuArgs) -> Result<()> {
-    let s = if BIAS { 5 } else { 4 };
-    let [m, n, k, batch] = [s, s + 1, s + 2, s + 3].map(|i| args.u64(i).map(|v| v as usize));
+    let [m, n, k, batch] = ["m", "n", "k", "batch"].map(|p| args.u64(p).map(|v| v as usize));
     let (m, n, k, batch) = (m?, n?, k?, batch?);
-    let flags = args.u32(s + 4)?;
-    let (alpha, beta) = (args.f32(s + 5)?, args.f32(s + 6)?);
+    let flags = args.u32("flags")?;
+    let (alpha, beta) = (args.f32("alpha")?, args.f32("beta")?);
     let (trans_a, trans_b) = (flags & 1 != 0, flags & 2 != 0);
-    let a = args.input::<T>(1)?;
-    let b = args.input::<T>(2)?;
+    let a = args.input::<T>("a")?;
+    let b = args.input::<T>("b")?;
     let bias: Option<Vec<f32>> =
-        if BIAS { Some(args.input::<T>(3)?.iter().map(|v| v.to_f32()).collect()) } else { None };
-    let mut c = args.output::<T>(0)?;
+        if BIAS { Some(args.input::<T>("bias")?.iter().map(|v| v.to_f32()).collect()) } else { None };
+    let mut c = args.output::<T>("c")?;
     let mut op_a = vec![0.0f32; m * k];
     let mut op_b = vec![0.0f32; k * n];
     let mut acc = vec![0.0f32; n];
@@ -254,4 +260,26 @@ fn gemm_cpu<T: GemmElem, const BIAS: bool>(args: &CpuArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+
+    fn one_argument_per_param<T: GemmElem>(dev: &Device) {
+        let (x, workspace) = (dev.alloc::<T>(4).unwrap(), dev.alloc::<u8>(8).unwrap());
+        for bias in [None, Some(x.slice(0..2))] {
+            let g = Gemm { bias, ..Gemm::new(x.view(), x.view(), x.view(), (2, 2, 2)) };
+            let args = g.args(&g.spec().unwrap(), workspace.view());
+            assert_eq!(args.len(), g.kernel().params.len(), "{}", g.kernel().name);
+        }
+    }
+
+    #[test]
+    fn every_gemm_kernel_has_one_param_per_argument() {
+        let dev = Device::sim();
+        one_argument_per_param::<f32>(&dev);
+        one_argument_per_param::<bf16>(&dev);
+    }
 }

@@ -1,19 +1,21 @@
 //! The op abstraction: a kernel is described once, and its launch arguments declare its accesses.
 //!
-//! A [`Kernel`] names a CUDA C entry point and its source, and gives a CPU path. A launch passes
-//! typed arguments: [`In`], [`Out`] and [`InOut`] views of buffers, and scalars. The declared
-//! [`Access`]es are derived from those arguments, so they cannot drift from what the launch
-//! passes. On the simulator the CPU path sees exactly its declared regions, gathered into dense
-//! slices in region order, and writes back only what it declared as written; on CUDA each view is
-//! passed as a pointer to its first element. Scalars are copied when the launch is enqueued, so a
-//! captured graph freezes them as CUDA does.
+//! A [`Kernel`] names a CUDA C entry point, its source and its parameters, and gives a CPU path,
+//! which reads its arguments by the entry point's parameter names, not positions, so that they
+//! cannot drift from the CUDA signature (a unit test checks `params` against the source). A
+//! launch passes typed arguments, one per parameter: [`In`], [`Out`] and [`InOut`] views of
+//! buffers, and scalars. The declared [`Access`]es are derived from those arguments, so they
+//! cannot drift from what the launch passes. On the simulator the CPU path sees exactly its
+//! declared regions, gathered into dense slices in region order, and writes back only what it
+//! declared as written; on CUDA each view is passed as a pointer to its first element. Scalars
+//! are copied when the launch is enqueued, so a captured graph freezes them as CUDA does.
 //!
 //! ```
 //! use graphed::device::{args, Device, In, Kernel, LaunchDims, Out};
 //!
 //! fn scale_cpu(a: &graphed::device::CpuArgs) -> graphed::Result<()> {
-//!     let (x, k) = (a.input::<f32>(1)?, a.f32(2)?);
-//!     for (y, x) in a.output::<f32>(0)?.iter_mut().zip(x.iter()) {
+//!     let (x, k) = (a.input::<f32>("x")?, a.f32("k")?);
+//!     for (y, x) in a.output::<f32>("y")?.iter_mut().zip(x.iter()) {
 //!         *y = k * x;
 //!     }
 //!     Ok(())
@@ -22,6 +24,7 @@
 //!     name: "scale",
 //!     source: r#"extern "C" __global__ void scale(float* y, const float* x, float k, unsigned n) {
 //!         unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) y[i] = k * x[i]; }"#,
+//!     params: &["y", "x", "k", "n"],
 //!     cpu: scale_cpu,
 //!     strided: false,
 //! };
@@ -52,6 +55,10 @@ pub struct Kernel {
     pub name: &'static str,
     /// CUDA C source containing the entry point; compiled by NVRTC on CUDA.
     pub source: &'static str,
+    /// The entry point's parameter names, in order. The CPU path reads its arguments by these
+    /// names, and [`Stream::launch`](super::Stream::launch) refuses a launch that does not pass
+    /// one argument per name.
+    pub params: &'static [&'static str],
     /// The CPU path, run by the simulator on the declared regions.
     pub cpu: CpuFn,
     /// Whether the CUDA code indexes its arguments with strides it is given, and so accepts
@@ -271,89 +278,126 @@ pub(crate) enum CpuSlot {
 }
 
 /// What a kernel's CPU path sees: each buffer argument as a dense slice of its declared region
-/// (in region order), and the scalars.
+/// (in region order), and the scalars, each read by its parameter name in [`Kernel::params`].
 pub struct CpuArgs {
-    pub(crate) kernel: &'static str,
+    pub(crate) kernel: &'static Kernel,
     pub(crate) slots: Vec<CpuSlot>,
 }
 
 impl CpuArgs {
-    fn mismatch(&self, index: usize, expected: String) -> Error {
+    /// The position of parameter `param`. A scan of a handful of names: only the simulator
+    /// reads arguments this way.
+    fn index(&self, param: &str) -> Result<usize> {
+        self.kernel.params.iter().position(|p| *p == param).ok_or_else(|| Error::UnknownKernelParam {
+            kernel: self.kernel.name,
+            param: param.to_string(),
+            known: self.kernel.params,
+        })
+    }
+
+    fn mismatch(&self, param: &str, index: usize, expected: String) -> Error {
         let found = match self.slots.get(index) {
             None => "missing".to_string(),
             Some(CpuSlot::Scalar(s)) => s.kind().to_string(),
             Some(CpuSlot::Buf { dtype, mode, .. }) => format!("a {mode:?} {dtype} buffer"),
         };
-        Error::KernelArg { kernel: self.kernel, index, expected, found }
+        Error::KernelArg { kernel: self.kernel.name, param: param.to_string(), expected, found }
     }
 
-    fn buf<T: Elem>(&self, index: usize, want_read: bool) -> Result<&RefCell<Gathered>> {
+    fn buf<T: Elem>(&self, param: &str, want_read: bool) -> Result<(usize, &RefCell<Gathered>)> {
+        let index = self.index(param)?;
         match self.slots.get(index) {
             Some(CpuSlot::Buf { dtype, mode, data })
                 if *dtype == T::DTYPE && (if want_read { mode.reads() } else { mode.writes() }) =>
             {
-                Ok(data)
+                Ok((index, data))
             }
             _ => {
                 let what = if want_read { "In/InOut" } else { "Out/InOut" };
-                Err(self.mismatch(index, format!("an {what} {} buffer", T::DTYPE)))
+                Err(self.mismatch(param, index, format!("an {what} {} buffer", T::DTYPE)))
             }
         }
     }
 
-    /// Argument `index` as a read-only slice (`In` or `InOut`).
-    pub fn input<T: Elem>(&self, index: usize) -> Result<Ref<'_, [T]>> {
-        let cell = self.buf::<T>(index, true)?;
-        let r = cell.try_borrow().map_err(|_| self.mismatch(index, "an argument not borrowed mutably".into()))?;
+    /// Argument `param` as a read-only slice (`In` or `InOut`).
+    pub fn input<T: Elem>(&self, param: &str) -> Result<Ref<'_, [T]>> {
+        let (index, cell) = self.buf::<T>(param, true)?;
+        let r =
+            cell.try_borrow().map_err(|_| self.mismatch(param, index, "an argument not borrowed mutably".into()))?;
         Ok(Ref::map(r, |g| bytemuck::cast_slice(g.as_bytes())))
     }
 
-    /// Argument `index` as a mutable slice (`Out` or `InOut`); `Out` slices start with the
+    /// Argument `param` as a mutable slice (`Out` or `InOut`); `Out` slices start with the
     /// region's current contents.
-    pub fn output<T: Elem>(&self, index: usize) -> Result<RefMut<'_, [T]>> {
-        let cell = self.buf::<T>(index, false)?;
-        let r = cell.try_borrow_mut().map_err(|_| self.mismatch(index, "an argument not borrowed elsewhere".into()))?;
+    pub fn output<T: Elem>(&self, param: &str) -> Result<RefMut<'_, [T]>> {
+        let (index, cell) = self.buf::<T>(param, false)?;
+        let r = cell
+            .try_borrow_mut()
+            .map_err(|_| self.mismatch(param, index, "an argument not borrowed elsewhere".into()))?;
         Ok(RefMut::map(r, |g| bytemuck::cast_slice_mut(g.as_bytes_mut())))
     }
 
-    fn scalar(&self, index: usize, expected: &str) -> Result<Scalar> {
+    fn scalar<T>(&self, param: &str, expected: &str, pick: fn(Scalar) -> Option<T>) -> Result<T> {
+        let index = self.index(param)?;
         match self.slots.get(index) {
-            Some(CpuSlot::Scalar(s)) => Ok(*s),
-            _ => Err(self.mismatch(index, expected.to_string())),
+            Some(CpuSlot::Scalar(s)) => pick(*s),
+            _ => None,
         }
+        .ok_or_else(|| self.mismatch(param, index, expected.to_string()))
     }
 
-    /// Argument `index` as an `f32` scalar.
-    pub fn f32(&self, index: usize) -> Result<f32> {
-        match self.scalar(index, "an f32 scalar")? {
-            Scalar::F32(v) => Ok(v),
-            _ => Err(self.mismatch(index, "an f32 scalar".into())),
-        }
+    /// Argument `param` as an `f32` scalar.
+    pub fn f32(&self, param: &str) -> Result<f32> {
+        self.scalar(param, "an f32 scalar", |s| match s {
+            Scalar::F32(v) => Some(v),
+            _ => None,
+        })
     }
 
-    /// Argument `index` as a `u32` scalar.
-    pub fn u32(&self, index: usize) -> Result<u32> {
-        match self.scalar(index, "a u32 scalar")? {
-            Scalar::U32(v) => Ok(v),
-            _ => Err(self.mismatch(index, "a u32 scalar".into())),
-        }
+    /// Argument `param` as a `u32` scalar.
+    pub fn u32(&self, param: &str) -> Result<u32> {
+        self.scalar(param, "a u32 scalar", |s| match s {
+            Scalar::U32(v) => Some(v),
+            _ => None,
+        })
     }
 
-    /// Argument `index` as an `i32` scalar.
-    pub fn i32(&self, index: usize) -> Result<i32> {
-        match self.scalar(index, "an i32 scalar")? {
-            Scalar::I32(v) => Ok(v),
-            _ => Err(self.mismatch(index, "an i32 scalar".into())),
-        }
+    /// Argument `param` as an `i32` scalar.
+    pub fn i32(&self, param: &str) -> Result<i32> {
+        self.scalar(param, "an i32 scalar", |s| match s {
+            Scalar::I32(v) => Some(v),
+            _ => None,
+        })
     }
 
-    /// Argument `index` as a `u64` scalar.
-    pub fn u64(&self, index: usize) -> Result<u64> {
-        match self.scalar(index, "a u64 scalar")? {
-            Scalar::U64(v) => Ok(v),
-            _ => Err(self.mismatch(index, "a u64 scalar".into())),
-        }
+    /// Argument `param` as a `u64` scalar.
+    pub fn u64(&self, param: &str) -> Result<u64> {
+        self.scalar(param, "a u64 scalar", |s| match s {
+            Scalar::U64(v) => Some(v),
+            _ => None,
+        })
     }
+}
+
+/// The parameter names of entry point `name` in CUDA `source`: the last identifier of each
+/// parameter of its `extern "C" __global__ void name(...)`, or `None` if there is no such entry
+/// point. Tests check every [`Kernel::params`] against it.
+#[cfg(test)]
+pub(crate) fn entry_params<'s>(source: &'s str, name: &str) -> Option<Vec<&'s str>> {
+    const ENTRY: &str = "extern \"C\" __global__ void ";
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    source.match_indices(ENTRY).find_map(|(at, _)| {
+        let rest = source[at + ENTRY.len()..].trim_start();
+        let open = rest.find('(')?;
+        if rest[..open].trim_end() != name {
+            return None;
+        }
+        let list = &rest[open + 1..open + rest[open..].find(')')?];
+        if list.trim().is_empty() {
+            return Some(Vec::new());
+        }
+        list.split(',').map(|p| p.split(|c| !is_ident(c)).rfind(|w| !w.is_empty())).collect()
+    })
 }
 
 #[cfg(test)]
@@ -379,17 +423,67 @@ mod tests {
         );
     }
 
+    static TWO: Kernel = Kernel { name: "two", source: "", params: &["x", "n"], cpu: |_| Ok(()), strided: false };
+
     #[test]
     fn cpu_args_refuse_the_wrong_form() {
         let slots = vec![
             CpuSlot::Buf { dtype: DType::F32, mode: AccessMode::Read, data: RefCell::new(Gathered::zeroed(8)) },
             CpuSlot::Scalar(Scalar::U32(3)),
         ];
-        let a = CpuArgs { kernel: "k", slots };
-        assert_eq!(a.input::<f32>(0).unwrap().len(), 2);
-        assert!(matches!(a.output::<f32>(0), Err(Error::KernelArg { index: 0, .. })), "an In buffer is not writable");
-        assert!(matches!(a.input::<u32>(0), Err(Error::KernelArg { .. })), "dtype is checked");
-        assert_eq!(a.u32(1).unwrap(), 3);
-        assert!(a.f32(1).is_err() && a.f32(9).is_err());
+        let a = CpuArgs { kernel: &TWO, slots };
+        assert_eq!(a.input::<f32>("x").unwrap().len(), 2);
+        let err = a.output::<f32>("x").unwrap_err();
+        assert!(matches!(&err, Error::KernelArg { param, .. } if param == "x"), "an In buffer is not writable: {err}");
+        assert!(err.to_string().contains("argument `x` is a Read f32 buffer"), "{err}");
+        assert!(matches!(a.input::<u32>("x"), Err(Error::KernelArg { .. })), "dtype is checked");
+        assert_eq!(a.u32("n").unwrap(), 3);
+        assert!(
+            matches!(a.f32("n"), Err(Error::KernelArg { .. })) && matches!(a.u32("x"), Err(Error::KernelArg { .. }))
+        );
+    }
+
+    #[test]
+    fn an_unknown_parameter_name_is_a_typed_error() {
+        let a = CpuArgs { kernel: &TWO, slots: vec![CpuSlot::Scalar(Scalar::U32(3))] };
+        for err in [a.u32("m").unwrap_err(), a.input::<f32>("y").map(|_| ()).unwrap_err()] {
+            assert!(matches!(err, Error::UnknownKernelParam { kernel: "two", known: ["x", "n"], .. }), "{err}");
+            assert!(err.to_string().contains("[\"x\", \"n\"]"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_launch_with_the_wrong_argument_count_enqueues_nothing() {
+        fn write_y(a: &CpuArgs) -> Result<()> {
+            a.output::<f32>("y")?.fill(1.0);
+            Ok(())
+        }
+        static WRITE: Kernel = Kernel { name: "write", source: "", params: &["y", "n"], cpu: write_y, strided: false };
+        let dev = Device::sim();
+        let s = dev.stream().unwrap();
+        let y = dev.alloc::<f32>(2).unwrap();
+        for list in [&args![Out(&y)][..], &args![Out(&y), 2u32, 2u32]] {
+            let err = s.launch(&WRITE, LaunchDims::for_elems(2), list).unwrap_err();
+            assert!(
+                matches!(err, Error::KernelArgCount { kernel: "write", params: ["y", "n"], found: 1 | 3 }),
+                "{err}"
+            );
+        }
+        assert_eq!(y.to_vec(&s).unwrap(), vec![0.0; 2], "nothing ran");
+        s.launch(&WRITE, LaunchDims::for_elems(2), &args![Out(&y), 2u32]).unwrap();
+        assert_eq!(y.to_vec(&s).unwrap(), vec![1.0; 2]);
+    }
+
+    #[test]
+    fn entry_params_reads_the_signature() {
+        let src = "__device__ float f(float a) { return a; }\n\
+                   extern \"C\" __global__ void other(int q) {}\n\
+                   extern \"C\" __global__ void k(float* __restrict__ y, const unsigned long long *step,\n  unsigned n) {}\n\
+                   extern \"C\" __global__ void none() {}";
+        assert_eq!(entry_params(src, "k"), Some(vec!["y", "step", "n"]));
+        assert_eq!(entry_params(src, "other"), Some(vec!["q"]));
+        assert_eq!(entry_params(src, "none"), Some(vec![]));
+        assert_eq!(entry_params(src, "f"), None, "only entry points count");
+        assert_eq!(entry_params(src, "missing"), None);
     }
 }

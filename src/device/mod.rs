@@ -430,11 +430,11 @@ mod tests {
     use super::*;
 
     fn add_one_cpu(a: &CpuArgs) -> Result<()> {
-        a.output::<f32>(0)?.iter_mut().for_each(|y| *y += 1.0);
+        a.output::<f32>("y")?.iter_mut().for_each(|y| *y += 1.0);
         Ok(())
     }
 
-    static ADD_ONE: Kernel = Kernel { name: "add_one", source: "", cpu: add_one_cpu, strided: false };
+    static ADD_ONE: Kernel = Kernel { name: "add_one", source: "", params: &["y"], cpu: add_one_cpu, strided: false };
 
     fn launch(s: &Stream, y: &DeviceBuffer<f32>) -> Result<()> {
         s.launch(&ADD_ONE, LaunchDims::for_elems(y.len()), &args![InOut(y)])

@@ -11,6 +11,15 @@ use super::observe::{HostSync, Observer};
 use super::{AccessMode, Device, DeviceBuffer, Elem, Event, Graph, HostView, NodeKind, Region, StreamId};
 use crate::{Error, Result};
 
+/// Refuses an argument list that does not pass one argument per parameter: CUDA would read
+/// past the list or misplace arguments, and the simulator's CPU path would read the wrong ones.
+fn check_arity(kernel: &'static Kernel, args: &[Arg<'_>]) -> Result<()> {
+    if args.len() != kernel.params.len() {
+        return Err(Error::KernelArgCount { kernel: kernel.name, params: kernel.params, found: args.len() });
+    }
+    Ok(())
+}
+
 /// A non-blocking stream of one device. Cloning yields the same stream.
 #[derive(Clone)]
 pub struct Stream {
@@ -76,9 +85,11 @@ impl Stream {
     /// Enqueues a kernel. Its declared accesses are derived from `args` (see [`Kernel`]).
     ///
     /// # Errors
-    /// A buffer of another device, a view outside its buffer, or a capture error.
+    /// [`Error::KernelArgCount`] unless `args` has one argument per [`Kernel::params`], a buffer
+    /// of another device, a view outside its buffer, or a capture error.
     pub fn launch(&self, kernel: &'static Kernel, dims: LaunchDims, args: &[Arg<'_>]) -> Result<()> {
         self.inner.dev.check_err()?;
+        check_arity(kernel, args)?;
         for a in args {
             if let Arg::Buf(b) = a {
                 self.check_buf(kernel.name, b.raw.device)?;
@@ -131,6 +142,7 @@ impl Stream {
         let workspace = self.workspace()?;
         let args = g.args(&spec, workspace.view());
         let kernel = g.kernel();
+        check_arity(kernel, &args)?;
         self.enqueue(&Op::Gemm { kernel, args: &args, spec, alpha: g.alpha, beta: g.beta })?;
         self.enqueued(kernel.name, &args)
     }

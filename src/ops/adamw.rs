@@ -59,15 +59,21 @@ impl Default for AdamWHyper {
 }
 
 /// One AdamW step of every parameter.
-pub static ADAMW: Kernel = Kernel { name: "adamw_f32", source: SOURCE, cpu: adamw_cpu, strided: false };
+pub static ADAMW: Kernel = Kernel {
+    name: "adamw_f32",
+    source: SOURCE,
+    params: &["params", "m", "v", "grads", "lr", "step", "beta1", "beta2", "eps", "weight_decay", "n"],
+    cpu: adamw_cpu,
+    strided: false,
+};
 
 fn adamw_cpu(a: &CpuArgs) -> Result<()> {
-    let (grads, lr, step) = (a.input::<f32>(3)?, a.input::<f32>(4)?, rng::step_of(a, 5)?);
-    let (beta1, beta2, eps, weight_decay) = (a.f32(6)?, a.f32(7)?, a.f32(8)?, a.f32(9)?);
-    let (mut params, mut m, mut v) = (a.output::<f32>(0)?, a.output::<f32>(1)?, a.output::<f32>(2)?);
+    let (grads, lr, step) = (a.input::<f32>("grads")?, a.input::<f32>("lr")?, rng::step_of(a, "step")?);
+    let (beta1, beta2, eps, weight_decay) = (a.f32("beta1")?, a.f32("beta2")?, a.f32("eps")?, a.f32("weight_decay")?);
+    let (mut params, mut m, mut v) = (a.output::<f32>("params")?, a.output::<f32>("m")?, a.output::<f32>("v")?);
     let rate = lr.first().copied().ok_or_else(|| Error::KernelArg {
-        kernel: a.kernel,
-        index: 4,
+        kernel: a.kernel.name,
+        param: "lr".into(),
         expected: "an f32 buffer of 1 element".into(),
         found: "an empty buffer".into(),
     })?;

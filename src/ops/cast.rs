@@ -31,12 +31,17 @@ use crate::{Error, Result};
 const SOURCE: &str = include_str!("cast.cu");
 
 /// f32 → bf16.
-pub static CAST_F32_TO_BF16: Kernel =
-    Kernel { name: "cast_f32_to_bf16", source: SOURCE, cpu: f32_to_bf16_cpu, strided: false };
+pub static CAST_F32_TO_BF16: Kernel = Kernel {
+    name: "cast_f32_to_bf16",
+    source: SOURCE,
+    params: &["out", "inp", "n"],
+    cpu: f32_to_bf16_cpu,
+    strided: false,
+};
 
 fn f32_to_bf16_cpu(a: &CpuArgs) -> Result<()> {
-    let inp = a.input::<f32>(1)?;
-    a.output::<bf16>(0)?.iter_mut().zip(inp.iter()).for_each(|(y, &x)| *y = bf16::from_f32(x));
+    let inp = a.input::<f32>("inp")?;
+    a.output::<bf16>("out")?.iter_mut().zip(inp.iter()).for_each(|(y, &x)| *y = bf16::from_f32(x));
     Ok(())
 }
 
@@ -52,12 +57,17 @@ pub fn cast_f32_to_bf16(out: &Tensor<bf16>, inp: &Tensor<f32>, stream: &Stream) 
 }
 
 /// bf16 → f32.
-pub static CAST_BF16_TO_F32: Kernel =
-    Kernel { name: "cast_bf16_to_f32", source: SOURCE, cpu: bf16_to_f32_cpu, strided: false };
+pub static CAST_BF16_TO_F32: Kernel = Kernel {
+    name: "cast_bf16_to_f32",
+    source: SOURCE,
+    params: &["out", "inp", "n"],
+    cpu: bf16_to_f32_cpu,
+    strided: false,
+};
 
 fn bf16_to_f32_cpu(a: &CpuArgs) -> Result<()> {
-    let inp = a.input::<bf16>(1)?;
-    a.output::<f32>(0)?.iter_mut().zip(inp.iter()).for_each(|(y, &x)| *y = x.to_f32());
+    let inp = a.input::<bf16>("inp")?;
+    a.output::<f32>("out")?.iter_mut().zip(inp.iter()).for_each(|(y, &x)| *y = x.to_f32());
     Ok(())
 }
 
@@ -73,12 +83,17 @@ pub fn cast_bf16_to_f32(out: &Tensor<f32>, inp: &Tensor<bf16>, stream: &Stream) 
 }
 
 /// `out = a + b` in f32.
-pub static RESIDUAL_ADD: Kernel =
-    Kernel { name: "residual_add_f32", source: SOURCE, cpu: residual_add_cpu, strided: false };
+pub static RESIDUAL_ADD: Kernel = Kernel {
+    name: "residual_add_f32",
+    source: SOURCE,
+    params: &["out", "a", "b", "n"],
+    cpu: residual_add_cpu,
+    strided: false,
+};
 
 fn residual_add_cpu(args: &CpuArgs) -> Result<()> {
-    let (a, b) = (args.input::<f32>(1)?, args.input::<f32>(2)?);
-    args.output::<f32>(0)?.iter_mut().zip(a.iter().zip(b.iter())).for_each(|(y, (&a, &b))| *y = a + b);
+    let (a, b) = (args.input::<f32>("a")?, args.input::<f32>("b")?);
+    args.output::<f32>("out")?.iter_mut().zip(a.iter().zip(b.iter())).for_each(|(y, (&a, &b))| *y = a + b);
     Ok(())
 }
 

@@ -30,13 +30,18 @@ use crate::{Error, Result};
 const SOURCE: &str = concat!(include_str!("rng.cu"), include_str!("dropout.cu"));
 
 /// Dropout forward: the output and the mask.
-pub static DROPOUT_FORWARD: Kernel =
-    Kernel { name: "dropout_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
+pub static DROPOUT_FORWARD: Kernel = Kernel {
+    name: "dropout_forward_f32",
+    source: SOURCE,
+    params: &["out", "mask", "inp", "step", "threshold", "scale", "seed", "site", "n"],
+    cpu: forward_cpu,
+    strided: false,
+};
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let (inp, step) = (a.input::<f32>(2)?, rng::step_of(a, 3)?);
-    let (threshold, scale, seed, site) = (a.u32(4)?, a.f32(5)?, a.u32(6)?, a.u32(7)?);
-    let (mut out, mut mask) = (a.output::<f32>(0)?, a.output::<u8>(1)?);
+    let (inp, step) = (a.input::<f32>("inp")?, rng::step_of(a, "step")?);
+    let (threshold, scale, seed, site) = (a.u32("threshold")?, a.f32("scale")?, a.u32("seed")?, a.u32("site")?);
+    let (mut out, mut mask) = (a.output::<f32>("out")?, a.output::<u8>("mask")?);
     let groups = out.chunks_mut(4).zip(mask.chunks_mut(4)).zip(inp.chunks(4));
     for (group, ((out, mask), inp)) in groups.enumerate() {
         let bits = rng::random_block(seed, site, step, group as u64);
@@ -82,12 +87,17 @@ pub fn dropout_forward(
 }
 
 /// Dropout backward: the input's gradient from the saved mask.
-pub static DROPOUT_BACKWARD: Kernel =
-    Kernel { name: "dropout_backward_f32", source: SOURCE, cpu: backward_cpu, strided: false };
+pub static DROPOUT_BACKWARD: Kernel = Kernel {
+    name: "dropout_backward_f32",
+    source: SOURCE,
+    params: &["dinp", "dout", "mask", "scale", "n"],
+    cpu: backward_cpu,
+    strided: false,
+};
 
 fn backward_cpu(a: &CpuArgs) -> Result<()> {
-    let (dout, mask, scale) = (a.input::<f32>(1)?, a.input::<u8>(2)?, a.f32(3)?);
-    for ((dx, &dy), &m) in a.output::<f32>(0)?.iter_mut().zip(dout.iter()).zip(mask.iter()) {
+    let (dout, mask, scale) = (a.input::<f32>("dout")?, a.input::<u8>("mask")?, a.f32("scale")?);
+    for ((dx, &dy), &m) in a.output::<f32>("dinp")?.iter_mut().zip(dout.iter()).zip(mask.iter()) {
         *dx = if m != 0 { dy * scale } else { 0.0 };
     }
     Ok(())

@@ -20,11 +20,12 @@ use crate::{Error, Result};
 const SOURCE: &str = include_str!("elementwise.cu");
 
 /// `y = value`.
-pub static FILL: Kernel = Kernel { name: "fill_f32", source: SOURCE, cpu: fill_cpu, strided: false };
+pub static FILL: Kernel =
+    Kernel { name: "fill_f32", source: SOURCE, params: &["y", "value", "n"], cpu: fill_cpu, strided: false };
 
 fn fill_cpu(a: &CpuArgs) -> Result<()> {
-    let v = a.f32(1)?;
-    a.output::<f32>(0)?.iter_mut().for_each(|y| *y = v);
+    let v = a.f32("value")?;
+    a.output::<f32>("y")?.iter_mut().for_each(|y| *y = v);
     Ok(())
 }
 
@@ -35,11 +36,12 @@ pub fn fill(y: View<'_, f32>, value: f32, stream: &Stream) -> Result<()> {
 }
 
 /// `y += c`.
-pub static ADD_SCALAR: Kernel = Kernel { name: "add_scalar_f32", source: SOURCE, cpu: add_scalar_cpu, strided: false };
+pub static ADD_SCALAR: Kernel =
+    Kernel { name: "add_scalar_f32", source: SOURCE, params: &["y", "c", "n"], cpu: add_scalar_cpu, strided: false };
 
 fn add_scalar_cpu(a: &CpuArgs) -> Result<()> {
-    let c = a.f32(1)?;
-    a.output::<f32>(0)?.iter_mut().for_each(|y| *y += c);
+    let c = a.f32("c")?;
+    a.output::<f32>("y")?.iter_mut().for_each(|y| *y += c);
     Ok(())
 }
 
@@ -50,11 +52,12 @@ pub fn add_scalar(y: View<'_, f32>, c: f32, stream: &Stream) -> Result<()> {
 }
 
 /// `y = k·x`.
-pub static SCALE: Kernel = Kernel { name: "scale_f32", source: SOURCE, cpu: scale_cpu, strided: false };
+pub static SCALE: Kernel =
+    Kernel { name: "scale_f32", source: SOURCE, params: &["y", "x", "k", "n"], cpu: scale_cpu, strided: false };
 
 fn scale_cpu(a: &CpuArgs) -> Result<()> {
-    let (x, k) = (a.input::<f32>(1)?, a.f32(2)?);
-    a.output::<f32>(0)?.iter_mut().zip(x.iter()).for_each(|(y, x)| *y = k * x);
+    let (x, k) = (a.input::<f32>("x")?, a.f32("k")?);
+    a.output::<f32>("y")?.iter_mut().zip(x.iter()).for_each(|(y, x)| *y = k * x);
     Ok(())
 }
 
@@ -66,11 +69,12 @@ pub fn scale(y: View<'_, f32>, x: View<'_, f32>, k: f32, stream: &Stream) -> Res
 }
 
 /// `y = a·x + y`, fused multiply-add (as `__fmaf_rn` on CUDA).
-pub static AXPY: Kernel = Kernel { name: "axpy_f32", source: SOURCE, cpu: axpy_cpu, strided: false };
+pub static AXPY: Kernel =
+    Kernel { name: "axpy_f32", source: SOURCE, params: &["y", "x", "a", "n"], cpu: axpy_cpu, strided: false };
 
 fn axpy_cpu(args: &CpuArgs) -> Result<()> {
-    let (x, a) = (args.input::<f32>(1)?, args.f32(2)?);
-    args.output::<f32>(0)?.iter_mut().zip(x.iter()).for_each(|(y, x)| *y = a.mul_add(*x, *y));
+    let (x, a) = (args.input::<f32>("x")?, args.f32("a")?);
+    args.output::<f32>("y")?.iter_mut().zip(x.iter()).for_each(|(y, x)| *y = a.mul_add(*x, *y));
     Ok(())
 }
 
@@ -82,7 +86,13 @@ pub fn axpy(y: View<'_, f32>, x: View<'_, f32>, a: f32, stream: &Stream) -> Resu
 }
 
 /// `y[r, c] = k·x[r, c]` over two strided matrix views.
-pub static SCALE_ROWS: Kernel = Kernel { name: "scale_rows_f32", source: SOURCE, cpu: scale_cpu, strided: true };
+pub static SCALE_ROWS: Kernel = Kernel {
+    name: "scale_rows_f32",
+    source: SOURCE,
+    params: &["y", "x", "k", "rows", "cols", "ld_y", "ld_x"],
+    cpu: scale_cpu,
+    strided: true,
+};
 
 /// `y = k·x` for two `rows × cols` matrix views with leading dimensions (a column block of
 /// wider matrices, such as one attention head). Only the view's elements are touched.

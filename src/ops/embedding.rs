@@ -35,13 +35,18 @@ use crate::{Error, Result};
 const SOURCE: &str = include_str!("embedding.cu");
 
 /// Embedding forward.
-pub static EMBEDDING_FORWARD: Kernel =
-    Kernel { name: "embedding_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
+pub static EMBEDDING_FORWARD: Kernel = Kernel {
+    name: "embedding_forward_f32",
+    source: SOURCE,
+    params: &["out", "tokens", "wte", "wpe", "n", "t_len", "c_len", "v"],
+    cpu: forward_cpu,
+    strided: false,
+};
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let (tokens, wte, wpe) = (a.input::<u32>(1)?, a.input::<f32>(2)?, a.input::<f32>(3)?);
-    let (t_len, c) = (a.u32(5)? as usize, a.u32(6)? as usize);
-    let mut out = a.output::<f32>(0)?;
+    let (tokens, wte, wpe) = (a.input::<u32>("tokens")?, a.input::<f32>("wte")?, a.input::<f32>("wpe")?);
+    let (t_len, c) = (a.u32("t_len")? as usize, a.u32("c_len")? as usize);
+    let mut out = a.output::<f32>("out")?;
     for (bt, (y, &tok)) in out.chunks_exact_mut(c).zip(tokens.iter()).enumerate() {
         let row = token_row(a, &wte, tok, c, bt)?;
         let pos = &wpe[(bt % t_len) * c..][..c];
@@ -80,12 +85,17 @@ pub fn embedding_forward(
 }
 
 /// Embedding backward into the token table's gradient.
-pub static EMBEDDING_BACKWARD_WTE: Kernel =
-    Kernel { name: "embedding_backward_wte_f32", source: SOURCE, cpu: backward_wte_cpu, strided: false };
+pub static EMBEDDING_BACKWARD_WTE: Kernel = Kernel {
+    name: "embedding_backward_wte_f32",
+    source: SOURCE,
+    params: &["dwte", "dout", "tokens", "vc", "c_len", "positions"],
+    cpu: backward_wte_cpu,
+    strided: false,
+};
 
 fn backward_wte_cpu(a: &CpuArgs) -> Result<()> {
-    let (dout, tokens, c) = (a.input::<f32>(1)?, a.input::<u32>(2)?, a.u32(4)? as usize);
-    let mut dwte = a.output::<f32>(0)?;
+    let (dout, tokens, c) = (a.input::<f32>("dout")?, a.input::<u32>("tokens")?, a.u32("c_len")? as usize);
+    let mut dwte = a.output::<f32>("dwte")?;
     // Per (v, c) the same order as the kernel: positions ascending, starting from 0.
     let mut acc = vec![0.0f32; dwte.len()];
     for (p, (dy, &tok)) in dout.chunks_exact(c).zip(tokens.iter()).enumerate() {
@@ -97,12 +107,17 @@ fn backward_wte_cpu(a: &CpuArgs) -> Result<()> {
 }
 
 /// Embedding backward into the position table's gradient.
-pub static EMBEDDING_BACKWARD_WPE: Kernel =
-    Kernel { name: "embedding_backward_wpe_f32", source: SOURCE, cpu: backward_wpe_cpu, strided: false };
+pub static EMBEDDING_BACKWARD_WPE: Kernel = Kernel {
+    name: "embedding_backward_wpe_f32",
+    source: SOURCE,
+    params: &["dwpe", "dout", "tc", "batch"],
+    cpu: backward_wpe_cpu,
+    strided: false,
+};
 
 fn backward_wpe_cpu(a: &CpuArgs) -> Result<()> {
-    let (dout, tc) = (a.input::<f32>(1)?, a.u32(2)? as usize);
-    let mut dwpe = a.output::<f32>(0)?;
+    let (dout, tc) = (a.input::<f32>("dout")?, a.u32("tc")? as usize);
+    let mut dwpe = a.output::<f32>("dwpe")?;
     // Per (t, c) the same order as the kernel: b ascending, starting from 0.
     let mut acc = vec![0.0f32; tc];
     for dy in dout.chunks_exact(tc) {
@@ -185,7 +200,7 @@ fn token_row<'w>(a: &CpuArgs, table: &'w [f32], tok: u32, c: usize, p: usize) ->
 
 fn bad_token(a: &CpuArgs, tok: u32, p: usize) -> Error {
     Error::KernelFailed {
-        kernel: a.kernel,
+        kernel: a.kernel.name,
         message: format!("token {tok} at position {p} is not below the vocabulary size (CUDA skips it)"),
     }
 }

@@ -49,11 +49,12 @@ fn gelu_grad(x: f32) -> f32 {
 }
 
 /// `out = gelu(inp)`, elementwise.
-pub static GELU_FORWARD: Kernel = Kernel { name: "gelu_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
+pub static GELU_FORWARD: Kernel =
+    Kernel { name: "gelu_forward_f32", source: SOURCE, params: &["out", "inp", "n"], cpu: forward_cpu, strided: false };
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let inp = a.input::<f32>(1)?;
-    a.output::<f32>(0)?.iter_mut().zip(inp.iter()).for_each(|(y, &x)| *y = gelu(x));
+    let inp = a.input::<f32>("inp")?;
+    a.output::<f32>("out")?.iter_mut().zip(inp.iter()).for_each(|(y, &x)| *y = gelu(x));
     Ok(())
 }
 
@@ -69,12 +70,17 @@ pub fn gelu_forward(out: &Tensor<f32>, inp: &Tensor<f32>, stream: &Stream) -> Re
 }
 
 /// `dinp = gelu'(inp)·dout`, elementwise.
-pub static GELU_BACKWARD: Kernel =
-    Kernel { name: "gelu_backward_f32", source: SOURCE, cpu: backward_cpu, strided: false };
+pub static GELU_BACKWARD: Kernel = Kernel {
+    name: "gelu_backward_f32",
+    source: SOURCE,
+    params: &["dinp", "inp", "dout", "n"],
+    cpu: backward_cpu,
+    strided: false,
+};
 
 fn backward_cpu(a: &CpuArgs) -> Result<()> {
-    let (inp, dout) = (a.input::<f32>(1)?, a.input::<f32>(2)?);
-    let mut dinp = a.output::<f32>(0)?;
+    let (inp, dout) = (a.input::<f32>("inp")?, a.input::<f32>("dout")?);
+    let mut dinp = a.output::<f32>("dinp")?;
     dinp.iter_mut().zip(inp.iter().zip(dout.iter())).for_each(|(dx, (&x, g))| *dx = gelu_grad(x) * g);
     Ok(())
 }
@@ -96,13 +102,18 @@ pub fn gelu_backward(dinp: &Tensor<f32>, inp: &Tensor<f32>, dout: &Tensor<f32>, 
 }
 
 /// `out[r, c] = gelu(inp[r, c] + bias[c])`, elementwise.
-pub static BIAS_GELU_FORWARD: Kernel =
-    Kernel { name: "bias_gelu_forward_f32", source: SOURCE, cpu: bias_forward_cpu, strided: false };
+pub static BIAS_GELU_FORWARD: Kernel = Kernel {
+    name: "bias_gelu_forward_f32",
+    source: SOURCE,
+    params: &["out", "inp", "bias", "n", "C"],
+    cpu: bias_forward_cpu,
+    strided: false,
+};
 
 fn bias_forward_cpu(a: &CpuArgs) -> Result<()> {
-    let (inp, bias) = (a.input::<f32>(1)?, a.input::<f32>(2)?);
-    let c = a.u32(4)? as usize;
-    for (y, x) in a.output::<f32>(0)?.chunks_exact_mut(c).zip(inp.chunks_exact(c)) {
+    let (inp, bias) = (a.input::<f32>("inp")?, a.input::<f32>("bias")?);
+    let c = a.u32("C")? as usize;
+    for (y, x) in a.output::<f32>("out")?.chunks_exact_mut(c).zip(inp.chunks_exact(c)) {
         y.iter_mut().zip(x.iter().zip(bias.iter())).for_each(|(y, (x, b))| *y = gelu(x + b));
     }
     Ok(())
@@ -128,13 +139,18 @@ pub fn bias_gelu_forward(out: &Tensor<f32>, inp: &Tensor<f32>, bias: &Tensor<f32
 }
 
 /// `dinp[r, c] = gelu'(inp[r, c] + bias[c])·dout[r, c]`, elementwise.
-pub static BIAS_GELU_BACKWARD: Kernel =
-    Kernel { name: "bias_gelu_backward_f32", source: SOURCE, cpu: bias_backward_cpu, strided: false };
+pub static BIAS_GELU_BACKWARD: Kernel = Kernel {
+    name: "bias_gelu_backward_f32",
+    source: SOURCE,
+    params: &["dinp", "inp", "bias", "dout", "n", "C"],
+    cpu: bias_backward_cpu,
+    strided: false,
+};
 
 fn bias_backward_cpu(a: &CpuArgs) -> Result<()> {
-    let (inp, bias, dout) = (a.input::<f32>(1)?, a.input::<f32>(2)?, a.input::<f32>(3)?);
-    let c = a.u32(5)? as usize;
-    let mut dinp = a.output::<f32>(0)?;
+    let (inp, bias, dout) = (a.input::<f32>("inp")?, a.input::<f32>("bias")?, a.input::<f32>("dout")?);
+    let c = a.u32("C")? as usize;
+    let mut dinp = a.output::<f32>("dinp")?;
     for ((dx, x), g) in dinp.chunks_exact_mut(c).zip(inp.chunks_exact(c)).zip(dout.chunks_exact(c)) {
         for ((dx, (x, b)), g) in dx.iter_mut().zip(x.iter().zip(bias.iter())).zip(g) {
             *dx = gelu_grad(x + b) * g;
@@ -144,18 +160,23 @@ fn bias_backward_cpu(a: &CpuArgs) -> Result<()> {
 }
 
 /// `acc[c] += Σ_r x[r, c]` (one thread per column on CUDA, rows in index order).
-pub static COLUMN_SUM_ADD: Kernel =
-    Kernel { name: "column_sum_add_f32", source: SOURCE, cpu: column_sum_add_cpu, strided: false };
+pub static COLUMN_SUM_ADD: Kernel = Kernel {
+    name: "column_sum_add_f32",
+    source: SOURCE,
+    params: &["acc", "x", "rows", "C"],
+    cpu: column_sum_add_cpu,
+    strided: false,
+};
 
 fn column_sum_add_cpu(a: &CpuArgs) -> Result<()> {
-    let x = a.input::<f32>(1)?;
-    let c = a.u32(3)? as usize;
+    let x = a.input::<f32>("x")?;
+    let c = a.u32("C")? as usize;
     // The CUDA kernel's order: each column summed from zero over rows in order, added once.
     let mut sums = vec![0.0f32; c];
     for row in x.chunks_exact(c) {
         sums.iter_mut().zip(row).for_each(|(s, v)| *s += v);
     }
-    a.output::<f32>(0)?.iter_mut().zip(sums).for_each(|(acc, s)| *acc += s);
+    a.output::<f32>("acc")?.iter_mut().zip(sums).for_each(|(acc, s)| *acc += s);
     Ok(())
 }
 

@@ -13,16 +13,27 @@ use crate::{Error, Result};
 const SOURCE: &str = include_str!("heads.cu");
 
 /// `dst[b, h, t, d] = block[b·T + t, h·hd + d]`.
-pub static HEADS_FROM_ROWS: Kernel =
-    Kernel { name: "heads_from_rows_f32", source: SOURCE, cpu: from_rows_cpu, strided: true };
+pub static HEADS_FROM_ROWS: Kernel = Kernel {
+    name: "heads_from_rows_f32",
+    source: SOURCE,
+    params: &["dst", "src", "B", "H", "T", "hd", "ld"],
+    cpu: from_rows_cpu,
+    strided: true,
+};
 
 /// `block[b·T + t, h·hd + d] = src[b, h, t, d]`.
-pub static ROWS_FROM_HEADS: Kernel =
-    Kernel { name: "rows_from_heads_f32", source: SOURCE, cpu: to_rows_cpu, strided: true };
+pub static ROWS_FROM_HEADS: Kernel = Kernel {
+    name: "rows_from_heads_f32",
+    source: SOURCE,
+    params: &["dst", "src", "B", "H", "T", "hd", "ld"],
+    cpu: to_rows_cpu,
+    strided: true,
+};
 
-/// (B, H, T, hd) of the scalars after the two buffers.
+/// The (B, H, T, hd) scalars.
 fn dims(a: &CpuArgs) -> Result<[usize; 4]> {
-    Ok([a.u32(2)? as usize, a.u32(3)? as usize, a.u32(4)? as usize, a.u32(5)? as usize])
+    let [b, h, t, hd] = ["B", "H", "T", "hd"].map(|p| a.u32(p).map(|v| v as usize));
+    Ok([b?, h?, t?, hd?])
 }
 
 /// The index in a dense `(B·T, H·hd)` block of element `i` of a `(B, H, T, hd)` tensor.
@@ -33,15 +44,15 @@ fn row_index(i: usize, [_, h, t, hd]: [usize; 4]) -> usize {
 
 fn from_rows_cpu(a: &CpuArgs) -> Result<()> {
     let dims = dims(a)?;
-    let src = a.input::<f32>(1)?;
-    a.output::<f32>(0)?.iter_mut().enumerate().for_each(|(i, v)| *v = src[row_index(i, dims)]);
+    let src = a.input::<f32>("src")?;
+    a.output::<f32>("dst")?.iter_mut().enumerate().for_each(|(i, v)| *v = src[row_index(i, dims)]);
     Ok(())
 }
 
 fn to_rows_cpu(a: &CpuArgs) -> Result<()> {
     let dims = dims(a)?;
-    let src = a.input::<f32>(1)?;
-    let mut dst = a.output::<f32>(0)?;
+    let src = a.input::<f32>("src")?;
+    let mut dst = a.output::<f32>("dst")?;
     src.iter().enumerate().for_each(|(i, v)| dst[row_index(i, dims)] = *v);
     Ok(())
 }

@@ -35,13 +35,18 @@ use crate::Result;
 const SOURCE: &str = concat!(include_str!("reduce.cu"), include_str!("layernorm.cu"));
 
 /// Normalizes each row and saves its statistics (one block per row on CUDA).
-pub static LAYERNORM_FORWARD: Kernel =
-    Kernel { name: "layernorm_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
+pub static LAYERNORM_FORWARD: Kernel = Kernel {
+    name: "layernorm_forward_f32",
+    source: SOURCE,
+    params: &["out", "mean", "rstd", "inp", "weight", "bias", "eps", "rows", "C"],
+    cpu: forward_cpu,
+    strided: false,
+};
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let (inp, weight, bias) = (a.input::<f32>(3)?, a.input::<f32>(4)?, a.input::<f32>(5)?);
-    let (eps, c) = (a.f32(6)?, a.u32(8)? as usize);
-    let (mut out, mut mean, mut rstd) = (a.output::<f32>(0)?, a.output::<f32>(1)?, a.output::<f32>(2)?);
+    let (inp, weight, bias) = (a.input::<f32>("inp")?, a.input::<f32>("weight")?, a.input::<f32>("bias")?);
+    let (eps, c) = (a.f32("eps")?, a.u32("C")? as usize);
+    let (mut out, mut mean, mut rstd) = (a.output::<f32>("out")?, a.output::<f32>("mean")?, a.output::<f32>("rstd")?);
     let rows = out.chunks_exact_mut(c).zip(inp.chunks_exact(c));
     for ((y, x), (m_out, r_out)) in rows.zip(mean.iter_mut().zip(rstd.iter_mut())) {
         let m = x.iter().sum::<f32>() / c as f32;
@@ -90,13 +95,18 @@ pub fn layernorm_forward(
 }
 
 /// The input gradient of each row (one block per row on CUDA).
-pub static LAYERNORM_BACKWARD_DINP: Kernel =
-    Kernel { name: "layernorm_backward_dinp_f32", source: SOURCE, cpu: backward_dinp_cpu, strided: false };
+pub static LAYERNORM_BACKWARD_DINP: Kernel = Kernel {
+    name: "layernorm_backward_dinp_f32",
+    source: SOURCE,
+    params: &["dinp", "dout", "inp", "weight", "mean", "rstd", "rows", "C"],
+    cpu: backward_dinp_cpu,
+    strided: false,
+};
 
 fn backward_dinp_cpu(a: &CpuArgs) -> Result<()> {
-    let (dout, inp, weight) = (a.input::<f32>(1)?, a.input::<f32>(2)?, a.input::<f32>(3)?);
-    let (mean, rstd, c) = (a.input::<f32>(4)?, a.input::<f32>(5)?, a.u32(7)? as usize);
-    let mut dinp = a.output::<f32>(0)?;
+    let (dout, inp, weight) = (a.input::<f32>("dout")?, a.input::<f32>("inp")?, a.input::<f32>("weight")?);
+    let (mean, rstd, c) = (a.input::<f32>("mean")?, a.input::<f32>("rstd")?, a.u32("C")? as usize);
+    let mut dinp = a.output::<f32>("dinp")?;
     let rows = dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c));
     for (((dx, g), x), (&m, &r)) in rows.zip(mean.iter().zip(rstd.iter())) {
         let terms = || x.iter().zip(g).zip(weight.iter()).map(|((x, g), w)| ((x - m) * r, g * w));
@@ -110,13 +120,19 @@ fn backward_dinp_cpu(a: &CpuArgs) -> Result<()> {
 }
 
 /// The parameter gradients, accumulated (one thread per column on CUDA).
-pub static LAYERNORM_BACKWARD_PARAMS: Kernel =
-    Kernel { name: "layernorm_backward_params_f32", source: SOURCE, cpu: backward_params_cpu, strided: false };
+pub static LAYERNORM_BACKWARD_PARAMS: Kernel = Kernel {
+    name: "layernorm_backward_params_f32",
+    source: SOURCE,
+    params: &["dweight", "dbias", "dout", "inp", "mean", "rstd", "rows", "C"],
+    cpu: backward_params_cpu,
+    strided: false,
+};
 
 fn backward_params_cpu(a: &CpuArgs) -> Result<()> {
-    let (dout, inp, mean, rstd) = (a.input::<f32>(2)?, a.input::<f32>(3)?, a.input::<f32>(4)?, a.input::<f32>(5)?);
-    let c = a.u32(7)? as usize;
-    let (mut dweight, mut dbias) = (a.output::<f32>(0)?, a.output::<f32>(1)?);
+    let (dout, inp, mean, rstd) =
+        (a.input::<f32>("dout")?, a.input::<f32>("inp")?, a.input::<f32>("mean")?, a.input::<f32>("rstd")?);
+    let c = a.u32("C")? as usize;
+    let (mut dweight, mut dbias) = (a.output::<f32>("dweight")?, a.output::<f32>("dbias")?);
     // Column sums over rows in index order, added once at the end: the CUDA kernel's order.
     let (mut dw, mut db) = (vec![0.0f32; c], vec![0.0f32; c]);
     let rows = dout.chunks_exact(c).zip(inp.chunks_exact(c)).zip(mean.iter().zip(rstd.iter()));

@@ -36,19 +36,24 @@ const SOURCE: &str = include_str!("loss.cu");
 const THREADS: u32 = 256;
 
 /// Cross-entropy forward: per-row losses and the saved softmax.
-pub static CROSS_ENTROPY_FORWARD: Kernel =
-    Kernel { name: "cross_entropy_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
+pub static CROSS_ENTROPY_FORWARD: Kernel = Kernel {
+    name: "cross_entropy_forward_f32",
+    source: SOURCE,
+    params: &["losses", "probs", "logits", "targets", "v"],
+    cpu: forward_cpu,
+    strided: false,
+};
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let (logits, targets, v) = (a.input::<f32>(2)?, a.input::<u32>(3)?, a.u32(4)? as usize);
-    let (mut losses, mut probs) = (a.output::<f32>(0)?, a.output::<f32>(1)?);
+    let (logits, targets, v) = (a.input::<f32>("logits")?, a.input::<u32>("targets")?, a.u32("v")? as usize);
+    let (mut losses, mut probs) = (a.output::<f32>("losses")?, a.output::<f32>("probs")?);
     let rows = logits.chunks_exact(v).zip(probs.chunks_exact_mut(v)).zip(losses.iter_mut().zip(targets.iter()));
     for (row, ((x, p), (loss, &t))) in rows.enumerate() {
         let max = x.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         let sum = x.iter().fold(0.0f32, |s, &x| s + (x - max).exp());
         let inv = 1.0 / sum;
         p.iter_mut().zip(x).for_each(|(p, &x)| *p = (x - max).exp() * inv);
-        let xt = x.get(t as usize).ok_or_else(|| bad_target(a.kernel, row, t, v))?;
+        let xt = x.get(t as usize).ok_or_else(|| bad_target(a.kernel.name, row, t, v))?;
         *loss = sum.ln() - (xt - max);
     }
     Ok(())
@@ -78,16 +83,22 @@ pub fn cross_entropy_forward(
 }
 
 /// Cross-entropy backward: the logits' gradient.
-pub static CROSS_ENTROPY_BACKWARD: Kernel =
-    Kernel { name: "cross_entropy_backward_f32", source: SOURCE, cpu: backward_cpu, strided: false };
+pub static CROSS_ENTROPY_BACKWARD: Kernel = Kernel {
+    name: "cross_entropy_backward_f32",
+    source: SOURCE,
+    params: &["dlogits", "probs", "targets", "dlosses", "v"],
+    cpu: backward_cpu,
+    strided: false,
+};
 
 fn backward_cpu(a: &CpuArgs) -> Result<()> {
-    let (probs, targets, dlosses, v) = (a.input::<f32>(1)?, a.input::<u32>(2)?, a.input::<f32>(3)?, a.u32(4)? as usize);
-    let mut dlogits = a.output::<f32>(0)?;
+    let (probs, targets, dlosses, v) =
+        (a.input::<f32>("probs")?, a.input::<u32>("targets")?, a.input::<f32>("dlosses")?, a.u32("v")? as usize);
+    let mut dlogits = a.output::<f32>("dlogits")?;
     let rows = dlogits.chunks_exact_mut(v).zip(probs.chunks_exact(v)).zip(targets.iter().zip(dlosses.iter()));
     for (row, ((dx, p), (&t, &dl))) in rows.enumerate() {
         if t as usize >= v {
-            return Err(bad_target(a.kernel, row, t, v));
+            return Err(bad_target(a.kernel.name, row, t, v));
         }
         for (j, (dx, &p)) in dx.iter_mut().zip(p).enumerate() {
             let onehot = if j == t as usize { 1.0 } else { 0.0 };

@@ -71,8 +71,83 @@ pub(crate) fn row_blocks(op: &'static str, rows: usize) -> Result<LaunchDims> {
 
 #[cfg(test)]
 mod tests {
+    use crate::device::kernel::entry_params;
+    use crate::device::Kernel;
+
     #[test]
     fn the_row_block_matches_the_cuda_source() {
         assert!(include_str!("reduce.cu").contains(&format!("#define ROW_BLOCK {}\n", super::ROW_BLOCK)));
+    }
+
+    /// Every kernel of the ops.
+    fn all_kernels() -> Vec<&'static Kernel> {
+        use super::*;
+        vec![
+            &adamw::ADAMW,
+            &cast::CAST_F32_TO_BF16,
+            &cast::CAST_BF16_TO_F32,
+            &cast::RESIDUAL_ADD,
+            &dropout::DROPOUT_FORWARD,
+            &dropout::DROPOUT_BACKWARD,
+            &elementwise::FILL,
+            &elementwise::ADD_SCALAR,
+            &elementwise::SCALE,
+            &elementwise::AXPY,
+            &elementwise::SCALE_ROWS,
+            &embedding::EMBEDDING_FORWARD,
+            &embedding::EMBEDDING_BACKWARD_WTE,
+            &embedding::EMBEDDING_BACKWARD_WPE,
+            &gelu::GELU_FORWARD,
+            &gelu::GELU_BACKWARD,
+            &gelu::BIAS_GELU_FORWARD,
+            &gelu::BIAS_GELU_BACKWARD,
+            &gelu::COLUMN_SUM_ADD,
+            &heads::HEADS_FROM_ROWS,
+            &heads::ROWS_FROM_HEADS,
+            &layernorm::LAYERNORM_FORWARD,
+            &layernorm::LAYERNORM_BACKWARD_DINP,
+            &layernorm::LAYERNORM_BACKWARD_PARAMS,
+            &loss::CROSS_ENTROPY_FORWARD,
+            &loss::CROSS_ENTROPY_BACKWARD,
+            &rng::RANDOM_U32,
+            &rng::STEP_WRITE,
+            &rng::STEP_ADD,
+            &schedule::LR_SCHEDULE_STEP,
+            &softmax::SOFTMAX_CAUSAL_FORWARD,
+            &softmax::SOFTMAX_CAUSAL_BACKWARD,
+        ]
+    }
+
+    /// The CPU paths read arguments by these names, so they must be the CUDA signature's.
+    #[test]
+    fn every_kernel_names_the_parameters_of_its_entry_point() {
+        for k in all_kernels() {
+            assert_eq!(entry_params(k.source, k.name).as_deref(), Some(k.params), "{}", k.name);
+        }
+    }
+
+    /// Keeps [`all_kernels`] complete: every `Kernel` static under `src/ops` is in it.
+    #[test]
+    fn all_kernels_lists_every_kernel_of_the_ops() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ops");
+        let mut declared = Vec::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let mut rest = text.as_str();
+                while let Some(at) = rest.find("static ") {
+                    rest = &rest[at + "static ".len()..];
+                    if rest.split('=').next().is_some_and(|decl| decl.trim_end().ends_with(": Kernel")) {
+                        let name = rest.split("name: \"").nth(1).and_then(|n| n.split('"').next()).unwrap();
+                        declared.push(name.to_string());
+                    }
+                }
+            }
+        }
+        let mut listed: Vec<String> = all_kernels().iter().map(|k| k.name.to_string()).collect();
+        declared.sort();
+        listed.sort();
+        assert_eq!(declared, listed);
     }
 }

@@ -65,12 +65,18 @@ pub fn random_u32(seed: u32, site: u32, step: u64, index: u64) -> u32 {
 }
 
 /// Fills a `u32` tensor with random bits.
-pub static RANDOM_U32: Kernel = Kernel { name: "random_u32", source: SOURCE, cpu: random_u32_cpu, strided: false };
+pub static RANDOM_U32: Kernel = Kernel {
+    name: "random_u32",
+    source: SOURCE,
+    params: &["out", "step", "seed", "site", "n"],
+    cpu: random_u32_cpu,
+    strided: false,
+};
 
 fn random_u32_cpu(a: &CpuArgs) -> Result<()> {
-    let step = step_of(a, 1)?;
-    let (seed, site) = (a.u32(2)?, a.u32(3)?);
-    for (group, out) in a.output::<u32>(0)?.chunks_mut(4).enumerate() {
+    let step = step_of(a, "step")?;
+    let (seed, site) = (a.u32("seed")?, a.u32("site")?);
+    for (group, out) in a.output::<u32>("out")?.chunks_mut(4).enumerate() {
         let bits = random_block(seed, site, step, group as u64);
         out.copy_from_slice(&bits[..out.len()]);
     }
@@ -90,11 +96,12 @@ pub fn random_bits(out: &Tensor<u32>, seed: u32, site: u32, step: &Tensor<u64>, 
 }
 
 /// Sets a step counter to a value.
-pub static STEP_WRITE: Kernel = Kernel { name: "step_write_u64", source: SOURCE, cpu: step_write_cpu, strided: false };
+pub static STEP_WRITE: Kernel =
+    Kernel { name: "step_write_u64", source: SOURCE, params: &["step", "value"], cpu: step_write_cpu, strided: false };
 
 fn step_write_cpu(a: &CpuArgs) -> Result<()> {
-    let value = a.u64(1)?;
-    a.output::<u64>(0)?.iter_mut().for_each(|s| *s = value);
+    let value = a.u64("value")?;
+    a.output::<u64>("step")?.iter_mut().for_each(|s| *s = value);
     Ok(())
 }
 
@@ -108,11 +115,12 @@ pub fn step_write(step: &Tensor<u64>, value: u64, stream: &Stream) -> Result<()>
 }
 
 /// Adds to a step counter.
-pub static STEP_ADD: Kernel = Kernel { name: "step_add_u64", source: SOURCE, cpu: step_add_cpu, strided: false };
+pub static STEP_ADD: Kernel =
+    Kernel { name: "step_add_u64", source: SOURCE, params: &["step", "by"], cpu: step_add_cpu, strided: false };
 
 fn step_add_cpu(a: &CpuArgs) -> Result<()> {
-    let by = a.u64(1)?;
-    a.output::<u64>(0)?.iter_mut().for_each(|s| *s = s.wrapping_add(by));
+    let by = a.u64("by")?;
+    a.output::<u64>("step")?.iter_mut().for_each(|s| *s = s.wrapping_add(by));
     Ok(())
 }
 
@@ -135,12 +143,12 @@ pub(crate) fn step_view<'t>(op: &'static str, step: &'t Tensor<u64>) -> Result<V
     step.view()
 }
 
-/// The step counter a CPU path received as argument `index`.
-pub(crate) fn step_of(a: &CpuArgs, index: usize) -> Result<u64> {
-    let step = a.input::<u64>(index)?;
+/// The step counter a CPU path received as parameter `param`.
+pub(crate) fn step_of(a: &CpuArgs, param: &str) -> Result<u64> {
+    let step = a.input::<u64>(param)?;
     step.first().copied().ok_or_else(|| Error::KernelArg {
-        kernel: a.kernel,
-        index,
+        kernel: a.kernel.name,
+        param: param.into(),
         expected: "a u64 buffer of 1 element".into(),
         found: "an empty buffer".into(),
     })

@@ -51,23 +51,29 @@ fn warmup_cosine(peak: f32, warmup: u64, total: u64, floor: f32, s: u64) -> f32 
 }
 
 /// Advances the step counter and writes the new step's learning rate.
-pub static LR_SCHEDULE_STEP: Kernel =
-    Kernel { name: "lr_schedule_step", source: SOURCE, cpu: lr_schedule_step_cpu, strided: false };
+pub static LR_SCHEDULE_STEP: Kernel = Kernel {
+    name: "lr_schedule_step",
+    source: SOURCE,
+    params: &["step", "lr", "kind", "peak", "warmup", "total", "floor_frac"],
+    cpu: lr_schedule_step_cpu,
+    strided: false,
+};
 
 fn lr_schedule_step_cpu(a: &CpuArgs) -> Result<()> {
-    let t = step_of(a, 0)? + 1;
-    let (kind, peak, warmup, total, floor) = (a.u32(2)?, a.f32(3)?, a.u64(4)?, a.u64(5)?, a.f32(6)?);
+    let t = step_of(a, "step")? + 1;
+    let (kind, peak, warmup, total, floor) =
+        (a.u32("kind")?, a.f32("peak")?, a.u64("warmup")?, a.u64("total")?, a.f32("floor_frac")?);
     let rate = match kind {
         1 => warmup_cosine(peak, warmup, total, floor, t - 1),
         _ => peak,
     };
-    a.output::<u64>(0)?[0] = t;
-    match a.output::<f32>(1)?.first_mut() {
+    a.output::<u64>("step")?[0] = t;
+    match a.output::<f32>("lr")?.first_mut() {
         Some(lr) => *lr = rate,
         None => {
             return Err(Error::KernelArg {
-                kernel: a.kernel,
-                index: 1,
+                kernel: a.kernel.name,
+                param: "lr".into(),
                 expected: "an f32 buffer of 1 element".into(),
                 found: "an empty buffer".into(),
             })

@@ -33,12 +33,17 @@ use crate::{Error, Result};
 const SOURCE: &str = concat!(include_str!("reduce.cu"), include_str!("softmax.cu"));
 
 /// `probs = softmax(scale·scores)` over the visible keys of each row (one block per row on CUDA).
-pub static SOFTMAX_CAUSAL_FORWARD: Kernel =
-    Kernel { name: "softmax_causal_forward_f32", source: SOURCE, cpu: forward_cpu, strided: false };
+pub static SOFTMAX_CAUSAL_FORWARD: Kernel = Kernel {
+    name: "softmax_causal_forward_f32",
+    source: SOURCE,
+    params: &["probs", "scores", "scale", "rows", "T"],
+    cpu: forward_cpu,
+    strided: false,
+};
 
 fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let (scores, scale, t) = (a.input::<f32>(1)?, a.f32(2)?, a.u32(4)? as usize);
-    let mut probs = a.output::<f32>(0)?;
+    let (scores, scale, t) = (a.input::<f32>("scores")?, a.f32("scale")?, a.u32("T")? as usize);
+    let mut probs = a.output::<f32>("probs")?;
     for (row, (p, x)) in probs.chunks_exact_mut(t).zip(scores.chunks_exact(t)).enumerate() {
         let (visible, masked) = p.split_at_mut(row % t + 1);
         let x = &x[..visible.len()];
@@ -72,13 +77,18 @@ pub fn softmax_causal_forward(probs: &Tensor<f32>, scores: &Tensor<f32>, scale: 
 
 /// `dscores = scale·probs ⊙ (dprobs − Σ dprobs ⊙ probs)` over the visible keys of each row (one
 /// block per row on CUDA).
-pub static SOFTMAX_CAUSAL_BACKWARD: Kernel =
-    Kernel { name: "softmax_causal_backward_f32", source: SOURCE, cpu: backward_cpu, strided: false };
+pub static SOFTMAX_CAUSAL_BACKWARD: Kernel = Kernel {
+    name: "softmax_causal_backward_f32",
+    source: SOURCE,
+    params: &["dscores", "probs", "dprobs", "scale", "rows", "T"],
+    cpu: backward_cpu,
+    strided: false,
+};
 
 fn backward_cpu(a: &CpuArgs) -> Result<()> {
-    let (probs, dprobs) = (a.input::<f32>(1)?, a.input::<f32>(2)?);
-    let (scale, t) = (a.f32(3)?, a.u32(5)? as usize);
-    let mut dscores = a.output::<f32>(0)?;
+    let (probs, dprobs) = (a.input::<f32>("probs")?, a.input::<f32>("dprobs")?);
+    let (scale, t) = (a.f32("scale")?, a.u32("T")? as usize);
+    let mut dscores = a.output::<f32>("dscores")?;
     let rows = dscores.chunks_exact_mut(t).zip(probs.chunks_exact(t)).zip(dprobs.chunks_exact(t));
     for (row, ((ds, p), dp)) in rows.enumerate() {
         let (visible, masked) = ds.split_at_mut(row % t + 1);

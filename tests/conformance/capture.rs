@@ -181,6 +181,7 @@ fn module_loading_is_allowed_during_capture(dev: &Device) -> anyhow::Result<()> 
 static MODULE_OF_ITS_OWN: graphed::device::Kernel = graphed::device::Kernel {
     name: "nothing",
     source: r#"extern "C" __global__ void nothing() {}"#,
+    params: &[],
     cpu: |_| Ok(()),
     strided: false,
 };

@@ -144,9 +144,16 @@ mod tests {
     static KERNEL: Kernel = Kernel {
         name: "touch",
         source: r#"extern "C" __global__ void touch(float* y, float c, unsigned n) { if (threadIdx.x < n) y[threadIdx.x] += c; }"#,
+        params: &["y", "c", "n"],
         cpu: |_| Ok(()),
         strided: false,
     };
+
+    #[test]
+    fn the_kernel_names_its_parameters_as_its_source_does() {
+        let params = crate::device::kernel::entry_params(KERNEL.source, KERNEL.name);
+        assert_eq!(params.as_deref(), Some(KERNEL.params));
+    }
 
     #[test]
     fn median_of_odd_and_even_counts() {

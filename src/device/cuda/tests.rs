@@ -10,7 +10,7 @@ use crate::device::{
 use crate::{Error, Result};
 
 fn add_one_cpu(a: &CpuArgs) -> Result<()> {
-    a.output::<f32>(0)?.iter_mut().for_each(|x| *x += 1.0);
+    a.output::<f32>("x")?.iter_mut().for_each(|x| *x += 1.0);
     Ok(())
 }
 
@@ -20,7 +20,8 @@ extern "C" __global__ void add_one(float* x, unsigned n) {
     if (i < n) x[i] += 1.0f;
 }
 "#;
-static ADD_ONE: Kernel = Kernel { name: "add_one", source: SOURCE, cpu: add_one_cpu, strided: false };
+static ADD_ONE: Kernel =
+    Kernel { name: "add_one", source: SOURCE, params: &["x", "n"], cpu: add_one_cpu, strided: false };
 
 /// Every scalar type, and more arguments than are marshalled on the stack.
 const MANY_SOURCE: &str = r#"
@@ -31,9 +32,24 @@ extern "C" __global__ void many(float* out, float a, unsigned b, int c, unsigned
     out[4] = (float)(p0 + p1 + p2 + p3 + p4 + p5 + p6 + p7 + p8 + p9 + p10 + p11 + p12);
 }
 "#;
-static MANY: Kernel = Kernel { name: "many", source: MANY_SOURCE, cpu: add_one_cpu, strided: false };
-static BROKEN: Kernel =
-    Kernel { name: "broken", source: "extern \"C\" __global__ void broken( {", cpu: add_one_cpu, strided: false };
+static MANY: Kernel = Kernel {
+    name: "many",
+    source: MANY_SOURCE,
+    params: &[
+        "out", "a", "b", "c", "d", "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8", "p9", "p10", "p11", "p12",
+    ],
+    // Never run: the tests launching it need a GPU.
+    cpu: |_| Ok(()),
+    strided: false,
+};
+static BROKEN: Kernel = Kernel {
+    name: "broken",
+    source: "extern \"C\" __global__ void broken( {",
+    // What the source would take if it compiled.
+    params: &["x", "n"],
+    cpu: add_one_cpu,
+    strided: false,
+};
 
 /// Serializes the tests that use the GPU in one process: a global-mode capture in one would
 /// refuse the allocations and frees of the others.
@@ -92,6 +108,25 @@ fn scalars_of_every_type_and_long_argument_lists_are_passed() -> Result<()> {
     ];
     s.launch(&MANY, LaunchDims::for_elems(1), &args)?;
     assert_eq!(out.to_vec(&s)?, vec![1.5, 7.0, -3.0, 5.0, 91.0]);
+    Ok(())
+}
+
+#[test]
+fn the_test_kernels_name_their_parameters_as_their_sources_do() {
+    for k in [&ADD_ONE, &MANY] {
+        assert_eq!(crate::device::kernel::entry_params(k.source, k.name).as_deref(), Some(k.params), "{}", k.name);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_launch_with_the_wrong_argument_count_is_refused_before_anything_is_enqueued() -> Result<()> {
+    let (dev, _serial) = gpu();
+    let s = dev.stream()?;
+    let x = dev.alloc_from(&s, &[1.0f32, 2.0])?;
+    let err = s.launch(&ADD_ONE, LaunchDims::for_elems(2), &args![InOut(&x)]).unwrap_err();
+    assert!(matches!(err, Error::KernelArgCount { kernel: "add_one", found: 1, .. }), "{err}");
+    assert_eq!(x.to_vec(&s)?, vec![1.0, 2.0]);
     Ok(())
 }
 

@@ -165,7 +165,7 @@ fn run_kernel(kernel: &'static Kernel, args: &[OwnedArg]) -> Result<()> {
             OwnedArg::Scalar(s) => CpuSlot::Scalar(*s),
         });
     }
-    let cpu = CpuArgs { kernel: kernel.name, slots };
+    let cpu = CpuArgs { kernel, slots };
     (kernel.cpu)(&cpu).map_err(|e| match e {
         // A CPU path that reports a runtime failure itself keeps its own message.
         e @ Error::KernelFailed { .. } => e,
