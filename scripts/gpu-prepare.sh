@@ -7,7 +7,10 @@ mkdir -p .gpu
 cargo nextest archive --cargo-profile release --archive-file .gpu/tests.tar.zst
 cargo build --release
 cp target/release/graphed .gpu/graphed
+command -v cargo-nextest > /dev/null || cargo install cargo-nextest --locked
 cp "$(command -v cargo-nextest)" .gpu/cargo-nextest
+# The device's copy of the tree has no reliable git state: say which commit was built.
+git rev-parse --short HEAD > .gpu/commit.txt
 du -sh .gpu
 cat <<'CMD'
 Run on the GPU machine (device tool, carry [".gpu"]): bash scripts/gpu-run.sh

@@ -8,22 +8,25 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+cat .gpu/commit.txt | tee -a "$OUT/gpu.txt"
 .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
     --no-fail-fast 2>&1 | tee "$OUT/tests.log" | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed" | tail -40
+# The device tool returns at most 8 files: train's logs go into one.
+logs=$(mktemp -d)
 for mode in graphed side-stream pool-per-layer eager; do
     flag=$([ "$mode" = graphed ] || echo "--$mode")
-    .gpu/graphed train $flag > "$OUT/train-$mode.log" 2>&1
-    tail -3 "$OUT/train-$mode.log"
+    .gpu/graphed train $flag > "$logs/$mode.log" 2>&1
+    { echo "# graphed train $flag"; cat "$logs/$mode.log"; } >> "$OUT/train.log"
+    tail -3 "$logs/$mode.log"
 done
 for mode in side-stream pool-per-layer eager; do
-    if diff <(grep -E '^step|^final|accuracy' "$OUT/train-graphed.log") \
-            <(grep -E '^step|^final|accuracy' "$OUT/train-$mode.log") > /dev/null; then
+    if diff <(grep -E '^step|^final|accuracy' "$logs/graphed.log") \
+            <(grep -E '^step|^final|accuracy' "$logs/$mode.log") > /dev/null; then
         echo "train $mode: loss lines equal to graphed"
     else
         echo "train $mode: loss lines DIFFER from graphed"
     fi
-done | tee "$OUT/train-compare.txt"
+done | tee -a "$OUT/train.log"
 for bench in ${BENCHES:-graphs}; do
     .gpu/graphed bench "$bench" --device cuda --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log"
 done
