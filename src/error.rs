@@ -347,6 +347,11 @@ pub enum CaptureErrorKind {
     /// `begin_capture` on a stream that is already capturing (CUDA_ERROR_ILLEGAL_STATE).
     #[error("the stream is already capturing")]
     AlreadyCapturing,
+    /// `record_external` or `wait_external` on a stream that is not capturing: the external flag
+    /// is only defined during capture, where it makes an event node (measured on the H200:
+    /// CUDA_ERROR_ILLEGAL_STATE).
+    #[error("an external event record or wait outside a capture")]
+    ExternalOutsideCapture,
 }
 
 impl CaptureErrorKind {
@@ -362,6 +367,7 @@ impl CaptureErrorKind {
             Self::WrongThread => "end the capture on the thread that began it, or begin it in relaxed mode",
             Self::CapturedEvent => "query or synchronize the event only after end_capture and a launch of the graph",
             Self::AlreadyCapturing => "end the current capture first",
+            Self::ExternalOutsideCapture => "record or wait with Stream::record or Stream::wait outside a capture; inside graphed capture, the sync event is recorded by GraphOptions::sync_event, not by the module",
         }
     }
 }

@@ -1,8 +1,9 @@
 //! Events between streams and with the host.
 
 use anyhow::ensure;
-use graphed::device::Device;
+use graphed::device::{CaptureMode, Device, NodeKind};
 use graphed::ops::elementwise;
+use graphed::CaptureErrorKind;
 
 fn event_orders_two_streams(dev: &Device) -> anyhow::Result<()> {
     let (producer, consumer) = (dev.stream()?, dev.stream()?);
@@ -85,7 +86,33 @@ fn streams_with_priorities(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The external flag exists only during capture: outside one, an external record or wait is
+/// refused with the same typed error on both devices (CUDA says CUDA_ERROR_ILLEGAL_STATE) and
+/// enqueues nothing; inside one, the same event may be recorded externally twice (two record
+/// nodes), as the H200 accepts.
+fn external_records_and_waits_need_a_capture(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let e = dev.event()?;
+    let outside = |r: graphed::Result<()>| matches!(r, Err(e) if e.capture_kind() == Some(CaptureErrorKind::ExternalOutsideCapture));
+    ensure!(outside(s.record_external(&e)), "an external record outside a capture is refused");
+    s.record(&e)?;
+    ensure!(outside(s.wait_external(&e)), "an external wait outside a capture is refused");
+    let x = dev.alloc::<f32>(4)?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    elementwise::fill(x.view(), 1.0, &s)?;
+    s.record_external(&e)?;
+    s.record_external(&e)?;
+    let graph = cap.finish()?;
+    ensure!(graph.node_counts()?.get(&NodeKind::EventRecord) == Some(&2), "two record nodes");
+    let exec = graph.instantiate()?;
+    exec.launch(&s)?;
+    ensure!(x.to_vec(&s)? == vec![1.0; 4], "the graph ran");
+    drop(exec);
+    Ok(())
+}
+
 crate::per_device!(
+    external_records_and_waits_need_a_capture,
     event_orders_two_streams,
     wait_on_never_recorded_event_does_nothing,
     wait_binds_to_the_record_at_call_time,

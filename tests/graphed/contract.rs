@@ -1,11 +1,12 @@
 //! The sync event's contract, verified at capture (R2, R3, R7), and the overlap it buys.
 
 use anyhow::ensure;
-use graphed::device::{Device, DeviceKind};
+use graphed::device::{Device, DeviceKind, Stream};
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedErrorKind, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Inputs, Linear, ParamStore};
+use graphed::nn::{Inputs, Linear, Module, Param, ParamStore, SaveHook};
 use graphed::tensor::Tensor;
+use graphed::CaptureErrorKind;
 use std::sync::Arc;
 
 use super::api::expect_kind;
@@ -106,5 +107,61 @@ pub fn side_stream_resumes_before_tail_ends(dev: &Device) -> Result {
             ensure!(lead > 0.0, "replay {k}: the caller resumed only after the tail ({lead} ms)");
         }
     }
+    Ok(())
+}
+
+/// A Linear whose forward records the sync event itself, as a module must not.
+struct RecordsEvent<'a> {
+    inner: &'a Linear,
+    event: graphed::device::Event,
+}
+
+impl Module for RecordsEvent<'_> {
+    type Ctx = <Linear as Module>::Ctx;
+
+    fn forward(
+        &self,
+        inputs: &Inputs,
+        hook: &dyn SaveHook,
+        s: &Stream,
+    ) -> graphed::Result<(Vec<Tensor<f32>>, Self::Ctx)> {
+        let out = self.inner.forward(inputs, hook, s)?;
+        s.record_external(&self.event)?;
+        Ok(out)
+    }
+
+    fn backward(&self, ctx: Self::Ctx, dys: &[&Tensor<f32>], s: &Stream) -> graphed::Result<Vec<Option<Tensor<f32>>>> {
+        self.inner.backward(ctx, dys, s)
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        self.inner.parameters()
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}
+
+/// A module that records the sync event itself is refused with the same typed error on both
+/// devices: its warmup forward makes an external record outside a capture, which CUDA refuses.
+pub fn module_recording_the_sync_event_is_refused(dev: &Device) -> Result {
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let mut store = ParamStore::new(&alloc, &s, 8 * 4 + 4)?;
+    let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
+    let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
+    let e = dev.event()?;
+    let m = RecordsEvent { inner: &lin, event: e.clone() };
+    let grads = store.grads()?.to_vec(&s)?;
+    let r = make_graphed_callables(
+        &alloc,
+        &[&m as &dyn Callable],
+        &[Inputs::one(&x)],
+        GraphOptions::default().sync_event(&e),
+    );
+    match r {
+        Err(err) if err.capture_kind() == Some(CaptureErrorKind::ExternalOutsideCapture) => {}
+        other => anyhow::bail!("a module recording the sync event: {other:?}"),
+    }
+    ensure!(store.grads()?.to_vec(&s)? == grads, "the refused capture changed the gradients");
     Ok(())
 }

@@ -33,6 +33,7 @@ per_device!(
     tail_writing_output_is_refused,
     event_recorded_twice_is_refused,
     external_wait_is_refused,
+    module_recording_the_sync_event_is_refused,
     side_stream_resumes_before_tail_ends,
     pool_order_is_enforced_across_calls,
     refused_replay_changes_nothing,

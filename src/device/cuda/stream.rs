@@ -2,14 +2,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream, DriverError};
 
 use super::capture;
 use super::error as err;
 use super::ffi;
 use crate::device::{ErrorSlot, EventId, StreamId};
 use crate::error::CaptureSite;
-use crate::Result;
+use crate::{Error, Result};
 
 /// A stream: a non-blocking stream with a priority, or the legacy NULL stream.
 pub(crate) struct CuStream {
@@ -71,7 +71,7 @@ pub(super) fn record(stream: &CuStream, event: &CuEvent, external: bool) -> Resu
     }
     const OP: &str = "record_external";
     let capture = capture::active_id(&stream.raw).map_err(|e| err::at(OP, stream.site(), e))?;
-    ffi::record_external(&event.0.raw, &stream.raw).map_err(|e| err::at(OP, stream.site(), e))?;
+    ffi::record_external(&event.0.raw, &stream.raw).map_err(|e| external_error(OP, stream, capture, e))?;
     if let Some(id) = capture {
         capture::hold_event(id, &event.0);
     }
@@ -85,11 +85,24 @@ pub(super) fn wait(stream: &CuStream, event: &CuEvent, external: bool) -> Result
     // Only an external wait adds a node that names the event; a plain wait adds edges.
     let capture =
         if external { capture::active_id(&stream.raw).map_err(|e| err::at(op, stream.site(), e))? } else { None };
-    ffi::wait(&stream.raw, &event.0.raw, external).map_err(|e| err::at(op, stream.site(), e))?;
+    ffi::wait(&stream.raw, &event.0.raw, external).map_err(|e| match external {
+        true => external_error(op, stream, capture, e),
+        false => err::at(op, stream.site(), e),
+    })?;
     if let Some(id) = capture {
         capture::hold_event(id, &event.0);
     }
     Ok(())
+}
+
+/// The driver's refusal of an external record or wait: outside a capture the flag itself is
+/// refused (CUDA_ERROR_ILLEGAL_STATE on the H200), which is the simulator's
+/// [`CaptureErrorKind::ExternalOutsideCapture`](crate::CaptureErrorKind::ExternalOutsideCapture).
+fn external_error(op: &'static str, stream: &CuStream, capture: Option<u64>, e: DriverError) -> Error {
+    match capture {
+        None => Error::Capture { op, on: stream.site(), kind: crate::CaptureErrorKind::ExternalOutsideCapture },
+        Some(_) => err::at(op, stream.site(), e),
+    }
 }
 
 /// `cuStreamSynchronize`: refused on a capturing stream, in every capture mode.

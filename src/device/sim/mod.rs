@@ -170,6 +170,7 @@ impl State {
                 Record::Captured { capture: cap, frontier: vec![node] }
             }
             Some(cap) => Record::Captured { capture: cap, frontier: self.stream(stream).frontier.clone() },
+            None if external => return Err(outside_capture(op, stream)),
             None => Record::At(self.stream(stream).last),
         };
         self.events.insert(event, rec);
@@ -191,6 +192,7 @@ impl State {
                 Ok(())
             }
             Some(cap) => self.capture_wait(op, cap, stream, rec),
+            None if external => Err(outside_capture(op, stream)),
             None => match rec {
                 Record::Never | Record::At(None) => Ok(()),
                 Record::At(Some(w)) => {
@@ -392,5 +394,14 @@ impl Backend for SimDevice {
 
     fn launch(&self, exec: &SimExec, stream: &SimStream) -> Result<()> {
         self.lock().launch(exec, stream.id)
+    }
+}
+
+/// An external record or wait on a stream that is not capturing: CUDA refuses the flag there.
+fn outside_capture(op: &'static str, stream: StreamId) -> Error {
+    Error::Capture {
+        op,
+        on: crate::error::CaptureSite::Stream(stream),
+        kind: crate::CaptureErrorKind::ExternalOutsideCapture,
     }
 }
