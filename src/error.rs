@@ -101,6 +101,16 @@ pub enum Error {
         previous_stream: StreamId,
     },
 
+    /// A graph pool was used with an allocator other than the one that made it (pools of
+    /// different allocators may even share an id).
+    #[error("{op}: {pool} was made by another CachingAllocator; capture with the allocator that made the pool, or make a pool with this allocator's new_pool()")]
+    ForeignPool {
+        /// The operation that was called.
+        op: &'static str,
+        /// The pool.
+        pool: crate::memory::PoolId,
+    },
+
     /// An allocation on a capturing stream whose capture was not begun by the allocator, so it
     /// has no pool to come from.
     #[error("{op}: stream {stream} is capturing, but not through CachingAllocator::capture; begin the capture with the allocator (and a pool) or allocate before it")]

@@ -131,6 +131,12 @@ fn capture(
     if options.pool_per_callable && options.pool.is_some() {
         return Err(refuse(GraphedErrorKind::ConflictingPools));
     }
+    if let Some(pool) = &options.pool {
+        alloc.check_pool("make_graphed_callables", pool)?;
+    }
+    if let Some(stream) = &options.stream {
+        alloc.device().check_same("make_graphed_callables", "stream", stream.device().id())?;
+    }
     let names: Vec<String> = callables.iter().enumerate().map(|(i, c)| format!("{}#{i}", c.name())).collect();
     for (i, sample) in samples.iter().enumerate() {
         let mut seen = Vec::new();

@@ -243,6 +243,7 @@ impl CachingAllocator {
     /// pool until [`PoolCapture::finish`]. Cached blocks outside pools are released first, so
     /// that warmup memory is not held twice (in the cache and in the pool).
     pub fn capture<'s>(&self, stream: &'s Stream, mode: CaptureMode, pool: &GraphPool) -> Result<PoolCapture<'s>> {
+        self.check_pool("CachingAllocator::capture", pool)?;
         self.empty_cache()?;
         let cap = stream.capture(mode)?;
         let id = stream
@@ -256,6 +257,17 @@ impl CachingAllocator {
         }
         drop(st);
         Ok(PoolCapture { cap: Some(cap), alloc: self.inner.clone(), pool: pool.clone(), id })
+    }
+
+    /// Refuses a pool that another allocator made.
+    ///
+    /// # Errors
+    /// [`Error::ForeignPool`] naming `op`.
+    pub fn check_pool(&self, op: &'static str, pool: &GraphPool) -> Result<()> {
+        match Arc::ptr_eq(&pool.alloc, &self.inner) {
+            true => Ok(()),
+            false => Err(Error::ForeignPool { op, pool: pool.id }),
+        }
     }
 
     /// Waits for the device, then lets every cached block be reused by any stream, and every
@@ -359,7 +371,9 @@ impl PoolCapture<'_> {
         let mut st = lock(&self.alloc.state);
         self.alloc.take_returned(&mut st);
         st.captures.remove(&self.id);
-        let pool = st.pools.get_mut(&self.pool.id).expect("pools live as long as the allocator");
+        let Some(pool) = st.pools.get_mut(&self.pool.id) else {
+            return Err(Error::ForeignPool { op: "PoolCapture::finish", pool: self.pool.id });
+        };
         pool.capturing = None;
         // Every stream of the capture was joined back before it ended, so what they freed is
         // ordered before the end of the graph: later captures of the pool may reuse it.

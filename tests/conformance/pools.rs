@@ -158,7 +158,33 @@ fn concurrent_replay_is_refused_until_joined(dev: &Device) -> anyhow::Result<()>
     Ok(())
 }
 
+/// A pool belongs to the allocator that made it: capturing into another allocator's pool (which
+/// may have the same id as one of this allocator's) is refused before the capture begins, and
+/// changes nothing; each allocator still captures into its own pool.
+fn a_pool_of_another_allocator_is_refused(dev: &Device) -> anyhow::Result<()> {
+    let (a, b) = (CachingAllocator::new(dev), CachingAllocator::new(dev));
+    let (own, foreign) = (a.new_pool(), b.new_pool());
+    ensure!(own.id() == foreign.id(), "pool ids count from 1 in every allocator");
+    let s = dev.stream()?;
+    match a.capture(&s, CaptureMode::ThreadLocal, &foreign) {
+        Err(Error::ForeignPool { pool, .. }) if pool == foreign.id() => {}
+        other => anyhow::bail!("a capture into another allocator's pool: {:?}", other.map(|_| ())),
+    }
+    ensure!(s.capture_id()?.is_none(), "the refused capture began");
+    ensure!(own.order().is_empty() && foreign.order().is_empty(), "the refusal changed a pool's order");
+    for (alloc, pool) in [(&a, &own), (&b, &foreign)] {
+        let cap = alloc.capture(&s, CaptureMode::ThreadLocal, pool)?;
+        let x = alloc.alloc::<f32>(&s, 4)?;
+        elementwise::fill(x.view(), 1.0, &s)?;
+        drop(x);
+        cap.finish()?;
+        ensure!(pool.order().len() == 1, "a capture into the allocator's own pool");
+    }
+    Ok(())
+}
+
 crate::per_device!(
+    a_pool_of_another_allocator_is_refused,
     a_block_is_reused_by_its_stream_and_by_others_after_an_ordering,
     poisoned_blocks_read_as_nan,
     allocating_in_a_foreign_capture_is_refused,

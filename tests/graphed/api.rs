@@ -293,6 +293,14 @@ pub fn bad_arguments_are_refused(dev: &Device) -> Result {
     expect_kind(make_graphed_stack(&stack.alloc, &stack.stack, &x0, options), |k| {
         *k == GraphedErrorKind::ConflictingPools
     })?;
+    // A pool of another allocator, a stream of another device: refused before any work.
+    let other = CachingAllocator::new(dev);
+    let r =
+        make_graphed_callables(&stack.alloc, &stack.callables(), &all, GraphOptions::default().pool(&other.new_pool()));
+    ensure!(matches!(r, Err(graphed::Error::ForeignPool { .. })), "a pool of another allocator: {r:?}");
+    let elsewhere = Device::sim().stream()?;
+    let r = make_graphed_callables(&stack.alloc, &stack.callables(), &all, GraphOptions::default().stream(&elsewhere));
+    ensure!(matches!(r, Err(graphed::Error::WrongDevice { what: "stream", .. })), "a stream of another device: {r:?}");
     make_graphed_callables(
         &stack.alloc,
         &stack.callables(),
