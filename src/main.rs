@@ -5,6 +5,16 @@ mod cli;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // The library reports through `tracing` (checker reports, a damaged kernel cache entry):
+    // shown on stderr, warnings and up unless `GRAPHED_LOG` says otherwise (`info`, `debug`, ...).
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GRAPHED_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .without_time()
+        .with_writer(std::io::stderr)
+        .init();
     let args = <cli::args::Cli as clap::Parser>::parse();
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
