@@ -101,6 +101,22 @@ pub enum Error {
         previous_stream: StreamId,
     },
 
+    /// The device has not enough free memory for an allocation (on CUDA, CUDA_ERROR_OUT_OF_MEMORY;
+    /// on the simulator, its configured memory size or the host's memory).
+    #[error("{op}: out of device memory: {requested} bytes asked for {what}, {} free of {}; reduce the batch, the sequence length, the width or the layers, or free cached memory (CachingAllocator::empty_cache)", bytes(*free), bytes(*total))]
+    OutOfMemory {
+        /// The operation that was called.
+        op: &'static str,
+        /// Bytes asked for.
+        requested: usize,
+        /// What the bytes were for.
+        what: &'static str,
+        /// Free bytes on the device when it failed, if known.
+        free: Option<usize>,
+        /// The device's memory, if known.
+        total: Option<usize>,
+    },
+
     /// A graph pool was used with an allocator other than the one that made it (pools of
     /// different allocators may even share an id).
     #[error("{op}: {pool} was made by another CachingAllocator; capture with the allocator that made the pool, or make a pool with this allocator's new_pool()")]
@@ -300,6 +316,14 @@ fn later_drops(more: usize) -> String {
         0 => String::new(),
         1 => " (1 later drop failed too; its error was not kept)".into(),
         n => format!(" ({n} later drops failed too; their errors were not kept)"),
+    }
+}
+
+/// A byte count for messages, `"unknown"` when there is none.
+fn bytes(n: Option<usize>) -> String {
+    match n {
+        Some(n) => format!("{n} bytes ({:.2} GiB)", n as f64 / (1u64 << 30) as f64),
+        None => "an unknown number of bytes".into(),
     }
 }
 

@@ -140,7 +140,7 @@ fn run(program: &Program, config: SimConfig) -> anyhow::Result<Run> {
 /// Every policy, and several seeds of the random one.
 fn configs() -> Vec<SimConfig> {
     let mut configs = vec![SimConfig::with_policy(Policy::InOrder), SimConfig::with_policy(Policy::Adversarial)];
-    configs.extend((0..6).map(|seed| SimConfig { policy: Policy::Random, seed }));
+    configs.extend((0..6).map(|seed| SimConfig { policy: Policy::Random, seed, ..SimConfig::default() }));
     configs
 }
 

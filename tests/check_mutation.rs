@@ -103,7 +103,7 @@ fn program(dev: &Device, skip: Option<usize>) -> anyhow::Result<Vec<Vec<f32>>> {
 /// Every policy, and a few seeds of the random one.
 fn configs() -> Vec<SimConfig> {
     let mut configs: Vec<SimConfig> = Policy::ALL.iter().map(|p| SimConfig::with_policy(*p)).collect();
-    configs.extend((1..8).map(|seed| SimConfig { policy: Policy::Random, seed }));
+    configs.extend((1..8).map(|seed| SimConfig { policy: Policy::Random, seed, ..SimConfig::default() }));
     configs
 }
 

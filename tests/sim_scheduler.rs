@@ -31,7 +31,13 @@ fn issue_order_hides_the_race_and_random_seeds_find_it() {
     let in_order = Device::sim_with(SimConfig::with_policy(Policy::InOrder));
     assert_eq!(producer_consumer(&in_order, false).unwrap(), vec![1.0; 8]);
     let outcomes: Vec<Vec<f32>> = (0..32)
-        .map(|seed| producer_consumer(&Device::sim_with(SimConfig { policy: Policy::Random, seed }), false).unwrap())
+        .map(|seed| {
+            producer_consumer(
+                &Device::sim_with(SimConfig { policy: Policy::Random, seed, ..SimConfig::default() }),
+                false,
+            )
+            .unwrap()
+        })
         .collect();
     assert!(outcomes.contains(&vec![0.0; 8]) && outcomes.contains(&vec![1.0; 8]), "random seeds give both orders");
 }
@@ -39,7 +45,7 @@ fn issue_order_hides_the_race_and_random_seeds_find_it() {
 #[test]
 fn a_seed_gives_one_schedule() {
     let run = |seed| {
-        let dev = Device::sim_with(SimConfig { policy: Policy::Random, seed });
+        let dev = Device::sim_with(SimConfig { policy: Policy::Random, seed, ..SimConfig::default() });
         (0..16).map(|_| producer_consumer(&dev, false).unwrap()[0]).collect::<Vec<_>>()
     };
     assert_eq!(run(7), run(7));

@@ -24,7 +24,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 
 /// The device a command runs on.
 pub fn open_device(choice: &args::DeviceArgs) -> anyhow::Result<Device> {
-    let sim = SimConfig { policy: choice.policy.into(), seed: choice.sim_seed };
+    let sim = SimConfig { policy: choice.policy.into(), seed: choice.sim_seed, ..SimConfig::default() };
     Ok(match choice.device {
         DeviceChoice::Auto => {
             let (dev, why) = Device::cuda_or_sim(sim);

@@ -42,7 +42,7 @@ pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};
 pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
 pub use kernel::{args, Arg, CpuArgs, In, InOut, IntoView, Kernel, LaunchDims, Out, Scalar};
 pub use memory::{DeviceBuffer, HostView, MemKind, PinnedBuffer, View};
-pub use sim::{Policy, SimConfig};
+pub use sim::{Policy, SimConfig, DEFAULT_SIM_MEMORY};
 pub use stream::Stream;
 
 use backend::{dispatch, BackendImpl, Repr};

@@ -217,7 +217,18 @@ impl CachingAllocator {
                 // Grown in relaxed mode, so that a capture on this thread is not invalidated (the
                 // allocation itself is not captured: it is a plain cuMemAlloc).
                 let seg_bytes = segment_size(block_size(bytes));
-                let raw = Arc::new(self.inner.dev.alloc_raw(seg_bytes, MemKind::Device, capture.is_some())?);
+                let raw =
+                    self.inner.dev.alloc_raw(seg_bytes, MemKind::Device, capture.is_some()).map_err(|e| match e {
+                        Error::OutOfMemory { free, total, .. } => Error::OutOfMemory {
+                            op: OP,
+                            requested: seg_bytes,
+                            what: "a new segment of the caching allocator",
+                            free,
+                            total,
+                        },
+                        other => other,
+                    })?;
+                let raw = Arc::new(raw);
                 st.next_segment += 1;
                 let id = st.next_segment;
                 st.segments.insert(id, raw);

@@ -15,7 +15,7 @@ macro_rules! per_device {
                 #[test]
                 fn $name() {
                     let mut configs: Vec<SimConfig> = Policy::ALL.iter().map(|p| SimConfig::with_policy(*p)).collect();
-                    configs.extend((1..4).map(|seed| SimConfig { policy: Policy::Random, seed }));
+                    configs.extend((1..4).map(|seed| SimConfig { policy: Policy::Random, seed, ..SimConfig::default() }));
                     for config in configs {
                         let dev = Device::sim_with(config);
                         if let Err(e) = super::$name(&dev) {

@@ -2,7 +2,9 @@
 
 use anyhow::ensure;
 use graphed::device::Device;
+use graphed::memory::CachingAllocator;
 use graphed::ops::elementwise;
+use graphed::Error;
 
 fn blocking_roundtrip(dev: &Device) -> anyhow::Result<()> {
     let s = dev.stream()?;
@@ -91,7 +93,31 @@ fn blocking_writes_land_before_later_work(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// More memory than the device has is a typed error that says how much was asked and how much
+/// is free, on both devices (never an abort); the caching allocator reports it for its segment,
+/// and the device works on after it.
+fn allocation_beyond_the_device_memory_is_a_typed_error(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let too_much = 1usize << 41; // 2 TiB: more than any H200 or simulated device has
+    match dev.alloc::<u8>(too_much) {
+        Err(Error::OutOfMemory { requested, free: Some(free), total: Some(total), .. }) => {
+            ensure!(requested == too_much && free <= total && total < too_much, "{requested} {free} {total}");
+        }
+        other => anyhow::bail!("a 2 TiB allocation: {:?}", other.map(|_| ())),
+    }
+    let alloc = CachingAllocator::new(dev);
+    match alloc.alloc::<f32>(&s, too_much / 4) {
+        Err(Error::OutOfMemory { op: "CachingAllocator::alloc", requested, .. }) if requested >= too_much => {}
+        other => anyhow::bail!("a 2 TiB tensor: {:?}", other.map(|_| ())),
+    }
+    let x = alloc.alloc::<f32>(&s, 16)?;
+    elementwise::fill(x.view(), 3.0, &s)?;
+    ensure!(x.to_vec(&s)? == vec![3.0; 16], "the device works after the refusal");
+    Ok(())
+}
+
 crate::per_device!(
+    allocation_beyond_the_device_memory_is_a_typed_error,
     blocking_writes_land_before_later_work,
     blocking_roundtrip,
     async_copies_through_pinned_memory,

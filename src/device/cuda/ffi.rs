@@ -117,6 +117,11 @@ pub(super) fn mem_alloc(bytes: usize) -> Result<sys::CUdeviceptr, DriverError> {
     unsafe { result::malloc_sync(bytes) }
 }
 
+/// `cuMemGetInfo`: the device's (free, total) bytes. Needs the context bound.
+pub(super) fn mem_get_info() -> Result<(usize, usize), DriverError> {
+    result::mem_get_info()
+}
+
 /// `cuMemHostAlloc` with flags 0 (page-locked, not write-combined). Needs the context bound.
 pub(super) fn mem_alloc_host(bytes: usize) -> Result<NonNull<u8>, DriverError> {
     // SAFETY: returns fresh host memory that is only ever used as bytes.

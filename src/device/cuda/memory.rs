@@ -97,7 +97,15 @@ pub(super) fn alloc(ctx: &Arc<CudaContext>, errors: &Arc<ErrorSlot>, bytes: usiz
         MemKind::Device => ffi::mem_alloc(size).map(Ptr::Device),
         MemKind::Pinned => ffi::mem_alloc_host(size).map(Ptr::Host),
     }
-    .map_err(|e| err::driver(op, capture::forbidding_site(), e))?;
+    .map_err(|e| match e.0 {
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+            let info = ffi::mem_get_info().ok();
+            let (free, total) = (info.map(|i| i.0), info.map(|i| i.1));
+            let what = if kind == MemKind::Pinned { "pinned host memory" } else { "a device allocation" };
+            Error::OutOfMemory { op, requested: bytes, what, free, total }
+        }
+        _ => err::driver(op, capture::forbidding_site(), e),
+    })?;
     Ok(CuMem { ptr, bytes, ctx: ctx.clone(), errors: errors.clone(), host: Mutex::new(()) })
 }
 

@@ -47,18 +47,24 @@ pub struct SimConfig {
     pub policy: Policy,
     /// Seed of the random policy (and of any future randomness of the simulator).
     pub seed: u64,
+    /// The device's memory in bytes: allocations beyond it fail with
+    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory), as on a GPU.
+    pub memory: usize,
 }
+
+/// The simulated device's memory unless configured: 16 GiB.
+pub const DEFAULT_SIM_MEMORY: usize = 16 << 30;
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { policy: Policy::Random, seed: 0 }
+        SimConfig { policy: Policy::Random, seed: 0, memory: DEFAULT_SIM_MEMORY }
     }
 }
 
 impl SimConfig {
     /// A configuration with this policy and seed 0.
     pub fn with_policy(policy: Policy) -> SimConfig {
-        SimConfig { policy, seed: 0 }
+        SimConfig { policy, ..SimConfig::default() }
     }
 }
 
@@ -66,6 +72,8 @@ impl SimConfig {
 pub(crate) struct SimDevice {
     config: SimConfig,
     state: Mutex<State>,
+    /// Bytes of device and pinned memory allocated.
+    used: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// What a wait on an event binds to.
@@ -119,7 +127,7 @@ impl SimDevice {
             next_capture: 1,
             exec_last: HashMap::new(),
         };
-        SimDevice { config, state: Mutex::new(state) }
+        SimDevice { config, state: Mutex::new(state), used: Arc::default() }
     }
 
     pub(crate) fn describe(&self) -> String {
@@ -267,7 +275,7 @@ impl Backend for SimDevice {
         if !relaxed {
             self.lock().forbid_sync_call(op)?;
         }
-        Ok(SimMem::zeroed(bytes))
+        SimMem::zeroed(op, bytes, &self.used, self.config.memory)
     }
 
     fn capture_id(&self, stream: &SimStream) -> Result<Option<u64>> {

@@ -1,6 +1,7 @@
 //! What a queued operation does to simulated memory, and the memory itself.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::device::backend::{Op, Repr};
@@ -9,15 +10,42 @@ use crate::device::memory::{Block, RawBuffer};
 use crate::device::{AccessMode, DType, Region};
 use crate::{Error, Result};
 
-/// Simulated memory of one allocation (device or pinned): 8-byte aligned host bytes.
+/// Simulated memory of one allocation (device or pinned): 8-byte aligned host bytes, counted
+/// against the device's memory while they live.
 pub(crate) struct SimMem {
     bytes: usize,
     words: Mutex<Vec<u64>>,
+    used: Arc<AtomicUsize>,
+}
+
+impl Drop for SimMem {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.bytes, Ordering::SeqCst);
+    }
 }
 
 impl SimMem {
-    pub(crate) fn zeroed(bytes: usize) -> SimMem {
-        SimMem { bytes, words: Mutex::new(vec![0; bytes.div_ceil(8)]) }
+    /// `bytes` zeroed bytes, if the device's `capacity` (with `used` in use) and the host allow.
+    pub(crate) fn zeroed(op: &'static str, bytes: usize, used: &Arc<AtomicUsize>, capacity: usize) -> Result<SimMem> {
+        let out_of_memory = |free: usize| Error::OutOfMemory {
+            op,
+            requested: bytes,
+            what: "a device allocation",
+            free: Some(free),
+            total: Some(capacity),
+        };
+        let taken = used.fetch_add(bytes, Ordering::SeqCst);
+        if taken.checked_add(bytes).is_none_or(|total| total > capacity) {
+            used.fetch_sub(bytes, Ordering::SeqCst);
+            return Err(out_of_memory(capacity.saturating_sub(taken)));
+        }
+        let mut words = Vec::new();
+        if words.try_reserve_exact(bytes.div_ceil(8)).is_err() {
+            used.fetch_sub(bytes, Ordering::SeqCst);
+            return Err(out_of_memory(capacity.saturating_sub(taken)));
+        }
+        words.resize(bytes.div_ceil(8), 0);
+        Ok(SimMem { bytes, words: Mutex::new(words), used: used.clone() })
     }
 
     fn lock(&self) -> MutexGuard<'_, Vec<u64>> {
