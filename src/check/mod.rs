@@ -126,8 +126,16 @@ struct State {
     /// The clock after each executable's latest launch: the next launch of it runs after.
     exec_end: HashMap<u64, Clock>,
     next_launch: u64,
+    /// The reports kept, the first [`MAX_KEPT_HAZARDS`] found.
     hazards: Vec<Hazard>,
+    /// Every report found, kept or not.
+    found: u64,
 }
+
+/// How many reports a checker keeps (the first ones found: the later ones of a long run are
+/// usually consequences); every report is still shown through `tracing` as it is found and
+/// counted in [`Checker::found`].
+pub const MAX_KEPT_HAZARDS: usize = 1024;
 
 fn conflict(a: AccessMode, b: AccessMode) -> Option<HazardKind> {
     match (a.writes(), b.writes()) {
@@ -378,14 +386,33 @@ impl Checker {
         self.inner.strict.store(strict, Ordering::Relaxed);
     }
 
-    /// Raises the hazards found since `before` as an error in strict mode.
+    /// Shows each hazard found since `before` once, through `tracing` (a warning), and counts it;
+    /// in strict mode raises the first as the call's error, else keeps the first
+    /// [`MAX_KEPT_HAZARDS`].
     fn finish(&self, st: &mut State, before: usize) -> Result<()> {
+        for h in &st.hazards[before..] {
+            tracing::warn!("stream-safety checker: {h}");
+        }
+        st.found += (st.hazards.len() - before) as u64;
         if self.inner.strict.load(Ordering::Relaxed) && st.hazards.len() > before {
             let h = st.hazards.remove(before);
             st.hazards.truncate(before);
             return Err(Error::Hazard(Box::new(h)));
         }
+        st.hazards.truncate(MAX_KEPT_HAZARDS);
         Ok(())
+    }
+
+    /// How many hazards were found since the checker began, including those not kept and those
+    /// taken with [`take_hazards`](Checker::take_hazards).
+    pub fn found(&self) -> u64 {
+        self.lock().found
+    }
+
+    /// Whether it checks every operation (the simulator, or CUDA with `GRAPHED_CHECK`), not only
+    /// captures.
+    pub fn checks_everything(&self) -> bool {
+        !self.inner.captures_only
     }
 }
 

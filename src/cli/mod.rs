@@ -8,17 +8,44 @@ mod demo;
 mod inspect;
 mod train;
 
+use graphed::check::Checker;
 use graphed::device::{Device, SimConfig};
 
 use args::{Cli, Command, DeviceChoice};
 
 /// Runs one command.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
-    match cli.command {
-        Command::Train(a) => train::run(&open_device(&a.device)?, &a),
-        Command::Demo(a) => demo::run(&open_device(&a.device)?, &a),
-        Command::Bench(b) => bench::run(&b),
-        Command::Inspect(a) => inspect::run(&open_device(&a.device)?, &a),
+    let (dev, result) = match cli.command {
+        Command::Train(a) => with_device(&a.device, |dev| train::run(dev, &a))?,
+        Command::Demo(a) => with_device(&a.device, |dev| demo::run(dev, &a))?,
+        Command::Inspect(a) => with_device(&a.device, |dev| inspect::run(dev, &a))?,
+        Command::Bench(b) => return bench::run(&b),
+    };
+    println!("{}", checker_summary(&dev));
+    result
+}
+
+/// Opens the device and runs `f` on it, keeping the device for the checker's summary.
+fn with_device(
+    choice: &args::DeviceArgs,
+    f: impl FnOnce(&Device) -> anyhow::Result<()>,
+) -> anyhow::Result<(Device, anyhow::Result<()>)> {
+    let dev = open_device(choice)?;
+    let result = f(&dev);
+    Ok((dev, result))
+}
+
+/// One line on what the stream-safety checker found (each report was shown as a warning when
+/// it was found).
+pub fn checker_summary(dev: &Device) -> String {
+    let Some(checker) = Checker::of(dev) else { return "stream-safety checker: off".into() };
+    let found = match checker.found() {
+        0 => "no hazards found".to_string(),
+        n => format!("{n} hazards found (each shown as a warning above)"),
+    };
+    match checker.checks_everything() {
+        true => format!("stream-safety checker: {found}"),
+        false => format!("stream-safety checker: captures only (GRAPHED_CHECK=1 checks every operation); {found}"),
     }
 }
 

@@ -103,6 +103,7 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
         }
         print_ratios(&rows[first..]);
     }
+    println!("{}", crate::cli::checker_summary(&dev));
     write_json(&args.json, &Report::new("graphs", &dev, args.steps, rows))
 }
 
