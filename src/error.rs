@@ -75,28 +75,36 @@ pub enum Error {
 
     /// A graph of a shared pool was replayed out of the pool's capture order (replay contract
     /// R5): graphs that share a pool reuse each other's memory, so only that order is safe.
-    #[error("graph {graph} of {pool} replayed out of capture order: the next graph of the pool is {expected}; replay the pool's graphs in the order they were captured (cyclically)")]
+    #[error("graph {} of {pool} replayed out of capture order: the next graph of the pool is {}; replay the pool's graphs in the order they were captured (cyclically)", named(*graph, graph_name), named(*expected, expected_name))]
     PoolOrder {
         /// The pool.
         pool: crate::memory::PoolId,
         /// The graph whose replay was refused.
         graph: GraphId,
+        /// Its name in the pool (the graph layer names a graph by module and pass), if any.
+        graph_name: Option<String>,
         /// The graph that must come next.
         expected: GraphId,
+        /// Its name in the pool, if any.
+        expected_name: Option<String>,
     },
 
     /// A graph of a shared pool was replayed on another stream than the pool's previous replay
     /// with no ordering between them that graphed has seen (R5: no concurrent replays).
-    #[error("graph {graph} of {pool} replayed on stream {stream} while {previous} of the same pool was last replayed on stream {previous_stream}; replay on {previous_stream}, or call GraphPool::join({stream}) first")]
+    #[error("graph {} of {pool} replayed on stream {stream} while {} of the same pool was last replayed on stream {previous_stream}; replay on {previous_stream}, or call GraphPool::join({stream}) first", named(*graph, graph_name), named(*previous, previous_name))]
     PoolConcurrent {
         /// The pool.
         pool: crate::memory::PoolId,
         /// The graph whose replay was refused.
         graph: GraphId,
+        /// Its name in the pool, if any.
+        graph_name: Option<String>,
         /// Its stream.
         stream: StreamId,
         /// The pool's previous replay.
         previous: GraphId,
+        /// Its name in the pool, if any.
+        previous_name: Option<String>,
         /// Its stream.
         previous_stream: StreamId,
     },
@@ -316,6 +324,14 @@ fn later_drops(more: usize) -> String {
         0 => String::new(),
         1 => " (1 later drop failed too; its error was not kept)".into(),
         n => format!(" ({n} later drops failed too; their errors were not kept)"),
+    }
+}
+
+/// A graph for messages: its id, and its name in its pool if it has one.
+fn named(graph: GraphId, name: &Option<String>) -> String {
+    match name {
+        Some(n) => format!("{graph} ({n})"),
+        None => graph.to_string(),
     }
 }
 

@@ -32,6 +32,7 @@ pub(crate) fn build(
         let pool = &pools[i];
         let mut captured = Vec::with_capacity(mine.len());
         for (pass, graph) in mine {
+            pool.name_graph(graph.graph().id(), format!("{} {pass:?}", plan.names[i]));
             let exec = graph.instantiate()?;
             exec.upload(stream)?;
             captured.push(Captured { pass, graph, exec });

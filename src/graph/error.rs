@@ -84,9 +84,7 @@ pub enum GraphedErrorKind {
     },
     /// A captured graph breaks the replay contract at its sync event (checked at capture from the
     /// access summary): `rule` is R2, R3 or R7 of DESIGN.md.
-    #[error(
-        "graph {graph} breaks {rule} at its sync event: {detail}; record the sync event after that work (the save hook's end_pass runs after it), or replay without the event"
-    )]
+    #[error("graph {graph} breaks {rule} at its sync event: {detail}; {}", sync_fix(rule))]
     SyncContract {
         /// The graph.
         graph: GraphId,
@@ -142,4 +140,13 @@ pub enum GraphedErrorKind {
         "it is a layer of a graphed stack, whose inputs are the previous layer's outputs; replay the GraphedStack"
     )]
     StackLayer,
+}
+
+/// What to do about a broken sync contract, by rule.
+fn sync_fix(rule: &str) -> &'static str {
+    match rule {
+        "R2" => "work the caller reads must finish before the pass returns: join any stream the module forked before returning from it (a save hook joins its copy streams in end_pass, which runs after the sync event), and leave recording the sync event to GraphOptions::sync_event",
+        "R3" => "work after the sync event (a forked copy stream) may only touch its own pool memory: copy from a buffer the pass owns, not from a static input, output or parameter",
+        _ => "a graph replayed with a sync event must not wait on events outside it: record what it waits for inside the pass, or replay with Replay::joined",
+    }
 }

@@ -114,6 +114,11 @@ impl GraphedCallable {
 
     /// The route of `replay` from `caller`, or why it is refused.
     pub(crate) fn route_for(&self, caller: &Stream, replay: Replay<'_>) -> Result<Route> {
+        let dev = self.entry.device();
+        dev.check_same("graphed replay", "caller's stream", caller.device().id())?;
+        if let Replay::Joined(s) | Replay::Side(s) = replay {
+            dev.check_same("graphed replay", "replay stream", s.device().id())?;
+        }
         Ok(match replay {
             Replay::Caller => Route::Caller,
             Replay::Joined(s) if s.id() == caller.id() => Route::Caller,

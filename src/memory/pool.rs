@@ -47,6 +47,8 @@ pub(crate) struct PoolState {
     unguarded: bool,
     /// Launches of each graph so far.
     launches: HashMap<GraphId, u64>,
+    /// Names given to graphs, for errors.
+    names: HashMap<GraphId, String>,
 }
 
 impl PoolState {
@@ -76,13 +78,29 @@ impl PoolState {
         for &graph in graphs {
             match self.order.get(cursor) {
                 Some(next) if *next == graph => {}
-                Some(next) => return Err(Error::PoolOrder { pool, graph, expected: *next }),
+                Some(next) => {
+                    return Err(Error::PoolOrder {
+                        pool,
+                        graph,
+                        graph_name: self.names.get(&graph).cloned(),
+                        expected: *next,
+                        expected_name: self.names.get(next).cloned(),
+                    })
+                }
                 None => return Err(Error::GraphReset { op: "PoolExec::launch" }),
             }
             if let Some((previous, previous_stream)) = last {
                 if previous_stream != stream.id() {
                     let stream = stream.id();
-                    return Err(Error::PoolConcurrent { pool, graph, stream, previous, previous_stream });
+                    return Err(Error::PoolConcurrent {
+                        pool,
+                        graph,
+                        graph_name: self.names.get(&graph).cloned(),
+                        stream,
+                        previous,
+                        previous_name: self.names.get(&previous).cloned(),
+                        previous_stream,
+                    });
                 }
             }
             cursor = (cursor + 1) % self.order.len();
@@ -101,6 +119,7 @@ impl PoolState {
 
     /// Takes `graph` out of the replay order (its executable was reset).
     fn remove(&mut self, graph: GraphId) {
+        self.names.remove(&graph);
         if let Some(i) = self.order.iter().position(|g| *g == graph) {
             self.order.remove(i);
             if i < self.cursor {
@@ -129,6 +148,7 @@ impl GraphPool {
     /// Makes `stream` wait for every replay of the pool so far, so that the next replay may run
     /// on `stream`.
     pub fn join(&self, stream: &Stream) -> Result<()> {
+        self.alloc.dev.check_same("GraphPool::join", "stream", stream.device().id())?;
         let last = self.alloc.with_pool(self.id, |p| p.last.as_ref().map(|(_, s)| s.clone()));
         if let Some(previous) = last.flatten() {
             if previous.id() != stream.id() {
@@ -185,6 +205,12 @@ impl GraphPool {
     /// a replay before it copies or enqueues anything.
     pub fn check_launches(&self, graphs: &[GraphId], stream: &Stream, after: Option<&Stream>) -> Result<()> {
         self.alloc.with_pool(self.id, |p| p.check_run(self.id, graphs, stream, after)).unwrap_or(Ok(()))
+    }
+
+    /// Names `graph` for the pool's errors (the graph layer names each graph by module and pass).
+    pub fn name_graph(&self, graph: GraphId, name: impl Into<String>) {
+        let name = name.into();
+        self.alloc.with_pool(self.id, |p| p.names.insert(graph, name));
     }
 
     /// How many times each of `graphs` was launched.
