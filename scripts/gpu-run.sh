@@ -27,8 +27,33 @@ for mode in side-stream pool-per-layer eager; do
         echo "train $mode: loss lines DIFFER from graphed"
     fi
 done | tee -a "$OUT/train.log"
+# Misuse on the real thing: the checker on in every mode (it must report nothing), a damaged
+# kernel cache (recompiled with a warning, never loaded), a model too big for the GPU (a typed
+# error, exit 2).
+{
+    for mode in graphed side-stream pool-per-layer eager; do
+        flag=$([ "$mode" = graphed ] || echo "--$mode")
+        GRAPHED_CHECK=1 .gpu/graphed train $flag --steps 200 > "$logs/checked.log" 2>&1
+        echo "GRAPHED_CHECK=1 graphed train $flag --steps 200: exit $?, $(grep -c WARN "$logs/checked.log") warnings;" \
+            "$(grep checker "$logs/checked.log")"
+    done
+    for damage in truncate overwrite; do
+        for f in "$GRAPHED_KERNEL_CACHE"/*.cubin; do
+            size=$(stat -c %s "$f")
+            if [ "$damage" = truncate ]; then
+                truncate -s $((size / 2)) "$f"
+            else
+                dd if=/dev/urandom of="$f" bs=1 count=64 seek=$((size / 2)) conv=notrunc status=none
+            fi
+        done
+        .gpu/graphed train --steps 50 > "$logs/cache.log" 2>&1
+        echo "kernel cache, every file damaged ($damage): train exit $?, $(grep -c damaged "$logs/cache.log") damaged-entry warnings, $(grep -c '^step' "$logs/cache.log") loss lines"
+    done
+    .gpu/graphed train --device cuda --dim 8192 --layers 8 --batch 65536 2>&1 | tail -2
+    echo "too big for the GPU: exit ${PIPESTATUS[0]}"
+} 2>&1 | tee "$OUT/misuse.log"
 for bench in ${BENCHES:-graphs}; do
-    .gpu/graphed bench "$bench" --device cuda --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log"
+    .gpu/graphed bench "$bench" --device cuda ${BENCH_ARGS:-} --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log"
 done
 .gpu/graphed inspect --device cuda --side-stream 2>&1 | tail -5 | tee "$OUT/inspect.log"
 .gpu/graphed demo 2>&1 | tail -3 | tee "$OUT/demo.log"
