@@ -8,10 +8,12 @@ mod api;
 mod contract;
 mod equivalence;
 mod fixtures;
+mod misuse;
 
 pub use api::*;
 pub use contract::*;
 pub use equivalence::*;
+pub use misuse::*;
 
 per_device!(
     stack_caller_matches_eager,
@@ -37,4 +39,5 @@ per_device!(
     side_stream_resumes_before_tail_ends,
     pool_order_is_enforced_across_calls,
     refused_replay_changes_nothing,
+    misuse_refusals_change_nothing,
 );
