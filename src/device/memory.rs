@@ -199,6 +199,11 @@ macro_rules! buffer_common {
                 self.block.id
             }
 
+            /// The device whose memory it is.
+            pub fn device_id(&self) -> DeviceId {
+                self.block.raw.device
+            }
+
             /// The element type.
             pub fn dtype(&self) -> DType {
                 T::DTYPE

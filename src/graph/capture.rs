@@ -4,6 +4,7 @@
 
 use super::build::build;
 use super::callable::Callable;
+use super::error::refusal;
 use super::options::{GraphOptions, Mode};
 use super::plan::Plan;
 use super::record::record;
@@ -131,11 +132,12 @@ fn capture(
     if options.pool_per_callable && options.pool.is_some() {
         return Err(refuse(GraphedErrorKind::ConflictingPools));
     }
+    const OP: &str = "make_graphed_callables";
     if let Some(pool) = &options.pool {
-        alloc.check_pool("make_graphed_callables", pool)?;
+        alloc.check_pool(OP, pool).map_err(|e| refusal(OP, e))?;
     }
     if let Some(stream) = &options.stream {
-        alloc.device().check_same("make_graphed_callables", "stream", stream.device().id())?;
+        alloc.device().check_same(OP, "stream", stream.device().id()).map_err(|e| refusal(OP, e))?;
     }
     let names: Vec<String> = callables.iter().enumerate().map(|(i, c)| format!("{}#{i}", c.name())).collect();
     for (i, sample) in samples.iter().enumerate() {

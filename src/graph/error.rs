@@ -1,6 +1,7 @@
 //! Why a graphed callable or stack refused a call or a capture.
 
-use crate::device::GraphId;
+use crate::device::{GraphId, StreamId};
+use crate::Error;
 
 /// Which rule a graphed call or capture broke. Each variant's message ends with the fix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -134,6 +135,42 @@ pub enum GraphedErrorKind {
         "it has no split weight gradient, so backward already accumulated it; call backward_dw only for modules that split it"
     )]
     NoSplitDw,
+    /// A replay out of its pool's capture order (replay contract R5): graphs that share a pool
+    /// reuse each other's memory, so only that order is safe.
+    #[error("its graph {graph} was replayed out of its pool's capture order: the next graph of the pool is {}; replay the pool's graphs in the order they were captured (cyclically)", expected_name.as_deref().map_or_else(|| expected.to_string(), |n| format!("{expected} ({n})")))]
+    PoolOrder {
+        /// The graph whose replay was refused.
+        graph: GraphId,
+        /// The graph that must come next.
+        expected: GraphId,
+        /// Its module and pass, if known.
+        expected_name: Option<String>,
+    },
+    /// A replay on another stream than the pool's previous replay, with no ordering between
+    /// them (R5: no concurrent replays), such as a caller-stream replay while a side-stream tail
+    /// of the pool is not joined.
+    #[error("its graph {graph} was replayed on stream {stream} while {} of the same pool was last replayed on stream {previous_stream}; join the tails first (GraphedStack::join, Tail::join), or GraphPool::join({stream})", previous_name.as_deref().map_or_else(|| previous.to_string(), |n| format!("{previous} ({n})")))]
+    PoolConcurrent {
+        /// The graph whose replay was refused.
+        graph: GraphId,
+        /// Its stream.
+        stream: StreamId,
+        /// The pool's previous replay.
+        previous: GraphId,
+        /// Its module and pass, if known.
+        previous_name: Option<String>,
+        /// Its stream.
+        previous_stream: StreamId,
+    },
+    /// A stream (or tensor, or pool) of another device than the one the graphs belong to.
+    #[error("the {what} belongs to another device; pass one of the device the modules and graphs live on")]
+    WrongDevice {
+        /// Which argument ("caller's stream", "replay stream", "stream").
+        what: &'static str,
+    },
+    /// A graph pool of another allocator than the one the modules allocate from.
+    #[error("the graph pool was made by another CachingAllocator; pass a pool of the allocator the modules allocate from (CachingAllocator::new_pool)")]
+    ForeignPool,
     /// A layer of a graphed stack was replayed on its own: its input is the previous layer's
     /// static output, which only the stack's replay feeds correctly.
     #[error(
@@ -149,4 +186,21 @@ fn sync_fix(rule: &str) -> &'static str {
         "R3" => "work after the sync event (a forked copy stream) may only touch its own pool memory: copy from a buffer the pass owns, not from a static input, output or parameter",
         _ => "a graph replayed with a sync event must not wait on events outside it: record what it waits for inside the pass, or replay with Replay::joined",
     }
+}
+
+/// A refusal from the layers below, in the graph layer's one shape: `Error::Graphed` naming
+/// `callable`, so that a user matches every refusal of a graphed call the same way.
+pub(crate) fn refusal(callable: &str, e: Error) -> Error {
+    let kind = match e {
+        Error::PoolOrder { graph, expected, expected_name, .. } => {
+            GraphedErrorKind::PoolOrder { graph, expected, expected_name }
+        }
+        Error::PoolConcurrent { graph, stream, previous, previous_name, previous_stream, .. } => {
+            GraphedErrorKind::PoolConcurrent { graph, stream, previous, previous_name, previous_stream }
+        }
+        Error::WrongDevice { what, .. } => GraphedErrorKind::WrongDevice { what },
+        Error::ForeignPool { .. } => GraphedErrorKind::ForeignPool,
+        other => return other,
+    };
+    Error::Graphed { callable: callable.to_string(), kind }
 }

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use super::error::refusal;
 use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
 use crate::device::{Event, EventId, Graph, GraphId, NodeKind, Stream};
@@ -115,9 +116,10 @@ impl GraphedCallable {
     /// The route of `replay` from `caller`, or why it is refused.
     pub(crate) fn route_for(&self, caller: &Stream, replay: Replay<'_>) -> Result<Route> {
         let dev = self.entry.device();
-        dev.check_same("graphed replay", "caller's stream", caller.device().id())?;
+        let same = |what, s: &Stream| dev.check_same("graphed replay", what, s.device().id());
+        same("caller's stream", caller).map_err(|e| refusal(&self.name, e))?;
         if let Replay::Joined(s) | Replay::Side(s) = replay {
-            dev.check_same("graphed replay", "replay stream", s.device().id())?;
+            same("replay stream", s).map_err(|e| refusal(&self.name, e))?;
         }
         Ok(match replay {
             Replay::Caller => Route::Caller,
@@ -185,6 +187,8 @@ impl GraphedCallable {
         dst: &Tensor<f32>,
         label: impl FnOnce() -> String,
     ) -> Result<Option<&'a Tensor<f32>>> {
+        let dev = self.entry.device();
+        dev.check_same("graphed replay", "tensor", src.buffer().device_id()).map_err(|e| refusal(&self.name, e))?;
         if src.shape() != dst.shape() {
             let (expected, found) = (dst.shape().to_vec(), src.shape().to_vec());
             return Err(self.err(GraphedErrorKind::InputShape { input: label(), expected, found }));
@@ -225,7 +229,7 @@ impl GraphedCallable {
         statics: &[&Tensor<f32>],
     ) -> Result<Tail> {
         let exec = self.exec(pass)?;
-        check_order(&[(&self.pool, exec.id())], caller, route)?;
+        check_order(&[(&self.pool, exec.id())], caller, route).map_err(|e| refusal(&self.name, e))?;
         for (src, dst) in sources.iter().zip(statics) {
             if let Some(src) = src {
                 caller.copy_d2d(src.view()?, dst.view()?)?;
@@ -284,9 +288,9 @@ impl GraphedCallable {
     /// and the tail. The backward replays the same way unless told otherwise (R8).
     ///
     /// # Errors
-    /// [`Error::Graphed`] for inputs that do not match the capture, a refused replay choice or a
-    /// layer of a stack; [`Error::PoolOrder`] or [`Error::PoolConcurrent`] for a replay out of
-    /// the pool's order.
+    /// [`Error::Graphed`] for every refusal: inputs that do not match the capture, a refused
+    /// replay choice, a layer of a stack, a stream of another device, a replay out of the pool's
+    /// order; nothing was copied or enqueued then.
     pub fn forward(&self, caller: &Stream, inputs: &Inputs, replay: Replay<'_>) -> Result<(Vec<StaticTensor>, Tail)> {
         self.refuse_in_stack()?;
         self.exec(Pass::Forward)?;

@@ -3,6 +3,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
+use super::error::refusal;
 use super::graphed::{check_order, GraphedCallable, Pass};
 use super::replay::{Route, StaticTensor, Tails};
 use super::{GraphedErrorKind, Replay};
@@ -92,7 +93,7 @@ impl GraphedStack {
             graphs.reverse();
         }
         let checked = route.clone().unwrap_or_else(|| self.last().last_route());
-        check_order(&graphs, caller, &checked)?;
+        check_order(&graphs, caller, &checked).map_err(|e| self.refusal(e))?;
         let mut r = Replayer { layers: &self.layers, caller, route, source, tails: Tails::new() };
         let result = match pass {
             Pass::Forward => forward_pass(&mut r, self.layers.len(), ()).map(|_| ()),
@@ -107,8 +108,9 @@ impl GraphedStack {
     /// output.
     ///
     /// # Errors
-    /// [`Error::Graphed`] for an input of another shape or a refused replay choice;
-    /// [`Error::PoolOrder`] or [`Error::PoolConcurrent`] for a replay out of the pool's order.
+    /// [`Error::Graphed`] for every refusal (an input of another shape, a refused replay choice, a
+    /// stream of another device, a replay out of the pool's order); nothing was copied or
+    /// enqueued then.
     pub fn forward(&self, caller: &Stream, x: &Tensor<f32>, replay: Replay<'_>) -> Result<StaticTensor> {
         self.check_ready(Pass::Forward)?;
         let first = self.first();
@@ -181,6 +183,16 @@ impl GraphedStack {
     /// Resets every layer (waiting for the device first, R4); later replays are refused.
     pub fn reset(&mut self) -> Result<()> {
         self.layers.iter_mut().try_for_each(GraphedCallable::reset)
+    }
+
+    /// A refusal of a pool below, naming the layer whose graph it refused.
+    fn refusal(&self, e: Error) -> Error {
+        let refused = match &e {
+            Error::PoolOrder { graph, .. } | Error::PoolConcurrent { graph, .. } => Some(*graph),
+            _ => None,
+        };
+        let layer = self.layers.iter().find(|l| l.graphs().iter().any(|(_, g)| Some(g.id()) == refused));
+        refusal(layer.unwrap_or(self.first()).name(), e)
     }
 
     fn no_output(&self) -> Error {

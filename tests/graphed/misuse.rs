@@ -283,18 +283,10 @@ fn to_graphed(e: anyhow::Error) -> graphed::Error {
     }
 }
 
-/// A refusal of misuse: the typed errors the API promises, not a driver failure or a bug.
+/// A refusal of misuse, in the graph layer's one shape (`Error::Graphed`): not a driver failure,
+/// a bug, or an error of a lower layer.
 fn is_misuse_refusal(e: &graphed::Error) -> bool {
-    use graphed::Error as E;
-    matches!(
-        e,
-        E::Graphed { .. }
-            | E::PoolOrder { .. }
-            | E::PoolConcurrent { .. }
-            | E::WrongDevice { .. }
-            | E::ForeignPool { .. }
-            | E::GraphReset { .. }
-    )
+    e.graphed_kind().is_some()
 }
 
 fn run_sequence(dev: &Device, acts: &[Act]) -> Result {
@@ -328,8 +320,12 @@ fn run_sequence(dev: &Device, acts: &[Act]) -> Result {
     Ok(())
 }
 
-/// Sequences per device configuration (the simulator runs every case under six schedules).
+/// Sequences per device configuration (the simulator runs every case under six schedules);
+/// `GRAPHED_FUZZ_CASES` overrides it for a longer hunt.
 fn cases(dev: &Device) -> u32 {
+    if let Some(n) = std::env::var("GRAPHED_FUZZ_CASES").ok().and_then(|v| v.parse().ok()) {
+        return n;
+    }
     match dev.kind() {
         DeviceKind::Cuda => 64,
         _ => 24,
