@@ -72,7 +72,8 @@ pub fn make_graphed_callables(
 /// layer i's outputs are layer i+1's static inputs and layer i+1's input gradients are layer i's
 /// static output gradients, so a replay of the stack copies only its input and upstream
 /// gradient. Warmup and capture are those of [`make_graphed_callables`]; `sample` is the first
-/// layer's input.
+/// layer's input. Like the eager stack, every forward replay of training graphs first advances
+/// the stack's random-number step counter ([`Stack::with_rng_step`]).
 ///
 /// ```
 /// use graphed::device::Device;
@@ -109,7 +110,9 @@ pub fn make_graphed_stack<M: Module>(
 ) -> Result<GraphedStack> {
     let callables: Vec<&dyn Callable> = stack.layers().iter().map(|l| l as &dyn Callable).collect();
     let samples = (0..callables.len()).map(|i| (i == 0).then(|| Inputs::one(sample))).collect();
-    Ok(GraphedStack::new(capture(alloc, &callables, samples, options, true)?))
+    // Graphs for inference draw nothing: only training replays advance the counter.
+    let rng_step = stack.rng_step().filter(|_| options.mode == Mode::Training).cloned();
+    Ok(GraphedStack::new(capture(alloc, &callables, samples, options, true)?, rng_step))
 }
 
 /// Warms up and captures `callables`; `samples[i]` is `None` for a callable fed by the previous

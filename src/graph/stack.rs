@@ -24,6 +24,8 @@ use crate::{Error, Result};
 pub struct GraphedStack {
     layers: Vec<GraphedCallable>,
     tails: Mutex<Tails>,
+    /// The stack's random-number step counter, advanced before every forward replay.
+    rng_step: Option<Tensor<u64>>,
 }
 
 /// Replays every layer's graph of one pass, layer by layer, collecting the tails.
@@ -66,8 +68,8 @@ impl Traverse for Replayer<'_> {
 }
 
 impl GraphedStack {
-    pub(crate) fn new(layers: Vec<GraphedCallable>) -> GraphedStack {
-        GraphedStack { layers, tails: Mutex::new(Tails::new()) }
+    pub(crate) fn new(layers: Vec<GraphedCallable>, rng_step: Option<Tensor<u64>>) -> GraphedStack {
+        GraphedStack { layers, tails: Mutex::new(Tails::new()), rng_step }
     }
 
     fn first(&self) -> &GraphedCallable {
@@ -94,6 +96,10 @@ impl GraphedStack {
         }
         let checked = route.clone().unwrap_or_else(|| self.last().last_route());
         check_order(&graphs, caller, &checked).map_err(|e| self.refusal(e))?;
+        // As the eager stack does: a new draw per forward, read by the graphs from device memory.
+        if let (Pass::Forward, Some(step)) = (pass, &self.rng_step) {
+            crate::ops::rng::step_add(step, 1, caller)?;
+        }
         let mut r = Replayer { layers: &self.layers, caller, route, source, tails: Tails::new() };
         let result = match pass {
             Pass::Forward => forward_pass(&mut r, self.layers.len(), ()).map(|_| ()),

@@ -90,7 +90,16 @@ impl Gpt {
         }
         let ln_f = LayerNorm::new(&mut store, alloc, "ln_f", c, stream)?;
         let head = LmHead::new(&mut store, alloc, "head", (c, config.vocab), seed.wrapping_add(7), stream)?;
-        Ok(Gpt { config, alloc: alloc.clone(), store, embedding, layers: Stack::new(layers), ln_f, head, step })
+        Ok(Gpt {
+            config,
+            alloc: alloc.clone(),
+            store,
+            embedding,
+            layers: Stack::new(layers).with_rng_step(&step),
+            ln_f,
+            head,
+            step,
+        })
     }
 
     /// The configuration.
@@ -103,8 +112,8 @@ impl Gpt {
         &self.store
     }
 
-    /// The dropout step counter: advance it before each training step (on the stream) so that
-    /// every step draws new masks, also inside graphs.
+    /// The dropout step counter, which the layers' stack advances at the start of every forward
+    /// (eager or graphed), so that each microbatch draws new masks.
     pub fn dropout_step(&self) -> &Tensor<u64> {
         &self.step
     }

@@ -82,6 +82,10 @@ pub fn backward_pass<T: Traverse + ?Sized>(t: &mut T, saved: Vec<T::Saved>, dy: 
 /// ```
 pub struct Stack<M> {
     layers: Vec<M>,
+    /// The random-number step counter its layers' dropouts read, advanced once per training
+    /// forward.
+    rng_step: Option<Tensor<u64>>,
+    training: bool,
 }
 
 /// What a [`Stack`]'s forward saves: each layer's context, in order.
@@ -92,7 +96,26 @@ pub struct StackCtx<C> {
 impl<M: Module> Stack<M> {
     /// A stack of `layers`, run in order.
     pub fn new(layers: Vec<M>) -> Stack<M> {
-        Stack { layers }
+        Stack { layers, rng_step: None, training: true }
+    }
+
+    /// The stack advances `step` (the counter its layers' dropouts draw from, see
+    /// [`DropoutSpec`](super::DropoutSpec)) by one at the start of every forward in training
+    /// mode, eager or graphed, so that each microbatch draws new masks without the caller's help;
+    /// warmup and capture leave it as it was (R9).
+    pub fn with_rng_step(mut self, step: &Tensor<u64>) -> Stack<M> {
+        self.rng_step = Some(step.clone());
+        self
+    }
+
+    /// Whether it is in training mode ([`Module::set_training`]).
+    pub fn is_training(&self) -> bool {
+        self.training
+    }
+
+    /// The step counter it advances per training forward, if any.
+    pub fn rng_step(&self) -> Option<&Tensor<u64>> {
+        self.rng_step.as_ref()
     }
 
     /// The layers, in forward order.
@@ -152,6 +175,9 @@ impl<M: Module> Module for Stack<M> {
     type Ctx = StackCtx<M::Ctx>;
 
     fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, Self::Ctx)> {
+        if let (Some(step), true) = (&self.rng_step, self.training) {
+            crate::ops::rng::step_add(step, 1, stream)?;
+        }
         let mut eager = Eager { layers: &self.layers, hook, stream };
         let (y, layers) = forward_pass(&mut eager, self.layers.len(), inputs.clone())?;
         Ok((y.positional().cloned().collect(), StackCtx { layers }))
@@ -180,6 +206,7 @@ impl<M: Module> Module for Stack<M> {
     }
 
     fn set_training(&mut self, training: bool) {
+        self.training = training;
         self.layers.iter_mut().for_each(|l| l.set_training(training));
     }
 }

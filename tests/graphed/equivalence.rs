@@ -73,6 +73,9 @@ fn twin_training(dev: &Device, how: How) -> Result {
         ensure!(graphed.grads()?.iter().all(|g| *g == 0.0), "step {step}: the graphed optimizer left gradients");
     }
     ensure!(graphed.optimizer.steps(&graphed.s)? == STEPS, "the graphed optimizer counted its steps");
+    let draws = vec![STEPS * MICROBATCHES];
+    ensure!(eager.step.to_vec(&eager.s)? == draws, "the eager stack advanced its step counter once per forward");
+    ensure!(graphed.step.to_vec(&graphed.s)? == draws, "the graphed stack advanced its step counter once per forward");
     ensure!(eager.params()? != Model::new(dev)?.params()?, "training changed nothing");
     Ok(())
 }

@@ -50,7 +50,7 @@ impl Model {
             layers.push(TransformerLayer::new(&mut store, &alloc, &name, (c, HEADS), &spec, 10 + l as u64, &s)?);
         }
         let optimizer = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-2), &s)?;
-        Ok(Model { s, alloc, store, stack: Stack::new(layers), step, optimizer })
+        Ok(Model { s, alloc, store, stack: Stack::new(layers).with_rng_step(&step), step, optimizer })
     }
 
     pub fn layers(&self) -> &[TransformerLayer] {
@@ -75,15 +75,16 @@ impl Model {
         Ok(make_graphed_stack(&self.alloc, &self.stack, &x0, options)?)
     }
 
-    /// One eager microbatch: the step counter advanced, forward, backward; returns (y, dx).
+    /// One eager microbatch: forward (the stack advances the step counter), backward; returns
+    /// (y, dx).
     pub fn eager(&self, x: &Tensor<f32>, dy: &Tensor<f32>) -> Result<(Vec<f32>, Vec<f32>)> {
-        rng::step_add(&self.step, 1, &self.s)?;
         let (y, ctx) = self.stack.forward(&Inputs::one(x), &KeepOnDevice, &self.s)?;
         let dx = input_grad("eager", self.stack.backward(ctx, &[dy], &self.s)?)?;
         Ok((y[0].to_vec(&self.s)?, dx.to_vec(&self.s)?))
     }
 
-    /// One graphed microbatch, replayed as `replay` says; tails joined at the end.
+    /// One graphed microbatch, replayed as `replay` says (the graphed stack advances the step
+    /// counter); tails joined at the end.
     pub fn graphed(
         &self,
         g: &GraphedStack,
@@ -91,7 +92,6 @@ impl Model {
         dy: &Tensor<f32>,
         replay: Replay<'_>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        rng::step_add(&self.step, 1, &self.s)?;
         let y = g.forward(&self.s, x, replay)?.get()?.to_vec(&self.s)?;
         let dx = g.backward(&self.s, dy)?.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
         let dx = dx.get()?.to_vec(&self.s)?;
@@ -100,7 +100,8 @@ impl Model {
     }
 
     /// One microbatch through layers graphed one by one (`make_graphed_callables`), each input
-    /// copied into its layer's static input: the stack traversal over the escape hatch.
+    /// copied into its layer's static input: the stack traversal over the escape hatch, which
+    /// leaves advancing the step counter to its caller.
     pub fn per_layer(&self, g: &[GraphedCallable], x: &Tensor<f32>, dy: &Tensor<f32>) -> Result<(Vec<f32>, Vec<f32>)> {
         rng::step_add(&self.step, 1, &self.s)?;
         let mut t = PerLayer { g, s: &self.s };

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use graphed::device::{Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Gpt, GptConfig};
-use graphed::ops::rng::step_add;
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -99,7 +98,6 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
         let targets = Tensor::from_host(&alloc, &s, &batch.targets, &[n])?;
         let weights = Tensor::from_host(&alloc, &s, &batch.weights, &[n])?;
         let issued = Instant::now();
-        step_add(model.dropout_step(), 1, &s)?;
         let losses = stepper.step(&model, &optimizer, &tokens, &targets, &weights)?;
         host += issued.elapsed();
         if step % 25 == 0 || step + 1 == plan.steps {
