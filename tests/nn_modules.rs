@@ -180,6 +180,41 @@ fn bad_shapes_are_refused(dev: &Device) -> Result {
     Ok(())
 }
 
+/// Each module's `parameter_count` is exactly what it adds to its store: a store of that size
+/// holds it with no room left.
+fn parameter_counts_are_exact(dev: &Device) -> Result {
+    use graphed::nn::{Embedding, LmHead};
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let (d, v, t) = (16, 11, 7);
+    let exact = |count: usize, build: &dyn Fn(&mut ParamStore) -> graphed::Result<()>| -> Result {
+        let mut store = ParamStore::new(&alloc, &s, count)?;
+        build(&mut store)?;
+        ensure!(store.values()?.numel() == count, "the store holds {} of {count}", store.values()?.numel());
+        Ok(())
+    };
+    exact(LayerNorm::parameter_count(d), &|st| LayerNorm::new(st, &alloc, "ln", d, &s).map(|_| ()))?;
+    exact(Mlp::parameter_count(d), &|st| Mlp::new(st, &alloc, "mlp", d, 1, &s).map(|_| ()))?;
+    exact(CausalSelfAttention::parameter_count(d), &|st| {
+        CausalSelfAttention::new(st, &alloc, "attn", (d, 2), 1, &s).map(|_| ())
+    })?;
+    exact(TransformerLayer::parameter_count(d), &|st| {
+        let spec = spec(&alloc, &s, 0.0, 0)?;
+        TransformerLayer::new(st, &alloc, "h", (d, 2), &spec, 1, &s).map(|_| ())
+    })?;
+    exact(Embedding::parameter_count((v, t, d)), &|st| {
+        Embedding::new(st, &alloc, "emb", (v, t, d), 1, &s).map(|_| ())
+    })?;
+    exact(LmHead::parameter_count((d, v)), &|st| LmHead::new(st, &alloc, "head", (d, v), 1, &s).map(|_| ()))?;
+    let mut small = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(d) - 1)?;
+    let spec = spec(&alloc, &s, 0.0, 0)?;
+    ensure!(
+        matches!(TransformerLayer::new(&mut small, &alloc, "h", (d, 2), &spec, 1, &s), Err(Error::Shape { .. })),
+        "a store one element short is refused"
+    );
+    Ok(())
+}
+
 /// A stack runs its layers in order and their backwards in reverse, the same as calling them one
 /// by one; its parameters are its layers'; a layer that gives no input gradient is refused.
 fn stack_runs_its_layers_in_order(dev: &Device) -> Result {
@@ -217,6 +252,7 @@ fn stack_runs_its_layers_in_order(dev: &Device) -> Result {
 }
 
 per_device!(
+    parameter_counts_are_exact,
     stack_runs_its_layers_in_order,
     layernorm_gradients,
     mlp_gradients,

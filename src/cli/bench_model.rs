@@ -52,12 +52,6 @@ impl Config {
         (self.dim / 64).max(1)
     }
 
-    /// Parameters of one layer: QKV, Proj, FC1, FC2 with biases (12d² + 9d) and two
-    /// LayerNorms (4d).
-    fn layer_params(&self) -> usize {
-        12 * self.dim * self.dim + 13 * self.dim
-    }
-
     /// Refuses any configuration but `tiny` on the simulator, whose CPU kernels would take
     /// minutes to hours on S, M and L; `flag` names the option that picks the configuration.
     pub fn check_device(&self, dev: &Device, flag: &str) -> anyhow::Result<()> {
@@ -102,7 +96,7 @@ impl BenchModel {
     /// Builds `config`'s layers, input and upstream gradient from `alloc`, on `stream`.
     pub fn new(alloc: &CachingAllocator, stream: &Stream, config: Config) -> graphed::Result<BenchModel> {
         let Config { dim, layers: n, batch, seq, .. } = config;
-        let mut store = ParamStore::new(alloc, stream, n * config.layer_params())?;
+        let mut store = ParamStore::new(alloc, stream, n * TransformerLayer::parameter_count(dim))?;
         let step = Tensor::<u64>::zeros(alloc, stream, &[1])?;
         let layers = (0..n)
             .map(|l| {

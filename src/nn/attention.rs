@@ -73,6 +73,11 @@ fn batched(
 }
 
 impl CausalSelfAttention {
+    /// The parameters attention on `dim` features adds to its store (QKV and output projection).
+    pub fn parameter_count(dim: usize) -> usize {
+        Linear::parameter_count((dim, 3 * dim)) + Linear::parameter_count((dim, dim))
+    }
+
     /// Attention on `dim` features in `heads` heads (`dim` a multiple of `heads`): `{name}.qkv`
     /// initialized from `seed`, `{name}.proj` from `seed + 1`.
     ///

@@ -21,6 +21,11 @@ pub struct Embedding {
 }
 
 impl Embedding {
+    /// The parameters the token and position tables add to their store.
+    pub fn parameter_count((vocab, max_len, dim): (usize, usize, usize)) -> usize {
+        (vocab + max_len) * dim
+    }
+
     /// Tables initialized with standard deviation 0.02 (GPT-2's), uniform.
     pub fn new(
         store: &mut ParamStore,

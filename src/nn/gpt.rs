@@ -31,11 +31,13 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
-    /// Number of parameters.
+    /// Number of parameters: what its modules add to the store.
     pub fn parameter_count(&self) -> usize {
         let (v, t, c) = (self.vocab, self.max_len, self.dim);
-        let layer = 2 * c + (3 * c * c + 3 * c) + (c * c + c) + 2 * c + (4 * c * c + 4 * c) + (4 * c * c + c);
-        v * c + t * c + self.layers * layer + 2 * c + (c * v + v)
+        Embedding::parameter_count((v, t, c))
+            + self.layers * TransformerLayer::parameter_count(c)
+            + LayerNorm::parameter_count(c)
+            + LmHead::parameter_count((c, v))
     }
 }
 

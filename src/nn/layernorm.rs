@@ -45,6 +45,11 @@ pub(super) fn as_rows(op: &'static str, t: &Tensor<f32>, c: usize) -> Result<Ten
 }
 
 impl LayerNorm {
+    /// The parameters a LayerNorm over `dim` features adds to its store.
+    pub fn parameter_count(dim: usize) -> usize {
+        2 * dim
+    }
+
     /// A LayerNorm over `dim` features, parameters `{name}.weight` and `{name}.bias` in `store`.
     pub fn new(
         store: &mut ParamStore,

@@ -36,6 +36,12 @@ pub struct LinearCtx {
 }
 
 impl Linear {
+    /// The parameters a layer from `in` to `out` features adds to its store: size a
+    /// [`ParamStore`] with the counts of the modules it will hold.
+    pub fn parameter_count((inputs, outputs): (usize, usize)) -> usize {
+        inputs * outputs + outputs
+    }
+
     /// A layer with weights uniform in ±1/√in (PyTorch's default) from `seed`, bias zero.
     pub fn new(
         store: &mut ParamStore,

@@ -25,6 +25,11 @@ pub struct LmHeadCtx {
 }
 
 impl LmHead {
+    /// The parameters a head from `dim` to `vocab` adds to its store.
+    pub fn parameter_count((dim, vocab): (usize, usize)) -> usize {
+        Linear::parameter_count((dim, vocab))
+    }
+
     /// A head from `dim` to `vocab`.
     pub fn new(
         store: &mut ParamStore,

@@ -29,6 +29,11 @@ pub struct MlpCtx {
 }
 
 impl Mlp {
+    /// The parameters an MLP on `dim` features adds to its store.
+    pub fn parameter_count(dim: usize) -> usize {
+        Linear::parameter_count((dim, 4 * dim)) + Linear::parameter_count((4 * dim, dim))
+    }
+
     /// An MLP on `dim` features: `{name}.fc1` initialized from `seed`, `{name}.fc2` from `seed + 1`.
     pub fn new(
         store: &mut ParamStore,

@@ -26,7 +26,8 @@ pub struct ParamStore {
 }
 
 impl ParamStore {
-    /// Room for `capacity` parameters (elements), zeroed, with zeroed gradients.
+    /// Room for `capacity` parameters (elements), zeroed, with zeroed gradients. Each module
+    /// says how many it adds (`TransformerLayer::parameter_count(dim)`, ...): sum those.
     pub fn new(alloc: &CachingAllocator, stream: &Stream, capacity: usize) -> Result<ParamStore> {
         let (values, grads) = (Tensor::zeros(alloc, stream, &[capacity])?, Tensor::zeros(alloc, stream, &[capacity])?);
         Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0 })
@@ -45,7 +46,10 @@ impl ParamStore {
         if self.used + n > self.values.numel() {
             return Err(Error::Shape {
                 op: "ParamStore::add",
-                expected: format!("at most {} more elements; make the store larger", self.values.numel() - self.used),
+                expected: format!(
+                    "at most {} more elements; size the store with the parameter_count of the modules it holds",
+                    self.values.numel() - self.used
+                ),
                 found: shape.to_vec(),
             });
         }

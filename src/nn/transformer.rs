@@ -44,6 +44,11 @@ pub struct TransformerCtx {
 }
 
 impl TransformerLayer {
+    /// The parameters a layer on `dim` features adds to its store.
+    pub fn parameter_count(dim: usize) -> usize {
+        2 * LayerNorm::parameter_count(dim) + CausalSelfAttention::parameter_count(dim) + Mlp::parameter_count(dim)
+    }
+
     /// A layer on `dim` features in `heads` heads; parameters `{name}.ln1`, `{name}.attn.qkv`,
     /// `{name}.attn.proj`, `{name}.ln2`, `{name}.mlp.fc1`, `{name}.mlp.fc2`, the linear ones from
     /// `seed`..`seed + 3`. Its dropouts draw at sites `dropout.site` and `dropout.site + 1`, so

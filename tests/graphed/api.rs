@@ -308,7 +308,7 @@ pub fn bad_arguments_are_refused(dev: &Device) -> Result {
         GraphOptions::default().warmup_iters(0).inference(),
     )?;
     // Layers whose shapes do not chain: the second gets the first's (2, 4) output.
-    let mut store = ParamStore::new(&stack.alloc, &stack.s, 2 * (8 * 4 + 4))?;
+    let mut store = ParamStore::new(&stack.alloc, &stack.s, 2 * Linear::parameter_count((8, 4)))?;
     let a = Linear::new(&mut store, &stack.alloc, "a", (8, 4), 1, &stack.s)?;
     let b = Linear::new(&mut store, &stack.alloc, "b", (8, 4), 2, &stack.s)?;
     let x = Tensor::<f32>::zeros(&stack.alloc, &stack.s, &[2, 8])?;

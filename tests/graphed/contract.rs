@@ -19,7 +19,7 @@ fn capture_linear(
 ) -> Result<graphed::Result<()>> {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
-    let mut store = ParamStore::new(&alloc, &s, 8 * 4 + 4)?;
+    let mut store = ParamStore::new(&alloc, &s, Linear::parameter_count((8, 4)))?;
     let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
     let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
     let hook = Arc::new(make_hook(&alloc)?);
@@ -46,7 +46,7 @@ pub fn tail_writing_output_is_refused(dev: &Device) -> Result {
 pub fn event_recorded_twice_is_refused(dev: &Device) -> Result {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
-    let mut store = ParamStore::new(&alloc, &s, 8 * 4 + 4)?;
+    let mut store = ParamStore::new(&alloc, &s, Linear::parameter_count((8, 4)))?;
     let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
     let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
     let e = dev.event()?;
@@ -146,7 +146,7 @@ impl Module for RecordsEvent<'_> {
 pub fn module_recording_the_sync_event_is_refused(dev: &Device) -> Result {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
-    let mut store = ParamStore::new(&alloc, &s, 8 * 4 + 4)?;
+    let mut store = ParamStore::new(&alloc, &s, Linear::parameter_count((8, 4)))?;
     let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
     let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
     let e = dev.event()?;

@@ -101,7 +101,7 @@ pub fn layers_unchained_match_eager(dev: &Device) -> Result {
 pub fn split_weight_gradient_matches_eager(dev: &Device) -> Result {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
-    let mut store = ParamStore::new(&alloc, &s, 2 * (8 * 4 + 4))?;
+    let mut store = ParamStore::new(&alloc, &s, 2 * Linear::parameter_count((8, 4)))?;
     let mut eager = Linear::new(&mut store, &alloc, "e", (8, 4), 3, &s)?;
     let mut graphed = Linear::new(&mut store, &alloc, "g", (8, 4), 3, &s)?;
     eager.set_split_dw(true);

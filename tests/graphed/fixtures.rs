@@ -41,7 +41,7 @@ impl Model {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let c = SHAPE[2];
-        let mut store = ParamStore::new(&alloc, &s, LAYERS * (12 * c * c + 13 * c))?;
+        let mut store = ParamStore::new(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c))?;
         let step = Tensor::zeros(&alloc, &s, &[1])?;
         let mut layers = Vec::new();
         for l in 0..LAYERS {

@@ -33,7 +33,7 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for &(name, d, b, t) in CONFIGS.iter().filter(|c| args.configs.iter().any(|n| n.eq_ignore_ascii_case(c.0))) {
         let alloc = CachingAllocator::new(&dev);
-        let mut store = ParamStore::new(&alloc, &s, 12 * d * d + 13 * d)?;
+        let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(d))?;
         let step = Tensor::<u64>::zeros(&alloc, &s, &[1])?;
         let spec = DropoutSpec { p: 0.0, seed: 0, site: 0, step };
         let layer = TransformerLayer::new(&mut store, &alloc, "layer", (d, d / 64), &spec, 1, &s)?;
