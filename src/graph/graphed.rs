@@ -287,6 +287,9 @@ impl GraphedCallable {
     /// any input that is its static buffer), replays as `replay` says, and returns the outputs
     /// and the tail. The backward replays the same way unless told otherwise (R8).
     ///
+    /// Keep the tail (`let (y, tail) = ...`) until the caller may wait for it: dropping it, as
+    /// `let _ = g.forward(...)` does, joins it at once and gives up the overlap.
+    ///
     /// # Errors
     /// [`Error::Graphed`] for every refusal: inputs that do not match the capture, a refused
     /// replay choice, a layer of a stack, a stream of another device, a replay out of the pool's
