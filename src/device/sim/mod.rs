@@ -48,7 +48,7 @@ pub struct SimConfig {
     /// Seed of the random policy (and of any future randomness of the simulator).
     pub seed: u64,
     /// The device's memory in bytes: allocations beyond it fail with
-    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory), as on a GPU.
+    /// [`Error::OutOfMemory`], as on a GPU.
     pub memory: usize,
 }
 
