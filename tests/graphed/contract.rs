@@ -12,16 +12,32 @@ use std::sync::Arc;
 use super::api::expect_kind;
 use super::fixtures::{lcg, Model, Result, TailHook, TailWork};
 
+/// A Linear (8 → 4) in a store of its own, and an input (2, 8).
+struct LinearSetup {
+    s: Stream,
+    alloc: CachingAllocator,
+    store: ParamStore,
+    lin: Linear,
+    x: Tensor<f32>,
+}
+
+impl LinearSetup {
+    fn new(dev: &Device) -> Result<LinearSetup> {
+        let s = dev.stream()?;
+        let alloc = CachingAllocator::new(dev);
+        let mut store = ParamStore::new(&alloc, &s, Linear::parameter_count((8, 4)))?;
+        let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
+        let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
+        Ok(LinearSetup { s, alloc, store, lin, x })
+    }
+}
+
 /// Graphs a Linear with `hook` and a sync event; returns the result of the capture.
 fn capture_linear(
     dev: &Device,
     make_hook: impl FnOnce(&CachingAllocator) -> Result<TailHook>,
 ) -> Result<graphed::Result<()>> {
-    let s = dev.stream()?;
-    let alloc = CachingAllocator::new(dev);
-    let mut store = ParamStore::new(&alloc, &s, Linear::parameter_count((8, 4)))?;
-    let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
-    let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
+    let LinearSetup { s: _s, alloc, store: _store, lin, x } = LinearSetup::new(dev)?;
     let hook = Arc::new(make_hook(&alloc)?);
     let options = GraphOptions::default().sync_event(&dev.event()?).save_hook(hook);
     Ok(make_graphed_callables(&alloc, &[&lin as &dyn Callable], &[Inputs::one(&x)], options).map(|_| ()))
@@ -44,11 +60,7 @@ pub fn tail_writing_output_is_refused(dev: &Device) -> Result {
 
 /// The event recorded twice inside the graph: no single sync point (R2).
 pub fn event_recorded_twice_is_refused(dev: &Device) -> Result {
-    let s = dev.stream()?;
-    let alloc = CachingAllocator::new(dev);
-    let mut store = ParamStore::new(&alloc, &s, Linear::parameter_count((8, 4)))?;
-    let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
-    let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
+    let LinearSetup { s: _s, alloc, store: _store, lin, x } = LinearSetup::new(dev)?;
     let e = dev.event()?;
     let mut hook = TailHook::new(dev, &alloc, TailWork::Churn(1))?;
     hook.extra_record = Some(e.clone());
@@ -144,11 +156,7 @@ impl Module for RecordsEvent<'_> {
 /// A module that records the sync event itself is refused with the same typed error on both
 /// devices: its warmup forward makes an external record outside a capture, which CUDA refuses.
 pub fn module_recording_the_sync_event_is_refused(dev: &Device) -> Result {
-    let s = dev.stream()?;
-    let alloc = CachingAllocator::new(dev);
-    let mut store = ParamStore::new(&alloc, &s, Linear::parameter_count((8, 4)))?;
-    let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
-    let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
+    let LinearSetup { s, alloc, store, lin, x } = LinearSetup::new(dev)?;
     let e = dev.event()?;
     let m = RecordsEvent { inner: &lin, event: e.clone() };
     let grads = store.grads()?.to_vec(&s)?;
