@@ -402,11 +402,6 @@ pub enum CaptureErrorKind {
     /// CUDA_ERROR_ILLEGAL_STATE).
     #[error("an external event record or wait outside a capture")]
     ExternalOutsideCapture,
-    /// A plain wait on an event whose last record is an external event-record node of a capture
-    /// in progress: the node is not a point a stream can wait for (measured on the H200:
-    /// CUDA_ERROR_INVALID_VALUE). The capture stays valid.
-    #[error("a wait on an event last recorded as an external node of a capture in progress")]
-    WaitOnExternalRecord,
 }
 
 impl CaptureErrorKind {
@@ -422,7 +417,6 @@ impl CaptureErrorKind {
             Self::WrongThread => "end the capture on the thread that began it, or begin it in relaxed mode",
             Self::CapturedEvent => "query or synchronize the event only after end_capture and a launch of the graph",
             Self::AlreadyCapturing => "end the current capture first",
-            Self::WaitOnExternalRecord => "record the event with Stream::record to order streams inside the capture; the external record is for waits after the graph's launch",
             Self::ExternalOutsideCapture => "record or wait with Stream::record or Stream::wait outside a capture; inside graphed capture, the sync event is recorded by GraphOptions::sync_event, not by the module",
         }
     }

@@ -111,30 +111,7 @@ fn external_records_and_waits_need_a_capture(dev: &Device) -> anyhow::Result<()>
     Ok(())
 }
 
-/// A plain wait on an event whose last record is an external record node of the capture in
-/// progress is refused with one typed error on both devices (the H200 says
-/// CUDA_ERROR_INVALID_VALUE), from a stream outside the capture and from the capturing stream;
-/// nothing joins, and the capture stays valid.
-fn a_wait_on_an_external_record_node_is_refused(dev: &Device) -> anyhow::Result<()> {
-    let (s, other) = (dev.stream()?, dev.stream()?);
-    let e = dev.event()?;
-    let x = dev.alloc::<f32>(4)?;
-    let refused = |r: graphed::Result<()>| matches!(r, Err(e) if e.capture_kind() == Some(CaptureErrorKind::WaitOnExternalRecord));
-    let cap = s.capture(CaptureMode::ThreadLocal)?;
-    elementwise::fill(x.view(), 1.0, &s)?;
-    s.record_external(&e)?;
-    ensure!(refused(other.wait(&e)), "a stream outside the capture waiting on the node");
-    ensure!(other.capture_id()?.is_none(), "the refused wait forked the stream into the capture");
-    ensure!(refused(s.wait(&e)), "the capturing stream waiting on its own node");
-    let exec = cap.finish()?.instantiate()?;
-    exec.launch(&s)?;
-    ensure!(x.to_vec(&s)? == vec![1.0; 4], "the graph ran");
-    drop(exec);
-    Ok(())
-}
-
 crate::per_device!(
-    a_wait_on_an_external_record_node_is_refused,
     external_records_and_waits_need_a_capture,
     event_orders_two_streams,
     wait_on_never_recorded_event_does_nothing,

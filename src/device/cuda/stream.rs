@@ -1,6 +1,5 @@
 //! Streams and events, and the verbs between them: record, wait, query, synchronize.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream, DriverError};
@@ -38,9 +37,6 @@ pub(crate) struct CuEvent(pub(super) Arc<EventInner>);
 pub(super) struct EventInner {
     pub(super) id: EventId,
     pub(super) raw: CudaEvent,
-    /// Whether its last record was an external node of a capture: the driver then refuses a
-    /// plain wait on it while that capture lasts, which [`wait`] reports as such.
-    recorded_external: AtomicBool,
 }
 
 impl CuEvent {
@@ -64,23 +60,20 @@ pub(super) fn legacy(ctx: &Arc<CudaContext>, errors: &Arc<ErrorSlot>, id: Stream
 pub(super) fn create_event(ctx: &Arc<CudaContext>, id: EventId, timing: bool) -> Result<CuEvent> {
     let flags = if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
     let raw = ctx.new_event(Some(flags)).map_err(|e| err::driver("create_event", None, e))?;
-    Ok(CuEvent(Arc::new(EventInner { id, raw, recorded_external: AtomicBool::new(false) })))
+    Ok(CuEvent(Arc::new(EventInner { id, raw })))
 }
 
 /// Records `event` on `stream`; an external record inside a capture becomes a node that holds the
 /// event. The device's context must be bound.
 pub(super) fn record(stream: &CuStream, event: &CuEvent, external: bool) -> Result<()> {
     if !external {
-        event.0.raw.record(&stream.raw).map_err(|e| err::at("record", stream.site(), e))?;
-        event.0.recorded_external.store(false, Ordering::Relaxed);
-        return Ok(());
+        return event.0.raw.record(&stream.raw).map_err(|e| err::at("record", stream.site(), e));
     }
     const OP: &str = "record_external";
     let capture = capture::active_id(&stream.raw).map_err(|e| err::at(OP, stream.site(), e))?;
     ffi::record_external(&event.0.raw, &stream.raw).map_err(|e| external_error(OP, stream, capture, e))?;
     if let Some(id) = capture {
         capture::hold_event(id, &event.0);
-        event.0.recorded_external.store(true, Ordering::Relaxed);
     }
     Ok(())
 }
@@ -94,11 +87,6 @@ pub(super) fn wait(stream: &CuStream, event: &CuEvent, external: bool) -> Result
         if external { capture::active_id(&stream.raw).map_err(|e| err::at(op, stream.site(), e))? } else { None };
     ffi::wait(&stream.raw, &event.0.raw, external).map_err(|e| match external {
         true => external_error(op, stream, capture, e),
-        false
-            if e.0 == sys::CUresult::CUDA_ERROR_INVALID_VALUE && event.0.recorded_external.load(Ordering::Relaxed) =>
-        {
-            Error::Capture { op, on: stream.site(), kind: crate::CaptureErrorKind::WaitOnExternalRecord }
-        }
         false => err::at(op, stream.site(), e),
     })?;
     if let Some(id) = capture {

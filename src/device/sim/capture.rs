@@ -69,10 +69,7 @@ impl State {
                 st.frontier = merged.into_iter().collect();
                 Ok(())
             }
-            Record::CapturedExternal { capture, node } if capture == cap => {
-                self.capture_wait(op, cap, stream, Record::Captured { capture, frontier: vec![node] })
-            }
-            Record::Captured { capture: other, .. } | Record::CapturedExternal { capture: other, .. } => {
+            Record::Captured { capture: other, .. } => {
                 // CUDA invalidates both captures.
                 self.invalidate(cap);
                 self.invalidate(other);

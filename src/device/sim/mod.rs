@@ -85,9 +85,6 @@ pub(crate) enum Record {
     At(Option<WorkId>),
     /// Recorded inside a capture, after these nodes of the capture's graph.
     Captured { capture: u64, frontier: Vec<usize> },
-    /// Recorded as an external event-record node of a capture: a node of the graph, not a point a
-    /// stream can wait for (CUDA refuses a plain wait on it while the capture lasts).
-    CapturedExternal { capture: u64, node: usize },
 }
 
 pub(crate) struct StreamState {
@@ -178,7 +175,7 @@ impl State {
                     format!("record {event}"),
                     graph::NodeTask::Record(event),
                 );
-                Record::CapturedExternal { capture: cap, node }
+                Record::Captured { capture: cap, frontier: vec![node] }
             }
             Some(cap) => Record::Captured { capture: cap, frontier: self.stream(stream).frontier.clone() },
             None if external => return Err(outside_capture(op, stream)),
@@ -202,11 +199,6 @@ impl State {
                 );
                 Ok(())
             }
-            Some(_) | None if self.waits_on_external_node(&rec) => Err(Error::Capture {
-                op,
-                on: CaptureSite::Stream(stream),
-                kind: CaptureErrorKind::WaitOnExternalRecord,
-            }),
             Some(cap) => self.capture_wait(op, cap, stream, rec),
             None if external => Err(outside_capture(op, stream)),
             None => match rec {
@@ -216,15 +208,8 @@ impl State {
                     Ok(())
                 }
                 Record::Captured { capture, frontier } => self.join_capture(op, stream, capture, frontier),
-                Record::CapturedExternal { capture, node } => self.join_capture(op, stream, capture, vec![node]),
             },
         }
-    }
-
-    /// Whether `rec` is an external record node of a capture still in progress: a plain wait on
-    /// it is refused (CUDA_ERROR_INVALID_VALUE on the H200).
-    fn waits_on_external_node(&self, rec: &Record) -> bool {
-        matches!(rec, Record::CapturedExternal { capture, .. } if self.captures.contains_key(capture))
     }
 
     fn synchronize_stream(&mut self, stream: StreamId, op: &'static str) -> Result<()> {
@@ -238,7 +223,7 @@ impl State {
         match self.events.get(&event) {
             None | Some(Record::Never) | Some(Record::At(None)) => Ok(None),
             Some(Record::At(Some(w))) => Ok(Some(*w)),
-            Some(Record::Captured { capture, .. } | Record::CapturedExternal { capture, .. }) => {
+            Some(Record::Captured { capture, .. }) => {
                 // CUDA refuses and invalidates the capture the event was recorded in.
                 let capture = *capture;
                 self.invalidate(capture);
