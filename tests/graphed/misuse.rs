@@ -328,7 +328,7 @@ fn cases(dev: &Device) -> u32 {
     }
     match dev.kind() {
         DeviceKind::Cuda => 64,
-        _ => 24,
+        _ => 64,
     }
 }
 
