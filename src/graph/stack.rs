@@ -80,7 +80,8 @@ impl GraphedStack {
         &self.layers[self.layers.len() - 1]
     }
 
-    /// Every layer's `pass` is ready to replay (none was reset; training graphs for a backward).
+    /// Every layer's `pass` is ready to replay (none was reset; training graphs for a backward):
+    /// checked first, so that a stack graphed for inference says so before any argument check.
     fn check_ready(&self, pass: Pass) -> Result<()> {
         self.layers.iter().try_for_each(|l| l.exec(pass).map(|_| ()))
     }
