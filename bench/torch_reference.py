@@ -125,6 +125,25 @@ def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup:
         torch.cuda.synchronize()
         capture_ms = (time.perf_counter() - began) * 1e3
         step = graph.replay
+    elif variant == "torch-compile":
+        # What a user would pick instead: Inductor's fusion and CUDA graph trees. A new step is
+        # marked each time, and gradients are set to None, as the reduce-overhead docs ask.
+        model = torch.compile(torch.nn.Sequential(*layers), mode="reduce-overhead")
+        params = [p for m in layers for p in m.parameters()]
+
+        def compiled_step():
+            torch.compiler.cudagraph_mark_step_begin()
+            model(x).backward(dy)
+            for p in params:
+                p.grad = None
+            x.grad = None
+
+        began = time.perf_counter()
+        for _ in range(3):
+            compiled_step()
+        torch.cuda.synchronize()
+        capture_ms = (time.perf_counter() - began) * 1e3
+        step = compiled_step
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     wall, host, gpu = [], [], []
     for i in range(warmup + steps):
@@ -148,15 +167,17 @@ def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup:
     return row
 
 
-def graphs(configs: list, dtype: str, steps: int, warmup: int) -> dict:
+def graphs(configs: list, dtype: str, steps: int, warmup: int, variants: list) -> dict:
     """BENCH.md's step (every layer's forward, then backward from ones; no optimizer), as
     `graphed bench graphs` runs it: torch-eager, torch-graphed (make_graphed_callables, one
-    callable per layer) and torch-floor (the whole step in one torch.cuda.graph). TF32 off."""
+    callable per layer), torch-floor (the whole step in one torch.cuda.graph) and torch-compile
+    (torch.compile with mode="reduce-overhead"; its capture time includes compilation). TF32
+    off."""
     torch.backends.cuda.matmul.allow_tf32 = False
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     rows = []
     for name in configs:
-        for variant in ["torch-eager", "torch-graphed", "torch-floor"]:
+        for variant in variants:
             rows.append(graphs_variant(name, variant, dt, steps, warmup))
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -171,11 +192,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--configs", default="S,M,L")
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    p.add_argument("--variants", default="torch-eager,torch-graphed,torch-floor,torch-compile",
+                   help="graphs: comma-separated variants to run")
     args = p.parse_args()
     if args.which == "gemm":
         print(json.dumps(gemm(args.d, args.reps)))
     elif args.which == "graphs":
-        print(json.dumps(graphs(args.configs.split(","), args.dtype, 20, 5)))
+        print(json.dumps(graphs(args.configs.split(","), args.dtype, 20, 5, args.variants.split(","))))
     else:
         print(json.dumps(layer(args.configs.split(","), min(args.reps, 10))))
 
