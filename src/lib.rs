@@ -15,6 +15,51 @@
 //! 6. [`graph`]: `make_graphed_stack` and `make_graphed_callables`, replay on any stream under the
 //!    replay contract.
 //!
+//! From a model to a graphed training step, on the simulator (the same code runs on a GPU with
+//! `Device::cuda(0)`):
+//!
+//! ```
+//! use graphed::device::Device;
+//! use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, Replay};
+//! use graphed::memory::CachingAllocator;
+//! use graphed::nn::{DropoutSpec, ParamStore, Stack, TransformerLayer};
+//! use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
+//! use graphed::tensor::Tensor;
+//!
+//! let dev = Device::sim();
+//! let (main, side, ready) = (dev.stream()?, dev.stream()?, dev.event()?);
+//! let alloc = CachingAllocator::new(&dev);
+//! // Two transformer layers of width 16 (2 heads) over one flat parameter store.
+//! let mut store = ParamStore::new(&alloc, &main, 2 * TransformerLayer::parameter_count(16))?;
+//! let step = Tensor::<u64>::zeros(&alloc, &main, &[1])?; // dropout's step counter
+//! let mut layers = Vec::new();
+//! for l in 0..2u32 {
+//!     let dropout = DropoutSpec { p: 0.1, seed: 7, site: 2 * l, step: step.clone() };
+//!     let name = format!("h{l}");
+//!     layers.push(TransformerLayer::new(&mut store, &alloc, &name, (16, 2), &dropout, u64::from(l), &main)?);
+//! }
+//! let stack = Stack::new(layers).with_rng_step(&step);
+//! let x = Tensor::<f32>::zeros(&alloc, &main, &[2, 4, 16])?;
+//!
+//! // Capture: warmup, then every layer's forward and backward into graphs of one pool, each
+//! // recording `ready` once its outputs are written (verified at capture).
+//! let graphed = make_graphed_stack(&alloc, &stack, &x, GraphOptions::default().sync_event(&ready))?;
+//! let opt = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-3), &main)?;
+//! let opt_step = make_graphed_fn(&alloc, |s| opt.step(s))?;
+//!
+//! // A step: replays on the side stream, the main stream resuming at `ready` after each.
+//! let y = graphed.forward(&main, &x, Replay::side(&side))?;
+//! let dy = Tensor::from_host(&alloc, &main, &[1.0f32; 128], &[2, 4, 16])?;
+//! let dx = graphed.backward(&main, &dy)?;
+//! graphed.join(&main)?; // the tails, before the optimizer reads the gradients
+//! opt_step.replay(&main)?;
+//! assert_eq!((y.shape(), dx.map(|d| d.shape().to_vec())), (&[2, 4, 16][..], Some(vec![2, 4, 16])));
+//! assert_eq!(opt.steps(&main)?, 1);
+//! # Ok::<(), graphed::Error>(())
+//! ```
+//!
+//! The device layer underneath, by itself:
+//!
 //! ```
 //! use graphed::device::{CaptureMode, Device};
 //!
