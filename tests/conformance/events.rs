@@ -111,7 +111,40 @@ fn external_records_and_waits_need_a_capture(dev: &Device) -> anyhow::Result<()>
     Ok(())
 }
 
+/// During a capture an external record is only a node for the graph's launches: it leaves the
+/// event as it was for plain waits, as measured on the H200. A wait on a never-recorded event
+/// then does nothing (it forks no stream into the capture), and a wait on an event recorded
+/// before the capture still binds to that record, which the capturing stream may not wait for.
+fn an_external_record_leaves_the_event_for_plain_waits(dev: &Device) -> anyhow::Result<()> {
+    let (s, other) = (dev.stream()?, dev.stream()?);
+    let x = dev.alloc::<f32>(4)?;
+    let fresh = dev.event()?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    elementwise::fill(x.view(), 1.0, &s)?;
+    s.record_external(&fresh)?;
+    other.wait(&fresh)?;
+    ensure!(other.capture_id()?.is_none(), "a wait after the external record forked its stream into the capture");
+    s.wait(&fresh)?;
+    let exec = cap.finish()?.instantiate()?;
+    exec.launch(&s)?;
+    ensure!(x.to_vec(&s)? == vec![1.0; 4], "the graph ran");
+    drop(exec);
+
+    let before = dev.event()?;
+    s.record(&before)?;
+    s.synchronize()?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    s.record_external(&before)?;
+    match s.wait(&before) {
+        Err(e) if e.capture_kind() == Some(CaptureErrorKind::Isolation) => {}
+        other => anyhow::bail!("a capturing stream waiting on a record made before the capture: {other:?}"),
+    }
+    ensure!(cap.finish().is_err(), "the isolation error invalidated the capture");
+    Ok(())
+}
+
 crate::per_device!(
+    an_external_record_leaves_the_event_for_plain_waits,
     external_records_and_waits_need_a_capture,
     event_orders_two_streams,
     wait_on_never_recorded_event_does_nothing,

@@ -168,14 +168,17 @@ impl State {
         let op = if external { "record_external" } else { "record" };
         let rec = match self.active_capture_of(op, stream)? {
             Some(cap) if external => {
-                let node = self.add_node(
+                // An external record is a node for the graph's launches to execute; during the
+                // capture it leaves the event as it was for plain waits, as on the H200 (a wait
+                // after it binds to the event's earlier record, or to none).
+                self.add_node(
                     cap,
                     stream,
                     super::NodeKind::EventRecord,
                     format!("record {event}"),
                     graph::NodeTask::Record(event),
                 );
-                Record::Captured { capture: cap, frontier: vec![node] }
+                return Ok(());
             }
             Some(cap) => Record::Captured { capture: cap, frontier: self.stream(stream).frontier.clone() },
             None if external => return Err(outside_capture(op, stream)),
