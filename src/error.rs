@@ -402,6 +402,11 @@ pub enum CaptureErrorKind {
     /// CUDA_ERROR_ILLEGAL_STATE).
     #[error("an external event record or wait outside a capture")]
     ExternalOutsideCapture,
+    /// A wait, query or synchronize of an event last recorded (plainly) inside a capture that has
+    /// ended: the record stands for no work anyone can wait for (measured on the H200:
+    /// CUDA_ERROR_INVALID_VALUE, and a capturing stream's wait invalidates its capture).
+    #[error("the event was last recorded inside a capture that has ended")]
+    RecordOfEndedCapture,
 }
 
 impl CaptureErrorKind {
@@ -417,6 +422,7 @@ impl CaptureErrorKind {
             Self::WrongThread => "end the capture on the thread that began it, or begin it in relaxed mode",
             Self::CapturedEvent => "query or synchronize the event only after end_capture and a launch of the graph",
             Self::AlreadyCapturing => "end the current capture first",
+            Self::RecordOfEndedCapture => "record the event again outside a capture (or in a live one) before waiting on it; to wait for a graph's work, record after its launch or use an external record node",
             Self::ExternalOutsideCapture => "record or wait with Stream::record or Stream::wait outside a capture; inside graphed capture, the sync event is recorded by GraphOptions::sync_event, not by the module",
         }
     }

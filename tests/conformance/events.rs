@@ -143,7 +143,35 @@ fn an_external_record_leaves_the_event_for_plain_waits(dev: &Device) -> anyhow::
     Ok(())
 }
 
+/// An event last recorded inside a capture that has ended stands for no work: a wait on it, a
+/// query and a synchronize are refused with one typed error on both devices (the H200 says
+/// CUDA_ERROR_INVALID_VALUE), a capturing stream's wait on it also invalidates its capture, and a
+/// new record outside a capture makes the event usable again.
+fn a_record_of_an_ended_capture_is_refused(dev: &Device) -> anyhow::Result<()> {
+    let (s, other) = (dev.stream()?, dev.stream()?);
+    let x = dev.alloc::<f32>(4)?;
+    let e = dev.event()?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    elementwise::fill(x.view(), 1.0, &s)?;
+    s.record(&e)?;
+    let exec = cap.finish()?.instantiate()?;
+    let ended = |r: graphed::Result<()>| matches!(r, Err(err) if err.capture_kind() == Some(CaptureErrorKind::RecordOfEndedCapture));
+    ensure!(ended(other.wait(&e)), "a wait on it");
+    ensure!(ended(e.query().map(|_| ())), "a query of it");
+    ensure!(ended(e.synchronize()), "a synchronize of it");
+    let cap = other.capture(CaptureMode::ThreadLocal)?;
+    ensure!(ended(other.wait(&e)), "a capturing stream's wait on it");
+    ensure!(cap.finish().is_err(), "the capture survived the refused wait");
+    exec.launch(&s)?;
+    s.record(&e)?;
+    other.wait(&e)?;
+    ensure!(x.to_vec(&other)? == vec![1.0; 4], "recorded again outside, the event orders the streams");
+    drop(exec);
+    Ok(())
+}
+
 crate::per_device!(
+    a_record_of_an_ended_capture_is_refused,
     an_external_record_leaves_the_event_for_plain_waits,
     external_records_and_waits_need_a_capture,
     event_orders_two_streams,

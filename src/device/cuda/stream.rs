@@ -87,7 +87,7 @@ pub(super) fn wait(stream: &CuStream, event: &CuEvent, external: bool) -> Result
         if external { capture::active_id(&stream.raw).map_err(|e| err::at(op, stream.site(), e))? } else { None };
     ffi::wait(&stream.raw, &event.0.raw, external).map_err(|e| match external {
         true => external_error(op, stream, capture, e),
-        false => err::at(op, stream.site(), e),
+        false => ended_capture_error(op, stream.site(), e),
     })?;
     if let Some(id) = capture {
         capture::hold_event(id, &event.0);
@@ -105,6 +105,18 @@ fn external_error(op: &'static str, stream: &CuStream, capture: Option<u64>, e: 
     }
 }
 
+/// The driver's error for a wait on, or a query or synchronize of, an event. Its handles are
+/// valid and of one context (the device layer checks), so CUDA_ERROR_INVALID_VALUE means the
+/// event's last record was made inside a capture that has ended (measured on the H200): the
+/// simulator's [`CaptureErrorKind::RecordOfEndedCapture`](crate::CaptureErrorKind::RecordOfEndedCapture).
+/// Telling it apart at record time would cost a driver call per record.
+fn ended_capture_error(op: &'static str, on: CaptureSite, e: DriverError) -> Error {
+    match e.0 == sys::CUresult::CUDA_ERROR_INVALID_VALUE {
+        true => Error::Capture { op, on, kind: crate::CaptureErrorKind::RecordOfEndedCapture },
+        false => err::at(op, on, e),
+    }
+}
+
 /// `cuStreamSynchronize`: refused on a capturing stream, in every capture mode.
 pub(super) fn synchronize(op: &'static str, stream: &CuStream) -> Result<()> {
     stream.raw.synchronize().map_err(|e| err::at(op, stream.site(), e))
@@ -117,12 +129,12 @@ pub(super) fn query(stream: &CuStream) -> Result<bool> {
 
 /// `cuEventQuery`: `Ok(false)` while the work before the latest record is pending.
 pub(super) fn event_query(event: &CuEvent) -> Result<bool> {
-    event.0.raw.try_is_complete().map_err(|e| err::at("Event::query", event.site(), e))
+    event.0.raw.try_is_complete().map_err(|e| ended_capture_error("Event::query", event.site(), e))
 }
 
 /// `cuEventSynchronize`.
 pub(super) fn event_synchronize(event: &CuEvent) -> Result<()> {
-    event.0.raw.synchronize().map_err(|e| err::at("Event::synchronize", event.site(), e))
+    event.0.raw.synchronize().map_err(|e| ended_capture_error("Event::synchronize", event.site(), e))
 }
 
 /// `cuEventElapsedTime_v2` between two completed records. The device's context must be bound.

@@ -69,6 +69,10 @@ impl State {
                 st.frontier = merged.into_iter().collect();
                 Ok(())
             }
+            Record::Captured { capture: other, .. } if !self.captures.contains_key(&other) => {
+                self.invalidate(cap);
+                Err(err(op, stream, CaptureErrorKind::RecordOfEndedCapture))
+            }
             Record::Captured { capture: other, .. } => {
                 // CUDA invalidates both captures.
                 self.invalidate(cap);
@@ -87,7 +91,7 @@ impl State {
         frontier: Vec<usize>,
     ) -> Result<()> {
         match self.captures.get_mut(&cap) {
-            None => Err(err(op, stream, CaptureErrorKind::CapturedEvent)),
+            None => Err(err(op, stream, CaptureErrorKind::RecordOfEndedCapture)),
             Some(c) if c.invalid => Err(err(op, stream, CaptureErrorKind::Invalidated)),
             Some(c) => {
                 c.members.push(stream);

@@ -226,6 +226,9 @@ impl State {
         match self.events.get(&event) {
             None | Some(Record::Never) | Some(Record::At(None)) => Ok(None),
             Some(Record::At(Some(w))) => Ok(Some(*w)),
+            Some(Record::Captured { capture, .. }) if !self.captures.contains_key(capture) => {
+                Err(Error::Capture { op, on: CaptureSite::Event(event), kind: CaptureErrorKind::RecordOfEndedCapture })
+            }
             Some(Record::Captured { capture, .. }) => {
                 // CUDA refuses and invalidates the capture the event was recorded in.
                 let capture = *capture;
