@@ -29,12 +29,12 @@ fn inspect_reports_every_graph_and_writes_dot_files() {
     // The simulator's default configuration, `tiny`, has two layers.
     for layer in 0..2 {
         for pass in ["Forward", "Backward"] {
-            let name = format!("TransformerLayer#{layer} {pass}");
+            let name = format!("TransformerLayer#{layer} (layer{layer}) {pass}");
             let line = out.lines().find(|l| l.trim_start().starts_with(&name));
             let line = line.unwrap_or_else(|| panic!("no line for {name} in:\n{out}"));
             // Captured with a sync event: every graph records it.
             assert!(!line.ends_with("records none"), "{name} records no event: {line}");
-            let dot = dir.join(format!("TransformerLayer_{layer}-{pass}.dot"));
+            let dot = dir.join(format!("TransformerLayer_{layer}_layer{layer}-{pass}.dot"));
             let text = std::fs::read_to_string(&dot).unwrap_or_else(|e| panic!("{}: {e}", dot.display()));
             assert!(text.starts_with("digraph"), "{} is not DOT: {}", dot.display(), &text[..text.len().min(80)]);
         }

@@ -93,15 +93,15 @@ fn print_callable(g: &GraphedCallable) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes each graph to `<callable>-<pass>.dot` in `dir`, `#` made `_` so that the names are
-/// safe in shells and URLs.
+/// Writes each graph to `<callable>-<pass>.dot` in `dir`, the callable's name made safe for
+/// shells and URLs (`TransformerLayer#0 (layer0)` → `TransformerLayer_0_layer0`).
 fn write_dots(graphed: &[GraphedCallable], dir: &std::path::Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("cannot create {}; pass a writable directory to --dot", dir.display()))?;
     let mut written = 0;
     for g in graphed {
         for (pass, graph) in g.graphs() {
-            let path = dir.join(format!("{}-{pass:?}.dot", g.name().replace('#', "_")));
+            let path = dir.join(format!("{}-{pass:?}.dot", file_safe(g.name())));
             std::fs::write(&path, graph.dot()?)
                 .with_context(|| format!("cannot write {}; pass a writable directory to --dot", path.display()))?;
             written += 1;
@@ -114,4 +114,17 @@ fn write_dots(graphed: &[GraphedCallable], dir: &std::path::Path) -> anyhow::Res
 /// Bytes, with MiB for reading at a glance.
 fn bytes(n: usize) -> String {
     format!("{n} B ({:.2} MiB)", n as f64 / (1 << 20) as f64)
+}
+
+/// `name` with every run of characters other than letters, digits and `-` made one `_`.
+fn file_safe(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        match c.is_ascii_alphanumeric() || c == '-' {
+            true => out.push(c),
+            false if !out.ends_with('_') => out.push('_'),
+            false => {}
+        }
+    }
+    out.trim_matches('_').to_string()
 }

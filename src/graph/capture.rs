@@ -142,7 +142,7 @@ fn capture(
     if let Some(stream) = &options.stream {
         alloc.device().check_same(OP, "stream", stream.device().id()).map_err(|e| refusal(OP, e))?;
     }
-    let names: Vec<String> = callables.iter().enumerate().map(|(i, c)| format!("{}#{i}", c.name())).collect();
+    let names: Vec<String> = callables.iter().enumerate().map(|(i, c)| label(i, *c)).collect();
     for (i, sample) in samples.iter().enumerate() {
         let mut seen = Vec::new();
         for name in sample.iter().flat_map(|s| s.named_inputs()).filter_map(|x| x.name.as_deref()) {
@@ -191,6 +191,16 @@ fn capture(
     let callables = captured?;
     stream.synchronize()?;
     Ok(callables)
+}
+
+/// A callable's name in errors and reports: its type and index, and the name its parameters
+/// start with (`TransformerLayer#1 (h1)`), which tells apart layers of different captures.
+fn label(i: usize, c: &dyn Callable) -> String {
+    let prefix = c.parameters_dyn().first().and_then(|p| p.name.split('.').next().map(str::to_string));
+    match prefix {
+        Some(p) => format!("{}#{i} ({p})", c.name()),
+        None => format!("{}#{i}", c.name()),
+    }
 }
 
 /// Each pool of `pools` once.
