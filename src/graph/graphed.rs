@@ -7,7 +7,7 @@ use super::error::refusal;
 use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
 use crate::device::{Event, EventId, Graph, GraphId, NodeKind, Stream};
-use crate::memory::{GraphPool, PoolExec, PoolGraph, PoolId};
+use crate::memory::{GraphPool, PoolExec, PoolGraph};
 use crate::nn::{Input, Inputs};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -100,6 +100,11 @@ impl GraphedCallable {
     /// The static output-gradient buffers: pass them to `backward` to skip the copy-in.
     pub fn static_grad_outputs(&self) -> &[Tensor<f32>] {
         &self.grad_outputs
+    }
+
+    /// Whether `pass` was captured.
+    pub(crate) fn has_pass(&self, pass: Pass) -> bool {
+        self.graphs.iter().any(|c| c.pass == pass)
     }
 
     pub(crate) fn exec(&self, pass: Pass) -> Result<&PoolExec> {
@@ -230,6 +235,20 @@ impl GraphedCallable {
     ) -> Result<Tail> {
         let exec = self.exec(pass)?;
         check_order(&[(&self.pool, exec.id())], caller, route).map_err(|e| refusal(&self.name, e))?;
+        self.replay_checked(pass, caller, route, sources, statics)
+    }
+
+    /// [`replay`](GraphedCallable::replay) for a caller that has already checked this launch
+    /// against the pool's order (a graphed stack checks its whole pass at once).
+    pub(crate) fn replay_checked(
+        &self,
+        pass: Pass,
+        caller: &Stream,
+        route: &Route,
+        sources: &[Option<&Tensor<f32>>],
+        statics: &[&Tensor<f32>],
+    ) -> Result<Tail> {
+        let exec = self.exec(pass)?;
         for (src, dst) in sources.iter().zip(statics) {
             if let Some(src) = src {
                 caller.copy_d2d(src.view()?, dst.view()?)?;
@@ -398,12 +417,11 @@ pub(crate) fn check_order(graphs: &[(&GraphPool, GraphId)], caller: &Stream, rou
         Route::Caller => (caller, None),
         Route::Joined(s) | Route::Side(s) => (s, Some(caller)),
     };
-    let mut seen: Vec<PoolId> = Vec::new();
-    for (pool, _) in graphs {
-        if seen.contains(&pool.id()) {
+    for (k, (pool, _)) in graphs.iter().enumerate() {
+        // Each pool once, with its graphs in launch order.
+        if graphs[..k].iter().any(|(p, _)| p.id() == pool.id()) {
             continue;
         }
-        seen.push(pool.id());
         let mine: Vec<GraphId> = graphs.iter().filter(|(p, _)| p.id() == pool.id()).map(|(_, g)| *g).collect();
         pool.check_launches(&mine, stream, after)?;
     }

@@ -41,7 +41,7 @@ pub struct GraphedFn {
 pub fn make_graphed_fn(alloc: &CachingAllocator, f: impl FnOnce(&Stream) -> Result<()>) -> Result<GraphedFn> {
     let stream = alloc.device().stream()?;
     let pool: GraphPool = alloc.new_pool();
-    alloc.synchronize()?;
+    // The allocator's capture waits for the device first, so `f` may use work of any stream.
     let cap = alloc.capture(&stream, CaptureMode::ThreadLocal, &pool)?;
     f(&stream)?;
     let graph = cap.finish()?;

@@ -47,7 +47,8 @@ impl Replayer<'_> {
             true => (vec![self.source], vec![layer.static_copy_target(pass)?]),
             false => (Vec::new(), Vec::new()),
         };
-        self.tails.push(layer.replay(pass, self.caller, &route, &sources, &statics)?);
+        // `GraphedStack::run` checked the whole pass against the pools' order.
+        self.tails.push(layer.replay_checked(pass, self.caller, &route, &sources, &statics)?);
         Ok(())
     }
 }
@@ -147,7 +148,7 @@ impl GraphedStack {
     /// each the way its forward replayed.
     pub fn backward_dw(&self, caller: &Stream) -> Result<()> {
         let mut tails = Tails::new();
-        for layer in self.layers.iter().rev().filter(|l| l.graphs().iter().any(|(p, _)| *p == Pass::BackwardDw)) {
+        for layer in self.layers.iter().rev().filter(|l| l.has_pass(Pass::BackwardDw)) {
             tails.push(layer.replay(Pass::BackwardDw, caller, &layer.last_route(), &[], &[])?);
         }
         self.tails.lock().unwrap_or_else(PoisonError::into_inner).append(tails);

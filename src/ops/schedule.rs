@@ -63,10 +63,11 @@ fn lr_schedule_step_cpu(a: &CpuArgs) -> Result<()> {
     let t = step_of(a, "step")? + 1;
     let (kind, peak, warmup, total, floor) =
         (a.u32("kind")?, a.f32("peak")?, a.u64("warmup")?, a.u64("total")?, a.f32("floor_frac")?);
-    let rate = match kind {
-        1 => warmup_cosine(peak, warmup, total, floor, t - 1),
-        _ => peak,
+    let schedule = match kind {
+        1 => LrSchedule::WarmupCosine { peak, warmup, total, floor },
+        _ => LrSchedule::Constant(peak),
     };
+    let rate = schedule.rate(t - 1);
     a.output::<u64>("step")?[0] = t;
     match a.output::<f32>("lr")?.first_mut() {
         Some(lr) => *lr = rate,
