@@ -147,9 +147,17 @@ impl GraphedStack {
     /// Replays the split weight-gradient graphs of the layers that have one, last layer first,
     /// each the way its forward replayed.
     pub fn backward_dw(&self, caller: &Stream) -> Result<()> {
+        let splitting: Vec<&GraphedCallable> =
+            self.layers.iter().rev().filter(|l| l.has_pass(Pass::BackwardDw)).collect();
+        // The whole pass is checked before the first launch, as `run` does.
+        let mut graphs = Vec::with_capacity(splitting.len());
+        for layer in &splitting {
+            graphs.push((layer.pool(), layer.exec(Pass::BackwardDw)?.id()));
+        }
+        check_order(&graphs, caller, &self.last().last_route()).map_err(|e| self.refusal(e))?;
         let mut tails = Tails::new();
-        for layer in self.layers.iter().rev().filter(|l| l.has_pass(Pass::BackwardDw)) {
-            tails.push(layer.replay(Pass::BackwardDw, caller, &layer.last_route(), &[], &[])?);
+        for layer in splitting {
+            tails.push(layer.replay_checked(Pass::BackwardDw, caller, &layer.last_route(), &[], &[])?);
         }
         self.tails.lock().unwrap_or_else(PoisonError::into_inner).append(tails);
         Ok(())

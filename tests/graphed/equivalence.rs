@@ -159,3 +159,47 @@ pub fn training_and_inference_graphs_mix(dev: &Device) -> Result {
         other => anyhow::bail!("an out-of-order replay in a shared pool: {other:?}"),
     }
 }
+
+/// A graphed stack of Linears with split weight gradients: `backward_dw` replays every layer's
+/// split pass (last layer first) and matches eager; out of the pool's order it is refused before
+/// any layer's pass runs.
+pub fn stack_split_weight_gradient_matches_eager(dev: &Device) -> Result {
+    use graphed::nn::Stack;
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let mut store = ParamStore::new(&alloc, &s, 4 * Linear::parameter_count((8, 8)))?;
+    let mut linears = |seed: u64| -> Result<Stack<Linear>> {
+        let mut layers = Vec::new();
+        for l in 0..2 {
+            let mut fc = Linear::new(&mut store, &alloc, &format!("fc{seed}{l}"), (8, 8), seed + l, &s)?;
+            fc.set_split_dw(true);
+            layers.push(fc);
+        }
+        Ok(Stack::new(layers))
+    };
+    let (eager, graphed) = (linears(1)?, linears(1)?);
+    let x0 = Tensor::from_host(&alloc, &s, &lcg(24, 1), &[3, 8])?;
+    let g = graphed::graph::make_graphed_stack(&alloc, &graphed, &x0, GraphOptions::default())?;
+    let grads = |st: &Stack<Linear>| -> Result<Vec<Vec<f32>>> {
+        Ok(st.layers().iter().map(|l| l.weight.grad.to_vec(&s)).collect::<graphed::Result<_>>()?)
+    };
+    let before = grads(&graphed)?;
+    match g.backward_dw(&s) {
+        Err(e) if matches!(e.graphed_kind(), Some(graphed::graph::GraphedErrorKind::PoolOrder { .. })) => {}
+        other => anyhow::bail!("backward_dw before any forward: {other:?}"),
+    }
+    ensure!(grads(&graphed)? == before, "the refused backward_dw changed a weight gradient");
+    for k in 0..2 {
+        let x = Tensor::from_host(&alloc, &s, &lcg(24, 10 + k), &[3, 8])?;
+        let dy = Tensor::from_host(&alloc, &s, &lcg(24, 20 + k), &[3, 8])?;
+        let (_, ctx) = eager.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+        eager.backward(ctx, &[&dy], &s)?;
+        eager.backward_dw(&s)?;
+        g.forward(&s, &x, Replay::caller())?;
+        g.backward(&s, &dy)?;
+        g.backward_dw(&s)?;
+        g.join(&s)?;
+        ensure!(grads(&eager)? == grads(&graphed)?, "microbatch {k}: weight gradients differ");
+    }
+    Ok(())
+}

@@ -21,6 +21,7 @@ per_device!(
     stack_side_stream_matches_eager,
     layers_unchained_match_eager,
     split_weight_gradient_matches_eager,
+    stack_split_weight_gradient_matches_eager,
     training_and_inference_graphs_mix,
     hooks_run_in_order_outside_capture,
     post_warmup_runs_when_warmup_fails,
