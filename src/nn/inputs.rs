@@ -138,7 +138,7 @@ impl Inputs {
 
     /// The same structure with other tensors, in [`Inputs::iter`] order (the static buffers of a
     /// graphed call); inputs beyond `tensors` keep theirs.
-    pub fn with_tensors(&self, tensors: Vec<Tensor<f32>>) -> Inputs {
+    pub(crate) fn with_tensors(&self, tensors: Vec<Tensor<f32>>) -> Inputs {
         let mut t = tensors.into_iter();
         let mut swap = |i: &Input| Input { tensor: t.next().unwrap_or_else(|| i.tensor.clone()), ..i.clone() };
         let positional = self.positional.iter().map(&mut swap).collect();

@@ -110,6 +110,14 @@ impl Target {
         }
     }
 
+    /// Joins its tails into `s` (R4).
+    fn join(&mut self, s: &graphed::device::Stream) -> graphed::Result<()> {
+        match self {
+            Target::Stack(g) => g.join(s),
+            Target::Layer(_, tails) => std::mem::take(tails).join(s),
+        }
+    }
+
     fn statics(&self) -> Vec<&Tensor<f32>> {
         match self {
             Target::Stack(g) => {
@@ -232,10 +240,7 @@ impl World<'_> {
                     Ok(())
                 }
             },
-            Act::Join { at: i } => match &mut self.targets[at(i)] {
-                Target::Stack(g) => g.join(&s),
-                Target::Layer(_, tails) => std::mem::take(tails).join(&s),
-            },
+            Act::Join { at: i } => self.targets[at(i)].join(&s),
             Act::Reset { at: i } => match &mut self.targets[at(i)] {
                 Target::Stack(g) => g.reset(),
                 Target::Layer(g, tails) => {
@@ -249,12 +254,7 @@ impl World<'_> {
             }
             Act::OptimizerStep => {
                 // The optimizer reads every gradient: the tails first (R4), as a user must.
-                for t in &mut self.targets {
-                    match t {
-                        Target::Stack(g) => g.join(&s)?,
-                        Target::Layer(_, tails) => std::mem::take(tails).join(&s)?,
-                    }
-                }
+                self.targets.iter_mut().try_for_each(|t| t.join(&s))?;
                 self.model.optimizer.step(&s)
             }
         }
@@ -308,12 +308,8 @@ fn run_sequence(dev: &Device, acts: &[Act]) -> Result {
             ensure!(before == after, "step {k} {act:?} was refused ({e}) but changed state");
         }
     }
-    for t in &mut world.targets {
-        match t {
-            Target::Stack(g) => g.join(&world.model.s)?,
-            Target::Layer(_, tails) => std::mem::take(tails).join(&world.model.s)?,
-        }
-    }
+    let s = world.model.s.clone();
+    world.targets.iter_mut().try_for_each(|t| t.join(&s))?;
     world.targets.clear();
     world.dev.synchronize()?;
     ensure!(world.dev.take_error().is_none(), "a drop failed");
