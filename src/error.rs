@@ -188,6 +188,32 @@ pub enum Error {
         found: Vec<usize>,
     },
 
+    /// Tensors of different element types met where one type is needed (an operation's
+    /// operands, a copy, a typed read).
+    #[error(
+        "{op}: expected a tensor of {expected}, found {found}; convert it first (ops::cast) or pass one of {expected}"
+    )]
+    DTypeMismatch {
+        /// The operation that was called.
+        op: &'static str,
+        /// The element type the operation needs here.
+        expected: crate::device::DType,
+        /// The element type passed.
+        found: crate::device::DType,
+    },
+
+    /// An operation (a kernel, a GEMM, a module) was called with an element type it has no
+    /// implementation for.
+    #[error("{op} does not support {dtype}: it takes {supported}; cast the tensor to one of those")]
+    UnsupportedDType {
+        /// The operation that was called.
+        op: &'static str,
+        /// The element type passed.
+        dtype: crate::device::DType,
+        /// The element types it supports, for the message ("f32 or bf16").
+        supported: &'static str,
+    },
+
     /// A module was called with inputs it does not take (counted as positional and named).
     #[error("{op}: takes {expected}, but was given {positional} positional and {named} named inputs; pass the inputs it takes")]
     InputArity {

@@ -31,7 +31,7 @@
 //! let alloc = CachingAllocator::new(&dev);
 //! // Two transformer layers of width 16 (2 heads) over one flat parameter store.
 //! let mut store = ParamStore::new(&alloc, &main, 2 * TransformerLayer::parameter_count(16))?;
-//! let step = Tensor::<u64>::zeros(&alloc, &main, &[1])?; // dropout's step counter
+//! let step = Tensor::zeros(&alloc, &main, &[1], graphed::device::DType::U64)?; // dropout's step counter
 //! let mut layers = Vec::new();
 //! for l in 0..2u32 {
 //!     let dropout = DropoutSpec { p: 0.1, seed: 7, site: 2 * l, step: step.clone() };
@@ -39,7 +39,7 @@
 //!     layers.push(TransformerLayer::new(&mut store, &alloc, &name, (16, 2), &dropout, u64::from(l), &main)?);
 //! }
 //! let stack = Stack::new(layers).with_rng_step(&step);
-//! let x = Tensor::<f32>::zeros(&alloc, &main, &[2, 4, 16])?;
+//! let x = Tensor::zeros(&alloc, &main, &[2, 4, 16], graphed::device::DType::F32)?;
 //!
 //! // Capture: warmup, then every layer's forward and backward into graphs of one pool, each
 //! // recording `ready` once its outputs are written (verified at capture).

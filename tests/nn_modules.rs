@@ -7,6 +7,7 @@ mod common;
 
 use anyhow::ensure;
 use common::{ensure_close, lcg, numeric_grad};
+use graphed::device::DType;
 use graphed::device::{Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
@@ -25,7 +26,7 @@ const HEADS: usize = 2;
 
 /// A step counter at step 1 and the dropout spec over it.
 fn spec(alloc: &CachingAllocator, s: &Stream, p: f32, site: u32) -> graphed::Result<DropoutSpec> {
-    let step = Tensor::zeros(alloc, s, &[1])?;
+    let step = Tensor::zeros(alloc, s, &[1], graphed::device::DType::U64)?;
     rng::step_write(&step, 1, s)?;
     Ok(DropoutSpec { p, seed: 1234, site, step })
 }
@@ -59,13 +60,13 @@ impl<M: Module> Case<M> {
         Ok(Case { s, alloc, store, module, x: lcg(n, 1), r: lcg(n, 2) })
     }
 
-    fn put(&self, data: &[f32]) -> Result<Tensor<f32>> {
+    fn put(&self, data: &[f32]) -> Result<Tensor> {
         Ok(Tensor::from_host(&self.alloc, &self.s, data, &SHAPE)?)
     }
 
     fn set_params(&self, values: &[f32]) -> Result {
         let staging = Tensor::from_host(&self.alloc, &self.s, values, &[values.len()])?;
-        Ok(self.s.copy_d2d(staging.view()?, self.store.values()?.view()?)?)
+        Ok(self.s.copy_d2d(staging.view::<f32>()?, self.store.values()?.view::<f32>()?)?)
     }
 
     fn forward(&self, x: &[f32]) -> Result<Vec<f32>> {
@@ -172,7 +173,7 @@ fn bad_shapes_are_refused(dev: &Device) -> Result {
     let bad = CausalSelfAttention::new(&mut store, &alloc, "attn", (SHAPE[2], 3), 1, &s);
     ensure!(matches!(bad, Err(Error::Shape { .. })), "3 heads do not divide 8 features");
     let attn = CausalSelfAttention::new(&mut store, &alloc, "attn", (SHAPE[2], HEADS), 1, &s)?;
-    let flat = Tensor::<f32>::zeros(&alloc, &s, &[6, 8])?;
+    let flat = Tensor::zeros(&alloc, &s, &[6, 8], DType::F32)?;
     ensure!(matches!(attn.forward(&Inputs::one(&flat), &KeepOnDevice, &s), Err(Error::Shape { .. })), "(B, T, C) only");
     let ln = LayerNorm::new(&mut store, &alloc, "ln", 4, &s)?;
     ensure!(matches!(ln.forward(&Inputs::one(&flat), &KeepOnDevice, &s), Err(Error::Shape { .. })), "width 4, not 8");
@@ -235,15 +236,18 @@ fn stack_runs_its_layers_in_order(dev: &Device) -> Result {
     let dy = Tensor::from_host(&alloc, &s, &lcg(n, 2), &SHAPE)?;
     let (y, ctx) = stack.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
     let dx = input_grad("stack", stack.backward(ctx, &[&dy], &s)?)?;
-    let (y, dx, grads) = (y[0].to_vec(&s)?, dx.to_vec(&s)?, store.grads()?.to_vec(&s)?);
-    s.memset(store.grads()?.view()?, 0)?;
+    let (y, dx, grads) = (y[0].to_vec::<f32>(&s)?, dx.to_vec::<f32>(&s)?, store.grads()?.to_vec::<f32>(&s)?);
+    s.memset(store.grads()?.view::<f32>()?, 0)?;
     let [a, b] = stack.layers() else { anyhow::bail!("two layers") };
     let (h, ca) = a.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
     let (y2, cb) = b.forward(&Inputs::one(&h[0]), &KeepOnDevice, &s)?;
     let dh = input_grad("b", b.backward(cb, &[&dy], &s)?)?;
     let dx2 = input_grad("a", a.backward(ca, &[&dh], &s)?)?;
-    ensure!(y == y2[0].to_vec(&s)? && dx == dx2.to_vec(&s)?, "the stack differs from its layers one by one");
-    ensure!(grads == store.grads()?.to_vec(&s)?, "parameter gradients differ");
+    ensure!(
+        y == y2[0].to_vec::<f32>(&s)? && dx == dx2.to_vec::<f32>(&s)?,
+        "the stack differs from its layers one by one"
+    );
+    ensure!(grads == store.grads()?.to_vec::<f32>(&s)?, "parameter gradients differ");
     ensure!(stack.parameters().len() == a.parameters().len() + b.parameters().len(), "the layers' parameters");
     // Two inputs for a layer that takes one.
     let two = Inputs::one(&x).arg(&x);

@@ -4,6 +4,7 @@ mod common;
 
 use anyhow::ensure;
 use common::{ensure_close, numeric_grad};
+use graphed::device::DType;
 use graphed::device::{Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::ops::{gelu, layernorm, softmax};
@@ -54,16 +55,16 @@ impl Ctx {
         Ok(Ctx { s: dev.stream()?, alloc: CachingAllocator::with_poison(dev) })
     }
 
-    fn t(&self, data: &[f32], shape: &[usize]) -> graphed::Result<Tensor<f32>> {
+    fn t(&self, data: &[f32], shape: &[usize]) -> graphed::Result<Tensor> {
         Tensor::from_host(&self.alloc, &self.s, data, shape)
     }
 
-    fn uninit(&self, shape: &[usize]) -> graphed::Result<Tensor<f32>> {
-        Tensor::uninit(&self.alloc, &self.s, shape)
+    fn uninit(&self, shape: &[usize]) -> graphed::Result<Tensor> {
+        Tensor::uninit(&self.alloc, &self.s, shape, DType::F32)
     }
 
-    fn zeros(&self, shape: &[usize]) -> graphed::Result<Tensor<f32>> {
-        Tensor::zeros(&self.alloc, &self.s, shape)
+    fn zeros(&self, shape: &[usize]) -> graphed::Result<Tensor> {
+        Tensor::zeros(&self.alloc, &self.s, shape, DType::F32)
     }
 }
 
@@ -108,7 +109,7 @@ impl Ln {
     }
 
     /// `[out, mean, rstd]` of the forward of `x` with parameters `w`, `b`.
-    fn forward(&self, ctx: &Ctx, x: &[f32], w: &[f32], b: &[f32]) -> anyhow::Result<[Tensor<f32>; 4]> {
+    fn forward(&self, ctx: &Ctx, x: &[f32], w: &[f32], b: &[f32]) -> anyhow::Result<[Tensor; 4]> {
         let (n, c) = (self.n, self.c);
         let inp = ctx.t(x, &[n, c])?;
         let [out, mean, rstd] = [ctx.uninit(&[n, c])?, ctx.uninit(&[n])?, ctx.uninit(&[n])?];
@@ -279,7 +280,7 @@ impl Sm {
         self.shape[3]
     }
 
-    fn forward(&self, ctx: &Ctx, scores: &[f32]) -> anyhow::Result<Tensor<f32>> {
+    fn forward(&self, ctx: &Ctx, scores: &[f32]) -> anyhow::Result<Tensor> {
         let probs = ctx.uninit(&self.shape)?;
         softmax::softmax_causal_forward(&probs, &ctx.t(scores, &self.shape)?, SCALE, &ctx.s)?;
         Ok(probs)

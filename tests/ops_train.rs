@@ -46,12 +46,12 @@ impl Env {
         Ok(Env { s: dev.stream()?, alloc: CachingAllocator::new(dev) })
     }
 
-    fn put<T: Elem>(&self, data: &[T], shape: &[usize]) -> Result<Tensor<T>> {
+    fn put<T: Elem>(&self, data: &[T], shape: &[usize]) -> Result<Tensor> {
         Ok(Tensor::from_host(&self.alloc, &self.s, data, shape)?)
     }
 
-    fn zeros<T: Elem>(&self, shape: &[usize]) -> Result<Tensor<T>> {
-        Ok(Tensor::zeros(&self.alloc, &self.s, shape)?)
+    fn zeros<T: Elem>(&self, shape: &[usize]) -> Result<Tensor> {
+        Ok(Tensor::zeros(&self.alloc, &self.s, shape, T::DTYPE)?)
     }
 }
 
@@ -217,7 +217,7 @@ fn embedding_matches_finite_differences_and_the_simulator(dev: &Device) -> Resul
         let (wte, wpe) = (env.put(&x[..split], &[d.v, d.c])?, env.put(&x[split..], &[d.t_max, d.c])?);
         let out = env.zeros::<f32>(&[d.b, d.t, d.c])?;
         embedding::embedding_forward(&out, &tokens, &wte, &wpe, &env.s)?;
-        Ok(out.to_vec(&env.s)?.iter().zip(&case.dout).map(|(&y, &g)| f64::from(y) * f64::from(g)).sum())
+        Ok(out.to_vec::<f32>(&env.s)?.iter().zip(&case.dout).map(|(&y, &g)| f64::from(y) * f64::from(g)).sum())
     };
     let numeric = numeric_grad(objective, &tables, 1e-2)?;
     let want_dwte: Vec<f64> = case.dwte0.iter().zip(&numeric[..split]).map(|(&a, g)| f64::from(a) + g).collect();
@@ -240,10 +240,10 @@ fn embedding_out_of_range_tokens_fail_on_the_simulator_and_are_skipped_on_cuda(d
         let (wte, wpe) = (env.put(&case.wte, &[3, 2])?, env.put(&case.wpe, &[2, 2])?);
         let out = env.zeros::<f32>(&[1, 2, 2])?;
         embedding::embedding_forward(&out, &tokens, &wte, &wpe, &env.s)?;
-        let failed = out.to_vec(&env.s);
+        let failed = out.to_vec::<f32>(&env.s);
         ensure!(matches!(failed, Err(Error::KernelFailed { .. })), "forward: {failed:?}");
         embedding::embedding_backward(&wte, &wpe, &out, &tokens, &env.s)?;
-        let failed = wte.to_vec(&env.s);
+        let failed = wte.to_vec::<f32>(&env.s);
         ensure!(matches!(failed, Err(Error::KernelFailed { .. })), "backward: {failed:?}");
         return Ok(());
     }
@@ -290,11 +290,11 @@ fn adamw_matches_pytorch_over_three_replays_of_one_graph(dev: &Device) -> Result
     let (mut p_ref, mut m_ref, mut v_ref) = (widen(&p0), vec![0.0; n], vec![0.0; n]);
     for (step, rate) in [(1, 1e-2f32), (2, 5e-3), (3, 2e-3)] {
         let g = lcg.vec(n, 0.5);
-        grads.buffer().write_from(&env.s, &g)?;
+        grads.buffer("test")?.write_from(&env.s, &g)?;
         elementwise::fill(lr.view()?, rate, &env.s)?;
         exec.launch(&env.s)?;
         adamw_f64(&mut p_ref, &mut m_ref, &mut v_ref, &g, f64::from(rate), step, &hyper);
-        ensure!(t.to_vec(&env.s)? == vec![step as u64], "the graph advances t");
+        ensure!(t.to_vec::<u64>(&env.s)? == vec![step as u64], "the graph advances t");
         ensure_close(&format!("params after step {step}"), &params.to_vec(&env.s)?, &p_ref, 1e-6, 1e-5)?;
         ensure_close(&format!("m after step {step}"), &m.to_vec(&env.s)?, &m_ref, 1e-7, 1e-5)?;
         ensure_close(&format!("v after step {step}"), &v.to_vec(&env.s)?, &v_ref, 1e-9, 1e-5)?;
@@ -337,7 +337,7 @@ fn dropout_keeps_about_1_minus_p_and_scales_kept_values(dev: &Device) -> Result 
     }
     let (dout, mask, dinp) = (env.put(&dy, &[n])?, env.put(&fwd.mask, &[n])?, env.zeros::<f32>(&[n])?);
     dropout::dropout_backward(&dinp, &dout, &mask, p, &env.s)?;
-    let dinp = dinp.to_vec(&env.s)?;
+    let dinp = dinp.to_vec::<f32>(&env.s)?;
     for (i, ((&dx, &m), &dy)) in dinp.iter().zip(&fwd.mask).zip(&dy).enumerate() {
         let want = if m == 1 { dy * scale } else { 0.0 };
         ensure!(dx.to_bits() == want.to_bits(), "dinp[{i}] = {dx} vs {want}");
@@ -354,11 +354,11 @@ fn random_bits_and_dropout_are_bitwise_equal_to_the_host_and_the_simulator(dev: 
     let step = env.zeros::<u64>(&[1])?;
     let out = env.zeros::<u32>(&[1003])?;
     rng::random_bits(&out, 0, 0, &step, &env.s)?;
-    let zero = out.to_vec(&env.s)?;
+    let zero = out.to_vec::<u32>(&env.s)?;
     ensure!(zero[..4] == [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8], "Philox KAT: {:x?}", &zero[..4]);
     rng::step_write(&step, 0x1_0000_0002, &env.s)?;
     rng::random_bits(&out, 0xdead_beef, 17, &step, &env.s)?;
-    let got = out.to_vec(&env.s)?;
+    let got = out.to_vec::<u32>(&env.s)?;
     for (i, &g) in got.iter().enumerate() {
         ensure!(g == rng::random_u32(0xdead_beef, 17, 0x1_0000_0002, i as u64), "bits[{i}]");
     }
@@ -428,7 +428,7 @@ fn casts_are_bitwise_equal_to_half(dev: &Device) -> Result {
     let x: Vec<f32> = special.iter().copied().chain((0..4096).map(|_| lcg.next_u32())).map(f32::from_bits).collect();
     let (inp, half_out) = (env.put(&x, &[x.len()])?, env.zeros::<bf16>(&[x.len()])?);
     cast::cast_f32_to_bf16(&half_out, &inp, &env.s)?;
-    for (i, (got, &x)) in half_out.to_vec(&env.s)?.iter().zip(&x).enumerate() {
+    for (i, (got, &x)) in half_out.to_vec::<bf16>(&env.s)?.iter().zip(&x).enumerate() {
         let want = bf16::from_f32(x);
         ensure!(
             got.to_bits() == want.to_bits(),
@@ -443,7 +443,7 @@ fn casts_are_bitwise_equal_to_half(dev: &Device) -> Result {
         (env.put(&every, &[every.len()])?, env.zeros::<f32>(&[every.len()])?, env.zeros::<bf16>(&[every.len()])?);
     cast::cast_bf16_to_f32(&wide, &h, &env.s)?;
     cast::cast_f32_to_bf16(&back, &wide, &env.s)?;
-    let (wide, back) = (wide.to_vec(&env.s)?, back.to_vec(&env.s)?);
+    let (wide, back) = (wide.to_vec::<f32>(&env.s)?, back.to_vec::<bf16>(&env.s)?);
     for (i, h) in every.iter().enumerate() {
         ensure!(wide[i].to_bits() == h.to_f32().to_bits(), "to f32 of {:#06x}", h.to_bits());
         let want = if h.is_nan() { h.to_bits() | 0x0040 } else { h.to_bits() };
@@ -542,7 +542,7 @@ fn schedule_follows_the_host_formula_in_a_graph(dev: &Device) -> Result {
         ensure!(opt.steps(&env.s)? == step + 1, "step {step}: the counter");
         let (got, want) = (opt.learning_rate(&env.s)?, schedule.rate(step));
         ensure!(got.to_bits() == want.to_bits(), "step {step}: rate {got} on the device, {want} on the host");
-        ensure!(p.grad.to_vec(&env.s)? == vec![0.0; 4], "step {step}: the gradients were zeroed");
+        ensure!(p.grad.to_vec::<f32>(&env.s)? == vec![0.0; 4], "step {step}: the gradients were zeroed");
     }
     ensure!(schedule.rate(0) < schedule.rate(2) && schedule.rate(11) == schedule.rate(10), "warmup, then the floor");
     let zero_warmup = LrSchedule::WarmupCosine { peak: 1.0, warmup: 0, total: 10, floor: 0.1 };

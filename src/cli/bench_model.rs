@@ -3,6 +3,7 @@
 //! graphed one callable per layer. In f32, the dtype graphed's modules have today (`BENCH.md`
 //! specifies bf16).
 
+use graphed::device::DType;
 use std::fmt;
 
 use anyhow::bail;
@@ -87,9 +88,9 @@ pub struct BenchModel {
     /// The layers, in forward order; dropout is off (p = 0) as in `BENCH.md`'s benchmarks.
     pub stack: Stack<TransformerLayer>,
     /// The input, `(batch, seq, dim)`, deterministic so that runs compare.
-    pub x: Tensor<f32>,
+    pub x: Tensor,
     /// The fixed upstream gradient of the last layer's output: ones.
-    pub dy: Tensor<f32>,
+    pub dy: Tensor,
 }
 
 impl BenchModel {
@@ -97,7 +98,7 @@ impl BenchModel {
     pub fn new(alloc: &CachingAllocator, stream: &Stream, config: Config) -> graphed::Result<BenchModel> {
         let Config { dim, layers: n, batch, seq, .. } = config;
         let mut store = ParamStore::new(alloc, stream, n * TransformerLayer::parameter_count(dim))?;
-        let step = Tensor::<u64>::zeros(alloc, stream, &[1])?;
+        let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
         let layers = (0..n)
             .map(|l| {
                 // Sites two apart: each layer has two dropouts. Init seeds four apart: each

@@ -2,6 +2,7 @@
 //! replayed on a side stream whose caller resumes at the event recorded inside each graph; the two
 //! runs are compared bitwise and their host time per step is reported.
 
+use graphed::device::DType;
 use std::time::{Duration, Instant};
 
 use anyhow::ensure;
@@ -24,19 +25,19 @@ struct Affine {
 impl Module for Affine {
     type Ctx = ();
 
-    fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor<f32>>, ())> {
+    fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor>, ())> {
         let x = inputs.only("Affine::forward")?;
-        let y = Tensor::uninit(&self.alloc, s, x.shape())?;
+        let y = Tensor::uninit(&self.alloc, s, x.shape(), x.dtype())?;
         elementwise::scale(y.view()?, x.view()?, self.k, s)?;
         elementwise::axpy(y.view()?, x.view()?, 0.5, s)?;
         elementwise::add_scalar(y.view()?, self.b, s)?;
         Ok((vec![y], ()))
     }
 
-    fn backward(&self, (): (), dys: &[&Tensor<f32>], s: &Stream) -> graphed::Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, (): (), dys: &[&Tensor], s: &Stream) -> graphed::Result<Vec<Option<Tensor>>> {
         let dy =
             dys.first().ok_or(graphed::Error::MissingGradient { op: "Affine::backward", what: "output 0".into() })?;
-        let dx = Tensor::uninit(&self.alloc, s, dy.shape())?;
+        let dx = Tensor::uninit(&self.alloc, s, dy.shape(), dy.dtype())?;
         elementwise::scale(dx.view()?, dy.view()?, self.k + 0.5, s)?;
         Ok(vec![Some(dx)])
     }
@@ -71,7 +72,7 @@ pub fn run(dev: &Device, args: &DemoArgs) -> anyhow::Result<()> {
             .map(|l| Affine { alloc: alloc.clone(), k: 0.5 + 0.25 * (l % 3) as f32, b: -1.0 / (l + 2) as f32 })
             .collect(),
     );
-    let x = Tensor::<f32>::zeros(&alloc, &main, &[width])?;
+    let x = Tensor::zeros(&alloc, &main, &[width], DType::F32)?;
     let host_in = dev.alloc_pinned::<f32>(width)?;
 
     // Eager: every kernel launched from the host each step.
@@ -83,7 +84,7 @@ pub fn run(dev: &Device, args: &DemoArgs) -> anyhow::Result<()> {
         main.copy_h2d(host_in.view(), x.view()?)?;
         let (y, _) = stack.forward(&Inputs::one(&x), &KeepOnDevice, &main)?;
         eager_host += t.elapsed();
-        eager.push(y[0].to_vec(&main)?);
+        eager.push(y[0].to_f32_vec(&main)?);
     }
 
     // Graphed: the stack captured for inference, each layer's graph recording an event that the
@@ -102,7 +103,7 @@ pub fn run(dev: &Device, args: &DemoArgs) -> anyhow::Result<()> {
         main.copy_h2d(host_in.view(), graphed.static_input().view()?)?;
         let y = graphed.forward(&main, graphed.static_input(), Replay::side(&side))?;
         graphed_host += t.elapsed();
-        if y.get()?.to_vec(&main)? != *expected {
+        if y.get()?.to_vec::<f32>(&main)? != *expected {
             mismatches += 1;
         }
     }

@@ -58,3 +58,77 @@ macro_rules! elem {
     ($($t:ty => $d:ident),*) => { $(impl Elem for $t { const DTYPE: DType = DType::$d; })* };
 }
 elem!(f32 => F32, half::bf16 => BF16, half::f16 => F16, u32 => U32, i32 => I32, u64 => U64, u8 => U8);
+
+/// Floating-point element types: stored narrow, computed in f32 (bf16 and f16 round to nearest,
+/// ties to even, exactly as the GPU's conversions do).
+pub trait Float: Elem + Copy {
+    /// The value as f32 (exact).
+    fn to_f32(self) -> f32;
+    /// `v` rounded to this type (round to nearest even).
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Float for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl Float for half::bf16 {
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+}
+
+impl Float for half::f16 {
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
+
+/// Runs `$body` with `$t` bound to the Rust type of the [`DType`] `$dtype`: the one place that
+/// turns a run-time element type into a compile-time one.
+macro_rules! with_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            $crate::device::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            $crate::device::DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            $crate::device::DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            $crate::device::DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            $crate::device::DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            $crate::device::DType::U64 => {
+                type $t = u64;
+                $body
+            }
+            $crate::device::DType::U8 => {
+                type $t = u8;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_dtype;

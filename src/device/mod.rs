@@ -35,7 +35,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 pub use access::{Access, AccessMode, AccessRole, Dim, Region};
 pub use capture::{Capture, CaptureMode, CaptureStatus};
-pub use dtype::{DType, Elem};
+pub(crate) use dtype::with_dtype;
+pub use dtype::{DType, Elem, Float};
 pub use event::Event;
 pub use gemm::{Gemm, GemmElem};
 pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};

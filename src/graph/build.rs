@@ -40,7 +40,7 @@ pub(crate) fn build(
         let fed = plan.statics[i].is_none();
         let slots = inputs.iter().map(|x| Slot { input: x.clone(), chained: fed }).collect();
         let name = &plan.names[i];
-        let origin = |what: String, t: Option<&Tensor<f32>>| Origin {
+        let origin = |what: String, t: Option<&Tensor>| Origin {
             what: what.into(),
             writers: t.map_or_else(|| Arc::from([]), |t| writers_of(pool, t)),
         };
@@ -73,10 +73,11 @@ pub(crate) fn build(
 
 /// The graphs of `pool` that write memory of `t` (all of them if the device's checker did not see
 /// their captures, which cannot happen for captures made through the allocator).
-fn writers_of(pool: &GraphPool, t: &Tensor<f32>) -> Arc<[GraphId]> {
+fn writers_of(pool: &GraphPool, t: &Tensor) -> Arc<[GraphId]> {
     let order = pool.order();
-    let (Some(checker), Ok(view)) = (Checker::of(pool.device()), t.view()) else { return order.into() };
-    let access = view.access(AccessMode::Write);
+    let (Some(checker), Ok(access)) = (Checker::of(pool.device()), t.access(AccessMode::Write)) else {
+        return order.into();
+    };
     order.into_iter().filter(|g| checker.graph_writes(*g, &access).unwrap_or(true)).collect()
 }
 

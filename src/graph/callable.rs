@@ -43,18 +43,13 @@ pub trait Callable: Sync + sealed::Sealed {
     fn name(&self) -> String;
 
     /// [`Module::forward`], its context boxed.
-    fn forward_dyn(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, Saved)>;
+    fn forward_dyn(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, Saved)>;
 
     /// [`Module::backward`] of a boxed context.
     ///
     /// # Errors
     /// [`Error::Unsupported`] when `saved` comes from another module's forward.
-    fn backward_dyn(
-        &self,
-        saved: Saved,
-        grad_outputs: &[&Tensor<f32>],
-        stream: &Stream,
-    ) -> Result<Vec<Option<Tensor<f32>>>>;
+    fn backward_dyn(&self, saved: Saved, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>>;
 
     /// [`Module::backward_dw`].
     fn backward_dw_dyn(&self, stream: &Stream) -> Result<()>;
@@ -71,17 +66,12 @@ impl<M: Module> Callable for M {
         std::any::type_name::<M>().rsplit("::").next().unwrap_or("module").to_string()
     }
 
-    fn forward_dyn(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, Saved)> {
+    fn forward_dyn(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, Saved)> {
         let (outputs, ctx) = self.forward(inputs, hook, stream)?;
         Ok((outputs, Box::new(ctx)))
     }
 
-    fn backward_dyn(
-        &self,
-        saved: Saved,
-        grad_outputs: &[&Tensor<f32>],
-        stream: &Stream,
-    ) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward_dyn(&self, saved: Saved, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         let ctx = saved.downcast::<M::Ctx>().map_err(|_| Error::Unsupported {
             op: "Callable::backward_dyn",
             backend: "any",

@@ -105,7 +105,7 @@ pub fn make_graphed_callables(
 pub fn make_graphed_stack<M: Module>(
     alloc: &CachingAllocator,
     stack: &Stack<M>,
-    sample: &Tensor<f32>,
+    sample: &Tensor,
     options: GraphOptions,
 ) -> Result<GraphedStack> {
     let callables: Vec<&dyn Callable> = stack.layers().iter().map(|l| l as &dyn Callable).collect();
@@ -214,20 +214,20 @@ fn distinct(pools: &[GraphPool]) -> Vec<&GraphPool> {
     out
 }
 
-fn snapshot(alloc: &CachingAllocator, stream: &Stream, params: &[Param]) -> Result<Vec<Tensor<f32>>> {
+fn snapshot(alloc: &CachingAllocator, stream: &Stream, params: &[Param]) -> Result<Vec<Tensor>> {
     params
         .iter()
         .map(|p| {
-            let t = Tensor::uninit(alloc, stream, p.grad.shape())?;
-            stream.copy_d2d(p.grad.view()?, t.view()?)?;
+            let t = Tensor::uninit(alloc, stream, p.grad.shape(), p.grad.dtype())?;
+            t.copy_from(&p.grad, stream)?;
             Ok(t)
         })
         .collect()
 }
 
-fn restore(stream: &Stream, params: &[Param], saved: &[Tensor<f32>]) -> Result<()> {
+fn restore(stream: &Stream, params: &[Param], saved: &[Tensor]) -> Result<()> {
     for (p, t) in params.iter().zip(saved) {
-        stream.copy_d2d(t.view()?, p.grad.view()?)?;
+        p.grad.copy_from(t, stream)?;
     }
     stream.synchronize()
 }

@@ -67,6 +67,16 @@ pub enum GraphedErrorKind {
         /// As given.
         found: Vec<usize>,
     },
+    /// An input's element type differs from the static buffer it is copied into.
+    #[error("{input} holds {found} but its static buffer holds {expected}; graphs replay fixed element types, so cast it or capture another graph")]
+    InputDType {
+        /// Which input ("input 0", "input `mask`", "output gradient 0").
+        input: String,
+        /// As captured.
+        expected: crate::device::DType,
+        /// As given.
+        found: crate::device::DType,
+    },
     /// A differentiable input received no gradient in the warmup backward.
     #[error(
         "{input} received no gradient in the warmup backward; pass it with Inputs::constant, or set GraphOptions::allow_unused_input"

@@ -59,9 +59,9 @@ pub struct GraphedCallable {
     pub(crate) positional: usize,
     /// A layer of a stack: replayed only through the stack.
     pub(crate) in_stack: bool,
-    pub(crate) outputs: Vec<Tensor<f32>>,
-    pub(crate) grad_outputs: Vec<Tensor<f32>>,
-    pub(crate) grad_inputs: Vec<Option<Tensor<f32>>>,
+    pub(crate) outputs: Vec<Tensor>,
+    pub(crate) grad_outputs: Vec<Tensor>,
+    pub(crate) grad_inputs: Vec<Option<Tensor>>,
     /// Per output, and per input gradient, what it is and the graphs that write its memory.
     pub(crate) output_origins: Vec<Origin>,
     pub(crate) grad_origins: Vec<Origin>,
@@ -93,12 +93,12 @@ impl GraphedCallable {
     }
 
     /// The static input buffers, in [`Inputs::iter`] order: pass them to skip the copy-in.
-    pub fn static_inputs(&self) -> Vec<&Tensor<f32>> {
+    pub fn static_inputs(&self) -> Vec<&Tensor> {
         self.inputs.iter().map(|s| &s.input.tensor).collect()
     }
 
     /// The static output-gradient buffers: pass them to `backward` to skip the copy-in.
-    pub fn static_grad_outputs(&self) -> &[Tensor<f32>] {
+    pub fn static_grad_outputs(&self) -> &[Tensor] {
         &self.grad_outputs
     }
 
@@ -156,13 +156,13 @@ impl GraphedCallable {
 
     /// Checks `given` against the static input slots: the same positional count, every named
     /// input once, equal shapes. Returns, per slot, the tensor to copy from (`None`: no copy).
-    fn match_inputs<'a>(&self, given: &'a Inputs) -> Result<Vec<Option<&'a Tensor<f32>>>> {
+    fn match_inputs<'a>(&self, given: &'a Inputs) -> Result<Vec<Option<&'a Tensor>>> {
         let positional = given.positional_inputs();
         if positional.len() != self.positional {
             let (expected, found) = (self.positional, positional.len());
             return Err(self.err(GraphedErrorKind::InputCount { what: "positional inputs", expected, found }));
         }
-        let mut named: BTreeMap<&str, &Tensor<f32>> = BTreeMap::new();
+        let mut named: BTreeMap<&str, &Tensor> = BTreeMap::new();
         for i in given.named_inputs() {
             let name = i.name.as_deref().unwrap_or_default();
             if named.insert(name, &i.tensor).is_some() {
@@ -185,25 +185,29 @@ impl GraphedCallable {
         Ok(sources)
     }
 
-    /// `src` if it must be copied into `dst` (`None` when it is `dst`), or a shape error.
+    /// `src` if it must be copied into `dst` (`None` when it is `dst`), or a shape or type error.
     pub(crate) fn copy_source<'a>(
         &self,
-        src: &'a Tensor<f32>,
-        dst: &Tensor<f32>,
+        src: &'a Tensor,
+        dst: &Tensor,
         label: impl FnOnce() -> String,
-    ) -> Result<Option<&'a Tensor<f32>>> {
+    ) -> Result<Option<&'a Tensor>> {
         let dev = self.entry.device();
-        dev.check_same("graphed replay", "tensor", src.buffer().device_id()).map_err(|e| refusal(&self.name, e))?;
+        dev.check_same("graphed replay", "tensor", src.device_id()).map_err(|e| refusal(&self.name, e))?;
         if src.shape() != dst.shape() {
             let (expected, found) = (dst.shape().to_vec(), src.shape().to_vec());
             return Err(self.err(GraphedErrorKind::InputShape { input: label(), expected, found }));
+        }
+        if src.dtype() != dst.dtype() {
+            let (expected, found) = (dst.dtype(), src.dtype());
+            return Err(self.err(GraphedErrorKind::InputDType { input: label(), expected, found }));
         }
         Ok((!src.is_same_view(dst)).then_some(src))
     }
 
     /// The static buffer that a stack's input (forward) or upstream gradient (backward) is
     /// copied into.
-    pub(crate) fn static_copy_target(&self, pass: Pass) -> Result<&Tensor<f32>> {
+    pub(crate) fn static_copy_target(&self, pass: Pass) -> Result<&Tensor> {
         let target = match pass {
             Pass::Forward => self.inputs.first().map(|s| &s.input.tensor),
             _ => self.grad_outputs.first(),
@@ -213,7 +217,7 @@ impl GraphedCallable {
     }
 
     /// Checks output gradients against the static ones; returns the tensors to copy.
-    pub(crate) fn match_grad_outputs<'a>(&self, given: &[&'a Tensor<f32>]) -> Result<Vec<Option<&'a Tensor<f32>>>> {
+    pub(crate) fn match_grad_outputs<'a>(&self, given: &[&'a Tensor]) -> Result<Vec<Option<&'a Tensor>>> {
         if given.len() != self.grad_outputs.len() {
             let (expected, found) = (self.grad_outputs.len(), given.len());
             return Err(self.err(GraphedErrorKind::InputCount { what: "output gradients", expected, found }));
@@ -230,8 +234,8 @@ impl GraphedCallable {
         pass: Pass,
         caller: &Stream,
         route: &Route,
-        sources: &[Option<&Tensor<f32>>],
-        statics: &[&Tensor<f32>],
+        sources: &[Option<&Tensor>],
+        statics: &[&Tensor],
     ) -> Result<Tail> {
         let exec = self.exec(pass)?;
         check_order(&[(&self.pool, exec.id())], caller, route).map_err(|e| refusal(&self.name, e))?;
@@ -245,13 +249,13 @@ impl GraphedCallable {
         pass: Pass,
         caller: &Stream,
         route: &Route,
-        sources: &[Option<&Tensor<f32>>],
-        statics: &[&Tensor<f32>],
+        sources: &[Option<&Tensor>],
+        statics: &[&Tensor],
     ) -> Result<Tail> {
         let exec = self.exec(pass)?;
         for (src, dst) in sources.iter().zip(statics) {
             if let Some(src) = src {
-                caller.copy_d2d(src.view()?, dst.view()?)?;
+                dst.copy_from(src, caller)?;
             }
         }
         let tail = self.launch(exec, caller, route)?;
@@ -318,7 +322,7 @@ impl GraphedCallable {
         self.exec(Pass::Forward)?;
         let route = self.route_for(caller, replay)?;
         let sources = self.match_inputs(inputs)?;
-        let statics: Vec<&Tensor<f32>> = self.inputs.iter().map(|s| &s.input.tensor).collect();
+        let statics: Vec<&Tensor> = self.inputs.iter().map(|s| &s.input.tensor).collect();
         let tail = self.replay(Pass::Forward, caller, &route, &sources, &statics)?;
         Ok((self.static_outputs(), tail))
     }
@@ -327,11 +331,7 @@ impl GraphedCallable {
     /// the static output gradients (skipping any that is its static buffer), and returns one
     /// gradient per input (`None` for constant or unused inputs) and the tail. Parameter
     /// gradients accumulate into the parameters' gradient buffers.
-    pub fn backward(
-        &self,
-        caller: &Stream,
-        grad_outputs: &[&Tensor<f32>],
-    ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
+    pub fn backward(&self, caller: &Stream, grad_outputs: &[&Tensor]) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
         self.backward_routed(caller, grad_outputs, self.last_route())
     }
 
@@ -339,7 +339,7 @@ impl GraphedCallable {
     pub fn backward_with(
         &self,
         caller: &Stream,
-        grad_outputs: &[&Tensor<f32>],
+        grad_outputs: &[&Tensor],
         replay: Replay<'_>,
     ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
         let route = self.route_for(caller, replay)?;
@@ -349,13 +349,13 @@ impl GraphedCallable {
     fn backward_routed(
         &self,
         caller: &Stream,
-        grad_outputs: &[&Tensor<f32>],
+        grad_outputs: &[&Tensor],
         route: Route,
     ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
         self.refuse_in_stack()?;
         self.exec(Pass::Backward)?;
         let sources = self.match_grad_outputs(grad_outputs)?;
-        let statics: Vec<&Tensor<f32>> = self.grad_outputs.iter().collect();
+        let statics: Vec<&Tensor> = self.grad_outputs.iter().collect();
         let tail = self.replay(Pass::Backward, caller, &route, &sources, &statics)?;
         Ok((self.static_grad_inputs(), tail))
     }
@@ -393,7 +393,7 @@ impl GraphedCallable {
                 records: c.graph.graph().external_record_events()?,
             });
         }
-        let bytes = |ts: &mut dyn Iterator<Item = &Tensor<f32>>| ts.map(|t| t.numel() * 4).sum::<usize>();
+        let bytes = |ts: &mut dyn Iterator<Item = &Tensor>| ts.map(|t| t.numel() * 4).sum::<usize>();
         Ok(CallableReport {
             name: self.name.clone(),
             graphs,

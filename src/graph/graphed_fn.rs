@@ -31,7 +31,7 @@ pub struct GraphedFn {
 /// let double = make_graphed_fn(&alloc, |c| elementwise::scale(x.view()?, x.view()?, 2.0, c))?;
 /// double.replay(&s)?;
 /// double.replay(&s)?;
-/// assert_eq!(x.to_vec(&s)?, vec![4.0, 8.0]);
+/// assert_eq!(x.to_vec::<f32>(&s)?, vec![4.0, 8.0]);
 /// # Ok::<(), graphed::Error>(())
 /// ```
 ///

@@ -43,8 +43,8 @@ impl<'a> Plan<'a> {
             };
             let mut copies = Vec::with_capacity(sample.len());
             for input in sample.iter() {
-                let t = Tensor::uninit(alloc, stream, input.tensor.shape())?;
-                stream.copy_d2d(input.tensor.view()?, t.view()?)?;
+                let t = Tensor::uninit(alloc, stream, input.tensor.shape(), input.tensor.dtype())?;
+                t.copy_from(&input.tensor, stream)?;
                 copies.push(t);
             }
             statics.push(Some(sample.with_tensors(copies)));
@@ -75,7 +75,7 @@ impl<'a> Plan<'a> {
     }
 
     /// Callable `i`'s inputs: its static inputs, or the previous callable's `outputs`.
-    pub(crate) fn inputs(&self, i: usize, previous: &[Tensor<f32>]) -> Inputs {
+    pub(crate) fn inputs(&self, i: usize, previous: &[Tensor]) -> Inputs {
         match &self.statics[i] {
             Some(statics) => statics.clone(),
             None => Inputs::args(&previous.iter().collect::<Vec<_>>()),
@@ -84,7 +84,7 @@ impl<'a> Plan<'a> {
 
     /// Callable `i`'s output gradients when the next callable's input gradients feed them: each
     /// must exist.
-    pub(crate) fn chained_grads(&self, i: usize, next: Vec<Option<Tensor<f32>>>) -> Result<Vec<Tensor<f32>>> {
+    pub(crate) fn chained_grads(&self, i: usize, next: Vec<Option<Tensor>>) -> Result<Vec<Tensor>> {
         (next.into_iter().enumerate())
             .map(|(k, d)| {
                 d.ok_or_else(|| self.err(i + 1, GraphedErrorKind::StackGradient { input: format!("input {k}") }))
@@ -94,7 +94,7 @@ impl<'a> Plan<'a> {
 
     /// Checks a backward's gradients against the inputs: one per input, none missing for a
     /// differentiable input unless allowed (never for an input the previous callable fed).
-    pub(crate) fn check_grads(&self, i: usize, inputs: &Inputs, grads: &[Option<Tensor<f32>>]) -> Result<()> {
+    pub(crate) fn check_grads(&self, i: usize, inputs: &Inputs, grads: &[Option<Tensor>]) -> Result<()> {
         if grads.len() != inputs.len() {
             let (expected, found) = (inputs.len(), grads.len());
             let what = "input gradients from the backward";

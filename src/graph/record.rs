@@ -17,12 +17,12 @@ pub(crate) struct Recorded {
     pub(crate) graphs: Vec<Vec<(Pass, PoolGraph)>>,
     /// The inputs its forward was captured with (static buffers, or the previous outputs).
     pub(crate) inputs: Vec<Inputs>,
-    pub(crate) outputs: Vec<Vec<Tensor<f32>>>,
+    pub(crate) outputs: Vec<Vec<Tensor>>,
     /// Its output gradients: static buffers outside the pool, or the next callable's input
     /// gradients when it feeds that callable.
-    pub(crate) grad_outputs: Vec<Vec<Tensor<f32>>>,
+    pub(crate) grad_outputs: Vec<Vec<Tensor>>,
     /// Its input gradients (`None` for constant or unused inputs).
-    pub(crate) grad_inputs: Vec<Vec<Option<Tensor<f32>>>>,
+    pub(crate) grad_inputs: Vec<Vec<Option<Tensor>>>,
 }
 
 /// Captures every pass of the plan's callables, callable `i`'s into `pools[i]`.
@@ -40,7 +40,7 @@ pub(crate) fn record(plan: &Plan<'_>, pools: &[GraphPool], options: &mut GraphOp
     if plan.training {
         // Static output gradients live outside the pools, allocated before any backward capture.
         for i in (0..n).filter(|i| !plan.feeds_next(*i)) {
-            let zeros = |y: &Tensor<f32>| Tensor::zeros(plan.alloc, plan.stream, y.shape());
+            let zeros = |y: &Tensor| Tensor::zeros(plan.alloc, plan.stream, y.shape(), y.dtype());
             pass.recorded.grad_outputs[i] = pass.recorded.outputs[i].iter().map(zeros).collect::<Result<_>>()?;
         }
         backward_pass(&mut pass, saved, Vec::new())?;
@@ -75,11 +75,11 @@ impl Record<'_, '_> {
 }
 
 impl Traverse for Record<'_, '_> {
-    type Act = Vec<Tensor<f32>>;
-    type Grad = Vec<Option<Tensor<f32>>>;
+    type Act = Vec<Tensor>;
+    type Grad = Vec<Option<Tensor>>;
     type Saved = Saved;
 
-    fn forward(&mut self, i: usize, previous: Vec<Tensor<f32>>) -> Result<(Vec<Tensor<f32>>, Saved)> {
+    fn forward(&mut self, i: usize, previous: Vec<Tensor>) -> Result<(Vec<Tensor>, Saved)> {
         let (plan, stream) = (self.plan, self.plan.stream);
         let inputs = plan.inputs(i, &previous);
         self.options.run_pass_hook(i, Phase::ForwardPre, stream)?;
@@ -114,7 +114,7 @@ impl Traverse for Record<'_, '_> {
         let grads = result.expect("the capture ran the backward");
         let inputs = &self.recorded.inputs[i];
         plan.check_grads(i, inputs, &grads)?;
-        let grads: Vec<Option<Tensor<f32>>> =
+        let grads: Vec<Option<Tensor>> =
             grads.into_iter().zip(inputs.iter()).map(|(g, x)| g.filter(|_| x.differentiable)).collect();
         self.recorded.graphs[i].push((Pass::Backward, g));
         self.recorded.grad_inputs[i] = grads.clone();

@@ -182,7 +182,7 @@ pub(crate) struct Origin {
 /// giving stale data; copy it with [`to_owned`](StaticTensor::to_owned) to keep it.
 #[derive(Clone)]
 pub struct StaticTensor {
-    tensor: Tensor<f32>,
+    tensor: Tensor,
     pool: GraphPool,
     /// The graphs that write its memory, and their launch counts when it was made.
     writers: Arc<[GraphId]>,
@@ -191,7 +191,7 @@ pub struct StaticTensor {
 }
 
 impl StaticTensor {
-    pub(crate) fn new(tensor: &Tensor<f32>, pool: &GraphPool, origin: &Origin) -> StaticTensor {
+    pub(crate) fn new(tensor: &Tensor, pool: &GraphPool, origin: &Origin) -> StaticTensor {
         let made_at = pool.launch_counts(&origin.writers);
         let (pool, writers, what) = (pool.clone(), origin.writers.clone(), origin.what.clone());
         StaticTensor { tensor: tensor.clone(), pool, writers, made_at, what }
@@ -211,7 +211,7 @@ impl StaticTensor {
     ///
     /// # Errors
     /// [`GraphedErrorKind::StaleOutput`] after a later replay of a graph that writes its memory.
-    pub fn get(&self) -> Result<&Tensor<f32>> {
+    pub fn get(&self) -> Result<&Tensor> {
         match self.overwritten() {
             None => Ok(&self.tensor),
             Some((graph, made_by, now)) => Err(Error::Graphed {
@@ -228,16 +228,21 @@ impl StaticTensor {
 
     /// A copy in fresh memory from `alloc`, made on `stream` (after the replay, on the caller's
     /// stream or after joining the replay).
-    pub fn to_owned(&self, alloc: &CachingAllocator, stream: &Stream) -> Result<Tensor<f32>> {
+    pub fn to_owned(&self, alloc: &CachingAllocator, stream: &Stream) -> Result<Tensor> {
         let t = self.get()?;
-        let out = Tensor::uninit(alloc, stream, t.shape())?;
-        stream.copy_d2d(t.view()?, out.view()?)?;
+        let out = Tensor::uninit(alloc, stream, t.shape(), t.dtype())?;
+        out.copy_from(t, stream)?;
         Ok(out)
     }
 
     /// Its shape.
     pub fn shape(&self) -> &[usize] {
         self.tensor.shape()
+    }
+
+    /// Its element type.
+    pub fn dtype(&self) -> crate::device::DType {
+        self.tensor.dtype()
     }
 }
 

@@ -25,7 +25,7 @@ pub struct GraphedStack {
     layers: Vec<GraphedCallable>,
     tails: Mutex<Tails>,
     /// The stack's random-number step counter, advanced before every forward replay.
-    rng_step: Option<Tensor<u64>>,
+    rng_step: Option<Tensor>,
 }
 
 /// Replays every layer's graph of one pass, layer by layer, collecting the tails.
@@ -35,7 +35,7 @@ struct Replayer<'a> {
     /// The forward's route; the backward uses each layer's last one.
     route: Option<Route>,
     /// The stack's input (forward) or upstream gradient (backward), when it must be copied.
-    source: Option<&'a Tensor<f32>>,
+    source: Option<&'a Tensor>,
     tails: Tails,
 }
 
@@ -69,7 +69,7 @@ impl Traverse for Replayer<'_> {
 }
 
 impl GraphedStack {
-    pub(crate) fn new(layers: Vec<GraphedCallable>, rng_step: Option<Tensor<u64>>) -> GraphedStack {
+    pub(crate) fn new(layers: Vec<GraphedCallable>, rng_step: Option<Tensor>) -> GraphedStack {
         GraphedStack { layers, tails: Mutex::new(Tails::new()), rng_step }
     }
 
@@ -87,7 +87,7 @@ impl GraphedStack {
         self.layers.iter().try_for_each(|l| l.exec(pass).map(|_| ()))
     }
 
-    fn run(&self, pass: Pass, caller: &Stream, route: Option<Route>, source: Option<&Tensor<f32>>) -> Result<()> {
+    fn run(&self, pass: Pass, caller: &Stream, route: Option<Route>, source: Option<&Tensor>) -> Result<()> {
         // The whole pass is checked against the pools' order before the input is copied.
         let mut graphs = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
@@ -119,7 +119,7 @@ impl GraphedStack {
     /// [`Error::Graphed`] for every refusal (an input of another shape, a refused replay choice, a
     /// stream of another device, a replay out of the pool's order); nothing was copied or
     /// enqueued then.
-    pub fn forward(&self, caller: &Stream, x: &Tensor<f32>, replay: Replay<'_>) -> Result<StaticTensor> {
+    pub fn forward(&self, caller: &Stream, x: &Tensor, replay: Replay<'_>) -> Result<StaticTensor> {
         self.check_ready(Pass::Forward)?;
         let first = self.first();
         let route = first.route_for(caller, replay)?;
@@ -136,7 +136,7 @@ impl GraphedStack {
     ///
     /// # Errors
     /// As [`forward`](GraphedStack::forward).
-    pub fn backward(&self, caller: &Stream, dy: &Tensor<f32>) -> Result<Option<StaticTensor>> {
+    pub fn backward(&self, caller: &Stream, dy: &Tensor) -> Result<Option<StaticTensor>> {
         self.check_ready(Pass::Backward)?;
         let last = self.last();
         let source = last.match_grad_outputs(&[dy])?.pop().flatten();
@@ -186,13 +186,13 @@ impl GraphedStack {
     }
 
     /// The first layer's static input: pass it to `forward` to skip the copy-in.
-    pub fn static_input(&self) -> &Tensor<f32> {
+    pub fn static_input(&self) -> &Tensor {
         &self.first().inputs[0].input.tensor
     }
 
     /// The last layer's static output gradient: pass it to `backward` to skip the copy-in (a
     /// stack captured for inference has none).
-    pub fn static_grad_output(&self) -> Option<&Tensor<f32>> {
+    pub fn static_grad_output(&self) -> Option<&Tensor> {
         self.last().static_grad_outputs().first()
     }
 

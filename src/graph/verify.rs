@@ -18,7 +18,7 @@ use crate::tensor::Tensor;
 /// the caller writes: static inputs and output gradients, parameters and their gradients).
 pub(crate) struct Surface<'a> {
     pub(crate) what: String,
-    pub(crate) tensor: &'a Tensor<f32>,
+    pub(crate) tensor: &'a Tensor,
     pub(crate) owner: Option<GraphId>,
 }
 
@@ -46,8 +46,7 @@ pub(crate) fn verify_sync_point(
     // graph reuses (see the module docs).
     let mut guarded = Vec::with_capacity(surfaces.len());
     for s in surfaces {
-        let Ok(view) = s.tensor.view() else { continue };
-        let at = view.access(AccessMode::Read);
+        let Ok(at) = s.tensor.access(AccessMode::Read) else { continue };
         let reused = s.owner.is_some_and(|o| o != graph.id()) && checker.graph_writes(graph.id(), &at).unwrap_or(false);
         if !reused {
             guarded.push((s, at));

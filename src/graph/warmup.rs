@@ -29,16 +29,16 @@ struct Warmup<'p, 'o> {
 /// A warmup forward's results, kept for its backward.
 pub(crate) struct WarmForward {
     inputs: Inputs,
-    outputs: Vec<Tensor<f32>>,
+    outputs: Vec<Tensor>,
     saved: Saved,
 }
 
 impl Traverse for Warmup<'_, '_> {
-    type Act = Vec<Tensor<f32>>;
-    type Grad = Vec<Option<Tensor<f32>>>;
+    type Act = Vec<Tensor>;
+    type Grad = Vec<Option<Tensor>>;
     type Saved = WarmForward;
 
-    fn forward(&mut self, i: usize, previous: Vec<Tensor<f32>>) -> Result<(Vec<Tensor<f32>>, WarmForward)> {
+    fn forward(&mut self, i: usize, previous: Vec<Tensor>) -> Result<(Vec<Tensor>, WarmForward)> {
         let (plan, stream) = (self.plan, self.plan.stream);
         self.options.run_pass_hook(i, Phase::ForwardPre, stream)?;
         let inputs = plan.inputs(i, &previous);
@@ -52,7 +52,11 @@ impl Traverse for Warmup<'_, '_> {
         self.options.run_pass_hook(i, Phase::BackwardPre, stream)?;
         let dys = match plan.feeds_next(i) {
             true => plan.chained_grads(i, next)?,
-            false => f.outputs.iter().map(|y| Tensor::zeros(plan.alloc, stream, y.shape())).collect::<Result<_>>()?,
+            false => f
+                .outputs
+                .iter()
+                .map(|y| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype()))
+                .collect::<Result<_>>()?,
         };
         let callable = plan.callables[i];
         let grads = callable.backward_dyn(f.saved, &dys.iter().collect::<Vec<_>>(), stream)?;

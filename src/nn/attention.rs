@@ -7,8 +7,9 @@
 
 use super::layernorm::single_input;
 use super::{input_grad, Inputs, Linear, LinearCtx, Module, Param, ParamStore, SaveHook};
-use crate::device::{Gemm, Stream};
+use crate::device::Stream;
 use crate::memory::CachingAllocator;
+use crate::ops::matmul::{matmul, Matmul};
 use crate::ops::{heads, softmax};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -29,10 +30,10 @@ pub struct CausalSelfAttention {
 pub struct AttentionCtx {
     dims: Dims,
     qkv_ctx: LinearCtx,
-    q: Tensor<f32>,
-    k: Tensor<f32>,
-    v: Tensor<f32>,
-    probs: Tensor<f32>,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor,
     proj_ctx: LinearCtx,
 }
 
@@ -64,12 +65,12 @@ impl Dims {
 /// `c = op(a)·op(b)` for the `batch` matrices of `(m, n, k)` (`beta` 0).
 fn batched(
     stream: &Stream,
-    (c, a, b): (&Tensor<f32>, &Tensor<f32>, &Tensor<f32>),
+    (c, a, b): (&Tensor, &Tensor, &Tensor),
     (m, n, k): (usize, usize, usize),
     batch: usize,
     (trans_a, trans_b): (bool, bool),
 ) -> Result<()> {
-    stream.gemm(Gemm { batch, trans_a, trans_b, ..Gemm::new(c.view()?, a.view()?, b.view()?, (m, n, k)) })
+    matmul(Matmul { batch, trans_a, trans_b, ..Matmul::new(c, a, b, (m, n, k)) }, stream)
 }
 
 impl CausalSelfAttention {
@@ -103,7 +104,7 @@ impl CausalSelfAttention {
         Ok(CausalSelfAttention { name: name.to_string(), alloc: alloc.clone(), qkv, proj, heads })
     }
 
-    fn dims(&self, op: &'static str, x: &Tensor<f32>) -> Result<Dims> {
+    fn dims(&self, op: &'static str, x: &Tensor) -> Result<Dims> {
         let c = self.proj.weight.value.shape()[0];
         match *x.shape() {
             [batch, seq, width] if width == c => Ok(Dims { batch, seq, heads: self.heads, hd: c / self.heads }),
@@ -116,31 +117,29 @@ impl Module for CausalSelfAttention {
     type Ctx = AttentionCtx;
 
     /// One contiguous input `(B, T, C)`, one output `(B, T, C)`.
-    fn forward(
-        &self,
-        inputs: &Inputs,
-        hook: &dyn SaveHook,
-        stream: &Stream,
-    ) -> Result<(Vec<Tensor<f32>>, AttentionCtx)> {
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, AttentionCtx)> {
         const OP: &str = "CausalSelfAttention::forward";
         let x = inputs.only(OP)?;
         let d = self.dims(OP, x)?;
         let (bt, c) = (d.batch * d.seq, d.heads * d.hd);
         let (mut qkv, qkv_ctx) = self.qkv.forward(&Inputs::one(&x.reshape(&[bt, c])?), hook, stream)?;
         let qkv = qkv.remove(0);
-        let heads = |part| -> Result<Tensor<f32>> {
-            let t = Tensor::uninit(&self.alloc, stream, &d.head_shape())?;
+        let heads = |part| -> Result<Tensor> {
+            let t = Tensor::uninit(&self.alloc, stream, &d.head_shape(), x.dtype())?;
             heads::heads_from_rows(&t, &qkv, part, stream)?;
             Ok(t)
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let tt = [d.batch, d.heads, d.seq, d.seq];
-        let (scores, probs) = (Tensor::uninit(&self.alloc, stream, &tt)?, Tensor::uninit(&self.alloc, stream, &tt)?);
+        let (scores, probs) = (
+            Tensor::uninit(&self.alloc, stream, &tt, x.dtype())?,
+            Tensor::uninit(&self.alloc, stream, &tt, x.dtype())?,
+        );
         batched(stream, (&scores, &q, &k), (d.seq, d.seq, d.hd), d.pairs(), (false, true))?;
         softmax::softmax_causal_forward(&probs, &scores, d.scale(), stream)?;
-        let att_heads = Tensor::uninit(&self.alloc, stream, &d.head_shape())?;
+        let att_heads = Tensor::uninit(&self.alloc, stream, &d.head_shape(), x.dtype())?;
         batched(stream, (&att_heads, &probs, &v), (d.seq, d.hd, d.seq), d.pairs(), (false, false))?;
-        let att = Tensor::uninit(&self.alloc, stream, &[bt, c])?;
+        let att = Tensor::uninit(&self.alloc, stream, &[bt, c], x.dtype())?;
         heads::rows_from_heads(&att, 0, &att_heads, stream)?;
         hook.open_group(&self.name)?;
         let (q, k, v) = (hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?);
@@ -151,12 +150,7 @@ impl Module for CausalSelfAttention {
         Ok((vec![y], AttentionCtx { dims: d, qkv_ctx, q, k, v, probs, proj_ctx }))
     }
 
-    fn backward(
-        &self,
-        ctx: AttentionCtx,
-        grad_outputs: &[&Tensor<f32>],
-        stream: &Stream,
-    ) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, ctx: AttentionCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         const OP: &str = "CausalSelfAttention::backward";
         let dy = single_input(OP, grad_outputs)?;
         let d = ctx.dims;
@@ -164,11 +158,14 @@ impl Module for CausalSelfAttention {
         dy.expect_shape(OP, &[d.batch, d.seq, c])?;
         let datt = input_grad(OP, self.proj.backward(ctx.proj_ctx, &[&dy.reshape(&[bt, c])?], stream)?)?;
         let (q, k, v, probs) = (&ctx.q, &ctx.k, &ctx.v, &ctx.probs);
-        let heads = || Tensor::uninit(&self.alloc, stream, &d.head_shape());
+        let heads = || Tensor::uninit(&self.alloc, stream, &d.head_shape(), dy.dtype());
         let datt_heads = heads()?;
         heads::heads_from_rows(&datt_heads, &datt, 0, stream)?;
         let tt = [d.batch, d.heads, d.seq, d.seq];
-        let (dprobs, dscores) = (Tensor::uninit(&self.alloc, stream, &tt)?, Tensor::uninit(&self.alloc, stream, &tt)?);
+        let (dprobs, dscores) = (
+            Tensor::uninit(&self.alloc, stream, &tt, dy.dtype())?,
+            Tensor::uninit(&self.alloc, stream, &tt, dy.dtype())?,
+        );
         let (t, hd, pairs) = (d.seq, d.hd, d.pairs());
         let (dq, dk, dv) = (heads()?, heads()?, heads()?);
         batched(stream, (&dprobs, &datt_heads, v), (t, t, hd), pairs, (false, true))?;
@@ -176,7 +173,7 @@ impl Module for CausalSelfAttention {
         softmax::softmax_causal_backward(&dscores, probs, &dprobs, d.scale(), stream)?;
         batched(stream, (&dq, &dscores, k), (t, hd, t), pairs, (false, false))?;
         batched(stream, (&dk, &dscores, q), (t, hd, t), pairs, (true, false))?;
-        let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c])?;
+        let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dy.dtype())?;
         for (part, g) in [&dq, &dk, &dv].into_iter().enumerate() {
             heads::rows_from_heads(&dqkv, part, g, stream)?;
         }

@@ -4,7 +4,7 @@
 
 use super::layernorm::single_input;
 use super::{Inputs, Module, Param, SaveHook};
-use crate::device::Stream;
+use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::dropout;
 use crate::tensor::Tensor;
@@ -20,7 +20,7 @@ pub struct DropoutSpec {
     /// The layer's site, distinct per dropout layer so that layers draw independent masks.
     pub site: u32,
     /// The one-element step counter shared by the model.
-    pub step: Tensor<u64>,
+    pub step: Tensor,
 }
 
 /// Inverted dropout; the identity when `p == 0` or in evaluation.
@@ -28,14 +28,14 @@ pub struct Dropout {
     p: f32,
     seed: u32,
     site: u32,
-    step: Tensor<u64>,
+    step: Tensor,
     training: bool,
     alloc: CachingAllocator,
 }
 
 /// What the forward saves: the mask, or nothing when the forward was the identity.
 pub struct DropoutCtx {
-    mask: Option<Tensor<u8>>,
+    mask: Option<Tensor>,
 }
 
 impl Dropout {
@@ -60,7 +60,7 @@ impl Dropout {
     }
 
     /// The step counter the masks depend on, shared with the model's other dropout layers.
-    pub fn step(&self) -> &Tensor<u64> {
+    pub fn step(&self) -> &Tensor {
         &self.step
     }
 
@@ -74,32 +74,22 @@ impl Module for Dropout {
 
     /// One input of any contiguous shape, one output of its shape: the input itself (no copy)
     /// when inactive.
-    fn forward(
-        &self,
-        inputs: &Inputs,
-        _hook: &dyn SaveHook,
-        stream: &Stream,
-    ) -> Result<(Vec<Tensor<f32>>, DropoutCtx)> {
+    fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, DropoutCtx)> {
         let x = inputs.only("Dropout::forward")?;
         if !self.active() {
             return Ok((vec![x.clone()], DropoutCtx { mask: None }));
         }
-        let out = Tensor::uninit(&self.alloc, stream, x.shape())?;
-        let mask = Tensor::uninit(&self.alloc, stream, x.shape())?;
+        let out = Tensor::uninit(&self.alloc, stream, x.shape(), x.dtype())?;
+        let mask = Tensor::uninit(&self.alloc, stream, x.shape(), DType::U8)?;
         dropout::dropout_forward(&out, &mask, x, self.p, self.seed, self.site, &self.step, stream)?;
         Ok((vec![out], DropoutCtx { mask: Some(mask) }))
     }
 
     /// The output gradient itself when the forward was the identity.
-    fn backward(
-        &self,
-        ctx: DropoutCtx,
-        grad_outputs: &[&Tensor<f32>],
-        stream: &Stream,
-    ) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, ctx: DropoutCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         let dy = single_input("Dropout::backward", grad_outputs)?;
         let Some(mask) = ctx.mask else { return Ok(vec![Some(dy.clone())]) };
-        let dx = Tensor::uninit(&self.alloc, stream, dy.shape())?;
+        let dx = Tensor::uninit(&self.alloc, stream, dy.shape(), dy.dtype())?;
         dropout::dropout_backward(&dx, dy, &mask, self.p, stream)?;
         Ok(vec![Some(dx)])
     }

@@ -51,7 +51,7 @@ impl Embedding {
     }
 
     /// `(B, T, dim)` embeddings of `(B, T)` tokens.
-    pub fn forward(&self, tokens: &Tensor<u32>, stream: &Stream) -> Result<Tensor<f32>> {
+    pub fn forward(&self, tokens: &Tensor, stream: &Stream) -> Result<Tensor> {
         let [b, t] = *tokens.shape() else {
             return Err(Error::Shape {
                 op: "Embedding::forward",
@@ -59,13 +59,13 @@ impl Embedding {
                 found: tokens.shape().to_vec(),
             });
         };
-        let out = Tensor::uninit(&self.alloc, stream, &[b, t, self.dim()])?;
+        let out = Tensor::uninit(&self.alloc, stream, &[b, t, self.dim()], self.wte.value.dtype())?;
         embedding_forward(&out, tokens, &self.wte.value, &self.wpe.value, stream)?;
         Ok(out)
     }
 
     /// Accumulates the tables' gradients from `dout` (`(B, T, dim)`).
-    pub fn backward(&self, tokens: &Tensor<u32>, dout: &Tensor<f32>, stream: &Stream) -> Result<()> {
+    pub fn backward(&self, tokens: &Tensor, dout: &Tensor, stream: &Stream) -> Result<()> {
         embedding_backward(&self.wte.grad, &self.wpe.grad, dout, tokens, stream)
     }
 

@@ -6,7 +6,7 @@ use super::{
     input_grad, DropoutSpec, Embedding, Inputs, KeepOnDevice, LayerNorm, LayerNormCtx, LmHead, LmHeadCtx, Module,
     ParamStore, Stack, StackCtx, TransformerLayer,
 };
-use crate::device::Stream;
+use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -50,12 +50,12 @@ pub struct Gpt {
     layers: Stack<TransformerLayer>,
     ln_f: LayerNorm,
     head: LmHead,
-    step: Tensor<u64>,
+    step: Tensor,
 }
 
 /// What a forward saves for the backward.
 pub struct GptCtx {
-    tokens: Tensor<u32>,
+    tokens: Tensor,
     layers: StackCtx<<TransformerLayer as Module>::Ctx>,
     head: HeadCtx,
 }
@@ -75,7 +75,7 @@ impl Gpt {
         let mut store = ParamStore::new(alloc, stream, config.parameter_count())?;
         let (c, seed) = (config.dim, config.seed);
         let embedding = Embedding::new(&mut store, alloc, "emb", (config.vocab, config.max_len, c), seed, stream)?;
-        let step = Tensor::<u64>::zeros(alloc, stream, &[1])?;
+        let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
         let mut layers = Vec::with_capacity(config.layers);
         for l in 0..config.layers {
             let dropout = DropoutSpec { p: config.dropout, seed: seed as u32, site: 2 * l as u32, step: step.clone() };
@@ -116,7 +116,7 @@ impl Gpt {
 
     /// The dropout step counter, which the layers' stack advances at the start of every forward
     /// (eager or graphed), so that each microbatch draws new masks.
-    pub fn dropout_step(&self) -> &Tensor<u64> {
+    pub fn dropout_step(&self) -> &Tensor {
         &self.step
     }
 
@@ -131,18 +131,18 @@ impl Gpt {
     }
 
     /// The `(B, T, dim)` embeddings of `(B, T)` tokens: the first layer's input.
-    pub fn embed(&self, tokens: &Tensor<u32>, stream: &Stream) -> Result<Tensor<f32>> {
+    pub fn embed(&self, tokens: &Tensor, stream: &Stream) -> Result<Tensor> {
         self.embedding.forward(tokens, stream)
     }
 
     /// Accumulates the embedding tables' gradients from the first layer's input gradient.
-    pub fn embed_backward(&self, tokens: &Tensor<u32>, dx: &Tensor<f32>, stream: &Stream) -> Result<()> {
+    pub fn embed_backward(&self, tokens: &Tensor, dx: &Tensor, stream: &Stream) -> Result<()> {
         self.embedding.backward(tokens, dx, stream)
     }
 
     /// The final LayerNorm and the head: per-position losses `(B·T)` of the last layer's output
     /// `x` `(B, T, dim)` against next-token `targets` `(B·T)`.
-    pub fn head(&self, x: &Tensor<f32>, targets: &Tensor<u32>, stream: &Stream) -> Result<(Tensor<f32>, HeadCtx)> {
+    pub fn head(&self, x: &Tensor, targets: &Tensor, stream: &Stream) -> Result<(Tensor, HeadCtx)> {
         let [b, t, c] = *x.shape() else {
             return Err(Error::Shape { op: "Gpt::head", expected: "(B, T, dim)".into(), found: x.shape().to_vec() });
         };
@@ -153,7 +153,7 @@ impl Gpt {
 
     /// The gradient `(B, T, dim)` of `Σ dlosses ⊙ losses` with respect to the last layer's
     /// output; accumulates the head's and final LayerNorm's parameter gradients.
-    pub fn head_backward(&self, ctx: HeadCtx, dlosses: &Tensor<f32>, stream: &Stream) -> Result<Tensor<f32>> {
+    pub fn head_backward(&self, ctx: HeadCtx, dlosses: &Tensor, stream: &Stream) -> Result<Tensor> {
         let dnormed = self.head.backward(ctx.head, dlosses, stream)?;
         input_grad("Gpt::head_backward", self.ln_f.backward(ctx.ln_f, &[&dnormed], stream)?)?.reshape(&[
             ctx.b,
@@ -163,12 +163,7 @@ impl Gpt {
     }
 
     /// Per-position losses `(B·T)` of `tokens` `(B, T)` against next-token `targets` `(B·T)`.
-    pub fn forward(
-        &self,
-        tokens: &Tensor<u32>,
-        targets: &Tensor<u32>,
-        stream: &Stream,
-    ) -> Result<(Tensor<f32>, GptCtx)> {
+    pub fn forward(&self, tokens: &Tensor, targets: &Tensor, stream: &Stream) -> Result<(Tensor, GptCtx)> {
         let x = self.embed(tokens, stream)?;
         let (mut y, layers) = self.layers.forward(&Inputs::one(&x), &KeepOnDevice, stream)?;
         let (losses, head) = self.head(&y.remove(0), targets, stream)?;
@@ -176,15 +171,15 @@ impl Gpt {
     }
 
     /// Accumulates every parameter's gradient of `Σ dlosses ⊙ losses`.
-    pub fn backward(&self, ctx: GptCtx, dlosses: &Tensor<f32>, stream: &Stream) -> Result<()> {
+    pub fn backward(&self, ctx: GptCtx, dlosses: &Tensor, stream: &Stream) -> Result<()> {
         let dy = self.head_backward(ctx.head, dlosses, stream)?;
         let dx = input_grad("Gpt::backward", self.layers.backward(ctx.layers, &[&dy], stream)?)?;
         self.embed_backward(&ctx.tokens, &dx, stream)
     }
 
     /// The softmax of the next-token logits `(B·T, vocab)`, for decoding.
-    pub fn probabilities(&self, tokens: &Tensor<u32>, stream: &Stream) -> Result<Tensor<f32>> {
-        let targets = Tensor::<u32>::zeros(&self.alloc, stream, &[tokens.numel()])?;
+    pub fn probabilities(&self, tokens: &Tensor, stream: &Stream) -> Result<Tensor> {
+        let targets = Tensor::zeros(&self.alloc, stream, &[tokens.numel()], DType::U32)?;
         let (_, ctx) = self.forward(tokens, &targets, stream)?;
         Ok(ctx.head.head.probs)
     }

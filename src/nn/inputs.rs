@@ -10,7 +10,7 @@ pub struct Input {
     /// `None` for a positional input.
     pub name: Option<String>,
     /// The tensor.
-    pub tensor: Tensor<f32>,
+    pub tensor: Tensor,
     /// Whether the backward must produce its gradient.
     pub differentiable: bool,
 }
@@ -30,8 +30,8 @@ impl Input {
 /// ```
 /// # use graphed::{device::Device, memory::CachingAllocator, tensor::Tensor, nn::Inputs};
 /// # let dev = Device::sim(); let s = dev.stream()?; let alloc = CachingAllocator::new(&dev);
-/// let x = Tensor::<f32>::zeros(&alloc, &s, &[2, 8])?;
-/// let mask = Tensor::<f32>::zeros(&alloc, &s, &[2, 8])?;
+/// let x = Tensor::zeros(&alloc, &s, &[2, 8], graphed::device::DType::F32)?;
+/// let mask = Tensor::zeros(&alloc, &s, &[2, 8], graphed::device::DType::F32)?;
 /// let inputs = Inputs::new().arg(&x).constant("mask", &mask);
 /// assert_eq!(inputs.len(), 2);
 /// assert!(inputs.get("mask").is_some());
@@ -50,40 +50,40 @@ impl Inputs {
     }
 
     /// One differentiable positional input: the usual case of a layer's activation.
-    pub fn one(t: &Tensor<f32>) -> Inputs {
+    pub fn one(t: &Tensor) -> Inputs {
         Inputs::new().arg(t)
     }
 
     /// Positional inputs, all differentiable.
-    pub fn args(tensors: &[&Tensor<f32>]) -> Inputs {
+    pub fn args(tensors: &[&Tensor]) -> Inputs {
         tensors.iter().fold(Inputs::new(), |i, t| i.arg(t))
     }
 
     /// Adds a differentiable positional input.
-    pub fn arg(mut self, t: &Tensor<f32>) -> Inputs {
+    pub fn arg(mut self, t: &Tensor) -> Inputs {
         self.positional.push(Input { name: None, tensor: t.clone(), differentiable: true });
         self
     }
 
     /// Adds a differentiable named input.
-    pub fn named(mut self, name: &str, t: &Tensor<f32>) -> Inputs {
+    pub fn named(mut self, name: &str, t: &Tensor) -> Inputs {
         self.named.push(Input { name: Some(name.to_string()), tensor: t.clone(), differentiable: true });
         self
     }
 
     /// Adds a named input that gets no gradient (a mask, a scale).
-    pub fn constant(mut self, name: &str, t: &Tensor<f32>) -> Inputs {
+    pub fn constant(mut self, name: &str, t: &Tensor) -> Inputs {
         self.named.push(Input { name: Some(name.to_string()), tensor: t.clone(), differentiable: false });
         self
     }
 
     /// The positional tensors, in order.
-    pub fn positional(&self) -> impl Iterator<Item = &Tensor<f32>> {
+    pub fn positional(&self) -> impl Iterator<Item = &Tensor> {
         self.positional.iter().map(|i| &i.tensor)
     }
 
     /// The named input `name`.
-    pub fn get(&self, name: &str) -> Option<&Tensor<f32>> {
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.named.iter().find(|i| i.name.as_deref() == Some(name)).map(|i| &i.tensor)
     }
 
@@ -91,7 +91,7 @@ impl Inputs {
     ///
     /// # Errors
     /// [`Error::MissingInput`] when there is no input of that name.
-    pub fn require(&self, op: &'static str, name: &str) -> Result<&Tensor<f32>> {
+    pub fn require(&self, op: &'static str, name: &str) -> Result<&Tensor> {
         self.get(name).ok_or_else(|| Error::MissingInput { op, name: name.to_string() })
     }
 
@@ -99,7 +99,7 @@ impl Inputs {
     ///
     /// # Errors
     /// [`Error::InputArity`] otherwise.
-    pub fn only(&self, op: &'static str) -> Result<&Tensor<f32>> {
+    pub fn only(&self, op: &'static str) -> Result<&Tensor> {
         match (self.positional.as_slice(), self.named.is_empty()) {
             ([x], true) => Ok(&x.tensor),
             _ => Err(Error::InputArity {
@@ -138,7 +138,7 @@ impl Inputs {
 
     /// The same structure with other tensors, in [`Inputs::iter`] order (the static buffers of a
     /// graphed call); inputs beyond `tensors` keep theirs.
-    pub(crate) fn with_tensors(&self, tensors: Vec<Tensor<f32>>) -> Inputs {
+    pub(crate) fn with_tensors(&self, tensors: Vec<Tensor>) -> Inputs {
         let mut t = tensors.into_iter();
         let mut swap = |i: &Input| Input { tensor: t.next().unwrap_or_else(|| i.tensor.clone()), ..i.clone() };
         let positional = self.positional.iter().map(&mut swap).collect();

@@ -2,7 +2,7 @@
 //! [`ops::layernorm`](crate::ops::layernorm): weight 1, bias 0, eps 1e-5 as PyTorch's default.
 
 use super::{Inputs, Module, Param, ParamStore, SaveHook};
-use crate::device::Stream;
+use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::layernorm;
 use crate::tensor::Tensor;
@@ -23,13 +23,13 @@ pub struct LayerNorm {
 /// What the forward saves: the input as rows and each row's statistics.
 pub struct LayerNormCtx {
     shape: Vec<usize>,
-    input: Tensor<f32>,
-    mean: Tensor<f32>,
-    rstd: Tensor<f32>,
+    input: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
 }
 
 /// The one input of a single-input module, or a shape error naming `op`.
-pub(super) fn single_input<'a>(op: &'static str, inputs: &[&'a Tensor<f32>]) -> Result<&'a Tensor<f32>> {
+pub(super) fn single_input<'a>(op: &'static str, inputs: &[&'a Tensor]) -> Result<&'a Tensor> {
     match inputs {
         [x] => Ok(x),
         _ => Err(Error::Shape { op, expected: "exactly one tensor".into(), found: vec![inputs.len()] }),
@@ -37,7 +37,7 @@ pub(super) fn single_input<'a>(op: &'static str, inputs: &[&'a Tensor<f32>]) -> 
 }
 
 /// `t` as `(N, c)` rows (contiguous tensors only), or a shape error naming `op`.
-pub(super) fn as_rows(op: &'static str, t: &Tensor<f32>, c: usize) -> Result<Tensor<f32>> {
+pub(super) fn as_rows(op: &'static str, t: &Tensor, c: usize) -> Result<Tensor> {
     match t.shape().last() {
         Some(&last) if last == c => t.reshape(&[t.numel() / c.max(1), c]),
         _ => Err(Error::Shape { op, expected: format!("(.., {c})"), found: t.shape().to_vec() }),
@@ -71,18 +71,16 @@ impl LayerNorm {
 impl Module for LayerNorm {
     type Ctx = LayerNormCtx;
 
-    fn forward(
-        &self,
-        inputs: &Inputs,
-        hook: &dyn SaveHook,
-        stream: &Stream,
-    ) -> Result<(Vec<Tensor<f32>>, LayerNormCtx)> {
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, LayerNormCtx)> {
         const OP: &str = "LayerNorm::forward";
         let x = inputs.only(OP)?;
         let rows = as_rows(OP, x, self.dim())?;
         let n = rows.shape()[0];
-        let out = Tensor::uninit(&self.alloc, stream, rows.shape())?;
-        let (mean, rstd) = (Tensor::uninit(&self.alloc, stream, &[n])?, Tensor::uninit(&self.alloc, stream, &[n])?);
+        let out = Tensor::uninit(&self.alloc, stream, rows.shape(), rows.dtype())?;
+        let (mean, rstd) = (
+            Tensor::uninit(&self.alloc, stream, &[n], DType::F32)?,
+            Tensor::uninit(&self.alloc, stream, &[n], DType::F32)?,
+        );
         layernorm::layernorm_forward(&out, &mean, &rstd, &rows, &self.weight.value, &self.bias.value, EPS, stream)?;
         hook.open_group(&self.name)?;
         let input = hook.save("input", rows, stream)?;
@@ -92,17 +90,12 @@ impl Module for LayerNorm {
         Ok((vec![out.reshape(x.shape())?], LayerNormCtx { shape: x.shape().to_vec(), input, mean, rstd }))
     }
 
-    fn backward(
-        &self,
-        ctx: LayerNormCtx,
-        grad_outputs: &[&Tensor<f32>],
-        stream: &Stream,
-    ) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, ctx: LayerNormCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         const OP: &str = "LayerNorm::backward";
         let dy = single_input(OP, grad_outputs)?;
         dy.expect_shape(OP, &ctx.shape)?;
         let dy = as_rows(OP, dy, self.dim())?;
-        let dx = Tensor::uninit(&self.alloc, stream, dy.shape())?;
+        let dx = Tensor::uninit(&self.alloc, stream, dy.shape(), dy.dtype())?;
         let (w, b) = (&self.weight, &self.bias);
         layernorm::layernorm_backward(&dx, &w.grad, &b.grad, &dy, &ctx.input, &w.value, &ctx.mean, &ctx.rstd, stream)?;
         Ok(vec![Some(dx.reshape(&ctx.shape)?)])

@@ -5,16 +5,17 @@
 
 use super::params::init_uniform;
 use super::{Inputs, Module, Param, ParamStore, SaveHook};
-use crate::device::{Gemm, Stream};
+use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::elementwise;
+use crate::ops::matmul::{matmul, Matmul};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
 use std::sync::{Mutex, PoisonError};
 
 /// A weight-gradient computation left for `backward_dw`: the output gradient and the input.
-type Deferred = (Tensor<f32>, Tensor<f32>);
+type Deferred = (Tensor, Tensor);
 
 /// A fully connected layer over the last dimension of an `(n, in)` input.
 pub struct Linear {
@@ -32,7 +33,7 @@ pub struct Linear {
 /// What the forward saves: the input.
 pub struct LinearCtx {
     /// `(n, in)`.
-    pub input: Tensor<f32>,
+    pub input: Tensor,
 }
 
 impl Linear {
@@ -69,24 +70,20 @@ impl Linear {
     }
 
     /// `dW += dyᵀ·x` and `db += dyᵀ·1`.
-    fn weight_gradients(&self, dy: &Tensor<f32>, x: &Tensor<f32>, stream: &Stream) -> Result<()> {
+    fn weight_gradients(&self, dy: &Tensor, x: &Tensor, stream: &Stream) -> Result<()> {
         let (i, o) = self.dims();
         let n = dy.shape()[0];
-        let dw =
-            Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.weight.grad.view()?, dy.view()?, x.view()?, (o, i, n)) };
-        stream.gemm(dw)?;
-        let ones = Tensor::uninit(&self.alloc, stream, &[n])?;
+        matmul(Matmul { trans_a: true, beta: 1.0, ..Matmul::new(&self.weight.grad, dy, x, (o, i, n)) }, stream)?;
+        let ones = Tensor::uninit(&self.alloc, stream, &[n], dy.dtype())?;
         elementwise::fill(ones.view()?, 1.0, stream)?;
-        let db =
-            Gemm { trans_a: true, beta: 1.0, ..Gemm::new(self.bias.grad.view()?, dy.view()?, ones.view()?, (o, 1, n)) };
-        stream.gemm(db)
+        matmul(Matmul { trans_a: true, beta: 1.0, ..Matmul::new(&self.bias.grad, dy, &ones, (o, 1, n)) }, stream)
     }
 
     fn dims(&self) -> (usize, usize) {
         (self.weight.value.shape()[1], self.weight.value.shape()[0])
     }
 
-    fn rows(&self, op: &'static str, t: &Tensor<f32>, cols: usize) -> Result<usize> {
+    fn rows(&self, op: &'static str, t: &Tensor, cols: usize) -> Result<usize> {
         match t.shape() {
             [n, c] if *c == cols => Ok(*n),
             other => Err(Error::Shape { op, expected: format!("(n, {cols})"), found: other.to_vec() }),
@@ -97,30 +94,22 @@ impl Linear {
 impl Module for Linear {
     type Ctx = LinearCtx;
 
-    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, LinearCtx)> {
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, LinearCtx)> {
         const OP: &str = "Linear::forward";
         let (i, o) = self.dims();
         let x = inputs.only(OP)?;
         let n = self.rows(OP, x, i)?;
-        let y = Tensor::uninit(&self.alloc, stream, &[n, o])?;
-        let gemm = Gemm {
-            bias: Some(self.bias.value.view()?),
-            trans_b: true,
-            ..Gemm::new(y.view()?, x.view()?, self.weight.value.view()?, (n, o, i))
-        };
-        stream.gemm(gemm)?;
+        let y = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
+        let gemm =
+            Matmul { bias: Some(&self.bias.value), trans_b: true, ..Matmul::new(&y, x, &self.weight.value, (n, o, i)) };
+        matmul(gemm, stream)?;
         hook.open_group(&self.name)?;
         let input = hook.save("input", x.clone(), stream)?;
         hook.commit_group(&self.name)?;
         Ok((vec![y], LinearCtx { input }))
     }
 
-    fn backward(
-        &self,
-        ctx: LinearCtx,
-        grad_outputs: &[&Tensor<f32>],
-        stream: &Stream,
-    ) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, ctx: LinearCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         const OP: &str = "Linear::backward";
         let (i, o) = self.dims();
         let dy = grad_outputs.first().ok_or(Error::Shape {
@@ -129,8 +118,8 @@ impl Module for Linear {
             found: vec![],
         })?;
         let n = self.rows(OP, dy, o)?;
-        let dx = Tensor::uninit(&self.alloc, stream, &[n, i])?;
-        stream.gemm(Gemm::new(dx.view()?, dy.view()?, self.weight.value.view()?, (n, i, o)))?;
+        let dx = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
+        matmul(Matmul::new(&dx, dy, &self.weight.value, (n, i, o)), stream)?;
         match &self.deferred {
             Some(queue) => queue.lock().unwrap_or_else(PoisonError::into_inner).push(((*dy).clone(), ctx.input)),
             None => self.weight_gradients(dy, &ctx.input, stream)?,
@@ -185,7 +174,7 @@ mod tests {
         let b = lin.bias.value.to_vec(&s).unwrap();
         let x = Tensor::from_host(&alloc, &s, &xh, &[2, 4]).unwrap();
         let (y, ctx) = lin.forward(&Inputs::one(&x), &KeepOnDevice, &s).unwrap();
-        let got: f64 = y[0].to_vec(&s).unwrap().iter().zip(&r).map(|(y, r)| f64::from(*y) * f64::from(*r)).sum();
+        let got: f64 = y[0].to_vec::<f32>(&s).unwrap().iter().zip(&r).map(|(y, r)| f64::from(*y) * f64::from(*r)).sum();
         assert!((got - loss(&xh, &w, &b)).abs() < 1e-5);
         let dy = Tensor::from_host(&alloc, &s, &r, &[2, 3]).unwrap();
         let dx = lin.backward(ctx, &[&dy], &s).unwrap().remove(0).unwrap().to_vec(&s).unwrap();
@@ -208,10 +197,10 @@ mod tests {
         split.set_split_dw(true);
         let (_, ctx) = split.forward(&Inputs::one(&x), &KeepOnDevice, &s).unwrap();
         split.backward(ctx, &[&dy], &s).unwrap();
-        assert!(split.weight.grad.to_vec(&s).unwrap().iter().all(|g| *g == 0.0), "deferred");
+        assert!(split.weight.grad.to_vec::<f32>(&s).unwrap().iter().all(|g| *g == 0.0), "deferred");
         split.backward_dw(&s).unwrap();
-        assert_eq!(split.weight.grad.to_vec(&s).unwrap(), lin.weight.grad.to_vec(&s).unwrap());
-        assert_eq!(split.bias.grad.to_vec(&s).unwrap(), lin.bias.grad.to_vec(&s).unwrap());
+        assert_eq!(split.weight.grad.to_vec::<f32>(&s).unwrap(), lin.weight.grad.to_vec::<f32>(&s).unwrap());
+        assert_eq!(split.bias.grad.to_vec::<f32>(&s).unwrap(), lin.bias.grad.to_vec::<f32>(&s).unwrap());
         // A second backward accumulates the parameter gradients.
         let (_, ctx) = lin.forward(&Inputs::one(&x), &KeepOnDevice, &s).unwrap();
         lin.backward(ctx, &[&dy], &s).unwrap();

@@ -4,7 +4,7 @@
 //! position out (the prompt of a task), `1/count` averages over the positions that count.
 
 use super::{input_grad, Inputs, KeepOnDevice, Linear, LinearCtx, Module, Param, ParamStore};
-use crate::device::Stream;
+use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::loss::{cross_entropy_backward, cross_entropy_forward};
 use crate::tensor::Tensor;
@@ -20,8 +20,8 @@ pub struct LmHead {
 pub struct LmHeadCtx {
     linear: LinearCtx,
     /// `(N, vocab)` softmax of the logits.
-    pub probs: Tensor<f32>,
-    targets: Tensor<u32>,
+    pub probs: Tensor,
+    targets: Tensor,
 }
 
 impl LmHead {
@@ -43,19 +43,19 @@ impl LmHead {
     }
 
     /// Per-position losses `(N)` of `x` (`(N, dim)`) against `targets` (`(N)`).
-    pub fn forward(&self, x: &Tensor<f32>, targets: &Tensor<u32>, stream: &Stream) -> Result<(Tensor<f32>, LmHeadCtx)> {
+    pub fn forward(&self, x: &Tensor, targets: &Tensor, stream: &Stream) -> Result<(Tensor, LmHeadCtx)> {
         let (mut logits, linear) = self.proj.forward(&Inputs::one(x), &KeepOnDevice, stream)?;
         let logits = logits.remove(0);
         let n = logits.shape()[0];
-        let losses = Tensor::uninit(&self.alloc, stream, &[n])?;
-        let probs = Tensor::uninit(&self.alloc, stream, logits.shape())?;
+        let losses = Tensor::uninit(&self.alloc, stream, &[n], DType::F32)?;
+        let probs = Tensor::uninit(&self.alloc, stream, logits.shape(), logits.dtype())?;
         cross_entropy_forward(&losses, &probs, &logits, targets, stream)?;
         Ok((losses, LmHeadCtx { linear, probs, targets: targets.clone() }))
     }
 
     /// The gradient of `Σ dlosses ⊙ losses` with respect to `x` (parameter gradients `+=`).
-    pub fn backward(&self, ctx: LmHeadCtx, dlosses: &Tensor<f32>, stream: &Stream) -> Result<Tensor<f32>> {
-        let dlogits = Tensor::uninit(&self.alloc, stream, ctx.probs.shape())?;
+    pub fn backward(&self, ctx: LmHeadCtx, dlosses: &Tensor, stream: &Stream) -> Result<Tensor> {
+        let dlogits = Tensor::uninit(&self.alloc, stream, ctx.probs.shape(), ctx.probs.dtype())?;
         cross_entropy_backward(&dlogits, &ctx.probs, &ctx.targets, dlosses, stream)?;
         input_grad("LmHead::backward", self.proj.backward(ctx.linear, &[&dlogits], stream)?)
     }

@@ -24,7 +24,7 @@ pub struct Mlp {
 pub struct MlpCtx {
     shape: Vec<usize>,
     fc1: LinearCtx,
-    pre: Tensor<f32>,
+    pre: Tensor,
     fc2: LinearCtx,
 }
 
@@ -57,13 +57,13 @@ impl Module for Mlp {
     type Ctx = MlpCtx;
 
     /// One contiguous input `(.., C)`, one output of its shape.
-    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, MlpCtx)> {
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, MlpCtx)> {
         const OP: &str = "Mlp::forward";
         let x = inputs.only(OP)?;
         let rows = as_rows(OP, x, self.dim())?;
         let (mut pre, fc1) = self.fc1.forward(&Inputs::one(&rows), hook, stream)?;
         let pre = pre.remove(0);
-        let act = Tensor::uninit(&self.alloc, stream, pre.shape())?;
+        let act = Tensor::uninit(&self.alloc, stream, pre.shape(), pre.dtype())?;
         gelu::gelu_forward(&act, &pre, stream)?;
         hook.open_group(&self.name)?;
         let pre = hook.save("pre", pre, stream)?;
@@ -72,17 +72,12 @@ impl Module for Mlp {
         Ok((vec![y.remove(0).reshape(x.shape())?], MlpCtx { shape: x.shape().to_vec(), fc1, pre, fc2 }))
     }
 
-    fn backward(
-        &self,
-        ctx: MlpCtx,
-        grad_outputs: &[&Tensor<f32>],
-        stream: &Stream,
-    ) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, ctx: MlpCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         const OP: &str = "Mlp::backward";
         let dy = single_input(OP, grad_outputs)?;
         dy.expect_shape(OP, &ctx.shape)?;
         let dact = input_grad(OP, self.fc2.backward(ctx.fc2, &[&as_rows(OP, dy, self.dim())?], stream)?)?;
-        let dpre = Tensor::uninit(&self.alloc, stream, dact.shape())?;
+        let dpre = Tensor::uninit(&self.alloc, stream, dact.shape(), dact.dtype())?;
         gelu::gelu_backward(&dpre, &ctx.pre, &dact, stream)?;
         let dx = input_grad(OP, self.fc1.backward(ctx.fc1, &[&dpre], stream)?)?;
         Ok(vec![Some(dx.reshape(&ctx.shape)?)])

@@ -51,7 +51,7 @@ pub trait SaveHook: Send + Sync {
     }
     /// One saved tensor, by name; returns the tensor to keep in the context (the same by
     /// default, a handle to a reload later for an offloader).
-    fn save(&self, _name: &str, t: Tensor<f32>, _stream: &Stream) -> Result<Tensor<f32>> {
+    fn save(&self, _name: &str, t: Tensor, _stream: &Stream) -> Result<Tensor> {
         Ok(t)
     }
     /// The module finished saving.
@@ -102,16 +102,11 @@ pub trait Module: Send + Sync {
     type Ctx: Send + 'static;
 
     /// Computes the outputs of `inputs`, enqueued on `stream`.
-    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, Self::Ctx)>;
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, Self::Ctx)>;
 
     /// One gradient per input, in [`Inputs::iter`] order (`None`: a constant or unused input),
     /// written (`=`); parameter gradients accumulated (`+=`) into their [`Param::grad`].
-    fn backward(
-        &self,
-        ctx: Self::Ctx,
-        grad_outputs: &[&Tensor<f32>],
-        stream: &Stream,
-    ) -> Result<Vec<Option<Tensor<f32>>>>;
+    fn backward(&self, ctx: Self::Ctx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>>;
 
     /// Runs the weight-gradient work that `backward` left for later, for modules that split it
     /// out (TransformerEngine's `backward_dw`, which pipeline schedules use to fill bubbles).
@@ -136,6 +131,6 @@ pub trait Module: Send + Sync {
 ///
 /// # Errors
 /// [`Error::MissingGradient`] when the backward returned none for it.
-pub fn input_grad(op: &'static str, grads: Vec<Option<Tensor<f32>>>) -> Result<Tensor<f32>> {
+pub fn input_grad(op: &'static str, grads: Vec<Option<Tensor>>) -> Result<Tensor> {
     grads.into_iter().next().flatten().ok_or_else(|| Error::MissingGradient { op, what: "input 0".into() })
 }

@@ -1,6 +1,6 @@
 //! Parameters: slices of one flat buffer, with gradients in a second buffer of the same layout.
 
-use crate::device::Stream;
+use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -11,17 +11,17 @@ pub struct Param {
     /// Name, for reports and checkpoints.
     pub name: String,
     /// The value.
-    pub value: Tensor<f32>,
+    pub value: Tensor,
     /// The gradient (accumulated by backward passes).
-    pub grad: Tensor<f32>,
+    pub grad: Tensor,
 }
 
 /// All parameters of a model in one flat buffer (and their gradients in another), so that the
 /// optimizer touches every parameter in one launch.
 pub struct ParamStore {
     alloc: CachingAllocator,
-    values: Tensor<f32>,
-    grads: Tensor<f32>,
+    values: Tensor,
+    grads: Tensor,
     used: usize,
 }
 
@@ -29,7 +29,10 @@ impl ParamStore {
     /// Room for `capacity` parameters (elements), zeroed, with zeroed gradients. Each module
     /// says how many it adds (`TransformerLayer::parameter_count(dim)`, ...): sum those.
     pub fn new(alloc: &CachingAllocator, stream: &Stream, capacity: usize) -> Result<ParamStore> {
-        let (values, grads) = (Tensor::zeros(alloc, stream, &[capacity])?, Tensor::zeros(alloc, stream, &[capacity])?);
+        let (values, grads) = (
+            Tensor::zeros(alloc, stream, &[capacity], DType::F32)?,
+            Tensor::zeros(alloc, stream, &[capacity], DType::F32)?,
+        );
         Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0 })
     }
 
@@ -57,17 +60,17 @@ impl ParamStore {
         let grad = self.grads.narrow(0, self.used, n)?.reshape(shape)?;
         self.used += n;
         let staging = Tensor::from_host(&self.alloc, stream, init, &[n])?;
-        stream.copy_d2d(staging.view()?, value.view()?)?;
+        value.reshape(&[n])?.copy_from(&staging, stream)?;
         Ok(Param { name: name.to_string(), value, grad })
     }
 
     /// Every parameter value, as one flat tensor (the used part).
-    pub fn values(&self) -> Result<Tensor<f32>> {
+    pub fn values(&self) -> Result<Tensor> {
         self.values.narrow(0, 0, self.used)
     }
 
     /// Every gradient, as one flat tensor (the used part).
-    pub fn grads(&self) -> Result<Tensor<f32>> {
+    pub fn grads(&self) -> Result<Tensor> {
         self.grads.narrow(0, 0, self.used)
     }
 }

@@ -84,7 +84,7 @@ pub struct Stack<M> {
     layers: Vec<M>,
     /// The random-number step counter its layers' dropouts read, advanced once per training
     /// forward.
-    rng_step: Option<Tensor<u64>>,
+    rng_step: Option<Tensor>,
     training: bool,
 }
 
@@ -103,7 +103,7 @@ impl<M: Module> Stack<M> {
     /// [`DropoutSpec`](super::DropoutSpec)) by one at the start of every forward in training
     /// mode, eager or graphed, so that each microbatch draws new masks without the caller's help;
     /// warmup and capture leave it as it was (R9).
-    pub fn with_rng_step(mut self, step: &Tensor<u64>) -> Stack<M> {
+    pub fn with_rng_step(mut self, step: &Tensor) -> Stack<M> {
         self.rng_step = Some(step.clone());
         self
     }
@@ -114,7 +114,7 @@ impl<M: Module> Stack<M> {
     }
 
     /// The step counter it advances per training forward, if any.
-    pub fn rng_step(&self) -> Option<&Tensor<u64>> {
+    pub fn rng_step(&self) -> Option<&Tensor> {
         self.rng_step.as_ref()
     }
 
@@ -148,7 +148,7 @@ struct Eager<'a, M> {
 
 impl<M: Module> Traverse for Eager<'_, M> {
     type Act = Inputs;
-    type Grad = Vec<Option<Tensor<f32>>>;
+    type Grad = Vec<Option<Tensor>>;
     type Saved = M::Ctx;
 
     fn forward(&mut self, layer: usize, x: Inputs) -> Result<(Inputs, M::Ctx)> {
@@ -174,7 +174,7 @@ impl<M: Module> Traverse for Eager<'_, M> {
 impl<M: Module> Module for Stack<M> {
     type Ctx = StackCtx<M::Ctx>;
 
-    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor<f32>>, Self::Ctx)> {
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, Self::Ctx)> {
         if let (Some(step), true) = (&self.rng_step, self.training) {
             crate::ops::rng::step_add(step, 1, stream)?;
         }
@@ -183,12 +183,7 @@ impl<M: Module> Module for Stack<M> {
         Ok((y.positional().cloned().collect(), StackCtx { layers }))
     }
 
-    fn backward(
-        &self,
-        ctx: Self::Ctx,
-        grad_outputs: &[&Tensor<f32>],
-        stream: &Stream,
-    ) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, ctx: Self::Ctx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         let mut eager = Eager { layers: &self.layers, hook: &super::KeepOnDevice, stream };
         backward_pass(&mut eager, ctx.layers, grad_outputs.iter().map(|d| Some((*d).clone())).collect())
     }

@@ -81,15 +81,15 @@ impl TransformerLayer {
         })
     }
 
-    fn add(&self, a: &Tensor<f32>, b: &Tensor<f32>, stream: &Stream) -> Result<Tensor<f32>> {
-        let out = Tensor::uninit(&self.alloc, stream, a.shape())?;
+    fn add(&self, a: &Tensor, b: &Tensor, stream: &Stream) -> Result<Tensor> {
+        let out = Tensor::uninit(&self.alloc, stream, a.shape(), a.dtype())?;
         residual_add(&out, a, b, stream)?;
         Ok(out)
     }
 }
 
 /// The one output of a sub-module.
-fn only<C>((mut outputs, ctx): (Vec<Tensor<f32>>, C)) -> (Tensor<f32>, C) {
+fn only<C>((mut outputs, ctx): (Vec<Tensor>, C)) -> (Tensor, C) {
     (outputs.remove(0), ctx)
 }
 
@@ -97,12 +97,7 @@ impl Module for TransformerLayer {
     type Ctx = TransformerCtx;
 
     /// One contiguous input `(B, T, C)`, one output `(B, T, C)`.
-    fn forward(
-        &self,
-        inputs: &Inputs,
-        hook: &dyn SaveHook,
-        stream: &Stream,
-    ) -> Result<(Vec<Tensor<f32>>, TransformerCtx)> {
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, TransformerCtx)> {
         let x = inputs.only("TransformerLayer::forward")?;
         let (a, ln1) = only(self.ln1.forward(&Inputs::one(x), hook, stream)?);
         let (a, attn) = only(self.attn.forward(&Inputs::one(&a), hook, stream)?);
@@ -115,12 +110,7 @@ impl Module for TransformerLayer {
         Ok((vec![y], TransformerCtx { ln1, attn, drop1, ln2, mlp, drop2 }))
     }
 
-    fn backward(
-        &self,
-        ctx: TransformerCtx,
-        grad_outputs: &[&Tensor<f32>],
-        stream: &Stream,
-    ) -> Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, ctx: TransformerCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         const OP: &str = "TransformerLayer::backward";
         let dy = single_input(OP, grad_outputs)?;
         let dm = input_grad(OP, self.drop2.backward(ctx.drop2, &[dy], stream)?)?;

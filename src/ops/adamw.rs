@@ -19,13 +19,13 @@
 //! let alloc = CachingAllocator::new(&dev);
 //! let params = Tensor::from_host(&alloc, &s, &[1.0f32, -1.0], &[2])?;
 //! let grads = Tensor::from_host(&alloc, &s, &[0.5f32, -0.5], &[2])?;
-//! let (m, v) = (Tensor::<f32>::zeros(&alloc, &s, &[2])?, Tensor::<f32>::zeros(&alloc, &s, &[2])?);
-//! let (lr, t) = (Tensor::<f32>::zeros(&alloc, &s, &[1])?, Tensor::<u64>::zeros(&alloc, &s, &[1])?);
+//! let (m, v) = (Tensor::zeros(&alloc, &s, &[2], graphed::device::DType::F32)?, Tensor::zeros(&alloc, &s, &[2], graphed::device::DType::F32)?);
+//! let (lr, t) = (Tensor::zeros(&alloc, &s, &[1], graphed::device::DType::F32)?, Tensor::zeros(&alloc, &s, &[1], graphed::device::DType::U64)?);
 //! elementwise::fill(lr.view()?, 0.1, &s)?;
 //! rng::step_add(&t, 1, &s)?;
 //! let hyper = adamw::AdamWHyper { weight_decay: 0.0, ..adamw::AdamWHyper::default() };
 //! adamw::adamw_step(&params, &grads, &m, &v, &lr, &t, &hyper, &s)?;
-//! let p = params.to_vec(&s)?; // the first step moves each parameter by about lr against its gradient
+//! let p = params.to_vec::<f32>(&s)?; // the first step moves each parameter by about lr against its gradient
 //! assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] + 0.9).abs() < 1e-6);
 //! # Ok::<(), graphed::Error>(())
 //! ```
@@ -100,12 +100,12 @@ fn adamw_cpu(a: &CpuArgs) -> Result<()> {
 /// [`Error::NotContiguous`] for a strided tensor.
 #[allow(clippy::too_many_arguments)] // llm.c's order: parameter buffers, device scalars, hyperparameters, stream
 pub fn adamw_step(
-    params: &Tensor<f32>,
-    grads: &Tensor<f32>,
-    m: &Tensor<f32>,
-    v: &Tensor<f32>,
-    lr: &Tensor<f32>,
-    t: &Tensor<u64>,
+    params: &Tensor,
+    grads: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    lr: &Tensor,
+    t: &Tensor,
     hyper: &AdamWHyper,
     stream: &Stream,
 ) -> Result<()> {
@@ -140,11 +140,11 @@ pub fn adamw_step(
         &ADAMW,
         LaunchDims::for_elems(len),
         &args![
-            InOut(dense(OP, params)?),
-            InOut(dense(OP, m)?),
-            InOut(dense(OP, v)?),
-            In(dense(OP, grads)?),
-            In(dense(OP, lr)?),
+            InOut(dense::<f32>(OP, params)?),
+            InOut(dense::<f32>(OP, m)?),
+            InOut(dense::<f32>(OP, v)?),
+            In(dense::<f32>(OP, grads)?),
+            In(dense::<f32>(OP, lr)?),
             In(rng::step_view(OP, t)?),
             beta1,
             beta2,

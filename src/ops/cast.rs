@@ -13,9 +13,9 @@
 //! let s = dev.stream()?;
 //! let alloc = CachingAllocator::new(&dev);
 //! let x = Tensor::from_host(&alloc, &s, &[1.0f32, 1.00390625, 3.0e38], &[3])?;
-//! let h = Tensor::<bf16>::zeros(&alloc, &s, &[3])?;
+//! let h = Tensor::zeros(&alloc, &s, &[3], graphed::device::DType::BF16)?;
 //! cast::cast_f32_to_bf16(&h, &x, &s)?;
-//! let h = h.to_vec(&s)?;
+//! let h = h.to_vec::<half::bf16>(&s)?;
 //! assert_eq!(h[1], bf16::ONE, "1 + 2^-8 is a tie between 1 and 1 + 2^-7: to even");
 //! assert_eq!(h[2].to_bits(), bf16::from_f32(3.0e38).to_bits());
 //! # Ok::<(), graphed::Error>(())
@@ -49,11 +49,11 @@ fn f32_to_bf16_cpu(a: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Shape`] for unequal shapes; [`Error::NotContiguous`] for a strided tensor.
-pub fn cast_f32_to_bf16(out: &Tensor<bf16>, inp: &Tensor<f32>, stream: &Stream) -> Result<()> {
+pub fn cast_f32_to_bf16(out: &Tensor, inp: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "cast_f32_to_bf16";
     out.expect_shape(OP, inp.shape())?;
     let Some((dims, n)) = elems(OP, inp.numel())? else { return Ok(()) };
-    stream.launch(&CAST_F32_TO_BF16, dims, &args![Out(dense(OP, out)?), In(dense(OP, inp)?), n])
+    stream.launch(&CAST_F32_TO_BF16, dims, &args![Out(dense::<bf16>(OP, out)?), In(dense::<f32>(OP, inp)?), n])
 }
 
 /// bf16 → f32.
@@ -75,11 +75,11 @@ fn bf16_to_f32_cpu(a: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Shape`] for unequal shapes; [`Error::NotContiguous`] for a strided tensor.
-pub fn cast_bf16_to_f32(out: &Tensor<f32>, inp: &Tensor<bf16>, stream: &Stream) -> Result<()> {
+pub fn cast_bf16_to_f32(out: &Tensor, inp: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "cast_bf16_to_f32";
     out.expect_shape(OP, inp.shape())?;
     let Some((dims, n)) = elems(OP, inp.numel())? else { return Ok(()) };
-    stream.launch(&CAST_BF16_TO_F32, dims, &args![Out(dense(OP, out)?), In(dense(OP, inp)?), n])
+    stream.launch(&CAST_BF16_TO_F32, dims, &args![Out(dense::<f32>(OP, out)?), In(dense::<bf16>(OP, inp)?), n])
 }
 
 /// `out = a + b` in f32.
@@ -102,12 +102,16 @@ fn residual_add_cpu(args: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Shape`] for unequal shapes; [`Error::NotContiguous`] for a strided tensor.
-pub fn residual_add(out: &Tensor<f32>, a: &Tensor<f32>, b: &Tensor<f32>, stream: &Stream) -> Result<()> {
+pub fn residual_add(out: &Tensor, a: &Tensor, b: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "residual_add";
     out.expect_shape(OP, a.shape())?;
     b.expect_shape(OP, a.shape())?;
     let Some((dims, n)) = elems(OP, a.numel())? else { return Ok(()) };
-    stream.launch(&RESIDUAL_ADD, dims, &args![Out(dense(OP, out)?), In(dense(OP, a)?), In(dense(OP, b)?), n])
+    stream.launch(
+        &RESIDUAL_ADD,
+        dims,
+        &args![Out(dense::<f32>(OP, out)?), In(dense::<f32>(OP, a)?), In(dense::<f32>(OP, b)?), n],
+    )
 }
 
 /// One thread per element, or `None` for no elements.

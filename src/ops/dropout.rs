@@ -12,11 +12,11 @@
 //! let s = dev.stream()?;
 //! let alloc = CachingAllocator::new(&dev);
 //! let x = Tensor::from_host(&alloc, &s, &[1.0f32; 8], &[2, 4])?;
-//! let (y, mask) = (Tensor::<f32>::zeros(&alloc, &s, &[2, 4])?, Tensor::<u8>::zeros(&alloc, &s, &[2, 4])?);
-//! let step = Tensor::<u64>::zeros(&alloc, &s, &[1])?;
+//! let (y, mask) = (Tensor::zeros(&alloc, &s, &[2, 4], graphed::device::DType::F32)?, Tensor::zeros(&alloc, &s, &[2, 4], graphed::device::DType::U8)?);
+//! let step = Tensor::zeros(&alloc, &s, &[1], graphed::device::DType::U64)?;
 //! rng::step_write(&step, 1, &s)?;
 //! dropout::dropout_forward(&y, &mask, &x, 0.5, 1234, 0, &step, &s)?;
-//! let (y, mask) = (y.to_vec(&s)?, mask.to_vec(&s)?);
+//! let (y, mask) = (y.to_vec::<f32>(&s)?, mask.to_vec::<u8>(&s)?);
 //! assert!(y.iter().zip(&mask).all(|(&y, &m)| y == 2.0 * f32::from(m)));
 //! # Ok::<(), graphed::Error>(())
 //! ```
@@ -63,13 +63,13 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 /// [`Error::Unsupported`] unless `0 ≤ p < 1`; [`Error::NotContiguous`] for a strided tensor.
 #[allow(clippy::too_many_arguments)] // outputs, input, p, the RNG's coordinates (seed, site, step), stream
 pub fn dropout_forward(
-    out: &Tensor<f32>,
-    mask: &Tensor<u8>,
-    inp: &Tensor<f32>,
+    out: &Tensor,
+    mask: &Tensor,
+    inp: &Tensor,
     p: f32,
     seed: u32,
     site: u32,
-    step: &Tensor<u64>,
+    step: &Tensor,
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "dropout_forward";
@@ -77,7 +77,8 @@ pub fn dropout_forward(
     mask.expect_shape(OP, inp.shape())?;
     let (threshold, scale) = keep_rule(OP, p)?;
     let n = count(OP, inp.numel())?;
-    let (out, mask, inp, step) = (dense(OP, out)?, dense(OP, mask)?, dense(OP, inp)?, rng::step_view(OP, step)?);
+    let (out, mask, inp, step) =
+        (dense::<f32>(OP, out)?, dense::<u8>(OP, mask)?, dense::<f32>(OP, inp)?, rng::step_view(OP, step)?);
     let dims = LaunchDims::for_elems(inp.len().div_ceil(4));
     stream.launch(
         &DROPOUT_FORWARD,
@@ -108,13 +109,7 @@ fn backward_cpu(a: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// As [`dropout_forward`].
-pub fn dropout_backward(
-    dinp: &Tensor<f32>,
-    dout: &Tensor<f32>,
-    mask: &Tensor<u8>,
-    p: f32,
-    stream: &Stream,
-) -> Result<()> {
+pub fn dropout_backward(dinp: &Tensor, dout: &Tensor, mask: &Tensor, p: f32, stream: &Stream) -> Result<()> {
     const OP: &str = "dropout_backward";
     dinp.expect_shape(OP, dout.shape())?;
     mask.expect_shape(OP, dout.shape())?;
@@ -124,7 +119,7 @@ pub fn dropout_backward(
     stream.launch(
         &DROPOUT_BACKWARD,
         dims,
-        &args![Out(dense(OP, dinp)?), In(dense(OP, dout)?), In(dense(OP, mask)?), scale, n],
+        &args![Out(dense::<f32>(OP, dinp)?), In(dense::<f32>(OP, dout)?), In(dense::<u8>(OP, mask)?), scale, n],
     )
 }
 

@@ -21,9 +21,9 @@
 //! let wte = Tensor::from_host(&alloc, &s, &[0.0f32, 0.0, 10.0, 20.0], &[2, 2])?; // (V, C)
 //! let wpe = Tensor::from_host(&alloc, &s, &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2])?; // (Tmax, C)
 //! let tokens = Tensor::from_host(&alloc, &s, &[1u32, 0], &[1, 2])?; // (B, T)
-//! let out = Tensor::<f32>::zeros(&alloc, &s, &[1, 2, 2])?;
+//! let out = Tensor::zeros(&alloc, &s, &[1, 2, 2], graphed::device::DType::F32)?;
 //! embedding::embedding_forward(&out, &tokens, &wte, &wpe, &s)?;
-//! assert_eq!(out.to_vec(&s)?, vec![11.0, 22.0, 3.0, 4.0]);
+//! assert_eq!(out.to_vec::<f32>(&s)?, vec![11.0, 22.0, 3.0, 4.0]);
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
@@ -60,13 +60,7 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
-pub fn embedding_forward(
-    out: &Tensor<f32>,
-    tokens: &Tensor<u32>,
-    wte: &Tensor<f32>,
-    wpe: &Tensor<f32>,
-    stream: &Stream,
-) -> Result<()> {
+pub fn embedding_forward(out: &Tensor, tokens: &Tensor, wte: &Tensor, wpe: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "embedding_forward";
     let d = Dims::of(OP, tokens, wte, wpe)?;
     out.expect_shape(OP, &[d.b, d.t, d.c])?;
@@ -80,7 +74,16 @@ pub fn embedding_forward(
     stream.launch(
         &EMBEDDING_FORWARD,
         LaunchDims::for_elems(n as usize),
-        &args![Out(dense(OP, out)?), In(dense(OP, tokens)?), In(dense(OP, wte)?), In(dense(OP, &wpe)?), n, t, c, v],
+        &args![
+            Out(dense::<f32>(OP, out)?),
+            In(dense::<u32>(OP, tokens)?),
+            In(dense::<f32>(OP, wte)?),
+            In(dense::<f32>(OP, &wpe)?),
+            n,
+            t,
+            c,
+            v
+        ],
     )
 }
 
@@ -132,13 +135,7 @@ fn backward_wpe_cpu(a: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
-pub fn embedding_backward(
-    dwte: &Tensor<f32>,
-    dwpe: &Tensor<f32>,
-    dout: &Tensor<f32>,
-    tokens: &Tensor<u32>,
-    stream: &Stream,
-) -> Result<()> {
+pub fn embedding_backward(dwte: &Tensor, dwpe: &Tensor, dout: &Tensor, tokens: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "embedding_backward";
     let d = Dims::of(OP, tokens, dwte, dwpe)?;
     dout.expect_shape(OP, &[d.b, d.t, d.c])?;
@@ -147,16 +144,16 @@ pub fn embedding_backward(
         return Ok(());
     }
     let dwpe = dwpe.narrow(0, 0, d.t)?;
-    let (dout, tokens) = (dense(OP, dout)?, dense(OP, tokens)?);
+    let (dout, tokens) = (dense::<f32>(OP, dout)?, dense::<u32>(OP, tokens)?);
     stream.launch(
         &EMBEDDING_BACKWARD_WTE,
         LaunchDims::for_elems(vc as usize),
-        &args![InOut(dense(OP, dwte)?), In(dout), In(tokens), vc, count(OP, d.c)?, positions],
+        &args![InOut(dense::<f32>(OP, dwte)?), In(dout), In(tokens), vc, count(OP, d.c)?, positions],
     )?;
     stream.launch(
         &EMBEDDING_BACKWARD_WPE,
         LaunchDims::for_elems(tc as usize),
-        &args![InOut(dense(OP, &dwpe)?), In(dout), tc, count(OP, d.b)?],
+        &args![InOut(dense::<f32>(OP, &dwpe)?), In(dout), tc, count(OP, d.b)?],
     )
 }
 
@@ -170,7 +167,7 @@ struct Dims {
 }
 
 impl Dims {
-    fn of(op: &'static str, tokens: &Tensor<u32>, wte: &Tensor<f32>, wpe: &Tensor<f32>) -> Result<Dims> {
+    fn of(op: &'static str, tokens: &Tensor, wte: &Tensor, wpe: &Tensor) -> Result<Dims> {
         let &[b, t] = tokens.shape() else {
             return Err(Error::Shape { op, expected: "(B, T) tokens".into(), found: tokens.shape().to_vec() });
         };

@@ -16,9 +16,9 @@
 //! let s = dev.stream()?;
 //! let alloc = CachingAllocator::new(&dev);
 //! let inp = Tensor::from_host(&alloc, &s, &[-1.0f32, 0.0, 1.0], &[3])?;
-//! let out = Tensor::uninit(&alloc, &s, &[3])?;
+//! let out = Tensor::uninit(&alloc, &s, &[3], graphed::device::DType::F32)?;
 //! gelu::gelu_forward(&out, &inp, &s)?;
-//! let y = out.to_vec(&s)?;
+//! let y = out.to_vec::<f32>(&s)?;
 //! assert!((y[0] + 0.158808).abs() < 1e-6 && y[1] == 0.0 && (y[2] - 0.841192).abs() < 1e-6);
 //! # Ok::<(), graphed::Error>(())
 //! ```
@@ -62,10 +62,11 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Shape`](crate::Error::Shape) if the shapes differ; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
-pub fn gelu_forward(out: &Tensor<f32>, inp: &Tensor<f32>, stream: &Stream) -> Result<()> {
+pub fn gelu_forward(out: &Tensor, inp: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "gelu_forward";
     let shape = inp.shape();
-    let args = args![Out(checked(OP, "out", out, shape)?), In(checked(OP, "inp", inp, shape)?), n_of(OP, inp)?];
+    let args =
+        args![Out(checked::<f32>(OP, "out", out, shape)?), In(checked::<f32>(OP, "inp", inp, shape)?), n_of(OP, inp)?];
     stream.launch(&GELU_FORWARD, LaunchDims::for_elems(inp.numel()), &args)
 }
 
@@ -89,13 +90,13 @@ fn backward_cpu(a: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Shape`](crate::Error::Shape) if the shapes differ; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
-pub fn gelu_backward(dinp: &Tensor<f32>, inp: &Tensor<f32>, dout: &Tensor<f32>, stream: &Stream) -> Result<()> {
+pub fn gelu_backward(dinp: &Tensor, inp: &Tensor, dout: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "gelu_backward";
     let shape = inp.shape();
     let args = args![
-        Out(checked(OP, "dinp", dinp, shape)?),
-        In(checked(OP, "inp", inp, shape)?),
-        In(checked(OP, "dout", dout, shape)?),
+        Out(checked::<f32>(OP, "dinp", dinp, shape)?),
+        In(checked::<f32>(OP, "inp", inp, shape)?),
+        In(checked::<f32>(OP, "dout", dout, shape)?),
         n_of(OP, inp)?,
     ];
     stream.launch(&GELU_BACKWARD, LaunchDims::for_elems(inp.numel()), &args)
@@ -125,13 +126,13 @@ fn bias_forward_cpu(a: &CpuArgs) -> Result<()> {
 /// # Errors
 /// [`Error::Shape`](crate::Error::Shape) unless `inp` is (N, C) with C > 0, `out` (N, C) and `bias` (C);
 /// [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
-pub fn bias_gelu_forward(out: &Tensor<f32>, inp: &Tensor<f32>, bias: &Tensor<f32>, stream: &Stream) -> Result<()> {
+pub fn bias_gelu_forward(out: &Tensor, inp: &Tensor, bias: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "bias_gelu_forward";
     let (n, c) = rows_cols(OP, inp)?;
     let args = args![
-        Out(checked(OP, "out", out, &[n, c])?),
-        In(checked(OP, "inp", inp, &[n, c])?),
-        In(checked(OP, "bias", bias, &[c])?),
+        Out(checked::<f32>(OP, "out", out, &[n, c])?),
+        In(checked::<f32>(OP, "inp", inp, &[n, c])?),
+        In(checked::<f32>(OP, "bias", bias, &[c])?),
         n_of(OP, inp)?,
         count(OP, c)?,
     ];
@@ -187,31 +188,31 @@ fn column_sum_add_cpu(a: &CpuArgs) -> Result<()> {
 /// [`Error::Shape`](crate::Error::Shape) unless `inp` is (N, C) with C > 0, `dinp` and `dout` (N, C), `bias` and
 /// `dbias` (C); [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
 pub fn bias_gelu_backward(
-    dinp: &Tensor<f32>,
-    dbias: &Tensor<f32>,
-    inp: &Tensor<f32>,
-    bias: &Tensor<f32>,
-    dout: &Tensor<f32>,
+    dinp: &Tensor,
+    dbias: &Tensor,
+    inp: &Tensor,
+    bias: &Tensor,
+    dout: &Tensor,
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "bias_gelu_backward";
     let (n, c) = rows_cols(OP, inp)?;
-    let dinp = checked(OP, "dinp", dinp, &[n, c])?;
+    let dinp = checked::<f32>(OP, "dinp", dinp, &[n, c])?;
     let (numel, c32) = (n_of(OP, inp)?, count(OP, c)?);
     let args = args![
         Out(dinp),
-        In(checked(OP, "inp", inp, &[n, c])?),
-        In(checked(OP, "bias", bias, &[c])?),
-        In(checked(OP, "dout", dout, &[n, c])?),
+        In(checked::<f32>(OP, "inp", inp, &[n, c])?),
+        In(checked::<f32>(OP, "bias", bias, &[c])?),
+        In(checked::<f32>(OP, "dout", dout, &[n, c])?),
         numel,
         c32,
     ];
-    let sums = args![InOut(checked(OP, "dbias", dbias, &[c])?), In(dinp), count(OP, n)?, c32];
+    let sums = args![InOut(checked::<f32>(OP, "dbias", dbias, &[c])?), In(dinp), count(OP, n)?, c32];
     stream.launch(&BIAS_GELU_BACKWARD, LaunchDims::for_elems(inp.numel()), &args)?;
     stream.launch(&COLUMN_SUM_ADD, LaunchDims::for_elems(c), &sums)
 }
 
-fn n_of(op: &'static str, t: &Tensor<f32>) -> Result<u32> {
+fn n_of(op: &'static str, t: &Tensor) -> Result<u32> {
     count(op, t.numel())
 }
 

@@ -59,12 +59,7 @@ fn to_rows_cpu(a: &CpuArgs) -> Result<()> {
 
 /// The column block `part` of a `(B·T, P·C)` tensor that holds the heads of a `(B, H, T, hd)`
 /// one, and its leading dimension.
-fn block(
-    op: &'static str,
-    rows: &Tensor<f32>,
-    part: usize,
-    heads: &Tensor<f32>,
-) -> Result<(Tensor<f32>, usize, [usize; 4])> {
+fn block(op: &'static str, rows: &Tensor, part: usize, heads: &Tensor) -> Result<(Tensor, usize, [usize; 4])> {
     let [b, h, t, hd] = *heads.shape() else {
         return Err(Error::Shape { op, expected: "(B, H, T, hd) heads".into(), found: heads.shape().to_vec() });
     };
@@ -84,7 +79,7 @@ fn block(
 fn launch(
     kernel: &'static Kernel,
     op: &'static str,
-    dst_src: (&Tensor<f32>, &Tensor<f32>),
+    dst_src: (&Tensor, &Tensor),
     ld: usize,
     d: [usize; 4],
     stream: &Stream,
@@ -95,23 +90,23 @@ fn launch(
     stream.launch(
         kernel,
         LaunchDims::for_elems(n),
-        &args![Out(dst.view()?), In(src.view()?), b?, h?, t?, hd?, count(op, ld)?],
+        &args![Out(dst.view::<f32>()?), In(src.view::<f32>()?), b?, h?, t?, hd?, count(op, ld)?],
     )
 }
 
 /// Copies block `part` of `rows` (`(B·T, P·C)`) into `heads` (`(B, H, T, hd)`, contiguous).
-pub fn heads_from_rows(heads: &Tensor<f32>, rows: &Tensor<f32>, part: usize, stream: &Stream) -> Result<()> {
+pub fn heads_from_rows(heads: &Tensor, rows: &Tensor, part: usize, stream: &Stream) -> Result<()> {
     const OP: &str = "heads_from_rows";
     let (blk, ld, d) = block(OP, rows, part, heads)?;
-    super::dense(OP, heads)?;
+    super::dense::<f32>(OP, heads)?;
     launch(&HEADS_FROM_ROWS, OP, (heads, &blk), ld, d, stream)
 }
 
 /// Copies `heads` (`(B, H, T, hd)`, contiguous) into block `part` of `rows` (`(B·T, P·C)`).
-pub fn rows_from_heads(rows: &Tensor<f32>, part: usize, heads: &Tensor<f32>, stream: &Stream) -> Result<()> {
+pub fn rows_from_heads(rows: &Tensor, part: usize, heads: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "rows_from_heads";
     let (blk, ld, d) = block(OP, rows, part, heads)?;
-    super::dense(OP, heads)?;
+    super::dense::<f32>(OP, heads)?;
     launch(&ROWS_FROM_HEADS, OP, (&blk, heads), ld, d, stream)
 }
 
@@ -130,14 +125,14 @@ mod tests {
         let c = h * hd;
         let data: Vec<f32> = (0..b * t * 3 * c).map(|i| i as f32).collect();
         let qkv = Tensor::from_host(&alloc, &s, &data, &[b * t, 3 * c]).unwrap();
-        let k = Tensor::<f32>::uninit(&alloc, &s, &[b, h, t, hd]).unwrap();
+        let k = Tensor::uninit(&alloc, &s, &[b, h, t, hd], crate::device::DType::F32).unwrap();
         heads_from_rows(&k, &qkv, 1, &s).unwrap();
-        let got = k.to_vec(&s).unwrap();
+        let got = k.to_vec::<f32>(&s).unwrap();
         // k[b=1, h=2, t=3, d=1] is row 1·4 + 3 = 7, column C + 2·2 + 1 = 11.
         assert_eq!(got[((h + 2) * t + 3) * hd + 1], data[7 * 3 * c + 11]);
-        let back = Tensor::<f32>::zeros(&alloc, &s, &[b * t, 3 * c]).unwrap();
+        let back = Tensor::zeros(&alloc, &s, &[b * t, 3 * c], crate::device::DType::F32).unwrap();
         rows_from_heads(&back, 1, &k, &s).unwrap();
-        let back = back.to_vec(&s).unwrap();
+        let back = back.to_vec::<f32>(&s).unwrap();
         for (i, v) in back.iter().enumerate() {
             let in_block = (c..2 * c).contains(&(i % (3 * c)));
             assert_eq!(*v, if in_block { data[i] } else { 0.0 }, "element {i}");

@@ -17,12 +17,12 @@
 //! let s = dev.stream()?;
 //! let alloc = CachingAllocator::new(&dev);
 //! let inp = Tensor::from_host(&alloc, &s, &[1.0f32, 2.0, 3.0, 4.0], &[1, 4])?;
-//! let (weight, bias) = (Tensor::from_host(&alloc, &s, &[1.0f32; 4], &[4])?, Tensor::zeros(&alloc, &s, &[4])?);
-//! let out = Tensor::uninit(&alloc, &s, &[1, 4])?;
-//! let (mean, rstd) = (Tensor::uninit(&alloc, &s, &[1])?, Tensor::uninit(&alloc, &s, &[1])?);
+//! let (weight, bias) = (Tensor::from_host(&alloc, &s, &[1.0f32; 4], &[4])?, Tensor::zeros(&alloc, &s, &[4], graphed::device::DType::F32)?);
+//! let out = Tensor::uninit(&alloc, &s, &[1, 4], graphed::device::DType::F32)?;
+//! let (mean, rstd) = (Tensor::uninit(&alloc, &s, &[1], graphed::device::DType::F32)?, Tensor::uninit(&alloc, &s, &[1], graphed::device::DType::F32)?);
 //! layernorm::layernorm_forward(&out, &mean, &rstd, &inp, &weight, &bias, 1e-5, &s)?;
-//! assert_eq!(mean.to_vec(&s)?, vec![2.5]);
-//! let y = out.to_vec(&s)?;
+//! assert_eq!(mean.to_vec::<f32>(&s)?, vec![2.5]);
+//! let y = out.to_vec::<f32>(&s)?;
 //! assert!(y.iter().sum::<f32>().abs() < 1e-6 && (y[3] - 1.3416).abs() < 1e-4);
 //! # Ok::<(), graphed::Error>(())
 //! ```
@@ -69,24 +69,24 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 /// `weight` and `bias` (C); [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
 #[allow(clippy::too_many_arguments)] // llm.c's order: outputs, inputs, sizes, stream
 pub fn layernorm_forward(
-    out: &Tensor<f32>,
-    mean: &Tensor<f32>,
-    rstd: &Tensor<f32>,
-    inp: &Tensor<f32>,
-    weight: &Tensor<f32>,
-    bias: &Tensor<f32>,
+    out: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    inp: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
     eps: f32,
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "layernorm_forward";
     let (n, c) = rows_cols(OP, inp)?;
     let args = args![
-        Out(checked(OP, "out", out, &[n, c])?),
-        Out(checked(OP, "mean", mean, &[n])?),
-        Out(checked(OP, "rstd", rstd, &[n])?),
-        In(checked(OP, "inp", inp, &[n, c])?),
-        In(checked(OP, "weight", weight, &[c])?),
-        In(checked(OP, "bias", bias, &[c])?),
+        Out(checked::<f32>(OP, "out", out, &[n, c])?),
+        Out(checked::<f32>(OP, "mean", mean, &[n])?),
+        Out(checked::<f32>(OP, "rstd", rstd, &[n])?),
+        In(checked::<f32>(OP, "inp", inp, &[n, c])?),
+        In(checked::<f32>(OP, "weight", weight, &[c])?),
+        In(checked::<f32>(OP, "bias", bias, &[c])?),
         eps,
         count(OP, n)?,
         count(OP, c)?,
@@ -155,33 +155,33 @@ fn backward_params_cpu(a: &CpuArgs) -> Result<()> {
 /// `dbias` and `weight` (C), `mean` and `rstd` (N); [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
 #[allow(clippy::too_many_arguments)] // llm.c's order: outputs, inputs, sizes, stream
 pub fn layernorm_backward(
-    dinp: &Tensor<f32>,
-    dweight: &Tensor<f32>,
-    dbias: &Tensor<f32>,
-    dout: &Tensor<f32>,
-    inp: &Tensor<f32>,
-    weight: &Tensor<f32>,
-    mean: &Tensor<f32>,
-    rstd: &Tensor<f32>,
+    dinp: &Tensor,
+    dweight: &Tensor,
+    dbias: &Tensor,
+    dout: &Tensor,
+    inp: &Tensor,
+    weight: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "layernorm_backward";
     let (n, c) = rows_cols(OP, dout)?;
-    let (dout, inp) = (checked(OP, "dout", dout, &[n, c])?, checked(OP, "inp", inp, &[n, c])?);
-    let (mean, rstd) = (checked(OP, "mean", mean, &[n])?, checked(OP, "rstd", rstd, &[n])?);
+    let (dout, inp) = (checked::<f32>(OP, "dout", dout, &[n, c])?, checked::<f32>(OP, "inp", inp, &[n, c])?);
+    let (mean, rstd) = (checked::<f32>(OP, "mean", mean, &[n])?, checked::<f32>(OP, "rstd", rstd, &[n])?);
     let args = args![
-        Out(checked(OP, "dinp", dinp, &[n, c])?),
+        Out(checked::<f32>(OP, "dinp", dinp, &[n, c])?),
         In(dout),
         In(inp),
-        In(checked(OP, "weight", weight, &[c])?),
+        In(checked::<f32>(OP, "weight", weight, &[c])?),
         In(mean),
         In(rstd),
         count(OP, n)?,
         count(OP, c)?,
     ];
     let params = args![
-        InOut(checked(OP, "dweight", dweight, &[c])?),
-        InOut(checked(OP, "dbias", dbias, &[c])?),
+        InOut(checked::<f32>(OP, "dweight", dweight, &[c])?),
+        InOut(checked::<f32>(OP, "dbias", dbias, &[c])?),
         In(dout),
         In(inp),
         In(mean),

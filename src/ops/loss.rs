@@ -18,9 +18,9 @@
 //! let alloc = CachingAllocator::new(&dev);
 //! let logits = Tensor::from_host(&alloc, &s, &[0.0f32, 0.0, 1000.0, 1000.0], &[2, 2])?;
 //! let targets = Tensor::from_host(&alloc, &s, &[1u32, 0], &[2])?;
-//! let (losses, probs) = (Tensor::<f32>::zeros(&alloc, &s, &[2])?, Tensor::<f32>::zeros(&alloc, &s, &[2, 2])?);
+//! let (losses, probs) = (Tensor::zeros(&alloc, &s, &[2], graphed::device::DType::F32)?, Tensor::zeros(&alloc, &s, &[2, 2], graphed::device::DType::F32)?);
 //! loss::cross_entropy_forward(&losses, &probs, &logits, &targets, &s)?;
-//! assert_eq!(losses.to_vec(&s)?, vec![std::f32::consts::LN_2; 2]);
+//! assert_eq!(losses.to_vec::<f32>(&s)?, vec![std::f32::consts::LN_2; 2]);
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
@@ -65,10 +65,10 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 /// # Errors
 /// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
 pub fn cross_entropy_forward(
-    losses: &Tensor<f32>,
-    probs: &Tensor<f32>,
-    logits: &Tensor<f32>,
-    targets: &Tensor<u32>,
+    losses: &Tensor,
+    probs: &Tensor,
+    logits: &Tensor,
+    targets: &Tensor,
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_forward";
@@ -78,7 +78,7 @@ pub fn cross_entropy_forward(
     targets.expect_shape(OP, &[n])?;
     let Some(dims) = row_blocks(OP, n)? else { return Ok(()) };
     let (losses, probs, logits, targets) =
-        (dense(OP, losses)?, dense(OP, probs)?, dense(OP, logits)?, dense(OP, targets)?);
+        (dense::<f32>(OP, losses)?, dense::<f32>(OP, probs)?, dense::<f32>(OP, logits)?, dense::<u32>(OP, targets)?);
     stream.launch(&CROSS_ENTROPY_FORWARD, dims, &args![Out(losses), Out(probs), In(logits), In(targets), count(OP, v)?])
 }
 
@@ -114,10 +114,10 @@ fn backward_cpu(a: &CpuArgs) -> Result<()> {
 /// # Errors
 /// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
 pub fn cross_entropy_backward(
-    dlogits: &Tensor<f32>,
-    probs: &Tensor<f32>,
-    targets: &Tensor<u32>,
-    dlosses: &Tensor<f32>,
+    dlogits: &Tensor,
+    probs: &Tensor,
+    targets: &Tensor,
+    dlosses: &Tensor,
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
@@ -127,7 +127,7 @@ pub fn cross_entropy_backward(
     dlosses.expect_shape(OP, &[n])?;
     let Some(dims) = row_blocks(OP, n)? else { return Ok(()) };
     let (dlogits, probs, targets, dlosses) =
-        (dense(OP, dlogits)?, dense(OP, probs)?, dense(OP, targets)?, dense(OP, dlosses)?);
+        (dense::<f32>(OP, dlogits)?, dense::<f32>(OP, probs)?, dense::<u32>(OP, targets)?, dense::<f32>(OP, dlosses)?);
     stream.launch(
         &CROSS_ENTROPY_BACKWARD,
         dims,
@@ -143,7 +143,7 @@ fn bad_target(kernel: &'static str, row: usize, target: u32, v: usize) -> Error 
 }
 
 /// `(N, V)` of a 2-D tensor with V ≥ 1.
-fn rows_cols(op: &'static str, t: &Tensor<f32>) -> Result<(usize, usize)> {
+fn rows_cols(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
     match *t.shape() {
         [n, v] if v > 0 => Ok((n, v)),
         _ => Err(Error::Shape { op, expected: "(N, V) logits with V ≥ 1".into(), found: t.shape().to_vec() }),

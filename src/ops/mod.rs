@@ -12,6 +12,7 @@ pub mod gelu;
 pub mod heads;
 pub mod layernorm;
 pub mod loss;
+pub mod matmul;
 pub mod rng;
 pub mod schedule;
 pub mod softmax;
@@ -20,11 +21,13 @@ use crate::device::{Elem, LaunchDims, View};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-/// The tensor's view, refused unless the tensor is contiguous: the CUDA kernels index densely,
-/// so a strided view would be right on the simulator (which gathers) and wrong on the GPU.
-pub(crate) fn dense<'t, T: Elem>(op: &'static str, t: &'t Tensor<T>) -> Result<View<'t, T>> {
+/// The tensor's view as `T`, refused unless the tensor holds `T` and is contiguous: the CUDA
+/// kernels index densely, so a strided view would be right on the simulator (which gathers)
+/// and wrong on the GPU.
+pub(crate) fn dense<'t, T: Elem>(op: &'static str, t: &'t Tensor) -> Result<View<'t, T>> {
+    t.expect_dtype(op, T::DTYPE)?;
     if !t.is_contiguous() {
-        return Err(Error::NotContiguous { op, buffer: t.buffer().id() });
+        return Err(Error::NotContiguous { op, buffer: t.id() });
     }
     t.view()
 }
@@ -33,7 +36,7 @@ pub(crate) fn dense<'t, T: Elem>(op: &'static str, t: &'t Tensor<T>) -> Result<V
 pub(crate) fn checked<'t, T: Elem>(
     op: &'static str,
     name: &str,
-    t: &'t Tensor<T>,
+    t: &'t Tensor,
     shape: &[usize],
 ) -> Result<View<'t, T>> {
     if t.shape() != shape {
@@ -52,7 +55,7 @@ pub(crate) fn count(op: &'static str, n: usize) -> Result<u32> {
 }
 
 /// The (rows, columns) of a matrix with at least one column.
-pub(crate) fn rows_cols(op: &'static str, t: &Tensor<f32>) -> Result<(usize, usize)> {
+pub(crate) fn rows_cols(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
     match *t.shape() {
         [n, c] if c > 0 => Ok((n, c)),
         _ => Err(Error::Shape { op, expected: "a matrix (N, C) with C > 0".into(), found: t.shape().to_vec() }),

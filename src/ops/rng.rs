@@ -18,10 +18,10 @@
 //! let dev = Device::sim();
 //! let s = dev.stream()?;
 //! let alloc = CachingAllocator::new(&dev);
-//! let (bits, step) = (Tensor::<u32>::zeros(&alloc, &s, &[6])?, Tensor::<u64>::zeros(&alloc, &s, &[1])?);
+//! let (bits, step) = (Tensor::zeros(&alloc, &s, &[6], graphed::device::DType::U32)?, Tensor::zeros(&alloc, &s, &[1], graphed::device::DType::U64)?);
 //! rng::step_write(&step, 7, &s)?;
 //! rng::random_bits(&bits, 42, 3, &step, &s)?;
-//! assert_eq!(bits.to_vec(&s)?[5], rng::random_u32(42, 3, 7, 5));
+//! assert_eq!(bits.to_vec::<u32>(&s)?[5], rng::random_u32(42, 3, 7, 5));
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
@@ -88,9 +88,9 @@ fn random_u32_cpu(a: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Shape`] unless `step` is one element; [`Error::NotContiguous`] for a strided `out`.
-pub fn random_bits(out: &Tensor<u32>, seed: u32, site: u32, step: &Tensor<u64>, stream: &Stream) -> Result<()> {
+pub fn random_bits(out: &Tensor, seed: u32, site: u32, step: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "random_bits";
-    let (out_v, n) = (dense(OP, out)?, count(OP, out.numel())?);
+    let (out_v, n) = (dense::<u32>(OP, out)?, count(OP, out.numel())?);
     let dims = LaunchDims::for_elems(out.numel().div_ceil(4));
     stream.launch(&RANDOM_U32, dims, &args![Out(out_v), In(step_view(OP, step)?), seed, site, n])
 }
@@ -110,7 +110,7 @@ fn step_write_cpu(a: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Shape`] unless `step` is one element.
-pub fn step_write(step: &Tensor<u64>, value: u64, stream: &Stream) -> Result<()> {
+pub fn step_write(step: &Tensor, value: u64, stream: &Stream) -> Result<()> {
     stream.launch(&STEP_WRITE, ONE_THREAD, &args![Out(step_view("step_write", step)?), value])
 }
 
@@ -129,14 +129,14 @@ fn step_add_cpu(a: &CpuArgs) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Shape`] unless `step` is one element.
-pub fn step_add(step: &Tensor<u64>, by: u64, stream: &Stream) -> Result<()> {
+pub fn step_add(step: &Tensor, by: u64, stream: &Stream) -> Result<()> {
     stream.launch(&STEP_ADD, ONE_THREAD, &args![InOut(step_view("step_add", step)?), by])
 }
 
 const ONE_THREAD: LaunchDims = LaunchDims { grid: (1, 1, 1), block: (1, 1, 1), shared_mem_bytes: 0 };
 
 /// The view of a step counter: one contiguous `u64`.
-pub(crate) fn step_view<'t>(op: &'static str, step: &'t Tensor<u64>) -> Result<View<'t, u64>> {
+pub(crate) fn step_view<'t>(op: &'static str, step: &'t Tensor) -> Result<View<'t, u64>> {
     if step.numel() != 1 {
         return Err(Error::Shape { op, expected: "a step counter of 1 element".into(), found: step.shape().to_vec() });
     }

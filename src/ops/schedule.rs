@@ -90,7 +90,7 @@ const ONE_THREAD: LaunchDims = LaunchDims { grid: (1, 1, 1), block: (1, 1, 1), s
 /// # Errors
 /// [`Error::Shape`] unless `step` and `lr` have one element each; [`Error::Unsupported`] for a
 /// warmup of 0 steps.
-pub fn lr_schedule_step(step: &Tensor<u64>, lr: &Tensor<f32>, schedule: &LrSchedule, stream: &Stream) -> Result<()> {
+pub fn lr_schedule_step(step: &Tensor, lr: &Tensor, schedule: &LrSchedule, stream: &Stream) -> Result<()> {
     const OP: &str = "lr_schedule_step";
     if lr.numel() != 1 {
         return Err(Error::Shape {
@@ -109,6 +109,6 @@ pub fn lr_schedule_step(step: &Tensor<u64>, lr: &Tensor<f32>, schedule: &LrSched
     stream.launch(
         &LR_SCHEDULE_STEP,
         ONE_THREAD,
-        &args![InOut(step_view(OP, step)?), Out(super::dense(OP, lr)?), kind, peak, warmup, total, floor],
+        &args![InOut(step_view(OP, step)?), Out(super::dense::<f32>(OP, lr)?), kind, peak, warmup, total, floor],
     )
 }

@@ -19,9 +19,9 @@
 //! let s = dev.stream()?;
 //! let alloc = CachingAllocator::new(&dev);
 //! let scores = Tensor::from_host(&alloc, &s, &[5.0f32, 9.0, 2.0, 2.0], &[1, 1, 2, 2])?;
-//! let probs = Tensor::uninit(&alloc, &s, &[1, 1, 2, 2])?;
+//! let probs = Tensor::uninit(&alloc, &s, &[1, 1, 2, 2], graphed::device::DType::F32)?;
 //! softmax::softmax_causal_forward(&probs, &scores, 0.125, &s)?;
-//! assert_eq!(probs.to_vec(&s)?, vec![1.0, 0.0, 0.5, 0.5]);
+//! assert_eq!(probs.to_vec::<f32>(&s)?, vec![1.0, 0.0, 0.5, 0.5]);
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
@@ -61,13 +61,13 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 /// # Errors
 /// [`Error::Shape`] unless `scores` is (B, H, T, T) with T > 0 and `probs` has its shape;
 /// [`Error::NotContiguous`] for a strided tensor.
-pub fn softmax_causal_forward(probs: &Tensor<f32>, scores: &Tensor<f32>, scale: f32, stream: &Stream) -> Result<()> {
+pub fn softmax_causal_forward(probs: &Tensor, scores: &Tensor, scale: f32, stream: &Stream) -> Result<()> {
     const OP: &str = "softmax_causal_forward";
     let (rows, t) = rows_of(OP, scores)?;
     let shape = scores.shape();
     let args = args![
-        Out(checked(OP, "probs", probs, shape)?),
-        In(checked(OP, "scores", scores, shape)?),
+        Out(checked::<f32>(OP, "probs", probs, shape)?),
+        In(checked::<f32>(OP, "scores", scores, shape)?),
         scale,
         count(OP, rows)?,
         count(OP, t)?,
@@ -107,9 +107,9 @@ fn backward_cpu(a: &CpuArgs) -> Result<()> {
 /// [`Error::Shape`] unless `probs` is (B, H, T, T) with T > 0 and `dscores` and `dprobs` have its
 /// shape; [`Error::NotContiguous`] for a strided tensor.
 pub fn softmax_causal_backward(
-    dscores: &Tensor<f32>,
-    probs: &Tensor<f32>,
-    dprobs: &Tensor<f32>,
+    dscores: &Tensor,
+    probs: &Tensor,
+    dprobs: &Tensor,
     scale: f32,
     stream: &Stream,
 ) -> Result<()> {
@@ -117,9 +117,9 @@ pub fn softmax_causal_backward(
     let (rows, t) = rows_of(OP, probs)?;
     let shape = probs.shape();
     let args = args![
-        Out(checked(OP, "dscores", dscores, shape)?),
-        In(checked(OP, "probs", probs, shape)?),
-        In(checked(OP, "dprobs", dprobs, shape)?),
+        Out(checked::<f32>(OP, "dscores", dscores, shape)?),
+        In(checked::<f32>(OP, "probs", probs, shape)?),
+        In(checked::<f32>(OP, "dprobs", dprobs, shape)?),
         scale,
         count(OP, rows)?,
         count(OP, t)?,
@@ -128,7 +128,7 @@ pub fn softmax_causal_backward(
 }
 
 /// The number of rows (B·H·T) and T of attention scores (B, H, T, T); T = 0 has no visible key.
-fn rows_of(op: &'static str, t: &Tensor<f32>) -> Result<(usize, usize)> {
+fn rows_of(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
     match *t.shape() {
         [b, h, q, k] if q == k && k > 0 => Ok((b * h * q, k)),
         _ => Err(Error::Shape {

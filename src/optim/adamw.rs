@@ -1,7 +1,7 @@
 //! AdamW over every parameter of a store, with its moments, step counter and learning rate on
 //! the device.
 
-use crate::device::Stream;
+use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::nn::ParamStore;
 use crate::ops::adamw::{adamw_step, AdamWHyper};
@@ -29,18 +29,18 @@ use crate::Result;
 /// let opt = AdamW::new(&alloc, &store, hyper, LrSchedule::Constant(0.1), &s)?;
 /// elementwise::fill(p.grad.view()?, 0.5, &s)?;
 /// opt.step(&s)?;
-/// let v = p.value.to_vec(&s)?; // the first step moves each parameter by about lr against its gradient
+/// let v = p.value.to_vec::<f32>(&s)?; // the first step moves each parameter by about lr against its gradient
 /// assert!((v[0] - 0.9).abs() < 1e-6 && (v[1] + 1.1).abs() < 1e-6);
-/// assert_eq!((opt.steps(&s)?, p.grad.to_vec(&s)?), (1, vec![0.0, 0.0]));
+/// assert_eq!((opt.steps(&s)?, p.grad.to_vec::<f32>(&s)?), (1, vec![0.0, 0.0]));
 /// # Ok::<(), graphed::Error>(())
 /// ```
 pub struct AdamW {
-    params: Tensor<f32>,
-    grads: Tensor<f32>,
-    m: Tensor<f32>,
-    v: Tensor<f32>,
-    lr: Tensor<f32>,
-    step: Tensor<u64>,
+    params: Tensor,
+    grads: Tensor,
+    m: Tensor,
+    v: Tensor,
+    lr: Tensor,
+    step: Tensor,
     hyper: AdamWHyper,
     schedule: LrSchedule,
 }
@@ -55,9 +55,9 @@ impl AdamW {
         stream: &Stream,
     ) -> Result<AdamW> {
         let (params, grads) = (store.values()?, store.grads()?);
-        let zeros = |shape: &[usize]| Tensor::<f32>::zeros(alloc, stream, shape);
+        let zeros = |shape: &[usize]| Tensor::zeros(alloc, stream, shape, DType::F32);
         let (m, v, lr) = (zeros(params.shape())?, zeros(params.shape())?, zeros(&[1])?);
-        let step = Tensor::<u64>::zeros(alloc, stream, &[1])?;
+        let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
         Ok(AdamW { params, grads, m, v, lr, step, hyper, schedule })
     }
 
@@ -67,7 +67,7 @@ impl AdamW {
     pub fn step(&self, stream: &Stream) -> Result<()> {
         lr_schedule_step(&self.step, &self.lr, &self.schedule, stream)?;
         adamw_step(&self.params, &self.grads, &self.m, &self.v, &self.lr, &self.step, &self.hyper, stream)?;
-        stream.memset(self.grads.view()?, 0)
+        self.grads.zero(stream)
     }
 
     /// Steps taken (read from the device after the work queued on `stream`).
@@ -81,7 +81,7 @@ impl AdamW {
     }
 
     /// The first and second moments, flat, in the store's layout.
-    pub fn moments(&self) -> (&Tensor<f32>, &Tensor<f32>) {
+    pub fn moments(&self) -> (&Tensor, &Tensor) {
         (&self.m, &self.v)
     }
 

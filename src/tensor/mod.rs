@@ -1,8 +1,11 @@
-//! Layer 4, tensors: a typed, strided window onto device memory from the caching allocator.
+//! Layer 4, tensors: a strided window onto device memory from the caching allocator, with its
+//! element type known at run time.
 //!
-//! A [`Tensor`] is a buffer (shared by its views), an element offset, a shape and strides in
-//! elements. Ops take tensors and launch kernels on their [`View`]s, so the accesses a kernel
-//! declares are exactly the tensor's elements.
+//! A [`Tensor`] is a buffer (shared by its views), its [`DType`], an element offset, a shape and
+//! strides in elements. The element type is a value, as in candle and PyTorch, so that one model
+//! runs in f32 or bf16 by a flag; ops check it and take typed [`View`]s of their operands, so the
+//! accesses a kernel declares are exactly the tensor's elements, and an operand of the wrong type
+//! is a typed error ([`Error::DTypeMismatch`], [`Error::UnsupportedDType`]) before anything runs.
 //!
 //! ```
 //! use graphed::device::Device;
@@ -13,22 +16,31 @@
 //! let s = dev.stream()?;
 //! let alloc = CachingAllocator::new(&dev);
 //! let t = Tensor::from_host(&alloc, &s, &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3])?;
-//! assert_eq!(t.narrow(1, 1, 2)?.to_vec(&s)?, vec![2.0, 3.0, 5.0, 6.0]);
-//! assert_eq!(t.transpose(0, 1)?.to_vec(&s)?, vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+//! assert_eq!(t.dtype(), graphed::device::DType::F32);
+//! assert_eq!(t.narrow(1, 1, 2)?.to_vec::<f32>(&s)?, vec![2.0, 3.0, 5.0, 6.0]);
+//! assert_eq!(t.transpose(0, 1)?.to_vec::<f32>(&s)?, vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+//! assert!(t.to_vec::<half::bf16>(&s).is_err(), "a typed read of another type is refused");
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::device::{DeviceBuffer, Elem, Stream, View};
+use crate::device::{with_dtype, Access, AccessMode, BufferId, DType, DeviceBuffer, DeviceId, Elem, Stream, View};
 use crate::memory::CachingAllocator;
 use crate::{Error, Result};
 
-/// A strided tensor of `T` in device memory. Cloning makes another handle to the same memory.
+/// A strided tensor in device memory, of an element type chosen at run time. Cloning makes
+/// another handle to the same memory.
 #[derive(Clone)]
-pub struct Tensor<T: Elem> {
-    buf: Arc<DeviceBuffer<T>>,
+pub struct Tensor {
+    /// A `DeviceBuffer<T>` with `T::DTYPE == dtype`: one handle, shared by every view, so the
+    /// memory goes back to the allocator once, when the last view is dropped.
+    buf: Arc<dyn Any + Send + Sync>,
+    dtype: DType,
+    id: BufferId,
+    device: DeviceId,
     offset: usize,
     shape: Vec<usize>,
     strides: Vec<usize>,
@@ -46,45 +58,81 @@ fn shape_error(op: &'static str, expected: String, found: &[usize]) -> Error {
     Error::Shape { op, expected, found: found.to_vec() }
 }
 
-impl<T: Elem> Tensor<T> {
-    /// A contiguous tensor of `shape` from `alloc`, its contents unspecified (NaN bytes with a
-    /// poisoning allocator). For work on `stream`.
-    pub fn uninit(alloc: &CachingAllocator, stream: &Stream, shape: &[usize]) -> Result<Tensor<T>> {
-        let buf = alloc.alloc::<T>(stream, shape.iter().product())?;
-        Ok(Tensor { buf: Arc::new(buf), offset: 0, shape: shape.to_vec(), strides: contiguous_strides(shape) })
+impl Tensor {
+    fn of_buffer<T: Elem>(buf: DeviceBuffer<T>, shape: &[usize]) -> Tensor {
+        Tensor {
+            dtype: T::DTYPE,
+            id: buf.id(),
+            device: buf.device_id(),
+            buf: Arc::new(buf),
+            offset: 0,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+        }
+    }
+
+    /// A contiguous tensor of `shape` and `dtype` from `alloc`, its contents unspecified (NaN
+    /// bytes with a poisoning allocator). For work on `stream`.
+    pub fn uninit(alloc: &CachingAllocator, stream: &Stream, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let n = shape.iter().product();
+        with_dtype!(dtype, T => Ok(Tensor::of_buffer(alloc.alloc::<T>(stream, n)?, shape)))
     }
 
     /// A contiguous tensor of zeros.
-    pub fn zeros(alloc: &CachingAllocator, stream: &Stream, shape: &[usize]) -> Result<Tensor<T>> {
-        let t = Tensor::uninit(alloc, stream, shape)?;
-        stream.memset(&*t.buf, 0)?;
+    pub fn zeros(alloc: &CachingAllocator, stream: &Stream, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let t = Tensor::uninit(alloc, stream, shape, dtype)?;
+        t.zero(stream)?;
         Ok(t)
     }
 
-    /// A contiguous tensor holding `data` (row-major), written after the work queued on `stream`
-    /// (a blocking copy: not inside a capture).
-    pub fn from_host(alloc: &CachingAllocator, stream: &Stream, data: &[T], shape: &[usize]) -> Result<Tensor<T>> {
+    /// A contiguous tensor holding `data` (row-major), of `data`'s element type, written after
+    /// the work queued on `stream` (a blocking copy: not inside a capture).
+    pub fn from_host<T: Elem>(
+        alloc: &CachingAllocator,
+        stream: &Stream,
+        data: &[T],
+        shape: &[usize],
+    ) -> Result<Tensor> {
         if data.len() != shape.iter().product::<usize>() {
             return Err(shape_error("Tensor::from_host", format!("{} elements", data.len()), shape));
         }
-        let t = Tensor::uninit(alloc, stream, shape)?;
-        t.buf.write_from(stream, data)?;
+        let t = Tensor::uninit(alloc, stream, shape, T::DTYPE)?;
+        t.buffer::<T>("Tensor::from_host")?.write_from(stream, data)?;
         Ok(t)
     }
 
     /// The elements in row-major order, read after the work queued on `stream` (blocking).
-    pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
-        let all = self.buf.to_vec(stream)?;
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] unless `T` is the tensor's element type.
+    pub fn to_vec<T: Elem>(&self, stream: &Stream) -> Result<Vec<T>> {
+        let all = self.buffer::<T>("Tensor::to_vec")?.to_vec(stream)?;
         Ok(self.indices().map(|i| all[i]).collect())
+    }
+
+    /// The elements widened to f32 (exactly), for a tensor of any floating-point type.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedDType`] for an integer tensor.
+    pub fn to_f32_vec(&self, stream: &Stream) -> Result<Vec<f32>> {
+        use crate::device::Float;
+        match self.dtype {
+            DType::F32 => self.to_vec(stream),
+            DType::BF16 => Ok(self.to_vec::<half::bf16>(stream)?.into_iter().map(Float::to_f32).collect()),
+            DType::F16 => Ok(self.to_vec::<half::f16>(stream)?.into_iter().map(Float::to_f32).collect()),
+            dtype => Err(Error::UnsupportedDType { op: "Tensor::to_f32_vec", dtype, supported: "f32, bf16 or f16" }),
+        }
     }
 
     /// Whether `other` is this very view: the same memory, offset, shape and strides (a graphed
     /// call skips the copy into a static input when it is given the static input itself).
-    pub fn is_same_view(&self, other: &Tensor<T>) -> bool {
-        Arc::ptr_eq(&self.buf, &other.buf)
-            && self.offset == other.offset
-            && self.shape == other.shape
-            && self.strides == other.strides
+    pub fn is_same_view(&self, other: &Tensor) -> bool {
+        self.id == other.id && self.offset == other.offset && self.shape == other.shape && self.strides == other.strides
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// The shape.
@@ -102,9 +150,35 @@ impl<T: Elem> Tensor<T> {
         self.shape.iter().product()
     }
 
-    /// The buffer the tensor lives in.
-    pub fn buffer(&self) -> &DeviceBuffer<T> {
-        &self.buf
+    /// Size of the elements in bytes.
+    pub fn bytes(&self) -> usize {
+        self.numel() * self.dtype.size()
+    }
+
+    /// The identity of the buffer the tensor lives in (shared by its views).
+    pub fn id(&self) -> BufferId {
+        self.id
+    }
+
+    /// The device whose memory it is.
+    pub fn device_id(&self) -> DeviceId {
+        self.device
+    }
+
+    /// The buffer, typed.
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] (naming `op`) unless `T` is the tensor's element type.
+    pub fn buffer<T: Elem>(&self, op: &'static str) -> Result<&DeviceBuffer<T>> {
+        self.buf.downcast_ref().ok_or(Error::DTypeMismatch { op, expected: T::DTYPE, found: self.dtype })
+    }
+
+    /// Fails unless the element type is `dtype`.
+    pub fn expect_dtype(&self, op: &'static str, dtype: DType) -> Result<()> {
+        if self.dtype != dtype {
+            return Err(Error::DTypeMismatch { op, expected: dtype, found: self.dtype });
+        }
+        Ok(())
     }
 
     /// Whether the elements are consecutive in row-major order.
@@ -126,7 +200,7 @@ impl<T: Elem> Tensor<T> {
     }
 
     /// The same elements with another shape (contiguous tensors only).
-    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor<T>> {
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         if shape.iter().product::<usize>() != self.numel() {
             return Err(shape_error("Tensor::reshape", format!("{} elements", self.numel()), shape));
         }
@@ -137,16 +211,11 @@ impl<T: Elem> Tensor<T> {
                 why: "the tensor is not contiguous; reshape before taking strided views",
             });
         }
-        Ok(Tensor {
-            buf: self.buf.clone(),
-            offset: self.offset,
-            shape: shape.to_vec(),
-            strides: contiguous_strides(shape),
-        })
+        Ok(Tensor { shape: shape.to_vec(), strides: contiguous_strides(shape), ..self.clone() })
     }
 
     /// Elements `start..start + len` along `dim`.
-    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor<T>> {
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
         if dim >= self.shape.len() || start + len > self.shape[dim] {
             return Err(shape_error(
                 "Tensor::narrow",
@@ -161,7 +230,7 @@ impl<T: Elem> Tensor<T> {
     }
 
     /// Dimensions `a` and `b` swapped (a view, no copy).
-    pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor<T>> {
+    pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
         if a >= self.shape.len() || b >= self.shape.len() {
             return Err(shape_error("Tensor::transpose", format!("dims {a} and {b}"), &self.shape));
         }
@@ -171,9 +240,13 @@ impl<T: Elem> Tensor<T> {
         Ok(t)
     }
 
-    /// The tensor as a device view for kernel arguments: dimensions of size 1 dropped, adjacent
-    /// dimensions that are contiguous with each other merged, at most three left.
-    pub fn view(&self) -> Result<View<'_, T>> {
+    /// The tensor as a typed device view for kernel arguments: dimensions of size 1 dropped,
+    /// adjacent dimensions that are contiguous with each other merged, at most three left.
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] unless `T` is the element type; [`Error::Unsupported`] for a
+    /// view of more than three strided dimensions.
+    pub fn view<T: Elem>(&self) -> Result<View<'_, T>> {
         let mut dims: Vec<(usize, usize)> = Vec::new();
         for (&count, &stride) in self.shape.iter().zip(&self.strides) {
             if count == 1 {
@@ -187,11 +260,33 @@ impl<T: Elem> Tensor<T> {
         if dims.is_empty() {
             dims.push((self.numel(), 1));
         }
-        self.buf.strided(self.offset, &dims).ok_or(Error::Unsupported {
+        self.buffer::<T>("Tensor::view")?.strided(self.offset, &dims).ok_or(Error::Unsupported {
             op: "Tensor::view",
             backend: "any",
             why: "kernels take views of at most 3 strided dimensions; make the tensor contiguous first",
         })
+    }
+
+    /// Copies `src` into this tensor on `stream` (same element type and shape).
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] or [`Error::Shape`] before anything is enqueued.
+    pub fn copy_from(&self, src: &Tensor, stream: &Stream) -> Result<()> {
+        const OP: &str = "Tensor::copy_from";
+        src.expect_dtype(OP, self.dtype)?;
+        src.expect_shape(OP, &self.shape)?;
+        with_dtype!(self.dtype, T => stream.copy_d2d(src.view::<T>()?, self.view::<T>()?))
+    }
+
+    /// The access an operation touching this tensor's elements with `mode` declares (for the
+    /// checker's queries).
+    pub fn access(&self, mode: AccessMode) -> Result<Access> {
+        with_dtype!(self.dtype, T => Ok(self.view::<T>()?.access(mode)))
+    }
+
+    /// Sets every element's bytes to zero on `stream` (0.0 for the float types).
+    pub fn zero(&self, stream: &Stream) -> Result<()> {
+        with_dtype!(self.dtype, T => stream.memset(self.view::<T>()?, 0))
     }
 
     /// Fails unless the shape is `expected`.
@@ -203,9 +298,9 @@ impl<T: Elem> Tensor<T> {
     }
 }
 
-impl<T: Elem> fmt::Debug for Tensor<T> {
+impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Tensor<{}>{:?} in {} at +{}", T::DTYPE, self.shape, self.buf.id(), self.offset)
+        write!(f, "Tensor<{}>{:?} in {} at +{}", self.dtype, self.shape, self.id, self.offset)
     }
 }
 
@@ -219,10 +314,14 @@ mod tests {
         let dev = Device::sim();
         let s = dev.stream().unwrap();
         let alloc = CachingAllocator::new(&dev);
-        let t = Tensor::<f32>::zeros(&alloc, &s, &[2, 3, 4, 5]).unwrap();
-        assert!(t.view().unwrap().region().is_contiguous());
+        let t = Tensor::zeros(&alloc, &s, &[2, 3, 4, 5], DType::F32).unwrap();
+        assert!(t.view::<f32>().unwrap().region().is_contiguous());
+        assert!(matches!(
+            t.view::<half::bf16>(),
+            Err(Error::DTypeMismatch { expected: DType::BF16, found: DType::F32, .. })
+        ));
         let head = t.narrow(3, 1, 2).unwrap();
-        assert_eq!(head.view().unwrap().region().dims().len(), 2, "(2*3*4 rows, 2 columns) with stride 5");
+        assert_eq!(head.view::<f32>().unwrap().region().dims().len(), 2, "(2*3*4 rows, 2 columns) with stride 5");
         assert!(t.reshape(&[7]).is_err());
         assert!(matches!(t.narrow(4, 0, 1), Err(Error::Shape { .. })));
         assert_eq!(t.transpose(0, 3).unwrap().shape(), &[5, 3, 4, 2]);
@@ -236,7 +335,7 @@ mod tests {
         let data: Vec<f32> = (0..24).map(|i| i as f32).collect();
         let t = Tensor::from_host(&alloc, &s, &data, &[4, 6]).unwrap();
         let col = t.narrow(1, 2, 1).unwrap();
-        assert_eq!(col.to_vec(&s).unwrap(), vec![2.0, 8.0, 14.0, 20.0]);
+        assert_eq!(col.to_vec::<f32>(&s).unwrap(), vec![2.0, 8.0, 14.0, 20.0]);
         assert!(Tensor::from_host(&alloc, &s, &data, &[5, 5]).is_err());
     }
 }

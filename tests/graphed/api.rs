@@ -1,6 +1,7 @@
 //! The API's promises: hooks, transactional capture, reset, named inputs, unused inputs, output
 //! lifetimes, argument and replay-choice errors, the pool's order across calls.
 
+use graphed::device::DType;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -81,14 +82,14 @@ struct Failing<'a, M: Module> {
 impl<M: Module> Module for Failing<'_, M> {
     type Ctx = M::Ctx;
 
-    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor<f32>>, M::Ctx)> {
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor>, M::Ctx)> {
         if self.calls.fetch_add(1, Ordering::SeqCst) + 1 == self.fail_at {
             return Err(graphed::Error::Unsupported { op: "Failing::forward", backend: "any", why: "planted failure" });
         }
         self.inner.forward(inputs, hook, s)
     }
 
-    fn backward(&self, ctx: M::Ctx, dys: &[&Tensor<f32>], s: &Stream) -> graphed::Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, ctx: M::Ctx, dys: &[&Tensor], s: &Stream) -> graphed::Result<Vec<Option<Tensor>>> {
         self.inner.backward(ctx, dys, s)
     }
 
@@ -136,16 +137,16 @@ pub fn failed_capture_changes_nothing(dev: &Device) -> Result {
     let g0 = make_graphed_callables(&stack.alloc, &first, &[Inputs::one(&x0)], GraphOptions::default())?;
     let pool = g0[0].pool().clone();
     let order = pool.order();
-    let (grads, step) = (stack.grads()?, stack.step.to_vec(&stack.s)?);
+    let (grads, step) = (stack.grads()?, stack.step.to_vec::<u64>(&stack.s)?);
     // Warmup 3 forwards, then the capture's forward fails.
     let failing = Failing { inner: &stack.layers()[1], fail_at: 4, calls: AtomicUsize::new(0) };
     let both: Vec<&dyn Callable> = vec![&stack.layers()[0], &failing];
     let r = make_graphed_callables(&stack.alloc, &both, &samples(&stack)?, GraphOptions::default().pool(&pool));
     ensure!(r.is_err(), "the planted capture failure passed");
     ensure!(pool.order() == order, "the failed capture left graphs in the pool's order");
-    ensure!(stack.grads()? == grads && stack.step.to_vec(&stack.s)? == step, "the failed capture changed state");
+    ensure!(stack.grads()? == grads && stack.step.to_vec::<u64>(&stack.s)? == step, "the failed capture changed state");
     let (y, _t) = g0[0].forward(&stack.s, &Inputs::one(&x0), Replay::caller())?;
-    let dy = Tensor::zeros(&stack.alloc, &stack.s, y[0].shape())?;
+    let dy = Tensor::zeros(&stack.alloc, &stack.s, y[0].shape(), y[0].dtype())?;
     let (_dx, _t) = g0[0].backward(&stack.s, &[&dy])?;
     let second: Vec<&dyn Callable> = vec![&stack.layers()[1]];
     let g1 = make_graphed_callables(&stack.alloc, &second, &[Inputs::one(&x0)], GraphOptions::default().pool(&pool))?;
@@ -174,7 +175,7 @@ pub fn reset_then_recapture(dev: &Device) -> Result {
 }
 
 /// A stream, an allocator, a small store, and `x` and `shift` of shape (2, 3).
-type ShiftedSetup = (Stream, CachingAllocator, ParamStore, Tensor<f32>, Tensor<f32>);
+type ShiftedSetup = (Stream, CachingAllocator, ParamStore, Tensor, Tensor);
 
 fn shifted_setup(dev: &Device) -> Result<ShiftedSetup> {
     let s = dev.stream()?;
@@ -194,12 +195,12 @@ pub fn named_inputs_are_checked(dev: &Device) -> Result {
     let g = make_graphed_callables(&alloc, &[&f as &dyn Callable], &[sample], GraphOptions::default())?;
     let x2 = Tensor::from_host(&alloc, &s, &lcg(6, 3), &[2, 3])?;
     let (y, _t) = g[0].forward(&s, &Inputs::new().named("shift", &shift).arg(&x2), Replay::caller())?;
-    let want: Vec<f32> = x2.to_vec(&s)?.iter().zip(shift.to_vec(&s)?).map(|(a, b)| a + b).collect();
-    ensure!(y[0].get()?.to_vec(&s)? == want, "y = x + shift");
+    let want: Vec<f32> = x2.to_vec::<f32>(&s)?.iter().zip(shift.to_vec::<f32>(&s)?).map(|(a, b)| a + b).collect();
+    ensure!(y[0].get()?.to_vec::<f32>(&s)? == want, "y = x + shift");
     let (grads, _t) = g[0].backward(&s, &[&x2])?;
     ensure!(grads.len() == 2 && grads.iter().all(Option::is_some), "a gradient for x and for the named shift");
-    ensure!(f.p.grad.to_vec(&s)? == vec![1.0], "the parameter gradient accumulated once (warmup restored)");
-    let wrong = Tensor::<f32>::zeros(&alloc, &s, &[3, 2])?;
+    ensure!(f.p.grad.to_vec::<f32>(&s)? == vec![1.0], "the parameter gradient accumulated once (warmup restored)");
+    let wrong = Tensor::zeros(&alloc, &s, &[3, 2], DType::F32)?;
     let call = |i: Inputs| g[0].forward(&s, &i, Replay::caller()).map(|_| ());
     expect_kind(
         call(Inputs::new().arg(&x)),
@@ -254,14 +255,17 @@ pub fn outputs_refuse_reads_after_overwrite(dev: &Device) -> Result {
     let (x, dy) = stack.data(1)?;
     let (y, _t) = g[0].forward(&stack.s, &Inputs::one(&x), Replay::caller())?;
     let kept = y[0].to_owned(&stack.alloc, &stack.s)?;
-    let before = kept.to_vec(&stack.s)?;
+    let before = kept.to_vec::<f32>(&stack.s)?;
     let (dx, _t) = g[0].backward(&stack.s, &[&dy])?;
     ensure!(dx[0].as_ref().unwrap().is_fresh() && y[0].is_fresh(), "both fresh before the next replay");
     let (x2, _) = stack.data(2)?;
     let (y2, _t) = g[0].forward(&stack.s, &Inputs::one(&x2), Replay::caller())?;
     expect_kind(y[0].get(), |k| matches!(k, GraphedErrorKind::StaleOutput { .. }))?;
     ensure!(y2[0].is_fresh(), "the new output is fresh");
-    ensure!(kept.to_vec(&stack.s)? == before && before != y2[0].get()?.to_vec(&stack.s)?, "the copy kept its values");
+    ensure!(
+        kept.to_vec::<f32>(&stack.s)? == before && before != y2[0].get()?.to_vec::<f32>(&stack.s)?,
+        "the copy kept its values"
+    );
     let (_dx, _t) = g[0].backward(&stack.s, &[&dy])?;
     ensure!(!dx[0].as_ref().unwrap().is_fresh(), "the input gradient was overwritten");
     Ok(())
@@ -311,7 +315,7 @@ pub fn bad_arguments_are_refused(dev: &Device) -> Result {
     let mut store = ParamStore::new(&stack.alloc, &stack.s, 2 * Linear::parameter_count((8, 4)))?;
     let a = Linear::new(&mut store, &stack.alloc, "a", (8, 4), 1, &stack.s)?;
     let b = Linear::new(&mut store, &stack.alloc, "b", (8, 4), 2, &stack.s)?;
-    let x = Tensor::<f32>::zeros(&stack.alloc, &stack.s, &[2, 8])?;
+    let x = Tensor::zeros(&stack.alloc, &stack.s, &[2, 8], DType::F32)?;
     match make_graphed_stack(&stack.alloc, &Stack::new(vec![a, b]), &x, GraphOptions::default()) {
         Err(graphed::Error::Shape { op: "Linear::forward", .. }) => {}
         other => bail!("layers whose shapes do not chain: {other:?}"),
@@ -400,7 +404,10 @@ pub fn refused_replay_changes_nothing(dev: &Device) -> Result {
         Err(e) if matches!(e.graphed_kind(), Some(GraphedErrorKind::PoolOrder { .. })) => {}
         other => bail!("a second forward before the backward: {other:?}"),
     }
-    ensure!(g[0].static_inputs()[0].to_vec(&stack.s)? == x1.to_vec(&stack.s)?, "the refused forward copied its input");
+    ensure!(
+        g[0].static_inputs()[0].to_vec::<f32>(&stack.s)? == x1.to_vec::<f32>(&stack.s)?,
+        "the refused forward copied its input"
+    );
     let (_dx, _t) = g[0].backward(&stack.s, &[&dy])?;
     let graphed = stack.graph(GraphOptions::default())?;
     graphed.forward(&stack.s, &x1, Replay::caller())?;
@@ -408,7 +415,10 @@ pub fn refused_replay_changes_nothing(dev: &Device) -> Result {
         Err(e) if matches!(e.graphed_kind(), Some(GraphedErrorKind::PoolOrder { .. })) => {}
         other => bail!("a second stack forward before the backward: {other:?}"),
     }
-    ensure!(graphed.static_input().to_vec(&stack.s)? == x1.to_vec(&stack.s)?, "the refused stack forward copied");
+    ensure!(
+        graphed.static_input().to_vec::<f32>(&stack.s)? == x1.to_vec::<f32>(&stack.s)?,
+        "the refused stack forward copied"
+    );
     graphed.backward(&stack.s, &dy)?;
     graphed.join(&stack.s)?;
     Ok(())

@@ -18,7 +18,7 @@ struct LinearSetup {
     alloc: CachingAllocator,
     store: ParamStore,
     lin: Linear,
-    x: Tensor<f32>,
+    x: Tensor,
 }
 
 impl LinearSetup {
@@ -104,13 +104,13 @@ pub fn side_stream_resumes_before_tail_ends(dev: &Device) -> Result {
         let (y, tail) = g[0].forward(&stack.s, &Inputs::one(&x), Replay::side(&side))?;
         stack.s.record(&resumed)?;
         side.record(&tail_end)?;
-        let got = y[0].get()?.to_vec(&stack.s)?;
+        let got = y[0].get()?.to_vec::<f32>(&stack.s)?;
         tail.join(&stack.s)?;
         let (yp, _t) = p[0].forward(&plain.s, &Inputs::one(&x), Replay::caller())?;
-        ensure!(got == yp[0].get()?.to_vec(&plain.s)?, "replay {k}: side-stream output differs");
-        let dy = Tensor::zeros(&stack.alloc, &stack.s, y[0].shape())?;
+        ensure!(got == yp[0].get()?.to_vec::<f32>(&plain.s)?, "replay {k}: side-stream output differs");
+        let dy = Tensor::zeros(&stack.alloc, &stack.s, y[0].shape(), y[0].dtype())?;
         let (_dx, _t) = g[0].backward(&stack.s, &[&dy])?;
-        let dy = Tensor::zeros(&plain.alloc, &plain.s, y[0].shape())?;
+        let dy = Tensor::zeros(&plain.alloc, &plain.s, y[0].shape(), y[0].dtype())?;
         let (_dx, _t) = p[0].backward(&plain.s, &[&dy])?;
         if dev.kind() == DeviceKind::Cuda {
             tail_end.synchronize()?;
@@ -131,18 +131,13 @@ struct RecordsEvent<'a> {
 impl Module for RecordsEvent<'_> {
     type Ctx = <Linear as Module>::Ctx;
 
-    fn forward(
-        &self,
-        inputs: &Inputs,
-        hook: &dyn SaveHook,
-        s: &Stream,
-    ) -> graphed::Result<(Vec<Tensor<f32>>, Self::Ctx)> {
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor>, Self::Ctx)> {
         let out = self.inner.forward(inputs, hook, s)?;
         s.record_external(&self.event)?;
         Ok(out)
     }
 
-    fn backward(&self, ctx: Self::Ctx, dys: &[&Tensor<f32>], s: &Stream) -> graphed::Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, ctx: Self::Ctx, dys: &[&Tensor], s: &Stream) -> graphed::Result<Vec<Option<Tensor>>> {
         self.inner.backward(ctx, dys, s)
     }
 
@@ -159,7 +154,7 @@ pub fn module_recording_the_sync_event_is_refused(dev: &Device) -> Result {
     let LinearSetup { s, alloc, store, lin, x } = LinearSetup::new(dev)?;
     let e = dev.event()?;
     let m = RecordsEvent { inner: &lin, event: e.clone() };
-    let grads = store.grads()?.to_vec(&s)?;
+    let grads = store.grads()?.to_vec::<f32>(&s)?;
     let r = make_graphed_callables(
         &alloc,
         &[&m as &dyn Callable],
@@ -170,6 +165,6 @@ pub fn module_recording_the_sync_event_is_refused(dev: &Device) -> Result {
         Err(err) if err.capture_kind() == Some(CaptureErrorKind::ExternalOutsideCapture) => {}
         other => anyhow::bail!("a module recording the sync event: {other:?}"),
     }
-    ensure!(store.grads()?.to_vec(&s)? == grads, "the refused capture changed the gradients");
+    ensure!(store.grads()?.to_vec::<f32>(&s)? == grads, "the refused capture changed the gradients");
     Ok(())
 }

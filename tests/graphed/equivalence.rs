@@ -34,7 +34,7 @@ fn twin_training(dev: &Device, how: How) -> Result {
         How::Side => GraphOptions::default().sync_event(&event),
         _ => GraphOptions::default(),
     };
-    let step_before = graphed.step.to_vec(&graphed.s)?;
+    let step_before = graphed.step.to_vec::<u64>(&graphed.s)?;
     let grads_before = graphed.grads()?;
     let (stack, layers) = match how {
         How::PerLayer => {
@@ -45,7 +45,7 @@ fn twin_training(dev: &Device, how: How) -> Result {
         _ => (Some(graphed.graph(options)?), Vec::new()),
     };
     let optimizer = make_graphed_fn(&graphed.alloc, |s| graphed.optimizer.step(s))?;
-    ensure!(graphed.step.to_vec(&graphed.s)? == step_before, "warmup and capture moved the RNG step counter");
+    ensure!(graphed.step.to_vec::<u64>(&graphed.s)? == step_before, "warmup and capture moved the RNG step counter");
     ensure!(graphed.grads()? == grads_before, "warmup left gradients behind");
     ensure!(graphed.optimizer.steps(&graphed.s)? == 0, "capturing the optimizer stepped it");
     let replay = match how {
@@ -74,8 +74,11 @@ fn twin_training(dev: &Device, how: How) -> Result {
     }
     ensure!(graphed.optimizer.steps(&graphed.s)? == STEPS, "the graphed optimizer counted its steps");
     let draws = vec![STEPS * MICROBATCHES];
-    ensure!(eager.step.to_vec(&eager.s)? == draws, "the eager stack advanced its step counter once per forward");
-    ensure!(graphed.step.to_vec(&graphed.s)? == draws, "the graphed stack advanced its step counter once per forward");
+    ensure!(eager.step.to_vec::<u64>(&eager.s)? == draws, "the eager stack advanced its step counter once per forward");
+    ensure!(
+        graphed.step.to_vec::<u64>(&graphed.s)? == draws,
+        "the graphed stack advanced its step counter once per forward"
+    );
     ensure!(eager.params()? != Model::new(dev)?.params()?, "training changed nothing");
     Ok(())
 }
@@ -112,15 +115,18 @@ pub fn split_weight_gradient_matches_eager(dev: &Device) -> Result {
         let x = Tensor::from_host(&alloc, &s, &lcg(24, 10 + k), &[3, 8])?;
         let dy = Tensor::from_host(&alloc, &s, &lcg(12, 20 + k), &[3, 4])?;
         let (_, ctx) = eager.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
-        let dxe = eager.backward(ctx, &[&dy], &s)?.remove(0).expect("an input gradient").to_vec(&s)?;
-        ensure!(eager.weight.grad.to_vec(&s)? == graphed.weight.grad.to_vec(&s)?, "dw ran in backward");
+        let dxe = eager.backward(ctx, &[&dy], &s)?.remove(0).expect("an input gradient").to_vec::<f32>(&s)?;
+        ensure!(eager.weight.grad.to_vec::<f32>(&s)? == graphed.weight.grad.to_vec::<f32>(&s)?, "dw ran in backward");
         eager.backward_dw(&s)?;
         let (_, _t) = g[0].forward(&s, &Inputs::one(&x), Replay::caller())?;
         let (dx, _t) = g[0].backward(&s, &[&dy])?;
-        ensure!(dx[0].as_ref().unwrap().get()?.to_vec(&s)? == dxe, "input gradients differ");
+        ensure!(dx[0].as_ref().unwrap().get()?.to_vec::<f32>(&s)? == dxe, "input gradients differ");
         let _t = g[0].backward_dw(&s)?;
-        ensure!(eager.weight.grad.to_vec(&s)? == graphed.weight.grad.to_vec(&s)?, "weight gradients differ");
-        ensure!(eager.bias.grad.to_vec(&s)? == graphed.bias.grad.to_vec(&s)?, "bias gradients differ");
+        ensure!(
+            eager.weight.grad.to_vec::<f32>(&s)? == graphed.weight.grad.to_vec::<f32>(&s)?,
+            "weight gradients differ"
+        );
+        ensure!(eager.bias.grad.to_vec::<f32>(&s)? == graphed.bias.grad.to_vec::<f32>(&s)?, "bias gradients differ");
     }
     Ok(())
 }
@@ -142,9 +148,9 @@ pub fn training_and_inference_graphs_mix(dev: &Device) -> Result {
         let (yg, dxg) = graphed.graphed(&train, &x, &dy, Replay::caller())?;
         ensure!(ye == yg && dxe == dxg, "training replay {k} differs from eager");
         // Inference: forward only, no dropout, with the parameters the training shares.
-        let h = infer.forward(&graphed.s, &x, Replay::caller())?.get()?.to_vec(&graphed.s)?;
+        let h = infer.forward(&graphed.s, &x, Replay::caller())?.get()?.to_vec::<f32>(&graphed.s)?;
         let (he, _) = eval.stack.forward(&Inputs::one(&x), &KeepOnDevice, &eval.s)?;
-        ensure!(h == he[0].to_vec(&eval.s)?, "inference replay {k} differs from eager evaluation");
+        ensure!(h == he[0].to_vec::<f32>(&eval.s)?, "inference replay {k} differs from eager evaluation");
         match infer.backward(&graphed.s, &dy) {
             Err(e) if matches!(e.graphed_kind(), Some(graphed::graph::GraphedErrorKind::Inference)) => {}
             other => anyhow::bail!("backward of an inference graph: {other:?}"),

@@ -1,6 +1,7 @@
 //! A small transformer stack with its optimizer, twin-built for eager and graphed runs, and
 //! modules and save hooks that plant what the tests need.
 
+use graphed::device::DType;
 use std::sync::Mutex;
 
 use graphed::device::{Device, Event, Stream};
@@ -31,7 +32,7 @@ pub struct Model {
     pub alloc: CachingAllocator,
     pub store: ParamStore,
     pub stack: Stack<TransformerLayer>,
-    pub step: Tensor<u64>,
+    pub step: Tensor,
     pub optimizer: AdamW,
 }
 
@@ -42,7 +43,7 @@ impl Model {
         let alloc = CachingAllocator::new(dev);
         let c = SHAPE[2];
         let mut store = ParamStore::new(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c))?;
-        let step = Tensor::zeros(&alloc, &s, &[1])?;
+        let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
         let mut layers = Vec::new();
         for l in 0..LAYERS {
             let spec = DropoutSpec { p: DROPOUT, seed: 77, site: 2 * l as u32, step: step.clone() };
@@ -62,7 +63,7 @@ impl Model {
     }
 
     /// Microbatch `k`'s input and upstream gradient: new values every microbatch.
-    pub fn data(&self, k: u64) -> Result<(Tensor<f32>, Tensor<f32>)> {
+    pub fn data(&self, k: u64) -> Result<(Tensor, Tensor)> {
         let n: usize = SHAPE.iter().product();
         let x = Tensor::from_host(&self.alloc, &self.s, &lcg(n, 100 + k), &SHAPE)?;
         let dy = Tensor::from_host(&self.alloc, &self.s, &lcg(n, 200 + k), &SHAPE)?;
@@ -77,7 +78,7 @@ impl Model {
 
     /// One eager microbatch: forward (the stack advances the step counter), backward; returns
     /// (y, dx).
-    pub fn eager(&self, x: &Tensor<f32>, dy: &Tensor<f32>) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn eager(&self, x: &Tensor, dy: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
         let (y, ctx) = self.stack.forward(&Inputs::one(x), &KeepOnDevice, &self.s)?;
         let dx = input_grad("eager", self.stack.backward(ctx, &[dy], &self.s)?)?;
         Ok((y[0].to_vec(&self.s)?, dx.to_vec(&self.s)?))
@@ -88,8 +89,8 @@ impl Model {
     pub fn graphed(
         &self,
         g: &GraphedStack,
-        x: &Tensor<f32>,
-        dy: &Tensor<f32>,
+        x: &Tensor,
+        dy: &Tensor,
         replay: Replay<'_>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let y = g.forward(&self.s, x, replay)?.get()?.to_vec(&self.s)?;
@@ -102,7 +103,7 @@ impl Model {
     /// One microbatch through layers graphed one by one (`make_graphed_callables`), each input
     /// copied into its layer's static input: the stack traversal over the escape hatch, which
     /// leaves advancing the step counter to its caller.
-    pub fn per_layer(&self, g: &[GraphedCallable], x: &Tensor<f32>, dy: &Tensor<f32>) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn per_layer(&self, g: &[GraphedCallable], x: &Tensor, dy: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
         rng::step_add(&self.step, 1, &self.s)?;
         let mut t = PerLayer { g, s: &self.s };
         let (y, saved) = forward_pass(&mut t, g.len(), x.clone())?;
@@ -133,16 +134,16 @@ struct PerLayer<'a> {
 }
 
 impl Traverse for PerLayer<'_> {
-    type Act = Tensor<f32>;
-    type Grad = Tensor<f32>;
+    type Act = Tensor;
+    type Grad = Tensor;
     type Saved = ();
 
-    fn forward(&mut self, i: usize, x: Tensor<f32>) -> graphed::Result<(Tensor<f32>, ())> {
+    fn forward(&mut self, i: usize, x: Tensor) -> graphed::Result<(Tensor, ())> {
         let (y, _tail) = self.g[i].forward(self.s, &Inputs::one(&x), Replay::caller())?;
         Ok((y[0].get()?.clone(), ()))
     }
 
-    fn backward(&mut self, i: usize, (): (), dy: Tensor<f32>) -> graphed::Result<Tensor<f32>> {
+    fn backward(&mut self, i: usize, (): (), dy: Tensor) -> graphed::Result<Tensor> {
         let (dx, _tail) = self.g[i].backward(self.s, &[&dy])?;
         let dx = dx.into_iter().next().flatten();
         let dx = dx.ok_or(graphed::Error::MissingGradient { op: "PerLayer::backward", what: "input 0".into() })?;
@@ -165,9 +166,9 @@ impl Shifted {
         Ok(Shifted { p, alloc: alloc.clone(), grad_x: true })
     }
 
-    fn copy(&self, x: &Tensor<f32>, s: &Stream) -> graphed::Result<Tensor<f32>> {
-        let y = Tensor::uninit(&self.alloc, s, x.shape())?;
-        s.copy_d2d(x.view()?, y.view()?)?;
+    fn copy(&self, x: &Tensor, s: &Stream) -> graphed::Result<Tensor> {
+        let y = Tensor::uninit(&self.alloc, s, x.shape(), x.dtype())?;
+        s.copy_d2d(x.view::<f32>()?, y.view::<f32>()?)?;
         Ok(y)
     }
 }
@@ -175,7 +176,7 @@ impl Shifted {
 impl Module for Shifted {
     type Ctx = ();
 
-    fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor<f32>>, ())> {
+    fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor>, ())> {
         let x = inputs.positional().next().ok_or(graphed::Error::InputArity {
             op: "Shifted::forward",
             expected: "one positional input",
@@ -183,12 +184,12 @@ impl Module for Shifted {
             named: inputs.named_inputs().len(),
         })?;
         let shift = inputs.require("Shifted::forward", "shift")?;
-        let y = Tensor::uninit(&self.alloc, s, x.shape())?;
+        let y = Tensor::uninit(&self.alloc, s, x.shape(), x.dtype())?;
         residual_add(&y, x, shift, s)?;
         Ok((vec![y], ()))
     }
 
-    fn backward(&self, (): (), dys: &[&Tensor<f32>], s: &Stream) -> graphed::Result<Vec<Option<Tensor<f32>>>> {
+    fn backward(&self, (): (), dys: &[&Tensor], s: &Stream) -> graphed::Result<Vec<Option<Tensor>>> {
         let dx = self.copy(dys[0], s)?;
         let dshift = self.copy(dys[0], s)?;
         elementwise::add_scalar(self.p.grad.view()?, 1.0, s)?;
@@ -253,21 +254,21 @@ impl TailHook {
 }
 
 impl SaveHook for TailHook {
-    fn save(&self, _name: &str, t: Tensor<f32>, stream: &Stream) -> graphed::Result<Tensor<f32>> {
+    fn save(&self, _name: &str, t: Tensor, stream: &Stream) -> graphed::Result<Tensor> {
         if !self.fork(stream)? {
             return Ok(t);
         }
         match self.work {
             TailWork::Churn(n) => {
-                let scratch = Tensor::uninit(&self.alloc, &self.side, &[1 << 20])?;
+                let scratch = Tensor::uninit(&self.alloc, &self.side, &[1 << 20], DType::F32)?;
                 elementwise::fill(scratch.view()?, 1.0, &self.side)?;
                 for _ in 0..n {
                     elementwise::scale(scratch.view()?, scratch.view()?, 1.0, &self.side)?;
                 }
             }
             TailWork::ReadSaved => {
-                let scratch = Tensor::uninit(&self.alloc, &self.side, t.shape())?;
-                self.side.copy_d2d(t.view()?, scratch.view()?)?;
+                let scratch = Tensor::uninit(&self.alloc, &self.side, t.shape(), t.dtype())?;
+                self.side.copy_d2d(t.view::<f32>()?, scratch.view::<f32>()?)?;
             }
             TailWork::WriteSaved => elementwise::fill(t.view()?, 0.0, &self.side)?,
         }

@@ -6,6 +6,7 @@
 //! reported nothing.
 
 use anyhow::ensure;
+use graphed::device::DType;
 use graphed::device::{Device, DeviceKind, GraphId};
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedStack, Replay, Tails};
 use graphed::memory::{CachingAllocator, GraphPool};
@@ -118,7 +119,7 @@ impl Target {
         }
     }
 
-    fn statics(&self) -> Vec<&Tensor<f32>> {
+    fn statics(&self) -> Vec<&Tensor> {
         match self {
             Target::Stack(g) => {
                 g.layers().iter().flat_map(|l| l.static_inputs().into_iter().chain(l.static_grad_outputs())).collect()
@@ -266,12 +267,14 @@ fn input(
     model: &Model,
     foreign: &CachingAllocator,
     pick: InputPick,
-    fallback: Option<&Tensor<f32>>,
-) -> graphed::Result<Tensor<f32>> {
+    fallback: Option<&Tensor>,
+) -> graphed::Result<Tensor> {
     match (pick, fallback) {
         (InputPick::Static, Some(t)) => Ok(t.clone()),
-        (InputPick::WrongShape, _) => Tensor::zeros(&model.alloc, &model.s, &[3, 5]),
-        (InputPick::Foreign, _) => Tensor::zeros(foreign, &foreign.device().stream()?, &super::fixtures::SHAPE),
+        (InputPick::WrongShape, _) => Tensor::zeros(&model.alloc, &model.s, &[3, 5], DType::F32),
+        (InputPick::Foreign, _) => {
+            Tensor::zeros(foreign, &foreign.device().stream()?, &super::fixtures::SHAPE, DType::F32)
+        }
         _ => Ok(model.data(7).map_err(to_graphed)?.0),
     }
 }

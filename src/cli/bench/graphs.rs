@@ -122,7 +122,7 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
             // The static input holds the sample, x, since capture; the upstream gradient goes
             // into its static buffer once, so that steps replay with no copy-in.
             if let Some(static_dy) = graphed.static_grad_output() {
-                main.copy_d2d(model.dy.view()?, static_dy.view()?)?;
+                main.copy_d2d(model.dy.view::<f32>()?, static_dy.view::<f32>()?)?;
             }
             let replay = if on_side { Replay::side(&side) } else { Replay::caller() };
             let samples = measure(dev, &main, args, &mut || graphed_step(&graphed, &model, &main, replay))?;

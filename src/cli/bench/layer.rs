@@ -2,6 +2,7 @@
 //! backward, eager, in f32 (the dtype graphed's modules have today); `bench/torch_reference.py
 //! layer` times the same layer in PyTorch on the same GPU.
 
+use graphed::device::DType;
 use std::time::Instant;
 
 use graphed::device::DeviceKind;
@@ -34,7 +35,7 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
     for &(name, d, b, t) in CONFIGS.iter().filter(|c| args.configs.iter().any(|n| n.eq_ignore_ascii_case(c.0))) {
         let alloc = CachingAllocator::new(&dev);
         let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(d))?;
-        let step = Tensor::<u64>::zeros(&alloc, &s, &[1])?;
+        let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
         let spec = DropoutSpec { p: 0.0, seed: 0, site: 0, step };
         let layer = TransformerLayer::new(&mut store, &alloc, "layer", (d, d / 64), &spec, 1, &s)?;
         let x = Tensor::from_host(&alloc, &s, &vec![0.5f32; b * t * d], &[b, t, d])?;

@@ -101,7 +101,7 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
         let losses = stepper.step(&model, &optimizer, &tokens, &targets, &weights)?;
         host += issued.elapsed();
         if step % 25 == 0 || step + 1 == plan.steps {
-            let l = losses.to_vec(&s)?;
+            let l = losses.to_vec::<f32>(&s)?;
             last_loss = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
             bar.set_message(format!("loss {last_loss:.4}"));
             let line = format!("step {step:5}  loss {last_loss:.4}");
@@ -137,7 +137,7 @@ fn accuracy(model: &Gpt, alloc: &CachingAllocator, s: &Stream, held: &[(u32, u32
     for pos in addition::PROMPT..addition::INPUT {
         let flat: Vec<u32> = rows.iter().flatten().copied().collect();
         let tokens = Tensor::from_host(alloc, s, &flat, &[rows.len(), addition::INPUT])?;
-        let probs = model.probabilities(&tokens, s)?.to_vec(s)?;
+        let probs = model.probabilities(&tokens, s)?.to_f32_vec(s)?;
         for (r, row) in rows.iter_mut().enumerate() {
             let p = &probs[(r * addition::INPUT + pos) * vocab..][..vocab];
             let best = (0..vocab).max_by(|a, b| p[*a].total_cmp(&p[*b])).unwrap_or(0) as u32;

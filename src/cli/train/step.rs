@@ -2,6 +2,7 @@
 //! replayed as a graphed stack between the eager embedding and head and the optimizer replayed as
 //! one more graph.
 
+use graphed::device::DType;
 use graphed::device::Stream;
 use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, GraphedFn, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
@@ -43,7 +44,7 @@ impl Stepper {
             return Ok(Stepper { stream: stream.clone(), graphed: None });
         }
         let dev = stream.device();
-        let x = Tensor::<f32>::zeros(alloc, stream, &[batch, addition::INPUT, model.config().dim])?;
+        let x = Tensor::zeros(alloc, stream, &[batch, addition::INPUT, model.config().dim], DType::F32)?;
         let (side, event) = match args.side_stream {
             true => (Some(dev.stream()?), Some(dev.event()?)),
             false => (None, None),
@@ -76,10 +77,10 @@ impl Stepper {
         &self,
         model: &Gpt,
         optimizer: &AdamW,
-        tokens: &Tensor<u32>,
-        targets: &Tensor<u32>,
-        weights: &Tensor<f32>,
-    ) -> anyhow::Result<Tensor<f32>> {
+        tokens: &Tensor,
+        targets: &Tensor,
+        weights: &Tensor,
+    ) -> anyhow::Result<Tensor> {
         let stream = &self.stream;
         let Some(g) = &self.graphed else {
             let (losses, ctx) = model.forward(tokens, targets, stream)?;
