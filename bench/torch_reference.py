@@ -3,7 +3,7 @@
 
 Usage: python3 bench/torch_reference.py gemm [--d 4096] [--reps 50]
        python3 bench/torch_reference.py layer [--configs S,M,L]
-       python3 bench/torch_reference.py graphs [--configs S,M,L] [--dtype f32|bf16]
+       python3 bench/torch_reference.py graphs [--configs S,M,L] [--dtype bf16|f32]
 Prints one JSON object on stdout.
 """
 import argparse
@@ -191,7 +191,7 @@ def main() -> None:
     p.add_argument("--d", type=int, default=4096)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--configs", default="S,M,L")
-    p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
     p.add_argument("--variants", default="torch-eager,torch-graphed,torch-floor,torch-compile",
                    help="graphs: comma-separated variants to run")
     args = p.parse_args()

@@ -1,7 +1,7 @@
 //! Command-line arguments, validated by clap before any device is touched.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use graphed::device::Policy;
+use graphed::device::{DType, Policy};
 
 /// Capture training steps into CUDA graphs and replay them; with a CPU simulator of CUDA.
 #[derive(Parser, Debug)]
@@ -40,6 +40,32 @@ pub struct DeviceArgs {
     pub sim_seed: u64,
 }
 
+/// The element type of a model's weights and activations.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct DTypeArgs {
+    /// Element type of weights and activations (LayerNorm statistics, softmax and loss math and
+    /// the optimizer's master weights stay f32). Default: bf16 on CUDA, f32 on the simulator.
+    #[arg(long, value_enum)]
+    pub dtype: Option<DTypeArg>,
+}
+
+impl DTypeArgs {
+    /// The element type to run in on `dev`: as given, else bf16 on CUDA and f32 on the simulator
+    /// (whose CPU kernels gain nothing from the narrower type).
+    pub fn resolve(&self, dev: &graphed::device::Device) -> DType {
+        match (self.dtype, dev.kind()) {
+            (Some(DTypeArg::Bf16), _) | (None, graphed::device::DeviceKind::Cuda) => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DTypeArg {
+    Bf16,
+    F32,
+}
+
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceChoice {
     Auto,
@@ -68,6 +94,8 @@ impl From<PolicyArg> for Policy {
 pub struct TrainArgs {
     #[command(flatten)]
     pub device: DeviceArgs,
+    #[command(flatten)]
+    pub dtype: DTypeArgs,
     /// Transformer layers (default: 2).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub layers: Option<u32>,
@@ -155,6 +183,8 @@ pub enum BenchCommand {
 pub struct GraphsBenchArgs {
     #[command(flatten)]
     pub device: DeviceArgs,
+    #[command(flatten)]
+    pub dtype: DTypeArgs,
     /// BENCH.md configurations to run, or `tiny` (the only one the simulator runs).
     #[arg(
         long,
@@ -180,6 +210,8 @@ pub struct GraphsBenchArgs {
 pub struct InspectArgs {
     #[command(flatten)]
     pub device: DeviceArgs,
+    #[command(flatten)]
+    pub dtype: DTypeArgs,
     /// BENCH.md configuration, or `tiny` (default: S on CUDA, tiny on the simulator, the only
     /// one it runs).
     #[arg(long, ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES)]
@@ -196,6 +228,8 @@ pub struct InspectArgs {
 pub struct LayerBenchArgs {
     #[command(flatten)]
     pub device: DeviceArgs,
+    #[command(flatten)]
+    pub dtype: DTypeArgs,
     /// BENCH.md configurations to run.
     #[arg(long, value_delimiter = ',', default_values_t = ["S".to_string(), "M".to_string(), "L".to_string()])]
     pub configs: Vec<String>,

@@ -1,7 +1,6 @@
 //! The benchmark model of `BENCH.md` for `bench graphs` and `inspect`: its configurations, and a
 //! stack of transformer layers with one input and one upstream gradient, stepped eagerly or
-//! graphed one callable per layer. In f32, the dtype graphed's modules have today (`BENCH.md`
-//! specifies bf16).
+//! graphed one callable per layer, in bf16 (`BENCH.md`'s type) or f32.
 
 use graphed::device::DType;
 use std::fmt;
@@ -71,7 +70,7 @@ impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{}: d={} heads={} layers={} batch={} seq={} (f32)",
+            "{}: d={} heads={} layers={} batch={} seq={}",
             self.name,
             self.dim,
             self.heads(),
@@ -95,9 +94,9 @@ pub struct BenchModel {
 
 impl BenchModel {
     /// Builds `config`'s layers, input and upstream gradient from `alloc`, on `stream`.
-    pub fn new(alloc: &CachingAllocator, stream: &Stream, config: Config) -> graphed::Result<BenchModel> {
+    pub fn new(alloc: &CachingAllocator, stream: &Stream, config: Config, dtype: DType) -> graphed::Result<BenchModel> {
         let Config { dim, layers: n, batch, seq, .. } = config;
-        let mut store = ParamStore::new(alloc, stream, n * TransformerLayer::parameter_count(dim))?;
+        let mut store = ParamStore::with_dtype(alloc, stream, n * TransformerLayer::parameter_count(dim), dtype)?;
         let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
         let layers = (0..n)
             .map(|l| {
@@ -110,8 +109,8 @@ impl BenchModel {
             .collect::<graphed::Result<Vec<_>>>()?;
         let numel = batch * seq * dim;
         let x: Vec<f32> = (0..numel).map(|i| (i * 7919 % 1000) as f32 / 1000.0 - 0.5).collect();
-        let x = Tensor::from_host(alloc, stream, &x, &[batch, seq, dim])?;
-        let dy = Tensor::from_host(alloc, stream, &vec![1.0f32; numel], &[batch, seq, dim])?;
+        let x = Tensor::from_f32(alloc, stream, &x, &[batch, seq, dim], dtype)?;
+        let dy = Tensor::from_f32(alloc, stream, &vec![1.0f32; numel], &[batch, seq, dim], dtype)?;
         Ok(BenchModel { stack: Stack::new(layers), x, dy })
     }
 

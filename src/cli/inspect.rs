@@ -23,7 +23,7 @@ pub fn run(dev: &Device, args: &InspectArgs) -> anyhow::Result<()> {
     config.check_device(dev, "--config")?;
     let alloc = CachingAllocator::new(dev);
     let stream = dev.stream()?;
-    let model = BenchModel::new(&alloc, &stream, config)?;
+    let model = BenchModel::new(&alloc, &stream, config, args.dtype.resolve(dev))?;
     let event = if args.side_stream { Some(dev.event()?) } else { None };
     let stack = model.graph(&alloc, event.as_ref())?;
     let graphed = stack.layers();

@@ -28,6 +28,9 @@ pub struct GptConfig {
     pub dropout: f32,
     /// Seed of the initialization and of dropout.
     pub seed: u64,
+    /// Element type of the weights and activations (f32 or bf16); LayerNorm statistics, the
+    /// loss and the optimizer's master weights are f32 whatever it is.
+    pub dtype: DType,
 }
 
 impl GptConfig {
@@ -72,7 +75,7 @@ pub struct HeadCtx {
 impl Gpt {
     /// A model with parameters initialized from `config.seed`.
     pub fn new(alloc: &CachingAllocator, config: GptConfig, stream: &Stream) -> Result<Gpt> {
-        let mut store = ParamStore::new(alloc, stream, config.parameter_count())?;
+        let mut store = ParamStore::with_dtype(alloc, stream, config.parameter_count(), config.dtype)?;
         let (c, seed) = (config.dim, config.seed);
         let embedding = Embedding::new(&mut store, alloc, "emb", (config.vocab, config.max_len, c), seed, stream)?;
         let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;

@@ -29,14 +29,30 @@ impl ParamStore {
     /// Room for `capacity` parameters (elements), zeroed, with zeroed gradients. Each module
     /// says how many it adds (`TransformerLayer::parameter_count(dim)`, ...): sum those.
     pub fn new(alloc: &CachingAllocator, stream: &Stream, capacity: usize) -> Result<ParamStore> {
-        let (values, grads) = (
-            Tensor::zeros(alloc, stream, &[capacity], DType::F32)?,
-            Tensor::zeros(alloc, stream, &[capacity], DType::F32)?,
-        );
+        ParamStore::with_dtype(alloc, stream, capacity, DType::F32)
+    }
+
+    /// As [`ParamStore::new`], with values and gradients of `dtype` (f32 or bf16): the weights
+    /// the modules compute with. An optimizer keeps its own f32 master copy of bf16 weights.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedDType`] for a type other than f32 and bf16.
+    pub fn with_dtype(alloc: &CachingAllocator, stream: &Stream, capacity: usize, dtype: DType) -> Result<ParamStore> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return Err(Error::UnsupportedDType { op: "ParamStore::with_dtype", dtype, supported: "f32 or bf16" });
+        }
+        let values = Tensor::zeros(alloc, stream, &[capacity], dtype)?;
+        let grads = Tensor::zeros(alloc, stream, &[capacity], dtype)?;
         Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0 })
     }
 
-    /// A new parameter of `shape`, set to `init` (row-major) after the work queued on `stream`.
+    /// The element type of the values and gradients.
+    pub fn dtype(&self) -> DType {
+        self.values.dtype()
+    }
+
+    /// A new parameter of `shape`, set to `init` (row-major, rounded to nearest even for bf16)
+    /// after the work queued on `stream`.
     pub fn add(&mut self, name: &str, shape: &[usize], init: &[f32], stream: &Stream) -> Result<Param> {
         let n: usize = shape.iter().product();
         if init.len() != n {
@@ -59,7 +75,7 @@ impl ParamStore {
         let value = self.values.narrow(0, self.used, n)?.reshape(shape)?;
         let grad = self.grads.narrow(0, self.used, n)?.reshape(shape)?;
         self.used += n;
-        let staging = Tensor::from_host(&self.alloc, stream, init, &[n])?;
+        let staging = Tensor::from_f32(&self.alloc, stream, init, &[n], self.dtype())?;
         value.reshape(&[n])?.copy_from(&staging, stream)?;
         Ok(Param { name: name.to_string(), value, grad })
     }

@@ -27,7 +27,9 @@ use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::device::{with_dtype, Access, AccessMode, BufferId, DType, DeviceBuffer, DeviceId, Elem, Stream, View};
+use crate::device::{
+    with_dtype, Access, AccessMode, BufferId, DType, DeviceBuffer, DeviceId, Elem, Float, Stream, View,
+};
 use crate::memory::CachingAllocator;
 use crate::{Error, Result};
 
@@ -101,6 +103,29 @@ impl Tensor {
         Ok(t)
     }
 
+    /// A contiguous tensor of `dtype` (f32, bf16 or f16) holding `data` rounded to it (to
+    /// nearest, ties to even, as the GPU rounds), written as [`Tensor::from_host`] writes.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedDType`] for an integer type.
+    pub fn from_f32(
+        alloc: &CachingAllocator,
+        stream: &Stream,
+        data: &[f32],
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor> {
+        fn rounded<T: Float>(data: &[f32]) -> Vec<T> {
+            data.iter().map(|v| T::from_f32(*v)).collect()
+        }
+        match dtype {
+            DType::F32 => Tensor::from_host(alloc, stream, data, shape),
+            DType::BF16 => Tensor::from_host(alloc, stream, &rounded::<half::bf16>(data), shape),
+            DType::F16 => Tensor::from_host(alloc, stream, &rounded::<half::f16>(data), shape),
+            dtype => Err(Error::UnsupportedDType { op: "Tensor::from_f32", dtype, supported: "f32, bf16 or f16" }),
+        }
+    }
+
     /// The elements in row-major order, read after the work queued on `stream` (blocking).
     ///
     /// # Errors
@@ -115,7 +140,6 @@ impl Tensor {
     /// # Errors
     /// [`Error::UnsupportedDType`] for an integer tensor.
     pub fn to_f32_vec(&self, stream: &Stream) -> Result<Vec<f32>> {
-        use crate::device::Float;
         match self.dtype {
             DType::F32 => self.to_vec(stream),
             DType::BF16 => Ok(self.to_vec::<half::bf16>(stream)?.into_iter().map(Float::to_f32).collect()),

@@ -2,13 +2,13 @@
 //! every backward in reverse from a fixed upstream gradient; no optimizer) run four ways:
 //! eagerly, as one graphed callable per layer replayed on the caller's stream or on a side
 //! stream, and as one graph of the whole step (the floor: our kernels with no host gaps). Each
-//! variant gets a fresh allocator and model, so that its memory is its own. In f32, the
-//! dtype graphed's modules have today.
+//! variant gets a fresh allocator and model, so that its memory is its own. In bf16 on CUDA
+//! unless `--dtype` says otherwise.
 
 use std::time::Instant;
 
 use anyhow::bail;
-use graphed::device::{CaptureMode, Device, DeviceKind, Stream};
+use graphed::device::{CaptureMode, DType, Device, DeviceKind, Stream};
 use graphed::graph::{GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use serde::Serialize;
@@ -53,7 +53,7 @@ struct GraphsRow {
     layers: usize,
     batch: usize,
     seq: usize,
-    dtype: &'static str,
+    dtype: String,
     variant: &'static str,
     /// Issue and `synchronize` of the main stream.
     wall_ms: Spread,
@@ -91,13 +91,14 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     for config in &configs {
         config.check_device(&dev, "--configs")?;
     }
-    println!("f32 throughout: graphed's modules are f32 today (BENCH.md specifies bf16)");
+    let dtype = args.dtype.resolve(&dev);
+    println!("{dtype} weights and activations; f32 statistics and GEMM accumulation");
     let mut rows = Vec::new();
     for &config in &configs {
         println!("{config}");
         let first = rows.len();
         for variant in VARIANTS {
-            let row = run_variant(&dev, config, variant, args)?;
+            let row = run_variant(&dev, (config, dtype), variant, args)?;
             print_row(&row);
             rows.push(row);
         }
@@ -107,10 +108,15 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     write_json(&args.json, &Report::new("graphs", &dev, args.steps, rows))
 }
 
-fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenchArgs) -> anyhow::Result<GraphsRow> {
+fn run_variant(
+    dev: &Device,
+    (config, dtype): (Config, DType),
+    variant: Variant,
+    args: &GraphsBenchArgs,
+) -> anyhow::Result<GraphsRow> {
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
-    let model = BenchModel::new(&alloc, &main, config)?;
+    let model = BenchModel::new(&alloc, &main, config, dtype)?;
     let (samples, capture_ms, calls) = match variant {
         Variant::Eager => (measure(dev, &main, args, &mut || Ok(model.eager_step(&main)?))?, None, None),
         Variant::Graphed | Variant::Side => {
@@ -122,7 +128,7 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
             // The static input holds the sample, x, since capture; the upstream gradient goes
             // into its static buffer once, so that steps replay with no copy-in.
             if let Some(static_dy) = graphed.static_grad_output() {
-                main.copy_d2d(model.dy.view::<f32>()?, static_dy.view::<f32>()?)?;
+                static_dy.copy_from(&model.dy, &main)?;
             }
             let replay = if on_side { Replay::side(&side) } else { Replay::caller() };
             let samples = measure(dev, &main, args, &mut || graphed_step(&graphed, &model, &main, replay))?;
@@ -154,7 +160,7 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
         layers: config.layers,
         batch: config.batch,
         seq: config.seq,
-        dtype: "f32",
+        dtype: dtype.to_string(),
         variant: variant.name(),
         wall_ms: spread(samples.wall_ms),
         host_us,

@@ -44,6 +44,7 @@ fn plan(dev: &Device, args: &TrainArgs) -> anyhow::Result<Plan> {
         heads,
         dropout: args.dropout,
         seed: args.seed,
+        dtype: args.dtype.resolve(dev),
     };
     let lr = args.lr.unwrap_or(if gpu { 3e-3 } else { 5e-3 });
     anyhow::ensure!(lr > 0.0 && lr.is_finite(), "--lr must be a positive number");
@@ -72,11 +73,12 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     let optimizer = AdamW::new(&alloc, model.parameters(), hyper, schedule(plan.lr, plan.steps), &s)?;
     let stepper = step::Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args)?;
     println!(
-        "model: {} layers, width {}, {} heads, {} parameters; batch {}, {} steps, {}",
+        "model: {} layers, width {}, {} heads, {} parameters in {}; batch {}, {} steps, {}",
         cfg.layers,
         cfg.dim,
         cfg.heads,
         cfg.parameter_count(),
+        cfg.dtype,
         plan.batch,
         plan.steps,
         stepper.describe()

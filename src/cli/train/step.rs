@@ -2,7 +2,6 @@
 //! replayed as a graphed stack between the eager embedding and head and the optimizer replayed as
 //! one more graph.
 
-use graphed::device::DType;
 use graphed::device::Stream;
 use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, GraphedFn, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
@@ -44,7 +43,7 @@ impl Stepper {
             return Ok(Stepper { stream: stream.clone(), graphed: None });
         }
         let dev = stream.device();
-        let x = Tensor::zeros(alloc, stream, &[batch, addition::INPUT, model.config().dim], DType::F32)?;
+        let x = Tensor::zeros(alloc, stream, &[batch, addition::INPUT, model.config().dim], model.config().dtype)?;
         let (side, event) = match args.side_stream {
             true => (Some(dev.stream()?), Some(dev.event()?)),
             false => (None, None),
