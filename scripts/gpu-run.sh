@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after scripts/gpu-prepare.sh built .gpu/ here:
-# every test (the CUDA variants included), train in each mode with their loss lines compared, and
-# the benchmarks named in $BENCHES (default: graphs). Logs and JSON go to $OUT.
+# every test (the CUDA variants included), train in each mode with their loss lines compared (bf16,
+# the default on CUDA, and f32), the benchmarks named in $BENCHES (default: graphs) and PyTorch's
+# side of `graphs` in the same run. Logs and JSON go to $OUT (at most 8 files come back).
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-run.sh
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-cat .gpu/commit.txt | tee -a "$OUT/gpu.txt"
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; } | tee "$OUT/tests.log"
 .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
-    --no-fail-fast 2>&1 | tee "$OUT/tests.log" | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed" | tail -40
+    --no-fail-fast 2>&1 | tee -a "$OUT/tests.log" | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed" | tail -40
 # The device tool returns at most 8 files: train's logs go into one.
 logs=$(mktemp -d)
-for mode in graphed side-stream pool-per-layer eager; do
-    flag=$([ "$mode" = graphed ] || echo "--$mode")
+for mode in graphed side-stream pool-per-layer eager f32; do
+    flag=$(case $mode in graphed) ;; f32) echo "--dtype f32" ;; *) echo "--$mode" ;; esac)
     .gpu/graphed train $flag > "$logs/$mode.log" 2>&1
     { echo "# graphed train $flag"; cat "$logs/$mode.log"; } >> "$OUT/train.log"
     tail -3 "$logs/$mode.log"
@@ -54,6 +54,8 @@ done | tee -a "$OUT/train.log"
 } 2>&1 | tee "$OUT/misuse.log"
 for bench in ${BENCHES:-graphs}; do
     .gpu/graphed bench "$bench" --device cuda ${BENCH_ARGS:-} --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log"
+    if [ "$bench" = graphs ]; then
+        python3 bench/torch_reference.py graphs ${TORCH_ARGS:-} > "$OUT/torch-graphs.json" 2>> "$OUT/graphs.log"
+    fi
 done
-.gpu/graphed inspect --device cuda --side-stream 2>&1 | tail -5 | tee "$OUT/inspect.log"
-.gpu/graphed demo 2>&1 | tail -3 | tee "$OUT/demo.log"
+{ .gpu/graphed inspect --device cuda --side-stream 2>&1 | tail -30; .gpu/graphed demo 2>&1 | tail -3; } | tee "$OUT/inspect.log"
