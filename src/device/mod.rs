@@ -37,7 +37,7 @@ pub use access::{Access, AccessMode, AccessRole, Dim, Region};
 pub use capture::{Capture, CaptureMode, CaptureStatus};
 pub use dtype::{DType, Elem};
 pub use event::Event;
-pub use gemm::{Gemm, GemmElem};
+pub use gemm::{Epilogue, Gemm, GemmElem};
 pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};
 pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
 pub use kernel::{args, Arg, CpuArgs, In, InOut, IntoView, Kernel, LaunchDims, Out, Scalar};

@@ -5,7 +5,7 @@
 
 use super::params::init_uniform;
 use super::{Inputs, Module, Param, ParamStore, SaveHook};
-use crate::device::{Gemm, Stream};
+use crate::device::{Epilogue, Gemm, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::elementwise;
 use crate::tensor::Tensor;
@@ -104,7 +104,7 @@ impl Module for Linear {
         let n = self.rows(OP, x, i)?;
         let y = Tensor::uninit(&self.alloc, stream, &[n, o])?;
         let gemm = Gemm {
-            bias: Some(self.bias.value.view()?),
+            epilogue: Epilogue::Bias(self.bias.value.view()?),
             trans_b: true,
             ..Gemm::new(y.view()?, x.view()?, self.weight.value.view()?, (n, o, i))
         };
