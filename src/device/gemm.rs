@@ -1,10 +1,12 @@
 //! GEMM, the one library call of the device layer: cuBLASLt on CUDA, a CPU loop on the simulator.
 //!
-//! A GEMM is declared like a kernel launch, so its accesses (C, A, B, the bias, and the hidden
-//! per-stream workspace cuBLASLt uses) reach the simulator, the checker and graph summaries. The
-//! matrices are row-major views: their leading dimensions and batch strides are read off the
-//! views' regions, so a head of an attention tensor or a column block is passed without copying.
-//! f32 GEMMs compute in IEEE f32 (not TF32), bf16 GEMMs accumulate in f32.
+//! A GEMM is declared like a kernel launch, so its accesses (the output, A, B, the addend, the
+//! epilogue's vectors and matrices, and the hidden per-stream workspace cuBLASLt uses) reach the
+//! simulator, the checker and graph summaries. The matrices are row-major views: their leading
+//! dimensions and batch strides are read off the views' regions, so a head of an attention tensor
+//! or a column block is passed without copying. f32 GEMMs compute in IEEE f32 (not TF32), bf16
+//! GEMMs accumulate in f32. An [`Epilogue`] fuses a layer's bias, GELU and bias gradient into the
+//! GEMM's store, as cuBLASLt's epilogues do.
 //!
 //! ```
 //! use graphed::device::{Device, Gemm};
@@ -26,10 +28,9 @@ use crate::{Error, Result};
 
 /// Element types cuBLASLt multiplies here.
 pub trait GemmElem: Elem {
+    /// One kernel per epilogue kind (in `EpilogueKind::ALL` order), without and with an addend.
     #[doc(hidden)]
-    const PLAIN: &'static Kernel;
-    #[doc(hidden)]
-    const WITH_BIAS: &'static Kernel;
+    const KERNELS: &'static [[Kernel; 2]; EpilogueKind::ALL.len()];
     #[doc(hidden)]
     fn to_f32(self) -> f32;
     #[doc(hidden)]
@@ -37,8 +38,7 @@ pub trait GemmElem: Elem {
 }
 
 impl GemmElem for f32 {
-    const PLAIN: &'static Kernel = &GEMM_F32;
-    const WITH_BIAS: &'static Kernel = &GEMM_F32_BIAS;
+    const KERNELS: &'static [[Kernel; 2]; EpilogueKind::ALL.len()] = &GEMM_F32;
     fn to_f32(self) -> f32 {
         self
     }
@@ -48,8 +48,7 @@ impl GemmElem for f32 {
 }
 
 impl GemmElem for bf16 {
-    const PLAIN: &'static Kernel = &GEMM_BF16;
-    const WITH_BIAS: &'static Kernel = &GEMM_BF16_BIAS;
+    const KERNELS: &'static [[Kernel; 2]; EpilogueKind::ALL.len()] = &GEMM_BF16;
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
@@ -58,32 +57,58 @@ impl GemmElem for bf16 {
     }
 }
 
-/// The arguments [`Gemm::args`] passes: cuBLASLt has no CUDA entry point to name them.
-const PARAMS: &[&str] = &["c", "a", "b", "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"];
-const PARAMS_BIAS: &[&str] = &["c", "a", "b", "bias", "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"];
+/// The kernels of one element type: cuBLASLt has no CUDA entry point to name the arguments
+/// [`Gemm::args`] passes, so each epilogue and addend gets its own name list (the buffers first,
+/// in `Gemm::args` order), its own name in reports, and the CPU path for its epilogue.
+macro_rules! gemm_kernels {
+    ($t:ty, $dtype:literal) => {
+        [
+            gemm_kernels!(@pair $t, $dtype, "", EpilogueKind::None, []),
+            gemm_kernels!(@pair $t, $dtype, "_bias", EpilogueKind::Bias, ["bias"]),
+            gemm_kernels!(@pair $t, $dtype, "_bias_gelu_aux", EpilogueKind::BiasGeluAux, ["bias", "aux"]),
+            gemm_kernels!(@pair $t, $dtype, "_dgelu_bgrad", EpilogueKind::DGeluBGrad, ["aux", "bias_grad"]),
+            gemm_kernels!(@pair $t, $dtype, "_bgrad_a", EpilogueKind::BGradA, ["bias_grad"]),
+        ]
+    };
+    (@pair $t:ty, $dtype:literal, $epi:literal, $kind:expr, [$($buf:literal),*]) => {
+        [
+            Kernel {
+                name: concat!("gemm_", $dtype, $epi),
+                source: "",
+                params: &["c", "a", "b", $($buf,)* "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"],
+                cpu: gemm_cpu::<$t, { $kind as usize }, false>,
+                strided: true,
+            },
+            Kernel {
+                name: concat!("gemm_", $dtype, $epi, "_addend"),
+                source: "",
+                params: &["c", "addend", "a", "b", $($buf,)* "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"],
+                cpu: gemm_cpu::<$t, { $kind as usize }, true>,
+                strided: true,
+            },
+        ]
+    };
+}
 
-static GEMM_F32: Kernel =
-    Kernel { name: "gemm_f32", source: "", params: PARAMS, cpu: gemm_cpu::<f32, false>, strided: true };
-static GEMM_F32_BIAS: Kernel =
-    Kernel { name: "gemm_f32_bias", source: "", params: PARAMS_BIAS, cpu: gemm_cpu::<f32, true>, strided: true };
-static GEMM_BF16: Kernel =
-    Kernel { name: "gemm_bf16", source: "", params: PARAMS, cpu: gemm_cpu::<bf16, false>, strided: true };
-static GEMM_BF16_BIAS: Kernel =
-    Kernel { name: "gemm_bf16_bias", source: "", params: PARAMS_BIAS, cpu: gemm_cpu::<bf16, true>, strided: true };
+static GEMM_F32: [[Kernel; 2]; EpilogueKind::ALL.len()] = gemm_kernels!(f32, "f32");
+static GEMM_BF16: [[Kernel; 2]; EpilogueKind::ALL.len()] = gemm_kernels!(bf16, "bf16");
 
-/// `C = alpha·op(A)·op(B) + beta·C (+ bias)`, row-major, over `batch` matrices.
+/// `D = alpha·op(A)·op(B) + beta·C`, then the epilogue, row-major, over `batch` matrices.
 ///
-/// `c` is `batch × m × n`, `a` is `batch × m × k` (`k × m` with `trans_a`), `b` is
-/// `batch × k × n` (`n × k` with `trans_b`), `bias` has `n` elements added to every row.
+/// `c` (D) is `batch × m × n`, `a` is `batch × m × k` (`k × m` with `trans_a`), `b` is
+/// `batch × k × n` (`n × k` with `trans_b`). C is `addend` if given, else `c`'s own contents.
 pub struct Gemm<'a, T: GemmElem> {
-    /// Output.
+    /// Output (cuBLASLt's D). Also C, read when `beta ≠ 0`, unless `addend` is given.
     pub c: View<'a, T>,
     /// Left operand.
     pub a: View<'a, T>,
     /// Right operand.
     pub b: View<'a, T>,
-    /// Added to every row of the result (cuBLASLt's bias epilogue).
-    pub bias: Option<View<'a, T>>,
+    /// A separate C (`batch × m × n`, declared read whenever given), so that one GEMM computes
+    /// `h = x + y·W` into a third buffer (a residual add) with `addend = x`, `beta = 1`.
+    pub addend: Option<View<'a, T>>,
+    /// What is fused into the store (default: nothing).
+    pub epilogue: Epilogue<'a, T>,
     /// (m, n, k).
     pub dims: (usize, usize, usize),
     /// Number of matrices (strided batched).
@@ -94,14 +119,141 @@ pub struct Gemm<'a, T: GemmElem> {
     pub trans_b: bool,
     /// Scales the product.
     pub alpha: f32,
-    /// Scales C's previous contents (0: C is only written).
+    /// Scales C (0: C is not read, and `c` is only written).
     pub beta: f32,
 }
 
 impl<'a, T: GemmElem> Gemm<'a, T> {
-    /// `C = A·B` for `(m, n, k)`, no batch, no transposes, no bias.
+    /// `C = A·B` for `(m, n, k)`: no batch, no transposes, no addend, no epilogue.
     pub fn new(c: View<'a, T>, a: View<'a, T>, b: View<'a, T>, dims: (usize, usize, usize)) -> Gemm<'a, T> {
-        Gemm { c, a, b, bias: None, dims, batch: 1, trans_a: false, trans_b: false, alpha: 1.0, beta: 0.0 }
+        Gemm {
+            c,
+            a,
+            b,
+            addend: None,
+            epilogue: Epilogue::None,
+            dims,
+            batch: 1,
+            trans_a: false,
+            trans_b: false,
+            alpha: 1.0,
+            beta: 0.0,
+        }
+    }
+}
+
+/// Elementwise work fused into a GEMM's store (cuBLASLt's epilogues), so that a layer's bias,
+/// GELU and bias gradient cost no pass of their own over memory.
+///
+/// Below, `pre = alpha·op(A)·op(B) + beta·C` is the `m × n` row-major result before the epilogue
+/// and `gelu` is GELU's tanh form, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`. Vectors are
+/// contiguous; `aux` is an `m × n` row-major matrix whose row stride is a multiple of 8 elements
+/// (cuBLASLt's requirement on its leading dimension). A bias gradient is written, never
+/// accumulated, also when `beta = 1` accumulates into the output. The GELU and bias-gradient
+/// epilogues take `batch = 1`.
+///
+/// ```
+/// use graphed::device::{Device, Epilogue, Gemm};
+/// let dev = Device::sim();
+/// let s = dev.stream()?;
+/// // h = x + y·Wᵀ + b, the residual add after a projection, as one GEMM (m, n, k) = (1, 2, 2).
+/// let x = dev.alloc_from(&s, &[10.0f32, 20.0])?;
+/// let y = dev.alloc_from(&s, &[1.0f32, 2.0])?;
+/// let w = dev.alloc_from(&s, &[1.0f32, 0.0, 0.0, 1.0])?;
+/// let b = dev.alloc_from(&s, &[0.5f32, 0.25])?;
+/// let h = dev.alloc::<f32>(2)?;
+/// s.gemm(Gemm {
+///     addend: Some(x.view()),
+///     beta: 1.0,
+///     trans_b: true,
+///     epilogue: Epilogue::Bias(b.view()),
+///     ..Gemm::new(h.view(), y.view(), w.view(), (1, 2, 2))
+/// })?;
+/// assert_eq!(h.to_vec(&s)?, vec![11.5, 22.25]);
+/// # Ok::<(), graphed::Error>(())
+/// ```
+#[derive(Clone, Copy)]
+pub enum Epilogue<'a, T: GemmElem> {
+    /// `D = pre`.
+    None,
+    /// `D = pre + bias`, the bias (`n`) added to every row: a linear layer's forward (cuBLASLt's
+    /// `BIAS`).
+    Bias(View<'a, T>),
+    /// `aux = pre + bias` and `D = gelu(pre + bias)`: the forward of `gelu(x·Wᵀ + b)`, saving
+    /// GELU's input for the backward (cuBLASLt's `GELU_AUX_BIAS`). D's GELU is taken of the f32
+    /// value, not of the rounded `aux`.
+    BiasGeluAux {
+        /// `n` elements, read.
+        bias: View<'a, T>,
+        /// `m × n`, written.
+        aux: View<'a, T>,
+    },
+    /// `D = pre ⊙ gelu'(aux)` and `bias_grad = Σ_rows D`: the data gradient of the GEMM after
+    /// a GELU, fused with GELU's backward and with the bias gradient of the layer before the
+    /// GELU (cuBLASLt's `DGELU_BGRAD`).
+    DGeluBGrad {
+        /// `m × n`, read: GELU's input, as [`Epilogue::BiasGeluAux`] saved it.
+        aux: View<'a, T>,
+        /// `n` elements, written: D's column sums.
+        bias_grad: View<'a, T>,
+    },
+    /// `D = pre` and `bias_grad = op(A)`'s row sums (over `k`): with the weight gradient
+    /// `dW = dyᵀ·x` (`a = dy`, `trans_a`, dims `(out, in, tokens)`), the bias gradient `Σ dy`
+    /// over the tokens, for free (cuBLASLt's `BGRADB`: our row-major A is its B).
+    BGradA {
+        /// `m` elements, written.
+        bias_grad: View<'a, T>,
+    },
+}
+
+/// Which epilogue, without its buffers: part of the plan cache key and of the kernel's name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum EpilogueKind {
+    None,
+    Bias,
+    BiasGeluAux,
+    DGeluBGrad,
+    BGradA,
+}
+
+impl EpilogueKind {
+    /// Every kind, each at the index of its discriminant.
+    pub(crate) const ALL: [EpilogueKind; 5] = [
+        EpilogueKind::None,
+        EpilogueKind::Bias,
+        EpilogueKind::BiasGeluAux,
+        EpilogueKind::DGeluBGrad,
+        EpilogueKind::BGradA,
+    ];
+
+    /// Whether the epilogue writes per-GEMM data (an aux matrix, a bias gradient), which
+    /// graphed does not batch.
+    fn per_matrix(self) -> bool {
+        matches!(self, EpilogueKind::BiasGeluAux | EpilogueKind::DGeluBGrad | EpilogueKind::BGradA)
+    }
+}
+
+impl<'a, T: GemmElem> Epilogue<'a, T> {
+    /// The kind, without the buffers.
+    pub(crate) fn kind(&self) -> EpilogueKind {
+        match self {
+            Epilogue::None => EpilogueKind::None,
+            Epilogue::Bias(_) => EpilogueKind::Bias,
+            Epilogue::BiasGeluAux { .. } => EpilogueKind::BiasGeluAux,
+            Epilogue::DGeluBGrad { .. } => EpilogueKind::DGeluBGrad,
+            Epilogue::BGradA { .. } => EpilogueKind::BGradA,
+        }
+    }
+
+    /// The epilogue's buffers, in [`Gemm::args`] order.
+    fn views(&self) -> [Option<&View<'a, T>>; 2] {
+        match self {
+            Epilogue::None => [None, None],
+            Epilogue::Bias(bias) => [Some(bias), None],
+            Epilogue::BiasGeluAux { bias, aux } => [Some(bias), Some(aux)],
+            Epilogue::DGeluBGrad { aux, bias_grad } => [Some(aux), Some(bias_grad)],
+            Epilogue::BGradA { bias_grad } => [Some(bias_grad), None],
+        }
     }
 }
 
@@ -126,9 +278,17 @@ pub(crate) struct GemmSpec {
     pub(crate) trans_b: bool,
     pub(crate) a: Operand,
     pub(crate) b: Operand,
+    /// The output, D.
     pub(crate) c: Operand,
-    pub(crate) bias: bool,
+    /// C when it is not D.
+    pub(crate) addend: Option<Operand>,
+    pub(crate) epilogue: EpilogueKind,
+    /// The aux matrix's leading dimension, with the GELU epilogues.
+    pub(crate) aux_ld: Option<usize>,
 }
+
+/// cuBLASLt's requirement on an epilogue's aux leading dimension, in elements.
+const AUX_LD_MULTIPLE: usize = 8;
 
 /// Leading dimension and batch stride of a `batch × rows × cols` row-major matrix stored in
 /// `region`, or `None` if the region is not such a matrix with unit column stride.
@@ -146,27 +306,80 @@ fn operand(region: &Region, batch: usize, rows: usize, cols: usize) -> Option<Op
     Some(Operand { rows, cols, ld: ld.max(cols), batch_stride })
 }
 
-impl<T: GemmElem> Gemm<'_, T> {
-    /// Checks the views against the dimensions and derives the layout.
+impl<'a, T: GemmElem> Gemm<'a, T> {
+    /// Every buffer the GEMM names: the output, A, B, the addend, the epilogue's.
+    pub(crate) fn views(&self) -> impl Iterator<Item = &View<'a, T>> {
+        [Some(&self.c), Some(&self.a), Some(&self.b), self.addend.as_ref()]
+            .into_iter()
+            .chain(self.epilogue.views())
+            .flatten()
+    }
+
+    /// Checks the views against the dimensions and the epilogue, and derives the layout.
     pub(crate) fn spec(&self) -> Result<GemmSpec> {
         const OP: &str = "Stream::gemm";
         let (m, n, k) = self.dims;
         let batch = self.batch.max(1);
         let (a_rows, a_cols) = if self.trans_a { (k, m) } else { (m, k) };
         let (b_rows, b_cols) = if self.trans_b { (n, k) } else { (k, n) };
+        let shape = |v: &View<'_, T>| v.region().dims().iter().map(|d| d.count).collect();
         let bad = |what: &str, v: &View<'_, T>, rows, cols| Error::Shape {
             op: OP,
             expected: format!("{what} as {batch} row-major {rows}x{cols} matrices with unit column stride"),
-            found: v.region().dims().iter().map(|d| d.count).collect(),
+            found: shape(v),
+        };
+        let vector = |what: &str, v: &View<'_, T>, len: usize| {
+            if v.len() == len && v.region().is_contiguous() {
+                Ok(())
+            } else {
+                Err(Error::Shape { op: OP, expected: format!("{what} as {len} contiguous elements"), found: shape(v) })
+            }
         };
         let a = operand(&self.a.region(), batch, a_rows, a_cols).ok_or_else(|| bad("A", &self.a, a_rows, a_cols))?;
         let b = operand(&self.b.region(), batch, b_rows, b_cols).ok_or_else(|| bad("B", &self.b, b_rows, b_cols))?;
         let c = operand(&self.c.region(), batch, m, n).ok_or_else(|| bad("C", &self.c, m, n))?;
-        if let Some(bias) = &self.bias {
-            if bias.len() != n || !bias.region().is_contiguous() {
-                return Err(bad("bias", bias, 1, n));
-            }
+        let addend = match &self.addend {
+            Some(v) => Some(operand(&v.region(), batch, m, n).ok_or_else(|| bad("the addend", v, m, n))?),
+            None => None,
+        };
+        let epilogue = self.epilogue.kind();
+        if epilogue.per_matrix() && batch > 1 {
+            return Err(Error::Shape {
+                op: OP,
+                expected: format!("batch 1 with the {epilogue:?} epilogue (its aux matrix or bias gradient belongs to one GEMM); enqueue one GEMM per matrix"),
+                found: vec![batch],
+            });
         }
+        let aux_ld = |aux: &View<'_, T>| {
+            let ld = operand(&aux.region(), 1, m, n).ok_or_else(|| bad("aux", aux, m, n))?.ld;
+            if ld % AUX_LD_MULTIPLE != 0 {
+                return Err(Error::Shape {
+                    op: OP,
+                    expected: format!("aux as a row-major {m}x{n} matrix whose row stride is a multiple of {AUX_LD_MULTIPLE} elements (cuBLASLt's aux leading dimension), not {ld}: pad its rows to a multiple of {AUX_LD_MULTIPLE}"),
+                    found: shape(aux),
+                });
+            }
+            Ok(ld)
+        };
+        let aux_ld = match &self.epilogue {
+            Epilogue::None => None,
+            Epilogue::Bias(bias) => {
+                vector("the bias", bias, n)?;
+                None
+            }
+            Epilogue::BiasGeluAux { bias, aux } => {
+                vector("the bias", bias, n)?;
+                Some(aux_ld(aux)?)
+            }
+            Epilogue::DGeluBGrad { aux, bias_grad } => {
+                vector("the bias gradient (one per column of D)", bias_grad, n)?;
+                Some(aux_ld(aux)?)
+            }
+            Epilogue::BGradA { bias_grad } => {
+                vector("the bias gradient (one per row of op(A))", bias_grad, m)?;
+                None
+            }
+        };
         Ok(GemmSpec {
             dtype: T::DTYPE,
             m,
@@ -178,16 +391,24 @@ impl<T: GemmElem> Gemm<'_, T> {
             a,
             b,
             c,
-            bias: self.bias.is_some(),
+            addend,
+            epilogue,
+            aux_ld,
         })
     }
 
-    /// The launch arguments, one per name of [`PARAMS`] (or [`PARAMS_BIAS`] with a bias).
+    /// The launch arguments, one per name of [`Gemm::kernel`]'s params.
     pub(crate) fn args<'w>(&'w self, spec: &GemmSpec, workspace: View<'w, u8>) -> Vec<Arg<'w>> {
-        let c: Arg<'_> = if self.beta == 0.0 { Out(self.c).into() } else { InOut(self.c).into() };
-        let mut args = vec![c, In(self.a).into(), In(self.b).into()];
-        if let Some(bias) = self.bias {
-            args.push(In(bias).into());
+        let reads_c = self.beta != 0.0 && self.addend.is_none();
+        let mut args: Vec<Arg<'_>> = vec![if reads_c { InOut(self.c).into() } else { Out(self.c).into() }];
+        args.extend(self.addend.map(|x| In(x).into()));
+        args.extend([In(self.a).into(), In(self.b).into()]);
+        match self.epilogue {
+            Epilogue::None => {}
+            Epilogue::Bias(bias) => args.push(In(bias).into()),
+            Epilogue::BiasGeluAux { bias, aux } => args.extend([In(bias).into(), Out(aux).into()]),
+            Epilogue::DGeluBGrad { aux, bias_grad } => args.extend([In(aux).into(), Out(bias_grad).into()]),
+            Epilogue::BGradA { bias_grad } => args.push(Out(bias_grad).into()),
         }
         args.push(Hidden("gemm workspace", workspace).into());
         let flags = u32::from(spec.trans_a) | u32::from(spec.trans_b) << 1;
@@ -201,18 +422,33 @@ impl<T: GemmElem> Gemm<'_, T> {
     }
 
     pub(crate) fn kernel(&self) -> &'static Kernel {
-        if self.bias.is_some() {
-            T::WITH_BIAS
-        } else {
-            T::PLAIN
-        }
+        &T::KERNELS[self.epilogue.kind() as usize][usize::from(self.addend.is_some())]
     }
+}
+
+/// √(2/π) as f32, as `ops/gelu.rs` (the device layer does not use the ops layer).
+const GELU_K: f32 = 0.797_884_6;
+const GELU_CUBE: f32 = 0.044715;
+/// 3·`GELU_CUBE`.
+const GELU_CUBE3: f32 = 0.134145;
+
+fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + (GELU_K * (x + GELU_CUBE * x * x * x)).tanh())
+}
+
+/// d gelu/dx, with sech² = 1 − tanh².
+fn gelu_grad(x: f32) -> f32 {
+    let t = (GELU_K * (x + GELU_CUBE * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + GELU_CUBE3 * x * x)
 }
 
 /// The simulator's GEMM: f32 accumulation over `k` in index order for every element (the loop
 /// runs row by row over op(B)'s contiguous rows, so that it vectorizes; the order of each sum is
-/// unchanged).
-fn gemm_cpu<T: GemmElem, const BIAS: bool>(args: &CpuArgs) -> Result<()> {
+/// unchanged), then the epilogue in f32; every stored value (D, aux, a bias gradient) is rounded
+/// to `T` once. A bias gradient is summed in f32 in index order (rows of D, or `k` for op(A))
+/// from the unrounded values.
+fn gemm_cpu<T: GemmElem, const KIND: usize, const ADDEND: bool>(args: &CpuArgs) -> Result<()> {
+    let kind = const { EpilogueKind::ALL[KIND] };
     let [m, n, k, batch] = ["m", "n", "k", "batch"].map(|p| args.u64(p).map(|v| v as usize));
     let (m, n, k, batch) = (m?, n?, k?, batch?);
     let flags = args.u32("flags")?;
@@ -220,8 +456,19 @@ fn gemm_cpu<T: GemmElem, const BIAS: bool>(args: &CpuArgs) -> Result<()> {
     let (trans_a, trans_b) = (flags & 1 != 0, flags & 2 != 0);
     let a = args.input::<T>("a")?;
     let b = args.input::<T>("b")?;
-    let bias: Option<Vec<f32>> =
-        if BIAS { Some(args.input::<T>("bias")?.iter().map(|v| v.to_f32()).collect()) } else { None };
+    let f32s = |p: &str| -> Result<Vec<f32>> { Ok(args.input::<T>(p)?.iter().map(|v| v.to_f32()).collect()) };
+    let bias = if matches!(kind, EpilogueKind::Bias | EpilogueKind::BiasGeluAux) { Some(f32s("bias")?) } else { None };
+    let aux_in = if kind == EpilogueKind::DGeluBGrad { Some(f32s("aux")?) } else { None };
+    let addend = if ADDEND { Some(args.input::<T>("addend")?) } else { None };
+    let mut aux_out = if kind == EpilogueKind::BiasGeluAux { Some(args.output::<T>("aux")?) } else { None };
+    let mut grad = vec![
+        0.0f32;
+        match kind {
+            EpilogueKind::DGeluBGrad => n,
+            EpilogueKind::BGradA => m,
+            _ => 0,
+        }
+    ];
     let mut c = args.output::<T>("c")?;
     let mut op_a = vec![0.0f32; m * k];
     let mut op_b = vec![0.0f32; k * n];
@@ -238,6 +485,12 @@ fn gemm_cpu<T: GemmElem, const BIAS: bool>(args: &CpuArgs) -> Result<()> {
                 op_b[q * n + j] = if trans_b { b[j * k + q] } else { b[q * n + j] }.to_f32();
             }
         }
+        if kind == EpilogueKind::BGradA {
+            // `per_matrix` epilogues have batch 1: the sums are this matrix's.
+            for (g, row) in grad.iter_mut().zip(op_a.chunks_exact(k)) {
+                *g = row.iter().fold(0.0, |s, x| s + x);
+            }
+        }
         for i in 0..m {
             acc.fill(0.0);
             for q in 0..k {
@@ -247,16 +500,28 @@ fn gemm_cpu<T: GemmElem, const BIAS: bool>(args: &CpuArgs) -> Result<()> {
                 }
             }
             for (j, sum) in acc.iter().enumerate() {
-                let out = &mut c[p * m * n + i * n + j];
+                let at = p * m * n + i * n + j;
                 let mut v = alpha * sum;
                 if beta != 0.0 {
-                    v += beta * out.to_f32();
+                    v += beta * addend.as_ref().map_or(c[at], |x| x[at]).to_f32();
                 }
                 if let Some(bias) = &bias {
                     v += bias[j];
                 }
-                *out = T::from_f32(v);
+                if let Some(aux) = aux_out.as_mut() {
+                    aux[at] = T::from_f32(v);
+                    v = gelu(v);
+                } else if let Some(aux) = &aux_in {
+                    v *= gelu_grad(aux[at]);
+                    grad[j] += v;
+                }
+                c[at] = T::from_f32(v);
             }
+        }
+    }
+    if !grad.is_empty() {
+        for (out, g) in args.output::<T>("bias_grad")?.iter_mut().zip(&grad) {
+            *out = T::from_f32(*g);
         }
     }
     Ok(())
@@ -268,11 +533,24 @@ mod tests {
     use crate::device::Device;
 
     fn one_argument_per_param<T: GemmElem>(dev: &Device) {
-        let (x, workspace) = (dev.alloc::<T>(4).unwrap(), dev.alloc::<u8>(8).unwrap());
-        for bias in [None, Some(x.slice(0..2))] {
-            let g = Gemm { bias, ..Gemm::new(x.view(), x.view(), x.view(), (2, 2, 2)) };
-            let args = g.args(&g.spec().unwrap(), workspace.view());
-            assert_eq!(args.len(), g.kernel().params.len(), "{}", g.kernel().name);
+        let (x, workspace) = (dev.alloc::<T>(64).unwrap(), dev.alloc::<u8>(8).unwrap());
+        let (v, vec) = (x.slice(0..64), x.slice(0..8));
+        let epilogues = [
+            Epilogue::None,
+            Epilogue::Bias(vec),
+            Epilogue::BiasGeluAux { bias: vec, aux: v },
+            Epilogue::DGeluBGrad { aux: v, bias_grad: vec },
+            Epilogue::BGradA { bias_grad: vec },
+        ];
+        for epilogue in epilogues {
+            for addend in [None, Some(v)] {
+                let g = Gemm { epilogue, addend, ..Gemm::new(v, v, v, (8, 8, 8)) };
+                let args = g.args(&g.spec().unwrap(), workspace.view());
+                let kernel = g.kernel();
+                assert_eq!(args.len(), kernel.params.len(), "{}", kernel.name);
+                let buffers = args.iter().filter(|a| matches!(a, Arg::Buf(_))).count();
+                assert_eq!(buffers, 1 + g.views().count(), "{}: one buffer per view and the workspace", kernel.name);
+            }
         }
     }
 
@@ -281,5 +559,43 @@ mod tests {
         let dev = Device::sim();
         one_argument_per_param::<f32>(&dev);
         one_argument_per_param::<bf16>(&dev);
+    }
+
+    #[test]
+    fn epilogue_kinds_index_their_kernels() {
+        for (i, kind) in EpilogueKind::ALL.into_iter().enumerate() {
+            assert_eq!(kind as usize, i);
+        }
+        let names: Vec<&str> = GEMM_BF16.iter().flatten().map(|k| k.name).collect();
+        assert_eq!(names[4], "gemm_bf16_bias_gelu_aux");
+        assert_eq!(names[9], "gemm_bf16_bgrad_a_addend");
+    }
+
+    #[test]
+    fn the_plan_key_tells_epilogues_and_addends_apart() {
+        let dev = Device::sim();
+        let x = dev.alloc::<f32>(64).unwrap();
+        let (v, vec) = (x.view(), x.slice(0..8));
+        let plain = Gemm::new(v, v, v, (8, 8, 8));
+        let specs = [
+            plain.spec().unwrap(),
+            Gemm { addend: Some(v), ..Gemm::new(v, v, v, (8, 8, 8)) }.spec().unwrap(),
+            Gemm { epilogue: Epilogue::BGradA { bias_grad: vec }, ..Gemm::new(v, v, v, (8, 8, 8)) }.spec().unwrap(),
+            Gemm { epilogue: Epilogue::DGeluBGrad { aux: v, bias_grad: vec }, ..Gemm::new(v, v, v, (8, 8, 8)) }
+                .spec()
+                .unwrap(),
+        ];
+        for (i, s) in specs.iter().enumerate() {
+            assert!(specs[i + 1..].iter().all(|t| t != s), "spec {i} repeats");
+        }
+    }
+
+    #[test]
+    fn gelu_grad_is_the_derivative_of_gelu() {
+        for x in [-3.0f32, -1.0, -0.25, 0.0, 0.5, 2.0] {
+            let h = 1e-2;
+            let numeric = (gelu(x + h) - gelu(x - h)) / (2.0 * h);
+            assert!((numeric - gelu_grad(x)).abs() < 1e-3, "x = {x}: {numeric} vs {}", gelu_grad(x));
+        }
     }
 }

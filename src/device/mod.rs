@@ -38,7 +38,7 @@ pub use capture::{Capture, CaptureMode, CaptureStatus};
 pub(crate) use dtype::with_dtype;
 pub use dtype::{DType, Elem, Float};
 pub use event::Event;
-pub use gemm::{Gemm, GemmElem};
+pub use gemm::{Epilogue, Gemm, GemmElem};
 pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};
 pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
 pub use kernel::{args, Arg, CpuArgs, In, InOut, IntoView, Kernel, LaunchDims, Out, Scalar};

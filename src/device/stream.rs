@@ -124,19 +124,18 @@ impl Stream {
 
     /// Enqueues a GEMM (cuBLASLt on CUDA; see [`Gemm`]).
     ///
+    /// Everything is checked before anything is enqueued.
+    ///
     /// # Errors
-    /// [`Error::Shape`] when a view is not the matrix the dimensions say, a buffer of another
+    /// [`Error::Shape`] when a view is not the matrix or vector the dimensions and the epilogue
+    /// say (an aux matrix's row stride must be a multiple of 8 elements), a buffer of another
     /// device, a view outside its buffer, or a capture error.
     pub fn gemm<T: GemmElem>(&self, g: Gemm<'_, T>) -> Result<()> {
         const OP: &str = "Stream::gemm";
         self.inner.dev.check_err()?;
-        for (v, dev) in [(&g.c, g.c.block.raw.device), (&g.a, g.a.block.raw.device), (&g.b, g.b.block.raw.device)] {
-            self.check_buf(OP, dev)?;
+        for v in g.views() {
+            self.check_buf(OP, v.block.raw.device)?;
             v.check_bounds(OP)?;
-        }
-        if let Some(bias) = &g.bias {
-            self.check_buf(OP, bias.block.raw.device)?;
-            bias.check_bounds(OP)?;
         }
         let spec = g.spec()?;
         let workspace = self.workspace()?;

@@ -8,7 +8,7 @@ use super::{Inputs, Module, Param, ParamStore, SaveHook};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::elementwise;
-use crate::ops::matmul::{matmul, Matmul};
+use crate::ops::matmul::{matmul, Fused, Matmul};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -100,8 +100,11 @@ impl Module for Linear {
         let x = inputs.only(OP)?;
         let n = self.rows(OP, x, i)?;
         let y = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
-        let gemm =
-            Matmul { bias: Some(&self.bias.value), trans_b: true, ..Matmul::new(&y, x, &self.weight.value, (n, o, i)) };
+        let gemm = Matmul {
+            fused: Fused::Bias(&self.bias.value),
+            trans_b: true,
+            ..Matmul::new(&y, x, &self.weight.value, (n, o, i))
+        };
         matmul(gemm, stream)?;
         hook.open_group(&self.name)?;
         let input = hook.save("input", x.clone(), stream)?;

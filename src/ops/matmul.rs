@@ -19,11 +19,67 @@
 
 use half::bf16;
 
-use crate::device::{DType, Gemm, GemmElem, Stream};
+use crate::device::{DType, Epilogue, Gemm, GemmElem, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-/// `C = alpha·op(A)·op(B) + beta·C (+ bias)` on tensors; the fields mean what [`Gemm`]'s do.
+/// What the GEMM's store does besides writing the product: [`Epilogue`] on tensors.
+#[derive(Clone, Copy, Default)]
+pub enum Fused<'t> {
+    /// Nothing.
+    #[default]
+    None,
+    /// Adds `n` elements to every row.
+    Bias(&'t Tensor),
+    /// Adds the bias, keeps the pre-activation in `aux` (for the backward), stores GELU(tanh) of it.
+    BiasGeluAux {
+        /// `n` elements.
+        bias: &'t Tensor,
+        /// `m × n`, written.
+        aux: &'t Tensor,
+    },
+    /// Multiplies the product by GELU′(`aux`) and writes the result's column sums to `bias_grad`:
+    /// the GELU backward and the bias gradient of the layer before it.
+    DGeluBGrad {
+        /// The forward's pre-activation, `m × n`.
+        aux: &'t Tensor,
+        /// `n` elements, written.
+        bias_grad: &'t Tensor,
+    },
+    /// Writes the row sums of op(A) over k to `bias_grad` (`m` elements): a weight-gradient GEMM
+    /// `dW = dyᵀ·x` that also yields the bias gradient `Σ dy`.
+    BGradA {
+        /// `m` elements, written.
+        bias_grad: &'t Tensor,
+    },
+}
+
+impl<'t> Fused<'t> {
+    fn tensors(&self) -> Vec<&'t Tensor> {
+        match *self {
+            Fused::None => vec![],
+            Fused::Bias(b) => vec![b],
+            Fused::BiasGeluAux { bias, aux } => vec![bias, aux],
+            Fused::DGeluBGrad { aux, bias_grad } => vec![aux, bias_grad],
+            Fused::BGradA { bias_grad } => vec![bias_grad],
+        }
+    }
+
+    fn typed<T: GemmElem>(&self) -> Result<Epilogue<'t, T>> {
+        Ok(match *self {
+            Fused::None => Epilogue::None,
+            Fused::Bias(b) => Epilogue::Bias(b.view()?),
+            Fused::BiasGeluAux { bias, aux } => Epilogue::BiasGeluAux { bias: bias.view()?, aux: aux.view()? },
+            Fused::DGeluBGrad { aux, bias_grad } => {
+                Epilogue::DGeluBGrad { aux: aux.view()?, bias_grad: bias_grad.view()? }
+            }
+            Fused::BGradA { bias_grad } => Epilogue::BGradA { bias_grad: bias_grad.view()? },
+        })
+    }
+}
+
+/// `C = alpha·op(A)·op(B) + beta·(addend or C)`, then the epilogue, on tensors; the fields mean
+/// what [`Gemm`]'s do.
 #[derive(Clone, Copy)]
 pub struct Matmul<'t> {
     /// Output, `batch × m × n`.
@@ -32,8 +88,10 @@ pub struct Matmul<'t> {
     pub a: &'t Tensor,
     /// Right operand.
     pub b: &'t Tensor,
-    /// `n` elements added to every row.
-    pub bias: Option<&'t Tensor>,
+    /// A separate C, `batch × m × n` (a residual added with `beta = 1`).
+    pub addend: Option<&'t Tensor>,
+    /// What the store fuses.
+    pub fused: Fused<'t>,
     /// (m, n, k).
     pub dims: (usize, usize, usize),
     /// Number of matrices (strided batched).
@@ -44,20 +102,32 @@ pub struct Matmul<'t> {
     pub trans_b: bool,
     /// Scales the product.
     pub alpha: f32,
-    /// Scales C's previous contents (0: C is only written).
+    /// Scales C's previous contents or the addend (0: C is only written).
     pub beta: f32,
 }
 
 impl<'t> Matmul<'t> {
     /// `C = A·B` for `(m, n, k)`.
     pub fn new(c: &'t Tensor, a: &'t Tensor, b: &'t Tensor, dims: (usize, usize, usize)) -> Matmul<'t> {
-        Matmul { c, a, b, bias: None, dims, batch: 1, trans_a: false, trans_b: false, alpha: 1.0, beta: 0.0 }
+        Matmul {
+            c,
+            a,
+            b,
+            addend: None,
+            fused: Fused::None,
+            dims,
+            batch: 1,
+            trans_a: false,
+            trans_b: false,
+            alpha: 1.0,
+            beta: 0.0,
+        }
     }
 
     fn typed<T: GemmElem>(&self, stream: &Stream) -> Result<()> {
-        let bias = self.bias.map(Tensor::view::<T>).transpose()?;
         stream.gemm(Gemm {
-            bias,
+            addend: self.addend.map(Tensor::view::<T>).transpose()?,
+            epilogue: self.fused.typed()?,
             batch: self.batch,
             trans_a: self.trans_a,
             trans_b: self.trans_b,
@@ -76,7 +146,7 @@ impl<'t> Matmul<'t> {
 pub fn matmul(m: Matmul<'_>, stream: &Stream) -> Result<()> {
     const OP: &str = "matmul";
     let dtype = m.c.dtype();
-    for t in [Some(m.a), Some(m.b), m.bias].into_iter().flatten() {
+    for t in [m.a, m.b].into_iter().chain(m.addend).chain(m.fused.tensors()) {
         t.expect_dtype(OP, dtype)?;
     }
     match dtype {

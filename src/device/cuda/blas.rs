@@ -5,6 +5,13 @@
 //! graphed's GEMMs are row-major; cuBLASLt is column-major. A row-major `C = op(A)·op(B)` is the
 //! column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`, so cuBLASLt gets B as its first operand and A as its second,
 //! each described by its stored shape with rows and columns swapped.
+//!
+//! cuBLASLt defines its epilogues in its own column-major terms, where our `m × n` output is an
+//! `n × m` matrix: our per-column bias (`n`, added to every row) is its per-row bias (`BIAS`,
+//! `GELU_AUX_BIAS`); our aux matrix with row stride `ld` is its aux with leading dimension `ld`;
+//! our column sums of D are its `DGELU_BGRAD` sums along D's rows; and the row sums over `k` of
+//! our op(A) are the sums over `k` of its op(B) (our A is its B), one per column of its D:
+//! `BGRADB`, not `BGRADA`.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -16,7 +23,7 @@ use cudarc::cublaslt::sys;
 
 use super::memory;
 use super::stream::CuStream;
-use crate::device::gemm::{GemmSpec, Operand};
+use crate::device::gemm::{EpilogueKind, GemmSpec, Operand};
 use crate::device::kernel::Arg;
 use crate::device::DType;
 use crate::{Error, Result};
@@ -45,7 +52,10 @@ impl Drop for Handle {
 /// The descriptors and algorithm of one GEMM layout.
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
+    /// cuBLASLt's A (our B), its B (our A), and D.
     layouts: [sys::cublasLtMatrixLayout_t; 3],
+    /// cuBLASLt's C when it is not D (an addend).
+    addend: Option<sys::cublasLtMatrixLayout_t>,
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
@@ -56,8 +66,8 @@ impl Drop for Plan {
     fn drop(&mut self) {
         // SAFETY: each descriptor was created once for this plan and is destroyed once.
         let destroyed = unsafe {
-            let layouts = self.layouts.map(|l| lt::destroy_matrix_layout(l));
-            layouts.into_iter().fold(lt::destroy_matmul_desc(self.desc), Result::and)
+            let layouts = self.layouts.into_iter().chain(self.addend).map(|l| lt::destroy_matrix_layout(l));
+            layouts.fold(lt::destroy_matmul_desc(self.desc), Result::and)
         };
         if let Err(e) = destroyed {
             // Dropped with its device, or by a `Plan::new` whose GEMM returns its own error: no
@@ -133,6 +143,18 @@ fn operation(transpose: bool) -> i32 {
     i32::from(transpose)
 }
 
+/// cuBLASLt's epilogue for ours (see the module doc for the layout), `None` for its default.
+fn epilogue(kind: EpilogueKind) -> Option<sys::cublasLtEpilogue_t> {
+    use sys::cublasLtEpilogue_t as E;
+    match kind {
+        EpilogueKind::None => None,
+        EpilogueKind::Bias => Some(E::CUBLASLT_EPILOGUE_BIAS),
+        EpilogueKind::BiasGeluAux => Some(E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
+        EpilogueKind::DGeluBGrad => Some(E::CUBLASLT_EPILOGUE_DGELU_BGRAD),
+        EpilogueKind::BGradA => Some(E::CUBLASLT_EPILOGUE_BGRADB),
+    }
+}
+
 impl Plan {
     fn new(handle: &Handle, spec: &GemmSpec, workspace_bytes: usize) -> std::result::Result<Plan, CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as D;
@@ -148,19 +170,22 @@ impl Plan {
                 layout(ty, &spec.a, spec.batch)?,
                 layout(ty, &spec.c, spec.batch)?,
             ],
+            addend: None,
             // SAFETY: a plain C struct that the heuristic below fills before it is read.
             algo: unsafe { MaybeUninit::zeroed().assume_init() },
         };
-        // SAFETY: `desc` is live; the values are int32 operations and a uint32 epilogue.
+        plan.addend = spec.addend.map(|o| layout(ty, &o, spec.batch)).transpose()?;
+        // The bias and aux pointers are set per call (`Blas::gemm`); their types default to D's.
+        // SAFETY: `desc` is live; the values are int32 operations, a uint32 epilogue and an int64
+        // leading dimension.
         unsafe {
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &operation(spec.trans_b))?;
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &operation(spec.trans_a))?;
-            if spec.bias {
-                set_desc(
-                    desc,
-                    D::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                    &(sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32),
-                )?;
+            if let Some(e) = epilogue(spec.epilogue) {
+                set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &(e as u32))?;
+            }
+            if let Some(ld) = spec.aux_ld {
+                set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(ld as i64))?;
             }
         }
         let pref = lt::create_matmul_pref()?;
@@ -174,8 +199,8 @@ impl Plan {
                 size_of::<u64>(),
             );
             let found = set.and_then(|_| {
-                let [a, b, c] = plan.layouts;
-                lt::get_matmul_algo_heuristic(handle.0, desc, a, b, c, c, pref)
+                let [a, b, d] = plan.layouts;
+                lt::get_matmul_algo_heuristic(handle.0, desc, a, b, plan.addend.unwrap_or(d), d, pref)
             });
             let _ = lt::destroy_matmul_pref(pref);
             found?
@@ -186,19 +211,20 @@ impl Plan {
 }
 
 impl Blas {
-    /// Enqueues the GEMM on `stream`. `args` are laid out as `Gemm::args` makes them.
+    /// Enqueues the GEMM on `stream`. `args` are laid out as `Gemm::args` makes them, one per
+    /// name of `params`.
     pub(super) fn gemm(
         &self,
         stream: &CuStream,
         spec: &GemmSpec,
-        alpha: f32,
-        beta: f32,
+        params: &[&str],
         args: &[Arg<'_>],
+        (alpha, beta): (f32, f32),
         workspace_bytes: usize,
     ) -> Result<()> {
         const OP: &str = "Stream::gemm";
-        let ptr = |i: usize| -> Result<u64> {
-            match args.get(i) {
+        let ptr = |name: &str| -> Result<u64> {
+            match params.iter().position(|p| *p == name).and_then(|i| args.get(i)) {
                 Some(Arg::Buf(b)) => memory::kernel_arg(OP, b.raw, b.region.offset() * b.dtype.size()),
                 _ => Err(Error::Unsupported {
                     op: OP,
@@ -207,8 +233,15 @@ impl Blas {
                 }),
             }
         };
-        let (c, a, b) = (ptr(0)?, ptr(1)?, ptr(2)?);
-        let (bias, ws) = if spec.bias { (Some(ptr(3)?), ptr(4)?) } else { (None, ptr(3)?) };
+        let (d, a, b, ws) = (ptr("c")?, ptr("a")?, ptr("b")?, ptr("workspace")?);
+        let c = if spec.addend.is_some() { ptr("addend")? } else { d };
+        // cuBLASLt reads a bias and writes a bias gradient through the same pointer.
+        let bias = match spec.epilogue {
+            EpilogueKind::None => None,
+            EpilogueKind::Bias | EpilogueKind::BiasGeluAux => Some(ptr("bias")?),
+            EpilogueKind::DGeluBGrad | EpilogueKind::BGradA => Some(ptr("bias_grad")?),
+        };
+        let aux = if spec.aux_ld.is_some() { Some(ptr("aux")?) } else { None };
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let st = &mut *st;
         if st.handle.is_none() {
@@ -226,18 +259,24 @@ impl Blas {
             st.plans.insert(*spec, plan);
         }
         let plan = &st.plans[spec];
-        if let Some(bias) = bias {
-            // SAFETY: the plan's descriptor is live; the bias pointer is a device address, set
-            // under the lock right before the call that reads it.
-            unsafe {
-                set_desc(plan.desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        // SAFETY: the plan's descriptor is live; the pointers are device addresses (pointer-sized
+        // values, as the attributes expect), set under the lock right before the call that reads
+        // them.
+        unsafe {
+            if let Some(bias) = bias {
+                set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias).map_err(fail(OP))?;
             }
-            .map_err(fail(OP))?;
+            if let Some(aux) = aux {
+                set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux).map_err(fail(OP))?;
+            }
         }
-        let [la, lb, lc] = plan.layouts;
-        // SAFETY: the pointers address live, range-checked allocations laid out as the plan's
-        // layouts say (the public layer checked the views against the dimensions); the workspace
-        // holds `workspace_bytes`; the stream is live. Buffers outlive the call as for kernels.
+        let [layout_a, layout_b, layout_d] = plan.layouts;
+        let layout_c = plan.addend.unwrap_or(layout_d);
+        // SAFETY: the pointers (and the epilogue's, set above) address live, range-checked
+        // allocations laid out as the plan's layouts and epilogue say (the public layer checked
+        // the views against the dimensions and the epilogue); the workspace holds
+        // `workspace_bytes`; the stream is live. Buffers outlive the call as for kernels.
         unsafe {
             lt::matmul(
                 handle.0,
@@ -245,13 +284,13 @@ impl Blas {
                 (&alpha as *const f32).cast(),
                 (&beta as *const f32).cast(),
                 b as *const c_void,
-                la,
+                layout_a,
                 a as *const c_void,
-                lb,
+                layout_b,
                 c as *const c_void,
-                lc,
-                c as *mut c_void,
-                lc,
+                layout_c,
+                d as *mut c_void,
+                layout_d,
                 &plan.algo,
                 ws as *mut c_void,
                 workspace_bytes,

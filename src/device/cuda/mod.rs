@@ -153,8 +153,8 @@ impl Backend for CudaDevice {
         let capture = capture::active_id(&stream.raw).map_err(|e| err::at(name, CaptureSite::Stream(stream.id), e))?;
         match *op {
             Op::Kernel { kernel, dims, args } => self.kernels.launch(stream, kernel, &dims, args)?,
-            Op::Gemm { args, spec, alpha, beta, .. } => {
-                self.blas.gemm(stream, &spec, alpha, beta, args, self.gemm_workspace_bytes())?
+            Op::Gemm { kernel, args, spec, alpha, beta } => {
+                self.blas.gemm(stream, &spec, kernel.params, args, (alpha, beta), self.gemm_workspace_bytes())?
             }
             Op::Copy { dir, src, src_offset, dst, dst_offset, bytes } => {
                 memory::copy(name, stream, dir, (&src.raw, src_offset), (&dst.raw, dst_offset), bytes)?
