@@ -2,11 +2,12 @@
 //! heads of Q, K and V permuted from column blocks of the `(B·T, 3C)` activation into
 //! `(B, H, T, hd)` (`ops::heads`), so that one strided-batched GEMM covers every (batch element,
 //! head) pair; `scores = Q·Kᵀ`, a causal softmax with scale 1/√head_dim, `att = probs·V`, permuted
-//! back into `(B·T, C)`; and the output projection. A call costs a fixed number of launches,
-//! whatever the batch.
+//! back into `(B·T, C)`; and the output projection, which can add a residual in its GEMM. The
+//! 1/√head_dim scale rides in the score GEMM's alpha (and the gradient GEMMs'), so the softmax
+//! only masks and normalizes. A call costs a fixed number of launches, whatever the batch.
 
 use super::layernorm::single_input;
-use super::{input_grad, Inputs, Linear, LinearCtx, Module, Param, ParamStore, SaveHook};
+use super::{BiasGrad, Inputs, Linear, Module, Param, ParamStore, SaveHook};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::matmul::{matmul, Matmul};
@@ -25,16 +26,16 @@ pub struct CausalSelfAttention {
     heads: usize,
 }
 
-/// What the forward saves: the projections' contexts (their inputs x and att), the heads of
-/// q, k and v, and the attention probabilities.
+/// What the forward saves: the projections' inputs (x and att), the heads of q, k and v, and
+/// the attention probabilities.
 pub struct AttentionCtx {
     dims: Dims,
-    qkv_ctx: LinearCtx,
+    x: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     probs: Tensor,
-    proj_ctx: LinearCtx,
+    att: Tensor,
 }
 
 /// Batch, sequence, heads and head width of one call.
@@ -62,15 +63,15 @@ impl Dims {
     }
 }
 
-/// `c = op(a)·op(b)` for the `batch` matrices of `(m, n, k)` (`beta` 0).
+/// `c = alpha·op(a)·op(b)` for the `batch` matrices of `(m, n, k)` (`beta` 0).
 fn batched(
     stream: &Stream,
     (c, a, b): (&Tensor, &Tensor, &Tensor),
     (m, n, k): (usize, usize, usize),
-    batch: usize,
+    (batch, alpha): (usize, f32),
     (trans_a, trans_b): (bool, bool),
 ) -> Result<()> {
-    matmul(Matmul { batch, trans_a, trans_b, ..Matmul::new(c, a, b, (m, n, k)) }, stream)
+    matmul(Matmul { batch, alpha, trans_a, trans_b, ..Matmul::new(c, a, b, (m, n, k)) }, stream)
 }
 
 impl CausalSelfAttention {
@@ -113,72 +114,103 @@ impl CausalSelfAttention {
     }
 }
 
-impl Module for CausalSelfAttention {
-    type Ctx = AttentionCtx;
-
-    /// One contiguous input `(B, T, C)`, one output `(B, T, C)`.
-    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, AttentionCtx)> {
+impl CausalSelfAttention {
+    /// `residual + Attn(x)` (just `Attn(x)` without a residual; the add in the output
+    /// projection's GEMM) over a contiguous `(B, T, C)` input.
+    pub fn forward_residual(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        hook: &dyn SaveHook,
+        stream: &Stream,
+    ) -> Result<(Tensor, AttentionCtx)> {
         const OP: &str = "CausalSelfAttention::forward";
-        let x = inputs.only(OP)?;
         let d = self.dims(OP, x)?;
-        let (bt, c) = (d.batch * d.seq, d.heads * d.hd);
-        let (mut qkv, qkv_ctx) = self.qkv.forward(&Inputs::one(&x.reshape(&[bt, c])?), hook, stream)?;
-        let qkv = qkv.remove(0);
+        let (bt, c, dtype) = (d.batch * d.seq, d.heads * d.hd, x.dtype());
+        if let Some(r) = residual {
+            r.expect_shape(OP, x.shape())?;
+        }
+        let rows = x.reshape(&[bt, c])?;
+        let qkv = self.qkv.forward_with(&rows, None, stream)?;
         let heads = |part| -> Result<Tensor> {
-            let t = Tensor::uninit(&self.alloc, stream, &d.head_shape(), x.dtype())?;
+            let t = Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype)?;
             heads::heads_from_rows(&t, &qkv, part, stream)?;
             Ok(t)
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let tt = [d.batch, d.heads, d.seq, d.seq];
-        let (scores, probs) = (
-            Tensor::uninit(&self.alloc, stream, &tt, x.dtype())?,
-            Tensor::uninit(&self.alloc, stream, &tt, x.dtype())?,
-        );
-        batched(stream, (&scores, &q, &k), (d.seq, d.seq, d.hd), d.pairs(), (false, true))?;
-        softmax::softmax_causal_forward(&probs, &scores, d.scale(), stream)?;
-        let att_heads = Tensor::uninit(&self.alloc, stream, &d.head_shape(), x.dtype())?;
-        batched(stream, (&att_heads, &probs, &v), (d.seq, d.hd, d.seq), d.pairs(), (false, false))?;
-        let att = Tensor::uninit(&self.alloc, stream, &[bt, c], x.dtype())?;
+        let (scores, probs) =
+            (Tensor::uninit(&self.alloc, stream, &tt, dtype)?, Tensor::uninit(&self.alloc, stream, &tt, dtype)?);
+        batched(stream, (&scores, &q, &k), (d.seq, d.seq, d.hd), (d.pairs(), d.scale()), (false, true))?;
+        softmax::softmax_causal_forward(&probs, &scores, 1.0, stream)?;
+        let att_heads = Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype)?;
+        batched(stream, (&att_heads, &probs, &v), (d.seq, d.hd, d.seq), (d.pairs(), 1.0), (false, false))?;
+        let att = Tensor::uninit(&self.alloc, stream, &[bt, c], dtype)?;
         heads::rows_from_heads(&att, 0, &att_heads, stream)?;
+        let residual = residual.map(|r| r.reshape(&[bt, c])).transpose()?;
+        let y = self.proj.forward_with(&att, residual.as_ref(), stream)?;
         hook.open_group(&self.name)?;
+        let x = hook.save("input", rows, stream)?;
         let (q, k, v) = (hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?);
         let probs = hook.save("probs", probs, stream)?;
+        let att = hook.save("att", att, stream)?;
         hook.commit_group(&self.name)?;
-        let (mut y, proj_ctx) = self.proj.forward(&Inputs::one(&att), hook, stream)?;
-        let y = y.remove(0).reshape(x.shape())?;
-        Ok((vec![y], AttentionCtx { dims: d, qkv_ctx, q, k, v, probs, proj_ctx }))
+        Ok((y.reshape(&[d.batch, d.seq, c])?, AttentionCtx { dims: d, x, q, k, v, probs, att }))
     }
 
-    fn backward(&self, ctx: AttentionCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
+    /// The input gradient from the output gradient `dy`; parameter gradients `+=`, the output
+    /// projection's bias gradient as `proj_bias` says.
+    pub fn backward_with(
+        &self,
+        ctx: AttentionCtx,
+        dy: &Tensor,
+        proj_bias: BiasGrad,
+        stream: &Stream,
+    ) -> Result<Tensor> {
         const OP: &str = "CausalSelfAttention::backward";
-        let dy = single_input(OP, grad_outputs)?;
         let d = ctx.dims;
-        let (bt, c) = (d.batch * d.seq, d.heads * d.hd);
+        let (bt, c, dtype) = (d.batch * d.seq, d.heads * d.hd, dy.dtype());
         dy.expect_shape(OP, &[d.batch, d.seq, c])?;
-        let datt = input_grad(OP, self.proj.backward(ctx.proj_ctx, &[&dy.reshape(&[bt, c])?], stream)?)?;
+        let dy = dy.reshape(&[bt, c])?;
+        let datt = self.proj.data_grad(&dy, stream)?;
+        self.proj.weight_grads(&dy, &ctx.att, proj_bias, stream)?;
         let (q, k, v, probs) = (&ctx.q, &ctx.k, &ctx.v, &ctx.probs);
-        let heads = || Tensor::uninit(&self.alloc, stream, &d.head_shape(), dy.dtype());
+        let heads = || Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype);
         let datt_heads = heads()?;
         heads::heads_from_rows(&datt_heads, &datt, 0, stream)?;
         let tt = [d.batch, d.heads, d.seq, d.seq];
-        let (dprobs, dscores) = (
-            Tensor::uninit(&self.alloc, stream, &tt, dy.dtype())?,
-            Tensor::uninit(&self.alloc, stream, &tt, dy.dtype())?,
-        );
-        let (t, hd, pairs) = (d.seq, d.hd, d.pairs());
+        let (dprobs, dscores) =
+            (Tensor::uninit(&self.alloc, stream, &tt, dtype)?, Tensor::uninit(&self.alloc, stream, &tt, dtype)?);
+        let (t, hd, pairs, scale) = (d.seq, d.hd, d.pairs(), d.scale());
         let (dq, dk, dv) = (heads()?, heads()?, heads()?);
-        batched(stream, (&dprobs, &datt_heads, v), (t, t, hd), pairs, (false, true))?;
-        batched(stream, (&dv, probs, &datt_heads), (t, hd, t), pairs, (true, false))?;
-        softmax::softmax_causal_backward(&dscores, probs, &dprobs, d.scale(), stream)?;
-        batched(stream, (&dq, &dscores, k), (t, hd, t), pairs, (false, false))?;
-        batched(stream, (&dk, &dscores, q), (t, hd, t), pairs, (true, false))?;
-        let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dy.dtype())?;
+        batched(stream, (&dprobs, &datt_heads, v), (t, t, hd), (pairs, 1.0), (false, true))?;
+        batched(stream, (&dv, probs, &datt_heads), (t, hd, t), (pairs, 1.0), (true, false))?;
+        softmax::softmax_causal_backward(&dscores, probs, &dprobs, 1.0, stream)?;
+        batched(stream, (&dq, &dscores, k), (t, hd, t), (pairs, scale), (false, false))?;
+        batched(stream, (&dk, &dscores, q), (t, hd, t), (pairs, scale), (true, false))?;
+        let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dtype)?;
         for (part, g) in [&dq, &dk, &dv].into_iter().enumerate() {
             heads::rows_from_heads(&dqkv, part, g, stream)?;
         }
-        let dx = input_grad(OP, self.qkv.backward(ctx.qkv_ctx, &[&dqkv], stream)?)?;
-        Ok(vec![Some(dx.reshape(&[d.batch, d.seq, c])?)])
+        let dx = self.qkv.data_grad(&dqkv, stream)?;
+        self.qkv.weight_grads(&dqkv, &ctx.x, BiasGrad::Compute, stream)?;
+        dx.reshape(&[d.batch, d.seq, c])
+    }
+}
+
+impl Module for CausalSelfAttention {
+    type Ctx = AttentionCtx;
+
+    /// One contiguous input `(B, T, C)`, one output `(B, T, C)`.
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, AttentionCtx)> {
+        let x = inputs.only("CausalSelfAttention::forward")?;
+        let (y, ctx) = self.forward_residual(x, None, hook, stream)?;
+        Ok((vec![y], ctx))
+    }
+
+    fn backward(&self, ctx: AttentionCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
+        let dy = single_input("CausalSelfAttention::backward", grad_outputs)?;
+        Ok(vec![Some(self.backward_with(ctx, dy, BiasGrad::Compute, stream)?)])
     }
 
     fn parameters(&self) -> Vec<&Param> {

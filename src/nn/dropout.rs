@@ -38,6 +38,13 @@ pub struct DropoutCtx {
     mask: Option<Tensor>,
 }
 
+impl DropoutCtx {
+    /// The context of a forward that was the identity.
+    pub(crate) fn identity() -> DropoutCtx {
+        DropoutCtx { mask: None }
+    }
+}
+
 impl Dropout {
     /// A dropout layer drawing from `spec`, in training mode.
     ///
@@ -64,7 +71,8 @@ impl Dropout {
         &self.step
     }
 
-    fn active(&self) -> bool {
+    /// Whether the forward draws a mask (training with p > 0); else it is the identity.
+    pub fn is_active(&self) -> bool {
         self.training && self.p > 0.0
     }
 }
@@ -76,7 +84,7 @@ impl Module for Dropout {
     /// when inactive.
     fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, DropoutCtx)> {
         let x = inputs.only("Dropout::forward")?;
-        if !self.active() {
+        if !self.is_active() {
             return Ok((vec![x.clone()], DropoutCtx { mask: None }));
         }
         let out = Tensor::uninit(&self.alloc, stream, x.shape(), x.dtype())?;

@@ -1,7 +1,13 @@
-//! `y = x·Wᵀ + b`: the GEMMs of a fully connected layer, with the bias in cuBLASLt's epilogue.
+//! `y = x·Wᵀ + b`: the GEMMs of a fully connected layer, with the work around them folded into
+//! cuBLASLt's epilogues: the bias, a residual added as the GEMM's C (`beta = 1`), GELU with its
+//! pre-activation kept for the backward, GELU's backward fused into the next layer's data
+//! gradient, and the bias gradient as a by-product of the weight-gradient GEMM.
 //!
-//! Gradients: `dx = dy·W` (written), `dW += dyᵀ·x`, `db += dyᵀ·1` (accumulated; the bias
-//! gradient is a GEMM against a vector of ones, so its sum runs in cuBLASLt's fixed order).
+//! Gradients: `dx = dy·W` (written), `dW += dyᵀ·x` (the GEMM accumulates with `beta = 1`),
+//! `db += Σ_rows dy` (the weight-gradient GEMM writes the sum, in cuBLASLt's fixed order, to a
+//! scratch vector that one kernel adds to the gradient). The composite modules use the pieces
+//! ([`Linear::forward_with`], [`Linear::forward_gelu`], [`Linear::data_grad`],
+//! [`Linear::data_grad_through_gelu`], [`Linear::weight_grads`]) to fuse across layers.
 
 use super::params::init_uniform;
 use super::{Inputs, Module, Param, ParamStore, SaveHook};
@@ -14,15 +20,31 @@ use crate::{Error, Result};
 
 use std::sync::{Mutex, PoisonError};
 
-/// A weight-gradient computation left for `backward_dw`: the output gradient and the input.
-type Deferred = (Tensor, Tensor);
+/// Who adds a Linear's bias gradient `Σ_rows dy`.
+#[derive(Clone, Debug, Default)]
+pub enum BiasGrad {
+    /// The weight-gradient GEMM computes it (cuBLASLt's bias-gradient epilogue) and the layer
+    /// adds it.
+    #[default]
+    Compute,
+    /// It was computed already (by the next layer's data-gradient GEMM, fused with GELU's
+    /// backward): the layer adds this vector.
+    Computed(Tensor),
+    /// The caller adds it (a LayerNorm backward that reads the same gradient as its residual
+    /// sums its columns in the same pass).
+    Elsewhere,
+}
+
+/// A weight-gradient computation left for `backward_dw`: the output gradient, the input, and who
+/// adds the bias gradient.
+type Deferred = (Tensor, Tensor, BiasGrad);
 
 /// A fully connected layer over the last dimension of an `(n, in)` input.
 pub struct Linear {
     name: String,
     alloc: CachingAllocator,
-    /// With a split weight gradient, the `(dy, x)` pairs whose weight gradients
-    /// [`Module::backward_dw`] still owes; `None` when `backward` computes them itself.
+    /// With a split weight gradient, the work that [`Module::backward_dw`] still owes; `None`
+    /// when `backward` computes the weight gradients itself.
     deferred: Option<Mutex<Vec<Deferred>>>,
     /// `(out, in)`.
     pub weight: Param,
@@ -69,14 +91,94 @@ impl Linear {
         self.deferred = split.then(|| Mutex::new(Vec::new()));
     }
 
-    /// `dW += dyᵀ·x` and `db += dyᵀ·1`.
-    fn weight_gradients(&self, dy: &Tensor, x: &Tensor, stream: &Stream) -> Result<()> {
+    /// `y = x·Wᵀ + b (+ residual)`: one GEMM, the residual added as its C.
+    pub fn forward_with(&self, x: &Tensor, residual: Option<&Tensor>, stream: &Stream) -> Result<Tensor> {
+        const OP: &str = "Linear::forward";
         let (i, o) = self.dims();
-        let n = dy.shape()[0];
-        matmul(Matmul { trans_a: true, beta: 1.0, ..Matmul::new(&self.weight.grad, dy, x, (o, i, n)) }, stream)?;
-        let ones = Tensor::uninit(&self.alloc, stream, &[n], dy.dtype())?;
-        elementwise::fill(ones.view()?, 1.0, stream)?;
-        matmul(Matmul { trans_a: true, beta: 1.0, ..Matmul::new(&self.bias.grad, dy, &ones, (o, 1, n)) }, stream)
+        let n = self.rows(OP, x, i)?;
+        if let Some(r) = residual {
+            r.expect_shape(OP, &[n, o])?;
+        }
+        let y = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
+        let gemm = Matmul {
+            fused: Fused::Bias(&self.bias.value),
+            addend: residual,
+            beta: if residual.is_some() { 1.0 } else { 0.0 },
+            trans_b: true,
+            ..Matmul::new(&y, x, &self.weight.value, (n, o, i))
+        };
+        matmul(gemm, stream)?;
+        Ok(y)
+    }
+
+    /// `(GELU(pre), pre)` with `pre = x·Wᵀ + b`: one GEMM, the GELU in its epilogue, `pre` kept
+    /// for [`Linear::data_grad_through_gelu`] of the next layer.
+    pub fn forward_gelu(&self, x: &Tensor, stream: &Stream) -> Result<(Tensor, Tensor)> {
+        let (i, o) = self.dims();
+        let n = self.rows("Linear::forward_gelu", x, i)?;
+        let act = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
+        let pre = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
+        let gemm = Matmul {
+            fused: Fused::BiasGeluAux { bias: &self.bias.value, aux: &pre },
+            trans_b: true,
+            ..Matmul::new(&act, x, &self.weight.value, (n, o, i))
+        };
+        matmul(gemm, stream)?;
+        Ok((act, pre))
+    }
+
+    /// `dx = dy·W`.
+    pub fn data_grad(&self, dy: &Tensor, stream: &Stream) -> Result<Tensor> {
+        let (i, o) = self.dims();
+        let n = self.rows("Linear::backward", dy, o)?;
+        let dx = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
+        matmul(Matmul::new(&dx, dy, &self.weight.value, (n, i, o)), stream)?;
+        Ok(dx)
+    }
+
+    /// `(dpre, db_prev)`: the gradient through this layer and the GELU before it,
+    /// `dpre = (dy·W) ⊙ GELU′(pre)`, and its column sums, the bias gradient of the layer that
+    /// computed `pre` (pass it to that layer as [`BiasGrad::Computed`]). One GEMM.
+    pub fn data_grad_through_gelu(&self, dy: &Tensor, pre: &Tensor, stream: &Stream) -> Result<(Tensor, Tensor)> {
+        let (i, o) = self.dims();
+        let n = self.rows("Linear::data_grad_through_gelu", dy, o)?;
+        let dpre = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
+        let db = Tensor::uninit(&self.alloc, stream, &[i], dy.dtype())?;
+        let gemm = Matmul {
+            fused: Fused::DGeluBGrad { aux: pre, bias_grad: &db },
+            ..Matmul::new(&dpre, dy, &self.weight.value, (n, i, o))
+        };
+        matmul(gemm, stream)?;
+        Ok((dpre, db))
+    }
+
+    /// `dW += dyᵀ·x` and the bias gradient as `bias` says, now or (with a split weight
+    /// gradient) at [`Module::backward_dw`].
+    pub fn weight_grads(&self, dy: &Tensor, x: &Tensor, bias: BiasGrad, stream: &Stream) -> Result<()> {
+        match &self.deferred {
+            Some(queue) => {
+                queue.lock().unwrap_or_else(PoisonError::into_inner).push((dy.clone(), x.clone(), bias));
+                Ok(())
+            }
+            None => self.weight_grads_now(dy, x, &bias, stream),
+        }
+    }
+
+    fn weight_grads_now(&self, dy: &Tensor, x: &Tensor, bias: &BiasGrad, stream: &Stream) -> Result<()> {
+        let (i, o) = self.dims();
+        let n = self.rows("Linear::weight_grads", dy, o)?;
+        self.rows("Linear::weight_grads", x, i)?;
+        let scratch = match bias {
+            BiasGrad::Compute => Some(Tensor::uninit(&self.alloc, stream, &[o], dy.dtype())?),
+            _ => None,
+        };
+        let fused = scratch.as_ref().map_or(Fused::None, |db| Fused::BGradA { bias_grad: db });
+        let gemm = Matmul { fused, trans_a: true, beta: 1.0, ..Matmul::new(&self.weight.grad, dy, x, (o, i, n)) };
+        matmul(gemm, stream)?;
+        match (bias, &scratch) {
+            (BiasGrad::Computed(db), _) | (BiasGrad::Compute, Some(db)) => accumulate(&self.bias.grad, db, stream),
+            _ => Ok(()),
+        }
     }
 
     fn dims(&self) -> (usize, usize) {
@@ -91,21 +193,17 @@ impl Linear {
     }
 }
 
+/// `dst += src`.
+fn accumulate(dst: &Tensor, src: &Tensor, stream: &Stream) -> Result<()> {
+    elementwise::axpy(dst.view()?, src.view()?, 1.0, stream)
+}
+
 impl Module for Linear {
     type Ctx = LinearCtx;
 
     fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, LinearCtx)> {
-        const OP: &str = "Linear::forward";
-        let (i, o) = self.dims();
-        let x = inputs.only(OP)?;
-        let n = self.rows(OP, x, i)?;
-        let y = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
-        let gemm = Matmul {
-            fused: Fused::Bias(&self.bias.value),
-            trans_b: true,
-            ..Matmul::new(&y, x, &self.weight.value, (n, o, i))
-        };
-        matmul(gemm, stream)?;
+        let x = inputs.only("Linear::forward")?;
+        let y = self.forward_with(x, None, stream)?;
         hook.open_group(&self.name)?;
         let input = hook.save("input", x.clone(), stream)?;
         hook.commit_group(&self.name)?;
@@ -113,27 +211,20 @@ impl Module for Linear {
     }
 
     fn backward(&self, ctx: LinearCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
-        const OP: &str = "Linear::backward";
-        let (i, o) = self.dims();
         let dy = grad_outputs.first().ok_or(Error::Shape {
-            op: OP,
+            op: "Linear::backward",
             expected: "one output gradient".into(),
             found: vec![],
         })?;
-        let n = self.rows(OP, dy, o)?;
-        let dx = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
-        matmul(Matmul::new(&dx, dy, &self.weight.value, (n, i, o)), stream)?;
-        match &self.deferred {
-            Some(queue) => queue.lock().unwrap_or_else(PoisonError::into_inner).push(((*dy).clone(), ctx.input)),
-            None => self.weight_gradients(dy, &ctx.input, stream)?,
-        }
+        let dx = self.data_grad(dy, stream)?;
+        self.weight_grads(dy, &ctx.input, BiasGrad::Compute, stream)?;
         Ok(vec![Some(dx)])
     }
 
     fn backward_dw(&self, stream: &Stream) -> Result<()> {
         let Some(queue) = &self.deferred else { return Ok(()) };
         let pending = std::mem::take(&mut *queue.lock().unwrap_or_else(PoisonError::into_inner));
-        pending.iter().try_for_each(|(dy, x)| self.weight_gradients(dy, x, stream))
+        pending.iter().try_for_each(|(dy, x, bias)| self.weight_grads_now(dy, x, bias, stream))
     }
 
     fn splits_dw(&self) -> bool {

@@ -1,31 +1,30 @@
 //! The feed-forward block of the benchmark layer: `FC2(GELU_tanh(FC1(x)))` with FC1: C → 4C and
-//! FC2: 4C → C. FC1's bias rides in its GEMM's epilogue, so the activation is the plain GELU and
-//! each bias gradient is accumulated once, by its [`Linear`].
+//! FC2: 4C → C, in two GEMMs forward (FC1's bias and the GELU in its epilogue, FC2's bias and an
+//! optional residual in its) and four backward (FC2's data gradient carries GELU's backward and
+//! FC1's bias gradient in its epilogue).
 
 use super::layernorm::{as_rows, single_input};
-use super::{input_grad, Inputs, Linear, LinearCtx, Module, Param, ParamStore, SaveHook};
+use super::{BiasGrad, Inputs, Linear, Module, Param, ParamStore, SaveHook};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
-use crate::ops::gelu;
 use crate::tensor::Tensor;
 use crate::Result;
 
 /// The MLP of a transformer layer over `(.., C)` inputs.
 pub struct Mlp {
     name: String,
-    alloc: CachingAllocator,
     /// `C → 4C`.
     pub fc1: Linear,
     /// `4C → C`.
     pub fc2: Linear,
 }
 
-/// What the forward saves: both layers' contexts and the pre-activation.
+/// What the forward saves: the input rows, the pre-activation and the activation.
 pub struct MlpCtx {
     shape: Vec<usize>,
-    fc1: LinearCtx,
+    x: Tensor,
     pre: Tensor,
-    fc2: LinearCtx,
+    act: Tensor,
 }
 
 impl Mlp {
@@ -45,11 +44,44 @@ impl Mlp {
     ) -> Result<Mlp> {
         let fc1 = Linear::new(store, alloc, &format!("{name}.fc1"), (dim, 4 * dim), seed, stream)?;
         let fc2 = Linear::new(store, alloc, &format!("{name}.fc2"), (4 * dim, dim), seed.wrapping_add(1), stream)?;
-        Ok(Mlp { name: name.to_string(), alloc: alloc.clone(), fc1, fc2 })
+        Ok(Mlp { name: name.to_string(), fc1, fc2 })
     }
 
     fn dim(&self) -> usize {
         self.fc2.weight.value.shape()[0]
+    }
+
+    /// `residual + MLP(x)` (just `MLP(x)` without a residual), the add in FC2's GEMM.
+    pub fn forward_residual(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        hook: &dyn SaveHook,
+        stream: &Stream,
+    ) -> Result<(Tensor, MlpCtx)> {
+        const OP: &str = "Mlp::forward";
+        let rows = as_rows(OP, x, self.dim())?;
+        let residual = residual.map(|r| as_rows(OP, r, self.dim())).transpose()?;
+        let (act, pre) = self.fc1.forward_gelu(&rows, stream)?;
+        let y = self.fc2.forward_with(&act, residual.as_ref(), stream)?;
+        hook.open_group(&self.name)?;
+        let saved = (hook.save("input", rows, stream)?, hook.save("pre", pre, stream)?, hook.save("act", act, stream)?);
+        hook.commit_group(&self.name)?;
+        let (x_saved, pre, act) = saved;
+        Ok((y.reshape(x.shape())?, MlpCtx { shape: x.shape().to_vec(), x: x_saved, pre, act }))
+    }
+
+    /// The input gradient from the output gradient `dy`; parameter gradients `+=`, FC2's bias
+    /// gradient as `fc2_bias` says (a LayerNorm backward that also reads `dy` can add it).
+    pub fn backward_with(&self, ctx: MlpCtx, dy: &Tensor, fc2_bias: BiasGrad, stream: &Stream) -> Result<Tensor> {
+        const OP: &str = "Mlp::backward";
+        dy.expect_shape(OP, &ctx.shape)?;
+        let dy = as_rows(OP, dy, self.dim())?;
+        let (dpre, db1) = self.fc2.data_grad_through_gelu(&dy, &ctx.pre, stream)?;
+        self.fc2.weight_grads(&dy, &ctx.act, fc2_bias, stream)?;
+        let dx = self.fc1.data_grad(&dpre, stream)?;
+        self.fc1.weight_grads(&dpre, &ctx.x, BiasGrad::Computed(db1), stream)?;
+        dx.reshape(&ctx.shape)
     }
 }
 
@@ -58,29 +90,13 @@ impl Module for Mlp {
 
     /// One contiguous input `(.., C)`, one output of its shape.
     fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, MlpCtx)> {
-        const OP: &str = "Mlp::forward";
-        let x = inputs.only(OP)?;
-        let rows = as_rows(OP, x, self.dim())?;
-        let (mut pre, fc1) = self.fc1.forward(&Inputs::one(&rows), hook, stream)?;
-        let pre = pre.remove(0);
-        let act = Tensor::uninit(&self.alloc, stream, pre.shape(), pre.dtype())?;
-        gelu::gelu_forward(&act, &pre, stream)?;
-        hook.open_group(&self.name)?;
-        let pre = hook.save("pre", pre, stream)?;
-        hook.commit_group(&self.name)?;
-        let (mut y, fc2) = self.fc2.forward(&Inputs::one(&act), hook, stream)?;
-        Ok((vec![y.remove(0).reshape(x.shape())?], MlpCtx { shape: x.shape().to_vec(), fc1, pre, fc2 }))
+        let (y, ctx) = self.forward_residual(inputs.only("Mlp::forward")?, None, hook, stream)?;
+        Ok((vec![y], ctx))
     }
 
     fn backward(&self, ctx: MlpCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
-        const OP: &str = "Mlp::backward";
-        let dy = single_input(OP, grad_outputs)?;
-        dy.expect_shape(OP, &ctx.shape)?;
-        let dact = input_grad(OP, self.fc2.backward(ctx.fc2, &[&as_rows(OP, dy, self.dim())?], stream)?)?;
-        let dpre = Tensor::uninit(&self.alloc, stream, dact.shape(), dact.dtype())?;
-        gelu::gelu_backward(&dpre, &ctx.pre, &dact, stream)?;
-        let dx = input_grad(OP, self.fc1.backward(ctx.fc1, &[&dpre], stream)?)?;
-        Ok(vec![Some(dx.reshape(&ctx.shape)?)])
+        let dy = single_input("Mlp::backward", grad_outputs)?;
+        Ok(vec![Some(self.backward_with(ctx, dy, BiasGrad::Compute, stream)?)])
     }
 
     fn parameters(&self) -> Vec<&Param> {

@@ -31,7 +31,7 @@ pub use embedding::Embedding;
 pub use gpt::{Gpt, GptConfig, GptCtx, HeadCtx};
 pub use inputs::{Input, Inputs};
 pub use layernorm::{LayerNorm, LayerNormCtx};
-pub use linear::{Linear, LinearCtx};
+pub use linear::{BiasGrad, Linear, LinearCtx};
 pub use lm_head::{LmHead, LmHeadCtx};
 pub use mlp::{Mlp, MlpCtx};
 pub use params::{Param, ParamStore};

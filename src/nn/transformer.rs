@@ -1,14 +1,16 @@
 //! One pre-LayerNorm GPT layer (the benchmark layer):
 //! `h = x + Drop(Attn(LN1(x)))`, `y = h + Drop(MLP(LN2(h)))`.
-//! The backward adds the gradient that reaches each residual stream through its branch to the
-//! one that skips it: `dh = dy + dLN2(h)`, `dx = dh + dLN1(x)`.
+//! When a dropout is the identity (p = 0 or evaluation), its residual add rides in the branch's
+//! last GEMM as its C. The backward adds the gradient that reaches each residual stream through
+//! its branch to the one that skips it: `dh = dy + dLN2(h)`, `dx = dh + dLN1(x)`.
 
 use super::attention::AttentionCtx;
 use super::dropout::DropoutCtx;
 use super::layernorm::{single_input, LayerNormCtx};
 use super::mlp::MlpCtx;
 use super::{
-    input_grad, CausalSelfAttention, Dropout, DropoutSpec, Inputs, LayerNorm, Mlp, Module, Param, ParamStore, SaveHook,
+    input_grad, BiasGrad, CausalSelfAttention, Dropout, DropoutSpec, Inputs, LayerNorm, Mlp, Module, Param, ParamStore,
+    SaveHook,
 };
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
@@ -86,6 +88,25 @@ impl TransformerLayer {
         residual_add(&out, a, b, stream)?;
         Ok(out)
     }
+
+    /// `x + drop(branch(..))`: `branch` adds `x` in its last GEMM when `drop` is the identity;
+    /// else the dropout runs on its output and a kernel adds `x`.
+    fn residual_branch<C>(
+        &self,
+        x: &Tensor,
+        drop: &Dropout,
+        hook: &dyn SaveHook,
+        stream: &Stream,
+        branch: impl FnOnce(Option<&Tensor>) -> Result<(Tensor, C)>,
+    ) -> Result<(Tensor, C, DropoutCtx)> {
+        if !drop.is_active() {
+            let (h, ctx) = branch(Some(x))?;
+            return Ok((h, ctx, DropoutCtx::identity()));
+        }
+        let (t, ctx) = branch(None)?;
+        let (t, drop_ctx) = only(drop.forward(&Inputs::one(&t), hook, stream)?);
+        Ok((self.add(x, &t, stream)?, ctx, drop_ctx))
+    }
 }
 
 /// The one output of a sub-module.
@@ -100,13 +121,11 @@ impl Module for TransformerLayer {
     fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, TransformerCtx)> {
         let x = inputs.only("TransformerLayer::forward")?;
         let (a, ln1) = only(self.ln1.forward(&Inputs::one(x), hook, stream)?);
-        let (a, attn) = only(self.attn.forward(&Inputs::one(&a), hook, stream)?);
-        let (a, drop1) = only(self.drop1.forward(&Inputs::one(&a), hook, stream)?);
-        let h = self.add(x, &a, stream)?;
+        let (h, attn, drop1) =
+            self.residual_branch(x, &self.drop1, hook, stream, |r| self.attn.forward_residual(&a, r, hook, stream))?;
         let (m, ln2) = only(self.ln2.forward(&Inputs::one(&h), hook, stream)?);
-        let (m, mlp) = only(self.mlp.forward(&Inputs::one(&m), hook, stream)?);
-        let (m, drop2) = only(self.drop2.forward(&Inputs::one(&m), hook, stream)?);
-        let y = self.add(&h, &m, stream)?;
+        let (y, mlp, drop2) =
+            self.residual_branch(&h, &self.drop2, hook, stream, |r| self.mlp.forward_residual(&m, r, hook, stream))?;
         Ok((vec![y], TransformerCtx { ln1, attn, drop1, ln2, mlp, drop2 }))
     }
 
@@ -114,11 +133,11 @@ impl Module for TransformerLayer {
         const OP: &str = "TransformerLayer::backward";
         let dy = single_input(OP, grad_outputs)?;
         let dm = input_grad(OP, self.drop2.backward(ctx.drop2, &[dy], stream)?)?;
-        let dm = input_grad(OP, self.mlp.backward(ctx.mlp, &[&dm], stream)?)?;
+        let dm = self.mlp.backward_with(ctx.mlp, &dm, BiasGrad::Compute, stream)?;
         let dm = input_grad(OP, self.ln2.backward(ctx.ln2, &[&dm], stream)?)?;
         let dh = self.add(dy, &dm, stream)?;
         let da = input_grad(OP, self.drop1.backward(ctx.drop1, &[&dh], stream)?)?;
-        let da = input_grad(OP, self.attn.backward(ctx.attn, &[&da], stream)?)?;
+        let da = self.attn.backward_with(ctx.attn, &da, BiasGrad::Compute, stream)?;
         let da = input_grad(OP, self.ln1.backward(ctx.ln1, &[&da], stream)?)?;
         Ok(vec![Some(self.add(&dh, &da, stream)?)])
     }
