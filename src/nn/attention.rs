@@ -1,6 +1,6 @@
 //! Causal multi-head self-attention, unfused as in the benchmark layer: a QKV projection; the
 //! heads of Q, K and V permuted from column blocks of the `(B·T, 3C)` activation into
-//! `(B, H, T, hd)` (`ops::heads`), so that one strided-batched GEMM covers every (batch element,
+//! `(B, H, T, hd)` in one launch (`ops::heads::split_qkv`), so that one strided-batched GEMM covers every (batch element,
 //! head) pair; `scores = Q·Kᵀ`, a causal softmax with scale 1/√head_dim, `att = probs·V`, permuted
 //! back into `(B·T, C)`; and the output projection. A call costs a fixed number of launches,
 //! whatever the batch.
@@ -124,12 +124,9 @@ impl Module for CausalSelfAttention {
         let (bt, c) = (d.batch * d.seq, d.heads * d.hd);
         let (mut qkv, qkv_ctx) = self.qkv.forward(&Inputs::one(&x.reshape(&[bt, c])?), hook, stream)?;
         let qkv = qkv.remove(0);
-        let heads = |part| -> Result<Tensor> {
-            let t = Tensor::uninit(&self.alloc, stream, &d.head_shape(), x.dtype())?;
-            heads::heads_from_rows(&t, &qkv, part, stream)?;
-            Ok(t)
-        };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let head = || Tensor::uninit(&self.alloc, stream, &d.head_shape(), x.dtype());
+        let (q, k, v) = (head()?, head()?, head()?);
+        heads::split_qkv(&q, &k, &v, &qkv, stream)?;
         let tt = [d.batch, d.heads, d.seq, d.seq];
         let (scores, probs) = (
             Tensor::uninit(&self.alloc, stream, &tt, x.dtype())?,
@@ -174,9 +171,7 @@ impl Module for CausalSelfAttention {
         batched(stream, (&dq, &dscores, k), (t, hd, t), pairs, (false, false))?;
         batched(stream, (&dk, &dscores, q), (t, hd, t), pairs, (true, false))?;
         let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dy.dtype())?;
-        for (part, g) in [&dq, &dk, &dv].into_iter().enumerate() {
-            heads::rows_from_heads(&dqkv, part, g, stream)?;
-        }
+        heads::merge_qkv(&dqkv, &dq, &dk, &dv, stream)?;
         let dx = input_grad(OP, self.qkv.backward(ctx.qkv_ctx, &[&dqkv], stream)?)?;
         Ok(vec![Some(dx.reshape(&[d.batch, d.seq, c])?)])
     }

@@ -75,7 +75,7 @@ impl Linear {
         let n = dy.shape()[0];
         matmul(Matmul { trans_a: true, beta: 1.0, ..Matmul::new(&self.weight.grad, dy, x, (o, i, n)) }, stream)?;
         let ones = Tensor::uninit(&self.alloc, stream, &[n], dy.dtype())?;
-        elementwise::fill(ones.view()?, 1.0, stream)?;
+        crate::ops::with_float!("Linear::backward", dy.dtype(), T => elementwise::fill(ones.view::<T>()?, 1.0, stream))?;
         matmul(Matmul { trans_a: true, beta: 1.0, ..Matmul::new(&self.bias.grad, dy, &ones, (o, 1, n)) }, stream)
     }
 
