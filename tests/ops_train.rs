@@ -285,13 +285,13 @@ fn adamw_matches_pytorch_over_three_replays_of_one_graph(dev: &Device) -> Result
     let (lr, t) = (env.zeros::<f32>(&[1])?, env.zeros::<u64>(&[1])?);
     let cap = env.s.capture(CaptureMode::ThreadLocal)?;
     rng::step_add(&t, 1, &env.s)?;
-    adamw::adamw_step(&params, &grads, &m, &v, &lr, &t, &hyper, &env.s)?;
+    adamw::adamw_step(&params, None, &grads, &m, &v, &lr, &t, &hyper, &env.s)?;
     let exec = cap.finish()?.instantiate()?;
     let (mut p_ref, mut m_ref, mut v_ref) = (widen(&p0), vec![0.0; n], vec![0.0; n]);
     for (step, rate) in [(1, 1e-2f32), (2, 5e-3), (3, 2e-3)] {
         let g = lcg.vec(n, 0.5);
         grads.buffer("test")?.write_from(&env.s, &g)?;
-        elementwise::fill(lr.view()?, rate, &env.s)?;
+        elementwise::fill(lr.view::<f32>()?, rate, &env.s)?;
         exec.launch(&env.s)?;
         adamw_f64(&mut p_ref, &mut m_ref, &mut v_ref, &g, f64::from(rate), step, &hyper);
         ensure!(t.to_vec::<u64>(&env.s)? == vec![step as u64], "the graph advances t");
@@ -427,7 +427,7 @@ fn casts_are_bitwise_equal_to_half(dev: &Device) -> Result {
     let mut lcg = Lcg(8);
     let x: Vec<f32> = special.iter().copied().chain((0..4096).map(|_| lcg.next_u32())).map(f32::from_bits).collect();
     let (inp, half_out) = (env.put(&x, &[x.len()])?, env.zeros::<bf16>(&[x.len()])?);
-    cast::cast_f32_to_bf16(&half_out, &inp, &env.s)?;
+    cast::cast(&half_out, &inp, &env.s)?;
     for (i, (got, &x)) in half_out.to_vec::<bf16>(&env.s)?.iter().zip(&x).enumerate() {
         let want = bf16::from_f32(x);
         ensure!(
@@ -441,8 +441,8 @@ fn casts_are_bitwise_equal_to_half(dev: &Device) -> Result {
     let every: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
     let (h, wide, back) =
         (env.put(&every, &[every.len()])?, env.zeros::<f32>(&[every.len()])?, env.zeros::<bf16>(&[every.len()])?);
-    cast::cast_bf16_to_f32(&wide, &h, &env.s)?;
-    cast::cast_f32_to_bf16(&back, &wide, &env.s)?;
+    cast::cast(&wide, &h, &env.s)?;
+    cast::cast(&back, &wide, &env.s)?;
     let (wide, back) = (wide.to_vec::<f32>(&env.s)?, back.to_vec::<bf16>(&env.s)?);
     for (i, h) in every.iter().enumerate() {
         ensure!(wide[i].to_bits() == h.to_f32().to_bits(), "to f32 of {:#06x}", h.to_bits());
@@ -501,15 +501,15 @@ fn bad_shapes_are_refused(dev: &Device) -> Result {
     expect_shape("dout", embedding::embedding_backward(&wte, &wpe, &f(&[2, 5, 8])?, &tokens, s))?;
     let (p, lr, t) = (f(&[10])?, f(&[1])?, env.zeros::<u64>(&[1])?);
     let h = adamw::AdamWHyper::default();
-    expect_shape("m", adamw::adamw_step(&p, &p, &f(&[9])?, &p, &lr, &t, &h, s))?;
-    expect_shape("lr", adamw::adamw_step(&p, &p, &p, &p, &f(&[2])?, &t, &h, s))?;
-    expect_shape("t", adamw::adamw_step(&p, &p, &p, &p, &lr, &env.zeros::<u64>(&[2])?, &h, s))?;
+    expect_shape("m", adamw::adamw_step(&p, None, &p, &f(&[9])?, &p, &lr, &t, &h, s))?;
+    expect_shape("lr", adamw::adamw_step(&p, None, &p, &p, &p, &f(&[2])?, &t, &h, s))?;
+    expect_shape("t", adamw::adamw_step(&p, None, &p, &p, &p, &lr, &env.zeros::<u64>(&[2])?, &h, s))?;
     let mask = env.zeros::<u8>(&[10])?;
     expect_shape("mask", dropout::dropout_forward(&p, &env.zeros::<u8>(&[11])?, &p, 0.5, 1, 0, &t, s))?;
     expect_shape("step", dropout::dropout_forward(&p, &mask, &p, 0.5, 1, 0, &env.zeros::<u64>(&[2])?, s))?;
     expect_shape("dinp", dropout::dropout_backward(&f(&[2, 5])?, &p, &mask, 0.5, s))?;
     expect_shape("step_write", rng::step_write(&env.zeros::<u64>(&[2])?, 1, s))?;
-    expect_shape("cast", cast::cast_f32_to_bf16(&env.zeros::<bf16>(&[2, 5])?, &p, s))?;
+    expect_shape("cast", cast::cast(&env.zeros::<bf16>(&[2, 5])?, &p, s))?;
     expect_shape("residual", cast::residual_add(&p, &p, &f(&[2, 5])?, s))?;
     let r = dropout::dropout_forward(&p, &mask, &p, 1.0, 1, 0, &t, s);
     ensure!(matches!(r, Err(Error::Unsupported { .. })), "p = 1: {r:?}");
@@ -537,7 +537,7 @@ fn schedule_follows_the_host_formula_in_a_graph(dev: &Device) -> Result {
     let graph = make_graphed_fn(&env.alloc, |s| opt.step(s))?;
     ensure!(opt.steps(&env.s)? == 0, "capturing the step ran it");
     for step in 0..12u64 {
-        elementwise::fill(p.grad.view()?, 0.25, &env.s)?;
+        elementwise::fill(p.grad.view::<f32>()?, 0.25, &env.s)?;
         graph.replay(&env.s)?;
         ensure!(opt.steps(&env.s)? == step + 1, "step {step}: the counter");
         let (got, want) = (opt.learning_rate(&env.s)?, schedule.rate(step));

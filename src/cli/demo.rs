@@ -28,9 +28,9 @@ impl Module for Affine {
     fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor>, ())> {
         let x = inputs.only("Affine::forward")?;
         let y = Tensor::uninit(&self.alloc, s, x.shape(), x.dtype())?;
-        elementwise::scale(y.view()?, x.view()?, self.k, s)?;
-        elementwise::axpy(y.view()?, x.view()?, 0.5, s)?;
-        elementwise::add_scalar(y.view()?, self.b, s)?;
+        elementwise::scale(y.view::<f32>()?, x.view()?, self.k, s)?;
+        elementwise::axpy(y.view::<f32>()?, x.view()?, 0.5, s)?;
+        elementwise::add_scalar(y.view::<f32>()?, self.b, s)?;
         Ok((vec![y], ()))
     }
 
@@ -38,7 +38,7 @@ impl Module for Affine {
         let dy =
             dys.first().ok_or(graphed::Error::MissingGradient { op: "Affine::backward", what: "output 0".into() })?;
         let dx = Tensor::uninit(&self.alloc, s, dy.shape(), dy.dtype())?;
-        elementwise::scale(dx.view()?, dy.view()?, self.k + 0.5, s)?;
+        elementwise::scale(dx.view::<f32>()?, dy.view()?, self.k + 0.5, s)?;
         Ok(vec![Some(dx)])
     }
 

@@ -28,7 +28,7 @@ pub struct GraphedFn {
 /// let s = dev.stream()?;
 /// let alloc = CachingAllocator::new(&dev);
 /// let x = Tensor::from_host(&alloc, &s, &[1.0f32, 2.0], &[2])?;
-/// let double = make_graphed_fn(&alloc, |c| elementwise::scale(x.view()?, x.view()?, 2.0, c))?;
+/// let double = make_graphed_fn(&alloc, |c| elementwise::scale(x.view::<f32>()?, x.view()?, 2.0, c))?;
 /// double.replay(&s)?;
 /// double.replay(&s)?;
 /// assert_eq!(x.to_vec::<f32>(&s)?, vec![4.0, 8.0]);

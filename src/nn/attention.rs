@@ -1,6 +1,6 @@
 //! Causal multi-head self-attention, unfused as in the benchmark layer: a QKV projection; the
 //! heads of Q, K and V permuted from column blocks of the `(B·T, 3C)` activation into
-//! `(B, H, T, hd)` (`ops::heads`), so that one strided-batched GEMM covers every (batch element,
+//! `(B, H, T, hd)` in one launch (`ops::heads::split_qkv`), so that one strided-batched GEMM covers every (batch element,
 //! head) pair; `scores = Q·Kᵀ`, a causal softmax with scale 1/√head_dim, `att = probs·V`, permuted
 //! back into `(B·T, C)`; and the output projection, which can add a residual in its GEMM. The
 //! 1/√head_dim scale rides in the score GEMM's alpha (and the gradient GEMMs'), so the softmax
@@ -132,12 +132,9 @@ impl CausalSelfAttention {
         }
         let rows = x.reshape(&[bt, c])?;
         let qkv = self.qkv.forward_with(&rows, None, stream)?;
-        let heads = |part| -> Result<Tensor> {
-            let t = Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype)?;
-            heads::heads_from_rows(&t, &qkv, part, stream)?;
-            Ok(t)
-        };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let head = || Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype);
+        let (q, k, v) = (head()?, head()?, head()?);
+        heads::split_qkv(&q, &k, &v, &qkv, stream)?;
         let tt = [d.batch, d.heads, d.seq, d.seq];
         let (scores, probs) =
             (Tensor::uninit(&self.alloc, stream, &tt, dtype)?, Tensor::uninit(&self.alloc, stream, &tt, dtype)?);
@@ -189,9 +186,7 @@ impl CausalSelfAttention {
         batched(stream, (&dq, &dscores, k), (t, hd, t), (pairs, scale), (false, false))?;
         batched(stream, (&dk, &dscores, q), (t, hd, t), (pairs, scale), (true, false))?;
         let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dtype)?;
-        for (part, g) in [&dq, &dk, &dv].into_iter().enumerate() {
-            heads::rows_from_heads(&dqkv, part, g, stream)?;
-        }
+        heads::merge_qkv(&dqkv, &dq, &dk, &dv, stream)?;
         let dx = self.qkv.data_grad(&dqkv, stream)?;
         self.qkv.weight_grads(&dqkv, &ctx.x, BiasGrad::Compute, stream)?;
         dx.reshape(&[d.batch, d.seq, c])

@@ -176,7 +176,9 @@ impl Linear {
         let gemm = Matmul { fused, trans_a: true, beta: 1.0, ..Matmul::new(&self.weight.grad, dy, x, (o, i, n)) };
         matmul(gemm, stream)?;
         match (bias, &scratch) {
-            (BiasGrad::Computed(db), _) | (BiasGrad::Compute, Some(db)) => accumulate(&self.bias.grad, db, stream),
+            (BiasGrad::Computed(db), _) | (BiasGrad::Compute, Some(db)) => {
+                elementwise::accumulate(&self.bias.grad, db, stream)
+            }
             _ => Ok(()),
         }
     }
@@ -191,11 +193,6 @@ impl Linear {
             other => Err(Error::Shape { op, expected: format!("(n, {cols})"), found: other.to_vec() }),
         }
     }
-}
-
-/// `dst += src`.
-fn accumulate(dst: &Tensor, src: &Tensor, stream: &Stream) -> Result<()> {
-    elementwise::axpy(dst.view()?, src.view()?, 1.0, stream)
 }
 
 impl Module for Linear {

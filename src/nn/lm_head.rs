@@ -19,9 +19,11 @@ pub struct LmHead {
 /// What the forward saves.
 pub struct LmHeadCtx {
     linear: LinearCtx,
-    /// `(N, vocab)` softmax of the logits.
+    /// `(N, vocab)` softmax of the logits, f32.
     pub probs: Tensor,
     targets: Tensor,
+    /// The logits' element type, which their gradient takes.
+    dtype: DType,
 }
 
 impl LmHead {
@@ -48,14 +50,15 @@ impl LmHead {
         let logits = logits.remove(0);
         let n = logits.shape()[0];
         let losses = Tensor::uninit(&self.alloc, stream, &[n], DType::F32)?;
-        let probs = Tensor::uninit(&self.alloc, stream, logits.shape(), logits.dtype())?;
+        // f32 whatever the logits' type: see `ops::loss::cross_entropy_forward`.
+        let probs = Tensor::uninit(&self.alloc, stream, logits.shape(), DType::F32)?;
         cross_entropy_forward(&losses, &probs, &logits, targets, stream)?;
-        Ok((losses, LmHeadCtx { linear, probs, targets: targets.clone() }))
+        Ok((losses, LmHeadCtx { linear, probs, targets: targets.clone(), dtype: logits.dtype() }))
     }
 
     /// The gradient of `Σ dlosses ⊙ losses` with respect to `x` (parameter gradients `+=`).
     pub fn backward(&self, ctx: LmHeadCtx, dlosses: &Tensor, stream: &Stream) -> Result<Tensor> {
-        let dlogits = Tensor::uninit(&self.alloc, stream, ctx.probs.shape(), ctx.probs.dtype())?;
+        let dlogits = Tensor::uninit(&self.alloc, stream, ctx.probs.shape(), ctx.dtype)?;
         cross_entropy_backward(&dlogits, &ctx.probs, &ctx.targets, dlosses, stream)?;
         input_grad("LmHead::backward", self.proj.backward(ctx.linear, &[&dlogits], stream)?)
     }

@@ -17,42 +17,49 @@ pub struct Param {
 }
 
 /// All parameters of a model in one flat buffer (and their gradients in another), so that the
-/// optimizer touches every parameter in one launch.
+/// optimizer touches every parameter in one launch. Values and gradients are f32 ([`new`]) or
+/// bf16 ([`with_dtype`]: mixed precision, where an optimizer keeps f32 master weights).
+///
+/// [`new`]: ParamStore::new
+/// [`with_dtype`]: ParamStore::with_dtype
 pub struct ParamStore {
     alloc: CachingAllocator,
     values: Tensor,
     grads: Tensor,
     used: usize,
+    /// For a bf16 store: every added parameter's f32 initial values (host memory, in the store's
+    /// layout), from which [`master_values`](ParamStore::master_values) starts an optimizer's f32
+    /// master copy instead of from their bf16 rounding. Empty for an f32 store.
+    initial: Vec<f32>,
 }
 
 impl ParamStore {
-    /// Room for `capacity` parameters (elements), zeroed, with zeroed gradients. Each module
+    /// Room for `capacity` f32 parameters (elements), zeroed, with zeroed gradients. Each module
     /// says how many it adds (`TransformerLayer::parameter_count(dim)`, ...): sum those.
     pub fn new(alloc: &CachingAllocator, stream: &Stream, capacity: usize) -> Result<ParamStore> {
         ParamStore::with_dtype(alloc, stream, capacity, DType::F32)
     }
 
-    /// As [`ParamStore::new`], with values and gradients of `dtype` (f32 or bf16): the weights
-    /// the modules compute with. An optimizer keeps its own f32 master copy of bf16 weights.
+    /// As [`new`](ParamStore::new), with values and gradients of `dtype`, f32 or bf16.
     ///
     /// # Errors
-    /// [`Error::UnsupportedDType`] for a type other than f32 and bf16.
+    /// [`Error::UnsupportedDType`] for another element type.
     pub fn with_dtype(alloc: &CachingAllocator, stream: &Stream, capacity: usize, dtype: DType) -> Result<ParamStore> {
         if !matches!(dtype, DType::F32 | DType::BF16) {
             return Err(Error::UnsupportedDType { op: "ParamStore::with_dtype", dtype, supported: "f32 or bf16" });
         }
-        let values = Tensor::zeros(alloc, stream, &[capacity], dtype)?;
-        let grads = Tensor::zeros(alloc, stream, &[capacity], dtype)?;
-        Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0 })
+        let (values, grads) =
+            (Tensor::zeros(alloc, stream, &[capacity], dtype)?, Tensor::zeros(alloc, stream, &[capacity], dtype)?);
+        Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0, initial: Vec::new() })
     }
 
-    /// The element type of the values and gradients.
+    /// The element type of values and gradients.
     pub fn dtype(&self) -> DType {
         self.values.dtype()
     }
 
-    /// A new parameter of `shape`, set to `init` (row-major, rounded to nearest even for bf16)
-    /// after the work queued on `stream`.
+    /// A new parameter of `shape`, set to `init` (row-major; rounded to nearest even in a bf16
+    /// store) after the work queued on `stream`.
     pub fn add(&mut self, name: &str, shape: &[usize], init: &[f32], stream: &Stream) -> Result<Param> {
         let n: usize = shape.iter().product();
         if init.len() != n {
@@ -74,9 +81,12 @@ impl ParamStore {
         }
         let value = self.values.narrow(0, self.used, n)?.reshape(shape)?;
         let grad = self.grads.narrow(0, self.used, n)?.reshape(shape)?;
+        let staging = Tensor::from_host(&self.alloc, stream, init, &[n])?;
+        crate::ops::cast::cast(&value.reshape(&[n])?, &staging, stream)?;
+        if self.dtype() != DType::F32 {
+            self.initial.extend_from_slice(init);
+        }
         self.used += n;
-        let staging = Tensor::from_f32(&self.alloc, stream, init, &[n], self.dtype())?;
-        value.reshape(&[n])?.copy_from(&staging, stream)?;
         Ok(Param { name: name.to_string(), value, grad })
     }
 
@@ -88,6 +98,19 @@ impl ParamStore {
     /// Every gradient, as one flat tensor (the used part).
     pub fn grads(&self) -> Result<Tensor> {
         self.grads.narrow(0, 0, self.used)
+    }
+
+    /// The f32 values an optimizer's master copy of every parameter starts from, read after the
+    /// work queued on `stream` (blocking): an f32 store's values; in a bf16 store, each
+    /// parameter's f32 initial value where its bf16 value is still the rounding of it, and the
+    /// bf16 value widened where it was written since (a checkpoint loaded, a step taken).
+    pub fn master_values(&self, stream: &Stream) -> Result<Vec<f32>> {
+        let values = self.values()?.to_f32_vec(stream)?;
+        if self.dtype() == DType::F32 {
+            return Ok(values);
+        }
+        let rounded = |x: f32| half::bf16::from_f32(x).to_f32().to_bits();
+        Ok(values.iter().zip(&self.initial).map(|(&v, &x)| if rounded(x) == v.to_bits() { x } else { v }).collect())
     }
 }
 

@@ -1,6 +1,8 @@
 //! AdamW (PyTorch's `torch.optim.AdamW`: decoupled weight decay) over all parameters in one
-//! launch: parameters, gradients and both moments each live in one flat f32 buffer, as in llm.c.
-//! The CPU path sits beside the CUDA entry point in `adamw.cu`.
+//! launch: parameters, gradients and both moments each live in one flat buffer, as in llm.c. The
+//! master weights and moments are f32; the gradients have the model's type, f32 or bf16, and for
+//! a bf16 model the launch also writes its bf16 weights from the updated master weights (mixed
+//! precision). One CUDA template in `adamw.cu`, one generic CPU path here.
 //!
 //! The learning rate and the step count t are read from device memory, not passed as scalars
 //! (which a captured graph would freeze): write the `lr` tensor (e.g. with
@@ -21,22 +23,24 @@
 //! let grads = Tensor::from_host(&alloc, &s, &[0.5f32, -0.5], &[2])?;
 //! let (m, v) = (Tensor::zeros(&alloc, &s, &[2], graphed::device::DType::F32)?, Tensor::zeros(&alloc, &s, &[2], graphed::device::DType::F32)?);
 //! let (lr, t) = (Tensor::zeros(&alloc, &s, &[1], graphed::device::DType::F32)?, Tensor::zeros(&alloc, &s, &[1], graphed::device::DType::U64)?);
-//! elementwise::fill(lr.view()?, 0.1, &s)?;
+//! elementwise::fill(lr.view::<f32>()?, 0.1, &s)?;
 //! rng::step_add(&t, 1, &s)?;
 //! let hyper = adamw::AdamWHyper { weight_decay: 0.0, ..adamw::AdamWHyper::default() };
-//! adamw::adamw_step(&params, &grads, &m, &v, &lr, &t, &hyper, &s)?;
+//! adamw::adamw_step(&params, None, &grads, &m, &v, &lr, &t, &hyper, &s)?;
 //! let p = params.to_vec::<f32>(&s)?; // the first step moves each parameter by about lr against its gradient
 //! assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] + 0.9).abs() < 1e-6);
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use super::dense;
+use half::bf16;
+
 use super::rng;
-use crate::device::{args, CpuArgs, In, InOut, Kernel, LaunchDims, Stream};
+use super::{dense, stride_dims};
+use crate::device::{args, CpuArgs, DType, Float, In, InOut, Kernel, Out, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-const SOURCE: &str = include_str!("adamw.cu");
+const SOURCE: &str = concat!(include_str!("float.cu"), include_str!("adamw.cu"));
 
 /// AdamW's hyperparameters other than the learning rate (which lives on the device).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,19 +62,29 @@ impl Default for AdamWHyper {
     }
 }
 
-/// One AdamW step of every parameter.
-pub static ADAMW: Kernel = Kernel {
-    name: "adamw_f32",
+const F32_PARAMS: [&str; 11] =
+    ["params", "m", "v", "grads", "lr", "step", "beta1", "beta2", "eps", "weight_decay", "n"];
+
+/// One AdamW step of every parameter of an f32 model (its weights are the master weights).
+pub static ADAMW: Kernel =
+    Kernel { name: "adamw_f32", source: SOURCE, params: &F32_PARAMS, cpu: adamw_cpu::<f32>, strided: false };
+
+/// One AdamW step of every parameter of a bf16 model: the f32 master weights updated from bf16
+/// gradients, and the model's bf16 weights rewritten as the rounding of the new master weights.
+pub static ADAMW_BF16: Kernel = Kernel {
+    name: "adamw_bf16",
     source: SOURCE,
-    params: &["params", "m", "v", "grads", "lr", "step", "beta1", "beta2", "eps", "weight_decay", "n"],
-    cpu: adamw_cpu,
+    params: &["params", "weights", "m", "v", "grads", "lr", "step", "beta1", "beta2", "eps", "weight_decay", "n"],
+    cpu: adamw_cpu::<bf16>,
     strided: false,
 };
 
-fn adamw_cpu(a: &CpuArgs) -> Result<()> {
-    let (grads, lr, step) = (a.input::<f32>("grads")?, a.input::<f32>("lr")?, rng::step_of(a, "step")?);
+/// The update of the model type `M`'s weights: f32 (no copy to write) or bf16.
+fn adamw_cpu<M: Float>(a: &CpuArgs) -> Result<()> {
+    let (grads, lr, step) = (a.input::<M>("grads")?, a.input::<f32>("lr")?, rng::step_of(a, "step")?);
     let (beta1, beta2, eps, weight_decay) = (a.f32("beta1")?, a.f32("beta2")?, a.f32("eps")?, a.f32("weight_decay")?);
     let (mut params, mut m, mut v) = (a.output::<f32>("params")?, a.output::<f32>("m")?, a.output::<f32>("v")?);
+    let mut weights = if M::DTYPE == DType::F32 { None } else { Some(a.output::<M>("weights")?) };
     let rate = lr.first().copied().ok_or_else(|| Error::KernelArg {
         kernel: a.kernel.name,
         param: "lr".into(),
@@ -81,26 +95,40 @@ fn adamw_cpu(a: &CpuArgs) -> Result<()> {
     let bias1 = 1.0 - beta1.powf(t);
     let bias2_sqrt = (1.0 - beta2.powf(t)).sqrt();
     let all = params.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(grads.iter());
-    for (((p, m), v), &g) in all {
+    for (i, (((p, m), v), g)) in all.enumerate() {
+        let g = g.to_f32();
         *m += (1.0 - beta1) * (g - *m);
         *v = beta2 * *v + (1.0 - beta2) * g * g;
         let denom = v.sqrt() / bias2_sqrt + eps;
         *p = *p * (1.0 - rate * weight_decay) - (rate / bias1) * (*m / denom);
+        if let Some(w) = weights.as_mut() {
+            w[i] = M::from_f32(*p);
+        }
     }
     Ok(())
 }
 
-/// One AdamW step: updates `params`, `m` and `v` (moments, zero before the first step) from
-/// `grads`, all contiguous with equal element counts; `lr` is a one-element f32 tensor and `t`
-/// a one-element step counter holding this step's 1-based number (0 would divide by a zero bias
-/// correction: advance it before the step).
+/// One AdamW step: updates the f32 master weights `params` and the f32 moments `m` and `v`
+/// (zero before the first step) from `grads`, all contiguous with equal element counts; `lr` is
+/// a one-element f32 tensor and `t` a one-element step counter holding this step's 1-based
+/// number (0 would divide by a zero bias correction: advance it before the step).
+///
+/// The gradients have the model's element type. For an f32 model, pass `weights: None`: `params`
+/// are its weights and `grads` are f32. For a bf16 model (mixed precision), `params` is its f32
+/// master copy, `grads` are bf16, and `weights` its bf16 weights, which the same launch sets to
+/// `bf16(params)` after the update (round to nearest even), so they always equal the rounded
+/// master weights bitwise.
 ///
 /// # Errors
-/// [`Error::Shape`] for unequal element counts or an `lr` or `t` that is not one element;
-/// [`Error::NotContiguous`] for a strided tensor.
+/// [`Error::DTypeMismatch`] for `params`, `m`, `v` or `lr` not f32, or gradients not of the
+/// weights' type (f32 without `weights`); [`Error::UnsupportedDType`] for `weights` not bf16 or
+/// gradients neither f32 nor bf16; [`Error::Shape`] for unequal element counts or an `lr` or `t`
+/// that is not one element; [`Error::NotContiguous`] for a strided tensor; all before anything is
+/// enqueued.
 #[allow(clippy::too_many_arguments)] // llm.c's order: parameter buffers, device scalars, hyperparameters, stream
 pub fn adamw_step(
     params: &Tensor,
+    weights: Option<&Tensor>,
     grads: &Tensor,
     m: &Tensor,
     v: &Tensor,
@@ -110,8 +138,26 @@ pub fn adamw_step(
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "adamw_step";
+    for f in [params, m, v, lr] {
+        f.expect_dtype(OP, DType::F32)?;
+    }
+    let model = match weights {
+        None => DType::F32,
+        Some(w) if w.dtype() == DType::BF16 => DType::BF16,
+        Some(w) => {
+            return Err(Error::UnsupportedDType {
+                op: OP,
+                dtype: w.dtype(),
+                supported: "bf16 model weights (an f32 model's weights are the params themselves: pass None)",
+            })
+        }
+    };
+    if !matches!(grads.dtype(), DType::F32 | DType::BF16) {
+        return Err(Error::UnsupportedDType { op: OP, dtype: grads.dtype(), supported: super::FLOATS });
+    }
+    grads.expect_dtype(OP, model)?;
     let len = params.numel();
-    for other in [grads, m, v] {
+    for other in [Some(grads), Some(m), Some(v), weights].into_iter().flatten() {
         if other.numel() != len {
             return Err(Error::Shape {
                 op: OP,
@@ -132,25 +178,44 @@ pub fn adamw_step(
         backend: "any",
         why: "2^32 parameters or more are not supported by this kernel; step them in slices",
     })?;
-    if len == 0 {
-        return Ok(());
-    }
+    let (p, mm, vv, rate, step) = (
+        dense::<f32>(OP, params)?,
+        dense::<f32>(OP, m)?,
+        dense::<f32>(OP, v)?,
+        dense::<f32>(OP, lr)?,
+        rng::step_view(OP, t)?,
+    );
     let AdamWHyper { beta1, beta2, eps, weight_decay } = *hyper;
-    stream.launch(
-        &ADAMW,
-        LaunchDims::for_elems(len),
-        &args![
-            InOut(dense::<f32>(OP, params)?),
-            InOut(dense::<f32>(OP, m)?),
-            InOut(dense::<f32>(OP, v)?),
-            In(dense::<f32>(OP, grads)?),
-            In(dense::<f32>(OP, lr)?),
-            In(rng::step_view(OP, t)?),
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            n
-        ],
-    )
+    match weights {
+        None => {
+            let g = dense::<f32>(OP, grads)?;
+            if len == 0 {
+                return Ok(());
+            }
+            let list =
+                args![InOut(p), InOut(mm), InOut(vv), In(g), In(rate), In(step), beta1, beta2, eps, weight_decay, n];
+            stream.launch(&ADAMW, stride_dims(len), &list)
+        }
+        Some(w) => {
+            let (w, g) = (dense::<bf16>(OP, w)?, dense::<bf16>(OP, grads)?);
+            if len == 0 {
+                return Ok(());
+            }
+            let list = args![
+                InOut(p),
+                Out(w),
+                InOut(mm),
+                InOut(vv),
+                In(g),
+                In(rate),
+                In(step),
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                n
+            ];
+            stream.launch(&ADAMW_BF16, stride_dims(len), &list)
+        }
+    }
 }

@@ -1,33 +1,22 @@
-// Casts between f32 and bf16, and the residual add. One thread per element, no reductions.
-// bf16 is handled as its bits (unsigned short; NVRTC has no cuda_bf16.h without headers) and
-// f32 as unsigned where only bits move, with the same integer rules as half::bf16, so casts are
-// bitwise equal to the CPU paths in cast.rs.
+// Casts between f32 and bf16, and the residual add, on float.cu's conversions (prepended):
+// elementwise, no reductions, so results are bitwise equal to the CPU paths in cast.rs (casts
+// are exactly half::bf16's from_f32 and to_f32; the add is one f32 add rounded once).
 
-// Round to nearest, ties to even; NaNs stay NaN (quiet bit set), as half::bf16::from_f32.
-extern "C" __global__ void cast_f32_to_bf16(unsigned short* out, const unsigned* inp, unsigned n) {
-    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    unsigned x = inp[i];
-    unsigned short r;
-    if ((x & 0x7fffffffu) > 0x7f800000u) {
-        r = (unsigned short)((x >> 16) | 0x0040u);
-    } else {
-        // Round up when the dropped half is above 0x8000, or exactly 0x8000 with an odd result.
-        bool up = (x & 0x8000u) != 0 && (x & 0x17fffu) != 0;
-        r = (unsigned short)((x >> 16) + (up ? 1u : 0u));
-    }
-    out[i] = r;
+// out = O(inp), eight elements (one or two 16-byte accesses per side) per chunk.
+template <typename O, typename I> __device__ void cast(O* out, const I* inp, unsigned n) {
+    map1<8>(out, inp, n, [](float v) { return v; });
 }
 
-// Exact; NaNs get the quiet bit, as half::bf16::to_f32.
-extern "C" __global__ void cast_bf16_to_f32(unsigned* out, const unsigned short* inp, unsigned n) {
-    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    unsigned h = inp[i];
-    out[i] = ((h & 0x7fffu) > 0x7f80u ? (h | 0x0040u) : h) << 16;
+extern "C" __global__ void cast_f32_to_bf16(bf16* out, const float* inp, unsigned n) { cast(out, inp, n); }
+extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16* inp, unsigned n) { cast(out, inp, n); }
+
+template <typename T> __device__ void residual_add(T* out, const T* a, const T* b, unsigned n) {
+    map2<Lanes<T>::N>(out, a, b, n, [](float x, float y) { return x + y; });
 }
 
 extern "C" __global__ void residual_add_f32(float* out, const float* a, const float* b, unsigned n) {
-    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = a[i] + b[i];
+    residual_add(out, a, b, n);
+}
+extern "C" __global__ void residual_add_bf16(bf16* out, const bf16* a, const bf16* b, unsigned n) {
+    residual_add(out, a, b, n);
 }

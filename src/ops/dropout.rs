@@ -1,7 +1,9 @@
 //! Inverted dropout with graph-safe randomness (Note [Graph-safe RNG] in `rng.rs`): the forward
 //! keeps each element with probability 1 − p, scales kept ones by 1/(1 − p) and saves the mask
-//! (`u8`: 1 kept, 0 dropped) for the backward. Its CUDA entry points in `dropout.cu` are compiled
-//! after `rng.cu`, whose Philox they call. Masks and outputs are bitwise equal on both devices.
+//! (`u8`: 1 kept, 0 dropped) for the backward, on f32 or bf16 activations (one CUDA template and
+//! one generic CPU path; kept values are scaled in f32 and rounded once). Its CUDA entry points in
+//! `dropout.cu` are compiled after `rng.cu`, whose Philox they call. Masks and outputs are bitwise
+//! equal on both devices.
 //!
 //! ```
 //! use graphed::device::Device;
@@ -21,46 +23,60 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
+use half::bf16;
+
 use super::rng;
-use super::{count, dense};
-use crate::device::{args, CpuArgs, In, Kernel, LaunchDims, Out, Stream};
+use super::{count, dense, float_dtype, lanes, stride_dims, with_float, PerFloat};
+use crate::device::{args, CpuArgs, Float, In, Kernel, Out, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-const SOURCE: &str = concat!(include_str!("rng.cu"), include_str!("dropout.cu"));
+const SOURCE: &str = concat!(include_str!("float.cu"), include_str!("rng.cu"), include_str!("dropout.cu"));
 
-/// Dropout forward: the output and the mask.
+/// Dropout forward in f32: the output and the mask.
 pub static DROPOUT_FORWARD: Kernel = Kernel {
     name: "dropout_forward_f32",
     source: SOURCE,
     params: &["out", "mask", "inp", "step", "threshold", "scale", "seed", "site", "n"],
-    cpu: forward_cpu,
+    cpu: forward_cpu::<f32>,
     strided: false,
 };
 
-fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let (inp, step) = (a.input::<f32>("inp")?, rng::step_of(a, "step")?);
+/// Dropout forward in bf16 (kept values scaled in f32, rounded once).
+pub static DROPOUT_FORWARD_BF16: Kernel = Kernel {
+    name: "dropout_forward_bf16",
+    source: SOURCE,
+    params: &["out", "mask", "inp", "step", "threshold", "scale", "seed", "site", "n"],
+    cpu: forward_cpu::<bf16>,
+    strided: false,
+};
+
+fn forward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let (inp, step) = (a.input::<T>("inp")?, rng::step_of(a, "step")?);
     let (threshold, scale, seed, site) = (a.u32("threshold")?, a.f32("scale")?, a.u32("seed")?, a.u32("site")?);
-    let (mut out, mut mask) = (a.output::<f32>("out")?, a.output::<u8>("mask")?);
+    let (mut out, mut mask) = (a.output::<T>("out")?, a.output::<u8>("mask")?);
     let groups = out.chunks_mut(4).zip(mask.chunks_mut(4)).zip(inp.chunks(4));
     for (group, ((out, mask), inp)) in groups.enumerate() {
         let bits = rng::random_block(seed, site, step, group as u64);
-        for (((y, m), &x), &r) in out.iter_mut().zip(mask.iter_mut()).zip(inp).zip(&bits) {
+        for (((y, m), x), &r) in out.iter_mut().zip(mask.iter_mut()).zip(inp).zip(&bits) {
             let keep = r >= threshold;
-            *y = if keep { x * scale } else { 0.0 };
+            *y = T::from_f32(if keep { x.to_f32() * scale } else { 0.0 });
             *m = u8::from(keep);
         }
     }
     Ok(())
 }
 
-/// `out = mask · inp / (1 − p)` with `mask[i]` drawn from (`seed`, `site`, `*step`, `i`); all
-/// tensors contiguous, `out` and `mask` of `inp`'s shape. Give each dropout layer its own `site`,
-/// and write a new `step` before each replay of a graph that captured this launch.
+/// `out = mask · inp / (1 − p)` with `mask[i]` drawn from (`seed`, `site`, `*step`, `i`); `out`
+/// and `inp` of one element type, f32 or bf16 (kept values scaled in f32 and rounded once), the
+/// mask `u8`, all contiguous, `out` and `mask` of `inp`'s shape. Give each dropout layer its own
+/// `site`, and write a new `step` before each replay of a graph that captured this launch.
 ///
 /// # Errors
+/// [`Error::UnsupportedDType`] or [`Error::DTypeMismatch`] for other element types;
 /// [`Error::Shape`] for mismatched shapes or a step counter that is not one element;
-/// [`Error::Unsupported`] unless `0 ≤ p < 1`; [`Error::NotContiguous`] for a strided tensor.
+/// [`Error::Unsupported`] unless `0 ≤ p < 1`; [`Error::NotContiguous`] for a strided tensor; all
+/// before anything is enqueued.
 #[allow(clippy::too_many_arguments)] // outputs, input, p, the RNG's coordinates (seed, site, step), stream
 pub fn dropout_forward(
     out: &Tensor,
@@ -73,54 +89,64 @@ pub fn dropout_forward(
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "dropout_forward";
+    let dtype = float_dtype(OP, inp, &[out])?;
     out.expect_shape(OP, inp.shape())?;
     mask.expect_shape(OP, inp.shape())?;
     let (threshold, scale) = keep_rule(OP, p)?;
     let n = count(OP, inp.numel())?;
-    let (out, mask, inp, step) =
-        (dense::<f32>(OP, out)?, dense::<u8>(OP, mask)?, dense::<f32>(OP, inp)?, rng::step_view(OP, step)?);
-    let dims = LaunchDims::for_elems(inp.len().div_ceil(4));
-    stream.launch(
-        &DROPOUT_FORWARD,
-        dims,
-        &args![Out(out), Out(mask), In(inp), In(step), threshold, scale, seed, site, n],
-    )
+    with_float!(OP, dtype, T => {
+        let kernel = PerFloat { f32: &DROPOUT_FORWARD, bf16: &DROPOUT_FORWARD_BF16 }.of::<T>(OP)?;
+        let (out, mask, inp, step) =
+            (dense::<T>(OP, out)?, dense::<u8>(OP, mask)?, dense::<T>(OP, inp)?, rng::step_view(OP, step)?);
+        let dims = stride_dims(inp.len().div_ceil(lanes::<T>()));
+        stream.launch(kernel, dims, &args![Out(out), Out(mask), In(inp), In(step), threshold, scale, seed, site, n])
+    })
 }
 
-/// Dropout backward: the input's gradient from the saved mask.
+/// Dropout backward in f32: the input's gradient from the saved mask.
 pub static DROPOUT_BACKWARD: Kernel = Kernel {
     name: "dropout_backward_f32",
     source: SOURCE,
     params: &["dinp", "dout", "mask", "scale", "n"],
-    cpu: backward_cpu,
+    cpu: backward_cpu::<f32>,
     strided: false,
 };
 
-fn backward_cpu(a: &CpuArgs) -> Result<()> {
-    let (dout, mask, scale) = (a.input::<f32>("dout")?, a.input::<u8>("mask")?, a.f32("scale")?);
-    for ((dx, &dy), &m) in a.output::<f32>("dinp")?.iter_mut().zip(dout.iter()).zip(mask.iter()) {
-        *dx = if m != 0 { dy * scale } else { 0.0 };
+/// Dropout backward in bf16.
+pub static DROPOUT_BACKWARD_BF16: Kernel = Kernel {
+    name: "dropout_backward_bf16",
+    source: SOURCE,
+    params: &["dinp", "dout", "mask", "scale", "n"],
+    cpu: backward_cpu::<bf16>,
+    strided: false,
+};
+
+fn backward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let (dout, mask, scale) = (a.input::<T>("dout")?, a.input::<u8>("mask")?, a.f32("scale")?);
+    for ((dx, dy), &m) in a.output::<T>("dinp")?.iter_mut().zip(dout.iter()).zip(mask.iter()) {
+        *dx = T::from_f32(if m != 0 { dy.to_f32() * scale } else { 0.0 });
     }
     Ok(())
 }
 
 /// `dinp = mask · dout / (1 − p)` (an activation gradient: overwritten, not accumulated), with
-/// the mask and `p` of the forward.
+/// the mask and `p` of the forward; `dinp` and `dout` of one element type, f32 or bf16.
 ///
 /// # Errors
 /// As [`dropout_forward`].
 pub fn dropout_backward(dinp: &Tensor, dout: &Tensor, mask: &Tensor, p: f32, stream: &Stream) -> Result<()> {
     const OP: &str = "dropout_backward";
+    let dtype = float_dtype(OP, dout, &[dinp])?;
     dinp.expect_shape(OP, dout.shape())?;
     mask.expect_shape(OP, dout.shape())?;
     let (_, scale) = keep_rule(OP, p)?;
     let n = count(OP, dout.numel())?;
-    let dims = LaunchDims::for_elems(dout.numel());
-    stream.launch(
-        &DROPOUT_BACKWARD,
-        dims,
-        &args![Out(dense::<f32>(OP, dinp)?), In(dense::<f32>(OP, dout)?), In(dense::<u8>(OP, mask)?), scale, n],
-    )
+    with_float!(OP, dtype, T => {
+        let kernel = PerFloat { f32: &DROPOUT_BACKWARD, bf16: &DROPOUT_BACKWARD_BF16 }.of::<T>(OP)?;
+        let (dinp, dout, mask) = (dense::<T>(OP, dinp)?, dense::<T>(OP, dout)?, dense::<u8>(OP, mask)?);
+        let dims = stride_dims(dout.len().div_ceil(lanes::<T>()));
+        stream.launch(kernel, dims, &args![Out(dinp), In(dout), In(mask), scale, n])
+    })
 }
 
 /// The keep threshold on a random `u32` (kept iff `bits ≥ threshold`, probability

@@ -1,6 +1,8 @@
 //! Token + position embedding (GPT-2's encoder): `out[b, t] = wte[tokens[b, t]] + wpe[t]`. The
 //! backward accumulates (`+=`) into the parameter gradients `dwte` and `dwpe`, as llm.c's
-//! `encoder.cuh` does. The CPU paths sit beside the CUDA entry points in `embedding.cu`.
+//! `encoder.cuh` does. Tables, activations and gradients are f32 or bf16 (one element type per
+//! call; sums in f32, rounded once per stored value): one CUDA template per kernel in
+//! `embedding.cu` and one generic CPU path each here.
 //!
 //! Deterministic without atomics: each gradient element is summed by one thread over the
 //! positions in order (see `embedding.cu`), and the CPU paths add in that same order, so both
@@ -27,41 +29,53 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use super::{count, dense};
-use crate::device::{args, CpuArgs, In, InOut, Kernel, LaunchDims, Out, Stream};
+use half::bf16;
+
+use super::{count, dense, float_dtype, lanes, stride_dims, with_float, PerFloat};
+use crate::device::{args, CpuArgs, Float, In, InOut, Kernel, Out, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-const SOURCE: &str = include_str!("embedding.cu");
+const SOURCE: &str = concat!(include_str!("float.cu"), include_str!("embedding.cu"));
 
-/// Embedding forward.
-pub static EMBEDDING_FORWARD: Kernel = Kernel {
-    name: "embedding_forward_f32",
+const FORWARD: [&str; 8] = ["out", "tokens", "wte", "wpe", "n", "t_len", "c_len", "v"];
+
+/// Embedding forward in f32.
+pub static EMBEDDING_FORWARD: Kernel =
+    Kernel { name: "embedding_forward_f32", source: SOURCE, params: &FORWARD, cpu: forward_cpu::<f32>, strided: false };
+
+/// Embedding forward in bf16 (the two rows added in f32, rounded once).
+pub static EMBEDDING_FORWARD_BF16: Kernel = Kernel {
+    name: "embedding_forward_bf16",
     source: SOURCE,
-    params: &["out", "tokens", "wte", "wpe", "n", "t_len", "c_len", "v"],
-    cpu: forward_cpu,
+    params: &FORWARD,
+    cpu: forward_cpu::<bf16>,
     strided: false,
 };
 
-fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let (tokens, wte, wpe) = (a.input::<u32>("tokens")?, a.input::<f32>("wte")?, a.input::<f32>("wpe")?);
+fn forward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let (tokens, wte, wpe) = (a.input::<u32>("tokens")?, a.input::<T>("wte")?, a.input::<T>("wpe")?);
     let (t_len, c) = (a.u32("t_len")? as usize, a.u32("c_len")? as usize);
-    let mut out = a.output::<f32>("out")?;
+    let mut out = a.output::<T>("out")?;
     for (bt, (y, &tok)) in out.chunks_exact_mut(c).zip(tokens.iter()).enumerate() {
         let row = token_row(a, &wte, tok, c, bt)?;
         let pos = &wpe[(bt % t_len) * c..][..c];
-        y.iter_mut().zip(row).zip(pos).for_each(|((y, &e), &p)| *y = e + p);
+        y.iter_mut().zip(row).zip(pos).for_each(|((y, e), p)| *y = T::from_f32(e.to_f32() + p.to_f32()));
     }
     Ok(())
 }
 
-/// `out (B, T, C) = wte[tokens]` + `wpe[..T]`, with `tokens (B, T)`, `wte (V, C)`, `wpe (Tmax, C)`,
-/// T ≤ Tmax, all contiguous.
+/// `out (B, T, C) = wte[tokens]` + `wpe[..T]`, with `tokens (B, T)` (`u32`), `wte (V, C)`,
+/// `wpe (Tmax, C)`, T ≤ Tmax, all contiguous; `out` and both tables of one element type, f32 or
+/// bf16 (added in f32, rounded once).
 ///
 /// # Errors
-/// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
+/// [`Error::UnsupportedDType`] or [`Error::DTypeMismatch`] for other element types;
+/// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor; all before
+/// anything is enqueued.
 pub fn embedding_forward(out: &Tensor, tokens: &Tensor, wte: &Tensor, wpe: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "embedding_forward";
+    let dtype = float_dtype(OP, wte, &[wpe, out])?;
     let d = Dims::of(OP, tokens, wte, wpe)?;
     out.expect_shape(OP, &[d.b, d.t, d.c])?;
     let n = count(OP, d.b * d.t * d.c)?;
@@ -71,72 +85,90 @@ pub fn embedding_forward(out: &Tensor, tokens: &Tensor, wte: &Tensor, wpe: &Tens
     let wpe = wpe.narrow(0, 0, d.t)?;
     let (t, c, v) = (count(OP, d.t)?, count(OP, d.c)?, count(OP, d.v)?);
     count(OP, d.v * d.c)?; // the kernel's offsets into wte are u32
-    stream.launch(
-        &EMBEDDING_FORWARD,
-        LaunchDims::for_elems(n as usize),
-        &args![
-            Out(dense::<f32>(OP, out)?),
-            In(dense::<u32>(OP, tokens)?),
-            In(dense::<f32>(OP, wte)?),
-            In(dense::<f32>(OP, &wpe)?),
-            n,
-            t,
-            c,
-            v
-        ],
-    )
+    with_float!(OP, dtype, T => {
+        let kernel = PerFloat { f32: &EMBEDDING_FORWARD, bf16: &EMBEDDING_FORWARD_BF16 }.of::<T>(OP)?;
+        let (out, tokens, wte, wpe) =
+            (dense::<T>(OP, out)?, dense::<u32>(OP, tokens)?, dense::<T>(OP, wte)?, dense::<T>(OP, &wpe)?);
+        let units = if d.c % lanes::<T>() == 0 { out.len() / lanes::<T>() } else { out.len() };
+        stream.launch(kernel, stride_dims(units), &args![Out(out), In(tokens), In(wte), In(wpe), n, t, c, v])
+    })
 }
 
-/// Embedding backward into the token table's gradient.
+const BACKWARD_WTE: [&str; 6] = ["dwte", "dout", "tokens", "vc", "c_len", "positions"];
+
+/// Embedding backward into the token table's gradient, in f32.
 pub static EMBEDDING_BACKWARD_WTE: Kernel = Kernel {
     name: "embedding_backward_wte_f32",
     source: SOURCE,
-    params: &["dwte", "dout", "tokens", "vc", "c_len", "positions"],
-    cpu: backward_wte_cpu,
+    params: &BACKWARD_WTE,
+    cpu: backward_wte_cpu::<f32>,
     strided: false,
 };
 
-fn backward_wte_cpu(a: &CpuArgs) -> Result<()> {
-    let (dout, tokens, c) = (a.input::<f32>("dout")?, a.input::<u32>("tokens")?, a.u32("c_len")? as usize);
-    let mut dwte = a.output::<f32>("dwte")?;
-    // Per (v, c) the same order as the kernel: positions ascending, starting from 0.
+/// Embedding backward into the token table's gradient, in bf16 (summed in f32, added once).
+pub static EMBEDDING_BACKWARD_WTE_BF16: Kernel = Kernel {
+    name: "embedding_backward_wte_bf16",
+    source: SOURCE,
+    params: &BACKWARD_WTE,
+    cpu: backward_wte_cpu::<bf16>,
+    strided: false,
+};
+
+fn backward_wte_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let (dout, tokens, c) = (a.input::<T>("dout")?, a.input::<u32>("tokens")?, a.u32("c_len")? as usize);
+    let mut dwte = a.output::<T>("dwte")?;
+    // Per (v, c) the same order as the kernel: positions ascending, starting from 0, in f32.
     let mut acc = vec![0.0f32; dwte.len()];
     for (p, (dy, &tok)) in dout.chunks_exact(c).zip(tokens.iter()).enumerate() {
         let row = acc.get_mut(tok as usize * c..(tok as usize + 1) * c).ok_or_else(|| bad_token(a, tok, p))?;
-        row.iter_mut().zip(dy).for_each(|(s, &d)| *s += d);
+        row.iter_mut().zip(dy).for_each(|(s, d)| *s += d.to_f32());
     }
-    dwte.iter_mut().zip(&acc).for_each(|(w, &s)| *w += s);
+    dwte.iter_mut().zip(&acc).for_each(|(w, &s)| *w = T::from_f32(w.to_f32() + s));
     Ok(())
 }
 
-/// Embedding backward into the position table's gradient.
+const BACKWARD_WPE: [&str; 4] = ["dwpe", "dout", "tc", "batch"];
+
+/// Embedding backward into the position table's gradient, in f32.
 pub static EMBEDDING_BACKWARD_WPE: Kernel = Kernel {
     name: "embedding_backward_wpe_f32",
     source: SOURCE,
-    params: &["dwpe", "dout", "tc", "batch"],
-    cpu: backward_wpe_cpu,
+    params: &BACKWARD_WPE,
+    cpu: backward_wpe_cpu::<f32>,
     strided: false,
 };
 
-fn backward_wpe_cpu(a: &CpuArgs) -> Result<()> {
-    let (dout, tc) = (a.input::<f32>("dout")?, a.u32("tc")? as usize);
-    let mut dwpe = a.output::<f32>("dwpe")?;
-    // Per (t, c) the same order as the kernel: b ascending, starting from 0.
+/// Embedding backward into the position table's gradient, in bf16 (summed in f32, added once).
+pub static EMBEDDING_BACKWARD_WPE_BF16: Kernel = Kernel {
+    name: "embedding_backward_wpe_bf16",
+    source: SOURCE,
+    params: &BACKWARD_WPE,
+    cpu: backward_wpe_cpu::<bf16>,
+    strided: false,
+};
+
+fn backward_wpe_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let (dout, tc) = (a.input::<T>("dout")?, a.u32("tc")? as usize);
+    let mut dwpe = a.output::<T>("dwpe")?;
+    // Per (t, c) the same order as the kernel: b ascending, starting from 0, in f32.
     let mut acc = vec![0.0f32; tc];
     for dy in dout.chunks_exact(tc) {
-        acc.iter_mut().zip(dy).for_each(|(s, &d)| *s += d);
+        acc.iter_mut().zip(dy).for_each(|(s, d)| *s += d.to_f32());
     }
-    dwpe.iter_mut().zip(&acc).for_each(|(w, &s)| *w += s);
+    dwpe.iter_mut().zip(&acc).for_each(|(w, &s)| *w = T::from_f32(w.to_f32() + s));
     Ok(())
 }
 
 /// `dwte (V, C) += Σ dout` over the positions holding each token and `dwpe (Tmax, C)[..T] +=
-/// Σ_b dout[b]`, with `dout (B, T, C)` and the `tokens (B, T)` of the forward, all contiguous.
+/// Σ_b dout[b]`, with `dout (B, T, C)` and the `tokens (B, T)` of the forward, all contiguous;
+/// `dout` and both gradients of one element type, f32 or bf16 (each gradient element's sum is
+/// taken in f32 in position order and added once, rounded once).
 ///
 /// # Errors
-/// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
+/// As [`embedding_forward`].
 pub fn embedding_backward(dwte: &Tensor, dwpe: &Tensor, dout: &Tensor, tokens: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "embedding_backward";
+    let dtype = float_dtype(OP, dwte, &[dwpe, dout])?;
     let d = Dims::of(OP, tokens, dwte, dwpe)?;
     dout.expect_shape(OP, &[d.b, d.t, d.c])?;
     let (positions, vc, tc) = (count(OP, d.b * d.t)?, count(OP, d.v * d.c)?, count(OP, d.t * d.c)?);
@@ -144,17 +176,15 @@ pub fn embedding_backward(dwte: &Tensor, dwpe: &Tensor, dout: &Tensor, tokens: &
         return Ok(());
     }
     let dwpe = dwpe.narrow(0, 0, d.t)?;
-    let (dout, tokens) = (dense::<f32>(OP, dout)?, dense::<u32>(OP, tokens)?);
-    stream.launch(
-        &EMBEDDING_BACKWARD_WTE,
-        LaunchDims::for_elems(vc as usize),
-        &args![InOut(dense::<f32>(OP, dwte)?), In(dout), In(tokens), vc, count(OP, d.c)?, positions],
-    )?;
-    stream.launch(
-        &EMBEDDING_BACKWARD_WPE,
-        LaunchDims::for_elems(tc as usize),
-        &args![InOut(dense::<f32>(OP, &dwpe)?), In(dout), tc, count(OP, d.b)?],
-    )
+    with_float!(OP, dtype, T => {
+        let wte_kernel = PerFloat { f32: &EMBEDDING_BACKWARD_WTE, bf16: &EMBEDDING_BACKWARD_WTE_BF16 }.of::<T>(OP)?;
+        let wpe_kernel = PerFloat { f32: &EMBEDDING_BACKWARD_WPE, bf16: &EMBEDDING_BACKWARD_WPE_BF16 }.of::<T>(OP)?;
+        let (dwte, dwpe, dout, tokens) =
+            (dense::<T>(OP, dwte)?, dense::<T>(OP, &dwpe)?, dense::<T>(OP, dout)?, dense::<u32>(OP, tokens)?);
+        let (c, batch) = (count(OP, d.c)?, count(OP, d.b)?);
+        stream.launch(wte_kernel, stride_dims(vc as usize), &args![InOut(dwte), In(dout), In(tokens), vc, c, positions])?;
+        stream.launch(wpe_kernel, stride_dims(tc as usize), &args![InOut(dwpe), In(dout), tc, batch])
+    })
 }
 
 /// The sizes shared by forward and backward, from `tokens (B, T)`, a `(V, C)` token table and a
@@ -191,7 +221,7 @@ impl Dims {
 }
 
 /// Row `tok` of a `(V, c)` table, or the out-of-vocabulary failure of position `p`.
-fn token_row<'w>(a: &CpuArgs, table: &'w [f32], tok: u32, c: usize, p: usize) -> Result<&'w [f32]> {
+fn token_row<'w, T>(a: &CpuArgs, table: &'w [T], tok: u32, c: usize, p: usize) -> Result<&'w [T]> {
     table.get(tok as usize * c..(tok as usize + 1) * c).ok_or_else(|| bad_token(a, tok, p))
 }
 

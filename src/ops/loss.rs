@@ -1,6 +1,8 @@
 //! Cross-entropy of logits `(N, V)` against `u32` targets `(N)`: the forward saves the softmax
 //! for the backward, which turns it into the logits' gradient (an activation gradient:
-//! overwritten). The CPU paths sit beside the CUDA entry points in `loss.cu`.
+//! overwritten). Logits and their gradient are f32 or bf16; the losses and the saved softmax are
+//! always f32 (see [`cross_entropy_forward`]), and everything is computed in f32. Each kernel is
+//! one CUDA template in `loss.cu` with one generic CPU path beside it here.
 //!
 //! Both subtract the row's maximum before `exp`, so large logits do not overflow. On CUDA a row
 //! is reduced by one block in a fixed order (see `loss.cu`), so results are reproducible run to
@@ -24,35 +26,50 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use super::{count, dense};
-use crate::device::{args, CpuArgs, In, Kernel, LaunchDims, Out, Stream};
+use half::bf16;
+
+use super::{count, dense, float_dtype, with_float, PerFloat};
+use crate::device::{args, CpuArgs, Float, In, Kernel, LaunchDims, Out, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-const SOURCE: &str = include_str!("loss.cu");
+const SOURCE: &str = concat!(include_str!("float.cu"), include_str!("loss.cu"));
 
 /// Threads per block, one block per row: `CE_THREADS` in `loss.cu`, which sizes the kernels'
 /// shared memory (a unit test keeps the two equal).
 const THREADS: u32 = 256;
 
-/// Cross-entropy forward: per-row losses and the saved softmax.
+const FORWARD: [&str; 5] = ["losses", "probs", "logits", "targets", "v"];
+
+/// Cross-entropy forward of f32 logits: per-row losses and the saved softmax.
 pub static CROSS_ENTROPY_FORWARD: Kernel = Kernel {
     name: "cross_entropy_forward_f32",
     source: SOURCE,
-    params: &["losses", "probs", "logits", "targets", "v"],
-    cpu: forward_cpu,
+    params: &FORWARD,
+    cpu: forward_cpu::<f32>,
     strided: false,
 };
 
-fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let (logits, targets, v) = (a.input::<f32>("logits")?, a.input::<u32>("targets")?, a.u32("v")? as usize);
+/// Cross-entropy forward of bf16 logits (widened exactly; losses and softmax in f32).
+pub static CROSS_ENTROPY_FORWARD_BF16: Kernel = Kernel {
+    name: "cross_entropy_forward_bf16",
+    source: SOURCE,
+    params: &FORWARD,
+    cpu: forward_cpu::<bf16>,
+    strided: false,
+};
+
+fn forward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let (logits, targets, v) = (a.input::<T>("logits")?, a.input::<u32>("targets")?, a.u32("v")? as usize);
     let (mut losses, mut probs) = (a.output::<f32>("losses")?, a.output::<f32>("probs")?);
+    let mut x = vec![0.0f32; v];
     let rows = logits.chunks_exact(v).zip(probs.chunks_exact_mut(v)).zip(losses.iter_mut().zip(targets.iter()));
-    for (row, ((x, p), (loss, &t))) in rows.enumerate() {
+    for (row, ((wide, p), (loss, &t))) in rows.enumerate() {
+        x.iter_mut().zip(wide).for_each(|(x, w)| *x = w.to_f32());
         let max = x.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         let sum = x.iter().fold(0.0f32, |s, &x| s + (x - max).exp());
         let inv = 1.0 / sum;
-        p.iter_mut().zip(x).for_each(|(p, &x)| *p = (x - max).exp() * inv);
+        p.iter_mut().zip(&x).for_each(|(p, &x)| *p = (x - max).exp() * inv);
         let xt = x.get(t as usize).ok_or_else(|| bad_target(a.kernel.name, row, t, v))?;
         *loss = sum.ln() - (xt - max);
     }
@@ -60,10 +77,15 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 }
 
 /// `losses[n] = −log softmax(logits[n])[targets[n]]`, saving the softmax in `probs`. Shapes:
-/// `losses (N)`, `probs (N, V)`, `logits (N, V)`, `targets (N)`, all contiguous, V ≥ 1.
+/// `losses (N)`, `probs (N, V)`, `logits (N, V)`, `targets (N)`, all contiguous, V ≥ 1. The
+/// logits are f32 or bf16; losses and probabilities are f32 whatever the logits' type: the
+/// backward subtracts a one-hot from the probabilities, and in bf16 (8 bits of mantissa) a
+/// probability near 1 would lose most of the difference that is its gradient.
 ///
 /// # Errors
-/// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
+/// [`Error::UnsupportedDType`] for logits of another type, [`Error::DTypeMismatch`] for `losses`,
+/// `probs` not f32 or `targets` not u32; [`Error::Shape`] for other shapes;
+/// [`Error::NotContiguous`] for a strided tensor; all before anything is enqueued.
 pub fn cross_entropy_forward(
     losses: &Tensor,
     probs: &Tensor,
@@ -72,29 +94,44 @@ pub fn cross_entropy_forward(
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_forward";
+    let dtype = float_dtype(OP, logits, &[])?;
     let (n, v) = rows_cols(OP, logits)?;
     probs.expect_shape(OP, &[n, v])?;
     losses.expect_shape(OP, &[n])?;
     targets.expect_shape(OP, &[n])?;
+    let (losses, probs, targets) = (dense::<f32>(OP, losses)?, dense::<f32>(OP, probs)?, dense::<u32>(OP, targets)?);
     let Some(dims) = row_blocks(OP, n)? else { return Ok(()) };
-    let (losses, probs, logits, targets) =
-        (dense::<f32>(OP, losses)?, dense::<f32>(OP, probs)?, dense::<f32>(OP, logits)?, dense::<u32>(OP, targets)?);
-    stream.launch(&CROSS_ENTROPY_FORWARD, dims, &args![Out(losses), Out(probs), In(logits), In(targets), count(OP, v)?])
+    with_float!(OP, dtype, T => {
+        let kernel = PerFloat { f32: &CROSS_ENTROPY_FORWARD, bf16: &CROSS_ENTROPY_FORWARD_BF16 }.of::<T>(OP)?;
+        let logits = dense::<T>(OP, logits)?;
+        stream.launch(kernel, dims, &args![Out(losses), Out(probs), In(logits), In(targets), count(OP, v)?])
+    })
 }
 
-/// Cross-entropy backward: the logits' gradient.
+const BACKWARD: [&str; 5] = ["dlogits", "probs", "targets", "dlosses", "v"];
+
+/// Cross-entropy backward: the f32 logits' gradient.
 pub static CROSS_ENTROPY_BACKWARD: Kernel = Kernel {
     name: "cross_entropy_backward_f32",
     source: SOURCE,
-    params: &["dlogits", "probs", "targets", "dlosses", "v"],
-    cpu: backward_cpu,
+    params: &BACKWARD,
+    cpu: backward_cpu::<f32>,
     strided: false,
 };
 
-fn backward_cpu(a: &CpuArgs) -> Result<()> {
+/// Cross-entropy backward: the bf16 logits' gradient (computed in f32, rounded once).
+pub static CROSS_ENTROPY_BACKWARD_BF16: Kernel = Kernel {
+    name: "cross_entropy_backward_bf16",
+    source: SOURCE,
+    params: &BACKWARD,
+    cpu: backward_cpu::<bf16>,
+    strided: false,
+};
+
+fn backward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
     let (probs, targets, dlosses, v) =
         (a.input::<f32>("probs")?, a.input::<u32>("targets")?, a.input::<f32>("dlosses")?, a.u32("v")? as usize);
-    let mut dlogits = a.output::<f32>("dlogits")?;
+    let mut dlogits = a.output::<T>("dlogits")?;
     let rows = dlogits.chunks_exact_mut(v).zip(probs.chunks_exact(v)).zip(targets.iter().zip(dlosses.iter()));
     for (row, ((dx, p), (&t, &dl))) in rows.enumerate() {
         if t as usize >= v {
@@ -102,17 +139,18 @@ fn backward_cpu(a: &CpuArgs) -> Result<()> {
         }
         for (j, (dx, &p)) in dx.iter_mut().zip(p).enumerate() {
             let onehot = if j == t as usize { 1.0 } else { 0.0 };
-            *dx = (p - onehot) * dl;
+            *dx = T::from_f32((p - onehot) * dl);
         }
     }
     Ok(())
 }
 
-/// `dlogits[n] = (probs[n] − onehot(targets[n]))·dlosses[n]`, with the `probs` of the forward.
-/// Shapes as in [`cross_entropy_forward`], `dlosses (N)`.
+/// `dlogits[n] = (probs[n] − onehot(targets[n]))·dlosses[n]`, with the f32 `probs` of the
+/// forward and f32 `dlosses`; `dlogits` in the logits' type, f32 or bf16 (computed in f32,
+/// rounded once). Shapes as in [`cross_entropy_forward`], `dlosses (N)`.
 ///
 /// # Errors
-/// [`Error::Shape`] for other shapes; [`Error::NotContiguous`] for a strided tensor.
+/// As [`cross_entropy_forward`], for `dlogits` in the logits' role.
 pub fn cross_entropy_backward(
     dlogits: &Tensor,
     probs: &Tensor,
@@ -121,18 +159,18 @@ pub fn cross_entropy_backward(
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
+    let dtype = float_dtype(OP, dlogits, &[])?;
     let (n, v) = rows_cols(OP, probs)?;
     dlogits.expect_shape(OP, &[n, v])?;
     targets.expect_shape(OP, &[n])?;
     dlosses.expect_shape(OP, &[n])?;
+    let (probs, targets, dlosses) = (dense::<f32>(OP, probs)?, dense::<u32>(OP, targets)?, dense::<f32>(OP, dlosses)?);
     let Some(dims) = row_blocks(OP, n)? else { return Ok(()) };
-    let (dlogits, probs, targets, dlosses) =
-        (dense::<f32>(OP, dlogits)?, dense::<f32>(OP, probs)?, dense::<u32>(OP, targets)?, dense::<f32>(OP, dlosses)?);
-    stream.launch(
-        &CROSS_ENTROPY_BACKWARD,
-        dims,
-        &args![Out(dlogits), In(probs), In(targets), In(dlosses), count(OP, v)?],
-    )
+    with_float!(OP, dtype, T => {
+        let kernel = PerFloat { f32: &CROSS_ENTROPY_BACKWARD, bf16: &CROSS_ENTROPY_BACKWARD_BF16 }.of::<T>(OP)?;
+        let dlogits = dense::<T>(OP, dlogits)?;
+        stream.launch(kernel, dims, &args![Out(dlogits), In(probs), In(targets), In(dlosses), count(OP, v)?])
+    })
 }
 
 fn bad_target(kernel: &'static str, row: usize, target: u32, v: usize) -> Error {

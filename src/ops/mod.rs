@@ -17,9 +17,81 @@ pub mod rng;
 pub mod schedule;
 pub mod softmax;
 
-use crate::device::{Elem, LaunchDims, View};
+use crate::device::{DType, Elem, Kernel, LaunchDims, View};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
+
+/// The element types of the ops that run in f32 or bf16 (for [`Error::UnsupportedDType`]).
+pub(crate) const FLOATS: &str = "f32 or bf16";
+
+/// Runs `$body` with `$t` bound to the Rust type of `$dtype` when it is f32 or bf16, and
+/// returns [`Error::UnsupportedDType`] naming `$op` for any other element type.
+macro_rules! with_float {
+    ($op:expr, $dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            $crate::device::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            $crate::device::DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            dtype => Err($crate::Error::UnsupportedDType { op: $op, dtype, supported: $crate::ops::FLOATS }),
+        }
+    };
+}
+pub(crate) use with_float;
+
+/// An op's two kernels, one per element type: the same CUDA template and the same generic CPU
+/// path, instantiated for f32 and for bf16.
+pub(crate) struct PerFloat {
+    pub(crate) f32: &'static Kernel,
+    pub(crate) bf16: &'static Kernel,
+}
+
+impl PerFloat {
+    /// The kernel for `T`, or [`Error::UnsupportedDType`] naming `op`.
+    pub(crate) fn of<T: Elem>(&self, op: &'static str) -> Result<&'static Kernel> {
+        match T::DTYPE {
+            DType::F32 => Ok(self.f32),
+            DType::BF16 => Ok(self.bf16),
+            dtype => Err(Error::UnsupportedDType { op, dtype, supported: FLOATS }),
+        }
+    }
+}
+
+/// The element type of `first`, which must be f32 or bf16 and shared by every tensor of
+/// `others`: [`Error::UnsupportedDType`] or [`Error::DTypeMismatch`] (naming `op`) otherwise.
+pub(crate) fn float_dtype(op: &'static str, first: &Tensor, others: &[&Tensor]) -> Result<DType> {
+    let dtype = first.dtype();
+    if !matches!(dtype, DType::F32 | DType::BF16) {
+        return Err(Error::UnsupportedDType { op, dtype, supported: FLOATS });
+    }
+    for t in others {
+        t.expect_dtype(op, dtype)?;
+    }
+    Ok(dtype)
+}
+
+/// Elements of `T` in one 16-byte access (`Lanes<T>::N` in `float.cu`): 4 f32, 8 bf16.
+pub(crate) fn lanes<T: Elem>() -> usize {
+    16 / T::DTYPE.size()
+}
+
+/// Streaming multiprocessors of the GPU the grids are sized for (an H100 SXM or an H200).
+const SMS: usize = 132;
+
+/// Resident blocks of 256 threads per SM (2048 threads, Hopper's limit).
+const BLOCKS_PER_SM: usize = 8;
+
+/// Blocks of 256 threads for a grid-stride kernel over `units` work items (`float.cu`): one
+/// item per thread up to 132 × 8 blocks, which fill every SM once; past that each thread loops,
+/// so no grid waits for a second wave. At least one block, as CUDA refuses an empty grid.
+pub(crate) fn stride_dims(units: usize) -> LaunchDims {
+    let blocks = units.div_ceil(256).clamp(1, SMS * BLOCKS_PER_SM) as u32;
+    LaunchDims { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }
+}
 
 /// The tensor's view as `T`, refused unless the tensor holds `T` and is contiguous: the CUDA
 /// kernels index densely, so a strided view would be right on the simulator (which gathers)
@@ -87,31 +159,53 @@ mod tests {
         use super::*;
         vec![
             &adamw::ADAMW,
+            &adamw::ADAMW_BF16,
             &cast::CAST_F32_TO_BF16,
             &cast::CAST_BF16_TO_F32,
             &cast::RESIDUAL_ADD,
+            &cast::RESIDUAL_ADD_BF16,
             &dropout::DROPOUT_FORWARD,
+            &dropout::DROPOUT_FORWARD_BF16,
             &dropout::DROPOUT_BACKWARD,
+            &dropout::DROPOUT_BACKWARD_BF16,
             &elementwise::FILL,
+            &elementwise::FILL_BF16,
             &elementwise::ADD_SCALAR,
+            &elementwise::ADD_SCALAR_BF16,
             &elementwise::SCALE,
+            &elementwise::SCALE_BF16,
             &elementwise::AXPY,
+            &elementwise::AXPY_BF16,
+            &elementwise::ACCUMULATE,
+            &elementwise::ACCUMULATE_BF16,
             &elementwise::SCALE_ROWS,
+            &elementwise::SCALE_ROWS_BF16,
             &embedding::EMBEDDING_FORWARD,
+            &embedding::EMBEDDING_FORWARD_BF16,
             &embedding::EMBEDDING_BACKWARD_WTE,
+            &embedding::EMBEDDING_BACKWARD_WTE_BF16,
             &embedding::EMBEDDING_BACKWARD_WPE,
+            &embedding::EMBEDDING_BACKWARD_WPE_BF16,
             &gelu::GELU_FORWARD,
             &gelu::GELU_BACKWARD,
             &gelu::BIAS_GELU_FORWARD,
             &gelu::BIAS_GELU_BACKWARD,
             &gelu::COLUMN_SUM_ADD,
             &heads::HEADS_FROM_ROWS,
+            &heads::HEADS_FROM_ROWS_BF16,
             &heads::ROWS_FROM_HEADS,
+            &heads::ROWS_FROM_HEADS_BF16,
+            &heads::SPLIT_QKV,
+            &heads::SPLIT_QKV_BF16,
+            &heads::MERGE_QKV,
+            &heads::MERGE_QKV_BF16,
             &layernorm::LAYERNORM_FORWARD,
             &layernorm::LAYERNORM_BACKWARD_DINP,
             &layernorm::LAYERNORM_BACKWARD_PARAMS,
             &loss::CROSS_ENTROPY_FORWARD,
+            &loss::CROSS_ENTROPY_FORWARD_BF16,
             &loss::CROSS_ENTROPY_BACKWARD,
+            &loss::CROSS_ENTROPY_BACKWARD_BF16,
             &rng::RANDOM_U32,
             &rng::STEP_WRITE,
             &rng::STEP_ADD,

@@ -1,5 +1,5 @@
 //! AdamW over every parameter of a store, with its moments, step counter and learning rate on
-//! the device.
+//! the device, and for a bf16 store (mixed precision) its f32 master weights.
 
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
@@ -12,6 +12,11 @@ use crate::Result;
 /// AdamW (PyTorch's `torch.optim.AdamW`) over one [`ParamStore`]: its moments, step counter and
 /// learning rate live on the device, so [`step`](AdamW::step) enqueues three launches and no
 /// host work, and a graph of it (`graph::make_graphed_fn`) follows the schedule on every replay.
+///
+/// Over a bf16 store (mixed precision) it owns f32 master weights, which start from the store's
+/// [`master_values`](ParamStore::master_values) (the f32 initial values, not their rounding),
+/// take every update in f32, and are rounded into the store's bf16 values by the same launch;
+/// the gradients stay bf16. The moments are f32 either way.
 ///
 /// ```
 /// use graphed::device::Device;
@@ -27,7 +32,7 @@ use crate::Result;
 /// let p = store.add("p", &[2], &[1.0, -1.0], &s)?;
 /// let hyper = AdamWHyper { weight_decay: 0.0, ..AdamWHyper::default() };
 /// let opt = AdamW::new(&alloc, &store, hyper, LrSchedule::Constant(0.1), &s)?;
-/// elementwise::fill(p.grad.view()?, 0.5, &s)?;
+/// elementwise::fill(p.grad.view::<f32>()?, 0.5, &s)?;
 /// opt.step(&s)?;
 /// let v = p.value.to_vec::<f32>(&s)?; // the first step moves each parameter by about lr against its gradient
 /// assert!((v[0] - 0.9).abs() < 1e-6 && (v[1] + 1.1).abs() < 1e-6);
@@ -35,7 +40,10 @@ use crate::Result;
 /// # Ok::<(), graphed::Error>(())
 /// ```
 pub struct AdamW {
+    /// The f32 weights it updates: the store's values, or its own master copy of a bf16 store's.
     params: Tensor,
+    /// A bf16 store's values, rewritten from `params` by every step; `None` for an f32 store.
+    weights: Option<Tensor>,
     grads: Tensor,
     m: Tensor,
     v: Tensor,
@@ -46,7 +54,12 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    /// An optimizer of every parameter of `store`, with zero moments and no step taken.
+    /// An optimizer of every parameter of `store`, with zero moments and no step taken; for a
+    /// bf16 store, with f32 master weights from [`ParamStore::master_values`] (read after the
+    /// work queued on `stream`: blocking).
+    ///
+    /// # Errors
+    /// As [`ParamStore::master_values`] and the allocations.
     pub fn new(
         alloc: &CachingAllocator,
         store: &ParamStore,
@@ -54,20 +67,32 @@ impl AdamW {
         schedule: LrSchedule,
         stream: &Stream,
     ) -> Result<AdamW> {
-        let (params, grads) = (store.values()?, store.grads()?);
+        let (values, grads) = (store.values()?, store.grads()?);
+        let (params, weights) = match values.dtype() {
+            DType::F32 => (values, None),
+            _ => (Tensor::from_host(alloc, stream, &store.master_values(stream)?, values.shape())?, Some(values)),
+        };
         let zeros = |shape: &[usize]| Tensor::zeros(alloc, stream, shape, DType::F32);
         let (m, v, lr) = (zeros(params.shape())?, zeros(params.shape())?, zeros(&[1])?);
         let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
-        Ok(AdamW { params, grads, m, v, lr, step, hyper, schedule })
+        Ok(AdamW { params, weights, grads, m, v, lr, step, hyper, schedule })
     }
 
     /// One step, enqueued on `stream`: the step counter advances, the learning rate of the new
-    /// step is written, every parameter is updated from its gradient, and the gradients are
-    /// zeroed for the next accumulation.
+    /// step is written, every parameter is updated from its gradient (a bf16 store's values
+    /// rewritten from the master weights in the same launch), and the gradients are zeroed for
+    /// the next accumulation.
     pub fn step(&self, stream: &Stream) -> Result<()> {
         lr_schedule_step(&self.step, &self.lr, &self.schedule, stream)?;
-        adamw_step(&self.params, &self.grads, &self.m, &self.v, &self.lr, &self.step, &self.hyper, stream)?;
+        let (p, w) = (&self.params, self.weights.as_ref());
+        adamw_step(p, w, &self.grads, &self.m, &self.v, &self.lr, &self.step, &self.hyper, stream)?;
         self.grads.zero(stream)
+    }
+
+    /// The f32 weights it updates, flat in the store's layout: the store's values for an f32
+    /// store, its master copy for a bf16 store (whose values are their rounding).
+    pub fn master(&self) -> &Tensor {
+        &self.params
     }
 
     /// Steps taken (read from the device after the work queued on `stream`).

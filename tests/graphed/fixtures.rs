@@ -192,7 +192,7 @@ impl Module for Shifted {
     fn backward(&self, (): (), dys: &[&Tensor], s: &Stream) -> graphed::Result<Vec<Option<Tensor>>> {
         let dx = self.copy(dys[0], s)?;
         let dshift = self.copy(dys[0], s)?;
-        elementwise::add_scalar(self.p.grad.view()?, 1.0, s)?;
+        elementwise::add_scalar(self.p.grad.view::<f32>()?, 1.0, s)?;
         Ok(vec![self.grad_x.then_some(dx), Some(dshift)])
     }
 
@@ -261,16 +261,16 @@ impl SaveHook for TailHook {
         match self.work {
             TailWork::Churn(n) => {
                 let scratch = Tensor::uninit(&self.alloc, &self.side, &[1 << 20], DType::F32)?;
-                elementwise::fill(scratch.view()?, 1.0, &self.side)?;
+                elementwise::fill(scratch.view::<f32>()?, 1.0, &self.side)?;
                 for _ in 0..n {
-                    elementwise::scale(scratch.view()?, scratch.view()?, 1.0, &self.side)?;
+                    elementwise::scale(scratch.view::<f32>()?, scratch.view()?, 1.0, &self.side)?;
                 }
             }
             TailWork::ReadSaved => {
                 let scratch = Tensor::uninit(&self.alloc, &self.side, t.shape(), t.dtype())?;
                 self.side.copy_d2d(t.view::<f32>()?, scratch.view::<f32>()?)?;
             }
-            TailWork::WriteSaved => elementwise::fill(t.view()?, 0.0, &self.side)?,
+            TailWork::WriteSaved => elementwise::fill(t.view::<f32>()?, 0.0, &self.side)?,
         }
         Ok(t)
     }

@@ -1,0 +1,111 @@
+// Element types, conversions and 16-byte chunks shared by the kernels that run in f32 or bf16
+// (prepended to their sources). Each kernel is one template over its element type T, computes in
+// f32 and rounds once per stored value, as the CPU paths do through `Float`.
+//
+// bf16 is handled as its bits (NVRTC has no cuda_bf16.h without the toolkit's headers), and the
+// conversions do the integer operations of half::bf16, so a value a kernel stores is bitwise the
+// CPU path's `Float::from_f32` of the same f32.
+
+struct __align__(2) bf16 {
+    unsigned short bits;
+};
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+
+// Exact; NaNs get the quiet bit, as half::bf16::to_f32.
+__device__ __forceinline__ float to_f32(bf16 x) {
+    unsigned h = x.bits;
+    return __uint_as_float(((h & 0x7fffu) > 0x7f80u ? (h | 0x0040u) : h) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+
+// Round to nearest, ties to even; NaNs stay NaN (quiet bit set), as half::bf16::from_f32.
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) {
+    unsigned u = __float_as_uint(x);
+    bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (unsigned short)((u >> 16) | 0x0040u);
+    } else {
+        // Round up when the dropped half is above 0x8000, or exactly 0x8000 with an odd result.
+        bool up = (u & 0x8000u) != 0 && (u & 0x17fffu) != 0;
+        r.bits = (unsigned short)((u >> 16) + (up ? 1u : 0u));
+    }
+    return r;
+}
+
+// Elements of T in one 16-byte access: 4 f32 or 8 bf16.
+template <typename T> struct Lanes {
+    static constexpr int N = 16 / sizeof(T);
+};
+
+// W elements of T moved by 16-byte accesses (W·sizeof(T) a multiple of 16).
+template <typename T, int W> struct __align__(16) Chunk {
+    T v[W];
+};
+
+template <typename T, int W> __device__ __forceinline__ Chunk<T, W> load_chunk(const T* p) {
+    static_assert(W * sizeof(T) % 16 == 0, "a chunk is whole 16-byte accesses");
+    Chunk<T, W> c;
+#pragma unroll
+    for (int q = 0; q < (int)(W * sizeof(T) / 16); ++q) {
+        reinterpret_cast<uint4*>(&c)[q] = reinterpret_cast<const uint4*>(p)[q];
+    }
+    return c;
+}
+
+template <typename T, int W> __device__ __forceinline__ void store_chunk(T* p, const Chunk<T, W>& c) {
+    static_assert(W * sizeof(T) % 16 == 0, "a chunk is whole 16-byte accesses");
+#pragma unroll
+    for (int q = 0; q < (int)(W * sizeof(T) / 16); ++q) {
+        reinterpret_cast<uint4*>(p)[q] = reinterpret_cast<const uint4*>(&c)[q];
+    }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15u) == 0; }
+
+// Grid-stride loops: grids are sized for the GPU's SMs (ops/mod.rs: stride_dims), not the data.
+__device__ __forceinline__ unsigned long long first_thread() {
+    return (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ unsigned long long grid_threads() {
+    return (unsigned long long)gridDim.x * blockDim.x;
+}
+
+// y[i] = f(x[i]) for i < n, in f32, rounded once to Y: chunks of W elements by 16-byte accesses
+// when both pointers are 16-byte aligned, then the tail one element at a time (everything, when
+// they are not). Both ways compute each element alike, so the result does not depend on it.
+template <int W, typename Y, typename X, typename F>
+__device__ __forceinline__ void map1(Y* y, const X* x, unsigned long long n, F f) {
+    unsigned long long chunks = aligned16(y) && aligned16(x) ? n / W : 0;
+    for (unsigned long long j = first_thread(); j < chunks; j += grid_threads()) {
+        Chunk<X, W> a = load_chunk<X, W>(x + j * W);
+        Chunk<Y, W> r;
+#pragma unroll
+        for (int e = 0; e < W; ++e) r.v[e] = from_f32<Y>(f(to_f32(a.v[e])));
+        store_chunk<Y, W>(y + j * W, r);
+    }
+    for (unsigned long long i = chunks * W + first_thread(); i < n; i += grid_threads()) {
+        y[i] = from_f32<Y>(f(to_f32(x[i])));
+    }
+}
+
+// y[i] = f(a[i], b[i]) for i < n, as map1.
+template <int W, typename Y, typename A, typename B, typename F>
+__device__ __forceinline__ void map2(Y* y, const A* a, const B* b, unsigned long long n, F f) {
+    unsigned long long chunks = aligned16(y) && aligned16(a) && aligned16(b) ? n / W : 0;
+    for (unsigned long long j = first_thread(); j < chunks; j += grid_threads()) {
+        Chunk<A, W> ca = load_chunk<A, W>(a + j * W);
+        Chunk<B, W> cb = load_chunk<B, W>(b + j * W);
+        Chunk<Y, W> r;
+#pragma unroll
+        for (int e = 0; e < W; ++e) r.v[e] = from_f32<Y>(f(to_f32(ca.v[e]), to_f32(cb.v[e])));
+        store_chunk<Y, W>(y + j * W, r);
+    }
+    for (unsigned long long i = chunks * W + first_thread(); i < n; i += grid_threads()) {
+        y[i] = from_f32<Y>(f(to_f32(a[i]), to_f32(b[i])));
+    }
+}
