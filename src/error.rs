@@ -191,7 +191,7 @@ pub enum Error {
     /// Tensors of different element types met where one type is needed (an operation's
     /// operands, a copy, a typed read).
     #[error(
-        "{op}: expected a tensor of {expected}, found {found}; convert it first (ops::cast) or pass one of {expected}"
+        "{op}: expected a tensor of {expected}, found {found}; pass {expected} operands (ops::cast::cast converts)"
     )]
     DTypeMismatch {
         /// The operation that was called.
