@@ -7,19 +7,31 @@ use std::process::Command;
 /// steps) ends near 0.06 with 97% exact-match accuracy on 100 held-out sums.
 const THRESHOLD: f64 = 0.5;
 
-#[test]
-fn a_small_gpt_learns_addition_on_the_simulator() {
+/// `graphed train` on the simulator with `extra` arguments must end below [`THRESHOLD`].
+fn learns(extra: &[&str]) {
     // Under a nextest archive (the GPU machine) the binary is elsewhere; nextest says where.
     let exe = std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string());
-    let out =
-        Command::new(exe).args(["train", "--device", "sim", "--eval", "20"]).output().expect("the graphed binary runs");
+    let mut args = vec!["train", "--device", "sim", "--eval", "20"];
+    args.extend(extra);
+    let out = Command::new(exe).args(&args).output().expect("the graphed binary runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "train failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let loss: f64 = stdout
         .lines()
         .find_map(|l| l.strip_prefix("final loss ")?.split_whitespace().next()?.parse().ok())
         .unwrap_or_else(|| panic!("no final loss in:\n{stdout}"));
-    assert!(loss < THRESHOLD, "final loss {loss} is not below {THRESHOLD}:\n{stdout}");
+    assert!(loss < THRESHOLD, "final loss {loss} with {extra:?} is not below {THRESHOLD}:\n{stdout}");
+}
+
+#[test]
+fn a_small_gpt_learns_addition_on_the_simulator() {
+    learns(&[]);
+}
+
+/// Mixed precision: bf16 weights and activations, f32 statistics, loss and master weights.
+#[test]
+fn a_small_gpt_learns_addition_in_bf16_on_the_simulator() {
+    learns(&["--dtype", "bf16"]);
 }
 
 /// The loss lines of `graphed train` with `extra` arguments: a short run with dropout on.
@@ -42,4 +54,10 @@ fn graphed_training_follows_eager_bitwise() {
     for mode in [&[][..], &["--side-stream"], &["--pool-per-layer"]] {
         assert_eq!(losses(mode), eager, "graphed train {mode:?} against --eager");
     }
+}
+
+#[test]
+fn graphed_training_follows_eager_bitwise_in_bf16() {
+    let eager = losses(&["--eager", "--dtype", "bf16"]);
+    assert_eq!(losses(&["--dtype", "bf16"]), eager, "graphed train --dtype bf16 against --eager");
 }

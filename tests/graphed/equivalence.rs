@@ -3,7 +3,7 @@
 //! graphed side also replays its optimizer step as a graph.
 
 use anyhow::ensure;
-use graphed::device::Device;
+use graphed::device::{DType, Device};
 use graphed::graph::{make_graphed_callables, make_graphed_fn, Callable, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Inputs, KeepOnDevice, Linear, Module, ParamStore};
@@ -25,9 +25,9 @@ enum How {
 
 /// Trains twin models, one eagerly and one graphed (its optimizer step a graph too), and
 /// compares everything bitwise.
-fn twin_training(dev: &Device, how: How) -> Result {
-    let eager = Model::new(dev)?;
-    let graphed = Model::new(dev)?;
+fn twin_training(dev: &Device, how: How, dtype: DType) -> Result {
+    let eager = Model::with_dtype(dev, dtype)?;
+    let graphed = Model::with_dtype(dev, dtype)?;
     let side = dev.stream()?;
     let event = dev.event()?;
     let options = match how {
@@ -79,25 +79,34 @@ fn twin_training(dev: &Device, how: How) -> Result {
         graphed.step.to_vec::<u64>(&graphed.s)? == draws,
         "the graphed stack advanced its step counter once per forward"
     );
-    ensure!(eager.params()? != Model::new(dev)?.params()?, "training changed nothing");
+    ensure!(eager.params()? != Model::with_dtype(dev, dtype)?.params()?, "training changed nothing");
     Ok(())
 }
 
 pub fn stack_caller_matches_eager(dev: &Device) -> Result {
-    twin_training(dev, How::Caller)
+    twin_training(dev, How::Caller, DType::F32)
 }
 
 pub fn stack_joined_matches_eager(dev: &Device) -> Result {
-    twin_training(dev, How::Joined)
+    twin_training(dev, How::Joined, DType::F32)
 }
 
 pub fn stack_side_stream_matches_eager(dev: &Device) -> Result {
-    twin_training(dev, How::Side)
+    twin_training(dev, How::Side, DType::F32)
+}
+
+/// Mixed precision: bf16 activations, weights and gradients, f32 master weights in AdamW.
+pub fn stack_caller_matches_eager_in_bf16(dev: &Device) -> Result {
+    twin_training(dev, How::Caller, DType::BF16)
+}
+
+pub fn stack_side_stream_matches_eager_in_bf16(dev: &Device) -> Result {
+    twin_training(dev, How::Side, DType::BF16)
 }
 
 /// Per layer, not chained: every input is copied into its layer's static input.
 pub fn layers_unchained_match_eager(dev: &Device) -> Result {
-    twin_training(dev, How::PerLayer)
+    twin_training(dev, How::PerLayer, DType::F32)
 }
 
 /// A Linear with its weight gradient split out: backward then backward_dw, graphed and eager.

@@ -28,6 +28,7 @@ const DROPOUT: f32 = 0.25;
 
 /// A stack of transformer layers, its parameters, step counter and optimizer.
 pub struct Model {
+    pub dtype: DType,
     pub s: Stream,
     pub alloc: CachingAllocator,
     pub store: ParamStore,
@@ -37,12 +38,18 @@ pub struct Model {
 }
 
 impl Model {
-    /// The same parameters and dropout seeds on every call.
+    /// The same parameters and dropout seeds on every call, in f32.
     pub fn new(dev: &Device) -> Result<Model> {
+        Model::with_dtype(dev, DType::F32)
+    }
+
+    /// As [`Model::new`], with weights and activations of `dtype` (f32 master weights in the
+    /// optimizer for bf16).
+    pub fn with_dtype(dev: &Device, dtype: DType) -> Result<Model> {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let c = SHAPE[2];
-        let mut store = ParamStore::new(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c))?;
+        let mut store = ParamStore::with_dtype(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c), dtype)?;
         let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
         let mut layers = Vec::new();
         for l in 0..LAYERS {
@@ -51,7 +58,7 @@ impl Model {
             layers.push(TransformerLayer::new(&mut store, &alloc, &name, (c, HEADS), &spec, 10 + l as u64, &s)?);
         }
         let optimizer = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-2), &s)?;
-        Ok(Model { s, alloc, store, stack: Stack::new(layers).with_rng_step(&step), step, optimizer })
+        Ok(Model { dtype, s, alloc, store, stack: Stack::new(layers).with_rng_step(&step), step, optimizer })
     }
 
     pub fn layers(&self) -> &[TransformerLayer] {
@@ -65,8 +72,8 @@ impl Model {
     /// Microbatch `k`'s input and upstream gradient: new values every microbatch.
     pub fn data(&self, k: u64) -> Result<(Tensor, Tensor)> {
         let n: usize = SHAPE.iter().product();
-        let x = Tensor::from_host(&self.alloc, &self.s, &lcg(n, 100 + k), &SHAPE)?;
-        let dy = Tensor::from_host(&self.alloc, &self.s, &lcg(n, 200 + k), &SHAPE)?;
+        let x = Tensor::from_f32(&self.alloc, &self.s, &lcg(n, 100 + k), &SHAPE, self.dtype)?;
+        let dy = Tensor::from_f32(&self.alloc, &self.s, &lcg(n, 200 + k), &SHAPE, self.dtype)?;
         Ok((x, dy))
     }
 
@@ -81,7 +88,7 @@ impl Model {
     pub fn eager(&self, x: &Tensor, dy: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
         let (y, ctx) = self.stack.forward(&Inputs::one(x), &KeepOnDevice, &self.s)?;
         let dx = input_grad("eager", self.stack.backward(ctx, &[dy], &self.s)?)?;
-        Ok((y[0].to_vec(&self.s)?, dx.to_vec(&self.s)?))
+        Ok((y[0].to_f32_vec(&self.s)?, dx.to_f32_vec(&self.s)?))
     }
 
     /// One graphed microbatch, replayed as `replay` says (the graphed stack advances the step
@@ -93,9 +100,9 @@ impl Model {
         dy: &Tensor,
         replay: Replay<'_>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let y = g.forward(&self.s, x, replay)?.get()?.to_vec(&self.s)?;
+        let y = g.forward(&self.s, x, replay)?.get()?.to_f32_vec(&self.s)?;
         let dx = g.backward(&self.s, dy)?.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
-        let dx = dx.get()?.to_vec(&self.s)?;
+        let dx = dx.get()?.to_f32_vec(&self.s)?;
         g.join(&self.s)?;
         Ok((y, dx))
     }
@@ -107,9 +114,9 @@ impl Model {
         rng::step_add(&self.step, 1, &self.s)?;
         let mut t = PerLayer { g, s: &self.s };
         let (y, saved) = forward_pass(&mut t, g.len(), x.clone())?;
-        let y = y.to_vec(&self.s)?;
+        let y = y.to_f32_vec(&self.s)?;
         let dx = backward_pass(&mut t, saved, dy.clone())?;
-        Ok((y, dx.to_vec(&self.s)?))
+        Ok((y, dx.to_f32_vec(&self.s)?))
     }
 
     /// The optimizer's step (the gradients zeroed after it).
@@ -118,11 +125,11 @@ impl Model {
     }
 
     pub fn params(&self) -> Result<Vec<f32>> {
-        Ok(self.store.values()?.to_vec(&self.s)?)
+        Ok(self.store.values()?.to_f32_vec(&self.s)?)
     }
 
     pub fn grads(&self) -> Result<Vec<f32>> {
-        Ok(self.store.grads()?.to_vec(&self.s)?)
+        Ok(self.store.grads()?.to_f32_vec(&self.s)?)
     }
 }
 

@@ -19,6 +19,8 @@ per_device!(
     stack_caller_matches_eager,
     stack_joined_matches_eager,
     stack_side_stream_matches_eager,
+    stack_caller_matches_eager_in_bf16,
+    stack_side_stream_matches_eager_in_bf16,
     layers_unchained_match_eager,
     split_weight_gradient_matches_eager,
     stack_split_weight_gradient_matches_eager,
