@@ -56,6 +56,16 @@ pub enum Error {
         kind: CaptureErrorKind,
     },
 
+    // ---- profiles ---------------------------------------------------------------------------
+    /// [`Stream::profile`](crate::device::Stream::profile) was refused; `kind` says why.
+    #[error("Stream::profile on stream {stream}: {kind}; {}", kind.fix())]
+    Profile {
+        /// The stream that was to be profiled.
+        stream: StreamId,
+        /// Why not.
+        kind: ProfileErrorKind,
+    },
+
     // ---- graphs -----------------------------------------------------------------------------
     /// A graph executable was used after `reset()`.
     #[error("{op}: this graph was reset and holds no executable; capture a new graph")]
@@ -433,6 +443,29 @@ pub enum CaptureErrorKind {
     /// CUDA_ERROR_INVALID_VALUE, and a capturing stream's wait invalidates its capture).
     #[error("the event was last recorded inside a capture that has ended")]
     RecordOfEndedCapture,
+}
+
+/// Why a kernel profile could not start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProfileErrorKind {
+    /// The stream takes part in a capture: captured work runs only when its graph is launched,
+    /// so there is nothing to time, and timing events recorded in a capture cannot be read.
+    #[error("the stream is capturing")]
+    Capturing,
+    /// The stream is profiled already.
+    #[error("the stream is already profiled")]
+    Active,
+}
+
+impl ProfileErrorKind {
+    /// What the caller should do about it.
+    pub fn fix(self) -> &'static str {
+        match self {
+            Self::Capturing => "profile the eager work outside the capture, and time a graph's launch as a whole",
+            Self::Active => "finish the active profile (or drop its guard) first",
+        }
+    }
 }
 
 impl CaptureErrorKind {

@@ -88,4 +88,4 @@ pub mod ops;
 pub mod optim;
 pub mod tensor;
 
-pub use error::{CaptureErrorKind, CaptureSite, Error, Result};
+pub use error::{CaptureErrorKind, CaptureSite, Error, ProfileErrorKind, Result};

@@ -170,8 +170,9 @@ pub enum BenchCommand {
     Check(CheckBenchArgs),
     /// TFLOP/s of a d×d×d bf16 GEMM (compare with `bench/torch_reference.py gemm`).
     Gemm(GemmBenchArgs),
-    /// One transformer layer's forward and backward, eager, f32 (compare with
-    /// `bench/torch_reference.py layer`).
+    /// One transformer layer's forward and backward, eager, bf16 on CUDA unless `--dtype` says
+    /// otherwise (compare with `bench/torch_reference.py layer`); `--profile` says where the time
+    /// goes per kernel class.
     Layer(LayerBenchArgs),
     /// Per-layer graphed training step against eager and a whole-step graph (BENCH.md's
     /// configurations).
@@ -230,12 +231,23 @@ pub struct LayerBenchArgs {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub dtype: DTypeArgs,
-    /// BENCH.md configurations to run.
-    #[arg(long, value_delimiter = ',', default_values_t = ["S".to_string(), "M".to_string(), "L".to_string()])]
+    /// BENCH.md configurations to run, or `tiny` (the only one the simulator runs).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        ignore_case = true,
+        value_parser = super::bench_model::CONFIG_NAMES,
+        default_values_t = ["S".to_string(), "M".to_string(), "L".to_string()]
+    )]
     pub configs: Vec<String>,
     /// Timed repetitions (the median is reported).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub reps: u32,
+    /// After the timed repetitions, profile one forward and backward and print where the time
+    /// goes, per kernel class: count, GPU time, share, GB/s, TFLOP/s and fraction of the H200's
+    /// roofs (also in the JSON).
+    #[arg(long)]
+    pub profile: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,

@@ -27,6 +27,7 @@ pub(crate) mod ids;
 pub mod kernel;
 pub(crate) mod memory;
 pub(crate) mod observe;
+mod profile;
 pub mod sim;
 mod stream;
 
@@ -43,6 +44,7 @@ pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};
 pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
 pub use kernel::{args, Arg, CpuArgs, In, InOut, IntoView, Kernel, LaunchDims, Out, Scalar};
 pub use memory::{DeviceBuffer, HostView, MemKind, PinnedBuffer, View};
+pub use profile::{KernelTime, Profile};
 pub use sim::{Policy, SimConfig, DEFAULT_SIM_MEMORY};
 pub use stream::Stream;
 

@@ -1,6 +1,6 @@
 //! Streams: ordered queues of device work, and the verbs that enqueue on them.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use super::backend::{dispatch, CopyDir, Op, StreamRepr};
 use super::capture::{Capture, CaptureMode, CaptureStatus};
@@ -8,8 +8,9 @@ use super::gemm::{Gemm, GemmElem};
 use super::kernel::{Arg, IntoView, Kernel, LaunchDims};
 use super::memory::{access_of, Block};
 use super::observe::{HostSync, Observer};
+use super::profile::{declared_bytes, KernelTime, Pending, Profile};
 use super::{AccessMode, Device, DeviceBuffer, Elem, Event, Graph, HostView, NodeKind, Region, StreamId};
-use crate::{Error, Result};
+use crate::{Error, ProfileErrorKind, Result};
 
 /// Refuses an argument list that does not pass one argument per parameter: CUDA would read
 /// past the list or misplace arguments, and the simulator's CPU path would read the wrong ones.
@@ -35,11 +36,23 @@ struct StreamInner {
     /// The GEMM workspace of this stream, made at its first GEMM (cuBLASLt needs one per
     /// stream for reproducible results).
     workspace: OnceLock<DeviceBuffer<u8>>,
+    /// The launches of the active kernel profile, if one is active (see [`Stream::profile`]).
+    profile: Mutex<Option<Vec<Pending>>>,
 }
 
 impl Stream {
     pub(crate) fn new(dev: Device, id: StreamId, priority: i32, legacy: bool, repr: StreamRepr) -> Stream {
-        Stream { inner: Arc::new(StreamInner { dev, id, priority, legacy, repr, workspace: OnceLock::new() }) }
+        Stream {
+            inner: Arc::new(StreamInner {
+                dev,
+                id,
+                priority,
+                legacy,
+                repr,
+                workspace: OnceLock::new(),
+                profile: Mutex::new(None),
+            }),
+        }
     }
 
     /// The stream's identity.
@@ -107,8 +120,60 @@ impl Stream {
                 }
             }
         }
-        self.enqueue(&Op::Kernel { kernel, dims, args })?;
+        self.enqueue_timed(&Op::Kernel { kernel, dims, args }, kernel.name, args, None)?;
         self.enqueued(kernel.name, args)
+    }
+
+    /// Enqueues a kernel or GEMM; on a profiled stream that is not capturing, between two timing
+    /// events, remembered with what it declares (see [`Stream::profile`]). The profile stays
+    /// locked meanwhile, so that another thread's launch on this stream cannot fall in between.
+    fn enqueue_timed(&self, op: &Op<'_>, name: &'static str, args: &[Arg<'_>], flops: Option<u64>) -> Result<()> {
+        let mut profile = self.inner.profile.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(pending) = profile.as_mut() else { return self.enqueue(op) };
+        if self.capture_id()?.is_some() {
+            return self.enqueue(op);
+        }
+        let (start, end) = (self.inner.dev.timing_event()?, self.inner.dev.timing_event()?);
+        self.record_unobserved(&start)?;
+        self.enqueue(op)?;
+        self.record_unobserved(&end)?;
+        let time = KernelTime { name, bytes: declared_bytes(args), flops, elapsed_us: None };
+        pending.push(Pending { time, start, end });
+        Ok(())
+    }
+
+    /// Records one of the profile's own events, which no stream waits on: the checker need not
+    /// hear of it.
+    fn record_unobserved(&self, event: &Event) -> Result<()> {
+        dispatch!(self.inner.dev.backend(), |b, pick| b.record(pick!(self.inner.repr), pick!(event.repr()), false))
+    }
+
+    /// Starts a kernel profile of this stream: until the returned guard finishes or is dropped,
+    /// each [`Stream::launch`] and [`Stream::gemm`] enqueued on it is bracketed by two timing
+    /// events and remembered with its kernel name, declared bytes and FLOPs (see
+    /// [`KernelTime`]), so that a benchmark can say where its time goes. Launches made while
+    /// the stream takes part in a capture are not profiled: they run only when the graph is
+    /// launched. Events cost a little GPU time between launches, none inside them.
+    ///
+    /// # Errors
+    /// [`Error::Profile`] with [`ProfileErrorKind::Capturing`] when the stream takes part in a
+    /// capture, [`ProfileErrorKind::Active`] when it is already profiled.
+    pub fn profile(&self) -> Result<Profile<'_>> {
+        let mut profile = self.inner.profile.lock().unwrap_or_else(PoisonError::into_inner);
+        let refuse = |kind| Err(Error::Profile { stream: self.inner.id, kind });
+        if self.capture_id()?.is_some() {
+            return refuse(ProfileErrorKind::Capturing);
+        }
+        if profile.is_some() {
+            return refuse(ProfileErrorKind::Active);
+        }
+        *profile = Some(Vec::new());
+        Ok(Profile::new(self))
+    }
+
+    /// Ends the active profile and returns its launches (none if no profile is active).
+    pub(super) fn end_profile(&self) -> Vec<Pending> {
+        self.inner.profile.lock().unwrap_or_else(PoisonError::into_inner).take().unwrap_or_default()
     }
 
     /// After a kernel or library call was enqueued: note the streams of the blocks it touches,
@@ -142,7 +207,9 @@ impl Stream {
         let args = g.args(&spec, workspace.view());
         let kernel = g.kernel();
         check_arity(kernel, &args)?;
-        self.enqueue(&Op::Gemm { kernel, args: &args, spec, alpha: g.alpha, beta: g.beta })?;
+        let flops = 2 * (spec.m * spec.n * spec.k * spec.batch) as u64;
+        let op = Op::Gemm { kernel, args: &args, spec, alpha: g.alpha, beta: g.beta };
+        self.enqueue_timed(&op, kernel.name, &args, Some(flops))?;
         self.enqueued(kernel.name, &args)
     }
 

@@ -1,67 +1,276 @@
 //! `graphed bench layer`: one transformer layer of `BENCH.md`'s configurations, forward and
-//! backward, eager, in f32 (the dtype graphed's modules have today); `bench/torch_reference.py
-//! layer` times the same layer in PyTorch on the same GPU.
+//! backward, eager, in bf16 on CUDA unless `--dtype` says otherwise; `bench/torch_reference.py
+//! layer` times the same layer in PyTorch on the same GPU. After the timed repetitions, one more
+//! forward and backward runs under a kernel profile (`Stream::profile`), which counts the
+//! layer's kernels; with `--profile`, a table of its kernel classes says where the time goes,
+//! against the H200's roofs.
 
-use graphed::device::DType;
 use std::time::Instant;
 
-use graphed::device::DeviceKind;
+use anyhow::bail;
+use graphed::device::{DType, Device, DeviceKind, KernelTime, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
 use super::{median, write_json, Report};
-use crate::cli::args::LayerBenchArgs;
+use crate::cli::args::{DeviceChoice, LayerBenchArgs};
+use crate::cli::bench_model::Config;
+
+/// The NVIDIA H200's roofs (SXM datasheet): HBM3e bandwidth in bytes/s.
+const HBM_BYTES_PER_S: f64 = 4.8e12;
+/// Dense bf16 on the tensor cores, FLOP/s.
+const BF16_FLOP_PER_S: f64 = 989e12;
+/// f32 FMA without TF32 (graphed's f32 GEMMs are IEEE f32), FLOP/s.
+const F32_FLOP_PER_S: f64 = 67e12;
 
 #[derive(Serialize, Debug)]
 struct LayerRow {
-    config: String,
+    config: &'static str,
     dim: usize,
     batch: usize,
     seq: usize,
-    gpu_ms: f64,
+    dtype: String,
+    /// Between timing events; none on the simulator, which has no clock.
+    gpu_ms: Option<f64>,
     host_ms: f64,
+    /// Launches and GEMMs of one forward (memsets and copies are not counted).
+    kernels_forward: usize,
+    /// Launches and GEMMs of one backward.
+    kernels_backward: usize,
+    /// Where one forward and backward spend their time, per kernel class (with `--profile`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    profile: Option<Vec<ClassRow>>,
 }
 
-/// (name, d, batch, seq) of `BENCH.md`.
-const CONFIGS: [(&str, usize, usize, usize); 3] = [("S", 256, 2, 64), ("M", 1024, 4, 512), ("L", 4096, 2, 2048)];
+/// The launches of one kernel class (one kernel name: its dtype and epilogue included) in a
+/// profiled forward and backward.
+#[derive(Serialize, Debug)]
+struct ClassRow {
+    class: &'static str,
+    count: usize,
+    /// Declared by the launches' arguments (see `KernelTime::bytes`), not measured.
+    bytes: u64,
+    /// For GEMMs, 2·m·n·k·batch summed.
+    flops: Option<u64>,
+    /// GPU µs summed; none on the simulator.
+    total_us: Option<f64>,
+    /// `total_us` over the layer's median GPU time.
+    share: Option<f64>,
+    gb_per_s: Option<f64>,
+    tflop_per_s: Option<f64>,
+    /// The roof that bounds the class: HBM, or the GEMM peak of the layer's dtype when its FLOPs
+    /// take longer at that peak than its bytes at HBM speed.
+    roof: &'static str,
+    /// That bound's time over the measured time.
+    of_roof: Option<f64>,
+}
 
 pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
     let dev = super::super::open_device(&args.device)?;
-    anyhow::ensure!(dev.kind() == DeviceKind::Cuda, "bench layer times GPU work; run it on a CUDA device");
+    if dev.kind() != DeviceKind::Cuda && args.device.device != DeviceChoice::Sim {
+        bail!(
+            "bench layer times GPU work; run it on a CUDA device (or smoke-test it with `--device sim --configs tiny`)"
+        );
+    }
+    let configs = args.configs.iter().map(|name| Config::named(name)).collect::<anyhow::Result<Vec<_>>>()?;
+    for config in &configs {
+        config.check_device(&dev, "--configs")?;
+    }
+    let dtype = args.dtype.resolve(&dev);
     let s = dev.stream()?;
     let mut rows = Vec::new();
-    for &(name, d, b, t) in CONFIGS.iter().filter(|c| args.configs.iter().any(|n| n.eq_ignore_ascii_case(c.0))) {
-        let alloc = CachingAllocator::new(&dev);
-        let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(d))?;
-        let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-        let spec = DropoutSpec { p: 0.0, seed: 0, site: 0, step };
-        let layer = TransformerLayer::new(&mut store, &alloc, "layer", (d, d / 64), &spec, 1, &s)?;
-        let x = Tensor::from_host(&alloc, &s, &vec![0.5f32; b * t * d], &[b, t, d])?;
-        let dy = Tensor::from_host(&alloc, &s, &vec![1.0f32; b * t * d], &[b, t, d])?;
-        let (start, end) = (dev.timing_event()?, dev.timing_event()?);
-        let (mut gpu, mut host) = (Vec::new(), Vec::new());
-        for rep in 0..args.reps + 3 {
-            s.record(&start)?;
-            let issued = Instant::now();
-            let (_, ctx) = layer.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
-            layer.backward(ctx, &[&dy], &s)?;
-            let h = issued.elapsed().as_secs_f64() * 1e3;
-            s.record(&end)?;
-            end.synchronize()?;
-            if rep >= 3 {
-                gpu.push(f64::from(start.elapsed_ms(&end)?));
-                host.push(h);
-            }
-        }
-        let row =
-            LayerRow { config: name.into(), dim: d, batch: b, seq: t, gpu_ms: median(gpu), host_ms: median(host) };
+    for config in configs {
+        let row = run_config(&dev, &s, config, dtype, args)?;
+        let gpu =
+            row.gpu_ms.map_or_else(|| "no GPU time (the simulator has no clock)".into(), |ms| format!("{ms:.3} ms"));
         println!(
-            "{name}: d={d} batch={b} seq={t}: {:.3} ms per forward+backward (GPU), {:.3} ms host",
-            row.gpu_ms, row.host_ms
+            "{}: d={} batch={} seq={} {dtype}: {gpu} per forward+backward, {:.3} ms host; kernels: {} forward, {} backward",
+            row.config, row.dim, row.batch, row.seq, row.host_ms, row.kernels_forward, row.kernels_backward
         );
+        if let Some(classes) = &row.profile {
+            print_classes(classes, row.gpu_ms, dtype);
+        }
         rows.push(row);
     }
     write_json(&args.json, &Report::new("layer", &dev, args.reps, rows))
+}
+
+fn run_config(
+    dev: &Device,
+    s: &Stream,
+    config: Config,
+    dtype: DType,
+    args: &LayerBenchArgs,
+) -> anyhow::Result<LayerRow> {
+    let Config { dim: d, batch: b, seq: t, .. } = config;
+    let alloc = CachingAllocator::new(dev);
+    let mut store = ParamStore::with_dtype(&alloc, s, TransformerLayer::parameter_count(d), dtype)?;
+    let step = Tensor::zeros(&alloc, s, &[1], DType::U64)?;
+    let spec = DropoutSpec { p: 0.0, seed: 0, site: 0, step };
+    let layer = TransformerLayer::new(&mut store, &alloc, "layer", (d, config.heads()), &spec, 1, s)?;
+    let x = Tensor::from_f32(&alloc, s, &vec![0.5f32; b * t * d], &[b, t, d], dtype)?;
+    let dy = Tensor::from_f32(&alloc, s, &vec![1.0f32; b * t * d], &[b, t, d], dtype)?;
+    let on_gpu = dev.kind() == DeviceKind::Cuda;
+    let (start, end) = (dev.timing_event()?, dev.timing_event()?);
+    let (mut gpu, mut host) = (Vec::new(), Vec::new());
+    for rep in 0..args.reps + 3 {
+        s.record(&start)?;
+        let issued = Instant::now();
+        let (_, ctx) = layer.forward(&Inputs::one(&x), &KeepOnDevice, s)?;
+        layer.backward(ctx, &[&dy], s)?;
+        let h = issued.elapsed().as_secs_f64() * 1e3;
+        s.record(&end)?;
+        end.synchronize()?;
+        if rep >= 3 {
+            if on_gpu {
+                gpu.push(f64::from(start.elapsed_ms(&end)?));
+            }
+            host.push(h);
+        }
+    }
+    let gpu_ms = (!gpu.is_empty()).then(|| median(gpu));
+    let profile = s.profile()?;
+    let (_, ctx) = layer.forward(&Inputs::one(&x), &KeepOnDevice, s)?;
+    let forward = profile.finish()?;
+    let profile = s.profile()?;
+    layer.backward(ctx, &[&dy], s)?;
+    let backward = profile.finish()?;
+    let (kernels_forward, kernels_backward) = (forward.len(), backward.len());
+    let profile = args.profile.then(|| classes(&[forward, backward].concat(), gpu_ms.map(|ms| ms * 1e3), dtype));
+    Ok(LayerRow {
+        config: config.name,
+        dim: d,
+        batch: b,
+        seq: t,
+        dtype: dtype.to_string(),
+        gpu_ms,
+        host_ms: median(host),
+        kernels_forward,
+        kernels_backward,
+        profile,
+    })
+}
+
+/// The launches grouped by kernel name, the longest first (in first-launch order without a
+/// clock); `layer_us` is the layer's GPU time that shares are of.
+fn classes(times: &[KernelTime], layer_us: Option<f64>, dtype: DType) -> Vec<ClassRow> {
+    let (peak_name, peak) = match dtype {
+        DType::BF16 => ("bf16 TC", BF16_FLOP_PER_S),
+        _ => ("f32", F32_FLOP_PER_S),
+    };
+    let mut names: Vec<&'static str> = Vec::new();
+    for t in times {
+        if !names.contains(&t.name) {
+            names.push(t.name);
+        }
+    }
+    let mut rows: Vec<ClassRow> = names
+        .into_iter()
+        .map(|class| {
+            let launches: Vec<&KernelTime> = times.iter().filter(|t| t.name == class).collect();
+            let bytes = launches.iter().map(|t| t.bytes).sum::<u64>();
+            let flops = launches.iter().filter_map(|t| t.flops).reduce(|a, b| a + b);
+            let total_us = launches.iter().map(|t| t.elapsed_us).sum::<Option<f64>>();
+            // The roofline: the longer of the bytes at HBM speed and the FLOPs at the peak.
+            let hbm_s = bytes as f64 / HBM_BYTES_PER_S;
+            let compute_s = flops.map_or(0.0, |f| f as f64 / peak);
+            let (roof, bound_s) = if compute_s > hbm_s { (peak_name, compute_s) } else { ("HBM", hbm_s) };
+            let per_s = |amount: f64| total_us.map(|us| amount / (us * 1e-6));
+            ClassRow {
+                class,
+                count: launches.len(),
+                bytes,
+                flops,
+                total_us,
+                share: total_us.zip(layer_us).map(|(us, layer)| us / layer),
+                gb_per_s: per_s(bytes as f64 / 1e9),
+                tflop_per_s: flops.and_then(|f| per_s(f as f64 / 1e12)),
+                roof,
+                of_roof: total_us.map(|us| bound_s / (us * 1e-6)),
+            }
+        })
+        .collect();
+    rows.sort_by(|a, b| b.total_us.unwrap_or(0.0).total_cmp(&a.total_us.unwrap_or(0.0)));
+    rows
+}
+
+fn print_classes(rows: &[ClassRow], gpu_ms: Option<f64>, dtype: DType) {
+    let opt = |v: Option<f64>, prec: usize| v.map_or_else(|| "-".to_string(), |v| format!("{v:.prec$}"));
+    let pct = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{:.1}%", 100.0 * v));
+    let w = rows.iter().map(|r| r.class.len()).max().unwrap_or(0).max("all kernels".len());
+    println!(
+        "  {:<w$} {:>4} {:>9} {:>8} {:>10} {:>6} {:>8} {:>8}  {:<7} {:>7}",
+        "class", "n", "MB", "GFLOP", "total µs", "share", "GB/s", "TFLOP/s", "roof", "of roof"
+    );
+    for r in rows {
+        println!(
+            "  {:<w$} {:>4} {:>9.3} {:>8} {:>10} {:>6} {:>8} {:>8}  {:<7} {:>7}",
+            r.class,
+            r.count,
+            r.bytes as f64 / 1e6,
+            opt(r.flops.map(|f| f as f64 / 1e9), 3),
+            opt(r.total_us, 1),
+            pct(r.share),
+            opt(r.gb_per_s, 0),
+            opt(r.tflop_per_s, 1),
+            r.roof,
+            pct(r.of_roof),
+        );
+    }
+    let total_us = rows.iter().map(|r| r.total_us).sum::<Option<f64>>();
+    let share = total_us.zip(gpu_ms).map(|(us, ms)| us / (ms * 1e3));
+    println!(
+        "  {:<w$} {:>4} {:>9.3} {:>8} {:>10} {:>6}  (the rest: gaps between kernels, memsets, copies)",
+        "all kernels",
+        rows.iter().map(|r| r.count).sum::<usize>(),
+        rows.iter().map(|r| r.bytes).sum::<u64>() as f64 / 1e6,
+        opt(Some(rows.iter().filter_map(|r| r.flops).sum::<u64>() as f64 / 1e9), 3),
+        opt(total_us, 1),
+        pct(share),
+    );
+    println!(
+        "  roofs (NVIDIA H200): HBM3e {:.1} TB/s; dense bf16 tensor core {:.0} TFLOP/s; f32 without TF32 {:.0} TFLOP/s",
+        HBM_BYTES_PER_S / 1e12,
+        BF16_FLOP_PER_S / 1e12,
+        F32_FLOP_PER_S / 1e12,
+    );
+    println!(
+        "  of roof: the roofline's bound (declared bytes at HBM speed, or GEMM FLOPs at the {dtype} peak, whichever \
+         is longer) over the measured time; shares are of the median GPU time above"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_group_by_name_and_pick_the_binding_roof() {
+        let t = |name, bytes, flops, us| KernelTime { name, bytes, flops, elapsed_us: Some(us) };
+        let times = [
+            t("gemm_bf16_bias", 1_000_000, Some(989_000_000_000), 1000.0),
+            t("layernorm_forward_bf16", 2_400_000, None, 1.0),
+            t("gemm_bf16_bias", 1_000_000, Some(989_000_000_000), 1000.0),
+            t("gemm_bf16", 4_800_000_000, Some(1_000), 2000.0),
+        ];
+        let rows = classes(&times, Some(5000.0), DType::BF16);
+        let summary: Vec<_> = rows.iter().map(|r| (r.class, r.count, r.bytes, r.flops, r.roof)).collect();
+        assert_eq!(
+            summary,
+            vec![
+                ("gemm_bf16_bias", 2, 2_000_000, Some(1_978_000_000_000), "bf16 TC"),
+                ("gemm_bf16", 1, 4_800_000_000, Some(1_000), "HBM"),
+                ("layernorm_forward_bf16", 1, 2_400_000, None, "HBM"),
+            ],
+            "longest first; a GEMM whose bytes take longer than its FLOPs is bound by HBM"
+        );
+        let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9 * b.abs().max(1.0));
+        // 1.978 PFLOP in 2 ms at 989 TFLOP/s takes 2 ms: at the roof.
+        assert!(close(rows[0].tflop_per_s, 989.0) && close(rows[0].of_roof, 1.0) && close(rows[0].share, 0.4));
+        // 4.8 GB in 2 ms: 2400 GB/s, half of HBM's 4.8 TB/s.
+        assert!(close(rows[1].gb_per_s, 2400.0) && close(rows[1].of_roof, 0.5));
+        assert!(close(rows[2].gb_per_s, 2400.0) && rows[2].tflop_per_s.is_none());
+    }
 }

@@ -195,3 +195,22 @@ fn timing_events_measure_gpu_time() -> Result<()> {
     assert!(ms.is_finite() && ms >= 0.0, "{ms}");
     Ok(())
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_profile_times_each_launch() -> Result<()> {
+    let (dev, _serial) = gpu();
+    let s = dev.stream()?;
+    let x = dev.alloc::<f32>(1 << 20)?;
+    let (a, c) = (dev.alloc::<half::bf16>(256 * 256)?, dev.alloc::<half::bf16>(256 * 256)?);
+    let profile = s.profile()?;
+    add_one(&s, &x)?;
+    s.gemm(crate::device::Gemm::new(c.view(), a.view(), a.view(), (256, 256, 256)))?;
+    let times = profile.finish()?;
+    let names: Vec<_> = times.iter().map(|t| (t.name, t.flops)).collect();
+    assert_eq!(names, vec![("add_one", None), ("gemm_bf16", Some(2 * 256 * 256 * 256))]);
+    for t in &times {
+        assert!(t.elapsed_us.is_some_and(|us| us.is_finite() && us > 0.0), "{t:?}");
+    }
+    Ok(())
+}
