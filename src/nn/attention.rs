@@ -1,7 +1,7 @@
 //! Causal multi-head self-attention, unfused as in the benchmark layer: a QKV projection; the
 //! heads of Q, K and V permuted from column blocks of the `(B·T, 3C)` activation into
 //! `(B, H, T, hd)` (`ops::heads`), so that one strided-batched GEMM covers every (batch element,
-//! head) pair; `scores = Q·Kᵀ`, a causal softmax with scale 1/√head_dim, `att = probs·V`, permuted
+//! head) pair; `scores = Q·Kᵀ/√head_dim` (the scale is the GEMM's alpha), a causal softmax, `att = probs·V`, permuted
 //! back into `(B·T, C)`; and the output projection. A call costs a fixed number of launches,
 //! whatever the batch.
 
@@ -62,15 +62,16 @@ impl Dims {
     }
 }
 
-/// `c = op(a)·op(b)` for the `batch` matrices of `(m, n, k)` (`beta` 0).
+/// `c = alpha·op(a)·op(b)` for the `batch` matrices of `(m, n, k)` (`beta` 0).
 fn batched(
     stream: &Stream,
     (c, a, b): (&Tensor, &Tensor, &Tensor),
     (m, n, k): (usize, usize, usize),
     batch: usize,
     (trans_a, trans_b): (bool, bool),
+    alpha: f32,
 ) -> Result<()> {
-    matmul(Matmul { batch, trans_a, trans_b, ..Matmul::new(c, a, b, (m, n, k)) }, stream)
+    matmul(Matmul { batch, trans_a, trans_b, alpha, ..Matmul::new(c, a, b, (m, n, k)) }, stream)
 }
 
 impl CausalSelfAttention {
@@ -135,10 +136,10 @@ impl Module for CausalSelfAttention {
             Tensor::uninit(&self.alloc, stream, &tt, x.dtype())?,
             Tensor::uninit(&self.alloc, stream, &tt, x.dtype())?,
         );
-        batched(stream, (&scores, &q, &k), (d.seq, d.seq, d.hd), d.pairs(), (false, true))?;
-        softmax::softmax_causal_forward(&probs, &scores, d.scale(), stream)?;
+        batched(stream, (&scores, &q, &k), (d.seq, d.seq, d.hd), d.pairs(), (false, true), d.scale())?;
+        softmax::softmax_causal_forward(&probs, &scores, stream)?;
         let att_heads = Tensor::uninit(&self.alloc, stream, &d.head_shape(), x.dtype())?;
-        batched(stream, (&att_heads, &probs, &v), (d.seq, d.hd, d.seq), d.pairs(), (false, false))?;
+        batched(stream, (&att_heads, &probs, &v), (d.seq, d.hd, d.seq), d.pairs(), (false, false), 1.0)?;
         let att = Tensor::uninit(&self.alloc, stream, &[bt, c], x.dtype())?;
         heads::rows_from_heads(&att, 0, &att_heads, stream)?;
         hook.open_group(&self.name)?;
@@ -168,11 +169,12 @@ impl Module for CausalSelfAttention {
         );
         let (t, hd, pairs) = (d.seq, d.hd, d.pairs());
         let (dq, dk, dv) = (heads()?, heads()?, heads()?);
-        batched(stream, (&dprobs, &datt_heads, v), (t, t, hd), pairs, (false, true))?;
-        batched(stream, (&dv, probs, &datt_heads), (t, hd, t), pairs, (true, false))?;
-        softmax::softmax_causal_backward(&dscores, probs, &dprobs, d.scale(), stream)?;
-        batched(stream, (&dq, &dscores, k), (t, hd, t), pairs, (false, false))?;
-        batched(stream, (&dk, &dscores, q), (t, hd, t), pairs, (true, false))?;
+        batched(stream, (&dprobs, &datt_heads, v), (t, t, hd), pairs, (false, true), 1.0)?;
+        batched(stream, (&dv, probs, &datt_heads), (t, hd, t), pairs, (true, false), 1.0)?;
+        softmax::softmax_causal_backward(&dscores, probs, &dprobs, stream)?;
+        // scores = scale·q·kᵀ, so the scale is the alpha of both gradients' GEMMs too.
+        batched(stream, (&dq, &dscores, k), (t, hd, t), pairs, (false, false), d.scale())?;
+        batched(stream, (&dk, &dscores, q), (t, hd, t), pairs, (true, false), d.scale())?;
         let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dy.dtype())?;
         for (part, g) in [&dq, &dk, &dv].into_iter().enumerate() {
             heads::rows_from_heads(&dqkv, part, g, stream)?;
