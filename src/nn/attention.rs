@@ -139,7 +139,7 @@ impl CausalSelfAttention {
         let (scores, probs) =
             (Tensor::uninit(&self.alloc, stream, &tt, dtype)?, Tensor::uninit(&self.alloc, stream, &tt, dtype)?);
         batched(stream, (&scores, &q, &k), (d.seq, d.seq, d.hd), (d.pairs(), d.scale()), (false, true))?;
-        softmax::softmax_causal_forward(&probs, &scores, 1.0, stream)?;
+        softmax::softmax_causal_forward(&probs, &scores, stream)?;
         let att_heads = Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype)?;
         batched(stream, (&att_heads, &probs, &v), (d.seq, d.hd, d.seq), (d.pairs(), 1.0), (false, false))?;
         let att = Tensor::uninit(&self.alloc, stream, &[bt, c], dtype)?;
@@ -182,7 +182,7 @@ impl CausalSelfAttention {
         let (dq, dk, dv) = (heads()?, heads()?, heads()?);
         batched(stream, (&dprobs, &datt_heads, v), (t, t, hd), (pairs, 1.0), (false, true))?;
         batched(stream, (&dv, probs, &datt_heads), (t, hd, t), (pairs, 1.0), (true, false))?;
-        softmax::softmax_causal_backward(&dscores, probs, &dprobs, 1.0, stream)?;
+        softmax::softmax_causal_backward(&dscores, probs, &dprobs, stream)?;
         batched(stream, (&dq, &dscores, k), (t, hd, t), (pairs, scale), (false, false))?;
         batched(stream, (&dk, &dscores, q), (t, hd, t), (pairs, scale), (true, false))?;
         let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dtype)?;

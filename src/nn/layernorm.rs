@@ -4,7 +4,7 @@
 use super::{Inputs, Module, Param, ParamStore, SaveHook};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
-use crate::ops::layernorm;
+use crate::ops::layernorm::{self, LayerNormWorkspace};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -18,6 +18,8 @@ pub struct LayerNorm {
     pub weight: Param,
     /// `(C)`, the shift.
     pub bias: Param,
+    /// The backward's column-sum scratch, allocated once.
+    workspace: LayerNormWorkspace,
 }
 
 /// What the forward saves: the input as rows and each row's statistics.
@@ -60,7 +62,8 @@ impl LayerNorm {
     ) -> Result<LayerNorm> {
         let weight = store.add(&format!("{name}.weight"), &[dim], &vec![1.0; dim], stream)?;
         let bias = store.add(&format!("{name}.bias"), &[dim], &vec![0.0; dim], stream)?;
-        Ok(LayerNorm { name: name.to_string(), alloc: alloc.clone(), weight, bias })
+        let workspace = LayerNormWorkspace::new(alloc, stream, dim)?;
+        Ok(LayerNorm { name: name.to_string(), alloc: alloc.clone(), weight, bias, workspace })
     }
 
     fn dim(&self) -> usize {
@@ -97,7 +100,20 @@ impl Module for LayerNorm {
         let dy = as_rows(OP, dy, self.dim())?;
         let dx = Tensor::uninit(&self.alloc, stream, dy.shape(), dy.dtype())?;
         let (w, b) = (&self.weight, &self.bias);
-        layernorm::layernorm_backward(&dx, &w.grad, &b.grad, &dy, &ctx.input, &w.value, &ctx.mean, &ctx.rstd, stream)?;
+        let (input, mean, rstd) = (&ctx.input, &ctx.mean, &ctx.rstd);
+        layernorm::layernorm_backward(
+            &dx,
+            &w.grad,
+            &b.grad,
+            &dy,
+            input,
+            &w.value,
+            mean,
+            rstd,
+            None,
+            &self.workspace,
+            stream,
+        )?;
         Ok(vec![Some(dx.reshape(&ctx.shape)?)])
     }
 

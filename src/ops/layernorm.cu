@@ -1,88 +1,268 @@
-// LayerNorm over the last dimension of a row-major (rows, C) matrix, f32 with f32 statistics.
-// The CPU paths in layernorm.rs compute the same formulas with sequential sums.
+// LayerNorm over the last dimension of a row-major (rows, C) matrix of T (float or bf16), with f32
+// statistics and f32 math: each value is widened once when loaded and rounded once when stored.
+// The CPU paths in layernorm.rs compute the same formulas with sequential sums. rows.cu (the row
+// groups, vector accesses and reductions) is prepended to this source.
 //
-// Launch contract: the per-row kernels run one block of exactly ROW_BLOCK threads per row (the
-// shared arrays and the strides below assume it); the parameter kernel runs one thread per column.
+// Launch contract (layernorm.rs computes it): blocks of blockDim.x threads split into row groups
+// of G threads, G a power of two dividing blockDim.x, and C <= G * LN_*_VALS, so that a thread
+// keeps its part of a row in registers and every value is loaded once.
 //
-// Determinism: no atomics anywhere. Per-row sums use reduce.cu's fixed-order block reductions
-// (prepended to this source). In the parameter kernel each thread sums its column over rows
-// 0, 1, 2, ... in order. So every sum has one fixed order of additions and the results are
-// bitwise identical run to run.
+// Determinism: row sums as rows.cu says. In the backward, each thread sums its columns' parameter
+// gradients over its rows in row order; the row groups of a block add their sums in group order
+// into the block's slot of the workspace; then a two-level tree, each level in index order: the
+// last block of each span of TREE_SPAN consecutive blocks to finish (a ticket counter) adds the
+// span's slots in block order, and the last of those adds the spans' sums in span order and adds
+// the totals into the gradients. Which block does the adding varies; the order of additions does
+// not, so the results are bitwise identical run to run. No float atomics.
 
-// out = (inp - mean) * rstd * weight + bias per row; saves mean and rstd = 1 / sqrt(var + eps).
-// Two passes over the row (mean, then the centered variance) for accuracy.
-extern "C" __global__ void layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
-                                                 const float* weight, const float* bias, float eps,
-                                                 unsigned rows, unsigned C) {
-    __shared__ float buf[ROW_BLOCK];
-    unsigned row = blockIdx.x;
-    if (row >= rows) return;  // uniform over the block, so no thread misses a barrier
-    const float* x = inp + (unsigned long long)row * C;
-    float* y = out + (unsigned long long)row * C;
+#define LN_FWD_VALS 16
+#define LN_BWD_VALS 8
+#define TREE_SPAN 12
 
+// out = (inp - mean) * rstd * weight + bias; saves mean and rstd = 1 / sqrt(var + eps), the
+// biased variance computed in a second pass over the row in registers.
+template <typename T, int W>
+__device__ void layernorm_forward_rows(T* out, float* mean, float* rstd, const T* inp, const T* weight,
+                                       const T* bias, float eps, unsigned rows, unsigned C, unsigned G) {
+    constexpr int K = LN_FWD_VALS / W;
+    __shared__ float red[64];
+    const unsigned t = threadIdx.x % G, row = blockIdx.x * (blockDim.x / G) + threadIdx.x / G;
+    const bool live = row < rows;  // a group past the last row still takes part in the barriers
+    const unsigned long long at = (unsigned long long)row * C;
+
+    float x[K][W];
     float sum = 0.0f;
-    for (unsigned c = threadIdx.x; c < C; c += ROW_BLOCK) sum += x[c];
-    float m = block_sum(sum, buf) / (float)C;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (live && c < C) {
+            load<T, W>(inp + at + c, x[k]);
+#pragma unroll
+            for (int i = 0; i < W; i++) sum += x[k][i];
+        }
+    }
+    const float m = group_sum(sum, G, red) / (float)C;
 
     float sq = 0.0f;
-    for (unsigned c = threadIdx.x; c < C; c += ROW_BLOCK) {
-        float d = x[c] - m;
-        sq += d * d;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (live && c < C) {
+#pragma unroll
+            for (int i = 0; i < W; i++) {
+                float d = x[k][i] - m;
+                sq += d * d;
+            }
+        }
     }
-    float r = 1.0f / sqrtf(block_sum(sq, buf) / (float)C + eps);
+    const float r = 1.0f / sqrtf(group_sum(sq, G, red) / (float)C + eps);
 
-    for (unsigned c = threadIdx.x; c < C; c += ROW_BLOCK) y[c] = (x[c] - m) * r * weight[c] + bias[c];
-    if (threadIdx.x == 0) {
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (live && c < C) {
+            float w[W], b[W], y[W];
+            load<T, W>(weight + c, w);
+            load<T, W>(bias + c, b);
+#pragma unroll
+            for (int i = 0; i < W; i++) y[i] = (x[k][i] - m) * r * w[i] + b[i];
+            store<T, W>(out + at + c, y);
+        }
+    }
+    if (live && t == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
 }
 
-// dinp = (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd per row, with
-// norm = (inp - mean) * rstd and dnorm = dout * weight. Written, not accumulated.
-extern "C" __global__ void layernorm_backward_dinp_f32(float* dinp, const float* dout, const float* inp,
-                                                       const float* weight, const float* mean,
-                                                       const float* rstd, unsigned rows, unsigned C) {
-    __shared__ float buf[ROW_BLOCK];
-    unsigned row = blockIdx.x;
-    if (row >= rows) return;  // uniform over the block
-    unsigned long long at = (unsigned long long)row * C;
-    const float* x = inp + at;
-    const float* g = dout + at;
-    float* dx = dinp + at;
-    float m = mean[row], r = rstd[row];
-
-    float dn_sum = 0.0f, dnn_sum = 0.0f;
-    for (unsigned c = threadIdx.x; c < C; c += ROW_BLOCK) {
-        float norm = (x[c] - m) * r;
-        float dn = g[c] * weight[c];
-        dn_sum += dn;
-        dnn_sum += dn * norm;
-    }
-    float dn_mean = block_sum(dn_sum, buf) / (float)C;
-    float dnn_mean = block_sum(dnn_sum, buf) / (float)C;
-
-    for (unsigned c = threadIdx.x; c < C; c += ROW_BLOCK) {
-        float norm = (x[c] - m) * r;
-        float dn = g[c] * weight[c];
-        dx[c] = (dn - dn_mean - norm * dnn_mean) * r;
+template <typename T>
+__device__ void layernorm_forward(T* out, float* mean, float* rstd, const T* inp, const T* weight, const T* bias,
+                                  float eps, unsigned rows, unsigned C, unsigned G) {
+    if (vectorizable<T>(C, out, inp, weight, bias)) {
+        layernorm_forward_rows<T, Vec<T>::W>(out, mean, rstd, inp, weight, bias, eps, rows, C, G);
+    } else {
+        layernorm_forward_rows<T, 1>(out, mean, rstd, inp, weight, bias, eps, rows, C, G);
     }
 }
 
-// dweight[c] += sum_rows dout * norm, dbias[c] += sum_rows dout: one thread per column, rows in
-// index order, added to the gradients once at the end.
-extern "C" __global__ void layernorm_backward_params_f32(float* dweight, float* dbias, const float* dout,
-                                                         const float* inp, const float* mean,
-                                                         const float* rstd, unsigned rows, unsigned C) {
-    unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    float dw = 0.0f, db = 0.0f;
-    for (unsigned row = 0; row < rows; row++) {
-        unsigned long long i = (unsigned long long)row * C + c;
-        float g = dout[i];
-        dw += g * ((inp[i] - mean[row]) * rstd[row]);
-        db += g;
+extern "C" __global__ void layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
+                                                 const float* weight, const float* bias, float eps, unsigned rows,
+                                                 unsigned C, unsigned G) {
+    layernorm_forward<float>(out, mean, rstd, inp, weight, bias, eps, rows, C, G);
+}
+
+extern "C" __global__ void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* inp,
+                                                  const bf16* weight, const bf16* bias, float eps, unsigned rows,
+                                                  unsigned C, unsigned G) {
+    layernorm_forward<bf16>(out, mean, rstd, inp, weight, bias, eps, rows, C, G);
+}
+
+// flags: bit 0, residual is given (added into dinp); bit 1, dcolsum is given (+= column sums of
+// residual). Slot layout of scratch, 3 * C floats per block: dweight, dbias, dcolsum partials.
+#define LN_RESIDUAL 1u
+#define LN_COLSUM 2u
+
+// dinp = residual + (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd, with
+// norm = (inp - mean) * rstd and dnorm = dout * weight; dweight += sum_rows dout * norm,
+// dbias += sum_rows dout, dcolsum += sum_rows residual.
+template <typename T, int W>
+__device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsum, float* scratch,
+                                        unsigned* counters, const T* dout, const T* inp, const T* weight,
+                                        const float* mean, const float* rstd, const T* residual, unsigned rows,
+                                        unsigned C, unsigned G, unsigned flags) {
+    constexpr int K = LN_BWD_VALS / W;
+    __shared__ float red[64];
+    __shared__ unsigned ticket;
+    const bool has_residual = flags & LN_RESIDUAL, has_colsum = flags & LN_COLSUM;
+    const unsigned R = blockDim.x / G, g = threadIdx.x / G, t = threadIdx.x % G;
+
+    // This thread's columns: their weights, and its sums of the parameter gradients over its rows.
+    float w[K][W], dw[K][W], db[K][W], dr[K][W];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (c < C) load<T, W>(weight + c, w[k]);
+#pragma unroll
+        for (int i = 0; i < W; i++) dw[k][i] = db[k][i] = dr[k][i] = 0.0f;
     }
-    dweight[c] += dw;
-    dbias[c] += db;
+
+    // Uniform over the block (base depends on the block only), so every thread meets the barriers.
+    for (unsigned base = blockIdx.x * R; base < rows; base += gridDim.x * R) {
+        const unsigned row = base + g;
+        const bool live = row < rows;
+        const unsigned long long at = (unsigned long long)row * C;
+        const float m = live ? mean[row] : 0.0f, r = live ? rstd[row] : 0.0f;
+        float norm[K][W], dnorm[K][W];
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            unsigned c = (k * G + t) * W;
+            if (live && c < C) {
+                float x[W], dy[W];
+                load<T, W>(inp + at + c, x);
+                load<T, W>(dout + at + c, dy);
+#pragma unroll
+                for (int i = 0; i < W; i++) {
+                    norm[k][i] = (x[i] - m) * r;
+                    dnorm[k][i] = dy[i] * w[k][i];
+                    a += dnorm[k][i];
+                    b += dnorm[k][i] * norm[k][i];
+                    dw[k][i] += dy[i] * norm[k][i];
+                    db[k][i] += dy[i];
+                }
+            }
+        }
+        const float2 s = group_sum2(a, b, G, red);
+        const float mean_a = s.x / (float)C, mean_b = s.y / (float)C;
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            unsigned c = (k * G + t) * W;
+            if (live && c < C) {
+                float d[W];
+#pragma unroll
+                for (int i = 0; i < W; i++) d[i] = (dnorm[k][i] - mean_a - norm[k][i] * mean_b) * r;
+                if (has_residual) {
+                    float res[W];
+                    load<T, W>(residual + at + c, res);
+#pragma unroll
+                    for (int i = 0; i < W; i++) {
+                        d[i] += res[i];
+                        if (has_colsum) dr[k][i] += res[i];
+                    }
+                }
+                store<T, W>(dinp + at + c, d);
+            }
+        }
+    }
+
+    // The block's partial sums into its slot, row group after row group.
+    const unsigned long long C3 = 3ull * C;
+    const unsigned parts = has_colsum ? 3u : 2u;
+    float* slot = scratch + blockIdx.x * C3;
+    for (unsigned step = 0; step < R; step++) {
+        if (g == step) {
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                unsigned c = (k * G + t) * W;
+                if (c < C) {
+#pragma unroll
+                    for (int i = 0; i < W; i++) {
+                        float v[3] = {dw[k][i], db[k][i], dr[k][i]};
+                        for (unsigned p = 0; p < parts; p++) {
+                            float* at = slot + p * C + c + i;
+                            *at = step == 0 ? v[p] : *at + v[p];
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // Level 1: the last block of this span to finish adds the span's slots into its first slot.
+    __threadfence();  // the slot is visible to every block before the ticket is taken
+    __syncthreads();
+    const unsigned span = blockIdx.x / TREE_SPAN, first = span * TREE_SPAN;
+    const unsigned in_span = min(TREE_SPAN, gridDim.x - first);
+    if (threadIdx.x == 0) ticket = atomicAdd(&counters[1 + span], 1u);
+    __syncthreads();
+    if (ticket != in_span - 1) return;  // uniform over the block
+    __threadfence();
+    if (threadIdx.x == 0) counters[1 + span] = 0;  // every block of the span has taken its ticket
+    const unsigned long long n = parts * (unsigned long long)C;
+    for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
+        float s = __ldcg(scratch + first * C3 + j);
+        for (unsigned b = first + 1; b < first + in_span; b++) s += __ldcg(scratch + b * C3 + j);
+        scratch[first * C3 + j] = s;
+    }
+
+    // Level 2: the last span to finish adds the spans' sums in span order into the gradients.
+    __threadfence();
+    __syncthreads();
+    const unsigned spans = (gridDim.x + TREE_SPAN - 1) / TREE_SPAN;
+    if (threadIdx.x == 0) ticket = atomicAdd(&counters[0], 1u);
+    __syncthreads();
+    if (ticket != spans - 1) return;
+    __threadfence();
+    if (threadIdx.x == 0) counters[0] = 0;  // the next launch (or graph replay) starts from 0
+    for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
+        float s = __ldcg(scratch + j);
+        for (unsigned p = 1; p < spans; p++) s += __ldcg(scratch + p * TREE_SPAN * C3 + j);
+        unsigned part = (unsigned)(j / C), c = (unsigned)(j % C);
+        T* grad = part == 0 ? dweight : part == 1 ? dbias : dcolsum;
+        grad[c] = from_float<T>(to_float(grad[c]) + s);
+    }
+}
+
+template <typename T>
+__device__ void layernorm_backward(T* dinp, T* dweight, T* dbias, T* dcolsum, float* scratch, unsigned* counters,
+                                   const T* dout, const T* inp, const T* weight, const float* mean,
+                                   const float* rstd, const T* residual, unsigned rows, unsigned C, unsigned G,
+                                   unsigned flags) {
+    const T* res = flags & LN_RESIDUAL ? residual : 0;
+    if (vectorizable<T>(C, dinp, dout, inp, weight, res)) {
+        layernorm_backward_rows<T, Vec<T>::W>(dinp, dweight, dbias, dcolsum, scratch, counters, dout, inp, weight,
+                                              mean, rstd, residual, rows, C, G, flags);
+    } else {
+        layernorm_backward_rows<T, 1>(dinp, dweight, dbias, dcolsum, scratch, counters, dout, inp, weight, mean,
+                                      rstd, residual, rows, C, G, flags);
+    }
+}
+
+extern "C" __global__ void layernorm_backward_f32(float* dinp, float* dweight, float* dbias, float* dcolsum,
+                                                  float* scratch, unsigned* counters, const float* dout,
+                                                  const float* inp, const float* weight, const float* mean,
+                                                  const float* rstd, const float* residual, unsigned rows,
+                                                  unsigned C, unsigned G, unsigned flags) {
+    layernorm_backward<float>(dinp, dweight, dbias, dcolsum, scratch, counters, dout, inp, weight, mean, rstd,
+                              residual, rows, C, G, flags);
+}
+
+extern "C" __global__ void layernorm_backward_bf16(bf16* dinp, bf16* dweight, bf16* dbias, bf16* dcolsum,
+                                                   float* scratch, unsigned* counters, const bf16* dout,
+                                                   const bf16* inp, const bf16* weight, const float* mean,
+                                                   const float* rstd, const bf16* residual, unsigned rows,
+                                                   unsigned C, unsigned G, unsigned flags) {
+    layernorm_backward<bf16>(dinp, dweight, dbias, dcolsum, scratch, counters, dout, inp, weight, mean, rstd,
+                             residual, rows, C, G, flags);
 }

@@ -1,14 +1,22 @@
-//! LayerNorm over the last dimension of an `(N, C)` f32 matrix with f32 statistics (LN1 and LN2 of
-//! the benchmark layer, eps 1e-5): the CPU path of each kernel beside its CUDA entry point in
-//! `layernorm.cu`. The forward saves each row's mean and reciprocal standard deviation (`rstd`),
-//! so the backward does not recompute them.
+//! LayerNorm over the last dimension of an `(N, C)` matrix of f32 or bf16, with f32 statistics and
+//! f32 math (LN1 and LN2 of the benchmark layer, eps 1e-5): one kernel per direction and element
+//! type, the CPU path of each beside its CUDA entry point in `layernorm.cu`. The forward saves each
+//! row's mean and reciprocal standard deviation (`rstd`), so the backward does not recompute them.
+//!
+//! The backward is one kernel for the input gradient and the parameter gradients, and it can fuse
+//! the residual stream: given the residual's gradient (`ResidualGrad`), it adds it into
+//! `dinp` and can accumulate its column sums (the bias gradient of the Linear whose output
+//! gradient it is). Its column sums go through a [`LayerNormWorkspace`] (Note [LayerNorm
+//! backward's column sums]).
 //!
 //! Gradient convention (llm.c `layernorm.cuh`): parameter gradients accumulate (`dweight +=`,
-//! `dbias +=`), so micro-batches sum into one buffer; the activation gradient is written
-//! (`dinp =`). Tensors must be contiguous; outputs must not alias inputs.
+//! `dbias +=`, `dcolsum +=`), so micro-batches sum into one buffer; the activation gradient is
+//! written (`dinp =`, the residual's gradient added). Every value is widened to f32 once and
+//! rounded to its type once, on both devices. Tensors must be contiguous; outputs must not alias
+//! inputs; rows have at most [`MAX_FEATURES`] features.
 //!
 //! ```
-//! use graphed::device::Device;
+//! use graphed::device::{DType, Device};
 //! use graphed::memory::CachingAllocator;
 //! use graphed::ops::layernorm;
 //! use graphed::tensor::Tensor;
@@ -17,43 +25,104 @@
 //! let s = dev.stream()?;
 //! let alloc = CachingAllocator::new(&dev);
 //! let inp = Tensor::from_host(&alloc, &s, &[1.0f32, 2.0, 3.0, 4.0], &[1, 4])?;
-//! let (weight, bias) = (Tensor::from_host(&alloc, &s, &[1.0f32; 4], &[4])?, Tensor::zeros(&alloc, &s, &[4], graphed::device::DType::F32)?);
-//! let out = Tensor::uninit(&alloc, &s, &[1, 4], graphed::device::DType::F32)?;
-//! let (mean, rstd) = (Tensor::uninit(&alloc, &s, &[1], graphed::device::DType::F32)?, Tensor::uninit(&alloc, &s, &[1], graphed::device::DType::F32)?);
+//! let (weight, bias) = (Tensor::from_host(&alloc, &s, &[1.0f32; 4], &[4])?, Tensor::zeros(&alloc, &s, &[4], DType::F32)?);
+//! let out = Tensor::uninit(&alloc, &s, &[1, 4], DType::F32)?;
+//! let (mean, rstd) = (Tensor::uninit(&alloc, &s, &[1], DType::F32)?, Tensor::uninit(&alloc, &s, &[1], DType::F32)?);
 //! layernorm::layernorm_forward(&out, &mean, &rstd, &inp, &weight, &bias, 1e-5, &s)?;
 //! assert_eq!(mean.to_vec::<f32>(&s)?, vec![2.5]);
 //! let y = out.to_vec::<f32>(&s)?;
 //! assert!(y.iter().sum::<f32>().abs() < 1e-6 && (y[3] - 1.3416).abs() < 1e-4);
+//!
+//! // The backward, with the residual stream's gradient added into dinp.
+//! let ws = layernorm::LayerNormWorkspace::new(&alloc, &s, 4)?;
+//! let (dinp, dweight, dbias) = (Tensor::uninit(&alloc, &s, &[1, 4], DType::F32)?, Tensor::zeros(&alloc, &s, &[4], DType::F32)?, Tensor::zeros(&alloc, &s, &[4], DType::F32)?);
+//! let (dout, residual) = (Tensor::zeros(&alloc, &s, &[1, 4], DType::F32)?, Tensor::from_host(&alloc, &s, &[0.5f32; 4], &[1, 4])?);
+//! let res = layernorm::ResidualGrad { grad: &residual, colsum: None };
+//! layernorm::layernorm_backward(&dinp, &dweight, &dbias, &dout, &inp, &weight, &mean, &rstd, Some(res), &ws, &s)?;
+//! assert_eq!(dinp.to_vec::<f32>(&s)?, vec![0.5; 4], "a zero dout leaves the residual's gradient");
 //! # Ok::<(), graphed::Error>(())
 //! ```
+//!
+//! # Note [LayerNorm backward's column sums]
+//!
+//! The parameter gradients are sums over all rows, and the rows are spread over the blocks of one
+//! launch. Each block sums its rows' contributions per column in f32 (in row order, its row groups
+//! in group order) and writes them to its slot of the workspace's scratch (3·C floats: dweight,
+//! dbias, dcolsum). The last block of every span of `TREE_SPAN` consecutive blocks to finish (an
+//! integer ticket counter per span, `atomicAdd` after a `__threadfence`, as llm.c
+//! `layernorm.cuh`'s `layernorm_backward_kernel10` does with one level) adds the span's slots in
+//! block order; the last of those adds the spans' sums in span order into the gradients, and each
+//! resets its counter to 0, so the next launch and every replay of a captured graph start clean.
+//! No float atomics: the order of additions depends only on N and C, so results are bitwise
+//! identical run to run. The two levels keep the tail that one block does alone to at most 23
+//! slots (12 + 11) instead of 132. The grid has at most [`BACKWARD_BLOCKS`] blocks whatever the
+//! GPU, so the order does not depend on the device either. The simulator's CPU path sums each
+//! column over all rows in row order (a different order, so the devices agree to rounding, not
+//! bitwise); it declares the scratch and the counters as read and written, as the CUDA kernel
+//! uses them, so the checker orders every use of a workspace.
 
-use super::{checked, count, row_blocks, rows_cols};
-use crate::device::{args, CpuArgs, In, InOut, Kernel, LaunchDims, Out, Stream};
+use half::bf16;
+
+use super::{checked, count, grid, row_group, rows_cols, unsupported_dtype};
+use crate::device::{args, CpuArgs, DType, Float, In, InOut, Kernel, Out, Stream};
+use crate::memory::CachingAllocator;
 use crate::tensor::Tensor;
-use crate::Result;
+use crate::{Error, Result};
 
-const SOURCE: &str = concat!(include_str!("reduce.cu"), include_str!("layernorm.cu"));
+const SOURCE: &str = concat!(include_str!("rows.cu"), include_str!("layernorm.cu"));
 
-/// Normalizes each row and saves its statistics (one block per row on CUDA).
-pub static LAYERNORM_FORWARD: Kernel = Kernel {
+/// The most features (C) a row may have: each thread keeps its part of a row in registers (a
+/// row group of up to 512 threads in the backward, 8 values each, which its registers allow).
+pub const MAX_FEATURES: usize = 4096;
+
+/// Values of a row per thread in the forward (`LN_FWD_VALS` in `layernorm.cu`) and its threads
+/// per block.
+const FWD_VALS: usize = 16;
+const FWD_BLOCK: usize = 256;
+/// Values of a row per thread in the backward (`LN_BWD_VALS`) and its threads per block: its
+/// registers (about 120 a thread) allow at most 512.
+const BWD_VALS: usize = 8;
+const BWD_BLOCK: usize = 512;
+/// The backward's blocks at most: one per SM of an H200 (132), whatever the GPU, so that the
+/// order of the column sums depends only on the shapes. Fewer when there are fewer row groups.
+pub const BACKWARD_BLOCKS: usize = 132;
+/// Blocks per span of the backward's two-level reduction (`TREE_SPAN`).
+const TREE_SPAN: usize = 12;
+/// The backward's `flags` (`LN_RESIDUAL`, `LN_COLSUM`).
+const RESIDUAL: u32 = 1;
+const COLSUM: u32 = 2;
+
+const FORWARD_PARAMS: &[&str] = &["out", "mean", "rstd", "inp", "weight", "bias", "eps", "rows", "C", "G"];
+
+/// Normalizes each row of f32 and saves its statistics (a row group per row on CUDA).
+pub static LAYERNORM_FORWARD_F32: Kernel = Kernel {
     name: "layernorm_forward_f32",
     source: SOURCE,
-    params: &["out", "mean", "rstd", "inp", "weight", "bias", "eps", "rows", "C"],
-    cpu: forward_cpu,
+    params: FORWARD_PARAMS,
+    cpu: forward_cpu::<f32>,
     strided: false,
 };
 
-fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let (inp, weight, bias) = (a.input::<f32>("inp")?, a.input::<f32>("weight")?, a.input::<f32>("bias")?);
+/// Normalizes each row of bf16 and saves its f32 statistics (a row group per row on CUDA).
+pub static LAYERNORM_FORWARD_BF16: Kernel = Kernel {
+    name: "layernorm_forward_bf16",
+    source: SOURCE,
+    params: FORWARD_PARAMS,
+    cpu: forward_cpu::<bf16>,
+    strided: false,
+};
+
+fn forward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let (inp, weight, bias) = (a.input::<T>("inp")?, a.input::<T>("weight")?, a.input::<T>("bias")?);
     let (eps, c) = (a.f32("eps")?, a.u32("C")? as usize);
-    let (mut out, mut mean, mut rstd) = (a.output::<f32>("out")?, a.output::<f32>("mean")?, a.output::<f32>("rstd")?);
+    let (mut out, mut mean, mut rstd) = (a.output::<T>("out")?, a.output::<f32>("mean")?, a.output::<f32>("rstd")?);
     let rows = out.chunks_exact_mut(c).zip(inp.chunks_exact(c));
     for ((y, x), (m_out, r_out)) in rows.zip(mean.iter_mut().zip(rstd.iter_mut())) {
-        let m = x.iter().sum::<f32>() / c as f32;
-        let var = x.iter().map(|v| (v - m) * (v - m)).sum::<f32>() / c as f32;
+        let m = x.iter().map(|v| v.to_f32()).sum::<f32>() / c as f32;
+        let var = x.iter().map(|v| (v.to_f32() - m) * (v.to_f32() - m)).sum::<f32>() / c as f32;
         let r = 1.0 / (var + eps).sqrt();
         for (((y, x), w), b) in y.iter_mut().zip(x).zip(weight.iter()).zip(bias.iter()) {
-            *y = (x - m) * r * w + b;
+            *y = T::from_f32((x.to_f32() - m) * r * w.to_f32() + b.to_f32());
         }
         (*m_out, *r_out) = (m, r);
     }
@@ -61,12 +130,20 @@ fn forward_cpu(a: &CpuArgs) -> Result<()> {
 }
 
 /// `out = (inp − mean)·rstd·weight + bias` over each row of `inp` (N, C), with
-/// `rstd = 1/√(var + eps)` and the biased variance; writes `mean` and `rstd` (N) for
-/// [`layernorm_backward`].
+/// `rstd = 1/√(var + eps)` and the biased variance; writes `mean` and `rstd` (N, f32) for
+/// [`layernorm_backward`]. `inp`, `out`, `weight` and `bias` are all f32 or all bf16.
+///
+/// On CUDA a row group of 32 to 256 threads (C/16 rounded up to a power of two) holds each row in
+/// registers, 16 values a thread, in 16-byte loads where C allows (a multiple of 8 for bf16, of 4
+/// for f32, else one element at a time); blocks of 256 threads, so several rows per block for
+/// C ≤ 2048.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) unless `inp` is (N, C) with C > 0, `out` (N, C), `mean` and `rstd` (N),
-/// `weight` and `bias` (C); [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// Before anything is enqueued: [`Error::UnsupportedDType`] unless `inp` is f32 or bf16;
+/// [`Error::DTypeMismatch`] unless `out`, `weight` and `bias` have its type and `mean`, `rstd`
+/// are f32; [`Error::Shape`] unless `inp` is (N, C) with 0 < C ≤ [`MAX_FEATURES`]
+/// ([`Error::Unsupported`] above it), `out` (N, C), `mean` and `rstd` (N), `weight` and `bias`
+/// (C); [`Error::NotContiguous`] for a strided tensor.
 #[allow(clippy::too_many_arguments)] // llm.c's order: outputs, inputs, sizes, stream
 pub fn layernorm_forward(
     out: &Tensor,
@@ -78,81 +155,171 @@ pub fn layernorm_forward(
     eps: f32,
     stream: &Stream,
 ) -> Result<()> {
-    const OP: &str = "layernorm_forward";
-    let (n, c) = rows_cols(OP, inp)?;
+    let tensors = [out, mean, rstd, inp, weight, bias];
+    match inp.dtype() {
+        DType::F32 => forward::<f32>(&LAYERNORM_FORWARD_F32, tensors, eps, stream),
+        DType::BF16 => forward::<bf16>(&LAYERNORM_FORWARD_BF16, tensors, eps, stream),
+        dtype => Err(unsupported_dtype(FORWARD, dtype)),
+    }
+}
+
+const FORWARD: &str = "layernorm_forward";
+
+fn forward<T: Float>(kernel: &'static Kernel, tensors: [&Tensor; 6], eps: f32, stream: &Stream) -> Result<()> {
+    const OP: &str = FORWARD;
+    let [out, mean, rstd, inp, weight, bias] = tensors;
+    let (n, c) = features(OP, inp)?;
+    let g = row_group(c, FWD_VALS);
     let args = args![
-        Out(checked::<f32>(OP, "out", out, &[n, c])?),
+        Out(checked::<T>(OP, "out", out, &[n, c])?),
         Out(checked::<f32>(OP, "mean", mean, &[n])?),
         Out(checked::<f32>(OP, "rstd", rstd, &[n])?),
-        In(checked::<f32>(OP, "inp", inp, &[n, c])?),
-        In(checked::<f32>(OP, "weight", weight, &[c])?),
-        In(checked::<f32>(OP, "bias", bias, &[c])?),
+        In(checked::<T>(OP, "inp", inp, &[n, c])?),
+        In(checked::<T>(OP, "weight", weight, &[c])?),
+        In(checked::<T>(OP, "bias", bias, &[c])?),
         eps,
         count(OP, n)?,
         count(OP, c)?,
+        count(OP, g)?,
     ];
-    stream.launch(&LAYERNORM_FORWARD, row_blocks(OP, n)?, &args)
+    stream.launch(kernel, grid(OP, n.div_ceil(FWD_BLOCK / g), FWD_BLOCK)?, &args)
 }
 
-/// The input gradient of each row (one block per row on CUDA).
-pub static LAYERNORM_BACKWARD_DINP: Kernel = Kernel {
-    name: "layernorm_backward_dinp_f32",
+const BACKWARD_PARAMS: &[&str] = &[
+    "dinp", "dweight", "dbias", "dcolsum", "scratch", "counters", "dout", "inp", "weight", "mean", "rstd", "residual",
+    "rows", "C", "G", "flags",
+];
+
+/// The input gradient (plus the residual's), and the parameter gradients accumulated, of rows of
+/// f32 (row groups on CUDA, column sums as Note [LayerNorm backward's column sums]).
+pub static LAYERNORM_BACKWARD_F32: Kernel = Kernel {
+    name: "layernorm_backward_f32",
     source: SOURCE,
-    params: &["dinp", "dout", "inp", "weight", "mean", "rstd", "rows", "C"],
-    cpu: backward_dinp_cpu,
+    params: BACKWARD_PARAMS,
+    cpu: backward_cpu::<f32>,
     strided: false,
 };
 
-fn backward_dinp_cpu(a: &CpuArgs) -> Result<()> {
-    let (dout, inp, weight) = (a.input::<f32>("dout")?, a.input::<f32>("inp")?, a.input::<f32>("weight")?);
-    let (mean, rstd, c) = (a.input::<f32>("mean")?, a.input::<f32>("rstd")?, a.u32("C")? as usize);
-    let mut dinp = a.output::<f32>("dinp")?;
+/// [`LAYERNORM_BACKWARD_F32`] for rows of bf16.
+pub static LAYERNORM_BACKWARD_BF16: Kernel = Kernel {
+    name: "layernorm_backward_bf16",
+    source: SOURCE,
+    params: BACKWARD_PARAMS,
+    cpu: backward_cpu::<bf16>,
+    strided: false,
+};
+
+fn backward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let (dout, inp, weight) = (a.input::<T>("dout")?, a.input::<T>("inp")?, a.input::<T>("weight")?);
+    let (mean, rstd, residual) = (a.input::<f32>("mean")?, a.input::<f32>("rstd")?, a.input::<T>("residual")?);
+    let (c, flags) = (a.u32("C")? as usize, a.u32("flags")?);
+    let (has_residual, has_colsum) = (flags & RESIDUAL != 0, flags & COLSUM != 0);
+    let w: Vec<f32> = weight.iter().map(|w| w.to_f32()).collect();
+    // Column sums over rows in row order, added to the gradients once at the end.
+    let (mut dw, mut db, mut dr) = (vec![0.0f32; c], vec![0.0f32; c], vec![0.0f32; c]);
+    let mut dinp = a.output::<T>("dinp")?;
     let rows = dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c));
-    for (((dx, g), x), (&m, &r)) in rows.zip(mean.iter().zip(rstd.iter())) {
-        let terms = || x.iter().zip(g).zip(weight.iter()).map(|((x, g), w)| ((x - m) * r, g * w));
-        let (dn_sum, dnn_sum) = terms().fold((0.0f32, 0.0f32), |(a, b), (norm, dn)| (a + dn, b + dn * norm));
-        let (dn_mean, dnn_mean) = (dn_sum / c as f32, dnn_sum / c as f32);
-        for (dx, (norm, dn)) in dx.iter_mut().zip(terms()) {
-            *dx = (dn - dn_mean - norm * dnn_mean) * r;
-        }
-    }
-    Ok(())
-}
-
-/// The parameter gradients, accumulated (one thread per column on CUDA).
-pub static LAYERNORM_BACKWARD_PARAMS: Kernel = Kernel {
-    name: "layernorm_backward_params_f32",
-    source: SOURCE,
-    params: &["dweight", "dbias", "dout", "inp", "mean", "rstd", "rows", "C"],
-    cpu: backward_params_cpu,
-    strided: false,
-};
-
-fn backward_params_cpu(a: &CpuArgs) -> Result<()> {
-    let (dout, inp, mean, rstd) =
-        (a.input::<f32>("dout")?, a.input::<f32>("inp")?, a.input::<f32>("mean")?, a.input::<f32>("rstd")?);
-    let c = a.u32("C")? as usize;
-    let (mut dweight, mut dbias) = (a.output::<f32>("dweight")?, a.output::<f32>("dbias")?);
-    // Column sums over rows in index order, added once at the end: the CUDA kernel's order.
-    let (mut dw, mut db) = (vec![0.0f32; c], vec![0.0f32; c]);
-    let rows = dout.chunks_exact(c).zip(inp.chunks_exact(c)).zip(mean.iter().zip(rstd.iter()));
-    for ((g, x), (&m, &r)) in rows {
-        for (col, (g, x)) in g.iter().zip(x).enumerate() {
-            dw[col] += g * ((x - m) * r);
+    for (row, ((dx, g), x)) in rows.enumerate() {
+        let (m, r) = (mean[row], rstd[row]);
+        let norm: Vec<f32> = x.iter().map(|x| (x.to_f32() - m) * r).collect();
+        let (mut sum, mut sum_norm) = (0.0f32, 0.0f32);
+        for col in 0..c {
+            let (g, dn) = (g[col].to_f32(), g[col].to_f32() * w[col]);
+            sum += dn;
+            sum_norm += dn * norm[col];
+            dw[col] += g * norm[col];
             db[col] += g;
         }
+        let (mean_dn, mean_dn_norm) = (sum / c as f32, sum_norm / c as f32);
+        for col in 0..c {
+            let mut d = (g[col].to_f32() * w[col] - mean_dn - norm[col] * mean_dn_norm) * r;
+            if has_residual {
+                let res = residual[row * c + col].to_f32();
+                d += res;
+                if has_colsum {
+                    dr[col] += res;
+                }
+            }
+            dx[col] = T::from_f32(d);
+        }
     }
-    dweight.iter_mut().zip(dw).for_each(|(acc, v)| *acc += v);
-    dbias.iter_mut().zip(db).for_each(|(acc, v)| *acc += v);
+    let add = |grad: &mut [T], sums: Vec<f32>| {
+        grad.iter_mut().zip(sums).for_each(|(acc, s)| *acc = T::from_f32(acc.to_f32() + s));
+    };
+    add(&mut a.output::<T>("dweight")?, dw);
+    add(&mut a.output::<T>("dbias")?, db);
+    if has_colsum {
+        add(&mut a.output::<T>("dcolsum")?, dr);
+    }
     Ok(())
 }
 
-/// Writes `dinp` and accumulates `dweight += Σ_rows dout·norm`, `dbias += Σ_rows dout`, from the
-/// `mean` and `rstd` that [`layernorm_forward`] saved for `inp`.
+/// The gradient of the residual stream beside a LayerNorm, for [`layernorm_backward`] to fuse.
+#[derive(Clone, Copy)]
+pub struct ResidualGrad<'t> {
+    /// `(N, C)`, of the input's type: added into `dinp` (the residual add's backward).
+    pub grad: &'t Tensor,
+    /// `(C)`, of the input's type: if given, `colsum += Σ_rows grad`, the bias gradient of the
+    /// Linear whose output gradient `grad` is.
+    pub colsum: Option<&'t Tensor>,
+}
+
+/// The backward's scratch for one C: `BACKWARD_BLOCKS` slots of 3·C f32 partial column sums
+/// and the ticket counters (u32, zero between launches), allocated zeroed once (Note [LayerNorm
+/// backward's column sums]). Launches that share a workspace are ordered by the checker like
+/// any other writes to one buffer, so give concurrent backwards a workspace each.
+pub struct LayerNormWorkspace {
+    features: usize,
+    /// `(BACKWARD_BLOCKS · 3 · C)` f32.
+    scratch: Tensor,
+    /// `(1 + ⌈BACKWARD_BLOCKS / TREE_SPAN⌉)` u32: the counter of the spans, then one per span.
+    counters: Tensor,
+}
+
+impl LayerNormWorkspace {
+    /// A workspace for rows of `features` (C) values, zeroed on `stream`.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for 0 or more than [`MAX_FEATURES`] features; allocation errors.
+    pub fn new(alloc: &CachingAllocator, stream: &Stream, features: usize) -> Result<LayerNormWorkspace> {
+        check_features("LayerNormWorkspace::new", features)?;
+        Ok(LayerNormWorkspace {
+            features,
+            scratch: Tensor::zeros(alloc, stream, &[BACKWARD_BLOCKS * 3 * features], DType::F32)?,
+            counters: Tensor::zeros(alloc, stream, &[1 + BACKWARD_BLOCKS.div_ceil(TREE_SPAN)], DType::U32)?,
+        })
+    }
+
+    /// The C it serves.
+    pub fn features(&self) -> usize {
+        self.features
+    }
+
+    /// Its size in device memory, in bytes.
+    pub fn bytes(&self) -> usize {
+        self.scratch.bytes() + self.counters.bytes()
+    }
+}
+
+/// Writes `dinp = residual.grad + LNᵀ(dout)` (without `residual`, just the LayerNorm's input
+/// gradient) and accumulates `dweight += Σ_rows dout·x̂`, `dbias += Σ_rows dout` and, if
+/// `residual.colsum` is given, `colsum += Σ_rows residual.grad`, with `x̂ = (inp − mean)·rstd`
+/// from the `mean` and `rstd` that [`layernorm_forward`] saved for `inp`. One kernel; the
+/// activations, `weight` and the gradients are all f32 or all bf16, the statistics f32.
+///
+/// On CUDA at most [`BACKWARD_BLOCKS`] blocks of 512 threads, one per SM, walk the rows, a row
+/// group of 32 to 512 threads (C/8 rounded up to a power of two) per row, 8 values a thread kept
+/// in registers between the row's two sums and its write, in 16-byte accesses where C allows;
+/// each thread sums its columns' parameter gradients over its rows in registers, and the blocks'
+/// sums meet as Note [LayerNorm backward's column sums] says.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) unless `dout` is (N, C) with C > 0, `dinp` and `inp` (N, C), `dweight`,
-/// `dbias` and `weight` (C), `mean` and `rstd` (N); [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// Before anything is enqueued: [`Error::UnsupportedDType`] unless `dout` is f32 or bf16;
+/// [`Error::DTypeMismatch`] for an operand of another type (`mean` and `rstd` must be f32);
+/// [`Error::Shape`] unless `dout` is (N, C) with 0 < C ≤ [`MAX_FEATURES`] ([`Error::Unsupported`]
+/// above it), `dinp`, `inp` and `residual.grad` (N, C), `dweight`, `dbias`, `weight` and
+/// `residual.colsum` (C), `mean` and `rstd` (N), and `workspace` is for C;
+/// [`Error::NotContiguous`] for a strided tensor.
 #[allow(clippy::too_many_arguments)] // llm.c's order: outputs, inputs, sizes, stream
 pub fn layernorm_backward(
     dinp: &Tensor,
@@ -163,32 +330,116 @@ pub fn layernorm_backward(
     weight: &Tensor,
     mean: &Tensor,
     rstd: &Tensor,
+    residual: Option<ResidualGrad<'_>>,
+    workspace: &LayerNormWorkspace,
     stream: &Stream,
 ) -> Result<()> {
-    const OP: &str = "layernorm_backward";
-    let (n, c) = rows_cols(OP, dout)?;
-    let (dout, inp) = (checked::<f32>(OP, "dout", dout, &[n, c])?, checked::<f32>(OP, "inp", inp, &[n, c])?);
-    let (mean, rstd) = (checked::<f32>(OP, "mean", mean, &[n])?, checked::<f32>(OP, "rstd", rstd, &[n])?);
+    let tensors = [dinp, dweight, dbias, dout, inp, weight, mean, rstd];
+    match dout.dtype() {
+        DType::F32 => backward::<f32>(&LAYERNORM_BACKWARD_F32, tensors, residual, workspace, stream),
+        DType::BF16 => backward::<bf16>(&LAYERNORM_BACKWARD_BF16, tensors, residual, workspace, stream),
+        dtype => Err(unsupported_dtype(BACKWARD, dtype)),
+    }
+}
+
+const BACKWARD: &str = "layernorm_backward";
+
+fn backward<T: Float>(
+    kernel: &'static Kernel,
+    tensors: [&Tensor; 8],
+    residual: Option<ResidualGrad<'_>>,
+    workspace: &LayerNormWorkspace,
+    stream: &Stream,
+) -> Result<()> {
+    const OP: &str = BACKWARD;
+    let [dinp, dweight, dbias, dout, inp, weight, mean, rstd] = tensors;
+    let (n, c) = features(OP, dout)?;
+    if workspace.features != c {
+        return Err(Error::Shape {
+            op: OP,
+            expected: format!("a LayerNormWorkspace for C = {c}"),
+            found: vec![workspace.features],
+        });
+    }
+    // An absent residual or colsum is an empty view, which declares no access; the kernel does
+    // not touch it, as `flags` says.
+    let (res, colsum, flags) = match residual {
+        None => (dout.buffer::<T>(OP)?.slice(0..0), dbias.buffer::<T>(OP)?.slice(0..0), 0),
+        Some(ResidualGrad { grad, colsum: None }) => {
+            (checked::<T>(OP, "residual", grad, &[n, c])?, dbias.buffer::<T>(OP)?.slice(0..0), RESIDUAL)
+        }
+        Some(ResidualGrad { grad, colsum: Some(sums) }) => {
+            (checked::<T>(OP, "residual", grad, &[n, c])?, checked::<T>(OP, "dcolsum", sums, &[c])?, RESIDUAL | COLSUM)
+        }
+    };
+    let g = row_group(c, BWD_VALS);
     let args = args![
-        Out(checked::<f32>(OP, "dinp", dinp, &[n, c])?),
-        In(dout),
-        In(inp),
-        In(checked::<f32>(OP, "weight", weight, &[c])?),
-        In(mean),
-        In(rstd),
+        Out(checked::<T>(OP, "dinp", dinp, &[n, c])?),
+        InOut(checked::<T>(OP, "dweight", dweight, &[c])?),
+        InOut(checked::<T>(OP, "dbias", dbias, &[c])?),
+        InOut(colsum),
+        InOut(workspace.scratch.view::<f32>()?),
+        InOut(workspace.counters.view::<u32>()?),
+        In(checked::<T>(OP, "dout", dout, &[n, c])?),
+        In(checked::<T>(OP, "inp", inp, &[n, c])?),
+        In(checked::<T>(OP, "weight", weight, &[c])?),
+        In(checked::<f32>(OP, "mean", mean, &[n])?),
+        In(checked::<f32>(OP, "rstd", rstd, &[n])?),
+        In(res),
         count(OP, n)?,
         count(OP, c)?,
+        count(OP, g)?,
+        flags,
     ];
-    let params = args![
-        InOut(checked::<f32>(OP, "dweight", dweight, &[c])?),
-        InOut(checked::<f32>(OP, "dbias", dbias, &[c])?),
-        In(dout),
-        In(inp),
-        In(mean),
-        In(rstd),
-        count(OP, n)?,
-        count(OP, c)?,
-    ];
-    stream.launch(&LAYERNORM_BACKWARD_DINP, row_blocks(OP, n)?, &args)?;
-    stream.launch(&LAYERNORM_BACKWARD_PARAMS, LaunchDims::for_elems(c), &params)
+    stream.launch(kernel, grid(OP, n.div_ceil(BWD_BLOCK / g).min(BACKWARD_BLOCKS), BWD_BLOCK)?, &args)
+}
+
+/// The (N, C) of a LayerNorm's rows, refused unless 0 < C ≤ [`MAX_FEATURES`].
+fn features(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+    let (n, c) = rows_cols(op, t)?;
+    check_features(op, c)?;
+    Ok((n, c))
+}
+
+fn check_features(op: &'static str, c: usize) -> Result<()> {
+    if c == 0 || c > MAX_FEATURES {
+        return Err(Error::Unsupported {
+            op,
+            backend: "any",
+            why: "LayerNorm rows have 1 to 4096 features (ops::layernorm::MAX_FEATURES): each thread keeps its part of a row in registers",
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_cuda_source() {
+        let defines = [
+            format!("LN_FWD_VALS {FWD_VALS}"),
+            format!("LN_BWD_VALS {BWD_VALS}"),
+            format!("TREE_SPAN {TREE_SPAN}"),
+            format!("LN_RESIDUAL {RESIDUAL}u"),
+            format!("LN_COLSUM {COLSUM}u"),
+        ];
+        for d in defines {
+            assert!(SOURCE.contains(&format!("#define {d}\n")), "layernorm.cu does not define {d}");
+        }
+    }
+
+    /// The launch shapes keep the CUDA kernels' contract: a row fits its group's registers, the
+    /// groups tile the block, and the widest row group fits the block.
+    #[test]
+    fn launch_shapes_fit_the_kernels() {
+        for c in 1..=MAX_FEATURES {
+            for (vals, block) in [(FWD_VALS, FWD_BLOCK), (BWD_VALS, BWD_BLOCK)] {
+                let g = row_group(c, vals);
+                assert!(c <= g * vals && g <= block && block.is_multiple_of(g), "C = {c}: group {g} of block {block}");
+            }
+        }
+        assert_eq!(row_group(MAX_FEATURES, BWD_VALS), BWD_BLOCK, "the widest row fills a backward block");
+    }
 }

@@ -134,14 +134,21 @@ pub(crate) fn rows_cols(op: &'static str, t: &Tensor) -> Result<(usize, usize)> 
     }
 }
 
-/// Threads per block of the one-block-per-row kernels: `ROW_BLOCK` in `reduce.cu`, which sizes
-/// their shared memory.
-const ROW_BLOCK: u32 = 256;
+/// Threads of the row group that shares a row of `len` elements, each thread holding at most
+/// `vals` of them: a power of two, at least a warp (`rows.cu` describes row groups).
+pub(crate) fn row_group(len: usize, vals: usize) -> usize {
+    len.div_ceil(vals).next_power_of_two().max(32)
+}
 
-/// One block of [`ROW_BLOCK`] threads per row; at least one block, as CUDA refuses an empty grid
-/// (the kernels skip rows past the end).
-pub(crate) fn row_blocks(op: &'static str, rows: usize) -> Result<LaunchDims> {
-    Ok(LaunchDims { grid: (count(op, rows.max(1))?, 1, 1), block: (ROW_BLOCK, 1, 1), shared_mem_bytes: 0 })
+/// A grid of `blocks` blocks (at least one, as CUDA refuses an empty grid; the kernels skip rows
+/// past the end) of `block` threads.
+pub(crate) fn grid(op: &'static str, blocks: usize, block: usize) -> Result<LaunchDims> {
+    Ok(LaunchDims { grid: (count(op, blocks.max(1))?, 1, 1), block: (count(op, block)?, 1, 1), shared_mem_bytes: 0 })
+}
+
+/// The error of an op with f32 and bf16 kernels given another element type.
+pub(crate) fn unsupported_dtype(op: &'static str, dtype: DType) -> Error {
+    Error::UnsupportedDType { op, dtype, supported: "f32 or bf16" }
 }
 
 #[cfg(test)]
@@ -150,8 +157,14 @@ mod tests {
     use crate::device::Kernel;
 
     #[test]
-    fn the_row_block_matches_the_cuda_source() {
-        assert!(include_str!("reduce.cu").contains(&format!("#define ROW_BLOCK {}\n", super::ROW_BLOCK)));
+    fn row_groups_are_powers_of_two_of_at_least_a_warp() {
+        use super::row_group;
+        assert_eq!([row_group(1, 16), row_group(512, 16), row_group(513, 16), row_group(4096, 16)], [32, 32, 64, 256]);
+        assert_eq!(row_group(4096, 8), 512);
+        for len in 1..5000 {
+            let g = row_group(len, 8);
+            assert!(g.is_power_of_two() && g >= 32 && len <= g * 8 && (g == 32 || len > g / 2 * 8), "{len}: {g}");
+        }
     }
 
     /// Every kernel of the ops.
@@ -199,9 +212,10 @@ mod tests {
             &heads::SPLIT_QKV_BF16,
             &heads::MERGE_QKV,
             &heads::MERGE_QKV_BF16,
-            &layernorm::LAYERNORM_FORWARD,
-            &layernorm::LAYERNORM_BACKWARD_DINP,
-            &layernorm::LAYERNORM_BACKWARD_PARAMS,
+            &layernorm::LAYERNORM_FORWARD_F32,
+            &layernorm::LAYERNORM_FORWARD_BF16,
+            &layernorm::LAYERNORM_BACKWARD_F32,
+            &layernorm::LAYERNORM_BACKWARD_BF16,
             &loss::CROSS_ENTROPY_FORWARD,
             &loss::CROSS_ENTROPY_FORWARD_BF16,
             &loss::CROSS_ENTROPY_BACKWARD,
@@ -210,8 +224,10 @@ mod tests {
             &rng::STEP_WRITE,
             &rng::STEP_ADD,
             &schedule::LR_SCHEDULE_STEP,
-            &softmax::SOFTMAX_CAUSAL_FORWARD,
-            &softmax::SOFTMAX_CAUSAL_BACKWARD,
+            &softmax::SOFTMAX_CAUSAL_FORWARD_F32,
+            &softmax::SOFTMAX_CAUSAL_FORWARD_BF16,
+            &softmax::SOFTMAX_CAUSAL_BACKWARD_F32,
+            &softmax::SOFTMAX_CAUSAL_BACKWARD_BF16,
         ]
     }
 
