@@ -159,7 +159,7 @@ fn sizes<T: Elem>(op: &'static str, d: [usize; 4]) -> Result<([u32; 4], crate::d
     let n = d.iter().product::<usize>();
     count(op, n)?;
     let [b, h, t, hd] = d.map(|v| count(op, v));
-    let units = if d[3] % lanes::<T>() == 0 { n / lanes::<T>() } else { n };
+    let units = if d[3].is_multiple_of(lanes::<T>()) { n / lanes::<T>() } else { n };
     Ok(([b?, h?, t?, hd?], stride_dims(units)))
 }
 
