@@ -277,62 +277,66 @@ mod tests {
             .collect()
     }
 
-    /// The CPU paths of every elementwise op in bf16 equal `bf16::from_f32` of the f32
-    /// computation on the widened operands (37 elements: chunks and a tail on CUDA), and in f32
-    /// equal the f32 computation.
+    #[derive(Debug, Clone, Copy)]
+    enum Op {
+        Scale,
+        Axpy,
+        AddScalar,
+        Accumulate,
+    }
+
+    impl Op {
+        /// The f32 computation of `y`'s new value.
+        fn host(self, x: f32, y: f32) -> f32 {
+            match self {
+                Op::Scale => 0.3 * x,
+                Op::Axpy => 0.7f32.mul_add(x, y),
+                Op::AddScalar => y + 0.1,
+                Op::Accumulate => y + x,
+            }
+        }
+
+        /// `y`'s new value from the simulator, for `x` and `y` stored as `T`, as f32 bits.
+        fn run<T: Float>(self, x: &[f32], y: &[f32]) -> Vec<u32> {
+            let dev = Device::sim();
+            let s = dev.stream().unwrap();
+            let alloc = CachingAllocator::new(&dev);
+            let put = |v: &[f32]| {
+                let v: Vec<T> = v.iter().map(|&v| T::from_f32(v)).collect();
+                Tensor::from_host(&alloc, &s, &v, &[v.len()]).unwrap()
+            };
+            let (xt, yt) = (put(x), put(y));
+            let (xv, yv) = (xt.view::<T>().unwrap(), yt.view::<T>().unwrap());
+            match self {
+                Op::Scale => scale(yv, xv, 0.3, &s),
+                Op::Axpy => axpy(yv, xv, 0.7, &s),
+                Op::AddScalar => add_scalar(yv, 0.1, &s),
+                Op::Accumulate => accumulate(&yt, &xt, &s),
+            }
+            .unwrap();
+            yt.to_f32_vec(&s).unwrap().iter().map(|v| v.to_bits()).collect()
+        }
+    }
+
+    /// The CPU paths of the elementwise ops in bf16 equal `bf16::from_f32` of the f32
+    /// computation on the stored operands, and in f32 the f32 computation.
     #[test]
     fn cpu_paths_round_the_f32_result_once() {
+        let (x, y) = (probes(37), probes(41)[4..].to_vec());
+        let widen = |v: &[f32]| v.iter().map(|&v| bf16::from_f32(v).to_f32()).collect::<Vec<_>>();
+        let (xw, yw) = (widen(&x), widen(&y));
+        for op in [Op::Scale, Op::Axpy, Op::AddScalar, Op::Accumulate] {
+            let want: Vec<u32> =
+                xw.iter().zip(&yw).map(|(&x, &y)| bf16::from_f32(op.host(x, y)).to_f32().to_bits()).collect();
+            assert_eq!(op.run::<bf16>(&x, &y), want, "{op:?} in bf16");
+            let want: Vec<u32> = x.iter().zip(&y).map(|(&x, &y)| op.host(x, y).to_bits()).collect();
+            assert_eq!(op.run::<f32>(&x, &y), want, "{op:?} in f32");
+        }
         let dev = Device::sim();
         let s = dev.stream().unwrap();
-        let alloc = CachingAllocator::new(&dev);
-        let (xs, ys) = (probes(37), probes(41)[4..].to_vec());
-        let round = |v: &[f32]| v.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
-        let (xh, yh) = (round(&xs), round(&ys));
-        let wide = |v: &[bf16]| v.iter().map(|v| v.to_f32()).collect::<Vec<_>>();
-        let (xw, yw) = (wide(&xh), wide(&yh));
-        let ops: [(&str, fn(f32, f32) -> f32); 4] = [
-            ("scale", |x, _| 0.3 * x),
-            ("axpy", |x, y| 0.7f32.mul_add(x, y)),
-            ("add_scalar", |_, y| y + 0.1),
-            ("accumulate", |x, y| y + x),
-        ];
-        for (name, f) in ops {
-            let want_h: Vec<u16> = xw.iter().zip(&yw).map(|(&x, &y)| bf16::from_f32(f(x, y)).to_bits()).collect();
-            let want_f: Vec<u32> = xs.iter().zip(&ys).map(|(&x, &y)| f(x, y).to_bits()).collect();
-            let (x, y) = (
-                Tensor::from_host(&alloc, &s, &xh, &[37]).unwrap(),
-                Tensor::from_host(&alloc, &s, &yh, &[37]).unwrap(),
-            );
-            let (xf, yf) = (
-                Tensor::from_host(&alloc, &s, &xs, &[37]).unwrap(),
-                Tensor::from_host(&alloc, &s, &ys, &[37]).unwrap(),
-            );
-            match name {
-                "scale" => {
-                    scale(y.view::<bf16>().unwrap(), x.view().unwrap(), 0.3, &s).unwrap();
-                    scale(yf.view::<f32>().unwrap(), xf.view().unwrap(), 0.3, &s).unwrap();
-                }
-                "axpy" => {
-                    axpy(y.view::<bf16>().unwrap(), x.view().unwrap(), 0.7, &s).unwrap();
-                    axpy(yf.view::<f32>().unwrap(), xf.view().unwrap(), 0.7, &s).unwrap();
-                }
-                "add_scalar" => {
-                    add_scalar(y.view::<bf16>().unwrap(), 0.1, &s).unwrap();
-                    add_scalar(yf.view::<f32>().unwrap(), 0.1, &s).unwrap();
-                }
-                _ => {
-                    accumulate(&y, &x, &s).unwrap();
-                    accumulate(&yf, &xf, &s).unwrap();
-                }
-            }
-            let got_h: Vec<u16> = y.to_vec::<bf16>(&s).unwrap().iter().map(|v| v.to_bits()).collect();
-            let got_f: Vec<u32> = yf.to_vec::<f32>(&s).unwrap().iter().map(|v| v.to_bits()).collect();
-            assert_eq!(got_h, want_h, "{name} in bf16");
-            assert_eq!(got_f, want_f, "{name} in f32");
-        }
-        let h = Tensor::zeros(&alloc, &s, &[5], DType::BF16).unwrap();
-        fill(h.view::<bf16>().unwrap(), 1.0 + 3.0 / 256.0, &s).unwrap();
-        assert_eq!(h.to_vec::<bf16>(&s).unwrap(), vec![bf16::from_f32(1.0 + 4.0 / 256.0); 5], "a tie to even, up");
+        let h = dev.alloc::<bf16>(5).unwrap();
+        fill(h.view(), 1.0 + 3.0 / 256.0, &s).unwrap();
+        assert_eq!(h.to_vec(&s).unwrap(), vec![bf16::from_f32(1.0 + 4.0 / 256.0); 5], "a tie to even, up");
     }
 
     #[test]

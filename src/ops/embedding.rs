@@ -89,7 +89,7 @@ pub fn embedding_forward(out: &Tensor, tokens: &Tensor, wte: &Tensor, wpe: &Tens
         let kernel = PerFloat { f32: &EMBEDDING_FORWARD, bf16: &EMBEDDING_FORWARD_BF16 }.of::<T>(OP)?;
         let (out, tokens, wte, wpe) =
             (dense::<T>(OP, out)?, dense::<u32>(OP, tokens)?, dense::<T>(OP, wte)?, dense::<T>(OP, &wpe)?);
-        let units = if d.c % lanes::<T>() == 0 { out.len() / lanes::<T>() } else { out.len() };
+        let units = if d.c.is_multiple_of(lanes::<T>()) { out.len() / lanes::<T>() } else { out.len() };
         stream.launch(kernel, stride_dims(units), &args![Out(out), In(tokens), In(wte), In(wpe), n, t, c, v])
     })
 }

@@ -41,27 +41,54 @@ template <typename T> struct Lanes {
     static constexpr int N = 16 / sizeof(T);
 };
 
-// W elements of T moved by 16-byte accesses (W·sizeof(T) a multiple of 16).
-template <typename T, int W> struct __align__(16) Chunk {
+// 16 bytes of elements to and from one uint4, by bit operations: a chunk is read from memory as
+// uint4 and its elements taken apart in registers (no type punning of local objects).
+__device__ __forceinline__ void unpack(uint4 u, float* out) {
+    out[0] = __uint_as_float(u.x);
+    out[1] = __uint_as_float(u.y);
+    out[2] = __uint_as_float(u.z);
+    out[3] = __uint_as_float(u.w);
+}
+
+__device__ __forceinline__ void unpack(uint4 u, bf16* out) {
+    unsigned words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        out[2 * q].bits = (unsigned short)(words[q] & 0xffffu);
+        out[2 * q + 1].bits = (unsigned short)(words[q] >> 16);
+    }
+}
+
+__device__ __forceinline__ uint4 pack(const float* in) {
+    return make_uint4(__float_as_uint(in[0]), __float_as_uint(in[1]), __float_as_uint(in[2]), __float_as_uint(in[3]));
+}
+
+__device__ __forceinline__ uint4 pack(const bf16* in) {
+    unsigned words[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) words[q] = (unsigned)in[2 * q].bits | ((unsigned)in[2 * q + 1].bits << 16);
+    return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// W elements of T moved by 16-byte accesses (W·sizeof(T) a multiple of 16; p 16-byte aligned).
+template <typename T, int W> struct Chunk {
     T v[W];
 };
 
 template <typename T, int W> __device__ __forceinline__ Chunk<T, W> load_chunk(const T* p) {
     static_assert(W * sizeof(T) % 16 == 0, "a chunk is whole 16-byte accesses");
+    constexpr int PER = 16 / sizeof(T);
     Chunk<T, W> c;
 #pragma unroll
-    for (int q = 0; q < (int)(W * sizeof(T) / 16); ++q) {
-        reinterpret_cast<uint4*>(&c)[q] = reinterpret_cast<const uint4*>(p)[q];
-    }
+    for (int q = 0; q < W / PER; ++q) unpack(reinterpret_cast<const uint4*>(p)[q], c.v + q * PER);
     return c;
 }
 
 template <typename T, int W> __device__ __forceinline__ void store_chunk(T* p, const Chunk<T, W>& c) {
     static_assert(W * sizeof(T) % 16 == 0, "a chunk is whole 16-byte accesses");
+    constexpr int PER = 16 / sizeof(T);
 #pragma unroll
-    for (int q = 0; q < (int)(W * sizeof(T) / 16); ++q) {
-        reinterpret_cast<uint4*>(p)[q] = reinterpret_cast<const uint4*>(&c)[q];
-    }
+    for (int q = 0; q < W / PER; ++q) reinterpret_cast<uint4*>(p)[q] = pack(c.v + q * PER);
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15u) == 0; }

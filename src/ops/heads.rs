@@ -159,7 +159,7 @@ fn sizes<T: Elem>(op: &'static str, d: [usize; 4]) -> Result<([u32; 4], crate::d
     let n = d.iter().product::<usize>();
     count(op, n)?;
     let [b, h, t, hd] = d.map(|v| count(op, v));
-    let units = if d[3] % lanes::<T>() == 0 { n / lanes::<T>() } else { n };
+    let units = if d[3].is_multiple_of(lanes::<T>()) { n / lanes::<T>() } else { n };
     Ok(([b?, h?, t?, hd?], stride_dims(units)))
 }
 
@@ -302,19 +302,10 @@ mod tests {
         let n = b * t * 3 * h * hd;
         let bits: Vec<u16> = (0..n as u16).map(|i| 0x3f00 + i).collect();
         for dtype in [DType::F32, DType::BF16] {
-            let qkv = match dtype {
-                DType::F32 => {
-                    let v: Vec<f32> = bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
-                    Tensor::from_host(&alloc, &s, &v, &[b * t, 3 * h * hd]).unwrap()
-                }
-                _ => Tensor::from_host(
-                    &alloc,
-                    &s,
-                    &bits.iter().map(|&b| bf16::from_bits(b)).collect::<Vec<_>>(),
-                    &[b * t, 3 * h * hd],
-                )
-                .unwrap(),
-            };
+            let wide: Vec<f32> = bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+            let wide = Tensor::from_host(&alloc, &s, &wide, &[b * t, 3 * h * hd]).unwrap();
+            let qkv = Tensor::zeros(&alloc, &s, wide.shape(), dtype).unwrap();
+            crate::ops::cast::cast(&qkv, &wide, &s).unwrap();
             let heads = || Tensor::zeros(&alloc, &s, &[b, h, t, hd], dtype).unwrap();
             let (q, k, v) = (heads(), heads(), heads());
             split_qkv(&q, &k, &v, &qkv, &s).unwrap();

@@ -2,6 +2,15 @@
 //! [`Tensor`]s or views. Launchers take outputs, then inputs, then sizes,
 //! and the stream last. Kernels with reductions sum in a fixed order without atomics, so results
 //! are bitwise reproducible run to run on each device.
+//!
+//! Mixed precision: the training ops other than LayerNorm, softmax and GELU run in f32 or bf16.
+//! Such an op is one CUDA template over its element type (`float.cu` holds bf16, the conversions
+//! and the 16-byte chunk moves), an `extern "C"` entry point and a [`Kernel`] per type, and one
+//! CPU path generic over [`Float`](crate::device::Float); both compute in f32 and round once per
+//! stored value, so the elementwise ops agree bitwise between the devices in bf16 too. The
+//! launcher reads the element type off its tensors and refuses others
+//! ([`Error::UnsupportedDType`]) and disagreeing operands ([`Error::DTypeMismatch`]) before
+//! anything is enqueued.
 
 pub mod adamw;
 pub mod cast;
