@@ -43,6 +43,11 @@ impl DropoutCtx {
     pub(crate) fn identity() -> DropoutCtx {
         DropoutCtx { mask: None }
     }
+
+    /// Whether the forward was the identity (so the backward is too).
+    pub fn is_identity(&self) -> bool {
+        self.mask.is_none()
+    }
 }
 
 impl Dropout {

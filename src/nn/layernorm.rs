@@ -4,7 +4,7 @@
 use super::{Inputs, Module, Param, ParamStore, SaveHook};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
-use crate::ops::layernorm::{self, LayerNormWorkspace};
+use crate::ops::layernorm::{self, LayerNormWorkspace, ResidualGrad};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -69,6 +69,47 @@ impl LayerNorm {
     fn dim(&self) -> usize {
         self.weight.value.numel()
     }
+
+    /// The input gradient from the output gradient `dy`, plus `residual.grad` when given (the
+    /// gradient that reaches the same input around the layer, added in the same kernel), whose
+    /// column sums it also adds to `residual.colsum` when given; parameter gradients `+=`.
+    pub fn backward_with(
+        &self,
+        ctx: LayerNormCtx,
+        dy: &Tensor,
+        residual: Option<ResidualGrad<'_>>,
+        stream: &Stream,
+    ) -> Result<Tensor> {
+        const OP: &str = "LayerNorm::backward";
+        dy.expect_shape(OP, &ctx.shape)?;
+        let dy = as_rows(OP, dy, self.dim())?;
+        let residual_rows = match &residual {
+            Some(r) => {
+                r.grad.expect_shape(OP, &ctx.shape)?;
+                Some(as_rows(OP, r.grad, self.dim())?)
+            }
+            None => None,
+        };
+        let residual = residual.zip(residual_rows.as_ref()).map(|(r, grad)| ResidualGrad { grad, colsum: r.colsum });
+        let dx = Tensor::uninit(&self.alloc, stream, dy.shape(), dy.dtype())?;
+        let (w, b) = (&self.weight, &self.bias);
+        let (input, mean, rstd) = (&ctx.input, &ctx.mean, &ctx.rstd);
+        let params = (&w.value, &w.grad, &b.grad);
+        layernorm::layernorm_backward(
+            &dx,
+            params.1,
+            params.2,
+            &dy,
+            input,
+            params.0,
+            mean,
+            rstd,
+            residual,
+            &self.workspace,
+            stream,
+        )?;
+        dx.reshape(&ctx.shape)
+    }
 }
 
 impl Module for LayerNorm {
@@ -94,27 +135,8 @@ impl Module for LayerNorm {
     }
 
     fn backward(&self, ctx: LayerNormCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
-        const OP: &str = "LayerNorm::backward";
-        let dy = single_input(OP, grad_outputs)?;
-        dy.expect_shape(OP, &ctx.shape)?;
-        let dy = as_rows(OP, dy, self.dim())?;
-        let dx = Tensor::uninit(&self.alloc, stream, dy.shape(), dy.dtype())?;
-        let (w, b) = (&self.weight, &self.bias);
-        let (input, mean, rstd) = (&ctx.input, &ctx.mean, &ctx.rstd);
-        layernorm::layernorm_backward(
-            &dx,
-            &w.grad,
-            &b.grad,
-            &dy,
-            input,
-            &w.value,
-            mean,
-            rstd,
-            None,
-            &self.workspace,
-            stream,
-        )?;
-        Ok(vec![Some(dx.reshape(&ctx.shape)?)])
+        let dy = single_input("LayerNorm::backward", grad_outputs)?;
+        Ok(vec![Some(self.backward_with(ctx, dy, None, stream)?)])
     }
 
     fn parameters(&self) -> Vec<&Param> {

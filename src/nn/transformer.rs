@@ -15,6 +15,7 @@ use super::{
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::cast::residual_add;
+use crate::ops::layernorm::ResidualGrad;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -109,6 +110,16 @@ impl TransformerLayer {
     }
 }
 
+/// Who adds a branch's output projection bias gradient: the LayerNorm backward that reads the
+/// same gradient as its residual when the branch's dropout was the identity, else the projection.
+fn bias_grad(summed_by_layernorm: bool) -> BiasGrad {
+    if summed_by_layernorm {
+        BiasGrad::Elsewhere
+    } else {
+        BiasGrad::Compute
+    }
+}
+
 /// The one output of a sub-module.
 fn only<C>((mut outputs, ctx): (Vec<Tensor>, C)) -> (Tensor, C) {
     (outputs.remove(0), ctx)
@@ -132,14 +143,20 @@ impl Module for TransformerLayer {
     fn backward(&self, ctx: TransformerCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         const OP: &str = "TransformerLayer::backward";
         let dy = single_input(OP, grad_outputs)?;
+        // Each LayerNorm backward adds the residual stream's gradient to its own; when the
+        // branch's dropout was the identity, the branch's output gradient is that same tensor,
+        // so the LayerNorm also sums its columns into the projection's bias gradient.
+        let fused = ctx.drop2.is_identity();
         let dm = input_grad(OP, self.drop2.backward(ctx.drop2, &[dy], stream)?)?;
-        let dm = self.mlp.backward_with(ctx.mlp, &dm, BiasGrad::Compute, stream)?;
-        let dm = input_grad(OP, self.ln2.backward(ctx.ln2, &[&dm], stream)?)?;
-        let dh = self.add(dy, &dm, stream)?;
+        let dm = self.mlp.backward_with(ctx.mlp, &dm, bias_grad(fused), stream)?;
+        let colsum = fused.then_some(&self.mlp.fc2.bias.grad);
+        let dh = self.ln2.backward_with(ctx.ln2, &dm, Some(ResidualGrad { grad: dy, colsum }), stream)?;
+        let fused = ctx.drop1.is_identity();
         let da = input_grad(OP, self.drop1.backward(ctx.drop1, &[&dh], stream)?)?;
-        let da = self.attn.backward_with(ctx.attn, &da, BiasGrad::Compute, stream)?;
-        let da = input_grad(OP, self.ln1.backward(ctx.ln1, &[&da], stream)?)?;
-        Ok(vec![Some(self.add(&dh, &da, stream)?)])
+        let da = self.attn.backward_with(ctx.attn, &da, bias_grad(fused), stream)?;
+        let colsum = fused.then_some(&self.attn.proj.bias.grad);
+        let dx = self.ln1.backward_with(ctx.ln1, &da, Some(ResidualGrad { grad: &dh, colsum }), stream)?;
+        Ok(vec![Some(dx)])
     }
 
     fn parameters(&self) -> Vec<&Param> {
