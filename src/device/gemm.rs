@@ -68,6 +68,7 @@ macro_rules! gemm_kernels {
             gemm_kernels!(@pair $t, $dtype, "_bias_gelu_aux", EpilogueKind::BiasGeluAux, ["bias", "aux"]),
             gemm_kernels!(@pair $t, $dtype, "_dgelu_bgrad", EpilogueKind::DGeluBGrad, ["aux", "bias_grad"]),
             gemm_kernels!(@pair $t, $dtype, "_bgrad_a", EpilogueKind::BGradA, ["bias_grad"]),
+            gemm_kernels!(@pair $t, $dtype, "_dgelu", EpilogueKind::DGelu, ["aux"]),
         ]
     };
     (@pair $t:ty, $dtype:literal, $epi:literal, $kind:expr, [$($buf:literal),*]) => {
@@ -204,6 +205,13 @@ pub enum Epilogue<'a, T: GemmElem> {
         /// `m` elements, written.
         bias_grad: View<'a, T>,
     },
+    /// `D = pre ⊙ gelu'(aux)`: GELU's backward without the bias gradient (cuBLASLt's `DGELU`),
+    /// for shapes where `DGELU_BGRAD`'s reduction costs more than a `BGRADB` on the next
+    /// weight-gradient GEMM.
+    DGelu {
+        /// `m × n`, read: GELU's input, as [`Epilogue::BiasGeluAux`] saved it.
+        aux: View<'a, T>,
+    },
 }
 
 /// Which epilogue, without its buffers: part of the plan cache key and of the kernel's name.
@@ -214,22 +222,27 @@ pub(crate) enum EpilogueKind {
     BiasGeluAux,
     DGeluBGrad,
     BGradA,
+    DGelu,
 }
 
 impl EpilogueKind {
     /// Every kind, each at the index of its discriminant.
-    pub(crate) const ALL: [EpilogueKind; 5] = [
+    pub(crate) const ALL: [EpilogueKind; 6] = [
         EpilogueKind::None,
         EpilogueKind::Bias,
         EpilogueKind::BiasGeluAux,
         EpilogueKind::DGeluBGrad,
         EpilogueKind::BGradA,
+        EpilogueKind::DGelu,
     ];
 
     /// Whether the epilogue writes per-GEMM data (an aux matrix, a bias gradient), which
     /// graphed does not batch.
     fn per_matrix(self) -> bool {
-        matches!(self, EpilogueKind::BiasGeluAux | EpilogueKind::DGeluBGrad | EpilogueKind::BGradA)
+        matches!(
+            self,
+            EpilogueKind::BiasGeluAux | EpilogueKind::DGeluBGrad | EpilogueKind::BGradA | EpilogueKind::DGelu
+        )
     }
 }
 
@@ -242,6 +255,7 @@ impl<'a, T: GemmElem> Epilogue<'a, T> {
             Epilogue::BiasGeluAux { .. } => EpilogueKind::BiasGeluAux,
             Epilogue::DGeluBGrad { .. } => EpilogueKind::DGeluBGrad,
             Epilogue::BGradA { .. } => EpilogueKind::BGradA,
+            Epilogue::DGelu { .. } => EpilogueKind::DGelu,
         }
     }
 
@@ -253,6 +267,7 @@ impl<'a, T: GemmElem> Epilogue<'a, T> {
             Epilogue::BiasGeluAux { bias, aux } => [Some(bias), Some(aux)],
             Epilogue::DGeluBGrad { aux, bias_grad } => [Some(aux), Some(bias_grad)],
             Epilogue::BGradA { bias_grad } => [Some(bias_grad), None],
+            Epilogue::DGelu { aux } => [Some(aux), None],
         }
     }
 }
@@ -375,6 +390,7 @@ impl<'a, T: GemmElem> Gemm<'a, T> {
                 vector("the bias gradient (one per column of D)", bias_grad, n)?;
                 Some(aux_ld(aux)?)
             }
+            Epilogue::DGelu { aux } => Some(aux_ld(aux)?),
             Epilogue::BGradA { bias_grad } => {
                 vector("the bias gradient (one per row of op(A))", bias_grad, m)?;
                 None
@@ -409,6 +425,7 @@ impl<'a, T: GemmElem> Gemm<'a, T> {
             Epilogue::BiasGeluAux { bias, aux } => args.extend([In(bias).into(), Out(aux).into()]),
             Epilogue::DGeluBGrad { aux, bias_grad } => args.extend([In(aux).into(), Out(bias_grad).into()]),
             Epilogue::BGradA { bias_grad } => args.push(Out(bias_grad).into()),
+            Epilogue::DGelu { aux } => args.push(In(aux).into()),
         }
         args.push(Hidden("gemm workspace", workspace).into());
         let flags = u32::from(spec.trans_a) | u32::from(spec.trans_b) << 1;
@@ -458,7 +475,7 @@ fn gemm_cpu<T: GemmElem, const KIND: usize, const ADDEND: bool>(args: &CpuArgs) 
     let b = args.input::<T>("b")?;
     let f32s = |p: &str| -> Result<Vec<f32>> { Ok(args.input::<T>(p)?.iter().map(|v| v.to_f32()).collect()) };
     let bias = if matches!(kind, EpilogueKind::Bias | EpilogueKind::BiasGeluAux) { Some(f32s("bias")?) } else { None };
-    let aux_in = if kind == EpilogueKind::DGeluBGrad { Some(f32s("aux")?) } else { None };
+    let aux_in = if matches!(kind, EpilogueKind::DGeluBGrad | EpilogueKind::DGelu) { Some(f32s("aux")?) } else { None };
     let addend = if ADDEND { Some(args.input::<T>("addend")?) } else { None };
     let mut aux_out = if kind == EpilogueKind::BiasGeluAux { Some(args.output::<T>("aux")?) } else { None };
     let mut grad = vec![
@@ -513,7 +530,9 @@ fn gemm_cpu<T: GemmElem, const KIND: usize, const ADDEND: bool>(args: &CpuArgs) 
                     v = gelu(v);
                 } else if let Some(aux) = &aux_in {
                     v *= gelu_grad(aux[at]);
-                    grad[j] += v;
+                    if let Some(g) = grad.get_mut(j) {
+                        *g += v;
+                    }
                 }
                 c[at] = T::from_f32(v);
             }

@@ -27,9 +27,6 @@ pub enum BiasGrad {
     /// adds it.
     #[default]
     Compute,
-    /// It was computed already (by the next layer's data-gradient GEMM, fused with GELU's
-    /// backward): the layer adds this vector.
-    Computed(Tensor),
     /// The caller adds it (a LayerNorm backward that reads the same gradient as its residual
     /// sums its columns in the same pass).
     Elsewhere,
@@ -136,20 +133,17 @@ impl Linear {
         Ok(dx)
     }
 
-    /// `(dpre, db_prev)`: the gradient through this layer and the GELU before it,
-    /// `dpre = (dy·W) ⊙ GELU′(pre)`, and its column sums, the bias gradient of the layer that
-    /// computed `pre` (pass it to that layer as [`BiasGrad::Computed`]). One GEMM.
-    pub fn data_grad_through_gelu(&self, dy: &Tensor, pre: &Tensor, stream: &Stream) -> Result<(Tensor, Tensor)> {
+    /// The gradient through this layer and the GELU before it, `dpre = (dy·W) ⊙ GELU′(pre)`:
+    /// one GEMM. (cuBLASLt's `DGELU` epilogue: its `DGELU_BGRAD`, which would also sum the
+    /// columns into the bias gradient of the layer before, measured 2.5x slower than the GEMM
+    /// at BENCH.md's M on the H200, where that layer's `BGRADB` weight-gradient GEMM is free.)
+    pub fn data_grad_through_gelu(&self, dy: &Tensor, pre: &Tensor, stream: &Stream) -> Result<Tensor> {
         let (i, o) = self.dims();
         let n = self.rows("Linear::data_grad_through_gelu", dy, o)?;
         let dpre = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
-        let db = Tensor::uninit(&self.alloc, stream, &[i], dy.dtype())?;
-        let gemm = Matmul {
-            fused: Fused::DGeluBGrad { aux: pre, bias_grad: &db },
-            ..Matmul::new(&dpre, dy, &self.weight.value, (n, i, o))
-        };
+        let gemm = Matmul { fused: Fused::DGelu { aux: pre }, ..Matmul::new(&dpre, dy, &self.weight.value, (n, i, o)) };
         matmul(gemm, stream)?;
-        Ok((dpre, db))
+        Ok(dpre)
     }
 
     /// `dW += dyᵀ·x` and the bias gradient as `bias` says, now or (with a split weight
@@ -176,9 +170,7 @@ impl Linear {
         let gemm = Matmul { fused, trans_a: true, beta: 1.0, ..Matmul::new(&self.weight.grad, dy, x, (o, i, n)) };
         matmul(gemm, stream)?;
         match (bias, &scratch) {
-            (BiasGrad::Computed(db), _) | (BiasGrad::Compute, Some(db)) => {
-                elementwise::accumulate(&self.bias.grad, db, stream)
-            }
+            (BiasGrad::Compute, Some(db)) => elementwise::accumulate(&self.bias.grad, db, stream),
             _ => Ok(()),
         }
     }

@@ -175,10 +175,14 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
         }
     }
 
-    // The block's partial sums into its slot, row group after row group.
+    // The block's partial sums into its slot, row group after row group. With several row groups
+    // they are added in shared memory (parts * C floats, the launch's dynamic shared memory), whose
+    // round trips are short, and the slot is written once; one row group writes the slot directly.
+    extern __shared__ float block_sums[];
     const unsigned long long C3 = 3ull * C;
     const unsigned parts = has_colsum ? 3u : 2u;
     float* slot = scratch + blockIdx.x * C3;
+    float* sums = R > 1 ? block_sums : slot;
     for (unsigned step = 0; step < R; step++) {
         if (g == step) {
 #pragma unroll
@@ -189,7 +193,7 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
                     for (int i = 0; i < W; i++) {
                         float v[3] = {dw[k][i], db[k][i], dr[k][i]};
                         for (unsigned p = 0; p < parts; p++) {
-                            float* at = slot + p * C + c + i;
+                            float* at = sums + p * C + c + i;
                             *at = step == 0 ? v[p] : *at + v[p];
                         }
                     }
@@ -197,6 +201,9 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
             }
         }
         __syncthreads();
+    }
+    if (R > 1) {
+        for (unsigned j = threadIdx.x; j < parts * C; j += blockDim.x) slot[j] = block_sums[j];
     }
 
     // Level 1: the last block of this span to finish adds the span's slots into its first slot.

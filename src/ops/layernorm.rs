@@ -391,7 +391,12 @@ fn backward<T: Float>(
         count(OP, g)?,
         flags,
     ];
-    stream.launch(kernel, grid(OP, n.div_ceil(BWD_BLOCK / g).min(BACKWARD_BLOCKS), BWD_BLOCK)?, &args)
+    let mut dims = grid(OP, n.div_ceil(BWD_BLOCK / g).min(BACKWARD_BLOCKS), BWD_BLOCK)?;
+    // Several row groups per block add their column sums in shared memory (`block_sums`).
+    if g < BWD_BLOCK {
+        dims.shared_mem_bytes = count(OP, 3 * c * std::mem::size_of::<f32>())?;
+    }
+    stream.launch(kernel, dims, &args)
 }
 
 /// The (N, C) of a LayerNorm's rows, refused unless 0 < C ≤ [`MAX_FEATURES`].

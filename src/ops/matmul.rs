@@ -46,6 +46,11 @@ pub enum Fused<'t> {
         /// `n` elements, written.
         bias_grad: &'t Tensor,
     },
+    /// Multiplies the product by GELU′(`aux`): GELU's backward alone.
+    DGelu {
+        /// The forward's pre-activation, `m × n`.
+        aux: &'t Tensor,
+    },
     /// Writes the row sums of op(A) over k to `bias_grad` (`m` elements): a weight-gradient GEMM
     /// `dW = dyᵀ·x` that also yields the bias gradient `Σ dy`.
     BGradA {
@@ -62,6 +67,7 @@ impl<'t> Fused<'t> {
             Fused::BiasGeluAux { bias, aux } => vec![bias, aux],
             Fused::DGeluBGrad { aux, bias_grad } => vec![aux, bias_grad],
             Fused::BGradA { bias_grad } => vec![bias_grad],
+            Fused::DGelu { aux } => vec![aux],
         }
     }
 
@@ -74,6 +80,7 @@ impl<'t> Fused<'t> {
                 Epilogue::DGeluBGrad { aux: aux.view()?, bias_grad: bias_grad.view()? }
             }
             Fused::BGradA { bias_grad } => Epilogue::BGradA { bias_grad: bias_grad.view()? },
+            Fused::DGelu { aux } => Epilogue::DGelu { aux: aux.view()? },
         })
     }
 }

@@ -362,7 +362,9 @@ fn bias_gelu_aux_epilogue_matches_unfused(dev: &Device) -> anyhow::Result<()> {
 
 /// FC2's data gradient fused with GELU's backward and FC1's bias gradient:
 /// `dpre = (dy·W2) ⊙ gelu'(pre)`, `db1 = Σ_rows dpre`.
-fn dgelu_bgrad_case<T: Host>(dev: &Device) -> anyhow::Result<()> {
+/// GELU's backward in the data-gradient GEMM, with (`DGELU_BGRAD`) or without (`DGELU`) the
+/// bias gradient of the layer before.
+fn dgelu_case<T: Host>(dev: &Device, with_bias_grad: bool) -> anyhow::Result<()> {
     let s = dev.stream()?;
     let (m, n, k) = SHAPE;
     let ((dy, hdy), (w, hw), (pre, hpre)) =
@@ -370,10 +372,12 @@ fn dgelu_bgrad_case<T: Host>(dev: &Device) -> anyhow::Result<()> {
     let (dy, w, pre) = (dev.alloc_from(&s, &dy)?, dev.alloc_from(&s, &w)?, dev.alloc_from(&s, &pre)?);
     let dpre = dev.alloc::<T>(m * n)?;
     let db = dev.alloc_from(&s, &vec![T::of(1000.0); n])?;
-    s.gemm(Gemm {
-        epilogue: Epilogue::DGeluBGrad { aux: pre.view(), bias_grad: db.view() },
-        ..Gemm::new(dpre.view(), dy.view(), w.view(), (m, n, k))
-    })?;
+    let epilogue = if with_bias_grad {
+        Epilogue::DGeluBGrad { aux: pre.view(), bias_grad: db.view() }
+    } else {
+        Epilogue::DGelu { aux: pre.view() }
+    };
+    s.gemm(Gemm { epilogue, ..Gemm::new(dpre.view(), dy.view(), w.view(), (m, n, k)) })?;
     let want: Vec<Want> = product(&hdy, &hw, (m, n, k), false, false, 1.0)
         .iter()
         .zip(&hpre)
@@ -383,6 +387,10 @@ fn dgelu_bgrad_case<T: Host>(dev: &Device) -> anyhow::Result<()> {
         .collect();
     let gelu_tol = T::STORED.on_cuda(dev, CUDA_TANH_SLACK);
     check("dpre", &back(&dpre.to_vec(&s)?), &want, gelu_tol)?;
+    if !with_bias_grad {
+        ensure!(db.to_vec(&s)?.iter().all(|v| v.back() == 1000.0), "DGELU wrote a bias gradient");
+        return Ok(());
+    }
     let sums: Vec<Want> = (0..n)
         .map(|j| {
             (0..m)
@@ -397,8 +405,13 @@ fn dgelu_bgrad_case<T: Host>(dev: &Device) -> anyhow::Result<()> {
 }
 
 fn dgelu_bgrad_epilogue_matches_unfused(dev: &Device) -> anyhow::Result<()> {
-    dgelu_bgrad_case::<f32>(dev)?;
-    dgelu_bgrad_case::<bf16>(dev)
+    dgelu_case::<f32>(dev, true)?;
+    dgelu_case::<bf16>(dev, true)
+}
+
+fn dgelu_epilogue_matches_unfused(dev: &Device) -> anyhow::Result<()> {
+    dgelu_case::<f32>(dev, false)?;
+    dgelu_case::<bf16>(dev, false)
 }
 
 /// `dW += dyᵀ·x` with `db = Σ_tokens dy` written (not accumulated): dims (out, in, tokens).
@@ -493,6 +506,7 @@ crate::per_device!(
     addend_is_read_and_the_output_only_written,
     bias_gelu_aux_epilogue_matches_unfused,
     dgelu_bgrad_epilogue_matches_unfused,
+    dgelu_epilogue_matches_unfused,
     bgrad_a_epilogue_writes_the_bias_gradient_of_an_accumulated_weight_gradient,
     epilogue_arguments_are_refused_before_enqueue,
 );

@@ -152,6 +152,7 @@ fn epilogue(kind: EpilogueKind) -> Option<sys::cublasLtEpilogue_t> {
         EpilogueKind::BiasGeluAux => Some(E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
         EpilogueKind::DGeluBGrad => Some(E::CUBLASLT_EPILOGUE_DGELU_BGRAD),
         EpilogueKind::BGradA => Some(E::CUBLASLT_EPILOGUE_BGRADB),
+        EpilogueKind::DGelu => Some(E::CUBLASLT_EPILOGUE_DGELU),
     }
 }
 
@@ -237,7 +238,7 @@ impl Blas {
         let c = if spec.addend.is_some() { ptr("addend")? } else { d };
         // cuBLASLt reads a bias and writes a bias gradient through the same pointer.
         let bias = match spec.epilogue {
-            EpilogueKind::None => None,
+            EpilogueKind::None | EpilogueKind::DGelu => None,
             EpilogueKind::Bias | EpilogueKind::BiasGeluAux => Some(ptr("bias")?),
             EpilogueKind::DGeluBGrad | EpilogueKind::BGradA => Some(ptr("bias_grad")?),
         };
