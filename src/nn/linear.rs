@@ -1,11 +1,11 @@
 //! `y = x·Wᵀ + b`: the GEMMs of a fully connected layer, with the work around them folded into
 //! cuBLASLt's epilogues: the bias, a residual added as the GEMM's C (`beta = 1`), GELU with its
-//! pre-activation kept for the backward, and GELU's backward fused into the next layer's data
-//! gradient.
+//! pre-activation kept for the backward, GELU's backward fused into the next layer's data
+//! gradient, and the bias gradient as a by-product of the weight-gradient GEMM.
 //!
 //! Gradients: `dx = dy·W` (written), `dW += dyᵀ·x` (the GEMM accumulates with `beta = 1`),
-//! `db += Σ_rows dy` (one kernel sums the columns in a fixed order and adds them; see
-//! [`BiasGrad`] for why not cuBLASLt's `BGRADB`). The composite modules use the pieces
+//! `db += Σ_rows dy` (the weight-gradient GEMM writes the sum, in cuBLASLt's fixed order, to a
+//! scratch vector that one kernel adds to the gradient). The composite modules use the pieces
 //! ([`Linear::forward_with`], [`Linear::forward_gelu`], [`Linear::data_grad`],
 //! [`Linear::data_grad_through_gelu`], [`Linear::weight_grads`]) to fuse across layers.
 
@@ -23,9 +23,8 @@ use std::sync::{Mutex, PoisonError};
 /// Who adds a Linear's bias gradient `Σ_rows dy`.
 #[derive(Clone, Debug, Default)]
 pub enum BiasGrad {
-    /// The layer adds it, with one kernel that sums `dy`'s columns into the gradient. (cuBLASLt's
-    /// `BGRADB` epilogue on the weight-gradient GEMM runs as a GEMM plus its own reduction kernel
-    /// here, and a write rather than an accumulation, so it would still need an add.)
+    /// The weight-gradient GEMM computes it (cuBLASLt's bias-gradient epilogue) and the layer
+    /// adds it.
     #[default]
     Compute,
     /// The caller adds it (a LayerNorm backward that reads the same gradient as its residual
@@ -163,11 +162,16 @@ impl Linear {
         let (i, o) = self.dims();
         let n = self.rows("Linear::weight_grads", dy, o)?;
         self.rows("Linear::weight_grads", x, i)?;
-        let gemm = Matmul { trans_a: true, beta: 1.0, ..Matmul::new(&self.weight.grad, dy, x, (o, i, n)) };
+        let scratch = match bias {
+            BiasGrad::Compute => Some(Tensor::uninit(&self.alloc, stream, &[o], dy.dtype())?),
+            _ => None,
+        };
+        let fused = scratch.as_ref().map_or(Fused::None, |db| Fused::BGradA { bias_grad: db });
+        let gemm = Matmul { fused, trans_a: true, beta: 1.0, ..Matmul::new(&self.weight.grad, dy, x, (o, i, n)) };
         matmul(gemm, stream)?;
-        match bias {
-            BiasGrad::Compute => elementwise::accumulate(&self.bias.grad, dy, stream),
-            BiasGrad::Elsewhere => Ok(()),
+        match (bias, &scratch) {
+            (BiasGrad::Compute, Some(db)) => elementwise::accumulate(&self.bias.grad, db, stream),
+            _ => Ok(()),
         }
     }
 

@@ -38,41 +38,12 @@ template <typename T> __device__ void axpy(T* y, const T* x, float a, unsigned n
 extern "C" __global__ void axpy_f32(float* y, const float* x, float a, unsigned n) { axpy(y, x, a, n); }
 extern "C" __global__ void axpy_bf16(bf16* y, const bf16* x, float a, unsigned n) { axpy(y, x, a, n); }
 
-// dst[c] += sum over r of src[r, c]: a bias gradient (the column sums of the output gradient)
-// added to its accumulator. A block of ACC_WARPS warps takes ACC_COLS columns, two per lane, so a
-// warp reads 64 consecutive elements of a row; warp w sums rows w, w + ACC_WARPS, ... in order,
-// then warp 0 adds the warps' sums in warp order and rounds once: a fixed order, so results are
-// bitwise identical run to run (not to the simulator's row-order sums, beyond one row).
-#define ACC_COLS 64
-#define ACC_WARPS 32
-template <typename T> __device__ void accumulate(T* dst, const T* src, unsigned rows, unsigned cols) {
-    __shared__ float part[ACC_WARPS][ACC_COLS];
-    const unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const unsigned c = blockIdx.x * ACC_COLS + 2 * lane;
-    float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll 4
-    for (unsigned r = w; r < rows; r += ACC_WARPS) {
-        const T* row = src + (unsigned long long)r * cols;
-        if (c < cols) s0 += to_f32(row[c]);
-        if (c + 1 < cols) s1 += to_f32(row[c + 1]);
-    }
-    part[w][2 * lane] = s0;
-    part[w][2 * lane + 1] = s1;
-    __syncthreads();
-    if (w != 0) return;
-    for (unsigned j = 0; j < 2; j++) {
-        float s = 0.0f;
-        for (unsigned k = 0; k < ACC_WARPS; k++) s += part[k][2 * lane + j];
-        if (c + j < cols) dst[c + j] = from_f32<T>(to_f32(dst[c + j]) + s);
-    }
+template <typename T> __device__ void accumulate(T* dst, const T* src, unsigned n) {
+    map2<Lanes<T>::N>(dst, dst, src, n, [](float d, float s) { return d + s; });
 }
 
-extern "C" __global__ void accumulate_f32(float* dst, const float* src, unsigned rows, unsigned cols) {
-    accumulate(dst, src, rows, cols);
-}
-extern "C" __global__ void accumulate_bf16(bf16* dst, const bf16* src, unsigned rows, unsigned cols) {
-    accumulate(dst, src, rows, cols);
-}
+extern "C" __global__ void accumulate_f32(float* dst, const float* src, unsigned n) { accumulate(dst, src, n); }
+extern "C" __global__ void accumulate_bf16(bf16* dst, const bf16* src, unsigned n) { accumulate(dst, src, n); }
 
 // y[r, c] = k * x[r, c] for r < rows, c < cols, with leading dimensions ld_y and ld_x.
 template <typename T>

@@ -26,7 +26,7 @@
 use half::bf16;
 
 use super::{count, float_dtype, lanes, stride_dims, with_float, PerFloat};
-use crate::device::{args, CpuArgs, Float, In, InOut, Kernel, LaunchDims, Out, Stream, View};
+use crate::device::{args, CpuArgs, Float, In, InOut, Kernel, Out, Stream, View};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -147,69 +147,50 @@ pub fn axpy<T: Float>(y: View<'_, T>, x: View<'_, T>, a: f32, stream: &Stream) -
     stream.launch(kernel, stride_dims(y.len().div_ceil(lanes::<T>())), &args![InOut(y), In(x), a, n])
 }
 
-/// `dst += Σ_rows src` in f32.
+/// `dst += src` in f32.
 pub static ACCUMULATE: Kernel = Kernel {
     name: "accumulate_f32",
     source: SOURCE,
-    params: &["dst", "src", "rows", "cols"],
+    params: &["dst", "src", "n"],
     cpu: accumulate_cpu::<f32>,
     strided: false,
 };
 
-/// `dst = bf16(dst + Σ_rows src)`.
+/// `dst = bf16(dst + src)`.
 pub static ACCUMULATE_BF16: Kernel = Kernel {
     name: "accumulate_bf16",
     source: SOURCE,
-    params: &["dst", "src", "rows", "cols"],
+    params: &["dst", "src", "n"],
     cpu: accumulate_cpu::<bf16>,
     strided: false,
 };
 
-/// Columns per block and warps per block of the accumulate kernel (`ACC_COLS`, `ACC_WARPS`).
-const ACC_COLS: usize = 64;
-const ACC_WARPS: u32 = 32;
-
 fn accumulate_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
-    let cols = a.u32("cols")? as usize;
     let src = a.input::<T>("src")?;
     let mut dst = a.output::<T>("dst")?;
-    for (c, d) in dst.iter_mut().enumerate() {
-        let sum = src.iter().skip(c).step_by(cols.max(1)).fold(0.0f32, |s, v| s + v.to_f32());
-        *d = T::from_f32(d.to_f32() + sum);
-    }
+    dst.iter_mut().zip(src.iter()).for_each(|(d, s)| *d = T::from_f32(d.to_f32() + s.to_f32()));
     Ok(())
 }
 
-/// `dst += Σ_rows src` for `dst` of C elements and `src` of `(N, C)` (or of C, one row): a bias
-/// gradient, the column sums of its layer's output gradient, added to its accumulator in one
-/// kernel. Both of one element type (f32 or bf16), contiguous; each sum is computed in f32 in a
-/// fixed order and rounded once.
+/// `dst += src` (a parameter gradient computed into a scratch, such as a bias gradient from a
+/// GEMM epilogue, added to its accumulator): equal element counts, the same element type (f32
+/// or bf16), both contiguous; the sum is computed in f32 and rounded once.
 ///
 /// # Errors
 /// [`Error::UnsupportedDType`] or [`Error::DTypeMismatch`] for other element types,
-/// [`Error::Shape`] unless `src`'s last dimension has `dst`'s length, [`Error::NotContiguous`];
-/// all before anything is enqueued.
+/// [`Error::LengthMismatch`] for unequal counts, [`Error::NotContiguous`]; all before anything is
+/// enqueued.
 pub fn accumulate(dst: &Tensor, src: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "accumulate";
     let dtype = float_dtype(OP, dst, &[src])?;
-    let cols = dst.numel();
-    if src.shape().last() != Some(&cols) || dst.shape().len() != 1 {
-        return Err(Error::Shape {
-            op: OP,
-            expected: format!("dst of (C) and src of (.., C) with C = {cols}"),
-            found: src.shape().to_vec(),
-        });
+    if dst.numel() != src.numel() {
+        return Err(Error::LengthMismatch { op: OP, src: src.numel(), dst: dst.numel() });
     }
-    let rows = count(OP, src.numel() / cols.max(1))?;
-    let dims = LaunchDims {
-        grid: (count(OP, cols.div_ceil(ACC_COLS).max(1))?, 1, 1),
-        block: (32 * ACC_WARPS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let n = count(OP, dst.numel())?;
     with_float!(OP, dtype, T => {
         let kernel = PerFloat { f32: &ACCUMULATE, bf16: &ACCUMULATE_BF16 }.of::<T>(OP)?;
         let (d, s) = (super::dense::<T>(OP, dst)?, super::dense::<T>(OP, src)?);
-        stream.launch(kernel, dims, &args![InOut(d), In(s), rows, count(OP, cols)?])
+        stream.launch(kernel, stride_dims(d.len().div_ceil(lanes::<T>())), &args![InOut(d), In(s), n])
     })
 }
 
@@ -376,7 +357,7 @@ mod tests {
         let r = accumulate(&u, &u, &s);
         assert!(matches!(r, Err(Error::UnsupportedDType { op: "accumulate", dtype: DType::U32, .. })), "{r:?}");
         let r = accumulate(&f, &Tensor::zeros(&alloc, &s, &[5], DType::F32).unwrap(), &s);
-        assert!(matches!(r, Err(Error::Shape { op: "accumulate", .. })), "{r:?}");
+        assert!(matches!(r, Err(Error::LengthMismatch { .. })), "{r:?}");
         assert_eq!(f.to_vec::<f32>(&s).unwrap(), vec![1.0; 4], "nothing ran");
     }
 }
