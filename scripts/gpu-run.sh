@@ -49,7 +49,7 @@ done | tee -a "$OUT/train.log"
         .gpu/graphed train --steps 50 > "$logs/cache.log" 2>&1
         echo "kernel cache, every file damaged ($damage): train exit $?, $(grep -c damaged "$logs/cache.log") damaged-entry warnings, $(grep -c '^step' "$logs/cache.log") loss lines"
     done
-    .gpu/graphed train --device cuda --dim 8192 --layers 8 --batch 65536 2>&1 | tail -2
+    .gpu/graphed train --device cuda --dim 4096 --layers 64 --batch 65536 2>&1 | tail -2
     echo "too big for the GPU: exit ${PIPESTATUS[0]}"
 } 2>&1 | tee "$OUT/misuse.log"
 for bench in ${BENCHES:-graphs}; do
