@@ -27,10 +27,6 @@ pub struct ParamStore {
     values: Tensor,
     grads: Tensor,
     used: usize,
-    /// For a bf16 store: every added parameter's f32 initial values (host memory, in the store's
-    /// layout), from which [`master_values`](ParamStore::master_values) starts an optimizer's f32
-    /// master copy instead of from their bf16 rounding. Empty for an f32 store.
-    initial: Vec<f32>,
 }
 
 impl ParamStore {
@@ -50,7 +46,7 @@ impl ParamStore {
         }
         let (values, grads) =
             (Tensor::zeros(alloc, stream, &[capacity], dtype)?, Tensor::zeros(alloc, stream, &[capacity], dtype)?);
-        Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0, initial: Vec::new() })
+        Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0 })
     }
 
     /// The element type of values and gradients.
@@ -83,9 +79,6 @@ impl ParamStore {
         let grad = self.grads.narrow(0, self.used, n)?.reshape(shape)?;
         let staging = Tensor::from_host(&self.alloc, stream, init, &[n])?;
         crate::ops::cast::cast(&value.reshape(&[n])?, &staging, stream)?;
-        if self.dtype() != DType::F32 {
-            self.initial.extend_from_slice(init);
-        }
         self.used += n;
         Ok(Param { name: name.to_string(), value, grad })
     }
@@ -98,19 +91,6 @@ impl ParamStore {
     /// Every gradient, as one flat tensor (the used part).
     pub fn grads(&self) -> Result<Tensor> {
         self.grads.narrow(0, 0, self.used)
-    }
-
-    /// The f32 values an optimizer's master copy of every parameter starts from, read after the
-    /// work queued on `stream` (blocking): an f32 store's values; in a bf16 store, each
-    /// parameter's f32 initial value where its bf16 value is still the rounding of it, and the
-    /// bf16 value widened where it was written since (a checkpoint loaded, a step taken).
-    pub fn master_values(&self, stream: &Stream) -> Result<Vec<f32>> {
-        let values = self.values()?.to_f32_vec(stream)?;
-        if self.dtype() == DType::F32 {
-            return Ok(values);
-        }
-        let rounded = |x: f32| half::bf16::from_f32(x).to_f32().to_bits();
-        Ok(values.iter().zip(&self.initial).map(|(&v, &x)| if rounded(x) == v.to_bits() { x } else { v }).collect())
     }
 }
 

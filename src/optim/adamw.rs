@@ -7,16 +7,17 @@ use crate::nn::ParamStore;
 use crate::ops::adamw::{adamw_step, AdamWHyper};
 use crate::ops::schedule::{lr_schedule_step, LrSchedule};
 use crate::tensor::Tensor;
-use crate::Result;
+use crate::{Error, Result};
 
 /// AdamW (PyTorch's `torch.optim.AdamW`) over one [`ParamStore`]: its moments, step counter and
 /// learning rate live on the device, so [`step`](AdamW::step) enqueues three launches and no
 /// host work, and a graph of it (`graph::make_graphed_fn`) follows the schedule on every replay.
 ///
 /// Over a bf16 store (mixed precision) it owns f32 master weights, which start from the store's
-/// [`master_values`](ParamStore::master_values) (the f32 initial values, not their rounding),
-/// take every update in f32, and are rounded into the store's bf16 values by the same launch;
-/// the gradients stay bf16. The moments are f32 either way.
+/// values widened on the device (as PyTorch's `param.float()` of a bf16 model: no host copy of a
+/// model that may not fit in host memory), take every update in f32, and are rounded into the
+/// store's bf16 values by the same launch; the gradients stay bf16. The moments are f32 either
+/// way.
 ///
 /// ```
 /// use graphed::device::Device;
@@ -55,11 +56,11 @@ pub struct AdamW {
 
 impl AdamW {
     /// An optimizer of every parameter of `store`, with zero moments and no step taken; for a
-    /// bf16 store, with f32 master weights from [`ParamStore::master_values`] (read after the
-    /// work queued on `stream`: blocking).
+    /// bf16 store, with f32 master weights widened from its values after the work queued on
+    /// `stream`.
     ///
     /// # Errors
-    /// As [`ParamStore::master_values`] and the allocations.
+    /// As the allocations.
     pub fn new(
         alloc: &CachingAllocator,
         store: &ParamStore,
@@ -70,7 +71,12 @@ impl AdamW {
         let (values, grads) = (store.values()?, store.grads()?);
         let (params, weights) = match values.dtype() {
             DType::F32 => (values, None),
-            _ => (Tensor::from_host(alloc, stream, &store.master_values(stream)?, values.shape())?, Some(values)),
+            DType::BF16 => {
+                let master = Tensor::uninit(alloc, stream, values.shape(), DType::F32)?;
+                crate::ops::cast::cast(&master, &values, stream)?;
+                (master, Some(values))
+            }
+            dtype => return Err(Error::UnsupportedDType { op: "AdamW::new", dtype, supported: "f32 or bf16" }),
         };
         let zeros = |shape: &[usize]| Tensor::zeros(alloc, stream, shape, DType::F32);
         let (m, v, lr) = (zeros(params.shape())?, zeros(params.shape())?, zeros(&[1])?);
