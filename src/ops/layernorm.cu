@@ -217,16 +217,25 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
     __threadfence();
     if (threadIdx.x == 0) counters[1 + span] = 0;  // every block of the span has taken its ticket
     const unsigned long long n = parts * (unsigned long long)C;
+    const unsigned spans = (gridDim.x + TREE_SPAN - 1) / TREE_SPAN;
     for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
         float s = __ldcg(scratch + first * C3 + j);
+#pragma unroll 4
         for (unsigned b = first + 1; b < first + in_span; b++) s += __ldcg(scratch + b * C3 + j);
-        scratch[first * C3 + j] = s;
+        if (spans == 1) {
+            // One span: its sum is the total, added here (the same additions as level 2's).
+            unsigned part = (unsigned)(j / C), c = (unsigned)(j % C);
+            T* grad = part == 0 ? dweight : part == 1 ? dbias : dcolsum;
+            grad[c] = from_float<T>(to_float(grad[c]) + s);
+        } else {
+            scratch[first * C3 + j] = s;
+        }
     }
+    if (spans == 1) return;  // level 2's counter was never taken
 
     // Level 2: the last span to finish adds the spans' sums in span order into the gradients.
     __threadfence();
     __syncthreads();
-    const unsigned spans = (gridDim.x + TREE_SPAN - 1) / TREE_SPAN;
     if (threadIdx.x == 0) ticket = atomicAdd(&counters[0], 1u);
     __syncthreads();
     if (ticket != spans - 1) return;
@@ -234,6 +243,7 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
     if (threadIdx.x == 0) counters[0] = 0;  // the next launch (or graph replay) starts from 0
     for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
         float s = __ldcg(scratch + j);
+#pragma unroll 4
         for (unsigned p = 1; p < spans; p++) s += __ldcg(scratch + p * TREE_SPAN * C3 + j);
         unsigned part = (unsigned)(j / C), c = (unsigned)(j % C);
         T* grad = part == 0 ? dweight : part == 1 ? dbias : dcolsum;

@@ -51,8 +51,9 @@
 //! dbias, dcolsum). The last block of every span of `TREE_SPAN` consecutive blocks to finish (an
 //! integer ticket counter per span, `atomicAdd` after a `__threadfence`, as llm.c
 //! `layernorm.cuh`'s `layernorm_backward_kernel10` does with one level) adds the span's slots in
-//! block order; the last of those adds the spans' sums in span order into the gradients, and each
-//! resets its counter to 0, so the next launch and every replay of a captured graph start clean.
+//! block order; the last of those adds the spans' sums in span order into the gradients (with one
+//! span, its last block adds its sum directly: the same additions), and each resets its counter
+//! to 0, so the next launch and every replay of a captured graph start clean.
 //! No float atomics: the order of additions depends only on N and C, so results are bitwise
 //! identical run to run. The two levels keep the tail that one block does alone to at most 23
 //! slots (12 + 11) instead of 132. The grid has at most [`BACKWARD_BLOCKS`] blocks whatever the
