@@ -134,9 +134,9 @@ impl Linear {
     }
 
     /// The gradient through this layer and the GELU before it, `dpre = (dy·W) ⊙ GELU′(pre)`:
-    /// one GEMM. (cuBLASLt's `DGELU` epilogue: its `DGELU_BGRAD`, which would also sum the
-    /// columns into the bias gradient of the layer before, measured 2.5x slower than the GEMM
-    /// at BENCH.md's M on the H200, where that layer's `BGRADB` weight-gradient GEMM is free.)
+    /// one GEMM. (cuBLASLt's `DGELU` epilogue. Its `DGELU_BGRAD`, which would also sum the
+    /// columns into the bias gradient of the layer before, took 95.6 µs against 44.8 µs for
+    /// this at BENCH.md's M on the H200, more than that layer's `BGRADB` costs.)
     pub fn data_grad_through_gelu(&self, dy: &Tensor, pre: &Tensor, stream: &Stream) -> Result<Tensor> {
         let (i, o) = self.dims();
         let n = self.rows("Linear::data_grad_through_gelu", dy, o)?;
