@@ -4,8 +4,7 @@
 // sequential sums. rows.cu (row groups, vector accesses, reductions) is prepended to this source.
 //
 // Launch contract (softmax.rs computes it): blocks of blockDim.x threads split into row groups
-// of G threads, G a power of two dividing blockDim.x, T <= G * SM_FWD_VALS (forward) or
-// G * SM_VALS (backward, which keeps two values per element), one row per group, so a
+// of G threads, G a power of two dividing blockDim.x, T <= G * SM_VALS, one row per group, so a
 // thread keeps its part of a row in registers and every value is loaded once.
 //
 // Never read: a row reads columns 0..=i only. A 16-byte chunk that straddles the diagonal is read
@@ -15,9 +14,6 @@
 // Determinism: the row reductions of rows.cu, so results are bitwise identical run to run.
 
 #define SM_VALS 16
-// The forward keeps one value per element: 64 a thread make a row of up to 2048 one warp's, so its
-// reductions are shuffles with no block barrier, and a thread has 8 loads in flight.
-#define SM_FWD_VALS 64
 
 // How many of the W elements from column c on are visible to row i: all, some, or none.
 template <int W> __device__ __forceinline__ unsigned visible(unsigned c, unsigned i) {
@@ -39,7 +35,7 @@ __device__ __forceinline__ void load_visible(const T* p, unsigned n, float fill,
 // probs[j] = exp(scores[j] - max) / sum for j <= i, exactly 0 for j > i.
 template <typename T, int W>
 __device__ void softmax_causal_forward_rows(T* probs, const T* scores, unsigned rows, unsigned T_, unsigned G) {
-    constexpr int K = SM_FWD_VALS / W;
+    constexpr int K = SM_VALS / W;
     __shared__ float red[64];
     const unsigned t = threadIdx.x % G, row = blockIdx.x * (blockDim.x / G) + threadIdx.x / G;
     const bool live = row < rows;  // a group past the last row still takes part in the barriers

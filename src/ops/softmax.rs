@@ -39,13 +39,11 @@ use crate::{Error, Result};
 const SOURCE: &str = concat!(include_str!("rows.cu"), include_str!("softmax.cu"));
 
 /// The longest sequence (T): each thread keeps its part of a row in registers (a row group of
-/// up to 512 threads, 16 values each in the backward).
+/// up to 512 threads, 16 values each).
 pub const MAX_SEQ: usize = 8192;
 
-/// Values of a row per thread in the backward (`SM_VALS` in `softmax.cu`) and the forward
-/// (`SM_FWD_VALS`: a warp per row up to T = 2048), and the fewest threads per block.
+/// Values of a row per thread (`SM_VALS` in `softmax.cu`), and the fewest threads per block.
 const VALS: usize = 16;
-const FWD_VALS: usize = 64;
 const MIN_BLOCK: usize = 256;
 
 const FORWARD_PARAMS: &[&str] = &["probs", "scores", "rows", "T", "G"];
@@ -88,10 +86,10 @@ fn forward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
 /// `j > i`, for scores `(.., T, T)` (any leading dimensions, such as `(B·H, T, T)` or
 /// `(B, H, T, T)`); `probs` and `scores` both f32 or both bf16.
 ///
-/// On CUDA a row group of 32 to 512 threads (T/64 rounded up to a power of two: a warp per row
-/// up to T = 2048, reduced by shuffles alone) holds each row's visible scores in registers, 64
-/// values a thread, in 16-byte accesses where T allows (a multiple of 8 for bf16, of 4 for f32,
-/// else one element at a time); blocks of at least 256 threads, so several rows per block.
+/// On CUDA a row group of 32 to 512 threads (T/16 rounded up to a power of two) holds each row's
+/// visible scores in registers, 16 values a thread, in 16-byte accesses where T allows (a multiple
+/// of 8 for bf16, of 4 for f32, else one element at a time); blocks of at least 256 threads, so
+/// several rows per block for T ≤ 2048.
 ///
 /// # Errors
 /// Before anything is enqueued: [`Error::UnsupportedDType`] unless `scores` is f32 or bf16;
@@ -112,7 +110,7 @@ fn forward<T: Float>(kernel: &'static Kernel, probs: &Tensor, scores: &Tensor, s
     const OP: &str = FORWARD;
     let (rows, t) = rows_of(OP, scores)?;
     let shape = scores.shape();
-    let (g, dims) = launch_shape(OP, rows, t, FWD_VALS)?;
+    let (g, dims) = launch_shape(OP, rows, t)?;
     let args = args![
         Out(checked::<T>(OP, "probs", probs, shape)?),
         In(checked::<T>(OP, "scores", scores, shape)?),
@@ -184,7 +182,7 @@ fn backward<T: Float>(kernel: &'static Kernel, tensors: [&Tensor; 3], stream: &S
     let [dscores, probs, dprobs] = tensors;
     let (rows, t) = rows_of(OP, probs)?;
     let shape = probs.shape();
-    let (g, dims) = launch_shape(OP, rows, t, VALS)?;
+    let (g, dims) = launch_shape(OP, rows, t)?;
     let args = args![
         Out(checked::<T>(OP, "dscores", dscores, shape)?),
         In(checked::<T>(OP, "probs", probs, shape)?),
@@ -198,8 +196,8 @@ fn backward<T: Float>(kernel: &'static Kernel, tensors: [&Tensor; 3], stream: &S
 
 /// The row group and grid for `rows` rows of length `t`: blocks of at least [`MIN_BLOCK`]
 /// threads, a row per group.
-fn launch_shape(op: &'static str, rows: usize, t: usize, vals: usize) -> Result<(u32, crate::device::LaunchDims)> {
-    let g = row_group(t, vals);
+fn launch_shape(op: &'static str, rows: usize, t: usize) -> Result<(u32, crate::device::LaunchDims)> {
+    let g = row_group(t, VALS);
     let block = g.max(MIN_BLOCK);
     Ok((count(op, g)?, grid(op, rows.div_ceil(block / g), block)?))
 }
@@ -232,7 +230,6 @@ mod tests {
     #[test]
     fn constants_match_the_cuda_source() {
         assert!(SOURCE.contains(&format!("#define SM_VALS {VALS}\n")), "SM_VALS differs in softmax.cu");
-        assert!(SOURCE.contains(&format!("#define SM_FWD_VALS {FWD_VALS}\n")), "SM_FWD_VALS differs in softmax.cu");
     }
 
     /// A row fits its group's registers, the groups tile the block, and no block exceeds the 512
@@ -240,14 +237,9 @@ mod tests {
     #[test]
     fn launch_shapes_fit_the_kernels() {
         for t in 1..=MAX_SEQ {
-            for vals in [VALS, FWD_VALS] {
-                let g = row_group(t, vals);
-                let block = g.max(MIN_BLOCK);
-                assert!(
-                    t <= g * vals && block.is_multiple_of(g) && block <= 512,
-                    "T = {t}: group {g} of block {block}"
-                );
-            }
+            let g = row_group(t, VALS);
+            let block = g.max(MIN_BLOCK);
+            assert!(t <= g * VALS && block.is_multiple_of(g) && block <= 512, "T = {t}: group {g} of block {block}");
         }
     }
 }
