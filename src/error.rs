@@ -333,12 +333,12 @@ pub enum Error {
         log: String,
     },
 
-    /// The backend cannot do this.
-    #[error("{op} is not supported on the {backend} device: {why}")]
+    /// The backend cannot do this (or no backend can: a limit of the operation itself).
+    #[error("{op} is not supported{}: {why}", on_backend(backend))]
     Unsupported {
         /// The operation that was called.
         op: &'static str,
-        /// "cuda" or "sim".
+        /// "cuda" or "sim", or "any" for a limit of every backend.
         backend: &'static str,
         /// Why, and what to do instead.
         why: &'static str,
@@ -355,6 +355,15 @@ pub enum Error {
 }
 
 /// The note on the drop errors that came after a kept one.
+/// " on the cuda device", or nothing for a limit of every backend (`"any"`).
+fn on_backend(backend: &str) -> String {
+    if backend == "any" {
+        String::new()
+    } else {
+        format!(" on the {backend} device")
+    }
+}
+
 fn later_drops(more: usize) -> String {
     match more {
         0 => String::new(),
@@ -502,5 +511,18 @@ impl Error {
             Error::Capture { kind, .. } => Some(*kind),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unsupported_operation_names_its_backend_unless_every_backend_refuses() {
+        let on_cuda = Error::Unsupported { op: "op", backend: "cuda", why: "because" };
+        assert_eq!(on_cuda.to_string(), "op is not supported on the cuda device: because");
+        let anywhere = Error::Unsupported { op: "op", backend: "any", why: "because" };
+        assert_eq!(anywhere.to_string(), "op is not supported: because");
     }
 }
