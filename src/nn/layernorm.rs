@@ -94,14 +94,13 @@ impl LayerNorm {
         let dx = Tensor::uninit(&self.alloc, stream, dy.shape(), dy.dtype())?;
         let (w, b) = (&self.weight, &self.bias);
         let (input, mean, rstd) = (&ctx.input, &ctx.mean, &ctx.rstd);
-        let params = (&w.value, &w.grad, &b.grad);
         layernorm::layernorm_backward(
             &dx,
-            params.1,
-            params.2,
+            &w.grad,
+            &b.grad,
             &dy,
             input,
-            params.0,
+            &w.value,
             mean,
             rstd,
             residual,
