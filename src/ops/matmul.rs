@@ -162,3 +162,32 @@ pub fn matmul(m: Matmul<'_>, stream: &Stream) -> Result<()> {
         dtype => Err(Error::UnsupportedDType { op: OP, dtype, supported: "f32 or bf16" }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use crate::memory::CachingAllocator;
+
+    #[test]
+    fn operands_of_another_or_an_unsupported_type_are_refused_before_anything_runs() {
+        let dev = Device::sim();
+        let s = dev.stream().unwrap();
+        let alloc = CachingAllocator::new(&dev);
+        let c = Tensor::from_host(&alloc, &s, &[7.0f32; 4], &[2, 2]).unwrap();
+        let a = Tensor::from_host(&alloc, &s, &[1.0f32; 4], &[2, 2]).unwrap();
+        let b16 = Tensor::zeros(&alloc, &s, &[2, 2], DType::BF16).unwrap();
+        let r = matmul(Matmul::new(&c, &a, &b16, (2, 2, 2)), &s);
+        assert!(
+            matches!(r, Err(Error::DTypeMismatch { op: "matmul", expected: DType::F32, found: DType::BF16 })),
+            "{r:?}"
+        );
+        let bias = Tensor::zeros(&alloc, &s, &[2], DType::BF16).unwrap();
+        let r = matmul(Matmul { fused: Fused::Bias(&bias), ..Matmul::new(&c, &a, &a, (2, 2, 2)) }, &s);
+        assert!(matches!(r, Err(Error::DTypeMismatch { op: "matmul", .. })), "{r:?}");
+        let h = Tensor::zeros(&alloc, &s, &[2, 2], DType::F16).unwrap();
+        let r = matmul(Matmul::new(&h, &h, &h, (2, 2, 2)), &s);
+        assert!(matches!(r, Err(Error::UnsupportedDType { op: "matmul", dtype: DType::F16, .. })), "{r:?}");
+        assert_eq!(c.to_vec::<f32>(&s).unwrap(), vec![7.0; 4], "nothing ran");
+    }
+}
