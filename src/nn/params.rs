@@ -42,7 +42,7 @@ impl ParamStore {
     /// [`Error::UnsupportedDType`] for another element type.
     pub fn with_dtype(alloc: &CachingAllocator, stream: &Stream, capacity: usize, dtype: DType) -> Result<ParamStore> {
         if !matches!(dtype, DType::F32 | DType::BF16) {
-            return Err(Error::UnsupportedDType { op: "ParamStore::with_dtype", dtype, supported: "f32 or bf16" });
+            return Err(crate::ops::unsupported_dtype("ParamStore::with_dtype", dtype));
         }
         let (values, grads) =
             (Tensor::zeros(alloc, stream, &[capacity], dtype)?, Tensor::zeros(alloc, stream, &[capacity], dtype)?);

@@ -21,7 +21,7 @@ use half::bf16;
 
 use crate::device::{DType, Epilogue, Gemm, GemmElem, Stream};
 use crate::tensor::Tensor;
-use crate::{Error, Result};
+use crate::Result;
 
 /// What the GEMM's store does besides writing the product: [`Epilogue`] on tensors.
 #[derive(Clone, Copy, Default)]
@@ -148,8 +148,8 @@ impl<'t> Matmul<'t> {
 /// Runs `m` on `stream`.
 ///
 /// # Errors
-/// [`Error::DTypeMismatch`] unless every operand has C's element type;
-/// [`Error::UnsupportedDType`] unless that is f32 or bf16; as [`Stream::gemm`] otherwise.
+/// [`Error::DTypeMismatch`](crate::Error::DTypeMismatch) unless every operand has C's element type;
+/// [`Error::UnsupportedDType`](crate::Error::UnsupportedDType) unless that is f32 or bf16; as [`Stream::gemm`] otherwise.
 pub fn matmul(m: Matmul<'_>, stream: &Stream) -> Result<()> {
     const OP: &str = "matmul";
     let dtype = m.c.dtype();
@@ -159,7 +159,7 @@ pub fn matmul(m: Matmul<'_>, stream: &Stream) -> Result<()> {
     match dtype {
         DType::F32 => m.typed::<f32>(stream),
         DType::BF16 => m.typed::<bf16>(stream),
-        dtype => Err(Error::UnsupportedDType { op: OP, dtype, supported: "f32 or bf16" }),
+        dtype => Err(super::unsupported_dtype(OP, dtype)),
     }
 }
 
@@ -168,6 +168,7 @@ mod tests {
     use super::*;
     use crate::device::Device;
     use crate::memory::CachingAllocator;
+    use crate::Error;
 
     #[test]
     fn operands_of_another_or_an_unsupported_type_are_refused_before_anything_runs() {

@@ -46,7 +46,7 @@ macro_rules! with_float {
                 type $t = half::bf16;
                 $body
             }
-            dtype => Err($crate::Error::UnsupportedDType { op: $op, dtype, supported: $crate::ops::FLOATS }),
+            dtype => Err($crate::ops::unsupported_dtype($op, dtype)),
         }
     };
 }
@@ -65,7 +65,7 @@ impl PerFloat {
         match T::DTYPE {
             DType::F32 => Ok(self.f32),
             DType::BF16 => Ok(self.bf16),
-            dtype => Err(Error::UnsupportedDType { op, dtype, supported: FLOATS }),
+            dtype => Err(unsupported_dtype(op, dtype)),
         }
     }
 }
@@ -75,7 +75,7 @@ impl PerFloat {
 pub(crate) fn float_dtype(op: &'static str, first: &Tensor, others: &[&Tensor]) -> Result<DType> {
     let dtype = first.dtype();
     if !matches!(dtype, DType::F32 | DType::BF16) {
-        return Err(Error::UnsupportedDType { op, dtype, supported: FLOATS });
+        return Err(unsupported_dtype(op, dtype));
     }
     for t in others {
         t.expect_dtype(op, dtype)?;
@@ -155,9 +155,10 @@ pub(crate) fn grid(op: &'static str, blocks: usize, block: usize) -> Result<Laun
     Ok(LaunchDims { grid: (count(op, blocks.max(1))?, 1, 1), block: (count(op, block)?, 1, 1), shared_mem_bytes: 0 })
 }
 
-/// The error of an op with f32 and bf16 kernels given another element type.
+/// The error of an op with f32 and bf16 kernels (or of a float-only store) given another
+/// element type.
 pub(crate) fn unsupported_dtype(op: &'static str, dtype: DType) -> Error {
-    Error::UnsupportedDType { op, dtype, supported: "f32 or bf16" }
+    Error::UnsupportedDType { op, dtype, supported: FLOATS }
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use crate::nn::ParamStore;
 use crate::ops::adamw::{adamw_step, AdamWHyper};
 use crate::ops::schedule::{lr_schedule_step, LrSchedule};
 use crate::tensor::Tensor;
-use crate::{Error, Result};
+use crate::Result;
 
 /// AdamW (PyTorch's `torch.optim.AdamW`) over one [`ParamStore`]: its moments, step counter and
 /// learning rate live on the device, so [`step`](AdamW::step) enqueues three launches and no
@@ -76,7 +76,7 @@ impl AdamW {
                 crate::ops::cast::cast(&master, &values, stream)?;
                 (master, Some(values))
             }
-            dtype => return Err(Error::UnsupportedDType { op: "AdamW::new", dtype, supported: "f32 or bf16" }),
+            dtype => return Err(crate::ops::unsupported_dtype("AdamW::new", dtype)),
         };
         let zeros = |shape: &[usize]| Tensor::zeros(alloc, stream, shape, DType::F32);
         let (m, v, lr) = (zeros(params.shape())?, zeros(params.shape())?, zeros(&[1])?);
