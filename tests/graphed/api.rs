@@ -187,7 +187,7 @@ fn shifted_setup(dev: &Device) -> Result<ShiftedSetup> {
 }
 
 /// Named inputs: matched by name in any order, with clear errors for a missing or unknown name,
-/// a wrong shape or count; a module that takes one positional input refuses named ones.
+/// a wrong shape, element type or count; a module that takes one positional input refuses named ones.
 pub fn named_inputs_are_checked(dev: &Device) -> Result {
     let (s, alloc, mut store, x, shift) = shifted_setup(dev)?;
     let f = Shifted::new(&mut store, &alloc, &s)?;
@@ -215,6 +215,13 @@ pub fn named_inputs_are_checked(dev: &Device) -> Result {
         |k| matches!(k, GraphedErrorKind::InputShape { input, .. } if input == "input 0"),
     )?;
     expect_kind(call(Inputs::new().named("shift", &shift)), |k| matches!(k, GraphedErrorKind::InputCount { .. }))?;
+    // Of the captured shape but another element type: refused before the copy into the static
+    // input, which keeps x2.
+    let half = Tensor::zeros(&alloc, &s, &[2, 3], DType::BF16)?;
+    expect_kind(call(Inputs::new().arg(&half).named("shift", &shift)), |k| {
+        matches!(k, GraphedErrorKind::InputDType { input, expected: DType::F32, found: DType::BF16 } if input == "input 0")
+    })?;
+    ensure!(g[0].static_inputs()[0].to_vec::<f32>(&s)? == x2.to_vec::<f32>(&s)?, "the refused call copied its input");
     let lin = Linear::new(&mut store, &alloc, "fc", (3, 1), 1, &s)?;
     let r = make_graphed_callables(
         &alloc,
