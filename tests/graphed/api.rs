@@ -218,9 +218,10 @@ pub fn named_inputs_are_checked(dev: &Device) -> Result {
     // Of the captured shape but another element type: refused before the copy into the static
     // input, which keeps x2.
     let half = Tensor::zeros(&alloc, &s, &[2, 3], DType::BF16)?;
-    expect_kind(call(Inputs::new().arg(&half).named("shift", &shift)), |k| {
-        matches!(k, GraphedErrorKind::InputDType { input, expected: DType::F32, found: DType::BF16 } if input == "input 0")
-    })?;
+    expect_kind(
+        call(Inputs::new().arg(&half).named("shift", &shift)),
+        |k| matches!(k, GraphedErrorKind::InputDType { input, expected: DType::F32, found: DType::BF16 } if input == "input 0"),
+    )?;
     ensure!(g[0].static_inputs()[0].to_vec::<f32>(&s)? == x2.to_vec::<f32>(&s)?, "the refused call copied its input");
     let lin = Linear::new(&mut store, &alloc, "fc", (3, 1), 1, &s)?;
     let r = make_graphed_callables(
