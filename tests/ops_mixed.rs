@@ -6,7 +6,7 @@
 mod common;
 
 use anyhow::ensure;
-use common::{ensure_close, lcg};
+use common::{adamw_f64, ensure_close, lcg};
 use graphed::device::{DType, Device, DeviceKind, Elem, Float, Stream};
 use graphed::graph::make_graphed_fn;
 use graphed::memory::CachingAllocator;
@@ -458,21 +458,8 @@ impl Run {
     }
 }
 
-/// PyTorch's AdamW step (`torch.optim.AdamW`, single-tensor path) in f64.
-fn adamw_f64(p: &mut [f64], m: &mut [f64], v: &mut [f64], g: &[f32], lr: f64, t: i32, h: &AdamWHyper) {
-    let (b1, b2, eps, wd) = (f64::from(h.beta1), f64::from(h.beta2), f64::from(h.eps), f64::from(h.weight_decay));
-    let (bias1, bias2_sqrt) = (1.0 - b1.powi(t), (1.0 - b2.powi(t)).sqrt());
-    for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
-        let g = f64::from(g);
-        *p *= 1.0 - lr * wd;
-        *m += (1.0 - b1) * (g - *m);
-        *v = b2 * *v + (1.0 - b2) * g * g;
-        *p -= lr / bias1 * *m / (v.sqrt() / bias2_sqrt + eps);
-    }
-}
-
 /// A bf16 store's optimizer, stepped by a replayed graph five times: its master weights start at
-/// the f32 initial values exactly (not their rounding), its bf16 weights equal bf16(master)
+/// the store's values widened (the initial values here are bf16-exact), its bf16 weights equal bf16(master)
 /// bitwise after every step, the master follows PyTorch's AdamW in f64 on the bf16 gradients
 /// within 1e-6 + 1e-5·|x| and an all-f32 run on the unrounded gradients within
 /// 5·lr·2⁻⁶ = 7.8e-5 (each step's update moves by about 2⁻⁸·lr for gradients rounded by 2⁻⁹

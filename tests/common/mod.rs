@@ -97,3 +97,24 @@ pub fn lcg(n: usize, seed: u64) -> Vec<f32> {
         })
         .collect()
 }
+
+/// PyTorch's AdamW step (`torch.optim.AdamW`, single-tensor path) in f64.
+pub fn adamw_f64(
+    p: &mut [f64],
+    m: &mut [f64],
+    v: &mut [f64],
+    g: &[f32],
+    lr: f64,
+    t: i32,
+    h: &graphed::ops::adamw::AdamWHyper,
+) {
+    let (b1, b2, eps, wd) = (f64::from(h.beta1), f64::from(h.beta2), f64::from(h.eps), f64::from(h.weight_decay));
+    let (bias1, bias2_sqrt) = (1.0 - b1.powi(t), (1.0 - b2.powi(t)).sqrt());
+    for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+        let g = f64::from(g);
+        *p *= 1.0 - lr * wd;
+        *m += (1.0 - b1) * (g - *m);
+        *v = b2 * *v + (1.0 - b2) * g * g;
+        *p -= lr / bias1 * *m / (v.sqrt() / bias2_sqrt + eps);
+    }
+}
