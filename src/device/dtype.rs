@@ -95,8 +95,9 @@ impl Float for half::f16 {
     }
 }
 
-/// Runs `$body` with `$t` bound to the Rust type of the [`DType`] `$dtype`: the one place that
-/// turns a run-time element type into a compile-time one.
+/// Runs `$body` with `$t` bound to the Rust type of the [`DType`] `$dtype`: how a run-time
+/// element type becomes a compile-time one for code that takes every type (copies, zeroing);
+/// `ops::with_float!` is its counterpart for the f32 and bf16 kernels.
 macro_rules! with_dtype {
     ($dtype:expr, $t:ident => $body:expr) => {
         match $dtype {

@@ -17,9 +17,7 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use half::bf16;
-
-use crate::device::{DType, Epilogue, Gemm, GemmElem, Stream};
+use crate::device::{Epilogue, Gemm, GemmElem, Stream};
 use crate::tensor::Tensor;
 use crate::Result;
 
@@ -156,17 +154,13 @@ pub fn matmul(m: Matmul<'_>, stream: &Stream) -> Result<()> {
     for t in [m.a, m.b].into_iter().chain(m.addend).chain(m.fused.tensors()) {
         t.expect_dtype(OP, dtype)?;
     }
-    match dtype {
-        DType::F32 => m.typed::<f32>(stream),
-        DType::BF16 => m.typed::<bf16>(stream),
-        dtype => Err(super::unsupported_dtype(OP, dtype)),
-    }
+    super::with_float!(OP, dtype, T => m.typed::<T>(stream))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::Device;
+    use crate::device::{DType, Device};
     use crate::memory::CachingAllocator;
     use crate::Error;
 
