@@ -60,6 +60,33 @@ impl DTypeArgs {
     }
 }
 
+/// The BENCH.md configurations a benchmark runs.
+#[derive(Args, Debug, Clone)]
+pub struct ConfigsArgs {
+    /// BENCH.md configurations to run, or `tiny` (the only one the simulator runs).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        ignore_case = true,
+        value_parser = super::bench_model::CONFIG_NAMES,
+        default_values_t = ["S".to_string(), "M".to_string(), "L".to_string()]
+    )]
+    pub configs: Vec<String>,
+}
+
+impl ConfigsArgs {
+    /// The configurations, every one refused before any runs unless `dev` can run it, so that a
+    /// refusal does not come after minutes of timing.
+    pub fn resolve(&self, dev: &graphed::device::Device) -> anyhow::Result<Vec<super::bench_model::Config>> {
+        let configs = self.configs.iter().map(|name| super::bench_model::Config::named(name));
+        let configs = configs.collect::<anyhow::Result<Vec<_>>>()?;
+        for config in &configs {
+            config.check_device(dev, "--configs")?;
+        }
+        Ok(configs)
+    }
+}
+
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DTypeArg {
     Bf16,
@@ -186,15 +213,8 @@ pub struct GraphsBenchArgs {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub dtype: DTypeArgs,
-    /// BENCH.md configurations to run, or `tiny` (the only one the simulator runs).
-    #[arg(
-        long,
-        value_delimiter = ',',
-        ignore_case = true,
-        value_parser = super::bench_model::CONFIG_NAMES,
-        default_values_t = ["S".to_string(), "M".to_string(), "L".to_string()]
-    )]
-    pub configs: Vec<String>,
+    #[command(flatten)]
+    pub configs: ConfigsArgs,
     /// Timed steps per variant (median, min and max are reported).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub steps: u32,
@@ -231,15 +251,8 @@ pub struct LayerBenchArgs {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub dtype: DTypeArgs,
-    /// BENCH.md configurations to run, or `tiny` (the only one the simulator runs).
-    #[arg(
-        long,
-        value_delimiter = ',',
-        ignore_case = true,
-        value_parser = super::bench_model::CONFIG_NAMES,
-        default_values_t = ["S".to_string(), "M".to_string(), "L".to_string()]
-    )]
-    pub configs: Vec<String>,
+    #[command(flatten)]
+    pub configs: ConfigsArgs,
     /// Timed repetitions (the median is reported).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub reps: u32,

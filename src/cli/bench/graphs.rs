@@ -86,11 +86,7 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     if dev.kind() != DeviceKind::Cuda && args.device.device != DeviceChoice::Sim {
         bail!("bench graphs times GPU work; run it on a CUDA device (or smoke-test it with `--device sim --configs tiny`)");
     }
-    let configs = args.configs.iter().map(|name| Config::named(name)).collect::<anyhow::Result<Vec<_>>>()?;
-    // Refuse every configuration before timing any, so that a refusal does not come after minutes.
-    for config in &configs {
-        config.check_device(&dev, "--configs")?;
-    }
+    let configs = args.configs.resolve(&dev)?;
     let dtype = args.dtype.resolve(&dev);
     println!("{dtype} weights and activations; f32 statistics and GEMM accumulation");
     let mut rows = Vec::new();

@@ -74,10 +74,7 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
             "bench layer times GPU work; run it on a CUDA device (or smoke-test it with `--device sim --configs tiny`)"
         );
     }
-    let configs = args.configs.iter().map(|name| Config::named(name)).collect::<anyhow::Result<Vec<_>>>()?;
-    for config in &configs {
-        config.check_device(&dev, "--configs")?;
-    }
+    let configs = args.configs.resolve(&dev)?;
     let dtype = args.dtype.resolve(&dev);
     let s = dev.stream()?;
     let mut rows = Vec::new();
