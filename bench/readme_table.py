@@ -1,6 +1,6 @@
 """Regenerates the README's `bench graphs` table from the newest results in bench/results/.
 
-The newest `<date>-<gpu>-graphs-<commit>.json` (graphed's variants) and the PyTorch file of the
+The `<date>-<gpu>-graphs-<commit>.json` of the most recent commit (graphed's variants) and the PyTorch file of the
 same run (`…-graphs-torch-bf16-<commit>.json`) become one side-by-side table, written between the
 README's `<!-- graphs-table -->` markers. Usage: python3 bench/readme_table.py
 """
@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -18,10 +19,15 @@ GOALS = {"S": 1.0, "M": 4.5, "L": 45.0}
 
 
 def newest(pattern: str) -> str:
+    """The file of the most recent commit in HEAD's history (file names end in `-<commit>`;
+    modification times say nothing in a fresh clone)."""
+    history = subprocess.run(["git", "rev-list", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+    order = {c[:7]: i for i, c in enumerate(history.stdout.split())}
     files = [f for f in glob.glob(os.path.join(RESULTS, pattern)) if "-torch-" not in f]
-    if not files:
-        raise SystemExit(f"no results file matches {pattern}")
-    return max(files, key=lambda f: (os.path.basename(f)[:10], os.path.getmtime(f)))
+    ranked = [(order[c], f) for f in files if (c := os.path.splitext(f)[0].rsplit("-", 1)[-1][:7]) in order]
+    if not ranked:
+        raise SystemExit(f"no results file of HEAD's history matches {pattern}")
+    return min(ranked)[1]
 
 
 def table() -> str:
