@@ -166,6 +166,11 @@ pub enum Error {
         kind: crate::graph::GraphedErrorKind,
     },
 
+    /// The activation offload manager refused a call or a schedule; `kind` says why and what to
+    /// do.
+    #[error("activation offloading: {0}")]
+    Offload(crate::offload::OffloadErrorKind),
+
     // ---- checker ------------------------------------------------------------------------------
     /// In strict mode, the checker found a hazard in this call (its work was enqueued).
     #[error("hazard: {0}")]
@@ -501,6 +506,14 @@ impl Error {
     pub fn graphed_kind(&self) -> Option<&crate::graph::GraphedErrorKind> {
         match self {
             Error::Graphed { kind, .. } => Some(kind),
+            _ => None,
+        }
+    }
+
+    /// What the offload manager refused, if this is an offload error.
+    pub fn offload_kind(&self) -> Option<&crate::offload::OffloadErrorKind> {
+        match self {
+            Error::Offload(kind) => Some(kind),
             _ => None,
         }
     }

@@ -84,6 +84,7 @@ mod error;
 pub mod graph;
 pub mod memory;
 pub mod nn;
+pub mod offload;
 pub mod ops;
 pub mod optim;
 pub mod tensor;

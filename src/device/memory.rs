@@ -6,12 +6,12 @@
 
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::backend::MemRepr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use super::{Access, AccessMode, AccessRole, BufferId, DType, DeviceId, Elem, Region, StreamId};
+use super::{Access, AccessMode, AccessRole, BufferId, DType, DeviceId, Elem, Event, Region, StreamId};
 
 /// Where an allocation lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,8 +42,15 @@ pub(crate) trait BlockOwner: Send + Sync {
     /// work and graphs included (false).
     fn release_on_handle_drop(&self) -> bool;
     /// Takes the block back. `last_stream` is the stream that used it last, `streams_used` how
-    /// many times the using stream changed, plus one.
-    fn release(&self, last_stream: Option<StreamId>, streams_used: u32);
+    /// many times the using stream changed, plus one; `fence`, if set, an event after which the
+    /// block is free for its stream (see [`DeviceBuffer::release_after`]).
+    fn release(&self, last_stream: Option<StreamId>, streams_used: u32, fence: Option<Fence>);
+}
+
+/// An event after which a block used on several streams is free for one of them.
+pub(crate) struct Fence {
+    pub(crate) event: Event,
+    pub(crate) stream: StreamId,
 }
 
 /// The memory a buffer handle owns: a byte range of a [`RawBuffer`].
@@ -59,6 +66,7 @@ pub(crate) struct Block {
     /// How many times the using stream changed.
     stream_changes: AtomicU32,
     released: AtomicBool,
+    fence: Mutex<Option<Fence>>,
 }
 
 impl Block {
@@ -85,6 +93,7 @@ impl Block {
             last_stream: AtomicU64::new(0),
             stream_changes: AtomicU32::new(0),
             released: AtomicBool::new(false),
+            fence: Mutex::new(None),
         }
     }
 
@@ -101,7 +110,8 @@ impl Block {
             if !self.released.swap(true, Ordering::AcqRel) {
                 let last = self.last_stream.load(Ordering::Relaxed);
                 let streams = self.stream_changes.load(Ordering::Relaxed) + u32::from(last != 0);
-                owner.release((last != 0).then_some(StreamId(last)), streams);
+                let fence = self.fence.lock().unwrap_or_else(PoisonError::into_inner).take();
+                owner.release((last != 0).then_some(StreamId(last)), streams, fence);
             }
         }
     }
@@ -278,6 +288,16 @@ impl<T: Elem> DeviceBuffer<T> {
     pub fn strided(&self, offset: usize, dims: &[(usize, usize)]) -> Option<View<'_, T>> {
         Some(View { block: &self.block, region: Region::strided(offset, dims)?, buffer_len: self.len, _t: PhantomData })
     }
+
+    /// Lets an allocator reuse this memory for `stream` once `event` has completed, when it is
+    /// freed. Memory used on several streams is otherwise reused only after a device-wide
+    /// synchronize; this is PyTorch's `record_stream`, the other way round. The caller promises
+    /// that every use of the buffer on another stream than `stream` is enqueued before `event`'s
+    /// latest record (a copy on a side stream, then the event on that stream).
+    pub fn release_after(&self, event: &Event, stream: &super::Stream) {
+        let fence = Fence { event: event.clone(), stream: stream.id() };
+        *self.block.fence.lock().unwrap_or_else(PoisonError::into_inner) = Some(fence);
+    }
 }
 
 /// The access a view declares, for the checker.
@@ -306,6 +326,12 @@ impl<T: Elem> View<'_, T> {
 }
 
 impl<T: Elem> PinnedBuffer<T> {
+    /// The allocation its accesses name ([`Access::memory`]): how graph verification recognizes
+    /// host memory that a graph's tail may touch.
+    pub fn memory_id(&self) -> BufferId {
+        self.block.raw.id
+    }
+
     /// Copies the buffer's contents to a `Vec` on the host, now. Not ordered against queued
     /// copies: synchronize the copy's event or stream first.
     pub fn read(&self) -> crate::Result<Vec<T>> {

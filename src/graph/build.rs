@@ -23,7 +23,11 @@ pub(crate) fn build(
     recorded: Recorded,
 ) -> Result<Vec<GraphedCallable>> {
     verify(plan, pools, options, &recorded)?;
-    let shared = Arc::new(Shared { sync_event: options.sync_event.clone(), mode: options.mode });
+    let shared = Arc::new(Shared {
+        sync_event: options.sync_event.clone(),
+        mode: options.mode,
+        hook: options.save_hook.clone(),
+    });
     let (stream, dev) = (plan.stream, plan.stream.device());
     let Recorded { graphs, inputs, outputs, grad_outputs, grad_inputs } = recorded;
     let mut out = Vec::with_capacity(plan.len());
@@ -84,6 +88,7 @@ fn writers_of(pool: &GraphPool, t: &Tensor) -> Arc<[GraphId]> {
 /// Checks every graph's sync event against the static surfaces (R2, R3, R7).
 fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded: &Recorded) -> Result<()> {
     let Some(event) = &options.sync_event else { return Ok(()) };
+    let tail_memory = options.save_hook.tail_memory();
     let graph_of =
         |i: usize, pass: Pass| recorded.graphs.get(i)?.iter().find(|(p, _)| *p == pass).map(|(_, g)| g.graph().id());
     let mut surfaces: Vec<Surface<'_>> = Vec::new();
@@ -116,7 +121,8 @@ fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded
     }
     for (i, mine) in recorded.graphs.iter().enumerate() {
         for (_, g) in mine {
-            verify_sync_point(plan.alloc, &pools[i], g.graph(), event, &surfaces).map_err(|kind| plan.err(i, kind))?;
+            verify_sync_point(plan.alloc, &pools[i], g.graph(), event, &surfaces, &tail_memory)
+                .map_err(|kind| plan.err(i, kind))?;
         }
     }
     Ok(())

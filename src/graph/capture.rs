@@ -170,6 +170,7 @@ fn capture(
     let params: Vec<Param> = callables.iter().flat_map(|c| c.parameters_dyn().into_iter().cloned()).collect();
     let grads_before = snapshot(alloc, &stream, &params)?;
 
+    options.init_chunk(crate::nn::Chunk::default())?;
     if let Some(h) = &mut options.pre_warmup {
         h(&stream)?;
     }

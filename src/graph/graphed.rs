@@ -8,7 +8,7 @@ use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
 use crate::device::{Event, EventId, Graph, GraphId, NodeKind, Stream};
 use crate::memory::{GraphPool, PoolExec, PoolGraph};
-use crate::nn::{Input, Inputs};
+use crate::nn::{Input, Inputs, SaveHook};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -34,6 +34,9 @@ pub(crate) struct Captured {
 pub(crate) struct Shared {
     pub(crate) sync_event: Option<Event>,
     pub(crate) mode: Mode,
+    /// The save hook the graphs were captured with: kept alive with what they baked in of it,
+    /// and told of every launch.
+    pub(crate) hook: Arc<dyn SaveHook>,
 }
 
 /// A static tensor of a surface and what it is.
@@ -259,6 +262,7 @@ impl GraphedCallable {
             }
         }
         let tail = self.launch(exec, caller, route)?;
+        self.shared.hook.replayed(caller)?;
         if pass == Pass::Forward {
             *self.route.lock().unwrap_or_else(PoisonError::into_inner) = route.clone();
         }

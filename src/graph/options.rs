@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::device::{CaptureMode, Event, Stream};
 use crate::memory::GraphPool;
-use crate::nn::{KeepOnDevice, SaveHook};
+use crate::nn::{Chunk, KeepOnDevice, SaveHook};
 use crate::Result;
 
 /// Which pass a capture-time hook runs around.
@@ -32,6 +32,7 @@ pub enum Mode {
 
 type WarmupHook = Box<dyn FnMut(&Stream) -> Result<()>>;
 type PassHook = Box<dyn FnMut(usize, Phase, &Stream) -> Result<()>>;
+type ChunkHandler = Box<dyn FnMut(Chunk) -> Result<Arc<dyn SaveHook>>>;
 
 /// Options of [`make_graphed_callables`](super::make_graphed_callables) and
 /// [`make_graphed_stack`](super::make_graphed_stack), built by chaining.
@@ -53,6 +54,7 @@ pub struct GraphOptions {
     pub(crate) pool_per_callable: bool,
     pub(crate) sync_event: Option<Event>,
     pub(crate) save_hook: Arc<dyn SaveHook>,
+    pub(crate) chunk_handler: Option<ChunkHandler>,
     pub(crate) pre_warmup: Option<WarmupHook>,
     pub(crate) post_warmup: Option<WarmupHook>,
     pub(crate) pass_hook: Option<PassHook>,
@@ -70,6 +72,7 @@ impl Default for GraphOptions {
             pool_per_callable: false,
             sync_event: None,
             save_hook: Arc::new(KeepOnDevice),
+            chunk_handler: None,
             pre_warmup: None,
             post_warmup: None,
             pass_hook: None,
@@ -133,9 +136,20 @@ impl GraphOptions {
         self
     }
 
-    /// Where saved activations go (default: they stay on the device).
+    /// Where saved activations go, the same hook for every chunk (default: they stay on the
+    /// device). The graphs keep it alive, with what they baked in of it (host buffers).
     pub fn save_hook(mut self, hook: Arc<dyn SaveHook>) -> GraphOptions {
         self.save_hook = hook;
+        self.chunk_handler = None;
+        self
+    }
+
+    /// Makes the save hook of each captured chunk (a microbatch of a pipeline stage) with `f`,
+    /// called once per chunk before its warmup: TransformerEngine's `init_chunk_handler`, which
+    /// an offload manager uses to keep one handler per chunk. A capture is one chunk
+    /// ([`Chunk::default`]) until pipeline schedules capture several.
+    pub fn init_chunk_handler(mut self, f: impl FnMut(Chunk) -> Result<Arc<dyn SaveHook>> + 'static) -> GraphOptions {
+        self.chunk_handler = Some(Box::new(f));
         self
     }
 
@@ -162,6 +176,14 @@ impl GraphOptions {
 }
 
 impl GraphOptions {
+    /// Resolves the save hook of `chunk` through the chunk handler, if one was given.
+    pub(crate) fn init_chunk(&mut self, chunk: Chunk) -> Result<()> {
+        if let Some(f) = &mut self.chunk_handler {
+            self.save_hook = f(chunk)?;
+        }
+        Ok(())
+    }
+
     /// Runs the capture-time hook, if any, for pass `phase` of callable `i`.
     pub(crate) fn run_pass_hook(&mut self, i: usize, phase: Phase, stream: &Stream) -> Result<()> {
         self.pass_hook.as_mut().map_or(Ok(()), |h| h(i, phase, stream))

@@ -86,6 +86,7 @@ impl Traverse for Record<'_, '_> {
         let mut result = None;
         let hook = self.options.save_hook.clone();
         let g = self.capture(i, &mut || {
+            hook.begin_forward(stream)?;
             result = Some(plan.callables[i].forward_dyn(&inputs, hook.as_ref(), stream)?);
             Ok(())
         })?;

@@ -1,16 +1,18 @@
 //! Capture-time verification of a graph's sync event from the checker's access summary: the
 //! event is recorded once (R2), every write the caller can observe comes before it (R2), the
-//! tail touches only pool memory outside the static surfaces the caller may use meanwhile (R3),
-//! and the graph waits on no external event (R7).
+//! tail touches only pool memory outside the static surfaces the caller may use meanwhile, and
+//! the memory the save hook declares as its tail's (host buffers of offload copies) (R3), and the
+//! graph waits on no external event (R7).
 //!
 //! Pool memory is reused across the pool's graphs: a block that one graph uses internally can
-//! be another graph's output. The tail may touch such a block, because the graph writes it
-//! anyway, so the other graph's output is stale after this replay and a
-//! [`StaticTensor`](super::StaticTensor) of it refuses to be read.
+//! be another graph's output. The tail may touch such a block when a graph between the owner and
+//! this one in the pool's cyclic order (this one included) writes it: the owner's output is then
+//! stale whenever this graph runs, a [`StaticTensor`](super::StaticTensor) of it refuses to be
+//! read, and the owner rewrites it only after this graph and its tail (R5).
 
 use super::GraphedErrorKind;
 use crate::check::Checker;
-use crate::device::{AccessMode, Event, Graph, GraphId};
+use crate::device::{Access, AccessMode, BufferId, Event, Graph, GraphId};
 use crate::memory::{CachingAllocator, GraphPool};
 use crate::tensor::Tensor;
 
@@ -28,6 +30,7 @@ pub(crate) fn verify_sync_point(
     graph: &Graph,
     event: &Event,
     surfaces: &[Surface<'_>],
+    tail_memory: &[BufferId],
 ) -> Result<(), GraphedErrorKind> {
     let checker = Checker::of(graph.device()).ok_or(GraphedErrorKind::Unverifiable)?;
     let point = checker.sync_point(graph.id(), event.id()).ok_or(GraphedErrorKind::Unverifiable)?;
@@ -42,13 +45,15 @@ pub(crate) fn verify_sync_point(
                 .into();
         return Err(contract("R7", detail));
     }
-    // The surfaces the tail must not touch: all but another graph's outputs whose memory this
-    // graph reuses (see the module docs).
+    // The surfaces the tail must not touch: all but another graph's outputs that are stale
+    // whenever this graph runs (see the module docs).
+    let order = pool.order();
     let mut guarded = Vec::with_capacity(surfaces.len());
     for s in surfaces {
         let Ok(at) = s.tensor.access(AccessMode::Read) else { continue };
-        let reused = s.owner.is_some_and(|o| o != graph.id()) && checker.graph_writes(graph.id(), &at).unwrap_or(false);
-        if !reused {
+        let stale =
+            s.owner.is_some_and(|o| o != graph.id() && overwritten_before(&checker, &order, o, graph.id(), &at));
+        if !stale {
             guarded.push((s, at));
         }
     }
@@ -66,14 +71,30 @@ pub(crate) fn verify_sync_point(
                     format!("{} reads {} after the event, while the caller may overwrite it", t.op, s.what),
                 ));
             }
-            None if !pool_memory.contains(&a.memory) => {
+            None if !pool_memory.contains(&a.memory) && !tail_memory.contains(&a.memory) => {
                 return Err(contract(
                     "R3",
-                    format!("{} touches memory outside the graph's pool after the event (the caller's buffers)", t.op),
+                    format!(
+                        "{} touches memory outside the graph's pool and the save hook's tail memory after the event \
+                         (the caller's buffers)",
+                        t.op
+                    ),
                 ));
             }
             None => {}
         }
     }
     Ok(())
+}
+
+/// Whether a graph of the pool's cyclic `order` after `owner` and up to `graph` (included) writes
+/// `at`: then `owner`'s output there is stale whenever `graph` runs, and nobody may read it
+/// until `owner` runs again, after `graph` and its tail.
+fn overwritten_before(checker: &Checker, order: &[GraphId], owner: GraphId, graph: GraphId, at: &Access) -> bool {
+    let (Some(o), Some(g)) = (order.iter().position(|x| *x == owner), order.iter().position(|x| *x == graph)) else {
+        return checker.graph_writes(graph, at).unwrap_or(false);
+    };
+    let n = order.len();
+    let between = (1..=(g + n - o) % n).map(|k| order[(o + k) % n]);
+    between.into_iter().any(|w| checker.graph_writes(w, at).unwrap_or(false))
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use super::arena::{block_size, segment_size, Arena, BlockInfo, FreeTag, SegmentId, Stats, StreamKey};
 use super::pool::{GraphPool, PoolGraph, PoolId, PoolState};
-use crate::device::memory::{Block, BlockOwner, MemKind, RawBuffer};
+use crate::device::memory::{Block, BlockOwner, Fence, MemKind, RawBuffer};
 use crate::device::{ids, BufferId, Capture, CaptureMode, Device, DeviceBuffer, Elem, Stream, StreamId};
 use crate::{Error, Result};
 
@@ -81,6 +81,8 @@ struct Returned {
     segment: SegmentId,
     offset: usize,
     stream: Option<StreamKey>,
+    /// Free for the fence's stream once its event completed (else for `stream`).
+    fence: Option<Fence>,
 }
 
 #[derive(Default)]
@@ -94,6 +96,8 @@ struct State {
     captures: HashMap<u64, PoolId>,
     /// Where each handed-out block is.
     live: HashMap<(Option<PoolId>, SegmentId, usize), BufferId>,
+    /// Freed blocks waiting for their fence's event.
+    fenced: Vec<Returned>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -125,14 +129,16 @@ impl BlockOwner for Lease {
         self.pool.is_some()
     }
 
-    fn release(&self, last_stream: Option<StreamId>, streams_used: u32) {
+    fn release(&self, last_stream: Option<StreamId>, streams_used: u32, fence: Option<Fence>) {
         if let Some(alloc) = self.alloc.upgrade() {
             let stream = match (last_stream, streams_used) {
                 (None, _) => None,
                 (Some(s), 1) => Some(s.raw()),
                 (Some(_), _) => Some(MANY_STREAMS),
             };
-            let r = Returned { pool: self.pool, segment: self.segment, offset: self.offset, stream };
+            // Pool blocks follow the pool's replay order instead (note [Pool replay order]).
+            let fence = fence.filter(|_| self.pool.is_none() && streams_used > 1);
+            let r = Returned { pool: self.pool, segment: self.segment, offset: self.offset, stream, fence };
             lock(&alloc.returned).push(r);
         }
     }
@@ -141,8 +147,21 @@ impl BlockOwner for Lease {
 impl Inner {
     /// Puts returned blocks back into their arenas.
     fn take_returned(&self, st: &mut State) {
-        let returned = std::mem::take(&mut *lock(&self.returned));
-        for r in returned {
+        let mut returned = std::mem::take(&mut *lock(&self.returned));
+        returned.append(&mut st.fenced);
+        for mut r in returned {
+            if let Some(f) = r.fence.take() {
+                match f.event.query() {
+                    Ok(true) => r.stream = Some(f.stream.raw()),
+                    Ok(false) => {
+                        r.fence = Some(f);
+                        st.fenced.push(r);
+                        continue;
+                    }
+                    // Its record cannot be waited for: the block waits for a synchronize.
+                    Err(_) => {}
+                }
+            }
             st.live.remove(&(r.pool, r.segment, r.offset));
             if let Some(p) = r.pool.and_then(|p| st.pools.get_mut(&p)) {
                 if p.capturing.is_some() {

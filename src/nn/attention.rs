@@ -7,7 +7,7 @@
 //! only masks and normalizes. A call costs a fixed number of launches, whatever the batch.
 
 use super::layernorm::single_input;
-use super::{BiasGrad, Inputs, Linear, Module, Param, ParamStore, SaveHook};
+use super::{BiasGrad, Inputs, Linear, Module, Param, ParamStore, SaveHook, SavedTensor};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::matmul::{matmul, Matmul};
@@ -30,12 +30,12 @@ pub struct CausalSelfAttention {
 /// the attention probabilities.
 pub struct AttentionCtx {
     dims: Dims,
-    x: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    probs: Tensor,
-    att: Tensor,
+    x: SavedTensor,
+    q: SavedTensor,
+    k: SavedTensor,
+    v: SavedTensor,
+    probs: SavedTensor,
+    att: SavedTensor,
 }
 
 /// Batch, sequence, heads and head width of one call.
@@ -151,7 +151,7 @@ impl CausalSelfAttention {
         let (q, k, v) = (hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?);
         let probs = hook.save("probs", probs, stream)?;
         let att = hook.save("att", att, stream)?;
-        hook.commit_group(&self.name)?;
+        hook.commit_group(&self.name, stream)?;
         Ok((y.reshape(&[d.batch, d.seq, c])?, AttentionCtx { dims: d, x, q, k, v, probs, att }))
     }
 
@@ -170,8 +170,9 @@ impl CausalSelfAttention {
         dy.expect_shape(OP, &[d.batch, d.seq, c])?;
         let dy = dy.reshape(&[bt, c])?;
         let datt = self.proj.data_grad(&dy, stream)?;
-        self.proj.weight_grads(&dy, &ctx.att, proj_bias, stream)?;
-        let (q, k, v, probs) = (&ctx.q, &ctx.k, &ctx.v, &ctx.probs);
+        self.proj.weight_grads(&dy, &ctx.att.take(stream)?, proj_bias, stream)?;
+        let (q, k, v, probs) =
+            (&ctx.q.take(stream)?, &ctx.k.take(stream)?, &ctx.v.take(stream)?, &ctx.probs.take(stream)?);
         let heads = || Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype);
         let datt_heads = heads()?;
         heads::heads_from_rows(&datt_heads, &datt, 0, stream)?;
@@ -188,7 +189,7 @@ impl CausalSelfAttention {
         let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dtype)?;
         heads::merge_qkv(&dqkv, &dq, &dk, &dv, stream)?;
         let dx = self.qkv.data_grad(&dqkv, stream)?;
-        self.qkv.weight_grads(&dqkv, &ctx.x, BiasGrad::Compute, stream)?;
+        self.qkv.weight_grads(&dqkv, &ctx.x.take(stream)?, BiasGrad::Compute, stream)?;
         dx.reshape(&[d.batch, d.seq, c])
     }
 }

@@ -1,7 +1,7 @@
 //! LayerNorm over the last dimension (LN1 and LN2 of the benchmark layer), a module around
 //! [`ops::layernorm`](crate::ops::layernorm): weight 1, bias 0, eps 1e-5 as PyTorch's default.
 
-use super::{Inputs, Module, Param, ParamStore, SaveHook};
+use super::{Inputs, Module, Param, ParamStore, SaveHook, SavedTensor};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::layernorm::{self, LayerNormWorkspace, ResidualGrad};
@@ -25,9 +25,9 @@ pub struct LayerNorm {
 /// What the forward saves: the input as rows and each row's statistics.
 pub struct LayerNormCtx {
     shape: Vec<usize>,
-    input: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
+    input: SavedTensor,
+    mean: SavedTensor,
+    rstd: SavedTensor,
 }
 
 /// The one input of a single-input module, or a shape error naming `op`.
@@ -93,7 +93,7 @@ impl LayerNorm {
         let residual = residual.zip(residual_rows.as_ref()).map(|(r, grad)| ResidualGrad { grad, colsum: r.colsum });
         let dx = Tensor::uninit(&self.alloc, stream, dy.shape(), dy.dtype())?;
         let (w, b) = (&self.weight, &self.bias);
-        let (input, mean, rstd) = (&ctx.input, &ctx.mean, &ctx.rstd);
+        let (input, mean, rstd) = (&ctx.input.take(stream)?, &ctx.mean.take(stream)?, &ctx.rstd.take(stream)?);
         layernorm::layernorm_backward(
             &dx,
             &w.grad,
@@ -129,7 +129,7 @@ impl Module for LayerNorm {
         let input = hook.save("input", rows, stream)?;
         let mean = hook.save("mean", mean, stream)?;
         let rstd = hook.save("rstd", rstd, stream)?;
-        hook.commit_group(&self.name)?;
+        hook.commit_group(&self.name, stream)?;
         Ok((vec![out.reshape(x.shape())?], LayerNormCtx { shape: x.shape().to_vec(), input, mean, rstd }))
     }
 

@@ -10,7 +10,7 @@
 //! [`Linear::data_grad_through_gelu`], [`Linear::weight_grads`]) to fuse across layers.
 
 use super::params::init_uniform;
-use super::{Inputs, Module, Param, ParamStore, SaveHook};
+use super::{Inputs, Module, Param, ParamStore, SaveHook, SavedTensor};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::elementwise;
@@ -52,7 +52,7 @@ pub struct Linear {
 /// What the forward saves: the input.
 pub struct LinearCtx {
     /// `(n, in)`.
-    pub input: Tensor,
+    pub input: SavedTensor,
 }
 
 impl Linear {
@@ -195,7 +195,7 @@ impl Module for Linear {
         let y = self.forward_with(x, None, stream)?;
         hook.open_group(&self.name)?;
         let input = hook.save("input", x.clone(), stream)?;
-        hook.commit_group(&self.name)?;
+        hook.commit_group(&self.name, stream)?;
         Ok((vec![y], LinearCtx { input }))
     }
 
@@ -206,7 +206,7 @@ impl Module for Linear {
             found: vec![],
         })?;
         let dx = self.data_grad(dy, stream)?;
-        self.weight_grads(dy, &ctx.input, BiasGrad::Compute, stream)?;
+        self.weight_grads(dy, &ctx.input.take(stream)?, BiasGrad::Compute, stream)?;
         Ok(vec![Some(dx)])
     }
 

@@ -4,7 +4,7 @@
 //! epilogue, the weight gradients' GEMMs the bias gradients).
 
 use super::layernorm::{as_rows, single_input};
-use super::{BiasGrad, Inputs, Linear, Module, Param, ParamStore, SaveHook};
+use super::{BiasGrad, Inputs, Linear, Module, Param, ParamStore, SaveHook, SavedTensor};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::tensor::Tensor;
@@ -22,9 +22,9 @@ pub struct Mlp {
 /// What the forward saves: the input rows, the pre-activation and the activation.
 pub struct MlpCtx {
     shape: Vec<usize>,
-    x: Tensor,
-    pre: Tensor,
-    act: Tensor,
+    x: SavedTensor,
+    pre: SavedTensor,
+    act: SavedTensor,
 }
 
 impl Mlp {
@@ -66,7 +66,7 @@ impl Mlp {
         let y = self.fc2.forward_with(&act, residual.as_ref(), stream)?;
         hook.open_group(&self.name)?;
         let saved = (hook.save("input", rows, stream)?, hook.save("pre", pre, stream)?, hook.save("act", act, stream)?);
-        hook.commit_group(&self.name)?;
+        hook.commit_group(&self.name, stream)?;
         let (x_saved, pre, act) = saved;
         Ok((y.reshape(x.shape())?, MlpCtx { shape: x.shape().to_vec(), x: x_saved, pre, act }))
     }
@@ -77,10 +77,10 @@ impl Mlp {
         const OP: &str = "Mlp::backward";
         dy.expect_shape(OP, &ctx.shape)?;
         let dy = as_rows(OP, dy, self.dim())?;
-        let dpre = self.fc2.data_grad_through_gelu(&dy, &ctx.pre, stream)?;
-        self.fc2.weight_grads(&dy, &ctx.act, fc2_bias, stream)?;
+        let dpre = self.fc2.data_grad_through_gelu(&dy, &ctx.pre.take(stream)?, stream)?;
+        self.fc2.weight_grads(&dy, &ctx.act.take(stream)?, fc2_bias, stream)?;
         let dx = self.fc1.data_grad(&dpre, stream)?;
-        self.fc1.weight_grads(&dpre, &ctx.x, BiasGrad::Compute, stream)?;
+        self.fc1.weight_grads(&dpre, &ctx.x.take(stream)?, BiasGrad::Compute, stream)?;
         dx.reshape(&ctx.shape)
     }
 }

@@ -22,6 +22,7 @@ mod linear;
 mod lm_head;
 mod mlp;
 mod params;
+mod saved;
 mod stack;
 mod transformer;
 
@@ -35,27 +36,42 @@ pub use linear::{BiasGrad, Linear, LinearCtx};
 pub use lm_head::{LmHead, LmHeadCtx};
 pub use mlp::{Mlp, MlpCtx};
 pub use params::{Param, ParamStore};
+pub use saved::{Restore, SavedTensor};
 pub use stack::{backward_pass, forward_pass, Stack, StackCtx, Traverse};
 pub use transformer::{TransformerCtx, TransformerLayer};
 
-use crate::device::Stream;
+use crate::device::{BufferId, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
 /// Where saved activations pass on their way from forward to backward. The default does
-/// nothing; an offload manager implements it to move them to host memory and back.
+/// nothing; an offload manager (`graphed::offload`) implements it to move them to host memory
+/// and back, eagerly and inside captured graphs.
+///
+/// The calls, in order: [`begin_forward`](SaveHook::begin_forward) before each unit's (each
+/// layer's) forward; per module, [`open_group`](SaveHook::open_group), a
+/// [`save`](SaveHook::save) per tensor, [`commit_group`](SaveHook::commit_group); when the unit
+/// is captured, [`end_pass`](SaveHook::end_pass) after the graph's sync event, also after each
+/// captured backward. At replay, no module code runs: the graph layer calls
+/// [`replayed`](SaveHook::replayed) after each launch.
 pub trait SaveHook: Send + Sync {
+    /// The forward of the next unit (a layer) begins on `stream`, inside its capture when
+    /// captured: what the hook deferred until now (copies of the previous unit's activations)
+    /// may start.
+    fn begin_forward(&self, _stream: &Stream) -> Result<()> {
+        Ok(())
+    }
     /// A module starts saving for one forward (`site` names the module instance).
     fn open_group(&self, _site: &str) -> Result<()> {
         Ok(())
     }
-    /// One saved tensor, by name; returns the tensor to keep in the context (the same by
-    /// default, a handle to a reload later for an offloader).
-    fn save(&self, _name: &str, t: Tensor, _stream: &Stream) -> Result<Tensor> {
-        Ok(t)
+    /// One saved tensor, by name, produced on `stream`; returns what the module keeps for its
+    /// backward (the tensor itself by default).
+    fn save(&self, _name: &str, t: Tensor, _stream: &Stream) -> Result<SavedTensor> {
+        Ok(SavedTensor::kept(t))
     }
-    /// The module finished saving.
-    fn commit_group(&self, _site: &str) -> Result<()> {
+    /// The module finished saving; its tensors are complete on `stream`.
+    fn commit_group(&self, _site: &str, _stream: &Stream) -> Result<()> {
         Ok(())
     }
     /// A captured pass is over and its sync event recorded: make `stream` wait for the streams
@@ -63,6 +79,35 @@ pub trait SaveHook: Send + Sync {
     /// offload copies). Capture needs every forked stream joined before it ends.
     fn end_pass(&self, _stream: &Stream) -> Result<()> {
         Ok(())
+    }
+    /// A graph captured with this hook was launched on `stream` (work deferred to the next
+    /// launch, such as delayed copies of eager modules, may be issued now).
+    fn replayed(&self, _stream: &Stream) -> Result<()> {
+        Ok(())
+    }
+    /// Memory outside the graph pool that a captured pass may touch after its sync event (the
+    /// host buffers of offload copies), as [`Access::memory`](crate::device::Access::memory)
+    /// ids: capture-time verification (R3) allows it in the tail, and nothing else.
+    fn tail_memory(&self) -> Vec<BufferId> {
+        Vec::new()
+    }
+}
+
+/// One chunk of a training step: a microbatch of one (virtual) pipeline stage. A save hook that
+/// keeps state across forward and backward keeps it per chunk (one handler per chunk, made by
+/// [`GraphOptions::init_chunk_handler`](crate::graph::GraphOptions::init_chunk_handler) when
+/// graphed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Chunk {
+    /// The microbatch.
+    pub microbatch: usize,
+    /// The virtual pipeline stage.
+    pub stage: usize,
+}
+
+impl std::fmt::Display for Chunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "microbatch {} of stage {}", self.microbatch, self.stage)
     }
 }
 

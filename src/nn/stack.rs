@@ -152,6 +152,7 @@ impl<M: Module> Traverse for Eager<'_, M> {
     type Saved = M::Ctx;
 
     fn forward(&mut self, layer: usize, x: Inputs) -> Result<(Inputs, M::Ctx)> {
+        self.hook.begin_forward(self.stream)?;
         let (y, ctx) = self.layers[layer].forward(&x, self.hook, self.stream)?;
         Ok((Inputs::args(&y.iter().collect::<Vec<_>>()), ctx))
     }

@@ -308,6 +308,16 @@ impl Tensor {
         with_dtype!(self.dtype, T => Ok(self.view::<T>()?.access(mode)))
     }
 
+    /// Lets the allocator reuse this tensor's memory for `stream` once `event` has completed,
+    /// when its last view is dropped (see [`DeviceBuffer::release_after`]): for memory that a
+    /// side stream read before `event` was recorded there.
+    pub fn release_after(&self, event: &crate::device::Event, stream: &Stream) -> Result<()> {
+        with_dtype!(self.dtype, T => {
+            self.buffer::<T>("Tensor::release_after")?.release_after(event, stream);
+            Ok(())
+        })
+    }
+
     /// Sets every element's bytes to zero on `stream` (0.0 for the float types).
     pub fn zero(&self, stream: &Stream) -> Result<()> {
         with_dtype!(self.dtype, T => stream.memset(self.view::<T>()?, 0))

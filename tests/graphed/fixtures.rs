@@ -9,7 +9,7 @@ use graphed::graph::{make_graphed_stack, Callable, GraphOptions, GraphedCallable
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     backward_pass, forward_pass, input_grad, DropoutSpec, Inputs, KeepOnDevice, Module, Param, ParamStore, SaveHook,
-    Stack, TransformerLayer, Traverse,
+    SavedTensor, Stack, TransformerLayer, Traverse,
 };
 use graphed::ops::cast::residual_add;
 use graphed::ops::{elementwise, rng};
@@ -261,9 +261,9 @@ impl TailHook {
 }
 
 impl SaveHook for TailHook {
-    fn save(&self, _name: &str, t: Tensor, stream: &Stream) -> graphed::Result<Tensor> {
+    fn save(&self, _name: &str, t: Tensor, stream: &Stream) -> graphed::Result<SavedTensor> {
         if !self.fork(stream)? {
-            return Ok(t);
+            return Ok(SavedTensor::kept(t));
         }
         match self.work {
             TailWork::Churn(n) => {
@@ -279,7 +279,7 @@ impl SaveHook for TailHook {
             }
             TailWork::WriteSaved => elementwise::fill(t.view::<f32>()?, 0.0, &self.side)?,
         }
-        Ok(t)
+        Ok(SavedTensor::kept(t))
     }
 
     fn end_pass(&self, stream: &Stream) -> graphed::Result<()> {

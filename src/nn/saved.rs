@@ -1,0 +1,76 @@
+//! What a module keeps for its backward: a tensor still on the device, or one its save hook took
+//! away (an offloader copied it to host memory) and gives back when the backward asks.
+
+use crate::device::Stream;
+use crate::tensor::Tensor;
+use crate::Result;
+
+/// Gives a saved tensor back to the backward: a save hook's handle to a tensor it moved.
+pub trait Restore: Send {
+    /// The tensor, on the device, ready for work enqueued on `stream` after this call.
+    ///
+    /// # Errors
+    /// The hook's own (a reload that cannot be issued, a handle used out of order).
+    fn restore(self: Box<Self>, stream: &Stream) -> Result<Tensor>;
+}
+
+/// A tensor a module saved for its backward, as its [`SaveHook`](super::SaveHook) handed it
+/// back: kept on the device, or away until [`take`](SavedTensor::take).
+///
+/// ```
+/// use graphed::device::{DType, Device};
+/// use graphed::memory::CachingAllocator;
+/// use graphed::nn::SavedTensor;
+/// use graphed::tensor::Tensor;
+///
+/// let dev = Device::sim();
+/// let s = dev.stream()?;
+/// let alloc = CachingAllocator::new(&dev);
+/// let saved = SavedTensor::kept(Tensor::zeros(&alloc, &s, &[4], DType::F32)?);
+/// assert!(saved.is_kept());
+/// assert_eq!(saved.take(&s)?.shape(), &[4]);
+/// # Ok::<(), graphed::Error>(())
+/// ```
+pub struct SavedTensor(Holder);
+
+enum Holder {
+    Kept(Tensor),
+    Away(Box<dyn Restore>),
+}
+
+impl SavedTensor {
+    /// A tensor that stays on the device.
+    pub fn kept(t: Tensor) -> SavedTensor {
+        SavedTensor(Holder::Kept(t))
+    }
+
+    /// A tensor a hook took away; `restore` gives it back.
+    pub fn away(restore: Box<dyn Restore>) -> SavedTensor {
+        SavedTensor(Holder::Away(restore))
+    }
+
+    /// Whether it stayed on the device.
+    pub fn is_kept(&self) -> bool {
+        matches!(self.0, Holder::Kept(_))
+    }
+
+    /// The tensor, for work enqueued on `stream` (the backward's stream).
+    ///
+    /// # Errors
+    /// The hook's, for a tensor that was away.
+    pub fn take(self, stream: &Stream) -> Result<Tensor> {
+        match self.0 {
+            Holder::Kept(t) => Ok(t),
+            Holder::Away(r) => r.restore(stream),
+        }
+    }
+}
+
+impl std::fmt::Debug for SavedTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Holder::Kept(t) => write!(f, "SavedTensor::kept({:?})", t.shape()),
+            Holder::Away(_) => write!(f, "SavedTensor::away"),
+        }
+    }
+}

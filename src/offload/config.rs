@@ -1,0 +1,139 @@
+//! What to offload: the sites, the size threshold, the margin, the byte budget and the policy.
+
+use super::OffloadErrorKind;
+use crate::{Error, Result};
+
+/// The saved tensors offloaded by default, as `module.tensor` selectors (the module is the last
+/// part of a site's name: `layer3.attn` is an `attn`): the attention's input (the first
+/// LayerNorm's output), q, k, v, its output (the projection's input), and the MLP's input (the
+/// second LayerNorm's output). Never the `(B, heads, T, T)` softmax, 1 GiB per layer at `L`.
+pub const DEFAULT_SITES: [&str; 6] = ["attn.input", "attn.q", "attn.k", "attn.v", "attn.att", "mlp.input"];
+
+/// What the automatic policy chooses from: the default sites, the MLP's pre-activation and
+/// activation (four times as wide), and the second LayerNorm's input. A LayerNorm's input at the
+/// start of a layer is the layer's input, which a graph's tail must not read (R3).
+pub const AUTO_CANDIDATES: [&str; 9] =
+    ["attn.input", "attn.q", "attn.k", "attn.v", "attn.att", "mlp.input", "mlp.pre", "mlp.act", "ln2.input"];
+
+/// How the offloaded tensors are chosen after the warmup iteration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// Every eligible tensor of the listed sites, outside the margin, within the byte budget,
+    /// earlier layers first.
+    #[default]
+    Listed,
+    /// Per layer, the largest eligible tensors whose copies fit under the measured compute of
+    /// the layer after it (its forward for the copy out, its backward for the copy back), from
+    /// the copy bandwidth and layer times measured in the warmup iteration.
+    Auto,
+}
+
+/// The configuration of an [`OffloadManager`](super::OffloadManager).
+///
+/// ```
+/// use graphed::offload::{OffloadConfig, Policy};
+/// let config = OffloadConfig::default().sites(&["attn.q", "attn.k", "attn.v"]).margin(1).policy(Policy::Listed);
+/// assert!(config.validate().is_ok());
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct OffloadConfig {
+    pub(crate) sites: Vec<String>,
+    pub(crate) min_elements: usize,
+    pub(crate) margin: usize,
+    pub(crate) max_bytes: Option<usize>,
+    pub(crate) policy: Policy,
+    pub(crate) delay_eager_commits: bool,
+    pub(crate) slack: f64,
+}
+
+impl Default for OffloadConfig {
+    fn default() -> OffloadConfig {
+        OffloadConfig {
+            sites: DEFAULT_SITES.iter().map(|s| s.to_string()).collect(),
+            min_elements: 1 << 16,
+            margin: 1,
+            max_bytes: None,
+            policy: Policy::Listed,
+            delay_eager_commits: false,
+            slack: 0.8,
+        }
+    }
+}
+
+impl OffloadConfig {
+    /// The tensors to offload (or to choose from, with [`Policy::Auto`]), as `module.tensor`
+    /// selectors; `module.*` selects all of a module's tensors.
+    pub fn sites(mut self, sites: &[&str]) -> OffloadConfig {
+        self.sites = sites.iter().map(|s| s.to_string()).collect();
+        self
+    }
+
+    /// Tensors with fewer elements stay on the device (default 65 536): copies of small tensors
+    /// cost more in launches than they save.
+    pub fn min_elements(mut self, n: usize) -> OffloadConfig {
+        self.min_elements = n;
+        self
+    }
+
+    /// The last `n` layers of each chunk keep their activations (default 1): their backward
+    /// comes right after their forward, so a copy out and back would only stall it.
+    pub fn margin(mut self, n: usize) -> OffloadConfig {
+        self.margin = n;
+        self
+    }
+
+    /// At most `bytes` offloaded per chunk (host memory), earlier layers first.
+    pub fn max_bytes(mut self, bytes: usize) -> OffloadConfig {
+        self.max_bytes = Some(bytes);
+        self
+    }
+
+    /// How tensors are chosen (default [`Policy::Listed`]).
+    pub fn policy(mut self, policy: Policy) -> OffloadConfig {
+        self.policy = policy;
+        self
+    }
+
+    /// Queues the copies of groups committed by eager modules and issues them after the next
+    /// graph launch (Megatron's `delay_offload_until_cuda_graph`), so that their launches run
+    /// while the graph does; the queue is drained when the chunk's backward begins.
+    pub fn delay_eager_commits(mut self, yes: bool) -> OffloadConfig {
+        self.delay_eager_commits = yes;
+        self
+    }
+
+    /// The share of a layer's measured time that the automatic policy fills with copies
+    /// (default 0.8): copies slow the kernels they overlap, and eager timings include launch gaps
+    /// that graphs remove.
+    pub fn slack(mut self, share: f64) -> OffloadConfig {
+        self.slack = share;
+        self
+    }
+
+    /// Checks every value.
+    ///
+    /// # Errors
+    /// [`OffloadErrorKind::Config`] naming the value and what is accepted.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::Offload(OffloadErrorKind::Config { what }));
+        for s in &self.sites {
+            match s.split_once('.') {
+                Some((m, t)) if !m.is_empty() && !t.is_empty() && !t.contains('.') => {}
+                _ => return bad(format!("site selector `{s}` is not `module.tensor` or `module.*` (e.g. `attn.q`)")),
+            }
+        }
+        if !(self.slack > 0.0 && self.slack <= 1.0) {
+            return bad(format!("slack {} is not in (0, 1]", self.slack));
+        }
+        Ok(())
+    }
+
+    /// Whether the tensor `name` saved at `site` is selected.
+    pub(crate) fn selects(&self, site: &str, name: &str) -> bool {
+        let module = site.rsplit('.').next().unwrap_or(site);
+        self.sites.iter().any(|s| match s.split_once('.') {
+            Some((m, t)) => m == module && (t == "*" || t == name),
+            None => false,
+        })
+    }
+}

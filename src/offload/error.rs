@@ -1,0 +1,59 @@
+//! What the offload manager refuses, and what to do instead.
+
+use crate::nn::Chunk;
+
+/// Why the offload manager refused a call ([`Error::Offload`](crate::Error::Offload)).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OffloadErrorKind {
+    /// Graphs were requested before the policy was frozen (H13).
+    #[error(
+        "no policy yet: run one eager training iteration (forward and backward of every chunk) with the \
+         manager's chunk hooks and call `end_iteration`, then capture"
+    )]
+    NotFrozen,
+    /// A chunk's modules saved in another order than in the warmup iteration (H13).
+    #[error(
+        "{chunk} saved {found} where the warmup iteration saved {expected}: the schedule must be the same in \
+         every iteration; make a new manager for another schedule"
+    )]
+    Schedule {
+        /// The chunk.
+        chunk: Chunk,
+        /// What the warmup iteration did at this point.
+        expected: String,
+        /// What happened now.
+        found: String,
+    },
+    /// Work of an iteration was left over at [`end_iteration`](super::OffloadManager::end_iteration)
+    /// (H11): the manager released it, but the iteration did not run as recorded.
+    #[error("{what} at the end of the iteration: run every chunk's backward before `end_iteration`")]
+    Pending {
+        /// What was left.
+        what: String,
+    },
+    /// A saved tensor of an earlier iteration was taken after `end_iteration` released it.
+    #[error("a saved tensor of {chunk} was taken after `end_iteration`: take saved tensors within their iteration")]
+    Stale {
+        /// The chunk.
+        chunk: Chunk,
+    },
+    /// The automatic policy needs timings that this device cannot give.
+    #[error(
+        "the automatic policy times the layers and the copies, and the simulator has no clock: list the sites to \
+         offload instead (OffloadConfig::sites), or run on CUDA"
+    )]
+    NoClock,
+    /// A capture used a chunk hook made for eager use.
+    #[error(
+        "a chunk hook made by `OffloadManager::chunk` is for eager use; graphs bake host buffers in and get \
+         their hooks from `OffloadManager::graph_options`"
+    )]
+    NotForGraphs,
+    /// A configuration value is out of range.
+    #[error("{what}")]
+    Config {
+        /// What is wrong, and the accepted values.
+        what: String,
+    },
+}

@@ -1,0 +1,91 @@
+//! Pinned host buffers for offloaded tensors, pooled by size and element type. Each buffer
+//! carries the events of its last copy out (device to host) and back (host to device), so that
+//! it is never reused before its last copy ended (H8) and never read before its copy out landed
+//! (H9).
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::device::{with_dtype, BufferId, DType, Device, Event, PinnedBuffer, Stream};
+use crate::tensor::Tensor;
+use crate::Result;
+
+/// One pinned host buffer and the events of its last copies.
+pub(crate) struct HostBuffer {
+    /// A `PinnedBuffer<T>` with `T::DTYPE == dtype`.
+    buf: Arc<dyn Any + Send + Sync>,
+    dtype: DType,
+    len: usize,
+    memory: BufferId,
+    /// Recorded after its last copy out (on the copy-out stream).
+    pub(crate) last_out: Option<Event>,
+    /// Recorded after its last copy back (on the copy-back stream).
+    pub(crate) last_in: Option<Event>,
+}
+
+impl HostBuffer {
+    /// A new buffer of `len` elements of `dtype`.
+    pub(crate) fn new(dev: &Device, dtype: DType, len: usize) -> Result<HostBuffer> {
+        with_dtype!(dtype, T => {
+            let b = dev.alloc_pinned::<T>(len)?;
+            let memory = b.memory_id();
+            Ok(HostBuffer { buf: Arc::new(b), dtype, len, memory, last_out: None, last_in: None })
+        })
+    }
+
+    pub(crate) fn key(&self) -> (usize, DType) {
+        (self.len, self.dtype)
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+
+    /// The allocation its copies name, for graph verification.
+    pub(crate) fn memory(&self) -> BufferId {
+        self.memory
+    }
+
+    fn pinned<T: crate::device::Elem>(&self) -> &PinnedBuffer<T> {
+        self.buf.downcast_ref().expect("the buffer's type is its dtype's")
+    }
+
+    /// Copies `src` (contiguous, of this buffer's size and type) into this buffer on `stream`.
+    pub(crate) fn copy_out(&self, src: &Tensor, stream: &Stream) -> Result<()> {
+        src.expect_dtype("offload copy out", self.dtype)?;
+        with_dtype!(self.dtype, T => stream.copy_d2h(src.view::<T>()?, self.pinned::<T>().view()))
+    }
+
+    /// Copies this buffer into `dst` (contiguous, of this buffer's size and type) on `stream`.
+    pub(crate) fn copy_in(&self, dst: &Tensor, stream: &Stream) -> Result<()> {
+        dst.expect_dtype("offload copy back", self.dtype)?;
+        with_dtype!(self.dtype, T => stream.copy_h2d(self.pinned::<T>().view(), dst.view::<T>()?))
+    }
+}
+
+/// Free host buffers by (elements, element type), oldest first; grows on demand and keeps what it
+/// allocated until dropped.
+#[derive(Default)]
+pub(crate) struct HostPool {
+    free: HashMap<(usize, DType), Vec<HostBuffer>>,
+    /// Bytes allocated in all.
+    pub(crate) bytes: usize,
+}
+
+impl HostPool {
+    /// A buffer for `len` elements of `dtype`: the oldest free one, or a new one.
+    pub(crate) fn take(&mut self, dev: &Device, dtype: DType, len: usize) -> Result<HostBuffer> {
+        if let Some(b) = self.free.get_mut(&(len, dtype)).filter(|v| !v.is_empty()).map(|v| v.remove(0)) {
+            return Ok(b);
+        }
+        let b = HostBuffer::new(dev, dtype, len)?;
+        self.bytes += b.bytes();
+        Ok(b)
+    }
+
+    /// Gives `b` back; its events order its next use (H8).
+    pub(crate) fn give_back(&mut self, b: HostBuffer) {
+        self.free.entry(b.key()).or_default().push(b);
+    }
+}

@@ -1,0 +1,29 @@
+//! Layer 7, activation offloading: Megatron-LM's fine-grained offloading, eager and captured
+//! inside the graphs of [`graph`](crate::graph), through the [`SaveHook`](crate::nn::SaveHook)
+//! that modules call at named sites.
+//!
+//! - [`OffloadManager`] owns a copy-out and a copy-back stream, pinned host buffers pooled by
+//!   size and type (each with the events of its last copies), and one [`ChunkHook`] per chunk
+//!   (a microbatch of a pipeline stage).
+//! - The first iteration through the chunk hooks records what every module saves (and times
+//!   it, for the automatic policy); [`OffloadManager::end_iteration`] then decides what to
+//!   offload ([`Policy`], [`OffloadConfig`]) and freezes it ([`Summary`] prints it).
+//! - Eagerly, a group's copy out starts at its commit; inside graphs, when the next unit's
+//!   capture begins, so that it overlaps the next layer's compute. The copies join the capture
+//!   stream after the sync event: they are the graph's tail, which a side-stream replay lets
+//!   the caller run ahead of ([`OffloadManager::graph_options`]). `chunk.rs` has the protocol
+//!   and the hazards of `notes/offload.md` §3.6 it handles.
+
+mod chunk;
+mod config;
+mod error;
+mod host;
+mod manager;
+mod policy;
+mod state;
+
+pub use chunk::ChunkHook;
+pub use config::{OffloadConfig, Policy, AUTO_CANDIDATES, DEFAULT_SITES};
+pub use error::OffloadErrorKind;
+pub use manager::{OffloadManager, OffloadStats};
+pub use policy::{decide, GroupLayout, Summary, SummaryRow, TensorLayout, Timings};

@@ -1,0 +1,253 @@
+//! The policy decided after the warmup iteration and frozen before capture (H13): which saved
+//! tensors go to host memory, from what the warmup recorded; and the summary table.
+
+use std::fmt;
+
+use super::config::{OffloadConfig, Policy};
+use crate::device::DType;
+use crate::nn::Chunk;
+
+/// One saved tensor as the warmup iteration recorded it, and the decision.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorLayout {
+    /// Its name at the site (`q`).
+    pub name: String,
+    /// Its shape and element type.
+    pub shape: Vec<usize>,
+    /// Its element type.
+    pub dtype: DType,
+    /// Whether it could be copied as it is (a contiguous float tensor).
+    pub copyable: bool,
+    /// The decision: copied to host memory after its forward, back before its backward.
+    pub offload: bool,
+}
+
+impl TensorLayout {
+    /// Its size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.size()
+    }
+}
+
+/// One group (the tensors one module saved in one forward) as the warmup recorded it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupLayout {
+    /// The module's name (`layer3.attn`).
+    pub site: String,
+    /// The unit (layer) whose forward saved it, counted from 0 in the chunk.
+    pub pass: usize,
+    /// Its tensors, in save order.
+    pub tensors: Vec<TensorLayout>,
+}
+
+impl GroupLayout {
+    /// Bytes it offloads.
+    pub fn offloaded_bytes(&self) -> usize {
+        self.tensors.iter().filter(|t| t.offload).map(TensorLayout::bytes).sum()
+    }
+}
+
+/// What the warmup iteration measured, for [`Policy::Auto`]: per unit (layer) of a chunk, the
+/// milliseconds of its forward and of its backward, and the copy bandwidths in bytes per
+/// millisecond.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timings {
+    /// Per unit, its forward's milliseconds.
+    pub forward_ms: Vec<f64>,
+    /// Per unit, its backward's milliseconds.
+    pub backward_ms: Vec<f64>,
+    /// Device-to-host bytes per millisecond.
+    pub out_bytes_per_ms: f64,
+    /// Host-to-device bytes per millisecond.
+    pub in_bytes_per_ms: f64,
+}
+
+/// Decides, in place, which tensors of one chunk's `groups` are offloaded.
+///
+/// Eligible: selected by the configured sites, copyable, at least the minimum size, and saved by
+/// a unit outside the margin (the last `margin` units). [`Policy::Listed`] takes every eligible
+/// tensor, earlier units first, within the byte budget; [`Policy::Auto`] takes, per unit `p`,
+/// the largest eligible tensors whose copy out fits `slack` of unit `p + 1`'s forward and whose
+/// copy back fits `slack` of its backward (where the copies run: see the module docs), within
+/// the byte budget.
+pub fn decide(config: &OffloadConfig, groups: &mut [GroupLayout], timings: Option<&Timings>) {
+    let units = groups.iter().map(|g| g.pass + 1).max().unwrap_or(0);
+    let kept_from = units.saturating_sub(config.margin);
+    for g in groups.iter_mut() {
+        let in_margin = g.pass >= kept_from;
+        for t in &mut g.tensors {
+            let numel: usize = t.shape.iter().product();
+            t.offload = !in_margin && t.copyable && numel >= config.min_elements && config.selects(&g.site, &t.name);
+        }
+    }
+    if let (Policy::Auto, Some(timings)) = (config.policy, timings) {
+        for p in 0..units {
+            let window = |ms: &[f64]| ms.get(p + 1).copied().unwrap_or(0.0) * config.slack;
+            let mut out_budget = window(&timings.forward_ms) * timings.out_bytes_per_ms;
+            let mut in_budget = window(&timings.backward_ms) * timings.in_bytes_per_ms;
+            let mut candidates: Vec<(usize, usize)> = (groups.iter().enumerate())
+                .filter(|(_, g)| g.pass == p)
+                .flat_map(|(gi, g)| (0..g.tensors.len()).filter(|ti| g.tensors[*ti].offload).map(move |ti| (gi, ti)))
+                .collect();
+            // Largest first (ties in save order): the most bytes for the window.
+            candidates.sort_by_key(|&(gi, ti)| std::cmp::Reverse(groups[gi].tensors[ti].bytes()));
+            for (gi, ti) in candidates {
+                let t = &mut groups[gi].tensors[ti];
+                let b = t.bytes() as f64;
+                t.offload = b <= out_budget && b <= in_budget;
+                if t.offload {
+                    out_budget -= b;
+                    in_budget -= b;
+                }
+            }
+        }
+    }
+    if let Some(max) = config.max_bytes {
+        let mut total = 0;
+        for t in groups.iter_mut().flat_map(|g| g.tensors.iter_mut()).filter(|t| t.offload) {
+            t.offload = total + t.bytes() <= max;
+            total += if t.offload { t.bytes() } else { 0 };
+        }
+    }
+}
+
+/// One row of the [`Summary`]: a unit (layer) of a chunk.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SummaryRow {
+    /// The chunk.
+    pub chunk: Chunk,
+    /// The unit.
+    pub pass: usize,
+    /// The groups with offloaded tensors, as `site(tensor, ...)`.
+    pub groups: Vec<String>,
+    /// Bytes copied out and back.
+    pub offloaded: usize,
+    /// Bytes of selected sites kept on the device (margin, size, budget or time).
+    pub kept: usize,
+    /// The forward of the next unit, where the copy out runs (ms; `None` without timings).
+    pub window_ms: Option<f64>,
+    /// The copy out at the measured bandwidth (ms; `None` without timings).
+    pub copy_ms: Option<f64>,
+}
+
+impl SummaryRow {
+    /// The share of the copy that the window hides, as expected from the warmup's timings.
+    pub fn expected_overlap(&self) -> Option<f64> {
+        match (self.window_ms, self.copy_ms) {
+            (Some(w), Some(c)) if c > 0.0 => Some((w / c).min(1.0)),
+            (Some(_), Some(_)) => Some(1.0),
+            _ => None,
+        }
+    }
+}
+
+/// The frozen policy, per unit: what is offloaded, and how much of the copies the next unit's
+/// compute is expected to hide.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    /// The rows, by chunk and unit.
+    pub rows: Vec<SummaryRow>,
+    /// The measured bandwidths (device to host, host to device) in GB/s, with the automatic
+    /// policy.
+    pub bandwidth_gbps: Option<(f64, f64)>,
+}
+
+impl Summary {
+    pub(crate) fn new(
+        chunks: &[(Chunk, &[GroupLayout])],
+        timings: Option<&Timings>,
+        config: &OffloadConfig,
+    ) -> Summary {
+        let mut rows = Vec::new();
+        for (chunk, groups) in chunks {
+            let units = groups.iter().map(|g| g.pass + 1).max().unwrap_or(0);
+            for p in 0..units {
+                let mine = groups.iter().filter(|g| g.pass == p);
+                let mut row = SummaryRow {
+                    chunk: *chunk,
+                    pass: p,
+                    groups: Vec::new(),
+                    offloaded: 0,
+                    kept: 0,
+                    window_ms: None,
+                    copy_ms: None,
+                };
+                for g in mine {
+                    let names: Vec<&str> = g.tensors.iter().filter(|t| t.offload).map(|t| t.name.as_str()).collect();
+                    if !names.is_empty() {
+                        row.groups.push(format!("{}({})", g.site, names.join(",")));
+                    }
+                    row.offloaded += g.offloaded_bytes();
+                    row.kept += (g.tensors.iter())
+                        .filter(|t| !t.offload && config.selects(&g.site, &t.name))
+                        .map(TensorLayout::bytes)
+                        .sum::<usize>();
+                }
+                if let Some(t) = timings {
+                    row.window_ms = t.forward_ms.get(p + 1).copied().or(Some(0.0));
+                    row.copy_ms = Some(row.offloaded as f64 / t.out_bytes_per_ms);
+                }
+                rows.push(row);
+            }
+        }
+        let bandwidth_gbps = timings.map(|t| (t.out_bytes_per_ms / 1e6, t.in_bytes_per_ms / 1e6));
+        Summary { rows, bandwidth_gbps }
+    }
+
+    /// Bytes offloaded per iteration.
+    pub fn offloaded_bytes(&self) -> usize {
+        self.rows.iter().map(|r| r.offloaded).sum()
+    }
+
+    /// The device memory the offloading is expected to save at the peak, the end of the
+    /// forward, per chunk: everything offloaded except the largest unit's, whose copy back is in
+    /// flight then (its copies run during the next unit, so it is freed one unit late).
+    pub fn expected_peak_saving(&self) -> usize {
+        let mut by_chunk: std::collections::BTreeMap<Chunk, (usize, usize)> = Default::default();
+        for r in &self.rows {
+            let e = by_chunk.entry(r.chunk).or_default();
+            e.0 += r.offloaded;
+            e.1 = e.1.max(r.offloaded);
+        }
+        by_chunk.values().map(|(sum, max)| sum - max).sum()
+    }
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some((out, back)) = self.bandwidth_gbps {
+            writeln!(f, "copy bandwidth measured: {out:.1} GB/s to host, {back:.1} GB/s back")?;
+        }
+        writeln!(
+            f,
+            "{:>5} {:>4} {:>10} {:>9} {:>10} {:>9} {:>8}  groups",
+            "chunk", "unit", "offl. MiB", "kept MiB", "window ms", "copy ms", "hidden"
+        )?;
+        for r in &self.rows {
+            let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+            let hidden = r.expected_overlap().map_or("-".to_string(), |o| format!("{:.0}%", o * 100.0));
+            writeln!(
+                f,
+                "{:>5} {:>4} {:>10.1} {:>9.1} {:>10} {:>9} {:>8}  {}",
+                format!("{}/{}", r.chunk.microbatch, r.chunk.stage),
+                r.pass,
+                mib(r.offloaded),
+                mib(r.kept),
+                ms(r.window_ms),
+                ms(r.copy_ms),
+                hidden,
+                if r.groups.is_empty() { "-".to_string() } else { r.groups.join(" ") }
+            )?;
+        }
+        write!(
+            f,
+            "offloaded {:.1} MiB per iteration; expected peak saving {:.1} MiB",
+            mib(self.offloaded_bytes()),
+            mib(self.expected_peak_saving())
+        )
+    }
+}

@@ -1,0 +1,181 @@
+//! What the manager keeps per chunk: the layout the warmup recorded (fixed afterwards), and the
+//! state of the current iteration's groups.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::host::{HostBuffer, HostPool};
+use super::policy::{GroupLayout, Summary};
+use crate::device::{Device, Event};
+use crate::nn::Chunk;
+use crate::tensor::Tensor;
+use crate::Result;
+
+/// Where a chunk's current iteration is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// No iteration running (or the last one's backward began; a forward starts a new one).
+    Idle,
+    /// In the forward of unit `pass`.
+    Forward { pass: usize },
+    /// In the backward, at unit `pass` (the latest whose saved tensors were taken).
+    Backward { pass: usize },
+}
+
+/// The host buffer of an offloaded tensor: from the manager's pool (eager), or baked into graphs
+/// (an index into the chunk hook's buffers).
+pub(crate) enum HostRef {
+    Pooled(HostBuffer),
+    Baked,
+}
+
+/// One saved tensor in the current iteration.
+#[derive(Default)]
+pub(crate) struct Slot {
+    /// On the device, until its copy out was issued (or for good, when kept).
+    pub(crate) device: Option<Tensor>,
+    /// Its host copy, once issued.
+    pub(crate) host: Option<HostRef>,
+    /// Its copy back, once issued; handed to the backward.
+    pub(crate) back: Option<Tensor>,
+    /// Handed to the backward.
+    pub(crate) taken: bool,
+}
+
+/// One group in the current iteration.
+#[derive(Default)]
+pub(crate) struct GroupRun {
+    pub(crate) slots: Vec<Slot>,
+    /// Eager events, made once and recorded again every iteration: a fork point on the compute
+    /// stream, the end of the copy out, the end of the copy back.
+    pub(crate) events: Option<[Event; 3]>,
+    /// The capture whose graph copies it out, if captured.
+    pub(crate) out_capture: Option<u64>,
+    /// The capture whose graph copies it back, and the capture-local event after the copy.
+    pub(crate) in_capture: Option<(u64, Event)>,
+    /// Its copy back was issued.
+    pub(crate) back_issued: bool,
+    /// The backward's stream waits for its copy back.
+    pub(crate) waited: bool,
+}
+
+impl GroupRun {
+    pub(crate) fn events(&mut self, dev: &Device) -> Result<&[Event; 3]> {
+        if self.events.is_none() {
+            self.events = Some([dev.event()?, dev.event()?, dev.event()?]);
+        }
+        Ok(self.events.as_ref().expect("made above"))
+    }
+
+    /// Forgets the iteration, keeping the events.
+    pub(crate) fn clear(&mut self) {
+        *self = GroupRun { events: self.events.take(), ..GroupRun::default() };
+    }
+
+    /// Whether every tensor it handed out as away was taken back.
+    pub(crate) fn consumed(&self) -> bool {
+        self.slots.iter().all(|s| s.taken || (s.device.is_none() && s.host.is_none() && s.back.is_none()))
+    }
+}
+
+/// Timing events of the warmup iteration (devices with a clock, automatic policy).
+#[derive(Default)]
+pub(crate) struct PassTiming {
+    /// Per unit, recorded when its forward begins.
+    pub(crate) forward: Vec<Event>,
+    /// Per unit, recorded when its backward takes its first saved tensor.
+    pub(crate) backward: BTreeMap<usize, Event>,
+}
+
+/// One chunk: its recorded layout and its current iteration.
+pub(crate) struct ChunkState {
+    pub(crate) layout: Vec<GroupLayout>,
+    pub(crate) run: Vec<GroupRun>,
+    pub(crate) phase: Phase,
+    /// The next group of the forward.
+    pub(crate) cursor: usize,
+    /// The group being saved, between open and commit.
+    pub(crate) open: Option<usize>,
+    /// Groups committed inside a capture, whose copies the next captured unit issues.
+    pub(crate) queued: Vec<usize>,
+    /// Counts iterations, so that a saved tensor of an earlier one is refused.
+    pub(crate) iteration: u64,
+    pub(crate) timing: Option<PassTiming>,
+}
+
+impl ChunkState {
+    pub(crate) fn new() -> ChunkState {
+        ChunkState {
+            layout: Vec::new(),
+            run: Vec::new(),
+            phase: Phase::Idle,
+            cursor: 0,
+            open: None,
+            queued: Vec::new(),
+            iteration: 0,
+            timing: None,
+        }
+    }
+
+    /// Groups still holding tensors of the current iteration.
+    pub(crate) fn pending(&self) -> usize {
+        self.run.iter().filter(|g| !g.consumed()).count()
+    }
+
+    /// Starts a new iteration.
+    pub(crate) fn restart(&mut self) {
+        self.run.iter_mut().for_each(GroupRun::clear);
+        self.phase = Phase::Idle;
+        self.cursor = 0;
+        self.open = None;
+        self.queued.clear();
+        self.iteration += 1;
+    }
+}
+
+/// The manager's state behind its lock.
+pub(crate) struct State {
+    /// Off during a graph capture's warmup (the warmup hooks).
+    pub(crate) enabled: bool,
+    /// Whether the warmup iteration ended and the policy is fixed.
+    pub(crate) frozen: bool,
+    pub(crate) chunks: BTreeMap<Chunk, ChunkState>,
+    pub(crate) host: HostPool,
+    /// Eager groups whose copies wait for the next graph launch (delayed commits).
+    pub(crate) delayed: Vec<(Chunk, usize)>,
+    /// Streams forked into the capture in progress: (copy out, copy back).
+    pub(crate) forked: (bool, bool),
+    pub(crate) summary: Option<Summary>,
+    /// Bytes copied out since the manager was made, eagerly and in captures.
+    pub(crate) copied_out: usize,
+}
+
+impl State {
+    pub(crate) fn new() -> State {
+        State {
+            enabled: true,
+            frozen: false,
+            chunks: BTreeMap::new(),
+            host: HostPool::default(),
+            delayed: Vec::new(),
+            forked: (false, false),
+            summary: None,
+            copied_out: 0,
+        }
+    }
+}
+
+/// Host buffers baked into one chunk's graphs, per (group, tensor): they live as long as the
+/// graphs, which keep the chunk hook holding them.
+pub(crate) struct Baked {
+    pub(crate) buffers: BTreeMap<(usize, usize), HostBuffer>,
+}
+
+impl Baked {
+    pub(crate) fn get(&self, group: usize, slot: usize) -> Option<&HostBuffer> {
+        self.buffers.get(&(group, slot))
+    }
+}
+
+/// A chunk's baked buffers, if its hook was made for graphs.
+pub(crate) type BakedRef = Option<Arc<Baked>>;
