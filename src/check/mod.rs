@@ -182,10 +182,10 @@ fn fix_for(earlier: &OpRef, later: &OpRef) -> String {
 
 /// The bytes of `later`'s buffer that both accesses' hulls cover.
 fn byte_range(later: &Access, prior: &Access) -> (usize, usize) {
-    let base = later.at.offset() - later.region.offset();
-    let lo = later.at.offset().max(prior.at.offset()) - base;
-    let hi = (later.at.end().min(prior.at.end()) - base).max(lo);
-    (lo * later.elem_bytes, hi * later.elem_bytes)
+    let base = (later.at.offset() - later.region.offset()) * later.elem_bytes;
+    let ((a0, a1), (b0, b1)) = (later.byte_hull(), prior.byte_hull());
+    let lo = a0.max(b0) - base;
+    (lo, (a1.min(b1) - base).max(lo))
 }
 
 impl State {
@@ -276,7 +276,7 @@ fn check(
     for rec in records.iter().rev() {
         match rec {
             Record::Op { lane, pos, op, site, access: prior } => {
-                if clock.covers(*lane, *pos) || !prior.at.overlaps(&access.at) {
+                if clock.covers(*lane, *pos) || !prior.overlaps(access) {
                     continue;
                 }
                 if let Some(kind) = conflict(prior.mode, access.mode) {
@@ -286,7 +286,7 @@ fn check(
             Record::Launch { launch } => {
                 let Some(l) = launches.get(launch) else { continue };
                 for (node, prior) in l.summary.accesses_of(access.memory) {
-                    if clock.covers(Lane::Launch(*launch, node.lane), node.pos) || !prior.at.overlaps(&access.at) {
+                    if clock.covers(Lane::Launch(*launch, node.lane), node.pos) || !prior.overlaps(access) {
                         continue;
                     }
                     if let Some(kind) = conflict(prior.mode, access.mode) {

@@ -92,7 +92,7 @@ impl GraphSummary {
                     continue;
                 }
                 for x in &a.accesses {
-                    for y in b.accesses.iter().filter(|y| y.memory == x.memory && y.at.overlaps(&x.at)) {
+                    for y in b.accesses.iter().filter(|y| y.overlaps(x)) {
                         if let Some(kind) = conflict(x.mode, y.mode) {
                             let earlier = OpRef { op: a.op.to_string(), site };
                             let later = OpRef { op: b.op.to_string(), site };
@@ -149,7 +149,7 @@ impl GraphSummary {
 
     /// Whether some node writes memory that `a` touches.
     pub(crate) fn writes_overlapping(&self, a: &Access) -> bool {
-        self.by_memory.get(&a.memory).into_iter().flatten().any(|(_, w)| w.mode.writes() && w.at.overlaps(&a.at))
+        self.by_memory.get(&a.memory).into_iter().flatten().any(|(_, w)| w.mode.writes() && w.overlaps(a))
     }
 
     /// The accesses of `memory`, with their nodes.

@@ -226,9 +226,47 @@ pub struct Access {
     pub role: AccessRole,
 }
 
+impl Access {
+    /// Its first and past-the-last byte in `memory`.
+    pub fn byte_hull(&self) -> (usize, usize) {
+        (self.at.offset() * self.elem_bytes, self.at.end() * self.elem_bytes)
+    }
+
+    /// Whether it and `other` touch a common byte of the same memory: exactly for equal element
+    /// sizes, by byte hulls otherwise (memory a block of another type reused, which a strided
+    /// pattern rarely interleaves).
+    pub fn overlaps(&self, other: &Access) -> bool {
+        if self.memory != other.memory {
+            return false;
+        }
+        if self.elem_bytes == other.elem_bytes {
+            return self.at.overlaps(&other.at);
+        }
+        let ((a0, a1), (b0, b1)) = (self.byte_hull(), other.byte_hull());
+        !self.at.is_empty() && !other.at.is_empty() && a0 < b1 && b0 < a1
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn accesses_of_other_element_sizes_compare_in_bytes() {
+        let access = |offset, len, elem_bytes| Access {
+            buffer: BufferId(1),
+            memory: BufferId(1),
+            at: Region::contiguous(offset, len),
+            elem_bytes,
+            region: Region::contiguous(0, len),
+            mode: AccessMode::Read,
+            role: AccessRole::Arg(0),
+        };
+        // f32 elements [100, 110) are bytes [400, 440); bf16 elements [210, 220) bytes [420, 440).
+        assert!(access(100, 10, 4).overlaps(&access(210, 10, 2)));
+        // bf16 elements [100, 110) are bytes [200, 220): apart, though the element ranges meet.
+        assert!(!access(100, 10, 4).overlaps(&access(100, 10, 2)));
+    }
 
     #[test]
     fn contiguous_region_enumerates_in_order() {

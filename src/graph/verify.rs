@@ -60,7 +60,7 @@ pub(crate) fn verify_sync_point(
     let pool_memory = alloc.pool_segments(pool);
     for t in &point.tail {
         let a = &t.access;
-        let hit = guarded.iter().find(|(_, at)| at.memory == a.memory && at.at.overlaps(&a.at)).map(|(s, _)| s);
+        let hit = guarded.iter().find(|(_, at)| at.overlaps(a)).map(|(s, _)| s);
         match hit {
             Some(s) if a.mode.writes() => {
                 return Err(contract("R2", format!("{} writes {} after the event", t.op, s.what)));

@@ -93,6 +93,14 @@ pub struct StackCtx<C> {
     layers: Vec<C>,
 }
 
+impl<C> StackCtx<C> {
+    /// Each layer's context, in forward order, for a caller that runs the layers' backwards
+    /// itself (a pipeline schedule interleaving chunks).
+    pub fn into_layers(self) -> Vec<C> {
+        self.layers
+    }
+}
+
 impl<M: Module> Stack<M> {
     /// A stack of `layers`, run in order.
     pub fn new(layers: Vec<M>) -> Stack<M> {

@@ -22,7 +22,7 @@ use super::error::OffloadErrorKind;
 use super::host::HostBuffer;
 use super::manager::Inner;
 use super::policy::{GroupLayout, TensorLayout};
-use super::state::{Baked, BakedRef, ChunkState, HostRef, PassTiming, Phase, State};
+use super::state::{Baked, BakedRef, ChunkState, Fault, HostRef, PassTiming, Phase, State};
 use crate::device::{BufferId, DType, DeviceKind, Stream};
 use crate::nn::{Chunk, Restore, SaveHook, SavedTensor};
 use crate::tensor::Tensor;
@@ -54,6 +54,19 @@ impl ChunkHook {
     }
 }
 
+/// Starts a new iteration of chunk `chunk` (unit 0), refusing while the last one still holds
+/// tensors.
+fn start_iteration(c: &mut ChunkState, chunk: Chunk, timed: bool) -> Result<usize> {
+    if c.pending() > 0 {
+        let what = format!("{} groups of {chunk} not taken back", c.pending());
+        return Err(Error::Offload(OffloadErrorKind::Pending { what }));
+    }
+    c.restart();
+    c.timing = timed.then(PassTiming::default);
+    c.phase = Phase::Forward { pass: 0 };
+    Ok(0)
+}
+
 fn chunk_mut(st: &mut State, chunk: Chunk) -> Result<&mut ChunkState> {
     if st.frozen && !st.chunks.contains_key(&chunk) {
         return Err(schedule(chunk, "nothing (the chunk was not in it)".into(), "a forward".into()));
@@ -68,21 +81,16 @@ impl SaveHook for ChunkHook {
             if capture.is_some() && self.baked.is_none() && st.frozen {
                 return Err(Error::Offload(OffloadErrorKind::NotForGraphs));
             }
-            let timed = !st.frozen && self.inner.timed();
+            let (frozen, timed) = (st.frozen, !st.frozen && self.inner.timed());
             let c = chunk_mut(st, self.chunk)?;
-            let pass = match c.phase {
+            let next = match c.phase {
                 Phase::Forward { pass } => pass + 1,
-                Phase::Idle | Phase::Backward { .. } => {
-                    if c.pending() > 0 {
-                        let what = format!("{} groups of {} not taken back", c.pending(), self.chunk);
-                        return Err(Error::Offload(OffloadErrorKind::Pending { what }));
-                    }
-                    c.restart();
-                    c.timing = timed.then(PassTiming::default);
-                    0
-                }
+                Phase::Idle | Phase::Backward { .. } => start_iteration(c, self.chunk, timed)?,
             };
-            c.phase = Phase::Forward { pass };
+            // Once frozen, a unit is the one its groups were recorded in (see `open_group`).
+            if !frozen || c.phase == Phase::Idle {
+                c.phase = Phase::Forward { pass: next };
+            }
             if let Some(t) = &mut c.timing {
                 let e = stream.device().timing_event()?;
                 stream.record(&e)?;
@@ -97,31 +105,31 @@ impl SaveHook for ChunkHook {
 
     fn open_group(&self, site: &str) -> Result<()> {
         self.with((), |st| {
-            let frozen = st.frozen;
+            let (frozen, timed) = (st.frozen, !st.frozen && self.inner.timed());
             let c = chunk_mut(st, self.chunk)?;
-            let Phase::Forward { pass } = c.phase else {
-                return Err(schedule(self.chunk, "a unit's forward first".into(), format!("group `{site}`")));
+            // A module called by itself (no unit began): a new iteration, in one unit.
+            let pass = match c.phase {
+                Phase::Forward { pass } => pass,
+                Phase::Idle | Phase::Backward { .. } => start_iteration(c, self.chunk, timed)?,
             };
-            let g = c.cursor;
-            if frozen {
-                match c.layout.get(g) {
-                    Some(l) if l.site == site && l.pass == pass => {}
-                    Some(l) => {
-                        return Err(schedule(
-                            self.chunk,
-                            format!("group `{}` of unit {}", l.site, l.pass),
-                            format!("group `{site}` of unit {pass}"),
-                        ))
-                    }
-                    None => return Err(schedule(self.chunk, "no more groups".into(), format!("group `{site}`"))),
-                }
+            let g = if frozen {
+                // The next recorded group of this site: groups of graphed units, which run no
+                // code at replay, are skipped by eager units of the same chunk (and the other
+                // way round), as in Megatron.
+                let found = (c.cursor..c.layout.len()).find(|g| c.layout[*g].site == site);
+                let expected =
+                    c.layout.get(c.cursor).map_or("no more groups".into(), |l| format!("group `{}`", l.site));
+                let g = found.ok_or_else(|| schedule(self.chunk, expected, format!("group `{site}`")))?;
+                c.phase = Phase::Forward { pass: c.layout[g].pass };
+                g
             } else {
                 c.layout.push(GroupLayout { site: site.to_string(), pass, tensors: Vec::new() });
-            }
+                c.cursor
+            };
             if c.run.len() <= g {
                 c.run.resize_with(g + 1, Default::default);
             }
-            c.cursor += 1;
+            c.cursor = g + 1;
             c.open = Some(g);
             Ok(())
         })
@@ -169,10 +177,11 @@ impl SaveHook for ChunkHook {
             ));
         }
         c.run[g].slots.push(Default::default());
-        if !c.layout[g].tensors[s].offload {
+        if !c.offloads {
             c.run[g].slots[s].taken = true;
             return Ok(SavedTensor::kept(t));
         }
+        c.run[g].slots[s].offload = c.layout[g].tensors[s].offload;
         c.run[g].slots[s].device = Some(t);
         let ticket = Ticket { hook: self.clone(), group: g, slot: s, iteration: c.iteration };
         Ok(SavedTensor::away(Box::new(ticket)))
@@ -204,6 +213,9 @@ impl SaveHook for ChunkHook {
     fn end_pass(&self, stream: &Stream) -> Result<()> {
         self.with((), |st| {
             let (out, back) = std::mem::take(&mut st.forked);
+            if st.fault == Some(Fault::SkipJoin) {
+                return Ok(());
+            }
             let dev = stream.device();
             for (forked, side) in [(out, &self.inner.d2h), (back, &self.inner.h2d)] {
                 if forked {
@@ -302,14 +314,18 @@ fn take(hook: &ChunkHook, st: &mut State, g: usize, s: usize, stream: &Stream, c
     if !c.run[g].back_issued {
         copy_back(hook, st, g, stream, capture)?;
     }
+    let fault = st.fault;
     let c = chunk_mut(st, hook.chunk)?;
     let run = &mut c.run[g];
     if !run.waited {
         match (&run.in_capture, capture) {
             // Copied back earlier in this capture: a capture-local join (H5).
-            (Some((cap, e)), Some(now)) if *cap == now => stream.wait(e)?,
+            (Some((cap, e)), Some(now)) if *cap == now && fault != Some(Fault::SkipCaptureLocalWait) => {
+                stream.wait(e)?;
+            }
             // Copied back by an earlier graph, which the pool's order replays before this one.
             (Some(_), _) => {}
+            (None, _) if fault == Some(Fault::SkipCopyBackWait) => {}
             (None, _) => stream.wait(&run.events(stream.device())?[2])?,
         }
         run.waited = true;
@@ -323,16 +339,16 @@ fn take(hook: &ChunkHook, st: &mut State, g: usize, s: usize, stream: &Stream, c
 /// last copy back (H8); the device memory returns to `stream` once the copy is done (H7).
 fn copy_out_eager(inner: &Inner, st: &mut State, chunk: Chunk, g: usize, stream: &Stream) -> Result<()> {
     let dev = stream.device();
-    let State { chunks, host, copied_out, .. } = st;
+    let State { chunks, host, copied_out, fault, .. } = st;
     let c = chunks.get_mut(&chunk).expect("a committed group's chunk exists");
     let run = &mut c.run[g];
     let [fork, out, _] = run.events(dev)?.clone();
     stream.record(&fork)?;
     inner.d2h.wait(&fork)?;
-    for slot in run.slots.iter_mut().filter(|s| s.device.is_some()) {
+    for slot in run.slots.iter_mut().filter(|s| s.offload && s.device.is_some()) {
         let t = slot.device.as_ref().expect("filtered");
         let mut b = host.take(dev, t.dtype(), t.numel())?;
-        if let Some(e) = &b.last_in {
+        if let Some(e) = b.last_in.as_ref().filter(|_| *fault != Some(Fault::SkipHostBufferWait)) {
             inner.d2h.wait(e)?;
         }
         b.copy_out(t, &inner.d2h)?;
@@ -341,9 +357,10 @@ fn copy_out_eager(inner: &Inner, st: &mut State, chunk: Chunk, g: usize, stream:
         slot.host = Some(HostRef::Pooled(b));
     }
     inner.d2h.record(&out)?;
-    for slot in run.slots.iter_mut() {
+    let released_after = if *fault == Some(Fault::ReleaseBeforeCopy) { &fork } else { &out };
+    for slot in run.slots.iter_mut().filter(|s| s.offload) {
         if let Some(t) = slot.device.take() {
-            t.release_after(&out, stream)?;
+            t.release_after(released_after, stream)?;
         }
     }
     Ok(())
@@ -362,7 +379,7 @@ fn copy_out_captured(inner: &Inner, st: &mut State, chunk: Chunk, baked: &Baked,
     inner.d2h.wait(&fork)?;
     let mut bytes = 0;
     for g in std::mem::take(&mut c.queued) {
-        for (s, slot) in c.run[g].slots.iter_mut().enumerate() {
+        for (s, slot) in c.run[g].slots.iter_mut().enumerate().filter(|(_, s)| s.offload) {
             let Some(t) = slot.device.take() else { continue };
             let b = baked.get(g, s).ok_or_else(|| schedule(chunk, "a baked host buffer".into(), "none".into()))?;
             b.copy_out(&t, &inner.d2h)?;
@@ -381,7 +398,7 @@ fn copy_out_captured(inner: &Inner, st: &mut State, chunk: Chunk, baked: &Baked,
 /// event (H8); in a capture, on H forked from it, joined to a copy out of the same capture.
 fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, capture: Option<u64>) -> Result<()> {
     let (inner, dev) = (&hook.inner, stream.device());
-    let State { chunks, host, forked, .. } = st;
+    let State { chunks, host, forked, fault, .. } = st;
     let c = chunks.get_mut(&hook.chunk).expect("a taken group's chunk exists");
     let layout = &c.layout[g];
     let run = &mut c.run[g];
@@ -405,6 +422,9 @@ fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, captur
                 inner.d2h.record(&out)?;
                 inner.h2d.wait(&out)?;
             }
+            if *fault == Some(Fault::WaitOutsideCapture) {
+                inner.h2d.wait(&run.events(dev)?[1])?;
+            }
             for (s, dst) in dsts.into_iter().enumerate() {
                 let Some(dst) = dst else { continue };
                 let b =
@@ -421,7 +441,9 @@ fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, captur
             let [fork, out, back] = run.events(dev)?.clone();
             stream.record(&fork)?;
             inner.h2d.wait(&fork)?;
-            inner.h2d.wait(&out)?;
+            if *fault != Some(Fault::SkipCopyOutWait) {
+                inner.h2d.wait(&out)?;
+            }
             let mut returned = Vec::new();
             for (s, dst) in dsts.into_iter().enumerate() {
                 let Some(dst) = dst else { continue };

@@ -7,7 +7,7 @@ use super::config::{OffloadConfig, Policy};
 use super::error::OffloadErrorKind;
 use super::host::HostBuffer;
 use super::policy::{decide, GroupLayout, Summary, Timings};
-use super::state::{PassTiming, State};
+use super::state::{Fault, PassTiming, State};
 use crate::device::{DType, Stream};
 use crate::graph::GraphOptions;
 use crate::memory::CachingAllocator;
@@ -159,6 +159,14 @@ impl OffloadManager {
         self.inner.lock().enabled = true;
     }
 
+    /// Leaves a step of the protocol out from now on, so that a test can show what catches the
+    /// hazard it guards against (like
+    /// [`GraphPool::disable_order_check`](crate::memory::GraphPool::disable_order_check)); never
+    /// for training.
+    pub fn inject(&self, fault: Fault) {
+        self.inner.lock().fault = Some(fault);
+    }
+
     /// Ends an iteration (every chunk's forward and backward), on the compute `stream`. After
     /// the first, the warmup iteration, decides and freezes the policy (timing the copies for
     /// the automatic policy).
@@ -197,9 +205,10 @@ impl OffloadManager {
         };
         for c in st.chunks.values_mut() {
             decide(config, &mut c.layout, timings.as_ref());
+            c.offloads = c.layout.iter().any(|g| g.offloaded_bytes() > 0);
         }
         let layouts: Vec<(Chunk, &[GroupLayout])> = st.chunks.iter().map(|(k, c)| (*k, c.layout.as_slice())).collect();
-        let summary = Summary::new(&layouts, timings.as_ref(), config);
+        let summary = Summary::from_layouts(&layouts, timings.as_ref(), config);
         st.summary = Some(summary);
         st.frozen = true;
         Ok(())

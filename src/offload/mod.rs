@@ -27,3 +27,4 @@ pub use config::{OffloadConfig, Policy, AUTO_CANDIDATES, DEFAULT_SITES};
 pub use error::OffloadErrorKind;
 pub use manager::{OffloadManager, OffloadStats};
 pub use policy::{decide, GroupLayout, Summary, SummaryRow, TensorLayout, Timings};
+pub use state::Fault;

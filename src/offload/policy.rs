@@ -153,7 +153,8 @@ pub struct Summary {
 }
 
 impl Summary {
-    pub(crate) fn new(
+    /// The summary of chunks' decided layouts, with the timings they were decided from.
+    pub fn from_layouts(
         chunks: &[(Chunk, &[GroupLayout])],
         timings: Option<&Timings>,
         config: &OffloadConfig,
@@ -199,17 +200,17 @@ impl Summary {
         self.rows.iter().map(|r| r.offloaded).sum()
     }
 
-    /// The device memory the offloading is expected to save at the peak, the end of the
-    /// forward, per chunk: everything offloaded except the largest unit's, whose copy back is in
-    /// flight then (its copies run during the next unit, so it is freed one unit late).
+    /// The device memory the offloading is expected to save at the peak, per chunk: every
+    /// offloaded byte but the last offloaded unit's, which the first unit of the backward
+    /// prefetches while its own activations are still on the device.
     pub fn expected_peak_saving(&self) -> usize {
         let mut by_chunk: std::collections::BTreeMap<Chunk, (usize, usize)> = Default::default();
-        for r in &self.rows {
+        for r in self.rows.iter().filter(|r| r.offloaded > 0) {
             let e = by_chunk.entry(r.chunk).or_default();
             e.0 += r.offloaded;
-            e.1 = e.1.max(r.offloaded);
+            e.1 = r.offloaded;
         }
-        by_chunk.values().map(|(sum, max)| sum - max).sum()
+        by_chunk.values().map(|(sum, last)| sum - last).sum()
     }
 }
 

@@ -32,6 +32,9 @@ pub(crate) enum HostRef {
 /// One saved tensor in the current iteration.
 #[derive(Default)]
 pub(crate) struct Slot {
+    /// Whether the policy offloads it (else it stays on the device, handed out through a
+    /// ticket so that the backward's takes mark where each unit's backward begins).
+    pub(crate) offload: bool,
     /// On the device, until its copy out was issued (or for good, when kept).
     pub(crate) device: Option<Tensor>,
     /// Its host copy, once issued.
@@ -100,6 +103,8 @@ pub(crate) struct ChunkState {
     pub(crate) queued: Vec<usize>,
     /// Counts iterations, so that a saved tensor of an earlier one is refused.
     pub(crate) iteration: u64,
+    /// Whether the frozen policy offloads anything of it (else its tensors are kept plainly).
+    pub(crate) offloads: bool,
     pub(crate) timing: Option<PassTiming>,
 }
 
@@ -113,6 +118,7 @@ impl ChunkState {
             open: None,
             queued: Vec::new(),
             iteration: 0,
+            offloads: false,
             timing: None,
         }
     }
@@ -148,6 +154,30 @@ pub(crate) struct State {
     pub(crate) summary: Option<Summary>,
     /// Bytes copied out since the manager was made, eagerly and in captures.
     pub(crate) copied_out: usize,
+    /// A step of the protocol left out on purpose (tests of the hazards).
+    pub(crate) fault: Option<Fault>,
+}
+
+/// A step of the protocol that [`OffloadManager::inject`](super::OffloadManager::inject) leaves
+/// out, so that a test shows what catches the hazard it guards against (`notes/offload.md`
+/// §3.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fault {
+    /// H3: the copy streams forked into a capture are not joined back.
+    SkipJoin,
+    /// H4: inside a capture, the copy back waits on an eager event of its group.
+    WaitOutsideCapture,
+    /// H5: a copy back and its use in the same capture are not joined.
+    SkipCaptureLocalWait,
+    /// H7: the device memory of a copied-out tensor is released for reuse before its copy out.
+    ReleaseBeforeCopy,
+    /// H8: a host buffer's next copy out does not wait for its last copy back.
+    SkipHostBufferWait,
+    /// H9: a copy back does not wait for its copy out.
+    SkipCopyOutWait,
+    /// H9: the backward does not wait for a copy back before using it.
+    SkipCopyBackWait,
 }
 
 impl State {
@@ -161,6 +191,7 @@ impl State {
             forked: (false, false),
             summary: None,
             copied_out: 0,
+            fault: None,
         }
     }
 }

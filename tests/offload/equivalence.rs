@@ -1,0 +1,166 @@
+//! Offloading changes no bit: eager with and without it, and graphed with it against eager with
+//! it and graphed without it, on every replay mode; and the bytes it saves.
+
+use anyhow::ensure;
+use graphed::device::{DType, Device};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, Replay};
+use graphed::nn::{Chunk, Inputs, KeepOnDevice};
+
+use super::fixtures::{config, Dims, Model, Result, DIMS};
+
+const STEPS: u64 = 3;
+
+/// Twin models, one eager as usual, one eager through the offload manager: outputs, input
+/// gradients and accumulated parameter gradients are equal bit for bit, and bytes were copied.
+fn eager_twins(dev: &Device, dtype: DType) -> Result {
+    let plain = Model::new(dev, DIMS, dtype)?;
+    let off = Model::new(dev, DIMS, dtype)?;
+    plain.eager(&KeepOnDevice, 0)?;
+    plain.store.grads()?.zero(&plain.s)?;
+    let m = off.offload(config())?;
+    let summary = m.summary().ok_or_else(|| anyhow::anyhow!("no summary"))?;
+    // Units 0..3 offload the 6 default tensors of 512 elements; the margin keeps unit 3.
+    let per_unit = 6 * 512 * dtype.size();
+    ensure!(
+        summary.offloaded_bytes() == 3 * per_unit,
+        "offloaded {} bytes, not {}",
+        summary.offloaded_bytes(),
+        3 * per_unit
+    );
+    let layout = m.layout(Chunk::default());
+    ensure!(
+        layout.iter().flat_map(|g| &g.tensors).all(|t| t.name != "probs" || !t.offload),
+        "the softmax matrix is never offloaded"
+    );
+    let hook = m.chunk(Chunk::default());
+    for k in 1..=STEPS {
+        let before = m.stats().copied_out;
+        ensure!(
+            plain.eager(&KeepOnDevice, k)? == off.eager(&hook, k)?,
+            "microbatch {k}: outputs or input gradients differ"
+        );
+        ensure!(plain.grads()? == off.grads()?, "microbatch {k}: parameter gradients differ");
+        ensure!(m.stats().copied_out - before == 3 * per_unit, "microbatch {k}: not every selected tensor was copied");
+        m.end_iteration(&off.s)?;
+    }
+    Ok(())
+}
+
+pub fn eager_offload_is_bitwise_eager(dev: &Device) -> Result {
+    eager_twins(dev, DType::F32)
+}
+
+pub fn eager_offload_is_bitwise_eager_in_bf16(dev: &Device) -> Result {
+    eager_twins(dev, DType::BF16)
+}
+
+#[derive(Clone, Copy)]
+enum How {
+    Caller,
+    Joined,
+    Side,
+}
+
+/// Three twins: eager with offloading, graphed without, graphed with; all equal bit for bit.
+fn graphed_twins(dev: &Device, how: How, dtype: DType) -> Result {
+    let eager = Model::new(dev, DIMS, dtype)?;
+    let plain = Model::new(dev, DIMS, dtype)?;
+    let off = Model::new(dev, DIMS, dtype)?;
+    let me = eager.offload(config())?;
+    let mo = off.offload(config())?;
+    plain.eager(&KeepOnDevice, 0)?;
+    plain.store.grads()?.zero(&plain.s)?;
+    let (side, e1, e2) = (dev.stream()?, dev.event()?, dev.event()?);
+    let options = |e| match how {
+        How::Side => GraphOptions::default().sync_event(e),
+        _ => GraphOptions::default(),
+    };
+    let gp = plain.graph(options(&e1))?;
+    let go = off.graph(mo.graph_options(options(&e2))?)?;
+    let replay = match how {
+        How::Caller => Replay::caller(),
+        How::Joined => Replay::joined(&side),
+        How::Side => Replay::side(&side),
+    };
+    let hook = me.chunk(Chunk::default());
+    for k in 1..=STEPS {
+        let want = eager.eager(&hook, k)?;
+        ensure!(plain.graphed(&gp, k, replay)? == want, "microbatch {k}: graphed differs from eager with offloading");
+        ensure!(off.graphed(&go, k, replay)? == want, "microbatch {k}: graphed with offloading differs");
+        let grads = eager.grads()?;
+        ensure!(plain.grads()? == grads && off.grads()? == grads, "microbatch {k}: parameter gradients differ");
+        me.end_iteration(&eager.s)?;
+    }
+    Ok(())
+}
+
+pub fn graphed_offload_on_caller_matches(dev: &Device) -> Result {
+    graphed_twins(dev, How::Caller, DType::F32)
+}
+
+pub fn graphed_offload_joined_matches(dev: &Device) -> Result {
+    graphed_twins(dev, How::Joined, DType::F32)
+}
+
+pub fn graphed_offload_side_stream_matches(dev: &Device) -> Result {
+    graphed_twins(dev, How::Side, DType::F32)
+}
+
+pub fn graphed_offload_side_stream_matches_in_bf16(dev: &Device) -> Result {
+    graphed_twins(dev, How::Side, DType::BF16)
+}
+
+/// The whole stack as one graphed callable: every unit's copies and copies back are in one
+/// forward and one backward graph, so a copy back and its use meet in one capture and are
+/// joined there (H5).
+pub fn whole_stack_graph_with_offload_matches(dev: &Device) -> Result {
+    // Without dropout: a stack graphed as one callable draws from its step counter in the warmup.
+    let dims = Dims { dropout: 0.0, ..DIMS };
+    let eager = Model::new(dev, dims, DType::F32)?;
+    let off = Model::new(dev, dims, DType::F32)?;
+    eager.eager(&KeepOnDevice, 0)?;
+    eager.store.grads()?.zero(&eager.s)?;
+    let m = off.offload(config())?;
+    let (x0, _) = off.data(0)?;
+    let e = dev.event()?;
+    let options = m.graph_options(GraphOptions::default().sync_event(&e))?;
+    let g = make_graphed_callables(&off.alloc, &[&off.stack as &dyn Callable], &[Inputs::one(&x0)], options)?;
+    let side = dev.stream()?;
+    for k in 1..=STEPS {
+        let want = eager.eager(&KeepOnDevice, k)?;
+        let (x, dy) = off.data(k)?;
+        let (y, t1) = g[0].forward(&off.s, &Inputs::one(&x), Replay::side(&side))?;
+        let y = y[0].get()?.to_f32_vec(&off.s)?;
+        let (dx, t2) = g[0].backward(&off.s, &[&dy])?;
+        let dx = dx[0].as_ref().ok_or_else(|| anyhow::anyhow!("no input gradient"))?.get()?.to_f32_vec(&off.s)?;
+        t1.join(&off.s)?;
+        t2.join(&off.s)?;
+        ensure!((y, dx) == want, "microbatch {k}: the whole-stack graph with offloading differs");
+        ensure!(eager.grads()? == off.grads()?, "microbatch {k}: parameter gradients differ");
+    }
+    Ok(())
+}
+
+/// The graph pool's peak with offloading is lower than without by the summary's expected
+/// saving, within 10%.
+pub fn peak_memory_falls_by_the_offloaded_bytes(dev: &Device) -> Result {
+    let dims = Dims { layers: 6, ..DIMS };
+    let plain = Model::new(dev, dims, DType::F32)?;
+    let off = Model::new(dev, dims, DType::F32)?;
+    plain.eager(&KeepOnDevice, 0)?;
+    let m = off.offload(config())?;
+    let gp = plain.graph(GraphOptions::default())?;
+    let go = off.graph(m.graph_options(GraphOptions::default())?)?;
+    let peak = |model: &Model, pool: graphed::memory::PoolId| {
+        model.alloc.stats().pools.iter().find(|(id, _)| *id == pool).map(|(_, s)| s.peak_allocated).unwrap_or(0)
+    };
+    let (base, with) = (peak(&plain, gp.pool().id()), peak(&off, go.pool().id()));
+    let saved = base as f64 - with as f64;
+    let expected = m.summary().map_or(0, |s| s.expected_peak_saving()) as f64;
+    ensure!(expected > 0.0, "nothing expected to be saved");
+    ensure!(
+        (saved - expected).abs() <= 0.1 * expected,
+        "peak {base} B without offloading, {with} B with: saved {saved} B, expected {expected} B"
+    );
+    Ok(())
+}

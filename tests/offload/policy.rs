@@ -1,0 +1,95 @@
+//! The policy as a function of what the warmup recorded: sites, sizes, margin, budget, and the
+//! automatic choice from timings (no device: the decisions are pure).
+
+use graphed::device::DType;
+use graphed::offload::{decide, GroupLayout, OffloadConfig, Policy, Summary, TensorLayout, Timings};
+
+fn tensor(name: &str, numel: usize) -> TensorLayout {
+    TensorLayout { name: name.into(), shape: vec![numel], dtype: DType::BF16, copyable: true, offload: false }
+}
+
+/// `units` transformer-like units: an attention group (input, q, k, v, probs, att) and an MLP
+/// group (input, pre, act), `n` elements each, `pre` and `act` four times that, probs 16 times.
+fn layout(units: usize, n: usize) -> Vec<GroupLayout> {
+    (0..units)
+        .flat_map(|p| {
+            let attn = ["input", "q", "k", "v"]
+                .iter()
+                .map(|t| tensor(t, n))
+                .chain([tensor("probs", 16 * n), tensor("att", n)]);
+            let mlp = [tensor("input", n), tensor("pre", 4 * n), tensor("act", 4 * n)];
+            [
+                GroupLayout { site: format!("h{p}.attn"), pass: p, tensors: attn.collect() },
+                GroupLayout { site: format!("h{p}.mlp"), pass: p, tensors: mlp.to_vec() },
+            ]
+        })
+        .collect()
+}
+
+fn offloaded(groups: &[GroupLayout]) -> Vec<(usize, String)> {
+    groups
+        .iter()
+        .flat_map(|g| g.tensors.iter().filter(|t| t.offload).map(move |t| (g.pass, format!("{}.{}", g.site, t.name))))
+        .collect()
+}
+
+#[test]
+fn listed_policy_takes_the_default_sites_outside_the_margin() {
+    let mut g = layout(3, 1 << 16);
+    decide(&OffloadConfig::default(), &mut g, None);
+    let got = offloaded(&g);
+    assert_eq!(got.len(), 2 * 6, "six tensors per unit, units 0 and 1: {got:?}");
+    assert!(got.iter().all(|(p, n)| *p < 2 && !n.ends_with("probs") && !n.ends_with("pre")), "{got:?}");
+    let mut g = layout(3, 1 << 16);
+    decide(&OffloadConfig::default().margin(0), &mut g, None);
+    assert_eq!(offloaded(&g).len(), 18, "no margin: every unit");
+}
+
+#[test]
+fn small_tensors_and_the_budget_stay_on_the_device() {
+    let mut g = layout(3, 1000);
+    decide(&OffloadConfig::default(), &mut g, None);
+    assert!(offloaded(&g).is_empty(), "below the minimum size");
+    let mut g = layout(3, 1 << 16);
+    let each = (1 << 16) * 2;
+    decide(&OffloadConfig::default().max_bytes(7 * each), &mut g, None);
+    let got = offloaded(&g);
+    assert_eq!(got.len(), 7, "seven tensors fit the budget: {got:?}");
+    assert!(got[..6].iter().all(|(p, _)| *p == 0), "earlier units first: {got:?}");
+}
+
+#[test]
+fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
+    let n = 1 << 20;
+    let each = (2 * n) as f64;
+    let config = OffloadConfig::default().policy(Policy::Auto).slack(1.0).sites(&graphed::offload::AUTO_CANDIDATES);
+    // The next unit's forward hides 10 tensors' worth of copy out, its backward 20 of copy back.
+    let timings = Timings {
+        forward_ms: vec![10.0; 3],
+        backward_ms: vec![20.0; 3],
+        out_bytes_per_ms: each,
+        in_bytes_per_ms: each,
+    };
+    let mut g = layout(3, n);
+    decide(&config, &mut g, Some(&timings));
+    for p in 0..2 {
+        let mine: Vec<_> = offloaded(&g).into_iter().filter(|(q, _)| *q == p).map(|(_, n)| n).collect();
+        let bytes: usize = g.iter().filter(|x| x.pass == p).map(|x| x.offloaded_bytes()).sum();
+        assert!(bytes as f64 <= 10.0 * each, "unit {p}: {bytes} B exceed the window");
+        assert!(
+            mine.iter().any(|t| t.ends_with("mlp.pre")) && mine.iter().any(|t| t.ends_with("mlp.act")),
+            "largest first: {mine:?}"
+        );
+        assert_eq!(bytes as f64, 10.0 * each, "unit {p}: the window is filled ({mine:?})");
+    }
+    // A slow copy: nothing fits.
+    let slow = Timings { out_bytes_per_ms: 1.0, ..timings.clone() };
+    let mut g = layout(3, n);
+    decide(&config, &mut g, Some(&slow));
+    assert!(offloaded(&g).is_empty());
+    // The summary reports the expected overlap.
+    let mut g = layout(3, n);
+    decide(&config, &mut g, Some(&timings));
+    let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&timings), &config);
+    assert!(s.rows[0].expected_overlap() == Some(1.0) && s.rows[2].offloaded == 0, "{s}");
+}
