@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after scripts/gpu-prepare.sh built .gpu/ here:
-# every test (the CUDA variants included), train in each mode with their loss lines compared (bf16,
-# the default on CUDA, and f32), the benchmarks named in $BENCHES (default: graphs) and PyTorch's
-# side of `graphs` in the same run. Logs and JSON go to $OUT (at most 8 files come back).
+# every test (the CUDA variants included), train in each mode (with and without activation
+# offloading) with their loss lines compared (bf16, the default on CUDA, and f32), the benchmarks
+# named in $BENCHES (default: graphs; its `--configs` from $BENCH_ARGS) and PyTorch's side of
+# `graphs` in the same run, `inspect` with and without offloading. Logs and JSON go to $OUT (at
+# most 8 files come back: BENCHES="graphs" or "offload" keeps it at 7 and 6).
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-run.sh
 set -uo pipefail
 OUT=${OUT:-out}
@@ -13,13 +15,20 @@ export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels
     --no-fail-fast 2>&1 | tee -a "$OUT/tests.log" | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed" | tail -40
 # The device tool returns at most 8 files: train's logs go into one.
 logs=$(mktemp -d)
-for mode in graphed side-stream pool-per-layer eager f32; do
-    flag=$(case $mode in graphed) ;; f32) echo "--dtype f32" ;; *) echo "--$mode" ;; esac)
+for mode in graphed side-stream pool-per-layer eager f32 offload offload-side offload-eager; do
+    flag=$(case $mode in
+        graphed) ;;
+        f32) echo "--dtype f32" ;;
+        offload) echo "--offload" ;;
+        offload-side) echo "--offload --side-stream" ;;
+        offload-eager) echo "--offload --eager" ;;
+        *) echo "--$mode" ;;
+    esac)
     .gpu/graphed train $flag > "$logs/$mode.log" 2>&1
     { echo "# graphed train $flag"; cat "$logs/$mode.log"; } >> "$OUT/train.log"
     tail -3 "$logs/$mode.log"
 done
-for mode in side-stream pool-per-layer eager; do
+for mode in side-stream pool-per-layer eager offload offload-side offload-eager; do
     if diff <(grep -E '^step|^final|accuracy' "$logs/graphed.log") \
             <(grep -E '^step|^final|accuracy' "$logs/$mode.log") > /dev/null; then
         echo "train $mode: loss lines equal to graphed"
@@ -58,4 +67,8 @@ for bench in ${BENCHES:-graphs}; do
         python3 bench/torch_reference.py graphs ${TORCH_ARGS:-} > "$OUT/torch-graphs.json" 2>> "$OUT/graphs.log"
     fi
 done
-{ .gpu/graphed inspect --device cuda --side-stream 2>&1 | tail -30; .gpu/graphed demo 2>&1 | tail -3; } | tee "$OUT/inspect.log"
+{
+    .gpu/graphed inspect --device cuda --side-stream 2>&1 | tail -30
+    .gpu/graphed inspect --device cuda --side-stream --offload --config M 2>&1 | tail -30
+    .gpu/graphed demo 2>&1 | tail -3
+} | tee "$OUT/inspect.log"

@@ -60,6 +60,56 @@ impl DTypeArgs {
     }
 }
 
+/// Activation offloading to host memory, inside the graphs.
+#[derive(Args, Debug, Clone)]
+pub struct OffloadArgs {
+    /// Offload saved activations to host memory, inside the graphs (eagerly with `--eager`): the
+    /// listed sites, or those the automatic policy picks from the layers' and copies' timings
+    /// (CUDA only).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "listed")]
+    pub offload: Option<OffloadPolicyArg>,
+    /// Saved tensors to offload (or to pick from, with `auto`), as `module.tensor` or
+    /// `module.*`, comma-separated (default: attn.input,attn.q,attn.k,attn.v,attn.att,mlp.input;
+    /// with `auto`, also mlp.pre,mlp.act,ln2.input).
+    #[arg(long = "offload-sites", value_delimiter = ',', requires = "offload")]
+    pub sites: Option<Vec<String>>,
+    /// Tensors with fewer elements stay on the device (default: 65536 on CUDA, 1024 on the
+    /// simulator, whose default models are small).
+    #[arg(long = "offload-min-elements", requires = "offload")]
+    pub min_elements: Option<usize>,
+    /// The last layers keep their activations on the device.
+    #[arg(long = "offload-margin", default_value_t = 1, requires = "offload")]
+    pub margin: usize,
+}
+
+/// How offloaded tensors are chosen.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OffloadPolicyArg {
+    /// Every eligible tensor of the sites.
+    Listed,
+    /// The largest tensors whose copies hide under the next layer's measured time.
+    Auto,
+}
+
+impl OffloadArgs {
+    /// The manager's configuration, if offloading was asked for.
+    pub fn config(&self, dev: &graphed::device::Device) -> Option<graphed::offload::OffloadConfig> {
+        use graphed::offload::{OffloadConfig, Policy, AUTO_CANDIDATES, DEFAULT_SITES};
+        let policy = match self.offload? {
+            OffloadPolicyArg::Listed => Policy::Listed,
+            OffloadPolicyArg::Auto => Policy::Auto,
+        };
+        let fallback: &[&str] = if policy == Policy::Auto { &AUTO_CANDIDATES } else { &DEFAULT_SITES };
+        let sites: Vec<&str> = match &self.sites {
+            Some(s) => s.iter().map(String::as_str).collect(),
+            None => fallback.to_vec(),
+        };
+        let on_gpu = dev.kind() == graphed::device::DeviceKind::Cuda;
+        let min = self.min_elements.unwrap_or(if on_gpu { 1 << 16 } else { 1024 });
+        Some(OffloadConfig::default().policy(policy).sites(&sites).min_elements(min).margin(self.margin))
+    }
+}
+
 /// The BENCH.md configurations a benchmark runs.
 #[derive(Args, Debug, Clone)]
 pub struct ConfigsArgs {
@@ -146,6 +196,8 @@ pub struct TrainArgs {
     /// the layers' graphs may then replay in any relative order).
     #[arg(long, conflicts_with = "eager")]
     pub pool_per_layer: bool,
+    #[command(flatten)]
+    pub offload: OffloadArgs,
     /// Optimizer steps (default: 1000 on CUDA, 600 on the simulator).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub steps: Option<u32>,
@@ -204,6 +256,10 @@ pub enum BenchCommand {
     /// Per-layer graphed training step against eager and a whole-step graph (BENCH.md's
     /// configurations).
     Graphs(GraphsBenchArgs),
+    /// Activation offloading inside the graphs: device memory saved, step-time overhead against
+    /// graphed-side, copy rates against the pinned peak, how early the caller resumes (BENCH.md's
+    /// configurations; M and L are the ones the goals name).
+    Offload(GraphsBenchArgs),
 }
 
 /// Arguments of `bench graphs`.
@@ -243,6 +299,8 @@ pub struct InspectArgs {
     /// Capture with a sync event, as for side-stream replay, so that each graph records it.
     #[arg(long)]
     pub side_stream: bool,
+    #[command(flatten)]
+    pub offload: OffloadArgs,
 }
 
 #[derive(Args, Debug, Clone)]

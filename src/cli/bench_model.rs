@@ -9,7 +9,8 @@ use anyhow::bail;
 use graphed::device::{Device, DeviceKind, Event, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, Stack, TransformerLayer};
+use graphed::nn::{Chunk, DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, Stack, TransformerLayer};
+use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::tensor::Tensor;
 
 /// One model configuration: a `BENCH.md` row, or `tiny`, small enough for the simulator.
@@ -123,12 +124,35 @@ impl BenchModel {
     }
 
     /// Graphs the stack into one pool, its layers chained so that they replay with no copies
-    /// between them; with `sync_event`, every graph records it for side-stream replay.
-    pub fn graph(&self, alloc: &CachingAllocator, sync_event: Option<&Event>) -> graphed::Result<GraphedStack> {
+    /// between them; with `sync_event`, every graph records it for side-stream replay; with
+    /// `offload`, activations go to host memory inside the graphs.
+    pub fn graph(
+        &self,
+        alloc: &CachingAllocator,
+        sync_event: Option<&Event>,
+        offload: Option<&OffloadManager>,
+    ) -> graphed::Result<GraphedStack> {
         let mut options = GraphOptions::default();
         if let Some(event) = sync_event {
             options = options.sync_event(event);
         }
+        if let Some(m) = offload {
+            options = m.graph_options(options)?;
+        }
         make_graphed_stack(alloc, &self.stack, &self.x, options)
+    }
+
+    /// An offload manager for the stack, its policy frozen after one eager step through it.
+    pub fn offload(
+        &self,
+        alloc: &CachingAllocator,
+        stream: &Stream,
+        config: OffloadConfig,
+    ) -> graphed::Result<OffloadManager> {
+        let m = OffloadManager::new(alloc, config)?;
+        let (_, ctx) = self.stack.forward(&Inputs::one(&self.x), &m.chunk(Chunk::default()), stream)?;
+        self.stack.backward(ctx, &[&self.dy], stream)?;
+        m.end_iteration(stream)?;
+        Ok(m)
     }
 }

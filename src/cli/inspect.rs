@@ -25,7 +25,11 @@ pub fn run(dev: &Device, args: &InspectArgs) -> anyhow::Result<()> {
     let stream = dev.stream()?;
     let model = BenchModel::new(&alloc, &stream, config, args.dtype.resolve(dev))?;
     let event = if args.side_stream { Some(dev.event()?) } else { None };
-    let stack = model.graph(&alloc, event.as_ref())?;
+    let offload = args.offload.config(dev).map(|c| model.offload(&alloc, &stream, c)).transpose()?;
+    let stack = model.graph(&alloc, event.as_ref(), offload.as_ref())?;
+    if let Some(summary) = offload.as_ref().and_then(|m| m.summary()) {
+        println!("{summary}");
+    }
     let graphed = stack.layers();
     let pool = stack.pool();
     let sync = stack.sync_event().map_or_else(|| "no sync event".to_string(), |e| format!("sync event {}", e.id()));
@@ -89,6 +93,11 @@ fn print_callable(g: &GraphedCallable) -> anyhow::Result<()> {
             graph.graph,
             kinds.join(", ")
         );
+        if !graph.tail.is_empty() {
+            let ops: Vec<String> =
+                graph.tail.iter().map(|t| format!("{} x{} ({})", t.op, t.writes, bytes(t.bytes))).collect();
+            println!("    tail (after the sync event): {}", ops.join(", "));
+        }
     }
     Ok(())
 }

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::error::refusal;
 use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
+use crate::check::Checker;
 use crate::device::{Event, EventId, Graph, GraphId, NodeKind, Stream};
 use crate::memory::{GraphPool, PoolExec, PoolGraph};
 use crate::nn::{Input, Inputs, SaveHook};
@@ -395,6 +396,7 @@ impl GraphedCallable {
                 graph: c.graph.graph().id().to_string(),
                 nodes: c.graph.graph().node_counts()?,
                 records: c.graph.graph().external_record_events()?,
+                tail: self.tail_of(c.graph.graph()),
             });
         }
         let bytes = |ts: &mut dyn Iterator<Item = &Tensor>| ts.map(|t| t.numel() * 4).sum::<usize>();
@@ -406,6 +408,27 @@ impl GraphedCallable {
             static_bytes: bytes(&mut self.inputs.iter().filter(|s| !s.chained).map(|s| &s.input.tensor))
                 + bytes(&mut self.grad_outputs.iter()),
         })
+    }
+
+    /// What `graph` writes after its sync event (its tail), per operation, from the checker's
+    /// summary of its capture; empty without a sync event.
+    fn tail_of(&self, graph: &Graph) -> Vec<TailOp> {
+        let (Some(event), Some(checker)) = (&self.shared.sync_event, Checker::of(graph.device())) else {
+            return Vec::new();
+        };
+        let Some(point) = checker.sync_point(graph.id(), event.id()) else { return Vec::new() };
+        let mut ops: Vec<TailOp> = Vec::new();
+        for t in point.tail.iter().filter(|t| t.access.mode.writes()) {
+            let bytes = t.access.region.len() * t.access.elem_bytes;
+            match ops.iter_mut().find(|o| o.op == t.op) {
+                Some(o) => {
+                    o.writes += 1;
+                    o.bytes += bytes;
+                }
+                None => ops.push(TailOp { op: t.op, writes: 1, bytes }),
+            }
+        }
+        ops
     }
 
     /// The captured graphs, for DOT dumps and node listings.
@@ -465,6 +488,19 @@ pub struct GraphReport {
     pub nodes: BTreeMap<NodeKind, usize>,
     /// The external events it records.
     pub records: Vec<EventId>,
+    /// What it writes after the sync event (its tail), per operation; empty without one.
+    pub tail: Vec<TailOp>,
+}
+
+/// Writes of one operation in a graph's tail (offload copies, say).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TailOp {
+    /// The operation.
+    pub op: &'static str,
+    /// How many writes.
+    pub writes: usize,
+    /// Bytes written.
+    pub bytes: usize,
 }
 
 /// What a graphed callable holds: its graphs and static surfaces.

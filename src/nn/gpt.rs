@@ -4,7 +4,7 @@
 
 use super::{
     input_grad, DropoutSpec, Embedding, Inputs, KeepOnDevice, LayerNorm, LayerNormCtx, LmHead, LmHeadCtx, Module,
-    ParamStore, Stack, StackCtx, TransformerLayer,
+    ParamStore, SaveHook, Stack, StackCtx, TransformerLayer,
 };
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
@@ -167,8 +167,20 @@ impl Gpt {
 
     /// Per-position losses `(B·T)` of `tokens` `(B, T)` against next-token `targets` `(B·T)`.
     pub fn forward(&self, tokens: &Tensor, targets: &Tensor, stream: &Stream) -> Result<(Tensor, GptCtx)> {
+        self.forward_with(tokens, targets, &KeepOnDevice, stream)
+    }
+
+    /// [`forward`](Gpt::forward) with the transformer layers' saved activations through `hook`
+    /// (an offload manager's chunk hook, say).
+    pub fn forward_with(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        hook: &dyn SaveHook,
+        stream: &Stream,
+    ) -> Result<(Tensor, GptCtx)> {
         let x = self.embed(tokens, stream)?;
-        let (mut y, layers) = self.layers.forward(&Inputs::one(&x), &KeepOnDevice, stream)?;
+        let (mut y, layers) = self.layers.forward(&Inputs::one(&x), hook, stream)?;
         let (losses, head) = self.head(&y.remove(0), targets, stream)?;
         Ok((losses, GptCtx { tokens: tokens.clone(), layers, head }))
     }

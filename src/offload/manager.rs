@@ -265,6 +265,47 @@ impl OffloadManager {
         Ok((out, back))
     }
 
+    /// Bytes per millisecond of copies of `sizes` bytes each, captured in one graph on the copy
+    /// streams forked from `stream` as the offload graphs do, each way (the best of three
+    /// replays): the in-graph copy rate with nothing else running, to hold against
+    /// [`probe_bandwidth`](OffloadManager::probe_bandwidth).
+    pub fn probe_graph_bandwidth(&self, stream: &Stream, sizes: &[usize]) -> Result<(f64, f64)> {
+        let (dev, alloc) = (stream.device(), &self.inner.alloc);
+        let mut pairs = Vec::with_capacity(sizes.len());
+        for &bytes in sizes {
+            let n = bytes / DType::BF16.size();
+            pairs.push((HostBuffer::new(dev, DType::BF16, n)?, Tensor::zeros(alloc, stream, &[n], DType::BF16)?));
+        }
+        stream.synchronize()?;
+        let total: usize = pairs.iter().map(|(h, _)| h.bytes()).sum();
+        let rate = |side: &Stream, copy: &dyn Fn(&HostBuffer, &Tensor) -> Result<()>| -> Result<f64> {
+            // A pool of its own: the graph replays three times in a row.
+            let cap = alloc.capture(stream, crate::device::CaptureMode::ThreadLocal, &alloc.new_pool())?;
+            let (fork, join) = (dev.event()?, dev.event()?);
+            stream.record(&fork)?;
+            side.wait(&fork)?;
+            for (h, t) in &pairs {
+                copy(h, t)?;
+            }
+            side.record(&join)?;
+            stream.wait(&join)?;
+            let exec = cap.finish()?.instantiate()?;
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let (a, b) = (dev.timing_event()?, dev.timing_event()?);
+                stream.record(&a)?;
+                exec.launch(stream)?;
+                stream.record(&b)?;
+                b.synchronize()?;
+                best = best.min(f64::from(a.elapsed_ms(&b)?));
+            }
+            Ok(total as f64 / best.max(1e-6))
+        };
+        let out = rate(&self.inner.d2h, &|h, t| h.copy_out(t, &self.inner.d2h))?;
+        let back = rate(&self.inner.h2d, &|h, t| h.copy_in(t, &self.inner.h2d))?;
+        Ok((out, back))
+    }
+
     /// The frozen policy's summary (`None` before the warmup iteration ended).
     pub fn summary(&self) -> Option<Summary> {
         self.inner.lock().summary.clone()

@@ -1,9 +1,10 @@
 //! `graphed bench graphs`: a training step of `BENCH.md`'s model (every layer's forward, then
-//! every backward in reverse from a fixed upstream gradient; no optimizer) run four ways:
+//! every backward in reverse from a fixed upstream gradient; no optimizer) run five ways:
 //! eagerly, as one graphed callable per layer replayed on the caller's stream or on a side
-//! stream, and as one graph of the whole step (the floor: our kernels with no host gaps). Each
-//! variant gets a fresh allocator and model, so that its memory is its own. In bf16 on CUDA
-//! unless `--dtype` says otherwise.
+//! stream, on a side stream with the default activation offloading inside the graphs, and as
+//! one graph of the whole step (the floor: our kernels with no host gaps). Each variant gets a
+//! fresh allocator and model, so that its memory is its own. In bf16 on CUDA unless `--dtype`
+//! says otherwise.
 
 use std::time::Instant;
 
@@ -11,6 +12,7 @@ use anyhow::bail;
 use graphed::device::{CaptureMode, DType, Device, DeviceKind, Stream};
 use graphed::graph::{GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
+use graphed::offload::OffloadConfig;
 use serde::Serialize;
 
 use super::{spread, write_json, Report, Spread};
@@ -27,11 +29,13 @@ enum Variant {
     /// One graphed callable per layer, replayed on a side stream; the main stream resumes at
     /// the event each graph records.
     Side,
+    /// As `Side`, with the default activation offloading inside the graphs.
+    Offload,
     /// The whole eager step captured as one graph.
     Floor,
 }
 
-const VARIANTS: [Variant; 4] = [Variant::Eager, Variant::Graphed, Variant::Side, Variant::Floor];
+const VARIANTS: [Variant; 5] = [Variant::Eager, Variant::Graphed, Variant::Side, Variant::Offload, Variant::Floor];
 
 impl Variant {
     /// Its name in `BENCH.md`.
@@ -40,6 +44,7 @@ impl Variant {
             Variant::Eager => "graphed-eager",
             Variant::Graphed => "graphed",
             Variant::Side => "graphed-side",
+            Variant::Offload => "graphed-offload",
             Variant::Floor => "graphed-floor",
         }
     }
@@ -74,10 +79,10 @@ struct GraphsRow {
 
 /// Per-step samples of one variant.
 #[derive(Default)]
-struct Samples {
-    wall_ms: Vec<f64>,
-    host_us: Vec<f64>,
-    gpu_ms: Vec<f64>,
+pub(super) struct Samples {
+    pub(super) wall_ms: Vec<f64>,
+    pub(super) host_us: Vec<f64>,
+    pub(super) gpu_ms: Vec<f64>,
 }
 
 /// Runs every requested configuration through every variant.
@@ -115,11 +120,15 @@ fn run_variant(
     let model = BenchModel::new(&alloc, &main, config, dtype)?;
     let (samples, capture_ms, calls) = match variant {
         Variant::Eager => (measure(dev, &main, args, &mut || Ok(model.eager_step(&main)?))?, None, None),
-        Variant::Graphed | Variant::Side => {
+        Variant::Graphed | Variant::Side | Variant::Offload => {
             let (side, event) = (dev.stream()?, dev.event()?);
-            let on_side = variant == Variant::Side;
+            let on_side = variant != Variant::Graphed;
+            let offload = match variant {
+                Variant::Offload => Some(model.offload(&alloc, &main, OffloadConfig::default())?),
+                _ => None,
+            };
             let began = Instant::now();
-            let graphed = model.graph(&alloc, on_side.then_some(&event))?;
+            let graphed = model.graph(&alloc, on_side.then_some(&event), offload.as_ref())?;
             let capture_ms = began.elapsed().as_secs_f64() * 1e3;
             // The static input holds the sample, x, since capture; the upstream gradient goes
             // into its static buffer once, so that steps replay with no copy-in.
@@ -171,7 +180,12 @@ fn run_variant(
 /// The input and upstream gradient are the static buffers themselves (holding the model's `x`
 /// and `dy`), so the host time is the replays' alone, without copy-ins, as the host-time goals
 /// are stated.
-fn graphed_step(graphed: &GraphedStack, model: &BenchModel, main: &Stream, replay: Replay<'_>) -> anyhow::Result<()> {
+pub(super) fn graphed_step(
+    graphed: &GraphedStack,
+    model: &BenchModel,
+    main: &Stream,
+    replay: Replay<'_>,
+) -> anyhow::Result<()> {
     graphed.forward(main, graphed.static_input(), replay)?;
     graphed.backward(main, graphed.static_grad_output().unwrap_or(&model.dy))?;
     graphed.join(main)?;
@@ -179,7 +193,7 @@ fn graphed_step(graphed: &GraphedStack, model: &BenchModel, main: &Stream, repla
 }
 
 /// Runs `step` `warmup` times untimed, then `steps` times timed.
-fn measure(
+pub(super) fn measure(
     dev: &Device,
     main: &Stream,
     args: &GraphsBenchArgs,

@@ -6,6 +6,7 @@ mod gemm;
 mod graphs;
 mod launch;
 mod layer;
+mod offload;
 
 use std::path::PathBuf;
 
@@ -22,6 +23,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Gemm(a) => gemm::run(a),
         BenchCommand::Layer(a) => layer::run(a),
         BenchCommand::Graphs(a) => graphs::run(a),
+        BenchCommand::Offload(a) => offload::run(a),
     }
 }
 

@@ -83,6 +83,7 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
         plan.steps,
         stepper.describe()
     );
+    let summary_shown = stepper.offload_summary().inspect(|s| println!("{s}")).is_some();
 
     let held = addition::held_out(plan.eval, args.seed ^ 0x5eed);
     let held_set: HashSet<(u32, u32)> = held.iter().copied().collect();
@@ -118,6 +119,10 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     s.synchronize()?;
     let wall = started.elapsed();
     bar.finish_and_clear();
+    if !summary_shown {
+        // Eager offloading freezes its policy after the first step.
+        stepper.offload_summary().inspect(|s| println!("{s}"));
+    }
     drop(stepper);
     model.set_training(false);
     let accuracy = accuracy(&model, &alloc, &s, &held)?;

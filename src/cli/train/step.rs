@@ -1,11 +1,13 @@
 //! One training step: forward, backward and the optimizer, eager, or with the transformer layers
 //! replayed as a graphed stack between the eager embedding and head and the optimizer replayed as
-//! one more graph.
+//! one more graph; with `--offload`, the layers' activations go to host memory and back (inside
+//! the graphs when graphed).
 
 use graphed::device::Stream;
 use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, GraphedFn, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::Gpt;
+use graphed::nn::{Chunk, Gpt, Inputs, KeepOnDevice, Module, SaveHook};
+use graphed::offload::OffloadManager;
 use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 
@@ -17,6 +19,9 @@ pub struct Stepper {
     stream: Stream,
     /// `None` with `--eager`.
     graphed: Option<Graphed>,
+    /// With `--offload`: the manager (its policy frozen when graphed; after the first step
+    /// when eager).
+    offload: Option<OffloadManager>,
 }
 
 struct Graphed {
@@ -39,11 +44,15 @@ impl Stepper {
         batch: usize,
         args: &TrainArgs,
     ) -> anyhow::Result<Stepper> {
-        if args.eager {
-            return Ok(Stepper { stream: stream.clone(), graphed: None });
-        }
         let dev = stream.device();
+        let offload = args.offload.config(dev).map(|c| OffloadManager::new(alloc, c)).transpose()?;
+        if args.eager {
+            return Ok(Stepper { stream: stream.clone(), graphed: None, offload });
+        }
         let x = Tensor::zeros(alloc, stream, &[batch, addition::INPUT, model.config().dim], model.config().dtype)?;
+        if let Some(m) = &offload {
+            warm_up(model, m, &x, alloc, stream)?;
+        }
         let (side, event) = match args.side_stream {
             true => (Some(dev.stream()?), Some(dev.event()?)),
             false => (None, None),
@@ -52,15 +61,24 @@ impl Stepper {
         if let Some(e) = &event {
             options = options.sync_event(e);
         }
+        if let Some(m) = &offload {
+            options = m.graph_options(options)?;
+        }
         let stack = make_graphed_stack(alloc, model.layers(), &x, options)?;
         let optimizer = make_graphed_fn(alloc, |s| optimizer.step(s))?;
         let graphed = Graphed { stack, optimizer, side, pool_per_layer: args.pool_per_layer };
-        Ok(Stepper { stream: stream.clone(), graphed: Some(graphed) })
+        Ok(Stepper { stream: stream.clone(), graphed: Some(graphed), offload })
+    }
+
+    /// The offload policy's table, once frozen.
+    pub fn offload_summary(&self) -> Option<String> {
+        self.offload.as_ref().and_then(OffloadManager::summary).map(|s| s.to_string())
     }
 
     /// How the step runs, for the banner.
     pub fn describe(&self) -> String {
-        match &self.graphed {
+        let offload = if self.offload.is_some() { ", activations offloaded to host memory" } else { "" };
+        let how = match &self.graphed {
             None => "eager".into(),
             Some(Graphed { stack, side, pool_per_layer, .. }) => format!(
                 "a graphed stack of {} layers ({}, {}) and a graphed optimizer step",
@@ -68,7 +86,8 @@ impl Stepper {
                 if side.is_some() { "side stream, resuming at the in-graph event" } else { "caller's stream" },
                 if *pool_per_layer { "a pool per layer" } else { "one shared pool" }
             ),
-        }
+        };
+        format!("{how}{offload}")
     }
 
     /// Forward, backward and optimizer step of one batch; returns the per-position losses.
@@ -82,8 +101,15 @@ impl Stepper {
     ) -> anyhow::Result<Tensor> {
         let stream = &self.stream;
         let Some(g) = &self.graphed else {
-            let (losses, ctx) = model.forward(tokens, targets, stream)?;
+            let hook: Box<dyn SaveHook> = match &self.offload {
+                Some(m) => Box::new(m.chunk(Chunk::default())),
+                None => Box::new(KeepOnDevice),
+            };
+            let (losses, ctx) = model.forward_with(tokens, targets, hook.as_ref(), stream)?;
             model.backward(ctx, weights, stream)?;
+            if let Some(m) = &self.offload {
+                m.end_iteration(stream)?;
+            }
             optimizer.step(stream)?;
             return Ok(losses);
         };
@@ -100,4 +126,23 @@ impl Stepper {
         g.optimizer.replay(stream)?;
         Ok(losses)
     }
+}
+
+/// The offload manager's warmup iteration, before capture: one forward and backward of the layers
+/// on `x` through its chunk hook, then its policy frozen; the gradients it accumulated are zeroed
+/// and the dropout step counter put back, so that training starts as without offloading.
+fn warm_up(
+    model: &Gpt,
+    m: &OffloadManager,
+    x: &Tensor,
+    alloc: &CachingAllocator,
+    stream: &Stream,
+) -> anyhow::Result<()> {
+    let step = model.dropout_step().to_vec::<u64>(stream)?;
+    let (y, ctx) = model.layers().forward(&Inputs::one(x), &m.chunk(Chunk::default()), stream)?;
+    model.layers().backward(ctx, &[&y[0]], stream)?;
+    m.end_iteration(stream)?;
+    model.parameters().grads()?.zero(stream)?;
+    model.dropout_step().copy_from(&Tensor::from_host(alloc, stream, &step, &[1])?, stream)?;
+    Ok(())
 }

@@ -1,0 +1,255 @@
+//! `graphed bench offload`: `bench graphs`' training step replayed on a side stream without
+//! offloading (graphed-side, the baseline), with the default sites offloaded inside the graphs
+//! (graphed-offload) and with the automatic policy (graphed-offload-auto). Per variant: the step
+//! time and its overhead against the baseline, the graph pool's peak (the device memory saved,
+//! against the policy's expectation), and how early the caller resumes before the tails (the
+//! copies) end; per configuration, the pinned copy peak and the rate of the same copies captured
+//! in a graph, measured in the same run.
+
+use anyhow::bail;
+use graphed::device::{DType, Device, DeviceKind, Event, Stream};
+use graphed::graph::{GraphedStack, Replay};
+use graphed::memory::CachingAllocator;
+use graphed::nn::Chunk;
+use graphed::offload::{OffloadConfig, OffloadManager, Policy, AUTO_CANDIDATES};
+use serde::Serialize;
+
+use super::graphs::{graphed_step, measure};
+use super::{spread, write_json, Report, Spread};
+use crate::cli::args::{DeviceChoice, GraphsBenchArgs};
+use crate::cli::bench_model::{BenchModel, Config};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    Side,
+    Listed,
+    Auto,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Side => "graphed-side",
+            Variant::Listed => "graphed-offload",
+            Variant::Auto => "graphed-offload-auto",
+        }
+    }
+
+    fn config(self) -> Option<OffloadConfig> {
+        match self {
+            Variant::Side => None,
+            Variant::Listed => Some(OffloadConfig::default()),
+            Variant::Auto => Some(OffloadConfig::default().policy(Policy::Auto).sites(&AUTO_CANDIDATES)),
+        }
+    }
+}
+
+/// One (configuration, variant).
+#[derive(Serialize, Debug)]
+struct OffloadRow {
+    config: &'static str,
+    dim: usize,
+    layers: usize,
+    batch: usize,
+    seq: usize,
+    dtype: String,
+    variant: &'static str,
+    wall_ms: Spread,
+    gpu_ms: Option<Spread>,
+    /// Against graphed-side's median wall time, in percent.
+    overhead_pct: Option<f64>,
+    /// The graph pool's peak allocated bytes.
+    pool_peak_bytes: usize,
+    /// graphed-side's pool peak minus this one's.
+    saved_bytes: Option<i64>,
+    /// What the frozen policy expects to save at the peak.
+    expected_saving_bytes: usize,
+    /// Bytes copied out (and back) per step.
+    offloaded_bytes: usize,
+    /// Median over a few steps: the side stream's end of the forward (or backward) pass, tails
+    /// included, minus the moment the main stream resumed after it.
+    forward_lead_ms: Option<f64>,
+    backward_lead_ms: Option<f64>,
+    /// The policy's summary table.
+    summary: Option<String>,
+}
+
+/// The copy rates of one configuration, GB/s.
+#[derive(Serialize, Debug)]
+struct CopyRates {
+    config: &'static str,
+    /// Eager pinned copies of 64 MiB, each way: the peak.
+    peak_out_gbps: f64,
+    peak_in_gbps: f64,
+    /// One unit's offloaded tensors copied inside a graph, each way, nothing else running.
+    graph_out_gbps: f64,
+    graph_in_gbps: f64,
+}
+
+#[derive(Serialize, Debug)]
+struct Rows {
+    variants: Vec<OffloadRow>,
+    copies: Vec<CopyRates>,
+}
+
+pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
+    let dev = super::super::open_device(&args.device)?;
+    if dev.kind() != DeviceKind::Cuda && args.device.device != DeviceChoice::Sim {
+        bail!("bench offload times GPU work; run it on a CUDA device (or smoke-test it with `--device sim --configs tiny`)");
+    }
+    let configs = args.configs.resolve(&dev)?;
+    let dtype = args.dtype.resolve(&dev);
+    let on_gpu = dev.kind() == DeviceKind::Cuda;
+    let mut rows = Rows { variants: Vec::new(), copies: Vec::new() };
+    for &config in &configs {
+        println!("{config}, {dtype}");
+        let first = rows.variants.len();
+        for variant in [Variant::Side, Variant::Listed, Variant::Auto] {
+            if variant == Variant::Auto && !on_gpu {
+                println!("  {:<22} skipped: the automatic policy needs the GPU's clock", variant.name());
+                continue;
+            }
+            let (row, rates) = run_variant(&dev, (config, dtype), variant, args, rows.variants.get(first))?;
+            print_row(&row);
+            rows.variants.push(row);
+            rows.copies.extend(rates);
+        }
+        if let Some(r) = rows.copies.last().filter(|r| r.config == config.name) {
+            println!(
+                "  copies: pinned peak {:.1} GB/s out, {:.1} back; in a graph {:.1} out ({:.0}%), {:.1} back ({:.0}%)",
+                r.peak_out_gbps,
+                r.peak_in_gbps,
+                r.graph_out_gbps,
+                100.0 * r.graph_out_gbps / r.peak_out_gbps,
+                r.graph_in_gbps,
+                100.0 * r.graph_in_gbps / r.peak_in_gbps
+            );
+        }
+    }
+    println!("{}", crate::cli::checker_summary(&dev));
+    write_json(&args.json, &Report::new("offload", &dev, args.steps, vec![rows]))
+}
+
+fn run_variant(
+    dev: &Device,
+    (config, dtype): (Config, DType),
+    variant: Variant,
+    args: &GraphsBenchArgs,
+    baseline: Option<&OffloadRow>,
+) -> anyhow::Result<(OffloadRow, Option<CopyRates>)> {
+    let alloc = CachingAllocator::new(dev);
+    let main = dev.stream()?;
+    let model = BenchModel::new(&alloc, &main, config, dtype)?;
+    let manager = variant.config().map(|c| model.offload(&alloc, &main, c)).transpose()?;
+    let (side, event) = (dev.stream()?, dev.event()?);
+    let graphed = model.graph(&alloc, Some(&event), manager.as_ref())?;
+    if let Some(static_dy) = graphed.static_grad_output() {
+        static_dy.copy_from(&model.dy, &main)?;
+    }
+    let replay = Replay::side(&side);
+    let samples = measure(dev, &main, args, &mut || graphed_step(&graphed, &model, &main, replay))?;
+    let leads = match dev.kind() {
+        DeviceKind::Cuda => Some(leads(dev, &graphed, &model, &main, &side)?),
+        _ => None,
+    };
+    alloc.synchronize()?;
+    let pool = graphed.pool().id();
+    let pool_peak_bytes = alloc.stats().pools.iter().find(|(id, _)| *id == pool).map_or(0, |(_, s)| s.peak_allocated);
+    let summary = manager.as_ref().and_then(OffloadManager::summary);
+    let wall = spread(samples.wall_ms);
+    let rates = match (variant, &manager) {
+        (Variant::Listed, Some(m)) if dev.kind() == DeviceKind::Cuda => Some(copy_rates(config, m, &main)?),
+        _ => None,
+    };
+    let row = OffloadRow {
+        config: config.name,
+        dim: config.dim,
+        layers: config.layers,
+        batch: config.batch,
+        seq: config.seq,
+        dtype: dtype.to_string(),
+        variant: variant.name(),
+        wall_ms: wall,
+        gpu_ms: (!samples.gpu_ms.is_empty()).then(|| spread(samples.gpu_ms)),
+        overhead_pct: baseline.map(|b| 100.0 * (wall.median / b.wall_ms.median - 1.0)),
+        pool_peak_bytes,
+        saved_bytes: baseline.map(|b| b.pool_peak_bytes as i64 - pool_peak_bytes as i64),
+        expected_saving_bytes: summary.as_ref().map_or(0, |s| s.expected_peak_saving()),
+        offloaded_bytes: summary.as_ref().map_or(0, |s| s.offloaded_bytes()),
+        forward_lead_ms: leads.map(|l| l.0),
+        backward_lead_ms: leads.map(|l| l.1),
+        summary: summary.map(|s| s.to_string()),
+    };
+    Ok((row, rates))
+}
+
+/// How early the main stream resumes before each pass's tails end (median of 5 steps).
+fn leads(
+    dev: &Device,
+    graphed: &GraphedStack,
+    model: &BenchModel,
+    main: &Stream,
+    side: &Stream,
+) -> anyhow::Result<(f64, f64)> {
+    let ev = || dev.timing_event();
+    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let (resumed_f, tail_f, resumed_b, tail_b): (Event, Event, Event, Event) = (ev()?, ev()?, ev()?, ev()?);
+        graphed.forward(main, graphed.static_input(), Replay::side(side))?;
+        main.record(&resumed_f)?;
+        side.record(&tail_f)?;
+        graphed.backward(main, graphed.static_grad_output().unwrap_or(&model.dy))?;
+        main.record(&resumed_b)?;
+        side.record(&tail_b)?;
+        graphed.join(main)?;
+        main.synchronize()?;
+        fwd.push(f64::from(resumed_f.elapsed_ms(&tail_f)?));
+        bwd.push(f64::from(resumed_b.elapsed_ms(&tail_b)?));
+    }
+    Ok((spread(fwd).median, spread(bwd).median))
+}
+
+/// The pinned peak, and the rate of the first offloaded unit's copies captured in a graph.
+fn copy_rates(config: Config, m: &OffloadManager, main: &Stream) -> anyhow::Result<CopyRates> {
+    let (peak_out, peak_in) = m.probe_bandwidth(main)?;
+    let layout = m.layout(Chunk::default());
+    let first = layout.iter().filter(|g| g.offloaded_bytes() > 0).map(|g| g.pass).min();
+    let sizes: Vec<usize> = (layout.iter())
+        .filter(|g| Some(g.pass) == first)
+        .flat_map(|g| g.tensors.iter().filter(|t| t.offload).map(|t| t.bytes()))
+        .collect();
+    let (graph_out, graph_in) = if sizes.is_empty() { (0.0, 0.0) } else { m.probe_graph_bandwidth(main, &sizes)? };
+    let gbps = |bytes_per_ms: f64| bytes_per_ms / 1e6;
+    Ok(CopyRates {
+        config: config.name,
+        peak_out_gbps: gbps(peak_out),
+        peak_in_gbps: gbps(peak_in),
+        graph_out_gbps: gbps(graph_out),
+        graph_in_gbps: gbps(graph_in),
+    })
+}
+
+fn print_row(r: &OffloadRow) {
+    let mib = |b: f64| b / (1 << 20) as f64;
+    let opt = |v: Option<f64>, unit: &str| v.map_or_else(|| "-".to_string(), |v| format!("{v:.3}{unit}"));
+    println!(
+        "  {:<22} wall {:.3} ms [{:.3}–{:.3}]  overhead {}  pool peak {:.1} MiB  saved {} (expected {:.1} MiB)  \
+         offloaded {:.1} MiB  resumes before the tails: fwd {} bwd {}",
+        r.variant,
+        r.wall_ms.median,
+        r.wall_ms.min,
+        r.wall_ms.max,
+        opt(r.overhead_pct, "%"),
+        mib(r.pool_peak_bytes as f64),
+        r.saved_bytes.map_or_else(|| "-".to_string(), |b| format!("{:.1} MiB", mib(b as f64))),
+        mib(r.expected_saving_bytes as f64),
+        mib(r.offloaded_bytes as f64),
+        opt(r.forward_lead_ms, " ms"),
+        opt(r.backward_lead_ms, " ms"),
+    );
+    if let Some(s) = &r.summary {
+        for line in s.lines() {
+            println!("    {line}");
+        }
+    }
+}
