@@ -322,23 +322,6 @@ impl OffloadManager {
         let st = self.inner.lock();
         OffloadStats { copied_out: st.copied_out, host_pool_bytes: st.host.bytes }
     }
-
-    /// The copy-out stream.
-    pub fn copy_out_stream(&self) -> &Stream {
-        &self.inner.d2h
-    }
-
-    /// The copy-back stream.
-    pub fn copy_back_stream(&self) -> &Stream {
-        &self.inner.h2d
-    }
-
-    /// The copy-out and copy-back streams' work done, for tests and teardown (a sync event the
-    /// caller records is the way to order work after them).
-    pub fn synchronize(&self) -> Result<()> {
-        self.inner.d2h.synchronize()?;
-        self.inner.h2d.synchronize()
-    }
 }
 
 /// Byte counts of an [`OffloadManager`].
