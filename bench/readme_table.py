@@ -13,7 +13,7 @@ import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
-GRAPHED = ["graphed-eager", "graphed", "graphed-side", "graphed-floor"]
+GRAPHED = ["graphed-eager", "graphed", "graphed-side", "graphed-offload", "graphed-floor"]
 TORCH = ["torch-eager", "torch-graphed", "torch-floor", "torch-compile"]
 GOALS = {"S": 1.0, "M": 4.5, "L": 45.0}
 
@@ -48,7 +48,7 @@ def table() -> str:
         if (config, "graphed") not in rows:
             continue
         cells = [f"{rows[(config, v)]['wall_ms']['median']:.3f} [{rows[(config, v)]['host_us']['median']:.0f}]"
-                 for v in GRAPHED]
+                 if (config, v) in rows else "-" for v in GRAPHED]
         cells += [f"{torch[(config, v)]['wall_ms']:.3f} [{torch[(config, v)]['host_us']:.0f}]" if (config, v) in torch
                   else "-" for v in TORCH]
         mib = f"{rows[(config, 'graphed')]['reserved_bytes'] / 2**20:.0f} / " + (

@@ -10,6 +10,17 @@ set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels
+# ONLY_BENCHES=1: the benchmarks alone (a run after one that tested the same code).
+if [ "${ONLY_BENCHES:-0}" = 1 ]; then
+    { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; } > "$OUT/device.txt"
+    for bench in ${BENCHES:-graphs}; do
+        .gpu/graphed bench "$bench" --device cuda ${BENCH_ARGS:-} --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log"
+        if [ "$bench" = graphs ]; then
+            python3 bench/torch_reference.py graphs ${TORCH_ARGS:-} > "$OUT/torch-graphs.json" 2>> "$OUT/graphs.log"
+        fi
+    done
+    exit 0
+fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; } | tee "$OUT/tests.log"
 .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
     --no-fail-fast 2>&1 | tee -a "$OUT/tests.log" | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed" | tail -40
