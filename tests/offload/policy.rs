@@ -62,7 +62,7 @@ fn small_tensors_and_the_budget_stay_on_the_device() {
 fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
     let n = 1 << 20;
     let each = (2 * n) as f64;
-    let config = OffloadConfig::default().policy(Policy::Auto).slack(1.0).sites(&graphed::offload::AUTO_CANDIDATES);
+    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES);
     // The next unit's forward hides 10 tensors' worth of copy out, its backward 20 of copy back.
     let timings = Timings {
         forward_ms: vec![10.0; 3],
