@@ -15,7 +15,7 @@ use graphed::memory::CachingAllocator;
 use graphed::offload::OffloadConfig;
 use serde::Serialize;
 
-use super::{spread, write_json, Report, Spread};
+use super::{spread, write_json, Case, Report, Spread};
 use crate::cli::args::{DeviceChoice, GraphsBenchArgs};
 use crate::cli::bench_model::{BenchModel, Config};
 
@@ -53,13 +53,8 @@ impl Variant {
 /// One (configuration, variant): times per step, memory and capture cost.
 #[derive(Serialize, Debug)]
 struct GraphsRow {
-    config: &'static str,
-    dim: usize,
-    layers: usize,
-    batch: usize,
-    seq: usize,
-    dtype: String,
-    variant: &'static str,
+    #[serde(flatten)]
+    case: Case,
     /// Issue and `synchronize` of the main stream.
     wall_ms: Spread,
     /// Issue only: from the first call of the step to the last.
@@ -160,13 +155,7 @@ fn run_variant(
     alloc.synchronize()?;
     let host_us = spread(samples.host_us);
     Ok(GraphsRow {
-        config: config.name,
-        dim: config.dim,
-        layers: config.layers,
-        batch: config.batch,
-        seq: config.seq,
-        dtype: dtype.to_string(),
-        variant: variant.name(),
+        case: Case::new(config, dtype, variant.name()),
         wall_ms: spread(samples.wall_ms),
         host_us,
         gpu_ms: (!samples.gpu_ms.is_empty()).then(|| spread(samples.gpu_ms)),
@@ -228,7 +217,7 @@ fn print_row(r: &GraphsRow) {
     let capture = r.capture_ms.map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms"));
     println!(
         "  {:<14} wall {}  host {}  gpu {}  host/call {}  reserved {:.1} MiB  capture {}",
-        r.variant,
+        r.case.variant,
         range(&r.wall_ms, "ms"),
         range(&r.host_us, "µs"),
         gpu,
@@ -240,7 +229,7 @@ fn print_row(r: &GraphsRow) {
 
 /// Wall-time ratios of one configuration's rows: graphed against eager and against the floor.
 fn print_ratios(rows: &[GraphsRow]) {
-    let wall = |v: Variant| rows.iter().find(|r| r.variant == v.name()).map(|r| r.wall_ms.median);
+    let wall = |v: Variant| rows.iter().find(|r| r.case.variant == v.name()).map(|r| r.wall_ms.median);
     if let (Some(eager), Some(graphed), Some(floor)) =
         (wall(Variant::Eager), wall(Variant::Graphed), wall(Variant::Floor))
     {

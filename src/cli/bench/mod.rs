@@ -63,6 +63,26 @@ fn median(v: Vec<f64>) -> f64 {
     spread(v).median
 }
 
+/// Which step a row of `bench graphs` or `bench offload` measured: the configuration, the
+/// element type and the variant.
+#[derive(Serialize, Debug)]
+struct Case {
+    config: &'static str,
+    dim: usize,
+    layers: usize,
+    batch: usize,
+    seq: usize,
+    dtype: String,
+    variant: &'static str,
+}
+
+impl Case {
+    fn new(config: crate::cli::bench_model::Config, dtype: graphed::device::DType, variant: &'static str) -> Case {
+        let crate::cli::bench_model::Config { name, dim, layers, batch, seq } = config;
+        Case { config: name, dim, layers, batch, seq, dtype: dtype.to_string(), variant }
+    }
+}
+
 /// The median and range of some samples.
 #[derive(Serialize, Debug, Clone, Copy)]
 struct Spread {

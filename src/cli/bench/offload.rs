@@ -16,7 +16,7 @@ use graphed::offload::{OffloadConfig, OffloadManager, Policy, AUTO_CANDIDATES};
 use serde::Serialize;
 
 use super::graphs::{graphed_step, measure};
-use super::{spread, write_json, Report, Spread};
+use super::{spread, write_json, Case, Report, Spread};
 use crate::cli::args::{DeviceChoice, GraphsBenchArgs};
 use crate::cli::bench_model::{BenchModel, Config};
 
@@ -51,13 +51,8 @@ impl Variant {
 /// One (configuration, variant).
 #[derive(Serialize, Debug)]
 struct OffloadRow {
-    config: &'static str,
-    dim: usize,
-    layers: usize,
-    batch: usize,
-    seq: usize,
-    dtype: String,
-    variant: &'static str,
+    #[serde(flatten)]
+    case: Case,
     wall_ms: Spread,
     gpu_ms: Option<Spread>,
     /// Against graphed-side's median wall time, in percent.
@@ -166,13 +161,7 @@ fn run_variant(
         _ => None,
     };
     let row = OffloadRow {
-        config: config.name,
-        dim: config.dim,
-        layers: config.layers,
-        batch: config.batch,
-        seq: config.seq,
-        dtype: dtype.to_string(),
-        variant: variant.name(),
+        case: Case::new(config, dtype, variant.name()),
         wall_ms: wall,
         gpu_ms: (!samples.gpu_ms.is_empty()).then(|| spread(samples.gpu_ms)),
         overhead_pct: baseline.map(|b| 100.0 * (wall.median / b.wall_ms.median - 1.0)),
@@ -239,7 +228,7 @@ fn print_row(r: &OffloadRow) {
     println!(
         "  {:<22} wall {:.3} ms [{:.3}–{:.3}]  overhead {}  pool peak {:.1} MiB  saved {} (expected {:.1} MiB)  \
          offloaded {:.1} MiB  resumes before the tails: fwd {} bwd {}",
-        r.variant,
+        r.case.variant,
         r.wall_ms.median,
         r.wall_ms.min,
         r.wall_ms.max,
