@@ -166,6 +166,10 @@ pub enum Error {
         kind: crate::graph::GraphedErrorKind,
     },
 
+    /// A pipeline schedule is inconsistent; `kind` says where and what to do.
+    #[error("pipeline schedule: {0}")]
+    Schedule(crate::graph::ScheduleErrorKind),
+
     /// The activation offload manager refused a call or a schedule; `kind` says why and what to
     /// do.
     #[error("activation offloading: {0}")]

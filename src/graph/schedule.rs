@@ -1,0 +1,438 @@
+//! Pipeline schedules: the order in which a rank runs the forward, backward and split
+//! weight-gradient passes of its model chunks (virtual pipeline stages) over the microbatches of
+//! a step. `make_graphed_callables` captures one graph per (layer, microbatch) in this order, so
+//! that the graphs share one pool and replay in the order they were captured (R5).
+//!
+//! TransformerEngine's `_order` encoding is accepted ([`Schedule::from_te_order`]): `+k` is the
+//! forward of chunk k (1-based) for that chunk's next microbatch, `-k` its backward, `-(k + 0.5)`
+//! its weight-gradient pass for the microbatch whose backward ran last without one.
+
+use std::fmt;
+
+use crate::{Error, Result};
+
+/// One entry of a schedule: a pass of a chunk (0-based) for the chunk's next microbatch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Step {
+    /// The forward of every layer of the chunk, in order.
+    Forward(usize),
+    /// The backward (data gradients, and weight gradients unless split) of every layer of the
+    /// chunk, last layer first.
+    Backward(usize),
+    /// The split weight-gradient pass of the chunk, for its oldest backward without one.
+    WeightGrad(usize),
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Step::Forward(k) => write!(f, "F{k}"),
+            Step::Backward(k) => write!(f, "B{k}"),
+            Step::WeightGrad(k) => write!(f, "W{k}"),
+        }
+    }
+}
+
+/// Why a schedule was refused. Each message ends with what to do.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ScheduleErrorKind {
+    /// The schedule has no forward.
+    #[error("the schedule has no forward; give each chunk's forwards and backwards")]
+    Empty,
+    /// A TransformerEngine entry that is not `±k` or `-(k + 0.5)` with `k ≥ 1`.
+    #[error("entry {index} ({value}) is not +k, -k or -(k+0.5) with k a chunk from 1; fix the order")]
+    BadEntry {
+        /// Its position.
+        index: usize,
+        /// Its value.
+        value: f64,
+    },
+    /// A chunk does not appear, or chunks have different microbatch counts.
+    #[error(
+        "chunk {chunk} has {forwards} forwards and {backwards} backwards, but every chunk needs {microbatches} of \
+         each (the forwards over the chunks must divide evenly); give every chunk every microbatch"
+    )]
+    Counts {
+        /// The chunk (0-based).
+        chunk: usize,
+        /// Its forwards.
+        forwards: usize,
+        /// Its backwards.
+        backwards: usize,
+        /// What every chunk needs.
+        microbatches: usize,
+    },
+    /// A pass runs before one it depends on: a backward before its forward, a chunk's forward
+    /// before the previous chunk's forward of the same microbatch, a chunk's backward before the
+    /// next chunk's backward of the same microbatch.
+    #[error("entry {index} ({step}, microbatch {microbatch}) runs before {needs}; reorder the schedule")]
+    Dependency {
+        /// Its position.
+        index: usize,
+        /// The step.
+        step: Step,
+        /// The microbatch it runs.
+        microbatch: usize,
+        /// What must come first.
+        needs: String,
+    },
+    /// A weight-gradient entry with no backward of its chunk left to follow, or a chunk whose
+    /// weight-gradient entries do not match its backwards.
+    #[error("chunk {chunk} has {wgrads} weight-gradient entries for {backwards} backwards; give one after each backward or none")]
+    WeightGrads {
+        /// The chunk.
+        chunk: usize,
+        /// Its weight-gradient entries.
+        wgrads: usize,
+        /// Its backwards.
+        backwards: usize,
+    },
+    /// A builder's arguments that cannot make a schedule.
+    #[error("{what}")]
+    Arguments {
+        /// What is wrong, and the accepted values.
+        what: String,
+    },
+}
+
+fn refuse<T>(kind: ScheduleErrorKind) -> Result<T> {
+    Err(Error::Schedule(kind))
+}
+
+/// A validated schedule: its steps, chunks and microbatches.
+///
+/// ```
+/// use graphed::graph::{Schedule, Step};
+/// // TransformerEngine's test order: 2 chunks, 3 microbatches.
+/// let s = Schedule::from_te_order(&[1.0, 2.0, 1.0, 2.0, -2.0, -1.0, 1.0, 2.0, -2.0, -1.0, -2.0, -1.0])?;
+/// assert_eq!((s.chunks(), s.microbatches()), (2, 3));
+/// assert_eq!(s.steps()[4], Step::Backward(1));
+/// assert_eq!(Schedule::interleaved_1f1b(1, 0, 2, 4)?.microbatches(), 4);
+/// # Ok::<(), graphed::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schedule {
+    steps: Vec<Step>,
+    chunks: usize,
+    microbatches: usize,
+}
+
+impl Schedule {
+    /// Validates `steps`: every chunk from 0 has the same number of forwards and backwards (the
+    /// microbatch count), each backward follows its forward, chunk k + 1's forward of a
+    /// microbatch follows chunk k's and chunk k's backward follows chunk k + 1's, and a chunk's
+    /// weight-gradient entries, if any, follow its backwards one for one.
+    ///
+    /// # Errors
+    /// [`Error::Schedule`] naming the first inconsistency.
+    pub fn new(steps: Vec<Step>) -> Result<Schedule> {
+        let chunk_of = |s: &Step| match s {
+            Step::Forward(k) | Step::Backward(k) | Step::WeightGrad(k) => *k,
+        };
+        let chunks = steps.iter().filter(|s| !matches!(s, Step::WeightGrad(_))).map(|s| chunk_of(s) + 1).max();
+        let Some(chunks) = chunks else { return refuse(ScheduleErrorKind::Empty) };
+        let count = |f: &dyn Fn(&Step) -> bool| -> Vec<usize> {
+            let mut n = vec![0; chunks];
+            for s in steps.iter().filter(|s| f(s)) {
+                if let Some(c) = n.get_mut(chunk_of(s)) {
+                    *c += 1;
+                }
+            }
+            n
+        };
+        let (fwd, bwd, wgrad) = (
+            count(&|s| matches!(s, Step::Forward(_))),
+            count(&|s| matches!(s, Step::Backward(_))),
+            count(&|s| matches!(s, Step::WeightGrad(_))),
+        );
+        let microbatches = fwd[0];
+        for k in 0..chunks {
+            if fwd[k] != microbatches || bwd[k] != microbatches || microbatches == 0 {
+                let (forwards, backwards) = (fwd[k], bwd[k]);
+                return refuse(ScheduleErrorKind::Counts { chunk: k, forwards, backwards, microbatches });
+            }
+        }
+        for (k, &w) in wgrad.iter().enumerate() {
+            if w != 0 && w != bwd[k] {
+                return refuse(ScheduleErrorKind::WeightGrads { chunk: k, wgrads: w, backwards: bwd[k] });
+            }
+        }
+        if let Some(chunk) = steps.iter().map(chunk_of).find(|k| *k >= chunks) {
+            let wgrads = steps.iter().filter(|s| chunk_of(s) == chunk).count();
+            return refuse(ScheduleErrorKind::WeightGrads { chunk, wgrads, backwards: 0 });
+        }
+        let (mut f, mut b, mut w) = (vec![0usize; chunks], vec![0usize; chunks], vec![0usize; chunks]);
+        for (index, &step) in steps.iter().enumerate() {
+            let dep = |microbatch: usize, needs: String| {
+                refuse(ScheduleErrorKind::Dependency { index, step, microbatch, needs })
+            };
+            match step {
+                Step::Forward(k) => {
+                    if k > 0 && f[k - 1] <= f[k] {
+                        return dep(f[k], format!("F{} of that microbatch", k - 1));
+                    }
+                    f[k] += 1;
+                }
+                Step::Backward(k) => {
+                    if f[k] <= b[k] {
+                        return dep(b[k], format!("F{k} of that microbatch"));
+                    }
+                    if k + 1 < chunks && b[k + 1] <= b[k] {
+                        return dep(b[k], format!("B{} of that microbatch", k + 1));
+                    }
+                    b[k] += 1;
+                }
+                Step::WeightGrad(k) => {
+                    if b[k] <= w[k] {
+                        return refuse(ScheduleErrorKind::WeightGrads { chunk: k, wgrads: w[k] + 1, backwards: b[k] });
+                    }
+                    w[k] += 1;
+                }
+            }
+        }
+        Ok(Schedule { steps, chunks, microbatches })
+    }
+
+    /// A schedule in TransformerEngine's `_order` encoding (chunks from 1).
+    ///
+    /// # Errors
+    /// [`ScheduleErrorKind::BadEntry`] for an entry that is not `±k` or `-(k + 0.5)`; then as
+    /// [`Schedule::new`].
+    pub fn from_te_order(order: &[f64]) -> Result<Schedule> {
+        let mut steps = Vec::with_capacity(order.len());
+        for (index, &value) in order.iter().enumerate() {
+            let bad = || refuse(ScheduleErrorKind::BadEntry { index, value });
+            let (magnitude, half) = (value.abs().floor(), value.abs().fract());
+            if !value.is_finite() || magnitude < 1.0 || magnitude > 1e6 {
+                return bad();
+            }
+            let k = magnitude as usize - 1;
+            steps.push(match (value > 0.0, half) {
+                (true, h) if h == 0.0 => Step::Forward(k),
+                (false, h) if h == 0.0 => Step::Backward(k),
+                (false, h) if h == 0.5 => Step::WeightGrad(k),
+                _ => return bad(),
+            });
+        }
+        Schedule::new(steps)
+    }
+
+    /// Every forward (each microbatch through every chunk), then every backward in reverse.
+    ///
+    /// # Errors
+    /// [`ScheduleErrorKind::Arguments`] for zero chunks or microbatches.
+    pub fn all_forward_then_backward(chunks: usize, microbatches: usize) -> Result<Schedule> {
+        positive(&[("chunks", chunks), ("microbatches", microbatches)])?;
+        let fwd = (0..microbatches).flat_map(|_| (0..chunks).map(Step::Forward));
+        let bwd = (0..microbatches).flat_map(|_| (0..chunks).rev().map(Step::Backward));
+        Schedule::new(fwd.chain(bwd).collect())
+    }
+
+    /// The order that pipeline rank `rank` of `stages` runs under interleaved 1F1B with
+    /// `virtual_stages` chunks per rank (Megatron-LM's schedule; 1F1B when `virtual_stages` is 1):
+    /// microbatches go through the chunks in groups of `stages`, a warmup of forwards, then one
+    /// forward and one backward in turn, then the remaining backwards.
+    ///
+    /// # Errors
+    /// [`ScheduleErrorKind::Arguments`] for zero sizes, a rank outside the stages, or (with
+    /// several chunks) microbatches that are not a multiple of the stages.
+    pub fn interleaved_1f1b(
+        stages: usize,
+        rank: usize,
+        virtual_stages: usize,
+        microbatches: usize,
+    ) -> Result<Schedule> {
+        positive(&[("stages", stages), ("virtual stages", virtual_stages), ("microbatches", microbatches)])?;
+        if rank >= stages {
+            let what = format!("rank {rank} is not one of the {stages} stages; pass a rank below {stages}");
+            return refuse(ScheduleErrorKind::Arguments { what });
+        }
+        if virtual_stages > 1 && microbatches % stages != 0 {
+            let what = format!(
+                "{microbatches} microbatches are not a multiple of the {stages} stages, which interleaving needs; \
+                 pass a multiple"
+            );
+            return refuse(ScheduleErrorKind::Arguments { what });
+        }
+        let total = microbatches * virtual_stages;
+        // The k-th forward (or backward) of the rank is of this chunk: groups of `stages`
+        // microbatches go through every chunk (backwards through the chunks in reverse).
+        let chunk = |k: usize, forward: bool| {
+            let c = (k / stages) % virtual_stages;
+            if forward {
+                c
+            } else {
+                virtual_stages - 1 - c
+            }
+        };
+        let warmup = match virtual_stages {
+            1 => (stages - rank - 1).min(total),
+            _ => ((stages - rank - 1) * 2 + (virtual_stages - 1) * stages).min(total),
+        };
+        let mut steps = Vec::with_capacity(2 * total);
+        steps.extend((0..warmup).map(|k| Step::Forward(chunk(k, true))));
+        for k in warmup..total {
+            steps.push(Step::Forward(chunk(k, true)));
+            steps.push(Step::Backward(chunk(k - warmup, false)));
+        }
+        steps.extend((total - warmup..total).map(|k| Step::Backward(chunk(k, false))));
+        Schedule::new(steps)
+    }
+
+    /// 1F1B for `rank` of `stages` with each backward split into its data-gradient pass and a
+    /// weight-gradient pass issued one backward later (after the last backward, the rest), the
+    /// way zero-bubble schedules fill the pipeline's bubbles with weight gradients.
+    ///
+    /// # Errors
+    /// As [`Schedule::interleaved_1f1b`] with one virtual stage.
+    pub fn zero_bubble(stages: usize, rank: usize, microbatches: usize) -> Result<Schedule> {
+        let base = Schedule::interleaved_1f1b(stages, rank, 1, microbatches)?;
+        let mut steps = Vec::with_capacity(3 * microbatches);
+        let mut pending = 0;
+        for step in base.steps {
+            steps.push(step);
+            if let Step::Backward(k) = step {
+                if pending > 0 {
+                    steps.push(Step::WeightGrad(k));
+                    pending -= 1;
+                }
+                pending += 1;
+            }
+        }
+        steps.extend((0..pending).map(|_| Step::WeightGrad(0)));
+        Schedule::new(steps)
+    }
+
+    /// The steps, in order.
+    pub fn steps(&self) -> &[Step] {
+        &self.steps
+    }
+
+    /// Model chunks (virtual pipeline stages) of the rank.
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// Microbatches per step.
+    pub fn microbatches(&self) -> usize {
+        self.microbatches
+    }
+
+    /// Whether it splits weight gradients out of the backwards.
+    pub fn splits_weight_grads(&self) -> bool {
+        self.steps.iter().any(|s| matches!(s, Step::WeightGrad(_)))
+    }
+
+    /// Each step with the microbatch it runs (each chunk's passes take its microbatches in
+    /// order; a weight-gradient pass takes the oldest backward without one).
+    pub fn with_microbatches(&self) -> Vec<(Step, usize)> {
+        let (mut f, mut b, mut w) = (vec![0; self.chunks], vec![0; self.chunks], vec![0; self.chunks]);
+        let next = |v: &mut Vec<usize>, k: usize| {
+            v[k] += 1;
+            v[k] - 1
+        };
+        (self.steps.iter())
+            .map(|&s| match s {
+                Step::Forward(k) => (s, next(&mut f, k)),
+                Step::Backward(k) => (s, next(&mut b, k)),
+                Step::WeightGrad(k) => (s, next(&mut w, k)),
+            })
+            .collect()
+    }
+
+    /// In TransformerEngine's `_order` encoding.
+    pub fn to_te_order(&self) -> Vec<f64> {
+        (self.steps.iter())
+            .map(|s| match *s {
+                Step::Forward(k) => (k + 1) as f64,
+                Step::Backward(k) => -((k + 1) as f64),
+                Step::WeightGrad(k) => -((k + 1) as f64 + 0.5),
+            })
+            .collect()
+    }
+}
+
+fn positive(args: &[(&str, usize)]) -> Result<()> {
+    match args.iter().find(|(_, v)| *v == 0) {
+        Some((name, _)) => refuse(ScheduleErrorKind::Arguments { what: format!("{name} is 0; pass at least 1") }),
+        None => Ok(()),
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let steps: Vec<String> = self.steps.iter().map(ToString::to_string).collect();
+        write!(f, "{} chunks × {} microbatches: {}", self.chunks, self.microbatches, steps.join(" "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(r: Result<Schedule>) -> ScheduleErrorKind {
+        match r {
+            Err(Error::Schedule(k)) => k,
+            other => panic!("expected a schedule error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn transformer_engine_orders_round_trip() {
+        let order = [1.0, 2.0, 1.0, 2.0, -2.0, -1.0, 1.0, 2.0, -2.0, -1.0, -2.0, -1.0];
+        let s = Schedule::from_te_order(&order).unwrap();
+        assert_eq!((s.chunks(), s.microbatches(), s.to_te_order()), (2, 3, order.to_vec()));
+        let w = Schedule::from_te_order(&[1.0, -1.0, -1.5, 1.0, -1.0, -1.5]).unwrap();
+        assert!(w.splits_weight_grads());
+        assert_eq!(w.with_microbatches()[5], (Step::WeightGrad(0), 1));
+    }
+
+    #[test]
+    fn every_inconsistency_is_refused() {
+        assert!(matches!(kind(Schedule::from_te_order(&[])), ScheduleErrorKind::Empty));
+        assert!(matches!(kind(Schedule::from_te_order(&[1.0, -1.25])), ScheduleErrorKind::BadEntry { index: 1, .. }));
+        assert!(matches!(kind(Schedule::from_te_order(&[0.0])), ScheduleErrorKind::BadEntry { .. }));
+        assert!(matches!(kind(Schedule::from_te_order(&[1.5])), ScheduleErrorKind::BadEntry { .. }));
+        // Chunk 2 has one microbatch, chunk 1 two: the counts do not divide.
+        let r = Schedule::from_te_order(&[1.0, 2.0, 1.0, -2.0, -1.0, -1.0]);
+        assert!(matches!(kind(r), ScheduleErrorKind::Counts { chunk: 1, .. }));
+        // A backward before its forward.
+        assert!(matches!(kind(Schedule::from_te_order(&[-1.0, 1.0])), ScheduleErrorKind::Dependency { index: 0, .. }));
+        // Chunk 2's forward before chunk 1's, and chunk 1's backward before chunk 2's.
+        let r = Schedule::from_te_order(&[2.0, 1.0, -2.0, -1.0]);
+        assert!(matches!(kind(r), ScheduleErrorKind::Dependency { index: 0, .. }));
+        let r = Schedule::from_te_order(&[1.0, 2.0, -1.0, -2.0]);
+        assert!(matches!(kind(r), ScheduleErrorKind::Dependency { index: 2, .. }));
+        // Weight gradients that do not match the backwards, or come before them.
+        let r = Schedule::from_te_order(&[1.0, 1.0, -1.0, -1.5, -1.0]);
+        assert!(matches!(kind(r), ScheduleErrorKind::WeightGrads { chunk: 0, wgrads: 1, backwards: 2 }));
+        let r = Schedule::from_te_order(&[1.0, -1.5, -1.0]);
+        assert!(matches!(kind(r), ScheduleErrorKind::WeightGrads { .. }));
+        let r = Schedule::from_te_order(&[1.0, -1.0, -2.5]);
+        assert!(matches!(kind(r), ScheduleErrorKind::WeightGrads { chunk: 1, .. }));
+        assert!(matches!(kind(Schedule::interleaved_1f1b(2, 2, 1, 4)), ScheduleErrorKind::Arguments { .. }));
+        assert!(matches!(kind(Schedule::interleaved_1f1b(2, 0, 2, 3)), ScheduleErrorKind::Arguments { .. }));
+        assert!(matches!(kind(Schedule::all_forward_then_backward(0, 2)), ScheduleErrorKind::Arguments { .. }));
+    }
+
+    #[test]
+    fn builders_make_valid_schedules_of_their_shape() {
+        for (p, v, m) in [(1, 1, 3), (1, 2, 4), (2, 2, 4), (4, 2, 8), (4, 1, 8), (2, 3, 6)] {
+            for rank in 0..p {
+                let s = Schedule::interleaved_1f1b(p, rank, v, m).unwrap();
+                assert_eq!((s.chunks(), s.microbatches(), s.steps().len()), (v, m, 2 * v * m), "{p} {rank} {v} {m}");
+            }
+        }
+        // 1F1B on the last rank alternates from the start; on the first it warms up p - 1.
+        let last = Schedule::interleaved_1f1b(4, 3, 1, 4).unwrap();
+        assert_eq!(last.steps()[..2], [Step::Forward(0), Step::Backward(0)]);
+        let first = Schedule::interleaved_1f1b(4, 0, 1, 4).unwrap();
+        assert!(first.steps()[..4].iter().all(|s| *s == Step::Forward(0)));
+        let zb = Schedule::zero_bubble(2, 0, 4).unwrap();
+        assert_eq!(zb.steps().len(), 12);
+        assert!(zb.splits_weight_grads());
+        let all = Schedule::all_forward_then_backward(2, 2).unwrap();
+        assert_eq!(all.to_te_order(), vec![1.0, 2.0, 1.0, 2.0, -2.0, -1.0, -2.0, -1.0]);
+    }
+}
