@@ -204,14 +204,15 @@ impl Schedule {
         for (index, &value) in order.iter().enumerate() {
             let bad = || refuse(ScheduleErrorKind::BadEntry { index, value });
             let (magnitude, half) = (value.abs().floor(), value.abs().fract());
-            if !value.is_finite() || magnitude < 1.0 || magnitude > 1e6 {
+            if !value.is_finite() || !(1.0..=1e6).contains(&magnitude) {
                 return bad();
             }
             let k = magnitude as usize - 1;
-            steps.push(match (value > 0.0, half) {
-                (true, h) if h == 0.0 => Step::Forward(k),
-                (false, h) if h == 0.0 => Step::Backward(k),
-                (false, h) if h == 0.5 => Step::WeightGrad(k),
+            let (whole, halved) = (half == 0.0, half == 0.5);
+            steps.push(match (value > 0.0, whole, halved) {
+                (true, true, _) => Step::Forward(k),
+                (false, true, _) => Step::Backward(k),
+                (false, _, true) => Step::WeightGrad(k),
                 _ => return bad(),
             });
         }
