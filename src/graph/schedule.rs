@@ -249,7 +249,7 @@ impl Schedule {
             let what = format!("rank {rank} is not one of the {stages} stages; pass a rank below {stages}");
             return refuse(ScheduleErrorKind::Arguments { what });
         }
-        if virtual_stages > 1 && microbatches % stages != 0 {
+        if virtual_stages > 1 && !microbatches.is_multiple_of(stages) {
             let what = format!(
                 "{microbatches} microbatches are not a multiple of the {stages} stages, which interleaving needs; \
                  pass a multiple"
