@@ -23,11 +23,7 @@ pub(crate) fn build(
     recorded: Recorded,
 ) -> Result<Vec<GraphedCallable>> {
     verify(plan, pools, options, &recorded)?;
-    let shared = Arc::new(Shared {
-        sync_event: options.sync_event.clone(),
-        mode: options.mode,
-        hook: options.save_hook.clone(),
-    });
+    let shared = Arc::new(Shared { sync_event: options.sync_event.clone(), mode: options.mode });
     let (stream, dev) = (plan.stream, plan.stream.device());
     let Recorded { graphs, inputs, outputs, grad_outputs, grad_inputs } = recorded;
     let mut out = Vec::with_capacity(plan.len());
@@ -60,7 +56,7 @@ pub(crate) fn build(
             graphs: captured,
             positional: inputs.positional_inputs().len(),
             inputs: slots,
-            in_stack: plan.in_stack,
+            in_stack: false,
             outputs,
             grad_outputs: dys,
             grad_inputs: dxs,
@@ -70,6 +66,7 @@ pub(crate) fn build(
             entry: dev.event()?,
             done: dev.event()?,
             reset: false,
+            hook: plan.hooks[i].clone(),
         });
     }
     Ok(out)
@@ -88,7 +85,9 @@ fn writers_of(pool: &GraphPool, t: &Tensor) -> Arc<[GraphId]> {
 /// Checks every graph's sync event against the static surfaces (R2, R3, R7).
 fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded: &Recorded) -> Result<()> {
     let Some(event) = &options.sync_event else { return Ok(()) };
-    let tail_memory = options.save_hook.tail_memory();
+    let mut tail_memory: Vec<_> = plan.hooks.iter().flat_map(|h| h.tail_memory()).collect();
+    tail_memory.sort_unstable();
+    tail_memory.dedup();
     let graph_of =
         |i: usize, pass: Pass| recorded.graphs.get(i)?.iter().find(|(p, _)| *p == pass).map(|(_, g)| g.graph().id());
     let mut surfaces: Vec<Surface<'_>> = Vec::new();

@@ -7,14 +7,15 @@ use super::callable::Callable;
 use super::error::refusal;
 use super::options::{GraphOptions, Mode};
 use super::plan::Plan;
-use super::record::record;
+use super::record::{record, Layout};
 use super::warmup::warmup;
-use super::{GraphedCallable, GraphedErrorKind, GraphedStack};
+use super::{GraphedCallable, GraphedErrorKind, GraphedStack, Step};
 use crate::device::Stream;
 use crate::memory::{CachingAllocator, GraphPool};
-use crate::nn::{Inputs, Module, Param, Stack};
+use crate::nn::{Chunk, Inputs, Module, Param, SaveHook, Stack};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
+use std::sync::Arc;
 
 fn refuse(kind: GraphedErrorKind) -> Error {
     Error::Graphed { callable: "make_graphed_callables".into(), kind }
@@ -62,10 +63,55 @@ pub fn make_graphed_callables(
     samples: &[Inputs],
     options: GraphOptions,
 ) -> Result<Vec<GraphedCallable>> {
-    if samples.len() != callables.len() {
-        return Err(refuse(GraphedErrorKind::SampleCount { callables: callables.len(), samples: samples.len() }));
+    let Some(schedule) = options.schedule.clone() else {
+        if samples.len() != callables.len() {
+            return Err(refuse(GraphedErrorKind::SampleCount { callables: callables.len(), samples: samples.len() }));
+        }
+        let names = callables.iter().enumerate().map(|(i, c)| label(i, *c)).collect();
+        return capture(alloc, callables, names, samples.iter().cloned().map(Some).collect(), options, None);
+    };
+    // One instance of each layer per microbatch, in the samples' order: chunk by chunk,
+    // microbatch by microbatch, layer by layer.
+    let (chunks, microbatches) = (schedule.chunks(), schedule.microbatches());
+    let layers = match &options.layers_per_chunk {
+        Some(l) => l.clone(),
+        None if callables.len().is_multiple_of(chunks) => vec![callables.len() / chunks; chunks],
+        None => {
+            let what = format!(
+                "{} callables do not split evenly into {chunks} chunks; pass layers_per_chunk",
+                callables.len()
+            );
+            return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
+        }
+    };
+    if layers.len() != chunks || layers.iter().sum::<usize>() != callables.len() || layers.contains(&0) {
+        let what = format!(
+            "layers per chunk {layers:?} do not give the schedule's {chunks} chunks the {} callables; give each chunk              at least one",
+            callables.len()
+        );
+        return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
     }
-    capture(alloc, callables, samples.iter().cloned().map(Some).collect(), options, false)
+    if samples.len() != callables.len() * microbatches {
+        let what = format!(
+            "{} sample input sets for {} layers and {microbatches} microbatches; pass one per (chunk, microbatch, layer)",
+            samples.len(),
+            callables.len()
+        );
+        return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
+    }
+    let (mut instances, mut names) = (Vec::with_capacity(samples.len()), Vec::with_capacity(samples.len()));
+    let mut first = 0;
+    for (k, &n) in layers.iter().enumerate() {
+        for j in 0..microbatches {
+            for (l, c) in callables.iter().enumerate().skip(first).take(n) {
+                instances.push(*c);
+                names.push(format!("{} chunk {k} microbatch {j}", label(l, *c)));
+            }
+        }
+        first += n;
+    }
+    let layout = Layout { schedule, layers };
+    capture(alloc, &instances, names, samples.iter().cloned().map(Some).collect(), options, Some(layout))
 }
 
 /// Captures the layers of `stack` as graphed callables chained through their static buffers:
@@ -109,20 +155,29 @@ pub fn make_graphed_stack<M: Module>(
     options: GraphOptions,
 ) -> Result<GraphedStack> {
     let callables: Vec<&dyn Callable> = stack.layers().iter().map(|l| l as &dyn Callable).collect();
+    if options.schedule.is_some() {
+        let what = "a stack replays as one pass; graph a schedule's layers with make_graphed_callables".to_string();
+        return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
+    }
     let samples = (0..callables.len()).map(|i| (i == 0).then(|| Inputs::one(sample))).collect();
     // Graphs for inference draw nothing: only training replays advance the counter.
     let rng_step = stack.rng_step().filter(|_| options.mode == Mode::Training).cloned();
-    Ok(GraphedStack::new(capture(alloc, &callables, samples, options, true)?, rng_step))
+    let names = callables.iter().enumerate().map(|(i, c)| label(i, *c)).collect();
+    let mut graphed = capture(alloc, &callables, names, samples, options, None)?;
+    // Its layers replay only through the stack: their inputs are their neighbours' buffers.
+    graphed.iter_mut().for_each(|g| g.in_stack = true);
+    Ok(GraphedStack::new(graphed, rng_step))
 }
 
-/// Warms up and captures `callables`; `samples[i]` is `None` for a callable fed by the previous
-/// one's outputs.
+/// Warms up and captures `callables` (named `names`), in `layout`'s schedule if given, else as a
+/// stack; `samples[i]` is `None` for a callable fed by the previous one's outputs.
 fn capture(
     alloc: &CachingAllocator,
     callables: &[&dyn Callable],
+    names: Vec<String>,
     samples: Vec<Option<Inputs>>,
     mut options: GraphOptions,
-    in_stack: bool,
+    layout: Option<Layout>,
 ) -> Result<Vec<GraphedCallable>> {
     let n = callables.len();
     if n == 0 {
@@ -142,7 +197,6 @@ fn capture(
     if let Some(stream) = &options.stream {
         alloc.device().check_same(OP, "stream", stream.device().id()).map_err(|e| refusal(OP, e))?;
     }
-    let names: Vec<String> = callables.iter().enumerate().map(|(i, c)| label(i, *c)).collect();
     for (i, sample) in samples.iter().enumerate() {
         let mut seen = Vec::new();
         for name in sample.iter().flat_map(|s| s.named_inputs()).filter_map(|x| x.name.as_deref()) {
@@ -166,11 +220,17 @@ fn capture(
     };
     // Samples may come from any stream.
     alloc.synchronize()?;
-    let plan = Plan::new(alloc, &stream, callables, names, &samples, in_stack, &options)?;
-    let params: Vec<Param> = callables.iter().flat_map(|c| c.parameters_dyn().into_iter().cloned()).collect();
+    let hooks = chunk_hooks(&mut options, n, layout.as_ref())?;
+    let plan = Plan::new(alloc, &stream, callables, names, &samples, &options, hooks)?;
+    // A schedule's layers appear once per microbatch: their parameters once.
+    let mut params: Vec<Param> = Vec::new();
+    for p in callables.iter().flat_map(|c| c.parameters_dyn()) {
+        if !params.iter().any(|q| q.value.id() == p.value.id() && q.name == p.name) {
+            params.push(p.clone());
+        }
+    }
     let grads_before = snapshot(alloc, &stream, &params)?;
 
-    options.init_chunk(crate::nn::Chunk::default())?;
     if let Some(h) = &mut options.pre_warmup {
         h(&stream)?;
     }
@@ -183,7 +243,8 @@ fn capture(
     restored?;
 
     let marks: Vec<(GraphPool, usize)> = distinct(&pools).into_iter().map(|p| (p.clone(), p.order_len())).collect();
-    let captured = record(&plan, &pools, &mut options).and_then(|recorded| build(&plan, &pools, &options, recorded));
+    let captured = record(&plan, &pools, &mut options, layout.as_ref())
+        .and_then(|recorded| build(&plan, &pools, &options, recorded));
     if captured.is_err() {
         for (pool, mark) in &marks {
             pool.roll_back(*mark);
@@ -192,6 +253,24 @@ fn capture(
     let callables = captured?;
     stream.synchronize()?;
     Ok(callables)
+}
+
+/// Each callable's save hook: its chunk's, made by the chunk handler once per chunk (a
+/// microbatch of a virtual stage, in the order the schedule first runs it; one chunk without a
+/// schedule).
+fn chunk_hooks(options: &mut GraphOptions, n: usize, layout: Option<&Layout>) -> Result<Vec<Arc<dyn SaveHook>>> {
+    let Some(layout) = layout else {
+        return Ok(vec![options.chunk_hook(Chunk::default())?; n]);
+    };
+    let mut hooks: Vec<Option<Arc<dyn SaveHook>>> = vec![None; n];
+    for (step, j) in layout.schedule.with_microbatches() {
+        let Step::Forward(k) = step else { continue };
+        let hook = options.chunk_hook(Chunk { microbatch: j, stage: k })?;
+        for l in 0..layout.layers[k] {
+            hooks[layout.instance(k, j, l)] = Some(hook.clone());
+        }
+    }
+    Ok(hooks.into_iter().map(|h| h.expect("a validated schedule runs every chunk's forward")).collect())
 }
 
 /// A callable's name in errors and reports: its type and index, and the name its parameters

@@ -7,6 +7,12 @@ use crate::Error;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum GraphedErrorKind {
+    /// A pipeline schedule that does not fit the callables and samples given.
+    #[error("{what}")]
+    ScheduleShape {
+        /// What does not fit, and what to pass.
+        what: String,
+    },
     /// No callables (or an empty stack) were given.
     #[error("no callables to graph; pass at least one")]
     NoCallables,

@@ -35,9 +35,6 @@ pub(crate) struct Captured {
 pub(crate) struct Shared {
     pub(crate) sync_event: Option<Event>,
     pub(crate) mode: Mode,
-    /// The save hook the graphs were captured with: kept alive with what they baked in of it,
-    /// and told of every launch.
-    pub(crate) hook: Arc<dyn SaveHook>,
 }
 
 /// A static tensor of a surface and what it is.
@@ -74,6 +71,9 @@ pub struct GraphedCallable {
     pub(crate) entry: Event,
     pub(crate) done: Event,
     pub(crate) reset: bool,
+    /// The save hook its graphs were captured with (its chunk's): kept alive with what they
+    /// baked in of it, and told of every launch.
+    pub(crate) hook: Arc<dyn SaveHook>,
 }
 
 impl GraphedCallable {
@@ -263,7 +263,7 @@ impl GraphedCallable {
             }
         }
         let tail = self.launch(exec, caller, route)?;
-        self.shared.hook.replayed(caller)?;
+        self.hook.replayed(caller)?;
         if pass == Pass::Forward {
             *self.route.lock().unwrap_or_else(PoisonError::into_inner) = route.clone();
         }

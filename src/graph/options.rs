@@ -3,6 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use super::Schedule;
 use crate::device::{CaptureMode, Event, Stream};
 use crate::memory::GraphPool;
 use crate::nn::{Chunk, KeepOnDevice, SaveHook};
@@ -55,6 +56,8 @@ pub struct GraphOptions {
     pub(crate) sync_event: Option<Event>,
     pub(crate) save_hook: Arc<dyn SaveHook>,
     pub(crate) chunk_handler: Option<ChunkHandler>,
+    pub(crate) schedule: Option<Schedule>,
+    pub(crate) layers_per_chunk: Option<Vec<usize>>,
     pub(crate) pre_warmup: Option<WarmupHook>,
     pub(crate) post_warmup: Option<WarmupHook>,
     pub(crate) pass_hook: Option<PassHook>,
@@ -73,6 +76,8 @@ impl Default for GraphOptions {
             sync_event: None,
             save_hook: Arc::new(KeepOnDevice),
             chunk_handler: None,
+            schedule: None,
+            layers_per_chunk: None,
             pre_warmup: None,
             post_warmup: None,
             pass_hook: None,
@@ -176,12 +181,27 @@ impl GraphOptions {
 }
 
 impl GraphOptions {
-    /// Resolves the save hook of `chunk` through the chunk handler, if one was given.
-    pub(crate) fn init_chunk(&mut self, chunk: Chunk) -> Result<()> {
-        if let Some(f) = &mut self.chunk_handler {
-            self.save_hook = f(chunk)?;
+    /// Captures in the order of a pipeline `schedule` (see
+    /// [`make_graphed_callables`](super::make_graphed_callables)): the callables are the
+    /// chunks' layers, chunk by chunk, each chunk `callables / chunks` layers unless
+    /// [`layers_per_chunk`](GraphOptions::layers_per_chunk) says otherwise.
+    pub fn schedule(mut self, schedule: &Schedule) -> GraphOptions {
+        self.schedule = Some(schedule.clone());
+        self
+    }
+
+    /// The layers of each chunk of the schedule, when they differ between chunks.
+    pub fn layers_per_chunk(mut self, layers: &[usize]) -> GraphOptions {
+        self.layers_per_chunk = Some(layers.to_vec());
+        self
+    }
+
+    /// The save hook of `chunk`: the chunk handler's, if one was given.
+    pub(crate) fn chunk_hook(&mut self, chunk: Chunk) -> Result<Arc<dyn SaveHook>> {
+        match &mut self.chunk_handler {
+            Some(f) => f(chunk),
+            None => Ok(self.save_hook.clone()),
         }
-        Ok(())
     }
 
     /// Runs the capture-time hook, if any, for pass `phase` of callable `i`.

@@ -6,9 +6,10 @@ use super::options::{GraphOptions, Mode};
 use super::GraphedErrorKind;
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
-use crate::nn::Inputs;
+use crate::nn::{Inputs, SaveHook};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
+use std::sync::Arc;
 
 /// The validated arguments of one capture.
 pub(crate) struct Plan<'a> {
@@ -19,9 +20,10 @@ pub(crate) struct Plan<'a> {
     /// Per callable, its static inputs (copies of the samples); `None` for a callable fed by the
     /// previous one's outputs.
     pub(crate) statics: Vec<Option<Inputs>>,
-    pub(crate) in_stack: bool,
     pub(crate) training: bool,
     pub(crate) allow_unused: bool,
+    /// Per callable, the save hook of its chunk.
+    pub(crate) hooks: Vec<Arc<dyn SaveHook>>,
 }
 
 impl<'a> Plan<'a> {
@@ -32,8 +34,8 @@ impl<'a> Plan<'a> {
         callables: &'a [&'a dyn Callable],
         names: Vec<String>,
         samples: &[Option<Inputs>],
-        in_stack: bool,
         options: &GraphOptions,
+        hooks: Vec<Arc<dyn SaveHook>>,
     ) -> Result<Plan<'a>> {
         let mut statics = Vec::with_capacity(samples.len());
         for sample in samples {
@@ -55,9 +57,9 @@ impl<'a> Plan<'a> {
             callables,
             names,
             statics,
-            in_stack,
             training: options.mode == Mode::Training,
             allow_unused: options.allow_unused_input,
+            hooks,
         })
     }
 

@@ -1,11 +1,13 @@
 //! The capture: every forward in order, every backward in reverse (the stack traversal of
-//! `nn::forward_pass` and `nn::backward_pass`), then every split weight-gradient pass in reverse,
-//! each into a graph of its callable's pool, with the sync event recorded at the end of each.
+//! `nn::forward_pass` and `nn::backward_pass`), then every split weight-gradient pass in reverse;
+//! or, with a pipeline schedule, each step's passes in the schedule's order. Each pass goes into
+//! a graph of its callable's pool, with the sync event recorded at its end.
 
 use super::callable::Saved;
 use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
+use super::{GraphedErrorKind, Schedule, Step};
 use crate::memory::{GraphPool, PoolGraph};
 use crate::nn::{backward_pass, forward_pass, Inputs, Traverse};
 use crate::tensor::Tensor;
@@ -25,31 +27,54 @@ pub(crate) struct Recorded {
     pub(crate) grad_inputs: Vec<Vec<Option<Tensor>>>,
 }
 
-/// Captures every pass of the plan's callables, callable `i`'s into `pools[i]`.
-pub(crate) fn record(plan: &Plan<'_>, pools: &[GraphPool], options: &mut GraphOptions) -> Result<Recorded> {
+/// Where each callable of a scheduled capture sits: callable `instance(k, j, l)` is layer `l`
+/// of chunk `k` for microbatch `j`.
+pub(crate) struct Layout {
+    pub(crate) schedule: Schedule,
+    pub(crate) layers: Vec<usize>,
+}
+
+impl Layout {
+    /// The callable of layer `l` of chunk `k` for microbatch `j` (samples are chunk by chunk,
+    /// microbatch by microbatch, layer by layer, as TransformerEngine orders them).
+    pub(crate) fn instance(&self, k: usize, j: usize, l: usize) -> usize {
+        let before: usize = self.layers[..k].iter().sum();
+        before * self.schedule.microbatches() + j * self.layers[k] + l
+    }
+}
+
+/// Captures every pass of the plan's callables, callable `i`'s into `pools[i]`, in the stack's
+/// order or in `layout`'s schedule.
+pub(crate) fn record(
+    plan: &Plan<'_>,
+    pools: &[GraphPool],
+    options: &mut GraphOptions,
+    layout: Option<&Layout>,
+) -> Result<Recorded> {
     let n = plan.len();
     let recorded = Recorded {
         graphs: (0..n).map(|_| Vec::new()).collect(),
         inputs: Vec::with_capacity(n),
-        outputs: Vec::with_capacity(n),
+        outputs: vec![Vec::new(); n],
         grad_outputs: vec![Vec::new(); n],
         grad_inputs: vec![Vec::new(); n],
     };
-    let mut pass = Record { plan, pools, options, recorded };
-    let (_, saved) = forward_pass(&mut pass, n, Vec::new())?;
-    if plan.training {
-        // Static output gradients live outside the pools, allocated before any backward capture.
-        for i in (0..n).filter(|i| !plan.feeds_next(*i)) {
-            let zeros = |y: &Tensor| Tensor::zeros(plan.alloc, plan.stream, y.shape(), y.dtype());
-            pass.recorded.grad_outputs[i] = pass.recorded.outputs[i].iter().map(zeros).collect::<Result<_>>()?;
+    let mut pass = Record { plan, pools, options, recorded, inputs: (0..n).map(|_| None).collect() };
+    match layout {
+        None => {
+            let (_, saved) = forward_pass(&mut pass, n, Vec::new())?;
+            if plan.training {
+                backward_pass(&mut pass, saved, Vec::new())?;
+                for i in (0..n).rev() {
+                    pass.weight_grad(i)?;
+                }
+            }
         }
-        backward_pass(&mut pass, saved, Vec::new())?;
-        for i in (0..n).rev().filter(|i| plan.callables[*i].splits_dw_dyn()) {
-            let g = pass.capture(i, &mut || plan.callables[i].backward_dw_dyn(plan.stream))?;
-            pass.recorded.graphs[i].push((Pass::BackwardDw, g));
-        }
+        Some(layout) => pass.scheduled(layout)?,
     }
-    Ok(pass.recorded)
+    let Record { mut recorded, inputs, .. } = pass;
+    recorded.inputs = inputs.into_iter().map(|x| x.expect("every callable's forward was captured")).collect();
+    Ok(recorded)
 }
 
 struct Record<'p, 'o> {
@@ -57,6 +82,8 @@ struct Record<'p, 'o> {
     pools: &'p [GraphPool],
     options: &'o mut GraphOptions,
     recorded: Recorded,
+    /// Per callable, the inputs of its captured forward.
+    inputs: Vec<Option<Inputs>>,
 }
 
 impl Record<'_, '_> {
@@ -69,8 +96,58 @@ impl Record<'_, '_> {
         if let Some(e) = &options.sync_event {
             stream.record_external(e)?;
         }
-        options.save_hook.end_pass(stream)?;
+        self.plan.hooks[i].end_pass(stream)?;
         cap.finish()
+    }
+
+    /// Captures callable `i`'s split weight-gradient pass, if it has one.
+    fn weight_grad(&mut self, i: usize) -> Result<bool> {
+        let (plan, stream) = (self.plan, self.plan.stream);
+        if !plan.callables[i].splits_dw_dyn() {
+            return Ok(false);
+        }
+        let g = self.capture(i, &mut || plan.callables[i].backward_dw_dyn(stream))?;
+        self.recorded.graphs[i].push((Pass::BackwardDw, g));
+        Ok(true)
+    }
+
+    /// Every step of the schedule, each chunk's layers in order (forward) or in reverse.
+    fn scheduled(&mut self, layout: &Layout) -> Result<()> {
+        let n = self.plan.len();
+        let mut saved: Vec<Option<Saved>> = (0..n).map(|_| None).collect();
+        let splits = layout.schedule.splits_weight_grads();
+        for (step, j) in layout.schedule.with_microbatches() {
+            match step {
+                Step::Forward(k) => {
+                    for l in 0..layout.layers[k] {
+                        let i = layout.instance(k, j, l);
+                        saved[i] = Some(self.forward(i, Vec::new())?.1);
+                    }
+                }
+                Step::Backward(k) => {
+                    for l in (0..layout.layers[k]).rev() {
+                        let i = layout.instance(k, j, l);
+                        let s = saved[i].take().expect("a validated schedule runs a backward after its forward");
+                        self.backward(i, s, Vec::new())?;
+                    }
+                }
+                Step::WeightGrad(k) => {
+                    let mut any = false;
+                    for l in (0..layout.layers[k]).rev() {
+                        any |= self.weight_grad(layout.instance(k, j, l))?;
+                    }
+                    if !any {
+                        return Err(self.plan.err(layout.instance(k, j, 0), GraphedErrorKind::NoSplitDw));
+                    }
+                }
+            }
+        }
+        if !splits {
+            for i in (0..n).rev() {
+                self.weight_grad(i)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -84,7 +161,7 @@ impl Traverse for Record<'_, '_> {
         let inputs = plan.inputs(i, &previous);
         self.options.run_pass_hook(i, Phase::ForwardPre, stream)?;
         let mut result = None;
-        let hook = self.options.save_hook.clone();
+        let hook = plan.hooks[i].clone();
         let g = self.capture(i, &mut || {
             hook.begin_forward(stream)?;
             result = Some(plan.callables[i].forward_dyn(&inputs, hook.as_ref(), stream)?);
@@ -93,8 +170,13 @@ impl Traverse for Record<'_, '_> {
         self.options.run_pass_hook(i, Phase::Forward, stream)?;
         let (outputs, saved) = result.expect("the capture ran the forward");
         self.recorded.graphs[i].push((Pass::Forward, g));
-        self.recorded.inputs.push(inputs);
-        self.recorded.outputs.push(outputs.clone());
+        // Static output gradients live outside the pools, allocated outside any capture.
+        if plan.training && !plan.feeds_next(i) {
+            let zeros = |y: &Tensor| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype());
+            self.recorded.grad_outputs[i] = outputs.iter().map(zeros).collect::<Result<_>>()?;
+        }
+        self.inputs[i] = Some(inputs);
+        self.recorded.outputs[i] = outputs.clone();
         Ok((outputs, saved))
     }
 
@@ -113,7 +195,7 @@ impl Traverse for Record<'_, '_> {
         })?;
         self.options.run_pass_hook(i, Phase::Backward, stream)?;
         let grads = result.expect("the capture ran the backward");
-        let inputs = &self.recorded.inputs[i];
+        let inputs = self.inputs[i].as_ref().expect("the forward was captured before the backward");
         plan.check_grads(i, inputs, &grads)?;
         let grads: Vec<Option<Tensor>> =
             grads.into_iter().zip(inputs.iter()).map(|(g, x)| g.filter(|_| x.differentiable)).collect();

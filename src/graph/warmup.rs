@@ -42,8 +42,8 @@ impl Traverse for Warmup<'_, '_> {
         let (plan, stream) = (self.plan, self.plan.stream);
         self.options.run_pass_hook(i, Phase::ForwardPre, stream)?;
         let inputs = plan.inputs(i, &previous);
-        self.options.save_hook.begin_forward(stream)?;
-        let (outputs, saved) = plan.callables[i].forward_dyn(&inputs, self.options.save_hook.as_ref(), stream)?;
+        plan.hooks[i].begin_forward(stream)?;
+        let (outputs, saved) = plan.callables[i].forward_dyn(&inputs, plan.hooks[i].as_ref(), stream)?;
         self.options.run_pass_hook(i, Phase::Forward, stream)?;
         Ok((outputs.clone(), WarmForward { inputs, outputs, saved }))
     }

@@ -9,11 +9,13 @@ mod contract;
 mod equivalence;
 mod fixtures;
 mod misuse;
+mod schedules;
 
 pub use api::*;
 pub use contract::*;
 pub use equivalence::*;
 pub use misuse::*;
+pub use schedules::*;
 
 per_device!(
     stack_caller_matches_eager,
@@ -43,4 +45,12 @@ per_device!(
     pool_order_is_enforced_across_calls,
     refused_replay_changes_nothing,
     misuse_refusals_change_nothing,
+    all_forward_then_backward_matches_eager,
+    interleaved_1f1b_matches_eager,
+    one_f_one_b_matches_eager,
+    transformer_engine_order_matches_eager,
+    zero_bubble_with_split_weight_grads_matches_eager,
+    out_of_schedule_replay_is_refused,
+    schedule_shapes_are_checked,
+    chunk_handler_runs_once_per_chunk_in_schedule_order,
 );

@@ -1,0 +1,350 @@
+//! Pipeline schedules: one graph per (layer, microbatch), captured and replayed in the
+//! schedule's order, against the same schedule run eagerly, bit for bit; the refusals.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{ensure, Context};
+use graphed::device::{DType, Device};
+use graphed::graph::{
+    make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedErrorKind, Replay, Schedule, Step,
+};
+use graphed::nn::{Chunk, Inputs, KeepOnDevice, Linear, Module, ParamStore, SaveHook};
+use graphed::tensor::Tensor;
+
+use super::fixtures::{Model, Result, SHAPE};
+
+/// Runs the passes of a schedule, whatever they run on.
+trait Passes {
+    fn forward(&mut self, layer: usize, j: usize, x: &Tensor) -> Result<Tensor>;
+    fn backward(&mut self, layer: usize, j: usize, dy: &Tensor) -> Result<Tensor>;
+    fn weight_grad(&mut self, layer: usize, j: usize) -> Result;
+}
+
+/// Runs `schedule` over `layers_per_chunk` layers, microbatch j's input and upstream gradient
+/// from `data(j)`, setting the dropout step counter to j + 1 before each forward step; returns
+/// each microbatch's output and input gradient.
+fn drive(
+    model: &Model,
+    schedule: &Schedule,
+    layers_per_chunk: &[usize],
+    passes: &mut dyn Passes,
+) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+    let m = schedule.microbatches();
+    let first: Vec<usize> = layers_per_chunk.iter().scan(0, |a, n| Some(std::mem::replace(a, *a + n))).collect();
+    let (mut acts, mut grads): (HashMap<usize, Tensor>, HashMap<usize, Tensor>) = Default::default();
+    let mut out = vec![(Vec::new(), Vec::new()); m];
+    for (step, j) in schedule.with_microbatches() {
+        match step {
+            Step::Forward(k) => {
+                let step = Tensor::from_host(&model.alloc, &model.s, &[j as u64 + 1], &[1])?;
+                model.step.copy_from(&step, &model.s)?;
+                let mut x = match k {
+                    0 => model.data(j as u64)?.0,
+                    _ => acts.remove(&j).context("the previous chunk's output")?,
+                };
+                for l in first[k]..first[k] + layers_per_chunk[k] {
+                    x = passes.forward(l, j, &x)?;
+                }
+                if k + 1 == layers_per_chunk.len() {
+                    out[j].0 = x.to_f32_vec(&model.s)?;
+                } else {
+                    acts.insert(j, x);
+                }
+            }
+            Step::Backward(k) => {
+                let mut d = match grads.remove(&j) {
+                    Some(d) => d,
+                    None => model.data(j as u64)?.1,
+                };
+                for l in (first[k]..first[k] + layers_per_chunk[k]).rev() {
+                    d = passes.backward(l, j, &d)?;
+                }
+                if k == 0 {
+                    out[j].1 = d.to_f32_vec(&model.s)?;
+                } else {
+                    grads.insert(j, d);
+                }
+            }
+            Step::WeightGrad(k) => {
+                for l in (first[k]..first[k] + layers_per_chunk[k]).rev() {
+                    passes.weight_grad(l, j)?;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The layers, eagerly, their contexts kept per (layer, microbatch).
+struct Eager<'a, M: Module> {
+    layers: &'a [M],
+    model: &'a Model,
+    ctx: HashMap<(usize, usize), M::Ctx>,
+}
+
+impl<M: Module> Passes for Eager<'_, M> {
+    fn forward(&mut self, layer: usize, j: usize, x: &Tensor) -> Result<Tensor> {
+        let (mut y, ctx) = self.layers[layer].forward(&Inputs::one(x), &KeepOnDevice, &self.model.s)?;
+        self.ctx.insert((layer, j), ctx);
+        Ok(y.remove(0))
+    }
+    fn backward(&mut self, layer: usize, j: usize, dy: &Tensor) -> Result<Tensor> {
+        let ctx = self.ctx.remove(&(layer, j)).context("a forward before the backward")?;
+        let dx = self.layers[layer].backward(ctx, &[dy], &self.model.s)?;
+        dx.into_iter().next().flatten().context("an input gradient")
+    }
+    fn weight_grad(&mut self, layer: usize, _j: usize) -> Result {
+        Ok(self.layers[layer].backward_dw(&self.model.s)?)
+    }
+}
+
+/// The graphed instances, one per (chunk, microbatch, layer), replayed on the caller's stream;
+/// outputs copied out at once, as TransformerEngine's test does.
+struct Graphed<'a> {
+    graphed: &'a [GraphedCallable],
+    model: &'a Model,
+    index: Box<dyn Fn(usize, usize) -> usize + 'a>,
+}
+
+impl Passes for Graphed<'_> {
+    fn forward(&mut self, layer: usize, j: usize, x: &Tensor) -> Result<Tensor> {
+        let (y, _tail) =
+            self.graphed[(self.index)(layer, j)].forward(&self.model.s, &Inputs::one(x), Replay::caller())?;
+        Ok(y[0].to_owned(&self.model.alloc, &self.model.s)?)
+    }
+    fn backward(&mut self, layer: usize, j: usize, dy: &Tensor) -> Result<Tensor> {
+        let (dx, _tail) = self.graphed[(self.index)(layer, j)].backward(&self.model.s, &[dy])?;
+        Ok(dx[0].as_ref().context("an input gradient")?.to_owned(&self.model.alloc, &self.model.s)?)
+    }
+    fn weight_grad(&mut self, layer: usize, j: usize) -> Result {
+        let _tail = self.graphed[(self.index)(layer, j)].backward_dw(&self.model.s)?;
+        Ok(())
+    }
+}
+
+/// The instance index of `layer` for microbatch `j` (chunk by chunk, microbatch by microbatch,
+/// layer by layer).
+fn instance(layers_per_chunk: &[usize], m: usize) -> impl Fn(usize, usize) -> usize + '_ {
+    move |layer, j| {
+        let (mut first, mut k) = (0, 0);
+        while layer >= first + layers_per_chunk[k] {
+            first += layers_per_chunk[k];
+            k += 1;
+        }
+        first * m + j * layers_per_chunk[k] + (layer - first)
+    }
+}
+
+/// Twin models: the schedule eagerly and graphed, two steps, everything equal bit for bit.
+fn scheduled_twins(dev: &Device, schedule: &Schedule, dtype: DType) -> Result {
+    let eager = Model::with_dtype(dev, dtype)?;
+    let graphed = Model::with_dtype(dev, dtype)?;
+    let per_chunk = vec![graphed.layers().len() / schedule.chunks(); schedule.chunks()];
+    let m = schedule.microbatches();
+    let samples: Vec<Inputs> =
+        (0..graphed.layers().len() * m).map(|i| Ok(Inputs::one(&graphed.data(i as u64)?.0))).collect::<Result<_>>()?;
+    let g = make_graphed_callables(
+        &graphed.alloc,
+        &graphed.callables(),
+        &samples,
+        GraphOptions::default().schedule(schedule),
+    )?;
+    ensure!(g.len() == graphed.layers().len() * m, "one graphed callable per (layer, microbatch)");
+    for step in 0..2 {
+        let mut e = Eager { layers: eager.layers(), model: &eager, ctx: HashMap::new() };
+        let want = drive(&eager, schedule, &per_chunk, &mut e)?;
+        let mut r = Graphed { graphed: &g, model: &graphed, index: Box::new(instance(&per_chunk, m)) };
+        let got = drive(&graphed, schedule, &per_chunk, &mut r)?;
+        ensure!(got == want, "step {step} of {schedule}: outputs or input gradients differ");
+        ensure!(graphed.grads()? == eager.grads()?, "step {step} of {schedule}: parameter gradients differ");
+        eager.optimizer_step()?;
+        graphed.optimizer_step()?;
+    }
+    Ok(())
+}
+
+pub fn all_forward_then_backward_matches_eager(dev: &Device) -> Result {
+    scheduled_twins(dev, &Schedule::all_forward_then_backward(2, 3)?, DType::F32)
+}
+
+pub fn interleaved_1f1b_matches_eager(dev: &Device) -> Result {
+    scheduled_twins(dev, &Schedule::interleaved_1f1b(1, 0, 2, 4)?, DType::F32)?;
+    scheduled_twins(dev, &Schedule::interleaved_1f1b(2, 0, 2, 4)?, DType::BF16)
+}
+
+pub fn one_f_one_b_matches_eager(dev: &Device) -> Result {
+    scheduled_twins(dev, &Schedule::interleaved_1f1b(2, 0, 1, 3)?, DType::BF16)
+}
+
+pub fn transformer_engine_order_matches_eager(dev: &Device) -> Result {
+    let order = [1.0, 2.0, 1.0, 2.0, -2.0, -1.0, 1.0, 2.0, -2.0, -1.0, -2.0, -1.0];
+    scheduled_twins(dev, &Schedule::from_te_order(&order)?, DType::F32)
+}
+
+/// Zero bubble: Linear layers with split weight gradients, whose weight-gradient graphs are
+/// captured and replayed where the schedule puts them.
+pub fn zero_bubble_with_split_weight_grads_matches_eager(dev: &Device) -> Result {
+    let schedule = Schedule::zero_bubble(2, 0, 4)?;
+    let model = Model::new(dev)?;
+    let build = |store: &mut ParamStore| -> Result<Vec<Linear>> {
+        let mut lin = Linear::new(store, &model.alloc, "zb", (SHAPE[2], SHAPE[2]), 40, &model.s)?;
+        lin.set_split_dw(true);
+        Ok(vec![lin])
+    };
+    let count = Linear::parameter_count((SHAPE[2], SHAPE[2]));
+    let mut eager_store = ParamStore::new(&model.alloc, &model.s, count)?;
+    let mut graphed_store = ParamStore::new(&model.alloc, &model.s, count)?;
+    let (eager, graphed) = (build(&mut eager_store)?, build(&mut graphed_store)?);
+    let rows = [SHAPE[0] * SHAPE[1], SHAPE[2]];
+    let samples: Vec<Inputs> =
+        (0..4).map(|i| Ok(Inputs::one(&model.data(i)?.0.reshape(&rows)?))).collect::<Result<_>>()?;
+    let callables: Vec<&dyn Callable> = graphed.iter().map(|l| l as &dyn Callable).collect();
+    let g = make_graphed_callables(&model.alloc, &callables, &samples, GraphOptions::default().schedule(&schedule))?;
+    let reshaped = |t: Tensor| t.reshape(&rows);
+    let mut e = Eager { layers: &eager, model: &model, ctx: HashMap::new() };
+    let want = drive_rows(&model, &schedule, &mut e, &reshaped)?;
+    let mut r = Graphed { graphed: &g, model: &model, index: Box::new(instance(&[1], 4)) };
+    let got = drive_rows(&model, &schedule, &mut r, &reshaped)?;
+    ensure!(got == want, "zero bubble: outputs or input gradients differ");
+    ensure!(
+        eager_store.grads()?.to_f32_vec(&model.s)? == graphed_store.grads()?.to_f32_vec(&model.s)?,
+        "zero bubble: parameter gradients differ"
+    );
+    Ok(())
+}
+
+/// [`drive`] for one chunk of one layer over `(rows, width)` inputs.
+fn drive_rows(
+    model: &Model,
+    schedule: &Schedule,
+    passes: &mut dyn Passes,
+    reshape: &dyn Fn(Tensor) -> graphed::Result<Tensor>,
+) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+    let mut out = vec![(Vec::new(), Vec::new()); schedule.microbatches()];
+    let layers = schedule.chunks();
+    let mut acts: HashMap<usize, Tensor> = HashMap::new();
+    let mut grads: HashMap<usize, Tensor> = HashMap::new();
+    for (step, j) in schedule.with_microbatches() {
+        match step {
+            Step::Forward(k) => {
+                let x = match k {
+                    0 => reshape(model.data(j as u64)?.0)?,
+                    _ => acts.remove(&j).context("an output")?,
+                };
+                let y = passes.forward(k, j, &x)?;
+                if k + 1 == layers {
+                    out[j].0 = y.to_f32_vec(&model.s)?;
+                } else {
+                    acts.insert(j, y);
+                }
+            }
+            Step::Backward(k) => {
+                let d = match grads.remove(&j) {
+                    Some(d) => d,
+                    None => reshape(model.data(j as u64)?.1)?,
+                };
+                let dx = passes.backward(k, j, &d)?;
+                if k == 0 {
+                    out[j].1 = dx.to_f32_vec(&model.s)?;
+                } else {
+                    grads.insert(j, dx);
+                }
+            }
+            Step::WeightGrad(k) => passes.weight_grad(k, j)?,
+        }
+    }
+    Ok(out)
+}
+
+/// A replay out of the schedule's order is refused, naming the graph expected.
+pub fn out_of_schedule_replay_is_refused(dev: &Device) -> Result {
+    let model = Model::new(dev)?;
+    let schedule = Schedule::interleaved_1f1b(1, 0, 2, 2)?;
+    let samples: Vec<Inputs> = (0..4).map(|i| Ok(Inputs::one(&model.data(i)?.0))).collect::<Result<_>>()?;
+    let g = make_graphed_callables(
+        &model.alloc,
+        &model.callables(),
+        &samples,
+        GraphOptions::default().schedule(&schedule),
+    )?;
+    // The schedule starts with chunk 0's forward of microbatch 0 (instance 0); chunk 1's (instance 2) is refused.
+    let (x, _) = model.data(0)?;
+    match g[2].forward(&model.s, &Inputs::one(&x), Replay::caller()) {
+        Err(e) if matches!(e.graphed_kind(), Some(GraphedErrorKind::PoolOrder { .. })) => {}
+        other => anyhow::bail!("expected PoolOrder, got {:?}", other.map(|_| ())),
+    }
+    let _tail = g[0].forward(&model.s, &Inputs::one(&x), Replay::caller())?;
+    Ok(())
+}
+
+/// Samples or layers that do not fit the schedule are refused before anything runs.
+pub fn schedule_shapes_are_checked(dev: &Device) -> Result {
+    let model = Model::new(dev)?;
+    let schedule = Schedule::all_forward_then_backward(2, 2)?;
+    let (x, _) = model.data(0)?;
+    let shape = |r: graphed::Result<Vec<GraphedCallable>>| {
+        matches!(
+            r.map(|_| ()).err().and_then(|e| e.graphed_kind().cloned()),
+            Some(GraphedErrorKind::ScheduleShape { .. })
+        )
+    };
+    let three: Vec<Inputs> = (0..3).map(|_| Inputs::one(&x)).collect();
+    let options = || GraphOptions::default().schedule(&schedule);
+    ensure!(
+        shape(make_graphed_callables(&model.alloc, &model.callables(), &three, options())),
+        "3 samples for 2 layers × 2 microbatches"
+    );
+    let four: Vec<Inputs> = (0..4).map(|_| Inputs::one(&x)).collect();
+    ensure!(
+        shape(make_graphed_callables(&model.alloc, &model.callables(), &four, options().layers_per_chunk(&[2, 0]))),
+        "an empty chunk"
+    );
+    ensure!(
+        shape(make_graphed_callables(&model.alloc, &model.callables()[..1], &four[..2], options())),
+        "1 layer into 2 chunks"
+    );
+    let (x0, _) = model.data(0)?;
+    let stack = graphed::graph::make_graphed_stack(&model.alloc, &model.stack, &x0, options());
+    ensure!(shape(stack.map(|_| Vec::new())), "a stack with a schedule");
+    Ok(())
+}
+
+/// A count shared between a hook and the test.
+type Counter = Arc<Mutex<usize>>;
+
+/// A save hook that counts its forwards.
+struct Counting(Counter);
+
+impl SaveHook for Counting {
+    fn begin_forward(&self, _s: &graphed::device::Stream) -> graphed::Result<()> {
+        *self.0.lock().unwrap() += 1;
+        Ok(())
+    }
+}
+
+/// The chunk handler is called once per chunk, in the order the schedule first runs each, and
+/// each chunk's graphs are captured with its hook.
+pub fn chunk_handler_runs_once_per_chunk_in_schedule_order(dev: &Device) -> Result {
+    let model = Model::new(dev)?;
+    let schedule = Schedule::interleaved_1f1b(1, 0, 2, 2)?;
+    let samples: Vec<Inputs> = (0..4).map(|i| Ok(Inputs::one(&model.data(i)?.0))).collect::<Result<_>>()?;
+    let calls: Arc<Mutex<Vec<(Chunk, Counter)>>> = Arc::default();
+    let seen = calls.clone();
+    let options = GraphOptions::default().schedule(&schedule).init_chunk_handler(move |chunk| {
+        let count = Arc::new(Mutex::new(0));
+        seen.lock().unwrap().push((chunk, count.clone()));
+        Ok(Arc::new(Counting(count)) as Arc<dyn SaveHook>)
+    });
+    make_graphed_callables(&model.alloc, &model.callables(), &samples, options)?;
+    let calls = calls.lock().unwrap();
+    let order: Vec<(usize, usize)> = calls.iter().map(|(c, _)| (c.stage, c.microbatch)).collect();
+    let first_forwards: Vec<(usize, usize)> = (schedule.with_microbatches().into_iter())
+        .filter_map(|(s, j)| if let Step::Forward(k) = s { Some((k, j)) } else { None })
+        .collect();
+    ensure!(order == first_forwards, "chunks {order:?}, schedule's forwards {first_forwards:?}");
+    // Each chunk's hook saw its layer's warmup forwards and its one captured forward.
+    let counts: Vec<usize> = calls.iter().map(|(_, n)| *n.lock().unwrap()).collect();
+    ensure!(counts.iter().all(|n| *n == counts[0] && *n > 1), "forwards per chunk hook: {counts:?}");
+    Ok(())
+}
