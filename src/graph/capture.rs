@@ -68,7 +68,7 @@ pub fn make_graphed_callables(
             return Err(refuse(GraphedErrorKind::SampleCount { callables: callables.len(), samples: samples.len() }));
         }
         let names = callables.iter().enumerate().map(|(i, c)| label(i, *c)).collect();
-        return capture(alloc, callables, names, samples.iter().cloned().map(Some).collect(), options, None);
+        return capture(alloc, callables, names, samples.iter().cloned().map(Some).collect(), None, options, None);
     };
     // One instance of each layer per microbatch, in the samples' order: chunk by chunk,
     // microbatch by microbatch, layer by layer.
@@ -110,8 +110,19 @@ pub fn make_graphed_callables(
         }
         first += n;
     }
-    let layout = Layout { schedule, layers };
-    capture(alloc, &instances, names, samples.iter().cloned().map(Some).collect(), options, Some(layout))
+    let mut layout = Layout { schedule, layers, grad_sets: None };
+    let mut input_sets = None;
+    if options.reuse_buffers && options.mode == Mode::Training {
+        // Inputs are keyed by their names, shapes and types, so that any layers may share.
+        let signature = |i: usize| -> Vec<_> {
+            samples[i].iter().map(|x| (x.name.clone(), x.tensor.shape().to_vec(), x.tensor.dtype())).collect()
+        };
+        let (inputs, grads) = layout.sharing(signature);
+        input_sets = Some(inputs);
+        layout.grad_sets = Some(grads);
+    }
+    let samples = samples.iter().cloned().map(Some).collect();
+    capture(alloc, &instances, names, samples, input_sets.as_deref(), options, Some(layout))
 }
 
 /// Captures the layers of `stack` as graphed callables chained through their static buffers:
@@ -163,7 +174,7 @@ pub fn make_graphed_stack<M: Module>(
     // Graphs for inference draw nothing: only training replays advance the counter.
     let rng_step = stack.rng_step().filter(|_| options.mode == Mode::Training).cloned();
     let names = callables.iter().enumerate().map(|(i, c)| label(i, *c)).collect();
-    let mut graphed = capture(alloc, &callables, names, samples, options, None)?;
+    let mut graphed = capture(alloc, &callables, names, samples, None, options, None)?;
     // Its layers replay only through the stack: their inputs are their neighbours' buffers.
     graphed.iter_mut().for_each(|g| g.in_stack = true);
     Ok(GraphedStack::new(graphed, rng_step))
@@ -176,6 +187,7 @@ fn capture(
     callables: &[&dyn Callable],
     names: Vec<String>,
     samples: Vec<Option<Inputs>>,
+    input_sets: Option<&[usize]>,
     mut options: GraphOptions,
     layout: Option<Layout>,
 ) -> Result<Vec<GraphedCallable>> {
@@ -221,7 +233,7 @@ fn capture(
     // Samples may come from any stream.
     alloc.synchronize()?;
     let hooks = chunk_hooks(&mut options, n, layout.as_ref())?;
-    let plan = Plan::new(alloc, &stream, callables, names, &samples, &options, hooks)?;
+    let plan = Plan::new(alloc, &stream, callables, names, &samples, input_sets, &options, hooks)?;
     // A schedule's layers appear once per microbatch: their parameters once.
     let mut params: Vec<Param> = Vec::new();
     for p in callables.iter().flat_map(|c| c.parameters_dyn()) {

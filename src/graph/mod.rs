@@ -40,7 +40,7 @@ mod warmup;
 pub use callable::{Callable, Saved};
 pub use capture::{make_graphed_callables, make_graphed_stack};
 pub use error::GraphedErrorKind;
-pub use graphed::{CallableReport, GraphReport, GraphedCallable, Pass, TailOp};
+pub use graphed::{static_bytes, CallableReport, GraphReport, GraphedCallable, Pass, TailOp};
 pub use graphed_fn::{make_graphed_fn, GraphedFn};
 pub use options::{GraphOptions, Mode, Phase};
 pub use replay::{Replay, StaticTensor, Tail, Tails};

@@ -58,6 +58,7 @@ pub struct GraphOptions {
     pub(crate) chunk_handler: Option<ChunkHandler>,
     pub(crate) schedule: Option<Schedule>,
     pub(crate) layers_per_chunk: Option<Vec<usize>>,
+    pub(crate) reuse_buffers: bool,
     pub(crate) pre_warmup: Option<WarmupHook>,
     pub(crate) post_warmup: Option<WarmupHook>,
     pub(crate) pass_hook: Option<PassHook>,
@@ -78,6 +79,7 @@ impl Default for GraphOptions {
             chunk_handler: None,
             schedule: None,
             layers_per_chunk: None,
+            reuse_buffers: false,
             pre_warmup: None,
             post_warmup: None,
             pass_hook: None,
@@ -187,6 +189,16 @@ impl GraphOptions {
     /// [`layers_per_chunk`](GraphOptions::layers_per_chunk) says otherwise.
     pub fn schedule(mut self, schedule: &Schedule) -> GraphOptions {
         self.schedule = Some(schedule.clone());
+        self
+    }
+
+    /// With a schedule in training, lets callables share static input and output-gradient
+    /// buffers where the schedule never uses them at once (TransformerEngine's
+    /// `_reuse_graph_input_output_buffers`): a callable's inputs are in use from its forward to
+    /// its backward (or split weight-gradient pass), its output gradients from its backward to
+    /// that pass. The caller then must replay in the schedule's order, which the pool enforces.
+    pub fn reuse_buffers(mut self, yes: bool) -> GraphOptions {
+        self.reuse_buffers = yes;
         self
     }
 

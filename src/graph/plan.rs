@@ -9,6 +9,7 @@ use crate::memory::CachingAllocator;
 use crate::nn::{Inputs, SaveHook};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// The validated arguments of one capture.
@@ -27,28 +28,42 @@ pub(crate) struct Plan<'a> {
 }
 
 impl<'a> Plan<'a> {
-    /// Copies the samples into static input buffers on `stream`.
+    /// Copies the samples into static input buffers on `stream`; callables with the same
+    /// `input_sets` entry share one set of buffers (holding the first one's sample).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         alloc: &'a CachingAllocator,
         stream: &'a Stream,
         callables: &'a [&'a dyn Callable],
         names: Vec<String>,
         samples: &[Option<Inputs>],
+        input_sets: Option<&[usize]>,
         options: &GraphOptions,
         hooks: Vec<Arc<dyn SaveHook>>,
     ) -> Result<Plan<'a>> {
         let mut statics = Vec::with_capacity(samples.len());
-        for sample in samples {
+        let mut sets: HashMap<usize, Vec<Tensor>> = HashMap::new();
+        for (i, sample) in samples.iter().enumerate() {
             let Some(sample) = sample else {
                 statics.push(None);
                 continue;
             };
-            let mut copies = Vec::with_capacity(sample.len());
-            for input in sample.iter() {
-                let t = Tensor::uninit(alloc, stream, input.tensor.shape(), input.tensor.dtype())?;
-                t.copy_from(&input.tensor, stream)?;
-                copies.push(t);
-            }
+            let set = input_sets.map(|s| s[i]);
+            let copies = match set.and_then(|s| sets.get(&s)) {
+                Some(shared) => shared.clone(),
+                None => {
+                    let mut copies = Vec::with_capacity(sample.len());
+                    for input in sample.iter() {
+                        let t = Tensor::uninit(alloc, stream, input.tensor.shape(), input.tensor.dtype())?;
+                        t.copy_from(&input.tensor, stream)?;
+                        copies.push(t);
+                    }
+                    if let Some(s) = set {
+                        sets.insert(s, copies.clone());
+                    }
+                    copies
+                }
+            };
             statics.push(Some(sample.with_tensors(copies)));
         }
         Ok(Plan {

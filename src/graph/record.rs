@@ -12,6 +12,7 @@ use crate::memory::{GraphPool, PoolGraph};
 use crate::nn::{backward_pass, forward_pass, Inputs, Traverse};
 use crate::tensor::Tensor;
 use crate::Result;
+use std::collections::HashMap;
 
 /// What the capture made, per callable.
 pub(crate) struct Recorded {
@@ -32,6 +33,8 @@ pub(crate) struct Recorded {
 pub(crate) struct Layout {
     pub(crate) schedule: Schedule,
     pub(crate) layers: Vec<usize>,
+    /// With buffer reuse, per callable, the set of static output gradients it shares.
+    pub(crate) grad_sets: Option<Vec<usize>>,
 }
 
 impl Layout {
@@ -41,6 +44,78 @@ impl Layout {
         let before: usize = self.layers[..k].iter().sum();
         before * self.schedule.microbatches() + j * self.layers[k] + l
     }
+
+    /// Per callable, the schedule positions of its forward, backward and last use (its
+    /// weight-gradient pass where the schedule splits one out, else its backward).
+    fn positions(&self) -> Vec<(usize, usize, usize)> {
+        let n: usize = self.layers.iter().sum::<usize>() * self.schedule.microbatches();
+        let mut at = vec![(0, 0, 0); n];
+        for (pos, (step, j)) in self.schedule.with_microbatches().into_iter().enumerate() {
+            let (k, slot) = match step {
+                Step::Forward(k) => (k, 0),
+                Step::Backward(k) => (k, 1),
+                Step::WeightGrad(k) => (k, 2),
+            };
+            for l in 0..self.layers[k] {
+                let p = &mut at[self.instance(k, j, l)];
+                match slot {
+                    0 => p.0 = pos,
+                    1 => *p = (p.0, pos, pos),
+                    _ => p.2 = pos,
+                }
+            }
+        }
+        at
+    }
+
+    /// Which callables share their static inputs and which their static output gradients
+    /// (TransformerEngine's `_reuse_graph_input_output_buffers`): per callable, the index of its
+    /// buffer set. Callables of one `signature` share a set when their uses of it do not overlap
+    /// in the schedule: an input is used from the forward to the last use, an output gradient
+    /// from the backward to the last use (a split weight-gradient pass reads both).
+    pub(crate) fn sharing<S: PartialEq>(&self, signature: impl Fn(usize) -> S) -> (Vec<usize>, Vec<usize>) {
+        let at = self.positions();
+        let inputs = share(at.iter().map(|&(f, _, last)| (f, last)).collect(), &signature);
+        // Output gradients are keyed by layer: a layer's outputs have one shape.
+        let layer = |i: usize| {
+            let mut first = 0;
+            for (k, &n) in self.layers.iter().enumerate() {
+                let per_chunk = n * self.schedule.microbatches();
+                if i < first + per_chunk {
+                    let before: usize = self.layers[..k].iter().sum();
+                    return before + (i - first) % n;
+                }
+                first += per_chunk;
+            }
+            i
+        };
+        (inputs, share(at.iter().map(|&(_, b, last)| (b, last)).collect(), &layer))
+    }
+}
+
+/// Interval colouring: per `(first, last)` use, a set index shared with earlier users of the same
+/// signature whose last use came before this first one (the set freed longest ago first).
+fn share<S: PartialEq>(uses: Vec<(usize, usize)>, signature: &dyn Fn(usize) -> S) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..uses.len()).collect();
+    order.sort_by_key(|&i| uses[i].0);
+    let mut sets: Vec<(S, usize)> = Vec::new();
+    let mut out = vec![0; uses.len()];
+    for i in order {
+        let (first, last) = uses[i];
+        let sig = signature(i);
+        let free = (0..sets.len()).filter(|&s| sets[s].0 == sig && sets[s].1 < first).min_by_key(|&s| sets[s].1);
+        out[i] = match free {
+            Some(s) => {
+                sets[s].1 = last;
+                s
+            }
+            None => {
+                sets.push((sig, last));
+                sets.len() - 1
+            }
+        };
+    }
+    out
 }
 
 /// Captures every pass of the plan's callables, callable `i`'s into `pools[i]`, in the stack's
@@ -59,7 +134,16 @@ pub(crate) fn record(
         grad_outputs: vec![Vec::new(); n],
         grad_inputs: vec![Vec::new(); n],
     };
-    let mut pass = Record { plan, pools, options, recorded, inputs: (0..n).map(|_| None).collect() };
+    let grad_sets = layout.and_then(|l| l.grad_sets.clone());
+    let mut pass = Record {
+        plan,
+        pools,
+        options,
+        recorded,
+        inputs: (0..n).map(|_| None).collect(),
+        grad_sets,
+        grad_buffers: HashMap::new(),
+    };
     match layout {
         None => {
             let (_, saved) = forward_pass(&mut pass, n, Vec::new())?;
@@ -84,6 +168,9 @@ struct Record<'p, 'o> {
     recorded: Recorded,
     /// Per callable, the inputs of its captured forward.
     inputs: Vec<Option<Inputs>>,
+    /// With buffer reuse, per callable, its set of static output gradients, and the sets made.
+    grad_sets: Option<Vec<usize>>,
+    grad_buffers: HashMap<usize, Vec<Tensor>>,
 }
 
 impl Record<'_, '_> {
@@ -173,7 +260,14 @@ impl Traverse for Record<'_, '_> {
         // Static output gradients live outside the pools, allocated outside any capture.
         if plan.training && !plan.feeds_next(i) {
             let zeros = |y: &Tensor| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype());
-            self.recorded.grad_outputs[i] = outputs.iter().map(zeros).collect::<Result<_>>()?;
+            let set = self.grad_sets.as_ref().map(|s| s[i]);
+            self.recorded.grad_outputs[i] = match set.and_then(|s| self.grad_buffers.get(&s)) {
+                Some(shared) => shared.clone(),
+                None => outputs.iter().map(zeros).collect::<Result<_>>()?,
+            };
+            if let Some(s) = set {
+                self.grad_buffers.entry(s).or_insert_with(|| self.recorded.grad_outputs[i].clone());
+            }
         }
         self.inputs[i] = Some(inputs);
         self.recorded.outputs[i] = outputs.clone();

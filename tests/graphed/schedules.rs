@@ -136,20 +136,24 @@ fn instance(layers_per_chunk: &[usize], m: usize) -> impl Fn(usize, usize) -> us
     }
 }
 
-/// Twin models: the schedule eagerly and graphed, two steps, everything equal bit for bit.
-fn scheduled_twins(dev: &Device, schedule: &Schedule, dtype: DType) -> Result {
+/// Twin models: the schedule eagerly and graphed (with and without buffer reuse), two steps,
+/// everything equal bit for bit; returns the static bytes without and with reuse.
+fn scheduled_twins(dev: &Device, schedule: &Schedule, dtype: DType) -> Result<(usize, usize)> {
+    let without = scheduled_twin(dev, schedule, dtype, false)?;
+    let with = scheduled_twin(dev, schedule, dtype, true)?;
+    ensure!(with <= without, "{schedule}: reuse made {with} static bytes from {without}");
+    Ok((without, with))
+}
+
+fn scheduled_twin(dev: &Device, schedule: &Schedule, dtype: DType, reuse: bool) -> Result<usize> {
     let eager = Model::with_dtype(dev, dtype)?;
     let graphed = Model::with_dtype(dev, dtype)?;
     let per_chunk = vec![graphed.layers().len() / schedule.chunks(); schedule.chunks()];
     let m = schedule.microbatches();
     let samples: Vec<Inputs> =
         (0..graphed.layers().len() * m).map(|i| Ok(Inputs::one(&graphed.data(i as u64)?.0))).collect::<Result<_>>()?;
-    let g = make_graphed_callables(
-        &graphed.alloc,
-        &graphed.callables(),
-        &samples,
-        GraphOptions::default().schedule(schedule),
-    )?;
+    let options = GraphOptions::default().schedule(schedule).reuse_buffers(reuse);
+    let g = make_graphed_callables(&graphed.alloc, &graphed.callables(), &samples, options)?;
     ensure!(g.len() == graphed.layers().len() * m, "one graphed callable per (layer, microbatch)");
     for step in 0..2 {
         let mut e = Eager { layers: eager.layers(), model: &eager, ctx: HashMap::new() };
@@ -161,25 +165,36 @@ fn scheduled_twins(dev: &Device, schedule: &Schedule, dtype: DType) -> Result {
         eager.optimizer_step()?;
         graphed.optimizer_step()?;
     }
+    Ok(graphed::graph::static_bytes(&g))
+}
+
+/// All forwards before any backward: every input is in use at once, so nothing is shared but the
+/// output gradients (one backward at a time).
+pub fn all_forward_then_backward_matches_eager(dev: &Device) -> Result {
+    let (without, with) = scheduled_twins(dev, &Schedule::all_forward_then_backward(2, 3)?, DType::F32)?;
+    // 2 layers × 3 microbatches; inputs and output gradients of one [2, 4, 16] f32 tensor each.
+    let each = SHAPE.iter().product::<usize>() * 4;
+    ensure!(without == 12 * each && with == 6 * each + 2 * each, "static bytes {without} without reuse, {with} with");
     Ok(())
 }
 
-pub fn all_forward_then_backward_matches_eager(dev: &Device) -> Result {
-    scheduled_twins(dev, &Schedule::all_forward_then_backward(2, 3)?, DType::F32)
-}
-
+/// Interleaved 1F1B on one rank (v = 2): a microbatch's buffers are reused by a later one.
 pub fn interleaved_1f1b_matches_eager(dev: &Device) -> Result {
-    scheduled_twins(dev, &Schedule::interleaved_1f1b(1, 0, 2, 4)?, DType::F32)?;
-    scheduled_twins(dev, &Schedule::interleaved_1f1b(2, 0, 2, 4)?, DType::BF16)
+    let (without, with) = scheduled_twins(dev, &Schedule::interleaved_1f1b(1, 0, 2, 4)?, DType::F32)?;
+    ensure!(with < without, "interleaved 1F1B shares buffers: {with} of {without} bytes");
+    scheduled_twins(dev, &Schedule::interleaved_1f1b(2, 0, 2, 4)?, DType::BF16)?;
+    Ok(())
 }
 
 pub fn one_f_one_b_matches_eager(dev: &Device) -> Result {
-    scheduled_twins(dev, &Schedule::interleaved_1f1b(2, 0, 1, 3)?, DType::BF16)
+    scheduled_twins(dev, &Schedule::interleaved_1f1b(2, 0, 1, 3)?, DType::BF16)?;
+    Ok(())
 }
 
 pub fn transformer_engine_order_matches_eager(dev: &Device) -> Result {
     let order = [1.0, 2.0, 1.0, 2.0, -2.0, -1.0, 1.0, 2.0, -2.0, -1.0, -2.0, -1.0];
-    scheduled_twins(dev, &Schedule::from_te_order(&order)?, DType::F32)
+    scheduled_twins(dev, &Schedule::from_te_order(&order)?, DType::F32)?;
+    Ok(())
 }
 
 /// Zero bubble: Linear layers with split weight gradients, whose weight-gradient graphs are
@@ -200,7 +215,9 @@ pub fn zero_bubble_with_split_weight_grads_matches_eager(dev: &Device) -> Result
     let samples: Vec<Inputs> =
         (0..4).map(|i| Ok(Inputs::one(&model.data(i)?.0.reshape(&rows)?))).collect::<Result<_>>()?;
     let callables: Vec<&dyn Callable> = graphed.iter().map(|l| l as &dyn Callable).collect();
-    let g = make_graphed_callables(&model.alloc, &callables, &samples, GraphOptions::default().schedule(&schedule))?;
+    // Buffer reuse on: an output gradient is in use until the weight-gradient pass reads it.
+    let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
+    let g = make_graphed_callables(&model.alloc, &callables, &samples, options)?;
     let reshaped = |t: Tensor| t.reshape(&rows);
     let mut e = Eager { layers: &eager, model: &model, ctx: HashMap::new() };
     let want = drive_rows(&model, &schedule, &mut e, &reshaped)?;
