@@ -168,7 +168,7 @@ pub enum Error {
 
     /// A pipeline schedule is inconsistent; `kind` says where and what to do.
     #[error("pipeline schedule: {0}")]
-    Schedule(crate::graph::ScheduleErrorKind),
+    Schedule(crate::nn::ScheduleErrorKind),
 
     /// The activation offload manager refused a call or a schedule; `kind` says why and what to
     /// do.

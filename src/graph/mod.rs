@@ -32,7 +32,7 @@ mod options;
 mod plan;
 mod record;
 mod replay;
-mod schedule;
+mod scheduled;
 mod stack;
 mod verify;
 mod warmup;
@@ -44,5 +44,5 @@ pub use graphed::{static_bytes, CallableReport, GraphReport, GraphedCallable, Pa
 pub use graphed_fn::{make_graphed_fn, GraphedFn};
 pub use options::{GraphOptions, Mode, Phase};
 pub use replay::{Replay, StaticTensor, Tail, Tails};
-pub use schedule::{Schedule, ScheduleErrorKind, Step};
+pub use scheduled::GraphedPasses;
 pub use stack::GraphedStack;

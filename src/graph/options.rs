@@ -3,10 +3,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::Schedule;
 use crate::device::{CaptureMode, Event, Stream};
 use crate::memory::GraphPool;
-use crate::nn::{Chunk, KeepOnDevice, SaveHook};
+use crate::nn::{Chunk, KeepOnDevice, SaveHook, Schedule};
 use crate::Result;
 
 /// Which pass a capture-time hook runs around.

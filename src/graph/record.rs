@@ -7,9 +7,9 @@ use super::callable::Saved;
 use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
-use super::{GraphedErrorKind, Schedule, Step};
+use super::GraphedErrorKind;
 use crate::memory::{GraphPool, PoolGraph};
-use crate::nn::{backward_pass, forward_pass, Inputs, Traverse};
+use crate::nn::{backward_pass, forward_pass, Inputs, Schedule, Step, Traverse};
 use crate::tensor::Tensor;
 use crate::Result;
 use std::collections::HashMap;
@@ -42,7 +42,7 @@ impl Layout {
     /// microbatch by microbatch, layer by layer, as TransformerEngine orders them).
     pub(crate) fn instance(&self, k: usize, j: usize, l: usize) -> usize {
         let before: usize = self.layers[..k].iter().sum();
-        before * self.schedule.microbatches() + j * self.layers[k] + l
+        self.schedule.instance(&self.layers, before + l, j)
     }
 
     /// Per callable, the schedule positions of its forward, backward and last use (its
@@ -77,18 +77,14 @@ impl Layout {
         let at = self.positions();
         let inputs = share(at.iter().map(|&(f, _, last)| (f, last)).collect(), &signature);
         // Output gradients are keyed by layer: a layer's outputs have one shape.
-        let layer = |i: usize| {
-            let mut first = 0;
-            for (k, &n) in self.layers.iter().enumerate() {
-                let per_chunk = n * self.schedule.microbatches();
-                if i < first + per_chunk {
-                    let before: usize = self.layers[..k].iter().sum();
-                    return before + (i - first) % n;
-                }
-                first += per_chunk;
+        let m = self.schedule.microbatches();
+        let mut layer_of = vec![0; at.len()];
+        for layer in 0..self.layers.iter().sum() {
+            for j in 0..m {
+                layer_of[self.schedule.instance(&self.layers, layer, j)] = layer;
             }
-            i
-        };
+        }
+        let layer = |i: usize| layer_of[i];
         (inputs, share(at.iter().map(|&(_, b, last)| (b, last)).collect(), &layer))
     }
 }

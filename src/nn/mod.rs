@@ -23,6 +23,7 @@ mod lm_head;
 mod mlp;
 mod params;
 mod saved;
+mod schedule;
 mod stack;
 mod transformer;
 
@@ -37,6 +38,7 @@ pub use lm_head::{LmHead, LmHeadCtx};
 pub use mlp::{Mlp, MlpCtx};
 pub use params::{Param, ParamStore};
 pub use saved::{Restore, SavedTensor};
+pub use schedule::{run_schedule, EagerPasses, Schedule, ScheduleErrorKind, SchedulePasses, Step};
 pub use stack::{backward_pass, forward_pass, Stack, StackCtx, Traverse};
 pub use transformer::{TransformerCtx, TransformerLayer};
 

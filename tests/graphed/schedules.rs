@@ -1,139 +1,64 @@
 //! Pipeline schedules: one graph per (layer, microbatch), captured and replayed in the
 //! schedule's order, against the same schedule run eagerly, bit for bit; the refusals.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use anyhow::{ensure, Context};
+use anyhow::ensure;
 use graphed::device::{DType, Device};
 use graphed::graph::{
-    make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedErrorKind, Replay, Schedule, Step,
+    make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedErrorKind, GraphedPasses, Replay,
 };
-use graphed::nn::{Chunk, Inputs, KeepOnDevice, Linear, Module, ParamStore, SaveHook};
+use graphed::nn::{
+    run_schedule, Chunk, EagerPasses, Inputs, KeepOnDevice, Linear, ParamStore, SaveHook, Schedule, SchedulePasses,
+    Step,
+};
 use graphed::tensor::Tensor;
 
 use super::fixtures::{Model, Result, SHAPE};
 
-/// Runs the passes of a schedule, whatever they run on.
-trait Passes {
-    fn forward(&mut self, layer: usize, j: usize, x: &Tensor) -> Result<Tensor>;
-    fn backward(&mut self, layer: usize, j: usize, dy: &Tensor) -> Result<Tensor>;
-    fn weight_grad(&mut self, layer: usize, j: usize) -> Result;
+/// Sets the dropout step counter to j + 1 before each forward step of microbatch j, around
+/// other passes (eager or graphed: the graphs read the counter from device memory).
+struct Stepped<'a, P> {
+    passes: P,
+    model: &'a Model,
 }
 
-/// Runs `schedule` over `layers_per_chunk` layers, microbatch j's input and upstream gradient
-/// from `data(j)`, setting the dropout step counter to j + 1 before each forward step; returns
-/// each microbatch's output and input gradient.
+impl<P: SchedulePasses> SchedulePasses for Stepped<'_, P> {
+    fn begin_forward(&mut self, _chunk: usize, microbatch: usize) -> graphed::Result<()> {
+        let step = Tensor::from_host(&self.model.alloc, &self.model.s, &[microbatch as u64 + 1], &[1])?;
+        self.model.step.copy_from(&step, &self.model.s)
+    }
+    fn forward(&mut self, layer: usize, j: usize, x: &Tensor) -> graphed::Result<Tensor> {
+        self.passes.forward(layer, j, x)
+    }
+    fn backward(&mut self, layer: usize, j: usize, dy: &Tensor) -> graphed::Result<Tensor> {
+        self.passes.backward(layer, j, dy)
+    }
+    fn weight_grad(&mut self, layer: usize, j: usize) -> graphed::Result<()> {
+        self.passes.weight_grad(layer, j)
+    }
+}
+
+/// Runs `schedule` through `passes` on microbatch j's input and upstream gradient from
+/// `data(j)` (reshaped by `shape`); returns each microbatch's output and input gradient.
 fn drive(
     model: &Model,
     schedule: &Schedule,
     layers_per_chunk: &[usize],
-    passes: &mut dyn Passes,
+    passes: &mut dyn SchedulePasses,
+    shape: &dyn Fn(Tensor) -> graphed::Result<Tensor>,
 ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
     let m = schedule.microbatches();
-    let first: Vec<usize> = layers_per_chunk.iter().scan(0, |a, n| Some(std::mem::replace(a, *a + n))).collect();
-    let (mut acts, mut grads): (HashMap<usize, Tensor>, HashMap<usize, Tensor>) = Default::default();
-    let mut out = vec![(Vec::new(), Vec::new()); m];
-    for (step, j) in schedule.with_microbatches() {
-        match step {
-            Step::Forward(k) => {
-                let step = Tensor::from_host(&model.alloc, &model.s, &[j as u64 + 1], &[1])?;
-                model.step.copy_from(&step, &model.s)?;
-                let mut x = match k {
-                    0 => model.data(j as u64)?.0,
-                    _ => acts.remove(&j).context("the previous chunk's output")?,
-                };
-                for l in first[k]..first[k] + layers_per_chunk[k] {
-                    x = passes.forward(l, j, &x)?;
-                }
-                if k + 1 == layers_per_chunk.len() {
-                    out[j].0 = x.to_f32_vec(&model.s)?;
-                } else {
-                    acts.insert(j, x);
-                }
-            }
-            Step::Backward(k) => {
-                let mut d = match grads.remove(&j) {
-                    Some(d) => d,
-                    None => model.data(j as u64)?.1,
-                };
-                for l in (first[k]..first[k] + layers_per_chunk[k]).rev() {
-                    d = passes.backward(l, j, &d)?;
-                }
-                if k == 0 {
-                    out[j].1 = d.to_f32_vec(&model.s)?;
-                } else {
-                    grads.insert(j, d);
-                }
-            }
-            Step::WeightGrad(k) => {
-                for l in (first[k]..first[k] + layers_per_chunk[k]).rev() {
-                    passes.weight_grad(l, j)?;
-                }
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// The layers, eagerly, their contexts kept per (layer, microbatch).
-struct Eager<'a, M: Module> {
-    layers: &'a [M],
-    model: &'a Model,
-    ctx: HashMap<(usize, usize), M::Ctx>,
-}
-
-impl<M: Module> Passes for Eager<'_, M> {
-    fn forward(&mut self, layer: usize, j: usize, x: &Tensor) -> Result<Tensor> {
-        let (mut y, ctx) = self.layers[layer].forward(&Inputs::one(x), &KeepOnDevice, &self.model.s)?;
-        self.ctx.insert((layer, j), ctx);
-        Ok(y.remove(0))
-    }
-    fn backward(&mut self, layer: usize, j: usize, dy: &Tensor) -> Result<Tensor> {
-        let ctx = self.ctx.remove(&(layer, j)).context("a forward before the backward")?;
-        let dx = self.layers[layer].backward(ctx, &[dy], &self.model.s)?;
-        dx.into_iter().next().flatten().context("an input gradient")
-    }
-    fn weight_grad(&mut self, layer: usize, _j: usize) -> Result {
-        Ok(self.layers[layer].backward_dw(&self.model.s)?)
-    }
-}
-
-/// The graphed instances, one per (chunk, microbatch, layer), replayed on the caller's stream;
-/// outputs copied out at once, as TransformerEngine's test does.
-struct Graphed<'a> {
-    graphed: &'a [GraphedCallable],
-    model: &'a Model,
-    index: Box<dyn Fn(usize, usize) -> usize + 'a>,
-}
-
-impl Passes for Graphed<'_> {
-    fn forward(&mut self, layer: usize, j: usize, x: &Tensor) -> Result<Tensor> {
-        let (y, _tail) =
-            self.graphed[(self.index)(layer, j)].forward(&self.model.s, &Inputs::one(x), Replay::caller())?;
-        Ok(y[0].to_owned(&self.model.alloc, &self.model.s)?)
-    }
-    fn backward(&mut self, layer: usize, j: usize, dy: &Tensor) -> Result<Tensor> {
-        let (dx, _tail) = self.graphed[(self.index)(layer, j)].backward(&self.model.s, &[dy])?;
-        Ok(dx[0].as_ref().context("an input gradient")?.to_owned(&self.model.alloc, &self.model.s)?)
-    }
-    fn weight_grad(&mut self, layer: usize, j: usize) -> Result {
-        let _tail = self.graphed[(self.index)(layer, j)].backward_dw(&self.model.s)?;
-        Ok(())
-    }
-}
-
-/// The instance index of `layer` for microbatch `j` (chunk by chunk, microbatch by microbatch,
-/// layer by layer).
-fn instance(layers_per_chunk: &[usize], m: usize) -> impl Fn(usize, usize) -> usize + '_ {
-    move |layer, j| {
-        let (mut first, mut k) = (0, 0);
-        while layer >= first + layers_per_chunk[k] {
-            first += layers_per_chunk[k];
-            k += 1;
-        }
-        first * m + j * layers_per_chunk[k] + (layer - first)
-    }
+    let data = (0..m).map(|j| model.data(j as u64)).collect::<Result<Vec<_>>>()?;
+    let inputs = data.iter().map(|(x, _)| shape(x.clone())).collect::<graphed::Result<Vec<_>>>()?;
+    let mut outputs = vec![Vec::new(); m];
+    let mut head = |j: usize, y: Tensor| -> graphed::Result<Tensor> {
+        outputs[j] = y.to_f32_vec(&model.s)?;
+        shape(data[j].1.clone())
+    };
+    let dx = run_schedule(passes, schedule, layers_per_chunk, &inputs, &mut head)?;
+    let dx = dx.iter().map(|d| d.to_f32_vec(&model.s)).collect::<graphed::Result<Vec<_>>>()?;
+    Ok(outputs.into_iter().zip(dx).collect())
 }
 
 /// Twin models: the schedule eagerly and graphed (with and without buffer reuse), two steps,
@@ -156,10 +81,11 @@ fn scheduled_twin(dev: &Device, schedule: &Schedule, dtype: DType, reuse: bool) 
     let g = make_graphed_callables(&graphed.alloc, &graphed.callables(), &samples, options)?;
     ensure!(g.len() == graphed.layers().len() * m, "one graphed callable per (layer, microbatch)");
     for step in 0..2 {
-        let mut e = Eager { layers: eager.layers(), model: &eager, ctx: HashMap::new() };
-        let want = drive(&eager, schedule, &per_chunk, &mut e)?;
-        let mut r = Graphed { graphed: &g, model: &graphed, index: Box::new(instance(&per_chunk, m)) };
-        let got = drive(&graphed, schedule, &per_chunk, &mut r)?;
+        let same = |t: Tensor| Ok(t);
+        let passes = EagerPasses::new(eager.layers(), &KeepOnDevice, &eager.s);
+        let want = drive(&eager, schedule, &per_chunk, &mut Stepped { passes, model: &eager }, &same)?;
+        let passes = GraphedPasses::new(&g, schedule, &per_chunk, &graphed.s);
+        let got = drive(&graphed, schedule, &per_chunk, &mut Stepped { passes, model: &graphed }, &same)?;
         ensure!(got == want, "step {step} of {schedule}: outputs or input gradients differ");
         ensure!(graphed.grads()? == eager.grads()?, "step {step} of {schedule}: parameter gradients differ");
         eager.optimizer_step()?;
@@ -219,59 +145,14 @@ pub fn zero_bubble_with_split_weight_grads_matches_eager(dev: &Device) -> Result
     let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
     let g = make_graphed_callables(&model.alloc, &callables, &samples, options)?;
     let reshaped = |t: Tensor| t.reshape(&rows);
-    let mut e = Eager { layers: &eager, model: &model, ctx: HashMap::new() };
-    let want = drive_rows(&model, &schedule, &mut e, &reshaped)?;
-    let mut r = Graphed { graphed: &g, model: &model, index: Box::new(instance(&[1], 4)) };
-    let got = drive_rows(&model, &schedule, &mut r, &reshaped)?;
+    let want = drive(&model, &schedule, &[1], &mut EagerPasses::new(&eager, &KeepOnDevice, &model.s), &reshaped)?;
+    let got = drive(&model, &schedule, &[1], &mut GraphedPasses::new(&g, &schedule, &[1], &model.s), &reshaped)?;
     ensure!(got == want, "zero bubble: outputs or input gradients differ");
     ensure!(
         eager_store.grads()?.to_f32_vec(&model.s)? == graphed_store.grads()?.to_f32_vec(&model.s)?,
         "zero bubble: parameter gradients differ"
     );
     Ok(())
-}
-
-/// [`drive`] for one chunk of one layer over `(rows, width)` inputs.
-fn drive_rows(
-    model: &Model,
-    schedule: &Schedule,
-    passes: &mut dyn Passes,
-    reshape: &dyn Fn(Tensor) -> graphed::Result<Tensor>,
-) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
-    let mut out = vec![(Vec::new(), Vec::new()); schedule.microbatches()];
-    let layers = schedule.chunks();
-    let mut acts: HashMap<usize, Tensor> = HashMap::new();
-    let mut grads: HashMap<usize, Tensor> = HashMap::new();
-    for (step, j) in schedule.with_microbatches() {
-        match step {
-            Step::Forward(k) => {
-                let x = match k {
-                    0 => reshape(model.data(j as u64)?.0)?,
-                    _ => acts.remove(&j).context("an output")?,
-                };
-                let y = passes.forward(k, j, &x)?;
-                if k + 1 == layers {
-                    out[j].0 = y.to_f32_vec(&model.s)?;
-                } else {
-                    acts.insert(j, y);
-                }
-            }
-            Step::Backward(k) => {
-                let d = match grads.remove(&j) {
-                    Some(d) => d,
-                    None => reshape(model.data(j as u64)?.1)?,
-                };
-                let dx = passes.backward(k, j, &d)?;
-                if k == 0 {
-                    out[j].1 = dx.to_f32_vec(&model.s)?;
-                } else {
-                    grads.insert(j, dx);
-                }
-            }
-            Step::WeightGrad(k) => passes.weight_grad(k, j)?,
-        }
-    }
-    Ok(out)
 }
 
 /// A replay out of the schedule's order is refused, naming the graph expected.

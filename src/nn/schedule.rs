@@ -1,14 +1,19 @@
 //! Pipeline schedules: the order in which a rank runs the forward, backward and split
 //! weight-gradient passes of its model chunks (virtual pipeline stages) over the microbatches of
-//! a step. `make_graphed_callables` captures one graph per (layer, microbatch) in this order, so
+//! a step, and the one traversal that runs them ([`run_schedule`]), eagerly or graphed.
+//! `graph::make_graphed_callables` captures one graph per (layer, microbatch) in this order, so
 //! that the graphs share one pool and replay in the order they were captured (R5).
 //!
 //! TransformerEngine's `_order` encoding is accepted ([`Schedule::from_te_order`]): `+k` is the
 //! forward of chunk k (1-based) for that chunk's next microbatch, `-k` its backward, `-(k + 0.5)`
 //! its weight-gradient pass for the microbatch whose backward ran last without one.
 
+use std::collections::HashMap;
 use std::fmt;
 
+use super::{Inputs, Module, SaveHook};
+use crate::device::Stream;
+use crate::tensor::Tensor;
 use crate::{Error, Result};
 
 /// One entry of a schedule: a pass of a chunk (0-based) for the chunk's next microbatch.
@@ -103,7 +108,7 @@ fn refuse<T>(kind: ScheduleErrorKind) -> Result<T> {
 /// A validated schedule: its steps, chunks and microbatches.
 ///
 /// ```
-/// use graphed::graph::{Schedule, Step};
+/// use graphed::nn::{Schedule, Step};
 /// // TransformerEngine's test order: 2 chunks, 3 microbatches.
 /// let s = Schedule::from_te_order(&[1.0, 2.0, 1.0, 2.0, -2.0, -1.0, 1.0, 2.0, -2.0, -1.0, -2.0, -1.0])?;
 /// assert_eq!((s.chunks(), s.microbatches()), (2, 3));
@@ -342,6 +347,21 @@ impl Schedule {
             .collect()
     }
 
+    /// Where layer `layer` (counted over every chunk's `layers_per_chunk` layers) for
+    /// `microbatch` sits among one-per-(layer, microbatch) things ordered chunk by chunk,
+    /// microbatch by microbatch, layer by layer, as TransformerEngine orders sample inputs and
+    /// graphed callables.
+    pub fn instance(&self, layers_per_chunk: &[usize], layer: usize, microbatch: usize) -> usize {
+        let mut first = 0;
+        for &n in layers_per_chunk {
+            if layer < first + n {
+                return first * self.microbatches + microbatch * n + (layer - first);
+            }
+            first += n;
+        }
+        first * self.microbatches + microbatch
+    }
+
     /// In TransformerEngine's `_order` encoding.
     pub fn to_te_order(&self) -> Vec<f64> {
         (self.steps.iter())
@@ -351,6 +371,125 @@ impl Schedule {
                 Step::WeightGrad(k) => -((k + 1) as f64 + 0.5),
             })
             .collect()
+    }
+}
+
+/// One way of running the passes a schedule names: layer `layer` (counted over every chunk's
+/// layers, chunk by chunk) for microbatch `microbatch`, eagerly ([`EagerPasses`]) or graphed
+/// (`graph::GraphedPasses`).
+pub trait SchedulePasses {
+    /// A forward step of chunk `chunk` for `microbatch` begins (before its first layer): where
+    /// per-microbatch state, such as a dropout step counter, is set.
+    fn begin_forward(&mut self, _chunk: usize, _microbatch: usize) -> Result<()> {
+        Ok(())
+    }
+    /// The layer's forward of `x`.
+    fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor>;
+    /// The layer's backward of `dy`: its input gradient.
+    fn backward(&mut self, layer: usize, microbatch: usize, dy: &Tensor) -> Result<Tensor>;
+    /// The layer's split weight-gradient pass.
+    fn weight_grad(&mut self, layer: usize, microbatch: usize) -> Result<()>;
+}
+
+/// Runs `schedule` over chunks of `layers_per_chunk` layers: microbatch j's `inputs[j]` through
+/// chunk 0, each chunk's output into the next chunk's forward of the same microbatch, the last
+/// chunk's output to `head(j, y)`, which returns its upstream gradient; each backward's input
+/// gradient into the previous chunk's backward of the microbatch. Returns each microbatch's
+/// input gradient. The one traversal of a schedule, as [`forward_pass`](super::forward_pass)
+/// and [`backward_pass`](super::backward_pass) are a stack's.
+///
+/// # Errors
+/// [`ScheduleErrorKind::Arguments`] when the layers or inputs do not fit the schedule; the
+/// passes' own.
+pub fn run_schedule(
+    passes: &mut dyn SchedulePasses,
+    schedule: &Schedule,
+    layers_per_chunk: &[usize],
+    inputs: &[Tensor],
+    head: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+) -> Result<Vec<Tensor>> {
+    if layers_per_chunk.len() != schedule.chunks() || inputs.len() != schedule.microbatches() {
+        let what = format!(
+            "{} chunks of layers and {} inputs for a schedule of {} chunks and {} microbatches; pass one of each",
+            layers_per_chunk.len(),
+            inputs.len(),
+            schedule.chunks(),
+            schedule.microbatches()
+        );
+        return refuse(ScheduleErrorKind::Arguments { what });
+    }
+    let first: Vec<usize> = layers_per_chunk.iter().scan(0, |a, n| Some(std::mem::replace(a, *a + n))).collect();
+    let layers = |k: usize| first[k]..first[k] + layers_per_chunk[k];
+    let last = schedule.chunks() - 1;
+    // Between chunks, per microbatch: an activation forward, a gradient backward.
+    let mut flowing: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).collect();
+    let mut grads: Vec<Option<Tensor>> = vec![None; inputs.len()];
+    for (step, j) in schedule.with_microbatches() {
+        let missing =
+            |what: &str| ScheduleErrorKind::Arguments { what: format!("{step} of microbatch {j} has no {what}") };
+        match step {
+            Step::Forward(k) => {
+                passes.begin_forward(k, j)?;
+                let mut x = flowing[j].take().ok_or_else(|| Error::Schedule(missing("input")))?;
+                for l in layers(k) {
+                    x = passes.forward(l, j, &x)?;
+                }
+                flowing[j] = Some(x);
+                if k == last {
+                    let y = flowing[j].take().expect("just set");
+                    grads[j] = Some(head(j, y)?);
+                }
+            }
+            Step::Backward(k) => {
+                let mut d = grads[j].take().ok_or_else(|| Error::Schedule(missing("gradient")))?;
+                for l in layers(k).rev() {
+                    d = passes.backward(l, j, &d)?;
+                }
+                grads[j] = Some(d);
+            }
+            Step::WeightGrad(k) => {
+                for l in layers(k).rev() {
+                    passes.weight_grad(l, j)?;
+                }
+            }
+        }
+    }
+    grads.into_iter().map(|d| d.ok_or(Error::Schedule(ScheduleErrorKind::Empty))).collect()
+}
+
+/// The layers of a schedule run eagerly, each (layer, microbatch)'s context kept for its
+/// backward.
+pub struct EagerPasses<'a, M: Module> {
+    layers: &'a [M],
+    hook: &'a dyn SaveHook,
+    stream: &'a Stream,
+    saved: HashMap<(usize, usize), M::Ctx>,
+}
+
+impl<'a, M: Module> EagerPasses<'a, M> {
+    /// `layers` (every chunk's, chunk by chunk), saving through `hook`, on `stream`.
+    pub fn new(layers: &'a [M], hook: &'a dyn SaveHook, stream: &'a Stream) -> EagerPasses<'a, M> {
+        EagerPasses { layers, hook, stream, saved: HashMap::new() }
+    }
+}
+
+impl<M: Module> SchedulePasses for EagerPasses<'_, M> {
+    fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor> {
+        let (mut y, ctx) = self.layers[layer].forward(&Inputs::one(x), self.hook, self.stream)?;
+        self.saved.insert((layer, microbatch), ctx);
+        Ok(y.remove(0))
+    }
+
+    fn backward(&mut self, layer: usize, microbatch: usize, dy: &Tensor) -> Result<Tensor> {
+        let ctx = self.saved.remove(&(layer, microbatch)).ok_or_else(|| {
+            let what = format!("the backward of layer {layer}, microbatch {microbatch}, before its forward");
+            Error::Schedule(ScheduleErrorKind::Arguments { what })
+        })?;
+        super::input_grad("EagerPasses::backward", self.layers[layer].backward(ctx, &[dy], self.stream)?)
+    }
+
+    fn weight_grad(&mut self, layer: usize, _microbatch: usize) -> Result<()> {
+        self.layers[layer].backward_dw(self.stream)
     }
 }
 
