@@ -26,20 +26,21 @@ fi
     --no-fail-fast 2>&1 | tee -a "$OUT/tests.log" | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed" | tail -40
 # The device tool returns at most 8 files: train's logs go into one.
 logs=$(mktemp -d)
-for mode in graphed side-stream pool-per-layer eager f32 offload offload-side offload-eager; do
+for mode in graphed side-stream pool-per-layer eager f32 offload offload-side offload-eager schedule schedule-eager; do
     flag=$(case $mode in
         graphed) ;;
         f32) echo "--dtype f32" ;;
         offload) echo "--offload" ;;
         offload-side) echo "--offload --side-stream" ;;
         offload-eager) echo "--offload --eager" ;;
+        schedule-eager) echo "--schedule --eager" ;;
         *) echo "--$mode" ;;
     esac)
     .gpu/graphed train $flag > "$logs/$mode.log" 2>&1
     { echo "# graphed train $flag"; cat "$logs/$mode.log"; } >> "$OUT/train.log"
     tail -3 "$logs/$mode.log"
 done
-for mode in side-stream pool-per-layer eager offload offload-side offload-eager; do
+for mode in side-stream pool-per-layer eager offload offload-side offload-eager schedule schedule-eager; do
     if diff <(grep -E '^step|^final|accuracy' "$logs/graphed.log") \
             <(grep -E '^step|^final|accuracy' "$logs/$mode.log") > /dev/null; then
         echo "train $mode: loss lines equal to graphed"

@@ -198,6 +198,13 @@ pub struct TrainArgs {
     pub pool_per_layer: bool,
     #[command(flatten)]
     pub offload: OffloadArgs,
+    /// Split each batch into microbatches and the layers into virtual pipeline stages, and step
+    /// them under interleaved 1F1B on this GPU: one graph per (layer, microbatch) captured and
+    /// replayed in the schedule's order, with buffer reuse (eagerly with `--eager`).
+    #[arg(long, conflicts_with_all = ["side_stream", "pool_per_layer", "offload"])]
+    pub schedule: bool,
+    #[command(flatten)]
+    pub schedule_args: ScheduleArgs,
     /// Optimizer steps (default: 1000 on CUDA, 600 on the simulator).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub steps: Option<u32>,
@@ -260,6 +267,10 @@ pub enum BenchCommand {
     /// graphed-side, copy rates against the pinned peak, how early the caller resumes (BENCH.md's
     /// configurations; M and L are the ones the goals name).
     Offload(GraphsBenchArgs),
+    /// A pipeline schedule on one GPU (all stages local): one graph per (layer, microbatch)
+    /// captured and replayed in the schedule's order, with and without buffer reuse, against the
+    /// same schedule run eagerly.
+    Schedule(ScheduleBenchArgs),
 }
 
 /// Arguments of `bench graphs`.
@@ -301,6 +312,53 @@ pub struct InspectArgs {
     pub side_stream: bool,
     #[command(flatten)]
     pub offload: OffloadArgs,
+}
+
+/// A pipeline schedule to run: interleaved 1F1B (1F1B with one virtual stage) for one pipeline
+/// rank of one stage, all its chunks on this GPU.
+#[derive(Args, Debug, Clone)]
+pub struct ScheduleArgs {
+    /// Microbatches per step.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub microbatches: u32,
+    /// Model chunks (virtual pipeline stages) the layers are split into; must divide the layers.
+    #[arg(long = "virtual-stages", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub virtual_stages: u32,
+}
+
+impl ScheduleArgs {
+    /// The schedule, and the layers of each chunk for `layers` layers.
+    pub fn resolve(&self, layers: usize) -> anyhow::Result<(graphed::nn::Schedule, Vec<usize>)> {
+        let v = self.virtual_stages as usize;
+        if layers % v != 0 {
+            anyhow::bail!("{layers} layers do not split into {v} virtual stages; pass a divisor of {layers}");
+        }
+        let schedule = graphed::nn::Schedule::interleaved_1f1b(1, 0, v, self.microbatches as usize)?;
+        Ok((schedule, vec![layers / v; v]))
+    }
+}
+
+/// Arguments of `bench schedule`.
+#[derive(Args, Debug, Clone)]
+pub struct ScheduleBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
+    pub dtype: DTypeArgs,
+    /// BENCH.md configuration, or `tiny` (default: M on CUDA, tiny on the simulator).
+    #[arg(long, ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES)]
+    pub config: Option<String>,
+    #[command(flatten)]
+    pub schedule: ScheduleArgs,
+    /// Timed steps per variant (median, min and max are reported).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub steps: u32,
+    /// Untimed steps per variant before the timed ones.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    pub warmup: u32,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -44,6 +44,10 @@ impl<'a> GraphedPasses<'a> {
 }
 
 impl SchedulePasses for GraphedPasses<'_> {
+    fn advance_rng(&mut self, step: &Tensor) -> Result<()> {
+        crate::ops::rng::step_add(step, 1, self.caller)
+    }
+
     fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor> {
         let (y, _tail) = self.callable(layer, microbatch)?.forward(self.caller, &Inputs::one(x), Replay::caller())?;
         let y = y.into_iter().next().ok_or(Error::MissingGradient { op: "GraphedPasses", what: "an output".into() })?;

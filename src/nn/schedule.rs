@@ -378,11 +378,8 @@ impl Schedule {
 /// layers, chunk by chunk) for microbatch `microbatch`, eagerly ([`EagerPasses`]) or graphed
 /// (`graph::GraphedPasses`).
 pub trait SchedulePasses {
-    /// A forward step of chunk `chunk` for `microbatch` begins (before its first layer): where
-    /// per-microbatch state, such as a dropout step counter, is set.
-    fn begin_forward(&mut self, _chunk: usize, _microbatch: usize) -> Result<()> {
-        Ok(())
-    }
+    /// Advances the dropout step counter `step` by one, on the passes' stream.
+    fn advance_rng(&mut self, step: &Tensor) -> Result<()>;
     /// The layer's forward of `x`.
     fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor>;
     /// The layer's backward of `dy`: its input gradient.
@@ -394,7 +391,9 @@ pub trait SchedulePasses {
 /// Runs `schedule` over chunks of `layers_per_chunk` layers: microbatch j's `inputs[j]` through
 /// chunk 0, each chunk's output into the next chunk's forward of the same microbatch, the last
 /// chunk's output to `head(j, y)`, which returns its upstream gradient; each backward's input
-/// gradient into the previous chunk's backward of the microbatch. Returns each microbatch's
+/// gradient into the previous chunk's backward of the microbatch. Before every forward step,
+/// `rng_step` (the layers' dropout step counter, if any) advances by one, as a stack's forward
+/// advances it, so that eager and graphed runs draw the same masks. Returns each microbatch's
 /// input gradient. The one traversal of a schedule, as [`forward_pass`](super::forward_pass)
 /// and [`backward_pass`](super::backward_pass) are a stack's.
 ///
@@ -406,6 +405,7 @@ pub fn run_schedule(
     schedule: &Schedule,
     layers_per_chunk: &[usize],
     inputs: &[Tensor],
+    rng_step: Option<&Tensor>,
     head: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
 ) -> Result<Vec<Tensor>> {
     if layers_per_chunk.len() != schedule.chunks() || inputs.len() != schedule.microbatches() {
@@ -429,7 +429,9 @@ pub fn run_schedule(
             |what: &str| ScheduleErrorKind::Arguments { what: format!("{step} of microbatch {j} has no {what}") };
         match step {
             Step::Forward(k) => {
-                passes.begin_forward(k, j)?;
+                if let Some(step) = rng_step {
+                    passes.advance_rng(step)?;
+                }
                 let mut x = flowing[j].take().ok_or_else(|| Error::Schedule(missing("input")))?;
                 for l in layers(k) {
                     x = passes.forward(l, j, &x)?;
@@ -474,6 +476,10 @@ impl<'a, M: Module> EagerPasses<'a, M> {
 }
 
 impl<M: Module> SchedulePasses for EagerPasses<'_, M> {
+    fn advance_rng(&mut self, step: &Tensor) -> Result<()> {
+        crate::ops::rng::step_add(step, 1, self.stream)
+    }
+
     fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor> {
         let (mut y, ctx) = self.layers[layer].forward(&Inputs::one(x), self.hook, self.stream)?;
         self.saved.insert((layer, microbatch), ctx);

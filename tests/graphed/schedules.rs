@@ -16,31 +16,9 @@ use graphed::tensor::Tensor;
 
 use super::fixtures::{Model, Result, SHAPE};
 
-/// Sets the dropout step counter to j + 1 before each forward step of microbatch j, around
-/// other passes (eager or graphed: the graphs read the counter from device memory).
-struct Stepped<'a, P> {
-    passes: P,
-    model: &'a Model,
-}
-
-impl<P: SchedulePasses> SchedulePasses for Stepped<'_, P> {
-    fn begin_forward(&mut self, _chunk: usize, microbatch: usize) -> graphed::Result<()> {
-        let step = Tensor::from_host(&self.model.alloc, &self.model.s, &[microbatch as u64 + 1], &[1])?;
-        self.model.step.copy_from(&step, &self.model.s)
-    }
-    fn forward(&mut self, layer: usize, j: usize, x: &Tensor) -> graphed::Result<Tensor> {
-        self.passes.forward(layer, j, x)
-    }
-    fn backward(&mut self, layer: usize, j: usize, dy: &Tensor) -> graphed::Result<Tensor> {
-        self.passes.backward(layer, j, dy)
-    }
-    fn weight_grad(&mut self, layer: usize, j: usize) -> graphed::Result<()> {
-        self.passes.weight_grad(layer, j)
-    }
-}
-
 /// Runs `schedule` through `passes` on microbatch j's input and upstream gradient from
-/// `data(j)` (reshaped by `shape`); returns each microbatch's output and input gradient.
+/// `data(j)` (reshaped by `shape`), the model's dropout step counter advanced per forward step;
+/// returns each microbatch's output and input gradient.
 fn drive(
     model: &Model,
     schedule: &Schedule,
@@ -56,7 +34,7 @@ fn drive(
         outputs[j] = y.to_f32_vec(&model.s)?;
         shape(data[j].1.clone())
     };
-    let dx = run_schedule(passes, schedule, layers_per_chunk, &inputs, &mut head)?;
+    let dx = run_schedule(passes, schedule, layers_per_chunk, &inputs, Some(&model.step), &mut head)?;
     let dx = dx.iter().map(|d| d.to_f32_vec(&model.s)).collect::<graphed::Result<Vec<_>>>()?;
     Ok(outputs.into_iter().zip(dx).collect())
 }
@@ -83,9 +61,9 @@ fn scheduled_twin(dev: &Device, schedule: &Schedule, dtype: DType, reuse: bool) 
     for step in 0..2 {
         let same = |t: Tensor| Ok(t);
         let passes = EagerPasses::new(eager.layers(), &KeepOnDevice, &eager.s);
-        let want = drive(&eager, schedule, &per_chunk, &mut Stepped { passes, model: &eager }, &same)?;
+        let want = drive(&eager, schedule, &per_chunk, &mut { passes }, &same)?;
         let passes = GraphedPasses::new(&g, schedule, &per_chunk, &graphed.s);
-        let got = drive(&graphed, schedule, &per_chunk, &mut Stepped { passes, model: &graphed }, &same)?;
+        let got = drive(&graphed, schedule, &per_chunk, &mut { passes }, &same)?;
         ensure!(got == want, "step {step} of {schedule}: outputs or input gradients differ");
         ensure!(graphed.grads()? == eager.grads()?, "step {step} of {schedule}: parameter gradients differ");
         eager.optimizer_step()?;

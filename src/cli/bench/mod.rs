@@ -7,6 +7,7 @@ mod graphs;
 mod launch;
 mod layer;
 mod offload;
+mod schedule;
 
 use std::path::PathBuf;
 
@@ -24,6 +25,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Layer(a) => layer::run(a),
         BenchCommand::Graphs(a) => graphs::run(a),
         BenchCommand::Offload(a) => offload::run(a),
+        BenchCommand::Schedule(a) => schedule::run(a),
     }
 }
 

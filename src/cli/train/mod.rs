@@ -5,6 +5,7 @@
 //! decoding.
 
 mod addition;
+mod schedule;
 mod step;
 
 use std::collections::HashSet;

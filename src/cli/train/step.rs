@@ -12,30 +12,40 @@ use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 
 use super::addition;
+use super::schedule::Scheduled;
 use crate::cli::args::TrainArgs;
 
 /// Runs a step on `stream`, the way the arguments say.
 pub struct Stepper {
     stream: Stream,
-    /// `None` with `--eager`.
-    graphed: Option<Graphed>,
+    alloc: CachingAllocator,
+    layers: Layers,
+    /// The optimizer step as a graph; `None` with `--eager`.
+    optimizer: Option<GraphedFn>,
     /// With `--offload`: the manager (its policy frozen when graphed; after the first step
     /// when eager).
     offload: Option<OffloadManager>,
 }
 
-struct Graphed {
-    stack: GraphedStack,
-    optimizer: GraphedFn,
-    /// The side stream, with `--side-stream`.
-    side: Option<Stream>,
-    pool_per_layer: bool,
+/// How the transformer layers run.
+enum Layers {
+    /// Module by module (`--eager`).
+    Eager,
+    /// A graphed stack.
+    Stack {
+        stack: GraphedStack,
+        /// The side stream, with `--side-stream`.
+        side: Option<Stream>,
+        pool_per_layer: bool,
+    },
+    /// Under a pipeline schedule (`--schedule`), graphed unless `--eager`.
+    Scheduled(Scheduled),
 }
 
 impl Stepper {
     /// Captures the model's layers and the optimizer step unless `--eager`: the layers into one
-    /// pool (chained, so that no copies run between layers) or, with `--pool-per-layer`, one pool
-    /// per layer.
+    /// pool (chained, so that no copies run between layers), with `--pool-per-layer` one pool
+    /// per layer, with `--schedule` one graph per (layer, microbatch).
     pub fn new(
         model: &Gpt,
         optimizer: &AdamW,
@@ -46,28 +56,32 @@ impl Stepper {
     ) -> anyhow::Result<Stepper> {
         let dev = stream.device();
         let offload = args.offload.config(dev).map(|c| OffloadManager::new(alloc, c)).transpose()?;
-        if args.eager {
-            return Ok(Stepper { stream: stream.clone(), graphed: None, offload });
-        }
-        let x = Tensor::zeros(alloc, stream, &[batch, addition::INPUT, model.config().dim], model.config().dtype)?;
-        if let Some(m) = &offload {
-            warm_up(model, m, &x, alloc, stream)?;
-        }
-        let (side, event) = match args.side_stream {
-            true => (Some(dev.stream()?), Some(dev.event()?)),
-            false => (None, None),
+        let layers = match (args.schedule, args.eager) {
+            (true, _) => Layers::Scheduled(Scheduled::new(model, alloc, stream, batch, args)?),
+            (false, true) => Layers::Eager,
+            (false, false) => {
+                let x =
+                    Tensor::zeros(alloc, stream, &[batch, addition::INPUT, model.config().dim], model.config().dtype)?;
+                if let Some(m) = &offload {
+                    warm_up(model, m, &x, alloc, stream)?;
+                }
+                let (side, event) = match args.side_stream {
+                    true => (Some(dev.stream()?), Some(dev.event()?)),
+                    false => (None, None),
+                };
+                let mut options = GraphOptions::default().pool_per_callable(args.pool_per_layer);
+                if let Some(e) = &event {
+                    options = options.sync_event(e);
+                }
+                if let Some(m) = &offload {
+                    options = m.graph_options(options)?;
+                }
+                let stack = make_graphed_stack(alloc, model.layers(), &x, options)?;
+                Layers::Stack { stack, side, pool_per_layer: args.pool_per_layer }
+            }
         };
-        let mut options = GraphOptions::default().pool_per_callable(args.pool_per_layer);
-        if let Some(e) = &event {
-            options = options.sync_event(e);
-        }
-        if let Some(m) = &offload {
-            options = m.graph_options(options)?;
-        }
-        let stack = make_graphed_stack(alloc, model.layers(), &x, options)?;
-        let optimizer = make_graphed_fn(alloc, |s| optimizer.step(s))?;
-        let graphed = Graphed { stack, optimizer, side, pool_per_layer: args.pool_per_layer };
-        Ok(Stepper { stream: stream.clone(), graphed: Some(graphed), offload })
+        let optimizer = (!args.eager).then(|| make_graphed_fn(alloc, |s| optimizer.step(s))).transpose()?;
+        Ok(Stepper { stream: stream.clone(), alloc: alloc.clone(), layers, optimizer, offload })
     }
 
     /// The offload policy's table, once frozen.
@@ -78,16 +92,18 @@ impl Stepper {
     /// How the step runs, for the banner.
     pub fn describe(&self) -> String {
         let offload = if self.offload.is_some() { ", activations offloaded to host memory" } else { "" };
-        let how = match &self.graphed {
-            None => "eager".into(),
-            Some(Graphed { stack, side, pool_per_layer, .. }) => format!(
-                "a graphed stack of {} layers ({}, {}) and a graphed optimizer step",
+        let optimizer = if self.optimizer.is_some() { " and a graphed optimizer step" } else { "" };
+        let how = match &self.layers {
+            Layers::Eager => "eager".into(),
+            Layers::Stack { stack, side, pool_per_layer } => format!(
+                "a graphed stack of {} layers ({}, {})",
                 stack.layers().len(),
                 if side.is_some() { "side stream, resuming at the in-graph event" } else { "caller's stream" },
                 if *pool_per_layer { "a pool per layer" } else { "one shared pool" }
             ),
+            Layers::Scheduled(s) => format!("a pipeline schedule, {}", s.describe()),
         };
-        format!("{how}{offload}")
+        format!("{how}{optimizer}{offload}")
     }
 
     /// Forward, backward and optimizer step of one batch; returns the per-position losses.
@@ -100,30 +116,38 @@ impl Stepper {
         weights: &Tensor,
     ) -> anyhow::Result<Tensor> {
         let stream = &self.stream;
-        let Some(g) = &self.graphed else {
-            let hook: Box<dyn SaveHook> = match &self.offload {
-                Some(m) => Box::new(m.chunk(Chunk::default())),
-                None => Box::new(KeepOnDevice),
-            };
-            let (losses, ctx) = model.forward_with(tokens, targets, hook.as_ref(), stream)?;
-            model.backward(ctx, weights, stream)?;
-            if let Some(m) = &self.offload {
-                m.end_iteration(stream)?;
+        let losses = match &self.layers {
+            Layers::Eager => {
+                let hook: Box<dyn SaveHook> = match &self.offload {
+                    Some(m) => Box::new(m.chunk(Chunk::default())),
+                    None => Box::new(KeepOnDevice),
+                };
+                let (losses, ctx) = model.forward_with(tokens, targets, hook.as_ref(), stream)?;
+                model.backward(ctx, weights, stream)?;
+                if let Some(m) = &self.offload {
+                    m.end_iteration(stream)?;
+                }
+                losses
             }
-            optimizer.step(stream)?;
-            return Ok(losses);
+            Layers::Scheduled(s) => s.step(model, &self.alloc, stream, (tokens, targets, weights))?,
+            Layers::Stack { stack, side, .. } => {
+                let replay = side.as_ref().map_or(Replay::caller(), Replay::side);
+                let h = model.embed(tokens, stream)?;
+                let y = stack.forward(stream, &h, replay)?;
+                let (losses, head) = model.head(y.get()?, targets, stream)?;
+                let dy = model.head_backward(head, weights, stream)?;
+                let dx = stack.backward(stream, &dy)?;
+                let dx = dx.ok_or_else(|| anyhow::anyhow!("the first layer gave no input gradient"))?;
+                model.embed_backward(tokens, dx.get()?, stream)?;
+                // The optimizer reads every gradient: join the tails first (R4).
+                stack.join(stream)?;
+                losses
+            }
         };
-        let replay = g.side.as_ref().map_or(Replay::caller(), Replay::side);
-        let h = model.embed(tokens, stream)?;
-        let y = g.stack.forward(stream, &h, replay)?;
-        let (losses, head) = model.head(y.get()?, targets, stream)?;
-        let dy = model.head_backward(head, weights, stream)?;
-        let dx =
-            g.stack.backward(stream, &dy)?.ok_or_else(|| anyhow::anyhow!("the first layer gave no input gradient"))?;
-        model.embed_backward(tokens, dx.get()?, stream)?;
-        // The optimizer reads every gradient: join the tails first (R4).
-        g.stack.join(stream)?;
-        g.optimizer.replay(stream)?;
+        match &self.optimizer {
+            Some(g) => g.replay(stream)?,
+            None => optimizer.step(stream)?,
+        }
         Ok(losses)
     }
 }

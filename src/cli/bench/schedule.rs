@@ -1,0 +1,159 @@
+//! `graphed bench schedule`: `BENCH.md`'s layers split into virtual stages and stepped under
+//! interleaved 1F1B over several microbatches on one GPU (all stages local): eagerly, and as one
+//! graph per (layer, microbatch) captured and replayed in the schedule's order, without and with
+//! buffer reuse across microbatches. Per variant: step time, capture time and graph count,
+//! static and pool memory.
+
+use std::time::Instant;
+
+use anyhow::bail;
+use graphed::device::{DType, Device, DeviceKind};
+use graphed::graph::{make_graphed_callables, static_bytes, Callable, GraphOptions, GraphedPasses};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{run_schedule, EagerPasses, Inputs, KeepOnDevice, SchedulePasses};
+use graphed::tensor::Tensor;
+use serde::Serialize;
+
+use super::{spread, write_json, Case, Report, Spread};
+use crate::cli::args::{DeviceChoice, ScheduleBenchArgs};
+use crate::cli::bench_model::{BenchModel, Config};
+
+#[derive(Serialize, Debug)]
+struct ScheduleRow {
+    #[serde(flatten)]
+    case: Case,
+    schedule: String,
+    microbatches: usize,
+    virtual_stages: usize,
+    wall_ms: Spread,
+    gpu_ms: Option<Spread>,
+    host_us: Spread,
+    /// Graphs captured (forward and backward per (layer, microbatch)); none eager.
+    graphs: Option<usize>,
+    capture_ms: Option<f64>,
+    /// Static buffers outside the pool (inputs and output gradients), each once.
+    static_bytes: Option<usize>,
+    /// The graph pool's peak allocation and reservation.
+    pool_peak_bytes: Option<usize>,
+    pool_reserved_bytes: Option<usize>,
+}
+
+pub fn run(args: &ScheduleBenchArgs) -> anyhow::Result<()> {
+    let dev = super::super::open_device(&args.device)?;
+    if dev.kind() != DeviceKind::Cuda && args.device.device != DeviceChoice::Sim {
+        bail!("bench schedule times GPU work; run it on a CUDA device (or smoke-test it with `--device sim --config tiny`)");
+    }
+    let on_gpu = dev.kind() == DeviceKind::Cuda;
+    let config = Config::named(args.config.as_deref().unwrap_or(if on_gpu { "M" } else { "tiny" }))?;
+    config.check_device(&dev, "--config")?;
+    let dtype = args.dtype.resolve(&dev);
+    let (schedule, _) = args.schedule.resolve(config.layers)?;
+    println!("{config}, {dtype}; {schedule}");
+    let mut rows = Vec::new();
+    for variant in ["schedule-eager", "schedule-graphed", "schedule-graphed-reuse"] {
+        let row = run_variant(&dev, (config, dtype), variant, args)?;
+        print_row(&row);
+        rows.push(row);
+    }
+    if let [eager, graphed, _] = &rows[..] {
+        println!("  wall time: graphed/eager {:.2}x", graphed.wall_ms.median / eager.wall_ms.median);
+    }
+    println!("{}", crate::cli::checker_summary(&dev));
+    write_json(&args.json, &Report::new("schedule", &dev, args.steps, rows))
+}
+
+fn run_variant(
+    dev: &Device,
+    (config, dtype): (Config, DType),
+    variant: &'static str,
+    args: &ScheduleBenchArgs,
+) -> anyhow::Result<ScheduleRow> {
+    let alloc = CachingAllocator::new(dev);
+    let main = dev.stream()?;
+    let model = BenchModel::new(&alloc, &main, config, dtype)?;
+    let (schedule, per_chunk) = args.schedule.resolve(config.layers)?;
+    let m = schedule.microbatches();
+    let inputs = vec![model.x.clone(); m];
+    let layers = model.stack.layers();
+    let mut head = |_: usize, _: Tensor| Ok(model.dy.clone());
+    let (graphed, capture_ms) = match variant {
+        "schedule-eager" => (None, None),
+        _ => {
+            let callables: Vec<&dyn Callable> = layers.iter().map(|l| l as &dyn Callable).collect();
+            let samples: Vec<Inputs> = (0..layers.len() * m).map(|_| Inputs::one(&model.x)).collect();
+            let options = GraphOptions::default().schedule(&schedule).reuse_buffers(variant.ends_with("reuse"));
+            let began = Instant::now();
+            let g = make_graphed_callables(&alloc, &callables, &samples, options)?;
+            (Some(g), Some(began.elapsed().as_secs_f64() * 1e3))
+        }
+    };
+    let mut step = || -> anyhow::Result<()> {
+        let mut eager;
+        let mut replays;
+        let passes: &mut dyn SchedulePasses = match &graphed {
+            None => {
+                eager = EagerPasses::new(layers, &KeepOnDevice, &main);
+                &mut eager
+            }
+            Some(g) => {
+                replays = GraphedPasses::new(g, &schedule, &per_chunk, &main);
+                &mut replays
+            }
+        };
+        run_schedule(passes, &schedule, &per_chunk, &inputs, None, &mut head)?;
+        Ok(())
+    };
+    let (mut wall, mut host, mut gpu) = (Vec::new(), Vec::new(), Vec::new());
+    let (start, end) = (dev.timing_event()?, dev.timing_event()?);
+    for i in 0..args.warmup + args.steps {
+        main.record(&start)?;
+        let issued = Instant::now();
+        step()?;
+        let issue = issued.elapsed();
+        main.record(&end)?;
+        main.synchronize()?;
+        if i >= args.warmup {
+            wall.push(issued.elapsed().as_secs_f64() * 1e3);
+            host.push(issue.as_secs_f64() * 1e6);
+            if dev.kind() == DeviceKind::Cuda {
+                gpu.push(f64::from(start.elapsed_ms(&end)?));
+            }
+        }
+    }
+    alloc.synchronize()?;
+    let pool = graphed.as_ref().and_then(|g| g.first()).map(|c| c.pool().id());
+    let stats = alloc.stats();
+    let pool_stats = pool.and_then(|p| stats.pools.iter().find(|(id, _)| *id == p)).map(|(_, s)| *s);
+    Ok(ScheduleRow {
+        case: Case::new(config, dtype, variant),
+        schedule: schedule.to_string(),
+        microbatches: m,
+        virtual_stages: schedule.chunks(),
+        wall_ms: spread(wall),
+        gpu_ms: (!gpu.is_empty()).then(|| spread(gpu)),
+        host_us: spread(host),
+        graphs: graphed.as_ref().map(|g| g.iter().map(|c| c.graphs().len()).sum()),
+        capture_ms,
+        static_bytes: graphed.as_deref().map(static_bytes),
+        pool_peak_bytes: pool_stats.map(|s| s.peak_allocated),
+        pool_reserved_bytes: pool_stats.map(|s| s.reserved),
+    })
+}
+
+fn print_row(r: &ScheduleRow) {
+    let mib =
+        |b: Option<usize>| b.map_or_else(|| "-".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64));
+    println!(
+        "  {:<24} wall {:.3} ms [{:.3}–{:.3}]  host {:.0} µs  graphs {}  capture {}  static {}  pool peak {}  pool reserved {}",
+        r.case.variant,
+        r.wall_ms.median,
+        r.wall_ms.min,
+        r.wall_ms.max,
+        r.host_us.median,
+        r.graphs.map_or_else(|| "-".to_string(), |n| n.to_string()),
+        r.capture_ms.map_or_else(|| "-".to_string(), |v| format!("{v:.0} ms")),
+        mib(r.static_bytes),
+        mib(r.pool_peak_bytes),
+        mib(r.pool_reserved_bytes),
+    );
+}
