@@ -330,7 +330,7 @@ impl ScheduleArgs {
     /// The schedule, and the layers of each chunk for `layers` layers.
     pub fn resolve(&self, layers: usize) -> anyhow::Result<(graphed::nn::Schedule, Vec<usize>)> {
         let v = self.virtual_stages as usize;
-        if layers % v != 0 {
+        if !layers.is_multiple_of(v) {
             anyhow::bail!("{layers} layers do not split into {v} virtual stages; pass a divisor of {layers}");
         }
         let schedule = graphed::nn::Schedule::interleaved_1f1b(1, 0, v, self.microbatches as usize)?;

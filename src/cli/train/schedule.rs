@@ -31,7 +31,7 @@ impl Scheduled {
         let layers = model.layers().layers();
         let (schedule, per_chunk) = args.schedule_args.resolve(layers.len())?;
         let m = schedule.microbatches();
-        if batch % m != 0 {
+        if !batch.is_multiple_of(m) {
             anyhow::bail!(
                 "a batch of {batch} does not split into {m} microbatches; pass --batch or --microbatches to fit"
             );
