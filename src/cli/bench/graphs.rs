@@ -114,7 +114,9 @@ fn run_variant(
     let main = dev.stream()?;
     let model = BenchModel::new(&alloc, &main, config, dtype)?;
     let (samples, capture_ms, calls) = match variant {
-        Variant::Eager => (measure(dev, &main, args, &mut || Ok(model.eager_step(&main)?))?, None, None),
+        Variant::Eager => {
+            (measure(dev, &main, (args.warmup, args.steps), &mut || Ok(model.eager_step(&main)?))?, None, None)
+        }
         Variant::Graphed | Variant::Side | Variant::Offload => {
             let (side, event) = (dev.stream()?, dev.event()?);
             let on_side = variant != Variant::Graphed;
@@ -131,7 +133,8 @@ fn run_variant(
                 static_dy.copy_from(&model.dy, &main)?;
             }
             let replay = if on_side { Replay::side(&side) } else { Replay::caller() };
-            let samples = measure(dev, &main, args, &mut || graphed_step(&graphed, &model, &main, replay))?;
+            let samples =
+                measure(dev, &main, (args.warmup, args.steps), &mut || graphed_step(&graphed, &model, &main, replay))?;
             (samples, Some(capture_ms), Some(2 * config.layers))
         }
         Variant::Floor => {
@@ -149,7 +152,11 @@ fn run_variant(
             exec.upload(&main)?;
             main.synchronize()?;
             let capture_ms = began.elapsed().as_secs_f64() * 1e3;
-            (measure(dev, &main, args, &mut || Ok(exec.launch(&main)?))?, Some(capture_ms), Some(1))
+            (
+                measure(dev, &main, (args.warmup, args.steps), &mut || Ok(exec.launch(&main)?))?,
+                Some(capture_ms),
+                Some(1),
+            )
         }
     };
     alloc.synchronize()?;
@@ -185,13 +192,13 @@ pub(super) fn graphed_step(
 pub(super) fn measure(
     dev: &Device,
     main: &Stream,
-    args: &GraphsBenchArgs,
+    (warmup, steps): (u32, u32),
     step: &mut dyn FnMut() -> anyhow::Result<()>,
 ) -> anyhow::Result<Samples> {
     let on_gpu = dev.kind() == DeviceKind::Cuda;
     let (start, end) = (dev.timing_event()?, dev.timing_event()?);
     let mut samples = Samples::default();
-    for i in 0..args.warmup + args.steps {
+    for i in 0..warmup + steps {
         main.record(&start)?;
         let issued = Instant::now();
         step()?;
@@ -199,7 +206,7 @@ pub(super) fn measure(
         main.record(&end)?;
         main.synchronize()?;
         let wall = issued.elapsed();
-        if i >= args.warmup {
+        if i >= warmup {
             samples.wall_ms.push(wall.as_secs_f64() * 1e3);
             samples.host_us.push(host.as_secs_f64() * 1e6);
             if on_gpu {

@@ -146,7 +146,8 @@ fn run_variant(
         static_dy.copy_from(&model.dy, &main)?;
     }
     let replay = Replay::side(&side);
-    let samples = measure(dev, &main, args, &mut || graphed_step(&graphed, &model, &main, replay))?;
+    let samples =
+        measure(dev, &main, (args.warmup, args.steps), &mut || graphed_step(&graphed, &model, &main, replay))?;
     let leads = match dev.kind() {
         DeviceKind::Cuda => Some(leads(dev, &graphed, &model, &main, &side)?),
         _ => None,

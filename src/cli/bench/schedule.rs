@@ -14,6 +14,7 @@ use graphed::nn::{run_schedule, EagerPasses, Inputs, KeepOnDevice, SchedulePasse
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
+use super::graphs::measure;
 use super::{spread, write_json, Case, Report, Spread};
 use crate::cli::args::{DeviceChoice, ScheduleBenchArgs};
 use crate::cli::bench_model::{BenchModel, Config};
@@ -103,23 +104,7 @@ fn run_variant(
         run_schedule(passes, &schedule, &per_chunk, &inputs, None, &mut head)?;
         Ok(())
     };
-    let (mut wall, mut host, mut gpu) = (Vec::new(), Vec::new(), Vec::new());
-    let (start, end) = (dev.timing_event()?, dev.timing_event()?);
-    for i in 0..args.warmup + args.steps {
-        main.record(&start)?;
-        let issued = Instant::now();
-        step()?;
-        let issue = issued.elapsed();
-        main.record(&end)?;
-        main.synchronize()?;
-        if i >= args.warmup {
-            wall.push(issued.elapsed().as_secs_f64() * 1e3);
-            host.push(issue.as_secs_f64() * 1e6);
-            if dev.kind() == DeviceKind::Cuda {
-                gpu.push(f64::from(start.elapsed_ms(&end)?));
-            }
-        }
-    }
+    let samples = measure(dev, &main, (args.warmup, args.steps), &mut step)?;
     alloc.synchronize()?;
     let pool = graphed.as_ref().and_then(|g| g.first()).map(|c| c.pool().id());
     let stats = alloc.stats();
@@ -129,9 +114,9 @@ fn run_variant(
         schedule: schedule.to_string(),
         microbatches: m,
         virtual_stages: schedule.chunks(),
-        wall_ms: spread(wall),
-        gpu_ms: (!gpu.is_empty()).then(|| spread(gpu)),
-        host_us: spread(host),
+        wall_ms: spread(samples.wall_ms),
+        gpu_ms: (!samples.gpu_ms.is_empty()).then(|| spread(samples.gpu_ms)),
+        host_us: spread(samples.host_us),
         graphs: graphed.as_ref().map(|g| g.iter().map(|c| c.graphs().len()).sum()),
         capture_ms,
         static_bytes: graphed.as_deref().map(static_bytes),
