@@ -51,6 +51,19 @@ for pair in graphed:side-stream graphed:pool-per-layer graphed:eager graphed:off
         echo "train $mode: loss lines DIFFER from $base"
     fi
 done | tee -a "$OUT/train.log"
+# A run stopped halfway, saved and resumed against one that never stopped: equal checkpoints.
+{
+    for mode in "" "--eager"; do
+        .gpu/graphed train $mode --steps 300 --dropout 0.1 --save "$logs/whole" > /dev/null 2>&1
+        .gpu/graphed train $mode --steps 300 --dropout 0.1 --stop-at 150 --save "$logs/half" > /dev/null 2>&1
+        .gpu/graphed train $mode --steps 300 --dropout 0.1 --resume "$logs/half" --save "$logs/resumed" 2>&1 | grep -E resumed
+        if cmp -s "$logs/whole/checkpoint.safetensors" "$logs/resumed/checkpoint.safetensors"; then
+            echo "train $mode --resume: checkpoint equal to the run that never stopped"
+        else
+            echo "train $mode --resume: checkpoint DIFFERS from the run that never stopped"
+        fi
+    done
+} 2>&1 | tee -a "$OUT/train.log"
 # Misuse on the real thing: the checker on in every mode (it must report nothing), a damaged
 # kernel cache (recompiled with a warning, never loaded), a model too big for the GPU (a typed
 # error, exit 2).

@@ -166,6 +166,15 @@ pub enum Error {
         kind: crate::graph::GraphedErrorKind,
     },
 
+    /// A checkpoint file could not be saved, read or used; `kind` says what and what to do.
+    #[error("checkpoint {path}: {kind}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        kind: crate::checkpoint::CheckpointErrorKind,
+    },
+
     /// A pipeline schedule is inconsistent; `kind` says where and what to do.
     #[error("pipeline schedule: {0}")]
     Schedule(crate::nn::ScheduleErrorKind),

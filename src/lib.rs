@@ -79,6 +79,7 @@
 #![warn(missing_docs)]
 
 pub mod check;
+pub mod checkpoint;
 pub mod device;
 mod error;
 pub mod graph;

@@ -215,6 +215,18 @@ pub struct TrainArgs {
     /// Dropout probability.
     #[arg(long, default_value_t = 0.0)]
     pub dropout: f32,
+    /// Save the model, the optimizer and the data position to `DIR/checkpoint.safetensors` at the
+    /// end (written whole, then renamed over the previous one).
+    #[arg(long, value_name = "DIR")]
+    pub save: Option<std::path::PathBuf>,
+    /// Continue the run saved in `DIR` (started with the same settings) from where it stopped,
+    /// bit for bit as if it had not.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<std::path::PathBuf>,
+    /// Stop after this step of the planned `--steps` (with `--save`, to continue later with
+    /// `--resume`).
+    #[arg(long = "stop-at", value_name = "STEP")]
+    pub stop_at: Option<u32>,
     /// Held-out sums to evaluate on (default: 1000 on CUDA, 100 on the simulator).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub eval: Option<u32>,

@@ -27,6 +27,8 @@ pub struct ParamStore {
     values: Tensor,
     grads: Tensor,
     used: usize,
+    /// Each parameter's name, offset and shape, in the order added.
+    layout: Vec<(String, usize, Vec<usize>)>,
 }
 
 impl ParamStore {
@@ -46,7 +48,7 @@ impl ParamStore {
         }
         let (values, grads) =
             (Tensor::zeros(alloc, stream, &[capacity], dtype)?, Tensor::zeros(alloc, stream, &[capacity], dtype)?);
-        Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0 })
+        Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0, layout: Vec::new() })
     }
 
     /// The element type of values and gradients.
@@ -79,6 +81,7 @@ impl ParamStore {
         let grad = self.grads.narrow(0, self.used, n)?.reshape(shape)?;
         let staging = Tensor::from_host(&self.alloc, stream, init, &[n])?;
         crate::ops::cast::cast(&value.reshape(&[n])?, &staging, stream)?;
+        self.layout.push((name.to_string(), self.used, shape.to_vec()));
         self.used += n;
         Ok(Param { name: name.to_string(), value, grad })
     }
@@ -86,6 +89,17 @@ impl ParamStore {
     /// Every parameter value, as one flat tensor (the used part).
     pub fn values(&self) -> Result<Tensor> {
         self.values.narrow(0, 0, self.used)
+    }
+
+    /// Every parameter's value by name, in the order added (views of the flat buffer): what a
+    /// checkpoint keeps, under the names the modules gave them (`h0.attn.qkv.weight`).
+    pub fn named_values(&self) -> Result<Vec<(String, Tensor)>> {
+        (self.layout.iter())
+            .map(|(name, offset, shape)| {
+                let n = shape.iter().product();
+                Ok((name.clone(), self.values.narrow(0, *offset, n)?.reshape(shape)?))
+            })
+            .collect()
     }
 
     /// Every gradient, as one flat tensor (the used part).

@@ -116,6 +116,15 @@ impl AdamW {
         (&self.m, &self.v)
     }
 
+    /// Its state on the device, by name, for a checkpoint: the f32 master weights of a bf16
+    /// store (`master`; an f32 store's are its values), the moments (`m`, `v`), the step
+    /// counter (`step`) and the learning rate of the last step (`lr`). Restoring them and the
+    /// store's values continues training bit for bit.
+    pub fn state(&self) -> Vec<(&'static str, &Tensor)> {
+        let master = self.weights.as_ref().map(|_| ("master", &self.params));
+        master.into_iter().chain([("m", &self.m), ("v", &self.v), ("step", &self.step), ("lr", &self.lr)]).collect()
+    }
+
     /// The hyperparameters other than the learning rate.
     pub fn hyper(&self) -> &AdamWHyper {
         &self.hyper

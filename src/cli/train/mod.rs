@@ -5,6 +5,7 @@
 //! decoding.
 
 mod addition;
+mod checkpoint;
 mod schedule;
 mod step;
 
@@ -72,6 +73,16 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     println!("device: {}", dev.name());
     let hyper = AdamWHyper { weight_decay: 0.0, ..AdamWHyper::default() };
     let optimizer = AdamW::new(&alloc, model.parameters(), hyper, schedule(plan.lr, plan.steps), &s)?;
+    let saved = (plan.batch, plan.steps, plan.lr);
+    let start = match &args.resume {
+        Some(dir) => {
+            let done = checkpoint::resume(dir, &model, &optimizer, &alloc, &s, args, saved)?;
+            println!("resumed from {} after {done} steps", dir.display());
+            done
+        }
+        None => 0,
+    };
+    let stop = args.stop_at.map_or(plan.steps, |k| (k as usize).min(plan.steps));
     let stepper = step::Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args)?;
     println!(
         "model: {} layers, width {}, {} heads, {} parameters in {}; batch {}, {} steps, {}",
@@ -95,7 +106,12 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     );
     let (mut host, started) = (Duration::ZERO, Instant::now());
     let mut last_loss = f64::NAN;
-    for step in 0..plan.steps {
+    // The data of the steps a resumed run already took, drawn and dropped.
+    for _ in 0..start {
+        addition::batch(&mut rng, plan.batch, &held_set);
+    }
+    bar.set_position(start as u64);
+    for step in start..stop {
         let batch = addition::batch(&mut rng, plan.batch, &held_set);
         let n = plan.batch * addition::INPUT;
         let tokens = Tensor::from_host(&alloc, &s, &batch.inputs, &[plan.batch, addition::INPUT])?;
@@ -104,7 +120,7 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
         let issued = Instant::now();
         let losses = stepper.step(&model, &optimizer, &tokens, &targets, &weights)?;
         host += issued.elapsed();
-        if step % 25 == 0 || step + 1 == plan.steps {
+        if step % 25 == 0 || step + 1 == stop {
             let l = losses.to_vec::<f32>(&s)?;
             last_loss = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
             bar.set_message(format!("loss {last_loss:.4}"));
@@ -120,6 +136,10 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     s.synchronize()?;
     let wall = started.elapsed();
     bar.finish_and_clear();
+    if let Some(dir) = &args.save {
+        checkpoint::save(dir, &model, &optimizer, &s, args, saved, stop)?;
+        println!("saved the state after {stop} steps to {}", dir.display());
+    }
     if !summary_shown {
         // Eager offloading freezes its policy after the first step.
         stepper.offload_summary().inspect(|s| println!("{s}"));

@@ -1,0 +1,96 @@
+//! `train --save DIR` and `--resume DIR`: the model's parameters (under their module names), the
+//! optimizer's state, the dropout step counter and the steps taken, in
+//! `DIR/checkpoint.safetensors`, with the run's settings as metadata that a resumed run must
+//! match.
+
+use std::path::Path;
+
+use graphed::checkpoint::Checkpoint;
+use graphed::device::Stream;
+use graphed::memory::CachingAllocator;
+use graphed::nn::Gpt;
+use graphed::optim::AdamW;
+
+use crate::cli::args::TrainArgs;
+
+const FILE: &str = "checkpoint.safetensors";
+
+/// The settings a resumed run must share with the saved one.
+fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f32)) -> Vec<(&'static str, String)> {
+    let c = model.config();
+    vec![
+        ("format", "graphed-train-1".into()),
+        ("dim", c.dim.to_string()),
+        ("layers", c.layers.to_string()),
+        ("heads", c.heads.to_string()),
+        ("dtype", c.dtype.to_string()),
+        ("dropout", c.dropout.to_string()),
+        ("seed", args.seed.to_string()),
+        ("batch", batch.to_string()),
+        ("steps", steps.to_string()),
+        ("lr", lr.to_string()),
+    ]
+}
+
+/// Writes the state after `done` steps to `dir` (the previous checkpoint stays whole until the
+/// new one is).
+pub fn save(
+    dir: &Path,
+    model: &Gpt,
+    optimizer: &AdamW,
+    stream: &Stream,
+    args: &TrainArgs,
+    plan: (usize, usize, f32),
+    done: usize,
+) -> anyhow::Result<()> {
+    let mut ckpt = Checkpoint::new();
+    for (name, value) in model.parameters().named_values()? {
+        ckpt.put(&format!("param.{name}"), &value, stream)?;
+    }
+    for (name, t) in optimizer.state() {
+        ckpt.put(&format!("optim.{name}"), t, stream)?;
+    }
+    ckpt.put("rng.dropout_step", model.dropout_step(), stream)?;
+    for (k, v) in settings(model, args, plan) {
+        ckpt.set_meta(k, v);
+    }
+    ckpt.set_meta("done", done);
+    std::fs::create_dir_all(dir)?;
+    ckpt.save(&dir.join(FILE))?;
+    Ok(())
+}
+
+/// Restores the state saved in `dir`; returns the steps it had taken. Every tensor and setting is
+/// checked before anything is restored.
+pub fn resume(
+    dir: &Path,
+    model: &Gpt,
+    optimizer: &AdamW,
+    alloc: &CachingAllocator,
+    stream: &Stream,
+    args: &TrainArgs,
+    plan: (usize, usize, f32),
+) -> anyhow::Result<usize> {
+    let ckpt = Checkpoint::load(&dir.join(FILE))?;
+    for (k, v) in settings(model, args, plan) {
+        ckpt.expect_meta(k, v)?;
+    }
+    let done: usize = ckpt.meta("done").and_then(|d| d.parse().ok()).ok_or_else(|| {
+        anyhow::anyhow!(
+            "{}: no step count (`done`) in the metadata; point at a checkpoint `train --save` wrote",
+            dir.display()
+        )
+    })?;
+    let params = model.parameters().named_values()?;
+    let mut targets: Vec<(String, &graphed::tensor::Tensor)> =
+        params.iter().map(|(name, t)| (format!("param.{name}"), t)).collect();
+    targets.extend(optimizer.state().into_iter().map(|(name, t)| (format!("optim.{name}"), t)));
+    targets.push(("rng.dropout_step".into(), model.dropout_step()));
+    for (name, t) in &targets {
+        ckpt.check(name, t)?;
+    }
+    for (name, t) in &targets {
+        ckpt.restore(name, t, alloc, stream)?;
+    }
+    Ok(done)
+}
