@@ -8,7 +8,6 @@
 
 use std::time::Instant;
 
-use anyhow::bail;
 use graphed::device::{CaptureMode, DType, Device, DeviceKind, Stream};
 use graphed::graph::{GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
@@ -16,7 +15,7 @@ use graphed::offload::OffloadConfig;
 use serde::Serialize;
 
 use super::{spread, write_json, Case, Report, Spread};
-use crate::cli::args::{DeviceChoice, GraphsBenchArgs};
+use crate::cli::args::GraphsBenchArgs;
 use crate::cli::bench_model::{BenchModel, Config};
 
 /// How a step runs.
@@ -82,10 +81,7 @@ pub(super) struct Samples {
 
 /// Runs every requested configuration through every variant.
 pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
-    let dev = super::super::open_device(&args.device)?;
-    if dev.kind() != DeviceKind::Cuda && args.device.device != DeviceChoice::Sim {
-        bail!("bench graphs times GPU work; run it on a CUDA device (or smoke-test it with `--device sim --configs tiny`)");
-    }
+    let dev = super::open_timing_device(&args.device, "graphs", "--configs tiny")?;
     let configs = args.configs.resolve(&dev)?;
     let dtype = args.dtype.resolve(&dev);
     println!("{dtype} weights and activations; f32 statistics and GEMM accumulation");

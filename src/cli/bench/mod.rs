@@ -29,6 +29,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
 }
 
+/// The device of a benchmark that times GPU work: refused on the simulator unless asked for by
+/// name (`--device sim`, a smoke test with `smoke`, the flag of its smallest configuration).
+fn open_timing_device(args: &super::args::DeviceArgs, bench: &str, smoke: &str) -> anyhow::Result<Device> {
+    let dev = super::open_device(args)?;
+    if dev.kind() != graphed::device::DeviceKind::Cuda && args.device != super::args::DeviceChoice::Sim {
+        anyhow::bail!(
+            "bench {bench} times GPU work; run it on a CUDA device (or smoke-test it with `--device sim {smoke}`)"
+        );
+    }
+    Ok(dev)
+}
+
 /// A benchmark's results with what identifies the run: date, device, commit.
 #[derive(Serialize, Debug)]
 struct Report<R: Serialize> {

@@ -7,7 +7,6 @@
 //! copies) end; per configuration, the pinned copy peak and the rate of the same copies captured
 //! in a graph, measured in the same run.
 
-use anyhow::bail;
 use graphed::device::{DType, Device, DeviceKind, Event, Stream};
 use graphed::graph::{GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
@@ -17,7 +16,7 @@ use serde::Serialize;
 
 use super::graphs::{graphed_step, measure};
 use super::{spread, write_json, Case, Report, Spread};
-use crate::cli::args::{DeviceChoice, GraphsBenchArgs};
+use crate::cli::args::GraphsBenchArgs;
 use crate::cli::bench_model::{BenchModel, Config};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,10 +91,7 @@ struct Rows {
 }
 
 pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
-    let dev = super::super::open_device(&args.device)?;
-    if dev.kind() != DeviceKind::Cuda && args.device.device != DeviceChoice::Sim {
-        bail!("bench offload times GPU work; run it on a CUDA device (or smoke-test it with `--device sim --configs tiny`)");
-    }
+    let dev = super::open_timing_device(&args.device, "offload", "--configs tiny")?;
     let configs = args.configs.resolve(&dev)?;
     let dtype = args.dtype.resolve(&dev);
     let on_gpu = dev.kind() == DeviceKind::Cuda;

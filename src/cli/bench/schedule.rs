@@ -6,7 +6,6 @@
 
 use std::time::Instant;
 
-use anyhow::bail;
 use graphed::device::{DType, Device, DeviceKind};
 use graphed::graph::{make_graphed_callables, static_bytes, Callable, GraphOptions, GraphedPasses};
 use graphed::memory::CachingAllocator;
@@ -16,7 +15,7 @@ use serde::Serialize;
 
 use super::graphs::measure;
 use super::{spread, write_json, Case, Report, Spread};
-use crate::cli::args::{DeviceChoice, ScheduleBenchArgs};
+use crate::cli::args::ScheduleBenchArgs;
 use crate::cli::bench_model::{BenchModel, Config};
 
 #[derive(Serialize, Debug)]
@@ -40,10 +39,7 @@ struct ScheduleRow {
 }
 
 pub fn run(args: &ScheduleBenchArgs) -> anyhow::Result<()> {
-    let dev = super::super::open_device(&args.device)?;
-    if dev.kind() != DeviceKind::Cuda && args.device.device != DeviceChoice::Sim {
-        bail!("bench schedule times GPU work; run it on a CUDA device (or smoke-test it with `--device sim --config tiny`)");
-    }
+    let dev = super::open_timing_device(&args.device, "schedule", "--config tiny")?;
     let on_gpu = dev.kind() == DeviceKind::Cuda;
     let config = Config::named(args.config.as_deref().unwrap_or(if on_gpu { "M" } else { "tiny" }))?;
     config.check_device(&dev, "--config")?;
