@@ -215,6 +215,13 @@ pub struct TrainArgs {
     /// Dropout probability.
     #[arg(long, default_value_t = 0.0)]
     pub dropout: f32,
+    /// Train a byte-level language model of this local text file instead of the addition task
+    /// (90% trains, 10% is held out for the validation loss; a sample is written at the end).
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<std::path::PathBuf>,
+    /// Bytes of context per window with `--data`.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(2..=4096))]
+    pub context: u32,
     /// Save the model, the optimizer and the data position to `DIR/checkpoint.safetensors` at the
     /// end (written whole, then renamed over the previous one).
     #[arg(long, value_name = "DIR")]

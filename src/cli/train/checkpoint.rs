@@ -29,6 +29,8 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
         ("batch", batch.to_string()),
         ("steps", steps.to_string()),
         ("lr", lr.to_string()),
+        ("data", args.data.as_ref().map_or("addition".into(), |p| p.display().to_string())),
+        ("context", c.max_len.to_string()),
     ]
 }
 

@@ -1,13 +1,15 @@
-//! `graphed train`: a small GPT learns 3-digit addition (`addition.rs`). Its transformer layers
-//! replay as graphed callables (`step.rs`; on a side stream with `--side-stream`), the embedding
-//! and the head run eagerly around them; `--eager` runs everything eagerly. Reports the loss as it
-//! goes, host and wall time per step, and exact-match accuracy on held-out sums with greedy
-//! decoding.
+//! `graphed train`: a small GPT learns 3-digit addition (`addition.rs`), or with `--data FILE` a
+//! byte-level language model of a local text file (`text.rs`). Its transformer layers replay as
+//! graphed callables (`step.rs`; on a side stream with `--side-stream`), the embedding and the
+//! head run eagerly around them; `--eager` runs everything eagerly. Reports the loss as it goes,
+//! host and wall time per step, and at the end the exact-match accuracy on held-out sums with
+//! greedy decoding, or the held-out loss and a sample of the text.
 
 mod addition;
 mod checkpoint;
 mod schedule;
 mod step;
+mod text;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -29,18 +31,76 @@ struct Plan {
     lr: f32,
     batch: usize,
     steps: usize,
-    eval: usize,
 }
 
-fn plan(dev: &Device, args: &TrainArgs) -> anyhow::Result<Plan> {
+/// What the model learns.
+enum Task {
+    /// 3-digit addition, scored on held-out sums.
+    Addition { held: Vec<(u32, u32)>, held_set: HashSet<(u32, u32)> },
+    /// The bytes of a text file.
+    Text(text::Corpus),
+}
+
+impl Task {
+    fn new(args: &TrainArgs, eval: usize) -> anyhow::Result<Task> {
+        match &args.data {
+            Some(path) => Ok(Task::Text(text::Corpus::load(path, args.context as usize)?)),
+            None => {
+                let held = addition::held_out(eval, args.seed ^ 0x5eed);
+                let held_set = held.iter().copied().collect();
+                Ok(Task::Addition { held, held_set })
+            }
+        }
+    }
+
+    /// The vocabulary and the positions per sequence.
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            Task::Addition { .. } => (addition::VOCAB, addition::INPUT),
+            Task::Text(c) => (text::VOCAB, c.seq()),
+        }
+    }
+
+    fn batch(&self, rng: &mut SmallRng, b: usize) -> addition::Batch {
+        match self {
+            Task::Addition { held_set, .. } => addition::batch(rng, b, held_set),
+            Task::Text(c) => c.batch(rng, b),
+        }
+    }
+
+    /// What the loss is of.
+    fn loss_of(&self) -> &'static str {
+        match self {
+            Task::Addition { .. } => "answer digits",
+            Task::Text(_) => "bytes, training windows",
+        }
+    }
+
+    /// Prints the end-of-run score.
+    fn report(&self, model: &Gpt, alloc: &CachingAllocator, s: &Stream) -> anyhow::Result<()> {
+        match self {
+            Task::Addition { held, .. } => {
+                let accuracy = accuracy(model, alloc, s, held)?;
+                println!("exact-match accuracy on {} held-out sums: {:.1}%", held.len(), 100.0 * accuracy);
+            }
+            Task::Text(c) => {
+                println!("held-out loss {:.4} (bytes, cross-entropy)", c.validation_loss(model, alloc, s, 64)?);
+                println!("sample: {:?}", c.sample(model, alloc, s, 80)?);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn plan(dev: &Device, args: &TrainArgs, (vocab, max_len): (usize, usize)) -> anyhow::Result<Plan> {
     let gpu = dev.kind() == DeviceKind::Cuda;
     let pick = |v: Option<u32>, cuda: u32, sim: u32| v.unwrap_or(if gpu { cuda } else { sim }) as usize;
     let (dim, heads) = (pick(args.dim, 128, 32), pick(args.heads, 4, 2));
     anyhow::ensure!(dim % heads == 0, "--heads {heads} must divide --dim {dim}");
     anyhow::ensure!((0.0..1.0).contains(&args.dropout), "--dropout must be in [0, 1)");
     let config = GptConfig {
-        vocab: addition::VOCAB,
-        max_len: addition::INPUT,
+        vocab,
+        max_len,
         dim,
         layers: pick(args.layers, 2, 2),
         heads,
@@ -50,13 +110,7 @@ fn plan(dev: &Device, args: &TrainArgs) -> anyhow::Result<Plan> {
     };
     let lr = args.lr.unwrap_or(if gpu { 3e-3 } else { 5e-3 });
     anyhow::ensure!(lr > 0.0 && lr.is_finite(), "--lr must be a positive number");
-    Ok(Plan {
-        config,
-        lr,
-        batch: pick(args.batch, 256, 64),
-        steps: pick(args.steps, 1000, 600),
-        eval: pick(args.eval, 1000, 100),
-    })
+    Ok(Plan { config, lr, batch: pick(args.batch, 256, 64), steps: pick(args.steps, 1000, 600) })
 }
 
 /// The learning rate: linear warmup over the first 5% of the steps, then cosine decay to 10%.
@@ -65,7 +119,9 @@ fn schedule(peak: f32, steps: usize) -> LrSchedule {
 }
 
 pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
-    let plan = plan(dev, args)?;
+    let gpu = dev.kind() == DeviceKind::Cuda;
+    let task = Task::new(args, args.eval.unwrap_or(if gpu { 1000 } else { 100 }) as usize)?;
+    let plan = plan(dev, args, task.shape())?;
     let cfg = plan.config;
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
@@ -97,8 +153,9 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     );
     let summary_shown = stepper.offload_summary().inspect(|s| println!("{s}")).is_some();
 
-    let held = addition::held_out(plan.eval, args.seed ^ 0x5eed);
-    let held_set: HashSet<(u32, u32)> = held.iter().copied().collect();
+    if let Task::Text(c) = &task {
+        println!("data: {}", c.describe());
+    }
     let mut rng = SmallRng::seed_from_u64(args.seed);
     let bar = ProgressBar::new(plan.steps as u64);
     bar.set_style(
@@ -108,13 +165,14 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     let mut last_loss = f64::NAN;
     // The data of the steps a resumed run already took, drawn and dropped.
     for _ in 0..start {
-        addition::batch(&mut rng, plan.batch, &held_set);
+        task.batch(&mut rng, plan.batch);
     }
     bar.set_position(start as u64);
     for step in start..stop {
-        let batch = addition::batch(&mut rng, plan.batch, &held_set);
-        let n = plan.batch * addition::INPUT;
-        let tokens = Tensor::from_host(&alloc, &s, &batch.inputs, &[plan.batch, addition::INPUT])?;
+        let batch = task.batch(&mut rng, plan.batch);
+        let seq = cfg.max_len;
+        let n = plan.batch * seq;
+        let tokens = Tensor::from_host(&alloc, &s, &batch.inputs, &[plan.batch, seq])?;
         let targets = Tensor::from_host(&alloc, &s, &batch.targets, &[n])?;
         let weights = Tensor::from_host(&alloc, &s, &batch.weights, &[n])?;
         let issued = Instant::now();
@@ -146,12 +204,10 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     }
     drop(stepper);
     model.set_training(false);
-    let accuracy = accuracy(&model, &alloc, &s, &held)?;
     let per_step = |d: Duration| d.as_secs_f64() * 1e6 / plan.steps as f64;
-    println!("final loss {last_loss:.4} (answer digits, cross-entropy)");
+    println!("final loss {last_loss:.4} ({}, cross-entropy)", task.loss_of());
     println!("time per step: wall {:.0} µs, host issuing {:.0} µs", per_step(wall), per_step(host));
-    println!("exact-match accuracy on {} held-out sums: {:.1}%", held.len(), 100.0 * accuracy);
-    Ok(())
+    task.report(&model, &alloc, &s)
 }
 
 /// Greedy decoding of each held-out sum's answer, one digit at a time; the share that is exact.

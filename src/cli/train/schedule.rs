@@ -9,7 +9,6 @@ use graphed::memory::CachingAllocator;
 use graphed::nn::{run_schedule, EagerPasses, Gpt, Inputs, KeepOnDevice, Schedule, SchedulePasses};
 use graphed::tensor::Tensor;
 
-use super::addition;
 use crate::cli::args::TrainArgs;
 
 /// The schedule, its chunks, and the graphed callables unless `--eager`.
@@ -39,7 +38,7 @@ impl Scheduled {
         let graphed = match args.eager {
             true => None,
             false => {
-                let shape = [batch / m, addition::INPUT, model.config().dim];
+                let shape = [batch / m, model.config().max_len, model.config().dim];
                 let sample = Tensor::zeros(alloc, stream, &shape, model.config().dtype)?;
                 let callables: Vec<&dyn Callable> = layers.iter().map(|l| l as &dyn Callable).collect();
                 let samples: Vec<Inputs> = (0..layers.len() * m).map(|_| Inputs::one(&sample)).collect();

@@ -11,7 +11,6 @@ use graphed::offload::OffloadManager;
 use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 
-use super::addition;
 use super::schedule::Scheduled;
 use crate::cli::args::TrainArgs;
 
@@ -60,8 +59,12 @@ impl Stepper {
             (true, _) => Layers::Scheduled(Scheduled::new(model, alloc, stream, batch, args)?),
             (false, true) => Layers::Eager,
             (false, false) => {
-                let x =
-                    Tensor::zeros(alloc, stream, &[batch, addition::INPUT, model.config().dim], model.config().dtype)?;
+                let x = Tensor::zeros(
+                    alloc,
+                    stream,
+                    &[batch, model.config().max_len, model.config().dim],
+                    model.config().dtype,
+                )?;
                 if let Some(m) = &offload {
                     warm_up(model, m, &x, alloc, stream)?;
                 }
