@@ -51,6 +51,9 @@ for pair in graphed:side-stream graphed:pool-per-layer graphed:eager graphed:off
         echo "train $mode: loss lines DIFFER from $base"
     fi
 done | tee -a "$OUT/train.log"
+# A byte-level model of a local text file (this README).
+{ echo "# graphed train --data README.md --steps 300"; .gpu/graphed train --data README.md --steps 300 2>&1 | tail -6; } \
+    | tee -a "$OUT/train.log"
 # A run stopped halfway, saved and resumed against one that never stopped: equal checkpoints.
 {
     for mode in "" "--eager"; do
