@@ -230,6 +230,12 @@ pub struct TrainArgs {
     /// bit for bit as if it had not.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<std::path::PathBuf>,
+    /// Write each reported loss as a JSON line (`{"step", "loss", "seconds"}`) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<std::path::PathBuf>,
+    /// Draw the loss curve as an SVG chart to this file at the end.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<std::path::PathBuf>,
     /// Stop after this step of the planned `--steps` (with `--save`, to continue later with
     /// `--resume`).
     #[arg(long = "stop-at", value_name = "STEP")]

@@ -7,6 +7,7 @@
 
 mod addition;
 mod checkpoint;
+mod metrics;
 mod schedule;
 mod step;
 mod text;
@@ -163,6 +164,7 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     );
     let (mut host, started) = (Duration::ZERO, Instant::now());
     let mut last_loss = f64::NAN;
+    let mut metrics = metrics::Metrics::new(args.metrics.as_deref())?;
     // The data of the steps a resumed run already took, drawn and dropped.
     for _ in 0..start {
         task.batch(&mut rng, plan.batch);
@@ -182,6 +184,7 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
             let l = losses.to_vec::<f32>(&s)?;
             last_loss = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
             bar.set_message(format!("loss {last_loss:.4}"));
+            metrics.record(step, last_loss, started.elapsed().as_secs_f64())?;
             let line = format!("step {step:5}  loss {last_loss:.4}");
             if bar.is_hidden() {
                 println!("{line}");
@@ -202,8 +205,11 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
         // Eager offloading freezes its policy after the first step.
         stepper.offload_summary().inspect(|s| println!("{s}"));
     }
+    let stepper_mode = if args.eager { "eager" } else { "graphed" };
     drop(stepper);
     model.set_training(false);
+    let title = format!("graphed train: {} layers, width {}, {} ({})", cfg.layers, cfg.dim, cfg.dtype, stepper_mode);
+    metrics.finish(args.plot.as_deref(), &title)?;
     let per_step = |d: Duration| d.as_secs_f64() * 1e6 / plan.steps as f64;
     println!("final loss {last_loss:.4} ({}, cross-entropy)", task.loss_of());
     println!("time per step: wall {:.0} µs, host issuing {:.0} µs", per_step(wall), per_step(host));
