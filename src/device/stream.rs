@@ -365,6 +365,16 @@ impl Stream {
         self.event_op("wait_external", event, EventVerb::Wait(true))
     }
 
+    /// Makes later work on this stream wait for everything queued on `other` so far, through a
+    /// new event (PyTorch's `wait_stream`): inside a capture, a fork from `other` into it or a
+    /// join of `other` back into it.
+    #[track_caller]
+    pub fn wait_stream(&self, other: &Stream) -> Result<()> {
+        let e = self.inner.dev.event()?;
+        other.record(&e)?;
+        self.wait(&e)
+    }
+
     #[track_caller]
     fn event_op(&self, op: &'static str, event: &Event, verb: EventVerb) -> Result<()> {
         // The caller's source location, for reports of waits (`#[track_caller]` up to the verb).

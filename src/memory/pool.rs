@@ -152,9 +152,7 @@ impl GraphPool {
         let last = self.alloc.with_pool(self.id, |p| p.last.as_ref().map(|(_, s)| s.clone()));
         if let Some(previous) = last.flatten() {
             if previous.id() != stream.id() {
-                let e = stream.device().event()?;
-                previous.record(&e)?;
-                stream.wait(&e)?;
+                stream.wait_stream(&previous)?;
             }
         }
         self.alloc.with_pool(self.id, |p| {

@@ -44,6 +44,12 @@ fn schedule(chunk: Chunk, expected: String, found: String) -> Error {
 }
 
 impl ChunkHook {
+    /// Holds `t` in slot `s` of group `g` and hands the module a ticket for it.
+    fn ticket(&self, c: &mut ChunkState, g: usize, s: usize, t: Tensor) -> SavedTensor {
+        c.run[g].slots[s].device = Some(t);
+        SavedTensor::away(Box::new(Ticket { hook: self.clone(), group: g, slot: s, iteration: c.iteration }))
+    }
+
     /// Runs `f` on the chunk's state, unless offloading is off (a capture's warmup).
     fn with<T>(&self, off: T, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
         let mut st = self.inner.lock();
@@ -162,9 +168,7 @@ impl SaveHook for ChunkHook {
                 return Ok(SavedTensor::kept(t));
             }
             // Timed: the backward's takes mark where each unit's backward begins.
-            c.run[g].slots[s].device = Some(t);
-            let ticket = Ticket { hook: self.clone(), group: g, slot: s, iteration: c.iteration };
-            return Ok(SavedTensor::away(Box::new(ticket)));
+            return Ok(self.ticket(c, g, s, t));
         }
         let l = c.layout[g].tensors.get(s);
         if !l.is_some_and(|l| l.name == name && l.shape == t.shape() && l.dtype == t.dtype()) {
@@ -182,9 +186,7 @@ impl SaveHook for ChunkHook {
             return Ok(SavedTensor::kept(t));
         }
         c.run[g].slots[s].offload = c.layout[g].tensors[s].offload;
-        c.run[g].slots[s].device = Some(t);
-        let ticket = Ticket { hook: self.clone(), group: g, slot: s, iteration: c.iteration };
-        Ok(SavedTensor::away(Box::new(ticket)))
+        Ok(self.ticket(c, g, s, t))
     }
 
     fn commit_group(&self, site: &str, stream: &Stream) -> Result<()> {
@@ -216,12 +218,9 @@ impl SaveHook for ChunkHook {
             if st.fault == Some(Fault::SkipJoin) {
                 return Ok(());
             }
-            let dev = stream.device();
             for (forked, side) in [(out, &self.inner.d2h), (back, &self.inner.h2d)] {
                 if forked {
-                    let e = dev.event()?;
-                    side.record(&e)?;
-                    stream.wait(&e)?;
+                    stream.wait_stream(side)?;
                 }
             }
             Ok(())
@@ -374,9 +373,7 @@ fn copy_out_captured(inner: &Inner, st: &mut State, chunk: Chunk, baked: &Baked,
         return Ok(());
     }
     let capture = stream.capture_id()?;
-    let fork = stream.device().event()?;
-    stream.record(&fork)?;
-    inner.d2h.wait(&fork)?;
+    inner.d2h.wait_stream(stream)?;
     let mut bytes = 0;
     for g in std::mem::take(&mut c.queued) {
         for (s, slot) in c.run[g].slots.iter_mut().enumerate().filter(|(_, s)| s.offload) {
@@ -414,13 +411,9 @@ fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, captur
     match capture {
         Some(cap) => {
             let baked = hook.baked.as_ref().ok_or(Error::Offload(OffloadErrorKind::NotForGraphs))?;
-            let fork = dev.event()?;
-            stream.record(&fork)?;
-            inner.h2d.wait(&fork)?;
+            inner.h2d.wait_stream(stream)?;
             if run.out_capture == Some(cap) {
-                let out = dev.event()?;
-                inner.d2h.record(&out)?;
-                inner.h2d.wait(&out)?;
+                inner.h2d.wait_stream(&inner.d2h)?;
             }
             if *fault == Some(Fault::WaitOutsideCapture) {
                 inner.h2d.wait(&run.events(dev)?[1])?;

@@ -249,16 +249,7 @@ impl OffloadManager {
         let t = Tensor::zeros(&self.inner.alloc, stream, &[len], DType::BF16)?;
         stream.synchronize()?;
         let time = |s: &Stream, copy: &dyn Fn(&Stream) -> Result<()>| -> Result<f64> {
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                let (a, b) = (dev.timing_event()?, dev.timing_event()?);
-                s.record(&a)?;
-                copy(s)?;
-                s.record(&b)?;
-                b.synchronize()?;
-                best = best.min(f64::from(a.elapsed_ms(&b)?));
-            }
-            Ok(PROBE_BYTES as f64 / best.max(1e-6))
+            Ok(PROBE_BYTES as f64 / fastest_of_three(s, &|| copy(s))?)
         };
         let out = time(&self.inner.d2h, &|s| host.copy_out(&t, s))?;
         let back = time(&self.inner.h2d, &|s| host.copy_in(&t, s))?;
@@ -281,25 +272,13 @@ impl OffloadManager {
         let rate = |side: &Stream, copy: &dyn Fn(&HostBuffer, &Tensor) -> Result<()>| -> Result<f64> {
             // A pool of its own: the graph replays three times in a row.
             let cap = alloc.capture(stream, crate::device::CaptureMode::ThreadLocal, &alloc.new_pool())?;
-            let (fork, join) = (dev.event()?, dev.event()?);
-            stream.record(&fork)?;
-            side.wait(&fork)?;
+            side.wait_stream(stream)?;
             for (h, t) in &pairs {
                 copy(h, t)?;
             }
-            side.record(&join)?;
-            stream.wait(&join)?;
+            stream.wait_stream(side)?;
             let exec = cap.finish()?.instantiate()?;
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                let (a, b) = (dev.timing_event()?, dev.timing_event()?);
-                stream.record(&a)?;
-                exec.launch(stream)?;
-                stream.record(&b)?;
-                b.synchronize()?;
-                best = best.min(f64::from(a.elapsed_ms(&b)?));
-            }
-            Ok(total as f64 / best.max(1e-6))
+            Ok(total as f64 / fastest_of_three(stream, &|| exec.launch(stream))?)
         };
         let out = rate(&self.inner.d2h, &|h, t| h.copy_out(t, &self.inner.d2h))?;
         let back = rate(&self.inner.h2d, &|h, t| h.copy_in(t, &self.inner.h2d))?;
@@ -322,6 +301,22 @@ impl OffloadManager {
         let st = self.inner.lock();
         OffloadStats { copied_out: st.copied_out, host_pool_bytes: st.host.bytes }
     }
+}
+
+/// The milliseconds of the fastest of three runs of `work` on `stream`, timed by events there
+/// (never below a nanosecond, so that rates stay finite).
+fn fastest_of_three(stream: &Stream, work: &dyn Fn() -> Result<()>) -> Result<f64> {
+    let dev = stream.device();
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let (a, b) = (dev.timing_event()?, dev.timing_event()?);
+        stream.record(&a)?;
+        work()?;
+        stream.record(&b)?;
+        b.synchronize()?;
+        best = best.min(f64::from(a.elapsed_ms(&b)?));
+    }
+    Ok(best.max(1e-6))
 }
 
 /// Byte counts of an [`OffloadManager`].

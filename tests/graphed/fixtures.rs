@@ -250,9 +250,7 @@ impl TailHook {
     fn fork(&self, stream: &Stream) -> graphed::Result<bool> {
         let mut forked = self.forked.lock().unwrap();
         if !*forked && stream.capture_id()?.is_some() {
-            let e = stream.device().event()?;
-            stream.record(&e)?;
-            self.side.wait(&e)?;
+            self.side.wait_stream(stream)?;
             *forked = true;
             return Ok(true);
         }
@@ -291,9 +289,7 @@ impl SaveHook for TailHook {
         }
         let mut forked = self.forked.lock().unwrap();
         if *forked {
-            let e = stream.device().event()?;
-            self.side.record(&e)?;
-            stream.wait(&e)?;
+            stream.wait_stream(&self.side)?;
             *forked = false;
         }
         Ok(())
