@@ -86,7 +86,8 @@ pub fn make_graphed_callables(
     };
     if layers.len() != chunks || layers.iter().sum::<usize>() != callables.len() || layers.contains(&0) {
         let what = format!(
-            "layers per chunk {layers:?} do not give the schedule's {chunks} chunks the {} callables; give each chunk              at least one",
+            "layers per chunk {layers:?} do not give the schedule's {chunks} chunks the {} callables; give each chunk \
+             at least one",
             callables.len()
         );
         return Err(refuse(GraphedErrorKind::ScheduleShape { what }));

@@ -45,23 +45,22 @@ impl Layout {
         self.schedule.instance(&self.layers, before + l, j)
     }
 
-    /// Per callable, the schedule positions of its forward, backward and last use (its
-    /// weight-gradient pass where the schedule splits one out, else its backward).
-    fn positions(&self) -> Vec<(usize, usize, usize)> {
+    /// Per callable, its layer (over every chunk's) and the schedule positions of its forward,
+    /// backward and last use (its weight-gradient pass where the schedule splits one out, else
+    /// its backward).
+    fn uses(&self) -> Vec<Use> {
         let n: usize = self.layers.iter().sum::<usize>() * self.schedule.microbatches();
-        let mut at = vec![(0, 0, 0); n];
+        let mut at = vec![Use::default(); n];
         for (pos, (step, j)) in self.schedule.with_microbatches().into_iter().enumerate() {
-            let (k, slot) = match step {
-                Step::Forward(k) => (k, 0),
-                Step::Backward(k) => (k, 1),
-                Step::WeightGrad(k) => (k, 2),
-            };
+            let k = step.chunk();
+            let before: usize = self.layers[..k].iter().sum();
             for l in 0..self.layers[k] {
-                let p = &mut at[self.instance(k, j, l)];
-                match slot {
-                    0 => p.0 = pos,
-                    1 => *p = (p.0, pos, pos),
-                    _ => p.2 = pos,
+                let u = &mut at[self.instance(k, j, l)];
+                u.layer = before + l;
+                match step {
+                    Step::Forward(_) => u.forward = pos,
+                    Step::Backward(_) => (u.backward, u.last) = (pos, pos),
+                    Step::WeightGrad(_) => u.last = pos,
                 }
             }
         }
@@ -74,19 +73,22 @@ impl Layout {
     /// in the schedule: an input is used from the forward to the last use, an output gradient
     /// from the backward to the last use (a split weight-gradient pass reads both).
     pub(crate) fn sharing<S: PartialEq>(&self, signature: impl Fn(usize) -> S) -> (Vec<usize>, Vec<usize>) {
-        let at = self.positions();
-        let inputs = share(at.iter().map(|&(f, _, last)| (f, last)).collect(), &signature);
+        let at = self.uses();
+        let inputs = share(at.iter().map(|u| (u.forward, u.last)).collect(), &signature);
         // Output gradients are keyed by layer: a layer's outputs have one shape.
-        let m = self.schedule.microbatches();
-        let mut layer_of = vec![0; at.len()];
-        for layer in 0..self.layers.iter().sum() {
-            for j in 0..m {
-                layer_of[self.schedule.instance(&self.layers, layer, j)] = layer;
-            }
-        }
-        let layer = |i: usize| layer_of[i];
-        (inputs, share(at.iter().map(|&(_, b, last)| (b, last)).collect(), &layer))
+        let grads = share(at.iter().map(|u| (u.backward, u.last)).collect(), &|i| at[i].layer);
+        (inputs, grads)
     }
+}
+
+/// Where a callable of a schedule is used: its layer and the schedule positions of its forward,
+/// its backward and its last use.
+#[derive(Clone, Copy, Default)]
+struct Use {
+    layer: usize,
+    forward: usize,
+    backward: usize,
+    last: usize,
 }
 
 /// Interval colouring: per `(first, last)` use, a set index shared with earlier users of the same

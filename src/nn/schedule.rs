@@ -28,6 +28,15 @@ pub enum Step {
     WeightGrad(usize),
 }
 
+impl Step {
+    /// The chunk it runs.
+    pub fn chunk(self) -> usize {
+        match self {
+            Step::Forward(k) | Step::Backward(k) | Step::WeightGrad(k) => k,
+        }
+    }
+}
+
 impl fmt::Display for Step {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -132,9 +141,7 @@ impl Schedule {
     /// # Errors
     /// [`Error::Schedule`] naming the first inconsistency.
     pub fn new(steps: Vec<Step>) -> Result<Schedule> {
-        let chunk_of = |s: &Step| match s {
-            Step::Forward(k) | Step::Backward(k) | Step::WeightGrad(k) => *k,
-        };
+        let chunk_of = |s: &Step| s.chunk();
         let chunks = steps.iter().filter(|s| !matches!(s, Step::WeightGrad(_))).map(|s| chunk_of(s) + 1).max();
         let Some(chunks) = chunks else { return refuse(ScheduleErrorKind::Empty) };
         let count = |f: &dyn Fn(&Step) -> bool| -> Vec<usize> {
