@@ -6,6 +6,7 @@ mod bench;
 mod bench_model;
 mod demo;
 mod inspect;
+mod scheduled;
 mod train;
 
 use graphed::check::Checker;

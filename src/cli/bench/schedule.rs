@@ -7,9 +7,8 @@
 use std::time::Instant;
 
 use graphed::device::{DType, Device, DeviceKind};
-use graphed::graph::{make_graphed_callables, static_bytes, Callable, GraphOptions, GraphedPasses};
+use graphed::graph::static_bytes;
 use graphed::memory::CachingAllocator;
-use graphed::nn::{run_schedule, EagerPasses, Inputs, KeepOnDevice, SchedulePasses};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -17,6 +16,7 @@ use super::graphs::measure;
 use super::{spread, write_json, Case, Report, Spread};
 use crate::cli::args::ScheduleBenchArgs;
 use crate::cli::bench_model::{BenchModel, Config};
+use crate::cli::scheduled::ScheduledLayers;
 
 #[derive(Serialize, Debug)]
 struct ScheduleRow {
@@ -73,35 +73,18 @@ fn run_variant(
     let inputs = vec![model.x.clone(); m];
     let layers = model.stack.layers();
     let mut head = |_: usize, _: Tensor| Ok(model.dy.clone());
-    let (graphed, capture_ms) = match variant {
-        "schedule-eager" => (None, None),
-        _ => {
-            let callables: Vec<&dyn Callable> = layers.iter().map(|l| l as &dyn Callable).collect();
-            let samples: Vec<Inputs> = (0..layers.len() * m).map(|_| Inputs::one(&model.x)).collect();
-            let options = GraphOptions::default().schedule(&schedule).reuse_buffers(variant.ends_with("reuse"));
-            let began = Instant::now();
-            let g = make_graphed_callables(&alloc, &callables, &samples, options)?;
-            (Some(g), Some(began.elapsed().as_secs_f64() * 1e3))
-        }
-    };
+    let began = Instant::now();
+    let capture = variant != "schedule-eager";
+    let scheduled =
+        ScheduledLayers::new(&alloc, layers, (schedule, per_chunk), &model.x, capture, variant.ends_with("reuse"))?;
+    let capture_ms = capture.then(|| began.elapsed().as_secs_f64() * 1e3);
     let mut step = || -> anyhow::Result<()> {
-        let mut eager;
-        let mut replays;
-        let passes: &mut dyn SchedulePasses = match &graphed {
-            None => {
-                eager = EagerPasses::new(layers, &KeepOnDevice, &main);
-                &mut eager
-            }
-            Some(g) => {
-                replays = GraphedPasses::new(g, &schedule, &per_chunk, &main);
-                &mut replays
-            }
-        };
-        run_schedule(passes, &schedule, &per_chunk, &inputs, None, &mut head)?;
+        scheduled.run(layers, &main, &inputs, None, &mut head)?;
         Ok(())
     };
     let samples = measure(dev, &main, (args.warmup, args.steps), &mut step)?;
     alloc.synchronize()?;
+    let (schedule, graphed) = (&scheduled.schedule, &scheduled.graphed);
     let pool = graphed.as_ref().and_then(|g| g.first()).map(|c| c.pool().id());
     let stats = alloc.stats();
     let pool_stats = pool.and_then(|p| stats.pools.iter().find(|(id, _)| *id == p)).map(|(_, s)| *s);

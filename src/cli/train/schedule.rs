@@ -4,19 +4,15 @@
 //! optimizer around it as in the other modes.
 
 use graphed::device::{DType, Stream};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{run_schedule, EagerPasses, Gpt, Inputs, KeepOnDevice, Schedule, SchedulePasses};
+use graphed::nn::Gpt;
 use graphed::tensor::Tensor;
 
 use crate::cli::args::TrainArgs;
+use crate::cli::scheduled::ScheduledLayers;
 
-/// The schedule, its chunks, and the graphed callables unless `--eager`.
-pub struct Scheduled {
-    schedule: Schedule,
-    per_chunk: Vec<usize>,
-    graphed: Option<Vec<GraphedCallable>>,
-}
+/// The model's layers under the schedule, graphed unless `--eager`.
+pub struct Scheduled(ScheduledLayers);
 
 impl Scheduled {
     /// The schedule for `model`'s layers and a batch of `batch`, captured unless `--eager`.
@@ -35,27 +31,18 @@ impl Scheduled {
                 "a batch of {batch} does not split into {m} microbatches; pass --batch or --microbatches to fit"
             );
         }
-        let graphed = match args.eager {
-            true => None,
-            false => {
-                let shape = [batch / m, model.config().max_len, model.config().dim];
-                let sample = Tensor::zeros(alloc, stream, &shape, model.config().dtype)?;
-                let callables: Vec<&dyn Callable> = layers.iter().map(|l| l as &dyn Callable).collect();
-                let samples: Vec<Inputs> = (0..layers.len() * m).map(|_| Inputs::one(&sample)).collect();
-                let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
-                Some(make_graphed_callables(alloc, &callables, &samples, options)?)
-            }
-        };
-        Ok(Scheduled { schedule, per_chunk, graphed })
+        let shape = [batch / m, model.config().max_len, model.config().dim];
+        let sample = Tensor::zeros(alloc, stream, &shape, model.config().dtype)?;
+        Ok(Scheduled(ScheduledLayers::new(alloc, layers, (schedule, per_chunk), &sample, !args.eager, true)?))
     }
 
     /// How it runs, for the banner.
     pub fn describe(&self) -> String {
-        let how = match &self.graphed {
+        let how = match &self.0.graphed {
             Some(g) => format!("{} graphed callables (one per layer and microbatch), buffers reused", g.len()),
             None => "eager".to_string(),
         };
-        format!("{} ({how})", self.schedule)
+        format!("{} ({how})", self.0.schedule)
     }
 
     /// Forward and backward of one batch under the schedule (the optimizer is the caller's);
@@ -67,7 +54,7 @@ impl Scheduled {
         stream: &Stream,
         (tokens, targets, weights): (&Tensor, &Tensor, &Tensor),
     ) -> anyhow::Result<Tensor> {
-        let m = self.schedule.microbatches();
+        let m = self.0.schedule.microbatches();
         let (rows, positions) = (tokens.shape()[0] / m, tokens.numel() / m);
         let losses = Tensor::uninit(alloc, stream, &[tokens.numel()], DType::F32)?;
         let part = |t: &Tensor, j: usize, len: usize| t.narrow(0, j * len, len);
@@ -78,20 +65,8 @@ impl Scheduled {
             part(&losses, j, positions)?.copy_from(&l, stream)?;
             model.head_backward(ctx, &part(weights, j, positions)?, stream)
         };
-        let mut eager;
-        let mut replays;
-        let passes: &mut dyn SchedulePasses = match &self.graphed {
-            None => {
-                eager = EagerPasses::new(model.layers().layers(), &KeepOnDevice, stream);
-                &mut eager
-            }
-            Some(g) => {
-                replays = GraphedPasses::new(g, &self.schedule, &self.per_chunk, stream);
-                &mut replays
-            }
-        };
         let step = Some(model.dropout_step());
-        let dxs = run_schedule(passes, &self.schedule, &self.per_chunk, &inputs, step, &mut head)?;
+        let dxs = self.0.run(model.layers().layers(), stream, &inputs, step, &mut head)?;
         for (j, dx) in dxs.iter().enumerate() {
             model.embed_backward(&part(tokens, j, rows)?, dx, stream)?;
         }

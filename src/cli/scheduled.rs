@@ -1,0 +1,67 @@
+//! Transformer layers stepped under a pipeline schedule, eagerly or through one graph per (layer,
+//! microbatch): what `train --schedule` and `bench schedule` share.
+
+use graphed::device::Stream;
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{run_schedule, EagerPasses, Inputs, KeepOnDevice, Schedule, SchedulePasses, TransformerLayer};
+use graphed::tensor::Tensor;
+
+/// A schedule over layers split into `per_chunk`, and its graphed callables when captured.
+pub struct ScheduledLayers {
+    pub schedule: Schedule,
+    pub per_chunk: Vec<usize>,
+    /// `None`: the layers run eagerly.
+    pub graphed: Option<Vec<GraphedCallable>>,
+}
+
+impl ScheduledLayers {
+    /// Eager when `capture` is false; else `layers` captured in `schedule`'s order from
+    /// `sample` (a microbatch's input), with static buffers reused across microbatches when
+    /// `reuse` is true.
+    pub fn new(
+        alloc: &CachingAllocator,
+        layers: &[TransformerLayer],
+        (schedule, per_chunk): (Schedule, Vec<usize>),
+        sample: &Tensor,
+        capture: bool,
+        reuse: bool,
+    ) -> graphed::Result<ScheduledLayers> {
+        let graphed = match capture {
+            false => None,
+            true => {
+                let callables: Vec<&dyn Callable> = layers.iter().map(|l| l as &dyn Callable).collect();
+                let samples: Vec<Inputs> =
+                    (0..layers.len() * schedule.microbatches()).map(|_| Inputs::one(sample)).collect();
+                let options = GraphOptions::default().schedule(&schedule).reuse_buffers(reuse);
+                Some(make_graphed_callables(alloc, &callables, &samples, options)?)
+            }
+        };
+        Ok(ScheduledLayers { schedule, per_chunk, graphed })
+    }
+
+    /// One step of `layers` under the schedule on `stream` (see `nn::run_schedule`); returns
+    /// each microbatch's input gradient.
+    pub fn run(
+        &self,
+        layers: &[TransformerLayer],
+        stream: &Stream,
+        inputs: &[Tensor],
+        rng_step: Option<&Tensor>,
+        head: &mut dyn FnMut(usize, Tensor) -> graphed::Result<Tensor>,
+    ) -> graphed::Result<Vec<Tensor>> {
+        let mut eager;
+        let mut replays;
+        let passes: &mut dyn SchedulePasses = match &self.graphed {
+            None => {
+                eager = EagerPasses::new(layers, &KeepOnDevice, stream);
+                &mut eager
+            }
+            Some(g) => {
+                replays = GraphedPasses::new(g, &self.schedule, &self.per_chunk, stream);
+                &mut replays
+            }
+        };
+        run_schedule(passes, &self.schedule, &self.per_chunk, inputs, rng_step, head)
+    }
+}
