@@ -10,6 +10,7 @@ use graphed::device::Stream;
 use graphed::memory::CachingAllocator;
 use graphed::nn::Gpt;
 use graphed::optim::AdamW;
+use graphed::tensor::Tensor;
 
 use crate::cli::args::TrainArgs;
 
@@ -34,6 +35,15 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
     ]
 }
 
+/// What a checkpoint keeps, by name: every parameter (`param.` and its module name), the
+/// optimizer's state (`optim.`) and the dropout step counter.
+fn state(model: &Gpt, optimizer: &AdamW) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let params = model.parameters().named_values()?.into_iter().map(|(name, t)| (format!("param.{name}"), t));
+    let optim = optimizer.state().into_iter().map(|(name, t)| (format!("optim.{name}"), t.clone()));
+    let rng = std::iter::once(("rng.dropout_step".to_string(), model.dropout_step().clone()));
+    Ok(params.chain(optim).chain(rng).collect())
+}
+
 /// Writes the state after `done` steps to `dir` (the previous checkpoint stays whole until the
 /// new one is).
 pub fn save(
@@ -46,13 +56,9 @@ pub fn save(
     done: usize,
 ) -> anyhow::Result<()> {
     let mut ckpt = Checkpoint::new();
-    for (name, value) in model.parameters().named_values()? {
-        ckpt.put(&format!("param.{name}"), &value, stream)?;
+    for (name, t) in state(model, optimizer)? {
+        ckpt.put(&name, &t, stream)?;
     }
-    for (name, t) in optimizer.state() {
-        ckpt.put(&format!("optim.{name}"), t, stream)?;
-    }
-    ckpt.put("rng.dropout_step", model.dropout_step(), stream)?;
     for (k, v) in settings(model, args, plan) {
         ckpt.set_meta(k, v);
     }
@@ -83,11 +89,7 @@ pub fn resume(
             dir.display()
         )
     })?;
-    let params = model.parameters().named_values()?;
-    let mut targets: Vec<(String, &graphed::tensor::Tensor)> =
-        params.iter().map(|(name, t)| (format!("param.{name}"), t)).collect();
-    targets.extend(optimizer.state().into_iter().map(|(name, t)| (format!("optim.{name}"), t)));
-    targets.push(("rng.dropout_step".into(), model.dropout_step()));
+    let targets = state(model, optimizer)?;
     for (name, t) in &targets {
         ckpt.check(name, t)?;
     }
