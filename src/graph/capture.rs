@@ -103,6 +103,11 @@ pub fn make_graphed_callables(
     let (mut instances, mut names) = (Vec::with_capacity(samples.len()), Vec::with_capacity(samples.len()));
     let mut first = 0;
     for (k, &n) in layers.iter().enumerate() {
+        // A weight-gradient step needs a layer of its chunk that splits one out.
+        let chunk = &callables[first..first + n];
+        if schedule.steps().contains(&Step::WeightGrad(k)) && !chunk.iter().any(|c| c.splits_dw_dyn()) {
+            return Err(Error::Graphed { callable: label(first, chunk[0]), kind: GraphedErrorKind::NoSplitDw });
+        }
         for j in 0..microbatches {
             for (l, c) in callables.iter().enumerate().skip(first).take(n) {
                 instances.push(*c);

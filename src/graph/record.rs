@@ -7,7 +7,6 @@ use super::callable::Saved;
 use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
-use super::GraphedErrorKind;
 use crate::memory::{GraphPool, PoolGraph};
 use crate::nn::{backward_pass, forward_pass, Inputs, Schedule, Step, Traverse};
 use crate::tensor::Tensor;
@@ -186,14 +185,13 @@ impl Record<'_, '_> {
     }
 
     /// Captures callable `i`'s split weight-gradient pass, if it has one.
-    fn weight_grad(&mut self, i: usize) -> Result<bool> {
+    fn weight_grad(&mut self, i: usize) -> Result<()> {
         let (plan, stream) = (self.plan, self.plan.stream);
-        if !plan.callables[i].splits_dw_dyn() {
-            return Ok(false);
+        if plan.callables[i].splits_dw_dyn() {
+            let g = self.capture(i, &mut || plan.callables[i].backward_dw_dyn(stream))?;
+            self.recorded.graphs[i].push((Pass::BackwardDw, g));
         }
-        let g = self.capture(i, &mut || plan.callables[i].backward_dw_dyn(stream))?;
-        self.recorded.graphs[i].push((Pass::BackwardDw, g));
-        Ok(true)
+        Ok(())
     }
 
     /// Every step of the schedule, each chunk's layers in order (forward) or in reverse.
@@ -217,12 +215,8 @@ impl Record<'_, '_> {
                     }
                 }
                 Step::WeightGrad(k) => {
-                    let mut any = false;
                     for l in (0..layout.layers[k]).rev() {
-                        any |= self.weight_grad(layout.instance(k, j, l))?;
-                    }
-                    if !any {
-                        return Err(self.plan.err(layout.instance(k, j, 0), GraphedErrorKind::NoSplitDw));
+                        self.weight_grad(layout.instance(k, j, l))?;
                     }
                 }
             }

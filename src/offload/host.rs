@@ -4,7 +4,7 @@
 //! (H9).
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::device::{with_dtype, BufferId, DType, Device, Event, PinnedBuffer, Stream};
@@ -68,7 +68,7 @@ impl HostBuffer {
 /// allocated until dropped.
 #[derive(Default)]
 pub(crate) struct HostPool {
-    free: HashMap<(usize, DType), Vec<HostBuffer>>,
+    free: HashMap<(usize, DType), VecDeque<HostBuffer>>,
     /// Bytes allocated in all.
     pub(crate) bytes: usize,
 }
@@ -76,7 +76,7 @@ pub(crate) struct HostPool {
 impl HostPool {
     /// A buffer for `len` elements of `dtype`: the oldest free one, or a new one.
     pub(crate) fn take(&mut self, dev: &Device, dtype: DType, len: usize) -> Result<HostBuffer> {
-        if let Some(b) = self.free.get_mut(&(len, dtype)).filter(|v| !v.is_empty()).map(|v| v.remove(0)) {
+        if let Some(b) = self.free.get_mut(&(len, dtype)).and_then(VecDeque::pop_front) {
             return Ok(b);
         }
         let b = HostBuffer::new(dev, dtype, len)?;
@@ -86,6 +86,6 @@ impl HostPool {
 
     /// Gives `b` back; its events order its next use (H8).
     pub(crate) fn give_back(&mut self, b: HostBuffer) {
-        self.free.entry(b.key()).or_default().push(b);
+        self.free.entry(b.key()).or_default().push_back(b);
     }
 }

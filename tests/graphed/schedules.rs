@@ -183,6 +183,20 @@ pub fn schedule_shapes_are_checked(dev: &Device) -> Result {
     let (x0, _) = model.data(0)?;
     let stack = graphed::graph::make_graphed_stack(&model.alloc, &model.stack, &x0, options());
     ensure!(shape(stack.map(|_| Vec::new())), "a stack with a schedule");
+    // A weight-gradient step for layers that split none out is refused before any capture.
+    let w = Schedule::from_te_order(&[1.0, -1.0, -1.5])?;
+    let order = model.alloc.new_pool();
+    let r = make_graphed_callables(
+        &model.alloc,
+        &model.callables(),
+        &four[..2],
+        GraphOptions::default().schedule(&w).pool(&order),
+    );
+    ensure!(
+        matches!(r.map(|_| ()).err().and_then(|e| e.graphed_kind().cloned()), Some(GraphedErrorKind::NoSplitDw)),
+        "NoSplitDw"
+    );
+    ensure!(order.order().is_empty(), "nothing was captured");
     Ok(())
 }
 
