@@ -175,6 +175,17 @@ pub enum Error {
         kind: crate::checkpoint::CheckpointErrorKind,
     },
 
+    /// A collective or a process group failed; `kind` says which rank and what.
+    #[error("{op} on rank {rank}: {kind}")]
+    Comm {
+        /// The operation.
+        op: &'static str,
+        /// The rank that reports it.
+        rank: usize,
+        /// What went wrong.
+        kind: crate::device::CommErrorKind,
+    },
+
     /// A pipeline schedule is inconsistent; `kind` says where and what to do.
     #[error("pipeline schedule: {0}")]
     Schedule(crate::nn::ScheduleErrorKind),

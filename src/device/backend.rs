@@ -88,6 +88,16 @@ pub(crate) enum Op<'a> {
         bytes: usize,
         value: u8,
     },
+    /// A collective or a send/receive: `src` is read (and written, in place), `dst` written;
+    /// `count` is NCCL's count for the operation.
+    Collective {
+        comm: &'a super::comm::CommRepr,
+        kind: super::comm::Collective,
+        src: (&'a Arc<Block>, usize),
+        dst: (&'a Arc<Block>, usize),
+        count: usize,
+        dtype: super::DType,
+    },
 }
 
 impl Op<'_> {
@@ -99,6 +109,7 @@ impl Op<'_> {
             Op::Copy { dir: CopyDir::DeviceToHost, .. } => "memcpy_d2h",
             Op::Copy { dir: CopyDir::DeviceToDevice, .. } => "memcpy_d2d",
             Op::Memset { .. } => "memset",
+            Op::Collective { kind, .. } => kind.name(),
         }
     }
 }

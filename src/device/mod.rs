@@ -18,6 +18,7 @@
 mod access;
 pub(crate) mod backend;
 mod capture;
+mod comm;
 mod cuda;
 mod dtype;
 mod event;
@@ -36,6 +37,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 pub use access::{Access, AccessMode, AccessRole, Dim, Region};
 pub use capture::{Capture, CaptureMode, CaptureStatus};
+pub use comm::{CommErrorKind, CommOptions, Communicator, NcclId};
 pub(crate) use dtype::with_dtype;
 pub use dtype::{DType, Elem, Float};
 pub use event::Event;

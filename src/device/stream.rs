@@ -87,6 +87,19 @@ impl Stream {
         dispatch!(self.inner.dev.backend(), |b, pick| b.enqueue(pick!(self.inner.repr), op))
     }
 
+    /// Enqueues an operation checked by its caller (a collective), after the device's kept
+    /// errors.
+    pub(crate) fn enqueue_op(&self, op: &Op<'_>) -> Result<()> {
+        self.inner.dev.check_err()?;
+        self.enqueue(op)
+    }
+
+    /// After an operation was enqueued: note the stream on the blocks it touches and report
+    /// its accesses to the checker.
+    pub(crate) fn enqueued_accesses(&self, name: &'static str, accesses: &[super::Access]) -> Result<()> {
+        self.observe(|o, cap| o.enqueue(self.inner.id, cap, name, accesses))
+    }
+
     /// Reports to the device's checker, if it has one, with the stream's capture.
     fn observe(&self, f: impl FnOnce(&dyn Observer, Option<u64>) -> Result<()>) -> Result<()> {
         match self.inner.dev.observer() {

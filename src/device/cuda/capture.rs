@@ -37,6 +37,8 @@ use crate::{Error, Result};
 pub(super) struct Holdings {
     buffers: HashMap<BufferId, Arc<Block>>,
     events: HashMap<EventId, Arc<EventInner>>,
+    /// The communicators of captured collectives.
+    comms: Vec<Arc<super::nccl::NcclInner>>,
 }
 
 impl Holdings {
@@ -58,6 +60,13 @@ impl Holdings {
                 self.add_buffer(dst);
             }
             Op::Memset { dst, .. } => self.add_buffer(dst),
+            Op::Collective { comm, src, dst, .. } => {
+                self.add_buffer(src.0);
+                self.add_buffer(dst.0);
+                if let crate::device::backend::Repr::Cuda(c) = comm {
+                    self.comms.push(c.inner().clone());
+                }
+            }
         }
     }
 

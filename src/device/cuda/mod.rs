@@ -20,6 +20,7 @@ mod baseline;
 mod blas;
 
 pub(crate) use baseline::raw_launch_baseline;
+pub(crate) use nccl::{nccl_unique_id, NcclComm};
 mod capture;
 mod context;
 mod error;
@@ -27,6 +28,7 @@ mod ffi;
 mod graph;
 mod launch;
 mod memory;
+mod nccl;
 mod nvrtc;
 mod stream;
 #[cfg(test)]
@@ -86,6 +88,17 @@ impl CudaDevice {
     /// the context.
     fn bind(&self, op: &'static str) -> Result<()> {
         self.ctx.bind_to_thread().map_err(|e| err::driver(op, None, e))
+    }
+
+    /// Joins NCCL group `id` as `rank` of `size` on this GPU.
+    pub(crate) fn nccl_comm(
+        &self,
+        rank: usize,
+        size: usize,
+        id: &[u8; 128],
+    ) -> Result<NcclComm, crate::device::CommErrorKind> {
+        self.bind("Communicator::nccl").map_err(|e| crate::device::CommErrorKind::Nccl(e.to_string()))?;
+        nccl::init(rank, size, id)
     }
 }
 
@@ -160,6 +173,7 @@ impl Backend for CudaDevice {
                 memory::copy(name, stream, dir, (&src.raw, src_offset), (&dst.raw, dst_offset), bytes)?
             }
             Op::Memset { dst, offset, bytes, value } => memory::memset(name, stream, (&dst.raw, offset), bytes, value)?,
+            Op::Collective { .. } => nccl::enqueue(stream, op)?,
         }
         if let Some(id) = capture {
             capture::hold_op(id, op);

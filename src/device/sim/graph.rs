@@ -98,20 +98,20 @@ impl State {
             if node.deps.is_empty() {
                 deps.extend(before);
             }
-            let action = match &node.task {
-                NodeTask::Run(task) => Action::Run(task.clone()),
-                NodeTask::Record(_) => Action::Nop,
+            let id = match &node.task {
+                NodeTask::Run(task) => self.push_task(deps, task)?.1,
+                NodeTask::Record(e) => {
+                    let id = self.queue.push(deps, Action::Nop);
+                    records.insert(*e, id);
+                    id
+                }
                 NodeTask::Wait(e) => {
                     if let Some(Record::At(Some(w))) = self.events.get(e) {
                         deps.push(Some(*w));
                     }
-                    Action::Nop
+                    self.queue.push(deps, Action::Nop)
                 }
             };
-            let id = self.queue.push(deps, action);
-            if let NodeTask::Record(e) = node.task {
-                records.insert(e, id);
-            }
             work.push(id);
         }
         let sinks: Vec<Option<WorkId>> =

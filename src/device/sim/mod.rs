@@ -20,6 +20,7 @@
 //!   capturing thread in thread-local mode; both invalidate the capture.
 
 mod capture;
+mod comm;
 mod graph;
 mod schedule;
 mod task;
@@ -30,6 +31,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use schedule::Policy;
 
 use self::capture::CaptureState;
+pub(crate) use self::comm::SimLink;
 use self::graph::{SimExec, SimGraph};
 use self::schedule::{Action, Queue, WorkId};
 pub(crate) use self::task::SimMem;
@@ -154,14 +156,37 @@ impl State {
     }
 
     fn enqueue(&mut self, op_name: &'static str, stream: StreamId, task: Task) -> Result<()> {
+        let task = Arc::new(task);
         if let Some(cap) = self.active_capture_of(op_name, stream)? {
             let kind = task.node_kind();
             let name = task.name();
-            self.add_node(cap, stream, kind, name, graph::NodeTask::Run(Arc::new(task)));
+            self.add_node(cap, stream, kind, name, graph::NodeTask::Run(task));
             return Ok(());
         }
-        self.push_on(stream, None, Action::Run(Arc::new(task)));
+        let last = self.stream(stream).last;
+        let (_, end) = self.push_task([last, None], &task)?;
+        self.stream(stream).last = Some(end);
         Ok(())
+    }
+
+    /// Queues `task` after `deps`: one work item, or a collective's arrival and finish (issued
+    /// in its group's order now). Returns the first and the last item.
+    fn push_task(
+        &mut self,
+        deps: impl IntoIterator<Item = Option<WorkId>>,
+        task: &Arc<Task>,
+    ) -> Result<(WorkId, WorkId)> {
+        match &**task {
+            Task::Collective(c) => {
+                let exchange = comm::Exchange::issue(c)?;
+                let arrive = self.queue.push(deps, Action::Arrive(exchange.clone()));
+                Ok((arrive, self.queue.push([Some(arrive)], Action::Finish(exchange))))
+            }
+            _ => {
+                let id = self.queue.push(deps, Action::Run(task.clone()));
+                Ok((id, id))
+            }
+        }
     }
 
     fn record(&mut self, stream: StreamId, event: EventId, external: bool) -> Result<()> {
@@ -300,7 +325,7 @@ impl Backend for SimDevice {
     }
 
     fn enqueue(&self, stream: &SimStream, op: &Op<'_>) -> Result<()> {
-        self.lock().enqueue(op.name(), stream.id, Task::from_op(op))
+        self.lock().enqueue(op.name(), stream.id, Task::from_op(op)?)
     }
 
     fn record(&self, stream: &SimStream, event: &SimEvent, external: bool) -> Result<()> {

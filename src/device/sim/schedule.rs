@@ -11,6 +11,7 @@ use std::sync::Arc;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use super::comm::Exchange;
 use super::task::Task;
 use crate::{Error, Result};
 
@@ -41,6 +42,10 @@ pub(crate) enum Action {
     /// A marker: a wait, a graph launch's end.
     Nop,
     Run(Arc<Task>),
+    /// A collective's arrival: the rank's input is posted to its group.
+    Arrive(Arc<Exchange>),
+    /// A collective's finish: runnable once the group holds every part it needs.
+    Finish(Arc<Exchange>),
 }
 
 pub(crate) struct Work {
@@ -75,8 +80,16 @@ impl Queue {
         id < self.next && !self.pending.contains_key(&id)
     }
 
-    fn is_ready(&self, w: &Work) -> bool {
+    fn deps_done(&self, w: &Work) -> bool {
         w.deps.iter().all(|d| !self.pending.contains_key(d))
+    }
+
+    fn is_ready(&self, w: &Work) -> bool {
+        self.deps_done(w)
+            && match &w.action {
+                Action::Finish(x) => x.ready(),
+                _ => true,
+            }
     }
 
     /// Everything still pending that `targets` need, themselves included.
@@ -105,9 +118,33 @@ impl Queue {
 
     fn run_one(&mut self, id: WorkId) {
         let work = self.pending.remove(&id).expect("picked work is pending");
-        if let Action::Run(task) = work.action {
-            if let Err(e) = task.run() {
-                self.failure.get_or_insert(e);
+        let ran = match work.action {
+            Action::Nop => Ok(()),
+            Action::Run(task) => task.run(),
+            Action::Arrive(x) => x.arrive(),
+            Action::Finish(x) => x.finish(),
+        };
+        if let Err(e) = ran {
+            self.failure.get_or_insert(e);
+        }
+    }
+
+    /// With nothing runnable among `need`: the collectives in it that wait on their group, if
+    /// any, block the host until one can finish (another rank's thread posts its part), or fail
+    /// with the group's error.
+    fn stall(&mut self, need: &BTreeSet<WorkId>) -> Result<bool> {
+        let waiting: Vec<&Arc<Exchange>> = (need.iter())
+            .filter_map(|id| match &self.pending[id].action {
+                Action::Finish(x) if self.deps_done(&self.pending[id]) => Some(x),
+                _ => None,
+            })
+            .collect();
+        match waiting.first() {
+            None => Ok(false),
+            Some(first) => {
+                let keys: Vec<_> = waiting.iter().map(|x| x.key).collect();
+                first.stall(&keys)?;
+                Ok(true)
             }
         }
     }
@@ -117,6 +154,9 @@ impl Queue {
         let mut need = self.closure(targets);
         while targets.iter().any(|t| !self.is_done(*t)) {
             let Some(id) = self.pick(&need) else {
+                if self.stall(&need)? {
+                    continue;
+                }
                 return Err(Error::Unsupported {
                     op: "synchronize",
                     backend: "sim",

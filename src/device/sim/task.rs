@@ -115,14 +115,31 @@ pub(crate) enum OwnedArg {
 
 /// A queued operation with everything it needs, frozen at enqueue.
 pub(crate) enum Task {
-    Kernel { kernel: &'static Kernel, args: Vec<OwnedArg> },
-    Copy { name: &'static str, src: Arc<Block>, src_offset: usize, dst: Arc<Block>, dst_offset: usize, bytes: usize },
-    Memset { dst: Arc<Block>, offset: usize, bytes: usize, value: u8 },
+    Kernel {
+        kernel: &'static Kernel,
+        args: Vec<OwnedArg>,
+    },
+    Copy {
+        name: &'static str,
+        src: Arc<Block>,
+        src_offset: usize,
+        dst: Arc<Block>,
+        dst_offset: usize,
+        bytes: usize,
+    },
+    Memset {
+        dst: Arc<Block>,
+        offset: usize,
+        bytes: usize,
+        value: u8,
+    },
+    /// Runs as two work items, an arrival and a finish (see `comm.rs`).
+    Collective(Arc<super::comm::CollectiveTask>),
 }
 
 impl Task {
-    pub(crate) fn from_op(op: &Op<'_>) -> Task {
-        match *op {
+    pub(crate) fn from_op(op: &Op<'_>) -> Result<Task> {
+        Ok(match *op {
             Op::Kernel { kernel, args, .. } | Op::Gemm { kernel, args, .. } => Task::Kernel {
                 kernel,
                 args: args
@@ -142,7 +159,8 @@ impl Task {
                 Task::Copy { name: op.name(), src: src.clone(), src_offset, dst: dst.clone(), dst_offset, bytes }
             }
             Op::Memset { dst, offset, bytes, value } => Task::Memset { dst: dst.clone(), offset, bytes, value },
-        }
+            Op::Collective { .. } => Task::Collective(Arc::new(super::comm::CollectiveTask::from_op(op)?)),
+        })
     }
 
     /// The name shown in graph nodes.
@@ -151,13 +169,15 @@ impl Task {
             Task::Kernel { kernel, .. } => kernel.name.to_string(),
             Task::Copy { name, src, dst, .. } => format!("{name} {} -> {}", src.id, dst.id),
             Task::Memset { dst, .. } => format!("memset {}", dst.id),
+            Task::Collective(c) => c.kind.name().to_string(),
         }
     }
 
     pub(crate) fn node_kind(&self) -> crate::device::NodeKind {
         use crate::device::NodeKind;
         match self {
-            Task::Kernel { .. } => NodeKind::Kernel,
+            // NCCL's operations are kernels in a captured graph.
+            Task::Kernel { .. } | Task::Collective(_) => NodeKind::Kernel,
             Task::Copy { .. } => NodeKind::Memcpy,
             Task::Memset { .. } => NodeKind::Memset,
         }
@@ -177,6 +197,11 @@ impl Task {
                 sim_mem(&dst.raw)?.write(*offset, &vec![*value; *bytes]);
                 Ok(())
             }
+            Task::Collective(_) => Err(Error::Unsupported {
+                op: "collective",
+                backend: "sim",
+                why: "a collective ran as one work item; please report this as a bug",
+            }),
         }
     }
 }

@@ -1,0 +1,447 @@
+//! Collectives between devices: NCCL on GPUs, and the simulator's own between simulated devices
+//! of one process, with the same semantics (the operations of a communicator match by issue
+//! order across ranks) and three things NCCL cannot do: a mismatch in kind, length or element
+//! type, a rank gone, and a deadlock (every rank waiting on another) are typed errors.
+//!
+//! A collective is one more stream operation: enqueued on a [`Stream`], ordered by events,
+//! declared as accesses to the checker, and captured into graphs like a kernel. Every launch of
+//! a captured graph issues its collectives again, in the graph's order.
+//!
+//! ```
+//! use graphed::device::{Communicator, CommOptions, Device};
+//! let devices = [Device::sim(), Device::sim()];
+//! let comms = Communicator::sim_group(&devices, CommOptions::default())?;
+//! let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+//!     let handles: Vec<_> = comms.iter().map(|comm| s.spawn(move || -> graphed::Result<Vec<f32>> {
+//!         let stream = comm.device().stream()?;
+//!         let x = comm.device().alloc_from(&stream, &[comm.rank() as f32 + 1.0; 4])?;
+//!         comm.all_reduce(&stream, &x)?;
+//!         x.to_vec(&stream)
+//!     })).collect();
+//!     handles.into_iter().map(|h| h.join().expect("rank thread")).collect::<graphed::Result<_>>()
+//! })?;
+//! assert_eq!(sums, vec![vec![3.0; 4]; 2]);
+//! # Ok::<(), graphed::Error>(())
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::backend::{Op, Repr};
+use super::kernel::IntoView;
+use super::memory::access_of;
+use super::{cuda, sim, AccessMode, DType, Device, Elem, Stream};
+use crate::{Error, Result};
+
+/// What a communicator's operations may wait for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommOptions {
+    /// How long a rank waits for the others, in a collective or at [`Communicator::wait`],
+    /// before it fails with [`CommErrorKind::Timeout`].
+    pub timeout: Duration,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions { timeout: Duration::from_secs(300) }
+    }
+}
+
+/// One rank's handle on a group of devices that exchange data (an NCCL communicator, or a group
+/// of simulated devices). Cloning yields the same handle.
+#[derive(Clone)]
+pub struct Communicator {
+    inner: Arc<CommInner>,
+}
+
+struct CommInner {
+    dev: Device,
+    rank: usize,
+    size: usize,
+    options: CommOptions,
+    repr: CommRepr,
+}
+
+pub(crate) type CommRepr = Repr<sim::SimLink, cuda::NcclComm>;
+
+/// The operation a rank issues; every rank of a collective issues the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Collective {
+    /// Sum in place across ranks.
+    AllReduce,
+    /// Sum across ranks, each rank keeping its slice.
+    ReduceScatter,
+    /// Every rank's input, concatenated in rank order, on every rank.
+    AllGather,
+    /// To one peer (matched with its [`Collective::Recv`]).
+    Send(usize),
+    /// From one peer.
+    Recv(usize),
+}
+
+impl Collective {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::AllGather => "all_gather",
+            Collective::Send(_) => "send",
+            Collective::Recv(_) => "recv",
+        }
+    }
+}
+
+/// Why a collective or a process group failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommErrorKind {
+    /// Ranks issued different operations at the same place in their order.
+    #[error("rank {rank} issued {found} as operation #{seq} of the communicator, but rank {other} issued {expected}; every rank must issue the same collectives in the same order (NCCL would hang or corrupt data here)")]
+    Mismatch {
+        /// The operation's place in the communicator's order.
+        seq: u64,
+        /// The rank that issued it second.
+        rank: usize,
+        /// What it issued.
+        found: String,
+        /// The rank that issued it first.
+        other: usize,
+        /// What that rank issued.
+        expected: String,
+    },
+    /// Every rank waits for another: the ranks issued operations in orders that cannot meet.
+    #[error("deadlock: {waits}; issue collectives and sends/receives in an order every rank can meet (NCCL would hang here)")]
+    Deadlock {
+        /// What each rank waits for.
+        waits: String,
+    },
+    /// A rank waited longer than [`CommOptions::timeout`].
+    #[error(
+        "waited {secs:.1} s for {waiting}; a rank is slow, stuck or dead: check every rank's log, or raise the timeout"
+    )]
+    Timeout {
+        /// What it waited for.
+        waiting: String,
+        /// How long.
+        secs: f64,
+    },
+    /// A rank left (its communicator was dropped, or its process died) while others waited on it.
+    #[error("rank {rank} left the group while others waited on it; see that rank's error")]
+    RankGone {
+        /// The rank that left.
+        rank: usize,
+    },
+    /// A rank number outside the group.
+    #[error("peer {peer} is not a rank of this group of {size}; pass a rank below {size} other than your own")]
+    BadPeer {
+        /// The peer asked for.
+        peer: usize,
+        /// The group's size.
+        size: usize,
+    },
+    /// Lengths that do not fit the operation.
+    #[error("{what}; pass views of the lengths the operation takes")]
+    Length {
+        /// What was wrong.
+        what: String,
+    },
+    /// A reduction of an element type that has no sum here.
+    #[error("cannot sum {dtype}; reduce f32, bf16 or f16")]
+    DType {
+        /// The element type.
+        dtype: DType,
+    },
+    /// NCCL returned an error.
+    #[error("NCCL: {0}")]
+    Nccl(String),
+    /// The rendezvous of a process group failed.
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
+    /// Ranks disagree on what they train.
+    #[error(
+        "rank {rank} builds {theirs}, but rank 0 builds {ours}; launch every rank with the same model and arguments"
+    )]
+    ModelMismatch {
+        /// The disagreeing rank.
+        rank: usize,
+        /// What rank 0 builds.
+        ours: String,
+        /// What that rank builds.
+        theirs: String,
+    },
+    /// The launcher's environment is missing or wrong.
+    #[error("environment variable {var}: {why}; launch with `graphed launch` or torchrun, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")]
+    Env {
+        /// The variable.
+        var: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+}
+
+impl Communicator {
+    /// One communicator per simulated device, as one group (rank `i` on `devices[i]`). Run each
+    /// rank on its own thread: a rank's device runs its queued work when its host synchronizes,
+    /// and a collective completes when every rank's part has run.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when a device is not a simulator or a device appears twice.
+    pub fn sim_group(devices: &[Device], options: CommOptions) -> Result<Vec<Communicator>> {
+        for (i, d) in devices.iter().enumerate() {
+            if !matches!(d.backend(), super::backend::BackendImpl::Sim(_))
+                || devices[..i].iter().any(|e| e.id() == d.id())
+            {
+                return Err(Error::Unsupported {
+                    op: "Communicator::sim_group",
+                    backend: "cuda",
+                    why: "a simulated group takes distinct simulator devices; on GPUs use Communicator::nccl",
+                });
+            }
+        }
+        let links = sim::SimLink::group(devices.len(), options.timeout);
+        Ok(devices
+            .iter()
+            .zip(links)
+            .enumerate()
+            .map(|(rank, (dev, link))| Communicator::new(dev.clone(), rank, devices.len(), options, Repr::Sim(link)))
+            .collect())
+    }
+
+    /// Rank `rank` of a group of `size` GPUs that share `id` (made once by [`NcclId::new`] and
+    /// sent to every rank, as a process group's rendezvous does). Blocks until every rank has
+    /// joined.
+    ///
+    /// # Errors
+    /// [`Error::Comm`] with [`CommErrorKind::Nccl`] when NCCL is missing or fails, or
+    /// [`Error::Unsupported`] on the simulator.
+    pub fn nccl(dev: &Device, rank: usize, size: usize, id: &NcclId, options: CommOptions) -> Result<Communicator> {
+        let super::backend::BackendImpl::Cuda(b) = dev.backend() else {
+            return Err(Error::Unsupported {
+                op: "Communicator::nccl",
+                backend: "sim",
+                why: "NCCL runs on GPUs; group simulated devices with Communicator::sim_group",
+            });
+        };
+        if rank >= size {
+            return Err(comm_error("Communicator::nccl", rank, CommErrorKind::BadPeer { peer: rank, size }));
+        }
+        let comm = b.nccl_comm(rank, size, &id.0).map_err(|k| comm_error("Communicator::nccl", rank, k))?;
+        Ok(Communicator::new(dev.clone(), rank, size, options, Repr::Cuda(comm)))
+    }
+
+    fn new(dev: Device, rank: usize, size: usize, options: CommOptions, repr: CommRepr) -> Communicator {
+        Communicator { inner: Arc::new(CommInner { dev, rank, size, options, repr }) }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// How many ranks the group has.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// This rank's device.
+    pub fn device(&self) -> &Device {
+        &self.inner.dev
+    }
+
+    /// What operations wait for.
+    pub fn options(&self) -> CommOptions {
+        self.inner.options
+    }
+
+    /// Sums `buf` across ranks, in place, on `stream`.
+    ///
+    /// # Errors
+    /// [`Error::Comm`] for an element type without a sum or a mismatch with another rank's
+    /// operation; the usual errors of a stream operation (another device's buffer, a capture).
+    pub fn all_reduce<'b, T: Elem>(&self, stream: &Stream, buf: impl IntoView<'b, Elem = T>) -> Result<()> {
+        let buf = buf.into_view();
+        self.reducible(Collective::AllReduce, T::DTYPE)?;
+        self.enqueue(stream, Collective::AllReduce, (&buf, AccessMode::ReadWrite), None, buf.len())
+    }
+
+    /// Sums `src` (`size` slices of `dst`'s length) across ranks; rank `r` gets slice `r` in `dst`.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Communicator::all_reduce), and [`CommErrorKind::Length`] unless
+    /// `src` is `size` times as long as `dst`.
+    pub fn reduce_scatter<'s, 'd, T: Elem>(
+        &self,
+        stream: &Stream,
+        src: impl IntoView<'s, Elem = T>,
+        dst: impl IntoView<'d, Elem = T>,
+    ) -> Result<()> {
+        let (src, dst) = (src.into_view(), dst.into_view());
+        self.reducible(Collective::ReduceScatter, T::DTYPE)?;
+        self.sized(Collective::ReduceScatter, src.len(), dst.len())?;
+        self.enqueue(stream, Collective::ReduceScatter, (&src, AccessMode::Read), Some(&dst), dst.len())
+    }
+
+    /// Every rank's `src`, concatenated in rank order, into `dst` (`size` times as long).
+    ///
+    /// # Errors
+    /// [`CommErrorKind::Length`] unless `dst` is `size` times as long as `src`, and as
+    /// [`all_reduce`](Communicator::all_reduce).
+    pub fn all_gather<'s, 'd, T: Elem>(
+        &self,
+        stream: &Stream,
+        src: impl IntoView<'s, Elem = T>,
+        dst: impl IntoView<'d, Elem = T>,
+    ) -> Result<()> {
+        let (src, dst) = (src.into_view(), dst.into_view());
+        self.sized(Collective::AllGather, dst.len(), src.len())?;
+        self.enqueue(stream, Collective::AllGather, (&src, AccessMode::Read), Some(&dst), src.len())
+    }
+
+    /// Sends `src` to rank `peer`, which receives it with [`recv`](Communicator::recv).
+    ///
+    /// # Errors
+    /// [`CommErrorKind::BadPeer`] for a peer outside the group or this rank, and as
+    /// [`all_reduce`](Communicator::all_reduce).
+    pub fn send<'s, T: Elem>(&self, stream: &Stream, src: impl IntoView<'s, Elem = T>, peer: usize) -> Result<()> {
+        let src = src.into_view();
+        self.peer(Collective::Send(peer), peer)?;
+        self.enqueue(stream, Collective::Send(peer), (&src, AccessMode::Read), None, src.len())
+    }
+
+    /// Receives into `dst` what rank `peer` sends with [`send`](Communicator::send).
+    ///
+    /// # Errors
+    /// As [`send`](Communicator::send).
+    pub fn recv<'d, T: Elem>(&self, stream: &Stream, dst: impl IntoView<'d, Elem = T>, peer: usize) -> Result<()> {
+        let dst = dst.into_view();
+        self.peer(Collective::Recv(peer), peer)?;
+        self.enqueue(stream, Collective::Recv(peer), (&dst, AccessMode::Write), None, dst.len())
+    }
+
+    /// Blocks until the work queued on `stream` has completed, or fails after the
+    /// communicator's timeout (a peer that never arrives), instead of hanging: the watchdog of a
+    /// training loop. On a GPU a timed-out communicator is aborted; make a new group to go on.
+    ///
+    /// # Errors
+    /// [`CommErrorKind::Timeout`], an error NCCL reported, or the stream's own errors.
+    pub fn wait(&self, stream: &Stream) -> Result<()> {
+        match &self.inner.repr {
+            Repr::Sim(_) => stream.synchronize(),
+            Repr::Cuda(c) => {
+                let deadline = std::time::Instant::now() + self.inner.options.timeout;
+                loop {
+                    if stream.query()? {
+                        return Ok(());
+                    }
+                    c.async_error().map_err(|k| comm_error("Communicator::wait", self.rank(), k))?;
+                    if std::time::Instant::now() > deadline {
+                        c.abort();
+                        let waiting = format!("the work queued on stream {}", stream.id());
+                        let secs = self.inner.options.timeout.as_secs_f64();
+                        return Err(comm_error(
+                            "Communicator::wait",
+                            self.rank(),
+                            CommErrorKind::Timeout { waiting, secs },
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        }
+    }
+
+    fn reducible(&self, op: Collective, dtype: DType) -> Result<()> {
+        match dtype {
+            DType::F32 | DType::BF16 | DType::F16 => Ok(()),
+            dtype => Err(comm_error(op.name(), self.rank(), CommErrorKind::DType { dtype })),
+        }
+    }
+
+    fn sized(&self, op: Collective, long: usize, short: usize) -> Result<()> {
+        if long != short * self.size() {
+            let what =
+                format!("{} takes a buffer of {} × the other's {short} elements, found {long}", op.name(), self.size());
+            return Err(comm_error(op.name(), self.rank(), CommErrorKind::Length { what }));
+        }
+        Ok(())
+    }
+
+    fn peer(&self, op: Collective, peer: usize) -> Result<()> {
+        if peer >= self.size() || peer == self.rank() {
+            return Err(comm_error(op.name(), self.rank(), CommErrorKind::BadPeer { peer, size: self.size() }));
+        }
+        Ok(())
+    }
+
+    /// Checks and enqueues one operation: `first` is the buffer it reads (or reads and writes),
+    /// `second` the one it writes when they differ; `count` is NCCL's count of the operation.
+    fn enqueue<T: Elem>(
+        &self,
+        stream: &Stream,
+        kind: Collective,
+        (first, mode): (&super::View<'_, T>, AccessMode),
+        second: Option<&super::View<'_, T>>,
+        count: usize,
+    ) -> Result<()> {
+        let op = kind.name();
+        self.inner.dev.check_same(op, "communicator", stream.device().id())?;
+        for v in std::iter::once(first).chain(second) {
+            self.inner.dev.check_same(op, "buffer", v.block.raw.device)?;
+            v.check_bounds(op)?;
+            if !v.region.is_contiguous() {
+                return Err(Error::NotContiguous { op, buffer: v.block.id });
+            }
+        }
+        let elem = T::DTYPE.size();
+        let out = second.unwrap_or(first);
+        let (src, dst) = ((first.block, first.absolute().offset() * elem), (out.block, out.absolute().offset() * elem));
+        let enqueued = Op::Collective { comm: &self.inner.repr, kind, src, dst, count, dtype: T::DTYPE };
+        stream.enqueue_op(&enqueued)?;
+        let mut accesses = vec![access_of(first.block, first.region, elem, mode, 0)];
+        if let Some(v) = second {
+            accesses.push(access_of(v.block, v.region, elem, AccessMode::Write, 1));
+        }
+        stream.enqueued_accesses(op, &accesses)
+    }
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Communicator(rank {} of {})", self.inner.rank, self.inner.size)
+    }
+}
+
+/// The identity of an NCCL group: made by one rank, sent to the others (128 opaque bytes).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct NcclId(pub(crate) [u8; 128]);
+
+impl NcclId {
+    /// A new identity (NCCL's `ncclGetUniqueId`, which opens the listening socket of rank 0).
+    ///
+    /// # Errors
+    /// [`Error::Comm`] with [`CommErrorKind::Nccl`] when NCCL is missing or fails.
+    pub fn new() -> Result<NcclId> {
+        cuda::nccl_unique_id().map(NcclId).map_err(|k| comm_error("NcclId::new", 0, k))
+    }
+
+    /// Its bytes, to send to the other ranks.
+    pub fn as_bytes(&self) -> &[u8; 128] {
+        &self.0
+    }
+
+    /// The identity other ranks received as bytes.
+    pub fn from_bytes(bytes: [u8; 128]) -> NcclId {
+        NcclId(bytes)
+    }
+}
+
+impl std::fmt::Debug for NcclId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NcclId(..)")
+    }
+}
+
+/// The error of operation `op` on `rank`.
+pub(crate) fn comm_error(op: &'static str, rank: usize, kind: CommErrorKind) -> Error {
+    Error::Comm { op, rank, kind }
+}

@@ -1,0 +1,411 @@
+//! Collectives between simulated devices of one process, one rank per thread.
+//!
+//! Each operation a rank issues gets a [`Key`] at the host call (its place in the group's order,
+//! as NCCL matches them) and becomes two work items of the rank's queue: an arrival, which posts
+//! the rank's input to the [`World`] once the stream reaches it, and a finish, runnable only once
+//! the world holds every part it needs, which writes the result. A queue with nothing else to
+//! run stalls on the world until another rank posts. The world turns what would hang on GPUs
+//! into typed errors: operations that differ at one key, a rank that left, every rank stalled
+//! on another (a deadlock), and a wait past the group's timeout.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+
+use super::task::SimMem;
+use crate::device::backend::Repr;
+use crate::device::comm::{comm_error, Collective};
+use crate::device::memory::Block;
+use crate::device::{CommErrorKind, DType};
+use crate::{Error, Result};
+
+/// One rank's membership of a simulated group; dropping it tells the others this rank left.
+pub(crate) struct SimLink {
+    pub(super) rank: Rank,
+}
+
+impl Drop for SimLink {
+    fn drop(&mut self) {
+        let world = &self.rank.world;
+        world.lock().gone[self.rank.rank] = true;
+        world.changed.notify_all();
+    }
+}
+
+impl SimLink {
+    /// The links of a new group of `size` ranks.
+    pub(crate) fn group(size: usize, timeout: Duration) -> Vec<SimLink> {
+        let world = Arc::new(World {
+            size,
+            timeout,
+            state: Mutex::new(WorldState {
+                issued: vec![0; size],
+                p2p: HashMap::new(),
+                slots: HashMap::new(),
+                gone: vec![false; size],
+                stalled: vec![None; size],
+                broken: None,
+            }),
+            changed: Condvar::new(),
+        });
+        (0..size).map(|rank| SimLink { rank: Rank { world: world.clone(), rank } }).collect()
+    }
+}
+
+/// A rank of a world, as queued work refers to it.
+#[derive(Clone)]
+pub(crate) struct Rank {
+    world: Arc<World>,
+    rank: usize,
+}
+
+/// Where an operation sits in its group's order: the `n`-th collective, or the `n`-th message
+/// from one rank to another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Key {
+    Collective(u64),
+    Message { src: usize, dst: usize, seq: u64 },
+}
+
+/// What a rank issued at a key; ranks must agree on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Signature {
+    kind: Collective,
+    count: usize,
+    dtype: DType,
+}
+
+impl std::fmt::Display for Signature {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} of {} × {}", self.kind.name(), self.count, self.dtype)
+    }
+}
+
+struct Slot {
+    signature: Signature,
+    by: usize,
+    /// Each rank's posted input (a receiver posts nothing).
+    parts: Vec<Option<Arc<Vec<u8>>>>,
+    /// Ranks that have not finished yet; the slot goes when none is left.
+    pending: usize,
+}
+
+struct World {
+    size: usize,
+    timeout: Duration,
+    state: Mutex<WorldState>,
+    changed: Condvar,
+}
+
+struct WorldState {
+    /// Per rank, collectives issued.
+    issued: Vec<u64>,
+    /// Per (sender, receiver, whether the sender's side), messages issued.
+    p2p: HashMap<(usize, usize, bool), u64>,
+    slots: HashMap<Key, Slot>,
+    gone: Vec<bool>,
+    /// Per rank, the keys its queue waits on while it has nothing else to run.
+    stalled: Vec<Option<Vec<Key>>>,
+    /// The first failure: every later operation of the group fails with it.
+    broken: Option<CommErrorKind>,
+}
+
+impl World {
+    fn lock(&self) -> MutexGuard<'_, WorldState> {
+        // The state is plain bookkeeping, consistent between statements.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn break_with(&self, st: &mut WorldState, kind: CommErrorKind) -> CommErrorKind {
+        let kind = st.broken.get_or_insert(kind).clone();
+        self.changed.notify_all();
+        kind
+    }
+}
+
+impl WorldState {
+    /// The ranks whose part `key` still needs for `rank` to finish.
+    fn missing(&self, key: Key, rank: usize) -> Vec<usize> {
+        let Some(slot) = self.slots.get(&key) else { return Vec::new() };
+        let needed: Vec<usize> = match key {
+            Key::Collective(_) => (0..slot.parts.len()).collect(),
+            Key::Message { src, dst, .. } if dst == rank => vec![src],
+            Key::Message { .. } => Vec::new(),
+        };
+        needed.into_iter().filter(|r| slot.parts[*r].is_none()).collect()
+    }
+
+    fn describe(&self, key: Key, rank: usize) -> String {
+        let what = match (key, self.slots.get(&key)) {
+            (Key::Collective(seq), Some(s)) => format!("{} #{seq}", s.signature),
+            (Key::Collective(seq), None) => format!("collective #{seq}"),
+            (Key::Message { src, seq, .. }, _) => format!("recv #{seq} from rank {src}"),
+        };
+        let missing: Vec<String> = self.missing(key, rank).iter().map(|r| r.to_string()).collect();
+        format!("rank {rank} waits in {what} for rank {}", missing.join(", "))
+    }
+}
+
+impl Rank {
+    /// Gives the operation its key, or refuses it (and breaks the group: a peer already waits
+    /// on a part that will never match) when another rank issued something else there.
+    pub(super) fn register(&self, kind: Collective, count: usize, dtype: DType) -> Result<Key> {
+        let world = &self.world;
+        let mut st = world.lock();
+        if let Some(broken) = &st.broken {
+            return Err(comm_error(kind.name(), self.rank, broken.clone()));
+        }
+        let (key, counter) = match kind {
+            Collective::Send(dst) => {
+                let n = *st.p2p.get(&(self.rank, dst, true)).unwrap_or(&0);
+                (Key::Message { src: self.rank, dst, seq: n }, Some((self.rank, dst, true)))
+            }
+            Collective::Recv(src) => {
+                let n = *st.p2p.get(&(src, self.rank, false)).unwrap_or(&0);
+                (Key::Message { src, dst: self.rank, seq: n }, Some((src, self.rank, false)))
+            }
+            _ => (Key::Collective(st.issued[self.rank]), None),
+        };
+        let signature = Signature { kind, count, dtype };
+        let pending = match key {
+            Key::Collective(_) => world.size,
+            Key::Message { .. } => 2,
+        };
+        let slot = st.slots.entry(key).or_insert_with(|| Slot {
+            signature,
+            by: self.rank,
+            parts: vec![None; world.size],
+            pending,
+        });
+        let agrees = match (slot.signature.kind, kind) {
+            (Collective::Send(_), Collective::Recv(_)) | (Collective::Recv(_), Collective::Send(_)) => {
+                (slot.signature.count, slot.signature.dtype) == (count, dtype)
+            }
+            _ => slot.signature == signature,
+        };
+        if !agrees {
+            let seq = match key {
+                Key::Collective(seq) | Key::Message { seq, .. } => seq,
+            };
+            let mismatch = CommErrorKind::Mismatch {
+                seq,
+                rank: self.rank,
+                found: signature.to_string(),
+                other: slot.by,
+                expected: slot.signature.to_string(),
+            };
+            let kind = world.break_with(&mut st, mismatch);
+            return Err(comm_error(signature.kind.name(), self.rank, kind));
+        }
+        match counter {
+            Some(c) => *st.p2p.entry(c).or_insert(0) += 1,
+            None => st.issued[self.rank] += 1,
+        }
+        Ok(key)
+    }
+
+    /// Posts this rank's input at `key`.
+    fn post(&self, key: Key, data: Vec<u8>) {
+        let mut st = self.world.lock();
+        if let Some(slot) = st.slots.get_mut(&key) {
+            slot.parts[self.rank] = Some(Arc::new(data));
+        }
+        self.world.changed.notify_all();
+    }
+
+    /// Whether this rank can finish `key` now (a broken group finishes, with the error).
+    pub(super) fn ready(&self, key: Key) -> bool {
+        let st = self.world.lock();
+        st.broken.is_some() || st.missing(key, self.rank).is_empty()
+    }
+
+    /// Blocks until one of `keys` can finish, or fails with the group's error: a rank that left,
+    /// a deadlock, the timeout.
+    pub(super) fn stall(&self, keys: &[Key]) -> Result<()> {
+        let world = &self.world;
+        let deadline = Instant::now() + world.timeout;
+        let mut st = world.lock();
+        let result = loop {
+            if let Some(kind) = &st.broken {
+                break Err(kind.clone());
+            }
+            if keys.iter().any(|k| st.missing(*k, self.rank).is_empty()) {
+                break Ok(());
+            }
+            let gone = keys.iter().flat_map(|k| st.missing(*k, self.rank)).find(|r| st.gone[*r]);
+            if let Some(rank) = gone {
+                break Err(world.break_with(&mut st, CommErrorKind::RankGone { rank }));
+            }
+            st.stalled[self.rank] = Some(keys.to_vec());
+            let all_stalled = (0..world.size).all(|r| st.gone[r] || st.stalled[r].is_some());
+            let none_can_finish = (0..world.size).all(|r| match &st.stalled[r] {
+                Some(ks) => ks.iter().all(|k| !st.missing(*k, r).is_empty()),
+                None => true,
+            });
+            if all_stalled && none_can_finish {
+                let waits: Vec<String> =
+                    (0..world.size).filter_map(|r| st.stalled[r].as_ref().map(|ks| st.describe(ks[0], r))).collect();
+                break Err(world.break_with(&mut st, CommErrorKind::Deadlock { waits: waits.join("; ") }));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let waiting = st.describe(keys[0], self.rank);
+                let secs = world.timeout.as_secs_f64();
+                break Err(world.break_with(&mut st, CommErrorKind::Timeout { waiting, secs }));
+            }
+            st = world.changed.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        };
+        st.stalled[self.rank] = None;
+        result.map_err(|kind| comm_error("synchronize", self.rank, kind))
+    }
+
+    /// Takes every part of `key` once this rank's result is made from them.
+    fn finish(&self, key: Key) -> Result<Vec<Arc<Vec<u8>>>> {
+        let mut st = self.world.lock();
+        if let Some(kind) = &st.broken {
+            return Err(comm_error("collective", self.rank, kind.clone()));
+        }
+        let slot = st.slots.get_mut(&key).expect("a registered key keeps its slot until every rank finished");
+        let parts = slot.parts.iter().flatten().cloned().collect();
+        slot.pending -= 1;
+        if slot.pending == 0 {
+            st.slots.remove(&key);
+        }
+        Ok(parts)
+    }
+}
+
+/// A collective as queued: the rank, what it does, where it reads and writes.
+pub(crate) struct CollectiveTask {
+    pub(super) rank: Rank,
+    pub(super) kind: Collective,
+    pub(super) src: (Arc<Block>, usize),
+    pub(super) dst: (Arc<Block>, usize),
+    pub(super) count: usize,
+    pub(super) dtype: DType,
+}
+
+/// One issue of a collective task: the task and its key in the group's order.
+pub(crate) struct Exchange {
+    task: Arc<CollectiveTask>,
+    pub(super) key: Key,
+}
+
+impl Exchange {
+    /// Registers one issue of `task` in its group's order.
+    pub(super) fn issue(task: &Arc<CollectiveTask>) -> Result<Arc<Exchange>> {
+        let key = task.rank.register(task.kind, task.count, task.dtype)?;
+        Ok(Arc::new(Exchange { task: task.clone(), key }))
+    }
+
+    pub(super) fn arrive(&self) -> Result<()> {
+        self.task.arrive(self.key)
+    }
+
+    pub(super) fn ready(&self) -> bool {
+        self.task.rank.ready(self.key)
+    }
+
+    pub(super) fn finish(&self) -> Result<()> {
+        self.task.finish(self.key)
+    }
+
+    pub(super) fn stall(&self, keys: &[Key]) -> Result<()> {
+        self.task.rank.stall(keys)
+    }
+}
+
+impl CollectiveTask {
+    pub(crate) fn from_op(op: &crate::device::backend::Op<'_>) -> Result<CollectiveTask> {
+        let crate::device::backend::Op::Collective { comm, kind, src, dst, count, dtype } = *op else {
+            unreachable!("called for collectives only")
+        };
+        let Repr::Sim(link) = comm else {
+            return Err(Error::Unsupported {
+                op: "collective",
+                backend: "sim",
+                why: "an NCCL communicator reached the simulator; use a communicator of Communicator::sim_group",
+            });
+        };
+        Ok(CollectiveTask {
+            rank: link.rank.clone(),
+            kind,
+            src: (src.0.clone(), src.1),
+            dst: (dst.0.clone(), dst.1),
+            count,
+            dtype,
+        })
+    }
+
+    /// Bytes this rank posts.
+    fn input_bytes(&self) -> usize {
+        let n = match self.kind {
+            Collective::ReduceScatter => self.count * self.rank.world.size,
+            _ => self.count,
+        };
+        n * self.dtype.size()
+    }
+
+    /// The arrival: posts this rank's input (a receiver has none).
+    fn arrive(&self, key: Key) -> Result<()> {
+        if let Collective::Recv(_) = self.kind {
+            return Ok(());
+        }
+        let mut data = vec![0u8; self.input_bytes()];
+        mem(&self.src.0)?.read(self.src.1, &mut data);
+        self.rank.post(key, data);
+        Ok(())
+    }
+
+    /// The finish: writes this rank's result from every part.
+    fn finish(&self, key: Key) -> Result<()> {
+        let parts = self.rank.finish(key)?;
+        let elem = self.dtype.size();
+        let out = match self.kind {
+            Collective::Send(_) => return Ok(()),
+            Collective::Recv(_) => parts[0].to_vec(),
+            Collective::AllGather => parts.iter().flat_map(|p| p.iter().copied()).collect(),
+            Collective::AllReduce => sum(self.dtype, &parts),
+            Collective::ReduceScatter => {
+                let bytes = self.count * elem;
+                sum(self.dtype, &parts)[self.rank.rank * bytes..][..bytes].to_vec()
+            }
+        };
+        mem(&self.dst.0)?.write(self.dst.1, &out);
+        Ok(())
+    }
+}
+
+/// The element-wise sum of the parts, in rank order, rounded to the element type at each step
+/// (as a ring does; for two ranks, one exact-to-order addition).
+fn sum(dtype: DType, parts: &[Arc<Vec<u8>>]) -> Vec<u8> {
+    fn add<T: bytemuck::Pod>(parts: &[Arc<Vec<u8>>], f: impl Fn(T, T) -> T) -> Vec<u8> {
+        let values =
+            |p: &[u8]| -> Vec<T> { p.chunks_exact(size_of::<T>()).map(bytemuck::pod_read_unaligned).collect() };
+        let mut acc = values(&parts[0]);
+        for p in &parts[1..] {
+            for (a, b) in acc.iter_mut().zip(values(p)) {
+                *a = f(*a, b);
+            }
+        }
+        bytemuck::cast_slice(&acc).to_vec()
+    }
+    match dtype {
+        DType::BF16 => add::<bf16>(parts, |a, b| bf16::from_f32(a.to_f32() + b.to_f32())),
+        DType::F16 => add::<f16>(parts, |a, b| f16::from_f32(a.to_f32() + b.to_f32())),
+        _ => add::<f32>(parts, |a, b| a + b),
+    }
+}
+
+fn mem(block: &Block) -> Result<&SimMem> {
+    match &block.raw.mem {
+        Repr::Sim(m) => Ok(m),
+        Repr::Cuda(_) => Err(Error::Unsupported {
+            op: "collective",
+            backend: "sim",
+            why: "a CUDA buffer reached the simulator; please report this as a bug",
+        }),
+    }
+}

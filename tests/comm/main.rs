@@ -1,0 +1,234 @@
+//! Collectives between simulated devices: results, capture, and every way ranks can disagree,
+//! each a typed error on every rank instead of a hang. The CUDA variants run one rank through
+//! NCCL (the several-GPU runs are `graphed bench parallel` and the data-parallel tests).
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use graphed::device::{CaptureMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig};
+use graphed::Error;
+
+/// Runs `f` on `n` simulated ranks, one thread each, under `policy`; every rank's result.
+fn on_ranks<T: Send>(
+    n: usize,
+    policy: Policy,
+    timeout: Duration,
+    f: impl Fn(&Communicator) -> graphed::Result<T> + Sync,
+) -> Vec<graphed::Result<T>> {
+    let devices: Vec<Device> =
+        (0..n).map(|r| Device::sim_with(SimConfig { policy, seed: r as u64, ..SimConfig::default() })).collect();
+    let comms = Communicator::sim_group(&devices, CommOptions { timeout }).expect("a group of simulators");
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(&c))).collect();
+        handles.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
+    })
+}
+
+fn all_ok<T>(results: Vec<graphed::Result<T>>) -> anyhow::Result<Vec<T>> {
+    results.into_iter().enumerate().map(|(r, x)| x.with_context(|| format!("rank {r}"))).collect()
+}
+
+const LONG: Duration = Duration::from_secs(20);
+
+fn values(rank: usize, n: usize) -> Vec<f32> {
+    (0..n).map(|i| (rank * 100 + i) as f32 * 0.25).collect()
+}
+
+#[test]
+fn collectives_give_nccl_results_under_every_policy() -> anyhow::Result<()> {
+    for policy in Policy::ALL {
+        for n in [2, 3] {
+            let out = all_ok(on_ranks(n, policy, LONG, |c| {
+                let (dev, s) = (c.device(), c.device().stream()?);
+                let x = dev.alloc_from(&s, &values(c.rank(), 6))?;
+                c.all_reduce(&s, &x)?;
+                let full = dev.alloc_from(&s, &values(c.rank(), 6 * c.size()))?;
+                let part = dev.alloc::<f32>(6)?;
+                c.reduce_scatter(&s, &full, &part)?;
+                let gathered = dev.alloc::<f32>(6 * c.size())?;
+                c.all_gather(&s, &part, &gathered)?;
+                // A ring of messages: each rank sends its rank to the next.
+                let token = dev.alloc_from(&s, &[c.rank() as f32])?;
+                let got = dev.alloc::<f32>(1)?;
+                let (next, prev) = ((c.rank() + 1) % c.size(), (c.rank() + c.size() - 1) % c.size());
+                if c.rank() % 2 == 0 {
+                    c.send(&s, &token, next)?;
+                    c.recv(&s, &got, prev)?;
+                } else {
+                    c.recv(&s, &got, prev)?;
+                    c.send(&s, &token, next)?;
+                }
+                Ok((x.to_vec(&s)?, part.to_vec(&s)?, gathered.to_vec(&s)?, got.to_vec(&s)?))
+            }))?;
+            let sum = |len: usize| -> Vec<f32> {
+                (0..len).map(|i| (0..n).fold(0.0f32, |acc, r| acc + values(r, len)[i])).collect()
+            };
+            let full_sum = sum(6 * n);
+            for (r, (reduced, part, gathered, got)) in out.iter().enumerate() {
+                ensure!(*reduced == sum(6), "{policy:?}, {n} ranks: all_reduce on rank {r}");
+                ensure!(*part == full_sum[r * 6..][..6], "{policy:?}, {n} ranks: reduce_scatter on rank {r}");
+                ensure!(*gathered == full_sum, "{policy:?}, {n} ranks: all_gather on rank {r}");
+                ensure!(*got == [((r + n - 1) % n) as f32], "{policy:?}, {n} ranks: recv on rank {r}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_captured_all_reduce_runs_again_at_every_launch() -> anyhow::Result<()> {
+    for policy in Policy::ALL {
+        let out = all_ok(on_ranks(2, policy, LONG, |c| {
+            let (dev, s) = (c.device(), c.device().stream()?);
+            let x = dev.alloc_from(&s, &[1.0f32 + c.rank() as f32; 8])?;
+            let cap = s.capture(CaptureMode::ThreadLocal)?;
+            c.all_reduce(&s, &x)?;
+            let exec = cap.finish()?.instantiate()?;
+            for _ in 0..3 {
+                exec.launch(&s)?;
+            }
+            x.to_vec(&s)
+        }))?;
+        // 1 + 2 = 3, then 6, then 12 on both ranks.
+        ensure!(out.iter().all(|x| *x == [12.0; 8]), "{policy:?}: {out:?}");
+    }
+    Ok(())
+}
+
+fn kind_of<T>(r: &graphed::Result<T>) -> Option<&CommErrorKind> {
+    match r {
+        Err(Error::Comm { kind, .. }) => Some(kind),
+        _ => None,
+    }
+}
+
+#[test]
+fn ranks_that_issue_different_collectives_get_a_mismatch_on_every_rank() -> anyhow::Result<()> {
+    let out = on_ranks(2, Policy::Random, LONG, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        let x = dev.alloc::<f32>(8 + c.rank())?;
+        c.all_reduce(&s, &x)?;
+        s.synchronize()
+    });
+    for (r, res) in out.iter().enumerate() {
+        ensure!(matches!(kind_of(res), Some(CommErrorKind::Mismatch { seq: 0, .. })), "rank {r}: {res:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn ranks_that_wait_on_each_other_get_a_deadlock_not_a_hang() -> anyhow::Result<()> {
+    // Rank 0 reduces then sends; rank 1 receives before it reduces: neither can go on.
+    let out = on_ranks(2, Policy::InOrder, LONG, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        let (x, m) = (dev.alloc::<f32>(4)?, dev.alloc::<f32>(4)?);
+        if c.rank() == 0 {
+            c.all_reduce(&s, &x)?;
+            c.send(&s, &m, 1)?;
+        } else {
+            c.recv(&s, &m, 0)?;
+            c.all_reduce(&s, &x)?;
+        }
+        s.synchronize()
+    });
+    for (r, res) in out.iter().enumerate() {
+        let Some(CommErrorKind::Deadlock { waits }) = kind_of(res) else { anyhow::bail!("rank {r}: {res:?}") };
+        ensure!(waits.contains("rank 0 waits in all_reduce") || waits.contains("rank 1 waits in recv"), "{waits}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_rank_that_leaves_fails_the_others() -> anyhow::Result<()> {
+    let out = on_ranks(2, Policy::Random, LONG, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        if c.rank() == 1 {
+            // Fails before its collective, as a rank whose data is damaged would.
+            return Err(Error::Unsupported { op: "test", backend: "sim", why: "rank 1 gives up" });
+        }
+        let x = dev.alloc::<f32>(4)?;
+        c.all_reduce(&s, &x)?;
+        s.synchronize()
+    });
+    ensure!(matches!(kind_of(&out[0]), Some(CommErrorKind::RankGone { rank: 1 })), "{:?}", out[0]);
+    Ok(())
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out() -> anyhow::Result<()> {
+    let timeout = Duration::from_millis(200);
+    let out = on_ranks(2, Policy::Random, timeout, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        let x = dev.alloc::<f32>(4)?;
+        if c.rank() == 1 {
+            // Busy on the host for longer than the timeout, then arrives.
+            std::thread::sleep(timeout * 5);
+        }
+        c.all_reduce(&s, &x)?;
+        s.synchronize()
+    });
+    ensure!(matches!(kind_of(&out[0]), Some(CommErrorKind::Timeout { .. })), "{:?}", out[0]);
+    // The group is broken for rank 1 too: its late collective is refused with the same error.
+    ensure!(matches!(kind_of(&out[1]), Some(CommErrorKind::Timeout { .. })), "{:?}", out[1]);
+    Ok(())
+}
+
+#[test]
+fn refusals_change_nothing() -> anyhow::Result<()> {
+    let out = on_ranks(2, Policy::Random, LONG, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        let (x, y) = (dev.alloc_from(&s, &[1.0f32; 4])?, dev.alloc::<f32>(3)?);
+        let refused = [
+            c.send(&s, &x, c.rank()).is_err(),
+            c.send(&s, &x, 7).is_err(),
+            c.all_gather(&s, &x, &y).is_err(),
+            c.all_reduce(&s, &dev.alloc::<u32>(4)?).is_err(),
+        ];
+        // The group is not broken: the ranks still meet.
+        c.all_reduce(&s, &x)?;
+        Ok((refused, x.to_vec(&s)?))
+    });
+    for res in all_ok(out)? {
+        ensure!(res.0 == [true; 4] && res.1 == [2.0; 4], "{res:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_checker_sees_a_read_of_a_reduced_buffer_on_another_stream() -> anyhow::Result<()> {
+    let out = all_ok(on_ranks(2, Policy::InOrder, LONG, |c| {
+        let (dev, s, other) = (c.device(), c.device().stream()?, c.device().stream()?);
+        let (x, y) = (dev.alloc_from(&s, &[1.0f32; 4])?, dev.alloc::<f32>(4)?);
+        c.all_reduce(&s, &x)?;
+        other.copy_d2d(&x, &y)?;
+        dev.synchronize()?;
+        let hazards = graphed::check::Checker::of(dev).expect("checked").take_hazards();
+        Ok(hazards.len())
+    }))?;
+    ensure!(out == [1, 1], "one unordered read per rank, got {out:?}");
+    Ok(())
+}
+
+mod cuda {
+    use super::*;
+
+    /// One rank through NCCL: all-reduce is the identity, eagerly and captured.
+    #[test]
+    #[ignore = "needs a CUDA GPU and NCCL"]
+    fn nccl_with_one_rank_reduces_eagerly_and_in_a_graph() -> anyhow::Result<()> {
+        let dev = Device::cuda(0)?;
+        let id = graphed::device::NcclId::new()?;
+        let c = Communicator::nccl(&dev, 0, 1, &id, CommOptions::default())?;
+        let s = dev.stream()?;
+        let x = dev.alloc_from(&s, &[1.5f32; 1024])?;
+        c.all_reduce(&s, &x)?;
+        let cap = s.capture(CaptureMode::ThreadLocal)?;
+        c.all_reduce(&s, &x)?;
+        let exec = cap.finish()?.instantiate()?;
+        exec.launch(&s)?;
+        c.wait(&s)?;
+        ensure!(x.to_vec(&s)? == vec![1.5f32; 1024]);
+        Ok(())
+    }
+}
