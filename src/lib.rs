@@ -81,6 +81,7 @@
 pub mod check;
 pub mod checkpoint;
 pub mod device;
+pub mod dist;
 mod error;
 pub mod graph;
 pub mod memory;

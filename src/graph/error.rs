@@ -13,6 +13,12 @@ pub enum GraphedErrorKind {
         /// What does not fit, and what to pass.
         what: String,
     },
+    /// Gradient work (`GraphOptions::grad_sync`) asked for where it cannot run.
+    #[error("GraphOptions::grad_sync {why}")]
+    GradSync {
+        /// Where, and what to do instead.
+        why: &'static str,
+    },
     /// No callables (or an empty stack) were given.
     #[error("no callables to graph; pass at least one")]
     NoCallables,

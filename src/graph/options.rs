@@ -61,6 +61,7 @@ pub struct GraphOptions {
     pub(crate) pre_warmup: Option<WarmupHook>,
     pub(crate) post_warmup: Option<WarmupHook>,
     pub(crate) pass_hook: Option<PassHook>,
+    pub(crate) grad_sync: Option<Arc<dyn super::GradSync>>,
 }
 
 impl Default for GraphOptions {
@@ -82,6 +83,7 @@ impl Default for GraphOptions {
             pre_warmup: None,
             post_warmup: None,
             pass_hook: None,
+            grad_sync: None,
         }
     }
 }
@@ -111,6 +113,15 @@ impl GraphOptions {
     /// cannot capture.
     pub fn stream(mut self, stream: &Stream) -> GraphOptions {
         self.stream = Some(stream.clone());
+        self
+    }
+
+    /// Work on the parameter gradients inside the captured backward passes, such as the
+    /// data-parallel reduction of `dist::DataParallel` (see [`GradSync`](super::GradSync)). The
+    /// gradients are complete only after the stack's or tail's join. Stack order only: a pipeline
+    /// schedule or a split weight-gradient pass is refused before the warmup.
+    pub fn grad_sync(mut self, sync: Arc<dyn super::GradSync>) -> GraphOptions {
+        self.grad_sync = Some(sync);
         self
     }
 

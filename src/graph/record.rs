@@ -140,6 +140,7 @@ pub(crate) fn record(
         inputs: (0..n).map(|_| None).collect(),
         grad_sets,
         grad_buffers: HashMap::new(),
+        backwards_left: n,
     };
     match layout {
         None => {
@@ -168,19 +169,33 @@ struct Record<'p, 'o> {
     /// With buffer reuse, per callable, its set of static output gradients, and the sets made.
     grad_sets: Option<Vec<usize>>,
     grad_buffers: HashMap<usize, Vec<Tensor>>,
+    /// Backward passes not yet captured: the last one finishes the gradient work.
+    backwards_left: usize,
 }
 
 impl Record<'_, '_> {
     /// Captures what `f` enqueues on the plan's stream into a graph of callable `i`'s pool,
     /// ending with the sync event and the save hook's join of the tail.
     fn capture(&self, i: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<PoolGraph> {
+        self.capture_pass(i, false, f)
+    }
+
+    /// As [`capture`](Self::capture); `last_backward` makes the gradient work join before the
+    /// sync event.
+    fn capture_pass(&self, i: usize, last_backward: bool, f: &mut dyn FnMut() -> Result<()>) -> Result<PoolGraph> {
         let (stream, options) = (self.plan.stream, &*self.options);
         let cap = self.plan.alloc.capture(stream, options.capture_mode, &self.pools[i])?;
         f()?;
+        if let (Some(sync), true) = (&options.grad_sync, last_backward) {
+            sync.finish(stream)?;
+        }
         if let Some(e) = &options.sync_event {
             stream.record_external(e)?;
         }
         self.plan.hooks[i].end_pass(stream)?;
+        if let Some(sync) = &options.grad_sync {
+            sync.end_pass(stream)?;
+        }
         cap.finish()
     }
 
@@ -274,9 +289,17 @@ impl Traverse for Record<'_, '_> {
         };
         self.options.run_pass_hook(i, Phase::BackwardPre, stream)?;
         let (mut saved, mut result) = (Some(saved), None);
-        let g = self.capture(i, &mut || {
+        self.backwards_left -= 1;
+        let sync = self.options.grad_sync.clone();
+        let g = self.capture_pass(i, self.backwards_left == 0, &mut || {
             let s = saved.take().expect("captured once");
+            if let Some(sync) = &sync {
+                sync.begin_backward(stream)?;
+            }
             result = Some(plan.callables[i].backward_dyn(s, &dys.iter().collect::<Vec<_>>(), stream)?);
+            if let Some(sync) = &sync {
+                sync.end_backward(i, stream)?;
+            }
             Ok(())
         })?;
         self.options.run_pass_hook(i, Phase::Backward, stream)?;

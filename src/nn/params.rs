@@ -106,6 +106,40 @@ impl ParamStore {
     pub fn grads(&self) -> Result<Tensor> {
         self.grads.narrow(0, 0, self.used)
     }
+
+    /// The gradients of `params` (a module's, added one after another) as one flat tensor: a
+    /// bucket for the data-parallel reduction.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when a parameter is not of this store, or the parameters' gradients are
+    /// not one contiguous range.
+    pub fn grads_of(&self, params: &[&Param]) -> Result<Tensor> {
+        let mut ranges = Vec::with_capacity(params.len());
+        for p in params {
+            let Some((_, offset, shape)) = self.layout.iter().find(|(name, ..)| *name == p.name) else {
+                return Err(Error::Shape {
+                    op: "ParamStore::grads_of",
+                    expected: format!("a parameter of this store, not `{}`", p.name),
+                    found: p.value.shape().to_vec(),
+                });
+            };
+            ranges.push((*offset, shape.iter().product::<usize>()));
+        }
+        ranges.sort_unstable();
+        let start = ranges.first().map_or(0, |r| r.0);
+        let mut end = start;
+        for (offset, n) in ranges {
+            if offset != end {
+                return Err(Error::Shape {
+                    op: "ParamStore::grads_of",
+                    expected: "parameters added one after another (one contiguous range of gradients)".into(),
+                    found: vec![end, offset],
+                });
+            }
+            end += n;
+        }
+        self.grads.narrow(0, start, end - start)
+    }
 }
 
 /// `n` values uniform in ±`bound` from `seed` (a 64-bit LCG): parameter initialization that is the

@@ -15,14 +15,7 @@ fn on_ranks<T: Send>(
     timeout: Duration,
     f: impl Fn(&Communicator) -> graphed::Result<T> + Sync,
 ) -> Vec<graphed::Result<T>> {
-    let devices: Vec<Device> =
-        (0..n).map(|r| Device::sim_with(SimConfig { policy, seed: r as u64, ..SimConfig::default() })).collect();
-    let comms = Communicator::sim_group(&devices, CommOptions { timeout }).expect("a group of simulators");
-    std::thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(&c))).collect();
-        handles.into_iter().map(|h| h.join().expect("a rank's thread")).collect()
-    })
+    graphed::dist::on_sim_ranks(n, SimConfig::with_policy(policy), CommOptions { timeout }, f)
 }
 
 fn all_ok<T>(results: Vec<graphed::Result<T>>) -> anyhow::Result<Vec<T>> {

@@ -1,0 +1,18 @@
+//! Layer 8, several devices: process groups and data parallelism over the collectives of
+//! [`Communicator`](crate::device::Communicator).
+//!
+//! One process per GPU, started by `graphed launch` or any launcher that sets torchrun's
+//! variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`):
+//! [`ProcessGroup::from_env`] meets the other ranks over TCP, checks that they build the same
+//! model, and shares the NCCL id. On the simulator, ranks are threads of one process
+//! ([`on_sim_ranks`]), so multi-device programs, their hazards and their deadlocks are tested
+//! without GPUs.
+
+mod data_parallel;
+mod group;
+mod rendezvous;
+
+pub use rendezvous::meet;
+
+pub use data_parallel::DataParallel;
+pub use group::{on_sim_ranks, ProcessGroup, RankEnv};

@@ -1,0 +1,168 @@
+//! The rendezvous of a process group: rank 0 listens at `MASTER_ADDR:MASTER_PORT`, every other
+//! rank connects and says who it is and what model it builds; rank 0 answers all of them with
+//! its payload (the NCCL id) or with why the group cannot start. Two lines each way:
+//!
+//! ```text
+//! rank -> 0:  graphed-rendezvous/1 <rank> <world>\n<model>\n
+//! 0 -> rank:  ok <payload as hex>\n   or   refused <message>\n
+//! ```
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use super::RankEnv;
+use crate::device::CommErrorKind;
+use crate::{Error, Result};
+
+const HELLO: &str = "graphed-rendezvous/1";
+
+fn fail(rank: usize, kind: CommErrorKind) -> Error {
+    Error::Comm { op: "rendezvous", rank, kind }
+}
+
+fn rdzv(rank: usize, what: impl Into<String>) -> Error {
+    fail(rank, CommErrorKind::Rendezvous(what.into()))
+}
+
+/// Meets every rank of `env`'s group: rank 0 (which passes `payload`) waits for the others, checks
+/// that they were launched for the same group and build the same `model`, and gives them its
+/// payload; every rank returns it. [`ProcessGroup::join`](super::ProcessGroup::join) shares the
+/// NCCL id this way.
+///
+/// # Errors
+/// [`CommErrorKind::Rendezvous`] when a rank does not arrive within `timeout` (naming it) or rank 0
+/// refuses the group; [`CommErrorKind::ModelMismatch`] on rank 0 when a rank builds another model
+/// (the other ranks get rank 0's refusal).
+pub fn meet(env: &RankEnv, model: &str, payload: Option<Vec<u8>>, timeout: Duration) -> Result<Vec<u8>> {
+    let model = model.replace(['\n', '\r'], " ");
+    let deadline = Instant::now() + timeout;
+    match (env.rank, payload) {
+        (0, Some(p)) => lead(env, &model, p, deadline),
+        (0, None) => Err(rdzv(0, "rank 0 has nothing to share; please report this as a bug")),
+        _ => follow(env, &model, deadline),
+    }
+}
+
+fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Result<Vec<u8>> {
+    let addr = (env.master_addr.as_str(), env.master_port);
+    let listener = TcpListener::bind(addr).map_err(|e| {
+        rdzv(0, format!("cannot listen at {}:{} ({e}); choose a free MASTER_PORT", env.master_addr, env.master_port))
+    })?;
+    listener.set_nonblocking(true).map_err(|e| rdzv(0, e.to_string()))?;
+    let mut peers: Vec<(usize, TcpStream, String)> = Vec::new();
+    let mut problems: Vec<String> = Vec::new();
+    let mut mismatch = None;
+    while peers.len() + 1 < env.world {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream.set_nonblocking(false).map_err(|e| rdzv(0, e.to_string()))?;
+                stream.set_read_timeout(Some(remaining(deadline))).map_err(|e| rdzv(0, e.to_string()))?;
+                let mut lines = BufReader::new(stream.try_clone().map_err(|e| rdzv(0, e.to_string()))?).lines();
+                let hello = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+                let theirs = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+                let fields: Vec<&str> = hello.split(' ').collect();
+                let parsed = match fields.as_slice() {
+                    [HELLO, r, w] => r.parse::<usize>().ok().zip(w.parse::<usize>().ok()),
+                    _ => None,
+                };
+                match parsed {
+                    Some((r, w)) if w != env.world => {
+                        problems.push(format!("rank {r} was launched for {w} ranks, rank 0 for {}", env.world))
+                    }
+                    Some((r, _)) if r == 0 || r >= env.world || peers.iter().any(|p| p.0 == r) => {
+                        problems.push(format!("rank {r} arrived twice or does not exist in a group of {}", env.world))
+                    }
+                    Some((r, _)) => {
+                        if theirs != model && mismatch.is_none() {
+                            mismatch = Some(CommErrorKind::ModelMismatch {
+                                rank: r,
+                                ours: model.into(),
+                                theirs: theirs.clone(),
+                            });
+                        }
+                        peers.push((r, stream, theirs));
+                        continue;
+                    }
+                    None => problems.push(format!("a connection that is not a graphed rank said `{hello}`")),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let arrived: Vec<usize> = peers.iter().map(|p| p.0).collect();
+                    let missing: Vec<String> =
+                        (1..env.world).filter(|r| !arrived.contains(r)).map(|r| r.to_string()).collect();
+                    let what = format!(
+                        "ranks {} did not arrive in time; check that they were started and can reach {}:{}",
+                        missing.join(", "),
+                        env.master_addr,
+                        env.master_port
+                    );
+                    refuse_all(&mut peers, &what);
+                    return Err(rdzv(0, what));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(rdzv(0, e.to_string())),
+        }
+    }
+    if let Some(kind) = mismatch {
+        refuse_all(&mut peers, &kind.to_string());
+        return Err(fail(0, kind));
+    }
+    if !problems.is_empty() {
+        let what = problems.join("; ");
+        refuse_all(&mut peers, &what);
+        return Err(rdzv(0, what));
+    }
+    let hex: String = payload.iter().map(|b| format!("{b:02x}")).collect();
+    for (r, stream, _) in &mut peers {
+        writeln!(stream, "ok {hex}").map_err(|e| rdzv(0, format!("rank {r} left during the rendezvous ({e})")))?;
+    }
+    Ok(payload)
+}
+
+fn refuse_all(peers: &mut [(usize, TcpStream, String)], why: &str) {
+    for (_, stream, _) in peers {
+        // A rank that left already learns nothing; its own timeout ends it.
+        let _ = writeln!(stream, "refused {why}");
+    }
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
+}
+
+fn follow(env: &RankEnv, model: &str, deadline: Instant) -> Result<Vec<u8>> {
+    let rank = env.rank;
+    let addrs: Vec<_> = (env.master_addr.as_str(), env.master_port)
+        .to_socket_addrs()
+        .map_err(|e| rdzv(rank, format!("MASTER_ADDR {} does not resolve ({e})", env.master_addr)))?
+        .collect();
+    let mut stream = loop {
+        match addrs.iter().find_map(|a| TcpStream::connect_timeout(a, remaining(deadline)).ok()) {
+            Some(s) => break s,
+            None if Instant::now() >= deadline => {
+                return Err(rdzv(rank, format!("rank 0 is not listening at {}:{}", env.master_addr, env.master_port)))
+            }
+            None => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    write!(stream, "{HELLO} {rank} {}\n{model}\n", env.world).map_err(|e| rdzv(rank, e.to_string()))?;
+    stream.set_read_timeout(Some(remaining(deadline))).map_err(|e| rdzv(rank, e.to_string()))?;
+    let mut reply = String::new();
+    BufReader::new(&stream)
+        .read_line(&mut reply)
+        .map_err(|e| rdzv(rank, format!("rank 0 did not answer in time ({e})")))?;
+    let reply = reply.trim_end();
+    if let Some(hex) = reply.strip_prefix("ok ") {
+        return (0..hex.len() / 2)
+            .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16))
+            .collect::<std::result::Result<Vec<u8>, _>>()
+            .map_err(|_| rdzv(rank, "rank 0's answer is damaged"));
+    }
+    match reply.strip_prefix("refused ") {
+        Some(why) => Err(rdzv(rank, format!("rank 0 refused the group: {why}"))),
+        None => Err(rdzv(rank, "rank 0 closed the connection without an answer; see rank 0's error")),
+    }
+}

@@ -1,0 +1,32 @@
+//! Work on parameter gradients inside the captured backward passes: the data-parallel
+//! reduction (`dist::DataParallel`), placed where it overlaps the backward of earlier layers.
+//!
+//! Graphs replay back to back on one stream, so work forked inside a layer's backward graph and
+//! joined at its end overlaps only that graph. A layer's gradients are therefore reduced at the
+//! start of the *next* backward graph (the layer before it), on a stream forked from that
+//! capture, and joined at its end, after its sync event (the tail). The last backward graph of
+//! the step reduces its own layer too and joins everything before its sync event, so a caller
+//! that resumes at the event sees every gradient reduced.
+
+use crate::device::{BufferId, Stream};
+use crate::Result;
+
+/// What a captured backward pass calls, in order: [`begin_backward`](GradSync::begin_backward)
+/// and [`end_backward`](GradSync::end_backward) around each callable's backward inside its
+/// capture; then, in the step's last backward only, [`finish`](GradSync::finish) before the
+/// sync event; then [`end_pass`](GradSync::end_pass) after it. Given with
+/// [`GraphOptions::grad_sync`](super::GraphOptions::grad_sync).
+pub trait GradSync: Send + Sync {
+    /// A backward pass begins on `stream`: work deferred from the passes before may start, forked
+    /// from `stream`, to overlap this pass.
+    fn begin_backward(&self, stream: &Stream) -> Result<()>;
+    /// Callable `callable`'s backward has accumulated its parameter gradients on `stream`.
+    fn end_backward(&self, callable: usize, stream: &Stream) -> Result<()>;
+    /// The step's last backward is about to record its sync event: everything the caller needs
+    /// must be joined into `stream` now.
+    fn finish(&self, stream: &Stream) -> Result<()>;
+    /// A captured pass recorded its sync event: join what was forked into `stream` (the tail).
+    fn end_pass(&self, stream: &Stream) -> Result<()>;
+    /// The memory the tail writes (the gradients): complete only after the stack's join (R4).
+    fn tail_memory(&self) -> Vec<BufferId>;
+}

@@ -1,0 +1,209 @@
+//! Several ranks: the rendezvous, and data parallelism inside the captured backward graphs,
+//! bit for bit against one rank that accumulates every microbatch. On the simulator here; the
+//! two-GPU runs are `graphed bench parallel` and `graphed launch -- train`.
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context};
+use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
+use graphed::dist::{meet, on_sim_ranks, DataParallel, RankEnv};
+use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{DropoutSpec, Module, ParamStore, Stack, TransformerLayer};
+use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
+use graphed::tensor::Tensor;
+use graphed::Error;
+
+struct Model {
+    alloc: CachingAllocator,
+    s: Stream,
+    store: ParamStore,
+    stack: Stack<TransformerLayer>,
+    opt: AdamW,
+}
+
+/// Three layers of width 32 (f32, no dropout: the masks would differ by microbatch).
+fn model(dev: &Device) -> graphed::Result<Model> {
+    let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+    let mut store = ParamStore::new(&alloc, &s, 3 * TransformerLayer::parameter_count(32))?;
+    let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
+    let mut layers = Vec::new();
+    for l in 0..3u32 {
+        let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l, step: step.clone() };
+        layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 4), &dropout, l.into(), &s)?);
+    }
+    let opt = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-3), &s)?;
+    Ok(Model { alloc, s, store, stack: Stack::new(layers).with_rng_step(&step), opt })
+}
+
+/// Microbatch `k` of step `step`: the input, and the output gradient a loss would give.
+fn data(m: &Model, step: u64, k: u64) -> graphed::Result<(Tensor, Tensor)> {
+    let at = |salt: u64| -> Vec<f32> {
+        (0..2 * 8 * 32).map(|i| ((i as u64 * 31 + step * 131 + k * 7 + salt) % 23) as f32 / 23.0 - 0.5).collect()
+    };
+    Ok((
+        Tensor::from_host(&m.alloc, &m.s, &at(0), &[2, 8, 32])?,
+        Tensor::from_host(&m.alloc, &m.s, &at(1000), &[2, 8, 32])?,
+    ))
+}
+
+const STEPS: u64 = 3;
+
+/// Per step, the gradients before the optimizer and the parameters after it.
+type Trace = Vec<(Vec<f32>, Vec<f32>)>;
+
+/// One rank, graphed, accumulating `ranks` microbatches per step.
+fn one_rank(dev: &Device, ranks: u64) -> anyhow::Result<Trace> {
+    let m = model(dev)?;
+    let (x0, _) = data(&m, 0, 0)?;
+    let graphed = make_graphed_stack(&m.alloc, &m.stack, &x0, GraphOptions::default())?;
+    let mut trace = Vec::new();
+    for step in 0..STEPS {
+        for k in 0..ranks {
+            let (x, dy) = data(&m, step, k)?;
+            graphed.forward(&m.s, &x, Replay::caller())?;
+            graphed.backward(&m.s, &dy)?;
+        }
+        graphed.join(&m.s)?;
+        let grads = m.store.grads()?.to_vec::<f32>(&m.s)?;
+        m.opt.step(&m.s)?;
+        trace.push((grads, m.store.values()?.to_vec::<f32>(&m.s)?));
+    }
+    Ok(trace)
+}
+
+/// Rank `comm.rank()` of a data-parallel group, graphed with the reduction inside the backward
+/// graphs and replayed on a side stream.
+fn data_parallel(comm: &Communicator) -> anyhow::Result<Trace> {
+    let m = model(comm.device())?;
+    let buckets =
+        (m.stack.layers().iter()).map(|l| m.store.grads_of(&l.parameters())).collect::<graphed::Result<Vec<_>>>()?;
+    let dp = DataParallel::new(comm, buckets)?;
+    let (x0, _) = data(&m, 0, 0)?;
+    let (side, ready) = (comm.device().stream()?, comm.device().event()?);
+    let options = GraphOptions::default().sync_event(&ready).grad_sync(dp);
+    let graphed = make_graphed_stack(&m.alloc, &m.stack, &x0, options)?;
+    let mut trace = Vec::new();
+    for step in 0..STEPS {
+        let (x, dy) = data(&m, step, comm.rank() as u64)?;
+        graphed.forward(&m.s, &x, Replay::side(&side))?;
+        graphed.backward(&m.s, &dy)?;
+        graphed.join(&m.s)?;
+        let grads = m.store.grads()?.to_vec::<f32>(&m.s)?;
+        m.opt.step(&m.s)?;
+        trace.push((grads, m.store.values()?.to_vec::<f32>(&m.s)?));
+    }
+    Ok(trace)
+}
+
+#[test]
+fn two_ranks_with_a_microbatch_each_equal_one_rank_with_both_bit_for_bit_and_race_free() -> anyhow::Result<()> {
+    let want = one_rank(&Device::sim(), 2)?;
+    for policy in Policy::ALL {
+        let config = SimConfig::with_policy(policy);
+        let ranks = on_sim_ranks(2, config, CommOptions::default(), |c| {
+            let trace = data_parallel(c);
+            Ok((trace, graphed::check::Checker::of(c.device()).expect("checked").take_hazards()))
+        });
+        for (r, res) in ranks.into_iter().enumerate() {
+            let (trace, hazards) = res?;
+            let trace = trace.with_context(|| format!("rank {r} under {policy:?}"))?;
+            ensure!(hazards.is_empty(), "{policy:?}: rank {r}'s checker reported {hazards:#?}");
+            for (step, (got, want)) in trace.iter().zip(&want).enumerate() {
+                ensure!(got.0 == want.0, "{policy:?}: rank {r}'s gradients differ at step {step}");
+                ensure!(got.1 == want.1, "{policy:?}: rank {r}'s parameters differ at step {step}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn grad_sync_without_a_backward_is_refused_before_anything_runs() -> anyhow::Result<()> {
+    let out = on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| {
+        let m = model(c.device())?;
+        let dp = DataParallel::new(c, Vec::new())?;
+        let (x0, _) = data(&m, 0, 0)?;
+        let options = GraphOptions::default().grad_sync(dp).inference();
+        Ok(make_graphed_stack(&m.alloc, &m.stack, &x0, options).err())
+    });
+    let err = out.into_iter().next().context("one rank")??.context("refused")?;
+    ensure!(err.to_string().contains("grad_sync needs training mode"), "{err}");
+    Ok(())
+}
+
+fn env(rank: usize, world: usize, port: u16) -> RankEnv {
+    RankEnv { rank, world, local_rank: rank, master_addr: "127.0.0.1".into(), master_port: port }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+#[test]
+fn the_rendezvous_shares_rank_0s_payload_and_refuses_a_rank_with_another_model() -> anyhow::Result<()> {
+    let port = free_port();
+    let got: Vec<graphed::Result<Vec<u8>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                s.spawn(move || {
+                    meet(&env(r, 3, port), "gpt 32x3", (r == 0).then(|| vec![7, 0, 255]), Duration::from_secs(20))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    for g in got {
+        ensure!(g? == [7, 0, 255]);
+    }
+
+    let port = free_port();
+    let got: Vec<graphed::Result<Vec<u8>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let model = if r == 0 { "gpt 32x3" } else { "gpt 64x3" };
+                s.spawn(move || meet(&env(r, 2, port), model, (r == 0).then(|| vec![1]), Duration::from_secs(20)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    let Err(Error::Comm { kind: CommErrorKind::ModelMismatch { rank: 1, .. }, .. }) = &got[0] else {
+        anyhow::bail!("rank 0: {:?}", got[0])
+    };
+    let Err(e) = &got[1] else { anyhow::bail!("rank 1 was let in") };
+    ensure!(e.to_string().contains("gpt 64x3"), "rank 1 must learn why: {e}");
+    Ok(())
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named_after_the_timeout() -> anyhow::Result<()> {
+    let port = free_port();
+    let err = meet(&env(0, 3, port), "m", Some(vec![1]), Duration::from_millis(300)).expect_err("nobody came");
+    ensure!(err.to_string().contains("ranks 1, 2 did not arrive"), "{err}");
+    let err = meet(&env(1, 2, free_port()), "m", None, Duration::from_millis(300)).expect_err("no rank 0");
+    ensure!(err.to_string().contains("not listening"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn the_launchers_variables_are_read_or_refused_by_name() -> anyhow::Result<()> {
+    let vars = |pairs: &'static [(&'static str, &'static str)]| {
+        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    };
+    ensure!(RankEnv::from_vars(vars(&[]))?.is_none());
+    let e = RankEnv::from_vars(vars(&[("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_PORT", "29555")]))?;
+    ensure!(e == Some(env(1, 2, 29555)));
+    for (bad, var) in [
+        (&[("WORLD_SIZE", "2")][..], "RANK"),
+        (&[("WORLD_SIZE", "2"), ("RANK", "2")][..], "RANK"),
+        (&[("WORLD_SIZE", "x"), ("RANK", "0")][..], "WORLD_SIZE"),
+        (&[("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_PORT", "70000")][..], "MASTER_PORT"),
+    ] {
+        let pairs: &'static [(&'static str, &'static str)] = Box::leak(bad.to_vec().into_boxed_slice());
+        match RankEnv::from_vars(vars(pairs)) {
+            Err(Error::Comm { kind: CommErrorKind::Env { var: v, .. }, .. }) if v == var => {}
+            other => anyhow::bail!("{bad:?}: {other:?}"),
+        }
+    }
+    Ok(())
+}
