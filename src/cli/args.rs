@@ -25,6 +25,28 @@ pub enum Command {
     /// Graph a stack of transformer layers and print, for each graph, its node counts, pool
     /// memory, static surfaces and event records; write DOT files.
     Inspect(InspectArgs),
+    /// Start one process per GPU of this host, each with torchrun's variables (RANK,
+    /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), running `graphed <ARGS>`: for example
+    /// `graphed launch --gpus 2 -- train` trains data parallel.
+    Launch(LaunchArgs),
+}
+
+/// Arguments of `launch`.
+#[derive(Args, Debug, Clone)]
+pub struct LaunchArgs {
+    /// How many processes (one GPU each).
+    #[arg(long, default_value_t = 2)]
+    pub gpus: usize,
+    /// The rendezvous port of rank 0.
+    #[arg(long, default_value_t = 29500)]
+    pub port: u16,
+    /// Seconds the others may run on after one rank failed (their own timeouts usually end
+    /// them sooner) before they are stopped.
+    #[arg(long, default_value_t = 60)]
+    pub grace: u64,
+    /// The command each process runs, after `--`.
+    #[arg(last = true, required = true)]
+    pub args: Vec<String>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -296,6 +318,11 @@ pub enum BenchCommand {
     /// captured and replayed in the schedule's order, with and without buffer reuse, against the
     /// same schedule run eagerly.
     Schedule(ScheduleBenchArgs),
+    /// Data parallelism over the GPUs of `graphed launch --gpus N -- bench parallel`: per
+    /// configuration, one GPU alone, then every GPU with the gradients reduced eagerly after the
+    /// backward, then inside the backward graphs (replayed on a side stream); throughput and
+    /// speedup over one GPU.
+    Parallel(ParallelBenchArgs),
 }
 
 /// Arguments of `bench graphs`.
@@ -361,6 +388,25 @@ impl ScheduleArgs {
         let schedule = graphed::nn::Schedule::interleaved_1f1b(1, 0, v, self.microbatches as usize)?;
         Ok((schedule, vec![layers / v; v]))
     }
+}
+
+/// Arguments of `bench parallel`.
+#[derive(Args, Debug, Clone)]
+pub struct ParallelBenchArgs {
+    #[command(flatten)]
+    pub dtype: DTypeArgs,
+    /// BENCH.md configurations.
+    #[arg(long, value_delimiter = ',', ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES, default_values_t = ["M".to_string(), "L".to_string()])]
+    pub configs: Vec<String>,
+    /// Timed steps per variant (median, min and max are reported).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub steps: u32,
+    /// Untimed steps per variant before the timed ones.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    pub warmup: u32,
+    /// Also write the results as JSON to this file (rank 0).
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
 }
 
 /// Arguments of `bench schedule`.

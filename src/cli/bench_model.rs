@@ -91,6 +91,8 @@ pub struct BenchModel {
     pub x: Tensor,
     /// The fixed upstream gradient of the last layer's output: ones.
     pub dy: Tensor,
+    /// The layers' parameters and gradients.
+    pub store: ParamStore,
 }
 
 impl BenchModel {
@@ -112,7 +114,7 @@ impl BenchModel {
         let x: Vec<f32> = (0..numel).map(|i| (i * 7919 % 1000) as f32 / 1000.0 - 0.5).collect();
         let x = Tensor::from_f32(alloc, stream, &x, &[batch, seq, dim], dtype)?;
         let dy = Tensor::from_f32(alloc, stream, &vec![1.0f32; numel], &[batch, seq, dim], dtype)?;
-        Ok(BenchModel { stack: Stack::new(layers), x, dy })
+        Ok(BenchModel { stack: Stack::new(layers), x, dy, store })
     }
 
     /// One eager step on `stream`: every forward in order, then every backward in reverse from
@@ -139,6 +141,11 @@ impl BenchModel {
         if let Some(m) = offload {
             options = m.graph_options(options)?;
         }
+        self.graph_with(alloc, options)
+    }
+
+    /// Graphs the stack into one pool with `options`.
+    pub fn graph_with(&self, alloc: &CachingAllocator, options: GraphOptions) -> graphed::Result<GraphedStack> {
         make_graphed_stack(alloc, &self.stack, &self.x, options)
     }
 

@@ -6,18 +6,29 @@ mod bench;
 mod bench_model;
 mod demo;
 mod inspect;
+mod launch;
 mod scheduled;
 mod train;
 
 use graphed::check::Checker;
 use graphed::device::{Device, SimConfig};
+use graphed::dist::RankEnv;
 
 use args::{Cli, Command, DeviceChoice};
 
 /// Runs one command.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     let (dev, result) = match cli.command {
-        Command::Train(a) => with_device(&a.device, |dev| train::run(dev, &a))?,
+        Command::Train(a) => match RankEnv::from_env()? {
+            // Launched as one rank of several: this rank's GPU, data parallel.
+            Some(env) => {
+                let dev = Device::cuda(env.local_rank)?;
+                let result = train::run(&dev, &a, Some(env));
+                (dev, result)
+            }
+            None => with_device(&a.device, |dev| train::run(dev, &a, None))?,
+        },
+        Command::Launch(a) => return launch::run(&a),
         Command::Demo(a) => with_device(&a.device, |dev| demo::run(dev, &a))?,
         Command::Inspect(a) => with_device(&a.device, |dev| inspect::run(dev, &a))?,
         Command::Bench(b) => return bench::run(&b),

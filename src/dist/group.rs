@@ -70,14 +70,14 @@ pub struct ProcessGroup {
 impl ProcessGroup {
     /// Meets the other ranks at `MASTER_ADDR:MASTER_PORT` (rank 0 listens), checks that every
     /// rank builds the same `model` (any description of what it trains: its configuration and
-    /// parameter count), and joins the NCCL group on GPU `LOCAL_RANK`.
+    /// parameter count), and joins the NCCL group on `dev` (GPU `LOCAL_RANK` of this host, made
+    /// with `Device::cuda(env.local_rank)`).
     ///
     /// # Errors
     /// [`CommErrorKind::Rendezvous`] when a rank does not arrive within the options' timeout,
     /// [`CommErrorKind::ModelMismatch`] on every rank when one builds another model, and NCCL's
     /// or the GPU's errors.
-    pub fn join(env: RankEnv, model: &str, options: CommOptions) -> Result<ProcessGroup> {
-        let dev = Device::cuda(env.local_rank)?;
+    pub fn join(dev: &Device, env: RankEnv, model: &str, options: CommOptions) -> Result<ProcessGroup> {
         let id = match env.rank {
             0 => Some(NcclId::new()?),
             _ => None,
@@ -87,7 +87,7 @@ impl ProcessGroup {
             let kind = CommErrorKind::Rendezvous("rank 0 sent an NCCL id of the wrong length".into());
             Error::Comm { op: "ProcessGroup::join", rank: env.rank, kind }
         })?;
-        let comm = Communicator::nccl(&dev, env.rank, env.world, &NcclId::from_bytes(bytes), options)?;
+        let comm = Communicator::nccl(dev, env.rank, env.world, &NcclId::from_bytes(bytes), options)?;
         Ok(ProcessGroup { env, comm })
     }
 

@@ -107,6 +107,24 @@ impl ParamStore {
         self.grads.narrow(0, 0, self.used)
     }
 
+    /// The gradients of every parameter not in `params`, as few flat tensors as the layout
+    /// allows (each a run of parameters added one after another): what a data-parallel step
+    /// reduces eagerly besides the buckets of its graphed layers (the embedding and the head).
+    pub fn grads_outside(&self, params: &[&Param]) -> Result<Vec<Tensor>> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (name, offset, shape) in &self.layout {
+            if params.iter().any(|p| p.name == *name) {
+                continue;
+            }
+            let n: usize = shape.iter().product();
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len == *offset => *len += n,
+                _ => runs.push((*offset, n)),
+            }
+        }
+        runs.into_iter().map(|(start, n)| self.grads.narrow(0, start, n)).collect()
+    }
+
     /// The gradients of `params` (a module's, added one after another) as one flat tensor: a
     /// bucket for the data-parallel reduction.
     ///

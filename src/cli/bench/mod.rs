@@ -7,6 +7,7 @@ mod graphs;
 mod launch;
 mod layer;
 mod offload;
+mod parallel;
 mod schedule;
 
 use std::path::PathBuf;
@@ -26,6 +27,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Graphs(a) => graphs::run(a),
         BenchCommand::Offload(a) => offload::run(a),
         BenchCommand::Schedule(a) => schedule::run(a),
+        BenchCommand::Parallel(a) => parallel::run(a),
     }
 }
 

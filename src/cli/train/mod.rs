@@ -15,7 +15,8 @@ mod text;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use graphed::device::{Device, DeviceKind, Stream};
+use graphed::device::{CommOptions, Device, DeviceKind, Stream};
+use graphed::dist::{ProcessGroup, RankEnv};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Gpt, GptConfig};
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
@@ -119,7 +120,8 @@ fn schedule(peak: f32, steps: usize) -> LrSchedule {
     LrSchedule::WarmupCosine { peak, warmup: (steps as u64 / 20).max(1), total: steps as u64, floor: 0.1 }
 }
 
-pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
+/// Trains; `env` when launched as one rank of several (data parallel, rank 0 reports).
+pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Result<()> {
     let gpu = dev.kind() == DeviceKind::Cuda;
     let task = Task::new(args, args.eval.unwrap_or(if gpu { 1000 } else { 100 }) as usize)?;
     let plan = plan(dev, args, task.shape())?;
@@ -127,21 +129,37 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
     let mut model = Gpt::new(&alloc, cfg, &s)?;
-    println!("device: {}", dev.name());
+    // Every rank must build the same model and step it the same number of times.
+    let signature =
+        format!("{cfg:?}; {} parameters; batch {}; steps {}", cfg.parameter_count(), plan.batch, plan.steps);
+    let group = env.map(|e| ProcessGroup::join(dev, e, &signature, CommOptions::default())).transpose()?;
+    let rank = group.as_ref().map_or(0, |g| g.env().rank);
+    let lead = rank == 0;
+    if let Some(g) = &group {
+        println!("rank {rank} of {} (GPU {} of this host)", g.env().world, g.env().local_rank);
+    }
+    // The other ranks train quietly and leave reports, checkpoints and plots to rank 0.
+    let say = |line: &str| {
+        if lead {
+            println!("{line}");
+        }
+    };
+    say(&format!("device: {}", dev.name()));
     let hyper = AdamWHyper { weight_decay: 0.0, ..AdamWHyper::default() };
     let optimizer = AdamW::new(&alloc, model.parameters(), hyper, schedule(plan.lr, plan.steps), &s)?;
     let saved = (plan.batch, plan.steps, plan.lr);
     let start = match &args.resume {
         Some(dir) => {
             let done = checkpoint::resume(dir, &model, &optimizer, &alloc, &s, args, saved)?;
-            println!("resumed from {} after {done} steps", dir.display());
+            say(&format!("resumed from {} after {done} steps", dir.display()));
             done
         }
         None => 0,
     };
     let stop = args.stop_at.map_or(plan.steps, |k| (k as usize).min(plan.steps));
-    let stepper = step::Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args)?;
-    println!(
+    let stepper =
+        step::Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args, group.as_ref().map(|g| g.comm()))?;
+    say(&format!(
         "model: {} layers, width {}, {} heads, {} parameters in {}; batch {}, {} steps, {}",
         cfg.layers,
         cfg.dim,
@@ -151,20 +169,21 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
         plan.batch,
         plan.steps,
         stepper.describe()
-    );
-    let summary_shown = stepper.offload_summary().inspect(|s| println!("{s}")).is_some();
+    ));
+    let summary_shown = stepper.offload_summary().inspect(|s| say(s)).is_some();
 
     if let Task::Text(c) = &task {
-        println!("data: {}", c.describe());
+        say(&format!("data: {}", c.describe()));
     }
-    let mut rng = SmallRng::seed_from_u64(args.seed);
-    let bar = ProgressBar::new(plan.steps as u64);
+    // Each rank draws its own batches.
+    let mut rng = SmallRng::seed_from_u64(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9));
+    let bar = if lead { ProgressBar::new(plan.steps as u64) } else { ProgressBar::hidden() };
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let (mut host, started) = (Duration::ZERO, Instant::now());
     let mut last_loss = f64::NAN;
-    let mut metrics = metrics::Metrics::new(args.metrics.as_deref())?;
+    let mut metrics = metrics::Metrics::new(args.metrics.as_deref().filter(|_| lead))?;
     // The data of the steps a resumed run already took, drawn and dropped.
     for _ in 0..start {
         task.batch(&mut rng, plan.batch);
@@ -181,13 +200,17 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
         let losses = stepper.step(&model, &optimizer, &tokens, &targets, &weights)?;
         host += issued.elapsed();
         if step % 25 == 0 || step + 1 == stop {
+            if let Some(g) = &group {
+                // The watchdog: a rank that died or hangs ends this one with a typed error.
+                g.comm().wait(&s)?;
+            }
             let l = losses.to_vec::<f32>(&s)?;
             last_loss = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
             bar.set_message(format!("loss {last_loss:.4}"));
             metrics.record(step, last_loss, started.elapsed().as_secs_f64())?;
             let line = format!("step {step:5}  loss {last_loss:.4}");
             if bar.is_hidden() {
-                println!("{line}");
+                say(&line);
             } else {
                 bar.println(line);
             }
@@ -197,19 +220,22 @@ pub fn run(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
     s.synchronize()?;
     let wall = started.elapsed();
     bar.finish_and_clear();
-    if let Some(dir) = &args.save {
+    if let Some(dir) = args.save.as_ref().filter(|_| lead) {
         checkpoint::save(dir, &model, &optimizer, &s, args, saved, stop)?;
         println!("saved the state after {stop} steps to {}", dir.display());
     }
     if !summary_shown {
         // Eager offloading freezes its policy after the first step.
-        stepper.offload_summary().inspect(|s| println!("{s}"));
+        stepper.offload_summary().inspect(|s| say(s));
     }
     let stepper_mode = if args.eager { "eager" } else { "graphed" };
     drop(stepper);
     model.set_training(false);
     let title = format!("graphed train: {} layers, width {}, {} ({})", cfg.layers, cfg.dim, cfg.dtype, stepper_mode);
-    metrics.finish(args.plot.as_deref(), &title)?;
+    metrics.finish(args.plot.as_deref().filter(|_| lead), &title)?;
+    if !lead {
+        return Ok(());
+    }
     let per_step = |d: Duration| d.as_secs_f64() * 1e6 / plan.steps as f64;
     println!("final loss {last_loss:.4} ({}, cross-entropy)", task.loss_of());
     println!("time per step: wall {:.0} µs, host issuing {:.0} µs", per_step(wall), per_step(host));

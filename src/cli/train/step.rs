@@ -3,7 +3,10 @@
 //! one more graph; with `--offload`, the layers' activations go to host memory and back (inside
 //! the graphs when graphed).
 
-use graphed::device::Stream;
+use std::sync::Arc;
+
+use graphed::device::{Communicator, Stream};
+use graphed::dist::DataParallel;
 use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, GraphedFn, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Chunk, Gpt, Inputs, KeepOnDevice, Module, SaveHook};
@@ -24,6 +27,10 @@ pub struct Stepper {
     /// With `--offload`: the manager (its policy frozen when graphed; after the first step
     /// when eager).
     offload: Option<OffloadManager>,
+    /// Launched on several GPUs: the gradient reduction, and the gradients it reduces eagerly
+    /// after the backward (all of them when eager; the embedding's and the head's when graphed,
+    /// the layers' being reduced inside their backward graphs).
+    data_parallel: Option<(Arc<DataParallel>, Vec<Tensor>)>,
 }
 
 /// How the transformer layers run.
@@ -52,8 +59,23 @@ impl Stepper {
         stream: &Stream,
         batch: usize,
         args: &TrainArgs,
+        comm: Option<&Communicator>,
     ) -> anyhow::Result<Stepper> {
         let dev = stream.device();
+        let data_parallel = match comm {
+            None => None,
+            Some(_) if args.schedule => anyhow::bail!(
+                "--schedule on several ranks would be pipeline parallelism, which is not built yet; drop --schedule for data parallelism"
+            ),
+            Some(c) if args.eager => Some((DataParallel::new(c, Vec::new())?, vec![model.parameters().grads()?])),
+            Some(c) => {
+                let layers = model.layers().layers();
+                let buckets =
+                    layers.iter().map(|l| model.parameters().grads_of(&l.parameters())).collect::<graphed::Result<_>>()?;
+                let in_layers: Vec<_> = layers.iter().flat_map(|l| l.parameters()).collect();
+                Some((DataParallel::new(c, buckets)?, model.parameters().grads_outside(&in_layers)?))
+            }
+        };
         let offload = args.offload.config(dev).map(|c| OffloadManager::new(alloc, c)).transpose()?;
         let layers = match (args.schedule, args.eager) {
             (true, _) => Layers::Scheduled(Scheduled::new(model, alloc, stream, batch, args)?),
@@ -79,12 +101,15 @@ impl Stepper {
                 if let Some(m) = &offload {
                     options = m.graph_options(options)?;
                 }
+                if let Some((dp, _)) = &data_parallel {
+                    options = options.grad_sync(dp.clone());
+                }
                 let stack = make_graphed_stack(alloc, model.layers(), &x, options)?;
                 Layers::Stack { stack, side, pool_per_layer: args.pool_per_layer }
             }
         };
         let optimizer = (!args.eager).then(|| make_graphed_fn(alloc, |s| optimizer.step(s))).transpose()?;
-        Ok(Stepper { stream: stream.clone(), alloc: alloc.clone(), layers, optimizer, offload })
+        Ok(Stepper { stream: stream.clone(), alloc: alloc.clone(), layers, optimizer, offload, data_parallel })
     }
 
     /// The offload policy's table, once frozen.
@@ -95,6 +120,10 @@ impl Stepper {
     /// How the step runs, for the banner.
     pub fn describe(&self) -> String {
         let offload = if self.offload.is_some() { ", activations offloaded to host memory" } else { "" };
+        let parallel = match &self.data_parallel {
+            Some((dp, _)) => format!(", data parallel over {} ranks", dp.comm().size()),
+            None => String::new(),
+        };
         let optimizer = if self.optimizer.is_some() { " and a graphed optimizer step" } else { "" };
         let how = match &self.layers {
             Layers::Eager => "eager".into(),
@@ -106,7 +135,7 @@ impl Stepper {
             ),
             Layers::Scheduled(s) => format!("a pipeline schedule, {}", s.describe()),
         };
-        format!("{how}{optimizer}{offload}")
+        format!("{how}{optimizer}{offload}{parallel}")
     }
 
     /// Forward, backward and optimizer step of one batch; returns the per-position losses.
@@ -147,6 +176,11 @@ impl Stepper {
                 losses
             }
         };
+        if let Some((dp, rest)) = &self.data_parallel {
+            for grads in rest {
+                dp.all_reduce(stream, grads)?;
+            }
+        }
         match &self.optimizer {
             Some(g) => g.replay(stream)?,
             None => optimizer.step(stream)?,

@@ -1,0 +1,129 @@
+//! `graphed bench parallel`: data parallelism over the GPUs of `graphed launch --gpus N --
+//! bench parallel` (one process per GPU). Per configuration: `one-gpu`, each GPU stepping its
+//! own copy alone (graphed, side-stream replay); `dp-eager`, eager steps with every gradient
+//! reduced after the backward; `dp-graphed`, graphed steps with each layer's gradients reduced
+//! inside the next backward graph. Throughput counts every rank's samples; the speedup is over
+//! `one-gpu`. Rank 0 reports.
+
+use graphed::device::{CommOptions, Device};
+use graphed::dist::{DataParallel, ProcessGroup, RankEnv};
+use graphed::graph::{GraphOptions, Replay};
+use graphed::memory::CachingAllocator;
+use graphed::nn::Module;
+use serde::Serialize;
+
+use super::graphs::measure;
+use super::{spread, write_json, Case, Report, Spread};
+use crate::cli::args::ParallelBenchArgs;
+use crate::cli::bench_model::{BenchModel, Config};
+
+#[derive(Serialize, Debug)]
+struct ParallelRow {
+    #[serde(flatten)]
+    case: Case,
+    ranks: usize,
+    wall_ms: Spread,
+    host_us: Spread,
+    /// Samples per second over every rank.
+    samples_per_s: f64,
+    /// Over `one-gpu` of the same configuration.
+    speedup: Option<f64>,
+}
+
+pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
+    let env = RankEnv::from_env()?;
+    let local = env.as_ref().map_or(0, |e| e.local_rank);
+    let dev = Device::cuda(local).map_err(|e| anyhow::anyhow!("bench parallel times GPUs: {e}"))?;
+    let dtype = args.dtype.resolve(&dev);
+    let configs = args.configs.iter().map(|n| Config::named(n)).collect::<anyhow::Result<Vec<_>>>()?;
+    for c in &configs {
+        c.check_device(&dev, "--configs")?;
+    }
+    let signature = format!("bench parallel {:?} {dtype} {} {}", args.configs, args.steps, args.warmup);
+    let group = env.map(|e| ProcessGroup::join(&dev, e, &signature, CommOptions::default())).transpose()?;
+    let ranks = group.as_ref().map_or(1, |g| g.env().world);
+    let lead = group.as_ref().is_none_or(|g| g.env().rank == 0);
+    if lead {
+        println!("{} rank(s), {dtype}", ranks);
+    }
+    let mut rows: Vec<ParallelRow> = Vec::new();
+    for config in configs {
+        let mut one_gpu = None;
+        for variant in ["one-gpu", "dp-eager", "dp-graphed"] {
+            let comm = match (variant, &group) {
+                ("one-gpu", _) => None,
+                (_, Some(g)) => Some(g.comm()),
+                (_, None) => continue,
+            };
+            let alloc = CachingAllocator::new(&dev);
+            let main = dev.stream()?;
+            let model = BenchModel::new(&alloc, &main, config, dtype)?;
+            let (side, ready) = (dev.stream()?, dev.event()?);
+            let samples = match (variant, comm) {
+                ("dp-eager", Some(c)) => {
+                    let dp = DataParallel::new(c, Vec::new())?;
+                    let grads = model.store.grads()?;
+                    measure(&dev, &main, (args.warmup, args.steps), &mut || {
+                        model.eager_step(&main)?;
+                        dp.all_reduce(&main, &grads)?;
+                        Ok(())
+                    })?
+                }
+                (_, comm) => {
+                    let mut options = GraphOptions::default().sync_event(&ready);
+                    if let Some(c) = comm {
+                        let layers = model.stack.layers();
+                        let buckets = layers.iter().map(|l| model.store.grads_of(&l.parameters()));
+                        options = options.grad_sync(DataParallel::new(c, buckets.collect::<graphed::Result<_>>()?)?);
+                    }
+                    let graphed = model.graph_with(&alloc, options)?;
+                    measure(&dev, &main, (args.warmup, args.steps), &mut || {
+                        graphed.forward(&main, &model.x, Replay::side(&side))?;
+                        graphed.backward(&main, &model.dy)?;
+                        graphed.join(&main)?;
+                        Ok(())
+                    })?
+                }
+            };
+            let wall = spread(samples.wall_ms);
+            let used = if comm.is_some() { ranks } else { 1 };
+            let samples_per_s = (used * config.batch) as f64 / (wall.median / 1e3);
+            let speedup = one_gpu.map(|base: f64| samples_per_s / base);
+            if variant == "one-gpu" {
+                one_gpu = Some(samples_per_s);
+            }
+            let row = ParallelRow {
+                case: Case::new(config, dtype, variant),
+                ranks: used,
+                wall_ms: wall,
+                host_us: spread(samples.host_us),
+                samples_per_s,
+                speedup,
+            };
+            if lead {
+                print_row(&row);
+            }
+            rows.push(row);
+        }
+    }
+    if lead {
+        println!("{}", crate::cli::checker_summary(&dev));
+        write_json(&args.json, &Report::new("parallel", &dev, args.steps, rows))?;
+    }
+    Ok(())
+}
+
+fn print_row(r: &ParallelRow) {
+    println!(
+        "  {} {:<11} ranks {}  wall {:.3} ms [{:.3}–{:.3}]  host {:.0} µs  {:.0} samples/s{}",
+        r.case.config,
+        r.case.variant,
+        r.ranks,
+        r.wall_ms.median,
+        r.wall_ms.min,
+        r.wall_ms.max,
+        r.host_us.median,
+        r.samples_per_s,
+        r.speedup.map_or_else(String::new, |s| format!("  {s:.2}x one GPU")),
+    );
+}
