@@ -51,6 +51,27 @@ for pair in graphed:side-stream graphed:pool-per-layer graphed:eager graphed:off
         echo "train $mode: loss lines DIFFER from $base"
     fi
 done | tee -a "$OUT/train.log"
+# Several GPUs: every GPU of this machine, one process each through `graphed launch` (data
+# parallel, NCCL from PyTorch's package when the system has none); with one GPU, the group of one
+# must train exactly as a plain run (its all-reduce is the identity).
+gpus=$(nvidia-smi -L | wc -l)
+{
+    echo "# $gpus GPU(s); system NCCL: $(ls /usr/lib/x86_64-linux-gnu/libnccl.so* 2>/dev/null | tr '\n' ' ')"
+    echo "# python's NCCL: $(python3 -c 'import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])' 2>&1 | tail -1)"
+    .gpu/graphed launch --gpus "$gpus" -- train --steps 300 > "$logs/launch.log" 2>&1
+    echo "graphed launch --gpus $gpus -- train --steps 300: exit $?"
+    cat "$logs/launch.log"
+    if [ "$gpus" = 1 ]; then
+        .gpu/graphed train --steps 300 > "$logs/plain.log" 2>&1
+        if diff <(grep -E '^step|^final|accuracy' "$logs/plain.log") <(grep -E '^step|^final|accuracy' "$logs/launch.log") > /dev/null; then
+            echo "launch --gpus 1: loss lines equal to a plain run"
+        else
+            echo "launch --gpus 1: loss lines DIFFER from a plain run"
+        fi
+    fi
+    .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs "${PARALLEL_CONFIGS:-M,L}" --json "$OUT/parallel.json" 2>&1
+    echo "bench parallel: exit $?"
+} 2>&1 | tee "$OUT/parallel.log"
 # A byte-level model of a local text file (this README).
 { echo "# graphed train --data README.md --steps 300"; .gpu/graphed train --data README.md --steps 300 2>&1 | tail -6; } \
     | tee -a "$OUT/train.log"

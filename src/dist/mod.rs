@@ -1,4 +1,4 @@
-//! Layer 8, several devices: process groups and data parallelism over the collectives of
+//! Several devices, beside layer 7 (above the graph layer): process groups and data parallelism over the collectives of
 //! [`Communicator`](crate::device::Communicator).
 //!
 //! One process per GPU, started by `graphed launch` or any launcher that sets torchrun's
