@@ -29,6 +29,9 @@ pub enum Command {
     /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), running `graphed <ARGS>`: for example
     /// `graphed launch --gpus 2 -- train` trains data parallel.
     Launch(LaunchArgs),
+    /// Regenerate the README's performance tables and the benchmarks' SVG plots from the newest
+    /// results file of each benchmark (or, with `--check`, fail if they are not what it writes).
+    Report(ReportArgs),
 }
 
 /// Arguments of `launch`.
@@ -514,4 +517,22 @@ pub struct LaunchBenchArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+}
+
+/// Arguments of `report`.
+#[derive(Args, Debug, Clone)]
+pub struct ReportArgs {
+    /// The results folder. Each benchmark's newest file is the one whose commit (the end of its
+    /// name) comes first in `git rev-list HEAD` of the repository holding the folder; the plots
+    /// go to its `plots/`.
+    #[arg(long, value_name = "DIR", default_value = "bench/results")]
+    pub results: std::path::PathBuf,
+    /// The README whose blocks between `<!-- report:<bench> -->` and `<!-- /report:<bench> -->`
+    /// are rewritten (nothing else in it is); it must lie above the results folder.
+    #[arg(long, value_name = "FILE", default_value = "README.md")]
+    pub readme: std::path::PathBuf,
+    /// Write nothing; fail, naming each block and plot that differs, unless the README and the
+    /// plots are what `report` would write.
+    #[arg(long)]
+    pub check: bool,
 }

@@ -7,6 +7,8 @@ mod bench_model;
 mod demo;
 mod inspect;
 mod launch;
+mod plot;
+mod report;
 mod scheduled;
 mod train;
 
@@ -32,6 +34,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(a) => with_device(&a.device, |dev| demo::run(dev, &a))?,
         Command::Inspect(a) => with_device(&a.device, |dev| inspect::run(dev, &a))?,
         Command::Bench(b) => return bench::run(&b),
+        Command::Report(a) => return Ok(report::run(&a)?),
     };
     println!("{}", checker_summary(&dev));
     result

@@ -4,8 +4,6 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use plotters::prelude::*;
-
 /// The reported losses of a run, written as they come and plotted at the end.
 pub struct Metrics {
     lines: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
@@ -42,21 +40,9 @@ impl Metrics {
             w.flush().map_err(|e| anyhow::anyhow!("cannot write --metrics {}: {e}", path.display()))?;
         }
         let Some(plot) = plot else { return Ok(()) };
-        let fail = |e: &dyn std::fmt::Display| anyhow::anyhow!("cannot draw --plot {}: {e}", plot.display());
-        let last = self.points.last().map_or(1, |p| p.0.max(1));
-        let top = self.points.iter().map(|p| p.1).fold(0.0f64, f64::max).max(1e-3);
-        let root = SVGBackend::new(plot, (720, 420)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| fail(&e))?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(48)
-            .build_cartesian_2d(0..last, 0.0..top * 1.05)
-            .map_err(|e| fail(&e))?;
-        chart.configure_mesh().x_desc("step").y_desc("loss").draw().map_err(|e| fail(&e))?;
-        chart.draw_series(LineSeries::new(self.points.iter().copied(), &BLUE)).map_err(|e| fail(&e))?;
-        root.present().map_err(|e| fail(&e))?;
+        let svg = crate::cli::plot::line_chart(title, ("step", "loss"), &self.points)
+            .map_err(|e| anyhow::anyhow!("cannot draw --plot {}: {e}", plot.display()))?;
+        std::fs::write(plot, svg).map_err(|e| anyhow::anyhow!("cannot write --plot {}: {e}", plot.display()))?;
         Ok(())
     }
 }

@@ -1,0 +1,79 @@
+//! `bench layer` and PyTorch's side of the same run (`bench/torch_reference.py layer`): one
+//! transformer layer's forward and backward, eager, per configuration.
+
+use serde::Deserialize;
+
+use crate::cli::plot::{Bar, Bars, Panel};
+use crate::cli::report::error::ReportError;
+use crate::cli::report::figure::{or_dash, Figure, Table};
+use crate::cli::report::results::{Report, Run};
+
+#[derive(Debug, Deserialize)]
+struct Row {
+    config: String,
+    dim: usize,
+    batch: usize,
+    seq: usize,
+    dtype: String,
+    gpu_ms: Option<f64>,
+    host_ms: f64,
+    kernels_forward: usize,
+    kernels_backward: usize,
+}
+
+#[derive(Debug, Deserialize)]
+struct TorchFile {
+    rows: Vec<TorchRow>,
+}
+
+#[derive(Debug, Deserialize)]
+struct TorchRow {
+    config: String,
+    gpu_ms: f64,
+}
+
+pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
+    let report = Report::<Row>::of(run)?;
+    let torch_file = run.torch_for(&report.rows[0].dtype);
+    let torch = match torch_file {
+        Some(f) => f.read::<TorchFile>()?.rows,
+        None => Vec::new(),
+    };
+    let mut header = vec!["config", "dtype", "GPU ms", "host ms", "kernels forward / backward"];
+    if torch_file.is_some() {
+        header.push("PyTorch GPU ms");
+    }
+    let mut table = Table::new(&header);
+    let mut panels = Vec::new();
+    for r in &report.rows {
+        let theirs = torch.iter().find(|t| t.config == r.config).map(|t| t.gpu_ms);
+        let mut cells = vec![
+            r.config.clone(),
+            r.dtype.clone(),
+            or_dash(r.gpu_ms.map(|g| format!("{g:.3}"))),
+            format!("{:.3}", r.host_ms),
+            format!("{} / {}", r.kernels_forward, r.kernels_backward),
+        ];
+        if torch_file.is_some() {
+            cells.push(or_dash(theirs.map(|g| format!("{g:.3}"))));
+        }
+        table.row(cells);
+        let mut bars: Vec<Bar> = r.gpu_ms.map(|g| Bar::ours("graphed GPU", g)).into_iter().collect();
+        bars.push(Bar::ours("graphed host", r.host_ms));
+        bars.extend(theirs.map(|g| Bar::theirs("PyTorch GPU", g)));
+        panels.push(Panel {
+            title: format!("{}: d={}, batch {} × {} tokens, {}", r.config, r.dim, r.batch, r.seq, r.dtype),
+            unit: "ms per forward and backward (median)".into(),
+            bars,
+        });
+    }
+    let mut sources = vec![run.ours.name.clone()];
+    sources.extend(torch_file.map(|f| f.name.clone()));
+    Ok(Figure {
+        tables: vec![table],
+        sources,
+        provenance: report.provenance(),
+        note: format!("one layer's forward and backward, eager, median of {} repetitions", report.reps),
+        chart: Bars { title: "graphed bench layer: one transformer layer, eager".into(), panels },
+    })
+}
