@@ -3,7 +3,7 @@
 //!
 //! One process per GPU, started by `graphed launch` or any launcher that sets torchrun's
 //! variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`):
-//! [`ProcessGroup::from_env`] meets the other ranks over TCP, checks that they build the same
+//! [`ProcessGroup::join`] meets the other ranks over TCP, checks that they build the same
 //! model, and shares the NCCL id. On the simulator, ranks are threads of one process
 //! ([`on_sim_ranks`]), so multi-device programs, their hazards and their deadlocks are tested
 //! without GPUs.
