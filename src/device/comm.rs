@@ -398,10 +398,12 @@ impl Communicator {
         let enqueued = Op::Collective { comm: &self.inner.repr, kind, src, dst, count, dtype: T::DTYPE };
         stream.enqueue_op(&enqueued)?;
         let mut accesses = vec![access_of(first.block, first.region, elem, mode, 0)];
+        let mut blocks = vec![first.block];
         if let Some(v) = second {
             accesses.push(access_of(v.block, v.region, elem, AccessMode::Write, 1));
+            blocks.push(v.block);
         }
-        stream.enqueued_accesses(op, &accesses)
+        stream.enqueued_on(op, &blocks, &accesses)
     }
 }
 

@@ -94,9 +94,17 @@ impl Stream {
         self.enqueue(op)
     }
 
-    /// After an operation was enqueued: note the stream on the blocks it touches and report
-    /// its accesses to the checker.
-    pub(crate) fn enqueued_accesses(&self, name: &'static str, accesses: &[super::Access]) -> Result<()> {
+    /// After an operation was enqueued: note the stream on the blocks it touches (stream-ordered
+    /// reuse needs to know) and report its accesses to the checker.
+    pub(crate) fn enqueued_on(
+        &self,
+        name: &'static str,
+        blocks: &[&Arc<Block>],
+        accesses: &[super::Access],
+    ) -> Result<()> {
+        for b in blocks {
+            b.note_use(self.inner.id);
+        }
         self.observe(|o, cap| o.enqueue(self.inner.id, cap, name, accesses))
     }
 
@@ -192,12 +200,9 @@ impl Stream {
     /// After a kernel or library call was enqueued: note the streams of the blocks it touches,
     /// and report it to the checker.
     fn enqueued(&self, name: &'static str, args: &[Arg<'_>]) -> Result<()> {
-        for a in args {
-            if let Arg::Buf(b) = a {
-                b.block.note_use(self.inner.id);
-            }
-        }
-        self.observe(|o, cap| o.enqueue(self.inner.id, cap, name, &super::kernel::accesses(args)))
+        let blocks: Vec<&Arc<Block>> =
+            args.iter().filter_map(|a| if let Arg::Buf(b) = a { Some(b.block) } else { None }).collect();
+        self.enqueued_on(name, &blocks, &super::kernel::accesses(args))
     }
 
     /// Enqueues a GEMM (cuBLASLt on CUDA; see [`Gemm`]).
@@ -316,15 +321,9 @@ impl Stream {
             dst_offset: dst_region.offset() * elem,
             bytes: src_region.len() * elem,
         })?;
-        src.note_use(self.inner.id);
-        dst.note_use(self.inner.id);
-        self.observe(|o, cap| {
-            let accesses = [
-                access_of(src, src_rel, elem, AccessMode::Read, 0),
-                access_of(dst, dst_rel, elem, AccessMode::Write, 1),
-            ];
-            o.enqueue(self.inner.id, cap, op, &accesses)
-        })
+        let accesses =
+            [access_of(src, src_rel, elem, AccessMode::Read, 0), access_of(dst, dst_rel, elem, AccessMode::Write, 1)];
+        self.enqueued_on(op, &[src, dst], &accesses)
     }
 
     /// Sets every byte of a contiguous device view to `value`, asynchronously.
@@ -345,10 +344,7 @@ impl Stream {
             bytes: region.len() * elem,
             value,
         })?;
-        dst.block.note_use(self.inner.id);
-        self.observe(|o, cap| {
-            o.enqueue(self.inner.id, cap, OP, &[access_of(dst.block, dst.region, elem, AccessMode::Write, 0)])
-        })
+        self.enqueued_on(OP, &[dst.block], &[access_of(dst.block, dst.region, elem, AccessMode::Write, 0)])
     }
 
     /// Records `event` after the work queued so far. Inside a capture this adds no node: it
