@@ -10,7 +10,7 @@ use graphed::device::{CommOptions, Communicator, DType, Device, SimConfig, Strea
 use graphed::dist::{on_sim_ranks, DataParallel};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{DropoutSpec, Module, ParamStore, Stack, TransformerLayer};
+use graphed::nn::{DropoutSpec, ParamStore, Stack, TransformerLayer};
 use graphed::tensor::Tensor;
 
 /// Two layers of width 32, the same on every rank (same seeds), and their parameter store.
@@ -37,9 +37,8 @@ fn microbatch(alloc: &CachingAllocator, s: &Stream, k: u64) -> graphed::Result<(
 /// One rank: its microbatch through a graphed stack whose backward graphs reduce the gradients.
 fn rank(comm: &Communicator) -> graphed::Result<Vec<f32>> {
     let (alloc, s, store, stack) = model(comm.device())?;
-    let buckets = stack.layers().iter().map(|l| store.grads_of(&l.parameters())).collect::<graphed::Result<_>>()?;
     let (x, dy) = microbatch(&alloc, &s, comm.rank() as u64)?;
-    let options = GraphOptions::default().grad_sync(DataParallel::new(comm, buckets)?);
+    let options = GraphOptions::default().grad_sync(DataParallel::for_stack(comm, &store, &stack)?);
     let graphed = make_graphed_stack(&alloc, &stack, &x, options)?;
     graphed.forward(&s, &x, Replay::caller())?;
     graphed.backward(&s, &dy)?;

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use crate::device::CommErrorKind;
 use crate::device::{with_dtype, BufferId, Communicator, Stream};
 use crate::graph::GradSync;
+use crate::nn::{Module, ParamStore, Stack};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -47,6 +48,21 @@ impl DataParallel {
         }
         let stream = comm.device().stream()?;
         Ok(Arc::new(DataParallel { comm: comm.clone(), stream, buckets, state: Mutex::default() }))
+    }
+
+    /// The reduction of a graphed stack's gradients, one bucket per layer of `stack`, whose
+    /// parameters live in `store`.
+    ///
+    /// # Errors
+    /// As [`new`](DataParallel::new), and [`ParamStore::grads_of`]'s when a layer's parameters
+    /// are not one contiguous range of `store`.
+    pub fn for_stack<M: Module>(
+        comm: &Communicator,
+        store: &ParamStore,
+        stack: &Stack<M>,
+    ) -> Result<Arc<DataParallel>> {
+        let buckets = stack.layers().iter().map(|l| store.grads_of(&l.parameters())).collect::<Result<_>>()?;
+        DataParallel::new(comm, buckets)
     }
 
     /// The communicator.

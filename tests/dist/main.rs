@@ -9,7 +9,7 @@ use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, P
 use graphed::dist::{meet, on_sim_ranks, DataParallel, RankEnv};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{DropoutSpec, Module, ParamStore, Stack, TransformerLayer};
+use graphed::nn::{DropoutSpec, ParamStore, Stack, TransformerLayer};
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -76,9 +76,7 @@ fn one_rank(dev: &Device, ranks: u64) -> anyhow::Result<Trace> {
 /// graphs and replayed on a side stream.
 fn data_parallel(comm: &Communicator) -> anyhow::Result<Trace> {
     let m = model(comm.device())?;
-    let buckets =
-        (m.stack.layers().iter()).map(|l| m.store.grads_of(&l.parameters())).collect::<graphed::Result<Vec<_>>>()?;
-    let dp = DataParallel::new(comm, buckets)?;
+    let dp = DataParallel::for_stack(comm, &m.store, &m.stack)?;
     let (x0, _) = data(&m, 0, 0)?;
     let (side, ready) = (comm.device().stream()?, comm.device().event()?);
     let options = GraphOptions::default().sync_event(&ready).grad_sync(dp);

@@ -9,7 +9,6 @@ use graphed::device::{CommOptions, Device};
 use graphed::dist::{DataParallel, ProcessGroup, RankEnv};
 use graphed::graph::{GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::Module;
 use serde::Serialize;
 
 use super::graphs::measure;
@@ -72,9 +71,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
                 (_, comm) => {
                     let mut options = GraphOptions::default().sync_event(&ready);
                     if let Some(c) = comm {
-                        let layers = model.stack.layers();
-                        let buckets = layers.iter().map(|l| model.store.grads_of(&l.parameters()));
-                        options = options.grad_sync(DataParallel::new(c, buckets.collect::<graphed::Result<_>>()?)?);
+                        options = options.grad_sync(DataParallel::for_stack(c, &model.store, &model.stack)?);
                     }
                     let graphed = model.graph_with(&alloc, options)?;
                     measure(&dev, &main, (args.warmup, args.steps), &mut || {

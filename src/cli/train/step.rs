@@ -69,11 +69,9 @@ impl Stepper {
             ),
             Some(c) if args.eager => Some((DataParallel::new(c, Vec::new())?, vec![model.parameters().grads()?])),
             Some(c) => {
-                let layers = model.layers().layers();
-                let buckets =
-                    layers.iter().map(|l| model.parameters().grads_of(&l.parameters())).collect::<graphed::Result<_>>()?;
-                let in_layers: Vec<_> = layers.iter().flat_map(|l| l.parameters()).collect();
-                Some((DataParallel::new(c, buckets)?, model.parameters().grads_outside(&in_layers)?))
+                let in_layers: Vec<_> = model.layers().layers().iter().flat_map(|l| l.parameters()).collect();
+                let rest = model.parameters().grads_outside(&in_layers)?;
+                Some((DataParallel::for_stack(c, model.parameters(), model.layers())?, rest))
             }
         };
         let offload = args.offload.config(dev).map(|c| OffloadManager::new(alloc, c)).transpose()?;
