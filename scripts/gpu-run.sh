@@ -3,21 +3,49 @@
 # every test (the CUDA variants included), train in each mode (with and without activation
 # offloading) with their loss lines compared (bf16, the default on CUDA, and f32), the benchmarks
 # named in $BENCHES (default: graphs; its `--configs` from $BENCH_ARGS) and PyTorch's side of
-# `graphs` in the same run, `inspect` with and without offloading. Logs and JSON go to $OUT (at
-# most 8 files come back: BENCHES="graphs" or "offload" keeps it at 7 and 6).
+# `graphs` in the same run, after PyTorch's module is checked against graphed's on the same
+# weights and inputs (`parity`, its JSON lines at the top of graphs.log), `inspect` with and
+# without offloading. Logs and JSON go to $OUT (at most 8 files come back: BENCHES="graphs" or
+# "offload" keeps it at 7 and 6).
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-run.sh
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels
+# One step of the benchmark model by graphed and by PyTorch's module on the same weights, inputs
+# and upstream gradient, compared tensor by tensor (`bench/torch_reference.py parity`: one JSON
+# line each): bf16, as timed, at S, M and L, and f32 at S, whose tighter tolerance sees smaller
+# mismatches. Fails if any comparison does, so that PyTorch's timings are of the same work.
+parity() {
+    local dir ok=0
+    dir=$(mktemp -d)
+    for run in S:bf16 M:bf16 L:bf16 S:f32; do
+        .gpu/graphed bench parity --device cuda --config "${run%%:*}" --dtype "${run#*:}" \
+            --out "$dir/parity.safetensors" > /dev/null || ok=1
+        python3 bench/torch_reference.py parity "$dir/parity.safetensors" || ok=1
+    done
+    rm -rf "$dir"
+    return $ok
+}
+# Bench $1 (and PyTorch's side of graphs, once parity passed), its output in $OUT/$1.log.
+bench() {
+    local same=0
+    if [ "$1" = graphs ]; then
+        parity > "$OUT/graphs.log" 2>&1 || same=1
+    fi
+    .gpu/graphed bench "$1" --device cuda ${BENCH_ARGS:-} --json "$OUT/$1.json" 2>&1 | tee -a "$OUT/$1.log"
+    if [ "$1" = graphs ] && [ "$same" = 0 ]; then
+        python3 bench/torch_reference.py graphs ${TORCH_ARGS:-} > "$OUT/torch-graphs.json" 2>> "$OUT/graphs.log"
+    elif [ "$1" = graphs ]; then
+        echo "parity FAILED: PyTorch's side not timed (the parity lines at the top of graphs.log say where)" \
+            | tee -a "$OUT/graphs.log"
+    fi
+}
 # ONLY_BENCHES=1: the benchmarks alone (a run after one that tested the same code).
 if [ "${ONLY_BENCHES:-0}" = 1 ]; then
     { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; } > "$OUT/device.txt"
-    for bench in ${BENCHES:-graphs}; do
-        .gpu/graphed bench "$bench" --device cuda ${BENCH_ARGS:-} --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log"
-        if [ "$bench" = graphs ]; then
-            python3 bench/torch_reference.py graphs ${TORCH_ARGS:-} > "$OUT/torch-graphs.json" 2>> "$OUT/graphs.log"
-        fi
+    for name in ${BENCHES:-graphs}; do
+        bench "$name"
     done
     exit 0
 fi
@@ -113,11 +141,8 @@ gpus=$(nvidia-smi -L | wc -l)
     .gpu/graphed train --device cuda --dim 4096 --layers 64 --batch 65536 2>&1 | tail -2
     echo "too big for the GPU: exit ${PIPESTATUS[0]}"
 } 2>&1 | tee "$OUT/misuse.log"
-for bench in ${BENCHES:-graphs}; do
-    .gpu/graphed bench "$bench" --device cuda ${BENCH_ARGS:-} --json "$OUT/$bench.json" 2>&1 | tee "$OUT/$bench.log"
-    if [ "$bench" = graphs ]; then
-        python3 bench/torch_reference.py graphs ${TORCH_ARGS:-} > "$OUT/torch-graphs.json" 2>> "$OUT/graphs.log"
-    fi
+for name in ${BENCHES:-graphs}; do
+    bench "$name"
 done
 {
     .gpu/graphed inspect --device cuda --side-stream 2>&1 | tail -30

@@ -326,6 +326,10 @@ pub enum BenchCommand {
     /// backward, then inside the backward graphs (replayed on a side stream); throughput and
     /// speedup over one GPU.
     Parallel(ParallelBenchArgs),
+    /// One step of the `graphs` benchmark model on fixed inputs (eager, which the graphed stack
+    /// equals bit for bit), written with its weights, output and gradients to a safetensors
+    /// file, for `bench/torch_reference.py parity` to check PyTorch's module against.
+    Parity(ParityBenchArgs),
 }
 
 /// Arguments of `bench graphs`.
@@ -346,6 +350,21 @@ pub struct GraphsBenchArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+}
+
+/// Arguments of `bench parity`.
+#[derive(Args, Debug, Clone)]
+pub struct ParityBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
+    pub dtype: DTypeArgs,
+    /// BENCH.md configuration, or `tiny` (the simulator runs tiny and S).
+    #[arg(long, ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES, default_value = "S")]
+    pub config: String,
+    /// The safetensors file to write.
+    #[arg(long, value_name = "FILE")]
+    pub out: std::path::PathBuf,
 }
 
 /// Arguments of `inspect`.

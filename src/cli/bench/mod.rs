@@ -8,6 +8,7 @@ mod launch;
 mod layer;
 mod offload;
 mod parallel;
+mod parity;
 mod schedule;
 
 use std::path::PathBuf;
@@ -28,6 +29,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Offload(a) => offload::run(a),
         BenchCommand::Schedule(a) => schedule::run(a),
         BenchCommand::Parallel(a) => parallel::run(a),
+        BenchCommand::Parity(a) => parity::run(a),
     }
 }
 
