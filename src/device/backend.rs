@@ -88,16 +88,22 @@ pub(crate) enum Op<'a> {
         bytes: usize,
         value: u8,
     },
-    /// A collective or a send/receive: `src` is read (and written, in place), `dst` written;
-    /// `count` is NCCL's count for the operation.
+    /// A collective, or sends and receives issued as one group (NCCL's `ncclGroupStart`/`End`):
+    /// a group's parts progress together, so two ranks that send to each other meet.
     Collective {
         comm: &'a super::comm::CommRepr,
-        kind: super::comm::Collective,
-        src: (&'a Arc<Block>, usize),
-        dst: (&'a Arc<Block>, usize),
-        count: usize,
+        parts: &'a [Part<'a>],
         dtype: super::DType,
     },
+}
+
+/// One operation of a collective group: `src` is read (and written, in place), `dst` written;
+/// `count` is NCCL's count for the operation.
+pub(crate) struct Part<'a> {
+    pub(crate) kind: super::comm::Collective,
+    pub(crate) src: (&'a Arc<Block>, usize),
+    pub(crate) dst: (&'a Arc<Block>, usize),
+    pub(crate) count: usize,
 }
 
 impl Op<'_> {
@@ -109,7 +115,8 @@ impl Op<'_> {
             Op::Copy { dir: CopyDir::DeviceToHost, .. } => "memcpy_d2h",
             Op::Copy { dir: CopyDir::DeviceToDevice, .. } => "memcpy_d2d",
             Op::Memset { .. } => "memset",
-            Op::Collective { kind, .. } => kind.name(),
+            Op::Collective { parts: [one], .. } => one.kind.name(),
+            Op::Collective { .. } => "p2p_group",
         }
     }
 }

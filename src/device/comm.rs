@@ -27,7 +27,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::backend::{Op, Repr};
+use super::backend::{Op, Part, Repr};
 use super::kernel::IntoView;
 use super::memory::access_of;
 use super::{cuda, sim, AccessMode, DType, Device, Elem, Stream};
@@ -261,7 +261,11 @@ impl Communicator {
     pub fn all_reduce<'b, T: Elem>(&self, stream: &Stream, buf: impl IntoView<'b, Elem = T>) -> Result<()> {
         let buf = buf.into_view();
         self.reducible(Collective::AllReduce, T::DTYPE)?;
-        self.enqueue(stream, Collective::AllReduce, (&buf, AccessMode::ReadWrite), None, buf.len())
+        let count = buf.len();
+        self.enqueue(
+            stream,
+            &[Planned { kind: Collective::AllReduce, first: (&buf, AccessMode::ReadWrite), second: None, count }],
+        )
     }
 
     /// Sums `src` (`size` slices of `dst`'s length) across ranks; rank `r` gets slice `r` in `dst`.
@@ -278,7 +282,8 @@ impl Communicator {
         let (src, dst) = (src.into_view(), dst.into_view());
         self.reducible(Collective::ReduceScatter, T::DTYPE)?;
         self.sized(Collective::ReduceScatter, src.len(), dst.len())?;
-        self.enqueue(stream, Collective::ReduceScatter, (&src, AccessMode::Read), Some(&dst), dst.len())
+        let (kind, count) = (Collective::ReduceScatter, dst.len());
+        self.enqueue(stream, &[Planned { kind, first: (&src, AccessMode::Read), second: Some(&dst), count }])
     }
 
     /// Every rank's `src`, concatenated in rank order, into `dst` (`size` times as long).
@@ -294,18 +299,20 @@ impl Communicator {
     ) -> Result<()> {
         let (src, dst) = (src.into_view(), dst.into_view());
         self.sized(Collective::AllGather, dst.len(), src.len())?;
-        self.enqueue(stream, Collective::AllGather, (&src, AccessMode::Read), Some(&dst), src.len())
+        let (kind, count) = (Collective::AllGather, src.len());
+        self.enqueue(stream, &[Planned { kind, first: (&src, AccessMode::Read), second: Some(&dst), count }])
     }
 
-    /// Sends `src` to rank `peer`, which receives it with [`recv`](Communicator::recv).
+    /// Sends `src` to rank `peer`, which receives it with [`recv`](Communicator::recv). The send
+    /// completes only once the peer's receive has begun (as NCCL's do, beyond its small buffers),
+    /// so two ranks that send to each other first deadlock; [`exchange`](Communicator::exchange)
+    /// issues both directions as one group.
     ///
     /// # Errors
     /// [`CommErrorKind::BadPeer`] for a peer outside the group or this rank, and as
     /// [`all_reduce`](Communicator::all_reduce).
     pub fn send<'s, T: Elem>(&self, stream: &Stream, src: impl IntoView<'s, Elem = T>, peer: usize) -> Result<()> {
-        let src = src.into_view();
-        self.peer(Collective::Send(peer), peer)?;
-        self.enqueue(stream, Collective::Send(peer), (&src, AccessMode::Read), None, src.len())
+        self.exchange(stream, &[Transfer::send(src, peer)])
     }
 
     /// Receives into `dst` what rank `peer` sends with [`send`](Communicator::send).
@@ -313,9 +320,47 @@ impl Communicator {
     /// # Errors
     /// As [`send`](Communicator::send).
     pub fn recv<'d, T: Elem>(&self, stream: &Stream, dst: impl IntoView<'d, Elem = T>, peer: usize) -> Result<()> {
-        let dst = dst.into_view();
-        self.peer(Collective::Recv(peer), peer)?;
-        self.enqueue(stream, Collective::Recv(peer), (&dst, AccessMode::Write), None, dst.len())
+        self.exchange(stream, &[Transfer::recv(dst, peer)])
+    }
+
+    /// Sends and receives issued as one group (NCCL's `ncclGroupStart`/`ncclGroupEnd`): they
+    /// progress together, so that a stage that sends its activation forward while it receives a
+    /// gradient back meets its neighbour doing the opposite. Each transfer matches the peer's
+    /// opposite one by order between the two ranks. Nothing is enqueued for no transfers.
+    ///
+    /// ```
+    /// use graphed::device::{Communicator, CommOptions, Device, Transfer};
+    /// let devices = [Device::sim(), Device::sim()];
+    /// let comms = Communicator::sim_group(&devices, CommOptions::default())?;
+    /// std::thread::scope(|s| {
+    ///     for comm in &comms {
+    ///         s.spawn(move || -> graphed::Result<()> {
+    ///             let (stream, peer) = (comm.device().stream()?, 1 - comm.rank());
+    ///             let mine = comm.device().alloc_from(&stream, &[comm.rank() as f32; 2])?;
+    ///             let theirs = comm.device().alloc_zeros::<f32>(&stream, 2)?;
+    ///             // Both ranks send first: as two plain sends this would deadlock.
+    ///             comm.exchange(&stream, &[Transfer::send(&mine, peer), Transfer::recv(&theirs, peer)])?;
+    ///             assert_eq!(theirs.to_vec(&stream)?, vec![peer as f32; 2]);
+    ///             Ok(())
+    ///         });
+    ///     }
+    /// });
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`send`](Communicator::send), for each transfer, before anything is enqueued.
+    pub fn exchange<T: Elem>(&self, stream: &Stream, transfers: &[Transfer<'_, T>]) -> Result<()> {
+        let mut planned = Vec::with_capacity(transfers.len());
+        for t in transfers {
+            let (kind, view, mode, peer) = match t {
+                Transfer::Send(v, peer) => (Collective::Send(*peer), v, AccessMode::Read, *peer),
+                Transfer::Recv(v, peer) => (Collective::Recv(*peer), v, AccessMode::Write, *peer),
+            };
+            self.peer(kind, peer)?;
+            planned.push(Planned { kind, first: (view, mode), second: None, count: view.len() });
+        }
+        self.enqueue(stream, &planned)
     }
 
     /// Blocks until the work queued on `stream` has completed, or fails after the
@@ -373,19 +418,15 @@ impl Communicator {
         Ok(())
     }
 
-    /// Checks and enqueues one operation: `first` is the buffer it reads (or reads and writes),
-    /// `second` the one it writes when they differ; `count` is NCCL's count of the operation.
-    fn enqueue<T: Elem>(
-        &self,
-        stream: &Stream,
-        kind: Collective,
-        (first, mode): (&super::View<'_, T>, AccessMode),
-        second: Option<&super::View<'_, T>>,
-        count: usize,
-    ) -> Result<()> {
-        let op = kind.name();
+    /// Checks and enqueues one operation, or one group of them.
+    fn enqueue<T: Elem>(&self, stream: &Stream, planned: &[Planned<'_, '_, T>]) -> Result<()> {
+        let op = match planned {
+            [] => return Ok(()),
+            [one] => one.kind.name(),
+            _ => "p2p_group",
+        };
         self.inner.dev.check_same(op, "communicator", stream.device().id())?;
-        for v in std::iter::once(first).chain(second) {
+        for v in planned.iter().flat_map(|p| std::iter::once(p.first.0).chain(p.second)) {
             self.inner.dev.check_same(op, "buffer", v.block.raw.device)?;
             v.check_bounds(op)?;
             if !v.region.is_contiguous() {
@@ -393,17 +434,56 @@ impl Communicator {
             }
         }
         let elem = T::DTYPE.size();
-        let out = second.unwrap_or(first);
-        let (src, dst) = ((first.block, first.absolute().offset() * elem), (out.block, out.absolute().offset() * elem));
-        let enqueued = Op::Collective { comm: &self.inner.repr, kind, src, dst, count, dtype: T::DTYPE };
-        stream.enqueue_op(&enqueued)?;
-        let mut accesses = vec![access_of(first.block, first.region, elem, mode, 0)];
-        let mut blocks = vec![first.block];
-        if let Some(v) = second {
-            accesses.push(access_of(v.block, v.region, elem, AccessMode::Write, 1));
-            blocks.push(v.block);
+        fn at<'v, T: Elem>(v: &super::View<'v, T>, elem: usize) -> (&'v Arc<super::memory::Block>, usize) {
+            (v.block, v.absolute().offset() * elem)
+        }
+        let parts: Vec<Part<'_>> = (planned.iter())
+            .map(|p| Part {
+                kind: p.kind,
+                src: at(p.first.0, elem),
+                dst: at(p.second.unwrap_or(p.first.0), elem),
+                count: p.count,
+            })
+            .collect();
+        stream.enqueue_op(&Op::Collective { comm: &self.inner.repr, parts: &parts, dtype: T::DTYPE })?;
+        let (mut accesses, mut blocks) = (Vec::new(), Vec::new());
+        for p in planned {
+            let second = p.second.map(|v| (v, AccessMode::Write));
+            for (v, mode) in std::iter::once(p.first).chain(second) {
+                accesses.push(access_of(v.block, v.region, elem, mode, accesses.len()));
+                blocks.push(v.block);
+            }
         }
         stream.enqueued_on(op, &blocks, &accesses)
+    }
+}
+
+/// One operation as checked before it is enqueued: `first` is the buffer it reads (or reads and
+/// writes, or for a receive writes), `second` the one it writes when they differ.
+struct Planned<'v, 'a, T: Elem> {
+    kind: Collective,
+    first: (&'v super::View<'a, T>, AccessMode),
+    second: Option<&'v super::View<'a, T>>,
+    count: usize,
+}
+
+/// One send or receive of a [`Communicator::exchange`].
+pub enum Transfer<'a, T: Elem> {
+    /// The view, to the peer rank.
+    Send(super::View<'a, T>, usize),
+    /// Into the view, from the peer rank.
+    Recv(super::View<'a, T>, usize),
+}
+
+impl<'a, T: Elem> Transfer<'a, T> {
+    /// Sends `src` to `peer`.
+    pub fn send(src: impl IntoView<'a, Elem = T>, peer: usize) -> Transfer<'a, T> {
+        Transfer::Send(src.into_view(), peer)
+    }
+
+    /// Receives into `dst` from `peer`.
+    pub fn recv(dst: impl IntoView<'a, Elem = T>, peer: usize) -> Transfer<'a, T> {
+        Transfer::Recv(dst.into_view(), peer)
     }
 }
 

@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 pub use access::{Access, AccessMode, AccessRole, Dim, Region};
 pub use capture::{Capture, CaptureMode, CaptureStatus};
-pub use comm::{CommErrorKind, CommOptions, Communicator, NcclId};
+pub use comm::{CommErrorKind, CommOptions, Communicator, NcclId, Transfer};
 pub(crate) use dtype::with_dtype;
 pub use dtype::{DType, Elem, Float};
 pub use event::Event;

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use graphed::device::{CaptureMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig};
+use graphed::device::{CaptureMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, Transfer};
 use graphed::Error;
 
 /// Runs `f` on `n` simulated ranks, one thread each, under `policy`; every rank's result.
@@ -85,6 +85,44 @@ fn a_captured_all_reduce_runs_again_at_every_launch() -> anyhow::Result<()> {
         }))?;
         // 1 + 2 = 3, then 6, then 12 on both ranks.
         ensure!(out.iter().all(|x| *x == [12.0; 8]), "{policy:?}: {out:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn crossed_sends_deadlock_and_one_exchange_of_both_meets_even_captured() -> anyhow::Result<()> {
+    // Both ranks send before they receive: NCCL's sends wait for their receives, so they hang.
+    let crossed = on_ranks(2, Policy::InOrder, LONG, |c| {
+        let (dev, s, peer) = (c.device(), c.device().stream()?, 1 - c.rank());
+        let (mine, theirs) = (dev.alloc::<f32>(4)?, dev.alloc::<f32>(4)?);
+        c.send(&s, &mine, peer)?;
+        c.recv(&s, &theirs, peer)?;
+        s.synchronize()
+    });
+    for (r, res) in crossed.iter().enumerate() {
+        let Some(CommErrorKind::Deadlock { waits }) = kind_of(res) else { anyhow::bail!("rank {r}: {res:?}") };
+        ensure!(waits.contains("waits in send #0 to rank"), "{waits}");
+    }
+    // The same transfers as one group meet, eagerly and from a graph at every launch.
+    for policy in Policy::ALL {
+        let out = all_ok(on_ranks(2, policy, LONG, |c| {
+            let (dev, s, peer) = (c.device(), c.device().stream()?, 1 - c.rank());
+            let mine = dev.alloc_from(&s, &values(c.rank(), 5))?;
+            let theirs = dev.alloc::<f32>(5)?;
+            c.exchange(&s, &[Transfer::send(&mine, peer), Transfer::recv(&theirs, peer)])?;
+            let eager = theirs.to_vec(&s)?;
+            let cap = s.capture(CaptureMode::ThreadLocal)?;
+            c.exchange(&s, &[Transfer::recv(&theirs, peer), Transfer::send(&mine, peer)])?;
+            let exec = cap.finish()?.instantiate()?;
+            let next = dev.alloc_from(&s, &values(c.rank() + 2, 5))?;
+            s.copy_d2d(&next, &mine)?;
+            exec.launch(&s)?;
+            Ok((eager, theirs.to_vec(&s)?))
+        }))?;
+        for (r, (eager, launched)) in out.iter().enumerate() {
+            ensure!(*eager == values(1 - r, 5), "{policy:?}: rank {r} received {eager:?}");
+            ensure!(*launched == values(1 - r + 2, 5), "{policy:?}: rank {r} received {launched:?} from the graph");
+        }
     }
     Ok(())
 }

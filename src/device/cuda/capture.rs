@@ -60,9 +60,11 @@ impl Holdings {
                 self.add_buffer(dst);
             }
             Op::Memset { dst, .. } => self.add_buffer(dst),
-            Op::Collective { comm, src, dst, .. } => {
-                self.add_buffer(src.0);
-                self.add_buffer(dst.0);
+            Op::Collective { comm, parts, .. } => {
+                for p in parts.iter() {
+                    self.add_buffer(p.src.0);
+                    self.add_buffer(p.dst.0);
+                }
                 if let crate::device::backend::Repr::Cuda(c) = comm {
                     self.comms.push(c.inner().clone());
                 }

@@ -117,17 +117,19 @@ fn data_type(dtype: DType) -> sys::ncclDataType_t {
     }
 }
 
-/// Enqueues a collective on `stream`.
+/// Enqueues a collective, or a group of sends and receives, on `stream`.
 pub(super) fn enqueue(stream: &CuStream, op: &Op<'_>) -> Result<()> {
-    let Op::Collective { comm, kind, src, dst, count, dtype } = *op else { return Ok(()) };
+    let Op::Collective { comm, parts, dtype } = *op else { return Ok(()) };
+    let name = op.name();
     let Repr::Cuda(comm) = comm else {
         return Err(Error::Unsupported {
-            op: kind.name(),
+            op: name,
             backend: "cuda",
             why: "a simulated communicator reached a GPU; use Communicator::nccl",
         });
     };
-    let (name, rank) = (kind.name(), comm.0.rank);
+    let rank = comm.0.rank;
+    let fail = |call: &str, e| crate::device::comm::comm_error(name, rank, nccl(call, e));
     let guard = comm.0.comm.lock().unwrap_or_else(|p| p.into_inner());
     let Some(c) = guard.as_ref() else {
         return Err(crate::device::comm::comm_error(
@@ -136,20 +138,41 @@ pub(super) fn enqueue(stream: &CuStream, op: &Op<'_>) -> Result<()> {
             CommErrorKind::Nccl("the communicator was aborted".into()),
         ));
     };
-    let s = kernel_arg(name, &src.0.raw, src.1)? as *mut std::ffi::c_void;
-    let d = kernel_arg(name, &dst.0.raw, dst.1)? as *mut std::ffi::c_void;
+    let mut pointers = Vec::with_capacity(parts.len());
+    for p in parts {
+        let s = kernel_arg(name, &p.src.0.raw, p.src.1)? as *mut std::ffi::c_void;
+        let d = kernel_arg(name, &p.dst.0.raw, p.dst.1)? as *mut std::ffi::c_void;
+        pointers.push((p, s, d));
+    }
     let (t, raw) = (data_type(dtype), stream.raw.cu_stream() as sys::cudaStream_t);
     let sum = sys::ncclRedOp_t::ncclSum;
-    // SAFETY: the pointers are bounds-checked views of live device memory that the stream's
-    // ordering (and, in a capture, the graph's holdings) keeps alive until the operation ran.
-    let done = unsafe {
-        match kind {
-            Collective::AllReduce => result::all_reduce(s, d, count, t, sum, c.0, raw),
-            Collective::ReduceScatter => result::reduce_scatter(s, d, count, t, sum, c.0, raw),
-            Collective::AllGather => result::all_gather(s, d, count, t, c.0, raw),
-            Collective::Send(peer) => result::send(s, count, t, peer as i32, c.0, raw),
-            Collective::Recv(peer) => result::recv(d, count, t, peer as i32, c.0, raw),
+    let grouped = parts.len() > 1;
+    if grouped {
+        result::group_start().map_err(|e| fail("ncclGroupStart", e))?;
+    }
+    let mut first_error = None;
+    for (p, s, d) in pointers {
+        let count = p.count;
+        // SAFETY: the pointers are bounds-checked views of live device memory that the stream's
+        // ordering (and, in a capture, the graph's holdings) keeps alive until the operation ran.
+        let done = unsafe {
+            match p.kind {
+                Collective::AllReduce => result::all_reduce(s, d, count, t, sum, c.0, raw),
+                Collective::ReduceScatter => result::reduce_scatter(s, d, count, t, sum, c.0, raw),
+                Collective::AllGather => result::all_gather(s, d, count, t, c.0, raw),
+                Collective::Send(peer) => result::send(s, count, t, peer as i32, c.0, raw),
+                Collective::Recv(peer) => result::recv(d, count, t, peer as i32, c.0, raw),
+            }
+        };
+        if let Err(e) = done {
+            first_error = Some(fail(p.kind.name(), e));
+            break;
         }
-    };
-    done.map(|_| ()).map_err(|e| crate::device::comm::comm_error(name, rank, nccl(name, e)))
+    }
+    // A started group is always ended, so that NCCL's per-thread group state stays balanced.
+    let ended = if grouped { result::group_end().map(|_| ()).map_err(|e| fail("ncclGroupEnd", e)) } else { Ok(()) };
+    match first_error {
+        Some(e) => Err(e),
+        None => ended,
+    }
 }

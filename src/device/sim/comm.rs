@@ -131,8 +131,10 @@ impl WorldState {
         let Some(slot) = self.slots.get(&key) else { return Vec::new() };
         let needed: Vec<usize> = match key {
             Key::Collective(_) => (0..slot.parts.len()).collect(),
+            // A receive needs the sender's data; a send needs the receiver to have arrived (NCCL's
+            // sends wait for their receive beyond its small buffers, so the simulator always does).
             Key::Message { src, dst, .. } if dst == rank => vec![src],
-            Key::Message { .. } => Vec::new(),
+            Key::Message { dst, .. } => vec![dst],
         };
         needed.into_iter().filter(|r| slot.parts[*r].is_none()).collect()
     }
@@ -141,7 +143,8 @@ impl WorldState {
         let what = match (key, self.slots.get(&key)) {
             (Key::Collective(seq), Some(s)) => format!("{} #{seq}", s.signature),
             (Key::Collective(seq), None) => format!("collective #{seq}"),
-            (Key::Message { src, seq, .. }, _) => format!("recv #{seq} from rank {src}"),
+            (Key::Message { src, dst, seq }, _) if dst == rank => format!("recv #{seq} from rank {src}"),
+            (Key::Message { dst, seq, .. }, _) => format!("send #{seq} to rank {dst}"),
         };
         let missing: Vec<String> = self.missing(key, rank).iter().map(|r| r.to_string()).collect();
         format!("rank {rank} waits in {what} for rank {}", missing.join(", "))
@@ -261,14 +264,15 @@ impl Rank {
         result.map_err(|kind| comm_error("synchronize", self.rank, kind))
     }
 
-    /// Takes every part of `key` once this rank's result is made from them.
-    fn finish(&self, key: Key) -> Result<Vec<Arc<Vec<u8>>>> {
+    /// Takes every rank's part of `key` (none for a rank that posts none) once this rank's
+    /// result is made from them.
+    fn finish(&self, key: Key) -> Result<Vec<Option<Arc<Vec<u8>>>>> {
         let mut st = self.world.lock();
         if let Some(kind) = &st.broken {
             return Err(comm_error("collective", self.rank, kind.clone()));
         }
         let slot = st.slots.get_mut(&key).expect("a registered key keeps its slot until every rank finished");
-        let parts = slot.parts.iter().flatten().cloned().collect();
+        let parts = slot.parts.clone();
         slot.pending -= 1;
         if slot.pending == 0 {
             st.slots.remove(&key);
@@ -318,8 +322,9 @@ impl Exchange {
 }
 
 impl CollectiveTask {
-    pub(crate) fn from_op(op: &crate::device::backend::Op<'_>) -> Result<CollectiveTask> {
-        let crate::device::backend::Op::Collective { comm, kind, src, dst, count, dtype } = *op else {
+    /// One task per part of a collective operation.
+    pub(crate) fn from_op(op: &crate::device::backend::Op<'_>) -> Result<Vec<Arc<CollectiveTask>>> {
+        let crate::device::backend::Op::Collective { comm, parts, dtype } = *op else {
             unreachable!("called for collectives only")
         };
         let Repr::Sim(link) = comm else {
@@ -329,14 +334,18 @@ impl CollectiveTask {
                 why: "an NCCL communicator reached the simulator; use a communicator of Communicator::sim_group",
             });
         };
-        Ok(CollectiveTask {
-            rank: link.rank.clone(),
-            kind,
-            src: (src.0.clone(), src.1),
-            dst: (dst.0.clone(), dst.1),
-            count,
-            dtype,
-        })
+        Ok((parts.iter())
+            .map(|p| {
+                Arc::new(CollectiveTask {
+                    rank: link.rank.clone(),
+                    kind: p.kind,
+                    src: (p.src.0.clone(), p.src.1),
+                    dst: (p.dst.0.clone(), p.dst.1),
+                    count: p.count,
+                    dtype,
+                })
+            })
+            .collect())
     }
 
     /// Bytes this rank posts.
@@ -348,9 +357,10 @@ impl CollectiveTask {
         n * self.dtype.size()
     }
 
-    /// The arrival: posts this rank's input (a receiver has none).
+    /// The arrival: posts this rank's input (a receiver posts an empty part: that it is there).
     fn arrive(&self, key: Key) -> Result<()> {
         if let Collective::Recv(_) = self.kind {
+            self.rank.post(key, Vec::new());
             return Ok(());
         }
         let mut data = vec![0u8; self.input_bytes()];
@@ -359,19 +369,20 @@ impl CollectiveTask {
         Ok(())
     }
 
-    /// The finish: writes this rank's result from every part.
+    /// The finish: writes this rank's result from every rank's part.
     fn finish(&self, key: Key) -> Result<()> {
         let parts = self.rank.finish(key)?;
-        let elem = self.dtype.size();
+        let posted: Vec<Arc<Vec<u8>>> = parts.iter().flatten().cloned().collect();
+        let bytes = self.count * self.dtype.size();
         let out = match self.kind {
             Collective::Send(_) => return Ok(()),
-            Collective::Recv(_) => parts[0].to_vec(),
-            Collective::AllGather => parts.iter().flat_map(|p| p.iter().copied()).collect(),
-            Collective::AllReduce => sum(self.dtype, &parts),
-            Collective::ReduceScatter => {
-                let bytes = self.count * elem;
-                sum(self.dtype, &parts)[self.rank.rank * bytes..][..bytes].to_vec()
-            }
+            Collective::Recv(src) => match parts.get(src) {
+                Some(Some(data)) => data.to_vec(),
+                _ => return Err(comm_error("recv", self.rank.rank, CommErrorKind::RankGone { rank: src })),
+            },
+            Collective::AllGather => posted.iter().flat_map(|p| p.iter().copied()).collect(),
+            Collective::AllReduce => sum(self.dtype, &posted),
+            Collective::ReduceScatter => sum(self.dtype, &posted)[self.rank.rank * bytes..][..bytes].to_vec(),
         };
         mem(&self.dst.0)?.write(self.dst.1, &out);
         Ok(())

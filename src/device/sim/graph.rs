@@ -99,7 +99,7 @@ impl State {
                 deps.extend(before);
             }
             let id = match &node.task {
-                NodeTask::Run(task) => self.push_task(deps, task)?.1,
+                NodeTask::Run(task) => self.push_task(deps, task)?,
                 NodeTask::Record(e) => {
                     let id = self.queue.push(deps, Action::Nop);
                     records.insert(*e, id);

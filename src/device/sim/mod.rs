@@ -164,29 +164,28 @@ impl State {
             return Ok(());
         }
         let last = self.stream(stream).last;
-        let (_, end) = self.push_task([last, None], &task)?;
+        let end = self.push_task([last, None], &task)?;
         self.stream(stream).last = Some(end);
         Ok(())
     }
 
-    /// Queues `task` after `deps`: one work item, or a collective's arrival and finish (issued
-    /// in its group's order now). Returns the first and the last item.
-    fn push_task(
-        &mut self,
-        deps: impl IntoIterator<Item = Option<WorkId>>,
-        task: &Arc<Task>,
-    ) -> Result<(WorkId, WorkId)> {
-        match &**task {
-            Task::Collective(c) => {
-                let exchange = comm::Exchange::issue(c)?;
-                let arrive = self.queue.push(deps, Action::Arrive(exchange.clone()));
-                Ok((arrive, self.queue.push([Some(arrive)], Action::Finish(exchange))))
-            }
-            _ => {
-                let id = self.queue.push(deps, Action::Run(task.clone()));
-                Ok((id, id))
-            }
-        }
+    /// Queues `task` after `deps`: one work item, or a collective's arrivals and finishes
+    /// (issued in its group's order now). Returns the last item.
+    fn push_task(&mut self, deps: impl IntoIterator<Item = Option<WorkId>>, task: &Arc<Task>) -> Result<WorkId> {
+        let Task::Collective(parts) = &**task else {
+            return Ok(self.queue.push(deps, Action::Run(task.clone())));
+        };
+        let exchanges = parts.iter().map(comm::Exchange::issue).collect::<Result<Vec<_>>>()?;
+        let deps: Vec<Option<WorkId>> = deps.into_iter().collect();
+        let arrivals: Vec<Option<WorkId>> =
+            exchanges.iter().map(|x| Some(self.queue.push(deps.iter().copied(), Action::Arrive(x.clone())))).collect();
+        let finishes: Vec<Option<WorkId>> = (exchanges.into_iter())
+            .map(|x| Some(self.queue.push(arrivals.iter().copied(), Action::Finish(x))))
+            .collect();
+        Ok(match finishes[..] {
+            [Some(one)] => one,
+            _ => self.queue.push(finishes, Action::Nop),
+        })
     }
 
     fn record(&mut self, stream: StreamId, event: EventId, external: bool) -> Result<()> {

@@ -133,8 +133,9 @@ pub(crate) enum Task {
         bytes: usize,
         value: u8,
     },
-    /// Runs as two work items, an arrival and a finish (see `comm.rs`).
-    Collective(Arc<super::comm::CollectiveTask>),
+    /// A collective, or a group of sends and receives: each part runs as two work items, an
+    /// arrival and a finish, every finish after every arrival (see `comm.rs`).
+    Collective(Vec<Arc<super::comm::CollectiveTask>>),
 }
 
 impl Task {
@@ -159,7 +160,7 @@ impl Task {
                 Task::Copy { name: op.name(), src: src.clone(), src_offset, dst: dst.clone(), dst_offset, bytes }
             }
             Op::Memset { dst, offset, bytes, value } => Task::Memset { dst: dst.clone(), offset, bytes, value },
-            Op::Collective { .. } => Task::Collective(Arc::new(super::comm::CollectiveTask::from_op(op)?)),
+            Op::Collective { .. } => Task::Collective(super::comm::CollectiveTask::from_op(op)?),
         })
     }
 
@@ -169,7 +170,7 @@ impl Task {
             Task::Kernel { kernel, .. } => kernel.name.to_string(),
             Task::Copy { name, src, dst, .. } => format!("{name} {} -> {}", src.id, dst.id),
             Task::Memset { dst, .. } => format!("memset {}", dst.id),
-            Task::Collective(c) => c.kind.name().to_string(),
+            Task::Collective(parts) => parts.iter().map(|c| c.kind.name()).collect::<Vec<_>>().join("+"),
         }
     }
 
