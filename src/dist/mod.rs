@@ -1,5 +1,5 @@
-//! Several devices, beside layer 7 (above the graph layer): process groups and data parallelism over the collectives of
-//! [`Communicator`](crate::device::Communicator).
+//! Several devices, beside layer 7 (above the graph layer): process groups, data parallelism and
+//! pipeline parallelism over the collectives of [`Communicator`](crate::device::Communicator).
 //!
 //! One process per GPU, started by `graphed launch` or any launcher that sets torchrun's
 //! variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`):
@@ -10,9 +10,11 @@
 
 mod data_parallel;
 mod group;
+mod pipeline;
 mod rendezvous;
 
 pub use rendezvous::meet;
 
 pub use data_parallel::DataParallel;
 pub use group::{on_sim_ranks, ProcessGroup, RankEnv};
+pub use pipeline::P2pLinks;

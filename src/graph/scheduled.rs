@@ -44,8 +44,8 @@ impl<'a> GraphedPasses<'a> {
 }
 
 impl SchedulePasses for GraphedPasses<'_> {
-    fn advance_rng(&mut self, step: &Tensor) -> Result<()> {
-        crate::ops::rng::step_add(step, 1, self.caller)
+    fn advance_rng(&mut self, step: &Tensor, by: u64) -> Result<()> {
+        crate::ops::rng::step_add(step, by, self.caller)
     }
 
     fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor> {

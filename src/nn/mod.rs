@@ -38,7 +38,9 @@ pub use lm_head::{LmHead, LmHeadCtx};
 pub use mlp::{Mlp, MlpCtx};
 pub use params::{Param, ParamStore};
 pub use saved::{Restore, SavedTensor};
-pub use schedule::{run_schedule, EagerPasses, Schedule, ScheduleErrorKind, SchedulePasses, Step};
+pub use schedule::{
+    run_pipeline_stage, run_schedule, EagerPasses, Schedule, ScheduleErrorKind, SchedulePasses, Stage, StageLinks, Step,
+};
 pub use stack::{backward_pass, forward_pass, Stack, StackCtx, Traverse};
 pub use transformer::{TransformerCtx, TransformerLayer};
 

@@ -385,8 +385,9 @@ impl Schedule {
 /// layers, chunk by chunk) for microbatch `microbatch`, eagerly ([`EagerPasses`]) or graphed
 /// (`graph::GraphedPasses`).
 pub trait SchedulePasses {
-    /// Advances the dropout step counter `step` by one, on the passes' stream.
-    fn advance_rng(&mut self, step: &Tensor) -> Result<()>;
+    /// Adds `by` (wrapping: a step back is a wrapped add) to the dropout step counter `step`,
+    /// on the passes' stream.
+    fn advance_rng(&mut self, step: &Tensor, by: u64) -> Result<()>;
     /// The layer's forward of `x`.
     fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor>;
     /// The layer's backward of `dy`: its input gradient.
@@ -395,14 +396,81 @@ pub trait SchedulePasses {
     fn weight_grad(&mut self, layer: usize, microbatch: usize) -> Result<()>;
 }
 
+/// Where a rank's chunks sit in a pipeline of ranks: with `count` stages, chunk k of stage s
+/// is the model's chunk k·count + s (Megatron-LM's interleaved placement), so activations go
+/// from stage s to s + 1 and from the last stage back to the first between a rank's chunks.
+/// [`Stage::single`] holds the whole model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stage {
+    index: usize,
+    count: usize,
+}
+
+impl Stage {
+    /// One stage that holds every chunk: nothing crosses ranks.
+    pub fn single() -> Stage {
+        Stage { index: 0, count: 1 }
+    }
+
+    /// Stage `index` of `count`.
+    ///
+    /// # Errors
+    /// [`ScheduleErrorKind::Arguments`] for no stages or an index outside them.
+    pub fn new(index: usize, count: usize) -> Result<Stage> {
+        if index >= count {
+            let what =
+                format!("stage {index} of {count} does not exist; pass an index below the count, which is at least 1");
+            return refuse(ScheduleErrorKind::Arguments { what });
+        }
+        Ok(Stage { index, count })
+    }
+
+    /// Its index among the stages.
+    pub fn index(self) -> usize {
+        self.index
+    }
+
+    /// How many stages the pipeline has.
+    pub fn count(self) -> usize {
+        self.count
+    }
+
+    /// The model's chunk that the rank's chunk `chunk` is.
+    pub fn model_chunk(self, chunk: usize) -> usize {
+        chunk * self.count + self.index
+    }
+
+    /// The stage activations come from.
+    pub fn prev(self) -> usize {
+        (self.index + self.count - 1) % self.count
+    }
+
+    /// The stage activations go to.
+    pub fn next(self) -> usize {
+        (self.index + 1) % self.count
+    }
+}
+
+/// How activations and gradients cross between pipeline stages (`dist::P2pLinks` over a
+/// communicator): between two steps of a schedule, the sends of the step before and the receive
+/// of the step after, as one group, so that neighbours sending to each other meet.
+pub trait StageLinks {
+    /// Exchange number `index` of the rank's step (the same on every step, so that a graphed
+    /// implementation replays what it captured): sends each `(stage, tensor)` of `sends` and
+    /// receives one tensor of the boundary's shape from each stage of `recvs`, returned in order.
+    fn exchange(&mut self, index: usize, sends: &[(usize, Tensor)], recvs: &[usize]) -> Result<Vec<Tensor>>;
+}
+
 /// Runs `schedule` over chunks of `layers_per_chunk` layers: microbatch j's `inputs[j]` through
 /// chunk 0, each chunk's output into the next chunk's forward of the same microbatch, the last
 /// chunk's output to `head(j, y)`, which returns its upstream gradient; each backward's input
-/// gradient into the previous chunk's backward of the microbatch. Before every forward step,
-/// `rng_step` (the layers' dropout step counter, if any) advances by one, as a stack's forward
-/// advances it, so that eager and graphed runs draw the same masks. Returns each microbatch's
-/// input gradient. The one traversal of a schedule, as [`forward_pass`](super::forward_pass)
-/// and [`backward_pass`](super::backward_pass) are a stack's.
+/// gradient into the previous chunk's backward of the microbatch. Before every forward step of
+/// microbatch j, `rng_step` (the layers' dropout step counter, if any) is moved to its value at
+/// the step's start plus j + 1, as a stack's forward of microbatch j advances it, so that every
+/// schedule (and every pipeline stage) draws the masks of the plain stack. Returns each
+/// microbatch's input gradient. The one traversal of a schedule, as
+/// [`forward_pass`](super::forward_pass) and [`backward_pass`](super::backward_pass) are a
+/// stack's.
 ///
 /// # Errors
 /// [`ScheduleErrorKind::Arguments`] when the layers or inputs do not fit the schedule; the
@@ -415,38 +483,115 @@ pub fn run_schedule(
     rng_step: Option<&Tensor>,
     head: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
 ) -> Result<Vec<Tensor>> {
-    if layers_per_chunk.len() != schedule.chunks() || inputs.len() != schedule.microbatches() {
+    traverse(passes, schedule, (layers_per_chunk, inputs), rng_step, head, None)
+}
+
+/// [`run_schedule`] for pipeline stage `stage`, whose chunks are the model's chunks
+/// `k·stages + stage`: a chunk's input comes through `links` from the stage before unless it is
+/// the model's first, its output goes to the stage after unless it is the model's last (then
+/// to `head`), and gradients go the other way. `inputs` are the microbatches on the first stage
+/// and empty on the others; only the first stage returns input gradients (the others an empty
+/// list). Sends of one step and the receive of the next go as one exchange.
+///
+/// # Errors
+/// As [`run_schedule`], and the links' own.
+pub fn run_pipeline_stage(
+    passes: &mut dyn SchedulePasses,
+    schedule: &Schedule,
+    (layers_per_chunk, inputs): (&[usize], &[Tensor]),
+    rng_step: Option<&Tensor>,
+    head: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+    stage: Stage,
+    links: &mut dyn StageLinks,
+) -> Result<Vec<Tensor>> {
+    traverse(passes, schedule, (layers_per_chunk, inputs), rng_step, head, Some((stage, links)))
+}
+
+fn traverse(
+    passes: &mut dyn SchedulePasses,
+    schedule: &Schedule,
+    (layers_per_chunk, inputs): (&[usize], &[Tensor]),
+    rng_step: Option<&Tensor>,
+    head: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+    mut pipeline: Option<(Stage, &mut dyn StageLinks)>,
+) -> Result<Vec<Tensor>> {
+    let stage = pipeline.as_ref().map_or(Stage::single(), |(s, _)| *s);
+    let microbatches = schedule.microbatches();
+    let expected_inputs = if stage.index == 0 { microbatches } else { 0 };
+    if layers_per_chunk.len() != schedule.chunks() || inputs.len() != expected_inputs {
         let what = format!(
-            "{} chunks of layers and {} inputs for a schedule of {} chunks and {} microbatches; pass one of each",
+            "{} chunks of layers and {} inputs for a schedule of {} chunks and {} microbatches on stage {} of {}; \
+             pass one list of layers per chunk, and the microbatches' inputs on the first stage only",
             layers_per_chunk.len(),
             inputs.len(),
             schedule.chunks(),
-            schedule.microbatches()
+            microbatches,
+            stage.index,
+            stage.count,
         );
         return refuse(ScheduleErrorKind::Arguments { what });
     }
     let first: Vec<usize> = layers_per_chunk.iter().scan(0, |a, n| Some(std::mem::replace(a, *a + n))).collect();
     let layers = |k: usize| first[k]..first[k] + layers_per_chunk[k];
-    let last = schedule.chunks() - 1;
+    let last = stage.count * schedule.chunks() - 1;
+    let remote = stage.count > 1;
     // Between chunks, per microbatch: an activation forward, a gradient backward.
-    let mut flowing: Vec<Option<Tensor>> = inputs.iter().cloned().map(Some).collect();
-    let mut grads: Vec<Option<Tensor>> = vec![None; inputs.len()];
-    for (step, j) in schedule.with_microbatches() {
+    let mut flowing: Vec<Option<Tensor>> = vec![None; microbatches];
+    for (f, x) in flowing.iter_mut().zip(inputs) {
+        *f = Some(x.clone());
+    }
+    let mut grads: Vec<Option<Tensor>> = vec![None; microbatches];
+    let mut outgoing: Vec<(usize, Tensor)> = Vec::new();
+    let steps = schedule.with_microbatches();
+    let recv_from = |step: Step| match step {
+        Step::Forward(k) if remote && stage.model_chunk(k) != 0 => Some(stage.prev()),
+        Step::Backward(k) if remote && stage.model_chunk(k) != last => Some(stage.next()),
+        _ => None,
+    };
+    // Where exchanges go (Megatron-LM's grouping, which its schedules meet without deadlock):
+    // before every step, but an interleaved schedule runs a backward that follows a forward in
+    // the same segment, so that one exchange sends both passes' outputs and receives what the
+    // next forward and backward need.
+    let interleaved = schedule.chunks() > 1;
+    let joined = |i: usize| {
+        interleaved && i > 0 && matches!((steps[i - 1].0, steps[i].0), (Step::Forward(_), Step::Backward(_)))
+    };
+    let (mut exchanges, mut rng_at) = (0, 0u64);
+    for (i, &(step, j)) in steps.iter().enumerate() {
         let missing =
             |what: &str| ScheduleErrorKind::Arguments { what: format!("{step} of microbatch {j} has no {what}") };
+        if let Some((_, links)) = pipeline.as_mut().filter(|_| !joined(i)) {
+            let segment = (i..steps.len()).take_while(|&n| n == i || joined(n));
+            let wanted: Vec<(Step, usize, usize)> =
+                segment.filter_map(|n| recv_from(steps[n].0).map(|from| (steps[n].0, steps[n].1, from))).collect();
+            if !wanted.is_empty() || !outgoing.is_empty() {
+                let recvs: Vec<usize> = wanted.iter().map(|w| w.2).collect();
+                let got = links.exchange(exchanges, &std::mem::take(&mut outgoing), &recvs)?;
+                exchanges += 1;
+                for ((step, mb, _), t) in wanted.into_iter().zip(got) {
+                    match step {
+                        Step::Forward(_) => flowing[mb] = Some(t),
+                        _ => grads[mb] = Some(t),
+                    }
+                }
+            }
+        }
         match step {
             Step::Forward(k) => {
-                if let Some(step) = rng_step {
-                    passes.advance_rng(step)?;
+                if let Some(counter) = rng_step {
+                    passes.advance_rng(counter, (j as u64 + 1).wrapping_sub(rng_at))?;
+                    rng_at = j as u64 + 1;
                 }
                 let mut x = flowing[j].take().ok_or_else(|| Error::Schedule(missing("input")))?;
                 for l in layers(k) {
                     x = passes.forward(l, j, &x)?;
                 }
-                flowing[j] = Some(x);
-                if k == last {
-                    let y = flowing[j].take().expect("just set");
-                    grads[j] = Some(head(j, y)?);
+                if stage.model_chunk(k) == last {
+                    grads[j] = Some(head(j, x)?);
+                } else if remote {
+                    outgoing.push((stage.next(), x));
+                } else {
+                    flowing[j] = Some(x);
                 }
             }
             Step::Backward(k) => {
@@ -454,7 +599,11 @@ pub fn run_schedule(
                 for l in layers(k).rev() {
                     d = passes.backward(l, j, &d)?;
                 }
-                grads[j] = Some(d);
+                if remote && stage.model_chunk(k) != 0 {
+                    outgoing.push((stage.prev(), d));
+                } else {
+                    grads[j] = Some(d);
+                }
             }
             Step::WeightGrad(k) => {
                 for l in layers(k).rev() {
@@ -462,6 +611,17 @@ pub fn run_schedule(
                 }
             }
         }
+    }
+    if let Some((_, links)) = pipeline.as_mut().filter(|_| !outgoing.is_empty()) {
+        links.exchange(exchanges, &outgoing, &[])?;
+    }
+    // Every valid schedule ends its forwards with the last microbatch; this keeps the counter's
+    // step-to-step advance at the microbatch count whatever the order.
+    if let Some(counter) = rng_step.filter(|_| rng_at != microbatches as u64) {
+        passes.advance_rng(counter, (microbatches as u64).wrapping_sub(rng_at))?;
+    }
+    if stage.index != 0 {
+        return Ok(Vec::new());
     }
     grads.into_iter().map(|d| d.ok_or(Error::Schedule(ScheduleErrorKind::Empty))).collect()
 }
@@ -483,8 +643,8 @@ impl<'a, M: Module> EagerPasses<'a, M> {
 }
 
 impl<M: Module> SchedulePasses for EagerPasses<'_, M> {
-    fn advance_rng(&mut self, step: &Tensor) -> Result<()> {
-        crate::ops::rng::step_add(step, 1, self.stream)
+    fn advance_rng(&mut self, step: &Tensor, by: u64) -> Result<()> {
+        crate::ops::rng::step_add(step, by, self.stream)
     }
 
     fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor> {

@@ -14,6 +14,8 @@ use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 use graphed::Error;
 
+mod pipeline;
+
 struct Model {
     alloc: CachingAllocator,
     s: Stream,

@@ -1,0 +1,266 @@
+//! Pipeline parallelism on simulated ranks: each stage holds its chunks of the model, and
+//! activations and gradients cross between stages in grouped sends and receives, eagerly and
+//! from captured graphs, bit for bit against the whole model on one device.
+
+use std::collections::BTreeMap;
+
+use anyhow::{ensure, Context};
+use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
+use graphed::dist::{on_sim_ranks, P2pLinks};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{
+    run_pipeline_stage, run_schedule, DropoutSpec, EagerPasses, Inputs, KeepOnDevice, Module, ParamStore, Schedule,
+    SchedulePasses, Stage, StageLinks, TransformerLayer,
+};
+use graphed::tensor::Tensor;
+use graphed::Error;
+
+const SHAPE: [usize; 3] = [2, 8, 32];
+const STEPS: u64 = 2;
+
+/// Layers `global` of the model (width 32, dropout 0.1: the masks must follow the microbatch,
+/// not the order a schedule runs them in).
+struct Part {
+    alloc: CachingAllocator,
+    s: Stream,
+    store: ParamStore,
+    step: Tensor,
+    global: Vec<usize>,
+    layers: Vec<TransformerLayer>,
+}
+
+fn part(dev: &Device, global: Vec<usize>) -> graphed::Result<Part> {
+    let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+    let mut store = ParamStore::new(&alloc, &s, global.len() * TransformerLayer::parameter_count(SHAPE[2]))?;
+    let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
+    let mut layers = Vec::new();
+    for &l in &global {
+        let dropout = DropoutSpec { p: 0.1, seed: 5, site: 2 * l as u32, step: step.clone() };
+        layers.push(TransformerLayer::new(
+            &mut store,
+            &alloc,
+            &format!("h{l}"),
+            (SHAPE[2], 4),
+            &dropout,
+            l as u64,
+            &s,
+        )?);
+    }
+    Ok(Part { alloc, s, store, step, global, layers })
+}
+
+/// Microbatch `j` of step `step`: its input and the upstream gradient its loss gives.
+fn microbatch(p: &Part, step: u64, j: usize) -> graphed::Result<(Tensor, Tensor)> {
+    let at = |salt: u64| -> Vec<f32> {
+        let n = SHAPE.iter().product::<usize>() as u64;
+        (0..n).map(|i| ((i * 37 + step * 101 + j as u64 * 11 + salt) % 29) as f32 / 29.0 - 0.5).collect()
+    };
+    Ok((Tensor::from_host(&p.alloc, &p.s, &at(0), &SHAPE)?, Tensor::from_host(&p.alloc, &p.s, &at(500), &SHAPE)?))
+}
+
+/// What a run shows: each model layer's gradients after the last step, and per step each
+/// microbatch's output (from the stage that holds the model's end) and input gradient (from
+/// the stage that holds its start).
+#[derive(Debug, Default, PartialEq)]
+struct Trace {
+    grads: BTreeMap<usize, Vec<f32>>,
+    outputs: Vec<Vec<Vec<f32>>>,
+    input_grads: Vec<Vec<Vec<f32>>>,
+}
+
+impl Trace {
+    fn merge(&mut self, other: Trace) {
+        self.grads.extend(other.grads);
+        for (mine, theirs) in [(&mut self.outputs, other.outputs), (&mut self.input_grads, other.input_grads)] {
+            if !theirs.is_empty() {
+                *mine = theirs;
+            }
+        }
+    }
+}
+
+/// The model's `chunks` × `per_chunk` layers on one device, stepped eagerly by 1F1B on one stage.
+fn one_device(chunks: usize, per_chunk: usize, microbatches: usize) -> anyhow::Result<Trace> {
+    let p = part(&Device::sim(), (0..chunks * per_chunk).collect())?;
+    let schedule = Schedule::interleaved_1f1b(1, 0, 1, microbatches)?;
+    let mut trace = Trace::default();
+    for step in 0..STEPS {
+        let data = (0..microbatches).map(|j| microbatch(&p, step, j)).collect::<graphed::Result<Vec<_>>>()?;
+        let inputs: Vec<Tensor> = data.iter().map(|(x, _)| x.clone()).collect();
+        let mut outputs = vec![Vec::new(); microbatches];
+        let mut head = |j: usize, y: Tensor| {
+            outputs[j] = y.to_f32_vec(&p.s)?;
+            Ok(data[j].1.clone())
+        };
+        let mut passes = EagerPasses::new(&p.layers, &KeepOnDevice, &p.s);
+        let dx = run_schedule(&mut passes, &schedule, &[p.layers.len()], &inputs, Some(&p.step), &mut head)?;
+        trace.outputs.push(outputs);
+        trace.input_grads.push(dx.iter().map(|d| d.to_f32_vec(&p.s)).collect::<graphed::Result<_>>()?);
+    }
+    trace.grads = grads_by_layer(&p)?;
+    Ok(trace)
+}
+
+fn grads_by_layer(p: &Part) -> graphed::Result<BTreeMap<usize, Vec<f32>>> {
+    (p.global.iter().zip(&p.layers))
+        .map(|(&g, l)| Ok((g, p.store.grads_of(&l.parameters())?.to_f32_vec(&p.s)?)))
+        .collect()
+}
+
+/// A pipeline's shape: stages (ranks), chunks per stage, layers per chunk, microbatches.
+#[derive(Debug, Clone, Copy)]
+struct Pipeline {
+    stages: usize,
+    chunks: usize,
+    per_chunk: usize,
+    microbatches: usize,
+}
+
+/// Stage `comm.rank()` of `pipe` under interleaved 1F1B, eagerly or graphed.
+fn stage(comm: &Communicator, pipe: Pipeline, graphed: bool) -> graphed::Result<Trace> {
+    let Pipeline { stages, chunks, per_chunk, microbatches } = pipe;
+    let stage = Stage::new(comm.rank(), stages)?;
+    let global = (0..chunks).flat_map(|k| (0..per_chunk).map(move |i| stage.model_chunk(k) * per_chunk + i)).collect();
+    let p = part(comm.device(), global)?;
+    let schedule = Schedule::interleaved_1f1b(stages, stage.index(), chunks, microbatches)?;
+    let layers_per_chunk = vec![per_chunk; chunks];
+    let callables: Option<Vec<GraphedCallable>> = match graphed {
+        false => None,
+        true => {
+            let (x0, _) = microbatch(&p, 0, 0)?;
+            let samples: Vec<Inputs> = (0..p.layers.len() * microbatches).map(|_| Inputs::one(&x0)).collect();
+            let layers: Vec<&dyn Callable> = p.layers.iter().map(|l| l as &dyn Callable).collect();
+            let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
+            Some(make_graphed_callables(&p.alloc, &layers, &samples, options)?)
+        }
+    };
+    let mut links = match graphed {
+        false => P2pLinks::eager(comm, &p.alloc, &p.s, &SHAPE, DType::F32),
+        true => P2pLinks::graphed(comm, &p.alloc, &p.s, &SHAPE, DType::F32),
+    };
+    let mut trace = Trace::default();
+    for step in 0..STEPS {
+        let data = (0..microbatches).map(|j| microbatch(&p, step, j)).collect::<graphed::Result<Vec<_>>>()?;
+        let inputs: Vec<Tensor> = match stage.index() {
+            0 => data.iter().map(|(x, _)| x.clone()).collect(),
+            _ => Vec::new(),
+        };
+        let mut outputs = vec![Vec::new(); microbatches];
+        let mut head = |j: usize, y: Tensor| {
+            outputs[j] = y.to_f32_vec(&p.s)?;
+            Ok(data[j].1.clone())
+        };
+        let mut eager;
+        let mut replays;
+        let passes: &mut dyn SchedulePasses = match &callables {
+            None => {
+                eager = EagerPasses::new(&p.layers, &KeepOnDevice, &p.s);
+                &mut eager
+            }
+            Some(g) => {
+                replays = GraphedPasses::new(g, &schedule, &layers_per_chunk, &p.s);
+                &mut replays
+            }
+        };
+        let run = (&layers_per_chunk[..], &inputs[..]);
+        let dx = run_pipeline_stage(passes, &schedule, run, Some(&p.step), &mut head, stage, &mut links)?;
+        if stage.index() == stages - 1 {
+            trace.outputs.push(outputs);
+        }
+        if stage.index() == 0 {
+            trace.input_grads.push(dx.iter().map(|d| d.to_f32_vec(&p.s)).collect::<graphed::Result<_>>()?);
+        }
+    }
+    trace.grads = grads_by_layer(&p)?;
+    Ok(trace)
+}
+
+/// Every stage of `pipe` on simulated ranks under `policy`; their traces merged, after checking
+/// that no rank's checker saw a race.
+fn pipeline(pipe: Pipeline, graphed: bool, policy: Policy) -> anyhow::Result<Trace> {
+    let ranks = on_sim_ranks(pipe.stages, SimConfig::with_policy(policy), CommOptions::default(), |c| {
+        let trace = stage(c, pipe, graphed);
+        Ok((trace, graphed::check::Checker::of(c.device()).expect("checked").take_hazards()))
+    });
+    let mut merged = Trace::default();
+    for (r, res) in ranks.into_iter().enumerate() {
+        let (trace, hazards) = res?;
+        let trace = trace.with_context(|| format!("stage {r} of {pipe:?}, graphed {graphed}, {policy:?}"))?;
+        ensure!(hazards.is_empty(), "{pipe:?} under {policy:?}: stage {r}'s checker reported {hazards:#?}");
+        merged.merge(trace);
+    }
+    Ok(merged)
+}
+
+#[test]
+fn pipelines_under_1f1b_and_interleaving_equal_one_device_bit_for_bit_eager_and_graphed() -> anyhow::Result<()> {
+    for (pipe, policies) in [
+        (Pipeline { stages: 2, chunks: 1, per_chunk: 2, microbatches: 4 }, &Policy::ALL[..]),
+        (Pipeline { stages: 2, chunks: 2, per_chunk: 1, microbatches: 4 }, &Policy::ALL[..]),
+        (Pipeline { stages: 3, chunks: 1, per_chunk: 1, microbatches: 5 }, &[Policy::Random][..]),
+        (Pipeline { stages: 3, chunks: 2, per_chunk: 1, microbatches: 6 }, &[Policy::Adversarial][..]),
+        (Pipeline { stages: 4, chunks: 1, per_chunk: 1, microbatches: 4 }, &[Policy::InOrder][..]),
+        (Pipeline { stages: 4, chunks: 2, per_chunk: 1, microbatches: 8 }, &[Policy::Random][..]),
+        (Pipeline { stages: 2, chunks: 3, per_chunk: 1, microbatches: 2 }, &[Policy::Random][..]),
+    ] {
+        let want = one_device(pipe.stages * pipe.chunks, pipe.per_chunk, pipe.microbatches)?;
+        for &policy in policies {
+            for graphed in [false, true] {
+                let got = pipeline(pipe, graphed, policy)?;
+                ensure!(got.grads.keys().eq(want.grads.keys()), "{pipe:?}: layers {:?}", got.grads.keys());
+                for (layer, g) in &got.grads {
+                    ensure!(
+                        *g == want.grads[layer],
+                        "{pipe:?}, graphed {graphed}, {policy:?}: layer {layer}'s gradients"
+                    );
+                }
+                ensure!(got.outputs == want.outputs, "{pipe:?}, graphed {graphed}, {policy:?}: outputs");
+                ensure!(
+                    got.input_grads == want.input_grads,
+                    "{pipe:?}, graphed {graphed}, {policy:?}: input gradients"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_stage_left_waiting_by_one_that_disagrees_on_the_schedule_fails_instead_of_hanging() -> anyhow::Result<()> {
+    let pipe = Pipeline { stages: 2, chunks: 1, per_chunk: 1, microbatches: 3 };
+    let out = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
+        // Stage 1 believes in one microbatch more than stage 0 sends; stage 0 ends its step.
+        stage(c, Pipeline { microbatches: pipe.microbatches + c.rank(), ..pipe }, false)
+    });
+    ensure!(out[0].is_ok(), "stage 0: {:?}", out[0].as_ref().err());
+    let Err(Error::Comm { rank: 1, kind, .. }) = &out[1] else { anyhow::bail!("stage 1: {:?}", out[1].as_ref().err()) };
+    ensure!(matches!(kind, CommErrorKind::RankGone { rank: 0 }), "stage 1: {kind}");
+    Ok(())
+}
+
+#[test]
+fn graphed_links_refuse_a_step_that_sends_other_buffers_than_they_captured() -> anyhow::Result<()> {
+    let out = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
+        let (alloc, s) = (CachingAllocator::new(c.device()), c.device().stream()?);
+        let mut links = P2pLinks::graphed(c, &alloc, &s, &[4], DType::F32);
+        let (a, b) = (Tensor::zeros(&alloc, &s, &[4], DType::F32)?, Tensor::zeros(&alloc, &s, &[4], DType::F32)?);
+        let send = |links: &mut P2pLinks, t: &Tensor| match c.rank() {
+            0 => links.exchange(0, &[(1, t.clone())], &[]),
+            _ => links.exchange(0, &[], &[0]),
+        };
+        send(&mut links, &a)?;
+        let again = send(&mut links, &a)?;
+        let other = (c.rank() == 0).then(|| send(&mut links, &b).err()).flatten();
+        let wrong_shape = links.exchange(1, &[(1 - c.rank(), Tensor::zeros(&alloc, &s, &[5], DType::F32)?)], &[]);
+        s.synchronize()?;
+        Ok((again.len(), other.map(|e| e.to_string()), wrong_shape.err().map(|e| e.to_string())))
+    });
+    for (r, res) in out.into_iter().enumerate() {
+        let (received, other, wrong_shape) = res.with_context(|| format!("rank {r}"))?;
+        ensure!(received == r, "rank {r} received {received} tensors");
+        ensure!(r == 1 || other.as_deref().is_some_and(|e| e.contains("other buffers")), "rank {r}: {other:?}");
+        ensure!(wrong_shape.as_deref().is_some_and(|e| e.contains("boundary")), "rank {r}: {wrong_shape:?}");
+    }
+    Ok(())
+}
