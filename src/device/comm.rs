@@ -332,19 +332,18 @@ impl Communicator {
     /// use graphed::device::{Communicator, CommOptions, Device, Transfer};
     /// let devices = [Device::sim(), Device::sim()];
     /// let comms = Communicator::sim_group(&devices, CommOptions::default())?;
-    /// std::thread::scope(|s| {
-    ///     for comm in &comms {
-    ///         s.spawn(move || -> graphed::Result<()> {
-    ///             let (stream, peer) = (comm.device().stream()?, 1 - comm.rank());
-    ///             let mine = comm.device().alloc_from(&stream, &[comm.rank() as f32; 2])?;
-    ///             let theirs = comm.device().alloc_zeros::<f32>(&stream, 2)?;
-    ///             // Both ranks send first: as two plain sends this would deadlock.
-    ///             comm.exchange(&stream, &[Transfer::send(&mine, peer), Transfer::recv(&theirs, peer)])?;
-    ///             assert_eq!(theirs.to_vec(&stream)?, vec![peer as f32; 2]);
-    ///             Ok(())
-    ///         });
-    ///     }
-    /// });
+    /// let received: Vec<Vec<f32>> = std::thread::scope(|s| {
+    ///     let ranks: Vec<_> = comms.iter().map(|comm| s.spawn(move || -> graphed::Result<Vec<f32>> {
+    ///         let (stream, peer) = (comm.device().stream()?, 1 - comm.rank());
+    ///         let mine = comm.device().alloc_from(&stream, &[comm.rank() as f32; 2])?;
+    ///         let theirs = comm.device().alloc::<f32>(2)?;
+    ///         // Both ranks send first: as two plain sends this would deadlock.
+    ///         comm.exchange(&stream, &[Transfer::send(&mine, peer), Transfer::recv(&theirs, peer)])?;
+    ///         theirs.to_vec(&stream)
+    ///     })).collect();
+    ///     ranks.into_iter().map(|h| h.join().expect("rank thread")).collect::<graphed::Result<_>>()
+    /// })?;
+    /// assert_eq!(received, vec![vec![1.0; 2], vec![0.0; 2]]);
     /// # Ok::<(), graphed::Error>(())
     /// ```
     ///

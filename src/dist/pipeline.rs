@@ -28,6 +28,7 @@ use crate::{Error, Result};
 ///         0 => {
 ///             let y = Tensor::from_host(&alloc, &s, &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3])?;
 ///             links.exchange(0, &[(1, y)], &[])?;
+///             s.synchronize()?; // a rank that leaves with work pending fails its peers
 ///             Ok(Vec::new())
 ///         }
 ///         _ => links.exchange(0, &[], &[0])?[0].to_vec::<f32>(&s),
