@@ -188,13 +188,14 @@ impl RangeLog {
         let mut open: Vec<(ThreadId, Vec<usize>)> = Vec::new();
         let mut spans: Vec<Option<Span>> = vec![None; self.events.len()];
         for (at, e) in self.events.iter().enumerate() {
-            let stack = match open.iter_mut().find(|(t, _)| *t == e.thread) {
-                Some((_, s)) => s,
+            let k = match open.iter().position(|(t, _)| *t == e.thread) {
+                Some(k) => k,
                 None => {
                     open.push((e.thread, Vec::new()));
-                    &mut open.last_mut().expect("just pushed").1
+                    open.len() - 1
                 }
             };
+            let stack = &mut open[k].1;
             let name = || e.name.as_str().to_string();
             match e.edge {
                 RangeEdge::Begin => {
