@@ -6,7 +6,8 @@
 //!
 //! The crate is built in layers (see `DESIGN.md`); each uses only the ones before it:
 //!
-//! 1. [`device`]: devices (CUDA or simulator), streams, events, memory, kernels, capture, graphs.
+//! 1. [`device`]: devices (CUDA or simulator), streams, events, memory, kernels, capture, graphs,
+//!    and named profiler ranges (NVTX on CUDA, a log on both) that the layers above open.
 //! 2. [`check`]: the stream-safety checker, happens-before over declared accesses.
 //! 3. [`memory`]: a caching allocator with stream-ordered reuse and graph pools.
 //! 4. [`tensor`] and [`ops`]: kernels with a CPU path and a CUDA path side by side.

@@ -10,6 +10,7 @@
 //! | `cublasLtMatmul`              | [`Stream::gemm`] of a [`Gemm`]           | a CPU loop, same sum order      |
 //! | `cuStreamBeginCapture` / End  | [`Stream::begin_capture`] / `end_capture`| the same capture rules          |
 //! | `CUgraph` / `CUgraphExec`     | [`Graph`] / [`GraphExec`]                | a DAG of deferred operations    |
+//! | `nvtxRangePush` / `Pop`       | [`Device::range`], a [`Range`] guard     | the same range log              |
 //!
 //! This layer uses no other layer of graphed, with one exception: the simulator comes with the
 //! stream-safety checker (layer 2) installed, through the `observe` hook. Only `cuda/` names
@@ -29,6 +30,7 @@ pub mod kernel;
 pub(crate) mod memory;
 pub(crate) mod observe;
 mod profile;
+mod range;
 pub mod sim;
 mod stream;
 
@@ -47,6 +49,7 @@ pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
 pub use kernel::{args, Arg, CpuArgs, In, InOut, IntoView, Kernel, LaunchDims, Out, Scalar};
 pub use memory::{DeviceBuffer, HostView, MemKind, PinnedBuffer, View};
 pub use profile::{KernelTime, Profile};
+pub use range::{Range, RangeEdge, RangeEvent, RangeFault, RangeLog, RangeName, Span, RANGE_LOG_CAPACITY};
 pub use sim::{Policy, SimConfig, DEFAULT_SIM_MEMORY};
 pub use stream::Stream;
 
@@ -93,6 +96,10 @@ struct DeviceInner {
     errors: Arc<ErrorSlot>,
     /// The stream-safety checker, when on (always on the simulator).
     observer: Option<Arc<dyn observe::Observer>>,
+    /// The range log ([`Device::record_ranges`]).
+    ranges: range::RangeRecorder,
+    /// Whether ranges go to NVTX: a CUDA device with NVTX's library present.
+    nvtx: bool,
 }
 
 impl Device {
@@ -108,7 +115,9 @@ impl Device {
         // The one reference from this layer to a later one: the simulator comes with the checker.
         let observer = Some(crate::check::Checker::new_observer(false));
         let backend = BackendImpl::Sim(sim::SimDevice::new(config));
-        Device { inner: Arc::new(DeviceInner { id, backend, errors: Arc::default(), observer }) }
+        let inner =
+            DeviceInner { id, backend, errors: Arc::default(), observer, ranges: Default::default(), nvtx: false };
+        Device { inner: Arc::new(inner) }
     }
 
     /// The GPU with this ordinal. The stream-safety checker is off unless the environment
@@ -138,9 +147,9 @@ impl Device {
             true => crate::check::Checker::new_observer(strict),
             false => crate::check::Checker::new_capture_observer(),
         };
-        Ok(Device {
-            inner: Arc::new(DeviceInner { id, backend: BackendImpl::Cuda(backend), errors, observer: Some(observer) }),
-        })
+        let backend = BackendImpl::Cuda(backend);
+        let (ranges, nvtx) = (Default::default(), cuda::nvtx::available());
+        Ok(Device { inner: Arc::new(DeviceInner { id, backend, errors, observer: Some(observer), ranges, nvtx }) })
     }
 
     pub(crate) fn observer(&self) -> Option<&Arc<dyn observe::Observer>> {

@@ -10,7 +10,7 @@ use super::record::Recorded;
 use super::replay::{Origin, Route};
 use super::verify::{verify_sync_point, Surface};
 use crate::check::Checker;
-use crate::device::{AccessMode, GraphId};
+use crate::device::{AccessMode, GraphId, RangeName};
 use crate::memory::GraphPool;
 use crate::tensor::Tensor;
 use crate::Result;
@@ -25,6 +25,7 @@ pub(crate) fn build(
     verify(plan, pools, options, &recorded)?;
     let shared = Arc::new(Shared { sync_event: options.sync_event.clone(), mode: options.mode });
     let (stream, dev) = (plan.stream, plan.stream.device());
+    let _range = dev.range_with(|| "instantiate".into());
     let Recorded { graphs, inputs, outputs, grad_outputs, grad_inputs } = recorded;
     let mut out = Vec::with_capacity(plan.len());
     let per_callable = graphs.into_iter().zip(inputs).zip(outputs).zip(grad_outputs.into_iter().zip(grad_inputs));
@@ -67,6 +68,7 @@ pub(crate) fn build(
             done: dev.event()?,
             reset: false,
             hook: plan.hooks[i].clone(),
+            ranges: Pass::ALL.map(|pass| RangeName::new(&plan.ranges[i].name("replay", pass))),
         });
     }
     Ok(out)

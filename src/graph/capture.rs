@@ -6,7 +6,7 @@ use super::build::build;
 use super::callable::Callable;
 use super::error::refusal;
 use super::options::{GraphOptions, Mode};
-use super::plan::Plan;
+use super::plan::{Named, Plan, RangeLabel};
 use super::record::{record, Layout};
 use super::warmup::warmup;
 use super::{GraphedCallable, GraphedErrorKind, GraphedStack};
@@ -67,7 +67,7 @@ pub fn make_graphed_callables(
         if samples.len() != callables.len() {
             return Err(refuse(GraphedErrorKind::SampleCount { callables: callables.len(), samples: samples.len() }));
         }
-        let names = callables.iter().enumerate().map(|(i, c)| label(i, *c)).collect();
+        let names = callables.iter().enumerate().map(|(i, c)| named(i, *c)).collect();
         return capture(alloc, callables, names, samples.iter().cloned().map(Some).collect(), None, options, None);
     };
     // One instance of each layer per microbatch, in the samples' order: chunk by chunk,
@@ -111,7 +111,8 @@ pub fn make_graphed_callables(
         for j in 0..microbatches {
             for (l, c) in callables.iter().enumerate().skip(first).take(n) {
                 instances.push(*c);
-                names.push(format!("{} chunk {k} microbatch {j}", label(l, *c)));
+                let label = format!("{} chunk {k} microbatch {j}", label(l, *c));
+                names.push(Named { label, range: RangeLabel { layer: layer(l, *c), microbatch: Some(j) } });
             }
         }
         first += n;
@@ -179,7 +180,7 @@ pub fn make_graphed_stack<M: Module>(
     let samples = (0..callables.len()).map(|i| (i == 0).then(|| Inputs::one(sample))).collect();
     // Graphs for inference draw nothing: only training replays advance the counter.
     let rng_step = stack.rng_step().filter(|_| options.mode == Mode::Training).cloned();
-    let names = callables.iter().enumerate().map(|(i, c)| label(i, *c)).collect();
+    let names = callables.iter().enumerate().map(|(i, c)| named(i, *c)).collect();
     let mut graphed = capture(alloc, &callables, names, samples, None, options, None)?;
     // Its layers replay only through the stack: their inputs are their neighbours' buffers.
     graphed.iter_mut().for_each(|g| g.in_stack = true);
@@ -191,7 +192,7 @@ pub fn make_graphed_stack<M: Module>(
 fn capture(
     alloc: &CachingAllocator,
     callables: &[&dyn Callable],
-    names: Vec<String>,
+    names: Vec<Named>,
     samples: Vec<Option<Inputs>>,
     input_sets: Option<&[usize]>,
     mut options: GraphOptions,
@@ -231,13 +232,15 @@ fn capture(
         for name in sample.iter().flat_map(|s| s.named_inputs()).filter_map(|x| x.name.as_deref()) {
             if seen.contains(&name) {
                 let kind = GraphedErrorKind::DuplicateInput { name: name.into() };
-                return Err(Error::Graphed { callable: names[i].clone(), kind });
+                return Err(Error::Graphed { callable: names[i].label.clone(), kind });
             }
             seen.push(name);
         }
     }
 
     let dev = alloc.device().clone();
+    // The whole capture, warmup included: its passes' ranges nest inside.
+    let _range = dev.range_with(|| "graph capture".into());
     let stream = match &options.stream {
         Some(s) => s.clone(),
         None => dev.stream()?,
@@ -302,14 +305,29 @@ fn chunk_hooks(options: &mut GraphOptions, n: usize, layout: Option<&Layout>) ->
     Ok(hooks.into_iter().map(|h| h.expect("a validated schedule runs every chunk's forward")).collect())
 }
 
+/// The name a callable's parameters start with (`h1`), if it has any.
+fn prefix(c: &dyn Callable) -> Option<String> {
+    c.parameters_dyn().first().and_then(|p| p.name.split('.').next().map(str::to_string))
+}
+
 /// A callable's name in errors and reports: its type and index, and the name its parameters
 /// start with (`TransformerLayer#1 (h1)`), which tells apart layers of different captures.
 fn label(i: usize, c: &dyn Callable) -> String {
-    let prefix = c.parameters_dyn().first().and_then(|p| p.name.split('.').next().map(str::to_string));
-    match prefix {
+    match prefix(c) {
         Some(p) => format!("{}#{i} ({p})", c.name()),
         None => format!("{}#{i}", c.name()),
     }
+}
+
+/// A callable's layer in profiler ranges: the name its parameters start with (`h1`), the way a
+/// model names its layers, else its type and index (`Linear#1`).
+fn layer(i: usize, c: &dyn Callable) -> String {
+    prefix(c).unwrap_or_else(|| format!("{}#{i}", c.name()))
+}
+
+/// Callable `i`'s names outside a schedule.
+fn named(i: usize, c: &dyn Callable) -> Named {
+    Named { label: label(i, c), range: RangeLabel { layer: layer(i, c), microbatch: None } }
 }
 
 /// Each pool of `pools` once.

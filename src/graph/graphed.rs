@@ -7,7 +7,7 @@ use super::error::refusal;
 use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
 use crate::check::Checker;
-use crate::device::{Event, EventId, Graph, GraphId, NodeKind, Stream};
+use crate::device::{Event, EventId, Graph, GraphId, NodeKind, RangeName, Stream};
 use crate::memory::{GraphPool, PoolExec, PoolGraph};
 use crate::nn::{Input, Inputs, SaveHook};
 use crate::tensor::Tensor;
@@ -22,6 +22,20 @@ pub enum Pass {
     Backward,
     /// The split weight-gradient pass.
     BackwardDw,
+}
+
+impl Pass {
+    /// Its name in profiler ranges: `forward`, `backward` or `backward_dw`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::Forward => "forward",
+            Pass::Backward => "backward",
+            Pass::BackwardDw => "backward_dw",
+        }
+    }
+
+    /// Every pass, in the order of [`GraphedCallable`]'s range names.
+    pub(crate) const ALL: [Pass; 3] = [Pass::Forward, Pass::Backward, Pass::BackwardDw];
 }
 
 /// One captured graph of a callable and its executable.
@@ -74,6 +88,9 @@ pub struct GraphedCallable {
     /// The save hook its graphs were captured with (its chunk's): kept alive with what they
     /// baked in of it, and told of every launch.
     pub(crate) hook: Arc<dyn SaveHook>,
+    /// Its replays' range names (`replay h3.forward`), made once, indexed by `pass as usize`
+    /// (declaration order, as [`Pass::ALL`]).
+    pub(crate) ranges: [RangeName; 3],
 }
 
 impl GraphedCallable {
@@ -257,6 +274,7 @@ impl GraphedCallable {
         statics: &[&Tensor],
     ) -> Result<Tail> {
         let exec = self.exec(pass)?;
+        let _range = caller.device().range(&self.ranges[pass as usize]);
         for (src, dst) in sources.iter().zip(statics) {
             if let Some(src) = src {
                 dst.copy_from(src, caller)?;

@@ -1,7 +1,7 @@
 //! Any eager work captured as one graph, replayed on the caller's stream: the optimizer step of
 //! a graphed training loop, say.
 
-use crate::device::{CaptureMode, Graph, Stream};
+use crate::device::{CaptureMode, Graph, RangeName, Stream};
 use crate::memory::{CachingAllocator, GraphPool, PoolExec, PoolGraph};
 use crate::Result;
 
@@ -9,6 +9,8 @@ use crate::Result;
 pub struct GraphedFn {
     graph: PoolGraph,
     exec: PoolExec,
+    /// Its replays' range name: `replay graphed fn`, or `replay {name}` (see `with_name`).
+    range: RangeName,
 }
 
 /// Captures what `f` enqueues on a capture stream into one graph (in a new pool of `alloc`, so
@@ -39,6 +41,7 @@ pub struct GraphedFn {
 /// `f`'s own errors and capture errors (work that cannot be captured); the capture then leaves
 /// nothing behind.
 pub fn make_graphed_fn(alloc: &CachingAllocator, f: impl FnOnce(&Stream) -> Result<()>) -> Result<GraphedFn> {
+    let _range = alloc.device().range_with(|| "capture graphed fn".into());
     let stream = alloc.device().stream()?;
     let pool: GraphPool = alloc.new_pool();
     // The allocator's capture waits for the device first, so `f` may use work of any stream.
@@ -48,12 +51,20 @@ pub fn make_graphed_fn(alloc: &CachingAllocator, f: impl FnOnce(&Stream) -> Resu
     let exec = graph.instantiate()?;
     exec.upload(&stream)?;
     stream.synchronize()?;
-    Ok(GraphedFn { graph, exec })
+    Ok(GraphedFn { graph, exec, range: RangeName::new("replay graphed fn") })
 }
 
 impl GraphedFn {
+    /// Names its replays' profiler ranges `replay {name}` (`replay optimizer step`) instead of
+    /// `replay graphed fn`.
+    pub fn with_name(mut self, name: &str) -> GraphedFn {
+        self.range = RangeName::new(&format!("replay {name}"));
+        self
+    }
+
     /// Replays the work on `caller`, after everything queued there.
     pub fn replay(&self, caller: &Stream) -> Result<()> {
+        let _range = caller.device().range(&self.range);
         self.exec.launch(caller)
     }
 

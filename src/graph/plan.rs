@@ -2,6 +2,7 @@
 //! feeding a callable from the one before it (in a stack) and its gradients from the one after.
 
 use super::callable::Callable;
+use super::graphed::Pass;
 use super::options::{GraphOptions, Mode};
 use super::GraphedErrorKind;
 use crate::device::Stream;
@@ -12,12 +13,38 @@ use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// How profiler ranges name a callable: its layer and, under a schedule, its microbatch.
+pub(crate) struct RangeLabel {
+    /// The name its parameters start with (`h3`), else its type and index (`Linear#3`).
+    pub(crate) layer: String,
+    pub(crate) microbatch: Option<usize>,
+}
+
+impl RangeLabel {
+    /// `"{verb} {layer}.{pass}"`, then ` mb{microbatch}` under a schedule: `replay h3.forward mb1`.
+    pub(crate) fn name(&self, verb: &str, pass: Pass) -> String {
+        let (layer, pass) = (&self.layer, pass.name());
+        match self.microbatch {
+            Some(j) => format!("{verb} {layer}.{pass} mb{j}"),
+            None => format!("{verb} {layer}.{pass}"),
+        }
+    }
+}
+
+/// A callable's names: in errors and reports, and in profiler ranges.
+pub(crate) struct Named {
+    pub(crate) label: String,
+    pub(crate) range: RangeLabel,
+}
+
 /// The validated arguments of one capture.
 pub(crate) struct Plan<'a> {
     pub(crate) alloc: &'a CachingAllocator,
     pub(crate) stream: &'a Stream,
     pub(crate) callables: &'a [&'a dyn Callable],
     pub(crate) names: Vec<String>,
+    /// Per callable, how its ranges are named.
+    pub(crate) ranges: Vec<RangeLabel>,
     /// Per callable, its static inputs (copies of the samples); `None` for a callable fed by the
     /// previous one's outputs.
     pub(crate) statics: Vec<Option<Inputs>>,
@@ -35,7 +62,7 @@ impl<'a> Plan<'a> {
         alloc: &'a CachingAllocator,
         stream: &'a Stream,
         callables: &'a [&'a dyn Callable],
-        names: Vec<String>,
+        names: Vec<Named>,
         samples: &[Option<Inputs>],
         input_sets: Option<&[usize]>,
         options: &GraphOptions,
@@ -66,11 +93,13 @@ impl<'a> Plan<'a> {
             };
             statics.push(Some(sample.with_tensors(copies)));
         }
+        let (names, ranges) = names.into_iter().map(|n| (n.label, n.range)).unzip();
         Ok(Plan {
             alloc,
             stream,
             callables,
             names,
+            ranges,
             statics,
             training: options.mode == Mode::Training,
             allow_unused: options.allow_unused_input,

@@ -174,16 +174,23 @@ struct Record<'p, 'o> {
 }
 
 impl Record<'_, '_> {
-    /// Captures what `f` enqueues on the plan's stream into a graph of callable `i`'s pool,
-    /// ending with the sync event and the save hook's join of the tail.
-    fn capture(&self, i: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<PoolGraph> {
-        self.capture_pass(i, false, f)
+    /// Captures what `f` enqueues on the plan's stream into a graph of callable `i`'s pool for
+    /// `pass`, ending with the sync event and the save hook's join of the tail.
+    fn capture(&self, i: usize, pass: Pass, f: &mut dyn FnMut() -> Result<()>) -> Result<PoolGraph> {
+        self.capture_pass(i, pass, false, f)
     }
 
     /// As [`capture`](Self::capture); `last_backward` makes the gradient work join before the
     /// sync event.
-    fn capture_pass(&self, i: usize, last_backward: bool, f: &mut dyn FnMut() -> Result<()>) -> Result<PoolGraph> {
+    fn capture_pass(
+        &self,
+        i: usize,
+        pass: Pass,
+        last_backward: bool,
+        f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<PoolGraph> {
         let (stream, options) = (self.plan.stream, &*self.options);
+        let _range = stream.device().range_with(|| self.plan.ranges[i].name("capture", pass));
         let cap = self.plan.alloc.capture(stream, options.capture_mode, &self.pools[i])?;
         f()?;
         if let (Some(sync), true) = (&options.grad_sync, last_backward) {
@@ -203,7 +210,7 @@ impl Record<'_, '_> {
     fn weight_grad(&mut self, i: usize) -> Result<()> {
         let (plan, stream) = (self.plan, self.plan.stream);
         if plan.callables[i].splits_dw_dyn() {
-            let g = self.capture(i, &mut || plan.callables[i].backward_dw_dyn(stream))?;
+            let g = self.capture(i, Pass::BackwardDw, &mut || plan.callables[i].backward_dw_dyn(stream))?;
             self.recorded.graphs[i].push((Pass::BackwardDw, g));
         }
         Ok(())
@@ -256,7 +263,7 @@ impl Traverse for Record<'_, '_> {
         self.options.run_pass_hook(i, Phase::ForwardPre, stream)?;
         let mut result = None;
         let hook = plan.hooks[i].clone();
-        let g = self.capture(i, &mut || {
+        let g = self.capture(i, Pass::Forward, &mut || {
             hook.begin_forward(stream)?;
             result = Some(plan.callables[i].forward_dyn(&inputs, hook.as_ref(), stream)?);
             Ok(())
@@ -291,7 +298,7 @@ impl Traverse for Record<'_, '_> {
         let (mut saved, mut result) = (Some(saved), None);
         self.backwards_left -= 1;
         let sync = self.options.grad_sync.clone();
-        let g = self.capture_pass(i, self.backwards_left == 0, &mut || {
+        let g = self.capture_pass(i, Pass::Backward, self.backwards_left == 0, &mut || {
             let s = saved.take().expect("captured once");
             if let Some(sync) = &sync {
                 sync.begin_backward(stream)?;

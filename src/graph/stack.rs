@@ -7,7 +7,7 @@ use super::error::refusal;
 use super::graphed::{check_order, GraphedCallable, Pass};
 use super::replay::{Route, StaticTensor, Tails};
 use super::{GraphedErrorKind, Replay};
-use crate::device::{Event, Stream};
+use crate::device::{Event, RangeName, Stream};
 use crate::memory::GraphPool;
 use crate::nn::{backward_pass, forward_pass, Traverse};
 use crate::tensor::Tensor;
@@ -26,6 +26,9 @@ pub struct GraphedStack {
     tails: Mutex<Tails>,
     /// The stack's random-number step counter, advanced before every forward replay.
     rng_step: Option<Tensor>,
+    /// The range names of its passes (`stack forward`), indexed by `pass as usize`: the
+    /// layers' replay ranges nest inside.
+    ranges: [RangeName; 3],
 }
 
 /// Replays every layer's graph of one pass, layer by layer, collecting the tails.
@@ -70,7 +73,8 @@ impl Traverse for Replayer<'_> {
 
 impl GraphedStack {
     pub(crate) fn new(layers: Vec<GraphedCallable>, rng_step: Option<Tensor>) -> GraphedStack {
-        GraphedStack { layers, tails: Mutex::new(Tails::new()), rng_step }
+        let ranges = Pass::ALL.map(|p| RangeName::new(&format!("stack {}", p.name())));
+        GraphedStack { layers, tails: Mutex::new(Tails::new()), rng_step, ranges }
     }
 
     fn first(&self) -> &GraphedCallable {
@@ -88,6 +92,7 @@ impl GraphedStack {
     }
 
     fn run(&self, pass: Pass, caller: &Stream, route: Option<Route>, source: Option<&Tensor>) -> Result<()> {
+        let _range = caller.device().range(&self.ranges[pass as usize]);
         // The whole pass is checked against the pools' order before the input is copied.
         let mut graphs = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
@@ -147,6 +152,7 @@ impl GraphedStack {
     /// Replays the split weight-gradient graphs of the layers that have one, last layer first,
     /// each the way its forward replayed.
     pub fn backward_dw(&self, caller: &Stream) -> Result<()> {
+        let _range = caller.device().range(&self.ranges[Pass::BackwardDw as usize]);
         let splitting: Vec<&GraphedCallable> =
             self.layers.iter().rev().filter(|l| l.has_pass(Pass::BackwardDw)).collect();
         // The whole pass is checked before the first launch, as `run` does.

@@ -3,6 +3,7 @@
 //! `nn::forward_pass` and `nn::backward_pass`).
 
 use super::callable::Saved;
+use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
 use crate::nn::{backward_pass, forward_pass, Inputs, Traverse};
@@ -11,6 +12,7 @@ use crate::Result;
 
 /// Runs `options.warmup_iters` iterations, then waits for the stream.
 pub(crate) fn warmup(plan: &Plan<'_>, options: &mut GraphOptions) -> Result<()> {
+    let _range = plan.stream.device().range_with(|| "warmup".into());
     let mut pass = Warmup { plan, options };
     for _ in 0..pass.options.warmup_iters {
         let (_, saved) = forward_pass(&mut pass, plan.len(), Vec::new())?;
@@ -40,6 +42,7 @@ impl Traverse for Warmup<'_, '_> {
 
     fn forward(&mut self, i: usize, previous: Vec<Tensor>) -> Result<(Vec<Tensor>, WarmForward)> {
         let (plan, stream) = (self.plan, self.plan.stream);
+        let _range = stream.device().range_with(|| plan.ranges[i].name("warmup", Pass::Forward));
         self.options.run_pass_hook(i, Phase::ForwardPre, stream)?;
         let inputs = plan.inputs(i, &previous);
         plan.hooks[i].begin_forward(stream)?;
@@ -50,6 +53,7 @@ impl Traverse for Warmup<'_, '_> {
 
     fn backward(&mut self, i: usize, f: WarmForward, next: Self::Grad) -> Result<Self::Grad> {
         let (plan, stream) = (self.plan, self.plan.stream);
+        let _range = stream.device().range_with(|| plan.ranges[i].name("warmup", Pass::Backward));
         self.options.run_pass_hook(i, Phase::BackwardPre, stream)?;
         let dys = match plan.feeds_next(i) {
             true => plan.chained_grads(i, next)?,

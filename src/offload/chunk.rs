@@ -340,6 +340,7 @@ fn copy_out_eager(inner: &Inner, st: &mut State, chunk: Chunk, g: usize, stream:
     let dev = stream.device();
     let State { chunks, host, copied_out, fault, .. } = st;
     let c = chunks.get_mut(&chunk).expect("a committed group's chunk exists");
+    let _range = dev.range_with(|| range_name("offload", &c.layout[g], chunk));
     let run = &mut c.run[g];
     let [fork, out, _] = run.events(dev)?.clone();
     stream.record(&fork)?;
@@ -376,6 +377,7 @@ fn copy_out_captured(inner: &Inner, st: &mut State, chunk: Chunk, baked: &Baked,
     inner.d2h.wait_stream(stream)?;
     let mut bytes = 0;
     for g in std::mem::take(&mut c.queued) {
+        let _range = stream.device().range_with(|| range_name("offload", &c.layout[g], chunk));
         for (s, slot) in c.run[g].slots.iter_mut().enumerate().filter(|(_, s)| s.offload) {
             let Some(t) = slot.device.take() else { continue };
             let b = baked.get(g, s).ok_or_else(|| schedule(chunk, "a baked host buffer".into(), "none".into()))?;
@@ -398,6 +400,7 @@ fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, captur
     let State { chunks, host, forked, fault, .. } = st;
     let c = chunks.get_mut(&hook.chunk).expect("a taken group's chunk exists");
     let layout = &c.layout[g];
+    let _range = dev.range_with(|| range_name("reload", layout, hook.chunk));
     let run = &mut c.run[g];
     let mut dsts = Vec::with_capacity(run.slots.len());
     for (s, slot) in run.slots.iter().enumerate() {
@@ -459,6 +462,15 @@ fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, captur
     }
     run.back_issued = true;
     Ok(())
+}
+
+/// A group's profiler range: `offload h3.attn` (its site: the module that saved it), with
+/// ` mb{j}` for a microbatch after the first.
+fn range_name(verb: &str, group: &GroupLayout, chunk: Chunk) -> String {
+    match chunk.microbatch {
+        0 => format!("{verb} {}", group.site),
+        j => format!("{verb} {} mb{j}", group.site),
+    }
 }
 
 /// Host buffers for every offloaded tensor of `layout`, for one chunk's graphs.

@@ -1,7 +1,7 @@
 //! AdamW over every parameter of a store, with its moments, step counter and learning rate on
 //! the device, and for a bf16 store (mixed precision) its f32 master weights.
 
-use crate::device::{DType, Stream};
+use crate::device::{DType, RangeName, Stream};
 use crate::memory::CachingAllocator;
 use crate::nn::ParamStore;
 use crate::ops::adamw::{adamw_step, AdamWHyper};
@@ -52,6 +52,8 @@ pub struct AdamW {
     step: Tensor,
     hyper: AdamWHyper,
     schedule: LrSchedule,
+    /// The range of its steps (`optimizer step`), made once.
+    range: RangeName,
 }
 
 impl AdamW {
@@ -81,14 +83,18 @@ impl AdamW {
         let zeros = |shape: &[usize]| Tensor::zeros(alloc, stream, shape, DType::F32);
         let (m, v, lr) = (zeros(params.shape())?, zeros(params.shape())?, zeros(&[1])?);
         let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
-        Ok(AdamW { params, weights, grads, m, v, lr, step, hyper, schedule })
+        let range = RangeName::new("optimizer step");
+        Ok(AdamW { params, weights, grads, m, v, lr, step, hyper, schedule, range })
     }
 
     /// One step, enqueued on `stream`: the step counter advances, the learning rate of the new
     /// step is written, every parameter is updated from its gradient (a bf16 store's values
     /// rewritten from the master weights in the same launch), and the gradients are zeroed for
     /// the next accumulation.
+    /// Its profiler range is `optimizer step` (inside a graph's capture when graphed: name the
+    /// replays with [`GraphedFn::with_name`](crate::graph::GraphedFn::with_name)).
     pub fn step(&self, stream: &Stream) -> Result<()> {
+        let _range = stream.device().range(&self.range);
         lr_schedule_step(&self.step, &self.lr, &self.schedule, stream)?;
         let (p, w) = (&self.params, self.weights.as_ref());
         adamw_step(p, w, &self.grads, &self.m, &self.v, &self.lr, &self.step, &self.hyper, stream)?;

@@ -9,12 +9,14 @@ mod contract;
 mod equivalence;
 mod fixtures;
 mod misuse;
+mod ranges;
 mod schedules;
 
 pub use api::*;
 pub use contract::*;
 pub use equivalence::*;
 pub use misuse::*;
+pub use ranges::*;
 pub use schedules::*;
 
 per_device!(
@@ -53,4 +55,6 @@ per_device!(
     out_of_schedule_replay_is_refused,
     schedule_shapes_are_checked,
     chunk_handler_runs_once_per_chunk_in_schedule_order,
+    ranges_name_every_pass_of_a_graphed_step,
+    scheduled_replay_ranges_name_the_microbatch,
 );

@@ -144,7 +144,13 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
             println!("{line}");
         }
     };
-    say(&format!("device: {}", dev.name()));
+    // Whether `nsys profile` will see the step's ranges (README: "Seeing a step in Nsight Systems").
+    let nvtx = match (dev.kind(), dev.nvtx()) {
+        (DeviceKind::Cuda, true) => "; NVTX ranges on",
+        (DeviceKind::Cuda, false) => "; NVTX ranges off (libnvToolsExt not found)",
+        (DeviceKind::Sim, _) => "",
+    };
+    say(&format!("device: {}{nvtx}", dev.name()));
     let hyper = AdamWHyper { weight_decay: 0.0, ..AdamWHyper::default() };
     let optimizer = AdamW::new(&alloc, model.parameters(), hyper, schedule(plan.lr, plan.steps), &s)?;
     let saved = (plan.batch, plan.steps, plan.lr);
@@ -197,7 +203,11 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         let targets = Tensor::from_host(&alloc, &s, &batch.targets, &[n])?;
         let weights = Tensor::from_host(&alloc, &s, &batch.weights, &[n])?;
         let issued = Instant::now();
-        let losses = stepper.step(&model, &optimizer, &tokens, &targets, &weights)?;
+        let losses = {
+            // A profiler's timeline shows the step's replays and optimizer step inside this.
+            let _range = s.device().range_with(|| format!("step {step}"));
+            stepper.step(&model, &optimizer, &tokens, &targets, &weights)?
+        };
         host += issued.elapsed();
         if step % 25 == 0 || step + 1 == stop {
             if let Some(g) = &group {

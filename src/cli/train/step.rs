@@ -107,6 +107,7 @@ impl Stepper {
             }
         };
         let optimizer = (!args.eager).then(|| make_graphed_fn(alloc, |s| optimizer.step(s))).transpose()?;
+        let optimizer = optimizer.map(|g| g.with_name("optimizer step"));
         Ok(Stepper { stream: stream.clone(), alloc: alloc.clone(), layers, optimizer, offload, data_parallel })
     }
 

@@ -9,6 +9,7 @@
 //! - [`graph`] owns graphs and executables and reads nodes back;
 //! - [`ffi`] holds the few raw driver and NVRTC calls, each wrapped once; [`error`] maps result
 //!   codes to [`Error`](crate::Error);
+//! - [`nvtx`] pushes and pops profiler ranges, after probing for NVTX's library;
 //! - `baseline` measures raw cudarc launches, the yardstick for graphed's launch overhead.
 //!
 //! cudarc's event tracking is off: it would make every use of memory wait on events recorded
@@ -30,6 +31,7 @@ mod launch;
 mod memory;
 mod nccl;
 mod nvrtc;
+pub(crate) mod nvtx;
 mod stream;
 #[cfg(test)]
 mod tests;
