@@ -426,6 +426,9 @@ pub struct ParallelBenchArgs {
     /// Untimed steps per variant before the timed ones.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=100_000))]
     pub warmup: u32,
+    /// Microbatches per step of the pipeline variants (a multiple of the GPUs, for interleaving).
+    #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
+    pub microbatches: usize,
     /// Also write the results as JSON to this file (rank 0).
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,

@@ -98,10 +98,23 @@ pub struct BenchModel {
 impl BenchModel {
     /// Builds `config`'s layers, input and upstream gradient from `alloc`, on `stream`.
     pub fn new(alloc: &CachingAllocator, stream: &Stream, config: Config, dtype: DType) -> graphed::Result<BenchModel> {
-        let Config { dim, layers: n, batch, seq, .. } = config;
-        let mut store = ParamStore::with_dtype(alloc, stream, n * TransformerLayer::parameter_count(dim), dtype)?;
+        BenchModel::with_layers(alloc, stream, config, dtype, &(0..config.layers).collect::<Vec<_>>())
+    }
+
+    /// Only the layers `global` of `config` (as numbered in the whole model, each initialised
+    /// as there): a pipeline stage's part.
+    pub fn with_layers(
+        alloc: &CachingAllocator,
+        stream: &Stream,
+        config: Config,
+        dtype: DType,
+        global: &[usize],
+    ) -> graphed::Result<BenchModel> {
+        let Config { dim, batch, seq, .. } = config;
+        let count = global.len() * TransformerLayer::parameter_count(dim);
+        let mut store = ParamStore::with_dtype(alloc, stream, count, dtype)?;
         let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
-        let layers = (0..n)
+        let layers = (global.iter().copied())
             .map(|l| {
                 // Sites two apart: each layer has two dropouts. Init seeds four apart: each
                 // layer seeds its linear layers from `seed` to `seed + 3`.

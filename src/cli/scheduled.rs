@@ -4,7 +4,10 @@
 use graphed::device::Stream;
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{run_schedule, EagerPasses, Inputs, KeepOnDevice, Schedule, SchedulePasses, TransformerLayer};
+use graphed::nn::{
+    run_pipeline_stage, run_schedule, EagerPasses, Inputs, KeepOnDevice, Schedule, SchedulePasses, Stage, StageLinks,
+    TransformerLayer,
+};
 use graphed::tensor::Tensor;
 
 /// A schedule over layers split into `per_chunk`, and its graphed callables when captured.
@@ -40,8 +43,9 @@ impl ScheduledLayers {
         Ok(ScheduledLayers { schedule, per_chunk, graphed })
     }
 
-    /// One step of `layers` under the schedule on `stream` (see `nn::run_schedule`); returns
-    /// each microbatch's input gradient.
+    /// One step of `layers` under the schedule on `stream` (see `nn::run_schedule`), or as
+    /// pipeline stage `pipeline` (see `nn::run_pipeline_stage`); returns each microbatch's input
+    /// gradient.
     pub fn run(
         &self,
         layers: &[TransformerLayer],
@@ -49,6 +53,7 @@ impl ScheduledLayers {
         inputs: &[Tensor],
         rng_step: Option<&Tensor>,
         head: &mut dyn FnMut(usize, Tensor) -> graphed::Result<Tensor>,
+        pipeline: Option<(Stage, &mut dyn StageLinks)>,
     ) -> graphed::Result<Vec<Tensor>> {
         let mut eager;
         let mut replays;
@@ -62,6 +67,12 @@ impl ScheduledLayers {
                 &mut replays
             }
         };
-        run_schedule(passes, &self.schedule, &self.per_chunk, inputs, rng_step, head)
+        match pipeline {
+            None => run_schedule(passes, &self.schedule, &self.per_chunk, inputs, rng_step, head),
+            Some((stage, links)) => {
+                let run = (&self.per_chunk[..], inputs);
+                run_pipeline_stage(passes, &self.schedule, run, rng_step, head, stage, links)
+            }
+        }
     }
 }

@@ -9,6 +9,7 @@ mod layer;
 mod offload;
 mod parallel;
 mod parity;
+mod pipeline;
 mod schedule;
 
 use std::path::PathBuf;

@@ -1,9 +1,10 @@
-//! `graphed bench parallel`: data parallelism over the GPUs of `graphed launch --gpus N --
-//! bench parallel` (one process per GPU). Per configuration: `one-gpu`, each GPU stepping its
-//! own copy alone (graphed, side-stream replay); `dp-eager`, eager steps with every gradient
-//! reduced after the backward; `dp-graphed`, graphed steps with each layer's gradients reduced
-//! inside the next backward graph. Throughput counts every rank's samples; the speedup is over
-//! `one-gpu`. Rank 0 reports.
+//! `graphed bench parallel`: data and pipeline parallelism over the GPUs of `graphed launch
+//! --gpus N -- bench parallel` (one process per GPU). Per configuration: `one-gpu`, each GPU
+//! stepping its own copy alone (graphed, side-stream replay); `dp-eager`, eager steps with every
+//! gradient reduced after the backward; `dp-graphed`, graphed steps with each layer's gradients
+//! reduced inside the next backward graph; then the pipeline variants of `pipeline.rs` over
+//! `--microbatches`, with their bubbles. Throughput counts every rank's samples; the speedup is
+//! over `one-gpu`. Rank 0 reports.
 
 use graphed::device::{CommOptions, Device};
 use graphed::dist::{DataParallel, ProcessGroup, RankEnv};
@@ -12,6 +13,7 @@ use graphed::memory::CachingAllocator;
 use serde::Serialize;
 
 use super::graphs::measure;
+use super::pipeline;
 use super::{spread, write_json, Case, Report, Spread};
 use crate::cli::args::ParallelBenchArgs;
 use crate::cli::bench_model::{BenchModel, Config};
@@ -27,6 +29,15 @@ struct ParallelRow {
     samples_per_s: f64,
     /// Over `one-gpu` of the same configuration.
     speedup: Option<f64>,
+    /// Pipeline variants: microbatches per step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    microbatches: Option<usize>,
+    /// Pipeline variants: the measured bubble (see `pipeline::measured_bubble`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bubble: Option<f64>,
+    /// Pipeline variants: the schedule's bubble (see `pipeline::theoretical_bubble`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bubble_theory: Option<f64>,
 }
 
 pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
@@ -48,6 +59,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
     let mut rows: Vec<ParallelRow> = Vec::new();
     for config in configs {
         let mut one_gpu = None;
+        let mut one_gpu_ms = None;
         for variant in ["one-gpu", "dp-eager", "dp-graphed"] {
             let comm = match (variant, &group) {
                 ("one-gpu", _) => None,
@@ -87,7 +99,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
             let samples_per_s = (used * config.batch) as f64 / (wall.median / 1e3);
             let speedup = one_gpu.map(|base: f64| samples_per_s / base);
             if variant == "one-gpu" {
-                one_gpu = Some(samples_per_s);
+                (one_gpu, one_gpu_ms) = (Some(samples_per_s), Some(wall.median));
             }
             let row = ParallelRow {
                 case: Case::new(config, dtype, variant),
@@ -96,6 +108,40 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
                 host_us: spread(samples.host_us),
                 samples_per_s,
                 speedup,
+                microbatches: None,
+                bubble: None,
+                bubble_theory: None,
+            };
+            if lead {
+                print_row(&row);
+            }
+            rows.push(row);
+        }
+        let Some(comm) = group.as_ref().map(|g| g.comm()).filter(|c| c.size() > 1) else { continue };
+        let m = args.microbatches;
+        for variant in &pipeline::VARIANTS {
+            let timed = pipeline::time_variant(&dev, comm, (config, dtype), variant, m, (args.warmup, args.steps))?;
+            let Some(samples) = timed else {
+                if lead {
+                    println!(
+                        "  {} {}: {} layers do not split into {} stages × {} chunks",
+                        config.name, variant.name, config.layers, ranks, variant.chunks
+                    );
+                }
+                continue;
+            };
+            let wall = spread(samples.wall_ms);
+            let samples_per_s = (m * config.batch) as f64 / (wall.median / 1e3);
+            let row = ParallelRow {
+                case: Case::new(config, dtype, variant.name),
+                ranks,
+                host_us: spread(samples.host_us),
+                samples_per_s,
+                speedup: one_gpu.map(|base| samples_per_s / base),
+                microbatches: Some(m),
+                bubble: one_gpu_ms.map(|t1| pipeline::measured_bubble(t1, ranks, m, wall.median)),
+                bubble_theory: Some(pipeline::theoretical_bubble(ranks, variant.chunks, m)),
+                wall_ms: wall,
             };
             if lead {
                 print_row(&row);
@@ -111,8 +157,12 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
 }
 
 fn print_row(r: &ParallelRow) {
+    let bubble = match (r.bubble, r.bubble_theory) {
+        (Some(b), Some(t)) => format!("  bubble {:.1}% (schedule {:.1}%)", 100.0 * b, 100.0 * t),
+        _ => String::new(),
+    };
     println!(
-        "  {} {:<11} ranks {}  wall {:.3} ms [{:.3}–{:.3}]  host {:.0} µs  {:.0} samples/s{}",
+        "  {} {:<11} ranks {}  wall {:.3} ms [{:.3}–{:.3}]  host {:.0} µs  {:.0} samples/s{}{bubble}",
         r.case.config,
         r.case.variant,
         r.ranks,

@@ -79,7 +79,7 @@ fn run_variant(
         ScheduledLayers::new(&alloc, layers, (schedule, per_chunk), &model.x, capture, variant.ends_with("reuse"))?;
     let capture_ms = capture.then(|| began.elapsed().as_secs_f64() * 1e3);
     let mut step = || -> anyhow::Result<()> {
-        scheduled.run(layers, &main, &inputs, None, &mut head)?;
+        scheduled.run(layers, &main, &inputs, None, &mut head, None)?;
         Ok(())
     };
     let samples = measure(dev, &main, (args.warmup, args.steps), &mut step)?;

@@ -66,7 +66,7 @@ impl Scheduled {
             model.head_backward(ctx, &part(weights, j, positions)?, stream)
         };
         let step = Some(model.dropout_step());
-        let dxs = self.0.run(model.layers().layers(), stream, &inputs, step, &mut head)?;
+        let dxs = self.0.run(model.layers().layers(), stream, &inputs, step, &mut head, None)?;
         for (j, dx) in dxs.iter().enumerate() {
             model.embed_backward(&part(tokens, j, rows)?, dx, stream)?;
         }

@@ -1,5 +1,6 @@
 //! `bench parallel`: one GPU against data parallelism over every GPU of the launch, eager and
-//! with the reduction inside the backward graphs: step time, throughput, speedup.
+//! with the reduction inside the backward graphs, and against pipelines of one stage per GPU:
+//! step time, throughput, speedup, and a pipeline's bubble against its schedule's.
 
 use serde::Deserialize;
 
@@ -19,11 +20,23 @@ struct Row {
     host_us: Median,
     samples_per_s: f64,
     speedup: Option<f64>,
+    bubble: Option<f64>,
+    bubble_theory: Option<f64>,
 }
 
 pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
     let report = Report::<Row>::of(run)?;
-    let mut table = Table::new(&["config", "variant", "ranks", "wall ms", "host ms", "samples/s", "speedup"]);
+    let mut table = Table::new(&[
+        "config",
+        "variant",
+        "ranks",
+        "wall ms",
+        "host ms",
+        "samples/s",
+        "speedup",
+        "bubble",
+        "schedule's bubble",
+    ]);
     let mut panels = Vec::new();
     for case in cases(&report.rows, |r| &r.case) {
         let rows: Vec<&Row> = report.rows.iter().filter(|r| r.case.config == case.config).collect();
@@ -36,6 +49,8 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
                 format!("{:.3}", r.host_us.median / 1e3),
                 format!("{:.0}", r.samples_per_s),
                 or_dash(r.speedup.map(|s| format!("{s:.2}x"))),
+                or_dash(r.bubble.map(|b| format!("{:.1}%", 100.0 * b))),
+                or_dash(r.bubble_theory.map(|b| format!("{:.1}%", 100.0 * b))),
             ]);
         }
         panels.push(Panel {
@@ -49,6 +64,6 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
         sources: vec![run.ours.name.clone()],
         provenance: report.provenance(),
         note: format!("medians of {} timed steps; speedup over one GPU of the same run", report.reps),
-        chart: Bars { title: "graphed bench parallel: data parallelism".into(), panels },
+        chart: Bars { title: "graphed bench parallel: data and pipeline parallelism".into(), panels },
     })
 }
