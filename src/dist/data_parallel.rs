@@ -131,7 +131,43 @@ impl GradSync for DataParallel {
         self.join(stream)
     }
 
+    fn abandon(&self) {
+        let mut st = self.lock();
+        st.pending.clear();
+        st.forked = false;
+    }
+
     fn tail_memory(&self) -> Vec<BufferId> {
         self.buckets.iter().filter_map(|b| b.access(crate::device::AccessMode::Read).ok()).map(|a| a.memory).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{CommOptions, DType, SimConfig};
+    use crate::memory::CachingAllocator;
+
+    #[test]
+    fn an_abandoned_capture_leaves_nothing_deferred_or_forked() {
+        let out = crate::dist::on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| {
+            let (alloc, s) = (CachingAllocator::new(c.device()), c.device().stream()?);
+            let dp = DataParallel::new(c, vec![Tensor::zeros(&alloc, &s, &[4], DType::F32)?])?;
+            dp.end_backward(0, &s)?;
+            dp.begin_backward(&s)?;
+            dp.end_backward(0, &s)?;
+            let state = |dp: &DataParallel| {
+                let st = dp.lock();
+                (st.pending.clone(), st.forked)
+            };
+            let before = state(&dp);
+            dp.abandon();
+            let after = state(&dp);
+            s.synchronize()?;
+            Ok((before, after))
+        });
+        let (before, after) = out.into_iter().next().expect("one rank").expect("rank 0 ran");
+        assert_eq!(before, (vec![0], true), "the capture deferred a bucket and forked");
+        assert_eq!(after, (Vec::new(), false), "abandon forgets both");
     }
 }

@@ -281,6 +281,9 @@ fn capture(
         for (pool, mark) in &marks {
             pool.roll_back(*mark);
         }
+        if let Some(sync) = &options.grad_sync {
+            sync.abandon();
+        }
     }
     let callables = captured?;
     stream.synchronize()?;

@@ -14,7 +14,8 @@ use crate::Result;
 /// What a captured backward pass calls, in order: [`begin_backward`](GradSync::begin_backward)
 /// and [`end_backward`](GradSync::end_backward) around each callable's backward inside its
 /// capture; then, in the step's last backward only, [`finish`](GradSync::finish) before the
-/// sync event; then [`end_pass`](GradSync::end_pass) after it. Given with
+/// sync event; then [`end_pass`](GradSync::end_pass) after it; [`abandon`](GradSync::abandon)
+/// when the capture fails. Given with
 /// [`GraphOptions::grad_sync`](super::GraphOptions::grad_sync).
 pub trait GradSync: Send + Sync {
     /// A backward pass begins on `stream`: work deferred from the passes before may start, forked
@@ -29,4 +30,7 @@ pub trait GradSync: Send + Sync {
     fn end_pass(&self, stream: &Stream) -> Result<()>;
     /// The memory the tail writes (the gradients): complete only after the stack's join (R4).
     fn tail_memory(&self) -> Vec<BufferId>;
+    /// The capture failed and its graphs are gone: forget what it deferred or forked, so that
+    /// the next capture starts as the first did.
+    fn abandon(&self);
 }
