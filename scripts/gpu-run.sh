@@ -50,14 +50,16 @@ if [ "${ONLY_BENCHES:-0}" = 1 ]; then
     exit 0
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; } | tee "$OUT/tests.log"
-# NVTX's library, for the profiler ranges: cudarc loads libnvToolsExt.so(.1), which PyTorch's
-# nvidia-nvtx package ships; on the path, the CUDA tests and train push and pop real NVTX ranges
-# (train's device line says whether they do).
-nvtx=$(python3 -c 'import nvidia.nvtx, os; print(os.path.join(list(nvidia.nvtx.__path__)[0], "lib"))' 2>/dev/null)
-if [ -n "$nvtx" ] && [ -d "$nvtx" ]; then
-    export LD_LIBRARY_PATH="$nvtx:${LD_LIBRARY_PATH:-}"
+# NVTX's library, for the profiler ranges: cudarc loads libnvToolsExt.so(.1); CUDA 13 ships
+# libnvtx3interop.so.1 instead, with the same entry points, so it is linked under that name. With
+# it on the path, the CUDA tests and train push and pop real NVTX ranges (train's device line
+# says whether they do).
+nvtx=$(ls /usr/local/cuda*/targets/x86_64-linux/lib/libnvtx3interop.so.1 2>/dev/null | head -1)
+if [ -n "$nvtx" ]; then
+    mkdir -p .gpu/nvtx && ln -sf "$nvtx" .gpu/nvtx/libnvToolsExt.so
+    export LD_LIBRARY_PATH="$PWD/.gpu/nvtx:${LD_LIBRARY_PATH:-}"
 fi
-echo "# python's NVTX: ${nvtx:-none}: $(ls "${nvtx:-/nonexistent}" 2>&1 | tr '\n' ' ')" | tee -a "$OUT/tests.log"
+echo "# NVTX: ${nvtx:-none}" | tee -a "$OUT/tests.log"
 .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
     --no-fail-fast 2>&1 | tee -a "$OUT/tests.log" | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed" | tail -40
 # The device tool returns at most 8 files: train's logs go into one.

@@ -147,7 +147,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     // Whether `nsys profile` will see the step's ranges (README: "Seeing a step in Nsight Systems").
     let nvtx = match (dev.kind(), dev.nvtx()) {
         (DeviceKind::Cuda, true) => "; NVTX ranges on",
-        (DeviceKind::Cuda, false) => "; NVTX ranges off (libnvToolsExt not found)",
+        (DeviceKind::Cuda, false) => "; NVTX ranges off (libnvToolsExt.so not found; on CUDA 13 link libnvtx3interop.so.1 under that name, see the README)",
         (DeviceKind::Sim, _) => "",
     };
     say(&format!("device: {}{nvtx}", dev.name()));
