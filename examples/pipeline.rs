@@ -45,7 +45,7 @@ fn microbatch(alloc: &CachingAllocator, s: &Stream, j: usize) -> graphed::Result
 fn stage(comm: &Communicator) -> graphed::Result<Vec<Vec<f32>>> {
     let stage = Stage::new(comm.rank(), 2)?;
     // Chunk k of stage s is the model's chunk 2k + s: stage 0 holds layers 0 and 2.
-    let global = [stage.model_chunk(0), stage.model_chunk(1)];
+    let global = stage.model_layers(2, 1);
     let (alloc, s, own) = layers(comm.device(), &global)?;
     let schedule = Schedule::interleaved_1f1b(2, stage.index(), 2, MICROBATCHES)?;
     let data = (0..MICROBATCHES).map(|j| microbatch(&alloc, &s, j)).collect::<graphed::Result<Vec<_>>>()?;

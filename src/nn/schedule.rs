@@ -440,6 +440,12 @@ impl Stage {
         chunk * self.count + self.index
     }
 
+    /// The model's layers the stage holds, in its chunks' order, when every chunk has
+    /// `per_chunk` layers and the stage `chunks` chunks: what it builds and graphs.
+    pub fn model_layers(self, chunks: usize, per_chunk: usize) -> Vec<usize> {
+        (0..chunks).flat_map(|k| (0..per_chunk).map(move |i| self.model_chunk(k) * per_chunk + i)).collect()
+    }
+
     /// The stage activations come from.
     pub fn prev(self) -> usize {
         (self.index + self.count - 1) % self.count
@@ -727,6 +733,14 @@ mod tests {
         assert!(matches!(kind(Schedule::interleaved_1f1b(2, 2, 1, 4)), ScheduleErrorKind::Arguments { .. }));
         assert!(matches!(kind(Schedule::interleaved_1f1b(2, 0, 2, 3)), ScheduleErrorKind::Arguments { .. }));
         assert!(matches!(kind(Schedule::all_forward_then_backward(0, 2)), ScheduleErrorKind::Arguments { .. }));
+    }
+
+    #[test]
+    fn a_stage_holds_every_stages_th_chunk_of_the_model() {
+        let stage = Stage::new(1, 2).unwrap();
+        assert_eq!((stage.prev(), stage.next(), stage.model_chunk(1)), (0, 0, 3));
+        assert_eq!(stage.model_layers(2, 2), vec![2, 3, 6, 7]);
+        assert!(Stage::new(2, 2).is_err());
     }
 
     #[test]

@@ -121,8 +121,7 @@ struct Pipeline {
 fn stage(comm: &Communicator, pipe: Pipeline, graphed: bool) -> graphed::Result<Trace> {
     let Pipeline { stages, chunks, per_chunk, microbatches } = pipe;
     let stage = Stage::new(comm.rank(), stages)?;
-    let global = (0..chunks).flat_map(|k| (0..per_chunk).map(move |i| stage.model_chunk(k) * per_chunk + i)).collect();
-    let p = part(comm.device(), global)?;
+    let p = part(comm.device(), stage.model_layers(chunks, per_chunk))?;
     let schedule = Schedule::interleaved_1f1b(stages, stage.index(), chunks, microbatches)?;
     let layers_per_chunk = vec![per_chunk; chunks];
     let callables: Option<Vec<GraphedCallable>> = match graphed {

@@ -58,8 +58,9 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
     }
     let mut rows: Vec<ParallelRow> = Vec::new();
     for config in configs {
-        let mut one_gpu = None;
-        let mut one_gpu_ms = None;
+        // The one-GPU step's median: its throughput is the speedups' base, its time T₁ the bubbles'.
+        let mut one_gpu_ms: Option<f64> = None;
+        let one_gpu = |ms: Option<f64>| ms.map(|t| config.batch as f64 / (t / 1e3));
         for variant in ["one-gpu", "dp-eager", "dp-graphed"] {
             let comm = match (variant, &group) {
                 ("one-gpu", _) => None,
@@ -97,9 +98,9 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
             let wall = spread(samples.wall_ms);
             let used = if comm.is_some() { ranks } else { 1 };
             let samples_per_s = (used * config.batch) as f64 / (wall.median / 1e3);
-            let speedup = one_gpu.map(|base: f64| samples_per_s / base);
+            let speedup = one_gpu(one_gpu_ms).map(|base| samples_per_s / base);
             if variant == "one-gpu" {
-                (one_gpu, one_gpu_ms) = (Some(samples_per_s), Some(wall.median));
+                one_gpu_ms = Some(wall.median);
             }
             let row = ParallelRow {
                 case: Case::new(config, dtype, variant),
@@ -137,7 +138,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
                 ranks,
                 host_us: spread(samples.host_us),
                 samples_per_s,
-                speedup: one_gpu.map(|base| samples_per_s / base),
+                speedup: one_gpu(one_gpu_ms).map(|base| samples_per_s / base),
                 microbatches: Some(m),
                 bubble: one_gpu_ms.map(|t1| pipeline::measured_bubble(t1, ranks, m, wall.median)),
                 bubble_theory: Some(pipeline::theoretical_bubble(ranks, variant.chunks, m)),

@@ -57,8 +57,7 @@ pub(super) fn time_variant(
         return Ok(None);
     }
     let per_chunk = config.layers / parts;
-    let global: Vec<usize> =
-        (0..chunks).flat_map(|k| (0..per_chunk).map(move |i| stage.model_chunk(k) * per_chunk + i)).collect();
+    let global = stage.model_layers(chunks, per_chunk);
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
     let model = BenchModel::with_layers(&alloc, &main, config, dtype, &global)?;
