@@ -12,6 +12,9 @@ set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels
+# NVLink multicast can take a shared host's GPUs out of service: never on here (tests included).
+export NCCL_NVLS_ENABLE=0
+gpus=$(nvidia-smi -L | wc -l)
 # One step of the benchmark model by graphed and by PyTorch's module on the same weights, inputs
 # and upstream gradient, compared tensor by tensor (`bench/torch_reference.py parity`: one JSON
 # line each): bf16, as timed, at S, M and L, and f32 at S, whose tighter tolerance sees smaller
@@ -60,8 +63,22 @@ if [ -n "$nvtx" ]; then
     export LD_LIBRARY_PATH="$PWD/.gpu/nvtx:${LD_LIBRARY_PATH:-}"
 fi
 echo "# NVTX: ${nvtx:-none}" | tee -a "$OUT/tests.log"
+# NCCL for the tests: the system's libnccl.so, else PyTorch's libnccl.so.2 linked under the name
+# cudarc loads (as `graphed launch` does for its ranks).
+if ! ls /usr/lib/x86_64-linux-gnu/libnccl.so > /dev/null 2>&1; then
+    nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
+    if [ -n "$nccl" ] && [ -e "$nccl" ]; then
+        mkdir -p .gpu/nccl && ln -sf "$nccl" .gpu/nccl/libnccl.so
+        export LD_LIBRARY_PATH="$PWD/.gpu/nccl:${LD_LIBRARY_PATH:-}"
+    fi
+fi
+echo "# NCCL: $(ls /usr/lib/x86_64-linux-gnu/libnccl.so.2.* .gpu/nccl/libnccl.so 2>/dev/null | tr '\n' ' ')" | tee -a "$OUT/tests.log"
+# The `two_gpus` tests need two GPUs: with one, they are left out (and the summary says so).
+only=$([ "$gpus" -ge 2 ] || echo "not test(two_gpus)")
+echo "# $gpus GPU(s); filter: ${only:-none}" | tee -a "$OUT/tests.log"
 .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
-    --no-fail-fast 2>&1 | tee -a "$OUT/tests.log" | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed" | tail -40
+    ${only:+-E "$only"} --no-fail-fast 2>&1 | tee -a "$OUT/tests.log" \
+    | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed|two_gpus" | tail -60
 # The device tool returns at most 8 files: train's logs go into one.
 logs=$(mktemp -d)
 for mode in graphed side-stream pool-per-layer eager f32 offload offload-side offload-eager schedule schedule-eager; do
@@ -92,7 +109,6 @@ done | tee -a "$OUT/train.log"
 # Several GPUs: every GPU of this machine, one process each through `graphed launch` (data
 # parallel, NCCL from PyTorch's package when the system has none); with one GPU, the group of one
 # must train exactly as a plain run (its all-reduce is the identity).
-gpus=$(nvidia-smi -L | wc -l)
 {
     echo "# $gpus GPU(s); system NCCL: $(ls /usr/lib/x86_64-linux-gnu/libnccl.so* 2>/dev/null | tr '\n' ' ')"
     echo "# python's NCCL: $(python3 -c 'import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])' 2>&1 | tail -1)"
@@ -109,6 +125,24 @@ gpus=$(nvidia-smi -L | wc -l)
     fi
     .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs "${PARALLEL_CONFIGS:-M,L}" --json "$OUT/parallel.json" 2>&1
     echo "bench parallel: exit $?"
+    # A rank killed mid-run: the other must end at once with an error naming it, and the
+    # launcher with a failure.
+    if [ "$gpus" -ge 2 ]; then
+        .gpu/graphed launch --gpus 2 -- train --steps 100000 > "$logs/killed.log" 2>&1 &
+        launcher=$!
+        for _ in $(seq 1 240); do grep -q '^step' "$logs/killed.log" && break; sleep 0.5; done
+        victim=
+        for p in $(pgrep -P "$launcher"); do
+            tr '\0' '\n' < "/proc/$p/environ" | grep -qx 'RANK=1' && victim=$p
+        done
+        killed=$(date +%s.%N)
+        kill -9 "$victim"
+        wait "$launcher"
+        code=$?
+        took=$(python3 -c "import time; print(f'{time.time() - $killed:.2f}')")
+        echo "rank 1 (pid $victim) killed with SIGKILL: launch exit $code after $took s"
+        grep -vE '^step' "$logs/killed.log" | tail -8
+    fi
 } 2>&1 | tee "$OUT/parallel.log"
 # A byte-level model of a local text file (this README).
 { echo "# graphed train --data README.md --steps 300"; .gpu/graphed train --data README.md --steps 300 2>&1 | tail -6; } \

@@ -229,6 +229,44 @@ impl Communicator {
         Ok(Communicator::new(dev.clone(), rank, size, options, Repr::Cuda(comm)))
     }
 
+    /// One NCCL communicator per GPU of this process, as one group (rank `i` on `devices[i]`):
+    /// the GPU counterpart of [`sim_group`](Communicator::sim_group), for programs and tests that
+    /// drive several GPUs from threads of one process instead of one process per GPU.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when a device is not a GPU or a GPU appears twice; NCCL's errors
+    /// as [`nccl`](Communicator::nccl).
+    pub fn nccl_group(devices: &[Device], options: CommOptions) -> Result<Vec<Communicator>> {
+        for (i, d) in devices.iter().enumerate() {
+            let ordinal = |d: &Device| match d.backend() {
+                super::backend::BackendImpl::Cuda(b) => Some(b.ordinal()),
+                super::backend::BackendImpl::Sim(_) => None,
+            };
+            if ordinal(d).is_none() || devices[..i].iter().any(|e| ordinal(e) == ordinal(d)) {
+                return Err(Error::Unsupported {
+                    op: "Communicator::nccl_group",
+                    backend: "sim",
+                    why: "an NCCL group takes distinct GPUs; group simulated devices with Communicator::sim_group",
+                });
+            }
+        }
+        let id = NcclId::new()?;
+        // Every rank blocks in NCCL's init until all have joined: one thread each.
+        let size = devices.len();
+        std::thread::scope(|s| {
+            let joining: Vec<_> = (devices.iter().enumerate())
+                .map(|(rank, dev)| s.spawn(move || Communicator::nccl(dev, rank, size, &id, options)))
+                .collect();
+            (joining.into_iter().enumerate())
+                .map(|(rank, h)| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(comm_error("Communicator::nccl_group", rank, CommErrorKind::RankGone { rank }))
+                    })
+                })
+                .collect()
+        })
+    }
+
     fn new(dev: Device, rank: usize, size: usize, options: CommOptions, repr: CommRepr) -> Communicator {
         Communicator { inner: Arc::new(CommInner { dev, rank, size, options, repr }) }
     }
@@ -369,6 +407,16 @@ impl Communicator {
     /// # Errors
     /// [`CommErrorKind::Timeout`], an error NCCL reported, or the stream's own errors.
     pub fn wait(&self, stream: &Stream) -> Result<()> {
+        self.wait_watching(stream, &|| None)
+    }
+
+    /// As [`wait`](Communicator::wait), also failing as soon as `watch` reports why the group
+    /// cannot finish (a process group's watch of its ranks' connections says which rank died);
+    /// its answer comes before NCCL's own, less specific, error.
+    ///
+    /// # Errors
+    /// `watch`'s error, and as [`wait`](Communicator::wait).
+    pub fn wait_watching(&self, stream: &Stream, watch: &dyn Fn() -> Option<CommErrorKind>) -> Result<()> {
         match &self.inner.repr {
             Repr::Sim(_) => stream.synchronize(),
             Repr::Cuda(c) => {
@@ -376,6 +424,10 @@ impl Communicator {
                 loop {
                     if stream.query()? {
                         return Ok(());
+                    }
+                    if let Some(kind) = watch() {
+                        c.abort();
+                        return Err(comm_error("Communicator::wait", self.rank(), kind));
                     }
                     c.async_error().map_err(|k| comm_error("Communicator::wait", self.rank(), k))?;
                     if std::time::Instant::now() > deadline {

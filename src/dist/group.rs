@@ -1,7 +1,9 @@
 //! Process groups: where a rank finds itself (the launcher's variables) and its communicator.
 
-use super::rendezvous;
-use crate::device::{CommErrorKind, CommOptions, Communicator, Device, NcclId, SimConfig};
+use std::sync::Arc;
+
+use super::{rendezvous, RankWatch};
+use crate::device::{CommErrorKind, CommOptions, Communicator, Device, NcclId, SimConfig, Stream};
 use crate::{Error, Result};
 
 /// Where this process sits in its group, as torchrun and `graphed launch` say it.
@@ -60,11 +62,13 @@ fn env_error(var: &'static str, why: String) -> Error {
     Error::Comm { op: "RankEnv::from_env", rank: 0, kind: CommErrorKind::Env { var, why } }
 }
 
-/// A rank of a group of processes, one GPU each, joined by NCCL.
+/// A rank of a group of processes, one GPU each, joined by NCCL, and watching the others: a
+/// rank whose process dies is named to the others (see [`ProcessGroup::wait`]).
 #[derive(Debug, Clone)]
 pub struct ProcessGroup {
     env: RankEnv,
     comm: Communicator,
+    watch: Arc<RankWatch>,
 }
 
 impl ProcessGroup {
@@ -82,13 +86,29 @@ impl ProcessGroup {
             0 => Some(NcclId::new()?),
             _ => None,
         };
-        let shared = rendezvous::meet(&env, model, id.map(|i| i.as_bytes().to_vec()), options.timeout)?;
+        let (shared, watch) = rendezvous::meet(&env, model, id.map(|i| i.as_bytes().to_vec()), options.timeout)?;
         let bytes: [u8; 128] = shared.try_into().map_err(|_| {
             let kind = CommErrorKind::Rendezvous("rank 0 sent an NCCL id of the wrong length".into());
             Error::Comm { op: "ProcessGroup::join", rank: env.rank, kind }
         })?;
         let comm = Communicator::nccl(dev, env.rank, env.world, &NcclId::from_bytes(bytes), options)?;
-        Ok(ProcessGroup { env, comm })
+        Ok(ProcessGroup { env, comm, watch: Arc::new(watch) })
+    }
+
+    /// Blocks until the work queued on `stream` has completed: the watchdog of a training loop.
+    /// Fails at once when another rank's process died (naming it), and after the
+    /// communicator's timeout when a rank is stuck, instead of hanging; the communicator is
+    /// then aborted.
+    ///
+    /// # Errors
+    /// [`CommErrorKind::RankGone`] naming the dead rank, as [`Communicator::wait`] otherwise.
+    pub fn wait(&self, stream: &Stream) -> Result<()> {
+        self.comm.wait_watching(stream, &|| self.watch.error())
+    }
+
+    /// What this rank knows of the others' processes.
+    pub fn watch(&self) -> &RankWatch {
+        &self.watch
     }
 
     /// Where this rank sits.
@@ -102,9 +122,40 @@ impl ProcessGroup {
     }
 }
 
-/// Runs `f` on `ranks` simulated devices, one thread each, as one group; every rank's result, in
-/// rank order. The simulator's counterpart of `graphed launch`: rank `r`'s device is the
-/// simulator with `config`'s policy and seed `config.seed + r`.
+/// Runs `f` on every communicator of a group, one thread each; every rank's result, in rank
+/// order. A rank whose thread panics gives [`CommErrorKind::RankGone`].
+///
+/// Several GPUs of one process, each rank checked (see [`Device::cuda_checked`]):
+///
+/// ```no_run
+/// use graphed::device::{CommOptions, Communicator, Device};
+/// let gpus = [Device::cuda_checked(0)?, Device::cuda_checked(1)?];
+/// let comms = Communicator::nccl_group(&gpus, CommOptions::default())?;
+/// let sums = graphed::dist::on_ranks(comms, |comm| {
+///     let s = comm.device().stream()?;
+///     let x = comm.device().alloc_from(&s, &[comm.rank() as f32; 2])?;
+///     comm.all_reduce(&s, &x)?;
+///     x.to_vec(&s)
+/// });
+/// # Ok::<(), graphed::Error>(())
+/// ```
+pub fn on_ranks<T: Send>(comms: Vec<Communicator>, f: impl Fn(&Communicator) -> Result<T> + Sync) -> Vec<Result<T>> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(&c))).collect();
+        (handles.into_iter().enumerate())
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::Comm { op: "on_ranks", rank, kind: CommErrorKind::RankGone { rank } })
+                })
+            })
+            .collect()
+    })
+}
+
+/// Runs `f` on `ranks` simulated devices as one group ([`on_ranks`] over
+/// [`Communicator::sim_group`]): the simulator's counterpart of `graphed launch`. Rank `r`'s
+/// device is the simulator with `config`'s policy and seed `config.seed + r`.
 ///
 /// ```
 /// use graphed::device::{CommOptions, SimConfig};
@@ -125,19 +176,8 @@ pub fn on_sim_ranks<T: Send>(
 ) -> Vec<Result<T>> {
     let devices: Vec<Device> =
         (0..ranks).map(|r| Device::sim_with(SimConfig { seed: config.seed + r as u64, ..config })).collect();
-    let comms = match Communicator::sim_group(&devices, options) {
-        Ok(c) => c,
-        Err(e) => return vec![Err(e)],
-    };
-    let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(&c))).collect();
-        (handles.into_iter().enumerate())
-            .map(|(rank, h)| {
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::Comm { op: "on_sim_ranks", rank, kind: CommErrorKind::RankGone { rank } })
-                })
-            })
-            .collect()
-    })
+    match Communicator::sim_group(&devices, options) {
+        Ok(comms) => on_ranks(comms, f),
+        Err(e) => vec![Err(e)],
+    }
 }

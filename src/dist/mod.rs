@@ -6,15 +6,17 @@
 //! [`ProcessGroup::join`] meets the other ranks over TCP, checks that they build the same
 //! model, and shares the NCCL id. On the simulator, ranks are threads of one process
 //! ([`on_sim_ranks`]), so multi-device programs, their hazards and their deadlocks are tested
-//! without GPUs.
+//! without GPUs; [`on_ranks`] runs the same programs on the GPUs of one process.
 
 mod data_parallel;
 mod group;
 mod pipeline;
 mod rendezvous;
+mod watch;
 
 pub use rendezvous::meet;
+pub use watch::RankWatch;
 
 pub use data_parallel::DataParallel;
-pub use group::{on_sim_ranks, ProcessGroup, RankEnv};
+pub use group::{on_ranks, on_sim_ranks, ProcessGroup, RankEnv};
 pub use pipeline::P2pLinks;

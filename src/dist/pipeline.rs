@@ -76,9 +76,9 @@ impl P2pLinks {
         }
     }
 
-    /// As [`eager`](P2pLinks::eager), but each exchange is captured into a graph at its first use
-    /// and replayed from then on, so that a graphed pipeline step issues no NCCL call from the
-    /// host. What an exchange sends must be the same buffers at every step, as the static outputs
+    /// As [`eager`](P2pLinks::eager), but each exchange runs eagerly at its first use (where NCCL
+    /// connects the ranks), is captured into a graph then, and is replayed from then on, so that
+    /// a graphed pipeline step issues no NCCL call from the host after the first. What an exchange sends must be the same buffers at every step, as the static outputs
     /// of graphed passes are; it receives into buffers of its own.
     pub fn graphed(
         comm: &Communicator,
@@ -134,8 +134,10 @@ impl StageLinks for P2pLinks {
                 ));
             }
             let recvs = self.receive_buffers(recvs)?;
+            // NCCL connects two ranks at their first transfer, which must not happen inside a
+            // capture: the first use runs eagerly, and its graph serves the next ones.
+            enqueue(&self.comm, &self.stream, sends, &recvs)?;
             let graph = make_graphed_fn(&self.alloc, |s| enqueue(&self.comm, s, sends, &recvs))?;
-            graph.replay(&self.stream)?;
             let got = recvs.iter().map(|(_, t)| t.clone()).collect();
             let c = Captured { sends: sends.to_vec(), recvs, graph };
             self.captured.get_or_insert_with(Vec::new).push(c);

@@ -6,11 +6,14 @@
 //! rank -> 0:  graphed-rendezvous/1 <rank> <world>\n<model>\n
 //! 0 -> rank:  ok <payload as hex>\n   or   refused <message>\n
 //! ```
+//!
+//! The connections then stay open: they are the group's [`RankWatch`].
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use super::watch::{Connection, RankWatch};
 use super::RankEnv;
 use crate::device::CommErrorKind;
 use crate::{Error, Result};
@@ -27,14 +30,14 @@ fn rdzv(rank: usize, what: impl Into<String>) -> Error {
 
 /// Meets every rank of `env`'s group: rank 0 (which passes `payload`) waits for the others, checks
 /// that they were launched for the same group and build the same `model`, and gives them its
-/// payload; every rank returns it. [`ProcessGroup::join`](super::ProcessGroup::join) shares the
-/// NCCL id this way.
+/// payload; every rank returns it, and the watch that keeps the connections open to learn which
+/// rank dies. [`ProcessGroup::join`](super::ProcessGroup::join) shares the NCCL id this way.
 ///
 /// # Errors
 /// [`CommErrorKind::Rendezvous`] when a rank does not arrive within `timeout` (naming it) or rank 0
 /// refuses the group; [`CommErrorKind::ModelMismatch`] on rank 0 when a rank builds another model
 /// (the other ranks get rank 0's refusal).
-pub fn meet(env: &RankEnv, model: &str, payload: Option<Vec<u8>>, timeout: Duration) -> Result<Vec<u8>> {
+pub fn meet(env: &RankEnv, model: &str, payload: Option<Vec<u8>>, timeout: Duration) -> Result<(Vec<u8>, RankWatch)> {
     let model = model.replace(['\n', '\r'], " ");
     let deadline = Instant::now() + timeout;
     match (env.rank, payload) {
@@ -44,7 +47,7 @@ pub fn meet(env: &RankEnv, model: &str, payload: Option<Vec<u8>>, timeout: Durat
     }
 }
 
-fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Result<Vec<u8>> {
+fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Result<(Vec<u8>, RankWatch)> {
     let addr = (env.master_addr.as_str(), env.master_port);
     let listener = TcpListener::bind(addr).map_err(|e| {
         rdzv(0, format!("cannot listen at {}:{} ({e}); choose a free MASTER_PORT", env.master_addr, env.master_port))
@@ -116,10 +119,13 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
         return Err(rdzv(0, what));
     }
     let hex: String = payload.iter().map(|b| format!("{b:02x}")).collect();
-    for (r, stream, _) in &mut peers {
+    let mut connections = Vec::with_capacity(peers.len());
+    for (r, mut stream, _) in peers {
         writeln!(stream, "ok {hex}").map_err(|e| rdzv(0, format!("rank {r} left during the rendezvous ({e})")))?;
+        let reader = BufReader::new(stream.try_clone().map_err(|e| rdzv(0, e.to_string()))?);
+        connections.push(Connection { peer: r, reader, writer: stream });
     }
-    Ok(payload)
+    Ok((payload, RankWatch::start(0, connections)?))
 }
 
 fn refuse_all(peers: &mut [(usize, TcpStream, String)], why: &str) {
@@ -133,7 +139,7 @@ fn remaining(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
 }
 
-fn follow(env: &RankEnv, model: &str, deadline: Instant) -> Result<Vec<u8>> {
+fn follow(env: &RankEnv, model: &str, deadline: Instant) -> Result<(Vec<u8>, RankWatch)> {
     let rank = env.rank;
     let addrs: Vec<_> = (env.master_addr.as_str(), env.master_port)
         .to_socket_addrs()
@@ -151,15 +157,17 @@ fn follow(env: &RankEnv, model: &str, deadline: Instant) -> Result<Vec<u8>> {
     write!(stream, "{HELLO} {rank} {}\n{model}\n", env.world).map_err(|e| rdzv(rank, e.to_string()))?;
     stream.set_read_timeout(Some(remaining(deadline))).map_err(|e| rdzv(rank, e.to_string()))?;
     let mut reply = String::new();
-    BufReader::new(&stream)
-        .read_line(&mut reply)
-        .map_err(|e| rdzv(rank, format!("rank 0 did not answer in time ({e})")))?;
+    // The same reader serves the watch afterwards: it may hold what rank 0 wrote next.
+    let mut reader = BufReader::new(stream.try_clone().map_err(|e| rdzv(rank, e.to_string()))?);
+    reader.read_line(&mut reply).map_err(|e| rdzv(rank, format!("rank 0 did not answer in time ({e})")))?;
     let reply = reply.trim_end();
     if let Some(hex) = reply.strip_prefix("ok ") {
-        return (0..hex.len() / 2)
-            .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16))
+        let payload = (0..hex.len() / 2)
+            .map(|i| u8::from_str_radix(hex.get(2 * i..2 * i + 2).unwrap_or("x"), 16))
             .collect::<std::result::Result<Vec<u8>, _>>()
-            .map_err(|_| rdzv(rank, "rank 0's answer is damaged"));
+            .map_err(|_| rdzv(rank, "rank 0's answer is damaged"))?;
+        let watch = RankWatch::start(rank, vec![Connection { peer: 0, reader, writer: stream }])?;
+        return Ok((payload, watch));
     }
     match reply.strip_prefix("refused ") {
         Some(why) => Err(rdzv(rank, format!("rank 0 refused the group: {why}"))),

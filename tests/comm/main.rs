@@ -1,12 +1,16 @@
 //! Collectives between simulated devices: results, capture, and every way ranks can disagree,
-//! each a typed error on every rank instead of a hang. The CUDA variants run one rank through
-//! NCCL (the several-GPU runs are `graphed bench parallel` and the data-parallel tests).
+//! each a typed error on every rank instead of a hang. The CUDA variants run the same results
+//! and captures through NCCL on one GPU and on two.
 
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use graphed::device::{CaptureMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, Transfer};
 use graphed::Error;
+
+#[path = "../common/mod.rs"]
+mod common;
+use common::Ranks;
 
 /// Runs `f` on `n` simulated ranks, one thread each, under `policy`; every rank's result.
 fn on_ranks<T: Send>(
@@ -32,39 +36,45 @@ fn values(rank: usize, n: usize) -> Vec<f32> {
 fn collectives_give_nccl_results_under_every_policy() -> anyhow::Result<()> {
     for policy in Policy::ALL {
         for n in [2, 3] {
-            let out = all_ok(on_ranks(n, policy, LONG, |c| {
-                let (dev, s) = (c.device(), c.device().stream()?);
-                let x = dev.alloc_from(&s, &values(c.rank(), 6))?;
-                c.all_reduce(&s, &x)?;
-                let full = dev.alloc_from(&s, &values(c.rank(), 6 * c.size()))?;
-                let part = dev.alloc::<f32>(6)?;
-                c.reduce_scatter(&s, &full, &part)?;
-                let gathered = dev.alloc::<f32>(6 * c.size())?;
-                c.all_gather(&s, &part, &gathered)?;
-                // A ring of messages: each rank sends its rank to the next.
-                let token = dev.alloc_from(&s, &[c.rank() as f32])?;
-                let got = dev.alloc::<f32>(1)?;
-                let (next, prev) = ((c.rank() + 1) % c.size(), (c.rank() + c.size() - 1) % c.size());
-                if c.rank() % 2 == 0 {
-                    c.send(&s, &token, next)?;
-                    c.recv(&s, &got, prev)?;
-                } else {
-                    c.recv(&s, &got, prev)?;
-                    c.send(&s, &token, next)?;
-                }
-                Ok((x.to_vec(&s)?, part.to_vec(&s)?, gathered.to_vec(&s)?, got.to_vec(&s)?))
-            }))?;
-            let sum = |len: usize| -> Vec<f32> {
-                (0..len).map(|i| (0..n).fold(0.0f32, |acc, r| acc + values(r, len)[i])).collect()
-            };
-            let full_sum = sum(6 * n);
-            for (r, (reduced, part, gathered, got)) in out.iter().enumerate() {
-                ensure!(*reduced == sum(6), "{policy:?}, {n} ranks: all_reduce on rank {r}");
-                ensure!(*part == full_sum[r * 6..][..6], "{policy:?}, {n} ranks: reduce_scatter on rank {r}");
-                ensure!(*gathered == full_sum, "{policy:?}, {n} ranks: all_gather on rank {r}");
-                ensure!(*got == [((r + n - 1) % n) as f32], "{policy:?}, {n} ranks: recv on rank {r}");
-            }
+            collectives_give_nccl_results(Ranks::Sim(policy), n)?;
         }
+    }
+    Ok(())
+}
+
+/// All-reduce, reduce-scatter, all-gather and a ring of sends on `n` ranks, against sums taken
+/// on the host.
+fn collectives_give_nccl_results(on: Ranks, n: usize) -> anyhow::Result<()> {
+    let out = all_ok(on.run(n, CommOptions { timeout: LONG }, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        let x = dev.alloc_from(&s, &values(c.rank(), 6))?;
+        c.all_reduce(&s, &x)?;
+        let full = dev.alloc_from(&s, &values(c.rank(), 6 * c.size()))?;
+        let part = dev.alloc::<f32>(6)?;
+        c.reduce_scatter(&s, &full, &part)?;
+        let gathered = dev.alloc::<f32>(6 * c.size())?;
+        c.all_gather(&s, &part, &gathered)?;
+        // A ring of messages: each rank sends its rank to the next.
+        let token = dev.alloc_from(&s, &[c.rank() as f32])?;
+        let got = dev.alloc::<f32>(1)?;
+        let (next, prev) = ((c.rank() + 1) % c.size(), (c.rank() + c.size() - 1) % c.size());
+        if c.rank() % 2 == 0 {
+            c.send(&s, &token, next)?;
+            c.recv(&s, &got, prev)?;
+        } else {
+            c.recv(&s, &got, prev)?;
+            c.send(&s, &token, next)?;
+        }
+        Ok((x.to_vec(&s)?, part.to_vec(&s)?, gathered.to_vec(&s)?, got.to_vec(&s)?))
+    })?)?;
+    let sum =
+        |len: usize| -> Vec<f32> { (0..len).map(|i| (0..n).fold(0.0f32, |acc, r| acc + values(r, len)[i])).collect() };
+    let full_sum = sum(6 * n);
+    for (r, (reduced, part, gathered, got)) in out.iter().enumerate() {
+        ensure!(*reduced == sum(6), "{on:?}, {n} ranks: all_reduce on rank {r}");
+        ensure!(*part == full_sum[r * 6..][..6], "{on:?}, {n} ranks: reduce_scatter on rank {r}");
+        ensure!(*gathered == full_sum, "{on:?}, {n} ranks: all_gather on rank {r}");
+        ensure!(*got == [((r + n - 1) % n) as f32], "{on:?}, {n} ranks: recv on rank {r}");
     }
     Ok(())
 }
@@ -72,20 +82,25 @@ fn collectives_give_nccl_results_under_every_policy() -> anyhow::Result<()> {
 #[test]
 fn a_captured_all_reduce_runs_again_at_every_launch() -> anyhow::Result<()> {
     for policy in Policy::ALL {
-        let out = all_ok(on_ranks(2, policy, LONG, |c| {
-            let (dev, s) = (c.device(), c.device().stream()?);
-            let x = dev.alloc_from(&s, &[1.0f32 + c.rank() as f32; 8])?;
-            let cap = s.capture(CaptureMode::ThreadLocal)?;
-            c.all_reduce(&s, &x)?;
-            let exec = cap.finish()?.instantiate()?;
-            for _ in 0..3 {
-                exec.launch(&s)?;
-            }
-            x.to_vec(&s)
-        }))?;
-        // 1 + 2 = 3, then 6, then 12 on both ranks.
-        ensure!(out.iter().all(|x| *x == [12.0; 8]), "{policy:?}: {out:?}");
+        a_captured_all_reduce_runs_at_every_launch(Ranks::Sim(policy))?;
     }
+    Ok(())
+}
+
+fn a_captured_all_reduce_runs_at_every_launch(on: Ranks) -> anyhow::Result<()> {
+    let out = all_ok(on.run(2, CommOptions { timeout: LONG }, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        let x = dev.alloc_from(&s, &[1.0f32 + c.rank() as f32; 8])?;
+        let cap = s.capture(CaptureMode::ThreadLocal)?;
+        c.all_reduce(&s, &x)?;
+        let exec = cap.finish()?.instantiate()?;
+        for _ in 0..3 {
+            exec.launch(&s)?;
+        }
+        x.to_vec(&s)
+    })?)?;
+    // 1 + 2 = 3, then 6, then 12 on both ranks.
+    ensure!(out.iter().all(|x| *x == [12.0; 8]), "{on:?}: {out:?}");
     Ok(())
 }
 
@@ -103,26 +118,31 @@ fn crossed_sends_deadlock_and_one_exchange_of_both_meets_even_captured() -> anyh
         let Some(CommErrorKind::Deadlock { waits }) = kind_of(res) else { anyhow::bail!("rank {r}: {res:?}") };
         ensure!(waits.contains("waits in send #0 to rank"), "{waits}");
     }
-    // The same transfers as one group meet, eagerly and from a graph at every launch.
     for policy in Policy::ALL {
-        let out = all_ok(on_ranks(2, policy, LONG, |c| {
-            let (dev, s, peer) = (c.device(), c.device().stream()?, 1 - c.rank());
-            let mine = dev.alloc_from(&s, &values(c.rank(), 5))?;
-            let theirs = dev.alloc::<f32>(5)?;
-            c.exchange(&s, &[Transfer::send(&mine, peer), Transfer::recv(&theirs, peer)])?;
-            let eager = theirs.to_vec(&s)?;
-            let cap = s.capture(CaptureMode::ThreadLocal)?;
-            c.exchange(&s, &[Transfer::recv(&theirs, peer), Transfer::send(&mine, peer)])?;
-            let exec = cap.finish()?.instantiate()?;
-            let next = dev.alloc_from(&s, &values(c.rank() + 2, 5))?;
-            s.copy_d2d(&next, &mine)?;
-            exec.launch(&s)?;
-            Ok((eager, theirs.to_vec(&s)?))
-        }))?;
-        for (r, (eager, launched)) in out.iter().enumerate() {
-            ensure!(*eager == values(1 - r, 5), "{policy:?}: rank {r} received {eager:?}");
-            ensure!(*launched == values(1 - r + 2, 5), "{policy:?}: rank {r} received {launched:?} from the graph");
-        }
+        one_exchange_of_both_meets_eagerly_and_captured(Ranks::Sim(policy))?;
+    }
+    Ok(())
+}
+
+/// The crossed transfers as one group meet, eagerly and from a graph at every launch.
+fn one_exchange_of_both_meets_eagerly_and_captured(on: Ranks) -> anyhow::Result<()> {
+    let out = all_ok(on.run(2, CommOptions { timeout: LONG }, |c| {
+        let (dev, s, peer) = (c.device(), c.device().stream()?, 1 - c.rank());
+        let mine = dev.alloc_from(&s, &values(c.rank(), 5))?;
+        let theirs = dev.alloc::<f32>(5)?;
+        c.exchange(&s, &[Transfer::send(&mine, peer), Transfer::recv(&theirs, peer)])?;
+        let eager = theirs.to_vec(&s)?;
+        let cap = s.capture(CaptureMode::ThreadLocal)?;
+        c.exchange(&s, &[Transfer::recv(&theirs, peer), Transfer::send(&mine, peer)])?;
+        let exec = cap.finish()?.instantiate()?;
+        let next = dev.alloc_from(&s, &values(c.rank() + 2, 5))?;
+        s.copy_d2d(&next, &mine)?;
+        exec.launch(&s)?;
+        Ok((eager, theirs.to_vec(&s)?))
+    })?)?;
+    for (r, (eager, launched)) in out.iter().enumerate() {
+        ensure!(*eager == values(1 - r, 5), "{on:?}: rank {r} received {eager:?}");
+        ensure!(*launched == values(1 - r + 2, 5), "{on:?}: rank {r} received {launched:?} from the graph");
     }
     Ok(())
 }
@@ -261,5 +281,28 @@ mod cuda {
         c.wait(&s)?;
         ensure!(x.to_vec(&s)? == vec![1.5f32; 1024]);
         Ok(())
+    }
+}
+
+/// Two GPUs of one process through NCCL give the simulator's results, eagerly and captured.
+mod two_gpus {
+    use super::*;
+
+    #[test]
+    #[ignore = "needs two CUDA GPUs and NCCL"]
+    fn collectives_give_the_simulators_results() -> anyhow::Result<()> {
+        collectives_give_nccl_results(Ranks::Gpus, 2)
+    }
+
+    #[test]
+    #[ignore = "needs two CUDA GPUs and NCCL"]
+    fn a_captured_all_reduce_runs_again_at_every_launch() -> anyhow::Result<()> {
+        a_captured_all_reduce_runs_at_every_launch(Ranks::Gpus)
+    }
+
+    #[test]
+    #[ignore = "needs two CUDA GPUs and NCCL"]
+    fn one_exchange_of_crossed_transfers_meets_eagerly_and_captured() -> anyhow::Result<()> {
+        one_exchange_of_both_meets_eagerly_and_captured(Ranks::Gpus)
     }
 }

@@ -118,3 +118,35 @@ pub fn adamw_f64(
         *p -= lr / bias1 * *m / (v.sqrt() / bias2_sqrt + eps);
     }
 }
+
+/// Where a test's ranks run: simulated devices under a scheduling policy (in CI), or the GPUs
+/// of this process through NCCL, each checked (the `two_gpus` tests, ignored without GPUs).
+#[derive(Debug, Clone, Copy)]
+pub enum Ranks {
+    /// Simulated devices, one thread each.
+    Sim(graphed::device::Policy),
+    /// GPUs 0, 1, … of this machine, one thread each.
+    Gpus,
+}
+
+impl Ranks {
+    /// Runs `f` on `n` ranks whose collectives wait `options.timeout`; every rank's result.
+    ///
+    /// # Errors
+    /// Opening the GPUs (fewer than `n`) or joining NCCL.
+    pub fn run<T: Send>(
+        self,
+        n: usize,
+        options: graphed::device::CommOptions,
+        f: impl Fn(&graphed::device::Communicator) -> graphed::Result<T> + Sync,
+    ) -> anyhow::Result<Vec<graphed::Result<T>>> {
+        use graphed::device::{Communicator, Device, SimConfig};
+        Ok(match self {
+            Ranks::Sim(policy) => graphed::dist::on_sim_ranks(n, SimConfig::with_policy(policy), options, f),
+            Ranks::Gpus => {
+                let gpus = (0..n).map(Device::cuda_checked).collect::<graphed::Result<Vec<_>>>()?;
+                graphed::dist::on_ranks(Communicator::nccl_group(&gpus, options)?, f)
+            }
+        })
+    }
+}

@@ -1,12 +1,12 @@
 //! Several ranks: the rendezvous, and data parallelism inside the captured backward graphs,
-//! bit for bit against one rank that accumulates every microbatch. On the simulator here; the
-//! two-GPU runs are `graphed bench parallel` and `graphed launch -- train`.
+//! bit for bit against one rank that accumulates every microbatch, on simulated ranks and (the
+//! `two_gpus` tests) on two GPUs through NCCL.
 
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
-use graphed::dist::{meet, on_sim_ranks, DataParallel, RankEnv};
+use graphed::dist::{meet, on_sim_ranks, DataParallel, RankEnv, RankWatch};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{DropoutSpec, ParamStore, Stack, TransformerLayer};
@@ -14,7 +14,11 @@ use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 use graphed::Error;
 
+#[path = "../common/mod.rs"]
+mod common;
 mod pipeline;
+
+use common::Ranks;
 
 struct Model {
     alloc: CachingAllocator,
@@ -100,19 +104,25 @@ fn data_parallel(comm: &Communicator) -> anyhow::Result<Trace> {
 fn two_ranks_with_a_microbatch_each_equal_one_rank_with_both_bit_for_bit_and_race_free() -> anyhow::Result<()> {
     let want = one_rank(&Device::sim(), 2)?;
     for policy in Policy::ALL {
-        let config = SimConfig::with_policy(policy);
-        let ranks = on_sim_ranks(2, config, CommOptions::default(), |c| {
-            let trace = data_parallel(c);
-            Ok((trace, graphed::check::Checker::of(c.device()).expect("checked").take_hazards()))
-        });
-        for (r, res) in ranks.into_iter().enumerate() {
-            let (trace, hazards) = res?;
-            let trace = trace.with_context(|| format!("rank {r} under {policy:?}"))?;
-            ensure!(hazards.is_empty(), "{policy:?}: rank {r}'s checker reported {hazards:#?}");
-            for (step, (got, want)) in trace.iter().zip(&want).enumerate() {
-                ensure!(got.0 == want.0, "{policy:?}: rank {r}'s gradients differ at step {step}");
-                ensure!(got.1 == want.1, "{policy:?}: rank {r}'s parameters differ at step {step}");
-            }
+        data_parallel_equals(&want, Ranks::Sim(policy))?;
+    }
+    Ok(())
+}
+
+/// Two data-parallel ranks `on` give `want`'s gradients and parameters at every step, and their
+/// checkers stay quiet.
+fn data_parallel_equals(want: &Trace, on: Ranks) -> anyhow::Result<()> {
+    let ranks = on.run(2, CommOptions::default(), |c| {
+        let trace = data_parallel(c);
+        Ok((trace, graphed::check::Checker::of(c.device()).expect("checked").take_hazards()))
+    })?;
+    for (r, res) in ranks.into_iter().enumerate() {
+        let (trace, hazards) = res?;
+        let trace = trace.with_context(|| format!("rank {r} {on:?}"))?;
+        ensure!(hazards.is_empty(), "{on:?}: rank {r}'s checker reported {hazards:#?}");
+        for (step, (got, want)) in trace.iter().zip(want).enumerate() {
+            ensure!(got.0 == want.0, "{on:?}: rank {r}'s gradients differ at step {step}");
+            ensure!(got.1 == want.1, "{on:?}: rank {r}'s parameters differ at step {step}");
         }
     }
     Ok(())
@@ -143,7 +153,7 @@ fn free_port() -> u16 {
 #[test]
 fn the_rendezvous_shares_rank_0s_payload_and_refuses_a_rank_with_another_model() -> anyhow::Result<()> {
     let port = free_port();
-    let got: Vec<graphed::Result<Vec<u8>>> = std::thread::scope(|s| {
+    let got: Vec<graphed::Result<(Vec<u8>, RankWatch)>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..3)
             .map(|r| {
                 s.spawn(move || {
@@ -154,11 +164,11 @@ fn the_rendezvous_shares_rank_0s_payload_and_refuses_a_rank_with_another_model()
         hs.into_iter().map(|h| h.join().expect("thread")).collect()
     });
     for g in got {
-        ensure!(g? == [7, 0, 255]);
+        ensure!(g?.0 == [7, 0, 255]);
     }
 
     let port = free_port();
-    let got: Vec<graphed::Result<Vec<u8>>> = std::thread::scope(|s| {
+    let got: Vec<graphed::Result<(Vec<u8>, RankWatch)>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
             .map(|r| {
                 let model = if r == 0 { "gpt 32x3" } else { "gpt 64x3" };
@@ -185,6 +195,76 @@ fn a_rank_that_never_arrives_is_named_after_the_timeout() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// Polls `done` until it holds; fails naming `what` after a generous deadline (a watch that
+/// never learns is a failure, not a hang).
+fn eventually(what: &str, done: impl Fn() -> bool) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !done() {
+        ensure!(std::time::Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+/// Connects to rank 0 at `port` as `rank` of `world` by hand, as a process that can die.
+fn raw_rank(rank: usize, world: usize, port: u16) -> anyhow::Result<std::net::TcpStream> {
+    use std::io::{BufRead, Write};
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut conn = loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(c) => break c,
+            Err(e) if std::time::Instant::now() > deadline => return Err(e.into()),
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    };
+    write!(conn, "graphed-rendezvous/1 {rank} {world}\nm\n")?;
+    let mut reply = String::new();
+    std::io::BufReader::new(&conn).read_line(&mut reply)?;
+    ensure!(reply.starts_with("ok "), "rank 0 answered {reply}");
+    Ok(conn)
+}
+
+#[test]
+fn a_rank_whose_process_dies_is_named_to_every_rank_and_one_that_leaves_is_not() -> anyhow::Result<()> {
+    let port = free_port();
+    let long = Duration::from_secs(20);
+    let (w0, w1, dying) = std::thread::scope(|s| -> anyhow::Result<_> {
+        let lead = s.spawn(move || meet(&env(0, 3, port), "m", Some(vec![1]), long));
+        let follower = s.spawn(move || meet(&env(1, 3, port), "m", None, long));
+        let dying = raw_rank(2, 3, port)?;
+        let (lead, follower) = (lead.join().expect("rank 0"), follower.join().expect("rank 1"));
+        Ok((lead?.1, follower?.1, dying))
+    })?;
+    ensure!(w0.gone().is_none() && w1.gone().is_none(), "nobody died yet");
+    // Rank 2's process ends: its connection closes without a goodbye.
+    drop(dying);
+    eventually("rank 0 sees rank 2 die", || w0.gone() == Some(2))?;
+    eventually("rank 1 hears of it from rank 0", || w1.gone() == Some(2))?;
+    ensure!(matches!(w1.error(), Some(CommErrorKind::RankGone { rank: 2 })), "{:?}", w1.error());
+    // Rank 1 leaves on purpose: rank 0 sees a goodbye, not a death.
+    drop(w1);
+    eventually("rank 0 sees rank 1 leave", || w0.left() == [1])?;
+    ensure!(w0.gone() == Some(2), "{:?}", w0.gone());
+
+    // Rank 0 dies after the rendezvous: the others name it.
+    let port = free_port();
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port))?;
+    let follower = std::thread::spawn(move || meet(&env(1, 2, port), "m", None, long));
+    let (conn, _) = listener.accept()?;
+    {
+        use std::io::{BufRead, Write};
+        let mut lines = std::io::BufReader::new(&conn).lines();
+        ensure!(lines.next().transpose()?.is_some_and(|l| l.starts_with("graphed-rendezvous/1 1 2")));
+        ensure!(lines.next().transpose()?.as_deref() == Some("m"));
+        writeln!(&conn, "ok 07")?;
+    }
+    let (payload, w1) = follower.join().expect("rank 1")?;
+    ensure!(payload == [7]);
+    drop((conn, listener));
+    eventually("rank 1 sees rank 0 die", || w1.gone() == Some(0))?;
+    Ok(())
+}
+
 #[test]
 fn the_launchers_variables_are_read_or_refused_by_name() -> anyhow::Result<()> {
     let vars = |pairs: &'static [(&'static str, &'static str)]| {
@@ -206,4 +286,16 @@ fn the_launchers_variables_are_read_or_refused_by_name() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The same programs on two GPUs of one process, against one GPU.
+mod two_gpus {
+    use super::*;
+
+    #[test]
+    #[ignore = "needs two CUDA GPUs and NCCL"]
+    fn two_gpus_with_a_microbatch_each_equal_one_gpu_with_both_bit_for_bit() -> anyhow::Result<()> {
+        let want = one_rank(&Device::cuda_checked(0)?, 2)?;
+        data_parallel_equals(&want, Ranks::Gpus)
+    }
 }

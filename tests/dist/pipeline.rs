@@ -1,12 +1,15 @@
-//! Pipeline parallelism on simulated ranks: each stage holds its chunks of the model, and
-//! activations and gradients cross between stages in grouped sends and receives, eagerly and
-//! from captured graphs, bit for bit against the whole model on one device.
+//! Pipeline parallelism: each stage holds its chunks of the model, and activations and
+//! gradients cross between stages in grouped sends and receives, eagerly and from captured
+//! graphs, bit for bit against the whole model on one device; on simulated ranks, and on two
+//! GPUs through NCCL.
 
 use std::collections::BTreeMap;
 
 use anyhow::{ensure, Context};
 use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
 use graphed::dist::{on_sim_ranks, P2pLinks};
+
+use crate::common::Ranks;
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
@@ -81,8 +84,8 @@ impl Trace {
 }
 
 /// The model's `chunks` × `per_chunk` layers on one device, stepped eagerly by 1F1B on one stage.
-fn one_device(chunks: usize, per_chunk: usize, microbatches: usize) -> anyhow::Result<Trace> {
-    let p = part(&Device::sim(), (0..chunks * per_chunk).collect())?;
+fn one_device(dev: &Device, chunks: usize, per_chunk: usize, microbatches: usize) -> anyhow::Result<Trace> {
+    let p = part(dev, (0..chunks * per_chunk).collect())?;
     let schedule = Schedule::interleaved_1f1b(1, 0, 1, microbatches)?;
     let mut trace = Trace::default();
     for step in 0..STEPS {
@@ -175,21 +178,36 @@ fn stage(comm: &Communicator, pipe: Pipeline, graphed: bool) -> graphed::Result<
     Ok(trace)
 }
 
-/// Every stage of `pipe` on simulated ranks under `policy`; their traces merged, after checking
-/// that no rank's checker saw a race.
-fn pipeline(pipe: Pipeline, graphed: bool, policy: Policy) -> anyhow::Result<Trace> {
-    let ranks = on_sim_ranks(pipe.stages, SimConfig::with_policy(policy), CommOptions::default(), |c| {
+/// Every stage of `pipe` on ranks `on`; their traces merged, after checking that no rank's
+/// checker saw a race.
+fn pipeline(pipe: Pipeline, graphed: bool, on: Ranks) -> anyhow::Result<Trace> {
+    let ranks = on.run(pipe.stages, CommOptions::default(), |c| {
         let trace = stage(c, pipe, graphed);
         Ok((trace, graphed::check::Checker::of(c.device()).expect("checked").take_hazards()))
-    });
+    })?;
     let mut merged = Trace::default();
     for (r, res) in ranks.into_iter().enumerate() {
         let (trace, hazards) = res?;
-        let trace = trace.with_context(|| format!("stage {r} of {pipe:?}, graphed {graphed}, {policy:?}"))?;
-        ensure!(hazards.is_empty(), "{pipe:?} under {policy:?}: stage {r}'s checker reported {hazards:#?}");
+        let trace = trace.with_context(|| format!("stage {r} of {pipe:?}, graphed {graphed}, {on:?}"))?;
+        ensure!(hazards.is_empty(), "{pipe:?} {on:?}: stage {r}'s checker reported {hazards:#?}");
         merged.merge(trace);
     }
     Ok(merged)
+}
+
+/// `pipe` on ranks `on`, eagerly and graphed, against the whole model on `one`.
+fn pipeline_equals_one_device(pipe: Pipeline, on: Ranks, one: &Device) -> anyhow::Result<()> {
+    let want = one_device(one, pipe.stages * pipe.chunks, pipe.per_chunk, pipe.microbatches)?;
+    for graphed in [false, true] {
+        let got = pipeline(pipe, graphed, on)?;
+        ensure!(got.grads.keys().eq(want.grads.keys()), "{pipe:?}: layers {:?}", got.grads.keys());
+        for (layer, g) in &got.grads {
+            ensure!(*g == want.grads[layer], "{pipe:?}, graphed {graphed}, {on:?}: layer {layer}'s gradients");
+        }
+        ensure!(got.outputs == want.outputs, "{pipe:?}, graphed {graphed}, {on:?}: outputs");
+        ensure!(got.input_grads == want.input_grads, "{pipe:?}, graphed {graphed}, {on:?}: input gradients");
+    }
+    Ok(())
 }
 
 #[test]
@@ -203,24 +221,22 @@ fn pipelines_under_1f1b_and_interleaving_equal_one_device_bit_for_bit_eager_and_
         (Pipeline { stages: 4, chunks: 2, per_chunk: 1, microbatches: 8 }, &[Policy::Random][..]),
         (Pipeline { stages: 2, chunks: 3, per_chunk: 1, microbatches: 2 }, &[Policy::Random][..]),
     ] {
-        let want = one_device(pipe.stages * pipe.chunks, pipe.per_chunk, pipe.microbatches)?;
         for &policy in policies {
-            for graphed in [false, true] {
-                let got = pipeline(pipe, graphed, policy)?;
-                ensure!(got.grads.keys().eq(want.grads.keys()), "{pipe:?}: layers {:?}", got.grads.keys());
-                for (layer, g) in &got.grads {
-                    ensure!(
-                        *g == want.grads[layer],
-                        "{pipe:?}, graphed {graphed}, {policy:?}: layer {layer}'s gradients"
-                    );
-                }
-                ensure!(got.outputs == want.outputs, "{pipe:?}, graphed {graphed}, {policy:?}: outputs");
-                ensure!(
-                    got.input_grads == want.input_grads,
-                    "{pipe:?}, graphed {graphed}, {policy:?}: input gradients"
-                );
-            }
+            pipeline_equals_one_device(pipe, Ranks::Sim(policy), &Device::sim())?;
         }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs and NCCL"]
+fn two_gpus_under_1f1b_and_interleaving_equal_one_gpu_bit_for_bit_eager_and_graphed() -> anyhow::Result<()> {
+    for pipe in [
+        Pipeline { stages: 2, chunks: 1, per_chunk: 2, microbatches: 4 },
+        Pipeline { stages: 2, chunks: 2, per_chunk: 1, microbatches: 4 },
+        Pipeline { stages: 2, chunks: 3, per_chunk: 1, microbatches: 6 },
+    ] {
+        pipeline_equals_one_device(pipe, Ranks::Gpus, &Device::cuda_checked(0)?)?;
     }
     Ok(())
 }

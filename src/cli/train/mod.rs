@@ -212,7 +212,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         if step % 25 == 0 || step + 1 == stop {
             if let Some(g) = &group {
                 // The watchdog: a rank that died or hangs ends this one with a typed error.
-                g.comm().wait(&s)?;
+                g.wait(&s)?;
             }
             let l = losses.to_vec::<f32>(&s)?;
             last_loss = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();

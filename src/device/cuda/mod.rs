@@ -80,6 +80,11 @@ impl CudaDevice {
         })
     }
 
+    /// The GPU's ordinal in this process.
+    pub(crate) fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
     /// "NVIDIA H200 (sm_90, driver 13.0)".
     pub(crate) fn describe(&self) -> String {
         self.description.clone()

@@ -1,0 +1,160 @@
+//! The watch a process group keeps on its ranks. The rendezvous's connections stay open for the
+//! life of the group, so that when a rank's process dies (its connection closes without a
+//! goodbye) the others know which one within milliseconds, instead of seeing a collective that
+//! never ends. Rank 0 holds a connection to every rank and tells the others which one died; they
+//! hold rank 0's. After the rendezvous, each side writes at most these lines:
+//!
+//! ```text
+//! bye\n         this rank leaves on purpose (its group was dropped)
+//! gone <r>\n    rank 0 to the others: rank r died
+//! ```
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::device::CommErrorKind;
+use crate::{Error, Result};
+
+/// One open connection of the rendezvous: the peer's rank, what it sends, and how to write to it.
+pub(super) struct Connection {
+    pub(super) peer: usize,
+    pub(super) reader: BufReader<TcpStream>,
+    pub(super) writer: TcpStream,
+}
+
+/// Which ranks of a process group died or left, as this rank knows it.
+///
+/// Made by [`meet`](super::meet); a [`ProcessGroup`](super::ProcessGroup) consults it while
+/// waiting on its GPU work, so that a dead rank is a [`CommErrorKind::RankGone`] naming it.
+/// Dropping it tells the other ranks that this one leaves on purpose.
+pub struct RankWatch {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    rank: usize,
+    /// The first rank known to have died.
+    gone: Mutex<Option<usize>>,
+    /// Ranks that said goodbye.
+    left: Mutex<Vec<usize>>,
+    /// Set once this side is closing: its own connections' ends are then not deaths.
+    closing: AtomicBool,
+    /// Where this rank writes: goodbyes, and on rank 0 the news of a death.
+    writers: Mutex<Vec<(usize, TcpStream)>>,
+}
+
+impl RankWatch {
+    /// Watches `connections` (rank 0: one per other rank; the others: rank 0's), one thread each.
+    pub(super) fn start(rank: usize, connections: Vec<Connection>) -> Result<RankWatch> {
+        let fail = |e: std::io::Error| Error::Comm {
+            op: "rendezvous",
+            rank,
+            kind: CommErrorKind::Rendezvous(format!("cannot keep the group's connections open ({e})")),
+        };
+        let mut writers = Vec::with_capacity(connections.len());
+        let mut readers = Vec::with_capacity(connections.len());
+        for c in connections {
+            // The rendezvous's deadline no longer applies: a watch waits as long as the group lives.
+            c.reader.get_ref().set_read_timeout(None).map_err(fail)?;
+            writers.push((c.peer, c.writer));
+            readers.push((c.peer, c.reader));
+        }
+        let shared = Arc::new(Shared {
+            rank,
+            gone: Mutex::new(None),
+            left: Mutex::new(Vec::new()),
+            closing: AtomicBool::new(false),
+            writers: Mutex::new(writers),
+        });
+        for (peer, reader) in readers {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("graphed-watch-{peer}"))
+                .spawn(move || shared.listen(peer, reader))
+                .map_err(fail)?;
+        }
+        Ok(RankWatch { shared })
+    }
+
+    /// The first rank known to have died: its process ended without leaving the group (rank 0
+    /// sees it directly, the others hear it from rank 0; rank 0 dying is seen by all).
+    pub fn gone(&self) -> Option<usize> {
+        *self.shared.gone.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The ranks, as far as this one sees (rank 0 sees all; the others see rank 0), that left
+    /// on purpose.
+    pub fn left(&self) -> Vec<usize> {
+        self.shared.left.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// [`gone`](RankWatch::gone) as the error a rank waiting on the group gets.
+    pub fn error(&self) -> Option<CommErrorKind> {
+        self.gone().map(|rank| CommErrorKind::RankGone { rank })
+    }
+}
+
+impl std::fmt::Debug for RankWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankWatch").field("gone", &self.gone()).field("left", &self.left()).finish()
+    }
+}
+
+impl Shared {
+    /// Reads `peer`'s lines until its connection ends.
+    fn listen(&self, peer: usize, mut reader: BufReader<TcpStream>) {
+        let mut said_bye = false;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => match line.trim_end().split_once(' ') {
+                    None if line.trim_end() == "bye" => said_bye = true,
+                    Some(("gone", r)) if peer == 0 => {
+                        if let Ok(r) = r.parse() {
+                            self.died(r);
+                        }
+                    }
+                    _ => {}
+                },
+            }
+        }
+        if said_bye {
+            self.left.lock().unwrap_or_else(PoisonError::into_inner).push(peer);
+        } else if !self.closing.load(Ordering::SeqCst) {
+            self.died(peer);
+        }
+    }
+
+    /// Records that `rank` died; rank 0 tells the others.
+    fn died(&self, rank: usize) {
+        let mut gone = self.gone.lock().unwrap_or_else(PoisonError::into_inner);
+        if gone.is_some() {
+            return;
+        }
+        *gone = Some(rank);
+        if self.rank == 0 {
+            for (peer, w) in self.writers.lock().unwrap_or_else(PoisonError::into_inner).iter_mut() {
+                if *peer != rank {
+                    // A rank that cannot be told is gone too; its own connection says so.
+                    let _ = writeln!(w, "gone {rank}");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for RankWatch {
+    fn drop(&mut self) {
+        self.shared.closing.store(true, Ordering::SeqCst);
+        for (_, w) in self.shared.writers.lock().unwrap_or_else(PoisonError::into_inner).iter_mut() {
+            // A peer that misses the goodbye takes this rank for dead, which only matters if it
+            // still waits on it; there is no later call to report a failure to.
+            let _ = writeln!(w, "bye");
+            let _ = w.shutdown(Shutdown::Both);
+        }
+    }
+}
