@@ -226,7 +226,34 @@ impl Communicator {
             return Err(comm_error("Communicator::nccl", rank, CommErrorKind::BadPeer { peer: rank, size }));
         }
         let comm = b.nccl_comm(rank, size, &id.0).map_err(|k| comm_error("Communicator::nccl", rank, k))?;
-        Ok(Communicator::new(dev.clone(), rank, size, options, Repr::Cuda(comm)))
+        let comm = Communicator::new(dev.clone(), rank, size, options, Repr::Cuda(comm));
+        comm.connect()?;
+        Ok(comm)
+    }
+
+    /// Runs one small and one large all-reduce eagerly. NCCL connects a group's ranks at the
+    /// first collective that needs each connection, and connecting fails inside a stream capture
+    /// (`ncclInternalError` on the H200s when a group's first all-reduce was captured), so a
+    /// group is connected before anyone captures its collectives. Sends and receives connect
+    /// their own pairs at their first use: run one eagerly before capturing them (as
+    /// [`P2pLinks`](crate::dist::P2pLinks) does).
+    fn connect(&self) -> Result<()> {
+        let (dev, stream) = (self.device(), self.device().stream()?);
+        for len in [1, 4 << 20] {
+            let scratch = dev.alloc::<f32>(len)?;
+            self.all_reduce(&stream, &scratch)?;
+            self.wait(&stream)?;
+        }
+        Ok(())
+    }
+
+    /// Aborts a GPU communicator: its pending operations end and later ones fail. For a
+    /// watchdog that knows the group cannot finish; a simulated group breaks by itself when a
+    /// rank leaves.
+    pub(crate) fn abort(&self) {
+        if let Repr::Cuda(c) = &self.inner.repr {
+            c.abort();
+        }
     }
 
     /// One NCCL communicator per GPU of this process, as one group (rank `i` on `devices[i]`):

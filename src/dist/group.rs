@@ -92,13 +92,26 @@ impl ProcessGroup {
             Error::Comm { op: "ProcessGroup::join", rank: env.rank, kind }
         })?;
         let comm = Communicator::nccl(dev, env.rank, env.world, &NcclId::from_bytes(bytes), options)?;
+        watch.abort_on_death(&comm);
         Ok(ProcessGroup { env, comm, watch: Arc::new(watch) })
     }
 
+    /// Fails when another rank's process died: a training loop calls it before each step, so
+    /// that it enqueues nothing for a group that cannot finish.
+    ///
+    /// # Errors
+    /// [`CommErrorKind::RankGone`] naming the dead rank.
+    pub fn check(&self) -> Result<()> {
+        match self.watch.error() {
+            Some(kind) => Err(Error::Comm { op: "ProcessGroup::check", rank: self.env.rank, kind }),
+            None => Ok(()),
+        }
+    }
+
     /// Blocks until the work queued on `stream` has completed: the watchdog of a training loop.
-    /// Fails at once when another rank's process died (naming it), and after the
-    /// communicator's timeout when a rank is stuck, instead of hanging; the communicator is
-    /// then aborted.
+    /// Fails at once when another rank's process died (naming it; the communicator was aborted
+    /// when the death was seen), and after the communicator's timeout when a rank is stuck,
+    /// instead of hanging.
     ///
     /// # Errors
     /// [`CommErrorKind::RankGone`] naming the dead rank, as [`Communicator::wait`] otherwise.

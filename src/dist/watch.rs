@@ -14,7 +14,7 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::device::CommErrorKind;
+use crate::device::{CommErrorKind, Communicator};
 use crate::{Error, Result};
 
 /// One open connection of the rendezvous: the peer's rank, what it sends, and how to write to it.
@@ -43,6 +43,9 @@ struct Shared {
     closing: AtomicBool,
     /// Where this rank writes: goodbyes, and on rank 0 the news of a death.
     writers: Mutex<Vec<(usize, TcpStream)>>,
+    /// Aborted when a rank dies, so that work waiting on it ends instead of blocking this rank's
+    /// host (a copy queued behind a collective that never completes blocks it).
+    comm: Mutex<Option<Communicator>>,
 }
 
 impl RankWatch {
@@ -67,6 +70,7 @@ impl RankWatch {
             left: Mutex::new(Vec::new()),
             closing: AtomicBool::new(false),
             writers: Mutex::new(writers),
+            comm: Mutex::new(None),
         });
         for (peer, reader) in readers {
             let shared = shared.clone();
@@ -88,6 +92,14 @@ impl RankWatch {
     /// on purpose.
     pub fn left(&self) -> Vec<usize> {
         self.shared.left.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Aborts `comm` as soon as a rank dies (at once if one already has).
+    pub(super) fn abort_on_death(&self, comm: &Communicator) {
+        *self.shared.comm.lock().unwrap_or_else(PoisonError::into_inner) = Some(comm.clone());
+        if self.gone().is_some() {
+            comm.abort();
+        }
     }
 
     /// [`gone`](RankWatch::gone) as the error a rank waiting on the group gets.
@@ -129,13 +141,18 @@ impl Shared {
         }
     }
 
-    /// Records that `rank` died; rank 0 tells the others.
+    /// Records that `rank` died, aborts the communicator, and on rank 0 tells the others.
     fn died(&self, rank: usize) {
-        let mut gone = self.gone.lock().unwrap_or_else(PoisonError::into_inner);
-        if gone.is_some() {
-            return;
+        {
+            let mut gone = self.gone.lock().unwrap_or_else(PoisonError::into_inner);
+            if gone.is_some() {
+                return;
+            }
+            *gone = Some(rank);
         }
-        *gone = Some(rank);
+        if let Some(comm) = self.comm.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+            comm.abort();
+        }
         if self.rank == 0 {
             for (peer, w) in self.writers.lock().unwrap_or_else(PoisonError::into_inner).iter_mut() {
                 if *peer != rank {

@@ -15,12 +15,13 @@ mod text;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use graphed::device::{CommOptions, Device, DeviceKind, Stream};
+use graphed::device::{CommErrorKind, CommOptions, Device, DeviceKind, Stream};
 use graphed::dist::{ProcessGroup, RankEnv};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Gpt, GptConfig};
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
+use graphed::Error;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
@@ -195,39 +196,55 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         task.batch(&mut rng, plan.batch);
     }
     bar.set_position(start as u64);
-    for step in start..stop {
-        let batch = task.batch(&mut rng, plan.batch);
-        let seq = cfg.max_len;
-        let n = plan.batch * seq;
-        let tokens = Tensor::from_host(&alloc, &s, &batch.inputs, &[plan.batch, seq])?;
-        let targets = Tensor::from_host(&alloc, &s, &batch.targets, &[n])?;
-        let weights = Tensor::from_host(&alloc, &s, &batch.weights, &[n])?;
-        let issued = Instant::now();
-        let losses = {
-            // A profiler's timeline shows the step's replays and optimizer step inside this.
-            let _range = s.device().range_with(|| format!("step {step}"));
-            stepper.step(&model, &optimizer, &tokens, &targets, &weights)?
-        };
-        host += issued.elapsed();
-        if step % 25 == 0 || step + 1 == stop {
+    let trained = (|| -> anyhow::Result<()> {
+        for step in start..stop {
             if let Some(g) = &group {
-                // The watchdog: a rank that died or hangs ends this one with a typed error.
-                g.wait(&s)?;
+                // Nothing more for a group that lost a rank: its error names the rank.
+                g.check()?;
             }
-            let l = losses.to_vec::<f32>(&s)?;
-            last_loss = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
-            bar.set_message(format!("loss {last_loss:.4}"));
-            metrics.record(step, last_loss, started.elapsed().as_secs_f64())?;
-            let line = format!("step {step:5}  loss {last_loss:.4}");
-            if bar.is_hidden() {
-                say(&line);
-            } else {
-                bar.println(line);
+            let batch = task.batch(&mut rng, plan.batch);
+            let seq = cfg.max_len;
+            let n = plan.batch * seq;
+            let tokens = Tensor::from_host(&alloc, &s, &batch.inputs, &[plan.batch, seq])?;
+            let targets = Tensor::from_host(&alloc, &s, &batch.targets, &[n])?;
+            let weights = Tensor::from_host(&alloc, &s, &batch.weights, &[n])?;
+            let issued = Instant::now();
+            let losses = {
+                // A profiler's timeline shows the step's replays and optimizer step inside this.
+                let _range = s.device().range_with(|| format!("step {step}"));
+                stepper.step(&model, &optimizer, &tokens, &targets, &weights)?
+            };
+            host += issued.elapsed();
+            if step % 25 == 0 || step + 1 == stop {
+                if let Some(g) = &group {
+                    // The watchdog: a rank that died or hangs ends this one with a typed error.
+                    g.wait(&s)?;
+                }
+                let l = losses.to_vec::<f32>(&s)?;
+                last_loss = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
+                bar.set_message(format!("loss {last_loss:.4}"));
+                metrics.record(step, last_loss, started.elapsed().as_secs_f64())?;
+                let line = format!("step {step:5}  loss {last_loss:.4}");
+                if bar.is_hidden() {
+                    say(&line);
+                } else {
+                    bar.println(line);
+                }
             }
+            bar.inc(1);
         }
-        bar.inc(1);
+        s.synchronize()?;
+        Ok(())
+    })();
+    if let (Err(e), Some(g)) = (&trained, &group) {
+        // A dead rank explains whatever failed after it died (work of the aborted communicator):
+        // its error comes first, the failure it caused below it.
+        let named = matches!(e.downcast_ref(), Some(Error::Comm { kind: CommErrorKind::RankGone { .. }, .. }));
+        if let (false, Err(gone)) = (named, g.check()) {
+            return Err(anyhow::anyhow!("{e:#}").context(gone));
+        }
     }
-    s.synchronize()?;
+    trained?;
     let wall = started.elapsed();
     bar.finish_and_clear();
     if let Some(dir) = args.save.as_ref().filter(|_| lead) {
