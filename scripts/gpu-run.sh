@@ -137,6 +137,14 @@ done | tee -a "$OUT/train.log"
         done
         killed=$(date +%s.%N)
         kill -9 "$victim"
+        # Where rank 0 is, if it has not ended 15 s later.
+        sleep 15
+        for p in $(pgrep -P "$launcher"); do
+            echo "rank 0 (pid $p) still runs 15 s after; its threads:"
+            for t in /proc/$p/task/*; do echo "  $(cat $t/comm) $(cat $t/wchan)"; done | sort | uniq -c | head -20
+            command -v gdb > /dev/null && timeout 30 gdb -p "$p" -batch -ex "thread apply all bt 12" 2>/dev/null \
+                | grep -E "^Thread|^#" | head -120
+        done
         wait "$launcher"
         code=$?
         took=$(python3 -c "import time; print(f'{time.time() - $killed:.2f}')")

@@ -439,7 +439,8 @@ impl Communicator {
 
     /// As [`wait`](Communicator::wait), also failing as soon as `watch` reports why the group
     /// cannot finish (a process group's watch of its ranks' connections says which rank died);
-    /// its answer comes before NCCL's own, less specific, error.
+    /// its answer comes before NCCL's own, less specific, error. Aborting the communicator is
+    /// then the watcher's business.
     ///
     /// # Errors
     /// `watch`'s error, and as [`wait`](Communicator::wait).
@@ -453,7 +454,7 @@ impl Communicator {
                         return Ok(());
                     }
                     if let Some(kind) = watch() {
-                        c.abort();
+                        // Whoever watches aborts: this thread only stops waiting.
                         return Err(comm_error("Communicator::wait", self.rank(), kind));
                     }
                     c.async_error().map_err(|k| comm_error("Communicator::wait", self.rank(), k))?;

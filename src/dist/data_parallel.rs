@@ -2,7 +2,7 @@
 //! gradients are summed across ranks before the optimizer step.
 //!
 //! Inside graphs, each layer's gradients are one bucket (a contiguous slice of the flat gradient
-//! buffer) reduced on a high-priority communication stream forked into the next backward graph,
+//! buffer) reduced on a communication stream forked into the next backward graph,
 //! so the reduction overlaps the backward of the layer before (see [`GradSync`]). Two ranks with one
 //! microbatch each then hold the gradients one rank accumulates over both (a sum of two f32 values
 //! is exact to order), so the optimizer steps are equal bit for bit.
@@ -46,10 +46,7 @@ impl DataParallel {
         for b in &buckets {
             comm.device().check_same("DataParallel::new", "gradient bucket", b.device_id())?;
         }
-        // The most urgent priority: the reduction's kernels get SMs as soon as the backward's
-        // free any, so it keeps pace with the backward instead of trailing it.
-        let (_, urgent) = comm.device().priority_range()?;
-        let stream = comm.device().stream_with_priority(urgent)?;
+        let stream = comm.device().stream()?;
         Ok(Arc::new(DataParallel { comm: comm.clone(), stream, buckets, state: Mutex::default() }))
     }
 

@@ -150,6 +150,9 @@ impl Shared {
             }
             *gone = Some(rank);
         }
+        tracing::warn!("graphed: rank {rank}'s process ended without leaving the group; aborting its communicator");
+        // Under the slot's lock: this thread never holds the last handle, so the communicator
+        // is never destroyed here while the process exits.
         if let Some(comm) = self.comm.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
             comm.abort();
         }
@@ -166,6 +169,10 @@ impl Shared {
 
 impl Drop for RankWatch {
     fn drop(&mut self) {
+        // The communicator goes with its group, on this thread (the listeners outlive the watch
+        // until their connections close, and must not destroy it, possibly after `main`).
+        let comm = self.shared.comm.lock().unwrap_or_else(PoisonError::into_inner).take();
+        drop(comm);
         self.shared.closing.store(true, Ordering::SeqCst);
         for (_, w) in self.shared.writers.lock().unwrap_or_else(PoisonError::into_inner).iter_mut() {
             // A peer that misses the goodbye takes this rank for dead, which only matters if it

@@ -240,9 +240,15 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         // A dead rank explains whatever failed after it died (work of the aborted communicator):
         // its error comes first, the failure it caused below it.
         let named = matches!(e.downcast_ref(), Some(Error::Comm { kind: CommErrorKind::RankGone { .. }, .. }));
-        if let (false, Err(gone)) = (named, g.check()) {
-            return Err(anyhow::anyhow!("{e:#}").context(gone));
-        }
+        let err = match (named, g.check()) {
+            (false, Err(gone)) => anyhow::anyhow!("{e:#}").context(gone),
+            _ => anyhow::anyhow!("{e:#}"),
+        };
+        // A group that failed cannot be torn down: its collectives may never end, and freeing
+        // the memory they use waits for them. The process ends here, as PyTorch's NCCL watchdog
+        // ends it, and the driver reclaims the GPU.
+        eprintln!("graphed: rank {rank}: {err:#}");
+        std::process::exit(2);
     }
     trained?;
     let wall = started.elapsed();

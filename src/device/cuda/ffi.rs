@@ -350,12 +350,8 @@ impl OwnedGraph {
 
     /// `cuGraphInstantiateWithFlags(graph, 0)`. Needs the context bound.
     pub(super) fn instantiate(&self) -> Result<OwnedExec, DriverError> {
-        // Each node keeps the priority of the stream it was captured on (not the launch
-        // stream's), so that a high-priority communication stream forked into a capture stays
-        // urgent when replayed.
-        let flags = sys::CUgraphInstantiate_flags_enum::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY;
         // SAFETY: the graph is alive; the executable returned is owned by the caller.
-        let raw = unsafe { result::graph::instantiate(self.raw, flags) }?;
+        let raw = unsafe { result::graph::instantiate(self.raw, sys::CUgraphInstantiate_flags(0)) }?;
         Ok(OwnedExec { raw, _ctx: self.ctx.clone(), errors: self.errors.clone() })
     }
 }

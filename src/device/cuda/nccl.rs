@@ -94,7 +94,10 @@ impl NcclComm {
 
     /// Aborts the communicator: its pending operations end, later ones fail.
     pub(crate) fn abort(&self) {
-        if let Some(c) = self.0.comm.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        // Taken out first: a second caller (a waiting host thread) returns at once instead of
+        // waiting for this abort, which may take as long as NCCL needs to give up on a peer.
+        let taken = self.0.comm.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(c) = taken {
             // SAFETY: a valid communicator, not used after this.
             let _ = unsafe { result::comm_abort(c.0) };
         }
