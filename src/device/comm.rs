@@ -209,7 +209,8 @@ impl Communicator {
 
     /// Rank `rank` of a group of `size` GPUs that share `id` (made once by [`NcclId::new`] and
     /// sent to every rank, as a process group's rendezvous does). Blocks until every rank has
-    /// joined.
+    /// joined, then connects the group with two eager all-reduces, so that its collectives can be
+    /// captured from the first.
     ///
     /// # Errors
     /// [`Error::Comm`] with [`CommErrorKind::Nccl`] when NCCL is missing or fails, or
