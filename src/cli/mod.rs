@@ -5,6 +5,7 @@ pub mod args;
 mod bench;
 mod bench_model;
 mod demo;
+mod group;
 mod inspect;
 mod launch;
 mod plot;

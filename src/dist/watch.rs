@@ -46,7 +46,11 @@ struct Shared {
     /// Aborted when a rank dies, so that work waiting on it ends instead of blocking this rank's
     /// host (a copy queued behind a collective that never completes blocks it).
     comm: Mutex<Option<Communicator>>,
+    /// Called with the dead rank, after the abort.
+    on_death: Mutex<Option<DeathHandler>>,
 }
+
+type DeathHandler = Arc<dyn Fn(usize) + Send + Sync>;
 
 impl RankWatch {
     /// Watches `connections` (rank 0: one per other rank; the others: rank 0's), one thread each.
@@ -71,6 +75,7 @@ impl RankWatch {
             closing: AtomicBool::new(false),
             writers: Mutex::new(writers),
             comm: Mutex::new(None),
+            on_death: Mutex::new(None),
         });
         for (peer, reader) in readers {
             let shared = shared.clone();
@@ -99,6 +104,17 @@ impl RankWatch {
         *self.shared.comm.lock().unwrap_or_else(PoisonError::into_inner) = Some(comm.clone());
         if self.gone().is_some() {
             comm.abort();
+        }
+    }
+
+    /// Calls `handler` with the dead rank when a rank dies (at once if one already has), on the
+    /// watch's thread, after the communicator was aborted: a program whose host may be blocked
+    /// on work that waits for the dead rank ends itself there, as PyTorch's NCCL watchdog does.
+    pub fn on_death(&self, handler: impl Fn(usize) + Send + Sync + 'static) {
+        let handler: DeathHandler = Arc::new(handler);
+        *self.shared.on_death.lock().unwrap_or_else(PoisonError::into_inner) = Some(handler.clone());
+        if let Some(rank) = self.gone() {
+            handler(rank);
         }
     }
 
@@ -163,6 +179,10 @@ impl Shared {
                     let _ = writeln!(w, "gone {rank}");
                 }
             }
+        }
+        let handler = self.on_death.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        if let Some(handler) = handler {
+            handler(rank);
         }
     }
 }

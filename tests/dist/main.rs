@@ -236,11 +236,14 @@ fn a_rank_whose_process_dies_is_named_to_every_rank_and_one_that_leaves_is_not()
         Ok((lead?.1, follower?.1, dying))
     })?;
     ensure!(w0.gone().is_none() && w1.gone().is_none(), "nobody died yet");
+    let (told, deaths) = std::sync::mpsc::channel();
+    w1.on_death(move |rank| told.send(rank).expect("the test listens"));
     // Rank 2's process ends: its connection closes without a goodbye.
     drop(dying);
     eventually("rank 0 sees rank 2 die", || w0.gone() == Some(2))?;
     eventually("rank 1 hears of it from rank 0", || w1.gone() == Some(2))?;
     ensure!(matches!(w1.error(), Some(CommErrorKind::RankGone { rank: 2 })), "{:?}", w1.error());
+    ensure!(deaths.recv_timeout(Duration::from_secs(20))? == 2, "rank 1's handler hears of rank 2");
     // Rank 1 leaves on purpose: rank 0 sees a goodbye, not a death.
     drop(w1);
     eventually("rank 0 sees rank 1 leave", || w0.left() == [1])?;

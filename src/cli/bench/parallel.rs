@@ -6,8 +6,8 @@
 //! `--microbatches`, with their bubbles. Throughput counts every rank's samples; the speedup is
 //! over `one-gpu`. Rank 0 reports.
 
-use graphed::device::{CommOptions, Device};
-use graphed::dist::{DataParallel, ProcessGroup, RankEnv};
+use graphed::device::Device;
+use graphed::dist::{DataParallel, RankEnv};
 use graphed::graph::{GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use serde::Serialize;
@@ -50,7 +50,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
         c.check_device(&dev, "--configs")?;
     }
     let signature = format!("bench parallel {:?} {dtype} {} {}", args.configs, args.steps, args.warmup);
-    let group = env.map(|e| ProcessGroup::join(&dev, e, &signature, CommOptions::default())).transpose()?;
+    let group = crate::cli::group::join(&dev, env, &signature)?;
     let ranks = group.as_ref().map_or(1, |g| g.env().world);
     let lead = group.as_ref().is_none_or(|g| g.env().rank == 0);
     if lead {

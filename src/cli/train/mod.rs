@@ -15,8 +15,8 @@ mod text;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use graphed::device::{CommErrorKind, CommOptions, Device, DeviceKind, Stream};
-use graphed::dist::{ProcessGroup, RankEnv};
+use graphed::device::{CommErrorKind, Device, DeviceKind, Stream};
+use graphed::dist::RankEnv;
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Gpt, GptConfig};
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
@@ -133,7 +133,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     // Every rank must build the same model and step it the same number of times.
     let signature =
         format!("{cfg:?}; {} parameters; batch {}; steps {}", cfg.parameter_count(), plan.batch, plan.steps);
-    let group = env.map(|e| ProcessGroup::join(dev, e, &signature, CommOptions::default())).transpose()?;
+    let group = crate::cli::group::join(dev, env, &signature)?;
     let rank = group.as_ref().map_or(0, |g| g.env().rank);
     let lead = rank == 0;
     if let Some(g) = &group {

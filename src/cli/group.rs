@@ -1,0 +1,30 @@
+//! How the commands join their process group: the group, and the end of a process whose peer
+//! died while its host waits on the GPU.
+
+use std::time::Duration;
+
+use graphed::device::{CommOptions, Device};
+use graphed::dist::{ProcessGroup, RankEnv};
+
+/// How long a rank's own error path gets, after a peer died, before the process is ended for it.
+const GRACE: Duration = Duration::from_secs(10);
+
+/// Joins the group of `env` (none for a single process) on `dev`, every rank building `model`.
+/// When a rank dies, this one's communicator is aborted and its next check or wait fails naming
+/// the dead rank; should its host stay blocked on work that waited for that rank, the process
+/// ends after [`GRACE`] with that error, exit status 2, as `main`'s errors do.
+pub fn join(dev: &Device, env: Option<RankEnv>, model: &str) -> anyhow::Result<Option<ProcessGroup>> {
+    let Some(env) = env else { return Ok(None) };
+    let rank = env.rank;
+    let group = ProcessGroup::join(dev, env, model, CommOptions::default())?;
+    group.watch().on_death(move |dead| {
+        std::thread::sleep(GRACE);
+        eprintln!(
+            "graphed: rank {rank}: rank {dead}'s process ended without leaving the group, and this rank is still \
+             blocked on work that waited for it {} s later; ending it",
+            GRACE.as_secs()
+        );
+        std::process::exit(2);
+    });
+    Ok(Some(group))
+}
