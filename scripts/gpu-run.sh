@@ -125,6 +125,12 @@ done | tee -a "$OUT/train.log"
     fi
     .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs "${PARALLEL_CONFIGS:-M,L}" --json "$OUT/parallel.json" 2>&1
     echo "bench parallel: exit $?"
+    # $NCCL_CTAS_SWEEP: the same at L with NCCL held to that many CTAs each (less contention with
+    # the GEMMs the reductions overlap, slower reductions), rows in this log only.
+    for ctas in ${NCCL_CTAS_SWEEP:-}; do
+        echo "# NCCL_MAX_CTAS=$ctas"
+        NCCL_MAX_CTAS=$ctas .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs L --steps 10 --warmup 2 2>&1
+    done
     # A rank killed mid-run: the other must end at once with an error naming it, and the
     # launcher with a failure.
     if [ "$gpus" -ge 2 ]; then
