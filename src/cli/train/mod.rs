@@ -11,6 +11,7 @@ mod metrics;
 mod schedule;
 mod step;
 mod text;
+mod upload;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -196,6 +197,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         task.batch(&mut rng, plan.batch);
     }
     bar.set_position(start as u64);
+    let mut uploader = upload::Uploader::new(dev, plan.batch, cfg.max_len)?;
     let trained = (|| -> anyhow::Result<()> {
         for step in start..stop {
             if let Some(g) = &group {
@@ -203,11 +205,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
                 g.check()?;
             }
             let batch = task.batch(&mut rng, plan.batch);
-            let seq = cfg.max_len;
-            let n = plan.batch * seq;
-            let tokens = Tensor::from_host(&alloc, &s, &batch.inputs, &[plan.batch, seq])?;
-            let targets = Tensor::from_host(&alloc, &s, &batch.targets, &[n])?;
-            let weights = Tensor::from_host(&alloc, &s, &batch.weights, &[n])?;
+            let upload::Uploaded { tokens, targets, weights } = uploader.upload(&alloc, &s, &batch)?;
             let issued = Instant::now();
             let losses = {
                 // A profiler's timeline shows the step's replays and optimizer step inside this.

@@ -1,0 +1,76 @@
+//! The batches' way to the GPU. A copy from pageable memory must wait for its stream (see
+//! `Buffer::write_from`), which would make the host wait for every step before issuing the next;
+//! instead each batch is written into one of two pinned staging slots, used in turn, and copied
+//! on the step's stream. A slot is written again only once its copy two steps back has run, so
+//! the host runs up to two steps ahead of the GPU.
+
+use graphed::device::{DType, Device, Event, PinnedBuffer, Stream};
+use graphed::memory::CachingAllocator;
+use graphed::tensor::Tensor;
+
+use super::addition::Batch;
+
+/// A batch on the GPU: its tokens `[batch, seq]`, and per token its target and loss weight.
+pub struct Uploaded {
+    pub tokens: Tensor,
+    pub targets: Tensor,
+    pub weights: Tensor,
+}
+
+/// Two pinned slots for batches of `[batch, seq]` tokens.
+pub struct Uploader {
+    slots: [Slot; 2],
+    next: usize,
+    shape: [usize; 2],
+}
+
+struct Slot {
+    inputs: PinnedBuffer<u32>,
+    targets: PinnedBuffer<u32>,
+    weights: PinnedBuffer<f32>,
+    /// Recorded after the slot's copies; `None` before its first use.
+    copied: Option<Event>,
+}
+
+impl Uploader {
+    /// Slots for batches of `batch` rows of `seq` tokens on `dev`.
+    pub fn new(dev: &Device, batch: usize, seq: usize) -> graphed::Result<Uploader> {
+        let n = batch * seq;
+        let slot = || -> graphed::Result<Slot> {
+            Ok(Slot {
+                inputs: dev.alloc_pinned(n)?,
+                targets: dev.alloc_pinned(n)?,
+                weights: dev.alloc_pinned(n)?,
+                copied: None,
+            })
+        };
+        Ok(Uploader { slots: [slot()?, slot()?], next: 0, shape: [batch, seq] })
+    }
+
+    /// Copies `batch` to the GPU on `stream`; blocks only while the slot's copy of two batches
+    /// ago has not run.
+    pub fn upload(&mut self, alloc: &CachingAllocator, stream: &Stream, batch: &Batch) -> graphed::Result<Uploaded> {
+        let slot = &mut self.slots[self.next];
+        self.next = 1 - self.next;
+        if let Some(copied) = &slot.copied {
+            copied.synchronize()?;
+        }
+        slot.inputs.write(&batch.inputs)?;
+        slot.targets.write(&batch.targets)?;
+        slot.weights.write(&batch.weights)?;
+        let n = self.shape[0] * self.shape[1];
+        let tokens = Tensor::uninit(alloc, stream, &self.shape, DType::U32)?;
+        let targets = Tensor::uninit(alloc, stream, &[n], DType::U32)?;
+        let weights = Tensor::uninit(alloc, stream, &[n], DType::F32)?;
+        stream.copy_h2d(slot.inputs.view(), tokens.view::<u32>()?)?;
+        stream.copy_h2d(slot.targets.view(), targets.view::<u32>()?)?;
+        stream.copy_h2d(slot.weights.view(), weights.view::<f32>()?)?;
+        let copied = match slot.copied.take() {
+            Some(e) => e,
+            None => stream.device().event()?,
+        };
+        stream.record(&copied)?;
+        slot.copied = Some(copied);
+        Ok(Uploaded { tokens, targets, weights })
+    }
+}
