@@ -75,37 +75,42 @@ fi
 echo "# NCCL: $(ls /usr/lib/x86_64-linux-gnu/libnccl.so.2.* .gpu/nccl/libnccl.so 2>/dev/null | tr '\n' ' ')" | tee -a "$OUT/tests.log"
 # The `two_gpus` tests need two GPUs: with one, they are left out (and the summary says so).
 only=$([ "$gpus" -ge 2 ] || echo "not test(two_gpus)")
+# ONLY_PARALLEL=1: the two-GPU tests and the several-GPU runs alone (after a run on one GPU that
+# tested the same code).
+[ "${ONLY_PARALLEL:-0}" = 1 ] && only="test(two_gpus)"
 echo "# $gpus GPU(s); filter: ${only:-none}" | tee -a "$OUT/tests.log"
 .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
     ${only:+-E "$only"} --no-fail-fast 2>&1 | tee -a "$OUT/tests.log" \
     | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed|two_gpus" | tail -60
 # The device tool returns at most 8 files: train's logs go into one.
 logs=$(mktemp -d)
-for mode in graphed side-stream pool-per-layer eager f32 offload offload-side offload-eager schedule schedule-eager; do
-    flag=$(case $mode in
-        graphed) ;;
-        f32) echo "--dtype f32" ;;
-        offload) echo "--offload" ;;
-        offload-side) echo "--offload --side-stream" ;;
-        offload-eager) echo "--offload --eager" ;;
-        schedule-eager) echo "--schedule --eager" ;;
-        *) echo "--$mode" ;;
-    esac)
-    .gpu/graphed train $flag > "$logs/$mode.log" 2>&1
-    { echo "# graphed train $flag"; cat "$logs/$mode.log"; } >> "$OUT/train.log"
-    tail -3 "$logs/$mode.log"
-done
-# Microbatches change the GEMMs' shapes: the schedule's modes compare with each other.
-for pair in graphed:side-stream graphed:pool-per-layer graphed:eager graphed:offload graphed:offload-side \
-        graphed:offload-eager schedule:schedule-eager; do
-    base=${pair%%:*} mode=${pair#*:}
-    if diff <(grep -E '^step|^final|accuracy' "$logs/$base.log") \
-            <(grep -E '^step|^final|accuracy' "$logs/$mode.log") > /dev/null; then
-        echo "train $mode: loss lines equal to $base"
-    else
-        echo "train $mode: loss lines DIFFER from $base"
-    fi
-done | tee -a "$OUT/train.log"
+if [ "${ONLY_PARALLEL:-0}" != 1 ]; then
+    for mode in graphed side-stream pool-per-layer eager f32 offload offload-side offload-eager schedule schedule-eager; do
+        flag=$(case $mode in
+            graphed) ;;
+            f32) echo "--dtype f32" ;;
+            offload) echo "--offload" ;;
+            offload-side) echo "--offload --side-stream" ;;
+            offload-eager) echo "--offload --eager" ;;
+            schedule-eager) echo "--schedule --eager" ;;
+            *) echo "--$mode" ;;
+        esac)
+        .gpu/graphed train $flag > "$logs/$mode.log" 2>&1
+        { echo "# graphed train $flag"; cat "$logs/$mode.log"; } >> "$OUT/train.log"
+        tail -3 "$logs/$mode.log"
+    done
+    # Microbatches change the GEMMs' shapes: the schedule's modes compare with each other.
+    for pair in graphed:side-stream graphed:pool-per-layer graphed:eager graphed:offload graphed:offload-side \
+            graphed:offload-eager schedule:schedule-eager; do
+        base=${pair%%:*} mode=${pair#*:}
+        if diff <(grep -E '^step|^final|accuracy' "$logs/$base.log") \
+                <(grep -E '^step|^final|accuracy' "$logs/$mode.log") > /dev/null; then
+            echo "train $mode: loss lines equal to $base"
+        else
+            echo "train $mode: loss lines DIFFER from $base"
+        fi
+    done | tee -a "$OUT/train.log"
+fi
 # Several GPUs: every GPU of this machine, one process each through `graphed launch` (data
 # parallel, NCCL from PyTorch's package when the system has none); with one GPU, the group of one
 # must train exactly as a plain run (its all-reduce is the identity).
@@ -158,6 +163,7 @@ done | tee -a "$OUT/train.log"
         grep -vE '^step' "$logs/killed.log" | tail -8
     fi
 } 2>&1 | tee "$OUT/parallel.log"
+[ "${ONLY_PARALLEL:-0}" = 1 ] && exit 0
 # A byte-level model of a local text file (this README).
 { echo "# graphed train --data README.md --steps 300"; .gpu/graphed train --data README.md --steps 300 2>&1 | tail -6; } \
     | tee -a "$OUT/train.log"
