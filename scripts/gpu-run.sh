@@ -6,7 +6,7 @@
 # `graphs` in the same run, after PyTorch's module is checked against graphed's on the same
 # weights and inputs (`parity`, its JSON lines at the top of graphs.log), `inspect` with and
 # without offloading. Logs and JSON go to $OUT (at most 8 files come back: BENCHES="graphs" or
-# "offload" keeps it at 7 and 6).
+# "offload" keeps it at 7 and 6). ONLY_PARALLEL=1: the two-GPU tests and the several-GPU runs.
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-run.sh
 set -uo pipefail
 OUT=${OUT:-out}
