@@ -150,6 +150,8 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
             rows.push(row);
         }
     }
+    // The timing is over: a peer that ends from here on no longer concerns this rank.
+    drop(group);
     if lead {
         println!("{}", crate::cli::checker_summary(&dev));
         write_json(&args.json, &Report::new("parallel", &dev, args.steps, rows))?;

@@ -249,6 +249,9 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         std::process::exit(2);
     }
     trained?;
+    // Training is over: a peer that ends from here on, even by crashing, no longer concerns this
+    // rank (its watch would otherwise end the process during the evaluation or the save).
+    drop(group);
     let wall = started.elapsed();
     bar.finish_and_clear();
     if let Some(dir) = args.save.as_ref().filter(|_| lead) {
