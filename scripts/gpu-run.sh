@@ -77,7 +77,9 @@ echo "# NCCL: $(ls /usr/lib/x86_64-linux-gnu/libnccl.so.2.* .gpu/nccl/libnccl.so
 only=$([ "$gpus" -ge 2 ] || echo "not test(two_gpus)")
 # ONLY_PARALLEL=1: the two-GPU tests and the several-GPU runs alone (after a run on one GPU that
 # tested the same code).
-[ "${ONLY_PARALLEL:-0}" = 1 ] && only="test(two_gpus)"
+if [ "${ONLY_PARALLEL:-0}" = 1 ]; then
+    only=$([ "$gpus" -ge 2 ] && echo "test(two_gpus)" || echo "none()")
+fi
 echo "# $gpus GPU(s); filter: ${only:-none}" | tee -a "$OUT/tests.log"
 .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
     ${only:+-E "$only"} --no-fail-fast 2>&1 | tee -a "$OUT/tests.log" \
