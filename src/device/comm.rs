@@ -265,11 +265,11 @@ impl Communicator {
     /// [`Error::Unsupported`] when a device is not a GPU or a GPU appears twice; NCCL's errors
     /// as [`nccl`](Communicator::nccl).
     pub fn nccl_group(devices: &[Device], options: CommOptions) -> Result<Vec<Communicator>> {
+        let ordinal = |d: &Device| match d.backend() {
+            super::backend::BackendImpl::Cuda(b) => Some(b.ordinal()),
+            super::backend::BackendImpl::Sim(_) => None,
+        };
         for (i, d) in devices.iter().enumerate() {
-            let ordinal = |d: &Device| match d.backend() {
-                super::backend::BackendImpl::Cuda(b) => Some(b.ordinal()),
-                super::backend::BackendImpl::Sim(_) => None,
-            };
             if ordinal(d).is_none() || devices[..i].iter().any(|e| ordinal(e) == ordinal(d)) {
                 return Err(Error::Unsupported {
                     op: "Communicator::nccl_group",
@@ -281,18 +281,11 @@ impl Communicator {
         let id = NcclId::new()?;
         // Every rank blocks in NCCL's init until all have joined: one thread each.
         let size = devices.len();
-        std::thread::scope(|s| {
-            let joining: Vec<_> = (devices.iter().enumerate())
-                .map(|(rank, dev)| s.spawn(move || Communicator::nccl(dev, rank, size, &id, options)))
-                .collect();
-            (joining.into_iter().enumerate())
-                .map(|(rank, h)| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(comm_error("Communicator::nccl_group", rank, CommErrorKind::RankGone { rank }))
-                    })
-                })
-                .collect()
+        per_rank_thread("Communicator::nccl_group", devices.iter().collect(), |rank, dev| {
+            Communicator::nccl(dev, rank, size, &id, options)
         })
+        .into_iter()
+        .collect()
     }
 
     fn new(dev: Device, rank: usize, size: usize, options: CommOptions, repr: CommRepr) -> Communicator {
@@ -565,6 +558,24 @@ impl<'a, T: Elem> Transfer<'a, T> {
     pub fn recv(dst: impl IntoView<'a, Elem = T>, peer: usize) -> Transfer<'a, T> {
         Transfer::Recv(dst.into_view(), peer)
     }
+}
+
+/// Runs `f(rank, item)` for every item on a thread of its own (ranks that block until all have
+/// arrived), every rank's result in rank order; a rank whose thread panics gives
+/// [`CommErrorKind::RankGone`] from `op`.
+pub(crate) fn per_rank_thread<I: Send, T: Send>(
+    op: &'static str,
+    items: Vec<I>,
+    f: impl Fn(usize, I) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> =
+            items.into_iter().enumerate().map(|(rank, item)| s.spawn(move || f(rank, item))).collect();
+        (handles.into_iter().enumerate())
+            .map(|(rank, h)| h.join().unwrap_or_else(|_| Err(comm_error(op, rank, CommErrorKind::RankGone { rank }))))
+            .collect()
+    })
 }
 
 impl std::fmt::Debug for Communicator {

@@ -39,6 +39,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 pub use access::{Access, AccessMode, AccessRole, Dim, Region};
 pub use capture::{Capture, CaptureMode, CaptureStatus};
+pub(crate) use comm::per_rank_thread;
 pub use comm::{CommErrorKind, CommOptions, Communicator, NcclId, Transfer};
 pub(crate) use dtype::with_dtype;
 pub use dtype::{DType, Elem, Float};

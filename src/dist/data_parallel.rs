@@ -2,8 +2,8 @@
 //! gradients are summed across ranks before the optimizer step.
 //!
 //! Inside graphs, each layer's gradients are one bucket (a contiguous slice of the flat gradient
-//! buffer) reduced on a communication stream forked into the next backward graph,
-//! so the reduction overlaps the backward of the layer before (see [`GradSync`]). Two ranks with one
+//! buffer) reduced on a communication stream forked into the next backward graph, so the
+//! reduction overlaps the backward of the layer before (see [`GradSync`]). Two ranks with one
 //! microbatch each then hold the gradients one rank accumulates over both (a sum of two f32 values
 //! is exact to order), so the optimizer steps are equal bit for bit.
 

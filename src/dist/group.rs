@@ -153,17 +153,7 @@ impl ProcessGroup {
 /// # Ok::<(), graphed::Error>(())
 /// ```
 pub fn on_ranks<T: Send>(comms: Vec<Communicator>, f: impl Fn(&Communicator) -> Result<T> + Sync) -> Vec<Result<T>> {
-    let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(&c))).collect();
-        (handles.into_iter().enumerate())
-            .map(|(rank, h)| {
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::Comm { op: "on_ranks", rank, kind: CommErrorKind::RankGone { rank } })
-                })
-            })
-            .collect()
-    })
+    crate::device::per_rank_thread("on_ranks", comms, |_, c| f(&c))
 }
 
 /// Runs `f` on `ranks` simulated devices as one group ([`on_ranks`] over

@@ -107,9 +107,10 @@ impl RankWatch {
         }
     }
 
-    /// Calls `handler` with the dead rank when a rank dies (at once if one already has), on the
-    /// watch's thread, after the communicator was aborted: a program whose host may be blocked
-    /// on work that waits for the dead rank ends itself there, as PyTorch's NCCL watchdog does.
+    /// Calls `handler` with the dead rank when a rank dies, on the watch's thread, after the
+    /// communicator was aborted (or at once, on this thread, if one already died): a program
+    /// whose host may be blocked on work that waits for the dead rank ends itself there, as
+    /// PyTorch's NCCL watchdog does.
     pub fn on_death(&self, handler: impl Fn(usize) + Send + Sync + 'static) {
         let handler: DeathHandler = Arc::new(handler);
         *self.shared.on_death.lock().unwrap_or_else(PoisonError::into_inner) = Some(handler.clone());
