@@ -2,17 +2,20 @@
 //! gradients are summed across ranks before the optimizer step.
 //!
 //! Inside graphs, each layer's gradients are one bucket (a contiguous slice of the flat gradient
-//! buffer) reduced on a communication stream forked into the next backward graph, so the
-//! reduction overlaps the backward of the layer before (see [`GradSync`]). Two ranks with one
+//! buffer) reduced on a communication stream forked from the backward graphs: the parameters a
+//! module tells final early (a transformer layer's MLP half) at once, overlapping the rest of its
+//! backward, and the rest in the next backward graph, overlapping the layer before (see
+//! [`GradSync`]). Two ranks with one
 //! microbatch each then hold the gradients one rank accumulates over both (a sum of two f32 values
 //! is exact to order), so the optimizer steps are equal bit for bit.
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use crate::device::CommErrorKind;
 use crate::device::{with_dtype, BufferId, Communicator, Stream};
 use crate::graph::GradSync;
-use crate::nn::{Module, ParamStore, Stack};
+use crate::nn::{Module, Param, ParamStore, Stack};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -23,28 +26,48 @@ pub struct DataParallel {
     comm: Communicator,
     /// The communication stream, forked from the backward passes.
     stream: Stream,
-    /// Per graphed callable, its gradients as one flat tensor.
-    buckets: Vec<Tensor>,
+    /// Per graphed callable, its gradients.
+    buckets: Vec<Bucket>,
     state: Mutex<State>,
+}
+
+/// One graphed callable's gradients.
+struct Bucket {
+    /// As one flat tensor.
+    grads: Tensor,
+    /// Each parameter's range of `grads`, by name; empty when not known, and then the whole
+    /// bucket is reduced after the backward, whatever the module tells early.
+    params: Vec<(String, Range<usize>)>,
 }
 
 #[derive(Default)]
 struct State {
-    /// Callables whose gradients are complete but not yet reduced.
-    pending: Vec<usize>,
+    /// Ranges of callables' buckets whose gradients are complete but not yet reduced.
+    pending: Vec<(usize, Range<usize>)>,
+    /// Ranges of callables' buckets reduced during the backward being captured.
+    early: Vec<(usize, Range<usize>)>,
     /// Whether the communication stream was forked from the pass being captured.
     forked: bool,
 }
 
 impl DataParallel {
     /// The reduction over `comm` of `buckets[i]`, the gradients of graphed callable `i` (see
-    /// [`ParamStore::grads_of`](crate::nn::ParamStore::grads_of)).
+    /// [`ParamStore::grads_of`](crate::nn::ParamStore::grads_of)), each reduced whole after its
+    /// callable's backward. [`for_stack`](DataParallel::for_stack) knows the parameters, and
+    /// reduces those a module tells final early at once.
     ///
     /// # Errors
     /// A bucket of another device, or a stream that cannot be made.
     pub fn new(comm: &Communicator, buckets: Vec<Tensor>) -> Result<Arc<DataParallel>> {
+        DataParallel::with_buckets(
+            comm,
+            buckets.into_iter().map(|grads| Bucket { grads, params: Vec::new() }).collect(),
+        )
+    }
+
+    fn with_buckets(comm: &Communicator, buckets: Vec<Bucket>) -> Result<Arc<DataParallel>> {
         for b in &buckets {
-            comm.device().check_same("DataParallel::new", "gradient bucket", b.device_id())?;
+            comm.device().check_same("DataParallel::new", "gradient bucket", b.grads.device_id())?;
         }
         let stream = comm.device().stream()?;
         Ok(Arc::new(DataParallel { comm: comm.clone(), stream, buckets, state: Mutex::default() }))
@@ -61,8 +84,15 @@ impl DataParallel {
         store: &ParamStore,
         stack: &Stack<M>,
     ) -> Result<Arc<DataParallel>> {
-        let buckets = stack.layers().iter().map(|l| store.grads_of(&l.parameters())).collect::<Result<_>>()?;
-        DataParallel::new(comm, buckets)
+        let bucket = |layer: &M| -> Result<Bucket> {
+            let params = layer.parameters();
+            let grads = store.grads_of(&params)?;
+            let ranges = params.iter().map(|p| store.grad_range(p)).collect::<Result<Vec<_>>>()?;
+            let start = ranges.iter().map(|r| r.start).min().unwrap_or(0);
+            let params = params.iter().zip(ranges).map(|(p, r)| (p.name.clone(), r.start - start..r.end - start));
+            Ok(Bucket { grads, params: params.collect() })
+        };
+        DataParallel::with_buckets(comm, stack.layers().iter().map(bucket).collect::<Result<_>>()?)
     }
 
     /// The communicator.
@@ -80,26 +110,36 @@ impl DataParallel {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Forks the communication stream from `stream` and reduces every pending bucket on it.
-    fn reduce_pending(&self, stream: &Stream) -> Result<()> {
-        let mut st = self.lock();
-        if st.pending.is_empty() {
+    /// A gradient bucket that does not match what the capture tells.
+    fn mismatch(&self, what: String) -> Error {
+        Error::Comm { op: "DataParallel", rank: self.comm.rank(), kind: CommErrorKind::Length { what } }
+    }
+
+    fn bucket(&self, callable: usize) -> Result<&Bucket> {
+        self.buckets.get(callable).ok_or_else(|| {
+            self.mismatch(format!("graphed callable {callable} has no gradient bucket; pass one per callable"))
+        })
+    }
+
+    /// Forks the communication stream from `stream` (once per pass) and reduces `pieces` of
+    /// buckets on it.
+    fn reduce(&self, st: &mut State, stream: &Stream, pieces: &[(usize, Range<usize>)]) -> Result<()> {
+        if pieces.is_empty() {
             return Ok(());
         }
         self.stream.wait_stream(stream)?;
         st.forked = true;
-        for i in std::mem::take(&mut st.pending) {
-            let Some(bucket) = self.buckets.get(i) else {
-                let what = format!("graphed callable {i} has no gradient bucket; pass one per callable");
-                return Err(Error::Comm {
-                    op: "DataParallel",
-                    rank: self.comm.rank(),
-                    kind: CommErrorKind::Length { what },
-                });
-            };
-            self.all_reduce(&self.stream, bucket)?;
+        for (i, r) in pieces {
+            self.all_reduce(&self.stream, &self.bucket(*i)?.grads.narrow(0, r.start, r.len())?)?;
         }
         Ok(())
+    }
+
+    /// Reduces every pending piece, forked from `stream`.
+    fn reduce_pending(&self, stream: &Stream) -> Result<()> {
+        let mut st = self.lock();
+        let pending = std::mem::take(&mut st.pending);
+        self.reduce(&mut st, stream, &pending)
     }
 
     fn join(&self, stream: &Stream) -> Result<()> {
@@ -112,13 +152,62 @@ impl DataParallel {
     }
 }
 
+/// `ranges` less `done`, in order, adjacent pieces merged: what is left to reduce.
+fn subtract(mut ranges: Vec<Range<usize>>, done: &[Range<usize>]) -> Vec<Range<usize>> {
+    ranges.sort_unstable_by_key(|r| r.start);
+    let mut cuts: Vec<usize> = ranges.iter().chain(done).flat_map(|r| [r.start, r.end]).collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    let covered = |x: usize, rs: &[Range<usize>]| rs.iter().any(|r| r.contains(&x));
+    let mut left: Vec<Range<usize>> = Vec::new();
+    for w in cuts.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        if !covered(a, &ranges) || covered(a, done) {
+            continue;
+        }
+        match left.last_mut() {
+            Some(last) if last.end == a => last.end = b,
+            _ => left.push(a..b),
+        }
+    }
+    left
+}
+
 impl GradSync for DataParallel {
     fn begin_backward(&self, stream: &Stream) -> Result<()> {
         self.reduce_pending(stream)
     }
 
+    fn grads_final(&self, callable: usize, params: &[&Param], stream: &Stream) -> Result<()> {
+        let bucket = self.bucket(callable)?;
+        if bucket.params.is_empty() {
+            return Ok(());
+        }
+        let mut ranges = Vec::with_capacity(params.len());
+        for p in params {
+            let Some((_, r)) = bucket.params.iter().find(|(name, _)| *name == p.name) else {
+                return Err(self.mismatch(format!(
+                    "parameter `{}` was told final in graphed callable {callable}'s backward but is not in its gradient bucket",
+                    p.name
+                )));
+            };
+            ranges.push(r.clone());
+        }
+        let mut st = self.lock();
+        let done: Vec<_> = st.early.iter().filter(|(i, _)| *i == callable).map(|(_, r)| r.clone()).collect();
+        let pieces: Vec<_> = subtract(ranges, &done).into_iter().map(|r| (callable, r)).collect();
+        self.reduce(&mut st, stream, &pieces)?;
+        st.early.extend(pieces);
+        Ok(())
+    }
+
     fn end_backward(&self, callable: usize, _stream: &Stream) -> Result<()> {
-        self.lock().pending.push(callable);
+        let all = 0..self.bucket(callable)?.grads.numel();
+        let mut st = self.lock();
+        let done: Vec<_> = st.early.iter().filter(|(i, _)| *i == callable).map(|(_, r)| r.clone()).collect();
+        st.early.retain(|(i, _)| *i != callable);
+        let rest = subtract(vec![all], &done);
+        st.pending.extend(rest.into_iter().map(|r| (callable, r)));
         Ok(())
     }
 
@@ -134,11 +223,13 @@ impl GradSync for DataParallel {
     fn abandon(&self) {
         let mut st = self.lock();
         st.pending.clear();
+        st.early.clear();
         st.forked = false;
     }
 
     fn tail_memory(&self) -> Vec<BufferId> {
-        self.buckets.iter().filter_map(|b| b.access(crate::device::AccessMode::Read).ok()).map(|a| a.memory).collect()
+        let reads = self.buckets.iter().filter_map(|b| b.grads.access(crate::device::AccessMode::Read).ok());
+        reads.map(|a| a.memory).collect()
     }
 }
 
@@ -147,6 +238,65 @@ mod tests {
     use super::*;
     use crate::device::{CommOptions, DType, SimConfig};
     use crate::memory::CachingAllocator;
+    use crate::nn::{DropoutSpec, TransformerLayer};
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn what_is_left_is_every_element_told_and_not_done_in_merged_runs(
+            told in proptest::collection::vec((0usize..40, 0usize..10), 0..5),
+            done in proptest::collection::vec((0usize..40, 0usize..10), 0..5),
+        ) {
+            let ranges = |v: &[(usize, usize)]| v.iter().map(|&(a, n)| a..a + n).collect::<Vec<_>>();
+            let (told, done) = (ranges(&told), ranges(&done));
+            let left = subtract(told.clone(), &done);
+            for x in 0..50 {
+                let want = told.iter().any(|r| r.contains(&x)) && !done.iter().any(|r| r.contains(&x));
+                prop_assert_eq!(left.iter().any(|r| r.contains(&x)), want, "element {}", x);
+            }
+            for w in left.windows(2) {
+                prop_assert!(w[0].end < w[1].start, "runs in order, apart: {:?}", left);
+            }
+            prop_assert!(left.iter().all(|r| !r.is_empty()));
+        }
+    }
+
+    #[test]
+    fn a_layers_mlp_half_told_final_is_reduced_at_once_and_only_the_rest_waits() {
+        let out = crate::dist::on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| {
+            let (alloc, s) = (CachingAllocator::new(c.device()), c.device().stream()?);
+            let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(8))?;
+            let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
+            let dropout = DropoutSpec { p: 0.0, seed: 1, site: 0, step };
+            let layer = TransformerLayer::new(&mut store, &alloc, "h0", (8, 2), &dropout, 0, &s)?;
+            let stack = Stack::new(vec![layer]);
+            let layer = &stack.layers()[0];
+            let mlp_half = [layer.ln2.parameters(), layer.mlp.parameters()].concat();
+            let attn_end = store.grad_range(mlp_half[0])?.start;
+            let dp = DataParallel::for_stack(c, &store, &stack)?;
+            let snapshot = |dp: &DataParallel| {
+                let st = dp.lock();
+                (st.early.clone(), st.pending.clone(), st.forked)
+            };
+            dp.grads_final(0, &mlp_half, &s)?;
+            let after_mlp = snapshot(&dp);
+            dp.grads_final(0, &mlp_half, &s)?;
+            let told_twice = snapshot(&dp);
+            let stranger = Param { name: "elsewhere".into(), ..mlp_half[0].clone() };
+            let refused = dp.grads_final(0, &[&stranger], &s).err().map(|e| e.to_string());
+            dp.end_backward(0, &s)?;
+            let after_backward = snapshot(&dp);
+            dp.abandon();
+            s.synchronize()?;
+            Ok((attn_end, store.grads()?.numel(), after_mlp, told_twice, refused, after_backward))
+        });
+        let (attn_end, n, after_mlp, told_twice, refused, after_backward) =
+            out.into_iter().next().expect("one rank").expect("rank 0 ran");
+        assert_eq!(after_mlp, (vec![(0, attn_end..n)], Vec::new(), true), "the MLP half went at once");
+        assert_eq!(told_twice, after_mlp, "a half told twice is reduced once");
+        assert!(refused.is_some_and(|e| e.contains("`elsewhere`")), "a parameter of no bucket is named");
+        assert_eq!(after_backward, (Vec::new(), vec![(0, 0..attn_end)], true), "only the attention half waits");
+    }
 
     #[test]
     fn an_abandoned_capture_leaves_nothing_deferred_or_forked() {
@@ -167,7 +317,7 @@ mod tests {
             Ok((before, after))
         });
         let (before, after) = out.into_iter().next().expect("one rank").expect("rank 0 ran");
-        assert_eq!(before, (vec![0], true), "the capture deferred a bucket and forked");
+        assert_eq!(before, (vec![(0, 0..4)], true), "the capture deferred a bucket and forked");
         assert_eq!(after, (Vec::new(), false), "abandon forgets both");
     }
 }

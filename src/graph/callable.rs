@@ -4,7 +4,7 @@
 use std::any::Any;
 
 use crate::device::Stream;
-use crate::nn::{Inputs, Module, Param, SaveHook};
+use crate::nn::{GradHook, Inputs, Module, Param, SaveHook};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -45,11 +45,17 @@ pub trait Callable: Sync + sealed::Sealed {
     /// [`Module::forward`], its context boxed.
     fn forward_dyn(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, Saved)>;
 
-    /// [`Module::backward`] of a boxed context.
+    /// [`Module::backward_hooked`] of a boxed context.
     ///
     /// # Errors
     /// [`Error::Unsupported`] when `saved` comes from another module's forward.
-    fn backward_dyn(&self, saved: Saved, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>>;
+    fn backward_dyn(
+        &self,
+        saved: Saved,
+        grad_outputs: &[&Tensor],
+        hook: &dyn GradHook,
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor>>>;
 
     /// [`Module::backward_dw`].
     fn backward_dw_dyn(&self, stream: &Stream) -> Result<()>;
@@ -71,13 +77,19 @@ impl<M: Module> Callable for M {
         Ok((outputs, Box::new(ctx)))
     }
 
-    fn backward_dyn(&self, saved: Saved, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
+    fn backward_dyn(
+        &self,
+        saved: Saved,
+        grad_outputs: &[&Tensor],
+        hook: &dyn GradHook,
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor>>> {
         let ctx = saved.downcast::<M::Ctx>().map_err(|_| Error::Unsupported {
             op: "Callable::backward_dyn",
             backend: "any",
             why: "the saved context comes from another module's forward",
         })?;
-        self.backward(*ctx, grad_outputs, stream)
+        self.backward_hooked(*ctx, grad_outputs, hook, stream)
     }
 
     fn backward_dw_dyn(&self, stream: &Stream) -> Result<()> {

@@ -6,9 +6,13 @@
 //! start of the *next* backward graph (the layer before it), on a stream forked from that
 //! capture, and joined at its end, after its sync event (the tail). The last backward graph of
 //! the step reduces its own layer too and joins everything before its sync event, so a caller
-//! that resumes at the event sees every gradient reduced.
+//! that resumes at the event sees every gradient reduced. Parameters that a module tells final
+//! before its backward returns ([`Module::backward_hooked`](crate::nn::Module::backward_hooked))
+//! are reduced at once, overlapping the rest of that backward graph; only the rest waits for the
+//! next graph.
 
 use crate::device::{BufferId, Stream};
+use crate::nn::{GradHook, Param};
 use crate::Result;
 
 /// What a captured backward pass calls, in order: [`begin_backward`](GradSync::begin_backward)
@@ -21,6 +25,9 @@ pub trait GradSync: Send + Sync {
     /// A backward pass begins on `stream`: work deferred from the passes before may start, forked
     /// from `stream`, to overlap this pass.
     fn begin_backward(&self, stream: &Stream) -> Result<()>;
+    /// Inside callable `callable`'s backward, `params`' gradients are final once the work
+    /// enqueued so far on `stream` is (see [`GradHook`]).
+    fn grads_final(&self, callable: usize, params: &[&Param], stream: &Stream) -> Result<()>;
     /// Callable `callable`'s backward has accumulated its parameter gradients on `stream`.
     fn end_backward(&self, callable: usize, stream: &Stream) -> Result<()>;
     /// The step's last backward is about to record its sync event: everything the caller needs
@@ -33,4 +40,17 @@ pub trait GradSync: Send + Sync {
     /// The capture failed and its graphs are gone: forget what it deferred or forked, so that
     /// the next capture starts as the first did.
     fn abandon(&self);
+}
+
+/// What a captured backward of callable `callable` tells its module's [`GradHook`]: passed on
+/// to the [`GradSync`].
+pub(crate) struct CallableGrads<'a> {
+    pub(crate) sync: &'a dyn GradSync,
+    pub(crate) callable: usize,
+}
+
+impl GradHook for CallableGrads<'_> {
+    fn grads_final(&self, params: &[&Param], stream: &Stream) -> Result<()> {
+        self.sync.grads_final(self.callable, params, stream)
+    }
 }

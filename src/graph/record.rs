@@ -4,11 +4,12 @@
 //! a graph of its callable's pool, with the sync event recorded at its end.
 
 use super::callable::Saved;
+use super::grad_sync::CallableGrads;
 use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
 use crate::memory::{GraphPool, PoolGraph};
-use crate::nn::{backward_pass, forward_pass, Inputs, Schedule, Step, Traverse};
+use crate::nn::{backward_pass, forward_pass, Inputs, NoGradHook, Schedule, Step, Traverse};
 use crate::tensor::Tensor;
 use crate::Result;
 use std::collections::HashMap;
@@ -303,7 +304,14 @@ impl Traverse for Record<'_, '_> {
             if let Some(sync) = &sync {
                 sync.begin_backward(stream)?;
             }
-            result = Some(plan.callables[i].backward_dyn(s, &dys.iter().collect::<Vec<_>>(), stream)?);
+            let dys = dys.iter().collect::<Vec<_>>();
+            result = Some(match &sync {
+                Some(sync) => {
+                    let hook = CallableGrads { sync: sync.as_ref(), callable: i };
+                    plan.callables[i].backward_dyn(s, &dys, &hook, stream)?
+                }
+                None => plan.callables[i].backward_dyn(s, &dys, &NoGradHook, stream)?,
+            });
             if let Some(sync) = &sync {
                 sync.end_backward(i, stream)?;
             }

@@ -6,7 +6,7 @@ use super::callable::Saved;
 use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
-use crate::nn::{backward_pass, forward_pass, Inputs, Traverse};
+use crate::nn::{backward_pass, forward_pass, Inputs, NoGradHook, Traverse};
 use crate::tensor::Tensor;
 use crate::Result;
 
@@ -64,7 +64,7 @@ impl Traverse for Warmup<'_, '_> {
                 .collect::<Result<_>>()?,
         };
         let callable = plan.callables[i];
-        let grads = callable.backward_dyn(f.saved, &dys.iter().collect::<Vec<_>>(), stream)?;
+        let grads = callable.backward_dyn(f.saved, &dys.iter().collect::<Vec<_>>(), &NoGradHook, stream)?;
         plan.check_grads(i, &f.inputs, &grads)?;
         if callable.splits_dw_dyn() {
             callable.backward_dw_dyn(stream)?;

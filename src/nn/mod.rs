@@ -7,7 +7,9 @@
 //!   step sum without extra kernels;
 //! - `backward_dw`, for modules that split it out, runs the weight-gradient part separately;
 //! - saved activations go through a [`SaveHook`] at named sites, which does nothing by default,
-//!   so that activation offloading can plug in without touching every module.
+//!   so that activation offloading can plug in without touching every module;
+//! - `backward_hooked` tells a [`GradHook`] of parameter gradients final before the backward
+//!   returns, so that the data-parallel reduction starts early.
 //!
 //! Parameters live in one flat buffer per model ([`ParamStore`]), with gradients in another of
 //! the same layout, so that the optimizer updates every parameter in one launch.
@@ -16,6 +18,7 @@ mod attention;
 mod dropout;
 mod embedding;
 mod gpt;
+mod grad_hook;
 mod inputs;
 mod layernorm;
 mod linear;
@@ -31,6 +34,7 @@ pub use attention::{AttentionCtx, CausalSelfAttention};
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;
 pub use gpt::{Gpt, GptConfig, GptCtx, HeadCtx};
+pub use grad_hook::{GradHook, NoGradHook};
 pub use inputs::{Input, Inputs};
 pub use layernorm::{LayerNorm, LayerNormCtx};
 pub use linear::{BiasGrad, Linear, LinearCtx};
@@ -156,6 +160,21 @@ pub trait Module: Send + Sync {
     /// One gradient per input, in [`Inputs::iter`] order (`None`: a constant or unused input),
     /// written (`=`); parameter gradients accumulated (`+=`) into their [`Param::grad`].
     fn backward(&self, ctx: Self::Ctx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>>;
+
+    /// As [`backward`](Module::backward), telling `hook` of parameters whose gradients are final
+    /// before it returns, so that their data-parallel reduction overlaps the rest of a long
+    /// backward (a transformer layer's MLP half while its attention half runs; a stack's layers
+    /// one by one). The default tells nothing early.
+    fn backward_hooked(
+        &self,
+        ctx: Self::Ctx,
+        grad_outputs: &[&Tensor],
+        hook: &dyn GradHook,
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let _ = hook;
+        self.backward(ctx, grad_outputs, stream)
+    }
 
     /// Runs the weight-gradient work that `backward` left for later, for modules that split it
     /// out (TransformerEngine's `backward_dw`, which pipeline schedules use to fill bubbles).

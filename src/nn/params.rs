@@ -132,31 +132,36 @@ impl ParamStore {
     /// [`Error::Shape`] when a parameter is not of this store, or the parameters' gradients are
     /// not one contiguous range.
     pub fn grads_of(&self, params: &[&Param]) -> Result<Tensor> {
-        let mut ranges = Vec::with_capacity(params.len());
-        for p in params {
-            let Some((_, offset, shape)) = self.layout.iter().find(|(name, ..)| *name == p.name) else {
-                return Err(Error::Shape {
-                    op: "ParamStore::grads_of",
-                    expected: format!("a parameter of this store, not `{}`", p.name),
-                    found: p.value.shape().to_vec(),
-                });
-            };
-            ranges.push((*offset, shape.iter().product::<usize>()));
-        }
-        ranges.sort_unstable();
-        let start = ranges.first().map_or(0, |r| r.0);
+        let mut ranges = params.iter().map(|p| self.grad_range(p)).collect::<Result<Vec<_>>>()?;
+        ranges.sort_unstable_by_key(|r| r.start);
+        let start = ranges.first().map_or(0, |r| r.start);
         let mut end = start;
-        for (offset, n) in ranges {
-            if offset != end {
+        for r in ranges {
+            if r.start != end {
                 return Err(Error::Shape {
                     op: "ParamStore::grads_of",
                     expected: "parameters added one after another (one contiguous range of gradients)".into(),
-                    found: vec![end, offset],
+                    found: vec![end, r.start],
                 });
             }
-            end += n;
+            end = r.end;
         }
         self.grads.narrow(0, start, end - start)
+    }
+
+    /// Where `p`'s gradient lies in the store's flat gradient buffer, in elements.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `p` is not a parameter of this store.
+    pub fn grad_range(&self, p: &Param) -> Result<std::ops::Range<usize>> {
+        match self.layout.iter().find(|(name, ..)| *name == p.name) {
+            Some((_, offset, shape)) => Ok(*offset..*offset + shape.iter().product::<usize>()),
+            None => Err(Error::Shape {
+                op: "ParamStore::grad_range",
+                expected: format!("a parameter of this store, not `{}`", p.name),
+                found: p.value.shape().to_vec(),
+            }),
+        }
     }
 }
 

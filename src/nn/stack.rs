@@ -6,7 +6,7 @@
 //! warmup and capture of `graph::make_graphed_callables` implement [`Traverse`] and run
 //! [`forward_pass`] and [`backward_pass`], so the order is written once.
 
-use super::{Inputs, Module, Param, SaveHook};
+use super::{GradHook, Inputs, Module, NoGradHook, Param, SaveHook};
 use crate::device::Stream;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -147,10 +147,13 @@ impl<M: Module> Stack<M> {
     }
 }
 
-/// The eager traversal: each layer's own forward and backward on one stream.
+/// The eager traversal: each layer's own forward and backward on one stream, telling `grads`
+/// of each layer's parameters once its backward is enqueued (unless it leaves weight gradients
+/// to `backward_dw`).
 struct Eager<'a, M> {
     layers: &'a [M],
     hook: &'a dyn SaveHook,
+    grads: &'a dyn GradHook,
     stream: &'a Stream,
 }
 
@@ -176,7 +179,12 @@ impl<M: Module> Traverse for Eager<'_, M> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        self.layers[layer].backward(ctx, &dy.iter().collect::<Vec<_>>(), self.stream)
+        let l = &self.layers[layer];
+        let dx = l.backward_hooked(ctx, &dy.iter().collect::<Vec<_>>(), self.grads, self.stream)?;
+        if !l.splits_dw() {
+            self.grads.grads_final(&l.parameters(), self.stream)?;
+        }
+        Ok(dx)
     }
 }
 
@@ -187,13 +195,25 @@ impl<M: Module> Module for Stack<M> {
         if let (Some(step), true) = (&self.rng_step, self.training) {
             crate::ops::rng::step_add(step, 1, stream)?;
         }
-        let mut eager = Eager { layers: &self.layers, hook, stream };
+        let mut eager = Eager { layers: &self.layers, hook, grads: &NoGradHook, stream };
         let (y, layers) = forward_pass(&mut eager, self.layers.len(), inputs.clone())?;
         Ok((y.positional().cloned().collect(), StackCtx { layers }))
     }
 
     fn backward(&self, ctx: Self::Ctx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
-        let mut eager = Eager { layers: &self.layers, hook: &super::KeepOnDevice, stream };
+        self.backward_hooked(ctx, grad_outputs, &NoGradHook, stream)
+    }
+
+    /// Tells `hook` of each layer's parameters after that layer's backward, and of what the
+    /// layer tells earlier.
+    fn backward_hooked(
+        &self,
+        ctx: Self::Ctx,
+        grad_outputs: &[&Tensor],
+        hook: &dyn GradHook,
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let mut eager = Eager { layers: &self.layers, hook: &super::KeepOnDevice, grads: hook, stream };
         backward_pass(&mut eager, ctx.layers, grad_outputs.iter().map(|d| Some((*d).clone())).collect())
     }
 

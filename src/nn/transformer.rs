@@ -9,8 +9,8 @@ use super::dropout::DropoutCtx;
 use super::layernorm::{single_input, LayerNormCtx};
 use super::mlp::MlpCtx;
 use super::{
-    input_grad, BiasGrad, CausalSelfAttention, Dropout, DropoutSpec, Inputs, LayerNorm, Mlp, Module, Param, ParamStore,
-    SaveHook,
+    input_grad, BiasGrad, CausalSelfAttention, Dropout, DropoutSpec, GradHook, Inputs, LayerNorm, Mlp, Module,
+    NoGradHook, Param, ParamStore, SaveHook,
 };
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
@@ -141,6 +141,19 @@ impl Module for TransformerLayer {
     }
 
     fn backward(&self, ctx: TransformerCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
+        self.backward_hooked(ctx, grad_outputs, &NoGradHook, stream)
+    }
+
+    /// Tells `hook` of the MLP half's parameters (LN2's and the MLP's, two thirds of the layer's)
+    /// once LN2's backward has summed the last of them, so that their reduction overlaps the
+    /// attention half's backward.
+    fn backward_hooked(
+        &self,
+        ctx: TransformerCtx,
+        grad_outputs: &[&Tensor],
+        hook: &dyn GradHook,
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor>>> {
         const OP: &str = "TransformerLayer::backward";
         let dy = single_input(OP, grad_outputs)?;
         // Each LayerNorm backward adds the residual stream's gradient to its own; when the
@@ -151,6 +164,7 @@ impl Module for TransformerLayer {
         let dm = self.mlp.backward_with(ctx.mlp, &dm, bias_grad(fused), stream)?;
         let colsum = fused.then_some(&self.mlp.fc2.bias.grad);
         let dh = self.ln2.backward_with(ctx.ln2, &dm, Some(ResidualGrad { grad: dy, colsum }), stream)?;
+        hook.grads_final(&[self.ln2.parameters(), self.mlp.parameters()].concat(), stream)?;
         let fused = ctx.drop1.is_identity();
         let da = input_grad(OP, self.drop1.backward(ctx.drop1, &[&dh], stream)?)?;
         let da = self.attn.backward_with(ctx.attn, &da, bias_grad(fused), stream)?;

@@ -5,11 +5,13 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
+use graphed::device::{AccessMode, CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
 use graphed::dist::{meet, on_sim_ranks, DataParallel, RankEnv, RankWatch};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{DropoutSpec, ParamStore, Stack, TransformerLayer};
+use graphed::nn::{
+    DropoutSpec, GradHook, Inputs, Module, Param, ParamStore, SaveHook, Stack, TransformerCtx, TransformerLayer,
+};
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -139,6 +141,77 @@ fn grad_sync_without_a_backward_is_refused_before_anything_runs() -> anyhow::Res
     });
     let err = out.into_iter().next().context("one rank")??.context("refused")?;
     ensure!(err.to_string().contains("grad_sync needs training mode"), "{err}");
+    Ok(())
+}
+
+/// A layer that tells its parameters final before its backward has summed into them: the
+/// mistake [`GradHook`] makes possible.
+struct TellsEarly(TransformerLayer);
+
+impl Module for TellsEarly {
+    type Ctx = TransformerCtx;
+
+    fn forward(
+        &self,
+        inputs: &Inputs,
+        hook: &dyn SaveHook,
+        s: &Stream,
+    ) -> graphed::Result<(Vec<Tensor>, TransformerCtx)> {
+        self.0.forward(inputs, hook, s)
+    }
+
+    fn backward(&self, ctx: TransformerCtx, dys: &[&Tensor], s: &Stream) -> graphed::Result<Vec<Option<Tensor>>> {
+        self.0.backward(ctx, dys, s)
+    }
+
+    fn backward_hooked(
+        &self,
+        ctx: TransformerCtx,
+        dys: &[&Tensor],
+        hook: &dyn GradHook,
+        s: &Stream,
+    ) -> graphed::Result<Vec<Option<Tensor>>> {
+        hook.grads_final(&self.0.parameters(), s)?;
+        self.0.backward(ctx, dys, s)
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        self.0.parameters()
+    }
+
+    fn set_training(&mut self, training: bool) {
+        self.0.set_training(training);
+    }
+}
+
+#[test]
+fn a_layer_that_tells_its_gradients_final_too_early_is_caught_by_the_checker() -> anyhow::Result<()> {
+    let ranks = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
+        let (s, alloc) = (c.device().stream()?, CachingAllocator::new(c.device()));
+        let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(32))?;
+        let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
+        let dropout = DropoutSpec { p: 0.0, seed: 1, site: 0, step };
+        let layer = TransformerLayer::new(&mut store, &alloc, "h0", (32, 4), &dropout, 0, &s)?;
+        let stack = Stack::new(vec![TellsEarly(layer)]);
+        let dp = DataParallel::for_stack(c, &store, &stack)?;
+        let x = Tensor::from_host(&alloc, &s, &[0.25f32; 2 * 8 * 32], &[2, 8, 32])?;
+        let captured = make_graphed_stack(&alloc, &stack, &x, GraphOptions::default().grad_sync(dp));
+        let hazards = graphed::check::Checker::of(c.device()).expect("checked").take_hazards();
+        let grads = store.grads()?.access(AccessMode::Read)?.buffer;
+        Ok((captured.err().map(|e| e.to_string()), hazards, grads))
+    });
+    for (r, res) in ranks.into_iter().enumerate() {
+        let (refused, hazards, grads) = res?;
+        ensure!(refused.is_none(), "rank {r}: the capture itself was refused: {refused:?}");
+        ensure!(!hazards.is_empty(), "rank {r}: the early reduction went unnoticed");
+        for h in &hazards {
+            let earlier = h.earlier.as_ref().map(|o| o.op.as_str());
+            ensure!(
+                h.buffer == Some(grads) && earlier == Some("all_reduce"),
+                "rank {r}: a hazard other than the reduction racing the gradients: {h:?}"
+            );
+        }
+    }
     Ok(())
 }
 
