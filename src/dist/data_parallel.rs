@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::device::CommErrorKind;
 use crate::device::{with_dtype, BufferId, Communicator, Stream};
-use crate::graph::GradSync;
+use crate::graph::{Callable, GradSync};
 use crate::nn::{Module, Param, ParamStore, Stack};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -74,25 +74,41 @@ impl DataParallel {
     }
 
     /// The reduction of a graphed stack's gradients, one bucket per layer of `stack`, whose
-    /// parameters live in `store`.
+    /// parameters live in `store`: [`for_callables`](DataParallel::for_callables) of its layers.
     ///
     /// # Errors
-    /// As [`new`](DataParallel::new), and [`ParamStore::grads_of`]'s when a layer's parameters
-    /// are not one contiguous range of `store`.
+    /// As [`for_callables`](DataParallel::for_callables).
     pub fn for_stack<M: Module>(
         comm: &Communicator,
         store: &ParamStore,
         stack: &Stack<M>,
     ) -> Result<Arc<DataParallel>> {
-        let bucket = |layer: &M| -> Result<Bucket> {
-            let params = layer.parameters();
+        let layers: Vec<&dyn Callable> = stack.layers().iter().map(|l| l as &dyn Callable).collect();
+        DataParallel::for_callables(comm, store, &layers)
+    }
+
+    /// The reduction of the gradients of `callables`, as given to
+    /// [`make_graphed_callables`](crate::graph::make_graphed_callables), one bucket per callable,
+    /// whose parameters live in `store`. Knowing each callable's parameters, it reduces those its
+    /// module tells final early at once (a whole stack graphed as one callable: layer by layer).
+    ///
+    /// # Errors
+    /// As [`new`](DataParallel::new), and [`ParamStore::grads_of`]'s when a callable's
+    /// parameters are not one contiguous range of `store`.
+    pub fn for_callables(
+        comm: &Communicator,
+        store: &ParamStore,
+        callables: &[&dyn Callable],
+    ) -> Result<Arc<DataParallel>> {
+        let bucket = |c: &&dyn Callable| -> Result<Bucket> {
+            let params = c.parameters_dyn();
             let grads = store.grads_of(&params)?;
             let ranges = params.iter().map(|p| store.grad_range(p)).collect::<Result<Vec<_>>>()?;
             let start = ranges.iter().map(|r| r.start).min().unwrap_or(0);
             let params = params.iter().zip(ranges).map(|(p, r)| (p.name.clone(), r.start - start..r.end - start));
             Ok(Bucket { grads, params: params.collect() })
         };
-        DataParallel::with_buckets(comm, stack.layers().iter().map(bucket).collect::<Result<_>>()?)
+        DataParallel::with_buckets(comm, callables.iter().map(bucket).collect::<Result<_>>()?)
     }
 
     /// The communicator.

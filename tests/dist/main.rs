@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context};
 use graphed::device::{AccessMode, CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
 use graphed::dist::{meet, on_sim_ranks, DataParallel, RankEnv, RankWatch};
-use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
+use graphed::graph::{make_graphed_callables, make_graphed_stack, Callable, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     DropoutSpec, GradHook, Inputs, Module, Param, ParamStore, SaveHook, Stack, TransformerCtx, TransformerLayer,
@@ -102,20 +102,48 @@ fn data_parallel(comm: &Communicator) -> anyhow::Result<Trace> {
     Ok(trace)
 }
 
+/// As [`data_parallel`], with the whole stack graphed as one callable: its layers tell the
+/// reduction one by one, inside the one backward graph.
+fn data_parallel_one_callable(comm: &Communicator) -> anyhow::Result<Trace> {
+    let m = model(comm.device())?;
+    let callables: [&dyn Callable; 1] = [&m.stack];
+    let dp = DataParallel::for_callables(comm, &m.store, &callables)?;
+    let (x0, _) = data(&m, 0, 0)?;
+    let (side, ready) = (comm.device().stream()?, comm.device().event()?);
+    let options = GraphOptions::default().sync_event(&ready).grad_sync(dp);
+    let graphed = make_graphed_callables(&m.alloc, &callables, &[Inputs::one(&x0)], options)?.remove(0);
+    let mut trace = Vec::new();
+    for step in 0..STEPS {
+        let (x, dy) = data(&m, step, comm.rank() as u64)?;
+        let (_, forward) = graphed.forward(&m.s, &Inputs::one(&x), Replay::side(&side))?;
+        let (_, backward) = graphed.backward(&m.s, &[&dy])?;
+        forward.join(&m.s)?;
+        backward.join(&m.s)?;
+        let grads = m.store.grads()?.to_vec::<f32>(&m.s)?;
+        m.opt.step(&m.s)?;
+        trace.push((grads, m.store.values()?.to_vec::<f32>(&m.s)?));
+    }
+    Ok(trace)
+}
+
 #[test]
 fn two_ranks_with_a_microbatch_each_equal_one_rank_with_both_bit_for_bit_and_race_free() -> anyhow::Result<()> {
     let want = one_rank(&Device::sim(), 2)?;
     for policy in Policy::ALL {
-        data_parallel_equals(&want, Ranks::Sim(policy))?;
+        data_parallel_equals(&want, Ranks::Sim(policy), data_parallel)?;
     }
-    Ok(())
+    data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), data_parallel_one_callable)
 }
 
-/// Two data-parallel ranks `on` give `want`'s gradients and parameters at every step, and their
-/// checkers stay quiet.
-fn data_parallel_equals(want: &Trace, on: Ranks) -> anyhow::Result<()> {
+/// Two data-parallel ranks `on`, each running `rank`, give `want`'s gradients and parameters at
+/// every step, and their checkers stay quiet.
+fn data_parallel_equals(
+    want: &Trace,
+    on: Ranks,
+    rank: fn(&Communicator) -> anyhow::Result<Trace>,
+) -> anyhow::Result<()> {
     let ranks = on.run(2, CommOptions::default(), |c| {
-        let trace = data_parallel(c);
+        let trace = rank(c);
         Ok((trace, graphed::check::Checker::of(c.device()).expect("checked").take_hazards()))
     })?;
     for (r, res) in ranks.into_iter().enumerate() {
@@ -372,6 +400,7 @@ mod two_gpus {
     #[ignore = "needs two CUDA GPUs and NCCL"]
     fn two_gpus_with_a_microbatch_each_equal_one_gpu_with_both_bit_for_bit() -> anyhow::Result<()> {
         let want = one_rank(&Device::cuda_checked(0)?, 2)?;
-        data_parallel_equals(&want, Ranks::Gpus)
+        data_parallel_equals(&want, Ranks::Gpus, data_parallel)?;
+        data_parallel_equals(&want, Ranks::Gpus, data_parallel_one_callable)
     }
 }
