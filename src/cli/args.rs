@@ -37,9 +37,19 @@ pub enum Command {
 /// Arguments of `launch`.
 #[derive(Args, Debug, Clone)]
 pub struct LaunchArgs {
-    /// How many processes (one GPU each).
+    /// How many processes on this host (one GPU each).
     #[arg(long, default_value_t = 2)]
     pub gpus: usize,
+    /// How many hosts run a launcher with the same `--gpus` (torchrun's `--nnodes`).
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This host's place among them: its ranks are `node_rank·gpus ..` (torchrun's `--node-rank`).
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// The address of the host of rank 0 (node rank 0), reachable from every host; needed with
+    /// several hosts.
+    #[arg(long)]
+    pub master_addr: Option<String>,
     /// The rendezvous port of rank 0.
     #[arg(long, default_value_t = 29500)]
     pub port: u16,

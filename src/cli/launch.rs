@@ -1,7 +1,8 @@
 //! `graphed launch`: one process per GPU of this host, with torchrun's variables, so that
 //! `graphed launch --gpus 2 -- train` runs data parallel. On several hosts, start one launcher
-//! per host with the same `MASTER_ADDR`/`MASTER_PORT` and ranks offset per host (or use
-//! torchrun): the processes only read the variables, and NCCL picks its transports itself.
+//! per host with the same `--nnodes`, `--master-addr` and `--port` and its own `--node-rank`
+//! (torchrun's flags; torchrun itself works as well): the processes only read the variables, and
+//! NCCL picks its transports itself.
 
 use std::path::PathBuf;
 use std::process::{Child, Command};
@@ -9,22 +10,45 @@ use std::time::{Duration, Instant};
 
 use super::args::LaunchArgs;
 
+/// The variables of this host's process `local`, or why the flags cannot give them.
+fn rank_vars(args: &LaunchArgs, local: usize) -> anyhow::Result<Vec<(&'static str, String)>> {
+    anyhow::ensure!(args.gpus > 0, "--gpus must be at least 1");
+    anyhow::ensure!(args.nnodes > 0, "--nnodes must be at least 1");
+    anyhow::ensure!(
+        args.node_rank < args.nnodes,
+        "--node-rank {} is not below --nnodes {}; number the hosts 0 to {}",
+        args.node_rank,
+        args.nnodes,
+        args.nnodes - 1
+    );
+    let master = match (&args.master_addr, args.nnodes) {
+        (Some(addr), _) => addr.clone(),
+        (None, 1) => "127.0.0.1".to_string(),
+        (None, n) => {
+            anyhow::bail!("--nnodes {n} needs --master-addr: the address of node rank 0's host, the same on every host")
+        }
+    };
+    Ok(vec![
+        ("RANK", (args.node_rank * args.gpus + local).to_string()),
+        ("LOCAL_RANK", local.to_string()),
+        ("WORLD_SIZE", (args.nnodes * args.gpus).to_string()),
+        ("MASTER_ADDR", master),
+        ("MASTER_PORT", args.port.to_string()),
+        // NVLink multicast can take a shared host's GPUs out of service: never on here.
+        ("NCCL_NVLS_ENABLE", "0".to_string()),
+    ])
+}
+
 /// Starts the processes and waits for them; the first failure is the launcher's.
 pub fn run(args: &LaunchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.gpus > 0, "--gpus must be at least 1");
+    let vars = (0..args.gpus).map(|local| rank_vars(args, local)).collect::<anyhow::Result<Vec<_>>>()?;
     let exe = std::env::current_exe()?;
     let nccl = nccl_library_path();
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(args.gpus);
-    for rank in 0..args.gpus {
+    for (local, vars) in vars.into_iter().enumerate() {
+        let rank = args.node_rank * args.gpus + local;
         let mut cmd = Command::new(&exe);
-        cmd.args(&args.args)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", args.gpus.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", args.port.to_string())
-            // NVLink multicast can take a shared host's GPUs out of service: never on here.
-            .env("NCCL_NVLS_ENABLE", "0");
+        cmd.args(&args.args).envs(vars);
         if let Some(dir) = &nccl {
             let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
             cmd.env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()));
@@ -97,4 +121,49 @@ fn nccl_library_path() -> Option<PathBuf> {
     let _ = std::os::unix::fs::symlink(&lib, &link);
     eprintln!("graphed launch: NCCL from {}", lib.display());
     link.exists().then_some(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(gpus: usize, nnodes: usize, node_rank: usize, master_addr: Option<&str>) -> LaunchArgs {
+        LaunchArgs {
+            gpus,
+            nnodes,
+            node_rank,
+            master_addr: master_addr.map(str::to_string),
+            port: 29511,
+            grace: 60,
+            args: vec!["train".into()],
+        }
+    }
+
+    fn var(vars: &[(&str, String)], name: &str) -> String {
+        vars.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone()).unwrap_or_default()
+    }
+
+    #[test]
+    fn the_hosts_ranks_follow_one_another_as_torchruns_do() {
+        let launched = args(4, 3, 2, Some("10.0.0.1"));
+        let vars = rank_vars(&launched, 1).expect("valid flags");
+        let got: Vec<String> =
+            ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"].iter().map(|n| var(&vars, n)).collect();
+        assert_eq!(got, ["9", "1", "12", "10.0.0.1", "29511"]);
+        let one_host = rank_vars(&args(2, 1, 0, None), 1).expect("valid flags");
+        assert_eq!((var(&one_host, "RANK"), var(&one_host, "MASTER_ADDR")), ("1".into(), "127.0.0.1".into()));
+    }
+
+    #[test]
+    fn flags_that_cannot_make_a_group_are_refused_naming_the_flag() {
+        for (bad, flag) in [
+            (args(0, 1, 0, None), "--gpus"),
+            (args(2, 0, 0, None), "--nnodes"),
+            (args(2, 2, 2, Some("10.0.0.1")), "--node-rank 2"),
+            (args(2, 2, 1, None), "--master-addr"),
+        ] {
+            let err = rank_vars(&bad, 0).expect_err("refused").to_string();
+            assert!(err.contains(flag), "{flag}: {err}");
+        }
+    }
 }

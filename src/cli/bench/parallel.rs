@@ -1,8 +1,10 @@
 //! `graphed bench parallel`: data and pipeline parallelism over the GPUs of `graphed launch
 //! --gpus N -- bench parallel` (one process per GPU). Per configuration: `one-gpu`, each GPU
 //! stepping its own copy alone (graphed, side-stream replay); `dp-eager`, eager steps with every
-//! gradient reduced after the backward; `dp-graphed`, graphed steps with each layer's gradients
-//! reduced inside the next backward graph; then the pipeline variants of `pipeline.rs` over
+//! gradient reduced after the backward; `dp-graphed-layer`, graphed steps with each layer's
+//! gradients reduced whole inside the next backward graph; `dp-graphed`, the same with each
+//! layer's MLP half reduced during its own attention backward (`Module::backward_hooked`); then
+//! the pipeline variants of `pipeline.rs` over
 //! `--microbatches`, with their bubbles. Throughput counts every rank's samples; the speedup is
 //! over `one-gpu`. Rank 0 reports.
 
@@ -10,6 +12,7 @@ use graphed::device::Device;
 use graphed::dist::{DataParallel, RankEnv};
 use graphed::graph::{GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
+use graphed::nn::Module;
 use serde::Serialize;
 
 use super::graphs::measure;
@@ -61,7 +64,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
         // The one-GPU step's median: its throughput is the speedups' base, its time T₁ the bubbles'.
         let mut one_gpu_ms: Option<f64> = None;
         let one_gpu = |ms: Option<f64>| ms.map(|t| config.batch as f64 / (t / 1e3));
-        for variant in ["one-gpu", "dp-eager", "dp-graphed"] {
+        for variant in ["one-gpu", "dp-eager", "dp-graphed-layer", "dp-graphed"] {
             let comm = match (variant, &group) {
                 ("one-gpu", _) => None,
                 (_, Some(g)) => Some(g.comm()),
@@ -84,7 +87,15 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
                 (_, comm) => {
                     let mut options = GraphOptions::default().sync_event(&ready);
                     if let Some(c) = comm {
-                        options = options.grad_sync(DataParallel::for_stack(c, &model.store, &model.stack)?);
+                        let dp = match variant {
+                            "dp-graphed-layer" => {
+                                let layers = model.stack.layers().iter();
+                                let buckets = layers.map(|l| model.store.grads_of(&l.parameters()));
+                                DataParallel::new(c, buckets.collect::<graphed::Result<_>>()?)?
+                            }
+                            _ => DataParallel::for_stack(c, &model.store, &model.stack)?,
+                        };
+                        options = options.grad_sync(dp);
                     }
                     let graphed = model.graph_with(&alloc, options)?;
                     measure(&dev, &main, (args.warmup, args.steps), &mut || {
