@@ -130,6 +130,26 @@ fi
             echo "launch --gpus 1: loss lines DIFFER from a plain run"
         fi
     fi
+    # Two "hosts" of one GPU each (a launcher per GPU, torchrun's flags): the same group, so the
+    # same loss lines as one launcher of two.
+    if [ "$gpus" -ge 2 ]; then
+        nodes=()
+        for node in 0 1; do
+            CUDA_VISIBLE_DEVICES=$node .gpu/graphed launch --nnodes 2 --node-rank $node --master-addr 127.0.0.1 \
+                --port 29610 --gpus 1 -- train --steps 300 > "$logs/node$node.log" 2>&1 &
+            nodes+=($!)
+        done
+        for node in 0 1; do
+            wait "${nodes[$node]}"
+            echo "launch --nnodes 2 --node-rank $node: exit $?; $(grep -m1 '^rank' "$logs/node$node.log")"
+        done
+        if diff <(grep -E '^step|^final|accuracy' "$logs/launch.log") <(grep -E '^step|^final|accuracy' "$logs/node0.log") > /dev/null; then
+            echo "launch --nnodes 2 (one GPU per launcher): loss lines equal to launch --gpus 2"
+        else
+            echo "launch --nnodes 2 (one GPU per launcher): loss lines DIFFER from launch --gpus 2"
+            tail -5 "$logs/node0.log"
+        fi
+    fi
     .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs "${PARALLEL_CONFIGS:-M,L}" --json "$OUT/parallel.json" 2>&1
     echo "bench parallel: exit $?"
     # $NCCL_CTAS_SWEEP: the same at L with NCCL held to that many CTAs each (less contention with
