@@ -46,7 +46,7 @@ struct Shared {
     /// Aborted when a rank dies, so that work waiting on it ends instead of blocking this rank's
     /// host (a copy queued behind a collective that never completes blocks it).
     comm: Mutex<Option<Communicator>>,
-    /// Called with the dead rank, after the abort.
+    /// Called with the dead rank, on a thread of its own.
     on_death: Mutex<Option<DeathHandler>>,
 }
 
@@ -107,10 +107,10 @@ impl RankWatch {
         }
     }
 
-    /// Calls `handler` with the dead rank when a rank dies, on the watch's thread, after the
-    /// communicator was aborted (or at once, on this thread, if one already died): a program
-    /// whose host may be blocked on work that waits for the dead rank ends itself there, as
-    /// PyTorch's NCCL watchdog does.
+    /// Calls `handler` with the dead rank when a rank dies, on a thread of its own, started as
+    /// the communicator's abort begins (or at once, on this thread, if one already died): a
+    /// program whose host may be blocked on work that waits for the dead rank ends itself there,
+    /// as PyTorch's NCCL watchdog does, even if the abort itself blocks.
     pub fn on_death(&self, handler: impl Fn(usize) + Send + Sync + 'static) {
         let handler: DeathHandler = Arc::new(handler);
         *self.shared.on_death.lock().unwrap_or_else(PoisonError::into_inner) = Some(handler.clone());
@@ -158,7 +158,9 @@ impl Shared {
         }
     }
 
-    /// Records that `rank` died, aborts the communicator, and on rank 0 tells the others.
+    /// Records that `rank` died, on rank 0 tells the others, starts the death handler and aborts
+    /// the communicator, in that order: NCCL's abort may wait for kernels that wait for the dead
+    /// rank, and neither the news nor the handler may wait behind it.
     fn died(&self, rank: usize) {
         {
             let mut gone = self.gone.lock().unwrap_or_else(PoisonError::into_inner);
@@ -168,11 +170,6 @@ impl Shared {
             *gone = Some(rank);
         }
         tracing::warn!("graphed: rank {rank}'s process ended without leaving the group; aborting its communicator");
-        // Under the slot's lock: this thread never holds the last handle, so the communicator
-        // is never destroyed here while the process exits.
-        if let Some(comm) = self.comm.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
-            comm.abort();
-        }
         if self.rank == 0 {
             for (peer, w) in self.writers.lock().unwrap_or_else(PoisonError::into_inner).iter_mut() {
                 if *peer != rank {
@@ -183,7 +180,16 @@ impl Shared {
         }
         let handler = self.on_death.lock().unwrap_or_else(PoisonError::into_inner).clone();
         if let Some(handler) = handler {
-            handler(rank);
+            let run = handler.clone();
+            let spawned = std::thread::Builder::new().name("graphed-on-death".into()).spawn(move || run(rank));
+            if spawned.is_err() {
+                handler(rank);
+            }
+        }
+        // Under the slot's lock: this thread never holds the last handle, so the communicator
+        // is never destroyed here while the process exits.
+        if let Some(comm) = self.comm.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+            comm.abort();
         }
     }
 }
