@@ -16,8 +16,8 @@ const GRACE: Duration = Duration::from_secs(10);
 pub fn join(dev: &Device, env: Option<RankEnv>, model: &str) -> anyhow::Result<Option<ProcessGroup>> {
     let Some(env) = env else { return Ok(None) };
     let rank = env.rank;
-    let group = ProcessGroup::join(dev, env, model, CommOptions::default())?;
-    group.watch().on_death(move |dead| {
+    // Given before NCCL's initialization, which waits for every rank and cannot be aborted.
+    let group = ProcessGroup::join_with_on_death(dev, env, model, CommOptions::default(), move |dead| {
         std::thread::sleep(GRACE);
         eprintln!(
             "graphed: rank {rank}: rank {dead}'s process ended without leaving the group, and this rank is still \
@@ -25,6 +25,6 @@ pub fn join(dev: &Device, env: Option<RankEnv>, model: &str) -> anyhow::Result<O
             GRACE.as_secs()
         );
         std::process::exit(2);
-    });
+    })?;
     Ok(Some(group))
 }

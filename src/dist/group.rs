@@ -82,11 +82,40 @@ impl ProcessGroup {
     /// [`CommErrorKind::ModelMismatch`] on every rank when one builds another model, and NCCL's
     /// or the GPU's errors.
     pub fn join(dev: &Device, env: RankEnv, model: &str, options: CommOptions) -> Result<ProcessGroup> {
+        ProcessGroup::join_inner(dev, env, model, options, None)
+    }
+
+    /// As [`join`](ProcessGroup::join), with `on_death` given to the group's watch (see
+    /// [`RankWatch::on_death`]) before NCCL's initialization, which waits for every rank and
+    /// cannot be aborted from outside: a rank that dies then still ends this one.
+    ///
+    /// # Errors
+    /// As [`join`](ProcessGroup::join).
+    pub fn join_with_on_death(
+        dev: &Device,
+        env: RankEnv,
+        model: &str,
+        options: CommOptions,
+        on_death: impl Fn(usize) + Send + Sync + 'static,
+    ) -> Result<ProcessGroup> {
+        ProcessGroup::join_inner(dev, env, model, options, Some(Box::new(on_death)))
+    }
+
+    fn join_inner(
+        dev: &Device,
+        env: RankEnv,
+        model: &str,
+        options: CommOptions,
+        on_death: Option<Box<dyn Fn(usize) + Send + Sync>>,
+    ) -> Result<ProcessGroup> {
         let id = match env.rank {
             0 => Some(NcclId::new()?),
             _ => None,
         };
         let (shared, watch) = rendezvous::meet(&env, model, id.map(|i| i.as_bytes().to_vec()), options.timeout)?;
+        if let Some(handler) = on_death {
+            watch.on_death(handler);
+        }
         let bytes: [u8; 128] = shared.try_into().map_err(|_| {
             let kind = CommErrorKind::Rendezvous("rank 0 sent an NCCL id of the wrong length".into());
             Error::Comm { op: "ProcessGroup::join", rank: env.rank, kind }
