@@ -158,31 +158,33 @@ fi
         echo "# NCCL_MAX_CTAS=$ctas"
         NCCL_MAX_CTAS=$ctas .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs L --steps 10 --warmup 2 2>&1
     done
-    # A rank killed mid-run: the other must end at once with an error naming it, and the
-    # launcher with a failure.
+    # A rank killed mid-run (rank 1, then rank 0, whose death the others see directly): the other
+    # must end by itself within seconds with an error naming it, and the launcher with a failure.
     if [ "$gpus" -ge 2 ]; then
-        .gpu/graphed launch --gpus 2 -- train --steps 100000 > "$logs/killed.log" 2>&1 &
-        launcher=$!
-        for _ in $(seq 1 240); do grep -q '^step' "$logs/killed.log" && break; sleep 0.5; done
-        victim=
-        for p in $(pgrep -P "$launcher"); do
-            tr '\0' '\n' < "/proc/$p/environ" | grep -qx 'RANK=1' && victim=$p
+        for dead in 1 0; do
+            .gpu/graphed launch --gpus 2 --port $((29620 + dead)) -- train --steps 100000 > "$logs/killed.log" 2>&1 &
+            launcher=$!
+            for _ in $(seq 1 240); do grep -q '^step' "$logs/killed.log" && break; sleep 0.5; done
+            victim=
+            for p in $(pgrep -P "$launcher"); do
+                tr '\0' '\n' < "/proc/$p/environ" | grep -qx "RANK=$dead" && victim=$p
+            done
+            killed=$(date +%s.%N)
+            kill -9 "$victim"
+            # Where the survivor is, if it has not ended 15 s later.
+            sleep 15
+            for p in $(pgrep -P "$launcher"); do
+                echo "the survivor (pid $p) still runs 15 s after; its threads:"
+                for t in /proc/$p/task/*; do echo "  $(cat $t/comm) $(cat $t/wchan)"; done | sort | uniq -c | head -20
+                command -v gdb > /dev/null && timeout 30 gdb -p "$p" -batch -ex "thread apply all bt 12" 2>/dev/null \
+                    | grep -E "^Thread|^#" | head -120
+            done
+            wait "$launcher"
+            code=$?
+            took=$(python3 -c "import time; print(f'{time.time() - $killed:.2f}')")
+            echo "rank $dead (pid $victim) killed with SIGKILL: launch exit $code after $took s"
+            grep -vE '^step' "$logs/killed.log" | tail -8
         done
-        killed=$(date +%s.%N)
-        kill -9 "$victim"
-        # Where rank 0 is, if it has not ended 15 s later.
-        sleep 15
-        for p in $(pgrep -P "$launcher"); do
-            echo "rank 0 (pid $p) still runs 15 s after; its threads:"
-            for t in /proc/$p/task/*; do echo "  $(cat $t/comm) $(cat $t/wchan)"; done | sort | uniq -c | head -20
-            command -v gdb > /dev/null && timeout 30 gdb -p "$p" -batch -ex "thread apply all bt 12" 2>/dev/null \
-                | grep -E "^Thread|^#" | head -120
-        done
-        wait "$launcher"
-        code=$?
-        took=$(python3 -c "import time; print(f'{time.time() - $killed:.2f}')")
-        echo "rank 1 (pid $victim) killed with SIGKILL: launch exit $code after $took s"
-        grep -vE '^step' "$logs/killed.log" | tail -8
     fi
 } 2>&1 | tee "$OUT/parallel.log"
 [ "${ONLY_PARALLEL:-0}" = 1 ] && exit 0
