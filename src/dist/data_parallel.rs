@@ -5,9 +5,9 @@
 //! buffer) reduced on a communication stream forked from the backward graphs: the parameters a
 //! module tells final early (a transformer layer's MLP half) at once, overlapping the rest of its
 //! backward, and the rest in the next backward graph, overlapping the layer before (see
-//! [`GradSync`]). Two ranks with one
-//! microbatch each then hold the gradients one rank accumulates over both (a sum of two f32 values
-//! is exact to order), so the optimizer steps are equal bit for bit.
+//! [`GradSync`]). Two ranks with one microbatch each then hold the gradients one rank
+//! accumulates over both (a sum of two f32 values is exact to order), so the optimizer steps are
+//! equal bit for bit.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -50,11 +50,19 @@ struct State {
     forked: bool,
 }
 
+impl State {
+    /// What callable `callable`'s backward has reduced so far.
+    fn early_of(&self, callable: usize) -> Vec<Range<usize>> {
+        self.early.iter().filter(|(i, _)| *i == callable).map(|(_, r)| r.clone()).collect()
+    }
+}
+
 impl DataParallel {
     /// The reduction over `comm` of `buckets[i]`, the gradients of graphed callable `i` (see
     /// [`ParamStore::grads_of`](crate::nn::ParamStore::grads_of)), each reduced whole after its
-    /// callable's backward. [`for_stack`](DataParallel::for_stack) knows the parameters, and
-    /// reduces those a module tells final early at once.
+    /// callable's backward. [`for_callables`](DataParallel::for_callables) and
+    /// [`for_stack`](DataParallel::for_stack) know the parameters, and reduce those a module
+    /// tells final early at once.
     ///
     /// # Errors
     /// A bucket of another device, or a stream that cannot be made.
@@ -210,8 +218,7 @@ impl GradSync for DataParallel {
             ranges.push(r.clone());
         }
         let mut st = self.lock();
-        let done: Vec<_> = st.early.iter().filter(|(i, _)| *i == callable).map(|(_, r)| r.clone()).collect();
-        let pieces: Vec<_> = subtract(ranges, &done).into_iter().map(|r| (callable, r)).collect();
+        let pieces: Vec<_> = subtract(ranges, &st.early_of(callable)).into_iter().map(|r| (callable, r)).collect();
         self.reduce(&mut st, stream, &pieces)?;
         st.early.extend(pieces);
         Ok(())
@@ -220,9 +227,8 @@ impl GradSync for DataParallel {
     fn end_backward(&self, callable: usize, _stream: &Stream) -> Result<()> {
         let all = 0..self.bucket(callable)?.grads.numel();
         let mut st = self.lock();
-        let done: Vec<_> = st.early.iter().filter(|(i, _)| *i == callable).map(|(_, r)| r.clone()).collect();
+        let rest = subtract(vec![all], &st.early_of(callable));
         st.early.retain(|(i, _)| *i != callable);
-        let rest = subtract(vec![all], &done);
         st.pending.extend(rest.into_iter().map(|r| (callable, r)));
         Ok(())
     }
