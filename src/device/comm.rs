@@ -312,6 +312,52 @@ impl Communicator {
         self.inner.options
     }
 
+    /// Splits the group (NCCL's `ncclCommSplit`): every rank calls it, and it blocks on the host
+    /// until all have; the ranks that give the same `color` form a new group, ranked by `key`
+    /// and then by their rank here, connected as a new group is. `None` joins no group and
+    /// returns `None`. Megatron-LM's data- and pipeline-parallel groups are two splits of the
+    /// world: with P stages of D replicas and rank `r = stage·D + replica`, the stage's
+    /// data-parallel group is `split(Some(stage), replica)` and the replica's pipeline is
+    /// `split(Some(replica), stage)`.
+    ///
+    /// ```
+    /// use graphed::device::{Communicator, CommOptions, Device};
+    /// let devices: Vec<Device> = (0..4).map(|_| Device::sim()).collect();
+    /// let world = Communicator::sim_group(&devices, CommOptions::default())?;
+    /// let groups: Vec<(usize, usize)> = std::thread::scope(|s| {
+    ///     let ranks: Vec<_> = world.iter().map(|c| s.spawn(move || {
+    ///         let evens_and_odds = c.split(Some(c.rank() as u32 % 2), c.rank())?.expect("a color");
+    ///         Ok::<_, graphed::Error>((evens_and_odds.rank(), evens_and_odds.size()))
+    ///     })).collect();
+    ///     ranks.into_iter().map(|h| h.join().expect("rank thread")).collect::<graphed::Result<_>>()
+    /// })?;
+    /// assert_eq!(groups, [(0, 2), (0, 2), (1, 2), (1, 2)]);
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`CommErrorKind::RankGone`] when a rank left before calling it,
+    /// [`CommErrorKind::Timeout`] when one does not call it within the options' timeout, NCCL's.
+    pub fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Communicator>> {
+        let fail = |kind| comm_error("Communicator::split", self.rank(), kind);
+        let (dev, options) = (&self.inner.dev, self.inner.options);
+        match (&self.inner.repr, dev.backend()) {
+            (Repr::Sim(link), _) => Ok(link
+                .split(color, key)
+                .map_err(fail)?
+                .map(|(link, rank, size)| Communicator::new(dev.clone(), rank, size, options, Repr::Sim(link)))),
+            (Repr::Cuda(c), super::backend::BackendImpl::Cuda(b)) => {
+                let Some((comm, rank, size)) = b.nccl_split(c, color, key).map_err(fail)? else { return Ok(None) };
+                let comm = Communicator::new(dev.clone(), rank, size, options, Repr::Cuda(comm));
+                comm.connect()?;
+                Ok(Some(comm))
+            }
+            (Repr::Cuda(_), super::backend::BackendImpl::Sim(_)) => {
+                Err(fail(CommErrorKind::Nccl("an NCCL communicator on a simulated device".into())))
+            }
+        }
+    }
+
     /// Sums `buf` across ranks, in place, on `stream`.
     ///
     /// # Errors

@@ -226,6 +226,65 @@ fn a_rank_that_never_arrives_times_out() -> anyhow::Result<()> {
 }
 
 #[test]
+fn splits_form_groups_by_color_ranked_by_key() -> anyhow::Result<()> {
+    for n in [3, 4] {
+        splits_give_groups_by_color_ranked_by_key(Ranks::Sim(Policy::Random), n)?;
+    }
+    Ok(())
+}
+
+/// The world of `n` split twice: every rank in one group keyed in reverse (so its ranks
+/// reverse), then by parity with the last rank in none (from 3 ranks); each group all-reduces
+/// its members' world ranks.
+fn splits_give_groups_by_color_ranked_by_key(on: Ranks, n: usize) -> anyhow::Result<()> {
+    let parity = |r: usize| (n < 3 || r != n - 1).then_some(r as u32 % 2);
+    type Place = (usize, usize, f32);
+    let out = all_ok(on.run(n, CommOptions { timeout: LONG }, |c| {
+        let place = |g: &Communicator| -> graphed::Result<Place> {
+            let s = g.device().stream()?;
+            let x = g.device().alloc_from(&s, &[c.rank() as f32])?;
+            g.all_reduce(&s, &x)?;
+            Ok((g.rank(), g.size(), x.to_vec(&s)?[0]))
+        };
+        let reversed = c.split(Some(7), n - c.rank())?.expect("a color gives a group");
+        let by_parity = c.split(parity(c.rank()), c.rank())?;
+        Ok((place(&reversed)?, by_parity.as_ref().map(place).transpose()?))
+    })?)?;
+    let world_sum = (0..n).sum::<usize>() as f32;
+    for (r, (reversed, by_parity)) in out.into_iter().enumerate() {
+        ensure!(reversed == (n - 1 - r, n, world_sum), "rank {r} in the reversed world: {reversed:?}");
+        let want = parity(r).map(|p| {
+            let members: Vec<usize> = (0..n).filter(|&m| parity(m) == Some(p)).collect();
+            (members.iter().filter(|&&m| m < r).count(), members.len(), members.iter().sum::<usize>() as f32)
+        });
+        ensure!(by_parity == want, "rank {r} by parity: {by_parity:?}, want {want:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_split_fails_when_a_rank_leaves_or_never_calls_it() -> anyhow::Result<()> {
+    let timeout = Duration::from_millis(200);
+    let out = on_ranks(3, Policy::Random, timeout, |c| match c.rank() {
+        2 => Err(Error::Unsupported { op: "test", backend: "sim", why: "rank 2 gives up before splitting" }),
+        _ => c.split(Some(0), 0).map(|_| ()),
+    });
+    for (r, res) in out.iter().take(2).enumerate() {
+        ensure!(matches!(kind_of(res), Some(CommErrorKind::RankGone { rank: 2 })), "rank {r}: {res:?}");
+    }
+    let out = on_ranks(2, Policy::Random, timeout, |c| {
+        if c.rank() == 1 {
+            // Busy on the host for longer than the timeout, and never splits.
+            std::thread::sleep(timeout * 5);
+            return Ok(());
+        }
+        c.split(Some(0), 0).map(|_| ())
+    });
+    ensure!(matches!(kind_of(&out[0]), Some(CommErrorKind::Timeout { .. })), "{:?}", out[0]);
+    Ok(())
+}
+
+#[test]
 fn refusals_change_nothing() -> anyhow::Result<()> {
     let out = on_ranks(2, Policy::Random, LONG, |c| {
         let (dev, s) = (c.device(), c.device().stream()?);
@@ -282,6 +341,17 @@ mod cuda {
         ensure!(x.to_vec(&s)? == vec![1.5f32; 1024]);
         Ok(())
     }
+
+    /// `ncclCommSplit` of a group of one: groups of one, and no group without a color.
+    #[test]
+    #[ignore = "needs a CUDA GPU and NCCL"]
+    fn nccl_splits_a_group_of_one() -> anyhow::Result<()> {
+        splits_give_groups_by_color_ranked_by_key(Ranks::Gpus, 1)?;
+        let dev = Device::cuda(0)?;
+        let c = Communicator::nccl(&dev, 0, 1, &graphed::device::NcclId::new()?, CommOptions::default())?;
+        ensure!(c.split(None, 0)?.is_none(), "no color, no group");
+        Ok(())
+    }
 }
 
 /// Two GPUs of one process through NCCL give the simulator's results, eagerly and captured.
@@ -304,5 +374,11 @@ mod two_gpus {
     #[ignore = "needs two CUDA GPUs and NCCL"]
     fn one_exchange_of_crossed_transfers_meets_eagerly_and_captured() -> anyhow::Result<()> {
         one_exchange_of_both_meets_eagerly_and_captured(Ranks::Gpus)
+    }
+
+    #[test]
+    #[ignore = "needs two CUDA GPUs and NCCL"]
+    fn splits_give_the_simulators_groups() -> anyhow::Result<()> {
+        splits_give_groups_by_color_ranked_by_key(Ranks::Gpus, 2)
     }
 }

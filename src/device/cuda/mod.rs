@@ -107,6 +107,17 @@ impl CudaDevice {
         self.bind("Communicator::nccl").map_err(|e| crate::device::CommErrorKind::Nccl(e.to_string()))?;
         nccl::init(rank, size, id)
     }
+
+    /// [`NcclComm::split`] with this device's context current.
+    pub(crate) fn nccl_split(
+        &self,
+        comm: &NcclComm,
+        color: Option<u32>,
+        key: usize,
+    ) -> Result<Option<(NcclComm, usize, usize)>, crate::device::CommErrorKind> {
+        self.bind("Communicator::split").map_err(|e| crate::device::CommErrorKind::Nccl(e.to_string()))?;
+        comm.split(color, key)
+    }
 }
 
 impl Backend for CudaDevice {

@@ -92,6 +92,40 @@ impl NcclComm {
         state.result().map(|_| ()).map_err(|e| nccl("a collective", e))
     }
 
+    /// `ncclCommSplit` on the current context's GPU: this rank's communicator among the ranks
+    /// that gave the same `color`, ranked by `key`, with its rank and size; `None` without a
+    /// color. Every rank of the group calls it, and it blocks until all have.
+    pub(crate) fn split(
+        &self,
+        color: Option<u32>,
+        key: usize,
+    ) -> Result<Option<(NcclComm, usize, usize)>, CommErrorKind> {
+        let guard = self.0.comm.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(c) = guard.as_ref() else { return Err(CommErrorKind::Nccl("the communicator was aborted".into())) };
+        let too_big = |what: &str| CommErrorKind::Nccl(format!("a split {what} above {}", i32::MAX));
+        // NCCL_SPLIT_NOCOLOR: this rank joins no new communicator.
+        let color = color.map_or(Ok(-1), |c| i32::try_from(c).map_err(|_| too_big("color")))?;
+        let key = i32::try_from(key).map_err(|_| too_big("key"))?;
+        let mut new = std::ptr::null_mut();
+        // SAFETY: a valid communicator and out-pointer; a null config inherits the parent's.
+        // (cudarc's `result::comm_split` is compiled for CUDA 12.2 to 12.5 only.)
+        unsafe { sys::ncclCommSplit(c.0, color, key, &mut new, std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| nccl("ncclCommSplit", e))?;
+        if new.is_null() {
+            return Ok(None);
+        }
+        // SAFETY: `new` is the valid communicator just made.
+        let query = unsafe { result::comm_user_rank(new).and_then(|r| Ok((r, result::comm_count(new)?))) };
+        let placed = query.ok().and_then(|(r, n)| usize::try_from(r).ok().zip(usize::try_from(n).ok()));
+        let Some((rank, size)) = placed else {
+            // SAFETY: `new` is valid and used by no one else.
+            let _ = unsafe { result::comm_destroy(new) };
+            return Err(CommErrorKind::Nccl("ncclCommSplit made a communicator without a rank and size".into()));
+        };
+        Ok(Some((NcclComm(Arc::new(NcclInner { rank, comm: Mutex::new(Some(CommPtr(new))) })), rank, size)))
+    }
+
     /// Aborts the communicator: its pending operations end, later ones fail.
     pub(crate) fn abort(&self) {
         // Taken out first: a second caller (a waiting host thread) returns at once instead of

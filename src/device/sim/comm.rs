@@ -47,10 +47,25 @@ impl SimLink {
                 gone: vec![false; size],
                 stalled: vec![None; size],
                 broken: None,
+                split_calls: vec![0; size],
+                splits: HashMap::new(),
             }),
             changed: Condvar::new(),
         });
         (0..size).map(|rank| SimLink { rank: Rank { world: world.clone(), rank } }).collect()
+    }
+
+    /// Splits this rank's group (see [`Rank::split`]): the link in the new group, with its
+    /// rank and size.
+    pub(crate) fn split(
+        &self,
+        color: Option<u32>,
+        key: usize,
+    ) -> Result<Option<(SimLink, usize, usize)>, CommErrorKind> {
+        Ok(self.rank.split(color, key)?.map(|link| {
+            let (rank, size) = (link.rank.rank, link.rank.world.size);
+            (link, rank, size)
+        }))
     }
 }
 
@@ -110,6 +125,19 @@ struct WorldState {
     stalled: Vec<Option<Vec<Key>>>,
     /// The first failure: every later operation of the group fails with it.
     broken: Option<CommErrorKind>,
+    /// Per rank, splits called.
+    split_calls: Vec<u64>,
+    /// Splits in progress, by their number in every rank's order.
+    splits: HashMap<u64, Split>,
+}
+
+/// One split of a group as its ranks arrive: each rank's color and key, then each rank's link
+/// in its new group (`None`: no color, or taken).
+struct Split {
+    asks: Vec<Option<(Option<u32>, usize)>>,
+    links: Vec<Option<SimLink>>,
+    made: bool,
+    taken: usize,
 }
 
 impl World {
@@ -207,6 +235,69 @@ impl Rank {
             None => st.issued[self.rank] += 1,
         }
         Ok(key)
+    }
+
+    /// NCCL's `ncclCommSplit`: blocks until every rank of the group called its split of the
+    /// same number, then returns this rank's link in the group of the ranks that gave the same
+    /// `color`, ranked by `key` then by rank (`None` with no color).
+    pub(crate) fn split(&self, color: Option<u32>, key: usize) -> Result<Option<SimLink>, CommErrorKind> {
+        let world = &self.world;
+        let deadline = Instant::now() + world.timeout;
+        let mut st = world.lock();
+        let n = st.split_calls[self.rank];
+        st.split_calls[self.rank] += 1;
+        let size = world.size;
+        let split = st.splits.entry(n).or_insert_with(|| Split {
+            asks: vec![None; size],
+            links: (0..size).map(|_| None).collect(),
+            made: false,
+            taken: 0,
+        });
+        split.asks[self.rank] = Some((color, key));
+        world.changed.notify_all();
+        loop {
+            if let Some(kind) = &st.broken {
+                return Err(kind.clone());
+            }
+            let gone = st.gone.clone();
+            let split = st.splits.get_mut(&n).expect("a split stays until every rank took its link");
+            if !split.made && split.asks.iter().all(Option::is_some) {
+                let asks: Vec<(Option<u32>, usize)> = split.asks.iter().flatten().copied().collect();
+                let mut colors: Vec<u32> = asks.iter().filter_map(|a| a.0).collect();
+                colors.sort_unstable();
+                colors.dedup();
+                for c in colors {
+                    let mut members: Vec<usize> = (0..size).filter(|&r| asks[r].0 == Some(c)).collect();
+                    members.sort_by_key(|&r| (asks[r].1, r));
+                    let links = SimLink::group(members.len(), world.timeout);
+                    for (r, link) in members.into_iter().zip(links) {
+                        split.links[r] = Some(link);
+                    }
+                }
+                split.made = true;
+                world.changed.notify_all();
+            }
+            if split.made {
+                let link = split.links[self.rank].take();
+                split.taken += 1;
+                if split.taken == size {
+                    st.splits.remove(&n);
+                }
+                return Ok(link);
+            }
+            if let Some(rank) = (0..size).find(|&r| split.asks[r].is_none() && gone[r]) {
+                return Err(world.break_with(&mut st, CommErrorKind::RankGone { rank }));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing: Vec<String> =
+                    (0..size).filter(|&r| split.asks[r].is_none()).map(|r| r.to_string()).collect();
+                let waiting = format!("split #{n} of rank(s) {}", missing.join(", "));
+                let secs = world.timeout.as_secs_f64();
+                return Err(world.break_with(&mut st, CommErrorKind::Timeout { waiting, secs }));
+            }
+            st = world.changed.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
     }
 
     /// Posts this rank's input at `key`.
