@@ -6,7 +6,10 @@
 //! [`ProcessGroup::join`] meets the other ranks over TCP, checks that they build the same
 //! model, and shares the NCCL id. On the simulator, ranks are threads of one process
 //! ([`on_sim_ranks`]), so multi-device programs, their hazards and their deadlocks are tested
-//! without GPUs; [`on_ranks`] runs the same programs on the GPUs of one process.
+//! without GPUs; [`on_ranks`] runs the same programs on the GPUs of one process. Data and
+//! pipeline parallelism combine through
+//! [`Communicator::split`](crate::device::Communicator::split): each replica's pipeline and each
+//! stage's data-parallel group are splits of the world.
 
 mod data_parallel;
 mod group;

@@ -83,13 +83,22 @@ impl Trace {
     }
 }
 
-/// The model's `chunks` × `per_chunk` layers on one device, stepped eagerly by 1F1B on one stage.
-fn one_device(dev: &Device, chunks: usize, per_chunk: usize, microbatches: usize) -> anyhow::Result<Trace> {
+/// The model's `chunks` × `per_chunk` layers on one device, stepped eagerly by 1F1B on one stage,
+/// on data-parallel replica `replica`'s microbatches.
+fn one_device(
+    dev: &Device,
+    chunks: usize,
+    per_chunk: usize,
+    microbatches: usize,
+    replica: usize,
+) -> anyhow::Result<Trace> {
     let p = part(dev, (0..chunks * per_chunk).collect())?;
     let schedule = Schedule::interleaved_1f1b(1, 0, 1, microbatches)?;
     let mut trace = Trace::default();
     for step in 0..STEPS {
-        let data = (0..microbatches).map(|j| microbatch(&p, step, j)).collect::<graphed::Result<Vec<_>>>()?;
+        let data = (0..microbatches)
+            .map(|j| microbatch(&p, step, replica * microbatches + j))
+            .collect::<graphed::Result<Vec<_>>>()?;
         let inputs: Vec<Tensor> = data.iter().map(|(x, _)| x.clone()).collect();
         let mut outputs = vec![Vec::new(); microbatches];
         let mut head = |j: usize, y: Tensor| {
@@ -120,8 +129,10 @@ struct Pipeline {
     microbatches: usize,
 }
 
-/// Stage `comm.rank()` of `pipe` under interleaved 1F1B, eagerly or graphed.
-fn stage(comm: &Communicator, pipe: Pipeline, graphed: bool) -> graphed::Result<Trace> {
+/// Stage `comm.rank()` of `pipe` under interleaved 1F1B, eagerly or graphed; with `dp`, as
+/// replica `dp.rank()` of its stage, on that replica's microbatches, its gradients summed over
+/// `dp` after the last step.
+fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, graphed: bool) -> graphed::Result<Trace> {
     let Pipeline { stages, chunks, per_chunk, microbatches } = pipe;
     let stage = Stage::new(comm.rank(), stages)?;
     let p = part(comm.device(), stage.model_layers(chunks, per_chunk))?;
@@ -142,8 +153,9 @@ fn stage(comm: &Communicator, pipe: Pipeline, graphed: bool) -> graphed::Result<
         true => P2pLinks::graphed(comm, &p.alloc, &p.s, &SHAPE, DType::F32),
     };
     let mut trace = Trace::default();
+    let first = dp.map_or(0, |d| d.rank() * microbatches);
     for step in 0..STEPS {
-        let data = (0..microbatches).map(|j| microbatch(&p, step, j)).collect::<graphed::Result<Vec<_>>>()?;
+        let data = (0..microbatches).map(|j| microbatch(&p, step, first + j)).collect::<graphed::Result<Vec<_>>>()?;
         let inputs: Vec<Tensor> = match stage.index() {
             0 => data.iter().map(|(x, _)| x.clone()).collect(),
             _ => Vec::new(),
@@ -174,6 +186,9 @@ fn stage(comm: &Communicator, pipe: Pipeline, graphed: bool) -> graphed::Result<
             trace.input_grads.push(dx.iter().map(|d| d.to_f32_vec(&p.s)).collect::<graphed::Result<_>>()?);
         }
     }
+    if let Some(dp) = dp {
+        dp.all_reduce(&p.s, p.store.grads()?.view::<f32>()?)?;
+    }
     trace.grads = grads_by_layer(&p)?;
     Ok(trace)
 }
@@ -182,7 +197,7 @@ fn stage(comm: &Communicator, pipe: Pipeline, graphed: bool) -> graphed::Result<
 /// checker saw a race.
 fn pipeline(pipe: Pipeline, graphed: bool, on: Ranks) -> anyhow::Result<Trace> {
     let ranks = on.run(pipe.stages, CommOptions::default(), |c| {
-        let trace = stage(c, pipe, graphed);
+        let trace = stage(c, None, pipe, graphed);
         Ok((trace, graphed::check::Checker::of(c.device()).expect("checked").take_hazards()))
     })?;
     let mut merged = Trace::default();
@@ -197,7 +212,7 @@ fn pipeline(pipe: Pipeline, graphed: bool, on: Ranks) -> anyhow::Result<Trace> {
 
 /// `pipe` on ranks `on`, eagerly and graphed, against the whole model on `one`.
 fn pipeline_equals_one_device(pipe: Pipeline, on: Ranks, one: &Device) -> anyhow::Result<()> {
-    let want = one_device(one, pipe.stages * pipe.chunks, pipe.per_chunk, pipe.microbatches)?;
+    let want = one_device(one, pipe.stages * pipe.chunks, pipe.per_chunk, pipe.microbatches, 0)?;
     for graphed in [false, true] {
         let got = pipeline(pipe, graphed, on)?;
         ensure!(got.grads.keys().eq(want.grads.keys()), "{pipe:?}: layers {:?}", got.grads.keys());
@@ -229,6 +244,43 @@ fn pipelines_under_1f1b_and_interleaving_equal_one_device_bit_for_bit_eager_and_
 }
 
 #[test]
+fn pipelines_of_data_parallel_replicas_equal_each_replica_on_one_device_summed() -> anyhow::Result<()> {
+    // Megatron-LM's grid of 2 stages × 2 replicas, rank = stage·2 + replica: each stage's
+    // replicas reduce its gradients, each replica's stages pipeline its microbatches.
+    let (stages, replicas) = (2, 2);
+    let pipe = Pipeline { stages, chunks: 2, per_chunk: 1, microbatches: 4 };
+    let layers = stages * pipe.chunks;
+    let each: Vec<Trace> = (0..replicas)
+        .map(|r| one_device(&Device::sim(), layers, pipe.per_chunk, pipe.microbatches, r))
+        .collect::<anyhow::Result<_>>()?;
+    for graphed in [false, true] {
+        let ranks = on_sim_ranks(stages * replicas, SimConfig::default(), CommOptions::default(), |world| {
+            let (at, replica) = (world.rank() / replicas, world.rank() % replicas);
+            let pp = world.split(Some(replica as u32), at)?.expect("every rank pipelines");
+            let dp = world.split(Some(at as u32), replica)?.expect("every rank has replicas");
+            Ok((replica, stage(&pp, Some(&dp), pipe, graphed)?))
+        });
+        let mut grads = BTreeMap::new();
+        for (r, res) in ranks.into_iter().enumerate() {
+            let (replica, trace) = res.with_context(|| format!("rank {r}, graphed {graphed}"))?;
+            let want = &each[replica];
+            ensure!(trace.outputs.is_empty() || trace.outputs == want.outputs, "rank {r}: outputs");
+            ensure!(trace.input_grads.is_empty() || trace.input_grads == want.input_grads, "rank {r}: input grads");
+            for (layer, g) in trace.grads {
+                let other = grads.insert(layer, g.clone());
+                ensure!(other.is_none_or(|o| o == g), "graphed {graphed}: the replicas of layer {layer} differ");
+            }
+        }
+        ensure!(grads.keys().eq(each[0].grads.keys()), "graphed {graphed}: layers {:?}", grads.keys());
+        for (layer, got) in &grads {
+            let sum: Vec<f32> = each[0].grads[layer].iter().zip(&each[1].grads[layer]).map(|(a, b)| a + b).collect();
+            ensure!(*got == sum, "graphed {graphed}: layer {layer}'s gradients are not the replicas' sum");
+        }
+    }
+    Ok(())
+}
+
+#[test]
 #[ignore = "needs two CUDA GPUs and NCCL"]
 fn two_gpus_under_1f1b_and_interleaving_equal_one_gpu_bit_for_bit_eager_and_graphed() -> anyhow::Result<()> {
     for pipe in [
@@ -246,7 +298,7 @@ fn a_stage_left_waiting_by_one_that_disagrees_on_the_schedule_fails_instead_of_h
     let pipe = Pipeline { stages: 2, chunks: 1, per_chunk: 1, microbatches: 3 };
     let out = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
         // Stage 1 believes in one microbatch more than stage 0 sends; stage 0 ends its step.
-        stage(c, Pipeline { microbatches: pipe.microbatches + c.rank(), ..pipe }, false)
+        stage(c, None, Pipeline { microbatches: pipe.microbatches + c.rank(), ..pipe }, false)
     });
     ensure!(out[0].is_ok(), "stage 0: {:?}", out[0].as_ref().err());
     let Err(Error::Comm { rank: 1, kind, .. }) = &out[1] else { anyhow::bail!("stage 1: {:?}", out[1].as_ref().err()) };
