@@ -162,6 +162,19 @@ impl ProcessGroup {
     pub fn comm(&self) -> &Communicator {
         &self.comm
     }
+
+    /// [`Communicator::split`] of the group's communicator, watched as it is: aborted when a
+    /// rank's process dies. Every rank calls it.
+    ///
+    /// # Errors
+    /// As [`Communicator::split`].
+    pub fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Communicator>> {
+        let split = self.comm.split(color, key)?;
+        if let Some(c) = &split {
+            self.watch.abort_on_death(c);
+        }
+        Ok(split)
+    }
 }
 
 /// Runs `f` on every communicator of a group, one thread each; every rank's result, in rank

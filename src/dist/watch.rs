@@ -44,8 +44,9 @@ struct Shared {
     /// Where this rank writes: goodbyes, and on rank 0 the news of a death.
     writers: Mutex<Vec<(usize, TcpStream)>>,
     /// Aborted when a rank dies, so that work waiting on it ends instead of blocking this rank's
-    /// host (a copy queued behind a collective that never completes blocks it).
-    comm: Mutex<Option<Communicator>>,
+    /// host (a copy queued behind a collective that never completes blocks it): the group's
+    /// communicator and those split from it.
+    comms: Mutex<Vec<Communicator>>,
     /// Called with the dead rank, on a thread of its own.
     on_death: Mutex<Option<DeathHandler>>,
 }
@@ -74,7 +75,7 @@ impl RankWatch {
             left: Mutex::new(Vec::new()),
             closing: AtomicBool::new(false),
             writers: Mutex::new(writers),
-            comm: Mutex::new(None),
+            comms: Mutex::new(Vec::new()),
             on_death: Mutex::new(None),
         });
         for (peer, reader) in readers {
@@ -101,7 +102,7 @@ impl RankWatch {
 
     /// Aborts `comm` as soon as a rank dies (at once if one already has).
     pub(super) fn abort_on_death(&self, comm: &Communicator) {
-        *self.shared.comm.lock().unwrap_or_else(PoisonError::into_inner) = Some(comm.clone());
+        self.shared.comms.lock().unwrap_or_else(PoisonError::into_inner).push(comm.clone());
         if self.gone().is_some() {
             comm.abort();
         }
@@ -186,9 +187,9 @@ impl Shared {
                 handler(rank);
             }
         }
-        // Under the slot's lock: this thread never holds the last handle, so the communicator
-        // is never destroyed here while the process exits.
-        if let Some(comm) = self.comm.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+        // Under the list's lock: this thread never holds the last handle, so no communicator
+        // is destroyed here while the process exits.
+        for comm in self.comms.lock().unwrap_or_else(PoisonError::into_inner).iter() {
             comm.abort();
         }
     }
@@ -196,10 +197,10 @@ impl Shared {
 
 impl Drop for RankWatch {
     fn drop(&mut self) {
-        // The communicator goes with its group, on this thread (the listeners outlive the watch
-        // until their connections close, and must not destroy it, possibly after `main`).
-        let comm = self.shared.comm.lock().unwrap_or_else(PoisonError::into_inner).take();
-        drop(comm);
+        // The communicators go with their group, on this thread (the listeners outlive the watch
+        // until their connections close, and must not destroy them, possibly after `main`).
+        let comms = std::mem::take(&mut *self.shared.comms.lock().unwrap_or_else(PoisonError::into_inner));
+        drop(comms);
         self.shared.closing.store(true, Ordering::SeqCst);
         for (_, w) in self.shared.writers.lock().unwrap_or_else(PoisonError::into_inner).iter_mut() {
             // A peer that misses the goodbye takes this rank for dead, which only matters if it
