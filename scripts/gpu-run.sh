@@ -114,22 +114,25 @@ if [ "${ONLY_PARALLEL:-0}" != 1 ]; then
     done | tee -a "$OUT/train.log"
 fi
 # Several GPUs: every GPU of this machine, one process each through `graphed launch` (data
-# parallel, NCCL from PyTorch's package when the system has none); with one GPU, the group of one
-# must train exactly as a plain run (its all-reduce is the identity).
+# parallel, NCCL from PyTorch's package when the system has none), with and without a schedule;
+# with one GPU, the group of one must train exactly as a plain run (its all-reduce is the
+# identity).
 {
     echo "# $gpus GPU(s); system NCCL: $(ls /usr/lib/x86_64-linux-gnu/libnccl.so* 2>/dev/null | tr '\n' ' ')"
     echo "# python's NCCL: $(python3 -c 'import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])' 2>&1 | tail -1)"
-    .gpu/graphed launch --gpus "$gpus" -- train --steps 300 > "$logs/launch.log" 2>&1
-    echo "graphed launch --gpus $gpus -- train --steps 300: exit $?"
-    cat "$logs/launch.log"
-    if [ "$gpus" = 1 ]; then
-        .gpu/graphed train --steps 300 > "$logs/plain.log" 2>&1
-        if diff <(grep -E '^step|^final|accuracy' "$logs/plain.log") <(grep -E '^step|^final|accuracy' "$logs/launch.log") > /dev/null; then
-            echo "launch --gpus 1: loss lines equal to a plain run"
-        else
-            echo "launch --gpus 1: loss lines DIFFER from a plain run"
+    for mode in "" "--schedule"; do
+        .gpu/graphed launch --gpus "$gpus" -- train $mode --steps 300 > "$logs/launch$mode.log" 2>&1
+        echo "graphed launch --gpus $gpus -- train $mode --steps 300: exit $?"
+        grep -vE '^step' "$logs/launch$mode.log"
+        if [ "$gpus" = 1 ]; then
+            .gpu/graphed train $mode --steps 300 > "$logs/plain.log" 2>&1
+            if diff <(grep -E '^step|^final|accuracy' "$logs/plain.log") <(grep -E '^step|^final|accuracy' "$logs/launch$mode.log") > /dev/null; then
+                echo "launch --gpus 1 -- train $mode: loss lines equal to a plain run"
+            else
+                echo "launch --gpus 1 -- train $mode: loss lines DIFFER from a plain run"
+            fi
         fi
-    fi
+    done
     # Two "hosts" of one GPU each (a launcher per GPU, torchrun's flags): the same group, so the
     # same loss lines as one launcher of two.
     if [ "$gpus" -ge 2 ]; then

@@ -28,8 +28,8 @@ pub struct Stepper {
     /// when eager).
     offload: Option<OffloadManager>,
     /// Launched on several GPUs: the gradient reduction, and the gradients it reduces eagerly
-    /// after the backward (all of them when eager; the embedding's and the head's when graphed,
-    /// the layers' being reduced inside their backward graphs).
+    /// after the backward (all of them when eager or scheduled; the embedding's and the head's
+    /// when graphed, the layers' being reduced inside their backward graphs).
     data_parallel: Option<(Arc<DataParallel>, Vec<Tensor>)>,
 }
 
@@ -64,10 +64,11 @@ impl Stepper {
         let dev = stream.device();
         let data_parallel = match comm {
             None => None,
-            Some(_) if args.schedule => anyhow::bail!(
-                "--schedule on several ranks would be pipeline parallelism, which is not built yet; drop --schedule for data parallelism"
-            ),
-            Some(c) if args.eager => Some((DataParallel::new(c, Vec::new())?, vec![model.parameters().grads()?])),
+            // Eager, or under a schedule (whose graphs reduce nothing: `grad_sync` runs in stack
+            // order only), every gradient is reduced after the step's last backward.
+            Some(c) if args.eager || args.schedule => {
+                Some((DataParallel::new(c, Vec::new())?, vec![model.parameters().grads()?]))
+            }
             Some(c) => {
                 let in_layers: Vec<_> = model.layers().layers().iter().flat_map(|l| l.parameters()).collect();
                 let rest = model.parameters().grads_outside(&in_layers)?;
