@@ -190,6 +190,9 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let (mut host, started) = (Duration::ZERO, Instant::now());
+    // Timing starts after this run's first step, which pays one-time costs (kernels compiled
+    // into an empty cache, the graphs' first uploads), unless it is the only one.
+    let (mut timed, mut timed_steps) = (started, stop - start);
     let mut last_loss = f64::NAN;
     let mut metrics = metrics::Metrics::new(args.metrics.as_deref().filter(|_| lead))?;
     // The data of the steps a resumed run already took, drawn and dropped.
@@ -229,6 +232,10 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
                     bar.println(line);
                 }
             }
+            if step == start && stop - start > 1 {
+                s.synchronize()?;
+                (host, timed, timed_steps) = (Duration::ZERO, Instant::now(), stop - start - 1);
+            }
             bar.inc(1);
         }
         s.synchronize()?;
@@ -252,7 +259,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     // Training is over: a peer that ends from here on, even by crashing, no longer concerns this
     // rank (its watch would otherwise end the process during the evaluation or the save).
     drop(group);
-    let wall = started.elapsed();
+    let wall = timed.elapsed();
     bar.finish_and_clear();
     if let Some(dir) = args.save.as_ref().filter(|_| lead) {
         checkpoint::save(dir, &model, &optimizer, &s, args, saved, stop)?;
@@ -270,9 +277,10 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     if !lead {
         return Ok(());
     }
-    let per_step = |d: Duration| d.as_secs_f64() * 1e6 / plan.steps as f64;
+    let per_step = |d: Duration| d.as_secs_f64() * 1e6 / timed_steps.max(1) as f64;
     println!("final loss {last_loss:.4} ({}, cross-entropy)", task.loss_of());
-    println!("time per step: wall {:.0} µs, host issuing {:.0} µs", per_step(wall), per_step(host));
+    let which = if timed_steps + 1 == stop - start { " (after the first)" } else { "" };
+    println!("time per step{which}: wall {:.0} µs, host issuing {:.0} µs", per_step(wall), per_step(host));
     task.report(&model, &alloc, &s)
 }
 
