@@ -336,7 +336,8 @@ impl Communicator {
     /// ```
     ///
     /// # Errors
-    /// [`CommErrorKind::RankGone`] when a rank left before calling it,
+    /// [`CommErrorKind::RankGone`] when a rank left before calling it, [`CommErrorKind::Deadlock`]
+    /// (simulator) when the ranks that did not call it wait on those that did,
     /// [`CommErrorKind::Timeout`] when one does not call it within the options' timeout, NCCL's.
     pub fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Communicator>> {
         let fail = |kind| comm_error("Communicator::split", self.rank(), kind);

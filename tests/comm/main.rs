@@ -263,7 +263,7 @@ fn splits_give_groups_by_color_ranked_by_key(on: Ranks, n: usize) -> anyhow::Res
 }
 
 #[test]
-fn a_split_fails_when_a_rank_leaves_or_never_calls_it() -> anyhow::Result<()> {
+fn a_split_fails_when_a_rank_leaves_never_calls_it_or_waits_on_another() -> anyhow::Result<()> {
     let timeout = Duration::from_millis(200);
     let out = on_ranks(3, Policy::Random, timeout, |c| match c.rank() {
         2 => Err(Error::Unsupported { op: "test", backend: "sim", why: "rank 2 gives up before splitting" }),
@@ -281,6 +281,18 @@ fn a_split_fails_when_a_rank_leaves_or_never_calls_it() -> anyhow::Result<()> {
         c.split(Some(0), 0).map(|_| ())
     });
     ensure!(matches!(kind_of(&out[0]), Some(CommErrorKind::Timeout { .. })), "{:?}", out[0]);
+    // One rank splits while the other waits on a collective the first never issues: a deadlock
+    // on both (not the timeout).
+    let out = on_ranks(2, Policy::Random, LONG, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        match c.rank() {
+            0 => c.split(Some(0), 0).map(|_| ()),
+            _ => dev.alloc::<f32>(4).and_then(|x| c.all_reduce(&s, &x)).and_then(|()| s.synchronize()),
+        }
+    });
+    for (r, res) in out.iter().enumerate() {
+        ensure!(matches!(kind_of(res), Some(CommErrorKind::Deadlock { .. })), "rank {r}: {res:?}");
+    }
     Ok(())
 }
 

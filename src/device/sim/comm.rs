@@ -81,7 +81,13 @@ pub(crate) struct Rank {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Key {
     Collective(u64),
-    Message { src: usize, dst: usize, seq: u64 },
+    Message {
+        src: usize,
+        dst: usize,
+        seq: u64,
+    },
+    /// The `n`-th split, which a rank waits in on the host.
+    Split(u64),
 }
 
 /// What a rank issued at a key; ranks must agree on it.
@@ -156,6 +162,10 @@ impl World {
 impl WorldState {
     /// The ranks whose part `key` still needs for `rank` to finish.
     fn missing(&self, key: Key, rank: usize) -> Vec<usize> {
+        if let Key::Split(n) = key {
+            let Some(split) = self.splits.get(&n).filter(|s| !s.made) else { return Vec::new() };
+            return (0..split.asks.len()).filter(|r| split.asks[*r].is_none()).collect();
+        }
         let Some(slot) = self.slots.get(&key) else { return Vec::new() };
         let needed: Vec<usize> = match key {
             Key::Collective(_) => (0..slot.parts.len()).collect(),
@@ -163,8 +173,21 @@ impl WorldState {
             // sends wait for their receive beyond its small buffers, so the simulator always does).
             Key::Message { src, dst, .. } if dst == rank => vec![src],
             Key::Message { dst, .. } => vec![dst],
+            Key::Split(_) => Vec::new(),
         };
         needed.into_iter().filter(|r| slot.parts[*r].is_none()).collect()
+    }
+
+    /// What each rank waits for, when every rank waits on another (a deadlock).
+    fn deadlock(&self) -> Option<String> {
+        let size = self.gone.len();
+        let all_stalled = (0..size).all(|r| self.gone[r] || self.stalled[r].is_some());
+        let none_can_finish = (0..size).all(|r| match &self.stalled[r] {
+            Some(ks) => ks.iter().all(|k| !self.missing(*k, r).is_empty()),
+            None => true,
+        });
+        let waits = (0..size).filter_map(|r| self.stalled[r].as_ref().map(|ks| self.describe(ks[0], r)));
+        (all_stalled && none_can_finish).then(|| waits.collect::<Vec<_>>().join("; "))
     }
 
     fn describe(&self, key: Key, rank: usize) -> String {
@@ -173,6 +196,7 @@ impl WorldState {
             (Key::Collective(seq), None) => format!("collective #{seq}"),
             (Key::Message { src, dst, seq }, _) if dst == rank => format!("recv #{seq} from rank {src}"),
             (Key::Message { dst, seq, .. }, _) => format!("send #{seq} to rank {dst}"),
+            (Key::Split(n), _) => format!("split #{n}"),
         };
         let missing: Vec<String> = self.missing(key, rank).iter().map(|r| r.to_string()).collect();
         format!("rank {rank} waits in {what} for rank {}", missing.join(", "))
@@ -201,7 +225,7 @@ impl Rank {
         };
         let signature = Signature { kind, count, dtype };
         let pending = match key {
-            Key::Collective(_) => world.size,
+            Key::Collective(_) | Key::Split(_) => world.size,
             Key::Message { .. } => 2,
         };
         let slot = st.slots.entry(key).or_insert_with(|| Slot {
@@ -218,7 +242,7 @@ impl Rank {
         };
         if !agrees {
             let seq = match key {
-                Key::Collective(seq) | Key::Message { seq, .. } => seq,
+                Key::Collective(seq) | Key::Message { seq, .. } | Key::Split(seq) => seq,
             };
             let mismatch = CommErrorKind::Mismatch {
                 seq,
@@ -286,18 +310,26 @@ impl Rank {
                 return Ok(link);
             }
             if let Some(rank) = (0..size).find(|&r| split.asks[r].is_none() && gone[r]) {
-                return Err(world.break_with(&mut st, CommErrorKind::RankGone { rank }));
+                return Err(self.fail_split(&mut st, CommErrorKind::RankGone { rank }));
+            }
+            st.stalled[self.rank] = Some(vec![Key::Split(n)]);
+            if let Some(waits) = st.deadlock() {
+                return Err(self.fail_split(&mut st, CommErrorKind::Deadlock { waits }));
             }
             let now = Instant::now();
             if now >= deadline {
-                let missing: Vec<String> =
-                    (0..size).filter(|&r| split.asks[r].is_none()).map(|r| r.to_string()).collect();
-                let waiting = format!("split #{n} of rank(s) {}", missing.join(", "));
-                let secs = world.timeout.as_secs_f64();
-                return Err(world.break_with(&mut st, CommErrorKind::Timeout { waiting, secs }));
+                let (waiting, secs) = (st.describe(Key::Split(n), self.rank), world.timeout.as_secs_f64());
+                return Err(self.fail_split(&mut st, CommErrorKind::Timeout { waiting, secs }));
             }
             st = world.changed.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            st.stalled[self.rank] = None;
         }
+    }
+
+    /// Breaks the group with `kind` for a rank that stops waiting in a split.
+    fn fail_split(&self, st: &mut WorldState, kind: CommErrorKind) -> CommErrorKind {
+        st.stalled[self.rank] = None;
+        self.world.break_with(st, kind)
     }
 
     /// Posts this rank's input at `key`.
@@ -333,15 +365,8 @@ impl Rank {
                 break Err(world.break_with(&mut st, CommErrorKind::RankGone { rank }));
             }
             st.stalled[self.rank] = Some(keys.to_vec());
-            let all_stalled = (0..world.size).all(|r| st.gone[r] || st.stalled[r].is_some());
-            let none_can_finish = (0..world.size).all(|r| match &st.stalled[r] {
-                Some(ks) => ks.iter().all(|k| !st.missing(*k, r).is_empty()),
-                None => true,
-            });
-            if all_stalled && none_can_finish {
-                let waits: Vec<String> =
-                    (0..world.size).filter_map(|r| st.stalled[r].as_ref().map(|ks| st.describe(ks[0], r))).collect();
-                break Err(world.break_with(&mut st, CommErrorKind::Deadlock { waits: waits.join("; ") }));
+            if let Some(waits) = st.deadlock() {
+                break Err(world.break_with(&mut st, CommErrorKind::Deadlock { waits }));
             }
             let now = Instant::now();
             if now >= deadline {
