@@ -13,7 +13,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use crate::device::CommErrorKind;
-use crate::device::{with_dtype, BufferId, Communicator, Stream};
+use crate::device::{with_dtype, Access, AccessMode, BufferId, Communicator, Stream};
 use crate::graph::{Callable, GradSync};
 use crate::nn::{Module, Param, ParamStore, Stack};
 use crate::tensor::Tensor;
@@ -65,7 +65,8 @@ impl DataParallel {
     /// tells final early at once.
     ///
     /// # Errors
-    /// A bucket of another device, or a stream that cannot be made.
+    /// A bucket of another device, buckets that overlap (a gradient in two would be summed
+    /// twice), or a stream that cannot be made.
     pub fn new(comm: &Communicator, buckets: Vec<Tensor>) -> Result<Arc<DataParallel>> {
         DataParallel::with_buckets(
             comm,
@@ -74,8 +75,20 @@ impl DataParallel {
     }
 
     fn with_buckets(comm: &Communicator, buckets: Vec<Bucket>) -> Result<Arc<DataParallel>> {
-        for b in &buckets {
+        let mut seen = Vec::with_capacity(buckets.len());
+        for (i, b) in buckets.iter().enumerate() {
             comm.device().check_same("DataParallel::new", "gradient bucket", b.grads.device_id())?;
+            let at = b.grads.access(AccessMode::Read)?;
+            // A gradient in two buckets (a parameter shared by two callables) would be summed
+            // twice: the second sum would double the first.
+            if let Some(j) = seen.iter().position(|other: &Access| other.overlaps(&at)) {
+                let what = format!(
+                    "the gradient buckets of graphed callables {j} and {i} overlap (a parameter they share would be \
+                     reduced twice); give each gradient to one bucket"
+                );
+                return Err(bucket_error(comm.rank(), what));
+            }
+            seen.push(at);
         }
         let stream = comm.device().stream()?;
         Ok(Arc::new(DataParallel { comm: comm.clone(), stream, buckets, state: Mutex::default() }))
@@ -136,7 +149,7 @@ impl DataParallel {
 
     /// A gradient bucket that does not match what the capture tells.
     fn mismatch(&self, what: String) -> Error {
-        Error::Comm { op: "DataParallel", rank: self.comm.rank(), kind: CommErrorKind::Length { what } }
+        bucket_error(self.comm.rank(), what)
     }
 
     fn bucket(&self, callable: usize) -> Result<&Bucket> {
@@ -174,6 +187,11 @@ impl DataParallel {
         }
         Ok(())
     }
+}
+
+/// Gradient buckets that do not fit the capture or each other.
+fn bucket_error(rank: usize, what: String) -> Error {
+    Error::Comm { op: "DataParallel", rank, kind: CommErrorKind::Length { what } }
 }
 
 /// `ranges` less `done`, in order, adjacent pieces merged: what is left to reduce.
@@ -250,7 +268,7 @@ impl GradSync for DataParallel {
     }
 
     fn tail_memory(&self) -> Vec<BufferId> {
-        let reads = self.buckets.iter().filter_map(|b| b.grads.access(crate::device::AccessMode::Read).ok());
+        let reads = self.buckets.iter().filter_map(|b| b.grads.access(AccessMode::Read).ok());
         reads.map(|a| a.memory).collect()
     }
 }
@@ -281,6 +299,20 @@ mod tests {
             }
             prop_assert!(left.iter().all(|r| !r.is_empty()));
         }
+    }
+
+    #[test]
+    fn buckets_that_share_a_gradient_are_refused() {
+        let out = crate::dist::on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| {
+            let (alloc, s) = (CachingAllocator::new(c.device()), c.device().stream()?);
+            let grads = Tensor::zeros(&alloc, &s, &[10], DType::F32)?;
+            let apart = DataParallel::new(c, vec![grads.narrow(0, 0, 4)?, grads.narrow(0, 4, 6)?]).err();
+            let shared = DataParallel::new(c, vec![grads.narrow(0, 0, 6)?, grads.narrow(0, 4, 6)?]).err();
+            Ok((apart.map(|e| e.to_string()), shared.map(|e| e.to_string())))
+        });
+        let (apart, shared) = out.into_iter().next().expect("one rank").expect("rank 0 ran");
+        assert_eq!(apart, None, "adjacent buckets are fine");
+        assert!(shared.is_some_and(|e| e.contains("callables 0 and 1 overlap")), "overlapping ones are refused");
     }
 
     #[test]
