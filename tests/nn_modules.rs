@@ -255,7 +255,31 @@ fn stack_runs_its_layers_in_order(dev: &Device) -> Result {
     Ok(())
 }
 
+/// A transformer layer whose four linears leave their weight gradients to `backward_dw`: after
+/// it, the same input gradient and parameter gradients as without the split, bit for bit; and
+/// the layer says it splits.
+fn transformer_layer_split_weight_gradients(dev: &Device) -> Result {
+    let build: Build<TransformerLayer> = |store, alloc, s| {
+        TransformerLayer::new(store, alloc, "layer", (SHAPE[2], HEADS), &spec(alloc, s, 0.0, 0)?, 9, s)
+    };
+    let whole = Case::new(dev, build)?.run()?;
+    let mut case = Case::new(dev, build)?;
+    ensure!(!case.module.splits_dw(), "no split by default");
+    let m = &mut case.module;
+    for lin in [&mut m.mlp.fc1, &mut m.mlp.fc2, &mut m.attn.qkv, &mut m.attn.proj] {
+        lin.set_split_dw(true);
+    }
+    ensure!(case.module.splits_dw(), "a layer whose linears split says so");
+    let split = case.run()?;
+    ensure!(split.grads != whole.grads, "the weight gradients wait for backward_dw");
+    case.module.backward_dw(&case.s)?;
+    let grads = case.store.grads()?.to_vec::<f32>(&case.s)?;
+    ensure!(split.dx == whole.dx && grads == whole.grads, "split and whole differ");
+    Ok(())
+}
+
 per_device!(
+    transformer_layer_split_weight_gradients,
     parameter_counts_are_exact,
     stack_runs_its_layers_in_order,
     layernorm_gradients,

@@ -209,6 +209,16 @@ impl Module for CausalSelfAttention {
         Ok(vec![Some(self.backward_with(ctx, dy, BiasGrad::Compute, stream)?)])
     }
 
+    /// The weight gradients its projections left for later, if split (`Linear::set_split_dw`).
+    fn backward_dw(&self, stream: &Stream) -> Result<()> {
+        self.proj.backward_dw(stream)?;
+        self.qkv.backward_dw(stream)
+    }
+
+    fn splits_dw(&self) -> bool {
+        self.qkv.splits_dw() || self.proj.splits_dw()
+    }
+
     fn parameters(&self) -> Vec<&Param> {
         [self.qkv.parameters(), self.proj.parameters()].concat()
     }

@@ -99,6 +99,16 @@ impl Module for Mlp {
         Ok(vec![Some(self.backward_with(ctx, dy, BiasGrad::Compute, stream)?)])
     }
 
+    /// The weight gradients its linears left for later, if split (`Linear::set_split_dw`).
+    fn backward_dw(&self, stream: &Stream) -> Result<()> {
+        self.fc2.backward_dw(stream)?;
+        self.fc1.backward_dw(stream)
+    }
+
+    fn splits_dw(&self) -> bool {
+        self.fc1.splits_dw() || self.fc2.splits_dw()
+    }
+
     fn parameters(&self) -> Vec<&Param> {
         [self.fc1.parameters(), self.fc2.parameters()].concat()
     }

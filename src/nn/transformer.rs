@@ -146,7 +146,7 @@ impl Module for TransformerLayer {
 
     /// Tells `hook` of the MLP half's parameters (LN2's and the MLP's, two thirds of the layer's)
     /// once LN2's backward has summed the last of them, so that their reduction overlaps the
-    /// attention half's backward.
+    /// attention half's backward (unless the MLP leaves its weight gradients to `backward_dw`).
     fn backward_hooked(
         &self,
         ctx: TransformerCtx,
@@ -164,13 +164,25 @@ impl Module for TransformerLayer {
         let dm = self.mlp.backward_with(ctx.mlp, &dm, bias_grad(fused), stream)?;
         let colsum = fused.then_some(&self.mlp.fc2.bias.grad);
         let dh = self.ln2.backward_with(ctx.ln2, &dm, Some(ResidualGrad { grad: dy, colsum }), stream)?;
-        hook.grads_final(&[self.ln2.parameters(), self.mlp.parameters()].concat(), stream)?;
+        if !self.mlp.splits_dw() {
+            hook.grads_final(&[self.ln2.parameters(), self.mlp.parameters()].concat(), stream)?;
+        }
         let fused = ctx.drop1.is_identity();
         let da = input_grad(OP, self.drop1.backward(ctx.drop1, &[&dh], stream)?)?;
         let da = self.attn.backward_with(ctx.attn, &da, bias_grad(fused), stream)?;
         let colsum = fused.then_some(&self.attn.proj.bias.grad);
         let dx = self.ln1.backward_with(ctx.ln1, &da, Some(ResidualGrad { grad: &dh, colsum }), stream)?;
         Ok(vec![Some(dx)])
+    }
+
+    /// The weight gradients its MLP and attention left for later, if any linear splits them.
+    fn backward_dw(&self, stream: &Stream) -> Result<()> {
+        self.mlp.backward_dw(stream)?;
+        self.attn.backward_dw(stream)
+    }
+
+    fn splits_dw(&self) -> bool {
+        self.mlp.splits_dw() || self.attn.splits_dw()
     }
 
     fn parameters(&self) -> Vec<&Param> {
