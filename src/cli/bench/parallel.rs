@@ -176,7 +176,7 @@ fn print_row(r: &ParallelRow) {
         _ => String::new(),
     };
     println!(
-        "  {} {:<11} ranks {}  wall {:.3} ms [{:.3}–{:.3}]  host {:.0} µs  {:.0} samples/s{}{bubble}",
+        "  {} {:<22} ranks {}  wall {:.3} ms [{:.3}–{:.3}]  host {:.0} µs  {:.0} samples/s{}{bubble}",
         r.case.config,
         r.case.variant,
         r.ranks,
