@@ -265,71 +265,49 @@ impl Rank {
     /// same number, then returns this rank's link in the group of the ranks that gave the same
     /// `color`, ranked by `key` then by rank (`None` with no color).
     pub(crate) fn split(&self, color: Option<u32>, key: usize) -> Result<Option<SimLink>, CommErrorKind> {
-        let world = &self.world;
-        let deadline = Instant::now() + world.timeout;
-        let mut st = world.lock();
-        let n = st.split_calls[self.rank];
-        st.split_calls[self.rank] += 1;
-        let size = world.size;
-        let split = st.splits.entry(n).or_insert_with(|| Split {
-            asks: vec![None; size],
-            links: (0..size).map(|_| None).collect(),
-            made: false,
-            taken: 0,
-        });
-        split.asks[self.rank] = Some((color, key));
-        world.changed.notify_all();
-        loop {
+        let (world, size) = (&self.world, self.world.size);
+        let n = {
+            let mut st = world.lock();
             if let Some(kind) = &st.broken {
                 return Err(kind.clone());
             }
-            let gone = st.gone.clone();
-            let split = st.splits.get_mut(&n).expect("a split stays until every rank took its link");
-            if !split.made && split.asks.iter().all(Option::is_some) {
-                let asks: Vec<(Option<u32>, usize)> = split.asks.iter().flatten().copied().collect();
-                let mut colors: Vec<u32> = asks.iter().filter_map(|a| a.0).collect();
-                colors.sort_unstable();
-                colors.dedup();
-                for c in colors {
-                    let mut members: Vec<usize> = (0..size).filter(|&r| asks[r].0 == Some(c)).collect();
-                    members.sort_by_key(|&r| (asks[r].1, r));
-                    let links = SimLink::group(members.len(), world.timeout);
-                    for (r, link) in members.into_iter().zip(links) {
-                        split.links[r] = Some(link);
-                    }
+            let n = st.split_calls[self.rank];
+            st.split_calls[self.rank] += 1;
+            let split = st.splits.entry(n).or_insert_with(|| Split {
+                asks: vec![None; size],
+                links: (0..size).map(|_| None).collect(),
+                made: false,
+                taken: 0,
+            });
+            split.asks[self.rank] = Some((color, key));
+            world.changed.notify_all();
+            n
+        };
+        // Every rank has asked once nothing is missing at this key.
+        self.wait_for(&[Key::Split(n)])?;
+        let mut st = world.lock();
+        let split = st.splits.get_mut(&n).expect("a split stays until every rank took its link");
+        if !split.made {
+            let asks: Vec<(Option<u32>, usize)> = split.asks.iter().flatten().copied().collect();
+            let mut colors: Vec<u32> = asks.iter().filter_map(|a| a.0).collect();
+            colors.sort_unstable();
+            colors.dedup();
+            for c in colors {
+                let mut members: Vec<usize> = (0..size).filter(|&r| asks[r].0 == Some(c)).collect();
+                members.sort_by_key(|&r| (asks[r].1, r));
+                let links = SimLink::group(members.len(), world.timeout);
+                for (r, link) in members.into_iter().zip(links) {
+                    split.links[r] = Some(link);
                 }
-                split.made = true;
-                world.changed.notify_all();
             }
-            if split.made {
-                let link = split.links[self.rank].take();
-                split.taken += 1;
-                if split.taken == size {
-                    st.splits.remove(&n);
-                }
-                return Ok(link);
-            }
-            if let Some(rank) = (0..size).find(|&r| split.asks[r].is_none() && gone[r]) {
-                return Err(self.fail_split(&mut st, CommErrorKind::RankGone { rank }));
-            }
-            st.stalled[self.rank] = Some(vec![Key::Split(n)]);
-            if let Some(waits) = st.deadlock() {
-                return Err(self.fail_split(&mut st, CommErrorKind::Deadlock { waits }));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let (waiting, secs) = (st.describe(Key::Split(n), self.rank), world.timeout.as_secs_f64());
-                return Err(self.fail_split(&mut st, CommErrorKind::Timeout { waiting, secs }));
-            }
-            st = world.changed.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
-            st.stalled[self.rank] = None;
+            split.made = true;
         }
-    }
-
-    /// Breaks the group with `kind` for a rank that stops waiting in a split.
-    fn fail_split(&self, st: &mut WorldState, kind: CommErrorKind) -> CommErrorKind {
-        st.stalled[self.rank] = None;
-        self.world.break_with(st, kind)
+        let link = split.links[self.rank].take();
+        split.taken += 1;
+        if split.taken == size {
+            st.splits.remove(&n);
+        }
+        Ok(link)
     }
 
     /// Posts this rank's input at `key`.
@@ -350,6 +328,11 @@ impl Rank {
     /// Blocks until one of `keys` can finish, or fails with the group's error: a rank that left,
     /// a deadlock, the timeout.
     pub(super) fn stall(&self, keys: &[Key]) -> Result<()> {
+        self.wait_for(keys).map_err(|kind| comm_error("synchronize", self.rank, kind))
+    }
+
+    /// [`stall`](Rank::stall), failing with the error's kind; a split waits here too.
+    fn wait_for(&self, keys: &[Key]) -> Result<(), CommErrorKind> {
         let world = &self.world;
         let deadline = Instant::now() + world.timeout;
         let mut st = world.lock();
@@ -377,7 +360,7 @@ impl Rank {
             st = world.changed.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         };
         st.stalled[self.rank] = None;
-        result.map_err(|kind| comm_error("synchronize", self.rank, kind))
+        result
     }
 
     /// Takes every rank's part of `key` (none for a rank that posts none) once this rank's
