@@ -9,7 +9,7 @@ use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
 use crate::memory::{GraphPool, PoolGraph};
-use crate::nn::{backward_pass, forward_pass, Inputs, NoGradHook, Schedule, Step, Traverse};
+use crate::nn::{backward_pass, forward_pass, GradHook, Inputs, NoGradHook, Schedule, Step, Traverse};
 use crate::tensor::Tensor;
 use crate::Result;
 use std::collections::HashMap;
@@ -304,14 +304,12 @@ impl Traverse for Record<'_, '_> {
             if let Some(sync) = &sync {
                 sync.begin_backward(stream)?;
             }
-            let dys = dys.iter().collect::<Vec<_>>();
-            result = Some(match &sync {
-                Some(sync) => {
-                    let hook = CallableGrads { sync: sync.as_ref(), callable: i };
-                    plan.callables[i].backward_dyn(s, &dys, &hook, stream)?
-                }
-                None => plan.callables[i].backward_dyn(s, &dys, &NoGradHook, stream)?,
-            });
+            let told = sync.as_ref().map(|sync| CallableGrads { sync: sync.as_ref(), callable: i });
+            let hook: &dyn GradHook = match &told {
+                Some(t) => t,
+                None => &NoGradHook,
+            };
+            result = Some(plan.callables[i].backward_dyn(s, &dys.iter().collect::<Vec<_>>(), hook, stream)?);
             if let Some(sync) = &sync {
                 sync.end_backward(i, stream)?;
             }
