@@ -19,24 +19,22 @@ pub struct ScheduledLayers {
 }
 
 impl ScheduledLayers {
-    /// Eager when `capture` is false; else `layers` captured in `schedule`'s order from
-    /// `sample` (a microbatch's input), with static buffers reused across microbatches when
-    /// `reuse` is true.
+    /// Eager when `capture` is `None`; else `layers` captured in `schedule`'s order from
+    /// `sample` (a microbatch's input) with those options (the schedule added).
     pub fn new(
         alloc: &CachingAllocator,
         layers: &[TransformerLayer],
         (schedule, per_chunk): (Schedule, Vec<usize>),
         sample: &Tensor,
-        capture: bool,
-        reuse: bool,
+        capture: Option<GraphOptions>,
     ) -> graphed::Result<ScheduledLayers> {
         let graphed = match capture {
-            false => None,
-            true => {
+            None => None,
+            Some(options) => {
                 let callables: Vec<&dyn Callable> = layers.iter().map(|l| l as &dyn Callable).collect();
                 let samples: Vec<Inputs> =
                     (0..layers.len() * schedule.microbatches()).map(|_| Inputs::one(sample)).collect();
-                let options = GraphOptions::default().schedule(&schedule).reuse_buffers(reuse);
+                let options = options.schedule(&schedule);
                 Some(make_graphed_callables(alloc, &callables, &samples, options)?)
             }
         };

@@ -210,10 +210,9 @@ fn capture(
         return Err(refuse(GraphedErrorKind::ConflictingPools));
     }
     if options.grad_sync.is_some() {
-        let why = match (training, layout.is_some(), callables.iter().any(|c| c.splits_dw_dyn())) {
-            (false, ..) => Some("needs training mode: inference captures no backward"),
-            (_, true, _) => Some("runs in stack order only, not under a pipeline schedule; reduce the gradients after the step's last backward instead"),
-            (_, _, true) => Some("needs each callable's gradients complete after its backward, but a callable splits its weight gradients out; capture without the split"),
+        let why = match (training, callables.iter().any(|c| c.splits_dw_dyn())) {
+            (false, _) => Some("needs training mode: inference captures no backward"),
+            (_, true) => Some("needs each callable's gradients complete after its backward, but a callable splits its weight gradients out; capture without the split"),
             _ => None,
         };
         if let Some(why) = why {

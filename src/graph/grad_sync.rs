@@ -9,7 +9,8 @@
 //! that resumes at the event sees every gradient reduced. Parameters that a module tells final
 //! before its backward returns ([`Module::backward_hooked`](crate::nn::Module::backward_hooked))
 //! are reduced at once, overlapping the rest of that backward graph; only the rest waits for the
-//! next graph.
+//! next graph. Under a pipeline schedule, a layer's backward graphs of earlier microbatches only
+//! accumulate: its gradients are told final in the backward of its last microbatch.
 
 use crate::device::{BufferId, Stream};
 use crate::nn::{GradHook, Param};
@@ -17,7 +18,8 @@ use crate::Result;
 
 /// What a captured backward pass calls, in order: [`begin_backward`](GradSync::begin_backward)
 /// and [`end_backward`](GradSync::end_backward) around each callable's backward inside its
-/// capture; then, in the step's last backward only, [`finish`](GradSync::finish) before the
+/// capture (`end_backward`, like [`grads_final`](GradSync::grads_final), only where the backward
+/// completes the callable's gradients: under a schedule, its last microbatch's); then, in the step's last backward only, [`finish`](GradSync::finish) before the
 /// sync event; then [`end_pass`](GradSync::end_pass) after it; [`abandon`](GradSync::abandon)
 /// when the capture fails. Given with
 /// [`GraphOptions::grad_sync`](super::GraphOptions::grad_sync).
@@ -25,7 +27,8 @@ pub trait GradSync: Send + Sync {
     /// A backward pass begins on `stream`: work deferred from the passes before may start, forked
     /// from `stream`, to overlap this pass.
     fn begin_backward(&self, stream: &Stream) -> Result<()>;
-    /// Inside callable `callable`'s backward, `params`' gradients are final once the work
+    /// Inside callable `callable`'s backward (`callable` counts the callables as given, not a
+    /// schedule's microbatches of them), `params`' gradients are final once the work
     /// enqueued so far on `stream` is (see [`GradHook`]).
     fn grads_final(&self, callable: usize, params: &[&Param], stream: &Stream) -> Result<()>;
     /// Callable `callable`'s backward has accumulated its parameter gradients on `stream`.

@@ -67,6 +67,20 @@ impl Layout {
         at
     }
 
+    /// Per callable, the layer whose gradients its backward completes: only that of the layer's
+    /// last microbatch in the schedule does (the others accumulate).
+    pub(crate) fn completes(&self) -> Vec<Option<usize>> {
+        let at = self.uses();
+        let mut last: HashMap<usize, usize> = HashMap::new();
+        for (i, u) in at.iter().enumerate() {
+            let later = last.get(&u.layer).is_none_or(|&j| at[j].backward < u.backward);
+            if later {
+                last.insert(u.layer, i);
+            }
+        }
+        (at.iter().enumerate()).map(|(i, u)| (last.get(&u.layer) == Some(&i)).then_some(u.layer)).collect()
+    }
+
     /// Which callables share their static inputs and which their static output gradients
     /// (TransformerEngine's `_reuse_graph_input_output_buffers`): per callable, the index of its
     /// buffer set. Callables of one `signature` share a set when their uses of it do not overlap
@@ -142,6 +156,7 @@ pub(crate) fn record(
         grad_sets,
         grad_buffers: HashMap::new(),
         backwards_left: n,
+        completes: layout.map_or_else(|| (0..n).map(Some).collect(), Layout::completes),
     };
     match layout {
         None => {
@@ -172,6 +187,9 @@ struct Record<'p, 'o> {
     grad_buffers: HashMap<usize, Vec<Tensor>>,
     /// Backward passes not yet captured: the last one finishes the gradient work.
     backwards_left: usize,
+    /// Per callable, the index (among those given) whose gradients its backward completes, as
+    /// the gradient work is told; `None` for a schedule's earlier microbatches of a layer.
+    completes: Vec<Option<usize>>,
 }
 
 impl Record<'_, '_> {
@@ -298,20 +316,21 @@ impl Traverse for Record<'_, '_> {
         self.options.run_pass_hook(i, Phase::BackwardPre, stream)?;
         let (mut saved, mut result) = (Some(saved), None);
         self.backwards_left -= 1;
-        let sync = self.options.grad_sync.clone();
+        let (sync, completes) = (self.options.grad_sync.clone(), self.completes[i]);
         let g = self.capture_pass(i, Pass::Backward, self.backwards_left == 0, &mut || {
             let s = saved.take().expect("captured once");
             if let Some(sync) = &sync {
                 sync.begin_backward(stream)?;
             }
-            let told = sync.as_ref().map(|sync| CallableGrads { sync: sync.as_ref(), callable: i });
+            let told =
+                sync.as_ref().zip(completes).map(|(sync, callable)| CallableGrads { sync: sync.as_ref(), callable });
             let hook: &dyn GradHook = match &told {
                 Some(t) => t,
                 None => &NoGradHook,
             };
             result = Some(plan.callables[i].backward_dyn(s, &dys.iter().collect::<Vec<_>>(), hook, stream)?);
-            if let Some(sync) = &sync {
-                sync.end_backward(i, stream)?;
+            if let Some(t) = &told {
+                t.sync.end_backward(t.callable, stream)?;
             }
             Ok(())
         })?;

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use anyhow::{ensure, Context};
 use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
-use graphed::dist::{on_sim_ranks, P2pLinks};
+use graphed::dist::{on_sim_ranks, DataParallel, P2pLinks};
 
 use crate::common::Ranks;
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
@@ -62,12 +62,12 @@ fn microbatch(p: &Part, step: u64, j: usize) -> graphed::Result<(Tensor, Tensor)
     Ok((Tensor::from_host(&p.alloc, &p.s, &at(0), &SHAPE)?, Tensor::from_host(&p.alloc, &p.s, &at(500), &SHAPE)?))
 }
 
-/// What a run shows: each model layer's gradients after the last step, and per step each
-/// microbatch's output (from the stage that holds the model's end) and input gradient (from
-/// the stage that holds its start).
+/// What a run shows: each model layer's gradients at each step (by layer, then step), and per
+/// step each microbatch's output (from the stage that holds the model's end) and input gradient
+/// (from the stage that holds its start).
 #[derive(Debug, Default, PartialEq)]
 struct Trace {
-    grads: BTreeMap<usize, Vec<f32>>,
+    grads: BTreeMap<(usize, u64), Vec<f32>>,
     outputs: Vec<Vec<Vec<f32>>>,
     input_grads: Vec<Vec<Vec<f32>>>,
 }
@@ -109,15 +109,18 @@ fn one_device(
         let dx = run_schedule(&mut passes, &schedule, &[p.layers.len()], &inputs, Some(&p.step), &mut head)?;
         trace.outputs.push(outputs);
         trace.input_grads.push(dx.iter().map(|d| d.to_f32_vec(&p.s)).collect::<graphed::Result<_>>()?);
+        take_grads(&p, step, &mut trace)?;
     }
-    trace.grads = grads_by_layer(&p)?;
     Ok(trace)
 }
 
-fn grads_by_layer(p: &Part) -> graphed::Result<BTreeMap<usize, Vec<f32>>> {
-    (p.global.iter().zip(&p.layers))
-        .map(|(&g, l)| Ok((g, p.store.grads_of(&l.parameters())?.to_f32_vec(&p.s)?)))
-        .collect()
+/// Puts each layer's gradients of step `step` into `trace`, and zeroes them for the next step
+/// (as an optimizer step would).
+fn take_grads(p: &Part, step: u64, trace: &mut Trace) -> graphed::Result<()> {
+    for (&g, l) in p.global.iter().zip(&p.layers) {
+        trace.grads.insert((g, step), p.store.grads_of(&l.parameters())?.to_f32_vec(&p.s)?);
+    }
+    p.store.grads()?.zero(&p.s)
 }
 
 /// A pipeline's shape: stages (ranks), chunks per stage, layers per chunk, microbatches.
@@ -131,20 +134,23 @@ struct Pipeline {
 
 /// Stage `comm.rank()` of `pipe` under interleaved 1F1B, eagerly or graphed; with `dp`, as
 /// replica `dp.rank()` of its stage, on that replica's microbatches, its gradients summed over
-/// `dp` after the last step.
+/// `dp` at every step: inside the backward graphs when graphed, else after the step.
 fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, graphed: bool) -> graphed::Result<Trace> {
     let Pipeline { stages, chunks, per_chunk, microbatches } = pipe;
     let stage = Stage::new(comm.rank(), stages)?;
     let p = part(comm.device(), stage.model_layers(chunks, per_chunk))?;
     let schedule = Schedule::interleaved_1f1b(stages, stage.index(), chunks, microbatches)?;
     let layers_per_chunk = vec![per_chunk; chunks];
+    let layers: Vec<&dyn Callable> = p.layers.iter().map(|l| l as &dyn Callable).collect();
     let callables: Option<Vec<GraphedCallable>> = match graphed {
         false => None,
         true => {
             let (x0, _) = microbatch(&p, 0, 0)?;
             let samples: Vec<Inputs> = (0..p.layers.len() * microbatches).map(|_| Inputs::one(&x0)).collect();
-            let layers: Vec<&dyn Callable> = p.layers.iter().map(|l| l as &dyn Callable).collect();
-            let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
+            let mut options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
+            if let Some(dp) = dp {
+                options = options.grad_sync(DataParallel::for_callables(dp, &p.store, &layers)?);
+            }
             Some(make_graphed_callables(&p.alloc, &layers, &samples, options)?)
         }
     };
@@ -185,11 +191,11 @@ fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, graphed
         if stage.index() == 0 {
             trace.input_grads.push(dx.iter().map(|d| d.to_f32_vec(&p.s)).collect::<graphed::Result<_>>()?);
         }
+        if let Some(dp) = dp.filter(|_| !graphed) {
+            dp.all_reduce(&p.s, p.store.grads()?.view::<f32>()?)?;
+        }
+        take_grads(&p, step, &mut trace)?;
     }
-    if let Some(dp) = dp {
-        dp.all_reduce(&p.s, p.store.grads()?.view::<f32>()?)?;
-    }
-    trace.grads = grads_by_layer(&p)?;
     Ok(trace)
 }
 
@@ -216,8 +222,11 @@ fn pipeline_equals_one_device(pipe: Pipeline, on: Ranks, one: &Device) -> anyhow
     for graphed in [false, true] {
         let got = pipeline(pipe, graphed, on)?;
         ensure!(got.grads.keys().eq(want.grads.keys()), "{pipe:?}: layers {:?}", got.grads.keys());
-        for (layer, g) in &got.grads {
-            ensure!(*g == want.grads[layer], "{pipe:?}, graphed {graphed}, {on:?}: layer {layer}'s gradients");
+        for ((layer, step), g) in &got.grads {
+            ensure!(
+                *g == want.grads[&(*layer, *step)],
+                "{pipe:?}, graphed {graphed}, {on:?}: layer {layer}'s gradients at step {step}"
+            );
         }
         ensure!(got.outputs == want.outputs, "{pipe:?}, graphed {graphed}, {on:?}: outputs");
         ensure!(got.input_grads == want.input_grads, "{pipe:?}, graphed {graphed}, {on:?}: input gradients");
@@ -245,36 +254,44 @@ fn pipelines_under_1f1b_and_interleaving_equal_one_device_bit_for_bit_eager_and_
 
 #[test]
 fn pipelines_of_data_parallel_replicas_equal_each_replica_on_one_device_summed() -> anyhow::Result<()> {
-    // Megatron-LM's grid of 2 stages × 2 replicas, rank = stage·2 + replica: each stage's
-    // replicas reduce its gradients, each replica's stages pipeline its microbatches.
-    let (stages, replicas) = (2, 2);
-    let pipe = Pipeline { stages, chunks: 2, per_chunk: 1, microbatches: 4 };
-    let layers = stages * pipe.chunks;
-    let each: Vec<Trace> = (0..replicas)
-        .map(|r| one_device(&Device::sim(), layers, pipe.per_chunk, pipe.microbatches, r))
-        .collect::<anyhow::Result<_>>()?;
-    for graphed in [false, true] {
-        let ranks = on_sim_ranks(stages * replicas, SimConfig::default(), CommOptions::default(), |world| {
-            let (at, replica) = (world.rank() / replicas, world.rank() % replicas);
-            let pp = world.split(Some(replica as u32), at)?.expect("every rank pipelines");
-            let dp = world.split(Some(at as u32), replica)?.expect("every rank has replicas");
-            Ok((replica, stage(&pp, Some(&dp), pipe, graphed)?))
-        });
-        let mut grads = BTreeMap::new();
-        for (r, res) in ranks.into_iter().enumerate() {
-            let (replica, trace) = res.with_context(|| format!("rank {r}, graphed {graphed}"))?;
-            let want = &each[replica];
-            ensure!(trace.outputs.is_empty() || trace.outputs == want.outputs, "rank {r}: outputs");
-            ensure!(trace.input_grads.is_empty() || trace.input_grads == want.input_grads, "rank {r}: input grads");
-            for (layer, g) in trace.grads {
-                let other = grads.insert(layer, g.clone());
-                ensure!(other.is_none_or(|o| o == g), "graphed {graphed}: the replicas of layer {layer} differ");
+    // Megatron-LM's grid, rank = stage·replicas + replica: each stage's replicas reduce its
+    // gradients (inside the schedule's backward graphs when graphed), each replica's stages
+    // pipeline its microbatches. One stage is data parallelism under a schedule alone.
+    for (stages, chunks, policy) in [(2, 2, Policy::Random), (1, 1, Policy::Adversarial)] {
+        let replicas = 2;
+        let pipe = Pipeline { stages, chunks, per_chunk: 1, microbatches: 4 };
+        let layers = stages * pipe.chunks;
+        let each: Vec<Trace> = (0..replicas)
+            .map(|r| one_device(&Device::sim(), layers, pipe.per_chunk, pipe.microbatches, r))
+            .collect::<anyhow::Result<_>>()?;
+        for graphed in [false, true] {
+            let config = SimConfig { policy, ..SimConfig::default() };
+            let ranks = on_sim_ranks(stages * replicas, config, CommOptions::default(), |world| {
+                let (at, replica) = (world.rank() / replicas, world.rank() % replicas);
+                let pp = world.split(Some(replica as u32), at)?.expect("every rank pipelines");
+                let dp = world.split(Some(at as u32), replica)?.expect("every rank has replicas");
+                let trace = stage(&pp, Some(&dp), pipe, graphed)?;
+                let hazards = graphed::check::Checker::of(world.device()).expect("checked").take_hazards();
+                Ok((replica, trace, hazards))
+            });
+            let mut grads = BTreeMap::new();
+            for (r, res) in ranks.into_iter().enumerate() {
+                let (replica, trace, hazards) =
+                    res.with_context(|| format!("rank {r} of {pipe:?}, graphed {graphed}"))?;
+                ensure!(hazards.is_empty(), "{pipe:?}, graphed {graphed}: rank {r}'s checker reported {hazards:#?}");
+                let want = &each[replica];
+                ensure!(trace.outputs.is_empty() || trace.outputs == want.outputs, "rank {r}: outputs");
+                ensure!(trace.input_grads.is_empty() || trace.input_grads == want.input_grads, "rank {r}: input grads");
+                for (at, g) in trace.grads {
+                    let other = grads.insert(at, g.clone());
+                    ensure!(other.is_none_or(|o| o == g), "{pipe:?}, graphed {graphed}: the replicas differ at {at:?}");
+                }
             }
-        }
-        ensure!(grads.keys().eq(each[0].grads.keys()), "graphed {graphed}: layers {:?}", grads.keys());
-        for (layer, got) in &grads {
-            let sum: Vec<f32> = each[0].grads[layer].iter().zip(&each[1].grads[layer]).map(|(a, b)| a + b).collect();
-            ensure!(*got == sum, "graphed {graphed}: layer {layer}'s gradients are not the replicas' sum");
+            ensure!(grads.keys().eq(each[0].grads.keys()), "graphed {graphed}: (layer, step) {:?}", grads.keys());
+            for (at, got) in &grads {
+                let sum: Vec<f32> = each[0].grads[at].iter().zip(&each[1].grads[at]).map(|(a, b)| a + b).collect();
+                ensure!(*got == sum, "{pipe:?}, graphed {graphed}: gradients at {at:?} are not the replicas' sum");
+            }
         }
     }
     Ok(())

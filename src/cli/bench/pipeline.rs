@@ -4,6 +4,7 @@
 
 use graphed::device::{Communicator, DType, Device};
 use graphed::dist::P2pLinks;
+use graphed::graph::GraphOptions;
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Schedule, Stage};
 use graphed::tensor::Tensor;
@@ -64,7 +65,8 @@ pub(super) fn time_variant(
     let schedule = Schedule::interleaved_1f1b(stage.count(), stage.index(), chunks, microbatches)?;
     let layers = model.stack.layers();
     let plan = (schedule, vec![per_chunk; chunks]);
-    let scheduled = ScheduledLayers::new(&alloc, layers, plan, &model.x, variant.graphed, true)?;
+    let capture = variant.graphed.then(|| GraphOptions::default().reuse_buffers(true));
+    let scheduled = ScheduledLayers::new(&alloc, layers, plan, &model.x, capture)?;
     let shape = model.x.shape().to_vec();
     let mut links = match variant.graphed {
         true => P2pLinks::graphed(comm, &alloc, &main, &shape, dtype),

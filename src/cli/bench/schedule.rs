@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use graphed::device::{DType, Device, DeviceKind};
-use graphed::graph::static_bytes;
+use graphed::graph::{static_bytes, GraphOptions};
 use graphed::memory::CachingAllocator;
 use graphed::tensor::Tensor;
 use serde::Serialize;
@@ -74,10 +74,11 @@ fn run_variant(
     let layers = model.stack.layers();
     let mut head = |_: usize, _: Tensor| Ok(model.dy.clone());
     let began = Instant::now();
-    let capture = variant != "schedule-eager";
-    let scheduled =
-        ScheduledLayers::new(&alloc, layers, (schedule, per_chunk), &model.x, capture, variant.ends_with("reuse"))?;
-    let capture_ms = capture.then(|| began.elapsed().as_secs_f64() * 1e3);
+    let capture =
+        (variant != "schedule-eager").then(|| GraphOptions::default().reuse_buffers(variant.ends_with("reuse")));
+    let captured = capture.is_some();
+    let scheduled = ScheduledLayers::new(&alloc, layers, (schedule, per_chunk), &model.x, capture)?;
+    let capture_ms = captured.then(|| began.elapsed().as_secs_f64() * 1e3);
     let mut step = || -> anyhow::Result<()> {
         scheduled.run(layers, &main, &inputs, None, &mut head, None)?;
         Ok(())

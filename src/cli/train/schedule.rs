@@ -3,7 +3,10 @@
 //! (layer, microbatch) replayed in the schedule's order; the embedding, the head and the
 //! optimizer around it as in the other modes.
 
+use std::sync::Arc;
+
 use graphed::device::{DType, Stream};
+use graphed::graph::{GradSync, GraphOptions};
 use graphed::memory::CachingAllocator;
 use graphed::nn::Gpt;
 use graphed::tensor::Tensor;
@@ -15,13 +18,15 @@ use crate::cli::scheduled::ScheduledLayers;
 pub struct Scheduled(ScheduledLayers);
 
 impl Scheduled {
-    /// The schedule for `model`'s layers and a batch of `batch`, captured unless `--eager`.
+    /// The schedule for `model`'s layers and a batch of `batch`, captured unless `--eager`
+    /// (with `grad_sync` inside the backward graphs, when given).
     pub fn new(
         model: &Gpt,
         alloc: &CachingAllocator,
         stream: &Stream,
         batch: usize,
         args: &TrainArgs,
+        grad_sync: Option<Arc<dyn GradSync>>,
     ) -> anyhow::Result<Scheduled> {
         let layers = model.layers().layers();
         let (schedule, per_chunk) = args.schedule_args.resolve(layers.len())?;
@@ -33,7 +38,11 @@ impl Scheduled {
         }
         let shape = [batch / m, model.config().max_len, model.config().dim];
         let sample = Tensor::zeros(alloc, stream, &shape, model.config().dtype)?;
-        Ok(Scheduled(ScheduledLayers::new(alloc, layers, (schedule, per_chunk), &sample, !args.eager, true)?))
+        let capture = (!args.eager).then(|| match grad_sync {
+            Some(sync) => GraphOptions::default().reuse_buffers(true).grad_sync(sync),
+            None => GraphOptions::default().reuse_buffers(true),
+        });
+        Ok(Scheduled(ScheduledLayers::new(alloc, layers, (schedule, per_chunk), &sample, capture)?))
     }
 
     /// How it runs, for the banner.

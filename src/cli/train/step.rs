@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use graphed::device::{Communicator, Stream};
 use graphed::dist::DataParallel;
-use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, GraphedFn, GraphedStack, Replay};
+use graphed::graph::{make_graphed_fn, make_graphed_stack, GradSync, GraphOptions, GraphedFn, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Chunk, Gpt, Inputs, KeepOnDevice, Module, SaveHook};
 use graphed::offload::OffloadManager;
@@ -28,8 +28,9 @@ pub struct Stepper {
     /// when eager).
     offload: Option<OffloadManager>,
     /// Launched on several GPUs: the gradient reduction, and the gradients it reduces eagerly
-    /// after the backward (all of them when eager or scheduled; the embedding's and the head's
-    /// when graphed, the layers' being reduced inside their backward graphs).
+    /// after the backward (all of them when eager; the embedding's and the head's when graphed,
+    /// the layers' being reduced inside their backward graphs, under a schedule after each
+    /// layer's last microbatch).
     data_parallel: Option<(Arc<DataParallel>, Vec<Tensor>)>,
 }
 
@@ -64,11 +65,8 @@ impl Stepper {
         let dev = stream.device();
         let data_parallel = match comm {
             None => None,
-            // Eager, or under a schedule (whose graphs reduce nothing: `grad_sync` runs in stack
-            // order only), every gradient is reduced after the step's last backward.
-            Some(c) if args.eager || args.schedule => {
-                Some((DataParallel::new(c, Vec::new())?, vec![model.parameters().grads()?]))
-            }
+            // Eager, every gradient is reduced after the step's last backward.
+            Some(c) if args.eager => Some((DataParallel::new(c, Vec::new())?, vec![model.parameters().grads()?])),
             Some(c) => {
                 let in_layers: Vec<_> = model.layers().layers().iter().flat_map(|l| l.parameters()).collect();
                 let rest = model.parameters().grads_outside(&in_layers)?;
@@ -77,7 +75,10 @@ impl Stepper {
         };
         let offload = args.offload.config(dev).map(|c| OffloadManager::new(alloc, c)).transpose()?;
         let layers = match (args.schedule, args.eager) {
-            (true, _) => Layers::Scheduled(Scheduled::new(model, alloc, stream, batch, args)?),
+            (true, _) => {
+                let sync = data_parallel.as_ref().map(|(dp, _)| dp.clone() as Arc<dyn GradSync>);
+                Layers::Scheduled(Scheduled::new(model, alloc, stream, batch, args, sync)?)
+            }
             (false, true) => Layers::Eager,
             (false, false) => {
                 let x = Tensor::zeros(
