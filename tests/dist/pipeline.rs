@@ -254,44 +254,69 @@ fn pipelines_under_1f1b_and_interleaving_equal_one_device_bit_for_bit_eager_and_
 
 #[test]
 fn pipelines_of_data_parallel_replicas_equal_each_replica_on_one_device_summed() -> anyhow::Result<()> {
-    // Megatron-LM's grid, rank = stage·replicas + replica: each stage's replicas reduce its
-    // gradients (inside the schedule's backward graphs when graphed), each replica's stages
-    // pipeline its microbatches. One stage is data parallelism under a schedule alone.
-    for (stages, chunks, policy) in [(2, 2, Policy::Random), (1, 1, Policy::Adversarial)] {
-        let replicas = 2;
-        let pipe = Pipeline { stages, chunks, per_chunk: 1, microbatches: 4 };
-        let layers = stages * pipe.chunks;
-        let each: Vec<Trace> = (0..replicas)
-            .map(|r| one_device(&Device::sim(), layers, pipe.per_chunk, pipe.microbatches, r))
-            .collect::<anyhow::Result<_>>()?;
-        for graphed in [false, true] {
-            let config = SimConfig { policy, ..SimConfig::default() };
-            let ranks = on_sim_ranks(stages * replicas, config, CommOptions::default(), |world| {
-                let (at, replica) = (world.rank() / replicas, world.rank() % replicas);
-                let pp = world.split(Some(replica as u32), at)?.expect("every rank pipelines");
-                let dp = world.split(Some(at as u32), replica)?.expect("every rank has replicas");
-                let trace = stage(&pp, Some(&dp), pipe, graphed)?;
-                let hazards = graphed::check::Checker::of(world.device()).expect("checked").take_hazards();
-                Ok((replica, trace, hazards))
-            });
-            let mut grads = BTreeMap::new();
-            for (r, res) in ranks.into_iter().enumerate() {
-                let (replica, trace, hazards) =
-                    res.with_context(|| format!("rank {r} of {pipe:?}, graphed {graphed}"))?;
-                ensure!(hazards.is_empty(), "{pipe:?}, graphed {graphed}: rank {r}'s checker reported {hazards:#?}");
-                let want = &each[replica];
-                ensure!(trace.outputs.is_empty() || trace.outputs == want.outputs, "rank {r}: outputs");
-                ensure!(trace.input_grads.is_empty() || trace.input_grads == want.input_grads, "rank {r}: input grads");
-                for (at, g) in trace.grads {
-                    let other = grads.insert(at, g.clone());
-                    ensure!(other.is_none_or(|o| o == g), "{pipe:?}, graphed {graphed}: the replicas differ at {at:?}");
-                }
+    grid_equals_replicas_summed(
+        Pipeline { stages: 2, chunks: 2, per_chunk: 1, microbatches: 4 },
+        2,
+        Ranks::Sim(Policy::Random),
+        &Device::sim(),
+    )?;
+    // One stage: data parallelism under a schedule alone.
+    grid_equals_replicas_summed(
+        Pipeline { stages: 1, chunks: 1, per_chunk: 2, microbatches: 4 },
+        2,
+        Ranks::Sim(Policy::Adversarial),
+        &Device::sim(),
+    )
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs and NCCL"]
+fn two_gpus_as_replicas_under_a_schedule_equal_each_replica_on_one_gpu_summed() -> anyhow::Result<()> {
+    grid_equals_replicas_summed(
+        Pipeline { stages: 1, chunks: 1, per_chunk: 2, microbatches: 4 },
+        2,
+        Ranks::Gpus,
+        &Device::cuda_checked(0)?,
+    )
+}
+
+/// Megatron-LM's grid of `pipe.stages` × `replicas` ranks `on`, rank = stage·replicas + replica:
+/// each stage's replicas reduce its gradients (inside the schedule's backward graphs when
+/// graphed), each replica's stages pipeline its microbatches. Per replica, the outputs and input
+/// gradients of that replica alone on `one`; per layer and step, the replicas' gradients summed,
+/// bit for bit; every checker quiet.
+fn grid_equals_replicas_summed(pipe: Pipeline, replicas: usize, on: Ranks, one: &Device) -> anyhow::Result<()> {
+    let layers = pipe.stages * pipe.chunks;
+    let each: Vec<Trace> = (0..replicas)
+        .map(|r| one_device(one, layers, pipe.per_chunk, pipe.microbatches, r))
+        .collect::<anyhow::Result<_>>()?;
+    for graphed in [false, true] {
+        let ranks = on.run(pipe.stages * replicas, CommOptions::default(), |world| {
+            let (at, replica) = (world.rank() / replicas, world.rank() % replicas);
+            let pp = world.split(Some(replica as u32), at)?.expect("every rank pipelines");
+            let dp = world.split(Some(at as u32), replica)?.expect("every rank has replicas");
+            let trace = stage(&pp, Some(&dp), pipe, graphed)?;
+            let hazards = graphed::check::Checker::of(world.device()).expect("checked").take_hazards();
+            Ok((replica, trace, hazards))
+        })?;
+        let mut grads = BTreeMap::new();
+        for (r, res) in ranks.into_iter().enumerate() {
+            let (replica, trace, hazards) = res.with_context(|| format!("rank {r} of {pipe:?}, graphed {graphed}"))?;
+            ensure!(hazards.is_empty(), "{pipe:?}, graphed {graphed}: rank {r}'s checker reported {hazards:#?}");
+            let want = &each[replica];
+            ensure!(trace.outputs.is_empty() || trace.outputs == want.outputs, "rank {r}: outputs");
+            ensure!(trace.input_grads.is_empty() || trace.input_grads == want.input_grads, "rank {r}: input grads");
+            for (at, g) in trace.grads {
+                let other = grads.insert(at, g.clone());
+                ensure!(other.is_none_or(|o| o == g), "{pipe:?}, graphed {graphed}: the replicas differ at {at:?}");
             }
-            ensure!(grads.keys().eq(each[0].grads.keys()), "graphed {graphed}: (layer, step) {:?}", grads.keys());
-            for (at, got) in &grads {
-                let sum: Vec<f32> = each[0].grads[at].iter().zip(&each[1].grads[at]).map(|(a, b)| a + b).collect();
-                ensure!(*got == sum, "{pipe:?}, graphed {graphed}: gradients at {at:?} are not the replicas' sum");
-            }
+        }
+        ensure!(grads.keys().eq(each[0].grads.keys()), "graphed {graphed}: (layer, step) {:?}", grads.keys());
+        for (at, got) in &grads {
+            let sum = (0..replicas)
+                .map(|r| &each[r].grads[at])
+                .fold(vec![0.0f32; got.len()], |acc, g| acc.iter().zip(g).map(|(a, b)| a + b).collect());
+            ensure!(*got == sum, "{pipe:?}, graphed {graphed}: gradients at {at:?} are not the replicas' sum");
         }
     }
     Ok(())
