@@ -209,15 +209,9 @@ fn capture(
     if options.pool_per_callable && options.pool.is_some() {
         return Err(refuse(GraphedErrorKind::ConflictingPools));
     }
-    if options.grad_sync.is_some() {
-        let why = match (training, callables.iter().any(|c| c.splits_dw_dyn())) {
-            (false, _) => Some("needs training mode: inference captures no backward"),
-            (_, true) => Some("needs each callable's gradients complete after its backward, but a callable splits its weight gradients out; capture without the split"),
-            _ => None,
-        };
-        if let Some(why) = why {
-            return Err(refuse(GraphedErrorKind::GradSync { why }));
-        }
+    if options.grad_sync.is_some() && !training {
+        let why = "needs training mode: inference captures no backward";
+        return Err(refuse(GraphedErrorKind::GradSync { why }));
     }
     const OP: &str = "make_graphed_callables";
     if let Some(pool) = &options.pool {

@@ -9,32 +9,35 @@
 //! that resumes at the event sees every gradient reduced. Parameters that a module tells final
 //! before its backward returns ([`Module::backward_hooked`](crate::nn::Module::backward_hooked))
 //! are reduced at once, overlapping the rest of that backward graph; only the rest waits for the
-//! next graph. Under a pipeline schedule, a layer's backward graphs of earlier microbatches only
-//! accumulate: its gradients are told final in the backward of its last microbatch.
+//! next graph. A callable that splits its weight gradients out completes them in its
+//! weight-gradient pass, which is then the pass that tells; under a pipeline schedule, a layer's
+//! passes of earlier microbatches only accumulate, and those of its last microbatch tell.
 
 use crate::device::{BufferId, Stream};
 use crate::nn::{GradHook, Param};
 use crate::Result;
 
-/// What a captured backward pass calls, in order: [`begin_backward`](GradSync::begin_backward)
-/// and [`end_backward`](GradSync::end_backward) around each callable's backward inside its
-/// capture (`end_backward`, like [`grads_final`](GradSync::grads_final), only where the backward
-/// completes the callable's gradients: under a schedule, its last microbatch's); then, in the step's last backward only, [`finish`](GradSync::finish) before the
-/// sync event; then [`end_pass`](GradSync::end_pass) after it; [`abandon`](GradSync::abandon)
-/// when the capture fails. Given with
-/// [`GraphOptions::grad_sync`](super::GraphOptions::grad_sync).
+/// What a captured pass that accumulates gradients (a backward, or a split weight-gradient pass)
+/// calls, in order: [`begin_backward`](GradSync::begin_backward) and
+/// [`end_backward`](GradSync::end_backward) around the callable's work inside its capture
+/// (`end_backward`, like [`grads_final`](GradSync::grads_final), only in the pass that completes
+/// the callable's gradients: its last one, under a schedule its last microbatch's); then, in the
+/// step's last such pass only, [`finish`](GradSync::finish) before the sync event; then
+/// [`end_pass`](GradSync::end_pass) after it; [`abandon`](GradSync::abandon) when the capture
+/// fails. Given with [`GraphOptions::grad_sync`](super::GraphOptions::grad_sync).
 pub trait GradSync: Send + Sync {
-    /// A backward pass begins on `stream`: work deferred from the passes before may start, forked
-    /// from `stream`, to overlap this pass.
+    /// A pass that accumulates gradients begins on `stream`: work deferred from the passes
+    /// before may start, forked from `stream`, to overlap this pass.
     fn begin_backward(&self, stream: &Stream) -> Result<()>;
     /// Inside callable `callable`'s backward (`callable` counts the callables as given, not a
     /// schedule's microbatches of them), `params`' gradients are final once the work
     /// enqueued so far on `stream` is (see [`GradHook`]).
     fn grads_final(&self, callable: usize, params: &[&Param], stream: &Stream) -> Result<()>;
-    /// Callable `callable`'s backward has accumulated its parameter gradients on `stream`.
+    /// Callable `callable`'s parameter gradients are complete once the work enqueued so far on
+    /// `stream` is: its last pass that accumulates them has.
     fn end_backward(&self, callable: usize, stream: &Stream) -> Result<()>;
-    /// The step's last backward is about to record its sync event: everything the caller needs
-    /// must be joined into `stream` now.
+    /// The step's last pass that accumulates gradients is about to record its sync event:
+    /// everything the caller needs must be joined into `stream` now.
     fn finish(&self, stream: &Stream) -> Result<()>;
     /// A captured pass recorded its sync event: join what was forked into `stream` (the tail).
     fn end_pass(&self, stream: &Stream) -> Result<()>;

@@ -118,9 +118,10 @@ impl GraphOptions {
 
     /// Work on the parameter gradients inside the captured backward passes, such as the
     /// data-parallel reduction of `dist::DataParallel` (see [`GradSync`](super::GradSync)). The
-    /// gradients are complete only after the stack's or tail's join. Under a schedule, a layer's
-    /// gradients are worked on after its last microbatch's backward. A callable that splits its
-    /// weight gradients out is refused before the warmup.
+    /// gradients are complete only after the stack's or tail's join. A callable's gradients are
+    /// worked on after its last pass that accumulates them: its backward, or its split
+    /// weight-gradient pass; under a schedule, its last microbatch's. Inference is refused
+    /// before the warmup.
     pub fn grad_sync(mut self, sync: Arc<dyn super::GradSync>) -> GraphOptions {
         self.grad_sync = Some(sync);
         self

@@ -67,18 +67,9 @@ impl Layout {
         at
     }
 
-    /// Per callable, the layer whose gradients its backward completes: only that of the layer's
-    /// last microbatch in the schedule does (the others accumulate).
-    pub(crate) fn completes(&self) -> Vec<Option<usize>> {
-        let at = self.uses();
-        let mut last: HashMap<usize, usize> = HashMap::new();
-        for (i, u) in at.iter().enumerate() {
-            let later = last.get(&u.layer).is_none_or(|&j| at[j].backward < u.backward);
-            if later {
-                last.insert(u.layer, i);
-            }
-        }
-        (at.iter().enumerate()).map(|(i, u)| (last.get(&u.layer) == Some(&i)).then_some(u.layer)).collect()
+    /// Per callable, its layer: the index of the callable given, of which it is a microbatch.
+    fn layer_of(&self) -> Vec<usize> {
+        self.uses().iter().map(|u| u.layer).collect()
     }
 
     /// Which callables share their static inputs and which their static output gradients
@@ -155,8 +146,7 @@ pub(crate) fn record(
         inputs: (0..n).map(|_| None).collect(),
         grad_sets,
         grad_buffers: HashMap::new(),
-        backwards_left: n,
-        completes: layout.map_or_else(|| (0..n).map(Some).collect(), Layout::completes),
+        grad_passes: GradPasses::new(plan, layout),
     };
     match layout {
         None => {
@@ -185,11 +175,42 @@ struct Record<'p, 'o> {
     /// With buffer reuse, per callable, its set of static output gradients, and the sets made.
     grad_sets: Option<Vec<usize>>,
     grad_buffers: HashMap<usize, Vec<Tensor>>,
-    /// Backward passes not yet captured: the last one finishes the gradient work.
-    backwards_left: usize,
-    /// Per callable, the index (among those given) whose gradients its backward completes, as
-    /// the gradient work is told; `None` for a schedule's earlier microbatches of a layer.
-    completes: Vec<Option<usize>>,
+    grad_passes: GradPasses,
+}
+
+/// The passes that accumulate parameter gradients (backward, and split weight-gradient passes),
+/// counted as they are captured: the gradient work is told a callable's gradients are complete
+/// in its last such pass (under a schedule, of its last microbatch), and finishes in the
+/// capture's last.
+struct GradPasses {
+    /// Per callable, its index among the callables given (a schedule's microbatches of a layer
+    /// share the layer's).
+    given: Vec<usize>,
+    /// Per callable given, its gradient passes not yet captured.
+    left: Vec<usize>,
+    /// Every gradient pass not yet captured.
+    total: usize,
+}
+
+impl GradPasses {
+    fn new(plan: &Plan<'_>, layout: Option<&Layout>) -> GradPasses {
+        let given = layout.map_or_else(|| (0..plan.len()).collect(), Layout::layer_of);
+        let mut left = vec![0; given.iter().max().map_or(0, |m| m + 1)];
+        for (i, &g) in given.iter().enumerate() {
+            left[g] += 1 + usize::from(plan.callables[i].splits_dw_dyn());
+        }
+        let total = left.iter().sum();
+        GradPasses { given, left, total }
+    }
+
+    /// Counts a gradient pass of callable `i`: the callable given whose gradients it completes,
+    /// if it does, and whether it is the capture's last.
+    fn count(&mut self, i: usize) -> (Option<usize>, bool) {
+        let g = self.given[i];
+        self.left[g] -= 1;
+        self.total -= 1;
+        ((self.left[g] == 0).then_some(g), self.total == 0)
+    }
 }
 
 impl Record<'_, '_> {
@@ -199,20 +220,20 @@ impl Record<'_, '_> {
         self.capture_pass(i, pass, false, f)
     }
 
-    /// As [`capture`](Self::capture); `last_backward` makes the gradient work join before the
+    /// As [`capture`](Self::capture); `last_grad_pass` makes the gradient work join before the
     /// sync event.
     fn capture_pass(
         &self,
         i: usize,
         pass: Pass,
-        last_backward: bool,
+        last_grad_pass: bool,
         f: &mut dyn FnMut() -> Result<()>,
     ) -> Result<PoolGraph> {
         let (stream, options) = (self.plan.stream, &*self.options);
         let _range = stream.device().range_with(|| self.plan.ranges[i].name("capture", pass));
         let cap = self.plan.alloc.capture(stream, options.capture_mode, &self.pools[i])?;
         f()?;
-        if let (Some(sync), true) = (&options.grad_sync, last_backward) {
+        if let (Some(sync), true) = (&options.grad_sync, last_grad_pass) {
             sync.finish(stream)?;
         }
         if let Some(e) = &options.sync_event {
@@ -228,10 +249,22 @@ impl Record<'_, '_> {
     /// Captures callable `i`'s split weight-gradient pass, if it has one.
     fn weight_grad(&mut self, i: usize) -> Result<()> {
         let (plan, stream) = (self.plan, self.plan.stream);
-        if plan.callables[i].splits_dw_dyn() {
-            let g = self.capture(i, Pass::BackwardDw, &mut || plan.callables[i].backward_dw_dyn(stream))?;
-            self.recorded.graphs[i].push((Pass::BackwardDw, g));
+        if !plan.callables[i].splits_dw_dyn() {
+            return Ok(());
         }
+        let (completes, last) = self.grad_passes.count(i);
+        let sync = self.options.grad_sync.clone();
+        let g = self.capture_pass(i, Pass::BackwardDw, last, &mut || {
+            if let Some(sync) = &sync {
+                sync.begin_backward(stream)?;
+            }
+            plan.callables[i].backward_dw_dyn(stream)?;
+            match (&sync, completes) {
+                (Some(sync), Some(c)) => sync.end_backward(c, stream),
+                _ => Ok(()),
+            }
+        })?;
+        self.recorded.graphs[i].push((Pass::BackwardDw, g));
         Ok(())
     }
 
@@ -315,9 +348,9 @@ impl Traverse for Record<'_, '_> {
         };
         self.options.run_pass_hook(i, Phase::BackwardPre, stream)?;
         let (mut saved, mut result) = (Some(saved), None);
-        self.backwards_left -= 1;
-        let (sync, completes) = (self.options.grad_sync.clone(), self.completes[i]);
-        let g = self.capture_pass(i, Pass::Backward, self.backwards_left == 0, &mut || {
+        let (completes, last) = self.grad_passes.count(i);
+        let sync = self.options.grad_sync.clone();
+        let g = self.capture_pass(i, Pass::Backward, last, &mut || {
             let s = saved.take().expect("captured once");
             if let Some(sync) = &sync {
                 sync.begin_backward(stream)?;

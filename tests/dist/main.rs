@@ -30,15 +30,20 @@ struct Model {
     opt: AdamW,
 }
 
-/// Three layers of width 32 (f32, no dropout: the masks would differ by microbatch).
-fn model(dev: &Device) -> graphed::Result<Model> {
+/// Three layers of width 32 (f32, no dropout: the masks would differ by microbatch); with
+/// `split_dw`, their weight gradients split out into passes of their own.
+fn model(dev: &Device, split_dw: bool) -> graphed::Result<Model> {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
     let mut store = ParamStore::new(&alloc, &s, 3 * TransformerLayer::parameter_count(32))?;
     let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
     let mut layers = Vec::new();
     for l in 0..3u32 {
         let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l, step: step.clone() };
-        layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 4), &dropout, l.into(), &s)?);
+        let mut layer = TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 4), &dropout, l.into(), &s)?;
+        for linear in [&mut layer.attn.qkv, &mut layer.attn.proj, &mut layer.mlp.fc1, &mut layer.mlp.fc2] {
+            linear.set_split_dw(split_dw);
+        }
+        layers.push(layer);
     }
     let opt = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-3), &s)?;
     Ok(Model { alloc, s, store, stack: Stack::new(layers).with_rng_step(&step), opt })
@@ -62,7 +67,7 @@ type Trace = Vec<(Vec<f32>, Vec<f32>)>;
 
 /// One rank, graphed, accumulating `ranks` microbatches per step.
 fn one_rank(dev: &Device, ranks: u64) -> anyhow::Result<Trace> {
-    let m = model(dev)?;
+    let m = model(dev, false)?;
     let (x0, _) = data(&m, 0, 0)?;
     let graphed = make_graphed_stack(&m.alloc, &m.stack, &x0, GraphOptions::default())?;
     let mut trace = Vec::new();
@@ -81,9 +86,10 @@ fn one_rank(dev: &Device, ranks: u64) -> anyhow::Result<Trace> {
 }
 
 /// Rank `comm.rank()` of a data-parallel group, graphed with the reduction inside the backward
-/// graphs and replayed on a side stream.
-fn data_parallel(comm: &Communicator) -> anyhow::Result<Trace> {
-    let m = model(comm.device())?;
+/// graphs and replayed on a side stream; with `split_dw`, the layers' weight gradients in passes
+/// of their own, which the reduction follows.
+fn data_parallel(comm: &Communicator, split_dw: bool) -> anyhow::Result<Trace> {
+    let m = model(comm.device(), split_dw)?;
     let dp = DataParallel::for_stack(comm, &m.store, &m.stack)?;
     let (x0, _) = data(&m, 0, 0)?;
     let (side, ready) = (comm.device().stream()?, comm.device().event()?);
@@ -94,6 +100,9 @@ fn data_parallel(comm: &Communicator) -> anyhow::Result<Trace> {
         let (x, dy) = data(&m, step, comm.rank() as u64)?;
         graphed.forward(&m.s, &x, Replay::side(&side))?;
         graphed.backward(&m.s, &dy)?;
+        if split_dw {
+            graphed.backward_dw(&m.s)?;
+        }
         graphed.join(&m.s)?;
         let grads = m.store.grads()?.to_vec::<f32>(&m.s)?;
         m.opt.step(&m.s)?;
@@ -105,7 +114,7 @@ fn data_parallel(comm: &Communicator) -> anyhow::Result<Trace> {
 /// As [`data_parallel`], with the whole stack graphed as one callable: its layers tell the
 /// reduction one by one, inside the one backward graph.
 fn data_parallel_one_callable(comm: &Communicator) -> anyhow::Result<Trace> {
-    let m = model(comm.device())?;
+    let m = model(comm.device(), false)?;
     let callables: [&dyn Callable; 1] = [&m.stack];
     let dp = DataParallel::for_callables(comm, &m.store, &callables)?;
     let (x0, _) = data(&m, 0, 0)?;
@@ -130,8 +139,9 @@ fn data_parallel_one_callable(comm: &Communicator) -> anyhow::Result<Trace> {
 fn two_ranks_with_a_microbatch_each_equal_one_rank_with_both_bit_for_bit_and_race_free() -> anyhow::Result<()> {
     let want = one_rank(&Device::sim(), 2)?;
     for policy in Policy::ALL {
-        data_parallel_equals(&want, Ranks::Sim(policy), data_parallel)?;
+        data_parallel_equals(&want, Ranks::Sim(policy), |c| data_parallel(c, false))?;
     }
+    data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), |c| data_parallel(c, true))?;
     data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), data_parallel_one_callable)
 }
 
@@ -140,7 +150,7 @@ fn two_ranks_with_a_microbatch_each_equal_one_rank_with_both_bit_for_bit_and_rac
 fn data_parallel_equals(
     want: &Trace,
     on: Ranks,
-    rank: fn(&Communicator) -> anyhow::Result<Trace>,
+    rank: impl Fn(&Communicator) -> anyhow::Result<Trace> + Sync,
 ) -> anyhow::Result<()> {
     let ranks = on.run(2, CommOptions::default(), |c| {
         let trace = rank(c);
@@ -161,7 +171,7 @@ fn data_parallel_equals(
 #[test]
 fn grad_sync_without_a_backward_is_refused_before_anything_runs() -> anyhow::Result<()> {
     let out = on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| {
-        let m = model(c.device())?;
+        let m = model(c.device(), false)?;
         let dp = DataParallel::new(c, Vec::new())?;
         let (x0, _) = data(&m, 0, 0)?;
         let options = GraphOptions::default().grad_sync(dp).inference();
@@ -400,7 +410,8 @@ mod two_gpus {
     #[ignore = "needs two CUDA GPUs and NCCL"]
     fn two_gpus_with_a_microbatch_each_equal_one_gpu_with_both_bit_for_bit() -> anyhow::Result<()> {
         let want = one_rank(&Device::cuda_checked(0)?, 2)?;
-        data_parallel_equals(&want, Ranks::Gpus, data_parallel)?;
+        data_parallel_equals(&want, Ranks::Gpus, |c| data_parallel(c, false))?;
+        data_parallel_equals(&want, Ranks::Gpus, |c| data_parallel(c, true))?;
         data_parallel_equals(&want, Ranks::Gpus, data_parallel_one_callable)
     }
 }

@@ -123,23 +123,34 @@ fn take_grads(p: &Part, step: u64, trace: &mut Trace) -> graphed::Result<()> {
     p.store.grads()?.zero(&p.s)
 }
 
-/// A pipeline's shape: stages (ranks), chunks per stage, layers per chunk, microbatches.
+/// A pipeline's shape: stages (ranks), chunks per stage, layers per chunk, microbatches; and
+/// whether its schedule is zero-bubble (one chunk, the layers' weight gradients split out and
+/// run one backward later), else interleaved 1F1B.
 #[derive(Debug, Clone, Copy)]
 struct Pipeline {
     stages: usize,
     chunks: usize,
     per_chunk: usize,
     microbatches: usize,
+    zero_bubble: bool,
 }
 
-/// Stage `comm.rank()` of `pipe` under interleaved 1F1B, eagerly or graphed; with `dp`, as
+/// Stage `comm.rank()` of `pipe` under its schedule, eagerly or graphed; with `dp`, as
 /// replica `dp.rank()` of its stage, on that replica's microbatches, its gradients summed over
 /// `dp` at every step: inside the backward graphs when graphed, else after the step.
 fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, graphed: bool) -> graphed::Result<Trace> {
-    let Pipeline { stages, chunks, per_chunk, microbatches } = pipe;
+    let Pipeline { stages, chunks, per_chunk, microbatches, zero_bubble } = pipe;
     let stage = Stage::new(comm.rank(), stages)?;
-    let p = part(comm.device(), stage.model_layers(chunks, per_chunk))?;
-    let schedule = Schedule::interleaved_1f1b(stages, stage.index(), chunks, microbatches)?;
+    let mut p = part(comm.device(), stage.model_layers(chunks, per_chunk))?;
+    let schedule = match zero_bubble {
+        true => Schedule::zero_bubble(stages, stage.index(), microbatches)?,
+        false => Schedule::interleaved_1f1b(stages, stage.index(), chunks, microbatches)?,
+    };
+    for l in p.layers.iter_mut().filter(|_| zero_bubble) {
+        for linear in [&mut l.attn.qkv, &mut l.attn.proj, &mut l.mlp.fc1, &mut l.mlp.fc2] {
+            linear.set_split_dw(true);
+        }
+    }
     let layers_per_chunk = vec![per_chunk; chunks];
     let layers: Vec<&dyn Callable> = p.layers.iter().map(|l| l as &dyn Callable).collect();
     let callables: Option<Vec<GraphedCallable>> = match graphed {
@@ -235,15 +246,23 @@ fn pipeline_equals_one_device(pipe: Pipeline, on: Ranks, one: &Device) -> anyhow
 }
 
 #[test]
-fn pipelines_under_1f1b_and_interleaving_equal_one_device_bit_for_bit_eager_and_graphed() -> anyhow::Result<()> {
+fn pipelines_under_1f1b_interleaving_and_zero_bubble_equal_one_device_bit_for_bit_eager_and_graphed(
+) -> anyhow::Result<()> {
     for (pipe, policies) in [
-        (Pipeline { stages: 2, chunks: 1, per_chunk: 2, microbatches: 4 }, &Policy::ALL[..]),
-        (Pipeline { stages: 2, chunks: 2, per_chunk: 1, microbatches: 4 }, &Policy::ALL[..]),
-        (Pipeline { stages: 3, chunks: 1, per_chunk: 1, microbatches: 5 }, &[Policy::Random][..]),
-        (Pipeline { stages: 3, chunks: 2, per_chunk: 1, microbatches: 6 }, &[Policy::Adversarial][..]),
-        (Pipeline { stages: 4, chunks: 1, per_chunk: 1, microbatches: 4 }, &[Policy::InOrder][..]),
-        (Pipeline { stages: 4, chunks: 2, per_chunk: 1, microbatches: 8 }, &[Policy::Random][..]),
-        (Pipeline { stages: 2, chunks: 3, per_chunk: 1, microbatches: 2 }, &[Policy::Random][..]),
+        (Pipeline { stages: 2, chunks: 1, per_chunk: 2, microbatches: 4, zero_bubble: false }, &Policy::ALL[..]),
+        (Pipeline { stages: 2, chunks: 2, per_chunk: 1, microbatches: 4, zero_bubble: false }, &Policy::ALL[..]),
+        (Pipeline { stages: 3, chunks: 1, per_chunk: 1, microbatches: 5, zero_bubble: false }, &[Policy::Random][..]),
+        (
+            Pipeline { stages: 3, chunks: 2, per_chunk: 1, microbatches: 6, zero_bubble: false },
+            &[Policy::Adversarial][..],
+        ),
+        (Pipeline { stages: 4, chunks: 1, per_chunk: 1, microbatches: 4, zero_bubble: false }, &[Policy::InOrder][..]),
+        (Pipeline { stages: 4, chunks: 2, per_chunk: 1, microbatches: 8, zero_bubble: false }, &[Policy::Random][..]),
+        (Pipeline { stages: 2, chunks: 3, per_chunk: 1, microbatches: 2, zero_bubble: false }, &[Policy::Random][..]),
+        (
+            Pipeline { stages: 2, chunks: 1, per_chunk: 2, microbatches: 4, zero_bubble: true },
+            &[Policy::Adversarial][..],
+        ),
     ] {
         for &policy in policies {
             pipeline_equals_one_device(pipe, Ranks::Sim(policy), &Device::sim())?;
@@ -255,14 +274,21 @@ fn pipelines_under_1f1b_and_interleaving_equal_one_device_bit_for_bit_eager_and_
 #[test]
 fn pipelines_of_data_parallel_replicas_equal_each_replica_on_one_device_summed() -> anyhow::Result<()> {
     grid_equals_replicas_summed(
-        Pipeline { stages: 2, chunks: 2, per_chunk: 1, microbatches: 4 },
+        Pipeline { stages: 2, chunks: 2, per_chunk: 1, microbatches: 4, zero_bubble: false },
         2,
         Ranks::Sim(Policy::Random),
         &Device::sim(),
     )?;
+    // Zero-bubble: a layer's gradients are complete after its last weight-gradient pass.
+    grid_equals_replicas_summed(
+        Pipeline { stages: 2, chunks: 1, per_chunk: 2, microbatches: 4, zero_bubble: true },
+        2,
+        Ranks::Sim(Policy::Adversarial),
+        &Device::sim(),
+    )?;
     // One stage: data parallelism under a schedule alone.
     grid_equals_replicas_summed(
-        Pipeline { stages: 1, chunks: 1, per_chunk: 2, microbatches: 4 },
+        Pipeline { stages: 1, chunks: 1, per_chunk: 2, microbatches: 4, zero_bubble: false },
         2,
         Ranks::Sim(Policy::Adversarial),
         &Device::sim(),
@@ -272,12 +298,11 @@ fn pipelines_of_data_parallel_replicas_equal_each_replica_on_one_device_summed()
 #[test]
 #[ignore = "needs two CUDA GPUs and NCCL"]
 fn two_gpus_as_replicas_under_a_schedule_equal_each_replica_on_one_gpu_summed() -> anyhow::Result<()> {
-    grid_equals_replicas_summed(
-        Pipeline { stages: 1, chunks: 1, per_chunk: 2, microbatches: 4 },
-        2,
-        Ranks::Gpus,
-        &Device::cuda_checked(0)?,
-    )
+    for zero_bubble in [false, true] {
+        let pipe = Pipeline { stages: 1, chunks: 1, per_chunk: 2, microbatches: 4, zero_bubble };
+        grid_equals_replicas_summed(pipe, 2, Ranks::Gpus, &Device::cuda_checked(0)?)?;
+    }
+    Ok(())
 }
 
 /// Megatron-LM's grid of `pipe.stages` × `replicas` ranks `on`, rank = stage·replicas + replica:
@@ -326,9 +351,9 @@ fn grid_equals_replicas_summed(pipe: Pipeline, replicas: usize, on: Ranks, one: 
 #[ignore = "needs two CUDA GPUs and NCCL"]
 fn two_gpus_under_1f1b_and_interleaving_equal_one_gpu_bit_for_bit_eager_and_graphed() -> anyhow::Result<()> {
     for pipe in [
-        Pipeline { stages: 2, chunks: 1, per_chunk: 2, microbatches: 4 },
-        Pipeline { stages: 2, chunks: 2, per_chunk: 1, microbatches: 4 },
-        Pipeline { stages: 2, chunks: 3, per_chunk: 1, microbatches: 6 },
+        Pipeline { stages: 2, chunks: 1, per_chunk: 2, microbatches: 4, zero_bubble: false },
+        Pipeline { stages: 2, chunks: 2, per_chunk: 1, microbatches: 4, zero_bubble: false },
+        Pipeline { stages: 2, chunks: 3, per_chunk: 1, microbatches: 6, zero_bubble: false },
     ] {
         pipeline_equals_one_device(pipe, Ranks::Gpus, &Device::cuda_checked(0)?)?;
     }
@@ -337,7 +362,7 @@ fn two_gpus_under_1f1b_and_interleaving_equal_one_gpu_bit_for_bit_eager_and_grap
 
 #[test]
 fn a_stage_left_waiting_by_one_that_disagrees_on_the_schedule_fails_instead_of_hanging() -> anyhow::Result<()> {
-    let pipe = Pipeline { stages: 2, chunks: 1, per_chunk: 1, microbatches: 3 };
+    let pipe = Pipeline { stages: 2, chunks: 1, per_chunk: 1, microbatches: 3, zero_bubble: false };
     let out = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
         // Stage 1 believes in one microbatch more than stage 0 sends; stage 0 ends its step.
         stage(c, None, Pipeline { microbatches: pipe.microbatches + c.rank(), ..pipe }, false)
