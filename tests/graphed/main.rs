@@ -8,6 +8,7 @@ mod api;
 mod contract;
 mod equivalence;
 mod fixtures;
+mod grad_sync;
 mod misuse;
 mod ranges;
 mod schedules;
@@ -15,6 +16,7 @@ mod schedules;
 pub use api::*;
 pub use contract::*;
 pub use equivalence::*;
+pub use grad_sync::*;
 pub use misuse::*;
 pub use ranges::*;
 pub use schedules::*;
@@ -52,6 +54,7 @@ per_device!(
     one_f_one_b_matches_eager,
     transformer_engine_order_matches_eager,
     zero_bubble_with_split_weight_grads_matches_eager,
+    grad_sync_is_told_each_callables_gradients_once_where_complete,
     out_of_schedule_replay_is_refused,
     schedule_shapes_are_checked,
     chunk_handler_runs_once_per_chunk_in_schedule_order,
