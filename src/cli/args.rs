@@ -331,10 +331,11 @@ pub enum BenchCommand {
     /// captured and replayed in the schedule's order, with and without buffer reuse, against the
     /// same schedule run eagerly.
     Schedule(ScheduleBenchArgs),
-    /// Data parallelism over the GPUs of `graphed launch --gpus N -- bench parallel`: per
-    /// configuration, one GPU alone, then every GPU with the gradients reduced eagerly after the
-    /// backward, then inside the backward graphs (replayed on a side stream); throughput and
-    /// speedup over one GPU.
+    /// Data and pipeline parallelism over the GPUs of `graphed launch --gpus N -- bench
+    /// parallel`: per configuration, one GPU alone, then every GPU with the gradients reduced
+    /// eagerly after the backward, then inside the backward graphs (replayed on a side stream);
+    /// then pipelines of a stage per GPU (1F1B, interleaved; eager, graphed) with their bubbles,
+    /// and their stages timed alone (two on one GPU); throughput and speedup over one GPU.
     Parallel(ParallelBenchArgs),
     /// One step of the `graphs` benchmark model on fixed inputs (eager, which the graphed stack
     /// equals bit for bit), written with its weights, output and gradients to a safetensors

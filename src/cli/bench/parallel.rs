@@ -4,19 +4,21 @@
 //! gradient reduced after the backward; `dp-graphed-layer`, graphed steps with each layer's
 //! gradients reduced whole inside the next backward graph; `dp-graphed`, the same with each
 //! layer's MLP half reduced during its own attention backward (`Module::backward_hooked`); then
-//! the pipeline variants of `pipeline.rs` over
-//! `--microbatches`, with their bubbles. Throughput counts every rank's samples; the speedup is
-//! over `one-gpu`. Rank 0 reports.
+//! the pipeline variants of `pipeline.rs` over `--microbatches`, with their bubbles (with two
+//! ranks or more), and each one's stages timed alone (`-alone`: as many stages as ranks, two on
+//! one GPU), whose slowest stage bounds the pipeline without exchanges or waits. Throughput
+//! counts every rank's samples (an `-alone` row: the stages' as if each had its GPU); the
+//! speedup is over `one-gpu`. Rank 0 reports.
 
-use graphed::device::Device;
+use graphed::device::{Communicator, Device};
 use graphed::dist::{DataParallel, RankEnv};
 use graphed::graph::{GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::Module;
+use graphed::nn::{Module, Stage};
 use serde::Serialize;
 
-use super::graphs::measure;
-use super::pipeline;
+use super::graphs::{measure, Samples};
+use super::pipeline::{self, Peers};
 use super::{spread, write_json, Case, Report, Spread};
 use crate::cli::args::ParallelBenchArgs;
 use crate::cli::bench_model::{BenchModel, Config};
@@ -25,6 +27,7 @@ use crate::cli::bench_model::{BenchModel, Config};
 struct ParallelRow {
     #[serde(flatten)]
     case: Case,
+    /// GPUs stepping; for an `-alone` row, the pipeline's stages (timed one after another).
     ranks: usize,
     wall_ms: Spread,
     host_us: Spread,
@@ -35,7 +38,8 @@ struct ParallelRow {
     /// Pipeline variants: microbatches per step.
     #[serde(skip_serializing_if = "Option::is_none")]
     microbatches: Option<usize>,
-    /// Pipeline variants: the measured bubble (see `pipeline::measured_bubble`).
+    /// Pipeline variants: the measured bubble (see `pipeline::measured_bubble`); for an `-alone`
+    /// row, the part of it that splitting the model costs before any exchange or wait.
     #[serde(skip_serializing_if = "Option::is_none")]
     bubble: Option<f64>,
     /// Pipeline variants: the schedule's bubble (see `pipeline::theoretical_bubble`).
@@ -129,36 +133,54 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
             }
             rows.push(row);
         }
-        let Some(comm) = group.as_ref().map(|g| g.comm()).filter(|c| c.size() > 1) else { continue };
-        let m = args.microbatches;
-        for variant in &pipeline::VARIANTS {
-            let timed = pipeline::time_variant(&dev, comm, (config, dtype), variant, m, (args.warmup, args.steps))?;
-            let Some(samples) = timed else {
-                if lead {
-                    println!(
-                        "  {} {}: {} layers do not split into {} stages × {} chunks",
-                        config.name, variant.name, config.layers, ranks, variant.chunks
-                    );
-                }
-                continue;
-            };
-            let wall = spread(samples.wall_ms);
-            let samples_per_s = (m * config.batch) as f64 / (wall.median / 1e3);
-            let row = ParallelRow {
-                case: Case::new(config, dtype, variant.name),
-                ranks,
-                host_us: spread(samples.host_us),
-                samples_per_s,
-                speedup: one_gpu(one_gpu_ms).map(|base| samples_per_s / base),
-                microbatches: Some(m),
-                bubble: one_gpu_ms.map(|t1| pipeline::measured_bubble(t1, ranks, m, wall.median)),
-                bubble_theory: Some(pipeline::theoretical_bubble(ranks, variant.chunks, m)),
-                wall_ms: wall,
-            };
-            if lead {
-                print_row(&row);
+        // Pipelines of a stage per rank (two ranks or more), then each variant's stages alone,
+        // one after another on this GPU (as many as the ranks; two on one GPU).
+        let comm = group.as_ref().map(|g| g.comm()).filter(|c| c.size() > 1);
+        let stages = comm.map_or(2, Communicator::size);
+        let (m, timing) = (args.microbatches, (args.warmup, args.steps));
+        'variants: for variant in &pipeline::VARIANTS {
+            let mut timed: Vec<(&'static str, Samples, Option<f64>)> = Vec::new();
+            if let Some(c) = comm {
+                let Some(samples) = pipeline::time_variant(&dev, Peers::Ranks(c), (config, dtype), variant, m, timing)?
+                else {
+                    unsplit(lead, config, variant, stages);
+                    continue;
+                };
+                timed.push((variant.name, samples, Some(pipeline::theoretical_bubble(stages, variant.chunks, m))));
             }
-            rows.push(row);
+            // The slowest stage alone bounds the pipeline: no exchanges, no waits.
+            let mut slowest: Option<(f64, Samples)> = None;
+            for s in 0..stages {
+                let alone = Peers::Alone(Stage::new(s, stages)?);
+                let Some(samples) = pipeline::time_variant(&dev, alone, (config, dtype), variant, m, timing)? else {
+                    unsplit(lead, config, variant, stages);
+                    continue 'variants;
+                };
+                let median = spread(samples.wall_ms.clone()).median;
+                if slowest.as_ref().is_none_or(|(t, _)| *t < median) {
+                    slowest = Some((median, samples));
+                }
+            }
+            timed.extend(slowest.map(|(_, samples)| (variant.alone, samples, None)));
+            for (name, samples, bubble_theory) in timed {
+                let wall = spread(samples.wall_ms);
+                let samples_per_s = (m * config.batch) as f64 / (wall.median / 1e3);
+                let row = ParallelRow {
+                    case: Case::new(config, dtype, name),
+                    ranks: stages,
+                    host_us: spread(samples.host_us),
+                    samples_per_s,
+                    speedup: one_gpu(one_gpu_ms).map(|base| samples_per_s / base),
+                    microbatches: Some(m),
+                    bubble: one_gpu_ms.map(|t1| pipeline::measured_bubble(t1, stages, m, wall.median)),
+                    bubble_theory,
+                    wall_ms: wall,
+                };
+                if lead {
+                    print_row(&row);
+                }
+                rows.push(row);
+            }
         }
     }
     // The timing is over: a peer that ends from here on no longer concerns this rank.
@@ -170,13 +192,23 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Says (on the lead rank) that `variant` cannot run: the layers do not split into its chunks.
+fn unsplit(lead: bool, config: Config, variant: &pipeline::Variant, stages: usize) {
+    if lead {
+        println!(
+            "  {} {}: {} layers do not split into {} stages × {} chunks",
+            config.name, variant.name, config.layers, stages, variant.chunks
+        );
+    }
+}
+
 fn print_row(r: &ParallelRow) {
     let bubble = match (r.bubble, r.bubble_theory) {
         (Some(b), Some(t)) => format!("  bubble {:.1}% (schedule {:.1}%)", 100.0 * b, 100.0 * t),
         _ => String::new(),
     };
     println!(
-        "  {} {:<22} ranks {}  wall {:.3} ms [{:.3}–{:.3}]  host {:.0} µs  {:.0} samples/s{}{bubble}",
+        "  {} {:<28} ranks {}  wall {:.3} ms [{:.3}–{:.3}]  host {:.0} µs  {:.0} samples/s{}{bubble}",
         r.case.config,
         r.case.variant,
         r.ranks,

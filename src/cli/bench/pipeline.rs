@@ -1,32 +1,56 @@
 //! `bench parallel`'s pipeline variants: the model split into one stage per rank, under 1F1B
 //! and under interleaved 1F1B with two chunks per rank, eagerly or graphed (the layers' passes
-//! and the exchanges between stages), and the bubble each leaves against the schedule's.
+//! and the exchanges between stages), and the bubble each leaves against the schedule's; and
+//! each stage timed alone, without peers, which tells the cost of splitting the model from that
+//! of exchanging and waiting.
 
 use graphed::device::{Communicator, DType, Device};
 use graphed::dist::P2pLinks;
 use graphed::graph::GraphOptions;
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Schedule, Stage};
+use graphed::nn::{Schedule, Stage, StageLinks};
 use graphed::tensor::Tensor;
 
 use super::graphs::{measure, Samples};
 use crate::cli::bench_model::{BenchModel, Config};
 use crate::cli::scheduled::ScheduledLayers;
 
-/// A pipeline variant: its name, model chunks per rank, and whether it is graphed.
+/// A pipeline variant: its name (and that of its stages timed alone), model chunks per rank,
+/// and whether it is graphed.
 pub(super) struct Variant {
     pub(super) name: &'static str,
+    pub(super) alone: &'static str,
     pub(super) chunks: usize,
     pub(super) graphed: bool,
 }
 
 /// Every pipeline variant, in report order.
 pub(super) const VARIANTS: [Variant; 4] = [
-    Variant { name: "pp-1f1b-eager", chunks: 1, graphed: false },
-    Variant { name: "pp-1f1b-graphed", chunks: 1, graphed: true },
-    Variant { name: "pp-interleaved-eager", chunks: 2, graphed: false },
-    Variant { name: "pp-interleaved-graphed", chunks: 2, graphed: true },
+    Variant { name: "pp-1f1b-eager", alone: "pp-1f1b-eager-alone", chunks: 1, graphed: false },
+    Variant { name: "pp-1f1b-graphed", alone: "pp-1f1b-graphed-alone", chunks: 1, graphed: true },
+    Variant { name: "pp-interleaved-eager", alone: "pp-interleaved-eager-alone", chunks: 2, graphed: false },
+    Variant { name: "pp-interleaved-graphed", alone: "pp-interleaved-graphed-alone", chunks: 2, graphed: true },
 ];
+
+/// Whom a timed stage exchanges with.
+#[derive(Clone, Copy)]
+pub(super) enum Peers<'a> {
+    /// Every stage, one per rank of the communicator; this rank's stage is its rank.
+    Ranks(&'a Communicator),
+    /// No one: the stage runs alone, each receive filled from a buffer of the boundary's shape
+    /// that no peer writes, each send dropped. Its step is then its compute alone, without
+    /// exchanges or waits: the slowest stage's is the pipeline's bound.
+    Alone(Stage),
+}
+
+/// The links of a stage that runs alone (see [`Peers::Alone`]).
+struct AloneLinks(Tensor);
+
+impl StageLinks for AloneLinks {
+    fn exchange(&mut self, _: usize, _: &[(usize, Tensor)], recvs: &[usize]) -> graphed::Result<Vec<Tensor>> {
+        Ok(recvs.iter().map(|_| self.0.clone()).collect())
+    }
+}
 
 /// The fraction of a step the schedule leaves idle when every pass takes its share of the
 /// one-GPU time: (P − 1)/V of the M + (P − 1)/V microbatch slots (Megatron-LM's count).
@@ -41,17 +65,20 @@ pub(super) fn measured_bubble(one_gpu_ms: f64, stages: usize, microbatches: usiz
     1.0 - microbatches as f64 * one_gpu_ms / (stages as f64 * step_ms)
 }
 
-/// Times `variant` of `config` on `comm`'s rank, one stage per rank; `None` when the layers do
-/// not split evenly into the stages' chunks.
+/// Times `variant` of `config` on this rank's GPU, as the stage `peers` say; `None` when the
+/// layers do not split evenly into the stages' chunks.
 pub(super) fn time_variant(
     dev: &Device,
-    comm: &Communicator,
+    peers: Peers<'_>,
     (config, dtype): (Config, DType),
     variant: &Variant,
     microbatches: usize,
     warmup_and_steps: (u32, u32),
 ) -> anyhow::Result<Option<Samples>> {
-    let stage = Stage::new(comm.rank(), comm.size())?;
+    let stage = match peers {
+        Peers::Ranks(comm) => Stage::new(comm.rank(), comm.size())?,
+        Peers::Alone(stage) => stage,
+    };
     let chunks = variant.chunks;
     let parts = stage.count() * chunks;
     if !config.layers.is_multiple_of(parts) {
@@ -68,9 +95,10 @@ pub(super) fn time_variant(
     let capture = variant.graphed.then(|| GraphOptions::default().reuse_buffers(true));
     let scheduled = ScheduledLayers::new(&alloc, layers, plan, &model.x, capture)?;
     let shape = model.x.shape().to_vec();
-    let mut links = match variant.graphed {
-        true => P2pLinks::graphed(comm, &alloc, &main, &shape, dtype),
-        false => P2pLinks::eager(comm, &alloc, &main, &shape, dtype),
+    let mut links: Box<dyn StageLinks> = match (peers, variant.graphed) {
+        (Peers::Ranks(comm), true) => Box::new(P2pLinks::graphed(comm, &alloc, &main, &shape, dtype)),
+        (Peers::Ranks(comm), false) => Box::new(P2pLinks::eager(comm, &alloc, &main, &shape, dtype)),
+        (Peers::Alone(_), _) => Box::new(AloneLinks(model.x.clone())),
     };
     let inputs = match stage.index() {
         0 => vec![model.x.clone(); microbatches],
@@ -78,7 +106,7 @@ pub(super) fn time_variant(
     };
     let mut head = |_: usize, _: Tensor| Ok(model.dy.clone());
     let samples = measure(dev, &main, warmup_and_steps, &mut || {
-        scheduled.run(layers, &main, &inputs, None, &mut head, Some((stage, &mut links)))?;
+        scheduled.run(layers, &main, &inputs, None, &mut head, Some((stage, links.as_mut())))?;
         Ok(())
     })?;
     Ok(Some(samples))
