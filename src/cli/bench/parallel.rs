@@ -205,6 +205,7 @@ fn unsplit(lead: bool, config: Config, variant: &pipeline::Variant, stages: usiz
 fn print_row(r: &ParallelRow) {
     let bubble = match (r.bubble, r.bubble_theory) {
         (Some(b), Some(t)) => format!("  bubble {:.1}% (schedule {:.1}%)", 100.0 * b, 100.0 * t),
+        (Some(b), None) if r.microbatches.is_some() => format!("  bubble {:.1}% (the split alone)", 100.0 * b),
         _ => String::new(),
     };
     println!(
