@@ -334,7 +334,8 @@ pub enum BenchCommand {
     /// Data and pipeline parallelism over the GPUs of `graphed launch --gpus N -- bench
     /// parallel`: per configuration, one GPU alone, then every GPU with the gradients reduced
     /// eagerly after the backward, then inside the backward graphs (replayed on a side stream);
-    /// then pipelines of a stage per GPU (1F1B, interleaved; eager, graphed) with their bubbles,
+    /// then pipelines of a stage per GPU (1F1B, interleaved; eager, graphed, graphed with the
+    /// exchanges overlapping the passes) with their bubbles,
     /// and their stages timed alone (two on one GPU); throughput and speedup over one GPU.
     Parallel(ParallelBenchArgs),
     /// One step of the `graphs` benchmark model on fixed inputs (eager, which the graphed stack

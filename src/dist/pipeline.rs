@@ -2,7 +2,7 @@
 //! hands activations forward and gradients back between stages, one rank per stage, over a
 //! [`Communicator`] whose rank `s` is stage `s`.
 
-use crate::device::{with_dtype, Communicator, DType, Stream, Transfer};
+use crate::device::{with_dtype, Communicator, DType, Event, Stream, Transfer};
 use crate::graph::{make_graphed_fn, GraphedFn};
 use crate::memory::CachingAllocator;
 use crate::nn::{ScheduleErrorKind, StageLinks};
@@ -10,8 +10,9 @@ use crate::tensor::Tensor;
 use crate::{Error, Result};
 
 /// The links of one pipeline stage: every exchange of a step (the sends of one step of the
-/// schedule and the receive of the next, as one group) enqueued on the stage's stream, eagerly
-/// or from a graph captured at its first use.
+/// schedule and the receive of the next, as one group) enqueued on the stage's stream, or
+/// [`overlapped`](P2pLinks::overlapped) on a stream of their own; eagerly or from a graph
+/// captured at its first use.
 ///
 /// ```
 /// use graphed::device::{CommOptions, DType, Policy, SimConfig};
@@ -45,6 +46,25 @@ pub struct P2pLinks {
     dtype: DType,
     /// Per exchange of a step, its graph; `None` when the links run eagerly.
     captured: Option<Vec<Captured>>,
+    /// With [`overlapped`](P2pLinks::overlapped): the stream the exchanges run on.
+    overlap: Option<Overlap>,
+}
+
+/// Exchanges off the stage's stream: each on the communication stream, after everything the
+/// stage's stream enqueued before it (what it sends, the buffers it receives into), with an
+/// event after it that the stage's stream waits for before a pass reads what it received.
+struct Overlap {
+    stream: Stream,
+    /// The stage's stream (for the drop).
+    stage: Stream,
+    /// Per exchange of a step, the event recorded after it.
+    done: Vec<Event>,
+    /// The last exchange of this step the stage's stream waits for (the stream runs exchanges
+    /// in order: waiting for one waits for those before it).
+    waited: Option<usize>,
+    /// What this step's exchanges send, kept until the stage's stream has waited for them, so
+    /// that no pass reuses their memory while they are read.
+    sending: Vec<Tensor>,
 }
 
 /// One exchange as captured: what it sends (the same buffers at every step), the buffers it
@@ -73,7 +93,41 @@ impl P2pLinks {
             shape: shape.to_vec(),
             dtype,
             captured: None,
+            overlap: None,
         }
+    }
+
+    /// These links with every exchange on a communication stream of their own instead of the
+    /// stage's: a pass waits only for the exchange whose tensor it reads, so an exchange overlaps
+    /// the passes before that one (a forward of the first chunk while the gradient it brings is
+    /// in flight), and a send overlaps everything after it. The exchanges and their order are
+    /// the same, so a schedule that meets without deadlock still does.
+    ///
+    /// # Errors
+    /// A stream that cannot be made.
+    pub fn overlapped(mut self) -> Result<P2pLinks> {
+        let stream = self.comm.device().stream()?;
+        let stage = self.stream.clone();
+        self.overlap = Some(Overlap { stream, stage, done: Vec::new(), waited: None, sending: Vec::new() });
+        Ok(self)
+    }
+
+    /// The stream exchanges run on: the communication stream, ordered after the stage's stream,
+    /// when overlapped; else the stage's.
+    fn exchange_stream(&mut self, sends: &[(usize, Tensor)]) -> Result<Stream> {
+        let Some(o) = &mut self.overlap else { return Ok(self.stream.clone()) };
+        o.stream.wait_stream(&self.stream)?;
+        o.sending.extend(sends.iter().map(|(_, t)| t.clone()));
+        Ok(o.stream.clone())
+    }
+
+    /// Records exchange `index`'s event on the communication stream, when overlapped.
+    fn exchanged(&mut self, index: usize) -> Result<()> {
+        let Some(o) = &mut self.overlap else { return Ok(()) };
+        while o.done.len() <= index {
+            o.done.push(self.comm.device().event()?);
+        }
+        o.stream.record(&o.done[index])
     }
 
     /// As [`eager`](P2pLinks::eager), but each exchange runs eagerly at its first use (where NCCL
@@ -120,41 +174,95 @@ impl P2pLinks {
 
 impl StageLinks for P2pLinks {
     fn exchange(&mut self, index: usize, sends: &[(usize, Tensor)], recvs: &[usize]) -> Result<Vec<Tensor>> {
+        let got = self.exchange_on_stream(index, sends, recvs)?;
+        self.exchanged(index)?;
+        Ok(got)
+    }
+
+    fn wait(&mut self, index: usize) -> Result<()> {
+        let Some(o) = &mut self.overlap else { return Ok(()) };
+        if o.waited.is_none_or(|w| w < index) {
+            let done = o.done.get(index).ok_or_else(|| {
+                let what = format!("a pass waits for exchange {index}, which this step has not run");
+                Error::Schedule(ScheduleErrorKind::Arguments { what })
+            })?;
+            self.stream.wait(done)?;
+            o.waited = Some(index);
+        }
+        Ok(())
+    }
+
+    fn join(&mut self) -> Result<()> {
+        let Some(o) = &mut self.overlap else { return Ok(()) };
+        self.stream.wait_stream(&o.stream)?;
+        o.sending.clear();
+        o.waited = None;
+        Ok(())
+    }
+}
+
+impl P2pLinks {
+    /// Exchange `index`, enqueued on the exchange stream once every check passed; returns what
+    /// it receives into.
+    fn exchange_on_stream(&mut self, index: usize, sends: &[(usize, Tensor)], recvs: &[usize]) -> Result<Vec<Tensor>> {
         self.check_sends(index, sends)?;
-        let Some(captured) = &self.captured else {
-            let recvs = self.receive_buffers(recvs)?;
-            enqueue(&self.comm, &self.stream, sends, &recvs)?;
+        let replay = match &self.captured {
+            None => false,
+            Some(captured) => match captured.get(index) {
+                Some(c) => {
+                    let same_sends = c.sends.len() == sends.len()
+                        && c.sends.iter().zip(sends).all(|((p, t), (q, u))| p == q && t.is_same_view(u));
+                    let same_recvs =
+                        c.recvs.len() == recvs.len() && c.recvs.iter().zip(recvs).all(|((p, _), q)| p == q);
+                    if !(same_sends && same_recvs) {
+                        return self.refuse(format!(
+                            "exchange {index} sends or receives other buffers or stages than its graph captured; \
+                             graphed links need the static outputs of graphed passes and the same schedule at every \
+                             step (use eager links with eager passes)"
+                        ));
+                    }
+                    true
+                }
+                None if index == captured.len() => false,
+                None => {
+                    return self.refuse(format!(
+                        "exchange {index} of a step after {} captured ones; run the same schedule at every step",
+                        captured.len()
+                    ))
+                }
+            },
+        };
+        if replay {
+            let stream = self.exchange_stream(sends)?;
+            let c = &self.captured.as_ref().expect("checked: a captured exchange")[index];
+            c.graph.replay(&stream)?;
+            return Ok(c.recvs.iter().map(|(_, t)| t.clone()).collect());
+        }
+        // Receive buffers come from the stage's stream, before the exchange stream orders after it.
+        let recvs = self.receive_buffers(recvs)?;
+        let stream = self.exchange_stream(sends)?;
+        enqueue(&self.comm, &stream, sends, &recvs)?;
+        let Some(captured) = &mut self.captured else {
             return Ok(recvs.into_iter().map(|(_, t)| t).collect());
         };
-        let Some(c) = captured.get(index) else {
-            if index != captured.len() {
-                return self.refuse(format!(
-                    "exchange {index} of a step after {} captured ones; run the same schedule at every step",
-                    captured.len()
-                ));
+        // NCCL connects two ranks at their first transfer, which must not happen inside a
+        // capture: the first use ran eagerly above, and its graph serves the next ones.
+        let graph = make_graphed_fn(&self.alloc, |s| enqueue(&self.comm, s, sends, &recvs))?;
+        let got = recvs.iter().map(|(_, t)| t.clone()).collect();
+        captured.push(Captured { sends: sends.to_vec(), recvs, graph });
+        Ok(got)
+    }
+}
+
+impl Drop for Overlap {
+    /// Links dropped mid-step (a failed step) still order the stage's stream after their
+    /// exchanges, so that the memory of what they send is not reused while it is read.
+    fn drop(&mut self) {
+        if !self.sending.is_empty() {
+            if let Err(e) = self.stage.wait_stream(&self.stream) {
+                self.stream.device().record_err(e);
             }
-            let recvs = self.receive_buffers(recvs)?;
-            // NCCL connects two ranks at their first transfer, which must not happen inside a
-            // capture: the first use runs eagerly, and its graph serves the next ones.
-            enqueue(&self.comm, &self.stream, sends, &recvs)?;
-            let graph = make_graphed_fn(&self.alloc, |s| enqueue(&self.comm, s, sends, &recvs))?;
-            let got = recvs.iter().map(|(_, t)| t.clone()).collect();
-            let c = Captured { sends: sends.to_vec(), recvs, graph };
-            self.captured.get_or_insert_with(Vec::new).push(c);
-            return Ok(got);
-        };
-        let same_sends = c.sends.len() == sends.len()
-            && c.sends.iter().zip(sends).all(|((p, t), (q, u))| p == q && t.is_same_view(u));
-        let same_recvs = c.recvs.len() == recvs.len() && c.recvs.iter().zip(recvs).all(|((p, _), q)| p == q);
-        if !(same_sends && same_recvs) {
-            return self.refuse(format!(
-                "exchange {index} sends or receives other buffers or stages than its graph captured; graphed links \
-                 need the static outputs of graphed passes and the same schedule at every step (use eager links \
-                 with eager passes)"
-            ));
         }
-        c.graph.replay(&self.stream)?;
-        Ok(c.recvs.iter().map(|(_, t)| t.clone()).collect())
     }
 }
 

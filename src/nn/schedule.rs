@@ -460,11 +460,29 @@ impl Stage {
 /// How activations and gradients cross between pipeline stages (`dist::P2pLinks` over a
 /// communicator): between two steps of a schedule, the sends of the step before and the receive
 /// of the step after, as one group, so that neighbours sending to each other meet.
+///
+/// Links may run their exchanges off the stage's stream, so that they overlap the passes that do
+/// not read what they receive: the traversal calls [`wait`](StageLinks::wait) before a pass
+/// reads a received tensor, and [`join`](StageLinks::join) at the step's end.
 pub trait StageLinks {
     /// Exchange number `index` of the rank's step (the same on every step, so that a graphed
     /// implementation replays what it captured): sends each `(stage, tensor)` of `sends` and
     /// receives one tensor of the boundary's shape from each stage of `recvs`, returned in order.
     fn exchange(&mut self, index: usize, sends: &[(usize, Tensor)], recvs: &[usize]) -> Result<Vec<Tensor>>;
+
+    /// A pass on the stage's stream is about to read what exchange `index` of this step
+    /// received: order the stream after it. Links that exchange on the stage's stream have
+    /// nothing to do (the default).
+    fn wait(&mut self, index: usize) -> Result<()> {
+        let _ = index;
+        Ok(())
+    }
+
+    /// The step's last exchange is enqueued: order the stage's stream after every exchange of
+    /// the step, sends included. The default has nothing to do.
+    fn join(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Runs `schedule` over chunks of `layers_per_chunk` layers: microbatch j's `inputs[j]` through
@@ -547,6 +565,9 @@ fn traverse(
         *f = Some(x.clone());
     }
     let mut grads: Vec<Option<Tensor>> = vec![None; microbatches];
+    // Per microbatch, the exchange its activation and its gradient came from, until waited for.
+    let (mut flowing_from, mut grads_from): (Vec<Option<usize>>, Vec<Option<usize>>) =
+        (vec![None; microbatches], vec![None; microbatches]);
     let mut outgoing: Vec<(usize, Tensor)> = Vec::new();
     let steps = schedule.with_microbatches();
     let recv_from = |step: Step| match step {
@@ -573,13 +594,13 @@ fn traverse(
             if !wanted.is_empty() || !outgoing.is_empty() {
                 let recvs: Vec<usize> = wanted.iter().map(|w| w.2).collect();
                 let got = links.exchange(exchanges, &std::mem::take(&mut outgoing), &recvs)?;
-                exchanges += 1;
                 for ((step, mb, _), t) in wanted.into_iter().zip(got) {
                     match step {
-                        Step::Forward(_) => flowing[mb] = Some(t),
-                        _ => grads[mb] = Some(t),
+                        Step::Forward(_) => (flowing[mb], flowing_from[mb]) = (Some(t), Some(exchanges)),
+                        _ => (grads[mb], grads_from[mb]) = (Some(t), Some(exchanges)),
                     }
                 }
+                exchanges += 1;
             }
         }
         match step {
@@ -589,6 +610,9 @@ fn traverse(
                     rng_at = j as u64 + 1;
                 }
                 let mut x = flowing[j].take().ok_or_else(|| Error::Schedule(missing("input")))?;
+                if let (Some(e), Some((_, links))) = (flowing_from[j].take(), pipeline.as_mut()) {
+                    links.wait(e)?;
+                }
                 for l in layers(k) {
                     x = passes.forward(l, j, &x)?;
                 }
@@ -602,6 +626,9 @@ fn traverse(
             }
             Step::Backward(k) => {
                 let mut d = grads[j].take().ok_or_else(|| Error::Schedule(missing("gradient")))?;
+                if let (Some(e), Some((_, links))) = (grads_from[j].take(), pipeline.as_mut()) {
+                    links.wait(e)?;
+                }
                 for l in layers(k).rev() {
                     d = passes.backward(l, j, &d)?;
                 }
@@ -618,8 +645,11 @@ fn traverse(
             }
         }
     }
-    if let Some((_, links)) = pipeline.as_mut().filter(|_| !outgoing.is_empty()) {
-        links.exchange(exchanges, &outgoing, &[])?;
+    if let Some((_, links)) = pipeline.as_mut() {
+        if !outgoing.is_empty() {
+            links.exchange(exchanges, &outgoing, &[])?;
+        }
+        links.join()?;
     }
     // Every valid schedule ends its forwards with the last microbatch; this keeps the counter's
     // step-to-step advance at the microbatch count whatever the order.

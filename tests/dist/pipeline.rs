@@ -135,11 +135,28 @@ struct Pipeline {
     zero_bubble: bool,
 }
 
-/// Stage `comm.rank()` of `pipe` under its schedule, eagerly or graphed; with `dp`, as
+/// How a stage runs: its passes eagerly or graphed, its exchanges on its stream or overlapped
+/// (`P2pLinks::overlapped`).
+#[derive(Debug, Clone, Copy)]
+struct How {
+    graphed: bool,
+    overlap: bool,
+}
+
+/// Every way a stage runs.
+const HOWS: [How; 4] = [
+    How { graphed: false, overlap: false },
+    How { graphed: true, overlap: false },
+    How { graphed: false, overlap: true },
+    How { graphed: true, overlap: true },
+];
+
+/// Stage `comm.rank()` of `pipe` under its schedule, as `how` says; with `dp`, as
 /// replica `dp.rank()` of its stage, on that replica's microbatches, its gradients summed over
 /// `dp` at every step: inside the backward graphs when graphed, else after the step.
-fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, graphed: bool) -> graphed::Result<Trace> {
+fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, how: How) -> graphed::Result<Trace> {
     let Pipeline { stages, chunks, per_chunk, microbatches, zero_bubble } = pipe;
+    let graphed = how.graphed;
     let stage = Stage::new(comm.rank(), stages)?;
     let mut p = part(comm.device(), stage.model_layers(chunks, per_chunk))?;
     let schedule = match zero_bubble {
@@ -165,10 +182,11 @@ fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, graphed
             Some(make_graphed_callables(&p.alloc, &layers, &samples, options)?)
         }
     };
-    let mut links = match graphed {
+    let links = match graphed {
         false => P2pLinks::eager(comm, &p.alloc, &p.s, &SHAPE, DType::F32),
         true => P2pLinks::graphed(comm, &p.alloc, &p.s, &SHAPE, DType::F32),
     };
+    let mut links = if how.overlap { links.overlapped()? } else { links };
     let mut trace = Trace::default();
     let first = dp.map_or(0, |d| d.rank() * microbatches);
     for step in 0..STEPS {
@@ -212,35 +230,35 @@ fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, graphed
 
 /// Every stage of `pipe` on ranks `on`; their traces merged, after checking that no rank's
 /// checker saw a race.
-fn pipeline(pipe: Pipeline, graphed: bool, on: Ranks) -> anyhow::Result<Trace> {
+fn pipeline(pipe: Pipeline, how: How, on: Ranks) -> anyhow::Result<Trace> {
     let ranks = on.run(pipe.stages, CommOptions::default(), |c| {
-        let trace = stage(c, None, pipe, graphed);
+        let trace = stage(c, None, pipe, how);
         Ok((trace, graphed::check::Checker::of(c.device()).expect("checked").take_hazards()))
     })?;
     let mut merged = Trace::default();
     for (r, res) in ranks.into_iter().enumerate() {
         let (trace, hazards) = res?;
-        let trace = trace.with_context(|| format!("stage {r} of {pipe:?}, graphed {graphed}, {on:?}"))?;
+        let trace = trace.with_context(|| format!("stage {r} of {pipe:?}, {how:?}, {on:?}"))?;
         ensure!(hazards.is_empty(), "{pipe:?} {on:?}: stage {r}'s checker reported {hazards:#?}");
         merged.merge(trace);
     }
     Ok(merged)
 }
 
-/// `pipe` on ranks `on`, eagerly and graphed, against the whole model on `one`.
+/// `pipe` on ranks `on`, every way a stage runs, against the whole model on `one`.
 fn pipeline_equals_one_device(pipe: Pipeline, on: Ranks, one: &Device) -> anyhow::Result<()> {
     let want = one_device(one, pipe.stages * pipe.chunks, pipe.per_chunk, pipe.microbatches, 0)?;
-    for graphed in [false, true] {
-        let got = pipeline(pipe, graphed, on)?;
+    for how in HOWS {
+        let got = pipeline(pipe, how, on)?;
         ensure!(got.grads.keys().eq(want.grads.keys()), "{pipe:?}: layers {:?}", got.grads.keys());
         for ((layer, step), g) in &got.grads {
             ensure!(
                 *g == want.grads[&(*layer, *step)],
-                "{pipe:?}, graphed {graphed}, {on:?}: layer {layer}'s gradients at step {step}"
+                "{pipe:?}, {how:?}, {on:?}: layer {layer}'s gradients at step {step}"
             );
         }
-        ensure!(got.outputs == want.outputs, "{pipe:?}, graphed {graphed}, {on:?}: outputs");
-        ensure!(got.input_grads == want.input_grads, "{pipe:?}, graphed {graphed}, {on:?}: input gradients");
+        ensure!(got.outputs == want.outputs, "{pipe:?}, {how:?}, {on:?}: outputs");
+        ensure!(got.input_grads == want.input_grads, "{pipe:?}, {how:?}, {on:?}: input gradients");
     }
     Ok(())
 }
@@ -315,33 +333,33 @@ fn grid_equals_replicas_summed(pipe: Pipeline, replicas: usize, on: Ranks, one: 
     let each: Vec<Trace> = (0..replicas)
         .map(|r| one_device(one, layers, pipe.per_chunk, pipe.microbatches, r))
         .collect::<anyhow::Result<_>>()?;
-    for graphed in [false, true] {
+    for how in HOWS {
         let ranks = on.run(pipe.stages * replicas, CommOptions::default(), |world| {
             let (at, replica) = (world.rank() / replicas, world.rank() % replicas);
             let pp = world.split(Some(replica as u32), at)?.expect("every rank pipelines");
             let dp = world.split(Some(at as u32), replica)?.expect("every rank has replicas");
-            let trace = stage(&pp, Some(&dp), pipe, graphed)?;
+            let trace = stage(&pp, Some(&dp), pipe, how)?;
             let hazards = graphed::check::Checker::of(world.device()).expect("checked").take_hazards();
             Ok((replica, trace, hazards))
         })?;
         let mut grads = BTreeMap::new();
         for (r, res) in ranks.into_iter().enumerate() {
-            let (replica, trace, hazards) = res.with_context(|| format!("rank {r} of {pipe:?}, graphed {graphed}"))?;
-            ensure!(hazards.is_empty(), "{pipe:?}, graphed {graphed}: rank {r}'s checker reported {hazards:#?}");
+            let (replica, trace, hazards) = res.with_context(|| format!("rank {r} of {pipe:?}, {how:?}"))?;
+            ensure!(hazards.is_empty(), "{pipe:?}, {how:?}: rank {r}'s checker reported {hazards:#?}");
             let want = &each[replica];
             ensure!(trace.outputs.is_empty() || trace.outputs == want.outputs, "rank {r}: outputs");
             ensure!(trace.input_grads.is_empty() || trace.input_grads == want.input_grads, "rank {r}: input grads");
             for (at, g) in trace.grads {
                 let other = grads.insert(at, g.clone());
-                ensure!(other.is_none_or(|o| o == g), "{pipe:?}, graphed {graphed}: the replicas differ at {at:?}");
+                ensure!(other.is_none_or(|o| o == g), "{pipe:?}, {how:?}: the replicas differ at {at:?}");
             }
         }
-        ensure!(grads.keys().eq(each[0].grads.keys()), "graphed {graphed}: (layer, step) {:?}", grads.keys());
+        ensure!(grads.keys().eq(each[0].grads.keys()), "{how:?}: (layer, step) {:?}", grads.keys());
         for (at, got) in &grads {
             let sum = (0..replicas)
                 .map(|r| &each[r].grads[at])
                 .fold(vec![0.0f32; got.len()], |acc, g| acc.iter().zip(g).map(|(a, b)| a + b).collect());
-            ensure!(*got == sum, "{pipe:?}, graphed {graphed}: gradients at {at:?} are not the replicas' sum");
+            ensure!(*got == sum, "{pipe:?}, {how:?}: gradients at {at:?} are not the replicas' sum");
         }
     }
     Ok(())
@@ -365,7 +383,7 @@ fn a_stage_left_waiting_by_one_that_disagrees_on_the_schedule_fails_instead_of_h
     let pipe = Pipeline { stages: 2, chunks: 1, per_chunk: 1, microbatches: 3, zero_bubble: false };
     let out = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
         // Stage 1 believes in one microbatch more than stage 0 sends; stage 0 ends its step.
-        stage(c, None, Pipeline { microbatches: pipe.microbatches + c.rank(), ..pipe }, false)
+        stage(c, None, Pipeline { microbatches: pipe.microbatches + c.rank(), ..pipe }, HOWS[0])
     });
     ensure!(out[0].is_ok(), "stage 0: {:?}", out[0].as_ref().err());
     let Err(Error::Comm { rank: 1, kind, .. }) = &out[1] else { anyhow::bail!("stage 1: {:?}", out[1].as_ref().err()) };

@@ -4,13 +4,14 @@
 //! gradient reduced after the backward; `dp-graphed-layer`, graphed steps with each layer's
 //! gradients reduced whole inside the next backward graph; `dp-graphed`, the same with each
 //! layer's MLP half reduced during its own attention backward (`Module::backward_hooked`); then
-//! the pipeline variants of `pipeline.rs` over `--microbatches`, with their bubbles (with two
-//! ranks or more), and each one's stages timed alone (`-alone`: as many stages as ranks, two on
+//! the pipeline variants of `pipeline.rs` over `--microbatches` (exchanges on the compute
+//! stream, or overlapping it), with their bubbles (with two ranks or more), and each one's
+//! stages timed alone (`-alone`: as many stages as ranks, two on
 //! one GPU), whose slowest stage bounds the pipeline without exchanges or waits. Throughput
 //! counts every rank's samples (an `-alone` row: the stages' as if each had its GPU); the
 //! speedup is over `one-gpu`. Rank 0 reports.
 
-use graphed::device::{Communicator, Device};
+use graphed::device::{Communicator, DType, Device};
 use graphed::dist::{DataParallel, RankEnv};
 use graphed::graph::{GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
@@ -67,7 +68,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
     for config in configs {
         // The one-GPU step's median: its throughput is the speedups' base, its time T₁ the bubbles'.
         let mut one_gpu_ms: Option<f64> = None;
-        let one_gpu = |ms: Option<f64>| ms.map(|t| config.batch as f64 / (t / 1e3));
+        let one_gpu = |ms: Option<f64>| ms.map(|t| rate(config.batch, t));
         for variant in ["one-gpu", "dp-eager", "dp-graphed-layer", "dp-graphed"] {
             let comm = match (variant, &group) {
                 ("one-gpu", _) => None,
@@ -112,7 +113,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
             };
             let wall = spread(samples.wall_ms);
             let used = if comm.is_some() { ranks } else { 1 };
-            let samples_per_s = (used * config.batch) as f64 / (wall.median / 1e3);
+            let samples_per_s = rate(used * config.batch, wall.median);
             let speedup = one_gpu(one_gpu_ms).map(|base| samples_per_s / base);
             if variant == "one-gpu" {
                 one_gpu_ms = Some(wall.median);
@@ -138,7 +139,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
         let comm = group.as_ref().map(|g| g.comm()).filter(|c| c.size() > 1);
         let stages = comm.map_or(2, Communicator::size);
         let (m, timing) = (args.microbatches, (args.warmup, args.steps));
-        'variants: for variant in &pipeline::VARIANTS {
+        for variant in &pipeline::VARIANTS {
             let mut timed: Vec<(&'static str, Samples, Option<f64>)> = Vec::new();
             if let Some(c) = comm {
                 let Some(samples) = pipeline::time_variant(&dev, Peers::Ranks(c), (config, dtype), variant, m, timing)?
@@ -148,39 +149,14 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
                 };
                 timed.push((variant.name, samples, Some(pipeline::theoretical_bubble(stages, variant.chunks, m))));
             }
-            // The slowest stage alone bounds the pipeline: no exchanges, no waits.
-            let mut slowest: Option<(f64, Samples)> = None;
-            for s in 0..stages {
-                let alone = Peers::Alone(Stage::new(s, stages)?);
-                let Some(samples) = pipeline::time_variant(&dev, alone, (config, dtype), variant, m, timing)? else {
+            if let Some(name) = variant.alone {
+                let Some(samples) = slowest_alone(&dev, (config, dtype), variant, stages, m, timing)? else {
                     unsplit(lead, config, variant, stages);
-                    continue 'variants;
+                    continue;
                 };
-                let median = spread(samples.wall_ms.clone()).median;
-                if slowest.as_ref().is_none_or(|(t, _)| *t < median) {
-                    slowest = Some((median, samples));
-                }
+                timed.push((name, samples, None));
             }
-            timed.extend(slowest.map(|(_, samples)| (variant.alone, samples, None)));
-            for (name, samples, bubble_theory) in timed {
-                let wall = spread(samples.wall_ms);
-                let samples_per_s = (m * config.batch) as f64 / (wall.median / 1e3);
-                let row = ParallelRow {
-                    case: Case::new(config, dtype, name),
-                    ranks: stages,
-                    host_us: spread(samples.host_us),
-                    samples_per_s,
-                    speedup: one_gpu(one_gpu_ms).map(|base| samples_per_s / base),
-                    microbatches: Some(m),
-                    bubble: one_gpu_ms.map(|t1| pipeline::measured_bubble(t1, stages, m, wall.median)),
-                    bubble_theory,
-                    wall_ms: wall,
-                };
-                if lead {
-                    print_row(&row);
-                }
-                rows.push(row);
-            }
+            rows.extend(timed.into_iter().map(|t| pipeline_row(t, config, dtype, stages, m, one_gpu_ms, lead)));
         }
     }
     // The timing is over: a peer that ends from here on no longer concerns this rank.
@@ -190,6 +166,68 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
         write_json(&args.json, &Report::new("parallel", &dev, args.steps, rows))?;
     }
     Ok(())
+}
+
+/// The row of a pipeline variant `name` of `stages` over `m` microbatches timed as `samples`
+/// (`bubble_theory`: the schedule's bubble, for a pipeline across ranks), printed on the lead
+/// rank.
+fn pipeline_row(
+    (name, samples, bubble_theory): (&'static str, Samples, Option<f64>),
+    config: Config,
+    dtype: DType,
+    stages: usize,
+    m: usize,
+    one_gpu_ms: Option<f64>,
+    lead: bool,
+) -> ParallelRow {
+    let wall = spread(samples.wall_ms);
+    let samples_per_s = rate(m * config.batch, wall.median);
+    let row = ParallelRow {
+        case: Case::new(config, dtype, name),
+        ranks: stages,
+        host_us: spread(samples.host_us),
+        samples_per_s,
+        speedup: one_gpu_ms.map(|t| samples_per_s / rate(config.batch, t)),
+        microbatches: Some(m),
+        bubble: one_gpu_ms.map(|t1| pipeline::measured_bubble(t1, stages, m, wall.median)),
+        bubble_theory,
+        wall_ms: wall,
+    };
+    if lead {
+        print_row(&row);
+    }
+    row
+}
+
+/// Each of `variant`'s `stages` timed alone on `dev`, one after another: the slowest stage's
+/// samples, which bound the pipeline without exchanges or waits; `None` when the layers do not
+/// split into the stages' chunks.
+fn slowest_alone(
+    dev: &Device,
+    model: (Config, DType),
+    variant: &pipeline::Variant,
+    stages: usize,
+    m: usize,
+    timing: (u32, u32),
+) -> anyhow::Result<Option<Samples>> {
+    let mut slowest: Option<(f64, Samples)> = None;
+    for s in 0..stages {
+        let Some(samples) =
+            pipeline::time_variant(dev, Peers::Alone(Stage::new(s, stages)?), model, variant, m, timing)?
+        else {
+            return Ok(None);
+        };
+        let median = spread(samples.wall_ms.clone()).median;
+        if slowest.as_ref().is_none_or(|(t, _)| *t < median) {
+            slowest = Some((median, samples));
+        }
+    }
+    Ok(slowest.map(|(_, samples)| samples))
+}
+
+/// Samples per second of `samples` in a step of `ms`.
+fn rate(samples: usize, ms: f64) -> f64 {
+    samples as f64 / (ms / 1e3)
 }
 
 /// Says (on the lead rank) that `variant` cannot run: the layers do not split into its chunks.

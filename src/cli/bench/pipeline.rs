@@ -1,6 +1,7 @@
 //! `bench parallel`'s pipeline variants: the model split into one stage per rank, under 1F1B
 //! and under interleaved 1F1B with two chunks per rank, eagerly or graphed (the layers' passes
-//! and the exchanges between stages), and the bubble each leaves against the schedule's; and
+//! and the exchanges between stages), graphed with the exchanges overlapping the passes
+//! (`-overlap`), and the bubble each leaves against the schedule's; and
 //! each stage timed alone, without peers, which tells the cost of splitting the model from that
 //! of exchanging and waiting.
 
@@ -15,21 +16,37 @@ use super::graphs::{measure, Samples};
 use crate::cli::bench_model::{BenchModel, Config};
 use crate::cli::scheduled::ScheduledLayers;
 
-/// A pipeline variant: its name (and that of its stages timed alone), model chunks per rank,
-/// and whether it is graphed.
+/// A pipeline variant: its name (and that of its stages timed alone, unless they are another
+/// variant's), model chunks per rank, whether it is graphed, and whether its exchanges overlap
+/// the passes (`P2pLinks::overlapped`).
 pub(super) struct Variant {
     pub(super) name: &'static str,
-    pub(super) alone: &'static str,
+    pub(super) alone: Option<&'static str>,
     pub(super) chunks: usize,
     pub(super) graphed: bool,
+    pub(super) overlap: bool,
 }
 
 /// Every pipeline variant, in report order.
-pub(super) const VARIANTS: [Variant; 4] = [
-    Variant { name: "pp-1f1b-eager", alone: "pp-1f1b-eager-alone", chunks: 1, graphed: false },
-    Variant { name: "pp-1f1b-graphed", alone: "pp-1f1b-graphed-alone", chunks: 1, graphed: true },
-    Variant { name: "pp-interleaved-eager", alone: "pp-interleaved-eager-alone", chunks: 2, graphed: false },
-    Variant { name: "pp-interleaved-graphed", alone: "pp-interleaved-graphed-alone", chunks: 2, graphed: true },
+pub(super) const VARIANTS: [Variant; 6] = [
+    Variant { name: "pp-1f1b-eager", alone: Some("pp-1f1b-eager-alone"), chunks: 1, graphed: false, overlap: false },
+    Variant { name: "pp-1f1b-graphed", alone: Some("pp-1f1b-graphed-alone"), chunks: 1, graphed: true, overlap: false },
+    Variant { name: "pp-1f1b-overlap", alone: None, chunks: 1, graphed: true, overlap: true },
+    Variant {
+        name: "pp-interleaved-eager",
+        alone: Some("pp-interleaved-eager-alone"),
+        chunks: 2,
+        graphed: false,
+        overlap: false,
+    },
+    Variant {
+        name: "pp-interleaved-graphed",
+        alone: Some("pp-interleaved-graphed-alone"),
+        chunks: 2,
+        graphed: true,
+        overlap: false,
+    },
+    Variant { name: "pp-interleaved-overlap", alone: None, chunks: 2, graphed: true, overlap: true },
 ];
 
 /// Whom a timed stage exchanges with.
@@ -95,10 +112,15 @@ pub(super) fn time_variant(
     let capture = variant.graphed.then(|| GraphOptions::default().reuse_buffers(true));
     let scheduled = ScheduledLayers::new(&alloc, layers, plan, &model.x, capture)?;
     let shape = model.x.shape().to_vec();
-    let mut links: Box<dyn StageLinks> = match (peers, variant.graphed) {
-        (Peers::Ranks(comm), true) => Box::new(P2pLinks::graphed(comm, &alloc, &main, &shape, dtype)),
-        (Peers::Ranks(comm), false) => Box::new(P2pLinks::eager(comm, &alloc, &main, &shape, dtype)),
-        (Peers::Alone(_), _) => Box::new(AloneLinks(model.x.clone())),
+    let mut links: Box<dyn StageLinks> = match peers {
+        Peers::Ranks(comm) => {
+            let links = match variant.graphed {
+                true => P2pLinks::graphed(comm, &alloc, &main, &shape, dtype),
+                false => P2pLinks::eager(comm, &alloc, &main, &shape, dtype),
+            };
+            Box::new(if variant.overlap { links.overlapped()? } else { links })
+        }
+        Peers::Alone(_) => Box::new(AloneLinks(model.x.clone())),
     };
     let inputs = match stage.index() {
         0 => vec![model.x.clone(); microbatches],
