@@ -393,26 +393,30 @@ fn a_stage_left_waiting_by_one_that_disagrees_on_the_schedule_fails_instead_of_h
 
 #[test]
 fn graphed_links_refuse_a_step_that_sends_other_buffers_than_they_captured() -> anyhow::Result<()> {
-    let out = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
-        let (alloc, s) = (CachingAllocator::new(c.device()), c.device().stream()?);
-        let mut links = P2pLinks::graphed(c, &alloc, &s, &[4], DType::F32);
-        let (a, b) = (Tensor::zeros(&alloc, &s, &[4], DType::F32)?, Tensor::zeros(&alloc, &s, &[4], DType::F32)?);
-        let send = |links: &mut P2pLinks, t: &Tensor| match c.rank() {
-            0 => links.exchange(0, &[(1, t.clone())], &[]),
-            _ => links.exchange(0, &[], &[0]),
-        };
-        send(&mut links, &a)?;
-        let again = send(&mut links, &a)?;
-        let other = (c.rank() == 0).then(|| send(&mut links, &b).err()).flatten();
-        let wrong_shape = links.exchange(1, &[(1 - c.rank(), Tensor::zeros(&alloc, &s, &[5], DType::F32)?)], &[]);
-        s.synchronize()?;
-        Ok((again.len(), other.map(|e| e.to_string()), wrong_shape.err().map(|e| e.to_string())))
-    });
-    for (r, res) in out.into_iter().enumerate() {
-        let (received, other, wrong_shape) = res.with_context(|| format!("rank {r}"))?;
-        ensure!(received == r, "rank {r} received {received} tensors");
-        ensure!(r == 1 || other.as_deref().is_some_and(|e| e.contains("other buffers")), "rank {r}: {other:?}");
-        ensure!(wrong_shape.as_deref().is_some_and(|e| e.contains("boundary")), "rank {r}: {wrong_shape:?}");
+    for overlap in [false, true] {
+        let out = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
+            let (alloc, s) = (CachingAllocator::new(c.device()), c.device().stream()?);
+            let links = P2pLinks::graphed(c, &alloc, &s, &[4], DType::F32);
+            let mut links = if overlap { links.overlapped()? } else { links };
+            let (a, b) = (Tensor::zeros(&alloc, &s, &[4], DType::F32)?, Tensor::zeros(&alloc, &s, &[4], DType::F32)?);
+            let send = |links: &mut P2pLinks, t: &Tensor| match c.rank() {
+                0 => links.exchange(0, &[(1, t.clone())], &[]),
+                _ => links.exchange(0, &[], &[0]),
+            };
+            send(&mut links, &a)?;
+            let again = send(&mut links, &a)?;
+            let other = (c.rank() == 0).then(|| send(&mut links, &b).err()).flatten();
+            let wrong_shape = links.exchange(1, &[(1 - c.rank(), Tensor::zeros(&alloc, &s, &[5], DType::F32)?)], &[]);
+            links.join()?;
+            s.synchronize()?;
+            Ok((again.len(), other.map(|e| e.to_string()), wrong_shape.err().map(|e| e.to_string())))
+        });
+        for (r, res) in out.into_iter().enumerate() {
+            let (received, other, wrong_shape) = res.with_context(|| format!("rank {r}, overlap {overlap}"))?;
+            ensure!(received == r, "rank {r} received {received} tensors");
+            ensure!(r == 1 || other.as_deref().is_some_and(|e| e.contains("other buffers")), "rank {r}: {other:?}");
+            ensure!(wrong_shape.as_deref().is_some_and(|e| e.contains("boundary")), "rank {r}: {wrong_shape:?}");
+        }
     }
     Ok(())
 }
