@@ -174,6 +174,11 @@ impl P2pLinks {
 
 impl StageLinks for P2pLinks {
     fn exchange(&mut self, index: usize, sends: &[(usize, Tensor)], recvs: &[usize]) -> Result<Vec<Tensor>> {
+        let dev = self.comm.device().clone();
+        let _range = dev.range_with(|| {
+            let to: Vec<usize> = sends.iter().map(|(p, _)| *p).collect();
+            format!("exchange {index}: send to {to:?}, receive from {recvs:?}")
+        });
         let got = self.exchange_on_stream(index, sends, recvs)?;
         self.exchanged(index)?;
         Ok(got)

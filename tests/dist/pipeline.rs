@@ -420,3 +420,34 @@ fn graphed_links_refuse_a_step_that_sends_other_buffers_than_they_captured() -> 
     }
     Ok(())
 }
+
+#[test]
+fn every_exchange_of_a_step_is_a_profiler_range_naming_its_peers() -> anyhow::Result<()> {
+    let pipe = Pipeline { stages: 2, chunks: 2, per_chunk: 1, microbatches: 4, zero_bubble: false };
+    let out = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
+        c.device().record_ranges(true);
+        stage(c, None, pipe, HOWS[3])?;
+        Ok(c.device().take_ranges())
+    });
+    for (r, log) in out.into_iter().enumerate() {
+        let spans = log.with_context(|| format!("rank {r}"))?.spans()?;
+        let exchanges: Vec<(String, usize)> = spans
+            .into_iter()
+            .filter(|s| s.name.as_str().starts_with("exchange"))
+            .map(|s| (s.name.to_string(), s.depth))
+            .collect();
+        // Each of the two steps numbers its exchanges from 0, between the passes' ranges.
+        let per_step = exchanges.len() / STEPS as usize;
+        ensure!(per_step > 0 && exchanges.len() == STEPS as usize * per_step, "rank {r}: {exchanges:?}");
+        for (n, (name, depth)) in exchanges.iter().enumerate() {
+            let (head, peers) = name.split_once(": ").with_context(|| format!("rank {r}: {name}"))?;
+            ensure!(head == format!("exchange {}", n % per_step), "rank {r}: {name} is exchange {n} of its step");
+            ensure!(peers.starts_with("send to [") && peers.contains("], receive from ["), "rank {r}: {name}");
+            let digits = peers.chars().filter(char::is_ascii_digit);
+            ensure!(digits.clone().count() > 0, "rank {r}: {name} names no peer");
+            ensure!(digits.into_iter().all(|d| d == char::from(b'0' + (1 - r) as u8)), "rank {r}: {name}'s peers");
+            ensure!(*depth == 0, "rank {r}: {name} nests in another range");
+        }
+    }
+    Ok(())
+}
