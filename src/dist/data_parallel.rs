@@ -216,7 +216,7 @@ fn subtract(mut ranges: Vec<Range<usize>>, done: &[Range<usize>]) -> Vec<Range<u
 }
 
 impl GradSync for DataParallel {
-    fn begin_backward(&self, stream: &Stream) -> Result<()> {
+    fn begin_grad_pass(&self, stream: &Stream) -> Result<()> {
         self.reduce_pending(stream)
     }
 
@@ -242,7 +242,7 @@ impl GradSync for DataParallel {
         Ok(())
     }
 
-    fn end_backward(&self, callable: usize, _stream: &Stream) -> Result<()> {
+    fn grads_complete(&self, callable: usize, _stream: &Stream) -> Result<()> {
         let all = 0..self.bucket(callable)?.grads.numel();
         let mut st = self.lock();
         let rest = subtract(vec![all], &st.early_of(callable));
@@ -338,7 +338,7 @@ mod tests {
             let told_twice = snapshot(&dp);
             let stranger = Param { name: "elsewhere".into(), ..mlp_half[0].clone() };
             let refused = dp.grads_final(0, &[&stranger], &s).err().map(|e| e.to_string());
-            dp.end_backward(0, &s)?;
+            dp.grads_complete(0, &s)?;
             let after_backward = snapshot(&dp);
             dp.abandon();
             s.synchronize()?;
@@ -357,9 +357,9 @@ mod tests {
         let out = crate::dist::on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| {
             let (alloc, s) = (CachingAllocator::new(c.device()), c.device().stream()?);
             let dp = DataParallel::new(c, vec![Tensor::zeros(&alloc, &s, &[4], DType::F32)?])?;
-            dp.end_backward(0, &s)?;
-            dp.begin_backward(&s)?;
-            dp.end_backward(0, &s)?;
+            dp.grads_complete(0, &s)?;
+            dp.begin_grad_pass(&s)?;
+            dp.grads_complete(0, &s)?;
             let state = |dp: &DataParallel| {
                 let st = dp.lock();
                 (st.pending.clone(), st.forked)

@@ -18,9 +18,9 @@ use crate::nn::{GradHook, Param};
 use crate::Result;
 
 /// What a captured pass that accumulates gradients (a backward, or a split weight-gradient pass)
-/// calls, in order: [`begin_backward`](GradSync::begin_backward) and
-/// [`end_backward`](GradSync::end_backward) around the callable's work inside its capture
-/// (`end_backward`, like [`grads_final`](GradSync::grads_final), only in the pass that completes
+/// calls, in order: [`begin_grad_pass`](GradSync::begin_grad_pass) and
+/// [`grads_complete`](GradSync::grads_complete) around the callable's work inside its capture
+/// (`grads_complete`, like [`grads_final`](GradSync::grads_final), only in the pass that completes
 /// the callable's gradients: its last one, under a schedule its last microbatch's); then, in the
 /// step's last such pass only, [`finish`](GradSync::finish) before the sync event; then
 /// [`end_pass`](GradSync::end_pass) after it; [`abandon`](GradSync::abandon) when the capture
@@ -28,14 +28,14 @@ use crate::Result;
 pub trait GradSync: Send + Sync {
     /// A pass that accumulates gradients begins on `stream`: work deferred from the passes
     /// before may start, forked from `stream`, to overlap this pass.
-    fn begin_backward(&self, stream: &Stream) -> Result<()>;
+    fn begin_grad_pass(&self, stream: &Stream) -> Result<()>;
     /// Inside callable `callable`'s backward (`callable` counts the callables as given, not a
     /// schedule's microbatches of them), `params`' gradients are final once the work
     /// enqueued so far on `stream` is (see [`GradHook`]).
     fn grads_final(&self, callable: usize, params: &[&Param], stream: &Stream) -> Result<()>;
     /// Callable `callable`'s parameter gradients are complete once the work enqueued so far on
     /// `stream` is: its last pass that accumulates them has.
-    fn end_backward(&self, callable: usize, stream: &Stream) -> Result<()>;
+    fn grads_complete(&self, callable: usize, stream: &Stream) -> Result<()>;
     /// The step's last pass that accumulates gradients is about to record its sync event:
     /// everything the caller needs must be joined into `stream` now.
     fn finish(&self, stream: &Stream) -> Result<()>;

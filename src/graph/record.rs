@@ -256,11 +256,11 @@ impl Record<'_, '_> {
         let sync = self.options.grad_sync.clone();
         let g = self.capture_pass(i, Pass::BackwardDw, last, &mut || {
             if let Some(sync) = &sync {
-                sync.begin_backward(stream)?;
+                sync.begin_grad_pass(stream)?;
             }
             plan.callables[i].backward_dw_dyn(stream)?;
             match (&sync, completes) {
-                (Some(sync), Some(c)) => sync.end_backward(c, stream),
+                (Some(sync), Some(c)) => sync.grads_complete(c, stream),
                 _ => Ok(()),
             }
         })?;
@@ -353,7 +353,7 @@ impl Traverse for Record<'_, '_> {
         let g = self.capture_pass(i, Pass::Backward, last, &mut || {
             let s = saved.take().expect("captured once");
             if let Some(sync) = &sync {
-                sync.begin_backward(stream)?;
+                sync.begin_grad_pass(stream)?;
             }
             let told =
                 sync.as_ref().zip(completes).map(|(sync, callable)| CallableGrads { sync: sync.as_ref(), callable });
@@ -363,7 +363,7 @@ impl Traverse for Record<'_, '_> {
             };
             result = Some(plan.callables[i].backward_dyn(s, &dys.iter().collect::<Vec<_>>(), hook, stream)?);
             if let Some(t) = &told {
-                t.sync.end_backward(t.callable, stream)?;
+                t.sync.grads_complete(t.callable, stream)?;
             }
             Ok(())
         })?;

@@ -73,7 +73,7 @@ impl Module for Logged {
 struct Recorder(Log);
 
 impl GradSync for Recorder {
-    fn begin_backward(&self, _: &Stream) -> graphed::Result<()> {
+    fn begin_grad_pass(&self, _: &Stream) -> graphed::Result<()> {
         push(&self.0, Told::Begin);
         Ok(())
     }
@@ -81,7 +81,7 @@ impl GradSync for Recorder {
         push(&self.0, Told::Final(callable));
         Ok(())
     }
-    fn end_backward(&self, callable: usize, _: &Stream) -> graphed::Result<()> {
+    fn grads_complete(&self, callable: usize, _: &Stream) -> graphed::Result<()> {
         push(&self.0, Told::Complete(callable));
         Ok(())
     }
