@@ -97,6 +97,21 @@ impl P2pLinks {
         }
     }
 
+    /// As [`eager`](P2pLinks::eager), but each exchange runs eagerly at its first use (where NCCL
+    /// connects the ranks), is captured into a graph then, and is replayed from then on, so that
+    /// a graphed pipeline step issues no NCCL call from the host after the first. What an
+    /// exchange sends must be the same buffers at every step, as the static outputs of graphed
+    /// passes are; it receives into buffers of its own.
+    pub fn graphed(
+        comm: &Communicator,
+        alloc: &CachingAllocator,
+        stream: &Stream,
+        shape: &[usize],
+        dtype: DType,
+    ) -> P2pLinks {
+        P2pLinks { captured: Some(Vec::new()), ..P2pLinks::eager(comm, alloc, stream, shape, dtype) }
+    }
+
     /// These links with every exchange on a communication stream of their own instead of the
     /// stage's: a pass waits only for the exchange whose tensor it reads, so an exchange overlaps
     /// the passes before that one (a forward of the first chunk while the gradient it brings is
@@ -112,8 +127,8 @@ impl P2pLinks {
         Ok(self)
     }
 
-    /// The stream exchanges run on: the communication stream, ordered after the stage's stream,
-    /// when overlapped; else the stage's.
+    /// The stream an exchange sending `sends` runs on: the stage's; when overlapped, the
+    /// communication stream, ordered after the stage's, with `sends` kept until the join.
     fn exchange_stream(&mut self, sends: &[(usize, Tensor)]) -> Result<Stream> {
         let Some(o) = &mut self.overlap else { return Ok(self.stream.clone()) };
         o.stream.wait_stream(&self.stream)?;
@@ -128,20 +143,6 @@ impl P2pLinks {
             o.done.push(self.comm.device().event()?);
         }
         o.stream.record(&o.done[index])
-    }
-
-    /// As [`eager`](P2pLinks::eager), but each exchange runs eagerly at its first use (where NCCL
-    /// connects the ranks), is captured into a graph then, and is replayed from then on, so that
-    /// a graphed pipeline step issues no NCCL call from the host after the first. What an exchange sends must be the same buffers at every step, as the static outputs
-    /// of graphed passes are; it receives into buffers of its own.
-    pub fn graphed(
-        comm: &Communicator,
-        alloc: &CachingAllocator,
-        stream: &Stream,
-        shape: &[usize],
-        dtype: DType,
-    ) -> P2pLinks {
-        P2pLinks { captured: Some(Vec::new()), ..P2pLinks::eager(comm, alloc, stream, shape, dtype) }
     }
 
     fn refuse<T>(&self, what: String) -> Result<T> {
