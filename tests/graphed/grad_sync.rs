@@ -10,6 +10,7 @@ use graphed::device::{BufferId, Device, Stream};
 use graphed::graph::{make_graphed_callables, Callable, GradSync, GraphOptions};
 use graphed::nn::{Inputs, Linear, LinearCtx, Module, Param, ParamStore, SaveHook, Schedule};
 use graphed::tensor::Tensor;
+use proptest::prelude::*;
 
 use super::fixtures::{Model, Result, SHAPE};
 
@@ -111,33 +112,65 @@ pub fn grad_sync_is_told_each_callables_gradients_once_where_complete(dev: &Devi
         ("1F1B, split", Some(Schedule::interleaved_1f1b(1, 0, 1, 2)?), 2, true),
     ];
     let model = Model::new(dev)?;
-    let (c, rows) = (SHAPE[2], [SHAPE[0] * SHAPE[1], SHAPE[2]]);
     for (what, schedule, layers, split) in cases {
-        let log: Log = Arc::default();
-        let mut store = ParamStore::new(&model.alloc, &model.s, layers * Linear::parameter_count((c, c)))?;
-        let mut modules = Vec::new();
-        for l in 0..layers {
-            let mut inner = Linear::new(&mut store, &model.alloc, &format!("fc{l}"), (c, c), 3 + l as u64, &model.s)?;
-            inner.set_split_dw(split);
-            modules.push(Logged { inner, layer: l, log: log.clone() });
-        }
-        let callables: Vec<&dyn Callable> = modules.iter().map(|m| m as &dyn Callable).collect();
-        let instances = layers * schedule.as_ref().map_or(1, Schedule::microbatches);
-        let samples: Vec<Inputs> =
-            (0..instances).map(|i| Ok(Inputs::one(&model.data(i as u64)?.0.reshape(&rows)?))).collect::<Result<_>>()?;
-        let warmed = log.clone();
-        let mut options = GraphOptions::default().grad_sync(Arc::new(Recorder(log.clone()))).post_warmup(move |_| {
-            warmed.lock().expect("log").clear();
-            Ok(())
-        });
-        if let Some(schedule) = &schedule {
-            options = options.schedule(schedule);
-        }
-        make_graphed_callables(&model.alloc, &callables, &samples, options)?;
-        let told = log.lock().expect("log").clone();
-        follows_protocol(&told, layers).map_err(|e| anyhow::anyhow!("{what}: {e}; the capture told {told:?}"))?;
+        capture_follows_protocol(&model, schedule.as_ref(), layers, split)
+            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
     }
     Ok(())
+}
+
+/// `layers` linear layers (weight gradients split out when `split`), captured as a stack or under
+/// `schedule` with a recorder: the protocol holds.
+fn capture_follows_protocol(model: &Model, schedule: Option<&Schedule>, layers: usize, split: bool) -> Result {
+    let (c, rows) = (SHAPE[2], [SHAPE[0] * SHAPE[1], SHAPE[2]]);
+    let log: Log = Arc::default();
+    let mut store = ParamStore::new(&model.alloc, &model.s, layers * Linear::parameter_count((c, c)))?;
+    let mut modules = Vec::new();
+    for l in 0..layers {
+        let mut inner = Linear::new(&mut store, &model.alloc, &format!("fc{l}"), (c, c), 3 + l as u64, &model.s)?;
+        inner.set_split_dw(split);
+        modules.push(Logged { inner, layer: l, log: log.clone() });
+    }
+    let callables: Vec<&dyn Callable> = modules.iter().map(|m| m as &dyn Callable).collect();
+    let instances = layers * schedule.map_or(1, Schedule::microbatches);
+    let samples: Vec<Inputs> =
+        (0..instances).map(|i| Ok(Inputs::one(&model.data(i as u64)?.0.reshape(&rows)?))).collect::<Result<_>>()?;
+    let warmed = log.clone();
+    let mut options = GraphOptions::default().grad_sync(Arc::new(Recorder(log.clone()))).post_warmup(move |_| {
+        warmed.lock().expect("log").clear();
+        Ok(())
+    });
+    if let Some(schedule) = schedule {
+        options = options.schedule(schedule);
+    }
+    make_graphed_callables(&model.alloc, &callables, &samples, options)?;
+    let told = log.lock().expect("log").clone();
+    follows_protocol(&told, layers).map_err(|e| anyhow::anyhow!("{e}; the capture told {told:?}"))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Any rank of any interleaved 1F1B or zero-bubble schedule, weight gradients whole or split:
+    /// the protocol holds (on the simulator).
+    #[test]
+    fn grad_sync_protocol_holds_under_any_schedule(
+        (stages, rank) in (1usize..4).prop_flat_map(|p| (Just(p), 0..p)),
+        chunks in 1usize..4,
+        rounds in 1usize..3,
+        per_chunk in 1usize..3,
+        (split, zero_bubble) in prop_oneof![Just((false, false)), Just((true, false)), Just((true, true))],
+    ) {
+        let microbatches = stages * rounds;
+        let (schedule, chunks) = match zero_bubble {
+            true => (Schedule::zero_bubble(stages, rank, microbatches), 1),
+            false => (Schedule::interleaved_1f1b(stages, rank, chunks, microbatches), chunks),
+        };
+        let schedule = schedule.map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let model = Model::new(&Device::sim()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let outcome = capture_follows_protocol(&model, Some(&schedule), chunks * per_chunk, split);
+        prop_assert!(outcome.is_ok(), "{}: {:?}", schedule, outcome.err());
+    }
 }
 
 /// The protocol over one capture's log, pass by pass (a pass ends at `EndPass`).
