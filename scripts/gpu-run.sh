@@ -156,10 +156,12 @@ fi
     .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs "${PARALLEL_CONFIGS:-M,L}" --json "$OUT/parallel.json" 2>&1
     echo "bench parallel: exit $?"
     # $NCCL_CTAS_SWEEP: the same at L with NCCL held to that many CTAs each (less contention with
-    # the GEMMs the reductions overlap, slower reductions), rows in this log only.
+    # the GEMMs the reductions overlap, slower reductions), rows in this log only. It is about the
+    # data-parallel rows: two microbatches keep the pipelines' rows short.
     for ctas in ${NCCL_CTAS_SWEEP:-}; do
         echo "# NCCL_MAX_CTAS=$ctas"
-        NCCL_MAX_CTAS=$ctas .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs L --steps 10 --warmup 2 2>&1
+        NCCL_MAX_CTAS=$ctas .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs L --steps 10 --warmup 2 \
+            --microbatches 2 2>&1
     done
     # A rank killed mid-run (rank 1, then rank 0, whose death the others see directly): the other
     # must end by itself within seconds with an error naming it, and the launcher with a failure.
