@@ -246,24 +246,43 @@ impl Record<'_, '_> {
         cap.finish()
     }
 
+    /// As [`capture`](Self::capture), for a pass of callable `i` that accumulates gradients:
+    /// the gradient work begins before `work`, which is given the hook that tells it of
+    /// parameters final early, and is told the callable's gradients complete after it, when
+    /// this pass completes them ([`GradPasses`]).
+    fn capture_grad_pass(
+        &mut self,
+        i: usize,
+        pass: Pass,
+        work: &mut dyn FnMut(&dyn GradHook) -> Result<()>,
+    ) -> Result<PoolGraph> {
+        let (completes, last) = self.grad_passes.count(i);
+        let (sync, stream) = (self.options.grad_sync.clone(), self.plan.stream);
+        self.capture_pass(i, pass, last, &mut || {
+            if let Some(sync) = &sync {
+                sync.begin_grad_pass(stream)?;
+            }
+            let told =
+                sync.as_ref().zip(completes).map(|(sync, callable)| CallableGrads { sync: sync.as_ref(), callable });
+            let hook: &dyn GradHook = match &told {
+                Some(t) => t,
+                None => &NoGradHook,
+            };
+            work(hook)?;
+            match &told {
+                Some(t) => t.sync.grads_complete(t.callable, stream),
+                None => Ok(()),
+            }
+        })
+    }
+
     /// Captures callable `i`'s split weight-gradient pass, if it has one.
     fn weight_grad(&mut self, i: usize) -> Result<()> {
         let (plan, stream) = (self.plan, self.plan.stream);
         if !plan.callables[i].splits_dw_dyn() {
             return Ok(());
         }
-        let (completes, last) = self.grad_passes.count(i);
-        let sync = self.options.grad_sync.clone();
-        let g = self.capture_pass(i, Pass::BackwardDw, last, &mut || {
-            if let Some(sync) = &sync {
-                sync.begin_grad_pass(stream)?;
-            }
-            plan.callables[i].backward_dw_dyn(stream)?;
-            match (&sync, completes) {
-                (Some(sync), Some(c)) => sync.grads_complete(c, stream),
-                _ => Ok(()),
-            }
-        })?;
+        let g = self.capture_grad_pass(i, Pass::BackwardDw, &mut |_| plan.callables[i].backward_dw_dyn(stream))?;
         self.recorded.graphs[i].push((Pass::BackwardDw, g));
         Ok(())
     }
@@ -348,23 +367,9 @@ impl Traverse for Record<'_, '_> {
         };
         self.options.run_pass_hook(i, Phase::BackwardPre, stream)?;
         let (mut saved, mut result) = (Some(saved), None);
-        let (completes, last) = self.grad_passes.count(i);
-        let sync = self.options.grad_sync.clone();
-        let g = self.capture_pass(i, Pass::Backward, last, &mut || {
+        let g = self.capture_grad_pass(i, Pass::Backward, &mut |hook| {
             let s = saved.take().expect("captured once");
-            if let Some(sync) = &sync {
-                sync.begin_grad_pass(stream)?;
-            }
-            let told =
-                sync.as_ref().zip(completes).map(|(sync, callable)| CallableGrads { sync: sync.as_ref(), callable });
-            let hook: &dyn GradHook = match &told {
-                Some(t) => t,
-                None => &NoGradHook,
-            };
             result = Some(plan.callables[i].backward_dyn(s, &dys.iter().collect::<Vec<_>>(), hook, stream)?);
-            if let Some(t) = &told {
-                t.sync.grads_complete(t.callable, stream)?;
-            }
             Ok(())
         })?;
         self.options.run_pass_hook(i, Phase::Backward, stream)?;
