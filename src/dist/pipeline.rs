@@ -55,8 +55,6 @@ pub struct P2pLinks {
 /// event after it that the stage's stream waits for before a pass reads what it received.
 struct Overlap {
     stream: Stream,
-    /// The stage's stream (for the drop).
-    stage: Stream,
     /// Per exchange of a step, the event recorded after it.
     done: Vec<Event>,
     /// The last exchange of this step the stage's stream waits for (the stream runs exchanges
@@ -109,7 +107,9 @@ impl P2pLinks {
         shape: &[usize],
         dtype: DType,
     ) -> P2pLinks {
-        P2pLinks { captured: Some(Vec::new()), ..P2pLinks::eager(comm, alloc, stream, shape, dtype) }
+        let mut links = P2pLinks::eager(comm, alloc, stream, shape, dtype);
+        links.captured = Some(Vec::new());
+        links
     }
 
     /// These links with every exchange on a communication stream of their own instead of the
@@ -122,8 +122,7 @@ impl P2pLinks {
     /// A stream that cannot be made.
     pub fn overlapped(mut self) -> Result<P2pLinks> {
         let stream = self.comm.device().stream()?;
-        let stage = self.stream.clone();
-        self.overlap = Some(Overlap { stream, stage, done: Vec::new(), waited: None, sending: Vec::new() });
+        self.overlap = Some(Overlap { stream, done: Vec::new(), waited: None, sending: Vec::new() });
         Ok(self)
     }
 
@@ -260,13 +259,13 @@ impl P2pLinks {
     }
 }
 
-impl Drop for Overlap {
-    /// Links dropped mid-step (a failed step) still order the stage's stream after their
-    /// exchanges, so that the memory of what they send is not reused while it is read.
+impl Drop for P2pLinks {
+    /// Links dropped mid-step (a failed step) still join, so that the memory of what they send
+    /// is not reused while it is read.
     fn drop(&mut self) {
-        if !self.sending.is_empty() {
-            if let Err(e) = self.stage.wait_stream(&self.stream) {
-                self.stream.device().record_err(e);
+        if self.overlap.as_ref().is_some_and(|o| !o.sending.is_empty()) {
+            if let Err(e) = self.join() {
+                self.comm.device().record_err(e);
             }
         }
     }
