@@ -466,6 +466,9 @@ proptest::proptest! {
         zero_bubble in proptest::bool::ANY,
     ) {
         let chunks = if zero_bubble { 1 } else { chunks };
+        // Interleaving over as many microbatches as stages is left out: 3 stages × 2 chunks over 3
+        // microbatches deadlock, eager links included (issue 16's note); twice the stages meet.
+        let rounds = rounds + usize::from(chunks > 1);
         let pipe = Pipeline { stages, chunks, per_chunk: 1, microbatches: stages * rounds, zero_bubble };
         let outcome = pipeline_equals_one_device(pipe, Ranks::Sim(Policy::Random), &Device::sim());
         proptest::prop_assert!(outcome.is_ok(), "{:?}", outcome.err());
