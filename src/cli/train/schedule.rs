@@ -38,9 +38,12 @@ impl Scheduled {
         }
         let shape = [batch / m, model.config().max_len, model.config().dim];
         let sample = Tensor::zeros(alloc, stream, &shape, model.config().dtype)?;
-        let capture = (!args.eager).then(|| match grad_sync {
-            Some(sync) => GraphOptions::default().reuse_buffers(true).grad_sync(sync),
-            None => GraphOptions::default().reuse_buffers(true),
+        let capture = (!args.eager).then(|| {
+            let options = GraphOptions::default().reuse_buffers(true);
+            match grad_sync {
+                Some(sync) => options.grad_sync(sync),
+                None => options,
+            }
         });
         Ok(Scheduled(ScheduledLayers::new(alloc, layers, (schedule, per_chunk), &sample, capture)?))
     }
