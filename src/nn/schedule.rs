@@ -576,10 +576,14 @@ fn traverse(
         _ => None,
     };
     // Where exchanges go (Megatron-LM's grouping, which its schedules meet without deadlock):
-    // before every step, but an interleaved schedule runs a backward that follows a forward in
-    // the same segment, so that one exchange sends both passes' outputs and receives what the
-    // next forward and backward need.
-    let interleaved = schedule.chunks() > 1;
+    // before every step, but an interleaved schedule's steady state runs a backward that follows
+    // a forward in the same segment, so that one exchange sends both passes' outputs and
+    // receives what the next forward and backward need. A rank whose warmup holds every forward
+    // has no steady state: its first backward's gradient is received only after its last
+    // forward's output is sent, since the stage after needs that output to make the gradient.
+    let all_warmup = steps.iter().rposition(|s| matches!(s.0, Step::Forward(_)))
+        < steps.iter().position(|s| matches!(s.0, Step::Backward(_)));
+    let interleaved = schedule.chunks() > 1 && !all_warmup;
     let joined = |i: usize| {
         interleaved && i > 0 && matches!((steps[i - 1].0, steps[i].0), (Step::Forward(_), Step::Backward(_)))
     };
