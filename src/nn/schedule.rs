@@ -531,6 +531,10 @@ pub fn run_pipeline_stage(
     traverse(passes, schedule, (layers_per_chunk, inputs), rng_step, head, Some((stage, links)))
 }
 
+/// A tensor between chunks, and the exchange that received it (`None` when it never left the
+/// rank).
+type Arrived = (Tensor, Option<usize>);
+
 fn traverse(
     passes: &mut dyn SchedulePasses,
     schedule: &Schedule,
@@ -559,15 +563,13 @@ fn traverse(
     let layers = |k: usize| first[k]..first[k] + layers_per_chunk[k];
     let last = stage.count * schedule.chunks() - 1;
     let remote = stage.count > 1;
-    // Between chunks, per microbatch: an activation forward, a gradient backward.
-    let mut flowing: Vec<Option<Tensor>> = vec![None; microbatches];
+    // Between chunks, per microbatch: an activation forward, a gradient backward, each with the
+    // exchange it came from when received (waited for before it is read).
+    let mut flowing: Vec<Option<Arrived>> = vec![None; microbatches];
     for (f, x) in flowing.iter_mut().zip(inputs) {
-        *f = Some(x.clone());
+        *f = Some((x.clone(), None));
     }
-    let mut grads: Vec<Option<Tensor>> = vec![None; microbatches];
-    // Per microbatch, the exchange its activation and its gradient came from, until waited for.
-    let (mut flowing_from, mut grads_from): (Vec<Option<usize>>, Vec<Option<usize>>) =
-        (vec![None; microbatches], vec![None; microbatches]);
+    let mut grads: Vec<Option<Arrived>> = vec![None; microbatches];
     let mut outgoing: Vec<(usize, Tensor)> = Vec::new();
     let steps = schedule.with_microbatches();
     let recv_from = |step: Step| match step {
@@ -600,8 +602,8 @@ fn traverse(
                 let got = links.exchange(exchanges, &std::mem::take(&mut outgoing), &recvs)?;
                 for ((step, mb, _), t) in wanted.into_iter().zip(got) {
                     match step {
-                        Step::Forward(_) => (flowing[mb], flowing_from[mb]) = (Some(t), Some(exchanges)),
-                        _ => (grads[mb], grads_from[mb]) = (Some(t), Some(exchanges)),
+                        Step::Forward(_) => flowing[mb] = Some((t, Some(exchanges))),
+                        _ => grads[mb] = Some((t, Some(exchanges))),
                     }
                 }
                 exchanges += 1;
@@ -613,24 +615,24 @@ fn traverse(
                     passes.advance_rng(counter, (j as u64 + 1).wrapping_sub(rng_at))?;
                     rng_at = j as u64 + 1;
                 }
-                let mut x = flowing[j].take().ok_or_else(|| Error::Schedule(missing("input")))?;
-                if let (Some(e), Some((_, links))) = (flowing_from[j].take(), pipeline.as_mut()) {
+                let (mut x, from) = flowing[j].take().ok_or_else(|| Error::Schedule(missing("input")))?;
+                if let (Some(e), Some((_, links))) = (from, pipeline.as_mut()) {
                     links.wait(e)?;
                 }
                 for l in layers(k) {
                     x = passes.forward(l, j, &x)?;
                 }
                 if stage.model_chunk(k) == last {
-                    grads[j] = Some(head(j, x)?);
+                    grads[j] = Some((head(j, x)?, None));
                 } else if remote {
                     outgoing.push((stage.next(), x));
                 } else {
-                    flowing[j] = Some(x);
+                    flowing[j] = Some((x, None));
                 }
             }
             Step::Backward(k) => {
-                let mut d = grads[j].take().ok_or_else(|| Error::Schedule(missing("gradient")))?;
-                if let (Some(e), Some((_, links))) = (grads_from[j].take(), pipeline.as_mut()) {
+                let (mut d, from) = grads[j].take().ok_or_else(|| Error::Schedule(missing("gradient")))?;
+                if let (Some(e), Some((_, links))) = (from, pipeline.as_mut()) {
                     links.wait(e)?;
                 }
                 for l in layers(k).rev() {
@@ -639,7 +641,7 @@ fn traverse(
                 if remote && stage.model_chunk(k) != 0 {
                     outgoing.push((stage.prev(), d));
                 } else {
-                    grads[j] = Some(d);
+                    grads[j] = Some((d, None));
                 }
             }
             Step::WeightGrad(k) => {
@@ -663,7 +665,7 @@ fn traverse(
     if stage.index != 0 {
         return Ok(Vec::new());
     }
-    grads.into_iter().map(|d| d.ok_or(Error::Schedule(ScheduleErrorKind::Empty))).collect()
+    grads.into_iter().map(|d| d.map(|(d, _)| d).ok_or(Error::Schedule(ScheduleErrorKind::Empty))).collect()
 }
 
 /// The layers of a schedule run eagerly, each (layer, microbatch)'s context kept for its
