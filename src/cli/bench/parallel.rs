@@ -243,8 +243,8 @@ fn unsplit(lead: bool, config: Config, variant: &pipeline::Variant, stages: usiz
 fn print_row(r: &ParallelRow) {
     let bubble = match (r.bubble, r.bubble_theory) {
         (Some(b), Some(t)) => format!("  bubble {:.1}% (schedule {:.1}%)", 100.0 * b, 100.0 * t),
-        (Some(b), None) if r.microbatches.is_some() => format!("  bubble {:.1}% (the split alone)", 100.0 * b),
-        _ => String::new(),
+        (Some(b), None) => format!("  bubble {:.1}% (the split alone)", 100.0 * b),
+        (None, _) => String::new(),
     };
     println!(
         "  {} {:<28} ranks {}  wall {:.3} ms [{:.3}–{:.3}]  host {:.0} µs  {:.0} samples/s{}{bubble}",
