@@ -70,6 +70,12 @@ pub fn make_graphed_callables(
         let names = callables.iter().enumerate().map(|(i, c)| named(i, *c)).collect();
         return capture(alloc, callables, names, samples.iter().cloned().map(Some).collect(), None, options, None);
     };
+    if options.mode == Mode::Inference {
+        let what = "a schedule runs backwards, which inference does not capture; graph it in training mode, or \
+                    graph the forwards without a schedule"
+            .to_string();
+        return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
+    }
     // One instance of each layer per microbatch, in the samples' order: chunk by chunk,
     // microbatch by microbatch, layer by layer.
     let (chunks, microbatches) = (schedule.chunks(), schedule.microbatches());
@@ -101,13 +107,9 @@ pub fn make_graphed_callables(
         return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
     }
     let (mut instances, mut names) = (Vec::with_capacity(samples.len()), Vec::with_capacity(samples.len()));
+    schedule.check_weight_grads(&layers, &mut |l| Ok(callables[l].splits_dw_dyn()))?;
     let mut first = 0;
     for (k, &n) in layers.iter().enumerate() {
-        // A weight-gradient step needs a layer of its chunk that splits one out.
-        let chunk = &callables[first..first + n];
-        if schedule.steps().contains(&Step::WeightGrad(k)) && !chunk.iter().any(|c| c.splits_dw_dyn()) {
-            return Err(Error::Graphed { callable: label(first, chunk[0]), kind: GraphedErrorKind::NoSplitDw });
-        }
         for j in 0..microbatches {
             for (l, c) in callables.iter().enumerate().skip(first).take(n) {
                 instances.push(*c);

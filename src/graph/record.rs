@@ -287,11 +287,12 @@ impl Record<'_, '_> {
         Ok(())
     }
 
-    /// Every step of the schedule, each chunk's layers in order (forward) or in reverse.
+    /// Every step of the schedule, each chunk's layers in order (forward) or in reverse; split
+    /// weight gradients in the weight-gradient steps, which the capture's checks made sure
+    /// their chunks have.
     fn scheduled(&mut self, layout: &Layout) -> Result<()> {
         let n = self.plan.len();
         let mut saved: Vec<Option<Saved>> = (0..n).map(|_| None).collect();
-        let splits = layout.schedule.splits_weight_grads();
         for (step, j) in layout.schedule.with_microbatches() {
             match step {
                 Step::Forward(k) => {
@@ -312,11 +313,6 @@ impl Record<'_, '_> {
                         self.weight_grad(layout.instance(k, j, l))?;
                     }
                 }
-            }
-        }
-        if !splits {
-            for i in (0..n).rev() {
-                self.weight_grad(i)?;
             }
         }
         Ok(())

@@ -1,5 +1,6 @@
 //! The graphed callables of a pipeline schedule, run as its passes by `nn::run_schedule`.
 
+use super::graphed::Pass;
 use super::{GraphedCallable, Replay};
 use crate::device::Stream;
 use crate::nn::{Inputs, Schedule, ScheduleErrorKind, SchedulePasses};
@@ -62,6 +63,16 @@ impl SchedulePasses for GraphedPasses<'_> {
     }
 
     fn weight_grad(&mut self, layer: usize, microbatch: usize) -> Result<()> {
-        self.callable(layer, microbatch)?.backward_dw(self.caller)?.join(self.caller)
+        let c = self.callable(layer, microbatch)?;
+        if !c.has_pass(Pass::BackwardDw) {
+            return Ok(());
+        }
+        c.backward_dw(self.caller)?.join(self.caller)
+    }
+
+    fn splits_weight_grads(&self, layer: usize) -> Result<bool> {
+        // The layer's last microbatch: the callables given cover every instance before it.
+        let last = self.schedule.microbatches() - 1;
+        Ok(self.callable(layer, last)?.has_pass(Pass::BackwardDw))
     }
 }

@@ -102,6 +102,27 @@ pub enum ScheduleErrorKind {
         /// Its backwards.
         backwards: usize,
     },
+    /// A layer that splits its weight gradients out, in a chunk without weight-gradient steps:
+    /// nothing would run them.
+    #[error(
+        "layer {layer} splits its weight gradients out, but its chunk {chunk} has no weight-gradient steps to run \
+         them; use a schedule with them (Schedule::zero_bubble) or layers that do not split"
+    )]
+    UnrunWeightGrads {
+        /// The layer (over every chunk's).
+        layer: usize,
+        /// Its chunk.
+        chunk: usize,
+    },
+    /// Weight-gradient steps for a chunk none of whose layers splits its weight gradients out.
+    #[error(
+        "chunk {chunk} has weight-gradient steps, but none of its layers splits its weight gradients out; split them \
+         (Linear::set_split_dw) or use a schedule without"
+    )]
+    NothingToSplit {
+        /// The chunk.
+        chunk: usize,
+    },
     /// A builder's arguments that cannot make a schedule.
     #[error("{what}")]
     Arguments {
@@ -322,6 +343,33 @@ impl Schedule {
         &self.steps
     }
 
+    /// Whether weight-gradient steps run the layers that split theirs out, over chunks of
+    /// `layers_per_chunk` layers, where `splits(layer)` says whether a layer (over every chunk's)
+    /// does: a chunk has such steps if and only if one of its layers splits. Decided before
+    /// anything runs, so that no split weight gradient is left unrun.
+    pub(crate) fn check_weight_grads(
+        &self,
+        layers_per_chunk: &[usize],
+        splits: &mut dyn FnMut(usize) -> Result<bool>,
+    ) -> Result<()> {
+        let mut first = 0;
+        for (chunk, &n) in layers_per_chunk.iter().enumerate() {
+            let mut splitting = None;
+            for layer in first..first + n {
+                if splits(layer)? {
+                    splitting.get_or_insert(layer);
+                }
+            }
+            match (self.steps.contains(&Step::WeightGrad(chunk)), splitting) {
+                (false, Some(layer)) => return refuse(ScheduleErrorKind::UnrunWeightGrads { layer, chunk }),
+                (true, None) => return refuse(ScheduleErrorKind::NothingToSplit { chunk }),
+                _ => {}
+            }
+            first += n;
+        }
+        Ok(())
+    }
+
     /// Model chunks (virtual pipeline stages) of the rank.
     pub fn chunks(&self) -> usize {
         self.chunks
@@ -392,8 +440,14 @@ pub trait SchedulePasses {
     fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor>;
     /// The layer's backward of `dy`: its input gradient.
     fn backward(&mut self, layer: usize, microbatch: usize, dy: &Tensor) -> Result<Tensor>;
-    /// The layer's split weight-gradient pass.
+    /// The layer's split weight-gradient pass; nothing for a layer that does not split one out.
     fn weight_grad(&mut self, layer: usize, microbatch: usize) -> Result<()>;
+    /// Whether the layer splits its weight gradients out, run by the schedule's weight-gradient
+    /// steps.
+    ///
+    /// # Errors
+    /// [`ScheduleErrorKind::Arguments`] when the passes have no such layer.
+    fn splits_weight_grads(&self, layer: usize) -> Result<bool>;
 }
 
 /// Where a rank's chunks sit in a pipeline of ranks: with `count` stages, chunk k of stage s
@@ -559,6 +613,8 @@ fn traverse(
         );
         return refuse(ScheduleErrorKind::Arguments { what });
     }
+    // Every layer exists, and split weight gradients have steps to run them.
+    schedule.check_weight_grads(layers_per_chunk, &mut |l| passes.splits_weight_grads(l))?;
     let first: Vec<usize> = layers_per_chunk.iter().scan(0, |a, n| Some(std::mem::replace(a, *a + n))).collect();
     let layers = |k: usize| first[k]..first[k] + layers_per_chunk[k];
     let last = stage.count * schedule.chunks() - 1;
@@ -705,6 +761,14 @@ impl<M: Module> SchedulePasses for EagerPasses<'_, M> {
 
     fn weight_grad(&mut self, layer: usize, _microbatch: usize) -> Result<()> {
         self.layers[layer].backward_dw(self.stream)
+    }
+
+    fn splits_weight_grads(&self, layer: usize) -> Result<bool> {
+        let Some(m) = self.layers.get(layer) else {
+            let what = format!("layer {layer} of {} layers; give every chunk's layers", self.layers.len());
+            return refuse(ScheduleErrorKind::Arguments { what });
+        };
+        Ok(m.splits_dw())
     }
 }
 

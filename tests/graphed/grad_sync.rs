@@ -109,7 +109,6 @@ pub fn grad_sync_is_told_each_callables_gradients_once_where_complete(dev: &Devi
         ("1F1B", Some(Schedule::interleaved_1f1b(2, 0, 1, 3)?), 2, false),
         ("interleaved", Some(Schedule::interleaved_1f1b(2, 1, 2, 4)?), 2, false),
         ("zero bubble", Some(Schedule::zero_bubble(2, 0, 3)?), 2, true),
-        ("1F1B, split", Some(Schedule::interleaved_1f1b(1, 0, 1, 2)?), 2, true),
     ];
     let model = Model::new(dev)?;
     for (what, schedule, layers, split) in cases {
@@ -151,18 +150,19 @@ fn capture_follows_protocol(model: &Model, schedule: Option<&Schedule>, layers: 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
-    /// Any rank of any interleaved 1F1B or zero-bubble schedule, weight gradients whole or split:
-    /// the protocol holds (on the simulator).
+    /// Any rank of any interleaved 1F1B schedule (weight gradients whole) or zero-bubble one
+    /// (split): the protocol holds (on the simulator).
     #[test]
     fn grad_sync_protocol_holds_under_any_schedule(
         (stages, rank) in (1usize..4).prop_flat_map(|p| (Just(p), 0..p)),
         chunks in 1usize..4,
         rounds in 1usize..3,
         per_chunk in 1usize..3,
-        (split, zero_bubble) in prop_oneof![Just((false, false)), Just((true, false)), Just((true, true))],
+        split in proptest::bool::ANY,
     ) {
         let microbatches = stages * rounds;
-        let (schedule, chunks) = match zero_bubble {
+        // Split weight gradients run in a zero-bubble schedule's weight-gradient steps.
+        let (schedule, chunks) = match split {
             true => (Schedule::zero_bubble(stages, rank, microbatches), 1),
             false => (Schedule::interleaved_1f1b(stages, rank, chunks, microbatches), chunks),
         };

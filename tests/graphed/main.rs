@@ -54,6 +54,7 @@ per_device!(
     one_f_one_b_matches_eager,
     transformer_engine_order_matches_eager,
     zero_bubble_with_split_weight_grads_matches_eager,
+    split_weight_grads_without_their_steps_are_refused,
     grad_sync_is_told_each_callables_gradients_once_where_complete,
     out_of_schedule_replay_is_refused,
     schedule_shapes_are_checked,

@@ -9,8 +9,8 @@ use graphed::graph::{
     make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedErrorKind, GraphedPasses, Replay,
 };
 use graphed::nn::{
-    run_schedule, Chunk, EagerPasses, Inputs, KeepOnDevice, Linear, ParamStore, SaveHook, Schedule, SchedulePasses,
-    Step,
+    run_schedule, Chunk, EagerPasses, Inputs, KeepOnDevice, Linear, ParamStore, SaveHook, Schedule, ScheduleErrorKind,
+    SchedulePasses, Step,
 };
 use graphed::tensor::Tensor;
 
@@ -101,35 +101,77 @@ pub fn transformer_engine_order_matches_eager(dev: &Device) -> Result {
     Ok(())
 }
 
-/// Zero bubble: Linear layers with split weight gradients, whose weight-gradient graphs are
-/// captured and replayed where the schedule puts them.
+/// Two Linear layers in one chunk, the first splitting its weight gradients out when `split.0`,
+/// the second when `split.1`, their parameters in `store`.
+fn linears(model: &Model, store: &mut ParamStore, split: (bool, bool)) -> Result<Vec<Linear>> {
+    let mut layers = Vec::new();
+    for (i, split) in [split.0, split.1].into_iter().enumerate() {
+        let mut lin =
+            Linear::new(store, &model.alloc, &format!("zb{i}"), (SHAPE[2], SHAPE[2]), 40 + i as u64, &model.s)?;
+        lin.set_split_dw(split);
+        layers.push(lin);
+    }
+    Ok(layers)
+}
+
+/// Zero bubble: a chunk of a Linear layer with split weight gradients and one without, whose
+/// weight-gradient graphs are captured and replayed where the schedule puts them (the other's
+/// weight-gradient steps run nothing).
 pub fn zero_bubble_with_split_weight_grads_matches_eager(dev: &Device) -> Result {
     let schedule = Schedule::zero_bubble(2, 0, 4)?;
     let model = Model::new(dev)?;
-    let build = |store: &mut ParamStore| -> Result<Vec<Linear>> {
-        let mut lin = Linear::new(store, &model.alloc, "zb", (SHAPE[2], SHAPE[2]), 40, &model.s)?;
-        lin.set_split_dw(true);
-        Ok(vec![lin])
-    };
-    let count = Linear::parameter_count((SHAPE[2], SHAPE[2]));
+    let count = 2 * Linear::parameter_count((SHAPE[2], SHAPE[2]));
     let mut eager_store = ParamStore::new(&model.alloc, &model.s, count)?;
     let mut graphed_store = ParamStore::new(&model.alloc, &model.s, count)?;
-    let (eager, graphed) = (build(&mut eager_store)?, build(&mut graphed_store)?);
+    let eager = linears(&model, &mut eager_store, (true, false))?;
+    let graphed = linears(&model, &mut graphed_store, (true, false))?;
     let rows = [SHAPE[0] * SHAPE[1], SHAPE[2]];
     let samples: Vec<Inputs> =
-        (0..4).map(|i| Ok(Inputs::one(&model.data(i)?.0.reshape(&rows)?))).collect::<Result<_>>()?;
+        (0..8).map(|i| Ok(Inputs::one(&model.data(i)?.0.reshape(&rows)?))).collect::<Result<_>>()?;
     let callables: Vec<&dyn Callable> = graphed.iter().map(|l| l as &dyn Callable).collect();
     // Buffer reuse on: an output gradient is in use until the weight-gradient pass reads it.
     let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
     let g = make_graphed_callables(&model.alloc, &callables, &samples, options)?;
     let reshaped = |t: Tensor| t.reshape(&rows);
-    let want = drive(&model, &schedule, &[1], &mut EagerPasses::new(&eager, &KeepOnDevice, &model.s), &reshaped)?;
-    let got = drive(&model, &schedule, &[1], &mut GraphedPasses::new(&g, &schedule, &[1], &model.s), &reshaped)?;
+    let want = drive(&model, &schedule, &[2], &mut EagerPasses::new(&eager, &KeepOnDevice, &model.s), &reshaped)?;
+    let got = drive(&model, &schedule, &[2], &mut GraphedPasses::new(&g, &schedule, &[2], &model.s), &reshaped)?;
     ensure!(got == want, "zero bubble: outputs or input gradients differ");
     ensure!(
         eager_store.grads()?.to_f32_vec(&model.s)? == graphed_store.grads()?.to_f32_vec(&model.s)?,
         "zero bubble: parameter gradients differ"
     );
+    Ok(())
+}
+
+/// A layer that splits its weight gradients out, under a schedule without weight-gradient steps,
+/// is refused before anything runs, graphed and eagerly: nothing would run its weight gradients.
+pub fn split_weight_grads_without_their_steps_are_refused(dev: &Device) -> Result {
+    let schedule = Schedule::interleaved_1f1b(1, 0, 1, 2)?;
+    let model = Model::new(dev)?;
+    let mut store = ParamStore::new(&model.alloc, &model.s, 2 * Linear::parameter_count((SHAPE[2], SHAPE[2])))?;
+    let layers = linears(&model, &mut store, (false, true))?;
+    let unrun = |e: Option<graphed::Error>| {
+        matches!(e, Some(graphed::Error::Schedule(ScheduleErrorKind::UnrunWeightGrads { layer: 1, chunk: 0 })))
+    };
+    let rows = [SHAPE[0] * SHAPE[1], SHAPE[2]];
+    let samples: Vec<Inputs> =
+        (0..4).map(|i| Ok(Inputs::one(&model.data(i)?.0.reshape(&rows)?))).collect::<Result<_>>()?;
+    let callables: Vec<&dyn Callable> = layers.iter().map(|l| l as &dyn Callable).collect();
+    let order = model.alloc.new_pool();
+    let options = GraphOptions::default().schedule(&schedule).pool(&order);
+    let r = make_graphed_callables(&model.alloc, &callables, &samples, options);
+    ensure!(unrun(r.err()), "graphed: UnrunWeightGrads for layer 1");
+    ensure!(order.order().is_empty(), "nothing was captured");
+    let inputs = (0..2).map(|j| model.data(j)?.0.reshape(&rows).map_err(Into::into)).collect::<Result<Vec<_>>>()?;
+    let mut heads = 0;
+    let mut head = |_: usize, y: Tensor| -> graphed::Result<Tensor> {
+        heads += 1;
+        Ok(y)
+    };
+    let mut passes = EagerPasses::new(&layers, &KeepOnDevice, &model.s);
+    ensure!(unrun(run_schedule(&mut passes, &schedule, &[2], &inputs, None, &mut head).err()), "eager");
+    ensure!(heads == 0, "no forward reached the head");
+    ensure!(store.grads()?.to_f32_vec(&model.s)?.iter().all(|g| *g == 0.0), "no gradient was accumulated");
     Ok(())
 }
 
@@ -193,10 +235,13 @@ pub fn schedule_shapes_are_checked(dev: &Device) -> Result {
         GraphOptions::default().schedule(&w).pool(&order),
     );
     ensure!(
-        matches!(r.map(|_| ()).err().and_then(|e| e.graphed_kind().cloned()), Some(GraphedErrorKind::NoSplitDw)),
-        "NoSplitDw"
+        matches!(r.map(|_| ()).err(), Some(graphed::Error::Schedule(ScheduleErrorKind::NothingToSplit { chunk: 0 }))),
+        "NothingToSplit"
     );
     ensure!(order.order().is_empty(), "nothing was captured");
+    // A schedule runs backwards: inference is refused.
+    let r = make_graphed_callables(&model.alloc, &model.callables(), &four, options().inference());
+    ensure!(shape(r), "a schedule in inference");
     Ok(())
 }
 
