@@ -260,12 +260,12 @@ impl P2pLinks {
 }
 
 impl Drop for P2pLinks {
-    /// Links dropped mid-step (a failed step) still join, so that the memory of what they send
-    /// is not reused while it is read.
+    /// Overlapped links dropped mid-step still join, so that the memory of what they send or
+    /// receive is not reused while the exchange stream reads or writes it.
     fn drop(&mut self) {
-        if self.overlap.as_ref().is_some_and(|o| !o.sending.is_empty()) {
+        if self.overlap.is_some() {
             if let Err(e) = self.join() {
-                self.comm.device().record_err(e);
+                self.comm.device().record_drop_err("pipeline links (their join)", e);
             }
         }
     }

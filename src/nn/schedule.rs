@@ -582,7 +582,13 @@ pub fn run_pipeline_stage(
     stage: Stage,
     links: &mut dyn StageLinks,
 ) -> Result<Vec<Tensor>> {
-    traverse(passes, schedule, (layers_per_chunk, inputs), rng_step, head, Some((stage, links)))
+    let walked = traverse(passes, schedule, (layers_per_chunk, inputs), rng_step, head, Some((stage, &mut *links)));
+    // Joined on every exit, a failed step's too, so that no exchange of this step is in flight
+    // or waited for when the next one starts.
+    let joined = links.join();
+    let dxs = walked?;
+    joined?;
+    Ok(dxs)
 }
 
 /// A tensor between chunks, and the exchange that received it (`None` when it never left the
@@ -707,11 +713,8 @@ fn traverse(
             }
         }
     }
-    if let Some((_, links)) = pipeline.as_mut() {
-        if !outgoing.is_empty() {
-            links.exchange(exchanges, &outgoing, &[])?;
-        }
-        links.join()?;
+    if let Some((_, links)) = pipeline.as_mut().filter(|_| !outgoing.is_empty()) {
+        links.exchange(exchanges, &outgoing, &[])?;
     }
     // Every valid schedule ends its forwards with the last microbatch; this keeps the counter's
     // step-to-step advance at the microbatch count whatever the order.
