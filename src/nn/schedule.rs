@@ -517,7 +517,7 @@ impl Stage {
 ///
 /// Links may run their exchanges off the stage's stream, so that they overlap the passes that do
 /// not read what they receive: the traversal calls [`wait`](StageLinks::wait) before a pass
-/// reads a received tensor, and [`join`](StageLinks::join) at the step's end.
+/// reads a received tensor, and [`join`](StageLinks::join) when the step ends, failed or not.
 pub trait StageLinks {
     /// Exchange number `index` of the rank's step (the same on every step, so that a graphed
     /// implementation replays what it captured): sends each `(stage, tensor)` of `sends` and
