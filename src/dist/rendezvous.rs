@@ -54,9 +54,11 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
     })?;
     listener.set_nonblocking(true).map_err(|e| rdzv(0, e.to_string()))?;
     let mut peers: Vec<(usize, TcpStream, String)> = Vec::new();
-    let mut problems: Vec<String> = Vec::new();
+    // Connections that cannot join (another world size, a rank twice, not a rank): counted as
+    // arrivals, so that rank 0 stops waiting once everyone came, and refused with the others.
+    let (mut strays, mut problems): (Vec<TcpStream>, Vec<String>) = (Vec::new(), Vec::new());
     let mut mismatch = None;
-    while peers.len() + 1 < env.world {
+    while peers.len() + strays.len() + 1 < env.world {
         match listener.accept() {
             Ok((stream, _)) => {
                 stream.set_nonblocking(false).map_err(|e| rdzv(0, e.to_string()))?;
@@ -89,6 +91,7 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
                     }
                     None => problems.push(format!("a connection that is not a graphed rank said `{hello}`")),
                 }
+                strays.push(stream);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
@@ -96,12 +99,13 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
                     let missing: Vec<String> =
                         (1..env.world).filter(|r| !arrived.contains(r)).map(|r| r.to_string()).collect();
                     let what = format!(
-                        "ranks {} did not arrive in time; check that they were started and can reach {}:{}",
+                        "{}ranks {} did not arrive in time; check that they were started and can reach {}:{}",
+                        problems.iter().map(|p| format!("{p}, and ")).collect::<String>(),
                         missing.join(", "),
                         env.master_addr,
                         env.master_port
                     );
-                    refuse_all(&mut peers, &what);
+                    refuse_all(&mut peers, &mut strays, &what);
                     return Err(rdzv(0, what));
                 }
                 std::thread::sleep(Duration::from_millis(5));
@@ -110,12 +114,12 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
         }
     }
     if let Some(kind) = mismatch {
-        refuse_all(&mut peers, &kind.to_string());
+        refuse_all(&mut peers, &mut strays, &kind.to_string());
         return Err(fail(0, kind));
     }
     if !problems.is_empty() {
         let what = problems.join("; ");
-        refuse_all(&mut peers, &what);
+        refuse_all(&mut peers, &mut strays, &what);
         return Err(rdzv(0, what));
     }
     let hex: String = payload.iter().map(|b| format!("{b:02x}")).collect();
@@ -128,8 +132,8 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
     Ok((payload, RankWatch::start(0, connections)?))
 }
 
-fn refuse_all(peers: &mut [(usize, TcpStream, String)], why: &str) {
-    for (_, stream, _) in peers {
+fn refuse_all(peers: &mut [(usize, TcpStream, String)], strays: &mut [TcpStream], why: &str) {
+    for stream in peers.iter_mut().map(|p| &mut p.1).chain(strays) {
         // A rank that left already learns nothing; its own timeout ends it.
         let _ = writeln!(stream, "refused {why}");
     }

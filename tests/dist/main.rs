@@ -297,6 +297,25 @@ fn the_rendezvous_shares_rank_0s_payload_and_refuses_a_rank_with_another_model()
 }
 
 #[test]
+fn a_rank_launched_for_another_world_is_refused_with_the_group_naming_it() -> anyhow::Result<()> {
+    let port = free_port();
+    let got: Vec<graphed::Result<(Vec<u8>, RankWatch)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                // Rank 1 believes in a group of 3; rank 0 in one of 2.
+                s.spawn(move || meet(&env(r, 2 + r, port), "m", (r == 0).then(|| vec![1]), Duration::from_secs(20)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    for (r, g) in got.iter().enumerate() {
+        let Err(e) = g else { anyhow::bail!("rank {r} was let in") };
+        ensure!(e.to_string().contains("rank 1 was launched for 3 ranks, rank 0 for 2"), "rank {r}: {e}");
+    }
+    Ok(())
+}
+
+#[test]
 fn a_rank_that_never_arrives_is_named_after_the_timeout() -> anyhow::Result<()> {
     let port = free_port();
     let err = meet(&env(0, 3, port), "m", Some(vec![1]), Duration::from_millis(300)).expect_err("nobody came");
