@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use super::args::LaunchArgs;
 
-/// The variables of this host's process `local`, or why the flags cannot give them.
-fn rank_vars(args: &LaunchArgs, local: usize) -> anyhow::Result<Vec<(&'static str, String)>> {
+/// The variables of each of this host's processes, or why the flags cannot give them.
+fn rank_vars(args: &LaunchArgs) -> anyhow::Result<Vec<Vec<(&'static str, String)>>> {
     anyhow::ensure!(args.gpus > 0, "--gpus must be at least 1");
     anyhow::ensure!(args.nnodes > 0, "--nnodes must be at least 1");
     anyhow::ensure!(
@@ -28,20 +28,34 @@ fn rank_vars(args: &LaunchArgs, local: usize) -> anyhow::Result<Vec<(&'static st
             anyhow::bail!("--nnodes {n} needs --master-addr: the address of node rank 0's host, the same on every host")
         }
     };
-    Ok(vec![
-        ("RANK", (args.node_rank * args.gpus + local).to_string()),
-        ("LOCAL_RANK", local.to_string()),
-        ("WORLD_SIZE", (args.nnodes * args.gpus).to_string()),
-        ("MASTER_ADDR", master),
-        ("MASTER_PORT", args.port.to_string()),
-        // NVLink multicast can take a shared host's GPUs out of service: never on here.
-        ("NCCL_NVLS_ENABLE", "0".to_string()),
-    ])
+    let vars = |local: usize| {
+        vec![
+            ("RANK", (args.node_rank * args.gpus + local).to_string()),
+            ("LOCAL_RANK", local.to_string()),
+            ("WORLD_SIZE", (args.nnodes * args.gpus).to_string()),
+            ("MASTER_ADDR", master.clone()),
+            ("MASTER_PORT", args.port.to_string()),
+            // NVLink multicast can take a shared host's GPUs out of service: never on here.
+            ("NCCL_NVLS_ENABLE", "0".to_string()),
+        ]
+    };
+    Ok((0..args.gpus).map(vars).collect())
+}
+
+/// Ends the processes still running, after a failure of the launcher's own.
+fn stop(children: &mut Vec<(usize, Child)>) {
+    for (rank, child) in children.iter_mut() {
+        eprintln!("graphed launch: stopping rank {rank}");
+        // Already ended if this fails; nothing else to do.
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    children.clear();
 }
 
 /// Starts the processes and waits for them; the first failure is the launcher's.
 pub fn run(args: &LaunchArgs) -> anyhow::Result<()> {
-    let vars = (0..args.gpus).map(|local| rank_vars(args, local)).collect::<anyhow::Result<Vec<_>>>()?;
+    let vars = rank_vars(args)?;
     let exe = std::env::current_exe()?;
     let nccl = nccl_library_path();
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(args.gpus);
@@ -50,17 +64,33 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<()> {
         let mut cmd = Command::new(&exe);
         cmd.args(&args.args).envs(vars);
         if let Some(dir) = &nccl {
+            // An empty entry would make the loader search the working folder.
             let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-            cmd.env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()));
+            let path = if path.is_empty() { dir.display().to_string() } else { format!("{}:{path}", dir.display()) };
+            cmd.env("LD_LIBRARY_PATH", path);
         }
-        let child = cmd.spawn().map_err(|e| anyhow::anyhow!("cannot start rank {rank} ({}): {e}", exe.display()))?;
-        children.push((rank, child));
+        match cmd.spawn() {
+            Ok(child) => children.push((rank, child)),
+            Err(e) => {
+                stop(&mut children);
+                anyhow::bail!("cannot start rank {rank} ({}): {e}", exe.display());
+            }
+        }
     }
     let mut failed: Option<(usize, std::process::ExitStatus, Instant)> = None;
     while !children.is_empty() {
         let mut i = 0;
         while i < children.len() {
-            match children[i].1.try_wait()? {
+            let waited = children[i].1.try_wait();
+            let waited = match waited {
+                Ok(w) => w,
+                Err(e) => {
+                    let rank = children[i].0;
+                    stop(&mut children);
+                    anyhow::bail!("cannot watch rank {rank} ({e})");
+                }
+            };
+            match waited {
                 Some(status) => {
                     let (rank, _) = children.remove(i);
                     if !status.success() && failed.is_none() {
@@ -76,13 +106,7 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<()> {
         }
         if let Some((_, _, at)) = failed {
             if at.elapsed() > Duration::from_secs(args.grace) {
-                for (rank, child) in &mut children {
-                    eprintln!("graphed launch: stopping rank {rank}");
-                    // Already ended if this fails; nothing else to do.
-                    let _ = child.kill();
-                    let _ = child.wait();
-                }
-                children.clear();
+                stop(&mut children);
             }
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -146,12 +170,12 @@ mod tests {
     #[test]
     fn the_hosts_ranks_follow_one_another_as_torchruns_do() {
         let launched = args(4, 3, 2, Some("10.0.0.1"));
-        let vars = rank_vars(&launched, 1).expect("valid flags");
+        let vars = &rank_vars(&launched).expect("valid flags")[1];
         let got: Vec<String> =
-            ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"].iter().map(|n| var(&vars, n)).collect();
+            ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"].iter().map(|n| var(vars, n)).collect();
         assert_eq!(got, ["9", "1", "12", "10.0.0.1", "29511"]);
-        let one_host = rank_vars(&args(2, 1, 0, None), 1).expect("valid flags");
-        assert_eq!((var(&one_host, "RANK"), var(&one_host, "MASTER_ADDR")), ("1".into(), "127.0.0.1".into()));
+        let one_host = &rank_vars(&args(2, 1, 0, None)).expect("valid flags")[1];
+        assert_eq!((var(one_host, "RANK"), var(one_host, "MASTER_ADDR")), ("1".into(), "127.0.0.1".into()));
     }
 
     #[test]
@@ -162,7 +186,7 @@ mod tests {
             (args(2, 2, 2, Some("10.0.0.1")), "--node-rank 2"),
             (args(2, 2, 1, None), "--master-addr"),
         ] {
-            let err = rank_vars(&bad, 0).expect_err("refused").to_string();
+            let err = rank_vars(&bad).expect_err("refused").to_string();
             assert!(err.contains(flag), "{flag}: {err}");
         }
     }
