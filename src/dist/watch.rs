@@ -49,6 +49,9 @@ struct Shared {
     comms: Mutex<Vec<Communicator>>,
     /// Called with the dead rank, on a thread of its own.
     on_death: Mutex<Option<DeathHandler>>,
+    /// Set by whoever calls the death handler: a death and the handler's setting may each see
+    /// the other, and the handler runs once.
+    handled: AtomicBool,
 }
 
 type DeathHandler = Arc<dyn Fn(usize) + Send + Sync>;
@@ -77,6 +80,7 @@ impl RankWatch {
             writers: Mutex::new(writers),
             comms: Mutex::new(Vec::new()),
             on_death: Mutex::new(None),
+            handled: AtomicBool::new(false),
         });
         for (peer, reader) in readers {
             let shared = shared.clone();
@@ -115,7 +119,7 @@ impl RankWatch {
     pub fn on_death(&self, handler: impl Fn(usize) + Send + Sync + 'static) {
         let handler: DeathHandler = Arc::new(handler);
         *self.shared.on_death.lock().unwrap_or_else(PoisonError::into_inner) = Some(handler.clone());
-        if let Some(rank) = self.gone() {
+        if let Some(rank) = self.gone().filter(|_| !self.shared.handled.swap(true, Ordering::SeqCst)) {
             handler(rank);
         }
     }
@@ -180,7 +184,7 @@ impl Shared {
             }
         }
         let handler = self.on_death.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        if let Some(handler) = handler {
+        if let Some(handler) = handler.filter(|_| !self.handled.swap(true, Ordering::SeqCst)) {
             let run = handler.clone();
             let spawned = std::thread::Builder::new().name("graphed-on-death".into()).spawn(move || run(rank));
             if spawned.is_err() {
