@@ -28,6 +28,8 @@ pub struct DataParallel {
     stream: Stream,
     /// Per graphed callable, its gradients.
     buckets: Vec<Bucket>,
+    /// The buckets' memory, which the reductions write in the tail.
+    memory: Vec<BufferId>,
     state: Mutex<State>,
 }
 
@@ -91,7 +93,8 @@ impl DataParallel {
             seen.push(at);
         }
         let stream = comm.device().stream()?;
-        Ok(Arc::new(DataParallel { comm: comm.clone(), stream, buckets, state: Mutex::default() }))
+        let memory = seen.iter().map(|a| a.memory).collect();
+        Ok(Arc::new(DataParallel { comm: comm.clone(), stream, buckets, memory, state: Mutex::default() }))
     }
 
     /// The reduction of a graphed stack's gradients, one bucket per layer of `stack`, whose
@@ -158,8 +161,8 @@ impl DataParallel {
         })
     }
 
-    /// Forks the communication stream from `stream` (once per pass) and reduces `pieces` of
-    /// buckets on it.
+    /// Reduces `pieces` of buckets on the communication stream, forked from `stream` (after the
+    /// gradients it has just completed).
     fn reduce(&self, st: &mut State, stream: &Stream, pieces: &[(usize, Range<usize>)]) -> Result<()> {
         if pieces.is_empty() {
             return Ok(());
@@ -268,8 +271,7 @@ impl GradSync for DataParallel {
     }
 
     fn tail_memory(&self) -> Vec<BufferId> {
-        let reads = self.buckets.iter().filter_map(|b| b.grads.access(AccessMode::Read).ok());
-        reads.map(|a| a.memory).collect()
+        self.memory.clone()
     }
 }
 
