@@ -393,6 +393,78 @@ fn a_stage_left_waiting_by_one_that_disagrees_on_the_schedule_fails_instead_of_h
     Ok(())
 }
 
+/// Eager passes whose backward of `fails` (layer, microbatch) fails once, before it runs.
+struct FailOnce<'a> {
+    inner: EagerPasses<'a, TransformerLayer>,
+    fails: Option<(usize, usize)>,
+}
+
+impl SchedulePasses for FailOnce<'_> {
+    fn advance_rng(&mut self, step: &Tensor, by: u64) -> graphed::Result<()> {
+        self.inner.advance_rng(step, by)
+    }
+    fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> graphed::Result<Tensor> {
+        self.inner.forward(layer, microbatch, x)
+    }
+    fn backward(&mut self, layer: usize, microbatch: usize, dy: &Tensor) -> graphed::Result<Tensor> {
+        if self.fails.take_if(|f| *f == (layer, microbatch)).is_some() {
+            return Err(Error::MissingGradient { op: "FailOnce", what: "a failure the test asked for".into() });
+        }
+        self.inner.backward(layer, microbatch, dy)
+    }
+    fn weight_grad(&mut self, layer: usize, microbatch: usize) -> graphed::Result<()> {
+        self.inner.weight_grad(layer, microbatch)
+    }
+    fn splits_weight_grads(&self, layer: usize) -> graphed::Result<bool> {
+        self.inner.splits_weight_grads(layer)
+    }
+}
+
+/// A step that fails on stage 0 after it waited for a received gradient (its last backward,
+/// which no peer waits on) leaves its overlapped links joined: the next step waits for its own
+/// exchanges again, so its passes read what they receive only after it arrived.
+#[test]
+fn a_failed_step_leaves_overlapped_links_joined_for_the_next() -> anyhow::Result<()> {
+    let microbatches = 2;
+    let out = on_sim_ranks(
+        2,
+        SimConfig { policy: Policy::Adversarial, ..SimConfig::default() },
+        CommOptions::default(),
+        |c| {
+            let stage = Stage::new(c.rank(), 2)?;
+            let p = part(c.device(), stage.model_layers(1, 1))?;
+            let schedule = Schedule::interleaved_1f1b(2, stage.index(), 1, microbatches)?;
+            let mut links = P2pLinks::eager(c, &p.alloc, &p.s, &SHAPE, DType::F32).overlapped()?;
+            let mut steps = Vec::new();
+            for step in 0..2 {
+                let data = (0..microbatches).map(|j| microbatch(&p, step, j)).collect::<graphed::Result<Vec<_>>>()?;
+                let inputs: Vec<Tensor> = match stage.index() {
+                    0 => data.iter().map(|(x, _)| x.clone()).collect(),
+                    _ => Vec::new(),
+                };
+                let mut head = |j: usize, _: Tensor| Ok(data[j].1.clone());
+                let fails = (step == 0 && stage.index() == 0).then_some((0, microbatches - 1));
+                let mut passes = FailOnce { inner: EagerPasses::new(&p.layers, &KeepOnDevice, &p.s), fails };
+                let run = (&[1][..], &inputs[..]);
+                steps.push(
+                    run_pipeline_stage(&mut passes, &schedule, run, Some(&p.step), &mut head, stage, &mut links)
+                        .map(|_| ()),
+                );
+            }
+            p.s.synchronize()?;
+            let hazards = graphed::check::Checker::of(c.device()).expect("checked").take_hazards();
+            Ok((steps, hazards))
+        },
+    );
+    for (r, res) in out.into_iter().enumerate() {
+        let (steps, hazards) = res.with_context(|| format!("rank {r}"))?;
+        ensure!(steps[0].is_err() == (r == 0), "rank {r}'s first step: {:?}", steps[0]);
+        ensure!(steps[1].is_ok(), "rank {r}'s second step: {:?}", steps[1]);
+        ensure!(hazards.is_empty(), "rank {r}'s checker reported {hazards:#?}");
+    }
+    Ok(())
+}
+
 #[test]
 fn graphed_links_refuse_a_step_that_sends_other_buffers_than_they_captured() -> anyhow::Result<()> {
     for overlap in [false, true] {
