@@ -294,24 +294,16 @@ impl Record<'_, '_> {
         let n = self.plan.len();
         let mut saved: Vec<Option<Saved>> = (0..n).map(|_| None).collect();
         for (step, j) in layout.schedule.with_microbatches() {
-            match step {
-                Step::Forward(k) => {
-                    for l in 0..layout.layers[k] {
-                        let i = layout.instance(k, j, l);
-                        saved[i] = Some(self.forward(i, Vec::new())?.1);
-                    }
-                }
-                Step::Backward(k) => {
-                    for l in (0..layout.layers[k]).rev() {
-                        let i = layout.instance(k, j, l);
+            let k = step.chunk();
+            for l in step.layer_order(0..layout.layers[k]) {
+                let i = layout.instance(k, j, l);
+                match step {
+                    Step::Forward(_) => saved[i] = Some(self.forward(i, Vec::new())?.1),
+                    Step::Backward(_) => {
                         let s = saved[i].take().expect("a validated schedule runs a backward after its forward");
                         self.backward(i, s, Vec::new())?;
                     }
-                }
-                Step::WeightGrad(k) => {
-                    for l in (0..layout.layers[k]).rev() {
-                        self.weight_grad(layout.instance(k, j, l))?;
-                    }
+                    Step::WeightGrad(_) => self.weight_grad(i)?,
                 }
             }
         }

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::ops::Range;
 
 use super::{Inputs, Module, SaveHook};
 use crate::device::Stream;
@@ -34,6 +35,14 @@ impl Step {
         match self {
             Step::Forward(k) | Step::Backward(k) | Step::WeightGrad(k) => k,
         }
+    }
+
+    /// `layers`, its chunk's, in the order it runs them: in order for a forward, last first
+    /// otherwise. The traversal and the capture both follow it, so that replays meet the pool's
+    /// capture order.
+    pub(crate) fn layer_order(self, layers: Range<usize>) -> impl Iterator<Item = usize> {
+        let (forward, start, end) = (matches!(self, Step::Forward(_)), layers.start, layers.end);
+        layers.map(move |l| if forward { l } else { start + end - 1 - l })
     }
 }
 
@@ -681,7 +690,7 @@ fn traverse(
                 if let (Some(e), Some((_, links))) = (from, pipeline.as_mut()) {
                     links.wait(e)?;
                 }
-                for l in layers(k) {
+                for l in step.layer_order(layers(k)) {
                     x = passes.forward(l, j, &x)?;
                 }
                 if stage.model_chunk(k) == last {
@@ -697,7 +706,7 @@ fn traverse(
                 if let (Some(e), Some((_, links))) = (from, pipeline.as_mut()) {
                     links.wait(e)?;
                 }
-                for l in layers(k).rev() {
+                for l in step.layer_order(layers(k)) {
                     d = passes.backward(l, j, &d)?;
                 }
                 if remote && stage.model_chunk(k) != 0 {
@@ -707,7 +716,7 @@ fn traverse(
                 }
             }
             Step::WeightGrad(k) => {
-                for l in layers(k).rev() {
+                for l in step.layer_order(layers(k)) {
                     passes.weight_grad(l, j)?;
                 }
             }
@@ -836,6 +845,14 @@ mod tests {
         assert!(matches!(kind(Schedule::interleaved_1f1b(2, 2, 1, 4)), ScheduleErrorKind::Arguments { .. }));
         assert!(matches!(kind(Schedule::interleaved_1f1b(2, 0, 2, 3)), ScheduleErrorKind::Arguments { .. }));
         assert!(matches!(kind(Schedule::all_forward_then_backward(0, 2)), ScheduleErrorKind::Arguments { .. }));
+    }
+
+    #[test]
+    fn a_forward_runs_its_chunks_layers_in_order_and_the_other_passes_last_first() {
+        let order = |step: Step| step.layer_order(3..6).collect::<Vec<_>>();
+        assert_eq!(order(Step::Forward(1)), [3, 4, 5]);
+        assert_eq!(order(Step::Backward(1)), [5, 4, 3]);
+        assert_eq!(order(Step::WeightGrad(1)), [5, 4, 3]);
     }
 
     #[test]
