@@ -109,13 +109,22 @@ fn train_resumes_bit_for_bit() {
             .collect::<Vec<_>>()
     };
     assert_eq!(losses(&resumed), losses(&straight), "losses after the resume");
-    let exe = std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string());
-    let out = Command::new(exe)
-        .current_dir(&dir)
-        .args(["train", "--device", "sim", "--steps", "30", "--dropout", "0.2", "--resume", "half"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("dropout"), "a resume with another dropout: {stderr}");
+    let refused = |extra: &[&str], why: &str| {
+        let exe =
+            std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string());
+        let mut args = vec!["train", "--device", "sim", "--steps", "30"];
+        args.extend_from_slice(extra);
+        let out = Command::new(exe).current_dir(&dir).args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(why), "{extra:?}: {stderr}");
+    };
+    refused(&["--dropout", "0.2", "--resume", "half"], "dropout");
+    // Resumed past where the run stops, or from a step count past the run's: refused, naming it.
+    refused(&["--dropout", "0.1", "--resume", "half", "--stop-at", "10"], "past --stop-at 10");
+    let mut damaged = load("half");
+    damaged.set_meta("done", "1000000000000000");
+    std::fs::create_dir_all(dir.join("damaged")).unwrap();
+    damaged.save(&dir.join("damaged").join("checkpoint.safetensors")).unwrap();
+    refused(&["--dropout", "0.1", "--resume", "damaged"], "the checkpoint is damaged");
     std::fs::remove_dir_all(dir).ok();
 }

@@ -57,7 +57,11 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
     for c in &configs {
         c.check_device(&dev, "--configs")?;
     }
-    let signature = format!("bench parallel {:?} {dtype} {} {}", args.configs, args.steps, args.warmup);
+    // Every rank must issue the same collectives: the same configurations, steps and microbatches.
+    let signature = format!(
+        "bench parallel {:?} {dtype}; {} steps after {} warmup; {} microbatches",
+        args.configs, args.steps, args.warmup, args.microbatches
+    );
     let group = crate::cli::group::join(&dev, env, &signature)?;
     let ranks = group.as_ref().map_or(1, |g| g.env().world);
     let lead = group.as_ref().is_none_or(|g| g.env().rank == 0);

@@ -68,16 +68,17 @@ pub fn save(
     Ok(())
 }
 
-/// Restores the state saved in `dir`; returns the steps it had taken. Every tensor and setting is
-/// checked before anything is restored.
+/// Restores the state saved in `dir` for a run that stops after `stop` steps; returns the steps
+/// it had taken. Every tensor and setting, and the step count, is checked before anything is
+/// restored.
 pub fn resume(
     dir: &Path,
-    model: &Gpt,
-    optimizer: &AdamW,
+    (model, optimizer): (&Gpt, &AdamW),
     alloc: &CachingAllocator,
     stream: &Stream,
     args: &TrainArgs,
     plan: (usize, usize, f32),
+    stop: usize,
 ) -> anyhow::Result<usize> {
     let ckpt = Checkpoint::load(&dir.join(FILE))?;
     for (k, v) in settings(model, args, plan) {
@@ -89,6 +90,20 @@ pub fn resume(
             dir.display()
         )
     })?;
+    if done > plan.1 {
+        anyhow::bail!(
+            "{}: the step count (`done` = {done}) is past the run's {} steps; the checkpoint is damaged, point at one \
+             `train --save` wrote",
+            dir.display(),
+            plan.1
+        );
+    }
+    if done > stop {
+        anyhow::bail!(
+            "{}: the checkpoint is after {done} steps, past --stop-at {stop}; pass a later --stop-at, or none",
+            dir.display()
+        );
+    }
     let targets = state(model, optimizer)?;
     for (name, t) in &targets {
         ckpt.check(name, t)?;

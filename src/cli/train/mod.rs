@@ -131,9 +131,31 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
     let mut model = Gpt::new(&alloc, cfg, &s)?;
-    // Every rank must build the same model and step it the same number of times.
-    let signature =
-        format!("{cfg:?}; {} parameters; batch {}; steps {}", cfg.parameter_count(), plan.batch, plan.steps);
+    let hyper = AdamWHyper { weight_decay: 0.0, ..AdamWHyper::default() };
+    let optimizer = AdamW::new(&alloc, model.parameters(), hyper, schedule(plan.lr, plan.steps), &s)?;
+    let saved = (plan.batch, plan.steps, plan.lr);
+    let stop = args.stop_at.map_or(plan.steps, |k| (k as usize).min(plan.steps));
+    let start = match &args.resume {
+        Some(dir) => checkpoint::resume(dir, (&model, &optimizer), &alloc, &s, args, saved, stop)?,
+        None => 0,
+    };
+    // Every rank must build the same model and issue the same collectives: the same steps, and
+    // each reduced the same way (after an eager step, or inside the graphs of a stack or of a
+    // schedule).
+    let reduced = match (args.schedule, args.eager) {
+        (false, true) => "eagerly".to_string(),
+        (false, false) => "in a graphed stack".to_string(),
+        (true, eager) => {
+            let (m, v) = (args.schedule_args.microbatches, args.schedule_args.virtual_stages);
+            format!("under a schedule of {m} microbatches × {v} virtual stages{}", if eager { ", eagerly" } else { "" })
+        }
+    };
+    let signature = format!(
+        "{cfg:?}; {} parameters; batch {}; steps {start} to {stop} of {}; reduced {reduced}",
+        cfg.parameter_count(),
+        plan.batch,
+        plan.steps
+    );
     let group = crate::cli::group::join(dev, env, &signature)?;
     let rank = group.as_ref().map_or(0, |g| g.env().rank);
     let lead = rank == 0;
@@ -153,18 +175,9 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         (DeviceKind::Sim, _) => "",
     };
     say(&format!("device: {}{nvtx}", dev.name()));
-    let hyper = AdamWHyper { weight_decay: 0.0, ..AdamWHyper::default() };
-    let optimizer = AdamW::new(&alloc, model.parameters(), hyper, schedule(plan.lr, plan.steps), &s)?;
-    let saved = (plan.batch, plan.steps, plan.lr);
-    let start = match &args.resume {
-        Some(dir) => {
-            let done = checkpoint::resume(dir, &model, &optimizer, &alloc, &s, args, saved)?;
-            say(&format!("resumed from {} after {done} steps", dir.display()));
-            done
-        }
-        None => 0,
-    };
-    let stop = args.stop_at.map_or(plan.steps, |k| (k as usize).min(plan.steps));
+    if let Some(dir) = &args.resume {
+        say(&format!("resumed from {} after {start} steps", dir.display()));
+    }
     let stepper =
         step::Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args, group.as_ref().map(|g| g.comm()))?;
     say(&format!(
