@@ -63,7 +63,8 @@ fn env_error(var: &'static str, why: String) -> Error {
 }
 
 /// A rank of a group of processes, one GPU each, joined by NCCL, and watching the others: a
-/// rank whose process dies is named to the others (see [`ProcessGroup::wait`]).
+/// rank whose process dies, or that drops its group without [`leave`](ProcessGroup::leave), is
+/// named to the others (see [`ProcessGroup::wait`]).
 #[derive(Debug, Clone)]
 pub struct ProcessGroup {
     env: RankEnv,
@@ -161,6 +162,13 @@ impl ProcessGroup {
     /// Its communicator (and, through it, its device).
     pub fn comm(&self) -> &Communicator {
         &self.comm
+    }
+
+    /// Leaves the group on purpose, once this rank's collectives are done: the others are told
+    /// goodbye. A group dropped without leaving (an error on this rank) is a death to the
+    /// others, whose waits then fail naming this rank instead of waiting on it.
+    pub fn leave(self) {
+        self.watch.leave_shared();
     }
 
     /// [`Communicator::split`] of the group's communicator, watched as it is: aborted when a

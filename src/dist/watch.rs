@@ -41,6 +41,8 @@ struct Shared {
     left: Mutex<Vec<usize>>,
     /// Set once this side is closing: its own connections' ends are then not deaths.
     closing: AtomicBool,
+    /// Set when this rank leaves on purpose: only then does it say goodbye.
+    leaving: AtomicBool,
     /// Where this rank writes: goodbyes, and on rank 0 the news of a death.
     writers: Mutex<Vec<(usize, TcpStream)>>,
     /// Aborted when a rank dies, so that work waiting on it ends instead of blocking this rank's
@@ -77,6 +79,7 @@ impl RankWatch {
             gone: Mutex::new(None),
             left: Mutex::new(Vec::new()),
             closing: AtomicBool::new(false),
+            leaving: AtomicBool::new(false),
             writers: Mutex::new(writers),
             comms: Mutex::new(Vec::new()),
             on_death: Mutex::new(None),
@@ -122,6 +125,18 @@ impl RankWatch {
         if let Some(rank) = self.gone().filter(|_| !self.shared.handled.swap(true, Ordering::SeqCst)) {
             handler(rank);
         }
+    }
+
+    /// Leaves the group on purpose: the others are told goodbye, not a death. A watch dropped
+    /// without leaving (this rank failed) is a death to them, so that none waits on this rank.
+    pub fn leave(self) {
+        self.leave_shared();
+    }
+
+    /// Marks the watch as leaving on purpose when its last handle goes (see
+    /// [`leave`](RankWatch::leave)).
+    pub(super) fn leave_shared(&self) {
+        self.shared.leaving.store(true, Ordering::SeqCst);
     }
 
     /// [`gone`](RankWatch::gone) as the error a rank waiting on the group gets.
@@ -201,15 +216,23 @@ impl Shared {
 
 impl Drop for RankWatch {
     fn drop(&mut self) {
+        let leaving = self.shared.leaving.load(Ordering::SeqCst);
         // The communicators go with their group, on this thread (the listeners outlive the watch
-        // until their connections close, and must not destroy them, possibly after `main`).
+        // until their connections close, and must not destroy them, possibly after `main`). A
+        // rank that fails aborts them first: their collectives may wait on peers that will now
+        // stop, and destroying them would wait for those.
         let comms = std::mem::take(&mut *self.shared.comms.lock().unwrap_or_else(PoisonError::into_inner));
+        if !leaving {
+            comms.iter().for_each(Communicator::abort);
+        }
         drop(comms);
         self.shared.closing.store(true, Ordering::SeqCst);
         for (_, w) in self.shared.writers.lock().unwrap_or_else(PoisonError::into_inner).iter_mut() {
             // A peer that misses the goodbye takes this rank for dead, which only matters if it
             // still waits on it; there is no later call to report a failure to.
-            let _ = writeln!(w, "bye");
+            if leaving {
+                let _ = writeln!(w, "bye");
+            }
             let _ = w.shutdown(Shutdown::Both);
         }
     }

@@ -355,7 +355,7 @@ fn raw_rank(rank: usize, world: usize, port: u16) -> anyhow::Result<std::net::Tc
 }
 
 #[test]
-fn a_rank_whose_process_dies_is_named_to_every_rank_and_one_that_leaves_is_not() -> anyhow::Result<()> {
+fn a_rank_whose_process_dies_or_that_fails_is_named_to_every_rank_and_one_that_leaves_is_not() -> anyhow::Result<()> {
     let port = free_port();
     let long = Duration::from_secs(20);
     let (w0, w1, dying) = std::thread::scope(|s| -> anyhow::Result<_> {
@@ -375,9 +375,20 @@ fn a_rank_whose_process_dies_is_named_to_every_rank_and_one_that_leaves_is_not()
     ensure!(matches!(w1.error(), Some(CommErrorKind::RankGone { rank: 2 })), "{:?}", w1.error());
     ensure!(deaths.recv_timeout(Duration::from_secs(20))? == 2, "rank 1's handler hears of rank 2");
     // Rank 1 leaves on purpose: rank 0 sees a goodbye, not a death.
-    drop(w1);
+    w1.leave();
     eventually("rank 0 sees rank 1 leave", || w0.left() == [1])?;
     ensure!(w0.gone() == Some(2), "{:?}", w0.gone());
+
+    // A rank that drops its watch without leaving (it failed) is a death to the others.
+    let port = free_port();
+    let (w0, w1) = std::thread::scope(|s| -> anyhow::Result<_> {
+        let lead = s.spawn(move || meet(&env(0, 2, port), "m", Some(vec![1]), long));
+        let follower = meet(&env(1, 2, port), "m", None, long);
+        Ok((lead.join().expect("rank 0")?.1, follower?.1))
+    })?;
+    drop(w1);
+    eventually("rank 0 sees rank 1 fail", || w0.gone() == Some(1))?;
+    ensure!(w0.left().is_empty(), "a failed rank did not leave: {:?}", w0.left());
 
     // Rank 0 dies after the rendezvous: the others name it.
     let port = free_port();
