@@ -11,8 +11,10 @@ const GRACE: Duration = Duration::from_secs(10);
 
 /// Joins the group of `env` (none for a single process) on `dev`, every rank building `model`.
 /// When a rank dies, this one's communicator is aborted and its next check or wait fails naming
-/// the dead rank; should its host stay blocked on work that waited for that rank, the process
-/// ends after [`GRACE`] with that error, exit status 2, as `main`'s errors do.
+/// the dead rank, and its error path ends the process; should it not have ended [`GRACE`] later
+/// (its host blocked on work that waited for that rank), the process is ended then, with that
+/// error and exit status 2, as `main`'s errors do. A death seen after this rank left its group
+/// concerns it no more.
 pub fn join(dev: &Device, env: Option<RankEnv>, model: &str) -> anyhow::Result<Option<ProcessGroup>> {
     let Some(env) = env else { return Ok(None) };
     let rank = env.rank;

@@ -60,6 +60,8 @@ struct Overlap {
     /// The last exchange of this step the stage's stream waits for (the stream runs exchanges
     /// in order: waiting for one waits for those before it).
     waited: Option<usize>,
+    /// How many exchanges this step has run (their events in `done` are this step's).
+    ran: usize,
     /// What this step's exchanges send, kept until the stage's stream has waited for them, so
     /// that no pass reuses their memory while they are read.
     sending: Vec<Tensor>,
@@ -122,7 +124,7 @@ impl P2pLinks {
     /// A stream that cannot be made.
     pub fn overlapped(mut self) -> Result<P2pLinks> {
         let stream = self.comm.device().stream()?;
-        self.overlap = Some(Overlap { stream, done: Vec::new(), waited: None, sending: Vec::new() });
+        self.overlap = Some(Overlap { stream, done: Vec::new(), waited: None, ran: 0, sending: Vec::new() });
         Ok(self)
     }
 
@@ -141,7 +143,9 @@ impl P2pLinks {
         while o.done.len() <= index {
             o.done.push(self.comm.device().event()?);
         }
-        o.stream.record(&o.done[index])
+        o.stream.record(&o.done[index])?;
+        o.ran = o.ran.max(index + 1);
+        Ok(())
     }
 
     fn refuse<T>(&self, what: String) -> Result<T> {
@@ -187,7 +191,8 @@ impl StageLinks for P2pLinks {
     fn wait(&mut self, index: usize) -> Result<()> {
         let Some(o) = &mut self.overlap else { return Ok(()) };
         if o.waited.is_none_or(|w| w < index) {
-            let done = o.done.get(index).ok_or_else(|| {
+            // An event of an exchange this step has not run would be an earlier step's.
+            let done = o.done.get(index).filter(|_| index < o.ran).ok_or_else(|| {
                 let what = format!("a pass waits for exchange {index}, which this step has not run");
                 Error::Schedule(ScheduleErrorKind::Arguments { what })
             })?;
@@ -201,7 +206,7 @@ impl StageLinks for P2pLinks {
         let Some(o) = &mut self.overlap else { return Ok(()) };
         self.stream.wait_stream(&o.stream)?;
         o.sending.clear();
-        o.waited = None;
+        (o.waited, o.ran) = (None, 0);
         Ok(())
     }
 }

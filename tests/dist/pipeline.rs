@@ -482,11 +482,17 @@ fn graphed_links_refuse_a_step_that_sends_other_buffers_than_they_captured() -> 
             let other = (c.rank() == 0).then(|| send(&mut links, &b).err()).flatten();
             let wrong_shape = links.exchange(1, &[(1 - c.rank(), Tensor::zeros(&alloc, &s, &[5], DType::F32)?)], &[]);
             links.join()?;
+            // After the join, exchange 0 is the last step's: waiting for it would read an old event.
+            let stale = links.wait(0).err().map(|e| e.to_string());
             s.synchronize()?;
-            Ok((again.len(), other.map(|e| e.to_string()), wrong_shape.err().map(|e| e.to_string())))
+            Ok((again.len(), other.map(|e| e.to_string()), wrong_shape.err().map(|e| e.to_string()), stale))
         });
         for (r, res) in out.into_iter().enumerate() {
-            let (received, other, wrong_shape) = res.with_context(|| format!("rank {r}, overlap {overlap}"))?;
+            let (received, other, wrong_shape, stale) = res.with_context(|| format!("rank {r}, overlap {overlap}"))?;
+            ensure!(
+                stale.as_deref().is_some_and(|e| e.contains("has not run")) == overlap,
+                "rank {r}, overlap {overlap}: {stale:?}"
+            );
             ensure!(received == r, "rank {r} received {received} tensors");
             ensure!(r == 1 || other.as_deref().is_some_and(|e| e.contains("other buffers")), "rank {r}: {other:?}");
             ensure!(wrong_shape.as_deref().is_some_and(|e| e.contains("boundary")), "rank {r}: {wrong_shape:?}");
