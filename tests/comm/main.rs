@@ -206,6 +206,31 @@ fn a_rank_that_leaves_fails_the_others() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A rank that waits on collectives of two groups at once (the world and a split of it), whose
+/// peer leaves: each collective is looked at in its own group, so the wait ends with the peer's
+/// departure instead of spinning (a key of one group is not a key of the other).
+#[test]
+fn a_rank_waiting_in_two_groups_learns_that_its_peer_left() -> anyhow::Result<()> {
+    let out = on_ranks(2, Policy::InOrder, LONG, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        let group = c.split(Some(0), c.rank())?.expect("a color gives a group");
+        let x = dev.alloc::<f32>(4)?;
+        group.all_reduce(&s, &x)?;
+        s.synchronize()?;
+        if c.rank() == 1 {
+            return Ok(());
+        }
+        // The world's collective #0 and the group's #1, on two streams, waited for together.
+        let other = dev.stream()?;
+        c.all_reduce(&s, &x)?;
+        group.all_reduce(&other, &dev.alloc::<f32>(4)?)?;
+        dev.synchronize()
+    });
+    ensure!(out[1].is_ok(), "rank 1: {:?}", out[1]);
+    ensure!(matches!(kind_of(&out[0]), Some(CommErrorKind::RankGone { rank: 1 })), "{:?}", out[0]);
+    Ok(())
+}
+
 #[test]
 fn a_rank_that_never_arrives_times_out() -> anyhow::Result<()> {
     let timeout = Duration::from_millis(200);

@@ -414,9 +414,50 @@ impl Exchange {
     pub(super) fn finish(&self) -> Result<()> {
         self.task.finish(self.key)
     }
+}
 
-    pub(super) fn stall(&self, keys: &[Key]) -> Result<()> {
-        self.task.rank.stall(keys)
+/// Blocks until one of `waiting` can finish, or fails with a group's error. The collectives of
+/// one group wait on its state, with its deadlock check. Those of several groups (a split next to
+/// its world) are polled each in its own group: a key means nothing in another group's order. A
+/// rank that waits on two groups may be freed by either, so neither group can call it
+/// deadlocked; the timeout still holds.
+pub(super) fn stall(waiting: &[&Arc<Exchange>]) -> Result<()> {
+    let Some(first) = waiting.first() else { return Ok(()) };
+    let rank = &first.task.rank;
+    if waiting.iter().all(|x| Arc::ptr_eq(&x.task.rank.world, &rank.world)) {
+        let keys: Vec<Key> = waiting.iter().map(|x| x.key).collect();
+        return rank.stall(&keys);
+    }
+    let deadline = Instant::now() + waiting.iter().map(|x| x.task.rank.world.timeout).min().unwrap_or_default();
+    loop {
+        for x in waiting {
+            let (r, world) = (&x.task.rank, &x.task.rank.world);
+            let mut st = world.lock();
+            if let Some(kind) = &st.broken {
+                return Err(comm_error("synchronize", r.rank, kind.clone()));
+            }
+            let missing = st.missing(x.key, r.rank);
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if let Some(&gone) = missing.iter().find(|m| st.gone[**m]) {
+                let kind = world.break_with(&mut st, CommErrorKind::RankGone { rank: gone });
+                return Err(comm_error("synchronize", r.rank, kind));
+            }
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            let (r, world) = (rank, &rank.world);
+            let mut st = world.lock();
+            let waiting = st.describe(first.key, r.rank);
+            let secs = world.timeout.as_secs_f64();
+            let kind = world.break_with(&mut st, CommErrorKind::Timeout { waiting, secs });
+            return Err(comm_error("synchronize", r.rank, kind));
+        }
+        // Woken by the first group's changes; the others are looked at again soon.
+        let st = rank.world.lock();
+        let slice = (deadline - now).min(Duration::from_millis(1));
+        drop(rank.world.changed.wait_timeout(st, slice).unwrap_or_else(|p| p.into_inner()));
     }
 }
 

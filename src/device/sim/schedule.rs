@@ -139,14 +139,11 @@ impl Queue {
                 _ => None,
             })
             .collect();
-        match waiting.first() {
-            None => Ok(false),
-            Some(first) => {
-                let keys: Vec<_> = waiting.iter().map(|x| x.key).collect();
-                first.stall(&keys)?;
-                Ok(true)
-            }
+        if waiting.is_empty() {
+            return Ok(false);
         }
+        super::comm::stall(&waiting)?;
+        Ok(true)
     }
 
     /// Runs work until every target has completed.
