@@ -145,6 +145,13 @@ pub enum CommErrorKind {
         /// What was wrong.
         what: String,
     },
+    /// Buffers of one operation (or group) that overlap where one of them is written: NCCL's
+    /// result would be undefined.
+    #[error("{what}; give the operation's buffers distinct memory")]
+    Overlap {
+        /// Which buffers overlap.
+        what: String,
+    },
     /// A reduction of an element type that has no sum here.
     #[error("cannot sum {dtype}; reduce f32, bf16 or f16")]
     DType {
@@ -377,8 +384,9 @@ impl Communicator {
     /// Sums `src` (`size` slices of `dst`'s length) across ranks; rank `r` gets slice `r` in `dst`.
     ///
     /// # Errors
-    /// As [`all_reduce`](Communicator::all_reduce), and [`CommErrorKind::Length`] unless
-    /// `src` is `size` times as long as `dst`.
+    /// As [`all_reduce`](Communicator::all_reduce), [`CommErrorKind::Length`] unless `src` is
+    /// `size` times as long as `dst`, and [`CommErrorKind::Overlap`] when they overlap (NCCL's
+    /// in-place layout included).
     pub fn reduce_scatter<'s, 'd, T: Elem>(
         &self,
         stream: &Stream,
@@ -395,7 +403,8 @@ impl Communicator {
     /// Every rank's `src`, concatenated in rank order, into `dst` (`size` times as long).
     ///
     /// # Errors
-    /// [`CommErrorKind::Length`] unless `dst` is `size` times as long as `src`, and as
+    /// [`CommErrorKind::Length`] unless `dst` is `size` times as long as `src`,
+    /// [`CommErrorKind::Overlap`] when they overlap (NCCL's in-place layout included), and as
     /// [`all_reduce`](Communicator::all_reduce).
     pub fn all_gather<'s, 'd, T: Elem>(
         &self,
@@ -454,7 +463,8 @@ impl Communicator {
     /// ```
     ///
     /// # Errors
-    /// As [`send`](Communicator::send), for each transfer, before anything is enqueued.
+    /// As [`send`](Communicator::send), for each transfer, and [`CommErrorKind::Overlap`] when a
+    /// receive's buffer meets another transfer's; before anything is enqueued.
     pub fn exchange<T: Elem>(&self, stream: &Stream, transfers: &[Transfer<'_, T>]) -> Result<()> {
         let mut planned = Vec::with_capacity(transfers.len());
         for t in transfers {
@@ -551,6 +561,21 @@ impl Communicator {
             v.check_bounds(op)?;
             if !v.region.is_contiguous() {
                 return Err(Error::NotContiguous { op, buffer: v.block.id });
+            }
+        }
+        // Every buffer with whether it is written (a reduce-scatter's or gather's destination, a
+        // receive, an all-reduce's in-place buffer alone); no written one may meet another.
+        let touched: Vec<(super::Access, bool)> = (planned.iter())
+            .flat_map(|p| {
+                let first = (p.first.0.access(p.first.1), p.first.1 != AccessMode::Read);
+                std::iter::once(first).chain(p.second.map(|d| (d.access(AccessMode::Write), true)))
+            })
+            .collect();
+        for (i, (a, a_writes)) in touched.iter().enumerate() {
+            if let Some(j) = (i + 1..touched.len()).find(|&j| (*a_writes || touched[j].1) && a.overlaps(&touched[j].0))
+            {
+                let what = format!("{op}: its buffers {i} and {j} overlap, and one of them is written");
+                return Err(comm_error(op, self.rank(), CommErrorKind::Overlap { what }));
             }
         }
         let elem = T::DTYPE.size();

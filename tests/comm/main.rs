@@ -326,18 +326,28 @@ fn refusals_change_nothing() -> anyhow::Result<()> {
     let out = on_ranks(2, Policy::Random, LONG, |c| {
         let (dev, s) = (c.device(), c.device().stream()?);
         let (x, y) = (dev.alloc_from(&s, &[1.0f32; 4])?, dev.alloc::<f32>(3)?);
+        let overlap = |r: graphed::Result<()>| matches!(kind_of(&r), Some(CommErrorKind::Overlap { .. }));
+        let peer = 1 - c.rank();
         let refused = [
             c.send(&s, &x, c.rank()).is_err(),
             c.send(&s, &x, 7).is_err(),
             c.all_gather(&s, &x, &y).is_err(),
             c.all_reduce(&s, &dev.alloc::<u32>(4)?).is_err(),
+            // Written buffers that meet another of the operation: undefined under NCCL.
+            overlap(c.reduce_scatter(&s, &x, x.slice(1..3))),
+            overlap(c.all_gather(&s, x.slice(0..2), &x)),
+            overlap(c.exchange(&s, &[Transfer::send(x.slice(0..2), peer), Transfer::recv(x.slice(1..3), peer)])),
         ];
-        // The group is not broken: the ranks still meet.
+        // The group is not broken: the ranks still meet; sending one buffer twice reads it twice.
+        let (a, b) = (dev.alloc::<f32>(4)?, dev.alloc::<f32>(4)?);
+        let twice =
+            [Transfer::send(&x, peer), Transfer::send(&x, peer), Transfer::recv(&a, peer), Transfer::recv(&b, peer)];
+        c.exchange(&s, &twice)?;
         c.all_reduce(&s, &x)?;
         Ok((refused, x.to_vec(&s)?))
     });
     for res in all_ok(out)? {
-        ensure!(res.0 == [true; 4] && res.1 == [2.0; 4], "{res:?}");
+        ensure!(res.0 == [true; 7] && res.1 == [2.0; 4], "{res:?}");
     }
     Ok(())
 }
