@@ -72,6 +72,12 @@ impl Holdings {
         }
     }
 
+    /// The rank of a held communicator that was aborted, if any: its collectives would run
+    /// on freed resources.
+    pub(super) fn aborted_comm(&self) -> Option<usize> {
+        self.comms.iter().find(|c| c.aborted()).map(|c| c.rank())
+    }
+
     /// The id of a held event, by its driver handle (as graph nodes report it).
     pub(super) fn event_id(&self, raw: sys::CUevent) -> Option<EventId> {
         self.events.values().find(|e| e.raw.cu_event() == raw).map(|e| e.id)

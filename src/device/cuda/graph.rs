@@ -24,7 +24,7 @@ pub(crate) struct CuGraph {
 /// released.
 pub(crate) struct CuExec {
     exec: Mutex<OwnedExec>,
-    _held: Arc<Holdings>,
+    held: Arc<Holdings>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -40,7 +40,7 @@ impl CuGraph {
     /// Instantiates the graph. The device's context must be bound.
     pub(super) fn instantiate(&self) -> Result<CuExec> {
         let exec = lock(&self.graph).instantiate().map_err(|e| err::driver("Graph::instantiate", None, e))?;
-        Ok(CuExec { exec: Mutex::new(exec), _held: self.held.clone() })
+        Ok(CuExec { exec: Mutex::new(exec), held: self.held.clone() })
     }
 
     /// The graph's nodes in a topological order, with dependencies as indices into the list.
@@ -130,6 +130,11 @@ impl CuExec {
     /// `cuGraphLaunch` on `stream`. The device's context must be bound.
     pub(super) fn launch(&self, stream: &cudarc::driver::CudaStream) -> Result<(), cudarc::driver::DriverError> {
         lock(&self.exec).launch(stream)
+    }
+
+    /// The rank of an aborted communicator whose collectives the graph holds, if any.
+    pub(super) fn aborted_comm(&self) -> Option<usize> {
+        self.held.aborted_comm()
     }
 
     /// `cuGraphUpload` on `stream`. The device's context must be bound.

@@ -26,6 +26,18 @@ pub(crate) struct NcclInner {
 
 struct CommPtr(sys::ncclComm_t);
 
+impl NcclInner {
+    /// Whether the communicator was aborted (its resources are gone).
+    pub(super) fn aborted(&self) -> bool {
+        self.comm.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+    }
+
+    /// Its rank in its group.
+    pub(super) fn rank(&self) -> usize {
+        self.rank
+    }
+}
+
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
 // concurrent; every use goes through the mutex.
 unsafe impl Send for CommPtr {}

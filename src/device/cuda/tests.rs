@@ -214,3 +214,25 @@ fn a_profile_times_each_launch() -> Result<()> {
     }
     Ok(())
 }
+
+/// A graph that holds a collective of an aborted communicator is refused at launch, naming
+/// the abort, instead of running NCCL's kernels on freed resources.
+#[test]
+#[ignore = "needs a CUDA GPU and NCCL"]
+fn a_graph_of_an_aborted_communicator_is_refused() -> Result<()> {
+    use crate::device::{CommErrorKind, CommOptions, Communicator, NcclId};
+    let (dev, _serial) = gpu();
+    let comm = Communicator::nccl(&dev, 0, 1, &NcclId::new()?, CommOptions::default())?;
+    let s = dev.stream()?;
+    let x = dev.alloc_from(&s, &[1.5f32; 256])?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    comm.all_reduce(&s, &x)?;
+    let exec = cap.finish()?.instantiate()?;
+    exec.launch(&s)?;
+    s.synchronize()?;
+    comm.abort();
+    match exec.launch(&s) {
+        Err(Error::Comm { kind: CommErrorKind::Nccl(why), .. }) if why.contains("aborted") => Ok(()),
+        other => panic!("expected the launch refused, got {other:?}"),
+    }
+}
