@@ -5,7 +5,7 @@
 //! hold rank 0's. After the rendezvous, each side writes at most these lines:
 //!
 //! ```text
-//! bye\n         this rank leaves on purpose (its group was dropped)
+//! bye\n         this rank leaves on purpose (`leave`; a drop without it says nothing)
 //! gone <r>\n    rank 0 to the others: rank r died
 //! ```
 
