@@ -164,9 +164,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
         }
     }
     // The timing is over: a peer that ends from here on no longer concerns this rank.
-    if let Some(g) = group {
-        g.leave();
-    }
+    crate::cli::group::leave(group);
     if lead {
         println!("{}", crate::cli::checker_summary(&dev));
         write_json(&args.json, &Report::new("parallel", &dev, args.steps, rows))?;

@@ -271,9 +271,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     trained?;
     // Training is over: a peer that ends from here on, even by crashing, no longer concerns this
     // rank (its watch would otherwise end the process during the evaluation or the save).
-    if let Some(g) = group {
-        g.leave();
-    }
+    crate::cli::group::leave(group);
     let wall = timed.elapsed();
     bar.finish_and_clear();
     if let Some(dir) = args.save.as_ref().filter(|_| lead) {
