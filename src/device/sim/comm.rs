@@ -337,15 +337,8 @@ impl Rank {
         let deadline = Instant::now() + world.timeout;
         let mut st = world.lock();
         let result = loop {
-            if let Some(kind) = &st.broken {
-                break Err(kind.clone());
-            }
-            if keys.iter().any(|k| st.missing(*k, self.rank).is_empty()) {
-                break Ok(());
-            }
-            let gone = keys.iter().flat_map(|k| st.missing(*k, self.rank)).find(|r| st.gone[*r]);
-            if let Some(rank) = gone {
-                break Err(world.break_with(&mut st, CommErrorKind::RankGone { rank }));
+            if let Some(settled) = self.settled(&mut st, keys) {
+                break settled;
             }
             st.stalled[self.rank] = Some(keys.to_vec());
             if let Some(waits) = st.deadlock() {
@@ -353,14 +346,32 @@ impl Rank {
             }
             let now = Instant::now();
             if now >= deadline {
-                let waiting = st.describe(keys[0], self.rank);
-                let secs = world.timeout.as_secs_f64();
-                break Err(world.break_with(&mut st, CommErrorKind::Timeout { waiting, secs }));
+                break Err(self.time_out(&mut st, keys[0]));
             }
             st = world.changed.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         };
         st.stalled[self.rank] = None;
         result
+    }
+
+    /// How a wait on `keys` ends now, if it does: the group's error, one of them able to finish,
+    /// or a rank it needs gone (which breaks the group).
+    fn settled(&self, st: &mut WorldState, keys: &[Key]) -> Option<Result<(), CommErrorKind>> {
+        if let Some(kind) = &st.broken {
+            return Some(Err(kind.clone()));
+        }
+        if keys.iter().any(|k| st.missing(*k, self.rank).is_empty()) {
+            return Some(Ok(()));
+        }
+        let gone = keys.iter().flat_map(|k| st.missing(*k, self.rank)).find(|r| st.gone[*r]);
+        gone.map(|rank| Err(self.world.break_with(st, CommErrorKind::RankGone { rank })))
+    }
+
+    /// Breaks the group: this rank waited on `key` past the timeout.
+    fn time_out(&self, st: &mut WorldState, key: Key) -> CommErrorKind {
+        let waiting = st.describe(key, self.rank);
+        let secs = self.world.timeout.as_secs_f64();
+        self.world.break_with(st, CommErrorKind::Timeout { waiting, secs })
     }
 
     /// Takes every rank's part of `key` (none for a rank that posts none) once this rank's
@@ -431,28 +442,15 @@ pub(super) fn stall(waiting: &[&Arc<Exchange>]) -> Result<()> {
     let deadline = Instant::now() + waiting.iter().map(|x| x.task.rank.world.timeout).min().unwrap_or_default();
     loop {
         for x in waiting {
-            let (r, world) = (&x.task.rank, &x.task.rank.world);
-            let mut st = world.lock();
-            if let Some(kind) = &st.broken {
-                return Err(comm_error("synchronize", r.rank, kind.clone()));
-            }
-            let missing = st.missing(x.key, r.rank);
-            if missing.is_empty() {
-                return Ok(());
-            }
-            if let Some(&gone) = missing.iter().find(|m| st.gone[**m]) {
-                let kind = world.break_with(&mut st, CommErrorKind::RankGone { rank: gone });
-                return Err(comm_error("synchronize", r.rank, kind));
+            let r = &x.task.rank;
+            if let Some(settled) = r.settled(&mut r.world.lock(), &[x.key]) {
+                return settled.map_err(|kind| comm_error("synchronize", r.rank, kind));
             }
         }
         let now = Instant::now();
         if now >= deadline {
-            let (r, world) = (rank, &rank.world);
-            let mut st = world.lock();
-            let waiting = st.describe(first.key, r.rank);
-            let secs = world.timeout.as_secs_f64();
-            let kind = world.break_with(&mut st, CommErrorKind::Timeout { waiting, secs });
-            return Err(comm_error("synchronize", r.rank, kind));
+            let kind = rank.time_out(&mut rank.world.lock(), first.key);
+            return Err(comm_error("synchronize", rank.rank, kind));
         }
         // Woken by the first group's changes; the others are looked at again soon.
         let st = rank.world.lock();
