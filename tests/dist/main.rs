@@ -261,33 +261,37 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
 }
 
-#[test]
-fn the_rendezvous_shares_rank_0s_payload_and_refuses_a_rank_with_another_model() -> anyhow::Result<()> {
-    let port = free_port();
-    let got: Vec<graphed::Result<(Vec<u8>, RankWatch)>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..3)
+/// Ranks `0..n` meet, each on a thread of its own, as `who(r)` says (its place, and the model it
+/// builds); rank 0 shares `payload`. Every rank's result, in rank order.
+fn meet_threads(
+    n: usize,
+    payload: &[u8],
+    who: impl Fn(usize) -> (RankEnv, &'static str) + Sync,
+) -> Vec<graphed::Result<(Vec<u8>, RankWatch)>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
             .map(|r| {
+                let who = &who;
                 s.spawn(move || {
-                    meet(&env(r, 3, port), "gpt 32x3", (r == 0).then(|| vec![7, 0, 255]), Duration::from_secs(20))
+                    let (env, model) = who(r);
+                    meet(&env, model, (r == 0).then(|| payload.to_vec()), Duration::from_secs(20))
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().expect("thread")).collect()
-    });
+    })
+}
+
+#[test]
+fn the_rendezvous_shares_rank_0s_payload_and_refuses_a_rank_with_another_model() -> anyhow::Result<()> {
+    let port = free_port();
+    let got = meet_threads(3, &[7, 0, 255], |r| (env(r, 3, port), "gpt 32x3"));
     for g in got {
         ensure!(g?.0 == [7, 0, 255]);
     }
 
     let port = free_port();
-    let got: Vec<graphed::Result<(Vec<u8>, RankWatch)>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| {
-                let model = if r == 0 { "gpt 32x3" } else { "gpt 64x3" };
-                s.spawn(move || meet(&env(r, 2, port), model, (r == 0).then(|| vec![1]), Duration::from_secs(20)))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("thread")).collect()
-    });
+    let got = meet_threads(2, &[1], |r| (env(r, 2, port), if r == 0 { "gpt 32x3" } else { "gpt 64x3" }));
     let Err(Error::Comm { kind: CommErrorKind::ModelMismatch { rank: 1, .. }, .. }) = &got[0] else {
         anyhow::bail!("rank 0: {:?}", got[0])
     };
@@ -299,15 +303,8 @@ fn the_rendezvous_shares_rank_0s_payload_and_refuses_a_rank_with_another_model()
 #[test]
 fn a_rank_launched_for_another_world_is_refused_with_the_group_naming_it() -> anyhow::Result<()> {
     let port = free_port();
-    let got: Vec<graphed::Result<(Vec<u8>, RankWatch)>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| {
-                // Rank 1 believes in a group of 3; rank 0 in one of 2.
-                s.spawn(move || meet(&env(r, 2 + r, port), "m", (r == 0).then(|| vec![1]), Duration::from_secs(20)))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("thread")).collect()
-    });
+    // Rank 1 believes in a group of 3; rank 0 in one of 2.
+    let got = meet_threads(2, &[1], |r| (env(r, 2 + r, port), "m"));
     for (r, g) in got.iter().enumerate() {
         let Err(e) = g else { anyhow::bail!("rank {r} was let in") };
         ensure!(e.to_string().contains("rank 1 was launched for 3 ranks, rank 0 for 2"), "rank {r}: {e}");
@@ -381,11 +378,9 @@ fn a_rank_whose_process_dies_or_that_fails_is_named_to_every_rank_and_one_that_l
 
     // A rank that drops its watch without leaving (it failed) is a death to the others.
     let port = free_port();
-    let (w0, w1) = std::thread::scope(|s| -> anyhow::Result<_> {
-        let lead = s.spawn(move || meet(&env(0, 2, port), "m", Some(vec![1]), long));
-        let follower = meet(&env(1, 2, port), "m", None, long);
-        Ok((lead.join().expect("rank 0")?.1, follower?.1))
-    })?;
+    let mut watches = meet_threads(2, &[1], |r| (env(r, 2, port), "m")).into_iter();
+    let (Some(w0), Some(w1)) = (watches.next(), watches.next()) else { anyhow::bail!("two ranks met") };
+    let (w0, w1) = (w0?.1, w1?.1);
     drop(w1);
     eventually("rank 0 sees rank 1 fail", || w0.gone() == Some(1))?;
     ensure!(w0.left().is_empty(), "a failed rank did not leave: {:?}", w0.left());
