@@ -23,7 +23,7 @@ static LEFT: AtomicBool = AtomicBool::new(false);
 pub fn join(dev: &Device, env: Option<RankEnv>, model: &str) -> anyhow::Result<Option<ProcessGroup>> {
     let Some(env) = env else { return Ok(None) };
     let rank = env.rank;
-    // Given before NCCL's initialization, which waits for every rank and cannot be aborted.
+    // Given before NCCL's initialization, so that no wait of this process outlives a dead rank.
     let group = ProcessGroup::join_with_on_death(dev, env, model, CommOptions::default(), move |dead| {
         std::thread::sleep(GRACE);
         if LEFT.load(Ordering::SeqCst) {

@@ -25,7 +25,7 @@
 //! ```
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::backend::{Op, Part, Repr};
 use super::kernel::IntoView;
@@ -44,6 +44,53 @@ pub struct CommOptions {
 impl Default for CommOptions {
     fn default() -> Self {
         CommOptions { timeout: Duration::from_secs(300) }
+    }
+}
+
+/// Why a rank stops waiting for the others at the host: its timeout ran out, or a watch of the
+/// group (a process group's view of its ranks' connections) says the group cannot finish.
+pub(crate) struct Patience<'w> {
+    deadline: Instant,
+    timeout: Duration,
+    watch: &'w dyn Fn() -> Option<CommErrorKind>,
+}
+
+impl<'w> Patience<'w> {
+    /// Waits of up to `timeout` from now, ended early by `watch`'s answer.
+    pub(crate) fn new(timeout: Duration, watch: &'w dyn Fn() -> Option<CommErrorKind>) -> Patience<'w> {
+        Patience { deadline: Instant::now() + timeout, timeout, watch }
+    }
+
+    /// Polls `ready` until it says the wait for `waiting` is over. On the watch's answer, the
+    /// timeout (both as `fail` makes them) or an error of `ready`, in that order (the watch
+    /// knows which rank died, NCCL only that one did), calls `abort`, since what was waited for
+    /// cannot finish, and fails.
+    pub(crate) fn poll<E>(
+        &self,
+        waiting: &dyn Fn() -> String,
+        abort: &dyn Fn(),
+        fail: impl Fn(CommErrorKind) -> E,
+        mut ready: impl FnMut() -> std::result::Result<bool, E>,
+    ) -> std::result::Result<(), E> {
+        loop {
+            let state = ready();
+            if let Ok(true) = state {
+                return Ok(());
+            }
+            let ended = (self.watch)().or_else(|| {
+                let secs = self.timeout.as_secs_f64();
+                (Instant::now() > self.deadline).then(|| CommErrorKind::Timeout { waiting: waiting(), secs })
+            });
+            if let Some(kind) = ended {
+                abort();
+                return Err(fail(kind));
+            }
+            if let Err(e) = state {
+                abort();
+                return Err(e);
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
     }
 }
 
@@ -215,14 +262,32 @@ impl Communicator {
     }
 
     /// Rank `rank` of a group of `size` GPUs that share `id` (made once by [`NcclId::new`] and
-    /// sent to every rank, as a process group's rendezvous does). Blocks until every rank has
+    /// sent to every rank, as a process group's rendezvous does). Waits until every rank has
     /// joined, then connects the group with two eager all-reduces, so that its collectives can be
     /// captured from the first.
     ///
     /// # Errors
-    /// [`Error::Comm`] with [`CommErrorKind::Nccl`] when NCCL is missing or fails, or
+    /// [`Error::Comm`] with [`CommErrorKind::Timeout`] when a rank does not join within the
+    /// options' timeout, [`CommErrorKind::Nccl`] when NCCL is missing or fails, or
     /// [`Error::Unsupported`] on the simulator.
     pub fn nccl(dev: &Device, rank: usize, size: usize, id: &NcclId, options: CommOptions) -> Result<Communicator> {
+        Communicator::nccl_watching(dev, rank, size, id, options, &|| None)
+    }
+
+    /// As [`nccl`](Communicator::nccl), also failing as soon as `watch` reports why the group
+    /// cannot form (a process group's watch says which rank died), with its answer. Nothing is
+    /// left behind: the half-made communicator is aborted.
+    ///
+    /// # Errors
+    /// `watch`'s error, and as [`nccl`](Communicator::nccl).
+    pub fn nccl_watching(
+        dev: &Device,
+        rank: usize,
+        size: usize,
+        id: &NcclId,
+        options: CommOptions,
+        watch: &dyn Fn() -> Option<CommErrorKind>,
+    ) -> Result<Communicator> {
         let super::backend::BackendImpl::Cuda(b) = dev.backend() else {
             return Err(Error::Unsupported {
                 op: "Communicator::nccl",
@@ -233,9 +298,12 @@ impl Communicator {
         if rank >= size {
             return Err(comm_error("Communicator::nccl", rank, CommErrorKind::BadPeer { peer: rank, size }));
         }
-        let comm = b.nccl_comm(rank, size, &id.0).map_err(|k| comm_error("Communicator::nccl", rank, k))?;
+        let patience = Patience::new(options.timeout, watch);
+        let comm = b
+            .nccl_comm(rank, size, &id.0, options.timeout, &patience)
+            .map_err(|k| comm_error("Communicator::nccl", rank, k))?;
         let comm = Communicator::new(dev.clone(), rank, size, options, Repr::Cuda(comm));
-        comm.connect()?;
+        comm.connect(watch)?;
         Ok(comm)
     }
 
@@ -244,15 +312,22 @@ impl Communicator {
     /// (`ncclInternalError` on the H200s when a group's first all-reduce was captured), so a
     /// group is connected before anyone captures its collectives. Sends and receives connect
     /// their own pairs at their first use: run one eagerly before capturing them (as
-    /// [`P2pLinks`](crate::dist::P2pLinks) does).
-    fn connect(&self) -> Result<()> {
-        let (dev, stream) = (self.device(), self.device().stream()?);
-        for len in [1, 4 << 20] {
-            let scratch = dev.alloc::<f32>(len)?;
-            self.all_reduce(&stream, &scratch)?;
-            self.wait(&stream)?;
+    /// [`P2pLinks`](crate::dist::P2pLinks) does). A failure aborts the communicator: nobody else
+    /// holds it yet.
+    fn connect(&self, watch: &dyn Fn() -> Option<CommErrorKind>) -> Result<()> {
+        let connected = (|| {
+            let (dev, stream) = (self.device(), self.device().stream()?);
+            for len in [1, 4 << 20] {
+                let scratch = dev.alloc::<f32>(len)?;
+                self.all_reduce(&stream, &scratch)?;
+                self.wait_watching(&stream, watch)?;
+            }
+            Ok(())
+        })();
+        if connected.is_err() {
+            self.abort();
         }
-        Ok(())
+        connected
     }
 
     /// Aborts a GPU communicator: its pending operations end and later ones fail. For a
@@ -266,7 +341,9 @@ impl Communicator {
 
     /// One NCCL communicator per GPU of this process, as one group (rank `i` on `devices[i]`):
     /// the GPU counterpart of [`sim_group`](Communicator::sim_group), for programs and tests that
-    /// drive several GPUs from threads of one process instead of one process per GPU.
+    /// drive several GPUs from threads of one process instead of one process per GPU. A rank
+    /// that fails ends the others' wait at once: they fail with [`CommErrorKind::RankGone`]
+    /// naming it, and the error returned is that rank's own.
     ///
     /// # Errors
     /// [`Error::Unsupported`] when a device is not a GPU or a GPU appears twice; NCCL's errors
@@ -286,13 +363,27 @@ impl Communicator {
             }
         }
         let id = NcclId::new()?;
-        // Every rank blocks in NCCL's init until all have joined: one thread each.
         let size = devices.len();
-        per_rank_thread("Communicator::nccl_group", devices.iter().collect(), |rank, dev| {
-            Communicator::nccl(dev, rank, size, &id, options)
-        })
-        .into_iter()
-        .collect()
+        // The first rank to fail; the others' watch.
+        let failed = std::sync::Mutex::new(None::<usize>);
+        let first_failed = || *failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Every rank waits for the others until all have joined: one thread each.
+        let ranks = per_rank_thread("Communicator::nccl_group", devices.iter().collect(), |rank, dev| {
+            let watch = || first_failed().map(|rank| CommErrorKind::RankGone { rank });
+            let joined = Communicator::nccl_watching(dev, rank, size, &id, options, &watch);
+            if joined.is_err() {
+                failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(rank);
+            }
+            joined
+        });
+        match first_failed() {
+            Some(rank) => Err(ranks
+                .into_iter()
+                .nth(rank)
+                .and_then(Result::err)
+                .unwrap_or_else(|| comm_error("Communicator::nccl_group", rank, CommErrorKind::RankGone { rank }))),
+            None => ranks.into_iter().collect(),
+        }
     }
 
     fn new(dev: Device, rank: usize, size: usize, options: CommOptions, repr: CommRepr) -> Communicator {
@@ -346,7 +437,22 @@ impl Communicator {
     /// [`CommErrorKind::RankGone`] when a rank left before calling it, [`CommErrorKind::Deadlock`]
     /// (simulator) when the ranks that did not call it wait on those that did,
     /// [`CommErrorKind::Timeout`] when one does not call it within the options' timeout, NCCL's.
+    /// A failed split on GPUs aborts this communicator: the other ranks wait in it.
     pub fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Communicator>> {
+        self.split_watching(color, key, &|| None)
+    }
+
+    /// As [`split`](Communicator::split), also failing as soon as `watch` reports why the group
+    /// cannot finish, with its answer (on GPUs; a simulated group learns of a rank gone itself).
+    ///
+    /// # Errors
+    /// `watch`'s error, and as [`split`](Communicator::split).
+    pub fn split_watching(
+        &self,
+        color: Option<u32>,
+        key: usize,
+        watch: &dyn Fn() -> Option<CommErrorKind>,
+    ) -> Result<Option<Communicator>> {
         let fail = |kind| comm_error("Communicator::split", self.rank(), kind);
         let (dev, options) = (&self.inner.dev, self.inner.options);
         match (&self.inner.repr, dev.backend()) {
@@ -355,9 +461,12 @@ impl Communicator {
                 .map_err(fail)?
                 .map(|(link, rank, size)| Communicator::new(dev.clone(), rank, size, options, Repr::Sim(link)))),
             (Repr::Cuda(c), super::backend::BackendImpl::Cuda(b)) => {
-                let Some((comm, rank, size)) = b.nccl_split(c, color, key).map_err(fail)? else { return Ok(None) };
+                let patience = Patience::new(options.timeout, watch);
+                let Some((comm, rank, size)) = b.nccl_split(c, color, key, &patience).map_err(fail)? else {
+                    return Ok(None);
+                };
                 let comm = Communicator::new(dev.clone(), rank, size, options, Repr::Cuda(comm));
-                comm.connect()?;
+                comm.connect(watch)?;
                 Ok(Some(comm))
             }
             (Repr::Cuda(_), super::backend::BackendImpl::Sim(_)) => {
@@ -480,7 +589,8 @@ impl Communicator {
 
     /// Blocks until the work queued on `stream` has completed, or fails after the
     /// communicator's timeout (a peer that never arrives), instead of hanging: the watchdog of a
-    /// training loop. On a GPU a timed-out communicator is aborted; make a new group to go on.
+    /// training loop. On a GPU a failed wait aborts the communicator, since its work cannot
+    /// finish; make a new group to go on.
     ///
     /// # Errors
     /// [`CommErrorKind::Timeout`], an error NCCL reported, or the stream's own errors.
@@ -490,8 +600,7 @@ impl Communicator {
 
     /// As [`wait`](Communicator::wait), also failing as soon as `watch` reports why the group
     /// cannot finish (a process group's watch of its ranks' connections says which rank died);
-    /// its answer comes before NCCL's own, less specific, error. Aborting the communicator is
-    /// then the watcher's business.
+    /// its answer comes before NCCL's own, less specific, error.
     ///
     /// # Errors
     /// `watch`'s error, and as [`wait`](Communicator::wait).
@@ -499,28 +608,11 @@ impl Communicator {
         match &self.inner.repr {
             Repr::Sim(_) => stream.synchronize(),
             Repr::Cuda(c) => {
-                let deadline = std::time::Instant::now() + self.inner.options.timeout;
-                loop {
-                    if stream.query()? {
-                        return Ok(());
-                    }
-                    if let Some(kind) = watch() {
-                        // Whoever watches aborts: this thread only stops waiting.
-                        return Err(comm_error("Communicator::wait", self.rank(), kind));
-                    }
-                    c.async_error().map_err(|k| comm_error("Communicator::wait", self.rank(), k))?;
-                    if std::time::Instant::now() > deadline {
-                        c.abort();
-                        let waiting = format!("the work queued on stream {}", stream.id());
-                        let secs = self.inner.options.timeout.as_secs_f64();
-                        return Err(comm_error(
-                            "Communicator::wait",
-                            self.rank(),
-                            CommErrorKind::Timeout { waiting, secs },
-                        ));
-                    }
-                    std::thread::sleep(Duration::from_micros(50));
-                }
+                let fail = |kind| comm_error("Communicator::wait", self.rank(), kind);
+                let waiting = || format!("the work queued on stream {}", stream.id());
+                Patience::new(self.inner.options.timeout, watch).poll(&waiting, &|| c.abort(), fail, || {
+                    Ok(stream.query()? || c.async_error().map(|()| false).map_err(fail)?)
+                })
             }
         }
     }

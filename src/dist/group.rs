@@ -80,15 +80,17 @@ impl ProcessGroup {
     ///
     /// # Errors
     /// [`CommErrorKind::Rendezvous`] when a rank does not arrive within the options' timeout,
-    /// [`CommErrorKind::ModelMismatch`] on every rank when one builds another model, and NCCL's
-    /// or the GPU's errors.
+    /// [`CommErrorKind::ModelMismatch`] on every rank when one builds another model,
+    /// [`CommErrorKind::RankGone`] when a rank dies before NCCL's group is made,
+    /// [`CommErrorKind::Timeout`] when one does not join it within the timeout, and NCCL's or
+    /// the GPU's errors.
     pub fn join(dev: &Device, env: RankEnv, model: &str, options: CommOptions) -> Result<ProcessGroup> {
         ProcessGroup::join_inner(dev, env, model, options, None)
     }
 
     /// As [`join`](ProcessGroup::join), with `on_death` given to the group's watch (see
-    /// [`RankWatch::on_death`]) before NCCL's initialization, which waits for every rank and
-    /// cannot be aborted from outside: a rank that dies then still ends this one.
+    /// [`RankWatch::on_death`]) before NCCL's initialization: a program that ends itself when a
+    /// rank dies does so from the start.
     ///
     /// # Errors
     /// As [`join`](ProcessGroup::join).
@@ -121,7 +123,8 @@ impl ProcessGroup {
             let kind = CommErrorKind::Rendezvous("rank 0 sent an NCCL id of the wrong length".into());
             Error::Comm { op: "ProcessGroup::join", rank: env.rank, kind }
         })?;
-        let comm = Communicator::nccl(dev, env.rank, env.world, &NcclId::from_bytes(bytes), options)?;
+        let id = NcclId::from_bytes(bytes);
+        let comm = Communicator::nccl_watching(dev, env.rank, env.world, &id, options, &|| watch.error())?;
         watch.abort_on_death(&comm);
         Ok(ProcessGroup { env, comm, watch: Arc::new(watch) })
     }
@@ -171,13 +174,14 @@ impl ProcessGroup {
         self.watch.leave_shared();
     }
 
-    /// [`Communicator::split`] of the group's communicator, watched as it is: aborted when a
-    /// rank's process dies. Every rank calls it.
+    /// [`Communicator::split`] of the group's communicator, watched as it is: a rank's process
+    /// that dies ends the split with [`CommErrorKind::RankGone`], and aborts the new
+    /// communicator later. Every rank calls it.
     ///
     /// # Errors
-    /// As [`Communicator::split`].
+    /// As [`Communicator::split_watching`].
     pub fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Communicator>> {
-        let split = self.comm.split(color, key)?;
+        let split = self.comm.split_watching(color, key, &|| self.watch.error())?;
         if let Some(c) = &split {
             self.watch.abort_on_death(c);
         }

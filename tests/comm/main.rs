@@ -399,6 +399,42 @@ mod cuda {
         ensure!(c.split(None, 0)?.is_none(), "no color, no group");
         Ok(())
     }
+
+    /// A rank whose peer never joins fails after the options' timeout instead of waiting in
+    /// NCCL forever, and leaves nothing behind: a new group on the same GPU reduces.
+    #[test]
+    #[ignore = "needs a CUDA GPU and NCCL"]
+    fn a_rank_whose_peer_never_joins_times_out_and_leaves_nothing_behind() -> anyhow::Result<()> {
+        let dev = Device::cuda(0)?;
+        let options = CommOptions { timeout: Duration::from_secs(2) };
+        match Communicator::nccl(&dev, 0, 2, &graphed::device::NcclId::new()?, options) {
+            Err(Error::Comm { kind: CommErrorKind::Timeout { waiting, .. }, .. }) => {
+                ensure!(waiting.contains("join"), "waited for {waiting}")
+            }
+            other => anyhow::bail!("expected a timeout, got {other:?}"),
+        }
+        let c = Communicator::nccl(&dev, 0, 1, &graphed::device::NcclId::new()?, CommOptions::default())?;
+        let s = dev.stream()?;
+        let x = dev.alloc_from(&s, &[2.5f32; 64])?;
+        c.all_reduce(&s, &x)?;
+        c.wait(&s)?;
+        ensure!(x.to_vec(&s)? == vec![2.5f32; 64]);
+        Ok(())
+    }
+
+    /// A watch that knows a rank died ends the wait for the group with its answer, long before
+    /// the timeout.
+    #[test]
+    #[ignore = "needs a CUDA GPU and NCCL"]
+    fn a_watch_ends_the_wait_for_a_group_with_its_answer() -> anyhow::Result<()> {
+        let dev = Device::cuda(0)?;
+        let id = graphed::device::NcclId::new()?;
+        let watch = || Some(CommErrorKind::RankGone { rank: 1 });
+        match Communicator::nccl_watching(&dev, 0, 2, &id, CommOptions::default(), &watch) {
+            Err(Error::Comm { kind: CommErrorKind::RankGone { rank: 1 }, rank: 0, .. }) => Ok(()),
+            other => anyhow::bail!("expected rank 1 gone, got {other:?}"),
+        }
+    }
 }
 
 /// Two GPUs of one process through NCCL give the simulator's results, eagerly and captured.

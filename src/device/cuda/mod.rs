@@ -97,15 +97,18 @@ impl CudaDevice {
         self.ctx.bind_to_thread().map_err(|e| err::driver(op, None, e))
     }
 
-    /// Joins NCCL group `id` as `rank` of `size` on this GPU.
+    /// Joins NCCL group `id` as `rank` of `size` on this GPU, waiting for the others as
+    /// `patience` allows; its collectives' launches wait up to `timeout`.
     pub(crate) fn nccl_comm(
         &self,
         rank: usize,
         size: usize,
         id: &[u8; 128],
+        timeout: std::time::Duration,
+        patience: &crate::device::comm::Patience<'_>,
     ) -> Result<NcclComm, crate::device::CommErrorKind> {
         self.bind("Communicator::nccl").map_err(|e| crate::device::CommErrorKind::Nccl(e.to_string()))?;
-        nccl::init(rank, size, id)
+        nccl::init(rank, size, id, timeout, patience)
     }
 
     /// [`NcclComm::split`] with this device's context current.
@@ -114,9 +117,10 @@ impl CudaDevice {
         comm: &NcclComm,
         color: Option<u32>,
         key: usize,
+        patience: &crate::device::comm::Patience<'_>,
     ) -> Result<Option<(NcclComm, usize, usize)>, crate::device::CommErrorKind> {
         self.bind("Communicator::split").map_err(|e| crate::device::CommErrorKind::Nccl(e.to_string()))?;
-        comm.split(color, key)
+        comm.split(color, key, patience)
     }
 }
 

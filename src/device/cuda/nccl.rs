@@ -1,17 +1,28 @@
 //! NCCL communicators and their operations on our streams (cudarc's `nccl` bindings, loaded at
 //! run time like the driver).
 //!
+//! A rank's communicator is two NCCL communicators of the same ranks. Making a group (joining
+//! it, splitting it) waits for every rank at the host, so it runs on a non-blocking one: NCCL
+//! waits on a thread of its own while we poll it against the timeout and the group's watch, and
+//! abort it when either ends the wait, instead of hanging in NCCL when a rank never comes. The
+//! collectives run on a blocking twin, split from it: NCCL 2.28 launches a non-blocking
+//! communicator's collectives from a thread it starts for each call, which costs a thread per
+//! collective and launches outside the thread that captures them.
+//!
 //! cudarc looks for `libnccl.so` (not the `libnccl.so.2` that NCCL's packages ship) and panics
 //! when it is missing, so its presence is checked first and the error says how to expose it.
 
-use std::sync::{Arc, Mutex};
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use cudarc::nccl::{result, sys};
 
 use super::memory::kernel_arg;
 use super::stream::CuStream;
 use crate::device::backend::{Op, Repr};
-use crate::device::comm::Collective;
+use crate::device::comm::{Collective, Patience};
 use crate::device::{CommErrorKind, DType};
 use crate::{Error, Result};
 
@@ -21,15 +32,19 @@ pub(crate) struct NcclComm(Arc<NcclInner>);
 
 pub(crate) struct NcclInner {
     rank: usize,
-    comm: Mutex<Option<CommPtr>>,
+    /// How long a collective's launch may wait for NCCL (see [`Handle::settle`]).
+    timeout: Duration,
+    /// Blocking: the collectives. Declared first, so that it is destroyed before the
+    /// communicator it was split from.
+    data: Handle,
+    /// Non-blocking: joins and splits.
+    control: Handle,
 }
-
-struct CommPtr(sys::ncclComm_t);
 
 impl NcclInner {
     /// Whether the communicator was aborted (its resources are gone).
     pub(super) fn aborted(&self) -> bool {
-        self.comm.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+        self.data.aborted()
     }
 
     /// Its rank in its group.
@@ -38,17 +53,166 @@ impl NcclInner {
     }
 }
 
+/// One NCCL communicator, used under a lock (NCCL's calls on a communicator must not run
+/// concurrently) and aborted at most once.
+struct Handle {
+    comm: Mutex<Option<CommPtr>>,
+    /// Set before an abort takes the lock, so that a poller learns of the abort at once.
+    aborting: AtomicBool,
+}
+
+struct CommPtr(sys::ncclComm_t);
+
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
 // concurrent; every use goes through the mutex.
 unsafe impl Send for CommPtr {}
 
-impl Drop for NcclInner {
-    fn drop(&mut self) {
-        if let Some(c) = self.comm.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
-            // SAFETY: the communicator is valid and no longer used by anyone (this is the last
-            // handle, graphs included). A failure here leaves nothing to retry.
-            let _ = unsafe { result::comm_destroy(c.0) };
+fn aborted() -> CommErrorKind {
+    CommErrorKind::Nccl("the communicator was aborted".into())
+}
+
+fn is_in_progress(e: &result::NcclError) -> bool {
+    e.0 == sys::ncclResult_t::ncclInProgress
+}
+
+/// A communicator's configuration: blocking or not, the rest NCCL's defaults (or its
+/// environment's), as `NCCL_CONFIG_INITIALIZER` makes it for cudarc's 2.28 layout.
+fn config(blocking: bool) -> sys::ncclConfig_t {
+    const UNSET: c_int = c_int::MIN;
+    sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        // NCCL_VERSION(2, 28, 0): the layout the fields below follow.
+        version: 22800,
+        blocking: c_int::from(blocking),
+        cgaClusterSize: UNSET,
+        minCTAs: UNSET,
+        maxCTAs: UNSET,
+        netName: std::ptr::null(),
+        splitShare: UNSET,
+        trafficClass: UNSET,
+        commName: std::ptr::null(),
+        collnetEnable: UNSET,
+        CTAPolicy: UNSET,
+        shrinkShare: UNSET,
+        nvlsCTAs: UNSET,
+        nChannelsPerNetPeer: UNSET,
+        nvlinkCentricSched: UNSET,
+    }
+}
+
+impl Handle {
+    fn new(comm: sys::ncclComm_t) -> Handle {
+        Handle { comm: Mutex::new(Some(CommPtr(comm))), aborting: AtomicBool::new(false) }
+    }
+
+    fn aborted(&self) -> bool {
+        self.aborting.load(Ordering::SeqCst)
+    }
+
+    /// `f` on the communicator, under its lock.
+    fn with<T>(&self, f: impl FnOnce(sys::ncclComm_t) -> T) -> Result<T, CommErrorKind> {
+        if self.aborted() {
+            return Err(aborted());
         }
+        let guard = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        guard.as_ref().map(|c| f(c.0)).ok_or_else(aborted)
+    }
+
+    /// Whether the work NCCL does on its own thread for the last call has ended; NCCL's error
+    /// for it, or one a peer's failure left.
+    fn ready(&self) -> Result<bool, CommErrorKind> {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: a valid communicator and out-pointer.
+        let asked = self.with(|c| unsafe { sys::ncclCommGetAsyncError(c, &mut state) })?;
+        asked.result().map_err(|e| nccl("ncclCommGetAsyncError", e))?;
+        match state {
+            sys::ncclResult_t::ncclInProgress => Ok(false),
+            state => state.result().map(|_| true).map_err(|e| nccl("the communicator's work", e)),
+        }
+    }
+
+    /// Waits until [`ready`](Handle::ready), polling against `patience`; aborts the
+    /// communicator when the wait fails.
+    fn settle(&self, patience: &Patience<'_>, waiting: &str) -> Result<(), CommErrorKind> {
+        patience.poll(&|| waiting.to_string(), &|| self.abort(), |kind| kind, || self.ready())
+    }
+
+    /// Aborts the communicator: its pending operations end, later ones fail.
+    fn abort(&self) {
+        self.aborting.store(true, Ordering::SeqCst);
+        // Under the lock: whoever finds the communicator gone knows that NCCL's abort returned,
+        // and with it any work of NCCL's threads for it (a split's writes included).
+        let mut guard = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(c) = guard.take() {
+            // SAFETY: a valid communicator, not used after this. A failure leaves nothing to
+            // retry, and the communicator is gone either way.
+            let _ = unsafe { result::comm_abort(c.0) };
+        }
+    }
+
+    /// Its rank and size.
+    fn placement(&self) -> Result<(usize, usize), CommErrorKind> {
+        // SAFETY: a valid communicator whose making has ended.
+        let query =
+            self.with(|c| unsafe { result::comm_user_rank(c).and_then(|r| Ok((r, result::comm_count(c)?))) })?;
+        let placed = query.ok().and_then(|(r, n)| usize::try_from(r).ok().zip(usize::try_from(n).ok()));
+        placed.ok_or_else(|| CommErrorKind::Nccl("NCCL made a communicator without a rank and size".into()))
+    }
+
+    /// `ncclCommSplit` of this non-blocking communicator, polled as [`settle`](Handle::settle)
+    /// does: the new communicator of the ranks that gave the same `color` (`None`: none),
+    /// ranked by `key`, blocking or not. A failed split aborts this communicator (the others
+    /// wait in it), and the communicator NCCL made for it.
+    fn split(
+        &self,
+        color: Option<c_int>,
+        key: c_int,
+        blocking: bool,
+        patience: &Patience<'_>,
+    ) -> Result<Option<Handle>, CommErrorKind> {
+        // NCCL's thread writes the new communicator here when the split ends, even a failed one;
+        // every way out below has waited for that (`settle` ends with the split, or aborts,
+        // which joins NCCL's thread).
+        let made = AtomicPtr::new(std::ptr::null_mut());
+        let mut config = config(blocking);
+        // NCCL_SPLIT_NOCOLOR: this rank joins no new communicator.
+        let color = color.unwrap_or(-1);
+        // SAFETY: a valid communicator; `made` and `config` outlive NCCL's use of them.
+        let started = self.with(|c| unsafe { sys::ncclCommSplit(c, color, key, made.as_ptr(), &mut config) })?;
+        let settled = match started.result() {
+            Err(e) if !is_in_progress(&e) => {
+                self.abort();
+                Err(nccl("ncclCommSplit", e))
+            }
+            _ => self.settle(patience, "every rank to split the NCCL group"),
+        };
+        let made = made.load(Ordering::Acquire);
+        let made = (!made.is_null()).then(|| Handle::new(made));
+        if let (Err(_), Some(made)) = (&settled, &made) {
+            made.abort();
+        }
+        settled.map(|()| made)
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let Some(c) = self.comm.get_mut().unwrap_or_else(PoisonError::into_inner).take() else { return };
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: a valid communicator and out-pointer.
+        let asked = unsafe { sys::ncclCommGetAsyncError(c.0, &mut state) };
+        let healthy = asked == sys::ncclResult_t::ncclSuccess && state == sys::ncclResult_t::ncclSuccess;
+        // SAFETY: the communicator is valid and no longer used by anyone (this is the last
+        // handle, graphs included). One in error is aborted: destroying it would wait for work
+        // that may wait on a rank that is gone. A failure here leaves nothing to retry.
+        let _ = unsafe {
+            if healthy {
+                result::comm_destroy(c.0)
+            } else {
+                result::comm_abort(c.0)
+            }
+        };
     }
 }
 
@@ -77,76 +241,79 @@ pub(crate) fn nccl_unique_id() -> Result<[u8; 128], CommErrorKind> {
     Ok(id.internal.map(|c| c as u8))
 }
 
-/// Joins group `id` as `rank` of `size` on the current context's GPU.
-pub(crate) fn init(rank: usize, size: usize, id: &[u8; 128]) -> Result<NcclComm, CommErrorKind> {
+/// Joins group `id` as `rank` of `size` on the current context's GPU, waiting for the others
+/// as `patience` allows.
+pub(crate) fn init(
+    rank: usize,
+    size: usize,
+    id: &[u8; 128],
+    timeout: Duration,
+    patience: &Patience<'_>,
+) -> Result<NcclComm, CommErrorKind> {
     present()?;
     let id = sys::ncclUniqueId { internal: id.map(|b| b as ::core::ffi::c_char) };
-    let mut comm = std::ptr::null_mut();
-    let (n, r) = (i32::try_from(size), i32::try_from(rank));
+    let (n, r) = (c_int::try_from(size), c_int::try_from(rank));
     let (Ok(n), Ok(r)) = (n, r) else {
         return Err(CommErrorKind::BadPeer { peer: rank, size });
     };
-    // SAFETY: `comm` is a valid out-pointer; NCCL blocks until every rank joined.
-    unsafe { result::comm_init_rank(&mut comm, n, id, r) }.map_err(|e| nccl("ncclCommInitRank", e))?;
-    Ok(NcclComm(Arc::new(NcclInner { rank, comm: Mutex::new(Some(CommPtr(comm))) })))
+    let mut comm = std::ptr::null_mut();
+    let mut config = config(false);
+    // SAFETY: valid out-pointers; a non-blocking init returns at once and joins on NCCL's thread.
+    let started = unsafe { sys::ncclCommInitRankConfig(&mut comm, n, id, r, &mut config) };
+    if comm.is_null() {
+        let e = started.result().err().unwrap_or(result::NcclError(sys::ncclResult_t::ncclInternalError));
+        return Err(nccl("ncclCommInitRankConfig", e));
+    }
+    let control = Handle::new(comm);
+    match started.result() {
+        Err(e) if !is_in_progress(&e) => {
+            control.abort();
+            return Err(nccl("ncclCommInitRankConfig", e));
+        }
+        _ => {}
+    }
+    control.settle(patience, "every rank to join the NCCL group")?;
+    twin(rank, timeout, control, patience)
+}
+
+/// The communicator of `control`'s ranks, with a blocking twin for its collectives.
+fn twin(rank: usize, timeout: Duration, control: Handle, patience: &Patience<'_>) -> Result<NcclComm, CommErrorKind> {
+    let key = c_int::try_from(rank).map_err(|_| CommErrorKind::Nccl(format!("rank {rank} above {}", c_int::MAX)))?;
+    let Some(data) = control.split(Some(0), key, true, patience)? else {
+        control.abort();
+        return Err(CommErrorKind::Nccl("ncclCommSplit left a rank without the group's blocking twin".into()));
+    };
+    Ok(NcclComm(Arc::new(NcclInner { rank, timeout, data, control })))
 }
 
 impl NcclComm {
-    /// What NCCL reports for the communicator's asynchronous work (a peer's failure).
+    /// What NCCL reports for the collectives' asynchronous work (a peer's failure).
     pub(crate) fn async_error(&self) -> Result<(), CommErrorKind> {
-        let guard = self.0.comm.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(c) = guard.as_ref() else { return Err(CommErrorKind::Nccl("the communicator was aborted".into())) };
-        let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: a valid communicator and out-pointer.
-        unsafe { sys::ncclCommGetAsyncError(c.0, &mut state) }
-            .result()
-            .map_err(|e| nccl("ncclCommGetAsyncError", e))?;
-        state.result().map(|_| ()).map_err(|e| nccl("a collective", e))
+        self.0.data.ready().map(|_| ())
     }
 
     /// `ncclCommSplit` on the current context's GPU: this rank's communicator among the ranks
     /// that gave the same `color`, ranked by `key`, with its rank and size; `None` without a
-    /// color. Every rank of the group calls it, and it blocks until all have.
+    /// color. Every rank of the group calls it; it waits for all as `patience` allows.
     pub(crate) fn split(
         &self,
         color: Option<u32>,
         key: usize,
+        patience: &Patience<'_>,
     ) -> Result<Option<(NcclComm, usize, usize)>, CommErrorKind> {
-        let guard = self.0.comm.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(c) = guard.as_ref() else { return Err(CommErrorKind::Nccl("the communicator was aborted".into())) };
-        let too_big = |what: &str| CommErrorKind::Nccl(format!("a split {what} above {}", i32::MAX));
-        // NCCL_SPLIT_NOCOLOR: this rank joins no new communicator.
-        let color = color.map_or(Ok(-1), |c| i32::try_from(c).map_err(|_| too_big("color")))?;
-        let key = i32::try_from(key).map_err(|_| too_big("key"))?;
-        let mut new = std::ptr::null_mut();
-        // SAFETY: a valid communicator and out-pointer; a null config inherits the parent's.
-        // (cudarc's `result::comm_split` is compiled for CUDA 12.2 to 12.5 only.)
-        unsafe { sys::ncclCommSplit(c.0, color, key, &mut new, std::ptr::null_mut()) }
-            .result()
-            .map_err(|e| nccl("ncclCommSplit", e))?;
-        if new.is_null() {
-            return Ok(None);
-        }
-        // SAFETY: `new` is the valid communicator just made.
-        let query = unsafe { result::comm_user_rank(new).and_then(|r| Ok((r, result::comm_count(new)?))) };
-        let placed = query.ok().and_then(|(r, n)| usize::try_from(r).ok().zip(usize::try_from(n).ok()));
-        let Some((rank, size)) = placed else {
-            // SAFETY: `new` is valid and used by no one else.
-            let _ = unsafe { result::comm_destroy(new) };
-            return Err(CommErrorKind::Nccl("ncclCommSplit made a communicator without a rank and size".into()));
-        };
-        Ok(Some((NcclComm(Arc::new(NcclInner { rank, comm: Mutex::new(Some(CommPtr(new))) })), rank, size)))
+        let too_big = |what: &str| CommErrorKind::Nccl(format!("a split {what} above {}", c_int::MAX));
+        let color = color.map(|c| c_int::try_from(c).map_err(|_| too_big("color"))).transpose()?;
+        let key = c_int::try_from(key).map_err(|_| too_big("key"))?;
+        let Some(control) = self.0.control.split(color, key, false, patience)? else { return Ok(None) };
+        let (rank, size) = control.placement()?;
+        let comm = twin(rank, self.0.timeout, control, patience)?;
+        Ok(Some((comm, rank, size)))
     }
 
     /// Aborts the communicator: its pending operations end, later ones fail.
     pub(crate) fn abort(&self) {
-        // Taken out first: a second caller (a waiting host thread) returns at once instead of
-        // waiting for this abort, which may take as long as NCCL needs to give up on a peer.
-        let taken = self.0.comm.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(c) = taken {
-            // SAFETY: a valid communicator, not used after this.
-            let _ = unsafe { result::comm_abort(c.0) };
-        }
+        self.0.data.abort();
+        self.0.control.abort();
     }
 
     pub(super) fn inner(&self) -> &Arc<NcclInner> {
@@ -178,15 +345,7 @@ pub(super) fn enqueue(stream: &CuStream, op: &Op<'_>) -> Result<()> {
         });
     };
     let rank = comm.0.rank;
-    let fail = |call: &str, e| crate::device::comm::comm_error(name, rank, nccl(call, e));
-    let guard = comm.0.comm.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(c) = guard.as_ref() else {
-        return Err(crate::device::comm::comm_error(
-            name,
-            rank,
-            CommErrorKind::Nccl("the communicator was aborted".into()),
-        ));
-    };
+    let fail = |kind| crate::device::comm::comm_error(name, rank, kind);
     let mut pointers = Vec::with_capacity(parts.len());
     for p in parts {
         let s = kernel_arg(name, &p.src.0.raw, p.src.1)? as *mut std::ffi::c_void;
@@ -196,32 +355,51 @@ pub(super) fn enqueue(stream: &CuStream, op: &Op<'_>) -> Result<()> {
     let (t, raw) = (data_type(dtype), stream.raw.cu_stream() as sys::cudaStream_t);
     let sum = sys::ncclRedOp_t::ncclSum;
     let grouped = parts.len() > 1;
-    if grouped {
-        result::group_start().map_err(|e| fail("ncclGroupStart", e))?;
-    }
-    let mut first_error = None;
-    for (p, s, d) in pointers {
-        let count = p.count;
-        // SAFETY: the pointers are bounds-checked views of live device memory that the stream's
-        // ordering (and, in a capture, the graph's holdings) keeps alive until the operation ran.
-        let done = unsafe {
-            match p.kind {
-                Collective::AllReduce => result::all_reduce(s, d, count, t, sum, c.0, raw),
-                Collective::ReduceScatter => result::reduce_scatter(s, d, count, t, sum, c.0, raw),
-                Collective::AllGather => result::all_gather(s, d, count, t, c.0, raw),
-                Collective::Send(peer) => result::send(s, count, t, peer as i32, c.0, raw),
-                Collective::Recv(peer) => result::recv(d, count, t, peer as i32, c.0, raw),
+    // Each call's result, in order: ncclInProgress means NCCL finishes it on its own thread
+    // (a blocking communicator made non-blocking by NCCL_COMM_BLOCKING=0).
+    let issued = comm.0.data.with(|c| {
+        let mut results = Vec::with_capacity(parts.len() + 2);
+        if grouped {
+            results.push(("ncclGroupStart", result::group_start().map(|_| ())));
+        }
+        for (p, s, d) in pointers {
+            let count = p.count;
+            // SAFETY: the pointers are bounds-checked views of live device memory that the
+            // stream's ordering (and, in a capture, the graph's holdings) keeps alive until the
+            // operation ran.
+            let done = unsafe {
+                match p.kind {
+                    Collective::AllReduce => result::all_reduce(s, d, count, t, sum, c, raw),
+                    Collective::ReduceScatter => result::reduce_scatter(s, d, count, t, sum, c, raw),
+                    Collective::AllGather => result::all_gather(s, d, count, t, c, raw),
+                    Collective::Send(peer) => result::send(s, count, t, peer as i32, c, raw),
+                    Collective::Recv(peer) => result::recv(d, count, t, peer as i32, c, raw),
+                }
+            };
+            let failed = done.as_ref().is_err_and(|e| !is_in_progress(e));
+            results.push((p.kind.name(), done.map(|_| ())));
+            if failed {
+                break;
             }
-        };
-        if let Err(e) = done {
-            first_error = Some(fail(p.kind.name(), e));
-            break;
+        }
+        // A started group is always ended, so that NCCL's per-thread group state stays balanced.
+        if grouped {
+            results.push(("ncclGroupEnd", result::group_end().map(|_| ())));
+        }
+        results
+    });
+    let mut pending = false;
+    for (call, done) in issued.map_err(fail)? {
+        match done {
+            Err(e) if is_in_progress(&e) => pending = true,
+            Err(e) => return Err(fail(nccl(call, e))),
+            Ok(()) => {}
         }
     }
-    // A started group is always ended, so that NCCL's per-thread group state stays balanced.
-    let ended = if grouped { result::group_end().map(|_| ()).map_err(|e| fail("ncclGroupEnd", e)) } else { Ok(()) };
-    match first_error {
-        Some(e) => Err(e),
-        None => ended,
+    if pending {
+        // The stream's next operations must come after NCCL's launch.
+        let patience = Patience::new(comm.0.timeout, &|| None);
+        comm.0.data.settle(&patience, &format!("NCCL to launch {name}")).map_err(fail)?;
     }
+    Ok(())
 }
