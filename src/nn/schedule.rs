@@ -681,38 +681,29 @@ fn traverse(
             }
         }
         match step {
-            Step::Forward(k) => {
-                if let Some(counter) = rng_step {
+            Step::Forward(k) | Step::Backward(k) => {
+                let forward = matches!(step, Step::Forward(_));
+                if let Some(counter) = rng_step.filter(|_| forward) {
                     passes.advance_rng(counter, (j as u64 + 1).wrapping_sub(rng_at))?;
                     rng_at = j as u64 + 1;
                 }
-                let (mut x, from) = flowing[j].take().ok_or_else(|| Error::Schedule(missing("input")))?;
+                let (slot, what) = if forward { (&mut flowing[j], "input") } else { (&mut grads[j], "gradient") };
+                let (mut t, from) = slot.take().ok_or_else(|| Error::Schedule(missing(what)))?;
                 if let (Some(e), Some((_, links))) = (from, pipeline.as_mut()) {
                     links.wait(e)?;
                 }
                 for l in step.layer_order(layers(k)) {
-                    x = passes.forward(l, j, &x)?;
+                    t = if forward { passes.forward(l, j, &t)? } else { passes.backward(l, j, &t)? };
                 }
-                if stage.model_chunk(k) == last {
-                    grads[j] = Some((head(j, x)?, None));
-                } else if remote {
-                    outgoing.push((stage.next(), x));
-                } else {
-                    flowing[j] = Some((x, None));
-                }
-            }
-            Step::Backward(k) => {
-                let (mut d, from) = grads[j].take().ok_or_else(|| Error::Schedule(missing("gradient")))?;
-                if let (Some(e), Some((_, links))) = (from, pipeline.as_mut()) {
-                    links.wait(e)?;
-                }
-                for l in step.layer_order(layers(k)) {
-                    d = passes.backward(l, j, &d)?;
-                }
-                if remote && stage.model_chunk(k) != 0 {
-                    outgoing.push((stage.prev(), d));
-                } else {
-                    grads[j] = Some((d, None));
+                // The output goes to the head after the model's last chunk, to the neighbouring
+                // stage across ranks, or to this rank's next step of the microbatch.
+                let chunk = stage.model_chunk(k);
+                match forward {
+                    true if chunk == last => grads[j] = Some((head(j, t)?, None)),
+                    true if remote => outgoing.push((stage.next(), t)),
+                    true => flowing[j] = Some((t, None)),
+                    false if remote && chunk != 0 => outgoing.push((stage.prev(), t)),
+                    false => grads[j] = Some((t, None)),
                 }
             }
             Step::WeightGrad(k) => {
