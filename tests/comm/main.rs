@@ -464,4 +464,30 @@ mod two_gpus {
     fn splits_give_the_simulators_groups() -> anyhow::Result<()> {
         splits_give_groups_by_color_ranked_by_key(Ranks::Gpus, 2)
     }
+
+    /// A split that one rank never joins ends, on the rank that waits in it, with the watch's
+    /// answer (NCCL's split alone would wait forever), and aborts the group.
+    #[test]
+    #[ignore = "needs two CUDA GPUs and NCCL"]
+    fn a_split_that_a_rank_never_joins_ends_with_the_watchs_answer() -> anyhow::Result<()> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let gpus = [Device::cuda(0)?, Device::cuda(1)?];
+        let comms = Communicator::nccl_group(&gpus, CommOptions::default())?;
+        let gone = AtomicBool::new(false);
+        let watch = || gone.load(Ordering::SeqCst).then_some(CommErrorKind::RankGone { rank: 1 });
+        let split = std::thread::scope(|s| {
+            let waiting = s.spawn(|| comms[0].split_watching(Some(0), 0, &watch));
+            // Rank 1 leaves instead of splitting.
+            gone.store(true, Ordering::SeqCst);
+            waiting.join().expect("rank 0's thread")
+        });
+        match split {
+            Err(Error::Comm { kind: CommErrorKind::RankGone { rank: 1 }, rank: 0, .. }) => {}
+            other => anyhow::bail!("expected rank 1 gone, got {other:?}"),
+        }
+        let s = comms[0].device().stream()?;
+        let x = comms[0].device().alloc_from(&s, &[1.0f32; 4])?;
+        ensure!(comms[0].all_reduce(&s, &x).is_err(), "the group was aborted");
+        Ok(())
+    }
 }

@@ -294,7 +294,8 @@ impl NcclComm {
 
     /// `ncclCommSplit` on the current context's GPU: this rank's communicator among the ranks
     /// that gave the same `color`, ranked by `key`, with its rank and size; `None` without a
-    /// color. Every rank of the group calls it; it waits for all as `patience` allows.
+    /// color. Every rank of the group calls it; it waits for all as `patience` allows, and a
+    /// failure aborts this communicator.
     pub(crate) fn split(
         &self,
         color: Option<u32>,
@@ -304,10 +305,16 @@ impl NcclComm {
         let too_big = |what: &str| CommErrorKind::Nccl(format!("a split {what} above {}", c_int::MAX));
         let color = color.map(|c| c_int::try_from(c).map_err(|_| too_big("color"))).transpose()?;
         let key = c_int::try_from(key).map_err(|_| too_big("key"))?;
-        let Some(control) = self.0.control.split(color, key, false, patience)? else { return Ok(None) };
-        let (rank, size) = control.placement()?;
-        let comm = twin(rank, self.0.timeout, control, patience)?;
-        Ok(Some((comm, rank, size)))
+        let split = (|| {
+            let Some(control) = self.0.control.split(color, key, false, patience)? else { return Ok(None) };
+            let (rank, size) = control.placement()?;
+            Ok(Some((twin(rank, self.0.timeout, control, patience)?, rank, size)))
+        })();
+        // The others wait in this split, or in collectives matched with it: the group is over.
+        if split.is_err() {
+            self.abort();
+        }
+        split
     }
 
     /// Aborts the communicator: its pending operations end, later ones fail.
