@@ -17,6 +17,7 @@ export NCCL_NVLS_ENABLE=0 NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1
 export WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
 logs=$(mktemp -d)
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; }
+source scripts/gpu-libraries.sh
 pids=()
 # Starts both ranks of a group at port $1, each running `graphed ${@:2}`; their logs are
 # $logs/rank0.log and $logs/rank1.log, their pids in $pids.
@@ -52,6 +53,26 @@ for pair in ":--eager" "--schedule:--schedule--eager"; do
         echo "two ranks, train $mode: loss lines DIFFER from train $base"
     fi
 done
+# Two "hosts" of one rank each through `graphed launch --nnodes 2` (torchrun's flags): the same
+# group as the two ranks started by hand, so the same loss lines.
+port=$((port + 1))
+echo "# two ranks on one GPU: graphed launch --nnodes 2 --node-rank <0 or 1> --gpus 1 -- train --steps 300"
+nodes=()
+for node in 0 1; do
+    env -u WORLD_SIZE -u LOCAL_RANK -u MASTER_ADDR NCCL_HOSTID=graphed-node-$node .gpu/graphed launch --nnodes 2 \
+        --node-rank $node --master-addr 127.0.0.1 --port $port --gpus 1 -- train --steps 300 > "$logs/node$node.log" 2>&1 &
+    nodes+=($!)
+done
+for node in 0 1; do
+    wait "${nodes[$node]}"
+    echo "  launcher of node $node: exit $?; $(grep -m1 '^rank' "$logs/node$node.log")"
+done
+if diff "$logs/loss.txt" <(grep -E '^step|^final|accuracy' "$logs/node0.log") > /dev/null; then
+    echo "launch --nnodes 2: loss lines equal to the two ranks started by hand"
+else
+    echo "launch --nnodes 2: loss lines DIFFER from the two ranks started by hand"
+    tail -5 "$logs/node0.log"
+fi
 port=$((port + 1))
 echo "# two ranks on one GPU: graphed bench parallel --configs M --steps 5 --warmup 2"
 start $port bench parallel --configs M --steps 5 --warmup 2

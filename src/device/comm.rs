@@ -173,7 +173,7 @@ pub enum CommErrorKind {
         secs: f64,
     },
     /// A rank left (its communicator was dropped, or its process died) while others waited on it.
-    #[error("rank {rank} left the group while others waited on it; see that rank's error")]
+    #[error("rank {rank} left the group while others waited on it (its process ended, or it failed and dropped its communicator); see that rank's log")]
     RankGone {
         /// The rank that left.
         rank: usize,
