@@ -3,11 +3,13 @@
 //! accumulates both microbatches, bit for bit.
 //!
 //! `cargo run --example data_parallel`: two simulated devices in this process, one thread each
-//! (`dist::on_sim_ranks`). On GPUs the same rank code runs one process per GPU:
-//! `graphed launch --gpus 2 -- train` (see `dist::ProcessGroup`).
+//! (`dist::on_sim_ranks`). Started as two ranks with torchrun's variables (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), the same rank code runs one process per GPU
+//! through NCCL, and each rank checks its gradients against one GPU with both microbatches (as
+//! `graphed launch --gpus 2 -- train` trains).
 
-use graphed::device::{CommOptions, Communicator, DType, Device, SimConfig, Stream};
-use graphed::dist::{on_sim_ranks, DataParallel};
+use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, SimConfig, Stream};
+use graphed::dist::{on_sim_ranks, DataParallel, ProcessGroup, RankEnv};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{DropoutSpec, ParamStore, Stack, TransformerLayer};
@@ -46,10 +48,9 @@ fn rank(comm: &Communicator) -> graphed::Result<Vec<f32>> {
     store.grads()?.to_vec::<f32>(&s)
 }
 
-fn main() -> graphed::Result<()> {
-    // The reference: one device, both microbatches accumulated.
-    let dev = Device::sim();
-    let (alloc, s, store, stack) = model(&dev)?;
+/// The gradients of one device on `dev` that accumulates both microbatches.
+fn one_device(dev: &Device) -> graphed::Result<Vec<f32>> {
+    let (alloc, s, store, stack) = model(dev)?;
     let (x0, _) = microbatch(&alloc, &s, 0)?;
     let graphed = make_graphed_stack(&alloc, &stack, &x0, GraphOptions::default())?;
     for k in 0..2 {
@@ -57,13 +58,35 @@ fn main() -> graphed::Result<()> {
         graphed.forward(&s, &x, Replay::caller())?;
         graphed.backward(&s, &dy)?;
     }
-    let want = store.grads()?.to_vec::<f32>(&s)?;
+    store.grads()?.to_vec::<f32>(&s)
+}
 
-    let ranks = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), rank);
-    for (r, grads) in ranks.into_iter().enumerate() {
-        let same = grads? == want;
-        println!("rank {r}: gradients equal to one device with both microbatches, bit for bit: {same}");
-        assert!(same);
+fn main() -> graphed::Result<()> {
+    let Some(env) = RankEnv::from_env()? else {
+        let want = one_device(&Device::sim())?;
+        let ranks = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), rank);
+        for (r, grads) in ranks.into_iter().enumerate() {
+            let same = grads? == want;
+            println!("rank {r}: gradients equal to one device with both microbatches, bit for bit: {same}");
+            assert!(same);
+        }
+        return Ok(());
+    };
+    // One process per rank, on GPU LOCAL_RANK.
+    if env.world != 2 {
+        let why = format!("{} ranks; this example gives each of two ranks one microbatch: start two", env.world);
+        return Err(graphed::Error::Comm {
+            op: "main",
+            rank: env.rank,
+            kind: CommErrorKind::Env { var: "WORLD_SIZE", why },
+        });
     }
+    let dev = Device::cuda(env.local_rank)?;
+    let group = ProcessGroup::join(&dev, env, "examples/data_parallel", CommOptions::default())?;
+    let same = rank(group.comm())? == one_device(&dev)?;
+    let r = group.comm().rank();
+    println!("rank {r}: gradients over NCCL equal to one GPU with both microbatches, bit for bit: {same}");
+    assert!(same, "rank {r}'s gradients must equal one GPU's");
+    group.leave();
     Ok(())
 }

@@ -4,11 +4,12 @@
 //! the result equals the whole model on one device, bit for bit.
 //!
 //! `cargo run --example pipeline`: two simulated devices in this process, one thread each
-//! (`dist::on_sim_ranks`). On GPUs the same stage code runs one process per GPU under
-//! `graphed launch --gpus 2` (see `graphed bench parallel`).
+//! (`dist::on_sim_ranks`). Started as two ranks with torchrun's variables (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), the same stage code runs one process per GPU
+//! through NCCL, and the last stage checks its outputs against the whole model on its own GPU.
 
-use graphed::device::{CommOptions, Communicator, DType, Device, SimConfig, Stream};
-use graphed::dist::{on_sim_ranks, P2pLinks};
+use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, SimConfig, Stream};
+use graphed::dist::{on_sim_ranks, P2pLinks, ProcessGroup, RankEnv};
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
@@ -69,9 +70,9 @@ fn stage(comm: &Communicator) -> graphed::Result<Vec<Vec<f32>>> {
     Ok(outputs)
 }
 
-fn main() -> graphed::Result<()> {
-    // The reference: the four layers on one device, eagerly.
-    let (alloc, s, all) = layers(&Device::sim(), &[0, 1, 2, 3])?;
+/// Each microbatch's output of the four layers on `dev`, eagerly: what the pipeline must give.
+fn whole_model(dev: &Device) -> graphed::Result<Vec<Vec<f32>>> {
+    let (alloc, s, all) = layers(dev, &[0, 1, 2, 3])?;
     let data = (0..MICROBATCHES).map(|j| microbatch(&alloc, &s, j)).collect::<graphed::Result<Vec<_>>>()?;
     let inputs: Vec<Tensor> = data.iter().map(|(x, _)| x.clone()).collect();
     let mut want = vec![Vec::new(); MICROBATCHES];
@@ -82,14 +83,41 @@ fn main() -> graphed::Result<()> {
     let schedule = Schedule::interleaved_1f1b(1, 0, 1, MICROBATCHES)?;
     let mut eager = EagerPasses::new(&all, &KeepOnDevice, &s);
     run_schedule(&mut eager, &schedule, &[4], &inputs, None, &mut head)?;
+    Ok(want)
+}
 
-    let stages = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), stage);
-    let mut stages = stages.into_iter().collect::<graphed::Result<Vec<_>>>()?;
-    let got = stages.pop().unwrap_or_default();
-    assert_eq!(got, want, "the pipeline's outputs must equal one device's");
-    println!(
-        "two stages × two chunks, interleaved 1F1B over {MICROBATCHES} microbatches, graphed: outputs equal to one \
-         device, bit for bit"
-    );
+fn main() -> graphed::Result<()> {
+    let Some(env) = RankEnv::from_env()? else {
+        let want = whole_model(&Device::sim())?;
+        let stages = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), stage);
+        let mut stages = stages.into_iter().collect::<graphed::Result<Vec<_>>>()?;
+        assert_eq!(stages.pop().unwrap_or_default(), want, "the pipeline's outputs must equal one device's");
+        println!(
+            "two stages × two chunks, interleaved 1F1B over {MICROBATCHES} microbatches, graphed: outputs equal to \
+             one device, bit for bit"
+        );
+        return Ok(());
+    };
+    // One process per rank, on GPU LOCAL_RANK.
+    if env.world != 2 {
+        let why = format!("{} ranks; this example's model is split into two stages: start two", env.world);
+        return Err(graphed::Error::Comm {
+            op: "main",
+            rank: env.rank,
+            kind: CommErrorKind::Env { var: "WORLD_SIZE", why },
+        });
+    }
+    let dev = Device::cuda(env.local_rank)?;
+    let group = ProcessGroup::join(&dev, env, "examples/pipeline", CommOptions::default())?;
+    let got = stage(group.comm())?;
+    if group.comm().rank() == 1 {
+        let same = got == whole_model(&dev)?;
+        println!(
+            "rank 1: two stages × two chunks over NCCL, interleaved 1F1B over {MICROBATCHES} microbatches, graphed: \
+             outputs equal to the whole model on this GPU, bit for bit: {same}"
+        );
+        assert!(same, "the pipeline's outputs must equal one GPU's");
+    }
+    group.leave();
     Ok(())
 }

@@ -145,6 +145,24 @@ fi
         NCCL_MAX_CTAS=$ctas .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs L --steps 10 --warmup 2 \
             --microbatches 2 2>&1
     done
+    # The examples as two ranks, one GPU each (torchrun's variables by hand): each checks its
+    # results against one GPU, bit for bit, and says so.
+    if [ "$gpus" -ge 2 ]; then
+        port=29630
+        for example in pipeline data_parallel; do
+            port=$((port + 1))
+            ranks=()
+            for rank in 0 1; do
+                RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+                    .gpu/examples/$example > "$logs/example$rank.log" 2>&1 &
+                ranks+=($!)
+            done
+            for rank in 0 1; do
+                wait "${ranks[$rank]}"
+                echo "examples/$example rank $rank: exit $?; $(grep -hE 'bit for bit|panicked' "$logs/example$rank.log")"
+            done
+        done
+    fi
     # A rank killed mid-run (rank 1, then rank 0, whose death the others see directly): the other
     # must end by itself within seconds with an error naming it, and the launcher with a failure.
     if [ "$gpus" -ge 2 ]; then

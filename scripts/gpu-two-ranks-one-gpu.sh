@@ -19,14 +19,18 @@ logs=$(mktemp -d)
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; }
 source scripts/gpu-libraries.sh
 pids=()
-# Starts both ranks of a group at port $1, each running `graphed ${@:2}`; their logs are
+# Starts both ranks of a group at port $1, each running `${@:2}`; their logs are
 # $logs/rank0.log and $logs/rank1.log, their pids in $pids.
-start() {
+run_ranks() {
     pids=()
     for rank in 0 1; do
-        RANK=$rank NCCL_HOSTID=graphed-rank-$rank MASTER_PORT=$1 .gpu/graphed "${@:2}" > "$logs/rank$rank.log" 2>&1 &
+        RANK=$rank NCCL_HOSTID=graphed-rank-$rank MASTER_PORT=$1 "${@:2}" > "$logs/rank$rank.log" 2>&1 &
         pids+=($!)
     done
+}
+# As run_ranks, each running `graphed ${@:2}`.
+start() {
+    run_ranks "$1" .gpu/graphed "${@:2}"
 }
 # Waits for both ranks; says each one's exit status.
 finish() {
@@ -36,6 +40,15 @@ finish() {
     done
 }
 port=29700
+# The examples as two ranks: a pipeline against the whole model, and data parallelism against one
+# GPU with both microbatches, bit for bit (each checks and says so).
+for example in pipeline data_parallel; do
+    port=$((port + 1))
+    echo "# two ranks on one GPU: examples/$example"
+    run_ranks $port .gpu/examples/$example
+    finish
+    cat "$logs/rank0.log" "$logs/rank1.log" | grep -E "bit for bit|panicked|rror"
+done
 for mode in "" "--eager" "--schedule" "--schedule --eager"; do
     port=$((port + 1))
     echo "# two ranks on one GPU: graphed train $mode --steps 300"
