@@ -5,10 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu
 cargo nextest archive --cargo-profile release --archive-file .gpu/tests.tar.zst
-cargo build --release --bin graphed --example pipeline --example data_parallel
+cargo build --release --bin graphed --example pipeline --example data_parallel --example grid
 cp target/release/graphed .gpu/graphed
 mkdir -p .gpu/examples
-cp target/release/examples/pipeline target/release/examples/data_parallel .gpu/examples/
+cp target/release/examples/{pipeline,data_parallel,grid} .gpu/examples/
 command -v cargo-nextest > /dev/null || cargo install cargo-nextest --locked
 cp "$(command -v cargo-nextest)" .gpu/cargo-nextest
 # The device's copy of the tree has no reliable git state: say which commit was built.

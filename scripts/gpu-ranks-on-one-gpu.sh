@@ -1,53 +1,55 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after scripts/gpu-prepare.sh built .gpu/ here,
-# when only one GPU is lent: two ranks as two processes on GPU 0, started with torchrun's variables.
-# NCCL refuses two ranks of one host on one GPU, so each rank says it is a host of its own
-# (NCCL_HOSTID), and NCCL joins them through its socket transport on the loopback interface. That
-# runs, with real NCCL and two real processes, what needs two ranks but not two GPUs: `train` data
-# parallel (graphed, eager, under a schedule), `bench parallel`'s code paths, and a rank killed
-# mid-run (rank 1, then rank 0). Its times say nothing of two GPUs: both ranks share one, and their
-# exchanges go through host sockets.
-# Usage (device tool, carry [".gpu"]): bash scripts/gpu-two-ranks-one-gpu.sh > $OUT/two-ranks.log 2>&1
+# when only one GPU is lent: several ranks as processes on GPU 0, started with torchrun's
+# variables. NCCL refuses two ranks of one host on one GPU, so each rank says it is a host of its
+# own (NCCL_HOSTID), and NCCL joins them through its socket transport on the loopback interface.
+# That runs, with real NCCL and real processes, what needs several ranks but not several GPUs: the
+# pipeline, data-parallel and grid (four ranks) examples against one GPU, `train` data parallel
+# (graphed, eager, under a schedule), `launch --nnodes 2`, `bench parallel`'s code paths, and a rank
+# killed mid-run (rank 1, then rank 0). Its times say nothing of several GPUs: the ranks share one,
+# and their exchanges go through host sockets.
+# Usage (device tool, carry [".gpu"]): bash scripts/gpu-ranks-on-one-gpu.sh > $OUT/ranks.log 2>&1
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels
 # NVLink multicast can take a shared host's GPUs out of service: never on here.
 export NCCL_NVLS_ENABLE=0 NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1
-export WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
+export LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
 logs=$(mktemp -d)
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; }
 source scripts/gpu-libraries.sh
 pids=()
-# Starts both ranks of a group at port $1, each running `${@:2}`; their logs are
-# $logs/rank0.log and $logs/rank1.log, their pids in $pids.
+# Starts the $1 ranks of a group at port $2, each running `${@:3}`; rank r's log is
+# $logs/rank<r>.log, the pids are in $pids.
 run_ranks() {
     pids=()
-    for rank in 0 1; do
-        RANK=$rank NCCL_HOSTID=graphed-rank-$rank MASTER_PORT=$1 "${@:2}" > "$logs/rank$rank.log" 2>&1 &
+    for rank in $(seq 0 $(($1 - 1))); do
+        RANK=$rank WORLD_SIZE=$1 NCCL_HOSTID=graphed-rank-$rank MASTER_PORT=$2 "${@:3}" > "$logs/rank$rank.log" 2>&1 &
         pids+=($!)
     done
 }
-# As run_ranks, each running `graphed ${@:2}`.
+# Two ranks at port $1, each running `graphed ${@:2}`.
 start() {
-    run_ranks "$1" .gpu/graphed "${@:2}"
+    run_ranks 2 "$1" .gpu/graphed "${@:2}"
 }
-# Waits for both ranks; says each one's exit status.
+# Waits for every rank; says each one's exit status.
 finish() {
-    for rank in 0 1; do
+    for rank in "${!pids[@]}"; do
         wait "${pids[$rank]}"
         echo "  rank $rank: exit $?"
     done
 }
 port=29700
-# The examples as two ranks: a pipeline against the whole model, and data parallelism against one
-# GPU with both microbatches, bit for bit (each checks and says so).
-for example in pipeline data_parallel; do
+# The examples: a pipeline against the whole model and data parallelism against one GPU with both
+# microbatches (two ranks), the grid of 2 stages × 2 replicas against both replicas summed (four
+# ranks), bit for bit; each rank checks and says so.
+for example in pipeline:2 data_parallel:2 grid:4; do
     port=$((port + 1))
-    echo "# two ranks on one GPU: examples/$example"
-    run_ranks $port .gpu/examples/$example
+    echo "# ${example#*:} ranks on one GPU: examples/${example%%:*}"
+    run_ranks "${example#*:}" $port ".gpu/examples/${example%%:*}"
     finish
-    cat "$logs/rank0.log" "$logs/rank1.log" | grep -E "bit for bit|panicked|rror"
+    cat "$logs"/rank*.log | grep -E "bit for bit|panicked|rror"
 done
 for mode in "" "--eager" "--schedule" "--schedule --eager"; do
     port=$((port + 1))
@@ -72,7 +74,7 @@ port=$((port + 1))
 echo "# two ranks on one GPU: graphed launch --nnodes 2 --node-rank <0 or 1> --gpus 1 -- train --steps 300"
 nodes=()
 for node in 0 1; do
-    env -u WORLD_SIZE -u LOCAL_RANK -u MASTER_ADDR NCCL_HOSTID=graphed-node-$node .gpu/graphed launch --nnodes 2 \
+    env -u LOCAL_RANK -u MASTER_ADDR NCCL_HOSTID=graphed-node-$node .gpu/graphed launch --nnodes 2 \
         --node-rank $node --master-addr 127.0.0.1 --port $port --gpus 1 -- train --steps 300 > "$logs/node$node.log" 2>&1 &
     nodes+=($!)
 done

@@ -1,0 +1,175 @@
+//! Megatron-LM's grid on four ranks: two data-parallel replicas of a two-stage pipeline. Rank
+//! `stage · 2 + replica` splits the world into its replica's pipeline and its stage's replicas;
+//! each replica pipelines its own four microbatches under 1F1B, graphed, and each stage's
+//! replicas sum its gradients inside the schedule's backward graphs. Every layer's gradients
+//! equal the sum of both replicas' on one device, bit for bit (one sum of two values, which no
+//! order changes).
+//!
+//! `cargo run --example grid`: four simulated devices in this process, one thread each. Started
+//! as four ranks with torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT`), the same rank code runs one process per GPU through NCCL
+//! (`ProcessGroup::split`), and each rank checks its layers against its own GPU.
+
+use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, SimConfig, Stream};
+use graphed::dist::{on_sim_ranks, DataParallel, P2pLinks, ProcessGroup, RankEnv};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{
+    run_pipeline_stage, run_schedule, DropoutSpec, EagerPasses, Inputs, KeepOnDevice, Module, ParamStore, Schedule,
+    Stage, TransformerLayer,
+};
+use graphed::tensor::Tensor;
+
+const SHAPE: [usize; 3] = [2, 8, 32];
+const STAGES: usize = 2;
+const REPLICAS: usize = 2;
+const MICROBATCHES: usize = 4;
+/// Layers per stage (one chunk each: plain 1F1B).
+const PER_STAGE: usize = 2;
+
+/// The model's layers `global` (width 32, each seeded by its index as in the whole model).
+struct Part {
+    alloc: CachingAllocator,
+    s: Stream,
+    store: ParamStore,
+    global: Vec<usize>,
+    layers: Vec<TransformerLayer>,
+}
+
+fn part(dev: &Device, global: Vec<usize>) -> graphed::Result<Part> {
+    let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+    let mut store = ParamStore::new(&alloc, &s, global.len() * TransformerLayer::parameter_count(SHAPE[2]))?;
+    let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
+    let mut layers = Vec::new();
+    for &l in &global {
+        let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l as u32, step: step.clone() };
+        layers.push(TransformerLayer::new(
+            &mut store,
+            &alloc,
+            &format!("h{l}"),
+            (SHAPE[2], 4),
+            &dropout,
+            l as u64,
+            &s,
+        )?);
+    }
+    Ok(Part { alloc, s, store, global, layers })
+}
+
+/// Microbatch `j` of the whole batch (replica r has `r · MICROBATCHES ..`): its input, and the
+/// gradient its loss sends back.
+fn microbatch(p: &Part, j: usize) -> graphed::Result<(Tensor, Tensor)> {
+    let at = |salt: usize| -> Vec<f32> {
+        (0..SHAPE.iter().product::<usize>()).map(|i| ((i * 31 + j * 7 + salt) % 19) as f32 / 19.0 - 0.5).collect()
+    };
+    Ok((Tensor::from_host(&p.alloc, &p.s, &at(0), &SHAPE)?, Tensor::from_host(&p.alloc, &p.s, &at(500), &SHAPE)?))
+}
+
+/// Each of `p`'s layers with its gradients, by model layer.
+fn grads(p: &Part) -> graphed::Result<Vec<(usize, Vec<f32>)>> {
+    (p.global.iter().zip(&p.layers))
+        .map(|(&g, l)| Ok((g, p.store.grads_of(&l.parameters())?.to_f32_vec(&p.s)?)))
+        .collect()
+}
+
+/// Every layer's gradients of both replicas' microbatches, each replica's on the whole model on
+/// `dev` (eagerly), summed.
+fn replicas_summed(dev: &Device) -> graphed::Result<Vec<(usize, Vec<f32>)>> {
+    let mut sum: Vec<(usize, Vec<f32>)> = Vec::new();
+    for replica in 0..REPLICAS {
+        let p = part(dev, (0..STAGES * PER_STAGE).collect())?;
+        let data = (0..MICROBATCHES)
+            .map(|j| microbatch(&p, replica * MICROBATCHES + j))
+            .collect::<graphed::Result<Vec<_>>>()?;
+        let inputs: Vec<Tensor> = data.iter().map(|(x, _)| x.clone()).collect();
+        let mut head = |j: usize, _: Tensor| Ok(data[j].1.clone());
+        let schedule = Schedule::interleaved_1f1b(1, 0, 1, MICROBATCHES)?;
+        let mut eager = EagerPasses::new(&p.layers, &KeepOnDevice, &p.s);
+        run_schedule(&mut eager, &schedule, &[p.layers.len()], &inputs, None, &mut head)?;
+        let mine = grads(&p)?;
+        if sum.is_empty() {
+            sum = mine;
+        } else {
+            for ((_, acc), (_, g)) in sum.iter_mut().zip(mine) {
+                acc.iter_mut().zip(g).for_each(|(a, b)| *a += b);
+            }
+        }
+    }
+    Ok(sum)
+}
+
+/// Rank `world.rank()` of the grid, splitting the world with `split` (every rank calls it):
+/// its stage of its replica's pipeline, graphed, its gradients reduced across the stage's
+/// replicas inside the backward graphs. Its layers' gradients.
+fn rank(
+    world: &Communicator,
+    split: &dyn Fn(u32, usize) -> graphed::Result<Option<Communicator>>,
+) -> graphed::Result<Vec<(usize, Vec<f32>)>> {
+    let (at, replica) = (world.rank() / REPLICAS, world.rank() % REPLICAS);
+    let not_split = || graphed::Error::Comm {
+        op: "grid",
+        rank: world.rank(),
+        kind: CommErrorKind::Nccl("a split with a color gave no group".into()),
+    };
+    let pipeline = split(replica as u32, at)?.ok_or_else(not_split)?;
+    let replicas = split(at as u32, replica)?.ok_or_else(not_split)?;
+    let stage = Stage::new(pipeline.rank(), STAGES)?;
+    let p = part(world.device(), stage.model_layers(1, PER_STAGE))?;
+    let schedule = Schedule::interleaved_1f1b(STAGES, stage.index(), 1, MICROBATCHES)?;
+    let data =
+        (0..MICROBATCHES).map(|j| microbatch(&p, replica * MICROBATCHES + j)).collect::<graphed::Result<Vec<_>>>()?;
+    let callables: Vec<&dyn Callable> = p.layers.iter().map(|l| l as &dyn Callable).collect();
+    let samples: Vec<Inputs> = (0..p.layers.len() * MICROBATCHES).map(|_| Inputs::one(&data[0].0)).collect();
+    let reduce = DataParallel::for_callables(&replicas, &p.store, &callables)?;
+    let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true).grad_sync(reduce);
+    let graphed = make_graphed_callables(&p.alloc, &callables, &samples, options)?;
+    let mut passes = GraphedPasses::new(&graphed, &schedule, &[PER_STAGE], &p.s);
+    let mut links = P2pLinks::graphed(&pipeline, &p.alloc, &p.s, &SHAPE, DType::F32);
+    let inputs: Vec<Tensor> = match stage.index() {
+        0 => data.iter().map(|(x, _)| x.clone()).collect(),
+        _ => Vec::new(),
+    };
+    let mut head = |j: usize, _: Tensor| Ok(data[j].1.clone());
+    run_pipeline_stage(&mut passes, &schedule, (&[PER_STAGE], &inputs), None, &mut head, stage, &mut links)?;
+    grads(&p)
+}
+
+/// Whether `got` (a rank's layers, all of them) equals those layers of `want`.
+fn equal(got: &[(usize, Vec<f32>)], want: &[(usize, Vec<f32>)]) -> bool {
+    got.len() == PER_STAGE && got.iter().all(|(l, g)| want.iter().any(|(m, w)| m == l && w == g))
+}
+
+fn main() -> graphed::Result<()> {
+    let world = STAGES * REPLICAS;
+    let Some(env) = RankEnv::from_env()? else {
+        let want = replicas_summed(&Device::sim())?;
+        let ranks = on_sim_ranks(world, SimConfig::default(), CommOptions::default(), |c| {
+            rank(c, &|color, key| c.split(Some(color), key))
+        });
+        for (r, got) in ranks.into_iter().enumerate() {
+            let same = equal(&got?, &want);
+            println!("rank {r}: gradients equal to both replicas on one device, summed, bit for bit: {same}");
+            assert!(same);
+        }
+        return Ok(());
+    };
+    // One process per rank, on GPU LOCAL_RANK.
+    if env.world != world {
+        let why =
+            format!("{} ranks; this example's grid is {STAGES} stages × {REPLICAS} replicas: start {world}", env.world);
+        return Err(graphed::Error::Comm {
+            op: "main",
+            rank: env.rank,
+            kind: CommErrorKind::Env { var: "WORLD_SIZE", why },
+        });
+    }
+    let dev = Device::cuda(env.local_rank)?;
+    let group = ProcessGroup::join(&dev, env, "examples/grid", CommOptions::default())?;
+    let got = rank(group.comm(), &|color, key| group.split(Some(color), key))?;
+    let r = group.comm().rank();
+    let same = equal(&got, &replicas_summed(&dev)?);
+    println!("rank {r}: gradients over NCCL equal to both replicas on this GPU, summed, bit for bit: {same}");
+    assert!(same, "rank {r}'s gradients must equal the replicas' sum");
+    group.leave();
+    Ok(())
+}
