@@ -29,7 +29,7 @@ fn rank_vars(args: &LaunchArgs) -> anyhow::Result<Vec<Vec<(&'static str, String)
         }
     };
     let vars = |local: usize| {
-        vec![
+        let mut vars = vec![
             ("RANK", (args.node_rank * args.gpus + local).to_string()),
             ("LOCAL_RANK", local.to_string()),
             ("WORLD_SIZE", (args.nnodes * args.gpus).to_string()),
@@ -37,7 +37,14 @@ fn rank_vars(args: &LaunchArgs) -> anyhow::Result<Vec<Vec<(&'static str, String)
             ("MASTER_PORT", args.port.to_string()),
             // NVLink multicast can take a shared host's GPUs out of service: never on here.
             ("NCCL_NVLS_ENABLE", "0".to_string()),
-        ]
+        ];
+        // Collectives' connections made while the group is made, in NCCL's non-blocking split
+        // that the timeout and the watch can end, not at their first call, where a rank waits
+        // inside NCCL for its peers (unless the user chose otherwise).
+        if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+            vars.push(("NCCL_RUNTIME_CONNECT", "0".to_string()));
+        }
+        vars
     };
     Ok((0..args.gpus).map(vars).collect())
 }

@@ -61,10 +61,10 @@ impl<'w> Patience<'w> {
         Patience { deadline: Instant::now() + timeout, timeout, watch }
     }
 
-    /// Polls `ready` until it says the wait for `waiting` is over. On the watch's answer, the
-    /// timeout (both as `fail` makes them) or an error of `ready`, in that order (the watch
-    /// knows which rank died, NCCL only that one did), calls `abort`, since what was waited for
-    /// cannot finish, and fails.
+    /// Polls `ready` until it says the wait for `waiting` is over. Fails on the watch's answer
+    /// or the timeout (both as `fail` makes them), after calling `abort` (what was waited for
+    /// cannot finish), or on an error of `ready`, in that order: the watch knows which rank died,
+    /// NCCL only that one did.
     pub(crate) fn poll<E>(
         &self,
         waiting: &dyn Fn() -> String,
@@ -85,10 +85,7 @@ impl<'w> Patience<'w> {
                 abort();
                 return Err(fail(kind));
             }
-            if let Err(e) = state {
-                abort();
-                return Err(e);
-            }
+            state?;
             std::thread::sleep(Duration::from_micros(50));
         }
     }
@@ -275,8 +272,8 @@ impl Communicator {
     }
 
     /// As [`nccl`](Communicator::nccl), also failing as soon as `watch` reports why the group
-    /// cannot form (a process group's watch says which rank died), with its answer. Nothing is
-    /// left behind: the half-made communicator is aborted.
+    /// cannot form (a process group's watch says which rank died), with its answer. A failed
+    /// join aborts the half-made communicator.
     ///
     /// # Errors
     /// `watch`'s error, and as [`nccl`](Communicator::nccl).
@@ -589,8 +586,8 @@ impl Communicator {
 
     /// Blocks until the work queued on `stream` has completed, or fails after the
     /// communicator's timeout (a peer that never arrives), instead of hanging: the watchdog of a
-    /// training loop. On a GPU a failed wait aborts the communicator, since its work cannot
-    /// finish; make a new group to go on.
+    /// training loop. On a GPU a wait that fails for the group (the timeout, NCCL's error)
+    /// aborts the communicator, since its work cannot finish; make a new group to go on.
     ///
     /// # Errors
     /// [`CommErrorKind::Timeout`], an error NCCL reported, or the stream's own errors.
@@ -610,8 +607,14 @@ impl Communicator {
             Repr::Cuda(c) => {
                 let fail = |kind| comm_error("Communicator::wait", self.rank(), kind);
                 let waiting = || format!("the work queued on stream {}", stream.id());
+                // An error of NCCL's ends the group; one of the stream's (a query refused during a
+                // capture) is the caller's to handle.
+                let failed = |kind| {
+                    c.abort();
+                    fail(kind)
+                };
                 Patience::new(self.inner.options.timeout, watch).poll(&waiting, &|| c.abort(), fail, || {
-                    Ok(stream.query()? || c.async_error().map(|()| false).map_err(fail)?)
+                    Ok(stream.query()? || c.async_error().map(|()| false).map_err(failed)?)
                 })
             }
         }

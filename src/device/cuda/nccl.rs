@@ -71,10 +71,6 @@ fn aborted() -> CommErrorKind {
     CommErrorKind::Nccl("the communicator was aborted".into())
 }
 
-fn is_in_progress(e: &result::NcclError) -> bool {
-    e.0 == sys::ncclResult_t::ncclInProgress
-}
-
 /// A communicator's configuration: blocking or not, the rest NCCL's defaults (or its
 /// environment's), as `NCCL_CONFIG_INITIALIZER` makes it for cudarc's 2.28 layout.
 fn config(blocking: bool) -> sys::ncclConfig_t {
@@ -133,9 +129,10 @@ impl Handle {
     }
 
     /// Waits until [`ready`](Handle::ready), polling against `patience`; aborts the
-    /// communicator when the wait fails.
+    /// communicator when the wait fails (NCCL's error included: what it waited for is over).
     fn settle(&self, patience: &Patience<'_>, waiting: &str) -> Result<(), CommErrorKind> {
-        patience.poll(&|| waiting.to_string(), &|| self.abort(), |kind| kind, || self.ready())
+        let ready = || self.ready().inspect_err(|_| self.abort());
+        patience.poll(&|| waiting.to_string(), &|| self.abort(), |kind| kind, ready)
     }
 
     /// Aborts the communicator: its pending operations end, later ones fail.
@@ -181,14 +178,16 @@ impl Handle {
         // SAFETY: a valid communicator; `made` and `config` outlive NCCL's use of them.
         let started = self.with(|c| unsafe { sys::ncclCommSplit(c, color, key, made.as_ptr(), &mut config) })?;
         let settled = match started.result() {
-            Err(e) if !is_in_progress(&e) => {
+            Err(e) => {
                 self.abort();
                 Err(nccl("ncclCommSplit", e))
             }
-            _ => self.settle(patience, "every rank to split the NCCL group"),
+            Ok(_) => self.settle(patience, "every rank to split the NCCL group"),
         };
         let made = made.load(Ordering::Acquire);
         let made = (!made.is_null()).then(|| Handle::new(made));
+        // The parent was aborted first (above): until a split succeeds, the parent's abort also
+        // writes the child's abort flag, which must still exist then.
         if let (Err(_), Some(made)) = (&settled, &made) {
             made.abort();
         }
@@ -205,14 +204,16 @@ impl Drop for Handle {
         let healthy = asked == sys::ncclResult_t::ncclSuccess && state == sys::ncclResult_t::ncclSuccess;
         // SAFETY: the communicator is valid and no longer used by anyone (this is the last
         // handle, graphs included). One in error is aborted: destroying it would wait for work
-        // that may wait on a rank that is gone. A failure here leaves nothing to retry.
-        let _ = unsafe {
-            if healthy {
-                result::comm_destroy(c.0)
-            } else {
-                result::comm_abort(c.0)
-            }
-        };
+        // that may wait on a rank that is gone. A failure leaves nothing to retry.
+        if !healthy {
+            let _ = unsafe { result::comm_abort(c.0) };
+        } else if unsafe { result::comm_destroy(c.0) }.is_err() {
+            // NCCL 2.28's ncclCommDestroy returns without ending the group it started when an
+            // error appeared since the check above; ending it keeps this thread's later NCCL
+            // calls from being held in that group. The communicator is left as it is: aborting
+            // it could free it twice, should the destroy have gone further.
+            let _ = result::group_end();
+        }
     }
 }
 
@@ -251,6 +252,13 @@ pub(crate) fn init(
     patience: &Patience<'_>,
 ) -> Result<NcclComm, CommErrorKind> {
     present()?;
+    // NCCL applies it to every communicator, over their configurations: the twins would both
+    // block (no wait could be ended) or both not (collectives launched from NCCL's threads).
+    if let Some(v) = std::env::var_os("NCCL_COMM_BLOCKING") {
+        let why =
+            format!("is {v:?}; each communicator sets its own blocking (see the README's NCCL section): unset it");
+        return Err(CommErrorKind::Env { var: "NCCL_COMM_BLOCKING", why });
+    }
     let id = sys::ncclUniqueId { internal: id.map(|b| b as ::core::ffi::c_char) };
     let (n, r) = (c_int::try_from(size), c_int::try_from(rank));
     let (Ok(n), Ok(r)) = (n, r) else {
@@ -265,12 +273,9 @@ pub(crate) fn init(
         return Err(nccl("ncclCommInitRankConfig", e));
     }
     let control = Handle::new(comm);
-    match started.result() {
-        Err(e) if !is_in_progress(&e) => {
-            control.abort();
-            return Err(nccl("ncclCommInitRankConfig", e));
-        }
-        _ => {}
+    if let Err(e) = started.result() {
+        control.abort();
+        return Err(nccl("ncclCommInitRankConfig", e));
     }
     control.settle(patience, "every rank to join the NCCL group")?;
     twin(rank, timeout, control, patience)
@@ -295,7 +300,8 @@ impl NcclComm {
     /// `ncclCommSplit` on the current context's GPU: this rank's communicator among the ranks
     /// that gave the same `color`, ranked by `key`, with its rank and size; `None` without a
     /// color. Every rank of the group calls it; it waits for all as `patience` allows, and a
-    /// failure aborts this communicator.
+    /// failure aborts this communicator (a color or key above `i32::MAX` is refused first, and
+    /// changes nothing).
     pub(crate) fn split(
         &self,
         color: Option<u32>,
@@ -362,12 +368,12 @@ pub(super) fn enqueue(stream: &CuStream, op: &Op<'_>) -> Result<()> {
     let (t, raw) = (data_type(dtype), stream.raw.cu_stream() as sys::cudaStream_t);
     let sum = sys::ncclRedOp_t::ncclSum;
     let grouped = parts.len() > 1;
-    // Each call's result, in order: ncclInProgress means NCCL finishes it on its own thread
-    // (a blocking communicator made non-blocking by NCCL_COMM_BLOCKING=0).
+    // Each call's result, in order; `InProgress` (a non-blocking communicator's) would mean that
+    // NCCL launches it from its own thread later.
     let issued = comm.0.data.with(|c| {
         let mut results = Vec::with_capacity(parts.len() + 2);
         if grouped {
-            results.push(("ncclGroupStart", result::group_start().map(|_| ())));
+            results.push(("ncclGroupStart", result::group_start()));
         }
         for (p, s, d) in pointers {
             let count = p.count;
@@ -383,24 +389,24 @@ pub(super) fn enqueue(stream: &CuStream, op: &Op<'_>) -> Result<()> {
                     Collective::Recv(peer) => result::recv(d, count, t, peer as i32, c, raw),
                 }
             };
-            let failed = done.as_ref().is_err_and(|e| !is_in_progress(e));
-            results.push((p.kind.name(), done.map(|_| ())));
+            let failed = done.is_err();
+            results.push((p.kind.name(), done));
             if failed {
                 break;
             }
         }
         // A started group is always ended, so that NCCL's per-thread group state stays balanced.
         if grouped {
-            results.push(("ncclGroupEnd", result::group_end().map(|_| ())));
+            results.push(("ncclGroupEnd", result::group_end()));
         }
         results
     });
     let mut pending = false;
     for (call, done) in issued.map_err(fail)? {
         match done {
-            Err(e) if is_in_progress(&e) => pending = true,
+            Ok(result::NcclStatus::InProgress) => pending = true,
+            Ok(_) => {}
             Err(e) => return Err(fail(nccl(call, e))),
-            Ok(()) => {}
         }
     }
     if pending {
