@@ -11,6 +11,8 @@ mkdir -p .gpu/examples
 cp target/release/examples/{pipeline,data_parallel,grid} .gpu/examples/
 command -v cargo-nextest > /dev/null || cargo install cargo-nextest --locked
 cp "$(command -v cargo-nextest)" .gpu/cargo-nextest
+# The device tool carries at most 64 MiB with the tree: the binaries go without their symbols.
+strip .gpu/graphed .gpu/cargo-nextest .gpu/examples/*
 # The device's copy of the tree has no reliable git state: say which commit was built.
 git rev-parse --short HEAD > .gpu/commit.txt
 du -sh .gpu
