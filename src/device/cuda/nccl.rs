@@ -255,9 +255,10 @@ pub(crate) fn init(
     // NCCL applies it to every communicator, over their configurations: the twins would both
     // block (no wait could be ended) or both not (collectives launched from NCCL's threads).
     if let Some(v) = std::env::var_os("NCCL_COMM_BLOCKING") {
-        let why =
-            format!("is {v:?}; each communicator sets its own blocking (see the README's NCCL section): unset it");
-        return Err(CommErrorKind::Env { var: "NCCL_COMM_BLOCKING", why });
+        return Err(CommErrorKind::Nccl(format!(
+            "NCCL_COMM_BLOCKING is set ({v:?}), but graphed sets each communicator's own (a non-blocking one makes \
+             the group, a blocking one runs the collectives): unset it"
+        )));
     }
     let id = sys::ncclUniqueId { internal: id.map(|b| b as ::core::ffi::c_char) };
     let (n, r) = (c_int::try_from(size), c_int::try_from(rank));
