@@ -1,0 +1,106 @@
+//! Ranks as real processes through NCCL, on GPU 0: each rank says it is a host of its own
+//! (`NCCL_HOSTID`, since NCCL refuses two ranks of one host on one GPU), and NCCL joins them
+//! through its sockets on loopback. What needs several processes but not several GPUs.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+fn exe() -> String {
+    std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string())
+}
+
+/// A free port for a group's rendezvous.
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    listener.local_addr().expect("its address").port()
+}
+
+/// `graphed args` as rank `rank` of `world` on GPU 0, meeting at `port`.
+fn rank(rank: usize, world: usize, port: u16, args: &[&str]) -> Command {
+    let mut cmd = Command::new(exe());
+    cmd.args(args).envs([
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_RANK", "0".to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", port.to_string()),
+        ("NCCL_HOSTID", format!("graphed-test-rank-{rank}")),
+        ("NCCL_SOCKET_IFNAME", "lo".to_string()),
+        ("NCCL_IB_DISABLE", "1".to_string()),
+        ("NCCL_NVLS_ENABLE", "0".to_string()),
+    ]);
+    cmd
+}
+
+/// The child's exit status, or `None` if it still runs after `limit` (then it is killed): a
+/// guard against a hang, not a measure.
+fn wait_at_most(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if let Some(status) = child.try_wait().expect("the child can be waited for") {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// A rank killed mid-run (rank 1, then rank 0, whose death the other sees directly) ends the
+/// other by itself, with exit status 2 and an error naming the dead rank, instead of a hang.
+#[test]
+#[ignore = "needs a CUDA GPU and NCCL"]
+fn a_killed_rank_ends_the_other_with_an_error_naming_it() {
+    for dead in [1, 0] {
+        let port = free_port();
+        let args = ["train", "--steps", "100000"];
+        // Rank 0 reports; the other's output is not needed.
+        let mut ranks: Vec<Child> = (0..2)
+            .map(|r| {
+                let mut cmd = rank(r, 2, port, &args);
+                cmd.stdout(if r == 0 { Stdio::piped() } else { Stdio::null() }).stderr(Stdio::piped());
+                cmd.spawn().expect("the binary starts")
+            })
+            .collect();
+        // Once rank 0 reports a step, the group trains; its output is read to the end, so that
+        // it never waits on a full pipe.
+        let stdout = ranks[0].stdout.take().expect("rank 0's output");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.starts_with("step") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        let stepping = rx.recv_timeout(Duration::from_secs(120)).is_ok();
+        assert!(stepping, "the two ranks never stepped");
+        ranks[dead].kill().expect("the rank can be killed");
+        let _ = ranks[dead].wait();
+        let survivor = &mut ranks[1 - dead];
+        let status = wait_at_most(survivor, Duration::from_secs(60));
+        let mut stderr = String::new();
+        if let Some(mut e) = survivor.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
+        }
+        let Some(status) = status else { panic!("rank {} still ran 60 s after rank {dead} was killed", 1 - dead) };
+        assert_eq!(status.code(), Some(2), "rank {}: {status}; {stderr}", 1 - dead);
+        assert!(stderr.contains(&format!("rank {dead} left the group")), "rank {}: {stderr}", 1 - dead);
+    }
+}
+
+/// `NCCL_COMM_BLOCKING`, which NCCL would apply over both of a rank's communicators, is refused
+/// naming it, before any group is made.
+#[test]
+#[ignore = "needs a CUDA GPU and NCCL"]
+fn nccl_comm_blocking_is_refused_naming_it() {
+    for value in ["0", "1"] {
+        let mut cmd = rank(0, 1, free_port(), &["train", "--steps", "5"]);
+        let out = cmd.env("NCCL_COMM_BLOCKING", value).output().expect("the binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "NCCL_COMM_BLOCKING={value}: {stderr}");
+        assert!(stderr.contains("NCCL_COMM_BLOCKING is set"), "NCCL_COMM_BLOCKING={value}: {stderr}");
+    }
+}
