@@ -296,9 +296,7 @@ impl Communicator {
             return Err(comm_error("Communicator::nccl", rank, CommErrorKind::BadPeer { peer: rank, size }));
         }
         let patience = Patience::new(options.timeout, watch);
-        let comm = b
-            .nccl_comm(rank, size, &id.0, options.timeout, &patience)
-            .map_err(|k| comm_error("Communicator::nccl", rank, k))?;
+        let comm = b.nccl_comm(rank, size, &id.0, &patience).map_err(|k| comm_error("Communicator::nccl", rank, k))?;
         let comm = Communicator::new(dev.clone(), rank, size, options, Repr::Cuda(comm));
         comm.connect(watch)?;
         Ok(comm)

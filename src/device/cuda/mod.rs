@@ -98,17 +98,16 @@ impl CudaDevice {
     }
 
     /// Joins NCCL group `id` as `rank` of `size` on this GPU, waiting for the others as
-    /// `patience` allows; its collectives' launches wait up to `timeout`.
+    /// `patience` allows.
     pub(crate) fn nccl_comm(
         &self,
         rank: usize,
         size: usize,
         id: &[u8; 128],
-        timeout: std::time::Duration,
         patience: &crate::device::comm::Patience<'_>,
     ) -> Result<NcclComm, crate::device::CommErrorKind> {
         self.bind("Communicator::nccl").map_err(|e| crate::device::CommErrorKind::Nccl(e.to_string()))?;
-        nccl::init(rank, size, id, timeout, patience)
+        nccl::init(rank, size, id, patience)
     }
 
     /// [`NcclComm::split`] with this device's context current.

@@ -15,7 +15,6 @@
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
 use cudarc::nccl::{result, sys};
 
@@ -32,8 +31,6 @@ pub(crate) struct NcclComm(Arc<NcclInner>);
 
 pub(crate) struct NcclInner {
     rank: usize,
-    /// How long a collective's launch may wait for NCCL (see [`Handle::settle`]).
-    timeout: Duration,
     /// Blocking: the collectives. Declared first, so that it is destroyed before the
     /// communicator it was split from.
     data: Handle,
@@ -248,7 +245,6 @@ pub(crate) fn init(
     rank: usize,
     size: usize,
     id: &[u8; 128],
-    timeout: Duration,
     patience: &Patience<'_>,
 ) -> Result<NcclComm, CommErrorKind> {
     present()?;
@@ -279,17 +275,17 @@ pub(crate) fn init(
         return Err(nccl("ncclCommInitRankConfig", e));
     }
     control.settle(patience, "every rank to join the NCCL group")?;
-    twin(rank, timeout, control, patience)
+    twin(rank, control, patience)
 }
 
 /// The communicator of `control`'s ranks, with a blocking twin for its collectives.
-fn twin(rank: usize, timeout: Duration, control: Handle, patience: &Patience<'_>) -> Result<NcclComm, CommErrorKind> {
+fn twin(rank: usize, control: Handle, patience: &Patience<'_>) -> Result<NcclComm, CommErrorKind> {
     let key = c_int::try_from(rank).map_err(|_| CommErrorKind::Nccl(format!("rank {rank} above {}", c_int::MAX)))?;
     let Some(data) = control.split(Some(0), key, true, patience)? else {
         control.abort();
         return Err(CommErrorKind::Nccl("ncclCommSplit left a rank without the group's blocking twin".into()));
     };
-    Ok(NcclComm(Arc::new(NcclInner { rank, timeout, data, control })))
+    Ok(NcclComm(Arc::new(NcclInner { rank, data, control })))
 }
 
 impl NcclComm {
@@ -315,7 +311,7 @@ impl NcclComm {
         let split = (|| {
             let Some(control) = self.0.control.split(color, key, false, patience)? else { return Ok(None) };
             let (rank, size) = control.placement()?;
-            Ok(Some((twin(rank, self.0.timeout, control, patience)?, rank, size)))
+            Ok(Some((twin(rank, control, patience)?, rank, size)))
         })();
         // The others wait in this split, or in collectives matched with it: the group is over.
         if split.is_err() {
@@ -369,8 +365,8 @@ pub(super) fn enqueue(stream: &CuStream, op: &Op<'_>) -> Result<()> {
     let (t, raw) = (data_type(dtype), stream.raw.cu_stream() as sys::cudaStream_t);
     let sum = sys::ncclRedOp_t::ncclSum;
     let grouped = parts.len() > 1;
-    // Each call's result, in order; `InProgress` (a non-blocking communicator's) would mean that
-    // NCCL launches it from its own thread later.
+    // Each call's result, in order. The data twin is blocking (NCCL_COMM_BLOCKING, which could
+    // change that, is refused at init): a call that returns has launched its work.
     let issued = comm.0.data.with(|c| {
         let mut results = Vec::with_capacity(parts.len() + 2);
         if grouped {
@@ -402,18 +398,8 @@ pub(super) fn enqueue(stream: &CuStream, op: &Op<'_>) -> Result<()> {
         }
         results
     });
-    let mut pending = false;
     for (call, done) in issued.map_err(fail)? {
-        match done {
-            Ok(result::NcclStatus::InProgress) => pending = true,
-            Ok(_) => {}
-            Err(e) => return Err(fail(nccl(call, e))),
-        }
-    }
-    if pending {
-        // The stream's next operations must come after NCCL's launch.
-        let patience = Patience::new(comm.0.timeout, &|| None);
-        comm.0.data.settle(&patience, &format!("NCCL to launch {name}")).map_err(fail)?;
+        done.map_err(|e| fail(nccl(call, e)))?;
     }
     Ok(())
 }
