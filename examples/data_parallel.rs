@@ -8,7 +8,7 @@
 //! through NCCL, and each rank checks its gradients against one GPU with both microbatches (as
 //! `graphed launch --gpus 2 -- train` trains).
 
-use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, SimConfig, Stream};
+use graphed::device::{CommOptions, Communicator, DType, Device, SimConfig, Stream};
 use graphed::dist::{on_sim_ranks, DataParallel, ProcessGroup, RankEnv};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
@@ -73,15 +73,8 @@ fn main() -> graphed::Result<()> {
         return Ok(());
     };
     // One process per rank, on GPU LOCAL_RANK.
-    if env.world != 2 {
-        let why = format!("{} ranks; this example gives each of two ranks one microbatch: start two", env.world);
-        return Err(graphed::Error::Comm {
-            op: "main",
-            rank: env.rank,
-            kind: CommErrorKind::Env { var: "WORLD_SIZE", why },
-        });
-    }
-    let dev = Device::cuda(env.local_rank)?;
+    env.require_world(2, "this example gives each of two ranks one microbatch")?;
+    let dev = env.gpu()?;
     let group = ProcessGroup::join(&dev, env, "examples/data_parallel", CommOptions::default())?;
     let same = rank(group.comm())? == one_device(&dev)?;
     let r = group.comm().rank();

@@ -154,16 +154,8 @@ fn main() -> graphed::Result<()> {
         return Ok(());
     };
     // One process per rank, on GPU LOCAL_RANK.
-    if env.world != world {
-        let why =
-            format!("{} ranks; this example's grid is {STAGES} stages × {REPLICAS} replicas: start {world}", env.world);
-        return Err(graphed::Error::Comm {
-            op: "main",
-            rank: env.rank,
-            kind: CommErrorKind::Env { var: "WORLD_SIZE", why },
-        });
-    }
-    let dev = Device::cuda(env.local_rank)?;
+    env.require_world(world, &format!("this example's grid is {STAGES} stages × {REPLICAS} replicas"))?;
+    let dev = env.gpu()?;
     let group = ProcessGroup::join(&dev, env, "examples/grid", CommOptions::default())?;
     let got = rank(group.comm(), &|color, key| group.split(Some(color), key))?;
     let r = group.comm().rank();

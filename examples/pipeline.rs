@@ -8,7 +8,7 @@
 //! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), the same stage code runs one process per GPU
 //! through NCCL, and the last stage checks its outputs against the whole model on its own GPU.
 
-use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, SimConfig, Stream};
+use graphed::device::{CommOptions, Communicator, DType, Device, SimConfig, Stream};
 use graphed::dist::{on_sim_ranks, P2pLinks, ProcessGroup, RankEnv};
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses};
 use graphed::memory::CachingAllocator;
@@ -99,15 +99,8 @@ fn main() -> graphed::Result<()> {
         return Ok(());
     };
     // One process per rank, on GPU LOCAL_RANK.
-    if env.world != 2 {
-        let why = format!("{} ranks; this example's model is split into two stages: start two", env.world);
-        return Err(graphed::Error::Comm {
-            op: "main",
-            rank: env.rank,
-            kind: CommErrorKind::Env { var: "WORLD_SIZE", why },
-        });
-    }
-    let dev = Device::cuda(env.local_rank)?;
+    env.require_world(2, "this example's model is split into two stages")?;
+    let dev = env.gpu()?;
     let group = ProcessGroup::join(&dev, env, "examples/pipeline", CommOptions::default())?;
     let got = stage(group.comm())?;
     if group.comm().rank() == 1 {

@@ -25,7 +25,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(a) => match RankEnv::from_env()? {
             // Launched as one rank of several: this rank's GPU, data parallel.
             Some(env) => {
-                let dev = Device::cuda(env.local_rank)?;
+                let dev = env.gpu()?;
                 let result = train::run(&dev, &a, Some(env));
                 (dev, result)
             }

@@ -56,6 +56,38 @@ impl RankEnv {
         let master_port = u16::try_from(port).map_err(|_| env_error("MASTER_PORT", format!("{port} is not a port")))?;
         Ok(Some(RankEnv { rank, world, local_rank, master_addr, master_port }))
     }
+
+    /// Refuses a group of other than `world` ranks, before any rank opens its GPU or meets the
+    /// others; `why` says what needs that many (a program written for a fixed layout).
+    ///
+    /// ```
+    /// # use graphed::dist::RankEnv;
+    /// let env = RankEnv { rank: 0, world: 3, local_rank: 0, master_addr: "127.0.0.1".into(), master_port: 29500 };
+    /// let e = env.require_world(2, "the model is split into two stages").unwrap_err();
+    /// assert!(e.to_string().contains("3 ranks; the model is split into two stages: start 2"));
+    /// ```
+    ///
+    /// # Errors
+    /// [`CommErrorKind::Env`] naming `WORLD_SIZE`.
+    pub fn require_world(&self, world: usize, why: &str) -> Result<()> {
+        if self.world == world {
+            return Ok(());
+        }
+        let why = format!("{} ranks; {why}: start {world}", self.world);
+        Err(Error::Comm {
+            op: "RankEnv::require_world",
+            rank: self.rank,
+            kind: CommErrorKind::Env { var: "WORLD_SIZE", why },
+        })
+    }
+
+    /// This rank's GPU: GPU `LOCAL_RANK` of this host (the device [`ProcessGroup::join`] takes).
+    ///
+    /// # Errors
+    /// The GPU's, when it cannot be opened.
+    pub fn gpu(&self) -> Result<Device> {
+        Device::cuda(self.local_rank)
+    }
 }
 
 fn env_error(var: &'static str, why: String) -> Error {
@@ -75,8 +107,8 @@ pub struct ProcessGroup {
 impl ProcessGroup {
     /// Meets the other ranks at `MASTER_ADDR:MASTER_PORT` (rank 0 listens), checks that every
     /// rank builds the same `model` (any description of what it trains: its configuration and
-    /// parameter count), and joins the NCCL group on `dev` (GPU `LOCAL_RANK` of this host, made
-    /// with `Device::cuda(env.local_rank)`).
+    /// parameter count), and joins the NCCL group on `dev` (GPU `LOCAL_RANK` of this host:
+    /// [`RankEnv::gpu`]).
     ///
     /// # Errors
     /// [`CommErrorKind::Rendezvous`] when a rank does not arrive within the options' timeout,

@@ -412,6 +412,13 @@ fn the_launchers_variables_are_read_or_refused_by_name() -> anyhow::Result<()> {
     ensure!(RankEnv::from_vars(vars(&[]))?.is_none());
     let e = RankEnv::from_vars(vars(&[("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_PORT", "29555")]))?;
     ensure!(e == Some(env(1, 2, 29555)));
+    // A program written for a fixed number of ranks refuses another, naming the variable.
+    env(1, 2, 29555).require_world(2, "two stages")?;
+    match env(1, 2, 29555).require_world(4, "two stages × two replicas") {
+        Err(Error::Comm { rank: 1, kind: CommErrorKind::Env { var: "WORLD_SIZE", why }, .. })
+            if why.contains("2 ranks") && why.contains("start 4") => {}
+        other => anyhow::bail!("a group of 2 where 4 are needed: {other:?}"),
+    }
     for (bad, var) in [
         (&[("WORLD_SIZE", "2")][..], "RANK"),
         (&[("WORLD_SIZE", "2"), ("RANK", "2")][..], "RANK"),
