@@ -15,30 +15,14 @@ mkdir -p "$OUT"
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels
 # NVLink multicast can take a shared host's GPUs out of service: never on here.
 export NCCL_NVLS_ENABLE=0 NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1
-export LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
+export ONE_GPU=1
 logs=$(mktemp -d)
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; }
 source scripts/gpu-libraries.sh
-pids=()
-# Starts the $1 ranks of a group at port $2, each running `${@:3}`; rank r's log is
-# $logs/rank<r>.log, the pids are in $pids.
-run_ranks() {
-    pids=()
-    for rank in $(seq 0 $(($1 - 1))); do
-        RANK=$rank WORLD_SIZE=$1 NCCL_HOSTID=graphed-rank-$rank MASTER_PORT=$2 "${@:3}" > "$logs/rank$rank.log" 2>&1 &
-        pids+=($!)
-    done
-}
+source scripts/gpu-functions.sh
 # Two ranks at port $1, each running `graphed ${@:2}`.
 start() {
     run_ranks 2 "$1" .gpu/graphed "${@:2}"
-}
-# Waits for every rank; says each one's exit status.
-finish() {
-    for rank in "${!pids[@]}"; do
-        wait "${pids[$rank]}"
-        echo "  rank $rank: exit $?"
-    done
 }
 port=29700
 # The examples: a pipeline against the whole model and data parallelism against one GPU with both
@@ -57,16 +41,12 @@ for mode in "" "--eager" "--schedule" "--schedule --eager"; do
     start $port train $mode --steps 300
     finish
     grep -vE '^step' "$logs/rank0.log" | head -12
-    grep -E '^step|^final|accuracy' "$logs/rank0.log" > "$logs/loss${mode// /}.txt"
+    cp "$logs/rank0.log" "$logs/train${mode// /}.log"
 done
 # Two ranks sum two values, which no order changes: eager and graphed steps give the same bits.
 for pair in ":--eager" "--schedule:--schedule--eager"; do
     base=${pair%%:*} mode=${pair#*:}
-    if diff "$logs/loss$base.txt" "$logs/loss$mode.txt" > /dev/null; then
-        echo "two ranks, train $mode: loss lines equal to train $base"
-    else
-        echo "two ranks, train $mode: loss lines DIFFER from train $base"
-    fi
+    same_loss "$logs/train$base.log" "$logs/train$mode.log" "two ranks, train $mode" "train $base"
 done
 # Two "hosts" of one rank each through `graphed launch --nnodes 2` (torchrun's flags): the same
 # group as the two ranks started by hand, so the same loss lines.
@@ -74,7 +54,7 @@ port=$((port + 1))
 echo "# two ranks on one GPU: graphed launch --nnodes 2 --node-rank <0 or 1> --gpus 1 -- train --steps 300"
 nodes=()
 for node in 0 1; do
-    env -u LOCAL_RANK -u MASTER_ADDR NCCL_HOSTID=graphed-node-$node .gpu/graphed launch --nnodes 2 \
+    NCCL_HOSTID=graphed-node-$node .gpu/graphed launch --nnodes 2 \
         --node-rank $node --master-addr 127.0.0.1 --port $port --gpus 1 -- train --steps 300 > "$logs/node$node.log" 2>&1 &
     nodes+=($!)
 done
@@ -82,12 +62,8 @@ for node in 0 1; do
     wait "${nodes[$node]}"
     echo "  launcher of node $node: exit $?; $(grep -m1 '^rank' "$logs/node$node.log")"
 done
-if diff "$logs/loss.txt" <(grep -E '^step|^final|accuracy' "$logs/node0.log") > /dev/null; then
-    echo "launch --nnodes 2: loss lines equal to the two ranks started by hand"
-else
-    echo "launch --nnodes 2: loss lines DIFFER from the two ranks started by hand"
-    tail -5 "$logs/node0.log"
-fi
+same_loss "$logs/train.log" "$logs/node0.log" "launch --nnodes 2" "the two ranks started by hand" \
+    || tail -5 "$logs/node0.log"
 port=$((port + 1))
 echo "# two ranks on one GPU: graphed bench parallel --configs M --steps 5 --warmup 2"
 start $port bench parallel --configs M --steps 5 --warmup 2

@@ -54,6 +54,7 @@ if [ "${ONLY_BENCHES:-0}" = 1 ]; then
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; } | tee "$OUT/tests.log"
 source scripts/gpu-libraries.sh >> "$OUT/tests.log"
+source scripts/gpu-functions.sh
 tail -2 "$OUT/tests.log"
 # The `two_gpus` tests need two GPUs: with one, they are left out (and the summary says so).
 only=$([ "$gpus" -ge 2 ] || echo "not test(two_gpus)")
@@ -87,12 +88,7 @@ if [ "${ONLY_PARALLEL:-0}" != 1 ]; then
     for pair in graphed:side-stream graphed:pool-per-layer graphed:eager graphed:offload graphed:offload-side \
             graphed:offload-eager schedule:schedule-eager; do
         base=${pair%%:*} mode=${pair#*:}
-        if diff <(grep -E '^step|^final|accuracy' "$logs/$base.log") \
-                <(grep -E '^step|^final|accuracy' "$logs/$mode.log") > /dev/null; then
-            echo "train $mode: loss lines equal to $base"
-        else
-            echo "train $mode: loss lines DIFFER from $base"
-        fi
+        same_loss "$logs/$base.log" "$logs/$mode.log" "train $mode" "$base"
     done | tee -a "$OUT/train.log"
 fi
 # Several GPUs: every GPU of this machine, one process each through `graphed launch` (data
@@ -108,11 +104,7 @@ fi
         grep -vE '^step' "$logs/launch$mode.log"
         if [ "$gpus" = 1 ]; then
             .gpu/graphed train $mode --steps 300 > "$logs/plain.log" 2>&1
-            if diff <(grep -E '^step|^final|accuracy' "$logs/plain.log") <(grep -E '^step|^final|accuracy' "$logs/launch$mode.log") > /dev/null; then
-                echo "launch --gpus 1 -- train $mode: loss lines equal to a plain run"
-            else
-                echo "launch --gpus 1 -- train $mode: loss lines DIFFER from a plain run"
-            fi
+            same_loss "$logs/plain.log" "$logs/launch$mode.log" "launch --gpus 1 -- train $mode" "a plain run"
         fi
     done
     # Two "hosts" of one GPU each (a launcher per GPU, torchrun's flags): the same group, so the
@@ -128,12 +120,8 @@ fi
             wait "${nodes[$node]}"
             echo "launch --nnodes 2 --node-rank $node: exit $?; $(grep -m1 '^rank' "$logs/node$node.log")"
         done
-        if diff <(grep -E '^step|^final|accuracy' "$logs/launch.log") <(grep -E '^step|^final|accuracy' "$logs/node0.log") > /dev/null; then
-            echo "launch --nnodes 2 (one GPU per launcher): loss lines equal to launch --gpus 2"
-        else
-            echo "launch --nnodes 2 (one GPU per launcher): loss lines DIFFER from launch --gpus 2"
-            tail -5 "$logs/node0.log"
-        fi
+        same_loss "$logs/launch.log" "$logs/node0.log" "launch --nnodes 2 (one GPU per launcher)" \
+            "launch --gpus 2" || tail -5 "$logs/node0.log"
     fi
     .gpu/graphed launch --gpus "$gpus" -- bench parallel --configs "${PARALLEL_CONFIGS:-M,L}" --json "$OUT/parallel.json" 2>&1
     echo "bench parallel: exit $?"
@@ -151,16 +139,10 @@ fi
         port=29630
         for example in pipeline data_parallel; do
             port=$((port + 1))
-            ranks=()
-            for rank in 0 1; do
-                RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-                    .gpu/examples/$example > "$logs/example$rank.log" 2>&1 &
-                ranks+=($!)
-            done
-            for rank in 0 1; do
-                wait "${ranks[$rank]}"
-                echo "examples/$example rank $rank: exit $?; $(grep -hE 'bit for bit|panicked' "$logs/example$rank.log")"
-            done
+            echo "# two ranks, one GPU each: examples/$example"
+            run_ranks 2 $port .gpu/examples/$example
+            finish
+            cat "$logs"/rank*.log | grep -E "bit for bit|panicked|rror"
         done
     fi
     # A rank killed mid-run (rank 1, then rank 0, whose death the others see directly): the other
