@@ -46,7 +46,7 @@ done
 # Two ranks sum two values, which no order changes: eager and graphed steps give the same bits.
 for pair in ":--eager" "--schedule:--schedule--eager"; do
     base=${pair%%:*} mode=${pair#*:}
-    same_loss "$logs/train$base.log" "$logs/train$mode.log" "two ranks, train $mode" "train $base"
+    same_loss "$logs/train$base.log" "$logs/train$mode.log" "two ranks, train $mode" "train ${base:-(graphed)}"
 done
 # Two "hosts" of one rank each through `graphed launch --nnodes 2` (torchrun's flags): the same
 # group as the two ranks started by hand, so the same loss lines.
