@@ -1,11 +1,13 @@
-//! How the commands join their process group: the group, and the end of a process whose peer
-//! died while its host waits on the GPU.
+//! How the commands join their process group: the group, the end of a process whose peer died
+//! while its host waits on the GPU, and the group's view of what each rank measures.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use graphed::device::{CommOptions, Device};
+use graphed::device::{CommOptions, Communicator, DType, Device, Stream};
 use graphed::dist::{ProcessGroup, RankEnv};
+use graphed::memory::CachingAllocator;
+use graphed::tensor::Tensor;
 
 /// How long a rank's own error path gets, after a peer died, before the process is ended for it.
 const GRACE: Duration = Duration::from_secs(10);
@@ -45,5 +47,57 @@ pub fn leave(group: Option<ProcessGroup>) {
     LEFT.store(true, Ordering::SeqCst);
     if let Some(g) = group {
         g.leave();
+    }
+}
+
+/// The mean over `comm`'s ranks of `value`, each rank's own (every rank calls it at the same
+/// point, as it would a collective); `value` itself without a group. The values travel as their
+/// bits (an all-gather) and are summed here in rank order, so a group of one gives `value` back
+/// exactly and every rank gets the same mean.
+pub fn mean_over_ranks(
+    comm: Option<&Communicator>,
+    alloc: &CachingAllocator,
+    s: &Stream,
+    value: f64,
+) -> graphed::Result<f64> {
+    let Some(comm) = comm else { return Ok(value) };
+    let mine = Tensor::from_host(alloc, s, &[value.to_bits()], &[1])?;
+    let all = Tensor::zeros(alloc, s, &[comm.size()], DType::U64)?;
+    comm.all_gather(s, mine.view::<u64>()?, all.view::<u64>()?)?;
+    let values = all.to_vec::<u64>(s)?;
+    Ok(values.iter().map(|&b| f64::from_bits(b)).sum::<f64>() / values.len() as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use graphed::device::SimConfig;
+    use graphed::dist::on_sim_ranks;
+
+    use super::*;
+
+    /// Rank r's value: not exact in binary, so that a rounding on the way would show.
+    fn value(rank: usize) -> f64 {
+        0.1 + 0.2 * rank as f64
+    }
+
+    fn mean_on(comm: Option<&Communicator>, dev: &Device, rank: usize) -> graphed::Result<f64> {
+        let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+        mean_over_ranks(comm, &alloc, &s, value(rank))
+    }
+
+    #[test]
+    fn every_rank_gets_the_mean_of_all_ranks_values_and_one_rank_its_own() -> graphed::Result<()> {
+        let means =
+            on_sim_ranks(3, SimConfig::default(), CommOptions::default(), |c| mean_on(Some(c), c.device(), c.rank()));
+        let want = (value(0) + value(1) + value(2)) / 3.0;
+        for m in means {
+            assert_eq!(m?.to_bits(), want.to_bits());
+        }
+        let one = on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| mean_on(Some(c), c.device(), 0));
+        for m in one {
+            assert_eq!(m?.to_bits(), value(0).to_bits());
+        }
+        assert_eq!(mean_on(None, &Device::sim(), 1)?.to_bits(), value(1).to_bits());
+        Ok(())
     }
 }

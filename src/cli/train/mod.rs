@@ -191,6 +191,13 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         plan.steps,
         stepper.describe()
     ));
+    if let Some(g) = &group {
+        say(&format!(
+            "losses: the whole batch's, the mean over the {} ranks' batches of {}",
+            g.env().world,
+            plan.batch
+        ));
+    }
     let summary_shown = stepper.offload_summary().inspect(|s| say(s)).is_some();
 
     if let Task::Text(c) = &task {
@@ -235,7 +242,9 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
                     g.wait(&s)?;
                 }
                 let l = losses.to_vec::<f32>(&s)?;
-                last_loss = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
+                let mine = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
+                // Data parallel: the loss of the whole batch, every rank's part of it.
+                last_loss = crate::cli::group::mean_over_ranks(group.as_ref().map(|g| g.comm()), &alloc, &s, mine)?;
                 bar.set_message(format!("loss {last_loss:.4}"));
                 metrics.record(step, last_loss, started.elapsed().as_secs_f64())?;
                 let line = format!("step {step:5}  loss {last_loss:.4}");
