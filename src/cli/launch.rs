@@ -64,7 +64,7 @@ fn stop(children: &mut Vec<(usize, Child)>) {
 pub fn run(args: &LaunchArgs) -> anyhow::Result<()> {
     let vars = rank_vars(args)?;
     let exe = std::env::current_exe()?;
-    let nccl = nccl_library_path();
+    let nccl = nccl_library_folder()?;
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(args.gpus);
     for (local, vars) in vars.into_iter().enumerate() {
         let rank = args.node_rank * args.gpus + local;
@@ -73,7 +73,8 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<()> {
         if let Some(dir) = &nccl {
             // An empty entry would make the loader search the working folder.
             let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-            let path = if path.is_empty() { dir.display().to_string() } else { format!("{}:{path}", dir.display()) };
+            let dir = dir.path().display();
+            let path = if path.is_empty() { dir.to_string() } else { format!("{dir}:{path}") };
             cmd.env("LD_LIBRARY_PATH", path);
         }
         match cmd.spawn() {
@@ -125,14 +126,17 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<()> {
 }
 
 /// A folder with `libnccl.so` for cudarc, which does not look for the `libnccl.so.2` that
-/// NCCL's packages ship: `None` when `libnccl.so` is already found, else a link to the copy in
-/// PyTorch's `nvidia-nccl` package (or `GRAPHED_NCCL`, a path to any `libnccl.so.2`).
-fn nccl_library_path() -> Option<PathBuf> {
+/// NCCL's packages ship: `None` when `libnccl.so` is already found (or no package has a copy),
+/// else a new private folder (removed when dropped, after the ranks ended) with a link to the
+/// copy in PyTorch's `nvidia-nccl` package (or `GRAPHED_NCCL`, a path to any `libnccl.so.2`).
+/// Made fresh and only ours, so that no folder another user or an earlier launcher left
+/// decides which library the ranks load.
+fn nccl_library_folder() -> anyhow::Result<Option<tempfile::TempDir>> {
     let dirs = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     let standard = ["/usr/lib/x86_64-linux-gnu", "/usr/local/lib", "/usr/lib64"];
     let found = dirs.split(':').chain(standard).any(|d| !d.is_empty() && PathBuf::from(d).join("libnccl.so").exists());
     if found {
-        return None;
+        return Ok(None);
     }
     let lib = std::env::var_os("GRAPHED_NCCL").map(PathBuf::from).or_else(|| {
         let out = Command::new("python3")
@@ -144,14 +148,15 @@ fn nccl_library_path() -> Option<PathBuf> {
             .ok()?;
         let path = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
         path.exists().then_some(path)
+    });
+    let Some(lib) = lib else { return Ok(None) };
+    let dir = tempfile::Builder::new().prefix("graphed-nccl-").tempdir().map_err(|e| {
+        anyhow::anyhow!("making a folder in {} for the link to NCCL's library: {e}", std::env::temp_dir().display())
     })?;
-    let dir = std::env::temp_dir().join(format!("graphed-nccl-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).ok()?;
-    let link = dir.join("libnccl.so");
-    // A link left by an earlier launcher of the same pid is fine.
-    let _ = std::os::unix::fs::symlink(&lib, &link);
+    std::os::unix::fs::symlink(&lib, dir.path().join("libnccl.so"))
+        .map_err(|e| anyhow::anyhow!("linking {} as libnccl.so in {}: {e}", lib.display(), dir.path().display()))?;
     eprintln!("graphed launch: NCCL from {}", lib.display());
-    link.exists().then_some(dir)
+    Ok(Some(dir))
 }
 
 #[cfg(test)]

@@ -66,16 +66,18 @@ impl Holdings {
                     self.add_buffer(p.dst.0);
                 }
                 if let crate::device::backend::Repr::Cuda(c) = comm {
-                    self.comms.push(c.inner().clone());
+                    if !self.comms.iter().any(|held| Arc::ptr_eq(held, c.inner())) {
+                        self.comms.push(c.inner().clone());
+                    }
                 }
             }
         }
     }
 
-    /// The rank of a held communicator that was aborted, if any: its collectives would run
-    /// on freed resources.
-    pub(super) fn aborted_comm(&self) -> Option<usize> {
-        self.comms.iter().find(|c| c.aborted()).map(|c| c.rank())
+    /// Runs `launch` while no held communicator can be aborted; `Err` with the rank of one that
+    /// was (see [`while_unaborted`](super::nccl::while_unaborted)).
+    pub(super) fn while_comms_unaborted<T>(&self, launch: impl FnOnce() -> T) -> Result<T, usize> {
+        super::nccl::while_unaborted(&self.comms, launch)
     }
 
     /// The id of a held event, by its driver handle (as graph nodes report it).

@@ -38,16 +38,24 @@ pub(crate) struct NcclInner {
     control: Handle,
 }
 
-impl NcclInner {
-    /// Whether the communicator was aborted (its resources are gone).
-    pub(super) fn aborted(&self) -> bool {
-        self.data.aborted()
+/// Runs `launch` (of a graph that captured collectives of `comms`) while none of them can be
+/// aborted, their collectives' locks held; `Err` with the rank of one that was aborted (its
+/// collectives would run on freed resources), launching nothing. Held in one order (by
+/// address), so that two launches sharing communicators never wait on each other.
+pub(super) fn while_unaborted<T>(comms: &[Arc<NcclInner>], launch: impl FnOnce() -> T) -> Result<T, usize> {
+    let mut order: Vec<&Arc<NcclInner>> = comms.iter().collect();
+    order.sort_by_key(|c| Arc::as_ptr(c));
+    order.dedup_by_key(|c| Arc::as_ptr(c));
+    let mut held = Vec::with_capacity(order.len());
+    for c in order {
+        let guard = c.data.comm.lock().unwrap_or_else(PoisonError::into_inner);
+        // An abort under way (its flag set, the lock not yet taken) refuses too.
+        if guard.is_none() || c.data.aborted() {
+            return Err(c.rank);
+        }
+        held.push(guard);
     }
-
-    /// Its rank in its group.
-    pub(super) fn rank(&self) -> usize {
-        self.rank
-    }
+    Ok(launch())
 }
 
 /// One NCCL communicator, used under a lock (NCCL's calls on a communicator must not run
