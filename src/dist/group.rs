@@ -112,7 +112,7 @@ impl ProcessGroup {
     ///
     /// # Errors
     /// [`CommErrorKind::Rendezvous`] when a rank does not arrive within the options' timeout,
-    /// [`CommErrorKind::ModelMismatch`] on every rank when one builds another model,
+    /// [`CommErrorKind::ModelMismatch`] on every rank when one builds another model than rank 0,
     /// [`CommErrorKind::RankGone`] when a rank dies before NCCL's group is made,
     /// [`CommErrorKind::Timeout`] when one does not join it within the timeout, and NCCL's or
     /// the GPU's errors.

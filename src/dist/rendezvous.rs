@@ -5,11 +5,12 @@
 //! ```text
 //! rank -> 0:  graphed-rendezvous/1 <rank> <world>\n<model>\n
 //! 0 -> rank:  ok <payload as hex>\n   or   refused <message>\n
+//!             or   mismatch <rank>\n<rank 0's model>\n<that rank's model>\n
 //! ```
 //!
 //! The connections then stay open: they are the group's [`RankWatch`].
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -19,6 +20,11 @@ use crate::device::CommErrorKind;
 use crate::{Error, Result};
 
 const HELLO: &str = "graphed-rendezvous/1";
+/// The most a connection may send rank 0 before its answer: a hello and a model's description.
+const HELLO_BYTES: u64 = 1 << 20;
+/// How long rank 0 waits for a connection's hello (a rank sends it as it connects), so that a
+/// stray connection that says nothing cannot hold the rendezvous until its deadline.
+const HELLO_WAIT: Duration = Duration::from_secs(10);
 
 fn fail(rank: usize, kind: CommErrorKind) -> Error {
     Error::Comm { op: "rendezvous", rank, kind }
@@ -35,8 +41,8 @@ fn rdzv(rank: usize, what: impl Into<String>) -> Error {
 ///
 /// # Errors
 /// [`CommErrorKind::Rendezvous`] when a rank does not arrive within `timeout` (naming it) or rank 0
-/// refuses the group; [`CommErrorKind::ModelMismatch`] on rank 0 when a rank builds another model
-/// (the other ranks get rank 0's refusal).
+/// refuses the group; [`CommErrorKind::ModelMismatch`] on every rank when a rank builds another
+/// model than rank 0, naming the first such rank.
 pub fn meet(env: &RankEnv, model: &str, payload: Option<Vec<u8>>, timeout: Duration) -> Result<(Vec<u8>, RankWatch)> {
     let model = model.replace(['\n', '\r'], " ");
     let deadline = Instant::now() + timeout;
@@ -62,8 +68,10 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
         match listener.accept() {
             Ok((stream, _)) => {
                 stream.set_nonblocking(false).map_err(|e| rdzv(0, e.to_string()))?;
-                stream.set_read_timeout(Some(remaining(deadline))).map_err(|e| rdzv(0, e.to_string()))?;
-                let mut lines = BufReader::new(stream.try_clone().map_err(|e| rdzv(0, e.to_string()))?).lines();
+                let wait = remaining(deadline).min(HELLO_WAIT);
+                stream.set_read_timeout(Some(wait)).map_err(|e| rdzv(0, e.to_string()))?;
+                let reader = stream.try_clone().map_err(|e| rdzv(0, e.to_string()))?;
+                let mut lines = BufReader::new(reader.take(HELLO_BYTES)).lines();
                 let hello = lines.next().and_then(|l| l.ok()).unwrap_or_default();
                 let theirs = lines.next().and_then(|l| l.ok()).unwrap_or_default();
                 let fields: Vec<&str> = hello.split(' ').collect();
@@ -114,7 +122,9 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
         }
     }
     if let Some(kind) = mismatch {
-        refuse_all(&mut peers, &mut strays, &kind.to_string());
+        if let CommErrorKind::ModelMismatch { rank, ours, theirs } = &kind {
+            refuse_all(&mut peers, &mut strays, &format!("{MISMATCH}{rank}\n{ours}\n{theirs}"));
+        }
         return Err(fail(0, kind));
     }
     if !problems.is_empty() {
@@ -132,10 +142,18 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
     Ok((payload, RankWatch::start(0, connections)?))
 }
 
-fn refuse_all(peers: &mut [(usize, TcpStream, String)], strays: &mut [TcpStream], why: &str) {
+/// The answer that names a rank building another model (followed by both models' lines).
+const MISMATCH: &str = "mismatch ";
+
+/// Answers every connection with `answer` (`refused <why>` unless it is a mismatch's).
+fn refuse_all(peers: &mut [(usize, TcpStream, String)], strays: &mut [TcpStream], answer: &str) {
+    let answer = match answer.starts_with(MISMATCH) {
+        true => answer.to_string(),
+        false => format!("refused {answer}"),
+    };
     for stream in peers.iter_mut().map(|p| &mut p.1).chain(strays) {
         // A rank that left already learns nothing; its own timeout ends it.
-        let _ = writeln!(stream, "refused {why}");
+        let _ = writeln!(stream, "{answer}");
     }
 }
 
@@ -172,6 +190,19 @@ fn follow(env: &RankEnv, model: &str, deadline: Instant) -> Result<(Vec<u8>, Ran
             .map_err(|_| rdzv(rank, "rank 0's answer is damaged"))?;
         let watch = RankWatch::start(rank, vec![Connection { peer: 0, reader, writer: stream }])?;
         return Ok((payload, watch));
+    }
+    if let Some(who) = reply.strip_prefix(MISMATCH) {
+        let mut line = || {
+            let mut l = String::new();
+            reader.read_line(&mut l).ok().filter(|&n| n > 0).map(|_| l.trim_end().to_string())
+        };
+        let (ours, theirs) = (line(), line());
+        return match (who.parse::<usize>(), ours, theirs) {
+            (Ok(r), Some(ours), Some(theirs)) => {
+                Err(fail(rank, CommErrorKind::ModelMismatch { rank: r, ours, theirs }))
+            }
+            _ => Err(rdzv(rank, "rank 0's answer is damaged")),
+        };
     }
     match reply.strip_prefix("refused ") {
         Some(why) => Err(rdzv(rank, format!("rank 0 refused the group: {why}"))),
