@@ -334,6 +334,12 @@ impl Communicator {
         }
     }
 
+    /// Whether anything but this handle holds the communicator: another handle, or a graph that
+    /// captured its operations.
+    pub(crate) fn held_elsewhere(&self) -> bool {
+        Arc::strong_count(&self.inner) > 1 || matches!(&self.inner.repr, Repr::Cuda(c) if c.shared())
+    }
+
     /// One NCCL communicator per GPU of this process, as one group (rank `i` on `devices[i]`):
     /// the GPU counterpart of [`sim_group`](Communicator::sim_group), for programs and tests that
     /// drive several GPUs from threads of one process instead of one process per GPU. A rank

@@ -107,9 +107,20 @@ impl RankWatch {
         self.shared.left.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
-    /// Aborts `comm` as soon as a rank dies (at once if one already has).
+    /// Aborts `comm` as soon as a rank dies (at once if one already has). Communicators that
+    /// only this watch still holds (their program dropped them, and no graph holds them) are let
+    /// go here, on the caller's thread, so that a program that splits groups again and again
+    /// does not keep them all for the group's life.
     pub(super) fn abort_on_death(&self, comm: &Communicator) {
-        self.shared.comms.lock().unwrap_or_else(PoisonError::into_inner).push(comm.clone());
+        let released: Vec<Communicator> = {
+            let mut comms = self.shared.comms.lock().unwrap_or_else(PoisonError::into_inner);
+            let (kept, released) = std::mem::take(&mut *comms).into_iter().partition(Communicator::held_elsewhere);
+            *comms = kept;
+            comms.push(comm.clone());
+            released
+        };
+        // Destroyed outside the lock: a death meanwhile need not wait for it.
+        drop(released);
         if self.gone().is_some() {
             comm.abort();
         }
@@ -235,5 +246,29 @@ impl Drop for RankWatch {
             }
             let _ = w.shutdown(Shutdown::Both);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{CommOptions, Device};
+
+    fn one_rank() -> Result<Communicator> {
+        Ok(Communicator::sim_group(&[Device::sim()], CommOptions::default())?.remove(0))
+    }
+
+    #[test]
+    fn communicators_their_program_dropped_are_let_go_at_the_next_one() -> Result<()> {
+        let watch = RankWatch::start(0, Vec::new())?;
+        let (kept, dropped) = (one_rank()?, one_rank()?);
+        watch.abort_on_death(&kept);
+        watch.abort_on_death(&dropped);
+        drop(dropped);
+        let last = one_rank()?;
+        watch.abort_on_death(&last);
+        let held = watch.shared.comms.lock().unwrap_or_else(PoisonError::into_inner).len();
+        assert_eq!(held, 2, "the dropped communicator must be let go, the two held kept");
+        Ok(())
     }
 }

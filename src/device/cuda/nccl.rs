@@ -337,6 +337,12 @@ impl NcclComm {
     pub(super) fn inner(&self) -> &Arc<NcclInner> {
         &self.0
     }
+
+    /// Whether another handle holds this communicator (a graph that captured its operations
+    /// holds one).
+    pub(crate) fn shared(&self) -> bool {
+        Arc::strong_count(&self.0) > 1
+    }
 }
 
 fn data_type(dtype: DType) -> sys::ncclDataType_t {
