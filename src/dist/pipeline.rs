@@ -2,7 +2,7 @@
 //! hands activations forward and gradients back between stages, one rank per stage, over a
 //! [`Communicator`] whose rank `s` is stage `s`.
 
-use crate::device::{with_dtype, Communicator, DType, Event, Stream, Transfer};
+use crate::device::{with_dtype, CommErrorKind, Communicator, DType, Event, Stream, Transfer};
 use crate::graph::{make_graphed_fn, GraphedFn};
 use crate::memory::CachingAllocator;
 use crate::nn::{ScheduleErrorKind, StageLinks};
@@ -152,9 +152,15 @@ impl P2pLinks {
         Err(Error::Schedule(ScheduleErrorKind::Arguments { what }))
     }
 
-    /// Checks what `index` sends against the boundary (a peer would receive a different count:
-    /// NCCL would hang or corrupt memory), before anything is enqueued.
-    fn check_sends(&self, index: usize, sends: &[(usize, Tensor)]) -> Result<()> {
+    /// Checks exchange `index`'s peers (ranks of the group other than this one) and what it
+    /// sends against the boundary (a peer would receive a different count: NCCL would hang or
+    /// corrupt memory), before anything is enqueued or kept.
+    fn check(&self, index: usize, sends: &[(usize, Tensor)], recvs: &[usize]) -> Result<()> {
+        let (rank, size) = (self.comm.rank(), self.comm.size());
+        if let Some(&peer) = sends.iter().map(|(p, _)| p).chain(recvs).find(|&&p| p >= size || p == rank) {
+            let kind = CommErrorKind::BadPeer { peer, size };
+            return Err(Error::Comm { op: "P2pLinks::exchange", rank, kind });
+        }
         let numel: usize = self.shape.iter().product();
         for (peer, t) in sends {
             if t.numel() != numel || t.dtype() != self.dtype || !t.is_contiguous() {
@@ -215,7 +221,7 @@ impl P2pLinks {
     /// Exchange `index`, enqueued on the exchange stream once every check passed; returns what
     /// it receives into.
     fn exchange_on_stream(&mut self, index: usize, sends: &[(usize, Tensor)], recvs: &[usize]) -> Result<Vec<Tensor>> {
-        self.check_sends(index, sends)?;
+        self.check(index, sends, recvs)?;
         let replay = match &self.captured {
             None => false,
             Some(captured) => match captured.get(index) {

@@ -481,14 +481,19 @@ fn graphed_links_refuse_a_step_that_sends_other_buffers_than_they_captured() -> 
             let again = send(&mut links, &a)?;
             let other = (c.rank() == 0).then(|| send(&mut links, &b).err()).flatten();
             let wrong_shape = links.exchange(1, &[(1 - c.rank(), Tensor::zeros(&alloc, &s, &[5], DType::F32)?)], &[]);
+            // Peers outside the group, or this rank, sending or receiving.
+            let bad_peers = [links.exchange(1, &[(2, a.clone())], &[]), links.exchange(1, &[], &[c.rank()])]
+                .map(|r| matches!(r, Err(graphed::Error::Comm { kind: CommErrorKind::BadPeer { .. }, .. })));
             links.join()?;
             // After the join, exchange 0 is the last step's: waiting for it would read an old event.
             let stale = links.wait(0).err().map(|e| e.to_string());
             s.synchronize()?;
-            Ok((again.len(), other.map(|e| e.to_string()), wrong_shape.err().map(|e| e.to_string()), stale))
+            Ok((again.len(), other.map(|e| e.to_string()), wrong_shape.err().map(|e| e.to_string()), stale, bad_peers))
         });
         for (r, res) in out.into_iter().enumerate() {
-            let (received, other, wrong_shape, stale) = res.with_context(|| format!("rank {r}, overlap {overlap}"))?;
+            let (received, other, wrong_shape, stale, bad_peers) =
+                res.with_context(|| format!("rank {r}, overlap {overlap}"))?;
+            ensure!(bad_peers == [true, true], "rank {r}: bad peers refused as BadPeer: {bad_peers:?}");
             ensure!(
                 stale.as_deref().is_some_and(|e| e.contains("has not run")) == overlap,
                 "rank {r}, overlap {overlap}: {stale:?}"
