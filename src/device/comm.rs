@@ -438,7 +438,9 @@ impl Communicator {
     /// [`CommErrorKind::RankGone`] when a rank left before calling it, [`CommErrorKind::Deadlock`]
     /// (simulator) when the ranks that did not call it wait on those that did,
     /// [`CommErrorKind::Timeout`] when one does not call it within the options' timeout, NCCL's.
-    /// A failed split on GPUs aborts this communicator: the other ranks wait in it.
+    /// A color or key above `i32::MAX` is refused first ([`CommErrorKind::Nccl`]: NCCL takes
+    /// neither), and changes nothing; a failure of NCCL's split on GPUs aborts this
+    /// communicator, since the other ranks wait in it.
     pub fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Communicator>> {
         self.split_watching(color, key, &|| None)
     }
@@ -455,6 +457,13 @@ impl Communicator {
         watch: &dyn Fn() -> Option<CommErrorKind>,
     ) -> Result<Option<Communicator>> {
         let fail = |kind| comm_error("Communicator::split", self.rank(), kind);
+        // NCCL takes both as a C int; the simulator refuses what GPUs would, before any rank
+        // waits in the split.
+        let too_big = |what: &str| {
+            fail(CommErrorKind::Nccl(format!("a split {what} above {}, which NCCL cannot take", i32::MAX)))
+        };
+        let nccl_color = color.map(i32::try_from).transpose().map_err(|_| too_big("color"))?;
+        let nccl_key = i32::try_from(key).map_err(|_| too_big("key"))?;
         let (dev, options) = (&self.inner.dev, self.inner.options);
         match (&self.inner.repr, dev.backend()) {
             (Repr::Sim(link), _) => Ok(link
@@ -463,7 +472,7 @@ impl Communicator {
                 .map(|(link, rank, size)| Communicator::new(dev.clone(), rank, size, options, Repr::Sim(link)))),
             (Repr::Cuda(c), super::backend::BackendImpl::Cuda(b)) => {
                 let patience = Patience::new(options.timeout, watch);
-                let Some((comm, rank, size)) = b.nccl_split(c, color, key, &patience).map_err(fail)? else {
+                let Some((comm, rank, size)) = b.nccl_split(c, nccl_color, nccl_key, &patience).map_err(fail)? else {
                     return Ok(None);
                 };
                 let comm = Communicator::new(dev.clone(), rank, size, options, Repr::Cuda(comm));

@@ -321,6 +321,25 @@ fn a_split_fails_when_a_rank_leaves_never_calls_it_or_waits_on_another() -> anyh
     Ok(())
 }
 
+/// NCCL takes colors and keys as C ints: larger ones are refused on the simulator as on GPUs,
+/// before the rank waits in the split, and the refused split is not one of the group's.
+#[test]
+fn a_split_color_or_key_nccl_cannot_take_is_refused_before_the_split() -> anyhow::Result<()> {
+    let out = on_ranks(2, Policy::Random, LONG, |c| {
+        let refused = match c.rank() {
+            0 => c.split(Some(u32::MAX), 0),
+            _ => c.split(Some(0), usize::MAX),
+        };
+        let refused = matches!(kind_of(&refused), Some(CommErrorKind::Nccl(why)) if why.contains("above"));
+        let group = c.split(Some(0), c.rank())?.expect("a color gives a group");
+        Ok((refused, group.size()))
+    });
+    for (r, res) in out.into_iter().enumerate() {
+        ensure!(res? == (true, 2), "rank {r}");
+    }
+    Ok(())
+}
+
 #[test]
 fn refusals_change_nothing() -> anyhow::Result<()> {
     let out = on_ranks(2, Policy::Random, LONG, |c| {

@@ -114,8 +114,8 @@ impl CudaDevice {
     pub(crate) fn nccl_split(
         &self,
         comm: &NcclComm,
-        color: Option<u32>,
-        key: usize,
+        color: Option<i32>,
+        key: i32,
         patience: &crate::device::comm::Patience<'_>,
     ) -> Result<Option<(NcclComm, usize, usize)>, crate::device::CommErrorKind> {
         self.bind("Communicator::split").map_err(|e| crate::device::CommErrorKind::Nccl(e.to_string()))?;

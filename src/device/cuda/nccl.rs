@@ -305,17 +305,13 @@ impl NcclComm {
     /// `ncclCommSplit` on the current context's GPU: this rank's communicator among the ranks
     /// that gave the same `color`, ranked by `key`, with its rank and size; `None` without a
     /// color. Every rank of the group calls it; it waits for all as `patience` allows, and a
-    /// failure aborts this communicator (a color or key above `i32::MAX` is refused first, and
-    /// changes nothing).
+    /// failure aborts this communicator, both twins (the others wait in it).
     pub(crate) fn split(
         &self,
-        color: Option<u32>,
-        key: usize,
+        color: Option<c_int>,
+        key: c_int,
         patience: &Patience<'_>,
     ) -> Result<Option<(NcclComm, usize, usize)>, CommErrorKind> {
-        let too_big = |what: &str| CommErrorKind::Nccl(format!("a split {what} above {}", c_int::MAX));
-        let color = color.map(|c| c_int::try_from(c).map_err(|_| too_big("color"))).transpose()?;
-        let key = c_int::try_from(key).map_err(|_| too_big("key"))?;
         let split = (|| {
             let Some(control) = self.0.control.split(color, key, false, patience)? else { return Ok(None) };
             let (rank, size) = control.placement()?;
