@@ -64,6 +64,8 @@ pub fn mean_over_ranks(
     let mine = Tensor::from_host(alloc, s, &[value.to_bits()], &[1])?;
     let all = Tensor::zeros(alloc, s, &[comm.size()], DType::U64)?;
     comm.all_gather(s, mine.view::<u64>()?, all.view::<u64>()?)?;
+    // Bounded by the group's timeout: a rank that never gathers ends this one's wait.
+    comm.wait(s)?;
     let values = all.to_vec::<u64>(s)?;
     Ok(values.iter().map(|&b| f64::from_bits(b)).sum::<f64>() / values.len() as f64)
 }

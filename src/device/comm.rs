@@ -36,8 +36,11 @@ use crate::{Error, Result};
 /// What a communicator's operations may wait for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CommOptions {
-    /// How long a rank waits for the others, in a collective or at [`Communicator::wait`],
-    /// before it fails with [`CommErrorKind::Timeout`].
+    /// How long a rank waits for the others (making or splitting a group, at
+    /// [`Communicator::wait`], and on the simulator in a collective) before it fails with
+    /// [`CommErrorKind::Timeout`]. A host call into NCCL that connects two ranks (the first
+    /// collective or send that needs the pair) waits inside NCCL, out of its reach: the README's
+    /// "Several GPUs" says when that happens and how `graphed launch` avoids it.
     pub timeout: Duration,
 }
 
@@ -239,14 +242,14 @@ impl Communicator {
     /// [`Error::Unsupported`] when a device is not a simulator or a device appears twice.
     pub fn sim_group(devices: &[Device], options: CommOptions) -> Result<Vec<Communicator>> {
         for (i, d) in devices.iter().enumerate() {
-            if !matches!(d.backend(), super::backend::BackendImpl::Sim(_))
-                || devices[..i].iter().any(|e| e.id() == d.id())
-            {
-                return Err(Error::Unsupported {
-                    op: "Communicator::sim_group",
-                    backend: "cuda",
-                    why: "a simulated group takes distinct simulator devices; on GPUs use Communicator::nccl",
-                });
+            let (backend, why) = match d.backend() {
+                super::backend::BackendImpl::Sim(_) => ("sim", "a device appears twice; give each rank its own"),
+                super::backend::BackendImpl::Cuda(_) => {
+                    ("cuda", "a simulated group takes simulator devices; on GPUs use Communicator::nccl")
+                }
+            };
+            if backend == "cuda" || devices[..i].iter().any(|e| e.id() == d.id()) {
+                return Err(Error::Unsupported { op: "Communicator::sim_group", backend, why });
             }
         }
         let links = sim::SimLink::group(devices.len(), options.timeout);
