@@ -107,7 +107,7 @@ impl CudaDevice {
         patience: &crate::device::comm::Patience<'_>,
     ) -> Result<NcclComm, crate::device::CommErrorKind> {
         self.bind("Communicator::nccl").map_err(|e| crate::device::CommErrorKind::Nccl(e.to_string()))?;
-        nccl::init(rank, size, id, patience)
+        nccl::init(rank, size, id, patience, &self.errors)
     }
 
     /// [`NcclComm::split`] with this device's context current.

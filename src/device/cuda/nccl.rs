@@ -22,7 +22,7 @@ use super::memory::kernel_arg;
 use super::stream::CuStream;
 use crate::device::backend::{Op, Repr};
 use crate::device::comm::{Collective, Patience};
-use crate::device::{CommErrorKind, DType};
+use crate::device::{CommErrorKind, DType, ErrorSlot};
 use crate::{Error, Result};
 
 /// One rank's NCCL communicator; shared with the graphs that captured its operations.
@@ -64,6 +64,11 @@ struct Handle {
     comm: Mutex<Option<CommPtr>>,
     /// Set before an abort takes the lock, so that a poller learns of the abort at once.
     aborting: AtomicBool,
+    /// This process's rank in the group the communicator was made from, for the error of its
+    /// drop.
+    rank: usize,
+    /// Where its drop keeps an error, for the device's next call.
+    errors: Arc<ErrorSlot>,
 }
 
 struct CommPtr(sys::ncclComm_t);
@@ -103,8 +108,8 @@ fn config(blocking: bool) -> sys::ncclConfig_t {
 }
 
 impl Handle {
-    fn new(comm: sys::ncclComm_t) -> Handle {
-        Handle { comm: Mutex::new(Some(CommPtr(comm))), aborting: AtomicBool::new(false) }
+    fn new(comm: sys::ncclComm_t, rank: usize, errors: &Arc<ErrorSlot>) -> Handle {
+        Handle { comm: Mutex::new(Some(CommPtr(comm))), aborting: AtomicBool::new(false), rank, errors: errors.clone() }
     }
 
     fn aborted(&self) -> bool {
@@ -190,7 +195,7 @@ impl Handle {
             Ok(_) => self.settle(patience, "every rank to split the NCCL group"),
         };
         let made = made.load(Ordering::Acquire);
-        let made = (!made.is_null()).then(|| Handle::new(made));
+        let made = (!made.is_null()).then(|| Handle::new(made, self.rank, &self.errors));
         // The parent was aborted first (above): until a split succeeds, the parent's abort also
         // writes the child's abort flag, which must still exist then.
         if let (Err(_), Some(made)) = (&settled, &made) {
@@ -201,23 +206,41 @@ impl Handle {
 }
 
 impl Drop for Handle {
+    /// Destroys the communicator, or aborts one in error; what failed (NCCL's error for its
+    /// work, which no wait reported, or the destroy's) is kept for the device's next call. One
+    /// aborted before (after a failed wait, a split or a rank's death) is already reported.
     fn drop(&mut self) {
         let Some(c) = self.comm.get_mut().unwrap_or_else(PoisonError::into_inner).take() else { return };
         let mut state = sys::ncclResult_t::ncclSuccess;
         // SAFETY: a valid communicator and out-pointer.
         let asked = unsafe { sys::ncclCommGetAsyncError(c.0, &mut state) };
         let healthy = asked == sys::ncclResult_t::ncclSuccess && state == sys::ncclResult_t::ncclSuccess;
+        // An error, not one still in progress (a making never waited for: nothing to report).
+        let failed = match (asked.result(), state.result()) {
+            (Err(e), _) => Some(nccl("ncclCommGetAsyncError, as the communicator was dropped", e)),
+            (_, Err(e)) => Some(nccl("the work of a communicator dropped without a wait that reported it", e)),
+            _ => None,
+        };
         // SAFETY: the communicator is valid and no longer used by anyone (this is the last
-        // handle, graphs included). One in error is aborted: destroying it would wait for work
-        // that may wait on a rank that is gone. A failure leaves nothing to retry.
-        if !healthy {
-            let _ = unsafe { result::comm_abort(c.0) };
-        } else if unsafe { result::comm_destroy(c.0) }.is_err() {
-            // NCCL 2.28's ncclCommDestroy returns without ending the group it started when an
-            // error appeared since the check above; ending it keeps this thread's later NCCL
-            // calls from being held in that group. The communicator is left as it is: aborting
-            // it could free it twice, should the destroy have gone further.
-            let _ = result::group_end();
+        // handle, graphs included). One not healthy is aborted: destroying it would wait for
+        // work that may wait on a rank that is gone. Its abort's own failure adds nothing.
+        let failed = match healthy {
+            false => {
+                let _ = unsafe { result::comm_abort(c.0) };
+                failed
+            }
+            true => unsafe { result::comm_destroy(c.0) }.err().map(|e| {
+                // NCCL 2.28's ncclCommDestroy returns without ending the group it started when
+                // an error appeared since the check above; ending it keeps this thread's later
+                // NCCL calls from being held in that group. The communicator is left as it is:
+                // aborting it could free it twice, should the destroy have gone further.
+                let _ = result::group_end();
+                nccl("ncclCommDestroy", e)
+            }),
+        };
+        if let Some(kind) = failed {
+            let e = crate::device::comm::comm_error("dropping an NCCL communicator", self.rank, kind);
+            self.errors.record("an NCCL communicator", e);
         }
     }
 }
@@ -254,6 +277,7 @@ pub(crate) fn init(
     size: usize,
     id: &[u8; 128],
     patience: &Patience<'_>,
+    errors: &Arc<ErrorSlot>,
 ) -> Result<NcclComm, CommErrorKind> {
     present()?;
     // NCCL applies it to every communicator, over their configurations: the twins would both
@@ -277,7 +301,7 @@ pub(crate) fn init(
         let e = started.result().err().unwrap_or(result::NcclError(sys::ncclResult_t::ncclInternalError));
         return Err(nccl("ncclCommInitRankConfig", e));
     }
-    let control = Handle::new(comm);
+    let control = Handle::new(comm, rank, errors);
     if let Err(e) = started.result() {
         control.abort();
         return Err(nccl("ncclCommInitRankConfig", e));
