@@ -469,8 +469,11 @@ impl Communicator {
         let nccl_key = i32::try_from(key).map_err(|_| too_big("key"))?;
         let (dev, options) = (&self.inner.dev, self.inner.options);
         match (&self.inner.repr, dev.backend()) {
-            (Repr::Sim(link), _) => Ok(link
-                .split(color, key)
+            (Repr::Sim(link), backend) => Ok(link
+                .split(color, key, &|| match backend {
+                    super::backend::BackendImpl::Sim(sim) => sim.progress(),
+                    super::backend::BackendImpl::Cuda(_) => Vec::new(),
+                })
                 .map_err(fail)?
                 .map(|(link, rank, size)| Communicator::new(dev.clone(), rank, size, options, Repr::Sim(link)))),
             (Repr::Cuda(c), super::backend::BackendImpl::Cuda(b)) => {

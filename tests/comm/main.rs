@@ -321,6 +321,30 @@ fn a_split_fails_when_a_rank_leaves_never_calls_it_or_waits_on_another() -> anyh
     Ok(())
 }
 
+/// A GPU runs its queued collectives while its host waits in a split, so one rank may split
+/// with collectives still queued that another rank synchronizes on before it splits; on the
+/// simulator as on GPUs, under every policy (each collective after the first also waits on the
+/// one before it in its stream).
+#[test]
+fn collectives_queued_before_a_split_complete_while_their_rank_waits_in_it() -> anyhow::Result<()> {
+    for policy in Policy::ALL {
+        let out = all_ok(on_ranks(2, policy, LONG, |c| {
+            let (dev, s) = (c.device(), c.device().stream()?);
+            let (a, b) = (dev.alloc_from(&s, &[c.rank() as f32 + 1.0])?, dev.alloc_from(&s, &[10.0f32])?);
+            c.all_reduce(&s, &a)?;
+            c.all_reduce(&s, &b)?;
+            if c.rank() == 1 {
+                s.synchronize()?;
+            }
+            let group = c.split(Some(0), c.rank())?.expect("a color gives a group");
+            Ok((a.to_vec(&s)?[0], b.to_vec(&s)?[0], group.size()))
+        }))
+        .with_context(|| format!("{policy:?}"))?;
+        ensure!(out.iter().all(|&got| got == (3.0, 20.0, 2)), "{policy:?}: {out:?}");
+    }
+    Ok(())
+}
+
 /// NCCL takes colors and keys as C ints: larger ones are refused on the simulator as on GPUs,
 /// before the rank waits in the split, and the refused split is not one of the group's.
 #[test]

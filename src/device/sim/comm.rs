@@ -61,13 +61,18 @@ impl SimLink {
         &self,
         color: Option<u32>,
         key: usize,
+        progress: &Progress<'_>,
     ) -> Result<Option<(SimLink, usize, usize)>, CommErrorKind> {
-        Ok(self.rank.split(color, key)?.map(|link| {
+        Ok(self.rank.split(color, key, progress)?.map(|link| {
             let (rank, size) = (link.rank.rank, link.rank.world.size);
             (link, rank, size)
         }))
     }
 }
+
+/// Runs a rank's queued work that can run while its host waits (a GPU's progress); returns
+/// the collectives left waiting on their groups.
+pub(crate) type Progress<'a> = dyn Fn() -> Vec<Arc<Exchange>> + 'a;
 
 /// A rank of a world, as queued work refers to it.
 #[derive(Clone)]
@@ -263,8 +268,15 @@ impl Rank {
 
     /// NCCL's `ncclCommSplit`: blocks until every rank of the group called its split of the
     /// same number, then returns this rank's link in the group of the ranks that gave the same
-    /// `color`, ranked by `key` then by rank (`None` with no color).
-    pub(crate) fn split(&self, color: Option<u32>, key: usize) -> Result<Option<SimLink>, CommErrorKind> {
+    /// `color`, ranked by `key` then by rank (`None` with no color). While it waits, the rank's
+    /// queued work runs through `progress`, as a GPU's would: a collective queued before the
+    /// split reaches the ranks that wait on it.
+    pub(crate) fn split(
+        &self,
+        color: Option<u32>,
+        key: usize,
+        progress: &Progress<'_>,
+    ) -> Result<Option<SimLink>, CommErrorKind> {
         let (world, size) = (&self.world, self.world.size);
         let n = {
             let mut st = world.lock();
@@ -284,7 +296,7 @@ impl Rank {
             n
         };
         // Every rank has asked once nothing is missing at this key.
-        self.wait_for(&[Key::Split(n)])?;
+        self.wait_for(&[Key::Split(n)], Some(progress))?;
         let mut st = world.lock();
         let split = st.splits.get_mut(&n).expect("a split stays until every rank took its link");
         if !split.made {
@@ -328,30 +340,43 @@ impl Rank {
     /// Blocks until one of `keys` can finish, or fails with the group's error: a rank that left,
     /// a deadlock, the timeout.
     pub(super) fn stall(&self, keys: &[Key]) -> Result<()> {
-        self.wait_for(keys).map_err(|kind| comm_error("synchronize", self.rank, kind))
+        self.wait_for(keys, None).map_err(|kind| comm_error("synchronize", self.rank, kind))
     }
 
-    /// [`stall`](Rank::stall), failing with the error's kind; a split waits here too.
-    fn wait_for(&self, keys: &[Key]) -> Result<(), CommErrorKind> {
+    /// [`stall`](Rank::stall), failing with the error's kind; a split waits here too, running
+    /// the rank's queued work through `progress` meanwhile. The collectives of this group that
+    /// this work then waits on count among the rank's waits: it is stuck only if they are too.
+    fn wait_for(&self, keys: &[Key], progress: Option<&Progress<'_>>) -> Result<(), CommErrorKind> {
         let world = &self.world;
         let deadline = Instant::now() + world.timeout;
-        let mut st = world.lock();
-        let result = loop {
+        loop {
+            // Outside the group's lock: the work posts to it.
+            let queued = progress.map_or_else(Vec::new, |p| p());
+            let mut st = world.lock();
             if let Some(settled) = self.settled(&mut st, keys) {
-                break settled;
+                return settled;
             }
-            st.stalled[self.rank] = Some(keys.to_vec());
-            if let Some(waits) = st.deadlock() {
-                break Err(world.break_with(&mut st, CommErrorKind::Deadlock { waits }));
+            let mine = queued.iter().filter(|x| Arc::ptr_eq(&x.task.rank.world, world)).map(|x| x.key);
+            let waits: Vec<Key> = keys.iter().copied().chain(mine).collect();
+            if waits[keys.len()..].iter().any(|k| st.missing(*k, self.rank).is_empty()) {
+                // Queued work can go on: run it.
+                continue;
             }
-            let now = Instant::now();
-            if now >= deadline {
-                break Err(self.time_out(&mut st, keys[0]));
+            st.stalled[self.rank] = Some(waits);
+            let ended = if let Some(waits) = st.deadlock() {
+                Some(Err(world.break_with(&mut st, CommErrorKind::Deadlock { waits })))
+            } else if Instant::now() >= deadline {
+                Some(Err(self.time_out(&mut st, keys[0])))
+            } else {
+                let left = deadline.saturating_duration_since(Instant::now());
+                st = world.changed.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
+                None
+            };
+            st.stalled[self.rank] = None;
+            if let Some(ended) = ended {
+                return ended;
             }
-            st = world.changed.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
-        };
-        st.stalled[self.rank] = None;
-        result
+        }
     }
 
     /// How a wait on `keys` ends now, if it does: the group's error, one of them able to finish,

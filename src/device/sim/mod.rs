@@ -120,6 +120,12 @@ pub(crate) struct SimEvent {
 }
 
 impl SimDevice {
+    /// Runs the queued work that can run now (see [`Queue::run_ready`]): what a GPU does while
+    /// its host waits in a split.
+    pub(crate) fn progress(&self) -> Vec<Arc<comm::Exchange>> {
+        self.lock().queue.run_ready()
+    }
+
     pub(crate) fn new(config: SimConfig) -> SimDevice {
         let state = State {
             queue: Queue::new(config.policy, config.seed),

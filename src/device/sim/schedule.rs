@@ -177,6 +177,25 @@ impl Queue {
         self.take_failure()
     }
 
+    /// Runs every item that can run now, as a GPU runs its queue while its host waits on
+    /// something else; returns the collectives left waiting on their groups. A task's failure
+    /// is kept for the next synchronizing call.
+    pub(crate) fn run_ready(&mut self) -> Vec<Arc<Exchange>> {
+        loop {
+            let all: BTreeSet<WorkId> = self.pending.keys().copied().collect();
+            match self.pick(&all) {
+                Some(id) => self.run_one(id),
+                None => break,
+            }
+        }
+        (self.pending.values())
+            .filter_map(|w| match &w.action {
+                Action::Finish(x) if self.deps_done(w) => Some(x.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Runs everything.
     pub(crate) fn run_all(&mut self) -> Result<()> {
         let all: Vec<WorkId> = self.pending.keys().copied().collect();
