@@ -456,7 +456,9 @@ impl Exchange {
 /// one group wait on its state, with its deadlock check. Those of several groups (a split next to
 /// its world) are polled each in its own group: a key means nothing in another group's order. A
 /// rank that waits on two groups may be freed by either, so neither group can call it
-/// deadlocked; the timeout still holds.
+/// deadlocked; the timeout still holds. So does it for a cycle through two groups whose ranks
+/// each wait in one (each group sees a rank that does not wait in it): deadlocks are seen per
+/// group.
 pub(super) fn stall(waiting: &[&Arc<Exchange>]) -> Result<()> {
     let Some(first) = waiting.first() else { return Ok(()) };
     let rank = &first.task.rank;
