@@ -2,7 +2,9 @@
 //! life of the group, so that when a rank's process dies (its connection closes without a
 //! goodbye) the others know which one within milliseconds, instead of seeing a collective that
 //! never ends. Rank 0 holds a connection to every rank and tells the others which one died; they
-//! hold rank 0's. After the rendezvous, each side writes at most these lines:
+//! hold rank 0's. A host that crashes or leaves the network closes nothing: its ranks are seen
+//! by the group's timeout instead ([`ProcessGroup::wait`](super::ProcessGroup::wait)). After the
+//! rendezvous, each side writes at most these lines:
 //!
 //! ```text
 //! bye\n         this rank leaves on purpose (`leave`; a drop without it says nothing)
