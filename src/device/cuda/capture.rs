@@ -74,10 +74,10 @@ impl Holdings {
         }
     }
 
-    /// Runs `launch` while no held communicator can be aborted; `Err` with the rank of one that
-    /// was (see [`while_unaborted`](super::nccl::while_unaborted)).
-    pub(super) fn while_comms_unaborted<T>(&self, launch: impl FnOnce() -> T) -> Result<T, usize> {
-        super::nccl::while_unaborted(&self.comms, launch)
+    /// The rank of a held communicator that was aborted, if any (see
+    /// [`aborted_among`](super::nccl::aborted_among)).
+    pub(super) fn aborted_comm(&self) -> Option<usize> {
+        super::nccl::aborted_among(&self.comms)
     }
 
     /// The id of a held event, by its driver handle (as graph nodes report it).

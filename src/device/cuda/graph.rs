@@ -127,14 +127,14 @@ impl CuGraph {
 }
 
 impl CuExec {
-    /// `cuGraphLaunch` on `stream`, while none of the communicators whose collectives the graph
-    /// holds can be aborted; `Err` with the rank of one that was, launching nothing. The
-    /// device's context must be bound.
-    pub(super) fn launch(
-        &self,
-        stream: &cudarc::driver::CudaStream,
-    ) -> Result<Result<(), cudarc::driver::DriverError>, usize> {
-        self.held.while_comms_unaborted(|| lock(&self.exec).launch(stream))
+    /// `cuGraphLaunch` on `stream`. The device's context must be bound.
+    pub(super) fn launch(&self, stream: &cudarc::driver::CudaStream) -> Result<(), cudarc::driver::DriverError> {
+        lock(&self.exec).launch(stream)
+    }
+
+    /// The rank of an aborted communicator whose collectives the graph holds, if any.
+    pub(super) fn aborted_comm(&self) -> Option<usize> {
+        self.held.aborted_comm()
     }
 
     /// `cuGraphUpload` on `stream`. The device's context must be bound.

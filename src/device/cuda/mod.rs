@@ -290,14 +290,12 @@ impl Backend for CudaDevice {
     fn launch(&self, exec: &CuExec, stream: &CuStream) -> Result<()> {
         const OP: &str = "GraphExec::launch";
         self.bind(OP)?;
+        if let Some(rank) = exec.aborted_comm() {
+            let why = "the graph holds a collective of an aborted communicator; make a new group and capture again";
+            return Err(crate::device::comm::comm_error(OP, rank, crate::device::CommErrorKind::Nccl(why.into())));
+        }
         // Into a capturing stream CUDA 13.0 refuses it (Unsupported), so no capture ever needs
         // to hold what the graph holds.
-        match exec.launch(&stream.raw) {
-            Ok(launched) => launched.map_err(|e| err::at(OP, CaptureSite::Stream(stream.id), e)),
-            Err(rank) => {
-                let why = "the graph holds a collective of an aborted communicator; make a new group and capture again";
-                Err(crate::device::comm::comm_error(OP, rank, crate::device::CommErrorKind::Nccl(why.into())))
-            }
-        }
+        exec.launch(&stream.raw).map_err(|e| err::at(OP, CaptureSite::Stream(stream.id), e))
     }
 }

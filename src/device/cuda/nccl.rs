@@ -38,24 +38,14 @@ pub(crate) struct NcclInner {
     control: Handle,
 }
 
-/// Runs `launch` (of a graph that captured collectives of `comms`) while none of them can be
-/// aborted, their collectives' locks held; `Err` with the rank of one that was aborted (its
-/// collectives would run on freed resources), launching nothing. Held in one order (by
-/// address), so that two launches sharing communicators never wait on each other.
-pub(super) fn while_unaborted<T>(comms: &[Arc<NcclInner>], launch: impl FnOnce() -> T) -> Result<T, usize> {
-    let mut order: Vec<&Arc<NcclInner>> = comms.iter().collect();
-    order.sort_by_key(|c| Arc::as_ptr(c));
-    order.dedup_by_key(|c| Arc::as_ptr(c));
-    let mut held = Vec::with_capacity(order.len());
-    for c in order {
-        let guard = c.data.comm.lock().unwrap_or_else(PoisonError::into_inner);
-        // An abort under way (its flag set, the lock not yet taken) refuses too.
-        if guard.is_none() || c.data.aborted() {
-            return Err(c.rank);
-        }
-        held.push(guard);
-    }
-    Ok(launch())
+/// The rank of an aborted communicator among `comms` (those whose collectives a graph
+/// captured), if any: launching the graph would run NCCL's kernels on freed resources. Checked
+/// just before a launch, without holding the communicators for it: a launch can block (CUDA's
+/// queue full behind a collective that waits on a dead rank) until the abort that ends that
+/// collective, so holding them would keep the abort from ever running. An abort that lands
+/// between this check and the launch is not seen.
+pub(super) fn aborted_among(comms: &[Arc<NcclInner>]) -> Option<usize> {
+    comms.iter().find(|c| c.data.aborted()).map(|c| c.rank)
 }
 
 /// One NCCL communicator, used under a lock (NCCL's calls on a communicator must not run
