@@ -252,7 +252,7 @@ impl Communicator {
                 return Err(Error::Unsupported { op: "Communicator::sim_group", backend, why });
             }
         }
-        let links = sim::SimLink::group(devices.len(), options.timeout);
+        let links = sim::SimLink::group(devices.iter().map(Device::id).collect(), options.timeout);
         Ok(devices
             .iter()
             .zip(links)

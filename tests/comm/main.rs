@@ -190,6 +190,42 @@ fn ranks_that_wait_on_each_other_get_a_deadlock_not_a_hang() -> anyhow::Result<(
     Ok(())
 }
 
+/// The grid's order bug: each rank issues a world all-reduce and one of a split group in the
+/// other rank's opposite order, so each waits in a different group on the other. Neither group
+/// alone sees every rank waiting in it, but the cycle through both is a deadlock on both ranks,
+/// under every policy, not the timeout; the same collectives in one order meet.
+#[test]
+fn a_deadlock_through_two_groups_is_seen_on_every_rank() -> anyhow::Result<()> {
+    for policy in Policy::ALL {
+        for crossed in [true, false] {
+            let out = on_ranks(2, policy, LONG, |c| {
+                let group = c.split(Some(0), c.rank())?.expect("a color gives a group");
+                let (dev, s) = (c.device(), c.device().stream()?);
+                let (x, y) = (dev.alloc_from(&s, &[1.0f32; 4])?, dev.alloc_from(&s, &[2.0f32; 4])?);
+                match crossed && c.rank() == 1 {
+                    true => group.all_reduce(&s, &y).and_then(|()| c.all_reduce(&s, &x))?,
+                    false => c.all_reduce(&s, &x).and_then(|()| group.all_reduce(&s, &y))?,
+                }
+                s.synchronize()?;
+                Ok((x.to_vec(&s)?[0], y.to_vec(&s)?[0]))
+            });
+            for (r, res) in out.iter().enumerate() {
+                match (crossed, res) {
+                    (true, _) => {
+                        let Some(CommErrorKind::Deadlock { waits }) = kind_of(res) else {
+                            anyhow::bail!("{policy:?}, rank {r}: {res:?}")
+                        };
+                        ensure!(waits.contains("in a group of 2, rank"), "{waits}");
+                    }
+                    (false, Ok(got)) => ensure!(*got == (2.0, 4.0), "{policy:?}, rank {r}: {got:?}"),
+                    (false, Err(e)) => anyhow::bail!("{policy:?}, rank {r}, one order: {e}"),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn a_rank_that_leaves_fails_the_others() -> anyhow::Result<()> {
     let out = on_ranks(2, Policy::Random, LONG, |c| {

@@ -8,8 +8,8 @@
 //! into typed errors: operations that differ at one key, a rank that left, every rank stalled
 //! on another (a deadlock), and a wait past the group's timeout.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
@@ -18,7 +18,7 @@ use super::task::SimMem;
 use crate::device::backend::Repr;
 use crate::device::comm::{comm_error, Collective};
 use crate::device::memory::Block;
-use crate::device::{CommErrorKind, DType};
+use crate::device::{CommErrorKind, DType, DeviceId};
 use crate::{Error, Result};
 
 /// One rank's membership of a simulated group; dropping it tells the others this rank left.
@@ -35,10 +35,12 @@ impl Drop for SimLink {
 }
 
 impl SimLink {
-    /// The links of a new group of `size` ranks.
-    pub(crate) fn group(size: usize, timeout: Duration) -> Vec<SimLink> {
+    /// The links of a new group, rank `r` on device `devices[r]`.
+    pub(crate) fn group(devices: Vec<DeviceId>, timeout: Duration) -> Vec<SimLink> {
+        let size = devices.len();
         let world = Arc::new(World {
             size,
+            devices,
             timeout,
             state: Mutex::new(WorldState {
                 issued: vec![0; size],
@@ -120,6 +122,9 @@ struct Slot {
 
 struct World {
     size: usize,
+    /// Each rank's device: the same device in two groups is one waiter, which is how a deadlock
+    /// through several groups is seen.
+    devices: Vec<DeviceId>,
     timeout: Duration,
     state: Mutex<WorldState>,
     changed: Condvar,
@@ -206,6 +211,68 @@ impl WorldState {
         let missing: Vec<String> = self.missing(key, rank).iter().map(|r| r.to_string()).collect();
         format!("rank {rank} waits in {what} for rank {}", missing.join(", "))
     }
+}
+
+/// Where hosts wait now: each stalled rank's device, group and rank in it. It only locates
+/// them; each group's `stalled` says whether the rank still waits, and both change under the
+/// group's lock.
+static WAITING: Mutex<Vec<(DeviceId, Arc<World>, usize)>> = Mutex::new(Vec::new());
+
+/// How often a stalled rank looks for a deadlock through several groups.
+const ACROSS_EVERY: Duration = Duration::from_millis(20);
+
+/// Looks for a deadlock that runs through several groups, from the device `start` whose host
+/// waits: every device its waits need (in any group) waits too, in groups where nothing it
+/// waits on can finish. Breaks every group of the cycle with [`CommErrorKind::Deadlock`] and
+/// says whether it did. The groups are only tried (one another thread holds is changing, and a
+/// later check sees it), so that no order of locks can block.
+fn deadlock_across(start: DeviceId) -> bool {
+    let entries = WAITING.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let mut locked: Vec<(&Arc<World>, MutexGuard<'_, WorldState>)> = Vec::new();
+    for (_, w, _) in &entries {
+        if locked.iter().any(|(x, _)| Arc::ptr_eq(x, w)) {
+            continue;
+        }
+        match w.state.try_lock() {
+            Ok(st) => locked.push((w, st)),
+            Err(TryLockError::Poisoned(p)) => locked.push((w, p.into_inner())),
+            Err(TryLockError::WouldBlock) => return false,
+        }
+    }
+    let (mut seen, mut todo, mut waits, mut cycle) = (HashSet::new(), vec![start], Vec::new(), Vec::new());
+    while let Some(device) = todo.pop() {
+        if !seen.insert(device) {
+            continue;
+        }
+        let mut waits_somewhere = false;
+        for (_, w, r) in entries.iter().filter(|(d, ..)| *d == device) {
+            let Some(i) = locked.iter().position(|(x, _)| Arc::ptr_eq(x, w)) else { return false };
+            let st = &locked[i].1;
+            let Some(keys) = &st.stalled[*r] else { continue };
+            waits_somewhere = true;
+            for k in keys {
+                let missing = st.missing(*k, *r);
+                // One that can finish, or a rank gone (its own error): no deadlock.
+                if missing.is_empty() || missing.iter().any(|m| st.gone[*m]) {
+                    return false;
+                }
+                todo.extend(missing.iter().map(|m| w.devices[*m]));
+            }
+            waits.push(format!("in a group of {}, {}", w.size, st.describe(keys[0], *r)));
+            cycle.push(i);
+        }
+        if !waits_somewhere {
+            return false;
+        }
+    }
+    let waits = waits.join("; ");
+    cycle.sort_unstable();
+    cycle.dedup();
+    for i in cycle {
+        let (w, st) = &mut locked[i];
+        w.break_with(st, CommErrorKind::Deadlock { waits: waits.clone() });
+    }
+    true
 }
 
 impl Rank {
@@ -307,7 +374,8 @@ impl Rank {
             for c in colors {
                 let mut members: Vec<usize> = (0..size).filter(|&r| asks[r].0 == Some(c)).collect();
                 members.sort_by_key(|&r| (asks[r].1, r));
-                let links = SimLink::group(members.len(), world.timeout);
+                let devices = members.iter().map(|&r| world.devices[r]).collect();
+                let links = SimLink::group(devices, world.timeout);
                 for (r, link) in members.into_iter().zip(links) {
                     split.links[r] = Some(link);
                 }
@@ -362,21 +430,53 @@ impl Rank {
                 // Queued work can go on: run it.
                 continue;
             }
-            st.stalled[self.rank] = Some(waits);
-            let ended = if let Some(waits) = st.deadlock() {
-                Some(Err(world.break_with(&mut st, CommErrorKind::Deadlock { waits })))
+            self.stall_on(&mut st, waits);
+            if let Some(waits) = st.deadlock() {
+                let kind = world.break_with(&mut st, CommErrorKind::Deadlock { waits });
+                self.unstall(&mut st);
+                return Err(kind);
+            }
+            // A cycle through other groups too, looked for without this group's lock (the check
+            // takes every group's it needs); it breaks this group if it finds one.
+            drop(st);
+            deadlock_across(self.device());
+            let mut st = world.lock();
+            let ended = if let Some(settled) = self.settled(&mut st, keys) {
+                Some(settled)
             } else if Instant::now() >= deadline {
                 Some(Err(self.time_out(&mut st, keys[0])))
             } else {
-                let left = deadline.saturating_duration_since(Instant::now());
+                let left = deadline.saturating_duration_since(Instant::now()).min(ACROSS_EVERY);
                 st = world.changed.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
                 None
             };
-            st.stalled[self.rank] = None;
+            self.unstall(&mut st);
             if let Some(ended) = ended {
                 return ended;
             }
         }
+    }
+
+    /// This rank's device: the waiter it is in every group.
+    fn device(&self) -> DeviceId {
+        self.world.devices[self.rank]
+    }
+
+    /// Marks this rank stalled on `keys` (`st` is its group's state, locked), where a check
+    /// across groups finds it.
+    fn stall_on(&self, st: &mut WorldState, keys: Vec<Key>) {
+        st.stalled[self.rank] = Some(keys);
+        let mut waiting = WAITING.lock().unwrap_or_else(PoisonError::into_inner);
+        if !waiting.iter().any(|(_, w, r)| Arc::ptr_eq(w, &self.world) && *r == self.rank) {
+            waiting.push((self.device(), self.world.clone(), self.rank));
+        }
+    }
+
+    /// Undoes [`stall_on`](Rank::stall_on).
+    fn unstall(&self, st: &mut WorldState) {
+        st.stalled[self.rank] = None;
+        let mut waiting = WAITING.lock().unwrap_or_else(PoisonError::into_inner);
+        waiting.retain(|(_, w, r)| !(Arc::ptr_eq(w, &self.world) && *r == self.rank));
     }
 
     /// How a wait on `keys` ends now, if it does: the group's error, one of them able to finish,
@@ -455,10 +555,9 @@ impl Exchange {
 /// Blocks until one of `waiting` can finish, or fails with a group's error. The collectives of
 /// one group wait on its state, with its deadlock check. Those of several groups (a split next to
 /// its world) are polled each in its own group: a key means nothing in another group's order. A
-/// rank that waits on two groups may be freed by either, so neither group can call it
-/// deadlocked; the timeout still holds. So does it for a cycle through two groups whose ranks
-/// each wait in one (each group sees a rank that does not wait in it): deadlocks are seen per
-/// group.
+/// rank that waits on two groups may be freed by either, so neither group alone can call it
+/// deadlocked: the check across groups ([`deadlock_across`]) does, when nothing it waits on in
+/// any group can finish.
 pub(super) fn stall(waiting: &[&Arc<Exchange>]) -> Result<()> {
     let Some(first) = waiting.first() else { return Ok(()) };
     let rank = &first.task.rank;
@@ -467,23 +566,39 @@ pub(super) fn stall(waiting: &[&Arc<Exchange>]) -> Result<()> {
         return rank.stall(&keys);
     }
     let deadline = Instant::now() + waiting.iter().map(|x| x.task.rank.world.timeout).min().unwrap_or_default();
-    loop {
+    let mut checked = Instant::now();
+    let ended = 'wait: loop {
         for x in waiting {
             let r = &x.task.rank;
             if let Some(settled) = r.settled(&mut r.world.lock(), &[x.key]) {
-                return settled.map_err(|kind| comm_error("synchronize", r.rank, kind));
+                break 'wait settled.map_err(|kind| comm_error("synchronize", r.rank, kind));
             }
         }
         let now = Instant::now();
         if now >= deadline {
             let kind = rank.time_out(&mut rank.world.lock(), first.key);
-            return Err(comm_error("synchronize", rank.rank, kind));
+            break Err(comm_error("synchronize", rank.rank, kind));
+        }
+        // Stalled in each of its groups, on that group's keys, for the check across groups.
+        for x in waiting {
+            let r = &x.task.rank;
+            let keys = waiting.iter().filter(|y| Arc::ptr_eq(&y.task.rank.world, &r.world)).map(|y| y.key).collect();
+            r.stall_on(&mut r.world.lock(), keys);
+        }
+        if now.duration_since(checked) >= ACROSS_EVERY {
+            deadlock_across(rank.device());
+            checked = now;
         }
         // Woken by the first group's changes; the others are looked at again soon.
         let st = rank.world.lock();
         let slice = (deadline - now).min(Duration::from_millis(1));
         drop(rank.world.changed.wait_timeout(st, slice).unwrap_or_else(|p| p.into_inner()));
+    };
+    for x in waiting {
+        let r = &x.task.rank;
+        r.unstall(&mut r.world.lock());
     }
+    ended
 }
 
 impl CollectiveTask {
