@@ -381,6 +381,32 @@ fn collectives_queued_before_a_split_complete_while_their_rank_waits_in_it() -> 
     Ok(())
 }
 
+/// A rank whose host waits on one stream's collective while its arrival at another, earlier
+/// collective sits on a stream it has not synchronized: a GPU runs that arrival anyway, so the
+/// peer waiting on it goes on, and so does the simulator, under every policy (no false deadlock).
+#[test]
+fn a_collective_on_a_stream_not_waited_for_still_reaches_its_peers() -> anyhow::Result<()> {
+    for policy in Policy::ALL {
+        let out = all_ok(on_ranks(2, policy, LONG, |c| {
+            let dev = c.device();
+            let (a, b) = (dev.stream()?, dev.stream()?);
+            let (x, y) = (dev.alloc_from(&a, &[1.0f32])?, dev.alloc_from(&b, &[2.0f32])?);
+            a.synchronize()?;
+            c.all_reduce(&a, &x)?;
+            c.all_reduce(&b, &y)?;
+            // Rank 0 waits for the second collective first, rank 1 for the first.
+            match c.rank() {
+                0 => b.synchronize().and_then(|()| a.synchronize())?,
+                _ => a.synchronize().and_then(|()| b.synchronize())?,
+            }
+            Ok((x.to_vec(&a)?[0], y.to_vec(&b)?[0]))
+        }))
+        .with_context(|| format!("{policy:?}"))?;
+        ensure!(out.iter().all(|&got| got == (2.0, 4.0)), "{policy:?}: {out:?}");
+    }
+    Ok(())
+}
+
 /// NCCL takes colors and keys as C ints: larger ones are refused on the simulator as on GPUs,
 /// before the rank waits in the split, and the refused split is not one of the group's.
 #[test]

@@ -116,6 +116,12 @@ impl Queue {
         }
     }
 
+    /// A runnable item of the whole queue, needed or not.
+    fn pick_any(&mut self) -> Option<WorkId> {
+        let all: BTreeSet<WorkId> = self.pending.keys().copied().collect();
+        self.pick(&all)
+    }
+
     fn run_one(&mut self, id: WorkId) {
         let work = self.pending.remove(&id).expect("picked work is pending");
         let ran = match work.action {
@@ -151,6 +157,13 @@ impl Queue {
         let mut need = self.closure(targets);
         while targets.iter().any(|t| !self.is_done(*t)) {
             let Some(id) = self.pick(&need) else {
+                // Before the host blocks on other ranks, the rest of the queue runs what it can,
+                // as a GPU would: a collective's arrival that another rank waits for may be
+                // among it.
+                if let Some(id) = self.pick_any() {
+                    self.run_one(id);
+                    continue;
+                }
                 if self.stall(&need)? {
                     continue;
                 }
@@ -181,12 +194,8 @@ impl Queue {
     /// something else; returns the collectives left waiting on their groups. A task's failure
     /// is kept for the next synchronizing call.
     pub(crate) fn run_ready(&mut self) -> Vec<Arc<Exchange>> {
-        loop {
-            let all: BTreeSet<WorkId> = self.pending.keys().copied().collect();
-            match self.pick(&all) {
-                Some(id) => self.run_one(id),
-                None => break,
-            }
+        while let Some(id) = self.pick_any() {
+            self.run_one(id);
         }
         (self.pending.values())
             .filter_map(|w| match &w.action {
