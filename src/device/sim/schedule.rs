@@ -140,8 +140,9 @@ impl Queue {
     /// with the group's error.
     fn stall(&mut self, need: &BTreeSet<WorkId>) -> Result<bool> {
         let waiting: Vec<&Arc<Exchange>> = (need.iter())
-            .filter_map(|id| match &self.pending[id].action {
-                Action::Finish(x) if self.deps_done(&self.pending[id]) => Some(x),
+            .filter_map(|id| self.pending.get(id))
+            .filter_map(|w| match &w.action {
+                Action::Finish(x) if self.deps_done(w) => Some(x),
                 _ => None,
             })
             .collect();
@@ -156,14 +157,11 @@ impl Queue {
     pub(crate) fn run_until(&mut self, targets: &[WorkId]) -> Result<()> {
         let mut need = self.closure(targets);
         while targets.iter().any(|t| !self.is_done(*t)) {
-            let Some(id) = self.pick(&need) else {
-                // Before the host blocks on other ranks, the rest of the queue runs what it can,
-                // as a GPU would: a collective's arrival that another rank waits for may be
-                // among it.
-                if let Some(id) = self.pick_any() {
-                    self.run_one(id);
-                    continue;
-                }
+            // Before the host blocks on other ranks, the rest of the queue runs what it can, as
+            // a GPU would: a collective's arrival that another rank waits for may be among it.
+            // (What it picks may be needed after all: a collective's finish turns ready when a
+            // peer posts.)
+            let Some(id) = self.pick(&need).or_else(|| self.pick_any()) else {
                 if self.stall(&need)? {
                     continue;
                 }
