@@ -223,10 +223,10 @@ const ACROSS_EVERY: Duration = Duration::from_millis(20);
 
 /// Looks for a deadlock that runs through several groups, from the device `start` whose host
 /// waits: every device its waits need (in any group) waits too, in groups where nothing it
-/// waits on can finish. Breaks every group of the cycle with [`CommErrorKind::Deadlock`] and
-/// says whether it did. The groups are only tried (one another thread holds is changing, and a
-/// later check sees it), so that no order of locks can block.
-fn deadlock_across(start: DeviceId) -> bool {
+/// waits on can finish. Breaks every group of the cycle with [`CommErrorKind::Deadlock`], which
+/// their waiting ranks then see. The groups are only tried (one another thread holds is
+/// changing, and a later check sees it), so that no order of locks can block.
+fn deadlock_across(start: DeviceId) {
     let entries = WAITING.lock().unwrap_or_else(PoisonError::into_inner).clone();
     let mut locked: Vec<(&Arc<World>, MutexGuard<'_, WorldState>)> = Vec::new();
     for (_, w, _) in &entries {
@@ -236,7 +236,7 @@ fn deadlock_across(start: DeviceId) -> bool {
         match w.state.try_lock() {
             Ok(st) => locked.push((w, st)),
             Err(TryLockError::Poisoned(p)) => locked.push((w, p.into_inner())),
-            Err(TryLockError::WouldBlock) => return false,
+            Err(TryLockError::WouldBlock) => return,
         }
     }
     let (mut seen, mut todo, mut waits, mut cycle) = (HashSet::new(), vec![start], Vec::new(), Vec::new());
@@ -246,7 +246,7 @@ fn deadlock_across(start: DeviceId) -> bool {
         }
         let mut waits_somewhere = false;
         for (_, w, r) in entries.iter().filter(|(d, ..)| *d == device) {
-            let Some(i) = locked.iter().position(|(x, _)| Arc::ptr_eq(x, w)) else { return false };
+            let Some(i) = locked.iter().position(|(x, _)| Arc::ptr_eq(x, w)) else { return };
             let st = &locked[i].1;
             let Some(keys) = &st.stalled[*r] else { continue };
             waits_somewhere = true;
@@ -254,7 +254,7 @@ fn deadlock_across(start: DeviceId) -> bool {
                 let missing = st.missing(*k, *r);
                 // One that can finish, or a rank gone (its own error): no deadlock.
                 if missing.is_empty() || missing.iter().any(|m| st.gone[*m]) {
-                    return false;
+                    return;
                 }
                 todo.extend(missing.iter().map(|m| w.devices[*m]));
             }
@@ -262,7 +262,7 @@ fn deadlock_across(start: DeviceId) -> bool {
             cycle.push(i);
         }
         if !waits_somewhere {
-            return false;
+            return;
         }
     }
     let waits = waits.join("; ");
@@ -272,7 +272,6 @@ fn deadlock_across(start: DeviceId) -> bool {
         let (w, st) = &mut locked[i];
         w.break_with(st, CommErrorKind::Deadlock { waits: waits.clone() });
     }
-    true
 }
 
 impl Rank {
@@ -566,6 +565,13 @@ pub(super) fn stall(waiting: &[&Arc<Exchange>]) -> Result<()> {
         return rank.stall(&keys);
     }
     let deadline = Instant::now() + waiting.iter().map(|x| x.task.rank.world.timeout).min().unwrap_or_default();
+    // Stalled in each of its groups, on that group's keys, for the check across groups (a key
+    // that can finish makes no deadlock, so marking before the first look is safe).
+    for x in waiting {
+        let r = &x.task.rank;
+        let keys = waiting.iter().filter(|y| Arc::ptr_eq(&y.task.rank.world, &r.world)).map(|y| y.key).collect();
+        r.stall_on(&mut r.world.lock(), keys);
+    }
     let mut checked = Instant::now();
     let ended = 'wait: loop {
         for x in waiting {
@@ -578,12 +584,6 @@ pub(super) fn stall(waiting: &[&Arc<Exchange>]) -> Result<()> {
         if now >= deadline {
             let kind = rank.time_out(&mut rank.world.lock(), first.key);
             break Err(comm_error("synchronize", rank.rank, kind));
-        }
-        // Stalled in each of its groups, on that group's keys, for the check across groups.
-        for x in waiting {
-            let r = &x.task.rank;
-            let keys = waiting.iter().filter(|y| Arc::ptr_eq(&y.task.rank.world, &r.world)).map(|y| y.key).collect();
-            r.stall_on(&mut r.world.lock(), keys);
         }
         if now.duration_since(checked) >= ACROSS_EVERY {
             deadlock_across(rank.device());
