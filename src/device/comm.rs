@@ -242,13 +242,16 @@ impl Communicator {
     /// [`Error::Unsupported`] when a device is not a simulator or a device appears twice.
     pub fn sim_group(devices: &[Device], options: CommOptions) -> Result<Vec<Communicator>> {
         for (i, d) in devices.iter().enumerate() {
-            let (backend, why) = match d.backend() {
-                super::backend::BackendImpl::Sim(_) => ("sim", "a device appears twice; give each rank its own"),
+            let refused = match d.backend() {
                 super::backend::BackendImpl::Cuda(_) => {
-                    ("cuda", "a simulated group takes simulator devices; on GPUs use Communicator::nccl")
+                    Some(("cuda", "a simulated group takes simulator devices; on GPUs use Communicator::nccl"))
                 }
+                super::backend::BackendImpl::Sim(_) if devices[..i].iter().any(|e| e.id() == d.id()) => {
+                    Some(("sim", "a device appears twice; give each rank its own"))
+                }
+                super::backend::BackendImpl::Sim(_) => None,
             };
-            if backend == "cuda" || devices[..i].iter().any(|e| e.id() == d.id()) {
+            if let Some((backend, why)) = refused {
                 return Err(Error::Unsupported { op: "Communicator::sim_group", backend, why });
             }
         }
@@ -469,11 +472,8 @@ impl Communicator {
         let nccl_key = i32::try_from(key).map_err(|_| too_big("key"))?;
         let (dev, options) = (&self.inner.dev, self.inner.options);
         match (&self.inner.repr, dev.backend()) {
-            (Repr::Sim(link), backend) => Ok(link
-                .split(color, key, &|| match backend {
-                    super::backend::BackendImpl::Sim(sim) => sim.progress(),
-                    super::backend::BackendImpl::Cuda(_) => Vec::new(),
-                })
+            (Repr::Sim(link), super::backend::BackendImpl::Sim(sim)) => Ok(link
+                .split(color, key, &|| sim.progress())
                 .map_err(fail)?
                 .map(|(link, rank, size)| Communicator::new(dev.clone(), rank, size, options, Repr::Sim(link)))),
             (Repr::Cuda(c), super::backend::BackendImpl::Cuda(b)) => {
@@ -487,6 +487,9 @@ impl Communicator {
             }
             (Repr::Cuda(_), super::backend::BackendImpl::Sim(_)) => {
                 Err(fail(CommErrorKind::Nccl("an NCCL communicator on a simulated device".into())))
+            }
+            (Repr::Sim(_), super::backend::BackendImpl::Cuda(_)) => {
+                Err(fail(CommErrorKind::Nccl("a simulated communicator on a GPU".into())))
             }
         }
     }
@@ -597,7 +600,7 @@ impl Communicator {
                 Transfer::Send(v, peer) => (Collective::Send(*peer), v, AccessMode::Read, *peer),
                 Transfer::Recv(v, peer) => (Collective::Recv(*peer), v, AccessMode::Write, *peer),
             };
-            self.peer(kind, peer)?;
+            self.check_peer(kind.name(), peer)?;
             planned.push(Planned { kind, first: (view, mode), second: None, count: view.len() });
         }
         self.enqueue(stream, &planned)
@@ -655,9 +658,10 @@ impl Communicator {
         Ok(())
     }
 
-    fn peer(&self, op: Collective, peer: usize) -> Result<()> {
+    /// Refuses a peer outside the group, or this rank, for `op`.
+    pub(crate) fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
         if peer >= self.size() || peer == self.rank() {
-            return Err(comm_error(op.name(), self.rank(), CommErrorKind::BadPeer { peer, size: self.size() }));
+            return Err(comm_error(op, self.rank(), CommErrorKind::BadPeer { peer, size: self.size() }));
         }
         Ok(())
     }

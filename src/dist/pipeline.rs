@@ -2,7 +2,7 @@
 //! hands activations forward and gradients back between stages, one rank per stage, over a
 //! [`Communicator`] whose rank `s` is stage `s`.
 
-use crate::device::{with_dtype, CommErrorKind, Communicator, DType, Event, Stream, Transfer};
+use crate::device::{with_dtype, Communicator, DType, Event, Stream, Transfer};
 use crate::graph::{make_graphed_fn, GraphedFn};
 use crate::memory::CachingAllocator;
 use crate::nn::{ScheduleErrorKind, StageLinks};
@@ -156,10 +156,8 @@ impl P2pLinks {
     /// sends against the boundary (a peer would receive a different count: NCCL would hang or
     /// corrupt memory), before anything is enqueued or kept.
     fn check(&self, index: usize, sends: &[(usize, Tensor)], recvs: &[usize]) -> Result<()> {
-        let (rank, size) = (self.comm.rank(), self.comm.size());
-        if let Some(&peer) = sends.iter().map(|(p, _)| p).chain(recvs).find(|&&p| p >= size || p == rank) {
-            let kind = CommErrorKind::BadPeer { peer, size };
-            return Err(Error::Comm { op: "P2pLinks::exchange", rank, kind });
+        for &peer in sends.iter().map(|(p, _)| p).chain(recvs) {
+            self.comm.check_peer("P2pLinks::exchange", peer)?;
         }
         let numel: usize = self.shape.iter().product();
         for (peer, t) in sends {

@@ -88,11 +88,7 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
                     }
                     Some((r, _)) => {
                         if theirs != model && mismatch.is_none() {
-                            mismatch = Some(CommErrorKind::ModelMismatch {
-                                rank: r,
-                                ours: model.into(),
-                                theirs: theirs.clone(),
-                            });
+                            mismatch = Some((r, theirs.clone()));
                         }
                         peers.push((r, stream, theirs));
                         continue;
@@ -113,7 +109,7 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
                         env.master_addr,
                         env.master_port
                     );
-                    refuse_all(&mut peers, &mut strays, &what);
+                    refuse_all(&mut peers, &mut strays, &format!("refused {what}"));
                     return Err(rdzv(0, what));
                 }
                 std::thread::sleep(Duration::from_millis(5));
@@ -121,15 +117,13 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
             Err(e) => return Err(rdzv(0, e.to_string())),
         }
     }
-    if let Some(kind) = mismatch {
-        if let CommErrorKind::ModelMismatch { rank, ours, theirs } = &kind {
-            refuse_all(&mut peers, &mut strays, &format!("{MISMATCH}{rank}\n{ours}\n{theirs}"));
-        }
-        return Err(fail(0, kind));
+    if let Some((rank, theirs)) = mismatch {
+        refuse_all(&mut peers, &mut strays, &format!("{MISMATCH}{rank}\n{model}\n{theirs}"));
+        return Err(fail(0, CommErrorKind::ModelMismatch { rank, ours: model.into(), theirs }));
     }
     if !problems.is_empty() {
         let what = problems.join("; ");
-        refuse_all(&mut peers, &mut strays, &what);
+        refuse_all(&mut peers, &mut strays, &format!("refused {what}"));
         return Err(rdzv(0, what));
     }
     let hex: String = payload.iter().map(|b| format!("{b:02x}")).collect();
@@ -145,12 +139,8 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
 /// The answer that names a rank building another model (followed by both models' lines).
 const MISMATCH: &str = "mismatch ";
 
-/// Answers every connection with `answer` (`refused <why>` unless it is a mismatch's).
+/// Answers every connection with `answer` (a `refused` line, or a mismatch's lines).
 fn refuse_all(peers: &mut [(usize, TcpStream, String)], strays: &mut [TcpStream], answer: &str) {
-    let answer = match answer.starts_with(MISMATCH) {
-        true => answer.to_string(),
-        false => format!("refused {answer}"),
-    };
     for stream in peers.iter_mut().map(|p| &mut p.1).chain(strays) {
         // A rank that left already learns nothing; its own timeout ends it.
         let _ = writeln!(stream, "{answer}");
