@@ -166,6 +166,10 @@ pub enum Error {
         kind: crate::graph::GraphedErrorKind,
     },
 
+    /// A model configuration the kernels cannot run ([`GptConfig::validate`](crate::nn::GptConfig::validate)).
+    #[error("model configuration: {0}")]
+    Config(crate::nn::ConfigLimit),
+
     /// A checkpoint file could not be saved, read or used; `kind` says what and what to do.
     #[error("checkpoint {path}: {kind}")]
     Checkpoint {

@@ -15,12 +15,11 @@ fn main() -> ExitCode {
         .without_time()
         .with_writer(std::io::stderr)
         .init();
+    // clap's own refusals of the arguments exit with 2, as `exit::Refused` does.
     let args = <cli::args::Cli as clap::Parser>::parse();
-    match cli::run(args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("graphed: {e:#}");
-            ExitCode::from(2)
-        }
+    let outcome = cli::run(args);
+    if let Err(e) = &outcome {
+        eprintln!("graphed: {e:#}");
     }
+    cli::exit::code(&outcome)
 }

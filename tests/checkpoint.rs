@@ -120,7 +120,7 @@ fn train_resumes_bit_for_bit() {
     };
     refused(&["--dropout", "0.2", "--resume", "half"], "dropout");
     // Resumed past where the run stops, or from a step count past the run's: refused, naming it.
-    refused(&["--dropout", "0.1", "--resume", "half", "--stop-at", "10"], "past --stop-at 10");
+    refused(&["--dropout", "0.1", "--resume", "half", "--stop-at", "10"], "not before --stop-at 10");
     let mut damaged = load("half");
     damaged.set_meta("done", "1000000000000000");
     std::fs::create_dir_all(dir.join("damaged")).unwrap();

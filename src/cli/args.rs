@@ -3,6 +3,8 @@
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use graphed::device::{DType, Policy};
 
+use super::exit::Refused;
+
 /// Capture training steps into CUDA graphs and replay them; with a CPU simulator of CUDA.
 #[derive(Parser, Debug)]
 #[command(name = "graphed", version, about)]
@@ -172,6 +174,15 @@ impl ConfigsArgs {
     }
 }
 
+/// What `train` does with a step whose gradients are not finite.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NonFiniteArg {
+    /// Stop with an error naming the step; the parameters stay those of the last good step.
+    Stop,
+    /// Skip the step's update, count it, and go on.
+    Skip,
+}
+
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DTypeArg {
     Bf16,
@@ -258,25 +269,41 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(2..=4096))]
     pub context: u32,
     /// Save the model, the optimizer and the data position to `DIR/checkpoint.safetensors` at the
-    /// end (written whole, then renamed over the previous one).
+    /// end, and when interrupted (written whole, then renamed over the previous one). Checked
+    /// writable before the first step.
     #[arg(long, value_name = "DIR")]
     pub save: Option<std::path::PathBuf>,
+    /// Also save every N steps (with `--save`), so that a killed run loses at most N steps.
+    #[arg(long = "save-every", value_name = "N", requires = "save", value_parser = clap::value_parser!(u32).range(1..))]
+    pub save_every: Option<u32>,
     /// Continue the run saved in `DIR` (started with the same settings) from where it stopped,
     /// bit for bit as if it had not.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<std::path::PathBuf>,
-    /// Write each reported loss as a JSON line (`{"step", "loss", "seconds"}`) to this file.
+    /// With `--resume`: accept a `--data` file whose size or contents differ from the one the
+    /// checkpoint was trained on (refused otherwise).
+    #[arg(long = "accept-changed-data", requires_all = ["resume", "data"])]
+    pub accept_changed_data: bool,
+    /// Write each reported loss as a JSON line (`{"step", "loss", "seconds"}`) to this file, each
+    /// line flushed as it is reported; a resumed run appends to it (dropping the lines of steps
+    /// after the checkpoint).
     #[arg(long, value_name = "FILE")]
     pub metrics: Option<std::path::PathBuf>,
-    /// Draw the loss curve as an SVG chart to this file at the end.
+    /// Draw the loss curve as an SVG chart to this file at the end (and when interrupted).
     #[arg(long, value_name = "FILE")]
     pub plot: Option<std::path::PathBuf>,
-    /// Stop after this step of the planned `--steps` (with `--save`, to continue later with
+    /// Stop after this many of the planned `--steps` (with `--save`, to continue later with
     /// `--resume`).
-    #[arg(long = "stop-at", value_name = "STEP")]
+    #[arg(long = "stop-at", value_name = "STEP", value_parser = clap::value_parser!(u32).range(1..))]
     pub stop_at: Option<u32>,
-    /// Held-out sums to evaluate on (default: 1000 on CUDA, 100 on the simulator).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    /// What a step whose gradients are not finite (NaN or infinite) does: stop the run with an
+    /// error naming it (keeping the last good parameters, never saving the bad ones), or skip its
+    /// update and go on.
+    #[arg(long = "on-nonfinite", value_enum, default_value_t = NonFiniteArg::Stop)]
+    pub on_nonfinite: NonFiniteArg,
+    /// Held-out sums to evaluate on (default: 1000 on CUDA, 100 on the simulator; the addition
+    /// task only).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000), conflicts_with = "data")]
     pub eval: Option<u32>,
     /// Seed of the data, initialization and dropout.
     #[arg(long, default_value_t = 0)]
@@ -404,22 +431,40 @@ pub struct InspectArgs {
 /// rank of one stage, all its chunks on this GPU.
 #[derive(Args, Debug, Clone)]
 pub struct ScheduleArgs {
-    /// Microbatches per step.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    pub microbatches: u32,
-    /// Model chunks (virtual pipeline stages) the layers are split into; must divide the layers.
-    #[arg(long = "virtual-stages", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub virtual_stages: u32,
+    /// Microbatches per step (default: 8).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub microbatches: Option<u32>,
+    /// Model chunks (virtual pipeline stages) the layers are split into; must divide the layers
+    /// (default: 2).
+    #[arg(long = "virtual-stages", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub virtual_stages: Option<u32>,
 }
 
 impl ScheduleArgs {
+    /// Microbatches per step, as given or the default.
+    pub fn microbatches(&self) -> usize {
+        self.microbatches.unwrap_or(8) as usize
+    }
+
+    /// Virtual stages, as given or the default.
+    pub fn virtual_stages(&self) -> usize {
+        self.virtual_stages.unwrap_or(2) as usize
+    }
+
+    /// Whether either was given (they mean nothing without a schedule).
+    pub fn given(&self) -> bool {
+        self.microbatches.is_some() || self.virtual_stages.is_some()
+    }
+
     /// The schedule, and the layers of each chunk for `layers` layers.
     pub fn resolve(&self, layers: usize) -> anyhow::Result<(graphed::nn::Schedule, Vec<usize>)> {
-        let v = self.virtual_stages as usize;
+        let v = self.virtual_stages();
         if !layers.is_multiple_of(v) {
-            anyhow::bail!("{layers} layers do not split into {v} virtual stages; pass a divisor of {layers}");
+            return Err(Refused::new(format!(
+                "{layers} layers do not split into {v} virtual stages; pass a divisor of {layers} to --virtual-stages"
+            )));
         }
-        let schedule = graphed::nn::Schedule::interleaved_1f1b(1, 0, v, self.microbatches as usize)?;
+        let schedule = graphed::nn::Schedule::interleaved_1f1b(1, 0, v, self.microbatches())?;
         Ok((schedule, vec![layers / v; v]))
     }
 }

@@ -20,7 +20,7 @@ static LEFT: AtomicBool = AtomicBool::new(false);
 /// When a rank dies, this one's communicator is aborted and its next check or wait fails naming
 /// the dead rank, and its error path ends the process; should it not have ended [`GRACE`] later
 /// (its host blocked on work that waited for that rank), the process is ended then, with that
-/// error and exit status 2, as `main`'s errors do, unless it has left its group by then ([`leave`]):
+/// error and exit status 1, as `main`'s failures do, unless it has left its group by then ([`leave`]):
 /// a death no longer concerns it.
 pub fn join(dev: &Device, env: Option<RankEnv>, model: &str) -> anyhow::Result<Option<ProcessGroup>> {
     let Some(env) = env else { return Ok(None) };
@@ -36,7 +36,7 @@ pub fn join(dev: &Device, env: Option<RankEnv>, model: &str) -> anyhow::Result<O
              blocked on work that waited for it {} s later; ending it",
             GRACE.as_secs()
         );
-        std::process::exit(2);
+        std::process::exit(1);
     })?;
     Ok(Some(group))
 }
@@ -61,13 +61,24 @@ pub fn mean_over_ranks(
     value: f64,
 ) -> graphed::Result<f64> {
     let Some(comm) = comm else { return Ok(value) };
-    let mine = Tensor::from_host(alloc, s, &[value.to_bits()], &[1])?;
+    let values = gather(comm, alloc, s, value.to_bits())?;
+    Ok(values.iter().map(|&b| f64::from_bits(b)).sum::<f64>() / values.len() as f64)
+}
+
+/// Whether `flag` is set on any of `comm`'s ranks (every rank calls it at the same point): how a
+/// group learns of one rank's interrupt at the same step on every rank.
+pub fn any_rank(comm: &Communicator, alloc: &CachingAllocator, s: &Stream, flag: bool) -> graphed::Result<bool> {
+    Ok(gather(comm, alloc, s, u64::from(flag))?.contains(&1))
+}
+
+/// Every rank's `value`, in rank order.
+fn gather(comm: &Communicator, alloc: &CachingAllocator, s: &Stream, value: u64) -> graphed::Result<Vec<u64>> {
+    let mine = Tensor::from_host(alloc, s, &[value], &[1])?;
     let all = Tensor::zeros(alloc, s, &[comm.size()], DType::U64)?;
     comm.all_gather(s, mine.view::<u64>()?, all.view::<u64>()?)?;
     // Bounded by the group's timeout: a rank that never gathers ends this one's wait.
     comm.wait(s)?;
-    let values = all.to_vec::<u64>(s)?;
-    Ok(values.iter().map(|&b| f64::from_bits(b)).sum::<f64>() / values.len() as f64)
+    all.to_vec::<u64>(s)
 }
 
 #[cfg(test)]
@@ -101,5 +112,21 @@ mod tests {
         }
         assert_eq!(mean_on(None, &Device::sim(), 1)?.to_bits(), value(1).to_bits());
         Ok(())
+    }
+
+    #[test]
+    fn one_ranks_flag_reaches_every_rank() {
+        let any = |set: usize| {
+            on_sim_ranks(3, SimConfig::default(), CommOptions::default(), move |c| {
+                let (s, alloc) = (c.device().stream()?, CachingAllocator::new(c.device()));
+                any_rank(c, &alloc, &s, c.rank() == set)
+            })
+        };
+        for flag in any(1) {
+            assert_eq!(flag.ok(), Some(true));
+        }
+        for flag in any(usize::MAX) {
+            assert_eq!(flag.ok(), Some(false));
+        }
     }
 }

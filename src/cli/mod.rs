@@ -5,6 +5,7 @@ pub mod args;
 mod bench;
 mod bench_model;
 mod demo;
+pub mod exit;
 mod group;
 mod inspect;
 mod launch;
@@ -37,7 +38,12 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(b) => return bench::run(&b),
         Command::Report(a) => return Ok(report::run(&a)?),
     };
-    println!("{}", checker_summary(&dev));
+    // The checker's line is a summary of a finished run, on stderr with the other diagnostics;
+    // after a failure it is shown only when it found something that may explain it.
+    let found = Checker::of(&dev).is_some_and(|c| c.found() > 0);
+    if result.is_ok() || found {
+        eprintln!("{}", checker_summary(&dev));
+    }
     result
 }
 
@@ -71,8 +77,12 @@ pub fn open_device(choice: &args::DeviceArgs) -> anyhow::Result<Device> {
     Ok(match choice.device {
         DeviceChoice::Auto => {
             let (dev, why) = Device::cuda_or_sim(sim);
-            if let Some(e) = why {
-                eprintln!("graphed: {e}; using the simulator");
+            match why {
+                Some(graphed::Error::CudaUnavailable { reason }) => {
+                    eprintln!("graphed: no CUDA GPU here ({reason}); running on the CPU simulator (--device sim says so and skips this line)")
+                }
+                Some(e) => eprintln!("graphed: no CUDA GPU here ({e}); running on the CPU simulator"),
+                None => {}
             }
             dev
         }

@@ -155,6 +155,10 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn event_query(&self, event: &Self::Event) -> Result<bool>;
     fn event_synchronize(&self, event: &Self::Event) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
+    /// Bytes that new device memory can still take: the GPU's free memory, or the host's
+    /// available memory for the simulator (whose device memory is host memory); `None` where
+    /// the host does not say.
+    fn memory_available(&self) -> Result<Option<usize>>;
 
     /// Copies `out.len()` bytes at `offset` of device memory to the host after all work queued on
     /// `stream`, and waits for it.

@@ -303,7 +303,7 @@ pub(crate) struct GemmSpec {
 }
 
 /// cuBLASLt's requirement on an epilogue's aux leading dimension, in elements.
-const AUX_LD_MULTIPLE: usize = 8;
+pub const AUX_LD_MULTIPLE: usize = 8;
 
 /// Leading dimension and batch stride of a `batch × rows × cols` row-major matrix stored in
 /// `region`, or `None` if the region is not such a matrix with unit column stride.

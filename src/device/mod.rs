@@ -44,7 +44,7 @@ pub use comm::{CommErrorKind, CommOptions, Communicator, NcclId, Transfer};
 pub(crate) use dtype::with_dtype;
 pub use dtype::{DType, Elem, Float};
 pub use event::Event;
-pub use gemm::{Epilogue, Gemm, GemmElem};
+pub use gemm::{Epilogue, Gemm, GemmElem, AUX_LD_MULTIPLE};
 pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};
 pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
 pub use kernel::{args, Arg, CpuArgs, In, InOut, IntoView, Kernel, LaunchDims, Out, Scalar};
@@ -320,6 +320,13 @@ impl Device {
     /// of a timed or captured region; CUDA 13.0 allows loading during a capture of any mode.
     pub fn load_kernel(&self, kernel: &'static Kernel) -> Result<()> {
         dispatch!(self.backend(), |b, _pick| b.load_kernel(kernel))
+    }
+
+    /// Bytes that new device memory can still take, to refuse a run that cannot fit before it
+    /// allocates: the GPU's free memory (`cuMemGetInfo`), or on the simulator the host's
+    /// available memory; `None` where the host does not say.
+    pub fn memory_available(&self) -> Result<Option<usize>> {
+        dispatch!(self.backend(), |b, _pick| b.memory_available())
     }
 
     /// Waits for all work on all streams of this device.

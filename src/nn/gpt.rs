@@ -33,7 +33,91 @@ pub struct GptConfig {
     pub dtype: DType,
 }
 
+/// What one [`GptConfig`] field (or the batch) is, when the kernels cannot run it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field} = {value} is not supported: {why}")]
+pub struct ConfigLimit {
+    /// The field (`dim`, `heads`, `batch`, ...).
+    pub field: &'static str,
+    /// Its value.
+    pub value: usize,
+    /// What the kernels need, in a user's words.
+    pub why: String,
+}
+
 impl GptConfig {
+    /// Checks that the kernels can run this model, before anything is allocated: the width
+    /// within LayerNorm's rows and a multiple of 2 (the MLP's 4·width rows are the aux matrix of
+    /// a cuBLASLt epilogue, whose rows are a multiple of 8 elements), the heads dividing it, a
+    /// sequence within the causal softmax's rows, and every parameter addressable by the
+    /// optimizer's kernel. [`Gpt::new`] calls it.
+    ///
+    /// ```
+    /// use graphed::device::DType;
+    /// use graphed::nn::GptConfig;
+    /// let config = GptConfig { vocab: 16, max_len: 8, dim: 3, layers: 1, heads: 1, dropout: 0.0, seed: 0, dtype: DType::F32 };
+    /// assert_eq!(config.validate().unwrap_err().field, "dim");
+    /// ```
+    ///
+    /// # Errors
+    /// The first [`ConfigLimit`] the model hits.
+    pub fn validate(&self) -> std::result::Result<(), ConfigLimit> {
+        let limit = |field, value, why: String| Err(ConfigLimit { field, value, why });
+        let max_dim = crate::ops::layernorm::MAX_FEATURES;
+        let max_seq = crate::ops::softmax::MAX_SEQ;
+        let aux = crate::device::AUX_LD_MULTIPLE;
+        if self.dim == 0 || self.dim > max_dim {
+            return limit("dim", self.dim, format!("the width must be 1 to {max_dim} (LayerNorm keeps a row in registers)"));
+        }
+        if !(4 * self.dim).is_multiple_of(aux) {
+            let why = format!(
+                "the width must be a multiple of {} (the MLP's 4·width columns are cuBLASLt's aux matrix, whose rows are a multiple of {aux} elements)",
+                aux / 4
+            );
+            return limit("dim", self.dim, why);
+        }
+        if self.heads == 0 || !self.dim.is_multiple_of(self.heads) {
+            return limit("heads", self.heads, format!("the heads must divide the width {}", self.dim));
+        }
+        if self.max_len == 0 || self.max_len > max_seq {
+            return limit("max_len", self.max_len, format!("sequences must be 1 to {max_seq} positions (the causal softmax keeps a row in registers)"));
+        }
+        if self.vocab == 0 || self.layers == 0 {
+            let (field, value) = if self.vocab == 0 { ("vocab", self.vocab) } else { ("layers", self.layers) };
+            return limit(field, value, "must be at least 1".into());
+        }
+        if u32::try_from(self.parameter_count()).is_err() {
+            return limit("dim", self.dim, format!("{} parameters; the optimizer's kernel steps fewer than 2^32", self.parameter_count()));
+        }
+        Ok(())
+    }
+
+    /// Checks that a batch of `batch` sequences of `max_len` fits the kernels' sizes (every
+    /// tensor under 2^32 elements: the attention scores `batch·heads·max_len²`, the MLP's
+    /// activations, the logits), after [`validate`](GptConfig::validate).
+    ///
+    /// # Errors
+    /// [`ConfigLimit`] on `batch`.
+    pub fn validate_batch(&self, batch: usize) -> std::result::Result<(), ConfigLimit> {
+        self.validate()?;
+        let rows = batch.checked_mul(self.max_len);
+        let largest = [self.heads * self.max_len, 4 * self.dim, self.vocab]
+            .into_iter()
+            .map(|per_row| rows.and_then(|r| r.checked_mul(per_row)))
+            .try_fold(0usize, |m, n| n.map(|n| m.max(n)));
+        match largest {
+            Some(n) if batch > 0 && u32::try_from(n).is_ok() => Ok(()),
+            _ => Err(ConfigLimit {
+                field: "batch",
+                value: batch,
+                why: format!(
+                    "the batch must be at least 1 and keep every tensor under 2^32 elements (the attention scores are batch·{}·{}² elements); use a smaller batch",
+                    self.heads, self.max_len
+                ),
+            }),
+        }
+    }
+
     /// Number of parameters: what its modules add to the store.
     pub fn parameter_count(&self) -> usize {
         let (v, t, c) = (self.vocab, self.max_len, self.dim);
@@ -74,7 +158,12 @@ pub struct HeadCtx {
 
 impl Gpt {
     /// A model with parameters initialized from `config.seed`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when [`GptConfig::validate`] refuses the configuration, before
+    /// anything is allocated; device errors.
     pub fn new(alloc: &CachingAllocator, config: GptConfig, stream: &Stream) -> Result<Gpt> {
+        config.validate().map_err(Error::Config)?;
         let mut store = ParamStore::with_dtype(alloc, stream, config.parameter_count(), config.dtype)?;
         let (c, seed) = (config.dim, config.seed);
         let embedding = Embedding::new(&mut store, alloc, "emb", (config.vocab, config.max_len, c), seed, stream)?;

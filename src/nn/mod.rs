@@ -33,7 +33,7 @@ mod transformer;
 pub use attention::{AttentionCtx, CausalSelfAttention};
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;
-pub use gpt::{Gpt, GptConfig, GptCtx, HeadCtx};
+pub use gpt::{ConfigLimit, Gpt, GptConfig, GptCtx, HeadCtx};
 pub use grad_hook::{GradHook, NoGradHook};
 pub use inputs::{Input, Inputs};
 pub use layernorm::{LayerNorm, LayerNormCtx};

@@ -130,12 +130,34 @@ impl OffloadConfig {
         Ok(())
     }
 
+    /// The first site selector that selects none of the `saved` tensors (`(site, name)` pairs of
+    /// everything the model saved, offloadable or not), with what it could have selected: a
+    /// misspelt selector would otherwise offload nothing without a word.
+    pub(crate) fn unmatched<'a>(&self, saved: impl Iterator<Item = (&'a str, &'a str)> + Clone) -> Option<Error> {
+        let bad = self.sites.iter().find(|sel| !saved.clone().any(|(site, name)| selector_selects(sel, site, name)))?;
+        let mut known: Vec<String> =
+            saved.map(|(site, name)| format!("{}.{name}", site.rsplit('.').next().unwrap_or(site))).collect();
+        known.sort();
+        known.dedup();
+        let what = format!(
+            "site selector `{bad}` selects no tensor the model saves; it saves {} (or `module.*` for all of a module's)",
+            known.join(", ")
+        );
+        Some(Error::Offload(OffloadErrorKind::Config { what }))
+    }
+
     /// Whether the tensor `name` saved at `site` is selected.
     pub(crate) fn selects(&self, site: &str, name: &str) -> bool {
-        let module = site.rsplit('.').next().unwrap_or(site);
-        self.sites.iter().any(|s| match s.split_once('.') {
-            Some((m, t)) => m == module && (t == "*" || t == name),
-            None => false,
-        })
+        self.sites.iter().any(|sel| selector_selects(sel, site, name))
+    }
+}
+
+/// Whether selector `sel` (`module.tensor` or `module.*`) selects tensor `name` saved at `site`
+/// (whose module is the last part of its name).
+fn selector_selects(sel: &str, site: &str, name: &str) -> bool {
+    let module = site.rsplit('.').next().unwrap_or(site);
+    match sel.split_once('.') {
+        Some((m, t)) => m == module && (t == "*" || t == name),
+        None => false,
     }
 }

@@ -195,6 +195,13 @@ impl OffloadManager {
             return Ok(());
         }
         let config = &self.inner.config;
+        let saved = st.chunks.values().flat_map(|c| c.layout.iter()).flat_map(|g| {
+            g.tensors.iter().map(move |t| (g.site.as_str(), t.name.as_str()))
+        });
+        if let Some(e) = config.unmatched(saved) {
+            st.chunks.clear();
+            return Err(e);
+        }
         let timings = match config.policy {
             Policy::Listed => None,
             Policy::Auto if !has_clock(self.inner.alloc.device().kind()) => {

@@ -147,6 +147,9 @@ impl SummaryRow {
 pub struct Summary {
     /// The rows, by chunk and unit.
     pub rows: Vec<SummaryRow>,
+    /// Why nothing is offloaded, when nothing is: the settings that kept every selected tensor
+    /// on the device.
+    pub nothing_offloaded: Option<String>,
     /// The measured bandwidths (device to host, host to device) in GB/s, with the automatic
     /// policy.
     pub bandwidth_gbps: Option<(f64, f64)>,
@@ -192,7 +195,25 @@ impl Summary {
             }
         }
         let bandwidth_gbps = timings.map(|t| (t.out_bytes_per_ms / 1e6, t.in_bytes_per_ms / 1e6));
-        Summary { rows, bandwidth_gbps }
+        let nothing_offloaded = rows.iter().all(|r| r.offloaded == 0).then(|| {
+            let units = rows.iter().map(|r| r.pass + 1).max().unwrap_or(0);
+            let selected = chunks.iter().flat_map(|(_, groups)| groups.iter()).flat_map(|g| {
+                g.tensors.iter().filter(move |t| config.selects(&g.site, &t.name)).map(|t| t.shape.iter().product())
+            });
+            let largest: usize = selected.max().unwrap_or(0);
+            let mut why = vec![format!("the last {} of the {units} layers per chunk keep theirs (the margin)", config.margin.min(units))];
+            if largest < config.min_elements {
+                why.push(format!(
+                    "the largest selected tensor has {largest} elements, fewer than the minimum {}",
+                    config.min_elements
+                ));
+            }
+            if config.policy == Policy::Auto {
+                why.push("the automatic policy found no copy that the next layer's time hides".into());
+            }
+            format!("nothing is offloaded: {}; lower the margin or the minimum size, or select other sites", why.join("; "))
+        });
+        Summary { rows, nothing_offloaded, bandwidth_gbps }
     }
 
     /// Bytes offloaded per iteration.
@@ -243,6 +264,9 @@ impl fmt::Display for Summary {
                 hidden,
                 if r.groups.is_empty() { "-".to_string() } else { r.groups.join(" ") }
             )?;
+        }
+        if let Some(why) = &self.nothing_offloaded {
+            return write!(f, "{why}");
         }
         write!(
             f,

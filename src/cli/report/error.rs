@@ -13,6 +13,15 @@ pub enum ReportError {
         /// What the system said.
         source: std::io::Error,
     },
+    /// The results folder does not exist (`report` was run outside the repository).
+    #[error(
+        "{}: no such results folder; run `graphed report` at the root of the graphed repository, or pass --results DIR",
+        dir.display()
+    )]
+    NoResults {
+        /// The folder.
+        dir: PathBuf,
+    },
     /// The order of commits could not be read from git.
     #[error(
         "cannot read the order of commits (`git rev-list HEAD` in {}): {reason}; run `graphed report` in a git \

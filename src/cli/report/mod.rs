@@ -13,7 +13,7 @@ mod results;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use error::ReportError;
+pub use error::ReportError;
 
 use crate::cli::args::ReportArgs;
 

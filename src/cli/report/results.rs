@@ -139,6 +139,10 @@ impl Run {
 
 /// The newest run of every benchmark with results in `dir` (see the module's doc).
 pub fn newest_runs(dir: &Path) -> Result<BTreeMap<Bench, Run>, ReportError> {
+    // Before git is asked: outside the repository the folder is what is missing, not git.
+    if !dir.is_dir() {
+        return Err(ReportError::NoResults { dir: dir.to_path_buf() });
+    }
     let history = history(dir)?;
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(ReportError::io(dir))? {

@@ -13,8 +13,14 @@ use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 
 use crate::cli::args::TrainArgs;
+use crate::cli::exit::refuse;
 
 const FILE: &str = "checkpoint.safetensors";
+
+/// The checkpoint file of the folder `dir`.
+pub fn file(dir: &Path) -> std::path::PathBuf {
+    dir.join(FILE)
+}
 
 /// The settings a resumed run must share with the saved one.
 fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f32)) -> Vec<(&'static str, String)> {
@@ -63,9 +69,11 @@ pub fn save(
         ckpt.set_meta(k, v);
     }
     ckpt.set_meta("done", done);
-    std::fs::create_dir_all(dir)?;
-    ckpt.save(&dir.join(FILE))?;
-    Ok(())
+    // A failure to write is a failure of the run, not a refusal of its input: kept as text.
+    std::fs::create_dir_all(dir)
+        .map_err(anyhow::Error::from)
+        .and_then(|()| Ok(ckpt.save(&file(dir))?))
+        .map_err(|e| anyhow::anyhow!("cannot save to --save {}: {e}", dir.display()))
 }
 
 /// Restores the state saved in `dir` for a run that stops after `stop` steps; returns the steps
@@ -80,27 +88,32 @@ pub fn resume(
     plan: (usize, usize, f32),
     stop: usize,
 ) -> anyhow::Result<usize> {
-    let ckpt = Checkpoint::load(&dir.join(FILE))?;
+    let ckpt = Checkpoint::load(&file(dir))?;
     for (k, v) in settings(model, args, plan) {
         ckpt.expect_meta(k, v)?;
     }
-    let done: usize = ckpt.meta("done").and_then(|d| d.parse().ok()).ok_or_else(|| {
-        anyhow::anyhow!(
-            "{}: no step count (`done`) in the metadata; point at a checkpoint `train --save` wrote",
-            dir.display()
-        )
-    })?;
+    let Some(done) = ckpt.meta("done").and_then(|d| d.parse::<usize>().ok()) else {
+        refuse!("{}: no step count (`done`) in the metadata; point at a checkpoint `train --save` wrote", dir.display());
+    };
     if done > plan.1 {
-        anyhow::bail!(
+        refuse!(
             "{}: the step count (`done` = {done}) is past the run's {} steps; the checkpoint is damaged, point at one \
              `train --save` wrote",
             dir.display(),
             plan.1
         );
     }
-    if done > stop {
-        anyhow::bail!(
-            "{}: the checkpoint is after {done} steps, past --stop-at {stop}; pass a later --stop-at, or none",
+    if done == plan.1 {
+        refuse!(
+            "{}: the run saved there finished all its {done} steps: nothing to run; start a new run, or one with more \
+             --steps from scratch",
+            dir.display()
+        );
+    }
+    if done >= stop {
+        refuse!(
+            "{}: the checkpoint is after {done} steps, not before --stop-at {stop}: nothing to run; pass a later \
+             --stop-at, or none",
             dir.display()
         );
     }

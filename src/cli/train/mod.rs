@@ -7,7 +7,10 @@
 
 mod addition;
 mod checkpoint;
+mod interrupt;
+mod memory;
 mod metrics;
+mod outputs;
 mod schedule;
 mod step;
 mod text;
@@ -27,7 +30,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
-use super::args::TrainArgs;
+use super::args::{NonFiniteArg, TrainArgs};
+use super::exit::{refuse, Interrupted};
 
 /// What a run settles on, from the arguments and the device.
 struct Plan {
@@ -100,8 +104,9 @@ fn plan(dev: &Device, args: &TrainArgs, (vocab, max_len): (usize, usize)) -> any
     let gpu = dev.kind() == DeviceKind::Cuda;
     let pick = |v: Option<u32>, cuda: u32, sim: u32| v.unwrap_or(if gpu { cuda } else { sim }) as usize;
     let (dim, heads) = (pick(args.dim, 128, 32), pick(args.heads, 4, 2));
-    anyhow::ensure!(dim % heads == 0, "--heads {heads} must divide --dim {dim}");
-    anyhow::ensure!((0.0..1.0).contains(&args.dropout), "--dropout must be in [0, 1)");
+    if !(0.0..1.0).contains(&args.dropout) {
+        refuse!("--dropout {} is not in [0, 1)", args.dropout);
+    }
     let config = GptConfig {
         vocab,
         max_len,
@@ -113,8 +118,32 @@ fn plan(dev: &Device, args: &TrainArgs, (vocab, max_len): (usize, usize)) -> any
         dtype: args.dtype.resolve(dev),
     };
     let lr = args.lr.unwrap_or(if gpu { 3e-3 } else { 5e-3 });
-    anyhow::ensure!(lr > 0.0 && lr.is_finite(), "--lr must be a positive number");
-    Ok(Plan { config, lr, batch: pick(args.batch, 256, 64), steps: pick(args.steps, 1000, 600) })
+    if !(lr > 0.0 && lr.is_finite()) {
+        refuse!("--lr {lr} is not a positive number");
+    }
+    let batch = pick(args.batch, 256, 64);
+    if let Err(limit) = config.validate_batch(batch) {
+        let flag = match limit.field {
+            "max_len" => "--context",
+            "dim" => "--dim",
+            "heads" => "--heads",
+            "layers" => "--layers",
+            _ => "--batch",
+        };
+        refuse!("{flag} {}: {}", limit.value, limit.why);
+    }
+    Ok(Plan { config, lr, batch, steps: pick(args.steps, 1000, 600) })
+}
+
+/// Refuses flags that would do nothing: schedule settings without `--schedule`.
+fn check_flags(args: &TrainArgs) -> anyhow::Result<()> {
+    if !args.schedule && args.schedule_args.given() {
+        refuse!("--microbatches and --virtual-stages shape a pipeline schedule; add --schedule, or drop them");
+    }
+    if let Some(k) = args.stop_at.zip(args.steps).filter(|(k, steps)| k > steps).map(|(k, _)| k) {
+        refuse!("--stop-at {k} is past the run's {} --steps; pass at most that", args.steps.unwrap_or_default());
+    }
+    Ok(())
 }
 
 /// The learning rate: linear warmup over the first 5% of the steps, then cosine decay to 10%.
@@ -123,18 +152,31 @@ fn schedule(peak: f32, steps: usize) -> LrSchedule {
 }
 
 /// Trains; `env` when launched as one rank of several (data parallel, rank 0 reports).
+///
+/// Everything that can refuse the run does before the first step: the flags, the output files
+/// (rank 0's), the model's sizes and its memory, the checkpoint and data to resume from. Then
+/// losses and metrics are written as they are reported, `--save-every` saves as it goes, a
+/// non-finite step stops the run (or is skipped), and an interrupt ends it after a whole step,
+/// saved and flushed.
 pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Result<()> {
     let gpu = dev.kind() == DeviceKind::Cuda;
+    let lead = env.as_ref().is_none_or(|e| e.rank == 0);
+    check_flags(args)?;
+    if lead {
+        outputs::check(args)?;
+    }
     let task = Task::new(args, args.eval.unwrap_or(if gpu { 1000 } else { 100 }) as usize)?;
     let plan = plan(dev, args, task.shape())?;
     let cfg = plan.config;
+    memory::check(dev, &cfg, plan.batch, args)?;
+    let interrupt = interrupt::Interrupt::install()?;
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
     let mut model = Gpt::new(&alloc, cfg, &s)?;
     let hyper = AdamWHyper { weight_decay: 0.0, ..AdamWHyper::default() };
     let optimizer = AdamW::new(&alloc, model.parameters(), hyper, schedule(plan.lr, plan.steps), &s)?;
     let saved = (plan.batch, plan.steps, plan.lr);
-    let stop = args.stop_at.map_or(plan.steps, |k| (k as usize).min(plan.steps));
+    let stop = args.stop_at.map_or(plan.steps, |k| k as usize);
     let start = match &args.resume {
         Some(dir) => checkpoint::resume(dir, (&model, &optimizer), &alloc, &s, args, saved, stop)?,
         None => 0,
@@ -146,7 +188,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         (false, true) => "eagerly".to_string(),
         (false, false) => "in a graphed stack".to_string(),
         (true, eager) => {
-            let (m, v) = (args.schedule_args.microbatches, args.schedule_args.virtual_stages);
+            let (m, v) = (args.schedule_args.microbatches(), args.schedule_args.virtual_stages());
             format!("under a schedule of {m} microbatches × {v} virtual stages{}", if eager { ", eagerly" } else { "" })
         }
     };
@@ -158,7 +200,6 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     );
     let group = crate::cli::group::join(dev, env, &signature)?;
     let rank = group.as_ref().map_or(0, |g| g.env().rank);
-    let lead = rank == 0;
     if let Some(g) = &group {
         println!("rank {rank} of {} (GPU {} of this host)", g.env().world, g.env().local_rank);
     }
@@ -214,13 +255,22 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     // into an empty cache, the graphs' first uploads), unless it is the only one.
     let (mut timed, mut timed_steps) = (started, stop - start);
     let mut last_loss = f64::NAN;
-    let mut metrics = metrics::Metrics::new(args.metrics.as_deref().filter(|_| lead))?;
+    let mut diverging = Divergence::default();
+    let mut metrics = metrics::Metrics::open(args.metrics.as_deref().filter(|_| lead), args.resume.as_ref().map(|_| start))?;
     // The data of the steps a resumed run already took, drawn and dropped.
     for _ in 0..start {
         task.batch(&mut rng, plan.batch);
     }
     bar.set_position(start as u64);
     let mut uploader = upload::Uploader::new(dev, plan.batch, cfg.max_len)?;
+    let save = |done: usize| -> anyhow::Result<()> {
+        match args.save.as_ref().filter(|_| lead) {
+            Some(dir) => checkpoint::save(dir, &model, &optimizer, &s, args, saved, done),
+            None => Ok(()),
+        }
+    };
+    // The steps done; fewer than `stop` when interrupted.
+    let mut done = start;
     let trained = (|| -> anyhow::Result<()> {
         for step in start..stop {
             if let Some(g) = &group {
@@ -236,15 +286,29 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
                 stepper.step(&model, &optimizer, &tokens, &targets, &weights)?
             };
             host += issued.elapsed();
-            if step % 25 == 0 || step + 1 == stop {
+            done = step + 1;
+            let saving = args.save_every.is_some_and(|n| done.is_multiple_of(n as usize));
+            let reporting = step % 25 == 0 || done == stop;
+            if reporting || saving {
                 if let Some(g) = &group {
                     // The watchdog: a rank that died or hangs ends this one with a typed error.
                     g.wait(&s)?;
                 }
+                // The first step whose gradients were not finite stops the run here, before
+                // anything reports or saves what came of it.
+                finite(&optimizer, &s, args.on_nonfinite)?;
+            }
+            if reporting {
                 let l = losses.to_vec::<f32>(&s)?;
                 let mine = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
                 // Data parallel: the loss of the whole batch, every rank's part of it.
                 last_loss = crate::cli::group::mean_over_ranks(group.as_ref().map(|g| g.comm()), &alloc, &s, mine)?;
+                if !last_loss.is_finite() && args.on_nonfinite == NonFiniteArg::Stop {
+                    anyhow::bail!(
+                        "the loss of step {step} is {last_loss} although every gradient was finite; lower --lr, or \
+                         check the data"
+                    );
+                }
                 bar.set_message(format!("loss {last_loss:.4}"));
                 metrics.record(step, last_loss, started.elapsed().as_secs_f64())?;
                 let line = format!("step {step:5}  loss {last_loss:.4}");
@@ -253,15 +317,30 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
                 } else {
                     bar.println(line);
                 }
+                if let Some(warning) = diverging.observe(step, last_loss) {
+                    bar.suspend(|| eprintln!("graphed: warning: {warning}"));
+                }
+            }
+            if saving {
+                save(done)?;
             }
             if step == start && stop - start > 1 {
                 s.synchronize()?;
                 (host, timed, timed_steps) = (Duration::ZERO, Instant::now(), stop - start - 1);
             }
             bar.inc(1);
+            // A group stops together: every rank learns of any rank's interrupt at the same step.
+            let stopping = match &group {
+                Some(g) if reporting => crate::cli::group::any_rank(g.comm(), &alloc, &s, interrupt.requested())?,
+                Some(_) => false,
+                None => interrupt.requested(),
+            };
+            if stopping && done < stop {
+                break;
+            }
         }
         s.synchronize()?;
-        Ok(())
+        finite(&optimizer, &s, args.on_nonfinite)
     })();
     if let (Err(e), Some(g)) = (&trained, &group) {
         // A dead rank explains whatever failed after it died (work of the aborted communicator):
@@ -275,35 +354,91 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
         // the memory they use waits for them. The process ends here, as PyTorch's NCCL watchdog
         // ends it, and the driver reclaims the GPU.
         eprintln!("graphed: rank {rank}: {err:#}");
-        std::process::exit(2);
+        std::process::exit(1);
     }
+    bar.finish_and_clear();
+    let title = format!(
+        "graphed train: {} layers, width {}, {} ({})",
+        cfg.layers,
+        cfg.dim,
+        cfg.dtype,
+        if args.eager { "eager" } else { "graphed" }
+    );
+    // What was reported is kept whatever happened since: the metrics are on disk already, the
+    // plot is drawn from them.
+    let plotted = metrics.plot(args.plot.as_deref().filter(|_| lead), &title);
     trained?;
+    plotted?;
     // Training is over: a peer that ends from here on, even by crashing, no longer concerns this
     // rank (its watch would otherwise end the process during the evaluation or the save).
     crate::cli::group::leave(group);
     let wall = timed.elapsed();
-    bar.finish_and_clear();
+    save(done)?;
     if let Some(dir) = args.save.as_ref().filter(|_| lead) {
-        checkpoint::save(dir, &model, &optimizer, &s, args, saved, stop)?;
-        println!("saved the state after {stop} steps to {}", dir.display());
+        println!("saved the state after {done} steps to {}", dir.display());
+    }
+    if done < stop {
+        let kept = match &args.save {
+            Some(dir) => format!("saved; continue with --resume {}", dir.display()),
+            None => "nothing saved (pass --save DIR to keep the state of an interrupted run)".to_string(),
+        };
+        return Err(Interrupted { steps: done, kept }.into());
     }
     if !summary_shown {
         // Eager offloading freezes its policy after the first step.
         stepper.offload_summary().inspect(|s| say(s));
     }
-    let stepper_mode = if args.eager { "eager" } else { "graphed" };
+    let skipped = optimizer.skipped_steps(&s)?;
     drop(stepper);
     model.set_training(false);
-    let title = format!("graphed train: {} layers, width {}, {} ({})", cfg.layers, cfg.dim, cfg.dtype, stepper_mode);
-    metrics.finish(args.plot.as_deref().filter(|_| lead), &title)?;
     if !lead {
         return Ok(());
     }
     let per_step = |d: Duration| d.as_secs_f64() * 1e6 / timed_steps.max(1) as f64;
     println!("final loss {last_loss:.4} ({}, cross-entropy)", task.loss_of());
+    if skipped > 0 {
+        println!("skipped {skipped} steps whose gradients were not finite (--on-nonfinite skip)");
+    }
     let which = if timed_steps + 1 == stop - start { " (after the first)" } else { "" };
     println!("time per step{which}: wall {:.0} µs, host issuing {:.0} µs", per_step(wall), per_step(host));
     task.report(&model, &alloc, &s)
+}
+
+/// Fails, naming the first step whose gradients were not finite, unless `policy` skips such
+/// steps (the optimizer kept the parameters of the last good step either way).
+fn finite(optimizer: &AdamW, s: &Stream, policy: NonFiniteArg) -> anyhow::Result<()> {
+    match policy {
+        NonFiniteArg::Stop => Ok(optimizer.check_finite(s)?),
+        NonFiniteArg::Skip => Ok(()),
+    }
+}
+
+/// Watches the reported losses for a run that diverges (a learning rate too high for the model),
+/// which is finite for a while and then not.
+#[derive(Default)]
+struct Divergence {
+    /// The lowest loss reported so far, and its step.
+    best: Option<(usize, f64)>,
+    warned: bool,
+}
+
+impl Divergence {
+    /// A warning, once, when `loss` at `step` is ten times the lowest reported loss and above it
+    /// by more than 1 (noise at a low loss is not divergence).
+    fn observe(&mut self, step: usize, loss: f64) -> Option<String> {
+        let (at, best) = *self.best.get_or_insert((step, loss));
+        if loss < best {
+            self.best = Some((step, loss));
+            return None;
+        }
+        if self.warned || loss < 10.0 * best || loss < best + 1.0 {
+            return None;
+        }
+        self.warned = true;
+        Some(format!(
+            "the loss rose from {best:.4} at step {at} to {loss:.4} at step {step}: training diverges; lower --lr"
+        ))
+    }
 }
 
 /// Greedy decoding of each held-out sum's answer, one digit at a time; the share that is exact.

@@ -229,6 +229,13 @@ impl Backend for CudaDevice {
         stream::event_synchronize(event)
     }
 
+    fn memory_available(&self) -> Result<Option<usize>> {
+        const OP: &str = "Device::memory_available";
+        self.bind(OP)?;
+        let (free, _total) = ffi::mem_get_info().map_err(|e| err::driver(OP, None, e))?;
+        Ok(Some(free))
+    }
+
     fn synchronize(&self) -> Result<()> {
         const OP: &str = "Device::synchronize";
         self.ctx.synchronize().map_err(|e| err::driver(OP, capture::forbidding_site(), e))?;

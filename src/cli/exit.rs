@@ -1,0 +1,87 @@
+//! How `graphed` ends, and its exit codes (README, "Exit codes"): 0 done; 1 failed while
+//! running; 2 refused its input (arguments, files) before running anything; 130 interrupted.
+//!
+//! A refusal is a [`Refused`] error, one of `report`'s (its results files, or a README that
+//! differs from them), or one of the library's errors about a user's input (a damaged or
+//! mismatched checkpoint, a model configuration, an offload configuration); an interrupt is
+//! [`Interrupted`]; anything else is a failure.
+
+use std::process::ExitCode;
+
+/// The input was refused before anything ran: what is wrong and what to do instead.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+impl Refused {
+    /// `why` as an `anyhow` error (the CLI's error type).
+    pub fn new(why: impl Into<String>) -> anyhow::Error {
+        Refused(why.into()).into()
+    }
+}
+
+/// Returns early with a [`Refused`] error formatted like `format!`.
+macro_rules! refuse {
+    ($($arg:tt)*) => {
+        return Err($crate::cli::exit::Refused::new(format!($($arg)*)))
+    };
+}
+pub(crate) use refuse;
+
+/// A SIGINT or SIGTERM ended the run after a whole step; what was kept says where it stands.
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted after step {steps}; {kept}")]
+pub struct Interrupted {
+    /// Steps done when the run stopped.
+    pub steps: usize,
+    /// What was saved or flushed, and how to continue.
+    pub kept: String,
+}
+
+/// The exit code for the outcome of a command.
+pub fn code(outcome: &anyhow::Result<()>) -> ExitCode {
+    let Err(e) = outcome else { return ExitCode::SUCCESS };
+    if e.downcast_ref::<Interrupted>().is_some() {
+        return ExitCode::from(130);
+    }
+    if is_refusal(e) {
+        return ExitCode::from(2);
+    }
+    ExitCode::FAILURE
+}
+
+/// Whether `e` is about the user's input rather than a failure while running.
+fn is_refusal(e: &anyhow::Error) -> bool {
+    use graphed::offload::OffloadErrorKind;
+    use graphed::Error;
+    e.chain().any(|cause| {
+        cause.downcast_ref::<Refused>().is_some()
+            || cause.downcast_ref::<crate::cli::report::ReportError>().is_some()
+            || matches!(
+                cause.downcast_ref::<Error>(),
+                Some(Error::Checkpoint { .. } | Error::Config(_) | Error::Offload(OffloadErrorKind::Config { .. }))
+            )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_outcome_has_its_code() {
+        let code_of = |r: anyhow::Result<()>| format!("{:?}", code(&r));
+        assert_eq!(code_of(Ok(())), format!("{:?}", ExitCode::SUCCESS));
+        assert_eq!(code_of(Err(Refused::new("no"))), format!("{:?}", ExitCode::from(2)));
+        // A refusal keeps its code under added context.
+        assert_eq!(code_of(Err(Refused::new("no").context("while planning"))), format!("{:?}", ExitCode::from(2)));
+        let stopped = Interrupted { steps: 3, kept: "nothing saved".into() };
+        assert_eq!(code_of(Err(stopped.into())), format!("{:?}", ExitCode::from(130)));
+        assert_eq!(code_of(Err(anyhow::anyhow!("device lost"))), format!("{:?}", ExitCode::FAILURE));
+        let damaged = graphed::Error::Checkpoint {
+            path: "x".into(),
+            kind: graphed::checkpoint::CheckpointErrorKind::Io("gone".into()),
+        };
+        assert_eq!(code_of(Err(damaged.into())), format!("{:?}", ExitCode::from(2)));
+    }
+}

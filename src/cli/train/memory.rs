@@ -1,0 +1,123 @@
+//! Whether a run fits: the device memory it needs, estimated from the model's sizes before
+//! anything is allocated, against what the device has free (the GPU's free memory; on the
+//! simulator, whose device memory is host memory, the host's available memory). A run that
+//! cannot fit is refused with both numbers, instead of failing minutes later in an allocation,
+//! or growing the host's memory past what it has.
+
+use graphed::device::Device;
+use graphed::nn::GptConfig;
+
+use crate::cli::args::TrainArgs;
+use crate::cli::exit::refuse;
+
+/// Bytes of device memory a run of `config` on batches of `batch` holds at its peak, about: the
+/// parameters with their gradients and AdamW's f32 master weights and moments; per layer and
+/// position, what the caching allocator was measured to hold at the peak of a step, in widths
+/// of the model's element type (42 eager; 140 graphed, where the warmup's cached blocks, the
+/// graphs' pool with its static buffers and the saved activations all hold a step's worth),
+/// plus the attention's per-head rows over the positions in f32 (2 eager, 6 graphed); and the
+/// head's logits and probabilities. The widths were fitted to the simulator's allocator
+/// statistics on three shapes (the test below keeps the fit honest: it fails when the memory a
+/// step holds moves away from it).
+pub fn estimate(config: &GptConfig, batch: usize, graphed: bool) -> u128 {
+    let n = |v: usize| v as u128;
+    let elem = n(config.dtype.size());
+    let params = n(config.parameter_count()) * (2 * elem + 12);
+    let positions = n(batch) * n(config.max_len);
+    let (widths, rows) = if graphed { (140, 6) } else { (42, 2) };
+    let per_layer = positions * (widths * n(config.dim) * elem + rows * n(config.heads) * n(config.max_len) * 4);
+    let head = 2 * positions * n(config.vocab) * (4 + elem);
+    params + n(config.layers) * per_layer + head
+}
+
+/// Refuses the run when [`estimate`] exceeds what `dev` has free.
+pub fn check(dev: &Device, config: &GptConfig, batch: usize, args: &TrainArgs) -> anyhow::Result<()> {
+    let need = estimate(config, batch, !args.eager);
+    let Some(free) = dev.memory_available()? else { return Ok(()) };
+    if need > free as u128 {
+        let (where_, what) = match dev.kind() {
+            graphed::device::DeviceKind::Cuda => ("the GPU has", "free"),
+            graphed::device::DeviceKind::Sim => ("this host has", "available for the simulator's memory"),
+        };
+        refuse!(
+            "this model and batch need about {} of device memory at their peak, but {where_} {} {what}; use a \
+             smaller --batch, --dim, --layers or --context",
+            gib(need),
+            gib(free as u128)
+        );
+    }
+    Ok(())
+}
+
+fn gib(bytes: u128) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use graphed::device::DType;
+    use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
+    use graphed::memory::CachingAllocator;
+    use graphed::nn::Gpt;
+    use graphed::tensor::Tensor;
+
+    use super::*;
+
+    /// The peak bytes the allocator holds over two training steps of `config` on the simulator,
+    /// eager or with the layers graphed as `train` graphs them.
+    fn measured_peak(config: GptConfig, batch: usize, graphed: bool) -> anyhow::Result<u128> {
+        let dev = Device::sim();
+        let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
+        let model = Gpt::new(&alloc, config, &s)?;
+        let n = batch * config.max_len;
+        let ids: Vec<u32> = (0..n).map(|i| (i % config.vocab) as u32).collect();
+        let tokens = Tensor::from_host(&alloc, &s, &ids, &[batch, config.max_len])?;
+        let targets = Tensor::from_host(&alloc, &s, &ids, &[n])?;
+        let weights = Tensor::from_host(&alloc, &s, &vec![1.0 / n as f32; n], &[n])?;
+        let x = Tensor::zeros(&alloc, &s, &[batch, config.max_len, config.dim], config.dtype)?;
+        let stack = graphed.then(|| make_graphed_stack(&alloc, model.layers(), &x, GraphOptions::default())).transpose()?;
+        for _ in 0..2 {
+            match &stack {
+                Some(stack) => {
+                    let h = model.embed(&tokens, &s)?;
+                    let y = stack.forward(&s, &h, Replay::caller())?;
+                    let (_, head) = model.head(y.get()?, &targets, &s)?;
+                    let dy = model.head_backward(head, &weights, &s)?;
+                    let dx = stack.backward(&s, &dy)?.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+                    model.embed_backward(&tokens, dx.get()?, &s)?;
+                }
+                None => {
+                    let (_, ctx) = model.forward(&tokens, &targets, &s)?;
+                    model.backward(ctx, &weights, &s)?;
+                }
+            }
+        }
+        s.synchronize()?;
+        Ok(alloc.stats().total.peak_allocated as u128)
+    }
+
+    #[test]
+    fn the_estimate_is_within_a_third_of_the_memory_a_step_holds() -> anyhow::Result<()> {
+        let config =
+            GptConfig { vocab: 12, max_len: 11, dim: 64, layers: 2, heads: 4, dropout: 0.0, seed: 1, dtype: DType::F32 };
+        for graphed in [false, true] {
+            let (peak, estimate) = (measured_peak(config, 64, graphed)?, estimate(&config, 64, graphed));
+            let ratio = estimate as f64 / peak as f64;
+            assert!((0.67..1.33).contains(&ratio), "graphed {graphed}: estimate {estimate} B, peak {peak} B");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_run_that_cannot_fit_is_refused_with_what_it_needs_and_what_there_is() -> anyhow::Result<()> {
+        let dev = Device::sim();
+        let Some(free) = dev.memory_available()? else { return Ok(()) };
+        let config =
+            GptConfig { vocab: 12, max_len: 4096, dim: 4096, layers: 64, heads: 32, dropout: 0.0, seed: 1, dtype: DType::F32 };
+        assert!(estimate(&config, 1024, true) > free as u128, "the host has more memory than the test assumes");
+        let args = crate::cli::train::outputs::tests::train_args(&[]);
+        let refusal = check(&dev, &config, 1024, &args).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(refusal.contains("need about") && refusal.contains("this host has"), "{refusal}");
+        Ok(())
+    }
+}
