@@ -199,6 +199,21 @@ pub enum Error {
     #[error("activation offloading: {0}")]
     Offload(crate::offload::OffloadErrorKind),
 
+    // ---- training ------------------------------------------------------------------------------
+    /// An optimizer found a non-finite (infinite or NaN) gradient under
+    /// [`NonFinite::Stop`](crate::optim::NonFinite::Stop): it updated nothing from that step on,
+    /// so the parameters and its state are those after step `step − 1`.
+    #[error("a non-finite gradient at optimizer step {step} (first in `{param}`); the update of that step and of the {} later step(s) was skipped, so the parameters are those after step {}: do not save them over a good checkpoint; lower the learning rate (or find the bad input) and resume from the last checkpoint, or build the optimizer with NonFinite::Skip to skip such steps", skipped.saturating_sub(1), step.saturating_sub(1))]
+    NonFinite {
+        /// The first step (the optimizer's 1-based step counter) with a non-finite gradient.
+        step: u64,
+        /// The parameter holding that step's first non-finite gradient (its name in the store),
+        /// or `element N` of the flat buffer if no parameter holds it.
+        param: String,
+        /// Updates skipped so far: the step and every later one.
+        skipped: u64,
+    },
+
     // ---- checker ------------------------------------------------------------------------------
     /// In strict mode, the checker found a hazard in this call (its work was enqueued).
     #[error("hazard: {0}")]

@@ -609,20 +609,32 @@ fn wrong_element_types_are_refused_before_anything_runs(dev: &Device) -> Result 
         loss::cross_entropy_backward(&logits16, &probs, &t2, &losses, s),
     )?;
     let (lr, t) = (filled(&[1], DType::F32)?, env.zeros(&[1], DType::U64)?);
-    let hyper = AdamWHyper::default();
+    let (hyper, g) = (AdamWHyper::default(), adamw::nonfinite_guard(&env.alloc, s)?);
     expect_dtype_error(
         "bf16 grads of an f32 model",
         "adamw_step",
-        adamw::adamw_step(&f, None, &h, &f, &f, &lr, &t, &hyper, s),
+        adamw::adamw_step(&f, None, &h, &f, &f, &lr, &t, &g, &hyper, s),
     )?;
     expect_dtype_error(
         "f32 grads of a bf16 model",
         "adamw_step",
-        adamw::adamw_step(&f, Some(&h), &f, &f, &f, &lr, &t, &hyper, s),
+        adamw::adamw_step(&f, Some(&h), &f, &f, &f, &lr, &t, &g, &hyper, s),
     )?;
-    expect_dtype_error("f32 weights", "adamw_step", adamw::adamw_step(&f, Some(&f), &f, &f, &f, &lr, &t, &hyper, s))?;
-    expect_dtype_error("bf16 master", "adamw_step", adamw::adamw_step(&h, Some(&h), &h, &f, &f, &lr, &t, &hyper, s))?;
-    expect_dtype_error("bf16 moments", "adamw_step", adamw::adamw_step(&f, Some(&h), &h, &h, &f, &lr, &t, &hyper, s))?;
+    expect_dtype_error(
+        "f32 weights",
+        "adamw_step",
+        adamw::adamw_step(&f, Some(&f), &f, &f, &f, &lr, &t, &g, &hyper, s),
+    )?;
+    expect_dtype_error(
+        "bf16 master",
+        "adamw_step",
+        adamw::adamw_step(&h, Some(&h), &h, &f, &f, &lr, &t, &g, &hyper, s),
+    )?;
+    expect_dtype_error(
+        "bf16 moments",
+        "adamw_step",
+        adamw::adamw_step(&f, Some(&h), &h, &h, &f, &lr, &t, &g, &hyper, s),
+    )?;
     let r = ParamStore::with_dtype(&env.alloc, s, 4, DType::F16);
     ensure!(matches!(r, Err(Error::UnsupportedDType { dtype: DType::F16, .. })), "an f16 store: {:?}", r.err());
     s.synchronize()?;

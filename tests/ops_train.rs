@@ -270,9 +270,10 @@ fn adamw_matches_pytorch_over_three_replays_of_one_graph(dev: &Device) -> Result
     let params = env.put(&p0, &[n])?;
     let (grads, m, v) = (env.zeros::<f32>(&[n])?, env.zeros::<f32>(&[n])?, env.zeros::<f32>(&[n])?);
     let (lr, t) = (env.zeros::<f32>(&[1])?, env.zeros::<u64>(&[1])?);
+    let guard = adamw::nonfinite_guard(&env.alloc, &env.s)?;
     let cap = env.s.capture(CaptureMode::ThreadLocal)?;
     rng::step_add(&t, 1, &env.s)?;
-    adamw::adamw_step(&params, None, &grads, &m, &v, &lr, &t, &hyper, &env.s)?;
+    adamw::adamw_step(&params, None, &grads, &m, &v, &lr, &t, &guard, &hyper, &env.s)?;
     let exec = cap.finish()?.instantiate()?;
     let (mut p_ref, mut m_ref, mut v_ref) = (widen(&p0), vec![0.0; n], vec![0.0; n]);
     for (step, rate) in [(1, 1e-2f32), (2, 5e-3), (3, 2e-3)] {
@@ -487,10 +488,11 @@ fn bad_shapes_are_refused(dev: &Device) -> Result {
     expect_shape("1-D tokens", embedding::embedding_forward(&f(&[2, 4, 8])?, &u(&[8])?, &wte, &wpe, s))?;
     expect_shape("dout", embedding::embedding_backward(&wte, &wpe, &f(&[2, 5, 8])?, &tokens, s))?;
     let (p, lr, t) = (f(&[10])?, f(&[1])?, env.zeros::<u64>(&[1])?);
-    let h = adamw::AdamWHyper::default();
-    expect_shape("m", adamw::adamw_step(&p, None, &p, &f(&[9])?, &p, &lr, &t, &h, s))?;
-    expect_shape("lr", adamw::adamw_step(&p, None, &p, &p, &p, &f(&[2])?, &t, &h, s))?;
-    expect_shape("t", adamw::adamw_step(&p, None, &p, &p, &p, &lr, &env.zeros::<u64>(&[2])?, &h, s))?;
+    let (h, g) = (adamw::AdamWHyper::default(), adamw::nonfinite_guard(&env.alloc, s)?);
+    expect_shape("m", adamw::adamw_step(&p, None, &p, &f(&[9])?, &p, &lr, &t, &g, &h, s))?;
+    expect_shape("lr", adamw::adamw_step(&p, None, &p, &p, &p, &f(&[2])?, &t, &g, &h, s))?;
+    expect_shape("t", adamw::adamw_step(&p, None, &p, &p, &p, &lr, &env.zeros::<u64>(&[2])?, &g, &h, s))?;
+    expect_shape("guard", adamw::adamw_step(&p, None, &p, &p, &p, &lr, &t, &env.zeros::<u64>(&[3])?, &h, s))?;
     let mask = env.zeros::<u8>(&[10])?;
     expect_shape("mask", dropout::dropout_forward(&p, &env.zeros::<u8>(&[11])?, &p, 0.5, 1, 0, &t, s))?;
     expect_shape("step", dropout::dropout_forward(&p, &mask, &p, 0.5, 1, 0, &env.zeros::<u64>(&[2])?, s))?;
@@ -538,6 +540,152 @@ fn schedule_follows_the_host_formula_in_a_graph(dev: &Device) -> Result {
     Ok(())
 }
 
+// ---- non-finite gradients (issue 30) ---------------------------------------------------------------
+
+/// Steps of a planted run, and the steps whose gradients it plants non-finite values in: at step
+/// 3 a NaN in `a`'s last element (flat index 299) and +inf in `b`'s element 600 (index 900), so
+/// the lowest index is `a`'s; at step 5 −inf in `b`'s first element.
+const PLANTED_STEPS: u64 = 6;
+const BAD_STEPS: [u64; 2] = [3, 5];
+
+/// How a planted run steps its optimizer.
+#[derive(Clone, Copy, PartialEq)]
+enum Drive {
+    /// `AdamW::step`.
+    Eager,
+    /// Replays of one graph of `AdamW::step` (`graph::make_graphed_fn`).
+    Graphed,
+    /// `AdamW::step`, except that a bad step only advances the step counter, with clean
+    /// gradients: what a skipped step must equal.
+    CounterOnly,
+}
+
+/// A planted run: the optimizer's whole state (store values, master weights, moments, as bits)
+/// before the first step and after each, and after each step `check_finite`'s verdict and the
+/// skipped count.
+struct Planted {
+    opt: graphed::optim::AdamW,
+    states: Vec<Vec<u32>>,
+    finite: Vec<bool>,
+    skipped: Vec<u64>,
+}
+
+fn planted_run(env: &Env, dtype: graphed::device::DType, nonfinite: adamw::NonFinite, drive: Drive) -> Result<Planted> {
+    use graphed::graph::make_graphed_fn;
+    use graphed::nn::ParamStore;
+    use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
+    let s = &env.s;
+    let mut lcg = Lcg(30);
+    let mut store = ParamStore::with_dtype(&env.alloc, s, 1000, dtype)?;
+    store.add("a", &[300], &lcg.vec(300, 1.0), s)?;
+    store.add("b", &[7, 100], &lcg.vec(700, 1.0), s)?;
+    let hyper = AdamWHyper { weight_decay: 0.1, nonfinite, ..AdamWHyper::default() };
+    let opt = AdamW::new(&env.alloc, &store, hyper, LrSchedule::Constant(1e-2), s)?;
+    let graph = match drive {
+        Drive::Graphed => Some(make_graphed_fn(&env.alloc, |s| opt.step(s))?),
+        _ => None,
+    };
+    let (grads, values) = (store.grads()?, store.values()?);
+    let state = || -> Result<Vec<u32>> {
+        let (m, v) = opt.moments();
+        let mut bits = Vec::new();
+        for t in [&values, opt.master(), m, v] {
+            bits.extend(t.to_f32_vec(s)?.into_iter().map(f32::to_bits));
+        }
+        Ok(bits)
+    };
+    let (mut states, mut finite, mut skipped) = (vec![state()?], Vec::new(), Vec::new());
+    for step in 1..=PLANTED_STEPS {
+        let mut g = lcg.vec(1000, 0.5);
+        let bad = BAD_STEPS.contains(&step);
+        if bad && drive != Drive::CounterOnly {
+            if step == BAD_STEPS[0] {
+                (g[299], g[900]) = (f32::NAN, f32::INFINITY);
+            } else {
+                g[300] = f32::NEG_INFINITY;
+            }
+        }
+        grads.copy_from(&Tensor::from_f32(&env.alloc, s, &g, &[1000], dtype)?, s)?;
+        match (&graph, drive) {
+            (Some(graph), _) => graph.replay(s)?,
+            (None, Drive::CounterOnly) if bad => {
+                let counter = opt.state().into_iter().find(|(name, _)| *name == "step").context("no step counter")?.1;
+                rng::step_add(counter, 1, s)?;
+                grads.zero(s)?;
+            }
+            (None, _) => opt.step(s)?,
+        }
+        states.push(state()?);
+        finite.push(opt.check_finite(s).is_ok());
+        skipped.push(opt.skipped_steps(s)?);
+    }
+    ensure!(opt.steps(s)? == PLANTED_STEPS, "every step advances the counter, skipped or not");
+    drop(graph);
+    Ok(Planted { opt, states, finite, skipped })
+}
+
+/// Under `NonFinite::Stop` (the default) the step with a non-finite gradient and every later one
+/// update nothing, and `check_finite` names that step and the parameter of its lowest
+/// non-finite gradient; in f32 and in bf16 (whose scan reads bf16 gradients).
+fn a_nonfinite_gradient_stops_updates_at_its_step(dev: &Device) -> Result {
+    let env = Env::new(dev)?;
+    for dtype in [graphed::device::DType::F32, graphed::device::DType::BF16] {
+        let run = planted_run(&env, dtype, adamw::NonFinite::Stop, Drive::Eager)?;
+        let bad = BAD_STEPS[0] as usize;
+        ensure!(run.states[bad - 1] != run.states[bad - 2], "{dtype}: the steps before it update");
+        for after in bad..run.states.len() {
+            ensure!(
+                run.states[after] == run.states[bad - 1],
+                "{dtype}: step {after} changed the state of step {}",
+                bad - 1
+            );
+        }
+        ensure!(run.finite == [true, true, false, false, false, false], "{dtype}: check_finite {:?}", run.finite);
+        ensure!(run.skipped == [0, 0, 1, 2, 3, 4], "{dtype}: skipped {:?}", run.skipped);
+        match run.opt.check_finite(&env.s) {
+            Err(Error::NonFinite { step: 3, param, skipped: 4 }) if param == "a" => {}
+            other => anyhow::bail!("{dtype}: expected step 3 in `a`, 4 skipped: {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+/// Under `NonFinite::Skip` only the steps with a non-finite gradient update nothing: the run
+/// equals, bit for bit, one whose bad steps only advanced the step counter.
+fn a_nonfinite_gradient_skips_only_its_step(dev: &Device) -> Result {
+    let env = Env::new(dev)?;
+    for dtype in [graphed::device::DType::F32, graphed::device::DType::BF16] {
+        let run = planted_run(&env, dtype, adamw::NonFinite::Skip, Drive::Eager)?;
+        let reference = planted_run(&env, dtype, adamw::NonFinite::Skip, Drive::CounterOnly)?;
+        for step in 1..run.states.len() {
+            let skipped = BAD_STEPS.contains(&(step as u64));
+            ensure!((run.states[step] == run.states[step - 1]) == skipped, "{dtype}: step {step} skipped: {skipped}");
+            ensure!(run.states[step] == reference.states[step], "{dtype}: step {step} differs from the reference");
+        }
+        ensure!(run.finite.iter().all(|&f| f), "{dtype}: check_finite passes under Skip");
+        ensure!(run.skipped == [0, 0, 1, 1, 2, 2], "{dtype}: skipped {:?}", run.skipped);
+        ensure!(reference.skipped == [0; 6], "{dtype}: the reference skipped nothing");
+    }
+    Ok(())
+}
+
+/// A graph of the optimizer step (its scan, its guard and the skipped update included) does what
+/// the eager step does, bit for bit, under both policies.
+fn a_graphed_optimizer_step_guards_as_the_eager_one(dev: &Device) -> Result {
+    let env = Env::new(dev)?;
+    for dtype in [graphed::device::DType::F32, graphed::device::DType::BF16] {
+        for policy in [adamw::NonFinite::Stop, adamw::NonFinite::Skip] {
+            let eager = planted_run(&env, dtype, policy, Drive::Eager)?;
+            let graphed = planted_run(&env, dtype, policy, Drive::Graphed)?;
+            ensure!(graphed.states == eager.states, "{dtype} {policy:?}: graphed and eager states differ");
+            ensure!((&graphed.finite, &graphed.skipped) == (&eager.finite, &eager.skipped), "{dtype} {policy:?}");
+            let verdict = |r: &Planted| r.opt.check_finite(&env.s).map_err(|e| e.to_string());
+            ensure!(verdict(&graphed) == verdict(&eager), "{dtype} {policy:?}: {:?}", verdict(&graphed));
+        }
+    }
+    Ok(())
+}
+
 per_device!(
     schedule_follows_the_host_formula_in_a_graph,
     cross_entropy_matches_finite_differences_and_the_simulator,
@@ -550,4 +698,7 @@ per_device!(
     casts_are_bitwise_equal_to_half,
     reductions_are_deterministic,
     bad_shapes_are_refused,
+    a_nonfinite_gradient_stops_updates_at_its_step,
+    a_nonfinite_gradient_skips_only_its_step,
+    a_graphed_optimizer_step_guards_as_the_eager_one,
 );

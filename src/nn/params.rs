@@ -102,6 +102,13 @@ impl ParamStore {
             .collect()
     }
 
+    /// Each parameter's name and where it lies in the flat buffers of values and gradients (in
+    /// elements), in the order added.
+    pub fn ranges(&self) -> impl Iterator<Item = (&str, std::ops::Range<usize>)> {
+        (self.layout.iter())
+            .map(|(name, offset, shape)| (name.as_str(), *offset..*offset + shape.iter().product::<usize>()))
+    }
+
     /// Every gradient, as one flat tensor (the used part).
     pub fn grads(&self) -> Result<Tensor> {
         self.grads.narrow(0, 0, self.used)
@@ -154,8 +161,8 @@ impl ParamStore {
     /// # Errors
     /// [`Error::Shape`] when `p` is not a parameter of this store.
     pub fn grad_range(&self, p: &Param) -> Result<std::ops::Range<usize>> {
-        match self.layout.iter().find(|(name, ..)| *name == p.name) {
-            Some((_, offset, shape)) => Ok(*offset..*offset + shape.iter().product::<usize>()),
+        match self.ranges().find(|(name, _)| *name == p.name) {
+            Some((_, range)) => Ok(range),
             None => Err(Error::Shape {
                 op: "ParamStore::grad_range",
                 expected: format!("a parameter of this store, not `{}`", p.name),

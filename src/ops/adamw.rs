@@ -11,6 +11,16 @@
 //! step, it advances on every replay). The other hyperparameters are launch scalars: changing
 //! them needs a new capture.
 //!
+//! Note [Non-finite guard]: a step first reads every gradient once (`nonfinite_scan`, as PyTorch's
+//! GradScaler finds infs) and records a non-finite one in the *guard*, four `u64` on the device
+//! ([`nonfinite_guard`]): the last and the first step t that had one, the flat index of the first
+//! non-finite gradient of that first step, and the number of skipped updates. The update launch
+//! reads the guard and, when it says so ([`NonFinite`]), writes nothing: parameters, moments and
+//! bf16 weights keep their values. No host sync is needed, so the step stays capturable; the host
+//! reads the guard when it chooses ([`read_guard`]). The scan costs one more read of the
+//! gradients per step (4 bytes a parameter in f32, 2 in bf16, beside the update's 28 or 30) and
+//! one launch.
+//!
 //! ```
 //! use graphed::device::Device;
 //! use graphed::memory::CachingAllocator;
@@ -26,17 +36,21 @@
 //! elementwise::fill(lr.view::<f32>()?, 0.1, &s)?;
 //! rng::step_add(&t, 1, &s)?;
 //! let hyper = adamw::AdamWHyper { weight_decay: 0.0, ..adamw::AdamWHyper::default() };
-//! adamw::adamw_step(&params, None, &grads, &m, &v, &lr, &t, &hyper, &s)?;
+//! let guard = adamw::nonfinite_guard(&alloc, &s)?;
+//! adamw::adamw_step(&params, None, &grads, &m, &v, &lr, &t, &guard, &hyper, &s)?;
 //! let p = params.to_vec::<f32>(&s)?; // the first step moves each parameter by about lr against its gradient
 //! assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] + 0.9).abs() < 1e-6);
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
+use std::cell::RefMut;
+
 use half::bf16;
 
 use super::rng;
-use super::{dense, stride_dims};
-use crate::device::{args, CpuArgs, DType, Float, In, InOut, Kernel, Out, Stream};
+use super::{dense, lanes, stride_dims};
+use crate::device::{args, CpuArgs, DType, Float, In, InOut, Kernel, Out, Stream, View};
+use crate::memory::CachingAllocator;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -53,17 +67,138 @@ pub struct AdamWHyper {
     pub eps: f32,
     /// Decoupled weight decay: each step multiplies parameters by `1 − lr·weight_decay`.
     pub weight_decay: f32,
+    /// What a step does when a gradient is not finite (see Note [Non-finite guard]).
+    pub nonfinite: NonFinite,
 }
 
 impl Default for AdamWHyper {
-    /// PyTorch's defaults.
+    /// PyTorch's defaults, and [`NonFinite::Stop`].
     fn default() -> AdamWHyper {
-        AdamWHyper { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+        AdamWHyper { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, nonfinite: NonFinite::Stop }
     }
 }
 
-const F32_PARAMS: [&str; 11] =
-    ["params", "m", "v", "grads", "lr", "step", "beta1", "beta2", "eps", "weight_decay", "n"];
+/// What an AdamW step does when one of its gradients is infinite or NaN (Note [Non-finite
+/// guard]). Either way the step counter, and with it the learning-rate schedule, advances, so
+/// step numbers stay those of the training loop (unlike PyTorch's GradScaler, which does not call
+/// the optimizer's step at all, a skipped step counts in later bias corrections).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NonFinite {
+    /// Skip this update and every later one: the guard is sticky, so parameters and moments stay
+    /// those of the last good step until the host reads the guard and stops the run.
+    #[default]
+    Stop,
+    /// Skip this update only, count it, and update again at the next step whose gradients are
+    /// all finite.
+    Skip,
+}
+
+/// The guard's slots, as `adamw.cu`'s `GUARD_*`: the last and the first step with a non-finite
+/// gradient (0 for none), the flat index of the first step's first non-finite gradient
+/// (`u64::MAX` for none), and the skipped updates.
+const GUARD_LAST: usize = 0;
+const GUARD_FIRST: usize = 1;
+const GUARD_INDEX: usize = 2;
+const GUARD_SKIPPED: usize = 3;
+const GUARD_LEN: usize = 4;
+
+/// A new guard (Note [Non-finite guard]): no non-finite gradient seen, no update skipped. It is
+/// optimizer state, to be kept in a checkpoint with the moments.
+///
+/// # Errors
+/// As the allocation.
+pub fn nonfinite_guard(alloc: &CachingAllocator, stream: &Stream) -> Result<Tensor> {
+    let mut fresh = [0u64; GUARD_LEN];
+    fresh[GUARD_INDEX] = u64::MAX;
+    Tensor::from_host(alloc, stream, &fresh, &[GUARD_LEN])
+}
+
+/// What a guard has recorded, read on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuardRecord {
+    /// The first step with a non-finite gradient (the value of the step counter t at that
+    /// step, 1-based) and the flat index of its first non-finite gradient; `None` while every
+    /// gradient was finite.
+    pub first: Option<(u64, u64)>,
+    /// Updates skipped: under [`NonFinite::Stop`] every step from the first non-finite one on,
+    /// under [`NonFinite::Skip`] the steps that had one.
+    pub skipped: u64,
+}
+
+/// Reads `guard` after the work queued on `stream` (a host sync).
+///
+/// # Errors
+/// [`Error::Shape`] unless `guard` is a guard ([`nonfinite_guard`]); device errors.
+pub fn read_guard(guard: &Tensor, stream: &Stream) -> Result<GuardRecord> {
+    guard_view("read_guard", guard)?;
+    let g = guard.to_vec::<u64>(stream)?;
+    let first = (g[GUARD_FIRST] != 0).then_some((g[GUARD_FIRST], g[GUARD_INDEX]));
+    Ok(GuardRecord { first, skipped: g[GUARD_SKIPPED] })
+}
+
+/// The dense u64 view of a guard, refused unless it has the guard's length.
+fn guard_view<'t>(op: &'static str, guard: &'t Tensor) -> Result<View<'t, u64>> {
+    if guard.numel() != GUARD_LEN {
+        return Err(Error::Shape {
+            op,
+            expected: format!("a non-finite guard of {GUARD_LEN} u64 (adamw::nonfinite_guard)"),
+            found: guard.shape().to_vec(),
+        });
+    }
+    dense::<u64>(op, guard)
+}
+
+/// The guard a CPU path received.
+fn guard_of(a: &CpuArgs) -> Result<RefMut<'_, [u64]>> {
+    let guard = a.output::<u64>("guard")?;
+    if guard.len() != GUARD_LEN {
+        return Err(Error::KernelArg {
+            kernel: a.kernel.name,
+            param: "guard".into(),
+            expected: format!("a u64 buffer of {GUARD_LEN} elements"),
+            found: format!("{} elements", guard.len()),
+        });
+    }
+    Ok(guard)
+}
+
+const SCAN_PARAMS: [&str; 4] = ["guard", "grads", "step", "n"];
+
+/// Records a non-finite f32 gradient in the guard (Note [Non-finite guard]).
+pub static NONFINITE_SCAN: Kernel = Kernel {
+    name: "nonfinite_scan_f32",
+    source: SOURCE,
+    params: &SCAN_PARAMS,
+    cpu: nonfinite_scan_cpu::<f32>,
+    strided: false,
+};
+
+/// Records a non-finite bf16 gradient in the guard (Note [Non-finite guard]).
+pub static NONFINITE_SCAN_BF16: Kernel = Kernel {
+    name: "nonfinite_scan_bf16",
+    source: SOURCE,
+    params: &SCAN_PARAMS,
+    cpu: nonfinite_scan_cpu::<bf16>,
+    strided: false,
+};
+
+/// The lowest index of a non-finite gradient, recorded as `adamw.cu` records it.
+fn nonfinite_scan_cpu<M: Float>(a: &CpuArgs) -> Result<()> {
+    let t = rng::step_of(a, "step")?;
+    let Some(bad) = a.input::<M>("grads")?.iter().position(|g| !g.to_f32().is_finite()) else {
+        return Ok(());
+    };
+    let mut guard = guard_of(a)?;
+    guard[GUARD_LAST] = t;
+    if guard[GUARD_FIRST] == 0 || guard[GUARD_FIRST] == t {
+        guard[GUARD_FIRST] = t;
+        guard[GUARD_INDEX] = guard[GUARD_INDEX].min(bad as u64);
+    }
+    Ok(())
+}
+
+const F32_PARAMS: [&str; 13] =
+    ["params", "m", "v", "grads", "lr", "step", "guard", "beta1", "beta2", "eps", "weight_decay", "stop", "n"];
 
 /// One AdamW step of every parameter of an f32 model (its weights are the master weights).
 pub static ADAMW: Kernel =
@@ -74,14 +209,39 @@ pub static ADAMW: Kernel =
 pub static ADAMW_BF16: Kernel = Kernel {
     name: "adamw_bf16",
     source: SOURCE,
-    params: &["params", "weights", "m", "v", "grads", "lr", "step", "beta1", "beta2", "eps", "weight_decay", "n"],
+    params: &[
+        "params",
+        "weights",
+        "m",
+        "v",
+        "grads",
+        "lr",
+        "step",
+        "guard",
+        "beta1",
+        "beta2",
+        "eps",
+        "weight_decay",
+        "stop",
+        "n",
+    ],
     cpu: adamw_cpu::<bf16>,
     strided: false,
 };
 
-/// The update of the model type `M`'s weights: f32 (no copy to write) or bf16.
+/// The update of the model type `M`'s weights: f32 (no copy to write) or bf16; none when the
+/// guard says to skip it.
 fn adamw_cpu<M: Float>(a: &CpuArgs) -> Result<()> {
-    let (grads, lr, step) = (a.input::<M>("grads")?, a.input::<f32>("lr")?, rng::step_of(a, "step")?);
+    let step = rng::step_of(a, "step")?;
+    {
+        let mut guard = guard_of(a)?;
+        let skip = if a.u32("stop")? != 0 { guard[GUARD_FIRST] != 0 } else { guard[GUARD_LAST] == step };
+        if skip {
+            guard[GUARD_SKIPPED] = guard[GUARD_SKIPPED].wrapping_add(1);
+            return Ok(());
+        }
+    }
+    let (grads, lr) = (a.input::<M>("grads")?, a.input::<f32>("lr")?);
     let (beta1, beta2, eps, weight_decay) = (a.f32("beta1")?, a.f32("beta2")?, a.f32("eps")?, a.f32("weight_decay")?);
     let (mut params, mut m, mut v) = (a.output::<f32>("params")?, a.output::<f32>("m")?, a.output::<f32>("v")?);
     let mut weights = if M::DTYPE == DType::F32 { None } else { Some(a.output::<M>("weights")?) };
@@ -113,6 +273,10 @@ fn adamw_cpu<M: Float>(a: &CpuArgs) -> Result<()> {
 /// a one-element f32 tensor and `t` a one-element step counter holding this step's 1-based
 /// number (0 would divide by a zero bias correction: advance it before the step).
 ///
+/// Two launches: the scan of the gradients into `guard` ([`nonfinite_guard`]), then the update,
+/// which writes nothing when the guard and `hyper.nonfinite` say to skip it (Note [Non-finite
+/// guard]).
+///
 /// The gradients have the model's element type. For an f32 model, pass `weights: None`: `params`
 /// are its weights and `grads` are f32. For a bf16 model (mixed precision), `params` is its f32
 /// master copy, `grads` are bf16, and `weights` its bf16 weights, which the same launch sets to
@@ -123,8 +287,8 @@ fn adamw_cpu<M: Float>(a: &CpuArgs) -> Result<()> {
 /// [`Error::DTypeMismatch`] for `params`, `m`, `v` or `lr` not f32, or gradients not of the
 /// weights' type (f32 without `weights`); [`Error::UnsupportedDType`] for `weights` not bf16 or
 /// gradients neither f32 nor bf16; [`Error::Shape`] for unequal element counts or an `lr` or `t`
-/// that is not one element; [`Error::NotContiguous`] for a strided tensor; all before anything is
-/// enqueued.
+/// that is not one element or a `guard` that is not a guard; [`Error::NotContiguous`] for a
+/// strided tensor; all before anything is enqueued.
 #[allow(clippy::too_many_arguments)] // llm.c's order: parameter buffers, device scalars, hyperparameters, stream
 pub fn adamw_step(
     params: &Tensor,
@@ -134,6 +298,7 @@ pub fn adamw_step(
     v: &Tensor,
     lr: &Tensor,
     t: &Tensor,
+    guard: &Tensor,
     hyper: &AdamWHyper,
     stream: &Stream,
 ) -> Result<()> {
@@ -178,22 +343,39 @@ pub fn adamw_step(
         backend: "any",
         why: "2^32 parameters or more are not supported by this kernel; step them in slices",
     })?;
-    let (p, mm, vv, rate, step) = (
+    let (p, mm, vv, rate, step, gv) = (
         dense::<f32>(OP, params)?,
         dense::<f32>(OP, m)?,
         dense::<f32>(OP, v)?,
         dense::<f32>(OP, lr)?,
         rng::step_view(OP, t)?,
+        guard_view(OP, guard)?,
     );
-    let AdamWHyper { beta1, beta2, eps, weight_decay } = *hyper;
+    let AdamWHyper { beta1, beta2, eps, weight_decay, nonfinite } = *hyper;
+    let stop = u32::from(nonfinite == NonFinite::Stop);
     match weights {
         None => {
             let g = dense::<f32>(OP, grads)?;
             if len == 0 {
                 return Ok(());
             }
-            let list =
-                args![InOut(p), InOut(mm), InOut(vv), In(g), In(rate), In(step), beta1, beta2, eps, weight_decay, n];
+            let scan = args![InOut(gv), In(g), In(step), n];
+            stream.launch(&NONFINITE_SCAN, stride_dims(len.div_ceil(lanes::<f32>())), &scan)?;
+            let list = args![
+                InOut(p),
+                InOut(mm),
+                InOut(vv),
+                In(g),
+                In(rate),
+                In(step),
+                InOut(gv),
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                stop,
+                n
+            ];
             stream.launch(&ADAMW, stride_dims(len), &list)
         }
         Some(w) => {
@@ -201,6 +383,8 @@ pub fn adamw_step(
             if len == 0 {
                 return Ok(());
             }
+            let scan = args![InOut(gv), In(g), In(step), n];
+            stream.launch(&NONFINITE_SCAN_BF16, stride_dims(len.div_ceil(lanes::<bf16>())), &scan)?;
             let list = args![
                 InOut(p),
                 Out(w),
@@ -209,10 +393,12 @@ pub fn adamw_step(
                 In(g),
                 In(rate),
                 In(step),
+                InOut(gv),
                 beta1,
                 beta2,
                 eps,
                 weight_decay,
+                stop,
                 n
             ];
             stream.launch(&ADAMW_BF16, stride_dims(len), &list)

@@ -183,6 +183,8 @@ mod tests {
         vec![
             &adamw::ADAMW,
             &adamw::ADAMW_BF16,
+            &adamw::NONFINITE_SCAN,
+            &adamw::NONFINITE_SCAN_BF16,
             &cast::CAST_F32_TO_BF16,
             &cast::CAST_BF16_TO_F32,
             &cast::RESIDUAL_ADD,

@@ -1,13 +1,15 @@
 //! AdamW over every parameter of a store, with its moments, step counter and learning rate on
 //! the device, and for a bf16 store (mixed precision) its f32 master weights.
 
+use std::ops::Range;
+
 use crate::device::{DType, RangeName, Stream};
 use crate::memory::CachingAllocator;
 use crate::nn::ParamStore;
-use crate::ops::adamw::{adamw_step, AdamWHyper};
+use crate::ops::adamw::{adamw_step, nonfinite_guard, read_guard, AdamWHyper, NonFinite};
 use crate::ops::schedule::{lr_schedule_step, LrSchedule};
 use crate::tensor::Tensor;
-use crate::Result;
+use crate::{Error, Result};
 
 /// AdamW (PyTorch's `torch.optim.AdamW`) over one [`ParamStore`]: its moments, step counter and
 /// learning rate live on the device, so [`step`](AdamW::step) enqueues three launches and no
@@ -18,6 +20,12 @@ use crate::Result;
 /// model that may not fit in host memory), take every update in f32, and are rounded into the
 /// store's bf16 values by the same launch; the gradients stay bf16. The moments are f32 either
 /// way.
+///
+/// A step whose gradients are not all finite updates nothing (`ops::adamw`'s Note [Non-finite
+/// guard]): under [`NonFinite::Stop`] (the default) neither does any later step, and
+/// [`check_finite`](AdamW::check_finite) names the step; under [`NonFinite::Skip`] training goes
+/// on and [`skipped_steps`](AdamW::skipped_steps) counts them. The check runs on the device
+/// inside the step; only those two calls wait for it.
 ///
 /// ```
 /// use graphed::device::Device;
@@ -50,6 +58,10 @@ pub struct AdamW {
     v: Tensor,
     lr: Tensor,
     step: Tensor,
+    /// What the steps found of non-finite gradients (`ops::adamw::nonfinite_guard`).
+    guard: Tensor,
+    /// Each parameter's name and range in the flat buffers, to name a non-finite gradient.
+    names: Vec<(String, Range<usize>)>,
     hyper: AdamWHyper,
     schedule: LrSchedule,
     /// The range of its steps (`optimizer step`), made once.
@@ -83,21 +95,25 @@ impl AdamW {
         let zeros = |shape: &[usize]| Tensor::zeros(alloc, stream, shape, DType::F32);
         let (m, v, lr) = (zeros(params.shape())?, zeros(params.shape())?, zeros(&[1])?);
         let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
+        let guard = nonfinite_guard(alloc, stream)?;
+        let names = store.ranges().map(|(name, range)| (name.to_string(), range)).collect();
         let range = RangeName::new("optimizer step");
-        Ok(AdamW { params, weights, grads, m, v, lr, step, hyper, schedule, range })
+        Ok(AdamW { params, weights, grads, m, v, lr, step, guard, names, hyper, schedule, range })
     }
 
     /// One step, enqueued on `stream`: the step counter advances, the learning rate of the new
-    /// step is written, every parameter is updated from its gradient (a bf16 store's values
-    /// rewritten from the master weights in the same launch), and the gradients are zeroed for
-    /// the next accumulation.
+    /// step is written, the gradients are checked, every parameter is updated from its gradient
+    /// (a bf16 store's values rewritten from the master weights in the same launch) unless a
+    /// gradient is not finite (see [`NonFinite`]), and the gradients are zeroed for the next
+    /// accumulation.
     /// Its profiler range is `optimizer step` (inside a graph's capture when graphed: name the
     /// replays with [`GraphedFn::with_name`](crate::graph::GraphedFn::with_name)).
     pub fn step(&self, stream: &Stream) -> Result<()> {
         let _range = stream.device().range(&self.range);
         lr_schedule_step(&self.step, &self.lr, &self.schedule, stream)?;
         let (p, w) = (&self.params, self.weights.as_ref());
-        adamw_step(p, w, &self.grads, &self.m, &self.v, &self.lr, &self.step, &self.hyper, stream)?;
+        let (g, guard) = (&self.grads, &self.guard);
+        adamw_step(p, w, g, &self.m, &self.v, &self.lr, &self.step, guard, &self.hyper, stream)?;
         self.grads.zero(stream)
     }
 
@@ -112,6 +128,37 @@ impl AdamW {
         Ok(self.step.to_vec(stream)?[0])
     }
 
+    /// Whether training may go on: under [`NonFinite::Stop`], an error naming the first step that
+    /// had a non-finite gradient, after which nothing was updated; under [`NonFinite::Skip`],
+    /// always `Ok` (see [`skipped_steps`](AdamW::skipped_steps)). Reads the device after the
+    /// work queued on `stream` (a host sync): call it when the loop reads the loss, and before
+    /// saving a checkpoint.
+    ///
+    /// # Errors
+    /// [`Error::NonFinite`] with the step, the parameter of its first non-finite gradient and
+    /// the updates skipped; device errors.
+    pub fn check_finite(&self, stream: &Stream) -> Result<()> {
+        let record = read_guard(&self.guard, stream)?;
+        match (self.hyper.nonfinite, record.first) {
+            (NonFinite::Stop, Some((step, index))) => {
+                let index = usize::try_from(index).unwrap_or(usize::MAX);
+                let param = match self.names.iter().find(|(_, r)| r.contains(&index)) {
+                    Some((name, _)) => name.clone(),
+                    None => format!("element {index}"),
+                };
+                Err(Error::NonFinite { step, param, skipped: record.skipped })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Updates skipped for a non-finite gradient: under [`NonFinite::Skip`] the steps that had
+    /// one, under [`NonFinite::Stop`] every step from the first of those on (read from the
+    /// device after the work queued on `stream`).
+    pub fn skipped_steps(&self, stream: &Stream) -> Result<u64> {
+        Ok(read_guard(&self.guard, stream)?.skipped)
+    }
+
     /// The learning rate of the last step (read from the device after the work on `stream`).
     pub fn learning_rate(&self, stream: &Stream) -> Result<f32> {
         Ok(self.lr.to_vec(stream)?[0])
@@ -124,11 +171,15 @@ impl AdamW {
 
     /// Its state on the device, by name, for a checkpoint: the f32 master weights of a bf16
     /// store (`master`; an f32 store's are its values), the moments (`m`, `v`), the step
-    /// counter (`step`) and the learning rate of the last step (`lr`). Restoring them and the
-    /// store's values continues training bit for bit.
+    /// counter (`step`), the learning rate of the last step (`lr`) and the non-finite guard
+    /// (`nonfinite`: under [`NonFinite::Skip`] a resumed run goes on counting skipped steps;
+    /// under [`NonFinite::Stop`] a checkpoint saved after [`check_finite`](AdamW::check_finite)
+    /// passed holds a clean one). Restoring them and the store's values continues training bit
+    /// for bit.
     pub fn state(&self) -> Vec<(&'static str, &Tensor)> {
         let master = self.weights.as_ref().map(|_| ("master", &self.params));
-        master.into_iter().chain([("m", &self.m), ("v", &self.v), ("step", &self.step), ("lr", &self.lr)]).collect()
+        let rest = [("m", &self.m), ("v", &self.v), ("step", &self.step), ("lr", &self.lr), ("nonfinite", &self.guard)];
+        master.into_iter().chain(rest).collect()
     }
 
     /// The hyperparameters other than the learning rate.

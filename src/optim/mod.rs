@@ -4,6 +4,6 @@
 
 mod adamw;
 
-pub use crate::ops::adamw::AdamWHyper;
+pub use crate::ops::adamw::{AdamWHyper, NonFinite};
 pub use crate::ops::schedule::LrSchedule;
 pub use adamw::AdamW;
