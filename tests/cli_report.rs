@@ -170,3 +170,13 @@ fn a_bench_without_a_block_and_a_badly_named_file_are_refused() {
     let err = stderr(&graphed(&repo.dir, &[]));
     assert!(err.contains("alloc-latest.json: not named `<date>-<gpu>-<bench>[-<tag>]-<commit>.json`"), "{err}");
 }
+
+/// Outside the repository the missing results folder is named, not git.
+#[test]
+fn outside_the_repository_the_missing_results_folder_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = graphed(dir.path(), &[]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("bench/results: no such results folder") && !err.contains("git checkout"), "{err}");
+}

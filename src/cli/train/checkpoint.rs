@@ -26,7 +26,7 @@ pub fn file(dir: &Path) -> std::path::PathBuf {
 fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f32)) -> Vec<(&'static str, String)> {
     let c = model.config();
     vec![
-        ("format", "graphed-train-1".into()),
+        ("format", "graphed-train-2".into()),
         ("dim", c.dim.to_string()),
         ("layers", c.layers.to_string()),
         ("heads", c.heads.to_string()),

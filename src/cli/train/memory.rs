@@ -12,19 +12,20 @@ use crate::cli::exit::refuse;
 
 /// Bytes of device memory a run of `config` on batches of `batch` holds at its peak, about: the
 /// parameters with their gradients and AdamW's f32 master weights and moments; per layer and
-/// position, what the caching allocator was measured to hold at the peak of a step, in widths
-/// of the model's element type (42 eager; 140 graphed, where the warmup's cached blocks, the
-/// graphs' pool with its static buffers and the saved activations all hold a step's worth),
-/// plus the attention's per-head rows over the positions in f32 (2 eager, 6 graphed); and the
-/// head's logits and probabilities. The widths were fitted to the simulator's allocator
-/// statistics on three shapes (the test below keeps the fit honest: it fails when the memory a
-/// step holds moves away from it).
+/// position, what the caching allocator was measured to hold at the peak of a second step, in
+/// widths of the model's element type (81 eager; 132 graphed, where the warmup's cached blocks,
+/// the graphs' pool with its static buffers and the saved activations all hold a step's worth),
+/// plus the attention's per-head rows over the positions in f32 (7 of them eager, 11 graphed);
+/// and the head's logits and probabilities. The numbers were fitted to the simulator's
+/// allocator statistics on nine shapes (widths 32 to 128, 2 and 4 heads and layers, 11 and 64
+/// positions), which the caching allocator shares with CUDA; the test below keeps the fit
+/// honest: it fails when the memory a step holds moves away from it.
 pub fn estimate(config: &GptConfig, batch: usize, graphed: bool) -> u128 {
     let n = |v: usize| v as u128;
     let elem = n(config.dtype.size());
     let params = n(config.parameter_count()) * (2 * elem + 12);
     let positions = n(batch) * n(config.max_len);
-    let (widths, rows) = if graphed { (140, 6) } else { (42, 2) };
+    let (widths, rows) = if graphed { (132, 11) } else { (81, 7) };
     let per_layer = positions * (widths * n(config.dim) * elem + rows * n(config.heads) * n(config.max_len) * 4);
     let head = 2 * positions * n(config.vocab) * (4 + elem);
     params + n(config.layers) * per_layer + head
@@ -97,13 +98,14 @@ mod tests {
     }
 
     #[test]
-    fn the_estimate_is_within_a_third_of_the_memory_a_step_holds() -> anyhow::Result<()> {
-        let config =
-            GptConfig { vocab: 12, max_len: 11, dim: 64, layers: 2, heads: 4, dropout: 0.0, seed: 1, dtype: DType::F32 };
-        for graphed in [false, true] {
-            let (peak, estimate) = (measured_peak(config, 64, graphed)?, estimate(&config, 64, graphed));
-            let ratio = estimate as f64 / peak as f64;
-            assert!((0.67..1.33).contains(&ratio), "graphed {graphed}: estimate {estimate} B, peak {peak} B");
+    fn the_estimate_is_within_a_fifth_of_the_memory_a_step_holds() -> anyhow::Result<()> {
+        for (dim, heads, max_len) in [(64, 4, 11), (32, 2, 48)] {
+            let config = GptConfig { vocab: 12, max_len, dim, layers: 2, heads, dropout: 0.0, seed: 1, dtype: DType::F32 };
+            for graphed in [false, true] {
+                let (peak, estimate) = (measured_peak(config, 32, graphed)?, estimate(&config, 32, graphed));
+                let ratio = estimate as f64 / peak as f64;
+                assert!((0.8..1.2).contains(&ratio), "{config:?} graphed {graphed}: estimate {estimate} B, peak {peak} B");
+            }
         }
         Ok(())
     }

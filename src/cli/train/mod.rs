@@ -407,9 +407,18 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
 /// Fails, naming the first step whose gradients were not finite, unless `policy` skips such
 /// steps (the optimizer kept the parameters of the last good step either way).
 fn finite(optimizer: &AdamW, s: &Stream, policy: NonFiniteArg) -> anyhow::Result<()> {
-    match policy {
-        NonFiniteArg::Stop => Ok(optimizer.check_finite(s)?),
-        NonFiniteArg::Skip => Ok(()),
+    if policy == NonFiniteArg::Skip {
+        return Ok(());
+    }
+    match optimizer.check_finite(s) {
+        // The optimizer counts its steps from 1, the run's lines from 0.
+        Err(Error::NonFinite { step, param, .. }) => anyhow::bail!(
+            "step {} had a gradient that is not finite (the first in `{param}`): the run stopped with the parameters \
+             of the step before it and saved nothing after it; lower --lr (or check the data) and resume from the \
+             last checkpoint, or pass --on-nonfinite skip to skip such steps",
+            step.saturating_sub(1)
+        ),
+        other => Ok(other?),
     }
 }
 
