@@ -17,7 +17,10 @@ fn exe() -> String {
 /// `graphed train --device sim` with `args`, in `dir`.
 fn train(dir: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::new(exe());
-    cmd.current_dir(dir).args(["train", "--device", "sim", "--eval", "5"]).args(args);
+    cmd.current_dir(dir).args(["train", "--device", "sim"]).args(args);
+    if !args.contains(&"--data") {
+        cmd.args(["--eval", "5"]);
+    }
     cmd
 }
 
@@ -119,8 +122,10 @@ fn an_interrupt_finishes_the_step_saves_flushes_and_exits_130_and_a_resume_appen
     assert!(before.first() == Some(&0) && before.iter().all(|&s| s < done), "{before:?} done {done}");
     // The resumed run keeps those lines and appends its own.
     let stop = (done + 30).to_string();
-    let (code, _, stderr) =
-        run(d, &["--steps", "100000", "--resume", "ckpt", "--save", "ckpt", "--metrics", "m.jsonl", "--stop-at", &stop]);
+    let (code, _, stderr) = run(
+        d,
+        &["--steps", "100000", "--resume", "ckpt", "--save", "ckpt", "--metrics", "m.jsonl", "--stop-at", &stop],
+    );
     assert_eq!(code, Some(0), "{stderr}");
     let after: Vec<usize> = std::fs::read_to_string(&metrics).unwrap().lines().filter_map(step_of).collect();
     assert_eq!(&after[..before.len()], &before[..]);
@@ -182,4 +187,32 @@ fn a_plain_run_says_what_it_runs_on_in_its_own_words_and_summarises_on_stderr() 
     let (code, stdout, stderr) = run(dir.path(), &["--resume", "absent"]);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(!stdout.contains("no hazards") && !stderr.contains("no hazards"), "{stdout}{stderr}");
+}
+
+#[test]
+fn a_damaged_checkpoint_and_a_changed_data_file_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (code, _, stderr) = run(d, &["--steps", "20", "--stop-at", "10", "--save", "ckpt"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let path = d.join("ckpt/checkpoint.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+    let (code, stdout, stderr) = run(d, &["--steps", "20", "--resume", "ckpt"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("tensor") && !stdout.contains("step "), "{stderr}");
+
+    let text: String = (0..400).map(|i| format!("line {i}: the quick brown fox\n")).collect();
+    std::fs::write(d.join("data.txt"), &text).unwrap();
+    let data = ["--data", "data.txt", "--steps", "20"];
+    let (code, _, stderr) = run(d, &[&data[..], &["--stop-at", "10", "--save", "text"]].concat());
+    assert_eq!(code, Some(0), "{stderr}");
+    std::fs::write(d.join("data.txt"), text.replace("fox", "cat")).unwrap();
+    let (code, _, stderr) = run(d, &[&data[..], &["--resume", "text"]].concat());
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("the data file changed") && stderr.contains("--accept-changed-data"), "{stderr}");
+    let (code, _, stderr) = run(d, &[&data[..], &["--resume", "text", "--accept-changed-data"]].concat());
+    assert_eq!(code, Some(0), "{stderr}");
 }

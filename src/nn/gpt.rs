@@ -67,7 +67,11 @@ impl GptConfig {
         let max_seq = crate::ops::softmax::MAX_SEQ;
         let aux = crate::device::AUX_LD_MULTIPLE;
         if self.dim == 0 || self.dim > max_dim {
-            return limit("dim", self.dim, format!("the width must be 1 to {max_dim} (LayerNorm keeps a row in registers)"));
+            return limit(
+                "dim",
+                self.dim,
+                format!("the width must be 1 to {max_dim} (LayerNorm keeps a row in registers)"),
+            );
         }
         if !(4 * self.dim).is_multiple_of(aux) {
             let why = format!(
@@ -80,14 +84,22 @@ impl GptConfig {
             return limit("heads", self.heads, format!("the heads must divide the width {}", self.dim));
         }
         if self.max_len == 0 || self.max_len > max_seq {
-            return limit("max_len", self.max_len, format!("sequences must be 1 to {max_seq} positions (the causal softmax keeps a row in registers)"));
+            return limit(
+                "max_len",
+                self.max_len,
+                format!("sequences must be 1 to {max_seq} positions (the causal softmax keeps a row in registers)"),
+            );
         }
         if self.vocab == 0 || self.layers == 0 {
             let (field, value) = if self.vocab == 0 { ("vocab", self.vocab) } else { ("layers", self.layers) };
             return limit(field, value, "must be at least 1".into());
         }
         if u32::try_from(self.parameter_count()).is_err() {
-            return limit("dim", self.dim, format!("{} parameters; the optimizer's kernel steps fewer than 2^32", self.parameter_count()));
+            return limit(
+                "dim",
+                self.dim,
+                format!("{} parameters; the optimizer's kernel steps fewer than 2^32", self.parameter_count()),
+            );
         }
         Ok(())
     }

@@ -195,9 +195,11 @@ impl OffloadManager {
             return Ok(());
         }
         let config = &self.inner.config;
-        let saved = st.chunks.values().flat_map(|c| c.layout.iter()).flat_map(|g| {
-            g.tensors.iter().map(move |t| (g.site.as_str(), t.name.as_str()))
-        });
+        let saved = st
+            .chunks
+            .values()
+            .flat_map(|c| c.layout.iter())
+            .flat_map(|g| g.tensors.iter().map(move |t| (g.site.as_str(), t.name.as_str())));
         if let Some(e) = config.unmatched(saved) {
             st.chunks.clear();
             return Err(e);

@@ -201,7 +201,10 @@ impl Summary {
                 g.tensors.iter().filter(move |t| config.selects(&g.site, &t.name)).map(|t| t.shape.iter().product())
             });
             let largest: usize = selected.max().unwrap_or(0);
-            let mut why = vec![format!("the last {} of the {units} layers per chunk keep theirs (the margin)", config.margin.min(units))];
+            let mut why = vec![format!(
+                "the last {} of the {units} layers per chunk keep theirs (the margin)",
+                config.margin.min(units)
+            )];
             if largest < config.min_elements {
                 why.push(format!(
                     "the largest selected tensor has {largest} elements, fewer than the minimum {}",
@@ -211,7 +214,10 @@ impl Summary {
             if config.policy == Policy::Auto {
                 why.push("the automatic policy found no copy that the next layer's time hides".into());
             }
-            format!("nothing is offloaded: {}; lower the margin or the minimum size, or select other sites", why.join("; "))
+            format!(
+                "nothing is offloaded: {}; lower the margin or the minimum size, or select other sites",
+                why.join("; ")
+            )
         });
         Summary { rows, nothing_offloaded, bandwidth_gbps }
     }

@@ -1,7 +1,8 @@
 //! `train --save DIR` and `--resume DIR`: the model's parameters (under their module names), the
 //! optimizer's state, the dropout step counter and the steps taken, in
-//! `DIR/checkpoint.safetensors`, with the run's settings as metadata that a resumed run must
-//! match.
+//! `DIR/checkpoint.safetensors` (every tensor and the metadata under a checksum, verified before
+//! anything is restored), with the run's settings as metadata that a resumed run must match, and
+//! the `--data` file's size and hash, which it must match unless `--accept-changed-data`.
 
 use std::path::Path;
 
@@ -41,6 +42,18 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
     ]
 }
 
+/// The metadata key of the data file's size and hash (`none` for the addition task, whose data
+/// is generated).
+const DATA_DIGEST: &str = "data_digest";
+
+/// The `--data` file's size and SHA-256, as a checkpoint records it.
+fn data_digest(args: &TrainArgs) -> anyhow::Result<String> {
+    Ok(match &args.data {
+        Some(path) => graphed::checkpoint::file_digest(path)?.to_string(),
+        None => "none".into(),
+    })
+}
+
 /// What a checkpoint keeps, by name: every parameter (`param.` and its module name), the
 /// optimizer's state (`optim.`) and the dropout step counter.
 fn state(model: &Gpt, optimizer: &AdamW) -> anyhow::Result<Vec<(String, Tensor)>> {
@@ -69,6 +82,7 @@ pub fn save(
         ckpt.set_meta(k, v);
     }
     ckpt.set_meta("done", done);
+    ckpt.set_meta(DATA_DIGEST, data_digest(args)?);
     // A failure to write is a failure of the run, not a refusal of its input: kept as text.
     std::fs::create_dir_all(dir)
         .map_err(anyhow::Error::from)
@@ -93,7 +107,10 @@ pub fn resume(
         ckpt.expect_meta(k, v)?;
     }
     let Some(done) = ckpt.meta("done").and_then(|d| d.parse::<usize>().ok()) else {
-        refuse!("{}: no step count (`done`) in the metadata; point at a checkpoint `train --save` wrote", dir.display());
+        refuse!(
+            "{}: no step count (`done`) in the metadata; point at a checkpoint `train --save` wrote",
+            dir.display()
+        );
     };
     if done > plan.1 {
         refuse!(
@@ -114,6 +131,14 @@ pub fn resume(
         refuse!(
             "{}: the checkpoint is after {done} steps, not before --stop-at {stop}: nothing to run; pass a later \
              --stop-at, or none",
+            dir.display()
+        );
+    }
+    let (saved_on, now) = (ckpt.meta(DATA_DIGEST).unwrap_or("missing"), data_digest(args)?);
+    if saved_on != now && !args.accept_changed_data {
+        refuse!(
+            "{}: the data file changed since the checkpoint was saved (it was {saved_on}, it is {now}); pass the file \
+             it was trained on, or --accept-changed-data to go on with this one",
             dir.display()
         );
     }

@@ -76,7 +76,8 @@ mod tests {
         let targets = Tensor::from_host(&alloc, &s, &ids, &[n])?;
         let weights = Tensor::from_host(&alloc, &s, &vec![1.0 / n as f32; n], &[n])?;
         let x = Tensor::zeros(&alloc, &s, &[batch, config.max_len, config.dim], config.dtype)?;
-        let stack = graphed.then(|| make_graphed_stack(&alloc, model.layers(), &x, GraphOptions::default())).transpose()?;
+        let stack =
+            graphed.then(|| make_graphed_stack(&alloc, model.layers(), &x, GraphOptions::default())).transpose()?;
         for _ in 0..2 {
             match &stack {
                 Some(stack) => {
@@ -100,11 +101,15 @@ mod tests {
     #[test]
     fn the_estimate_is_within_a_fifth_of_the_memory_a_step_holds() -> anyhow::Result<()> {
         for (dim, heads, max_len) in [(64, 4, 11), (32, 2, 48)] {
-            let config = GptConfig { vocab: 12, max_len, dim, layers: 2, heads, dropout: 0.0, seed: 1, dtype: DType::F32 };
+            let config =
+                GptConfig { vocab: 12, max_len, dim, layers: 2, heads, dropout: 0.0, seed: 1, dtype: DType::F32 };
             for graphed in [false, true] {
                 let (peak, estimate) = (measured_peak(config, 32, graphed)?, estimate(&config, 32, graphed));
                 let ratio = estimate as f64 / peak as f64;
-                assert!((0.8..1.2).contains(&ratio), "{config:?} graphed {graphed}: estimate {estimate} B, peak {peak} B");
+                assert!(
+                    (0.8..1.2).contains(&ratio),
+                    "{config:?} graphed {graphed}: estimate {estimate} B, peak {peak} B"
+                );
             }
         }
         Ok(())
@@ -114,8 +119,16 @@ mod tests {
     fn a_run_that_cannot_fit_is_refused_with_what_it_needs_and_what_there_is() -> anyhow::Result<()> {
         let dev = Device::sim();
         let Some(free) = dev.memory_available()? else { return Ok(()) };
-        let config =
-            GptConfig { vocab: 12, max_len: 4096, dim: 4096, layers: 64, heads: 32, dropout: 0.0, seed: 1, dtype: DType::F32 };
+        let config = GptConfig {
+            vocab: 12,
+            max_len: 4096,
+            dim: 4096,
+            layers: 64,
+            heads: 32,
+            dropout: 0.0,
+            seed: 1,
+            dtype: DType::F32,
+        };
         assert!(estimate(&config, 1024, true) > free as u128, "the host has more memory than the test assumes");
         let args = crate::cli::train::outputs::tests::train_args(&[]);
         let refusal = check(&dev, &config, 1024, &args).err().map(|e| e.to_string()).unwrap_or_default();

@@ -94,8 +94,7 @@ mod tests {
         let mut resumed = Metrics::open(Some(&path), Some(30))?;
         assert_eq!(resumed.points.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 25]);
         resumed.record(30, 0.1, 1.0)?;
-        let steps: Vec<usize> =
-            std::fs::read_to_string(&path)?.lines().filter_map(parse).map(|(s, _)| s).collect();
+        let steps: Vec<usize> = std::fs::read_to_string(&path)?.lines().filter_map(parse).map(|(s, _)| s).collect();
         assert_eq!(steps, [0, 25, 30]);
         Ok(())
     }

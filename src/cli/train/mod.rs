@@ -256,7 +256,8 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     let (mut timed, mut timed_steps) = (started, stop - start);
     let mut last_loss = f64::NAN;
     let mut diverging = Divergence::default();
-    let mut metrics = metrics::Metrics::open(args.metrics.as_deref().filter(|_| lead), args.resume.as_ref().map(|_| start))?;
+    let mut metrics =
+        metrics::Metrics::open(args.metrics.as_deref().filter(|_| lead), args.resume.as_ref().map(|_| start))?;
     // The data of the steps a resumed run already took, drawn and dropped.
     for _ in 0..start {
         task.batch(&mut rng, plan.batch);

@@ -382,7 +382,9 @@ impl Backend for SimDevice {
         // Linux's estimate of what new allocations can take without swapping; other hosts do
         // not say.
         let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let kib = meminfo.lines().find_map(|l| l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?.trim().parse::<usize>().ok());
+        let kib = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?.trim().parse::<usize>().ok());
         Ok(kib.map(|k| k * 1024))
     }
 
