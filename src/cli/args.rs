@@ -460,7 +460,7 @@ impl ScheduleArgs {
     pub fn resolve(&self, layers: usize) -> anyhow::Result<(graphed::nn::Schedule, Vec<usize>)> {
         let v = self.virtual_stages();
         if !layers.is_multiple_of(v) {
-            return Err(Refused::new(format!(
+            return Err(Refused::error(format!(
                 "{layers} layers do not split into {v} virtual stages; pass a divisor of {layers} to --virtual-stages"
             )));
         }

@@ -15,7 +15,7 @@ pub struct Refused(pub String);
 
 impl Refused {
     /// `why` as an `anyhow` error (the CLI's error type).
-    pub fn new(why: impl Into<String>) -> anyhow::Error {
+    pub fn error(why: impl Into<String>) -> anyhow::Error {
         Refused(why.into()).into()
     }
 }
@@ -23,7 +23,7 @@ impl Refused {
 /// Returns early with a [`Refused`] error formatted like `format!`.
 macro_rules! refuse {
     ($($arg:tt)*) => {
-        return Err($crate::cli::exit::Refused::new(format!($($arg)*)))
+        return Err($crate::cli::exit::Refused::error(format!($($arg)*)))
     };
 }
 pub(crate) use refuse;
@@ -72,9 +72,9 @@ mod tests {
     fn each_outcome_has_its_code() {
         let code_of = |r: anyhow::Result<()>| format!("{:?}", code(&r));
         assert_eq!(code_of(Ok(())), format!("{:?}", ExitCode::SUCCESS));
-        assert_eq!(code_of(Err(Refused::new("no"))), format!("{:?}", ExitCode::from(2)));
+        assert_eq!(code_of(Err(Refused::error("no"))), format!("{:?}", ExitCode::from(2)));
         // A refusal keeps its code under added context.
-        assert_eq!(code_of(Err(Refused::new("no").context("while planning"))), format!("{:?}", ExitCode::from(2)));
+        assert_eq!(code_of(Err(Refused::error("no").context("while planning"))), format!("{:?}", ExitCode::from(2)));
         let stopped = Interrupted { steps: 3, kept: "nothing saved".into() };
         assert_eq!(code_of(Err(stopped.into())), format!("{:?}", ExitCode::from(130)));
         assert_eq!(code_of(Err(anyhow::anyhow!("device lost"))), format!("{:?}", ExitCode::FAILURE));
