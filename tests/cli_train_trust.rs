@@ -82,6 +82,8 @@ fn refusals_exit_2_before_the_first_step_and_change_nothing() {
         (&["--dim", "8192"], "--dim 8192"),
         (&["--batch", "65536", "--dim", "512"], "need about"),
         (&["--offload", "--offload-sites", "attn.bogus"], "attn.bogus"),
+        (&["--eval", "5", "--data", "file"], "--eval"),
+        (&["--save-every", "5"], "--save"),
     ];
     for (args, why) in cases {
         let started = Instant::now();
