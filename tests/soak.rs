@@ -69,7 +69,7 @@ struct Sample {
 /// the last step.
 fn sample_at(step: u64, steps: u64) -> bool {
     let warmup = (steps / 10).min(1000);
-    step == warmup || step == steps || (step > warmup && (step - warmup) % ((steps - warmup) / 10).max(1) == 0)
+    step == warmup || step == steps || (step > warmup && (step - warmup).is_multiple_of(((steps - warmup) / 10).max(1)))
 }
 
 /// Fails unless every sample after the first (the warm-up's) has the same allocator bytes and a
