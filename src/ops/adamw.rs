@@ -18,7 +18,7 @@
 //! reads the guard and, when it says so ([`NonFinite`]), writes nothing: parameters, moments and
 //! bf16 weights keep their values. No host sync is needed, so the step stays capturable; the host
 //! reads the guard when it chooses ([`read_guard`]). The scan costs one more read of the
-//! gradients per step (4 bytes a parameter in f32, 2 in bf16, beside the update's 28 or 30) and
+//! gradients per step (4 bytes a parameter in f32, 2 in bf16, beside the update's 28) and
 //! one launch.
 //!
 //! ```

@@ -12,7 +12,7 @@ use crate::tensor::Tensor;
 use crate::{Error, Result};
 
 /// AdamW (PyTorch's `torch.optim.AdamW`) over one [`ParamStore`]: its moments, step counter and
-/// learning rate live on the device, so [`step`](AdamW::step) enqueues three launches and no
+/// learning rate live on the device, so [`step`](AdamW::step) enqueues four launches and no
 /// host work, and a graph of it (`graph::make_graphed_fn`) follows the schedule on every replay.
 ///
 /// Over a bf16 store (mixed precision) it owns f32 master weights, which start from the store's
