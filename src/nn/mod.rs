@@ -188,6 +188,15 @@ pub trait Module: Send + Sync {
         false
     }
 
+    /// The step counter its forward draws random numbers from in training (its dropouts'), which
+    /// whoever runs it must advance between forwards for new masks; `None` for a module that
+    /// draws nothing, or that advances the counter itself (a [`Stack`] made
+    /// [`with_rng_step`](Stack::with_rng_step)). Graphed callables advance it
+    /// (`graph::make_graphed_callables`). The default draws nothing.
+    fn draws_from(&self) -> Option<&Tensor> {
+        None
+    }
+
     /// The module's parameters.
     fn parameters(&self) -> Vec<&Param>;
 

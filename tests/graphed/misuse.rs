@@ -115,7 +115,7 @@ impl Target {
     fn join(&mut self, s: &graphed::device::Stream) -> graphed::Result<()> {
         match self {
             Target::Stack(g) => g.join(s),
-            Target::Layer(_, tails) => std::mem::take(tails).join(s),
+            Target::Layer(_, tails) => tails.join(s),
         }
     }
 
@@ -245,7 +245,7 @@ impl World<'_> {
             Act::Reset { at: i } => match &mut self.targets[at(i)] {
                 Target::Stack(g) => g.reset(),
                 Target::Layer(g, tails) => {
-                    std::mem::take(tails).join(&s)?;
+                    tails.join(&s)?;
                     g[0].reset()
                 }
             },
