@@ -43,7 +43,8 @@ pub use mlp::{Mlp, MlpCtx};
 pub use params::{Param, ParamStore};
 pub use saved::{Restore, SavedTensor};
 pub use schedule::{
-    run_pipeline_stage, run_schedule, EagerPasses, Schedule, ScheduleErrorKind, SchedulePasses, Stage, StageLinks, Step,
+    run_pipeline_stage, run_schedule, EagerPasses, Handed, Schedule, ScheduleErrorKind, SchedulePasses, Stage,
+    StageLinks, Step,
 };
 pub use stack::{backward_pass, forward_pass, Stack, StackCtx, Traverse};
 pub use transformer::{TransformerCtx, TransformerLayer};

@@ -60,6 +60,7 @@ per_device!(
     split_weight_grads_without_their_steps_are_refused,
     grad_sync_is_told_each_callables_gradients_once_where_complete,
     out_of_schedule_replay_is_refused,
+    schedule_outputs_refuse_stale_reads,
     schedule_shapes_are_checked,
     chunk_handler_runs_once_per_chunk_in_schedule_order,
     ranges_name_every_pass_of_a_graphed_step,
