@@ -12,7 +12,7 @@
 
 use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, SimConfig, Stream};
 use graphed::dist::{on_sim_ranks, DataParallel, P2pLinks, ProcessGroup, RankEnv};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     run_pipeline_stage, run_schedule, DropoutSpec, EagerPasses, Inputs, KeepOnDevice, Module, ParamStore, Schedule,
@@ -129,7 +129,7 @@ fn rank(
         0 => data.iter().map(|(x, _)| x.clone()).collect(),
         _ => Vec::new(),
     };
-    let mut head = |j: usize, _: Tensor| Ok(data[j].1.clone());
+    let mut head = |j: usize, _: StaticTensor| Ok(data[j].1.clone());
     run_pipeline_stage(&mut passes, &schedule, (&[PER_STAGE], &inputs), None, &mut head, stage, &mut links)?;
     grads(&p)
 }

@@ -10,7 +10,7 @@
 
 use graphed::device::{CommOptions, Communicator, DType, Device, SimConfig, Stream};
 use graphed::dist::{on_sim_ranks, P2pLinks, ProcessGroup, RankEnv};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     run_pipeline_stage, run_schedule, DropoutSpec, EagerPasses, Inputs, KeepOnDevice, ParamStore, Schedule, Stage,
@@ -61,8 +61,8 @@ fn stage(comm: &Communicator) -> graphed::Result<Vec<Vec<f32>>> {
         _ => Vec::new(),
     };
     let mut outputs = vec![Vec::new(); MICROBATCHES];
-    let mut head = |j: usize, y: Tensor| {
-        outputs[j] = y.to_f32_vec(&s)?;
+    let mut head = |j: usize, y: StaticTensor| {
+        outputs[j] = y.get()?.to_f32_vec(&s)?;
         Ok(data[j].1.clone())
     };
     run_pipeline_stage(&mut passes, &schedule, (&[1, 1], &inputs), None, &mut head, stage, &mut links)?;

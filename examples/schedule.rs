@@ -5,7 +5,7 @@
 //! `cargo run --example schedule`
 
 use graphed::device::{DType, Device};
-use graphed::graph::{make_graphed_callables, static_bytes, Callable, GraphOptions, GraphedPasses};
+use graphed::graph::{make_graphed_callables, static_bytes, Callable, GraphOptions, GraphedPasses, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     run_schedule, DropoutSpec, EagerPasses, Inputs, KeepOnDevice, ParamStore, Schedule, TransformerLayer,
@@ -37,7 +37,6 @@ fn main() -> graphed::Result<()> {
         |j: usize| Tensor::from_f32(&alloc, &s, &vec![0.1 * (j + 1) as f32; 2 * 8 * 32], &[2, 8, 32], DType::F32);
     let inputs = (0..4).map(input).collect::<graphed::Result<Vec<_>>>()?;
     let dy = Tensor::from_f32(&alloc, &s, &vec![1.0; 2 * 8 * 32], &[2, 8, 32], DType::F32)?;
-    let mut head = |_: usize, _: Tensor| Ok(dy.clone());
 
     let want = run_schedule(
         &mut EagerPasses::new(&eager, &KeepOnDevice, &s),
@@ -45,7 +44,7 @@ fn main() -> graphed::Result<()> {
         &per_chunk,
         &inputs,
         None,
-        &mut head,
+        &mut |_, _: Tensor| Ok(dy.clone()),
     )?;
     let callables: Vec<&dyn Callable> = graphed.iter().map(|l| l as &dyn Callable).collect();
     let samples: Vec<Inputs> = (0..4 * 4).map(|_| Inputs::one(&inputs[0])).collect();
@@ -57,11 +56,12 @@ fn main() -> graphed::Result<()> {
         &per_chunk,
         &inputs,
         None,
-        &mut head,
+        // Graphed, the head's input is a static tensor, readable until the next step's replay.
+        &mut |_, _: StaticTensor| Ok(dy.clone()),
     )?;
     let mut same = eager_store.grads()?.to_vec::<f32>(&s)? == graphed_store.grads()?.to_vec::<f32>(&s)?;
     for (a, b) in want.iter().zip(&got) {
-        same &= a.to_vec::<f32>(&s)? == b.to_vec::<f32>(&s)?;
+        same &= a.to_vec::<f32>(&s)? == b.get()?.to_vec::<f32>(&s)?;
     }
     println!(
         "{} graphs, {} static bytes with buffer reuse",

@@ -5,8 +5,8 @@ use graphed::device::Stream;
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    run_pipeline_stage, run_schedule, EagerPasses, Inputs, KeepOnDevice, Schedule, SchedulePasses, Stage, StageLinks,
-    TransformerLayer,
+    run_pipeline_stage, run_schedule, EagerPasses, Handed, Inputs, KeepOnDevice, Schedule, SchedulePasses, Stage,
+    StageLinks, TransformerLayer,
 };
 use graphed::tensor::Tensor;
 
@@ -53,24 +53,33 @@ impl ScheduledLayers {
         head: &mut dyn FnMut(usize, Tensor) -> graphed::Result<Tensor>,
         pipeline: Option<(Stage, &mut dyn StageLinks)>,
     ) -> graphed::Result<Vec<Tensor>> {
-        let mut eager;
-        let mut replays;
-        let passes: &mut dyn SchedulePasses = match &self.graphed {
-            None => {
-                eager = EagerPasses::new(layers, &KeepOnDevice, stream);
-                &mut eager
-            }
+        match &self.graphed {
+            None => self.step(&mut EagerPasses::new(layers, &KeepOnDevice, stream), inputs, rng_step, head, pipeline),
             Some(g) => {
-                replays = GraphedPasses::new(g, &self.schedule, &self.per_chunk, stream);
-                &mut replays
-            }
-        };
-        match pipeline {
-            None => run_schedule(passes, &self.schedule, &self.per_chunk, inputs, rng_step, head),
-            Some((stage, links)) => {
-                let run = (&self.per_chunk[..], inputs);
-                run_pipeline_stage(passes, &self.schedule, run, rng_step, head, stage, links)
+                let mut passes = GraphedPasses::new(g, &self.schedule, &self.per_chunk, stream);
+                self.step(&mut passes, inputs, rng_step, head, pipeline)
             }
         }
+    }
+
+    /// `run` through `passes`, whose outputs are read at once (by `head`, and by the caller of
+    /// `run` for the input gradients it returns).
+    fn step<P: SchedulePasses>(
+        &self,
+        passes: &mut P,
+        inputs: &[Tensor],
+        rng_step: Option<&Tensor>,
+        head: &mut dyn FnMut(usize, Tensor) -> graphed::Result<Tensor>,
+        pipeline: Option<(Stage, &mut dyn StageLinks)>,
+    ) -> graphed::Result<Vec<Tensor>> {
+        let mut head = |j: usize, y: P::Out| head(j, y.tensor()?.clone());
+        let dxs = match pipeline {
+            None => run_schedule(passes, &self.schedule, &self.per_chunk, inputs, rng_step, &mut head)?,
+            Some((stage, links)) => {
+                let run = (&self.per_chunk[..], inputs);
+                run_pipeline_stage(passes, &self.schedule, run, rng_step, &mut head, stage, links)?
+            }
+        };
+        dxs.iter().map(|d| d.tensor().cloned()).collect()
     }
 }

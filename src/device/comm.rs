@@ -178,6 +178,15 @@ pub enum CommErrorKind {
         /// The rank that left.
         rank: usize,
     },
+    /// A rank's thread panicked (ranks run as threads of one process: `dist::on_ranks`); the
+    /// other ranks see it leave ([`CommErrorKind::RankGone`]).
+    #[error("rank {rank} panicked: {message}; this is a bug in the code the rank ran, fix it there")]
+    Panicked {
+        /// The rank whose thread panicked.
+        rank: usize,
+        /// The panic's message (its `&str` or `String` payload), or a note that it had none.
+        message: String,
+    },
     /// A rank number outside the group.
     #[error("peer {peer} is not a rank of this group of {size}; pass a rank below {size} other than your own")]
     BadPeer {
@@ -763,9 +772,21 @@ pub(crate) fn per_rank_thread<I: Send, T: Send>(
         let handles: Vec<_> =
             items.into_iter().enumerate().map(|(rank, item)| s.spawn(move || f(rank, item))).collect();
         (handles.into_iter().enumerate())
-            .map(|(rank, h)| h.join().unwrap_or_else(|_| Err(comm_error(op, rank, CommErrorKind::RankGone { rank }))))
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|p| {
+                    Err(comm_error(op, rank, CommErrorKind::Panicked { rank, message: panic_message(p) }))
+                })
+            })
             .collect()
     })
+}
+
+/// The message of a panic's payload: what `panic!` was given, as `&str` or `String`.
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    match payload.downcast::<String>() {
+        Ok(s) => *s,
+        Err(p) => p.downcast_ref::<&str>().map_or_else(|| "(a payload that is not a string)".into(), |s| s.to_string()),
+    }
 }
 
 impl std::fmt::Debug for Communicator {

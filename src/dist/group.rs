@@ -222,7 +222,8 @@ impl ProcessGroup {
 }
 
 /// Runs `f` on every communicator of a group, one thread each; every rank's result, in rank
-/// order. A rank whose thread panics gives [`CommErrorKind::RankGone`].
+/// order. A rank whose thread panics gives [`CommErrorKind::Panicked`] with the panic's message
+/// (the other ranks, if they waited on it, [`CommErrorKind::RankGone`]).
 ///
 /// Several GPUs of one process, each rank checked (see [`Device::cuda_checked`]):
 ///
@@ -268,5 +269,28 @@ pub fn on_sim_ranks<T: Send>(
     match Communicator::sim_group(&devices, options) {
         Ok(comms) => on_ranks(comms, f),
         Err(e) => vec![Err(e)],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank's panic reaches the caller with its message, whether `panic!` got a literal (a
+    /// `&str` payload) or a format (a `String`); the other rank's result is its own.
+    #[test]
+    fn a_ranks_panic_keeps_its_message() {
+        let out = on_sim_ranks(3, SimConfig::default(), CommOptions::default(), |c| match c.rank() {
+            1 => panic!("rank one ran out of data"),
+            2 => panic!("rank {} ran out of data", c.rank()),
+            r => Ok(r),
+        });
+        let message = |r: &Result<usize>| match r {
+            Err(Error::Comm { kind: CommErrorKind::Panicked { message, .. }, .. }) => Some(message.clone()),
+            _ => None,
+        };
+        assert!(matches!(out[0], Ok(0)), "{:?}", out[0]);
+        assert_eq!(message(&out[1]).as_deref(), Some("rank one ran out of data"));
+        assert_eq!(message(&out[2]).as_deref(), Some("rank 2 ran out of data"));
     }
 }

@@ -51,7 +51,8 @@ pub(crate) fn build(
             .map(|(k, (d, x))| origin(format!("{name}: gradient of {}", x.label(k)), d.as_ref()))
             .collect();
         out.push(GraphedCallable {
-            name: name.clone(),
+            name: name.as_str().into(),
+            draws: None,
             shared: shared.clone(),
             pool: pool.clone(),
             graphs: captured,

@@ -63,6 +63,9 @@ pub trait Callable: Sync + sealed::Sealed {
     /// [`Module::splits_dw`].
     fn splits_dw_dyn(&self) -> bool;
 
+    /// [`Module::draws_from`].
+    fn draws_from_dyn(&self) -> Option<&Tensor>;
+
     /// [`Module::parameters`].
     fn parameters_dyn(&self) -> Vec<&Param>;
 }
@@ -98,6 +101,10 @@ impl<M: Module> Callable for M {
 
     fn splits_dw_dyn(&self) -> bool {
         self.splits_dw()
+    }
+
+    fn draws_from_dyn(&self) -> Option<&Tensor> {
+        self.draws_from()
     }
 
     fn parameters_dyn(&self) -> Vec<&Param> {

@@ -5,6 +5,7 @@
 use super::build::build;
 use super::callable::Callable;
 use super::error::refusal;
+use super::graphed::Draws;
 use super::options::{GraphOptions, Mode};
 use super::plan::{Named, Plan, RangeLabel};
 use super::record::{record, Layout};
@@ -31,6 +32,13 @@ fn refuse(kind: GraphedErrorKind) -> Error {
 /// warmup; capture of every forward in order, then every backward in reverse, then every split
 /// weight-gradient pass in reverse, all into one pool; verification of the sync event; upload.
 /// The samples' values become the static inputs' initial contents.
+///
+/// In training, callables whose modules draw random numbers (dropout, see
+/// [`Module::draws_from`]) own their step counter as a graphed stack does: a forward replay first
+/// advances it by one if that callable already drew at its value, so that every forward draws new
+/// masks and callables replayed once each per microbatch draw the masks of the eager stack; do
+/// not advance it yourself. Under a schedule, [`nn::run_schedule`](crate::nn::run_schedule)
+/// advances it instead (give it the counter).
 ///
 /// ```
 /// use graphed::device::Device;
@@ -68,7 +76,13 @@ pub fn make_graphed_callables(
             return Err(refuse(GraphedErrorKind::SampleCount { callables: callables.len(), samples: samples.len() }));
         }
         let names = callables.iter().enumerate().map(|(i, c)| named(i, *c)).collect();
-        return capture(alloc, callables, names, samples.iter().cloned().map(Some).collect(), None, options, None);
+        let training = options.mode == Mode::Training;
+        let mut graphed =
+            capture(alloc, callables, names, samples.iter().cloned().map(Some).collect(), None, options, None)?;
+        if training {
+            share_draws(callables, &mut graphed);
+        }
+        return Ok(graphed);
     };
     if options.mode == Mode::Inference {
         let what = "a schedule runs backwards, which inference does not capture; graph it in training mode, or \
@@ -283,6 +297,24 @@ fn capture(
     let callables = captured?;
     stream.synchronize()?;
     Ok(callables)
+}
+
+/// Gives the callables that draw random numbers ([`Callable::draws_from_dyn`]) their counter,
+/// one [`Draws`] per counter, so that their forward replays advance it as a stack's forward does.
+fn share_draws(callables: &[&dyn Callable], graphed: &mut [GraphedCallable]) {
+    let mut counters: Vec<(&Tensor, Vec<usize>)> = Vec::new();
+    for (i, step) in callables.iter().enumerate().filter_map(|(i, c)| Some((i, c.draws_from_dyn()?))) {
+        match counters.iter_mut().find(|(t, _)| t.is_same_view(step)) {
+            Some((_, members)) => members.push(i),
+            None => counters.push((step, vec![i])),
+        }
+    }
+    for (step, members) in counters {
+        let draws = Arc::new(Draws::new(step, members.len()));
+        for (member, i) in members.into_iter().enumerate() {
+            graphed[i].draws = Some((draws.clone(), member));
+        }
+    }
 }
 
 /// Each callable's save hook: its chunk's, made by the chunk handler once per chunk (a

@@ -66,7 +66,7 @@ pub(crate) struct Slot {
 /// replay of the same graph overwrites, which they detect. Parameter gradients accumulate in
 /// place into the parameters' own gradient buffers, so nothing a replay returns aliases them.
 pub struct GraphedCallable {
-    pub(crate) name: String,
+    pub(crate) name: Arc<str>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) pool: GraphPool,
     pub(crate) graphs: Vec<Captured>,
@@ -91,11 +91,45 @@ pub struct GraphedCallable {
     /// Its replays' range names (`replay h3.forward`), made once, indexed by `pass as usize`
     /// (declaration order, as [`Pass::ALL`]).
     pub(crate) ranges: [RangeName; 3],
+    /// The dropout step counter its forward replays advance, and its place among the callables
+    /// that share it; `None` when it draws nothing, or when a stack or a schedule's traversal
+    /// advances the counter.
+    pub(crate) draws: Option<(Arc<Draws>, usize)>,
+}
+
+/// The dropout step counter of callables graphed together, advanced by their forward replays
+/// as a stack's forward advances it: by one before the forward of a callable that already drew at
+/// the counter's value. Every forward replay of a callable then draws new masks, and callables
+/// replayed once each per microbatch draw at one value per microbatch, as the eager stack does.
+pub(crate) struct Draws {
+    step: Tensor,
+    /// Per callable sharing the counter, whether it drew at the counter's value.
+    drawn: Mutex<Vec<bool>>,
+}
+
+impl Draws {
+    /// The counter `step` of `members` callables. They start as if each had drawn at its value,
+    /// so that the first forward advances it, as the stack's first forward does.
+    pub(crate) fn new(step: &Tensor, members: usize) -> Draws {
+        Draws { step: step.clone(), drawn: Mutex::new(vec![true; members]) }
+    }
+
+    /// Before a forward replay of callable `member` on `stream`: advances the counter if the
+    /// callable drew at its value.
+    fn before_forward(&self, member: usize, stream: &Stream) -> Result<()> {
+        let mut drawn = self.drawn.lock().unwrap_or_else(PoisonError::into_inner);
+        if drawn[member] {
+            crate::ops::rng::step_add(&self.step, 1, stream)?;
+            drawn.fill(false);
+        }
+        drawn[member] = true;
+        Ok(())
+    }
 }
 
 impl GraphedCallable {
     fn err(&self, kind: GraphedErrorKind) -> Error {
-        Error::Graphed { callable: self.name.clone(), kind }
+        Error::Graphed { callable: self.name.to_string(), kind }
     }
 
     /// Its name: the callable's name and index.
@@ -275,6 +309,9 @@ impl GraphedCallable {
     ) -> Result<Tail> {
         let exec = self.exec(pass)?;
         let _range = caller.device().range(&self.ranges[pass as usize]);
+        if let (Pass::Forward, Some((draws, member))) = (pass, &self.draws) {
+            draws.before_forward(*member, caller)?;
+        }
         for (src, dst) in sources.iter().zip(statics) {
             if let Some(src) = src {
                 dst.copy_from(src, caller)?;
@@ -304,7 +341,7 @@ impl GraphedCallable {
                 match (route, &self.shared.sync_event) {
                     (Route::Side(_), Some(event)) => {
                         caller.wait(event)?;
-                        Ok(Tail::pending(self.done.clone(), side, caller, pool))
+                        Ok(Tail::pending(&self.name, self.done.clone(), side, caller, pool))
                     }
                     _ => {
                         side.record(&self.done)?;
@@ -419,7 +456,7 @@ impl GraphedCallable {
         }
         let bytes = |ts: &mut dyn Iterator<Item = &Tensor>| ts.map(Tensor::bytes).sum::<usize>();
         Ok(CallableReport {
-            name: self.name.clone(),
+            name: self.name.to_string(),
             graphs,
             input_shapes: self.inputs.iter().map(|s| s.input.tensor.shape().to_vec()).collect(),
             output_shapes: self.outputs.iter().map(|t| t.shape().to_vec()).collect(),

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::error::refusal;
 use super::GraphedErrorKind;
 use crate::device::{Event, GraphId, Stream};
 use crate::memory::{CachingAllocator, GraphPool};
@@ -51,6 +52,8 @@ pub(crate) enum Route {
 /// Work of a side-stream replay that may still run after the caller resumed (the graph's tail).
 /// Join it before anything reads what the tail wrote (R4); dropping it joins it into the
 /// caller's stream. Keep it alive (`let (y, tail) = ...`) for the caller to overlap the tail.
+/// A refused join (a stream of another device) enqueues nothing; the tail then joins the
+/// caller's stream when dropped, as any dropped tail does.
 ///
 /// Joining waits for everything queued on the replay stream when the join is issued (an event
 /// recorded then, not at the replay: the replay itself costs one driver call less, and a later
@@ -61,6 +64,8 @@ pub struct Tail {
 }
 
 struct Pending {
+    /// The callable whose replay it is, for refusals.
+    callable: Arc<str>,
     done: Event,
     replay: Stream,
     caller: Stream,
@@ -72,9 +77,15 @@ impl Tail {
         Tail { pending: None }
     }
 
-    pub(crate) fn pending(done: Event, replay: &Stream, caller: &Stream, pool: &GraphPool) -> Tail {
-        let p = Pending { done, replay: replay.clone(), caller: caller.clone(), pool: pool.clone() };
-        Tail { pending: Some(p) }
+    pub(crate) fn pending(
+        callable: &Arc<str>,
+        done: Event,
+        replay: &Stream,
+        caller: &Stream,
+        pool: &GraphPool,
+    ) -> Tail {
+        let (callable, replay, caller, pool) = (callable.clone(), replay.clone(), caller.clone(), pool.clone());
+        Tail { pending: Some(Pending { callable, done, replay, caller, pool }) }
     }
 
     /// Whether there is nothing to join (the replay was joined as a whole).
@@ -83,11 +94,21 @@ impl Tail {
     }
 
     /// Makes `stream` wait for the whole replay, tail included.
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::WrongDevice`] for a stream of another device than the replay's, before
+    /// anything is enqueued.
     pub fn join(mut self, stream: &Stream) -> Result<()> {
-        match self.pending.take() {
-            Some(p) => p.join(stream),
-            None => Ok(()),
+        self.join_pending(stream)
+    }
+
+    /// Joins the tail into `stream`; it stays pending if that fails.
+    fn join_pending(&mut self, stream: &Stream) -> Result<()> {
+        if let Some(p) = &self.pending {
+            p.join(stream)?;
+            self.pending = None;
         }
+        Ok(())
     }
 }
 
@@ -95,15 +116,31 @@ impl Tail {
 /// replay stream (launches on one stream run in order, so the later tail's end covers the earlier
 /// one's), and joining waits once per replay stream instead of once per replay.
 ///
-/// ```no_run
-/// # use graphed::graph::{Tails, Tail};
-/// # fn step(replays: Vec<Tail>, main: &graphed::device::Stream) -> graphed::Result<()> {
+/// ```
+/// use graphed::device::Device;
+/// use graphed::graph::{make_graphed_callables, Callable, GraphOptions, Replay, Tails};
+/// use graphed::memory::CachingAllocator;
+/// use graphed::nn::{Inputs, Linear, ParamStore};
+/// use graphed::tensor::Tensor;
+///
+/// let dev = Device::sim();
+/// let (main, side, event) = (dev.stream()?, dev.stream()?, dev.event()?);
+/// let alloc = CachingAllocator::new(&dev);
+/// let mut store = ParamStore::new(&alloc, &main, 64)?;
+/// let fc = Linear::new(&mut store, &alloc, "fc", (4, 3), 1, &main)?;
+/// let x = Tensor::from_host(&alloc, &main, &[0.5f32; 8], &[2, 4])?;
+/// let dy = Tensor::from_host(&alloc, &main, &[1.0f32; 6], &[2, 3])?;
+/// let options = GraphOptions::default().sync_event(&event);
+/// let g = make_graphed_callables(&alloc, &[&fc as &dyn Callable], &[Inputs::one(&x)], options)?;
 /// let mut tails = Tails::new();
-/// for tail in replays {
-///     tails.push(tail);
-/// }
-/// tails.join(main)?; // before the optimizer, or anything else that reads what the tails wrote
-/// # Ok(()) }
+/// let (_y, tail) = g[0].forward(&main, &Inputs::one(&x), Replay::side(&side))?;
+/// tails.push(tail);
+/// let (_dx, tail) = g[0].backward(&main, &[&dy])?; // on the side stream, as the forward
+/// tails.push(tail);
+/// assert_eq!(tails.len(), 1); // one replay stream: the later tail covers the earlier one
+/// tails.join(&main)?; // before the optimizer, or anything else that reads what the tails wrote
+/// assert!(tails.is_empty());
+/// # Ok::<(), graphed::Error>(())
 /// ```
 #[derive(Default, Debug)]
 #[must_use = "dropping the tails joins them at once"]
@@ -136,14 +173,38 @@ impl Tails {
         other.latest.into_iter().for_each(|t| self.push(t));
     }
 
-    /// Makes `stream` wait for every tail.
-    pub fn join(self, stream: &Stream) -> Result<()> {
-        self.latest.into_iter().try_for_each(|t| t.join(stream))
+    /// How many tails are pending: one per replay stream, at most.
+    pub fn len(&self) -> usize {
+        self.latest.len()
+    }
+
+    /// Whether no tail is pending.
+    pub fn is_empty(&self) -> bool {
+        self.latest.is_empty()
+    }
+
+    /// Makes `stream` wait for every tail; the tails joined are no longer pending.
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::WrongDevice`] for a stream of another device than a tail's replay,
+    /// decided before anything is enqueued: every tail stays pending then.
+    pub fn join(&mut self, stream: &Stream) -> Result<()> {
+        self.latest.iter().filter_map(|t| t.pending.as_ref()).try_for_each(|p| p.check(stream))?;
+        let joined = self.latest.iter_mut().try_for_each(|t| t.join_pending(stream));
+        self.latest.retain(|t| !t.is_empty());
+        joined
     }
 }
 
 impl Pending {
-    fn join(self, stream: &Stream) -> Result<()> {
+    /// Refuses a join into a stream of another device.
+    fn check(&self, stream: &Stream) -> Result<()> {
+        let dev = self.caller.device();
+        dev.check_same("tail join", "stream", stream.device().id()).map_err(|e| refusal(&self.callable, e))
+    }
+
+    fn join(&self, stream: &Stream) -> Result<()> {
+        self.check(stream)?;
         self.replay.record(&self.done)?;
         stream.wait(&self.done)?;
         // The record covers every launch on the replay stream so far, the pool's last included.
@@ -155,9 +216,8 @@ impl Pending {
 impl Drop for Tail {
     fn drop(&mut self) {
         if let Some(p) = self.pending.take() {
-            let caller = p.caller.clone();
-            if let Err(e) = p.join(&caller) {
-                caller.device().record_drop_err("a graph tail (its join)", e);
+            if let Err(e) = p.join(&p.caller) {
+                p.caller.device().record_drop_err("a graph tail (its join)", e);
             }
         }
     }

@@ -1,9 +1,9 @@
 //! The graphed callables of a pipeline schedule, run as its passes by `nn::run_schedule`.
 
 use super::graphed::Pass;
-use super::{GraphedCallable, Replay};
+use super::{GraphedCallable, Replay, StaticTensor};
 use crate::device::Stream;
-use crate::nn::{Inputs, Schedule, ScheduleErrorKind, SchedulePasses};
+use crate::nn::{Handed, Inputs, Schedule, ScheduleErrorKind, SchedulePasses};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -12,8 +12,11 @@ use crate::{Error, Result};
 /// caller's stream as the schedule's passes: give it to [`nn::run_schedule`](crate::nn::run_schedule)
 /// with the same schedule, so that the replays follow the capture order (R5).
 ///
-/// Each pass hands on the static output (or input gradient) itself: the next pass copies it into
-/// its own static buffer, and no graph of the pool writes a callable's outputs but its own.
+/// Each pass hands on its static output (or input gradient) as a [`StaticTensor`]: the next pass
+/// copies it into its own static buffer (no graph of the pool writes a callable's outputs but its
+/// own), and what reaches the caller (the head's input, the step's input gradients) refuses to be
+/// read once the next step's replay overwrote it, as a stack's outputs do; copy it
+/// ([`StaticTensor::to_owned`]) to keep it.
 pub struct GraphedPasses<'a> {
     callables: &'a [GraphedCallable],
     schedule: &'a Schedule,
@@ -44,22 +47,29 @@ impl<'a> GraphedPasses<'a> {
     }
 }
 
+/// A replay's static output, readable until a later replay overwrites it.
+impl Handed for StaticTensor {
+    fn tensor(&self) -> Result<&Tensor> {
+        self.get()
+    }
+}
+
 impl SchedulePasses for GraphedPasses<'_> {
+    type Out = StaticTensor;
+
     fn advance_rng(&mut self, step: &Tensor, by: u64) -> Result<()> {
         crate::ops::rng::step_add(step, by, self.caller)
     }
 
-    fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor> {
+    fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<StaticTensor> {
         let (y, _tail) = self.callable(layer, microbatch)?.forward(self.caller, &Inputs::one(x), Replay::caller())?;
-        let y = y.into_iter().next().ok_or(Error::MissingGradient { op: "GraphedPasses", what: "an output".into() })?;
-        Ok(y.get()?.clone())
+        y.into_iter().next().ok_or(Error::MissingGradient { op: "GraphedPasses", what: "an output".into() })
     }
 
-    fn backward(&mut self, layer: usize, microbatch: usize, dy: &Tensor) -> Result<Tensor> {
+    fn backward(&mut self, layer: usize, microbatch: usize, dy: &Tensor) -> Result<StaticTensor> {
         let (dx, _tail) = self.callable(layer, microbatch)?.backward(self.caller, &[dy])?;
         let dx = dx.into_iter().next().flatten();
-        let dx = dx.ok_or(Error::MissingGradient { op: "GraphedPasses::backward", what: "input 0".into() })?;
-        Ok(dx.get()?.clone())
+        dx.ok_or(Error::MissingGradient { op: "GraphedPasses::backward", what: "input 0".into() })
     }
 
     fn weight_grad(&mut self, layer: usize, microbatch: usize) -> Result<()> {

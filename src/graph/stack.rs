@@ -151,10 +151,22 @@ impl GraphedStack {
 
     /// Replays the split weight-gradient graphs of the layers that have one, last layer first,
     /// each the way its forward replayed.
+    ///
+    /// # Errors
+    /// As [`GraphedCallable::backward_dw`]: [`GraphedErrorKind::NoSplitDw`] when no layer splits
+    /// its weight gradients out (the backward accumulated them all), [`GraphedErrorKind::Reset`]
+    /// and [`GraphedErrorKind::Inference`] as for the other passes; a refused replay out of the
+    /// pools' order; nothing was enqueued then.
     pub fn backward_dw(&self, caller: &Stream) -> Result<()> {
+        self.check_ready(Pass::Backward)?;
         let _range = caller.device().range(&self.ranges[Pass::BackwardDw as usize]);
         let splitting: Vec<&GraphedCallable> =
             self.layers.iter().rev().filter(|l| l.has_pass(Pass::BackwardDw)).collect();
+        if splitting.is_empty() {
+            // As a callable without a split pass refuses it, naming the stack.
+            let kind = GraphedErrorKind::NoSplitDw;
+            return Err(Error::Graphed { callable: format!("graphed stack of {} layers", self.layers.len()), kind });
+        }
         // The whole pass is checked before the first launch, as `run` does.
         let mut graphs = Vec::with_capacity(splitting.len());
         for layer in &splitting {
@@ -171,8 +183,11 @@ impl GraphedStack {
 
     /// Makes `caller` wait for the tails of every replay since the last join (R4): before the
     /// optimizer, or anything else that reads what the tails wrote.
+    ///
+    /// # Errors
+    /// As [`Tails::join`]: a refused join leaves every tail pending.
     pub fn join(&self, caller: &Stream) -> Result<()> {
-        std::mem::take(&mut *self.tails.lock().unwrap_or_else(PoisonError::into_inner)).join(caller)
+        self.tails.lock().unwrap_or_else(PoisonError::into_inner).join(caller)
     }
 
     /// The layers, for inspection (reports, graphs, static buffers); they replay only through the

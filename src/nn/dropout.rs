@@ -107,6 +107,10 @@ impl Module for Dropout {
         Ok(vec![Some(dx)])
     }
 
+    fn draws_from(&self) -> Option<&Tensor> {
+        self.is_active().then_some(&self.step)
+    }
+
     fn parameters(&self) -> Vec<&Param> {
         Vec::new()
     }

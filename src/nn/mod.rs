@@ -43,7 +43,8 @@ pub use mlp::{Mlp, MlpCtx};
 pub use params::{Param, ParamStore};
 pub use saved::{Restore, SavedTensor};
 pub use schedule::{
-    run_pipeline_stage, run_schedule, EagerPasses, Schedule, ScheduleErrorKind, SchedulePasses, Stage, StageLinks, Step,
+    run_pipeline_stage, run_schedule, EagerPasses, Handed, Schedule, ScheduleErrorKind, SchedulePasses, Stage,
+    StageLinks, Step,
 };
 pub use stack::{backward_pass, forward_pass, Stack, StackCtx, Traverse};
 pub use transformer::{TransformerCtx, TransformerLayer};
@@ -186,6 +187,15 @@ pub trait Module: Send + Sync {
     /// Whether `backward` leaves weight gradients to [`Module::backward_dw`].
     fn splits_dw(&self) -> bool {
         false
+    }
+
+    /// The step counter its forward draws random numbers from in training (its dropouts'), which
+    /// whoever runs it must advance between forwards for new masks; `None` for a module that
+    /// draws nothing, or that advances the counter itself (a [`Stack`] made
+    /// [`with_rng_step`](Stack::with_rng_step)). Graphed callables advance it
+    /// (`graph::make_graphed_callables`). The default draws nothing.
+    fn draws_from(&self) -> Option<&Tensor> {
+        None
     }
 
     /// The module's parameters.

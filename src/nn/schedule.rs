@@ -438,17 +438,38 @@ impl Schedule {
     }
 }
 
+/// What a pass of a schedule hands on (an output, an input gradient): to the next pass, or to the
+/// caller (the head's input, the step's input gradients).
+pub trait Handed: Clone {
+    /// The tensor.
+    ///
+    /// # Errors
+    /// When it can no longer be read: graphed, once a later replay overwrote it
+    /// (`graph::GraphedErrorKind::StaleOutput`).
+    fn tensor(&self) -> Result<&Tensor>;
+}
+
+/// An eager pass's own tensor, readable as long as it lives.
+impl Handed for Tensor {
+    fn tensor(&self) -> Result<&Tensor> {
+        Ok(self)
+    }
+}
+
 /// One way of running the passes a schedule names: layer `layer` (counted over every chunk's
 /// layers, chunk by chunk) for microbatch `microbatch`, eagerly ([`EagerPasses`]) or graphed
 /// (`graph::GraphedPasses`).
 pub trait SchedulePasses {
+    /// What its passes hand on: a [`Tensor`] eagerly; graphed, a `graph::StaticTensor`, which
+    /// refuses to be read once a later replay overwrote its static buffer.
+    type Out: Handed;
     /// Adds `by` (wrapping: a step back is a wrapped add) to the dropout step counter `step`,
     /// on the passes' stream.
     fn advance_rng(&mut self, step: &Tensor, by: u64) -> Result<()>;
     /// The layer's forward of `x`.
-    fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Tensor>;
+    fn forward(&mut self, layer: usize, microbatch: usize, x: &Tensor) -> Result<Self::Out>;
     /// The layer's backward of `dy`: its input gradient.
-    fn backward(&mut self, layer: usize, microbatch: usize, dy: &Tensor) -> Result<Tensor>;
+    fn backward(&mut self, layer: usize, microbatch: usize, dy: &Tensor) -> Result<Self::Out>;
     /// The layer's split weight-gradient pass; nothing for a layer that does not split one out.
     fn weight_grad(&mut self, layer: usize, microbatch: usize) -> Result<()>;
     /// Whether the layer splits its weight gradients out, run by the schedule's weight-gradient
@@ -557,19 +578,20 @@ pub trait StageLinks {
 /// schedule (and every pipeline stage) draws the masks of the plain stack. Returns each
 /// microbatch's input gradient. The one traversal of a schedule, as
 /// [`forward_pass`](super::forward_pass) and [`backward_pass`](super::backward_pass) are a
-/// stack's.
+/// stack's. What reaches `head` and what it returns are the passes' [`Handed`] values: graphed,
+/// they refuse to be read after a later replay (the next step's) overwrote them.
 ///
 /// # Errors
 /// [`ScheduleErrorKind::Arguments`] when the layers or inputs do not fit the schedule; the
 /// passes' own.
-pub fn run_schedule(
-    passes: &mut dyn SchedulePasses,
+pub fn run_schedule<P: SchedulePasses + ?Sized>(
+    passes: &mut P,
     schedule: &Schedule,
     layers_per_chunk: &[usize],
     inputs: &[Tensor],
     rng_step: Option<&Tensor>,
-    head: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
-) -> Result<Vec<Tensor>> {
+    head: &mut dyn FnMut(usize, P::Out) -> Result<Tensor>,
+) -> Result<Vec<P::Out>> {
     traverse(passes, schedule, (layers_per_chunk, inputs), rng_step, head, None)
 }
 
@@ -582,15 +604,15 @@ pub fn run_schedule(
 ///
 /// # Errors
 /// As [`run_schedule`], and the links' own.
-pub fn run_pipeline_stage(
-    passes: &mut dyn SchedulePasses,
+pub fn run_pipeline_stage<P: SchedulePasses + ?Sized>(
+    passes: &mut P,
     schedule: &Schedule,
     (layers_per_chunk, inputs): (&[usize], &[Tensor]),
     rng_step: Option<&Tensor>,
-    head: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+    head: &mut dyn FnMut(usize, P::Out) -> Result<Tensor>,
     stage: Stage,
     links: &mut dyn StageLinks,
-) -> Result<Vec<Tensor>> {
+) -> Result<Vec<P::Out>> {
     let walked = traverse(passes, schedule, (layers_per_chunk, inputs), rng_step, head, Some((stage, &mut *links)));
     // Joined on every exit, a failed step's too, so that no exchange of this step is in flight
     // or waited for when the next one starts.
@@ -600,26 +622,43 @@ pub fn run_pipeline_stage(
     Ok(dxs)
 }
 
+/// A tensor between chunks: one the caller gave or a pass received, or one a pass made.
+#[derive(Clone)]
+enum Flow<O> {
+    Given(Tensor),
+    Made(O),
+}
+
+impl<O: Handed> Flow<O> {
+    fn tensor(&self) -> Result<&Tensor> {
+        match self {
+            Flow::Given(t) => Ok(t),
+            Flow::Made(o) => o.tensor(),
+        }
+    }
+}
+
 /// A tensor between chunks, and the exchange that received it (`None` when it never left the
 /// rank).
-type Arrived = (Tensor, Option<usize>);
+type Arrived<O> = (Flow<O>, Option<usize>);
 
-fn traverse(
-    passes: &mut dyn SchedulePasses,
+fn traverse<P: SchedulePasses + ?Sized>(
+    passes: &mut P,
     schedule: &Schedule,
     (layers_per_chunk, inputs): (&[usize], &[Tensor]),
     rng_step: Option<&Tensor>,
-    head: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+    head: &mut dyn FnMut(usize, P::Out) -> Result<Tensor>,
     mut pipeline: Option<(Stage, &mut dyn StageLinks)>,
-) -> Result<Vec<Tensor>> {
+) -> Result<Vec<P::Out>> {
     let stage = pipeline.as_ref().map_or(Stage::single(), |(s, _)| *s);
     let microbatches = schedule.microbatches();
     let expected_inputs = if stage.index == 0 { microbatches } else { 0 };
-    if layers_per_chunk.len() != schedule.chunks() || inputs.len() != expected_inputs {
+    let fits = layers_per_chunk.len() == schedule.chunks() && !layers_per_chunk.contains(&0);
+    if !fits || inputs.len() != expected_inputs {
         let what = format!(
-            "{} chunks of layers and {} inputs for a schedule of {} chunks and {} microbatches on stage {} of {}; \
-             pass one list of layers per chunk, and the microbatches' inputs on the first stage only",
-            layers_per_chunk.len(),
+            "{:?} layers per chunk and {} inputs for a schedule of {} chunks and {} microbatches on stage {} of {}; \
+             pass one list of at least one layer per chunk, and the microbatches' inputs on the first stage only",
+            layers_per_chunk,
             inputs.len(),
             schedule.chunks(),
             microbatches,
@@ -636,11 +675,11 @@ fn traverse(
     let remote = stage.count > 1;
     // Between chunks, per microbatch: an activation forward, a gradient backward, each with the
     // exchange it came from when received (waited for before it is read).
-    let mut flowing: Vec<Option<Arrived>> = vec![None; microbatches];
+    let mut flowing: Vec<Option<Arrived<P::Out>>> = vec![None; microbatches];
     for (f, x) in flowing.iter_mut().zip(inputs) {
-        *f = Some((x.clone(), None));
+        *f = Some((Flow::Given(x.clone()), None));
     }
-    let mut grads: Vec<Option<Arrived>> = vec![None; microbatches];
+    let mut grads: Vec<Option<Arrived<P::Out>>> = vec![None; microbatches];
     let mut outgoing: Vec<(usize, Tensor)> = Vec::new();
     let steps = schedule.with_microbatches();
     let recv_from = |step: Step| match step {
@@ -673,8 +712,8 @@ fn traverse(
                 let got = links.exchange(exchanges, &std::mem::take(&mut outgoing), &recvs)?;
                 for ((step, mb, _), t) in wanted.into_iter().zip(got) {
                     match step {
-                        Step::Forward(_) => flowing[mb] = Some((t, Some(exchanges))),
-                        _ => grads[mb] = Some((t, Some(exchanges))),
+                        Step::Forward(_) => flowing[mb] = Some((Flow::Given(t), Some(exchanges))),
+                        _ => grads[mb] = Some((Flow::Given(t), Some(exchanges))),
                     }
                 }
                 exchanges += 1;
@@ -693,17 +732,20 @@ fn traverse(
                     links.wait(e)?;
                 }
                 for l in step.layer_order(layers(k)) {
-                    t = if forward { passes.forward(l, j, &t)? } else { passes.backward(l, j, &t)? };
+                    let x = t.tensor()?;
+                    t = Flow::Made(if forward { passes.forward(l, j, x)? } else { passes.backward(l, j, x)? });
                 }
+                // Every chunk has a layer (checked above): its last pass made `t`.
+                let Flow::Made(t) = t else { return Err(Error::Schedule(missing("layer"))) };
                 // The output goes to the head after the model's last chunk, to the neighbouring
                 // stage across ranks, or to this rank's next step of the microbatch.
                 let chunk = stage.model_chunk(k);
                 match forward {
-                    true if chunk == last => grads[j] = Some((head(j, t)?, None)),
-                    true if remote => outgoing.push((stage.next(), t)),
-                    true => flowing[j] = Some((t, None)),
-                    false if remote && chunk != 0 => outgoing.push((stage.prev(), t)),
-                    false => grads[j] = Some((t, None)),
+                    true if chunk == last => grads[j] = Some((Flow::Given(head(j, t)?), None)),
+                    true if remote => outgoing.push((stage.next(), t.tensor()?.clone())),
+                    true => flowing[j] = Some((Flow::Made(t), None)),
+                    false if remote && chunk != 0 => outgoing.push((stage.prev(), t.tensor()?.clone())),
+                    false => grads[j] = Some((Flow::Made(t), None)),
                 }
             }
             Step::WeightGrad(k) => {
@@ -724,7 +766,12 @@ fn traverse(
     if stage.index != 0 {
         return Ok(Vec::new());
     }
-    grads.into_iter().map(|d| d.map(|(d, _)| d).ok_or(Error::Schedule(ScheduleErrorKind::Empty))).collect()
+    (grads.into_iter())
+        .map(|d| match d {
+            Some((Flow::Made(dx), _)) => Ok(dx),
+            _ => Err(Error::Schedule(ScheduleErrorKind::Empty)),
+        })
+        .collect()
 }
 
 /// The layers of a schedule run eagerly, each (layer, microbatch)'s context kept for its
@@ -744,6 +791,8 @@ impl<'a, M: Module> EagerPasses<'a, M> {
 }
 
 impl<M: Module> SchedulePasses for EagerPasses<'_, M> {
+    type Out = Tensor;
+
     fn advance_rng(&mut self, step: &Tensor, by: u64) -> Result<()> {
         crate::ops::rng::step_add(step, by, self.stream)
     }

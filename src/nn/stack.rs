@@ -225,6 +225,14 @@ impl<M: Module> Module for Stack<M> {
         self.layers.iter().any(Module::splits_dw)
     }
 
+    /// The layers' counter, unless the stack advances one itself in training.
+    fn draws_from(&self) -> Option<&Tensor> {
+        match (&self.rng_step, self.training) {
+            (Some(_), true) => None,
+            _ => self.layers.iter().find_map(Module::draws_from),
+        }
+    }
+
     fn parameters(&self) -> Vec<&Param> {
         self.layers.iter().flat_map(Module::parameters).collect()
     }

@@ -185,6 +185,10 @@ impl Module for TransformerLayer {
         self.mlp.splits_dw() || self.attn.splits_dw()
     }
 
+    fn draws_from(&self) -> Option<&Tensor> {
+        self.drop1.draws_from().or_else(|| self.drop2.draws_from())
+    }
+
     fn parameters(&self) -> Vec<&Param> {
         [self.ln1.parameters(), self.attn.parameters(), self.ln2.parameters(), self.mlp.parameters()].concat()
     }

@@ -251,25 +251,29 @@ mod tests {
         }
     }
 
-    /// Keeps [`all_kernels`] complete: every `Kernel` static under `src/ops` is in it.
-    #[test]
-    fn all_kernels_lists_every_kernel_of_the_ops() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ops");
+    /// Every `.rs` file of `src/ops` (name, contents), embedded at compile time by `build.rs`.
+    const SOURCES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/ops_sources.rs"));
+
+    /// The names of the `Kernel` statics declared in `text`.
+    fn declared_kernels(text: &str) -> Vec<String> {
         let mut declared = Vec::new();
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.extension().is_some_and(|e| e == "rs") {
-                let text = std::fs::read_to_string(&path).unwrap();
-                let mut rest = text.as_str();
-                while let Some(at) = rest.find("static ") {
-                    rest = &rest[at + "static ".len()..];
-                    if rest.split('=').next().is_some_and(|decl| decl.trim_end().ends_with(": Kernel")) {
-                        let name = rest.split("name: \"").nth(1).and_then(|n| n.split('"').next()).unwrap();
-                        declared.push(name.to_string());
-                    }
-                }
+        let mut rest = text;
+        while let Some(at) = rest.find("static ") {
+            rest = &rest[at + "static ".len()..];
+            if rest.split('=').next().is_some_and(|decl| decl.trim_end().ends_with(": Kernel")) {
+                let name = rest.split("name: \"").nth(1).and_then(|n| n.split('"').next()).unwrap();
+                declared.push(name.to_string());
             }
         }
+        declared
+    }
+
+    /// Keeps [`all_kernels`] complete: every `Kernel` static under `src/ops` is in it. The
+    /// sources are embedded, so the test does not depend on where it was built.
+    #[test]
+    fn all_kernels_lists_every_kernel_of_the_ops() {
+        assert!(SOURCES.iter().any(|(name, _)| *name == "mod.rs"), "build.rs embedded src/ops");
+        let mut declared: Vec<String> = SOURCES.iter().flat_map(|(_, text)| declared_kernels(text)).collect();
         let mut listed: Vec<String> = all_kernels().iter().map(|k| k.name.to_string()).collect();
         declared.sort();
         listed.sort();

@@ -13,8 +13,8 @@ use crate::common::Ranks;
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    run_pipeline_stage, run_schedule, DropoutSpec, EagerPasses, Inputs, KeepOnDevice, Module, ParamStore, Schedule,
-    SchedulePasses, Stage, StageLinks, TransformerLayer,
+    run_pipeline_stage, run_schedule, DropoutSpec, EagerPasses, Handed, Inputs, KeepOnDevice, Module, ParamStore,
+    Schedule, SchedulePasses, Stage, StageLinks, TransformerLayer,
 };
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -196,29 +196,24 @@ fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, how: Ho
             _ => Vec::new(),
         };
         let mut outputs = vec![Vec::new(); microbatches];
-        let mut head = |j: usize, y: Tensor| {
-            outputs[j] = y.to_f32_vec(&p.s)?;
-            Ok(data[j].1.clone())
-        };
-        let mut eager;
-        let mut replays;
-        let passes: &mut dyn SchedulePasses = match &callables {
+        let dys: Vec<Tensor> = data.iter().map(|(_, dy)| dy.clone()).collect();
+        let run = (&layers_per_chunk[..], &inputs[..]);
+        let (s, counter) = (&p.s, Some(&p.step));
+        let dx = match &callables {
             None => {
-                eager = EagerPasses::new(&p.layers, &KeepOnDevice, &p.s);
-                &mut eager
+                let mut passes = EagerPasses::new(&p.layers, &KeepOnDevice, &p.s);
+                stage_step(&mut passes, (&schedule, run, counter), (&dys, &mut outputs), (stage, &mut links), s)?
             }
             Some(g) => {
-                replays = GraphedPasses::new(g, &schedule, &layers_per_chunk, &p.s);
-                &mut replays
+                let mut passes = GraphedPasses::new(g, &schedule, &layers_per_chunk, &p.s);
+                stage_step(&mut passes, (&schedule, run, counter), (&dys, &mut outputs), (stage, &mut links), s)?
             }
         };
-        let run = (&layers_per_chunk[..], &inputs[..]);
-        let dx = run_pipeline_stage(passes, &schedule, run, Some(&p.step), &mut head, stage, &mut links)?;
         if stage.index() == stages - 1 {
             trace.outputs.push(outputs);
         }
         if stage.index() == 0 {
-            trace.input_grads.push(dx.iter().map(|d| d.to_f32_vec(&p.s)).collect::<graphed::Result<_>>()?);
+            trace.input_grads.push(dx);
         }
         if let Some(dp) = dp.filter(|_| !graphed) {
             dp.all_reduce(&p.s, p.store.grads()?.view::<f32>()?)?;
@@ -226,6 +221,24 @@ fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, how: Ho
         take_grads(&p, step, &mut trace)?;
     }
     Ok(trace)
+}
+
+/// The schedule's (`run`'s inputs, dropout `counter`) step of `passes` as `stage` over `links`,
+/// each microbatch's upstream gradient from `dys` and its output read into `outputs`; returns
+/// the input gradients read.
+fn stage_step<P: SchedulePasses>(
+    passes: &mut P,
+    (schedule, run, counter): (&Schedule, (&[usize], &[Tensor]), Option<&Tensor>),
+    (dys, outputs): (&[Tensor], &mut [Vec<f32>]),
+    (stage, links): (Stage, &mut P2pLinks),
+    s: &graphed::device::Stream,
+) -> graphed::Result<Vec<Vec<f32>>> {
+    let mut head = |j: usize, y: P::Out| {
+        outputs[j] = y.tensor()?.to_f32_vec(s)?;
+        Ok(dys[j].clone())
+    };
+    let dx = run_pipeline_stage(passes, schedule, run, counter, &mut head, stage, links)?;
+    dx.iter().map(|d| d.tensor()?.to_f32_vec(s)).collect()
 }
 
 /// Every stage of `pipe` on ranks `on`; their traces merged, after checking that no rank's
@@ -400,6 +413,8 @@ struct FailOnce<'a> {
 }
 
 impl SchedulePasses for FailOnce<'_> {
+    type Out = Tensor;
+
     fn advance_rng(&mut self, step: &Tensor, by: u64) -> graphed::Result<()> {
         self.inner.advance_rng(step, by)
     }

@@ -431,3 +431,54 @@ pub fn refused_replay_changes_nothing(dev: &Device) -> Result {
     graphed.join(&stack.s)?;
     Ok(())
 }
+
+/// A join into a stream of another device is refused before anything is taken or enqueued: the
+/// tails stay pending (a stack's, and a `Tails`'), so a correct join after it still orders the
+/// caller after them, and the next caller-stream replay of their pool is accepted (R4).
+pub fn refused_join_leaves_the_tails_pending(dev: &Device) -> Result {
+    let model = Model::new(dev)?;
+    let (side, event) = (dev.stream()?, dev.event()?);
+    let elsewhere = Device::sim().stream()?;
+    let (x, dy) = model.data(1)?;
+    let stack = model.graph(GraphOptions::default().sync_event(&event))?;
+    stack.forward(&model.s, &x, Replay::side(&side))?;
+    stack.backward(&model.s, &dy)?;
+    expect_kind(stack.join(&elsewhere), |k| *k == GraphedErrorKind::WrongDevice { what: "stream" })?;
+    stack.join(&model.s)?;
+    stack.forward(&model.s, &x, Replay::caller())?;
+    stack.backward(&model.s, &dy)?;
+
+    let (x0, _) = model.data(0)?;
+    let one: &[&dyn Callable] = &model.callables()[..1];
+    let options = GraphOptions::default().sync_event(&event).pool_per_callable(true);
+    let g = make_graphed_callables(&model.alloc, one, &[Inputs::one(&x0)], options)?;
+    let mut tails = graphed::graph::Tails::new();
+    ensure!(tails.is_empty(), "no tails yet");
+    let (_y, tail) = g[0].forward(&model.s, &Inputs::one(&x), Replay::side(&side))?;
+    tails.push(tail);
+    ensure!(tails.len() == 1, "one pending tail, not {}", tails.len());
+    expect_kind(tails.join(&elsewhere), |k| *k == GraphedErrorKind::WrongDevice { what: "stream" })?;
+    ensure!(tails.len() == 1, "the refused join left the tail pending");
+    tails.join(&model.s)?;
+    ensure!(tails.is_empty(), "the join took the tail");
+    let (_dx, _t) = g[0].backward_with(&model.s, &[&dy], Replay::caller())?;
+    Ok(())
+}
+
+/// `backward_dw` with no split weight gradient is refused alike by a callable and a stack
+/// (`NoSplitDw`), before anything is enqueued.
+pub fn backward_dw_without_a_split_is_refused(dev: &Device) -> Result {
+    let model = Model::new(dev)?;
+    let (x, dy) = model.data(1)?;
+    let stack = model.graph(GraphOptions::default())?;
+    stack.forward(&model.s, &x, Replay::caller())?;
+    stack.backward(&model.s, &dy)?;
+    expect_kind(stack.backward_dw(&model.s), |k| *k == GraphedErrorKind::NoSplitDw)?;
+    let (x0, _) = model.data(0)?;
+    let g =
+        make_graphed_callables(&model.alloc, &model.callables()[..1], &[Inputs::one(&x0)], GraphOptions::default())?;
+    let _t = g[0].forward(&model.s, &Inputs::one(&x), Replay::caller())?;
+    let _t = g[0].backward(&model.s, &[&dy])?;
+    expect_kind(g[0].backward_dw(&model.s), |k| *k == GraphedErrorKind::NoSplitDw)?;
+    Ok(())
+}

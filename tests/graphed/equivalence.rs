@@ -218,3 +218,21 @@ pub fn stack_split_weight_gradient_matches_eager(dev: &Device) -> Result {
     }
     Ok(())
 }
+
+/// Layers graphed one by one own the dropout step counter as the stack does: the same input
+/// twice draws new masks, the counter moves by one per microbatch of the layers (nobody else
+/// advances it here), and both microbatches equal the eager stack's, bit for bit.
+pub fn graphed_callables_draw_new_masks_every_microbatch(dev: &Device) -> Result {
+    let eager = Model::new(dev)?;
+    let graphed = Model::new(dev)?;
+    let (x, dy) = graphed.data(0)?;
+    let samples: Vec<Inputs> = graphed.layers().iter().map(|_| Inputs::one(&x)).collect();
+    let g = make_graphed_callables(&graphed.alloc, &graphed.callables(), &samples, GraphOptions::default())?;
+    ensure!(graphed.step.to_vec::<u64>(&graphed.s)? == vec![0], "capture moved the counter");
+    let first = graphed.per_layer(&g, &x, &dy)?;
+    let second = graphed.per_layer(&g, &x, &dy)?;
+    ensure!(first.0 != second.0, "the same input twice drew the same masks");
+    ensure!(graphed.step.to_vec::<u64>(&graphed.s)? == vec![2], "one advance per microbatch");
+    ensure!(first == eager.eager(&x, &dy)? && second == eager.eager(&x, &dy)?, "graphed differs from eager");
+    Ok(())
+}

@@ -12,7 +12,7 @@ use graphed::nn::{
     SavedTensor, Stack, TransformerLayer, Traverse,
 };
 use graphed::ops::cast::residual_add;
-use graphed::ops::{elementwise, rng};
+use graphed::ops::elementwise;
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 
@@ -108,10 +108,9 @@ impl Model {
     }
 
     /// One microbatch through layers graphed one by one (`make_graphed_callables`), each input
-    /// copied into its layer's static input: the stack traversal over the escape hatch, which
-    /// leaves advancing the step counter to its caller.
+    /// copied into its layer's static input: the stack traversal over the escape hatch (the
+    /// callables advance the step counter, as the stack does).
     pub fn per_layer(&self, g: &[GraphedCallable], x: &Tensor, dy: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
-        rng::step_add(&self.step, 1, &self.s)?;
         let mut t = PerLayer { g, s: &self.s };
         let (y, saved) = forward_pass(&mut t, g.len(), x.clone())?;
         let y = y.to_f32_vec(&self.s)?;

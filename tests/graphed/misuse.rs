@@ -1,6 +1,9 @@
-//! Misuse fuzzing: random sequences of captures, replays in every mode (with good, misshapen and
-//! foreign inputs, foreign streams and pools), joins, resets, drops and optimizer steps over the
-//! public API. Properties: nothing panics; a refusal is a typed misuse error; a refused call
+//! Misuse fuzzing: random sequences of captures (stacks, single layers, a pipeline schedule's
+//! callables), replays in every mode (with good, misshapen and foreign inputs, foreign streams
+//! and pools), whole schedule runs (`run_schedule` over `GraphedPasses`, on good, misshapen and
+//! foreign inputs and streams), reads of what earlier schedule runs handed out (stale after a
+//! later run), joins (into streams of this and of another device), resets, drops and optimizer
+//! steps over the public API. Properties: nothing panics; a refusal is a typed misuse error; a refused call
 //! changes nothing observable (parameters, gradients, the RNG step counter, every static input and
 //! output gradient, every pool's order); at the end the device kept no error and the checker
 //! reported nothing.
@@ -8,14 +11,17 @@
 use anyhow::ensure;
 use graphed::device::DType;
 use graphed::device::{Device, DeviceKind, GraphId};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedStack, Replay, Tails};
+use graphed::graph::{
+    make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses, GraphedStack, Replay, StaticTensor,
+    Tails,
+};
 use graphed::memory::{CachingAllocator, GraphPool};
-use graphed::nn::Inputs;
+use graphed::nn::{run_schedule, Inputs, Schedule};
 use graphed::tensor::Tensor;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
-use super::fixtures::{Model, Result};
+use super::fixtures::{Model, Result, LAYERS};
 
 /// Which pool a capture uses.
 #[derive(Debug, Clone, Copy)]
@@ -54,14 +60,58 @@ enum InputPick {
     Foreign,
 }
 
+/// What a capture graphs.
+#[derive(Debug, Clone, Copy)]
+enum Shape {
+    Stack,
+    /// The first layer on its own.
+    Layer,
+    /// Every layer, once per microbatch of interleaved 1F1B over 2 microbatches in `chunks`
+    /// chunks, with or without buffer reuse.
+    Schedule {
+        chunks: usize,
+        reuse: bool,
+    },
+}
+
 #[derive(Debug, Clone)]
 enum Act {
-    Capture { stack: bool, event: bool, pool: PoolPick },
-    Forward { at: usize, replay: ReplayPick, input: InputPick },
-    Backward { at: usize, grad: InputPick },
-    Join { at: usize },
-    Reset { at: usize },
-    Drop { at: usize },
+    Capture {
+        shape: Shape,
+        event: bool,
+        pool: PoolPick,
+    },
+    Forward {
+        at: usize,
+        replay: ReplayPick,
+        input: InputPick,
+    },
+    Backward {
+        at: usize,
+        grad: InputPick,
+    },
+    /// A whole step of a schedule's callables, on the caller's stream or one of another device,
+    /// every microbatch's input as `input` says.
+    RunSchedule {
+        at: usize,
+        foreign_caller: bool,
+        input: InputPick,
+    },
+    /// Reads the `k`-th tensor the target's last schedule run handed out.
+    ReadHanded {
+        at: usize,
+        k: usize,
+    },
+    Join {
+        at: usize,
+        foreign: bool,
+    },
+    Reset {
+        at: usize,
+    },
+    Drop {
+        at: usize,
+    },
     OptimizerStep,
 }
 
@@ -86,28 +136,38 @@ fn act() -> impl Strategy<Value = Act> {
         1 => Just(InputPick::WrongShape),
         1 => Just(InputPick::Foreign)
     ];
+    let shape = prop_oneof![
+        Just(Shape::Stack),
+        Just(Shape::Layer),
+        (1..=2usize, any::<bool>()).prop_map(|(chunks, reuse)| Shape::Schedule { chunks, reuse })
+    ];
     prop_oneof![
-        2 => (any::<bool>(), any::<bool>(), pool).prop_map(|(stack, event, pool)| Act::Capture { stack, event, pool }),
+        2 => (shape, any::<bool>(), pool).prop_map(|(shape, event, pool)| Act::Capture { shape, event, pool }),
         5 => (0..3usize, replay, input.clone()).prop_map(|(at, replay, input)| Act::Forward { at, replay, input }),
-        4 => (0..3usize, input).prop_map(|(at, grad)| Act::Backward { at, grad }),
-        2 => (0..3usize).prop_map(|at| Act::Join { at }),
+        4 => (0..3usize, input.clone()).prop_map(|(at, grad)| Act::Backward { at, grad }),
+        3 => (0..3usize, prop::bool::weighted(0.2), input)
+            .prop_map(|(at, foreign_caller, input)| Act::RunSchedule { at, foreign_caller, input }),
+        2 => (0..3usize, 0..8usize).prop_map(|(at, k)| Act::ReadHanded { at, k }),
+        2 => (0..3usize, prop::bool::weighted(0.3)).prop_map(|(at, foreign)| Act::Join { at, foreign }),
         1 => (0..3usize).prop_map(|at| Act::Reset { at }),
         1 => (0..3usize).prop_map(|at| Act::Drop { at }),
         1 => Just(Act::OptimizerStep),
     ]
 }
 
-/// A graphed stack, or the first layer graphed on its own with the tails its replays returned.
+/// A graphed stack, or graphed callables: the first layer on its own, or every layer per
+/// microbatch of a schedule. Single replays go to the first callable, with the tails they return;
+/// schedule runs to all of them, keeping what the last run handed out.
 enum Target {
     Stack(GraphedStack),
-    Layer(Vec<GraphedCallable>, Tails),
+    Callables { g: Vec<GraphedCallable>, tails: Tails, schedule: Option<Schedule>, handed: Vec<StaticTensor> },
 }
 
 impl Target {
     fn pool(&self) -> &GraphPool {
         match self {
             Target::Stack(g) => g.pool(),
-            Target::Layer(g, _) => g[0].pool(),
+            Target::Callables { g, .. } => g[0].pool(),
         }
     }
 
@@ -115,17 +175,16 @@ impl Target {
     fn join(&mut self, s: &graphed::device::Stream) -> graphed::Result<()> {
         match self {
             Target::Stack(g) => g.join(s),
-            Target::Layer(_, tails) => std::mem::take(tails).join(s),
+            Target::Callables { tails, .. } => tails.join(s),
         }
     }
 
     fn statics(&self) -> Vec<&Tensor> {
-        match self {
-            Target::Stack(g) => {
-                g.layers().iter().flat_map(|l| l.static_inputs().into_iter().chain(l.static_grad_outputs())).collect()
-            }
-            Target::Layer(g, _) => g[0].static_inputs().into_iter().chain(g[0].static_grad_outputs()).collect(),
-        }
+        let layers = match self {
+            Target::Stack(g) => g.layers(),
+            Target::Callables { g, .. } => g,
+        };
+        layers.iter().flat_map(|l| l.static_inputs().into_iter().chain(l.static_grad_outputs())).collect()
     }
 }
 
@@ -174,7 +233,7 @@ impl World<'_> {
         // Targets are picked modulo their count, so that every act lands on one.
         let at = |i: usize| i % n.max(1);
         match *act {
-            Act::Capture { stack, event, pool } => {
+            Act::Capture { shape, event, pool } => {
                 let mut options = GraphOptions::default();
                 if event {
                     options = options.sync_event(&self.event);
@@ -186,21 +245,37 @@ impl World<'_> {
                     PoolPick::Foreign => options.pool(&self.other_alloc.new_pool()),
                     PoolPick::PerLayer => options.pool_per_callable(true),
                 };
-                let target = match stack {
-                    true => Target::Stack(self.model.graph(options).map_err(to_graphed)?),
-                    false => {
-                        let (x0, _) = self.model.data(0).map_err(to_graphed)?;
+                let (x0, _) = self.model.data(0).map_err(to_graphed)?;
+                let callables =
+                    |g, schedule| Target::Callables { g, tails: Tails::new(), schedule, handed: Vec::new() };
+                let target = match shape {
+                    Shape::Stack => Target::Stack(self.model.graph(options).map_err(to_graphed)?),
+                    Shape::Layer => {
                         let layer: Vec<&dyn Callable> = self.model.callables()[..1].to_vec();
-                        Target::Layer(
+                        callables(
                             make_graphed_callables(&self.model.alloc, &layer, &[Inputs::one(&x0)], options)?,
-                            Tails::new(),
+                            None,
                         )
+                    }
+                    Shape::Schedule { chunks, reuse } => {
+                        let schedule = Schedule::interleaved_1f1b(1, 0, chunks, 2)?;
+                        let samples: Vec<Inputs> = (0..LAYERS * 2).map(|_| Inputs::one(&x0)).collect();
+                        // One warmup iteration: enough for the properties, and the fuzzer stays fast.
+                        let options = options.schedule(&schedule).reuse_buffers(reuse).warmup_iters(1);
+                        let g = make_graphed_callables(&self.model.alloc, &self.model.callables(), &samples, options)?;
+                        callables(g, Some(schedule))
                     }
                 };
                 self.targets.push(target);
                 Ok(())
             }
-            Act::Forward { .. } | Act::Backward { .. } | Act::Join { .. } | Act::Reset { .. } | Act::Drop { .. }
+            Act::Forward { .. }
+            | Act::Backward { .. }
+            | Act::RunSchedule { .. }
+            | Act::ReadHanded { .. }
+            | Act::Join { .. }
+            | Act::Reset { .. }
+            | Act::Drop { .. }
                 if n == 0 =>
             {
                 Ok(())
@@ -221,7 +296,7 @@ impl World<'_> {
                         let x = input(model, foreign, pick, Some(g.static_input()))?;
                         g.forward(caller, &x, replay).map(|_| ())
                     }
-                    Target::Layer(g, tails) => {
+                    Target::Callables { g, tails, .. } => {
                         let x = input(model, foreign, pick, g[0].static_inputs().first().copied())?;
                         let (_, tail) = g[0].forward(caller, &Inputs::one(&x), replay)?;
                         tails.push(tail);
@@ -234,19 +309,56 @@ impl World<'_> {
                     let dy = input(&self.model, &self.other_alloc, grad, g.static_grad_output())?;
                     g.backward(&s, &dy).map(|_| ())
                 }
-                Target::Layer(g, tails) => {
+                Target::Callables { g, tails, .. } => {
                     let dy = input(&self.model, &self.other_alloc, grad, g[0].static_grad_outputs().first())?;
                     let (_, tail) = g[0].backward(&s, &[&dy])?;
                     tails.push(tail);
                     Ok(())
                 }
             },
-            Act::Join { at: i } => self.targets[at(i)].join(&s),
+            Act::RunSchedule { at: i, foreign_caller, input: pick } => {
+                let Target::Callables { g, schedule: Some(schedule), handed, .. } = &mut self.targets[at(i)] else {
+                    return Ok(());
+                };
+                let caller = if foreign_caller { &other_stream } else { &s };
+                // Every microbatch gets the same kind of input, so that a refusal comes from the
+                // first pass, before anything ran; no dropout counter, so that nothing is
+                // enqueued before it either.
+                let x = input(&self.model, &self.other_alloc, pick, g[0].static_inputs().first().copied())?;
+                let inputs = vec![x; schedule.microbatches()];
+                let per_chunk = vec![LAYERS / schedule.chunks(); schedule.chunks()];
+                let (_, dy) = self.model.data(8).map_err(to_graphed)?;
+                let mut ys = Vec::new();
+                let mut head = |_: usize, y: StaticTensor| -> graphed::Result<Tensor> {
+                    ys.push(y);
+                    Ok(dy.clone())
+                };
+                let mut passes = GraphedPasses::new(g, schedule, &per_chunk, caller);
+                let dxs = run_schedule(&mut passes, schedule, &per_chunk, &inputs, None, &mut head)?;
+                *handed = ys.into_iter().chain(dxs).collect();
+                Ok(())
+            }
+            Act::ReadHanded { at: i, k } => match &self.targets[at(i)] {
+                Target::Callables { handed, .. } if !handed.is_empty() => {
+                    let t = &handed[k % handed.len()];
+                    let fresh = t.is_fresh();
+                    match t.get() {
+                        Ok(t) => t.to_vec::<f32>(&s).map(|_| ()),
+                        // A stale read is refused, and only a stale one.
+                        Err(e) if !fresh => Err(e),
+                        Err(e) => {
+                            Err(graphed::Error::Cuda { op: "fuzzer", message: format!("fresh but refused: {e}") })
+                        }
+                    }
+                }
+                _ => Ok(()),
+            },
+            Act::Join { at: i, foreign } => self.targets[at(i)].join(if foreign { &other_stream } else { &s }),
             Act::Reset { at: i } => match &mut self.targets[at(i)] {
                 Target::Stack(g) => g.reset(),
-                Target::Layer(g, tails) => {
-                    std::mem::take(tails).join(&s)?;
-                    g[0].reset()
+                Target::Callables { g, tails, .. } => {
+                    tails.join(&s)?;
+                    g.iter_mut().try_for_each(GraphedCallable::reset)
                 }
             },
             Act::Drop { at: i } => {

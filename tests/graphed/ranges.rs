@@ -115,7 +115,7 @@ pub fn scheduled_replay_ranges_name_the_microbatch(dev: &Device) -> Result {
         (0..2).map(|j| m.data(j)).collect::<Result<Vec<_>>>()?.into_iter().unzip();
     dev.record_ranges(true);
     let mut passes = GraphedPasses::new(&g, &schedule, &[1, 1], &m.s);
-    let mut head = |j: usize, _y: Tensor| Ok(dys[j].clone());
+    let mut head = |j: usize, _y: graphed::graph::StaticTensor| Ok(dys[j].clone());
     run_schedule(&mut passes, &schedule, &[1, 1], &inputs, Some(&m.step), &mut head)?;
     let want = [
         "replay h0.forward mb0",

@@ -7,10 +7,11 @@ use anyhow::ensure;
 use graphed::device::{DType, Device};
 use graphed::graph::{
     make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedErrorKind, GraphedPasses, Replay,
+    StaticTensor,
 };
 use graphed::nn::{
-    run_schedule, Chunk, EagerPasses, Inputs, KeepOnDevice, Linear, ParamStore, SaveHook, Schedule, ScheduleErrorKind,
-    SchedulePasses, Step,
+    run_schedule, Chunk, EagerPasses, Handed, Inputs, KeepOnDevice, Linear, ParamStore, SaveHook, Schedule,
+    ScheduleErrorKind, SchedulePasses, Step,
 };
 use graphed::tensor::Tensor;
 
@@ -19,23 +20,23 @@ use super::fixtures::{Model, Result, SHAPE};
 /// Runs `schedule` through `passes` on microbatch j's input and upstream gradient from
 /// `data(j)` (reshaped by `shape`), the model's dropout step counter advanced per forward step;
 /// returns each microbatch's output and input gradient.
-fn drive(
+fn drive<P: SchedulePasses>(
     model: &Model,
     schedule: &Schedule,
     layers_per_chunk: &[usize],
-    passes: &mut dyn SchedulePasses,
+    passes: &mut P,
     shape: &dyn Fn(Tensor) -> graphed::Result<Tensor>,
 ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
     let m = schedule.microbatches();
     let data = (0..m).map(|j| model.data(j as u64)).collect::<Result<Vec<_>>>()?;
     let inputs = data.iter().map(|(x, _)| shape(x.clone())).collect::<graphed::Result<Vec<_>>>()?;
     let mut outputs = vec![Vec::new(); m];
-    let mut head = |j: usize, y: Tensor| -> graphed::Result<Tensor> {
-        outputs[j] = y.to_f32_vec(&model.s)?;
+    let mut head = |j: usize, y: P::Out| -> graphed::Result<Tensor> {
+        outputs[j] = y.tensor()?.to_f32_vec(&model.s)?;
         shape(data[j].1.clone())
     };
     let dx = run_schedule(passes, schedule, layers_per_chunk, &inputs, Some(&model.step), &mut head)?;
-    let dx = dx.iter().map(|d| d.to_f32_vec(&model.s)).collect::<graphed::Result<Vec<_>>>()?;
+    let dx = dx.iter().map(|d| d.tensor()?.to_f32_vec(&model.s)).collect::<graphed::Result<Vec<_>>>()?;
     Ok(outputs.into_iter().zip(dx).collect())
 }
 
@@ -281,5 +282,42 @@ pub fn chunk_handler_runs_once_per_chunk_in_schedule_order(dev: &Device) -> Resu
     // Each chunk's hook saw its layer's warmup forwards and its one captured forward.
     let counts: Vec<usize> = calls.iter().map(|(_, n)| *n.lock().unwrap()).collect();
     ensure!(counts.iter().all(|n| *n == counts[0] && *n > 1), "forwards per chunk hook: {counts:?}");
+    Ok(())
+}
+
+/// A schedule hands out static tensors as a stack does: the head's outputs and the input
+/// gradients a step returns refuse to be read once the next step's replays overwrote them
+/// (`StaleOutput`), and a copy made before keeps its values.
+pub fn schedule_outputs_refuse_stale_reads(dev: &Device) -> Result {
+    let model = Model::new(dev)?;
+    let schedule = Schedule::interleaved_1f1b(1, 0, 2, 2)?;
+    let samples: Vec<Inputs> = (0..4).map(|i| Ok(Inputs::one(&model.data(i)?.0))).collect::<Result<_>>()?;
+    let g = make_graphed_callables(
+        &model.alloc,
+        &model.callables(),
+        &samples,
+        GraphOptions::default().schedule(&schedule),
+    )?;
+    let per_chunk = [1, 1];
+    let data = (0..2).map(|j| model.data(j)).collect::<Result<Vec<_>>>()?;
+    let inputs: Vec<Tensor> = data.iter().map(|(x, _)| x.clone()).collect();
+    let step = |kept: &mut Vec<StaticTensor>| -> Result<Vec<StaticTensor>> {
+        let mut passes = GraphedPasses::new(&g, &schedule, &per_chunk, &model.s);
+        let mut head = |j: usize, y: StaticTensor| -> graphed::Result<Tensor> {
+            kept.push(y);
+            Ok(data[j].1.clone())
+        };
+        Ok(run_schedule(&mut passes, &schedule, &per_chunk, &inputs, Some(&model.step), &mut head)?)
+    };
+    let mut ys = Vec::new();
+    let dxs = step(&mut ys)?;
+    ensure!(ys.len() == 2 && ys.iter().chain(&dxs).all(StaticTensor::is_fresh), "fresh after their own step");
+    let want = dxs[0].get()?.to_f32_vec(&model.s)?;
+    let copy = dxs[0].to_owned(&model.alloc, &model.s)?;
+    step(&mut Vec::new())?;
+    for t in ys.iter().chain(&dxs) {
+        super::api::expect_kind(t.get(), |k| matches!(k, GraphedErrorKind::StaleOutput { .. }))?;
+    }
+    ensure!(copy.to_f32_vec(&model.s)? == want, "the copy kept the first step's input gradient");
     Ok(())
 }
