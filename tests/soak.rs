@@ -13,7 +13,7 @@ mod common;
 use anyhow::{ensure, Context};
 use graphed::device::{DType, Device, DeviceKind, Stream};
 use graphed::graph::{make_graphed_callables, make_graphed_fn, make_graphed_stack, Callable, GraphOptions};
-use graphed::graph::{GraphedPasses, Replay};
+use graphed::graph::{GraphedPasses, Replay, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{input_grad, run_schedule, Chunk, DropoutSpec, Inputs, ParamStore, Schedule, Stack};
 use graphed::nn::{Module, TransformerLayer};
@@ -217,8 +217,8 @@ fn soak_graphed_schedule(dev: &Device) -> Result {
         let read = sample_at(step, steps);
         let inputs: Vec<Tensor> = (0..m).map(|j| model.inputs[(step as usize + j) % INPUTS].clone()).collect();
         let mut loss = 0.0;
-        let mut head = |j: usize, y: Tensor| -> graphed::Result<Tensor> {
-            loss += model.loss_grad(&dys[j], &y, read)?;
+        let mut head = |j: usize, y: StaticTensor| -> graphed::Result<Tensor> {
+            loss += model.loss_grad(&dys[j], y.get()?, read)?;
             Ok(dys[j].clone())
         };
         let mut passes = GraphedPasses::new(&graphs, &schedule, &per_chunk, s);
