@@ -139,6 +139,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// A plain (synchronous) allocation. `relaxed` makes it in relaxed capture-interaction mode
     /// for this thread, so that an allocator can grow during a capture (as PyTorch's does).
     fn alloc(&self, bytes: usize, kind: MemKind, relaxed: bool) -> Result<Self::Mem>;
+    /// The device's free and total memory in bytes (the driver's `cuMemGetInfo`).
+    fn memory_info(&self) -> Result<(usize, usize)>;
     /// The id of the active capture `stream` takes part in, if any.
     fn capture_id(&self, stream: &Self::Stream) -> Result<Option<u64>>;
 

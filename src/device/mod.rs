@@ -322,6 +322,15 @@ impl Device {
         dispatch!(self.backend(), |b, _pick| b.load_kernel(kernel))
     }
 
+    /// The device's free and total memory in bytes: on CUDA the driver's (`cuMemGetInfo`,
+    /// which counts every allocation of every process, the allocator's cached segments
+    /// included); on the simulator its configured memory less what it holds (device and pinned
+    /// buffers alike).
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.check_err()?;
+        dispatch!(self.backend(), |b, _pick| b.memory_info())
+    }
+
     /// Waits for all work on all streams of this device.
     pub fn synchronize(&self) -> Result<()> {
         self.check_err()?;

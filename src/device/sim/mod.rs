@@ -314,6 +314,11 @@ impl Backend for SimDevice {
         SimMem::zeroed(op, bytes, &self.used, self.config.memory)
     }
 
+    fn memory_info(&self) -> Result<(usize, usize)> {
+        let used = self.used.load(std::sync::atomic::Ordering::Relaxed);
+        Ok((self.config.memory.saturating_sub(used), self.config.memory))
+    }
+
     fn capture_id(&self, stream: &SimStream) -> Result<Option<u64>> {
         let mut st = self.lock();
         Ok(st.active_capture_of("Stream::capture_id", stream.id).ok().flatten())
