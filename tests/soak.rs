@@ -1,8 +1,9 @@
 //! Soak (issue 30, item 8): many steps of graphed training, (1) a transformer stack with
 //! activation offloading replayed on a side stream and joined, then the optimizer's graph, and
 //! (2) the same layers under an interleaved 1F1B schedule, one graph per (layer, microbatch);
-//! the process's resident memory, the allocator's bytes and the loss are sampled after a warm-up
-//! and then ten times up to the end: memory stays flat, the loss finite, no gradient non-finite.
+//! the process's resident memory, the allocator's bytes, the device's free memory and the loss
+//! are sampled after a warm-up and then ten times up to the end: memory stays flat, the loss
+//! finite, no gradient non-finite.
 //!
 //! The simulator runs a few steps (CI: the code path, not the duration). The CUDA runs are
 //! ignored without a GPU; on the GPU machine, `cargo test --release --test soak -- --ignored
@@ -36,6 +37,10 @@ const INPUTS: usize = 8;
 /// libraries' lazy caches); a leak of 200 bytes a step passes it within 100 000 steps.
 const RSS_SLACK_KIB: u64 = 16 * 1024;
 
+/// The device's free memory may fall by this much from the warm-up's sample (the driver's own
+/// lazy allocations come in 2 MiB pages); the allocator's bytes may not change at all.
+const FREE_SLACK: usize = 32 << 20;
+
 /// Steps: `GRAPHED_SOAK_STEPS`, else 100 000 on CUDA and 30 on the simulator (whose CPU
 /// kernels take tens of milliseconds a step).
 fn steps(dev: &Device) -> Result<u64> {
@@ -61,6 +66,8 @@ struct Sample {
     /// The allocator's bytes in segments and in blocks handed out.
     reserved: usize,
     allocated: usize,
+    /// The device's free memory (`Device::memory_info`).
+    free: usize,
     /// The step's loss (of every microbatch under a schedule).
     loss: f64,
 }
@@ -72,14 +79,15 @@ fn sample_at(step: u64, steps: u64) -> bool {
     step == warmup || step == steps || (step > warmup && (step - warmup).is_multiple_of(((steps - warmup) / 10).max(1)))
 }
 
-/// Fails unless every sample after the first (the warm-up's) has the same allocator bytes and a
-/// resident size at most [`RSS_SLACK_KIB`] larger, and every loss is finite; prints them.
+/// Fails unless every sample after the first (the warm-up's) has the same allocator bytes, a
+/// resident size at most [`RSS_SLACK_KIB`] larger and free device memory at most [`FREE_SLACK`]
+/// smaller, and every loss is finite; prints them.
 fn expect_flat(what: &str, samples: &[Sample]) -> Result {
     println!("{what}:");
     for s in samples {
         println!(
-            "  step {:7}  rss {:8} KiB  reserved {:10} B  allocated {:10} B  loss {:.6}",
-            s.step, s.rss_kib, s.reserved, s.allocated, s.loss
+            "  step {:7}  rss {:8} KiB  reserved {:10} B  allocated {:10} B  free {:12} B  loss {:.6}",
+            s.step, s.rss_kib, s.reserved, s.allocated, s.free, s.loss
         );
     }
     let first = samples.first().context("no samples")?;
@@ -93,6 +101,13 @@ fn expect_flat(what: &str, samples: &[Sample]) -> Result {
             s.rss_kib <= first.rss_kib + RSS_SLACK_KIB,
             "{what}: resident memory grew by {} KiB from step {} to step {}, more than {RSS_SLACK_KIB} KiB",
             s.rss_kib - first.rss_kib,
+            first.step,
+            s.step
+        );
+        ensure!(
+            s.free + FREE_SLACK >= first.free,
+            "{what}: free device memory fell by {} bytes from step {} to step {}, more than {FREE_SLACK}",
+            first.free - s.free,
             first.step,
             s.step
         );
@@ -155,8 +170,9 @@ impl Model {
     fn sample(&self, step: u64, loss: f64) -> Result<Sample> {
         self.optimizer.check_finite(&self.s)?;
         self.s.synchronize()?;
-        let total = self.alloc.stats().total;
-        Ok(Sample { step, rss_kib: rss_kib()?, reserved: total.reserved, allocated: total.allocated, loss })
+        let (total, (free, _)) = (self.alloc.stats().total, self.alloc.device().memory_info()?);
+        let (reserved, allocated) = (total.reserved, total.allocated);
+        Ok(Sample { step, rss_kib: rss_kib()?, reserved, allocated, free, loss })
     }
 }
 

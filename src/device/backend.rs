@@ -139,6 +139,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// A plain (synchronous) allocation. `relaxed` makes it in relaxed capture-interaction mode
     /// for this thread, so that an allocator can grow during a capture (as PyTorch's does).
     fn alloc(&self, bytes: usize, kind: MemKind, relaxed: bool) -> Result<Self::Mem>;
+    /// The device's free and total memory in bytes (the driver's `cuMemGetInfo`).
+    fn memory_info(&self) -> Result<(usize, usize)>;
     /// The id of the active capture `stream` takes part in, if any.
     fn capture_id(&self, stream: &Self::Stream) -> Result<Option<u64>>;
 
@@ -155,10 +157,6 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn event_query(&self, event: &Self::Event) -> Result<bool>;
     fn event_synchronize(&self, event: &Self::Event) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
-    /// Bytes that new device memory can still take: the GPU's free memory, or the host's
-    /// available memory for the simulator (whose device memory is host memory); `None` where
-    /// the host does not say.
-    fn memory_available(&self) -> Result<Option<usize>>;
 
     /// Copies `out.len()` bytes at `offset` of device memory to the host after all work queued on
     /// `stream`, and waits for it.

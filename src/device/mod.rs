@@ -322,11 +322,14 @@ impl Device {
         dispatch!(self.backend(), |b, _pick| b.load_kernel(kernel))
     }
 
-    /// Bytes that new device memory can still take, to refuse a run that cannot fit before it
-    /// allocates: the GPU's free memory (`cuMemGetInfo`), or on the simulator the host's
-    /// available memory; `None` where the host does not say.
-    pub fn memory_available(&self) -> Result<Option<usize>> {
-        dispatch!(self.backend(), |b, _pick| b.memory_available())
+    /// The device's free and total memory in bytes: on CUDA the driver's (`cuMemGetInfo`,
+    /// which counts every allocation of every process, the allocator's cached segments
+    /// included); on the simulator its configured memory less what it holds (device and pinned
+    /// buffers alike), and free no more than the host has available (its device memory is host
+    /// memory).
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.check_err()?;
+        dispatch!(self.backend(), |b, _pick| b.memory_info())
     }
 
     /// Waits for all work on all streams of this device.

@@ -116,7 +116,24 @@ fn allocation_beyond_the_device_memory_is_a_typed_error(dev: &Device) -> anyhow:
     Ok(())
 }
 
+/// `Device::memory_info` counts a plain allocation (on CUDA at least its bytes: the driver
+/// rounds up) and gives it back when it is dropped; the total does not move.
+fn memory_info_follows_allocations(dev: &Device) -> anyhow::Result<()> {
+    let bytes = 64 << 20;
+    let (free, total) = dev.memory_info()?;
+    ensure!(free <= total && total > 0, "free {free} of {total}");
+    let buf = dev.alloc::<u8>(bytes)?;
+    let (during, total_during) = dev.memory_info()?;
+    ensure!(during + bytes <= free && total_during == total, "{free} free before, {during} with {bytes} allocated");
+    drop(buf);
+    dev.synchronize()?;
+    let (after, _) = dev.memory_info()?;
+    ensure!(after >= during + bytes, "{after} free after the drop, {during} during");
+    Ok(())
+}
+
 crate::per_device!(
+    memory_info_follows_allocations,
     allocation_beyond_the_device_memory_is_a_typed_error,
     blocking_writes_land_before_later_work,
     blocking_roundtrip,

@@ -1,6 +1,6 @@
 //! Whether a run fits: the device memory it needs, estimated from the model's sizes before
-//! anything is allocated, against what the device has free (the GPU's free memory; on the
-//! simulator, whose device memory is host memory, the host's available memory). A run that
+//! anything is allocated, against what the device has free (`Device::memory_info`: the GPU's
+//! free memory; on the simulator its configured memory within what the host has). A run that
 //! cannot fit is refused with both numbers, instead of failing minutes later in an allocation,
 //! or growing the host's memory past what it has.
 
@@ -34,11 +34,13 @@ pub fn estimate(config: &GptConfig, batch: usize, graphed: bool) -> u128 {
 /// Refuses the run when [`estimate`] exceeds what `dev` has free.
 pub fn check(dev: &Device, config: &GptConfig, batch: usize, args: &TrainArgs) -> anyhow::Result<()> {
     let need = estimate(config, batch, !args.eager);
-    let Some(free) = dev.memory_available()? else { return Ok(()) };
+    let (free, _) = dev.memory_info()?;
     if need > free as u128 {
         let (where_, what) = match dev.kind() {
             graphed::device::DeviceKind::Cuda => ("the GPU has", "free"),
-            graphed::device::DeviceKind::Sim => ("this host has", "available for the simulator's memory"),
+            graphed::device::DeviceKind::Sim => {
+                ("the simulator has", "free (its configured memory, within what the host has)")
+            }
         };
         refuse!(
             "this model and batch need about {} of device memory at their peak, but {where_} {} {what}; use a \
@@ -118,7 +120,7 @@ mod tests {
     #[test]
     fn a_run_that_cannot_fit_is_refused_with_what_it_needs_and_what_there_is() -> anyhow::Result<()> {
         let dev = Device::sim();
-        let Some(free) = dev.memory_available()? else { return Ok(()) };
+        let (free, _) = dev.memory_info()?;
         let config = GptConfig {
             vocab: 12,
             max_len: 4096,
@@ -132,7 +134,7 @@ mod tests {
         assert!(estimate(&config, 1024, true) > free as u128, "the host has more memory than the test assumes");
         let args = crate::cli::train::outputs::tests::train_args(&[]);
         let refusal = check(&dev, &config, 1024, &args).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(refusal.contains("need about") && refusal.contains("this host has"), "{refusal}");
+        assert!(refusal.contains("need about") && refusal.contains("the simulator has"), "{refusal}");
         Ok(())
     }
 }

@@ -23,7 +23,7 @@ use graphed::device::{CommErrorKind, Device, DeviceKind, Stream};
 use graphed::dist::RankEnv;
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Gpt, GptConfig};
-use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
+use graphed::optim::{AdamW, AdamWHyper, LrSchedule, NonFinite};
 use graphed::tensor::Tensor;
 use graphed::Error;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -173,7 +173,11 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
     let mut model = Gpt::new(&alloc, cfg, &s)?;
-    let hyper = AdamWHyper { weight_decay: 0.0, ..AdamWHyper::default() };
+    let nonfinite = match args.on_nonfinite {
+        NonFiniteArg::Stop => NonFinite::Stop,
+        NonFiniteArg::Skip => NonFinite::Skip,
+    };
+    let hyper = AdamWHyper { weight_decay: 0.0, nonfinite, ..AdamWHyper::default() };
     let optimizer = AdamW::new(&alloc, model.parameters(), hyper, schedule(plan.lr, plan.steps), &s)?;
     let saved = (plan.batch, plan.steps, plan.lr);
     let stop = args.stop_at.map_or(plan.steps, |k| k as usize);

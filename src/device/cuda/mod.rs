@@ -162,6 +162,12 @@ impl Backend for CudaDevice {
         }
     }
 
+    fn memory_info(&self) -> Result<(usize, usize)> {
+        const OP: &str = "Device::memory_info";
+        self.bind(OP)?;
+        ffi::mem_get_info().map_err(|e| err::driver(OP, None, e))
+    }
+
     fn capture_id(&self, stream: &CuStream) -> Result<Option<u64>> {
         const OP: &str = "Stream::capture_id";
         self.bind(OP)?;
@@ -227,13 +233,6 @@ impl Backend for CudaDevice {
 
     fn event_synchronize(&self, event: &CuEvent) -> Result<()> {
         stream::event_synchronize(event)
-    }
-
-    fn memory_available(&self) -> Result<Option<usize>> {
-        const OP: &str = "Device::memory_available";
-        self.bind(OP)?;
-        let (free, _total) = ffi::mem_get_info().map_err(|e| err::driver(OP, None, e))?;
-        Ok(Some(free))
     }
 
     fn synchronize(&self) -> Result<()> {

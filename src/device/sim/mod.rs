@@ -314,6 +314,12 @@ impl Backend for SimDevice {
         SimMem::zeroed(op, bytes, &self.used, self.config.memory)
     }
 
+    fn memory_info(&self) -> Result<(usize, usize)> {
+        let used = self.used.load(std::sync::atomic::Ordering::Relaxed);
+        let free = self.config.memory.saturating_sub(used);
+        Ok((host_available().map_or(free, |host| free.min(host)), self.config.memory))
+    }
+
     fn capture_id(&self, stream: &SimStream) -> Result<Option<u64>> {
         let mut st = self.lock();
         Ok(st.active_capture_of("Stream::capture_id", stream.id).ok().flatten())
@@ -376,16 +382,6 @@ impl Backend for SimDevice {
         let target: Vec<WorkId> = st.event_target("Event::synchronize", event.id)?.into_iter().collect();
         st.forbid_sync_call("Event::synchronize")?;
         st.queue.run_until(&target)
-    }
-
-    fn memory_available(&self) -> Result<Option<usize>> {
-        // Linux's estimate of what new allocations can take without swapping; other hosts do
-        // not say.
-        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let kib = meminfo
-            .lines()
-            .find_map(|l| l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?.trim().parse::<usize>().ok());
-        Ok(kib.map(|k| k * 1024))
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -458,4 +454,14 @@ fn outside_capture(op: &'static str, stream: StreamId) -> Error {
         on: crate::error::CaptureSite::Stream(stream),
         kind: crate::CaptureErrorKind::ExternalOutsideCapture,
     }
+}
+
+/// The host's available memory (Linux's estimate of what new allocations can take without
+/// swapping), if it says.
+fn host_available() -> Option<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?.trim().parse::<usize>().ok())?;
+    Some(kib * 1024)
 }
