@@ -140,9 +140,6 @@ fn check_flags(args: &TrainArgs) -> anyhow::Result<()> {
     if !args.schedule && args.schedule_args.given() {
         refuse!("--microbatches and --virtual-stages shape a pipeline schedule; add --schedule, or drop them");
     }
-    if let Some(k) = args.stop_at.zip(args.steps).filter(|(k, steps)| k > steps).map(|(k, _)| k) {
-        refuse!("--stop-at {k} is past the run's {} --steps; pass at most that", args.steps.unwrap_or_default());
-    }
     Ok(())
 }
 
@@ -168,6 +165,10 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     let task = Task::new(args, args.eval.unwrap_or(if gpu { 1000 } else { 100 }) as usize)?;
     let plan = plan(dev, args, task.shape())?;
     let cfg = plan.config;
+    let stop = args.stop_at.map_or(plan.steps, |k| k as usize);
+    if stop > plan.steps {
+        refuse!("--stop-at {stop} is past the run's {} steps; pass at most that", plan.steps);
+    }
     memory::check(dev, &cfg, plan.batch, args)?;
     let interrupt = interrupt::Interrupt::install()?;
     let s = dev.stream()?;
@@ -180,7 +181,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     let hyper = AdamWHyper { weight_decay: 0.0, nonfinite, ..AdamWHyper::default() };
     let optimizer = AdamW::new(&alloc, model.parameters(), hyper, schedule(plan.lr, plan.steps), &s)?;
     let saved = (plan.batch, plan.steps, plan.lr);
-    let stop = args.stop_at.map_or(plan.steps, |k| k as usize);
+
     let start = match &args.resume {
         Some(dir) => checkpoint::resume(dir, (&model, &optimizer), &alloc, &s, args, saved, stop)?,
         None => 0,
