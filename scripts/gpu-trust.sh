@@ -37,7 +37,7 @@ expect 2 "are the same file" "--metrics and --plot one file" -- --metrics m.json
 expect 2 "add --schedule" "--microbatches without --schedule" -- --microbatches 4
 expect 2 "--dim 3" "--dim 3 --heads 1" -- --dim 3 --heads 1
 expect 2 "--dim 8192" "--dim 8192" -- --dim 8192
-expect 2 "need about" "a model too big for the GPU, before any allocation" -- --dim 4096 --layers 16 --batch 65536
+expect 2 "need about" "a model too big for the GPU, before any allocation" -- --dim 4096 --layers 16 --batch 4096
 expect 2 "attn.bogus" "an offload site the model does not save" -- --offload --offload-sites attn.bogus
 # An interrupt: the step finishes, the state is saved, exit 130; the resume appends its metrics.
 $g train --device $dev --steps 100000 --save ckpt --metrics m.jsonl > /dev/null 2> err &

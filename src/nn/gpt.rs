@@ -113,21 +113,22 @@ impl GptConfig {
     pub fn validate_batch(&self, batch: usize) -> std::result::Result<(), ConfigLimit> {
         self.validate()?;
         let rows = batch.checked_mul(self.max_len);
-        let largest = [self.heads * self.max_len, 4 * self.dim, self.vocab]
-            .into_iter()
-            .map(|per_row| rows.and_then(|r| r.checked_mul(per_row)))
-            .try_fold(0usize, |m, n| n.map(|n| m.max(n)));
-        match largest {
-            Some(n) if batch > 0 && u32::try_from(n).is_ok() => Ok(()),
-            _ => Err(ConfigLimit {
-                field: "batch",
-                value: batch,
-                why: format!(
-                    "the batch must be at least 1 and keep every tensor under 2^32 elements (the attention scores are batch·{}·{}² elements); use a smaller batch",
-                    self.heads, self.max_len
-                ),
-            }),
-        }
+        let tensors = [
+            ("the attention scores", self.heads * self.max_len, format!("batch·{}·{}²", self.heads, self.max_len)),
+            ("the MLP's activations", 4 * self.dim, format!("batch·{}·{}", self.max_len, 4 * self.dim)),
+            ("the logits", self.vocab, format!("batch·{}·{}", self.max_len, self.vocab)),
+        ];
+        let too_big = tensors.into_iter().find(|(_, per_row, _)| {
+            rows.and_then(|r| r.checked_mul(*per_row)).is_none_or(|n| u32::try_from(n).is_err())
+        });
+        let why = match (batch, too_big) {
+            (0, _) => "the batch must be at least 1".to_string(),
+            (_, Some((what, _, size))) => {
+                format!("{what} would have {size} elements, and every tensor must stay under 2^32; use a smaller batch")
+            }
+            (_, None) => return Ok(()),
+        };
+        Err(ConfigLimit { field: "batch", value: batch, why })
     }
 
     /// Number of parameters: what its modules add to the store.
