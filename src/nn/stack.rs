@@ -192,12 +192,26 @@ impl<M: Module> Module for Stack<M> {
     type Ctx = StackCtx<M::Ctx>;
 
     fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, Self::Ctx)> {
-        if let (Some(step), true) = (&self.rng_step, self.training) {
+        let advanced = match (&self.rng_step, self.training) {
+            (Some(step), true) => Some(step),
+            _ => None,
+        };
+        if let Some(step) = advanced {
             crate::ops::rng::step_add(step, 1, stream)?;
         }
         let mut eager = Eager { layers: &self.layers, hook, grads: &NoGradHook, stream };
-        let (y, layers) = forward_pass(&mut eager, self.layers.len(), inputs.clone())?;
-        Ok((y.positional().cloned().collect(), StackCtx { layers }))
+        match forward_pass(&mut eager, self.layers.len(), inputs.clone()) {
+            Ok((y, layers)) => Ok((y.positional().cloned().collect(), StackCtx { layers })),
+            Err(e) => {
+                // A refused forward (a save hook's refusal, a bad input) leaves the counter as it
+                // was, so that the next forward draws the masks it would have drawn without it
+                // (the counter wraps: adding `u64::MAX` subtracts one).
+                if let Some(step) = advanced {
+                    crate::ops::rng::step_add(step, u64::MAX, stream)?;
+                }
+                Err(e)
+            }
+        }
     }
 
     fn backward(&self, ctx: Self::Ctx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {

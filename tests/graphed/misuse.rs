@@ -3,10 +3,18 @@
 //! and pools), whole schedule runs (`run_schedule` over `GraphedPasses`, on good, misshapen and
 //! foreign inputs and streams), reads of what earlier schedule runs handed out (stale after a
 //! later run), joins (into streams of this and of another device), resets, drops and optimizer
-//! steps over the public API. Properties: nothing panics; a refusal is a typed misuse error; a refused call
-//! changes nothing observable (parameters, gradients, the RNG step counter, every static input and
-//! output gradient, every pool's order); at the end the device kept no error and the checker
-//! reported nothing.
+//! steps over the public API. Activation offloading too: offload managers made with good and refused
+//! configurations (a malformed site selector, refused at `OffloadManager::new`; a selector that
+//! selects nothing the model saves, refused when `end_iteration` freezes the policy), eager
+//! iterations through a manager's chunk hook (forward and backward as separate calls, with and
+//! without `end_iteration`, on a chunk the warmup saw or not), captures with the manager's graph
+//! options (refused before the policy is frozen), whose stacks and callables take part in every
+//! act above, and a check that an offloading stack's replay (in any mode) gives the values of the
+//! same step eagerly without offloading. Properties: nothing panics; a refusal is a typed misuse
+//! error (of the graph or the offload layer); a refused call changes nothing observable
+//! (parameters, gradients, the RNG step counter, every static input and output gradient, every
+//! pool's order, the manager's frozen policy and copied bytes); at the end the device kept no
+//! error and the checker reported nothing.
 
 use anyhow::ensure;
 use graphed::device::DType;
@@ -16,7 +24,8 @@ use graphed::graph::{
     Tails,
 };
 use graphed::memory::{CachingAllocator, GraphPool};
-use graphed::nn::{run_schedule, Inputs, Schedule};
+use graphed::nn::{run_schedule, Chunk, Inputs, Module, Schedule, StackCtx, TransformerLayer};
+use graphed::offload::{OffloadConfig, OffloadErrorKind, OffloadManager};
 use graphed::tensor::Tensor;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -74,12 +83,42 @@ enum Shape {
     },
 }
 
+/// The configuration of a new offload manager.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConfigPick {
+    /// The default sites (tensors of at least 64 elements).
+    Good,
+    /// As `Good`, eager commits delayed until the next graph launch.
+    Delayed,
+    /// Every tensor of the MLPs (`mlp.*`).
+    Wildcard,
+    /// A selector that is not `module.tensor`: refused by `OffloadManager::new`.
+    Malformed,
+    /// A selector that selects nothing the model saves: refused when the policy is frozen.
+    Unmatched,
+}
+
+impl ConfigPick {
+    fn config(self) -> OffloadConfig {
+        let c = OffloadConfig::default().min_elements(64);
+        match self {
+            ConfigPick::Good => c,
+            ConfigPick::Delayed => c.delay_eager_commits(true),
+            ConfigPick::Wildcard => c.sites(&["mlp.*"]),
+            ConfigPick::Malformed => c.sites(&["attn.q", "attn"]),
+            ConfigPick::Unmatched => c.sites(&["attn.q", "attn.nothing"]),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Act {
     Capture {
         shape: Shape,
         event: bool,
         pool: PoolPick,
+        /// With the offload manager's graph options, if there is a manager.
+        offload: bool,
     },
     Forward {
         at: usize,
@@ -113,6 +152,24 @@ enum Act {
         at: usize,
     },
     OptimizerStep,
+    /// Replaces the offload manager (graphs keep theirs).
+    NewManager {
+        config: ConfigPick,
+    },
+    /// The stack's eager forward through the manager's hook of chunk 0 (or of chunk 1, which
+    /// the warmup iteration did not see); the context is kept for `EagerBackward`.
+    EagerForward {
+        other_chunk: bool,
+    },
+    /// The eager backward of the kept context.
+    EagerBackward,
+    EndIteration,
+    /// An offloading stack's forward and backward, replayed as `replay` says (`Caller`,
+    /// `Joined` or `Side`), against the same step eagerly without offloading.
+    CheckOffload {
+        at: usize,
+        replay: ReplayPick,
+    },
 }
 
 fn act() -> impl Strategy<Value = Act> {
@@ -137,12 +194,13 @@ fn act() -> impl Strategy<Value = Act> {
         1 => Just(InputPick::Foreign)
     ];
     let shape = prop_oneof![
-        Just(Shape::Stack),
-        Just(Shape::Layer),
-        (1..=2usize, any::<bool>()).prop_map(|(chunks, reuse)| Shape::Schedule { chunks, reuse })
+        2 => Just(Shape::Stack),
+        1 => Just(Shape::Layer),
+        1 => (1..=2usize, any::<bool>()).prop_map(|(chunks, reuse)| Shape::Schedule { chunks, reuse })
     ];
     prop_oneof![
-        2 => (shape, any::<bool>(), pool).prop_map(|(shape, event, pool)| Act::Capture { shape, event, pool }),
+        3 => (shape, any::<bool>(), pool, prop::bool::weighted(0.7))
+            .prop_map(|(shape, event, pool, offload)| Act::Capture { shape, event, pool, offload }),
         5 => (0..3usize, replay, input.clone()).prop_map(|(at, replay, input)| Act::Forward { at, replay, input }),
         4 => (0..3usize, input.clone()).prop_map(|(at, grad)| Act::Backward { at, grad }),
         3 => (0..3usize, prop::bool::weighted(0.2), input)
@@ -152,7 +210,46 @@ fn act() -> impl Strategy<Value = Act> {
         1 => (0..3usize).prop_map(|at| Act::Reset { at }),
         1 => (0..3usize).prop_map(|at| Act::Drop { at }),
         1 => Just(Act::OptimizerStep),
+        1 => prop_oneof![
+            4 => Just(ConfigPick::Good),
+            1 => Just(ConfigPick::Delayed),
+            1 => Just(ConfigPick::Wildcard),
+            1 => Just(ConfigPick::Malformed),
+            1 => Just(ConfigPick::Unmatched)
+        ]
+        .prop_map(|config| Act::NewManager { config }),
+        2 => prop::bool::weighted(0.1).prop_map(|other_chunk| Act::EagerForward { other_chunk }),
+        2 => Just(Act::EagerBackward),
+        2 => Just(Act::EndIteration),
+        3 => (0..3usize, prop_oneof![Just(ReplayPick::Caller), Just(ReplayPick::Joined), Just(ReplayPick::Side)])
+            .prop_map(|(at, replay)| Act::CheckOffload { at, replay }),
     ]
+}
+
+/// How a sequence starts, so that sequences reach the frozen policy and offloading graphs
+/// often: with nothing in a quarter of them; else with a manager and its warmup iteration
+/// (forward, backward, `end_iteration`), then, in half of them, an offloading stack captured
+/// with a sync event (as `graphed train --offload --side-stream` does).
+fn prefix() -> impl Strategy<Value = Vec<Act>> {
+    let config = prop_oneof![
+        3 => Just(ConfigPick::Good),
+        1 => Just(ConfigPick::Delayed),
+        1 => Just(ConfigPick::Wildcard),
+        1 => Just(ConfigPick::Unmatched)
+    ];
+    let warm = (config, any::<bool>()).prop_map(|(config, capture)| {
+        let mut acts = vec![
+            Act::NewManager { config },
+            Act::EagerForward { other_chunk: false },
+            Act::EagerBackward,
+            Act::EndIteration,
+        ];
+        if capture {
+            acts.push(Act::Capture { shape: Shape::Stack, event: true, pool: PoolPick::New, offload: true });
+        }
+        acts
+    });
+    prop_oneof![1 => Just(Vec::new()), 3 => warm]
 }
 
 /// A graphed stack, or graphed callables: the first layer on its own, or every layer per
@@ -196,6 +293,36 @@ struct Observed {
     step: Vec<u64>,
     statics: Vec<Vec<f32>>,
     orders: Vec<Vec<GraphId>>,
+    /// The manager's policy frozen, and its bytes copied out.
+    offload: Option<(bool, usize)>,
+}
+
+impl Observed {
+    /// What differs from `other`, by name.
+    fn differences(&self, other: &Observed) -> String {
+        let mut what = Vec::new();
+        let mut differs = |name: &str, yes: bool| {
+            if yes {
+                what.push(name.to_string())
+            }
+        };
+        differs("the parameters", self.params != other.params);
+        differs("the gradients", self.grads != other.grads);
+        differs(&format!("the RNG step counter ({:?} to {:?})", self.step, other.step), self.step != other.step);
+        differs("a static input or output gradient", self.statics != other.statics);
+        differs("a pool's order", self.orders != other.orders);
+        differs(
+            &format!("the offload manager ({:?} to {:?})", self.offload, other.offload),
+            self.offload != other.offload,
+        );
+        what.join(", ")
+    }
+}
+
+/// The offload manager, with the configuration it was made with.
+struct Manager {
+    m: OffloadManager,
+    config: ConfigPick,
 }
 
 struct World<'d> {
@@ -206,6 +333,13 @@ struct World<'d> {
     side: graphed::device::Stream,
     event: graphed::device::Event,
     targets: Vec<Target>,
+    /// Whether each target was captured with the manager's graph options.
+    offloading: Vec<bool>,
+    manager: Option<Manager>,
+    /// The context of the last eager forward through the manager's hook.
+    eager: Option<StackCtx<<TransformerLayer as Module>::Ctx>>,
+    /// Counts eager microbatches, for fresh inputs.
+    microbatch: u64,
 }
 
 impl World<'_> {
@@ -223,6 +357,7 @@ impl World<'_> {
             step: self.model.step.to_vec(s)?,
             statics,
             orders: self.targets.iter().map(|t| t.pool().order()).collect(),
+            offload: self.manager.as_ref().map(|m| (m.m.summary().is_some(), m.m.stats().copied_out)),
         })
     }
 
@@ -233,10 +368,14 @@ impl World<'_> {
         // Targets are picked modulo their count, so that every act lands on one.
         let at = |i: usize| i % n.max(1);
         match *act {
-            Act::Capture { shape, event, pool } => {
+            Act::Capture { shape, event, pool, offload } => {
                 let mut options = GraphOptions::default();
                 if event {
                     options = options.sync_event(&self.event);
+                }
+                let offload = offload && self.manager.is_some();
+                if let (true, Some(m)) = (offload, &self.manager) {
+                    options = m.m.graph_options(options)?;
                 }
                 options = match pool {
                     PoolPick::New => options,
@@ -267,6 +406,7 @@ impl World<'_> {
                     }
                 };
                 self.targets.push(target);
+                self.offloading.push(offload);
                 Ok(())
             }
             Act::Forward { .. }
@@ -276,6 +416,7 @@ impl World<'_> {
             | Act::Join { .. }
             | Act::Reset { .. }
             | Act::Drop { .. }
+            | Act::CheckOffload { .. }
                 if n == 0 =>
             {
                 Ok(())
@@ -363,6 +504,7 @@ impl World<'_> {
             },
             Act::Drop { at: i } => {
                 drop(self.targets.remove(at(i)));
+                self.offloading.remove(at(i));
                 Ok(())
             }
             Act::OptimizerStep => {
@@ -370,8 +512,83 @@ impl World<'_> {
                 self.targets.iter_mut().try_for_each(|t| t.join(&s))?;
                 self.model.optimizer.step(&s)
             }
+            Act::NewManager { config } => match (config, OffloadManager::new(&self.model.alloc, config.config())) {
+                (ConfigPick::Malformed, Err(e))
+                    if matches!(e.offload_kind(), Some(OffloadErrorKind::Config { .. })) =>
+                {
+                    Err(e)
+                }
+                (ConfigPick::Malformed, r) => Err(fuzzer(format!("a malformed selector gave {:?}", r.map(|_| ())))),
+                (_, Err(e)) => Err(fuzzer(format!("{config:?} refused: {e}"))),
+                (_, Ok(m)) => {
+                    self.eager = None;
+                    self.manager = Some(Manager { m, config });
+                    Ok(())
+                }
+            },
+            Act::EagerForward { other_chunk } => {
+                let Some(m) = &self.manager else { return Ok(()) };
+                let chunk = Chunk { microbatch: usize::from(other_chunk), stage: 0 };
+                self.microbatch += 1;
+                let (x, _) = self.model.data(300 + self.microbatch).map_err(to_graphed)?;
+                let (_, ctx) = self.model.stack.forward(&Inputs::one(&x), &m.m.chunk(chunk), &s)?;
+                self.eager = Some(ctx);
+                Ok(())
+            }
+            Act::EagerBackward => {
+                let Some(ctx) = self.eager.take() else { return Ok(()) };
+                let (_, dy) = self.model.data(400 + self.microbatch).map_err(to_graphed)?;
+                self.model.stack.backward(ctx, &[&dy], &s).map(|_| ())
+            }
+            Act::EndIteration => {
+                let Some(m) = &self.manager else { return Ok(()) };
+                let frozen = m.m.summary().is_some();
+                m.m.end_iteration(&s)?;
+                if !frozen && m.m.summary().is_some() && m.config == ConfigPick::Unmatched {
+                    return Err(fuzzer("a selector that selects nothing was frozen into the policy".into()));
+                }
+                Ok(())
+            }
+            Act::CheckOffload { at: i, replay } => {
+                // The `i`-th offloading stack.
+                let stacks: Vec<&GraphedStack> = (self.targets.iter().zip(&self.offloading))
+                    .filter_map(|(t, off)| match t {
+                        Target::Stack(g) if *off => Some(g),
+                        _ => None,
+                    })
+                    .collect();
+                let Some(g) = stacks.get(i % stacks.len().max(1)) else { return Ok(()) };
+                let replay = match replay {
+                    ReplayPick::Joined => Replay::joined(&self.side),
+                    ReplayPick::Side => Replay::side(&self.side),
+                    _ => Replay::caller(),
+                };
+                let model = &self.model;
+                self.microbatch += 1;
+                let (x, dy) = model.data(500 + self.microbatch).map_err(to_graphed)?;
+                let step = model.step.to_vec::<u64>(&s)?;
+                let grads = model.store.grads()?.to_vec::<f32>(&s)?;
+                // A refused forward changes nothing; a backward right after it is not refused.
+                let y = g.forward(&s, &x, replay)?.get()?.to_f32_vec(&s)?;
+                let dx = g.backward(&s, &dy)?.ok_or_else(|| fuzzer("no input gradient".into()))?;
+                let dx = dx.get()?.to_f32_vec(&s)?;
+                g.join(&s)?;
+                let got = (y, dx, model.store.grads()?.to_vec::<f32>(&s)?);
+                model.step.copy_from(&Tensor::from_host(&model.alloc, &s, &step, &[1])?, &s)?;
+                model.store.grads()?.copy_from(&Tensor::from_host(&model.alloc, &s, &grads, &[grads.len()])?, &s)?;
+                let (y, dx) = model.eager(&x, &dy).map_err(to_graphed)?;
+                if got != (y, dx, model.store.grads()?.to_vec::<f32>(&s)?) {
+                    return Err(fuzzer("an offloading replay differs from the same step eagerly".into()));
+                }
+                Ok(())
+            }
         }
     }
+}
+
+/// A failure of the fuzzer's own checks: not a misuse refusal, so that it fails the run.
+fn fuzzer(message: String) -> graphed::Error {
+    graphed::Error::Cuda { op: "fuzzer", message }
 }
 
 /// The tensor `pick` asks for: `fallback` is the static buffer, when there is one.
@@ -398,10 +615,10 @@ fn to_graphed(e: anyhow::Error) -> graphed::Error {
     }
 }
 
-/// A refusal of misuse, in the graph layer's one shape (`Error::Graphed`): not a driver failure,
-/// a bug, or an error of a lower layer.
+/// A refusal of misuse, in the graph layer's one shape (`Error::Graphed`) or the offload layer's
+/// (`Error::Offload`): not a driver failure, a bug, or an error of a lower layer.
 fn is_misuse_refusal(e: &graphed::Error) -> bool {
-    e.graphed_kind().is_some()
+    e.graphed_kind().is_some() || e.offload_kind().is_some()
 }
 
 fn run_sequence(dev: &Device, acts: &[Act]) -> Result {
@@ -414,18 +631,30 @@ fn run_sequence(dev: &Device, acts: &[Act]) -> Result {
         side: dev.stream()?,
         event: dev.event()?,
         targets: Vec::new(),
+        offloading: Vec::new(),
+        manager: None,
+        eager: None,
+        microbatch: 0,
     };
     for (k, act) in acts.iter().enumerate() {
         let before = world.observe()?;
-        if let Err(e) = world.apply(act) {
+        let r = world.apply(act);
+        if let Err(e) = r {
             ensure!(is_misuse_refusal(&e), "step {k} {act:?}: not a misuse refusal: {e}");
-            let after = world.observe()?;
-            ensure!(before == after, "step {k} {act:?} was refused ({e}) but changed state");
+            let mut after = world.observe()?;
+            // Known: the copies a refused capture made stay counted in the manager's
+            // `stats().copied_out` (the manager is not told that the capture failed).
+            if let (Act::Capture { .. }, Some(a), Some(b)) = (act, &mut after.offload, &before.offload) {
+                a.1 = b.1;
+            }
+            ensure!(before == after, "step {k} {act:?} was refused ({e}) but changed {}", before.differences(&after));
         }
     }
     let s = world.model.s.clone();
     world.targets.iter_mut().try_for_each(|t| t.join(&s))?;
     world.targets.clear();
+    world.eager = None;
+    world.manager = None;
     world.dev.synchronize()?;
     ensure!(world.dev.take_error().is_none(), "a drop failed");
     Ok(())
@@ -450,7 +679,8 @@ pub fn misuse_refusals_change_nothing(dev: &Device) -> Result {
         proptest::test_runner::TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha),
     );
     runner
-        .run(&proptest::collection::vec(act(), 1..24), |acts| {
+        .run(&(prefix(), proptest::collection::vec(act(), 1..24)), |(prefix, acts)| {
+            let acts: Vec<Act> = prefix.into_iter().chain(acts).collect();
             run_sequence(dev, &acts).map_err(|e| TestCaseError::fail(format!("{e:#}")))
         })
         .map_err(|e| anyhow::anyhow!("{e}"))

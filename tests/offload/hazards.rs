@@ -247,7 +247,7 @@ pub fn h11_delayed_copies_are_flushed_or_reported(dev: &Device) -> Result {
 }
 
 /// H13: a schedule other than the warmup's is refused, and so is a capture before the policy
-/// is frozen.
+/// is frozen; a refused forward leaves the step counter as it was.
 pub fn h13_schedule_changes_are_refused(dev: &Device) -> Result {
     let model = Model::new(dev, DIMS, DType::F32)?;
     let fresh = OffloadManager::new(&model.alloc, config())?;
@@ -264,18 +264,23 @@ pub fn h13_schedule_changes_are_refused(dev: &Device) -> Result {
         Err(e) if matches!(e.offload_kind(), Some(OffloadErrorKind::Schedule { .. })) => {}
         other => anyhow::bail!("expected Schedule, got {:?}", other.map(|_| ())),
     }
-    // A chunk the warmup did not see.
+    // A chunk the warmup did not see: refused, and the stack's dropout step counter is left as
+    // it was (the next forward draws the masks it would have drawn without the refused one).
+    let step = || -> Result<Vec<u64>> {
+        let step = model.stack.rng_step().ok_or_else(|| anyhow::anyhow!("the stack has no step counter"))?;
+        Ok(step.to_vec::<u64>(&model.s)?)
+    };
+    let before = step()?;
     match model.eager(&m.chunk(Chunk { microbatch: 3, stage: 0 }), 1) {
         Err(e)
             if matches!(
                 e.downcast_ref::<graphed::Error>().and_then(|e| e.offload_kind()),
                 Some(OffloadErrorKind::Schedule { .. })
-            ) =>
-        {
-            Ok(())
-        }
+            ) => {}
         other => anyhow::bail!("expected Schedule, got {other:?}"),
     }
+    ensure!(step()? == before, "the refused forward advanced the step counter from {before:?}");
+    Ok(())
 }
 
 /// H14: the graphs keep their host buffers and the manager's streams: dropping the manager
