@@ -85,6 +85,7 @@ fn refusals_exit_2_before_the_first_step_and_change_nothing() {
         (&["--offload", "--offload-sites", "attn.bogus"], "attn.bogus"),
         (&["--eval", "5", "--data", "file"], "--eval"),
         (&["--save-every", "5"], "--save"),
+        (&["--offload", "--pool-per-layer", "--side-stream"], "drop one of the three"),
     ];
     for (args, why) in cases {
         let started = Instant::now();

@@ -135,10 +135,18 @@ fn plan(dev: &Device, args: &TrainArgs, (vocab, max_len): (usize, usize)) -> any
     Ok(Plan { config, lr, batch, steps: pick(args.steps, 1000, 600) })
 }
 
-/// Refuses flags that would do nothing: schedule settings without `--schedule`.
+/// Refuses flags that would do nothing (schedule settings without `--schedule`) and the one
+/// combination the graphs cannot replay.
 fn check_flags(args: &TrainArgs) -> anyhow::Result<()> {
     if !args.schedule && args.schedule_args.given() {
         refuse!("--microbatches and --virtual-stages shape a pipeline schedule; add --schedule, or drop them");
+    }
+    if args.offload.offload.is_some() && args.pool_per_layer && args.side_stream {
+        refuse!(
+            "--offload with --pool-per-layer cannot replay on a --side-stream: a layer's graph copies the layer \
+             before's saved activations to the host after its sync event, and they live in that layer's own pool, \
+             whose later replays would not wait for the copies (replay contract R3); drop one of the three"
+        );
     }
     Ok(())
 }
