@@ -1,5 +1,5 @@
 //! Records the git commit the binary was built from, so benchmark results name it, and lists the
-//! sources of `src/ops` for the unit test that keeps `ops::all_kernels` complete (embedded at
+//! CUDA sources of `src/ops` for the unit test that keeps `ops::all_kernels` complete (embedded at
 //! compile time, so that the test binary runs wherever it is moved).
 
 fn main() {
@@ -16,24 +16,33 @@ fn main() {
     ops_sources();
 }
 
-/// Writes `ops_sources.rs` into `OUT_DIR`: a `&[(file name, contents)]` expression of every `.rs`
-/// file of `src/ops`, each through `include_str!`, sorted by name.
+/// Writes `ops_sources.rs` into `OUT_DIR`: a `&[(path, contents)]` expression of every CUDA
+/// source (`.cu`) under `src/ops`, each through `include_str!`, sorted by path.
 fn ops_sources() {
     let dir = std::path::Path::new(&std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets it")).join("src/ops");
-    println!("cargo:rerun-if-changed={}", dir.display());
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .expect("src/ops is readable")
-        .map(|e| e.expect("src/ops is readable").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
-        .collect();
+    let mut files = Vec::new();
+    cuda_sources(&dir, &mut files);
     files.sort();
     let entries: Vec<String> = files
         .iter()
         .map(|p| {
-            let name = p.file_name().expect("a file").to_string_lossy();
+            let name = p.strip_prefix(&dir).expect("under src/ops").to_string_lossy();
             format!("({name:?}, include_str!({:?}))", p.display().to_string())
         })
         .collect();
     let out = std::path::Path::new(&std::env::var("OUT_DIR").expect("cargo sets it")).join("ops_sources.rs");
     std::fs::write(out, format!("&[{}]", entries.join(", "))).expect("OUT_DIR is writable");
+}
+
+/// Adds the `.cu` files of `dir` and its folders to `files`, and asks cargo to rerun on changes.
+fn cuda_sources(dir: &std::path::Path, files: &mut Vec<std::path::PathBuf>) {
+    println!("cargo:rerun-if-changed={}", dir.display());
+    for entry in std::fs::read_dir(dir).expect("src/ops is readable") {
+        let path = entry.expect("src/ops is readable").path();
+        if path.is_dir() {
+            cuda_sources(&path, files);
+        } else if path.extension().is_some_and(|e| e == "cu") {
+            files.push(path);
+        }
+    }
 }

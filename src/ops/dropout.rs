@@ -152,7 +152,7 @@ pub fn dropout_backward(dinp: &Tensor, dout: &Tensor, mask: &Tensor, p: f32, str
 /// The keep threshold on a random `u32` (kept iff `bits ≥ threshold`, probability
 /// (2³² − threshold)/2³² ≈ 1 − p) and the scale 1/(1 − p). Computed once on the host, so both
 /// devices compare the same integers and multiply by the same float.
-fn keep_rule(op: &'static str, p: f32) -> Result<(u32, f32)> {
+pub(crate) fn keep_rule(op: &'static str, p: f32) -> Result<(u32, f32)> {
     if !(0.0..1.0).contains(&p) {
         return Err(Error::Unsupported { op, backend: "any", why: "the drop probability p must be in [0, 1)" });
     }

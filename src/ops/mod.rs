@@ -13,6 +13,7 @@
 //! anything is enqueued.
 
 pub mod adamw;
+pub mod attention;
 pub mod cast;
 pub mod dropout;
 pub mod elementwise;
@@ -180,11 +181,16 @@ mod tests {
     /// Every kernel of the ops.
     fn all_kernels() -> Vec<&'static Kernel> {
         use super::*;
-        vec![
+        let mut kernels = vec![
             &adamw::ADAMW,
             &adamw::ADAMW_BF16,
             &adamw::NONFINITE_SCAN,
             &adamw::NONFINITE_SCAN_BF16,
+        ];
+        for table in [&attention::FORWARD, &attention::DELTA, &attention::BACKWARD_DKDV, &attention::BACKWARD_DQ] {
+            kernels.extend(table.iter().copied());
+        }
+        kernels.extend([
             &cast::CAST_F32_TO_BF16,
             &cast::CAST_BF16_TO_F32,
             &cast::RESIDUAL_ADD,
@@ -240,7 +246,8 @@ mod tests {
             &softmax::SOFTMAX_CAUSAL_FORWARD_BF16,
             &softmax::SOFTMAX_CAUSAL_BACKWARD_F32,
             &softmax::SOFTMAX_CAUSAL_BACKWARD_BF16,
-        ]
+        ]);
+        kernels
     }
 
     /// The CPU paths read arguments by these names, so they must be the CUDA signature's.
@@ -251,32 +258,27 @@ mod tests {
         }
     }
 
-    /// Every `.rs` file of `src/ops` (name, contents), embedded at compile time by `build.rs`.
+    /// Every CUDA source under `src/ops` (path, contents), embedded at compile time by `build.rs`.
     const SOURCES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/ops_sources.rs"));
 
-    /// The names of the `Kernel` statics declared in `text`.
-    fn declared_kernels(text: &str) -> Vec<String> {
-        let mut declared = Vec::new();
-        let mut rest = text;
-        while let Some(at) = rest.find("static ") {
-            rest = &rest[at + "static ".len()..];
-            if rest.split('=').next().is_some_and(|decl| decl.trim_end().ends_with(": Kernel")) {
-                let name = rest.split("name: \"").nth(1).and_then(|n| n.split('"').next()).unwrap();
-                declared.push(name.to_string());
-            }
-        }
-        declared
+    /// The names of the CUDA entry points defined in `text`.
+    fn entry_points(text: &str) -> Vec<String> {
+        const ENTRY: &str = "extern \"C\" __global__ void ";
+        text.match_indices(ENTRY)
+            .map(|(at, _)| text[at + ENTRY.len()..].split('(').next().unwrap_or_default().trim().to_string())
+            .collect()
     }
 
-    /// Keeps [`all_kernels`] complete: every `Kernel` static under `src/ops` is in it. The
-    /// sources are embedded, so the test does not depend on where it was built.
+    /// Keeps [`all_kernels`] complete: every CUDA entry point under `src/ops` has its `Kernel`
+    /// there, and every listed kernel is an entry point. The sources are embedded, so the test
+    /// does not depend on where it was built.
     #[test]
-    fn all_kernels_lists_every_kernel_of_the_ops() {
-        assert!(SOURCES.iter().any(|(name, _)| *name == "mod.rs"), "build.rs embedded src/ops");
-        let mut declared: Vec<String> = SOURCES.iter().flat_map(|(_, text)| declared_kernels(text)).collect();
+    fn all_kernels_lists_every_entry_point_of_the_ops() {
+        assert!(SOURCES.iter().any(|(name, _)| *name == "float.cu"), "build.rs embedded src/ops");
+        let mut defined: Vec<String> = SOURCES.iter().flat_map(|(_, text)| entry_points(text)).collect();
         let mut listed: Vec<String> = all_kernels().iter().map(|k| k.name.to_string()).collect();
-        declared.sort();
+        defined.sort();
         listed.sort();
-        assert_eq!(declared, listed);
+        assert_eq!(defined, listed);
     }
 }

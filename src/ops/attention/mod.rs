@@ -1,0 +1,316 @@
+//! Fused causal attention (FlashAttention-2's algorithm, Dao 2023): `out = softmax(q·kᵀ·scale +
+//! causal mask)·v` without ever storing the `T × T` scores. The forward keeps, per query row, the
+//! log-sum-exp of its scaled scores (f32), which is all the backward needs to recompute the
+//! probabilities tile by tile. The scale is 1/√head_dim, as PyTorch's
+//! `scaled_dot_product_attention` uses by default.
+//!
+//! Tensors are the heads of one layer, `(.., T, hd)` with every leading dimension a (batch
+//! element, head) pair, contiguous, f32 or bf16, `hd` one of [`HEAD_DIMS`]; the log-sum-exp and
+//! the backward's row terms are f32 `(.., T)`. Any `T ≥ 1`. One kernel per pass, element type and
+//! head width (`attention.cu`), each with its CPU path here (`cpu.rs`), which computes the same
+//! math in f32 and rounds once per stored value, in a different summation order than the GPU's
+//! tiles: the two devices agree within rounding, not bitwise. Each device is bitwise
+//! reproducible run to run: every output element is written once, after a fixed-order sum, with
+//! no atomics, which is why the backward has two kernels (one per key tile for `dk` and `dv`, one
+//! per query tile for `dq`).
+//!
+//! Dropout on the probabilities runs inside the kernels, drawn from the same counter-based
+//! numbers as [`dropout`](super::dropout) (Note [Graph-safe RNG] in `rng.rs`): element `(pair, i,
+//! j)` is the element `(pair·T + i)·T + j` of a `(pairs, T, T)` probability tensor, so the fused
+//! and unfused paths drop the same elements, and a graph replay draws fresh ones at each step.
+//!
+//! ```
+//! use graphed::device::{DType, Device};
+//! use graphed::memory::CachingAllocator;
+//! use graphed::ops::attention;
+//! use graphed::tensor::Tensor;
+//!
+//! let dev = Device::sim();
+//! let s = dev.stream()?;
+//! let alloc = CachingAllocator::new(&dev);
+//! let shape = [1, 2, 3, 32]; // batch 1, 2 heads, 3 tokens, head width 32
+//! let q = Tensor::from_host(&alloc, &s, &vec![0.1f32; 192], &shape)?;
+//! let (out, lse) = (Tensor::uninit(&alloc, &s, &shape, DType::F32)?, Tensor::uninit(&alloc, &s, &[1, 2, 3], DType::F32)?);
+//! attention::attention_forward(&out, &lse, &q, &q, &q, None, &s)?;
+//! // Equal scores: token i averages the i + 1 values it sees, here all 0.1.
+//! assert!(out.to_vec::<f32>(&s)?.iter().all(|&o| (o - 0.1).abs() < 1e-6));
+//! assert!((lse.to_vec::<f32>(&s)?[2] - (0.32f32 / 32f32.sqrt() + 3f32.ln())).abs() < 1e-5);
+//! # Ok::<(), graphed::Error>(())
+//! ```
+
+mod cpu;
+mod tiles;
+
+use half::bf16;
+
+use super::{checked, count, dense, dropout, float_dtype, rng, with_float};
+use crate::device::{args, Arg, DType, Elem, In, Kernel, Out, Stream};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+use tiles::{launch_dims, Pass};
+
+const SOURCE: &str = concat!(include_str!("../float.cu"), include_str!("../rng.cu"), include_str!("../attention.cu"));
+
+/// The head widths the kernels are built for.
+pub const HEAD_DIMS: [usize; 3] = [32, 64, 128];
+
+const FORWARD_PARAMS: &[&str] =
+    &["out", "lse", "q", "k", "v", "step", "scale", "threshold", "keep_scale", "seed", "site", "seq", "pairs"];
+const DELTA_PARAMS: &[&str] = &["delta", "out", "dout", "rows"];
+const DKDV_PARAMS: &[&str] = &[
+    "dk", "dv", "q", "k", "v", "dout", "lse", "delta", "step", "scale", "threshold", "keep_scale", "seed", "site",
+    "seq", "pairs",
+];
+const DQ_PARAMS: &[&str] = &[
+    "dq", "q", "k", "v", "dout", "lse", "delta", "step", "scale", "threshold", "keep_scale", "seed", "site", "seq",
+    "pairs",
+];
+
+/// Declares the kernels of one pass: a static per (element type, head width) and the table that
+/// [`kernel`] looks them up in.
+macro_rules! pass_kernels {
+    ($table:ident, $params:ident, $cpu:ident, [$($static:ident = $name:literal, $t:ty;)*]) => {
+        $(
+            #[doc = concat!("`", $name, "` in `attention.cu`.")]
+            pub(crate) static $static: Kernel =
+                Kernel { name: $name, source: SOURCE, params: $params, cpu: cpu::$cpu::<$t>, strided: false };
+        )*
+        /// The pass's kernels: f32 then bf16, each for every width of [`HEAD_DIMS`].
+        pub(crate) static $table: [&Kernel; 6] = [$(&$static),*];
+    };
+}
+
+pass_kernels!(FORWARD, FORWARD_PARAMS, forward, [
+    ATTENTION_FORWARD_F32_D32 = "attention_forward_f32_d32", f32;
+    ATTENTION_FORWARD_F32_D64 = "attention_forward_f32_d64", f32;
+    ATTENTION_FORWARD_F32_D128 = "attention_forward_f32_d128", f32;
+    ATTENTION_FORWARD_BF16_D32 = "attention_forward_bf16_d32", bf16;
+    ATTENTION_FORWARD_BF16_D64 = "attention_forward_bf16_d64", bf16;
+    ATTENTION_FORWARD_BF16_D128 = "attention_forward_bf16_d128", bf16;
+]);
+pass_kernels!(DELTA, DELTA_PARAMS, delta, [
+    ATTENTION_DELTA_F32_D32 = "attention_delta_f32_d32", f32;
+    ATTENTION_DELTA_F32_D64 = "attention_delta_f32_d64", f32;
+    ATTENTION_DELTA_F32_D128 = "attention_delta_f32_d128", f32;
+    ATTENTION_DELTA_BF16_D32 = "attention_delta_bf16_d32", bf16;
+    ATTENTION_DELTA_BF16_D64 = "attention_delta_bf16_d64", bf16;
+    ATTENTION_DELTA_BF16_D128 = "attention_delta_bf16_d128", bf16;
+]);
+pass_kernels!(BACKWARD_DKDV, DKDV_PARAMS, backward_dkdv, [
+    ATTENTION_BACKWARD_DKDV_F32_D32 = "attention_backward_dkdv_f32_d32", f32;
+    ATTENTION_BACKWARD_DKDV_F32_D64 = "attention_backward_dkdv_f32_d64", f32;
+    ATTENTION_BACKWARD_DKDV_F32_D128 = "attention_backward_dkdv_f32_d128", f32;
+    ATTENTION_BACKWARD_DKDV_BF16_D32 = "attention_backward_dkdv_bf16_d32", bf16;
+    ATTENTION_BACKWARD_DKDV_BF16_D64 = "attention_backward_dkdv_bf16_d64", bf16;
+    ATTENTION_BACKWARD_DKDV_BF16_D128 = "attention_backward_dkdv_bf16_d128", bf16;
+]);
+pass_kernels!(BACKWARD_DQ, DQ_PARAMS, backward_dq, [
+    ATTENTION_BACKWARD_DQ_F32_D32 = "attention_backward_dq_f32_d32", f32;
+    ATTENTION_BACKWARD_DQ_F32_D64 = "attention_backward_dq_f32_d64", f32;
+    ATTENTION_BACKWARD_DQ_F32_D128 = "attention_backward_dq_f32_d128", f32;
+    ATTENTION_BACKWARD_DQ_BF16_D32 = "attention_backward_dq_bf16_d32", bf16;
+    ATTENTION_BACKWARD_DQ_BF16_D64 = "attention_backward_dq_bf16_d64", bf16;
+    ATTENTION_BACKWARD_DQ_BF16_D128 = "attention_backward_dq_bf16_d128", bf16;
+]);
+
+/// The kernel of `pass` for `dtype` (f32 or bf16, checked by the caller) and a width of
+/// [`HEAD_DIMS`].
+fn kernel(pass: Pass, dtype: DType, hd: usize) -> &'static Kernel {
+    let table = match pass {
+        Pass::Forward => &FORWARD,
+        Pass::Delta => &DELTA,
+        Pass::BackwardDkDv => &BACKWARD_DKDV,
+        Pass::BackwardDq => &BACKWARD_DQ,
+    };
+    let width = HEAD_DIMS.iter().position(|&d| d == hd).expect("the launcher checked the head width");
+    table[usize::from(dtype == DType::BF16) * HEAD_DIMS.len() + width]
+}
+
+/// Dropout on the attention probabilities: drop probability `p` in `[0, 1)`, the numbers of
+/// (`seed`, `site`, `*step`) (Note [Graph-safe RNG] in `rng.rs`). The backward must get the
+/// forward's, with the step counter unchanged in between.
+#[derive(Clone, Copy)]
+pub struct AttentionDropout<'a> {
+    /// Drop probability.
+    pub p: f32,
+    /// The model's RNG seed.
+    pub seed: u32,
+    /// The layer's site, distinct from every other dropout's.
+    pub site: u32,
+    /// The one-element `u64` step counter.
+    pub step: &'a Tensor,
+}
+
+/// The shape of one call: `pairs` (batch element, head) pairs of `seq` rows of `hd` features.
+#[derive(Clone, Copy, Debug)]
+struct Heads {
+    pairs: usize,
+    seq: usize,
+    hd: usize,
+}
+
+impl Heads {
+    /// The heads of `q`, `(.., T, hd)` with at least one leading dimension.
+    fn of(op: &'static str, q: &Tensor) -> Result<Heads> {
+        let shape = q.shape();
+        let shape_error = || Error::Shape {
+            op,
+            expected: "heads (.., T, hd) with T ≥ 1 and at least one leading (batch, head) dimension".into(),
+            found: shape.to_vec(),
+        };
+        let [lead @ .., seq, hd] = shape else { return Err(shape_error()) };
+        let pairs: usize = lead.iter().product();
+        if lead.is_empty() || pairs == 0 || *seq == 0 {
+            return Err(shape_error());
+        }
+        if !HEAD_DIMS.contains(hd) {
+            return Err(Error::Unsupported {
+                op,
+                backend: "any",
+                why: "fused attention supports head widths 32, 64 and 128; use the unfused attention for others",
+            });
+        }
+        // Each kernel indexes rows and scores with 32-bit sizes.
+        count(op, pairs * seq * hd)?;
+        Ok(Heads { pairs, seq: *seq, hd: *hd })
+    }
+
+    /// `(.., T)`: the shape of the per-row terms.
+    fn rows_shape(q: &Tensor) -> Vec<usize> {
+        q.shape()[..q.shape().len() - 1].to_vec()
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.hd as f32).sqrt()
+    }
+}
+
+/// The kernels' dropout arguments: the step counter, `threshold` (0: no dropout), `keep_scale`,
+/// `seed` and `site`. Without dropout the kernels never read the step, so an empty view of `q`
+/// stands in for it and declares no access.
+fn dropout_args<'t, T: Elem>(
+    op: &'static str,
+    dropout: Option<AttentionDropout<'t>>,
+    q: &'t Tensor,
+) -> Result<(Arg<'t>, u32, f32, u32, u32)> {
+    match dropout {
+        Some(d) if d.p != 0.0 => {
+            let (threshold, keep_scale) = dropout::keep_rule(op, d.p)?;
+            Ok((In(rng::step_view(op, d.step)?).into(), threshold, keep_scale, d.seed, d.site))
+        }
+        _ => Ok((In(q.buffer::<T>(op)?.slice(0..0)).into(), 0, 1.0, 0, 0)),
+    }
+}
+
+/// The per-row log-sum-exp view of `lse`: f32 of shape `(.., T)` for heads `q`.
+fn rows_view<'t>(op: &'static str, name: &str, t: &'t Tensor, q: &Tensor) -> Result<crate::device::View<'t, f32>> {
+    checked::<f32>(op, name, t, &Heads::rows_shape(q))
+}
+
+/// `out = softmax(q·kᵀ/√hd + causal mask)·v`, with dropout on the probabilities if given, and
+/// `lse`, each query row's log-sum-exp of its scaled visible scores (natural log), which the
+/// backward needs. `q`, `k`, `v` and `out` are heads `(.., T, hd)` of one element type (f32 or
+/// bf16) and one shape, `lse` is f32 `(.., T)`; all contiguous, outputs distinct from inputs.
+///
+/// # Errors
+/// Before anything is enqueued: [`Error::UnsupportedDType`] or [`Error::DTypeMismatch`] for other
+/// element types; [`Error::Shape`] for other shapes; [`Error::Unsupported`] for a head width not
+/// in [`HEAD_DIMS`], more than 2^32 elements, or a drop probability outside `[0, 1)`;
+/// [`Error::NotContiguous`] for a strided tensor.
+pub fn attention_forward(
+    out: &Tensor,
+    lse: &Tensor,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    dropout: Option<AttentionDropout<'_>>,
+    stream: &Stream,
+) -> Result<()> {
+    const OP: &str = "attention_forward";
+    let dtype = float_dtype(OP, q, &[k, v, out])?;
+    let h = Heads::of(OP, q)?;
+    let shape = q.shape();
+    with_float!(OP, dtype, T => {
+        let (step, threshold, keep_scale, seed, site) = dropout_args::<T>(OP, dropout, q)?;
+        let args = args![
+            Out(checked::<T>(OP, "out", out, shape)?),
+            Out(rows_view(OP, "lse", lse, q)?),
+            In(dense::<T>(OP, q)?),
+            In(checked::<T>(OP, "k", k, shape)?),
+            In(checked::<T>(OP, "v", v, shape)?),
+            step,
+            h.scale(),
+            threshold,
+            keep_scale,
+            seed,
+            site,
+            count(OP, h.seq)?,
+            count(OP, h.pairs)?,
+        ];
+        stream.launch(kernel(Pass::Forward, dtype, h.hd), launch_dims(Pass::Forward, dtype, h.hd, h.seq, h.pairs), &args)
+    })
+}
+
+/// What the backward reads of the forward: its inputs, its output and its log-sum-exp.
+#[derive(Clone, Copy)]
+pub struct ForwardSaved<'a> {
+    /// Queries `(.., T, hd)`.
+    pub q: &'a Tensor,
+    /// Keys, as `q`.
+    pub k: &'a Tensor,
+    /// Values, as `q`.
+    pub v: &'a Tensor,
+    /// The forward's output, as `q`.
+    pub out: &'a Tensor,
+    /// The forward's log-sum-exp, f32 `(.., T)`.
+    pub lse: &'a Tensor,
+}
+
+/// The gradients of q, k and v (written, not accumulated) from the output's gradient `dout`, by
+/// recomputing the probabilities from the saved log-sum-exp, with the forward's dropout (same
+/// `p`, seed, site and step value). `delta` is f32 `(.., T)` scratch (each row's `dout · out`);
+/// the gradients have the heads' shape and type. Three launches: the row terms, then `dk` and
+/// `dv` per key tile, then `dq` per query tile.
+///
+/// # Errors
+/// As [`attention_forward`], for every tensor given.
+pub fn attention_backward(
+    (dq, dk, dv): (&Tensor, &Tensor, &Tensor),
+    dout: &Tensor,
+    saved: ForwardSaved<'_>,
+    delta: &Tensor,
+    dropout: Option<AttentionDropout<'_>>,
+    stream: &Stream,
+) -> Result<()> {
+    const OP: &str = "attention_backward";
+    let ForwardSaved { q, k, v, out, lse } = saved;
+    let dtype = float_dtype(OP, q, &[k, v, out, dout, dq, dk, dv])?;
+    let h = Heads::of(OP, q)?;
+    let shape = q.shape();
+    let dims = |pass| launch_dims(pass, dtype, h.hd, h.seq, h.pairs);
+    with_float!(OP, dtype, T => {
+        let (step, threshold, keep_scale, seed, site) = dropout_args::<T>(OP, dropout, q)?;
+        let (q, k, v) = (dense::<T>(OP, q)?, checked::<T>(OP, "k", k, shape)?, checked::<T>(OP, "v", v, shape)?);
+        let (out, dout) = (checked::<T>(OP, "out", out, shape)?, checked::<T>(OP, "dout", dout, shape)?);
+        let (lse, delta) = (rows_view(OP, "lse", lse, saved.q)?, rows_view(OP, "delta", delta, saved.q)?);
+        let (dq, dk, dv) =
+            (checked::<T>(OP, "dq", dq, shape)?, checked::<T>(OP, "dk", dk, shape)?, checked::<T>(OP, "dv", dv, shape)?);
+        let (seq, pairs, scale) = (count(OP, h.seq)?, count(OP, h.pairs)?, h.scale());
+        let rows = count(OP, h.seq * h.pairs)?;
+        stream.launch(kernel(Pass::Delta, dtype, h.hd), dims(Pass::Delta), &args![Out(delta), In(out), In(dout), rows])?;
+        stream.launch(
+            kernel(Pass::BackwardDkDv, dtype, h.hd),
+            dims(Pass::BackwardDkDv),
+            &args![
+                Out(dk), Out(dv), In(q), In(k), In(v), In(dout), In(lse),
+                In(delta), step.clone(), scale, threshold, keep_scale, seed, site, seq, pairs,
+            ],
+        )?;
+        stream.launch(
+            kernel(Pass::BackwardDq, dtype, h.hd),
+            dims(Pass::BackwardDq),
+            &args![
+                Out(dq), In(q), In(k), In(v), In(dout), In(lse), In(delta), step, scale, threshold, keep_scale, seed,
+                site, seq, pairs,
+            ],
+        )
+    })
+}

@@ -1,0 +1,330 @@
+//! Fused causal attention: forward and backward against an f64 reference, gradients against
+//! finite differences, dropout drawing the unfused path's numbers, determinism, refusals.
+
+mod common;
+
+use anyhow::ensure;
+use common::{ensure_close, lcg, numeric_grad};
+use graphed::device::{DType, Device, Stream};
+use graphed::memory::CachingAllocator;
+use graphed::ops::attention::{self, AttentionDropout, ForwardSaved};
+use graphed::ops::rng;
+use graphed::tensor::Tensor;
+use graphed::Error;
+use half::bf16;
+
+/// f32 against the f64 reference: `|got − want| ≤ F32_TOL·(Σ |terms| of the element)`. Each
+/// output element is a sum of products; f32 rounding (and `expf`, a few ulp) bounds its error by a
+/// small multiple of 2^-24 times the sum of the terms' magnitudes, whatever order the tiles add
+/// them in. 1e-5 is about 170 ulp of that sum: the kernels' error (in terms) is a few tens.
+const F32_TOL: f64 = 1e-5;
+
+/// bf16 against the f64 reference, in the same form. The inputs are exactly bf16; the kernels
+/// round the probabilities and the score gradients to bf16 (2^-9 relative) before the tensor-core
+/// products, and the outputs once: four such roundings on a path, 2^-7 of the terms' magnitude,
+/// plus a factor of two of margin.
+const BF16_TOL: f64 = 1.0 / 64.0;
+
+/// The shape of one case: `pairs` (batch element, head) pairs of `seq` tokens of width `hd`.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    pairs: usize,
+    seq: usize,
+    hd: usize,
+    dtype: DType,
+    p: f32,
+}
+
+/// Dropout's coordinates in the tests.
+const SEED: u32 = 77;
+const SITE: u32 = 5;
+const STEP: u64 = 3;
+
+/// The f64 reference of a case: outputs and, per element, the magnitude of its terms.
+struct Reference {
+    out: Vec<f64>,
+    lse: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    /// Σ |terms| of each element of out, dq, dk, dv.
+    mag: [Vec<f64>; 4],
+}
+
+impl Case {
+    fn shape(&self) -> [usize; 3] {
+        [self.pairs, self.seq, self.hd]
+    }
+
+    fn elems(&self) -> usize {
+        self.pairs * self.seq * self.hd
+    }
+
+    /// The inputs q, k, v and dout, rounded to the case's type. Scores spread over a few units
+    /// so that the softmax is neither flat nor one-hot.
+    fn inputs(&self, seed: u64) -> [Vec<f32>; 4] {
+        let round = |v: Vec<f32>| -> Vec<f32> {
+            match self.dtype {
+                DType::BF16 => v.into_iter().map(|x| bf16::from_f32(x).to_f32()).collect(),
+                _ => v,
+            }
+        };
+        let n = self.elems();
+        [
+            round(lcg(n, seed).into_iter().map(|x| 2.0 * x).collect()),
+            round(lcg(n, seed + 1).into_iter().map(|x| 2.0 * x).collect()),
+            round(lcg(n, seed + 2)),
+            round(lcg(n, seed + 3)),
+        ]
+    }
+
+    /// The factor dropout applies to probability `(pair, i, j)`, from the host model of the
+    /// kernels' numbers: element `(pair·T + i)·T + j` of a `(pairs, T, T)` tensor.
+    fn keep(&self, pair: usize, i: usize, j: usize) -> f64 {
+        if self.p == 0.0 {
+            return 1.0;
+        }
+        let threshold = (f64::from(self.p) * 4_294_967_296.0).round() as u32;
+        let n = ((pair * self.seq + i) * self.seq + j) as u64;
+        if rng::random_u32(SEED, SITE, STEP, n) >= threshold {
+            f64::from(1.0 / (1.0 - self.p))
+        } else {
+            0.0
+        }
+    }
+
+    fn reference(&self, [q, k, v, g]: &[Vec<f32>; 4]) -> Reference {
+        let (t, hd) = (self.seq, self.hd);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let row = |x: &[f32], pair: usize, i: usize| -> Vec<f64> {
+            x[(pair * t + i) * hd..(pair * t + i + 1) * hd].iter().map(|&x| f64::from(x)).collect()
+        };
+        let dot = |a: &[f64], b: &[f64]| -> f64 { a.iter().zip(b).map(|(a, b)| a * b).sum() };
+        let n = self.elems();
+        let mut r = Reference {
+            out: vec![0.0; n],
+            lse: vec![0.0; self.pairs * t],
+            dq: vec![0.0; n],
+            dk: vec![0.0; n],
+            dv: vec![0.0; n],
+            mag: std::array::from_fn(|_| vec![0.0; n]),
+        };
+        for pair in 0..self.pairs {
+            for i in 0..t {
+                let (qi, gi) = (row(q, pair, i), row(g, pair, i));
+                let s: Vec<f64> = (0..=i).map(|j| scale * dot(&qi, &row(k, pair, j))).collect();
+                let m = s.iter().fold(f64::NEG_INFINITY, |m, &s| m.max(s));
+                let lse = m + s.iter().map(|s| (s - m).exp()).sum::<f64>().ln();
+                r.lse[pair * t + i] = lse;
+                let p: Vec<f64> = s.iter().map(|s| (s - lse).exp()).collect();
+                let kept: Vec<f64> = (0..=i).map(|j| p[j] * self.keep(pair, i, j)).collect();
+                let at = (pair * t + i) * hd;
+                for (j, w) in kept.iter().enumerate() {
+                    let vj = row(v, pair, j);
+                    for d in 0..hd {
+                        r.out[at + d] += w * vj[d];
+                        r.mag[0][at + d] += (w * vj[d]).abs();
+                    }
+                }
+                let out_i = &r.out[at..at + hd];
+                let delta = dot(&gi, out_i);
+                let delta_mag: f64 = gi.iter().zip(out_i).map(|(g, o)| (g * o).abs()).sum();
+                for j in 0..=i {
+                    let (kj, vj) = (row(k, pair, j), row(v, pair, j));
+                    let dp = self.keep(pair, i, j) * dot(&gi, &vj);
+                    let dp_mag = self.keep(pair, i, j) * gi.iter().zip(&vj).map(|(g, v)| (g * v).abs()).sum::<f64>();
+                    let ds = p[j] * (dp - delta);
+                    let ds_mag = p[j] * (dp_mag + delta_mag);
+                    let bt = (pair * t + j) * hd;
+                    for d in 0..hd {
+                        r.dq[at + d] += scale * ds * kj[d];
+                        r.mag[1][at + d] += scale * ds_mag * kj[d].abs();
+                        r.dk[bt + d] += scale * ds * qi[d];
+                        r.mag[2][bt + d] += scale * ds_mag * qi[d].abs();
+                        r.dv[bt + d] += kept[j] * gi[d];
+                        r.mag[3][bt + d] += (kept[j] * gi[d]).abs();
+                    }
+                }
+            }
+        }
+        r
+    }
+}
+
+/// A stream and a poisoning allocator: an output element a kernel fails to write stays NaN.
+struct Ctx {
+    s: Stream,
+    alloc: CachingAllocator,
+}
+
+/// What one run of the op on a device gives: out, lse, dq, dk, dv (bf16 widened exactly).
+type Run = [Vec<f32>; 5];
+
+impl Ctx {
+    fn new(dev: &Device) -> anyhow::Result<Ctx> {
+        Ok(Ctx { s: dev.stream()?, alloc: CachingAllocator::with_poison(dev) })
+    }
+
+    fn tensor(&self, data: &[f32], shape: &[usize], dtype: DType) -> graphed::Result<Tensor> {
+        Tensor::from_f32(&self.alloc, &self.s, data, shape, dtype)
+    }
+
+    fn read(&self, t: &Tensor) -> graphed::Result<Vec<f32>> {
+        t.to_f32_vec(&self.s)
+    }
+
+    fn step(&self) -> graphed::Result<Tensor> {
+        let step = Tensor::zeros(&self.alloc, &self.s, &[1], DType::U64)?;
+        rng::step_write(&step, STEP, &self.s)?;
+        Ok(step)
+    }
+
+    /// The forward and backward of `case` on `inputs`.
+    fn run(&self, case: Case, inputs: &[Vec<f32>; 4]) -> anyhow::Result<Run> {
+        let shape = case.shape();
+        let [q, k, v, g] = inputs.each_ref().map(|x| self.tensor(x, &shape, case.dtype));
+        let (q, k, v, g) = (q?, k?, v?, g?);
+        let step = self.step()?;
+        let dropout = Some(AttentionDropout { p: case.p, seed: SEED, site: SITE, step: &step });
+        let out = Tensor::uninit(&self.alloc, &self.s, &shape, case.dtype)?;
+        let rows = [case.pairs, case.seq];
+        let (lse, delta) = (
+            Tensor::uninit(&self.alloc, &self.s, &rows, DType::F32)?,
+            Tensor::uninit(&self.alloc, &self.s, &rows, DType::F32)?,
+        );
+        attention::attention_forward(&out, &lse, (&q, &k, &v), dropout, &self.s)?;
+        let grad = || Tensor::uninit(&self.alloc, &self.s, &shape, case.dtype);
+        let (dq, dk, dv) = (grad()?, grad()?, grad()?);
+        let saved = ForwardSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
+        attention::attention_backward((&dq, &dk, &dv), &g, saved, &delta, dropout, &self.s)?;
+        Ok([self.read(&out)?, self.read(&lse)?, self.read(&dq)?, self.read(&dk)?, self.read(&dv)?])
+    }
+}
+
+/// Fails unless every element is within `tol` of its terms' magnitude (plus the output's
+/// rounding to bf16, for bf16).
+fn ensure_within(what: &str, case: Case, got: &[f32], want: &[f64], mag: &[f64], tol: f64) -> anyhow::Result<()> {
+    ensure!(got.len() == want.len(), "{what}: {} values, expected {}", got.len(), want.len());
+    let ulp = if case.dtype == DType::BF16 { 1.0 / 256.0 } else { 0.0 };
+    for (i, ((g, w), m)) in got.iter().zip(want).zip(mag).enumerate() {
+        let err = (f64::from(*g) - w).abs();
+        ensure!(err <= tol * m + ulp * w.abs() + 1e-30, "{case:?} {what}[{i}]: {g} vs {w} (terms {m:.3e})");
+    }
+    Ok(())
+}
+
+fn check_case(dev: &Device, case: Case) -> anyhow::Result<()> {
+    let inputs = case.inputs(case.seq as u64 * 31 + case.hd as u64);
+    let r = case.reference(&inputs);
+    let [out, lse, dq, dk, dv] = Ctx::new(dev)?.run(case, &inputs)?;
+    let tol = if case.dtype == DType::BF16 { BF16_TOL } else { F32_TOL };
+    ensure_within("out", case, &out, &r.out, &r.mag[0], tol)?;
+    // The log-sum-exp is f32 in both types; its terms are O(1) numbers of the scores' size.
+    let lse_mag: Vec<f64> = r.lse.iter().map(|l| 1.0 + l.abs()).collect();
+    ensure_within("lse", Case { dtype: DType::F32, ..case }, &lse, &r.lse, &lse_mag, F32_TOL)?;
+    ensure_within("dq", case, &dq, &r.dq, &r.mag[1], tol)?;
+    ensure_within("dk", case, &dk, &r.dk, &r.mag[2], tol)?;
+    ensure_within("dv", case, &dv, &r.dv, &r.mag[3], tol)
+}
+
+/// Every width and type, on sequences of one token, of less than a tile, and across tile
+/// boundaries (tiles are 64 or 128 rows on CUDA), with and without dropout.
+fn attention_matches_an_f64_reference(dev: &Device) -> anyhow::Result<()> {
+    for dtype in [DType::F32, DType::BF16] {
+        for hd in attention::HEAD_DIMS {
+            for (pairs, seq, p) in [(3, 1, 0.0), (2, 67, 0.0), (1, 130, 0.25)] {
+                check_case(dev, Case { pairs, seq, hd, dtype, p })?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Long sequences on the GPU only (the simulator's O(T²) loops would take minutes): every tile
+/// of a 1000-token sequence, in both types.
+fn attention_matches_the_reference_on_long_sequences(dev: &Device) -> anyhow::Result<()> {
+    if dev.kind() == graphed::device::DeviceKind::Sim {
+        return Ok(());
+    }
+    for dtype in [DType::F32, DType::BF16] {
+        check_case(dev, Case { pairs: 2, seq: 1000, hd: 64, dtype, p: 0.1 })?;
+    }
+    Ok(())
+}
+
+/// The f32 gradients against central differences of the device's own forward: the loss
+/// Σ out ⊙ g in f64, each input element moved by ±`STEP`.
+fn attention_gradients_match_finite_differences(dev: &Device) -> anyhow::Result<()> {
+    const STEP: f32 = 1e-2;
+    for p in [0.0, 0.3] {
+        let case = Case { pairs: 2, seq: 5, hd: 32, dtype: DType::F32, p };
+        let inputs = case.inputs(9);
+        let ctx = Ctx::new(dev)?;
+        let [_, _, dq, dk, dv] = ctx.run(case, &inputs)?;
+        for (which, grad) in [(0, dq), (1, dk), (2, dv)] {
+            let loss = |x: &[f32]| -> anyhow::Result<f64> {
+                let mut moved = inputs.clone();
+                moved[which] = x.to_vec();
+                let out = ctx.run(case, &moved)?[0].clone();
+                Ok(out.iter().zip(&inputs[3]).map(|(o, g)| f64::from(*o) * f64::from(*g)).sum())
+            };
+            let numeric = numeric_grad(loss, &inputs[which], STEP)?;
+            // f32 forward, f64 loss: rounding over the 2·STEP span plus the O(STEP²)
+            // truncation of central differences stays below 1e-4 absolute here.
+            ensure_close(&format!("p = {p}, gradient {which}"), &grad, &numeric, 2e-4, 2e-3)?;
+        }
+    }
+    Ok(())
+}
+
+/// Two runs on one device are bitwise equal (no atomics: graphed and eager runs compare
+/// bitwise), and a different step draws a different dropout mask.
+fn attention_is_deterministic(dev: &Device) -> anyhow::Result<()> {
+    for dtype in [DType::F32, DType::BF16] {
+        let case = Case { pairs: 2, seq: 150, hd: 64, dtype, p: 0.2 };
+        let inputs = case.inputs(4);
+        let ctx = Ctx::new(dev)?;
+        let bits = |r: Run| r.map(|v| v.into_iter().map(f32::to_bits).collect::<Vec<_>>());
+        ensure!(bits(ctx.run(case, &inputs)?) == bits(ctx.run(case, &inputs)?), "{dtype}: two runs differ");
+    }
+    Ok(())
+}
+
+/// Refusals happen before anything is enqueued and leave the outputs untouched.
+fn attention_refuses_bad_calls(dev: &Device) -> anyhow::Result<()> {
+    let ctx = Ctx::new(dev)?;
+    let s = &ctx.s;
+    let t = |shape: &[usize], dtype| ctx.tensor(&vec![0.5; shape.iter().product()], shape, dtype);
+    let (q, q48, short) = (t(&[2, 4, 32], DType::F32)?, t(&[2, 4, 48], DType::F32)?, t(&[2, 3, 32], DType::F32)?);
+    let (qb, lse, lse_bad) = (t(&[2, 4, 32], DType::BF16)?, t(&[2, 4], DType::F32)?, t(&[2, 3], DType::F32)?);
+    let (one_d, q16) = (t(&[32], DType::F32)?, t(&[2, 4, 32], DType::F16)?);
+    let out = t(&[2, 4, 32], DType::F32)?;
+    let step = ctx.step()?;
+    let half = Some(AttentionDropout { p: 1.0, seed: 0, site: 0, step: &step });
+    let fwd = |out: &Tensor, lse: &Tensor, q: &Tensor, k: &Tensor, d| attention::attention_forward(out, lse, (q, k, q), d, s);
+    let cases: [(&str, graphed::Result<()>, fn(&Error) -> bool); 7] = [
+        ("head width 48", fwd(&q48, &lse, &q48, &q48, None), |e| matches!(e, Error::Unsupported { .. })),
+        ("k of another shape", fwd(&out, &lse, &q, &short, None), |e| matches!(e, Error::Shape { .. })),
+        ("lse of another shape", fwd(&out, &lse_bad, &q, &q, None), |e| matches!(e, Error::Shape { .. })),
+        ("1-D heads", fwd(&one_d, &lse, &one_d, &one_d, None), |e| matches!(e, Error::Shape { .. })),
+        ("bf16 k with f32 q", fwd(&out, &lse, &q, &qb, None), |e| matches!(e, Error::DTypeMismatch { .. })),
+        ("f16 heads", fwd(&q16, &lse, &q16, &q16, None), |e| matches!(e, Error::UnsupportedDType { .. })),
+        ("p = 1", fwd(&out, &lse, &q, &q, half), |e| matches!(e, Error::Unsupported { .. })),
+    ];
+    for (what, result, expected) in cases {
+        match result {
+            Err(e) if expected(&e) => {}
+            other => anyhow::bail!("{what}: {other:?}"),
+        }
+    }
+    ensure!(ctx.read(&out)?.iter().all(|&x| x == 0.5), "a refused call wrote its output");
+    Ok(())
+}
+
+per_device!(
+    attention_matches_an_f64_reference,
+    attention_matches_the_reference_on_long_sequences,
+    attention_gradients_match_finite_differences,
+    attention_is_deterministic,
+    attention_refuses_bad_calls,
+);
