@@ -13,6 +13,7 @@
 //! anything is enqueued.
 
 pub mod adamw;
+pub mod attention;
 pub mod cast;
 pub mod dropout;
 pub mod elementwise;
