@@ -22,6 +22,13 @@
 #define ATTN_LOG2E 1.4426950408889634f
 #define ATTN_LN2 0.6931471805599453f
 
+// 2^x by one MUFU.EX2 (subnormal results flush to zero; 2^-inf = 0).
+__device__ __forceinline__ float attn_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ float attn_neg_inf() { return -__int_as_float(0x7f800000); }
 __device__ __forceinline__ float attn_pos_inf() { return __int_as_float(0x7f800000); }
 
@@ -413,10 +420,11 @@ __device__ __forceinline__ void attn_load_a(unsigned (&f)[HD / 16][4], unsigned 
     for (int kd = 0; kd < HD / 16; ++kd) attn_ldsm4(f[kd], s + attn_swz<HD>(r + (lane & 15), 2 * kd + (lane >> 4)));
 }
 
-// c[n] += A·Yᵀ over d for the 8-row n-blocks of a swizzled [N][HD] tile Y at s (rows are the n index):
-// A's k-step kd is a[kd]. NB = N / 8 accumulator tiles.
-template <int HD, int NB>
-__device__ __forceinline__ void attn_mma_abt(float (&c)[NB][4], const unsigned (&a)[HD / 16][4], unsigned s,
+// c[mi][n] += A_mi·Yᵀ over d for MW row tiles A_mi (A_mi's k-step kd is a[mi][kd]) and the 8-row
+// n-blocks of a swizzled [8·NB][HD] tile Y at s (rows are the n index). Each B fragment is loaded once
+// and used by all MW row tiles.
+template <int HD, int NB, int MW>
+__device__ __forceinline__ void attn_mma_abt(float (&c)[MW][NB][4], const unsigned (&a)[MW][HD / 16][4], unsigned s,
                                              unsigned lane) {
 #pragma unroll
     for (int kd = 0; kd < HD / 16; ++kd) {
@@ -424,29 +432,53 @@ __device__ __forceinline__ void attn_mma_abt(float (&c)[NB][4], const unsigned (
         for (int n2 = 0; n2 < NB / 2; ++n2) {
             unsigned b[4];
             attn_ldsm4(b, s + attn_swz<HD>(16 * n2 + (lane & 7) + ((lane >> 4) << 3), 2 * kd + ((lane >> 3) & 1)));
-            attn_mma(c[2 * n2], a[kd], b[0], b[1]);
-            attn_mma(c[2 * n2 + 1], a[kd], b[2], b[3]);
+#pragma unroll
+            for (int mi = 0; mi < MW; ++mi) {
+                attn_mma(c[mi][2 * n2], a[mi][kd], b[0], b[1]);
+                attn_mma(c[mi][2 * n2 + 1], a[mi][kd], b[2], b[3]);
+            }
         }
     }
 }
 
-// o[nd] += P·Y for P (16 × 16·KS) held as accumulator tiles p[0 .. 2·KS) and a swizzled [16·KS][HD]
-// tile Y at s (rows are the k index): B fragments by ldmatrix.trans.
-template <int HD, int KS>
-__device__ __forceinline__ void attn_mma_pv(float (&o)[HD / 8][4], const float (&p)[2 * KS][4], unsigned s,
+// One row tile: c[n] += A·Yᵀ.
+template <int HD, int NB>
+__device__ __forceinline__ void attn_mma_abt(float (&c)[NB][4], const unsigned (&a)[HD / 16][4], unsigned s,
+                                             unsigned lane) {
+    attn_mma_abt<HD, NB, 1>(reinterpret_cast<float(&)[1][NB][4]>(c),
+                            reinterpret_cast<const unsigned(&)[1][HD / 16][4]>(a), s, lane);
+}
+
+// o[mi][nd] += P_mi·Y for MW row tiles P_mi (16 × 16·KS, held as accumulator tiles p[mi][0 .. 2·KS))
+// and a swizzled [16·KS][HD] tile Y at s (rows are the k index): B fragments by ldmatrix.trans, each
+// loaded once for all MW row tiles.
+template <int HD, int KS, int MW>
+__device__ __forceinline__ void attn_mma_pv(float (&o)[MW][HD / 8][4], const float (&p)[MW][2 * KS][4], unsigned s,
                                             unsigned lane) {
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
-        unsigned a[4];
-        attn_acc_to_a(a, p[2 * kk], p[2 * kk + 1]);
+        unsigned a[MW][4];
+#pragma unroll
+        for (int mi = 0; mi < MW; ++mi) attn_acc_to_a(a[mi], p[mi][2 * kk], p[mi][2 * kk + 1]);
 #pragma unroll
         for (int n2 = 0; n2 < HD / 16; ++n2) {
             unsigned b[4];
             attn_ldsm4t(b, s + attn_swz<HD>(16 * kk + (lane & 7) + (((lane >> 3) & 1) << 3), 2 * n2 + (lane >> 4)));
-            attn_mma(o[2 * n2], a, b[0], b[1]);
-            attn_mma(o[2 * n2 + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mi = 0; mi < MW; ++mi) {
+                attn_mma(o[mi][2 * n2], a[mi], b[0], b[1]);
+                attn_mma(o[mi][2 * n2 + 1], a[mi], b[2], b[3]);
+            }
         }
     }
+}
+
+// One row tile: o[nd] += P·Y.
+template <int HD, int KS>
+__device__ __forceinline__ void attn_mma_pv(float (&o)[HD / 8][4], const float (&p)[2 * KS][4], unsigned s,
+                                            unsigned lane) {
+    attn_mma_pv<HD, KS, 1>(reinterpret_cast<float(&)[1][HD / 8][4]>(o),
+                           reinterpret_cast<const float(&)[1][2 * KS][4]>(p), s, lane);
 }
 
 // Stores 16 rows × HD accumulator tiles c (times `mul`) as bf16 at rows r0 + g and r0 + g + 8 of g_,
@@ -524,14 +556,16 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
 
         // The diagonal or seq crosses this tile: elements need the mask.
         const bool masked = k0 + BN - 1 > q0 || k0 + BN > seq;
+        float s[MW][NB][4];
 #pragma unroll
         for (int mi = 0; mi < MW; ++mi) {
-            float s[NB][4];
 #pragma unroll
-            for (int nb = 0; nb < NB; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
-            attn_mma_abt<HD, NB>(s, qf[mi], sK + buf * KVBYTES, lane);
-
-            // s[nb][2h + e] is row q0 + wr + 16mi + g + 8h, key k0 + 8nb + 2t + e.
+            for (int nb = 0; nb < NB; ++nb) s[mi][nb][0] = s[mi][nb][1] = s[mi][nb][2] = s[mi][nb][3] = 0.0f;
+        }
+        attn_mma_abt<HD, NB, MW>(s, qf, sK + buf * KVBYTES, lane);
+#pragma unroll
+        for (int mi = 0; mi < MW; ++mi) {
+            // s[mi][nb][2h + e] is row q0 + wr + 16mi + g + 8h, key k0 + 8nb + 2t + e.
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const unsigned row = q0 + wr + 16 * mi + g + 8 * h;
@@ -541,9 +575,9 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const unsigned col = k0 + 8 * nb + 2 * t + e;
-                        float x = s[nb][2 * h + e] * sl2;
+                        float x = s[mi][nb][2 * h + e] * sl2;
                         if (masked && (col > row || col >= seq)) x = attn_neg_inf();
-                        s[nb][2 * h + e] = x;
+                        s[mi][nb][2 * h + e] = x;
                         mx = fmaxf(mx, x);
                     }
                 }
@@ -551,15 +585,15 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 const float mn = fmaxf(m[mi][h], mx);
                 const float mu = mn == attn_neg_inf() ? 0.0f : mn;  // a row with nothing visible yet
-                const float alpha = exp2f(m[mi][h] - mu);
+                const float alpha = attn_exp2(m[mi][h] - mu);
                 m[mi][h] = mn;
                 float sum = 0.0f;
 #pragma unroll
                 for (int nb = 0; nb < NB; ++nb) {
-                    const float p0 = exp2f(s[nb][2 * h] - mu), p1 = exp2f(s[nb][2 * h + 1] - mu);
+                    const float p0 = attn_exp2(s[mi][nb][2 * h] - mu), p1 = attn_exp2(s[mi][nb][2 * h + 1] - mu);
                     sum += p0 + p1;
-                    s[nb][2 * h] = p0;
-                    s[nb][2 * h + 1] = p1;
+                    s[mi][nb][2 * h] = p0;
+                    s[mi][nb][2 * h + 1] = p1;
                 }
                 l[mi][h] = l[mi][h] * alpha + sum;
 #pragma unroll
@@ -576,14 +610,14 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
                         if (col <= row) {
                             bool k0_, k1_;
                             attn_kept2(drop, nrow + col, k0_, k1_);
-                            if (!k0_) s[nb][2 * h] = 0.0f;
-                            if (!k1_) s[nb][2 * h + 1] = 0.0f;
+                            if (!k0_) s[mi][nb][2 * h] = 0.0f;
+                            if (!k1_) s[mi][nb][2 * h + 1] = 0.0f;
                         }
                     }
                 }
             }
-            attn_mma_pv<HD, BN / 16>(o[mi], s, sV + buf * KVBYTES, lane);
         }
+        attn_mma_pv<HD, BN / 16, MW>(o, s, sV + buf * KVBYTES, lane);
         attn_cp_wait<0>();
         __syncthreads();
     }
@@ -728,7 +762,7 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
                     for (int h = 0; h < 2; ++h) {
                         const unsigned key = wk + g + 8 * h;
                         const bool valid = !masked || (key <= row && row < seq && key < seq);
-                        const float p = valid ? exp2f(st[n][2 * h + e] * sl2 - l2) : 0.0f;
+                        const float p = valid ? attn_exp2(st[n][2 * h + e] * sl2 - l2) : 0.0f;
                         float pd = p, dpv = pt[n][2 * h + e];
                         if (drop.threshold != 0 && valid) {
                             const bool kept = attn_kept(drop, (pair * seq + row) * seq + key);
@@ -834,7 +868,7 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const bool valid = !masked || (col + e <= row && row < seq);
-                        p[e] = valid ? exp2f(s[nb][2 * h + e] * sl2 - l2[h]) : 0.0f;
+                        p[e] = valid ? attn_exp2(s[nb][2 * h + e] * sl2 - l2[h]) : 0.0f;
                     }
                     if (drop.threshold != 0 && col <= row && row < seq) {
                         bool k0_, k1_;
