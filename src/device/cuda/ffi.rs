@@ -226,6 +226,17 @@ impl Function {
     pub(super) fn key(self) -> usize {
         self.0 as usize
     }
+
+    /// Allows launches with up to `bytes` of dynamic shared memory
+    /// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`; beyond 48 KiB a kernel must opt in).
+    ///
+    /// # Safety
+    /// The function's module is loaded.
+    pub(super) unsafe fn allow_dynamic_shared(self, bytes: u32) -> Result<(), DriverError> {
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: the caller guarantees the handle is live.
+        unsafe { result::function::set_function_attribute(self.0, attr, bytes as i32) }
+    }
 }
 
 /// `cuLaunchKernel`.

@@ -39,7 +39,13 @@ struct Loaded {
     modules: HashMap<&'static str, Arc<CudaModule>>,
     /// Kernel names by [`Function::key`], for graph introspection.
     names: HashMap<usize, &'static str>,
+    /// The dynamic shared memory each function has been allowed beyond the default 48 KiB, by
+    /// [`Function::key`].
+    shared: HashMap<usize, u32>,
 }
+
+/// Dynamic shared memory a launch may use without opting in.
+const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
 
 impl Kernels {
     pub(super) fn new(ctx: Arc<CudaContext>, compiler: Compiler) -> Kernels {
@@ -95,6 +101,18 @@ impl Kernels {
         Ok(f)
     }
 
+    /// Raises `func`'s dynamic shared memory limit to `bytes` unless an earlier launch did.
+    fn allow_shared(&self, func: Function, name: &'static str, bytes: u32, on: CaptureSite) -> Result<()> {
+        let mut loaded = self.lock();
+        if loaded.shared.get(&func.key()).is_some_and(|&allowed| allowed >= bytes) {
+            return Ok(());
+        }
+        // SAFETY: the function's module stays loaded in `Kernels`.
+        unsafe { func.allow_dynamic_shared(bytes) }.map_err(|e| err::at(name, on, e))?;
+        loaded.shared.insert(func.key(), bytes);
+        Ok(())
+    }
+
     /// Enqueues `kernel` on `stream`. The device's context must be bound.
     pub(super) fn launch(
         &self,
@@ -105,6 +123,9 @@ impl Kernels {
     ) -> Result<()> {
         let on = CaptureSite::Stream(stream.id);
         let func = self.function(kernel, on)?;
+        if dims.shared_mem_bytes > DEFAULT_DYNAMIC_SHARED {
+            self.allow_shared(func, kernel.name, dims.shared_mem_bytes, on)?;
+        }
         let n = args.len();
         if n <= INLINE_ARGS {
             let mut values = [0u64; INLINE_ARGS];
