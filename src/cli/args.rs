@@ -343,6 +343,10 @@ pub enum BenchCommand {
     Check(CheckBenchArgs),
     /// TFLOP/s of a d×d×d bf16 GEMM (compare with `bench/torch_reference.py gemm`).
     Gemm(GemmBenchArgs),
+    /// The fused causal attention alone, forward and backward, in ms and TFLOP/s with causal
+    /// FLOPs counted as half of the full product (compare with `bench/torch_reference.py
+    /// attention`).
+    Attention(AttentionBenchArgs),
     /// One transformer layer's forward and backward, eager, bf16 on CUDA unless `--dtype` says
     /// otherwise (compare with `bench/torch_reference.py layer`); `--profile` says where the time
     /// goes per kernel class.
@@ -542,6 +546,32 @@ pub struct GemmBenchArgs {
     /// Matrix size.
     #[arg(long, default_value_t = 4096)]
     pub d: usize,
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub reps: u32,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct AttentionBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Sequences.
+    #[arg(long, default_value_t = 2)]
+    pub batch: usize,
+    /// Heads.
+    #[arg(long, default_value_t = 64)]
+    pub heads: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 2048)]
+    pub seq: usize,
+    /// Features per head (32, 64 or 128).
+    #[arg(long, default_value_t = 64)]
+    pub head_dim: usize,
+    #[command(flatten)]
+    pub dtype: DTypeArgs,
     /// Timed repetitions (the median is reported).
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub reps: u32,

@@ -1,6 +1,7 @@
 //! `graphed bench`: benchmarks whose results go to `bench/results/`.
 
 mod alloc;
+mod attention;
 mod check;
 mod gemm;
 mod graphs;
@@ -25,6 +26,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Alloc(a) => alloc::run(a),
         BenchCommand::Check(a) => check::run(a),
         BenchCommand::Gemm(a) => gemm::run(a),
+        BenchCommand::Attention(a) => attention::run(a),
         BenchCommand::Layer(a) => layer::run(a),
         BenchCommand::Graphs(a) => graphs::run(a),
         BenchCommand::Offload(a) => offload::run(a),
