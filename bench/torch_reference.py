@@ -2,18 +2,42 @@
 """PyTorch side of graphed's benchmarks: the same computation, timed the same way, on the same GPU.
 
 Usage: python3 bench/torch_reference.py gemm [--d 4096] [--reps 50]
-       python3 bench/torch_reference.py layer [--configs S,M,L]
-       python3 bench/torch_reference.py graphs [--configs S,M,L] [--dtype bf16|f32]
+       python3 bench/torch_reference.py layer [--configs S,M,L] [--attention unfused|fused|both]
+       python3 bench/torch_reference.py graphs [--configs S,M,L] [--dtype bf16|f32] [--attention unfused|fused|both]
+       python3 bench/torch_reference.py attention [--batch 2] [--heads 64] [--seq 2048] [--head-dim 64]
        python3 bench/torch_reference.py parity FILE [--device cuda|cpu]
 Prints one JSON object on stdout; parity exits 1 if PyTorch's module and graphed's disagree.
+
+--attention (layer and graphs; default both): unfused is the layer with attention as GEMM, masked
+softmax, GEMM (variants torch-eager, torch-graphed, torch-floor, torch-compile), fused the same
+layer with F.scaled_dot_product_attention(q, k, v, is_causal=True) (torch-sdpa-eager,
+torch-sdpa-graphed, torch-sdpa-floor, torch-sdpa-compile), both runs each configuration's unfused
+variants and then its fused ones into the one file, which is what scripts/gpu-run.sh keeps. Each
+row says its form ("attention"); with a fused form, "sdpa" says per configuration which SDPA
+backends run alone at the layer's shape and which kernels PyTorch picks by default.
+attention: SDPA alone (causal unless --no-causal), forward and forward+backward of every backend
+that runs, in ms and TFLOP/s (causal FLOPs counted as half: forward 4*b*h*s^2*d/2, backward 2.5
+times that).
 """
+from __future__ import annotations
+
 import argparse
+import contextlib
+import gc
 import json
 import statistics
 import sys
 import time
+import warnings
 
-import torch
+try:
+    import torch
+    import torch.nn.functional as F
+except ModuleNotFoundError:  # --help still works; main() refuses to run anything
+    torch = F = None
+
+# The modules below subclass torch.nn.Module; without PyTorch they are never built.
+Module = torch.nn.Module if torch is not None else object
 
 
 def gemm(d: int, reps: int) -> dict:
@@ -49,14 +73,16 @@ CONVENTIONS = {
 }
 
 
-class Attention(torch.nn.Module):
-    """graphed's `nn::CausalSelfAttention`, unfused: one QKV projection whose output holds q, k
-    and v as column blocks (head h in columns h*hd..(h+1)*hd of each), heads of 64 features (one
-    head below 64), scores scaled by 1/sqrt(hd), a causal softmax, the output projection."""
+class Attention(Module):
+    """graphed's `nn::CausalSelfAttention`: one QKV projection whose output holds q, k and v as
+    column blocks (head h in columns h*hd..(h+1)*hd of each), heads of 64 features (one head below
+    64), scores scaled by 1/sqrt(hd), a causal softmax, the output projection. Unfused (the
+    default): GEMM, masked softmax, GEMM; fused: F.scaled_dot_product_attention with is_causal,
+    whose default scale is the same 1/sqrt(hd), on the same strided q, k and v."""
 
-    def __init__(self, d: int):
+    def __init__(self, d: int, fused: bool = False):
         super().__init__()
-        self.heads = max(d // 64, 1)
+        self.heads, self.fused = max(d // 64, 1), fused
         self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
@@ -64,13 +90,16 @@ class Attention(torch.nn.Module):
         hd = d // self.heads
         q, k, v = self.qkv(u).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, hd).transpose(1, 2) for z in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) * hd**-0.5
-        mask = torch.ones(t, t, device=u.device, dtype=torch.bool).triu(1)
-        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
-        return self.proj((probs @ v).transpose(1, 2).reshape(b, t, d))
+        if self.fused:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * hd**-0.5
+            mask = torch.ones(t, t, device=u.device, dtype=torch.bool).triu(1)
+            out = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
 
-class Mlp(torch.nn.Module):
+class Mlp(Module):
     """graphed's `nn::Mlp`: fc2(GELU_tanh(fc1(x))), fc1 d -> 4d, fc2 4d -> d."""
 
     def __init__(self, d: int):
@@ -81,29 +110,29 @@ class Mlp(torch.nn.Module):
         return self.fc2(torch.nn.functional.gelu(self.fc1(u), approximate="tanh"))
 
 
-class Layer(torch.nn.Module):
+class Layer(Module):
     """BENCH.md's pre-LN GPT layer as graphed's `nn::TransformerLayer`, its parameters named as
     graphed names them (ln1, attn.qkv, attn.proj, ln2, mlp.fc1, mlp.fc2): LayerNorm eps 1e-5,
-    GELU (tanh), no dropout."""
+    GELU (tanh), no dropout; attention unfused unless `fused`."""
 
-    def __init__(self, d: int):
+    def __init__(self, d: int, fused: bool = False):
         super().__init__()
         self.ln1, self.ln2 = torch.nn.LayerNorm(d, eps=1e-5), torch.nn.LayerNorm(d, eps=1e-5)
-        self.attn, self.mlp = Attention(d), Mlp(d)
+        self.attn, self.mlp = Attention(d, fused), Mlp(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attn(self.ln1(x))
         return h + self.mlp(self.ln2(h))
 
 
-class Stack(torch.nn.Module):
+class Stack(Module):
     """n layers, named as graphed's benchmark model names them (layer0, layer1, ...), so that a
     state dict of graphed's names loads as it is."""
 
-    def __init__(self, d: int, n: int):
+    def __init__(self, d: int, n: int, fused: bool = False):
         super().__init__()
         for i in range(n):
-            self.add_module(f"layer{i}", Layer(d))
+            self.add_module(f"layer{i}", Layer(d, fused))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for m in self.children():
@@ -118,38 +147,147 @@ def match_graphed_numerics() -> None:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
-def layer(configs: list, reps: int) -> dict:
-    """Forward + backward of one layer in f32 (TF32 off, as graphed's IEEE f32 GEMMs), CUDA events."""
+# The attention forms of --attention, in the order `both` runs them.
+FORMS = {"unfused": ["unfused"], "fused": ["fused"], "both": ["unfused", "fused"]}
+VARIANTS = ["torch-eager", "torch-graphed", "torch-floor", "torch-compile"]
+
+
+def variant_name(variant: str, form: str) -> str:
+    """A variant's name with `form`'s attention: torch-graphed, or torch-sdpa-graphed when fused."""
+    return variant.replace("torch-", "torch-sdpa-", 1) if form == "fused" else variant
+
+
+def layer(configs: list, reps: int, forms: list) -> dict:
+    """Forward + backward of one layer in f32 (TF32 off, as graphed's IEEE f32 GEMMs), CUDA events,
+    with each attention form of `forms` (the rows of a configuration in that order)."""
     match_graphed_numerics()
     shapes = {"S": (256, 2, 64), "M": (1024, 4, 512), "L": (4096, 2, 2048)}
     rows = []
     for name in configs:
-        d, b, t = shapes[name]
-        m = Layer(d).cuda()
-        x = torch.full((b, t, d), 0.5, device="cuda", requires_grad=True)
-        dy = torch.ones(b, t, d, device="cuda")
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for rep in range(reps + 3):
-            start.record()
-            m(x).backward(dy)
-            end.record()
-            end.synchronize()
-            if rep >= 3:
-                times.append(start.elapsed_time(end))
-        times.sort()
-        rows.append({"config": name, "dim": d, "batch": b, "seq": t, "gpu_ms": times[len(times) // 2]})
-    return {"bench": "layer", "impl": "torch-eager", "dtype": "f32", "rows": rows, "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name()}
+        for form in forms:
+            d, b, t = shapes[name]
+            m = Layer(d, fused=form == "fused").cuda()
+            x = torch.full((b, t, d), 0.5, device="cuda", requires_grad=True)
+            dy = torch.ones(b, t, d, device="cuda")
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for rep in range(reps + 3):
+                start.record()
+                m(x).backward(dy)
+                end.record()
+                end.synchronize()
+                if rep >= 3:
+                    times.append(start.elapsed_time(end))
+            times.sort()
+            rows.append({"config": name, "attention": form, "impl": variant_name("torch-eager", form), "dim": d,
+                         "batch": b, "seq": t, "gpu_ms": times[len(times) // 2]})
+            del m, x, dy
+            torch.cuda.empty_cache()
+    return {"bench": "layer", "impl": "torch-eager", "dtype": "f32", "attention": forms, "rows": rows,
+            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name()}
 
 
 SHAPES = {"S": (256, 8, 2, 64), "M": (1024, 8, 4, 512), "L": (4096, 4, 2, 2048)}
 
 
+def sdpa_backends() -> list:
+    """PyTorch's fused SDPA backends by our names, those this PyTorch has."""
+    from torch.nn.attention import SDPBackend
+
+    names = [("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION")]
+    return [(name, getattr(SDPBackend, attr)) for name, attr in names if hasattr(SDPBackend, attr)]
+
+
+def backend_of(kernels: list) -> str:
+    """Which backend ran, from the names of the CUDA kernels of a call (the names are reported too:
+    this is a reading of them, not something PyTorch states)."""
+    text = " ".join(kernels).lower()
+    if "pytorch_flash" in text or "flash_fwd" in text or "flash_bwd" in text:
+        return "flash"
+    if "cudnn" in text or "fprop" in text or "bprop" in text or "sdpa" in text:
+        return "cudnn"
+    if "fmha" in text or "cutlass" in text or "mem_eff" in text or "efficient" in text:
+        return "efficient"
+    return "math" if kernels else "unknown"
+
+
+def cuda_kernels(call) -> list:
+    """The distinct CUDA kernel names (first-seen order) that `call()` runs, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = []
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA") and e.name not in names:
+            names.append(e.name)
+    return names
+
+
+def sdpa_probe(q, k, v, causal: bool = True) -> dict:
+    """Which fused SDPA backends run alone (sdpa_kernel with one backend) on q, k, v (leaf tensors
+    of the shape and strides to ask about), forward and backward, with the reason PyTorch gives for
+    one that does not; and the kernels of its default choice, forward and backward (profiled after
+    one warm call), with the backend they read as."""
+    from torch.nn.attention import sdpa_kernel
+
+    def call():
+        q.grad = k.grad = v.grad = None
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+
+    works, reasons = {}, {}
+    for name, backend in sdpa_backends():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with sdpa_kernel([backend]):
+                    call()
+                torch.cuda.synchronize()
+                works[name] = True
+            except RuntimeError as e:
+                works[name] = False
+                said = [str(w.message).strip() for w in caught] + [str(e).strip()]
+                reasons[name] = " | ".join(line.splitlines()[0] for line in said if line)[:500]
+    result = {"shape": list(q.shape), "dtype": str(q.dtype).removeprefix("torch."), "causal": causal,
+              "works": works, "reasons": reasons}
+    try:
+        call()
+        out = {}
+        q.grad = k.grad = v.grad = None
+        forward = cuda_kernels(lambda: out.update(y=F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+        dy = torch.ones_like(out["y"])
+        backward = cuda_kernels(lambda: out["y"].backward(dy))
+        result.update(default_forward_kernels=forward, default_backward_kernels=backward,
+                      default=backend_of(forward))
+    except Exception as e:  # the profiler needs CUPTI; the rest of the probe stands without it
+        result.update(default=None, default_error=f"{type(e).__name__}: {e}"[:500])
+    return result
+
+
+def layer_sdpa_probe(name: str, dt: torch.dtype) -> dict:
+    """sdpa_probe at configuration `name`'s attention: q, k and v as the layer makes them (views of
+    one QKV output, heads transposed out), in its element type."""
+    d, _, b, t = SHAPES[name]
+    heads = max(d // 64, 1)
+    qkv = torch.randn(b, t, 3 * d, device="cuda", dtype=dt)
+    q, k, v = (z.view(b, t, heads, d // heads).transpose(1, 2).detach().requires_grad_() for z in qkv.split(d, -1))
+    probe = sdpa_probe(q, k, v)
+    del q, k, v, qkv
+    torch.cuda.empty_cache()
+    print(f"{name} sdpa: alone {probe['works']}, default {probe['default']}", file=sys.stderr)
+    return probe
+
+
 def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup: int) -> dict:
-    """One (configuration, variant) of `graphs`, in a function so that its memory goes on return."""
+    """One (configuration, variant) of `graphs`, in a function so that its memory goes on return;
+    a torch-sdpa-* variant is its torch-* variant with fused attention. Peak memory is the
+    variant's: the peaks are reset at its start."""
     d, n, b, t = SHAPES[name]
-    layers = list(Stack(d, n).cuda().to(dt).children())
+    fused = variant.startswith("torch-sdpa-")
+    mode = variant.replace("torch-sdpa-", "torch-", 1)
+    torch.cuda.reset_peak_memory_stats()
+    layers = list(Stack(d, n, fused).cuda().to(dt).children())
     x = torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True)
     dy = torch.ones(b, t, d, device="cuda", dtype=dt)
     capture_ms = None
@@ -161,13 +299,13 @@ def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup:
         h.backward(dy)
 
     step = eager_step
-    if variant == "torch-graphed":
+    if mode == "torch-graphed":
         began = time.perf_counter()
         samples = tuple((torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True),) for _ in layers)
         layers = list(torch.cuda.make_graphed_callables(tuple(layers), samples))
         torch.cuda.synchronize()
         capture_ms = (time.perf_counter() - began) * 1e3
-    elif variant == "torch-floor":
+    elif mode == "torch-floor":
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -181,7 +319,7 @@ def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup:
         torch.cuda.synchronize()
         capture_ms = (time.perf_counter() - began) * 1e3
         step = graph.replay
-    elif variant == "torch-compile":
+    elif mode == "torch-compile":
         # What a user would pick instead: Inductor's fusion and CUDA graph trees. A new step is
         # marked each time, and gradients are set to None, as the reduce-overhead docs ask.
         model = torch.compile(torch.nn.Sequential(*layers), mode="reduce-overhead")
@@ -214,31 +352,122 @@ def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup:
             wall.append(total * 1e3)
             host.append(issuing * 1e6)
             gpu.append(start.elapsed_time(end))
-    row = {"config": name, "variant": variant, "dtype": str(dt).removeprefix("torch."),
-           "wall_ms": statistics.median(wall), "wall_min_ms": min(wall), "host_us": statistics.median(host),
-           "host_min_us": min(host), "gpu_ms": statistics.median(gpu),
-           "reserved_bytes": torch.cuda.memory_reserved(), "capture_ms": capture_ms}
-    print(f"{name} {variant:14} wall {row['wall_ms']:.3f} ms  host {row['host_us']:.1f} us  "
-          f"gpu {row['gpu_ms']:.3f} ms  reserved {row['reserved_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
+    row = {"config": name, "variant": variant, "attention": "fused" if fused else "unfused",
+           "dtype": str(dt).removeprefix("torch."),
+           "wall_ms": statistics.median(wall), "wall_min_ms": min(wall), "wall_max_ms": max(wall),
+           "host_us": statistics.median(host), "host_min_us": min(host), "host_max_us": max(host),
+           "gpu_ms": statistics.median(gpu), "gpu_min_ms": min(gpu), "gpu_max_ms": max(gpu),
+           "reserved_bytes": torch.cuda.memory_reserved(),
+           "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+           "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "capture_ms": capture_ms}
+    print(f"{name} {variant:19} wall {row['wall_ms']:.3f} ms  host {row['host_us']:.1f} us  "
+          f"gpu {row['gpu_ms']:.3f} ms  peak allocated / reserved {row['peak_allocated_bytes'] / 2**20:.0f} / "
+          f"{row['peak_reserved_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
     return row
 
 
-def graphs(configs: list, dtype: str, steps: int, warmup: int, variants: list) -> dict:
+def graphs(configs: list, dtype: str, steps: int, warmup: int, variants: list, forms: list) -> dict:
     """BENCH.md's step (every layer's forward, then backward from ones; no optimizer), as
     `graphed bench graphs` runs it: torch-eager, torch-graphed (make_graphed_callables, one
     callable per layer), torch-floor (the whole step in one torch.cuda.graph) and torch-compile
-    (torch.compile with mode="reduce-overhead"; its capture time includes compilation). GEMMs as
-    graphed's (`match_graphed_numerics`); `parity` checks this module against graphed's."""
+    (torch.compile with mode="reduce-overhead"; its capture time includes compilation), for each
+    attention form of `forms` (fused: the torch-sdpa-* names). GEMMs as graphed's
+    (`match_graphed_numerics`); `parity` checks this module against graphed's (unfused).
+    Between variants the compiler's caches are dropped (each torch-compile variant compiles anew,
+    with the shapes of its own configuration) and the freed memory is handed back, so that each
+    variant's peaks are its own."""
     match_graphed_numerics()
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    rows = []
+    rows, sdpa = [], {}
     for name in configs:
-        for variant in variants:
-            rows.append(graphs_variant(name, variant, dt, steps, warmup))
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-    return {"bench": "graphs", "impl": "torch", "rows": rows, "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name()}
+        for form in forms:
+            if form == "fused":
+                sdpa[name] = layer_sdpa_probe(name, dt)
+            for variant in variants:
+                row = graphs_variant(name, variant_name(variant, form), dt, steps, warmup)
+                if form == "fused":
+                    row["sdpa_backend"] = sdpa[name]["default"]
+                rows.append(row)
+                torch.cuda.synchronize()
+                if variant == "torch-compile":
+                    from torch import _dynamo
+
+                    _dynamo.reset()
+                gc.collect()
+                torch.cuda.empty_cache()
+    return {"bench": "graphs", "impl": "torch", "attention": forms, "rows": rows, "sdpa": sdpa,
+            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name()}
+
+
+def timed_ms(call, reps: int, warmup: int = 3) -> list:
+    """CUDA-event times of `call()`, in ms, after `warmup` untimed calls."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(reps):
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def attention(b: int, heads: int, seq: int, hd: int, dtype: str, causal: bool, reps: int) -> dict:
+    """F.scaled_dot_product_attention alone on contiguous (b, heads, seq, hd) q, k, v: the forward
+    (with autograd recording, as in training), and the forward plus backward (from a fixed random
+    upstream gradient), timed with CUDA events
+    for PyTorch's default choice and for each backend alone (cudnn, flash, efficient, and math,
+    the unfused composition, for scale), medians and minima over `reps`. FLOPs: the forward's two
+    GEMMs, 4*b*heads*seq^2*hd, halved when causal (the masked half is skipped by the fused
+    kernels); the backward 2.5 times the forward (five GEMMs to the forward's two)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype]
+    q, k, v = (torch.randn(b, heads, seq, hd, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
+    dy = torch.randn(b, heads, seq, hd, device="cuda", dtype=dt)
+    fwd_flops = 4 * b * heads * seq * seq * hd * (0.5 if causal else 1.0)
+    bwd_flops = 2.5 * fwd_flops
+
+    def forward():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def forward_backward():
+        q.grad = k.grad = v.grad = None
+        forward().backward(dy)
+
+    rows = []
+    for name, backend in [("default", None)] + sdpa_backends() + [("math", SDPBackend.MATH)]:
+        row = {"backend": name}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                    fwd = timed_ms(forward, reps)
+                    both = timed_ms(forward_backward, reps)
+            except RuntimeError as e:
+                said = [str(w.message).strip() for w in caught] + [str(e).strip()]
+                row.update(available=False, reason=" | ".join(s.splitlines()[0] for s in said if s)[:500])
+                rows.append(row)
+                print(f"attention {name:9} not available", file=sys.stderr)
+                continue
+        f_ms, fb_ms = statistics.median(fwd), statistics.median(both)
+        row.update(available=True, fwd_ms=f_ms, fwd_min_ms=min(fwd), fwd_tflops=fwd_flops / (f_ms * 1e-3) / 1e12,
+                   fwd_bwd_ms=fb_ms, fwd_bwd_min_ms=min(both),
+                   fwd_bwd_tflops=(fwd_flops + bwd_flops) / (fb_ms * 1e-3) / 1e12,
+                   bwd_ms=fb_ms - f_ms, bwd_tflops=bwd_flops / ((fb_ms - f_ms) * 1e-3) / 1e12 if fb_ms > f_ms else None)
+        rows.append(row)
+        print(f"attention {name:9} forward {f_ms:.3f} ms ({row['fwd_tflops']:.0f} TFLOP/s), forward+backward "
+              f"{fb_ms:.3f} ms ({row['fwd_bwd_tflops']:.0f} TFLOP/s)", file=sys.stderr)
+        torch.cuda.empty_cache()
+    probe = sdpa_probe(q, k, v, causal)
+    return {"bench": "attention", "impl": "torch", "batch": b, "heads": heads, "seq": seq, "head_dim": hd,
+            "causal": causal, "dtype": dtype, "reps": reps, "fwd_flops": fwd_flops, "bwd_flops": bwd_flops,
+            "rows": rows, "default": probe.get("default"),
+            "default_forward_kernels": probe.get("default_forward_kernels"),
+            "default_backward_kernels": probe.get("default_backward_kernels"), "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name()}
 
 
 # Largest difference allowed between PyTorch's and graphed's tensors, relative to the tensor's
@@ -300,29 +529,58 @@ def parity(path: str, device: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("which", choices=["gemm", "layer", "graphs", "parity"])
-    p.add_argument("file", nargs="?", help="parity: a file of `graphed bench parity`")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="parity: where to run")
-    p.add_argument("--d", type=int, default=4096)
-    p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--configs", default="S,M,L")
-    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
-    p.add_argument("--variants", default="torch-eager,torch-graphed,torch-floor,torch-compile",
-                   help="graphs: comma-separated variants to run")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    sub = p.add_subparsers(dest="which", required=True, metavar="{gemm,layer,graphs,attention,parity}")
+    g = sub.add_parser("gemm", help="TFLOP/s of a d x d x d bf16 GEMM")
+    g.add_argument("--d", type=int, default=4096)
+    g.add_argument("--reps", type=int, default=50)
+    forms = dict(default="both", choices=list(FORMS),
+                 help="attention as GEMM, masked softmax, GEMM (unfused), as F.scaled_dot_product_attention "
+                      "(fused: the torch-sdpa-* variants), or each configuration with both, unfused first "
+                      "(default: %(default)s)")
+    la = sub.add_parser("layer", help="one layer's forward and backward, eager, f32")
+    la.add_argument("--configs", default="S,M,L")
+    la.add_argument("--reps", type=int, default=10, help="timed repetitions, at most 10 (default: %(default)s)")
+    la.add_argument("--attention", **forms)
+    gr = sub.add_parser("graphs", help="BENCH.md's step in every variant")
+    gr.add_argument("--configs", default="S,M,L")
+    gr.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
+    gr.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated variants, each run with every form of --attention (default: %(default)s)")
+    gr.add_argument("--attention", **forms)
+    at = sub.add_parser("attention", help="SDPA alone, per backend: forward and forward+backward, ms and TFLOP/s")
+    at.add_argument("--batch", type=int, default=2)
+    at.add_argument("--heads", type=int, default=64)
+    at.add_argument("--seq", type=int, default=2048)
+    at.add_argument("--head-dim", type=int, default=64)
+    at.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "f16"])
+    at.add_argument("--causal", default=True, action=argparse.BooleanOptionalAction)
+    at.add_argument("--reps", type=int, default=50)
+    pa = sub.add_parser("parity", help="PyTorch's module against a file of `graphed bench parity`")
+    pa.add_argument("file", help="the file `graphed bench parity --out FILE` wrote")
+    pa.add_argument("--device", default=None, help="where to run (default: cuda if there is one, else cpu)")
     args = p.parse_args()
+    if torch is None:
+        raise SystemExit("bench/torch_reference.py needs PyTorch (pip install torch)")
     if args.which == "gemm":
         print(json.dumps(gemm(args.d, args.reps)))
     elif args.which == "parity":
-        if args.file is None:
-            p.error("parity needs the file `graphed bench parity --out FILE` wrote")
-        result = parity(args.file, args.device)
+        result = parity(args.file, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         print(json.dumps(result))
         sys.exit(0 if result["pass"] else 1)
     elif args.which == "graphs":
-        print(json.dumps(graphs(args.configs.split(","), args.dtype, 20, 5, args.variants.split(","))))
+        variants = args.variants.split(",")
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            p.error(f"graphs: unknown variants {unknown}: name them as {VARIANTS} and pick the attention form "
+                    "with --attention (fused runs them as torch-sdpa-*)")
+        print(json.dumps(graphs(args.configs.split(","), args.dtype, 20, 5, variants, FORMS[args.attention])))
+    elif args.which == "attention":
+        print(json.dumps(attention(args.batch, args.heads, args.seq, args.head_dim, args.dtype, args.causal,
+                                   args.reps)))
     else:
-        print(json.dumps(layer(args.configs.split(","), min(args.reps, 10))))
+        print(json.dumps(layer(args.configs.split(","), min(args.reps, 10), FORMS[args.attention])))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,19 @@
 # Runs on the GPU machine, from the repository root, after scripts/gpu-prepare.sh built .gpu/ here:
 # every test (the CUDA variants included), train in each mode (with and without activation
 # offloading) with their loss lines compared (bf16, the default on CUDA, and f32), the benchmarks
-# named in $BENCHES (default: graphs; its `--configs` from $BENCH_ARGS) and PyTorch's side of
-# `graphs` in the same run, after PyTorch's module is checked against graphed's on the same
-# weights and inputs (`parity`, its JSON lines at the top of graphs.log), `inspect` with and
-# without offloading. Logs and JSON go to $OUT (at most 8 files come back: BENCHES="graphs" or
-# "offload" keeps it at 7 and 6). ONLY_PARALLEL=1: the two-GPU tests and the several-GPU runs.
+# named in $BENCHES (default: graphs; its `--configs` from $BENCH_ARGS; "none" for none) and
+# PyTorch's side of `graphs` in the same run, after PyTorch's module is checked against graphed's
+# on the same weights and inputs (`parity`, its JSON lines at the top of graphs.log), `inspect`
+# with and without offloading. `graphs` and `layer` run graphed's side with each attention form:
+# `--attention fused` (the default form) into <bench>.json, `--attention unfused` into
+# <bench>-unfused.json; PyTorch's side of `graphs` runs both forms into torch-graphs.json (its
+# torch-sdpa-* variants are the fused ones), and SDPA alone at L's attention shape, per backend
+# (`torch_reference.py attention`), as one JSON line at the end of graphs.log. `graphed report`
+# reads one graphed file of a benchmark per commit: keep the unfused one under bench/results as
+# .txt, or it ties with the fused one. Logs and JSON go to $OUT; the device tool returns at most
+# 8 files: ONLY_BENCHES=1 BENCHES=graphs writes 5; a whole run with BENCHES=graphs writes 10, so
+# run it with BENCHES=none and the benchmarks as ONLY_BENCHES=1. ONLY_PARALLEL=1: the two-GPU
+# tests and the several-GPU runs.
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-run.sh
 set -uo pipefail
 OUT=${OUT:-out}
@@ -30,15 +38,29 @@ parity() {
     rm -rf "$dir"
     return $ok
 }
-# Bench $1 (and PyTorch's side of graphs, once parity passed), its output in $OUT/$1.log.
+# Bench $1 (and PyTorch's side of graphs, once parity passed), its output in $OUT/$1.log; graphs
+# and layer once per attention form, the fused one into $1.json.
 bench() {
-    local same=0
+    local same=0 form
+    [ "$1" = none ] && return 0
     if [ "$1" = graphs ]; then
         parity > "$OUT/graphs.log" 2>&1 || same=1
     fi
-    .gpu/graphed bench "$1" --device cuda ${BENCH_ARGS:-} --json "$OUT/$1.json" 2>&1 | tee -a "$OUT/$1.log"
+    if [ "$1" = graphs ] || [ "$1" = layer ]; then
+        for form in fused unfused; do
+            echo "# graphed bench $1 --attention $form" | tee -a "$OUT/$1.log"
+            .gpu/graphed bench "$1" --device cuda --attention $form ${BENCH_ARGS:-} \
+                --json "$OUT/$1$([ $form = fused ] || echo -$form).json" 2>&1 | tee -a "$OUT/$1.log"
+        done
+    else
+        .gpu/graphed bench "$1" --device cuda ${BENCH_ARGS:-} --json "$OUT/$1.json" 2>&1 | tee -a "$OUT/$1.log"
+    fi
     if [ "$1" = graphs ] && [ "$same" = 0 ]; then
-        python3 bench/torch_reference.py graphs ${TORCH_ARGS:-} > "$OUT/torch-graphs.json" 2>> "$OUT/graphs.log"
+        # Both attention forms, each configuration's unfused variants then its torch-sdpa-* ones.
+        python3 bench/torch_reference.py graphs --attention both ${TORCH_ARGS:-} > "$OUT/torch-graphs.json" \
+            2>> "$OUT/graphs.log"
+        { echo "# bench/torch_reference.py attention (L's attention shape: batch 2, 64 heads, 2048 tokens, causal)";
+          python3 bench/torch_reference.py attention; } >> "$OUT/graphs.log" 2>&1
     elif [ "$1" = graphs ]; then
         echo "parity FAILED: PyTorch's side not timed (the parity lines at the top of graphs.log say where)" \
             | tee -a "$OUT/graphs.log"

@@ -360,9 +360,11 @@ impl Ln {
 }
 
 /// Shapes for CUDA against the simulator: vector and scalar accesses (700 is a multiple of 4 but
-/// not of 8; 4095 of neither), one to sixteen rows per block, a backward grid of 1, 63 (a partial
-/// last span) and 132 blocks with several rows per row group, and the widest rows.
-const LN_CUDA_SHAPES: [(usize, usize); 6] = [(3, 8), (5, 700), (1001, 256), (2500, 128), (300, 4096), (7, 4095)];
+/// not of 8; 4095 of neither), one to sixteen rows per block, the backward's small-N path (its
+/// column split: (3, 8), (5, 700), (7, 4095)), its row path with a grid of 10 (one span), 63 (a
+/// partial last span) and 132 blocks with several rows per row group, and the widest rows.
+const LN_CUDA_SHAPES: [(usize, usize); 7] =
+    [(3, 8), (5, 700), (150, 256), (1001, 256), (2500, 128), (300, 4096), (7, 4095)];
 
 /// f32 gradients against finite differences on the simulator, with and without the fused
 /// residual and its column sums; on CUDA, f32 and bf16 against the simulator.
@@ -408,15 +410,57 @@ fn layernorm_gradients(dev: &Device) -> anyhow::Result<()> {
 fn layernorm_matches_an_f64_reference(dev: &Device) -> anyhow::Result<()> {
     for (dtype, residual) in BOTH.into_iter().flat_map(|d| RESIDUALS.map(|r| (d, r))) {
         let ln = Ln::new(37, 96, dtype);
-        let got = ln.run(dev, residual)?;
-        for ((name, got), (_, want)) in got.iter().zip(ln.reference(residual)) {
-            let what = format!("{dtype} {residual:?} {name}");
-            if dtype == DType::BF16 && !is_f32_stat(name) {
-                ensure_ulps(&what, got, &want, cuda_floor(dev, &want))?;
+        ensure_reference(&ln, residual, &ln.run(dev, residual)?, |want| cuda_floor(dev, want), "")?;
+    }
+    Ok(())
+}
+
+/// [`Ln::run`]'s outputs `got` against [`Ln::reference`], with the tolerances of
+/// [`layernorm_matches_an_f64_reference`], bf16 outputs also within `floor` of the reference (an
+/// absolute term from the output's reference values); errors start with `what`.
+fn ensure_reference(
+    ln: &Ln,
+    residual: Residual,
+    got: &Outputs,
+    floor: impl Fn(&[f64]) -> f64,
+    what: &str,
+) -> anyhow::Result<()> {
+    let dtype = ln.dtype;
+    for ((name, got), (_, want)) in got.iter().zip(ln.reference(residual)) {
+        let what = format!("{what}{dtype} {residual:?} {name}");
+        if dtype == DType::BF16 && !is_f32_stat(name) {
+            ensure_ulps(&what, got, &want, floor(&want))?;
+        } else {
+            let tol: f64 = if is_f32_stat(name) { 1e-6 } else { 1e-5 };
+            ensure_close(&what, got, &want, tol, tol)?;
+        }
+    }
+    Ok(())
+}
+
+/// The backward on both sides of its small-N threshold (`backward_column_path_rows`: at most
+/// that many rows take the column split, one more the row path), at C = 8, 256 (the benchmark's
+/// config S has 128 rows of 256, the threshold), 700 and 4095 (scalar accesses) and 4096, with
+/// the residual and its column sums, f32 and bf16: on the simulator against the f64 reference,
+/// on CUDA against the simulator; and two runs bitwise identical. Against the reference, bf16
+/// outputs get the f32 bound [`CUDA_TOL`]·max on the simulator too: with this many rows, some
+/// f32 result near zero after cancellation (out = (x − m)·rstd·w + b at (129, 256)) is off by
+/// more than a bf16 ulp before it is rounded.
+fn layernorm_backward_small_n_path(dev: &Device) -> anyhow::Result<()> {
+    let residual = Residual::AddAndSum;
+    for c in [8, 256, 700, 4095, 4096] {
+        let limit = layernorm::backward_column_path_rows(c);
+        for (n, dtype) in [1, limit, limit + 1].into_iter().flat_map(|n| BOTH.map(|d| (n, d))) {
+            let ln = Ln::new(n, c, dtype);
+            let what = format!("({n}, {c}), small-N path up to {limit} rows: ");
+            let got = ln.run(dev, residual)?;
+            if dev.kind() == DeviceKind::Sim {
+                let floor = |want: &[f64]| CUDA_TOL * want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                ensure_reference(&ln, residual, &got, floor, &what)?;
             } else {
-                let tol = if is_f32_stat(name) { 1e-6 } else { 1e-5 };
-                ensure_close(&what, got, &want, tol, tol)?;
+                compare(dtype, &got, &ln.run(&Device::sim(), residual)?).map_err(|e| e.context(what.clone()))?;
             }
+            ensure!(bits(&got) == bits(&ln.run(dev, residual)?), "{what}{dtype}: two runs differ");
         }
     }
     Ok(())
@@ -913,6 +957,7 @@ fn bad_types_and_layouts_are_refused_before_anything_runs(dev: &Device) -> anyho
 crate::per_device!(
     layernorm_gradients,
     layernorm_matches_an_f64_reference,
+    layernorm_backward_small_n_path,
     gelu_gradients,
     bias_gelu_gradients,
     bias_gelu_matches_its_composition,

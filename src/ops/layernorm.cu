@@ -13,7 +13,10 @@
 // last block of each span of TREE_SPAN consecutive blocks to finish (a ticket counter) adds the
 // span's slots in block order, and the last of those adds the spans' sums in span order and adds
 // the totals into the gradients. Which block does the adding varies; the order of additions does
-// not, so the results are bitwise identical run to run. No float atomics.
+// not, so the results are bitwise identical run to run. No float atomics. The small-N path
+// (LN_COLUMNS) splits the columns over the blocks instead, so a column's sums never leave its
+// block: each owning thread sums its columns over its rows in row order, and the row groups'
+// sums are added in group order; no workspace, no tickets.
 
 #define LN_FWD_VALS 16
 #define LN_BWD_VALS 8
@@ -101,6 +104,8 @@ extern "C" __global__ void layernorm_forward_bf16(bf16* out, float* mean, float*
 // residual). Slot layout of scratch, 3 * C floats per block: dweight, dbias, dcolsum partials.
 #define LN_RESIDUAL 1u
 #define LN_COLSUM 2u
+// flags bit 2: the small-N path (layernorm_backward_cols), which splits the columns over the grid.
+#define LN_COLUMNS 4u
 
 // dinp = residual + (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd, with
 // norm = (inp - mean) * rstd and dnorm = dout * weight; dweight += sum_rows dout * norm,
@@ -251,13 +256,133 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
     }
 }
 
+// The small-N path: with few rows, the row path has few blocks (8 at 128 rows of 256) and its
+// cross-block reduction is most of its time. Here block b owns the columns of lanes
+// [b * L, (b + 1) * L) of every row group (L = G / gridDim.x; lane t holds chunks t, t + G, ... as
+// in the row path) and walks every row: each row group computes its row's two sums over the whole
+// row, in the row path's order (dinp is the row path's formula and order), and only the owning lanes write
+// dinp and sum their columns' parameter gradients, in row order. The row groups' sums meet in
+// shared memory (the launch's dynamic shared memory, R * 3 * L * LN_BWD_VALS floats) and are
+// added in group order into the gradients: a column's sums never leave its block, so the scratch
+// and the counters are not touched, and the order depends only on N and C.
+template <typename T, int W>
+__device__ void layernorm_backward_cols(T* dinp, T* dweight, T* dbias, T* dcolsum, const T* dout, const T* inp,
+                                        const T* weight, const float* mean, const float* rstd, const T* residual,
+                                        unsigned rows, unsigned C, unsigned G, unsigned flags) {
+    constexpr int K = LN_BWD_VALS / W;
+    __shared__ float red[64];
+    const bool has_residual = flags & LN_RESIDUAL, has_colsum = flags & LN_COLSUM;
+    const unsigned R = blockDim.x / G, g = threadIdx.x / G, t = threadIdx.x % G;
+    const unsigned L = G / gridDim.x, first = blockIdx.x * L;
+    if (first * W >= C) return;  // no lane of this block holds a column (uniform over the block)
+    const bool mine = t - first < L;  // unsigned: false below first too
+
+    float w[K][W], dw[K][W], db[K][W], dr[K][W];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (c < C) load<T, W>(weight + c, w[k]);
+#pragma unroll
+        for (int i = 0; i < W; i++) dw[k][i] = db[k][i] = dr[k][i] = 0.0f;
+    }
+
+    // Uniform over the block, so every thread meets group_sum2's barriers.
+    for (unsigned base = 0; base < rows; base += R) {
+        const unsigned row = base + g;
+        const bool live = row < rows;
+        const unsigned long long at = (unsigned long long)row * C;
+        const float m = live ? mean[row] : 0.0f, r = live ? rstd[row] : 0.0f;
+        float norm[K][W], dnorm[K][W];
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            unsigned c = (k * G + t) * W;
+            if (live && c < C) {
+                float x[W], dy[W];
+                load<T, W>(inp + at + c, x);
+                load<T, W>(dout + at + c, dy);
+#pragma unroll
+                for (int i = 0; i < W; i++) {
+                    norm[k][i] = (x[i] - m) * r;
+                    dnorm[k][i] = dy[i] * w[k][i];
+                    a += dnorm[k][i];
+                    b += dnorm[k][i] * norm[k][i];
+                    dw[k][i] += dy[i] * norm[k][i];  // kept by the owning lanes only
+                    db[k][i] += dy[i];
+                }
+            }
+        }
+        const float2 s = group_sum2(a, b, G, red);
+        const float mean_a = s.x / (float)C, mean_b = s.y / (float)C;
+        if (live && mine) {
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                unsigned c = (k * G + t) * W;
+                if (c < C) {
+                    float d[W];
+#pragma unroll
+                    for (int i = 0; i < W; i++) d[i] = (dnorm[k][i] - mean_a - norm[k][i] * mean_b) * r;
+                    if (has_residual) {
+                        float res[W];
+                        load<T, W>(residual + at + c, res);
+#pragma unroll
+                        for (int i = 0; i < W; i++) {
+                            d[i] += res[i];
+                            if (has_colsum) dr[k][i] += res[i];
+                        }
+                    }
+                    store<T, W>(dinp + at + c, d);
+                }
+            }
+        }
+    }
+
+    // Row group g's sums of part p (dweight, dbias, dcolsum) for value v of owning lane q at
+    // sums[((g * 3 + p) * L + q) * LN_BWD_VALS + v]; then one thread per (p, q, v) adds them in
+    // group order into the gradient.
+    extern __shared__ float block_sums[];
+    if (mine) {
+        const unsigned q = t - first;
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+#pragma unroll
+            for (int i = 0; i < W; i++) {
+                const unsigned v = k * W + i;
+                block_sums[((g * 3 + 0) * L + q) * LN_BWD_VALS + v] = dw[k][i];
+                block_sums[((g * 3 + 1) * L + q) * LN_BWD_VALS + v] = db[k][i];
+                block_sums[((g * 3 + 2) * L + q) * LN_BWD_VALS + v] = dr[k][i];
+            }
+        }
+    }
+    __syncthreads();
+    const unsigned per_part = L * LN_BWD_VALS, n = (has_colsum ? 3u : 2u) * per_part;
+    for (unsigned j = threadIdx.x; j < n; j += blockDim.x) {
+        const unsigned p = j / per_part, q = j % per_part / LN_BWD_VALS, v = j % LN_BWD_VALS;
+        const unsigned c = ((v / W) * G + first + q) * W + v % W;
+        if (c >= C) continue;
+        float s = block_sums[(p * L + q) * LN_BWD_VALS + v];
+        for (unsigned h = 1; h < R; h++) s += block_sums[((h * 3 + p) * L + q) * LN_BWD_VALS + v];
+        T* grad = p == 0 ? dweight : p == 1 ? dbias : dcolsum;
+        grad[c] = from_float<T>(to_float(grad[c]) + s);
+    }
+}
+
 template <typename T>
 __device__ void layernorm_backward(T* dinp, T* dweight, T* dbias, T* dcolsum, float* scratch, unsigned* counters,
                                    const T* dout, const T* inp, const T* weight, const float* mean,
                                    const float* rstd, const T* residual, unsigned rows, unsigned C, unsigned G,
                                    unsigned flags) {
     const T* res = flags & LN_RESIDUAL ? residual : 0;
-    if (vectorizable<T>(C, dinp, dout, inp, weight, res)) {
+    const bool vec = vectorizable<T>(C, dinp, dout, inp, weight, res);
+    if (flags & LN_COLUMNS) {
+        if (vec) {
+            layernorm_backward_cols<T, Vec<T>::W>(dinp, dweight, dbias, dcolsum, dout, inp, weight, mean, rstd,
+                                                  residual, rows, C, G, flags);
+        } else {
+            layernorm_backward_cols<T, 1>(dinp, dweight, dbias, dcolsum, dout, inp, weight, mean, rstd, residual,
+                                          rows, C, G, flags);
+        }
+    } else if (vec) {
         layernorm_backward_rows<T, Vec<T>::W>(dinp, dweight, dbias, dcolsum, scratch, counters, dout, inp, weight,
                                               mean, rstd, residual, rows, C, G, flags);
     } else {

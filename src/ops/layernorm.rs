@@ -61,6 +61,11 @@
 //! column over all rows in row order (a different order, so the devices agree to rounding, not
 //! bitwise); it declares the scratch and the counters as read and written, as the CUDA kernel
 //! uses them, so the checker orders every use of a workspace.
+//!
+//! With few rows (at most [`backward_column_path_rows`]), the kernel splits the columns over the
+//! blocks instead (`LN_COLUMNS`, see [`layernorm_backward`]): each column's sums stay in the one
+//! block that owns it, added over rows in row order and over its row groups in group order, and
+//! the workspace is not touched (still declared, so the checker's ordering is the same).
 
 use half::bf16;
 
@@ -89,9 +94,17 @@ const BWD_BLOCK: usize = 512;
 pub const BACKWARD_BLOCKS: usize = 132;
 /// Blocks per span of the backward's two-level reduction (`TREE_SPAN`).
 const TREE_SPAN: usize = 12;
-/// The backward's `flags` (`LN_RESIDUAL`, `LN_COLSUM`).
+/// The backward's small-N path: taken while each row group walks at most this many rows with
+/// one block per column slice, which is while the row path would have at most this many blocks
+/// (see [`layernorm_backward`]).
+const COLUMN_PATH_ROWS: usize = 8;
+/// The small-N path's blocks at most: within one wave of an H200's 132 SMs, and a power of two,
+/// so that it divides every row group.
+const COLUMN_BLOCKS: usize = 128;
+/// The backward's `flags` (`LN_RESIDUAL`, `LN_COLSUM`, `LN_COLUMNS`).
 const RESIDUAL: u32 = 1;
 const COLSUM: u32 = 2;
+const COLUMNS: u32 = 4;
 
 const FORWARD_PARAMS: &[&str] = &["out", "mean", "rstd", "inp", "weight", "bias", "eps", "rows", "C", "G"];
 
@@ -314,6 +327,22 @@ impl LayerNormWorkspace {
 /// each thread sums its columns' parameter gradients over its rows in registers, and the blocks'
 /// sums meet as Note [LayerNorm backward's column sums] says.
 ///
+/// Small N (at most [`backward_column_path_rows`]`(C)` rows: 8 row groups' worth, 128 rows at
+/// C = 256) takes another path. The row path would launch at most 8 blocks there (8 of the
+/// H200's 132 SMs, 8 at the benchmark's config S), each of one pass over its rows, and its time is
+/// the blocks' partial sums going through the workspace and the ticketed tail, not the rows. So
+/// the column path splits the columns instead: min(G, 128) blocks (a power of two within one wave
+/// of 132 SMs; 32 at C ≤ 256, 128 from C = 1024 on) each own a slice of every row group's lanes,
+/// walk all N rows (at most 8 per row group), compute each row's two sums over the whole row as
+/// the row path does, and write `dinp` and sum the parameter gradients only for their slice. A
+/// column's sums never leave its block (its row groups add theirs in shared memory, in group
+/// order), so there is no workspace traffic, no fence and no ticket, and the order of additions
+/// still depends only on N and C: deterministic, without atomics. The cost is that every block
+/// reads all N rows of `inp` and `dout` (at most 64 K values a block, from L2), which is why the
+/// path stops at 8 rows per row group. `dinp` is computed in the same order on both paths; the
+/// parameter gradients differ between them by rounding (another order of additions). The launch declares the workspace
+/// as read and written on both paths, so the checker orders launches that share one either way.
+///
 /// # Errors
 /// Before anything is enqueued: [`Error::UnsupportedDType`] unless `dout` is f32 or bf16;
 /// [`Error::DTypeMismatch`] for an operand of another type (`mean` and `rstd` must be f32);
@@ -373,7 +402,8 @@ fn backward<T: Float>(
             (checked::<T>(OP, "residual", grad, &[n, c])?, checked::<T>(OP, "dcolsum", sums, &[c])?, RESIDUAL | COLSUM)
         }
     };
-    let g = row_group(c, BWD_VALS);
+    let shape = BackwardShape::of(n, c);
+    let flags = if shape.columns { flags | COLUMNS } else { flags };
     let args = args![
         Out(checked::<T>(OP, "dinp", dinp, &[n, c])?),
         InOut(checked::<T>(OP, "dweight", dweight, &[c])?),
@@ -389,15 +419,49 @@ fn backward<T: Float>(
         In(res),
         count(OP, n)?,
         count(OP, c)?,
-        count(OP, g)?,
+        count(OP, shape.group)?,
         flags,
     ];
-    let mut dims = grid(OP, n.div_ceil(BWD_BLOCK / g).min(BACKWARD_BLOCKS), BWD_BLOCK)?;
-    // Several row groups per block add their column sums in shared memory (`block_sums`).
-    if g < BWD_BLOCK {
-        dims.shared_mem_bytes = count(OP, 3 * c * std::mem::size_of::<f32>())?;
-    }
+    let mut dims = grid(OP, shape.blocks, BWD_BLOCK)?;
+    dims.shared_mem_bytes = count(OP, shape.shared_floats * std::mem::size_of::<f32>())?;
     stream.launch(kernel, dims, &args)
+}
+
+/// The most rows for which [`layernorm_backward`] takes its small-N path (its column split) at C
+/// = `features`: [`COLUMN_PATH_ROWS`] rows per row group of a block.
+pub fn backward_column_path_rows(features: usize) -> usize {
+    COLUMN_PATH_ROWS * (BWD_BLOCK / row_group(features, BWD_VALS))
+}
+
+/// How the backward is launched for N rows of C.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct BackwardShape {
+    /// Threads per row (`G`).
+    group: usize,
+    /// Blocks of `BWD_BLOCK` threads.
+    blocks: usize,
+    /// The small-N path (`LN_COLUMNS`).
+    columns: bool,
+    /// Dynamic shared memory (`block_sums`), in f32.
+    shared_floats: usize,
+}
+
+impl BackwardShape {
+    fn of(n: usize, c: usize) -> BackwardShape {
+        let group = row_group(c, BWD_VALS);
+        let groups = BWD_BLOCK / group;
+        if n <= backward_column_path_rows(c) {
+            // Each block's lanes are `group / blocks` of every row group: a row group's sums of
+            // their 8 values in 3 parts.
+            let blocks = group.min(COLUMN_BLOCKS);
+            let shared_floats = groups * 3 * (group / blocks) * BWD_VALS;
+            return BackwardShape { group, blocks, columns: true, shared_floats };
+        }
+        // Several row groups per block add their column sums in shared memory; one writes its
+        // slot directly.
+        let shared_floats = if groups > 1 { 3 * c } else { 0 };
+        BackwardShape { group, blocks: n.div_ceil(groups).min(BACKWARD_BLOCKS), columns: false, shared_floats }
+    }
 }
 
 /// The (N, C) of a LayerNorm's rows, refused unless 0 < C ≤ [`MAX_FEATURES`].
@@ -430,6 +494,7 @@ mod tests {
             format!("TREE_SPAN {TREE_SPAN}"),
             format!("LN_RESIDUAL {RESIDUAL}u"),
             format!("LN_COLSUM {COLSUM}u"),
+            format!("LN_COLUMNS {COLUMNS}u"),
         ];
         for d in defines {
             assert!(SOURCE.contains(&format!("#define {d}\n")), "layernorm.cu does not define {d}");
@@ -447,5 +512,29 @@ mod tests {
             }
         }
         assert_eq!(row_group(MAX_FEATURES, BWD_VALS), BWD_BLOCK, "the widest row fills a backward block");
+    }
+
+    /// The backward's two paths meet at [`backward_column_path_rows`], where the row path would
+    /// have [`COLUMN_PATH_ROWS`] blocks; the column split divides every row group and stays
+    /// within one wave of 132 SMs; each path's shared memory fits the 48 KiB a launch gets
+    /// without opting in. Config S (128 rows of 256) takes the column path, M and L the row path.
+    #[test]
+    fn backward_paths_meet_at_the_threshold() {
+        for c in (1..=MAX_FEATURES).step_by(7).chain([256, 1024, 4096]) {
+            let limit = backward_column_path_rows(c);
+            let (small, large) = (BackwardShape::of(limit, c), BackwardShape::of(limit + 1, c));
+            assert!(small.columns && !large.columns, "C = {c}: the paths meet at {limit} rows");
+            assert_eq!(limit.div_ceil(BWD_BLOCK / small.group), COLUMN_PATH_ROWS, "C = {c}");
+            assert!(small.group.is_multiple_of(small.blocks) && small.blocks <= COLUMN_BLOCKS, "C = {c}: {small:?}");
+            for shape in [small, large, BackwardShape::of(1, c), BackwardShape::of(100_000, c)] {
+                assert!(shape.shared_floats * 4 <= 48 * 1024 && shape.blocks >= 1, "C = {c}: {shape:?}");
+            }
+        }
+        assert_eq!(backward_column_path_rows(256), 128);
+        assert_eq!(
+            BackwardShape::of(128, 256),
+            BackwardShape { group: 32, blocks: 32, columns: true, shared_floats: 384 }
+        );
+        assert!(!BackwardShape::of(4 * 512, 1024).columns && !BackwardShape::of(2 * 2048, 4096).columns);
     }
 }

@@ -199,6 +199,23 @@ fn history(dir: &Path) -> Result<Vec<String>, ReportError> {
 }
 
 #[cfg(test)]
+impl Run {
+    /// A run of `files` (name, contents; graphed's first, then PyTorch's) written to a fresh folder
+    /// named after `test`.
+    pub fn written(test: &str, files: &[(&str, &str)]) -> Run {
+        let dir = std::env::temp_dir().join(format!("graphed-results-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut parsed = files.iter().map(|(name, text)| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            ResultsFile::parse(&path).unwrap()
+        });
+        let ours = parsed.next().expect("graphed's file");
+        Run { ours, torch: parsed.collect() }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -55,9 +55,15 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
         ours.map(|r| (r.wall_ms.median, r.host_us.median, r.reserved_bytes))
             .or(theirs.map(|r| (r.wall_ms, r.host_us, r.reserved_bytes)))
     };
+    // PyTorch with fused attention (`torch-sdpa-*`) is the anchor to beat: its graphed variant's
+    // memory too, when the run has it.
+    let sdpa = theirs.contains(&"torch-sdpa-graphed");
     let mut header = vec!["config", "goal"];
     header.extend(&variants);
-    header.push("MiB held (graphed / torch-graphed)");
+    header.push(match sdpa {
+        true => "MiB held (graphed / torch-graphed / torch-sdpa-graphed)",
+        false => "MiB held (graphed / torch-graphed)",
+    });
     let mut table = Table::new(&header);
     let mut panels = Vec::new();
     for case in cases(&report.rows, |r| &r.case) {
@@ -66,7 +72,11 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
         let mut cells = vec![config.to_string(), or_dash(goal)];
         cells.extend(variants.iter().map(|v| or_dash(cell(config, v).map(|(w, h, _)| format!("{w:.3} [{h:.0}]")))));
         let held = |v: &str| or_dash(cell(config, v).map(|c| mib(c.2)));
-        cells.push(format!("{} / {}", held("graphed"), held("torch-graphed")));
+        let mut held_cell = format!("{} / {}", held("graphed"), held("torch-graphed"));
+        if sdpa {
+            held_cell = format!("{held_cell} / {}", held("torch-sdpa-graphed"));
+        }
+        cells.push(held_cell);
         table.row(cells);
         let wall = |v: &str| cell(config, v).map(|c| c.0);
         let bars = (ours.iter().filter_map(|v| Some(Bar::ours(*v, wall(v)?))))
@@ -83,4 +93,69 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
         note: format!("wall ms per step, median of {} timed steps, `[…]` host µs to issue it", report.reps),
         chart: Bars { title: "graphed bench graphs: one training step, graphed and PyTorch".into(), panels },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OURS: &str = r#"{"commit": "abc1234", "device": "H200", "reps": 20, "rows": [
+        {"config": "S", "dim": 256, "layers": 8, "batch": 2, "seq": 64, "dtype": "bf16", "variant": "graphed",
+         "wall_ms": {"median": 1.0}, "host_us": {"median": 50.0}, "reserved_bytes": 1048576}]}"#;
+
+    fn torch_row(variant: &str, attention: &str, wall_ms: f64, mib: u32) -> String {
+        format!(
+            r#"{{"config": "S", "variant": "{variant}", "attention": "{attention}", "dtype": "bfloat16",
+                "wall_ms": {wall_ms}, "wall_min_ms": 0.5, "wall_max_ms": 9.0, "host_us": 100.0,
+                "reserved_bytes": {}, "peak_allocated_bytes": 1, "peak_reserved_bytes": 2,
+                "capture_ms": null, "sdpa_backend": "cudnn"}}"#,
+            mib << 20
+        )
+    }
+
+    /// PyTorch's rows of both attention forms (as `torch_reference.py graphs --attention both`
+    /// writes them, with fields this reader does not read) get a column each, and the memory
+    /// column adds torch-sdpa-graphed's.
+    #[test]
+    fn fused_attention_variants_get_columns_and_memory() {
+        let rows =
+            [torch_row("torch-graphed", "unfused", 2.5, 230), torch_row("torch-sdpa-graphed", "fused", 2.0, 200)];
+        let torch = format!(r#"{{"bench": "graphs", "impl": "torch", "rows": [{}], "sdpa": {{}}}}"#, rows.join(","));
+        let run = Run::written(
+            "graphs-sdpa",
+            &[
+                ("2026-12-03-h200-graphs-abc1234.json", OURS),
+                ("2026-12-03-h200-graphs-torch-bf16-abc1234.json", &torch),
+            ],
+        );
+        let table = &figure(&run).unwrap().tables[0];
+        assert_eq!(
+            table.header,
+            [
+                "config",
+                "goal",
+                "graphed",
+                "torch-graphed",
+                "torch-sdpa-graphed",
+                "MiB held (graphed / torch-graphed / torch-sdpa-graphed)"
+            ]
+        );
+        assert_eq!(table.rows[0][2..], ["1.000 [50]", "2.500 [100]", "2.000 [100]", "1 / 230 / 200"]);
+    }
+
+    /// A run whose PyTorch side has no fused attention keeps the table it had.
+    #[test]
+    fn without_fused_attention_the_table_is_as_before() {
+        let torch = format!(r#"{{"rows": [{}]}}"#, torch_row("torch-graphed", "unfused", 2.5, 230));
+        let run = Run::written(
+            "graphs-unfused",
+            &[
+                ("2026-12-03-h200-graphs-abc1234.json", OURS),
+                ("2026-12-03-h200-graphs-torch-bf16-abc1234.json", &torch),
+            ],
+        );
+        let table = &figure(&run).unwrap().tables[0];
+        assert_eq!(table.header.last().unwrap(), "MiB held (graphed / torch-graphed)");
+        assert_eq!(table.rows[0].last().unwrap(), "1 / 230");
+    }
 }

@@ -19,6 +19,8 @@ struct Row {
     host_ms: f64,
     kernels_forward: usize,
     kernels_backward: usize,
+    /// `unfused` or `fused`, where the row says.
+    attention: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -30,6 +32,13 @@ struct TorchFile {
 struct TorchRow {
     config: String,
     gpu_ms: f64,
+    /// `unfused` or `fused` (`torch_reference.py layer --attention`), where the row says.
+    attention: Option<String>,
+}
+
+/// A row's attention form: the one it states, or unfused, the only form before rows stated it.
+fn form(attention: &Option<String>) -> &str {
+    attention.as_deref().unwrap_or("unfused")
 }
 
 pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
@@ -46,7 +55,8 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
     let mut table = Table::new(&header);
     let mut panels = Vec::new();
     for r in &report.rows {
-        let theirs = torch.iter().find(|t| t.config == r.config).map(|t| t.gpu_ms);
+        let same = |t: &&TorchRow| t.config == r.config && form(&t.attention) == form(&r.attention);
+        let theirs = torch.iter().find(same).map(|t| t.gpu_ms);
         let mut cells = vec![
             r.config.clone(),
             r.dtype.clone(),
@@ -76,4 +86,39 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
         note: format!("one layer's forward and backward, eager, median of {} repetitions", report.reps),
         chart: Bars { title: "graphed bench layer: one transformer layer, eager".into(), panels },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ours(attention: &str) -> String {
+        format!(
+            r#"{{"commit": "abc1234", "device": "H200", "reps": 10, "rows": [{{"config": "S", "dim": 256,
+                "batch": 2, "seq": 64, "dtype": "f32", "gpu_ms": 1.0, "host_ms": 0.5, "kernels_forward": 11,
+                "kernels_backward": 19{attention}}}]}}"#
+        )
+    }
+
+    /// PyTorch's file of both attention forms: graphed's row is compared with PyTorch's of its
+    /// own form, and a row that states none with PyTorch's unfused one.
+    #[test]
+    fn pytorchs_row_is_of_the_same_attention_form() {
+        let torch = r#"{"bench": "layer", "impl": "torch-eager", "dtype": "f32", "attention": ["unfused", "fused"],
+            "rows": [{"config": "S", "attention": "unfused", "impl": "torch-eager", "gpu_ms": 2.0},
+                     {"config": "S", "attention": "fused", "impl": "torch-sdpa-eager", "gpu_ms": 1.5}]}"#;
+        for (attention, want) in
+            [("", "2.000"), (r#", "attention": "unfused""#, "2.000"), (r#", "attention": "fused""#, "1.500")]
+        {
+            let run = Run::written(
+                "layer-forms",
+                &[
+                    ("2026-12-03-h200-layer-abc1234.json", &ours(attention)),
+                    ("2026-12-03-h200-layer-torch-f32-abc1234.json", torch),
+                ],
+            );
+            let table = &figure(&run).unwrap().tables[0];
+            assert_eq!(table.rows[0].last().unwrap(), want, "graphed's row with {attention:?}");
+        }
+    }
 }
