@@ -50,34 +50,64 @@ pub fn leave(group: Option<ProcessGroup>) {
     }
 }
 
-/// The mean over `comm`'s ranks of `value`, each rank's own (every rank calls it at the same
-/// point, as it would a collective); `value` itself without a group. The values travel as their
-/// bits (an all-gather) and are summed here in rank order, so a group of one gives `value` back
+/// Ranks that gather values: a process group, whose wait fails at once naming a rank that died
+/// (a gather waiting on it would otherwise block until the group's timeout), or a bare
+/// communicator.
+pub trait Ranks {
+    /// The communicator the values travel on.
+    fn comm(&self) -> &Communicator;
+    /// Blocks until `s`'s work is done, failing as the group's watchdog does.
+    fn wait(&self, s: &Stream) -> graphed::Result<()>;
+}
+
+impl Ranks for ProcessGroup {
+    fn comm(&self) -> &Communicator {
+        ProcessGroup::comm(self)
+    }
+    fn wait(&self, s: &Stream) -> graphed::Result<()> {
+        ProcessGroup::wait(self, s)
+    }
+}
+
+impl Ranks for Communicator {
+    fn comm(&self) -> &Communicator {
+        self
+    }
+    fn wait(&self, s: &Stream) -> graphed::Result<()> {
+        Communicator::wait(self, s)
+    }
+}
+
+/// The mean over the ranks of `value`, each rank's own (every rank calls it at the same point,
+/// as it would a collective); `value` itself without a group. The values travel as their bits
+/// (an all-gather) and are summed here in rank order, so a group of one gives `value` back
 /// exactly and every rank gets the same mean.
 pub fn mean_over_ranks(
-    comm: Option<&Communicator>,
+    ranks: Option<&impl Ranks>,
     alloc: &CachingAllocator,
     s: &Stream,
     value: f64,
 ) -> graphed::Result<f64> {
-    let Some(comm) = comm else { return Ok(value) };
-    let values = gather(comm, alloc, s, value.to_bits())?;
+    let Some(ranks) = ranks else { return Ok(value) };
+    let values = gather(ranks, alloc, s, value.to_bits())?;
     Ok(values.iter().map(|&b| f64::from_bits(b)).sum::<f64>() / values.len() as f64)
 }
 
-/// Whether `flag` is set on any of `comm`'s ranks (every rank calls it at the same point): how a
-/// group learns of one rank's interrupt at the same step on every rank.
-pub fn any_rank(comm: &Communicator, alloc: &CachingAllocator, s: &Stream, flag: bool) -> graphed::Result<bool> {
-    Ok(gather(comm, alloc, s, u64::from(flag))?.contains(&1))
+/// Whether `flag` is set on any rank (every rank calls it at the same point): how a group learns
+/// of one rank's interrupt at the same step on every rank.
+pub fn any_rank(ranks: &impl Ranks, alloc: &CachingAllocator, s: &Stream, flag: bool) -> graphed::Result<bool> {
+    Ok(gather(ranks, alloc, s, u64::from(flag))?.contains(&1))
 }
 
 /// Every rank's `value`, in rank order.
-fn gather(comm: &Communicator, alloc: &CachingAllocator, s: &Stream, value: u64) -> graphed::Result<Vec<u64>> {
+fn gather(ranks: &impl Ranks, alloc: &CachingAllocator, s: &Stream, value: u64) -> graphed::Result<Vec<u64>> {
+    let comm = ranks.comm();
     let mine = Tensor::from_host(alloc, s, &[value], &[1])?;
     let all = Tensor::zeros(alloc, s, &[comm.size()], DType::U64)?;
     comm.all_gather(s, mine.view::<u64>()?, all.view::<u64>()?)?;
-    // Bounded by the group's timeout: a rank that never gathers ends this one's wait.
-    comm.wait(s)?;
+    // A rank that died ends the wait at once (a group's watch), one that never gathers after the
+    // group's timeout.
+    ranks.wait(s)?;
     all.to_vec::<u64>(s)
 }
 

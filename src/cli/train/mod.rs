@@ -316,7 +316,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
                 let l = losses.to_vec::<f32>(&s)?;
                 let mine = l.iter().zip(&batch.weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
                 // Data parallel: the loss of the whole batch, every rank's part of it.
-                last_loss = crate::cli::group::mean_over_ranks(group.as_ref().map(|g| g.comm()), &alloc, &s, mine)?;
+                last_loss = crate::cli::group::mean_over_ranks(group.as_ref(), &alloc, &s, mine)?;
                 if !last_loss.is_finite() && args.on_nonfinite == NonFiniteArg::Stop {
                     anyhow::bail!(
                         "the loss of step {step} is {last_loss} although every gradient was finite; lower --lr, or \
@@ -345,7 +345,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
             bar.inc(1);
             // A group stops together: every rank learns of any rank's interrupt at the same step.
             let stopping = match &group {
-                Some(g) if reporting => crate::cli::group::any_rank(g.comm(), &alloc, &s, interrupt.requested())?,
+                Some(g) if reporting => crate::cli::group::any_rank(g, &alloc, &s, interrupt.requested())?,
                 Some(_) => false,
                 None => interrupt.requested(),
             };
