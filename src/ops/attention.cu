@@ -6,7 +6,7 @@
 //
 // Layout: q, k, v, out, dout, dq, dk, dv are contiguous (pairs, seq, HD); lse and delta are f32
 // (pairs, seq). Grid: pairs in grid.x, query or key tiles in grid.y, the heaviest causal tile first
-// (tile = gridDim.y - 1 - blockIdx.y). bf16 pointers must be 16-byte aligned (cp.async).
+// (query tile gridDim.y - 1 - blockIdx.y in the forward and dQ, key tile blockIdx.y in dK/dV). bf16 pointers must be 16-byte aligned (cp.async).
 //
 // Math (row i, key j <= i): s = scale * q_i·k_j in f32; lse_i = ln Σ_j exp(s_ij) (computed in base 2
 // with scale·log2(e) folded into one multiply, stored as a natural log); p = exp(s - lse). Dropout
@@ -31,6 +31,17 @@ __device__ __forceinline__ float attn_exp2(float x) {
 
 __device__ __forceinline__ float attn_neg_inf() { return -__int_as_float(0x7f800000); }
 __device__ __forceinline__ float attn_pos_inf() { return __int_as_float(0x7f800000); }
+
+// 1: the bf16 kernels' per-tile elementwise code (softmax, dS) is instantiated twice, with and
+// without dropout, and one branch per tile picks it, so that the common path (no dropout) is a
+// branch-free block the scheduler can interleave with the MMAs. 0: one instantiation that tests
+// the threshold per element (the earlier code). Same results either way.
+#define ATTN_SPLIT_DROPOUT 1
+
+// A compile-time flag as a value (a generic lambda's argument selects its instantiation).
+template <bool B> struct AttnFlag {
+    static constexpr bool value = B;
+};
 
 // ---- dropout ------------------------------------------------------------------------------------
 
@@ -193,7 +204,7 @@ __device__ void attention_dkdv_f32(float* dk, float* dv, const float* q, const f
     constexpr int R = HD / 32, ROWS = ATTN_F32_THREADS / R, QB = ATTN_F32_TILE;
     __shared__ float sQ[QB * HD], sO[QB * HD], sL[QB], sD[QB];
     const unsigned long long pair = blockIdx.x, base = pair * seq * HD;
-    const unsigned k0 = (gridDim.y - 1 - blockIdx.y) * ROWS;
+    const unsigned k0 = blockIdx.y * ROWS;  // key tiles: the first (most query rows) is the heaviest
     const unsigned key = k0 + threadIdx.x / R, part = threadIdx.x % R;
     const bool live = key < seq;
     const float sl2 = scale * ATTN_LOG2E;
@@ -563,59 +574,66 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
             for (int nb = 0; nb < NB; ++nb) s[mi][nb][0] = s[mi][nb][1] = s[mi][nb][2] = s[mi][nb][3] = 0.0f;
         }
         attn_mma_abt<HD, NB, MW>(s, qf, sK + buf * KVBYTES, lane);
+        auto elementwise = [&](auto dropping) {
 #pragma unroll
-        for (int mi = 0; mi < MW; ++mi) {
-            // s[mi][nb][2h + e] is row q0 + wr + 16mi + g + 8h, key k0 + 8nb + 2t + e.
+            for (int mi = 0; mi < MW; ++mi) {
+                // s[mi][nb][2h + e] is row q0 + wr + 16mi + g + 8h, key k0 + 8nb + 2t + e.
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const unsigned row = q0 + wr + 16 * mi + g + 8 * h;
-                float mx = attn_neg_inf();
-#pragma unroll
-                for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const unsigned col = k0 + 8 * nb + 2 * t + e;
-                        float x = s[mi][nb][2 * h + e] * sl2;
-                        if (masked && (col > row || col >= seq)) x = attn_neg_inf();
-                        s[mi][nb][2 * h + e] = x;
-                        mx = fmaxf(mx, x);
-                    }
-                }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mn = fmaxf(m[mi][h], mx);
-                const float mu = mn == attn_neg_inf() ? 0.0f : mn;  // a row with nothing visible yet
-                const float alpha = attn_exp2(m[mi][h] - mu);
-                m[mi][h] = mn;
-                float sum = 0.0f;
-#pragma unroll
-                for (int nb = 0; nb < NB; ++nb) {
-                    const float p0 = attn_exp2(s[mi][nb][2 * h] - mu), p1 = attn_exp2(s[mi][nb][2 * h + 1] - mu);
-                    sum += p0 + p1;
-                    s[mi][nb][2 * h] = p0;
-                    s[mi][nb][2 * h + 1] = p1;
-                }
-                l[mi][h] = l[mi][h] * alpha + sum;
-#pragma unroll
-                for (int nd = 0; nd < ND; ++nd) {
-                    o[mi][nd][2 * h] *= alpha;
-                    o[mi][nd][2 * h + 1] *= alpha;
-                }
-                if (drop.threshold != 0 && row < seq) {
-                    // Dropped elements are zeroed; keep_scale is applied once with 1/l at the end.
-                    const unsigned long long nrow = (pair * seq + row) * seq;
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned row = q0 + wr + 16 * mi + g + 8 * h;
+                    float mx = attn_neg_inf();
 #pragma unroll
                     for (int nb = 0; nb < NB; ++nb) {
-                        const unsigned col = k0 + 8 * nb + 2 * t;
-                        if (col <= row) {
-                            bool k0_, k1_;
-                            attn_kept2(drop, nrow + col, k0_, k1_);
-                            if (!k0_) s[mi][nb][2 * h] = 0.0f;
-                            if (!k1_) s[mi][nb][2 * h + 1] = 0.0f;
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const unsigned col = k0 + 8 * nb + 2 * t + e;
+                            float x = s[mi][nb][2 * h + e] * sl2;
+                            if (masked && (col > row || col >= seq)) x = attn_neg_inf();
+                            s[mi][nb][2 * h + e] = x;
+                            mx = fmaxf(mx, x);
+                        }
+                    }
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float mn = fmaxf(m[mi][h], mx);
+                    const float mu = mn == attn_neg_inf() ? 0.0f : mn;  // a row with nothing visible yet
+                    const float alpha = attn_exp2(m[mi][h] - mu);
+                    m[mi][h] = mn;
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int nb = 0; nb < NB; ++nb) {
+                        const float p0 = attn_exp2(s[mi][nb][2 * h] - mu), p1 = attn_exp2(s[mi][nb][2 * h + 1] - mu);
+                        sum += p0 + p1;
+                        s[mi][nb][2 * h] = p0;
+                        s[mi][nb][2 * h + 1] = p1;
+                    }
+                    l[mi][h] = l[mi][h] * alpha + sum;
+#pragma unroll
+                    for (int nd = 0; nd < ND; ++nd) {
+                        o[mi][nd][2 * h] *= alpha;
+                        o[mi][nd][2 * h + 1] *= alpha;
+                    }
+                    if (decltype(dropping)::value && drop.threshold != 0 && row < seq) {
+                        // Dropped elements are zeroed; keep_scale is applied once with 1/l at the end.
+                        const unsigned long long nrow = (pair * seq + row) * seq;
+#pragma unroll
+                        for (int nb = 0; nb < NB; ++nb) {
+                            const unsigned col = k0 + 8 * nb + 2 * t;
+                            if (col <= row) {
+                                bool k0_, k1_;
+                                attn_kept2(drop, nrow + col, k0_, k1_);
+                                if (!k0_) s[mi][nb][2 * h] = 0.0f;
+                                if (!k1_) s[mi][nb][2 * h + 1] = 0.0f;
+                            }
                         }
                     }
                 }
             }
+        };
+        if (!ATTN_SPLIT_DROPOUT || drop.threshold != 0) {
+            elementwise(AttnFlag<true>());
+        } else {
+            elementwise(AttnFlag<false>());
         }
         attn_mma_pv<HD, BN / 16, MW>(o, s, sV + buf * KVBYTES, lane);
         attn_cp_wait<0>();
@@ -662,7 +680,8 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
     float* sD = sL + 2 * BM;                                                        // [2][BM]
 
     const unsigned long long pair = blockIdx.x, base = pair * seq * HD;
-    const unsigned k0 = (gridDim.y - 1 - blockIdx.y) * BN;
+    // Key tile blockIdx.y: the first key tiles see the most query rows, so this is heaviest first.
+    const unsigned k0 = blockIdx.y * BN;
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const unsigned wk = k0 + 16 * warp;  // the warp's first key
     const bf16 *qp = q + base, *op = dout + base;
@@ -752,27 +771,38 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
             }
             // st[n][2h + e] is key wk + g + 8h, query row q0 + 8n + 2t + e. Afterwards st holds P̃ᵀ and
             // pt holds dSᵀ.
+            // Instantiated without and with dropout, so that the common path is one branch-free block.
+            auto elementwise = [&](auto dropping) {
 #pragma unroll
-            for (int n = 0; n < NQ; ++n) {
+                for (int n = 0; n < NQ; ++n) {
+                    // Rows 8n + 2t and 8n + 2t + 1: one 8-byte load each of lse₂ and delta.
+                    const float2 l2v = *reinterpret_cast<const float2*>(sLb + 8 * n + 2 * t);
+                    const float2 dlv = *reinterpret_cast<const float2*>(sDb + 8 * n + 2 * t);
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const unsigned x = 8 * n + 2 * t + e, row = q0 + x;
-                    const float l2 = sLb[x], dl = sDb[x];
+                    for (int e = 0; e < 2; ++e) {
+                        const unsigned x = 8 * n + 2 * t + e, row = q0 + x;
+                        const float l2 = e == 0 ? l2v.x : l2v.y, dl = e == 0 ? dlv.x : dlv.y;
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const unsigned key = wk + g + 8 * h;
-                        const bool valid = !masked || (key <= row && row < seq && key < seq);
-                        const float p = valid ? attn_exp2(st[n][2 * h + e] * sl2 - l2) : 0.0f;
-                        float pd = p, dpv = pt[n][2 * h + e];
-                        if (drop.threshold != 0 && valid) {
-                            const bool kept = attn_kept(drop, (pair * seq + row) * seq + key);
-                            pd = kept ? p * drop.keep_scale : 0.0f;
-                            dpv = kept ? dpv * drop.keep_scale : 0.0f;
+                        for (int h = 0; h < 2; ++h) {
+                            const unsigned key = wk + g + 8 * h;
+                            const bool valid = !masked || (key <= row && row < seq && key < seq);
+                            const float p = valid ? attn_exp2(st[n][2 * h + e] * sl2 - l2) : 0.0f;
+                            float pd = p, dpv = pt[n][2 * h + e];
+                            if (decltype(dropping)::value && drop.threshold != 0 && valid) {
+                                const bool kept = attn_kept(drop, (pair * seq + row) * seq + key);
+                                pd = kept ? p * drop.keep_scale : 0.0f;
+                                dpv = kept ? dpv * drop.keep_scale : 0.0f;
+                            }
+                            st[n][2 * h + e] = pd;
+                            pt[n][2 * h + e] = p * (dpv - dl);
                         }
-                        st[n][2 * h + e] = pd;
-                        pt[n][2 * h + e] = p * (dpv - dl);
                     }
                 }
+            };
+            if (!ATTN_SPLIT_DROPOUT || drop.threshold != 0) {
+                elementwise(AttnFlag<true>());
+            } else {
+                elementwise(AttnFlag<false>());
             }
             attn_mma_pv<HD, BM / 16>(gv, st, sOb, lane);
             attn_mma_pv<HD, BM / 16>(gk, pt, sQb, lane);
@@ -797,7 +827,8 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
 //   S = Q·Kᵀ, dP̃ = dO·Vᵀ (B = K, V by plain ldmatrix), P = exp2(S·scale·log2e − lse₂),
 //   dS = P∘(dP − delta), dQ += dS·K (A = dS packed from the accumulators, B = K by ldmatrix.trans).
 // A warp whose rows are all above the tile's first key skips it. dQ is scaled once at the end.
-// Shared memory: Q [BM][HD], dO [BM][HD], K [2][BN][HD], V [2][BN][HD] (bf16, swizzled).
+// Shared memory: Q [BM][HD], dO [BM][HD], K [2][BN][HD], V [2][BN][HD] (bf16, swizzled), lse₂ [BM],
+// delta [BM] (f32).
 
 template <int HD, int NW, int BN>
 __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout,
@@ -807,6 +838,10 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
     constexpr unsigned QBYTES = BM * HD * 2, KVBYTES = BN * HD * 2;
     extern __shared__ __align__(128) unsigned char attn_shared[];
     const unsigned sQ = attn_smem(attn_shared), sO = sQ + QBYTES, sK = sO + QBYTES, sV = sK + 2 * KVBYTES;
+    // lse₂ and delta of the CTA's rows, [BM] each: read from shared memory in every key tile rather than
+    // held in registers (at HD 64 that is what lets the kernel fit in 128 registers).
+    float* sL = reinterpret_cast<float*>(attn_shared + 2 * QBYTES + 4 * KVBYTES);
+    float* sD = sL + BM;
 
     const unsigned long long pair = blockIdx.x, base = pair * seq * HD;
     const unsigned q0 = (gridDim.y - 1 - blockIdx.y) * BM;
@@ -821,12 +856,10 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
     attn_load_tile<HD, BN, NT>(sK, kp, 0, seq);
     attn_load_tile<HD, BN, NT>(sV, vp, 0, seq);
     attn_cp_commit();
-    float l2[2], dl[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const unsigned row = wr + g + 8 * h;
-        l2[h] = row < seq ? lse[pair * seq + row] * ATTN_LOG2E : attn_pos_inf();
-        dl[h] = row < seq ? delta[pair * seq + row] : 0.0f;
+    for (unsigned x = threadIdx.x; x < BM; x += NT) {
+        const unsigned row = q0 + x;
+        sL[x] = row < seq ? lse[pair * seq + row] * ATTN_LOG2E : attn_pos_inf();  // +inf: p = 0 past seq
+        sD[x] = row < seq ? delta[pair * seq + row] : 0.0f;
     }
     attn_cp_wait<0>();
     __syncthreads();
@@ -857,28 +890,35 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
             attn_mma_abt<HD, NB>(s, qf, sK + buf * KVBYTES, lane);
             attn_mma_abt<HD, NB>(dp, of, sV + buf * KVBYTES, lane);
             // s[nb][2h + e] is row wr + g + 8h, key k0 + 8nb + 2t + e. Afterwards s holds dS.
+            auto elementwise = [&](auto dropping) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const unsigned row = wr + g + 8 * h;
-                const unsigned long long nrow = (pair * seq + row) * seq;
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned row = wr + g + 8 * h;
+                    const float l2 = sL[row - q0], dl = sD[row - q0];
 #pragma unroll
-                for (int nb = 0; nb < NB; ++nb) {
-                    const unsigned col = k0 + 8 * nb + 2 * t;
-                    float p[2], d[2] = {dp[nb][2 * h], dp[nb][2 * h + 1]};
+                    for (int nb = 0; nb < NB; ++nb) {
+                        const unsigned col = k0 + 8 * nb + 2 * t;
+                        float p[2], d[2] = {dp[nb][2 * h], dp[nb][2 * h + 1]};
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const bool valid = !masked || (col + e <= row && row < seq);
-                        p[e] = valid ? attn_exp2(s[nb][2 * h + e] * sl2 - l2[h]) : 0.0f;
+                        for (int e = 0; e < 2; ++e) {
+                            const bool valid = !masked || (col + e <= row && row < seq);
+                            p[e] = valid ? attn_exp2(s[nb][2 * h + e] * sl2 - l2) : 0.0f;
+                        }
+                        if (decltype(dropping)::value && drop.threshold != 0 && col <= row && row < seq) {
+                            bool k0_, k1_;
+                            attn_kept2(drop, (pair * seq + row) * seq + col, k0_, k1_);
+                            d[0] = k0_ ? d[0] * drop.keep_scale : 0.0f;
+                            d[1] = k1_ ? d[1] * drop.keep_scale : 0.0f;
+                        }
+                        s[nb][2 * h] = p[0] * (d[0] - dl);
+                        s[nb][2 * h + 1] = p[1] * (d[1] - dl);
                     }
-                    if (drop.threshold != 0 && col <= row && row < seq) {
-                        bool k0_, k1_;
-                        attn_kept2(drop, nrow + col, k0_, k1_);
-                        d[0] = k0_ ? d[0] * drop.keep_scale : 0.0f;
-                        d[1] = k1_ ? d[1] * drop.keep_scale : 0.0f;
-                    }
-                    s[nb][2 * h] = p[0] * (d[0] - dl[h]);
-                    s[nb][2 * h + 1] = p[1] * (d[1] - dl[h]);
                 }
+            };
+            if (!ATTN_SPLIT_DROPOUT || drop.threshold != 0) {
+                elementwise(AttnFlag<true>());
+            } else {
+                elementwise(AttnFlag<false>());
             }
             attn_mma_pv<HD, BN / 16>(gq, s, sK + buf * KVBYTES, lane);
         }
@@ -892,18 +932,24 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
 // Tile constants (tiles.rs mirrors them; a change here must be made there):
 //   forward  (MW, NW, BN):  d32 (2, 4, 64), d64 (2, 4, 64), d128 (1, 8, 64)   -> BM = 128 everywhere
 //   dK/dV    (NW, BM, KV_REGS): d32 (8, 64, 1), d64 (8, 64, 1), d128 (8, 32, 0) -> BN = 128
-//   dQ       (NW, BN):  d32 (8, 64), d64 (8, 64), d128 (8, 32)                 -> BM = 128
+//   dQ       (NW, BN):  d32 (8, 32), d64 (8, 32), d128 (8, 32)                 -> BM = 128
 //   f32: ATTN_F32_THREADS threads, 128 / (HD/32) rows per block; delta: ATTN_DELTA_THREADS threads.
+
+// dQ at HD 32 and 64: 8 warps (ATTN_DQ_THREADS, = 32·QNW) and key tiles of 32 leave few enough
+// registers (<= 128) for ATTN_DQ_MIN_CTAS = 2 CTAs (16 warps) per SM; the entry points' forward
+// declarations below carry the bound. Set it to 1 to go back to the unconstrained allocation.
+#define ATTN_DQ_THREADS 256
+#define ATTN_DQ_MIN_CTAS 2
 
 #define ATTN_DROP AttnDrop drop = {seed, site, threshold, threshold != 0 ? *step : 0ull, keep_scale}
 
 template <int HD> struct AttnTiles;
 template <> struct AttnTiles<32> {
-    static constexpr int FMW = 2, FNW = 4, FBN = 64, KNW = 8, KBM = 64, QNW = 8, QBN = 64;
+    static constexpr int FMW = 2, FNW = 4, FBN = 64, KNW = 8, KBM = 64, QNW = 8, QBN = 32;
     static constexpr bool KREGS = true;
 };
 template <> struct AttnTiles<64> {
-    static constexpr int FMW = 2, FNW = 4, FBN = 64, KNW = 8, KBM = 64, QNW = 8, QBN = 64;
+    static constexpr int FMW = 2, FNW = 4, FBN = 64, KNW = 8, KBM = 64, QNW = 8, QBN = 32;
     static constexpr bool KREGS = true;
 };
 template <> struct AttnTiles<128> {
@@ -1008,6 +1054,7 @@ extern "C" __global__ void attention_backward_dkdv_bf16_d32(bf16* dk, bf16* dv, 
     ATTN_DROP;
     attn_dkdv<32>(dk, dv, q, k, v, dout, lse, delta, drop, scale, seq);
 }
+extern "C" __global__ __launch_bounds__(ATTN_DQ_THREADS, ATTN_DQ_MIN_CTAS) void attention_backward_dq_bf16_d32(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs);
 extern "C" __global__ void attention_backward_dq_bf16_d32(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
     ATTN_DROP;
     attn_dq<32>(dq, q, k, v, dout, lse, delta, drop, scale, seq);
@@ -1023,6 +1070,7 @@ extern "C" __global__ void attention_backward_dkdv_bf16_d64(bf16* dk, bf16* dv, 
     ATTN_DROP;
     attn_dkdv<64>(dk, dv, q, k, v, dout, lse, delta, drop, scale, seq);
 }
+extern "C" __global__ __launch_bounds__(ATTN_DQ_THREADS, ATTN_DQ_MIN_CTAS) void attention_backward_dq_bf16_d64(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs);
 extern "C" __global__ void attention_backward_dq_bf16_d64(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
     ATTN_DROP;
     attn_dq<64>(dq, q, k, v, dout, lse, delta, drop, scale, seq);

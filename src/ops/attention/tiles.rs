@@ -40,7 +40,7 @@ struct Bf16Tiles {
 
 fn bf16_tiles(hd: usize) -> Bf16Tiles {
     match hd {
-        32 | 64 => Bf16Tiles { fmw: 2, fnw: 4, fbn: 64, knw: 8, kbm: 64, kregs: true, qnw: 8, qbn: 64 },
+        32 | 64 => Bf16Tiles { fmw: 2, fnw: 4, fbn: 64, knw: 8, kbm: 64, kregs: true, qnw: 8, qbn: 32 },
         _ => Bf16Tiles { fmw: 1, fnw: 8, fbn: 64, knw: 8, kbm: 32, kregs: false, qnw: 8, qbn: 32 },
     }
 }
@@ -73,8 +73,8 @@ pub(crate) fn launch_dims(pass: Pass, dtype: DType, hd: usize, seq: usize, pairs
             }
             Pass::BackwardDq | Pass::Delta => {
                 let bm = 16 * t.qnw;
-                // Q, dO [bm], K and V [2][bn] rows.
-                (bm, 32 * t.qnw, (2 * bm + 4 * t.qbn) * row_bytes)
+                // Q, dO [bm], K and V [2][bn] rows; lse and delta [bm] f32.
+                (bm, 32 * t.qnw, (2 * bm + 4 * t.qbn) * row_bytes + 2 * bm * 4)
             }
         }
     };
@@ -131,6 +131,11 @@ mod tests {
     fn constants_match_the_cuda_source() {
         assert!(SOURCE.contains(&format!("#define ATTN_DELTA_THREADS {DELTA_THREADS}\n")));
         assert!(SOURCE.contains(&format!("#define ATTN_F32_THREADS {F32_THREADS}\n")));
+        // The dQ entry points' __launch_bounds__ name ATTN_DQ_THREADS: it must be the dQ block size.
+        for hd in [32, 64] {
+            let threads = launch_dims(Pass::BackwardDq, DType::BF16, hd, 64, 1).block.0;
+            assert!(SOURCE.contains(&format!("#define ATTN_DQ_THREADS {threads}\n")));
+        }
         for hd in [32, 64, 128] {
             let t = bf16_tiles(hd);
             let text = format!(
