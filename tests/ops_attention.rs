@@ -301,7 +301,8 @@ fn attention_refuses_bad_calls(dev: &Device) -> anyhow::Result<()> {
     let out = t(&[2, 4, 32], DType::F32)?;
     let step = ctx.step()?;
     let half = Some(AttentionDropout { p: 1.0, seed: 0, site: 0, step: &step });
-    let fwd = |out: &Tensor, lse: &Tensor, q: &Tensor, k: &Tensor, d| attention::attention_forward(out, lse, (q, k, q), d, s);
+    let fwd =
+        |out: &Tensor, lse: &Tensor, q: &Tensor, k: &Tensor, d| attention::attention_forward(out, lse, (q, k, q), d, s);
     let cases: [(&str, graphed::Result<()>, fn(&Error) -> bool); 7] = [
         ("head width 48", fwd(&q48, &lse, &q48, &q48, None), |e| matches!(e, Error::Unsupported { .. })),
         ("k of another shape", fwd(&out, &lse, &q, &short, None), |e| matches!(e, Error::Shape { .. })),
