@@ -104,7 +104,7 @@ mod tests {
     fn the_estimate_is_within_a_fifth_of_the_memory_a_step_holds() -> anyhow::Result<()> {
         for (dim, heads, max_len) in [(64, 4, 11), (32, 2, 48)] {
             let config =
-                GptConfig { vocab: 12, max_len, dim, layers: 2, heads, dropout: 0.0, seed: 1, dtype: DType::F32 };
+                GptConfig { vocab: 12, max_len, dim, layers: 2, heads, attention, dropout: 0.0, seed: 1, dtype: DType::F32 };
             for graphed in [false, true] {
                 let (peak, estimate) = (measured_peak(config, 32, graphed)?, estimate(&config, 32, graphed));
                 let ratio = estimate as f64 / peak as f64;
@@ -127,6 +127,7 @@ mod tests {
             dim: 4096,
             layers: 64,
             heads: 32,
+            attention: AttentionKind::Fused,
             dropout: 0.0,
             seed: 1,
             dtype: DType::F32,
