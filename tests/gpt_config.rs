@@ -78,7 +78,7 @@ fn a_width_past_layernorm_is_refused_before_any_allocation() {
     let err = Gpt::new(&alloc, config(8192, 8, 4), &s).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("dim = 8192") && err.contains("4096"), "{err}");
     assert_eq!(alloc.stats().total.peak_allocated, 0);
-    let limit = config(64, 4, 64).validate_batch(1 << 24).err().map(|l| l.field);
+    let limit = config(64, 2, 64).validate_batch(1 << 24).err().map(|l| l.field);
     assert_eq!(limit, Some("batch"));
 }
 

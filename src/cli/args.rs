@@ -262,8 +262,9 @@ pub struct TrainArgs {
     /// Model width (default: 128 on CUDA, 32 on the simulator).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=8192))]
     pub dim: Option<u32>,
-    /// Attention heads (default: 4 on CUDA, 1 on the simulator: heads of 32 features); must
-    /// divide the width, into heads of 32, 64 or 128 features with `--attention fused`.
+    /// Attention heads (default: heads of 32 features, width / 32, one below 64: 4 at CUDA's
+    /// default width, 1 at the simulator's); must divide the width, into heads of 32, 64 or 128
+    /// features with `--attention fused`.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub heads: Option<u32>,
     /// Sums per batch (default: 256 on CUDA, 64 on the simulator).

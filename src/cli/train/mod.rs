@@ -103,8 +103,10 @@ impl Task {
 fn plan(dev: &Device, args: &TrainArgs, (vocab, max_len): (usize, usize)) -> anyhow::Result<Plan> {
     let gpu = dev.kind() == DeviceKind::Cuda;
     let pick = |v: Option<u32>, cuda: u32, sim: u32| v.unwrap_or(if gpu { cuda } else { sim }) as usize;
-    // Heads of 32 features by default, which the fused attention runs.
-    let (dim, heads) = (pick(args.dim, 128, 32), pick(args.heads, 4, 1));
+    // Heads of 32 features by default (4 at CUDA's default width, 1 at the simulator's), which
+    // the fused attention runs.
+    let dim = pick(args.dim, 128, 32);
+    let heads = args.heads.map_or((dim / 32).max(1), |h| h as usize);
     if !(0.0..1.0).contains(&args.dropout) {
         refuse!("--dropout {} is not in [0, 1)", args.dropout);
     }
