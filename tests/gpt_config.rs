@@ -20,7 +20,8 @@ fn layer_step(dim: usize, heads: usize, kind: AttentionKind, batch: usize, seq: 
     let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(dim))?;
     let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
     let spec = DropoutSpec { p: 0.0, seed: 1, site: 0, step };
-    let layer = TransformerLayer::new(&mut store, &alloc, "h0", AttentionSpec::new(dim, heads).kind(kind), &spec, 3, &s)?;
+    let layer =
+        TransformerLayer::new(&mut store, &alloc, "h0", AttentionSpec::new(dim, heads).kind(kind), &spec, 3, &s)?;
     let n = batch * seq * dim;
     let x = Tensor::from_host(&alloc, &s, &vec![0.25f32; n], &[batch, seq, dim])?;
     let (y, ctx) = layer.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;

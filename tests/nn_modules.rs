@@ -12,8 +12,8 @@ use graphed::device::DType;
 use graphed::device::{Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    AttentionKind, AttentionSpec, CausalSelfAttention, Dropout, DropoutSpec, Inputs, KeepOnDevice, LayerNorm, Mlp, Module, ParamStore,
-    TransformerLayer,
+    AttentionKind, AttentionSpec, CausalSelfAttention, Dropout, DropoutSpec, Inputs, KeepOnDevice, LayerNorm, Mlp,
+    Module, ParamStore, TransformerLayer,
 };
 use graphed::ops::rng;
 use graphed::tensor::Tensor;
@@ -140,7 +140,11 @@ fn mlp_gradients(dev: &Device) -> Result {
 }
 
 fn attention_gradients(dev: &Device) -> Result {
-    check_gradients(dev, |store, alloc, s| CausalSelfAttention::new(store, alloc, "attn", tiny(SHAPE[2], HEADS), 5, s), 2)
+    check_gradients(
+        dev,
+        |store, alloc, s| CausalSelfAttention::new(store, alloc, "attn", tiny(SHAPE[2], HEADS), 5, s),
+        2,
+    )
 }
 
 fn transformer_layer_gradients(dev: &Device) -> Result {
@@ -387,8 +391,9 @@ fn attention_dropout_follows_the_forwards_step_and_the_mode(dev: &Device) -> Res
         let c = WIDE[2];
         let mut store = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(c))?;
         let dropout = spec(&alloc, &s, 0.5, graphed::nn::ATTENTION_DROPOUT_SITES)?;
-        let mut m = CausalSelfAttention::new(&mut store, &alloc, "attn", AttentionSpec::new(c, WIDE_HEADS).kind(kind), 3, &s)?
-            .with_dropout(&dropout)?;
+        let mut m =
+            CausalSelfAttention::new(&mut store, &alloc, "attn", AttentionSpec::new(c, WIDE_HEADS).kind(kind), 3, &s)?
+                .with_dropout(&dropout)?;
         ensure!(m.draws_from().is_some(), "{kind}: a dropping attention draws from the step counter");
         let n: usize = WIDE.iter().product();
         let x = Tensor::from_host(&alloc, &s, &lcg(n, 1), &WIDE)?;
@@ -409,7 +414,8 @@ fn attention_dropout_follows_the_forwards_step_and_the_mode(dev: &Device) -> Res
         ensure!(m.draws_from().is_none(), "{kind}: evaluation draws nothing");
         let (eval, _) = step_between(&m, false)?;
         let mut other = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(c))?;
-        let plain = CausalSelfAttention::new(&mut other, &alloc, "attn", AttentionSpec::new(c, WIDE_HEADS).kind(kind), 3, &s)?;
+        let plain =
+            CausalSelfAttention::new(&mut other, &alloc, "attn", AttentionSpec::new(c, WIDE_HEADS).kind(kind), 3, &s)?;
         let (want, _) = plain.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
         ensure!(eval == want[0].to_vec::<f32>(&s)? && eval != y, "{kind}: evaluation is the attention without dropout");
     }

@@ -198,9 +198,10 @@ impl ConfigsArgs {
         dev: &graphed::device::Device,
         attention: AttentionArgs,
     ) -> anyhow::Result<Vec<super::bench_model::Config>> {
-        let configs = self.configs.iter().map(|name| {
-            super::bench_model::Config::named(name).map(|c| c.with_attention(attention.kind()))
-        });
+        let configs = self
+            .configs
+            .iter()
+            .map(|name| super::bench_model::Config::named(name).map(|c| c.with_attention(attention.kind())));
         let configs = configs.collect::<anyhow::Result<Vec<_>>>()?;
         for config in &configs {
             config.check_device(dev, "--configs")?;

@@ -132,7 +132,13 @@ impl Stream {
     ///
     /// # Errors
     /// As [`launch`](Stream::launch).
-    pub fn launch_counting(&self, kernel: &'static Kernel, dims: LaunchDims, args: &[Arg<'_>], flops: u64) -> Result<()> {
+    pub fn launch_counting(
+        &self,
+        kernel: &'static Kernel,
+        dims: LaunchDims,
+        args: &[Arg<'_>],
+        flops: u64,
+    ) -> Result<()> {
         self.launch_with_flops(kernel, dims, args, Some(flops))
     }
 

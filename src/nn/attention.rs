@@ -300,7 +300,8 @@ impl CausalSelfAttention {
         }
         let rows = x.reshape(&[bt, c])?;
         let qkv = self.qkv.forward_with(&rows, None, stream)?;
-        let (q, k, v) = (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
+        let (q, k, v) =
+            (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
         heads::split_qkv(&q, &k, &v, &qkv, stream)?;
         let att_heads = self.heads(&d, dtype, stream)?;
         let form = match self.kind {
@@ -367,8 +368,7 @@ impl CausalSelfAttention {
         let pv = (d.seq, d.hd, d.seq);
         let mask = match self.active_dropout() {
             Some(spec) => {
-                let (dropped, mask) =
-                    (square()?, Tensor::uninit(&self.alloc, stream, &d.square_shape(), DType::U8)?);
+                let (dropped, mask) = (square()?, Tensor::uninit(&self.alloc, stream, &d.square_shape(), DType::U8)?);
                 dropout::dropout_forward(&dropped, &mask, &probs, spec.p, spec.seed, spec.site, &spec.step, stream)?;
                 batched(stream, (out, &dropped, v), pv, (d.pairs(), 1.0), (false, false))?;
                 Some(mask)
@@ -401,7 +401,8 @@ impl CausalSelfAttention {
         let (q, k, v) = (&ctx.q.take(stream)?, &ctx.k.take(stream)?, &ctx.v.take(stream)?);
         let datt_heads = self.heads(&d, dtype, stream)?;
         heads::heads_from_rows(&datt_heads, &datt, 0, stream)?;
-        let (dq, dk, dv) = (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
+        let (dq, dk, dv) =
+            (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
         match ctx.form {
             FormCtx::Fused { lse, step } => {
                 let out = self.heads(&d, dtype, stream)?;

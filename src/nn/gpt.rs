@@ -3,8 +3,8 @@
 //! launch updates them all.
 
 use super::{
-    input_grad, AttentionKind, AttentionSpec, DropoutSpec, Embedding, Inputs, KeepOnDevice, LayerNorm, LayerNormCtx, LmHead, LmHeadCtx, Module,
-    ParamStore, SaveHook, Stack, StackCtx, TransformerLayer,
+    input_grad, AttentionKind, AttentionSpec, DropoutSpec, Embedding, Inputs, KeepOnDevice, LayerNorm, LayerNormCtx,
+    LmHead, LmHeadCtx, Module, ParamStore, SaveHook, Stack, StackCtx, TransformerLayer,
 };
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
@@ -98,11 +98,8 @@ impl GptConfig {
         let hd = self.dim / self.heads;
         if !self.attention.supports_head_dim(hd) {
             let dims = crate::ops::attention::HEAD_DIMS;
-            let fits: Vec<String> = dims
-                .iter()
-                .filter(|&&d| self.dim.is_multiple_of(d))
-                .map(|&d| (self.dim / d).to_string())
-                .collect();
+            let fits: Vec<String> =
+                dims.iter().filter(|&&d| self.dim.is_multiple_of(d)).map(|&d| (self.dim / d).to_string()).collect();
             let counts = if fits.is_empty() { String::new() } else { format!(" ({} here)", fits.join(", ")) };
             return limit(
                 "heads",

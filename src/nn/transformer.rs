@@ -10,8 +10,8 @@ use super::dropout::DropoutCtx;
 use super::layernorm::{single_input, LayerNormCtx};
 use super::mlp::MlpCtx;
 use super::{
-    attention_dropout_site, input_grad, AttentionSpec, BiasGrad, CausalSelfAttention, Dropout, DropoutSpec, GradHook, Inputs, LayerNorm, Mlp, Module,
-    NoGradHook, Param, ParamStore, SaveHook,
+    attention_dropout_site, input_grad, AttentionSpec, BiasGrad, CausalSelfAttention, Dropout, DropoutSpec, GradHook,
+    Inputs, LayerNorm, Mlp, Module, NoGradHook, Param, ParamStore, SaveHook,
 };
 use crate::device::Stream;
 use crate::memory::CachingAllocator;

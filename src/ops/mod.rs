@@ -181,12 +181,7 @@ mod tests {
     /// Every kernel of the ops.
     fn all_kernels() -> Vec<&'static Kernel> {
         use super::*;
-        let mut kernels = vec![
-            &adamw::ADAMW,
-            &adamw::ADAMW_BF16,
-            &adamw::NONFINITE_SCAN,
-            &adamw::NONFINITE_SCAN_BF16,
-        ];
+        let mut kernels = vec![&adamw::ADAMW, &adamw::ADAMW_BF16, &adamw::NONFINITE_SCAN, &adamw::NONFINITE_SCAN_BF16];
         for table in [&attention::FORWARD, &attention::DELTA, &attention::BACKWARD_DKDV, &attention::BACKWARD_DQ] {
             kernels.extend(table.iter().copied());
         }

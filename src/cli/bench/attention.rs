@@ -34,7 +34,8 @@ pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
     let rows = [args.batch, args.heads, args.seq];
     let n: usize = heads.iter().product();
     // Scores of a few units, so that the softmax is neither flat nor one-hot.
-    let fill = |k: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7919 + k * 104_729) % 2001) as f32 / 1000.0 - 1.0).collect() };
+    let fill =
+        |k: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7919 + k * 104_729) % 2001) as f32 / 1000.0 - 1.0).collect() };
     let input = |k| Tensor::from_f32(&alloc, &s, &fill(k), &heads, dtype);
     let (q, k, v, dout) = (input(0)?, input(1)?, input(2)?, input(3)?);
     let head = || Tensor::uninit(&alloc, &s, &heads, dtype);

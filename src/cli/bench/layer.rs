@@ -68,14 +68,16 @@ struct AttentionRates {
 
 /// The fused attention's rates in `times`, if it ran.
 fn attention_rates(times: &[KernelTime]) -> Option<AttentionRates> {
-    let of = |prefixes: &[&str]| times.iter().filter(|t| prefixes.iter().any(|p| t.name.starts_with(p))).collect::<Vec<_>>();
+    let of =
+        |prefixes: &[&str]| times.iter().filter(|t| prefixes.iter().any(|p| t.name.starts_with(p))).collect::<Vec<_>>();
     let (forward, backward) = (of(&["attention_forward_"]), of(&["attention_delta_", "attention_backward_"]));
     if forward.is_empty() {
         return None;
     }
     let forward_flops = forward.iter().filter_map(|t| t.flops).sum::<u64>();
     let forward_us = forward.iter().map(|t| t.elapsed_us).sum::<Option<f64>>();
-    let backward_us = (!backward.is_empty()).then(|| backward.iter().map(|t| t.elapsed_us).sum::<Option<f64>>()).flatten();
+    let backward_us =
+        (!backward.is_empty()).then(|| backward.iter().map(|t| t.elapsed_us).sum::<Option<f64>>()).flatten();
     let rate = |flops: f64, us: Option<f64>| us.filter(|&us| us > 0.0).map(|us| flops / (us * 1e-6) / 1e12);
     Some(AttentionRates {
         forward_flops,

@@ -85,7 +85,7 @@ pub fn run(args: &ParityBenchArgs) -> anyhow::Result<()> {
     }
     file.save(&args.out)?;
     println!(
-        "wrote {}: {config} (attention {attention}), {dtype}, {} parameters with their gradients, the input, output and their gradients",
+        "wrote {}: {config}, {dtype}, {} parameters with their gradients, the input, output and their gradients",
         args.out.display(),
         model.stack.parameters().len()
     );

@@ -117,8 +117,17 @@ mod tests {
             (AttentionKind::Fused, 32, 1, 48),
         ];
         for (attention, dim, heads, max_len) in shapes {
-            let config =
-                GptConfig { vocab: 12, max_len, dim, layers: 2, heads, attention, dropout: 0.0, seed: 1, dtype: DType::F32 };
+            let config = GptConfig {
+                vocab: 12,
+                max_len,
+                dim,
+                layers: 2,
+                heads,
+                attention,
+                dropout: 0.0,
+                seed: 1,
+                dtype: DType::F32,
+            };
             for graphed in [false, true] {
                 let (peak, estimate) = (measured_peak(config, 32, graphed)?, estimate(&config, 32, graphed));
                 let ratio = estimate as f64 / peak as f64;

@@ -58,11 +58,38 @@ const FORWARD_PARAMS: &[&str] =
     &["out", "lse", "q", "k", "v", "step", "scale", "threshold", "keep_scale", "seed", "site", "seq", "pairs"];
 const DELTA_PARAMS: &[&str] = &["delta", "out", "dout", "rows"];
 const DKDV_PARAMS: &[&str] = &[
-    "dk", "dv", "q", "k", "v", "dout", "lse", "delta", "step", "scale", "threshold", "keep_scale", "seed", "site",
-    "seq", "pairs",
+    "dk",
+    "dv",
+    "q",
+    "k",
+    "v",
+    "dout",
+    "lse",
+    "delta",
+    "step",
+    "scale",
+    "threshold",
+    "keep_scale",
+    "seed",
+    "site",
+    "seq",
+    "pairs",
 ];
 const DQ_PARAMS: &[&str] = &[
-    "dq", "q", "k", "v", "dout", "lse", "delta", "step", "scale", "threshold", "keep_scale", "seed", "site", "seq",
+    "dq",
+    "q",
+    "k",
+    "v",
+    "dout",
+    "lse",
+    "delta",
+    "step",
+    "scale",
+    "threshold",
+    "keep_scale",
+    "seed",
+    "site",
+    "seq",
     "pairs",
 ];
 
