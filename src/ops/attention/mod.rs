@@ -31,7 +31,7 @@
 //! let shape = [1, 2, 3, 32]; // batch 1, 2 heads, 3 tokens, head width 32
 //! let q = Tensor::from_host(&alloc, &s, &vec![0.1f32; 192], &shape)?;
 //! let (out, lse) = (Tensor::uninit(&alloc, &s, &shape, DType::F32)?, Tensor::uninit(&alloc, &s, &[1, 2, 3], DType::F32)?);
-//! attention::attention_forward(&out, &lse, &q, &q, &q, None, &s)?;
+//! attention::attention_forward(&out, &lse, (&q, &q, &q), None, &s)?;
 //! // Equal scores: token i averages the i + 1 values it sees, here all 0.1.
 //! assert!(out.to_vec::<f32>(&s)?.iter().all(|&o| (o - 0.1).abs() < 1e-6));
 //! assert!((lse.to_vec::<f32>(&s)?[2] - (0.32f32 / 32f32.sqrt() + 3f32.ln())).abs() < 1e-5);
