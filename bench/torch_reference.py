@@ -372,7 +372,7 @@ def graphs(configs: list, dtype: str, steps: int, warmup: int, variants: list, f
     callable per layer), torch-floor (the whole step in one torch.cuda.graph) and torch-compile
     (torch.compile with mode="reduce-overhead"; its capture time includes compilation), for each
     attention form of `forms` (fused: the torch-sdpa-* names). GEMMs as graphed's
-    (`match_graphed_numerics`); `parity` checks this module against graphed's (unfused).
+    (`match_graphed_numerics`); `parity` checks this module against graphed's, in its form.
     Between variants the compiler's caches are dropped (each torch-compile variant compiles anew,
     with the shapes of its own configuration) and the freed memory is handed back, so that each
     variant's peaks are its own."""
@@ -493,7 +493,9 @@ def parity(path: str, device: str) -> dict:
     """PyTorch's Stack against graphed's benchmark model, from a file of `graphed bench parity`:
     the same weights (graphed's names are this module's, and both store Linear weights [out, in]:
     they load as they are, with no renaming and no transposes), the same input and upstream
-    gradient, in the file's element type. For the output, the input's gradient and every
+    gradient, in the file's element type, and graphed's attention form (the file's
+    `attention_form`: fused runs SDPA with is_causal=True and no dropout, unfused GEMM, masked
+    softmax, GEMM). For the output, the input's gradient and every
     parameter's: the largest absolute difference and that difference relative to the largest
     |graphed| value of the tensor; it passes if every relative one is within TOLERANCE."""
     from safetensors import safe_open
@@ -504,9 +506,14 @@ def parity(path: str, device: str) -> dict:
     for key, value in CONVENTIONS.items():
         if meta.get(key) != value:
             raise SystemExit(f"{path}: graphed's {key} is {meta.get(key)!r}, this module's {value!r}; make them agree")
+    # A file from before graphed stated its attention form ran the unfused one, its only form then.
+    form = meta.get("attention_form", "unfused")
+    if form not in ("fused", "unfused"):
+        raise SystemExit(f"{path}: graphed's attention_form is {form!r}; this script knows fused and unfused")
     match_graphed_numerics()
     t = load_file(path, device=device)
-    model = Stack(int(meta["dim"]), int(meta["layers"])).to(device=device, dtype=t["input"].dtype)
+    fused = form == "fused"
+    model = Stack(int(meta["dim"]), int(meta["layers"]), fused).to(device=device, dtype=t["input"].dtype)
     model.load_state_dict({k: v for k, v in t.items() if k not in ("input", "output") and not k.startswith("grad.")})
     x = t["input"].clone().requires_grad_()
     y = model(x)
@@ -523,7 +530,8 @@ def parity(path: str, device: str) -> dict:
         tensors[name] = {"max_abs": max_abs, "max_rel": max_abs / scale if scale > 0 else float(max_abs > 0)}
     worst = max(tensors, key=lambda n: tensors[n]["max_rel"])
     tolerance = TOLERANCE[meta["dtype"]]
-    return {"bench": "parity", "config": meta["config"], "dtype": meta["dtype"], "graphed_device": meta["device"],
+    return {"bench": "parity", "config": meta["config"], "attention": form, "dtype": meta["dtype"],
+            "graphed_device": meta["device"],
             "device": str(device), "tolerance": tolerance, "pass": tensors[worst]["max_rel"] <= tolerance,
             "worst": {"tensor": worst, **tensors[worst]}, "tensors": tensors, "torch": torch.__version__}
 

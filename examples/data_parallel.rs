@@ -23,7 +23,7 @@ fn model(dev: &Device) -> graphed::Result<(CachingAllocator, Stream, ParamStore,
     let mut layers = Vec::new();
     for l in 0..2u32 {
         let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l, step: step.clone() };
-        layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 4), &dropout, l.into(), &s)?);
+        layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 1), &dropout, l.into(), &s)?);
     }
     Ok((alloc, s, store, Stack::new(layers)))
 }

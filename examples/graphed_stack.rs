@@ -22,7 +22,7 @@ fn model(
     let mut layers = Vec::new();
     for l in 0..2u32 {
         let dropout = DropoutSpec { p: 0.1, seed: 1, site: 2 * l, step: step.clone() };
-        layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 4), &dropout, l.into(), &s)?);
+        layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 1), &dropout, l.into(), &s)?);
     }
     let opt = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-3), &s)?;
     Ok((alloc, s, store, Stack::new(layers).with_rng_step(&step), opt))

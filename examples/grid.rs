@@ -47,7 +47,7 @@ fn part(dev: &Device, global: Vec<usize>) -> graphed::Result<Part> {
             &mut store,
             &alloc,
             &format!("h{l}"),
-            (SHAPE[2], 4),
+            (SHAPE[2], 1),
             &dropout,
             l as u64,
             &s,

@@ -20,7 +20,7 @@ fn main() -> graphed::Result<()> {
     let mut layers = Vec::new();
     for l in 0..4u32 {
         let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l, step: step.clone() };
-        layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (64, 4), &dropout, l.into(), &main)?);
+        layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (64, 2), &dropout, l.into(), &main)?);
     }
     let stack = Stack::new(layers);
     let x = Tensor::from_f32(&alloc, &main, &vec![0.25; 4 * 32 * 64], &[4, 32, 64], DType::F32)?;

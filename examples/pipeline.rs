@@ -29,7 +29,7 @@ fn layers(dev: &Device, global: &[usize]) -> graphed::Result<(CachingAllocator, 
     let mut out = Vec::new();
     for &l in global {
         let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l as u32, step: step.clone() };
-        out.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (SHAPE[2], 4), &dropout, l as u64, &s)?);
+        out.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (SHAPE[2], 1), &dropout, l as u64, &s)?);
     }
     Ok((alloc, s, out))
 }

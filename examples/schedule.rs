@@ -21,7 +21,7 @@ fn main() -> graphed::Result<()> {
         (0..4u32)
             .map(|l| {
                 let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l, step: step.clone() };
-                TransformerLayer::new(store, &alloc, &format!("h{l}"), (32, 4), &dropout, l.into(), &s)
+                TransformerLayer::new(store, &alloc, &format!("h{l}"), (32, 1), &dropout, l.into(), &s)
             })
             .collect()
     };

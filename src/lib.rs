@@ -30,17 +30,18 @@
 //! let dev = Device::sim();
 //! let (main, side, ready) = (dev.stream()?, dev.stream()?, dev.event()?);
 //! let alloc = CachingAllocator::new(&dev);
-//! // Two transformer layers of width 16 (2 heads) over one flat parameter store.
-//! let mut store = ParamStore::new(&alloc, &main, 2 * TransformerLayer::parameter_count(16))?;
+//! // Two transformer layers of width 32 (one head of 32 features, which the default fused
+//! // attention runs) over one flat parameter store.
+//! let mut store = ParamStore::new(&alloc, &main, 2 * TransformerLayer::parameter_count(32))?;
 //! let step = Tensor::zeros(&alloc, &main, &[1], graphed::device::DType::U64)?; // dropout's step counter
 //! let mut layers = Vec::new();
 //! for l in 0..2u32 {
 //!     let dropout = DropoutSpec { p: 0.1, seed: 7, site: 2 * l, step: step.clone() };
 //!     let name = format!("h{l}");
-//!     layers.push(TransformerLayer::new(&mut store, &alloc, &name, (16, 2), &dropout, u64::from(l), &main)?);
+//!     layers.push(TransformerLayer::new(&mut store, &alloc, &name, (32, 1), &dropout, u64::from(l), &main)?);
 //! }
 //! let stack = Stack::new(layers).with_rng_step(&step);
-//! let x = Tensor::zeros(&alloc, &main, &[2, 4, 16], graphed::device::DType::F32)?;
+//! let x = Tensor::zeros(&alloc, &main, &[2, 4, 32], graphed::device::DType::F32)?;
 //!
 //! // Capture: warmup, then every layer's forward and backward into graphs of one pool, each
 //! // recording `ready` once its outputs are written (verified at capture).
@@ -50,11 +51,11 @@
 //!
 //! // A step: replays on the side stream, the main stream resuming at `ready` after each.
 //! let y = graphed.forward(&main, &x, Replay::side(&side))?;
-//! let dy = Tensor::from_host(&alloc, &main, &[1.0f32; 128], &[2, 4, 16])?;
+//! let dy = Tensor::from_host(&alloc, &main, &[1.0f32; 256], &[2, 4, 32])?;
 //! let dx = graphed.backward(&main, &dy)?;
 //! graphed.join(&main)?; // the tails, before the optimizer reads the gradients
 //! opt_step.replay(&main)?;
-//! assert_eq!((y.shape(), dx.map(|d| d.shape().to_vec())), (&[2, 4, 16][..], Some(vec![2, 4, 16])));
+//! assert_eq!((y.shape(), dx.map(|d| d.shape().to_vec())), (&[2, 4, 32][..], Some(vec![2, 4, 32])));
 //! assert_eq!(opt.steps(&main)?, 1);
 //! # Ok::<(), graphed::Error>(())
 //! ```

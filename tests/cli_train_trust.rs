@@ -83,6 +83,11 @@ fn refusals_exit_2_before_the_first_step_and_change_nothing() {
         (&["--dim", "8192"], "--dim 8192"),
         (&["--batch", "65536", "--dim", "512"], "need about"),
         (&["--offload", "--offload-sites", "attn.bogus"], "attn.bogus"),
+        // Heads of 16 features: the fused attention (the default) has none; the way out is named.
+        (&["--heads", "2"], "--attention unfused"),
+        // Each form saves what the other does not.
+        (&["--offload", "--offload-sites", "attn.probs"], "--attention unfused"),
+        (&["--attention", "unfused", "--offload", "--offload-sites", "attn.lse"], "--attention fused"),
         (&["--eval", "5", "--data", "file"], "--eval"),
         (&["--save-every", "5"], "--save"),
         (&["--offload", "--pool-per-layer", "--side-stream"], "drop one of the three"),
@@ -98,9 +103,13 @@ fn refusals_exit_2_before_the_first_step_and_change_nothing() {
     }
     assert_eq!(std::fs::read_to_string(d.join("file")).unwrap(), "keep");
     assert!(std::fs::read_to_string(d.join("metrics.jsonl")).unwrap().starts_with("{\"step\":0"));
-    // The bogus site is refused listing what the model saves.
+    // The bogus site is refused listing what the model saves: the fused attention's log-sum-exp,
+    // no probabilities; the unfused attention's probabilities, which it offers.
     let (_, _, stderr) = run(d, &["--offload", "--offload-sites", "attn.bogus"]);
     assert!(stderr.contains("attn.q") && stderr.contains("mlp.input"), "{stderr}");
+    assert!(stderr.contains("attn.lse") && !stderr.contains("attn.probs"), "{stderr}");
+    let (_, _, stderr) = run(d, &["--attention", "unfused", "--offload", "--offload-sites", "attn.bogus"]);
+    assert!(stderr.contains("attn.probs") && !stderr.contains("attn.lse"), "{stderr}");
 }
 
 #[test]
@@ -217,6 +226,11 @@ fn a_damaged_checkpoint_and_a_changed_data_file_are_refused() {
     let (code, _, stderr) = run(d, &[&data[..], &["--resume", "text"]].concat());
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("the data file changed") && stderr.contains("--accept-changed-data"), "{stderr}");
+    // The other attention form would load the same parameters but not continue bit for bit.
+    let other = ["--resume", "text", "--accept-changed-data", "--attention", "unfused"];
+    let (code, _, stderr) = run(d, &[&data[..], &other[..]].concat());
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("computed attention fused") && stderr.contains("--attention fused"), "{stderr}");
     let (code, _, stderr) = run(d, &[&data[..], &["--resume", "text", "--accept-changed-data"]].concat());
     assert_eq!(code, Some(0), "{stderr}");
 }

@@ -1,6 +1,7 @@
 //! The transformer layer's modules (LayerNorm, dropout, MLP, causal self-attention, the whole
 //! pre-LN layer): input and parameter gradients against finite differences on the simulator,
-//! CUDA against the simulator, gradient accumulation, dropout's dependence on the step counter.
+//! CUDA against the simulator, gradient accumulation, dropout's dependence on the step counter;
+//! the fused attention against the unfused one, and its memory.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -11,8 +12,8 @@ use graphed::device::DType;
 use graphed::device::{Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    CausalSelfAttention, Dropout, DropoutSpec, Inputs, KeepOnDevice, LayerNorm, Mlp, Module, ParamStore,
-    TransformerLayer,
+    AttentionKind, AttentionSpec, CausalSelfAttention, Dropout, DropoutSpec, Inputs, KeepOnDevice, LayerNorm, Mlp,
+    Module, ParamStore, TransformerLayer,
 };
 use graphed::ops::rng;
 use graphed::tensor::Tensor;
@@ -23,6 +24,12 @@ type Result<T = ()> = anyhow::Result<T>;
 /// Batch, sequence, width and heads of every case: tiny, so that finite differences stay cheap.
 const SHAPE: [usize; 3] = [2, 3, 8];
 const HEADS: usize = 2;
+
+/// The tiny cases' attention: heads of 4 features, which only the unfused form runs (the fused
+/// one is checked against it below, at heads of 32).
+fn tiny(dim: usize, heads: usize) -> AttentionSpec {
+    AttentionSpec::new(dim, heads).kind(AttentionKind::Unfused)
+}
 
 /// A step counter at step 1 and the dropout spec over it.
 fn spec(alloc: &CachingAllocator, s: &Stream, p: f32, site: u32) -> graphed::Result<DropoutSpec> {
@@ -133,12 +140,16 @@ fn mlp_gradients(dev: &Device) -> Result {
 }
 
 fn attention_gradients(dev: &Device) -> Result {
-    check_gradients(dev, |store, alloc, s| CausalSelfAttention::new(store, alloc, "attn", (SHAPE[2], HEADS), 5, s), 2)
+    check_gradients(
+        dev,
+        |store, alloc, s| CausalSelfAttention::new(store, alloc, "attn", tiny(SHAPE[2], HEADS), 5, s),
+        2,
+    )
 }
 
 fn transformer_layer_gradients(dev: &Device) -> Result {
     let build: Build<TransformerLayer> = |store, alloc, s| {
-        TransformerLayer::new(store, alloc, "layer", (SHAPE[2], HEADS), &spec(alloc, s, 0.0, 0)?, 9, s)
+        TransformerLayer::new(store, alloc, "layer", tiny(SHAPE[2], HEADS), &spec(alloc, s, 0.0, 0)?, 9, s)
     };
     check_gradients(dev, build, 5)
 }
@@ -150,7 +161,7 @@ fn dropout_gradients(dev: &Device) -> Result {
 
 fn dropout_follows_the_step_and_the_mode(dev: &Device) -> Result {
     let build: Build<TransformerLayer> = |store, alloc, s| {
-        TransformerLayer::new(store, alloc, "layer", (SHAPE[2], HEADS), &spec(alloc, s, 0.5, 0)?, 9, s)
+        TransformerLayer::new(store, alloc, "layer", tiny(SHAPE[2], HEADS), &spec(alloc, s, 0.5, 0)?, 9, s)
     };
     let mut case = Case::new(dev, build)?;
     let step = case.module.drop1.step().clone();
@@ -170,9 +181,16 @@ fn dropout_follows_the_step_and_the_mode(dev: &Device) -> Result {
 fn bad_shapes_are_refused(dev: &Device) -> Result {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
     let mut store = ParamStore::new(&alloc, &s, 1024)?;
-    let bad = CausalSelfAttention::new(&mut store, &alloc, "attn", (SHAPE[2], 3), 1, &s);
+    let bad = CausalSelfAttention::new(&mut store, &alloc, "attn", tiny(SHAPE[2], 3), 1, &s);
     ensure!(matches!(bad, Err(Error::Shape { .. })), "3 heads do not divide 8 features");
-    let attn = CausalSelfAttention::new(&mut store, &alloc, "attn", (SHAPE[2], HEADS), 1, &s)?;
+    // Heads of 48 features: the fused form refuses them, naming the way out; the unfused runs them.
+    let fused = CausalSelfAttention::new(&mut store, &alloc, "attn", (96, 2), 1, &s);
+    ensure!(
+        matches!(&fused, Err(Error::Unsupported { why, .. }) if why.contains("--attention unfused")),
+        "fused heads of 48: {:?}",
+        fused.err()
+    );
+    let attn = CausalSelfAttention::new(&mut store, &alloc, "attn", tiny(SHAPE[2], HEADS), 1, &s)?;
     let flat = Tensor::zeros(&alloc, &s, &[6, 8], DType::F32)?;
     ensure!(matches!(attn.forward(&Inputs::one(&flat), &KeepOnDevice, &s), Err(Error::Shape { .. })), "(B, T, C) only");
     let ln = LayerNorm::new(&mut store, &alloc, "ln", 4, &s)?;
@@ -197,11 +215,11 @@ fn parameter_counts_are_exact(dev: &Device) -> Result {
     exact(LayerNorm::parameter_count(d), &|st| LayerNorm::new(st, &alloc, "ln", d, &s).map(|_| ()))?;
     exact(Mlp::parameter_count(d), &|st| Mlp::new(st, &alloc, "mlp", d, 1, &s).map(|_| ()))?;
     exact(CausalSelfAttention::parameter_count(d), &|st| {
-        CausalSelfAttention::new(st, &alloc, "attn", (d, 2), 1, &s).map(|_| ())
+        CausalSelfAttention::new(st, &alloc, "attn", tiny(d, 2), 1, &s).map(|_| ())
     })?;
     exact(TransformerLayer::parameter_count(d), &|st| {
         let spec = spec(&alloc, &s, 0.0, 0)?;
-        TransformerLayer::new(st, &alloc, "h", (d, 2), &spec, 1, &s).map(|_| ())
+        TransformerLayer::new(st, &alloc, "h", tiny(d, 2), &spec, 1, &s).map(|_| ())
     })?;
     exact(Embedding::parameter_count((v, t, d)), &|st| {
         Embedding::new(st, &alloc, "emb", (v, t, d), 1, &s).map(|_| ())
@@ -210,7 +228,7 @@ fn parameter_counts_are_exact(dev: &Device) -> Result {
     let mut small = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(d) - 1)?;
     let spec = spec(&alloc, &s, 0.0, 0)?;
     ensure!(
-        matches!(TransformerLayer::new(&mut small, &alloc, "h", (d, 2), &spec, 1, &s), Err(Error::Shape { .. })),
+        matches!(TransformerLayer::new(&mut small, &alloc, "h", tiny(d, 2), &spec, 1, &s), Err(Error::Shape { .. })),
         "a store one element short is refused"
     );
     Ok(())
@@ -227,7 +245,7 @@ fn stack_runs_its_layers_in_order(dev: &Device) -> Result {
     let layers = (0..2)
         .map(|l| {
             let spec = spec(&alloc, &s, 0.0, 2 * l)?;
-            TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (c, 2), &spec, 5 + u64::from(l), &s)
+            TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), tiny(c, 2), &spec, 5 + u64::from(l), &s)
         })
         .collect::<graphed::Result<Vec<_>>>()?;
     let stack = Stack::new(layers);
@@ -260,7 +278,7 @@ fn stack_runs_its_layers_in_order(dev: &Device) -> Result {
 /// the layer says it splits.
 fn transformer_layer_split_weight_gradients(dev: &Device) -> Result {
     let build: Build<TransformerLayer> = |store, alloc, s| {
-        TransformerLayer::new(store, alloc, "layer", (SHAPE[2], HEADS), &spec(alloc, s, 0.0, 0)?, 9, s)
+        TransformerLayer::new(store, alloc, "layer", tiny(SHAPE[2], HEADS), &spec(alloc, s, 0.0, 0)?, 9, s)
     };
     let whole = Case::new(dev, build)?.run()?;
     let mut case = Case::new(dev, build)?;
@@ -278,6 +296,163 @@ fn transformer_layer_split_weight_gradients(dev: &Device) -> Result {
     Ok(())
 }
 
+/// The fused-vs-unfused cases: heads of 32 features (the narrowest the fused form runs), a
+/// sequence that is not a multiple of any tile.
+const WIDE: [usize; 3] = [2, 5, 64];
+const WIDE_HEADS: usize = 2;
+
+/// One forward and backward of a module of `kind` attention (a `CausalSelfAttention`, or a
+/// `TransformerLayer` when `layer`), in `dtype`, dropping with probability `p` (on the
+/// probabilities, and after each residual branch in a layer), on a fixed input and upstream
+/// gradient: its output, input gradient and parameter gradients, widened to f32.
+fn attention_run(dev: &Device, kind: AttentionKind, layer: bool, dtype: DType, p: f32) -> Result<Run> {
+    let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+    let c = WIDE[2];
+    let mut store = ParamStore::with_dtype(&alloc, &s, TransformerLayer::parameter_count(c), dtype)?;
+    let shape = AttentionSpec::new(c, WIDE_HEADS).kind(kind);
+    // Sites as a model's layer 1 uses them: residual dropouts at 2 and 3, attention at 2^31 + 2.
+    let dropout = spec(&alloc, &s, p, 2)?;
+    let n: usize = WIDE.iter().product();
+    let x = Tensor::from_f32(&alloc, &s, &lcg(n, 11), &WIDE, dtype)?;
+    let dy = Tensor::from_f32(&alloc, &s, &lcg(n, 12), &WIDE, dtype)?;
+    let (y, dx) = if layer {
+        let m = TransformerLayer::new(&mut store, &alloc, "h1", shape, &dropout, 7, &s)?;
+        let (y, ctx) = m.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+        (y, m.backward(ctx, &[&dy], &s)?)
+    } else {
+        let site = graphed::nn::attention_dropout_site(dropout.site).expect("a low site");
+        let m = CausalSelfAttention::new(&mut store, &alloc, "attn", shape, 7, &s)?
+            .with_dropout(&DropoutSpec { site, ..dropout })?;
+        let (y, ctx) = m.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+        (y, m.backward(ctx, &[&dy], &s)?)
+    };
+    let dx = dx.into_iter().next().flatten().ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+    Ok(Run { y: y[0].to_f32_vec(&s)?, dx: dx.to_f32_vec(&s)?, grads: store.grads()?.to_f32_vec(&s)? })
+}
+
+/// `got` within `tol` of `want` relative to `want`'s largest magnitude (as
+/// `bench/torch_reference.py parity` compares): elementwise bounds would fail on the values
+/// near zero that sums of opposite terms give.
+fn close_to_scale(what: &str, got: &[f32], want: &[f32], tol: f64) -> Result {
+    ensure!(got.len() == want.len(), "{what}: {} values, expected {}", got.len(), want.len());
+    let scale = want.iter().map(|w| f64::from(w.abs())).fold(0.0, f64::max);
+    let (i, diff) = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (f64::from(*g) - f64::from(*w)).abs())
+        .enumerate()
+        .fold((0, 0.0), |best, (i, d)| if d > best.1 { (i, d) } else { best });
+    ensure!(diff <= tol * scale, "{what}[{i}]: {} vs {}: {diff:e} off, over {tol} × {scale}", got[i], want[i]);
+    Ok(())
+}
+
+/// The fused attention against the unfused one, as a module alone and inside a transformer
+/// layer, in f32 and bf16, with dropout off and on (p = 0.3 on the probabilities and, in the
+/// layer, after each branch): the output, the input gradient and every parameter gradient agree
+/// within rounding. So both forms drop the same elements: a probability dropped by one form only
+/// would move its row's output by O(1), far past these bounds.
+///
+/// The bounds, relative to each tensor's largest magnitude: f32 2e-5, about 170 ulps (2^-24):
+/// both forms compute in f32, in different orders (the fused one sums each row's exponentials
+/// in one pass with a running maximum and never rounds the probabilities to storage), and the
+/// parameter gradients sum B·T = 10 rows of products of such values; the simulator measured at
+/// most 2.1e-7 (the input gradient), so the bound leaves a factor 100 for CUDA's different
+/// tiling and FMA contraction. bf16 2e-2, about 5 ulps of bf16 (2^-8 = 3.9e-3): the unfused form
+/// rounds the scores, the probabilities (and dropped probabilities) and their gradients to bf16
+/// at every GEMM and softmax boundary, the fused one keeps them in f32 and rounds only its
+/// outputs; each rounding is half an ulp relative, and a gradient passes through four or five
+/// of them. The simulator measured at most 6.1e-3 (the input gradient with dropout).
+fn fused_attention_matches_unfused(dev: &Device) -> Result {
+    for (dtype, tol) in [(DType::F32, 2e-5), (DType::BF16, 2e-2)] {
+        for layer in [false, true] {
+            for p in [0.0, 0.3] {
+                let fused = attention_run(dev, AttentionKind::Fused, layer, dtype, p)?;
+                let unfused = attention_run(dev, AttentionKind::Unfused, layer, dtype, p)?;
+                let what = |t: &str| format!("{t} ({dtype}, layer {layer}, p {p})");
+                close_to_scale(&what("output"), &fused.y, &unfused.y, tol)?;
+                close_to_scale(&what("input gradient"), &fused.dx, &unfused.dx, tol)?;
+                close_to_scale(&what("parameter gradients"), &fused.grads, &unfused.grads, tol)?;
+                if p > 0.0 {
+                    let kept = attention_run(dev, AttentionKind::Fused, layer, dtype, 0.0)?;
+                    ensure!(kept.y != fused.y, "{}: dropout changes nothing", what("fused"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The fused backward recomputes the dropout mask from the step the forward read: a step
+/// advanced in between (another microbatch's forward) changes nothing, and evaluation mode turns
+/// the attention dropout off, for both forms.
+fn attention_dropout_follows_the_forwards_step_and_the_mode(dev: &Device) -> Result {
+    for kind in AttentionKind::ALL {
+        let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+        let c = WIDE[2];
+        let mut store = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(c))?;
+        let dropout = spec(&alloc, &s, 0.5, graphed::nn::ATTENTION_DROPOUT_SITES)?;
+        let mut m =
+            CausalSelfAttention::new(&mut store, &alloc, "attn", AttentionSpec::new(c, WIDE_HEADS).kind(kind), 3, &s)?
+                .with_dropout(&dropout)?;
+        ensure!(m.draws_from().is_some(), "{kind}: a dropping attention draws from the step counter");
+        let n: usize = WIDE.iter().product();
+        let x = Tensor::from_host(&alloc, &s, &lcg(n, 1), &WIDE)?;
+        let dy = Tensor::from_host(&alloc, &s, &lcg(n, 2), &WIDE)?;
+        let step_between = |m: &CausalSelfAttention, advance: bool| -> Result<(Vec<f32>, Vec<f32>)> {
+            rng::step_write(&dropout.step, 1, &s)?;
+            s.memset(store.grads()?.view::<f32>()?, 0)?;
+            let (y, ctx) = m.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+            if advance {
+                rng::step_write(&dropout.step, 2, &s)?;
+            }
+            m.backward(ctx, &[&dy], &s)?;
+            Ok((y[0].to_vec(&s)?, store.grads()?.to_vec(&s)?))
+        };
+        let (y, grads) = step_between(&m, false)?;
+        ensure!(step_between(&m, true)? == (y.clone(), grads), "{kind}: the backward read the advanced step");
+        m.set_training(false);
+        ensure!(m.draws_from().is_none(), "{kind}: evaluation draws nothing");
+        let (eval, _) = step_between(&m, false)?;
+        let mut other = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(c))?;
+        let plain =
+            CausalSelfAttention::new(&mut other, &alloc, "attn", AttentionSpec::new(c, WIDE_HEADS).kind(kind), 3, &s)?;
+        let (want, _) = plain.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+        ensure!(eval == want[0].to_vec::<f32>(&s)? && eval != y, "{kind}: evaluation is the attention without dropout");
+    }
+    Ok(())
+}
+
+/// Bytes the allocator's peak rises by over one forward and backward of a `(1, T, 32)`
+/// attention of `kind` (one head of 32 features) in f32, with its parameters, input and upstream
+/// gradient already allocated.
+fn attention_peak_rise(dev: &Device, kind: AttentionKind, t: usize) -> Result<usize> {
+    let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+    let mut store = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(32))?;
+    let m = CausalSelfAttention::new(&mut store, &alloc, "attn", AttentionSpec::new(32, 1).kind(kind), 3, &s)?;
+    let x = Tensor::from_host(&alloc, &s, &lcg(t * 32, 1), &[1, t, 32])?;
+    let dy = Tensor::from_host(&alloc, &s, &lcg(t * 32, 2), &[1, t, 32])?;
+    s.synchronize()?;
+    let before = alloc.stats().total.peak_allocated;
+    let (_, ctx) = m.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+    m.backward(ctx, &[&dy], &s)?;
+    s.synchronize()?;
+    Ok(alloc.stats().total.peak_allocated - before)
+}
+
+/// The fused attention allocates nothing of size T × T: at T = 1024 with heads of 32 features,
+/// one f32 `T × T` tensor (4 MiB) is more than everything the forward and backward hold at once
+/// otherwise (about 16 tensors of T × 32, 2 MiB), so the allocator's peak rises by less than
+/// one. The unfused attention, which holds several, rises by more: the measure can fail.
+fn fused_attention_allocates_nothing_of_size_t_squared(dev: &Device) -> Result {
+    let t = 1024;
+    let square = t * t * 4;
+    let fused = attention_peak_rise(dev, AttentionKind::Fused, t)?;
+    ensure!(fused < square, "the fused attention's peak rose by {fused} B, past a T × T f32 tensor's {square} B");
+    let unfused = attention_peak_rise(dev, AttentionKind::Unfused, t)?;
+    ensure!(unfused > 2 * square, "the unfused attention's peak rose by only {unfused} B");
+    Ok(())
+}
+
 per_device!(
     transformer_layer_split_weight_gradients,
     parameter_counts_are_exact,
@@ -289,4 +464,7 @@ per_device!(
     dropout_gradients,
     dropout_follows_the_step_and_the_mode,
     bad_shapes_are_refused,
+    fused_attention_matches_unfused,
+    attention_dropout_follows_the_forwards_step_and_the_mode,
+    fused_attention_allocates_nothing_of_size_t_squared,
 );

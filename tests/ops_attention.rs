@@ -121,9 +121,9 @@ impl Case {
                 let at = (pair * t + i) * hd;
                 for (j, w) in kept.iter().enumerate() {
                     let vj = row(v, pair, j);
-                    for d in 0..hd {
-                        r.out[at + d] += w * vj[d];
-                        r.mag[0][at + d] += (w * vj[d]).abs();
+                    for (d, &v) in vj.iter().enumerate().take(hd) {
+                        r.out[at + d] += w * v;
+                        r.mag[0][at + d] += (w * v).abs();
                     }
                 }
                 let out_i = &r.out[at..at + hd];
@@ -303,7 +303,8 @@ fn attention_refuses_bad_calls(dev: &Device) -> anyhow::Result<()> {
     let half = Some(AttentionDropout { p: 1.0, seed: 0, site: 0, step: &step });
     let fwd =
         |out: &Tensor, lse: &Tensor, q: &Tensor, k: &Tensor, d| attention::attention_forward(out, lse, (q, k, q), d, s);
-    let cases: [(&str, graphed::Result<()>, fn(&Error) -> bool); 7] = [
+    type Refusal<'a> = (&'a str, graphed::Result<()>, fn(&Error) -> bool);
+    let cases: [Refusal; 7] = [
         ("head width 48", fwd(&q48, &lse, &q48, &q48, None), |e| matches!(e, Error::Unsupported { .. })),
         ("k of another shape", fwd(&out, &lse, &q, &short, None), |e| matches!(e, Error::Shape { .. })),
         ("lse of another shape", fwd(&out, &lse_bad, &q, &q, None), |e| matches!(e, Error::Shape { .. })),

@@ -97,6 +97,35 @@ impl DTypeArgs {
     }
 }
 
+/// The form of the layers' attention.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct AttentionArgs {
+    /// How the layers compute attention: `fused` (FlashAttention-2-style kernels, no T×T tensor,
+    /// heads of 32, 64 or 128 features) or `unfused` (GEMMs around a causal softmax, saving the
+    /// T×T probabilities; any head width, sequences of at most 8192).
+    #[arg(long, value_enum, default_value_t = AttentionArg::Fused)]
+    pub attention: AttentionArg,
+}
+
+impl AttentionArgs {
+    /// The form, as the library names it.
+    pub fn kind(&self) -> graphed::nn::AttentionKind {
+        match self.attention {
+            AttentionArg::Fused => graphed::nn::AttentionKind::Fused,
+            AttentionArg::Unfused => graphed::nn::AttentionKind::Unfused,
+        }
+    }
+}
+
+/// `--attention`'s values.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionArg {
+    /// Fused kernels (the default).
+    Fused,
+    /// GEMMs and a softmax kernel.
+    Unfused,
+}
+
 /// Activation offloading to host memory, inside the graphs.
 #[derive(Args, Debug, Clone)]
 pub struct OffloadArgs {
@@ -162,10 +191,17 @@ pub struct ConfigsArgs {
 }
 
 impl ConfigsArgs {
-    /// The configurations, every one refused before any runs unless `dev` can run it, so that a
-    /// refusal does not come after minutes of timing.
-    pub fn resolve(&self, dev: &graphed::device::Device) -> anyhow::Result<Vec<super::bench_model::Config>> {
-        let configs = self.configs.iter().map(|name| super::bench_model::Config::named(name));
+    /// The configurations, with their attention in `attention`'s form, every one refused before
+    /// any runs unless `dev` can run it, so that a refusal does not come after minutes of timing.
+    pub fn resolve(
+        &self,
+        dev: &graphed::device::Device,
+        attention: AttentionArgs,
+    ) -> anyhow::Result<Vec<super::bench_model::Config>> {
+        let configs = self
+            .configs
+            .iter()
+            .map(|name| super::bench_model::Config::named(name).map(|c| c.with_attention(attention.kind())));
         let configs = configs.collect::<anyhow::Result<Vec<_>>>()?;
         for config in &configs {
             config.check_device(dev, "--configs")?;
@@ -219,13 +255,17 @@ pub struct TrainArgs {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub dtype: DTypeArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
     /// Transformer layers (default: 2).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub layers: Option<u32>,
     /// Model width (default: 128 on CUDA, 32 on the simulator).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=8192))]
     pub dim: Option<u32>,
-    /// Attention heads (default: 4 on CUDA, 2 on the simulator); must divide the width.
+    /// Attention heads (default: heads of 32 features, width / 32, one below 64: 4 at CUDA's
+    /// default width, 1 at the simulator's); must divide the width, into heads of 32, 64 or 128
+    /// features with `--attention fused`.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub heads: Option<u32>,
     /// Sums per batch (default: 256 on CUDA, 64 on the simulator).
@@ -383,6 +423,8 @@ pub struct GraphsBenchArgs {
     #[command(flatten)]
     pub dtype: DTypeArgs,
     #[command(flatten)]
+    pub attention: AttentionArgs,
+    #[command(flatten)]
     pub configs: ConfigsArgs,
     /// Timed steps per variant (median, min and max are reported).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -402,6 +444,8 @@ pub struct ParityBenchArgs {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub dtype: DTypeArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
     /// BENCH.md configuration, or `tiny` (the simulator runs tiny and S).
     #[arg(long, ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES, default_value = "S")]
     pub config: String,
@@ -417,6 +461,8 @@ pub struct InspectArgs {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub dtype: DTypeArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
     /// BENCH.md configuration, or `tiny` (default: S on CUDA, tiny on the simulator, the only
     /// one it runs).
     #[arg(long, ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES)]
@@ -478,6 +524,8 @@ impl ScheduleArgs {
 pub struct ParallelBenchArgs {
     #[command(flatten)]
     pub dtype: DTypeArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
     /// BENCH.md configurations.
     #[arg(long, value_delimiter = ',', ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES, default_values_t = ["M".to_string(), "L".to_string()])]
     pub configs: Vec<String>,
@@ -502,6 +550,8 @@ pub struct ScheduleBenchArgs {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub dtype: DTypeArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
     /// BENCH.md configuration, or `tiny` (default: M on CUDA, tiny on the simulator).
     #[arg(long, ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES)]
     pub config: Option<String>,
@@ -524,6 +574,8 @@ pub struct LayerBenchArgs {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub dtype: DTypeArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
     #[command(flatten)]
     pub configs: ConfigsArgs,
     /// Timed repetitions (the median is reported).

@@ -9,7 +9,9 @@ use anyhow::bail;
 use graphed::device::{Device, DeviceKind, Event, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Chunk, DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, Stack, TransformerLayer};
+use graphed::nn::{
+    AttentionKind, AttentionSpec, Chunk, DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, Stack, TransformerLayer,
+};
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::tensor::Tensor;
 
@@ -26,14 +28,16 @@ pub struct Config {
     pub batch: usize,
     /// Tokens per sequence.
     pub seq: usize,
+    /// The form of the layers' attention (`--attention`; fused unless changed).
+    pub attention: AttentionKind,
 }
 
 /// Every configuration, smallest first; S, M and L are `BENCH.md`'s.
 pub const CONFIGS: [Config; 4] = [
-    Config { name: "tiny", dim: 64, layers: 2, batch: 2, seq: 16 },
-    Config { name: "S", dim: 256, layers: 8, batch: 2, seq: 64 },
-    Config { name: "M", dim: 1024, layers: 8, batch: 4, seq: 512 },
-    Config { name: "L", dim: 4096, layers: 4, batch: 2, seq: 2048 },
+    Config { name: "tiny", dim: 64, layers: 2, batch: 2, seq: 16, attention: AttentionKind::Fused },
+    Config { name: "S", dim: 256, layers: 8, batch: 2, seq: 64, attention: AttentionKind::Fused },
+    Config { name: "M", dim: 1024, layers: 8, batch: 4, seq: 512, attention: AttentionKind::Fused },
+    Config { name: "L", dim: 4096, layers: 4, batch: 2, seq: 2048, attention: AttentionKind::Fused },
 ];
 
 /// The names clap accepts for a configuration (case-insensitively).
@@ -46,6 +50,11 @@ impl Config {
             Some(c) => Ok(*c),
             None => bail!("no configuration `{name}`; pick one of {}", CONFIG_NAMES.join(", ")),
         }
+    }
+
+    /// The same configuration with its attention in form `attention`.
+    pub fn with_attention(self, attention: AttentionKind) -> Config {
+        Config { attention, ..self }
     }
 
     /// Heads of 64 features, as `BENCH.md` says (one for a model narrower than that).
@@ -71,13 +80,14 @@ impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{}: d={} heads={} layers={} batch={} seq={}",
+            "{}: d={} heads={} layers={} batch={} seq={} attention={}",
             self.name,
             self.dim,
             self.heads(),
             self.layers,
             self.batch,
-            self.seq
+            self.seq,
+            self.attention
         )
     }
 }
@@ -120,7 +130,8 @@ impl BenchModel {
                 // layer seeds its linear layers from `seed` to `seed + 3`.
                 let spec = DropoutSpec { p: 0.0, seed: 0, site: 2 * l as u32, step: step.clone() };
                 let name = format!("layer{l}");
-                TransformerLayer::new(&mut store, alloc, &name, (dim, config.heads()), &spec, 1 + 4 * l as u64, stream)
+                let attention = AttentionSpec::new(dim, config.heads()).kind(config.attention);
+                TransformerLayer::new(&mut store, alloc, &name, attention, &spec, 1 + 4 * l as u64, stream)
             })
             .collect::<graphed::Result<Vec<_>>>()?;
         let numel = batch * seq * dim;

@@ -23,7 +23,8 @@ pub struct KernelTime {
     /// whole, and cuBLASLt touches little or none of it.
     pub bytes: u64,
     /// For a GEMM, 2·m·n·k·batch (the epilogue's few operations per element are not counted);
-    /// none for other kernels.
+    /// for a kernel launched with [`Stream::launch_counting`](super::Stream::launch_counting),
+    /// what it declared (the fused attention's matrix products); none for other kernels.
     pub flops: Option<u64>,
     /// GPU µs between the timing events recorded just before and just after it; none on the
     /// simulator, which has no clock.

@@ -122,6 +122,33 @@ impl Stream {
     /// [`Error::KernelArgCount`] unless `args` has one argument per [`Kernel::params`], a buffer
     /// of another device, a view outside its buffer, or a capture error.
     pub fn launch(&self, kernel: &'static Kernel, dims: LaunchDims, args: &[Arg<'_>]) -> Result<()> {
+        self.launch_with_flops(kernel, dims, args, None)
+    }
+
+    /// As [`launch`](Stream::launch), declaring the floating-point operations the kernel
+    /// executes, which a profile ([`Stream::profile`]) reports as its
+    /// [`KernelTime::flops`](super::KernelTime::flops) for a TFLOP/s rate (GEMMs declare theirs
+    /// themselves).
+    ///
+    /// # Errors
+    /// As [`launch`](Stream::launch).
+    pub fn launch_counting(
+        &self,
+        kernel: &'static Kernel,
+        dims: LaunchDims,
+        args: &[Arg<'_>],
+        flops: u64,
+    ) -> Result<()> {
+        self.launch_with_flops(kernel, dims, args, Some(flops))
+    }
+
+    fn launch_with_flops(
+        &self,
+        kernel: &'static Kernel,
+        dims: LaunchDims,
+        args: &[Arg<'_>],
+        flops: Option<u64>,
+    ) -> Result<()> {
         self.inner.dev.check_err()?;
         check_arity(kernel, args)?;
         for a in args {
@@ -141,7 +168,7 @@ impl Stream {
                 }
             }
         }
-        self.enqueue_timed(&Op::Kernel { kernel, dims, args }, kernel.name, args, None)?;
+        self.enqueue_timed(&Op::Kernel { kernel, dims, args }, kernel.name, args, flops)?;
         self.enqueued(kernel.name, args)
     }
 

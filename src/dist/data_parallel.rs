@@ -324,7 +324,8 @@ mod tests {
             let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(8))?;
             let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
             let dropout = DropoutSpec { p: 0.0, seed: 1, site: 0, step };
-            let layer = TransformerLayer::new(&mut store, &alloc, "h0", (8, 2), &dropout, 0, &s)?;
+            let attention = crate::nn::AttentionSpec::new(8, 2).kind(crate::nn::AttentionKind::Unfused);
+            let layer = TransformerLayer::new(&mut store, &alloc, "h0", attention, &dropout, 0, &s)?;
             let stack = Stack::new(vec![layer]);
             let layer = &stack.layers()[0];
             let mlp_half = [layer.ln2.parameters(), layer.mlp.parameters()].concat();

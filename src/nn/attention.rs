@@ -1,19 +1,113 @@
-//! Causal multi-head self-attention, unfused as in the benchmark layer: a QKV projection; the
-//! heads of Q, K and V permuted from column blocks of the `(B·T, 3C)` activation into
-//! `(B, H, T, hd)` in one launch (`ops::heads::split_qkv`), so that one strided-batched GEMM covers every (batch element,
-//! head) pair; `scores = Q·Kᵀ`, a causal softmax with scale 1/√head_dim, `att = probs·V`, permuted
-//! back into `(B·T, C)`; and the output projection, which can add a residual in its GEMM. The
-//! 1/√head_dim scale rides in the score GEMM's alpha (and the gradient GEMMs'), so the softmax
-//! only masks and normalizes. A call costs a fixed number of launches, whatever the batch.
+//! Causal multi-head self-attention, in one of two forms ([`AttentionKind`]), around the same
+//! parameters: a QKV projection; the heads of Q, K and V permuted from column blocks of the
+//! `(B·T, 3C)` activation into `(B, H, T, hd)` in one launch (`ops::heads::split_qkv`); the
+//! attention proper; its output permuted back into `(B·T, C)`; and the output projection, which
+//! can add a residual in its GEMM. A call costs a fixed number of launches, whatever the batch.
+//!
+//! - [`AttentionKind::Fused`] (the default) runs [`ops::attention`](crate::ops::attention): one
+//!   kernel forward, keeping each query row's log-sum-exp, and three backward, recomputing the
+//!   probabilities tile by tile. Nothing of size `T × T` is ever allocated. It saves the input,
+//!   q, k, v, `att` (the attention output as rows, which the projection's weight gradient needs
+//!   anyway; the backward permutes it back into heads) and `lse`. Head widths of
+//!   [`HEAD_DIMS`](crate::ops::attention::HEAD_DIMS) only.
+//! - [`AttentionKind::Unfused`] is the benchmark layer of `BENCH.md`: `scores = Q·Kᵀ` in one
+//!   strided-batched GEMM over every (batch element, head) pair, a causal softmax, `att =
+//!   probs·V`. The 1/√head_dim scale rides in the score GEMM's alpha (and the gradient GEMMs'),
+//!   so the softmax only masks and normalizes. It saves the `T × T` probabilities, and runs any
+//!   head width but sequences of at most [`softmax::MAX_SEQ`].
+//!
+//! Attention dropout (nanoGPT's `attn_dropout`) drops attention probabilities in training, with
+//! the numbers of (seed, site, step) (Note [Graph-safe RNG] in `ops/rng.rs`): the unfused form
+//! runs [`ops::dropout`](crate::ops::dropout) on the `(B·H, T, T)` probabilities and keeps the
+//! mask; the fused kernels draw the same numbers for the same elements, so both forms drop the
+//! same probabilities. The fused backward recomputes the mask, so the fused forward snapshots the
+//! step counter (one `u64`) into its context: a later forward (another microbatch) may advance
+//! the counter before this backward runs.
 
 use super::layernorm::single_input;
-use super::{BiasGrad, Inputs, Linear, Module, Param, ParamStore, SaveHook, SavedTensor};
-use crate::device::Stream;
+use super::{BiasGrad, DropoutSpec, Inputs, Linear, Module, Param, ParamStore, SaveHook, SavedTensor};
+use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
+use crate::ops::attention::{self, AttentionDropout, ForwardSaved, HEAD_DIMS};
 use crate::ops::matmul::{matmul, Matmul};
-use crate::ops::{heads, softmax};
+use crate::ops::{dropout, heads, softmax};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
+
+/// How [`CausalSelfAttention`] computes `softmax(Q·Kᵀ/√hd + causal mask)·V`. Both forms have the
+/// same parameters, draw the same dropout and agree within rounding (the module docs say what
+/// each saves).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum AttentionKind {
+    /// The fused kernels of [`ops::attention`](crate::ops::attention) (FlashAttention-2's
+    /// algorithm): no `T × T` tensor, any sequence length, head widths of
+    /// [`HEAD_DIMS`](crate::ops::attention::HEAD_DIMS) only.
+    #[default]
+    Fused,
+    /// GEMMs around a causal softmax kernel, saving the `T × T` probabilities: any head width,
+    /// sequences of at most [`softmax::MAX_SEQ`](crate::ops::softmax::MAX_SEQ).
+    Unfused,
+}
+
+impl AttentionKind {
+    /// Both forms, the default first.
+    pub const ALL: [AttentionKind; 2] = [AttentionKind::Fused, AttentionKind::Unfused];
+
+    /// `fused` or `unfused`, as the command line spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Fused => "fused",
+            AttentionKind::Unfused => "unfused",
+        }
+    }
+
+    /// The form called `name` (`fused` or `unfused`).
+    pub fn named(name: &str) -> Option<AttentionKind> {
+        AttentionKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// Whether this form runs heads of `hd` features.
+    pub fn supports_head_dim(self, hd: usize) -> bool {
+        self == AttentionKind::Unfused || HEAD_DIMS.contains(&hd)
+    }
+}
+
+impl std::fmt::Display for AttentionKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The shape and form of a [`CausalSelfAttention`]: `dim` features in `heads` heads, computed
+/// as `kind` says. A `(dim, heads)` pair converts into the default (fused) form, so that
+/// `CausalSelfAttention::new(.., (dim, heads), ..)` reads as it always has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionSpec {
+    /// Model width.
+    pub dim: usize,
+    /// Attention heads; must divide `dim`.
+    pub heads: usize,
+    /// The form of the attention proper.
+    pub kind: AttentionKind,
+}
+
+impl AttentionSpec {
+    /// `dim` features in `heads` heads, in the default form.
+    pub fn new(dim: usize, heads: usize) -> AttentionSpec {
+        AttentionSpec { dim, heads, kind: AttentionKind::default() }
+    }
+
+    /// The same shape in form `kind`.
+    pub fn kind(self, kind: AttentionKind) -> AttentionSpec {
+        AttentionSpec { kind, ..self }
+    }
+}
+
+impl From<(usize, usize)> for AttentionSpec {
+    fn from((dim, heads): (usize, usize)) -> AttentionSpec {
+        AttentionSpec::new(dim, heads)
+    }
+}
 
 /// Causal self-attention over `(B, T, C)` inputs with `heads` heads of `C / heads` features.
 pub struct CausalSelfAttention {
@@ -24,18 +118,32 @@ pub struct CausalSelfAttention {
     /// `C → C`, the output projection.
     pub proj: Linear,
     heads: usize,
+    kind: AttentionKind,
+    /// Dropout on the probabilities, if any (p > 0).
+    dropout: Option<DropoutSpec>,
+    training: bool,
 }
 
 /// What the forward saves: the projections' inputs (x and att), the heads of q, k and v, and
-/// the attention probabilities.
+/// what the form needs besides (see the module docs).
 pub struct AttentionCtx {
     dims: Dims,
     x: SavedTensor,
     q: SavedTensor,
     k: SavedTensor,
     v: SavedTensor,
-    probs: SavedTensor,
     att: SavedTensor,
+    form: FormCtx,
+}
+
+/// What one form saves besides the common tensors.
+enum FormCtx {
+    /// The log-sum-exp `(B, H, T)` f32, and the step counter's value at the forward when it
+    /// dropped (a one-element `u64` copy).
+    Fused { lse: SavedTensor, step: Option<Tensor> },
+    /// The probabilities `(B, H, T, T)` before dropout, and the dropout mask (`u8`, same shape)
+    /// when it dropped.
+    Unfused { probs: SavedTensor, mask: Option<Tensor> },
 }
 
 /// Batch, sequence, heads and head width of one call.
@@ -51,6 +159,16 @@ impl Dims {
     /// `(B, H, T, hd)`, the layout of the heads.
     fn head_shape(&self) -> [usize; 4] {
         [self.batch, self.heads, self.seq, self.hd]
+    }
+
+    /// `(B, H, T)`, the layout of per-row terms (the log-sum-exp).
+    fn row_shape(&self) -> [usize; 3] {
+        [self.batch, self.heads, self.seq]
+    }
+
+    /// `(B, H, T, T)`, the layout of the unfused form's scores and probabilities.
+    fn square_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.seq, self.seq]
     }
 
     /// Every (batch element, head) pair: the batch of the attention GEMMs.
@@ -74,35 +192,81 @@ fn batched(
     matmul(Matmul { batch, alpha, trans_a, trans_b, ..Matmul::new(c, a, b, (m, n, k)) }, stream)
 }
 
+/// Why the fused form refuses a head width, in a user's words.
+pub(crate) const FUSED_HEAD_DIMS_WHY: &str = "fused attention runs heads of 32, 64 or 128 features; pick a head \
+     count that gives one of them, or the unfused form (AttentionKind::Unfused, `--attention unfused`)";
+
 impl CausalSelfAttention {
     /// The parameters attention on `dim` features adds to its store (QKV and output projection).
     pub fn parameter_count(dim: usize) -> usize {
         Linear::parameter_count((dim, 3 * dim)) + Linear::parameter_count((dim, dim))
     }
 
-    /// Attention on `dim` features in `heads` heads (`dim` a multiple of `heads`): `{name}.qkv`
-    /// initialized from `seed`, `{name}.proj` from `seed + 1`.
+    /// Attention of `spec`'s shape and form (a `(dim, heads)` pair gives the fused form), with
+    /// `dim` a multiple of `heads`: `{name}.qkv` initialized from `seed`, `{name}.proj` from
+    /// `seed + 1`. No attention dropout unless [`with_dropout`](Self::with_dropout) adds it.
     ///
     /// # Errors
-    /// [`Error::Shape`] unless `heads` divides `dim` (both nonzero).
+    /// [`Error::Shape`] unless `heads` divides `dim` (both nonzero); [`Error::Unsupported`] for
+    /// the fused form with a head width outside
+    /// [`HEAD_DIMS`](crate::ops::attention::HEAD_DIMS); both before anything is allocated.
     pub fn new(
         store: &mut ParamStore,
         alloc: &CachingAllocator,
         name: &str,
-        (dim, heads): (usize, usize),
+        spec: impl Into<AttentionSpec>,
         seed: u64,
         stream: &Stream,
     ) -> Result<CausalSelfAttention> {
+        const OP: &str = "CausalSelfAttention::new";
+        let AttentionSpec { dim, heads, kind } = spec.into();
         if heads == 0 || dim == 0 || dim % heads != 0 {
             return Err(Error::Shape {
-                op: "CausalSelfAttention::new",
+                op: OP,
                 expected: "a nonzero width divisible by the number of heads".into(),
                 found: vec![dim, heads],
             });
         }
+        if !kind.supports_head_dim(dim / heads) {
+            return Err(Error::Unsupported { op: OP, backend: "any", why: FUSED_HEAD_DIMS_WHY });
+        }
         let qkv = Linear::new(store, alloc, &format!("{name}.qkv"), (dim, 3 * dim), seed, stream)?;
         let proj = Linear::new(store, alloc, &format!("{name}.proj"), (dim, dim), seed.wrapping_add(1), stream)?;
-        Ok(CausalSelfAttention { name: name.to_string(), alloc: alloc.clone(), qkv, proj, heads })
+        Ok(CausalSelfAttention {
+            name: name.to_string(),
+            alloc: alloc.clone(),
+            qkv,
+            proj,
+            heads,
+            kind,
+            dropout: None,
+            training: true,
+        })
+    }
+
+    /// The same attention with dropout on its probabilities drawn from `spec` (none when
+    /// `spec.p` is 0): give it a site no other dropout uses.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] unless `0 ≤ p < 1`; [`Error::Shape`] unless the step is one element.
+    pub fn with_dropout(mut self, spec: &DropoutSpec) -> Result<CausalSelfAttention> {
+        const OP: &str = "CausalSelfAttention::with_dropout";
+        if !(0.0..1.0).contains(&spec.p) {
+            return Err(Error::Unsupported { op: OP, backend: "any", why: "the drop probability p must be in [0, 1)" });
+        }
+        spec.step.expect_shape(OP, &[1])?;
+        self.dropout = (spec.p > 0.0).then(|| spec.clone());
+        Ok(self)
+    }
+
+    /// The form it computes in.
+    pub fn kind(&self) -> AttentionKind {
+        self.kind
+    }
+
+    /// The dropout it draws in this forward, if any (training with p > 0).
+    fn active_dropout(&self) -> Option<&DropoutSpec> {
+        self.dropout.as_ref().filter(|_| self.training)
     }
 
     fn dims(&self, op: &'static str, x: &Tensor) -> Result<Dims> {
@@ -111,6 +275,10 @@ impl CausalSelfAttention {
             [batch, seq, width] if width == c => Ok(Dims { batch, seq, heads: self.heads, hd: c / self.heads }),
             _ => Err(Error::Shape { op, expected: format!("(B, T, {c})"), found: x.shape().to_vec() }),
         }
+    }
+
+    fn heads(&self, d: &Dims, dtype: DType, stream: &Stream) -> Result<Tensor> {
+        Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype)
     }
 }
 
@@ -132,16 +300,14 @@ impl CausalSelfAttention {
         }
         let rows = x.reshape(&[bt, c])?;
         let qkv = self.qkv.forward_with(&rows, None, stream)?;
-        let head = || Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype);
-        let (q, k, v) = (head()?, head()?, head()?);
+        let (q, k, v) =
+            (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
         heads::split_qkv(&q, &k, &v, &qkv, stream)?;
-        let tt = [d.batch, d.heads, d.seq, d.seq];
-        let (scores, probs) =
-            (Tensor::uninit(&self.alloc, stream, &tt, dtype)?, Tensor::uninit(&self.alloc, stream, &tt, dtype)?);
-        batched(stream, (&scores, &q, &k), (d.seq, d.seq, d.hd), (d.pairs(), d.scale()), (false, true))?;
-        softmax::softmax_causal_forward(&probs, &scores, stream)?;
-        let att_heads = Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype)?;
-        batched(stream, (&att_heads, &probs, &v), (d.seq, d.hd, d.seq), (d.pairs(), 1.0), (false, false))?;
+        let att_heads = self.heads(&d, dtype, stream)?;
+        let form = match self.kind {
+            AttentionKind::Fused => self.fused_forward(&d, &att_heads, (&q, &k, &v), stream)?,
+            AttentionKind::Unfused => self.unfused_forward(&d, &att_heads, (&q, &k, &v), stream)?,
+        };
         let att = Tensor::uninit(&self.alloc, stream, &[bt, c], dtype)?;
         heads::rows_from_heads(&att, 0, &att_heads, stream)?;
         let residual = residual.map(|r| r.reshape(&[bt, c])).transpose()?;
@@ -149,10 +315,70 @@ impl CausalSelfAttention {
         hook.open_group(&self.name)?;
         let x = hook.save("input", rows, stream)?;
         let (q, k, v) = (hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?);
-        let probs = hook.save("probs", probs, stream)?;
+        let form = match form {
+            Unsaved::Fused { lse, step } => FormCtx::Fused { lse: hook.save("lse", lse, stream)?, step },
+            Unsaved::Unfused { probs, mask } => FormCtx::Unfused { probs: hook.save("probs", probs, stream)?, mask },
+        };
         let att = hook.save("att", att, stream)?;
         hook.commit_group(&self.name, stream)?;
-        Ok((y.reshape(&[d.batch, d.seq, c])?, AttentionCtx { dims: d, x, q, k, v, probs, att }))
+        Ok((y.reshape(&[d.batch, d.seq, c])?, AttentionCtx { dims: d, x, q, k, v, att, form }))
+    }
+
+    /// The fused attention into `out` (heads), with the log-sum-exp and the step snapshot.
+    fn fused_forward(
+        &self,
+        d: &Dims,
+        out: &Tensor,
+        qkv: (&Tensor, &Tensor, &Tensor),
+        stream: &Stream,
+    ) -> Result<Unsaved> {
+        let lse = Tensor::uninit(&self.alloc, stream, &d.row_shape(), DType::F32)?;
+        let step = match self.active_dropout() {
+            Some(spec) => {
+                let snapshot = Tensor::uninit(&self.alloc, stream, &[1], DType::U64)?;
+                stream.copy_d2d(spec.step.view::<u64>()?, snapshot.view::<u64>()?)?;
+                Some(snapshot)
+            }
+            None => None,
+        };
+        attention::attention_forward(out, &lse, qkv, self.kernel_dropout(step.as_ref()), stream)?;
+        Ok(Unsaved::Fused { lse, step })
+    }
+
+    /// The kernels' dropout, reading the step counter `step` (the forward's snapshot).
+    fn kernel_dropout<'a>(&self, step: Option<&'a Tensor>) -> Option<AttentionDropout<'a>> {
+        let (spec, step) = (self.dropout.as_ref()?, step?);
+        Some(AttentionDropout { p: spec.p, seed: spec.seed, site: spec.site, step })
+    }
+
+    /// Scores, causal softmax, dropout and `probs·V` into `out` (heads).
+    fn unfused_forward(
+        &self,
+        d: &Dims,
+        out: &Tensor,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        stream: &Stream,
+    ) -> Result<Unsaved> {
+        let dtype = q.dtype();
+        let square = || Tensor::uninit(&self.alloc, stream, &d.square_shape(), dtype);
+        let (scores, probs) = (square()?, square()?);
+        batched(stream, (&scores, q, k), (d.seq, d.seq, d.hd), (d.pairs(), d.scale()), (false, true))?;
+        softmax::softmax_causal_forward(&probs, &scores, stream)?;
+        drop(scores);
+        let pv = (d.seq, d.hd, d.seq);
+        let mask = match self.active_dropout() {
+            Some(spec) => {
+                let (dropped, mask) = (square()?, Tensor::uninit(&self.alloc, stream, &d.square_shape(), DType::U8)?);
+                dropout::dropout_forward(&dropped, &mask, &probs, spec.p, spec.seed, spec.site, &spec.step, stream)?;
+                batched(stream, (out, &dropped, v), pv, (d.pairs(), 1.0), (false, false))?;
+                Some(mask)
+            }
+            None => {
+                batched(stream, (out, &probs, v), pv, (d.pairs(), 1.0), (false, false))?;
+                None
+            }
+        };
+        Ok(Unsaved::Unfused { probs, mask })
     }
 
     /// The input gradient from the output gradient `dy`; parameter gradients `+=`, the output
@@ -170,28 +396,82 @@ impl CausalSelfAttention {
         dy.expect_shape(OP, &[d.batch, d.seq, c])?;
         let dy = dy.reshape(&[bt, c])?;
         let datt = self.proj.data_grad(&dy, stream)?;
-        self.proj.weight_grads(&dy, &ctx.att.take(stream)?, proj_bias, stream)?;
-        let (q, k, v, probs) =
-            (&ctx.q.take(stream)?, &ctx.k.take(stream)?, &ctx.v.take(stream)?, &ctx.probs.take(stream)?);
-        let heads = || Tensor::uninit(&self.alloc, stream, &d.head_shape(), dtype);
-        let datt_heads = heads()?;
+        let att = ctx.att.take(stream)?;
+        self.proj.weight_grads(&dy, &att, proj_bias, stream)?;
+        let (q, k, v) = (&ctx.q.take(stream)?, &ctx.k.take(stream)?, &ctx.v.take(stream)?);
+        let datt_heads = self.heads(&d, dtype, stream)?;
         heads::heads_from_rows(&datt_heads, &datt, 0, stream)?;
-        let tt = [d.batch, d.heads, d.seq, d.seq];
-        let (dprobs, dscores) =
-            (Tensor::uninit(&self.alloc, stream, &tt, dtype)?, Tensor::uninit(&self.alloc, stream, &tt, dtype)?);
-        let (t, hd, pairs, scale) = (d.seq, d.hd, d.pairs(), d.scale());
-        let (dq, dk, dv) = (heads()?, heads()?, heads()?);
-        batched(stream, (&dprobs, &datt_heads, v), (t, t, hd), (pairs, 1.0), (false, true))?;
-        batched(stream, (&dv, probs, &datt_heads), (t, hd, t), (pairs, 1.0), (true, false))?;
-        softmax::softmax_causal_backward(&dscores, probs, &dprobs, stream)?;
-        batched(stream, (&dq, &dscores, k), (t, hd, t), (pairs, scale), (false, false))?;
-        batched(stream, (&dk, &dscores, q), (t, hd, t), (pairs, scale), (true, false))?;
+        let (dq, dk, dv) =
+            (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
+        match ctx.form {
+            FormCtx::Fused { lse, step } => {
+                let out = self.heads(&d, dtype, stream)?;
+                heads::heads_from_rows(&out, &att, 0, stream)?;
+                drop(att);
+                let lse = lse.take(stream)?;
+                let delta = Tensor::uninit(&self.alloc, stream, &d.row_shape(), DType::F32)?;
+                let saved = ForwardSaved { q, k, v, out: &out, lse: &lse };
+                let dropout = self.kernel_dropout(step.as_ref());
+                attention::attention_backward((&dq, &dk, &dv), &datt_heads, saved, &delta, dropout, stream)?;
+            }
+            FormCtx::Unfused { probs, mask } => {
+                drop(att);
+                let probs = probs.take(stream)?;
+                self.unfused_backward(&d, (&dq, &dk, &dv), &datt_heads, (q, k, v), &probs, mask.as_ref(), stream)?;
+            }
+        }
         let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dtype)?;
         heads::merge_qkv(&dqkv, &dq, &dk, &dv, stream)?;
         let dx = self.qkv.data_grad(&dqkv, stream)?;
         self.qkv.weight_grads(&dqkv, &ctx.x.take(stream)?, BiasGrad::Compute, stream)?;
         dx.reshape(&[d.batch, d.seq, c])
     }
+
+    /// The unfused form's gradients of q, k and v: through `probs·V`, the dropout (its mask
+    /// applied to the gradient, and to the probabilities again for `dV`), and the softmax.
+    #[allow(clippy::too_many_arguments)] // gradients, upstream gradient, inputs, saved tensors, stream
+    fn unfused_backward(
+        &self,
+        d: &Dims,
+        (dq, dk, dv): (&Tensor, &Tensor, &Tensor),
+        datt: &Tensor,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        probs: &Tensor,
+        mask: Option<&Tensor>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (t, hd, pairs, scale) = (d.seq, d.hd, d.pairs(), d.scale());
+        let square = || Tensor::uninit(&self.alloc, stream, &d.square_shape(), probs.dtype());
+        let dprobs = square()?;
+        batched(stream, (&dprobs, datt, v), (t, t, hd), (pairs, 1.0), (false, true))?;
+        let dprobs = match (mask, self.dropout.as_ref()) {
+            (Some(mask), Some(spec)) => {
+                // The dropped probabilities `mask·probs/(1 − p)`, bitwise as the forward's
+                // (both scale in f32 and round once), for dV; then the mask on the gradient.
+                let dropped = square()?;
+                dropout::dropout_backward(&dropped, probs, mask, spec.p, stream)?;
+                batched(stream, (dv, &dropped, datt), (t, hd, t), (pairs, 1.0), (true, false))?;
+                drop(dropped);
+                let dkept = square()?;
+                dropout::dropout_backward(&dkept, &dprobs, mask, spec.p, stream)?;
+                dkept
+            }
+            _ => {
+                batched(stream, (dv, probs, datt), (t, hd, t), (pairs, 1.0), (true, false))?;
+                dprobs
+            }
+        };
+        let dscores = square()?;
+        softmax::softmax_causal_backward(&dscores, probs, &dprobs, stream)?;
+        batched(stream, (dq, &dscores, k), (t, hd, t), (pairs, scale), (false, false))?;
+        batched(stream, (dk, &dscores, q), (t, hd, t), (pairs, scale), (true, false))
+    }
+}
+
+/// A form's tensors before they pass through the save hook.
+enum Unsaved {
+    Fused { lse: Tensor, step: Option<Tensor> },
+    Unfused { probs: Tensor, mask: Option<Tensor> },
 }
 
 impl Module for CausalSelfAttention {
@@ -219,9 +499,16 @@ impl Module for CausalSelfAttention {
         self.qkv.splits_dw() || self.proj.splits_dw()
     }
 
+    fn draws_from(&self) -> Option<&Tensor> {
+        self.active_dropout().map(|spec| &spec.step)
+    }
+
     fn parameters(&self) -> Vec<&Param> {
         [self.qkv.parameters(), self.proj.parameters()].concat()
     }
 
-    fn set_training(&mut self, _training: bool) {}
+    /// Turns its attention dropout on or off.
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
 }

@@ -3,8 +3,8 @@
 //! launch updates them all.
 
 use super::{
-    input_grad, DropoutSpec, Embedding, Inputs, KeepOnDevice, LayerNorm, LayerNormCtx, LmHead, LmHeadCtx, Module,
-    ParamStore, SaveHook, Stack, StackCtx, TransformerLayer,
+    input_grad, AttentionKind, AttentionSpec, DropoutSpec, Embedding, Inputs, KeepOnDevice, LayerNorm, LayerNormCtx,
+    LmHead, LmHeadCtx, Module, ParamStore, SaveHook, Stack, StackCtx, TransformerLayer,
 };
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
@@ -24,7 +24,11 @@ pub struct GptConfig {
     pub layers: usize,
     /// Attention heads per layer.
     pub heads: usize,
-    /// Dropout probability (0: none).
+    /// The form of the layers' attention (fused: head widths 32, 64 or 128, any length;
+    /// unfused: any head width, at most `softmax::MAX_SEQ` positions).
+    pub attention: AttentionKind,
+    /// Dropout probability (0: none), after each residual branch and on the attention
+    /// probabilities.
     pub dropout: f32,
     /// Seed of the initialization and of dropout.
     pub seed: u64,
@@ -49,14 +53,22 @@ impl GptConfig {
     /// Checks that the kernels can run this model, before anything is allocated: the width
     /// within LayerNorm's rows and a multiple of 2 (the MLP's 4·width rows are the aux matrix of
     /// a cuBLASLt epilogue, whose rows are a multiple of 8 elements), the heads dividing it, a
-    /// sequence within the causal softmax's rows, and every parameter addressable by the
-    /// optimizer's kernel. [`Gpt::new`] calls it.
+    /// head width the fused attention runs (fused) or a sequence within the causal softmax's rows
+    /// (unfused), and every parameter addressable by the optimizer's kernel. [`Gpt::new`] calls
+    /// it.
     ///
     /// ```
     /// use graphed::device::DType;
-    /// use graphed::nn::GptConfig;
-    /// let config = GptConfig { vocab: 16, max_len: 8, dim: 3, layers: 1, heads: 1, dropout: 0.0, seed: 0, dtype: DType::F32 };
+    /// use graphed::nn::{AttentionKind, GptConfig};
+    /// let config = GptConfig {
+    ///     vocab: 16, max_len: 8, dim: 3, layers: 1, heads: 1, attention: AttentionKind::Fused,
+    ///     dropout: 0.0, seed: 0, dtype: DType::F32,
+    /// };
     /// assert_eq!(config.validate().unwrap_err().field, "dim");
+    /// // Heads of 16 features: only the unfused attention runs them.
+    /// let narrow = GptConfig { dim: 32, heads: 2, ..config };
+    /// assert!(narrow.validate().unwrap_err().why.contains("--attention unfused"));
+    /// assert!(GptConfig { attention: AttentionKind::Unfused, ..narrow }.validate().is_ok());
     /// ```
     ///
     /// # Errors
@@ -83,11 +95,33 @@ impl GptConfig {
         if self.heads == 0 || !self.dim.is_multiple_of(self.heads) {
             return limit("heads", self.heads, format!("the heads must divide the width {}", self.dim));
         }
-        if self.max_len == 0 || self.max_len > max_seq {
+        let hd = self.dim / self.heads;
+        if !self.attention.supports_head_dim(hd) {
+            let dims = crate::ops::attention::HEAD_DIMS;
+            let fits: Vec<String> =
+                dims.iter().filter(|&&d| self.dim.is_multiple_of(d)).map(|&d| (self.dim / d).to_string()).collect();
+            let counts = if fits.is_empty() { String::new() } else { format!(" ({} here)", fits.join(", ")) };
+            return limit(
+                "heads",
+                self.heads,
+                format!(
+                    "{} heads of {hd} features: the fused attention runs heads of {dims:?} features; pick a head \
+                     count that gives one of them{counts}, or `--attention unfused`",
+                    self.heads
+                ),
+            );
+        }
+        if self.max_len == 0 {
+            return limit("max_len", self.max_len, "sequences must have at least 1 position".into());
+        }
+        if self.attention == AttentionKind::Unfused && self.max_len > max_seq {
             return limit(
                 "max_len",
                 self.max_len,
-                format!("sequences must be 1 to {max_seq} positions (the causal softmax keeps a row in registers)"),
+                format!(
+                    "the unfused attention runs sequences of 1 to {max_seq} positions (the causal softmax keeps a \
+                     row in registers); use `--attention fused`"
+                ),
             );
         }
         if self.vocab == 0 || self.layers == 0 {
@@ -105,26 +139,34 @@ impl GptConfig {
     }
 
     /// Checks that a batch of `batch` sequences of `max_len` fits the kernels' sizes (every
-    /// tensor under 2^32 elements: the attention scores `batch·heads·max_len²`, the MLP's
-    /// activations, the logits), after [`validate`](GptConfig::validate).
+    /// tensor under 2^32 elements: the unfused attention's scores `batch·heads·max_len²`, the
+    /// MLP's activations, the logits), after [`validate`](GptConfig::validate).
     ///
     /// # Errors
     /// [`ConfigLimit`] on `batch`.
     pub fn validate_batch(&self, batch: usize) -> std::result::Result<(), ConfigLimit> {
         self.validate()?;
         let rows = batch.checked_mul(self.max_len);
+        let scores = match self.attention {
+            AttentionKind::Unfused => self.heads * self.max_len,
+            AttentionKind::Fused => 0,
+        };
         let tensors = [
-            ("the attention scores", self.heads * self.max_len, format!("batch·{}·{}²", self.heads, self.max_len)),
+            ("the attention scores", scores, format!("batch·{}·{}²", self.heads, self.max_len)),
             ("the MLP's activations", 4 * self.dim, format!("batch·{}·{}", self.max_len, 4 * self.dim)),
             ("the logits", self.vocab, format!("batch·{}·{}", self.max_len, self.vocab)),
         ];
-        let too_big = tensors.into_iter().find(|(_, per_row, _)| {
+        // The fused attention has no scores (a width of 0 per row: skipped).
+        let too_big = tensors.into_iter().filter(|(_, per_row, _)| *per_row > 0).find(|(_, per_row, _)| {
             rows.and_then(|r| r.checked_mul(*per_row)).is_none_or(|n| u32::try_from(n).is_err())
         });
         let why = match (batch, too_big) {
             (0, _) => "the batch must be at least 1".to_string(),
             (_, Some((what, _, size))) => {
-                format!("{what} would have {size} elements, and every tensor must stay under 2^32; use a smaller batch")
+                let fused = if what == "the attention scores" { " or `--attention fused`" } else { "" };
+                format!(
+                    "{what} would have {size} elements, and every tensor must stay under 2^32; use a smaller batch{fused}"
+                )
             }
             (_, None) => return Ok(()),
         };
@@ -189,7 +231,7 @@ impl Gpt {
                 &mut store,
                 alloc,
                 &format!("h{l}"),
-                (c, config.heads),
+                AttentionSpec::new(c, config.heads).kind(config.attention),
                 &dropout,
                 layer_seed,
                 stream,

@@ -30,7 +30,7 @@ mod schedule;
 mod stack;
 mod transformer;
 
-pub use attention::{AttentionCtx, CausalSelfAttention};
+pub use attention::{AttentionCtx, AttentionKind, AttentionSpec, CausalSelfAttention};
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;
 pub use gpt::{ConfigLimit, Gpt, GptConfig, GptCtx, HeadCtx};
@@ -203,6 +203,18 @@ pub trait Module: Send + Sync {
 
     /// Turns training behaviour (dropout) on or off.
     fn set_training(&mut self, training: bool);
+}
+
+/// The first dropout site of the attention dropouts: a [`TransformerLayer`] whose residual
+/// dropouts draw at sites `s` and `s + 1` (below this) draws its attention dropout at
+/// `ATTENTION_DROPOUT_SITES + s`, so that no attention dropout shares a site, and so its numbers,
+/// with a residual dropout (Note [Graph-safe RNG] in `ops/rng.rs`).
+pub const ATTENTION_DROPOUT_SITES: u32 = 1 << 31;
+
+/// The attention dropout's site of a layer whose residual dropouts start at `site`
+/// ([`ATTENTION_DROPOUT_SITES`]` + site`); `None` when `site` is in the attention range.
+pub fn attention_dropout_site(site: u32) -> Option<u32> {
+    (site < ATTENTION_DROPOUT_SITES).then_some(ATTENTION_DROPOUT_SITES + site)
 }
 
 /// The gradient of a module's one input, from its `backward`'s result.

@@ -1,5 +1,6 @@
 //! One pre-LayerNorm GPT layer (the benchmark layer):
-//! `h = x + Drop(Attn(LN1(x)))`, `y = h + Drop(MLP(LN2(h)))`.
+//! `h = x + Drop(Attn(LN1(x)))`, `y = h + Drop(MLP(LN2(h)))`, with dropout on the attention
+//! probabilities too (nanoGPT's `attn_dropout`), all three of one probability.
 //! When a dropout is the identity (p = 0 or evaluation), its residual add rides in the branch's
 //! last GEMM as its C. The backward adds the gradient that reaches each residual stream through
 //! its branch to the one that skips it: `dh = dy + dLN2(h)`, `dx = dh + dLN1(x)`.
@@ -9,8 +10,8 @@ use super::dropout::DropoutCtx;
 use super::layernorm::{single_input, LayerNormCtx};
 use super::mlp::MlpCtx;
 use super::{
-    input_grad, BiasGrad, CausalSelfAttention, Dropout, DropoutSpec, GradHook, Inputs, LayerNorm, Mlp, Module,
-    NoGradHook, Param, ParamStore, SaveHook,
+    attention_dropout_site, input_grad, AttentionSpec, BiasGrad, CausalSelfAttention, Dropout, DropoutSpec, GradHook,
+    Inputs, LayerNorm, Mlp, Module, NoGradHook, Param, ParamStore, SaveHook,
 };
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
@@ -52,18 +53,21 @@ impl TransformerLayer {
         2 * LayerNorm::parameter_count(dim) + CausalSelfAttention::parameter_count(dim) + Mlp::parameter_count(dim)
     }
 
-    /// A layer on `dim` features in `heads` heads; parameters `{name}.ln1`, `{name}.attn.qkv`,
+    /// A layer on `dim` features in `heads` heads, its attention in `attention`'s form (a
+    /// `(dim, heads)` pair gives the fused form); parameters `{name}.ln1`, `{name}.attn.qkv`,
     /// `{name}.attn.proj`, `{name}.ln2`, `{name}.mlp.fc1`, `{name}.mlp.fc2`, the linear ones from
-    /// `seed`..`seed + 3`. Its dropouts draw at sites `dropout.site` and `dropout.site + 1`, so
-    /// give consecutive layers sites two apart.
+    /// `seed`..`seed + 3`. Its residual dropouts draw at sites `dropout.site` and
+    /// `dropout.site + 1`, so give consecutive layers sites two apart; its attention dropout (same
+    /// `p`) at [`attention_dropout_site`]`(dropout.site)`, in a range of its own.
     ///
     /// # Errors
-    /// As [`CausalSelfAttention::new`] and [`Dropout::new`]; [`Error::Shape`] if the store is full.
+    /// As [`CausalSelfAttention::new`] and [`Dropout::new`]; [`Error::Shape`] if the store is full;
+    /// [`Error::Unsupported`] for a site of `2^31` or more.
     pub fn new(
         store: &mut ParamStore,
         alloc: &CachingAllocator,
         name: &str,
-        (dim, heads): (usize, usize),
+        attention: impl Into<AttentionSpec>,
         dropout: &DropoutSpec,
         seed: u64,
         stream: &Stream,
@@ -73,10 +77,20 @@ impl TransformerLayer {
             backend: "any",
             why: "the dropout site must leave room for a second site",
         })?;
+        let attention = attention.into();
+        let dim = attention.dim;
+        let attn_site = attention_dropout_site(dropout.site).ok_or(Error::Unsupported {
+            op: "TransformerLayer::new",
+            backend: "any",
+            why: "the dropout site must be below 2^31 (the sites from 2^31 up are the attention dropouts')",
+        })?;
+        let ln1 = LayerNorm::new(store, alloc, &format!("{name}.ln1"), dim, stream)?;
+        let attn = CausalSelfAttention::new(store, alloc, &format!("{name}.attn"), attention, seed, stream)?
+            .with_dropout(&DropoutSpec { site: attn_site, ..dropout.clone() })?;
         Ok(TransformerLayer {
             alloc: alloc.clone(),
-            ln1: LayerNorm::new(store, alloc, &format!("{name}.ln1"), dim, stream)?,
-            attn: CausalSelfAttention::new(store, alloc, &format!("{name}.attn"), (dim, heads), seed, stream)?,
+            ln1,
+            attn,
             ln2: LayerNorm::new(store, alloc, &format!("{name}.ln2"), dim, stream)?,
             mlp: Mlp::new(store, alloc, &format!("{name}.mlp"), dim, seed.wrapping_add(2), stream)?,
             drop1: Dropout::new(alloc, dropout)?,
@@ -186,7 +200,7 @@ impl Module for TransformerLayer {
     }
 
     fn draws_from(&self) -> Option<&Tensor> {
-        self.drop1.draws_from().or_else(|| self.drop2.draws_from())
+        self.drop1.draws_from().or_else(|| self.drop2.draws_from()).or_else(|| self.attn.draws_from())
     }
 
     fn parameters(&self) -> Vec<&Param> {
@@ -194,6 +208,7 @@ impl Module for TransformerLayer {
     }
 
     fn set_training(&mut self, training: bool) {
+        self.attn.set_training(training);
         self.drop1.set_training(training);
         self.drop2.set_training(training);
     }

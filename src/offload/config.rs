@@ -6,7 +6,11 @@ use crate::{Error, Result};
 /// The saved tensors offloaded by default, as `module.tensor` selectors (the module is the last
 /// part of a site's name: `layer3.attn` is an `attn`): the attention's input (the first
 /// LayerNorm's output), q, k, v, its output (the projection's input), and the MLP's input (the
-/// second LayerNorm's output). Never the `(B, heads, T, T)` softmax, 1 GiB per layer at `L`.
+/// second LayerNorm's output): what both attention forms save
+/// ([`AttentionKind`](crate::nn::AttentionKind)). Besides these, the fused attention saves
+/// `attn.lse` (f32 `(B, heads, T)`, a `1/head_dim` of q's elements: not worth a copy by default)
+/// and the unfused one `attn.probs`, the `(B, heads, T, T)` softmax (1 GiB per layer at `L`,
+/// never by default); either may be listed explicitly, for the form that saves it.
 pub const DEFAULT_SITES: [&str; 6] = ["attn.input", "attn.q", "attn.k", "attn.v", "attn.att", "mlp.input"];
 
 /// What the automatic policy chooses from: the default sites, the MLP's pre-activation and
@@ -139,8 +143,18 @@ impl OffloadConfig {
             saved.map(|(site, name)| format!("{}.{name}", site.rsplit('.').next().unwrap_or(site))).collect();
         known.sort();
         known.dedup();
+        let hint = match bad.rsplit('.').next() {
+            Some("probs") if known.iter().any(|k| k.ends_with(".lse")) => {
+                "; the fused attention keeps no probabilities (the unfused one does: `--attention unfused`)"
+            }
+            Some("lse") if known.iter().any(|k| k.ends_with(".probs")) => {
+                "; only the fused attention saves a log-sum-exp (`--attention fused`)"
+            }
+            _ => "",
+        };
         let what = format!(
-            "site selector `{bad}` selects no tensor the model saves; it saves {} (or `module.*` for all of a module's)",
+            "site selector `{bad}` selects no tensor the model saves; it saves {} (or `module.*` for all of a \
+             module's){hint}",
             known.join(", ")
         );
         Some(Error::Offload(OffloadErrorKind::Config { what }))

@@ -52,16 +52,16 @@ impl Inner {
 /// let dev = Device::sim();
 /// let (main, side, ready) = (dev.stream()?, dev.stream()?, dev.event()?);
 /// let alloc = CachingAllocator::new(&dev);
-/// let mut store = ParamStore::new(&alloc, &main, 3 * TransformerLayer::parameter_count(16))?;
+/// let mut store = ParamStore::new(&alloc, &main, 3 * TransformerLayer::parameter_count(32))?;
 /// let step = Tensor::zeros(&alloc, &main, &[1], DType::U64)?;
 /// let mut layers = Vec::new();
 /// for l in 0..3u32 {
 ///     let dropout = DropoutSpec { p: 0.0, seed: 7, site: 2 * l, step: step.clone() };
-///     layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (16, 2), &dropout, l.into(), &main)?);
+///     layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 1), &dropout, l.into(), &main)?);
 /// }
 /// let stack = Stack::new(layers);
-/// let x = Tensor::zeros(&alloc, &main, &[2, 4, 16], DType::F32)?;
-/// let dy = Tensor::zeros(&alloc, &main, &[2, 4, 16], DType::F32)?;
+/// let x = Tensor::zeros(&alloc, &main, &[2, 4, 32], DType::F32)?;
+/// let dy = Tensor::zeros(&alloc, &main, &[2, 4, 32], DType::F32)?;
 ///
 /// let offload = OffloadManager::new(&alloc, OffloadConfig::default().min_elements(64))?;
 /// // The warmup iteration records what every module saves; `end_iteration` freezes the policy.

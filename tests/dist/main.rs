@@ -39,7 +39,7 @@ fn model(dev: &Device, split_dw: bool) -> graphed::Result<Model> {
     let mut layers = Vec::new();
     for l in 0..3u32 {
         let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l, step: step.clone() };
-        let mut layer = TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 4), &dropout, l.into(), &s)?;
+        let mut layer = TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 1), &dropout, l.into(), &s)?;
         for linear in [&mut layer.attn.qkv, &mut layer.attn.proj, &mut layer.mlp.fc1, &mut layer.mlp.fc2] {
             linear.set_split_dw(split_dw);
         }
@@ -229,7 +229,7 @@ fn a_layer_that_tells_its_gradients_final_too_early_is_caught_by_the_checker() -
         let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(32))?;
         let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
         let dropout = DropoutSpec { p: 0.0, seed: 1, site: 0, step };
-        let layer = TransformerLayer::new(&mut store, &alloc, "h0", (32, 4), &dropout, 0, &s)?;
+        let layer = TransformerLayer::new(&mut store, &alloc, "h0", (32, 1), &dropout, 0, &s)?;
         let stack = Stack::new(vec![TellsEarly(layer)]);
         let dp = DataParallel::for_stack(c, &store, &stack)?;
         let x = Tensor::from_host(&alloc, &s, &[0.25f32; 2 * 8 * 32], &[2, 8, 32])?;

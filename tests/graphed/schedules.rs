@@ -77,7 +77,7 @@ fn scheduled_twin(dev: &Device, schedule: &Schedule, dtype: DType, reuse: bool) 
 /// output gradients (one backward at a time).
 pub fn all_forward_then_backward_matches_eager(dev: &Device) -> Result {
     let (without, with) = scheduled_twins(dev, &Schedule::all_forward_then_backward(2, 3)?, DType::F32)?;
-    // 2 layers × 3 microbatches; inputs and output gradients of one [2, 4, 16] f32 tensor each.
+    // 2 layers × 3 microbatches; inputs and output gradients of one [2, 4, 32] f32 tensor each.
     let each = SHAPE.iter().product::<usize>() * 4;
     ensure!(without == 12 * each && with == 6 * each + 2 * each, "static bytes {without} without reuse, {with} with");
     Ok(())

@@ -18,7 +18,8 @@ pub use super::common::lcg;
 pub type Result<T = ()> = anyhow::Result<T>;
 
 /// Heads of the layers.
-const HEADS: usize = 2;
+/// Heads of 32 features, which the fused attention (the default form) runs.
+const HEADS: usize = 1;
 
 /// Sizes of a model: batch, sequence, width, layers.
 #[derive(Clone, Copy, Debug)]

@@ -82,7 +82,7 @@ pub(super) struct Samples {
 /// Runs every requested configuration through every variant.
 pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "graphs", "--configs tiny")?;
-    let configs = args.configs.resolve(&dev)?;
+    let configs = args.configs.resolve(&dev, args.attention)?;
     let dtype = args.dtype.resolve(&dev);
     println!("{dtype} weights and activations; f32 statistics and GEMM accumulation");
     let mut rows = Vec::new();

@@ -3,14 +3,16 @@
 //! layer` times the same layer in PyTorch on the same GPU. After the timed repetitions, one more
 //! forward and backward runs under a kernel profile (`Stream::profile`), which counts the
 //! layer's kernels; with `--profile`, a table of its kernel classes says where the time goes,
-//! against the H200's roofs.
+//! against the H200's roofs, and for the fused attention its forward's and backward's TFLOP/s by
+//! FlashAttention's convention (causal FLOPs counted as half; the backward's as 2.5 times the
+//! forward's, over its three kernels' time).
 
 use std::time::Instant;
 
 use anyhow::bail;
 use graphed::device::{DType, Device, DeviceKind, KernelTime, Stream};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
+use graphed::nn::{AttentionSpec, DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -32,6 +34,8 @@ struct LayerRow {
     batch: usize,
     seq: usize,
     dtype: String,
+    /// `fused` or `unfused` (`--attention`).
+    attention: &'static str,
     /// Between timing events; none on the simulator, which has no clock.
     gpu_ms: Option<f64>,
     host_ms: f64,
@@ -42,6 +46,46 @@ struct LayerRow {
     /// Where one forward and backward spend their time, per kernel class (with `--profile`).
     #[serde(skip_serializing_if = "Option::is_none")]
     profile: Option<Vec<ClassRow>>,
+    /// The fused attention's rates by FlashAttention's convention (with `--profile`, fused).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    attention_rates: Option<AttentionRates>,
+}
+
+/// The fused attention's kernels in a profiled forward and backward, rated as FlashAttention
+/// rates its own: the forward's FLOPs are its two causal products, 4·pairs·T²·hd/2; the
+/// backward's are counted as 2.5 times those (its five products, whatever the kernels
+/// recompute), over the time of its three kernels (delta, dk/dv, dq).
+#[derive(Serialize, Debug, PartialEq)]
+struct AttentionRates {
+    forward_flops: u64,
+    forward_us: Option<f64>,
+    /// The delta, dk/dv and dq kernels' time.
+    backward_us: Option<f64>,
+    forward_tflop_per_s: Option<f64>,
+    /// 2.5 × `forward_flops` over `backward_us`.
+    backward_tflop_per_s: Option<f64>,
+}
+
+/// The fused attention's rates in `times`, if it ran.
+fn attention_rates(times: &[KernelTime]) -> Option<AttentionRates> {
+    let of =
+        |prefixes: &[&str]| times.iter().filter(|t| prefixes.iter().any(|p| t.name.starts_with(p))).collect::<Vec<_>>();
+    let (forward, backward) = (of(&["attention_forward_"]), of(&["attention_delta_", "attention_backward_"]));
+    if forward.is_empty() {
+        return None;
+    }
+    let forward_flops = forward.iter().filter_map(|t| t.flops).sum::<u64>();
+    let forward_us = forward.iter().map(|t| t.elapsed_us).sum::<Option<f64>>();
+    let backward_us =
+        (!backward.is_empty()).then(|| backward.iter().map(|t| t.elapsed_us).sum::<Option<f64>>()).flatten();
+    let rate = |flops: f64, us: Option<f64>| us.filter(|&us| us > 0.0).map(|us| flops / (us * 1e-6) / 1e12);
+    Some(AttentionRates {
+        forward_flops,
+        forward_us,
+        backward_us,
+        forward_tflop_per_s: rate(forward_flops as f64, forward_us),
+        backward_tflop_per_s: rate(2.5 * forward_flops as f64, backward_us),
+    })
 }
 
 /// The launches of one kernel class (one kernel name: its dtype and epilogue included) in a
@@ -52,7 +96,8 @@ struct ClassRow {
     count: usize,
     /// Declared by the launches' arguments (see `KernelTime::bytes`), not measured.
     bytes: u64,
-    /// For GEMMs, 2·m·n·k·batch summed.
+    /// For GEMMs, 2·m·n·k·batch summed; for the fused attention's kernels, the products they
+    /// execute (causal: half of each `T × T` product), as their launches declare.
     flops: Option<u64>,
     /// GPU µs summed; none on the simulator.
     total_us: Option<f64>,
@@ -74,7 +119,7 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
             "bench layer times GPU work; run it on a CUDA device (or smoke-test it with `--device sim --configs tiny`)"
         );
     }
-    let configs = args.configs.resolve(&dev)?;
+    let configs = args.configs.resolve(&dev, args.attention)?;
     let dtype = args.dtype.resolve(&dev);
     let s = dev.stream()?;
     let mut rows = Vec::new();
@@ -88,6 +133,18 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
         );
         if let Some(classes) = &row.profile {
             print_classes(classes, row.gpu_ms, dtype);
+        }
+        if let Some(a) = &row.attention_rates {
+            let opt = |v: Option<f64>, unit: &str| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1} {unit}"));
+            println!(
+                "  fused attention, FlashAttention's convention (causal FLOPs halved; backward = 2.5 × forward's {:.3} \
+                 GFLOP): forward {} in {}, backward {} in {} (delta + dk/dv + dq)",
+                a.forward_flops as f64 / 1e9,
+                opt(a.forward_tflop_per_s, "TFLOP/s"),
+                opt(a.forward_us, "µs"),
+                opt(a.backward_tflop_per_s, "TFLOP/s"),
+                opt(a.backward_us, "µs"),
+            );
         }
         rows.push(row);
     }
@@ -106,7 +163,8 @@ fn run_config(
     let mut store = ParamStore::with_dtype(&alloc, s, TransformerLayer::parameter_count(d), dtype)?;
     let step = Tensor::zeros(&alloc, s, &[1], DType::U64)?;
     let spec = DropoutSpec { p: 0.0, seed: 0, site: 0, step };
-    let layer = TransformerLayer::new(&mut store, &alloc, "layer", (d, config.heads()), &spec, 1, s)?;
+    let attention = AttentionSpec::new(d, config.heads()).kind(config.attention);
+    let layer = TransformerLayer::new(&mut store, &alloc, "layer", attention, &spec, 1, s)?;
     let x = Tensor::from_f32(&alloc, s, &vec![0.5f32; b * t * d], &[b, t, d], dtype)?;
     let dy = Tensor::from_f32(&alloc, s, &vec![1.0f32; b * t * d], &[b, t, d], dtype)?;
     let on_gpu = dev.kind() == DeviceKind::Cuda;
@@ -135,18 +193,22 @@ fn run_config(
     layer.backward(ctx, &[&dy], s)?;
     let backward = profile.finish()?;
     let (kernels_forward, kernels_backward) = (forward.len(), backward.len());
-    let profile = args.profile.then(|| classes(&[forward, backward].concat(), gpu_ms.map(|ms| ms * 1e3), dtype));
+    let times = [forward, backward].concat();
+    let profile = args.profile.then(|| classes(&times, gpu_ms.map(|ms| ms * 1e3), dtype));
+    let attention_rates = args.profile.then(|| attention_rates(&times)).flatten();
     Ok(LayerRow {
         config: config.name,
         dim: d,
         batch: b,
         seq: t,
         dtype: dtype.to_string(),
+        attention: config.attention.name(),
         gpu_ms,
         host_ms: median(host),
         kernels_forward,
         kernels_backward,
         profile,
+        attention_rates,
     })
 }
 
@@ -234,8 +296,8 @@ fn print_classes(rows: &[ClassRow], gpu_ms: Option<f64>, dtype: DType) {
         F32_FLOP_PER_S / 1e12,
     );
     println!(
-        "  of roof: the roofline's bound (declared bytes at HBM speed, or GEMM FLOPs at the {dtype} peak, whichever \
-         is longer) over the measured time; shares are of the median GPU time above"
+        "  of roof: the roofline's bound (declared bytes at HBM speed, or declared FLOPs (GEMMs, fused attention) at \
+         the {dtype} peak, whichever is longer) over the measured time; shares are of the median GPU time above"
     );
 }
 
@@ -269,5 +331,23 @@ mod tests {
         // 4.8 GB in 2 ms: 2400 GB/s, half of HBM's 4.8 TB/s.
         assert!(close(rows[1].gb_per_s, 2400.0) && close(rows[1].of_roof, 0.5));
         assert!(close(rows[2].gb_per_s, 2400.0) && rows[2].tflop_per_s.is_none());
+    }
+
+    #[test]
+    fn attention_rates_follow_flashattentions_convention() {
+        let t = |name, flops, us| KernelTime { name, bytes: 0, flops, elapsed_us: Some(us) };
+        let times = [
+            t("gemm_bf16", Some(1), 5.0),
+            t("attention_forward_bf16_d64", Some(400_000_000), 1.0),
+            t("attention_delta_bf16_d64", None, 0.5),
+            t("attention_backward_dkdv_bf16_d64", Some(800_000_000), 2.0),
+            t("attention_backward_dq_bf16_d64", Some(600_000_000), 2.5),
+        ];
+        let a = attention_rates(&times).expect("the fused attention ran");
+        assert_eq!((a.forward_flops, a.forward_us, a.backward_us), (400_000_000, Some(1.0), Some(5.0)));
+        // 0.4 GFLOP in 1 µs: 400 TFLOP/s; 2.5 × 0.4 GFLOP in 5 µs: 200 TFLOP/s.
+        let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9 * b);
+        assert!(close(a.forward_tflop_per_s, 400.0) && close(a.backward_tflop_per_s, 200.0), "{a:?}");
+        assert_eq!(attention_rates(&times[..1]), None, "no fused attention, no rates");
     }
 }

@@ -94,13 +94,15 @@ struct Case {
     batch: usize,
     seq: usize,
     dtype: String,
+    /// `fused` or `unfused`.
+    attention: &'static str,
     variant: &'static str,
 }
 
 impl Case {
     fn new(config: crate::cli::bench_model::Config, dtype: graphed::device::DType, variant: &'static str) -> Case {
-        let crate::cli::bench_model::Config { name, dim, layers, batch, seq } = config;
-        Case { config: name, dim, layers, batch, seq, dtype: dtype.to_string(), variant }
+        let crate::cli::bench_model::Config { name, dim, layers, batch, seq, attention } = config;
+        Case { config: name, dim, layers, batch, seq, dtype: dtype.to_string(), attention: attention.name(), variant }
     }
 }
 

@@ -7,7 +7,8 @@
 //! The file holds every parameter under its module's name (`layer0.attn.qkv.weight`, the names
 //! PyTorch's module gives its own), `input`, `output`, `grad.output` (the upstream gradient),
 //! `grad.input` and `grad.<parameter>`; its metadata gives the configuration, the element type and
-//! the layouts and constants PyTorch's side must share.
+//! the layouts and constants PyTorch's side must share, and the attention form it ran
+//! (`attention_form`: `fused` or `unfused`, from `--attention`), which PyTorch's side matches.
 
 use graphed::checkpoint::Checkpoint;
 use graphed::device::DeviceKind;
@@ -32,7 +33,7 @@ const CONVENTIONS: [(&str, &str); 4] = [
 /// Runs the step and writes the file.
 pub fn run(args: &ParityBenchArgs) -> anyhow::Result<()> {
     let dev = crate::cli::open_device(&args.device)?;
-    let config = Config::named(&args.config)?;
+    let config = Config::named(&args.config)?.with_attention(args.attention.kind());
     // One step of S takes seconds on the simulator, of M or L hours.
     if dev.kind() != DeviceKind::Cuda && !matches!(config.name, "tiny" | "S") {
         anyhow::bail!(
@@ -62,9 +63,12 @@ pub fn run(args: &ParityBenchArgs) -> anyhow::Result<()> {
     for (name, t) in [("input", &model.x), ("output", y), ("grad.output", &dy), ("grad.input", dx)] {
         file.put(name, t, &s)?;
     }
-    let Config { name, dim, layers, batch, seq } = config;
+    let Config { name, dim, layers, batch, seq, attention } = config;
     let run = [
         ("config", name.to_string()),
+        // `fused` or `unfused`: PyTorch's side runs the same form (SDPA with `is_causal` for
+        // fused, GEMM, masked softmax, GEMM for unfused).
+        ("attention_form", attention.name().to_string()),
         ("dim", dim.to_string()),
         ("layers", layers.to_string()),
         ("heads", config.heads().to_string()),

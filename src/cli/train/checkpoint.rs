@@ -31,6 +31,7 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
         ("dim", c.dim.to_string()),
         ("layers", c.layers.to_string()),
         ("heads", c.heads.to_string()),
+        (ATTENTION, c.attention.name().to_string()),
         ("dtype", c.dtype.to_string()),
         ("dropout", c.dropout.to_string()),
         ("seed", args.seed.to_string()),
@@ -41,6 +42,12 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
         ("context", c.max_len.to_string()),
     ]
 }
+
+/// The metadata key of the attention form (`fused` or `unfused`). A resume must use the saved
+/// form: the parameters would load into either (both forms have the same ones), but the forms
+/// round differently, so the resumed run would not continue bit for bit as the saved one would
+/// have. Checkpoints from before the key existed were trained unfused, the only form then.
+const ATTENTION: &str = "attention";
 
 /// The metadata key of the data file's size and hash (`none` for the addition task, whose data
 /// is generated).
@@ -103,7 +110,15 @@ pub fn resume(
     stop: usize,
 ) -> anyhow::Result<usize> {
     let ckpt = Checkpoint::load(&file(dir))?;
-    for (k, v) in settings(model, args, plan) {
+    let (saved_form, form) = (ckpt.meta(ATTENTION).unwrap_or("unfused"), model.config().attention.name());
+    if saved_form != form {
+        refuse!(
+            "{}: the run saved there computed attention {saved_form}, this one {form}; the forms round differently, \
+             so the run would not continue as it would have; pass --attention {saved_form}",
+            dir.display()
+        );
+    }
+    for (k, v) in settings(model, args, plan).into_iter().filter(|(k, _)| *k != ATTENTION) {
         ckpt.expect_meta(k, v)?;
     }
     let Some(done) = ckpt.meta("done").and_then(|d| d.parse::<usize>().ok()) else {

@@ -5,7 +5,7 @@
 //! or growing the host's memory past what it has.
 
 use graphed::device::Device;
-use graphed::nn::GptConfig;
+use graphed::nn::{AttentionKind, GptConfig};
 
 use crate::cli::args::TrainArgs;
 use crate::cli::exit::refuse;
@@ -13,19 +13,27 @@ use crate::cli::exit::refuse;
 /// Bytes of device memory a run of `config` on batches of `batch` holds at its peak, about: the
 /// parameters with their gradients and AdamW's f32 master weights and moments; per layer and
 /// position, what the caching allocator was measured to hold at the peak of a second step, in
-/// widths of the model's element type (81 eager; 132 graphed, where the warmup's cached blocks,
-/// the graphs' pool with its static buffers and the saved activations all hold a step's worth),
-/// plus the attention's per-head rows over the positions in f32 (7 of them eager, 11 graphed);
-/// and the head's logits and probabilities. The numbers were fitted to the simulator's
-/// allocator statistics on nine shapes (widths 32 to 128, 2 and 4 heads and layers, 11 and 64
-/// positions), which the caching allocator shares with CUDA; the test below keeps the fit
-/// honest: it fails when the memory a step holds moves away from it.
+/// widths of the model's element type, and for the unfused attention its per-head rows over the
+/// positions in f32; and the head's logits and probabilities. Unfused: 81 widths and 7 rows
+/// eager, 132 and 11 graphed (where the warmup's cached blocks, the graphs' pool with its static
+/// buffers and the saved activations all hold a step's worth). Fused: no rows (its log-sum-exp,
+/// one f32 per head and position, is within the widths), 76 widths eager, 130 graphed. The
+/// numbers were fitted to the simulator's allocator statistics (unfused: nine shapes, widths 32
+/// to 128, 2 and 4 heads and layers, 11 and 64 positions; fused: five shapes, widths 32 to 128,
+/// 1 to 4 heads of 32 to 64 features, 11 to 64 positions, measured between 68 and 79 eager and
+/// 125 and 132 graphed), which the caching allocator shares with CUDA; the test below keeps the
+/// fit honest: it fails when the memory a step holds moves away from it.
 pub fn estimate(config: &GptConfig, batch: usize, graphed: bool) -> u128 {
     let n = |v: usize| v as u128;
     let elem = n(config.dtype.size());
     let params = n(config.parameter_count()) * (2 * elem + 12);
     let positions = n(batch) * n(config.max_len);
-    let (widths, rows) = if graphed { (132, 11) } else { (81, 7) };
+    let (widths, rows) = match (config.attention, graphed) {
+        (AttentionKind::Unfused, false) => (81, 7),
+        (AttentionKind::Unfused, true) => (132, 11),
+        (AttentionKind::Fused, false) => (76, 0),
+        (AttentionKind::Fused, true) => (130, 0),
+    };
     let per_layer = positions * (widths * n(config.dim) * elem + rows * n(config.heads) * n(config.max_len) * 4);
     let head = 2 * positions * n(config.vocab) * (4 + elem);
     params + n(config.layers) * per_layer + head
@@ -102,9 +110,24 @@ mod tests {
 
     #[test]
     fn the_estimate_is_within_a_fifth_of_the_memory_a_step_holds() -> anyhow::Result<()> {
-        for (dim, heads, max_len) in [(64, 4, 11), (32, 2, 48)] {
-            let config =
-                GptConfig { vocab: 12, max_len, dim, layers: 2, heads, dropout: 0.0, seed: 1, dtype: DType::F32 };
+        let shapes = [
+            (AttentionKind::Unfused, 64, 4, 11),
+            (AttentionKind::Unfused, 32, 2, 48),
+            (AttentionKind::Fused, 64, 2, 11),
+            (AttentionKind::Fused, 32, 1, 48),
+        ];
+        for (attention, dim, heads, max_len) in shapes {
+            let config = GptConfig {
+                vocab: 12,
+                max_len,
+                dim,
+                layers: 2,
+                heads,
+                attention,
+                dropout: 0.0,
+                seed: 1,
+                dtype: DType::F32,
+            };
             for graphed in [false, true] {
                 let (peak, estimate) = (measured_peak(config, 32, graphed)?, estimate(&config, 32, graphed));
                 let ratio = estimate as f64 / peak as f64;
@@ -127,6 +150,7 @@ mod tests {
             dim: 4096,
             layers: 64,
             heads: 32,
+            attention: AttentionKind::Fused,
             dropout: 0.0,
             seed: 1,
             dtype: DType::F32,

@@ -103,7 +103,10 @@ impl Task {
 fn plan(dev: &Device, args: &TrainArgs, (vocab, max_len): (usize, usize)) -> anyhow::Result<Plan> {
     let gpu = dev.kind() == DeviceKind::Cuda;
     let pick = |v: Option<u32>, cuda: u32, sim: u32| v.unwrap_or(if gpu { cuda } else { sim }) as usize;
-    let (dim, heads) = (pick(args.dim, 128, 32), pick(args.heads, 4, 2));
+    // Heads of 32 features by default (4 at CUDA's default width, 1 at the simulator's), which
+    // the fused attention runs.
+    let dim = pick(args.dim, 128, 32);
+    let heads = args.heads.map_or((dim / 32).max(1), |h| h as usize);
     if !(0.0..1.0).contains(&args.dropout) {
         refuse!("--dropout {} is not in [0, 1)", args.dropout);
     }
@@ -113,6 +116,7 @@ fn plan(dev: &Device, args: &TrainArgs, (vocab, max_len): (usize, usize)) -> any
         dim,
         layers: pick(args.layers, 2, 2),
         heads,
+        attention: args.attention.kind(),
         dropout: args.dropout,
         seed: args.seed,
         dtype: args.dtype.resolve(dev),
@@ -235,10 +239,11 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     let stepper =
         step::Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args, group.as_ref().map(|g| g.comm()))?;
     say(&format!(
-        "model: {} layers, width {}, {} heads, {} parameters in {}; batch {}, {} steps, {}",
+        "model: {} layers, width {}, {} heads ({} attention), {} parameters in {}; batch {}, {} steps, {}",
         cfg.layers,
         cfg.dim,
         cfg.heads,
+        cfg.attention,
         cfg.parameter_count(),
         cfg.dtype,
         plan.batch,

@@ -31,7 +31,7 @@
 //! let shape = [1, 2, 3, 32]; // batch 1, 2 heads, 3 tokens, head width 32
 //! let q = Tensor::from_host(&alloc, &s, &vec![0.1f32; 192], &shape)?;
 //! let (out, lse) = (Tensor::uninit(&alloc, &s, &shape, DType::F32)?, Tensor::uninit(&alloc, &s, &[1, 2, 3], DType::F32)?);
-//! attention::attention_forward(&out, &lse, &q, &q, &q, None, &s)?;
+//! attention::attention_forward(&out, &lse, (&q, &q, &q), None, &s)?;
 //! // Equal scores: token i averages the i + 1 values it sees, here all 0.1.
 //! assert!(out.to_vec::<f32>(&s)?.iter().all(|&o| (o - 0.1).abs() < 1e-6));
 //! assert!((lse.to_vec::<f32>(&s)?[2] - (0.32f32 / 32f32.sqrt() + 3f32.ln())).abs() < 1e-5);
@@ -210,7 +210,22 @@ impl Heads {
     fn scale(&self) -> f32 {
         1.0 / (self.hd as f32).sqrt()
     }
+
+    /// FLOPs of one `T × T × hd` matrix product over every pair, causal: 2·pairs·T²·hd/2
+    /// (FlashAttention's count, the masked half not counted).
+    fn causal_product_flops(&self) -> u64 {
+        (self.pairs as u64) * (self.seq as u64).pow(2) * (self.hd as u64)
+    }
 }
+
+/// The causal `T × T × hd` products the forward executes, and so declares to a profile
+/// ([`Stream::launch_counting`]) at 2·pairs·T²·hd/2 FLOPs each: `q·kᵀ` and `p·v`.
+pub const FORWARD_PRODUCTS: u64 = 2;
+/// The products the dk/dv kernel executes per tile: `q·kᵀ` again, `dout·vᵀ`, `pᵀ·dout` and
+/// `dsᵀ·q`.
+pub const DKDV_PRODUCTS: u64 = 4;
+/// The products the dq kernel executes: `q·kᵀ` again, `dout·vᵀ` again and `ds·k`.
+pub const DQ_PRODUCTS: u64 = 3;
 
 /// The kernels' dropout arguments: the step counter, `threshold` (0: no dropout), `keep_scale`,
 /// `seed` and `site`. Without dropout the kernels never read the step, so an empty view of `q`
@@ -272,7 +287,8 @@ pub fn attention_forward(
             count(OP, h.seq)?,
             count(OP, h.pairs)?,
         ];
-        stream.launch(kernel(Pass::Forward, dtype, h.hd), launch_dims(Pass::Forward, dtype, h.hd, h.seq, h.pairs), &args)
+        let (kernel, dims) = (kernel(Pass::Forward, dtype, h.hd), launch_dims(Pass::Forward, dtype, h.hd, h.seq, h.pairs));
+        stream.launch_counting(kernel, dims, &args, FORWARD_PRODUCTS * h.causal_product_flops())
     })
 }
 
@@ -323,21 +339,23 @@ pub fn attention_backward(
         let (seq, pairs, scale) = (count(OP, h.seq)?, count(OP, h.pairs)?, h.scale());
         let rows = count(OP, h.seq * h.pairs)?;
         stream.launch(kernel(Pass::Delta, dtype, h.hd), dims(Pass::Delta), &args![Out(delta), In(out), In(dout), rows])?;
-        stream.launch(
+        stream.launch_counting(
             kernel(Pass::BackwardDkDv, dtype, h.hd),
             dims(Pass::BackwardDkDv),
             &args![
                 Out(dk), Out(dv), In(q), In(k), In(v), In(dout), In(lse),
                 In(delta), step.clone(), scale, threshold, keep_scale, seed, site, seq, pairs,
             ],
+            DKDV_PRODUCTS * h.causal_product_flops(),
         )?;
-        stream.launch(
+        stream.launch_counting(
             kernel(Pass::BackwardDq, dtype, h.hd),
             dims(Pass::BackwardDq),
             &args![
                 Out(dq), In(q), In(k), In(v), In(dout), In(lse), In(delta), step, scale, threshold, keep_scale, seed,
                 site, seq, pairs,
             ],
+            DQ_PRODUCTS * h.causal_product_flops(),
         )
     })
 }

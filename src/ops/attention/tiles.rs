@@ -115,7 +115,7 @@ mod tests {
                             assert!(tiles * rows >= seq && (tiles - 1) * rows < seq, "{pass:?} {hd} {seq}");
                             assert!(tiles <= 65535 && d.grid.2 == 1);
                             assert!(d.shared_mem_bytes <= 227 * 1024, "{pass:?} {hd}: {}", d.shared_mem_bytes);
-                            assert!(d.block.0 <= 1024 && d.block.0 % 32 == 0);
+                            assert!(d.block.0 <= 1024 && d.block.0.is_multiple_of(32));
                         }
                         let d = launch_dims(Pass::Delta, dtype, hd, seq, pairs);
                         let per_block = d.block.0 as usize / (hd / 8);
