@@ -205,6 +205,19 @@ impl Arena {
         self.note_reserved(growth.size - old);
     }
 
+    /// Sets the usable size of an expandable segment to `size`, what the device reports mapped
+    /// after a mapping or unmapping call failed partway: new bytes are free to any stream, and
+    /// only a free tail is given up.
+    pub fn track_mapped(&mut self, segment: SegmentId, size: usize) {
+        match self.segments.get(&segment) {
+            Some(s) if s.expandable && size > s.size => self.grow(Growth { segment, size, tag: FreeTag::Any }),
+            Some(s) if s.expandable && size < s.size => {
+                self.shrink(segment, size);
+            }
+            _ => {}
+        }
+    }
+
     /// The expandable segments whose end is free to any stream, each with the size it may
     /// shrink to: its last used byte rounded up to `step`. Changes nothing: the caller unmaps
     /// the bytes beyond that size, then calls [`shrink`](Arena::shrink).
