@@ -316,7 +316,8 @@ impl Inner {
         let Some(x) = self.expandable else {
             let seg_bytes = segment_size(block_size(bytes));
             let what = "a new segment of the caching allocator";
-            let raw = self.dev.alloc_raw(seg_bytes, MemKind::Device, relaxed).map_err(out_of_memory(seg_bytes, what))?;
+            let raw =
+                self.dev.alloc_raw(seg_bytes, MemKind::Device, relaxed).map_err(out_of_memory(seg_bytes, what))?;
             st.next_segment += 1;
             let id = st.next_segment;
             st.segments.insert(id, Arc::new(raw));
@@ -525,7 +526,12 @@ impl CachingAllocator {
         self.inner.take_returned(&mut st);
         let mut pools: Vec<(PoolId, Stats)> = st.pools.iter().map(|(id, p)| (*id, p.arena.stats())).collect();
         pools.sort_by_key(|(id, _)| *id);
-        MemoryStats { total: st.total(), default: st.default.stats(), pools, expandable: self.inner.expandable.is_some() }
+        MemoryStats {
+            total: st.total(),
+            default: st.default.stats(),
+            pools,
+            expandable: self.inner.expandable.is_some(),
+        }
     }
 
     /// Every block: its pool (`None`: outside pools), place and state, and the buffer that

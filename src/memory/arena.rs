@@ -414,7 +414,7 @@ mod tests {
         a.add_expandable(1, 1 << 40);
         assert_eq!(a.alloc(100, 0), None, "nothing is usable before the first growth");
         // Thirty-two 32 MiB blocks, all freed: fixed segments would keep them as 32 MiB pieces.
-        let mut grow = |a: &mut Arena, bytes: usize| {
+        let grow = |a: &mut Arena, bytes: usize| {
             let g = a.plan_growth(bytes, 0, 2 * MIB).expect("the range has room");
             a.grow(g);
             a.alloc(bytes, 0).expect("the grown segment fits")
@@ -508,7 +508,7 @@ mod tests {
         }
         if expandable {
             let g = a.plan_growth(bytes, stream, STEP).expect("the range is large enough");
-            prop_assert!(g.size % STEP == 0 && g.size > m.segments[&g.segment]);
+            prop_assert!(g.size.is_multiple_of(STEP) && g.size > m.segments[&g.segment]);
             a.grow(g);
             m.segments.insert(g.segment, g.size);
         } else {

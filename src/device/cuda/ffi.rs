@@ -225,7 +225,10 @@ pub(super) unsafe fn mem_create_mapped(at: sys::CUdeviceptr, bytes: usize, ordin
 /// `[at, at + bytes)` is entirely mapped.
 pub(super) unsafe fn mem_set_access(at: sys::CUdeviceptr, bytes: usize, ordinal: usize) -> Result<(), DriverError> {
     let desc = sys::CUmemAccessDesc {
-        location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal as c_int },
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal as c_int,
+        },
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     };
     sys::cuMemSetAccess(at, bytes, &desc, 1).result()

@@ -199,7 +199,7 @@ pub(super) fn map_to(mem: &CuMem, bytes: usize, ordinal: usize) -> Result<()> {
     if bytes <= old {
         return Ok(());
     }
-    if bytes > mem.bytes || bytes % vm.chunk != 0 {
+    if bytes > mem.bytes || !bytes.is_multiple_of(vm.chunk) {
         return Err(bug(OP, "a mapping outside its range or its chunks was asked for; please report this as a bug"));
     }
     capture::flush_deferred();

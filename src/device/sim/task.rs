@@ -251,8 +251,8 @@ impl Task {
             Task::Kernel { kernel, args } => run_kernel(kernel, args),
             Task::Copy { name, src, src_offset, dst, dst_offset, bytes } => {
                 let mut tmp = vec![0u8; *bytes];
-                sim_mem(&src.raw)?.read(*name, *src_offset, &mut tmp)?;
-                sim_mem(&dst.raw)?.write(*name, *dst_offset, &tmp)
+                sim_mem(&src.raw)?.read(name, *src_offset, &mut tmp)?;
+                sim_mem(&dst.raw)?.write(name, *dst_offset, &tmp)
             }
             Task::Memset { dst, offset, bytes, value } => {
                 sim_mem(&dst.raw)?.write("memset", *offset, &vec![*value; *bytes])
