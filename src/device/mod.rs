@@ -318,14 +318,12 @@ impl Device {
     /// Maps the first `bytes` of expandable memory (a multiple of its chunk). Memory already
     /// mapped keeps its contents and addresses. `relaxed` as for [`Device::alloc_raw`].
     pub(crate) fn map_raw(&self, raw: &RawBuffer, bytes: usize, relaxed: bool) -> Result<()> {
-        self.check_err()?;
         dispatch!(self.backend(), |b, pick| b.map_to(pick!(raw.mem), bytes, relaxed))
     }
 
     /// Waits for the device, then unmaps expandable memory after its first `bytes`, giving the
     /// pages back. The caller knows that no graph that may still run uses those bytes.
     pub(crate) fn unmap_raw(&self, raw: &RawBuffer, bytes: usize) -> Result<()> {
-        self.check_err()?;
         dispatch!(self.backend(), |b, pick| b.unmap_from(pick!(raw.mem), bytes))
     }
 
