@@ -144,7 +144,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn vm_granularity(&self) -> Result<Option<usize>>;
     /// Expandable device memory: `capacity` bytes of address range with nothing mapped, to be
     /// mapped in pieces of `chunk` bytes (a multiple of the granularity, dividing `capacity`).
-    fn reserve(&self, capacity: usize, chunk: usize) -> Result<Self::Mem>;
+    /// `relaxed` as for `alloc`.
+    fn reserve(&self, capacity: usize, chunk: usize, relaxed: bool) -> Result<Self::Mem>;
     /// Maps expandable memory so that its first `bytes` (a multiple of its chunk) are usable;
     /// bytes already mapped keep their contents and addresses. `relaxed` as for `alloc`.
     fn map_to(&self, mem: &Self::Mem, bytes: usize, relaxed: bool) -> Result<()>;

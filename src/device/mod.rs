@@ -302,9 +302,10 @@ impl Device {
     }
 
     /// Expandable device memory: an address range of `capacity` bytes, nothing mapped yet (see
-    /// [`Device::map_raw`]), mapped in pieces of `chunk` bytes.
-    pub(crate) fn reserve_raw(&self, capacity: usize, chunk: usize) -> Result<RawBuffer> {
-        let mem = dispatch!(self.backend(), |b, _pick| b.wrap_mem(b.reserve(capacity, chunk)?));
+    /// [`Device::map_raw`]), mapped in pieces of `chunk` bytes. `relaxed` as for
+    /// [`Device::alloc_raw`].
+    pub(crate) fn reserve_raw(&self, capacity: usize, chunk: usize, relaxed: bool) -> Result<RawBuffer> {
+        let mem = dispatch!(self.backend(), |b, _pick| b.wrap_mem(b.reserve(capacity, chunk, relaxed)?));
         Ok(RawBuffer {
             id: BufferId(ids::next_id()),
             device: self.id(),

@@ -330,7 +330,7 @@ impl Inner {
             None => {
                 // The first growth of this arena, or a request larger than its range has left.
                 let range = x.range.max(block_size(bytes).div_ceil(x.chunk) * x.chunk);
-                let raw = self.dev.reserve_raw(range, x.chunk)?;
+                let raw = self.dev.reserve_raw(range, x.chunk, relaxed)?;
                 st.next_segment += 1;
                 let id = st.next_segment;
                 st.segments.insert(id, Arc::new(raw));

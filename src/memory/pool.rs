@@ -57,9 +57,10 @@ impl PoolState {
     }
 
     /// Whether no graph of the pool can run: none is in the replay order (every executable was
-    /// reset) and none is being captured. Only then may the pool give memory back.
+    /// reset), none is being captured, and replays are checked (an unchecked pool launches
+    /// whatever it is asked to). Only then may the pool give memory back.
     pub(crate) fn idle(&self) -> bool {
-        self.order.is_empty() && self.capturing.is_none()
+        self.order.is_empty() && self.capturing.is_none() && !self.unguarded
     }
 
     /// The host saw everything finish: a replay may use any stream next.

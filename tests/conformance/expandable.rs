@@ -139,6 +139,27 @@ fn a_pool_that_grows_between_captures_keeps_earlier_graphs_valid(dev: &Device) -
     Ok(())
 }
 
+/// A pool's first growth (reserving its range, mapping pages) happens inside a global-mode
+/// capture, which forbids synchronous calls on every thread: the allocator grows in relaxed
+/// mode, and the capture stays valid.
+fn a_pool_grows_inside_a_global_capture(dev: &Device) -> anyhow::Result<()> {
+    const N: usize = 4 * MIB;
+    let alloc = allocator(dev, true)?;
+    let s = dev.stream()?;
+    let out = dev.alloc::<f32>(1)?;
+    let pool = alloc.new_pool();
+    let cap = alloc.capture(&s, CaptureMode::Global, &pool)?;
+    let tmp = alloc.alloc::<f32>(&s, N)?;
+    elementwise::fill(tmp.view(), 6.0, &s)?;
+    elementwise::scale(out.view(), tmp.slice(N - 1..), 0.5, &s)?;
+    drop(tmp);
+    let exec = cap.finish()?.instantiate()?;
+    ensure!(pool.stats().reserved == 16 * MIB, "{:?}", pool.stats());
+    exec.launch(&s)?;
+    ensure!(out.to_vec(&s)? == vec![3.0]);
+    Ok(())
+}
+
 /// With expandable segments off, segments are fixed device allocations as before: sized by
 /// request class, reused, and given back whole.
 fn fixed_segments_serve_as_before_when_expandable_is_off(dev: &Device) -> anyhow::Result<()> {
@@ -174,5 +195,6 @@ crate::per_device!(
     freed_blocks_serve_a_larger_request_in_a_pool,
     the_free_end_of_the_cache_goes_back_to_the_device,
     a_pool_that_grows_between_captures_keeps_earlier_graphs_valid,
+    a_pool_grows_inside_a_global_capture,
     fixed_segments_serve_as_before_when_expandable_is_off,
 );

@@ -168,9 +168,14 @@ impl Backend for CudaDevice {
         ffi::vm_granularity(&self.ctx).map_err(|e| err::driver(OP, None, e))
     }
 
-    fn reserve(&self, capacity: usize, chunk: usize) -> Result<CuMem> {
+    fn reserve(&self, capacity: usize, chunk: usize, relaxed: bool) -> Result<CuMem> {
         self.bind("reserve device addresses")?;
-        memory::reserve(&self.ctx, &self.errors, capacity, chunk)
+        // A pool's first growth happens inside its first capture.
+        if relaxed {
+            capture::relaxed(|| memory::reserve(&self.ctx, &self.errors, capacity, chunk))
+        } else {
+            memory::reserve(&self.ctx, &self.errors, capacity, chunk)
+        }
     }
 
     fn map_to(&self, mem: &CuMem, bytes: usize, relaxed: bool) -> Result<()> {

@@ -319,7 +319,10 @@ impl Backend for SimDevice {
         Ok(Some(2 << 20))
     }
 
-    fn reserve(&self, _capacity: usize, _chunk: usize) -> Result<SimMem> {
+    fn reserve(&self, _capacity: usize, _chunk: usize, relaxed: bool) -> Result<SimMem> {
+        if !relaxed {
+            self.lock().forbid_sync_call("reserve device addresses")?;
+        }
         // Only address space: nothing is counted until mapped, and the range's size bounds
         // nothing the simulator needs to check (the allocator never grows past it).
         Ok(SimMem::reserved(&self.used))
