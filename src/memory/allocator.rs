@@ -133,7 +133,9 @@ pub struct BlockEntry {
 
 /// A caching allocator over one device's memory.
 ///
-/// Blocks are 256-byte aligned and come from 2 MiB segments (requests up to 1 MiB), 20 MiB
+/// Blocks are 256-byte aligned. They come from expandable segments where the device supports
+/// them (Note [Expandable segments]: one address range per pool, and one for the cache, mapped
+/// in 2 MiB pages as it grows), else from fixed 2 MiB segments (requests up to 1 MiB), 20 MiB
 /// segments (up to 10 MiB) or their own segment. A block freed on a stream is reused at once by
 /// that stream and by others only after an ordering the allocator has seen
 /// ([`CachingAllocator::synchronize`]). Allocations made while a stream captures through
