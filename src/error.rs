@@ -235,6 +235,21 @@ pub enum Error {
         len: usize,
     },
 
+    /// An operation touched bytes of expandable device memory that are not mapped: the
+    /// allocator gave them back to the device while work or a graph still used them (on CUDA,
+    /// an illegal address; the simulator reports it).
+    #[error("{op}: bytes [{start}, {end}) of an expandable allocation are not mapped (its first {mapped} are); memory was given back while something still used it: keep the buffers and the graphs that use a pool alive while they may run, and empty the cache only when they are done")]
+    Unmapped {
+        /// The operation that touched the memory.
+        op: &'static str,
+        /// First byte touched, from the start of the allocation.
+        start: usize,
+        /// One past the last byte touched.
+        end: usize,
+        /// Bytes mapped when it happened.
+        mapped: usize,
+    },
+
     /// A tensor has the wrong shape for the operation.
     #[error("{op}: expected {expected}, found shape {found:?}; pass a tensor of the expected shape")]
     Shape {

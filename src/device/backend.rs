@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::kernel::{Arg, Kernel, LaunchDims};
-use super::memory::{Block, MemKind};
+use super::memory::{Block, MemKind, RawBuffer};
 use super::{cuda, sim, CaptureMode, CaptureStatus, NodeInfo};
 use crate::{Error, Result};
 
@@ -139,6 +139,21 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// A plain (synchronous) allocation. `relaxed` makes it in relaxed capture-interaction mode
     /// for this thread, so that an allocator can grow during a capture (as PyTorch's does).
     fn alloc(&self, bytes: usize, kind: MemKind, relaxed: bool) -> Result<Self::Mem>;
+    /// The granularity in bytes of expandable device memory (CUDA's virtual memory management:
+    /// an address range whose pages are mapped and unmapped), or `None` without it.
+    fn vm_granularity(&self) -> Result<Option<usize>>;
+    /// Expandable device memory: `capacity` bytes of address range with nothing mapped, to be
+    /// mapped in pieces of `chunk` bytes (a multiple of the granularity, dividing `capacity`).
+    /// `relaxed` as for `alloc`.
+    fn reserve(&self, capacity: usize, chunk: usize, relaxed: bool) -> Result<Self::Mem>;
+    /// Maps expandable memory so that its first `bytes` (a multiple of its chunk) are usable;
+    /// bytes already mapped keep their contents and addresses. `relaxed` as for `alloc`.
+    fn map_to(&self, mem: &Self::Mem, bytes: usize, relaxed: bool) -> Result<()>;
+    /// Waits for the device, then unmaps expandable memory after its first `bytes` (a multiple of
+    /// its chunk), giving the pages back. The caller guarantees that no graph uses those bytes.
+    fn unmap_from(&self, mem: &Self::Mem, bytes: usize) -> Result<()>;
+    /// Bytes of expandable memory mapped now (after a failed `map_to` or `unmap_from` too).
+    fn mapped(mem: &Self::Mem) -> usize;
     /// The device's free and total memory in bytes (the driver's `cuMemGetInfo`).
     fn memory_info(&self) -> Result<(usize, usize)>;
     /// The id of the active capture `stream` takes part in, if any.
@@ -216,6 +231,13 @@ macro_rules! dispatch {
     };
 }
 pub(crate) use dispatch;
+
+pub(crate) fn mapped(raw: &RawBuffer) -> usize {
+    match &raw.mem {
+        Repr::Sim(m) => <sim::SimDevice as Backend>::mapped(m),
+        Repr::Cuda(m) => <cuda::CudaDevice as Backend>::mapped(m),
+    }
+}
 
 pub(crate) fn read_pinned(block: &Block, out: &mut [u8]) -> Result<()> {
     match &block.raw.mem {

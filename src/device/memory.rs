@@ -35,6 +35,13 @@ pub(crate) struct RawBuffer {
     pub(crate) observer: Option<Arc<dyn super::observe::Observer>>,
 }
 
+impl RawBuffer {
+    /// Bytes usable now: `bytes`, or for expandable memory its mapped prefix.
+    pub(crate) fn mapped(&self) -> usize {
+        super::backend::mapped(self)
+    }
+}
+
 /// Where a block goes back when it is freed (an allocator), and when.
 pub(crate) trait BlockOwner: Send + Sync {
     /// Whether the block returns when its handle is dropped (true, for graph-pool blocks whose

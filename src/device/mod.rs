@@ -291,6 +291,43 @@ impl Device {
         })
     }
 
+    /// The granularity of expandable device memory and the device's total memory, or `None`
+    /// where the device has no expandable memory (a driver without virtual memory management).
+    /// Leaves a kept error for the next call that reports errors.
+    pub(crate) fn vm_layout(&self) -> Result<Option<(usize, usize)>> {
+        dispatch!(self.backend(), |b, _pick| match b.vm_granularity()? {
+            Some(granularity) => Ok(Some((granularity, b.memory_info()?.1))),
+            None => Ok(None),
+        })
+    }
+
+    /// Expandable device memory: an address range of `capacity` bytes, nothing mapped yet (see
+    /// [`Device::map_raw`]), mapped in pieces of `chunk` bytes. `relaxed` as for
+    /// [`Device::alloc_raw`].
+    pub(crate) fn reserve_raw(&self, capacity: usize, chunk: usize, relaxed: bool) -> Result<RawBuffer> {
+        let mem = dispatch!(self.backend(), |b, _pick| b.wrap_mem(b.reserve(capacity, chunk, relaxed)?));
+        Ok(RawBuffer {
+            id: BufferId(ids::next_id()),
+            device: self.id(),
+            bytes: capacity,
+            kind: MemKind::Device,
+            mem,
+            observer: self.inner.observer.clone(),
+        })
+    }
+
+    /// Maps the first `bytes` of expandable memory (a multiple of its chunk). Memory already
+    /// mapped keeps its contents and addresses. `relaxed` as for [`Device::alloc_raw`].
+    pub(crate) fn map_raw(&self, raw: &RawBuffer, bytes: usize, relaxed: bool) -> Result<()> {
+        dispatch!(self.backend(), |b, pick| b.map_to(pick!(raw.mem), bytes, relaxed))
+    }
+
+    /// Waits for the device, then unmaps expandable memory after its first `bytes`, giving the
+    /// pages back. The caller knows that no graph that may still run uses those bytes.
+    pub(crate) fn unmap_raw(&self, raw: &RawBuffer, bytes: usize) -> Result<()> {
+        dispatch!(self.backend(), |b, pick| b.unmap_from(pick!(raw.mem), bytes))
+    }
+
     /// Device memory for `len` elements. Contents are unspecified (zero on the simulator).
     ///
     /// A plain allocation is synchronous: the capture modes forbid it like CUDA does (see

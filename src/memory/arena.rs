@@ -2,6 +2,10 @@
 //! best-fit reuse, coalescing, and stream-ordered reuse. Pure data, so it is property-tested
 //! against a reference model.
 //!
+//! Segments are fixed (one device allocation each) or expandable: an address range of which a
+//! prefix is mapped, grown at its end by [`Arena::grow`] when no free block fits, and shrunk by
+//! [`Arena::shrink`] when its end is free (Note [Expandable segments] in `allocator.rs`).
+//!
 //! Stream-ordered reuse: a block freed by stream S may be reused at once by S (its queue orders
 //! the new use after the old one), but by another stream only after the allocator has seen an
 //! ordering — [`Arena::mark_ordered`] after S was synchronized or joined — because that stream's
@@ -57,23 +61,40 @@ pub struct BlockInfo {
     pub state: BlockState,
 }
 
-/// Byte counts of an arena.
+/// Byte counts of an arena (a graph pool, or the cache outside pools), or of a whole allocator.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {
     /// Bytes in blocks handed out.
     pub allocated: usize,
-    /// Bytes in segments.
+    /// Bytes of device memory held: whole fixed segments, and the mapped part of expandable ones.
     pub reserved: usize,
     /// Highest `allocated` seen.
     pub peak_allocated: usize,
     /// Highest `reserved` seen.
     pub peak_reserved: usize,
+    /// The largest free block in reserved memory: the largest request served without growing.
+    pub largest_free: usize,
 }
 
 #[derive(Debug)]
 struct Segment {
+    /// Bytes usable now: blocks cover `[0, size)`.
     size: usize,
+    /// Bytes the segment may grow to: its address range if expandable, else `size`.
+    capacity: usize,
+    expandable: bool,
     blocks: BTreeMap<usize, (usize, BlockState)>,
+}
+
+/// How to grow an expandable segment so that a request fits (see [`Arena::plan_growth`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Growth {
+    /// The segment.
+    pub segment: SegmentId,
+    /// Its usable size after growing.
+    pub size: usize,
+    /// Who may reuse the new bytes: the tag of the free tail they extend, so that the two merge.
+    tag: FreeTag,
 }
 
 /// Segments and blocks of one pool.
@@ -109,7 +130,7 @@ impl Arena {
 
     /// Byte counts.
     pub fn stats(&self) -> Stats {
-        self.stats
+        Stats { largest_free: self.free.iter().map(|k| k.1).max().unwrap_or(0), ..self.stats }
     }
 
     /// Every block, by segment and offset.
@@ -127,14 +148,112 @@ impl Arena {
             .collect()
     }
 
-    /// Adds a segment of `size` bytes (a multiple of [`ALIGN`]), all free to any stream.
+    /// Adds a fixed segment of `size` bytes (a multiple of [`ALIGN`]), all free to any stream.
     pub fn add_segment(&mut self, id: SegmentId, size: usize) {
         let mut blocks = BTreeMap::new();
         blocks.insert(0, (size, BlockState::Free(FreeTag::Any)));
-        self.segments.insert(id, Segment { size, blocks });
+        self.segments.insert(id, Segment { size, capacity: size, expandable: false, blocks });
         self.free.insert((FreeTag::Any, size, id, 0));
-        self.stats.reserved += size;
+        self.note_reserved(size);
+    }
+
+    /// Adds an expandable segment that may grow to `capacity` bytes, with nothing usable yet.
+    pub fn add_expandable(&mut self, id: SegmentId, capacity: usize) {
+        self.segments.insert(id, Segment { size: 0, capacity, expandable: true, blocks: BTreeMap::new() });
+    }
+
+    fn note_reserved(&mut self, added: usize) {
+        self.stats.reserved += added;
         self.stats.peak_reserved = self.stats.peak_reserved.max(self.stats.reserved);
+    }
+
+    /// How to grow an expandable segment, in multiples of `step` bytes (a multiple of
+    /// [`ALIGN`]), so that [`alloc`](Arena::alloc)`(bytes, stream)` then succeeds: the segment
+    /// whose growth is the smallest, counting a free tail that `stream` may reuse as part of the
+    /// request. `None` if no expandable segment has room.
+    pub fn plan_growth(&self, bytes: usize, stream: StreamKey, step: usize) -> Option<Growth> {
+        let size = block_size(bytes);
+        self.segments
+            .iter()
+            .filter(|(_, s)| s.expandable)
+            .filter_map(|(&segment, s)| {
+                let tail = match s.blocks.iter().next_back() {
+                    Some((&off, &(_, BlockState::Free(tag))))
+                        if tag == FreeTag::Any || tag == FreeTag::Stream(stream) =>
+                    {
+                        Some((off, tag))
+                    }
+                    _ => None,
+                };
+                let (start, tag) = tail.unwrap_or((s.size, FreeTag::Any));
+                let new_size = (start + size).div_ceil(step) * step;
+                (new_size <= s.capacity).then_some(Growth { segment, size: new_size, tag })
+            })
+            .min_by_key(|g| g.size - self.segments[&g.segment].size)
+    }
+
+    /// Grows a segment as `growth` says, after the device mapped the new bytes. The new bytes
+    /// join the segment's free tail if it has one of the same tag.
+    pub fn grow(&mut self, growth: Growth) {
+        let Some(seg) = self.segments.get_mut(&growth.segment) else { return };
+        let old = seg.size;
+        if growth.size <= old {
+            return;
+        }
+        seg.size = growth.size;
+        self.insert_free(growth.segment, old, growth.size - old, growth.tag);
+        self.note_reserved(growth.size - old);
+    }
+
+    /// Sets the usable size of an expandable segment to `size`, what the device reports mapped
+    /// after a mapping or unmapping call failed partway: new bytes are free to any stream, and
+    /// only a free tail is given up.
+    pub fn track_mapped(&mut self, segment: SegmentId, size: usize) {
+        match self.segments.get(&segment) {
+            Some(s) if s.expandable && size > s.size => self.grow(Growth { segment, size, tag: FreeTag::Any }),
+            Some(s) if s.expandable && size < s.size => {
+                self.shrink(segment, size);
+            }
+            _ => {}
+        }
+    }
+
+    /// The expandable segments whose end is free to any stream, each with the size it may
+    /// shrink to: its last used byte rounded up to `step`. Changes nothing: the caller unmaps
+    /// the bytes beyond that size, then calls [`shrink`](Arena::shrink).
+    pub fn free_tails(&self, step: usize) -> Vec<(SegmentId, usize)> {
+        self.segments
+            .iter()
+            .filter(|(_, s)| s.expandable)
+            .filter_map(|(&id, s)| match s.blocks.iter().next_back() {
+                Some((&off, &(_, BlockState::Free(FreeTag::Any)))) => {
+                    let keep = off.div_ceil(step) * step;
+                    (keep < s.size).then_some((id, keep))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Shrinks an expandable segment to `size` bytes, after the device unmapped the rest. Only
+    /// a free tail (to any stream) is given up: a size that would cut into another block is
+    /// refused (returns false).
+    pub fn shrink(&mut self, segment: SegmentId, size: usize) -> bool {
+        let Some(seg) = self.segments.get_mut(&segment) else { return false };
+        let Some((&off, &(tail, state))) = seg.blocks.iter().next_back() else { return false };
+        if !seg.expandable || state != BlockState::Free(FreeTag::Any) || size < off || size >= seg.size {
+            return false;
+        }
+        let given = seg.size - size;
+        seg.size = size;
+        seg.blocks.remove(&off);
+        self.free.remove(&(FreeTag::Any, tail, segment, off));
+        if size > off {
+            self.segments.get_mut(&segment).expect("found above").blocks.insert(off, (size - off, state));
+            self.free.insert((FreeTag::Any, size - off, segment, off));
+        }
+        self.stats.reserved -= given;
+        true
     }
 
     fn best_fit(&self, tag: FreeTag, size: usize) -> Option<(FreeTag, usize, SegmentId, usize)> {
@@ -242,15 +361,17 @@ impl Arena {
         }
     }
 
-    /// Removes the segments that are entirely free to any stream and returns them, for the
-    /// caller to release to the device.
+    /// Removes the fixed segments that are entirely free to any stream and returns them, for
+    /// the caller to release to the device. Expandable segments shrink instead
+    /// ([`free_tails`](Arena::free_tails)).
     pub fn release_empty(&mut self) -> Vec<(SegmentId, usize)> {
         let empty: Vec<(SegmentId, usize)> = self
             .segments
             .iter()
-            .filter(
-                |(_, s)| matches!(s.blocks.get(&0), Some(&(size, BlockState::Free(FreeTag::Any))) if size == s.size),
-            )
+            .filter(|(_, s)| {
+                !s.expandable
+                    && matches!(s.blocks.get(&0), Some(&(size, BlockState::Free(FreeTag::Any))) if size == s.size)
+            })
             .map(|(id, s)| (*id, s.size))
             .collect();
         for (id, size) in &empty {
@@ -287,6 +408,59 @@ mod tests {
     }
 
     #[test]
+    fn an_expandable_segment_grows_through_its_free_tail_and_gives_it_back() {
+        const MIB: usize = 1 << 20;
+        let mut a = Arena::new();
+        a.add_expandable(1, 1 << 40);
+        assert_eq!(a.alloc(100, 0), None, "nothing is usable before the first growth");
+        // Thirty-two 32 MiB blocks, all freed: fixed segments would keep them as 32 MiB pieces.
+        let grow = |a: &mut Arena, bytes: usize| {
+            let g = a.plan_growth(bytes, 0, 2 * MIB).expect("the range has room");
+            a.grow(g);
+            a.alloc(bytes, 0).expect("the grown segment fits")
+        };
+        let small: Vec<_> = (0..32).map(|_| grow(&mut a, 32 * MIB)).collect();
+        assert_eq!(a.stats().reserved, 1024 * MIB);
+        for (seg, off, _) in &small {
+            assert!(a.free(*seg, *off));
+        }
+        assert_eq!(a.stats().largest_free, 1024 * MIB, "neighbours coalesce into one range");
+        let (_, off, _) = a.alloc(1024 * MIB, 0).expect("the freed range serves the larger request");
+        assert_eq!((off, a.stats().reserved), (0, 1024 * MIB), "reserved did not grow");
+        assert!(a.free(1, 0));
+        // A request larger than the free tail maps only the difference after it.
+        let (_, off, _) = grow(&mut a, 1280 * MIB);
+        assert_eq!((off, a.stats().reserved), (0, 1280 * MIB));
+        assert!(a.free(1, 0));
+        let (_, low, _) = a.alloc(8 * MIB, 0).unwrap();
+        assert_eq!(a.free_tails(2 * MIB), vec![], "the tail was freed by stream 0 and is not ordered yet");
+        a.mark_ordered(0);
+        assert_eq!(a.free_tails(2 * MIB), vec![(1, 8 * MIB)], "the free tail past the used block goes back");
+        assert!(!a.shrink(1, 4 * MIB), "a used block is never cut");
+        assert!(a.shrink(1, 8 * MIB));
+        assert_eq!((a.stats().reserved, a.stats().peak_reserved), (8 * MIB, 1280 * MIB));
+        assert!(a.free(1, low));
+        a.mark_ordered(0);
+        assert!(a.shrink(1, 0));
+        assert_eq!((a.stats().reserved, a.blocks().len()), (0, 0));
+    }
+
+    #[test]
+    fn growth_skips_a_tail_another_stream_freed() {
+        let mut a = Arena::new();
+        a.add_expandable(1, 1 << 30);
+        let g = a.plan_growth(8192, 7, 8192).unwrap();
+        a.grow(g);
+        let (_, off, _) = a.alloc(8192, 7).unwrap();
+        assert!(a.free(1, off));
+        let g = a.plan_growth(16384, 8, 8192).unwrap();
+        assert_eq!(g.size, 8192 + 16384, "stream 8 may not reuse stream 7's tail, so it maps after it");
+        a.grow(g);
+        assert_eq!(a.alloc(16384, 8).map(|b| b.1), Some(8192));
+        assert_eq!(a.plan_growth(1 << 30, 8, 8192), None, "no room left in the range");
+    }
+
+    #[test]
     fn segment_sizes_follow_the_request() {
         assert_eq!(segment_size(block_size(1)), 2 << 20);
         assert_eq!(segment_size(block_size(3 << 20)), 20 << 20);
@@ -317,28 +491,51 @@ mod tests {
         live: Vec<(SegmentId, usize, usize, u64)>,
         unordered: Vec<(SegmentId, usize, usize, u64)>,
         segments: BTreeMap<SegmentId, usize>,
+        next_fixed: SegmentId,
     }
+
+    /// The request's block, after growing the expandable segment or adding a fixed one if no
+    /// free block fits.
+    fn alloc_growing(
+        a: &mut Arena,
+        m: &mut Model,
+        expandable: bool,
+        bytes: usize,
+        stream: u64,
+    ) -> Result<(SegmentId, usize, usize), TestCaseError> {
+        if let Some(b) = a.alloc(bytes, stream) {
+            return Ok(b);
+        }
+        if expandable {
+            let g = a.plan_growth(bytes, stream, STEP).expect("the range is large enough");
+            prop_assert!(g.size.is_multiple_of(STEP) && g.size > m.segments[&g.segment]);
+            a.grow(g);
+            m.segments.insert(g.segment, g.size);
+        } else {
+            m.next_fixed += 1;
+            let id = m.next_fixed;
+            let size = segment_size(block_size(bytes));
+            a.add_segment(id, size);
+            m.segments.insert(id, size);
+        }
+        Ok(a.alloc(bytes, stream).expect("the grown arena fits the request"))
+    }
+
+    const STEP: usize = 8192;
 
     proptest! {
         #[test]
-        fn arena_matches_the_model(steps in proptest::collection::vec(step(), 1..120)) {
+        fn arena_matches_the_model(expandable: bool, steps in proptest::collection::vec(step(), 1..120)) {
             let mut a = Arena::new();
             let mut m = Model::default();
-            let mut next_seg = 0;
+            if expandable {
+                a.add_expandable(0, 1 << 30);
+                m.segments.insert(0, 0);
+            }
             for s in steps {
                 match s {
                     Step::Alloc { bytes, stream } => {
-                        let got = match a.alloc(bytes, stream) {
-                            Some(b) => b,
-                            None => {
-                                let size = segment_size(block_size(bytes));
-                                a.add_segment(next_seg, size);
-                                m.segments.insert(next_seg, size);
-                                next_seg += 1;
-                                a.alloc(bytes, stream).expect("a fresh segment fits the request")
-                            }
-                        };
-                        let (seg, off, size) = got;
+                        let (seg, off, size) = alloc_growing(&mut a, &mut m, expandable, bytes, stream)?;
                         prop_assert!(size >= bytes && off % ALIGN == 0 && off + size <= m.segments[&seg]);
                         for (s2, o2, n2, _) in &m.live {
                             prop_assert!(*s2 != seg || off + size <= *o2 || o2 + n2 <= off, "overlaps a live block");
@@ -365,12 +562,19 @@ mod tests {
                             prop_assert!(m.live.iter().all(|l| l.0 != seg), "released a segment in use");
                             m.segments.remove(&seg);
                         }
+                        for (seg, size) in a.free_tails(STEP) {
+                            let used_end = m.live.iter().chain(&m.unordered).filter(|l| l.0 == seg).map(|l| l.1 + l.2).max();
+                            prop_assert!(used_end.unwrap_or(0) <= size, "gave up bytes in use or not yet ordered");
+                            prop_assert!(a.shrink(seg, size));
+                            m.segments.insert(seg, size);
+                        }
                     }
                 }
                 let st = a.stats();
                 prop_assert_eq!(st.allocated, m.live.iter().map(|l| l.2).sum::<usize>());
                 prop_assert_eq!(st.reserved, m.segments.values().sum::<usize>());
                 prop_assert!(st.peak_allocated >= st.allocated && st.peak_reserved >= st.reserved);
+                prop_assert!(st.largest_free <= st.reserved - st.allocated);
             }
             for (seg, off, _, _) in std::mem::take(&mut m.live) {
                 prop_assert!(a.free(seg, off));
@@ -378,7 +582,13 @@ mod tests {
             for stream in 0..3 {
                 a.mark_ordered(stream);
             }
-            prop_assert_eq!(a.release_empty().len(), m.segments.len(), "everything coalesces back into whole segments");
+            if expandable {
+                for (seg, size) in a.free_tails(STEP) {
+                    prop_assert!(size == 0 && a.shrink(seg, size), "an idle segment shrinks to nothing");
+                }
+            } else {
+                prop_assert_eq!(a.release_empty().len(), m.segments.len(), "everything coalesces back into whole segments");
+            }
             prop_assert_eq!(a.stats().reserved, 0);
         }
     }

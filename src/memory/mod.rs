@@ -5,5 +5,6 @@ mod allocator;
 pub mod arena;
 mod pool;
 
-pub use allocator::{BlockEntry, CachingAllocator, MemoryStats, PoolCapture};
+pub use allocator::{AllocatorConfig, BlockEntry, CachingAllocator, MemoryStats, PoolCapture, EXPANDABLE_ENV};
+pub use arena::Stats;
 pub use pool::{GraphPool, PoolExec, PoolGraph, PoolId};

@@ -16,7 +16,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::allocator::Inner;
-use super::arena::{Arena, StreamKey};
+use super::arena::{Arena, Stats, StreamKey};
 use crate::device::{Graph, GraphExec, GraphId, Stream};
 use crate::{Error, Result};
 
@@ -54,6 +54,13 @@ pub(crate) struct PoolState {
 impl PoolState {
     pub(crate) fn add_graph(&mut self, graph: GraphId) {
         self.order.push(graph);
+    }
+
+    /// Whether no graph of the pool can run: none is in the replay order (every executable was
+    /// reset), none is being captured, and replays are checked (an unchecked pool launches
+    /// whatever it is asked to). Only then may the pool give memory back.
+    pub(crate) fn idle(&self) -> bool {
+        self.order.is_empty() && self.capturing.is_none() && !self.unguarded
     }
 
     /// The host saw everything finish: a replay may use any stream next.
@@ -166,6 +173,11 @@ impl GraphPool {
     /// The device of the pool's memory.
     pub fn device(&self) -> &crate::device::Device {
         &self.alloc.dev
+    }
+
+    /// The pool's byte counts: allocated, reserved, their peaks, and its largest free range.
+    pub fn stats(&self) -> Stats {
+        self.alloc.pool_stats(self.id).unwrap_or_default()
     }
 
     /// How many graphs the pool's order holds: a mark to [`GraphPool::roll_back`] to.

@@ -6,6 +6,7 @@ mod common;
 
 mod capture;
 mod events;
+mod expandable;
 mod gemm;
 mod graphs;
 mod memory;

@@ -14,7 +14,7 @@ use graphed::memory::CachingAllocator;
 use graphed::offload::OffloadConfig;
 use serde::Serialize;
 
-use super::{spread, write_json, Case, Report, Spread};
+use super::{spread, write_json, Case, MemoryRow, Report, Spread};
 use crate::cli::args::GraphsBenchArgs;
 use crate::cli::bench_model::{BenchModel, Config};
 
@@ -66,6 +66,8 @@ struct GraphsRow {
     /// the variant's steady footprint. The areas' peaks are not added up, as they do not
     /// coincide (the warmup's cache is emptied before capture).
     reserved_bytes: usize,
+    /// The allocator's statistics after the timed steps, peaks included.
+    memory: MemoryRow,
     /// Wall time of `make_graphed_callables` (its warmup iterations included) or of the floor's
     /// capture, instantiation and upload; none for eager.
     capture_ms: Option<f64>,
@@ -156,6 +158,7 @@ fn run_variant(
         }
     };
     alloc.synchronize()?;
+    let stats = alloc.stats();
     let host_us = spread(samples.host_us);
     Ok(GraphsRow {
         case: Case::new(config, dtype, variant.name()),
@@ -163,7 +166,8 @@ fn run_variant(
         host_us,
         gpu_ms: (!samples.gpu_ms.is_empty()).then(|| spread(samples.gpu_ms)),
         host_us_per_call: calls.map(|n| host_us.median / n as f64),
-        reserved_bytes: alloc.stats().total.reserved,
+        reserved_bytes: stats.total.reserved,
+        memory: MemoryRow::of(&stats),
         capture_ms,
     })
 }

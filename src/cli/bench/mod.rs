@@ -106,6 +106,53 @@ impl Case {
     }
 }
 
+/// One arena's byte counts (`graphed::memory::Stats`) in a row of results.
+#[derive(Serialize, Debug)]
+struct StatsRow {
+    /// The graph pool; none for the cache outside pools and for the total.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pool: Option<String>,
+    allocated_bytes: usize,
+    reserved_bytes: usize,
+    peak_allocated_bytes: usize,
+    peak_reserved_bytes: usize,
+    largest_free_bytes: usize,
+}
+
+impl StatsRow {
+    fn of(pool: Option<String>, s: &graphed::memory::Stats) -> StatsRow {
+        StatsRow {
+            pool,
+            allocated_bytes: s.allocated,
+            reserved_bytes: s.reserved,
+            peak_allocated_bytes: s.peak_allocated,
+            peak_reserved_bytes: s.peak_reserved,
+            largest_free_bytes: s.largest_free,
+        }
+    }
+}
+
+/// The allocator's statistics at the end of a variant: whether its segments were expandable,
+/// the total (whose peaks are those of the sum), the cache outside pools and each graph pool.
+#[derive(Serialize, Debug)]
+struct MemoryRow {
+    expandable: bool,
+    total: StatsRow,
+    cache: StatsRow,
+    pools: Vec<StatsRow>,
+}
+
+impl MemoryRow {
+    fn of(stats: &graphed::memory::MemoryStats) -> MemoryRow {
+        MemoryRow {
+            expandable: stats.expandable,
+            total: StatsRow::of(None, &stats.total),
+            cache: StatsRow::of(None, &stats.default),
+            pools: stats.pools.iter().map(|(id, s)| StatsRow::of(Some(id.to_string()), s)).collect(),
+        }
+    }
+}
+
 /// The median and range of some samples.
 #[derive(Serialize, Debug, Clone, Copy)]
 struct Spread {

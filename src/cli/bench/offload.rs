@@ -15,7 +15,7 @@ use graphed::offload::{OffloadConfig, OffloadManager, Policy, AUTO_CANDIDATES};
 use serde::Serialize;
 
 use super::graphs::{graphed_step, measure};
-use super::{spread, write_json, Case, Report, Spread};
+use super::{spread, write_json, Case, MemoryRow, Report, Spread};
 use crate::cli::args::GraphsBenchArgs;
 use crate::cli::bench_model::{BenchModel, Config};
 
@@ -70,6 +70,8 @@ struct OffloadRow {
     backward_lead_ms: Option<f64>,
     /// The policy's summary table.
     summary: Option<String>,
+    /// The allocator's statistics after the timed steps: the cache's and every pool's peaks.
+    memory: MemoryRow,
 }
 
 /// The copy rates of one configuration, GB/s.
@@ -150,7 +152,8 @@ fn run_variant(
     };
     alloc.synchronize()?;
     let pool = graphed.pool().id();
-    let pool_peak_bytes = alloc.stats().pools.iter().find(|(id, _)| *id == pool).map_or(0, |(_, s)| s.peak_allocated);
+    let stats = alloc.stats();
+    let pool_peak_bytes = stats.pools.iter().find(|(id, _)| *id == pool).map_or(0, |(_, s)| s.peak_allocated);
     let summary = manager.as_ref().and_then(OffloadManager::summary);
     let wall = spread(samples.wall_ms);
     let rates = match (variant, &manager) {
@@ -169,6 +172,7 @@ fn run_variant(
         forward_lead_ms: leads.map(|l| l.0),
         backward_lead_ms: leads.map(|l| l.1),
         summary: summary.map(|s| s.to_string()),
+        memory: MemoryRow::of(&stats),
     };
     Ok((row, rates))
 }

@@ -5,6 +5,7 @@
 //! or growing the host's memory past what it has.
 
 use graphed::device::Device;
+use graphed::memory::{MemoryStats, Stats};
 use graphed::nn::{AttentionKind, GptConfig};
 
 use crate::cli::args::TrainArgs;
@@ -62,6 +63,28 @@ pub fn check(dev: &Device, config: &GptConfig, batch: usize, args: &TrainArgs) -
 
 fn gib(bytes: u128) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// The line `train` ends with: the device memory the run held at its peak, allocated and
+/// reserved, in total and per area (the cache outside pools, each graph pool).
+pub fn summary(stats: &MemoryStats) -> String {
+    let area = |name: String, s: &Stats| format!("{name} {} / {}", human(s.peak_allocated), human(s.peak_reserved));
+    let mut areas = vec![area("cache".to_string(), &stats.default)];
+    areas.extend(stats.pools.iter().map(|(id, s)| area(id.to_string(), s)));
+    format!(
+        "device memory: peak allocated {}, peak reserved {} ({}; {} segments)",
+        human(stats.total.peak_allocated),
+        human(stats.total.peak_reserved),
+        areas.join(", "),
+        if stats.expandable { "expandable" } else { "fixed" }
+    )
+}
+
+fn human(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 => gib(b as u128),
+        b => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+    }
 }
 
 #[cfg(test)]

@@ -420,6 +420,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     }
     let which = if timed_steps + 1 == stop - start { " (after the first)" } else { "" };
     println!("time per step{which}: wall {:.0} µs, host issuing {:.0} µs", per_step(wall), per_step(host));
+    println!("{}", memory::summary(&alloc.stats()));
     task.report(&model, &alloc, &s)
 }
 

@@ -145,6 +145,104 @@ pub(super) unsafe fn mem_free_host(ptr: NonNull<u8>) -> Result<(), DriverError> 
     result::free_host(ptr.as_ptr().cast())
 }
 
+// ---- expandable memory (virtual memory management) ---------------------------------------------
+
+/// The properties of plain device memory on GPU `ordinal`, for `cuMemCreate` and its granularity.
+fn device_prop(ordinal: c_int) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
+        win32HandleMetaData: ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`, then the minimum granularity
+/// (`cuMemGetAllocationGranularity`) of device memory: `None` without virtual memory management.
+pub(super) fn vm_granularity(ctx: &CudaContext) -> Result<Option<usize>, DriverError> {
+    let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+    if ctx.attribute(attr)? == 0 {
+        return Ok(None);
+    }
+    let prop = device_prop(ctx.ordinal() as c_int);
+    let mut granularity = 0usize;
+    let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+    // SAFETY: both pointers are to live locals of the declared types.
+    unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, minimum) }.result()?;
+    Ok(Some(granularity))
+}
+
+/// `cuMemAddressReserve`: `bytes` of address range (a multiple of the granularity), nothing
+/// mapped. Needs the context bound.
+pub(super) fn mem_address_reserve(bytes: usize) -> Result<sys::CUdeviceptr, DriverError> {
+    let mut base: sys::CUdeviceptr = 0;
+    // SAFETY: `base` is a live local; no hint address, default alignment, no flags.
+    unsafe { sys::cuMemAddressReserve(&mut base, bytes, 0, 0, 0) }.result()?;
+    Ok(base)
+}
+
+/// `cuMemAddressFree`.
+///
+/// # Safety
+/// `base` and `bytes` are those of one [`mem_address_reserve`], freed once, with nothing mapped
+/// in it any more.
+pub(super) unsafe fn mem_address_free(base: sys::CUdeviceptr, bytes: usize) -> Result<(), DriverError> {
+    sys::cuMemAddressFree(base, bytes).result()
+}
+
+/// `cuMemCreate` of `bytes` (a multiple of the granularity) of device memory on GPU `ordinal`,
+/// then `cuMemMap` of it at `at`, then `cuMemRelease` of the handle: the memory lives while it
+/// is mapped, and [`mem_unmap`] gives it back. Needs the context bound.
+///
+/// # Safety
+/// `[at, at + bytes)` lies in a reserved range and nothing is mapped there.
+pub(super) unsafe fn mem_create_mapped(at: sys::CUdeviceptr, bytes: usize, ordinal: usize) -> Result<(), DriverError> {
+    let prop = device_prop(ordinal as c_int);
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    sys::cuMemCreate(&mut handle, bytes, &prop, 0).result()?;
+    let mapped = sys::cuMemMap(at, bytes, 0, handle, 0).result();
+    // Released whether or not it was mapped: mapped, the mapping keeps the memory alive;
+    // otherwise this frees it.
+    let released = sys::cuMemRelease(handle).result();
+    if let (Ok(()), Err(e)) = (mapped, released) {
+        // All or nothing, so that the caller knows what is mapped.
+        let _ = sys::cuMemUnmap(at, bytes);
+        return Err(e);
+    }
+    mapped
+}
+
+/// `cuMemSetAccess`: read-write access for GPU `ordinal` to `[at, at + bytes)`, which a fresh
+/// mapping lacks.
+///
+/// # Safety
+/// `[at, at + bytes)` is entirely mapped.
+pub(super) unsafe fn mem_set_access(at: sys::CUdeviceptr, bytes: usize, ordinal: usize) -> Result<(), DriverError> {
+    let desc = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal as c_int,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    sys::cuMemSetAccess(at, bytes, &desc, 1).result()
+}
+
+/// `cuMemUnmap` of one whole mapping made by [`mem_create_mapped`], which frees its memory.
+///
+/// # Safety
+/// `at` and `bytes` are those of one earlier mapping, and no queued work or graph that can still
+/// run uses it: unlike `cuMemFree`, unmapping does not wait for the device.
+pub(super) unsafe fn mem_unmap(at: sys::CUdeviceptr, bytes: usize) -> Result<(), DriverError> {
+    sys::cuMemUnmap(at, bytes).result()
+}
+
 /// `cuMemcpyHtoDAsync_v2`.
 ///
 /// # Safety

@@ -4,8 +4,15 @@
 //! graphs never contain memory nodes. A zero-byte buffer gets a one-byte allocation: every buffer
 //! then has a valid address for copies and kernel arguments, and allocating under a capture is
 //! refused the same way whatever the size.
+//!
+//! Expandable memory (virtual memory management) is an address range reserved once, whose
+//! prefix is mapped and unmapped in chunks of one `cuMemCreate` each: growing never moves
+//! memory, so addresses baked into graphs stay valid. Unmapping must cover whole mappings,
+//! hence one mapping per chunk; and it does not wait for the device as `cuMemFree` does, hence
+//! the synchronize before every unmap.
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{sys, CudaContext};
@@ -30,12 +37,25 @@ enum Ptr {
 /// One device or pinned allocation, freed when dropped (later, if a capture is active then).
 pub(crate) struct CuMem {
     ptr: Ptr,
-    /// The size asked for; the allocation may be larger (see the module docs).
+    /// The size asked for; the allocation may be larger (see the module docs). For expandable
+    /// memory, the size of its address range.
     bytes: usize,
+    /// How expandable memory is mapped; `None` for a plain allocation.
+    vm: Option<Vm>,
     ctx: Arc<CudaContext>,
     errors: Arc<ErrorSlot>,
     /// Serializes host reads and writes of pinned memory, which would otherwise race.
     host: Mutex<()>,
+}
+
+/// The mapped prefix of an expandable allocation.
+struct Vm {
+    /// Bytes per mapping.
+    chunk: usize,
+    /// Bytes mapped from the start, a multiple of `chunk`: read by every range check.
+    mapped: AtomicUsize,
+    /// Serializes mapping and unmapping.
+    changing: Mutex<()>,
 }
 
 // SAFETY: the allocation is owned by this value and freed once, on drop; host accesses to pinned
@@ -48,6 +68,8 @@ unsafe impl Sync for CuMem {}
 /// error slot.
 pub(super) struct Alloc {
     ptr: Ptr,
+    /// For expandable memory: (address range, bytes mapped, bytes per mapping).
+    vm: Option<(usize, usize, usize)>,
     ctx: Arc<CudaContext>,
     errors: Arc<ErrorSlot>,
 }
@@ -63,6 +85,24 @@ impl Alloc {
         // destructor of cudarc's, with the context still current.
         if let Err(e) = self.ctx.bind_to_thread() {
             self.errors.record(DURING, err::driver("cuCtxSetCurrent", None, e));
+        }
+        if let (Some((reserved, mapped, chunk)), Ptr::Device(base)) = (self.vm, self.ptr) {
+            // Nothing holds the range any more (as below), but work queued before its last
+            // holder went may still run: unmapping does not wait for it.
+            if let Err(e) = self.ctx.synchronize() {
+                self.errors.record(DURING, err::driver("cuCtxSynchronize", None, e));
+            }
+            for at in (0..mapped).step_by(chunk) {
+                // SAFETY: each chunk is one mapping, unmapped once, after the device finished.
+                if let Err(e) = unsafe { ffi::mem_unmap(base + at as u64, chunk) } {
+                    self.errors.record(DURING, err::driver("cuMemUnmap", None, e));
+                }
+            }
+            // SAFETY: the range's own base and size, freed once, now that nothing is mapped.
+            if let Err(e) = unsafe { ffi::mem_address_free(base, reserved) } {
+                self.errors.record(DURING, err::driver("cuMemAddressFree", None, e));
+            }
+            return;
         }
         // Each pointer came from the matching allocator and this is its only free; no graph
         // holds the buffer (graphs hold the `RawBuffer`, whose drop led here).
@@ -80,7 +120,8 @@ impl Alloc {
 
 impl Drop for CuMem {
     fn drop(&mut self) {
-        capture::free_or_defer(Alloc { ptr: self.ptr, ctx: self.ctx.clone(), errors: self.errors.clone() });
+        let vm = self.vm.as_ref().map(|v| (self.bytes, v.mapped.load(Ordering::Acquire), v.chunk));
+        capture::free_or_defer(Alloc { ptr: self.ptr, vm, ctx: self.ctx.clone(), errors: self.errors.clone() });
     }
 }
 
@@ -106,7 +147,106 @@ pub(super) fn alloc(ctx: &Arc<CudaContext>, errors: &Arc<ErrorSlot>, bytes: usiz
         }
         _ => err::driver(op, capture::forbidding_site(), e),
     })?;
-    Ok(CuMem { ptr, bytes, ctx: ctx.clone(), errors: errors.clone(), host: Mutex::new(()) })
+    Ok(CuMem { ptr, bytes, vm: None, ctx: ctx.clone(), errors: errors.clone(), host: Mutex::new(()) })
+}
+
+/// Reserves `capacity` bytes of address range for expandable memory mapped in `chunk`s, nothing
+/// mapped yet. The device's context must be bound.
+pub(super) fn reserve(ctx: &Arc<CudaContext>, errors: &Arc<ErrorSlot>, capacity: usize, chunk: usize) -> Result<CuMem> {
+    const OP: &str = "cuMemAddressReserve";
+    capture::flush_deferred();
+    let base = ffi::mem_address_reserve(capacity).map_err(|e| err::driver(OP, capture::forbidding_site(), e))?;
+    let vm = Vm { chunk, mapped: AtomicUsize::new(0), changing: Mutex::new(()) };
+    Ok(CuMem {
+        ptr: Ptr::Device(base),
+        bytes: capacity,
+        vm: Some(vm),
+        ctx: ctx.clone(),
+        errors: errors.clone(),
+        host: Mutex::new(()),
+    })
+}
+
+fn vm_of<'m>(op: &'static str, mem: &'m CuMem) -> Result<(&'m Vm, sys::CUdeviceptr)> {
+    match (&mem.vm, mem.ptr) {
+        (Some(vm), Ptr::Device(base)) => Ok((vm, base)),
+        _ => Err(bug(op, "a plain allocation reached a mapping call; please report this as a bug")),
+    }
+}
+
+/// Unmaps the chunks of `[from, to)`, the top one first so that what stays mapped is a prefix;
+/// returns the bytes still mapped.
+fn unmap_down(vm: &Vm, base: sys::CUdeviceptr, from: usize, to: usize) -> Result<usize> {
+    let mut end = to;
+    while end > from {
+        // SAFETY: the chunk at `end - chunk` is one mapping; callers waited for the device and
+        // know no graph uses it.
+        unsafe { ffi::mem_unmap(base + (end - vm.chunk) as u64, vm.chunk) }
+            .map_err(|e| err::driver("cuMemUnmap", None, e))
+            .inspect_err(|_| vm.mapped.store(end, Ordering::Release))?;
+        end -= vm.chunk;
+    }
+    Ok(end)
+}
+
+/// Maps expandable memory up to `bytes` (a multiple of its chunk, within its range): all of it,
+/// or on failure none of what this call mapped. The device's context must be bound.
+pub(super) fn map_to(mem: &CuMem, bytes: usize, ordinal: usize) -> Result<()> {
+    const OP: &str = "cuMemMap";
+    let (vm, base) = vm_of(OP, mem)?;
+    let _changing = vm.changing.lock().unwrap_or_else(PoisonError::into_inner);
+    let old = vm.mapped.load(Ordering::Acquire);
+    if bytes <= old {
+        return Ok(());
+    }
+    if bytes > mem.bytes || !bytes.is_multiple_of(vm.chunk) {
+        return Err(bug(OP, "a mapping outside its range or its chunks was asked for; please report this as a bug"));
+    }
+    capture::flush_deferred();
+    let fail = |at: usize, e: cudarc::driver::DriverError| -> Error {
+        if let Err(undo) = unmap_down(vm, base, old, at) {
+            mem.errors.record("undoing a failed mapping", undo);
+        }
+        match e.0 {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                let info = ffi::mem_get_info().ok();
+                let (free, total) = (info.map(|i| i.0), info.map(|i| i.1));
+                Error::OutOfMemory { op: OP, requested: bytes - old, what: "expandable device memory", free, total }
+            }
+            _ => err::driver(OP, capture::forbidding_site(), e),
+        }
+    };
+    let mut at = old;
+    while at < bytes {
+        // SAFETY: `[at, at + chunk)` lies in the range (checked above) past its mapped prefix.
+        unsafe { ffi::mem_create_mapped(base + at as u64, vm.chunk, ordinal) }.map_err(|e| fail(at, e))?;
+        at += vm.chunk;
+    }
+    // SAFETY: `[old, bytes)` was just mapped, chunk by chunk.
+    unsafe { ffi::mem_set_access(base + old as u64, bytes - old, ordinal) }.map_err(|e| fail(bytes, e))?;
+    vm.mapped.store(bytes, Ordering::Release);
+    Ok(())
+}
+
+/// Waits for the device, then unmaps expandable memory after its first `bytes`. The caller
+/// knows that no graph uses those bytes. The device's context must be bound.
+pub(super) fn unmap_from(mem: &CuMem, bytes: usize) -> Result<()> {
+    const OP: &str = "cuMemUnmap";
+    let (vm, base) = vm_of(OP, mem)?;
+    let _changing = vm.changing.lock().unwrap_or_else(PoisonError::into_inner);
+    let old = vm.mapped.load(Ordering::Acquire);
+    if bytes >= old {
+        return Ok(());
+    }
+    mem.ctx.synchronize().map_err(|e| err::driver("cuCtxSynchronize", capture::forbidding_site(), e))?;
+    let left = unmap_down(vm, base, bytes, old)?;
+    vm.mapped.store(left, Ordering::Release);
+    Ok(())
+}
+
+/// Bytes usable: the size asked for, or the mapped prefix of expandable memory.
+pub(super) fn usable(mem: &CuMem) -> usize {
+    mem.vm.as_ref().map_or(mem.bytes, |vm| vm.mapped.load(Ordering::Acquire))
 }
 
 /// The error for a buffer the public layer should not have let through; it names the bug.
@@ -116,7 +256,8 @@ fn bug(op: &'static str, why: &'static str) -> Error {
 
 fn check_range(op: &'static str, mem: &CuMem, offset: usize, len: usize) -> Result<()> {
     match offset.checked_add(len) {
-        Some(end) if end <= mem.bytes => Ok(()),
+        Some(end) if end <= usable(mem) => Ok(()),
+        Some(end) if mem.vm.is_some() => Err(Error::Unmapped { op, start: offset, end, mapped: usable(mem) }),
         _ => Err(bug(op, "a range outside its buffer reached the CUDA backend; please report this as a bug")),
     }
 }

@@ -162,6 +162,42 @@ impl Backend for CudaDevice {
         }
     }
 
+    fn vm_granularity(&self) -> Result<Option<usize>> {
+        const OP: &str = "CachingAllocator::new";
+        self.bind(OP)?;
+        ffi::vm_granularity(&self.ctx).map_err(|e| err::driver(OP, None, e))
+    }
+
+    fn reserve(&self, capacity: usize, chunk: usize, relaxed: bool) -> Result<CuMem> {
+        self.bind("reserve device addresses")?;
+        // A pool's first growth happens inside its first capture.
+        if relaxed {
+            capture::relaxed(|| memory::reserve(&self.ctx, &self.errors, capacity, chunk))
+        } else {
+            memory::reserve(&self.ctx, &self.errors, capacity, chunk)
+        }
+    }
+
+    fn map_to(&self, mem: &CuMem, bytes: usize, relaxed: bool) -> Result<()> {
+        self.bind("map device memory")?;
+        // As for `alloc`: relaxed, a capture on this thread lets the mapping through. Mapping is
+        // a host action, never captured; the pages stay mapped for every replay.
+        if relaxed {
+            capture::relaxed(|| memory::map_to(mem, bytes, self.ordinal()))
+        } else {
+            memory::map_to(mem, bytes, self.ordinal())
+        }
+    }
+
+    fn unmap_from(&self, mem: &CuMem, bytes: usize) -> Result<()> {
+        self.bind("unmap device memory")?;
+        memory::unmap_from(mem, bytes)
+    }
+
+    fn mapped(mem: &CuMem) -> usize {
+        memory::usable(mem)
+    }
+
     fn memory_info(&self) -> Result<(usize, usize)> {
         const OP: &str = "Device::memory_info";
         self.bind(OP)?;

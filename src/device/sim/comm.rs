@@ -644,7 +644,7 @@ impl CollectiveTask {
             return Ok(());
         }
         let mut data = vec![0u8; self.input_bytes()];
-        mem(&self.src.0)?.read(self.src.1, &mut data);
+        mem(&self.src.0)?.read(self.kind.name(), self.src.1, &mut data)?;
         self.rank.post(key, data);
         Ok(())
     }
@@ -664,8 +664,7 @@ impl CollectiveTask {
             Collective::AllReduce => sum(self.dtype, &posted),
             Collective::ReduceScatter => sum(self.dtype, &posted)[self.rank.rank * bytes..][..bytes].to_vec(),
         };
-        mem(&self.dst.0)?.write(self.dst.1, &out);
-        Ok(())
+        mem(&self.dst.0)?.write(self.kind.name(), self.dst.1, &out)
     }
 }
 

@@ -314,6 +314,39 @@ impl Backend for SimDevice {
         SimMem::zeroed(op, bytes, &self.used, self.config.memory)
     }
 
+    fn vm_granularity(&self) -> Result<Option<usize>> {
+        // As an H200 reports: expandable memory comes in 2 MiB pages.
+        Ok(Some(2 << 20))
+    }
+
+    fn reserve(&self, _capacity: usize, _chunk: usize, relaxed: bool) -> Result<SimMem> {
+        if !relaxed {
+            self.lock().forbid_sync_call("reserve device addresses")?;
+        }
+        // Only address space: nothing is counted until mapped, and the range's size bounds
+        // nothing the simulator needs to check (the allocator never grows past it).
+        Ok(SimMem::reserved(&self.used))
+    }
+
+    fn map_to(&self, mem: &SimMem, bytes: usize, relaxed: bool) -> Result<()> {
+        const OP: &str = "map device memory";
+        if !relaxed {
+            self.lock().forbid_sync_call(OP)?;
+        }
+        mem.grow(OP, bytes, self.config.memory)
+    }
+
+    fn unmap_from(&self, mem: &SimMem, bytes: usize) -> Result<()> {
+        // Unmapping waits for the device, as the CUDA path does before it unmaps.
+        self.synchronize()?;
+        mem.shrink(bytes);
+        Ok(())
+    }
+
+    fn mapped(mem: &SimMem) -> usize {
+        mem.len()
+    }
+
     fn memory_info(&self) -> Result<(usize, usize)> {
         let used = self.used.load(std::sync::atomic::Ordering::Relaxed);
         let free = self.config.memory.saturating_sub(used);
@@ -393,25 +426,21 @@ impl Backend for SimDevice {
     fn read_blocking(&self, stream: &SimStream, mem: &SimMem, offset: usize, out: &mut [u8]) -> Result<()> {
         let mut st = self.lock();
         st.synchronize_stream(stream.id, "to_vec")?;
-        mem.read(offset, out);
-        Ok(())
+        mem.read("to_vec", offset, out)
     }
 
     fn write_blocking(&self, stream: &SimStream, mem: &SimMem, offset: usize, data: &[u8]) -> Result<()> {
         let mut st = self.lock();
         st.synchronize_stream(stream.id, "write_from")?;
-        mem.write(offset, data);
-        Ok(())
+        mem.write("write_from", offset, data)
     }
 
     fn read_pinned(mem: &SimMem, offset: usize, out: &mut [u8]) -> Result<()> {
-        mem.read(offset, out);
-        Ok(())
+        mem.read("PinnedBuffer::read", offset, out)
     }
 
     fn write_pinned(mem: &SimMem, offset: usize, data: &[u8]) -> Result<()> {
-        mem.write(offset, data);
-        Ok(())
+        mem.write("PinnedBuffer::write", offset, data)
     }
 
     fn begin_capture(&self, stream: &SimStream, mode: CaptureMode) -> Result<()> {

@@ -11,81 +11,142 @@ use crate::device::{AccessMode, DType, Region};
 use crate::{Error, Result};
 
 /// Simulated memory of one allocation (device or pinned): 8-byte aligned host bytes, counted
-/// against the device's memory while they live.
+/// against the device's memory while they live. An expandable allocation starts with no bytes
+/// and grows or shrinks at its end, as mapping and unmapping pages of a reserved address range
+/// do on CUDA; touching bytes beyond its end is [`Error::Unmapped`] (an illegal address on CUDA).
 pub(crate) struct SimMem {
-    bytes: usize,
-    words: Mutex<Vec<u64>>,
+    words: Mutex<Words>,
     used: Arc<AtomicUsize>,
+}
+
+/// The bytes and how many of them are usable (`data` holds them rounded up to words).
+struct Words {
+    data: Vec<u64>,
+    bytes: usize,
 }
 
 impl Drop for SimMem {
     fn drop(&mut self) {
-        self.used.fetch_sub(self.bytes, Ordering::SeqCst);
+        let bytes = self.lock().bytes;
+        self.used.fetch_sub(bytes, Ordering::SeqCst);
     }
+}
+
+/// Counts `bytes` more against the device's `capacity`, and makes room for them on the host.
+fn charge(op: &'static str, words: &mut Vec<u64>, bytes: usize, used: &AtomicUsize, capacity: usize) -> Result<()> {
+    let out_of_memory = |free: usize| Error::OutOfMemory {
+        op,
+        requested: bytes,
+        what: "a device allocation",
+        free: Some(free),
+        total: Some(capacity),
+    };
+    let taken = used.fetch_add(bytes, Ordering::SeqCst);
+    if taken.checked_add(bytes).is_none_or(|total| total > capacity) {
+        used.fetch_sub(bytes, Ordering::SeqCst);
+        return Err(out_of_memory(capacity.saturating_sub(taken)));
+    }
+    if words.try_reserve_exact(bytes.div_ceil(8)).is_err() {
+        used.fetch_sub(bytes, Ordering::SeqCst);
+        return Err(out_of_memory(capacity.saturating_sub(taken)));
+    }
+    Ok(())
 }
 
 impl SimMem {
     /// `bytes` zeroed bytes, if the device's `capacity` (with `used` in use) and the host allow.
     pub(crate) fn zeroed(op: &'static str, bytes: usize, used: &Arc<AtomicUsize>, capacity: usize) -> Result<SimMem> {
-        let out_of_memory = |free: usize| Error::OutOfMemory {
-            op,
-            requested: bytes,
-            what: "a device allocation",
-            free: Some(free),
-            total: Some(capacity),
-        };
-        let taken = used.fetch_add(bytes, Ordering::SeqCst);
-        if taken.checked_add(bytes).is_none_or(|total| total > capacity) {
-            used.fetch_sub(bytes, Ordering::SeqCst);
-            return Err(out_of_memory(capacity.saturating_sub(taken)));
-        }
-        let mut words = Vec::new();
-        if words.try_reserve_exact(bytes.div_ceil(8)).is_err() {
-            used.fetch_sub(bytes, Ordering::SeqCst);
-            return Err(out_of_memory(capacity.saturating_sub(taken)));
-        }
-        words.resize(bytes.div_ceil(8), 0);
-        Ok(SimMem { bytes, words: Mutex::new(words), used: used.clone() })
+        let mut data = Vec::new();
+        charge(op, &mut data, bytes, used, capacity)?;
+        data.resize(bytes.div_ceil(8), 0);
+        Ok(SimMem { words: Mutex::new(Words { data, bytes }), used: used.clone() })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<u64>> {
+    /// An expandable allocation with no usable bytes yet: reserving an address range costs no
+    /// memory.
+    pub(crate) fn reserved(used: &Arc<AtomicUsize>) -> SimMem {
+        SimMem { words: Mutex::new(Words { data: Vec::new(), bytes: 0 }), used: used.clone() }
+    }
+
+    /// Makes the first `bytes` usable (new bytes are zero), if the device's memory allows.
+    pub(crate) fn grow(&self, op: &'static str, bytes: usize, capacity: usize) -> Result<()> {
+        let mut w = self.lock();
+        if bytes <= w.bytes {
+            return Ok(());
+        }
+        let more = bytes - w.bytes;
+        charge(op, &mut w.data, more, &self.used, capacity)?;
+        w.data.resize(bytes.div_ceil(8), 0);
+        w.bytes = bytes;
+        Ok(())
+    }
+
+    /// Gives back every byte after the first `bytes`: their contents are lost.
+    pub(crate) fn shrink(&self, bytes: usize) {
+        let mut w = self.lock();
+        if bytes < w.bytes {
+            self.used.fetch_sub(w.bytes - bytes, Ordering::SeqCst);
+            w.bytes = bytes;
+            w.data.truncate(bytes.div_ceil(8));
+            w.data.shrink_to_fit();
+        }
+    }
+
+    /// Bytes usable now.
+    pub(crate) fn len(&self) -> usize {
+        self.lock().bytes
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Words> {
         // A panic while holding this lock can only come from a bug in a CPU kernel path; the
         // bytes are still plain data, so keep using them.
         self.words.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn read(&self, offset: usize, out: &mut [u8]) {
-        let w = self.lock();
-        out.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(&w)[offset..offset + out.len()]);
+    /// The usable bytes, if `[start, end)` lies within them.
+    fn usable<'w>(op: &'static str, w: &'w mut Words, start: usize, end: usize) -> Result<&'w mut [u8]> {
+        if end > w.bytes {
+            return Err(Error::Unmapped { op, start, end, mapped: w.bytes });
+        }
+        Ok(&mut bytemuck::cast_slice_mut::<u64, u8>(&mut w.data)[..w.bytes])
     }
 
-    pub(crate) fn write(&self, offset: usize, data: &[u8]) {
+    pub(crate) fn read(&self, op: &'static str, offset: usize, out: &mut [u8]) -> Result<()> {
         let mut w = self.lock();
-        bytemuck::cast_slice_mut::<u64, u8>(&mut w)[offset..offset + data.len()].copy_from_slice(data);
+        let src = Self::usable(op, &mut w, offset, offset + out.len())?;
+        out.copy_from_slice(&src[offset..offset + out.len()]);
+        Ok(())
     }
 
-    fn gather(&self, region: &Region, elem: usize) -> Gathered {
+    pub(crate) fn write(&self, op: &'static str, offset: usize, data: &[u8]) -> Result<()> {
+        let mut w = self.lock();
+        Self::usable(op, &mut w, offset, offset + data.len())?[offset..offset + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn gather(&self, op: &'static str, region: &Region, elem: usize) -> Result<Gathered> {
         let mut g = Gathered::zeroed(region.len() * elem);
-        let w = self.lock();
-        let src = &bytemuck::cast_slice::<u64, u8>(&w)[..self.bytes];
+        let mut w = self.lock();
+        let src = Self::usable(op, &mut w, region.offset() * elem, region.end() * elem)?;
         let dst = g.as_bytes_mut();
         let mut at = 0;
         region.for_each_run(|start, n| {
             dst[at..at + n * elem].copy_from_slice(&src[start * elem..(start + n) * elem]);
             at += n * elem;
         });
-        g
+        Ok(g)
     }
 
-    fn scatter(&self, region: &Region, elem: usize, g: &Gathered) {
+    fn scatter(&self, op: &'static str, region: &Region, elem: usize, g: &Gathered) -> Result<()> {
         let mut w = self.lock();
-        let dst = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut w)[..self.bytes];
+        let dst = Self::usable(op, &mut w, region.offset() * elem, region.end() * elem)?;
         let src = g.as_bytes();
         let mut at = 0;
         region.for_each_run(|start, n| {
             dst[start * elem..(start + n) * elem].copy_from_slice(&src[at..at + n * elem]);
             at += n * elem;
         });
+        Ok(())
     }
 }
 
@@ -188,15 +249,13 @@ impl Task {
     pub(crate) fn run(&self) -> Result<()> {
         match self {
             Task::Kernel { kernel, args } => run_kernel(kernel, args),
-            Task::Copy { src, src_offset, dst, dst_offset, bytes, .. } => {
+            Task::Copy { name, src, src_offset, dst, dst_offset, bytes } => {
                 let mut tmp = vec![0u8; *bytes];
-                sim_mem(&src.raw)?.read(*src_offset, &mut tmp);
-                sim_mem(&dst.raw)?.write(*dst_offset, &tmp);
-                Ok(())
+                sim_mem(&src.raw)?.read(name, *src_offset, &mut tmp)?;
+                sim_mem(&dst.raw)?.write(name, *dst_offset, &tmp)
             }
             Task::Memset { dst, offset, bytes, value } => {
-                sim_mem(&dst.raw)?.write(*offset, &vec![*value; *bytes]);
-                Ok(())
+                sim_mem(&dst.raw)?.write("memset", *offset, &vec![*value; *bytes])
             }
             Task::Collective(_) => Err(Error::Unsupported {
                 op: "collective",
@@ -214,7 +273,7 @@ fn run_kernel(kernel: &'static Kernel, args: &[OwnedArg]) -> Result<()> {
             OwnedArg::Buf(b) => CpuSlot::Buf {
                 dtype: b.dtype,
                 mode: b.mode,
-                data: RefCell::new(sim_mem(&b.block.raw)?.gather(&b.region, b.dtype.size())),
+                data: RefCell::new(sim_mem(&b.block.raw)?.gather(kernel.name, &b.region, b.dtype.size())?),
             },
             OwnedArg::Scalar(s) => CpuSlot::Scalar(*s),
         });
@@ -228,7 +287,7 @@ fn run_kernel(kernel: &'static Kernel, args: &[OwnedArg]) -> Result<()> {
     for (a, slot) in args.iter().zip(&cpu.slots) {
         if let (OwnedArg::Buf(b), CpuSlot::Buf { data, .. }) = (a, slot) {
             if b.mode.writes() {
-                sim_mem(&b.block.raw)?.scatter(&b.region, b.dtype.size(), &data.borrow());
+                sim_mem(&b.block.raw)?.scatter(kernel.name, &b.region, b.dtype.size(), &data.borrow())?;
             }
         }
     }
