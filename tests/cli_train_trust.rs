@@ -77,7 +77,7 @@ fn refusals_exit_2_before_the_first_step_and_change_nothing() {
         (&["--metrics", "metrics.jsonl", "--plot", "./metrics.jsonl"], "are the same file"),
         (&["--stop-at", "0"], "--stop-at"),
         (&["--steps", "10", "--stop-at", "11"], "--stop-at 11"),
-        (&["--stop-at", "601"], "--stop-at 601 is past the run's 600 steps"),
+        (&["--stop-at", "1001"], "--stop-at 1001 is past the run's 1000 steps"),
         (&["--microbatches", "4"], "add --schedule"),
         (&["--dim", "3", "--heads", "1"], "--dim 3"),
         (&["--dim", "8192"], "--dim 8192"),

@@ -3,25 +3,18 @@
 
 use std::process::Command;
 
-/// Guessing digits gives ln(10) ≈ 2.30; the simulator's default config with two heads of 16
-/// features (width 32, 2 layers, 600 steps) ends near 0.06 with 97% exact-match accuracy on 100
-/// held-out sums.
+/// Guessing digits gives ln(10) ≈ 2.30; the simulator's default model (width 32 in one fused head,
+/// 2 layers, 1000 steps) ends near 0.007 with 99% exact-match accuracy on 100 held-out sums, in
+/// f32 and bf16. The task is sensitive to the seed at this size (seed 1 stays near 1.6 in either
+/// attention form, as it did with the earlier default of two unfused heads of 16 features and
+/// 600 steps), so the test keeps the default seed.
 const THRESHOLD: f64 = 0.5;
-
-/// The model these thresholds were measured on: two heads of 16 features, which only the unfused
-/// attention runs. The default since the fused attention became the default, one head of 32,
-/// learns less reliably in 600 steps. Final losses measured for seeds 0, 1, 2 (`--eval 5`): fused
-/// 0.655, 1.726, 1.382; unfused with one head 0.039, 1.726, 1.367 (the two forms follow each
-/// other to four digits for 200 steps, then rounding sends them apart); unfused with two heads
-/// 0.091, 1.711, 0.031. Open: a default simulator model that learns reliably with fused heads.
-const MODEL: [&str; 4] = ["--attention", "unfused", "--heads", "2"];
 
 /// `graphed train` on the simulator with `extra` arguments must end below [`THRESHOLD`].
 fn learns(extra: &[&str]) {
     // Under a nextest archive (the GPU machine) the binary is elsewhere; nextest says where.
     let exe = std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string());
     let mut args = vec!["train", "--device", "sim", "--eval", "20"];
-    args.extend(MODEL);
     args.extend(extra);
     let out = Command::new(exe).args(&args).output().expect("the graphed binary runs");
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -291,7 +291,7 @@ pub struct TrainArgs {
     pub schedule: bool,
     #[command(flatten)]
     pub schedule_args: ScheduleArgs,
-    /// Optimizer steps (default: 1000 on CUDA, 600 on the simulator).
+    /// Optimizer steps (default: 1000).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub steps: Option<u32>,
     /// Peak learning rate, cosine decay after a warmup (default: 3e-3 on CUDA, 5e-3 on the

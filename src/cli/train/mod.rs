@@ -136,7 +136,7 @@ fn plan(dev: &Device, args: &TrainArgs, (vocab, max_len): (usize, usize)) -> any
         };
         refuse!("{flag} {}: {}", limit.value, limit.why);
     }
-    Ok(Plan { config, lr, batch, steps: pick(args.steps, 1000, 600) })
+    Ok(Plan { config, lr, batch, steps: args.steps.map_or(1000, |s| s as usize) })
 }
 
 /// Refuses flags that would do nothing (schedule settings without `--schedule`) and the one
@@ -290,6 +290,8 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
     };
     // The steps done; fewer than `stop` when interrupted.
     let mut done = start;
+    // A group's check, polled by waits that a dead rank's collectives would otherwise block.
+    let watch = group.as_ref().map(|g| move || g.check());
     let trained = (|| -> anyhow::Result<()> {
         for step in start..stop {
             if let Some(g) = &group {
@@ -297,7 +299,7 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
                 g.check()?;
             }
             let batch = task.batch(&mut rng, plan.batch);
-            let upload::Uploaded { tokens, targets, weights } = uploader.upload(&alloc, &s, &batch)?;
+            let upload::Uploaded { tokens, targets, weights } = uploader.upload(&alloc, &s, &batch, watch.as_ref().map(|w| w as &dyn Fn() -> graphed::Result<()>))?;
             let issued = Instant::now();
             let losses = {
                 // A profiler's timeline shows the step's replays and optimizer step inside this.

@@ -48,12 +48,27 @@ impl Uploader {
     }
 
     /// Copies `batch` to the GPU on `stream`; blocks only while the slot's copy of two batches
-    /// ago has not run.
-    pub fn upload(&mut self, alloc: &CachingAllocator, stream: &Stream, batch: &Batch) -> graphed::Result<Uploaded> {
+    /// ago has not run. In a process group, `watch` (the group's check) is polled meanwhile: that
+    /// copy is queued behind the step's collectives, which a dead rank never completes, so a
+    /// plain wait would outlive the death unseen.
+    pub fn upload(
+        &mut self,
+        alloc: &CachingAllocator,
+        stream: &Stream,
+        batch: &Batch,
+        watch: Option<&dyn Fn() -> graphed::Result<()>>,
+    ) -> graphed::Result<Uploaded> {
         let slot = &mut self.slots[self.next];
         self.next = 1 - self.next;
-        if let Some(copied) = &slot.copied {
-            copied.synchronize()?;
+        match (&slot.copied, watch) {
+            (None, _) => {}
+            (Some(copied), None) => copied.synchronize()?,
+            (Some(copied), Some(watch)) => {
+                while !copied.query()? {
+                    watch()?;
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
+            }
         }
         slot.inputs.write(&batch.inputs)?;
         slot.targets.write(&batch.targets)?;
