@@ -299,7 +299,8 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
                 g.check()?;
             }
             let batch = task.batch(&mut rng, plan.batch);
-            let upload::Uploaded { tokens, targets, weights } = uploader.upload(&alloc, &s, &batch, watch.as_ref().map(|w| w as &dyn Fn() -> graphed::Result<()>))?;
+            let upload::Uploaded { tokens, targets, weights } =
+                uploader.upload(&alloc, &s, &batch, watch.as_ref().map(|w| w as &dyn Fn() -> graphed::Result<()>))?;
             let issued = Instant::now();
             let losses = {
                 // A profiler's timeline shows the step's replays and optimizer step inside this.
