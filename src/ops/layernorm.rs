@@ -428,7 +428,7 @@ fn backward<T: Float>(
 }
 
 /// The most rows for which [`layernorm_backward`] takes its small-N path (its column split) at C
-/// = `features`: [`COLUMN_PATH_ROWS`] rows per row group of a block.
+/// = `features`: 8 rows per row group of a block.
 pub fn backward_column_path_rows(features: usize) -> usize {
     COLUMN_PATH_ROWS * (BWD_BLOCK / row_group(features, BWD_VALS))
 }

@@ -15,7 +15,7 @@
 //! per query tile for `dq`).
 //!
 //! Dropout on the probabilities runs inside the kernels, drawn from the same counter-based
-//! numbers as [`dropout`](super::dropout) (Note [Graph-safe RNG] in `rng.rs`): element `(pair, i,
+//! numbers as [`dropout`] (Note [Graph-safe RNG] in `rng.rs`): element `(pair, i,
 //! j)` is the element `(pair·T + i)·T + j` of a `(pairs, T, T)` probability tensor, so the fused
 //! and unfused paths drop the same elements, and a graph replay draws fresh ones at each step.
 //!
