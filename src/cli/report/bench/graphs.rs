@@ -9,8 +9,8 @@ use crate::cli::report::error::ReportError;
 use crate::cli::report::figure::{mib, or_dash, Figure, Table};
 use crate::cli::report::results::{Report, Run};
 
-/// Issue 13's goals for `graphed`: wall ms per step at S, M and L.
-const GOALS: [(&str, &str); 3] = [("S", "1.0"), ("M", "4.5"), ("L", "45.0")];
+/// Issue 31's goals for `graphed` with fused attention: wall ms per step at S, M and L.
+const GOALS: [(&str, &str); 3] = [("S", "0.90"), ("M", "3.40"), ("L", "31.0")];
 
 #[derive(Debug, Deserialize)]
 struct Row {
