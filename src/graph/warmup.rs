@@ -19,8 +19,9 @@ pub(crate) fn warmup(plan: &Plan<'_>, options: &mut GraphOptions) -> Result<()> 
         if plan.training {
             backward_pass(&mut pass, saved, Vec::new())?;
         }
+        plan.stream.synchronize()?;
     }
-    plan.stream.synchronize()
+    Ok(())
 }
 
 struct Warmup<'p, 'o> {
