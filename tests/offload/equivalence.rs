@@ -4,7 +4,7 @@
 use anyhow::ensure;
 use graphed::device::{DType, Device};
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, Replay};
-use graphed::nn::{Chunk, Inputs, KeepOnDevice};
+use graphed::nn::{AttentionKind, Chunk, Inputs, KeepOnDevice};
 
 use super::fixtures::{config, Dims, Model, Result, DIMS};
 
@@ -12,9 +12,10 @@ const STEPS: u64 = 3;
 
 /// Twin models, one eager as usual, one eager through the offload manager: outputs, input
 /// gradients and accumulated parameter gradients are equal bit for bit, and bytes were copied.
-fn eager_twins(dev: &Device, dtype: DType) -> Result {
-    let plain = Model::new(dev, DIMS, dtype)?;
-    let off = Model::new(dev, DIMS, dtype)?;
+fn eager_twins(dev: &Device, dtype: DType, attention: AttentionKind) -> Result {
+    let dims = Dims { attention, ..DIMS };
+    let plain = Model::new(dev, dims, dtype)?;
+    let off = Model::new(dev, dims, dtype)?;
     plain.eager(&KeepOnDevice, 0)?;
     plain.store.grads()?.zero(&plain.s)?;
     let m = off.offload(config())?;
@@ -28,10 +29,13 @@ fn eager_twins(dev: &Device, dtype: DType) -> Result {
         3 * per_unit
     );
     let layout = m.layout(Chunk::default());
-    ensure!(
-        layout.iter().flat_map(|g| &g.tensors).all(|t| t.name != "probs" || !t.offload),
-        "the softmax matrix is never offloaded"
-    );
+    let saved: Vec<_> = layout.iter().flat_map(|g| &g.tensors).collect();
+    // The unfused form saves the softmax matrix, which the default sites never offload; the
+    // fused one saves none.
+    let probs = saved.iter().filter(|t| t.name == "probs").count();
+    let expected = if attention == AttentionKind::Unfused { DIMS.layers } else { 0 };
+    ensure!(probs == expected, "{probs} saved softmax matrices, expected {expected}");
+    ensure!(saved.iter().all(|t| t.name != "probs" || !t.offload), "the softmax matrix is never offloaded");
     let hook = m.chunk(Chunk::default());
     for k in 1..=STEPS {
         let before = m.stats().copied_out;
@@ -47,11 +51,15 @@ fn eager_twins(dev: &Device, dtype: DType) -> Result {
 }
 
 pub fn eager_offload_is_bitwise_eager(dev: &Device) -> Result {
-    eager_twins(dev, DType::F32)
+    eager_twins(dev, DType::F32, AttentionKind::Fused)
 }
 
 pub fn eager_offload_is_bitwise_eager_in_bf16(dev: &Device) -> Result {
-    eager_twins(dev, DType::BF16)
+    eager_twins(dev, DType::BF16, AttentionKind::Fused)
+}
+
+pub fn eager_offload_is_bitwise_eager_unfused(dev: &Device) -> Result {
+    eager_twins(dev, DType::F32, AttentionKind::Unfused)
 }
 
 #[derive(Clone, Copy)]

@@ -7,7 +7,8 @@ use graphed::device::{DType, Device, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    input_grad, Chunk, DropoutSpec, Inputs, Module, ParamStore, SaveHook, SavedTensor, Stack, TransformerLayer,
+    input_grad, AttentionKind, AttentionSpec, Chunk, DropoutSpec, Inputs, Module, ParamStore, SaveHook, SavedTensor,
+    Stack, TransformerLayer,
 };
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::tensor::Tensor;
@@ -30,10 +31,12 @@ pub struct Dims {
     pub layers: usize,
     /// Dropout probability of every dropout.
     pub dropout: f32,
+    /// The attention's form, which decides what it saves (`probs` only unfused).
+    pub attention: AttentionKind,
 }
 
 /// The default sizes: each saved `(B·T, C)` tensor has 512 elements.
-pub const DIMS: Dims = Dims { batch: 2, seq: 8, dim: 32, layers: 4, dropout: 0.1 };
+pub const DIMS: Dims = Dims { batch: 2, seq: 8, dim: 32, layers: 4, dropout: 0.1, attention: AttentionKind::Fused };
 
 /// A stack of transformer layers (dropout on) and its parameters.
 pub struct Model {
@@ -60,7 +63,7 @@ impl Model {
                 &mut store,
                 &alloc,
                 &format!("h{l}"),
-                (c, HEADS),
+                AttentionSpec { dim: c, heads: HEADS, kind: dims.attention },
                 &spec,
                 3 + l as u64,
                 &s,

@@ -18,6 +18,7 @@ pub use stress::*;
 per_device!(
     eager_offload_is_bitwise_eager,
     eager_offload_is_bitwise_eager_in_bf16,
+    eager_offload_is_bitwise_eager_unfused,
     graphed_offload_on_caller_matches,
     graphed_offload_joined_matches,
     graphed_offload_side_stream_matches,

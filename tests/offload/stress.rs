@@ -7,7 +7,7 @@ use graphed::graph::{GraphOptions, Replay};
 use graphed::nn::KeepOnDevice;
 
 use super::common::lcg;
-use super::fixtures::{config, Dims, Model, Result};
+use super::fixtures::{config, Dims, Model, Result, DIMS};
 
 pub fn random_delays_and_sizes_change_nothing(dev: &Device) -> Result {
     let draws = lcg(64, 9);
@@ -20,6 +20,7 @@ pub fn random_delays_and_sizes_change_nothing(dev: &Device) -> Result {
             dim: 32,
             layers: pick(4 * round + 2, &[2, 3, 5]),
             dropout: 0.1,
+            ..DIMS
         };
         let eager = Model::new(dev, dims, DType::F32)?;
         let off = Model::new(dev, dims, DType::F32)?;
