@@ -107,6 +107,64 @@ extern "C" __global__ void layernorm_forward_bf16(bf16* out, float* mean, float*
 // flags bit 2: the small-N path (layernorm_backward_cols), which splits the columns over the grid.
 #define LN_COLUMNS 4u
 
+// One row of the backward, for both paths: row group g's lanes load row `row` (if it is one),
+// add its terms to their parameter-gradient sums dw and db, and where `writes` (the row exists and,
+// on the small-N path, the lane owns its columns) store dinp and add the residual into dr. Every
+// thread of the block calls it, as group_sum2 has barriers.
+template <typename T, int W, int K>
+__device__ __forceinline__ void layernorm_backward_row(T* dinp, const T* dout, const T* inp, const float* mean,
+                                                       const float* rstd, const T* residual, const float (&w)[K][W],
+                                                       float (&dw)[K][W], float (&db)[K][W], float (&dr)[K][W],
+                                                       float* red, unsigned row, unsigned rows, bool writes,
+                                                       unsigned C, unsigned G, unsigned t, unsigned flags) {
+    const bool has_residual = flags & LN_RESIDUAL, has_colsum = flags & LN_COLSUM;
+    const bool live = row < rows;
+    const unsigned long long at = (unsigned long long)row * C;
+    const float m = live ? mean[row] : 0.0f, r = live ? rstd[row] : 0.0f;
+    float norm[K][W], dnorm[K][W];
+    float a = 0.0f, b = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (live && c < C) {
+            float x[W], dy[W];
+            load<T, W>(inp + at + c, x);
+            load<T, W>(dout + at + c, dy);
+#pragma unroll
+            for (int i = 0; i < W; i++) {
+                norm[k][i] = (x[i] - m) * r;
+                dnorm[k][i] = dy[i] * w[k][i];
+                a += dnorm[k][i];
+                b += dnorm[k][i] * norm[k][i];
+                dw[k][i] += dy[i] * norm[k][i];
+                db[k][i] += dy[i];
+            }
+        }
+    }
+    const float2 s = group_sum2(a, b, G, red);
+    const float mean_a = s.x / (float)C, mean_b = s.y / (float)C;
+    if (!writes) return;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (c < C) {
+            float d[W];
+#pragma unroll
+            for (int i = 0; i < W; i++) d[i] = (dnorm[k][i] - mean_a - norm[k][i] * mean_b) * r;
+            if (has_residual) {
+                float res[W];
+                load<T, W>(residual + at + c, res);
+#pragma unroll
+                for (int i = 0; i < W; i++) {
+                    d[i] += res[i];
+                    if (has_colsum) dr[k][i] += res[i];
+                }
+            }
+            store<T, W>(dinp + at + c, d);
+        }
+    }
+}
+
 // dinp = residual + (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd, with
 // norm = (inp - mean) * rstd and dnorm = dout * weight; dweight += sum_rows dout * norm,
 // dbias += sum_rows dout, dcolsum += sum_rows residual.
@@ -118,7 +176,7 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
     constexpr int K = LN_BWD_VALS / W;
     __shared__ float red[64];
     __shared__ unsigned ticket;
-    const bool has_residual = flags & LN_RESIDUAL, has_colsum = flags & LN_COLSUM;
+    const bool has_colsum = flags & LN_COLSUM;
     const unsigned R = blockDim.x / G, g = threadIdx.x / G, t = threadIdx.x % G;
 
     // This thread's columns: their weights, and its sums of the parameter gradients over its rows.
@@ -134,50 +192,8 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
     // Uniform over the block (base depends on the block only), so every thread meets the barriers.
     for (unsigned base = blockIdx.x * R; base < rows; base += gridDim.x * R) {
         const unsigned row = base + g;
-        const bool live = row < rows;
-        const unsigned long long at = (unsigned long long)row * C;
-        const float m = live ? mean[row] : 0.0f, r = live ? rstd[row] : 0.0f;
-        float norm[K][W], dnorm[K][W];
-        float a = 0.0f, b = 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            unsigned c = (k * G + t) * W;
-            if (live && c < C) {
-                float x[W], dy[W];
-                load<T, W>(inp + at + c, x);
-                load<T, W>(dout + at + c, dy);
-#pragma unroll
-                for (int i = 0; i < W; i++) {
-                    norm[k][i] = (x[i] - m) * r;
-                    dnorm[k][i] = dy[i] * w[k][i];
-                    a += dnorm[k][i];
-                    b += dnorm[k][i] * norm[k][i];
-                    dw[k][i] += dy[i] * norm[k][i];
-                    db[k][i] += dy[i];
-                }
-            }
-        }
-        const float2 s = group_sum2(a, b, G, red);
-        const float mean_a = s.x / (float)C, mean_b = s.y / (float)C;
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            unsigned c = (k * G + t) * W;
-            if (live && c < C) {
-                float d[W];
-#pragma unroll
-                for (int i = 0; i < W; i++) d[i] = (dnorm[k][i] - mean_a - norm[k][i] * mean_b) * r;
-                if (has_residual) {
-                    float res[W];
-                    load<T, W>(residual + at + c, res);
-#pragma unroll
-                    for (int i = 0; i < W; i++) {
-                        d[i] += res[i];
-                        if (has_colsum) dr[k][i] += res[i];
-                    }
-                }
-                store<T, W>(dinp + at + c, d);
-            }
-        }
+        layernorm_backward_row<T, W, K>(dinp, dout, inp, mean, rstd, residual, w, dw, db, dr, red, row, rows,
+                                        row < rows, C, G, t, flags);
     }
 
     // The block's partial sums into its slot, row group after row group. With several row groups
@@ -271,7 +287,7 @@ __device__ void layernorm_backward_cols(T* dinp, T* dweight, T* dbias, T* dcolsu
                                         unsigned rows, unsigned C, unsigned G, unsigned flags) {
     constexpr int K = LN_BWD_VALS / W;
     __shared__ float red[64];
-    const bool has_residual = flags & LN_RESIDUAL, has_colsum = flags & LN_COLSUM;
+    const bool has_colsum = flags & LN_COLSUM;
     const unsigned R = blockDim.x / G, g = threadIdx.x / G, t = threadIdx.x % G;
     const unsigned L = G / gridDim.x, first = blockIdx.x * L;
     if (first * W >= C) return;  // no lane of this block holds a column (uniform over the block)
@@ -289,52 +305,8 @@ __device__ void layernorm_backward_cols(T* dinp, T* dweight, T* dbias, T* dcolsu
     // Uniform over the block, so every thread meets group_sum2's barriers.
     for (unsigned base = 0; base < rows; base += R) {
         const unsigned row = base + g;
-        const bool live = row < rows;
-        const unsigned long long at = (unsigned long long)row * C;
-        const float m = live ? mean[row] : 0.0f, r = live ? rstd[row] : 0.0f;
-        float norm[K][W], dnorm[K][W];
-        float a = 0.0f, b = 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            unsigned c = (k * G + t) * W;
-            if (live && c < C) {
-                float x[W], dy[W];
-                load<T, W>(inp + at + c, x);
-                load<T, W>(dout + at + c, dy);
-#pragma unroll
-                for (int i = 0; i < W; i++) {
-                    norm[k][i] = (x[i] - m) * r;
-                    dnorm[k][i] = dy[i] * w[k][i];
-                    a += dnorm[k][i];
-                    b += dnorm[k][i] * norm[k][i];
-                    dw[k][i] += dy[i] * norm[k][i];  // kept by the owning lanes only
-                    db[k][i] += dy[i];
-                }
-            }
-        }
-        const float2 s = group_sum2(a, b, G, red);
-        const float mean_a = s.x / (float)C, mean_b = s.y / (float)C;
-        if (live && mine) {
-#pragma unroll
-            for (int k = 0; k < K; k++) {
-                unsigned c = (k * G + t) * W;
-                if (c < C) {
-                    float d[W];
-#pragma unroll
-                    for (int i = 0; i < W; i++) d[i] = (dnorm[k][i] - mean_a - norm[k][i] * mean_b) * r;
-                    if (has_residual) {
-                        float res[W];
-                        load<T, W>(residual + at + c, res);
-#pragma unroll
-                        for (int i = 0; i < W; i++) {
-                            d[i] += res[i];
-                            if (has_colsum) dr[k][i] += res[i];
-                        }
-                    }
-                    store<T, W>(dinp + at + c, d);
-                }
-            }
-        }
+        layernorm_backward_row<T, W, K>(dinp, dout, inp, mean, rstd, residual, w, dw, db, dr, red, row, rows,
+                                        row < rows && mine, C, G, t, flags);
     }
 
     // Row group g's sums of part p (dweight, dbias, dcolsum) for value v of owning lane q at
