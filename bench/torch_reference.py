@@ -5,6 +5,7 @@ Usage: python3 bench/torch_reference.py gemm [--d 4096] [--reps 50]
        python3 bench/torch_reference.py layer [--configs S,M,L] [--attention unfused|fused|both]
        python3 bench/torch_reference.py graphs [--configs S,M,L] [--dtype bf16|f32] [--attention unfused|fused|both]
        python3 bench/torch_reference.py attention [--batch 2] [--heads 64] [--seq 2048] [--head-dim 64]
+       python3 bench/torch_reference.py kernels [--config L] [--dtype bf16] [--steps 3]
        python3 bench/torch_reference.py parity FILE [--device cuda|cpu]
 Prints one JSON object on stdout; parity exits 1 if PyTorch's module and graphed's disagree.
 
@@ -223,6 +224,61 @@ def cuda_kernels(call) -> list:
         if str(e.device_type).endswith("CUDA") and e.name not in names:
             names.append(e.name)
     return names
+
+
+KERNEL_CLASSES = [("attention", ("flash", "fmha", "cudnn", "sdpa", "attention")),
+                  ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_")),
+                  ("layernorm", ("layer_norm", "layernorm")),
+                  ("copy", ("copy", "transpose", "cat", "memcpy", "memset", "fill"))]
+
+
+def kernel_class(name: str) -> str:
+    """The class a CUDA kernel's name reads as: attention, gemm, layernorm, copy or elementwise."""
+    low = name.lower()
+    return next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "elementwise")
+
+
+def kernels(name: str, dtype: str, steps: int) -> dict:
+    """Where one eager step of configuration `name` with fused attention (torch-sdpa-eager's step)
+    spends its GPU time, from torch.profiler: per kernel class (see `kernel_class`) and the ten
+    longest kernels, in ms per step, averaged over `steps` profiled steps after three warm ones.
+    The same breakdown as `graphed bench layer --profile`, for the side that is ahead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    match_graphed_numerics()
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    d, n, b, t = SHAPES[name]
+    layers = list(Stack(d, n, True).cuda().to(dt).children())
+    x = torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.ones(b, t, d, device="cuda", dtype=dt)
+
+    def step():
+        h = x
+        for m in layers:
+            h = m(h)
+        h.backward(dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA"):
+            ms, count = per_kernel.get(e.name, (0.0, 0))
+            per_kernel[e.name] = (ms + e.time_range.elapsed_us() / 1e3 / steps, count + 1)
+    classes = {}
+    for kname, (ms, count) in per_kernel.items():
+        c = classes.setdefault(kernel_class(kname), {"ms": 0.0, "launches": 0})
+        c["ms"] += ms
+        c["launches"] += count // steps
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:10]
+    return {"bench": "kernels", "config": name, "dtype": dtype, "attention": "fused", "torch": torch.__version__,
+            "ms_per_step": sum(ms for ms, _ in per_kernel.values()), "classes": classes,
+            "top": [{"kernel": k[:120], "ms": ms, "launches": c // steps} for k, (ms, c) in top]}
 
 
 def sdpa_probe(q, k, v, causal: bool = True) -> dict:
@@ -539,7 +595,7 @@ def parity(path: str, device: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
-    sub = p.add_subparsers(dest="which", required=True, metavar="{gemm,layer,graphs,attention,parity}")
+    sub = p.add_subparsers(dest="which", required=True, metavar="{gemm,layer,graphs,attention,kernels,parity}")
     g = sub.add_parser("gemm", help="TFLOP/s of a d x d x d bf16 GEMM")
     g.add_argument("--d", type=int, default=4096)
     g.add_argument("--reps", type=int, default=50)
@@ -565,6 +621,10 @@ def main() -> None:
     at.add_argument("--dtype", default="bf16", choices=["f32", "bf16", "f16"])
     at.add_argument("--causal", default=True, action=argparse.BooleanOptionalAction)
     at.add_argument("--reps", type=int, default=50)
+    ke = sub.add_parser("kernels", help="where one eager step with SDPA spends its GPU time, per kernel class")
+    ke.add_argument("--config", default="L", choices=list(SHAPES))
+    ke.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
+    ke.add_argument("--steps", type=int, default=3)
     pa = sub.add_parser("parity", help="PyTorch's module against a file of `graphed bench parity`")
     pa.add_argument("file", help="the file `graphed bench parity --out FILE` wrote")
     pa.add_argument("--device", default=None, help="where to run (default: cuda if there is one, else cpu)")
@@ -584,6 +644,8 @@ def main() -> None:
             p.error(f"graphs: unknown variants {unknown}: name them as {VARIANTS} and pick the attention form "
                     "with --attention (fused runs them as torch-sdpa-*)")
         print(json.dumps(graphs(args.configs.split(","), args.dtype, 20, 5, variants, FORMS[args.attention])))
+    elif args.which == "kernels":
+        print(json.dumps(kernels(args.config, args.dtype, args.steps)))
     elif args.which == "attention":
         print(json.dumps(attention(args.batch, args.heads, args.seq, args.head_dim, args.dtype, args.causal,
                                    args.reps)))

@@ -4,7 +4,7 @@
 # moment rank 0 prints its first step line (the timing of tests/ranks.rs), then how long rank 0
 # takes to end and with which message: at once with `RankGone` ("rank 1 left the group"), or by the
 # 10 s grace ("still blocked on work that waited for it"). Two seconds after the kill it lists
-# what each of rank 0's threads waits in (/proc/PID/task/*/wchan). RUNS (default 3) repeats it;
+# what each of rank 0's threads waits in (/proc/PID/task/*/wchan), and their stacks where gdb is. RUNS (default 3) repeats it;
 # NCCL_RUNTIME_CONNECT is passed through (default 1).
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-killed-rank.sh
 set -uo pipefail
@@ -30,6 +30,11 @@ for run in $(seq 1 "${RUNS:-3}"); do
     for t in /proc/$p0/task/*; do
         [ -d "$t" ] && echo "  thread $(cat "$t/comm" 2> /dev/null): $(cat "$t/wchan" 2> /dev/null)"
     done
+    # The threads' user stacks, where the machine has gdb or cuda-gdb (libraries' symbols only: the binary
+    # travels stripped).
+    dbg=$(command -v gdb || command -v cuda-gdb)
+    [ -n "$dbg" ] && timeout 30 "$dbg" -batch -p $p0 -ex "thread apply all bt 12" 2> /dev/null \
+        | grep -E '^Thread|^#' | cut -c1-160 | head -120
     wait $p0
     code=$?
     echo "run $run: rank 0 exit $code after $(python3 -c "import time; print(round(time.time() - $t0, 2))") s: $(tail -1 /tmp/killed-rank-0.err | cut -c1-200)"

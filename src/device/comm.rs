@@ -340,12 +340,13 @@ impl Communicator {
         connected
     }
 
-    /// Aborts a GPU communicator: its pending operations end and later ones fail. For a
+    /// Aborts a GPU communicator: its pending operations end and later ones fail at once. For a
     /// watchdog that knows the group cannot finish; a simulated group breaks by itself when a
-    /// rank leaves.
+    /// rank leaves. NCCL's abort runs on a thread of its own, so that no caller (the watch, a
+    /// failing rank's error path) waits seconds for NCCL's threads to give up on a dead rank.
     pub(crate) fn abort(&self) {
         if let Repr::Cuda(c) = &self.inner.repr {
-            c.abort();
+            c.abort_without_waiting();
         }
     }
 
@@ -639,12 +640,15 @@ impl Communicator {
                 let fail = |kind| comm_error("Communicator::wait", self.rank(), kind);
                 let waiting = || format!("the work queued on stream {}", stream.id());
                 // An error of NCCL's ends the group; one of the stream's (a query refused during a
-                // capture) is the caller's to handle.
+                // capture) is the caller's to handle. The watch aborts the group itself when a
+                // rank dies, or this wait does when it fails: either way it fails at once, not after
+                // NCCL's abort returns.
                 let failed = |kind| {
-                    c.abort();
+                    c.abort_without_waiting();
                     fail(kind)
                 };
-                Patience::new(self.inner.options.timeout, watch).poll(&waiting, &|| c.abort(), fail, || {
+                let abort = || c.abort_without_waiting();
+                Patience::new(self.inner.options.timeout, watch).poll(&waiting, &abort, fail, || {
                     Ok(stream.query()? || c.async_error().map(|()| false).map_err(failed)?)
                 })
             }

@@ -193,7 +193,8 @@ impl Shared {
 
     /// Records that `rank` died, on rank 0 tells the others, starts the death handler and aborts
     /// the communicator, in that order: NCCL's abort may wait for kernels that wait for the dead
-    /// rank, and neither the news nor the handler may wait behind it.
+    /// rank, and neither the news nor the handler may wait behind it (nor, since the abort runs
+    /// on a thread of its own, a dropped watch waiting for this list).
     fn died(&self, rank: usize) {
         {
             let mut gone = self.gone.lock().unwrap_or_else(PoisonError::into_inner);

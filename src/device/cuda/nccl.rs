@@ -135,7 +135,8 @@ impl Handle {
         patience.poll(&|| waiting.to_string(), &|| self.abort(), |kind| kind, ready)
     }
 
-    /// Aborts the communicator: its pending operations end, later ones fail.
+    /// Aborts the communicator: its pending operations end, later ones fail. Returns once
+    /// NCCL's abort has, whichever thread ran it.
     fn abort(&self) {
         self.aborting.store(true, Ordering::SeqCst);
         // Under the lock: whoever finds the communicator gone knows that NCCL's abort returned,
@@ -342,6 +343,29 @@ impl NcclComm {
     pub(crate) fn abort(&self) {
         self.0.data.abort();
         self.0.control.abort();
+    }
+
+    /// As [`abort`](NcclComm::abort), on a thread of its own: every later use of the
+    /// communicator fails at once, and the caller does not wait for NCCL's abort, which can take
+    /// as long as NCCL's threads need to give up on a dead rank (seconds). For waits on a
+    /// stream's work, whose caller then fails with the reason instead of queueing behind NCCL's
+    /// teardown; nothing of the caller's is written by NCCL meanwhile (a split, whose result
+    /// NCCL's thread writes, uses `abort`). Nothing is started when an abort already is.
+    pub(crate) fn abort_without_waiting(&self) {
+        let started = [&self.0.data, &self.0.control].map(|h| h.aborting.swap(true, Ordering::SeqCst));
+        if started == [true, true] {
+            return;
+        }
+        let inner = self.0.clone();
+        let abort = move || {
+            inner.data.abort();
+            inner.control.abort();
+        };
+        // Without a thread, the caller aborts itself: slower, as before, never wrong.
+        if let Err(e) = std::thread::Builder::new().name("graphed-nccl-abort".into()).spawn(abort.clone()) {
+            tracing::warn!("graphed: no thread for a communicator's abort ({e}); aborting on the caller's");
+            abort();
+        }
     }
 
     pub(super) fn inner(&self) -> &Arc<NcclInner> {
