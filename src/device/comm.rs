@@ -24,7 +24,8 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::backend::{Op, Part, Repr};
@@ -107,6 +108,19 @@ struct CommInner {
     size: usize,
     options: CommOptions,
     repr: CommRepr,
+    /// NCCL's abort, under way on a thread of its own (see [`Communicator::abort`]).
+    abort: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for CommInner {
+    /// Waits for an abort under way before the device and the communicator go: NCCL must not
+    /// outlive the context it aborts in. The abort's own failure leaves nothing to report (the
+    /// communicator is gone either way), and the thread does not panic.
+    fn drop(&mut self) {
+        if let Some(thread) = self.abort.get_mut().unwrap_or_else(PoisonError::into_inner).take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 pub(crate) type CommRepr = Repr<sim::SimLink, cuda::NcclComm>;
@@ -342,11 +356,22 @@ impl Communicator {
 
     /// Aborts a GPU communicator: its pending operations end and later ones fail at once. For a
     /// watchdog that knows the group cannot finish; a simulated group breaks by itself when a
-    /// rank leaves. NCCL's abort runs on a thread of its own, so that no caller (the watch, a
-    /// failing rank's error path) waits seconds for NCCL's threads to give up on a dead rank.
+    /// rank leaves. NCCL's abort runs on a thread of its own, so that no caller (a wait that the
+    /// group's watch ended, the watch itself) queues seconds behind NCCL's threads giving up on a
+    /// dead rank; the last handle's drop waits for it, so that the device outlives it (a process
+    /// that exits mid-abort, or frees the context under it, crashes inside NCCL).
     pub(crate) fn abort(&self) {
-        if let Repr::Cuda(c) = &self.inner.repr {
-            c.abort_without_waiting();
+        let Repr::Cuda(c) = &self.inner.repr else { return };
+        if !c.begin_abort() {
+            return;
+        }
+        let nccl = c.clone();
+        match std::thread::Builder::new().name("graphed-nccl-abort".into()).spawn(move || nccl.abort()) {
+            Ok(thread) => *self.inner.abort.lock().unwrap_or_else(PoisonError::into_inner) = Some(thread),
+            Err(e) => {
+                tracing::warn!("graphed: no thread for a communicator's abort ({e}); aborting on the caller's");
+                c.abort();
+            }
         }
     }
 
@@ -404,7 +429,7 @@ impl Communicator {
     }
 
     fn new(dev: Device, rank: usize, size: usize, options: CommOptions, repr: CommRepr) -> Communicator {
-        Communicator { inner: Arc::new(CommInner { dev, rank, size, options, repr }) }
+        Communicator { inner: Arc::new(CommInner { dev, rank, size, options, repr, abort: Mutex::new(None) }) }
     }
 
     /// This rank.
@@ -644,10 +669,10 @@ impl Communicator {
                 // rank dies, or this wait does when it fails: either way it fails at once, not after
                 // NCCL's abort returns.
                 let failed = |kind| {
-                    c.abort_without_waiting();
+                    self.abort();
                     fail(kind)
                 };
-                let abort = || c.abort_without_waiting();
+                let abort = || self.abort();
                 Patience::new(self.inner.options.timeout, watch).poll(&waiting, &abort, fail, || {
                     Ok(stream.query()? || c.async_error().map(|()| false).map_err(failed)?)
                 })

@@ -345,27 +345,12 @@ impl NcclComm {
         self.0.control.abort();
     }
 
-    /// As [`abort`](NcclComm::abort), on a thread of its own: every later use of the
-    /// communicator fails at once, and the caller does not wait for NCCL's abort, which can take
-    /// as long as NCCL's threads need to give up on a dead rank (seconds). For waits on a
-    /// stream's work, whose caller then fails with the reason instead of queueing behind NCCL's
-    /// teardown; nothing of the caller's is written by NCCL meanwhile (a split, whose result
-    /// NCCL's thread writes, uses `abort`). Nothing is started when an abort already is.
-    pub(crate) fn abort_without_waiting(&self) {
-        let started = [&self.0.data, &self.0.control].map(|h| h.aborting.swap(true, Ordering::SeqCst));
-        if started == [true, true] {
-            return;
-        }
-        let inner = self.0.clone();
-        let abort = move || {
-            inner.data.abort();
-            inner.control.abort();
-        };
-        // Without a thread, the caller aborts itself: slower, as before, never wrong.
-        if let Err(e) = std::thread::Builder::new().name("graphed-nccl-abort".into()).spawn(abort.clone()) {
-            tracing::warn!("graphed: no thread for a communicator's abort ({e}); aborting on the caller's");
-            abort();
-        }
+    /// Marks the communicator aborted, so that every later use fails at once (a graph that
+    /// captured it is refused at launch); whether this call was the first to. NCCL's abort itself
+    /// is [`abort`](NcclComm::abort)'s, which the caller runs where it can wait for it.
+    pub(crate) fn begin_abort(&self) -> bool {
+        let marked = [&self.0.data, &self.0.control].map(|h| h.aborting.swap(true, Ordering::SeqCst));
+        marked != [true, true]
     }
 
     pub(super) fn inner(&self) -> &Arc<NcclInner> {
