@@ -8,19 +8,21 @@
 // keeps its part of a row in registers and every value is loaded once.
 //
 // Determinism: row sums as rows.cu says. In the backward, each thread sums its columns' parameter
-// gradients over its rows in row order; the row groups of a block add their sums in group order
-// into the block's slot of the workspace; then a two-level tree, each level in index order: the
-// last block of each span of TREE_SPAN consecutive blocks to finish (a ticket counter) adds the
-// span's slots in block order, and the last of those adds the spans' sums in span order and adds
-// the totals into the gradients. Which block does the adding varies; the order of additions does
-// not, so the results are bitwise identical run to run. No float atomics. The small-N path
-// (LN_COLUMNS) splits the columns over the blocks instead, so a column's sums never leave its
-// block: each owning thread sums its columns over its rows in row order, and the row groups'
-// sums are added in group order; no workspace, no tickets.
+// gradients over its rows in row order, and the row groups of a block add their sums in group
+// order into the block's slot of the workspace; a second kernel (layernorm_column_sums) then adds
+// the slots into the gradients, each column's in block order (in eight runs of consecutive
+// slots, added in run order). The order of additions depends only on the shapes, so the results
+// are bitwise identical run to run. No atomics. The small-N path (LN_COLUMNS) splits the columns
+// over the blocks instead, so a column's sums never leave its block: each owning thread sums its
+// columns over its rows in row order, and the row groups' sums are added in group order; no
+// workspace, no second kernel.
 
 #define LN_FWD_VALS 16
 #define LN_BWD_VALS 8
-#define TREE_SPAN 12
+// The threads of a backward block (BWD_BLOCK in layernorm.rs), and of the column sums' runs of
+// slots per column, one warp each (SUM_BLOCK / 32).
+#define LN_BWD_BLOCK 512
+#define LN_SUM_RUNS 8
 
 // out = (inp - mean) * rstd * weight + bias; saves mean and rstd = 1 / sqrt(var + eps), the
 // biased variance computed in a second pass over the row in registers.
@@ -107,20 +109,48 @@ extern "C" __global__ void layernorm_forward_bf16(bf16* out, float* mean, float*
 // flags bit 2: the small-N path (layernorm_backward_cols), which splits the columns over the grid.
 #define LN_COLUMNS 4u
 
-// One row of the backward, for both paths: row group g's lanes load row `row` (if it is one),
-// add its terms to their parameter-gradient sums dw and db, and where `writes` (the row exists and,
-// on the small-N path, the lane owns its columns) store dinp and add the residual into dr. Every
+// What one row's sums read, as stored: row group g's lanes' chunks of inp and dout, and the
+// row's statistics. Loaded one row ahead of their use (see Raw in rows.cu), so each block keeps
+// two rows' reads in flight across the row sums' barriers.
+template <typename T, int W, int K> struct RowReads {
+    Raw<T, W> x[K], dy[K];
+    float m, r;
+};
+
+// The reads of row `row` (none past the last row) for lane t.
+template <typename T, int W, int K>
+__device__ __forceinline__ void layernorm_backward_load(RowReads<T, W, K>& in, const T* dout, const T* inp,
+                                                        const float* mean, const float* rstd, const T* residual,
+                                                        unsigned row, unsigned rows, unsigned C, unsigned G,
+                                                        unsigned t, unsigned flags) {
+    if (row >= rows) return;
+    const unsigned long long at = (unsigned long long)row * C;
+    in.m = mean[row];
+    in.r = rstd[row];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (c < C) {
+            load_raw<T, W>(inp + at + c, in.x[k]);
+            load_raw<T, W>(dout + at + c, in.dy[k]);
+        }
+    }
+}
+
+// One row of the backward, for both paths, from its reads: row group g's lanes add the row's
+// terms to their parameter-gradient sums dw and db, and where `writes` (the row exists and, on
+// the small-N path, the lane owns its columns) store dinp and add the residual into dr. Every
 // thread of the block calls it, as group_sum2 has barriers.
 template <typename T, int W, int K>
-__device__ __forceinline__ void layernorm_backward_row(T* dinp, const T* dout, const T* inp, const float* mean,
-                                                       const float* rstd, const T* residual, const float (&w)[K][W],
-                                                       float (&dw)[K][W], float (&db)[K][W], float (&dr)[K][W],
-                                                       float* red, unsigned row, unsigned rows, bool writes,
-                                                       unsigned C, unsigned G, unsigned t, unsigned flags) {
+__device__ __forceinline__ void layernorm_backward_row(T* dinp, const RowReads<T, W, K>& in, const T* residual,
+                                                       const float (&w)[K][W], float (&dw)[K][W],
+                                                       float (&db)[K][W], float (&dr)[K][W], float* red,
+                                                       unsigned row, unsigned rows, bool writes, unsigned C,
+                                                       unsigned G, unsigned t, unsigned flags) {
     const bool has_residual = flags & LN_RESIDUAL, has_colsum = flags & LN_COLSUM;
     const bool live = row < rows;
     const unsigned long long at = (unsigned long long)row * C;
-    const float m = live ? mean[row] : 0.0f, r = live ? rstd[row] : 0.0f;
+    const float m = live ? in.m : 0.0f, r = live ? in.r : 0.0f;
     float norm[K][W], dnorm[K][W];
     float a = 0.0f, b = 0.0f;
 #pragma unroll
@@ -128,8 +158,8 @@ __device__ __forceinline__ void layernorm_backward_row(T* dinp, const T* dout, c
         unsigned c = (k * G + t) * W;
         if (live && c < C) {
             float x[W], dy[W];
-            load<T, W>(inp + at + c, x);
-            load<T, W>(dout + at + c, dy);
+            widen<T, W>(in.x[k], x);
+            widen<T, W>(in.dy[k], dy);
 #pragma unroll
             for (int i = 0; i < W; i++) {
                 norm[k][i] = (x[i] - m) * r;
@@ -140,6 +170,13 @@ __device__ __forceinline__ void layernorm_backward_row(T* dinp, const T* dout, c
                 db[k][i] += dy[i];
             }
         }
+    }
+    // The residual's reads in flight during the row's sums.
+    Raw<T, W> res_raw[K];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (has_residual && writes && c < C) load_raw<T, W>(residual + at + c, res_raw[k]);
     }
     const float2 s = group_sum2(a, b, G, red);
     const float mean_a = s.x / (float)C, mean_b = s.y / (float)C;
@@ -153,7 +190,7 @@ __device__ __forceinline__ void layernorm_backward_row(T* dinp, const T* dout, c
             for (int i = 0; i < W; i++) d[i] = (dnorm[k][i] - mean_a - norm[k][i] * mean_b) * r;
             if (has_residual) {
                 float res[W];
-                load<T, W>(residual + at + c, res);
+                widen<T, W>(res_raw[k], res);
 #pragma unroll
                 for (int i = 0; i < W; i++) {
                     d[i] += res[i];
@@ -165,17 +202,42 @@ __device__ __forceinline__ void layernorm_backward_row(T* dinp, const T* dout, c
     }
 }
 
+// Rows first, first + step, ... below `rows` through layernorm_backward_row, each row's reads
+// issued while the row before it is reduced. `mine` as layernorm_backward_row's `writes`, for
+// the rows that exist.
+template <typename T, int W, int K>
+__device__ __forceinline__ void layernorm_backward_walk(T* dinp, const T* dout, const T* inp, const float* mean,
+                                                        const float* rstd, const T* residual,
+                                                        const float (&w)[K][W], float (&dw)[K][W],
+                                                        float (&db)[K][W], float (&dr)[K][W], float* red,
+                                                        unsigned first, unsigned step,
+                                                        unsigned rows, bool mine, unsigned C, unsigned G,
+                                                        unsigned t, unsigned flags) {
+    const unsigned g = threadIdx.x / G;
+    RowReads<T, W, K> cur;
+    layernorm_backward_load<T, W, K>(cur, dout, inp, mean, rstd, residual, first + g, rows, C, G, t, flags);
+    // `first` and `step` are uniform over the block, so every thread meets the barriers.
+    for (unsigned base = first; base < rows; base += step) {
+        RowReads<T, W, K> next;
+        layernorm_backward_load<T, W, K>(next, dout, inp, mean, rstd, residual, base + step + g, rows, C, G, t,
+                                         flags);
+        const unsigned row = base + g;
+        layernorm_backward_row<T, W, K>(dinp, cur, residual, w, dw, db, dr, red, row, rows, row < rows && mine, C,
+                                        G, t, flags);
+        cur = next;
+    }
+}
+
 // dinp = residual + (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd, with
 // norm = (inp - mean) * rstd and dnorm = dout * weight; dweight += sum_rows dout * norm,
-// dbias += sum_rows dout, dcolsum += sum_rows residual.
+// dbias += sum_rows dout, dcolsum += sum_rows residual; the parameter gradients' sums over this
+// block's rows go to its slot of scratch, for layernorm_column_sums to add.
 template <typename T, int W>
-__device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsum, float* scratch,
-                                        unsigned* counters, const T* dout, const T* inp, const T* weight,
+__device__ void layernorm_backward_rows(T* dinp, float* scratch, const T* dout, const T* inp, const T* weight,
                                         const float* mean, const float* rstd, const T* residual, unsigned rows,
                                         unsigned C, unsigned G, unsigned flags) {
     constexpr int K = LN_BWD_VALS / W;
     __shared__ float red[64];
-    __shared__ unsigned ticket;
     const bool has_colsum = flags & LN_COLSUM;
     const unsigned R = blockDim.x / G, g = threadIdx.x / G, t = threadIdx.x % G;
 
@@ -189,12 +251,8 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
         for (int i = 0; i < W; i++) dw[k][i] = db[k][i] = dr[k][i] = 0.0f;
     }
 
-    // Uniform over the block (base depends on the block only), so every thread meets the barriers.
-    for (unsigned base = blockIdx.x * R; base < rows; base += gridDim.x * R) {
-        const unsigned row = base + g;
-        layernorm_backward_row<T, W, K>(dinp, dout, inp, mean, rstd, residual, w, dw, db, dr, red, row, rows,
-                                        row < rows, C, G, t, flags);
-    }
+    layernorm_backward_walk<T, W, K>(dinp, dout, inp, mean, rstd, residual, w, dw, db, dr, red, blockIdx.x * R,
+                                     gridDim.x * R, rows, true, C, G, t, flags);
 
     // The block's partial sums into its slot, row group after row group. With several row groups
     // they are added in shared memory (parts * C floats, the launch's dynamic shared memory), whose
@@ -227,49 +285,6 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
         for (unsigned j = threadIdx.x; j < parts * C; j += blockDim.x) slot[j] = block_sums[j];
     }
 
-    // Level 1: the last block of this span to finish adds the span's slots into its first slot.
-    __threadfence();  // the slot is visible to every block before the ticket is taken
-    __syncthreads();
-    const unsigned span = blockIdx.x / TREE_SPAN, first = span * TREE_SPAN;
-    const unsigned in_span = min(TREE_SPAN, gridDim.x - first);
-    if (threadIdx.x == 0) ticket = atomicAdd(&counters[1 + span], 1u);
-    __syncthreads();
-    if (ticket != in_span - 1) return;  // uniform over the block
-    __threadfence();
-    if (threadIdx.x == 0) counters[1 + span] = 0;  // every block of the span has taken its ticket
-    const unsigned long long n = parts * (unsigned long long)C;
-    const unsigned spans = (gridDim.x + TREE_SPAN - 1) / TREE_SPAN;
-    for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
-        float s = __ldcg(scratch + first * C3 + j);
-#pragma unroll 4
-        for (unsigned b = first + 1; b < first + in_span; b++) s += __ldcg(scratch + b * C3 + j);
-        if (spans == 1) {
-            // One span: its sum is the total, added here (the same additions as level 2's).
-            unsigned part = (unsigned)(j / C), c = (unsigned)(j % C);
-            T* grad = part == 0 ? dweight : part == 1 ? dbias : dcolsum;
-            grad[c] = from_float<T>(to_float(grad[c]) + s);
-        } else {
-            scratch[first * C3 + j] = s;
-        }
-    }
-    if (spans == 1) return;  // level 2's counter was never taken
-
-    // Level 2: the last span to finish adds the spans' sums in span order into the gradients.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(&counters[0], 1u);
-    __syncthreads();
-    if (ticket != spans - 1) return;
-    __threadfence();
-    if (threadIdx.x == 0) counters[0] = 0;  // the next launch (or graph replay) starts from 0
-    for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
-        float s = __ldcg(scratch + j);
-#pragma unroll 4
-        for (unsigned p = 1; p < spans; p++) s += __ldcg(scratch + p * TREE_SPAN * C3 + j);
-        unsigned part = (unsigned)(j / C), c = (unsigned)(j % C);
-        T* grad = part == 0 ? dweight : part == 1 ? dbias : dcolsum;
-        grad[c] = from_float<T>(to_float(grad[c]) + s);
-    }
 }
 
 // The small-N path: with few rows, the row path has few blocks (8 at 128 rows of 256) and its
@@ -280,7 +295,7 @@ __device__ void layernorm_backward_rows(T* dinp, T* dweight, T* dbias, T* dcolsu
 // dinp and sum their columns' parameter gradients, in row order. The row groups' sums meet in
 // shared memory (the launch's dynamic shared memory, R * 3 * L * LN_BWD_VALS floats) and are
 // added in group order into the gradients: a column's sums never leave its block, so the scratch
-// and the counters are not touched, and the order depends only on N and C.
+// is not touched, and the order depends only on N and C.
 template <typename T, int W>
 __device__ void layernorm_backward_cols(T* dinp, T* dweight, T* dbias, T* dcolsum, const T* dout, const T* inp,
                                         const T* weight, const float* mean, const float* rstd, const T* residual,
@@ -302,12 +317,8 @@ __device__ void layernorm_backward_cols(T* dinp, T* dweight, T* dbias, T* dcolsu
         for (int i = 0; i < W; i++) dw[k][i] = db[k][i] = dr[k][i] = 0.0f;
     }
 
-    // Uniform over the block, so every thread meets group_sum2's barriers.
-    for (unsigned base = 0; base < rows; base += R) {
-        const unsigned row = base + g;
-        layernorm_backward_row<T, W, K>(dinp, dout, inp, mean, rstd, residual, w, dw, db, dr, red, row, rows,
-                                        row < rows && mine, C, G, t, flags);
-    }
+    layernorm_backward_walk<T, W, K>(dinp, dout, inp, mean, rstd, residual, w, dw, db, dr, red, 0, R, rows, mine,
+                                     C, G, t, flags);
 
     // Row group g's sums of part p (dweight, dbias, dcolsum) for value v of owning lane q at
     // sums[((g * 3 + p) * L + q) * LN_BWD_VALS + v]; then one thread per (p, q, v) adds them in
@@ -340,7 +351,7 @@ __device__ void layernorm_backward_cols(T* dinp, T* dweight, T* dbias, T* dcolsu
 }
 
 template <typename T>
-__device__ void layernorm_backward(T* dinp, T* dweight, T* dbias, T* dcolsum, float* scratch, unsigned* counters,
+__device__ void layernorm_backward(T* dinp, T* dweight, T* dbias, T* dcolsum, float* scratch,
                                    const T* dout, const T* inp, const T* weight, const float* mean,
                                    const float* rstd, const T* residual, unsigned rows, unsigned C, unsigned G,
                                    unsigned flags) {
@@ -355,28 +366,70 @@ __device__ void layernorm_backward(T* dinp, T* dweight, T* dbias, T* dcolsum, fl
                                           rows, C, G, flags);
         }
     } else if (vec) {
-        layernorm_backward_rows<T, Vec<T>::W>(dinp, dweight, dbias, dcolsum, scratch, counters, dout, inp, weight,
-                                              mean, rstd, residual, rows, C, G, flags);
+        layernorm_backward_rows<T, Vec<T>::W>(dinp, scratch, dout, inp, weight, mean, rstd, residual, rows, C, G,
+                                              flags);
     } else {
-        layernorm_backward_rows<T, 1>(dinp, dweight, dbias, dcolsum, scratch, counters, dout, inp, weight, mean,
-                                      rstd, residual, rows, C, G, flags);
+        layernorm_backward_rows<T, 1>(dinp, scratch, dout, inp, weight, mean, rstd, residual, rows, C, G, flags);
     }
 }
 
+// 128 registers at most, so that the 512 threads of a block fit an SM (their reads of the next
+// row in flight cost registers; ptxas spills a few).
+extern "C" __global__ __launch_bounds__(LN_BWD_BLOCK) void layernorm_backward_f32(float* dinp, float* dweight, float* dbias, float* dcolsum, float* scratch, const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd, const float* residual, unsigned rows, unsigned C, unsigned G, unsigned flags);
 extern "C" __global__ void layernorm_backward_f32(float* dinp, float* dweight, float* dbias, float* dcolsum,
-                                                  float* scratch, unsigned* counters, const float* dout,
+                                                  float* scratch, const float* dout,
                                                   const float* inp, const float* weight, const float* mean,
                                                   const float* rstd, const float* residual, unsigned rows,
                                                   unsigned C, unsigned G, unsigned flags) {
-    layernorm_backward<float>(dinp, dweight, dbias, dcolsum, scratch, counters, dout, inp, weight, mean, rstd,
+    layernorm_backward<float>(dinp, dweight, dbias, dcolsum, scratch, dout, inp, weight, mean, rstd,
                               residual, rows, C, G, flags);
 }
 
+extern "C" __global__ __launch_bounds__(LN_BWD_BLOCK) void layernorm_backward_bf16(bf16* dinp, bf16* dweight, bf16* dbias, bf16* dcolsum, float* scratch, const bf16* dout, const bf16* inp, const bf16* weight, const float* mean, const float* rstd, const bf16* residual, unsigned rows, unsigned C, unsigned G, unsigned flags);
 extern "C" __global__ void layernorm_backward_bf16(bf16* dinp, bf16* dweight, bf16* dbias, bf16* dcolsum,
-                                                   float* scratch, unsigned* counters, const bf16* dout,
+                                                   float* scratch, const bf16* dout,
                                                    const bf16* inp, const bf16* weight, const float* mean,
                                                    const float* rstd, const bf16* residual, unsigned rows,
                                                    unsigned C, unsigned G, unsigned flags) {
-    layernorm_backward<bf16>(dinp, dweight, dbias, dcolsum, scratch, counters, dout, inp, weight, mean, rstd,
+    layernorm_backward<bf16>(dinp, dweight, dbias, dcolsum, scratch, dout, inp, weight, mean, rstd,
                              residual, rows, C, G, flags);
+}
+
+// The row path's second kernel: gradient part p (dweight, dbias, dcolsum) of column c, at index
+// j = p * C + c, += the sum of the first `slots` slots of scratch (3 * C floats each) at j. A
+// block of 256 threads serves 32 consecutive indices: warp r sums slots [r * per, (r + 1) * per)
+// in slot order (per = ceil(slots / LN_SUM_RUNS)), and the first warp adds the eight runs in run
+// order, so the order of additions depends only on `slots` (the backward's block count).
+template <typename T>
+__device__ void layernorm_column_sums(T* dweight, T* dbias, T* dcolsum, const float* scratch, unsigned slots,
+                                      unsigned C, unsigned parts) {
+    __shared__ float runs[LN_SUM_RUNS][32];
+    const unsigned lane = threadIdx.x % 32, run = threadIdx.x / 32;
+    const unsigned long long j = blockIdx.x * 32ull + lane, n = (unsigned long long)parts * C;
+    const unsigned per = (slots + LN_SUM_RUNS - 1) / LN_SUM_RUNS, first = run * per;
+    const unsigned last = min(slots, first + per);
+    float s = 0.0f;
+    if (j < n) {
+#pragma unroll 4
+        for (unsigned b = first; b < last; b++) s += __ldcg(scratch + b * 3ull * C + j);
+    }
+    runs[run][lane] = s;
+    __syncthreads();
+    if (run != 0 || j >= n) return;
+    float total = runs[0][lane];
+#pragma unroll
+    for (int r = 1; r < LN_SUM_RUNS; r++) total += runs[r][lane];
+    const unsigned p = (unsigned)(j / C), c = (unsigned)(j % C);
+    T* grad = p == 0 ? dweight : p == 1 ? dbias : dcolsum;
+    grad[c] = from_float<T>(to_float(grad[c]) + total);
+}
+
+extern "C" __global__ void layernorm_column_sums_f32(float* dweight, float* dbias, float* dcolsum, const float* scratch,
+                                                     unsigned slots, unsigned C, unsigned parts) {
+    layernorm_column_sums<float>(dweight, dbias, dcolsum, scratch, slots, C, parts);
+}
+
+extern "C" __global__ void layernorm_column_sums_bf16(bf16* dweight, bf16* dbias, bf16* dcolsum, const float* scratch,
+                                                      unsigned slots, unsigned C, unsigned parts) {
+    layernorm_column_sums<bf16>(dweight, dbias, dcolsum, scratch, slots, C, parts);
 }

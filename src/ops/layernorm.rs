@@ -48,24 +48,23 @@
 //! The parameter gradients are sums over all rows, and the rows are spread over the blocks of one
 //! launch. Each block sums its rows' contributions per column in f32 (in row order, its row groups
 //! in group order) and writes them to its slot of the workspace's scratch (3·C floats: dweight,
-//! dbias, dcolsum). The last block of every span of `TREE_SPAN` consecutive blocks to finish (an
-//! integer ticket counter per span, `atomicAdd` after a `__threadfence`, as llm.c
-//! `layernorm.cuh`'s `layernorm_backward_kernel10` does with one level) adds the span's slots in
-//! block order; the last of those adds the spans' sums in span order into the gradients (with one
-//! span, its last block adds its sum directly: the same additions), and each resets its counter
-//! to 0, so the next launch and every replay of a captured graph start clean.
-//! No float atomics: the order of additions depends only on N and C, so results are bitwise
-//! identical run to run. The two levels keep the tail that one block does alone to at most 23
-//! slots (12 + 11) instead of 132. The grid has at most [`BACKWARD_BLOCKS`] blocks whatever the
-//! GPU, so the order does not depend on the device either. The simulator's CPU path sums each
-//! column over all rows in row order (a different order, so the devices agree to rounding, not
-//! bitwise); it declares the scratch and the counters as read and written, as the CUDA kernel
-//! uses them, so the checker orders every use of a workspace.
+//! dbias, dcolsum). A second, small kernel (`layernorm_column_sums`) then adds the slots into the
+//! gradients: 32 columns per block of 8 warps, warp r summing its run of consecutive slots in slot
+//! order, the 8 runs added in run order. No atomics and no counters: the order of additions
+//! depends only on N and C, so results are bitwise identical run to run (and a replayed graph
+//! needs no state reset). The grid has at most [`BACKWARD_BLOCKS`] blocks whatever the GPU, so the
+//! order does not depend on the device either. An earlier design let the last block of each span
+//! of blocks (a ticket counter) add the slots inside the one kernel, as llm.c does; measured on the
+//! H200 at N = C = 4096 that tail was 65 of the kernel's 157 µs, since a handful of blocks did it
+//! alone while the others sat idle, where the second kernel spreads it over the whole GPU. The
+//! simulator's CPU path sums each column over all rows in row order into slot 0 (the other slots
+//! zeroed), so the column sums add the same totals (the devices agree to rounding, not bitwise).
 //!
 //! With few rows (at most [`backward_column_path_rows`]), the kernel splits the columns over the
 //! blocks instead (`LN_COLUMNS`, see [`layernorm_backward`]): each column's sums stay in the one
 //! block that owns it, added over rows in row order and over its row groups in group order, and
-//! the workspace is not touched (still declared, so the checker's ordering is the same).
+//! neither the workspace nor the second kernel is used (the workspace is still declared, so the
+//! checker's ordering is the same).
 
 use half::bf16;
 
@@ -92,8 +91,9 @@ const BWD_BLOCK: usize = 512;
 /// The backward's blocks at most: one per SM of an H200 (132), whatever the GPU, so that the
 /// order of the column sums depends only on the shapes. Fewer when there are fewer row groups.
 pub const BACKWARD_BLOCKS: usize = 132;
-/// Blocks per span of the backward's two-level reduction (`TREE_SPAN`).
-const TREE_SPAN: usize = 12;
+/// Threads per block of the column sums: `LN_SUM_RUNS` warps over 32 columns.
+const SUM_BLOCK: usize = 256;
+const SUM_COLUMNS: usize = 32;
 /// The backward's small-N path: taken while each row group walks at most this many rows with
 /// one block per column slice, which is while the row path would have at most this many blocks
 /// (see [`layernorm_backward`]).
@@ -200,8 +200,8 @@ fn forward<T: Float>(kernel: &'static Kernel, tensors: [&Tensor; 6], eps: f32, s
 }
 
 const BACKWARD_PARAMS: &[&str] = &[
-    "dinp", "dweight", "dbias", "dcolsum", "scratch", "counters", "dout", "inp", "weight", "mean", "rstd", "residual",
-    "rows", "C", "G", "flags",
+    "dinp", "dweight", "dbias", "dcolsum", "scratch", "dout", "inp", "weight", "mean", "rstd", "residual", "rows", "C",
+    "G", "flags",
 ];
 
 /// The input gradient (plus the residual's), and the parameter gradients accumulated, of rows of
@@ -257,6 +257,14 @@ fn backward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
             dx[col] = T::from_f32(d);
         }
     }
+    if flags & COLUMNS == 0 {
+        // The row path: the sums into slot 0, the others zero, for the column sums to add.
+        let mut scratch = a.output::<f32>("scratch")?;
+        scratch.fill(0.0);
+        let parts = [dw, db, dr];
+        scratch.chunks_exact_mut(c).zip(parts.iter()).for_each(|(slot, sums)| slot.copy_from_slice(sums));
+        return Ok(());
+    }
     let add = |grad: &mut [T], sums: Vec<f32>| {
         grad.iter_mut().zip(sums).for_each(|(acc, s)| *acc = T::from_f32(acc.to_f32() + s));
     };
@@ -264,6 +272,40 @@ fn backward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
     add(&mut a.output::<T>("dbias")?, db);
     if has_colsum {
         add(&mut a.output::<T>("dcolsum")?, dr);
+    }
+    Ok(())
+}
+
+const SUMS_PARAMS: &[&str] = &["dweight", "dbias", "dcolsum", "scratch", "slots", "C", "parts"];
+
+/// The row path's second step: the blocks' column sums in the workspace added into the parameter
+/// gradients of f32 (Note [LayerNorm backward's column sums]).
+pub static LAYERNORM_COLUMN_SUMS_F32: Kernel = Kernel {
+    name: "layernorm_column_sums_f32",
+    source: SOURCE,
+    params: SUMS_PARAMS,
+    cpu: column_sums_cpu::<f32>,
+    strided: false,
+};
+
+/// [`LAYERNORM_COLUMN_SUMS_F32`] for gradients of bf16.
+pub static LAYERNORM_COLUMN_SUMS_BF16: Kernel = Kernel {
+    name: "layernorm_column_sums_bf16",
+    source: SOURCE,
+    params: SUMS_PARAMS,
+    cpu: column_sums_cpu::<bf16>,
+    strided: false,
+};
+
+fn column_sums_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let scratch = a.input::<f32>("scratch")?;
+    let (slots, c, parts) = (a.u32("slots")? as usize, a.u32("C")? as usize, a.u32("parts")? as usize);
+    for (p, name) in ["dweight", "dbias", "dcolsum"].into_iter().enumerate().take(parts) {
+        let mut grad = a.output::<T>(name)?;
+        for (col, acc) in grad.iter_mut().enumerate() {
+            let sum = (0..slots).map(|b| scratch[(b * 3 + p) * c + col]).fold(0.0f32, |s, v| s + v);
+            *acc = T::from_f32(acc.to_f32() + sum);
+        }
     }
     Ok(())
 }
@@ -279,19 +321,17 @@ pub struct ResidualGrad<'t> {
 }
 
 /// The backward's scratch for one C: `BACKWARD_BLOCKS` slots of 3·C f32 partial column sums
-/// and the ticket counters (u32, zero between launches), allocated zeroed once (Note [LayerNorm
-/// backward's column sums]). Launches that share a workspace are ordered by the checker like
-/// any other writes to one buffer, so give concurrent backwards a workspace each.
+/// (Note [LayerNorm backward's column sums]). Launches that share a workspace are ordered by the
+/// checker like any other writes to one buffer, so give concurrent backwards a workspace each.
 pub struct LayerNormWorkspace {
     features: usize,
     /// `(BACKWARD_BLOCKS · 3 · C)` f32.
     scratch: Tensor,
-    /// `(1 + ⌈BACKWARD_BLOCKS / TREE_SPAN⌉)` u32: the counter of the spans, then one per span.
-    counters: Tensor,
 }
 
 impl LayerNormWorkspace {
-    /// A workspace for rows of `features` (C) values, zeroed on `stream`.
+    /// A workspace for rows of `features` (C) values, zeroed on `stream` (the backward writes
+    /// every slot it reads; zeroed so that no read ever sees uninitialized memory).
     ///
     /// # Errors
     /// [`Error::Unsupported`] for 0 or more than [`MAX_FEATURES`] features; allocation errors.
@@ -300,7 +340,6 @@ impl LayerNormWorkspace {
         Ok(LayerNormWorkspace {
             features,
             scratch: Tensor::zeros(alloc, stream, &[BACKWARD_BLOCKS * 3 * features], DType::F32)?,
-            counters: Tensor::zeros(alloc, stream, &[1 + BACKWARD_BLOCKS.div_ceil(TREE_SPAN)], DType::U32)?,
         })
     }
 
@@ -311,32 +350,34 @@ impl LayerNormWorkspace {
 
     /// Its size in device memory, in bytes.
     pub fn bytes(&self) -> usize {
-        self.scratch.bytes() + self.counters.bytes()
+        self.scratch.bytes()
     }
 }
 
 /// Writes `dinp = residual.grad + LNᵀ(dout)` (without `residual`, just the LayerNorm's input
 /// gradient) and accumulates `dweight += Σ_rows dout·x̂`, `dbias += Σ_rows dout` and, if
 /// `residual.colsum` is given, `colsum += Σ_rows residual.grad`, with `x̂ = (inp − mean)·rstd`
-/// from the `mean` and `rstd` that [`layernorm_forward`] saved for `inp`. One kernel; the
-/// activations, `weight` and the gradients are all f32 or all bf16, the statistics f32.
+/// from the `mean` and `rstd` that [`layernorm_forward`] saved for `inp`. One kernel, and a
+/// second small one that adds the blocks' column sums on the row path; the activations, `weight`
+/// and the gradients are all f32 or all bf16, the statistics f32.
 ///
 /// On CUDA at most [`BACKWARD_BLOCKS`] blocks of 512 threads, one per SM, walk the rows, a row
 /// group of 32 to 512 threads (C/8 rounded up to a power of two) per row, 8 values a thread kept
-/// in registers between the row's two sums and its write, in 16-byte accesses where C allows;
-/// each thread sums its columns' parameter gradients over its rows in registers, and the blocks'
-/// sums meet as Note [LayerNorm backward's column sums] says.
+/// in registers between the row's two sums and its write, in 16-byte accesses where C allows, the
+/// next row's `inp` and `dout` (and this row's residual) read while this row's sums cross the
+/// group; each thread sums its columns' parameter gradients over its rows in registers, and the
+/// blocks' sums meet as Note [LayerNorm backward's column sums] says.
 ///
 /// Small N (at most [`backward_column_path_rows`]`(C)` rows: 8 row groups' worth, 128 rows at
 /// C = 256) takes another path. The row path would launch at most 8 blocks there (8 of the
 /// H200's 132 SMs, 8 at the benchmark's config S), each of one pass over its rows, and its time is
-/// the blocks' partial sums going through the workspace and the ticketed tail, not the rows. So
+/// the blocks' partial sums going through the workspace and the column sums, not the rows. So
 /// the column path splits the columns instead: min(G, 128) blocks (a power of two within one wave
 /// of 132 SMs; 32 at C ≤ 256, 128 from C = 1024 on) each own a slice of every row group's lanes,
 /// walk all N rows (at most 8 per row group), compute each row's two sums over the whole row as
 /// the row path does, and write `dinp` and sum the parameter gradients only for their slice. A
 /// column's sums never leave its block (its row groups add theirs in shared memory, in group
-/// order), so there is no workspace traffic, no fence and no ticket, and the order of additions
+/// order), so there is no workspace traffic and no second kernel, and the order of additions
 /// still depends only on N and C: deterministic, without atomics. The cost is that every block
 /// reads all N rows of `inp` and `dout` (at most 64 K values a block, from L2), which is why the
 /// path stops at 8 rows per row group. `dinp` is computed in the same order on both paths; the
@@ -366,8 +407,16 @@ pub fn layernorm_backward(
 ) -> Result<()> {
     let tensors = [dinp, dweight, dbias, dout, inp, weight, mean, rstd];
     match dout.dtype() {
-        DType::F32 => backward::<f32>(&LAYERNORM_BACKWARD_F32, tensors, residual, workspace, stream),
-        DType::BF16 => backward::<bf16>(&LAYERNORM_BACKWARD_BF16, tensors, residual, workspace, stream),
+        DType::F32 => {
+            backward::<f32>([&LAYERNORM_BACKWARD_F32, &LAYERNORM_COLUMN_SUMS_F32], tensors, residual, workspace, stream)
+        }
+        DType::BF16 => backward::<bf16>(
+            [&LAYERNORM_BACKWARD_BF16, &LAYERNORM_COLUMN_SUMS_BF16],
+            tensors,
+            residual,
+            workspace,
+            stream,
+        ),
         dtype => Err(unsupported_dtype(BACKWARD, dtype)),
     }
 }
@@ -375,7 +424,7 @@ pub fn layernorm_backward(
 const BACKWARD: &str = "layernorm_backward";
 
 fn backward<T: Float>(
-    kernel: &'static Kernel,
+    [kernel, sums_kernel]: [&'static Kernel; 2],
     tensors: [&Tensor; 8],
     residual: Option<ResidualGrad<'_>>,
     workspace: &LayerNormWorkspace,
@@ -410,7 +459,6 @@ fn backward<T: Float>(
         InOut(checked::<T>(OP, "dbias", dbias, &[c])?),
         InOut(colsum),
         InOut(workspace.scratch.view::<f32>()?),
-        InOut(workspace.counters.view::<u32>()?),
         In(checked::<T>(OP, "dout", dout, &[n, c])?),
         In(checked::<T>(OP, "inp", inp, &[n, c])?),
         In(checked::<T>(OP, "weight", weight, &[c])?),
@@ -424,7 +472,21 @@ fn backward<T: Float>(
     ];
     let mut dims = grid(OP, shape.blocks, BWD_BLOCK)?;
     dims.shared_mem_bytes = count(OP, shape.shared_floats * std::mem::size_of::<f32>())?;
-    stream.launch(kernel, dims, &args)
+    stream.launch(kernel, dims, &args)?;
+    if shape.columns {
+        return Ok(());
+    }
+    let parts: u32 = if flags & COLSUM != 0 { 3 } else { 2 };
+    let sums = args![
+        InOut(dweight.buffer::<T>(OP)?),
+        InOut(dbias.buffer::<T>(OP)?),
+        InOut(colsum),
+        In(workspace.scratch.view::<f32>()?),
+        count(OP, shape.blocks)?,
+        count(OP, c)?,
+        parts,
+    ];
+    stream.launch(sums_kernel, grid(OP, (parts as usize * c).div_ceil(SUM_COLUMNS), SUM_BLOCK)?, &sums)
 }
 
 /// The most rows for which [`layernorm_backward`] takes its small-N path (its column split) at C
@@ -491,7 +553,8 @@ mod tests {
         let defines = [
             format!("LN_FWD_VALS {FWD_VALS}"),
             format!("LN_BWD_VALS {BWD_VALS}"),
-            format!("TREE_SPAN {TREE_SPAN}"),
+            format!("LN_BWD_BLOCK {BWD_BLOCK}"),
+            format!("LN_SUM_RUNS {}", SUM_BLOCK / SUM_COLUMNS),
             format!("LN_RESIDUAL {RESIDUAL}u"),
             format!("LN_COLSUM {COLSUM}u"),
             format!("LN_COLUMNS {COLUMNS}u"),

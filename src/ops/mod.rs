@@ -229,6 +229,8 @@ mod tests {
             &layernorm::LAYERNORM_FORWARD_BF16,
             &layernorm::LAYERNORM_BACKWARD_F32,
             &layernorm::LAYERNORM_BACKWARD_BF16,
+            &layernorm::LAYERNORM_COLUMN_SUMS_F32,
+            &layernorm::LAYERNORM_COLUMN_SUMS_BF16,
             &loss::CROSS_ENTROPY_FORWARD,
             &loss::CROSS_ENTROPY_FORWARD_BF16,
             &loss::CROSS_ENTROPY_BACKWARD,

@@ -41,13 +41,26 @@ template <typename T> __device__ bool vectorizable(unsigned n, const void* a, co
     return n % Vec<T>::W == 0 && aligned16(a) && aligned16(b) && aligned16(c) && aligned16(d) && aligned16(e);
 }
 
-// W elements at p (16-byte aligned when W > 1) as floats.
-template <typename T, int W> __device__ __forceinline__ void load(const T* p, float (&v)[W]) {
+// W elements of T as stored: one 16-byte chunk when W > 1, else one element. A kernel loads a
+// row's chunks early (load_raw) and widens them when it needs them, so that the next row's loads
+// are in flight during this row's reductions at the cost of 4 registers a chunk, not W.
+template <typename T, int W> struct Raw { uint4 u; };
+template <typename T> struct Raw<T, 1> { T u; };
+
+template <typename T, int W> __device__ __forceinline__ void load_raw(const T* p, Raw<T, W>& r) {
     if constexpr (W == 1) {
-        v[0] = to_float(p[0]);
+        r.u = p[0];
     } else {
-        uint4 u = *reinterpret_cast<const uint4*>(p);
-        unsigned w[4] = {u.x, u.y, u.z, u.w};
+        r.u = *reinterpret_cast<const uint4*>(p);
+    }
+}
+
+// A chunk as W floats.
+template <typename T, int W> __device__ __forceinline__ void widen(const Raw<T, W>& r, float (&v)[W]) {
+    if constexpr (W == 1) {
+        v[0] = to_float(r.u);
+    } else {
+        unsigned w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
         if constexpr (sizeof(T) == 4) {
 #pragma unroll
             for (int i = 0; i < 4; i++) v[i] = __uint_as_float(w[i]);
@@ -59,6 +72,13 @@ template <typename T, int W> __device__ __forceinline__ void load(const T* p, fl
             }
         }
     }
+}
+
+// W elements at p (16-byte aligned when W > 1) as floats.
+template <typename T, int W> __device__ __forceinline__ void load(const T* p, float (&v)[W]) {
+    Raw<T, W> r;
+    load_raw<T, W>(p, r);
+    widen<T, W>(r, v);
 }
 
 // Stores W floats at p (16-byte aligned when W > 1), each rounded once to T.
