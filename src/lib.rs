@@ -4,7 +4,7 @@
 //! and replay them, with a CPU simulator of CUDA's stream, event and graph semantics so that
 //! everything runs and is tested without a GPU.
 //!
-//! The crate is built in layers (see `DESIGN.md`); each uses only the ones before it:
+//! The crate is built in layers (see `docs/design.md`); each uses only the ones before it:
 //!
 //! 1. [`device`]: devices (CUDA or simulator), streams, events, memory, kernels, capture, graphs,
 //!    and named profiler ranges (NVTX on CUDA, a log on both) that the layers above open.

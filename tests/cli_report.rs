@@ -1,7 +1,7 @@
 //! `graphed report` on a small repository of its own (a git history of three commits, results
-//! files written here): the README's tables come from the newest file by commit, a second run
-//! changes nothing, `--check` fails after a hand edit, and damaged files are typed errors that
-//! name the file and the field.
+//! files written here): the tables of the README and `docs/benchmarks.md` come from the newest
+//! file by commit, each in every page that has its block, a second run changes nothing, `--check`
+//! fails after a hand edit, and damaged files are typed errors that name the file and the field.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -24,7 +24,8 @@ fn git(dir: &Path, args: &[&str]) -> String {
 }
 
 /// A repository whose history is `commits[0]` (oldest) to `commits[2]` (HEAD), with a README
-/// holding prose around an `alloc` block, and an empty `bench/results/`.
+/// holding prose around an `alloc` block, a `docs/benchmarks.md` without blocks, and an empty
+/// `bench/results/`.
 struct Repo {
     dir: PathBuf,
     commits: Vec<String>,
@@ -35,6 +36,7 @@ impl Repo {
         let dir = std::env::temp_dir().join(format!("graphed-report-{name}-{}", std::process::id()));
         std::fs::remove_dir_all(&dir).ok();
         std::fs::create_dir_all(dir.join("bench/results")).unwrap();
+        std::fs::create_dir_all(dir.join("docs")).unwrap();
         git(&dir, &["init", "-q"]);
         let commits = (0..3)
             .map(|i| {
@@ -43,6 +45,7 @@ impl Repo {
             })
             .collect();
         std::fs::write(dir.join("README.md"), README).unwrap();
+        std::fs::write(dir.join("docs/benchmarks.md"), BENCHMARKS).unwrap();
         Repo { dir, commits }
     }
 
@@ -62,6 +65,10 @@ impl Repo {
         std::fs::read_to_string(self.dir.join("README.md")).unwrap()
     }
 
+    fn benchmarks(&self) -> String {
+        std::fs::read_to_string(self.dir.join("docs/benchmarks.md")).unwrap()
+    }
+
     fn plot(&self) -> PathBuf {
         self.dir.join("bench/results/plots/alloc.svg")
     }
@@ -79,6 +86,7 @@ fn row(cached_us: &str) -> String {
 }
 
 const README: &str = "# A project\n\nProse before.\n\n<!-- report:alloc -->\n<!-- /report:alloc -->\n\nProse after.\n";
+const BENCHMARKS: &str = "# Benchmarks\n\nNo blocks yet.\n";
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
@@ -108,6 +116,8 @@ fn tables_come_from_the_newest_file_by_commit_and_a_second_run_changes_nothing()
     let check = graphed(&repo.dir, &["--check"]);
     assert!(check.status.success(), "{}", stderr(&check));
 
+    assert_eq!(repo.benchmarks(), BENCHMARKS, "a page without blocks is left as it was");
+
     // A file of a commit outside HEAD's history (another branch) is left out.
     std::fs::write(repo.dir.join("bench/results/2026-02-01-h200-alloc-0123456.json"), "{}").unwrap();
     assert!(graphed(&repo.dir, &["--check"]).status.success());
@@ -135,6 +145,40 @@ fn check_fails_after_a_hand_edit_and_writes_nothing() {
     repo.alloc("2026-01-02", &newer, &row("0.5"));
     let out = graphed(&repo.dir, &["--check"]);
     assert!(!out.status.success() && stderr(&out).contains("report:alloc"), "{}", stderr(&out));
+}
+
+#[test]
+fn a_block_is_filled_in_every_page_that_has_it_with_links_from_the_pages_folder() {
+    let repo = Repo::new("pages");
+    repo.alloc("2026-01-01", &repo.commits[2], &row("0.25"));
+    let benchmarks = "# Benchmarks\n\n<!-- report:alloc -->\n<!-- /report:alloc -->\n";
+    std::fs::write(repo.dir.join("docs/benchmarks.md"), benchmarks).unwrap();
+    let out = graphed(&repo.dir, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (readme, docs) = (repo.readme(), repo.benchmarks());
+    assert!(readme.contains("| 4 KiB | 0.25 | 56.7 |") && docs.contains("| 4 KiB | 0.25 | 56.7 |"), "{docs}");
+    assert!(readme.contains("](bench/results/plots/alloc.svg)"), "{readme}");
+    assert!(docs.contains("](../bench/results/plots/alloc.svg)"), "{docs}");
+    assert!(graphed(&repo.dir, &["--check"]).status.success());
+
+    // The block only in docs/benchmarks.md: the README is left alone.
+    std::fs::write(repo.dir.join("README.md"), "# A project\n").unwrap();
+    std::fs::write(repo.dir.join("docs/benchmarks.md"), benchmarks).unwrap();
+    let out = graphed(&repo.dir, &["--check"]);
+    assert!(stderr(&out).contains("docs/benchmarks.md block report:alloc"), "{}", stderr(&out));
+    assert!(graphed(&repo.dir, &[]).status.success());
+    assert_eq!((repo.readme(), repo.benchmarks()), ("# A project\n".to_string(), docs));
+
+    // `--page` picks the pages; one outside the repository is refused.
+    let out = graphed(&repo.dir, &["--page", "README.md"]);
+    assert!(stderr(&out).contains("no `<!-- report:alloc -->` block") && stderr(&out).contains("in README.md"));
+    let elsewhere = tempfile::tempdir().unwrap();
+    let page = elsewhere.path().join("page.md");
+    std::fs::write(&page, README).unwrap();
+    let out = graphed(&repo.dir, &["--page", page.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("is not inside") && stderr(&out).contains("pass pages inside"), "{}", stderr(&out));
+    assert_eq!(std::fs::read_to_string(&page).unwrap(), README);
 }
 
 #[test]

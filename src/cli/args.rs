@@ -31,8 +31,9 @@ pub enum Command {
     /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), running `graphed <ARGS>`: for example
     /// `graphed launch --gpus 2 -- train` trains data parallel.
     Launch(LaunchArgs),
-    /// Regenerate the README's performance tables and the benchmarks' SVG plots from the newest
-    /// results file of each benchmark (or, with `--check`, fail if they are not what it writes).
+    /// Regenerate the performance tables of the README and docs/benchmarks.md and the benchmarks'
+    /// SVG plots from the newest results file of each benchmark (or, with `--check`, fail if they
+    /// are not what it writes).
     Report(ReportArgs),
 }
 
@@ -688,11 +689,13 @@ pub struct ReportArgs {
     /// go to its `plots/`.
     #[arg(long, value_name = "DIR", default_value = "bench/results")]
     pub results: std::path::PathBuf,
-    /// The README whose blocks between `<!-- report:<bench> -->` and `<!-- /report:<bench> -->`
-    /// are rewritten (nothing else in it is); it must lie above the results folder.
-    #[arg(long, value_name = "FILE", default_value = "README.md")]
-    pub readme: std::path::PathBuf,
-    /// Write nothing; fail, naming each block and plot that differs, unless the README and the
+    /// A page whose blocks between `<!-- report:<bench> -->` and `<!-- /report:<bench> -->` are
+    /// rewritten (nothing else in it is); repeat for several. Each benchmark's table goes into
+    /// every page that has its block, and each benchmark needs a block in one page at least. The
+    /// pages must lie in the repository that holds the results folder.
+    #[arg(long = "page", value_name = "FILE", default_values = ["README.md", "docs/benchmarks.md"])]
+    pub pages: Vec<std::path::PathBuf>,
+    /// Write nothing; fail, naming each block and plot that differs, unless the pages and the
     /// plots are what `report` would write.
     #[arg(long)]
     pub check: bool,

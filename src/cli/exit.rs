@@ -1,7 +1,7 @@
-//! How `graphed` ends, and its exit codes (README, "Exit codes"): 0 done; 1 failed while
+//! How `graphed` ends, and its exit codes (docs/train.md, "Exit codes"): 0 done; 1 failed while
 //! running; 2 refused its input (arguments, files) before running anything; 130 interrupted.
 //!
-//! A refusal is a [`Refused`] error, one of `report`'s (its results files, or a README that
+//! A refusal is a [`Refused`] error, one of `report`'s (its results files, or a page that
 //! differs from them), or one of the library's errors about a user's input (a damaged or
 //! mismatched checkpoint, a model configuration, an offload configuration); an interrupt is
 //! [`Interrupted`]; anything else is a failure.

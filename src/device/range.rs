@@ -351,7 +351,7 @@ impl Device {
 
     /// Whether this device's ranges reach NVTX: a CUDA device in a process where
     /// `libnvToolsExt` (cudarc's name for NVTX's library) could be loaded. Nsight Systems shows
-    /// them only then; see the README's "Seeing a step in Nsight Systems".
+    /// them only then; see `docs/profiling.md`.
     pub fn nvtx(&self) -> bool {
         self.inner.nvtx
     }

@@ -179,6 +179,34 @@ pub fn make_graphed_callables(
 /// # Ok::<(), graphed::Error>(())
 /// ```
 ///
+/// # What is checked
+/// Every replay is checked before anything is enqueued, and a refused call changes nothing: the
+/// input's and upstream gradient's shape and element type, the streams' and the pool's device,
+/// the pool's capture order and concurrent replays on another stream (R5), a side-stream replay
+/// without a sync event or on the caller's own stream, a replay of a reset stack, and a read of
+/// a [`StaticTensor`](super::StaticTensor) that a later replay overwrote. At capture, the sync
+/// event's placement (R2, R3, R7) and inputs that get no gradient.
+///
+/// # What stays the caller's duty
+/// CUDA graphs replay fixed work at fixed addresses, so, as with PyTorch's
+/// `make_graphed_callables`:
+/// - keep the stack as captured: no layer added, removed or swapped, and parameters and their
+///   gradients updated in place (as [`AdamW`](crate::optim::AdamW) and checkpoint restores do),
+///   never moved to new buffers;
+/// - set up every hook before the capture (offloading's save hook through
+///   [`GraphOptions`], gradient reduction through `grad_sync`): replays run what was captured;
+/// - keep in device memory whatever changes from step to step (a learning rate, a step counter):
+///   the graphs freeze host values, launch scalars and host-side control flow, and no module may
+///   synchronize with the host inside its passes;
+/// - copy an output that you need after the next replay
+///   ([`StaticTensor::to_owned`](super::StaticTensor::to_owned)): outputs and input gradients
+///   live in buffers that replays reuse;
+/// - join the tails ([`GraphedStack::join`]) before anything reads what they wrote, such as the
+///   optimizer reading the gradients (R4);
+/// - join any stream a module forks (a save hook's copies) before its pass returns;
+/// - on CUDA, run a step with the checker on (`GRAPHED_CHECK=1`) after changing how work is
+///   ordered: without it only captures are checked, not the races of eager work and replays.
+///
 /// # Errors
 /// As [`make_graphed_callables`]; [`GraphedErrorKind::StackGradient`] when a layer gives no
 /// gradient for an input that the layer before it produced.

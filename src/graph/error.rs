@@ -106,7 +106,7 @@ pub enum GraphedErrorKind {
         input: String,
     },
     /// A captured graph breaks the replay contract at its sync event (checked at capture from the
-    /// access summary): `rule` is R2, R3 or R7 of DESIGN.md.
+    /// access summary): `rule` is R2, R3 or R7 of `docs/design.md`.
     #[error("graph {graph} breaks {rule} at its sync event: {detail}; {}", sync_fix(rule))]
     SyncContract {
         /// The graph.

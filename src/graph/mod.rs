@@ -7,7 +7,7 @@
 //! named inputs); [`make_graphed_fn`] captures any other work (the optimizer step). Each warms
 //! its modules up, captures their forward and backward (and split weight-gradient pass) into
 //! graphs of one [`GraphPool`](crate::memory::GraphPool), and replays them over static buffers
-//! under the replay contract of `DESIGN.md`:
+//! under the replay contract of `docs/design.md`:
 //!
 //! - R1: the replay stream waits for the caller's stream (copies into static inputs included);
 //! - R2: with [`Replay::Side`] the caller waits only for the sync event, which capture

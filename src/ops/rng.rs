@@ -7,7 +7,7 @@
 //! the step is read from device memory when the kernel runs. So a captured graph draws new
 //! numbers when the caller writes a new step before each replay ([`step_write`], or [`step_add`]
 //! captured with the work), draws the same numbers again for the same step, and no host-side
-//! generator state can drift between warmup, capture and replay (DESIGN.md R9). The CPU path of
+//! generator state can drift between warmup, capture and replay (docs/design.md, R9). The CPU path of
 //! every kernel calls [`philox4x32_10`], so the simulator and CUDA draw bitwise equal numbers.
 //!
 //! ```

@@ -22,10 +22,10 @@ pub enum ReportError {
         /// The folder.
         dir: PathBuf,
     },
-    /// The order of commits could not be read from git.
+    /// The order of commits, or the repository's top folder, could not be read from git.
     #[error(
-        "cannot read the order of commits (`git rev-list HEAD` in {}): {reason}; run `graphed report` in a git \
-         checkout of the repository with its history (not a shallow clone)",
+        "cannot read the repository's history (git in {}): {reason}; run `graphed report` in a git checkout of the \
+         repository with its history (not a shallow clone)",
         dir.display()
     )]
     History {
@@ -104,39 +104,40 @@ pub enum ReportError {
         /// The file.
         file: PathBuf,
     },
-    /// The README lacks the block of a benchmark that has results.
+    /// No page has the block of a benchmark that has results.
     #[error(
-        "{}: no `<!-- report:{bench} -->` block for the `{bench}` results; add the lines `<!-- report:{bench} -->` \
-         and `<!-- /report:{bench} -->` where its table belongs",
-        readme.display()
+        "no `<!-- report:{bench} -->` block for the `{bench}` results in {pages}; add the lines \
+         `<!-- report:{bench} -->` and `<!-- /report:{bench} -->` where its table belongs"
     )]
     MissingBlock {
-        /// The README.
-        readme: PathBuf,
+        /// The pages searched, comma-separated.
+        pages: String,
         /// The benchmark.
         bench: String,
     },
-    /// A README block that is not closed, is repeated, or names a benchmark without results.
-    #[error("{}: the `<!-- report:{bench} -->` block {problem}", readme.display())]
+    /// A page's block that is not closed, is repeated, or names a benchmark without results.
+    #[error("{}: the `<!-- report:{bench} -->` block {problem}", page.display())]
     BadBlock {
-        /// The README.
-        readme: PathBuf,
+        /// The page.
+        page: PathBuf,
         /// The name in the marker.
         bench: String,
         /// What is wrong and what to do.
         problem: &'static str,
     },
-    /// The results folder is not under the README's folder, so the README cannot link its plots.
+    /// A page outside the repository that holds the results folder, whose links to the plots
+    /// would leave the repository.
     #[error(
-        "{} is not under the folder of {}, whose links to the plots would leave it; pass a README above the results",
-        results.display(),
-        readme.display()
+        "{} is not inside {}, the repository of the results folder; its links to the plots would leave it: pass \
+         pages inside the repository",
+        page.display(),
+        root.display()
     )]
     Outside {
-        /// The results folder.
-        results: PathBuf,
-        /// The README.
-        readme: PathBuf,
+        /// The page.
+        page: PathBuf,
+        /// The repository's top folder.
+        root: PathBuf,
     },
     /// A plot that plotters could not draw.
     #[error("cannot draw the plot of `{bench}`: {source}")]
@@ -146,13 +147,13 @@ pub enum ReportError {
         /// Plotters' error.
         source: crate::cli::plot::DrawError,
     },
-    /// `--check`: the README or the plots are not what `report` writes.
+    /// `--check`: the pages or the plots are not what `report` writes.
     #[error(
         "not what `graphed report` writes: {}; run `graphed report` and commit what it writes",
         stale.join(", ")
     )]
     Stale {
-        /// Each README block or plot that differs, e.g. `README.md block report:graphs`.
+        /// Each page's block or plot that differs, e.g. `README.md block report:graphs`.
         stale: Vec<String>,
     },
 }

@@ -1,17 +1,18 @@
-//! `graphed report`: the README's performance tables and the benchmarks' plots, made from the
-//! newest results file of each benchmark (`results.rs` says which is newest). The tables go
-//! between the README's `<!-- report:<bench> -->` markers, each followed by the files it came
-//! from and its plot, `<results>/plots/<bench>.svg`; `--check` writes nothing and fails if the
-//! README or the plots differ from what it would write.
+//! `graphed report`: the performance tables of the README and of `docs/benchmarks.md`, and the
+//! benchmarks' plots, made from the newest results file of each benchmark (`results.rs` says
+//! which is newest). A benchmark's table goes between the `<!-- report:<bench> -->` markers of
+//! every page that has them (each benchmark needs them in one page at least), followed by the
+//! files it came from and its plot, `<results>/plots/<bench>.svg`, linked from the page's folder;
+//! `--check` writes nothing and fails if a page or a plot differs from what it would write.
 
 mod bench;
 mod error;
 mod figure;
-mod readme;
+mod pages;
 mod results;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
 pub use error::ReportError;
 
@@ -20,25 +21,37 @@ use crate::cli::args::ReportArgs;
 /// The plots' folder, inside the results folder.
 const PLOTS: &str = "plots";
 
-/// Writes (or, with `--check`, checks) the README's blocks and the plots.
+/// Writes (or, with `--check`, checks) the pages' blocks and the plots.
 pub fn run(args: &ReportArgs) -> Result<(), ReportError> {
     let runs = results::newest_runs(&args.results)?;
     let plots = args.results.join(PLOTS);
-    let link = plots_link(&args.results, &args.readme)?;
-    let mut blocks = BTreeMap::new();
+    let root = results::repository_root(&args.results)?;
+    let mut figures = BTreeMap::new();
     let mut svgs = BTreeMap::new();
     for (bench, run) in &runs {
         let figure = bench.figure(run)?;
         let svg = crate::cli::plot::bar_chart(&figure.chart)
             .map_err(|source| ReportError::Draw { bench: bench.name(), source })?;
-        blocks.insert(bench.name(), figure.markdown(&format!("{link}/{}.svg", bench.name())));
         svgs.insert(plots.join(format!("{}.svg", bench.name())), svg);
+        figures.insert(bench.name(), figure);
     }
-    let text = std::fs::read_to_string(&args.readme).map_err(ReportError::io(&args.readme))?;
-    let spliced = readme::splice(&args.readme, &text, &blocks)?;
+    let mut stale = Vec::new();
+    let mut written = Vec::new();
+    let mut placed = Vec::new();
+    for page in &args.pages {
+        let link = plots_link(&root, &args.results, page)?;
+        let blocks = figures.iter().map(|(name, f)| (*name, f.markdown(&format!("{link}/{name}.svg")))).collect();
+        let text = std::fs::read_to_string(page).map_err(ReportError::io(page))?;
+        let spliced = pages::splice(page, &text, &blocks)?;
+        stale.extend(spliced.changed.iter().map(|b| format!("{} block report:{b}", page.display())));
+        placed.extend(spliced.placed);
+        written.push((page, spliced.text));
+    }
+    if let Some(missing) = figures.keys().find(|b| !placed.iter().any(|p| p == *b)) {
+        let pages = args.pages.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
+        return Err(ReportError::MissingBlock { pages, bench: missing.to_string() });
+    }
     let strays = stray_plots(&plots, &svgs)?;
-    let mut stale: Vec<String> =
-        spliced.changed.iter().map(|b| format!("{} block report:{b}", args.readme.display())).collect();
     for (path, svg) in &svgs {
         match std::fs::read_to_string(path) {
             Ok(old) if old == *svg => {}
@@ -47,11 +60,12 @@ pub fn run(args: &ReportArgs) -> Result<(), ReportError> {
         }
     }
     stale.extend(strays.iter().map(|p| format!("{} (no benchmark draws it)", p.display())));
+    let what = format!("the {} blocks of {} pages and their plots", placed.len(), args.pages.len());
     if args.check {
         if !stale.is_empty() {
             return Err(ReportError::Stale { stale });
         }
-        println!("the README's {} blocks and their plots are up to date", blocks.len());
+        println!("{what} are up to date");
         return Ok(());
     }
     std::fs::create_dir_all(&plots).map_err(ReportError::io(&plots))?;
@@ -61,29 +75,38 @@ pub fn run(args: &ReportArgs) -> Result<(), ReportError> {
     for path in &strays {
         std::fs::remove_file(path).map_err(ReportError::io(path))?;
     }
-    std::fs::write(&args.readme, spliced.text).map_err(ReportError::io(&args.readme))?;
+    for (page, text) in &written {
+        std::fs::write(page, text).map_err(ReportError::io(page))?;
+    }
     match stale.is_empty() {
-        true => println!("the README's {} blocks and their plots were up to date", blocks.len()),
+        true => println!("{what} were up to date"),
         false => println!("wrote {}", stale.join(", ")),
     }
     Ok(())
 }
 
-/// The plots' folder as the README links it: relative to the README's folder, which must hold
-/// the results folder.
-fn plots_link(results: &Path, readme: &Path) -> Result<String, ReportError> {
-    let outside = || ReportError::Outside { results: results.to_path_buf(), readme: readme.to_path_buf() };
-    let base = match readme.parent() {
+/// The plots' folder as `page` links it: relative to the page's folder, both inside the
+/// repository whose top folder is `root`.
+fn plots_link(root: &Path, results: &Path, page: &Path) -> Result<String, ReportError> {
+    let outside = || ReportError::Outside { page: page.to_path_buf(), root: root.to_path_buf() };
+    let base = match page.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
+    let root = root.canonicalize().map_err(ReportError::io(root))?;
     let base = base.canonicalize().map_err(ReportError::io(base))?;
     let results = results.canonicalize().map_err(ReportError::io(results))?;
-    let inside = results.strip_prefix(&base).map_err(|_| outside())?;
-    let parts: Option<Vec<&str>> = inside.components().map(|c| c.as_os_str().to_str()).collect();
-    let mut parts = parts.ok_or_else(outside)?;
-    parts.push(PLOTS);
-    Ok(parts.join("/"))
+    let (Ok(base), Ok(results)) = (base.strip_prefix(&root), results.strip_prefix(&root)) else {
+        return Err(outside());
+    };
+    // Up from the page's folder to the root, then down to the results.
+    let up = base.components().map(|_| Some(".."));
+    let down = results.components().map(|c| match c {
+        Component::Normal(name) => name.to_str(),
+        _ => None,
+    });
+    let parts: Option<Vec<&str>> = up.chain(down).chain([Some(PLOTS)]).collect();
+    Ok(parts.ok_or_else(outside)?.join("/"))
 }
 
 /// SVG files in the plots' folder that no benchmark draws (left by a benchmark no longer

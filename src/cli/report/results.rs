@@ -185,17 +185,28 @@ pub fn newest_runs(dir: &Path) -> Result<BTreeMap<Bench, Run>, ReportError> {
 
 /// The commits of HEAD's history, newest first, in the repository holding `dir`.
 fn history(dir: &Path) -> Result<Vec<String>, ReportError> {
+    Ok(git(dir, &["rev-list", "HEAD"])?.lines().map(str::to_string).collect())
+}
+
+/// The top folder of the repository holding the results folder `dir`: the pages' links to the
+/// plots must stay inside it.
+pub fn repository_root(dir: &Path) -> Result<PathBuf, ReportError> {
+    Ok(PathBuf::from(git(dir, &["rev-parse", "--show-toplevel"])?.trim()))
+}
+
+/// What `git -C dir args` prints.
+fn git(dir: &Path, args: &[&str]) -> Result<String, ReportError> {
     let failed = |reason: String| ReportError::History { dir: dir.to_path_buf(), reason };
     let out = std::process::Command::new("git")
         .arg("-C")
         .arg(dir)
-        .args(["rev-list", "HEAD"])
+        .args(args)
         .output()
         .map_err(|e| failed(format!("cannot run git: {e}")))?;
     if !out.status.success() {
         return Err(failed(String::from_utf8_lossy(&out.stderr).trim().to_string()));
     }
-    Ok(String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect())
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 #[cfg(test)]

@@ -226,10 +226,10 @@ pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Resu
             println!("{line}");
         }
     };
-    // Whether `nsys profile` will see the step's ranges (README: "Seeing a step in Nsight Systems").
+    // Whether `nsys profile` will see the step's ranges (docs/profiling.md).
     let nvtx = match (dev.kind(), dev.nvtx()) {
         (DeviceKind::Cuda, true) => "; NVTX ranges on",
-        (DeviceKind::Cuda, false) => "; NVTX ranges off (libnvToolsExt.so not found; on CUDA 13 link libnvtx3interop.so.1 under that name, see the README)",
+        (DeviceKind::Cuda, false) => "; NVTX ranges off (libnvToolsExt.so not found; on CUDA 13 link libnvtx3interop.so.1 under that name, see docs/profiling.md)",
         (DeviceKind::Sim, _) => "",
     };
     say(&format!("device: {}{nvtx}", dev.name()));
