@@ -40,8 +40,8 @@ pub struct CommOptions {
     /// How long a rank waits for the others (making or splitting a group, at
     /// [`Communicator::wait`], and on the simulator in a collective) before it fails with
     /// [`CommErrorKind::Timeout`]. A host call into NCCL that connects two ranks (the first
-    /// collective or send that needs the pair) waits inside NCCL, out of its reach: the README's
-    /// "Several GPUs" says when that happens and how `graphed launch` avoids it.
+    /// collective or send that needs the pair) waits inside NCCL, out of its reach:
+    /// `docs/several-gpus.md` says when that happens and how `graphed launch` avoids it.
     pub timeout: Duration,
 }
 
