@@ -168,8 +168,11 @@ def layer(configs: list, reps: int, forms: list) -> dict:
         for form in forms:
             d, b, t = shapes[name]
             m = Layer(d, fused=form == "fused").cuda()
-            x = torch.full((b, t, d), 0.5, device="cuda", requires_grad=True)
-            dy = torch.ones(b, t, d, device="cuda")
+            # Uniform in [-1, 1) from a fixed seed, as graphed's `bench layer` (a constant input
+            # makes every LayerNorm row its bias, and GEMMs over it clock higher than a step's).
+            g = torch.Generator(device="cuda").manual_seed(0)
+            x = (torch.rand(b, t, d, device="cuda", generator=g) * 2 - 1).requires_grad_()
+            dy = torch.rand(b, t, d, device="cuda", generator=g) * 2 - 1
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             times = []
             for rep in range(reps + 3):

@@ -5,9 +5,15 @@
 //! layer's kernels; with `--profile`, a table of its kernel classes says where the time goes,
 //! against the H200's roofs, and for the fused attention its forward's and backward's TFLOP/s by
 //! FlashAttention's convention (causal FLOPs counted as half; the backward's as 2.5 times the
-//! forward's, over its three kernels' time).
+//! forward's, over its three kernels' time). The input and the upstream gradient are uniform
+//! random numbers in [-1, 1) from a fixed seed, as on PyTorch's side: a constant input makes
+//! every LayerNorm output row its bias, and GEMMs over such data draw less power and clock
+//! higher than over a real step's activations.
 
 use std::time::Instant;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 
 use anyhow::bail;
 use graphed::device::{DType, Device, DeviceKind, KernelTime, Stream};
@@ -165,8 +171,10 @@ fn run_config(
     let spec = DropoutSpec { p: 0.0, seed: 0, site: 0, step };
     let attention = AttentionSpec::new(d, config.heads()).kind(config.attention);
     let layer = TransformerLayer::new(&mut store, &alloc, "layer", attention, &spec, 1, s)?;
-    let x = Tensor::from_f32(&alloc, s, &vec![0.5f32; b * t * d], &[b, t, d], dtype)?;
-    let dy = Tensor::from_f32(&alloc, s, &vec![1.0f32; b * t * d], &[b, t, d], dtype)?;
+    let mut rng = SmallRng::seed_from_u64(0);
+    let mut random = || (0..b * t * d).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>();
+    let x = Tensor::from_f32(&alloc, s, &random(), &[b, t, d], dtype)?;
+    let dy = Tensor::from_f32(&alloc, s, &random(), &[b, t, d], dtype)?;
     let on_gpu = dev.kind() == DeviceKind::Cuda;
     let (start, end) = (dev.timing_event()?, dev.timing_event()?);
     let (mut gpu, mut host) = (Vec::new(), Vec::new());
