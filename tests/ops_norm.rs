@@ -466,6 +466,40 @@ fn layernorm_backward_small_n_path(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The parameter gradients as views into one larger tensor, as a model's gradient store holds
+/// them: on both of the backward's paths (one row; many rows, whose column sums take a second
+/// kernel) only their elements change, and to the same bits as gradients of their own.
+fn layernorm_gradients_into_views(dev: &Device) -> anyhow::Result<()> {
+    let c = 256;
+    for n in [1, layernorm::backward_column_path_rows(c) + 1, 1000] {
+        for dtype in BOTH {
+            let ln = Ln::new(n, c, dtype);
+            let ctx = Ctx::new(dev)?;
+            let ws = LayerNormWorkspace::new(&ctx.alloc, &ctx.s, c)?;
+            let (outs, ins) = ln.backward_tensors(&ctx)?;
+            // Gradient i at [(2i + 1)c, (2i + 2)c), fenced by c sevens on each side.
+            let mut flat = vec![7.0f32; 7 * c];
+            for (i, g) in ln.grads0.iter().enumerate() {
+                flat[(2 * i + 1) * c..(2 * i + 2) * c].copy_from_slice(g);
+            }
+            let store = ctx.typed(&flat, &[7 * c], dtype)?;
+            let view = |i: usize| store.narrow(0, (2 * i + 1) * c, c);
+            let into_views = [outs[0].clone(), view(0)?, view(1)?, view(2)?];
+            Ln::backward(&ctx, &into_views, &ins, Residual::AddAndSum, &ws)?;
+            Ln::backward(&ctx, &outs, &ins, Residual::AddAndSum, &ws)?;
+            let got = ctx.read(&store)?;
+            for (i, own) in outs[1..].iter().enumerate() {
+                let range = (2 * i + 1) * c..(2 * i + 2) * c;
+                let same = got[range].iter().zip(ctx.read(own)?).all(|(a, b)| a.to_bits() == b.to_bits());
+                ensure!(same, "({n}, {c}) {dtype}: gradient {i} as a view differs from its own tensor's");
+            }
+            let fences = (0..4).flat_map(|k| got[2 * k * c..(2 * k + 1) * c].iter());
+            ensure!(fences.into_iter().all(|v| *v == 7.0), "({n}, {c}) {dtype}: the backward wrote outside the views");
+        }
+    }
+    Ok(())
+}
+
 // ---- causal softmax ---------------------------------------------------------------------------
 
 /// Attention scores `(B·H, T, T)` of one element type, an upstream gradient, and probabilities
@@ -958,6 +992,7 @@ crate::per_device!(
     layernorm_gradients,
     layernorm_matches_an_f64_reference,
     layernorm_backward_small_n_path,
+    layernorm_gradients_into_views,
     gelu_gradients,
     bias_gelu_gradients,
     bias_gelu_matches_its_composition,

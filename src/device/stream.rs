@@ -538,22 +538,35 @@ impl<T: Elem> DeviceBuffer<T> {
     /// Copies the buffer to a new `Vec` after the work queued on `stream`, blocking the host.
     /// A blocking copy: capture modes forbid it like CUDA does.
     pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
-        stream.inner.dev.check_same("to_vec", "buffer", self.block.raw.device)?;
-        let mut out = vec![T::zeroed(); self.len()];
+        self.range_to_vec(stream, 0..self.len())
+    }
+
+    /// Elements `range` of the buffer, copied as [`to_vec`](DeviceBuffer::to_vec) copies all of
+    /// them: a view's elements without the rest of a large buffer.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`](crate::Error::OutOfBounds) for a range past the buffer's end, and
+    /// as [`to_vec`](DeviceBuffer::to_vec).
+    pub fn range_to_vec(&self, stream: &Stream, range: std::ops::Range<usize>) -> Result<Vec<T>> {
+        const OP: &str = "to_vec";
+        stream.inner.dev.check_same(OP, "buffer", self.block.raw.device)?;
+        let region = Region::contiguous(range.start, range.len());
+        self.slice(range.clone()).check_bounds(OP)?;
+        let mut out = vec![T::zeroed(); range.len()];
         dispatch!(stream.inner.dev.backend(), |b, pick| b.read_blocking(
             pick!(stream.inner.repr),
             pick!(self.block.raw.mem),
-            self.block.base,
+            self.block.base + range.start * T::DTYPE.size(),
             bytemuck::cast_slice_mut(&mut out)
         ))?;
-        self.observe_host(stream, "to_vec", AccessMode::Read)?;
+        self.observe_host(stream, OP, AccessMode::Read, region)?;
         Ok(out)
     }
 
-    fn observe_host(&self, stream: &Stream, op: &'static str, mode: AccessMode) -> Result<()> {
+    fn observe_host(&self, stream: &Stream, op: &'static str, mode: AccessMode, region: Region) -> Result<()> {
         match stream.inner.dev.observer() {
             Some(o) => {
-                let a = access_of(&self.block, Region::contiguous(0, self.len()), T::DTYPE.size(), mode, 0);
+                let a = access_of(&self.block, region, T::DTYPE.size(), mode, 0);
                 o.host_access(op, Some(stream.id()), &[a])
             }
             None => Ok(()),
@@ -572,7 +585,7 @@ impl<T: Elem> DeviceBuffer<T> {
             self.block.base,
             bytemuck::cast_slice(data)
         ))?;
-        self.observe_host(stream, "write_from", AccessMode::Write)
+        self.observe_host(stream, "write_from", AccessMode::Write, Region::contiguous(0, self.len()))
     }
 }
 

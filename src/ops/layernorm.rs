@@ -478,8 +478,8 @@ fn backward<T: Float>(
     }
     let parts: u32 = if flags & COLSUM != 0 { 3 } else { 2 };
     let sums = args![
-        InOut(dweight.buffer::<T>(OP)?),
-        InOut(dbias.buffer::<T>(OP)?),
+        InOut(checked::<T>(OP, "dweight", dweight, &[c])?),
+        InOut(checked::<T>(OP, "dbias", dbias, &[c])?),
         InOut(colsum),
         In(workspace.scratch.view::<f32>()?),
         count(OP, shape.blocks)?,

@@ -131,8 +131,15 @@ impl Tensor {
     /// # Errors
     /// [`Error::DTypeMismatch`] unless `T` is the tensor's element type.
     pub fn to_vec<T: Elem>(&self, stream: &Stream) -> Result<Vec<T>> {
-        let all = self.buffer::<T>("Tensor::to_vec")?.to_vec(stream)?;
-        Ok(self.indices().map(|i| all[i]).collect())
+        let buf = self.buffer::<T>("Tensor::to_vec")?;
+        if self.numel() == 0 {
+            return Ok(Vec::new());
+        }
+        // Only the span the view covers: a parameter's view of a model's one gradient buffer
+        // reads its own elements, not the whole buffer.
+        let span = 1 + self.shape.iter().zip(&self.strides).map(|(d, s)| (d - 1) * s).sum::<usize>();
+        let part = buf.range_to_vec(stream, self.offset..self.offset + span)?;
+        Ok(self.indices().map(|i| part[i - self.offset]).collect())
     }
 
     /// The elements widened to f32 (exactly), for a tensor of any floating-point type.
