@@ -201,6 +201,54 @@ impl Ctx {
     }
 }
 
+impl Ctx {
+    /// [`Ctx::run`] with every operand a `(B, H, T, hd)` view of `(B·T, 4C)` rows, as a layer
+    /// keeps them: q, k and v in parts 0 to 2 of one matrix, their gradients likewise in another,
+    /// out and dout in part 0 of matrices of their own; every element outside the views is 7.
+    /// Returns the run and whether every element outside the written views is still 7.
+    fn run_rows(&self, case: Case, batch: usize, inputs: &[Vec<f32>; 4]) -> anyhow::Result<(Run, bool)> {
+        let (t, hd, heads) = (case.seq, case.hd, case.pairs / batch);
+        let c = heads * hd;
+        let shape = [batch * t, 4 * c];
+        let rows_of = |parts: &[&Vec<f32>]| {
+            let mut m = vec![7.0f32; batch * t * 4 * c];
+            for (j, x) in parts.iter().enumerate() {
+                for (pair, rows) in x.chunks_exact(t * hd).enumerate() {
+                    let (b, h) = (pair / heads, pair % heads);
+                    for (i, row) in rows.chunks_exact(hd).enumerate() {
+                        let at = (b * t + i) * 4 * c + j * c + h * hd;
+                        m[at..at + hd].copy_from_slice(row);
+                    }
+                }
+            }
+            m
+        };
+        let view = |m: &Tensor, j: usize| m.reshape(&[batch, t, 4, heads, hd])?.select(2, j)?.transpose(1, 2);
+        let qkv = self.tensor(&rows_of(&[&inputs[0], &inputs[1], &inputs[2]]), &shape, case.dtype)?;
+        let g_rows = self.tensor(&rows_of(&[&inputs[3]]), &shape, case.dtype)?;
+        let sevens = vec![7.0f32; batch * t * 4 * c];
+        let (out_rows, grad_rows) =
+            (self.tensor(&sevens, &shape, case.dtype)?, self.tensor(&sevens, &shape, case.dtype)?);
+        let (q, k, v, g) = (view(&qkv, 0)?, view(&qkv, 1)?, view(&qkv, 2)?, view(&g_rows, 0)?);
+        let (out, dq, dk, dv) = (view(&out_rows, 0)?, view(&grad_rows, 0)?, view(&grad_rows, 1)?, view(&grad_rows, 2)?);
+        let step = self.step()?;
+        let dropout = Some(AttentionDropout { p: case.p, seed: SEED, site: SITE, step: &step });
+        let per_row = [batch, heads, t];
+        let lse = Tensor::uninit(&self.alloc, &self.s, &per_row, DType::F32)?;
+        let delta = Tensor::uninit(&self.alloc, &self.s, &per_row, DType::F32)?;
+        attention::attention_forward(&out, &lse, (&q, &k, &v), dropout, &self.s)?;
+        let saved = ForwardSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
+        attention::attention_backward((&dq, &dk, &dv), &g, saved, &delta, dropout, &self.s)?;
+        let run = [self.read(&out)?, self.read(&lse)?, self.read(&dq)?, self.read(&dk)?, self.read(&dv)?];
+        let (outs, grads) = (self.read(&out_rows)?, self.read(&grad_rows)?);
+        let untouched = (0..batch * t).all(|r| {
+            let row = |m: &[f32], from: usize| m[r * 4 * c + from..(r + 1) * 4 * c].iter().all(|x| *x == 7.0);
+            row(&outs, c) && row(&grads, 3 * c)
+        });
+        Ok((run, untouched))
+    }
+}
+
 /// Fails unless every element is within `tol` of its terms' magnitude (plus the output's
 /// rounding to bf16, for bf16).
 fn ensure_within(what: &str, case: Case, got: &[f32], want: &[f64], mag: &[f64], tol: f64) -> anyhow::Result<()> {
@@ -290,6 +338,26 @@ fn attention_is_deterministic(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Operands as views of the rows a layer keeps them in (Note [Attention operand layouts]) give
+/// the same bits as contiguous heads, on several batch elements and heads and across tiles, and
+/// nothing outside the views is written.
+fn attention_reads_and_writes_row_layouts(dev: &Device) -> anyhow::Result<()> {
+    let batch = 2;
+    for dtype in [DType::F32, DType::BF16] {
+        let case = Case { pairs: batch * 3, seq: 150, hd: 64, dtype, p: 0.2 };
+        let inputs = case.inputs(9);
+        let ctx = Ctx::new(dev)?;
+        let want = ctx.run(case, &inputs)?;
+        let (got, untouched) = ctx.run_rows(case, batch, &inputs)?;
+        for (name, (g, w)) in ["out", "lse", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+            let same = g.len() == w.len() && g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+            ensure!(same, "{dtype}: {name} from row views differs from contiguous heads");
+        }
+        ensure!(untouched, "{dtype}: the kernels wrote outside their views");
+    }
+    Ok(())
+}
+
 /// Refusals happen before anything is enqueued and leave the outputs untouched.
 fn attention_refuses_bad_calls(dev: &Device) -> anyhow::Result<()> {
     let ctx = Ctx::new(dev)?;
@@ -304,7 +372,10 @@ fn attention_refuses_bad_calls(dev: &Device) -> anyhow::Result<()> {
     let fwd =
         |out: &Tensor, lse: &Tensor, q: &Tensor, k: &Tensor, d| attention::attention_forward(out, lse, (q, k, q), d, s);
     type Refusal<'a> = (&'a str, graphed::Result<()>, fn(&Error) -> bool);
-    let cases: [Refusal; 7] = [
+    let (q4, lse4) = (t(&[1, 2, 4, 32], DType::F32)?, t(&[1, 2, 4], DType::F32)?);
+    let k4 = t(&[1, 4, 2, 32], DType::F32)?.transpose(1, 2)?;
+    let cases: [Refusal; 8] = [
+        ("k laid out unlike q", fwd(&q4, &lse4, &q4, &k4, None), |e| matches!(e, Error::Shape { .. })),
         ("head width 48", fwd(&q48, &lse, &q48, &q48, None), |e| matches!(e, Error::Unsupported { .. })),
         ("k of another shape", fwd(&out, &lse, &q, &short, None), |e| matches!(e, Error::Shape { .. })),
         ("lse of another shape", fwd(&out, &lse_bad, &q, &q, None), |e| matches!(e, Error::Shape { .. })),
@@ -325,6 +396,7 @@ fn attention_refuses_bad_calls(dev: &Device) -> anyhow::Result<()> {
 
 per_device!(
     attention_matches_an_f64_reference,
+    attention_reads_and_writes_row_layouts,
     attention_matches_the_reference_on_long_sequences,
     attention_gradients_match_finite_differences,
     attention_is_deterministic,

@@ -3,7 +3,7 @@
 //! Every operation declares its accesses, derived from its typed arguments (see
 //! [`kernel`](super::kernel)). The simulator executes a kernel on exactly these regions, the
 //! checker orders them, and graph capture verifies the replay contract from them. Regions are
-//! strided (up to three count/stride dimensions), not byte hulls, so a view of one attention head
+//! strided (up to four count/stride dimensions), not byte hulls, so a view of one attention head
 //! or a matrix with a leading-dimension gap does not conflict with its neighbours.
 
 use super::BufferId;
@@ -55,24 +55,28 @@ pub struct Dim {
 pub struct Region {
     offset: usize,
     rank: u8,
-    dims: [Dim; 3],
+    dims: [Dim; MAX_RANK],
 }
+
+/// The most dimensions a region has: a (batch, head, row, feature) view of attention operands
+/// kept as column slices of a row-major matrix has four.
+pub const MAX_RANK: usize = 4;
 
 const UNIT: Dim = Dim { count: 1, stride: 1 };
 
 impl Region {
     /// `len` consecutive elements starting at `offset`.
     pub fn contiguous(offset: usize, len: usize) -> Region {
-        Region { offset, rank: 1, dims: [Dim { count: len, stride: 1 }, UNIT, UNIT] }
+        Region { offset, rank: 1, dims: [Dim { count: len, stride: 1 }, UNIT, UNIT, UNIT] }
     }
 
-    /// A strided region; `dims` are `(count, stride)` pairs, outermost first, at most three.
-    /// Returns `None` for more than three dimensions.
+    /// A strided region; `dims` are `(count, stride)` pairs, outermost first, at most
+    /// [`MAX_RANK`]. Returns `None` for more.
     pub fn strided(offset: usize, dims: &[(usize, usize)]) -> Option<Region> {
-        if dims.len() > 3 {
+        if dims.len() > MAX_RANK {
             return None;
         }
-        let mut out = [UNIT; 3];
+        let mut out = [UNIT; MAX_RANK];
         for (slot, &(count, stride)) in out.iter_mut().zip(dims) {
             *slot = Dim { count, stride };
         }
@@ -167,11 +171,15 @@ impl Region {
 
     /// Element indices in enumeration order.
     pub fn indices(&self) -> impl Iterator<Item = usize> + '_ {
-        let [d0, d1, d2] = self.dims;
+        let [d0, d1, d2, d3] = self.dims;
         let base = self.offset;
         (0..d0.count).flat_map(move |i| {
-            (0..d1.count)
-                .flat_map(move |j| (0..d2.count).map(move |k| base + i * d0.stride + j * d1.stride + k * d2.stride))
+            (0..d1.count).flat_map(move |j| {
+                (0..d2.count).flat_map(move |k| {
+                    let at = base + i * d0.stride + j * d1.stride + k * d2.stride;
+                    (0..d3.count).map(move |l| at + l * d3.stride)
+                })
+            })
         })
     }
 
@@ -300,6 +308,18 @@ mod tests {
     #[test]
     fn a_dense_matrix_is_contiguous_and_too_many_dims_are_refused() {
         assert!(Region::strided(0, &[(3, 4), (4, 1)]).unwrap().is_contiguous());
-        assert!(Region::strided(0, &[(1, 1), (1, 1), (1, 1), (1, 1)]).is_none());
+        assert!(Region::strided(0, &[(1, 1); MAX_RANK + 1]).is_none());
+    }
+
+    /// Part 1 of 3 of (B·T, 3C) rows as (B, H, T, hd) heads (B = 2, H = 3, T = 2, hd = 2, so C =
+    /// 6 and rows 18 apart): four dimensions, enumerated in head order, apart from parts 0 and 2.
+    #[test]
+    fn a_column_block_of_rows_is_a_four_dimensional_region() {
+        let part = |j: usize| Region::strided(6 * j, &[(2, 36), (3, 2), (2, 18), (2, 1)]).unwrap();
+        let k = part(1);
+        assert_eq!(k.len(), 24);
+        assert_eq!(k.indices().take(6).collect::<Vec<_>>(), vec![6, 7, 24, 25, 8, 9], "head 0's rows, then head 1's");
+        assert!(k.contains(6) && k.contains(47) && !k.contains(5) && !k.contains(12));
+        assert!(!k.overlaps(&part(0)) && !k.overlaps(&part(2)) && k.overlaps(&Region::contiguous(11, 2)));
     }
 }

@@ -1,15 +1,19 @@
 //! Causal multi-head self-attention, in one of two forms ([`AttentionKind`]), around the same
 //! parameters: a QKV projection; the heads of Q, K and V permuted from column blocks of the
 //! `(B·T, 3C)` activation into `(B, H, T, hd)` in one launch (`ops::heads::split_qkv`); the
-//! attention proper; its output permuted back into `(B·T, C)`; and the output projection, which
-//! can add a residual in its GEMM. A call costs a fixed number of launches, whatever the batch.
+//! attention proper, its output as `(B·T, C)` rows; and the output projection, which can add a
+//! residual in its GEMM. A call costs a fixed number of launches, whatever the batch.
 //!
 //! - [`AttentionKind::Fused`] (the default) runs [`ops::attention`](crate::ops::attention): one
 //!   kernel forward, keeping each query row's log-sum-exp, and three backward, recomputing the
-//!   probabilities tile by tile. Nothing of size `T × T` is ever allocated. It saves the input,
-//!   q, k, v, `att` (the attention output as rows, which the projection's weight gradient needs
-//!   anyway; the backward permutes it back into heads) and `lse`. Head widths of
+//!   probabilities tile by tile. Nothing of size `T × T` is ever allocated. The kernels write the
+//!   output straight into the projection's input rows and, in the backward, read it and its
+//!   gradient from such rows and write the gradients of q, k and v into the column blocks of the
+//!   QKV projection's `(B·T, 3C)` gradient: no permutes but the forward's split (Note [Attention
+//!   operand layouts] in `ops::attention`). It saves the input, q, k, v, `att` (the output rows,
+//!   which the projection's weight gradient needs anyway) and `lse`. Head widths of
 //!   [`HEAD_DIMS`](crate::ops::attention::HEAD_DIMS) only.
+//!   The unfused form permutes its output into rows and, in the backward, the gradients back.
 //! - [`AttentionKind::Unfused`] is the benchmark layer of `BENCH.md`: `scores = Q·Kᵀ` in one
 //!   strided-batched GEMM over every (batch element, head) pair, a causal softmax, `att =
 //!   probs·V`. The 1/√head_dim scale rides in the score GEMM's alpha (and the gradient GEMMs'),
@@ -161,6 +165,13 @@ impl Dims {
         [self.batch, self.heads, self.seq, self.hd]
     }
 
+    /// Part `part` of `parts` of `(B·T, parts·C)` rows as heads `(B, H, T, hd)`: a view, each row
+    /// `hd` contiguous elements (the fused kernels read and write such views in place; Note
+    /// [Attention operand layouts] in `ops::attention`).
+    fn heads_of_rows(&self, rows: &Tensor, parts: usize, part: usize) -> Result<Tensor> {
+        rows.reshape(&[self.batch, self.seq, parts, self.heads, self.hd])?.select(2, part)?.transpose(1, 2)
+    }
+
     /// `(B, H, T)`, the layout of per-row terms (the log-sum-exp).
     fn row_shape(&self) -> [usize; 3] {
         [self.batch, self.heads, self.seq]
@@ -303,13 +314,17 @@ impl CausalSelfAttention {
         let (q, k, v) =
             (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
         heads::split_qkv(&q, &k, &v, &qkv, stream)?;
-        let att_heads = self.heads(&d, dtype, stream)?;
-        let form = match self.kind {
-            AttentionKind::Fused => self.fused_forward(&d, &att_heads, (&q, &k, &v), stream)?,
-            AttentionKind::Unfused => self.unfused_forward(&d, &att_heads, (&q, &k, &v), stream)?,
-        };
+        // The fused kernels write the heads straight into the output projection's input rows.
         let att = Tensor::uninit(&self.alloc, stream, &[bt, c], dtype)?;
-        heads::rows_from_heads(&att, 0, &att_heads, stream)?;
+        let form = match self.kind {
+            AttentionKind::Fused => self.fused_forward(&d, &d.heads_of_rows(&att, 1, 0)?, (&q, &k, &v), stream)?,
+            AttentionKind::Unfused => {
+                let att_heads = self.heads(&d, dtype, stream)?;
+                let form = self.unfused_forward(&d, &att_heads, (&q, &k, &v), stream)?;
+                heads::rows_from_heads(&att, 0, &att_heads, stream)?;
+                form
+            }
+        };
         let residual = residual.map(|r| r.reshape(&[bt, c])).transpose()?;
         let y = self.proj.forward_with(&att, residual.as_ref(), stream)?;
         hook.open_group(&self.name)?;
@@ -399,29 +414,31 @@ impl CausalSelfAttention {
         let att = ctx.att.take(stream)?;
         self.proj.weight_grads(&dy, &att, proj_bias, stream)?;
         let (q, k, v) = (&ctx.q.take(stream)?, &ctx.k.take(stream)?, &ctx.v.take(stream)?);
-        let datt_heads = self.heads(&d, dtype, stream)?;
-        heads::heads_from_rows(&datt_heads, &datt, 0, stream)?;
-        let (dq, dk, dv) =
-            (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
+        let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dtype)?;
         match ctx.form {
             FormCtx::Fused { lse, step } => {
-                let out = self.heads(&d, dtype, stream)?;
-                heads::heads_from_rows(&out, &att, 0, stream)?;
-                drop(att);
+                // The kernels read the output and its gradient where the projection keeps them,
+                // and write q's, k's and v's gradients into the QKV projection's gradient rows.
+                let (out, dout) = (d.heads_of_rows(&att, 1, 0)?, d.heads_of_rows(&datt, 1, 0)?);
+                let (dq, dk, dv) =
+                    (d.heads_of_rows(&dqkv, 3, 0)?, d.heads_of_rows(&dqkv, 3, 1)?, d.heads_of_rows(&dqkv, 3, 2)?);
                 let lse = lse.take(stream)?;
                 let delta = Tensor::uninit(&self.alloc, stream, &d.row_shape(), DType::F32)?;
                 let saved = ForwardSaved { q, k, v, out: &out, lse: &lse };
                 let dropout = self.kernel_dropout(step.as_ref());
-                attention::attention_backward((&dq, &dk, &dv), &datt_heads, saved, &delta, dropout, stream)?;
+                attention::attention_backward((&dq, &dk, &dv), &dout, saved, &delta, dropout, stream)?;
             }
             FormCtx::Unfused { probs, mask } => {
                 drop(att);
+                let datt_heads = self.heads(&d, dtype, stream)?;
+                heads::heads_from_rows(&datt_heads, &datt, 0, stream)?;
+                let (dq, dk, dv) =
+                    (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
                 let probs = probs.take(stream)?;
                 self.unfused_backward(&d, (&dq, &dk, &dv), &datt_heads, (q, k, v), &probs, mask.as_ref(), stream)?;
+                heads::merge_qkv(&dqkv, &dq, &dk, &dv, stream)?;
             }
         }
-        let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dtype)?;
-        heads::merge_qkv(&dqkv, &dq, &dk, &dv, stream)?;
         let dx = self.qkv.data_grad(&dqkv, stream)?;
         self.qkv.weight_grads(&dqkv, &ctx.x.take(stream)?, BiasGrad::Compute, stream)?;
         dx.reshape(&[d.batch, d.seq, c])

@@ -4,8 +4,10 @@
 // rng.cu (philox_block). docs/attention-kernels.md describes tiles, layouts and limits; tiles.rs
 // computes the launch geometry, whose constants must match the ones here (ATTN_* below).
 //
-// Layout: q, k, v, out, dout, dq, dk, dv are contiguous (pairs, seq, HD); lse and delta are f32
-// (pairs, seq). Grid: pairs in grid.x, query or key tiles in grid.y, the heaviest causal tile first
+// Layout: q, k, v, out, dout, dq, dk, dv are (B, H, seq, HD) views whose rows are HD contiguous
+// elements (AttnLayout: one batch, head and row stride per group of operands, so that a layer's
+// attention reads its output and gradients where its GEMMs keep them, with no copies); lse and
+// delta are f32 (pairs, seq), pair = b·H + h. Grid: pairs in grid.x, query or key tiles in grid.y, the heaviest causal tile first
 // (query tile gridDim.y - 1 - blockIdx.y in the forward and dQ, key tile blockIdx.y in dK/dV). bf16 pointers must be 16-byte aligned (cp.async).
 //
 // Math (row i, key j <= i): s = scale * q_i·k_j in f32; lse_i = ln Σ_j exp(s_ij) (computed in base 2
@@ -51,6 +53,26 @@ struct AttnDrop {
     float keep_scale;
 };
 
+// ---- layout ---------------------------------------------------------------------------------------
+
+// Where one group of operands keeps its rows: element (b, h, i, d) of a (B, H, seq, HD) view at
+// b·batch + h·head + i·row + d (elements). Contiguous heads: batch = H·seq·HD, head = seq·HD,
+// row = HD; a slice of HD columns per head of a (B·seq, n) matrix: batch = seq·n, head = HD, row = n.
+struct AttnRows {
+    unsigned long long batch, head, row;
+    // The first element of pair p's matrix.
+    __device__ __forceinline__ unsigned long long at(unsigned long long p, unsigned heads) const {
+        return p / heads * batch + p % heads * head;
+    }
+};
+
+// One call's shape and its three groups of operands: the inputs q, k and v (`in`), the gradients dq,
+// dk and dv (`grad`), and the output and its gradient, out and dout (`outs`).
+struct AttnLayout {
+    unsigned seq, heads;
+    AttnRows in, grad, outs;
+};
+
 // Lane k of four numbers, without indexing a local array (which would put it in local memory).
 __device__ __forceinline__ unsigned attn_lane(const unsigned r[4], unsigned k) {
     return k == 0 ? r[0] : k == 1 ? r[1] : k == 2 ? r[2] : r[3];
@@ -84,13 +106,14 @@ __device__ __forceinline__ void attn_kept2(const AttnDrop& d, unsigned long long
 #define ATTN_DELTA_THREADS 256
 
 template <typename T, int HD>
-__device__ void attention_delta(float* delta, const T* out, const T* dout, unsigned rows) {
+__device__ void attention_delta(float* delta, const T* out, const T* dout, unsigned long long rows,
+                                const AttnLayout& L) {
     constexpr int G = HD / 8;
     const unsigned part = threadIdx.x % G;
     const unsigned long long row = (unsigned long long)blockIdx.x * (ATTN_DELTA_THREADS / G) + threadIdx.x / G;
     float acc = 0.0f;
     if (row < rows) {
-        const unsigned long long at = row * HD + part * 8;
+        const unsigned long long at = L.outs.at(row / L.seq, L.heads) + row % L.seq * L.outs.row + part * 8;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc = fmaf(to_f32(dout[at + e]), to_f32(out[at + e]), acc);
     }
@@ -117,21 +140,24 @@ template <int R> __device__ __forceinline__ float attn_group_sum(float x) {
     return x;
 }
 
-// Rows [r0, r0 + ATTN_F32_TILE) of a (seq, HD) matrix into shared memory, zeros past seq.
+// Rows [r0, r0 + ATTN_F32_TILE) of a (seq, HD) matrix with rows `ld` apart into shared memory,
+// zeros past seq.
 template <int HD>
-__device__ __forceinline__ void attn_f32_tile(float* s, const float* g, unsigned r0, unsigned seq) {
+__device__ __forceinline__ void attn_f32_tile(float* s, const float* g, unsigned long long ld, unsigned r0,
+                                              unsigned seq) {
     for (unsigned x = threadIdx.x; x < ATTN_F32_TILE * HD; x += ATTN_F32_THREADS) {
         unsigned r = r0 + x / HD;
-        s[x] = r < seq ? g[(unsigned long long)r * HD + x % HD] : 0.0f;
+        s[x] = r < seq ? g[r * ld + x % HD] : 0.0f;
     }
 }
 
 template <int HD>
 __device__ void attention_forward_f32(float* out, float* lse, const float* q, const float* k, const float* v,
-                                      const AttnDrop& drop, float scale, unsigned seq) {
+                                      const AttnDrop& drop, float scale, const AttnLayout& L) {
     constexpr int R = HD / 32, ROWS = ATTN_F32_THREADS / R, KB = ATTN_F32_TILE;
     __shared__ float sK[KB * HD], sV[KB * HD];
-    const unsigned long long pair = blockIdx.x, base = pair * seq * HD;
+    const unsigned seq = L.seq;
+    const unsigned long long pair = blockIdx.x, ib = L.in.at(pair, L.heads), ob = L.outs.at(pair, L.heads);
     const unsigned r0 = (gridDim.y - 1 - blockIdx.y) * ROWS;
     const unsigned row = r0 + threadIdx.x / R, part = threadIdx.x % R;
     const bool live = row < seq;
@@ -140,15 +166,15 @@ __device__ void attention_forward_f32(float* out, float* lse, const float* q, co
     float qr[32], o[32];
 #pragma unroll
     for (int u = 0; u < 32; ++u) {
-        qr[u] = live ? q[base + (unsigned long long)row * HD + part + R * u] : 0.0f;
+        qr[u] = live ? q[ib + row * L.in.row + part + R * u] : 0.0f;
         o[u] = 0.0f;
     }
     float m = attn_neg_inf(), l = 0.0f;
     const unsigned last = min(r0 + ROWS, seq) - 1;  // the block's last row: keys 0..=last
     for (unsigned k0 = 0; k0 <= last; k0 += KB) {
         __syncthreads();  // the previous tile is consumed
-        attn_f32_tile<HD>(sK, k + base, k0, seq);
-        attn_f32_tile<HD>(sV, v + base, k0, seq);
+        attn_f32_tile<HD>(sK, k + ib, L.in.row, k0, seq);
+        attn_f32_tile<HD>(sV, v + ib, L.in.row, k0, seq);
         __syncthreads();
         float x[KB];
         float mx = attn_neg_inf();
@@ -191,7 +217,7 @@ __device__ void attention_forward_f32(float* out, float* lse, const float* q, co
     if (live) {
         const float inv = 1.0f / l;
 #pragma unroll
-        for (int u = 0; u < 32; ++u) out[base + (unsigned long long)row * HD + part + R * u] = o[u] * inv;
+        for (int u = 0; u < 32; ++u) out[ob + row * L.outs.row + part + R * u] = o[u] * inv;
         if (part == 0) lse[pair * seq + row] = (m + log2f(l)) * ATTN_LN2;
     }
 }
@@ -200,10 +226,12 @@ __device__ void attention_forward_f32(float* out, float* lse, const float* q, co
 template <int HD>
 __device__ void attention_dkdv_f32(float* dk, float* dv, const float* q, const float* k, const float* v,
                                    const float* dout, const float* lse, const float* delta, const AttnDrop& drop,
-                                   float scale, unsigned seq) {
+                                   float scale, const AttnLayout& L) {
     constexpr int R = HD / 32, ROWS = ATTN_F32_THREADS / R, QB = ATTN_F32_TILE;
     __shared__ float sQ[QB * HD], sO[QB * HD], sL[QB], sD[QB];
-    const unsigned long long pair = blockIdx.x, base = pair * seq * HD;
+    const unsigned seq = L.seq;
+    const unsigned long long pair = blockIdx.x, ib = L.in.at(pair, L.heads), gb = L.grad.at(pair, L.heads);
+    const unsigned long long ob = L.outs.at(pair, L.heads);
     const unsigned k0 = blockIdx.y * ROWS;  // key tiles: the first (most query rows) is the heaviest
     const unsigned key = k0 + threadIdx.x / R, part = threadIdx.x % R;
     const bool live = key < seq;
@@ -212,7 +240,7 @@ __device__ void attention_dkdv_f32(float* dk, float* dv, const float* q, const f
     float kr[32], vr[32], gk[32], gv[32];
 #pragma unroll
     for (int u = 0; u < 32; ++u) {
-        unsigned long long at = base + (unsigned long long)key * HD + part + R * u;
+        unsigned long long at = ib + key * L.in.row + part + R * u;
         kr[u] = live ? k[at] : 0.0f;
         vr[u] = live ? v[at] : 0.0f;
         gk[u] = 0.0f;
@@ -220,8 +248,8 @@ __device__ void attention_dkdv_f32(float* dk, float* dv, const float* q, const f
     }
     for (unsigned i0 = k0 / QB * QB; i0 < seq; i0 += QB) {
         __syncthreads();
-        attn_f32_tile<HD>(sQ, q + base, i0, seq);
-        attn_f32_tile<HD>(sO, dout + base, i0, seq);
+        attn_f32_tile<HD>(sQ, q + ib, L.in.row, i0, seq);
+        attn_f32_tile<HD>(sO, dout + ob, L.outs.row, i0, seq);
         for (unsigned x = threadIdx.x; x < QB; x += ATTN_F32_THREADS) {
             bool in = i0 + x < seq;
             sL[x] = in ? lse[pair * seq + i0 + x] * ATTN_LOG2E : attn_pos_inf();
@@ -257,7 +285,7 @@ __device__ void attention_dkdv_f32(float* dk, float* dv, const float* q, const f
     if (live) {
 #pragma unroll
         for (int u = 0; u < 32; ++u) {
-            unsigned long long at = base + (unsigned long long)key * HD + part + R * u;
+            unsigned long long at = gb + key * L.grad.row + part + R * u;
             dk[at] = gk[u] * scale;
             dv[at] = gv[u];
         }
@@ -268,10 +296,12 @@ __device__ void attention_dkdv_f32(float* dk, float* dv, const float* q, const f
 template <int HD>
 __device__ void attention_dq_f32(float* dq, const float* q, const float* k, const float* v, const float* dout,
                                  const float* lse, const float* delta, const AttnDrop& drop, float scale,
-                                 unsigned seq) {
+                                 const AttnLayout& L) {
     constexpr int R = HD / 32, ROWS = ATTN_F32_THREADS / R, KB = ATTN_F32_TILE;
     __shared__ float sK[KB * HD], sV[KB * HD];
-    const unsigned long long pair = blockIdx.x, base = pair * seq * HD;
+    const unsigned seq = L.seq;
+    const unsigned long long pair = blockIdx.x, ib = L.in.at(pair, L.heads), gb = L.grad.at(pair, L.heads);
+    const unsigned long long ob = L.outs.at(pair, L.heads);
     const unsigned r0 = (gridDim.y - 1 - blockIdx.y) * ROWS;
     const unsigned row = r0 + threadIdx.x / R, part = threadIdx.x % R;
     const bool live = row < seq;
@@ -280,9 +310,8 @@ __device__ void attention_dq_f32(float* dq, const float* q, const float* k, cons
     float qr[32], dor[32], g[32];
 #pragma unroll
     for (int u = 0; u < 32; ++u) {
-        unsigned long long at = base + (unsigned long long)row * HD + part + R * u;
-        qr[u] = live ? q[at] : 0.0f;
-        dor[u] = live ? dout[at] : 0.0f;
+        qr[u] = live ? q[ib + row * L.in.row + part + R * u] : 0.0f;
+        dor[u] = live ? dout[ob + row * L.outs.row + part + R * u] : 0.0f;
         g[u] = 0.0f;
     }
     const float l2 = live ? lse[pair * seq + row] * ATTN_LOG2E : attn_pos_inf();
@@ -291,8 +320,8 @@ __device__ void attention_dq_f32(float* dq, const float* q, const float* k, cons
     const unsigned long long nrow = ((unsigned long long)pair * seq + row) * seq;
     for (unsigned k0 = 0; k0 <= last; k0 += KB) {
         __syncthreads();
-        attn_f32_tile<HD>(sK, k + base, k0, seq);
-        attn_f32_tile<HD>(sV, v + base, k0, seq);
+        attn_f32_tile<HD>(sK, k + ib, L.in.row, k0, seq);
+        attn_f32_tile<HD>(sV, v + ib, L.in.row, k0, seq);
         __syncthreads();
         unsigned r[4] = {0, 0, 0, 0};
         for (int j = 0; j < KB; ++j) {
@@ -319,7 +348,7 @@ __device__ void attention_dq_f32(float* dq, const float* q, const float* k, cons
     }
     if (live) {
 #pragma unroll
-        for (int u = 0; u < 32; ++u) dq[base + (unsigned long long)row * HD + part + R * u] = g[u] * scale;
+        for (int u = 0; u < 32; ++u) dq[gb + row * L.grad.row + part + R * u] = g[u] * scale;
     }
 }
 
@@ -408,10 +437,12 @@ __device__ __forceinline__ void attn_acc_to_a(unsigned (&a)[4], const float (&c0
     a[3] = attn_pack(c1[2], c1[3]);
 }
 
-// Rows [r0, r0 + ROWS) of a contiguous (seq, HD) bf16 matrix g into the swizzled tile at shared
-// address s, by cp.async of 16-byte chunks from NT threads; rows past seq are zeros.
+// Rows [r0, r0 + ROWS) of a (seq, HD) bf16 matrix g with rows `ld` apart (16-byte aligned) into the
+// swizzled tile at shared address s, by cp.async of 16-byte chunks from NT threads; rows past seq
+// are zeros.
 template <int HD, int ROWS, int NT>
-__device__ __forceinline__ void attn_load_tile(unsigned s, const bf16* g, unsigned r0, unsigned seq) {
+__device__ __forceinline__ void attn_load_tile(unsigned s, const bf16* g, unsigned long long ld, unsigned r0,
+                                               unsigned seq) {
     constexpr int CH = HD / 8;
 #pragma unroll
     for (int i = 0; i < (ROWS * CH + NT - 1) / NT; ++i) {
@@ -419,7 +450,7 @@ __device__ __forceinline__ void attn_load_tile(unsigned s, const bf16* g, unsign
         if (ROWS * CH % NT != 0 && x >= ROWS * CH) break;
         const unsigned r = x / CH, c = x % CH;
         const bool valid = r0 + r < seq;
-        const bf16* src = valid ? g + (unsigned long long)(r0 + r) * HD + c * 8 : g;
+        const bf16* src = valid ? g + (r0 + r) * ld + c * 8 : g;
         attn_cp16(s + attn_swz<HD>(r, c), src, valid);
     }
 }
@@ -492,18 +523,19 @@ __device__ __forceinline__ void attn_mma_pv(float (&o)[HD / 8][4], const float (
                            reinterpret_cast<const float(&)[1][2 * KS][4]>(p), s, lane);
 }
 
-// Stores 16 rows × HD accumulator tiles c (times `mul`) as bf16 at rows r0 + g and r0 + g + 8 of g_,
-// rows past seq skipped. Each thread writes bf16 pairs (4 bytes) at columns 8nd + 2t.
+// Stores 16 rows × HD accumulator tiles c (times `mul`) as bf16 at rows r0 + g and r0 + g + 8 of g_
+// (rows `ld` apart), rows past seq skipped. Each thread writes bf16 pairs (4 bytes) at columns
+// 8nd + 2t.
 template <int HD>
-__device__ __forceinline__ void attn_store_rows(bf16* g_, const float (&c)[HD / 8][4], unsigned r0, float mul0,
-                                                float mul1, unsigned seq, unsigned lane) {
+__device__ __forceinline__ void attn_store_rows(bf16* g_, unsigned long long ld, const float (&c)[HD / 8][4],
+                                                unsigned r0, float mul0, float mul1, unsigned seq, unsigned lane) {
     const unsigned g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const unsigned r = r0 + g + 8 * h;
         const float mul = h == 0 ? mul0 : mul1;
         if (r < seq) {
-            unsigned* dst = reinterpret_cast<unsigned*>(g_ + (unsigned long long)r * HD + 2 * t);
+            unsigned* dst = reinterpret_cast<unsigned*>(g_ + r * ld + 2 * t);
 #pragma unroll
             for (int nd = 0; nd < HD / 8; ++nd) dst[4 * nd] = attn_pack(c[nd][2 * h] * mul, c[nd][2 * h + 1] * mul);
         }
@@ -521,23 +553,25 @@ __device__ __forceinline__ void attn_store_rows(bf16* g_, const float (&c)[HD / 
 
 template <int HD, int MW, int NW, int BN>
 __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                                      const AttnDrop& drop, float scale, unsigned seq) {
+                                      const AttnDrop& drop, float scale, const AttnLayout& L) {
     constexpr int BM = 16 * MW * NW, NT = 32 * NW, NB = BN / 8, ND = HD / 8;
     constexpr unsigned QBYTES = BM * HD * 2, KVBYTES = BN * HD * 2;
     extern __shared__ __align__(128) unsigned char attn_shared[];
     const unsigned sQ = attn_smem(attn_shared), sK = sQ + QBYTES, sV = sK + 2 * KVBYTES;
 
-    const unsigned long long pair = blockIdx.x, base = pair * seq * HD;
+    const unsigned seq = L.seq;
+    const unsigned long long pair = blockIdx.x, ld = L.in.row;
     const unsigned q0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const unsigned wr = 16 * MW * warp;  // the warp's first row in the tile
-    const bf16 *qp = q + base, *kp = k + base, *vp = v + base;
+    const unsigned long long ib = L.in.at(pair, L.heads);
+    const bf16 *qp = q + ib, *kp = k + ib, *vp = v + ib;
     const unsigned nkt = (min(q0 + BM, seq) - 1) / BN + 1;  // key tiles with some j <= the last row
     const float sl2 = scale * ATTN_LOG2E;
 
-    attn_load_tile<HD, BM, NT>(sQ, qp, q0, seq);
-    attn_load_tile<HD, BN, NT>(sK, kp, 0, seq);
-    attn_load_tile<HD, BN, NT>(sV, vp, 0, seq);
+    attn_load_tile<HD, BM, NT>(sQ, qp, ld, q0, seq);
+    attn_load_tile<HD, BN, NT>(sK, kp, ld, 0, seq);
+    attn_load_tile<HD, BN, NT>(sV, vp, ld, 0, seq);
     attn_cp_commit();
     attn_cp_wait<0>();
     __syncthreads();
@@ -560,8 +594,8 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
         const unsigned buf = kt & 1, k0 = kt * BN;
         if (kt + 1 < nkt) {
             // Buffer buf^1 was last read in iteration kt-1, which every thread has left (barrier below).
-            attn_load_tile<HD, BN, NT>(sK + (buf ^ 1) * KVBYTES, kp, k0 + BN, seq);
-            attn_load_tile<HD, BN, NT>(sV + (buf ^ 1) * KVBYTES, vp, k0 + BN, seq);
+            attn_load_tile<HD, BN, NT>(sK + (buf ^ 1) * KVBYTES, kp, ld, k0 + BN, seq);
+            attn_load_tile<HD, BN, NT>(sV + (buf ^ 1) * KVBYTES, vp, ld, k0 + BN, seq);
         }
         attn_cp_commit();
 
@@ -652,7 +686,7 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
             const unsigned row = q0 + wr + 16 * mi + g + 8 * h;
             if (t == 0 && row < seq) lse[pair * seq + row] = (m[mi][h] + log2f(sum)) * ATTN_LN2;
         }
-        attn_store_rows<HD>(out + base, o[mi], q0 + wr + 16 * mi, inv[0], inv[1], seq, lane);
+        attn_store_rows<HD>(out + L.outs.at(pair, L.heads), L.outs.row, o[mi], q0 + wr + 16 * mi, inv[0], inv[1], seq, lane);
     }
 }
 
@@ -671,7 +705,7 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
 template <int HD, int NW, int BM, bool KV_REGS>
 __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,
                                    const bf16* dout, const float* lse, const float* delta, const AttnDrop& drop,
-                                   float scale, unsigned seq) {
+                                   float scale, const AttnLayout& L) {
     constexpr int BN = 16 * NW, NT = 32 * NW, NQ = BM / 8, ND = HD / 8, KD = HD / 16;
     constexpr unsigned KBYTES = BN * HD * 2, QBYTES = BM * HD * 2;
     extern __shared__ __align__(128) unsigned char attn_shared[];
@@ -679,20 +713,21 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
     float* sL = reinterpret_cast<float*>(attn_shared + 2 * KBYTES + 4 * QBYTES);  // [2][BM]
     float* sD = sL + 2 * BM;                                                        // [2][BM]
 
-    const unsigned long long pair = blockIdx.x, base = pair * seq * HD;
+    const unsigned seq = L.seq;
+    const unsigned long long pair = blockIdx.x, ib = L.in.at(pair, L.heads), gb = L.grad.at(pair, L.heads);
     // Key tile blockIdx.y: the first key tiles see the most query rows, so this is heaviest first.
     const unsigned k0 = blockIdx.y * BN;
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const unsigned wk = k0 + 16 * warp;  // the warp's first key
-    const bf16 *qp = q + base, *op = dout + base;
+    const bf16 *qp = q + ib, *op = dout + L.outs.at(pair, L.heads);
     const float *lp = lse + pair * seq, *dp_ = delta + pair * seq;
     const float sl2 = scale * ATTN_LOG2E;
     const unsigned qt0 = k0 / BM, nqt = (seq + BM - 1) / BM;
 
-    attn_load_tile<HD, BN, NT>(sK, k + base, k0, seq);
-    attn_load_tile<HD, BN, NT>(sV, v + base, k0, seq);
-    attn_load_tile<HD, BM, NT>(sQ, qp, qt0 * BM, seq);
-    attn_load_tile<HD, BM, NT>(sO, op, qt0 * BM, seq);
+    attn_load_tile<HD, BN, NT>(sK, k + ib, L.in.row, k0, seq);
+    attn_load_tile<HD, BN, NT>(sV, v + ib, L.in.row, k0, seq);
+    attn_load_tile<HD, BM, NT>(sQ, qp, L.in.row, qt0 * BM, seq);
+    attn_load_tile<HD, BM, NT>(sO, op, L.outs.row, qt0 * BM, seq);
     attn_cp_commit();
     for (unsigned x = threadIdx.x; x < BM; x += NT) {
         const unsigned i = qt0 * BM + x;
@@ -722,8 +757,8 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
         float nl = 0.0f, nd_ = 0.0f;
         const bool more = qt + 1 < nqt;
         if (more) {
-            attn_load_tile<HD, BM, NT>(sQ + (buf ^ 1) * QBYTES, qp, q0 + BM, seq);
-            attn_load_tile<HD, BM, NT>(sO + (buf ^ 1) * QBYTES, op, q0 + BM, seq);
+            attn_load_tile<HD, BM, NT>(sQ + (buf ^ 1) * QBYTES, qp, L.in.row, q0 + BM, seq);
+            attn_load_tile<HD, BM, NT>(sO + (buf ^ 1) * QBYTES, op, L.outs.row, q0 + BM, seq);
             if (threadIdx.x < BM) {
                 const unsigned i = q0 + BM + threadIdx.x;
                 nl = i < seq ? lp[i] * ATTN_LOG2E : attn_pos_inf();
@@ -817,8 +852,8 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
         __syncthreads();
     }
 
-    attn_store_rows<HD>(dk + base, gk, wk, scale, scale, seq, lane);
-    attn_store_rows<HD>(dv + base, gv, wk, 1.0f, 1.0f, seq, lane);
+    attn_store_rows<HD>(dk + gb, L.grad.row, gk, wk, scale, scale, seq, lane);
+    attn_store_rows<HD>(dv + gb, L.grad.row, gv, wk, 1.0f, 1.0f, seq, lane);
 }
 
 // ---- bf16 backward: dQ ----------------------------------------------------------------------------
@@ -833,7 +868,7 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
 template <int HD, int NW, int BN>
 __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout,
                                  const float* lse, const float* delta, const AttnDrop& drop, float scale,
-                                 unsigned seq) {
+                                 const AttnLayout& L) {
     constexpr int BM = 16 * NW, NT = 32 * NW, NB = BN / 8, ND = HD / 8;
     constexpr unsigned QBYTES = BM * HD * 2, KVBYTES = BN * HD * 2;
     extern __shared__ __align__(128) unsigned char attn_shared[];
@@ -843,18 +878,19 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
     float* sL = reinterpret_cast<float*>(attn_shared + 2 * QBYTES + 4 * KVBYTES);
     float* sD = sL + BM;
 
-    const unsigned long long pair = blockIdx.x, base = pair * seq * HD;
+    const unsigned seq = L.seq;
+    const unsigned long long pair = blockIdx.x, ib = L.in.at(pair, L.heads);
     const unsigned q0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const unsigned wr = q0 + 16 * warp;  // the warp's first row
-    const bf16 *kp = k + base, *vp = v + base;
+    const bf16 *kp = k + ib, *vp = v + ib;
     const unsigned nkt = (min(q0 + BM, seq) - 1) / BN + 1;
     const float sl2 = scale * ATTN_LOG2E;
 
-    attn_load_tile<HD, BM, NT>(sQ, q + base, q0, seq);
-    attn_load_tile<HD, BM, NT>(sO, dout + base, q0, seq);
-    attn_load_tile<HD, BN, NT>(sK, kp, 0, seq);
-    attn_load_tile<HD, BN, NT>(sV, vp, 0, seq);
+    attn_load_tile<HD, BM, NT>(sQ, q + ib, L.in.row, q0, seq);
+    attn_load_tile<HD, BM, NT>(sO, dout + L.outs.at(pair, L.heads), L.outs.row, q0, seq);
+    attn_load_tile<HD, BN, NT>(sK, kp, L.in.row, 0, seq);
+    attn_load_tile<HD, BN, NT>(sV, vp, L.in.row, 0, seq);
     attn_cp_commit();
     for (unsigned x = threadIdx.x; x < BM; x += NT) {
         const unsigned row = q0 + x;
@@ -874,8 +910,8 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
     for (unsigned kt = 0; kt < nkt; ++kt) {
         const unsigned buf = kt & 1, k0 = kt * BN;
         if (kt + 1 < nkt) {
-            attn_load_tile<HD, BN, NT>(sK + (buf ^ 1) * KVBYTES, kp, k0 + BN, seq);
-            attn_load_tile<HD, BN, NT>(sV + (buf ^ 1) * KVBYTES, vp, k0 + BN, seq);
+            attn_load_tile<HD, BN, NT>(sK + (buf ^ 1) * KVBYTES, kp, L.in.row, k0 + BN, seq);
+            attn_load_tile<HD, BN, NT>(sV + (buf ^ 1) * KVBYTES, vp, L.in.row, k0 + BN, seq);
         }
         attn_cp_commit();
 
@@ -925,7 +961,7 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
         attn_cp_wait<0>();
         __syncthreads();
     }
-    attn_store_rows<HD>(dq + base, gq, wr, scale, scale, seq, lane);
+    attn_store_rows<HD>(dq + L.grad.at(pair, L.heads), L.grad.row, gq, wr, scale, scale, seq, lane);
 }
 
 // ---- entry points ---------------------------------------------------------------------------------
@@ -942,6 +978,8 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
 #define ATTN_DQ_MIN_CTAS 2
 
 #define ATTN_DROP AttnDrop drop = {seed, site, threshold, threshold != 0 ? *step : 0ull, keep_scale}
+#define ATTN_LAYOUT \
+    AttnLayout { seq, heads, {in_batch, in_head, in_row}, {grad_batch, grad_head, grad_row}, {outs_batch, outs_head, outs_row} }
 
 template <int HD> struct AttnTiles;
 template <> struct AttnTiles<32> {
@@ -959,134 +997,135 @@ template <> struct AttnTiles<128> {
 
 template <int HD>
 __device__ __forceinline__ void attn_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                                             const AttnDrop& drop, float scale, unsigned seq) {
-    attention_forward_f32<HD>(out, lse, q, k, v, drop, scale, seq);
+                                             const AttnDrop& drop, float scale, const AttnLayout& L) {
+    attention_forward_f32<HD>(out, lse, q, k, v, drop, scale, L);
 }
 template <int HD>
 __device__ __forceinline__ void attn_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                                             const AttnDrop& drop, float scale, unsigned seq) {
+                                             const AttnDrop& drop, float scale, const AttnLayout& L) {
     typedef AttnTiles<HD> C;
-    attention_forward_mma<HD, C::FMW, C::FNW, C::FBN>(out, lse, q, k, v, drop, scale, seq);
+    attention_forward_mma<HD, C::FMW, C::FNW, C::FBN>(out, lse, q, k, v, drop, scale, L);
 }
 template <int HD>
 __device__ __forceinline__ void attn_dkdv(float* dk, float* dv, const float* q, const float* k, const float* v,
                                           const float* dout, const float* lse, const float* delta,
-                                          const AttnDrop& drop, float scale, unsigned seq) {
-    attention_dkdv_f32<HD>(dk, dv, q, k, v, dout, lse, delta, drop, scale, seq);
+                                          const AttnDrop& drop, float scale, const AttnLayout& L) {
+    attention_dkdv_f32<HD>(dk, dv, q, k, v, dout, lse, delta, drop, scale, L);
 }
 template <int HD>
 __device__ __forceinline__ void attn_dkdv(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,
                                           const bf16* dout, const float* lse, const float* delta,
-                                          const AttnDrop& drop, float scale, unsigned seq) {
+                                          const AttnDrop& drop, float scale, const AttnLayout& L) {
     typedef AttnTiles<HD> C;
-    attention_dkdv_mma<HD, C::KNW, C::KBM, C::KREGS>(dk, dv, q, k, v, dout, lse, delta, drop, scale, seq);
+    attention_dkdv_mma<HD, C::KNW, C::KBM, C::KREGS>(dk, dv, q, k, v, dout, lse, delta, drop, scale, L);
 }
 template <int HD>
 __device__ __forceinline__ void attn_dq(float* dq, const float* q, const float* k, const float* v, const float* dout,
                                         const float* lse, const float* delta, const AttnDrop& drop, float scale,
-                                        unsigned seq) {
-    attention_dq_f32<HD>(dq, q, k, v, dout, lse, delta, drop, scale, seq);
+                                        const AttnLayout& L) {
+    attention_dq_f32<HD>(dq, q, k, v, dout, lse, delta, drop, scale, L);
 }
 template <int HD>
 __device__ __forceinline__ void attn_dq(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout,
                                         const float* lse, const float* delta, const AttnDrop& drop, float scale,
-                                        unsigned seq) {
+                                        const AttnLayout& L) {
     typedef AttnTiles<HD> C;
-    attention_dq_mma<HD, C::QNW, C::QBN>(dq, q, k, v, dout, lse, delta, drop, scale, seq);
+    attention_dq_mma<HD, C::QNW, C::QBN>(dq, q, k, v, dout, lse, delta, drop, scale, L);
 }
 
 // The entry points are written out (tests read their parameter lists from this text); each forwards to
-// the template above. `pairs` is grid.x, checked by the launch geometry.
+// the template above. `pairs` is grid.x, checked by the launch geometry (the delta kernel walks seq·pairs
+// rows); `heads` and the strides are AttnLayout's.
 
-extern "C" __global__ void attention_forward_f32_d32(float* out, float* lse, const float* q, const float* k, const float* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_forward_f32_d32(float* out, float* lse, const float* q, const float* k, const float* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_forward<32>(out, lse, q, k, v, drop, scale, seq);
+    attn_forward<32>(out, lse, q, k, v, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_delta_f32_d32(float* delta, const float* out, const float* dout, unsigned rows) {
-    attention_delta<float, 32>(delta, out, dout, rows);
+extern "C" __global__ void attention_delta_f32_d32(float* delta, const float* out, const float* dout, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
+    attention_delta<float, 32>(delta, out, dout, (unsigned long long)seq * pairs, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_backward_dkdv_f32_d32(float* dk, float* dv, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_backward_dkdv_f32_d32(float* dk, float* dv, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dkdv<32>(dk, dv, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dkdv<32>(dk, dv, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_backward_dq_f32_d32(float* dq, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_backward_dq_f32_d32(float* dq, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dq<32>(dq, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dq<32>(dq, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_forward_f32_d64(float* out, float* lse, const float* q, const float* k, const float* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_forward_f32_d64(float* out, float* lse, const float* q, const float* k, const float* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_forward<64>(out, lse, q, k, v, drop, scale, seq);
+    attn_forward<64>(out, lse, q, k, v, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_delta_f32_d64(float* delta, const float* out, const float* dout, unsigned rows) {
-    attention_delta<float, 64>(delta, out, dout, rows);
+extern "C" __global__ void attention_delta_f32_d64(float* delta, const float* out, const float* dout, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
+    attention_delta<float, 64>(delta, out, dout, (unsigned long long)seq * pairs, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_backward_dkdv_f32_d64(float* dk, float* dv, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_backward_dkdv_f32_d64(float* dk, float* dv, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dkdv<64>(dk, dv, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dkdv<64>(dk, dv, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_backward_dq_f32_d64(float* dq, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_backward_dq_f32_d64(float* dq, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dq<64>(dq, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dq<64>(dq, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_forward_f32_d128(float* out, float* lse, const float* q, const float* k, const float* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_forward_f32_d128(float* out, float* lse, const float* q, const float* k, const float* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_forward<128>(out, lse, q, k, v, drop, scale, seq);
+    attn_forward<128>(out, lse, q, k, v, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_delta_f32_d128(float* delta, const float* out, const float* dout, unsigned rows) {
-    attention_delta<float, 128>(delta, out, dout, rows);
+extern "C" __global__ void attention_delta_f32_d128(float* delta, const float* out, const float* dout, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
+    attention_delta<float, 128>(delta, out, dout, (unsigned long long)seq * pairs, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_backward_dkdv_f32_d128(float* dk, float* dv, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_backward_dkdv_f32_d128(float* dk, float* dv, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dkdv<128>(dk, dv, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dkdv<128>(dk, dv, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_backward_dq_f32_d128(float* dq, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_backward_dq_f32_d128(float* dq, const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dq<128>(dq, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dq<128>(dq, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_forward_bf16_d32(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_forward_bf16_d32(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_forward<32>(out, lse, q, k, v, drop, scale, seq);
+    attn_forward<32>(out, lse, q, k, v, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_delta_bf16_d32(float* delta, const bf16* out, const bf16* dout, unsigned rows) {
-    attention_delta<bf16, 32>(delta, out, dout, rows);
+extern "C" __global__ void attention_delta_bf16_d32(float* delta, const bf16* out, const bf16* dout, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
+    attention_delta<bf16, 32>(delta, out, dout, (unsigned long long)seq * pairs, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_backward_dkdv_bf16_d32(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_backward_dkdv_bf16_d32(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dkdv<32>(dk, dv, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dkdv<32>(dk, dv, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ __launch_bounds__(ATTN_DQ_THREADS, ATTN_DQ_MIN_CTAS) void attention_backward_dq_bf16_d32(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs);
-extern "C" __global__ void attention_backward_dq_bf16_d32(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ __launch_bounds__(ATTN_DQ_THREADS, ATTN_DQ_MIN_CTAS) void attention_backward_dq_bf16_d32(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row);
+extern "C" __global__ void attention_backward_dq_bf16_d32(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dq<32>(dq, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dq<32>(dq, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_forward_bf16_d64(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_forward_bf16_d64(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_forward<64>(out, lse, q, k, v, drop, scale, seq);
+    attn_forward<64>(out, lse, q, k, v, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_delta_bf16_d64(float* delta, const bf16* out, const bf16* dout, unsigned rows) {
-    attention_delta<bf16, 64>(delta, out, dout, rows);
+extern "C" __global__ void attention_delta_bf16_d64(float* delta, const bf16* out, const bf16* dout, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
+    attention_delta<bf16, 64>(delta, out, dout, (unsigned long long)seq * pairs, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_backward_dkdv_bf16_d64(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_backward_dkdv_bf16_d64(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dkdv<64>(dk, dv, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dkdv<64>(dk, dv, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ __launch_bounds__(ATTN_DQ_THREADS, ATTN_DQ_MIN_CTAS) void attention_backward_dq_bf16_d64(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs);
-extern "C" __global__ void attention_backward_dq_bf16_d64(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ __launch_bounds__(ATTN_DQ_THREADS, ATTN_DQ_MIN_CTAS) void attention_backward_dq_bf16_d64(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row);
+extern "C" __global__ void attention_backward_dq_bf16_d64(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dq<64>(dq, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dq<64>(dq, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_forward_bf16_d128(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_forward_bf16_d128(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_forward<128>(out, lse, q, k, v, drop, scale, seq);
+    attn_forward<128>(out, lse, q, k, v, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_delta_bf16_d128(float* delta, const bf16* out, const bf16* dout, unsigned rows) {
-    attention_delta<bf16, 128>(delta, out, dout, rows);
+extern "C" __global__ void attention_delta_bf16_d128(float* delta, const bf16* out, const bf16* dout, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
+    attention_delta<bf16, 128>(delta, out, dout, (unsigned long long)seq * pairs, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_backward_dkdv_bf16_d128(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_backward_dkdv_bf16_d128(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dkdv<128>(dk, dv, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dkdv<128>(dk, dv, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }
-extern "C" __global__ void attention_backward_dq_bf16_d128(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs) {
+extern "C" __global__ void attention_backward_dq_bf16_d128(bf16* dq, const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, const unsigned long long* step, float scale, unsigned threshold, float keep_scale, unsigned seed, unsigned site, unsigned seq, unsigned pairs, unsigned heads, unsigned long long in_batch, unsigned long long in_head, unsigned long long in_row, unsigned long long grad_batch, unsigned long long grad_head, unsigned long long grad_row, unsigned long long outs_batch, unsigned long long outs_head, unsigned long long outs_row) {
     ATTN_DROP;
-    attn_dq<128>(dq, q, k, v, dout, lse, delta, drop, scale, seq);
+    attn_dq<128>(dq, q, k, v, dout, lse, delta, drop, scale, ATTN_LAYOUT);
 }

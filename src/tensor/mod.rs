@@ -271,12 +271,43 @@ impl Tensor {
         Ok(t)
     }
 
+    /// Its first element's position in its buffer, in elements.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Element `index` of dimension `dim`, that dimension dropped: a view of the same memory.
+    ///
+    /// ```
+    /// # use graphed::{device::Device, memory::CachingAllocator, tensor::Tensor};
+    /// # let dev = Device::sim();
+    /// # let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
+    /// // The k third of a (B·T, 3C) QKV matrix, as (B, T, C): rows 3C apart.
+    /// let qkv = Tensor::from_host(&alloc, &s, &(0..12).map(|i| i as f32).collect::<Vec<_>>(), &[2, 3, 2])?;
+    /// let k = qkv.select(1, 1)?;
+    /// assert_eq!((k.shape(), k.to_vec::<f32>(&s)?), (&[2, 2][..], vec![2.0, 3.0, 8.0, 9.0]));
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a dimension or index out of range.
+    pub fn select(&self, dim: usize, index: usize) -> Result<Tensor> {
+        if dim >= self.shape.len() || index >= self.shape[dim] {
+            return Err(shape_error("Tensor::select", format!("dim {dim}, index {index}"), &self.shape));
+        }
+        let mut t = self.clone();
+        t.offset += index * t.strides[dim];
+        t.shape.remove(dim);
+        t.strides.remove(dim);
+        Ok(t)
+    }
+
     /// The tensor as a typed device view for kernel arguments: dimensions of size 1 dropped,
-    /// adjacent dimensions that are contiguous with each other merged, at most three left.
+    /// adjacent dimensions that are contiguous with each other merged, at most four left.
     ///
     /// # Errors
     /// [`Error::DTypeMismatch`] unless `T` is the element type; [`Error::Unsupported`] for a
-    /// view of more than three strided dimensions.
+    /// view of more than four strided dimensions.
     pub fn view<T: Elem>(&self) -> Result<View<'_, T>> {
         let mut dims: Vec<(usize, usize)> = Vec::new();
         for (&count, &stride) in self.shape.iter().zip(&self.strides) {
@@ -294,7 +325,7 @@ impl Tensor {
         self.buffer::<T>("Tensor::view")?.strided(self.offset, &dims).ok_or(Error::Unsupported {
             op: "Tensor::view",
             backend: "any",
-            why: "kernels take views of at most 3 strided dimensions; make the tensor contiguous first",
+            why: "kernels take views of at most 4 strided dimensions; make the tensor contiguous first",
         })
     }
 

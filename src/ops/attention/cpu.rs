@@ -107,7 +107,8 @@ pub(super) fn forward<T: Float>(a: &CpuArgs) -> Result<()> {
 }
 
 pub(super) fn delta<T: Float>(a: &CpuArgs) -> Result<()> {
-    let (out, dout, rows) = (a.input::<T>("out")?, a.input::<T>("dout")?, a.u32("rows")? as usize);
+    let (out, dout) = (a.input::<T>("out")?, a.input::<T>("dout")?);
+    let rows = a.u32("seq")? as usize * a.u32("pairs")? as usize;
     let hd = out.len() / rows.max(1);
     let rows = out.chunks_exact(hd).zip(dout.chunks_exact(hd));
     for (d, (o, g)) in a.output::<f32>("delta")?.iter_mut().zip(rows) {

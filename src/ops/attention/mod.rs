@@ -4,9 +4,12 @@
 //! probabilities tile by tile. The scale is 1/√head_dim, as PyTorch's
 //! `scaled_dot_product_attention` uses by default.
 //!
-//! Tensors are the heads of one layer, `(.., T, hd)` with every leading dimension a (batch
-//! element, head) pair, contiguous, f32 or bf16, `hd` one of [`HEAD_DIMS`]; the log-sum-exp and
-//! the backward's row terms are f32 `(.., T)`. Any `T ≥ 1`. One kernel per pass, element type and
+//! Tensors are the heads of one layer, f32 or bf16, `hd` one of [`HEAD_DIMS`]: either contiguous
+//! `(.., T, hd)` with every leading dimension a (batch element, head) pair, or `(B, H, T, hd)` views
+//! whose rows are `hd` contiguous elements at any batch, head and row strides, so that a layer
+//! reads and writes its heads where its GEMMs keep them, as column slices of `(B·T, n)` matrices
+//! (Note [Attention operand layouts]); the log-sum-exp and the backward's row terms are f32
+//! `(.., T)`, contiguous. Any `T ≥ 1`. One kernel per pass, element type and
 //! head width (`attention.cu`), each with its CPU path here (`cpu.rs`), which computes the same
 //! math in f32 and rounds once per stored value, in a different summation order than the GPU's
 //! tiles: the two devices agree within rounding, not bitwise. Each device is bitwise
@@ -18,6 +21,19 @@
 //! numbers as [`dropout`] (Note [Graph-safe RNG] in `rng.rs`): element `(pair, i,
 //! j)` is the element `(pair·T + i)·T + j` of a `(pairs, T, T)` probability tensor, so the fused
 //! and unfused paths drop the same elements, and a graph replay draws fresh ones at each step.
+//!
+//! # Note [Attention operand layouts]
+//!
+//! The kernels take three layouts per call, one per group of operands that the layer keeps
+//! alike: the inputs `q`, `k` and `v`; the gradients `dq`, `dk` and `dv`; the output `out` and its
+//! gradient `dout`. Each is a batch, head and row stride, in elements (`AttnRows` in
+//! attention.cu). So the layer's output projection reads the forward's output straight from the
+//! `(B·T, C)` rows the kernel wrote, the backward reads that output and its gradient from the
+//! same kind of rows, and writes `dq`, `dk` and `dv` into the column slices of one `(B·T, 3C)`
+//! gradient that the QKV projection's backward reads: four copies per layer (heads to rows and
+//! back) are gone. The CPU paths see dense heads either way: the simulator gathers a strided
+//! view's elements in order. bf16 views need 16-byte aligned rows (`cp.async`): strides and
+//! offsets that are multiples of 8 elements.
 //!
 //! ```
 //! use graphed::device::{DType, Device};
@@ -43,7 +59,7 @@ mod tiles;
 
 use half::bf16;
 
-use super::{checked, count, dense, dropout, float_dtype, rng, with_float};
+use super::{checked, count, dropout, float_dtype, rng, with_float};
 use crate::device::{args, Arg, DType, Elem, In, Kernel, Out, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -54,10 +70,19 @@ const SOURCE: &str = concat!(include_str!("../float.cu"), include_str!("../rng.c
 /// The head widths the kernels are built for.
 pub const HEAD_DIMS: [usize; 3] = [32, 64, 128];
 
+/// A kernel's parameters: its own, then the call's shape and operand layout (`AttnLayout` in
+/// attention.cu; [`Layout`]).
+macro_rules! with_layout {
+    ($($p:literal),*) => {
+        &[$($p,)* "seq", "pairs", "heads", "in_batch", "in_head", "in_row", "grad_batch", "grad_head", "grad_row",
+          "outs_batch", "outs_head", "outs_row"]
+    };
+}
+
 const FORWARD_PARAMS: &[&str] =
-    &["out", "lse", "q", "k", "v", "step", "scale", "threshold", "keep_scale", "seed", "site", "seq", "pairs"];
-const DELTA_PARAMS: &[&str] = &["delta", "out", "dout", "rows"];
-const DKDV_PARAMS: &[&str] = &[
+    with_layout!("out", "lse", "q", "k", "v", "step", "scale", "threshold", "keep_scale", "seed", "site");
+const DELTA_PARAMS: &[&str] = with_layout!("delta", "out", "dout");
+const DKDV_PARAMS: &[&str] = with_layout!(
     "dk",
     "dv",
     "q",
@@ -71,11 +96,9 @@ const DKDV_PARAMS: &[&str] = &[
     "threshold",
     "keep_scale",
     "seed",
-    "site",
-    "seq",
-    "pairs",
-];
-const DQ_PARAMS: &[&str] = &[
+    "site"
+);
+const DQ_PARAMS: &[&str] = with_layout!(
     "dq",
     "q",
     "k",
@@ -88,10 +111,8 @@ const DQ_PARAMS: &[&str] = &[
     "threshold",
     "keep_scale",
     "seed",
-    "site",
-    "seq",
-    "pairs",
-];
+    "site"
+);
 
 /// Declares the kernels of one pass: a static per (element type, head width) and the table that
 /// [`kernel`] looks them up in.
@@ -100,7 +121,7 @@ macro_rules! pass_kernels {
         $(
             #[doc = concat!("`", $name, "` in `attention.cu`.")]
             pub(crate) static $static: Kernel =
-                Kernel { name: $name, source: SOURCE, params: $params, cpu: cpu::$cpu::<$t>, strided: false };
+                Kernel { name: $name, source: SOURCE, params: $params, cpu: cpu::$cpu::<$t>, strided: true };
         )*
         /// The pass's kernels: f32 then bf16, each for every width of [`HEAD_DIMS`].
         pub(crate) static $table: [&Kernel; 6] = [$(&$static),*];
@@ -168,16 +189,28 @@ pub struct AttentionDropout<'a> {
     pub step: &'a Tensor,
 }
 
-/// The shape of one call: `pairs` (batch element, head) pairs of `seq` rows of `hd` features.
+/// The shape of one call: `pairs` (batch element, head) pairs of `seq` rows of `hd` features,
+/// `heads` pairs per batch element (1 for contiguous `(.., T, hd)` heads).
 #[derive(Clone, Copy, Debug)]
 struct Heads {
     pairs: usize,
+    heads: usize,
     seq: usize,
     hd: usize,
 }
 
+/// Where one group of operands keeps its rows: element `(b, h, i, d)` of a `(B, H, T, hd)` view at
+/// `b·batch + h·head + i·row + d` (`AttnRows` in attention.cu; Note [Attention operand layouts]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Rows {
+    batch: u64,
+    head: u64,
+    row: u64,
+}
+
 impl Heads {
-    /// The heads of `q`, `(.., T, hd)` with at least one leading dimension.
+    /// The heads of `q`: `(B, H, T, hd)`, or contiguous `(.., T, hd)` with at least one leading
+    /// dimension.
     fn of(op: &'static str, q: &Tensor) -> Result<Heads> {
         let shape = q.shape();
         let shape_error = || Error::Shape {
@@ -199,7 +232,70 @@ impl Heads {
         }
         // Each kernel indexes rows and scores with 32-bit sizes.
         count(op, pairs * seq * hd)?;
-        Ok(Heads { pairs, seq: *seq, hd: *hd })
+        let heads = if shape.len() == 4 { shape[1] } else { 1 };
+        Ok(Heads { pairs, heads, seq: *seq, hd: *hd })
+    }
+
+    /// The rows of operand `t` (named `name`), of `q`'s shape: a `(B, H, T, hd)` view's strides,
+    /// or a contiguous tensor's. Refused unless its rows are `hd` contiguous elements, 16-byte
+    /// aligned for bf16.
+    fn rows(&self, op: &'static str, name: &str, t: &Tensor, shape: &[usize]) -> Result<Rows> {
+        if t.shape() != shape {
+            return Err(Error::Shape { op, expected: format!("{name} of shape {shape:?}"), found: t.shape().to_vec() });
+        }
+        let rows = match *t.strides() {
+            [batch, head, row, 1] => Rows { batch: batch as u64, head: head as u64, row: row as u64 },
+            _ if t.is_contiguous() => {
+                let row = self.hd as u64;
+                Rows { batch: self.seq as u64 * row, head: 0, row }
+            }
+            _ => return Err(Error::NotContiguous { op, buffer: t.id() }),
+        };
+        let lanes = (16 / t.dtype().size()) as u64;
+        let aligned = [rows.batch, rows.head, rows.row, t.offset() as u64].iter().all(|s| s % lanes == 0);
+        if t.dtype() == DType::BF16 && !aligned {
+            return Err(Error::Unsupported {
+                op,
+                backend: "any",
+                why: "bf16 attention operands need rows 16 bytes aligned: strides and offsets that are multiples of 8",
+            });
+        }
+        Ok(rows)
+    }
+
+    /// The group layout of `ts` (one [`Rows`] for all of them), refused if they differ.
+    fn group(&self, op: &'static str, ts: &[(&str, &Tensor)], shape: &[usize]) -> Result<Rows> {
+        let (first, t) = ts[0];
+        let rows = self.rows(op, first, t, shape)?;
+        for &(name, t) in &ts[1..] {
+            if self.rows(op, name, t, shape)? != rows {
+                return Err(Error::Shape {
+                    op,
+                    expected: format!("{name} laid out as {first} (the same strides)"),
+                    found: t.strides().to_vec(),
+                });
+            }
+        }
+        Ok(rows)
+    }
+
+    /// The kernels' shape and layout arguments (`with_layout!`'s parameters).
+    fn layout_args(&self, op: &'static str, [inputs, grads, outs]: [Rows; 3]) -> Result<[Arg<'static>; 12]> {
+        let (seq, pairs, heads) = (count(op, self.seq)?, count(op, self.pairs)?, count(op, self.heads)?);
+        Ok([
+            seq.into(),
+            pairs.into(),
+            heads.into(),
+            inputs.batch.into(),
+            inputs.head.into(),
+            inputs.row.into(),
+            grads.batch.into(),
+            grads.head.into(),
+            grads.row.into(),
+            outs.batch.into(),
+            outs.head.into(),
+            outs.row.into(),
+        ])
     }
 
     /// `(.., T)`: the shape of the per-row terms.
@@ -251,14 +347,16 @@ fn rows_view<'t>(op: &'static str, name: &str, t: &'t Tensor, q: &Tensor) -> Res
 
 /// `out = softmax(q·kᵀ/√hd + causal mask)·v`, with dropout on the probabilities if given, and
 /// `lse`, each query row's log-sum-exp of its scaled visible scores (natural log), which the
-/// backward needs. `q`, `k`, `v` and `out` are heads `(.., T, hd)` of one element type (f32 or
-/// bf16) and one shape, `lse` is f32 `(.., T)`; all contiguous, outputs distinct from inputs.
+/// backward needs. `q`, `k`, `v` and `out` are heads of one element type (f32 or bf16) and one
+/// shape, `q`, `k` and `v` laid out alike (Note [Attention operand layouts]), `lse` is f32
+/// `(.., T)` and contiguous; outputs distinct from inputs.
 ///
 /// # Errors
 /// Before anything is enqueued: [`Error::UnsupportedDType`] or [`Error::DTypeMismatch`] for other
-/// element types; [`Error::Shape`] for other shapes; [`Error::Unsupported`] for a head width not
-/// in [`HEAD_DIMS`], more than 2^32 elements, or a drop probability outside `[0, 1)`;
-/// [`Error::NotContiguous`] for a strided tensor.
+/// element types; [`Error::Shape`] for other shapes, or `k` or `v` laid out unlike `q`;
+/// [`Error::Unsupported`] for a head width not in [`HEAD_DIMS`], more than 2^32 elements, a drop
+/// probability outside `[0, 1)`, or misaligned bf16 rows; [`Error::NotContiguous`] for rows that
+/// are not contiguous.
 pub fn attention_forward(
     out: &Tensor,
     lse: &Tensor,
@@ -270,25 +368,26 @@ pub fn attention_forward(
     let dtype = float_dtype(OP, q, &[k, v, out])?;
     let h = Heads::of(OP, q)?;
     let shape = q.shape();
+    let inputs = h.group(OP, &[("q", q), ("k", k), ("v", v)], shape)?;
+    let outs = h.rows(OP, "out", out, shape)?;
+    let layout = h.layout_args(OP, [inputs, inputs, outs])?;
     with_float!(OP, dtype, T => {
         let (step, threshold, keep_scale, seed, site) = dropout_args::<T>(OP, dropout, q)?;
         let args = args![
-            Out(checked::<T>(OP, "out", out, shape)?),
+            Out(out.view::<T>()?),
             Out(rows_view(OP, "lse", lse, q)?),
-            In(dense::<T>(OP, q)?),
-            In(checked::<T>(OP, "k", k, shape)?),
-            In(checked::<T>(OP, "v", v, shape)?),
+            In(q.view::<T>()?),
+            In(k.view::<T>()?),
+            In(v.view::<T>()?),
             step,
             h.scale(),
             threshold,
             keep_scale,
             seed,
             site,
-            count(OP, h.seq)?,
-            count(OP, h.pairs)?,
         ];
         let (kernel, dims) = (kernel(Pass::Forward, dtype, h.hd), launch_dims(Pass::Forward, dtype, h.hd, h.seq, h.pairs));
-        stream.launch_counting(kernel, dims, &args, FORWARD_PRODUCTS * h.causal_product_flops())
+        stream.launch_counting(kernel, dims, &[&args[..], &layout].concat(), FORWARD_PRODUCTS * h.causal_product_flops())
     })
 }
 
@@ -310,8 +409,9 @@ pub struct ForwardSaved<'a> {
 /// The gradients of q, k and v (written, not accumulated) from the output's gradient `dout`, by
 /// recomputing the probabilities from the saved log-sum-exp, with the forward's dropout (same
 /// `p`, seed, site and step value). `delta` is f32 `(.., T)` scratch (each row's `dout · out`);
-/// the gradients have the heads' shape and type. Three launches: the row terms, then `dk` and
-/// `dv` per key tile, then `dq` per query tile.
+/// the gradients have the heads' shape and type, laid out alike, as are `out` and `dout` (Note
+/// [Attention operand layouts]). Three launches: the row terms, then `dk` and `dv` per key tile,
+/// then `dq` per query tile.
 ///
 /// # Errors
 /// As [`attention_forward`], for every tensor given.
@@ -328,33 +428,32 @@ pub fn attention_backward(
     let dtype = float_dtype(OP, q, &[k, v, out, dout, dq, dk, dv])?;
     let h = Heads::of(OP, q)?;
     let shape = q.shape();
+    let inputs = h.group(OP, &[("q", q), ("k", k), ("v", v)], shape)?;
+    let grads = h.group(OP, &[("dq", dq), ("dk", dk), ("dv", dv)], shape)?;
+    let outs = h.group(OP, &[("out", out), ("dout", dout)], shape)?;
+    let layout = h.layout_args(OP, [inputs, grads, outs])?;
     let dims = |pass| launch_dims(pass, dtype, h.hd, h.seq, h.pairs);
     with_float!(OP, dtype, T => {
         let (step, threshold, keep_scale, seed, site) = dropout_args::<T>(OP, dropout, q)?;
-        let (q, k, v) = (dense::<T>(OP, q)?, checked::<T>(OP, "k", k, shape)?, checked::<T>(OP, "v", v, shape)?);
-        let (out, dout) = (checked::<T>(OP, "out", out, shape)?, checked::<T>(OP, "dout", dout, shape)?);
+        let (q, k, v) = (q.view::<T>()?, k.view::<T>()?, v.view::<T>()?);
+        let (out, dout) = (out.view::<T>()?, dout.view::<T>()?);
         let (lse, delta) = (rows_view(OP, "lse", lse, saved.q)?, rows_view(OP, "delta", delta, saved.q)?);
-        let (dq, dk, dv) =
-            (checked::<T>(OP, "dq", dq, shape)?, checked::<T>(OP, "dk", dk, shape)?, checked::<T>(OP, "dv", dv, shape)?);
-        let (seq, pairs, scale) = (count(OP, h.seq)?, count(OP, h.pairs)?, h.scale());
-        let rows = count(OP, h.seq * h.pairs)?;
-        stream.launch(kernel(Pass::Delta, dtype, h.hd), dims(Pass::Delta), &args![Out(delta), In(out), In(dout), rows])?;
-        stream.launch_counting(
-            kernel(Pass::BackwardDkDv, dtype, h.hd),
-            dims(Pass::BackwardDkDv),
-            &args![
-                Out(dk), Out(dv), In(q), In(k), In(v), In(dout), In(lse),
-                In(delta), step.clone(), scale, threshold, keep_scale, seed, site, seq, pairs,
-            ],
-            DKDV_PRODUCTS * h.causal_product_flops(),
-        )?;
+        let (dq, dk, dv) = (dq.view::<T>()?, dk.view::<T>()?, dv.view::<T>()?);
+        let scale = h.scale();
+        let delta_args = [&args![Out(delta), In(out), In(dout)][..], &layout].concat();
+        stream.launch(kernel(Pass::Delta, dtype, h.hd), dims(Pass::Delta), &delta_args)?;
+        let dkdv = args![
+            Out(dk), Out(dv), In(q), In(k), In(v), In(dout), In(lse), In(delta), step.clone(), scale, threshold,
+            keep_scale, seed, site,
+        ];
+        let (dkdv, products) = ([&dkdv[..], &layout].concat(), DKDV_PRODUCTS * h.causal_product_flops());
+        stream.launch_counting(kernel(Pass::BackwardDkDv, dtype, h.hd), dims(Pass::BackwardDkDv), &dkdv, products)?;
+        let dq_args =
+            args![Out(dq), In(q), In(k), In(v), In(dout), In(lse), In(delta), step, scale, threshold, keep_scale, seed, site];
         stream.launch_counting(
             kernel(Pass::BackwardDq, dtype, h.hd),
             dims(Pass::BackwardDq),
-            &args![
-                Out(dq), In(q), In(k), In(v), In(dout), In(lse), In(delta), step, scale, threshold, keep_scale, seed,
-                site, seq, pairs,
-            ],
+            &[&dq_args[..], &layout].concat(),
             DQ_PRODUCTS * h.causal_product_flops(),
         )
     })
