@@ -139,6 +139,9 @@ impl Tensor {
         // reads its own elements, not the whole buffer.
         let span = 1 + self.shape.iter().zip(&self.strides).map(|(d, s)| (d - 1) * s).sum::<usize>();
         let part = buf.range_to_vec(stream, self.offset..self.offset + span)?;
+        if self.is_contiguous() {
+            return Ok(part);
+        }
         Ok(self.indices().map(|i| part[i - self.offset]).collect())
     }
 
