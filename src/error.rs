@@ -18,6 +18,8 @@ pub enum Error {
     },
 
     /// A stream, event, buffer or graph of one device was passed to another device.
+    /// A graphed call returns it wrapped, as
+    /// [`GraphedErrorKind::Refused`](crate::graph::GraphedErrorKind::Refused).
     #[error("{op}: the {what} belongs to device {found} but the operation runs on device {expected}; create it from the same Device")]
     WrongDevice {
         /// The operation that was called.
@@ -97,6 +99,8 @@ pub enum Error {
 
     /// A graph pool was used with an allocator other than the one that made it (pools of
     /// different allocators may even share an id).
+    /// A graphed call returns it wrapped, as
+    /// [`GraphedErrorKind::Refused`](crate::graph::GraphedErrorKind::Refused).
     #[error("{op}: {pool} was made by another CachingAllocator; capture with the allocator that made the pool, or make a pool with this allocator's new_pool()")]
     ForeignPool {
         /// The operation that was called.
@@ -117,6 +121,8 @@ pub enum Error {
 
     /// A graph of a shared pool was replayed out of the pool's capture order (replay contract
     /// R5): graphs that share a pool reuse each other's memory, so only that order is safe.
+    /// A graphed call returns it wrapped, as
+    /// [`GraphedErrorKind::Refused`](crate::graph::GraphedErrorKind::Refused).
     #[error("graph {} of {pool} replayed out of capture order: the next graph of the pool is {}; replay the pool's graphs in the order they were captured (cyclically)", named(*graph, graph_name), named(*expected, expected_name))]
     PoolOrder {
         /// The pool.
@@ -133,6 +139,8 @@ pub enum Error {
 
     /// A graph of a shared pool was replayed on another stream than the pool's previous replay
     /// with no ordering between them that graphed has seen (R5: no concurrent replays).
+    /// A graphed call returns it wrapped, as
+    /// [`GraphedErrorKind::Refused`](crate::graph::GraphedErrorKind::Refused).
     #[error("graph {} of {pool} replayed on stream {stream} while {} of the same pool was last replayed on stream {previous_stream}; replay on {previous_stream}, or call GraphPool::join({stream}) first", named(*graph, graph_name), named(*previous, previous_name))]
     PoolConcurrent {
         /// The pool.

@@ -301,11 +301,14 @@ mod tests {
             let grads = Tensor::zeros(&alloc, &s, &[10], DType::F32)?;
             let apart = DataParallel::new(c, vec![grads.narrow(0, 0, 4)?, grads.narrow(0, 4, 6)?]).err();
             let shared = DataParallel::new(c, vec![grads.narrow(0, 0, 6)?, grads.narrow(0, 4, 6)?]).err();
-            Ok((apart.map(|e| e.to_string()), shared.map(|e| e.to_string())))
+            let overlap =
+                |e: &Error| matches!(e, Error::Comm { kind: CommErrorKind::BucketOverlap { first: 0, second: 1 }, .. });
+            Ok((apart.map(|e| e.to_string()), shared.map(|e| (overlap(&e), e.to_string()))))
         });
         let (apart, shared) = out.into_iter().next().expect("one rank").expect("rank 0 ran");
         assert_eq!(apart, None, "adjacent buckets are fine");
-        assert!(shared.is_some_and(|e| e.contains("callables 0 and 1 overlap")), "overlapping ones are refused");
+        let refused = shared.is_some_and(|(kind, e)| kind && e.contains("callables 0 and 1 overlap"));
+        assert!(refused, "overlapping ones are refused as BucketOverlap");
     }
 
     #[test]

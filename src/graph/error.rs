@@ -262,3 +262,33 @@ pub(crate) fn refusal(callable: &str, e: Error) -> Error {
         other => other,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::StreamId;
+    use crate::memory::PoolId;
+
+    #[test]
+    fn a_refusal_of_a_layer_below_is_wrapped_with_its_message() {
+        let foreign = || Error::ForeignPool { op: "make_graphed_callables", pool: PoolId(3) };
+        let e = refusal("fc#0", foreign());
+        assert!(matches!(e.refused_by(), Some(Error::ForeignPool { pool: PoolId(3), .. })));
+        assert_eq!(e.to_string(), format!("graphed callable fc#0: {}", foreign()));
+        // A concurrent replay adds the graph layer's way out: its tails.
+        let concurrent = || Error::PoolConcurrent {
+            pool: PoolId(1),
+            graph: GraphId(2),
+            graph_name: Some("fc#0 Backward".into()),
+            stream: StreamId(4),
+            previous: GraphId(1),
+            previous_name: None,
+            previous_stream: StreamId(5),
+        };
+        let e = refusal("fc#0", concurrent()).to_string();
+        assert!(e.starts_with(&format!("graphed callable fc#0: {}", concurrent())), "{e}");
+        assert!(e.contains("Tail::join"), "{e}");
+        // Anything else is no refusal of the call, and passes through.
+        assert!(matches!(refusal("fc#0", Error::GraphReset { op: "launch" }), Error::GraphReset { .. }));
+    }
+}
