@@ -9,7 +9,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    // ---- device selection -------------------------------------------------------------------
+    // ---- device ---------------------------------------------------------------------------------
     /// CUDA was asked for but the driver, a GPU or a library is missing.
     #[error("CUDA is not available: {reason}. Use Device::sim() (or Device::auto()) to run on the simulator")]
     CudaUnavailable {
@@ -18,6 +18,8 @@ pub enum Error {
     },
 
     /// A stream, event, buffer or graph of one device was passed to another device.
+    /// A graphed call returns it wrapped, as
+    /// [`GraphedErrorKind::Refused`](crate::graph::GraphedErrorKind::Refused).
     #[error("{op}: the {what} belongs to device {found} but the operation runs on device {expected}; create it from the same Device")]
     WrongDevice {
         /// The operation that was called.
@@ -43,82 +45,27 @@ pub enum Error {
         more: usize,
     },
 
-    // ---- capture ----------------------------------------------------------------------------
-    /// A stream-capture rule was broken; `kind` says which. The same kind is returned on CUDA and
-    /// on the simulator.
-    #[error("{op} on {on}: {kind}; {}", kind.fix())]
-    Capture {
+    /// The backend cannot do this (or no backend can: a limit of the operation itself).
+    #[error("{op} is not supported{}: {why}", on_backend(backend))]
+    Unsupported {
         /// The operation that was called.
         op: &'static str,
-        /// The stream (or, for event queries, the event) the operation was called on.
-        on: CaptureSite,
-        /// Which rule.
-        kind: CaptureErrorKind,
+        /// "cuda" or "sim", or "any" for a limit of every backend.
+        backend: &'static str,
+        /// Why, and what to do instead.
+        why: &'static str,
     },
 
-    // ---- profiles ---------------------------------------------------------------------------
-    /// [`Stream::profile`](crate::device::Stream::profile) was refused; `kind` says why.
-    #[error("Stream::profile on stream {stream}: {kind}; {}", kind.fix())]
-    Profile {
-        /// The stream that was to be profiled.
-        stream: StreamId,
-        /// Why not.
-        kind: ProfileErrorKind,
-    },
-
-    // ---- graphs -----------------------------------------------------------------------------
-    /// A graph executable was used after `reset()`.
-    #[error("{op}: this graph was reset and holds no executable; capture a new graph")]
-    GraphReset {
+    /// A CUDA driver, NVRTC or library call failed with a code graphed has no better kind for.
+    #[error("CUDA call {op} failed: {message}")]
+    Cuda {
         /// The operation that was called.
         op: &'static str,
+        /// The driver's name and description of the code.
+        message: String,
     },
 
-    /// A captured graph contains stream-ordered allocation or free nodes (`cudaMallocAsync`
-    /// inside the capture, by code other than graphed). graphed refuses such graphs: their memory
-    /// lives in the driver's graph pool and binds replays to one stream.
-    #[error("the captured graph has {count} memory allocation/free nodes; allocate with graphed's allocator (or before the capture) instead of stream-ordered allocation inside it")]
-    MemoryNodes {
-        /// How many such nodes.
-        count: usize,
-    },
-
-    /// A graph of a shared pool was replayed out of the pool's capture order (replay contract
-    /// R5): graphs that share a pool reuse each other's memory, so only that order is safe.
-    #[error("graph {} of {pool} replayed out of capture order: the next graph of the pool is {}; replay the pool's graphs in the order they were captured (cyclically)", named(*graph, graph_name), named(*expected, expected_name))]
-    PoolOrder {
-        /// The pool.
-        pool: crate::memory::PoolId,
-        /// The graph whose replay was refused.
-        graph: GraphId,
-        /// Its name in the pool (the graph layer names a graph by module and pass), if any.
-        graph_name: Option<String>,
-        /// The graph that must come next.
-        expected: GraphId,
-        /// Its name in the pool, if any.
-        expected_name: Option<String>,
-    },
-
-    /// A graph of a shared pool was replayed on another stream than the pool's previous replay
-    /// with no ordering between them that graphed has seen (R5: no concurrent replays).
-    #[error("graph {} of {pool} replayed on stream {stream} while {} of the same pool was last replayed on stream {previous_stream}; replay on {previous_stream}, or call GraphPool::join({stream}) first", named(*graph, graph_name), named(*previous, previous_name))]
-    PoolConcurrent {
-        /// The pool.
-        pool: crate::memory::PoolId,
-        /// The graph whose replay was refused.
-        graph: GraphId,
-        /// Its name in the pool, if any.
-        graph_name: Option<String>,
-        /// Its stream.
-        stream: StreamId,
-        /// The pool's previous replay.
-        previous: GraphId,
-        /// Its name in the pool, if any.
-        previous_name: Option<String>,
-        /// Its stream.
-        previous_stream: StreamId,
-    },
-
+    // ---- memory and graph pools -----------------------------------------------------------------
     /// The device has not enough free memory for an allocation (on CUDA, CUDA_ERROR_OUT_OF_MEMORY;
     /// on the simulator, its configured memory size or the host's memory).
     #[error("{op}: out of device memory: {requested} bytes asked for {what}, {} free of {}; reduce the batch, the sequence length, the width or the layers, or free cached memory (CachingAllocator::empty_cache)", bytes(*free), bytes(*total))]
@@ -135,8 +82,25 @@ pub enum Error {
         total: Option<usize>,
     },
 
+    /// An operation touched bytes of expandable device memory that are not mapped: the
+    /// allocator gave them back to the device while work or a graph still used them (on CUDA,
+    /// an illegal address; the simulator reports it).
+    #[error("{op}: bytes [{start}, {end}) of an expandable allocation are not mapped (its first {mapped} are); memory was given back while something still used it: keep the buffers and the graphs that use a pool alive while they may run, and empty the cache only when they are done")]
+    Unmapped {
+        /// The operation that touched the memory.
+        op: &'static str,
+        /// First byte touched, from the start of the allocation.
+        start: usize,
+        /// One past the last byte touched.
+        end: usize,
+        /// Bytes mapped when it happened.
+        mapped: usize,
+    },
+
     /// A graph pool was used with an allocator other than the one that made it (pools of
     /// different allocators may even share an id).
+    /// A graphed call returns it wrapped, as
+    /// [`GraphedErrorKind::Refused`](crate::graph::GraphedErrorKind::Refused).
     #[error("{op}: {pool} was made by another CachingAllocator; capture with the allocator that made the pool, or make a pool with this allocator's new_pool()")]
     ForeignPool {
         /// The operation that was called.
@@ -155,71 +119,86 @@ pub enum Error {
         stream: StreamId,
     },
 
-    // ---- graphed callables ---------------------------------------------------------------------
-    /// A graphed callable refused a call, or `make_graphed_callables` refused its arguments or a
-    /// capture; `kind` says why and what to do.
-    #[error("graphed callable {callable}: {kind}")]
-    Graphed {
-        /// The callable (its name and index), or "make_graphed_callables" for the call as a whole.
-        callable: String,
-        /// What went wrong.
-        kind: crate::graph::GraphedErrorKind,
+    /// A graph of a shared pool was replayed out of the pool's capture order (replay contract
+    /// R5): graphs that share a pool reuse each other's memory, so only that order is safe.
+    /// A graphed call returns it wrapped, as
+    /// [`GraphedErrorKind::Refused`](crate::graph::GraphedErrorKind::Refused).
+    #[error("graph {} of {pool} replayed out of capture order: the next graph of the pool is {}; replay the pool's graphs in the order they were captured (cyclically)", named(*graph, graph_name), named(*expected, expected_name))]
+    PoolOrder {
+        /// The pool.
+        pool: crate::memory::PoolId,
+        /// The graph whose replay was refused.
+        graph: GraphId,
+        /// Its name in the pool (the graph layer names a graph by module and pass), if any.
+        graph_name: Option<String>,
+        /// The graph that must come next.
+        expected: GraphId,
+        /// Its name in the pool, if any.
+        expected_name: Option<String>,
     },
 
-    /// A model configuration the kernels cannot run ([`GptConfig::validate`](crate::nn::GptConfig::validate)).
-    #[error("model configuration: {0}")]
-    Config(crate::nn::ConfigLimit),
-
-    /// A checkpoint file could not be saved, read or used; `kind` says what and what to do.
-    #[error("checkpoint {path}: {kind}")]
-    Checkpoint {
-        /// The file.
-        path: String,
-        /// What is wrong.
-        kind: crate::checkpoint::CheckpointErrorKind,
+    /// A graph of a shared pool was replayed on another stream than the pool's previous replay
+    /// with no ordering between them that graphed has seen (R5: no concurrent replays).
+    /// A graphed call returns it wrapped, as
+    /// [`GraphedErrorKind::Refused`](crate::graph::GraphedErrorKind::Refused).
+    #[error("graph {} of {pool} replayed on stream {stream} while {} of the same pool was last replayed on stream {previous_stream}; replay on {previous_stream}, or call GraphPool::join({stream}) first", named(*graph, graph_name), named(*previous, previous_name))]
+    PoolConcurrent {
+        /// The pool.
+        pool: crate::memory::PoolId,
+        /// The graph whose replay was refused.
+        graph: GraphId,
+        /// Its name in the pool, if any.
+        graph_name: Option<String>,
+        /// Its stream.
+        stream: StreamId,
+        /// The pool's previous replay.
+        previous: GraphId,
+        /// Its name in the pool, if any.
+        previous_name: Option<String>,
+        /// Its stream.
+        previous_stream: StreamId,
     },
 
-    /// A collective or a process group failed; `kind` says which rank and what.
-    #[error("{op} on rank {rank}: {kind}")]
-    Comm {
-        /// The operation.
+    // ---- capture and graphs ---------------------------------------------------------------------
+    /// A stream-capture rule was broken; `kind` says which. The same kind is returned on CUDA and
+    /// on the simulator.
+    #[error("{op} on {on}: {kind}; {}", kind.fix())]
+    Capture {
+        /// The operation that was called.
         op: &'static str,
-        /// The rank that reports it.
-        rank: usize,
-        /// What went wrong.
-        kind: crate::device::CommErrorKind,
+        /// The stream (or, for event queries, the event) the operation was called on.
+        on: CaptureSite,
+        /// Which rule.
+        kind: CaptureErrorKind,
     },
 
-    /// A pipeline schedule is inconsistent; `kind` says where and what to do.
-    #[error("pipeline schedule: {0}")]
-    Schedule(crate::nn::ScheduleErrorKind),
-
-    /// The activation offload manager refused a call or a schedule; `kind` says why and what to
-    /// do.
-    #[error("activation offloading: {0}")]
-    Offload(crate::offload::OffloadErrorKind),
-
-    // ---- training ------------------------------------------------------------------------------
-    /// An optimizer found a non-finite (infinite or NaN) gradient under
-    /// [`NonFinite::Stop`](crate::optim::NonFinite::Stop): it updated nothing from that step on,
-    /// so the parameters and its state are those after step `step − 1`.
-    #[error("a non-finite gradient at optimizer step {step} (first in `{param}`); the update of that step and of the {} later step(s) was skipped, so the parameters are those after step {}: do not save them over a good checkpoint; lower the learning rate (or find the bad input) and resume from the last checkpoint, or build the optimizer with NonFinite::Skip to skip such steps", skipped.saturating_sub(1), step.saturating_sub(1))]
-    NonFinite {
-        /// The first step (the optimizer's 1-based step counter) with a non-finite gradient.
-        step: u64,
-        /// The parameter holding that step's first non-finite gradient (its name in the store),
-        /// or `element N` of the flat buffer if no parameter holds it.
-        param: String,
-        /// Updates skipped so far: the step and every later one.
-        skipped: u64,
+    /// A graph executable was used after `reset()`.
+    #[error("{op}: this graph was reset and holds no executable; capture a new graph")]
+    GraphReset {
+        /// The operation that was called.
+        op: &'static str,
     },
 
-    // ---- checker ------------------------------------------------------------------------------
-    /// In strict mode, the checker found a hazard in this call (its work was enqueued).
-    #[error("hazard: {0}")]
-    Hazard(Box<crate::check::Hazard>),
+    /// A captured graph contains stream-ordered allocation or free nodes (`cudaMallocAsync`
+    /// inside the capture, by code other than graphed). graphed refuses such graphs: their memory
+    /// lives in the driver's graph pool and binds replays to one stream.
+    #[error("the captured graph has {count} memory allocation/free nodes; allocate with graphed's allocator (or before the capture) instead of stream-ordered allocation inside it")]
+    MemoryNodes {
+        /// How many such nodes.
+        count: usize,
+    },
 
-    // ---- memory and arguments ---------------------------------------------------------------
+    // ---- profiles -------------------------------------------------------------------------------
+    /// [`Stream::profile`](crate::device::Stream::profile) was refused; `kind` says why.
+    #[error("Stream::profile on stream {stream}: {kind}; {}", kind.fix())]
+    Profile {
+        /// The stream that was to be profiled.
+        stream: StreamId,
+        /// Why not.
+        kind: ProfileErrorKind,
+    },
+
+    // ---- tensors and arguments ------------------------------------------------------------------
     /// An access reaches outside the buffer it names.
     #[error("{op}: region [{start}, {end}) elements is outside buffer {buffer} of {len} elements; use a smaller view")]
     OutOfBounds {
@@ -233,21 +212,6 @@ pub enum Error {
         end: usize,
         /// Length of the buffer in elements.
         len: usize,
-    },
-
-    /// An operation touched bytes of expandable device memory that are not mapped: the
-    /// allocator gave them back to the device while work or a graph still used them (on CUDA,
-    /// an illegal address; the simulator reports it).
-    #[error("{op}: bytes [{start}, {end}) of an expandable allocation are not mapped (its first {mapped} are); memory was given back while something still used it: keep the buffers and the graphs that use a pool alive while they may run, and empty the cache only when they are done")]
-    Unmapped {
-        /// The operation that touched the memory.
-        op: &'static str,
-        /// First byte touched, from the start of the allocation.
-        start: usize,
-        /// One past the last byte touched.
-        end: usize,
-        /// Bytes mapped when it happened.
-        mapped: usize,
     },
 
     /// A tensor has the wrong shape for the operation.
@@ -287,38 +251,6 @@ pub enum Error {
         supported: &'static str,
     },
 
-    /// A module was called with inputs it does not take (counted as positional and named).
-    #[error("{op}: takes {expected}, but was given {positional} positional and {named} named inputs; pass the inputs it takes")]
-    InputArity {
-        /// The module's operation.
-        op: &'static str,
-        /// What it takes.
-        expected: &'static str,
-        /// Positional inputs given.
-        positional: usize,
-        /// Named inputs given.
-        named: usize,
-    },
-
-    /// A module needs a named input that the call did not pass.
-    #[error("{op}: needs the named input `{name}`; pass it with Inputs::named or Inputs::constant")]
-    MissingInput {
-        /// The module's operation.
-        op: &'static str,
-        /// The missing name.
-        name: String,
-    },
-
-    /// A module's backward gave no gradient where the caller needs one (a stack feeds each
-    /// layer's input gradient to the layer before it).
-    #[error("{op}: {what} has no gradient; a module in a stack must return its input's gradient")]
-    MissingGradient {
-        /// The operation that needed it.
-        op: &'static str,
-        /// Which gradient.
-        what: String,
-    },
-
     /// Two views that must have the same length do not.
     #[error("{op}: source has {src} elements but destination has {dst}; pass views of equal length")]
     LengthMismatch {
@@ -339,6 +271,7 @@ pub enum Error {
         buffer: BufferId,
     },
 
+    // ---- kernels --------------------------------------------------------------------------------
     /// A kernel's CPU path asked for an argument that its launch did not pass in that form.
     #[error("kernel {kernel}: argument `{param}` is {found}, but the CPU path reads it as {expected}; fix the launch's argument list")]
     KernelArg {
@@ -396,28 +329,111 @@ pub enum Error {
         log: String,
     },
 
-    /// The backend cannot do this (or no backend can: a limit of the operation itself).
-    #[error("{op} is not supported{}: {why}", on_backend(backend))]
-    Unsupported {
-        /// The operation that was called.
+    // ---- modules --------------------------------------------------------------------------------
+    /// A model configuration the kernels cannot run ([`GptConfig::validate`](crate::nn::GptConfig::validate)).
+    #[error("model configuration: {0}")]
+    Config(crate::nn::ConfigLimit),
+
+    /// A module was called with inputs it does not take (counted as positional and named).
+    #[error("{op}: takes {expected}, but was given {positional} positional and {named} named inputs; pass the inputs it takes")]
+    InputArity {
+        /// The module's operation.
         op: &'static str,
-        /// "cuda" or "sim", or "any" for a limit of every backend.
-        backend: &'static str,
-        /// Why, and what to do instead.
-        why: &'static str,
+        /// What it takes.
+        expected: &'static str,
+        /// Positional inputs given.
+        positional: usize,
+        /// Named inputs given.
+        named: usize,
     },
 
-    /// A CUDA driver, NVRTC or library call failed with a code graphed has no better kind for.
-    #[error("CUDA call {op} failed: {message}")]
-    Cuda {
-        /// The operation that was called.
+    /// A module needs a named input that the call did not pass.
+    #[error("{op}: needs the named input `{name}`; pass it with Inputs::named or Inputs::constant")]
+    MissingInput {
+        /// The module's operation.
         op: &'static str,
-        /// The driver's name and description of the code.
-        message: String,
+        /// The missing name.
+        name: String,
     },
+
+    /// A module's backward gave no gradient where the caller needs one (a stack feeds each
+    /// layer's input gradient to the layer before it).
+    #[error("{op}: {what} has no gradient; a module in a stack must return its input's gradient")]
+    MissingGradient {
+        /// The operation that needed it.
+        op: &'static str,
+        /// Which gradient.
+        what: String,
+    },
+
+    // ---- graphed callables ----------------------------------------------------------------------
+    /// A graphed callable refused a call, or `make_graphed_callables` refused its arguments or a
+    /// capture; `kind` says why and what to do. Where a layer below refused (a graph pool's
+    /// order, a stream of another device), `kind` is
+    /// [`GraphedErrorKind::Refused`](crate::graph::GraphedErrorKind::Refused) holding that error
+    /// ([`Error::refused_by`]).
+    #[error("graphed callable {callable}: {kind}")]
+    Graphed {
+        /// The callable (its name and index), or "make_graphed_callables" for the call as a whole.
+        callable: String,
+        /// What went wrong.
+        kind: crate::graph::GraphedErrorKind,
+    },
+
+    // ---- schedules ------------------------------------------------------------------------------
+    /// A pipeline schedule is inconsistent; `kind` says where and what to do.
+    #[error("pipeline schedule: {0}")]
+    Schedule(crate::nn::ScheduleErrorKind),
+
+    // ---- offload --------------------------------------------------------------------------------
+    /// The activation offload manager refused a call or a schedule; `kind` says why and what to
+    /// do.
+    #[error("activation offloading: {0}")]
+    Offload(crate::offload::OffloadErrorKind),
+
+    // ---- distributed ----------------------------------------------------------------------------
+    /// A collective or a process group failed; `kind` says which rank and what.
+    #[error("{op} on rank {rank}: {kind}")]
+    Comm {
+        /// The operation.
+        op: &'static str,
+        /// The rank that reports it.
+        rank: usize,
+        /// What went wrong.
+        kind: crate::device::CommErrorKind,
+    },
+
+    // ---- checkpoints ----------------------------------------------------------------------------
+    /// A checkpoint file could not be saved, read or used; `kind` says what and what to do.
+    #[error("checkpoint {path}: {kind}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        kind: crate::checkpoint::CheckpointErrorKind,
+    },
+
+    // ---- training -------------------------------------------------------------------------------
+    /// An optimizer found a non-finite (infinite or NaN) gradient under
+    /// [`NonFinite::Stop`](crate::optim::NonFinite::Stop): it updated nothing from that step on,
+    /// so the parameters and its state are those after step `step − 1`.
+    #[error("a non-finite gradient at optimizer step {step} (first in `{param}`); the update of that step and of the {} later step(s) was skipped, so the parameters are those after step {}: do not save them over a good checkpoint; lower the learning rate (or find the bad input) and resume from the last checkpoint, or build the optimizer with NonFinite::Skip to skip such steps", skipped.saturating_sub(1), step.saturating_sub(1))]
+    NonFinite {
+        /// The first step (the optimizer's 1-based step counter) with a non-finite gradient.
+        step: u64,
+        /// The parameter holding that step's first non-finite gradient (its name in the store),
+        /// or `element N` of the flat buffer if no parameter holds it.
+        param: String,
+        /// Updates skipped so far: the step and every later one.
+        skipped: u64,
+    },
+
+    // ---- checker --------------------------------------------------------------------------------
+    /// In strict mode, the checker found a hazard in this call (its work was enqueued).
+    #[error("hazard: {0}")]
+    Hazard(Box<crate::check::Hazard>),
 }
 
-/// The note on the drop errors that came after a kept one.
 /// " on the cuda device", or nothing for a limit of every backend (`"any"`).
 fn on_backend(backend: &str) -> String {
     if backend == "any" {
@@ -427,6 +443,7 @@ fn on_backend(backend: &str) -> String {
     }
 }
 
+/// The note on the drop errors that came after a kept one.
 fn later_drops(more: usize) -> String {
     match more {
         0 => String::new(),
@@ -564,6 +581,17 @@ impl Error {
     pub fn graphed_kind(&self) -> Option<&crate::graph::GraphedErrorKind> {
         match self {
             Error::Graphed { kind, .. } => Some(kind),
+            _ => None,
+        }
+    }
+
+    /// The lower layer's error that a graphed call refused for
+    /// ([`GraphedErrorKind::Refused`](crate::graph::GraphedErrorKind::Refused)), if this is such a
+    /// refusal: a [`PoolOrder`](Error::PoolOrder), [`PoolConcurrent`](Error::PoolConcurrent),
+    /// [`WrongDevice`](Error::WrongDevice) or [`ForeignPool`](Error::ForeignPool) error.
+    pub fn refused_by(&self) -> Option<&Error> {
+        match self.graphed_kind() {
+            Some(crate::graph::GraphedErrorKind::Refused(e)) => Some(e),
             _ => None,
         }
     }

@@ -52,15 +52,15 @@ pub fn code(outcome: &anyhow::Result<()>) -> ExitCode {
 
 /// Whether `e` is about the user's input rather than a failure while running.
 fn is_refusal(e: &anyhow::Error) -> bool {
-    use graphed::offload::OffloadErrorKind;
     use graphed::Error;
     e.chain().any(|cause| {
         cause.downcast_ref::<Refused>().is_some()
             || cause.downcast_ref::<crate::cli::report::ReportError>().is_some()
-            || matches!(
-                cause.downcast_ref::<Error>(),
-                Some(Error::Checkpoint { .. } | Error::Config(_) | Error::Offload(OffloadErrorKind::Config { .. }))
-            )
+            || match cause.downcast_ref::<Error>() {
+                Some(Error::Checkpoint { .. } | Error::Config(_)) => true,
+                Some(Error::Offload(kind)) => kind.is_config(),
+                _ => false,
+            }
     })
 }
 

@@ -222,6 +222,39 @@ pub enum CommErrorKind {
         /// Which buffers overlap.
         what: String,
     },
+    /// Gradient buckets of two graphed callables that overlap
+    /// ([`DataParallel::new`](crate::dist::DataParallel::new)): a gradient in both would be
+    /// summed twice, the second sum doubling the first.
+    #[error(
+        "the gradient buckets of graphed callables {first} and {second} overlap (a parameter they share would be \
+         reduced twice); give each gradient to one bucket"
+    )]
+    BucketOverlap {
+        /// The earlier callable.
+        first: usize,
+        /// The later callable.
+        second: usize,
+    },
+    /// A graphed callable whose index has no gradient bucket in the
+    /// [`DataParallel`](crate::dist::DataParallel) it reduces through.
+    #[error("graphed callable {callable} has no gradient bucket; pass one per callable")]
+    NoBucket {
+        /// The callable's index.
+        callable: usize,
+    },
+    /// A parameter a module told final in its backward that is not in its callable's gradient
+    /// bucket.
+    #[error(
+        "parameter `{param}` was told final in graphed callable {callable}'s backward but is not in its gradient \
+         bucket; make the DataParallel from the callables' own parameters (DataParallel::for_callables or \
+         for_stack)"
+    )]
+    NotInBucket {
+        /// The parameter's name.
+        param: String,
+        /// The callable's index.
+        callable: usize,
+    },
     /// A reduction of an element type that has no sum here.
     #[error("cannot sum {dtype}; reduce f32, bf16 or f16")]
     DType {

@@ -83,12 +83,8 @@ impl DataParallel {
             let at = b.grads.access(AccessMode::Read)?;
             // A gradient in two buckets (a parameter shared by two callables) would be summed
             // twice: the second sum would double the first.
-            if let Some(j) = seen.iter().position(|other: &Access| other.overlaps(&at)) {
-                let what = format!(
-                    "the gradient buckets of graphed callables {j} and {i} overlap (a parameter they share would be \
-                     reduced twice); give each gradient to one bucket"
-                );
-                return Err(bucket_error(comm.rank(), what));
+            if let Some(first) = seen.iter().position(|other: &Access| other.overlaps(&at)) {
+                return Err(bucket_error(comm.rank(), CommErrorKind::BucketOverlap { first, second: i }));
             }
             seen.push(at);
         }
@@ -151,14 +147,12 @@ impl DataParallel {
     }
 
     /// A gradient bucket that does not match what the capture tells.
-    fn mismatch(&self, what: String) -> Error {
-        bucket_error(self.comm.rank(), what)
+    fn mismatch(&self, kind: CommErrorKind) -> Error {
+        bucket_error(self.comm.rank(), kind)
     }
 
     fn bucket(&self, callable: usize) -> Result<&Bucket> {
-        self.buckets.get(callable).ok_or_else(|| {
-            self.mismatch(format!("graphed callable {callable} has no gradient bucket; pass one per callable"))
-        })
+        self.buckets.get(callable).ok_or_else(|| self.mismatch(CommErrorKind::NoBucket { callable }))
     }
 
     /// Reduces `pieces` of buckets on the communication stream, forked from `stream` (after the
@@ -193,8 +187,8 @@ impl DataParallel {
 }
 
 /// Gradient buckets that do not fit the capture or each other.
-fn bucket_error(rank: usize, what: String) -> Error {
-    Error::Comm { op: "DataParallel", rank, kind: CommErrorKind::Length { what } }
+fn bucket_error(rank: usize, kind: CommErrorKind) -> Error {
+    Error::Comm { op: "DataParallel", rank, kind }
 }
 
 /// `ranges` less `done`, in order, adjacent pieces merged: what is left to reduce.
@@ -231,10 +225,7 @@ impl GradSync for DataParallel {
         let mut ranges = Vec::with_capacity(params.len());
         for p in params {
             let Some((_, r)) = bucket.params.iter().find(|(name, _)| *name == p.name) else {
-                return Err(self.mismatch(format!(
-                    "parameter `{}` was told final in graphed callable {callable}'s backward but is not in its gradient bucket",
-                    p.name
-                )));
+                return Err(self.mismatch(CommErrorKind::NotInBucket { param: p.name.clone(), callable }));
             };
             ranges.push(r.clone());
         }
@@ -310,11 +301,14 @@ mod tests {
             let grads = Tensor::zeros(&alloc, &s, &[10], DType::F32)?;
             let apart = DataParallel::new(c, vec![grads.narrow(0, 0, 4)?, grads.narrow(0, 4, 6)?]).err();
             let shared = DataParallel::new(c, vec![grads.narrow(0, 0, 6)?, grads.narrow(0, 4, 6)?]).err();
-            Ok((apart.map(|e| e.to_string()), shared.map(|e| e.to_string())))
+            let overlap =
+                |e: &Error| matches!(e, Error::Comm { kind: CommErrorKind::BucketOverlap { first: 0, second: 1 }, .. });
+            Ok((apart.map(|e| e.to_string()), shared.map(|e| (overlap(&e), e.to_string()))))
         });
         let (apart, shared) = out.into_iter().next().expect("one rank").expect("rank 0 ran");
         assert_eq!(apart, None, "adjacent buckets are fine");
-        assert!(shared.is_some_and(|e| e.contains("callables 0 and 1 overlap")), "overlapping ones are refused");
+        let refused = shared.is_some_and(|(kind, e)| kind && e.contains("callables 0 and 1 overlap"));
+        assert!(refused, "overlapping ones are refused as BucketOverlap");
     }
 
     #[test]

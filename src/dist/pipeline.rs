@@ -148,10 +148,6 @@ impl P2pLinks {
         Ok(())
     }
 
-    fn refuse<T>(&self, what: String) -> Result<T> {
-        Err(Error::Schedule(ScheduleErrorKind::Arguments { what }))
-    }
-
     /// Checks exchange `index`'s peers (ranks of the group other than this one) and what it
     /// sends against the boundary (a peer would receive a different count: NCCL would hang or
     /// corrupt memory), before anything is enqueued or kept.
@@ -162,14 +158,14 @@ impl P2pLinks {
         let numel: usize = self.shape.iter().product();
         for (peer, t) in sends {
             if t.numel() != numel || t.dtype() != self.dtype || !t.is_contiguous() {
-                return self.refuse(format!(
-                    "exchange {index} sends a {} tensor of shape {:?} to stage {peer}, but the stages' boundary is a \
-                     contiguous {} tensor of shape {:?}; give the links the boundary's shape",
-                    t.dtype(),
-                    t.shape(),
-                    self.dtype,
-                    self.shape
-                ));
+                return Err(Error::Schedule(ScheduleErrorKind::Boundary {
+                    index,
+                    peer: *peer,
+                    dtype: t.dtype(),
+                    shape: t.shape().to_vec(),
+                    boundary_dtype: self.dtype,
+                    boundary: self.shape.clone(),
+                }));
             }
         }
         Ok(())
@@ -196,10 +192,8 @@ impl StageLinks for P2pLinks {
         let Some(o) = &mut self.overlap else { return Ok(()) };
         if o.waited.is_none_or(|w| w < index) {
             // An event of an exchange this step has not run would be an earlier step's.
-            let done = o.done.get(index).filter(|_| index < o.ran).ok_or_else(|| {
-                let what = format!("a pass waits for exchange {index}, which this step has not run");
-                Error::Schedule(ScheduleErrorKind::Arguments { what })
-            })?;
+            let not_run = Error::Schedule(ScheduleErrorKind::ExchangeNotRun { index });
+            let done = o.done.get(index).filter(|_| index < o.ran).ok_or(not_run)?;
             self.stream.wait(done)?;
             o.waited = Some(index);
         }
@@ -229,20 +223,14 @@ impl P2pLinks {
                     let same_recvs =
                         c.recvs.len() == recvs.len() && c.recvs.iter().zip(recvs).all(|((p, _), q)| p == q);
                     if !(same_sends && same_recvs) {
-                        return self.refuse(format!(
-                            "exchange {index} sends or receives other buffers or stages than its graph captured; \
-                             graphed links need the static outputs of graphed passes and the same schedule at every \
-                             step (use eager links with eager passes)"
-                        ));
+                        return Err(Error::Schedule(ScheduleErrorKind::NotAsCaptured { index }));
                     }
                     true
                 }
                 None if index == captured.len() => false,
                 None => {
-                    return self.refuse(format!(
-                        "exchange {index} of a step after {} captured ones; run the same schedule at every step",
-                        captured.len()
-                    ))
+                    let captured = captured.len();
+                    return Err(Error::Schedule(ScheduleErrorKind::BeyondCaptured { index, captured }));
                 }
             },
         };

@@ -41,17 +41,18 @@ pub(crate) fn build(
         let fed = plan.statics[i].is_none();
         let slots = inputs.iter().map(|x| Slot { input: x.clone(), chained: fed }).collect();
         let name = &plan.names[i];
+        let callable: Arc<str> = name.as_str().into();
         let origin = |what: String, t: Option<&Tensor>| Origin {
+            callable: callable.clone(),
             what: what.into(),
             writers: t.map_or_else(|| Arc::from([]), |t| writers_of(pool, t)),
         };
-        let output_origins =
-            outputs.iter().enumerate().map(|(k, y)| origin(format!("{name}: output {k}"), Some(y))).collect();
+        let output_origins = outputs.iter().enumerate().map(|(k, y)| origin(format!("output {k}"), Some(y))).collect();
         let grad_origins = (dxs.iter().zip(inputs.iter()).enumerate())
-            .map(|(k, (d, x))| origin(format!("{name}: gradient of {}", x.label(k)), d.as_ref()))
+            .map(|(k, (d, x))| origin(format!("gradient of {}", x.label(k)), d.as_ref()))
             .collect();
         out.push(GraphedCallable {
-            name: name.as_str().into(),
+            name: callable.clone(),
             draws: None,
             shared: shared.clone(),
             pool: pool.clone(),

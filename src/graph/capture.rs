@@ -85,10 +85,7 @@ pub fn make_graphed_callables(
         return Ok(graphed);
     };
     if options.mode == Mode::Inference {
-        let what = "a schedule runs backwards, which inference does not capture; graph it in training mode, or \
-                    graph the forwards without a schedule"
-            .to_string();
-        return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
+        return Err(refuse(GraphedErrorKind::ScheduleInInference));
     }
     // One instance of each layer per microbatch, in the samples' order: chunk by chunk,
     // microbatch by microbatch, layer by layer.
@@ -96,29 +93,14 @@ pub fn make_graphed_callables(
     let layers = match &options.layers_per_chunk {
         Some(l) => l.clone(),
         None if callables.len().is_multiple_of(chunks) => vec![callables.len() / chunks; chunks],
-        None => {
-            let what = format!(
-                "{} callables do not split evenly into {chunks} chunks; pass layers_per_chunk",
-                callables.len()
-            );
-            return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
-        }
+        None => return Err(refuse(GraphedErrorKind::UnevenChunks { callables: callables.len(), chunks })),
     };
     if layers.len() != chunks || layers.iter().sum::<usize>() != callables.len() || layers.contains(&0) {
-        let what = format!(
-            "layers per chunk {layers:?} do not give the schedule's {chunks} chunks the {} callables; give each chunk \
-             at least one",
-            callables.len()
-        );
-        return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
+        return Err(refuse(GraphedErrorKind::LayersPerChunk { layers, chunks, callables: callables.len() }));
     }
     if samples.len() != callables.len() * microbatches {
-        let what = format!(
-            "{} sample input sets for {} layers and {microbatches} microbatches; pass one per (chunk, microbatch, layer)",
-            samples.len(),
-            callables.len()
-        );
-        return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
+        let (samples, callables) = (samples.len(), callables.len());
+        return Err(refuse(GraphedErrorKind::ScheduleSamples { samples, callables, microbatches }));
     }
     let (mut instances, mut names) = (Vec::with_capacity(samples.len()), Vec::with_capacity(samples.len()));
     schedule.check_weight_grads(&layers, &mut |l| Ok(callables[l].splits_dw_dyn()))?;
@@ -218,8 +200,7 @@ pub fn make_graphed_stack<M: Module>(
 ) -> Result<GraphedStack> {
     let callables: Vec<&dyn Callable> = stack.layers().iter().map(|l| l as &dyn Callable).collect();
     if options.schedule.is_some() {
-        let what = "a stack replays as one pass; graph a schedule's layers with make_graphed_callables".to_string();
-        return Err(refuse(GraphedErrorKind::ScheduleShape { what }));
+        return Err(refuse(GraphedErrorKind::ScheduleForStack));
     }
     let samples = (0..callables.len()).map(|i| (i == 0).then(|| Inputs::one(sample))).collect();
     // Graphs for inference draw nothing: only training replays advance the counter.

@@ -1,18 +1,26 @@
 //! Why a graphed callable or stack refused a call or a capture.
 
-use crate::device::{GraphId, StreamId};
+use crate::device::GraphId;
 use crate::Error;
 
 /// Which rule a graphed call or capture broke. Each variant's message ends with the fix.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+///
+/// Not `Clone` or `PartialEq`: [`Refused`](GraphedErrorKind::Refused) holds the lower layer's
+/// [`Error`]; match on the variants instead.
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum GraphedErrorKind {
-    /// A pipeline schedule that does not fit the callables and samples given.
-    #[error("{what}")]
-    ScheduleShape {
-        /// What does not fit, and what to pass.
-        what: String,
-    },
+    // ---- refusals of the layers below -----------------------------------------------------------
+    /// A layer below (the device, the allocator, a graph pool) refused the call: a stream,
+    /// tensor or pool of another device ([`Error::WrongDevice`]), a pool of another allocator
+    /// ([`Error::ForeignPool`]), a replay out of its pool's capture order ([`Error::PoolOrder`],
+    /// R5) or racing the pool's replay on another stream ([`Error::PoolConcurrent`], R5). The
+    /// wrapped error names the operation, the devices or both graphs; the message is its message
+    /// (with the graph layer's way out where there is one), so it is not also its `source()`.
+    #[error("{0}{fix}", fix = graph_layer_fix(.0))]
+    Refused(Box<Error>),
+
+    // ---- arguments of make_graphed_callables and make_graphed_stack -----------------------------
     /// Gradient work (`GraphOptions::grad_sync`) asked for where it cannot run.
     #[error("GraphOptions::grad_sync {why}")]
     GradSync {
@@ -39,6 +47,54 @@ pub enum GraphedErrorKind {
     /// `GraphOptions::pool` and `GraphOptions::pool_per_callable` were both given.
     #[error("both a shared pool and a pool per callable were asked for; choose one")]
     ConflictingPools,
+    /// A pipeline schedule given for an inference capture.
+    #[error(
+        "a schedule runs backwards, which inference does not capture; graph it in training mode, or graph the \
+         forwards without a schedule"
+    )]
+    ScheduleInInference,
+    /// A pipeline schedule given to `make_graphed_stack`.
+    #[error("a stack replays as one pass; graph a schedule's layers with make_graphed_callables")]
+    ScheduleForStack,
+    /// Callables that do not split evenly into the schedule's chunks, and no
+    /// `GraphOptions::layers_per_chunk` to say how they split.
+    #[error("{callables} callables do not split evenly into {chunks} chunks; pass layers_per_chunk")]
+    UnevenChunks {
+        /// Callables given.
+        callables: usize,
+        /// The schedule's chunks.
+        chunks: usize,
+    },
+    /// `GraphOptions::layers_per_chunk` that does not give every chunk of the schedule at least
+    /// one of the callables, or not all of them.
+    #[error(
+        "layers per chunk {layers:?} do not give the schedule's {chunks} chunks the {callables} callables; give \
+         each chunk at least one"
+    )]
+    LayersPerChunk {
+        /// The layers per chunk given.
+        layers: Vec<usize>,
+        /// The schedule's chunks.
+        chunks: usize,
+        /// Callables given.
+        callables: usize,
+    },
+    /// Under a schedule, a number of sample input sets other than one per (chunk, microbatch,
+    /// layer).
+    #[error(
+        "{samples} sample input sets for {callables} layers and {microbatches} microbatches; pass one per (chunk, \
+         microbatch, layer)"
+    )]
+    ScheduleSamples {
+        /// Sample input sets given.
+        samples: usize,
+        /// Callables (layers) given.
+        callables: usize,
+        /// The schedule's microbatches.
+        microbatches: usize,
+    },
+
+    // ---- inputs of a call -----------------------------------------------------------------------
     /// A named input of the sample is missing at call time.
     #[error("named input `{name}` is missing; pass every named input the sample had")]
     MissingInput {
@@ -89,6 +145,8 @@ pub enum GraphedErrorKind {
         /// As given.
         found: crate::device::DType,
     },
+
+    // ---- what the capture found -----------------------------------------------------------------
     /// A differentiable input received no gradient in the warmup backward.
     #[error(
         "{input} received no gradient in the warmup backward; pass it with Inputs::constant, or set GraphOptions::allow_unused_input"
@@ -122,6 +180,8 @@ pub enum GraphedErrorKind {
         "the device watches no captures, so the sync event cannot be verified; create the device with Device::cuda or Device::sim"
     )]
     Unverifiable,
+
+    // ---- replays and their outputs --------------------------------------------------------------
     /// A side-stream replay of graphs captured without a sync event.
     #[error(
         "its graphs record no sync event, so the caller could not resume before the whole replay ends; capture with GraphOptions::sync_event, or replay with Replay::joined"
@@ -137,7 +197,7 @@ pub enum GraphedErrorKind {
         "{what} was overwritten by launch {now} of graph {graph} (it was returned after launch {made_by}); copy it (StaticTensor::to_owned) before replaying further"
     )]
     StaleOutput {
-        /// Which one.
+        /// Which one ("output 0", "gradient of input 0"), of the callable the error names.
         what: String,
         /// The graph whose replay overwrote it.
         graph: GraphId,
@@ -157,42 +217,6 @@ pub enum GraphedErrorKind {
         "it has no split weight gradient, so backward already accumulated it; call backward_dw only for modules that split it"
     )]
     NoSplitDw,
-    /// A replay out of its pool's capture order (replay contract R5): graphs that share a pool
-    /// reuse each other's memory, so only that order is safe.
-    #[error("its graph {graph} was replayed out of its pool's capture order: the next graph of the pool is {}; replay the pool's graphs in the order they were captured (cyclically)", expected_name.as_deref().map_or_else(|| expected.to_string(), |n| format!("{expected} ({n})")))]
-    PoolOrder {
-        /// The graph whose replay was refused.
-        graph: GraphId,
-        /// The graph that must come next.
-        expected: GraphId,
-        /// Its module and pass, if known.
-        expected_name: Option<String>,
-    },
-    /// A replay on another stream than the pool's previous replay, with no ordering between
-    /// them (R5: no concurrent replays), such as a caller-stream replay while a side-stream tail
-    /// of the pool is not joined.
-    #[error("its graph {graph} was replayed on stream {stream} while {} of the same pool was last replayed on stream {previous_stream}; join the tails first (GraphedStack::join, Tail::join), or GraphPool::join({stream})", previous_name.as_deref().map_or_else(|| previous.to_string(), |n| format!("{previous} ({n})")))]
-    PoolConcurrent {
-        /// The graph whose replay was refused.
-        graph: GraphId,
-        /// Its stream.
-        stream: StreamId,
-        /// The pool's previous replay.
-        previous: GraphId,
-        /// Its module and pass, if known.
-        previous_name: Option<String>,
-        /// Its stream.
-        previous_stream: StreamId,
-    },
-    /// A stream (or tensor, or pool) of another device than the one the graphs belong to.
-    #[error("the {what} belongs to another device; pass one of the device the modules and graphs live on")]
-    WrongDevice {
-        /// Which argument ("caller's stream", "replay stream", "stream").
-        what: &'static str,
-    },
-    /// A graph pool of another allocator than the one the modules allocate from.
-    #[error("the graph pool was made by another CachingAllocator; pass a pool of the allocator the modules allocate from (CachingAllocator::new_pool)")]
-    ForeignPool,
     /// A layer of a graphed stack was replayed on its own: its input is the previous layer's
     /// static output, which only the stack's replay feeds correctly.
     #[error(
@@ -210,19 +234,61 @@ fn sync_fix(rule: &str) -> &'static str {
     }
 }
 
+/// The graph layer's way out of a lower layer's refusal, where it has one beyond the wrapped
+/// error's own: a graphed replay's side-stream tail is joined through its `Tail`, `Tails` or
+/// `GraphedStack`, not through the pool.
+fn graph_layer_fix(e: &Error) -> &'static str {
+    match e {
+        Error::PoolConcurrent { .. } => {
+            " (a graphed call's side-stream replay leaves a tail: join it first with Tail::join, Tails::join or \
+             GraphedStack::join)"
+        }
+        _ => "",
+    }
+}
+
 /// A refusal from the layers below, in the graph layer's one shape: `Error::Graphed` naming
-/// `callable`, so that a user matches every refusal of a graphed call the same way.
+/// `callable`, wrapping the lower error in [`GraphedErrorKind::Refused`], so that a user matches
+/// every refusal of a graphed call the same way. Errors that are no refusal (a device failure)
+/// pass through unwrapped.
 pub(crate) fn refusal(callable: &str, e: Error) -> Error {
-    let kind = match e {
-        Error::PoolOrder { graph, expected, expected_name, .. } => {
-            GraphedErrorKind::PoolOrder { graph, expected, expected_name }
+    match e {
+        Error::PoolOrder { .. }
+        | Error::PoolConcurrent { .. }
+        | Error::WrongDevice { .. }
+        | Error::ForeignPool { .. } => {
+            Error::Graphed { callable: callable.to_string(), kind: GraphedErrorKind::Refused(Box::new(e)) }
         }
-        Error::PoolConcurrent { graph, stream, previous, previous_name, previous_stream, .. } => {
-            GraphedErrorKind::PoolConcurrent { graph, stream, previous, previous_name, previous_stream }
-        }
-        Error::WrongDevice { what, .. } => GraphedErrorKind::WrongDevice { what },
-        Error::ForeignPool { .. } => GraphedErrorKind::ForeignPool,
-        other => return other,
-    };
-    Error::Graphed { callable: callable.to_string(), kind }
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::StreamId;
+    use crate::memory::PoolId;
+
+    #[test]
+    fn a_refusal_of_a_layer_below_is_wrapped_with_its_message() {
+        let foreign = || Error::ForeignPool { op: "make_graphed_callables", pool: PoolId(3) };
+        let e = refusal("fc#0", foreign());
+        assert!(matches!(e.refused_by(), Some(Error::ForeignPool { pool: PoolId(3), .. })));
+        assert_eq!(e.to_string(), format!("graphed callable fc#0: {}", foreign()));
+        // A concurrent replay adds the graph layer's way out: its tails.
+        let concurrent = || Error::PoolConcurrent {
+            pool: PoolId(1),
+            graph: GraphId(2),
+            graph_name: Some("fc#0 Backward".into()),
+            stream: StreamId(4),
+            previous: GraphId(1),
+            previous_name: None,
+            previous_stream: StreamId(5),
+        };
+        let e = refusal("fc#0", concurrent()).to_string();
+        assert!(e.starts_with(&format!("graphed callable fc#0: {}", concurrent())), "{e}");
+        assert!(e.contains("Tail::join"), "{e}");
+        // Anything else is no refusal of the call, and passes through.
+        assert!(matches!(refusal("fc#0", Error::GraphReset { op: "launch" }), Error::GraphReset { .. }));
+    }
 }

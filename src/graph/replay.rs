@@ -96,8 +96,8 @@ impl Tail {
     /// Makes `stream` wait for the whole replay, tail included.
     ///
     /// # Errors
-    /// [`GraphedErrorKind::WrongDevice`] for a stream of another device than the replay's, before
-    /// anything is enqueued.
+    /// [`GraphedErrorKind::Refused`] ([`Error::WrongDevice`]) for a stream of another device than
+    /// the replay's, before anything is enqueued.
     pub fn join(mut self, stream: &Stream) -> Result<()> {
         self.join_pending(stream)
     }
@@ -186,8 +186,8 @@ impl Tails {
     /// Makes `stream` wait for every tail; the tails joined are no longer pending.
     ///
     /// # Errors
-    /// [`GraphedErrorKind::WrongDevice`] for a stream of another device than a tail's replay,
-    /// decided before anything is enqueued: every tail stays pending then.
+    /// [`GraphedErrorKind::Refused`] ([`Error::WrongDevice`]) for a stream of another device than a
+    /// tail's replay, decided before anything is enqueued: every tail stays pending then.
     pub fn join(&mut self, stream: &Stream) -> Result<()> {
         self.latest.iter().filter_map(|t| t.pending.as_ref()).try_for_each(|p| p.check(stream))?;
         let joined = self.latest.iter_mut().try_for_each(|t| t.join_pending(stream));
@@ -232,6 +232,9 @@ impl std::fmt::Debug for Tail {
 /// What a static output is, and the graphs of its pool that write its memory; computed once at
 /// capture so that a replay only clones it.
 pub(crate) struct Origin {
+    /// The callable that returns it, for refusals.
+    pub(crate) callable: Arc<str>,
+    /// Which of its outputs it is ("output 0", "gradient of input 0").
     pub(crate) what: Arc<str>,
     pub(crate) writers: Arc<[GraphId]>,
 }
@@ -247,14 +250,18 @@ pub struct StaticTensor {
     /// The graphs that write its memory, and their launch counts when it was made.
     writers: Arc<[GraphId]>,
     made_at: Vec<u64>,
+    /// The callable that returned it.
+    callable: Arc<str>,
+    /// Which of its outputs it is.
     what: Arc<str>,
 }
 
 impl StaticTensor {
     pub(crate) fn new(tensor: &Tensor, pool: &GraphPool, origin: &Origin) -> StaticTensor {
         let made_at = pool.launch_counts(&origin.writers);
-        let (pool, writers, what) = (pool.clone(), origin.writers.clone(), origin.what.clone());
-        StaticTensor { tensor: tensor.clone(), pool, writers, made_at, what }
+        let (pool, writers) = (pool.clone(), origin.writers.clone());
+        let (callable, what) = (origin.callable.clone(), origin.what.clone());
+        StaticTensor { tensor: tensor.clone(), pool, writers, made_at, callable, what }
     }
 
     /// The first writer launched since this tensor was made, with its launch count then and now.
@@ -275,7 +282,7 @@ impl StaticTensor {
         match self.overwritten() {
             None => Ok(&self.tensor),
             Some((graph, made_by, now)) => Err(Error::Graphed {
-                callable: self.what.split(':').next().unwrap_or_default().to_string(),
+                callable: self.callable.to_string(),
                 kind: GraphedErrorKind::StaleOutput { what: self.what.to_string(), graph, made_by, now },
             }),
         }
@@ -308,6 +315,6 @@ impl StaticTensor {
 
 impl std::fmt::Debug for StaticTensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "StaticTensor({}, {:?})", self.what, self.tensor.shape())
+        write!(f, "StaticTensor({}: {}, {:?})", self.callable, self.what, self.tensor.shape())
     }
 }

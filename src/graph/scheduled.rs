@@ -38,12 +38,7 @@ impl<'a> GraphedPasses<'a> {
 
     fn callable(&self, layer: usize, microbatch: usize) -> Result<&GraphedCallable> {
         let i = self.schedule.instance(self.layers_per_chunk, layer, microbatch);
-        self.callables.get(i).ok_or_else(|| {
-            let what = format!(
-                "no graphed callable for layer {layer}, microbatch {microbatch}; give the schedule's callables"
-            );
-            Error::Schedule(ScheduleErrorKind::Arguments { what })
-        })
+        (self.callables.get(i)).ok_or(Error::Schedule(ScheduleErrorKind::NoCallable { layer, microbatch }))
     }
 }
 

@@ -60,6 +60,7 @@ impl fmt::Display for Step {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ScheduleErrorKind {
+    // ---- the schedule's steps -------------------------------------------------------------------
     /// The schedule has no forward.
     #[error("the schedule has no forward; give each chunk's forwards and backwards")]
     Empty,
@@ -132,11 +133,159 @@ pub enum ScheduleErrorKind {
         /// The chunk.
         chunk: usize,
     },
-    /// A builder's arguments that cannot make a schedule.
-    #[error("{what}")]
-    Arguments {
-        /// What is wrong, and the accepted values.
-        what: String,
+
+    // ---- builders' arguments --------------------------------------------------------------------
+    /// A size given to a builder (chunks, microbatches, stages, virtual stages) is 0.
+    #[error("{name} is 0; pass at least 1")]
+    Zero {
+        /// Which size.
+        name: &'static str,
+    },
+    /// A pipeline rank that is not one of the stages.
+    #[error("rank {rank} is not one of the {stages} stages; pass a rank below {stages}")]
+    RankOutsideStages {
+        /// The rank given.
+        rank: usize,
+        /// The stages.
+        stages: usize,
+    },
+    /// An interleaved schedule (several chunks per rank) whose microbatches are not a multiple of
+    /// the stages: microbatches go through the chunks in groups of `stages`.
+    #[error(
+        "{microbatches} microbatches are not a multiple of the {stages} stages, which interleaving needs; pass a \
+         multiple"
+    )]
+    NotMultipleOfStages {
+        /// The microbatches given.
+        microbatches: usize,
+        /// The stages.
+        stages: usize,
+    },
+    /// A [`Stage`] index outside the stages (or no stages at all).
+    #[error("stage {index} of {count} does not exist; pass an index below the count, which is at least 1")]
+    NoSuchStage {
+        /// The index given.
+        index: usize,
+        /// The stages given.
+        count: usize,
+    },
+
+    // ---- running a schedule ---------------------------------------------------------------------
+    /// Layers per chunk or inputs that do not fit the schedule and the stage: one count per chunk,
+    /// none of them 0, and one input per microbatch on the first stage, none on the others.
+    #[error(
+        "{layers_per_chunk:?} layers per chunk and {inputs} inputs for a schedule of {chunks} chunks and \
+         {microbatches} microbatches on stage {stage} of {stages}; pass one list of at least one layer per chunk, \
+         and the microbatches' inputs on the first stage only"
+    )]
+    LayersAndInputs {
+        /// The layers per chunk given.
+        layers_per_chunk: Vec<usize>,
+        /// The inputs given.
+        inputs: usize,
+        /// The schedule's chunks.
+        chunks: usize,
+        /// The schedule's microbatches.
+        microbatches: usize,
+        /// The stage's index.
+        stage: usize,
+        /// The pipeline's stages.
+        stages: usize,
+    },
+    /// A layer the passes do not have ([`SchedulePasses::splits_weight_grads`]).
+    #[error("there is no layer {layer} among the {layers} layers given; give every chunk's layers")]
+    NoSuchLayer {
+        /// The layer asked for (over every chunk's).
+        layer: usize,
+        /// The layers the passes have.
+        layers: usize,
+    },
+    /// No graphed callable for a (layer, microbatch) instance of the schedule
+    /// ([`GraphedPasses`](crate::graph::GraphedPasses)).
+    #[error("no graphed callable for layer {layer}, microbatch {microbatch}; give the schedule's callables")]
+    NoCallable {
+        /// The layer (over every chunk's).
+        layer: usize,
+        /// The microbatch.
+        microbatch: usize,
+    },
+    /// An eager backward of a (layer, microbatch) whose forward has not run, so no context is kept
+    /// for it ([`EagerPasses`]).
+    #[error(
+        "the backward of layer {layer}, microbatch {microbatch}, runs before its forward; run each forward before \
+         its backward, as a checked Schedule does"
+    )]
+    BackwardBeforeForward {
+        /// The layer (over every chunk's).
+        layer: usize,
+        /// The microbatch.
+        microbatch: usize,
+    },
+    /// A step whose input (forward) or gradient (backward) nothing gave: on a pipeline stage, the
+    /// links' exchange returned fewer tensors than the receives it was asked for.
+    #[error(
+        "{step} of microbatch {microbatch} has no {what}; a StageLinks::exchange must return one tensor per \
+         receive it is asked for"
+    )]
+    NotReceived {
+        /// The step.
+        step: Step,
+        /// The microbatch.
+        microbatch: usize,
+        /// "input" or "gradient".
+        what: &'static str,
+    },
+
+    // ---- pipeline links -------------------------------------------------------------------------
+    /// An exchange that sends a tensor other than the stages' boundary (another element count or
+    /// element type, or not contiguous): the peer would receive another count, and NCCL would
+    /// hang or corrupt memory.
+    #[error(
+        "exchange {index} sends a {dtype} tensor of shape {shape:?} to stage {peer}, but the stages' boundary is a \
+         contiguous {boundary_dtype} tensor of shape {boundary:?}; give the links the boundary's shape"
+    )]
+    Boundary {
+        /// The exchange.
+        index: usize,
+        /// The stage it sends to.
+        peer: usize,
+        /// The element type sent.
+        dtype: crate::device::DType,
+        /// The shape sent.
+        shape: Vec<usize>,
+        /// The boundary's element type.
+        boundary_dtype: crate::device::DType,
+        /// The boundary's shape.
+        boundary: Vec<usize>,
+    },
+    /// An exchange of graphed links that sends or receives other buffers or stages than its
+    /// graph captured.
+    #[error(
+        "exchange {index} sends or receives other buffers or stages than its graph captured; graphed links need \
+         the static outputs of graphed passes and the same schedule at every step (use eager links with eager \
+         passes)"
+    )]
+    NotAsCaptured {
+        /// The exchange.
+        index: usize,
+    },
+    /// An exchange of graphed links past the exchanges captured (and not the next one to
+    /// capture).
+    #[error("exchange {index} of a step after {captured} captured ones; run the same schedule at every step")]
+    BeyondCaptured {
+        /// The exchange.
+        index: usize,
+        /// The exchanges captured.
+        captured: usize,
+    },
+    /// A wait for an exchange that this step has not run: its event would be an earlier step's.
+    #[error(
+        "a pass waits for exchange {index}, which this step has not run; wait only for exchanges of the current \
+         step, after they are issued"
+    )]
+    ExchangeNotRun {
+        /// The exchange.
+        index: usize,
     },
 }
 
@@ -264,7 +413,7 @@ impl Schedule {
     /// Every forward (each microbatch through every chunk), then every backward in reverse.
     ///
     /// # Errors
-    /// [`ScheduleErrorKind::Arguments`] for zero chunks or microbatches.
+    /// [`ScheduleErrorKind::Zero`] for zero chunks or microbatches.
     pub fn all_forward_then_backward(chunks: usize, microbatches: usize) -> Result<Schedule> {
         positive(&[("chunks", chunks), ("microbatches", microbatches)])?;
         let fwd = (0..microbatches).flat_map(|_| (0..chunks).map(Step::Forward));
@@ -278,8 +427,9 @@ impl Schedule {
     /// forward and one backward in turn, then the remaining backwards.
     ///
     /// # Errors
-    /// [`ScheduleErrorKind::Arguments`] for zero sizes, a rank outside the stages, or (with
-    /// several chunks) microbatches that are not a multiple of the stages.
+    /// [`ScheduleErrorKind::Zero`] for zero sizes, [`ScheduleErrorKind::RankOutsideStages`] for a
+    /// rank outside the stages, [`ScheduleErrorKind::NotMultipleOfStages`] for (with several
+    /// chunks) microbatches that are not a multiple of the stages.
     pub fn interleaved_1f1b(
         stages: usize,
         rank: usize,
@@ -288,15 +438,10 @@ impl Schedule {
     ) -> Result<Schedule> {
         positive(&[("stages", stages), ("virtual stages", virtual_stages), ("microbatches", microbatches)])?;
         if rank >= stages {
-            let what = format!("rank {rank} is not one of the {stages} stages; pass a rank below {stages}");
-            return refuse(ScheduleErrorKind::Arguments { what });
+            return refuse(ScheduleErrorKind::RankOutsideStages { rank, stages });
         }
         if virtual_stages > 1 && !microbatches.is_multiple_of(stages) {
-            let what = format!(
-                "{microbatches} microbatches are not a multiple of the {stages} stages, which interleaving needs; \
-                 pass a multiple"
-            );
-            return refuse(ScheduleErrorKind::Arguments { what });
+            return refuse(ScheduleErrorKind::NotMultipleOfStages { microbatches, stages });
         }
         let total = microbatches * virtual_stages;
         // The k-th forward (or backward) of the rank is of this chunk: groups of `stages`
@@ -476,7 +621,7 @@ pub trait SchedulePasses {
     /// steps.
     ///
     /// # Errors
-    /// [`ScheduleErrorKind::Arguments`] when the passes have no such layer.
+    /// [`ScheduleErrorKind::NoSuchLayer`] when the passes have no such layer.
     fn splits_weight_grads(&self, layer: usize) -> Result<bool>;
 }
 
@@ -499,12 +644,10 @@ impl Stage {
     /// Stage `index` of `count`.
     ///
     /// # Errors
-    /// [`ScheduleErrorKind::Arguments`] for no stages or an index outside them.
+    /// [`ScheduleErrorKind::NoSuchStage`] for no stages or an index outside them.
     pub fn new(index: usize, count: usize) -> Result<Stage> {
         if index >= count {
-            let what =
-                format!("stage {index} of {count} does not exist; pass an index below the count, which is at least 1");
-            return refuse(ScheduleErrorKind::Arguments { what });
+            return refuse(ScheduleErrorKind::NoSuchStage { index, count });
         }
         Ok(Stage { index, count })
     }
@@ -582,7 +725,7 @@ pub trait StageLinks {
 /// they refuse to be read after a later replay (the next step's) overwrote them.
 ///
 /// # Errors
-/// [`ScheduleErrorKind::Arguments`] when the layers or inputs do not fit the schedule; the
+/// [`ScheduleErrorKind::LayersAndInputs`] when the layers or inputs do not fit the schedule; the
 /// passes' own.
 pub fn run_schedule<P: SchedulePasses + ?Sized>(
     passes: &mut P,
@@ -653,19 +796,19 @@ fn traverse<P: SchedulePasses + ?Sized>(
     let stage = pipeline.as_ref().map_or(Stage::single(), |(s, _)| *s);
     let microbatches = schedule.microbatches();
     let expected_inputs = if stage.index == 0 { microbatches } else { 0 };
+    let unfit = || {
+        Error::Schedule(ScheduleErrorKind::LayersAndInputs {
+            layers_per_chunk: layers_per_chunk.to_vec(),
+            inputs: inputs.len(),
+            chunks: schedule.chunks(),
+            microbatches,
+            stage: stage.index,
+            stages: stage.count,
+        })
+    };
     let fits = layers_per_chunk.len() == schedule.chunks() && !layers_per_chunk.contains(&0);
     if !fits || inputs.len() != expected_inputs {
-        let what = format!(
-            "{:?} layers per chunk and {} inputs for a schedule of {} chunks and {} microbatches on stage {} of {}; \
-             pass one list of at least one layer per chunk, and the microbatches' inputs on the first stage only",
-            layers_per_chunk,
-            inputs.len(),
-            schedule.chunks(),
-            microbatches,
-            stage.index,
-            stage.count,
-        );
-        return refuse(ScheduleErrorKind::Arguments { what });
+        return Err(unfit());
     }
     // Every layer exists, and split weight gradients have steps to run them.
     schedule.check_weight_grads(layers_per_chunk, &mut |l| passes.splits_weight_grads(l))?;
@@ -701,8 +844,6 @@ fn traverse<P: SchedulePasses + ?Sized>(
     };
     let (mut exchanges, mut rng_at) = (0, 0u64);
     for (i, &(step, j)) in steps.iter().enumerate() {
-        let missing =
-            |what: &str| ScheduleErrorKind::Arguments { what: format!("{step} of microbatch {j} has no {what}") };
         if let Some((_, links)) = pipeline.as_mut().filter(|_| !joined(i)) {
             let segment = (i..steps.len()).take_while(|&n| n == i || joined(n));
             let wanted: Vec<(Step, usize, usize)> =
@@ -727,7 +868,8 @@ fn traverse<P: SchedulePasses + ?Sized>(
                     rng_at = j as u64 + 1;
                 }
                 let (slot, what) = if forward { (&mut flowing[j], "input") } else { (&mut grads[j], "gradient") };
-                let (mut t, from) = slot.take().ok_or_else(|| Error::Schedule(missing(what)))?;
+                let not_received = || Error::Schedule(ScheduleErrorKind::NotReceived { step, microbatch: j, what });
+                let (mut t, from) = slot.take().ok_or_else(not_received)?;
                 if let (Some(e), Some((_, links))) = (from, pipeline.as_mut()) {
                     links.wait(e)?;
                 }
@@ -736,7 +878,7 @@ fn traverse<P: SchedulePasses + ?Sized>(
                     t = Flow::Made(if forward { passes.forward(l, j, x)? } else { passes.backward(l, j, x)? });
                 }
                 // Every chunk has a layer (checked above): its last pass made `t`.
-                let Flow::Made(t) = t else { return Err(Error::Schedule(missing("layer"))) };
+                let Flow::Made(t) = t else { return Err(unfit()) };
                 // The output goes to the head after the model's last chunk, to the neighbouring
                 // stage across ranks, or to this rank's next step of the microbatch.
                 let chunk = stage.model_chunk(k);
@@ -804,10 +946,8 @@ impl<M: Module> SchedulePasses for EagerPasses<'_, M> {
     }
 
     fn backward(&mut self, layer: usize, microbatch: usize, dy: &Tensor) -> Result<Tensor> {
-        let ctx = self.saved.remove(&(layer, microbatch)).ok_or_else(|| {
-            let what = format!("the backward of layer {layer}, microbatch {microbatch}, before its forward");
-            Error::Schedule(ScheduleErrorKind::Arguments { what })
-        })?;
+        let ctx = (self.saved.remove(&(layer, microbatch)))
+            .ok_or(Error::Schedule(ScheduleErrorKind::BackwardBeforeForward { layer, microbatch }))?;
         super::input_grad("EagerPasses::backward", self.layers[layer].backward(ctx, &[dy], self.stream)?)
     }
 
@@ -817,16 +957,15 @@ impl<M: Module> SchedulePasses for EagerPasses<'_, M> {
 
     fn splits_weight_grads(&self, layer: usize) -> Result<bool> {
         let Some(m) = self.layers.get(layer) else {
-            let what = format!("layer {layer} of {} layers; give every chunk's layers", self.layers.len());
-            return refuse(ScheduleErrorKind::Arguments { what });
+            return refuse(ScheduleErrorKind::NoSuchLayer { layer, layers: self.layers.len() });
         };
         Ok(m.splits_dw())
     }
 }
 
-fn positive(args: &[(&str, usize)]) -> Result<()> {
+fn positive(args: &[(&'static str, usize)]) -> Result<()> {
     match args.iter().find(|(_, v)| *v == 0) {
-        Some((name, _)) => refuse(ScheduleErrorKind::Arguments { what: format!("{name} is 0; pass at least 1") }),
+        Some(&(name, _)) => refuse(ScheduleErrorKind::Zero { name }),
         None => Ok(()),
     }
 }
@@ -882,9 +1021,17 @@ mod tests {
         assert!(matches!(kind(r), ScheduleErrorKind::WeightGrads { .. }));
         let r = Schedule::from_te_order(&[1.0, -1.0, -2.5]);
         assert!(matches!(kind(r), ScheduleErrorKind::WeightGrads { chunk: 1, .. }));
-        assert!(matches!(kind(Schedule::interleaved_1f1b(2, 2, 1, 4)), ScheduleErrorKind::Arguments { .. }));
-        assert!(matches!(kind(Schedule::interleaved_1f1b(2, 0, 2, 3)), ScheduleErrorKind::Arguments { .. }));
-        assert!(matches!(kind(Schedule::all_forward_then_backward(0, 2)), ScheduleErrorKind::Arguments { .. }));
+        assert!(matches!(
+            kind(Schedule::interleaved_1f1b(2, 2, 1, 4)),
+            ScheduleErrorKind::RankOutsideStages { rank: 2, stages: 2 }
+        ));
+        assert!(matches!(
+            kind(Schedule::interleaved_1f1b(2, 0, 2, 3)),
+            ScheduleErrorKind::NotMultipleOfStages { microbatches: 3, stages: 2 }
+        ));
+        assert!(matches!(kind(Schedule::all_forward_then_backward(0, 2)), ScheduleErrorKind::Zero { name: "chunks" }));
+        let stage = Stage::new(2, 2).err();
+        assert!(matches!(stage, Some(Error::Schedule(ScheduleErrorKind::NoSuchStage { index: 2, count: 2 }))));
     }
 
     #[test]

@@ -119,17 +119,17 @@ impl OffloadConfig {
     /// Checks every value.
     ///
     /// # Errors
-    /// [`OffloadErrorKind::Config`] naming the value and what is accepted.
+    /// [`OffloadErrorKind::BadSelector`] for a selector that is not `module.tensor` or
+    /// `module.*`, [`OffloadErrorKind::Slack`] for a slack outside (0, 1].
     pub fn validate(&self) -> Result<()> {
-        let bad = |what: String| Err(Error::Offload(OffloadErrorKind::Config { what }));
         for s in &self.sites {
             match s.split_once('.') {
                 Some((m, t)) if !m.is_empty() && !t.is_empty() && !t.contains('.') => {}
-                _ => return bad(format!("site selector `{s}` is not `module.tensor` or `module.*` (e.g. `attn.q`)")),
+                _ => return Err(Error::Offload(OffloadErrorKind::BadSelector { selector: s.clone() })),
             }
         }
         if !(self.slack > 0.0 && self.slack <= 1.0) {
-            return bad(format!("slack {} is not in (0, 1]", self.slack));
+            return Err(Error::Offload(OffloadErrorKind::Slack { slack: self.slack }));
         }
         Ok(())
     }
@@ -143,21 +143,7 @@ impl OffloadConfig {
             saved.map(|(site, name)| format!("{}.{name}", site.rsplit('.').next().unwrap_or(site))).collect();
         known.sort();
         known.dedup();
-        let hint = match bad.rsplit('.').next() {
-            Some("probs") if known.iter().any(|k| k.ends_with(".lse")) => {
-                "; the fused attention keeps no probabilities (the unfused one does: `--attention unfused`)"
-            }
-            Some("lse") if known.iter().any(|k| k.ends_with(".probs")) => {
-                "; only the fused attention saves a log-sum-exp (`--attention fused`)"
-            }
-            _ => "",
-        };
-        let what = format!(
-            "site selector `{bad}` selects no tensor the model saves; it saves {} (or `module.*` for all of a \
-             module's){hint}",
-            known.join(", ")
-        );
-        Some(Error::Offload(OffloadErrorKind::Config { what }))
+        Some(Error::Offload(OffloadErrorKind::UnmatchedSelector { selector: bad.clone(), saved: known }))
     }
 
     /// Whether the tensor `name` saved at `site` is selected.

@@ -3,7 +3,7 @@
 use crate::nn::Chunk;
 
 /// Why the offload manager refused a call ([`Error::Offload`](crate::Error::Offload)).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum OffloadErrorKind {
     /// Graphs were requested before the policy was frozen (H13).
@@ -50,10 +50,58 @@ pub enum OffloadErrorKind {
          their hooks from `OffloadManager::graph_options`"
     )]
     NotForGraphs,
-    /// A configuration value is out of range.
-    #[error("{what}")]
-    Config {
-        /// What is wrong, and the accepted values.
-        what: String,
+
+    // ---- configuration ------------------------------------------------------------------------
+    /// A site selector of [`OffloadConfig::sites`](super::OffloadConfig::sites) that is not
+    /// `module.tensor` or `module.*`.
+    #[error(
+        "site selector `{selector}` is not `module.tensor` or `module.*` (e.g. `attn.q`); name a module and one of its \
+         tensors, or `*` for all of them"
+    )]
+    BadSelector {
+        /// The selector given.
+        selector: String,
     },
+    /// A site selector that selects none of the tensors the model saves: a misspelt selector
+    /// would otherwise offload nothing without a word.
+    #[error(
+        "site selector `{selector}` selects no tensor the model saves; it saves {} (or `module.*` for all of a \
+         module's){}",
+        saved.join(", "),
+        unmatched_hint(selector, saved)
+    )]
+    UnmatchedSelector {
+        /// The selector given.
+        selector: String,
+        /// What the model saves, as `module.tensor`, sorted.
+        saved: Vec<String>,
+    },
+    /// [`OffloadConfig::slack`](super::OffloadConfig::slack) outside (0, 1].
+    #[error(
+        "slack {slack} is not in (0, 1]; pass the share of a layer's time to fill with copies, above 0 and at most 1"
+    )]
+    Slack {
+        /// The share given.
+        slack: f64,
+    },
+}
+
+impl OffloadErrorKind {
+    /// Whether this refuses the configuration (a user's input) rather than a call or a schedule.
+    pub fn is_config(&self) -> bool {
+        matches!(self, Self::BadSelector { .. } | Self::UnmatchedSelector { .. } | Self::Slack { .. })
+    }
+}
+
+/// A hint for a selector of a tensor that the other attention saves.
+fn unmatched_hint(selector: &str, saved: &[String]) -> &'static str {
+    match selector.rsplit('.').next() {
+        Some("probs") if saved.iter().any(|k| k.ends_with(".lse")) => {
+            "; the fused attention keeps no probabilities (the unfused one does: `--attention unfused`)"
+        }
+        Some("lse") if saved.iter().any(|k| k.ends_with(".probs")) => {
+            "; only the fused attention saves a log-sum-exp (`--attention fused`)"
+        }
+        _ => "",
+    }
 }

@@ -91,7 +91,8 @@ impl OffloadManager {
     /// A manager on `alloc`'s device, with its own copy streams.
     ///
     /// # Errors
-    /// [`OffloadErrorKind::Config`] for an invalid configuration; device errors.
+    /// [`OffloadErrorKind::BadSelector`] or [`OffloadErrorKind::Slack`] for an invalid
+    /// configuration; device errors.
     pub fn new(alloc: &CachingAllocator, config: OffloadConfig) -> Result<OffloadManager> {
         config.validate()?;
         let dev = alloc.device();

@@ -170,7 +170,7 @@ pub fn training_and_inference_graphs_mix(dev: &Device) -> Result {
     let (x, _) = graphed.data(9)?;
     train.forward(&graphed.s, &x, Replay::caller())?;
     match shared.forward(&graphed.s, &x, Replay::caller()) {
-        Err(e) if matches!(e.graphed_kind(), Some(graphed::graph::GraphedErrorKind::PoolOrder { .. })) => Ok(()),
+        Err(e) if matches!(e.refused_by(), Some(graphed::Error::PoolOrder { .. })) => Ok(()),
         other => anyhow::bail!("an out-of-order replay in a shared pool: {other:?}"),
     }
 }
@@ -200,7 +200,7 @@ pub fn stack_split_weight_gradient_matches_eager(dev: &Device) -> Result {
     };
     let before = grads(&graphed)?;
     match g.backward_dw(&s) {
-        Err(e) if matches!(e.graphed_kind(), Some(graphed::graph::GraphedErrorKind::PoolOrder { .. })) => {}
+        Err(e) if matches!(e.refused_by(), Some(graphed::Error::PoolOrder { .. })) => {}
         other => anyhow::bail!("backward_dw before any forward: {other:?}"),
     }
     ensure!(grads(&graphed)? == before, "the refused backward_dw changed a weight gradient");

@@ -514,7 +514,7 @@ impl World<'_> {
             }
             Act::NewManager { config } => match (config, OffloadManager::new(&self.model.alloc, config.config())) {
                 (ConfigPick::Malformed, Err(e))
-                    if matches!(e.offload_kind(), Some(OffloadErrorKind::Config { .. })) =>
+                    if matches!(e.offload_kind(), Some(OffloadErrorKind::BadSelector { .. })) =>
                 {
                     Err(e)
                 }

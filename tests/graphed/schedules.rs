@@ -190,7 +190,7 @@ pub fn out_of_schedule_replay_is_refused(dev: &Device) -> Result {
     // The schedule starts with chunk 0's forward of microbatch 0 (instance 0); chunk 1's (instance 2) is refused.
     let (x, _) = model.data(0)?;
     match g[2].forward(&model.s, &Inputs::one(&x), Replay::caller()) {
-        Err(e) if matches!(e.graphed_kind(), Some(GraphedErrorKind::PoolOrder { .. })) => {}
+        Err(e) if matches!(e.refused_by(), Some(graphed::Error::PoolOrder { .. })) => {}
         other => anyhow::bail!("expected PoolOrder, got {:?}", other.map(|_| ())),
     }
     let _tail = g[0].forward(&model.s, &Inputs::one(&x), Replay::caller())?;
@@ -202,30 +202,39 @@ pub fn schedule_shapes_are_checked(dev: &Device) -> Result {
     let model = Model::new(dev)?;
     let schedule = Schedule::all_forward_then_backward(2, 2)?;
     let (x, _) = model.data(0)?;
-    let shape = |r: graphed::Result<Vec<GraphedCallable>>| {
-        matches!(
-            r.map(|_| ()).err().and_then(|e| e.graphed_kind().cloned()),
-            Some(GraphedErrorKind::ScheduleShape { .. })
-        )
+    let shape = |r: graphed::Result<Vec<GraphedCallable>>, want: fn(&GraphedErrorKind) -> bool| {
+        r.map(|_| ()).err().is_some_and(|e| e.graphed_kind().is_some_and(want))
     };
     let three: Vec<Inputs> = (0..3).map(|_| Inputs::one(&x)).collect();
     let options = || GraphOptions::default().schedule(&schedule);
     ensure!(
-        shape(make_graphed_callables(&model.alloc, &model.callables(), &three, options())),
+        shape(make_graphed_callables(&model.alloc, &model.callables(), &three, options()), |k| matches!(
+            k,
+            GraphedErrorKind::ScheduleSamples { samples: 3, callables: 2, microbatches: 2 }
+        )),
         "3 samples for 2 layers × 2 microbatches"
     );
     let four: Vec<Inputs> = (0..4).map(|_| Inputs::one(&x)).collect();
     ensure!(
-        shape(make_graphed_callables(&model.alloc, &model.callables(), &four, options().layers_per_chunk(&[2, 0]))),
+        shape(
+            make_graphed_callables(&model.alloc, &model.callables(), &four, options().layers_per_chunk(&[2, 0])),
+            |k| matches!(k, GraphedErrorKind::LayersPerChunk { chunks: 2, callables: 2, .. })
+        ),
         "an empty chunk"
     );
     ensure!(
-        shape(make_graphed_callables(&model.alloc, &model.callables()[..1], &four[..2], options())),
+        shape(make_graphed_callables(&model.alloc, &model.callables()[..1], &four[..2], options()), |k| matches!(
+            k,
+            GraphedErrorKind::UnevenChunks { callables: 1, chunks: 2 }
+        )),
         "1 layer into 2 chunks"
     );
     let (x0, _) = model.data(0)?;
     let stack = graphed::graph::make_graphed_stack(&model.alloc, &model.stack, &x0, options());
-    ensure!(shape(stack.map(|_| Vec::new())), "a stack with a schedule");
+    ensure!(
+        shape(stack.map(|_| Vec::new()), |k| matches!(k, GraphedErrorKind::ScheduleForStack)),
+        "a stack with a schedule"
+    );
     // A weight-gradient step for layers that split none out is refused before any capture.
     let w = Schedule::from_te_order(&[1.0, -1.0, -1.5])?;
     let order = model.alloc.new_pool();
@@ -242,7 +251,7 @@ pub fn schedule_shapes_are_checked(dev: &Device) -> Result {
     ensure!(order.order().is_empty(), "nothing was captured");
     // A schedule runs backwards: inference is refused.
     let r = make_graphed_callables(&model.alloc, &model.callables(), &four, options().inference());
-    ensure!(shape(r), "a schedule in inference");
+    ensure!(shape(r, |k| matches!(k, GraphedErrorKind::ScheduleInInference)), "a schedule in inference");
     Ok(())
 }
 

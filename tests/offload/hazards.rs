@@ -199,7 +199,7 @@ pub fn h6_graphs_of_one_pool_on_two_streams_are_refused(dev: &Device) -> Result 
     let (y, tail) = g[0].forward(&model.s, &Inputs::one(&x0), Replay::side(&side))?;
     let y = y[0].get()?.clone();
     match g[1].forward(&model.s, &Inputs::one(&y), Replay::caller()) {
-        Err(e) if matches!(e.graphed_kind(), Some(GraphedErrorKind::PoolConcurrent { .. })) => {}
+        Err(e) if matches!(e.refused_by(), Some(graphed::Error::PoolConcurrent { .. })) => {}
         other => anyhow::bail!("expected a pool refusal, got {other:?}"),
     }
     tail.join(&model.s)?;
