@@ -70,8 +70,8 @@ impl Region {
         Region { offset, rank: 1, dims: [Dim { count: len, stride: 1 }, UNIT, UNIT, UNIT] }
     }
 
-    /// A strided region; `dims` are `(count, stride)` pairs, outermost first, at most
-    /// [`MAX_RANK`]. Returns `None` for more.
+    /// A strided region; `dims` are `(count, stride)` pairs, outermost first, at most four.
+    /// Returns `None` for more.
     pub fn strided(offset: usize, dims: &[(usize, usize)]) -> Option<Region> {
         if dims.len() > MAX_RANK {
             return None;
