@@ -6,6 +6,7 @@ Usage: python3 bench/torch_reference.py gemm [--d 4096] [--reps 50]
        python3 bench/torch_reference.py graphs [--configs S,M,L] [--dtype bf16|f32] [--attention unfused|fused|both]
        python3 bench/torch_reference.py attention [--batch 2] [--heads 64] [--seq 2048] [--head-dim 64]
        python3 bench/torch_reference.py kernels [--config L] [--dtype bf16] [--steps 3]
+       python3 bench/torch_reference.py memory [--config L] [--budget 24GiB] [--search batch,layers]
        python3 bench/torch_reference.py parity FILE [--device cuda|cpu]
 Prints one JSON object on stdout; parity exits 1 if PyTorch's module and graphed's disagree.
 
@@ -595,6 +596,157 @@ def parity(path: str, device: str) -> dict:
             "worst": {"tensor": worst, **tensors[worst]}, "tensors": tensors, "torch": torch.__version__}
 
 
+MEMORY_VARIANTS = ["torch-sdpa-graphed", "torch-sdpa-save-on-cpu", "torch-sdpa-checkpoint"]
+
+
+def memory_probe(name: str, search: str, size: int, variant: str, dt: torch.dtype, steps: int, warmup: int,
+                 budget: int, graphed: bool) -> dict:
+    """One size of `memory`: configuration `name` with its batch or its layer count (`search`) set to
+    `size`, built anew and stepped as `variant` says, graphed per layer (make_graphed_callables) when
+    `graphed`: torch-sdpa-graphed as `graphs` runs it, torch-sdpa-save-on-cpu with every saved
+    activation in pinned host memory (torch.autograd.graph.save_on_cpu), torch-sdpa-checkpoint with
+    each layer's activations recomputed in the backward (torch.utils.checkpoint, non-reentrant). The
+    peaks are this probe's alone: freed memory is handed back and the peaks reset first."""
+    d, n, b, t = SHAPES[name]
+    b, n = (size, n) if search == "batch" else (b, size)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    layers = list(Stack(d, n, True).cuda().to(dt).children())
+    if variant == "torch-sdpa-checkpoint":
+        from torch.utils.checkpoint import checkpoint
+
+        class Checkpointed(Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, h):
+                return checkpoint(self.inner, h, use_reentrant=False)
+
+        layers = [Checkpointed(m) for m in layers]
+    offload = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if variant == "torch-sdpa-save-on-cpu" \
+        else contextlib.nullcontext
+    x = torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.ones(b, t, d, device="cuda", dtype=dt)
+    if graphed:
+        samples = tuple((torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True),) for _ in layers)
+        with offload():
+            layers = list(torch.cuda.make_graphed_callables(tuple(layers), samples))
+
+    def step():
+        h = x
+        with offload():
+            for m in layers:
+                h = m(h)
+        h.backward(dy)
+
+    wall = []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        issued = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            wall.append((time.perf_counter() - issued) * 1e3)
+    peak = torch.cuda.max_memory_reserved()
+    return {"size": size, "fits": peak <= budget, "peak_reserved_bytes": peak,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "wall_ms": statistics.median(wall)}
+
+
+def secant(probes: list, target: int):
+    """As `graphed bench memory`: the size where the line through the last two probes of different
+    sizes (allocated peaks, plus the last one's reserved excess) reaches `target`; None if it does
+    not rise."""
+    last = probes[-1]
+    other = next((p for p in reversed(probes) if p["size"] != last["size"]), None)
+    if other is None:
+        return None
+    slope = (last["peak_allocated_bytes"] - other["peak_allocated_bytes"]) / (last["size"] - other["size"])
+    if slope <= 0:
+        return None
+    excess = max(last["peak_reserved_bytes"] - last["peak_allocated_bytes"], 0)
+    return max(int((last["size"] + (target - excess - last["peak_allocated_bytes"]) / slope) // 1), 1)
+
+
+def largest_fitting(budget: int, limit: int, probe) -> list:
+    """`graphed bench memory`'s search: sizes from 1 until the largest that fits is next to one that
+    does not, each guessed by the secant, kept inside the bracket and below the device's free memory."""
+    probes, fits, over, size = [], 0, None, 1
+    while True:
+        p = probe(size)
+        if p["fits"]:
+            fits = max(fits, p["size"])
+        else:
+            over = p["size"] if over is None else min(over, p["size"])
+        probes.append(p)
+        if (fits == 0 and over is not None) or over == fits + 1 or fits >= 1 << 16:
+            return probes
+        guess = secant(probes, budget)
+        n = max(guess if guess is not None else 2 * fits, fits + 1)
+        if over is not None:
+            n = min(n, over - 1)
+        else:
+            safe = secant(probes, limit)
+            if safe is not None and safe <= fits:
+                raise SystemExit(f"memory: size {fits + 1} would exceed the device's free memory before the budget")
+            n = min(n, safe if safe is not None else n)
+        size = min(n, 1 << 16)
+
+
+def memory(name: str, budget: int, searches: list, variants: list, steps: int, warmup: int) -> dict:
+    """`graphed bench memory`'s PyTorch side: per variant of MEMORY_VARIANTS and per search (the batch
+    with the layers kept, the layers with the batch kept), the largest size whose peak reserved memory
+    fits `budget`, with its step time. Each variant is tried graphed per layer first; one that
+    make_graphed_callables cannot capture runs eagerly instead, and its rows say so ("graphed": false,
+    with the error)."""
+    match_graphed_numerics()
+    free, _ = torch.cuda.mem_get_info()
+    if budget > free:
+        raise SystemExit(f"memory: the budget {budget} is more than the device's free memory ({free}); lower it")
+    rows = []
+    for variant in variants:
+        graphed, why = True, None
+        for search in searches:
+            def probe(size):
+                nonlocal graphed, why
+                try:
+                    p = memory_probe(name, search, size, variant, torch.bfloat16, steps, warmup, budget, graphed)
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except Exception as e:  # noqa: BLE001: a capture PyTorch refuses; the variant runs eagerly
+                    if not graphed:
+                        raise
+                    graphed, why = False, f"{type(e).__name__}: {e}"[:300]
+                    gc.collect()
+                    torch.cuda.synchronize()
+                    p = memory_probe(name, search, size, variant, torch.bfloat16, steps, warmup, budget, graphed)
+                print(f"  {variant} {search} {size}: peak reserved {p['peak_reserved_bytes'] / 2**30:.2f} GiB "
+                      f"({'fits' if p['fits'] else 'over'}), {p['wall_ms']:.3f} ms", file=sys.stderr)
+                return p
+
+            probes = largest_fitting(budget, free, probe)
+            best = max((p for p in probes if p["fits"]), key=lambda p: p["size"], default=None)
+            rows.append({"config": name, "variant": variant, "search": search, "budget_bytes": budget,
+                         "graphed": graphed, "graphed_error": why, "largest": best and best["size"],
+                         "at_largest": best, "ms_per_unit": best and best["wall_ms"] / best["size"],
+                         "probes": probes})
+            print(f"{variant} ({'graphed' if graphed else 'eager'}): largest {search} "
+                  f"{best and best['size']}", file=sys.stderr)
+    return {"bench": "memory", "impl": "torch", "rows": rows, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name()}
+
+
+def parse_bytes(text: str) -> int:
+    """A size as `graphed bench memory --budget` takes it: 24GiB, 512MiB, 64KiB, or plain bytes."""
+    units = {"": 0, "B": 0, "KiB": 10, "MiB": 20, "GiB": 30, "TiB": 40}
+    number = text.rstrip("KMGTiB")
+    unit = text[len(number):]
+    if unit not in units:
+        raise argparse.ArgumentTypeError(f"unknown unit `{unit}`: write the size as 24GiB, 512MiB or plain bytes")
+    return int(float(number) * (1 << units[unit]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
@@ -628,6 +780,13 @@ def main() -> None:
     ke.add_argument("--config", default="L", choices=list(SHAPES))
     ke.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
     ke.add_argument("--steps", type=int, default=3)
+    me = sub.add_parser("memory", help="the largest batch and layer count whose step fits a memory budget")
+    me.add_argument("--config", default="L", choices=list(SHAPES))
+    me.add_argument("--budget", type=parse_bytes, default=parse_bytes("24GiB"))
+    me.add_argument("--search", default="batch,layers")
+    me.add_argument("--variants", default=",".join(MEMORY_VARIANTS))
+    me.add_argument("--steps", type=int, default=5)
+    me.add_argument("--warmup", type=int, default=2)
     pa = sub.add_parser("parity", help="PyTorch's module against a file of `graphed bench parity`")
     pa.add_argument("file", help="the file `graphed bench parity --out FILE` wrote")
     pa.add_argument("--device", default=None, help="where to run (default: cuda if there is one, else cpu)")
@@ -647,6 +806,9 @@ def main() -> None:
             p.error(f"graphs: unknown variants {unknown}: name them as {VARIANTS} and pick the attention form "
                     "with --attention (fused runs them as torch-sdpa-*)")
         print(json.dumps(graphs(args.configs.split(","), args.dtype, 20, 5, variants, FORMS[args.attention])))
+    elif args.which == "memory":
+        print(json.dumps(memory(args.config, args.budget, args.search.split(","), args.variants.split(","), args.steps,
+                                args.warmup)))
     elif args.which == "kernels":
         print(json.dumps(kernels(args.config, args.dtype, args.steps)))
     elif args.which == "attention":

@@ -11,7 +11,8 @@
 # torch-sdpa-* variants are the fused ones), and SDPA alone at L's attention shape, per backend
 # (`torch_reference.py attention`), as one JSON line at the end of graphs.log. `graphed report`
 # reads one graphed file of a benchmark per commit: keep the unfused one under bench/results as
-# .txt, or it ties with the fused one. Logs and JSON go to $OUT; the device tool returns at most
+# .txt, or it ties with the fused one. `memory` runs PyTorch's side of its searches into
+# torch-memory.json (its budget and configuration from $BENCH_ARGS and $TORCH_ARGS alike). Logs and JSON go to $OUT; the device tool returns at most
 # 8 files: ONLY_BENCHES=1 BENCHES=graphs writes 5; a whole run with BENCHES=graphs writes 10, so
 # run it with BENCHES=none and the benchmarks as ONLY_BENCHES=1. ONLY_PARALLEL=1: the two-GPU
 # tests and the several-GPU runs.
@@ -61,6 +62,9 @@ bench() {
             2>> "$OUT/graphs.log"
         { echo "# bench/torch_reference.py attention (L's attention shape: batch 2, 64 heads, 2048 tokens, causal)";
           python3 bench/torch_reference.py attention; } >> "$OUT/graphs.log" 2>&1
+    elif [ "$1" = memory ]; then
+        # PyTorch's side of the same searches, with the same budget and configuration.
+        python3 bench/torch_reference.py memory ${TORCH_ARGS:-} > "$OUT/torch-memory.json" 2>> "$OUT/memory.log"
     elif [ "$1" = graphs ]; then
         echo "parity FAILED: PyTorch's side not timed (the parity lines at the top of graphs.log say where)" \
             | tee -a "$OUT/graphs.log"

@@ -399,6 +399,11 @@ pub enum BenchCommand {
     /// graphed-side, copy rates against the pinned peak, how early the caller resumes (BENCH.md's
     /// configurations; M and L are the ones the goals name).
     Offload(GraphsBenchArgs),
+    /// The largest batch, and separately the largest layer count, whose training step fits a
+    /// device-memory budget (peak reserved bytes, graph pools and cache together), graphed with
+    /// and without activation offloading, each with its step time (compare with
+    /// `bench/torch_reference.py memory`).
+    Memory(MemoryBenchArgs),
     /// A pipeline schedule on one GPU (all stages local): one graph per (layer, microbatch)
     /// captured and replayed in the schedule's order, with and without buffer reuse, against the
     /// same schedule run eagerly.
@@ -518,6 +523,69 @@ impl ScheduleArgs {
         let schedule = graphed::nn::Schedule::interleaved_1f1b(1, 0, v, self.microbatches())?;
         Ok((schedule, vec![layers / v; v]))
     }
+}
+
+/// Arguments of `bench memory`.
+#[derive(Args, Debug, Clone)]
+pub struct MemoryBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
+    pub dtype: DTypeArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
+    /// The BENCH.md configuration whose width and sequence length the searches keep (`tiny` on
+    /// the simulator).
+    #[arg(long, ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES, default_value = "L")]
+    pub config: String,
+    /// Device memory a step may reserve at its peak: a number of bytes with a unit, `24GiB`,
+    /// `512MiB` (KiB, MiB, GiB, TiB; B or none for bytes).
+    #[arg(long, default_value = "24GiB", value_parser = parse_bytes)]
+    pub budget: usize,
+    /// What to search: the batch (the configuration's layer count kept), the layer count (its
+    /// batch kept), or both.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [MemorySearch::Batch, MemorySearch::Layers])]
+    pub search: Vec<MemorySearch>,
+    /// Timed steps per probe (the step time is their median).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub steps: u32,
+    /// Untimed steps per probe before the timed ones.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub warmup: u32,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// What `bench memory` searches.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemorySearch {
+    /// Sequences per batch.
+    Batch,
+    /// Transformer layers.
+    Layers,
+}
+
+/// A byte count with an optional binary unit (`24GiB`, `512MiB`, `4096`): a `--budget`.
+fn parse_bytes(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        "TiB" => 40,
+        other => return Err(format!("unknown unit `{other}`: write the size as 24GiB, 512MiB, 64KiB or plain bytes")),
+    };
+    let value: f64 =
+        number.parse().map_err(|_| format!("`{text}` is not a size: write it as 24GiB, 512MiB or plain bytes"))?;
+    let bytes = value * (1u64 << shift) as f64;
+    if !(bytes >= 1.0 && bytes < usize::MAX as f64) {
+        return Err(format!("`{text}` is not a positive size that fits in memory"));
+    }
+    Ok(bytes as usize)
 }
 
 /// Arguments of `bench parallel`.

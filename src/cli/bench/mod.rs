@@ -7,6 +7,7 @@ mod gemm;
 mod graphs;
 mod launch;
 mod layer;
+mod memory;
 mod offload;
 mod parallel;
 mod parity;
@@ -30,6 +31,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Layer(a) => layer::run(a),
         BenchCommand::Graphs(a) => graphs::run(a),
         BenchCommand::Offload(a) => offload::run(a),
+        BenchCommand::Memory(a) => memory::run(a),
         BenchCommand::Schedule(a) => schedule::run(a),
         BenchCommand::Parallel(a) => parallel::run(a),
         BenchCommand::Parity(a) => parity::run(a),

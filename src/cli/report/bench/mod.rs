@@ -7,6 +7,7 @@ mod gemm;
 mod graphs;
 mod launch;
 mod layer;
+mod memory;
 mod offload;
 mod parallel;
 mod schedule;
@@ -24,6 +25,8 @@ pub enum Bench {
     Graphs,
     /// `bench offload`.
     Offload,
+    /// `bench memory` (with `bench/torch_reference.py memory`).
+    Memory,
     /// `bench schedule`.
     Schedule,
     /// `bench parallel` (under `graphed launch`).
@@ -42,9 +45,10 @@ pub enum Bench {
 
 impl Bench {
     /// Every benchmark.
-    pub const ALL: [Bench; 9] = [
+    pub const ALL: [Bench; 10] = [
         Bench::Graphs,
         Bench::Offload,
+        Bench::Memory,
         Bench::Schedule,
         Bench::Parallel,
         Bench::Layer,
@@ -59,6 +63,7 @@ impl Bench {
         match self {
             Bench::Graphs => "graphs",
             Bench::Offload => "offload",
+            Bench::Memory => "memory",
             Bench::Schedule => "schedule",
             Bench::Parallel => "parallel",
             Bench::Layer => "layer",
@@ -79,6 +84,7 @@ impl Bench {
         match self {
             Bench::Graphs => graphs::figure(run),
             Bench::Offload => offload::figure(run),
+            Bench::Memory => memory::figure(run),
             Bench::Schedule => schedule::figure(run),
             Bench::Parallel => parallel::figure(run),
             Bench::Layer => layer::figure(run),

@@ -1,0 +1,352 @@
+//! `graphed bench memory`: how much model fits a device-memory budget. For a configuration's
+//! width and sequence length, the largest batch (its layer count kept) and the largest layer
+//! count (its batch kept) whose graphed training step (`bench graphs`' step) reserves at most the
+//! budget at its peak, graph pools and cache together, each with its step time: graphed alone,
+//! with the default sites offloaded and with the automatic offload policy.
+//!
+//! Each probe builds, captures and times a fresh model on a fresh allocator, so its peak is its
+//! own. A step's peak grows nearly affinely with the batch and with the layers, so a secant
+//! through the last two probes guesses the boundary and a bracket (largest size that fits,
+//! smallest that does not) closes on it: four or five probes per search where the estimate is
+//! good. `bench/torch_reference.py memory` searches PyTorch's side the same way.
+
+use graphed::device::{DType, Device, DeviceKind};
+use graphed::graph::Replay;
+use graphed::memory::CachingAllocator;
+use graphed::offload::{OffloadConfig, OffloadManager, Policy, AUTO_CANDIDATES};
+use serde::Serialize;
+
+use super::graphs::{graphed_step, measure};
+use super::{spread, write_json, Case, Report};
+use crate::cli::args::{MemoryBenchArgs, MemorySearch};
+use crate::cli::bench_model::{BenchModel, Config};
+
+/// How the step holds its activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// Per-layer graphs replayed on the caller's stream, every activation on the device.
+    Graphed,
+    /// Replayed on a side stream with the default sites offloaded inside the graphs.
+    Offload,
+    /// Replayed on a side stream with the automatic policy choosing what to offload.
+    Auto,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Graphed => "graphed",
+            Variant::Offload => "graphed-offload",
+            Variant::Auto => "graphed-offload-auto",
+        }
+    }
+
+    fn offload(self) -> Option<OffloadConfig> {
+        match self {
+            Variant::Graphed => None,
+            Variant::Offload => Some(OffloadConfig::default()),
+            Variant::Auto => Some(OffloadConfig::default().policy(Policy::Auto).sites(&AUTO_CANDIDATES)),
+        }
+    }
+}
+
+/// One probed size.
+#[derive(Serialize, Debug, Clone, Copy)]
+struct Probe {
+    /// The batch or the layer count probed.
+    size: usize,
+    /// Whether its peak reserved bytes are within the budget.
+    fits: bool,
+    peak_reserved_bytes: usize,
+    peak_allocated_bytes: usize,
+    /// Median wall time of a step.
+    wall_ms: f64,
+    /// Bytes copied to host memory per step.
+    offloaded_bytes: usize,
+}
+
+/// One search: a variant, what was searched, and the largest size that fits.
+#[derive(Serialize, Debug)]
+struct SearchRow {
+    /// The configuration at the largest size that fits (at the base configuration when none
+    /// does).
+    #[serde(flatten)]
+    case: Case,
+    search: &'static str,
+    budget_bytes: usize,
+    /// The largest batch or layer count that fits; none when not even one does.
+    largest: Option<usize>,
+    /// The probe at `largest`.
+    at_largest: Option<Probe>,
+    /// Step time per sequence (batch search) or per layer (layer search) at `largest`.
+    ms_per_unit: Option<f64>,
+    /// Every probe, in the order run.
+    probes: Vec<Probe>,
+}
+
+pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
+    let dev = super::open_timing_device(&args.device, "memory", "--config tiny")?;
+    let config = Config::named(&args.config)?.with_attention(args.attention.kind());
+    config.check_device(&dev, "--config")?;
+    let dtype = args.dtype.resolve(&dev);
+    let (free, _) = dev.memory_info()?;
+    anyhow::ensure!(
+        args.budget <= free,
+        "--budget {} is more than the device's free memory ({}): a probe could run out of memory; lower the budget",
+        gib(args.budget),
+        gib(free)
+    );
+    println!("{config}, {dtype}; budget {} of peak reserved memory", gib(args.budget));
+    let mut rows = Vec::new();
+    for variant in [Variant::Graphed, Variant::Offload, Variant::Auto] {
+        if variant == Variant::Auto && dev.kind() != DeviceKind::Cuda {
+            println!("  {:<22} skipped: the automatic policy needs the GPU's clock", variant.name());
+            continue;
+        }
+        for &search in &args.search {
+            let row = search_variant(&dev, (config, dtype), variant, search, args)?;
+            print_row(&row);
+            rows.push(row);
+        }
+    }
+    print_ratios(&rows);
+    println!("{}", crate::cli::checker_summary(&dev));
+    write_json(&args.json, &Report::new("memory", &dev, args.steps, rows))
+}
+
+/// The largest size of `search` that fits the budget, for `variant`.
+fn search_variant(
+    dev: &Device,
+    (config, dtype): (Config, DType),
+    variant: Variant,
+    search: MemorySearch,
+    args: &MemoryBenchArgs,
+) -> anyhow::Result<SearchRow> {
+    let sized = |n: usize| match search {
+        MemorySearch::Batch => Config { batch: n, ..config },
+        MemorySearch::Layers => Config { layers: n, ..config },
+    };
+    let (free, _) = dev.memory_info()?;
+    let probes = largest_fitting(args.budget, free, &mut |n| {
+        let p = probe(dev, (sized(n), dtype, n), variant, (args.warmup, args.steps), args.budget)?;
+        println!(
+            "    {} {:<6} {n:>5}: peak reserved {} ({}), {:.3} ms",
+            variant.name(),
+            search_name(search),
+            gib(p.peak_reserved_bytes),
+            if p.fits { "fits" } else { "over" },
+            p.wall_ms
+        );
+        Ok(p)
+    })?;
+    let at_largest = probes.iter().filter(|p| p.fits).max_by_key(|p| p.size).copied();
+    let largest = at_largest.map(|p| p.size);
+    Ok(SearchRow {
+        case: Case::new(largest.map_or(config, sized), dtype, variant.name()),
+        search: search_name(search),
+        budget_bytes: args.budget,
+        largest,
+        at_largest,
+        ms_per_unit: at_largest.map(|p| p.wall_ms / p.size as f64),
+        probes,
+    })
+}
+
+fn search_name(search: MemorySearch) -> &'static str {
+    match search {
+        MemorySearch::Batch => "batch",
+        MemorySearch::Layers => "layers",
+    }
+}
+
+/// The largest batch or layer count a search probes.
+const MAX_SIZE: usize = 1 << 16;
+
+/// Probes sizes from 1 up until the largest whose peak fits `budget` is bracketed by one that
+/// does not, and returns every probe. The next size is the secant's guess through the last two
+/// probes, kept strictly inside the bracket and, while no probe has failed, below the size the
+/// guess expects to reserve `limit` (the device's free memory), so that no probe runs out.
+fn largest_fitting(
+    budget: usize,
+    limit: usize,
+    probe: &mut dyn FnMut(usize) -> anyhow::Result<Probe>,
+) -> anyhow::Result<Vec<Probe>> {
+    let mut probes: Vec<Probe> = Vec::new();
+    let (mut fits, mut over): (usize, Option<usize>) = (0, None);
+    let mut next = 1;
+    loop {
+        let p = probe(next)?;
+        if p.fits {
+            fits = fits.max(p.size);
+        } else {
+            over = Some(over.map_or(p.size, |o| o.min(p.size)));
+        }
+        probes.push(p);
+        if fits == 0 && over.is_some() || over == Some(fits + 1) || fits >= MAX_SIZE {
+            return Ok(probes);
+        }
+        let guess = |target: usize| secant(&probes, target);
+        // A flat line (reserved memory grows in segments) says nothing: double instead.
+        let mut n = guess(budget).unwrap_or(2 * fits).max(fits + 1);
+        match over {
+            Some(o) => n = n.min(o - 1),
+            None => {
+                let safe = guess(limit).unwrap_or(usize::MAX);
+                anyhow::ensure!(
+                    safe > fits,
+                    "size {} would exceed the device's free memory before the budget is reached",
+                    fits + 1
+                );
+                n = n.min(safe);
+            }
+        }
+        next = n.min(MAX_SIZE);
+    }
+}
+
+/// The size at which the line through the last two probes of different sizes reaches `target`
+/// bytes (rounded down); none with fewer than two sizes or a line that does not rise. The line
+/// is drawn through the allocated peaks, which grow smoothly, and the reserved one's excess at
+/// the last probe is added to it.
+fn secant(probes: &[Probe], target: usize) -> Option<usize> {
+    let last = probes.last()?;
+    let other = probes.iter().rev().find(|p| p.size != last.size)?;
+    let (x0, y0, x1, y1) =
+        (other.size as f64, other.peak_allocated_bytes as f64, last.size as f64, last.peak_allocated_bytes as f64);
+    let slope = (y1 - y0) / (x1 - x0);
+    let excess = last.peak_reserved_bytes.saturating_sub(last.peak_allocated_bytes) as f64;
+    (slope > 0.0).then(|| (x1 + (target as f64 - excess - y1) / slope).floor().max(1.0) as usize)
+}
+
+/// One size: a fresh allocator and model, graphed (with `variant`'s offloading), timed.
+fn probe(
+    dev: &Device,
+    (config, dtype, size): (Config, DType, usize),
+    variant: Variant,
+    (warmup, steps): (u32, u32),
+    budget: usize,
+) -> anyhow::Result<Probe> {
+    let alloc = CachingAllocator::new(dev);
+    let main = dev.stream()?;
+    let model = BenchModel::new(&alloc, &main, config, dtype)?;
+    let manager = variant.offload().map(|c| model.offload(&alloc, &main, c)).transpose()?;
+    let (side, event) = (dev.stream()?, dev.event()?);
+    let on_side = variant != Variant::Graphed;
+    let graphed = model.graph(&alloc, on_side.then_some(&event), manager.as_ref())?;
+    if let Some(static_dy) = graphed.static_grad_output() {
+        static_dy.copy_from(&model.dy, &main)?;
+    }
+    let replay = if on_side { Replay::side(&side) } else { Replay::caller() };
+    let samples = measure(dev, &main, (warmup, steps), &mut || graphed_step(&graphed, &model, &main, replay))?;
+    alloc.synchronize()?;
+    let total = alloc.stats().total;
+    Ok(Probe {
+        size,
+        fits: total.peak_reserved <= budget,
+        peak_reserved_bytes: total.peak_reserved,
+        peak_allocated_bytes: total.peak_allocated,
+        wall_ms: spread(samples.wall_ms).median,
+        offloaded_bytes: manager.as_ref().and_then(OffloadManager::summary).map_or(0, |s| s.offloaded_bytes()),
+    })
+}
+
+/// Bytes in GiB, or in MiB below one GiB.
+fn gib(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        b => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+    }
+}
+
+fn print_row(r: &SearchRow) {
+    match (r.largest, r.at_largest, r.ms_per_unit) {
+        (Some(n), Some(p), Some(per)) => println!(
+            "  {:<22} largest {} {n}: peak reserved {}, {:.3} ms per step, {per:.3} ms per {}",
+            r.case.variant,
+            r.search,
+            gib(p.peak_reserved_bytes),
+            p.wall_ms,
+            if r.search == "batch" { "sequence" } else { "layer" }
+        ),
+        _ => println!("  {:<22} largest {}: none fits {}", r.case.variant, r.search, gib(r.budget_bytes)),
+    }
+}
+
+/// Each offloading variant's largest size and time per unit against graphed's.
+fn print_ratios(rows: &[SearchRow]) {
+    for r in rows.iter().filter(|r| r.case.variant != Variant::Graphed.name()) {
+        let base = rows.iter().find(|b| b.case.variant == Variant::Graphed.name() && b.search == r.search);
+        if let Some((b, n, bn, per, bper)) =
+            base.and_then(|b| Some((b, r.largest?, b.largest?, r.ms_per_unit?, b.ms_per_unit?)))
+        {
+            println!(
+                "  {} against {}: {:.2}x the {}, {:+.1}% time per unit",
+                r.case.variant,
+                b.case.variant,
+                n as f64 / bn as f64,
+                r.search,
+                100.0 * (per / bper - 1.0)
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A probe of a step whose peak is `fixed + per · size` bytes.
+    fn affine(fixed: usize, per: usize, budget: usize) -> impl FnMut(usize) -> anyhow::Result<Probe> {
+        move |size| {
+            let peak = fixed + per * size;
+            Ok(Probe {
+                size,
+                fits: peak <= budget,
+                peak_reserved_bytes: peak,
+                peak_allocated_bytes: peak,
+                wall_ms: size as f64,
+                offloaded_bytes: 0,
+            })
+        }
+    }
+
+    fn largest(probes: &[Probe]) -> Option<usize> {
+        probes.iter().filter(|p| p.fits).map(|p| p.size).max()
+    }
+
+    #[test]
+    fn an_affine_peak_is_bracketed_in_a_few_probes() {
+        let mut p = affine(3000, 100, 10_000);
+        let probes = largest_fitting(10_000, usize::MAX, &mut p).unwrap();
+        assert_eq!(largest(&probes), Some(70));
+        assert!(probes.iter().any(|p| p.size == 71 && !p.fits), "the boundary is shown by a failing probe");
+        assert!(probes.len() <= 4, "{} probes", probes.len());
+    }
+
+    #[test]
+    fn a_peak_that_grows_faster_than_its_first_probes_say_is_still_bracketed() {
+        // Peaks rise by 100 up to size 10 and by 400 after, so the first guess overshoots.
+        let mut probe = |size: usize| {
+            let peak = 1000 + 100 * size.min(10) + 400 * size.saturating_sub(10);
+            affine(peak, 0, 20_000)(size)
+        };
+        let probes = largest_fitting(20_000, usize::MAX, &mut probe).unwrap();
+        assert_eq!(largest(&probes), Some(55));
+        assert!(probes.iter().any(|p| p.size == 56 && !p.fits));
+    }
+
+    #[test]
+    fn nothing_fits_when_one_is_over() {
+        let mut p = affine(5000, 100, 1000);
+        let probes = largest_fitting(1000, usize::MAX, &mut p).unwrap();
+        assert_eq!(largest(&probes), None);
+        assert_eq!(probes.len(), 1);
+    }
+
+    #[test]
+    fn a_search_that_would_pass_the_device_memory_is_refused() {
+        let mut p = affine(1000, 100, 100_000);
+        let e = largest_fitting(100_000, 2_000, &mut p).unwrap_err();
+        assert!(e.to_string().contains("free memory"), "{e}");
+    }
+}
