@@ -694,12 +694,13 @@ def largest_fitting(budget: int, limit: int, probe) -> list:
         size = min(n, 1 << 16)
 
 
-def memory(name: str, budget: int, searches: list, variants: list, steps: int, warmup: int) -> dict:
+def memory(name: str, budget: int, searches: list, variants: list, steps: int, warmup: int, path=None) -> dict:
     """`graphed bench memory`'s PyTorch side: per variant of MEMORY_VARIANTS and per search (the batch
     with the layers kept, the layers with the batch kept), the largest size whose peak reserved memory
     fits `budget`, with its step time. Each variant is tried graphed per layer first; one that
     make_graphed_callables cannot capture runs eagerly instead, and its rows say so ("graphed": false,
-    with the error)."""
+    with the error). With `path`, the results so far are written there after every search, so that a
+    run stopped midway keeps what it found."""
     match_graphed_numerics()
     free, _ = torch.cuda.mem_get_info()
     if budget > free:
@@ -733,8 +734,12 @@ def memory(name: str, budget: int, searches: list, variants: list, steps: int, w
                          "probes": probes})
             print(f"{variant} ({'graphed' if graphed else 'eager'}): largest {search} "
                   f"{best and best['size']}", file=sys.stderr)
-    return {"bench": "memory", "impl": "torch", "rows": rows, "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name()}
+            result = {"bench": "memory", "impl": "torch", "rows": rows, "torch": torch.__version__,
+                      "gpu": torch.cuda.get_device_name()}
+            if path:
+                with open(path, "w") as f:
+                    json.dump(result, f)
+    return result
 
 
 def parse_bytes(text: str) -> int:
@@ -787,6 +792,7 @@ def main() -> None:
     me.add_argument("--variants", default=",".join(MEMORY_VARIANTS))
     me.add_argument("--steps", type=int, default=5)
     me.add_argument("--warmup", type=int, default=2)
+    me.add_argument("--json", default=None, help="also write the results so far to this file after every search")
     pa = sub.add_parser("parity", help="PyTorch's module against a file of `graphed bench parity`")
     pa.add_argument("file", help="the file `graphed bench parity --out FILE` wrote")
     pa.add_argument("--device", default=None, help="where to run (default: cuda if there is one, else cpu)")
@@ -808,7 +814,7 @@ def main() -> None:
         print(json.dumps(graphs(args.configs.split(","), args.dtype, 20, 5, variants, FORMS[args.attention])))
     elif args.which == "memory":
         print(json.dumps(memory(args.config, args.budget, args.search.split(","), args.variants.split(","), args.steps,
-                                args.warmup)))
+                                args.warmup, args.json)))
     elif args.which == "kernels":
         print(json.dumps(kernels(args.config, args.dtype, args.steps)))
     elif args.which == "attention":

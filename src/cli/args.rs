@@ -546,6 +546,9 @@ pub struct MemoryBenchArgs {
     /// batch kept), or both.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [MemorySearch::Batch, MemorySearch::Layers])]
     pub search: Vec<MemorySearch>,
+    /// The variants searched, in order.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [MemoryVariant::Graphed, MemoryVariant::GraphedOffload, MemoryVariant::GraphedOffloadAuto])]
+    pub variants: Vec<MemoryVariant>,
     /// Timed steps per probe (the step time is their median).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub steps: u32,
@@ -564,6 +567,17 @@ pub enum MemorySearch {
     Batch,
     /// Transformer layers.
     Layers,
+}
+
+/// A variant of `bench memory`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryVariant {
+    /// Per-layer graphs, every activation on the device.
+    Graphed,
+    /// The default sites offloaded inside the graphs.
+    GraphedOffload,
+    /// The automatic offload policy (CUDA only: it times the layers).
+    GraphedOffloadAuto,
 }
 
 /// A byte count with an optional binary unit (`24GiB`, `512MiB`, `4096`): a `--budget`.

@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use super::graphs::{graphed_step, measure};
 use super::{spread, write_json, Case, Report};
-use crate::cli::args::{MemoryBenchArgs, MemorySearch};
+use crate::cli::args::{MemoryBenchArgs, MemorySearch, MemoryVariant};
 use crate::cli::bench_model::{BenchModel, Config};
 
 /// How the step holds its activations.
@@ -33,6 +33,14 @@ enum Variant {
 }
 
 impl Variant {
+    fn of(arg: MemoryVariant) -> Variant {
+        match arg {
+            MemoryVariant::Graphed => Variant::Graphed,
+            MemoryVariant::GraphedOffload => Variant::Offload,
+            MemoryVariant::GraphedOffloadAuto => Variant::Auto,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Variant::Graphed => "graphed",
@@ -98,7 +106,8 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
     );
     println!("{config}, {dtype}; budget {} of peak reserved memory", gib(args.budget));
     let mut rows = Vec::new();
-    for variant in [Variant::Graphed, Variant::Offload, Variant::Auto] {
+    for &variant in &args.variants {
+        let variant = Variant::of(variant);
         if variant == Variant::Auto && dev.kind() != DeviceKind::Cuda {
             println!("  {:<22} skipped: the automatic policy needs the GPU's clock", variant.name());
             continue;
@@ -107,11 +116,13 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
             let row = search_variant(&dev, (config, dtype), variant, search, args)?;
             print_row(&row);
             rows.push(row);
+            // Written after every search, so that a run stopped midway keeps what it found.
+            write_json(&args.json, &Report::new("memory", &dev, args.steps, rows.iter().collect()))?;
         }
     }
     print_ratios(&rows);
     println!("{}", crate::cli::checker_summary(&dev));
-    write_json(&args.json, &Report::new("memory", &dev, args.steps, rows))
+    Ok(())
 }
 
 /// The largest size of `search` that fits the budget, for `variant`.
