@@ -129,6 +129,12 @@ pub struct Run {
 }
 
 impl Run {
+    /// The names of graphed's file and of `torch`, PyTorch's file that a figure read, if any: a
+    /// figure's sources.
+    pub fn sources(&self, torch: Option<&ResultsFile>) -> Vec<String> {
+        std::iter::once(&self.ours).chain(torch).map(|f| f.name.clone()).collect()
+    }
+
     /// PyTorch's file of the run in `dtype` (tagged `torch-<dtype>`), or its only one (tagged
     /// `torch`).
     pub fn torch_for(&self, dtype: &str) -> Option<&ResultsFile> {

@@ -38,11 +38,9 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
         bars.extend(theirs.map(|t| Bar::theirs("PyTorch", t.tflops)));
         panels.push(Panel { title: format!("d = {}: {0}×{0}×{0} bf16", r.d), unit: "TFLOP/s".into(), bars });
     }
-    let mut sources = vec![run.ours.name.clone()];
-    sources.extend(torch_file.map(|f| f.name.clone()));
     Ok(Figure {
         tables: vec![table],
-        sources,
+        sources: run.sources(torch_file),
         provenance: report.provenance(),
         note: format!("bf16 with f32 accumulation, median of {} GEMMs timed with CUDA events", report.reps),
         chart: Bars { title: "graphed bench gemm: one bf16 GEMM through cuBLASLt".into(), panels },

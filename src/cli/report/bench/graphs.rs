@@ -84,11 +84,9 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
             .collect();
         panels.push(Panel { title: case.title(), unit: "wall ms per step (median)".into(), bars });
     }
-    let mut sources = vec![run.ours.name.clone()];
-    sources.extend(torch_file.map(|f| f.name.clone()));
     Ok(Figure {
         tables: vec![table],
-        sources,
+        sources: run.sources(torch_file),
         provenance: report.provenance(),
         note: format!("wall ms per step, median of {} timed steps, `[…]` host µs to issue it", report.reps),
         chart: Bars { title: "graphed bench graphs: one training step, graphed and PyTorch".into(), panels },

@@ -77,11 +77,9 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
             bars,
         });
     }
-    let mut sources = vec![run.ours.name.clone()];
-    sources.extend(torch_file.map(|f| f.name.clone()));
     Ok(Figure {
         tables: vec![table],
-        sources,
+        sources: run.sources(torch_file),
         provenance: report.provenance(),
         note: format!("one layer's forward and backward, eager, median of {} repetitions", report.reps),
         chart: Bars { title: "graphed bench layer: one transformer layer, eager".into(), panels },

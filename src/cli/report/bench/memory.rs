@@ -76,11 +76,9 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
             .map_or_else(String::new, |r| format!("{}: largest {search} within {} GiB", r.config, gib(r.budget_bytes)));
         panels.push(Panel { title, unit: format!("largest {search}"), bars });
     }
-    let mut sources = vec![run.ours.name.clone()];
-    sources.extend(torch_file.map(|f| f.name.clone()));
     Ok(Figure {
         tables: vec![table],
-        sources,
+        sources: run.sources(torch_file),
         provenance: report.provenance(),
         note: format!(
             "the largest batch (the configuration's layers kept) and the largest layer count (its batch kept) \
