@@ -8,23 +8,19 @@
 //! through NCCL, and each rank checks its gradients against one GPU with both microbatches (as
 //! `graphed launch --gpus 2 -- train` trains).
 
-use graphed::device::{CommOptions, Communicator, DType, Device, SimConfig, Stream};
+use graphed::device::{CommOptions, Communicator, Device, SimConfig, Stream};
 use graphed::dist::{on_sim_ranks, DataParallel, ProcessGroup, RankEnv};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{DropoutSpec, ParamStore, Stack, TransformerLayer};
+use graphed::nn::{Builder, Layers, ParamStore, Stack, TransformerLayer};
 use graphed::tensor::Tensor;
 
 /// Two layers of width 32, the same on every rank (same seeds), and their parameter store.
 fn model(dev: &Device) -> graphed::Result<(CachingAllocator, Stream, ParamStore, Stack<TransformerLayer>)> {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-    let mut store = ParamStore::new(&alloc, &s, 2 * TransformerLayer::parameter_count(32))?;
-    let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-    let mut layers = Vec::new();
-    for l in 0..2u32 {
-        let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l, step: step.clone() };
-        layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 1), &dropout, l.into(), &s)?);
-    }
+    let store = ParamStore::new(&alloc, &s, 2 * TransformerLayer::parameter_count(32))?;
+    let vb = Builder::new(&store, &alloc, &s)?;
+    let layers = TransformerLayer::stack(&vb, (32, 1), &Layers::first(2))?;
     Ok((alloc, s, store, Stack::new(layers)))
 }
 

@@ -15,7 +15,7 @@ use graphed::dist::{on_sim_ranks, DataParallel, P2pLinks, ProcessGroup, RankEnv}
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    run_pipeline_stage, run_schedule, DropoutSpec, EagerPasses, Inputs, KeepOnDevice, Module, ParamStore, Schedule,
+    run_pipeline_stage, run_schedule, Builder, EagerPasses, Inputs, KeepOnDevice, Layers, Module, ParamStore, Schedule,
     Stage, TransformerLayer,
 };
 use graphed::tensor::Tensor;
@@ -38,21 +38,9 @@ struct Part {
 
 fn part(dev: &Device, global: Vec<usize>) -> graphed::Result<Part> {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-    let mut store = ParamStore::new(&alloc, &s, global.len() * TransformerLayer::parameter_count(SHAPE[2]))?;
-    let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-    let mut layers = Vec::new();
-    for &l in &global {
-        let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l as u32, step: step.clone() };
-        layers.push(TransformerLayer::new(
-            &mut store,
-            &alloc,
-            &format!("h{l}"),
-            (SHAPE[2], 1),
-            &dropout,
-            l as u64,
-            &s,
-        )?);
-    }
+    let store = ParamStore::new(&alloc, &s, global.len() * TransformerLayer::parameter_count(SHAPE[2]))?;
+    let vb = Builder::new(&store, &alloc, &s)?;
+    let layers = TransformerLayer::stack(&vb, (SHAPE[2], 1), &Layers::of(global.iter().copied()))?;
     Ok(Part { alloc, s, store, global, layers })
 }
 

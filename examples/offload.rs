@@ -7,7 +7,7 @@
 use graphed::device::{DType, Device};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Chunk, DropoutSpec, Inputs, Module, ParamStore, Stack, TransformerLayer};
+use graphed::nn::{Builder, Chunk, Inputs, Layers, Module, ParamStore, Stack, TransformerLayer};
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::tensor::Tensor;
 
@@ -15,14 +15,9 @@ fn main() -> graphed::Result<()> {
     let dev = Device::auto();
     let (main, side, ready) = (dev.stream()?, dev.stream()?, dev.event()?);
     let alloc = CachingAllocator::new(&dev);
-    let mut store = ParamStore::new(&alloc, &main, 4 * TransformerLayer::parameter_count(64))?;
-    let step = Tensor::zeros(&alloc, &main, &[1], DType::U64)?;
-    let mut layers = Vec::new();
-    for l in 0..4u32 {
-        let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l, step: step.clone() };
-        layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (64, 2), &dropout, l.into(), &main)?);
-    }
-    let stack = Stack::new(layers);
+    let store = ParamStore::new(&alloc, &main, 4 * TransformerLayer::parameter_count(64))?;
+    let vb = Builder::new(&store, &alloc, &main)?;
+    let stack = Stack::new(TransformerLayer::stack(&vb, (64, 2), &Layers::first(4))?);
     let x = Tensor::from_f32(&alloc, &main, &vec![0.25; 4 * 32 * 64], &[4, 32, 64], DType::F32)?;
     let dy = Tensor::from_f32(&alloc, &main, &vec![1.0; 4 * 32 * 64], &[4, 32, 64], DType::F32)?;
 

@@ -13,7 +13,7 @@ use graphed::dist::{on_sim_ranks, P2pLinks, ProcessGroup, RankEnv};
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    run_pipeline_stage, run_schedule, DropoutSpec, EagerPasses, Inputs, KeepOnDevice, ParamStore, Schedule, Stage,
+    run_pipeline_stage, run_schedule, Builder, EagerPasses, Inputs, KeepOnDevice, Layers, ParamStore, Schedule, Stage,
     TransformerLayer,
 };
 use graphed::tensor::Tensor;
@@ -24,13 +24,9 @@ const MICROBATCHES: usize = 4;
 /// The model's layers `global` (width 32, each seeded by its index as in the whole model).
 fn layers(dev: &Device, global: &[usize]) -> graphed::Result<(CachingAllocator, Stream, Vec<TransformerLayer>)> {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-    let mut store = ParamStore::new(&alloc, &s, global.len() * TransformerLayer::parameter_count(SHAPE[2]))?;
-    let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-    let mut out = Vec::new();
-    for &l in global {
-        let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l as u32, step: step.clone() };
-        out.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (SHAPE[2], 1), &dropout, l as u64, &s)?);
-    }
+    let store = ParamStore::new(&alloc, &s, global.len() * TransformerLayer::parameter_count(SHAPE[2]))?;
+    let vb = Builder::new(&store, &alloc, &s)?;
+    let out = TransformerLayer::stack(&vb, (SHAPE[2], 1), &Layers::of(global.iter().copied()))?;
     Ok((alloc, s, out))
 }
 

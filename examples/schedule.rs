@@ -8,7 +8,7 @@ use graphed::device::{DType, Device};
 use graphed::graph::{make_graphed_callables, static_bytes, Callable, GraphOptions, GraphedPasses, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    run_schedule, DropoutSpec, EagerPasses, Inputs, KeepOnDevice, ParamStore, Schedule, TransformerLayer,
+    run_schedule, Builder, EagerPasses, Inputs, KeepOnDevice, Layers, ParamStore, Schedule, TransformerLayer,
 };
 use graphed::tensor::Tensor;
 
@@ -16,19 +16,11 @@ fn main() -> graphed::Result<()> {
     let dev = Device::auto();
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(&dev);
-    let layers = |store: &mut ParamStore| -> graphed::Result<Vec<TransformerLayer>> {
-        let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-        (0..4u32)
-            .map(|l| {
-                let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l, step: step.clone() };
-                TransformerLayer::new(store, &alloc, &format!("h{l}"), (32, 1), &dropout, l.into(), &s)
-            })
-            .collect()
-    };
+    let layers =
+        |store: &ParamStore| TransformerLayer::stack(&Builder::new(store, &alloc, &s)?, (32, 1), &Layers::first(4));
     let count = 4 * TransformerLayer::parameter_count(32);
-    let (mut eager_store, mut graphed_store) =
-        (ParamStore::new(&alloc, &s, count)?, ParamStore::new(&alloc, &s, count)?);
-    let (eager, graphed) = (layers(&mut eager_store)?, layers(&mut graphed_store)?);
+    let (eager_store, graphed_store) = (ParamStore::new(&alloc, &s, count)?, ParamStore::new(&alloc, &s, count)?);
+    let (eager, graphed) = (layers(&eager_store)?, layers(&graphed_store)?);
 
     let schedule = Schedule::interleaved_1f1b(1, 0, 2, 4)?;
     let per_chunk = [2, 2];

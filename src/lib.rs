@@ -23,7 +23,7 @@
 //! use graphed::device::Device;
 //! use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, Replay};
 //! use graphed::memory::CachingAllocator;
-//! use graphed::nn::{DropoutSpec, ParamStore, Stack, TransformerLayer};
+//! use graphed::nn::{Builder, Layers, ParamStore, Stack, TransformerLayer};
 //! use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 //! use graphed::tensor::Tensor;
 //!
@@ -32,15 +32,10 @@
 //! let alloc = CachingAllocator::new(&dev);
 //! // Two transformer layers of width 32 (one head of 32 features, which the default fused
 //! // attention runs) over one flat parameter store.
-//! let mut store = ParamStore::new(&alloc, &main, 2 * TransformerLayer::parameter_count(32))?;
-//! let step = Tensor::zeros(&alloc, &main, &[1], graphed::device::DType::U64)?; // dropout's step counter
-//! let mut layers = Vec::new();
-//! for l in 0..2u32 {
-//!     let dropout = DropoutSpec { p: 0.1, seed: 7, site: 2 * l, step: step.clone() };
-//!     let name = format!("h{l}");
-//!     layers.push(TransformerLayer::new(&mut store, &alloc, &name, (32, 1), &dropout, u64::from(l), &main)?);
-//! }
-//! let stack = Stack::new(layers).with_rng_step(&step);
+//! let store = ParamStore::new(&alloc, &main, 2 * TransformerLayer::parameter_count(32))?;
+//! let vb = Builder::new(&store, &alloc, &main)?.with_dropout(0.1, 7); // names, seeds, dropout
+//! let layers = TransformerLayer::stack(&vb, (32, 1), &Layers::first(2))?; // h0, h1
+//! let stack = Stack::new(layers).with_rng_step(vb.step()); // new dropout masks every forward
 //! let x = Tensor::zeros(&alloc, &main, &[2, 4, 32], graphed::device::DType::F32)?;
 //!
 //! // Capture: warmup, then every layer's forward and backward into graphs of one pool, each

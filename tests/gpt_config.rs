@@ -6,8 +6,7 @@
 use graphed::device::{DType, Device};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    AttentionKind, AttentionSpec, DropoutSpec, Gpt, GptConfig, Inputs, KeepOnDevice, Module, ParamStore,
-    TransformerLayer,
+    AttentionKind, AttentionSpec, Builder, Gpt, GptConfig, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer,
 };
 use graphed::tensor::Tensor;
 use proptest::prelude::*;
@@ -17,11 +16,9 @@ use proptest::prelude::*;
 fn layer_step(dim: usize, heads: usize, kind: AttentionKind, batch: usize, seq: usize) -> graphed::Result<()> {
     let dev = Device::sim();
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
-    let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(dim))?;
-    let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-    let spec = DropoutSpec { p: 0.0, seed: 1, site: 0, step };
-    let layer =
-        TransformerLayer::new(&mut store, &alloc, "h0", AttentionSpec::new(dim, heads).kind(kind), &spec, 3, &s)?;
+    let store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(dim))?;
+    let vb = Builder::new(&store, &alloc, &s)?.with_seed(3).pp("h0");
+    let layer = TransformerLayer::new(&vb, AttentionSpec::new(dim, heads).kind(kind))?;
     let n = batch * seq * dim;
     let x = Tensor::from_host(&alloc, &s, &vec![0.25f32; n], &[batch, seq, dim])?;
     let (y, ctx) = layer.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
@@ -105,10 +102,8 @@ fn the_attention_forms_limits_are_refused_with_the_way_out() {
     // A layer built directly says the same.
     let dev = Device::sim();
     let (s, alloc) = (dev.stream().unwrap(), CachingAllocator::new(&dev));
-    let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(96)).unwrap();
-    let step = Tensor::zeros(&alloc, &s, &[1], DType::U64).unwrap();
-    let spec = DropoutSpec { p: 0.0, seed: 1, site: 0, step };
-    match TransformerLayer::new(&mut store, &alloc, "h0", (96, 2), &spec, 3, &s) {
+    let store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(96)).unwrap();
+    match TransformerLayer::new(&Builder::new(&store, &alloc, &s).unwrap().pp("h0"), (96, 2)) {
         Err(graphed::Error::Unsupported { why, .. }) => assert!(why.contains("--attention unfused"), "{why}"),
         other => panic!("a fused layer with 48-wide heads: {:?}", other.err()),
     }

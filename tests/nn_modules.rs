@@ -12,7 +12,7 @@ use graphed::device::DType;
 use graphed::device::{Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    AttentionKind, AttentionSpec, CausalSelfAttention, Dropout, DropoutSpec, Inputs, KeepOnDevice, LayerNorm, Mlp,
+    AttentionKind, AttentionSpec, Builder, CausalSelfAttention, Dropout, Inputs, KeepOnDevice, LayerNorm, Layers, Mlp,
     Module, ParamStore, TransformerLayer,
 };
 use graphed::ops::rng;
@@ -31,15 +31,27 @@ fn tiny(dim: usize, heads: usize) -> AttentionSpec {
     AttentionSpec::new(dim, heads).kind(AttentionKind::Unfused)
 }
 
-/// A step counter at step 1 and the dropout spec over it.
-fn spec(alloc: &CachingAllocator, s: &Stream, p: f32, site: u32) -> graphed::Result<DropoutSpec> {
-    let step = Tensor::zeros(alloc, s, &[1], graphed::device::DType::U64)?;
-    rng::step_write(&step, 1, s)?;
-    Ok(DropoutSpec { p, seed: 1234, site, step })
+/// A builder over `store` whose dropouts drop with probability `p` (RNG seed 1234) from site
+/// `site`, its step counter at step 1.
+fn builder<'a>(
+    store: &'a ParamStore,
+    alloc: &CachingAllocator,
+    s: &Stream,
+    p: f32,
+    site: u32,
+) -> graphed::Result<Builder<'a>> {
+    let vb = Builder::new(store, alloc, s)?.with_dropout(p, 1234).with_site(site);
+    rng::step_write(vb.step(), 1, s)?;
+    Ok(vb)
 }
 
-/// Builds the module under test the same way on any device.
-type Build<M> = fn(&mut ParamStore, &CachingAllocator, &Stream) -> graphed::Result<M>;
+/// Builds the module under test the same way on any device, from a [`builder`] of p = 0 at site 0.
+type Build<M> = fn(&Builder) -> graphed::Result<M>;
+
+/// The layer of the gradient cases, its dropouts dropping with probability `p`.
+fn layer(vb: &Builder, p: f32) -> graphed::Result<TransformerLayer> {
+    TransformerLayer::new(&vb.pp("layer").with_seed(9).with_dropout(p, 1234), tiny(SHAPE[2], HEADS))
+}
 
 /// One module on one device with a fixed input `x` and loss weights `r` (loss = Σ y⊙r).
 struct Case<M> {
@@ -61,8 +73,8 @@ struct Run {
 impl<M: Module> Case<M> {
     fn new(dev: &Device, build: Build<M>) -> Result<Case<M>> {
         let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-        let mut store = ParamStore::new(&alloc, &s, 1024)?;
-        let module = build(&mut store, &alloc, &s)?;
+        let store = ParamStore::new(&alloc, &s, 1024)?;
+        let module = build(&builder(&store, &alloc, &s, 0.0, 0)?)?;
         let n = SHAPE.iter().product();
         Ok(Case { s, alloc, store, module, x: lcg(n, 1), r: lcg(n, 2) })
     }
@@ -132,38 +144,28 @@ fn check_gradients<M: Module>(dev: &Device, build: Build<M>, stride: usize) -> R
 }
 
 fn layernorm_gradients(dev: &Device) -> Result {
-    check_gradients(dev, |store, alloc, s| LayerNorm::new(store, alloc, "ln", SHAPE[2], s), 1)
+    check_gradients(dev, |vb| LayerNorm::new(&vb.pp("ln"), SHAPE[2]), 1)
 }
 
 fn mlp_gradients(dev: &Device) -> Result {
-    check_gradients(dev, |store, alloc, s| Mlp::new(store, alloc, "mlp", SHAPE[2], 3, s), 3)
+    check_gradients(dev, |vb| Mlp::new(&vb.pp("mlp").with_seed(3), SHAPE[2]), 3)
 }
 
 fn attention_gradients(dev: &Device) -> Result {
-    check_gradients(
-        dev,
-        |store, alloc, s| CausalSelfAttention::new(store, alloc, "attn", tiny(SHAPE[2], HEADS), 5, s),
-        2,
-    )
+    check_gradients(dev, |vb| CausalSelfAttention::new(&vb.pp("attn").with_seed(5), tiny(SHAPE[2], HEADS)), 2)
 }
 
 fn transformer_layer_gradients(dev: &Device) -> Result {
-    let build: Build<TransformerLayer> = |store, alloc, s| {
-        TransformerLayer::new(store, alloc, "layer", tiny(SHAPE[2], HEADS), &spec(alloc, s, 0.0, 0)?, 9, s)
-    };
-    check_gradients(dev, build, 5)
+    check_gradients(dev, |vb| layer(vb, 0.0), 5)
 }
 
 /// With the step fixed the mask is fixed, so dropout (p = 0.5) is differentiable as any module.
 fn dropout_gradients(dev: &Device) -> Result {
-    check_gradients(dev, |_, alloc, s| Dropout::new(alloc, &spec(alloc, s, 0.5, 3)?), 1)
+    check_gradients(dev, |vb| Dropout::new(&vb.clone().with_dropout(0.5, 1234).with_site(3)), 1)
 }
 
 fn dropout_follows_the_step_and_the_mode(dev: &Device) -> Result {
-    let build: Build<TransformerLayer> = |store, alloc, s| {
-        TransformerLayer::new(store, alloc, "layer", tiny(SHAPE[2], HEADS), &spec(alloc, s, 0.5, 0)?, 9, s)
-    };
-    let mut case = Case::new(dev, build)?;
+    let mut case = Case::new(dev, |vb| layer(vb, 0.5))?;
     let step = case.module.drop1.step().clone();
     let first = case.forward(&case.x)?;
     ensure!(case.forward(&case.x)? == first, "the same step draws the same masks");
@@ -180,22 +182,26 @@ fn dropout_follows_the_step_and_the_mode(dev: &Device) -> Result {
 
 fn bad_shapes_are_refused(dev: &Device) -> Result {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-    let mut store = ParamStore::new(&alloc, &s, 1024)?;
-    let bad = CausalSelfAttention::new(&mut store, &alloc, "attn", tiny(SHAPE[2], 3), 1, &s);
+    let store = ParamStore::new(&alloc, &s, 1024)?;
+    let vb = Builder::new(&store, &alloc, &s)?.with_seed(1);
+    let bad = CausalSelfAttention::new(&vb.pp("attn"), tiny(SHAPE[2], 3));
     ensure!(matches!(bad, Err(Error::Shape { .. })), "3 heads do not divide 8 features");
+    let certain = CausalSelfAttention::new(&vb.clone().with_dropout(1.0, 1).pp("attn"), tiny(SHAPE[2], HEADS));
+    ensure!(matches!(certain, Err(Error::Unsupported { .. })), "attention dropout of p = 1 is refused");
+    ensure!(store.values()?.numel() == 0, "refused before adding parameters");
     // Heads of 48 features: the fused form refuses them, naming the way out; the unfused runs them.
-    let fused = CausalSelfAttention::new(&mut store, &alloc, "attn", (96, 2), 1, &s);
+    let fused = CausalSelfAttention::new(&vb.pp("attn"), (96, 2));
     ensure!(
         matches!(&fused, Err(Error::Unsupported { why, .. }) if why.contains("--attention unfused")),
         "fused heads of 48: {:?}",
         fused.err()
     );
-    let attn = CausalSelfAttention::new(&mut store, &alloc, "attn", tiny(SHAPE[2], HEADS), 1, &s)?;
+    let attn = CausalSelfAttention::new(&vb.pp("attn"), tiny(SHAPE[2], HEADS))?;
     let flat = Tensor::zeros(&alloc, &s, &[6, 8], DType::F32)?;
     ensure!(matches!(attn.forward(&Inputs::one(&flat), &KeepOnDevice, &s), Err(Error::Shape { .. })), "(B, T, C) only");
-    let ln = LayerNorm::new(&mut store, &alloc, "ln", 4, &s)?;
+    let ln = LayerNorm::new(&vb.pp("ln"), 4)?;
     ensure!(matches!(ln.forward(&Inputs::one(&flat), &KeepOnDevice, &s), Err(Error::Shape { .. })), "width 4, not 8");
-    ensure!(matches!(Dropout::new(&alloc, &spec(&alloc, &s, 1.0, 0)?), Err(Error::Unsupported { .. })), "p < 1");
+    ensure!(matches!(Dropout::new(&vb.with_dropout(1.0, 1)), Err(Error::Unsupported { .. })), "p < 1");
     Ok(())
 }
 
@@ -206,29 +212,21 @@ fn parameter_counts_are_exact(dev: &Device) -> Result {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
     let (d, v, t) = (16, 11, 7);
-    let exact = |count: usize, build: &dyn Fn(&mut ParamStore) -> graphed::Result<()>| -> Result {
-        let mut store = ParamStore::new(&alloc, &s, count)?;
-        build(&mut store)?;
+    let exact = |count: usize, build: &dyn Fn(&Builder) -> graphed::Result<()>| -> Result {
+        let store = ParamStore::new(&alloc, &s, count)?;
+        build(&Builder::new(&store, &alloc, &s)?)?;
         ensure!(store.values()?.numel() == count, "the store holds {} of {count}", store.values()?.numel());
         Ok(())
     };
-    exact(LayerNorm::parameter_count(d), &|st| LayerNorm::new(st, &alloc, "ln", d, &s).map(|_| ()))?;
-    exact(Mlp::parameter_count(d), &|st| Mlp::new(st, &alloc, "mlp", d, 1, &s).map(|_| ()))?;
-    exact(CausalSelfAttention::parameter_count(d), &|st| {
-        CausalSelfAttention::new(st, &alloc, "attn", tiny(d, 2), 1, &s).map(|_| ())
-    })?;
-    exact(TransformerLayer::parameter_count(d), &|st| {
-        let spec = spec(&alloc, &s, 0.0, 0)?;
-        TransformerLayer::new(st, &alloc, "h", tiny(d, 2), &spec, 1, &s).map(|_| ())
-    })?;
-    exact(Embedding::parameter_count((v, t, d)), &|st| {
-        Embedding::new(st, &alloc, "emb", (v, t, d), 1, &s).map(|_| ())
-    })?;
-    exact(LmHead::parameter_count((d, v)), &|st| LmHead::new(st, &alloc, "head", (d, v), 1, &s).map(|_| ()))?;
-    let mut small = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(d) - 1)?;
-    let spec = spec(&alloc, &s, 0.0, 0)?;
+    exact(LayerNorm::parameter_count(d), &|vb| LayerNorm::new(vb, d).map(|_| ()))?;
+    exact(Mlp::parameter_count(d), &|vb| Mlp::new(vb, d).map(|_| ()))?;
+    exact(CausalSelfAttention::parameter_count(d), &|vb| CausalSelfAttention::new(vb, tiny(d, 2)).map(|_| ()))?;
+    exact(TransformerLayer::parameter_count(d), &|vb| TransformerLayer::new(vb, tiny(d, 2)).map(|_| ()))?;
+    exact(Embedding::parameter_count((v, t, d)), &|vb| Embedding::new(vb, (v, t, d)).map(|_| ()))?;
+    exact(LmHead::parameter_count((d, v)), &|vb| LmHead::new(vb, (d, v)).map(|_| ()))?;
+    let small = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(d) - 1)?;
     ensure!(
-        matches!(TransformerLayer::new(&mut small, &alloc, "h", tiny(d, 2), &spec, 1, &s), Err(Error::Shape { .. })),
+        matches!(TransformerLayer::new(&Builder::new(&small, &alloc, &s)?, tiny(d, 2)), Err(Error::Shape { .. })),
         "a store one element short is refused"
     );
     Ok(())
@@ -241,14 +239,9 @@ fn stack_runs_its_layers_in_order(dev: &Device) -> Result {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
     let c = SHAPE[2];
-    let mut store = ParamStore::new(&alloc, &s, 2 * (12 * c * c + 13 * c))?;
-    let layers = (0..2)
-        .map(|l| {
-            let spec = spec(&alloc, &s, 0.0, 2 * l)?;
-            TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), tiny(c, 2), &spec, 5 + u64::from(l), &s)
-        })
-        .collect::<graphed::Result<Vec<_>>>()?;
-    let stack = Stack::new(layers);
+    let store = ParamStore::new(&alloc, &s, 2 * (12 * c * c + 13 * c))?;
+    let vb = builder(&store, &alloc, &s, 0.0, 0)?.with_seed(5);
+    let stack = Stack::new(TransformerLayer::stack(&vb, tiny(c, 2), &Layers::first(2))?);
     let n: usize = SHAPE.iter().product();
     let x = Tensor::from_host(&alloc, &s, &lcg(n, 1), &SHAPE)?;
     let dy = Tensor::from_host(&alloc, &s, &lcg(n, 2), &SHAPE)?;
@@ -273,13 +266,40 @@ fn stack_runs_its_layers_in_order(dev: &Device) -> Result {
     Ok(())
 }
 
+/// `TransformerLayer::stack` builds layer `l` of a model as `TransformerLayer::new` does from the
+/// builder one level down, at `h{l}`, seeded `seed + l·stride`, its dropouts from site `2l`: the
+/// same parameter names and values, and the same outputs with dropout on.
+fn stack_builds_each_layer_as_new_does(dev: &Device) -> Result {
+    let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+    let (c, part) = (SHAPE[2], [1u32, 3]);
+    let count = part.len() * TransformerLayer::parameter_count(c);
+    let (stacked, single) = (ParamStore::new(&alloc, &s, count)?, ParamStore::new(&alloc, &s, count)?);
+    let vb = builder(&stacked, &alloc, &s, 0.5, 0)?.with_seed(5);
+    let layers = TransformerLayer::stack(&vb, tiny(c, 2), &Layers::of(part.map(|l| l as usize)).seed_stride(4))?;
+    let vb = builder(&single, &alloc, &s, 0.5, 0)?;
+    let want = (part.iter())
+        .map(|&l| {
+            let seed = 5 + 4 * u64::from(l);
+            TransformerLayer::new(&vb.pp(&format!("h{l}")).with_seed(seed).with_site(2 * l), tiny(c, 2))
+        })
+        .collect::<graphed::Result<Vec<_>>>()?;
+    ensure!(stacked.ranges() == single.ranges(), "names and layout: {:?}", stacked.ranges());
+    ensure!(stacked.ranges()[0].0 == "h1.ln1.weight", "the first name is {}", stacked.ranges()[0].0);
+    ensure!(stacked.values()?.to_vec::<f32>(&s)? == single.values()?.to_vec::<f32>(&s)?, "initial values");
+    let x = Tensor::from_host(&alloc, &s, &lcg(SHAPE.iter().product(), 1), &SHAPE)?;
+    for (l, (got, want)) in part.iter().zip(layers.iter().zip(&want)) {
+        let (got, _) = got.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+        let (want, _) = want.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+        ensure!(got[0].to_vec::<f32>(&s)? == want[0].to_vec::<f32>(&s)?, "layer {l} draws other masks");
+    }
+    Ok(())
+}
+
 /// A transformer layer whose four linears leave their weight gradients to `backward_dw`: after
 /// it, the same input gradient and parameter gradients as without the split, bit for bit; and
 /// the layer says it splits.
 fn transformer_layer_split_weight_gradients(dev: &Device) -> Result {
-    let build: Build<TransformerLayer> = |store, alloc, s| {
-        TransformerLayer::new(store, alloc, "layer", tiny(SHAPE[2], HEADS), &spec(alloc, s, 0.0, 0)?, 9, s)
-    };
+    let build: Build<TransformerLayer> = |vb| layer(vb, 0.0);
     let whole = Case::new(dev, build)?.run()?;
     let mut case = Case::new(dev, build)?;
     ensure!(!case.module.splits_dw(), "no split by default");
@@ -308,21 +328,20 @@ const WIDE_HEADS: usize = 2;
 fn attention_run(dev: &Device, kind: AttentionKind, layer: bool, dtype: DType, p: f32) -> Result<Run> {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
     let c = WIDE[2];
-    let mut store = ParamStore::with_dtype(&alloc, &s, TransformerLayer::parameter_count(c), dtype)?;
+    let store = ParamStore::with_dtype(&alloc, &s, TransformerLayer::parameter_count(c), dtype)?;
     let shape = AttentionSpec::new(c, WIDE_HEADS).kind(kind);
     // Sites as a model's layer 1 uses them: residual dropouts at 2 and 3, attention at 2^31 + 2.
-    let dropout = spec(&alloc, &s, p, 2)?;
+    let vb = builder(&store, &alloc, &s, p, 2)?.with_seed(7);
     let n: usize = WIDE.iter().product();
     let x = Tensor::from_f32(&alloc, &s, &lcg(n, 11), &WIDE, dtype)?;
     let dy = Tensor::from_f32(&alloc, &s, &lcg(n, 12), &WIDE, dtype)?;
     let (y, dx) = if layer {
-        let m = TransformerLayer::new(&mut store, &alloc, "h1", shape, &dropout, 7, &s)?;
+        let m = TransformerLayer::new(&vb.pp("h1"), shape)?;
         let (y, ctx) = m.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
         (y, m.backward(ctx, &[&dy], &s)?)
     } else {
-        let site = graphed::nn::attention_dropout_site(dropout.site).expect("a low site");
-        let m = CausalSelfAttention::new(&mut store, &alloc, "attn", shape, 7, &s)?
-            .with_dropout(&DropoutSpec { site, ..dropout })?;
+        let site = graphed::nn::attention_dropout_site(2).expect("a low site");
+        let m = CausalSelfAttention::new(&vb.pp("attn").with_site(site), shape)?;
         let (y, ctx) = m.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
         (y, m.backward(ctx, &[&dy], &s)?)
     };
@@ -389,21 +408,19 @@ fn attention_dropout_follows_the_forwards_step_and_the_mode(dev: &Device) -> Res
     for kind in AttentionKind::ALL {
         let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
         let c = WIDE[2];
-        let mut store = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(c))?;
-        let dropout = spec(&alloc, &s, 0.5, graphed::nn::ATTENTION_DROPOUT_SITES)?;
-        let mut m =
-            CausalSelfAttention::new(&mut store, &alloc, "attn", AttentionSpec::new(c, WIDE_HEADS).kind(kind), 3, &s)?
-                .with_dropout(&dropout)?;
+        let store = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(c))?;
+        let vb = builder(&store, &alloc, &s, 0.5, graphed::nn::ATTENTION_DROPOUT_SITES)?.with_seed(3);
+        let mut m = CausalSelfAttention::new(&vb.pp("attn"), AttentionSpec::new(c, WIDE_HEADS).kind(kind))?;
         ensure!(m.draws_from().is_some(), "{kind}: a dropping attention draws from the step counter");
         let n: usize = WIDE.iter().product();
         let x = Tensor::from_host(&alloc, &s, &lcg(n, 1), &WIDE)?;
         let dy = Tensor::from_host(&alloc, &s, &lcg(n, 2), &WIDE)?;
         let step_between = |m: &CausalSelfAttention, advance: bool| -> Result<(Vec<f32>, Vec<f32>)> {
-            rng::step_write(&dropout.step, 1, &s)?;
+            rng::step_write(vb.step(), 1, &s)?;
             s.memset(store.grads()?.view::<f32>()?, 0)?;
             let (y, ctx) = m.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
             if advance {
-                rng::step_write(&dropout.step, 2, &s)?;
+                rng::step_write(vb.step(), 2, &s)?;
             }
             m.backward(ctx, &[&dy], &s)?;
             Ok((y[0].to_vec(&s)?, store.grads()?.to_vec(&s)?))
@@ -413,9 +430,11 @@ fn attention_dropout_follows_the_forwards_step_and_the_mode(dev: &Device) -> Res
         m.set_training(false);
         ensure!(m.draws_from().is_none(), "{kind}: evaluation draws nothing");
         let (eval, _) = step_between(&m, false)?;
-        let mut other = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(c))?;
-        let plain =
-            CausalSelfAttention::new(&mut other, &alloc, "attn", AttentionSpec::new(c, WIDE_HEADS).kind(kind), 3, &s)?;
+        let other = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(c))?;
+        let plain = CausalSelfAttention::new(
+            &Builder::new(&other, &alloc, &s)?.with_seed(3).pp("attn"),
+            AttentionSpec::new(c, WIDE_HEADS).kind(kind),
+        )?;
         let (want, _) = plain.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
         ensure!(eval == want[0].to_vec::<f32>(&s)? && eval != y, "{kind}: evaluation is the attention without dropout");
     }
@@ -427,8 +446,9 @@ fn attention_dropout_follows_the_forwards_step_and_the_mode(dev: &Device) -> Res
 /// gradient already allocated.
 fn attention_peak_rise(dev: &Device, kind: AttentionKind, t: usize) -> Result<usize> {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-    let mut store = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(32))?;
-    let m = CausalSelfAttention::new(&mut store, &alloc, "attn", AttentionSpec::new(32, 1).kind(kind), 3, &s)?;
+    let store = ParamStore::new(&alloc, &s, CausalSelfAttention::parameter_count(32))?;
+    let vb = Builder::new(&store, &alloc, &s)?.with_seed(3).pp("attn");
+    let m = CausalSelfAttention::new(&vb, AttentionSpec::new(32, 1).kind(kind))?;
     let x = Tensor::from_host(&alloc, &s, &lcg(t * 32, 1), &[1, t, 32])?;
     let dy = Tensor::from_host(&alloc, &s, &lcg(t * 32, 2), &[1, t, 32])?;
     s.synchronize()?;
@@ -457,6 +477,7 @@ per_device!(
     transformer_layer_split_weight_gradients,
     parameter_counts_are_exact,
     stack_runs_its_layers_in_order,
+    stack_builds_each_layer_as_new_does,
     layernorm_gradients,
     mlp_gradients,
     attention_gradients,

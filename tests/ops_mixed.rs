@@ -443,7 +443,7 @@ struct Run {
 }
 
 fn run(env: &Env, dtype: DType, init: &[f32], hyper: AdamWHyper, lr: f32) -> Result<Run> {
-    let mut store = ParamStore::with_dtype(&env.alloc, &env.s, init.len(), dtype)?;
+    let store = ParamStore::with_dtype(&env.alloc, &env.s, init.len(), dtype)?;
     let p = store.add("p", &[init.len()], init, &env.s)?;
     let opt = AdamW::new(&env.alloc, &store, hyper, LrSchedule::Constant(lr), &env.s)?;
     let graph = make_graphed_fn(&env.alloc, |s| opt.step(s))?;

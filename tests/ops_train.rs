@@ -520,7 +520,7 @@ fn schedule_follows_the_host_formula_in_a_graph(dev: &Device) -> Result {
     use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
     let env = Env::new(dev)?;
     let schedule = LrSchedule::WarmupCosine { peak: 3e-3, warmup: 3, total: 10, floor: 0.1 };
-    let mut store = ParamStore::new(&env.alloc, &env.s, 4)?;
+    let store = ParamStore::new(&env.alloc, &env.s, 4)?;
     let p = store.add("p", &[4], &[0.5, -0.5, 1.0, -1.0], &env.s)?;
     let opt = AdamW::new(&env.alloc, &store, AdamWHyper::default(), schedule, &env.s)?;
     let graph = make_graphed_fn(&env.alloc, |s| opt.step(s))?;
@@ -576,7 +576,7 @@ fn planted_run(env: &Env, dtype: graphed::device::DType, nonfinite: adamw::NonFi
     use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
     let s = &env.s;
     let mut lcg = Lcg(30);
-    let mut store = ParamStore::with_dtype(&env.alloc, s, 1000, dtype)?;
+    let store = ParamStore::with_dtype(&env.alloc, s, 1000, dtype)?;
     store.add("a", &[300], &lcg.vec(300, 1.0), s)?;
     store.add("b", &[7, 100], &lcg.vec(700, 1.0), s)?;
     let hyper = AdamWHyper { weight_decay: 0.1, nonfinite, ..AdamWHyper::default() };

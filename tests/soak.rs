@@ -16,7 +16,7 @@ use graphed::device::{DType, Device, DeviceKind, Stream};
 use graphed::graph::{make_graphed_callables, make_graphed_fn, make_graphed_stack, Callable, GraphOptions};
 use graphed::graph::{GraphedPasses, Replay, StaticTensor};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{input_grad, run_schedule, Chunk, DropoutSpec, Inputs, ParamStore, Schedule, Stack};
+use graphed::nn::{input_grad, run_schedule, Builder, Chunk, Inputs, Layers, ParamStore, Schedule, Stack};
 use graphed::nn::{Module, TransformerLayer};
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::ops::elementwise;
@@ -131,21 +131,10 @@ impl Model {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let c = SHAPE[2];
-        let mut store = ParamStore::new(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c))?;
-        let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-        let mut layers = Vec::new();
-        for l in 0..LAYERS {
-            let spec = DropoutSpec { p: 0.1, seed: 7, site: 2 * l as u32, step: step.clone() };
-            layers.push(TransformerLayer::new(
-                &mut store,
-                &alloc,
-                &format!("h{l}"),
-                (c, HEADS),
-                &spec,
-                3 + l as u64,
-                &s,
-            )?);
-        }
+        let store = ParamStore::new(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c))?;
+        let vb = Builder::new(&store, &alloc, &s)?.with_seed(3).with_dropout(0.1, 7);
+        let layers = TransformerLayer::stack(&vb, (c, HEADS), &Layers::first(LAYERS))?;
+        let step = vb.step().clone();
         let optimizer = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-3), &s)?;
         let n: usize = SHAPE.iter().product();
         let inputs = (0..INPUTS as u64)

@@ -10,7 +10,8 @@ use graphed::device::{Device, DeviceKind, Event, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    AttentionKind, AttentionSpec, Chunk, DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, Stack, TransformerLayer,
+    AttentionKind, AttentionSpec, Builder, Chunk, Inputs, KeepOnDevice, Layers, Module, ParamStore, Stack,
+    TransformerLayer,
 };
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::tensor::Tensor;
@@ -122,18 +123,13 @@ impl BenchModel {
     ) -> graphed::Result<BenchModel> {
         let Config { dim, batch, seq, .. } = config;
         let count = global.len() * TransformerLayer::parameter_count(dim);
-        let mut store = ParamStore::with_dtype(alloc, stream, count, dtype)?;
-        let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
-        let layers = (global.iter().copied())
-            .map(|l| {
-                // Sites two apart: each layer has two dropouts. Init seeds four apart: each
-                // layer seeds its linear layers from `seed` to `seed + 3`.
-                let spec = DropoutSpec { p: 0.0, seed: 0, site: 2 * l as u32, step: step.clone() };
-                let name = format!("layer{l}");
-                let attention = AttentionSpec::new(dim, config.heads()).kind(config.attention);
-                TransformerLayer::new(&mut store, alloc, &name, attention, &spec, 1 + 4 * l as u64, stream)
-            })
-            .collect::<graphed::Result<Vec<_>>>()?;
+        let store = ParamStore::with_dtype(alloc, stream, count, dtype)?;
+        // Init seeds four apart: each layer seeds its linear layers from `seed` to `seed + 3`.
+        let layers = TransformerLayer::stack(
+            &Builder::new(&store, alloc, stream)?.with_seed(1),
+            AttentionSpec::new(dim, config.heads()).kind(config.attention),
+            &Layers::of(global.iter().copied()).named("layer").seed_stride(4),
+        )?;
         let numel = batch * seq * dim;
         let x: Vec<f32> = (0..numel).map(|i| (i * 7919 % 1000) as f32 / 1000.0 - 0.5).collect();
         let x = Tensor::from_f32(alloc, stream, &x, &[batch, seq, dim], dtype)?;

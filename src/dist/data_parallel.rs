@@ -271,7 +271,7 @@ mod tests {
     use super::*;
     use crate::device::{CommOptions, DType, SimConfig};
     use crate::memory::CachingAllocator;
-    use crate::nn::{DropoutSpec, TransformerLayer};
+    use crate::nn::{Builder, TransformerLayer};
     use proptest::prelude::*;
 
     proptest! {
@@ -315,11 +315,9 @@ mod tests {
     fn a_layers_mlp_half_told_final_is_reduced_at_once_and_only_the_rest_waits() {
         let out = crate::dist::on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| {
             let (alloc, s) = (CachingAllocator::new(c.device()), c.device().stream()?);
-            let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(8))?;
-            let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-            let dropout = DropoutSpec { p: 0.0, seed: 1, site: 0, step };
+            let store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(8))?;
             let attention = crate::nn::AttentionSpec::new(8, 2).kind(crate::nn::AttentionKind::Unfused);
-            let layer = TransformerLayer::new(&mut store, &alloc, "h0", attention, &dropout, 0, &s)?;
+            let layer = TransformerLayer::new(&Builder::new(&store, &alloc, &s)?.pp("h0"), attention)?;
             let stack = Stack::new(vec![layer]);
             let layer = &stack.layers()[0];
             let mlp_half = [layer.ln2.parameters(), layer.mlp.parameters()].concat();

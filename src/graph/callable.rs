@@ -24,14 +24,14 @@ mod sealed {
 /// use graphed::device::Device;
 /// use graphed::graph::Callable;
 /// use graphed::memory::CachingAllocator;
-/// use graphed::nn::{Inputs, KeepOnDevice, Linear, Module, ParamStore};
+/// use graphed::nn::{Builder, Inputs, KeepOnDevice, Linear, Module, ParamStore};
 /// use graphed::tensor::Tensor;
 ///
 /// let dev = Device::sim();
 /// let s = dev.stream()?;
 /// let alloc = CachingAllocator::new(&dev);
-/// let mut store = ParamStore::new(&alloc, &s, 15)?;
-/// let fc = Linear::new(&mut store, &alloc, "fc", (4, 3), 1, &s)?;
+/// let store = ParamStore::new(&alloc, &s, 15)?;
+/// let fc = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(1).pp("fc"), (4, 3))?;
 /// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
 /// let (y, _ctx) = fc.forward(&Inputs::one(&x), &KeepOnDevice, &s)?; // the module's own forward
 /// let as_callable: &dyn Callable = &fc;

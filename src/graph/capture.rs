@@ -44,14 +44,14 @@ fn refuse(kind: GraphedErrorKind) -> Error {
 /// use graphed::device::Device;
 /// use graphed::graph::{make_graphed_callables, Callable, GraphOptions, Replay};
 /// use graphed::memory::CachingAllocator;
-/// use graphed::nn::{Inputs, Linear, ParamStore};
+/// use graphed::nn::{Builder, Inputs, Linear, ParamStore};
 /// use graphed::tensor::Tensor;
 ///
 /// let dev = Device::sim();
 /// let s = dev.stream()?;
 /// let alloc = CachingAllocator::new(&dev);
-/// let mut store = ParamStore::new(&alloc, &s, 64)?;
-/// let fc = Linear::new(&mut store, &alloc, "fc", (4, 3), 1, &s)?;
+/// let store = ParamStore::new(&alloc, &s, 64)?;
+/// let fc = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(1).pp("fc"), (4, 3))?;
 /// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
 /// let g = make_graphed_callables(&alloc, &[&fc as &dyn Callable], &[Inputs::one(&x)], GraphOptions::default())?;
 /// let (y, _tail) = g[0].forward(&s, &Inputs::one(&x), Replay::caller())?;
@@ -141,16 +141,17 @@ pub fn make_graphed_callables(
 /// use graphed::device::Device;
 /// use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 /// use graphed::memory::CachingAllocator;
-/// use graphed::nn::{Linear, ParamStore, Stack};
+/// use graphed::nn::{Builder, Linear, ParamStore, Stack};
 /// use graphed::tensor::Tensor;
 ///
 /// let dev = Device::sim();
 /// let s = dev.stream()?;
 /// let alloc = CachingAllocator::new(&dev);
-/// let mut store = ParamStore::new(&alloc, &s, 40)?;
+/// let store = ParamStore::new(&alloc, &s, 40)?;
+/// let vb = Builder::new(&store, &alloc, &s)?;
 /// let stack = Stack::new(vec![
-///     Linear::new(&mut store, &alloc, "fc0", (4, 4), 1, &s)?,
-///     Linear::new(&mut store, &alloc, "fc1", (4, 4), 2, &s)?,
+///     Linear::new(&vb.pp("fc0").with_seed(1), (4, 4))?,
+///     Linear::new(&vb.pp("fc1").with_seed(2), (4, 4))?,
 /// ]);
 /// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
 /// let graphed = make_graphed_stack(&alloc, &stack, &x, GraphOptions::default())?;

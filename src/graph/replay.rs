@@ -120,14 +120,14 @@ impl Tail {
 /// use graphed::device::Device;
 /// use graphed::graph::{make_graphed_callables, Callable, GraphOptions, Replay, Tails};
 /// use graphed::memory::CachingAllocator;
-/// use graphed::nn::{Inputs, Linear, ParamStore};
+/// use graphed::nn::{Builder, Inputs, Linear, ParamStore};
 /// use graphed::tensor::Tensor;
 ///
 /// let dev = Device::sim();
 /// let (main, side, event) = (dev.stream()?, dev.stream()?, dev.event()?);
 /// let alloc = CachingAllocator::new(&dev);
-/// let mut store = ParamStore::new(&alloc, &main, 64)?;
-/// let fc = Linear::new(&mut store, &alloc, "fc", (4, 3), 1, &main)?;
+/// let store = ParamStore::new(&alloc, &main, 64)?;
+/// let fc = Linear::new(&Builder::new(&store, &alloc, &main)?.with_seed(1).pp("fc"), (4, 3))?;
 /// let x = Tensor::from_host(&alloc, &main, &[0.5f32; 8], &[2, 4])?;
 /// let dy = Tensor::from_host(&alloc, &main, &[1.0f32; 6], &[2, 3])?;
 /// let options = GraphOptions::default().sync_event(&event);

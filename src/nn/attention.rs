@@ -29,7 +29,7 @@
 //! the counter before this backward runs.
 
 use super::layernorm::single_input;
-use super::{BiasGrad, DropoutSpec, Inputs, Linear, Module, Param, ParamStore, SaveHook, SavedTensor};
+use super::{BiasGrad, Builder, DropoutSpec, Inputs, Linear, Module, Param, SaveHook, SavedTensor};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::attention::{self, AttentionDropout, ForwardSaved, HEAD_DIMS};
@@ -84,7 +84,7 @@ impl std::fmt::Display for AttentionKind {
 
 /// The shape and form of a [`CausalSelfAttention`]: `dim` features in `heads` heads, computed
 /// as `kind` says. A `(dim, heads)` pair converts into the default (fused) form, so that
-/// `CausalSelfAttention::new(.., (dim, heads), ..)` reads as it always has.
+/// `CausalSelfAttention::new(&vb, (dim, heads))` reads as it always has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionSpec {
     /// Model width.
@@ -214,21 +214,17 @@ impl CausalSelfAttention {
     }
 
     /// Attention of `spec`'s shape and form (a `(dim, heads)` pair gives the fused form), with
-    /// `dim` a multiple of `heads`: `{name}.qkv` initialized from `seed`, `{name}.proj` from
-    /// `seed + 1`. No attention dropout unless [`with_dropout`](Self::with_dropout) adds it.
+    /// `dim` a multiple of `heads`: `{prefix}.qkv` initialized from `vb`'s seed, `{prefix}.proj`
+    /// from seed + 1; dropout on its probabilities drawn from `vb`'s
+    /// [`dropout`](Builder::dropout) at its site (none when p is 0): give it a site no other
+    /// dropout uses.
     ///
     /// # Errors
     /// [`Error::Shape`] unless `heads` divides `dim` (both nonzero); [`Error::Unsupported`] for
     /// the fused form with a head width outside
-    /// [`HEAD_DIMS`](crate::ops::attention::HEAD_DIMS); both before anything is allocated.
-    pub fn new(
-        store: &mut ParamStore,
-        alloc: &CachingAllocator,
-        name: &str,
-        spec: impl Into<AttentionSpec>,
-        seed: u64,
-        stream: &Stream,
-    ) -> Result<CausalSelfAttention> {
+    /// [`HEAD_DIMS`](crate::ops::attention::HEAD_DIMS), or unless the drop probability is in
+    /// `[0, 1)`; all before anything is allocated.
+    pub fn new(vb: &Builder, spec: impl Into<AttentionSpec>) -> Result<CausalSelfAttention> {
         const OP: &str = "CausalSelfAttention::new";
         let AttentionSpec { dim, heads, kind } = spec.into();
         if heads == 0 || dim == 0 || dim % heads != 0 {
@@ -241,33 +237,22 @@ impl CausalSelfAttention {
         if !kind.supports_head_dim(dim / heads) {
             return Err(Error::Unsupported { op: OP, backend: "any", why: FUSED_HEAD_DIMS_WHY });
         }
-        let qkv = Linear::new(store, alloc, &format!("{name}.qkv"), (dim, 3 * dim), seed, stream)?;
-        let proj = Linear::new(store, alloc, &format!("{name}.proj"), (dim, dim), seed.wrapping_add(1), stream)?;
+        let dropout = vb.dropout();
+        if !(0.0..1.0).contains(&dropout.p) {
+            return Err(Error::Unsupported { op: OP, backend: "any", why: "the drop probability p must be in [0, 1)" });
+        }
+        let qkv = Linear::new(&vb.pp("qkv"), (dim, 3 * dim))?;
+        let proj = Linear::new(&vb.pp("proj").with_seed(vb.seed().wrapping_add(1)), (dim, dim))?;
         Ok(CausalSelfAttention {
-            name: name.to_string(),
-            alloc: alloc.clone(),
+            name: vb.prefix().to_string(),
+            alloc: vb.alloc().clone(),
             qkv,
             proj,
             heads,
             kind,
-            dropout: None,
+            dropout: (dropout.p > 0.0).then(|| dropout.clone()),
             training: true,
         })
-    }
-
-    /// The same attention with dropout on its probabilities drawn from `spec` (none when
-    /// `spec.p` is 0): give it a site no other dropout uses.
-    ///
-    /// # Errors
-    /// [`Error::Unsupported`] unless `0 ≤ p < 1`; [`Error::Shape`] unless the step is one element.
-    pub fn with_dropout(mut self, spec: &DropoutSpec) -> Result<CausalSelfAttention> {
-        const OP: &str = "CausalSelfAttention::with_dropout";
-        if !(0.0..1.0).contains(&spec.p) {
-            return Err(Error::Unsupported { op: OP, backend: "any", why: "the drop probability p must be in [0, 1)" });
-        }
-        spec.step.expect_shape(OP, &[1])?;
-        self.dropout = (spec.p > 0.0).then(|| spec.clone());
-        Ok(self)
     }
 
     /// The form it computes in.

@@ -3,14 +3,15 @@
 //! masks when the step is written between replays, and the same mask again for the same step.
 
 use super::layernorm::single_input;
-use super::{Inputs, Module, Param, SaveHook};
+use super::{Builder, Inputs, Module, Param, SaveHook};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::dropout;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-/// Where a model's dropout layers draw their masks from; cloned into each layer.
+/// Where a model's dropout layers draw their masks from: a [`Builder`] carries one, and each
+/// dropout built from it keeps a copy.
 #[derive(Clone, Debug)]
 pub struct DropoutSpec {
     /// Drop probability, in `[0, 1)`; 0 turns dropout off.
@@ -51,23 +52,27 @@ impl DropoutCtx {
 }
 
 impl Dropout {
-    /// A dropout layer drawing from `spec`, in training mode.
+    /// A dropout layer drawing from `vb`'s [`dropout`](Builder::dropout) (at its site), in
+    /// training mode.
     ///
     /// # Errors
-    /// [`Error::Unsupported`] unless `0 ≤ p < 1`; [`Error::Shape`] unless the step is one element.
-    pub fn new(alloc: &CachingAllocator, spec: &DropoutSpec) -> Result<Dropout> {
-        const OP: &str = "Dropout::new";
+    /// [`Error::Unsupported`] unless `0 ≤ p < 1`.
+    pub fn new(vb: &Builder) -> Result<Dropout> {
+        let spec = vb.dropout();
         if !(0.0..1.0).contains(&spec.p) {
-            return Err(Error::Unsupported { op: OP, backend: "any", why: "the drop probability p must be in [0, 1)" });
+            return Err(Error::Unsupported {
+                op: "Dropout::new",
+                backend: "any",
+                why: "the drop probability p must be in [0, 1)",
+            });
         }
-        spec.step.expect_shape(OP, &[1])?;
         Ok(Dropout {
             p: spec.p,
             seed: spec.seed,
             site: spec.site,
             step: spec.step.clone(),
             training: true,
-            alloc: alloc.clone(),
+            alloc: vb.alloc().clone(),
         })
     }
 

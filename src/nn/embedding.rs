@@ -4,7 +4,7 @@
 //! gradient. The backward accumulates into both tables (`+=`).
 
 use super::params::init_uniform;
-use super::{Param, ParamStore};
+use super::{Builder, Param};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::embedding::{embedding_backward, embedding_forward};
@@ -26,24 +26,16 @@ impl Embedding {
         (vocab + max_len) * dim
     }
 
-    /// Tables initialized with standard deviation 0.02 (GPT-2's), uniform.
-    pub fn new(
-        store: &mut ParamStore,
-        alloc: &CachingAllocator,
-        name: &str,
-        (vocab, max_len, dim): (usize, usize, usize),
-        seed: u64,
-        stream: &Stream,
-    ) -> Result<Embedding> {
-        let bound = 0.02 * 3f32.sqrt();
-        let wte = store.add(&format!("{name}.wte"), &[vocab, dim], &init_uniform(vocab * dim, bound, seed), stream)?;
-        let wpe = store.add(
-            &format!("{name}.wpe"),
-            &[max_len, dim],
-            &init_uniform(max_len * dim, bound, seed ^ 0x9e37),
-            stream,
-        )?;
-        Ok(Embedding { alloc: alloc.clone(), wte, wpe })
+    /// Tables `{prefix}.wte` and `{prefix}.wpe` of `vb`, initialized with standard deviation 0.02
+    /// (GPT-2's), uniform, from `vb`'s seed.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the store is full.
+    pub fn new(vb: &Builder, (vocab, max_len, dim): (usize, usize, usize)) -> Result<Embedding> {
+        let (bound, seed) = (0.02 * 3f32.sqrt(), vb.seed());
+        let wte = vb.add("wte", &[vocab, dim], &init_uniform(vocab * dim, bound, seed))?;
+        let wpe = vb.add("wpe", &[max_len, dim], &init_uniform(max_len * dim, bound, seed ^ 0x9e37))?;
+        Ok(Embedding { alloc: vb.alloc().clone(), wte, wpe })
     }
 
     fn dim(&self) -> usize {

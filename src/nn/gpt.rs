@@ -3,8 +3,8 @@
 //! launch updates them all.
 
 use super::{
-    input_grad, AttentionKind, AttentionSpec, DropoutSpec, Embedding, Inputs, KeepOnDevice, LayerNorm, LayerNormCtx,
-    LmHead, LmHeadCtx, Module, ParamStore, SaveHook, Stack, StackCtx, TransformerLayer,
+    input_grad, AttentionKind, AttentionSpec, Builder, Embedding, Inputs, KeepOnDevice, LayerNorm, LayerNormCtx,
+    Layers, LmHead, LmHeadCtx, Module, ParamStore, SaveHook, Stack, StackCtx, TransformerLayer,
 };
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
@@ -219,26 +219,17 @@ impl Gpt {
     /// anything is allocated; device errors.
     pub fn new(alloc: &CachingAllocator, config: GptConfig, stream: &Stream) -> Result<Gpt> {
         config.validate().map_err(Error::Config)?;
-        let mut store = ParamStore::with_dtype(alloc, stream, config.parameter_count(), config.dtype)?;
+        let store = ParamStore::with_dtype(alloc, stream, config.parameter_count(), config.dtype)?;
         let (c, seed) = (config.dim, config.seed);
-        let embedding = Embedding::new(&mut store, alloc, "emb", (config.vocab, config.max_len, c), seed, stream)?;
-        let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
-        let mut layers = Vec::with_capacity(config.layers);
-        for l in 0..config.layers {
-            let dropout = DropoutSpec { p: config.dropout, seed: seed as u32, site: 2 * l as u32, step: step.clone() };
-            let layer_seed = seed.wrapping_add(1000 * (l as u64 + 1));
-            layers.push(TransformerLayer::new(
-                &mut store,
-                alloc,
-                &format!("h{l}"),
-                AttentionSpec::new(c, config.heads).kind(config.attention),
-                &dropout,
-                layer_seed,
-                stream,
-            )?);
-        }
-        let ln_f = LayerNorm::new(&mut store, alloc, "ln_f", c, stream)?;
-        let head = LmHead::new(&mut store, alloc, "head", (c, config.vocab), seed.wrapping_add(7), stream)?;
+        let vb = Builder::new(&store, alloc, stream)?.with_seed(seed).with_dropout(config.dropout, seed as u32);
+        let embedding = Embedding::new(&vb.pp("emb"), (config.vocab, config.max_len, c))?;
+        let attention = AttentionSpec::new(c, config.heads).kind(config.attention);
+        // Layer l seeded `seed + 1000·(l + 1)`.
+        let layers_vb = vb.clone().with_seed(seed.wrapping_add(1000));
+        let layers = TransformerLayer::stack(&layers_vb, attention, &Layers::first(config.layers).seed_stride(1000))?;
+        let ln_f = LayerNorm::new(&vb.pp("ln_f"), c)?;
+        let head = LmHead::new(&vb.pp("head").with_seed(seed.wrapping_add(7)), (c, config.vocab))?;
+        let step = vb.step().clone();
         Ok(Gpt {
             config,
             alloc: alloc.clone(),

@@ -1,7 +1,7 @@
 //! LayerNorm over the last dimension (LN1 and LN2 of the benchmark layer), a module around
 //! [`ops::layernorm`](crate::ops::layernorm): weight 1, bias 0, eps 1e-5 as PyTorch's default.
 
-use super::{Inputs, Module, Param, ParamStore, SaveHook, SavedTensor};
+use super::{Builder, Inputs, Module, Param, SaveHook, SavedTensor};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::layernorm::{self, LayerNormWorkspace, ResidualGrad};
@@ -52,18 +52,15 @@ impl LayerNorm {
         2 * dim
     }
 
-    /// A LayerNorm over `dim` features, parameters `{name}.weight` and `{name}.bias` in `store`.
-    pub fn new(
-        store: &mut ParamStore,
-        alloc: &CachingAllocator,
-        name: &str,
-        dim: usize,
-        stream: &Stream,
-    ) -> Result<LayerNorm> {
-        let weight = store.add(&format!("{name}.weight"), &[dim], &vec![1.0; dim], stream)?;
-        let bias = store.add(&format!("{name}.bias"), &[dim], &vec![0.0; dim], stream)?;
-        let workspace = LayerNormWorkspace::new(alloc, stream, dim)?;
-        Ok(LayerNorm { name: name.to_string(), alloc: alloc.clone(), weight, bias, workspace })
+    /// A LayerNorm over `dim` features, parameters `{prefix}.weight` and `{prefix}.bias` of `vb`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the store is full.
+    pub fn new(vb: &Builder, dim: usize) -> Result<LayerNorm> {
+        let weight = vb.add("weight", &[dim], &vec![1.0; dim])?;
+        let bias = vb.add("bias", &[dim], &vec![0.0; dim])?;
+        let workspace = LayerNormWorkspace::new(vb.alloc(), vb.stream(), dim)?;
+        Ok(LayerNorm { name: vb.prefix().to_string(), alloc: vb.alloc().clone(), weight, bias, workspace })
     }
 
     fn dim(&self) -> usize {

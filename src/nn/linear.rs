@@ -10,7 +10,7 @@
 //! [`Linear::data_grad_through_gelu`], [`Linear::weight_grads`]) to fuse across layers.
 
 use super::params::init_uniform;
-use super::{Inputs, Module, Param, ParamStore, SaveHook, SavedTensor};
+use super::{Builder, Inputs, Module, Param, SaveHook, SavedTensor};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::elementwise;
@@ -57,29 +57,21 @@ pub struct LinearCtx {
 
 impl Linear {
     /// The parameters a layer from `in` to `out` features adds to its store: size a
-    /// [`ParamStore`] with the counts of the modules it will hold.
+    /// [`ParamStore`](super::ParamStore) with the counts of the modules it will hold.
     pub fn parameter_count((inputs, outputs): (usize, usize)) -> usize {
         inputs * outputs + outputs
     }
 
-    /// A layer with weights uniform in ±1/√in (PyTorch's default) from `seed`, bias zero.
-    pub fn new(
-        store: &mut ParamStore,
-        alloc: &CachingAllocator,
-        name: &str,
-        (inputs, outputs): (usize, usize),
-        seed: u64,
-        stream: &Stream,
-    ) -> Result<Linear> {
+    /// A layer named by `vb`'s prefix (`{prefix}.weight`, `{prefix}.bias`), with weights uniform
+    /// in ±1/√in (PyTorch's default) from `vb`'s seed, bias zero.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the store is full.
+    pub fn new(vb: &Builder, (inputs, outputs): (usize, usize)) -> Result<Linear> {
         let bound = 1.0 / (inputs as f32).sqrt();
-        let weight = store.add(
-            &format!("{name}.weight"),
-            &[outputs, inputs],
-            &init_uniform(inputs * outputs, bound, seed),
-            stream,
-        )?;
-        let bias = store.add(&format!("{name}.bias"), &[outputs], &vec![0.0; outputs], stream)?;
-        Ok(Linear { name: name.to_string(), alloc: alloc.clone(), deferred: None, weight, bias })
+        let weight = vb.add("weight", &[outputs, inputs], &init_uniform(inputs * outputs, bound, vb.seed()))?;
+        let bias = vb.add("bias", &[outputs], &vec![0.0; outputs])?;
+        Ok(Linear { name: vb.prefix().to_string(), alloc: vb.alloc().clone(), deferred: None, weight, bias })
     }
 
     /// Splits the weight gradient out of `backward` into [`Module::backward_dw`] (or joins it
@@ -231,7 +223,7 @@ impl Module for Linear {
 mod tests {
     use super::*;
     use crate::device::Device;
-    use crate::nn::KeepOnDevice;
+    use crate::nn::{KeepOnDevice, ParamStore};
 
     /// Loss Σ y⊙r, its gradient by the module, and by central differences on the host.
     #[test]
@@ -239,8 +231,9 @@ mod tests {
         let dev = Device::sim();
         let s = dev.stream().unwrap();
         let alloc = CachingAllocator::new(&dev);
-        let mut store = ParamStore::new(&alloc, &s, 64).unwrap();
-        let lin = Linear::new(&mut store, &alloc, "fc", (4, 3), 7, &s).unwrap();
+        let store = ParamStore::new(&alloc, &s, 64).unwrap();
+        let vb = Builder::new(&store, &alloc, &s).unwrap().with_seed(7);
+        let lin = Linear::new(&vb.pp("fc"), (4, 3)).unwrap();
         let xh = init_uniform(8, 1.0, 1);
         let r = init_uniform(6, 1.0, 2);
         let loss = |x: &[f32], w: &[f32], b: &[f32]| -> f64 {
@@ -276,7 +269,7 @@ mod tests {
         assert!(close(&lin.weight.grad.to_vec(&s).unwrap(), &num(&w, &|w| loss(&xh, w, &b))));
         assert!(close(&lin.bias.grad.to_vec(&s).unwrap(), &num(&b, &|b| loss(&xh, &w, b))));
         // Split: backward leaves the weight gradients to backward_dw, which adds the same.
-        let mut split = Linear::new(&mut store, &alloc, "fc2", (4, 3), 7, &s).unwrap();
+        let mut split = Linear::new(&vb.pp("fc2"), (4, 3)).unwrap();
         split.set_split_dw(true);
         let (_, ctx) = split.forward(&Inputs::one(&x), &KeepOnDevice, &s).unwrap();
         split.backward(ctx, &[&dy], &s).unwrap();

@@ -3,7 +3,7 @@
 //! The loss of each position is weighted in the backward (`dlosses`): a weight of 0 leaves a
 //! position out (the prompt of a task), `1/count` averages over the positions that count.
 
-use super::{input_grad, Inputs, KeepOnDevice, Linear, LinearCtx, Module, Param, ParamStore};
+use super::{input_grad, Builder, Inputs, KeepOnDevice, Linear, LinearCtx, Module, Param};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::loss::{cross_entropy_backward, cross_entropy_forward};
@@ -32,16 +32,12 @@ impl LmHead {
         Linear::parameter_count((dim, vocab))
     }
 
-    /// A head from `dim` to `vocab`.
-    pub fn new(
-        store: &mut ParamStore,
-        alloc: &CachingAllocator,
-        name: &str,
-        (dim, vocab): (usize, usize),
-        seed: u64,
-        stream: &Stream,
-    ) -> Result<LmHead> {
-        Ok(LmHead { alloc: alloc.clone(), proj: Linear::new(store, alloc, name, (dim, vocab), seed, stream)? })
+    /// A head from `dim` to `vocab`, its projection the [`Linear`] of `vb`'s prefix and seed.
+    ///
+    /// # Errors
+    /// [`Error::Shape`](crate::Error::Shape) when the store is full.
+    pub fn new(vb: &Builder, (dim, vocab): (usize, usize)) -> Result<LmHead> {
+        Ok(LmHead { alloc: vb.alloc().clone(), proj: Linear::new(vb, (dim, vocab))? })
     }
 
     /// Per-position losses `(N)` of `x` (`(N, dim)`) against `targets` (`(N)`).

@@ -4,9 +4,8 @@
 //! epilogue, the weight gradients' GEMMs the bias gradients).
 
 use super::layernorm::{as_rows, single_input};
-use super::{BiasGrad, Inputs, Linear, Module, Param, ParamStore, SaveHook, SavedTensor};
+use super::{BiasGrad, Builder, Inputs, Linear, Module, Param, SaveHook, SavedTensor};
 use crate::device::Stream;
-use crate::memory::CachingAllocator;
 use crate::tensor::Tensor;
 use crate::Result;
 
@@ -33,18 +32,15 @@ impl Mlp {
         Linear::parameter_count((dim, 4 * dim)) + Linear::parameter_count((4 * dim, dim))
     }
 
-    /// An MLP on `dim` features: `{name}.fc1` initialized from `seed`, `{name}.fc2` from `seed + 1`.
-    pub fn new(
-        store: &mut ParamStore,
-        alloc: &CachingAllocator,
-        name: &str,
-        dim: usize,
-        seed: u64,
-        stream: &Stream,
-    ) -> Result<Mlp> {
-        let fc1 = Linear::new(store, alloc, &format!("{name}.fc1"), (dim, 4 * dim), seed, stream)?;
-        let fc2 = Linear::new(store, alloc, &format!("{name}.fc2"), (4 * dim, dim), seed.wrapping_add(1), stream)?;
-        Ok(Mlp { name: name.to_string(), fc1, fc2 })
+    /// An MLP on `dim` features: `{prefix}.fc1` initialized from `vb`'s seed, `{prefix}.fc2`
+    /// from seed + 1.
+    ///
+    /// # Errors
+    /// [`Error::Shape`](crate::Error::Shape) when the store is full.
+    pub fn new(vb: &Builder, dim: usize) -> Result<Mlp> {
+        let fc1 = Linear::new(&vb.pp("fc1"), (dim, 4 * dim))?;
+        let fc2 = Linear::new(&vb.pp("fc2").with_seed(vb.seed().wrapping_add(1)), (4 * dim, dim))?;
+        Ok(Mlp { name: vb.prefix().to_string(), fc1, fc2 })
     }
 
     fn dim(&self) -> usize {

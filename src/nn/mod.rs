@@ -12,9 +12,11 @@
 //!   returns, so that the data-parallel reduction starts early.
 //!
 //! Parameters live in one flat buffer per model ([`ParamStore`]), with gradients in another of
-//! the same layout, so that the optimizer updates every parameter in one launch.
+//! the same layout, so that the optimizer updates every parameter in one launch. Modules are
+//! built from a [`Builder`] over the store, which names and seeds their parameters.
 
 mod attention;
+mod builder;
 mod dropout;
 mod embedding;
 mod gpt;
@@ -31,6 +33,7 @@ mod stack;
 mod transformer;
 
 pub use attention::{AttentionCtx, AttentionKind, AttentionSpec, CausalSelfAttention};
+pub use builder::Builder;
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;
 pub use gpt::{ConfigLimit, Gpt, GptConfig, GptCtx, HeadCtx};
@@ -47,7 +50,7 @@ pub use schedule::{
     StageLinks, Step,
 };
 pub use stack::{backward_pass, forward_pass, Stack, StackCtx, Traverse};
-pub use transformer::{TransformerCtx, TransformerLayer};
+pub use transformer::{Layers, TransformerCtx, TransformerLayer};
 
 use crate::device::{BufferId, Stream};
 use crate::tensor::Tensor;
@@ -136,14 +139,14 @@ impl SaveHook for KeepOnDevice {}
 /// ```
 /// use graphed::device::Device;
 /// use graphed::memory::CachingAllocator;
-/// use graphed::nn::{Inputs, KeepOnDevice, Linear, Module, ParamStore};
+/// use graphed::nn::{Builder, Inputs, KeepOnDevice, Linear, Module, ParamStore};
 /// use graphed::tensor::Tensor;
 ///
 /// let dev = Device::sim();
 /// let s = dev.stream()?;
 /// let alloc = CachingAllocator::new(&dev);
-/// let mut store = ParamStore::new(&alloc, &s, 15)?;
-/// let fc = Linear::new(&mut store, &alloc, "fc", (4, 3), 1, &s)?;
+/// let store = ParamStore::new(&alloc, &s, 15)?;
+/// let fc = Linear::new(&Builder::new(&store, &alloc, &s)?.pp("fc"), (4, 3))?;
 /// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
 /// let (y, ctx) = fc.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
 /// let dy = Tensor::from_host(&alloc, &s, &[1.0f32; 6], &[2, 3])?;

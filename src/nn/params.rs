@@ -1,5 +1,7 @@
 //! Parameters: slices of one flat buffer, with gradients in a second buffer of the same layout.
 
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::tensor::Tensor;
@@ -20,15 +22,25 @@ pub struct Param {
 /// optimizer touches every parameter in one launch. Values and gradients are f32 ([`new`]) or
 /// bf16 ([`with_dtype`]: mixed precision, where an optimizer keeps f32 master weights).
 ///
+/// Parameters are added through a shared reference (the layout sits behind a lock), so that a
+/// [`Builder`](super::Builder) and its prefixed copies (`vb.pp("h0")`) can all add to one store.
+///
 /// [`new`]: ParamStore::new
 /// [`with_dtype`]: ParamStore::with_dtype
 pub struct ParamStore {
     alloc: CachingAllocator,
     values: Tensor,
     grads: Tensor,
+    layout: Mutex<Layout>,
+}
+
+/// Where the parameters added so far lie in the flat buffers.
+#[derive(Default)]
+struct Layout {
+    /// Elements taken.
     used: usize,
     /// Each parameter's name, offset and shape, in the order added.
-    layout: Vec<(String, usize, Vec<usize>)>,
+    entries: Vec<(String, usize, Vec<usize>)>,
 }
 
 impl ParamStore {
@@ -48,7 +60,12 @@ impl ParamStore {
         }
         let (values, grads) =
             (Tensor::zeros(alloc, stream, &[capacity], dtype)?, Tensor::zeros(alloc, stream, &[capacity], dtype)?);
-        Ok(ParamStore { alloc: alloc.clone(), values, grads, used: 0, layout: Vec::new() })
+        Ok(ParamStore { alloc: alloc.clone(), values, grads, layout: Mutex::default() })
+    }
+
+    /// The layout, whatever a panicking holder left (each add updates it at its very end).
+    fn layout(&self) -> MutexGuard<'_, Layout> {
+        self.layout.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The element type of values and gradients.
@@ -57,8 +74,9 @@ impl ParamStore {
     }
 
     /// A new parameter of `shape`, set to `init` (row-major; rounded to nearest even in a bf16
-    /// store) after the work queued on `stream`.
-    pub fn add(&mut self, name: &str, shape: &[usize], init: &[f32], stream: &Stream) -> Result<Param> {
+    /// store) after the work queued on `stream`. Modules add theirs through a
+    /// [`Builder`](super::Builder), which prefixes the names.
+    pub fn add(&self, name: &str, shape: &[usize], init: &[f32], stream: &Stream) -> Result<Param> {
         let n: usize = shape.iter().product();
         if init.len() != n {
             return Err(Error::Shape {
@@ -67,34 +85,36 @@ impl ParamStore {
                 found: shape.to_vec(),
             });
         }
-        if self.used + n > self.values.numel() {
+        let mut layout = self.layout();
+        if layout.used + n > self.values.numel() {
             return Err(Error::Shape {
                 op: "ParamStore::add",
                 expected: format!(
                     "at most {} more elements; size the store with the parameter_count of the modules it holds",
-                    self.values.numel() - self.used
+                    self.values.numel() - layout.used
                 ),
                 found: shape.to_vec(),
             });
         }
-        let value = self.values.narrow(0, self.used, n)?.reshape(shape)?;
-        let grad = self.grads.narrow(0, self.used, n)?.reshape(shape)?;
+        let value = self.values.narrow(0, layout.used, n)?.reshape(shape)?;
+        let grad = self.grads.narrow(0, layout.used, n)?.reshape(shape)?;
         let staging = Tensor::from_host(&self.alloc, stream, init, &[n])?;
         crate::ops::cast::cast(&value.reshape(&[n])?, &staging, stream)?;
-        self.layout.push((name.to_string(), self.used, shape.to_vec()));
-        self.used += n;
+        let offset = layout.used;
+        layout.entries.push((name.to_string(), offset, shape.to_vec()));
+        layout.used += n;
         Ok(Param { name: name.to_string(), value, grad })
     }
 
     /// Every parameter value, as one flat tensor (the used part).
     pub fn values(&self) -> Result<Tensor> {
-        self.values.narrow(0, 0, self.used)
+        self.values.narrow(0, 0, self.layout().used)
     }
 
     /// Every parameter's value by name, in the order added (views of the flat buffer): what a
     /// checkpoint keeps, under the names the modules gave them (`h0.attn.qkv.weight`).
     pub fn named_values(&self) -> Result<Vec<(String, Tensor)>> {
-        (self.layout.iter())
+        (self.layout().entries.iter())
             .map(|(name, offset, shape)| {
                 let n = shape.iter().product();
                 Ok((name.clone(), self.values.narrow(0, *offset, n)?.reshape(shape)?))
@@ -104,14 +124,15 @@ impl ParamStore {
 
     /// Each parameter's name and where it lies in the flat buffers of values and gradients (in
     /// elements), in the order added.
-    pub fn ranges(&self) -> impl Iterator<Item = (&str, std::ops::Range<usize>)> {
-        (self.layout.iter())
-            .map(|(name, offset, shape)| (name.as_str(), *offset..*offset + shape.iter().product::<usize>()))
+    pub fn ranges(&self) -> Vec<(String, std::ops::Range<usize>)> {
+        (self.layout().entries.iter())
+            .map(|(name, offset, shape)| (name.clone(), *offset..*offset + shape.iter().product::<usize>()))
+            .collect()
     }
 
     /// Every gradient, as one flat tensor (the used part).
     pub fn grads(&self) -> Result<Tensor> {
-        self.grads.narrow(0, 0, self.used)
+        self.grads.narrow(0, 0, self.layout().used)
     }
 
     /// The gradients of every parameter not in `params`, as few flat tensors as the layout
@@ -119,7 +140,7 @@ impl ParamStore {
     /// reduces eagerly besides the buckets of its graphed layers (the embedding and the head).
     pub fn grads_outside(&self, params: &[&Param]) -> Result<Vec<Tensor>> {
         let mut runs: Vec<(usize, usize)> = Vec::new();
-        for (name, offset, shape) in &self.layout {
+        for (name, offset, shape) in &self.layout().entries {
             if params.iter().any(|p| p.name == *name) {
                 continue;
             }
@@ -161,7 +182,7 @@ impl ParamStore {
     /// # Errors
     /// [`Error::Shape`] when `p` is not a parameter of this store.
     pub fn grad_range(&self, p: &Param) -> Result<std::ops::Range<usize>> {
-        match self.ranges().find(|(name, _)| *name == p.name) {
+        match self.ranges().into_iter().find(|(name, _)| *name == p.name) {
             Some((_, range)) => Ok(range),
             None => Err(Error::Shape {
                 op: "ParamStore::grad_range",

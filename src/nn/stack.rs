@@ -63,16 +63,17 @@ pub fn backward_pass<T: Traverse + ?Sized>(t: &mut T, saved: Vec<T::Saved>, dy: 
 /// ```
 /// use graphed::device::Device;
 /// use graphed::memory::CachingAllocator;
-/// use graphed::nn::{Inputs, KeepOnDevice, Linear, Module, ParamStore, Stack};
+/// use graphed::nn::{Builder, Inputs, KeepOnDevice, Linear, Module, ParamStore, Stack};
 /// use graphed::tensor::Tensor;
 ///
 /// let dev = Device::sim();
 /// let s = dev.stream()?;
 /// let alloc = CachingAllocator::new(&dev);
-/// let mut store = ParamStore::new(&alloc, &s, 40)?;
+/// let store = ParamStore::new(&alloc, &s, 40)?;
+/// let vb = Builder::new(&store, &alloc, &s)?;
 /// let stack = Stack::new(vec![
-///     Linear::new(&mut store, &alloc, "fc0", (4, 4), 1, &s)?,
-///     Linear::new(&mut store, &alloc, "fc1", (4, 4), 2, &s)?,
+///     Linear::new(&vb.pp("fc0").with_seed(1), (4, 4))?,
+///     Linear::new(&vb.pp("fc1").with_seed(2), (4, 4))?,
 /// ]);
 /// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
 /// let (y, ctx) = stack.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;

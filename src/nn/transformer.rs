@@ -10,8 +10,8 @@ use super::dropout::DropoutCtx;
 use super::layernorm::{single_input, LayerNormCtx};
 use super::mlp::MlpCtx;
 use super::{
-    attention_dropout_site, input_grad, AttentionSpec, BiasGrad, CausalSelfAttention, Dropout, DropoutSpec, GradHook,
-    Inputs, LayerNorm, Mlp, Module, NoGradHook, Param, ParamStore, SaveHook,
+    attention_dropout_site, input_grad, AttentionSpec, BiasGrad, Builder, CausalSelfAttention, Dropout, GradHook,
+    Inputs, LayerNorm, Mlp, Module, NoGradHook, Param, SaveHook,
 };
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
@@ -37,6 +37,38 @@ pub struct TransformerLayer {
     pub drop2: Dropout,
 }
 
+/// Which of a model's layers [`TransformerLayer::stack`] builds, and how it names and seeds them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layers {
+    indices: Vec<usize>,
+    name: String,
+    seed_stride: u64,
+}
+
+impl Layers {
+    /// Layers `0..n` of a model.
+    pub fn first(n: usize) -> Layers {
+        Layers::of(0..n)
+    }
+
+    /// The model's layers `indices` (a pipeline stage's part), named `h{l}`, their seeds one
+    /// apart (as a layer seeds its linears from its seed to seed + 3, neighbours share three of
+    /// them unless [`seed_stride`](Layers::seed_stride) says 4).
+    pub fn of(indices: impl IntoIterator<Item = usize>) -> Layers {
+        Layers { indices: indices.into_iter().collect(), name: "h".into(), seed_stride: 1 }
+    }
+
+    /// Layer `l` named `{name}{l}`.
+    pub fn named(self, name: &str) -> Layers {
+        Layers { name: name.into(), ..self }
+    }
+
+    /// Layer `l` seeded `seed + l·stride`.
+    pub fn seed_stride(self, stride: u64) -> Layers {
+        Layers { seed_stride: stride, ..self }
+    }
+}
+
 /// What the forward saves: the sub-modules' contexts.
 pub struct TransformerCtx {
     ln1: LayerNormCtx,
@@ -54,48 +86,66 @@ impl TransformerLayer {
     }
 
     /// A layer on `dim` features in `heads` heads, its attention in `attention`'s form (a
-    /// `(dim, heads)` pair gives the fused form); parameters `{name}.ln1`, `{name}.attn.qkv`,
-    /// `{name}.attn.proj`, `{name}.ln2`, `{name}.mlp.fc1`, `{name}.mlp.fc2`, the linear ones from
-    /// `seed`..`seed + 3`. Its residual dropouts draw at sites `dropout.site` and
-    /// `dropout.site + 1`, so give consecutive layers sites two apart; its attention dropout (same
-    /// `p`) at [`attention_dropout_site`]`(dropout.site)`, in a range of its own.
+    /// `(dim, heads)` pair gives the fused form); parameters `ln1`, `attn.qkv`, `attn.proj`,
+    /// `ln2`, `mlp.fc1`, `mlp.fc2` below `vb`'s prefix, the linear ones from `vb`'s seed to
+    /// seed + 3. Its residual dropouts draw at `vb`'s dropout site `s` and `s + 1`, so give
+    /// consecutive layers sites two apart ([`TransformerLayer::stack`] does); its attention
+    /// dropout (same `p`) at [`attention_dropout_site`]`(s)`, in a range of its own.
     ///
     /// # Errors
     /// As [`CausalSelfAttention::new`] and [`Dropout::new`]; [`Error::Shape`] if the store is full;
     /// [`Error::Unsupported`] for a site of `2^31` or more.
-    pub fn new(
-        store: &mut ParamStore,
-        alloc: &CachingAllocator,
-        name: &str,
-        attention: impl Into<AttentionSpec>,
-        dropout: &DropoutSpec,
-        seed: u64,
-        stream: &Stream,
-    ) -> Result<TransformerLayer> {
-        let second_site = dropout.site.checked_add(1).ok_or(Error::Unsupported {
+    pub fn new(vb: &Builder, attention: impl Into<AttentionSpec>) -> Result<TransformerLayer> {
+        let site = vb.dropout().site;
+        let second_site = site.checked_add(1).ok_or(Error::Unsupported {
             op: "TransformerLayer::new",
             backend: "any",
             why: "the dropout site must leave room for a second site",
         })?;
         let attention = attention.into();
         let dim = attention.dim;
-        let attn_site = attention_dropout_site(dropout.site).ok_or(Error::Unsupported {
+        let attn_site = attention_dropout_site(site).ok_or(Error::Unsupported {
             op: "TransformerLayer::new",
             backend: "any",
             why: "the dropout site must be below 2^31 (the sites from 2^31 up are the attention dropouts')",
         })?;
-        let ln1 = LayerNorm::new(store, alloc, &format!("{name}.ln1"), dim, stream)?;
-        let attn = CausalSelfAttention::new(store, alloc, &format!("{name}.attn"), attention, seed, stream)?
-            .with_dropout(&DropoutSpec { site: attn_site, ..dropout.clone() })?;
+        let ln1 = LayerNorm::new(&vb.pp("ln1"), dim)?;
+        let attn = CausalSelfAttention::new(&vb.pp("attn").with_site(attn_site), attention)?;
         Ok(TransformerLayer {
-            alloc: alloc.clone(),
+            alloc: vb.alloc().clone(),
             ln1,
             attn,
-            ln2: LayerNorm::new(store, alloc, &format!("{name}.ln2"), dim, stream)?,
-            mlp: Mlp::new(store, alloc, &format!("{name}.mlp"), dim, seed.wrapping_add(2), stream)?,
-            drop1: Dropout::new(alloc, dropout)?,
-            drop2: Dropout::new(alloc, &DropoutSpec { site: second_site, ..dropout.clone() })?,
+            ln2: LayerNorm::new(&vb.pp("ln2"), dim)?,
+            mlp: Mlp::new(&vb.pp("mlp").with_seed(vb.seed().wrapping_add(2)), dim)?,
+            drop1: Dropout::new(vb)?,
+            drop2: Dropout::new(&vb.clone().with_site(second_site))?,
         })
+    }
+
+    /// The layers of a model that `layers` lists, in its order (for [`Stack::new`](super::Stack::new)),
+    /// each as [`TransformerLayer::new`] builds it from `vb` one level down: layer `l` is
+    /// `{name}{l}`, seeded `seed + l·stride` from `vb`'s seed, its residual dropouts at sites
+    /// `s + 2l` and `s + 2l + 1` from `vb`'s site `s`. So a pipeline stage that builds some of
+    /// the layers builds them as the whole model does.
+    ///
+    /// # Errors
+    /// As [`TransformerLayer::new`]; [`Error::Unsupported`] when a layer's sites pass `2^31`.
+    pub fn stack(vb: &Builder, attention: impl Into<AttentionSpec>, layers: &Layers) -> Result<Vec<TransformerLayer>> {
+        let attention = attention.into();
+        (layers.indices.iter())
+            .map(|&l| {
+                let site = (u32::try_from(l).ok())
+                    .and_then(|l| l.checked_mul(2)?.checked_add(vb.dropout().site))
+                    .ok_or(Error::Unsupported {
+                        op: "TransformerLayer::stack",
+                        backend: "any",
+                        why: "layer l draws at dropout sites 2l and 2l + 1, which must stay below 2^31: give lower layer indices",
+                    })?;
+                let seed = vb.seed().wrapping_add((l as u64).wrapping_mul(layers.seed_stride));
+                let layer = vb.pp(&format!("{}{l}", layers.name)).with_seed(seed).with_site(site);
+                TransformerLayer::new(&layer, attention)
+            })
+            .collect()
     }
 
     fn add(&self, a: &Tensor, b: &Tensor, stream: &Stream) -> Result<Tensor> {

@@ -45,21 +45,16 @@ impl Inner {
 /// use graphed::device::{DType, Device};
 /// use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 /// use graphed::memory::CachingAllocator;
-/// use graphed::nn::{Chunk, DropoutSpec, Inputs, Module, ParamStore, Stack, TransformerLayer};
+/// use graphed::nn::{Builder, Chunk, Inputs, Layers, Module, ParamStore, Stack, TransformerLayer};
 /// use graphed::offload::{OffloadConfig, OffloadManager};
 /// use graphed::tensor::Tensor;
 ///
 /// let dev = Device::sim();
 /// let (main, side, ready) = (dev.stream()?, dev.stream()?, dev.event()?);
 /// let alloc = CachingAllocator::new(&dev);
-/// let mut store = ParamStore::new(&alloc, &main, 3 * TransformerLayer::parameter_count(32))?;
-/// let step = Tensor::zeros(&alloc, &main, &[1], DType::U64)?;
-/// let mut layers = Vec::new();
-/// for l in 0..3u32 {
-///     let dropout = DropoutSpec { p: 0.0, seed: 7, site: 2 * l, step: step.clone() };
-///     layers.push(TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 1), &dropout, l.into(), &main)?);
-/// }
-/// let stack = Stack::new(layers);
+/// let store = ParamStore::new(&alloc, &main, 3 * TransformerLayer::parameter_count(32))?;
+/// let vb = Builder::new(&store, &alloc, &main)?;
+/// let stack = Stack::new(TransformerLayer::stack(&vb, (32, 1), &Layers::first(3))?);
 /// let x = Tensor::zeros(&alloc, &main, &[2, 4, 32], DType::F32)?;
 /// let dy = Tensor::zeros(&alloc, &main, &[2, 4, 32], DType::F32)?;
 ///

@@ -37,7 +37,7 @@ use crate::{Error, Result};
 /// let dev = Device::sim();
 /// let s = dev.stream()?;
 /// let alloc = CachingAllocator::new(&dev);
-/// let mut store = ParamStore::new(&alloc, &s, 2)?;
+/// let store = ParamStore::new(&alloc, &s, 2)?;
 /// let p = store.add("p", &[2], &[1.0, -1.0], &s)?;
 /// let hyper = AdamWHyper { weight_decay: 0.0, ..AdamWHyper::default() };
 /// let opt = AdamW::new(&alloc, &store, hyper, LrSchedule::Constant(0.1), &s)?;
@@ -96,7 +96,7 @@ impl AdamW {
         let (m, v, lr) = (zeros(params.shape())?, zeros(params.shape())?, zeros(&[1])?);
         let step = Tensor::zeros(alloc, stream, &[1], DType::U64)?;
         let guard = nonfinite_guard(alloc, stream)?;
-        let names = store.ranges().map(|(name, range)| (name.to_string(), range)).collect();
+        let names = store.ranges();
         let range = RangeName::new("optimizer step");
         Ok(AdamW { params, weights, grads, m, v, lr, step, guard, names, hyper, schedule, range })
     }

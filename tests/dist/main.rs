@@ -5,12 +5,12 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use graphed::device::{AccessMode, CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
+use graphed::device::{AccessMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, Stream};
 use graphed::dist::{meet, on_sim_ranks, DataParallel, RankEnv, RankWatch};
 use graphed::graph::{make_graphed_callables, make_graphed_stack, Callable, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    DropoutSpec, GradHook, Inputs, Module, Param, ParamStore, SaveHook, Stack, TransformerCtx, TransformerLayer,
+    Builder, GradHook, Inputs, Layers, Module, Param, ParamStore, SaveHook, Stack, TransformerCtx, TransformerLayer,
 };
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
@@ -34,19 +34,19 @@ struct Model {
 /// `split_dw`, their weight gradients split out into passes of their own.
 fn model(dev: &Device, split_dw: bool) -> graphed::Result<Model> {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-    let mut store = ParamStore::new(&alloc, &s, 3 * TransformerLayer::parameter_count(32))?;
-    let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-    let mut layers = Vec::new();
-    for l in 0..3u32 {
-        let dropout = DropoutSpec { p: 0.0, seed: 1, site: 2 * l, step: step.clone() };
-        let mut layer = TransformerLayer::new(&mut store, &alloc, &format!("h{l}"), (32, 1), &dropout, l.into(), &s)?;
+    let store = ParamStore::new(&alloc, &s, 3 * TransformerLayer::parameter_count(32))?;
+    let vb = Builder::new(&store, &alloc, &s)?;
+    let mut layers = TransformerLayer::stack(&vb, (32, 1), &Layers::first(3))?;
+    for layer in &mut layers {
         for linear in [&mut layer.attn.qkv, &mut layer.attn.proj, &mut layer.mlp.fc1, &mut layer.mlp.fc2] {
             linear.set_split_dw(split_dw);
         }
-        layers.push(layer);
     }
-    let opt = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-3), &s)?;
-    Ok(Model { alloc, s, store, stack: Stack::new(layers).with_rng_step(&step), opt })
+    let (stack, opt) = (
+        Stack::new(layers).with_rng_step(vb.step()),
+        AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-3), &s)?,
+    );
+    Ok(Model { alloc, s, store, stack, opt })
 }
 
 /// Microbatch `k` of step `step`: the input, and the output gradient a loss would give.
@@ -226,10 +226,8 @@ impl Module for TellsEarly {
 fn a_layer_that_tells_its_gradients_final_too_early_is_caught_by_the_checker() -> anyhow::Result<()> {
     let ranks = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
         let (s, alloc) = (c.device().stream()?, CachingAllocator::new(c.device()));
-        let mut store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(32))?;
-        let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-        let dropout = DropoutSpec { p: 0.0, seed: 1, site: 0, step };
-        let layer = TransformerLayer::new(&mut store, &alloc, "h0", (32, 1), &dropout, 0, &s)?;
+        let store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(32))?;
+        let layer = TransformerLayer::new(&Builder::new(&store, &alloc, &s)?.pp("h0"), (32, 1))?;
         let stack = Stack::new(vec![TellsEarly(layer)]);
         let dp = DataParallel::for_stack(c, &store, &stack)?;
         let x = Tensor::from_host(&alloc, &s, &[0.25f32; 2 * 8 * 32], &[2, 8, 32])?;

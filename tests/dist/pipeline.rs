@@ -13,7 +13,7 @@ use crate::common::Ranks;
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    run_pipeline_stage, run_schedule, DropoutSpec, EagerPasses, Handed, Inputs, KeepOnDevice, Module, ParamStore,
+    run_pipeline_stage, run_schedule, Builder, EagerPasses, Handed, Inputs, KeepOnDevice, Layers, Module, ParamStore,
     Schedule, SchedulePasses, Stage, StageLinks, TransformerLayer,
 };
 use graphed::tensor::Tensor;
@@ -35,21 +35,10 @@ struct Part {
 
 fn part(dev: &Device, global: Vec<usize>) -> graphed::Result<Part> {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-    let mut store = ParamStore::new(&alloc, &s, global.len() * TransformerLayer::parameter_count(SHAPE[2]))?;
-    let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-    let mut layers = Vec::new();
-    for &l in &global {
-        let dropout = DropoutSpec { p: 0.1, seed: 5, site: 2 * l as u32, step: step.clone() };
-        layers.push(TransformerLayer::new(
-            &mut store,
-            &alloc,
-            &format!("h{l}"),
-            (SHAPE[2], 1),
-            &dropout,
-            l as u64,
-            &s,
-        )?);
-    }
+    let store = ParamStore::new(&alloc, &s, global.len() * TransformerLayer::parameter_count(SHAPE[2]))?;
+    let vb = Builder::new(&store, &alloc, &s)?.with_dropout(0.1, 5);
+    let layers = TransformerLayer::stack(&vb, (SHAPE[2], 1), &Layers::of(global.iter().copied()))?;
+    let step = vb.step().clone();
     Ok(Part { alloc, s, store, step, global, layers })
 }
 

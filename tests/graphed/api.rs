@@ -10,7 +10,7 @@ use anyhow::{bail, ensure};
 use graphed::device::{Device, Stream};
 use graphed::graph::{make_graphed_callables, make_graphed_stack, Callable, GraphOptions, GraphedErrorKind, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Inputs, Linear, Module, Param, ParamStore, SaveHook, Stack};
+use graphed::nn::{Builder, Inputs, Linear, Module, Param, ParamStore, SaveHook, Stack};
 use graphed::tensor::Tensor;
 
 use super::fixtures::{lcg, Model, Result, Shifted};
@@ -194,8 +194,8 @@ fn shifted_setup(dev: &Device) -> Result<ShiftedSetup> {
 /// Named inputs: matched by name in any order, with clear errors for a missing or unknown name,
 /// a wrong shape, element type or count; a module that takes one positional input refuses named ones.
 pub fn named_inputs_are_checked(dev: &Device) -> Result {
-    let (s, alloc, mut store, x, shift) = shifted_setup(dev)?;
-    let f = Shifted::new(&mut store, &alloc, &s)?;
+    let (s, alloc, store, x, shift) = shifted_setup(dev)?;
+    let f = Shifted::new(&store, &alloc, &s)?;
     let sample = Inputs::new().arg(&x).named("shift", &shift);
     let g = make_graphed_callables(&alloc, &[&f as &dyn Callable], &[sample], GraphOptions::default())?;
     let x2 = Tensor::from_host(&alloc, &s, &lcg(6, 3), &[2, 3])?;
@@ -228,7 +228,7 @@ pub fn named_inputs_are_checked(dev: &Device) -> Result {
         |k| matches!(k, GraphedErrorKind::InputDType { input, expected: DType::F32, found: DType::BF16 } if input == "input 0"),
     )?;
     ensure!(g[0].static_inputs()[0].to_vec::<f32>(&s)? == x2.to_vec::<f32>(&s)?, "the refused call copied its input");
-    let lin = Linear::new(&mut store, &alloc, "fc", (3, 1), 1, &s)?;
+    let lin = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(1).pp("fc"), (3, 1))?;
     let r = make_graphed_callables(
         &alloc,
         &[&lin as &dyn Callable],
@@ -244,8 +244,8 @@ pub fn named_inputs_are_checked(dev: &Device) -> Result {
 /// A differentiable input without a gradient is refused unless allowed; a constant input never
 /// gets one.
 pub fn unused_inputs_are_refused_unless_allowed(dev: &Device) -> Result {
-    let (s, alloc, mut store, x, shift) = shifted_setup(dev)?;
-    let mut f = Shifted::new(&mut store, &alloc, &s)?;
+    let (s, alloc, store, x, shift) = shifted_setup(dev)?;
+    let mut f = Shifted::new(&store, &alloc, &s)?;
     f.grad_x = false;
     let sample = || Inputs::new().arg(&x).constant("shift", &shift);
     let r = make_graphed_callables(&alloc, &[&f as &dyn Callable], &[sample()], GraphOptions::default());
@@ -325,9 +325,9 @@ pub fn bad_arguments_are_refused(dev: &Device) -> Result {
         GraphOptions::default().warmup_iters(0).inference(),
     )?;
     // Layers whose shapes do not chain: the second gets the first's (2, 4) output.
-    let mut store = ParamStore::new(&stack.alloc, &stack.s, 2 * Linear::parameter_count((8, 4)))?;
-    let a = Linear::new(&mut store, &stack.alloc, "a", (8, 4), 1, &stack.s)?;
-    let b = Linear::new(&mut store, &stack.alloc, "b", (8, 4), 2, &stack.s)?;
+    let store = ParamStore::new(&stack.alloc, &stack.s, 2 * Linear::parameter_count((8, 4)))?;
+    let vb = Builder::new(&store, &stack.alloc, &stack.s)?;
+    let (a, b) = (Linear::new(&vb.pp("a").with_seed(1), (8, 4))?, Linear::new(&vb.pp("b").with_seed(2), (8, 4))?);
     let x = Tensor::zeros(&stack.alloc, &stack.s, &[2, 8], DType::F32)?;
     match make_graphed_stack(&stack.alloc, &Stack::new(vec![a, b]), &x, GraphOptions::default()) {
         Err(graphed::Error::Shape { op: "Linear::forward", .. }) => {}

@@ -4,7 +4,7 @@ use anyhow::ensure;
 use graphed::device::{Device, DeviceKind, Stream};
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedErrorKind, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Inputs, Linear, Module, Param, ParamStore, SaveHook};
+use graphed::nn::{Builder, Inputs, Linear, Module, Param, ParamStore, SaveHook};
 use graphed::tensor::Tensor;
 use graphed::CaptureErrorKind;
 use std::sync::Arc;
@@ -25,8 +25,8 @@ impl LinearSetup {
     fn new(dev: &Device) -> Result<LinearSetup> {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
-        let mut store = ParamStore::new(&alloc, &s, Linear::parameter_count((8, 4)))?;
-        let lin = Linear::new(&mut store, &alloc, "fc", (8, 4), 1, &s)?;
+        let store = ParamStore::new(&alloc, &s, Linear::parameter_count((8, 4)))?;
+        let lin = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(1).pp("fc"), (8, 4))?;
         let x = Tensor::from_host(&alloc, &s, &lcg(16, 1), &[2, 8])?;
         Ok(LinearSetup { s, alloc, store, lin, x })
     }

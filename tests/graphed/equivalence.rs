@@ -6,7 +6,7 @@ use anyhow::ensure;
 use graphed::device::{DType, Device};
 use graphed::graph::{make_graphed_callables, make_graphed_fn, Callable, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Inputs, KeepOnDevice, Linear, Module, ParamStore};
+use graphed::nn::{Builder, Inputs, KeepOnDevice, Linear, Module, ParamStore};
 use graphed::tensor::Tensor;
 
 use super::fixtures::{lcg, Model, Result};
@@ -113,9 +113,9 @@ pub fn layers_unchained_match_eager(dev: &Device) -> Result {
 pub fn split_weight_gradient_matches_eager(dev: &Device) -> Result {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
-    let mut store = ParamStore::new(&alloc, &s, 2 * Linear::parameter_count((8, 4)))?;
-    let mut eager = Linear::new(&mut store, &alloc, "e", (8, 4), 3, &s)?;
-    let mut graphed = Linear::new(&mut store, &alloc, "g", (8, 4), 3, &s)?;
+    let store = ParamStore::new(&alloc, &s, 2 * Linear::parameter_count((8, 4)))?;
+    let vb = Builder::new(&store, &alloc, &s)?.with_seed(3);
+    let (mut eager, mut graphed) = (Linear::new(&vb.pp("e"), (8, 4))?, Linear::new(&vb.pp("g"), (8, 4))?);
     eager.set_split_dw(true);
     graphed.set_split_dw(true);
     let x0 = Tensor::from_host(&alloc, &s, &lcg(24, 1), &[3, 8])?;
@@ -182,11 +182,12 @@ pub fn stack_split_weight_gradient_matches_eager(dev: &Device) -> Result {
     use graphed::nn::Stack;
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
-    let mut store = ParamStore::new(&alloc, &s, 4 * Linear::parameter_count((8, 8)))?;
-    let mut linears = |seed: u64| -> Result<Stack<Linear>> {
+    let store = ParamStore::new(&alloc, &s, 4 * Linear::parameter_count((8, 8)))?;
+    let vb = Builder::new(&store, &alloc, &s)?;
+    let linears = |seed: u64| -> Result<Stack<Linear>> {
         let mut layers = Vec::new();
         for l in 0..2 {
-            let mut fc = Linear::new(&mut store, &alloc, &format!("fc{seed}{l}"), (8, 8), seed + l, &s)?;
+            let mut fc = Linear::new(&vb.pp(&format!("fc{seed}{l}")).with_seed(seed + l), (8, 8))?;
             fc.set_split_dw(true);
             layers.push(fc);
         }

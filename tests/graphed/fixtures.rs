@@ -8,8 +8,8 @@ use graphed::device::{Device, Event, Stream};
 use graphed::graph::{make_graphed_stack, Callable, GraphOptions, GraphedCallable, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    backward_pass, forward_pass, input_grad, DropoutSpec, Inputs, KeepOnDevice, Module, Param, ParamStore, SaveHook,
-    SavedTensor, Stack, TransformerLayer, Traverse,
+    backward_pass, forward_pass, input_grad, Builder, Inputs, KeepOnDevice, Layers, Module, Param, ParamStore,
+    SaveHook, SavedTensor, Stack, TransformerLayer, Traverse,
 };
 use graphed::ops::cast::residual_add;
 use graphed::ops::elementwise;
@@ -50,14 +50,10 @@ impl Model {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let c = SHAPE[2];
-        let mut store = ParamStore::with_dtype(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c), dtype)?;
-        let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-        let mut layers = Vec::new();
-        for l in 0..LAYERS {
-            let spec = DropoutSpec { p: DROPOUT, seed: 77, site: 2 * l as u32, step: step.clone() };
-            let name = format!("h{l}");
-            layers.push(TransformerLayer::new(&mut store, &alloc, &name, (c, HEADS), &spec, 10 + l as u64, &s)?);
-        }
+        let store = ParamStore::with_dtype(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c), dtype)?;
+        let vb = Builder::new(&store, &alloc, &s)?.with_seed(10).with_dropout(DROPOUT, 77);
+        let layers = TransformerLayer::stack(&vb, (c, HEADS), &Layers::first(LAYERS))?;
+        let step = vb.step().clone();
         let optimizer = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-2), &s)?;
         Ok(Model { dtype, s, alloc, store, stack: Stack::new(layers).with_rng_step(&step), step, optimizer })
     }
@@ -168,7 +164,7 @@ pub struct Shifted {
 }
 
 impl Shifted {
-    pub fn new(store: &mut ParamStore, alloc: &CachingAllocator, s: &Stream) -> Result<Shifted> {
+    pub fn new(store: &ParamStore, alloc: &CachingAllocator, s: &Stream) -> Result<Shifted> {
         let p = store.add("shifted.p", &[1], &[0.0], s)?;
         Ok(Shifted { p, alloc: alloc.clone(), grad_x: true })
     }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::ensure;
 use graphed::device::{BufferId, Device, Stream};
 use graphed::graph::{make_graphed_callables, Callable, GradSync, GraphOptions};
-use graphed::nn::{Inputs, Linear, LinearCtx, Module, Param, ParamStore, SaveHook, Schedule};
+use graphed::nn::{Builder, Inputs, Linear, LinearCtx, Module, Param, ParamStore, SaveHook, Schedule};
 use graphed::tensor::Tensor;
 use proptest::prelude::*;
 
@@ -123,10 +123,11 @@ pub fn grad_sync_is_told_each_callables_gradients_once_where_complete(dev: &Devi
 fn capture_follows_protocol(model: &Model, schedule: Option<&Schedule>, layers: usize, split: bool) -> Result {
     let (c, rows) = (SHAPE[2], [SHAPE[0] * SHAPE[1], SHAPE[2]]);
     let log: Log = Arc::default();
-    let mut store = ParamStore::new(&model.alloc, &model.s, layers * Linear::parameter_count((c, c)))?;
+    let store = ParamStore::new(&model.alloc, &model.s, layers * Linear::parameter_count((c, c)))?;
+    let vb = Builder::new(&store, &model.alloc, &model.s)?;
     let mut modules = Vec::new();
     for l in 0..layers {
-        let mut inner = Linear::new(&mut store, &model.alloc, &format!("fc{l}"), (c, c), 3 + l as u64, &model.s)?;
+        let mut inner = Linear::new(&vb.pp(&format!("fc{l}")).with_seed(3 + l as u64), (c, c))?;
         inner.set_split_dw(split);
         modules.push(Logged { inner, layer: l, log: log.clone() });
     }

@@ -10,7 +10,7 @@ use graphed::graph::{
     StaticTensor,
 };
 use graphed::nn::{
-    run_schedule, Chunk, EagerPasses, Handed, Inputs, KeepOnDevice, Linear, ParamStore, SaveHook, Schedule,
+    run_schedule, Builder, Chunk, EagerPasses, Handed, Inputs, KeepOnDevice, Linear, ParamStore, SaveHook, Schedule,
     ScheduleErrorKind, SchedulePasses, Step,
 };
 use graphed::tensor::Tensor;
@@ -104,11 +104,11 @@ pub fn transformer_engine_order_matches_eager(dev: &Device) -> Result {
 
 /// Two Linear layers in one chunk, the first splitting its weight gradients out when `split.0`,
 /// the second when `split.1`, their parameters in `store`.
-fn linears(model: &Model, store: &mut ParamStore, split: (bool, bool)) -> Result<Vec<Linear>> {
+fn linears(model: &Model, store: &ParamStore, split: (bool, bool)) -> Result<Vec<Linear>> {
+    let vb = Builder::new(store, &model.alloc, &model.s)?;
     let mut layers = Vec::new();
     for (i, split) in [split.0, split.1].into_iter().enumerate() {
-        let mut lin =
-            Linear::new(store, &model.alloc, &format!("zb{i}"), (SHAPE[2], SHAPE[2]), 40 + i as u64, &model.s)?;
+        let mut lin = Linear::new(&vb.pp(&format!("zb{i}")).with_seed(40 + i as u64), (SHAPE[2], SHAPE[2]))?;
         lin.set_split_dw(split);
         layers.push(lin);
     }
@@ -122,10 +122,10 @@ pub fn zero_bubble_with_split_weight_grads_matches_eager(dev: &Device) -> Result
     let schedule = Schedule::zero_bubble(2, 0, 4)?;
     let model = Model::new(dev)?;
     let count = 2 * Linear::parameter_count((SHAPE[2], SHAPE[2]));
-    let mut eager_store = ParamStore::new(&model.alloc, &model.s, count)?;
-    let mut graphed_store = ParamStore::new(&model.alloc, &model.s, count)?;
-    let eager = linears(&model, &mut eager_store, (true, false))?;
-    let graphed = linears(&model, &mut graphed_store, (true, false))?;
+    let eager_store = ParamStore::new(&model.alloc, &model.s, count)?;
+    let graphed_store = ParamStore::new(&model.alloc, &model.s, count)?;
+    let eager = linears(&model, &eager_store, (true, false))?;
+    let graphed = linears(&model, &graphed_store, (true, false))?;
     let rows = [SHAPE[0] * SHAPE[1], SHAPE[2]];
     let samples: Vec<Inputs> =
         (0..8).map(|i| Ok(Inputs::one(&model.data(i)?.0.reshape(&rows)?))).collect::<Result<_>>()?;
@@ -149,8 +149,8 @@ pub fn zero_bubble_with_split_weight_grads_matches_eager(dev: &Device) -> Result
 pub fn split_weight_grads_without_their_steps_are_refused(dev: &Device) -> Result {
     let schedule = Schedule::interleaved_1f1b(1, 0, 1, 2)?;
     let model = Model::new(dev)?;
-    let mut store = ParamStore::new(&model.alloc, &model.s, 2 * Linear::parameter_count((SHAPE[2], SHAPE[2])))?;
-    let layers = linears(&model, &mut store, (false, true))?;
+    let store = ParamStore::new(&model.alloc, &model.s, 2 * Linear::parameter_count((SHAPE[2], SHAPE[2])))?;
+    let layers = linears(&model, &store, (false, true))?;
     let unrun = |e: Option<graphed::Error>| {
         matches!(e, Some(graphed::Error::Schedule(ScheduleErrorKind::UnrunWeightGrads { layer: 1, chunk: 0 })))
     };

@@ -7,8 +7,8 @@ use graphed::device::{DType, Device, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    input_grad, AttentionKind, AttentionSpec, Chunk, DropoutSpec, Inputs, Module, ParamStore, SaveHook, SavedTensor,
-    Stack, TransformerLayer,
+    input_grad, AttentionKind, AttentionSpec, Builder, Chunk, Inputs, Layers, Module, ParamStore, SaveHook,
+    SavedTensor, Stack, TransformerLayer,
 };
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::tensor::Tensor;
@@ -54,22 +54,12 @@ impl Model {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let c = dims.dim;
-        let mut store = ParamStore::with_dtype(&alloc, &s, dims.layers * TransformerLayer::parameter_count(c), dtype)?;
-        let step = Tensor::zeros(&alloc, &s, &[1], DType::U64)?;
-        let mut layers = Vec::new();
-        for l in 0..dims.layers {
-            let spec = DropoutSpec { p: dims.dropout, seed: 5, site: 2 * l as u32, step: step.clone() };
-            layers.push(TransformerLayer::new(
-                &mut store,
-                &alloc,
-                &format!("h{l}"),
-                AttentionSpec { dim: c, heads: HEADS, kind: dims.attention },
-                &spec,
-                3 + l as u64,
-                &s,
-            )?);
-        }
-        Ok(Model { dims, dtype, s, alloc, store, stack: Stack::new(layers).with_rng_step(&step) })
+        let store = ParamStore::with_dtype(&alloc, &s, dims.layers * TransformerLayer::parameter_count(c), dtype)?;
+        let vb = Builder::new(&store, &alloc, &s)?.with_seed(3).with_dropout(dims.dropout, 5);
+        let attention = AttentionSpec { dim: c, heads: HEADS, kind: dims.attention };
+        let stack = Stack::new(TransformerLayer::stack(&vb, attention, &Layers::first(dims.layers))?);
+        let stack = stack.with_rng_step(vb.step());
+        Ok(Model { dims, dtype, s, alloc, store, stack })
     }
 
     pub fn shape(&self) -> [usize; 3] {

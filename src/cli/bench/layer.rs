@@ -18,7 +18,7 @@ use rand::{Rng, SeedableRng};
 use anyhow::bail;
 use graphed::device::{DType, Device, DeviceKind, KernelTime, Stream};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{AttentionSpec, DropoutSpec, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
+use graphed::nn::{AttentionSpec, Builder, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -166,11 +166,9 @@ fn run_config(
 ) -> anyhow::Result<LayerRow> {
     let Config { dim: d, batch: b, seq: t, .. } = config;
     let alloc = CachingAllocator::new(dev);
-    let mut store = ParamStore::with_dtype(&alloc, s, TransformerLayer::parameter_count(d), dtype)?;
-    let step = Tensor::zeros(&alloc, s, &[1], DType::U64)?;
-    let spec = DropoutSpec { p: 0.0, seed: 0, site: 0, step };
-    let attention = AttentionSpec::new(d, config.heads()).kind(config.attention);
-    let layer = TransformerLayer::new(&mut store, &alloc, "layer", attention, &spec, 1, s)?;
+    let store = ParamStore::with_dtype(&alloc, s, TransformerLayer::parameter_count(d), dtype)?;
+    let vb = Builder::new(&store, &alloc, s)?.with_seed(1).pp("layer");
+    let layer = TransformerLayer::new(&vb, AttentionSpec::new(d, config.heads()).kind(config.attention))?;
     let mut rng = SmallRng::seed_from_u64(0);
     let mut random = || (0..b * t * d).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>();
     let x = Tensor::from_f32(&alloc, s, &random(), &[b, t, d], dtype)?;
