@@ -370,7 +370,7 @@ fn named(i: usize, c: &dyn Callable) -> Named {
 }
 
 /// Each pool of `pools` once.
-fn distinct(pools: &[GraphPool]) -> Vec<&GraphPool> {
+pub(crate) fn distinct(pools: &[GraphPool]) -> Vec<&GraphPool> {
     let mut out: Vec<&GraphPool> = Vec::new();
     for p in pools {
         if !out.iter().any(|q| q.id() == p.id()) {
