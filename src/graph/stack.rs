@@ -293,6 +293,16 @@ impl GraphedStack {
     }
 }
 
+impl Drop for GraphedStack {
+    /// Releases every layer with one wait for the device, instead of one per layer; an error is
+    /// kept for the device's next call.
+    fn drop(&mut self) {
+        if let Err(e) = self.release_static_state() {
+            self.first().entry.device().record_drop_err("a graphed stack (its release)", e);
+        }
+    }
+}
+
 impl std::fmt::Debug for GraphedStack {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "GraphedStack({} layers)", self.layers.len())

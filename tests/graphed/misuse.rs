@@ -2,7 +2,7 @@
 //! callables), replays in every mode (with good, misshapen and foreign inputs, foreign streams
 //! and pools), whole schedule runs (`run_schedule` over `GraphedPasses`, on good, misshapen and
 //! foreign inputs and streams), reads of what earlier schedule runs handed out (stale after a
-//! later run), joins (into streams of this and of another device), resets, drops and optimizer
+//! later run), joins (into streams of this and of another device), releases, drops and optimizer
 //! steps over the public API. Activation offloading too: offload managers made with good and refused
 //! configurations (a malformed site selector, refused at `OffloadManager::new`; a selector that
 //! selects nothing the model saves, refused when `end_iteration` freezes the policy), eager
@@ -281,7 +281,10 @@ impl Target {
             Target::Stack(g) => g.layers(),
             Target::Callables { g, .. } => g,
         };
-        layers.iter().flat_map(|l| l.static_inputs().into_iter().flatten().chain(l.static_grad_outputs().into_iter().flatten())).collect()
+        layers
+            .iter()
+            .flat_map(|l| l.static_inputs().into_iter().flatten().chain(l.static_grad_outputs().into_iter().flatten()))
+            .collect()
     }
 }
 
@@ -438,7 +441,8 @@ impl World<'_> {
                         g.forward(caller, &x, replay).map(|_| ())
                     }
                     Target::Callables { g, tails, .. } => {
-                        let x = input(model, foreign, pick, g[0].static_inputs().ok().and_then(|v| v.first().copied()))?;
+                        let x =
+                            input(model, foreign, pick, g[0].static_inputs().ok().and_then(|v| v.first().copied()))?;
                         let (_, tail) = g[0].forward(caller, &Inputs::one(&x), replay)?;
                         tails.push(tail);
                         Ok(())
@@ -451,7 +455,12 @@ impl World<'_> {
                     g.backward(&s, &dy).map(|_| ())
                 }
                 Target::Callables { g, tails, .. } => {
-                    let dy = input(&self.model, &self.other_alloc, grad, g[0].static_grad_outputs().ok().and_then(|d| d.first()))?;
+                    let dy = input(
+                        &self.model,
+                        &self.other_alloc,
+                        grad,
+                        g[0].static_grad_outputs().ok().and_then(|d| d.first()),
+                    )?;
                     let (_, tail) = g[0].backward(&s, &[&dy])?;
                     tails.push(tail);
                     Ok(())
@@ -465,7 +474,12 @@ impl World<'_> {
                 // Every microbatch gets the same kind of input, so that a refusal comes from the
                 // first pass, before anything ran; no dropout counter, so that nothing is
                 // enqueued before it either.
-                let x = input(&self.model, &self.other_alloc, pick, g[0].static_inputs().ok().and_then(|v| v.first().copied()))?;
+                let x = input(
+                    &self.model,
+                    &self.other_alloc,
+                    pick,
+                    g[0].static_inputs().ok().and_then(|v| v.first().copied()),
+                )?;
                 let inputs = vec![x; schedule.microbatches()];
                 let per_chunk = vec![LAYERS / schedule.chunks(); schedule.chunks()];
                 let (_, dy) = self.model.data(8).map_err(to_graphed)?;

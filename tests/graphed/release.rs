@@ -102,7 +102,11 @@ pub fn releasing_one_stack_leaves_another_working(dev: &Device) -> Result {
     }
     first.release_static_state()?;
     let after = pool.stats();
-    ensure!(after.allocated == second_bytes, "the pool holds {} bytes, the second stack {second_bytes}", after.allocated);
+    ensure!(
+        after.allocated == second_bytes,
+        "the pool holds {} bytes, the second stack {second_bytes}",
+        after.allocated
+    );
     ensure!(after.reserved >= second_bytes, "the pool gave back memory the second stack holds");
     ensure!(pool.order() == second_graphs, "the pool's order is not the second stack's graphs");
     for k in 3..5 {
