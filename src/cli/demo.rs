@@ -100,8 +100,8 @@ pub fn run(dev: &Device, args: &DemoArgs) -> anyhow::Result<()> {
     for (step, expected) in (0..steps).zip(&eager) {
         step_input(&host_in, step)?;
         let t = Instant::now();
-        main.copy_h2d(host_in.view(), graphed.static_input().view()?)?;
-        let y = graphed.forward(&main, graphed.static_input(), Replay::side(&side))?;
+        main.copy_h2d(host_in.view(), graphed.static_input()?.view()?)?;
+        let y = graphed.forward(&main, graphed.static_input()?, Replay::side(&side))?;
         graphed_host += t.elapsed();
         if y.get()?.to_vec::<f32>(&main)? != *expected {
             mismatches += 1;

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::graphed::{Captured, GraphedCallable, Pass, Shared, Slot};
+use super::graphed::{Captured, GraphedCallable, Pass, Shared, Slot, StaticState};
 use super::options::GraphOptions;
 use super::plan::Plan;
 use super::record::Recorded;
@@ -56,20 +56,21 @@ pub(crate) fn build(
             draws: None,
             shared: shared.clone(),
             pool: pool.clone(),
-            graphs: captured,
             positional: inputs.positional_inputs().len(),
-            inputs: slots,
+            state: Some(StaticState {
+                graphs: captured,
+                inputs: slots,
+                outputs,
+                grad_outputs: dys,
+                grad_inputs: dxs,
+                output_origins,
+                grad_origins,
+                hook: plan.hooks[i].clone(),
+            }),
             in_stack: false,
-            outputs,
-            grad_outputs: dys,
-            grad_inputs: dxs,
-            output_origins,
-            grad_origins,
             route: Mutex::new(Route::Caller),
             entry: dev.event()?,
             done: dev.event()?,
-            reset: false,
-            hook: plan.hooks[i].clone(),
             ranges: Pass::ALL.map(|pass| RangeName::new(&plan.ranges[i].name("replay", pass))),
         });
     }

@@ -166,7 +166,7 @@ pub fn make_graphed_callables(
 /// Every replay is checked before anything is enqueued, and a refused call changes nothing: the
 /// input's and upstream gradient's shape and element type, the streams' and the pool's device,
 /// the pool's capture order and concurrent replays on another stream (R5), a side-stream replay
-/// without a sync event or on the caller's own stream, a replay of a reset stack, and a read of
+/// without a sync event or on the caller's own stream, a replay of a released stack, and a read of
 /// a [`StaticTensor`](super::StaticTensor) that a later replay overwrote. At capture, the sync
 /// event's placement (R2, R3, R7) and inputs that get no gradient.
 ///
@@ -371,7 +371,7 @@ fn named(i: usize, c: &dyn Callable) -> Named {
 }
 
 /// Each pool of `pools` once.
-fn distinct(pools: &[GraphPool]) -> Vec<&GraphPool> {
+pub(crate) fn distinct(pools: &[GraphPool]) -> Vec<&GraphPool> {
     let mut out: Vec<&GraphPool> = Vec::new();
     for p in pools {
         if !out.iter().any(|q| q.id() == p.id()) {

@@ -206,9 +206,11 @@ pub enum GraphedErrorKind {
         /// Its launches now.
         now: u64,
     },
-    /// The callable was reset.
-    #[error("it was reset and holds no graphs; capture again")]
-    Reset,
+    /// The callable's static state was released
+    /// ([`GraphedCallable::release_static_state`](super::GraphedCallable::release_static_state),
+    /// or its stack's).
+    #[error("its static state was released (graphs and static buffers); capture it again to replay")]
+    Released,
     /// `backward` or `backward_dw` of a callable graphed for inference (forward graphs only).
     #[error("it was graphed for inference (forward graphs only); graph it in training mode")]
     Inference,

@@ -69,25 +69,15 @@ pub struct GraphedCallable {
     pub(crate) name: Arc<str>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) pool: GraphPool,
-    pub(crate) graphs: Vec<Captured>,
-    pub(crate) inputs: Vec<Slot>,
+    /// Its graphs and static buffers; `None` once released, which every later call refuses.
+    pub(crate) state: Option<StaticState>,
     pub(crate) positional: usize,
     /// A layer of a stack: replayed only through the stack.
     pub(crate) in_stack: bool,
-    pub(crate) outputs: Vec<Tensor>,
-    pub(crate) grad_outputs: Vec<Tensor>,
-    pub(crate) grad_inputs: Vec<Option<Tensor>>,
-    /// Per output, and per input gradient, what it is and the graphs that write its memory.
-    pub(crate) output_origins: Vec<Origin>,
-    pub(crate) grad_origins: Vec<Origin>,
     /// The last forward's replay choice, for the backward (R8).
     pub(crate) route: Mutex<Route>,
     pub(crate) entry: Event,
     pub(crate) done: Event,
-    pub(crate) reset: bool,
-    /// The save hook its graphs were captured with (its chunk's): kept alive with what they
-    /// baked in of it, and told of every launch.
-    pub(crate) hook: Arc<dyn SaveHook>,
     /// Its replays' range names (`replay h3.forward`), made once, indexed by `pass as usize`
     /// (declaration order, as [`Pass::ALL`]).
     pub(crate) ranges: [RangeName; 3],
@@ -95,6 +85,24 @@ pub struct GraphedCallable {
     /// that share it; `None` when it draws nothing, or when a stack or a schedule's traversal
     /// advances the counter.
     pub(crate) draws: Option<(Arc<Draws>, usize)>,
+}
+
+/// What a graphed callable holds for its replays, and gives back in
+/// [`release_static_state`](GraphedCallable::release_static_state): its graphs and executables,
+/// the static buffers they replay over (outputs and input gradients in the graph pool, static
+/// inputs and output gradients in the cache), and the save hook they baked in.
+pub(crate) struct StaticState {
+    pub(crate) graphs: Vec<Captured>,
+    pub(crate) inputs: Vec<Slot>,
+    pub(crate) outputs: Vec<Tensor>,
+    pub(crate) grad_outputs: Vec<Tensor>,
+    pub(crate) grad_inputs: Vec<Option<Tensor>>,
+    /// Per output, and per input gradient, what it is and the graphs that write its memory.
+    pub(crate) output_origins: Vec<Origin>,
+    pub(crate) grad_origins: Vec<Origin>,
+    /// The save hook its graphs were captured with (its chunk's): kept alive with what they
+    /// baked in of it, and told of every launch.
+    pub(crate) hook: Arc<dyn SaveHook>,
 }
 
 /// The dropout step counter of callables graphed together, advanced by their forward replays
@@ -147,26 +155,34 @@ impl GraphedCallable {
         self.shared.sync_event.as_ref()
     }
 
+    /// Its graphs and static buffers, unless released.
+    pub(crate) fn state(&self) -> Result<&StaticState> {
+        self.state.as_ref().ok_or_else(|| self.err(GraphedErrorKind::Released))
+    }
+
     /// The static input buffers, in [`Inputs::iter`] order: pass them to skip the copy-in.
-    pub fn static_inputs(&self) -> Vec<&Tensor> {
-        self.inputs.iter().map(|s| &s.input.tensor).collect()
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::Released`] after [`release_static_state`](GraphedCallable::release_static_state).
+    pub fn static_inputs(&self) -> Result<Vec<&Tensor>> {
+        Ok(self.state()?.inputs.iter().map(|s| &s.input.tensor).collect())
     }
 
     /// The static output-gradient buffers: pass them to `backward` to skip the copy-in.
-    pub fn static_grad_outputs(&self) -> &[Tensor] {
-        &self.grad_outputs
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::Released`] after [`release_static_state`](GraphedCallable::release_static_state).
+    pub fn static_grad_outputs(&self) -> Result<&[Tensor]> {
+        Ok(&self.state()?.grad_outputs)
     }
 
     /// Whether `pass` was captured.
-    pub(crate) fn has_pass(&self, pass: Pass) -> bool {
-        self.graphs.iter().any(|c| c.pass == pass)
+    pub(crate) fn has_pass(&self, pass: Pass) -> Result<bool> {
+        Ok(self.state()?.graphs.iter().any(|c| c.pass == pass))
     }
 
     pub(crate) fn exec(&self, pass: Pass) -> Result<&PoolExec> {
-        if self.reset {
-            return Err(self.err(GraphedErrorKind::Reset));
-        }
-        match self.graphs.iter().find(|c| c.pass == pass) {
+        match self.state()?.graphs.iter().find(|c| c.pass == pass) {
             Some(c) => Ok(&c.exec),
             None if self.shared.mode == Mode::Inference => Err(self.err(GraphedErrorKind::Inference)),
             None => Err(self.err(GraphedErrorKind::NoSplitDw)),
@@ -212,6 +228,7 @@ impl GraphedCallable {
     /// Checks `given` against the static input slots: the same positional count, every named
     /// input once, equal shapes. Returns, per slot, the tensor to copy from (`None`: no copy).
     fn match_inputs<'a>(&self, given: &'a Inputs) -> Result<Vec<Option<&'a Tensor>>> {
+        let slots = &self.state()?.inputs;
         let positional = given.positional_inputs();
         if positional.len() != self.positional {
             let (expected, found) = (self.positional, positional.len());
@@ -223,12 +240,12 @@ impl GraphedCallable {
             if named.insert(name, &i.tensor).is_some() {
                 return Err(self.err(GraphedErrorKind::DuplicateInput { name: name.into() }));
             }
-            if !self.inputs.iter().any(|s| s.input.name.as_deref() == Some(name)) {
+            if !slots.iter().any(|s| s.input.name.as_deref() == Some(name)) {
                 return Err(self.err(GraphedErrorKind::UnknownInput { name: name.into() }));
             }
         }
-        let mut sources = Vec::with_capacity(self.inputs.len());
-        for (k, slot) in self.inputs.iter().enumerate() {
+        let mut sources = Vec::with_capacity(slots.len());
+        for (k, slot) in slots.iter().enumerate() {
             let src = match &slot.input.name {
                 None => &positional[k].tensor,
                 Some(n) => {
@@ -263,9 +280,10 @@ impl GraphedCallable {
     /// The static buffer that a stack's input (forward) or upstream gradient (backward) is
     /// copied into.
     pub(crate) fn static_copy_target(&self, pass: Pass) -> Result<&Tensor> {
+        let state = self.state()?;
         let target = match pass {
-            Pass::Forward => self.inputs.first().map(|s| &s.input.tensor),
-            _ => self.grad_outputs.first(),
+            Pass::Forward => state.inputs.first().map(|s| &s.input.tensor),
+            _ => state.grad_outputs.first(),
         };
         let what = if pass == Pass::Forward { "inputs" } else { "output gradients" };
         target.ok_or_else(|| self.err(GraphedErrorKind::InputCount { what, expected: 1, found: 0 }))
@@ -273,11 +291,12 @@ impl GraphedCallable {
 
     /// Checks output gradients against the static ones; returns the tensors to copy.
     pub(crate) fn match_grad_outputs<'a>(&self, given: &[&'a Tensor]) -> Result<Vec<Option<&'a Tensor>>> {
-        if given.len() != self.grad_outputs.len() {
-            let (expected, found) = (self.grad_outputs.len(), given.len());
+        let statics = &self.state()?.grad_outputs;
+        if given.len() != statics.len() {
+            let (expected, found) = (statics.len(), given.len());
             return Err(self.err(GraphedErrorKind::InputCount { what: "output gradients", expected, found }));
         }
-        (given.iter().zip(&self.grad_outputs).enumerate())
+        (given.iter().zip(statics).enumerate())
             .map(|(k, (src, dst))| self.copy_source(src, dst, || format!("output gradient {k}")))
             .collect()
     }
@@ -318,7 +337,7 @@ impl GraphedCallable {
             }
         }
         let tail = self.launch(exec, caller, route)?;
-        self.hook.replayed(caller)?;
+        self.state()?.hook.replayed(caller)?;
         if pass == Pass::Forward {
             *self.route.lock().unwrap_or_else(PoisonError::into_inner) = route.clone();
         }
@@ -355,15 +374,17 @@ impl GraphedCallable {
     }
 
     /// The outputs of the last forward replay.
-    pub(crate) fn static_outputs(&self) -> Vec<StaticTensor> {
-        self.outputs.iter().zip(&self.output_origins).map(|(t, o)| StaticTensor::new(t, &self.pool, o)).collect()
+    pub(crate) fn static_outputs(&self) -> Result<Vec<StaticTensor>> {
+        let state = self.state()?;
+        Ok(state.outputs.iter().zip(&state.output_origins).map(|(t, o)| StaticTensor::new(t, &self.pool, o)).collect())
     }
 
     /// The input gradients of the last backward replay.
-    pub(crate) fn static_grad_inputs(&self) -> Vec<Option<StaticTensor>> {
-        (self.grad_inputs.iter().zip(&self.grad_origins))
+    pub(crate) fn static_grad_inputs(&self) -> Result<Vec<Option<StaticTensor>>> {
+        let state = self.state()?;
+        Ok((state.grad_inputs.iter().zip(&state.grad_origins))
             .map(|(g, o)| g.as_ref().map(|t| StaticTensor::new(t, &self.pool, o)))
-            .collect()
+            .collect())
     }
 
     /// Replays the forward graph: copies `inputs` into the static inputs on `caller` (skipping
@@ -382,9 +403,9 @@ impl GraphedCallable {
         self.exec(Pass::Forward)?;
         let route = self.route_for(caller, replay)?;
         let sources = self.match_inputs(inputs)?;
-        let statics: Vec<&Tensor> = self.inputs.iter().map(|s| &s.input.tensor).collect();
+        let statics = self.static_inputs()?;
         let tail = self.replay(Pass::Forward, caller, &route, &sources, &statics)?;
-        Ok((self.static_outputs(), tail))
+        Ok((self.static_outputs()?, tail))
     }
 
     /// Replays the backward graph the way the last forward replayed: copies `grad_outputs` into
@@ -415,9 +436,9 @@ impl GraphedCallable {
         self.refuse_in_stack()?;
         self.exec(Pass::Backward)?;
         let sources = self.match_grad_outputs(grad_outputs)?;
-        let statics: Vec<&Tensor> = self.grad_outputs.iter().collect();
+        let statics: Vec<&Tensor> = self.static_grad_outputs()?.iter().collect();
         let tail = self.replay(Pass::Backward, caller, &route, &sources, &statics)?;
-        Ok((self.static_grad_inputs(), tail))
+        Ok((self.static_grad_inputs()?, tail))
     }
 
     /// Replays the split weight-gradient graph (after the backward), the way the backward's
@@ -427,25 +448,77 @@ impl GraphedCallable {
         self.replay(Pass::BackwardDw, caller, &self.last_route(), &[], &[])
     }
 
-    /// Destroys the graphs, after waiting for the device (so that no tail is still running:
-    /// R4), and takes them out of the pool's replay order. Later calls return
-    /// [`GraphedErrorKind::Reset`]. The static buffers stay until the callable is dropped.
-    pub fn reset(&mut self) -> Result<()> {
-        if self.reset {
+    /// Gives back what the callable holds for its replays, once it will not be replayed again:
+    /// waits for the device (so that no tail still runs: R4), destroys its executables (taking
+    /// them out of the pool's replay order, so that the pool's other graphs replay without them)
+    /// and its graphs, and drops its static buffers and the save hook they baked in. The pool's
+    /// allocated bytes then drop to what other graphs of the pool hold; once none of them can
+    /// run, its reserved bytes go back to the device. Later calls return
+    /// [`GraphedErrorKind::Released`]; releasing again does nothing.
+    ///
+    /// A [`StaticTensor`] still held keeps its buffer (and the values of the last replay), so
+    /// reading it stays correct; its bytes go back to the pool when it is dropped, and to the
+    /// device at [`CachingAllocator::empty_cache`](crate::memory::CachingAllocator::empty_cache).
+    /// The static inputs and output gradients live outside the pool: they go back to the
+    /// allocator's cache, which `empty_cache` empties too.
+    ///
+    /// ```
+    /// use graphed::device::Device;
+    /// use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedErrorKind, Replay};
+    /// use graphed::memory::CachingAllocator;
+    /// use graphed::nn::{Inputs, Linear, ParamStore};
+    /// use graphed::tensor::Tensor;
+    ///
+    /// let dev = Device::sim();
+    /// let s = dev.stream()?;
+    /// let alloc = CachingAllocator::new(&dev);
+    /// let mut store = ParamStore::new(&alloc, &s, 64)?;
+    /// let fc = Linear::new(&mut store, &alloc, "fc", (4, 3), 1, &s)?;
+    /// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
+    /// let mut g = make_graphed_callables(&alloc, &[&fc as &dyn Callable], &[Inputs::one(&x)], GraphOptions::default())?;
+    /// let (y, _tail) = g[0].forward(&s, &Inputs::one(&x), Replay::caller())?;
+    /// let kept = y[0].to_owned(&alloc, &s)?; // a copy outside the pool outlives the graphs
+    /// drop(y);
+    /// g[0].release_static_state()?;
+    /// let pool = g[0].pool().stats();
+    /// assert_eq!((pool.allocated, pool.reserved), (0, 0));
+    /// let refused = g[0].forward(&s, &Inputs::one(&x), Replay::caller()).unwrap_err();
+    /// assert!(matches!(refused.graphed_kind(), Some(GraphedErrorKind::Released)));
+    /// assert_eq!(kept.shape(), &[2, 3]);
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// Device errors while waiting for it (nothing was released then); in the checker's strict
+    /// mode, a hazard that the reset of an executable reports (everything was released).
+    pub fn release_static_state(&mut self) -> Result<()> {
+        if self.state.is_none() {
             return Ok(());
         }
         self.entry.device().synchronize()?;
-        self.reset = true;
-        for c in &mut self.graphs {
-            c.exec.reset()?;
-        }
-        Ok(())
+        let dropped = self.drop_static_state();
+        self.pool.trim()?;
+        dropped
+    }
+
+    /// The part of [`release_static_state`](GraphedCallable::release_static_state) after the
+    /// device was synchronized: resets every executable (the first error is returned, after all
+    /// were reset) and drops the state; the pool is left untrimmed.
+    pub(crate) fn drop_static_state(&mut self) -> Result<()> {
+        let Some(mut state) = self.state.take() else { return Ok(()) };
+        let reset: Vec<Result<()>> = state.graphs.iter_mut().map(|c| c.exec.reset()).collect();
+        drop(state);
+        reset.into_iter().collect()
     }
 
     /// What was captured, for `graphed inspect`.
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::Released`] after [`release_static_state`](GraphedCallable::release_static_state).
     pub fn report(&self) -> Result<CallableReport> {
+        let state = self.state()?;
         let mut graphs = Vec::new();
-        for c in &self.graphs {
+        for c in &state.graphs {
             graphs.push(GraphReport {
                 pass: c.pass,
                 graph: c.graph.graph().id().to_string(),
@@ -458,10 +531,10 @@ impl GraphedCallable {
         Ok(CallableReport {
             name: self.name.to_string(),
             graphs,
-            input_shapes: self.inputs.iter().map(|s| s.input.tensor.shape().to_vec()).collect(),
-            output_shapes: self.outputs.iter().map(|t| t.shape().to_vec()).collect(),
-            static_bytes: bytes(&mut self.inputs.iter().filter(|s| !s.chained).map(|s| &s.input.tensor))
-                + bytes(&mut self.grad_outputs.iter()),
+            input_shapes: state.inputs.iter().map(|s| s.input.tensor.shape().to_vec()).collect(),
+            output_shapes: state.outputs.iter().map(|t| t.shape().to_vec()).collect(),
+            static_bytes: bytes(&mut state.inputs.iter().filter(|s| !s.chained).map(|s| &s.input.tensor))
+                + bytes(&mut state.grad_outputs.iter()),
         })
     }
 
@@ -486,18 +559,18 @@ impl GraphedCallable {
         ops
     }
 
-    /// The captured graphs, for DOT dumps and node listings.
+    /// The captured graphs, for DOT dumps and node listings; none once released.
     pub fn graphs(&self) -> Vec<(Pass, &Graph)> {
-        self.graphs.iter().map(|c| (c.pass, c.graph.graph())).collect()
+        self.state.iter().flat_map(|s| &s.graphs).map(|c| (c.pass, c.graph.graph())).collect()
     }
 }
 
 /// Bytes of the static buffers outside the pool (inputs that are not a neighbour's output, and
 /// output gradients) of `callables`, each buffer once: what buffer reuse across microbatches
-/// saves shows here.
+/// saves shows here. Released callables hold none.
 pub fn static_bytes(callables: &[GraphedCallable]) -> usize {
     let mut seen = std::collections::HashSet::new();
-    let statics = callables.iter().flat_map(|c| {
+    let statics = callables.iter().filter_map(|c| c.state.as_ref()).flat_map(|c| {
         let inputs = c.inputs.iter().filter(|s| !s.chained).map(|s| &s.input.tensor);
         inputs.chain(c.grad_outputs.iter())
     });
@@ -523,11 +596,12 @@ pub(crate) fn check_order(graphs: &[(&GraphPool, GraphId)], caller: &Stream, rou
 }
 
 impl Drop for GraphedCallable {
-    /// Waits for the device first, as `reset` does (R4: nothing of a graph may still run when
-    /// its static buffers go back to the pool); an error is kept for the device's next call.
+    /// Releases the static state, which waits for the device first (R4: nothing of a graph may
+    /// still run when its static buffers go back to the pool); an error is kept for the device's
+    /// next call.
     fn drop(&mut self) {
-        if let Err(e) = self.reset() {
-            self.entry.device().record_drop_err("a graphed callable (its reset)", e);
+        if let Err(e) = self.release_static_state() {
+            self.entry.device().record_drop_err("a graphed callable (its release)", e);
         }
     }
 }
@@ -536,10 +610,12 @@ impl std::fmt::Debug for GraphedCallable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "GraphedCallable({}, {} graphs{})",
+            "GraphedCallable({}, {})",
             self.name,
-            self.graphs.len(),
-            if self.reset { ", reset" } else { "" }
+            match &self.state {
+                Some(s) => format!("{} graphs", s.graphs.len()),
+                None => "released".into(),
+            }
         )
     }
 }

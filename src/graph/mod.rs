@@ -14,7 +14,8 @@
 //!   verified is recorded once, after every write the caller can observe;
 //! - R3: the work after the event (the tail) touches only pool memory outside the static
 //!   surfaces, verified at capture from the checker's access summary;
-//! - R4: the [`Tail`] joins the tail, explicitly or on drop; `reset` waits for the device;
+//! - R4: the [`Tail`] joins the tail, explicitly or on drop; `release_static_state` waits for
+//!   the device;
 //! - R5: replays follow the pool's capture order, checked at every launch;
 //! - R6: the caller's wait is issued right after the launch that records the event;
 //! - R7: a graph with external waits cannot be replayed with a sync event;

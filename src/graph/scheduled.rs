@@ -69,7 +69,7 @@ impl SchedulePasses for GraphedPasses<'_> {
 
     fn weight_grad(&mut self, layer: usize, microbatch: usize) -> Result<()> {
         let c = self.callable(layer, microbatch)?;
-        if !c.has_pass(Pass::BackwardDw) {
+        if !c.has_pass(Pass::BackwardDw)? {
             return Ok(());
         }
         c.backward_dw(self.caller)?.join(self.caller)
@@ -78,6 +78,6 @@ impl SchedulePasses for GraphedPasses<'_> {
     fn splits_weight_grads(&self, layer: usize) -> Result<bool> {
         // The layer's last microbatch: the callables given cover every instance before it.
         let last = self.schedule.microbatches() - 1;
-        Ok(self.callable(layer, last)?.has_pass(Pass::BackwardDw))
+        self.callable(layer, last)?.has_pass(Pass::BackwardDw)
     }
 }

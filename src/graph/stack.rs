@@ -3,6 +3,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
+use super::capture::distinct;
 use super::error::refusal;
 use super::graphed::{check_order, GraphedCallable, Pass};
 use super::replay::{Route, StaticTensor, Tails};
@@ -85,7 +86,7 @@ impl GraphedStack {
         &self.layers[self.layers.len() - 1]
     }
 
-    /// Every layer's `pass` is ready to replay (none was reset; training graphs for a backward):
+    /// Every layer's `pass` is ready to replay (none was released; training graphs for a backward):
     /// checked first, so that a stack graphed for inference says so before any argument check.
     fn check_ready(&self, pass: Pass) -> Result<()> {
         self.layers.iter().try_for_each(|l| l.exec(pass).map(|_| ()))
@@ -131,7 +132,7 @@ impl GraphedStack {
         let target = first.static_copy_target(Pass::Forward)?;
         let source = first.copy_source(x, target, || "input 0".into())?;
         self.run(Pass::Forward, caller, Some(route), source)?;
-        self.last().static_outputs().into_iter().next().ok_or_else(|| self.no_output())
+        self.last().static_outputs()?.into_iter().next().ok_or_else(|| self.no_output())
     }
 
     /// Replays every layer's backward, last layer first, each the way its forward replayed (R8):
@@ -146,7 +147,7 @@ impl GraphedStack {
         let last = self.last();
         let source = last.match_grad_outputs(&[dy])?.pop().flatten();
         self.run(Pass::Backward, caller, None, source)?;
-        Ok(self.first().static_grad_inputs().into_iter().next().flatten())
+        Ok(self.first().static_grad_inputs()?.into_iter().next().flatten())
     }
 
     /// Replays the split weight-gradient graphs of the layers that have one, last layer first,
@@ -154,14 +155,18 @@ impl GraphedStack {
     ///
     /// # Errors
     /// As [`GraphedCallable::backward_dw`]: [`GraphedErrorKind::NoSplitDw`] when no layer splits
-    /// its weight gradients out (the backward accumulated them all), [`GraphedErrorKind::Reset`]
+    /// its weight gradients out (the backward accumulated them all), [`GraphedErrorKind::Released`]
     /// and [`GraphedErrorKind::Inference`] as for the other passes; a refused replay out of the
     /// pools' order; nothing was enqueued then.
     pub fn backward_dw(&self, caller: &Stream) -> Result<()> {
         self.check_ready(Pass::Backward)?;
         let _range = caller.device().range(&self.ranges[Pass::BackwardDw as usize]);
-        let splitting: Vec<&GraphedCallable> =
-            self.layers.iter().rev().filter(|l| l.has_pass(Pass::BackwardDw)).collect();
+        let mut splitting: Vec<&GraphedCallable> = Vec::new();
+        for layer in self.layers.iter().rev() {
+            if layer.has_pass(Pass::BackwardDw)? {
+                splitting.push(layer);
+            }
+        }
         if splitting.is_empty() {
             // As a callable without a split pass refuses it, naming the stack.
             let kind = GraphedErrorKind::NoSplitDw;
@@ -207,19 +212,69 @@ impl GraphedStack {
     }
 
     /// The first layer's static input: pass it to `forward` to skip the copy-in.
-    pub fn static_input(&self) -> &Tensor {
-        &self.first().inputs[0].input.tensor
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::Released`] after [`release_static_state`](GraphedStack::release_static_state).
+    pub fn static_input(&self) -> Result<&Tensor> {
+        self.first().static_copy_target(Pass::Forward)
     }
 
     /// The last layer's static output gradient: pass it to `backward` to skip the copy-in (a
     /// stack captured for inference has none).
-    pub fn static_grad_output(&self) -> Option<&Tensor> {
-        self.last().static_grad_outputs().first()
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::Released`] after [`release_static_state`](GraphedStack::release_static_state).
+    pub fn static_grad_output(&self) -> Result<Option<&Tensor>> {
+        Ok(self.last().static_grad_outputs()?.first())
     }
 
-    /// Resets every layer (waiting for the device first, R4); later replays are refused.
-    pub fn reset(&mut self) -> Result<()> {
-        self.layers.iter_mut().try_for_each(GraphedCallable::reset)
+    /// Gives back what every layer holds for its replays
+    /// ([`GraphedCallable::release_static_state`]): joins the pending tails and waits for the
+    /// device once (R4), then destroys every layer's executables and graphs and drops their
+    /// static buffers, so that the pools' allocated bytes drop to what other graphs hold and a
+    /// pool none of whose graphs can run gives its reserved bytes back to the device. Later
+    /// calls return [`GraphedErrorKind::Released`]; releasing again does nothing. A
+    /// [`StaticTensor`] still held keeps its buffer until it is dropped.
+    ///
+    /// ```
+    /// use graphed::device::Device;
+    /// use graphed::graph::{make_graphed_stack, GraphOptions, GraphedErrorKind, Replay};
+    /// use graphed::memory::CachingAllocator;
+    /// use graphed::nn::{Linear, ParamStore, Stack};
+    /// use graphed::tensor::Tensor;
+    ///
+    /// let dev = Device::sim();
+    /// let s = dev.stream()?;
+    /// let alloc = CachingAllocator::new(&dev);
+    /// let mut store = ParamStore::new(&alloc, &s, 40)?;
+    /// let stack = Stack::new(vec![
+    ///     Linear::new(&mut store, &alloc, "fc0", (4, 4), 1, &s)?,
+    ///     Linear::new(&mut store, &alloc, "fc1", (4, 4), 2, &s)?,
+    /// ]);
+    /// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
+    /// let mut graphed = make_graphed_stack(&alloc, &stack, &x, GraphOptions::default())?;
+    /// let loss = graphed.forward(&s, &x, Replay::caller())?.to_owned(&alloc, &s)?;
+    /// graphed.release_static_state()?; // evaluation is over: the pool's memory goes back
+    /// assert_eq!(graphed.pool().stats().reserved, 0);
+    /// let refused = graphed.forward(&s, &x, Replay::caller()).unwrap_err();
+    /// assert!(matches!(refused.graphed_kind(), Some(GraphedErrorKind::Released)));
+    /// assert_eq!(loss.shape(), &[2, 4]);
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`GraphedCallable::release_static_state`].
+    pub fn release_static_state(&mut self) -> Result<()> {
+        if self.layers.iter().all(|l| l.state.is_none()) {
+            return Ok(());
+        }
+        let tails = std::mem::take(&mut *self.tails.lock().unwrap_or_else(PoisonError::into_inner));
+        drop(tails);
+        self.first().entry.device().synchronize()?;
+        let dropped: Vec<Result<()>> = self.layers.iter_mut().map(GraphedCallable::drop_static_state).collect();
+        let pools: Vec<GraphPool> = self.layers.iter().map(|l| l.pool().clone()).collect();
+        distinct(&pools).into_iter().try_for_each(GraphPool::trim)?;
+        dropped.into_iter().collect()
     }
 
     /// A refusal of a pool below, naming the layer whose graph it refused.
@@ -235,6 +290,16 @@ impl GraphedStack {
     fn no_output(&self) -> Error {
         let kind = GraphedErrorKind::InputCount { what: "outputs of the last layer", expected: 1, found: 0 };
         Error::Graphed { callable: self.last().name().to_string(), kind }
+    }
+}
+
+impl Drop for GraphedStack {
+    /// Releases every layer with one wait for the device, instead of one per layer; an error is
+    /// kept for the device's next call.
+    fn drop(&mut self) {
+        if let Err(e) = self.release_static_state() {
+            self.first().entry.device().record_drop_err("a graphed stack (its release)", e);
+        }
     }
 }
 

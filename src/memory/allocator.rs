@@ -354,6 +354,45 @@ impl Inner {
         Ok(())
     }
 
+    /// Waits for the device, then lets every cached block be reused by any stream, and every
+    /// pool be replayed on any stream next.
+    fn synchronize(&self) -> Result<()> {
+        self.dev.synchronize()?;
+        let mut st = lock(&self.state);
+        self.take_returned(&mut st);
+        st.default.mark_all_ordered();
+        for p in st.pools.values_mut() {
+            p.arena.mark_all_ordered();
+            p.forget_last_stream();
+        }
+        Ok(())
+    }
+
+    /// Gives the device back what `pool` holds free, if none of its graphs can run
+    /// ([`PoolState::idle`]) and no capture of this allocator is active: its fixed segments
+    /// with no block in use, and the free ends of its expandable segments. The caller has
+    /// synchronized the device since the pool's blocks were last used.
+    fn release_idle_pool(&self, st: &mut State, pool: PoolId) -> Result<()> {
+        if !st.captures.is_empty() || !st.pools.get(&pool).is_some_and(PoolState::idle) {
+            return Ok(());
+        }
+        let empty = st.pools.get_mut(&pool).map(|p| p.arena.release_empty()).unwrap_or_default();
+        for (segment, _) in empty {
+            // The graphs that named the segment are gone or cannot run: it is freed when the
+            // last of them drops.
+            st.segments.remove(&segment);
+        }
+        self.release_free_ends(st, Some(pool))
+    }
+
+    /// Waits for the device, then gives back what `pool` holds free if none of its graphs can
+    /// run (see [`GraphPool::trim`]).
+    pub(crate) fn trim_pool(&self, pool: PoolId) -> Result<()> {
+        self.synchronize()?;
+        let mut st = lock(&self.state);
+        self.release_idle_pool(&mut st, pool)
+    }
+
     /// Unmaps the free ends of the expandable segments of `pool`'s arena. The caller has
     /// synchronized the device and knows that no graph that may run uses the arena's free blocks.
     fn release_free_ends(&self, st: &mut State, pool: Option<PoolId>) -> Result<()> {
@@ -488,20 +527,13 @@ impl CachingAllocator {
     /// Waits for the device, then lets every cached block be reused by any stream, and every
     /// pool be replayed on any stream next.
     pub fn synchronize(&self) -> Result<()> {
-        self.inner.dev.synchronize()?;
-        let mut st = lock(&self.inner.state);
-        self.inner.take_returned(&mut st);
-        st.default.mark_all_ordered();
-        for p in st.pools.values_mut() {
-            p.arena.mark_all_ordered();
-            p.forget_last_stream();
-        }
-        Ok(())
+        self.inner.synchronize()
     }
 
     /// [`synchronize`](CachingAllocator::synchronize), then gives the device back every segment
-    /// outside pools that has no block in use, and the free ends of expandable segments: outside
-    /// pools, and of pools none of whose graphs can run any more (Note [Expandable segments]).
+    /// outside pools that has no block in use, and the free ends of expandable segments outside
+    /// pools; of a pool none of whose graphs can run any more (Note [Expandable segments]), both
+    /// its free segments and its free ends.
     pub fn empty_cache(&self) -> Result<()> {
         self.synchronize()?;
         let mut st = lock(&self.inner.state);
@@ -514,9 +546,9 @@ impl CachingAllocator {
             return Ok(());
         }
         self.inner.release_free_ends(&mut st, None)?;
-        let idle: Vec<PoolId> = st.pools.iter().filter(|(_, p)| p.idle()).map(|(id, _)| *id).collect();
-        for pool in idle {
-            self.inner.release_free_ends(&mut st, Some(pool))?;
+        let pools: Vec<PoolId> = st.pools.keys().copied().collect();
+        for pool in pools {
+            self.inner.release_idle_pool(&mut st, pool)?;
         }
         Ok(())
     }

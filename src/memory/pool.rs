@@ -180,6 +180,16 @@ impl GraphPool {
         self.alloc.pool_stats(self.id).unwrap_or_default()
     }
 
+    /// Waits for the device, then, if none of the pool's graphs can run any more (every
+    /// executable was reset) and no capture of its allocator is active, gives the device back
+    /// the pool's free memory: its fixed segments with no block in use and the free ends of its
+    /// expandable segments. A pool whose blocks are all free then reserves nothing. The same
+    /// path as [`CachingAllocator::empty_cache`](super::CachingAllocator::empty_cache), for one
+    /// pool.
+    pub(crate) fn trim(&self) -> Result<()> {
+        self.alloc.trim_pool(self.id)
+    }
+
     /// How many graphs the pool's order holds: a mark to [`GraphPool::roll_back`] to.
     pub(crate) fn order_len(&self) -> usize {
         self.alloc.with_pool(self.id, |p| p.order.len()).unwrap_or(0)

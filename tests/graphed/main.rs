@@ -11,6 +11,7 @@ mod fixtures;
 mod grad_sync;
 mod misuse;
 mod ranges;
+mod release;
 mod schedules;
 
 pub use api::*;
@@ -19,6 +20,7 @@ pub use equivalence::*;
 pub use grad_sync::*;
 pub use misuse::*;
 pub use ranges::*;
+pub use release::*;
 pub use schedules::*;
 
 per_device!(
@@ -35,7 +37,10 @@ per_device!(
     hooks_run_in_order_outside_capture,
     post_warmup_runs_when_warmup_fails,
     failed_capture_changes_nothing,
-    reset_then_recapture,
+    release_gives_the_pool_back,
+    release_returns_fixed_and_expandable_segments,
+    releasing_one_stack_leaves_another_working,
+    static_tensors_held_across_release_keep_their_values,
     named_inputs_are_checked,
     unused_inputs_are_refused_unless_allowed,
     outputs_refuse_reads_after_overwrite,

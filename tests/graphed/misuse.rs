@@ -2,7 +2,7 @@
 //! callables), replays in every mode (with good, misshapen and foreign inputs, foreign streams
 //! and pools), whole schedule runs (`run_schedule` over `GraphedPasses`, on good, misshapen and
 //! foreign inputs and streams), reads of what earlier schedule runs handed out (stale after a
-//! later run), joins (into streams of this and of another device), resets, drops and optimizer
+//! later run), joins (into streams of this and of another device), releases, drops and optimizer
 //! steps over the public API. Activation offloading too: offload managers made with good and refused
 //! configurations (a malformed site selector, refused at `OffloadManager::new`; a selector that
 //! selects nothing the model saves, refused when `end_iteration` freezes the policy), eager
@@ -145,7 +145,7 @@ enum Act {
         at: usize,
         foreign: bool,
     },
-    Reset {
+    Release {
         at: usize,
     },
     Drop {
@@ -207,7 +207,7 @@ fn act() -> impl Strategy<Value = Act> {
             .prop_map(|(at, foreign_caller, input)| Act::RunSchedule { at, foreign_caller, input }),
         2 => (0..3usize, 0..8usize).prop_map(|(at, k)| Act::ReadHanded { at, k }),
         2 => (0..3usize, prop::bool::weighted(0.3)).prop_map(|(at, foreign)| Act::Join { at, foreign }),
-        1 => (0..3usize).prop_map(|at| Act::Reset { at }),
+        1 => (0..3usize).prop_map(|at| Act::Release { at }),
         1 => (0..3usize).prop_map(|at| Act::Drop { at }),
         1 => Just(Act::OptimizerStep),
         1 => prop_oneof![
@@ -281,7 +281,10 @@ impl Target {
             Target::Stack(g) => g.layers(),
             Target::Callables { g, .. } => g,
         };
-        layers.iter().flat_map(|l| l.static_inputs().into_iter().chain(l.static_grad_outputs())).collect()
+        layers
+            .iter()
+            .flat_map(|l| l.static_inputs().into_iter().flatten().chain(l.static_grad_outputs().into_iter().flatten()))
+            .collect()
     }
 }
 
@@ -414,7 +417,7 @@ impl World<'_> {
             | Act::RunSchedule { .. }
             | Act::ReadHanded { .. }
             | Act::Join { .. }
-            | Act::Reset { .. }
+            | Act::Release { .. }
             | Act::Drop { .. }
             | Act::CheckOffload { .. }
                 if n == 0 =>
@@ -434,11 +437,12 @@ impl World<'_> {
                 let (model, foreign) = (&self.model, &self.other_alloc);
                 match &mut self.targets[at] {
                     Target::Stack(g) => {
-                        let x = input(model, foreign, pick, Some(g.static_input()))?;
+                        let x = input(model, foreign, pick, g.static_input().ok())?;
                         g.forward(caller, &x, replay).map(|_| ())
                     }
                     Target::Callables { g, tails, .. } => {
-                        let x = input(model, foreign, pick, g[0].static_inputs().first().copied())?;
+                        let x =
+                            input(model, foreign, pick, g[0].static_inputs().ok().and_then(|v| v.first().copied()))?;
                         let (_, tail) = g[0].forward(caller, &Inputs::one(&x), replay)?;
                         tails.push(tail);
                         Ok(())
@@ -447,11 +451,16 @@ impl World<'_> {
             }
             Act::Backward { at: i, grad } => match &mut self.targets[at(i)] {
                 Target::Stack(g) => {
-                    let dy = input(&self.model, &self.other_alloc, grad, g.static_grad_output())?;
+                    let dy = input(&self.model, &self.other_alloc, grad, g.static_grad_output().ok().flatten())?;
                     g.backward(&s, &dy).map(|_| ())
                 }
                 Target::Callables { g, tails, .. } => {
-                    let dy = input(&self.model, &self.other_alloc, grad, g[0].static_grad_outputs().first())?;
+                    let dy = input(
+                        &self.model,
+                        &self.other_alloc,
+                        grad,
+                        g[0].static_grad_outputs().ok().and_then(|d| d.first()),
+                    )?;
                     let (_, tail) = g[0].backward(&s, &[&dy])?;
                     tails.push(tail);
                     Ok(())
@@ -465,7 +474,12 @@ impl World<'_> {
                 // Every microbatch gets the same kind of input, so that a refusal comes from the
                 // first pass, before anything ran; no dropout counter, so that nothing is
                 // enqueued before it either.
-                let x = input(&self.model, &self.other_alloc, pick, g[0].static_inputs().first().copied())?;
+                let x = input(
+                    &self.model,
+                    &self.other_alloc,
+                    pick,
+                    g[0].static_inputs().ok().and_then(|v| v.first().copied()),
+                )?;
                 let inputs = vec![x; schedule.microbatches()];
                 let per_chunk = vec![LAYERS / schedule.chunks(); schedule.chunks()];
                 let (_, dy) = self.model.data(8).map_err(to_graphed)?;
@@ -495,11 +509,11 @@ impl World<'_> {
                 _ => Ok(()),
             },
             Act::Join { at: i, foreign } => self.targets[at(i)].join(if foreign { &other_stream } else { &s }),
-            Act::Reset { at: i } => match &mut self.targets[at(i)] {
-                Target::Stack(g) => g.reset(),
+            Act::Release { at: i } => match &mut self.targets[at(i)] {
+                Target::Stack(g) => g.release_static_state(),
                 Target::Callables { g, tails, .. } => {
                     tails.join(&s)?;
-                    g.iter_mut().try_for_each(GraphedCallable::reset)
+                    g.iter_mut().try_for_each(GraphedCallable::release_static_state)
                 }
             },
             Act::Drop { at: i } => {

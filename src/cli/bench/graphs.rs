@@ -127,7 +127,7 @@ fn run_variant(
             let capture_ms = began.elapsed().as_secs_f64() * 1e3;
             // The static input holds the sample, x, since capture; the upstream gradient goes
             // into its static buffer once, so that steps replay with no copy-in.
-            if let Some(static_dy) = graphed.static_grad_output() {
+            if let Some(static_dy) = graphed.static_grad_output()? {
                 static_dy.copy_from(&model.dy, &main)?;
             }
             let replay = if on_side { Replay::side(&side) } else { Replay::caller() };
@@ -182,8 +182,8 @@ pub(super) fn graphed_step(
     main: &Stream,
     replay: Replay<'_>,
 ) -> anyhow::Result<()> {
-    graphed.forward(main, graphed.static_input(), replay)?;
-    graphed.backward(main, graphed.static_grad_output().unwrap_or(&model.dy))?;
+    graphed.forward(main, graphed.static_input()?, replay)?;
+    graphed.backward(main, graphed.static_grad_output()?.unwrap_or(&model.dy))?;
     graphed.join(main)?;
     Ok(())
 }

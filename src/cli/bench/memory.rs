@@ -244,7 +244,7 @@ fn probe(
     let (side, event) = (dev.stream()?, dev.event()?);
     let on_side = variant != Variant::Graphed;
     let graphed = model.graph(&alloc, on_side.then_some(&event), manager.as_ref())?;
-    if let Some(static_dy) = graphed.static_grad_output() {
+    if let Some(static_dy) = graphed.static_grad_output()? {
         static_dy.copy_from(&model.dy, &main)?;
     }
     let replay = if on_side { Replay::side(&side) } else { Replay::caller() };

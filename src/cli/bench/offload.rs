@@ -140,7 +140,7 @@ fn run_variant(
     let manager = variant.config().map(|c| model.offload(&alloc, &main, c)).transpose()?;
     let (side, event) = (dev.stream()?, dev.event()?);
     let graphed = model.graph(&alloc, Some(&event), manager.as_ref())?;
-    if let Some(static_dy) = graphed.static_grad_output() {
+    if let Some(static_dy) = graphed.static_grad_output()? {
         static_dy.copy_from(&model.dy, &main)?;
     }
     let replay = Replay::side(&side);
@@ -189,10 +189,10 @@ fn leads(
     let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
     for _ in 0..5 {
         let (resumed_f, tail_f, resumed_b, tail_b): (Event, Event, Event, Event) = (ev()?, ev()?, ev()?, ev()?);
-        graphed.forward(main, graphed.static_input(), Replay::side(side))?;
+        graphed.forward(main, graphed.static_input()?, Replay::side(side))?;
         main.record(&resumed_f)?;
         side.record(&tail_f)?;
-        graphed.backward(main, graphed.static_grad_output().unwrap_or(&model.dy))?;
+        graphed.backward(main, graphed.static_grad_output()?.unwrap_or(&model.dy))?;
         main.record(&resumed_b)?;
         side.record(&tail_b)?;
         graphed.join(main)?;
