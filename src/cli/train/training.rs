@@ -49,6 +49,22 @@ struct Progress {
     host: Duration,
 }
 
+impl Progress {
+    /// No step reported yet, `done` steps done; all of the `steps` to come timed from `started`.
+    fn new(started: Instant, done: usize, steps: usize) -> Progress {
+        let diverging = Divergence::default();
+        Progress {
+            done,
+            last_loss: f64::NAN,
+            diverging,
+            started,
+            timed: started,
+            timed_steps: steps,
+            host: Duration::ZERO,
+        }
+    }
+}
+
 /// A `train` run, set up. Its fields are dropped in the order they are declared, the stream
 /// last.
 pub struct Training<'a> {
@@ -84,14 +100,7 @@ impl<'a> Training<'a> {
     /// `dev`; `env` when launched as one rank of several (data parallel, rank 0 reports).
     pub fn setup(dev: &Device, args: &'a TrainArgs, env: Option<RankEnv>) -> anyhow::Result<Training<'a>> {
         let lead = env.as_ref().is_none_or(|e| e.rank == 0);
-        plan::check_flags(args)?;
-        if lead {
-            outputs::check(args)?;
-        }
-        let eval = args.eval.unwrap_or(if dev.kind() == DeviceKind::Cuda { 1000 } else { 100 });
-        let task = Task::new(args, eval as usize)?;
-        let plan = Plan::new(dev, args, task.shape())?;
-        memory::check(dev, &plan.config, plan.batch, args)?;
+        let (task, plan) = refusals(dev, args, lead)?;
         let interrupt = Interrupt::install()?;
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
@@ -103,16 +112,10 @@ impl<'a> Training<'a> {
         };
         let group = group::join(dev, env, &plan.signature(args, start))?;
         let rank = group.as_ref().map_or(0, |g| g.env().rank);
-        if let Some(g) = &group {
-            println!("rank {rank} of {} (GPU {} of this host)", g.env().world, g.env().local_rank);
-        }
-        say(lead, &format!("device: {}{}", dev.name(), nvtx(dev)));
-        if let Some(dir) = &args.resume {
-            say(lead, &format!("resumed from {} after {start} steps", dir.display()));
-        }
+        announce_device(dev, args, group.as_ref(), lead, start);
         let comm = group.as_ref().map(|g| g.comm());
         let stepper = Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args, comm)?;
-        let summary_shown = announce(lead, &plan, &stepper, group.as_ref(), &task);
+        let summary_shown = announce_model(lead, &plan, &stepper, group.as_ref(), &task);
         let mut rng = SmallRng::seed_from_u64(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9));
         let started = Instant::now();
         let metrics = Metrics::open(args.metrics.as_deref().filter(|_| lead), args.resume.as_ref().map(|_| start))?;
@@ -121,17 +124,8 @@ impl<'a> Training<'a> {
             task.batch(&mut rng, plan.batch);
         }
         let uploader = Uploader::new(dev, plan.batch, plan.config.max_len)?;
-        let (bar, timed_steps) = (progress_bar(lead, plan.steps, start), plan.stop - start);
-        let diverging = Divergence::default();
-        let progress = Progress {
-            done: start,
-            last_loss: f64::NAN,
-            diverging,
-            started,
-            timed: started,
-            timed_steps,
-            host: Duration::ZERO,
-        };
+        let bar = progress_bar(lead, plan.steps, start);
+        let progress = Progress::new(started, start, plan.stop - start);
         Ok(Training {
             args,
             lead,
@@ -345,6 +339,32 @@ fn say(lead: bool, line: &str) {
     }
 }
 
+/// What can be refused before anything is built: the flags, the output files (rank 0's, `lead`),
+/// the task's data, the plan and the memory it needs.
+fn refusals(dev: &Device, args: &TrainArgs, lead: bool) -> anyhow::Result<(Task, Plan)> {
+    plan::check_flags(args)?;
+    if lead {
+        outputs::check(args)?;
+    }
+    let eval = args.eval.unwrap_or(if dev.kind() == DeviceKind::Cuda { 1000 } else { 100 });
+    let task = Task::new(args, eval as usize)?;
+    let plan = Plan::new(dev, args, task.shape())?;
+    memory::check(dev, &plan.config, plan.batch, args)?;
+    Ok((task, plan))
+}
+
+/// Says where the run is: its rank in the `group` (every rank), then on rank 0 the device and
+/// where a resumed run starts.
+fn announce_device(dev: &Device, args: &TrainArgs, group: Option<&ProcessGroup>, lead: bool, start: usize) {
+    if let Some(g) = group {
+        println!("rank {} of {} (GPU {} of this host)", g.env().rank, g.env().world, g.env().local_rank);
+    }
+    say(lead, &format!("device: {}{}", dev.name(), nvtx(dev)));
+    if let Some(dir) = &args.resume {
+        say(lead, &format!("resumed from {} after {start} steps", dir.display()));
+    }
+}
+
 /// Whether `nsys profile` will see the step's ranges (docs/profiling.md), for the device line.
 fn nvtx(dev: &Device) -> &'static str {
     match (dev.kind(), dev.nvtx()) {
@@ -356,7 +376,7 @@ fn nvtx(dev: &Device) -> &'static str {
 
 /// Says what runs: the model and its step, the group's losses, the offload policy once frozen,
 /// the data; whether the offload policy's table was shown.
-fn announce(lead: bool, plan: &Plan, stepper: &Stepper, group: Option<&ProcessGroup>, task: &Task) -> bool {
+fn announce_model(lead: bool, plan: &Plan, stepper: &Stepper, group: Option<&ProcessGroup>, task: &Task) -> bool {
     let cfg = &plan.config;
     say(
         lead,
