@@ -52,11 +52,10 @@ struct Progress {
 impl Progress {
     /// No step reported yet, `done` steps done; all of the `steps` to come timed from `started`.
     fn new(started: Instant, done: usize, steps: usize) -> Progress {
-        let diverging = Divergence::default();
         Progress {
             done,
             last_loss: f64::NAN,
-            diverging,
+            diverging: Divergence::default(),
             started,
             timed: started,
             timed_steps: steps,
@@ -282,9 +281,9 @@ impl<'a> Training<'a> {
 
     /// The error `e` of a rank whose group failed, with nothing of the run dropped. A group that
     /// failed cannot be torn down: its collectives may never end, and freeing the memory they use
-    /// (or the graphs and communicators) waits for them. So the run is forgotten, not dropped,
-    /// and `main` ends the process with the error, whose end the driver reclaims the GPU at, as
-    /// after PyTorch's NCCL watchdog.
+    /// (or the graphs and communicators) waits for them. So the run is forgotten, not dropped:
+    /// `main` ends the process with the error, and the driver reclaims the GPU as the process
+    /// ends, as after PyTorch's NCCL watchdog.
     fn abandon(self, e: &anyhow::Error) -> anyhow::Error {
         // A dead rank explains whatever failed after it died (work of the aborted communicator):
         // its error comes first, the failure it caused below it.
