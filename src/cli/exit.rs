@@ -4,7 +4,9 @@
 //! A refusal is a [`Refused`] error, one of `report`'s (its results files, or a page that
 //! differs from them), or one of the library's errors about a user's input (a damaged or
 //! mismatched checkpoint, a model configuration, an offload configuration); an interrupt is
-//! [`Interrupted`]; anything else is a failure.
+//! [`Interrupted`] (or [`InterruptedAgain`]); anything else is a failure. `main` returns the code
+//! of every outcome ([`code`]) but two that cannot wait for it, which end the process at once
+//! with the same codes ([`now`]).
 
 use std::process::ExitCode;
 
@@ -38,16 +40,39 @@ pub struct Interrupted {
     pub kept: String,
 }
 
+/// A second SIGINT or SIGTERM ended the run at once, in the middle of a step: nothing was saved.
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted again: stopping now, without saving")]
+pub struct InterruptedAgain;
+
 /// The exit code for the outcome of a command.
 pub fn code(outcome: &anyhow::Result<()>) -> ExitCode {
-    let Err(e) = outcome else { return ExitCode::SUCCESS };
-    if e.downcast_ref::<Interrupted>().is_some() {
-        return ExitCode::from(130);
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => ExitCode::from(status(e)),
+    }
+}
+
+/// Ends the process now with `error`'s exit code, shown on stderr as `main` shows it (on a line
+/// of its own, off a progress bar's). It cannot return to `main`: it serves the two ends that
+/// come on another thread while `main`'s is busy, a second interrupt (on the signal handler's
+/// thread, in the middle of a step) and a peer's death that left this rank's host blocked on the
+/// GPU (on the group's watch). Nothing of the run is unwound; the driver reclaims the GPU as the
+/// process ends.
+pub fn now(error: anyhow::Error) -> ! {
+    eprintln!("\ngraphed: {error:#}");
+    std::process::exit(i32::from(status(&error)))
+}
+
+/// The exit status of a failed command: 130 interrupted, 2 refused, 1 failed.
+fn status(e: &anyhow::Error) -> u8 {
+    if e.downcast_ref::<Interrupted>().is_some() || e.downcast_ref::<InterruptedAgain>().is_some() {
+        return 130;
     }
     if is_refusal(e) {
-        return ExitCode::from(2);
+        return 2;
     }
-    ExitCode::FAILURE
+    1
 }
 
 /// Whether `e` is about the user's input rather than a failure while running.
@@ -77,6 +102,7 @@ mod tests {
         assert_eq!(code_of(Err(Refused::error("no").context("while planning"))), format!("{:?}", ExitCode::from(2)));
         let stopped = Interrupted { steps: 3, kept: "nothing saved".into() };
         assert_eq!(code_of(Err(stopped.into())), format!("{:?}", ExitCode::from(130)));
+        assert_eq!(code_of(Err(InterruptedAgain.into())), format!("{:?}", ExitCode::from(130)));
         assert_eq!(code_of(Err(anyhow::anyhow!("device lost"))), format!("{:?}", ExitCode::FAILURE));
         let damaged = graphed::Error::Checkpoint {
             path: "x".into(),

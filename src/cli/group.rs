@@ -20,8 +20,8 @@ static LEFT: AtomicBool = AtomicBool::new(false);
 /// When a rank dies, this one's communicator is aborted and its next check or wait fails naming
 /// the dead rank, and its error path ends the process; should it not have ended [`GRACE`] later
 /// (its host blocked on work that waited for that rank), the process is ended then, with that
-/// error and exit status 1, as `main`'s failures do, unless it has left its group by then ([`leave`]):
-/// a death no longer concerns it.
+/// error and exit status 1, as `main`'s failures do ([`exit::now`](crate::cli::exit::now)), unless
+/// it has left its group by then ([`leave`]): a death no longer concerns it.
 pub fn join(dev: &Device, env: Option<RankEnv>, model: &str) -> anyhow::Result<Option<ProcessGroup>> {
     let Some(env) = env else { return Ok(None) };
     let rank = env.rank;
@@ -31,12 +31,11 @@ pub fn join(dev: &Device, env: Option<RankEnv>, model: &str) -> anyhow::Result<O
         if LEFT.load(Ordering::SeqCst) {
             return;
         }
-        eprintln!(
-            "graphed: rank {rank}: rank {dead}'s process ended without leaving the group, and this rank is still \
-             blocked on work that waited for it {} s later; ending it",
+        crate::cli::exit::now(anyhow::anyhow!(
+            "rank {rank}: rank {dead}'s process ended without leaving the group, and this rank is still blocked on \
+             work that waited for it {} s later; ending it",
             GRACE.as_secs()
-        );
-        std::process::exit(1);
+        ));
     })?;
     Ok(Some(group))
 }

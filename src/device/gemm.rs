@@ -332,31 +332,17 @@ impl<'a, T: GemmElem> Gemm<'a, T> {
 
     /// Checks the views against the dimensions and the epilogue, and derives the layout.
     pub(crate) fn spec(&self) -> Result<GemmSpec> {
-        const OP: &str = "Stream::gemm";
         let (m, n, k) = self.dims;
         let batch = self.batch.max(1);
         let (a_rows, a_cols) = if self.trans_a { (k, m) } else { (m, k) };
         let (b_rows, b_cols) = if self.trans_b { (n, k) } else { (k, n) };
-        let shape = |v: &View<'_, T>| v.region().dims().iter().map(|d| d.count).collect();
-        let bad = |what: &str, v: &View<'_, T>, rows, cols| Error::Shape {
-            op: OP,
-            expected: format!("{what} as {batch} row-major {rows}x{cols} matrices with unit column stride"),
-            found: shape(v),
+        let matrix = |what: &str, v: &View<'_, T>, rows, cols| {
+            operand(&v.region(), batch, rows, cols).ok_or_else(|| bad_matrix(what, v, batch, rows, cols))
         };
-        let vector = |what: &str, v: &View<'_, T>, len: usize| {
-            if v.len() == len && v.region().is_contiguous() {
-                Ok(())
-            } else {
-                Err(Error::Shape { op: OP, expected: format!("{what} as {len} contiguous elements"), found: shape(v) })
-            }
-        };
-        let a = operand(&self.a.region(), batch, a_rows, a_cols).ok_or_else(|| bad("A", &self.a, a_rows, a_cols))?;
-        let b = operand(&self.b.region(), batch, b_rows, b_cols).ok_or_else(|| bad("B", &self.b, b_rows, b_cols))?;
-        let c = operand(&self.c.region(), batch, m, n).ok_or_else(|| bad("C", &self.c, m, n))?;
-        let addend = match &self.addend {
-            Some(v) => Some(operand(&v.region(), batch, m, n).ok_or_else(|| bad("the addend", v, m, n))?),
-            None => None,
-        };
+        let a = matrix("A", &self.a, a_rows, a_cols)?;
+        let b = matrix("B", &self.b, b_rows, b_cols)?;
+        let c = matrix("C", &self.c, m, n)?;
+        let addend = self.addend.as_ref().map(|v| matrix("the addend", v, m, n)).transpose()?;
         let epilogue = self.epilogue.kind();
         if epilogue.per_matrix() && batch > 1 {
             return Err(Error::Shape {
@@ -365,8 +351,29 @@ impl<'a, T: GemmElem> Gemm<'a, T> {
                 found: vec![batch],
             });
         }
+        let aux_ld = self.epilogue_aux_ld(m, n)?;
+        Ok(GemmSpec {
+            dtype: T::DTYPE,
+            m,
+            n,
+            k,
+            batch,
+            trans_a: self.trans_a,
+            trans_b: self.trans_b,
+            a,
+            b,
+            c,
+            addend,
+            epilogue,
+            aux_ld,
+        })
+    }
+
+    /// Checks the epilogue's bias (or bias gradient) and aux matrix against the `m`×`n` output;
+    /// the aux matrix's leading dimension, if it has one.
+    fn epilogue_aux_ld(&self, m: usize, n: usize) -> Result<Option<usize>> {
         let aux_ld = |aux: &View<'_, T>| {
-            let ld = operand(&aux.region(), 1, m, n).ok_or_else(|| bad("aux", aux, m, n))?.ld;
+            let ld = operand(&aux.region(), 1, m, n).ok_or_else(|| bad_matrix("aux", aux, 1, m, n))?.ld;
             if ld % AUX_LD_MULTIPLE != 0 {
                 return Err(Error::Shape {
                     op: OP,
@@ -376,7 +383,7 @@ impl<'a, T: GemmElem> Gemm<'a, T> {
             }
             Ok(ld)
         };
-        let aux_ld = match &self.epilogue {
+        Ok(match &self.epilogue {
             Epilogue::None => None,
             Epilogue::Bias(bias) => {
                 vector("the bias", bias, n)?;
@@ -395,21 +402,6 @@ impl<'a, T: GemmElem> Gemm<'a, T> {
                 vector("the bias gradient (one per row of op(A))", bias_grad, m)?;
                 None
             }
-        };
-        Ok(GemmSpec {
-            dtype: T::DTYPE,
-            m,
-            n,
-            k,
-            batch,
-            trans_a: self.trans_a,
-            trans_b: self.trans_b,
-            a,
-            b,
-            c,
-            addend,
-            epilogue,
-            aux_ld,
         })
     }
 
@@ -441,6 +433,31 @@ impl<'a, T: GemmElem> Gemm<'a, T> {
     pub(crate) fn kernel(&self) -> &'static Kernel {
         &T::KERNELS[self.epilogue.kind() as usize][usize::from(self.addend.is_some())]
     }
+}
+
+/// The GEMM's name in its errors.
+const OP: &str = "Stream::gemm";
+
+/// `v`'s dimensions, for an error.
+fn shape<T: GemmElem>(v: &View<'_, T>) -> Vec<usize> {
+    v.region().dims().iter().map(|d| d.count).collect()
+}
+
+/// The error of `v`, named `what`, that is not `batch` matrices of `rows`×`cols`.
+fn bad_matrix<T: GemmElem>(what: &str, v: &View<'_, T>, batch: usize, rows: usize, cols: usize) -> Error {
+    Error::Shape {
+        op: OP,
+        expected: format!("{what} as {batch} row-major {rows}x{cols} matrices with unit column stride"),
+        found: shape(v),
+    }
+}
+
+/// Checks that `v`, named `what`, is `len` contiguous elements.
+fn vector<T: GemmElem>(what: &str, v: &View<'_, T>, len: usize) -> Result<()> {
+    if v.len() == len && v.region().is_contiguous() {
+        return Ok(());
+    }
+    Err(Error::Shape { op: OP, expected: format!("{what} as {len} contiguous elements"), found: shape(v) })
 }
 
 /// √(2/π) as f32, as `ops/gelu.rs` (the device layer does not use the ops layer).
@@ -492,16 +509,8 @@ fn gemm_cpu<T: GemmElem, const KIND: usize, const ADDEND: bool>(args: &CpuArgs) 
     let mut acc = vec![0.0f32; n];
     for p in 0..batch {
         let (a, b) = (&a[p * m * k..(p + 1) * m * k], &b[p * k * n..(p + 1) * k * n]);
-        for i in 0..m {
-            for q in 0..k {
-                op_a[i * k + q] = if trans_a { a[q * m + i] } else { a[i * k + q] }.to_f32();
-            }
-        }
-        for q in 0..k {
-            for j in 0..n {
-                op_b[q * n + j] = if trans_b { b[j * k + q] } else { b[q * n + j] }.to_f32();
-            }
-        }
+        op_into(&mut op_a, a, (m, k), trans_a);
+        op_into(&mut op_b, b, (k, n), trans_b);
         if kind == EpilogueKind::BGradA {
             // `per_matrix` epilogues have batch 1: the sums are this matrix's.
             for (g, row) in grad.iter_mut().zip(op_a.chunks_exact(k)) {
@@ -544,6 +553,16 @@ fn gemm_cpu<T: GemmElem, const KIND: usize, const ADDEND: bool>(args: &CpuArgs) 
         }
     }
     Ok(())
+}
+
+/// `op(src)`, a `rows`×`cols` matrix that `src` stores transposed when `trans`, into `dst` as
+/// row-major f32.
+fn op_into<T: GemmElem>(dst: &mut [f32], src: &[T], (rows, cols): (usize, usize), trans: bool) {
+    for i in 0..rows {
+        for j in 0..cols {
+            dst[i * cols + j] = if trans { src[j * rows + i] } else { src[i * cols + j] }.to_f32();
+        }
+    }
 }
 
 #[cfg(test)]

@@ -59,93 +59,134 @@ fn lead(env: &RankEnv, model: &str, payload: Vec<u8>, deadline: Instant) -> Resu
         rdzv(0, format!("cannot listen at {}:{} ({e}); choose a free MASTER_PORT", env.master_addr, env.master_port))
     })?;
     listener.set_nonblocking(true).map_err(|e| rdzv(0, e.to_string()))?;
-    let mut peers: Vec<(usize, TcpStream, String)> = Vec::new();
-    // Connections that cannot join (another world size, a rank twice, not a rank): counted as
-    // arrivals, so that rank 0 stops waiting once everyone came, and refused with the others.
-    let (mut strays, mut problems): (Vec<TcpStream>, Vec<String>) = (Vec::new(), Vec::new());
-    let mut mismatch = None;
-    while peers.len() + strays.len() + 1 < env.world {
+    let mut arrivals = Arrivals::default();
+    while arrivals.count() + 1 < env.world {
         match listener.accept() {
-            Ok((stream, _)) => {
-                stream.set_nonblocking(false).map_err(|e| rdzv(0, e.to_string()))?;
-                let wait = remaining(deadline).min(HELLO_WAIT);
-                stream.set_read_timeout(Some(wait)).map_err(|e| rdzv(0, e.to_string()))?;
-                let reader = stream.try_clone().map_err(|e| rdzv(0, e.to_string()))?;
-                let mut lines = BufReader::new(reader.take(HELLO_BYTES)).lines();
-                let hello = lines.next().and_then(|l| l.ok()).unwrap_or_default();
-                let theirs = lines.next().and_then(|l| l.ok()).unwrap_or_default();
-                let fields: Vec<&str> = hello.split(' ').collect();
-                let parsed = match fields.as_slice() {
-                    [HELLO, r, w] => r.parse::<usize>().ok().zip(w.parse::<usize>().ok()),
-                    _ => None,
-                };
-                match parsed {
-                    Some((r, w)) if w != env.world => {
-                        problems.push(format!("rank {r} was launched for {w} ranks, rank 0 for {}", env.world))
-                    }
-                    Some((r, _)) if r == 0 || r >= env.world || peers.iter().any(|p| p.0 == r) => {
-                        problems.push(format!("rank {r} arrived twice or does not exist in a group of {}", env.world))
-                    }
-                    Some((r, _)) => {
-                        if theirs != model && mismatch.is_none() {
-                            mismatch = Some((r, theirs.clone()));
-                        }
-                        peers.push((r, stream, theirs));
-                        continue;
-                    }
-                    None => problems.push(format!("a connection that is not a graphed rank said `{hello}`")),
-                }
-                strays.push(stream);
-            }
+            Ok((stream, _)) => arrivals.admit(stream, env, model, deadline)?,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    let arrived: Vec<usize> = peers.iter().map(|p| p.0).collect();
-                    let missing: Vec<String> =
-                        (1..env.world).filter(|r| !arrived.contains(r)).map(|r| r.to_string()).collect();
-                    let what = format!(
-                        "{}ranks {} did not arrive in time; check that they were started and can reach {}:{}",
-                        problems.iter().map(|p| format!("{p}, and ")).collect::<String>(),
-                        missing.join(", "),
-                        env.master_addr,
-                        env.master_port
-                    );
-                    refuse_all(&mut peers, &mut strays, &format!("refused {what}"));
-                    return Err(rdzv(0, what));
+                    return Err(arrivals.late(env));
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
             Err(e) => return Err(rdzv(0, e.to_string())),
         }
     }
-    if let Some((rank, theirs)) = mismatch {
-        refuse_all(&mut peers, &mut strays, &format!("{MISMATCH}{rank}\n{model}\n{theirs}"));
-        return Err(fail(0, CommErrorKind::ModelMismatch { rank, ours: model.into(), theirs }));
+    if let Some(refused) = arrivals.refusal(model) {
+        return Err(refused);
     }
-    if !problems.is_empty() {
-        let what = problems.join("; ");
-        refuse_all(&mut peers, &mut strays, &format!("refused {what}"));
-        return Err(rdzv(0, what));
-    }
-    let hex: String = payload.iter().map(|b| format!("{b:02x}")).collect();
-    let mut connections = Vec::with_capacity(peers.len());
-    for (r, mut stream, _) in peers {
-        writeln!(stream, "ok {hex}").map_err(|e| rdzv(0, format!("rank {r} left during the rendezvous ({e})")))?;
-        let reader = BufReader::new(stream.try_clone().map_err(|e| rdzv(0, e.to_string()))?);
-        connections.push(Connection { peer: r, reader, writer: stream });
-    }
+    let connections = arrivals.welcome(&payload)?;
     Ok((payload, RankWatch::start(0, connections)?))
+}
+
+/// The connections rank 0 accepted.
+#[derive(Default)]
+struct Arrivals {
+    /// The ranks that can join: each one's rank, connection and model.
+    peers: Vec<(usize, TcpStream, String)>,
+    /// Connections that cannot join (another world size, a rank twice, not a rank): counted as
+    /// arrivals, so that rank 0 stops waiting once everyone came, and refused with the others.
+    strays: Vec<TcpStream>,
+    /// Why each stray cannot join.
+    problems: Vec<String>,
+    /// The first rank that builds another model than rank 0, and its model.
+    mismatch: Option<(usize, String)>,
+}
+
+impl Arrivals {
+    /// Connections accepted, strays included.
+    fn count(&self) -> usize {
+        self.peers.len() + self.strays.len()
+    }
+
+    /// Reads `stream`'s hello (until `deadline`, at most [`HELLO_WAIT`]) and keeps it as a rank of
+    /// `env`'s group, noting whether it builds rank 0's `model`, or as a stray.
+    fn admit(&mut self, stream: TcpStream, env: &RankEnv, model: &str, deadline: Instant) -> Result<()> {
+        stream.set_nonblocking(false).map_err(|e| rdzv(0, e.to_string()))?;
+        let wait = remaining(deadline).min(HELLO_WAIT);
+        stream.set_read_timeout(Some(wait)).map_err(|e| rdzv(0, e.to_string()))?;
+        let reader = stream.try_clone().map_err(|e| rdzv(0, e.to_string()))?;
+        let mut lines = BufReader::new(reader.take(HELLO_BYTES)).lines();
+        let hello = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+        let theirs = lines.next().and_then(|l| l.ok()).unwrap_or_default();
+        let fields: Vec<&str> = hello.split(' ').collect();
+        let parsed = match fields.as_slice() {
+            [HELLO, r, w] => r.parse::<usize>().ok().zip(w.parse::<usize>().ok()),
+            _ => None,
+        };
+        let problem = match parsed {
+            Some((r, w)) if w != env.world => format!("rank {r} was launched for {w} ranks, rank 0 for {}", env.world),
+            Some((r, _)) if r == 0 || r >= env.world || self.peers.iter().any(|p| p.0 == r) => {
+                format!("rank {r} arrived twice or does not exist in a group of {}", env.world)
+            }
+            Some((r, _)) => {
+                if theirs != model && self.mismatch.is_none() {
+                    self.mismatch = Some((r, theirs.clone()));
+                }
+                self.peers.push((r, stream, theirs));
+                return Ok(());
+            }
+            None => format!("a connection that is not a graphed rank said `{hello}`"),
+        };
+        self.problems.push(problem);
+        self.strays.push(stream);
+        Ok(())
+    }
+
+    /// The error of a rendezvous whose deadline passed, with every connection told: the ranks
+    /// of `env`'s group that did not arrive, after why the strays cannot join.
+    fn late(&mut self, env: &RankEnv) -> Error {
+        let arrived: Vec<usize> = self.peers.iter().map(|p| p.0).collect();
+        let missing: Vec<String> = (1..env.world).filter(|r| !arrived.contains(r)).map(|r| r.to_string()).collect();
+        let what = format!(
+            "{}ranks {} did not arrive in time; check that they were started and can reach {}:{}",
+            self.problems.iter().map(|p| format!("{p}, and ")).collect::<String>(),
+            missing.join(", "),
+            env.master_addr,
+            env.master_port
+        );
+        self.refuse_all(&format!("refused {what}"));
+        rdzv(0, what)
+    }
+
+    /// Why the group cannot start once everyone arrived (a rank building another `model` than
+    /// rank 0, or strays), with every connection told; `None` when it can.
+    fn refusal(&mut self, model: &str) -> Option<Error> {
+        if let Some((rank, theirs)) = self.mismatch.take() {
+            self.refuse_all(&format!("{MISMATCH}{rank}\n{model}\n{theirs}"));
+            return Some(fail(0, CommErrorKind::ModelMismatch { rank, ours: model.into(), theirs }));
+        }
+        if self.problems.is_empty() {
+            return None;
+        }
+        let what = self.problems.join("; ");
+        self.refuse_all(&format!("refused {what}"));
+        Some(rdzv(0, what))
+    }
+
+    /// Answers every connection with `answer` (a `refused` line, or a mismatch's lines).
+    fn refuse_all(&mut self, answer: &str) {
+        for stream in self.peers.iter_mut().map(|p| &mut p.1).chain(&mut self.strays) {
+            // A rank that left already learns nothing; its own timeout ends it.
+            let _ = writeln!(stream, "{answer}");
+        }
+    }
+
+    /// Gives every rank `payload`: the connections, kept open for the group's watch.
+    fn welcome(self, payload: &[u8]) -> Result<Vec<Connection>> {
+        let hex: String = payload.iter().map(|b| format!("{b:02x}")).collect();
+        let mut connections = Vec::with_capacity(self.peers.len());
+        for (r, mut stream, _) in self.peers {
+            writeln!(stream, "ok {hex}").map_err(|e| rdzv(0, format!("rank {r} left during the rendezvous ({e})")))?;
+            let reader = BufReader::new(stream.try_clone().map_err(|e| rdzv(0, e.to_string()))?);
+            connections.push(Connection { peer: r, reader, writer: stream });
+        }
+        Ok(connections)
+    }
 }
 
 /// The answer that names a rank building another model (followed by both models' lines).
 const MISMATCH: &str = "mismatch ";
-
-/// Answers every connection with `answer` (a `refused` line, or a mismatch's lines).
-fn refuse_all(peers: &mut [(usize, TcpStream, String)], strays: &mut [TcpStream], answer: &str) {
-    for stream in peers.iter_mut().map(|p| &mut p.1).chain(strays) {
-        // A rank that left already learns nothing; its own timeout ends it.
-        let _ = writeln!(stream, "{answer}");
-    }
-}
 
 fn remaining(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))

@@ -224,39 +224,8 @@ fn capture(
     mut options: GraphOptions,
     layout: Option<Layout>,
 ) -> Result<Vec<GraphedCallable>> {
+    check(alloc, callables.len(), &names, &samples, &options)?;
     let n = callables.len();
-    if n == 0 {
-        return Err(refuse(GraphedErrorKind::NoCallables));
-    }
-    let training = options.mode == Mode::Training;
-    if training && options.warmup_iters == 0 {
-        return Err(refuse(GraphedErrorKind::ZeroWarmup));
-    }
-    if options.pool_per_callable && options.pool.is_some() {
-        return Err(refuse(GraphedErrorKind::ConflictingPools));
-    }
-    if options.grad_sync.is_some() && !training {
-        let why = "needs training mode: inference captures no backward";
-        return Err(refuse(GraphedErrorKind::GradSync { why }));
-    }
-    const OP: &str = "make_graphed_callables";
-    if let Some(pool) = &options.pool {
-        alloc.check_pool(OP, pool).map_err(|e| refusal(OP, e))?;
-    }
-    if let Some(stream) = &options.stream {
-        alloc.device().check_same(OP, "stream", stream.device().id()).map_err(|e| refusal(OP, e))?;
-    }
-    for (i, sample) in samples.iter().enumerate() {
-        let mut seen = Vec::new();
-        for name in sample.iter().flat_map(|s| s.named_inputs()).filter_map(|x| x.name.as_deref()) {
-            if seen.contains(&name) {
-                let kind = GraphedErrorKind::DuplicateInput { name: name.into() };
-                return Err(Error::Graphed { callable: names[i].label.clone(), kind });
-            }
-            seen.push(name);
-        }
-    }
-
     let dev = alloc.device().clone();
     // The whole capture, warmup included: its passes' ranges nest inside.
     let _range = dev.range_with(|| "graph capture".into());
@@ -307,6 +276,48 @@ fn capture(
     let callables = captured?;
     stream.synchronize()?;
     Ok(callables)
+}
+
+/// [`capture`]'s refusals of its `n` callables' options and samples, before anything runs.
+fn check(
+    alloc: &CachingAllocator,
+    n: usize,
+    names: &[Named],
+    samples: &[Option<Inputs>],
+    options: &GraphOptions,
+) -> Result<()> {
+    if n == 0 {
+        return Err(refuse(GraphedErrorKind::NoCallables));
+    }
+    let training = options.mode == Mode::Training;
+    if training && options.warmup_iters == 0 {
+        return Err(refuse(GraphedErrorKind::ZeroWarmup));
+    }
+    if options.pool_per_callable && options.pool.is_some() {
+        return Err(refuse(GraphedErrorKind::ConflictingPools));
+    }
+    if options.grad_sync.is_some() && !training {
+        let why = "needs training mode: inference captures no backward";
+        return Err(refuse(GraphedErrorKind::GradSync { why }));
+    }
+    const OP: &str = "make_graphed_callables";
+    if let Some(pool) = &options.pool {
+        alloc.check_pool(OP, pool).map_err(|e| refusal(OP, e))?;
+    }
+    if let Some(stream) = &options.stream {
+        alloc.device().check_same(OP, "stream", stream.device().id()).map_err(|e| refusal(OP, e))?;
+    }
+    for (i, sample) in samples.iter().enumerate() {
+        let mut seen = Vec::new();
+        for name in sample.iter().flat_map(|s| s.named_inputs()).filter_map(|x| x.name.as_deref()) {
+            if seen.contains(&name) {
+                let kind = GraphedErrorKind::DuplicateInput { name: name.into() };
+                return Err(Error::Graphed { callable: names[i].label.clone(), kind });
+            }
+            seen.push(name);
+        }
+    }
+    Ok(())
 }
 
 /// Gives the callables that draw random numbers ([`Callable::draws_from_dyn`]) their counter,

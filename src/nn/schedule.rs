@@ -785,6 +785,12 @@ impl<O: Handed> Flow<O> {
 /// rank).
 type Arrived<O> = (Flow<O>, Option<usize>);
 
+/// Runs `schedule`'s steps on `passes` for this rank's stage of `pipeline` (one stage without
+/// it), its chunks of `layers_per_chunk` layers fed `inputs` (stage 0) or what the stage before
+/// sends, exchanging with the neighbouring stages before the steps that need it, and `head` after
+/// the model's last chunk; stage 0's input gradients per microbatch. Kept as one walk, over
+/// 80 lines, until the planned redesign of schedule walks: its tensors in flight, exchanges and
+/// random-number counter are one state that each step reads and advances.
 fn traverse<P: SchedulePasses + ?Sized>(
     passes: &mut P,
     schedule: &Schedule,

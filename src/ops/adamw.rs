@@ -268,6 +268,9 @@ fn adamw_cpu<M: Float>(a: &CpuArgs) -> Result<()> {
     Ok(())
 }
 
+/// [`adamw_step`]'s name in its errors.
+const OP: &str = "adamw_step";
+
 /// One AdamW step: updates the f32 master weights `params` and the f32 moments `m` and `v`
 /// (zero before the first step) from `grads`, all contiguous with equal element counts; `lr` is
 /// a one-element f32 tensor and `t` a one-element step counter holding this step's 1-based
@@ -302,47 +305,8 @@ pub fn adamw_step(
     hyper: &AdamWHyper,
     stream: &Stream,
 ) -> Result<()> {
-    const OP: &str = "adamw_step";
-    for f in [params, m, v, lr] {
-        f.expect_dtype(OP, DType::F32)?;
-    }
-    let model = match weights {
-        None => DType::F32,
-        Some(w) if w.dtype() == DType::BF16 => DType::BF16,
-        Some(w) => {
-            return Err(Error::UnsupportedDType {
-                op: OP,
-                dtype: w.dtype(),
-                supported: "bf16 model weights (an f32 model's weights are the params themselves: pass None)",
-            })
-        }
-    };
-    if !matches!(grads.dtype(), DType::F32 | DType::BF16) {
-        return Err(Error::UnsupportedDType { op: OP, dtype: grads.dtype(), supported: super::FLOATS });
-    }
-    grads.expect_dtype(OP, model)?;
+    let n = check_step(params, weights, grads, (m, v), lr)?;
     let len = params.numel();
-    for other in [Some(grads), Some(m), Some(v), weights].into_iter().flatten() {
-        if other.numel() != len {
-            return Err(Error::Shape {
-                op: OP,
-                expected: format!("{len} elements, as params"),
-                found: other.shape().to_vec(),
-            });
-        }
-    }
-    if lr.numel() != 1 {
-        return Err(Error::Shape {
-            op: OP,
-            expected: "a learning rate of 1 element".into(),
-            found: lr.shape().to_vec(),
-        });
-    }
-    let n = u32::try_from(len).map_err(|_| Error::Unsupported {
-        op: OP,
-        backend: "any",
-        why: "2^32 parameters or more are not supported by this kernel; step them in slices",
-    })?;
     let (p, mm, vv, rate, step, gv) = (
         dense::<f32>(OP, params)?,
         dense::<f32>(OP, m)?,
@@ -404,4 +368,55 @@ pub fn adamw_step(
             stream.launch(&ADAMW_BF16, stride_dims(len), &list)
         }
     }
+}
+
+/// [`adamw_step`]'s checks of its tensors' types and sizes, before anything is enqueued; the
+/// element count as the kernels take it.
+fn check_step(
+    params: &Tensor,
+    weights: Option<&Tensor>,
+    grads: &Tensor,
+    (m, v): (&Tensor, &Tensor),
+    lr: &Tensor,
+) -> Result<u32> {
+    for f in [params, m, v, lr] {
+        f.expect_dtype(OP, DType::F32)?;
+    }
+    let model = match weights {
+        None => DType::F32,
+        Some(w) if w.dtype() == DType::BF16 => DType::BF16,
+        Some(w) => {
+            return Err(Error::UnsupportedDType {
+                op: OP,
+                dtype: w.dtype(),
+                supported: "bf16 model weights (an f32 model's weights are the params themselves: pass None)",
+            })
+        }
+    };
+    if !matches!(grads.dtype(), DType::F32 | DType::BF16) {
+        return Err(Error::UnsupportedDType { op: OP, dtype: grads.dtype(), supported: super::FLOATS });
+    }
+    grads.expect_dtype(OP, model)?;
+    let len = params.numel();
+    for other in [Some(grads), Some(m), Some(v), weights].into_iter().flatten() {
+        if other.numel() != len {
+            return Err(Error::Shape {
+                op: OP,
+                expected: format!("{len} elements, as params"),
+                found: other.shape().to_vec(),
+            });
+        }
+    }
+    if lr.numel() != 1 {
+        return Err(Error::Shape {
+            op: OP,
+            expected: "a learning rate of 1 element".into(),
+            found: lr.shape().to_vec(),
+        });
+    }
+    u32::try_from(len).map_err(|_| Error::Unsupported {
+        op: OP,
+        backend: "any",
+        why: "2^32 parameters or more are not supported by this kernel; step them in slices",
+    })
 }

@@ -11,8 +11,10 @@
 //! counts every rank's samples (an `-alone` row: the stages' as if each had its GPU); the
 //! speedup is over `one-gpu`. Rank 0 reports.
 
+use std::sync::Arc;
+
 use graphed::device::{Communicator, DType, Device};
-use graphed::dist::{DataParallel, RankEnv};
+use graphed::dist::{DataParallel, ProcessGroup, RankEnv};
 use graphed::graph::{GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Module, Stage};
@@ -48,83 +50,80 @@ struct ParallelRow {
     bubble_theory: Option<f64>,
 }
 
+/// Times every configuration of `args`, data parallel then pipelined, on this rank's GPU.
 pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
-    let env = RankEnv::from_env()?;
-    let local = env.as_ref().map_or(0, |e| e.local_rank);
-    let dev = Device::cuda(local).map_err(|e| anyhow::anyhow!("bench parallel times GPUs: {e}"))?;
-    let dtype = args.dtype.resolve(&dev);
-    let configs = args.configs.iter().map(|n| Ok(Config::named(n)?.with_attention(args.attention.kind())));
-    let configs = configs.collect::<anyhow::Result<Vec<_>>>()?;
-    for c in &configs {
-        c.check_device(&dev, "--configs")?;
-    }
-    // Every rank must issue the same collectives: the same configurations, steps and microbatches.
-    let signature = format!(
-        "bench parallel {:?} {dtype}; {} steps after {} warmup; {} microbatches",
-        args.configs, args.steps, args.warmup, args.microbatches
-    );
-    let group = crate::cli::group::join(&dev, env, &signature)?;
-    let ranks = group.as_ref().map_or(1, |g| g.env().world);
-    let lead = group.as_ref().is_none_or(|g| g.env().rank == 0);
-    if lead {
-        println!("{} rank(s), {dtype}", ranks);
-    }
-    let mut rows: Vec<ParallelRow> = Vec::new();
+    let (mut bench, configs) = ParallelBench::setup(args)?;
     for config in configs {
-        // The one-GPU step's median: its throughput is the speedups' base, its time T₁ the bubbles'.
+        let one_gpu_ms = bench.data_parallel(config)?;
+        bench.pipelines(config, one_gpu_ms)?;
+    }
+    bench.finish()
+}
+
+/// `one-gpu`, the speedups' base, then the data parallel variants, each reducing the gradients
+/// its own way (see the module's doc).
+const DATA_PARALLEL: [&str; 4] = ["one-gpu", "dp-eager", "dp-graphed-layer", "dp-graphed"];
+
+/// A `bench parallel` run on this rank's GPU: its group, and the rows measured so far.
+struct ParallelBench<'a> {
+    args: &'a ParallelBenchArgs,
+    dev: Device,
+    dtype: DType,
+    group: Option<ProcessGroup>,
+    /// The group's size; 1 without one.
+    ranks: usize,
+    /// Rank 0, or the only process: the one that prints and writes the results.
+    lead: bool,
+    rows: Vec<ParallelRow>,
+}
+
+impl<'a> ParallelBench<'a> {
+    /// Opens this rank's GPU, refuses configurations it cannot run, and joins the group (if
+    /// launched as one rank of several); the run and its configurations.
+    fn setup(args: &'a ParallelBenchArgs) -> anyhow::Result<(ParallelBench<'a>, Vec<Config>)> {
+        let env = RankEnv::from_env()?;
+        let local = env.as_ref().map_or(0, |e| e.local_rank);
+        let dev = Device::cuda(local).map_err(|e| anyhow::anyhow!("bench parallel times GPUs: {e}"))?;
+        let dtype = args.dtype.resolve(&dev);
+        let configs = args.configs.iter().map(|n| Ok(Config::named(n)?.with_attention(args.attention.kind())));
+        let configs = configs.collect::<anyhow::Result<Vec<_>>>()?;
+        for c in &configs {
+            c.check_device(&dev, "--configs")?;
+        }
+        // Every rank must issue the same collectives: the same configurations, steps and microbatches.
+        let signature = format!(
+            "bench parallel {:?} {dtype}; {} steps after {} warmup; {} microbatches",
+            args.configs, args.steps, args.warmup, args.microbatches
+        );
+        let group = crate::cli::group::join(&dev, env, &signature)?;
+        let ranks = group.as_ref().map_or(1, |g| g.env().world);
+        let lead = group.as_ref().is_none_or(|g| g.env().rank == 0);
+        if lead {
+            println!("{ranks} rank(s), {dtype}");
+        }
+        Ok((ParallelBench { args, dev, dtype, group, ranks, lead, rows: Vec::new() }, configs))
+    }
+
+    /// The `one-gpu` and data parallel rows of `config` (the latter in a group only); the one-GPU
+    /// step's median in ms: its throughput is the speedups' base, its time T₁ the bubbles'.
+    fn data_parallel(&mut self, config: Config) -> anyhow::Result<Option<f64>> {
         let mut one_gpu_ms: Option<f64> = None;
-        let one_gpu = |ms: Option<f64>| ms.map(|t| rate(config.batch, t));
-        for variant in ["one-gpu", "dp-eager", "dp-graphed-layer", "dp-graphed"] {
-            let comm = match (variant, &group) {
+        for variant in DATA_PARALLEL {
+            let comm = match (variant, &self.group) {
                 ("one-gpu", _) => None,
                 (_, Some(g)) => Some(g.comm()),
                 (_, None) => continue,
             };
-            let alloc = CachingAllocator::new(&dev);
-            let main = dev.stream()?;
-            let model = BenchModel::new(&alloc, &main, config, dtype)?;
-            let (side, ready) = (dev.stream()?, dev.event()?);
-            let samples = match (variant, comm) {
-                ("dp-eager", Some(c)) => {
-                    let dp = DataParallel::new(c, Vec::new())?;
-                    let grads = model.store.grads()?;
-                    measure(&dev, &main, (args.warmup, args.steps), &mut || {
-                        model.eager_step(&main)?;
-                        dp.all_reduce(&main, &grads)?;
-                        Ok(())
-                    })?
-                }
-                (_, comm) => {
-                    let mut options = GraphOptions::default().sync_event(&ready);
-                    if let Some(c) = comm {
-                        let dp = match variant {
-                            "dp-graphed-layer" => {
-                                let layers = model.stack.layers().iter();
-                                let buckets = layers.map(|l| model.store.grads_of(&l.parameters()));
-                                DataParallel::new(c, buckets.collect::<graphed::Result<_>>()?)?
-                            }
-                            _ => DataParallel::for_stack(c, &model.store, &model.stack)?,
-                        };
-                        options = options.grad_sync(dp);
-                    }
-                    let graphed = model.graph_with(&alloc, options)?;
-                    measure(&dev, &main, (args.warmup, args.steps), &mut || {
-                        graphed.forward(&main, &model.x, Replay::side(&side))?;
-                        graphed.backward(&main, &model.dy)?;
-                        graphed.join(&main)?;
-                        Ok(())
-                    })?
-                }
-            };
+            let samples = self.time_step(config, variant, comm)?;
             let wall = spread(samples.wall_ms);
-            let used = if comm.is_some() { ranks } else { 1 };
+            let used = if comm.is_some() { self.ranks } else { 1 };
             let samples_per_s = rate(used * config.batch, wall.median);
-            let speedup = one_gpu(one_gpu_ms).map(|base| samples_per_s / base);
+            let speedup = one_gpu_ms.map(|t| samples_per_s / rate(config.batch, t));
             if variant == "one-gpu" {
                 one_gpu_ms = Some(wall.median);
             }
-            let row = ParallelRow {
-                case: Case::new(config, dtype, variant),
+            self.push(ParallelRow {
+                case: Case::new(config, self.dtype, variant),
                 ranks: used,
                 wall_ms: wall,
                 host_us: spread(samples.host_us),
@@ -133,61 +132,129 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
                 microbatches: None,
                 bubble: None,
                 bubble_theory: None,
-            };
-            if lead {
-                print_row(&row);
-            }
-            rows.push(row);
+            });
         }
-        // Pipelines of a stage per rank (two ranks or more), then each variant's stages alone,
-        // one after another on this GPU (as many as the ranks; two on one GPU).
-        let comm = group.as_ref().map(|g| g.comm()).filter(|c| c.size() > 1);
-        let stages = comm.map_or(2, Communicator::size);
-        let (m, timing) = (args.microbatches, (args.warmup, args.steps));
+        Ok(one_gpu_ms)
+    }
+
+    /// Times a step of `config` as `variant` runs it: eager steps with every gradient reduced
+    /// after the backward (`dp-eager`), else graphed steps replayed on a side stream, whose
+    /// gradients `comm` reduces inside the backward graphs (none for `one-gpu`).
+    fn time_step(&self, config: Config, variant: &str, comm: Option<&Communicator>) -> anyhow::Result<Samples> {
+        let (dev, timing) = (&self.dev, (self.args.warmup, self.args.steps));
+        let alloc = CachingAllocator::new(dev);
+        let main = dev.stream()?;
+        let model = BenchModel::new(&alloc, &main, config, self.dtype)?;
+        if let ("dp-eager", Some(c)) = (variant, comm) {
+            let dp = DataParallel::new(c, Vec::new())?;
+            let grads = model.store.grads()?;
+            return measure(dev, &main, timing, &mut || {
+                model.eager_step(&main)?;
+                dp.all_reduce(&main, &grads)?;
+                Ok(())
+            });
+        }
+        let (side, ready) = (dev.stream()?, dev.event()?);
+        let mut options = GraphOptions::default().sync_event(&ready);
+        if let Some(c) = comm {
+            options = options.grad_sync(reduction(c, &model, variant)?);
+        }
+        let graphed = model.graph_with(&alloc, options)?;
+        measure(dev, &main, timing, &mut || {
+            graphed.forward(&main, &model.x, Replay::side(&side))?;
+            graphed.backward(&main, &model.dy)?;
+            graphed.join(&main)?;
+            Ok(())
+        })
+    }
+
+    /// The pipeline rows of `config`, each variant's printed as it is timed; `one_gpu_ms` gives
+    /// their speedups and bubbles.
+    fn pipelines(&mut self, config: Config, one_gpu_ms: Option<f64>) -> anyhow::Result<()> {
         for variant in &pipeline::VARIANTS {
-            let mut timed: Vec<(&'static str, Samples, Option<f64>)> = Vec::new();
-            if let Some(c) = comm {
-                let Some(samples) = pipeline::time_variant(&dev, Peers::Ranks(c), (config, dtype), variant, m, timing)?
-                else {
-                    unsplit(lead, config, variant, stages);
-                    continue;
-                };
-                timed.push((variant.name, samples, Some(pipeline::theoretical_bubble(stages, variant.chunks, m))));
+            for row in self.pipeline(config, variant, one_gpu_ms)? {
+                self.push(row);
             }
-            if let Some(name) = variant.alone {
-                let Some(samples) = slowest_alone(&dev, (config, dtype), variant, stages, m, timing)? else {
-                    unsplit(lead, config, variant, stages);
-                    continue;
-                };
-                timed.push((name, samples, None));
-            }
-            rows.extend(timed.into_iter().map(|t| pipeline_row(t, config, dtype, stages, m, one_gpu_ms, lead)));
         }
+        Ok(())
     }
-    // The timing is over: a peer that ends from here on no longer concerns this rank.
-    crate::cli::group::leave(group);
-    if lead {
-        println!("{}", crate::cli::checker_summary(&dev));
-        write_json(&args.json, &Report::new("parallel", &dev, args.steps, rows))?;
+
+    /// The rows of `variant` of `config`: a pipeline of a stage per rank (two ranks or more),
+    /// then its stages alone, one after another on this GPU (as many as the ranks; two on one
+    /// GPU); none when the layers do not split into the variant's chunks.
+    fn pipeline(
+        &self,
+        config: Config,
+        variant: &pipeline::Variant,
+        one_gpu_ms: Option<f64>,
+    ) -> anyhow::Result<Vec<ParallelRow>> {
+        let comm = self.group.as_ref().map(|g| g.comm()).filter(|c| c.size() > 1);
+        let stages = comm.map_or(2, Communicator::size);
+        let (model, m, timing) = ((config, self.dtype), self.args.microbatches, (self.args.warmup, self.args.steps));
+        let mut timed: Vec<(&'static str, Samples, Option<f64>)> = Vec::new();
+        if let Some(c) = comm {
+            let Some(samples) = pipeline::time_variant(&self.dev, Peers::Ranks(c), model, variant, m, timing)? else {
+                unsplit(self.lead, config, variant, stages);
+                return Ok(Vec::new());
+            };
+            timed.push((variant.name, samples, Some(pipeline::theoretical_bubble(stages, variant.chunks, m))));
+        }
+        if let Some(name) = variant.alone {
+            let Some(samples) = slowest_alone(&self.dev, model, variant, stages, m, timing)? else {
+                unsplit(self.lead, config, variant, stages);
+                return Ok(Vec::new());
+            };
+            timed.push((name, samples, None));
+        }
+        Ok(timed.into_iter().map(|t| pipeline_row(t, model, stages, m, one_gpu_ms)).collect())
     }
-    Ok(())
+
+    /// Keeps `row`, printed on the lead rank.
+    fn push(&mut self, row: ParallelRow) {
+        if self.lead {
+            print_row(&row);
+        }
+        self.rows.push(row);
+    }
+
+    /// Leaves the group, the timing over (a peer that ends from here on no longer concerns this
+    /// rank), and writes the results on the lead rank.
+    fn finish(self) -> anyhow::Result<()> {
+        crate::cli::group::leave(self.group);
+        if self.lead {
+            println!("{}", crate::cli::checker_summary(&self.dev));
+            write_json(&self.args.json, &Report::new("parallel", &self.dev, self.args.steps, self.rows))?;
+        }
+        Ok(())
+    }
+}
+
+/// The gradient reduction inside the backward graphs of a graphed `variant` over `comm`: each
+/// layer's gradients whole inside the next backward graph (`dp-graphed-layer`), or each layer's
+/// MLP half during its own attention backward (`dp-graphed`, `Module::backward_hooked`).
+fn reduction(comm: &Communicator, model: &BenchModel, variant: &str) -> anyhow::Result<Arc<DataParallel>> {
+    Ok(match variant {
+        "dp-graphed-layer" => {
+            let layers = model.stack.layers().iter();
+            let buckets = layers.map(|l| model.store.grads_of(&l.parameters()));
+            DataParallel::new(comm, buckets.collect::<graphed::Result<_>>()?)?
+        }
+        _ => DataParallel::for_stack(comm, &model.store, &model.stack)?,
+    })
 }
 
 /// The row of a pipeline variant `name` of `stages` over `m` microbatches timed as `samples`
-/// (`bubble_theory`: the schedule's bubble, for a pipeline across ranks), printed on the lead
-/// rank.
+/// (`bubble_theory`: the schedule's bubble, for a pipeline across ranks).
 fn pipeline_row(
     (name, samples, bubble_theory): (&'static str, Samples, Option<f64>),
-    config: Config,
-    dtype: DType,
+    (config, dtype): (Config, DType),
     stages: usize,
     m: usize,
     one_gpu_ms: Option<f64>,
-    lead: bool,
 ) -> ParallelRow {
     let wall = spread(samples.wall_ms);
     let samples_per_s = rate(m * config.batch, wall.median);
-    let row = ParallelRow {
+    ParallelRow {
         case: Case::new(config, dtype, name),
         ranks: stages,
         host_us: spread(samples.host_us),
@@ -197,11 +264,7 @@ fn pipeline_row(
         bubble: one_gpu_ms.map(|t1| pipeline::measured_bubble(t1, stages, m, wall.median)),
         bubble_theory,
         wall_ms: wall,
-    };
-    if lead {
-        print_row(&row);
     }
-    row
 }
 
 /// Each of `variant`'s `stages` timed alone on `dev`, one after another: the slowest stage's

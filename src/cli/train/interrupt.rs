@@ -1,6 +1,6 @@
 //! SIGINT and SIGTERM during `train`: the first asks the run to stop after the step in flight
 //! (then it saves where `--save` is given, flushes its metrics and exits with 130); a second one
-//! ends the process at once, without saving.
+//! ends the process at once, without saving, with the same code ([`exit::now`](crate::cli::exit::now)).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -22,8 +22,7 @@ impl Interrupt {
                 if RECEIVED.fetch_add(1, Ordering::SeqCst) == 0 {
                     eprintln!("\ngraphed: stopping after this step (interrupt again to stop now, without saving)");
                 } else {
-                    eprintln!("\ngraphed: interrupted again: stopping now, without saving");
-                    std::process::exit(130);
+                    crate::cli::exit::now(crate::cli::exit::InterruptedAgain.into());
                 }
             })
             .map_err(|e| e.to_string())

@@ -224,25 +224,7 @@ impl Blas {
         workspace_bytes: usize,
     ) -> Result<()> {
         const OP: &str = "Stream::gemm";
-        let ptr = |name: &str| -> Result<u64> {
-            match params.iter().position(|p| *p == name).and_then(|i| args.get(i)) {
-                Some(Arg::Buf(b)) => memory::kernel_arg(OP, b.raw, b.region.offset() * b.dtype.size()),
-                _ => Err(Error::Unsupported {
-                    op: OP,
-                    backend: "cuda",
-                    why: "a GEMM's arguments are malformed; please report this as a bug",
-                }),
-            }
-        };
-        let (d, a, b, ws) = (ptr("c")?, ptr("a")?, ptr("b")?, ptr("workspace")?);
-        let c = if spec.addend.is_some() { ptr("addend")? } else { d };
-        // cuBLASLt reads a bias and writes a bias gradient through the same pointer.
-        let bias = match spec.epilogue {
-            EpilogueKind::None | EpilogueKind::DGelu => None,
-            EpilogueKind::Bias | EpilogueKind::BiasGeluAux => Some(ptr("bias")?),
-            EpilogueKind::DGeluBGrad | EpilogueKind::BGradA => Some(ptr("bias_grad")?),
-        };
-        let aux = if spec.aux_ld.is_some() { Some(ptr("aux")?) } else { None };
+        let Pointers { d, a, b, c, workspace: ws, bias, aux } = Pointers::of(spec, params, args)?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let st = &mut *st;
         if st.handle.is_none() {
@@ -299,5 +281,47 @@ impl Blas {
             )
         }
         .map_err(|e| Error::Cuda { op: OP, message: format!("cuBLASLt matmul: {:?}", e.0) })
+    }
+}
+
+/// A GEMM's device addresses, found by name among its launch arguments.
+struct Pointers {
+    /// The output D (`c` among the arguments).
+    d: u64,
+    a: u64,
+    b: u64,
+    /// The matrix C added to the product: the addend, else D itself.
+    c: u64,
+    workspace: u64,
+    /// The epilogue's bias, or its bias gradient: cuBLASLt reads one and writes the other through
+    /// the same pointer.
+    bias: Option<u64>,
+    /// The epilogue's aux matrix.
+    aux: Option<u64>,
+}
+
+impl Pointers {
+    /// The addresses in `args`, one per name of `params`, that `spec` uses.
+    fn of(spec: &GemmSpec, params: &[&str], args: &[Arg<'_>]) -> Result<Pointers> {
+        const OP: &str = "Stream::gemm";
+        let ptr = |name: &str| -> Result<u64> {
+            match params.iter().position(|p| *p == name).and_then(|i| args.get(i)) {
+                Some(Arg::Buf(b)) => memory::kernel_arg(OP, b.raw, b.region.offset() * b.dtype.size()),
+                _ => Err(Error::Unsupported {
+                    op: OP,
+                    backend: "cuda",
+                    why: "a GEMM's arguments are malformed; please report this as a bug",
+                }),
+            }
+        };
+        let (d, a, b, workspace) = (ptr("c")?, ptr("a")?, ptr("b")?, ptr("workspace")?);
+        let c = if spec.addend.is_some() { ptr("addend")? } else { d };
+        let bias = match spec.epilogue {
+            EpilogueKind::None | EpilogueKind::DGelu => None,
+            EpilogueKind::Bias | EpilogueKind::BiasGeluAux => Some(ptr("bias")?),
+            EpilogueKind::DGeluBGrad | EpilogueKind::BGradA => Some(ptr("bias_grad")?),
+        };
+        let aux = if spec.aux_ld.is_some() { Some(ptr("aux")?) } else { None };
+        Ok(Pointers { d, a, b, c, workspace, bias, aux })
     }
 }

@@ -1,0 +1,134 @@
+//! What a `train` run settles on from its arguments and the device, refused before anything is
+//! built when it cannot run: the model's sizes, the learning rate and its schedule, the batch,
+//! the steps, and the flags that would do nothing.
+
+use graphed::device::{Device, DeviceKind};
+use graphed::nn::GptConfig;
+use graphed::optim::{AdamWHyper, LrSchedule, NonFinite};
+
+use crate::cli::args::{NonFiniteArg, TrainArgs};
+use crate::cli::exit::refuse;
+
+/// What a run settles on.
+pub struct Plan {
+    pub config: GptConfig,
+    /// The peak learning rate.
+    pub lr: f32,
+    pub batch: usize,
+    /// The run's steps, which its learning rate schedule spans.
+    pub steps: usize,
+    /// The step this process stops at (`--stop-at`, at most `steps`).
+    pub stop: usize,
+}
+
+impl Plan {
+    /// The plan for a model of `vocab` tokens over `max_len` positions on `dev`.
+    pub fn new(dev: &Device, args: &TrainArgs, (vocab, max_len): (usize, usize)) -> anyhow::Result<Plan> {
+        let gpu = dev.kind() == DeviceKind::Cuda;
+        let pick = |v: Option<u32>, cuda: u32, sim: u32| v.unwrap_or(if gpu { cuda } else { sim }) as usize;
+        // Heads of 32 features by default (4 at CUDA's default width, 1 at the simulator's), which
+        // the fused attention runs.
+        let dim = pick(args.dim, 128, 32);
+        let heads = args.heads.map_or((dim / 32).max(1), |h| h as usize);
+        if !(0.0..1.0).contains(&args.dropout) {
+            refuse!("--dropout {} is not in [0, 1)", args.dropout);
+        }
+        let config = GptConfig {
+            vocab,
+            max_len,
+            dim,
+            layers: pick(args.layers, 2, 2),
+            heads,
+            attention: args.attention.kind(),
+            dropout: args.dropout,
+            seed: args.seed,
+            dtype: args.dtype.resolve(dev),
+        };
+        let lr = args.lr.unwrap_or(if gpu { 3e-3 } else { 5e-3 });
+        if !(lr > 0.0 && lr.is_finite()) {
+            refuse!("--lr {lr} is not a positive number");
+        }
+        let batch = pick(args.batch, 256, 64);
+        check_batch(&config, batch)?;
+        let steps = args.steps.map_or(1000, |s| s as usize);
+        let stop = args.stop_at.map_or(steps, |k| k as usize);
+        if stop > steps {
+            refuse!("--stop-at {stop} is past the run's {steps} steps; pass at most that");
+        }
+        Ok(Plan { config, lr, batch, steps, stop })
+    }
+
+    /// What a checkpoint records of the plan, and a resumed run must match.
+    pub fn saved(&self) -> (usize, usize, f32) {
+        (self.batch, self.steps, self.lr)
+    }
+
+    /// The optimizer's settings: no weight decay, non-finite steps as `--on-nonfinite` says.
+    pub fn hyper(args: &TrainArgs) -> AdamWHyper {
+        let nonfinite = match args.on_nonfinite {
+            NonFiniteArg::Stop => NonFinite::Stop,
+            NonFiniteArg::Skip => NonFinite::Skip,
+        };
+        AdamWHyper { weight_decay: 0.0, nonfinite, ..AdamWHyper::default() }
+    }
+
+    /// The learning rate: linear warmup over the first 5% of the steps, then cosine decay to 10%.
+    pub fn lr_schedule(&self) -> LrSchedule {
+        let steps = self.steps as u64;
+        LrSchedule::WarmupCosine { peak: self.lr, warmup: (steps / 20).max(1), total: steps, floor: 0.1 }
+    }
+
+    /// What every rank of a group must agree on to build the same model and issue the same
+    /// collectives, for a run resumed after `start` steps: the same steps, and each reduced the
+    /// same way (after an eager step, or inside the graphs of a stack or of a schedule).
+    pub fn signature(&self, args: &TrainArgs, start: usize) -> String {
+        let reduced = match (args.schedule, args.eager) {
+            (false, true) => "eagerly".to_string(),
+            (false, false) => "in a graphed stack".to_string(),
+            (true, eager) => {
+                let (m, v) = (args.schedule_args.microbatches(), args.schedule_args.virtual_stages());
+                format!(
+                    "under a schedule of {m} microbatches × {v} virtual stages{}",
+                    if eager { ", eagerly" } else { "" }
+                )
+            }
+        };
+        format!(
+            "{:?}; {} parameters; batch {}; steps {start} to {} of {}; reduced {reduced}",
+            self.config,
+            self.config.parameter_count(),
+            self.batch,
+            self.stop,
+            self.steps
+        )
+    }
+}
+
+/// Refuses flags that would do nothing (schedule settings without `--schedule`) and the one
+/// combination the graphs cannot replay.
+pub fn check_flags(args: &TrainArgs) -> anyhow::Result<()> {
+    if !args.schedule && args.schedule_args.given() {
+        refuse!("--microbatches and --virtual-stages shape a pipeline schedule; add --schedule, or drop them");
+    }
+    if args.offload.offload.is_some() && args.pool_per_layer && args.side_stream {
+        refuse!(
+            "--offload with --pool-per-layer cannot replay on a --side-stream: a layer's graph copies the layer \
+             before's saved activations to the host after its sync event, and they live in that layer's own pool, \
+             whose later replays would not wait for the copies (replay contract R3); drop one of the three"
+        );
+    }
+    Ok(())
+}
+
+/// Refuses a batch the model's sizes cannot run, naming the flag to change.
+fn check_batch(config: &GptConfig, batch: usize) -> anyhow::Result<()> {
+    let Err(limit) = config.validate_batch(batch) else { return Ok(()) };
+    let flag = match limit.field {
+        "max_len" => "--context",
+        "dim" => "--dim",
+        "heads" => "--heads",
+        "layers" => "--layers",
+        _ => "--batch",
+    };
+    refuse!("{flag} {}: {}", limit.value, limit.why)
+}

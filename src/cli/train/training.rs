@@ -1,0 +1,414 @@
+//! A `train` run in three parts. [`Training::setup`] refuses whatever can be refused before the
+//! first step (the flags, rank 0's output files, the model's sizes and its memory, the checkpoint
+//! and data to resume from), then joins the group, builds the model and its step and announces
+//! them. [`Training::steps`] trains: losses and metrics are written as they are reported,
+//! `--save-every` saves as it goes, a non-finite step stops the run (or is skipped), and an
+//! interrupt stops it after a whole step. [`Training::finish`] keeps what was reported, saves,
+//! and scores the model; an interrupted run ends with [`Interrupted`] once saved and flushed.
+
+use std::time::{Duration, Instant};
+
+use graphed::device::{CommErrorKind, Device, DeviceKind, Stream};
+use graphed::dist::{ProcessGroup, RankEnv};
+use graphed::memory::CachingAllocator;
+use graphed::nn::Gpt;
+use graphed::optim::AdamW;
+use graphed::tensor::Tensor;
+use graphed::Error;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+use super::health::{self, Divergence};
+use super::interrupt::Interrupt;
+use super::metrics::Metrics;
+use super::plan::{self, Plan};
+use super::step::Stepper;
+use super::task::Task;
+use super::upload::{Uploaded, Uploader};
+use super::{checkpoint, memory, outputs};
+use crate::cli::args::TrainArgs;
+use crate::cli::exit::Interrupted;
+use crate::cli::group;
+
+/// Where the steps stand, and their clocks.
+struct Progress {
+    /// Steps done; fewer than the plan's `stop` when interrupted.
+    done: usize,
+    /// The last reported loss: the whole batch's, every rank's part of it.
+    last_loss: f64,
+    diverging: Divergence,
+    /// When the steps were about to begin: the metrics' seconds count from here.
+    started: Instant,
+    /// When the timed steps began: after this run's first step, which pays one-time costs
+    /// (kernels compiled into an empty cache, the graphs' first uploads), unless it is the only one.
+    timed: Instant,
+    /// The steps timed from `timed`.
+    timed_steps: usize,
+    /// Host time spent issuing the timed steps.
+    host: Duration,
+}
+
+impl Progress {
+    /// No step reported yet, `done` steps done; all of the `steps` to come timed from `started`.
+    fn new(started: Instant, done: usize, steps: usize) -> Progress {
+        Progress {
+            done,
+            last_loss: f64::NAN,
+            diverging: Divergence::default(),
+            started,
+            timed: started,
+            timed_steps: steps,
+            host: Duration::ZERO,
+        }
+    }
+}
+
+/// A `train` run, set up. Its fields are dropped in the order they are declared, the stream
+/// last.
+pub struct Training<'a> {
+    args: &'a TrainArgs,
+    /// Rank 0, or the only process: the one that reports, saves and plots.
+    lead: bool,
+    plan: Plan,
+    /// Steps a resumed run had taken before it; 0 for a fresh one.
+    start: usize,
+    task: Task,
+    /// This rank's batches (each rank draws its own).
+    rng: SmallRng,
+    uploader: Uploader,
+    metrics: Metrics,
+    bar: ProgressBar,
+    progress: Progress,
+    /// Whether the offload policy's table was shown before the steps (graphed runs freeze it when
+    /// captured; eager ones after their first step).
+    summary_shown: bool,
+    stepper: Stepper,
+    group: Option<ProcessGroup>,
+    /// This process's rank; 0 without a group.
+    rank: usize,
+    interrupt: Interrupt,
+    optimizer: AdamW,
+    model: Gpt,
+    alloc: CachingAllocator,
+    s: Stream,
+}
+
+impl<'a> Training<'a> {
+    /// Refuses the run before anything is built if it cannot run as asked, then builds it on
+    /// `dev`; `env` when launched as one rank of several (data parallel, rank 0 reports).
+    pub fn setup(dev: &Device, args: &'a TrainArgs, env: Option<RankEnv>) -> anyhow::Result<Training<'a>> {
+        let lead = env.as_ref().is_none_or(|e| e.rank == 0);
+        let (task, plan) = refusals(dev, args, lead)?;
+        let interrupt = Interrupt::install()?;
+        let s = dev.stream()?;
+        let alloc = CachingAllocator::new(dev);
+        let model = Gpt::new(&alloc, plan.config, &s)?;
+        let optimizer = AdamW::new(&alloc, model.parameters(), Plan::hyper(args), plan.lr_schedule(), &s)?;
+        let start = match &args.resume {
+            Some(dir) => checkpoint::resume(dir, (&model, &optimizer), &alloc, &s, args, plan.saved(), plan.stop)?,
+            None => 0,
+        };
+        let group = group::join(dev, env, &plan.signature(args, start))?;
+        let rank = group.as_ref().map_or(0, |g| g.env().rank);
+        announce_device(dev, args, group.as_ref(), lead, start);
+        let comm = group.as_ref().map(|g| g.comm());
+        let stepper = Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args, comm)?;
+        let summary_shown = announce_model(lead, &plan, &stepper, group.as_ref(), &task);
+        let mut rng = SmallRng::seed_from_u64(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9));
+        let started = Instant::now();
+        let metrics = Metrics::open(args.metrics.as_deref().filter(|_| lead), args.resume.as_ref().map(|_| start))?;
+        // The data of the steps a resumed run already took, drawn and dropped.
+        for _ in 0..start {
+            task.batch(&mut rng, plan.batch);
+        }
+        let uploader = Uploader::new(dev, plan.batch, plan.config.max_len)?;
+        let bar = progress_bar(lead, plan.steps, start);
+        let progress = Progress::new(started, start, plan.stop - start);
+        Ok(Training {
+            args,
+            lead,
+            plan,
+            start,
+            task,
+            rng,
+            uploader,
+            metrics,
+            bar,
+            progress,
+            summary_shown,
+            stepper,
+            group,
+            rank,
+            interrupt,
+            optimizer,
+            model,
+            alloc,
+            s,
+        })
+    }
+
+    /// Trains from the run's start to its stop, or until an interrupt (on any rank) after a
+    /// whole step; the steps done are kept for [`Training::finish`].
+    pub fn steps(&mut self) -> anyhow::Result<()> {
+        for step in self.start..self.plan.stop {
+            if self.step(step)? {
+                break;
+            }
+        }
+        self.s.synchronize()?;
+        health::gradients(&self.optimizer, &self.s, self.args.on_nonfinite)
+    }
+
+    /// Step `step`, reported and saved as the arguments say; whether the run stops after it.
+    fn step(&mut self, step: usize) -> anyhow::Result<bool> {
+        if let Some(g) = &self.group {
+            // Nothing more for a group that lost a rank: its error names the rank.
+            g.check()?;
+        }
+        let batch = self.task.batch(&mut self.rng, self.plan.batch);
+        // A group's check, polled by waits that a dead rank's collectives would otherwise block.
+        let watch = self.group.as_ref().map(|g| move || g.check());
+        let watch = watch.as_ref().map(|w| w as &dyn Fn() -> graphed::Result<()>);
+        let Uploaded { tokens, targets, weights } = self.uploader.upload(&self.alloc, &self.s, &batch, watch)?;
+        let issued = Instant::now();
+        let losses = {
+            // A profiler's timeline shows the step's replays and optimizer step inside this.
+            let _range = self.s.device().range_with(|| format!("step {step}"));
+            self.stepper.step(&self.model, &self.optimizer, &tokens, &targets, &weights)?
+        };
+        self.progress.host += issued.elapsed();
+        let done = step + 1;
+        self.progress.done = done;
+        let saving = self.args.save_every.is_some_and(|n| done.is_multiple_of(n as usize));
+        let reporting = step.is_multiple_of(25) || done == self.plan.stop;
+        if reporting || saving {
+            self.settle()?;
+        }
+        if reporting {
+            self.report(step, &losses, &batch.weights)?;
+        }
+        if saving {
+            self.save()?;
+        }
+        if step == self.start && self.plan.stop - self.start > 1 {
+            self.s.synchronize()?;
+            let timed_steps = self.plan.stop - self.start - 1;
+            (self.progress.host, self.progress.timed, self.progress.timed_steps) =
+                (Duration::ZERO, Instant::now(), timed_steps);
+        }
+        self.bar.inc(1);
+        Ok(self.stopping(reporting)? && done < self.plan.stop)
+    }
+
+    /// Waits for the steps issued so far (in a group, under its watchdog: a rank that died or
+    /// hangs ends this one with a typed error), then fails at the first step whose gradients
+    /// were not finite, before anything reports or saves what came of it.
+    fn settle(&self) -> anyhow::Result<()> {
+        if let Some(g) = &self.group {
+            g.wait(&self.s)?;
+        }
+        health::gradients(&self.optimizer, &self.s, self.args.on_nonfinite)
+    }
+
+    /// Reports the loss of `step` from its per-position `losses` and their `weights`: on the
+    /// progress bar, in the metrics, as a line, and as a warning if the run diverges.
+    fn report(&mut self, step: usize, losses: &Tensor, weights: &[f32]) -> anyhow::Result<()> {
+        let l = losses.to_vec::<f32>(&self.s)?;
+        let mine = l.iter().zip(weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
+        // Data parallel: the loss of the whole batch, every rank's part of it.
+        let loss = group::mean_over_ranks(self.group.as_ref(), &self.alloc, &self.s, mine)?;
+        self.progress.last_loss = loss;
+        health::loss(step, loss, self.args.on_nonfinite)?;
+        self.bar.set_message(format!("loss {loss:.4}"));
+        self.metrics.record(step, loss, self.progress.started.elapsed().as_secs_f64())?;
+        let line = format!("step {step:5}  loss {loss:.4}");
+        if self.bar.is_hidden() {
+            say(self.lead, &line);
+        } else {
+            self.bar.println(line);
+        }
+        if let Some(warning) = self.progress.diverging.observe(step, loss) {
+            self.bar.suspend(|| eprintln!("graphed: warning: {warning}"));
+        }
+        Ok(())
+    }
+
+    /// Saves the state after the steps done to `--save`, if given (rank 0 saves for the group).
+    fn save(&self) -> anyhow::Result<()> {
+        let Some(dir) = self.args.save.as_ref().filter(|_| self.lead) else { return Ok(()) };
+        checkpoint::save(dir, &self.model, &self.optimizer, &self.s, self.args, self.plan.saved(), self.progress.done)
+    }
+
+    /// Whether an interrupt asks the run to stop. A group stops together: every rank learns of
+    /// any rank's interrupt at the same step (a reported one).
+    fn stopping(&self, reporting: bool) -> anyhow::Result<bool> {
+        Ok(match &self.group {
+            Some(g) if reporting => group::any_rank(g, &self.alloc, &self.s, self.interrupt.requested())?,
+            Some(_) => false,
+            None => self.interrupt.requested(),
+        })
+    }
+
+    /// Ends the run whose steps gave `trained`: what was reported is kept whatever happened (the
+    /// metrics are on disk already, the plot is drawn from them), then the state after the steps
+    /// done is saved; an interrupted run ends there with [`Interrupted`], a finished one is scored.
+    pub fn finish(mut self, trained: anyhow::Result<()>) -> anyhow::Result<()> {
+        if let (Err(e), true) = (&trained, self.group.is_some()) {
+            return Err(self.abandon(e));
+        }
+        self.bar.finish_and_clear();
+        let plotted = self.metrics.plot(self.args.plot.as_deref().filter(|_| self.lead), &self.title());
+        trained?;
+        plotted?;
+        // Training is over: a peer that ends from here on, even by crashing, no longer concerns
+        // this rank (its watch would otherwise end the process during the evaluation or the save).
+        group::leave(self.group.take());
+        let wall = self.progress.timed.elapsed();
+        self.save()?;
+        if let Some(dir) = self.args.save.as_ref().filter(|_| self.lead) {
+            println!("saved the state after {} steps to {}", self.progress.done, dir.display());
+        }
+        if self.progress.done < self.plan.stop {
+            let kept = match &self.args.save {
+                Some(dir) => format!("saved; continue with --resume {}", dir.display()),
+                None => "nothing saved (pass --save DIR to keep the state of an interrupted run)".to_string(),
+            };
+            return Err(Interrupted { steps: self.progress.done, kept }.into());
+        }
+        self.score(wall)
+    }
+
+    /// The error `e` of a rank whose group failed, with nothing of the run dropped. A group that
+    /// failed cannot be torn down: its collectives may never end, and freeing the memory they use
+    /// (or the graphs and communicators) waits for them. So the run is forgotten, not dropped:
+    /// `main` ends the process with the error, and the driver reclaims the GPU as the process
+    /// ends, as after PyTorch's NCCL watchdog.
+    fn abandon(self, e: &anyhow::Error) -> anyhow::Error {
+        // A dead rank explains whatever failed after it died (work of the aborted communicator):
+        // its error comes first, the failure it caused below it.
+        let named = matches!(e.downcast_ref(), Some(Error::Comm { kind: CommErrorKind::RankGone { .. }, .. }));
+        let err = match (named, self.group.as_ref().map(ProcessGroup::check)) {
+            (false, Some(Err(gone))) => anyhow::anyhow!("{e:#}").context(gone),
+            _ => anyhow::anyhow!("{e:#}"),
+        };
+        let rank = self.rank;
+        std::mem::forget(self);
+        err.context(format!("rank {rank}"))
+    }
+
+    /// The plot's title.
+    fn title(&self) -> String {
+        let (cfg, how) = (&self.plan.config, if self.args.eager { "eager" } else { "graphed" });
+        format!("graphed train: {} layers, width {}, {} ({how})", cfg.layers, cfg.dim, cfg.dtype)
+    }
+
+    /// The summaries of a finished run on rank 0: the final loss, the skipped steps, the time
+    /// per step over `wall`, the memory, and the task's score (after the steps' graphs are
+    /// dropped, so that their memory is free for it).
+    fn score(mut self, wall: Duration) -> anyhow::Result<()> {
+        if !self.summary_shown {
+            // Eager offloading freezes its policy after the first step.
+            self.stepper.offload_summary().inspect(|s| say(self.lead, s));
+        }
+        let skipped = self.optimizer.skipped_steps(&self.s)?;
+        drop(self.stepper);
+        self.model.set_training(false);
+        if !self.lead {
+            return Ok(());
+        }
+        let Progress { timed_steps, host, last_loss, .. } = self.progress;
+        let per_step = |d: Duration| d.as_secs_f64() * 1e6 / timed_steps.max(1) as f64;
+        println!("final loss {last_loss:.4} ({}, cross-entropy)", self.task.loss_of());
+        if skipped > 0 {
+            println!("skipped {skipped} steps whose gradients were not finite (--on-nonfinite skip)");
+        }
+        let which = if timed_steps + 1 == self.plan.stop - self.start { " (after the first)" } else { "" };
+        println!("time per step{which}: wall {:.0} µs, host issuing {:.0} µs", per_step(wall), per_step(host));
+        println!("{}", memory::summary(&self.alloc.stats()));
+        self.task.report(&self.model, &self.alloc, &self.s)
+    }
+}
+
+/// Prints `line` on rank 0: the other ranks train quietly and leave reports, checkpoints and
+/// plots to it.
+fn say(lead: bool, line: &str) {
+    if lead {
+        println!("{line}");
+    }
+}
+
+/// What can be refused before anything is built: the flags, the output files (rank 0's, `lead`),
+/// the task's data, the plan and the memory it needs.
+fn refusals(dev: &Device, args: &TrainArgs, lead: bool) -> anyhow::Result<(Task, Plan)> {
+    plan::check_flags(args)?;
+    if lead {
+        outputs::check(args)?;
+    }
+    let eval = args.eval.unwrap_or(if dev.kind() == DeviceKind::Cuda { 1000 } else { 100 });
+    let task = Task::new(args, eval as usize)?;
+    let plan = Plan::new(dev, args, task.shape())?;
+    memory::check(dev, &plan.config, plan.batch, args)?;
+    Ok((task, plan))
+}
+
+/// Says where the run is: its rank in the `group` (every rank), then on rank 0 the device and
+/// where a resumed run starts.
+fn announce_device(dev: &Device, args: &TrainArgs, group: Option<&ProcessGroup>, lead: bool, start: usize) {
+    if let Some(g) = group {
+        println!("rank {} of {} (GPU {} of this host)", g.env().rank, g.env().world, g.env().local_rank);
+    }
+    say(lead, &format!("device: {}{}", dev.name(), nvtx(dev)));
+    if let Some(dir) = &args.resume {
+        say(lead, &format!("resumed from {} after {start} steps", dir.display()));
+    }
+}
+
+/// Whether `nsys profile` will see the step's ranges (docs/profiling.md), for the device line.
+fn nvtx(dev: &Device) -> &'static str {
+    match (dev.kind(), dev.nvtx()) {
+        (DeviceKind::Cuda, true) => "; NVTX ranges on",
+        (DeviceKind::Cuda, false) => "; NVTX ranges off (libnvToolsExt.so not found; on CUDA 13 link libnvtx3interop.so.1 under that name, see docs/profiling.md)",
+        (DeviceKind::Sim, _) => "",
+    }
+}
+
+/// Says what runs: the model and its step, the group's losses, the offload policy once frozen,
+/// the data; whether the offload policy's table was shown.
+fn announce_model(lead: bool, plan: &Plan, stepper: &Stepper, group: Option<&ProcessGroup>, task: &Task) -> bool {
+    let cfg = &plan.config;
+    say(
+        lead,
+        &format!(
+            "model: {} layers, width {}, {} heads ({} attention), {} parameters in {}; batch {}, {} steps, {}",
+            cfg.layers,
+            cfg.dim,
+            cfg.heads,
+            cfg.attention,
+            cfg.parameter_count(),
+            cfg.dtype,
+            plan.batch,
+            plan.steps,
+            stepper.describe()
+        ),
+    );
+    if let Some(g) = group {
+        let world = g.env().world;
+        say(lead, &format!("losses: the whole batch's, the mean over the {world} ranks' batches of {}", plan.batch));
+    }
+    let summary_shown = stepper.offload_summary().inspect(|s| say(lead, s)).is_some();
+    if let Some(data) = task.describe() {
+        say(lead, &data);
+    }
+    summary_shown
+}
+
+/// Rank 0's progress bar over the run's steps, at `start`; hidden on the other ranks.
+fn progress_bar(lead: bool, steps: usize, start: usize) -> ProgressBar {
+    let bar = if lead { ProgressBar::new(steps as u64) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_position(start as u64);
+    bar
+}
