@@ -466,14 +466,14 @@ impl GraphedCallable {
     /// use graphed::device::Device;
     /// use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedErrorKind, Replay};
     /// use graphed::memory::CachingAllocator;
-    /// use graphed::nn::{Inputs, Linear, ParamStore};
+    /// use graphed::nn::{Builder, Inputs, Linear, ParamStore};
     /// use graphed::tensor::Tensor;
     ///
     /// let dev = Device::sim();
     /// let s = dev.stream()?;
     /// let alloc = CachingAllocator::new(&dev);
-    /// let mut store = ParamStore::new(&alloc, &s, 64)?;
-    /// let fc = Linear::new(&mut store, &alloc, "fc", (4, 3), 1, &s)?;
+    /// let store = ParamStore::new(&alloc, &s, 64)?;
+    /// let fc = Linear::new(&Builder::new(&store, &alloc, &s)?.pp("fc"), (4, 3))?;
     /// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
     /// let mut g = make_graphed_callables(&alloc, &[&fc as &dyn Callable], &[Inputs::one(&x)], GraphOptions::default())?;
     /// let (y, _tail) = g[0].forward(&s, &Inputs::one(&x), Replay::caller())?;

@@ -240,17 +240,15 @@ impl GraphedStack {
     /// use graphed::device::Device;
     /// use graphed::graph::{make_graphed_stack, GraphOptions, GraphedErrorKind, Replay};
     /// use graphed::memory::CachingAllocator;
-    /// use graphed::nn::{Linear, ParamStore, Stack};
+    /// use graphed::nn::{Builder, Linear, ParamStore, Stack};
     /// use graphed::tensor::Tensor;
     ///
     /// let dev = Device::sim();
     /// let s = dev.stream()?;
     /// let alloc = CachingAllocator::new(&dev);
-    /// let mut store = ParamStore::new(&alloc, &s, 40)?;
-    /// let stack = Stack::new(vec![
-    ///     Linear::new(&mut store, &alloc, "fc0", (4, 4), 1, &s)?,
-    ///     Linear::new(&mut store, &alloc, "fc1", (4, 4), 2, &s)?,
-    /// ]);
+    /// let store = ParamStore::new(&alloc, &s, 40)?;
+    /// let vb = Builder::new(&store, &alloc, &s)?;
+    /// let stack = Stack::new(vec![Linear::new(&vb.pp("fc0"), (4, 4))?, Linear::new(&vb.pp("fc1"), (4, 4))?]);
     /// let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
     /// let mut graphed = make_graphed_stack(&alloc, &stack, &x, GraphOptions::default())?;
     /// let loss = graphed.forward(&s, &x, Replay::caller())?.to_owned(&alloc, &s)?;
