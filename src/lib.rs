@@ -15,6 +15,9 @@
 //!    them and their one traversal; [`optim`]: optimizers with their state on the device.
 //! 6. [`graph`]: `make_graphed_stack` and `make_graphed_callables`, replay on any stream under the
 //!    replay contract.
+//! 7. [`offload`]: activation offloading, eagerly and captured inside the graphs; [`dist`] beside
+//!    it: process groups, data parallelism and pipeline links over the device's collectives;
+//!    [`checkpoint`]: a training run's state saved and resumed, every tensor checksummed.
 //!
 //! From a model to a graphed training step, on the simulator (the same code runs on a GPU with
 //! `Device::cuda(0)`):
