@@ -20,10 +20,10 @@ use std::sync::Arc;
 
 use super::error::OffloadErrorKind;
 use super::host::HostBuffer;
-use super::manager::Inner;
 use super::policy::{GroupLayout, TensorLayout};
+use super::shared::Inner;
 use super::state::{Baked, BakedRef, ChunkState, Fault, HostRef, PassTiming, Phase, State};
-use crate::device::{BufferId, DType, DeviceKind, Stream};
+use crate::device::{BufferId, DType, Stream};
 use crate::nn::{Chunk, Restore, SaveHook, SavedTensor};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -482,9 +482,4 @@ pub(crate) fn bake(dev: &crate::device::Device, layout: &[GroupLayout]) -> Resul
         }
     }
     Ok(Baked { buffers })
-}
-
-/// Whether the device can time work (the automatic policy needs it).
-pub(crate) fn has_clock(kind: DeviceKind) -> bool {
-    kind == DeviceKind::Cuda
 }

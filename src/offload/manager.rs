@@ -1,41 +1,20 @@
 //! The offload manager: its copy streams, host buffers, chunks and policy.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
-use super::chunk::{bake, has_clock, ChunkHook};
+use super::chunk::{bake, ChunkHook};
 use super::config::{OffloadConfig, Policy};
 use super::error::OffloadErrorKind;
 use super::host::HostBuffer;
 use super::policy::{decide, GroupLayout, Summary, Timings};
-use super::state::{Fault, PassTiming, State};
+use super::shared::{has_clock, Inner};
+use super::state::{Fault, PassTiming};
 use crate::device::{DType, Stream};
 use crate::graph::GraphOptions;
 use crate::memory::CachingAllocator;
 use crate::nn::{Chunk, SaveHook};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
-
-pub(crate) struct Inner {
-    pub(crate) alloc: CachingAllocator,
-    /// Copies out (device to host).
-    pub(crate) d2h: Stream,
-    /// Copies back (host to device).
-    pub(crate) h2d: Stream,
-    pub(crate) config: OffloadConfig,
-    state: Mutex<State>,
-}
-
-impl Inner {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        // Every critical section leaves the state consistent before it can fail.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Whether the warmup iteration times its units (for the automatic policy).
-    pub(crate) fn timed(&self) -> bool {
-        self.config.policy == Policy::Auto && has_clock(self.alloc.device().kind())
-    }
-}
 
 /// Activation offloading, eager and inside captured graphs (Megatron-LM's fine-grained
 /// offloading): a copy-out and a copy-back stream, pinned host buffers, one save hook per chunk,
@@ -90,15 +69,7 @@ impl OffloadManager {
     /// configuration; device errors.
     pub fn new(alloc: &CachingAllocator, config: OffloadConfig) -> Result<OffloadManager> {
         config.validate()?;
-        let dev = alloc.device();
-        let inner = Inner {
-            alloc: alloc.clone(),
-            d2h: dev.stream()?,
-            h2d: dev.stream()?,
-            config,
-            state: Mutex::new(State::new()),
-        };
-        Ok(OffloadManager { inner: Arc::new(inner) })
+        Ok(OffloadManager { inner: Arc::new(Inner::new(alloc, config)?) })
     }
 
     /// The save hook of `chunk`, for its eager forward. The first iteration through the chunk

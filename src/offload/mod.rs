@@ -20,6 +20,7 @@ mod error;
 mod host;
 mod manager;
 mod policy;
+mod shared;
 mod state;
 
 pub use chunk::ChunkHook;
