@@ -8,10 +8,10 @@
 
 use std::time::Instant;
 
-use graphed::device::{CaptureMode, DType, Device, DeviceKind, Stream};
+use graphed::device::{CaptureMode, DType, Device, DeviceKind, Event, Stream};
 use graphed::graph::{GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::offload::OffloadConfig;
+use graphed::offload::{OffloadConfig, OffloadManager};
 use serde::Serialize;
 
 use super::{spread, write_json, Case, MemoryRow, Report, Spread};
@@ -117,23 +117,14 @@ fn run_variant(
         }
         Variant::Graphed | Variant::Side | Variant::Offload => {
             let (side, event) = (dev.stream()?, dev.event()?);
-            let on_side = variant != Variant::Graphed;
             let offload = match variant {
                 Variant::Offload => Some(model.offload(&alloc, &main, OffloadConfig::default())?),
                 _ => None,
             };
-            let began = Instant::now();
-            let graphed = model.graph(&alloc, on_side.then_some(&event), offload.as_ref())?;
-            let capture_ms = began.elapsed().as_secs_f64() * 1e3;
-            // The static input holds the sample, x, since capture; the upstream gradient goes
-            // into its static buffer once, so that steps replay with no copy-in.
-            if let Some(static_dy) = graphed.static_grad_output()? {
-                static_dy.copy_from(&model.dy, &main)?;
-            }
-            let replay = if on_side { Replay::side(&side) } else { Replay::caller() };
-            let samples =
-                measure(dev, &main, (args.warmup, args.steps), &mut || graphed_step(&graphed, &model, &main, replay))?;
-            (samples, Some(capture_ms), Some(2 * config.layers))
+            let on_side = (variant != Variant::Graphed).then_some((&side, &event));
+            let timed =
+                time_graphed(dev, (&alloc, &main), &model, on_side, offload.as_ref(), (args.warmup, args.steps))?;
+            (timed.samples, Some(timed.capture_ms), Some(2 * config.layers))
         }
         Variant::Floor => {
             // Warm up as make_graphed_callables does: the capture then sees a warm allocator
@@ -170,6 +161,37 @@ fn run_variant(
         memory: MemoryRow::of(&stats),
         capture_ms,
     })
+}
+
+/// The benchmark model graphed one callable per layer, and timed.
+pub(super) struct TimedGraphed {
+    pub(super) graphed: GraphedStack,
+    /// Wall time of `make_graphed_callables`, its warmup iterations included.
+    pub(super) capture_ms: f64,
+    pub(super) samples: Samples,
+}
+
+/// Graphs `model` (each graph recording the event of `side` and replayed there when given,
+/// offloading through `manager`) and times `warmup` then `steps` steps of it. The static input
+/// holds the sample, x, since capture; the upstream gradient goes into its static buffer once,
+/// so that steps replay with no copy-in.
+pub(super) fn time_graphed(
+    dev: &Device,
+    (alloc, main): (&CachingAllocator, &Stream),
+    model: &BenchModel,
+    side: Option<(&Stream, &Event)>,
+    manager: Option<&OffloadManager>,
+    (warmup, steps): (u32, u32),
+) -> anyhow::Result<TimedGraphed> {
+    let began = Instant::now();
+    let graphed = model.graph(alloc, side.map(|(_, event)| event), manager)?;
+    let capture_ms = began.elapsed().as_secs_f64() * 1e3;
+    if let Some(static_dy) = graphed.static_grad_output()? {
+        static_dy.copy_from(&model.dy, main)?;
+    }
+    let replay = side.map_or(Replay::caller(), |(s, _)| Replay::side(s));
+    let samples = measure(dev, main, (warmup, steps), &mut || graphed_step(&graphed, model, main, replay))?;
+    Ok(TimedGraphed { graphed, capture_ms, samples })
 }
 
 /// One step of the graphed stack: every forward, every backward, the tails joined into `main`.

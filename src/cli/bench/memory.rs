@@ -11,49 +11,42 @@
 //! good. `bench/torch_reference.py memory` searches PyTorch's side the same way.
 
 use graphed::device::{DType, Device, DeviceKind};
-use graphed::graph::Replay;
 use graphed::memory::CachingAllocator;
-use graphed::offload::{OffloadConfig, OffloadManager, Policy, AUTO_CANDIDATES};
+use graphed::offload::{OffloadConfig, OffloadManager};
 use serde::Serialize;
 
-use super::graphs::{graphed_step, measure};
+use super::graphs::time_graphed;
 use super::{spread, write_json, Case, Report};
 use crate::cli::args::{MemoryBenchArgs, MemorySearch, MemoryVariant};
 use crate::cli::bench_model::{BenchModel, Config};
 
-/// How the step holds its activations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Variant {
-    /// Per-layer graphs replayed on the caller's stream, every activation on the device.
-    Graphed,
-    /// Replayed on a side stream with the default sites offloaded inside the graphs.
-    Offload,
-    /// Replayed on a side stream with the automatic policy choosing what to offload.
-    Auto,
-}
-
-impl Variant {
-    fn of(arg: MemoryVariant) -> Variant {
-        match arg {
-            MemoryVariant::Graphed => Variant::Graphed,
-            MemoryVariant::GraphedOffload => Variant::Offload,
-            MemoryVariant::GraphedOffloadAuto => Variant::Auto,
-        }
-    }
-
+impl MemoryVariant {
+    /// Its name in results, as `--variants` takes it.
     fn name(self) -> &'static str {
         match self {
-            Variant::Graphed => "graphed",
-            Variant::Offload => "graphed-offload",
-            Variant::Auto => "graphed-offload-auto",
+            MemoryVariant::Graphed => "graphed",
+            MemoryVariant::GraphedOffload => "graphed-offload",
+            MemoryVariant::GraphedOffloadAuto => "graphed-offload-auto",
         }
     }
 
+    /// Its offloading: none (per-layer graphs on the caller's stream), the default sites, or the
+    /// automatic policy (both replayed on a side stream).
     fn offload(self) -> Option<OffloadConfig> {
         match self {
-            Variant::Graphed => None,
-            Variant::Offload => Some(OffloadConfig::default()),
-            Variant::Auto => Some(OffloadConfig::default().policy(Policy::Auto).sites(&AUTO_CANDIDATES)),
+            MemoryVariant::Graphed => None,
+            MemoryVariant::GraphedOffload => Some(OffloadConfig::default()),
+            MemoryVariant::GraphedOffloadAuto => Some(super::offload::automatic()),
+        }
+    }
+}
+
+impl MemorySearch {
+    /// Its name in results, as `--search` takes it.
+    fn name(self) -> &'static str {
+        match self {
+            MemorySearch::Batch => "batch",
+            MemorySearch::Layers => "layers",
         }
     }
 }
@@ -107,8 +100,7 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
     println!("{config}, {dtype}; budget {} of peak reserved memory", gib(args.budget));
     let mut rows = Vec::new();
     for &variant in &args.variants {
-        let variant = Variant::of(variant);
-        if variant == Variant::Auto && dev.kind() != DeviceKind::Cuda {
+        if variant == MemoryVariant::GraphedOffloadAuto && dev.kind() != DeviceKind::Cuda {
             println!("  {:<22} skipped: the automatic policy needs the GPU's clock", variant.name());
             continue;
         }
@@ -129,7 +121,7 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
 fn search_variant(
     dev: &Device,
     (config, dtype): (Config, DType),
-    variant: Variant,
+    variant: MemoryVariant,
     search: MemorySearch,
     args: &MemoryBenchArgs,
 ) -> anyhow::Result<SearchRow> {
@@ -143,7 +135,7 @@ fn search_variant(
         println!(
             "    {} {:<6} {n:>5}: peak reserved {} ({}), {:.3} ms",
             variant.name(),
-            search_name(search),
+            search.name(),
             gib(p.peak_reserved_bytes),
             if p.fits { "fits" } else { "over" },
             p.wall_ms
@@ -154,20 +146,13 @@ fn search_variant(
     let largest = at_largest.map(|p| p.size);
     Ok(SearchRow {
         case: Case::new(largest.map_or(config, sized), dtype, variant.name()),
-        search: search_name(search),
+        search: search.name(),
         budget_bytes: args.budget,
         largest,
         at_largest,
         ms_per_unit: at_largest.map(|p| p.wall_ms / p.size as f64),
         probes,
     })
-}
-
-fn search_name(search: MemorySearch) -> &'static str {
-    match search {
-        MemorySearch::Batch => "batch",
-        MemorySearch::Layers => "layers",
-    }
 }
 
 /// The largest batch or layer count a search probes.
@@ -233,7 +218,7 @@ fn secant(probes: &[Probe], target: usize) -> Option<usize> {
 fn probe(
     dev: &Device,
     (config, dtype, size): (Config, DType, usize),
-    variant: Variant,
+    variant: MemoryVariant,
     (warmup, steps): (u32, u32),
     budget: usize,
 ) -> anyhow::Result<Probe> {
@@ -242,13 +227,8 @@ fn probe(
     let model = BenchModel::new(&alloc, &main, config, dtype)?;
     let manager = variant.offload().map(|c| model.offload(&alloc, &main, c)).transpose()?;
     let (side, event) = (dev.stream()?, dev.event()?);
-    let on_side = variant != Variant::Graphed;
-    let graphed = model.graph(&alloc, on_side.then_some(&event), manager.as_ref())?;
-    if let Some(static_dy) = graphed.static_grad_output()? {
-        static_dy.copy_from(&model.dy, &main)?;
-    }
-    let replay = if on_side { Replay::side(&side) } else { Replay::caller() };
-    let samples = measure(dev, &main, (warmup, steps), &mut || graphed_step(&graphed, &model, &main, replay))?;
+    let on_side = manager.is_some().then_some((&side, &event));
+    let timed = time_graphed(dev, (&alloc, &main), &model, on_side, manager.as_ref(), (warmup, steps))?;
     alloc.synchronize()?;
     let total = alloc.stats().total;
     Ok(Probe {
@@ -256,7 +236,7 @@ fn probe(
         fits: total.peak_reserved <= budget,
         peak_reserved_bytes: total.peak_reserved,
         peak_allocated_bytes: total.peak_allocated,
-        wall_ms: spread(samples.wall_ms).median,
+        wall_ms: spread(timed.samples.wall_ms).median,
         offloaded_bytes: manager.as_ref().and_then(OffloadManager::summary).map_or(0, |s| s.offloaded_bytes()),
     })
 }
@@ -285,8 +265,8 @@ fn print_row(r: &SearchRow) {
 
 /// Each offloading variant's largest size and time per unit against graphed's.
 fn print_ratios(rows: &[SearchRow]) {
-    for r in rows.iter().filter(|r| r.case.variant != Variant::Graphed.name()) {
-        let base = rows.iter().find(|b| b.case.variant == Variant::Graphed.name() && b.search == r.search);
+    for r in rows.iter().filter(|r| r.case.variant != MemoryVariant::Graphed.name()) {
+        let base = rows.iter().find(|b| b.case.variant == MemoryVariant::Graphed.name() && b.search == r.search);
         if let Some((b, n, bn, per, bper)) =
             base.and_then(|b| Some((b, r.largest?, b.largest?, r.ms_per_unit?, b.ms_per_unit?)))
         {

@@ -14,7 +14,7 @@ use graphed::nn::Chunk;
 use graphed::offload::{OffloadConfig, OffloadManager, Policy, AUTO_CANDIDATES};
 use serde::Serialize;
 
-use super::graphs::{graphed_step, measure};
+use super::graphs::{time_graphed, TimedGraphed};
 use super::{spread, write_json, Case, MemoryRow, Report, Spread};
 use crate::cli::args::GraphsBenchArgs;
 use crate::cli::bench_model::{BenchModel, Config};
@@ -41,10 +41,15 @@ impl Variant {
         match self {
             Variant::Side => None,
             Variant::Listed => Some(OffloadConfig::default()),
-            Variant::Auto => Some(OffloadConfig::default().policy(Policy::Auto).sites(&AUTO_CANDIDATES)),
+            Variant::Auto => Some(automatic()),
             Variant::AutoPartial => Variant::Auto.config().map(|c| c.slack(0.8)),
         }
     }
+}
+
+/// The automatic policy choosing among its candidate sites, filling the whole measured window.
+pub(super) fn automatic() -> OffloadConfig {
+    OffloadConfig::default().policy(Policy::Auto).sites(&AUTO_CANDIDATES)
 }
 
 /// One (configuration, variant).
@@ -139,13 +144,8 @@ fn run_variant(
     let model = BenchModel::new(&alloc, &main, config, dtype)?;
     let manager = variant.config().map(|c| model.offload(&alloc, &main, c)).transpose()?;
     let (side, event) = (dev.stream()?, dev.event()?);
-    let graphed = model.graph(&alloc, Some(&event), manager.as_ref())?;
-    if let Some(static_dy) = graphed.static_grad_output()? {
-        static_dy.copy_from(&model.dy, &main)?;
-    }
-    let replay = Replay::side(&side);
-    let samples =
-        measure(dev, &main, (args.warmup, args.steps), &mut || graphed_step(&graphed, &model, &main, replay))?;
+    let TimedGraphed { graphed, samples, .. } =
+        time_graphed(dev, (&alloc, &main), &model, Some((&side, &event)), manager.as_ref(), (args.warmup, args.steps))?;
     let leads = match dev.kind() {
         DeviceKind::Cuda => Some(leads(dev, &graphed, &model, &main, &side)?),
         _ => None,
