@@ -71,3 +71,13 @@ fn a_budget_over_the_free_memory_is_refused_before_any_probe() {
     assert!(err.contains("free memory") && err.contains("lower the budget"), "{err}");
     assert!(!stdout.contains("peak reserved"), "no probe ran: {stdout}");
 }
+
+#[test]
+fn an_unwritable_json_path_is_refused_before_any_probe() {
+    let out =
+        graphed(&["bench", "memory", "--device", "sim", "--config", "tiny", "--json", "/nonexistent-folder/m.json"]);
+    assert_eq!(out.status.code(), Some(2));
+    let (stdout, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(err.contains("--json") && err.contains("does not exist"), "{err}");
+    assert!(!stdout.contains("peak reserved"), "no probe ran: {stdout}");
+}

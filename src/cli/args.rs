@@ -421,6 +421,27 @@ pub enum BenchCommand {
     Parity(ParityBenchArgs),
 }
 
+impl BenchCommand {
+    /// Where the benchmark writes its results, and the flag that says so (`--json`, or parity's
+    /// `--out`), if anywhere.
+    pub fn output(&self) -> Option<(&'static str, &std::path::Path)> {
+        let json = match self {
+            BenchCommand::Launch(a) => &a.json,
+            BenchCommand::Alloc(a) => &a.json,
+            BenchCommand::Check(a) => &a.json,
+            BenchCommand::Gemm(a) => &a.json,
+            BenchCommand::Attention(a) => &a.json,
+            BenchCommand::Layer(a) => &a.json,
+            BenchCommand::Graphs(a) | BenchCommand::Offload(a) => &a.json,
+            BenchCommand::Memory(a) => &a.json,
+            BenchCommand::Schedule(a) => &a.json,
+            BenchCommand::Parallel(a) => &a.json,
+            BenchCommand::Parity(a) => return Some(("--out", &a.out)),
+        };
+        json.as_deref().map(|path| ("--json", path))
+    }
+}
+
 /// Arguments of `bench graphs`.
 #[derive(Args, Debug, Clone)]
 pub struct GraphsBenchArgs {

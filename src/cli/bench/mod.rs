@@ -22,6 +22,10 @@ use serde::Serialize;
 use super::args::{BenchArgs, BenchCommand};
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    // Checked before anything runs, so that minutes of timing are not lost to an unwritable path.
+    if let Some((flag, path)) = args.which.output() {
+        super::train::outputs::writable_file(flag, path)?;
+    }
     match &args.which {
         BenchCommand::Launch(a) => launch::run(a),
         BenchCommand::Alloc(a) => alloc::run(a),

@@ -11,7 +11,7 @@ mod health;
 mod interrupt;
 mod memory;
 mod metrics;
-mod outputs;
+pub(crate) mod outputs;
 mod plan;
 mod schedule;
 mod step;

@@ -72,8 +72,9 @@ fn writable_dir(flag: &str, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `file` can be written: not a folder, in a folder that takes new files.
-fn writable_file(flag: &str, file: &Path) -> anyhow::Result<()> {
+/// `file` can be written: not a folder, in a folder that takes new files (also a benchmark's
+/// `--json`, checked before it runs).
+pub(crate) fn writable_file(flag: &str, file: &Path) -> anyhow::Result<()> {
     if file.is_dir() {
         refuse!("{flag} {} is a folder; pass a file name", file.display());
     }
