@@ -122,7 +122,9 @@ fn lock() -> MutexGuard<'static, State> {
     REGISTRY.state.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn any_active() -> bool {
+/// Whether any capture graphed began is still active, on any thread: synchronous calls (an
+/// allocation, an event wait) could then invalidate it.
+pub(super) fn any_active() -> bool {
     REGISTRY.active.load(Ordering::SeqCst) > 0
 }
 

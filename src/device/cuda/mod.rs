@@ -24,6 +24,7 @@ pub(crate) use baseline::raw_launch_baseline;
 pub(crate) use nccl::{nccl_unique_id, NcclComm};
 mod capture;
 mod context;
+mod disk_cache;
 mod error;
 mod ffi;
 mod graph;
@@ -73,7 +74,7 @@ impl CudaDevice {
             format!("{} ({}, driver {}.{})", opened.name, compiler.arch(), version / 1000, version % 1000 / 10);
         Ok(CudaDevice {
             kernels: Kernels::new(opened.ctx.clone(), compiler),
-            blas: blas::Blas::default(),
+            blas: blas::Blas::new(description.clone()),
             ctx: opened.ctx,
             description,
             errors,
