@@ -346,12 +346,14 @@ fn chunk_hooks(options: &mut GraphOptions, n: usize, layout: Option<&Layout>) ->
         return Ok(vec![options.chunk_hook(Chunk::default())?; n]);
     };
     let mut hooks: Vec<Option<Arc<dyn SaveHook>>> = vec![None; n];
-    for (step, j) in layout.schedule.with_microbatches() {
-        let Step::Forward(k) = step else { continue };
-        let hook = options.chunk_hook(Chunk { microbatch: j, stage: k })?;
-        for l in 0..layout.layers[k] {
-            hooks[layout.instance(k, j, l)] = Some(hook.clone());
+    let mut chunk: Option<Arc<dyn SaveHook>> = None;
+    for v in layout.schedule.visits(&layout.layers) {
+        let Step::Forward(k) = v.step else { continue };
+        // A forward step visits its chunk's first layer first: one hook per chunk.
+        if v.in_chunk == 0 {
+            chunk = Some(options.chunk_hook(Chunk { microbatch: v.microbatch, stage: k })?);
         }
+        hooks[v.instance] = chunk.clone();
     }
     Ok(hooks.into_iter().map(|h| h.expect("a validated schedule runs every chunk's forward")).collect())
 }

@@ -38,30 +38,19 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
-    /// The callable of layer `l` of chunk `k` for microbatch `j` (samples are chunk by chunk,
-    /// microbatch by microbatch, layer by layer, as TransformerEngine orders them).
-    pub(crate) fn instance(&self, k: usize, j: usize, l: usize) -> usize {
-        let before: usize = self.layers[..k].iter().sum();
-        self.schedule.instance(&self.layers, before + l, j)
-    }
-
     /// Per callable, its layer (over every chunk's) and the schedule positions of its forward,
     /// backward and last use (its weight-gradient pass where the schedule splits one out, else
     /// its backward).
     fn uses(&self) -> Vec<Use> {
         let n: usize = self.layers.iter().sum::<usize>() * self.schedule.microbatches();
         let mut at = vec![Use::default(); n];
-        for (pos, (step, j)) in self.schedule.with_microbatches().into_iter().enumerate() {
-            let k = step.chunk();
-            let before: usize = self.layers[..k].iter().sum();
-            for l in 0..self.layers[k] {
-                let u = &mut at[self.instance(k, j, l)];
-                u.layer = before + l;
-                match step {
-                    Step::Forward(_) => u.forward = pos,
-                    Step::Backward(_) => (u.backward, u.last) = (pos, pos),
-                    Step::WeightGrad(_) => u.last = pos,
-                }
+        for v in self.schedule.visits(&self.layers) {
+            let u = &mut at[v.instance];
+            u.layer = v.layer;
+            match v.step {
+                Step::Forward(_) => u.forward = v.position,
+                Step::Backward(_) => (u.backward, u.last) = (v.position, v.position),
+                Step::WeightGrad(_) => u.last = v.position,
             }
         }
         at
@@ -293,18 +282,15 @@ impl Record<'_, '_> {
     fn scheduled(&mut self, layout: &Layout) -> Result<()> {
         let n = self.plan.len();
         let mut saved: Vec<Option<Saved>> = (0..n).map(|_| None).collect();
-        for (step, j) in layout.schedule.with_microbatches() {
-            let k = step.chunk();
-            for l in step.layer_order(0..layout.layers[k]) {
-                let i = layout.instance(k, j, l);
-                match step {
-                    Step::Forward(_) => saved[i] = Some(self.forward(i, Vec::new())?.1),
-                    Step::Backward(_) => {
-                        let s = saved[i].take().expect("a validated schedule runs a backward after its forward");
-                        self.backward(i, s, Vec::new())?;
-                    }
-                    Step::WeightGrad(_) => self.weight_grad(i)?,
+        for v in layout.schedule.visits(&layout.layers) {
+            let i = v.instance;
+            match v.step {
+                Step::Forward(_) => saved[i] = Some(self.forward(i, Vec::new())?.1),
+                Step::Backward(_) => {
+                    let s = saved[i].take().expect("a validated schedule runs a backward after its forward");
+                    self.backward(i, s, Vec::new())?;
                 }
+                Step::WeightGrad(_) => self.weight_grad(i)?,
             }
         }
         Ok(())

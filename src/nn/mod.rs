@@ -47,7 +47,7 @@ pub use params::{Param, ParamStore};
 pub use saved::{Restore, SavedTensor};
 pub use schedule::{
     run_pipeline_stage, run_schedule, EagerPasses, Handed, Schedule, ScheduleErrorKind, SchedulePasses, Stage,
-    StageLinks, Step,
+    StageLinks, Step, Visit,
 };
 pub use stack::{backward_pass, forward_pass, Stack, StackCtx, Traverse};
 pub use transformer::{Layers, TransformerCtx, TransformerLayer};

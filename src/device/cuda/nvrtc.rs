@@ -74,4 +74,3 @@ impl Compiler {
         Ok(cubin)
     }
 }
-

@@ -28,11 +28,11 @@ mod tune;
 use super::capture;
 use super::memory;
 use super::stream::CuStream;
-use choice::{Choices, Source};
 use crate::device::gemm::{EpilogueKind, GemmSpec, Operand};
 use crate::device::kernel::Arg;
 use crate::device::DType;
 use crate::{Error, Result};
+use choice::{Choices, Source};
 
 fn fail(op: &'static str) -> impl Fn(CublasError) -> Error {
     move |e| Error::Cuda { op, message: format!("cuBLASLt: {:?}", e.0) }
