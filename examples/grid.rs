@@ -12,11 +12,11 @@
 
 use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, SimConfig, Stream};
 use graphed::dist::{on_sim_ranks, DataParallel, P2pLinks, ProcessGroup, RankEnv};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses, StaticTensor};
+use graphed::graph::{make_graphed_schedule, Callable, GraphOptions, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    run_pipeline_stage, run_schedule, Builder, EagerPasses, Inputs, KeepOnDevice, Layers, Module, ParamStore, Schedule,
-    Stage, TransformerLayer,
+    run_schedule, Builder, EagerPasses, Inputs, KeepOnDevice, Layers, Module, ParamStore, Schedule, Stage,
+    TransformerLayer,
 };
 use graphed::tensor::Tensor;
 
@@ -109,16 +109,15 @@ fn rank(
     let callables: Vec<&dyn Callable> = p.layers.iter().map(|l| l as &dyn Callable).collect();
     let samples: Vec<Inputs> = (0..p.layers.len() * MICROBATCHES).map(|_| Inputs::one(&data[0].0)).collect();
     let reduce = DataParallel::for_callables(&replicas, &p.store, &callables)?;
-    let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true).grad_sync(reduce);
-    let graphed = make_graphed_callables(&p.alloc, &callables, &samples, options)?;
-    let mut passes = GraphedPasses::new(&graphed, &schedule, &[PER_STAGE], &p.s);
+    let options = GraphOptions::default().reuse_buffers(true).grad_sync(reduce);
+    let graphed = make_graphed_schedule(&p.alloc, &callables, &schedule, &samples, options)?;
     let mut links = P2pLinks::graphed(&pipeline, &p.alloc, &p.s, &SHAPE, DType::F32);
     let inputs: Vec<Tensor> = match stage.index() {
         0 => data.iter().map(|(x, _)| x.clone()).collect(),
         _ => Vec::new(),
     };
     let mut head = |j: usize, _: StaticTensor| Ok(data[j].1.clone());
-    run_pipeline_stage(&mut passes, &schedule, (&[PER_STAGE], &inputs), None, &mut head, stage, &mut links)?;
+    graphed.run_stage(&p.s, &inputs, None, &mut head, (stage, &mut links))?;
     grads(&p)
 }
 

@@ -10,11 +10,10 @@
 
 use graphed::device::{CommOptions, Communicator, DType, Device, SimConfig, Stream};
 use graphed::dist::{on_sim_ranks, P2pLinks, ProcessGroup, RankEnv};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedPasses, StaticTensor};
+use graphed::graph::{make_graphed_schedule, Callable, GraphOptions, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    run_pipeline_stage, run_schedule, Builder, EagerPasses, Inputs, KeepOnDevice, Layers, ParamStore, Schedule, Stage,
-    TransformerLayer,
+    run_schedule, Builder, EagerPasses, Inputs, KeepOnDevice, Layers, ParamStore, Schedule, Stage, TransformerLayer,
 };
 use graphed::tensor::Tensor;
 
@@ -48,9 +47,8 @@ fn stage(comm: &Communicator) -> graphed::Result<Vec<Vec<f32>>> {
     let data = (0..MICROBATCHES).map(|j| microbatch(&alloc, &s, j)).collect::<graphed::Result<Vec<_>>>()?;
     let samples: Vec<Inputs> = (0..own.len() * MICROBATCHES).map(|_| Inputs::one(&data[0].0)).collect();
     let callables: Vec<&dyn Callable> = own.iter().map(|l| l as &dyn Callable).collect();
-    let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
-    let graphed = make_graphed_callables(&alloc, &callables, &samples, options)?;
-    let mut passes = GraphedPasses::new(&graphed, &schedule, &[1, 1], &s);
+    let options = GraphOptions::default().reuse_buffers(true);
+    let graphed = make_graphed_schedule(&alloc, &callables, &schedule, &samples, options)?;
     let mut links = P2pLinks::graphed(comm, &alloc, &s, &SHAPE, DType::F32);
     let inputs: Vec<Tensor> = match stage.index() {
         0 => data.iter().map(|(x, _)| x.clone()).collect(),
@@ -61,7 +59,7 @@ fn stage(comm: &Communicator) -> graphed::Result<Vec<Vec<f32>>> {
         outputs[j] = y.get()?.to_f32_vec(&s)?;
         Ok(data[j].1.clone())
     };
-    run_pipeline_stage(&mut passes, &schedule, (&[1, 1], &inputs), None, &mut head, stage, &mut links)?;
+    graphed.run_stage(&s, &inputs, None, &mut head, (stage, &mut links))?;
     s.synchronize()?;
     Ok(outputs)
 }

@@ -5,7 +5,7 @@
 //! `cargo run --example schedule`
 
 use graphed::device::{DType, Device};
-use graphed::graph::{make_graphed_callables, static_bytes, Callable, GraphOptions, GraphedPasses, StaticTensor};
+use graphed::graph::{make_graphed_schedule, static_bytes, Callable, GraphOptions, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     run_schedule, Builder, EagerPasses, Inputs, KeepOnDevice, Layers, ParamStore, Schedule, TransformerLayer,
@@ -40,25 +40,18 @@ fn main() -> graphed::Result<()> {
     )?;
     let callables: Vec<&dyn Callable> = graphed.iter().map(|l| l as &dyn Callable).collect();
     let samples: Vec<Inputs> = (0..4 * 4).map(|_| Inputs::one(&inputs[0])).collect();
-    let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
-    let g = make_graphed_callables(&alloc, &callables, &samples, options)?;
-    let got = run_schedule(
-        &mut GraphedPasses::new(&g, &schedule, &per_chunk, &s),
-        &schedule,
-        &per_chunk,
-        &inputs,
-        None,
-        // Graphed, the head's input is a static tensor, readable until the next step's replay.
-        &mut |_, _: StaticTensor| Ok(dy.clone()),
-    )?;
+    let options = GraphOptions::default().reuse_buffers(true).layers_per_chunk(&per_chunk);
+    let g = make_graphed_schedule(&alloc, &callables, &schedule, &samples, options)?;
+    // Graphed, the head's input is a static tensor, readable until the next step's replay.
+    let got = g.run(&s, &inputs, None, &mut |_, _: StaticTensor| Ok(dy.clone()))?;
     let mut same = eager_store.grads()?.to_vec::<f32>(&s)? == graphed_store.grads()?.to_vec::<f32>(&s)?;
     for (a, b) in want.iter().zip(&got) {
         same &= a.to_vec::<f32>(&s)? == b.get()?.to_vec::<f32>(&s)?;
     }
     println!(
         "{} graphs, {} static bytes with buffer reuse",
-        g.iter().map(|c| c.graphs().len()).sum::<usize>(),
-        static_bytes(&g)
+        g.callables().iter().map(|c| c.graphs().len()).sum::<usize>(),
+        static_bytes(g.callables())
     );
     println!("graphed schedule equal to eager, bit for bit: {same}");
     assert!(same);

@@ -13,10 +13,10 @@ mod common;
 
 use anyhow::{ensure, Context};
 use graphed::device::{DType, Device, DeviceKind, Stream};
-use graphed::graph::{make_graphed_callables, make_graphed_fn, make_graphed_stack, Callable, GraphOptions};
-use graphed::graph::{GraphedPasses, Replay, StaticTensor};
+use graphed::graph::{make_graphed_fn, make_graphed_schedule, make_graphed_stack, Callable, GraphOptions};
+use graphed::graph::{Replay, StaticTensor};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{input_grad, run_schedule, Builder, Chunk, Inputs, Layers, ParamStore, Schedule, Stack};
+use graphed::nn::{input_grad, Builder, Chunk, Inputs, Layers, ParamStore, Schedule, Stack};
 use graphed::nn::{Module, TransformerLayer};
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::ops::elementwise;
@@ -210,12 +210,11 @@ fn soak_graphed_schedule(dev: &Device) -> Result {
     let model = Model::new(dev)?;
     let s = &model.s;
     let schedule = Schedule::interleaved_1f1b(1, 0, 2, 4)?;
-    let per_chunk = [LAYERS / 2; 2];
     let m = schedule.microbatches();
     let samples: Vec<Inputs> = (0..LAYERS * m).map(|i| Inputs::one(&model.inputs[i % INPUTS])).collect();
     let callables: Vec<&dyn Callable> = model.stack.layers().iter().map(|l| l as &dyn Callable).collect();
-    let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
-    let graphs = make_graphed_callables(&model.alloc, &callables, &samples, options)?;
+    let options = GraphOptions::default().reuse_buffers(true);
+    let graphs = make_graphed_schedule(&model.alloc, &callables, &schedule, &samples, options)?;
     let optimizer = make_graphed_fn(&model.alloc, |s| model.optimizer.step(s))?;
     let dys = (0..m).map(|_| Ok(Tensor::zeros(&model.alloc, s, &SHAPE, DType::F32)?)).collect::<Result<Vec<_>>>()?;
     let mut samples = Vec::new();
@@ -227,8 +226,7 @@ fn soak_graphed_schedule(dev: &Device) -> Result {
             loss += model.loss_grad(&dys[j], y.get()?, read)?;
             Ok(dys[j].clone())
         };
-        let mut passes = GraphedPasses::new(&graphs, &schedule, &per_chunk, s);
-        run_schedule(&mut passes, &schedule, &per_chunk, &inputs, Some(&model.step), &mut head)?;
+        graphs.run(s, &inputs, Some(&model.step), &mut head)?;
         optimizer.replay(s)?;
         if read {
             samples.push(model.sample(step, loss)?);

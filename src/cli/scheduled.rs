@@ -2,7 +2,7 @@
 //! microbatch): what `train --schedule` and `bench schedule` share.
 
 use graphed::device::Stream;
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
+use graphed::graph::{make_graphed_schedule, Callable, GraphOptions, GraphedSchedule};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     run_pipeline_stage, run_schedule, EagerPasses, Handed, Inputs, KeepOnDevice, Schedule, SchedulePasses, Stage,
@@ -10,12 +10,12 @@ use graphed::nn::{
 };
 use graphed::tensor::Tensor;
 
-/// A schedule over layers split into `per_chunk`, and its graphed callables when captured.
+/// A schedule over layers split into `per_chunk`, and its graphed layers when captured.
 pub struct ScheduledLayers {
     pub schedule: Schedule,
     pub per_chunk: Vec<usize>,
     /// `None`: the layers run eagerly.
-    pub graphed: Option<Vec<GraphedCallable>>,
+    pub graphed: Option<GraphedSchedule>,
 }
 
 impl ScheduledLayers {
@@ -34,8 +34,8 @@ impl ScheduledLayers {
                 let callables: Vec<&dyn Callable> = layers.iter().map(|l| l as &dyn Callable).collect();
                 let samples: Vec<Inputs> =
                     (0..layers.len() * schedule.microbatches()).map(|_| Inputs::one(sample)).collect();
-                let options = options.schedule(&schedule);
-                Some(make_graphed_callables(alloc, &callables, &samples, options)?)
+                let options = options.layers_per_chunk(&per_chunk);
+                Some(make_graphed_schedule(alloc, &callables, &schedule, &samples, options)?)
             }
         };
         Ok(ScheduledLayers { schedule, per_chunk, graphed })
@@ -55,10 +55,7 @@ impl ScheduledLayers {
     ) -> graphed::Result<Vec<Tensor>> {
         match &self.graphed {
             None => self.step(&mut EagerPasses::new(layers, &KeepOnDevice, stream), inputs, rng_step, head, pipeline),
-            Some(g) => {
-                let mut passes = GraphedPasses::new(g, &self.schedule, &self.per_chunk, stream);
-                self.step(&mut passes, inputs, rng_step, head, pipeline)
-            }
+            Some(g) => self.step(&mut g.passes(stream), inputs, rng_step, head, pipeline),
         }
     }
 

@@ -13,7 +13,7 @@ use super::warmup::warmup;
 use super::{GraphedCallable, GraphedErrorKind, GraphedStack};
 use crate::device::{with_dtype, Stream};
 use crate::memory::{CachingAllocator, GraphPool};
-use crate::nn::{Chunk, Inputs, Module, Param, SaveHook, Stack, Step};
+use crate::nn::{Chunk, Inputs, Module, Param, SaveHook, Schedule, Stack, Step};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -89,15 +89,8 @@ pub fn make_graphed_callables(
     }
     // One instance of each layer per microbatch, in the samples' order: chunk by chunk,
     // microbatch by microbatch, layer by layer.
-    let (chunks, microbatches) = (schedule.chunks(), schedule.microbatches());
-    let layers = match &options.layers_per_chunk {
-        Some(l) => l.clone(),
-        None if callables.len().is_multiple_of(chunks) => vec![callables.len() / chunks; chunks],
-        None => return Err(refuse(GraphedErrorKind::UnevenChunks { callables: callables.len(), chunks })),
-    };
-    if layers.len() != chunks || layers.iter().sum::<usize>() != callables.len() || layers.contains(&0) {
-        return Err(refuse(GraphedErrorKind::LayersPerChunk { layers, chunks, callables: callables.len() }));
-    }
+    let microbatches = schedule.microbatches();
+    let layers = chunk_layers(&options, &schedule, callables.len())?;
     if samples.len() != callables.len() * microbatches {
         let (samples, callables) = (samples.len(), callables.len());
         return Err(refuse(GraphedErrorKind::ScheduleSamples { samples, callables, microbatches }));
@@ -336,6 +329,21 @@ fn share_draws(callables: &[&dyn Callable], graphed: &mut [GraphedCallable]) {
             graphed[i].draws = Some((draws.clone(), member));
         }
     }
+}
+
+/// The layers of each of `schedule`'s chunks among `callables` layers: as `options` says, else
+/// the same number in each.
+pub(crate) fn chunk_layers(options: &GraphOptions, schedule: &Schedule, callables: usize) -> Result<Vec<usize>> {
+    let chunks = schedule.chunks();
+    let layers = match &options.layers_per_chunk {
+        Some(l) => l.clone(),
+        None if callables.is_multiple_of(chunks) => vec![callables / chunks; chunks],
+        None => return Err(refuse(GraphedErrorKind::UnevenChunks { callables, chunks })),
+    };
+    if layers.len() != chunks || layers.iter().sum::<usize>() != callables || layers.contains(&0) {
+        return Err(refuse(GraphedErrorKind::LayersPerChunk { layers, chunks, callables }));
+    }
+    Ok(layers)
 }
 
 /// Each callable's save hook: its chunk's, made by the chunk handler once per chunk (a

@@ -3,6 +3,8 @@
 //!
 //! [`make_graphed_stack`] captures the layers of an [`nn::Stack`](crate::nn::Stack) as one
 //! [`GraphedStack`] whose layers feed each other through static buffers;
+//! [`make_graphed_schedule`] captures layers under a pipeline schedule as one
+//! [`GraphedSchedule`] (a graph per layer and microbatch, run in the schedule's order);
 //! [`make_graphed_callables`] captures independent modules (the per-layer escape hatch, with
 //! named inputs); [`make_graphed_fn`] captures any other work (the optimizer step). Each warms
 //! its modules up, captures their forward and backward (and split weight-gradient pass) into
@@ -47,5 +49,5 @@ pub use graphed::{static_bytes, CallableReport, GraphReport, GraphedCallable, Pa
 pub use graphed_fn::{make_graphed_fn, GraphedFn};
 pub use options::{GraphOptions, Mode, Phase};
 pub use replay::{Replay, StaticTensor, Tail, Tails};
-pub use scheduled::GraphedPasses;
+pub use scheduled::{make_graphed_schedule, GraphedPasses, GraphedSchedule};
 pub use stack::GraphedStack;

@@ -10,7 +10,7 @@ use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, P
 use graphed::dist::{on_sim_ranks, DataParallel, P2pLinks};
 
 use crate::common::Ranks;
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses};
+use graphed::graph::{make_graphed_schedule, Callable, GraphOptions, GraphedSchedule};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     run_pipeline_stage, run_schedule, Builder, EagerPasses, Handed, Inputs, KeepOnDevice, Layers, Module, ParamStore,
@@ -159,16 +159,16 @@ fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, how: Ho
     }
     let layers_per_chunk = vec![per_chunk; chunks];
     let layers: Vec<&dyn Callable> = p.layers.iter().map(|l| l as &dyn Callable).collect();
-    let callables: Option<Vec<GraphedCallable>> = match graphed {
+    let callables: Option<GraphedSchedule> = match graphed {
         false => None,
         true => {
             let (x0, _) = microbatch(&p, 0, 0)?;
             let samples: Vec<Inputs> = (0..p.layers.len() * microbatches).map(|_| Inputs::one(&x0)).collect();
-            let mut options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
+            let mut options = GraphOptions::default().reuse_buffers(true);
             if let Some(dp) = dp {
                 options = options.grad_sync(DataParallel::for_callables(dp, &p.store, &layers)?);
             }
-            Some(make_graphed_callables(&p.alloc, &layers, &samples, options)?)
+            Some(make_graphed_schedule(&p.alloc, &layers, &schedule, &samples, options)?)
         }
     };
     let links = match graphed {
@@ -194,7 +194,7 @@ fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, how: Ho
                 stage_step(&mut passes, (&schedule, run, counter), (&dys, &mut outputs), (stage, &mut links), s)?
             }
             Some(g) => {
-                let mut passes = GraphedPasses::new(g, &schedule, &layers_per_chunk, &p.s);
+                let mut passes = g.passes(&p.s);
                 stage_step(&mut passes, (&schedule, run, counter), (&dys, &mut outputs), (stage, &mut links), s)?
             }
         };

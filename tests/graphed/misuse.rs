@@ -1,6 +1,6 @@
 //! Misuse fuzzing: random sequences of captures (stacks, single layers, a pipeline schedule's
 //! callables), replays in every mode (with good, misshapen and foreign inputs, foreign streams
-//! and pools), whole schedule runs (`run_schedule` over `GraphedPasses`, on good, misshapen and
+//! and pools), whole schedule runs (`GraphedSchedule::run`, on good, misshapen and
 //! foreign inputs and streams), reads of what earlier schedule runs handed out (stale after a
 //! later run), joins (into streams of this and of another device), releases, drops and optimizer
 //! steps over the public API. Activation offloading too: offload managers made with good and refused
@@ -20,11 +20,11 @@ use anyhow::ensure;
 use graphed::device::DType;
 use graphed::device::{Device, DeviceKind, GraphId};
 use graphed::graph::{
-    make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedPasses, GraphedStack, Replay, StaticTensor,
-    Tails,
+    make_graphed_callables, make_graphed_schedule, Callable, GraphOptions, GraphedCallable, GraphedSchedule,
+    GraphedStack, Replay, StaticTensor, Tails,
 };
 use graphed::memory::{CachingAllocator, GraphPool};
-use graphed::nn::{run_schedule, Chunk, Inputs, Module, Schedule, StackCtx, TransformerLayer};
+use graphed::nn::{Chunk, Inputs, Module, Schedule, StackCtx, TransformerLayer};
 use graphed::offload::{OffloadConfig, OffloadErrorKind, OffloadManager};
 use graphed::tensor::Tensor;
 use proptest::prelude::*;
@@ -257,7 +257,24 @@ fn prefix() -> impl Strategy<Value = Vec<Act>> {
 /// schedule runs to all of them, keeping what the last run handed out.
 enum Target {
     Stack(GraphedStack),
-    Callables { g: Vec<GraphedCallable>, tails: Tails, schedule: Option<Schedule>, handed: Vec<StaticTensor> },
+    Callables { g: Made, tails: Tails, handed: Vec<StaticTensor> },
+}
+
+/// Callables graphed on their own, or for a schedule that owns them.
+enum Made {
+    Alone(Vec<GraphedCallable>),
+    Schedule(GraphedSchedule),
+}
+
+impl std::ops::Deref for Made {
+    type Target = [GraphedCallable];
+
+    fn deref(&self) -> &[GraphedCallable] {
+        match self {
+            Made::Alone(g) => g,
+            Made::Schedule(g) => g.callables(),
+        }
+    }
 }
 
 impl Target {
@@ -279,7 +296,7 @@ impl Target {
     fn statics(&self) -> Vec<&Tensor> {
         let layers = match self {
             Target::Stack(g) => g.layers(),
-            Target::Callables { g, .. } => g,
+            Target::Callables { g, .. } => &g[..],
         };
         layers
             .iter()
@@ -388,24 +405,31 @@ impl World<'_> {
                     PoolPick::PerLayer => options.pool_per_callable(true),
                 };
                 let (x0, _) = self.model.data(0).map_err(to_graphed)?;
-                let callables =
-                    |g, schedule| Target::Callables { g, tails: Tails::new(), schedule, handed: Vec::new() };
+                let callables = |g| Target::Callables { g, tails: Tails::new(), handed: Vec::new() };
                 let target = match shape {
                     Shape::Stack => Target::Stack(self.model.graph(options).map_err(to_graphed)?),
                     Shape::Layer => {
                         let layer: Vec<&dyn Callable> = self.model.callables()[..1].to_vec();
-                        callables(
-                            make_graphed_callables(&self.model.alloc, &layer, &[Inputs::one(&x0)], options)?,
-                            None,
-                        )
+                        callables(Made::Alone(make_graphed_callables(
+                            &self.model.alloc,
+                            &layer,
+                            &[Inputs::one(&x0)],
+                            options,
+                        )?))
                     }
                     Shape::Schedule { chunks, reuse } => {
                         let schedule = Schedule::interleaved_1f1b(1, 0, chunks, 2)?;
                         let samples: Vec<Inputs> = (0..LAYERS * 2).map(|_| Inputs::one(&x0)).collect();
                         // One warmup iteration: enough for the properties, and the fuzzer stays fast.
-                        let options = options.schedule(&schedule).reuse_buffers(reuse).warmup_iters(1);
-                        let g = make_graphed_callables(&self.model.alloc, &self.model.callables(), &samples, options)?;
-                        callables(g, Some(schedule))
+                        let options = options.reuse_buffers(reuse).warmup_iters(1);
+                        let layers = self.model.callables();
+                        callables(Made::Schedule(make_graphed_schedule(
+                            &self.model.alloc,
+                            &layers,
+                            &schedule,
+                            &samples,
+                            options,
+                        )?))
                     }
                 };
                 self.targets.push(target);
@@ -467,7 +491,7 @@ impl World<'_> {
                 }
             },
             Act::RunSchedule { at: i, foreign_caller, input: pick } => {
-                let Target::Callables { g, schedule: Some(schedule), handed, .. } = &mut self.targets[at(i)] else {
+                let Target::Callables { g: Made::Schedule(g), handed, .. } = &mut self.targets[at(i)] else {
                     return Ok(());
                 };
                 let caller = if foreign_caller { &other_stream } else { &s };
@@ -478,18 +502,16 @@ impl World<'_> {
                     &self.model,
                     &self.other_alloc,
                     pick,
-                    g[0].static_inputs().ok().and_then(|v| v.first().copied()),
+                    g.callables()[0].static_inputs().ok().and_then(|v| v.first().copied()),
                 )?;
-                let inputs = vec![x; schedule.microbatches()];
-                let per_chunk = vec![LAYERS / schedule.chunks(); schedule.chunks()];
+                let inputs = vec![x; g.schedule().microbatches()];
                 let (_, dy) = self.model.data(8).map_err(to_graphed)?;
                 let mut ys = Vec::new();
                 let mut head = |_: usize, y: StaticTensor| -> graphed::Result<Tensor> {
                     ys.push(y);
                     Ok(dy.clone())
                 };
-                let mut passes = GraphedPasses::new(g, schedule, &per_chunk, caller);
-                let dxs = run_schedule(&mut passes, schedule, &per_chunk, &inputs, None, &mut head)?;
+                let dxs = g.run(caller, &inputs, None, &mut head)?;
                 *handed = ys.into_iter().chain(dxs).collect();
                 Ok(())
             }
@@ -513,7 +535,10 @@ impl World<'_> {
                 Target::Stack(g) => g.release_static_state(),
                 Target::Callables { g, tails, .. } => {
                     tails.join(&s)?;
-                    g.iter_mut().try_for_each(GraphedCallable::release_static_state)
+                    match g {
+                        Made::Alone(g) => g.iter_mut().try_for_each(GraphedCallable::release_static_state),
+                        Made::Schedule(g) => g.release_static_state(),
+                    }
                 }
             },
             Act::Drop { at: i } => {

@@ -4,8 +4,8 @@
 
 use anyhow::ensure;
 use graphed::device::Device;
-use graphed::graph::{make_graphed_callables, make_graphed_fn, GraphOptions, GraphedPasses, Replay};
-use graphed::nn::{run_schedule, Chunk, Inputs, Module, Schedule};
+use graphed::graph::{make_graphed_fn, make_graphed_schedule, GraphOptions, Replay};
+use graphed::nn::{Chunk, Inputs, Module, Schedule};
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::tensor::Tensor;
 
@@ -109,14 +109,12 @@ pub fn scheduled_replay_ranges_name_the_microbatch(dev: &Device) -> Result {
     // One rank, two virtual stages of one layer each, two microbatches.
     let schedule = Schedule::interleaved_1f1b(1, 0, 2, 2)?;
     let samples: Vec<Inputs> = (0..4).map(|i| Ok(Inputs::one(&m.data(i)?.0))).collect::<Result<_>>()?;
-    let options = GraphOptions::default().schedule(&schedule);
-    let g = make_graphed_callables(&m.alloc, &m.callables(), &samples, options)?;
+    let g = make_graphed_schedule(&m.alloc, &m.callables(), &schedule, &samples, GraphOptions::default())?;
     let (inputs, dys): (Vec<Tensor>, Vec<Tensor>) =
         (0..2).map(|j| m.data(j)).collect::<Result<Vec<_>>>()?.into_iter().unzip();
     dev.record_ranges(true);
-    let mut passes = GraphedPasses::new(&g, &schedule, &[1, 1], &m.s);
     let mut head = |j: usize, _y: graphed::graph::StaticTensor| Ok(dys[j].clone());
-    run_schedule(&mut passes, &schedule, &[1, 1], &inputs, Some(&m.step), &mut head)?;
+    g.run(&m.s, &inputs, Some(&m.step), &mut head)?;
     let want = [
         "replay h0.forward mb0",
         "replay h1.forward mb0",

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::ensure;
 use graphed::device::{DType, Device};
 use graphed::graph::{
-    make_graphed_callables, Callable, GraphOptions, GraphedCallable, GraphedErrorKind, GraphedPasses, Replay,
+    make_graphed_callables, make_graphed_schedule, Callable, GraphOptions, GraphedCallable, GraphedErrorKind, Replay,
     StaticTensor,
 };
 use graphed::nn::{
@@ -56,21 +56,20 @@ fn scheduled_twin(dev: &Device, schedule: &Schedule, dtype: DType, reuse: bool) 
     let m = schedule.microbatches();
     let samples: Vec<Inputs> =
         (0..graphed.layers().len() * m).map(|i| Ok(Inputs::one(&graphed.data(i as u64)?.0))).collect::<Result<_>>()?;
-    let options = GraphOptions::default().schedule(schedule).reuse_buffers(reuse);
-    let g = make_graphed_callables(&graphed.alloc, &graphed.callables(), &samples, options)?;
-    ensure!(g.len() == graphed.layers().len() * m, "one graphed callable per (layer, microbatch)");
+    let options = GraphOptions::default().reuse_buffers(reuse);
+    let g = make_graphed_schedule(&graphed.alloc, &graphed.callables(), schedule, &samples, options)?;
+    ensure!(g.callables().len() == graphed.layers().len() * m, "one graphed callable per (layer, microbatch)");
     for step in 0..2 {
         let same = |t: Tensor| Ok(t);
         let passes = EagerPasses::new(eager.layers(), &KeepOnDevice, &eager.s);
         let want = drive(&eager, schedule, &per_chunk, &mut { passes }, &same)?;
-        let passes = GraphedPasses::new(&g, schedule, &per_chunk, &graphed.s);
-        let got = drive(&graphed, schedule, &per_chunk, &mut { passes }, &same)?;
+        let got = drive(&graphed, schedule, &per_chunk, &mut g.passes(&graphed.s), &same)?;
         ensure!(got == want, "step {step} of {schedule}: outputs or input gradients differ");
         ensure!(graphed.grads()? == eager.grads()?, "step {step} of {schedule}: parameter gradients differ");
         eager.optimizer_step()?;
         graphed.optimizer_step()?;
     }
-    Ok(graphed::graph::static_bytes(&g))
+    Ok(graphed::graph::static_bytes(g.callables()))
 }
 
 /// All forwards before any backward: every input is in use at once, so nothing is shared but the
@@ -131,11 +130,11 @@ pub fn zero_bubble_with_split_weight_grads_matches_eager(dev: &Device) -> Result
         (0..8).map(|i| Ok(Inputs::one(&model.data(i)?.0.reshape(&rows)?))).collect::<Result<_>>()?;
     let callables: Vec<&dyn Callable> = graphed.iter().map(|l| l as &dyn Callable).collect();
     // Buffer reuse on: an output gradient is in use until the weight-gradient pass reads it.
-    let options = GraphOptions::default().schedule(&schedule).reuse_buffers(true);
-    let g = make_graphed_callables(&model.alloc, &callables, &samples, options)?;
+    let options = GraphOptions::default().reuse_buffers(true);
+    let g = make_graphed_schedule(&model.alloc, &callables, &schedule, &samples, options)?;
     let reshaped = |t: Tensor| t.reshape(&rows);
     let want = drive(&model, &schedule, &[2], &mut EagerPasses::new(&eager, &KeepOnDevice, &model.s), &reshaped)?;
-    let got = drive(&model, &schedule, &[2], &mut GraphedPasses::new(&g, &schedule, &[2], &model.s), &reshaped)?;
+    let got = drive(&model, &schedule, &[2], &mut g.passes(&model.s), &reshaped)?;
     ensure!(got == want, "zero bubble: outputs or input gradients differ");
     ensure!(
         eager_store.grads()?.to_f32_vec(&model.s)? == graphed_store.grads()?.to_f32_vec(&model.s)?,
@@ -301,22 +300,15 @@ pub fn schedule_outputs_refuse_stale_reads(dev: &Device) -> Result {
     let model = Model::new(dev)?;
     let schedule = Schedule::interleaved_1f1b(1, 0, 2, 2)?;
     let samples: Vec<Inputs> = (0..4).map(|i| Ok(Inputs::one(&model.data(i)?.0))).collect::<Result<_>>()?;
-    let g = make_graphed_callables(
-        &model.alloc,
-        &model.callables(),
-        &samples,
-        GraphOptions::default().schedule(&schedule),
-    )?;
-    let per_chunk = [1, 1];
+    let g = make_graphed_schedule(&model.alloc, &model.callables(), &schedule, &samples, GraphOptions::default())?;
     let data = (0..2).map(|j| model.data(j)).collect::<Result<Vec<_>>>()?;
     let inputs: Vec<Tensor> = data.iter().map(|(x, _)| x.clone()).collect();
     let step = |kept: &mut Vec<StaticTensor>| -> Result<Vec<StaticTensor>> {
-        let mut passes = GraphedPasses::new(&g, &schedule, &per_chunk, &model.s);
         let mut head = |j: usize, y: StaticTensor| -> graphed::Result<Tensor> {
             kept.push(y);
             Ok(data[j].1.clone())
         };
-        Ok(run_schedule(&mut passes, &schedule, &per_chunk, &inputs, Some(&model.step), &mut head)?)
+        Ok(g.run(&model.s, &inputs, Some(&model.step), &mut head)?)
     };
     let mut ys = Vec::new();
     let dxs = step(&mut ys)?;

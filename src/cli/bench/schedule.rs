@@ -87,7 +87,7 @@ fn run_variant(
     let samples = measure(dev, &main, (args.warmup, args.steps), &mut step)?;
     alloc.synchronize()?;
     let (schedule, graphed) = (&scheduled.schedule, &scheduled.graphed);
-    let pool = graphed.as_ref().and_then(|g| g.first()).map(|c| c.pool().id());
+    let pool = graphed.as_ref().and_then(|g| g.callables().first()).map(|c| c.pool().id());
     let stats = alloc.stats();
     let pool_stats = pool.and_then(|p| stats.pools.iter().find(|(id, _)| *id == p)).map(|(_, s)| *s);
     Ok(ScheduleRow {
@@ -98,9 +98,9 @@ fn run_variant(
         wall_ms: spread(samples.wall_ms),
         gpu_ms: (!samples.gpu_ms.is_empty()).then(|| spread(samples.gpu_ms)),
         host_us: spread(samples.host_us),
-        graphs: graphed.as_ref().map(|g| g.iter().map(|c| c.graphs().len()).sum()),
+        graphs: graphed.as_ref().map(|g| g.callables().iter().map(|c| c.graphs().len()).sum()),
         capture_ms,
-        static_bytes: graphed.as_deref().map(static_bytes),
+        static_bytes: graphed.as_ref().map(|g| static_bytes(g.callables())),
         pool_peak_bytes: pool_stats.map(|s| s.peak_allocated),
         pool_reserved_bytes: pool_stats.map(|s| s.reserved),
     })

@@ -51,7 +51,9 @@ impl Scheduled {
     /// How it runs, for the banner.
     pub fn describe(&self) -> String {
         let how = match &self.0.graphed {
-            Some(g) => format!("{} graphed callables (one per layer and microbatch), buffers reused", g.len()),
+            Some(g) => {
+                format!("{} graphed callables (one per layer and microbatch), buffers reused", g.callables().len())
+            }
             None => "eager".to_string(),
         };
         format!("{} ({how})", self.0.schedule)

@@ -25,7 +25,7 @@ impl Handed for Tensor {
 
 /// One way of running the passes a schedule names: layer `layer` (counted over every chunk's
 /// layers, chunk by chunk) for microbatch `microbatch`, eagerly ([`EagerPasses`](super::EagerPasses)) or graphed
-/// (`graph::GraphedPasses`).
+/// (`graph::GraphedSchedule::passes`).
 pub trait SchedulePasses {
     /// What its passes hand on: a [`Tensor`] eagerly; graphed, a `graph::StaticTensor`, which
     /// refuses to be read once a later replay overwrote its static buffer.
