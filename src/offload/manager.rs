@@ -118,15 +118,17 @@ impl OffloadManager {
     /// is frozen, else when it freezes.
     fn graph_hook(&self, chunk: Chunk) -> Result<Arc<dyn SaveHook>> {
         let mut st = self.inner.lock();
-        let slot = Arc::new(OnceLock::new());
-        if st.frozen {
-            let Some(c) = st.chunks.get(&chunk) else {
-                return Err(schedule_error(chunk, "a capture"));
-            };
-            let _ = slot.set(bake(self.inner.alloc.device(), &c.layout)?);
-        } else {
-            st.unbaked.push((chunk, slot.clone()));
-        }
+        let slot = match st.frozen {
+            true => {
+                let c = st.chunks.get(&chunk).ok_or_else(|| schedule_error(chunk, "a capture"))?;
+                Arc::new(OnceLock::from(bake(self.inner.alloc.device(), &c.layout)?))
+            }
+            false => {
+                let slot = Arc::new(OnceLock::new());
+                st.unbaked.push((chunk, slot.clone()));
+                slot
+            }
+        };
         Ok(Arc::new(ChunkHook { inner: self.inner.clone(), chunk, baked: Some(slot) }))
     }
 
@@ -255,6 +257,7 @@ impl OffloadManager {
             }
         };
         for (slot, buffers) in baked {
+            // Each slot waits in `unbaked` only until this, its one setting.
             let _ = slot.set(buffers);
         }
         let layouts: Vec<(Chunk, &[GroupLayout])> = st.chunks.iter().map(|(k, c)| (*k, c.layout.as_slice())).collect();
