@@ -1,5 +1,5 @@
-//! Activation offloading inside the graphs: one eager iteration records what the layers save,
-//! the policy is frozen and printed, and the graphed stack copies the activations to host memory
+//! Activation offloading inside the graphs: the capture's warmup records what the layers save
+//! and freezes the policy (printed), and the graphed stack copies the activations to host memory
 //! in each graph's tail, with the same results as without offloading.
 //!
 //! `cargo run --example offload`
@@ -7,7 +7,7 @@
 use graphed::device::{DType, Device};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Builder, Chunk, Inputs, Layers, Module, ParamStore, Stack, TransformerLayer};
+use graphed::nn::{Builder, Layers, ParamStore, Stack, TransformerLayer};
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::tensor::Tensor;
 
@@ -21,16 +21,12 @@ fn main() -> graphed::Result<()> {
     let x = Tensor::from_f32(&alloc, &main, &vec![0.25; 4 * 32 * 64], &[4, 32, 64], DType::F32)?;
     let dy = Tensor::from_f32(&alloc, &main, &vec![1.0; 4 * 32 * 64], &[4, 32, 64], DType::F32)?;
 
-    // The warmup iteration records every saved tensor; `end_iteration` decides and freezes.
-    let offload = OffloadManager::new(&alloc, OffloadConfig::default().min_elements(1024))?;
-    let (_, ctx) = stack.forward(&Inputs::one(&x), &offload.chunk(Chunk::default()), &main)?;
-    stack.backward(ctx, &[&dy], &main)?;
-    offload.end_iteration(&main)?;
-    println!("{}", offload.summary().expect("frozen"));
-
     let plain = make_graphed_stack(&alloc, &stack, &x, GraphOptions::default())?;
-    let options = offload.graph_options(GraphOptions::default().sync_event(&ready))?;
+    // The capture's warmup records every saved tensor, then decides and freezes the policy.
+    let offload = OffloadManager::new(&alloc, OffloadConfig::default().min_elements(1024))?;
+    let options = offload.graph_options(GraphOptions::default().sync_event(&ready));
     let graphed = make_graphed_stack(&alloc, &stack, &x, options)?;
+    println!("{}", offload.summary().expect("frozen by the capture"));
     for g in graphed.layers() {
         for report in g.report()?.graphs.iter().filter(|r| !r.tail.is_empty()) {
             println!("{} {:?}: tail {:?}", g.name(), report.pass, report.tail);

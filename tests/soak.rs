@@ -16,8 +16,8 @@ use graphed::device::{DType, Device, DeviceKind, Stream};
 use graphed::graph::{make_graphed_fn, make_graphed_schedule, make_graphed_stack, Callable, GraphOptions};
 use graphed::graph::{Replay, StaticTensor};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{input_grad, Builder, Chunk, Inputs, Layers, ParamStore, Schedule, Stack};
-use graphed::nn::{Module, TransformerLayer};
+use graphed::nn::TransformerLayer;
+use graphed::nn::{Builder, Inputs, Layers, ParamStore, Schedule, Stack};
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::ops::elementwise;
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
@@ -174,17 +174,12 @@ fn soak_graphed_offload(dev: &Device) -> Result {
     let s = &model.s;
     let dy = Tensor::zeros(&model.alloc, s, &SHAPE, DType::F32)?;
     let offload = OffloadManager::new(&model.alloc, OffloadConfig::default().min_elements(256))?;
-    // One eager iteration through the manager decides what it offloads.
-    let hook = offload.chunk(Chunk::default());
-    let (y, ctx) = model.stack.forward(&Inputs::one(&model.inputs[0]), &hook, s)?;
-    model.loss_grad(&dy, &y[0], false)?;
-    input_grad("warm-up", model.stack.backward(ctx, &[&dy], s)?)?;
-    offload.end_iteration(s)?;
-    let summary = offload.summary().context("no offload decision after the warm-up")?;
-    ensure!(summary.offloaded_bytes() > 0, "the manager offloads nothing");
     let (side, event) = (dev.stream()?, dev.event()?);
-    let options = offload.graph_options(GraphOptions::default().sync_event(&event))?;
+    // The capture's warmup decides what the manager offloads.
+    let options = offload.graph_options(GraphOptions::default().sync_event(&event));
     let graph = make_graphed_stack(&model.alloc, &model.stack, &model.inputs[0], options)?;
+    let summary = offload.summary().context("no offload decision after the capture")?;
+    ensure!(summary.offloaded_bytes() > 0, "the manager offloads nothing");
     let optimizer = make_graphed_fn(&model.alloc, |s| model.optimizer.step(s))?;
     let mut samples = Vec::new();
     for step in 1..=steps {

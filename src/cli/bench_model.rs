@@ -10,10 +10,9 @@ use graphed::device::{Device, DeviceKind, Event, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    AttentionKind, AttentionSpec, Builder, Chunk, Inputs, KeepOnDevice, Layers, Module, ParamStore, Stack,
-    TransformerLayer,
+    AttentionKind, AttentionSpec, Builder, Inputs, KeepOnDevice, Layers, Module, ParamStore, Stack, TransformerLayer,
 };
-use graphed::offload::{OffloadConfig, OffloadManager};
+use graphed::offload::OffloadManager;
 use graphed::tensor::Tensor;
 
 /// One model configuration: a `BENCH.md` row, or `tiny`, small enough for the simulator.
@@ -147,7 +146,8 @@ impl BenchModel {
 
     /// Graphs the stack into one pool, its layers chained so that they replay with no copies
     /// between them; with `sync_event`, every graph records it for side-stream replay; with
-    /// `offload`, activations go to host memory inside the graphs.
+    /// `offload`, activations go to host memory inside the graphs (the capture's warmup records
+    /// the manager's policy if it is not frozen yet).
     pub fn graph(
         &self,
         alloc: &CachingAllocator,
@@ -159,7 +159,7 @@ impl BenchModel {
             options = options.sync_event(event);
         }
         if let Some(m) = offload {
-            options = m.graph_options(options)?;
+            options = m.graph_options(options);
         }
         self.graph_with(alloc, options)
     }
@@ -167,19 +167,5 @@ impl BenchModel {
     /// Graphs the stack into one pool with `options`.
     pub fn graph_with(&self, alloc: &CachingAllocator, options: GraphOptions) -> graphed::Result<GraphedStack> {
         make_graphed_stack(alloc, &self.stack, &self.x, options)
-    }
-
-    /// An offload manager for the stack, its policy frozen after one eager step through it.
-    pub fn offload(
-        &self,
-        alloc: &CachingAllocator,
-        stream: &Stream,
-        config: OffloadConfig,
-    ) -> graphed::Result<OffloadManager> {
-        let m = OffloadManager::new(alloc, config)?;
-        let (_, ctx) = self.stack.forward(&Inputs::one(&self.x), &m.chunk(Chunk::default()), stream)?;
-        self.stack.backward(ctx, &[&self.dy], stream)?;
-        m.end_iteration(stream)?;
-        Ok(m)
     }
 }

@@ -9,6 +9,7 @@ use anyhow::Context;
 use graphed::device::{Device, DeviceKind, GraphId};
 use graphed::graph::GraphedCallable;
 use graphed::memory::CachingAllocator;
+use graphed::offload::OffloadManager;
 
 use super::args::InspectArgs;
 use super::bench_model::{BenchModel, Config};
@@ -26,7 +27,7 @@ pub fn run(dev: &Device, args: &InspectArgs) -> anyhow::Result<()> {
     let stream = dev.stream()?;
     let model = BenchModel::new(&alloc, &stream, config, args.dtype.resolve(dev))?;
     let event = if args.side_stream { Some(dev.event()?) } else { None };
-    let offload = args.offload.config(dev).map(|c| model.offload(&alloc, &stream, c)).transpose()?;
+    let offload = args.offload.config(dev).map(|c| OffloadManager::new(&alloc, c)).transpose()?;
     let stack = model.graph(&alloc, event.as_ref(), offload.as_ref())?;
     if let Some(summary) = offload.as_ref().and_then(|m| m.summary()) {
         println!("{summary}");

@@ -26,9 +26,11 @@ fn refuse(kind: GraphedErrorKind) -> Error {
 /// simulator) and returns callables that replay them over static buffers; each callable has its
 /// own inputs (for a stack of layers that feed each other, see [`make_graphed_stack`]).
 ///
-/// In order: `pre_warmup`; `warmup_iters` eager iterations on the capture stream (all forwards in
-/// order, then all backwards in reverse, capture-time hooks around each pass); `post_warmup`
-/// (also when the warmup failed); the parameters' gradients restored to their values before the
+/// In order: `pre_warmup`; `warmup_iters` eager iterations on the capture stream, each running
+/// every callable's forward and at once its backward with zero output gradients, callable by
+/// callable (as PyTorch and TransformerEngine do: the warmup holds one callable's saved
+/// activations at a time), capture-time hooks around each pass; `post_warmup` (also when the
+/// warmup failed); the parameters' gradients restored to their values before the
 /// warmup; capture of every forward in order, then every backward in reverse, then every split
 /// weight-gradient pass in reverse, all into one pool; verification of the sync event; upload.
 /// The samples' values become the static inputs' initial contents.
@@ -127,8 +129,15 @@ pub fn make_graphed_callables(
 /// layer i's outputs are layer i+1's static inputs and layer i+1's input gradients are layer i's
 /// static output gradients, so a replay of the stack copies only its input and upstream
 /// gradient. Warmup and capture are those of [`make_graphed_callables`]; `sample` is the first
-/// layer's input. Like the eager stack, every forward replay of training graphs first advances
-/// the stack's random-number step counter ([`Stack::with_rng_step`]).
+/// layer's input, and each layer's warmup takes the previous layer's warmup output, so that the
+/// warmup's peak memory is one layer's saved activations plus the chain of outputs. Like the
+/// eager stack, every forward replay of training graphs first advances the stack's
+/// random-number step counter ([`Stack::with_rng_step`]).
+///
+/// With activation offloading, pass
+/// [`OffloadManager::graph_options`](crate::offload::OffloadManager::graph_options): the first
+/// warmup iteration records what each layer saves, the manager freezes its policy, and the
+/// capture bakes the host buffers into the graphs; no separate recording step is needed.
 ///
 /// ```
 /// use graphed::device::Device;
@@ -264,6 +273,9 @@ fn capture(
         }
         if let Some(sync) = &options.grad_sync {
             sync.abandon();
+        }
+        if let Some(abandoned) = &mut options.abandoned {
+            abandoned();
         }
     }
     let callables = captured?;

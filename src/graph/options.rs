@@ -60,6 +60,12 @@ pub struct GraphOptions {
     pub(crate) reuse_buffers: bool,
     pub(crate) pre_warmup: Option<WarmupHook>,
     pub(crate) post_warmup: Option<WarmupHook>,
+    /// Called after the first warmup iteration, on the warmup stream: where an offload manager
+    /// whose policy is not frozen yet ends its recording iteration.
+    pub(crate) first_iteration: Option<WarmupHook>,
+    /// Called when the capture fails after a warmup that succeeded: where that offload manager
+    /// forgets the policy the warmup froze, so that a refused capture changes nothing.
+    pub(crate) abandoned: Option<Box<dyn FnMut()>>,
     pub(crate) pass_hook: Option<PassHook>,
     pub(crate) grad_sync: Option<Arc<dyn super::GradSync>>,
 }
@@ -82,6 +88,8 @@ impl Default for GraphOptions {
             reuse_buffers: false,
             pre_warmup: None,
             post_warmup: None,
+            first_iteration: None,
+            abandoned: None,
             pass_hook: None,
             grad_sync: None,
         }
@@ -89,8 +97,8 @@ impl Default for GraphOptions {
 }
 
 impl GraphOptions {
-    /// Eager iterations (all forwards, then all backwards in reverse) before capture; default 3,
-    /// at least 1 in training.
+    /// Eager iterations before capture, each running every callable's forward and then its
+    /// backward, callable by callable; default 3, at least 1 in training.
     pub fn warmup_iters(mut self, n: usize) -> GraphOptions {
         self.warmup_iters = n;
         self
@@ -226,6 +234,23 @@ impl GraphOptions {
             Some(f) => f(chunk),
             None => Ok(self.save_hook.clone()),
         }
+    }
+
+    /// Sets the hook run after the first warmup iteration.
+    pub(crate) fn after_first_iteration(mut self, f: impl FnMut(&Stream) -> Result<()> + 'static) -> GraphOptions {
+        self.first_iteration = Some(Box::new(f));
+        self
+    }
+
+    /// Sets the hook run when the capture fails after its warmup.
+    pub(crate) fn on_abandon(mut self, f: impl FnMut() + 'static) -> GraphOptions {
+        self.abandoned = Some(Box::new(f));
+        self
+    }
+
+    /// Runs the first-iteration hook, if any.
+    pub(crate) fn run_first_iteration_hook(&mut self, stream: &Stream) -> Result<()> {
+        self.first_iteration.as_mut().map_or(Ok(()), |h| h(stream))
     }
 
     /// Runs the capture-time hook, if any, for pass `phase` of callable `i`.

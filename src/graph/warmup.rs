@@ -1,76 +1,71 @@
-//! The warmup: eager iterations of every forward in order and every backward in reverse, on the
-//! capture stream, with the capture-time hooks around each pass (the stack traversal of
-//! `nn::forward_pass` and `nn::backward_pass`).
+//! The warmup: eager iterations on the capture stream, each running every callable's forward and
+//! at once its backward, callable by callable (PyTorch's and TransformerEngine's per-callable
+//! warmup), with the capture-time hooks around each pass. It holds one callable's saved
+//! activations at a time, and the outputs that feed the next callable, where a warmup of every
+//! forward before any backward would hold the whole stack's: the run's peak memory would be set
+//! there, before the graphs exist.
+//!
+//! A callable fed by the previous one takes that one's warmup outputs. Every backward gets zero
+//! output gradients: the next callable's input gradients do not exist yet in this order, and
+//! whether it gives them is checked in its own backward (`Plan::check_grads`).
 
-use super::callable::Saved;
 use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
-use crate::nn::{backward_pass, forward_pass, Inputs, NoGradHook, Traverse};
+use crate::nn::NoGradHook;
 use crate::tensor::Tensor;
 use crate::Result;
 
-/// Runs `options.warmup_iters` iterations, then waits for the stream.
+/// Runs `options.warmup_iters` iterations; the first-iteration hook runs after the first (an
+/// offload manager records in it).
+///
+/// The host waits for the stream after each callable: memory a callable freed goes back to the
+/// allocator only once no queued work holds it (at once for CUDA's stream-ordered reuse of one
+/// stream's blocks, but only after a wait for blocks used on several streams, and on the
+/// simulator, which runs work when the host observes it), so that the next callable reuses it
+/// on every device. It costs a host wait per callable, once per capture.
 pub(crate) fn warmup(plan: &Plan<'_>, options: &mut GraphOptions) -> Result<()> {
     let _range = plan.stream.device().range_with(|| "warmup".into());
-    let mut pass = Warmup { plan, options };
-    for _ in 0..pass.options.warmup_iters {
-        let (_, saved) = forward_pass(&mut pass, plan.len(), Vec::new())?;
-        if plan.training {
-            backward_pass(&mut pass, saved, Vec::new())?;
+    for iteration in 0..options.warmup_iters {
+        let mut previous = Vec::new();
+        for i in 0..plan.len() {
+            previous = warm(plan, options, i, previous)?;
+            plan.stream.synchronize()?;
         }
-        plan.stream.synchronize()?;
+        if iteration == 0 {
+            options.run_first_iteration_hook(plan.stream)?;
+        }
     }
     Ok(())
 }
 
-struct Warmup<'p, 'o> {
-    plan: &'p Plan<'p>,
-    options: &'o mut GraphOptions,
-}
-
-/// A warmup forward's results, kept for its backward.
-pub(crate) struct WarmForward {
-    inputs: Inputs,
-    outputs: Vec<Tensor>,
-    saved: Saved,
-}
-
-impl Traverse for Warmup<'_, '_> {
-    type Act = Vec<Tensor>;
-    type Grad = Vec<Option<Tensor>>;
-    type Saved = WarmForward;
-
-    fn forward(&mut self, i: usize, previous: Vec<Tensor>) -> Result<(Vec<Tensor>, WarmForward)> {
-        let (plan, stream) = (self.plan, self.plan.stream);
+/// Callable `i`'s forward of `previous` (or of its static inputs), then, in training, its
+/// backward (and split weight-gradient pass); returns its outputs.
+fn warm(plan: &Plan<'_>, options: &mut GraphOptions, i: usize, previous: Vec<Tensor>) -> Result<Vec<Tensor>> {
+    let (stream, callable) = (plan.stream, plan.callables[i]);
+    let inputs = plan.inputs(i, &previous);
+    drop(previous);
+    let (outputs, saved) = {
         let _range = stream.device().range_with(|| plan.ranges[i].name("warmup", Pass::Forward));
-        self.options.run_pass_hook(i, Phase::ForwardPre, stream)?;
-        let inputs = plan.inputs(i, &previous);
+        options.run_pass_hook(i, Phase::ForwardPre, stream)?;
         plan.hooks[i].begin_forward(stream)?;
-        let (outputs, saved) = plan.callables[i].forward_dyn(&inputs, plan.hooks[i].as_ref(), stream)?;
-        self.options.run_pass_hook(i, Phase::Forward, stream)?;
-        Ok((outputs.clone(), WarmForward { inputs, outputs, saved }))
+        let forward = callable.forward_dyn(&inputs, plan.hooks[i].as_ref(), stream)?;
+        options.run_pass_hook(i, Phase::Forward, stream)?;
+        forward
+    };
+    if !plan.training {
+        return Ok(outputs);
     }
-
-    fn backward(&mut self, i: usize, f: WarmForward, next: Self::Grad) -> Result<Self::Grad> {
-        let (plan, stream) = (self.plan, self.plan.stream);
-        let _range = stream.device().range_with(|| plan.ranges[i].name("warmup", Pass::Backward));
-        self.options.run_pass_hook(i, Phase::BackwardPre, stream)?;
-        let dys = match plan.feeds_next(i) {
-            true => plan.chained_grads(i, next)?,
-            false => f
-                .outputs
-                .iter()
-                .map(|y| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype()))
-                .collect::<Result<_>>()?,
-        };
-        let callable = plan.callables[i];
-        let grads = callable.backward_dyn(f.saved, &dys.iter().collect::<Vec<_>>(), &NoGradHook, stream)?;
-        plan.check_grads(i, &f.inputs, &grads)?;
-        if callable.splits_dw_dyn() {
-            callable.backward_dw_dyn(stream)?;
-        }
-        self.options.run_pass_hook(i, Phase::Backward, stream)?;
-        Ok(grads)
+    let _range = stream.device().range_with(|| plan.ranges[i].name("warmup", Pass::Backward));
+    options.run_pass_hook(i, Phase::BackwardPre, stream)?;
+    let dys = (outputs.iter())
+        .map(|y| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype()))
+        .collect::<Result<Vec<_>>>()?;
+    let grads = callable.backward_dyn(saved, &dys.iter().collect::<Vec<_>>(), &NoGradHook, stream)?;
+    plan.check_grads(i, &inputs, &grads)?;
+    if callable.splits_dw_dyn() {
+        callable.backward_dw_dyn(stream)?;
     }
+    options.run_pass_hook(i, Phase::Backward, stream)?;
+    Ok(outputs)
 }

@@ -3,8 +3,9 @@
 //! outputs, then backwards in reverse, each fed the next layer's input gradients.
 //!
 //! Eager stacks ([`Stack`]'s [`Module`] impl), graphed stacks (`graph::GraphedStack`) and the
-//! warmup and capture of `graph::make_graphed_callables` implement [`Traverse`] and run
-//! [`forward_pass`] and [`backward_pass`], so the order is written once.
+//! capture of `graph::make_graphed_callables` implement [`Traverse`] and run [`forward_pass`]
+//! and [`backward_pass`], so the order is written once. (The capture's warmup goes callable by
+//! callable instead, so that it holds one callable's activations at a time.)
 
 use super::{GradHook, Inputs, Module, NoGradHook, Param, SaveHook};
 use crate::device::Stream;

@@ -22,7 +22,7 @@ use super::error::OffloadErrorKind;
 use super::host::HostBuffer;
 use super::policy::{GroupLayout, TensorLayout};
 use super::shared::Inner;
-use super::state::{Baked, BakedRef, ChunkState, Fault, HostRef, PassTiming, Phase, State};
+use super::state::{Baked, BakedRef, ChunkState, Fault, HostRef, Mark, PassTiming, Phase, State};
 use crate::device::{BufferId, DType, Stream};
 use crate::nn::{Chunk, Restore, SaveHook, SavedTensor};
 use crate::tensor::Tensor;
@@ -88,9 +88,11 @@ impl SaveHook for ChunkHook {
                 return Err(Error::Offload(OffloadErrorKind::NotForGraphs));
             }
             let (frozen, timed) = (st.frozen, !st.frozen && self.inner.timed());
+            let unit_by_unit = st.warmup_recording;
             let c = chunk_mut(st, self.chunk)?;
             let next = match c.phase {
                 Phase::Forward { pass } => pass + 1,
+                Phase::Backward { pass } if unit_by_unit => pass + 1,
                 Phase::Idle | Phase::Backward { .. } => start_iteration(c, self.chunk, timed)?,
             };
             // Once frozen, a unit is the one its groups were recorded in (see `open_group`).
@@ -100,10 +102,10 @@ impl SaveHook for ChunkHook {
             if let Some(t) = &mut c.timing {
                 let e = stream.device().timing_event()?;
                 stream.record(&e)?;
-                t.forward.push(e);
+                t.marks.push((Mark::Forward(next), e));
             }
             match (capture, &self.baked) {
-                (Some(_), Some(baked)) => copy_out_captured(&self.inner, st, self.chunk, baked, stream),
+                (Some(_), Some(baked)) => copy_out_captured(&self.inner, st, self.chunk, baked.get(), stream),
                 _ => Ok(()),
             }
         })
@@ -237,7 +239,8 @@ impl SaveHook for ChunkHook {
     }
 
     fn tail_memory(&self) -> Vec<BufferId> {
-        self.baked.as_ref().map_or_else(Vec::new, |b| b.buffers.values().map(HostBuffer::memory).collect())
+        let baked = self.baked.as_ref().and_then(|b| b.get());
+        baked.map_or_else(Vec::new, |b| b.buffers.values().map(HostBuffer::memory).collect())
     }
 }
 
@@ -269,8 +272,8 @@ impl Restore for Ticket {
 
 /// The backward reaches unit `pass`: on the chunk's first take, copies still delayed or queued
 /// are dropped from their queues (their tensors never left the device, and a later flush must
-/// not act on consumed groups: H11); in the warmup it is timed; the previous unit's tensors are
-/// prefetched.
+/// not act on consumed groups: H11); in the recording iteration it is timed; the previous
+/// unit's tensors are prefetched.
 fn begin_backward_unit(
     hook: &ChunkHook,
     st: &mut State,
@@ -286,7 +289,7 @@ fn begin_backward_unit(
     if let Some(t) = &mut c.timing {
         let e = stream.device().timing_event()?;
         stream.record(&e)?;
-        t.backward.insert(pass, e);
+        t.marks.push((Mark::Backward(pass), e));
     }
     let previous: Vec<usize> = (0..c.run.len())
         .filter(|g| pass.checked_sub(1) == Some(c.layout[*g].pass) && !c.run[*g].back_issued && has_host(c, *g))
@@ -368,7 +371,13 @@ fn copy_out_eager(inner: &Inner, st: &mut State, chunk: Chunk, g: usize, stream:
 
 /// Issues, inside the capture on `stream`, the copies out of the groups that the chunk's previous
 /// unit committed, on D forked from the capture.
-fn copy_out_captured(inner: &Inner, st: &mut State, chunk: Chunk, baked: &Baked, stream: &Stream) -> Result<()> {
+fn copy_out_captured(
+    inner: &Inner,
+    st: &mut State,
+    chunk: Chunk,
+    baked: Option<&Baked>,
+    stream: &Stream,
+) -> Result<()> {
     let c = chunk_mut(st, chunk)?;
     if c.queued.is_empty() {
         return Ok(());
@@ -380,7 +389,9 @@ fn copy_out_captured(inner: &Inner, st: &mut State, chunk: Chunk, baked: &Baked,
         let _range = stream.device().range_with(|| range_name("offload", &c.layout[g], chunk));
         for (s, slot) in c.run[g].slots.iter_mut().enumerate().filter(|(_, s)| s.offload) {
             let Some(t) = slot.device.take() else { continue };
-            let b = baked.get(g, s).ok_or_else(|| schedule(chunk, "a baked host buffer".into(), "none".into()))?;
+            let b = baked
+                .and_then(|b| b.get(g, s))
+                .ok_or_else(|| schedule(chunk, "a baked host buffer".into(), "none".into()))?;
             b.copy_out(&t, &inner.d2h)?;
             bytes += b.bytes();
             slot.host = Some(HostRef::Baked);
@@ -413,7 +424,7 @@ fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, captur
     }
     match capture {
         Some(cap) => {
-            let baked = hook.baked.as_ref().ok_or(Error::Offload(OffloadErrorKind::NotForGraphs))?;
+            let baked = hook.baked.as_ref().ok_or(Error::Offload(OffloadErrorKind::NotForGraphs))?.get();
             inner.h2d.wait_stream(stream)?;
             if run.out_capture == Some(cap) {
                 inner.h2d.wait_stream(&inner.d2h)?;
@@ -423,8 +434,9 @@ fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, captur
             }
             for (s, dst) in dsts.into_iter().enumerate() {
                 let Some(dst) = dst else { continue };
-                let b =
-                    baked.get(g, s).ok_or_else(|| schedule(hook.chunk, "a baked host buffer".into(), "none".into()))?;
+                let b = baked
+                    .and_then(|b| b.get(g, s))
+                    .ok_or_else(|| schedule(hook.chunk, "a baked host buffer".into(), "none".into()))?;
                 b.copy_in(&dst, &inner.h2d)?;
                 run.slots[s].back = Some(dst);
             }

@@ -19,7 +19,7 @@ pub const DEFAULT_SITES: [&str; 6] = ["attn.input", "attn.q", "attn.k", "attn.v"
 pub const AUTO_CANDIDATES: [&str; 9] =
     ["attn.input", "attn.q", "attn.k", "attn.v", "attn.att", "mlp.input", "mlp.pre", "mlp.act", "ln2.input"];
 
-/// How the offloaded tensors are chosen after the warmup iteration.
+/// How the offloaded tensors are chosen after the recording iteration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Policy {
     /// Every eligible tensor of the listed sites, outside the margin, within the byte budget,
@@ -28,7 +28,8 @@ pub enum Policy {
     Listed,
     /// Per layer, the largest eligible tensors whose copies fit under the measured compute of
     /// the layer after it (its forward for the copy out, its backward for the copy back), from
-    /// the copy bandwidth and layer times measured in the warmup iteration.
+    /// the copy bandwidth and layer times measured in the recording iteration (for graphs, the
+    /// capture's warmup: each layer's eager forward and backward, launch gaps included).
     Auto,
 }
 

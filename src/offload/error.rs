@@ -6,21 +6,15 @@ use crate::nn::Chunk;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum OffloadErrorKind {
-    /// Graphs were requested before the policy was frozen (H13).
+    /// A chunk's modules saved in another order than in the recording iteration (H13).
     #[error(
-        "no policy yet: run one eager training iteration (forward and backward of every chunk) with the \
-         manager's chunk hooks and call `end_iteration`, then capture"
-    )]
-    NotFrozen,
-    /// A chunk's modules saved in another order than in the warmup iteration (H13).
-    #[error(
-        "{chunk} saved {found} where the warmup iteration saved {expected}: the schedule must be the same in \
+        "{chunk} saved {found} where the recording iteration saved {expected}: the schedule must be the same in \
          every iteration; make a new manager for another schedule"
     )]
     Schedule {
         /// The chunk.
         chunk: Chunk,
-        /// What the warmup iteration did at this point.
+        /// What the recording iteration did at this point.
         expected: String,
         /// What happened now.
         found: String,

@@ -1,6 +1,6 @@
 //! The offload manager: its copy streams, host buffers, chunks and policy.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::chunk::{bake, ChunkHook};
 use super::config::{OffloadConfig, Policy};
@@ -8,7 +8,7 @@ use super::error::OffloadErrorKind;
 use super::host::HostBuffer;
 use super::policy::{decide, GroupLayout, Summary, Timings};
 use super::shared::{has_clock, Inner};
-use super::state::{Fault, PassTiming};
+use super::state::{Baked, Fault, Mark, PassTiming, State};
 use crate::device::{DType, Stream};
 use crate::graph::GraphOptions;
 use crate::memory::CachingAllocator;
@@ -18,13 +18,19 @@ use crate::{Error, Result};
 
 /// Activation offloading, eager and inside captured graphs (Megatron-LM's fine-grained
 /// offloading): a copy-out and a copy-back stream, pinned host buffers, one save hook per chunk,
-/// and a policy decided after a warmup iteration and frozen before capture.
+/// and a policy decided after a recording iteration and frozen before capture.
+///
+/// For graphs, the capture records: pass [`graph_options`](OffloadManager::graph_options) to
+/// [`make_graphed_stack`](crate::graph::make_graphed_stack) (or `make_graphed_callables`), and
+/// the first iteration of its warmup records what every module saves, the policy is frozen, and
+/// the graphs get their host buffers. Eagerly, the first iteration through the chunk hooks
+/// records, and [`end_iteration`](OffloadManager::end_iteration) freezes.
 ///
 /// ```
 /// use graphed::device::{DType, Device};
 /// use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 /// use graphed::memory::CachingAllocator;
-/// use graphed::nn::{Builder, Chunk, Inputs, Layers, Module, ParamStore, Stack, TransformerLayer};
+/// use graphed::nn::{Builder, Layers, ParamStore, Stack, TransformerLayer};
 /// use graphed::offload::{OffloadConfig, OffloadManager};
 /// use graphed::tensor::Tensor;
 ///
@@ -38,16 +44,10 @@ use crate::{Error, Result};
 /// let dy = Tensor::zeros(&alloc, &main, &[2, 4, 32], DType::F32)?;
 ///
 /// let offload = OffloadManager::new(&alloc, OffloadConfig::default().min_elements(64))?;
-/// // The warmup iteration records what every module saves; `end_iteration` freezes the policy.
-/// let hook = offload.chunk(Chunk::default());
-/// let (_, ctx) = stack.forward(&Inputs::one(&x), &hook, &main)?;
-/// stack.backward(ctx, &[&dy], &main)?;
-/// offload.end_iteration(&main)?;
-/// assert!(offload.summary().unwrap().offloaded_bytes() > 0);
-///
-/// // The copies run inside the graphs, as their tails.
-/// let options = offload.graph_options(GraphOptions::default().sync_event(&ready))?;
+/// // The capture's warmup records and freezes the policy; the copies run in the graphs' tails.
+/// let options = offload.graph_options(GraphOptions::default().sync_event(&ready));
 /// let graphed = make_graphed_stack(&alloc, &stack, &x, options)?;
+/// assert!(offload.summary().unwrap().offloaded_bytes() > 0);
 /// graphed.forward(&main, &x, Replay::side(&side))?;
 /// graphed.backward(&main, &dy)?;
 /// graphed.join(&main)?;
@@ -56,6 +56,12 @@ use crate::{Error, Result};
 #[derive(Clone)]
 pub struct OffloadManager {
     inner: Arc<Inner>,
+}
+
+/// The refusal of a chunk that the recording iteration did not see, met by `found`.
+fn schedule_error(chunk: Chunk, found: &str) -> Error {
+    let (expected, found) = ("nothing (the chunk was not in it)".into(), found.into());
+    Error::Offload(OffloadErrorKind::Schedule { chunk, expected, found })
 }
 
 /// The bytes a bandwidth probe copies each way.
@@ -78,41 +84,98 @@ impl OffloadManager {
         ChunkHook { inner: self.inner.clone(), chunk, baked: None }
     }
 
-    /// `options` with this manager as the graphs' save hook: a hook per captured chunk holding
-    /// host buffers for its graphs (they live as long as the graphs), and offloading off during
-    /// the capture's warmup (`pre_warmup`/`post_warmup`, which this replaces; call
-    /// [`disable`](OffloadManager::disable) and [`enable`](OffloadManager::enable) from your own
-    /// hooks instead). Give the options a sync event, so that side-stream replays overlap the
-    /// copies in each graph's tail.
+    /// `options` with this manager as the graphs' save hook, one hook per captured chunk holding
+    /// host buffers for its graphs (they live as long as the graphs).
     ///
-    /// # Errors
-    /// [`OffloadErrorKind::NotFrozen`] before the warmup iteration ended.
-    pub fn graph_options(&self, options: GraphOptions) -> Result<GraphOptions> {
-        if !self.inner.lock().frozen {
-            return Err(Error::Offload(OffloadErrorKind::NotFrozen));
-        }
-        let (handler, off, on) = (self.clone(), self.clone(), self.clone());
-        Ok(options
+    /// If the policy is not frozen yet, the capture's warmup records it: its first iteration,
+    /// which runs each layer's backward right after its forward, goes through the hooks and
+    /// ends as [`end_iteration`](OffloadManager::end_iteration) ends an eager one (deciding and
+    /// freezing the policy, timing the layers for the automatic policy); the hooks' host buffers
+    /// are baked then, before the capture. A warmup that fails before that leaves the policy
+    /// unrecorded. The rest of the warmup runs with offloading off, as does the whole warmup of a
+    /// capture after the policy froze (`pre_warmup`/`post_warmup`, which this replaces: call
+    /// [`disable`](OffloadManager::disable) and [`enable`](OffloadManager::enable) from your
+    /// own hooks instead). Give the options a sync event, so that side-stream replays overlap
+    /// the copies in each graph's tail.
+    pub fn graph_options(&self, options: GraphOptions) -> GraphOptions {
+        let (handler, pre, first, post, abandoned) =
+            (self.clone(), self.clone(), self.clone(), self.clone(), self.clone());
+        options
             .init_chunk_handler(move |chunk| handler.graph_hook(chunk))
             .pre_warmup(move |_| {
-                off.disable();
+                pre.begin_warmup();
                 Ok(())
             })
+            .after_first_iteration(move |stream| first.end_recording(stream))
             .post_warmup(move |_| {
-                on.enable();
+                post.end_warmup();
                 Ok(())
-            }))
+            })
+            .on_abandon(move || abandoned.forget_capture_recording())
     }
 
-    /// The hook of `chunk` for its graphs, with host buffers baked for them.
+    /// The hook of `chunk` for its graphs, with host buffers baked for them now if the policy
+    /// is frozen, else when it freezes.
     fn graph_hook(&self, chunk: Chunk) -> Result<Arc<dyn SaveHook>> {
-        let st = self.inner.lock();
-        let Some(c) = st.chunks.get(&chunk) else {
-            let (expected, found) = ("nothing (the chunk was not in it)".into(), "a capture".into());
-            return Err(Error::Offload(OffloadErrorKind::Schedule { chunk, expected, found }));
+        let mut st = self.inner.lock();
+        let slot = match st.frozen {
+            true => {
+                let c = st.chunks.get(&chunk).ok_or_else(|| schedule_error(chunk, "a capture"))?;
+                Arc::new(OnceLock::from(bake(self.inner.alloc.device(), &c.layout)?))
+            }
+            false => {
+                let slot = Arc::new(OnceLock::new());
+                st.unbaked.push((chunk, slot.clone()));
+                slot
+            }
         };
-        let baked = bake(self.inner.alloc.device(), &c.layout)?;
-        Ok(Arc::new(ChunkHook { inner: self.inner.clone(), chunk, baked: Some(Arc::new(baked)) }))
+        Ok(Arc::new(ChunkHook { inner: self.inner.clone(), chunk, baked: Some(slot) }))
+    }
+
+    /// Before a capture's warmup: its first iteration records if the policy is not frozen,
+    /// else offloading is off for the whole warmup.
+    fn begin_warmup(&self) {
+        let mut st = self.inner.lock();
+        st.capture_recorded = false;
+        match st.frozen {
+            true => st.enabled = false,
+            false => st.warmup_recording = true,
+        }
+    }
+
+    /// After the warmup's first iteration: ends the recording iteration, if it was one; then
+    /// offloading is off for the rest of the warmup.
+    fn end_recording(&self, stream: &Stream) -> Result<()> {
+        let recording = std::mem::replace(&mut self.inner.lock().warmup_recording, false);
+        if recording {
+            self.end_iteration(stream)?;
+            self.inner.lock().capture_recorded = true;
+        }
+        self.disable();
+        Ok(())
+    }
+
+    /// After a capture failed: the policy its warmup recorded, if it did, is forgotten, so that
+    /// a refused capture leaves the manager as it was.
+    fn forget_capture_recording(&self) {
+        let mut st = self.inner.lock();
+        if std::mem::take(&mut st.capture_recorded) {
+            st.frozen = false;
+            st.summary = None;
+            st.chunks.clear();
+        }
+    }
+
+    /// After a capture's warmup, also a failed one (H17): offloading on again, and what a
+    /// recording that did not end recorded forgotten, so that the next iteration records anew.
+    fn end_warmup(&self) {
+        let mut st = self.inner.lock();
+        st.warmup_recording = false;
+        if !st.frozen {
+            st.chunks.clear();
+            st.unbaked.clear();
+        }
+        st.enabled = true;
     }
 
     /// Turns offloading off: every hook keeps tensors on the device and its state stays as it
@@ -134,9 +197,11 @@ impl OffloadManager {
         self.inner.lock().fault = Some(fault);
     }
 
-    /// Ends an iteration (every chunk's forward and backward), on the compute `stream`. After
-    /// the first, the warmup iteration, decides and freezes the policy (timing the copies for
-    /// the automatic policy).
+    /// Ends an eager iteration (every chunk's forward and backward), on the compute `stream`.
+    /// After the first, the recording iteration, decides and freezes the policy (timing the
+    /// copies for the automatic policy) and bakes the host buffers of graph hooks made before.
+    /// A capture's warmup calls it itself when it records (see
+    /// [`graph_options`](OffloadManager::graph_options)).
     ///
     /// # Errors
     /// [`OffloadErrorKind::Pending`] when saved tensors were not taken back or delayed copies
@@ -183,6 +248,18 @@ impl OffloadManager {
             decide(config, &mut c.layout, timings.as_ref());
             c.offloads = c.layout.iter().any(|g| g.offloaded_bytes() > 0);
         }
+        let baked = match self.bake_unbaked(&st) {
+            Ok(baked) => baked,
+            Err(e) => {
+                st.chunks.clear();
+                st.unbaked.clear();
+                return Err(e);
+            }
+        };
+        for (slot, buffers) in baked {
+            // Each slot waits in `unbaked` only until this, its one setting.
+            let _ = slot.set(buffers);
+        }
         let layouts: Vec<(Chunk, &[GroupLayout])> = st.chunks.iter().map(|(k, c)| (*k, c.layout.as_slice())).collect();
         let summary = Summary::from_layouts(&layouts, timings.as_ref(), config);
         st.summary = Some(summary);
@@ -190,7 +267,20 @@ impl OffloadManager {
         Ok(())
     }
 
-    /// The warmup's unit times (the slowest chunk's, per unit) and the copy bandwidths.
+    /// Host buffers for the graph hooks made before the policy froze, from `st`'s decided
+    /// layouts.
+    fn bake_unbaked(&self, st: &State) -> Result<Vec<(Arc<OnceLock<Baked>>, Baked)>> {
+        let dev = self.inner.alloc.device();
+        (st.unbaked.iter())
+            .map(|(chunk, slot)| {
+                let c = st.chunks.get(chunk).ok_or_else(|| schedule_error(*chunk, "a capture"))?;
+                Ok((slot.clone(), bake(dev, &c.layout)?))
+            })
+            .collect()
+    }
+
+    /// The recording iteration's unit times (the slowest chunk's, per unit; each mark's window
+    /// ends at the next mark) and the copy bandwidths.
     fn measure(&self, stream: &Stream, timings: Vec<(Chunk, Option<PassTiming>)>) -> Result<Timings> {
         let end = stream.device().timing_event()?;
         stream.record(&end)?;
@@ -204,13 +294,12 @@ impl OffloadManager {
         };
         for (_, t) in timings {
             let Some(t) = t else { continue };
-            for (p, e) in t.forward.iter().enumerate() {
-                let next = t.forward.get(p + 1).or_else(|| t.backward.values().next_back()).unwrap_or(&end);
-                keep(&mut forward_ms, p, e.elapsed_ms(next)?);
-            }
-            for (&p, e) in &t.backward {
-                let next = p.checked_sub(1).and_then(|q| t.backward.get(&q)).unwrap_or(&end);
-                keep(&mut backward_ms, p, e.elapsed_ms(next)?);
+            for (k, (mark, e)) in t.marks.iter().enumerate() {
+                let ms = e.elapsed_ms(t.marks.get(k + 1).map_or(&end, |(_, next)| next))?;
+                match *mark {
+                    Mark::Forward(p) => keep(&mut forward_ms, p, ms),
+                    Mark::Backward(p) => keep(&mut backward_ms, p, ms),
+                }
             }
         }
         let (out, back) = self.probe_bandwidth(stream)?;
@@ -261,7 +350,7 @@ impl OffloadManager {
         Ok((out, back))
     }
 
-    /// The frozen policy's summary (`None` before the warmup iteration ended).
+    /// The frozen policy's summary (`None` before the recording iteration ended).
     pub fn summary(&self) -> Option<Summary> {
         self.inner.lock().summary.clone()
     }

@@ -6,8 +6,11 @@
 //!   size and type (each with the events of its last copies), and one [`ChunkHook`] per chunk
 //!   (a microbatch of a pipeline stage).
 //! - The first iteration through the chunk hooks records what every module saves (and times
-//!   it, for the automatic policy); [`OffloadManager::end_iteration`] then decides what to
-//!   offload ([`Policy`], [`OffloadConfig`]) and freezes it ([`Summary`] prints it).
+//!   it, for the automatic policy), then the manager decides what to offload ([`Policy`],
+//!   [`OffloadConfig`]) and freezes it ([`Summary`] prints it). For graphs that iteration is
+//!   the first of the capture's warmup, layer by layer
+//!   ([`OffloadManager::graph_options`]); eagerly, the first one a caller runs, ended by
+//!   [`OffloadManager::end_iteration`].
 //! - Eagerly, a group's copy out starts at its commit; inside graphs, when the next unit's
 //!   capture begins, so that it overlaps the next layer's compute. The copies join the capture
 //!   stream after the sync event: they are the graph's tail, which a side-stream replay lets

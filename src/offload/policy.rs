@@ -1,5 +1,5 @@
-//! The policy decided after the warmup iteration and frozen before capture (H13): which saved
-//! tensors go to host memory, from what the warmup recorded; and the summary table.
+//! The policy decided after the recording iteration and frozen before capture (H13): which saved
+//! tensors go to host memory, from what the recording iteration recorded; and the summary table.
 
 use std::fmt;
 
@@ -7,7 +7,7 @@ use super::config::{OffloadConfig, Policy};
 use crate::device::DType;
 use crate::nn::Chunk;
 
-/// One saved tensor as the warmup iteration recorded it, and the decision.
+/// One saved tensor as the recording iteration recorded it, and the decision.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorLayout {
     /// Its name at the site (`q`).
@@ -29,7 +29,7 @@ impl TensorLayout {
     }
 }
 
-/// One group (the tensors one module saved in one forward) as the warmup recorded it.
+/// One group (the tensors one module saved in one forward) as the recording iteration recorded it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GroupLayout {
     /// The module's name (`layer3.attn`).
@@ -47,7 +47,7 @@ impl GroupLayout {
     }
 }
 
-/// What the warmup iteration measured, for [`Policy::Auto`]: per unit (layer) of a chunk, the
+/// What the recording iteration measured, for [`Policy::Auto`]: per unit (layer) of a chunk, the
 /// milliseconds of its forward and of its backward, and the copy bandwidths in bytes per
 /// millisecond.
 #[derive(Debug, Clone, PartialEq)]
@@ -131,7 +131,8 @@ pub struct SummaryRow {
 }
 
 impl SummaryRow {
-    /// The share of the copy that the window hides, as expected from the warmup's timings.
+    /// The share of the copy that the window hides, as expected from the recording iteration's
+    /// timings.
     pub fn expected_overlap(&self) -> Option<f64> {
         match (self.window_ms, self.copy_ms) {
             (Some(w), Some(c)) if c > 0.0 => Some((w / c).min(1.0)),

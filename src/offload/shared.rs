@@ -39,7 +39,7 @@ impl Inner {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether the warmup iteration times its units (for the automatic policy).
+    /// Whether the recording iteration times its units (for the automatic policy).
     pub(crate) fn timed(&self) -> bool {
         self.config.policy == Policy::Auto && has_clock(self.alloc.device().kind())
     }

@@ -1,8 +1,8 @@
-//! What the manager keeps per chunk: the layout the warmup recorded (fixed afterwards), and the
-//! state of the current iteration's groups.
+//! What the manager keeps per chunk: the layout the recording iteration recorded (fixed
+//! afterwards), and the state of the current iteration's groups.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::host::{HostBuffer, HostPool};
 use super::policy::{GroupLayout, Summary};
@@ -81,13 +81,20 @@ impl GroupRun {
     }
 }
 
-/// Timing events of the warmup iteration (devices with a clock, automatic policy).
+/// Where a timing event of the recording iteration was recorded: when a unit's forward began, or
+/// when its backward took its first saved tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mark {
+    Forward(usize),
+    Backward(usize),
+}
+
+/// Timing events of the recording iteration (devices with a clock, automatic policy), in the
+/// order they were recorded: each mark's window ends at the next one, whatever the order of the
+/// passes (a whole stack's forwards then backwards, or a capture's warmup, unit by unit).
 #[derive(Default)]
 pub(crate) struct PassTiming {
-    /// Per unit, recorded when its forward begins.
-    pub(crate) forward: Vec<Event>,
-    /// Per unit, recorded when its backward takes its first saved tensor.
-    pub(crate) backward: BTreeMap<usize, Event>,
+    pub(crate) marks: Vec<(Mark, Event)>,
 }
 
 /// One chunk: its recorded layout and its current iteration.
@@ -141,9 +148,16 @@ impl ChunkState {
 
 /// The manager's state behind its lock.
 pub(crate) struct State {
-    /// Off during a graph capture's warmup (the warmup hooks).
+    /// Off during a graph capture's warmup once the policy is frozen (the warmup hooks).
     pub(crate) enabled: bool,
-    /// Whether the warmup iteration ended and the policy is fixed.
+    /// The iteration being recorded is a capture's warmup, which runs each unit's backward right
+    /// after its forward: a forward after a backward is the next unit, not a new iteration.
+    pub(crate) warmup_recording: bool,
+    /// The policy was frozen by the warmup of the capture under way (forgotten if it fails).
+    pub(crate) capture_recorded: bool,
+    /// Host-buffer slots of graph hooks made before the policy froze, filled when it freezes.
+    pub(crate) unbaked: Vec<(Chunk, Arc<OnceLock<Baked>>)>,
+    /// Whether the recording iteration ended and the policy is fixed.
     pub(crate) frozen: bool,
     pub(crate) chunks: BTreeMap<Chunk, ChunkState>,
     pub(crate) host: HostPool,
@@ -184,6 +198,9 @@ impl State {
     pub(crate) fn new() -> State {
         State {
             enabled: true,
+            warmup_recording: false,
+            capture_recorded: false,
+            unbaked: Vec::new(),
             frozen: false,
             chunks: BTreeMap::new(),
             host: HostPool::default(),
@@ -208,5 +225,6 @@ impl Baked {
     }
 }
 
-/// A chunk's baked buffers, if its hook was made for graphs.
-pub(crate) type BakedRef = Option<Arc<Baked>>;
+/// A chunk's baked buffers, if its hook was made for graphs: set when the policy freezes (at once
+/// for a hook made after that).
+pub(crate) type BakedRef = Option<Arc<OnceLock<Baked>>>;

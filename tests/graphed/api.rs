@@ -33,9 +33,10 @@ fn samples(stack: &Model) -> Result<Vec<Inputs>> {
     Ok(stack.layers().iter().map(|_| Inputs::one(&x0)).collect())
 }
 
-/// TransformerEngine's order: per iteration (warmup and capture alike) every forward in order,
-/// then every backward in reverse, each bracketed by its pre and post hook, all outside capture;
-/// the warmup hooks once each around all of it; nothing more at replay.
+/// Each pass bracketed by its pre and post hook, all outside capture: in the warmup, each
+/// layer's forward then its backward, layer by layer (PyTorch's per-callable warmup); in the
+/// capture, TransformerEngine's order, every forward in order, then every backward in reverse;
+/// the warmup hooks once each around the warmup; nothing more at replay.
 pub fn hooks_run_in_order_outside_capture(dev: &Device) -> Result {
     let stack = Model::new(dev)?;
     let log: Rc<RefCell<Vec<String>>> = Rc::default();
@@ -56,6 +57,16 @@ pub fn hooks_run_in_order_outside_capture(dev: &Device) -> Result {
             Ok(())
         });
     let g = stack.graph(options)?;
+    let warmup = [
+        "0ForwardPre",
+        "0Forward",
+        "0BackwardPre",
+        "0Backward",
+        "1ForwardPre",
+        "1Forward",
+        "1BackwardPre",
+        "1Backward",
+    ];
     let pass = [
         "0ForwardPre",
         "0Forward",
@@ -67,7 +78,7 @@ pub fn hooks_run_in_order_outside_capture(dev: &Device) -> Result {
         "0Backward",
     ];
     let mut want = vec!["pre".to_string()];
-    want.extend(pass.iter().chain(&pass).map(|p| p.to_string()));
+    want.extend(warmup.iter().chain(&warmup).map(|p| p.to_string()));
     want.push("post".into());
     want.extend(pass.iter().map(|p| p.to_string()));
     ensure!(*log.borrow() == want, "hook log {:?}, want {want:?}", log.borrow());

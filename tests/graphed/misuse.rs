@@ -5,11 +5,11 @@
 //! later run), joins (into streams of this and of another device), releases, drops and optimizer
 //! steps over the public API. Activation offloading too: offload managers made with good and refused
 //! configurations (a malformed site selector, refused at `OffloadManager::new`; a selector that
-//! selects nothing the model saves, refused when `end_iteration` freezes the policy), eager
-//! iterations through a manager's chunk hook (forward and backward as separate calls, with and
-//! without `end_iteration`, on a chunk the warmup saw or not), captures with the manager's graph
-//! options (refused before the policy is frozen), whose stacks and callables take part in every
-//! act above, and a check that an offloading stack's replay (in any mode) gives the values of the
+//! selects nothing the model saves, refused when the policy freezes), eager iterations through
+//! a manager's chunk hook (forward and backward as separate calls, with and without
+//! `end_iteration`, on a chunk the recording saw or not), captures with the manager's graph
+//! options (whose warmup records the policy if it is not frozen yet), whose stacks and
+//! callables take part in every act above, and a check that an offloading stack's replay (in any mode) gives the values of the
 //! same step eagerly without offloading. Properties: nothing panics; a refusal is a typed misuse
 //! error (of the graph or the offload layer); a refused call changes nothing observable
 //! (parameters, gradients, the RNG step counter, every static input and output gradient, every
@@ -227,9 +227,10 @@ fn act() -> impl Strategy<Value = Act> {
 }
 
 /// How a sequence starts, so that sequences reach the frozen policy and offloading graphs
-/// often: with nothing in a quarter of them; else with a manager and its warmup iteration
-/// (forward, backward, `end_iteration`), then, in half of them, an offloading stack captured
-/// with a sync event (as `graphed train --offload --side-stream` does).
+/// often: with nothing in a quarter of them; else with a manager and an offloading stack
+/// captured with a sync event, whose warmup records the policy (as `graphed train --offload
+/// --side-stream` does), or with an eager recording iteration (forward, backward,
+/// `end_iteration`), then, in half of them, that capture.
 fn prefix() -> impl Strategy<Value = Vec<Act>> {
     let config = prop_oneof![
         3 => Just(ConfigPick::Good),
@@ -237,14 +238,12 @@ fn prefix() -> impl Strategy<Value = Vec<Act>> {
         1 => Just(ConfigPick::Wildcard),
         1 => Just(ConfigPick::Unmatched)
     ];
-    let warm = (config, any::<bool>()).prop_map(|(config, capture)| {
-        let mut acts = vec![
-            Act::NewManager { config },
-            Act::EagerForward { other_chunk: false },
-            Act::EagerBackward,
-            Act::EndIteration,
-        ];
-        if capture {
+    let warm = (config, any::<bool>(), any::<bool>()).prop_map(|(config, eager, capture)| {
+        let mut acts = vec![Act::NewManager { config }];
+        if eager {
+            acts.extend([Act::EagerForward { other_chunk: false }, Act::EagerBackward, Act::EndIteration]);
+        }
+        if capture || !eager {
             acts.push(Act::Capture { shape: Shape::Stack, event: true, pool: PoolPick::New, offload: true });
         }
         acts
@@ -395,7 +394,7 @@ impl World<'_> {
                 }
                 let offload = offload && self.manager.is_some();
                 if let (true, Some(m)) = (offload, &self.manager) {
-                    options = m.m.graph_options(options)?;
+                    options = m.m.graph_options(options);
                 }
                 options = match pool {
                     PoolPick::New => options,

@@ -5,6 +5,7 @@ use anyhow::ensure;
 use graphed::device::{DType, Device};
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, Replay};
 use graphed::nn::{AttentionKind, Chunk, Inputs, KeepOnDevice};
+use graphed::offload::OffloadManager;
 
 use super::fixtures::{config, Dims, Model, Result, DIMS};
 
@@ -16,8 +17,7 @@ fn eager_twins(dev: &Device, dtype: DType, attention: AttentionKind) -> Result {
     let dims = Dims { attention, ..DIMS };
     let plain = Model::new(dev, dims, dtype)?;
     let off = Model::new(dev, dims, dtype)?;
-    plain.eager(&KeepOnDevice, 0)?;
-    plain.store.grads()?.zero(&plain.s)?;
+    plain.skip_first()?;
     let m = off.offload(config())?;
     let summary = m.summary().ok_or_else(|| anyhow::anyhow!("no summary"))?;
     // Units 0..3 offload the 6 default tensors of 512 elements; the margin keeps unit 3.
@@ -69,22 +69,24 @@ enum How {
     Side,
 }
 
-/// Three twins: eager with offloading, graphed without, graphed with; all equal bit for bit.
+/// Three twins: eager with offloading, graphed without, graphed with (its policy recorded by
+/// the capture's warmup); all equal bit for bit, and both managers decided alike.
 fn graphed_twins(dev: &Device, how: How, dtype: DType) -> Result {
     let eager = Model::new(dev, DIMS, dtype)?;
     let plain = Model::new(dev, DIMS, dtype)?;
     let off = Model::new(dev, DIMS, dtype)?;
     let me = eager.offload(config())?;
-    let mo = off.offload(config())?;
-    plain.eager(&KeepOnDevice, 0)?;
-    plain.store.grads()?.zero(&plain.s)?;
+    let mo = OffloadManager::new(&off.alloc, config())?;
+    plain.skip_first()?;
+    off.skip_first()?;
     let (side, e1, e2) = (dev.stream()?, dev.event()?, dev.event()?);
     let options = |e| match how {
         How::Side => GraphOptions::default().sync_event(e),
         _ => GraphOptions::default(),
     };
     let gp = plain.graph(options(&e1))?;
-    let go = off.graph(mo.graph_options(options(&e2))?)?;
+    let go = off.graph(mo.graph_options(options(&e2)))?;
+    ensure!(mo.layout(Chunk::default()) == me.layout(Chunk::default()), "the capture recorded another layout");
     let replay = match how {
         How::Caller => Replay::caller(),
         How::Joined => Replay::joined(&side),
@@ -126,12 +128,10 @@ pub fn whole_stack_graph_with_offload_matches(dev: &Device) -> Result {
     let dims = Dims { dropout: 0.0, ..DIMS };
     let eager = Model::new(dev, dims, DType::F32)?;
     let off = Model::new(dev, dims, DType::F32)?;
-    eager.eager(&KeepOnDevice, 0)?;
-    eager.store.grads()?.zero(&eager.s)?;
-    let m = off.offload(config())?;
+    let m = OffloadManager::new(&off.alloc, config())?;
     let (x0, _) = off.data(0)?;
     let e = dev.event()?;
-    let options = m.graph_options(GraphOptions::default().sync_event(&e))?;
+    let options = m.graph_options(GraphOptions::default().sync_event(&e));
     let g = make_graphed_callables(&off.alloc, &[&off.stack as &dyn Callable], &[Inputs::one(&x0)], options)?;
     let side = dev.stream()?;
     for k in 1..=STEPS {
@@ -155,10 +155,9 @@ pub fn peak_memory_falls_by_the_offloaded_bytes(dev: &Device) -> Result {
     let dims = Dims { layers: 6, ..DIMS };
     let plain = Model::new(dev, dims, DType::F32)?;
     let off = Model::new(dev, dims, DType::F32)?;
-    plain.eager(&KeepOnDevice, 0)?;
-    let m = off.offload(config())?;
+    let m = OffloadManager::new(&off.alloc, config())?;
     let gp = plain.graph(GraphOptions::default())?;
-    let go = off.graph(m.graph_options(GraphOptions::default())?)?;
+    let go = off.graph(m.graph_options(GraphOptions::default()))?;
     let peak = |model: &Model, pool: graphed::memory::PoolId| {
         model.alloc.stats().pools.iter().find(|(id, _)| *id == pool).map(|(_, s)| s.peak_allocated).unwrap_or(0)
     };

@@ -7,8 +7,8 @@ use graphed::device::{DType, Device, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    input_grad, AttentionKind, AttentionSpec, Builder, Chunk, Inputs, Layers, Module, ParamStore, SaveHook,
-    SavedTensor, Stack, TransformerLayer,
+    input_grad, AttentionKind, AttentionSpec, Builder, Chunk, Inputs, KeepOnDevice, Layers, Module, ParamStore,
+    SaveHook, SavedTensor, Stack, TransformerLayer,
 };
 use graphed::offload::{OffloadConfig, OffloadManager};
 use graphed::tensor::Tensor;
@@ -105,14 +105,23 @@ impl Model {
         Ok(self.store.grads()?.to_f32_vec(&self.s)?)
     }
 
-    /// A manager for this model (tensors of at least 256 elements), warmed up by one eager
-    /// iteration on microbatch 0, whose gradients are then zeroed.
+    /// A manager for eager use, its policy recorded by one eager iteration on microbatch 0,
+    /// whose gradients are then zeroed. Graphs need none: their capture records.
     pub fn offload(&self, config: OffloadConfig) -> Result<OffloadManager> {
         let m = OffloadManager::new(&self.alloc, config)?;
         self.eager(&m.chunk(Chunk::default()), 0)?;
         m.end_iteration(&self.s)?;
         self.store.grads()?.zero(&self.s)?;
         Ok(m)
+    }
+
+    /// One eager iteration on microbatch 0 without offloading, its gradients then zeroed: the
+    /// twin of [`offload`](Model::offload)'s recording iteration (the dropout step counter
+    /// advanced once).
+    pub fn skip_first(&self) -> Result {
+        self.eager(&KeepOnDevice, 0)?;
+        self.store.grads()?.zero(&self.s)?;
+        Ok(())
     }
 }
 

@@ -118,7 +118,7 @@ fn captured_with(dev: &Device, fault: Option<Fault>) -> Result<graphed::Result<(
     }
     let e = dev.event()?;
     let (x0, _) = model.data(0)?;
-    let options = m.graph_options(GraphOptions::default().sync_event(&e))?;
+    let options = m.graph_options(GraphOptions::default().sync_event(&e));
     Ok(graphed::graph::make_graphed_stack(&model.alloc, &model.stack, &x0, options).map(|_| ()))
 }
 
@@ -140,7 +140,7 @@ pub fn h4_wait_outside_capture_fails_the_capture(dev: &Device) -> Result {
 /// capture-local join orders them; without it the checker sees the race at replay.
 fn whole_stack(dev: &Device, fault: Option<Fault>) -> Result {
     let model = Model::new(dev, DIMS, DType::F32)?;
-    let m = model.offload(config())?;
+    let m = OffloadManager::new(&model.alloc, config())?;
     if let Some(f) = fault {
         m.inject(f);
     }
@@ -149,7 +149,7 @@ fn whole_stack(dev: &Device, fault: Option<Fault>) -> Result {
         &model.alloc,
         &[&model.stack as &dyn Callable],
         &[Inputs::one(&x0)],
-        m.graph_options(GraphOptions::default())?,
+        m.graph_options(GraphOptions::default()),
     )?;
     let _tail = g[0].forward(&model.s, &Inputs::one(&x0), Replay::caller())?;
     let _tail = g[0].backward(&model.s, &[&dy])?;
@@ -168,8 +168,8 @@ pub fn h5_copy_back_and_use_in_one_graph_are_joined(dev: &Device) -> Result {
 /// bug: a wait on an event that the graph never records).
 pub fn h1_side_replay_without_sync_event_is_refused(dev: &Device) -> Result {
     let model = Model::new(dev, DIMS, DType::F32)?;
-    let m = model.offload(config())?;
-    let g = model.graph(m.graph_options(GraphOptions::default())?)?;
+    let m = OffloadManager::new(&model.alloc, config())?;
+    let g = model.graph(m.graph_options(GraphOptions::default()))?;
     let side = dev.stream()?;
     let (x, _) = model.data(1)?;
     match g.forward(&model.s, &x, Replay::side(&side)) {
@@ -184,7 +184,7 @@ pub fn h1_side_replay_without_sync_event_is_refused(dev: &Device) -> Result {
 /// the second stream until the first one's tail is joined.
 pub fn h6_graphs_of_one_pool_on_two_streams_are_refused(dev: &Device) -> Result {
     let model = Model::new(dev, DIMS, DType::F32)?;
-    let m = model.offload(config())?;
+    let m = OffloadManager::new(&model.alloc, config())?;
     let (x0, _) = model.data(0)?;
     let e = dev.event()?;
     let layers: Vec<&dyn Callable> = model.stack.layers().iter().map(|l| l as &dyn Callable).collect();
@@ -193,7 +193,7 @@ pub fn h6_graphs_of_one_pool_on_two_streams_are_refused(dev: &Device) -> Result 
         &model.alloc,
         &layers,
         &samples,
-        m.graph_options(GraphOptions::default().sync_event(&e))?,
+        m.graph_options(GraphOptions::default().sync_event(&e)),
     )?;
     let side = dev.stream()?;
     let (y, tail) = g[0].forward(&model.s, &Inputs::one(&x0), Replay::side(&side))?;
@@ -219,7 +219,7 @@ pub fn h11_delayed_copies_are_flushed_or_reported(dev: &Device) -> Result {
     let layers = model.stack.layers();
     let graphed: Vec<&dyn Callable> = vec![&layers[2], &layers[3]];
     let samples = vec![Inputs::one(&x0), Inputs::one(&x0)];
-    let g = make_graphed_callables(&model.alloc, &graphed, &samples, m.graph_options(GraphOptions::default())?)?;
+    let g = make_graphed_callables(&model.alloc, &graphed, &samples, m.graph_options(GraphOptions::default()))?;
     let (x, dy) = model.data(1)?;
     let before = m.stats().copied_out;
     let (h, ctx0) = layers[0].forward(&Inputs::one(&x), &hook, &model.s)?;
@@ -246,16 +246,15 @@ pub fn h11_delayed_copies_are_flushed_or_reported(dev: &Device) -> Result {
     Ok(())
 }
 
-/// H13: a schedule other than the warmup's is refused, and so is a capture before the policy
-/// is frozen; a refused forward leaves the step counter as it was.
+/// H13: the policy is frozen by the recording iteration (here a capture's warmup), and a
+/// schedule other than the recorded one is refused; a refused forward leaves the step counter
+/// as it was.
 pub fn h13_schedule_changes_are_refused(dev: &Device) -> Result {
     let model = Model::new(dev, DIMS, DType::F32)?;
-    let fresh = OffloadManager::new(&model.alloc, config())?;
-    match fresh.graph_options(GraphOptions::default()) {
-        Err(e) if matches!(e.offload_kind(), Some(OffloadErrorKind::NotFrozen)) => {}
-        other => anyhow::bail!("expected NotFrozen, got {other:?}"),
-    }
-    let m = model.offload(config())?;
+    let m = OffloadManager::new(&model.alloc, config())?;
+    ensure!(m.summary().is_none(), "a new manager has no policy");
+    let _g = model.graph(m.graph_options(GraphOptions::default()))?;
+    ensure!(m.summary().is_some(), "the capture's warmup did not freeze the policy");
     // Layer 1, then layer 0: layer 0's groups come before the cursor.
     let (x, _) = model.data(1)?;
     let hook = m.chunk(Chunk::default());
@@ -288,10 +287,8 @@ pub fn h13_schedule_changes_are_refused(dev: &Device) -> Result {
 pub fn h14_graphs_outlive_their_manager(dev: &Device) -> Result {
     let eager = Model::new(dev, DIMS, DType::F32)?;
     let off = Model::new(dev, DIMS, DType::F32)?;
-    eager.eager(&KeepOnDevice, 0)?;
-    eager.store.grads()?.zero(&eager.s)?;
-    let m = off.offload(config())?;
-    let g = off.graph(m.graph_options(GraphOptions::default())?)?;
+    let m = OffloadManager::new(&off.alloc, config())?;
+    let g = off.graph(m.graph_options(GraphOptions::default()))?;
     drop(m);
     for k in 1..3 {
         ensure!(off.graphed(&g, k, Replay::caller())? == eager.eager(&KeepOnDevice, k)?, "microbatch {k} differs");
@@ -299,22 +296,34 @@ pub fn h14_graphs_outlive_their_manager(dev: &Device) -> Result {
     Ok(())
 }
 
-/// H17: a warmup that fails still turns offloading back on (the warmup hooks are paired).
-pub fn h17_failed_warmup_turns_offloading_back_on(dev: &Device) -> Result {
-    let model = Model::new(dev, DIMS, DType::F32)?;
-    let m = model.offload(config())?;
-    let (x0, _) = model.data(0)?;
+/// A capture of the first layer alone on a wrong-shaped input, whose warmup fails.
+fn failed_capture(model: &Model, m: &OffloadManager) -> Result {
     let wrong = graphed::tensor::Tensor::zeros(&model.alloc, &model.s, &[2, 8, 16], DType::F32)?;
     let bad = make_graphed_callables(
         &model.alloc,
         &[&model.stack.layers()[0] as &dyn Callable],
         &[Inputs::one(&wrong)],
-        m.graph_options(GraphOptions::default())?,
+        m.graph_options(GraphOptions::default()),
     );
-    ensure!(bad.is_err(), "a warmup on a wrong-shaped input failed");
-    let _ = x0;
+    ensure!(bad.is_err(), "a warmup on a wrong-shaped input passed");
+    Ok(())
+}
+
+/// H17: a warmup that fails still turns offloading back on (the warmup hooks are paired); one
+/// that fails while it records leaves the policy unrecorded, so that the next capture records.
+pub fn h17_failed_warmup_turns_offloading_back_on(dev: &Device) -> Result {
+    let model = Model::new(dev, DIMS, DType::F32)?;
+    let m = model.offload(config())?;
+    failed_capture(&model, &m)?;
     let before = m.stats().copied_out;
     model.eager(&m.chunk(Chunk::default()), 1)?;
     ensure!(m.stats().copied_out > before, "offloading stayed off after the failed warmup");
+
+    let fresh = OffloadManager::new(&model.alloc, config())?;
+    failed_capture(&model, &fresh)?;
+    ensure!(fresh.summary().is_none(), "a failed recording froze a policy");
+    let g = model.graph(fresh.graph_options(GraphOptions::default()))?;
+    ensure!(fresh.summary().is_some_and(|s| s.offloaded_bytes() > 0), "the next capture did not record");
+    model.graphed(&g, 1, Replay::caller())?;
     Ok(())
 }

@@ -10,10 +10,12 @@ mod fixtures;
 mod hazards;
 mod policy;
 mod stress;
+mod warmup;
 
 pub use equivalence::*;
 pub use hazards::*;
 pub use stress::*;
+pub use warmup::*;
 
 per_device!(
     eager_offload_is_bitwise_eager,
@@ -39,4 +41,5 @@ per_device!(
     h14_graphs_outlive_their_manager,
     h17_failed_warmup_turns_offloading_back_on,
     random_delays_and_sizes_change_nothing,
+    capture_peak_grows_by_less_than_each_layers_activations,
 );

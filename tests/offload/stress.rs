@@ -5,6 +5,7 @@ use anyhow::ensure;
 use graphed::device::{DType, Device, DeviceKind};
 use graphed::graph::{GraphOptions, Replay};
 use graphed::nn::KeepOnDevice;
+use graphed::offload::OffloadManager;
 
 use super::common::lcg;
 use super::fixtures::{config, Dims, Model, Result, DIMS};
@@ -24,11 +25,9 @@ pub fn random_delays_and_sizes_change_nothing(dev: &Device) -> Result {
         };
         let eager = Model::new(dev, dims, DType::F32)?;
         let off = Model::new(dev, dims, DType::F32)?;
-        eager.eager(&KeepOnDevice, 0)?;
-        eager.store.grads()?.zero(&eager.s)?;
-        let m = off.offload(config().min_elements(64))?;
+        let m = OffloadManager::new(&off.alloc, config().min_elements(64))?;
         let e = dev.event()?;
-        let g = off.graph(m.graph_options(GraphOptions::default().sync_event(&e))?)?;
+        let g = off.graph(m.graph_options(GraphOptions::default().sync_event(&e)))?;
         for k in 1..4u64 {
             let want = eager.eager(&KeepOnDevice, k)?;
             let (x, dy) = off.data(k)?;

@@ -118,7 +118,7 @@ fn run_variant(
         Variant::Graphed | Variant::Side | Variant::Offload => {
             let (side, event) = (dev.stream()?, dev.event()?);
             let offload = match variant {
-                Variant::Offload => Some(model.offload(&alloc, &main, OffloadConfig::default())?),
+                Variant::Offload => Some(OffloadManager::new(&alloc, OffloadConfig::default())?),
                 _ => None,
             };
             let on_side = (variant != Variant::Graphed).then_some((&side, &event));

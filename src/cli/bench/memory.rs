@@ -225,7 +225,7 @@ fn probe(
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
     let model = BenchModel::new(&alloc, &main, config, dtype)?;
-    let manager = variant.offload().map(|c| model.offload(&alloc, &main, c)).transpose()?;
+    let manager = variant.offload().map(|c| OffloadManager::new(&alloc, c)).transpose()?;
     let (side, event) = (dev.stream()?, dev.event()?);
     let on_side = manager.is_some().then_some((&side, &event));
     let timed = time_graphed(dev, (&alloc, &main), &model, on_side, manager.as_ref(), (warmup, steps))?;

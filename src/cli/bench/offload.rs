@@ -142,7 +142,7 @@ fn run_variant(
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
     let model = BenchModel::new(&alloc, &main, config, dtype)?;
-    let manager = variant.config().map(|c| model.offload(&alloc, &main, c)).transpose()?;
+    let manager = variant.config().map(|c| OffloadManager::new(&alloc, c)).transpose()?;
     let (side, event) = (dev.stream()?, dev.event()?);
     let TimedGraphed { graphed, samples, .. } =
         time_graphed(dev, (&alloc, &main), &model, Some((&side, &event)), manager.as_ref(), (args.warmup, args.steps))?;

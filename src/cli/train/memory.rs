@@ -16,17 +16,18 @@ use crate::cli::exit::refuse;
 /// position, what the caching allocator was measured to hold at the peak of a second step, in
 /// widths of the model's element type, and for the unfused attention its per-head rows over the
 /// positions in f32; and the head's logits and probabilities. Unfused: 81 widths and 7 rows
-/// eager, 36 and 4 graphed; fused: no rows (its log-sum-exp, one f32 per head and position, is
-/// within the widths), 66 widths eager, 31 graphed (76 and 37 before its kernels read and wrote
+/// eager, 15 and 4 graphed; fused: no rows (its log-sum-exp, one f32 per head and position, is
+/// within the widths), 66 widths eager, 17 graphed (76 and 37 before its kernels read and wrote
 /// the layer's rows in place and the capture kept the gradients' snapshot on the host). Graphed
-/// holds less than eager since its warmup waits for the stream after each iteration, so that the
-/// blocks one iteration frees are reused by the next instead of piling up behind their fences
-/// (before, graphed held 132 and 130 widths). The numbers were fitted to the simulator's
-/// allocator statistics (fused: seven shapes, widths 32 to 128, 1 to 4 heads, 11 to 64
-/// positions, two layers; eager measured between 56 and 67 widths, graphed between 22 and 32,
-/// the low ends at 11 positions), which the caching allocator shares
-/// with CUDA; the test below keeps the fit honest: it fails when the memory a step holds moves
-/// away from it.
+/// holds less than eager since its warmup runs layer by layer, waiting for the stream after each
+/// layer, so that it holds one layer's activations and the blocks one layer frees are reused by
+/// the next (before, with every forward before any backward, graphed held 36 and 4 unfused, 31
+/// fused; before that, without the waits, 132 and 130 widths). The eager numbers were fitted to
+/// the simulator's allocator statistics (fused: seven shapes, widths 32 to 128, 1 to 4 heads, 11
+/// to 64 positions, two layers; eager measured between 56 and 67 widths), the graphed ones to the
+/// four shapes of the test below (fused 15.3 and 18.8 widths; unfused 14.7 widths and 3.5 rows), which
+/// the caching allocator shares with CUDA; the test keeps the fit honest: it fails when the
+/// memory a step holds moves away from it.
 pub fn estimate(config: &GptConfig, batch: usize, graphed: bool) -> u128 {
     let n = |v: usize| v as u128;
     let elem = n(config.dtype.size());
@@ -34,9 +35,9 @@ pub fn estimate(config: &GptConfig, batch: usize, graphed: bool) -> u128 {
     let positions = n(batch) * n(config.max_len);
     let (widths, rows) = match (config.attention, graphed) {
         (AttentionKind::Unfused, false) => (81, 7),
-        (AttentionKind::Unfused, true) => (36, 4),
+        (AttentionKind::Unfused, true) => (15, 4),
         (AttentionKind::Fused, false) => (66, 0),
-        (AttentionKind::Fused, true) => (31, 0),
+        (AttentionKind::Fused, true) => (17, 0),
     };
     let per_layer = positions * (widths * n(config.dim) * elem + rows * n(config.heads) * n(config.max_len) * 4);
     let head = 2 * positions * n(config.vocab) * (4 + elem);

@@ -9,7 +9,7 @@ use graphed::device::{Communicator, Stream};
 use graphed::dist::DataParallel;
 use graphed::graph::{make_graphed_fn, make_graphed_stack, GradSync, GraphOptions, GraphedFn, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Chunk, Gpt, Inputs, KeepOnDevice, Module, SaveHook};
+use graphed::nn::{Chunk, Gpt, KeepOnDevice, Module, SaveHook};
 use graphed::offload::OffloadManager;
 use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
@@ -87,9 +87,6 @@ impl Stepper {
                     &[batch, model.config().max_len, model.config().dim],
                     model.config().dtype,
                 )?;
-                if let Some(m) = &offload {
-                    warm_up(model, m, &x, alloc, stream)?;
-                }
                 let (side, event) = match args.side_stream {
                     true => (Some(dev.stream()?), Some(dev.event()?)),
                     false => (None, None),
@@ -99,7 +96,7 @@ impl Stepper {
                     options = options.sync_event(e);
                 }
                 if let Some(m) = &offload {
-                    options = m.graph_options(options)?;
+                    options = m.graph_options(options);
                 }
                 if let Some((dp, _)) = &data_parallel {
                     options = options.grad_sync(dp.clone());
@@ -188,23 +185,4 @@ impl Stepper {
         }
         Ok(losses)
     }
-}
-
-/// The offload manager's warmup iteration, before capture: one forward and backward of the layers
-/// on `x` through its chunk hook, then its policy frozen; the gradients it accumulated are zeroed
-/// and the dropout step counter put back, so that training starts as without offloading.
-fn warm_up(
-    model: &Gpt,
-    m: &OffloadManager,
-    x: &Tensor,
-    alloc: &CachingAllocator,
-    stream: &Stream,
-) -> anyhow::Result<()> {
-    let step = model.dropout_step().to_vec::<u64>(stream)?;
-    let (y, ctx) = model.layers().forward(&Inputs::one(x), &m.chunk(Chunk::default()), stream)?;
-    model.layers().backward(ctx, &[&y[0]], stream)?;
-    m.end_iteration(stream)?;
-    model.parameters().grads()?.zero(stream)?;
-    model.dropout_step().copy_from(&Tensor::from_host(alloc, stream, &step, &[1])?, stream)?;
-    Ok(())
 }
