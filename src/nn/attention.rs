@@ -32,7 +32,7 @@ use super::layernorm::single_input;
 use super::{BiasGrad, Builder, DropoutSpec, Inputs, Linear, Module, Param, SaveHook, SavedTensor};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
-use crate::ops::attention::{self, AttentionDropout, ForwardSaved, HEAD_DIMS};
+use crate::ops::attention::{self, AttentionBackend, AttentionDropout, AttentionRun, ForwardSaved, HEAD_DIMS};
 use crate::ops::matmul::{matmul, Matmul};
 use crate::ops::{dropout, heads, softmax};
 use crate::tensor::Tensor;
@@ -83,8 +83,9 @@ impl std::fmt::Display for AttentionKind {
 }
 
 /// The shape and form of a [`CausalSelfAttention`]: `dim` features in `heads` heads, computed
-/// as `kind` says. A `(dim, heads)` pair converts into the default (fused) form, so that
-/// `CausalSelfAttention::new(&vb, (dim, heads))` reads as it always has.
+/// as `kind` says, the fused form on `backend`. A `(dim, heads)` pair converts into the default
+/// (fused, automatic backend) form, so that `CausalSelfAttention::new(&vb, (dim, heads))` reads
+/// as it always has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionSpec {
     /// Model width.
@@ -93,17 +94,24 @@ pub struct AttentionSpec {
     pub heads: usize,
     /// The form of the attention proper.
     pub kind: AttentionKind,
+    /// Which implementation runs the fused form (cuDNN or graphed's kernels).
+    pub backend: AttentionBackend,
 }
 
 impl AttentionSpec {
-    /// `dim` features in `heads` heads, in the default form.
+    /// `dim` features in `heads` heads, in the default form on the default backend.
     pub fn new(dim: usize, heads: usize) -> AttentionSpec {
-        AttentionSpec { dim, heads, kind: AttentionKind::default() }
+        AttentionSpec { dim, heads, kind: AttentionKind::default(), backend: AttentionBackend::default() }
     }
 
     /// The same shape in form `kind`.
     pub fn kind(self, kind: AttentionKind) -> AttentionSpec {
         AttentionSpec { kind, ..self }
+    }
+
+    /// The same, the fused form running on `backend`.
+    pub fn backend(self, backend: AttentionBackend) -> AttentionSpec {
+        AttentionSpec { backend, ..self }
     }
 }
 
@@ -123,6 +131,7 @@ pub struct CausalSelfAttention {
     pub proj: Linear,
     heads: usize,
     kind: AttentionKind,
+    backend: AttentionBackend,
     /// Dropout on the probabilities, if any (p > 0).
     dropout: Option<DropoutSpec>,
     training: bool,
@@ -226,7 +235,7 @@ impl CausalSelfAttention {
     /// `[0, 1)`; all before anything is allocated.
     pub fn new(vb: &Builder, spec: impl Into<AttentionSpec>) -> Result<CausalSelfAttention> {
         const OP: &str = "CausalSelfAttention::new";
-        let AttentionSpec { dim, heads, kind } = spec.into();
+        let AttentionSpec { dim, heads, kind, backend } = spec.into();
         if heads == 0 || dim == 0 || dim % heads != 0 {
             return Err(Error::Shape {
                 op: OP,
@@ -250,6 +259,7 @@ impl CausalSelfAttention {
             proj,
             heads,
             kind,
+            backend,
             dropout: (dropout.p > 0.0).then(|| dropout.clone()),
             training: true,
         })
@@ -258,6 +268,16 @@ impl CausalSelfAttention {
     /// The form it computes in.
     pub fn kind(&self) -> AttentionKind {
         self.kind
+    }
+
+    /// The backend its fused form runs on.
+    pub fn backend(&self) -> AttentionBackend {
+        self.backend
+    }
+
+    /// The fused calls' backend, with cuDNN's scratch from the layer's allocator.
+    fn run(&self) -> AttentionRun<'_> {
+        AttentionRun::new(self.backend, &self.alloc)
     }
 
     /// The dropout it draws in this forward, if any (training with p > 0).
@@ -341,7 +361,7 @@ impl CausalSelfAttention {
             }
             None => None,
         };
-        attention::attention_forward(out, &lse, qkv, self.kernel_dropout(step.as_ref()), stream)?;
+        attention::attention_forward(out, &lse, qkv, self.kernel_dropout(step.as_ref()), self.run(), stream)?;
         Ok(Unsaved::Fused { lse, step })
     }
 
@@ -411,7 +431,8 @@ impl CausalSelfAttention {
                 let delta = Tensor::uninit(&self.alloc, stream, &d.row_shape(), DType::F32)?;
                 let saved = ForwardSaved { q, k, v, out: &out, lse: &lse };
                 let dropout = self.kernel_dropout(step.as_ref());
-                attention::attention_backward((&dq, &dk, &dv), &dout, saved, &delta, dropout, stream)?;
+                let grads = (&dq, &dk, &dv);
+                attention::attention_backward(grads, &dout, saved, &delta, dropout, self.run(), stream)?;
             }
             FormCtx::Unfused { probs, mask } => {
                 drop(att);

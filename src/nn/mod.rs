@@ -32,6 +32,7 @@ mod schedule;
 mod stack;
 mod transformer;
 
+pub use crate::ops::attention::AttentionBackend;
 pub use attention::{AttentionCtx, AttentionKind, AttentionSpec, CausalSelfAttention};
 pub use builder::Builder;
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};

@@ -5,7 +5,7 @@
 
 use graphed::device::{DType, DeviceKind};
 use graphed::memory::CachingAllocator;
-use graphed::ops::attention::{self, ForwardSaved};
+use graphed::ops::attention::{self, AttentionBackend, AttentionRun, ForwardSaved};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -41,9 +41,10 @@ pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
     let head = || Tensor::uninit(&alloc, &s, &heads, dtype);
     let (out, dq, dk, dv) = (head()?, head()?, head()?, head()?);
     let (lse, delta) = (Tensor::uninit(&alloc, &s, &rows, DType::F32)?, Tensor::uninit(&alloc, &s, &rows, DType::F32)?);
-    let forward = || attention::attention_forward(&out, &lse, (&q, &k, &v), None, &s);
+    let run = AttentionRun::new(AttentionBackend::Auto, &alloc);
+    let forward = || attention::attention_forward(&out, &lse, (&q, &k, &v), None, run, &s);
     let saved = ForwardSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
-    let backward = || attention::attention_backward((&dq, &dk, &dv), &dout, saved, &delta, None, &s);
+    let backward = || attention::attention_backward((&dq, &dk, &dv), &dout, saved, &delta, None, run, &s);
     let (start, end) = (dev.timing_event()?, dev.timing_event()?);
     let time = |f: &dyn Fn() -> graphed::Result<()>| -> anyhow::Result<f64> {
         for _ in 0..5 {

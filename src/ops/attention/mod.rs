@@ -47,22 +47,29 @@
 //! let shape = [1, 2, 3, 32]; // batch 1, 2 heads, 3 tokens, head width 32
 //! let q = Tensor::from_host(&alloc, &s, &vec![0.1f32; 192], &shape)?;
 //! let (out, lse) = (Tensor::uninit(&alloc, &s, &shape, DType::F32)?, Tensor::uninit(&alloc, &s, &[1, 2, 3], DType::F32)?);
-//! attention::attention_forward(&out, &lse, (&q, &q, &q), None, &s)?;
+//! let run = attention::AttentionRun::new(attention::AttentionBackend::Auto, &alloc);
+//! attention::attention_forward(&out, &lse, (&q, &q, &q), None, run, &s)?;
 //! // Equal scores: token i averages the i + 1 values it sees, here all 0.1.
 //! assert!(out.to_vec::<f32>(&s)?.iter().all(|&o| (o - 0.1).abs() < 1e-6));
 //! assert!((lse.to_vec::<f32>(&s)?[2] - (0.32f32 / 32f32.sqrt() + 3f32.ln())).abs() < 1e-5);
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
+mod backend;
 mod cpu;
+mod cudnn;
 mod tiles;
 
 use half::bf16;
 
 use super::{checked, count, dropout, float_dtype, rng, with_float};
+use crate::device::sdpa::SdpaPass;
 use crate::device::{args, Arg, DType, Elem, In, Kernel, Out, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
+pub use backend::{AttentionBackend, AttentionRun};
+use cudnn::Choice;
+pub use cudnn::{CUDNN_HEAD_DIMS, CUDNN_SEQ_MULTIPLE};
 use tiles::{launch_dims, Pass};
 
 const SOURCE: &str = concat!(include_str!("../float.cu"), include_str!("../rng.cu"), include_str!("../attention.cu"));
@@ -362,6 +369,7 @@ pub fn attention_forward(
     lse: &Tensor,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     dropout: Option<AttentionDropout<'_>>,
+    run: AttentionRun<'_>,
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "attention_forward";
@@ -371,6 +379,11 @@ pub fn attention_forward(
     let inputs = h.group(OP, &[("q", q), ("k", k), ("v", v)], shape)?;
     let outs = h.rows(OP, "out", out, shape)?;
     let layout = h.layout_args(OP, [inputs, inputs, outs])?;
+    let groups = [inputs, outs, outs];
+    let choice = cudnn::choose(OP, run.backend, (SdpaPass::Forward, dtype, &h), groups, dropout.as_ref(), stream)?;
+    if let Choice::Cudnn { spec, workspace, .. } = choice {
+        return cudnn::forward(out, lse, (q, k, v), (spec, workspace), run, stream);
+    }
     with_float!(OP, dtype, T => {
         let (step, threshold, keep_scale, seed, site) = dropout_args::<T>(OP, dropout, q)?;
         let args = args![
@@ -421,6 +434,7 @@ pub fn attention_backward(
     saved: ForwardSaved<'_>,
     delta: &Tensor,
     dropout: Option<AttentionDropout<'_>>,
+    run: AttentionRun<'_>,
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "attention_backward";
@@ -432,6 +446,12 @@ pub fn attention_backward(
     let grads = h.group(OP, &[("dq", dq), ("dk", dk), ("dv", dv)], shape)?;
     let outs = h.group(OP, &[("out", out), ("dout", dout)], shape)?;
     let layout = h.layout_args(OP, [inputs, grads, outs])?;
+    let groups = [inputs, grads, outs];
+    let choice = cudnn::choose(OP, run.backend, (SdpaPass::Backward, dtype, &h), groups, dropout.as_ref(), stream)?;
+    if let Choice::Cudnn { spec, workspace, dq_accumulator } = choice {
+        let plan = (spec, workspace, dq_accumulator);
+        return cudnn::backward((dq, dk, dv), dout, saved, delta, plan, run, stream);
+    }
     let dims = |pass| launch_dims(pass, dtype, h.hd, h.seq, h.pairs);
     with_float!(OP, dtype, T => {
         let (step, threshold, keep_scale, seed, site) = dropout_args::<T>(OP, dropout, q)?;
