@@ -215,14 +215,16 @@ impl Ctx {
         })
     }
 
-    /// The forward, then the backward.
-    fn compute(&self, o: &Operands, case: Case) -> graphed::Result<()> {
+    /// The forward, then the backward; what ran each.
+    fn compute(&self, o: &Operands, case: Case) -> graphed::Result<[AttentionBackend; 2]> {
         let [q, k, v] = &o.qkv;
         let [dq, dk, dv] = &o.grads;
         let dropout = Some(AttentionDropout { p: case.p, seed: SEED, site: SITE, step: &o.step });
-        attention::attention_forward(&o.out, &o.lse, (q, k, v), dropout, self.attn(), &self.s)?;
+        let forward = attention::attention_forward(&o.out, &o.lse, (q, k, v), dropout, self.attn(), &self.s)?;
         let saved = ForwardSaved { q, k, v, out: &o.out, lse: &o.lse };
-        attention::attention_backward((dq, dk, dv), &o.g, saved, &o.delta, dropout, self.attn(), &self.s)
+        let backward =
+            attention::attention_backward((dq, dk, dv), &o.g, saved, &o.delta, dropout, self.attn(), &self.s)?;
+        Ok([forward, backward])
     }
 
     fn results(&self, o: &Operands) -> anyhow::Result<Run> {
@@ -434,7 +436,7 @@ fn attention_refuses_bad_calls(dev: &Device) -> anyhow::Result<()> {
     let fwd = |out: &Tensor, lse: &Tensor, q: &Tensor, k: &Tensor, d| {
         attention::attention_forward(out, lse, (q, k, q), d, ctx.attn(), s)
     };
-    type Refusal<'a> = (&'a str, graphed::Result<()>, fn(&Error) -> bool);
+    type Refusal<'a> = (&'a str, graphed::Result<AttentionBackend>, fn(&Error) -> bool);
     let (q4, lse4) = (t(&[1, 2, 4, 32], DType::F32)?, t(&[1, 2, 4], DType::F32)?);
     let k4 = t(&[1, 4, 2, 32], DType::F32)?.transpose(1, 2)?;
     let cases: [Refusal; 8] = [
@@ -553,6 +555,25 @@ mod cudnn_cuda {
             let (run, untouched) = Ctx::on(&dev, AttentionBackend::Cudnn)?.run_rows(case, 2, &inputs)?;
             check_run(&format!("{case:?} on cudnn, row views"), case, &run, &case.reference(&inputs))?;
             ensure!(untouched, "hd {hd}: cuDNN wrote outside the row views");
+        }
+        Ok(())
+    }
+
+    /// `Auto` runs cuDNN, forward and backward, where it supports the call (a deterministic
+    /// backward engine exists), and graphed's kernels with dropout.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cudnn_is_what_auto_runs_where_it_can() -> anyhow::Result<()> {
+        let dev = gpu();
+        let ctx = Ctx::on(&dev, AttentionBackend::Auto)?;
+        for hd in attention::CUDNN_HEAD_DIMS {
+            let case = Case { pairs: 2, seq: 128, hd, dtype: DType::BF16, p: 0.0 };
+            let ran = ctx.compute(&ctx.operands(case, &case.inputs(2))?, case)?;
+            eprintln!("{case:?}: Auto ran {ran:?}");
+            ensure!(ran == [AttentionBackend::Cudnn; 2], "hd {hd}: Auto ran {ran:?}");
+            let dropped = Case { p: 0.1, ..case };
+            let ran = ctx.compute(&ctx.operands(dropped, &dropped.inputs(2))?, dropped)?;
+            ensure!(ran == [AttentionBackend::Kernels; 2], "hd {hd} with dropout: Auto ran {ran:?}");
         }
         Ok(())
     }

@@ -73,26 +73,26 @@ pub(crate) enum SdpaPlan {
     Unavailable(String),
 }
 
-/// The operands of one call.
-pub(crate) enum Sdpa<'a> {
-    Forward {
-        out: View<'a, bf16>,
-        lse: View<'a, f32>,
-        q: View<'a, bf16>,
-        k: View<'a, bf16>,
-        v: View<'a, bf16>,
-    },
-    Backward {
-        /// dq, dk, dv: written.
-        grads: [View<'a, bf16>; 3],
-        /// cuDNN's `softmax_sum`, each row's `dout · out`: written.
-        delta: View<'a, f32>,
-        /// q, k, v.
-        inputs: [View<'a, bf16>; 3],
-        out: View<'a, bf16>,
-        dout: View<'a, bf16>,
-        lse: View<'a, f32>,
-    },
+/// The operands of one call: the forward's, and the backward's besides.
+pub(crate) struct Sdpa<'a> {
+    /// q, k and v: read.
+    pub(crate) inputs: [View<'a, bf16>; 3],
+    /// The output: written by the forward, read by the backward.
+    pub(crate) out: View<'a, bf16>,
+    /// The log-sum-exp (cuDNN's `Stats`): written by the forward, read by the backward.
+    pub(crate) lse: View<'a, f32>,
+    /// The backward's operands; none for the forward.
+    pub(crate) backward: Option<SdpaGrads<'a>>,
+}
+
+/// The backward's own operands.
+pub(crate) struct SdpaGrads<'a> {
+    /// The output's gradient: read.
+    pub(crate) dout: View<'a, bf16>,
+    /// dq, dk and dv: written.
+    pub(crate) grads: [View<'a, bf16>; 3],
+    /// cuDNN's `softmax_sum`, each row's `dout · out`: written.
+    pub(crate) delta: View<'a, f32>,
 }
 
 /// The scratch memory of one call, from the caller's allocator.
@@ -131,38 +131,37 @@ pub(crate) static SDPA_BACKWARD: Kernel = Kernel {
 
 impl<'a> Sdpa<'a> {
     pub(crate) fn kernel(&self) -> &'static Kernel {
-        match self {
-            Sdpa::Forward { .. } => &SDPA_FORWARD,
-            Sdpa::Backward { .. } => &SDPA_BACKWARD,
+        match self.backward {
+            None => &SDPA_FORWARD,
+            Some(_) => &SDPA_BACKWARD,
         }
     }
 
     /// The launch arguments, one per name of [`Sdpa::kernel`]'s params.
     pub(crate) fn args<'w>(&'w self, scratch: &SdpaScratch<'w>, scale: f32) -> Vec<Arg<'w>> {
         let workspace = Hidden("cudnn workspace", scratch.workspace).into();
-        match self {
-            Sdpa::Forward { out, lse, q, k, v } => {
-                vec![
-                    Out(*out).into(),
-                    Out(*lse).into(),
-                    In(*q).into(),
-                    In(*k).into(),
-                    In(*v).into(),
-                    workspace,
-                    scale.into(),
-                ]
-            }
-            Sdpa::Backward { grads: [dq, dk, dv], delta, inputs: [q, k, v], out, dout, lse } => vec![
+        let [q, k, v] = self.inputs;
+        match &self.backward {
+            None => vec![
+                Out(self.out).into(),
+                Out(self.lse).into(),
+                In(q).into(),
+                In(k).into(),
+                In(v).into(),
+                workspace,
+                scale.into(),
+            ],
+            Some(SdpaGrads { dout, grads: [dq, dk, dv], delta }) => vec![
                 Out(*dq).into(),
                 Out(*dk).into(),
                 Out(*dv).into(),
                 Out(*delta).into(),
-                In(*q).into(),
-                In(*k).into(),
-                In(*v).into(),
-                In(*out).into(),
+                In(q).into(),
+                In(k).into(),
+                In(v).into(),
+                In(self.out).into(),
                 In(*dout).into(),
-                In(*lse).into(),
+                In(self.lse).into(),
                 workspace,
                 Hidden("cudnn dq accumulator", scratch.dq_accumulator).into(),
                 scale.into(),

@@ -121,6 +121,17 @@ impl From<(usize, usize)> for AttentionSpec {
     }
 }
 
+/// What ran a layer's latest fused forward and backward: cuDNN or graphed's kernels
+/// ([`AttentionBackend::Cudnn`] or [`AttentionBackend::Kernels`]); `None` before the first, and
+/// always in the unfused form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BackendsRan {
+    /// The latest forward's.
+    pub forward: Option<AttentionBackend>,
+    /// The latest backward's.
+    pub backward: Option<AttentionBackend>,
+}
+
 /// Causal self-attention over `(B, T, C)` inputs with `heads` heads of `C / heads` features.
 pub struct CausalSelfAttention {
     name: String,
@@ -132,6 +143,8 @@ pub struct CausalSelfAttention {
     heads: usize,
     kind: AttentionKind,
     backend: AttentionBackend,
+    /// What the fused calls ran on, for a benchmark to say.
+    ran: std::sync::Mutex<BackendsRan>,
     /// Dropout on the probabilities, if any (p > 0).
     dropout: Option<DropoutSpec>,
     training: bool,
@@ -260,6 +273,7 @@ impl CausalSelfAttention {
             heads,
             kind,
             backend,
+            ran: std::sync::Mutex::default(),
             dropout: (dropout.p > 0.0).then(|| dropout.clone()),
             training: true,
         })
@@ -273,6 +287,16 @@ impl CausalSelfAttention {
     /// The backend its fused form runs on.
     pub fn backend(&self) -> AttentionBackend {
         self.backend
+    }
+
+    /// What ran its latest fused forward and backward.
+    pub fn backends_ran(&self) -> BackendsRan {
+        *self.ran.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Notes what ran a fused call.
+    fn note(&self, f: impl FnOnce(&mut BackendsRan)) {
+        f(&mut self.ran.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
     }
 
     /// The fused calls' backend, with cuDNN's scratch from the layer's allocator.
@@ -361,7 +385,8 @@ impl CausalSelfAttention {
             }
             None => None,
         };
-        attention::attention_forward(out, &lse, qkv, self.kernel_dropout(step.as_ref()), self.run(), stream)?;
+        let ran = attention::attention_forward(out, &lse, qkv, self.kernel_dropout(step.as_ref()), self.run(), stream)?;
+        self.note(|r| r.forward = Some(ran));
         Ok(Unsaved::Fused { lse, step })
     }
 
@@ -432,7 +457,8 @@ impl CausalSelfAttention {
                 let saved = ForwardSaved { q, k, v, out: &out, lse: &lse };
                 let dropout = self.kernel_dropout(step.as_ref());
                 let grads = (&dq, &dk, &dv);
-                attention::attention_backward(grads, &dout, saved, &delta, dropout, self.run(), stream)?;
+                let ran = attention::attention_backward(grads, &dout, saved, &delta, dropout, self.run(), stream)?;
+                self.note(|r| r.backward = Some(ran));
             }
             FormCtx::Unfused { probs, mask } => {
                 drop(att);

@@ -33,7 +33,7 @@ mod stack;
 mod transformer;
 
 pub use crate::ops::attention::AttentionBackend;
-pub use attention::{AttentionCtx, AttentionKind, AttentionSpec, CausalSelfAttention};
+pub use attention::{AttentionCtx, AttentionKind, AttentionSpec, BackendsRan, CausalSelfAttention};
 pub use builder::Builder;
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;

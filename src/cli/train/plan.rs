@@ -40,6 +40,7 @@ impl Plan {
             layers: pick(args.layers, 2, 2),
             heads,
             attention: args.attention.kind(),
+            attention_backend: args.attention.backend(),
             dropout: args.dropout,
             seed: args.seed,
             dtype: args.dtype.resolve(dev),

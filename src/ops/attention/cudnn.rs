@@ -6,7 +6,7 @@
 use half::bf16;
 
 use super::{AttentionBackend, AttentionDropout, AttentionRun, ForwardSaved, Heads, Rows};
-use crate::device::sdpa::{Sdpa, SdpaPass, SdpaPlan, SdpaScratch, SdpaSpec};
+use crate::device::sdpa::{Sdpa, SdpaGrads, SdpaPass, SdpaPlan, SdpaScratch, SdpaSpec};
 use crate::device::{DType, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -29,7 +29,7 @@ fn unsupported(dtype: DType, h: &Heads, dropout: Option<&AttentionDropout<'_>>) 
         Some("cuDNN's fused attention runs bf16; f32 runs on graphed's kernels")
     } else if !CUDNN_HEAD_DIMS.contains(&h.hd) {
         Some("cuDNN's fused attention runs head widths 64 and 128 here")
-    } else if h.seq % CUDNN_SEQ_MULTIPLE != 0 {
+    } else if !h.seq.is_multiple_of(CUDNN_SEQ_MULTIPLE) {
         Some("cuDNN's fused attention runs sequence lengths that are multiples of 128 here")
     } else if dropout.is_some_and(|d| d.p != 0.0) {
         Some("cuDNN's dropout masks are not graphed's counter-based ones; attention dropout runs on graphed's kernels")
@@ -102,7 +102,7 @@ pub(super) fn forward(
     const OP: &str = "attention_forward";
     let lse = super::rows_view(OP, "lse", lse, q)?;
     let ws = workspace(run, bytes, stream)?;
-    let call = Sdpa::Forward { out: out.view::<bf16>()?, lse, q: q.view()?, k: k.view()?, v: v.view()? };
+    let call = Sdpa { inputs: [q.view()?, k.view()?, v.view()?], out: out.view::<bf16>()?, lse, backward: None };
     let scratch = SdpaScratch { workspace: ws.view()?, dq_accumulator: lse.nothing() };
     stream.sdpa(&call, spec, &scratch, 1.0 / (spec.hd as f32).sqrt())
 }
@@ -123,13 +123,11 @@ pub(super) fn backward(
     let ws = workspace(run, bytes, stream)?;
     let accumulator =
         if dq_accumulator { Some(Tensor::uninit(run.scratch, stream, q.shape(), DType::F32)?) } else { None };
-    let call = Sdpa::Backward {
-        grads: [dq.view()?, dk.view()?, dv.view()?],
-        delta,
+    let call = Sdpa {
         inputs: [q.view()?, k.view()?, v.view()?],
         out: out.view()?,
-        dout: dout.view()?,
         lse,
+        backward: Some(SdpaGrads { dout: dout.view()?, grads: [dq.view()?, dk.view()?, dv.view()?], delta }),
     };
     let dq_accumulator = match &accumulator {
         Some(a) => a.view()?,

@@ -356,14 +356,17 @@ fn rows_view<'t>(op: &'static str, name: &str, t: &'t Tensor, q: &Tensor) -> Res
 /// `lse`, each query row's log-sum-exp of its scaled visible scores (natural log), which the
 /// backward needs. `q`, `k`, `v` and `out` are heads of one element type (f32 or bf16) and one
 /// shape, `q`, `k` and `v` laid out alike (Note [Attention operand layouts]), `lse` is f32
-/// `(.., T)` and contiguous; outputs distinct from inputs.
+/// `(.., T)` and contiguous; outputs distinct from inputs. Runs on `run`'s backend
+/// ([`AttentionBackend`]), its scratch from `run`'s allocator; returns the one that ran
+/// ([`AttentionBackend::Cudnn`] or [`AttentionBackend::Kernels`]).
 ///
 /// # Errors
 /// Before anything is enqueued: [`Error::UnsupportedDType`] or [`Error::DTypeMismatch`] for other
 /// element types; [`Error::Shape`] for other shapes, or `k` or `v` laid out unlike `q`;
 /// [`Error::Unsupported`] for a head width not in [`HEAD_DIMS`], more than 2^32 elements, a drop
 /// probability outside `[0, 1)`, or misaligned bf16 rows; [`Error::NotContiguous`] for rows that
-/// are not contiguous.
+/// are not contiguous; [`Error::CudnnUnavailable`] for [`AttentionBackend::Cudnn`] where cuDNN
+/// cannot run the call. [`Error::Cudnn`] when a cuDNN call fails.
 pub fn attention_forward(
     out: &Tensor,
     lse: &Tensor,
@@ -371,7 +374,7 @@ pub fn attention_forward(
     dropout: Option<AttentionDropout<'_>>,
     run: AttentionRun<'_>,
     stream: &Stream,
-) -> Result<()> {
+) -> Result<AttentionBackend> {
     const OP: &str = "attention_forward";
     let dtype = float_dtype(OP, q, &[k, v, out])?;
     let h = Heads::of(OP, q)?;
@@ -382,7 +385,8 @@ pub fn attention_forward(
     let groups = [inputs, outs, outs];
     let choice = cudnn::choose(OP, run.backend, (SdpaPass::Forward, dtype, &h), groups, dropout.as_ref(), stream)?;
     if let Choice::Cudnn { spec, workspace, .. } = choice {
-        return cudnn::forward(out, lse, (q, k, v), (spec, workspace), run, stream);
+        cudnn::forward(out, lse, (q, k, v), (spec, workspace), run, stream)?;
+        return Ok(AttentionBackend::Cudnn);
     }
     with_float!(OP, dtype, T => {
         let (step, threshold, keep_scale, seed, site) = dropout_args::<T>(OP, dropout, q)?;
@@ -401,7 +405,8 @@ pub fn attention_forward(
         ];
         let (kernel, dims) = (kernel(Pass::Forward, dtype, h.hd), launch_dims(Pass::Forward, dtype, h.hd, h.seq, h.pairs));
         stream.launch_counting(kernel, dims, &[&args[..], &layout].concat(), FORWARD_PRODUCTS * h.causal_product_flops())
-    })
+    })?;
+    Ok(AttentionBackend::Kernels)
 }
 
 /// What the backward reads of the forward: its inputs, its output and its log-sum-exp.
@@ -423,8 +428,9 @@ pub struct ForwardSaved<'a> {
 /// recomputing the probabilities from the saved log-sum-exp, with the forward's dropout (same
 /// `p`, seed, site and step value). `delta` is f32 `(.., T)` scratch (each row's `dout · out`);
 /// the gradients have the heads' shape and type, laid out alike, as are `out` and `dout` (Note
-/// [Attention operand layouts]). Three launches: the row terms, then `dk` and `dv` per key tile,
-/// then `dq` per query tile.
+/// [Attention operand layouts]). Three launches on graphed's kernels: the row terms, then `dk`
+/// and `dv` per key tile, then `dq` per query tile; one cuDNN execution (writing `delta` as its
+/// `softmax_sum`) on cuDNN. Returns the backend that ran, as [`attention_forward`] does.
 ///
 /// # Errors
 /// As [`attention_forward`], for every tensor given.
@@ -436,7 +442,7 @@ pub fn attention_backward(
     dropout: Option<AttentionDropout<'_>>,
     run: AttentionRun<'_>,
     stream: &Stream,
-) -> Result<()> {
+) -> Result<AttentionBackend> {
     const OP: &str = "attention_backward";
     let ForwardSaved { q, k, v, out, lse } = saved;
     let dtype = float_dtype(OP, q, &[k, v, out, dout, dq, dk, dv])?;
@@ -450,7 +456,8 @@ pub fn attention_backward(
     let choice = cudnn::choose(OP, run.backend, (SdpaPass::Backward, dtype, &h), groups, dropout.as_ref(), stream)?;
     if let Choice::Cudnn { spec, workspace, dq_accumulator } = choice {
         let plan = (spec, workspace, dq_accumulator);
-        return cudnn::backward((dq, dk, dv), dout, saved, delta, plan, run, stream);
+        cudnn::backward((dq, dk, dv), dout, saved, delta, plan, run, stream)?;
+        return Ok(AttentionBackend::Cudnn);
     }
     let dims = |pass| launch_dims(pass, dtype, h.hd, h.seq, h.pairs);
     with_float!(OP, dtype, T => {
@@ -476,5 +483,6 @@ pub fn attention_backward(
             &[&dq_args[..], &layout].concat(),
             DQ_PRODUCTS * h.causal_product_flops(),
         )
-    })
+    })?;
+    Ok(AttentionBackend::Kernels)
 }
