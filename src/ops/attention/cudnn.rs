@@ -23,15 +23,17 @@ pub(super) enum Choice {
     Cudnn { spec: SdpaSpec, workspace: usize, dq_accumulator: bool },
 }
 
-/// Why cuDNN does not run a call of this shape, type and dropout, if it does not.
-fn unsupported(dtype: DType, h: &Heads, dropout: Option<&AttentionDropout<'_>>) -> Option<&'static str> {
+/// Why cuDNN's backend does not run attention of element type `dtype` over heads of `hd`
+/// features and sequences of `seq`, with drop probability `dropout_p`, if it does not (on a GPU
+/// with cuDNN; the rule [`AttentionBackend::Cudnn`] refuses by, for a caller to refuse early).
+pub fn cudnn_refusal(dtype: DType, hd: usize, seq: usize, dropout_p: f32) -> Option<&'static str> {
     if dtype != DType::BF16 {
         Some("cuDNN's fused attention runs bf16; f32 runs on graphed's kernels")
-    } else if !CUDNN_HEAD_DIMS.contains(&h.hd) {
+    } else if !CUDNN_HEAD_DIMS.contains(&hd) {
         Some("cuDNN's fused attention runs head widths 64 and 128 here")
-    } else if !h.seq.is_multiple_of(CUDNN_SEQ_MULTIPLE) {
+    } else if !seq.is_multiple_of(CUDNN_SEQ_MULTIPLE) {
         Some("cuDNN's fused attention runs sequence lengths that are multiples of 128 here")
-    } else if dropout.is_some_and(|d| d.p != 0.0) {
+    } else if dropout_p != 0.0 {
         Some("cuDNN's dropout masks are not graphed's counter-based ones; attention dropout runs on graphed's kernels")
     } else {
         None
@@ -65,7 +67,7 @@ pub(super) fn choose(
     if backend == AttentionBackend::Kernels {
         return Ok(Choice::Kernels);
     }
-    if let Some(why) = unsupported(dtype, h, dropout) {
+    if let Some(why) = cudnn_refusal(dtype, h.hd, h.seq, dropout.map_or(0.0, |d| d.p)) {
         return refuse(why.into());
     }
     let spec = SdpaSpec {
