@@ -65,6 +65,28 @@ pub enum Error {
         message: String,
     },
 
+    /// A cuDNN call failed (fused attention on the cuDNN backend).
+    #[error("{op}: cuDNN call {call} failed: {message}; run attention on graphed's own kernels (AttentionBackend::Kernels, `--attention-backend kernels`) and report the cuDNN version, the shape and this message")]
+    Cudnn {
+        /// The operation that was called.
+        op: &'static str,
+        /// The cuDNN function that failed.
+        call: &'static str,
+        /// cuDNN's status and its last error message.
+        message: String,
+    },
+
+    /// The cuDNN attention backend was asked for (AttentionBackend::Cudnn) where it cannot run:
+    /// the simulator, no cuDNN library, or a call cuDNN does not support. Refused before
+    /// anything is enqueued.
+    #[error("{op}: the cuDNN attention backend cannot run this call: {why}; use AttentionBackend::Auto (`--attention-backend auto`), which falls back to graphed's own kernels, or AttentionBackend::Kernels")]
+    CudnnUnavailable {
+        /// The operation that was called.
+        op: &'static str,
+        /// Why.
+        why: String,
+    },
+
     // ---- memory and graph pools -----------------------------------------------------------------
     /// The device has not enough free memory for an allocation (on CUDA, CUDA_ERROR_OUT_OF_MEMORY;
     /// on the simulator, its configured memory size or the host's memory).

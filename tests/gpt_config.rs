@@ -6,7 +6,8 @@
 use graphed::device::{DType, Device};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    AttentionKind, AttentionSpec, Builder, Gpt, GptConfig, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer,
+    AttentionBackend, AttentionKind, AttentionSpec, Builder, Gpt, GptConfig, Inputs, KeepOnDevice, Module, ParamStore,
+    TransformerLayer,
 };
 use graphed::tensor::Tensor;
 use proptest::prelude::*;
@@ -34,6 +35,7 @@ fn config(dim: usize, heads: usize, max_len: usize) -> GptConfig {
         layers: 1,
         heads,
         attention: AttentionKind::Fused,
+        attention_backend: AttentionBackend::Auto,
         dropout: 0.0,
         seed: 3,
         dtype: DType::F32,

@@ -1,5 +1,6 @@
 //! Fused causal attention: forward and backward against an f64 reference, gradients against
-//! finite differences, dropout drawing the unfused path's numbers, determinism, refusals.
+//! finite differences, dropout drawing the unfused path's numbers, determinism, refusals; the
+//! backend setting, and cuDNN's backend on the GPU (tests named `cudnn`).
 
 mod common;
 
@@ -7,7 +8,7 @@ use anyhow::ensure;
 use common::{ensure_close, lcg, numeric_grad};
 use graphed::device::{DType, Device, Stream};
 use graphed::memory::CachingAllocator;
-use graphed::ops::attention::{self, AttentionDropout, ForwardSaved};
+use graphed::ops::attention::{self, AttentionBackend, AttentionDropout, AttentionRun, ForwardSaved};
 use graphed::ops::rng;
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -151,10 +152,12 @@ impl Case {
     }
 }
 
-/// A stream and a poisoning allocator: an output element a kernel fails to write stays NaN.
+/// A stream, a poisoning allocator (an output element a kernel fails to write stays NaN) and
+/// the attention backend the runs ask for.
 struct Ctx {
     s: Stream,
     alloc: CachingAllocator,
+    backend: AttentionBackend,
 }
 
 /// What one run of the op on a device gives: out, lse, dq, dk, dv (bf16 widened exactly).
@@ -162,7 +165,15 @@ type Run = [Vec<f32>; 5];
 
 impl Ctx {
     fn new(dev: &Device) -> anyhow::Result<Ctx> {
-        Ok(Ctx { s: dev.stream()?, alloc: CachingAllocator::with_poison(dev) })
+        Ctx::on(dev, AttentionBackend::Auto)
+    }
+
+    fn on(dev: &Device, backend: AttentionBackend) -> anyhow::Result<Ctx> {
+        Ok(Ctx { s: dev.stream()?, alloc: CachingAllocator::with_poison(dev), backend })
+    }
+
+    fn attn(&self) -> AttentionRun<'_> {
+        AttentionRun::new(self.backend, &self.alloc)
     }
 
     fn tensor(&self, data: &[f32], shape: &[usize], dtype: DType) -> graphed::Result<Tensor> {
@@ -181,24 +192,56 @@ impl Ctx {
 
     /// The forward and backward of `case` on `inputs`.
     fn run(&self, case: Case, inputs: &[Vec<f32>; 4]) -> anyhow::Result<Run> {
+        let o = self.operands(case, inputs)?;
+        self.compute(&o, case)?;
+        self.results(&o)
+    }
+
+    /// A case's inputs on the device, its outputs allocated.
+    fn operands(&self, case: Case, inputs: &[Vec<f32>; 4]) -> anyhow::Result<Operands> {
         let shape = case.shape();
         let [q, k, v, g] = inputs.each_ref().map(|x| self.tensor(x, &shape, case.dtype));
-        let (q, k, v, g) = (q?, k?, v?, g?);
-        let step = self.step()?;
-        let dropout = Some(AttentionDropout { p: case.p, seed: SEED, site: SITE, step: &step });
-        let out = Tensor::uninit(&self.alloc, &self.s, &shape, case.dtype)?;
         let rows = [case.pairs, case.seq];
-        let (lse, delta) = (
-            Tensor::uninit(&self.alloc, &self.s, &rows, DType::F32)?,
-            Tensor::uninit(&self.alloc, &self.s, &rows, DType::F32)?,
-        );
-        attention::attention_forward(&out, &lse, (&q, &k, &v), dropout, &self.s)?;
         let grad = || Tensor::uninit(&self.alloc, &self.s, &shape, case.dtype);
-        let (dq, dk, dv) = (grad()?, grad()?, grad()?);
-        let saved = ForwardSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
-        attention::attention_backward((&dq, &dk, &dv), &g, saved, &delta, dropout, &self.s)?;
-        Ok([self.read(&out)?, self.read(&lse)?, self.read(&dq)?, self.read(&dk)?, self.read(&dv)?])
+        let per_row = || Tensor::uninit(&self.alloc, &self.s, &rows, DType::F32);
+        Ok(Operands {
+            qkv: [q?, k?, v?],
+            g: g?,
+            out: grad()?,
+            lse: per_row()?,
+            delta: per_row()?,
+            grads: [grad()?, grad()?, grad()?],
+            step: self.step()?,
+        })
     }
+
+    /// The forward, then the backward; what ran each.
+    fn compute(&self, o: &Operands, case: Case) -> graphed::Result<[AttentionBackend; 2]> {
+        let [q, k, v] = &o.qkv;
+        let [dq, dk, dv] = &o.grads;
+        let dropout = Some(AttentionDropout { p: case.p, seed: SEED, site: SITE, step: &o.step });
+        let forward = attention::attention_forward(&o.out, &o.lse, (q, k, v), dropout, self.attn(), &self.s)?;
+        let saved = ForwardSaved { q, k, v, out: &o.out, lse: &o.lse };
+        let backward =
+            attention::attention_backward((dq, dk, dv), &o.g, saved, &o.delta, dropout, self.attn(), &self.s)?;
+        Ok([forward, backward])
+    }
+
+    fn results(&self, o: &Operands) -> anyhow::Result<Run> {
+        let [dq, dk, dv] = &o.grads;
+        Ok([self.read(&o.out)?, self.read(&o.lse)?, self.read(dq)?, self.read(dk)?, self.read(dv)?])
+    }
+}
+
+/// One run's tensors: inputs q, k, v and the output gradient, outputs, scratch, step counter.
+struct Operands {
+    qkv: [Tensor; 3],
+    g: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    grads: [Tensor; 3],
+    step: Tensor,
 }
 
 impl Ctx {
@@ -236,9 +279,9 @@ impl Ctx {
         let per_row = [batch, heads, t];
         let lse = Tensor::uninit(&self.alloc, &self.s, &per_row, DType::F32)?;
         let delta = Tensor::uninit(&self.alloc, &self.s, &per_row, DType::F32)?;
-        attention::attention_forward(&out, &lse, (&q, &k, &v), dropout, &self.s)?;
+        attention::attention_forward(&out, &lse, (&q, &k, &v), dropout, self.attn(), &self.s)?;
         let saved = ForwardSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
-        attention::attention_backward((&dq, &dk, &dv), &g, saved, &delta, dropout, &self.s)?;
+        attention::attention_backward((&dq, &dk, &dv), &g, saved, &delta, dropout, self.attn(), &self.s)?;
         let run = [self.read(&out)?, self.read(&lse)?, self.read(&dq)?, self.read(&dk)?, self.read(&dv)?];
         let (outs, grads) = (self.read(&out_rows)?, self.read(&grad_rows)?);
         let untouched = (0..batch * t).all(|r| {
@@ -262,17 +305,38 @@ fn ensure_within(what: &str, case: Case, got: &[f32], want: &[f64], mag: &[f64],
 }
 
 fn check_case(dev: &Device, case: Case) -> anyhow::Result<()> {
+    check_case_on(dev, AttentionBackend::Auto, case)
+}
+
+/// [`check_case`] with the runs asking for `backend`.
+fn check_case_on(dev: &Device, backend: AttentionBackend, case: Case) -> anyhow::Result<()> {
     let inputs = case.inputs(case.seq as u64 * 31 + case.hd as u64);
     let r = case.reference(&inputs);
-    let [out, lse, dq, dk, dv] = Ctx::new(dev)?.run(case, &inputs)?;
+    check_run(&format!("{case:?} on {backend}"), case, &Ctx::on(dev, backend)?.run(case, &inputs)?, &r)
+}
+
+/// Checks one run against the reference; prints each output's worst error relative to its
+/// terms (what the tolerance bounds) to stderr, so a failing GPU run says how far off it was.
+fn check_run(what: &str, case: Case, [out, lse, dq, dk, dv]: &Run, r: &Reference) -> anyhow::Result<()> {
     let tol = if case.dtype == DType::BF16 { BF16_TOL } else { F32_TOL };
-    ensure_within("out", case, &out, &r.out, &r.mag[0], tol)?;
     // The log-sum-exp is f32 in both types; its terms are O(1) numbers of the scores' size.
     let lse_mag: Vec<f64> = r.lse.iter().map(|l| 1.0 + l.abs()).collect();
-    ensure_within("lse", Case { dtype: DType::F32, ..case }, &lse, &r.lse, &lse_mag, F32_TOL)?;
-    ensure_within("dq", case, &dq, &r.dq, &r.mag[1], tol)?;
-    ensure_within("dk", case, &dk, &r.dk, &r.mag[2], tol)?;
-    ensure_within("dv", case, &dv, &r.dv, &r.mag[3], tol)
+    let worst = |got: &[f32], want: &[f64], mag: &[f64]| {
+        got.iter().zip(want).zip(mag).map(|((g, w), m)| (f64::from(*g) - w).abs() / (m + 1e-30)).fold(0.0, f64::max)
+    };
+    eprintln!(
+        "{what}: worst |error| / terms: out {:.2e}, lse {:.2e}, dq {:.2e}, dk {:.2e}, dv {:.2e} (tolerance {tol:.2e})",
+        worst(out, &r.out, &r.mag[0]),
+        worst(lse, &r.lse, &lse_mag),
+        worst(dq, &r.dq, &r.mag[1]),
+        worst(dk, &r.dk, &r.mag[2]),
+        worst(dv, &r.dv, &r.mag[3]),
+    );
+    ensure_within("out", case, out, &r.out, &r.mag[0], tol)?;
+    ensure_within("lse", Case { dtype: DType::F32, ..case }, lse, &r.lse, &lse_mag, F32_TOL)?;
+    ensure_within("dq", case, dq, &r.dq, &r.mag[1], tol)?;
+    ensure_within("dk", case, dk, &r.dk, &r.mag[2], tol)?;
+    ensure_within("dv", case, dv, &r.dv, &r.mag[3], tol)
 }
 
 /// Every width and type, on sequences of one token, of less than a tile, and across tile
@@ -369,9 +433,10 @@ fn attention_refuses_bad_calls(dev: &Device) -> anyhow::Result<()> {
     let out = t(&[2, 4, 32], DType::F32)?;
     let step = ctx.step()?;
     let half = Some(AttentionDropout { p: 1.0, seed: 0, site: 0, step: &step });
-    let fwd =
-        |out: &Tensor, lse: &Tensor, q: &Tensor, k: &Tensor, d| attention::attention_forward(out, lse, (q, k, q), d, s);
-    type Refusal<'a> = (&'a str, graphed::Result<()>, fn(&Error) -> bool);
+    let fwd = |out: &Tensor, lse: &Tensor, q: &Tensor, k: &Tensor, d| {
+        attention::attention_forward(out, lse, (q, k, q), d, ctx.attn(), s)
+    };
+    type Refusal<'a> = (&'a str, graphed::Result<AttentionBackend>, fn(&Error) -> bool);
     let (q4, lse4) = (t(&[1, 2, 4, 32], DType::F32)?, t(&[1, 2, 4], DType::F32)?);
     let k4 = t(&[1, 4, 2, 32], DType::F32)?.transpose(1, 2)?;
     let cases: [Refusal; 8] = [
@@ -394,6 +459,33 @@ fn attention_refuses_bad_calls(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The cuDNN backend refuses, before anything is enqueued, what it cannot run: attention
+/// dropout (its masks are not graphed's numbers), sequences that are not multiples of 128, f32,
+/// other head widths; and, on the simulator, everything.
+fn attention_cudnn_refuses_what_it_cannot_run(dev: &Device) -> anyhow::Result<()> {
+    let ctx = Ctx::on(dev, AttentionBackend::Cudnn)?;
+    let supported = Case { pairs: 2, seq: 128, hd: 64, dtype: DType::BF16, p: 0.0 };
+    let mut cases = vec![
+        ("dropout", Case { p: 0.1, ..supported }),
+        ("a sequence of 130", Case { seq: 130, ..supported }),
+        ("f32", Case { dtype: DType::F32, ..supported }),
+        ("head width 32", Case { hd: 32, ..supported }),
+    ];
+    if dev.kind() == graphed::device::DeviceKind::Sim {
+        cases.push(("the simulator", supported));
+    }
+    for (what, case) in cases {
+        let o = ctx.operands(case, &case.inputs(1))?;
+        o.out.zero(&ctx.s)?;
+        match ctx.compute(&o, case) {
+            Err(Error::CudnnUnavailable { why, .. }) => eprintln!("{what}: refused: {why}"),
+            other => anyhow::bail!("{what}: {other:?}"),
+        }
+        ensure!(ctx.read(&o.out)?.iter().all(|&x| x == 0.0), "{what}: a refused call wrote its output");
+    }
+    Ok(())
+}
+
 per_device!(
     attention_matches_an_f64_reference,
     attention_reads_and_writes_row_layouts,
@@ -401,4 +493,116 @@ per_device!(
     attention_gradients_match_finite_differences,
     attention_is_deterministic,
     attention_refuses_bad_calls,
+    attention_cudnn_refuses_what_it_cannot_run,
 );
+
+#[test]
+fn attention_backends_are_named_as_the_command_line_spells_them() {
+    for backend in AttentionBackend::ALL {
+        assert_eq!(AttentionBackend::named(backend.name()), Some(backend));
+        assert_eq!(backend.to_string(), backend.name());
+    }
+    assert_eq!(AttentionBackend::default(), AttentionBackend::Auto);
+    assert_eq!(AttentionBackend::named("flash"), None);
+}
+
+/// On the simulator `Auto` means graphed's kernels: the same bits as asking for them, at a
+/// shape cuDNN would run on a GPU.
+#[test]
+fn attention_auto_runs_the_kernels_on_the_simulator() -> anyhow::Result<()> {
+    let dev = Device::sim();
+    let case = Case { pairs: 1, seq: 128, hd: 64, dtype: DType::BF16, p: 0.0 };
+    let inputs = case.inputs(5);
+    let auto = Ctx::on(&dev, AttentionBackend::Auto)?.run(case, &inputs)?;
+    let kernels = Ctx::on(&dev, AttentionBackend::Kernels)?.run(case, &inputs)?;
+    let bits = |r: &Run| r.iter().map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
+    ensure!(bits(&auto) == bits(&kernels), "Auto and Kernels differ on the simulator");
+    Ok(())
+}
+
+/// cuDNN's backend on the GPU; each prints the plan cuDNN chose (engine, notes, workspace) and
+/// its errors to stderr.
+mod cudnn_cuda {
+    use super::*;
+    use graphed::device::CaptureMode;
+
+    /// cuDNN logs its plans through `tracing`: show them on stderr.
+    fn show_cudnn_plans() {
+        let _ = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+            .try_init();
+    }
+
+    fn gpu() -> Device {
+        show_cudnn_plans();
+        Device::cuda_checked(0).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Forward and backward against the f64 reference at shapes cuDNN runs: 2 to 4 (batch
+    /// element, head) pairs, 128 and 256 tokens, head widths 64 and 128, on contiguous heads and
+    /// on the strided row views a layer keeps (nothing outside them written).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cudnn_matches_an_f64_reference() -> anyhow::Result<()> {
+        let dev = gpu();
+        for hd in attention::CUDNN_HEAD_DIMS {
+            for (pairs, seq) in [(2, 128), (3, 256), (4, 128)] {
+                check_case_on(&dev, AttentionBackend::Cudnn, Case { pairs, seq, hd, dtype: DType::BF16, p: 0.0 })?;
+            }
+            let case = Case { pairs: 4, seq: 256, hd, dtype: DType::BF16, p: 0.0 };
+            let inputs = case.inputs(11);
+            let (run, untouched) = Ctx::on(&dev, AttentionBackend::Cudnn)?.run_rows(case, 2, &inputs)?;
+            check_run(&format!("{case:?} on cudnn, row views"), case, &run, &case.reference(&inputs))?;
+            ensure!(untouched, "hd {hd}: cuDNN wrote outside the row views");
+        }
+        Ok(())
+    }
+
+    /// `Auto` runs cuDNN, forward and backward, where it supports the call (a deterministic
+    /// backward engine exists), and graphed's kernels with dropout.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cudnn_is_what_auto_runs_where_it_can() -> anyhow::Result<()> {
+        let dev = gpu();
+        let ctx = Ctx::on(&dev, AttentionBackend::Auto)?;
+        for hd in attention::CUDNN_HEAD_DIMS {
+            let case = Case { pairs: 2, seq: 128, hd, dtype: DType::BF16, p: 0.0 };
+            let ran = ctx.compute(&ctx.operands(case, &case.inputs(2))?, case)?;
+            eprintln!("{case:?}: Auto ran {ran:?}");
+            ensure!(ran == [AttentionBackend::Cudnn; 2], "hd {hd}: Auto ran {ran:?}");
+            let dropped = Case { p: 0.1, ..case };
+            let ran = ctx.compute(&ctx.operands(dropped, &dropped.inputs(2))?, dropped)?;
+            ensure!(ran == [AttentionBackend::Kernels; 2], "hd {hd} with dropout: Auto ran {ran:?}");
+        }
+        Ok(())
+    }
+
+    /// Two eager runs are bitwise equal, and a graph capturing the forward and backward
+    /// (its scratch from the graph's pool) replays them bit for bit, twice.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cudnn_captured_equals_eager_bitwise() -> anyhow::Result<()> {
+        let dev = gpu();
+        let ctx = Ctx::on(&dev, AttentionBackend::Cudnn)?;
+        let case = Case { pairs: 4, seq: 256, hd: 64, dtype: DType::BF16, p: 0.0 };
+        let o = ctx.operands(case, &case.inputs(3))?;
+        let bits = |r: Run| r.map(|v| v.into_iter().map(f32::to_bits).collect::<Vec<_>>());
+        ctx.compute(&o, case)?;
+        let eager = bits(ctx.results(&o)?);
+        ctx.compute(&o, case)?;
+        ensure!(bits(ctx.results(&o)?) == eager, "two eager runs differ");
+        let pool = ctx.alloc.new_pool();
+        let cap = ctx.alloc.capture(&ctx.s, CaptureMode::ThreadLocal, &pool)?;
+        ctx.compute(&o, case)?;
+        let exec = cap.finish()?.instantiate()?;
+        for replay in 0..2 {
+            for t in [&o.out, &o.lse, &o.grads[0], &o.grads[1], &o.grads[2]] {
+                t.zero(&ctx.s)?;
+            }
+            exec.launch(&ctx.s)?;
+            ensure!(bits(ctx.results(&o)?) == eager, "replay {replay} differs from eager");
+        }
+        Ok(())
+    }
+}

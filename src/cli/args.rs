@@ -106,6 +106,12 @@ pub struct AttentionArgs {
     /// T×T probabilities; any head width, sequences of at most 8192).
     #[arg(long, value_enum, default_value_t = AttentionArg::Fused)]
     pub attention: AttentionArg,
+    /// What runs the fused attention: `auto` (cuDNN where it is available and runs the call:
+    /// bf16 on CUDA, heads of 64 or 128 features, sequences a multiple of 128, no attention
+    /// dropout; else graphed's kernels), `cudnn` (refuse what cuDNN cannot run) or `kernels`
+    /// (graphed's own).
+    #[arg(long = "attention-backend", value_enum, default_value_t = AttentionBackendArg::Auto)]
+    pub backend: AttentionBackendArg,
 }
 
 impl AttentionArgs {
@@ -114,6 +120,33 @@ impl AttentionArgs {
         match self.attention {
             AttentionArg::Fused => graphed::nn::AttentionKind::Fused,
             AttentionArg::Unfused => graphed::nn::AttentionKind::Unfused,
+        }
+    }
+
+    /// The fused attention's backend, as the library names it.
+    pub fn backend(&self) -> graphed::nn::AttentionBackend {
+        self.backend.backend()
+    }
+}
+
+/// `--attention-backend`'s values.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionBackendArg {
+    /// cuDNN where it runs the call, else graphed's kernels (the default).
+    Auto,
+    /// cuDNN, refusing calls it cannot run.
+    Cudnn,
+    /// graphed's own fused kernels.
+    Kernels,
+}
+
+impl AttentionBackendArg {
+    /// The setting, as the library names it.
+    pub fn backend(self) -> graphed::nn::AttentionBackend {
+        match self {
+            AttentionBackendArg::Auto => graphed::nn::AttentionBackend::Auto,
+            AttentionBackendArg::Cudnn => graphed::nn::AttentionBackend::Cudnn,
+            AttentionBackendArg::Kernels => graphed::nn::AttentionBackend::Kernels,
         }
     }
 }
@@ -202,7 +235,7 @@ impl ConfigsArgs {
         let configs = self
             .configs
             .iter()
-            .map(|name| super::bench_model::Config::named(name).map(|c| c.with_attention(attention.kind())));
+            .map(|name| super::bench_model::Config::named(name).map(|c| c.with_attention(attention)));
         let configs = configs.collect::<anyhow::Result<Vec<_>>>()?;
         for config in &configs {
             config.check_device(dev, "--configs")?;
@@ -726,6 +759,10 @@ pub struct AttentionBenchArgs {
     /// Features per head (32, 64 or 128).
     #[arg(long, default_value_t = 64)]
     pub head_dim: usize,
+    /// What runs it: `auto` (cuDNN where it runs the call, else graphed's kernels), `cudnn` or
+    /// `kernels`.
+    #[arg(long = "attention-backend", value_enum, default_value_t = AttentionBackendArg::Auto)]
+    pub backend: AttentionBackendArg,
     #[command(flatten)]
     pub dtype: DTypeArgs,
     /// Timed repetitions (the median is reported).

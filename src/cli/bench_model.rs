@@ -10,7 +10,8 @@ use graphed::device::{Device, DeviceKind, Event, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    AttentionKind, AttentionSpec, Builder, Inputs, KeepOnDevice, Layers, Module, ParamStore, Stack, TransformerLayer,
+    AttentionBackend, AttentionKind, AttentionSpec, Builder, Inputs, KeepOnDevice, Layers, Module, ParamStore, Stack,
+    TransformerLayer,
 };
 use graphed::offload::OffloadManager;
 use graphed::tensor::Tensor;
@@ -30,14 +31,48 @@ pub struct Config {
     pub seq: usize,
     /// The form of the layers' attention (`--attention`; fused unless changed).
     pub attention: AttentionKind,
+    /// What runs the fused attention (`--attention-backend`; automatic unless changed).
+    pub attention_backend: AttentionBackend,
 }
 
 /// Every configuration, smallest first; S, M and L are `BENCH.md`'s.
 pub const CONFIGS: [Config; 4] = [
-    Config { name: "tiny", dim: 64, layers: 2, batch: 2, seq: 16, attention: AttentionKind::Fused },
-    Config { name: "S", dim: 256, layers: 8, batch: 2, seq: 64, attention: AttentionKind::Fused },
-    Config { name: "M", dim: 1024, layers: 8, batch: 4, seq: 512, attention: AttentionKind::Fused },
-    Config { name: "L", dim: 4096, layers: 4, batch: 2, seq: 2048, attention: AttentionKind::Fused },
+    Config {
+        name: "tiny",
+        dim: 64,
+        layers: 2,
+        batch: 2,
+        seq: 16,
+        attention: AttentionKind::Fused,
+        attention_backend: AttentionBackend::Auto,
+    },
+    Config {
+        name: "S",
+        dim: 256,
+        layers: 8,
+        batch: 2,
+        seq: 64,
+        attention: AttentionKind::Fused,
+        attention_backend: AttentionBackend::Auto,
+    },
+    Config {
+        name: "M",
+        dim: 1024,
+        layers: 8,
+        batch: 4,
+        seq: 512,
+        attention: AttentionKind::Fused,
+        attention_backend: AttentionBackend::Auto,
+    },
+    Config {
+        name: "L",
+        dim: 4096,
+        layers: 4,
+        batch: 2,
+        seq: 2048,
+        attention: AttentionKind::Fused,
+        attention_backend: AttentionBackend::Auto,
+    },
 ];
 
 /// The names clap accepts for a configuration (case-insensitively).
@@ -52,9 +87,14 @@ impl Config {
         }
     }
 
-    /// The same configuration with its attention in form `attention`.
-    pub fn with_attention(self, attention: AttentionKind) -> Config {
-        Config { attention, ..self }
+    /// The same configuration with its attention as `attention` says (form and backend).
+    pub fn with_attention(self, attention: crate::cli::args::AttentionArgs) -> Config {
+        Config { attention: attention.kind(), attention_backend: attention.backend(), ..self }
+    }
+
+    /// The layers' attention: form, backend, heads of [`Config::heads`].
+    pub fn attention_spec(&self) -> AttentionSpec {
+        AttentionSpec::new(self.dim, self.heads()).kind(self.attention).backend(self.attention_backend)
     }
 
     /// Heads of 64 features, as `BENCH.md` says (one for a model narrower than that).
@@ -126,7 +166,7 @@ impl BenchModel {
         // Init seeds four apart: each layer seeds its linear layers from `seed` to `seed + 3`.
         let layers = TransformerLayer::stack(
             &Builder::new(&store, alloc, stream)?.with_seed(1),
-            AttentionSpec::new(dim, config.heads()).kind(config.attention),
+            config.attention_spec(),
             &Layers::of(global.iter().copied()).named("layer").seed_stride(4),
         )?;
         let numel = batch * seq * dim;

@@ -21,7 +21,7 @@ pub fn run(dev: &Device, args: &InspectArgs) -> anyhow::Result<()> {
         None if dev.kind() == DeviceKind::Cuda => Config::named("S")?,
         None => Config::named("tiny")?,
     };
-    let config = config.with_attention(args.attention.kind());
+    let config = config.with_attention(args.attention);
     config.check_device(dev, "--config")?;
     let alloc = CachingAllocator::new(dev);
     let stream = dev.stream()?;

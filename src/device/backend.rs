@@ -74,6 +74,12 @@ pub(crate) enum Op<'a> {
         alpha: f32,
         beta: f32,
     },
+    /// cuDNN's fused attention: `kernel` names it, `args` as `Sdpa::args` lays them out.
+    Sdpa {
+        kernel: &'static Kernel,
+        args: &'a [Arg<'a>],
+        spec: super::sdpa::SdpaSpec,
+    },
     Copy {
         dir: CopyDir,
         src: &'a Arc<Block>,
@@ -110,7 +116,7 @@ impl Op<'_> {
     /// The operation's name in graphs and reports.
     pub(crate) fn name(&self) -> &'static str {
         match self {
-            Op::Kernel { kernel, .. } | Op::Gemm { kernel, .. } => kernel.name,
+            Op::Kernel { kernel, .. } | Op::Gemm { kernel, .. } | Op::Sdpa { kernel, .. } => kernel.name,
             Op::Copy { dir: CopyDir::HostToDevice, .. } => "memcpy_h2d",
             Op::Copy { dir: CopyDir::DeviceToHost, .. } => "memcpy_d2h",
             Op::Copy { dir: CopyDir::DeviceToDevice, .. } => "memcpy_d2d",
@@ -163,6 +169,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn load_kernel(&self, kernel: &'static Kernel) -> Result<()>;
     /// Bytes of the per-stream workspace a GEMM is given (and declares as a hidden access).
     fn gemm_workspace_bytes(&self) -> usize;
+    /// cuDNN's plan for a fused attention call (planned once per spec), or why there is none.
+    fn sdpa_plan(&self, spec: &super::sdpa::SdpaSpec) -> Result<super::sdpa::SdpaPlan>;
     fn enqueue(&self, stream: &Self::Stream, op: &Op<'_>) -> Result<()>;
     fn record(&self, stream: &Self::Stream, event: &Self::Event, external: bool) -> Result<()>;
     fn wait(&self, stream: &Self::Stream, event: &Self::Event, external: bool) -> Result<()>;

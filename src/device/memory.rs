@@ -307,6 +307,14 @@ impl<T: Elem> DeviceBuffer<T> {
     }
 }
 
+impl<'a, T: Elem> View<'a, T> {
+    /// No elements of the same buffer: an argument that declares no access, for a parameter a
+    /// call does not use.
+    pub(crate) fn nothing(&self) -> View<'a, T> {
+        View { region: Region::contiguous(self.region.offset(), 0), ..*self }
+    }
+}
+
 /// The access a view declares, for the checker.
 pub(crate) fn access_of(block: &Block, region: Region, elem_bytes: usize, mode: AccessMode, index: usize) -> Access {
     Access {

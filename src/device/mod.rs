@@ -8,6 +8,7 @@
 //! | `cuMemAlloc`, `cuMemHostAlloc`| [`DeviceBuffer`], [`PinnedBuffer`]       | 8-byte aligned host memory      |
 //! | `cuLaunchKernel`              | [`Stream::launch`] of a [`Kernel`]       | the kernel's CPU path           |
 //! | `cublasLtMatmul`              | [`Stream::gemm`] of a [`Gemm`]           | a CPU loop, same sum order      |
+//! | `cudnnBackendExecute` (SDPA)  | `ops::attention` on the cuDNN backend    | refused: no cuDNN               |
 //! | `cuStreamBeginCapture` / End  | [`Stream::begin_capture`] / `end_capture`| the same capture rules          |
 //! | `CUgraph` / `CUgraphExec`     | [`Graph`] / [`GraphExec`]                | a DAG of deferred operations    |
 //! | `nvtxRangePush` / `Pop`       | [`Device::range`], a [`Range`] guard     | the same range log              |
@@ -31,6 +32,7 @@ pub(crate) mod memory;
 pub(crate) mod observe;
 mod profile;
 mod range;
+pub(crate) mod sdpa;
 pub mod sim;
 mod stream;
 

@@ -9,6 +9,7 @@ use super::kernel::{Arg, IntoView, Kernel, LaunchDims};
 use super::memory::{access_of, Block};
 use super::observe::{HostSync, Observer};
 use super::profile::{declared_bytes, KernelTime, Pending, Profile};
+use super::sdpa::{Sdpa, SdpaPlan, SdpaScratch, SdpaSpec};
 use super::{AccessMode, Device, DeviceBuffer, Elem, Event, Graph, HostView, NodeKind, Region, StreamId};
 use crate::{Error, ProfileErrorKind, Result};
 
@@ -255,6 +256,42 @@ impl Stream {
         let flops = 2 * (spec.m * spec.n * spec.k * spec.batch) as u64;
         let op = Op::Gemm { kernel, args: &args, spec, alpha: g.alpha, beta: g.beta };
         self.enqueue_timed(&op, kernel.name, &args, Some(flops))?;
+        self.enqueued(kernel.name, &args)
+    }
+
+    /// Plans cuDNN's fused attention for `spec` (once per spec; later calls look it up): what
+    /// scratch [`Stream::sdpa`] needs, or why cuDNN cannot run it here.
+    pub(crate) fn sdpa_plan(&self, spec: &SdpaSpec) -> Result<SdpaPlan> {
+        self.inner.dev.check_err()?;
+        dispatch!(self.inner.dev.backend(), |b, _pick| b.sdpa_plan(spec))
+    }
+
+    /// Enqueues cuDNN's fused attention, planned by [`Stream::sdpa_plan`] with `scratch` as its
+    /// plan asks.
+    ///
+    /// # Errors
+    /// A buffer of another device, a view outside its buffer, a cuDNN failure or a capture error.
+    pub(crate) fn sdpa(&self, call: &Sdpa<'_>, spec: SdpaSpec, scratch: &SdpaScratch<'_>, scale: f32) -> Result<()> {
+        let kernel = call.kernel();
+        self.inner.dev.check_err()?;
+        let args = call.args(scratch, scale);
+        check_arity(kernel, &args)?;
+        for a in &args {
+            if let Arg::Buf(b) = a {
+                self.check_buf(kernel.name, b.raw.device)?;
+                if b.view.end() > b.buffer_len {
+                    return Err(Error::OutOfBounds {
+                        op: kernel.name,
+                        buffer: b.block.id,
+                        start: b.view.offset(),
+                        end: b.view.end(),
+                        len: b.buffer_len,
+                    });
+                }
+            }
+        }
+        let op = Op::Sdpa { kernel, args: &args, spec };
+        self.enqueue_timed(&op, kernel.name, &args, Some(spec.flops()))?;
         self.enqueued(kernel.name, &args)
     }
 

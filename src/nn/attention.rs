@@ -32,7 +32,7 @@ use super::layernorm::single_input;
 use super::{BiasGrad, Builder, DropoutSpec, Inputs, Linear, Module, Param, SaveHook, SavedTensor};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
-use crate::ops::attention::{self, AttentionDropout, ForwardSaved, HEAD_DIMS};
+use crate::ops::attention::{self, AttentionBackend, AttentionDropout, AttentionRun, ForwardSaved, HEAD_DIMS};
 use crate::ops::matmul::{matmul, Matmul};
 use crate::ops::{dropout, heads, softmax};
 use crate::tensor::Tensor;
@@ -83,8 +83,9 @@ impl std::fmt::Display for AttentionKind {
 }
 
 /// The shape and form of a [`CausalSelfAttention`]: `dim` features in `heads` heads, computed
-/// as `kind` says. A `(dim, heads)` pair converts into the default (fused) form, so that
-/// `CausalSelfAttention::new(&vb, (dim, heads))` reads as it always has.
+/// as `kind` says, the fused form on `backend`. A `(dim, heads)` pair converts into the default
+/// (fused, automatic backend) form, so that `CausalSelfAttention::new(&vb, (dim, heads))` reads
+/// as it always has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionSpec {
     /// Model width.
@@ -93,17 +94,24 @@ pub struct AttentionSpec {
     pub heads: usize,
     /// The form of the attention proper.
     pub kind: AttentionKind,
+    /// Which implementation runs the fused form (cuDNN or graphed's kernels).
+    pub backend: AttentionBackend,
 }
 
 impl AttentionSpec {
-    /// `dim` features in `heads` heads, in the default form.
+    /// `dim` features in `heads` heads, in the default form on the default backend.
     pub fn new(dim: usize, heads: usize) -> AttentionSpec {
-        AttentionSpec { dim, heads, kind: AttentionKind::default() }
+        AttentionSpec { dim, heads, kind: AttentionKind::default(), backend: AttentionBackend::default() }
     }
 
     /// The same shape in form `kind`.
     pub fn kind(self, kind: AttentionKind) -> AttentionSpec {
         AttentionSpec { kind, ..self }
+    }
+
+    /// The same, the fused form running on `backend`.
+    pub fn backend(self, backend: AttentionBackend) -> AttentionSpec {
+        AttentionSpec { backend, ..self }
     }
 }
 
@@ -111,6 +119,17 @@ impl From<(usize, usize)> for AttentionSpec {
     fn from((dim, heads): (usize, usize)) -> AttentionSpec {
         AttentionSpec::new(dim, heads)
     }
+}
+
+/// What ran a layer's latest fused forward and backward: cuDNN or graphed's kernels
+/// ([`AttentionBackend::Cudnn`] or [`AttentionBackend::Kernels`]); `None` before the first, and
+/// always in the unfused form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BackendsRan {
+    /// The latest forward's.
+    pub forward: Option<AttentionBackend>,
+    /// The latest backward's.
+    pub backward: Option<AttentionBackend>,
 }
 
 /// Causal self-attention over `(B, T, C)` inputs with `heads` heads of `C / heads` features.
@@ -123,6 +142,9 @@ pub struct CausalSelfAttention {
     pub proj: Linear,
     heads: usize,
     kind: AttentionKind,
+    backend: AttentionBackend,
+    /// What the fused calls ran on, for a benchmark to say.
+    ran: std::sync::Mutex<BackendsRan>,
     /// Dropout on the probabilities, if any (p > 0).
     dropout: Option<DropoutSpec>,
     training: bool,
@@ -226,7 +248,7 @@ impl CausalSelfAttention {
     /// `[0, 1)`; all before anything is allocated.
     pub fn new(vb: &Builder, spec: impl Into<AttentionSpec>) -> Result<CausalSelfAttention> {
         const OP: &str = "CausalSelfAttention::new";
-        let AttentionSpec { dim, heads, kind } = spec.into();
+        let AttentionSpec { dim, heads, kind, backend } = spec.into();
         if heads == 0 || dim == 0 || dim % heads != 0 {
             return Err(Error::Shape {
                 op: OP,
@@ -250,6 +272,8 @@ impl CausalSelfAttention {
             proj,
             heads,
             kind,
+            backend,
+            ran: std::sync::Mutex::default(),
             dropout: (dropout.p > 0.0).then(|| dropout.clone()),
             training: true,
         })
@@ -258,6 +282,26 @@ impl CausalSelfAttention {
     /// The form it computes in.
     pub fn kind(&self) -> AttentionKind {
         self.kind
+    }
+
+    /// The backend its fused form runs on.
+    pub fn backend(&self) -> AttentionBackend {
+        self.backend
+    }
+
+    /// What ran its latest fused forward and backward.
+    pub fn backends_ran(&self) -> BackendsRan {
+        *self.ran.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Notes what ran a fused call.
+    fn note(&self, f: impl FnOnce(&mut BackendsRan)) {
+        f(&mut self.ran.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+    }
+
+    /// The fused calls' backend, with cuDNN's scratch from the layer's allocator.
+    fn run(&self) -> AttentionRun<'_> {
+        AttentionRun::new(self.backend, &self.alloc)
     }
 
     /// The dropout it draws in this forward, if any (training with p > 0).
@@ -341,7 +385,8 @@ impl CausalSelfAttention {
             }
             None => None,
         };
-        attention::attention_forward(out, &lse, qkv, self.kernel_dropout(step.as_ref()), stream)?;
+        let ran = attention::attention_forward(out, &lse, qkv, self.kernel_dropout(step.as_ref()), self.run(), stream)?;
+        self.note(|r| r.forward = Some(ran));
         Ok(Unsaved::Fused { lse, step })
     }
 
@@ -411,7 +456,9 @@ impl CausalSelfAttention {
                 let delta = Tensor::uninit(&self.alloc, stream, &d.row_shape(), DType::F32)?;
                 let saved = ForwardSaved { q, k, v, out: &out, lse: &lse };
                 let dropout = self.kernel_dropout(step.as_ref());
-                attention::attention_backward((&dq, &dk, &dv), &dout, saved, &delta, dropout, stream)?;
+                let grads = (&dq, &dk, &dv);
+                let ran = attention::attention_backward(grads, &dout, saved, &delta, dropout, self.run(), stream)?;
+                self.note(|r| r.backward = Some(ran));
             }
             FormCtx::Unfused { probs, mask } => {
                 drop(att);

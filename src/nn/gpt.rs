@@ -3,8 +3,8 @@
 //! launch updates them all.
 
 use super::{
-    input_grad, AttentionKind, AttentionSpec, Builder, Embedding, Inputs, KeepOnDevice, LayerNorm, LayerNormCtx,
-    Layers, LmHead, LmHeadCtx, Module, ParamStore, SaveHook, Stack, StackCtx, TransformerLayer,
+    input_grad, AttentionBackend, AttentionKind, AttentionSpec, Builder, Embedding, Inputs, KeepOnDevice, LayerNorm,
+    LayerNormCtx, Layers, LmHead, LmHeadCtx, Module, ParamStore, SaveHook, Stack, StackCtx, TransformerLayer,
 };
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
@@ -27,6 +27,8 @@ pub struct GptConfig {
     /// The form of the layers' attention (fused: head widths 32, 64 or 128, any length;
     /// unfused: any head width, at most `softmax::MAX_SEQ` positions).
     pub attention: AttentionKind,
+    /// Which implementation runs the fused attention (cuDNN or graphed's kernels).
+    pub attention_backend: AttentionBackend,
     /// Dropout probability (0: none), after each residual branch and on the attention
     /// probabilities.
     pub dropout: f32,
@@ -59,10 +61,10 @@ impl GptConfig {
     ///
     /// ```
     /// use graphed::device::DType;
-    /// use graphed::nn::{AttentionKind, GptConfig};
+    /// use graphed::nn::{AttentionBackend, AttentionKind, GptConfig};
     /// let config = GptConfig {
     ///     vocab: 16, max_len: 8, dim: 3, layers: 1, heads: 1, attention: AttentionKind::Fused,
-    ///     dropout: 0.0, seed: 0, dtype: DType::F32,
+    ///     attention_backend: AttentionBackend::Auto, dropout: 0.0, seed: 0, dtype: DType::F32,
     /// };
     /// assert_eq!(config.validate().unwrap_err().field, "dim");
     /// // Heads of 16 features: only the unfused attention runs them.
@@ -223,7 +225,7 @@ impl Gpt {
         let (c, seed) = (config.dim, config.seed);
         let vb = Builder::new(&store, alloc, stream)?.with_seed(seed).with_dropout(config.dropout, seed as u32);
         let embedding = Embedding::new(&vb.pp("emb"), (config.vocab, config.max_len, c))?;
-        let attention = AttentionSpec::new(c, config.heads).kind(config.attention);
+        let attention = AttentionSpec::new(c, config.heads).kind(config.attention).backend(config.attention_backend);
         // Layer l seeded `seed + 1000·(l + 1)`.
         let layers_vb = vb.clone().with_seed(seed.wrapping_add(1000));
         let layers = TransformerLayer::stack(&layers_vb, attention, &Layers::first(config.layers).seed_stride(1000))?;

@@ -32,7 +32,8 @@ mod schedule;
 mod stack;
 mod transformer;
 
-pub use attention::{AttentionCtx, AttentionKind, AttentionSpec, CausalSelfAttention};
+pub use crate::ops::attention::AttentionBackend;
+pub use attention::{AttentionCtx, AttentionKind, AttentionSpec, BackendsRan, CausalSelfAttention};
 pub use builder::Builder;
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;

@@ -56,7 +56,7 @@ impl Model {
         let c = dims.dim;
         let store = ParamStore::with_dtype(&alloc, &s, dims.layers * TransformerLayer::parameter_count(c), dtype)?;
         let vb = Builder::new(&store, &alloc, &s)?.with_seed(3).with_dropout(dims.dropout, 5);
-        let attention = AttentionSpec { dim: c, heads: HEADS, kind: dims.attention };
+        let attention = AttentionSpec::new(c, HEADS).kind(dims.attention);
         let stack = Stack::new(TransformerLayer::stack(&vb, attention, &Layers::first(dims.layers))?);
         let stack = stack.with_rng_step(vb.step());
         Ok(Model { dims, dtype, s, alloc, store, stack })

@@ -5,7 +5,7 @@
 
 use graphed::device::{DType, DeviceKind};
 use graphed::memory::CachingAllocator;
-use graphed::ops::attention::{self, ForwardSaved};
+use graphed::ops::attention::{self, AttentionBackend, AttentionRun, ForwardSaved};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -19,6 +19,9 @@ struct AttentionRow {
     seq: usize,
     head_dim: usize,
     dtype: String,
+    /// What ran the forward and the backward: `cudnn` or `kernels`.
+    forward_backend: String,
+    backward_backend: String,
     forward_ms: f64,
     forward_tflops: f64,
     backward_ms: f64,
@@ -41,13 +44,15 @@ pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
     let head = || Tensor::uninit(&alloc, &s, &heads, dtype);
     let (out, dq, dk, dv) = (head()?, head()?, head()?, head()?);
     let (lse, delta) = (Tensor::uninit(&alloc, &s, &rows, DType::F32)?, Tensor::uninit(&alloc, &s, &rows, DType::F32)?);
-    let forward = || attention::attention_forward(&out, &lse, (&q, &k, &v), None, &s);
+    let run = AttentionRun::new(args.backend.backend(), &alloc);
+    let forward = || attention::attention_forward(&out, &lse, (&q, &k, &v), None, run, &s);
     let saved = ForwardSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
-    let backward = || attention::attention_backward((&dq, &dk, &dv), &dout, saved, &delta, None, &s);
+    let backward = || attention::attention_backward((&dq, &dk, &dv), &dout, saved, &delta, None, run, &s);
     let (start, end) = (dev.timing_event()?, dev.timing_event()?);
-    let time = |f: &dyn Fn() -> graphed::Result<()>| -> anyhow::Result<f64> {
-        for _ in 0..5 {
-            f()?;
+    let time = |f: &dyn Fn() -> graphed::Result<AttentionBackend>| -> anyhow::Result<(f64, AttentionBackend)> {
+        let mut ran = f()?;
+        for _ in 0..4 {
+            ran = f()?;
         }
         let mut times = Vec::new();
         for _ in 0..args.reps {
@@ -57,9 +62,9 @@ pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
             end.synchronize()?;
             times.push(f64::from(start.elapsed_ms(&end)?));
         }
-        Ok(median(times))
+        Ok((median(times), ran))
     };
-    let (forward_ms, backward_ms) = (time(&forward)?, time(&backward)?);
+    let ((forward_ms, forward_backend), (backward_ms, backward_backend)) = (time(&forward)?, time(&backward)?);
     let flops = 4.0 * (args.batch * args.heads * args.head_dim) as f64 * (args.seq as f64).powi(2) / 2.0;
     let row = AttentionRow {
         batch: args.batch,
@@ -67,6 +72,8 @@ pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
         seq: args.seq,
         head_dim: args.head_dim,
         dtype: dtype.to_string(),
+        forward_backend: forward_backend.to_string(),
+        backward_backend: backward_backend.to_string(),
         forward_ms,
         forward_tflops: flops / (forward_ms * 1e-3) / 1e12,
         backward_ms,
@@ -76,5 +83,6 @@ pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
         "graphed fused attention {dtype} b={} h={} s={} d={}: forward {:.3} ms ({:.0} TFLOP/s), backward {:.3} ms ({:.0} TFLOP/s)",
         row.batch, row.heads, row.seq, row.head_dim, row.forward_ms, row.forward_tflops, row.backward_ms, row.backward_tflops
     );
+    println!("attention backend: forward on {forward_backend}, backward on {backward_backend}");
     write_json(&args.json, &Report::new("attention", &dev, args.reps, vec![row]))
 }

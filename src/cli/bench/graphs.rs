@@ -71,6 +71,9 @@ struct GraphsRow {
     /// Wall time of `make_graphed_callables` (its warmup iterations included) or of the floor's
     /// capture, instantiation and upload; none for eager.
     capture_ms: Option<f64>,
+    /// What ran the layers' fused attention (`--attention-backend`), if they have one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    attention_backends: Option<super::layer::Backends>,
 }
 
 /// Per-step samples of one variant.
@@ -95,6 +98,9 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
             let row = run_variant(&dev, (config, dtype), variant, args)?;
             print_row(&row);
             rows.push(row);
+        }
+        if let Some(ran) = rows[first..].iter().find_map(|r| r.attention_backends.as_ref()) {
+            println!("  fused attention ran on: forward {}, backward {}", ran.forward, ran.backward);
         }
         print_ratios(&rows[first..]);
     }
@@ -160,6 +166,7 @@ fn run_variant(
         reserved_bytes: stats.total.reserved,
         memory: MemoryRow::of(&stats),
         capture_ms,
+        attention_backends: model.stack.layers().first().and_then(|l| super::layer::Backends::of(&l.attn)),
     })
 }
 

@@ -18,7 +18,7 @@ use rand::{Rng, SeedableRng};
 use anyhow::bail;
 use graphed::device::{DType, Device, DeviceKind, KernelTime, Stream};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{AttentionSpec, Builder, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
+use graphed::nn::{Builder, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -55,17 +55,36 @@ struct LayerRow {
     /// The fused attention's rates by FlashAttention's convention (with `--profile`, fused).
     #[serde(skip_serializing_if = "Option::is_none")]
     attention_rates: Option<AttentionRates>,
+    /// What ran the fused attention (`--attention-backend`), if the layer has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    attention_backends: Option<Backends>,
+}
+
+/// What ran a fused attention's forward and backward: `cudnn` or `kernels`.
+#[derive(Serialize, Debug)]
+pub(super) struct Backends {
+    pub(super) forward: String,
+    pub(super) backward: String,
+}
+
+impl Backends {
+    /// What `attn` ran, if it ran fused.
+    pub(super) fn of(attn: &graphed::nn::CausalSelfAttention) -> Option<Backends> {
+        let ran = attn.backends_ran();
+        Some(Backends { forward: ran.forward?.to_string(), backward: ran.backward?.to_string() })
+    }
 }
 
 /// The fused attention's kernels in a profiled forward and backward, rated as FlashAttention
 /// rates its own: the forward's FLOPs are its two causal products, 4·pairs·T²·hd/2; the
 /// backward's are counted as 2.5 times those (its five products, whatever the kernels
-/// recompute), over the time of its three kernels (delta, dk/dv, dq).
+/// recompute), over the time of its kernels: graphed's three (delta, dk/dv, dq), or cuDNN's
+/// one execution (the profile names each cuDNN call once, whatever kernels cuDNN runs in it).
 #[derive(Serialize, Debug, PartialEq)]
 struct AttentionRates {
     forward_flops: u64,
     forward_us: Option<f64>,
-    /// The delta, dk/dv and dq kernels' time.
+    /// The backward's time: graphed's delta, dk/dv and dq kernels, or cuDNN's execution.
     backward_us: Option<f64>,
     forward_tflop_per_s: Option<f64>,
     /// 2.5 × `forward_flops` over `backward_us`.
@@ -76,7 +95,8 @@ struct AttentionRates {
 fn attention_rates(times: &[KernelTime]) -> Option<AttentionRates> {
     let of =
         |prefixes: &[&str]| times.iter().filter(|t| prefixes.iter().any(|p| t.name.starts_with(p))).collect::<Vec<_>>();
-    let (forward, backward) = (of(&["attention_forward_"]), of(&["attention_delta_", "attention_backward_"]));
+    let forward = of(&["attention_forward_", "cudnn_sdpa_forward_"]);
+    let backward = of(&["attention_delta_", "attention_backward_", "cudnn_sdpa_backward_"]);
     if forward.is_empty() {
         return None;
     }
@@ -140,11 +160,14 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
         if let Some(classes) = &row.profile {
             print_classes(classes, row.gpu_ms, dtype);
         }
+        if let Some(ran) = &row.attention_backends {
+            println!("  fused attention ran on: forward {}, backward {}", ran.forward, ran.backward);
+        }
         if let Some(a) = &row.attention_rates {
             let opt = |v: Option<f64>, unit: &str| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1} {unit}"));
             println!(
                 "  fused attention, FlashAttention's convention (causal FLOPs halved; backward = 2.5 × forward's {:.3} \
-                 GFLOP): forward {} in {}, backward {} in {} (delta + dk/dv + dq)",
+                 GFLOP): forward {} in {}, backward {} in {}",
                 a.forward_flops as f64 / 1e9,
                 opt(a.forward_tflop_per_s, "TFLOP/s"),
                 opt(a.forward_us, "µs"),
@@ -168,7 +191,7 @@ fn run_config(
     let alloc = CachingAllocator::new(dev);
     let store = ParamStore::with_dtype(&alloc, s, TransformerLayer::parameter_count(d), dtype)?;
     let vb = Builder::new(&store, &alloc, s)?.with_seed(1).pp("layer");
-    let layer = TransformerLayer::new(&vb, AttentionSpec::new(d, config.heads()).kind(config.attention))?;
+    let layer = TransformerLayer::new(&vb, config.attention_spec())?;
     let mut rng = SmallRng::seed_from_u64(0);
     let mut random = || (0..b * t * d).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>();
     let x = Tensor::from_f32(&alloc, s, &random(), &[b, t, d], dtype)?;
@@ -215,6 +238,7 @@ fn run_config(
         kernels_backward,
         profile,
         attention_rates,
+        attention_backends: Backends::of(&layer.attn),
     })
 }
 
@@ -355,5 +379,12 @@ mod tests {
         let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9 * b);
         assert!(close(a.forward_tflop_per_s, 400.0) && close(a.backward_tflop_per_s, 200.0), "{a:?}");
         assert_eq!(attention_rates(&times[..1]), None, "no fused attention, no rates");
+        let cudnn = [
+            t("cudnn_sdpa_forward_bf16", Some(400_000_000), 1.0),
+            t("cudnn_sdpa_backward_bf16", Some(1_000_000_000), 4.0),
+        ];
+        let a = attention_rates(&cudnn).expect("cuDNN's fused attention ran");
+        assert_eq!((a.forward_us, a.backward_us), (Some(1.0), Some(4.0)));
+        assert!(close(a.forward_tflop_per_s, 400.0) && close(a.backward_tflop_per_s, 250.0), "{a:?}");
     }
 }

@@ -33,7 +33,7 @@ const CONVENTIONS: [(&str, &str); 4] = [
 /// Runs the step and writes the file.
 pub fn run(args: &ParityBenchArgs) -> anyhow::Result<()> {
     let dev = crate::cli::open_device(&args.device)?;
-    let config = Config::named(&args.config)?.with_attention(args.attention.kind());
+    let config = Config::named(&args.config)?.with_attention(args.attention);
     // One step of S takes seconds on the simulator, of M or L hours.
     if dev.kind() != DeviceKind::Cuda && !matches!(config.name, "tiny" | "S") {
         anyhow::bail!(
@@ -63,7 +63,7 @@ pub fn run(args: &ParityBenchArgs) -> anyhow::Result<()> {
     for (name, t) in [("input", &model.x), ("output", y), ("grad.output", &dy), ("grad.input", dx)] {
         file.put(name, t, &s)?;
     }
-    let Config { name, dim, layers, batch, seq, attention } = config;
+    let Config { name, dim, layers, batch, seq, attention, .. } = config;
     let run = [
         ("config", name.to_string()),
         // `fused` or `unfused`: PyTorch's side runs the same form (SDPA with `is_causal` for

@@ -42,7 +42,7 @@ pub fn run(args: &ScheduleBenchArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "schedule", "--config tiny")?;
     let on_gpu = dev.kind() == DeviceKind::Cuda;
     let config = Config::named(args.config.as_deref().unwrap_or(if on_gpu { "M" } else { "tiny" }))?
-        .with_attention(args.attention.kind());
+        .with_attention(args.attention);
     config.check_device(&dev, "--config")?;
     let dtype = args.dtype.resolve(&dev);
     let (schedule, _) = args.schedule.resolve(config.layers)?;

@@ -96,7 +96,7 @@ mod tests {
     use graphed::device::DType;
     use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
     use graphed::memory::CachingAllocator;
-    use graphed::nn::Gpt;
+    use graphed::nn::{AttentionBackend, Gpt};
     use graphed::tensor::Tensor;
 
     use super::*;
@@ -151,6 +151,7 @@ mod tests {
                 layers: 2,
                 heads,
                 attention,
+                attention_backend: AttentionBackend::Auto,
                 dropout: 0.0,
                 seed: 1,
                 dtype: DType::F32,
@@ -178,6 +179,7 @@ mod tests {
             layers: 64,
             heads: 32,
             attention: AttentionKind::Fused,
+            attention_backend: AttentionBackend::Auto,
             dropout: 0.0,
             seed: 1,
             dtype: DType::F32,

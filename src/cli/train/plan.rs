@@ -3,7 +3,8 @@
 //! the steps, and the flags that would do nothing.
 
 use graphed::device::{Device, DeviceKind};
-use graphed::nn::GptConfig;
+use graphed::nn::{AttentionBackend, AttentionKind, GptConfig};
+use graphed::ops::attention::cudnn_refusal;
 use graphed::optim::{AdamWHyper, LrSchedule, NonFinite};
 
 use crate::cli::args::{NonFiniteArg, TrainArgs};
@@ -40,10 +41,25 @@ impl Plan {
             layers: pick(args.layers, 2, 2),
             heads,
             attention: args.attention.kind(),
+            attention_backend: args.attention.backend(),
             dropout: args.dropout,
             seed: args.seed,
             dtype: args.dtype.resolve(dev),
         };
+        if config.attention_backend == AttentionBackend::Cudnn {
+            let fused = config.attention == AttentionKind::Fused;
+            let hd = config.dim / config.heads;
+            let why = match cudnn_refusal(config.dtype, hd, max_len, config.dropout) {
+                _ if !gpu => Some("the simulator has no cuDNN"),
+                _ if !fused => Some("cuDNN runs the fused form only (`--attention fused`)"),
+                why => why,
+            };
+            if let Some(why) = why {
+                refuse!(
+                    "--attention-backend cudnn cannot run this model: {why}; pass --attention-backend auto or kernels"
+                );
+            }
+        }
         let lr = args.lr.unwrap_or(if gpu { 3e-3 } else { 5e-3 });
         if !(lr > 0.0 && lr.is_finite()) {
             refuse!("--lr {lr} is not a positive number");
@@ -131,4 +147,21 @@ fn check_batch(config: &GptConfig, batch: usize) -> anyhow::Result<()> {
         _ => "--batch",
     };
     refuse!("{flag} {}: {}", limit.value, limit.why)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::train::outputs::tests::train_args;
+
+    #[test]
+    fn the_cudnn_backend_is_refused_where_it_cannot_run_before_anything_is_built() {
+        let dev = Device::sim();
+        let refusal = |extra: &[&str]| Plan::new(&dev, &train_args(extra), (12, 128)).err().map(|e| e.to_string());
+        let sim = refusal(&["--attention-backend", "cudnn"]).expect("refused on the simulator");
+        assert!(sim.contains("the simulator has no cuDNN") && sim.contains("--attention-backend auto"), "{sim}");
+        for backend in ["auto", "kernels"] {
+            assert_eq!(refusal(&["--attention-backend", backend]), None, "{backend} runs anywhere");
+        }
+    }
 }

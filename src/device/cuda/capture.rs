@@ -48,7 +48,7 @@ impl Holdings {
 
     fn add_op(&mut self, op: &Op<'_>) {
         match op {
-            Op::Kernel { args, .. } | Op::Gemm { args, .. } => {
+            Op::Kernel { args, .. } | Op::Gemm { args, .. } | Op::Sdpa { args, .. } => {
                 for arg in args.iter() {
                     if let Arg::Buf(b) = arg {
                         self.add_buffer(b.block);

@@ -9,6 +9,7 @@
 //! - [`graph`] owns graphs and executables and reads nodes back;
 //! - [`ffi`] holds the few raw driver and NVRTC calls, each wrapped once; [`error`] maps result
 //!   codes to [`Error`](crate::Error);
+//! - [`cudnn`] runs fused attention through cuDNN's backend graph API, after probing for it;
 //! - [`nvtx`] pushes and pops profiler ranges, after probing for NVTX's library;
 //! - `baseline` measures raw cudarc launches, the yardstick for graphed's launch overhead.
 //!
@@ -24,6 +25,7 @@ pub(crate) use baseline::raw_launch_baseline;
 pub(crate) use nccl::{nccl_unique_id, NcclComm};
 mod capture;
 mod context;
+mod cudnn;
 mod disk_cache;
 mod error;
 mod ffi;
@@ -57,6 +59,7 @@ pub(crate) struct CudaDevice {
     ctx: Arc<CudaContext>,
     kernels: Kernels,
     blas: blas::Blas,
+    cudnn: cudnn::Cudnn,
     description: String,
     /// The device's error slot, handed to every stream and allocation.
     errors: Arc<ErrorSlot>,
@@ -75,6 +78,7 @@ impl CudaDevice {
         Ok(CudaDevice {
             kernels: Kernels::new(opened.ctx.clone(), compiler),
             blas: blas::Blas::new(description.clone()),
+            cudnn: cudnn::Cudnn::default(),
             ctx: opened.ctx,
             description,
             errors,
@@ -224,6 +228,13 @@ impl Backend for CudaDevice {
         32 << 20
     }
 
+    fn sdpa_plan(&self, spec: &crate::device::sdpa::SdpaSpec) -> Result<crate::device::sdpa::SdpaPlan> {
+        self.bind("attention (cuDNN)")?;
+        // Planning may allocate (cuDNN's handle, its engines' setup): let a capture on this
+        // thread through, as the allocator's growth does.
+        capture::relaxed(|| self.cudnn.plan(spec))
+    }
+
     fn enqueue(&self, stream: &CuStream, op: &Op<'_>) -> Result<()> {
         let name = op.name();
         self.bind(name)?;
@@ -233,6 +244,7 @@ impl Backend for CudaDevice {
             Op::Gemm { kernel, args, spec, alpha, beta } => {
                 self.blas.gemm(stream, &spec, kernel.params, args, (alpha, beta), self.gemm_workspace_bytes())?
             }
+            Op::Sdpa { kernel, args, spec } => self.cudnn.execute(stream, &spec, kernel.params, args)?,
             Op::Copy { dir, src, src_offset, dst, dst_offset, bytes } => {
                 memory::copy(name, stream, dir, (&src.raw, src_offset), (&dst.raw, dst_offset), bytes)?
             }

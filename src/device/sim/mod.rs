@@ -368,6 +368,10 @@ impl Backend for SimDevice {
         256
     }
 
+    fn sdpa_plan(&self, _spec: &crate::device::sdpa::SdpaSpec) -> Result<crate::device::sdpa::SdpaPlan> {
+        Ok(crate::device::sdpa::SdpaPlan::Unavailable(crate::device::sdpa::SIM_WHY.into()))
+    }
+
     fn enqueue(&self, stream: &SimStream, op: &Op<'_>) -> Result<()> {
         self.lock().enqueue(op.name(), stream.id, Task::from_op(op)?)
     }

@@ -202,21 +202,23 @@ pub(crate) enum Task {
 impl Task {
     pub(crate) fn from_op(op: &Op<'_>) -> Result<Task> {
         Ok(match *op {
-            Op::Kernel { kernel, args, .. } | Op::Gemm { kernel, args, .. } => Task::Kernel {
-                kernel,
-                args: args
-                    .iter()
-                    .map(|a| match a {
-                        Arg::Buf(b) => OwnedArg::Buf(OwnedBuf {
-                            block: b.block.clone(),
-                            region: b.region,
-                            dtype: b.dtype,
-                            mode: b.mode,
-                        }),
-                        Arg::Scalar(s) => OwnedArg::Scalar(*s),
-                    })
-                    .collect(),
-            },
+            Op::Kernel { kernel, args, .. } | Op::Gemm { kernel, args, .. } | Op::Sdpa { kernel, args, .. } => {
+                Task::Kernel {
+                    kernel,
+                    args: args
+                        .iter()
+                        .map(|a| match a {
+                            Arg::Buf(b) => OwnedArg::Buf(OwnedBuf {
+                                block: b.block.clone(),
+                                region: b.region,
+                                dtype: b.dtype,
+                                mode: b.mode,
+                            }),
+                            Arg::Scalar(s) => OwnedArg::Scalar(*s),
+                        })
+                        .collect(),
+                }
+            }
             Op::Copy { src, src_offset, dst, dst_offset, bytes, .. } => {
                 Task::Copy { name: op.name(), src: src.clone(), src_offset, dst: dst.clone(), dst_offset, bytes }
             }

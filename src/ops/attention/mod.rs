@@ -47,22 +47,29 @@
 //! let shape = [1, 2, 3, 32]; // batch 1, 2 heads, 3 tokens, head width 32
 //! let q = Tensor::from_host(&alloc, &s, &vec![0.1f32; 192], &shape)?;
 //! let (out, lse) = (Tensor::uninit(&alloc, &s, &shape, DType::F32)?, Tensor::uninit(&alloc, &s, &[1, 2, 3], DType::F32)?);
-//! attention::attention_forward(&out, &lse, (&q, &q, &q), None, &s)?;
+//! let run = attention::AttentionRun::new(attention::AttentionBackend::Auto, &alloc);
+//! attention::attention_forward(&out, &lse, (&q, &q, &q), None, run, &s)?;
 //! // Equal scores: token i averages the i + 1 values it sees, here all 0.1.
 //! assert!(out.to_vec::<f32>(&s)?.iter().all(|&o| (o - 0.1).abs() < 1e-6));
 //! assert!((lse.to_vec::<f32>(&s)?[2] - (0.32f32 / 32f32.sqrt() + 3f32.ln())).abs() < 1e-5);
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
+mod backend;
 mod cpu;
+mod cudnn;
 mod tiles;
 
 use half::bf16;
 
 use super::{checked, count, dropout, float_dtype, rng, with_float};
+use crate::device::sdpa::SdpaPass;
 use crate::device::{args, Arg, DType, Elem, In, Kernel, Out, Stream};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
+pub use backend::{AttentionBackend, AttentionRun};
+use cudnn::Choice;
+pub use cudnn::{cudnn_refusal, CUDNN_HEAD_DIMS, CUDNN_SEQ_MULTIPLE};
 use tiles::{launch_dims, Pass};
 
 const SOURCE: &str = concat!(include_str!("../float.cu"), include_str!("../rng.cu"), include_str!("../attention.cu"));
@@ -349,21 +356,25 @@ fn rows_view<'t>(op: &'static str, name: &str, t: &'t Tensor, q: &Tensor) -> Res
 /// `lse`, each query row's log-sum-exp of its scaled visible scores (natural log), which the
 /// backward needs. `q`, `k`, `v` and `out` are heads of one element type (f32 or bf16) and one
 /// shape, `q`, `k` and `v` laid out alike (Note [Attention operand layouts]), `lse` is f32
-/// `(.., T)` and contiguous; outputs distinct from inputs.
+/// `(.., T)` and contiguous; outputs distinct from inputs. Runs on `run`'s backend
+/// ([`AttentionBackend`]), its scratch from `run`'s allocator; returns the one that ran
+/// ([`AttentionBackend::Cudnn`] or [`AttentionBackend::Kernels`]).
 ///
 /// # Errors
 /// Before anything is enqueued: [`Error::UnsupportedDType`] or [`Error::DTypeMismatch`] for other
 /// element types; [`Error::Shape`] for other shapes, or `k` or `v` laid out unlike `q`;
 /// [`Error::Unsupported`] for a head width not in [`HEAD_DIMS`], more than 2^32 elements, a drop
 /// probability outside `[0, 1)`, or misaligned bf16 rows; [`Error::NotContiguous`] for rows that
-/// are not contiguous.
+/// are not contiguous; [`Error::CudnnUnavailable`] for [`AttentionBackend::Cudnn`] where cuDNN
+/// cannot run the call. [`Error::Cudnn`] when a cuDNN call fails.
 pub fn attention_forward(
     out: &Tensor,
     lse: &Tensor,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     dropout: Option<AttentionDropout<'_>>,
+    run: AttentionRun<'_>,
     stream: &Stream,
-) -> Result<()> {
+) -> Result<AttentionBackend> {
     const OP: &str = "attention_forward";
     let dtype = float_dtype(OP, q, &[k, v, out])?;
     let h = Heads::of(OP, q)?;
@@ -371,6 +382,12 @@ pub fn attention_forward(
     let inputs = h.group(OP, &[("q", q), ("k", k), ("v", v)], shape)?;
     let outs = h.rows(OP, "out", out, shape)?;
     let layout = h.layout_args(OP, [inputs, inputs, outs])?;
+    let groups = [inputs, outs, outs];
+    let choice = cudnn::choose(OP, run.backend, (SdpaPass::Forward, dtype, &h), groups, dropout.as_ref(), stream)?;
+    if let Choice::Cudnn { spec, workspace, .. } = choice {
+        cudnn::forward(out, lse, (q, k, v), (spec, workspace), run, stream)?;
+        return Ok(AttentionBackend::Cudnn);
+    }
     with_float!(OP, dtype, T => {
         let (step, threshold, keep_scale, seed, site) = dropout_args::<T>(OP, dropout, q)?;
         let args = args![
@@ -388,7 +405,8 @@ pub fn attention_forward(
         ];
         let (kernel, dims) = (kernel(Pass::Forward, dtype, h.hd), launch_dims(Pass::Forward, dtype, h.hd, h.seq, h.pairs));
         stream.launch_counting(kernel, dims, &[&args[..], &layout].concat(), FORWARD_PRODUCTS * h.causal_product_flops())
-    })
+    })?;
+    Ok(AttentionBackend::Kernels)
 }
 
 /// What the backward reads of the forward: its inputs, its output and its log-sum-exp.
@@ -410,8 +428,9 @@ pub struct ForwardSaved<'a> {
 /// recomputing the probabilities from the saved log-sum-exp, with the forward's dropout (same
 /// `p`, seed, site and step value). `delta` is f32 `(.., T)` scratch (each row's `dout · out`);
 /// the gradients have the heads' shape and type, laid out alike, as are `out` and `dout` (Note
-/// [Attention operand layouts]). Three launches: the row terms, then `dk` and `dv` per key tile,
-/// then `dq` per query tile.
+/// [Attention operand layouts]). Three launches on graphed's kernels: the row terms, then `dk`
+/// and `dv` per key tile, then `dq` per query tile; one cuDNN execution (writing `delta` as its
+/// `softmax_sum`) on cuDNN. Returns the backend that ran, as [`attention_forward`] does.
 ///
 /// # Errors
 /// As [`attention_forward`], for every tensor given.
@@ -421,8 +440,9 @@ pub fn attention_backward(
     saved: ForwardSaved<'_>,
     delta: &Tensor,
     dropout: Option<AttentionDropout<'_>>,
+    run: AttentionRun<'_>,
     stream: &Stream,
-) -> Result<()> {
+) -> Result<AttentionBackend> {
     const OP: &str = "attention_backward";
     let ForwardSaved { q, k, v, out, lse } = saved;
     let dtype = float_dtype(OP, q, &[k, v, out, dout, dq, dk, dv])?;
@@ -432,6 +452,13 @@ pub fn attention_backward(
     let grads = h.group(OP, &[("dq", dq), ("dk", dk), ("dv", dv)], shape)?;
     let outs = h.group(OP, &[("out", out), ("dout", dout)], shape)?;
     let layout = h.layout_args(OP, [inputs, grads, outs])?;
+    let groups = [inputs, grads, outs];
+    let choice = cudnn::choose(OP, run.backend, (SdpaPass::Backward, dtype, &h), groups, dropout.as_ref(), stream)?;
+    if let Choice::Cudnn { spec, workspace, dq_accumulator } = choice {
+        let plan = (spec, workspace, dq_accumulator);
+        cudnn::backward((dq, dk, dv), dout, saved, delta, plan, run, stream)?;
+        return Ok(AttentionBackend::Cudnn);
+    }
     let dims = |pass| launch_dims(pass, dtype, h.hd, h.seq, h.pairs);
     with_float!(OP, dtype, T => {
         let (step, threshold, keep_scale, seed, site) = dropout_args::<T>(OP, dropout, q)?;
@@ -456,5 +483,6 @@ pub fn attention_backward(
             &[&dq_args[..], &layout].concat(),
             DQ_PRODUCTS * h.causal_product_flops(),
         )
-    })
+    })?;
+    Ok(AttentionBackend::Kernels)
 }

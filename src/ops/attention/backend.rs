@@ -1,0 +1,68 @@
+//! Which implementation runs fused attention: cuDNN's fused attention engines (bf16 on CUDA) or
+//! graphed's own kernels (`attention.cu`), chosen per call by an [`AttentionBackend`] setting.
+
+use crate::memory::CachingAllocator;
+
+/// Which implementation runs fused attention. Both compute the same math and keep the same
+/// log-sum-exp, so a forward of one and a backward of the other agree within rounding; each is
+/// bitwise reproducible run to run.
+///
+/// cuDNN runs bf16 on CUDA, head widths 64 and 128, sequence lengths that are multiples of 128,
+/// without attention dropout (cuDNN's dropout masks are not graphed's counter-based numbers, so
+/// graphed's own kernels keep graphed and eager runs equal bit for bit), and only where a
+/// deterministic cuDNN engine exists for the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum AttentionBackend {
+    /// cuDNN where it is available and runs the call, else graphed's kernels; on the simulator,
+    /// graphed's kernels (their CPU paths).
+    #[default]
+    Auto,
+    /// cuDNN, or a refusal ([`Error::CudnnUnavailable`](crate::Error::CudnnUnavailable)) before
+    /// anything is enqueued where it cannot run the call.
+    Cudnn,
+    /// graphed's own kernels, for every element type, head width and sequence length.
+    Kernels,
+}
+
+impl AttentionBackend {
+    /// Every setting, the default first.
+    pub const ALL: [AttentionBackend; 3] = [AttentionBackend::Auto, AttentionBackend::Cudnn, AttentionBackend::Kernels];
+
+    /// `auto`, `cudnn` or `kernels`, as the command line spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionBackend::Auto => "auto",
+            AttentionBackend::Cudnn => "cudnn",
+            AttentionBackend::Kernels => "kernels",
+        }
+    }
+
+    /// The setting called `name`.
+    pub fn named(name: &str) -> Option<AttentionBackend> {
+        AttentionBackend::ALL.into_iter().find(|b| b.name() == name)
+    }
+}
+
+impl std::fmt::Display for AttentionBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How one call runs: the backend setting, and the allocator that cuDNN's scratch memory (its
+/// plan's workspace, the backward's dQ accumulator) comes from, so that under a capture it lives
+/// in the graph's pool like every other temporary.
+#[derive(Clone, Copy)]
+pub struct AttentionRun<'a> {
+    /// Which implementation.
+    pub backend: AttentionBackend,
+    /// Where cuDNN's scratch comes from (unused by graphed's kernels).
+    pub scratch: &'a CachingAllocator,
+}
+
+impl<'a> AttentionRun<'a> {
+    /// `backend`, its scratch from `scratch`.
+    pub fn new(backend: AttentionBackend, scratch: &'a CachingAllocator) -> AttentionRun<'a> {
+        AttentionRun { backend, scratch }
+    }
+}
