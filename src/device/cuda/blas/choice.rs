@@ -21,11 +21,17 @@ const EXT: &str = "gemm";
 /// The choices of this process, by key (device, library, layout, candidates).
 static CHOSEN: Mutex<BTreeMap<String, usize>> = Mutex::new(BTreeMap::new());
 
+/// The environment variable that turns the measurement off (`0`): every layout then runs the
+/// heuristic's first candidate, for comparing the two in one machine's benchmarks.
+const TUNING_ENV: &str = "GRAPHED_GEMM_TUNING";
+
 /// Where a layout's choice is looked up and kept, for one device.
 pub(super) struct Choices {
     /// The GPU and its driver, as the device describes itself.
     device: String,
     cache: DiskCache,
+    /// Whether new layouts are measured (else they take the heuristic's first).
+    measure: bool,
 }
 
 /// How a choice was made, for the log.
@@ -41,7 +47,13 @@ impl Choices {
     /// The choices of `device` ("NVIDIA H200 (sm_90, driver 13.0)"), cached where the
     /// environment says.
     pub(super) fn new(device: String) -> Choices {
-        Choices { device, cache: DiskCache::from_env() }
+        let measure = std::env::var_os(TUNING_ENV).is_none_or(|v| v != "0");
+        Choices { device, cache: DiskCache::from_env(), measure }
+    }
+
+    /// Whether new layouts are measured: unless `GRAPHED_GEMM_TUNING=0`.
+    pub(super) fn measure(&self) -> bool {
+        self.measure
     }
 
     /// Everything a choice depends on: the GPU and driver, cuBLASLt's version, the layout, the
@@ -49,8 +61,11 @@ impl Choices {
     pub(super) fn key(&self, spec: &GemmSpec, workspace_bytes: usize, candidates: usize) -> String {
         // SAFETY: a version query without arguments.
         let version = unsafe { cudarc::cublaslt::sys::cublasLtGetVersion() };
+        // Unmeasured choices are kept apart, so that turning the measurement off and on again in
+        // one process measures.
+        let how = if self.measure { "measured" } else { "heuristic" };
         format!(
-            "graphed gemm choice 1\n{}\ncublasLt {version}\n{spec:?}\nworkspace {workspace_bytes}\ncandidates {candidates}",
+            "graphed gemm choice 1 {how}\n{}\ncublasLt {version}\n{spec:?}\nworkspace {workspace_bytes}\ncandidates {candidates}",
             self.device
         )
     }

@@ -334,7 +334,7 @@ impl Blas {
         let (chosen, how) = match self.choices.recall(&key, candidates.len()) {
             Some((i, Source::Process)) => (i, "chosen earlier in this process".to_string()),
             Some((i, Source::Disk)) => (i, "chosen by an earlier process".to_string()),
-            None if candidates.len() == 1 || capture::any_active() => {
+            None if candidates.len() == 1 || !self.choices.measure() || capture::any_active() => {
                 self.choices.remember(&key, 0, false);
                 (0, "the heuristic's first; nothing to time".to_string())
             }
