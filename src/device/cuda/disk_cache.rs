@@ -1,6 +1,5 @@
-//! graphed's on-disk cache, once per machine: compiled kernels (`nvrtc.rs`) and the GEMM
-//! algorithms chosen by measurement (`blas/choice.rs`), each entry a file named by a hash of its
-//! key.
+//! graphed's on-disk cache, once per machine (compiled kernels, `nvrtc.rs`): each entry a file
+//! named by a hash of its key.
 //!
 //! The file stores the full key too and a read checks it, so a hash collision is a miss, never a
 //! wrong entry. It also stores the payload's length and a checksum of key and payload, verified

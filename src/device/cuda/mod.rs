@@ -77,7 +77,7 @@ impl CudaDevice {
             format!("{} ({}, driver {}.{})", opened.name, compiler.arch(), version / 1000, version % 1000 / 10);
         Ok(CudaDevice {
             kernels: Kernels::new(opened.ctx.clone(), compiler),
-            blas: blas::Blas::new(description.clone()),
+            blas: blas::Blas::default(),
             cudnn: cudnn::Cudnn::default(),
             ctx: opened.ctx,
             description,

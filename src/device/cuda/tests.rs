@@ -215,57 +215,6 @@ fn a_profile_times_each_launch() -> Result<()> {
     Ok(())
 }
 
-/// A layout no earlier process used, so that its first call times cuBLASLt's candidates rather
-/// than reading a choice from the disk cache.
-fn fresh_dims() -> (usize, usize, usize) {
-    let salt = std::process::id() as usize % 997;
-    (64 + salt, 72, 40)
-}
-
-/// The candidates of a GEMM that accumulates into its output (`beta = 1`, C = D) are timed on a
-/// scratch output: the call adds `A·B` to D once.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn timing_the_candidates_of_an_accumulating_gemm_adds_once() -> Result<()> {
-    let (dev, _serial) = gpu();
-    let s = dev.stream()?;
-    let (m, n, k) = fresh_dims();
-    // Small integers: every product and sum is exact in f32, whatever the algorithm's order.
-    let a: Vec<f32> = (0..m * k).map(|i| (i % 5) as f32 - 2.0).collect();
-    let b: Vec<f32> = (0..k * n).map(|i| (i % 7) as f32 - 3.0).collect();
-    let (da, db, dc) = (dev.alloc_from(&s, &a)?, dev.alloc_from(&s, &b)?, dev.alloc_from(&s, &vec![1.0f32; m * n])?);
-    let mut gemm = crate::device::Gemm::new(dc.view(), da.view(), db.view(), (m, n, k));
-    gemm.beta = 1.0;
-    s.gemm(gemm)?;
-    let want: Vec<f32> =
-        (0..m * n).map(|e| 1.0 + (0..k).map(|l| a[e / n * k + l] * b[l * n + e % n]).sum::<f32>()).collect();
-    assert_eq!(dc.to_vec(&s)?, want);
-    Ok(())
-}
-
-/// Two devices of one GPU run a layout with the same algorithm, chosen once for the process:
-/// their results agree bit for bit.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn devices_of_one_gpu_share_a_layouts_algorithm() -> Result<()> {
-    let _serial = serial();
-    let (m, _, k) = fresh_dims();
-    let (m, k) = (m + 8, k * 16);
-    let a: Vec<half::bf16> = (0..m * k).map(|i| half::bf16::from_f32(((i * 7919) % 1000) as f32 / 997.0)).collect();
-    let run = || -> Result<Vec<half::bf16>> {
-        let dev = Device::cuda(0)?;
-        let s = dev.stream()?;
-        let (da, dc) = (dev.alloc_from(&s, &a)?, dev.alloc::<half::bf16>(m * m)?);
-        let mut gemm = crate::device::Gemm::new(dc.view(), da.view(), da.view(), (m, m, k));
-        gemm.trans_b = true;
-        s.gemm(gemm)?;
-        dc.to_vec(&s)
-    };
-    let (first, second) = (run()?, run()?);
-    assert!(first.iter().zip(&second).all(|(x, y)| x.to_bits() == y.to_bits()));
-    Ok(())
-}
-
 /// A graph that holds a collective of an aborted communicator is refused at launch, naming
 /// the abort, instead of running NCCL's kernels on freed resources.
 #[test]

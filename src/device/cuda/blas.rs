@@ -1,7 +1,6 @@
-//! cuBLASLt GEMMs: one handle per device, and a plan (descriptors and an algorithm) per GEMM
-//! layout, made once and reused, so a GEMM in a training step costs a lookup and one
-//! `cublasLtMatmul`. The algorithm is the fastest of the heuristic's candidates, timed on the
-//! layout's first call (`tune.rs`) and remembered for the process and on disk (`choice.rs`).
+//! cuBLASLt GEMMs: one handle per device, and a plan (descriptors and the algorithm the
+//! heuristic picked) per GEMM layout, made once and reused, so a GEMM in a training step costs a
+//! lookup and one `cublasLtMatmul`.
 //!
 //! graphed's GEMMs are row-major; cuBLASLt is column-major. A row-major `C = op(A)·op(B)` is the
 //! column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`, so cuBLASLt gets B as its first operand and A as its second,
@@ -22,17 +21,12 @@ use std::sync::{Mutex, PoisonError};
 use cudarc::cublaslt::result::{self as lt, CublasError};
 use cudarc::cublaslt::sys;
 
-mod choice;
-mod tune;
-
-use super::capture;
 use super::memory;
 use super::stream::CuStream;
 use crate::device::gemm::{EpilogueKind, GemmSpec, Operand};
 use crate::device::kernel::Arg;
 use crate::device::DType;
 use crate::{Error, Result};
-use choice::{Choices, Source};
 
 fn fail(op: &'static str) -> impl Fn(CublasError) -> Error {
     move |e| Error::Cuda { op, message: format!("cuBLASLt: {:?}", e.0) }
@@ -90,14 +84,10 @@ struct State {
 }
 
 /// The device's cuBLASLt state.
+#[derive(Default)]
 pub(super) struct Blas {
     state: Mutex<State>,
-    choices: Choices,
 }
-
-/// The heuristic's candidates timed for a new layout: its first and the next ones, which on Hopper
-/// differ in tile shape, cluster shape and split-K.
-const CANDIDATES: usize = 8;
 
 fn data_type(dtype: DType) -> Result<sys::cudaDataType> {
     match dtype {
@@ -167,8 +157,7 @@ fn epilogue(kind: EpilogueKind) -> Option<sys::cublasLtEpilogue_t> {
 }
 
 impl Plan {
-    /// The descriptors of `spec`'s layout; its algorithm is chosen by [`Blas::choose`].
-    fn new(spec: &GemmSpec) -> std::result::Result<Plan, CublasError> {
+    fn new(handle: &Handle, spec: &GemmSpec, workspace_bytes: usize) -> std::result::Result<Plan, CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as D;
         let ty = data_type(spec.dtype).map_err(|_| CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED))?;
         // IEEE f32 accumulation for both types: bf16 inputs, f32 sums; f32 without TF32.
@@ -183,7 +172,7 @@ impl Plan {
                 layout(ty, &spec.c, spec.batch)?,
             ],
             addend: None,
-            // SAFETY: a plain C struct, chosen among the candidates before the plan's first call.
+            // SAFETY: a plain C struct that the heuristic below fills before it is read.
             algo: unsafe { MaybeUninit::zeroed().assume_init() },
         };
         plan.addend = spec.addend.map(|o| layout(ty, &o, spec.batch)).transpose()?;
@@ -200,23 +189,9 @@ impl Plan {
                 set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(ld as i64))?;
             }
         }
-        Ok(plan)
-    }
-
-    /// The heuristic's candidates for this plan, best first by its estimate, at most
-    /// [`CANDIDATES`], each within `workspace_bytes`.
-    fn candidates(
-        &self,
-        handle: &Handle,
-        workspace_bytes: usize,
-    ) -> std::result::Result<Vec<sys::cublasLtMatmulAlgo_t>, CublasError> {
         let pref = lt::create_matmul_pref()?;
         let bytes = workspace_bytes as u64;
-        let mut results: [MaybeUninit<sys::cublasLtMatmulHeuristicResult_t>; CANDIDATES] =
-            [const { MaybeUninit::uninit() }; CANDIDATES];
-        let mut count = 0i32;
-        // SAFETY: `pref` is live; the workspace limit is a uint64; the heuristic writes at most
-        // `CANDIDATES` results and says how many; `pref` is destroyed once, below.
+        // SAFETY: `pref` is live; the workspace limit is a uint64; it is destroyed once, below.
         let found = unsafe {
             let set = lt::set_matmul_pref_attribute(
                 pref,
@@ -225,46 +200,20 @@ impl Plan {
                 size_of::<u64>(),
             );
             let found = set.and_then(|_| {
-                let [a, b, d] = self.layouts;
-                sys::cublasLtMatmulAlgoGetHeuristic(
-                    handle.0,
-                    self.desc,
-                    a,
-                    b,
-                    self.addend.unwrap_or(d),
-                    d,
-                    pref,
-                    CANDIDATES as i32,
-                    results.as_mut_ptr().cast(),
-                    &mut count,
-                )
-                .result()
+                let [a, b, d] = plan.layouts;
+                lt::get_matmul_algo_heuristic(handle.0, desc, a, b, plan.addend.unwrap_or(d), d, pref)
             });
             let _ = lt::destroy_matmul_pref(pref);
-            found
+            found?
         };
-        found?;
-        let count = usize::try_from(count).unwrap_or(0).min(CANDIDATES);
-        // SAFETY: the heuristic initialized the first `count` results.
-        let results = results[..count].iter().map(|r| unsafe { r.assume_init() });
-        let algos: Vec<_> =
-            results.filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).map(|r| r.algo).collect();
-        match algos.is_empty() {
-            true => Err(CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)),
-            false => Ok(algos),
-        }
+        plan.algo = found.algo;
+        Ok(plan)
     }
 }
 
 impl Blas {
-    /// The cuBLASLt state of `device` ("NVIDIA H200 (sm_90, driver 13.0)"), whose GEMM algorithm
-    /// choices are kept under that name.
-    pub(super) fn new(device: String) -> Blas {
-        Blas { state: Mutex::default(), choices: Choices::new(device) }
-    }
-
     /// Enqueues the GEMM on `stream`. `args` are laid out as `Gemm::args` makes them, one per
-    /// name of `params`. A layout's first call chooses its algorithm first.
+    /// name of `params`.
     pub(super) fn gemm(
         &self,
         stream: &CuStream,
@@ -275,7 +224,7 @@ impl Blas {
         workspace_bytes: usize,
     ) -> Result<()> {
         const OP: &str = "Stream::gemm";
-        let Pointers { d, a, b, c, workspace, bias, aux } = Pointers::of(spec, params, args)?;
+        let Pointers { d, a, b, c, workspace: ws, bias, aux } = Pointers::of(spec, params, args)?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let st = &mut *st;
         if st.handle.is_none() {
@@ -288,14 +237,14 @@ impl Blas {
             st.handle = Some(Handle(lt::create_handle().map_err(fail(OP))?));
         }
         let handle = st.handle.as_ref().expect("created above");
-        let fresh = match st.plans.contains_key(spec) {
-            true => None,
-            false => Some(Plan::new(spec).map_err(fail(OP))?),
-        };
-        let plan = fresh.as_ref().unwrap_or_else(|| &st.plans[spec]);
+        if !st.plans.contains_key(spec) {
+            let plan = Plan::new(handle, spec, workspace_bytes).map_err(fail(OP))?;
+            st.plans.insert(*spec, plan);
+        }
+        let plan = &st.plans[spec];
         use sys::cublasLtMatmulDescAttributes_t as D;
         // SAFETY: the plan's descriptor is live; the pointers are device addresses (pointer-sized
-        // values, as the attributes expect), set under the lock right before the calls that read
+        // values, as the attributes expect), set under the lock right before the call that reads
         // them.
         unsafe {
             if let Some(bias) = bias {
@@ -305,109 +254,33 @@ impl Blas {
                 set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux).map_err(fail(OP))?;
             }
         }
-        let call = Matmul { handle, alpha, beta, a, b, c, d, workspace, workspace_bytes };
-        let Some(mut plan) = fresh else {
-            let plan = &st.plans[spec];
-            return call.run(plan, &plan.algo, d, stream);
-        };
-        // A new layout: its plan is kept only once its algorithm is chosen, so that a failure
-        // here leaves the next call to try again.
-        plan.algo = self.choose(&call, &plan, spec, stream)?;
-        let done = call.run(&plan, &plan.algo, d, stream);
-        st.plans.insert(*spec, plan);
-        done
-    }
-
-    /// The algorithm of a new layout: the one chosen for it before (in this process or on
-    /// disk), else the fastest candidate measured now, else, under a capture where nothing can
-    /// be timed, the heuristic's first.
-    fn choose(
-        &self,
-        call: &Matmul<'_>,
-        plan: &Plan,
-        spec: &GemmSpec,
-        stream: &CuStream,
-    ) -> Result<sys::cublasLtMatmulAlgo_t> {
-        const OP: &str = "Stream::gemm";
-        let candidates = plan.candidates(call.handle, call.workspace_bytes).map_err(fail(OP))?;
-        let key = self.choices.key(spec, call.workspace_bytes, candidates.len());
-        let (chosen, how) = match self.choices.recall(&key, candidates.len()) {
-            Some((i, Source::Process)) => (i, "chosen earlier in this process".to_string()),
-            Some((i, Source::Disk)) => (i, "chosen by an earlier process".to_string()),
-            None if candidates.len() == 1 || !self.choices.measure() || capture::any_active() => {
-                self.choices.remember(&key, 0, false);
-                (0, "the heuristic's first; nothing to time".to_string())
-            }
-            None => match tune::time_candidates(call, plan, spec, &candidates, stream)? {
-                Some(t) => {
-                    self.choices.remember(&key, t.chosen, true);
-                    (t.chosen, format!("measured, microseconds per candidate {:?}", t.micros))
-                }
-                None => (0, "the heuristic's first; no memory to time the candidates in".to_string()),
-            },
-        };
-        tracing::debug!(
-            "graphed: GEMM {}x{}x{} {:?}: cuBLASLt candidate {chosen} of {}, {how}",
-            spec.m,
-            spec.n,
-            spec.k,
-            spec.epilogue,
-            candidates.len()
-        );
-        Ok(candidates[chosen])
-    }
-}
-
-/// One GEMM call's scalars and addresses, run with any plan's algorithm.
-struct Matmul<'a> {
-    handle: &'a Handle,
-    alpha: f32,
-    beta: f32,
-    a: u64,
-    b: u64,
-    /// C: the addend, else D.
-    c: u64,
-    d: u64,
-    workspace: u64,
-    workspace_bytes: usize,
-}
-
-impl Matmul<'_> {
-    /// Whether the call adds D's own contents into D, so that running it twice changes D.
-    fn accumulates(&self) -> bool {
-        self.c == self.d && self.beta != 0.0
-    }
-
-    /// Enqueues the product with `plan`'s descriptors and `algo`, writing D at `d`.
-    fn run(&self, plan: &Plan, algo: &sys::cublasLtMatmulAlgo_t, d: u64, stream: &CuStream) -> Result<()> {
         let [layout_a, layout_b, layout_d] = plan.layouts;
         let layout_c = plan.addend.unwrap_or(layout_d);
-        // SAFETY: the pointers (and the epilogue's, set on the descriptor) address live,
-        // range-checked allocations laid out as the plan's layouts and epilogue say (the public
-        // layer checked the views against the dimensions and the epilogue; a timing scratch D
-        // spans D's extent); the workspace holds `workspace_bytes`; the stream is live. Buffers
-        // outlive the call as for kernels.
+        // SAFETY: the pointers (and the epilogue's, set above) address live, range-checked
+        // allocations laid out as the plan's layouts and epilogue say (the public layer checked
+        // the views against the dimensions and the epilogue); the workspace holds
+        // `workspace_bytes`; the stream is live. Buffers outlive the call as for kernels.
         unsafe {
             lt::matmul(
-                self.handle.0,
+                handle.0,
                 plan.desc,
-                (&self.alpha as *const f32).cast(),
-                (&self.beta as *const f32).cast(),
-                self.b as *const c_void,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                b as *const c_void,
                 layout_a,
-                self.a as *const c_void,
+                a as *const c_void,
                 layout_b,
-                self.c as *const c_void,
+                c as *const c_void,
                 layout_c,
                 d as *mut c_void,
                 layout_d,
-                algo,
-                self.workspace as *mut c_void,
-                self.workspace_bytes,
+                &plan.algo,
+                ws as *mut c_void,
+                workspace_bytes,
                 stream.raw.cu_stream() as sys::cudaStream_t,
             )
         }
-        .map_err(|e| Error::Cuda { op: "Stream::gemm", message: format!("cuBLASLt matmul: {:?}", e.0) })
+        .map_err(|e| Error::Cuda { op: OP, message: format!("cuBLASLt matmul: {:?}", e.0) })
     }
 }
 
