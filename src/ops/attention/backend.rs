@@ -14,7 +14,10 @@ use crate::memory::CachingAllocator;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum AttentionBackend {
     /// cuDNN where it is available and runs the call, else graphed's kernels; on the simulator,
-    /// graphed's kernels (their CPU paths).
+    /// graphed's kernels (their CPU paths). The backward of sequences longer than
+    /// [`AUTO_BACKWARD_SEQ_PER_HEAD_DIM`](super::AUTO_BACKWARD_SEQ_PER_HEAD_DIM) times the head
+    /// width runs on graphed's kernels: cuDNN's deterministic backward keeps a `T × T` scratch
+    /// per (batch element, head), which would set the run's peak memory there.
     #[default]
     Auto,
     /// cuDNN, or a refusal ([`Error::CudnnUnavailable`](crate::Error::CudnnUnavailable)) before

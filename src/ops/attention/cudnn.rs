@@ -17,6 +17,21 @@ pub const CUDNN_HEAD_DIMS: [usize; 2] = [64, 128];
 /// fault in graph replay otherwise (notes/attention.md §2.9).
 pub const CUDNN_SEQ_MULTIPLE: usize = 128;
 
+/// [`AttentionBackend::Auto`] runs cuDNN's backward for sequences up to this many times the head
+/// width, and graphed's backward kernels beyond. cuDNN's deterministic backward (the only one
+/// whose results are the same bits run to run) keeps a `T × T` bf16 scratch per (batch element,
+/// head), `T / (8·hd)` times the call's eight operands and gradients (q, k, v, out, dout, dq, dk,
+/// dv): up to `T = 8·hd` it is no larger than they are; at L's 2048 tokens of 64 features it is
+/// 1 GiB per two sequences, which set the run's peak and cost a third of the batch that fits
+/// (`bench/results/2026-12-03-h200-memory-0b6ab2a.txt`).
+pub const AUTO_BACKWARD_SEQ_PER_HEAD_DIM: usize = 8;
+
+/// Whether [`AttentionBackend::Auto`] leaves the backward of `seq` tokens over heads of `hd`
+/// features to graphed's kernels, for cuDNN's scratch (see [`AUTO_BACKWARD_SEQ_PER_HEAD_DIM`]).
+fn auto_keeps_backward(seq: usize, hd: usize) -> bool {
+    seq > AUTO_BACKWARD_SEQ_PER_HEAD_DIM * hd
+}
+
 /// How a call runs.
 pub(super) enum Choice {
     Kernels,
@@ -64,7 +79,8 @@ pub(super) fn choose(
         AttentionBackend::Cudnn => Err(Error::CudnnUnavailable { op, why }),
         _ => Ok(Choice::Kernels),
     };
-    if backend == AttentionBackend::Kernels {
+    let lean = backend == AttentionBackend::Auto && pass == SdpaPass::Backward && auto_keeps_backward(h.seq, h.hd);
+    if backend == AttentionBackend::Kernels || lean {
         return Ok(Choice::Kernels);
     }
     if let Some(why) = cudnn_refusal(dtype, h.hd, h.seq, dropout.map_or(0.0, |d| d.p)) {
@@ -137,4 +153,19 @@ pub(super) fn backward(
     };
     let scratch = SdpaScratch { workspace: ws.view()?, dq_accumulator };
     stream.sdpa(&call, spec, &scratch, 1.0 / (spec.hd as f32).sqrt())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_keeps_the_backward_where_cudnns_scratch_outgrows_the_operands() {
+        // M's attention (512 tokens, heads of 64): cuDNN's scratch is the operands' size.
+        assert!(!auto_keeps_backward(512, 64));
+        assert!(!auto_keeps_backward(1024, 128));
+        // L's (2048 tokens): four times them.
+        assert!(auto_keeps_backward(2048, 64));
+        assert!(auto_keeps_backward(640, 64));
+    }
 }

@@ -69,7 +69,7 @@ use crate::tensor::Tensor;
 use crate::{Error, Result};
 pub use backend::{AttentionBackend, AttentionRun};
 use cudnn::Choice;
-pub use cudnn::{cudnn_refusal, CUDNN_HEAD_DIMS, CUDNN_SEQ_MULTIPLE};
+pub use cudnn::{cudnn_refusal, AUTO_BACKWARD_SEQ_PER_HEAD_DIM, CUDNN_HEAD_DIMS, CUDNN_SEQ_MULTIPLE};
 use tiles::{launch_dims, Pass};
 
 const SOURCE: &str = concat!(include_str!("../float.cu"), include_str!("../rng.cu"), include_str!("../attention.cu"));
