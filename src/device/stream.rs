@@ -151,6 +151,15 @@ impl Stream {
         flops: Option<u64>,
     ) -> Result<()> {
         self.inner.dev.check_err()?;
+        self.check_args(kernel, args)?;
+        self.enqueue_timed(&Op::Kernel { kernel, dims, args }, kernel.name, args, flops)?;
+        self.enqueued(kernel.name, args)
+    }
+
+    /// Refuses, before anything is enqueued, arguments that do not fit `kernel`: the wrong count,
+    /// a buffer of another device, a view outside its buffer, or a strided view for a kernel that
+    /// reads contiguous ones.
+    fn check_args(&self, kernel: &'static Kernel, args: &[Arg<'_>]) -> Result<()> {
         check_arity(kernel, args)?;
         for a in args {
             if let Arg::Buf(b) = a {
@@ -169,8 +178,7 @@ impl Stream {
                 }
             }
         }
-        self.enqueue_timed(&Op::Kernel { kernel, dims, args }, kernel.name, args, flops)?;
-        self.enqueued(kernel.name, args)
+        Ok(())
     }
 
     /// Enqueues a kernel or GEMM; on a profiled stream that is not capturing, between two timing
@@ -275,21 +283,7 @@ impl Stream {
         let kernel = call.kernel();
         self.inner.dev.check_err()?;
         let args = call.args(scratch, scale);
-        check_arity(kernel, &args)?;
-        for a in &args {
-            if let Arg::Buf(b) = a {
-                self.check_buf(kernel.name, b.raw.device)?;
-                if b.view.end() > b.buffer_len {
-                    return Err(Error::OutOfBounds {
-                        op: kernel.name,
-                        buffer: b.block.id,
-                        start: b.view.offset(),
-                        end: b.view.end(),
-                        len: b.buffer_len,
-                    });
-                }
-            }
-        }
+        self.check_args(kernel, &args)?;
         let op = Op::Sdpa { kernel, args: &args, spec };
         self.enqueue_timed(&op, kernel.name, &args, Some(spec.flops()))?;
         self.enqueued(kernel.name, &args)
