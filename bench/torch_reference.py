@@ -38,6 +38,39 @@ try:
 except ModuleNotFoundError:  # --help still works; main() refuses to run anything
     torch = F = None
 
+def layer_shapes(tokens: int, d: int) -> list:
+    """The twelve GEMMs of one layer as `graphed bench gemm --configs` lists them: (name, m, n, k,
+    trans_a, trans_b, graphed's epilogue), row-major op(A) @ op(B) with weights (out, in)."""
+    fwd = lambda name, out, inp, epi: (name, tokens, out, inp, False, True, epi)
+    data = lambda name, out, inp, epi: (name, tokens, inp, out, False, False, epi)
+    weight = lambda name, out, inp, epi: (name, out, inp, tokens, True, False, epi)
+    return [fwd("qkv", 3 * d, d, "bias"), fwd("proj", d, d, "bias+residual"), fwd("fc1", 4 * d, d, "bias+gelu_aux"),
+            fwd("fc2", d, 4 * d, "bias+residual"), data("fc2.dx", d, 4 * d, "dgelu"), weight("fc2.dw", d, 4 * d, "none"),
+            data("fc1.dx", 4 * d, d, "none"), weight("fc1.dw", 4 * d, d, "bgrad_a"), data("proj.dx", d, d, "none"),
+            weight("proj.dw", d, d, "none"), data("qkv.dx", 3 * d, d, "none"), weight("qkv.dw", 3 * d, d, "bgrad_a")]
+
+
+def gemm_layer(config: str, reps: int) -> list:
+    """The twelve GEMMs of one layer of `config` through torch.mm in graphed's layouts (plain:
+    `epilogue` none), and the forward ones also as F.linear with its bias (PyTorch's cuBLASLt bias
+    epilogue), each timed alone with CUDA events: the per-shape anchor for `graphed bench gemm
+    --configs`."""
+    d, _, b, t = SHAPES[config]
+    rows = []
+    for name, m, n, k, ta, tb, epi in layer_shapes(b * t, d):
+        a = torch.randn((k, m) if ta else (m, k), device="cuda", dtype=torch.bfloat16)
+        w = torch.randn((n, k) if tb else (k, n), device="cuda", dtype=torch.bfloat16)
+        calls = {"none": lambda: torch.mm(a.t() if ta else a, w.t() if tb else w)}
+        if tb:
+            bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            calls["bias"] = lambda: F.linear(a, w, bias)
+        for epilogue, call in calls.items():
+            ms = sorted(timed_ms(call, reps))[reps // 2]
+            rows.append({"config": config, "gemm": name, "m": m, "n": n, "k": k, "trans_a": ta, "trans_b": tb,
+                         "epilogue": epilogue, "median_ms": ms, "tflops": 2 * m * n * k / (ms * 1e-3) / 1e12})
+    return rows
+
+
 # The modules below subclass torch.nn.Module; without PyTorch they are never built.
 Module = torch.nn.Module if torch is not None else object
 
@@ -759,6 +792,8 @@ def main() -> None:
     g = sub.add_parser("gemm", help="TFLOP/s of a d x d x d bf16 GEMM")
     g.add_argument("--d", type=int, default=4096)
     g.add_argument("--reps", type=int, default=50)
+    g.add_argument("--configs", default=None,
+                   help="instead of the square product, the twelve GEMMs of one layer of each (e.g. M,L)")
     forms = dict(default="both", choices=list(FORMS),
                  help="attention as GEMM, masked softmax, GEMM (unfused), as F.scaled_dot_product_attention "
                       "(fused: the torch-sdpa-* variants), or each configuration with both, unfused first "
@@ -800,7 +835,12 @@ def main() -> None:
     if torch is None:
         raise SystemExit("bench/torch_reference.py needs PyTorch (pip install torch)")
     if args.which == "gemm":
-        print(json.dumps(gemm(args.d, args.reps)))
+        if args.configs:
+            rows = [r for c in args.configs.split(",") for r in gemm_layer(c, args.reps)]
+            print(json.dumps({"bench": "gemm", "impl": "torch", "torch": torch.__version__,
+                              "gpu": torch.cuda.get_device_name(), "rows": rows}))
+        else:
+            print(json.dumps(gemm(args.d, args.reps)))
     elif args.which == "parity":
         result = parity(args.file, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         print(json.dumps(result))

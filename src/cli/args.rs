@@ -732,9 +732,13 @@ pub struct LayerBenchArgs {
 pub struct GemmBenchArgs {
     #[command(flatten)]
     pub device: DeviceArgs,
-    /// Matrix size.
+    /// Matrix size of the square product (without `--configs`).
     #[arg(long, default_value_t = 4096)]
     pub d: usize,
+    /// Instead of the square product, the twelve GEMMs of one transformer layer of each of these
+    /// BENCH.md configurations, with and without their epilogues.
+    #[arg(long, value_delimiter = ',', ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES)]
+    pub configs: Vec<String>,
     /// Timed repetitions (the median is reported).
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub reps: u32,

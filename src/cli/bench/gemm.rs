@@ -1,42 +1,227 @@
-//! `graphed bench gemm`: TFLOP/s of a d×d×d bf16 GEMM through graphed (cuBLASLt with f32
-//! accumulation), timed with CUDA events; `bench/torch_reference.py gemm` times PyTorch's.
+//! `graphed bench gemm`: TFLOP/s of bf16 GEMMs through graphed (cuBLASLt with f32 accumulation),
+//! timed with CUDA events back to back; `bench/torch_reference.py gemm` times PyTorch's.
+//!
+//! Without `--configs`, one `d × d × d` product. With it, the twelve GEMMs of one transformer
+//! layer of each configuration, each in the layout and with the epilogue the layer runs it with
+//! (`nn::Linear`) and again without its epilogue, so that a slow GEMM in `bench layer --profile`
+//! can be told apart into the shape, the epilogue and the place in the layer (PyTorch runs the same
+//! shapes with its own epilogues: bias in the GEMM, GELU and the bias gradient as kernels of their
+//! own).
 
-use graphed::device::{DeviceKind, Gemm};
+use graphed::device::{Device, DeviceBuffer, DeviceKind, Epilogue, Gemm, Stream};
 use half::bf16;
 use serde::Serialize;
 
 use super::{median, write_json, Report};
 use crate::cli::args::GemmBenchArgs;
+use crate::cli::bench_model::Config;
 
 #[derive(Serialize, Debug)]
 struct GemmRow {
-    d: usize,
+    config: &'static str,
+    /// Which GEMM of the layer (`square` without `--configs`).
+    gemm: &'static str,
+    m: usize,
+    n: usize,
+    k: usize,
+    trans_a: bool,
+    trans_b: bool,
+    /// The epilogue as the layer runs it, or `none`.
+    epilogue: &'static str,
     median_ms: f64,
     tflops: f64,
+}
+
+/// The epilogue of one of a layer's GEMMs (its buffers are made per shape).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fusion {
+    None,
+    Bias,
+    BiasResidual,
+    BiasGeluAux,
+    DGelu,
+    BGradA,
+}
+
+impl Fusion {
+    fn name(self) -> &'static str {
+        match self {
+            Fusion::None => "none",
+            Fusion::Bias => "bias",
+            Fusion::BiasResidual => "bias+residual",
+            Fusion::BiasGeluAux => "bias+gelu_aux",
+            Fusion::DGelu => "dgelu",
+            Fusion::BGradA => "bgrad_a",
+        }
+    }
+}
+
+/// One GEMM of the layer: its name, `(m, n, k)`, transposes and epilogue.
+struct Shape {
+    name: &'static str,
+    dims: (usize, usize, usize),
+    trans_a: bool,
+    trans_b: bool,
+    fusion: Fusion,
+}
+
+/// The twelve GEMMs of a `TransformerLayer`'s forward and backward at `tokens` rows and width
+/// `d`, as `nn::Linear` calls them: weights `(out, in)`, so the forward is `x·Wᵀ`, the data
+/// gradient `dy·W` and the weight gradient `dyᵀ·x`, accumulated; the bias gradients of QKV and
+/// FC1 come from their weight-gradient epilogue, those of the output projections from the
+/// LayerNorm backward (`nn::TransformerLayer`).
+fn layer_shapes(tokens: usize, d: usize) -> Vec<Shape> {
+    let forward =
+        |name, out, inp, fusion| Shape { name, dims: (tokens, out, inp), trans_a: false, trans_b: true, fusion };
+    let data =
+        |name, out, inp, fusion| Shape { name, dims: (tokens, inp, out), trans_a: false, trans_b: false, fusion };
+    let weight =
+        |name, out, inp, fusion| Shape { name, dims: (out, inp, tokens), trans_a: true, trans_b: false, fusion };
+    vec![
+        forward("qkv", 3 * d, d, Fusion::Bias),
+        forward("proj", d, d, Fusion::BiasResidual),
+        forward("fc1", 4 * d, d, Fusion::BiasGeluAux),
+        forward("fc2", d, 4 * d, Fusion::BiasResidual),
+        data("fc2.dx", d, 4 * d, Fusion::DGelu),
+        weight("fc2.dw", d, 4 * d, Fusion::None),
+        data("fc1.dx", 4 * d, d, Fusion::None),
+        weight("fc1.dw", 4 * d, d, Fusion::BGradA),
+        data("proj.dx", d, d, Fusion::None),
+        weight("proj.dw", d, d, Fusion::None),
+        data("qkv.dx", 3 * d, d, Fusion::None),
+        weight("qkv.dw", 3 * d, d, Fusion::BGradA),
+    ]
 }
 
 pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
     let dev = super::super::open_device(&args.device)?;
     anyhow::ensure!(dev.kind() == DeviceKind::Cuda, "bench gemm times GPU kernels; run it on a CUDA device");
+    let configs = args.configs.iter().map(|name| Config::named(name)).collect::<anyhow::Result<Vec<_>>>()?;
     let s = dev.stream()?;
-    let d = args.d;
-    let fill: Vec<bf16> = (0..d * d).map(|i| bf16::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5)).collect();
-    let (a, b, c) = (dev.alloc_from(&s, &fill)?, dev.alloc_from(&s, &fill)?, dev.alloc::<bf16>(d * d)?);
+    let mut rows = Vec::new();
+    if configs.is_empty() {
+        let d = args.d;
+        let square = Shape { name: "square", dims: (d, d, d), trans_a: false, trans_b: false, fusion: Fusion::None };
+        rows.push(time(&dev, &s, "-", &square, args.reps)?);
+    }
+    for config in &configs {
+        println!(
+            "{}: d={} tokens={} (batch {} × seq {})",
+            config.name,
+            config.dim,
+            config.batch * config.seq,
+            config.batch,
+            config.seq
+        );
+        for shape in layer_shapes(config.batch * config.seq, config.dim) {
+            rows.push(time(&dev, &s, config.name, &shape, args.reps)?);
+            if shape.fusion != Fusion::None {
+                rows.push(time(&dev, &s, config.name, &Shape { fusion: Fusion::None, ..shape }, args.reps)?);
+            }
+        }
+    }
+    write_json(&args.json, &Report::new("gemm", &dev, args.reps, rows))
+}
+
+/// Operands of one shape, filled with small values so that nothing overflows.
+struct Operands {
+    a: DeviceBuffer<bf16>,
+    b: DeviceBuffer<bf16>,
+    c: DeviceBuffer<bf16>,
+    /// The residual or GELU's saved input, `m × n`.
+    side: DeviceBuffer<bf16>,
+    /// The bias (`n`) or the bias gradient (`m`).
+    vector: DeviceBuffer<bf16>,
+}
+
+impl Operands {
+    fn new(dev: &Device, s: &Stream, (m, n, k): (usize, usize, usize)) -> anyhow::Result<Operands> {
+        let fill = |len: usize| -> Vec<bf16> {
+            (0..len).map(|i| bf16::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5)).collect()
+        };
+        Ok(Operands {
+            a: dev.alloc_from(s, &fill(m * k))?,
+            b: dev.alloc_from(s, &fill(k * n))?,
+            c: dev.alloc_from(s, &fill(m * n))?,
+            side: dev.alloc_from(s, &fill(m * n))?,
+            vector: dev.alloc_from(s, &fill(m.max(n)))?,
+        })
+    }
+
+    fn gemm(&self, shape: &Shape) -> Gemm<'_, bf16> {
+        let (m, n, _) = shape.dims;
+        let plain = Gemm {
+            trans_a: shape.trans_a,
+            trans_b: shape.trans_b,
+            ..Gemm::new(self.c.view(), self.a.view(), self.b.view(), shape.dims)
+        };
+        match shape.fusion {
+            Fusion::None => plain,
+            Fusion::Bias => Gemm { epilogue: Epilogue::Bias(self.vector.slice(0..n)), ..plain },
+            Fusion::BiasResidual => Gemm {
+                epilogue: Epilogue::Bias(self.vector.slice(0..n)),
+                addend: Some(self.side.view()),
+                beta: 1.0,
+                ..plain
+            },
+            Fusion::BiasGeluAux => Gemm {
+                epilogue: Epilogue::BiasGeluAux { bias: self.vector.slice(0..n), aux: self.side.view() },
+                ..plain
+            },
+            Fusion::DGelu => Gemm { epilogue: Epilogue::DGelu { aux: self.side.view() }, ..plain },
+            Fusion::BGradA => {
+                Gemm { epilogue: Epilogue::BGradA { bias_grad: self.vector.slice(0..m) }, beta: 1.0, ..plain }
+            }
+        }
+    }
+}
+
+/// The median time of `shape` over `reps` calls, each between two events, after five untimed.
+fn time(dev: &Device, s: &Stream, config: &'static str, shape: &Shape, reps: u32) -> anyhow::Result<GemmRow> {
+    let operands = Operands::new(dev, s, shape.dims)?;
     let (start, end) = (dev.timing_event()?, dev.timing_event()?);
     for _ in 0..5 {
-        s.gemm(Gemm::new(c.view(), a.view(), b.view(), (d, d, d)))?;
+        s.gemm(operands.gemm(shape))?;
     }
     s.synchronize()?;
     let mut times = Vec::new();
-    for _ in 0..args.reps {
+    for _ in 0..reps {
         s.record(&start)?;
-        s.gemm(Gemm::new(c.view(), a.view(), b.view(), (d, d, d)))?;
+        s.gemm(operands.gemm(shape))?;
         s.record(&end)?;
         end.synchronize()?;
         times.push(f64::from(start.elapsed_ms(&end)?));
     }
     let ms = median(times);
-    let tflops = 2.0 * (d as f64).powi(3) / (ms * 1e-3) / 1e12;
-    println!("graphed bf16 GEMM d={d}: {ms:.3} ms, {tflops:.1} TFLOP/s");
-    write_json(&args.json, &Report::new("gemm", &dev, args.reps, vec![GemmRow { d, median_ms: ms, tflops }]))
+    let (m, n, k) = shape.dims;
+    let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
+    let epilogue = shape.fusion.name();
+    println!(
+        "  {:<8} {m:>6}×{n:<6}×{k:<6} {:<3} {:<14} {ms:>8.3} ms {tflops:>7.1} TFLOP/s",
+        shape.name,
+        layout(shape),
+        epilogue
+    );
+    Ok(GemmRow {
+        config,
+        gemm: shape.name,
+        m,
+        n,
+        k,
+        trans_a: shape.trans_a,
+        trans_b: shape.trans_b,
+        epilogue,
+        median_ms: ms,
+        tflops,
+    })
+}
+
+/// `NN`, `NT`, `TN` or `TT`, as row-major `op(A)·op(B)`.
+fn layout(shape: &Shape) -> &'static str {
+    match (shape.trans_a, shape.trans_b) {
+        (false, false) => "NN",
+        (false, true) => "NT",
+        (true, false) => "TN",
+        (true, true) => "TT",
+    }
 }
