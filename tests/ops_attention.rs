@@ -461,9 +461,16 @@ fn attention_refuses_bad_calls(dev: &Device) -> anyhow::Result<()> {
 
 /// The cuDNN backend refuses, before anything is enqueued, what it cannot run: attention
 /// dropout (its masks are not graphed's numbers), sequences that are not multiples of 128, f32,
-/// other head widths; and, on the simulator, everything.
+/// other head widths; and, on the simulator, everything. Both cuDNN settings refuse alike.
 fn attention_cudnn_refuses_what_it_cannot_run(dev: &Device) -> anyhow::Result<()> {
-    let ctx = Ctx::on(dev, AttentionBackend::Cudnn)?;
+    for backend in [AttentionBackend::Cudnn, AttentionBackend::CudnnNondeterministic] {
+        cudnn_refuses_on(dev, backend)?;
+    }
+    Ok(())
+}
+
+fn cudnn_refuses_on(dev: &Device, backend: AttentionBackend) -> anyhow::Result<()> {
+    let ctx = Ctx::on(dev, backend)?;
     let supported = Case { pairs: 2, seq: 128, hd: 64, dtype: DType::BF16, p: 0.0 };
     let mut cases = vec![
         ("dropout", Case { p: 0.1, ..supported }),
@@ -478,10 +485,10 @@ fn attention_cudnn_refuses_what_it_cannot_run(dev: &Device) -> anyhow::Result<()
         let o = ctx.operands(case, &case.inputs(1))?;
         o.out.zero(&ctx.s)?;
         match ctx.compute(&o, case) {
-            Err(Error::CudnnUnavailable { why, .. }) => eprintln!("{what}: refused: {why}"),
-            other => anyhow::bail!("{what}: {other:?}"),
+            Err(Error::CudnnUnavailable { why, .. }) => eprintln!("{what} on {backend}: refused: {why}"),
+            other => anyhow::bail!("{what} on {backend}: {other:?}"),
         }
-        ensure!(ctx.read(&o.out)?.iter().all(|&x| x == 0.0), "{what}: a refused call wrote its output");
+        ensure!(ctx.read(&o.out)?.iter().all(|&x| x == 0.0), "{what} on {backend}: a refused call wrote its output");
     }
     Ok(())
 }
@@ -555,6 +562,26 @@ mod cudnn_cuda {
             let (run, untouched) = Ctx::on(&dev, AttentionBackend::Cudnn)?.run_rows(case, 2, &inputs)?;
             check_run(&format!("{case:?} on cudnn, row views"), case, &run, &case.reference(&inputs))?;
             ensure!(untouched, "hd {hd}: cuDNN wrote outside the row views");
+        }
+        Ok(())
+    }
+
+    /// The opt-in nondeterministic setting: the same math within the same tolerance, at the
+    /// shapes of the deterministic test and at a longer sequence (where the deterministic engine
+    /// keeps its `T × T` scratch); the backward says it ran nondeterministic.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cudnn_nondeterministic_matches_an_f64_reference() -> anyhow::Result<()> {
+        let dev = gpu();
+        let backend = AttentionBackend::CudnnNondeterministic;
+        for hd in attention::CUDNN_HEAD_DIMS {
+            for (pairs, seq) in [(2, 128), (3, 256), (2, 1024)] {
+                check_case_on(&dev, backend, Case { pairs, seq, hd, dtype: DType::BF16, p: 0.0 })?;
+            }
+            let case = Case { pairs: 2, seq: 256, hd, dtype: DType::BF16, p: 0.0 };
+            let ctx = Ctx::on(&dev, backend)?;
+            let ran = ctx.compute(&ctx.operands(case, &case.inputs(4))?, case)?;
+            ensure!(ran == [AttentionBackend::Cudnn, backend], "hd {hd}: ran {ran:?}");
         }
         Ok(())
     }

@@ -138,6 +138,10 @@ pub enum AttentionBackendArg {
     Cudnn,
     /// graphed's own fused kernels.
     Kernels,
+    /// cuDNN, its backward free to take a nondeterministic engine (PyTorch's default): faster,
+    /// no T×T scratch, but gradients not bitwise reproducible and graphed no longer equal to
+    /// eager bit for bit.
+    CudnnNondeterministic,
 }
 
 impl AttentionBackendArg {
@@ -147,6 +151,7 @@ impl AttentionBackendArg {
             AttentionBackendArg::Auto => graphed::nn::AttentionBackend::Auto,
             AttentionBackendArg::Cudnn => graphed::nn::AttentionBackend::Cudnn,
             AttentionBackendArg::Kernels => graphed::nn::AttentionBackend::Kernels,
+            AttentionBackendArg::CudnnNondeterministic => graphed::nn::AttentionBackend::CudnnNondeterministic,
         }
     }
 }

@@ -14,7 +14,7 @@
 //! A call is planned first ([`Stream::sdpa_plan`](super::Stream::sdpa_plan)): cuDNN's heuristics
 //! pick an engine for its [`SdpaSpec`], once per spec, and the plan says how much workspace the
 //! caller must allocate. The backward takes only engines cuDNN does not mark nondeterministic, so
-//! that every run is bitwise the same.
+//! that every run is bitwise the same, unless the spec says otherwise (an explicit opt-in).
 
 use half::bf16;
 
@@ -48,6 +48,9 @@ pub(crate) struct SdpaSpec {
     pub(crate) outs: Strides,
     /// dq, dk and dv (the backward only; the forward's are `outs`).
     pub(crate) grads: Strides,
+    /// Only engines cuDNN does not mark nondeterministic (the default; see
+    /// `AttentionBackend::CudnnNondeterministic` for the other).
+    pub(crate) deterministic: bool,
 }
 
 impl SdpaSpec {

@@ -3,7 +3,7 @@
 //! the steps, and the flags that would do nothing.
 
 use graphed::device::{Device, DeviceKind};
-use graphed::nn::{AttentionBackend, AttentionKind, GptConfig};
+use graphed::nn::{AttentionKind, GptConfig};
 use graphed::ops::attention::cudnn_refusal;
 use graphed::optim::{AdamWHyper, LrSchedule, NonFinite};
 
@@ -46,7 +46,7 @@ impl Plan {
             seed: args.seed,
             dtype: args.dtype.resolve(dev),
         };
-        if config.attention_backend == AttentionBackend::Cudnn {
+        if config.attention_backend.requires_cudnn() {
             let fused = config.attention == AttentionKind::Fused;
             let hd = config.dim / config.heads;
             let why = match cudnn_refusal(config.dtype, hd, max_len, config.dropout) {
@@ -56,7 +56,8 @@ impl Plan {
             };
             if let Some(why) = why {
                 refuse!(
-                    "--attention-backend cudnn cannot run this model: {why}; pass --attention-backend auto or kernels"
+                    "--attention-backend {} cannot run this model: {why}; pass --attention-backend auto or kernels",
+                    config.attention_backend
                 );
             }
         }

@@ -5,7 +5,8 @@ use crate::memory::CachingAllocator;
 
 /// Which implementation runs fused attention. Both compute the same math and keep the same
 /// log-sum-exp, so a forward of one and a backward of the other agree within rounding; each is
-/// bitwise reproducible run to run.
+/// bitwise reproducible run to run, except the opt-in
+/// [`CudnnNondeterministic`](AttentionBackend::CudnnNondeterministic).
 ///
 /// cuDNN runs bf16 on CUDA, head widths 64 and 128, sequence lengths that are multiples of 128,
 /// without attention dropout (cuDNN's dropout masks are not graphed's counter-based numbers, so
@@ -25,24 +26,41 @@ pub enum AttentionBackend {
     Cudnn,
     /// graphed's own kernels, for every element type, head width and sequence length.
     Kernels,
+    /// cuDNN as [`Cudnn`](AttentionBackend::Cudnn), with the backward free to take an engine
+    /// cuDNN marks nondeterministic (dQ accumulated with atomics, PyTorch's default): faster and
+    /// without the deterministic engine's `T × T` scratch, but its gradients differ in the last
+    /// bits run to run, so a graphed run no longer equals an eager one bit for bit. Opt-in only.
+    CudnnNondeterministic,
 }
 
 impl AttentionBackend {
     /// Every setting, the default first.
-    pub const ALL: [AttentionBackend; 3] = [AttentionBackend::Auto, AttentionBackend::Cudnn, AttentionBackend::Kernels];
+    pub const ALL: [AttentionBackend; 4] = [
+        AttentionBackend::Auto,
+        AttentionBackend::Cudnn,
+        AttentionBackend::Kernels,
+        AttentionBackend::CudnnNondeterministic,
+    ];
 
-    /// `auto`, `cudnn` or `kernels`, as the command line spells it.
+    /// `auto`, `cudnn`, `kernels` or `cudnn-nondeterministic`, as the command line spells it.
     pub fn name(self) -> &'static str {
         match self {
             AttentionBackend::Auto => "auto",
             AttentionBackend::Cudnn => "cudnn",
             AttentionBackend::Kernels => "kernels",
+            AttentionBackend::CudnnNondeterministic => "cudnn-nondeterministic",
         }
     }
 
     /// The setting called `name`.
     pub fn named(name: &str) -> Option<AttentionBackend> {
         AttentionBackend::ALL.into_iter().find(|b| b.name() == name)
+    }
+
+    /// Whether this setting runs cuDNN or refuses ([`Cudnn`](AttentionBackend::Cudnn) and
+    /// [`CudnnNondeterministic`](AttentionBackend::CudnnNondeterministic)).
+    pub fn requires_cudnn(self) -> bool {
+        matches!(self, AttentionBackend::Cudnn | AttentionBackend::CudnnNondeterministic)
     }
 }
 

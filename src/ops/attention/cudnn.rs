@@ -66,7 +66,8 @@ fn strides(h: &Heads, r: Rows) -> [usize; 3] {
 /// cuDNN, its plan (made now if this layout has none yet).
 ///
 /// # Errors
-/// [`Error::CudnnUnavailable`] for [`AttentionBackend::Cudnn`] where cuDNN cannot run the call.
+/// [`Error::CudnnUnavailable`] for [`AttentionBackend::Cudnn`] and
+/// [`AttentionBackend::CudnnNondeterministic`] where cuDNN cannot run the call.
 pub(super) fn choose(
     op: &'static str,
     backend: AttentionBackend,
@@ -75,9 +76,9 @@ pub(super) fn choose(
     dropout: Option<&AttentionDropout<'_>>,
     stream: &Stream,
 ) -> Result<Choice> {
-    let refuse = |why: String| match backend {
-        AttentionBackend::Cudnn => Err(Error::CudnnUnavailable { op, why }),
-        _ => Ok(Choice::Kernels),
+    let refuse = |why: String| match backend.requires_cudnn() {
+        true => Err(Error::CudnnUnavailable { op, why }),
+        false => Ok(Choice::Kernels),
     };
     let lean = backend == AttentionBackend::Auto && pass == SdpaPass::Backward && auto_keeps_backward(h.seq, h.hd);
     if backend == AttentionBackend::Kernels || lean {
@@ -96,6 +97,7 @@ pub(super) fn choose(
         inputs: strides(h, inputs),
         outs: strides(h, outs),
         grads: strides(h, grads),
+        deterministic: backend != AttentionBackend::CudnnNondeterministic,
     };
     match stream.sdpa_plan(&spec)? {
         SdpaPlan::Ready { workspace, dq_accumulator } => Ok(Choice::Cudnn { spec, workspace, dq_accumulator }),

@@ -365,8 +365,8 @@ fn rows_view<'t>(op: &'static str, name: &str, t: &'t Tensor, q: &Tensor) -> Res
 /// element types; [`Error::Shape`] for other shapes, or `k` or `v` laid out unlike `q`;
 /// [`Error::Unsupported`] for a head width not in [`HEAD_DIMS`], more than 2^32 elements, a drop
 /// probability outside `[0, 1)`, or misaligned bf16 rows; [`Error::NotContiguous`] for rows that
-/// are not contiguous; [`Error::CudnnUnavailable`] for [`AttentionBackend::Cudnn`] where cuDNN
-/// cannot run the call. [`Error::Cudnn`] when a cuDNN call fails.
+/// are not contiguous; [`Error::CudnnUnavailable`] for the cuDNN settings
+/// ([`AttentionBackend::requires_cudnn`]) where cuDNN cannot run the call. [`Error::Cudnn`] when a cuDNN call fails.
 pub fn attention_forward(
     out: &Tensor,
     lse: &Tensor,
@@ -430,7 +430,8 @@ pub struct ForwardSaved<'a> {
 /// the gradients have the heads' shape and type, laid out alike, as are `out` and `dout` (Note
 /// [Attention operand layouts]). Three launches on graphed's kernels: the row terms, then `dk`
 /// and `dv` per key tile, then `dq` per query tile; one cuDNN execution (writing `delta` as its
-/// `softmax_sum`) on cuDNN. Returns the backend that ran, as [`attention_forward`] does.
+/// `softmax_sum`) on cuDNN. Returns the backend that ran, as [`attention_forward`] does
+/// ([`AttentionBackend::CudnnNondeterministic`] where a nondeterministic cuDNN engine did).
 ///
 /// # Errors
 /// As [`attention_forward`], for every tensor given.
@@ -457,7 +458,7 @@ pub fn attention_backward(
     if let Choice::Cudnn { spec, workspace, dq_accumulator } = choice {
         let plan = (spec, workspace, dq_accumulator);
         cudnn::backward((dq, dk, dv), dout, saved, delta, plan, run, stream)?;
-        return Ok(AttentionBackend::Cudnn);
+        return Ok(if spec.deterministic { AttentionBackend::Cudnn } else { AttentionBackend::CudnnNondeterministic });
     }
     let dims = |pass| launch_dims(pass, dtype, h.hd, h.seq, h.pairs);
     with_float!(OP, dtype, T => {

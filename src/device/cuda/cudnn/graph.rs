@@ -52,11 +52,14 @@ pub(super) enum Variant {
 }
 
 impl Variant {
-    /// The graphs to try for `pass`, in order of preference.
-    pub(super) fn for_pass(pass: SdpaPass) -> &'static [Variant] {
-        match pass {
-            SdpaPass::Forward => &[Variant::Forward],
-            SdpaPass::Backward => &[Variant::BackwardDirect, Variant::BackwardAccumulated],
+    /// The graphs to try for `spec`, in order of preference: a nondeterministic backward tries
+    /// the accumulated form first, whose engines add into dQ with atomics and need no `T × T`
+    /// scratch.
+    pub(super) fn for_spec(spec: &SdpaSpec) -> &'static [Variant] {
+        match (spec.pass, spec.deterministic) {
+            (SdpaPass::Forward, _) => &[Variant::Forward],
+            (SdpaPass::Backward, true) => &[Variant::BackwardDirect, Variant::BackwardAccumulated],
+            (SdpaPass::Backward, false) => &[Variant::BackwardAccumulated, Variant::BackwardDirect],
         }
     }
 }

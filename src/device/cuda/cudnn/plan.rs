@@ -2,7 +2,7 @@
 //! and TransformerEngine use) rank engine configurations; the first that cuDNN does not mark
 //! nondeterministic and that finalizes is the plan (FE's `build_plans` with its heuristics
 //! choice). Nondeterministic engines are skipped because graphed promises bitwise-equal results
-//! run to run, and so graphed equals eager.
+//! run to run, and so graphed equals eager; a spec that opts out of determinism takes them too.
 
 use std::fmt::Write as _;
 
@@ -30,7 +30,7 @@ pub(super) struct Plan {
 /// configuration said.
 pub(super) fn build(handle: sys::cudnnHandle_t, spec: &SdpaSpec) -> Result<std::result::Result<Plan, String>> {
     let mut log = String::new();
-    for &variant in Variant::for_pass(spec.pass) {
+    for &variant in Variant::for_spec(spec) {
         match build_variant(handle, spec, variant, &mut log) {
             Ok(Some(plan)) => {
                 tracing::info!("graphed: cuDNN attention plan for {spec:?}: {log}");
@@ -42,10 +42,12 @@ pub(super) fn build(handle: sys::cudnnHandle_t, spec: &SdpaSpec) -> Result<std::
             }
         }
     }
-    Ok(Err(format!("no deterministic cuDNN engine runs this attention call ({log})")))
+    let kind = if spec.deterministic { "deterministic " } else { "" };
+    Ok(Err(format!("no {kind}cuDNN engine runs this attention call ({log})")))
 }
 
-/// The first plan of `variant`'s graph that is deterministic and finalizes, noting in `log` what
+/// The first plan of `variant`'s graph that finalizes (and is deterministic, where `spec` asks
+/// for that), noting in `log` what
 /// each configuration was.
 fn build_variant(
     handle: sys::cudnnHandle_t,
@@ -68,7 +70,7 @@ fn build_variant(
         let numerical = engine.get_enums(A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, Ty::CUDNN_TYPE_NUMERICAL_NOTE)?;
         let behavior = engine.get_enums(A::CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, Ty::CUDNN_TYPE_BEHAVIOR_NOTE)?;
         let _ = write!(log, "engine {index} (numerical notes {numerical:?}, behaviour notes {behavior:?}) ");
-        if numerical.contains(&NONDETERMINISTIC) {
+        if spec.deterministic && numerical.contains(&NONDETERMINISTIC) {
             let _ = write!(log, "skipped: nondeterministic; ");
             continue;
         }
