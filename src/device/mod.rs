@@ -269,6 +269,12 @@ impl Device {
         self.new_event(false)
     }
 
+    /// Whether the device can time work with [`Event::elapsed_ms`]: CUDA can; the simulator has
+    /// no clock.
+    pub fn has_clock(&self) -> bool {
+        self.kind() == DeviceKind::Cuda
+    }
+
     /// A new event that can measure elapsed GPU time with [`Event::elapsed_ms`]. The simulator
     /// has no clock: its timing events record and wait like others, and `elapsed_ms` is an error.
     pub fn timing_event(&self) -> Result<Event> {

@@ -9,7 +9,7 @@
 //! caller times a graph launch as a whole.
 
 use super::kernel::Arg;
-use super::{DeviceKind, Event, Stream};
+use super::{Event, Stream};
 use crate::Result;
 
 /// One profiled launch or GEMM.
@@ -93,7 +93,7 @@ impl<'s> Profile<'s> {
         self.done = true;
         let pending = self.stream.end_profile();
         self.stream.synchronize()?;
-        let clock = self.stream.device().kind() == DeviceKind::Cuda;
+        let clock = self.stream.device().has_clock();
         pending
             .into_iter()
             .map(|p| {

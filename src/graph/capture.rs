@@ -8,6 +8,7 @@ use super::error::refusal;
 use super::graphed::Draws;
 use super::options::{GraphOptions, Mode};
 use super::plan::{Named, Plan, RangeLabel};
+use super::probe::probe_windows;
 use super::record::{record, Layout};
 use super::warmup::warmup;
 use super::{GraphedCallable, GraphedErrorKind, GraphedStack};
@@ -29,8 +30,10 @@ fn refuse(kind: GraphedErrorKind) -> Error {
 /// In order: `pre_warmup`; `warmup_iters` eager iterations on the capture stream, each running
 /// every callable's forward and at once its backward with zero output gradients, callable by
 /// callable (as PyTorch and TransformerEngine do: the warmup holds one callable's saved
-/// activations at a time), capture-time hooks around each pass; `post_warmup` (also when the
-/// warmup failed); the parameters' gradients restored to their values before the
+/// activations at a time), capture-time hooks around each pass; with an offload manager's
+/// automatic policy, its window probe (each callable's passes captured without offloading into
+/// a pool of their own, replayed between timing events, and released); `post_warmup` (also when
+/// the warmup failed); the parameters' gradients restored to their values before the
 /// warmup; capture of every forward in order, then every backward in reverse, then every split
 /// weight-gradient pass in reverse, all into one pool; verification of the sync event; upload.
 /// The samples' values become the static inputs' initial contents.
@@ -256,7 +259,9 @@ fn capture(
     if let Some(h) = &mut options.pre_warmup {
         h(&stream)?;
     }
-    let warmed = warmup(&plan, &mut options);
+    // The window probe, if asked for, runs with the warmup's state (offloading off, gradients
+    // not yet restored), so that a failed probe is undone as a failed warmup is.
+    let warmed = warmup(&plan, &mut options).and_then(|()| probe_windows(&plan, layout.as_ref(), &mut options));
     let post = options.post_warmup.as_mut().map_or(Ok(()), |h| h(&stream));
     let restored = restore(alloc, &stream, &params, &grads_before);
     drop(grads_before);

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use super::probe::PassTimes;
 use crate::device::{CaptureMode, Event, Stream};
 use crate::memory::GraphPool;
 use crate::nn::{Chunk, KeepOnDevice, SaveHook, Schedule};
@@ -33,6 +34,8 @@ pub enum Mode {
 type WarmupHook = Box<dyn FnMut(&Stream) -> Result<()>>;
 type PassHook = Box<dyn FnMut(usize, Phase, &Stream) -> Result<()>>;
 type ChunkHandler = Box<dyn FnMut(Chunk) -> Result<Arc<dyn SaveHook>>>;
+/// Given the capture stream and the probe to run, if it wants the callables' graph times.
+type WindowProbe = Box<dyn FnMut(&Stream, &mut dyn FnMut() -> Result<Vec<PassTimes>>) -> Result<()>>;
 
 /// Options of [`make_graphed_callables`](super::make_graphed_callables) and
 /// [`make_graphed_stack`](super::make_graphed_stack), built by chaining.
@@ -66,6 +69,10 @@ pub struct GraphOptions {
     /// Called when the capture fails after a warmup that succeeded: where that offload manager
     /// forgets the policy the warmup froze, so that a refused capture changes nothing.
     pub(crate) abandoned: Option<Box<dyn FnMut()>>,
+    /// Called after the warmup (before `post_warmup`), with the window probe
+    /// (`super::probe`) to run: where an offload manager with the automatic policy times the
+    /// layers' graphs before it decides.
+    pub(crate) window_probe: Option<WindowProbe>,
     pub(crate) pass_hook: Option<PassHook>,
     pub(crate) grad_sync: Option<Arc<dyn super::GradSync>>,
 }
@@ -90,6 +97,7 @@ impl Default for GraphOptions {
             post_warmup: None,
             first_iteration: None,
             abandoned: None,
+            window_probe: None,
             pass_hook: None,
             grad_sync: None,
         }
@@ -194,7 +202,8 @@ impl GraphOptions {
     }
 
     /// Called with (callable index, phase, stream) around every forward and backward of the
-    /// warmup and of the capture, outside the captured region: never part of a graph, never
+    /// warmup and of the capture (and of the window probe, which an offload manager's automatic
+    /// policy asks for), outside the captured region: never part of a graph, never
     /// replayed (for work that cannot be captured, such as host-side state updates).
     pub fn capture_time_hook(mut self, f: impl FnMut(usize, Phase, &Stream) -> Result<()> + 'static) -> GraphOptions {
         self.pass_hook = Some(Box::new(f));
@@ -245,6 +254,15 @@ impl GraphOptions {
     /// Sets the hook run when the capture fails after its warmup.
     pub(crate) fn on_abandon(mut self, f: impl FnMut() + 'static) -> GraphOptions {
         self.abandoned = Some(Box::new(f));
+        self
+    }
+
+    /// Sets the hook run after the warmup with the window probe.
+    pub(crate) fn window_probe(
+        mut self,
+        f: impl FnMut(&Stream, &mut dyn FnMut() -> Result<Vec<PassTimes>>) -> Result<()> + 'static,
+    ) -> GraphOptions {
+        self.window_probe = Some(Box::new(f));
         self
     }
 

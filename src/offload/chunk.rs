@@ -87,7 +87,7 @@ impl SaveHook for ChunkHook {
             if capture.is_some() && self.baked.is_none() && st.frozen {
                 return Err(Error::Offload(OffloadErrorKind::NotForGraphs));
             }
-            let (frozen, timed) = (st.frozen, !st.frozen && self.inner.timed());
+            let (frozen, timed) = (st.frozen, st.times_eagerly() && self.inner.timed());
             let unit_by_unit = st.warmup_recording;
             let c = chunk_mut(st, self.chunk)?;
             let next = match c.phase {
@@ -113,7 +113,7 @@ impl SaveHook for ChunkHook {
 
     fn open_group(&self, site: &str) -> Result<()> {
         self.with((), |st| {
-            let (frozen, timed) = (st.frozen, !st.frozen && self.inner.timed());
+            let (frozen, timed) = (st.frozen, st.times_eagerly() && self.inner.timed());
             let c = chunk_mut(st, self.chunk)?;
             // A module called by itself (no unit began): a new iteration, in one unit.
             let pass = match c.phase {

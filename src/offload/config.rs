@@ -27,9 +27,11 @@ pub enum Policy {
     #[default]
     Listed,
     /// Per layer, the largest eligible tensors whose copies fit under the measured compute of
-    /// the layer after it (its forward for the copy out, its backward for the copy back), from
-    /// the copy bandwidth and layer times measured in the recording iteration (for graphs, the
-    /// capture's warmup: each layer's eager forward and backward, launch gaps included).
+    /// the layer after it (its forward for the copy out, its backward for the copy back); a
+    /// layer whose copies fit nowhere keeps its activations. For graphs, the layer times are
+    /// those of each layer's graphs replayed after the capture's warmup and the bandwidth that
+    /// of copies inside a graph ([`Windows::Graphs`](super::Windows::Graphs)); eagerly, those
+    /// of the recording iteration ([`Windows::Eager`](super::Windows::Eager)).
     Auto,
 }
 
@@ -109,9 +111,9 @@ impl OffloadConfig {
 
     /// The share of a layer's measured time that the automatic policy fills with copies
     /// (default 1.0: on the H200 at `L`, filling the whole window cost 1.9% of the step and saved
-    /// 448 MiB, 0.8 cost 0.2% and saved 320 MiB). Lower it where the warmup's eager timings
-    /// include launch gaps that graphs remove (small layers), or where copies slow the kernels
-    /// they overlap.
+    /// 448 MiB, 0.8 cost 0.2% and saved 320 MiB, both with windows timed eagerly). Lower it
+    /// where copies slow the kernels they overlap, or where eager windows include launch gaps
+    /// that graphs remove (an eagerly recorded policy).
     pub fn slack(mut self, share: f64) -> OffloadConfig {
         self.slack = share;
         self

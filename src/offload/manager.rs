@@ -6,11 +6,11 @@ use super::chunk::{bake, ChunkHook};
 use super::config::{OffloadConfig, Policy};
 use super::error::OffloadErrorKind;
 use super::host::HostBuffer;
-use super::policy::{decide, GroupLayout, Summary, Timings};
-use super::shared::{has_clock, Inner};
+use super::policy::{decide, mark_eligible, GroupLayout, Summary, TensorLayout, Timings, Windows};
+use super::shared::Inner;
 use super::state::{Baked, Fault, Mark, PassTiming, State};
 use crate::device::{DType, Stream};
-use crate::graph::GraphOptions;
+use crate::graph::{GraphOptions, PassTimes, PROBE_REPLAYS};
 use crate::memory::CachingAllocator;
 use crate::nn::{Chunk, SaveHook};
 use crate::tensor::Tensor;
@@ -64,6 +64,9 @@ fn schedule_error(chunk: Chunk, found: &str) -> Error {
     Error::Offload(OffloadErrorKind::Schedule { chunk, expected, found })
 }
 
+/// Each chunk's timing marks of an eager recording iteration (none where it was not timed).
+type Marks = Vec<(Chunk, Option<PassTiming>)>;
+
 /// The bytes a bandwidth probe copies each way.
 const PROBE_BYTES: usize = 64 << 20;
 
@@ -89,17 +92,23 @@ impl OffloadManager {
     ///
     /// If the policy is not frozen yet, the capture's warmup records it: its first iteration,
     /// which runs each layer's backward right after its forward, goes through the hooks and
-    /// ends as [`end_iteration`](OffloadManager::end_iteration) ends an eager one (deciding and
-    /// freezing the policy, timing the layers for the automatic policy); the hooks' host buffers
-    /// are baked then, before the capture. A warmup that fails before that leaves the policy
+    /// ends as [`end_iteration`](OffloadManager::end_iteration) ends an eager one, deciding and
+    /// freezing the listed policy. The automatic policy decides after the warmup, from the
+    /// graphed step's windows ([`Windows::Graphs`]): the capture's window probe captures each
+    /// layer's forward and backward without offloading into graphs of a pool of its own, times
+    /// a few replays of each, and releases them and their memory before the real capture; the
+    /// copy rate is [`probe_graph_bandwidth`](OffloadManager::probe_graph_bandwidth)'s for one
+    /// layer's candidates. On the simulator the probe runs but cannot time: the capture is
+    /// refused ([`OffloadErrorKind::NoClock`]). The host buffers are baked when the policy
+    /// freezes, before the capture; a warmup or probe that fails first leaves the policy
     /// unrecorded. The rest of the warmup runs with offloading off, as does the whole warmup of a
     /// capture after the policy froze (`pre_warmup`/`post_warmup`, which this replaces: call
     /// [`disable`](OffloadManager::disable) and [`enable`](OffloadManager::enable) from your
     /// own hooks instead). Give the options a sync event, so that side-stream replays overlap
     /// the copies in each graph's tail.
     pub fn graph_options(&self, options: GraphOptions) -> GraphOptions {
-        let (handler, pre, first, post, abandoned) =
-            (self.clone(), self.clone(), self.clone(), self.clone(), self.clone());
+        let (handler, pre, first, timer, post, abandoned) =
+            (self.clone(), self.clone(), self.clone(), self.clone(), self.clone(), self.clone());
         options
             .init_chunk_handler(move |chunk| handler.graph_hook(chunk))
             .pre_warmup(move |_| {
@@ -107,6 +116,7 @@ impl OffloadManager {
                 Ok(())
             })
             .after_first_iteration(move |stream| first.end_recording(stream))
+            .window_probe(move |stream, probe| timer.time_windows(stream, probe))
             .post_warmup(move |_| {
                 post.end_warmup();
                 Ok(())
@@ -143,15 +153,35 @@ impl OffloadManager {
         }
     }
 
-    /// After the warmup's first iteration: ends the recording iteration, if it was one; then
-    /// offloading is off for the rest of the warmup.
+    /// After the warmup's first iteration: ends the recording iteration, if it was one (the
+    /// automatic policy then waits for the window probe); then offloading is off for the rest
+    /// of the warmup.
     fn end_recording(&self, stream: &Stream) -> Result<()> {
         let recording = std::mem::replace(&mut self.inner.lock().warmup_recording, false);
-        if recording {
+        if recording && self.inner.config.policy == Policy::Auto {
+            let mut st = self.inner.lock();
+            st.awaiting_windows = self.close_iteration(&mut st)?.is_some();
+        } else if recording {
             self.end_iteration(stream)?;
             self.inner.lock().capture_recorded = true;
         }
         self.disable();
+        Ok(())
+    }
+
+    /// After the warmup, if the automatic policy waits for windows: runs the window `probe`,
+    /// times the copies in a graph, decides and freezes. Nothing changes when it fails (the
+    /// warmup's end then forgets the recording).
+    fn time_windows(&self, stream: &Stream, probe: &mut dyn FnMut() -> Result<Vec<PassTimes>>) -> Result<()> {
+        if !self.inner.lock().awaiting_windows {
+            return Ok(());
+        }
+        // Not under the lock: the probe runs the modules, whose hooks take it.
+        let timings = self.graph_timings(stream, &probe()?)?;
+        let mut st = self.inner.lock();
+        st.awaiting_windows = false;
+        self.freeze(&mut st, Some(&timings))?;
+        st.capture_recorded = true;
         Ok(())
     }
 
@@ -171,6 +201,7 @@ impl OffloadManager {
     fn end_warmup(&self) {
         let mut st = self.inner.lock();
         st.warmup_recording = false;
+        st.awaiting_windows = false;
         if !st.frozen {
             st.chunks.clear();
             st.unbaked.clear();
@@ -198,10 +229,10 @@ impl OffloadManager {
     }
 
     /// Ends an eager iteration (every chunk's forward and backward), on the compute `stream`.
-    /// After the first, the recording iteration, decides and freezes the policy (timing the
-    /// copies for the automatic policy) and bakes the host buffers of graph hooks made before.
-    /// A capture's warmup calls it itself when it records (see
-    /// [`graph_options`](OffloadManager::graph_options)).
+    /// After the first, the recording iteration, decides and freezes the policy (the automatic
+    /// policy from that iteration's unit times and eager copies: [`Windows::Eager`]) and bakes
+    /// the host buffers of graph hooks made before. A capture's warmup calls it itself when it
+    /// records (see [`graph_options`](OffloadManager::graph_options)).
     ///
     /// # Errors
     /// [`OffloadErrorKind::Pending`] when saved tensors were not taken back or delayed copies
@@ -209,10 +240,27 @@ impl OffloadManager {
     /// [`OffloadErrorKind::NoClock`] for the automatic policy on the simulator.
     pub fn end_iteration(&self, stream: &Stream) -> Result<()> {
         let mut st = self.inner.lock();
+        let Some(marks) = self.close_iteration(&mut st)? else { return Ok(()) };
+        let timings = match self.inner.config.policy {
+            Policy::Listed => None,
+            Policy::Auto if !self.inner.alloc.device().has_clock() => {
+                st.chunks.clear();
+                return Err(Error::Offload(OffloadErrorKind::NoClock));
+            }
+            Policy::Auto => Some(self.measure(stream, marks)?),
+        };
+        self.freeze(&mut st, timings.as_ref())
+    }
+
+    /// Ends every chunk's iteration; after the recording iteration, its timing marks, once it is
+    /// checked (none once frozen).
+    ///
+    /// # Errors
+    /// As [`end_iteration`](OffloadManager::end_iteration), which then forgets the recording.
+    fn close_iteration(&self, st: &mut State) -> Result<Option<Marks>> {
         let pending: usize = st.chunks.values().map(|c| c.pending()).sum();
         let delayed = std::mem::take(&mut st.delayed).len();
-        let timings: Vec<(Chunk, Option<PassTiming>)> =
-            st.chunks.iter_mut().map(|(k, c)| (*k, c.timing.take())).collect();
+        let marks: Marks = st.chunks.iter_mut().map(|(k, c)| (*k, c.timing.take())).collect();
         for c in st.chunks.values_mut() {
             c.restart();
         }
@@ -224,7 +272,7 @@ impl OffloadManager {
             return Err(Error::Offload(OffloadErrorKind::Pending { what }));
         }
         if st.frozen {
-            return Ok(());
+            return Ok(None);
         }
         let config = &self.inner.config;
         let saved = st
@@ -236,19 +284,18 @@ impl OffloadManager {
             st.chunks.clear();
             return Err(e);
         }
-        let timings = match config.policy {
-            Policy::Listed => None,
-            Policy::Auto if !has_clock(self.inner.alloc.device().kind()) => {
-                st.chunks.clear();
-                return Err(Error::Offload(OffloadErrorKind::NoClock));
-            }
-            Policy::Auto => Some(self.measure(stream, timings)?),
-        };
+        Ok(Some(marks))
+    }
+
+    /// Decides every chunk's layout from `timings`, bakes the host buffers of graph hooks made
+    /// before, and freezes the policy; a failed bake forgets the recording.
+    fn freeze(&self, st: &mut State, timings: Option<&Timings>) -> Result<()> {
+        let config = &self.inner.config;
         for c in st.chunks.values_mut() {
-            decide(config, &mut c.layout, timings.as_ref());
+            decide(config, &mut c.layout, timings);
             c.offloads = c.layout.iter().any(|g| g.offloaded_bytes() > 0);
         }
-        let baked = match self.bake_unbaked(&st) {
+        let baked = match self.bake_unbaked(st) {
             Ok(baked) => baked,
             Err(e) => {
                 st.chunks.clear();
@@ -261,8 +308,7 @@ impl OffloadManager {
             let _ = slot.set(buffers);
         }
         let layouts: Vec<(Chunk, &[GroupLayout])> = st.chunks.iter().map(|(k, c)| (*k, c.layout.as_slice())).collect();
-        let summary = Summary::from_layouts(&layouts, timings.as_ref(), config);
-        st.summary = Some(summary);
+        st.summary = Some(Summary::from_layouts(&layouts, timings, config));
         st.frozen = true;
         Ok(())
     }
@@ -279,31 +325,66 @@ impl OffloadManager {
             .collect()
     }
 
-    /// The recording iteration's unit times (the slowest chunk's, per unit; each mark's window
-    /// ends at the next mark) and the copy bandwidths.
-    fn measure(&self, stream: &Stream, timings: Vec<(Chunk, Option<PassTiming>)>) -> Result<Timings> {
+    /// The eager recording iteration's unit times (the slowest chunk's, per unit; each mark's
+    /// window ends at the next mark) and the eager copy bandwidths.
+    fn measure(&self, stream: &Stream, timings: Marks) -> Result<Timings> {
         let end = stream.device().timing_event()?;
         stream.record(&end)?;
         end.synchronize()?;
         let (mut forward_ms, mut backward_ms) = (Vec::<f64>::new(), Vec::<f64>::new());
-        let keep = |v: &mut Vec<f64>, p: usize, ms: f32| {
-            if v.len() <= p {
-                v.resize(p + 1, 0.0);
-            }
-            v[p] = v[p].max(f64::from(ms));
-        };
         for (_, t) in timings {
             let Some(t) = t else { continue };
             for (k, (mark, e)) in t.marks.iter().enumerate() {
-                let ms = e.elapsed_ms(t.marks.get(k + 1).map_or(&end, |(_, next)| next))?;
+                let ms = f64::from(e.elapsed_ms(t.marks.get(k + 1).map_or(&end, |(_, next)| next))?);
                 match *mark {
-                    Mark::Forward(p) => keep(&mut forward_ms, p, ms),
-                    Mark::Backward(p) => keep(&mut backward_ms, p, ms),
+                    Mark::Forward(p) => keep_slowest(&mut forward_ms, p, ms),
+                    Mark::Backward(p) => keep_slowest(&mut backward_ms, p, ms),
                 }
             }
         }
         let (out, back) = self.probe_bandwidth(stream)?;
-        Ok(Timings { forward_ms, backward_ms, out_bytes_per_ms: out, in_bytes_per_ms: back })
+        Ok(Timings { forward_ms, backward_ms, out_bytes_per_ms: out, in_bytes_per_ms: back, windows: Windows::Eager })
+    }
+
+    /// The window probe's graph times per unit (the slowest chunk's) and the rate of the
+    /// copies of [`candidate_sizes`](OffloadManager::candidate_sizes) captured in a graph.
+    ///
+    /// # Errors
+    /// [`OffloadErrorKind::NoClock`] for a probe without times (on the simulator, whose probe
+    /// runs the graphs but cannot time them); those of the copy probe.
+    fn graph_timings(&self, stream: &Stream, probed: &[PassTimes]) -> Result<Timings> {
+        let (mut forward_ms, mut backward_ms) = (Vec::<f64>::new(), Vec::<f64>::new());
+        for p in probed {
+            let Some(forward) = p.forward_ms else { return Err(Error::Offload(OffloadErrorKind::NoClock)) };
+            keep_slowest(&mut forward_ms, p.unit, forward);
+            keep_slowest(&mut backward_ms, p.unit, p.backward_ms.unwrap_or(0.0));
+        }
+        let (out, back) = self.probe_graph_bandwidth(stream, &self.candidate_sizes())?;
+        let windows = Windows::Graphs { replays: PROBE_REPLAYS };
+        Ok(Timings { forward_ms, backward_ms, out_bytes_per_ms: out, in_bytes_per_ms: back, windows })
+    }
+
+    /// The bytes of each eligible tensor of the unit with the most eligible bytes, among the
+    /// recorded chunks (one 64 MiB copy when none is eligible): what one graph's tail copies
+    /// at most.
+    fn candidate_sizes(&self) -> Vec<usize> {
+        let st = self.inner.lock();
+        let mut largest: Vec<usize> = Vec::new();
+        for c in st.chunks.values() {
+            let mut layout = c.layout.clone();
+            for p in 0..mark_eligible(&self.inner.config, &mut layout) {
+                let unit = layout.iter().filter(|g| g.pass == p);
+                let sizes: Vec<usize> =
+                    unit.flat_map(|g| g.tensors.iter().filter(|t| t.offload).map(TensorLayout::bytes)).collect();
+                if sizes.iter().sum::<usize>() > largest.iter().sum() {
+                    largest = sizes;
+                }
+            }
+        }
+        if largest.is_empty() {
+            largest.push(PROBE_BYTES);
+        }
+        largest
     }
 
     /// Bytes per millisecond of a pinned copy each way on the copy streams (the best of three).
@@ -366,6 +447,15 @@ impl OffloadManager {
         let st = self.inner.lock();
         OffloadStats { copied_out: st.copied_out, host_pool_bytes: st.host.bytes }
     }
+}
+
+/// Sets unit `p`'s entry of `v` (grown with zeros) to `ms` if that is larger: the slowest chunk's
+/// time.
+fn keep_slowest(v: &mut Vec<f64>, p: usize, ms: f64) {
+    if v.len() <= p {
+        v.resize(p + 1, 0.0);
+    }
+    v[p] = v[p].max(ms);
 }
 
 /// The milliseconds of the fastest of three runs of `work` on `stream`, timed by events there

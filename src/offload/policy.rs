@@ -1,5 +1,6 @@
 //! The policy decided after the recording iteration and frozen before capture (H13): which saved
-//! tensors go to host memory, from what the recording iteration recorded; and the summary table.
+//! tensors go to host memory, from what the recording iteration recorded and, for the automatic
+//! policy, the measured [`Timings`]; and the summary table.
 
 use std::fmt;
 
@@ -47,9 +48,9 @@ impl GroupLayout {
     }
 }
 
-/// What the recording iteration measured, for [`Policy::Auto`]: per unit (layer) of a chunk, the
-/// milliseconds of its forward and of its backward, and the copy bandwidths in bytes per
-/// millisecond.
+/// What [`Policy::Auto`] decides from: per unit (layer) of a chunk, the milliseconds of its
+/// forward and of its backward (the slowest chunk's), the copy bandwidths in bytes per
+/// millisecond, and where they were measured.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Timings {
     /// Per unit, its forward's milliseconds.
@@ -60,6 +61,33 @@ pub struct Timings {
     pub out_bytes_per_ms: f64,
     /// Host-to-device bytes per millisecond.
     pub in_bytes_per_ms: f64,
+    /// Where the unit times and the bandwidths come from.
+    pub windows: Windows,
+}
+
+/// Where the automatic policy's [`Timings`] were measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Windows {
+    /// An eager recording iteration ([`end_iteration`](super::OffloadManager::end_iteration)):
+    /// each unit from its forward's start to the next mark, launch gaps included; the copies
+    /// eager pinned copies of 64 MiB.
+    Eager,
+    /// A capture's window probe: each unit's forward and backward captured without offloading
+    /// and replayed as graphs, the median of `replays` replays; the copies those of one unit's
+    /// candidate tensors captured in a graph on the copy streams (the best of three replays).
+    Graphs {
+        /// Replays per pass.
+        replays: usize,
+    },
+}
+
+impl fmt::Display for Windows {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Windows::Eager => write!(f, "the eager recording iteration"),
+            Windows::Graphs { replays } => write!(f, "graph replays (the median of {replays})"),
+        }
+    }
 }
 
 /// Decides, in place, which tensors of one chunk's `groups` are offloaded.
@@ -71,15 +99,7 @@ pub struct Timings {
 /// copy back fits `slack` of its backward (where the copies run: see the module docs), within
 /// the byte budget.
 pub fn decide(config: &OffloadConfig, groups: &mut [GroupLayout], timings: Option<&Timings>) {
-    let units = groups.iter().map(|g| g.pass + 1).max().unwrap_or(0);
-    let kept_from = units.saturating_sub(config.margin);
-    for g in groups.iter_mut() {
-        let in_margin = g.pass >= kept_from;
-        for t in &mut g.tensors {
-            let numel: usize = t.shape.iter().product();
-            t.offload = !in_margin && t.copyable && numel >= config.min_elements && config.selects(&g.site, &t.name);
-        }
-    }
+    let units = mark_eligible(config, groups);
     if let (Policy::Auto, Some(timings)) = (config.policy, timings) {
         for p in 0..units {
             let window = |ms: &[f64]| ms.get(p + 1).copied().unwrap_or(0.0) * config.slack;
@@ -111,6 +131,21 @@ pub fn decide(config: &OffloadConfig, groups: &mut [GroupLayout], timings: Optio
     }
 }
 
+/// Marks the eligible tensors of `groups` as offloaded (see [`decide`]); returns the number of
+/// units.
+pub(crate) fn mark_eligible(config: &OffloadConfig, groups: &mut [GroupLayout]) -> usize {
+    let units = groups.iter().map(|g| g.pass + 1).max().unwrap_or(0);
+    let kept_from = units.saturating_sub(config.margin);
+    for g in groups.iter_mut() {
+        let in_margin = g.pass >= kept_from;
+        for t in &mut g.tensors {
+            let numel: usize = t.shape.iter().product();
+            t.offload = !in_margin && t.copyable && numel >= config.min_elements && config.selects(&g.site, &t.name);
+        }
+    }
+    units
+}
+
 /// One row of the [`Summary`]: a unit (layer) of a chunk.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SummaryRow {
@@ -131,8 +166,7 @@ pub struct SummaryRow {
 }
 
 impl SummaryRow {
-    /// The share of the copy that the window hides, as expected from the recording iteration's
-    /// timings.
+    /// The share of the copy that the window hides, as expected from the timings.
     pub fn expected_overlap(&self) -> Option<f64> {
         match (self.window_ms, self.copy_ms) {
             (Some(w), Some(c)) if c > 0.0 => Some((w / c).min(1.0)),
@@ -154,6 +188,8 @@ pub struct Summary {
     /// The measured bandwidths (device to host, host to device) in GB/s, with the automatic
     /// policy.
     pub bandwidth_gbps: Option<(f64, f64)>,
+    /// Where the automatic policy's windows and bandwidths were measured.
+    pub windows: Option<Windows>,
 }
 
 impl Summary {
@@ -196,6 +232,7 @@ impl Summary {
             }
         }
         let bandwidth_gbps = timings.map(|t| (t.out_bytes_per_ms / 1e6, t.in_bytes_per_ms / 1e6));
+        let windows = timings.map(|t| t.windows);
         let nothing_offloaded = rows.iter().all(|r| r.offloaded == 0).then(|| {
             let units = rows.iter().map(|r| r.pass + 1).max().unwrap_or(0);
             let selected = chunks.iter().flat_map(|(_, groups)| groups.iter()).flat_map(|g| {
@@ -220,7 +257,7 @@ impl Summary {
                 why.join("; ")
             )
         });
-        Summary { rows, nothing_offloaded, bandwidth_gbps }
+        Summary { rows, nothing_offloaded, bandwidth_gbps, windows }
     }
 
     /// Bytes offloaded per iteration.
@@ -250,6 +287,9 @@ impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some((out, back)) = self.bandwidth_gbps {
             writeln!(f, "copy bandwidth measured: {out:.1} GB/s to host, {back:.1} GB/s back")?;
+        }
+        if let Some(windows) = self.windows {
+            writeln!(f, "windows and copies timed in {windows}")?;
         }
         writeln!(
             f,

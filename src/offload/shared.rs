@@ -6,7 +6,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::config::{OffloadConfig, Policy};
 use super::state::State;
-use crate::device::{DeviceKind, Stream};
+use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::Result;
 
@@ -39,13 +39,9 @@ impl Inner {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether the recording iteration times its units (for the automatic policy).
+    /// Whether an eager recording iteration times its units: the automatic policy, on a device
+    /// with a clock.
     pub(crate) fn timed(&self) -> bool {
-        self.config.policy == Policy::Auto && has_clock(self.alloc.device().kind())
+        self.config.policy == Policy::Auto && self.alloc.device().has_clock()
     }
-}
-
-/// Whether the device can time work (the automatic policy needs it).
-pub(crate) fn has_clock(kind: DeviceKind) -> bool {
-    kind == DeviceKind::Cuda
 }

@@ -153,6 +153,9 @@ pub(crate) struct State {
     /// The iteration being recorded is a capture's warmup, which runs each unit's backward right
     /// after its forward: a forward after a backward is the next unit, not a new iteration.
     pub(crate) warmup_recording: bool,
+    /// The warmup's recording iteration ended and the automatic policy waits for the window
+    /// probe after the warmup (forgotten when the warmup ends without it).
+    pub(crate) awaiting_windows: bool,
     /// The policy was frozen by the warmup of the capture under way (forgotten if it fails).
     pub(crate) capture_recorded: bool,
     /// Host-buffer slots of graph hooks made before the policy froze, filled when it freezes.
@@ -195,10 +198,18 @@ pub enum Fault {
 }
 
 impl State {
+    /// Whether an iteration starting now records eagerly, so that the automatic policy times
+    /// it: not once frozen, and not in a capture's warmup, whose windows come from the probe
+    /// of the layers' graphs after it.
+    pub(crate) fn times_eagerly(&self) -> bool {
+        !self.frozen && !self.warmup_recording
+    }
+
     pub(crate) fn new() -> State {
         State {
             enabled: true,
             warmup_recording: false,
+            awaiting_windows: false,
             capture_recorded: false,
             unbaked: Vec::new(),
             frozen: false,

@@ -42,4 +42,5 @@ per_device!(
     h17_failed_warmup_turns_offloading_back_on,
     random_delays_and_sizes_change_nothing,
     capture_peak_grows_by_less_than_each_layers_activations,
+    auto_policy_windows_come_from_graph_replays,
 );

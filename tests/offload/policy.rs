@@ -2,7 +2,7 @@
 //! automatic choice from timings (no device: the decisions are pure).
 
 use graphed::device::DType;
-use graphed::offload::{decide, GroupLayout, OffloadConfig, Policy, Summary, TensorLayout, Timings};
+use graphed::offload::{decide, GroupLayout, OffloadConfig, Policy, Summary, TensorLayout, Timings, Windows};
 
 fn tensor(name: &str, numel: usize) -> TensorLayout {
     TensorLayout { name: name.into(), shape: vec![numel], dtype: DType::BF16, copyable: true, offload: false }
@@ -69,6 +69,7 @@ fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
         backward_ms: vec![20.0; 3],
         out_bytes_per_ms: each,
         in_bytes_per_ms: each,
+        windows: Windows::Graphs { replays: 5 },
     };
     let mut g = layout(3, n);
     decide(&config, &mut g, Some(&timings));
@@ -92,4 +93,28 @@ fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
     decide(&config, &mut g, Some(&timings));
     let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&timings), &config);
     assert!(s.rows[0].expected_overlap() == Some(1.0) && s.rows[2].offloaded == 0, "{s}");
+}
+
+#[test]
+fn auto_policy_keeps_what_the_graphed_windows_cannot_hide() {
+    let n = 1 << 20;
+    let each = 2 * n;
+    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES);
+    // Windows as the probe measures them in graph replays: unit 1's forward hides two tensors'
+    // copies, unit 2's none, unit 3's ten.
+    let timings = Timings {
+        forward_ms: vec![10.0, 2.0, 0.0, 10.0],
+        backward_ms: vec![20.0; 4],
+        out_bytes_per_ms: each as f64,
+        in_bytes_per_ms: each as f64,
+        windows: Windows::Graphs { replays: 5 },
+    };
+    let mut g = layout(4, n);
+    decide(&config, &mut g, Some(&timings));
+    let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&timings), &config);
+    let offloaded: Vec<usize> = s.rows.iter().map(|r| r.offloaded).collect();
+    assert_eq!(offloaded, [2 * each, 0, 10 * each, 0], "{s}");
+    // The layer whose copy cannot hide keeps every candidate: 14 tensors' worth per unit.
+    assert_eq!(s.rows[1].kept, 14 * each, "{s}");
+    assert!(s.to_string().contains("graph replays (the median of 5)"), "{s}");
 }

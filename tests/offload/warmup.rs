@@ -1,12 +1,14 @@
 //! The capture's eager peak: its warmup, which also records the offload policy, runs layer by
 //! layer and holds one layer's activations at a time, so that the peak memory of
-//! `make_graphed_stack` grows with the layers only by what the graphs keep.
+//! `make_graphed_stack` grows with the layers only by what the graphs keep; and the automatic
+//! policy's window probe after the warmup, which times the layers' graphs and gives back their
+//! memory before the capture.
 
-use anyhow::ensure;
+use anyhow::{anyhow, bail, ensure};
 use graphed::device::{DType, Device};
-use graphed::graph::GraphOptions;
+use graphed::graph::{GraphOptions, Replay};
 use graphed::nn::Chunk;
-use graphed::offload::OffloadManager;
+use graphed::offload::{OffloadErrorKind, OffloadManager, Policy, Windows, AUTO_CANDIDATES};
 
 use super::fixtures::{config, Dims, Model, Result, DIMS};
 
@@ -40,5 +42,38 @@ pub fn capture_peak_grows_by_less_than_each_layers_activations(dev: &Device) -> 
          {saved} B",
         six.saturating_sub(two) / 4
     );
+    Ok(())
+}
+
+/// The automatic policy decides from the window probe after the warmup: each layer's forward and
+/// backward captured without offloading, replayed as graphs in a pool of their own, which gives
+/// back all it held before the capture. On CUDA every layer but the last has a window timed in
+/// graph replays; on the simulator the probe runs its graphs but cannot time them, and the
+/// capture is refused with nothing changed.
+pub fn auto_policy_windows_come_from_graph_replays(dev: &Device) -> Result {
+    let model = Model::new(dev, DIMS, DType::F32)?;
+    let m = OffloadManager::new(&model.alloc, config().policy(Policy::Auto).sites(&AUTO_CANDIDATES))?;
+    let grads = model.grads()?;
+    let captured = model.graph(m.graph_options(GraphOptions::default()));
+    let kept = captured.as_ref().ok().map(|g| g.pool().id());
+    let others: Vec<_> = model.alloc.stats().pools.into_iter().filter(|(id, _)| Some(*id) != kept).collect();
+    ensure!(others.iter().any(|(_, s)| s.peak_allocated > 0), "no probe graph held memory: {others:?}");
+    ensure!(others.iter().all(|(_, s)| s.allocated == 0 && s.reserved == 0), "the probe kept memory: {others:?}");
+    if !dev.has_clock() {
+        let kind = captured.as_ref().err().and_then(|e| e.downcast_ref::<graphed::Error>()?.offload_kind());
+        ensure!(matches!(kind, Some(OffloadErrorKind::NoClock)), "expected NoClock, got {:?}", captured.map(drop));
+        ensure!(m.summary().is_none() && m.layout(Chunk::default()).is_empty(), "the refused capture kept a policy");
+        ensure!(model.grads()? == grads, "the refused capture changed the gradients");
+        return Ok(());
+    }
+    let g = captured?;
+    let s = m.summary().ok_or_else(|| anyhow!("the capture froze no policy"))?;
+    ensure!(matches!(s.windows, Some(Windows::Graphs { .. })), "windows not from graph replays:\n{s}");
+    for r in s.rows.iter().filter(|r| r.pass + 1 < DIMS.layers) {
+        if !r.window_ms.is_some_and(|w| w > 0.0) {
+            bail!("unit {} has no window:\n{s}", r.pass);
+        }
+    }
+    model.graphed(&g, 1, Replay::caller())?;
     Ok(())
 }

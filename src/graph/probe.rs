@@ -1,0 +1,289 @@
+//! The window probe, for a capture whose options ask for it (an offload manager's automatic
+//! policy): after the warmup, each callable's passes captured as they will be replayed, but with
+//! nothing offloaded, into graphs of a pool of their own; each forward and backward replayed a
+//! few times between timing events on the capture stream; the graphs and their pool's memory
+//! released callable by callable, before the next callable and before the real capture. The
+//! times are then those of graph replays, without the launch gaps of the eager warmup.
+//!
+//! The probe holds one callable's graphs at a time, and, in a stack, a copy of the outputs that
+//! feed the next callable. Its backward replays accumulate into the parameters' gradients, which
+//! the capture restores after the warmup, as it does for the warmup's own backwards.
+
+use super::options::{GraphOptions, Phase};
+use super::plan::Plan;
+use super::record::Layout;
+use crate::memory::{GraphPool, PoolExec};
+use crate::nn::{KeepOnDevice, NoGradHook, Step};
+use crate::tensor::Tensor;
+use crate::Result;
+
+/// Replays of each probed pass; the median is kept.
+pub(crate) const PROBE_REPLAYS: usize = 5;
+
+/// The probe's times of one callable: the median GPU milliseconds of its forward and backward
+/// graphs (`None` on a device without a clock, and for a pass not captured: no backward in
+/// inference).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PassTimes {
+    /// The callable's place in its chunk (the unit an offload manager counts): its index outside
+    /// a schedule, its layer's place in its chunk under one.
+    pub(crate) unit: usize,
+    pub(crate) forward_ms: Option<f64>,
+    pub(crate) backward_ms: Option<f64>,
+}
+
+/// Runs the options' window probe hook, if any, with the probe of `plan`'s callables (probed
+/// once per layer: under a schedule, its first microbatch's callable) for it to call.
+pub(crate) fn probe_windows(plan: &Plan<'_>, layout: Option<&Layout>, options: &mut GraphOptions) -> Result<()> {
+    let Some(mut hook) = options.window_probe.take() else { return Ok(()) };
+    let result = hook(plan.stream, &mut || probe(plan, layout, options));
+    options.window_probe = Some(hook);
+    result
+}
+
+/// The callables to probe, with their units: every callable in order outside a schedule (a stack
+/// feeds each from the one before), else each layer's callable of microbatch 0.
+fn probed(plan: &Plan<'_>, layout: Option<&Layout>) -> Vec<(usize, usize)> {
+    match layout {
+        None => (0..plan.len()).map(|i| (i, i)).collect(),
+        Some(l) => (l.schedule.visits(&l.layers).into_iter())
+            .filter(|v| matches!(v.step, Step::Forward(_)) && v.microbatch == 0)
+            .map(|v| (v.instance, v.in_chunk))
+            .collect(),
+    }
+}
+
+/// Probes the callables one by one in a new pool, which gives its memory back at the end, also
+/// after a failure.
+fn probe(plan: &Plan<'_>, layout: Option<&Layout>, options: &mut GraphOptions) -> Result<Vec<PassTimes>> {
+    let _range = plan.stream.device().range_with(|| "window probe".into());
+    let pool = plan.alloc.new_pool();
+    let mut times = Vec::new();
+    let mut previous = Vec::new();
+    let mut result = Ok(());
+    for (i, unit) in probed(plan, layout) {
+        let mut execs = Vec::new();
+        let timed = probe_one(plan, options, &pool, (i, unit), &previous, &mut execs);
+        // The replays end before their executables are destroyed, and the pool then holds
+        // nothing that can run: the next callable reuses its blocks.
+        let released = release(plan, &mut execs);
+        match timed.and_then(|t| released.map(|()| t)) {
+            Ok((t, outputs)) => {
+                times.push(t);
+                previous = outputs;
+            }
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    drop(previous);
+    pool.roll_back(0);
+    let trimmed = pool.trim();
+    result.and(trimmed).map(|()| times)
+}
+
+/// Waits for the device, then destroys `execs`, which takes them out of their pool's order.
+fn release(plan: &Plan<'_>, execs: &mut Vec<PoolExec>) -> Result<()> {
+    let synced = plan.stream.device().synchronize();
+    // Every one is reset; the first error is returned.
+    let reset: Vec<Result<()>> = execs.iter_mut().map(PoolExec::reset).collect();
+    execs.clear();
+    synced.and(reset.into_iter().collect())
+}
+
+/// Callable `i` (unit `unit`) captured into `pool` with its inputs (its static inputs, or copies
+/// of `previous` outputs) and the capture-time hooks around its forward and backward, as in the
+/// capture; its executables, in `execs`, replayed [`PROBE_REPLAYS`] times. Returns its times,
+/// and copies of its outputs when they feed the next callable.
+fn probe_one(
+    plan: &Plan<'_>,
+    options: &mut GraphOptions,
+    pool: &GraphPool,
+    (i, unit): (usize, usize),
+    previous: &[Tensor],
+    execs: &mut Vec<PoolExec>,
+) -> Result<(PassTimes, Vec<Tensor>)> {
+    let (stream, callable, mode) = (plan.stream, plan.callables[i], options.capture_mode);
+    let inputs = plan.inputs(i, previous);
+    let mut capture = |phases: Option<[Phase; 2]>, f: &mut dyn FnMut() -> Result<()>| -> Result<PoolExec> {
+        if let Some([pre, _]) = phases {
+            options.run_pass_hook(i, pre, stream)?;
+        }
+        let cap = plan.alloc.capture(stream, mode, pool)?;
+        f()?;
+        let exec = cap.finish()?.instantiate()?;
+        if let Some([_, post]) = phases {
+            options.run_pass_hook(i, post, stream)?;
+        }
+        exec.upload(stream)?;
+        Ok(exec)
+    };
+    let mut result = None;
+    execs.push(capture(Some([Phase::ForwardPre, Phase::Forward]), &mut || {
+        result = Some(callable.forward_dyn(&inputs, &KeepOnDevice, stream)?);
+        Ok(())
+    })?);
+    let (outputs, saved) = result.expect("the capture ran the forward");
+    if plan.training {
+        let dys = (outputs.iter())
+            .map(|y| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype()))
+            .collect::<Result<Vec<_>>>()?;
+        let mut saved = Some(saved);
+        execs.push(capture(Some([Phase::BackwardPre, Phase::Backward]), &mut || {
+            let s = saved.take().expect("captured once");
+            callable.backward_dyn(s, &dys.iter().collect::<Vec<_>>(), &NoGradHook, stream).map(drop)
+        })?);
+        // Replayed in the cycle that the pool's order asks for, not timed.
+        if callable.splits_dw_dyn() {
+            execs.push(capture(None, &mut || callable.backward_dw_dyn(stream))?);
+        }
+    }
+    let ms = replay(plan, execs)?;
+    let times = PassTimes { unit, forward_ms: ms[0], backward_ms: ms.get(1).copied().flatten() };
+    let kept = match plan.feeds_next(i) {
+        true => outputs.iter().map(|y| copy(plan, y)).collect::<Result<Vec<_>>>()?,
+        false => Vec::new(),
+    };
+    Ok((times, kept))
+}
+
+/// `y` copied into the allocator's cache, on the plan's stream.
+fn copy(plan: &Plan<'_>, y: &Tensor) -> Result<Tensor> {
+    let t = Tensor::uninit(plan.alloc, plan.stream, y.shape(), y.dtype())?;
+    t.copy_from(y, plan.stream)?;
+    Ok(t)
+}
+
+/// Launches `execs` in their capture order [`PROBE_REPLAYS`] times on the plan's stream, a timing
+/// event before and after each launch; per executable, the median milliseconds (`None` without
+/// a clock).
+fn replay(plan: &Plan<'_>, execs: &[PoolExec]) -> Result<Vec<Option<f64>>> {
+    let (stream, dev) = (plan.stream, plan.stream.device());
+    let mut events = Vec::with_capacity(PROBE_REPLAYS * execs.len());
+    for _ in 0..PROBE_REPLAYS {
+        for exec in execs {
+            let (start, end) = (dev.timing_event()?, dev.timing_event()?);
+            stream.record(&start)?;
+            exec.launch(stream)?;
+            stream.record(&end)?;
+            events.push((start, end));
+        }
+    }
+    stream.synchronize()?;
+    if !dev.has_clock() {
+        return Ok(vec![None; execs.len()]);
+    }
+    let mut ms = vec![Vec::with_capacity(PROBE_REPLAYS); execs.len()];
+    for (k, (start, end)) in events.iter().enumerate() {
+        ms[k % execs.len()].push(f64::from(start.elapsed_ms(end)?));
+    }
+    Ok(ms.into_iter().map(|v| Some(median(v))).collect())
+}
+
+/// The median of `v` (not empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::check::Checker;
+    use crate::device::{Device, Stream};
+    use crate::graph::{make_graphed_callables, make_graphed_stack, Callable};
+    use crate::memory::CachingAllocator;
+    use crate::nn::{Builder, Inputs, Linear, ParamStore, Schedule, Stack};
+    use crate::Error;
+
+    /// A stack of `n` linear layers (4 → 4) on the simulator, its parameters' gradients all 0.25.
+    fn stack(n: usize) -> Result<(Device, Stream, CachingAllocator, ParamStore, Stack<Linear>)> {
+        let dev = Device::sim();
+        let s = dev.stream()?;
+        let alloc = CachingAllocator::new(&dev);
+        let store = ParamStore::new(&alloc, &s, 20 * n)?;
+        let vb = Builder::new(&store, &alloc, &s)?;
+        let layers = (0..n).map(|i| Linear::new(&vb.pp(&format!("fc{i}")).with_seed(i as u64), (4, 4)));
+        let stack = Stack::new(layers.collect::<Result<Vec<_>>>()?);
+        let grads = store.grads()?;
+        grads.copy_from(&Tensor::from_host(&alloc, &s, &vec![0.25f32; grads.numel()], grads.shape())?, &s)?;
+        Ok((dev, s, alloc, store, stack))
+    }
+
+    /// Every pool of `alloc` but `kept` holds nothing, and some did hold memory (the probe's).
+    fn probe_pool_released(alloc: &CachingAllocator, kept: Option<&GraphPool>) -> bool {
+        let others: Vec<_> =
+            alloc.stats().pools.into_iter().filter(|(id, _)| Some(*id) != kept.map(|p| p.id())).collect();
+        others.iter().all(|(_, s)| s.allocated == 0 && s.reserved == 0)
+            && others.iter().any(|(_, s)| s.peak_allocated > 0)
+    }
+
+    #[test]
+    fn the_probe_times_every_layer_in_graphs_it_releases() -> Result<()> {
+        let (dev, s, alloc, store, stack) = stack(3)?;
+        let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
+        let (times, phases) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(0)));
+        let (t, p) = (times.clone(), phases.clone());
+        let options = GraphOptions::default()
+            .capture_time_hook(move |_, _, _| {
+                *p.lock().unwrap() += 1;
+                Ok(())
+            })
+            .window_probe(move |_, probe| {
+                *t.lock().unwrap() = probe()?;
+                Ok(())
+            });
+        let g = make_graphed_stack(&alloc, &stack, &x, options)?;
+        let times = times.lock().unwrap().clone();
+        let units: Vec<usize> = times.iter().map(|t| t.unit).collect();
+        assert_eq!(units, [0, 1, 2], "every layer probed, in order");
+        assert!(times.iter().all(|t| t.forward_ms.is_none() && t.backward_ms.is_none()), "the simulator has no clock");
+        assert!(probe_pool_released(&alloc, Some(g.pool())), "{:?}", alloc.stats());
+        // Hooks around each forward and backward: three warmup iterations, the probe, the capture.
+        assert_eq!(*phases.lock().unwrap(), (3 + 1 + 1) * 3 * 4);
+        assert_eq!(store.grads()?.to_vec::<f32>(&s)?, vec![0.25f32; 60], "the probe's backwards were undone");
+        assert!(Checker::of(&dev).is_some_and(|c| c.hazards().is_empty()));
+        Ok(())
+    }
+
+    #[test]
+    fn a_failed_probe_changes_nothing() -> Result<()> {
+        let (_dev, s, alloc, store, stack) = stack(2)?;
+        let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
+        let pool = alloc.new_pool();
+        let options = GraphOptions::default().pool(&pool).window_probe(|_, probe| {
+            probe()?;
+            Err(Error::GraphReset { op: "the probe's user" })
+        });
+        let refused = make_graphed_stack(&alloc, &stack, &x, options).map(drop);
+        assert!(matches!(refused, Err(Error::GraphReset { op: "the probe's user" })), "{refused:?}");
+        assert!(pool.order().is_empty() && probe_pool_released(&alloc, Some(&pool)), "{:?}", alloc.stats());
+        assert_eq!(store.grads()?.to_vec::<f32>(&s)?, vec![0.25f32; 40]);
+        Ok(())
+    }
+
+    #[test]
+    fn under_a_schedule_each_layer_is_probed_once_as_a_unit_of_its_chunk() -> Result<()> {
+        let (_dev, s, alloc, _store, stack) = stack(4)?;
+        let schedule = Schedule::interleaved_1f1b(1, 0, 2, 4)?;
+        let callables: Vec<&dyn Callable> = stack.layers().iter().map(|l| l as &dyn Callable).collect();
+        let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
+        let samples = vec![Inputs::one(&x); 4 * schedule.microbatches()];
+        let units = Arc::new(Mutex::new(Vec::new()));
+        let u = units.clone();
+        let options = GraphOptions::default().schedule(&schedule).window_probe(move |_, probe| {
+            *u.lock().unwrap() = probe()?.into_iter().map(|t| t.unit).collect();
+            Ok(())
+        });
+        let g = make_graphed_callables(&alloc, &callables, &samples, options)?;
+        let mut units = units.lock().unwrap().clone();
+        units.sort_unstable();
+        assert_eq!(units, [0, 0, 1, 1], "two chunks of two layers, microbatch 0 only");
+        assert!(probe_pool_released(&alloc, Some(g[0].pool())));
+        Ok(())
+    }
+}
