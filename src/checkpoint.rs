@@ -231,12 +231,14 @@ fn to_safetensors(dtype: DType) -> Option<Dtype> {
         DType::U32 => Dtype::U32,
         DType::I32 => Dtype::I32,
         DType::U64 => Dtype::U64,
+        DType::F8E4M3 => Dtype::F8_E4M3,
+        DType::F8E5M2 => Dtype::F8_E5M2,
         _ => return None,
     })
 }
 
 fn from_safetensors(dtype: Dtype) -> Option<DType> {
-    [DType::F32, DType::BF16, DType::F16, DType::U32, DType::I32, DType::U64]
+    [DType::F32, DType::BF16, DType::F16, DType::U32, DType::I32, DType::U64, DType::F8E4M3, DType::F8E5M2]
         .into_iter()
         .find(|d| to_safetensors(*d) == Some(dtype))
 }

@@ -37,8 +37,11 @@ fn tensors_round_trip_and_bad_files_are_typed_errors() {
     let f = Tensor::from_f32(&alloc, &s, &[1.5, -2.25, 3e-8, f32::MAX], &[2, 2], DType::F32).unwrap();
     let b = Tensor::from_f32(&alloc, &s, &[0.1, 0.2, 0.3], &[3], DType::BF16).unwrap();
     let u = Tensor::from_host(&alloc, &s, &[u64::MAX, 7], &[2]).unwrap();
+    let e4 = Tensor::from_f32(&alloc, &s, &[448.0, -0.001953125, 1e9], &[3], DType::F8E4M3).unwrap();
+    let e5 = Tensor::from_f32(&alloc, &s, &[57344.0, -1.5258789e-5, 3.0], &[3], DType::F8E5M2).unwrap();
+    let tensors = [("f", &f), ("b", &b), ("u", &u), ("e4", &e4), ("e5", &e5)];
     let mut ckpt = Checkpoint::new();
-    for (name, t) in [("f", &f), ("b", &b), ("u", &u)] {
+    for (name, t) in tensors {
         ckpt.put(name, t, &s).unwrap();
     }
     ckpt.set_meta("k", "v");
@@ -49,7 +52,7 @@ fn tensors_round_trip_and_bad_files_are_typed_errors() {
     assert!(!dir.join("c.safetensors.tmp").exists(), "the temporary file was renamed");
     let back = Checkpoint::load(&path).unwrap();
     assert_eq!(back, ckpt);
-    for (name, t) in [("f", &f), ("b", &b), ("u", &u)] {
+    for (name, t) in tensors {
         let into = Tensor::zeros(&alloc, &s, t.shape(), t.dtype()).unwrap();
         back.restore(name, &into, &alloc, &s).unwrap();
         let bits = |x: &Tensor| x.to_f32_vec(&s).map(|v| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>());

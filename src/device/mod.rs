@@ -44,7 +44,7 @@ pub use capture::{Capture, CaptureMode, CaptureStatus};
 pub(crate) use comm::per_rank_thread;
 pub use comm::{CommErrorKind, CommOptions, Communicator, NcclId, Transfer};
 pub(crate) use dtype::with_dtype;
-pub use dtype::{DType, Elem, Float};
+pub use dtype::{DType, Elem, Float, Float8};
 pub use event::Event;
 pub use gemm::{Epilogue, Gemm, GemmElem, AUX_LD_MULTIPLE};
 pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};

@@ -28,10 +28,13 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::device::{
-    with_dtype, Access, AccessMode, BufferId, DType, DeviceBuffer, DeviceId, Elem, Float, Stream, View,
+    with_dtype, Access, AccessMode, BufferId, DType, DeviceBuffer, DeviceId, Elem, Float, Float8, Stream, View,
 };
 use crate::memory::CachingAllocator;
 use crate::{Error, Result};
+
+/// The floating-point element types (for [`Error::UnsupportedDType`]).
+const FLOATING: &str = "f32, bf16, f16, f8e4m3 or f8e5m2";
 
 /// A strided tensor in device memory, of an element type chosen at run time. Cloning makes
 /// another handle to the same memory.
@@ -103,8 +106,9 @@ impl Tensor {
         Ok(t)
     }
 
-    /// A contiguous tensor of `dtype` (f32, bf16 or f16) holding `data` rounded to it (to
-    /// nearest, ties to even, as the GPU rounds), written as [`Tensor::from_host`] writes.
+    /// A contiguous tensor of `dtype` (f32, bf16, f16 or FP8) holding `data` rounded to it (to
+    /// nearest, ties to even, as the GPU rounds; FP8 saturates, as [`Float8`] does), written as
+    /// [`Tensor::from_host`] writes.
     ///
     /// # Errors
     /// [`Error::UnsupportedDType`] for an integer type.
@@ -118,11 +122,16 @@ impl Tensor {
         fn rounded<T: Float>(data: &[f32]) -> Vec<T> {
             data.iter().map(|v| T::from_f32(*v)).collect()
         }
+        fn saturated<T: Float8>(data: &[f32]) -> Vec<T> {
+            data.iter().map(|v| T::from_f32(*v)).collect()
+        }
         match dtype {
             DType::F32 => Tensor::from_host(alloc, stream, data, shape),
             DType::BF16 => Tensor::from_host(alloc, stream, &rounded::<half::bf16>(data), shape),
             DType::F16 => Tensor::from_host(alloc, stream, &rounded::<half::f16>(data), shape),
-            dtype => Err(Error::UnsupportedDType { op: "Tensor::from_f32", dtype, supported: "f32, bf16 or f16" }),
+            DType::F8E4M3 => Tensor::from_host(alloc, stream, &saturated::<float8::F8E4M3>(data), shape),
+            DType::F8E5M2 => Tensor::from_host(alloc, stream, &saturated::<float8::F8E5M2>(data), shape),
+            dtype => Err(Error::UnsupportedDType { op: "Tensor::from_f32", dtype, supported: FLOATING }),
         }
     }
 
@@ -145,7 +154,8 @@ impl Tensor {
         Ok(self.indices().map(|i| part[i - self.offset]).collect())
     }
 
-    /// The elements widened to f32 (exactly), for a tensor of any floating-point type.
+    /// The elements widened to f32 (exactly; FP8 NaNs as the canonical NaN), for a tensor of any
+    /// floating-point type.
     ///
     /// # Errors
     /// [`Error::UnsupportedDType`] for an integer tensor.
@@ -154,7 +164,9 @@ impl Tensor {
             DType::F32 => self.to_vec(stream),
             DType::BF16 => Ok(self.to_vec::<half::bf16>(stream)?.into_iter().map(Float::to_f32).collect()),
             DType::F16 => Ok(self.to_vec::<half::f16>(stream)?.into_iter().map(Float::to_f32).collect()),
-            dtype => Err(Error::UnsupportedDType { op: "Tensor::to_f32_vec", dtype, supported: "f32, bf16 or f16" }),
+            DType::F8E4M3 => Ok(self.to_vec::<float8::F8E4M3>(stream)?.into_iter().map(Float8::to_f32).collect()),
+            DType::F8E5M2 => Ok(self.to_vec::<float8::F8E5M2>(stream)?.into_iter().map(Float8::to_f32).collect()),
+            dtype => Err(Error::UnsupportedDType { op: "Tensor::to_f32_vec", dtype, supported: FLOATING }),
         }
     }
 

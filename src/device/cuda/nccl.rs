@@ -373,6 +373,9 @@ fn data_type(dtype: DType) -> sys::ncclDataType_t {
         DType::U32 => sys::ncclDataType_t::ncclUint32,
         DType::U64 => sys::ncclDataType_t::ncclUint64,
         DType::U8 => sys::ncclDataType_t::ncclUint8,
+        // Moved, never summed: `Communicator` refuses to reduce FP8 before it enqueues.
+        DType::F8E4M3 => sys::ncclDataType_t::ncclFloat8e4m3,
+        DType::F8E5M2 => sys::ncclDataType_t::ncclFloat8e5m2,
     }
 }
 
