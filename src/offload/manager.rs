@@ -302,12 +302,12 @@ impl OffloadManager {
                 }
             }
         }
-        let (out, back) = self.probe_bandwidth(stream)?;
+        let (out, back) = self.copy_bandwidth(stream)?;
         Ok(Timings { forward_ms, backward_ms, out_bytes_per_ms: out, in_bytes_per_ms: back })
     }
 
     /// Bytes per millisecond of a pinned copy each way on the copy streams (the best of three).
-    pub fn probe_bandwidth(&self, stream: &Stream) -> Result<(f64, f64)> {
+    fn copy_bandwidth(&self, stream: &Stream) -> Result<(f64, f64)> {
         let dev = stream.device();
         let len = PROBE_BYTES / 2;
         let host = HostBuffer::new(dev, DType::BF16, len)?;
@@ -318,35 +318,6 @@ impl OffloadManager {
         };
         let out = time(&self.inner.d2h, &|s| host.copy_out(&t, s))?;
         let back = time(&self.inner.h2d, &|s| host.copy_in(&t, s))?;
-        Ok((out, back))
-    }
-
-    /// Bytes per millisecond of copies of `sizes` bytes each, captured in one graph on the copy
-    /// streams forked from `stream` as the offload graphs do, each way (the best of three
-    /// replays): the in-graph copy rate with nothing else running, to hold against
-    /// [`probe_bandwidth`](OffloadManager::probe_bandwidth).
-    pub fn probe_graph_bandwidth(&self, stream: &Stream, sizes: &[usize]) -> Result<(f64, f64)> {
-        let (dev, alloc) = (stream.device(), &self.inner.alloc);
-        let mut pairs = Vec::with_capacity(sizes.len());
-        for &bytes in sizes {
-            let n = bytes / DType::BF16.size();
-            pairs.push((HostBuffer::new(dev, DType::BF16, n)?, Tensor::zeros(alloc, stream, &[n], DType::BF16)?));
-        }
-        stream.synchronize()?;
-        let total: usize = pairs.iter().map(|(h, _)| h.bytes()).sum();
-        let rate = |side: &Stream, copy: &dyn Fn(&HostBuffer, &Tensor) -> Result<()>| -> Result<f64> {
-            // A pool of its own: the graph replays three times in a row.
-            let cap = alloc.capture(stream, crate::device::CaptureMode::ThreadLocal, &alloc.new_pool())?;
-            side.wait_stream(stream)?;
-            for (h, t) in &pairs {
-                copy(h, t)?;
-            }
-            stream.wait_stream(side)?;
-            let exec = cap.finish()?.instantiate()?;
-            Ok(total as f64 / fastest_of_three(stream, &|| exec.launch(stream))?)
-        };
-        let out = rate(&self.inner.d2h, &|h, t| h.copy_out(t, &self.inner.d2h))?;
-        let back = rate(&self.inner.h2d, &|h, t| h.copy_in(t, &self.inner.h2d))?;
         Ok((out, back))
     }
 
