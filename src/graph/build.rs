@@ -69,7 +69,6 @@ pub(crate) fn build(
             }),
             in_stack: false,
             route: Mutex::new(Route::Caller),
-            entry: dev.event()?,
             done: dev.event()?,
             ranges: Pass::ALL.map(|pass| RangeName::new(&plan.ranges[i].name("replay", pass))),
         });

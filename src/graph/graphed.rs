@@ -7,7 +7,7 @@ use super::error::refusal;
 use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
 use crate::check::Checker;
-use crate::device::{Event, EventId, Graph, GraphId, NodeKind, RangeName, Stream};
+use crate::device::{Event, EventId, Graph, NodeKind, RangeName, Stream};
 use crate::memory::{GraphPool, PoolExec, PoolGraph};
 use crate::nn::{Input, Inputs, SaveHook};
 use crate::tensor::Tensor;
@@ -76,7 +76,6 @@ pub struct GraphedCallable {
     pub(crate) in_stack: bool,
     /// The last forward's replay choice, for the backward (R8).
     pub(crate) route: Mutex<Route>,
-    pub(crate) entry: Event,
     pub(crate) done: Event,
     /// Its replays' range names (`replay h3.forward`), made once, indexed by `pass as usize`
     /// (declaration order, as [`Pass::ALL`]).
@@ -191,7 +190,7 @@ impl GraphedCallable {
 
     /// The route of `replay` from `caller`, or why it is refused.
     pub(crate) fn route_for(&self, caller: &Stream, replay: Replay<'_>) -> Result<Route> {
-        let dev = self.entry.device();
+        let dev = self.pool.device();
         let same = |what, s: &Stream| dev.check_same("graphed replay", what, s.device().id());
         same("caller's stream", caller).map_err(|e| refusal(&self.name, e))?;
         if let Replay::Joined(s) | Replay::Side(s) = replay {
@@ -264,7 +263,7 @@ impl GraphedCallable {
         dst: &Tensor,
         label: impl FnOnce() -> String,
     ) -> Result<Option<&'a Tensor>> {
-        let dev = self.entry.device();
+        let dev = self.pool.device();
         dev.check_same("graphed replay", "tensor", src.device_id()).map_err(|e| refusal(&self.name, e))?;
         if src.shape() != dst.shape() {
             let (expected, found) = (dst.shape().to_vec(), src.shape().to_vec());
@@ -312,7 +311,7 @@ impl GraphedCallable {
         statics: &[&Tensor],
     ) -> Result<Tail> {
         let exec = self.exec(pass)?;
-        check_order(&[(&self.pool, exec.id())], caller, route).map_err(|e| refusal(&self.name, e))?;
+        PoolExec::check_launches(&[exec], route.stream(caller), caller).map_err(|e| refusal(&self.name, e))?;
         self.replay_checked(pass, caller, route, sources, statics)
     }
 
@@ -346,29 +345,16 @@ impl GraphedCallable {
 
     /// Launches `exec` under `route` after the copies on `caller`; returns the tail.
     fn launch(&self, exec: &PoolExec, caller: &Stream, route: &Route) -> Result<Tail> {
-        let pool = &self.pool;
-        match route {
-            Route::Caller => {
-                exec.launch(caller)?;
-                Ok(Tail::none())
+        exec.launch_on(route.stream(caller), caller)?;
+        match (route, &self.shared.sync_event) {
+            (Route::Caller, _) => Ok(Tail::none()),
+            (Route::Side(side), Some(event)) => {
+                caller.wait(event)?;
+                Ok(Tail::pending(&self.name, self.done.clone(), side, caller, &self.pool))
             }
-            Route::Joined(side) | Route::Side(side) => {
-                caller.record(&self.entry)?;
-                side.wait(&self.entry)?;
-                pool.ordered_after(None, caller, side);
-                exec.launch(side)?;
-                match (route, &self.shared.sync_event) {
-                    (Route::Side(_), Some(event)) => {
-                        caller.wait(event)?;
-                        Ok(Tail::pending(&self.name, self.done.clone(), side, caller, pool))
-                    }
-                    _ => {
-                        side.record(&self.done)?;
-                        caller.wait(&self.done)?;
-                        pool.ordered_after(Some(exec.id()), side, caller);
-                        Ok(Tail::none())
-                    }
-                }
+            (Route::Joined(side) | Route::Side(side), _) => {
+                self.pool.join_from(side, caller, &self.done)?;
+                Ok(Tail::none())
             }
         }
     }
@@ -495,7 +481,7 @@ impl GraphedCallable {
         if self.state.is_none() {
             return Ok(());
         }
-        self.entry.device().synchronize()?;
+        self.pool.device().synchronize()?;
         let dropped = self.drop_static_state();
         self.pool.trim()?;
         dropped
@@ -577,31 +563,13 @@ pub fn static_bytes(callables: &[GraphedCallable]) -> usize {
     statics.filter(|t| seen.insert(t.id())).map(Tensor::bytes).sum()
 }
 
-/// Refuses, before anything is copied or enqueued, replays of `graphs` (in launch order, each
-/// with its pool) under `route` that would break a pool's replay order (R5).
-pub(crate) fn check_order(graphs: &[(&GraphPool, GraphId)], caller: &Stream, route: &Route) -> Result<()> {
-    let (stream, after) = match route {
-        Route::Caller => (caller, None),
-        Route::Joined(s) | Route::Side(s) => (s, Some(caller)),
-    };
-    for (k, (pool, _)) in graphs.iter().enumerate() {
-        // Each pool once, with its graphs in launch order.
-        if graphs[..k].iter().any(|(p, _)| p.id() == pool.id()) {
-            continue;
-        }
-        let mine: Vec<GraphId> = graphs.iter().filter(|(p, _)| p.id() == pool.id()).map(|(_, g)| *g).collect();
-        pool.check_launches(&mine, stream, after)?;
-    }
-    Ok(())
-}
-
 impl Drop for GraphedCallable {
     /// Releases the static state, which waits for the device first (R4: nothing of a graph may
     /// still run when its static buffers go back to the pool); an error is kept for the device's
     /// next call.
     fn drop(&mut self) {
         if let Err(e) = self.release_static_state() {
-            self.entry.device().record_drop_err("a graphed callable (its release)", e);
+            self.pool.device().record_drop_err("a graphed callable (its release)", e);
         }
     }
 }

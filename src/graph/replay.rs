@@ -49,6 +49,16 @@ pub(crate) enum Route {
     Side(Stream),
 }
 
+impl Route {
+    /// The stream the graphs run on.
+    pub(crate) fn stream<'a>(&'a self, caller: &'a Stream) -> &'a Stream {
+        match self {
+            Route::Caller => caller,
+            Route::Joined(s) | Route::Side(s) => s,
+        }
+    }
+}
+
 /// Work of a side-stream replay that may still run after the caller resumed (the graph's tail).
 /// Join it before anything reads what the tail wrote (R4); dropping it joins it into the
 /// caller's stream. Keep it alive (`let (y, tail) = ...`) for the caller to overlap the tail.
@@ -205,11 +215,8 @@ impl Pending {
 
     fn join(&self, stream: &Stream) -> Result<()> {
         self.check(stream)?;
-        self.replay.record(&self.done)?;
-        stream.wait(&self.done)?;
         // The record covers every launch on the replay stream so far, the pool's last included.
-        self.pool.ordered_after(None, &self.replay, stream);
-        Ok(())
+        self.pool.join_from(&self.replay, stream, &self.done)
     }
 }
 

@@ -5,11 +5,11 @@ use std::sync::{Mutex, PoisonError};
 
 use super::capture::distinct;
 use super::error::refusal;
-use super::graphed::{check_order, GraphedCallable, Pass};
+use super::graphed::{GraphedCallable, Pass};
 use super::replay::{Route, StaticTensor, Tails};
 use super::{GraphedErrorKind, Replay};
 use crate::device::{Event, RangeName, Stream};
-use crate::memory::GraphPool;
+use crate::memory::{GraphPool, PoolExec};
 use crate::nn::{backward_pass, forward_pass, Traverse};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -95,15 +95,15 @@ impl GraphedStack {
     fn run(&self, pass: Pass, caller: &Stream, route: Option<Route>, source: Option<&Tensor>) -> Result<()> {
         let _range = caller.device().range(&self.ranges[pass as usize]);
         // The whole pass is checked against the pools' order before the input is copied.
-        let mut graphs = Vec::with_capacity(self.layers.len());
+        let mut execs = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            graphs.push((layer.pool(), layer.exec(pass)?.id()));
+            execs.push(layer.exec(pass)?);
         }
         if pass != Pass::Forward {
-            graphs.reverse();
+            execs.reverse();
         }
         let checked = route.clone().unwrap_or_else(|| self.last().last_route());
-        check_order(&graphs, caller, &checked).map_err(|e| self.refusal(e))?;
+        PoolExec::check_launches(&execs, checked.stream(caller), caller).map_err(|e| self.refusal(e))?;
         // As the eager stack does: a new draw per forward, read by the graphs from device memory.
         if let (Pass::Forward, Some(step)) = (pass, &self.rng_step) {
             crate::ops::rng::step_add(step, 1, caller)?;
@@ -173,11 +173,12 @@ impl GraphedStack {
             return Err(Error::Graphed { callable: format!("graphed stack of {} layers", self.layers.len()), kind });
         }
         // The whole pass is checked before the first launch, as `run` does.
-        let mut graphs = Vec::with_capacity(splitting.len());
+        let mut execs = Vec::with_capacity(splitting.len());
         for layer in &splitting {
-            graphs.push((layer.pool(), layer.exec(Pass::BackwardDw)?.id()));
+            execs.push(layer.exec(Pass::BackwardDw)?);
         }
-        check_order(&graphs, caller, &self.last().last_route()).map_err(|e| self.refusal(e))?;
+        let checked = self.last().last_route();
+        PoolExec::check_launches(&execs, checked.stream(caller), caller).map_err(|e| self.refusal(e))?;
         let mut tails = Tails::new();
         for layer in splitting {
             tails.push(layer.replay_checked(Pass::BackwardDw, caller, &layer.last_route(), &[], &[])?);
@@ -268,7 +269,7 @@ impl GraphedStack {
         }
         let tails = std::mem::take(&mut *self.tails.lock().unwrap_or_else(PoisonError::into_inner));
         drop(tails);
-        self.first().entry.device().synchronize()?;
+        self.first().pool().device().synchronize()?;
         let dropped: Vec<Result<()>> = self.layers.iter_mut().map(GraphedCallable::drop_static_state).collect();
         let pools: Vec<GraphPool> = self.layers.iter().map(|l| l.pool().clone()).collect();
         distinct(&pools).into_iter().try_for_each(GraphPool::trim)?;
@@ -296,7 +297,7 @@ impl Drop for GraphedStack {
     /// kept for the device's next call.
     fn drop(&mut self) {
         if let Err(e) = self.release_static_state() {
-            self.first().entry.device().record_drop_err("a graphed stack (its release)", e);
+            self.first().pool().device().record_drop_err("a graphed stack (its release)", e);
         }
     }
 }

@@ -8,6 +8,8 @@
 //! therefore records the capture order and refuses a replay that breaks it (cyclically: after
 //! the last graph comes the first again), and refuses a replay on another stream than the
 //! previous one until [`GraphPool::join`] or [`CachingAllocator::synchronize`] orders them.
+//! The pool keeps this bookkeeping itself: [`PoolExec::launch_on`] checks the order, makes the
+//! replay stream wait for the caller's and advances the order, so no caller can forget a step.
 //!
 //! [`CachingAllocator::synchronize`]: super::CachingAllocator::synchronize
 
@@ -17,7 +19,7 @@ use std::sync::Arc;
 
 use super::allocator::Inner;
 use super::arena::{Arena, Stats, StreamKey};
-use crate::device::{Graph, GraphExec, GraphId, Stream};
+use crate::device::{Event, Graph, GraphExec, GraphId, Stream};
 use crate::{Error, Result};
 
 /// Identity of a [`GraphPool`].
@@ -69,16 +71,16 @@ impl PoolState {
     }
 
     /// Whether launching `graphs` one after another on `stream` keeps the pool's order, when
-    /// `stream` first waits for everything queued on `after` (if given); the first refusal
-    /// otherwise. Changes nothing.
-    fn check_run(&self, pool: PoolId, graphs: &[GraphId], stream: &Stream, after: Option<&Stream>) -> Result<()> {
+    /// `stream` first waits for everything queued on `caller`; the first refusal otherwise.
+    /// Changes nothing.
+    fn check_run(&self, pool: PoolId, graphs: &[GraphId], stream: &Stream, caller: &Stream) -> Result<()> {
         if self.unguarded {
             return Ok(());
         }
         let mut cursor = self.cursor;
         let mut last = self.last.as_ref().map(|(g, s)| (*g, s.id()));
-        if let (Some((_, s)), Some(after)) = (&mut last, after) {
-            if *s == after.id() {
+        if let Some((_, s)) = &mut last {
+            if *s == caller.id() {
                 *s = stream.id();
             }
         }
@@ -206,25 +208,28 @@ impl GraphPool {
         });
     }
 
-    /// Records that `to` now waits for everything queued on `from` (an event recorded on `from`
-    /// after the launch of `graph`, or after any launch when `graph` is `None`): if the pool's
-    /// previous replay is that one, on `from`, the next replay may run on `to`.
-    pub(crate) fn ordered_after(&self, graph: Option<GraphId>, from: &Stream, to: &Stream) {
-        self.alloc.with_pool(self.id, |p| {
-            if let Some((g, s)) = &mut p.last {
-                if s.id() == from.id() && graph.is_none_or(|graph| graph == *g) {
-                    *s = to.clone();
-                }
-            }
-        });
+    /// Makes `into` wait, through `event` recorded on `from` now, for everything queued on
+    /// `from`; if the pool's last replay ran there, its next may run on `into` (R5). The one way
+    /// the graph layer orders a replay stream and the caller's, so that the pool's view of which
+    /// stream may replay next cannot drift from the events that order them.
+    pub(crate) fn join_from(&self, from: &Stream, into: &Stream, event: &Event) -> Result<()> {
+        // The replay the record covers: the pool's last, if it ran on `from` before the record.
+        let covered =
+            self.alloc.with_pool(self.id, |p| p.last.as_ref().filter(|(_, s)| s.id() == from.id()).map(|(g, _)| *g));
+        from.record(event)?;
+        into.wait(event)?;
+        if let Some(graph) = covered.flatten() {
+            self.alloc.with_pool(self.id, |p| match &mut p.last {
+                Some((g, s)) if *g == graph && s.id() == from.id() => *s = into.clone(),
+                _ => {}
+            });
+        }
+        Ok(())
     }
 
-    /// Whether launching `graphs` one after another on `stream` (which first waits for what is
-    /// queued on `after`, if given) keeps the pool's replay order (R5); the refusal that the first
-    /// out-of-order launch would get otherwise. Nothing changes either way, so a caller can refuse
-    /// a replay before it copies or enqueues anything.
-    pub fn check_launches(&self, graphs: &[GraphId], stream: &Stream, after: Option<&Stream>) -> Result<()> {
-        self.alloc.with_pool(self.id, |p| p.check_run(self.id, graphs, stream, after)).unwrap_or(Ok(()))
+    /// Whether `other` is this pool (pool ids count from 1 in every allocator).
+    fn is(&self, other: &GraphPool) -> bool {
+        self.id == other.id && Arc::ptr_eq(&self.alloc, &other.alloc)
     }
 
     /// Names `graph` for the pool's errors (the graph layer names each graph by module and pass).
@@ -277,14 +282,18 @@ impl PoolGraph {
 
     /// Instantiates an executable that replays under the pool's order check.
     pub fn instantiate(&self) -> Result<PoolExec> {
-        Ok(PoolExec { exec: self.graph.instantiate()?, pool: self.pool.clone() })
+        let entry = self.graph.device().event()?;
+        Ok(PoolExec { exec: self.graph.instantiate()?, pool: self.pool.clone(), entry })
     }
 }
 
-/// An executable graph of a pool: [`launch`](PoolExec::launch) checks the pool's order (R5).
+/// An executable graph of a pool: its launches check and advance the pool's order (R5), so that
+/// no caller has to.
 pub struct PoolExec {
     exec: GraphExec,
     pool: GraphPool,
+    /// Recorded on the caller's stream for a launch on another stream to wait for (R1).
+    entry: Event,
 }
 
 impl PoolExec {
@@ -301,10 +310,40 @@ impl PoolExec {
     /// Launches the graph on `stream` if that keeps the pool's replay order (Note [Pool replay
     /// order]); otherwise [`Error::PoolOrder`] or [`Error::PoolConcurrent`], naming both graphs.
     pub fn launch(&self, stream: &Stream) -> Result<()> {
-        let (pool, graph) = (self.pool.id, self.exec.id());
-        self.pool.alloc.with_pool(pool, |p| p.check_run(pool, &[graph], stream, None)).unwrap_or(Ok(()))?;
+        self.launch_on(stream, stream)
+    }
+
+    /// Launches the graph on `stream` after everything queued on `caller` (`stream` waits for
+    /// `caller` through an event, unless they are one stream), if that keeps the pool's replay
+    /// order; otherwise [`Error::PoolOrder`] or [`Error::PoolConcurrent`], naming both graphs,
+    /// before anything is enqueued. The pool learns of the wait itself: a replay on a side
+    /// stream after one on the caller's is ordered, not concurrent.
+    pub fn launch_on(&self, stream: &Stream, caller: &Stream) -> Result<()> {
+        PoolExec::check_launches(&[self], stream, caller)?;
+        if stream.id() != caller.id() {
+            self.pool.join_from(caller, stream, &self.entry)?;
+        }
         self.exec.launch(stream)?;
-        self.pool.alloc.with_pool(pool, |p| p.launched(graph, stream));
+        let graph = self.exec.id();
+        self.pool.alloc.with_pool(self.pool.id, |p| p.launched(graph, stream));
+        Ok(())
+    }
+
+    /// Whether launching `execs` one after another, each with
+    /// [`launch_on(stream, caller)`](PoolExec::launch_on), keeps their pools' replay orders; the
+    /// refusal that the first out-of-order launch would get otherwise. Nothing changes either
+    /// way, so a caller can refuse a replay of several graphs before it copies or enqueues
+    /// anything.
+    pub fn check_launches(execs: &[&PoolExec], stream: &Stream, caller: &Stream) -> Result<()> {
+        for (k, exec) in execs.iter().enumerate() {
+            // Each pool once, with its graphs in launch order.
+            if execs[..k].iter().any(|e| e.pool.is(&exec.pool)) {
+                continue;
+            }
+            let mine: Vec<GraphId> = execs.iter().filter(|e| e.pool.is(&exec.pool)).map(|e| e.id()).collect();
+            let pool = exec.pool.id;
+            exec.pool.alloc.with_pool(pool, |p| p.check_run(pool, &mine, stream, caller)).unwrap_or(Ok(()))?;
+        }
         Ok(())
     }
 

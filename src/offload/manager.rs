@@ -97,8 +97,7 @@ impl OffloadManager {
     /// graphed step's windows ([`Windows::Graphs`]): the capture's window probe captures each
     /// layer's forward and backward without offloading into graphs of a pool of its own, times
     /// a few replays of each, and releases them and their memory before the real capture; the
-    /// copy rate is [`probe_graph_bandwidth`](OffloadManager::probe_graph_bandwidth)'s for one
-    /// layer's candidates. On the simulator the probe runs but cannot time: the capture is
+    /// copy rate is that of one layer's candidates copied inside a graph. On the simulator the probe runs but cannot time: the capture is
     /// refused ([`OffloadErrorKind::NoClock`]). The host buffers are baked when the policy
     /// freezes, before the capture; a warmup or probe that fails first leaves the policy
     /// unrecorded. The rest of the warmup runs with offloading off, as does the whole warmup of a
@@ -342,7 +341,7 @@ impl OffloadManager {
                 }
             }
         }
-        let (out, back) = self.probe_bandwidth(stream)?;
+        let (out, back) = self.copy_bandwidth(stream)?;
         Ok(Timings { forward_ms, backward_ms, out_bytes_per_ms: out, in_bytes_per_ms: back, windows: Windows::Eager })
     }
 
@@ -359,7 +358,7 @@ impl OffloadManager {
             keep_slowest(&mut forward_ms, p.unit, forward);
             keep_slowest(&mut backward_ms, p.unit, p.backward_ms.unwrap_or(0.0));
         }
-        let (out, back) = self.probe_graph_bandwidth(stream, &self.candidate_sizes())?;
+        let (out, back) = self.graph_copy_bandwidth(stream, &self.candidate_sizes())?;
         let windows = Windows::Graphs { replays: PROBE_REPLAYS };
         Ok(Timings { forward_ms, backward_ms, out_bytes_per_ms: out, in_bytes_per_ms: back, windows })
     }
@@ -388,7 +387,7 @@ impl OffloadManager {
     }
 
     /// Bytes per millisecond of a pinned copy each way on the copy streams (the best of three).
-    pub fn probe_bandwidth(&self, stream: &Stream) -> Result<(f64, f64)> {
+    fn copy_bandwidth(&self, stream: &Stream) -> Result<(f64, f64)> {
         let dev = stream.device();
         let len = PROBE_BYTES / 2;
         let host = HostBuffer::new(dev, DType::BF16, len)?;
@@ -404,9 +403,8 @@ impl OffloadManager {
 
     /// Bytes per millisecond of copies of `sizes` bytes each, captured in one graph on the copy
     /// streams forked from `stream` as the offload graphs do, each way (the best of three
-    /// replays): the in-graph copy rate with nothing else running, to hold against
-    /// [`probe_bandwidth`](OffloadManager::probe_bandwidth).
-    pub fn probe_graph_bandwidth(&self, stream: &Stream, sizes: &[usize]) -> Result<(f64, f64)> {
+    /// replays): the rate the automatic policy plans the graphs' tails with.
+    fn graph_copy_bandwidth(&self, stream: &Stream, sizes: &[usize]) -> Result<(f64, f64)> {
         let (dev, alloc) = (stream.device(), &self.inner.alloc);
         let mut pairs = Vec::with_capacity(sizes.len());
         for &bytes in sizes {

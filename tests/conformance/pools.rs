@@ -1,7 +1,7 @@
 //! The caching allocator and graph pools (replay contract R5), on both devices.
 
 use anyhow::ensure;
-use graphed::device::{CaptureMode, Device};
+use graphed::device::{CaptureMode, CaptureStatus, Device};
 use graphed::memory::{CachingAllocator, PoolExec};
 use graphed::ops::elementwise;
 use graphed::Error;
@@ -158,6 +158,30 @@ fn concurrent_replay_is_refused_until_joined(dev: &Device) -> anyhow::Result<()>
     Ok(())
 }
 
+/// `launch_on` makes the replay stream wait for the caller's and tells the pool, so a replay on a
+/// side stream follows one on the caller's without a join; an out-of-order launch is refused
+/// before its wait is enqueued: inside a capture of the caller's stream, the side stream does not
+/// join the capture and the captured graph is empty.
+fn an_out_of_order_launch_on_a_side_stream_is_refused_before_anything_is_enqueued(dev: &Device) -> anyhow::Result<()> {
+    let alloc = CachingAllocator::new(dev);
+    let (caller, side) = (dev.stream()?, dev.stream()?);
+    let g = two_layers(dev, &alloc, &caller)?;
+    g.f1.launch(&caller)?;
+    let cap = caller.capture(CaptureMode::ThreadLocal)?;
+    match g.b1.launch_on(&side, &caller) {
+        Err(Error::PoolOrder { graph, expected, .. }) => ensure!(graph == g.b1.id() && expected == g.f2.id()),
+        other => anyhow::bail!("expected PoolOrder, got {other:?}"),
+    }
+    ensure!(side.capture_status()? == CaptureStatus::None, "the refused launch made the side stream wait");
+    ensure!(cap.finish()?.nodes()?.is_empty(), "the refused launch enqueued work on the caller's stream");
+    g.f2.launch_on(&side, &caller)?;
+    g.b2.launch_on(&side, &caller)?;
+    g.b1.launch_on(&side, &caller)?;
+    g.pool.join(&caller)?;
+    ensure!(g.out2.to_vec(&caller)? == vec![20.0; 256] && g.out1.to_vec(&caller)? == vec![10.0; 256]);
+    Ok(())
+}
+
 /// A pool belongs to the allocator that made it: capturing into another allocator's pool (which
 /// may have the same id as one of this allocator's) is refused before the capture begins, and
 /// changes nothing; each allocator still captures into its own pool.
@@ -191,4 +215,5 @@ crate::per_device!(
     pool_graphs_replay_in_capture_order,
     out_of_order_replay_is_refused_and_corrupts_unchecked,
     concurrent_replay_is_refused_until_joined,
+    an_out_of_order_launch_on_a_side_stream_is_refused_before_anything_is_enqueued,
 );

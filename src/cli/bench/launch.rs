@@ -74,7 +74,7 @@ pub fn run(args: &LaunchBenchArgs) -> anyhow::Result<()> {
             }
         }
         let raw = if on_gpu {
-            Some(graphed::device::raw_cuda_launch_baseline(0, &elementwise::ADD_SCALAR, n, args.reps as usize)?)
+            Some(graphed::device::baseline::raw_launch_baseline(0, &elementwise::ADD_SCALAR, n, args.reps as usize)?)
         } else {
             None
         };

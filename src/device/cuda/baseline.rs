@@ -2,6 +2,8 @@
 //! and from a graph, with nothing of graphed in between but the NVRTC cache.
 //!
 //! graphed's goal is at most 0.3 µs more host time per launch than [`RawLaunchTimes::eager_host_us`].
+//! A benchmarking aid for `graphed bench launch`, which no product type uses: it opens its own
+//! CUDA context.
 
 use std::time::Instant;
 
@@ -11,7 +13,7 @@ use cudarc::nvrtc::Ptx;
 use super::context;
 use super::error as err;
 use super::nvrtc::Compiler;
-use crate::device::{Kernel, RawLaunchTimes};
+use crate::device::Kernel;
 use crate::{Error, Result};
 
 const OP: &str = "raw_launch_baseline";
@@ -31,15 +33,28 @@ struct Bench {
     end: CudaEvent,
 }
 
-/// Launches `kernel`, which must take `(float* y, float c, unsigned n)`, on a fresh context of
-/// GPU `ordinal` with one thread and `n = 1`: `n_kernels` launches per repetition, `reps`
-/// repetitions after one warm-up, eagerly and as one captured graph.
-pub(crate) fn raw_launch_baseline(
-    ordinal: usize,
-    kernel: &Kernel,
-    n_kernels: usize,
-    reps: usize,
-) -> Result<RawLaunchTimes> {
+/// Raw cudarc timings of the launch benchmark's kernel: the baseline graphed's launch path is
+/// compared against. Per kernel, except `graph_launch_host_us` (per graph launch).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RawLaunchTimes {
+    /// Host µs to issue one eager launch.
+    pub eager_host_us: f64,
+    /// GPU µs per kernel of eager launches.
+    pub eager_gpu_us: f64,
+    /// Host µs to issue one launch of a graph of `n` kernels.
+    pub graph_launch_host_us: f64,
+    /// GPU µs per kernel inside the graph.
+    pub graph_gpu_us: f64,
+}
+
+/// Launches `kernel`, which must take `(float* y, float c, unsigned n)` (as
+/// `ops::elementwise::ADD_SCALAR`), on a fresh context of GPU `ordinal` with one thread and
+/// `n = 1`: `n_kernels` launches per repetition, `reps` repetitions after one warm-up, eagerly
+/// and as one captured graph; per kernel, the median of the repetitions.
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] without a GPU; [`Error::Unsupported`] for no launches.
+pub fn raw_launch_baseline(ordinal: usize, kernel: &Kernel, n_kernels: usize, reps: usize) -> Result<RawLaunchTimes> {
     let (source, name) = (kernel.source, kernel.name);
     if n_kernels == 0 || reps == 0 {
         return Err(Error::Unsupported { op: OP, backend: "cuda", why: "n_kernels and reps must be at least 1" });

@@ -11,17 +11,17 @@
 //!   codes to [`Error`](crate::Error);
 //! - [`cudnn`] runs fused attention through cuDNN's backend graph API, after probing for it;
 //! - [`nvtx`] pushes and pops profiler ranges, after probing for NVTX's library;
-//! - `baseline` measures raw cudarc launches, the yardstick for graphed's launch overhead.
+//! - [`baseline`] measures raw cudarc launches, the yardstick for graphed's launch overhead
+//!   (`graphed bench launch`'s, re-exported as `device::baseline`).
 //!
 //! cudarc's event tracking is off: it would make every use of memory wait on events recorded
 //! before a capture, which CUDA refuses (isolation). All ordering is graphed's, through events.
 
 #![allow(unsafe_code)]
 
-mod baseline;
+pub mod baseline;
 mod blas;
 
-pub(crate) use baseline::raw_launch_baseline;
 pub(crate) use nccl::{nccl_unique_id, NcclComm};
 mod capture;
 mod context;

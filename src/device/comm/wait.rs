@@ -1,0 +1,111 @@
+//! What a rank waits for at the host, and for how long: the options, the patience of a wait
+//! that a watch of the group can end early, and the watchdog's wait on a stream.
+
+use std::time::{Duration, Instant};
+
+use super::{comm_error, CommErrorKind, Communicator};
+use crate::device::backend::Repr;
+use crate::device::Stream;
+use crate::Result;
+
+/// What a communicator's operations may wait for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommOptions {
+    /// How long a rank waits for the others (making or splitting a group, at
+    /// [`Communicator::wait`], and on the simulator in a collective) before it fails with
+    /// [`CommErrorKind::Timeout`]. A host call into NCCL that connects two ranks (the first
+    /// collective or send that needs the pair) waits inside NCCL, out of its reach:
+    /// `docs/several-gpus.md` says when that happens and how `graphed launch` avoids it.
+    pub timeout: Duration,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions { timeout: Duration::from_secs(300) }
+    }
+}
+
+/// Why a rank stops waiting for the others at the host: its timeout ran out, or a watch of the
+/// group (a process group's view of its ranks' connections) says the group cannot finish.
+pub(crate) struct Patience<'w> {
+    deadline: Instant,
+    timeout: Duration,
+    watch: &'w dyn Fn() -> Option<CommErrorKind>,
+}
+
+impl<'w> Patience<'w> {
+    /// Waits of up to `timeout` from now, ended early by `watch`'s answer.
+    pub(crate) fn new(timeout: Duration, watch: &'w dyn Fn() -> Option<CommErrorKind>) -> Patience<'w> {
+        Patience { deadline: Instant::now() + timeout, timeout, watch }
+    }
+
+    /// Polls `ready` until it says the wait for `waiting` is over. Fails on the watch's answer
+    /// or the timeout (both as `fail` makes them), after calling `abort` (what was waited for
+    /// cannot finish), or on an error of `ready`, in that order: the watch knows which rank died,
+    /// NCCL only that one did.
+    pub(crate) fn poll<E>(
+        &self,
+        waiting: &dyn Fn() -> String,
+        abort: &dyn Fn(),
+        fail: impl Fn(CommErrorKind) -> E,
+        mut ready: impl FnMut() -> std::result::Result<bool, E>,
+    ) -> std::result::Result<(), E> {
+        loop {
+            let state = ready();
+            if let Ok(true) = state {
+                return Ok(());
+            }
+            let ended = (self.watch)().or_else(|| {
+                let secs = self.timeout.as_secs_f64();
+                (Instant::now() > self.deadline).then(|| CommErrorKind::Timeout { waiting: waiting(), secs })
+            });
+            if let Some(kind) = ended {
+                abort();
+                return Err(fail(kind));
+            }
+            state?;
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+impl Communicator {
+    /// Blocks until the work queued on `stream` has completed, or fails after the
+    /// communicator's timeout (a peer that never arrives), instead of hanging: the watchdog of a
+    /// training loop. On a GPU a wait that fails for the group (the timeout, NCCL's error)
+    /// aborts the communicator, since its work cannot finish; make a new group to go on.
+    ///
+    /// # Errors
+    /// [`CommErrorKind::Timeout`], an error NCCL reported, or the stream's own errors.
+    pub fn wait(&self, stream: &Stream) -> Result<()> {
+        self.wait_watching(stream, &|| None)
+    }
+
+    /// As [`wait`](Communicator::wait), also failing as soon as `watch` reports why the group
+    /// cannot finish (a process group's watch of its ranks' connections says which rank died);
+    /// its answer comes before NCCL's own, less specific, error.
+    ///
+    /// # Errors
+    /// `watch`'s error, and as [`wait`](Communicator::wait).
+    pub fn wait_watching(&self, stream: &Stream, watch: &dyn Fn() -> Option<CommErrorKind>) -> Result<()> {
+        match &self.inner.repr {
+            Repr::Sim(_) => stream.synchronize(),
+            Repr::Cuda(c) => {
+                let fail = |kind| comm_error("Communicator::wait", self.rank(), kind);
+                let waiting = || format!("the work queued on stream {}", stream.id());
+                // An error of NCCL's ends the group; one of the stream's (a query refused during a
+                // capture) is the caller's to handle. The watch aborts the group itself when a
+                // rank dies, or this wait does when it fails: either way it fails at once, not after
+                // NCCL's abort returns.
+                let failed = |kind| {
+                    self.abort();
+                    fail(kind)
+                };
+                let abort = || self.abort();
+                Patience::new(self.inner.options.timeout, watch).poll(&waiting, &abort, fail, || {
+                    Ok(stream.query()? || c.async_error().map(|()| false).map_err(failed)?)
+                })
+            }
+        }
+    }
+}
