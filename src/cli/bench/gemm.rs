@@ -102,7 +102,7 @@ pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
     if configs.is_empty() {
         let d = args.d;
         let square = Shape { name: "square", dims: (d, d, d), trans_a: false, trans_b: false, fusion: Fusion::None };
-        rows.push(time(&dev, &s, "-", &square, args.reps)?);
+        rows.push(time(&dev, &s, "-", &square, &Operands::new(&dev, &s, square.dims)?, args.reps)?);
     }
     for config in &configs {
         println!(
@@ -114,9 +114,11 @@ pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
             config.seq
         );
         for shape in layer_shapes(config.batch * config.seq, config.dim) {
-            rows.push(time(&dev, &s, config.name, &shape, args.reps)?);
+            let operands = Operands::new(&dev, &s, shape.dims)?;
+            rows.push(time(&dev, &s, config.name, &shape, &operands, args.reps)?);
             if shape.fusion != Fusion::None {
-                rows.push(time(&dev, &s, config.name, &Shape { fusion: Fusion::None, ..shape }, args.reps)?);
+                let plain = Shape { fusion: Fusion::None, ..shape };
+                rows.push(time(&dev, &s, config.name, &plain, &operands, args.reps)?);
             }
         }
     }
@@ -176,9 +178,16 @@ impl Operands {
     }
 }
 
-/// The median time of `shape` over `reps` calls, each between two events, after five untimed.
-fn time(dev: &Device, s: &Stream, config: &'static str, shape: &Shape, reps: u32) -> anyhow::Result<GemmRow> {
-    let operands = Operands::new(dev, s, shape.dims)?;
+/// The median time of `shape` on `operands` over `reps` calls, each between two events, after
+/// five untimed.
+fn time(
+    dev: &Device,
+    s: &Stream,
+    config: &'static str,
+    shape: &Shape,
+    operands: &Operands,
+    reps: u32,
+) -> anyhow::Result<GemmRow> {
     let (start, end) = (dev.timing_event()?, dev.timing_event()?);
     for _ in 0..5 {
         s.gemm(operands.gemm(shape))?;
