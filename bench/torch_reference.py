@@ -50,11 +50,13 @@ def layer_shapes(tokens: int, d: int) -> list:
             weight("proj.dw", d, d, "none"), data("qkv.dx", 3 * d, d, "none"), weight("qkv.dw", 3 * d, d, "bgrad_a")]
 
 
-def gemm_layer(config: str, reps: int) -> list:
+def gemm_layer(config: str, reps: int, fp8: bool = False) -> list:
     """The twelve GEMMs of one layer of `config` through torch.mm in graphed's layouts (plain:
     `epilogue` none), and the forward ones also as F.linear with its bias (PyTorch's cuBLASLt bias
     epilogue), each timed alone with CUDA events: the per-shape anchor for `graphed bench gemm
-    --configs`."""
+    --configs`. With `fp8`, each shape also through torch._scaled_mm as `graphed bench gemm --fp8`
+    runs it: A (m x k) row-major times B (n x k) transposed, E4M3 x E4M3 with fast accumulation for
+    the forward's shapes, an E5M2 gradient times E4M3 for the backward's, bf16 out."""
     d, _, b, t = SHAPES[config]
     rows = []
     for name, m, n, k, ta, tb, epi in layer_shapes(b * t, d):
@@ -67,7 +69,20 @@ def gemm_layer(config: str, reps: int) -> list:
         for epilogue, call in calls.items():
             ms = sorted(timed_ms(call, reps))[reps // 2]
             rows.append({"config": config, "gemm": name, "m": m, "n": n, "k": k, "trans_a": ta, "trans_b": tb,
-                         "epilogue": epilogue, "median_ms": ms, "tflops": 2 * m * n * k / (ms * 1e-3) / 1e12})
+                         "epilogue": epilogue, "dtype": "bf16", "median_ms": ms,
+                         "tflops": 2 * m * n * k / (ms * 1e-3) / 1e12})
+        if fp8:
+            forward = tb and not ta
+            left = torch.float8_e4m3fn if forward else torch.float8_e5m2
+            a8 = (torch.rand(m, k, device="cuda") - 0.5).to(left)
+            b8 = (torch.rand(n, k, device="cuda") - 0.5).to(torch.float8_e4m3fn)
+            one = torch.ones((), device="cuda")
+            call = lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                            use_fast_accum=forward)
+            ms = sorted(timed_ms(call, reps))[reps // 2]
+            rows.append({"config": config, "gemm": name, "m": m, "n": n, "k": k, "trans_a": False, "trans_b": True,
+                         "epilogue": "none", "dtype": "e4m3×e4m3" if forward else "e5m2×e4m3", "median_ms": ms,
+                         "tflops": 2 * m * n * k / (ms * 1e-3) / 1e12})
     return rows
 
 
@@ -794,6 +809,8 @@ def main() -> None:
     g.add_argument("--reps", type=int, default=50)
     g.add_argument("--configs", default=None,
                    help="instead of the square product, the twelve GEMMs of one layer of each (e.g. M,L)")
+    g.add_argument("--fp8", action="store_true",
+                   help="with --configs, also each GEMM in FP8 through torch._scaled_mm")
     forms = dict(default="both", choices=list(FORMS),
                  help="attention as GEMM, masked softmax, GEMM (unfused), as F.scaled_dot_product_attention "
                       "(fused: the torch-sdpa-* variants), or each configuration with both, unfused first "
@@ -836,7 +853,7 @@ def main() -> None:
         raise SystemExit("bench/torch_reference.py needs PyTorch (pip install torch)")
     if args.which == "gemm":
         if args.configs:
-            rows = [r for c in args.configs.split(",") for r in gemm_layer(c, args.reps)]
+            rows = [r for c in args.configs.split(",") for r in gemm_layer(c, args.reps, args.fp8)]
             print(json.dumps({"bench": "gemm", "impl": "torch", "torch": torch.__version__,
                               "gpu": torch.cuda.get_device_name(), "rows": rows}))
         else:

@@ -744,6 +744,10 @@ pub struct GemmBenchArgs {
     /// BENCH.md configurations, with and without their epilogues.
     #[arg(long, value_delimiter = ',', ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES)]
     pub configs: Vec<String>,
+    /// Also time each GEMM in FP8 (`Fp8Gemm`): E4M3 × E4M3 for the forward's shapes, an E5M2
+    /// gradient × E4M3 for the backward's, in FP8's one layout, without epilogue.
+    #[arg(long)]
+    pub fp8: bool,
     /// Timed repetitions (the median is reported).
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub reps: u32,

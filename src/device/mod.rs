@@ -8,6 +8,7 @@
 //! | `cuMemAlloc`, `cuMemHostAlloc`| [`DeviceBuffer`], [`PinnedBuffer`]       | 8-byte aligned host memory      |
 //! | `cuLaunchKernel`              | [`Stream::launch`] of a [`Kernel`]       | the kernel's CPU path           |
 //! | `cublasLtMatmul`              | [`Stream::gemm`] of a [`Gemm`]           | a CPU loop, same sum order      |
+//! | `cublasLtMatmul` in FP8       | [`Stream::fp8_gemm`] of an [`Fp8Gemm`]   | the same loop, exact products   |
 //! | `cudnnBackendExecute` (SDPA)  | `ops::attention` on the cuDNN backend    | refused: no cuDNN               |
 //! | `cuStreamBeginCapture` / End  | [`Stream::begin_capture`] / `end_capture`| the same capture rules          |
 //! | `CUgraph` / `CUgraphExec`     | [`Graph`] / [`GraphExec`]                | a DAG of deferred operations    |
@@ -24,7 +25,7 @@ mod comm;
 mod cuda;
 mod dtype;
 mod event;
-mod gemm;
+pub(crate) mod gemm;
 mod graph;
 pub(crate) mod ids;
 pub mod kernel;
@@ -49,7 +50,7 @@ pub use cuda::baseline;
 pub(crate) use dtype::with_dtype;
 pub use dtype::{DType, Elem, Float, Float8};
 pub use event::Event;
-pub use gemm::{Epilogue, Gemm, GemmElem, AUX_LD_MULTIPLE};
+pub use gemm::{Epilogue, Fp8Gemm, Fp8Pair, Gemm, GemmElem, AUX_LD_MULTIPLE, FP8_ALIGN_BYTES};
 pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};
 pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
 pub use kernel::{args, Arg, CpuArgs, In, InOut, IntoView, Kernel, LaunchDims, Out, Scalar};

@@ -4,13 +4,13 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use super::backend::{dispatch, CopyDir, Op, StreamRepr};
 use super::capture::{Capture, CaptureMode, CaptureStatus};
-use super::gemm::{Gemm, GemmElem};
+use super::gemm::{Fp8Gemm, Fp8Pair, Gemm, GemmElem, GemmSpec};
 use super::kernel::{Arg, IntoView, Kernel, LaunchDims};
 use super::memory::{access_of, Block};
 use super::observe::{HostSync, Observer};
 use super::profile::{declared_bytes, KernelTime, Pending, Profile};
 use super::sdpa::{Sdpa, SdpaPlan, SdpaScratch, SdpaSpec};
-use super::{AccessMode, Device, DeviceBuffer, Elem, Event, Graph, HostView, NodeKind, Region, StreamId};
+use super::{AccessMode, Device, DeviceBuffer, Elem, Event, Float8, Graph, HostView, NodeKind, Region, StreamId};
 use crate::{Error, ProfileErrorKind, Result};
 
 /// Refuses an argument list that does not pass one argument per parameter: CUDA would read
@@ -259,12 +259,42 @@ impl Stream {
         let spec = g.spec()?;
         let workspace = self.workspace()?;
         let args = g.args(&spec, workspace.view());
+        self.enqueue_gemm(g.kernel(), &args, spec, (g.alpha, g.beta))
+    }
+
+    /// Enqueues an FP8 GEMM (cuBLASLt's FP8 matmul on CUDA; see [`Fp8Gemm`]).
+    ///
+    /// Everything is checked before anything is enqueued.
+    ///
+    /// # Errors
+    /// As [`Stream::gemm`], and [`Error::Shape`] when a scale or the amax is not one f32, or a
+    /// matrix is not aligned as FP8 GEMMs need.
+    pub fn fp8_gemm<A: Float8, B: Float8>(&self, g: Fp8Gemm<'_, A, B>) -> Result<()>
+    where
+        (A, B): Fp8Pair,
+    {
+        self.inner.dev.check_err()?;
+        let spec = g.spec()?;
+        let workspace = self.workspace()?;
+        let args = g.args(&spec, workspace.view());
         let kernel = g.kernel();
-        check_arity(kernel, &args)?;
+        self.check_args(kernel, &args)?;
+        self.enqueue_gemm(kernel, &args, spec, (g.alpha, g.beta))
+    }
+
+    /// Enqueues a checked GEMM of either kind, and reports it.
+    fn enqueue_gemm(
+        &self,
+        kernel: &'static Kernel,
+        args: &[Arg<'_>],
+        spec: GemmSpec,
+        (alpha, beta): (f32, f32),
+    ) -> Result<()> {
+        check_arity(kernel, args)?;
         let flops = 2 * (spec.m * spec.n * spec.k * spec.batch) as u64;
-        let op = Op::Gemm { kernel, args: &args, spec, alpha: g.alpha, beta: g.beta };
-        self.enqueue_timed(&op, kernel.name, &args, Some(flops))?;
-        self.enqueued(kernel.name, &args)
+        let op = Op::Gemm { kernel, args, spec, alpha, beta };
+        self.enqueue_timed(&op, kernel.name, args, Some(flops))?;
+        self.enqueued(kernel.name, args)
     }
 
     /// Plans cuDNN's fused attention for `spec` (once per spec; later calls look it up): what

@@ -8,6 +8,7 @@ mod capture;
 mod events;
 mod expandable;
 mod gemm;
+mod gemm_fp8;
 mod graphs;
 mod memory;
 mod misuse;

@@ -8,7 +8,8 @@
 //! shapes with its own epilogues: bias in the GEMM, GELU and the bias gradient as kernels of their
 //! own).
 
-use graphed::device::{Device, DeviceBuffer, DeviceKind, Epilogue, Gemm, Stream};
+use float8::{F8E4M3, F8E5M2};
+use graphed::device::{Device, DeviceBuffer, DeviceKind, Epilogue, Float8, Fp8Gemm, Gemm, Stream};
 use half::bf16;
 use serde::Serialize;
 
@@ -28,6 +29,8 @@ struct GemmRow {
     trans_b: bool,
     /// The epilogue as the layer runs it, or `none`.
     epilogue: &'static str,
+    /// `bf16`, or the FP8 operand formats (`e4m3×e4m3`, `e5m2×e4m3`).
+    dtype: &'static str,
     median_ms: f64,
     tflops: f64,
 }
@@ -102,7 +105,11 @@ pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
     if configs.is_empty() {
         let d = args.d;
         let square = Shape { name: "square", dims: (d, d, d), trans_a: false, trans_b: false, fusion: Fusion::None };
-        rows.push(time(&dev, &s, "-", &square, &Operands::new(&dev, &s, square.dims)?, args.reps)?);
+        let operands = Operands::new(&dev, &s, square.dims)?;
+        rows.push(time(&dev, &s, "-", &square, &operands, args.reps)?);
+        if args.fp8 {
+            rows.push(time_fp8(&dev, &s, "-", &square, &operands, args.reps)?);
+        }
     }
     for config in &configs {
         println!(
@@ -116,9 +123,12 @@ pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
         for shape in layer_shapes(config.batch * config.seq, config.dim) {
             let operands = Operands::new(&dev, &s, shape.dims)?;
             rows.push(time(&dev, &s, config.name, &shape, &operands, args.reps)?);
+            let plain = Shape { fusion: Fusion::None, ..shape };
             if shape.fusion != Fusion::None {
-                let plain = Shape { fusion: Fusion::None, ..shape };
                 rows.push(time(&dev, &s, config.name, &plain, &operands, args.reps)?);
+            }
+            if args.fp8 {
+                rows.push(time_fp8(&dev, &s, config.name, &plain, &operands, args.reps)?);
             }
         }
     }
@@ -134,6 +144,9 @@ struct Operands {
     side: DeviceBuffer<bf16>,
     /// The bias (`n`) or the bias gradient (`m`).
     vector: DeviceBuffer<bf16>,
+    /// The FP8 operands, `m × k` and `n × k` (the layout an FP8 GEMM reads), in E4M3, and A in
+    /// E5M2 (a gradient), with a scale of one.
+    fp8: (DeviceBuffer<F8E4M3>, DeviceBuffer<F8E4M3>, DeviceBuffer<F8E5M2>, DeviceBuffer<f32>),
 }
 
 impl Operands {
@@ -141,13 +154,40 @@ impl Operands {
         let fill = |len: usize| -> Vec<bf16> {
             (0..len).map(|i| bf16::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5)).collect()
         };
+        fn quantized<F: Float8>(len: usize) -> Vec<F> {
+            (0..len).map(|i| F::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5)).collect()
+        }
         Ok(Operands {
             a: dev.alloc_from(s, &fill(m * k))?,
             b: dev.alloc_from(s, &fill(k * n))?,
             c: dev.alloc_from(s, &fill(m * n))?,
             side: dev.alloc_from(s, &fill(m * n))?,
             vector: dev.alloc_from(s, &fill(m.max(n)))?,
+            fp8: (
+                dev.alloc_from(s, &quantized(m * k))?,
+                dev.alloc_from(s, &quantized(n * k))?,
+                dev.alloc_from(s, &quantized(m * k))?,
+                dev.alloc_from(s, &[1.0f32])?,
+            ),
         })
+    }
+
+    /// The FP8 GEMM of `shape`'s dimensions as an FP8 training step runs it: E4M3 × E4M3 in the
+    /// forward (with fast accumulation, as TransformerEngine), an E5M2 gradient times E4M3
+    /// otherwise.
+    fn fp8_gemm(&self, s: &Stream, shape: &Shape) -> graphed::Result<&'static str> {
+        let (a, b, grad, one) = &self.fp8;
+        let forward = !shape.trans_a && shape.trans_b;
+        let scales = (one.view(), one.view());
+        if forward {
+            s.fp8_gemm(Fp8Gemm {
+                fast_accum: true,
+                ..Fp8Gemm::new(self.c.view(), a.view(), b.view(), scales, shape.dims)
+            })?;
+            return Ok("e4m3×e4m3");
+        }
+        s.fp8_gemm(Fp8Gemm::new(self.c.view(), grad.view(), b.view(), scales, shape.dims))?;
+        Ok("e5m2×e4m3")
     }
 
     fn gemm(&self, shape: &Shape) -> Gemm<'_, bf16> {
@@ -188,30 +228,53 @@ fn time(
     operands: &Operands,
     reps: u32,
 ) -> anyhow::Result<GemmRow> {
+    let ms = median_ms(dev, s, reps, || s.gemm(operands.gemm(shape)))?;
+    Ok(row(config, shape, layout(shape), "bf16", ms))
+}
+
+/// As [`time`], the FP8 GEMM of `shape`'s dimensions (see [`Operands::fp8_gemm`]), without
+/// epilogue, in FP8's one layout (`NT`).
+fn time_fp8(
+    dev: &Device,
+    s: &Stream,
+    config: &'static str,
+    shape: &Shape,
+    operands: &Operands,
+    reps: u32,
+) -> anyhow::Result<GemmRow> {
+    let dtype = operands.fp8_gemm(s, shape)?;
+    let ms = median_ms(dev, s, reps, || operands.fp8_gemm(s, shape).map(|_| ()))?;
+    Ok(row(config, &Shape { trans_a: false, trans_b: true, ..*shape }, "NT", dtype, ms))
+}
+
+/// The median of `reps` timings of `enqueue`, each between two events, after five untimed.
+fn median_ms(dev: &Device, s: &Stream, reps: u32, enqueue: impl Fn() -> graphed::Result<()>) -> anyhow::Result<f64> {
     let (start, end) = (dev.timing_event()?, dev.timing_event()?);
     for _ in 0..5 {
-        s.gemm(operands.gemm(shape))?;
+        enqueue()?;
     }
     s.synchronize()?;
     let mut times = Vec::new();
     for _ in 0..reps {
         s.record(&start)?;
-        s.gemm(operands.gemm(shape))?;
+        enqueue()?;
         s.record(&end)?;
         end.synchronize()?;
         times.push(f64::from(start.elapsed_ms(&end)?));
     }
-    let ms = median(times);
+    Ok(median(times))
+}
+
+/// One row, printed as it is made.
+fn row(config: &'static str, shape: &Shape, layout: &str, dtype: &'static str, ms: f64) -> GemmRow {
     let (m, n, k) = shape.dims;
     let tflops = 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
     let epilogue = shape.fusion.name();
     println!(
-        "  {:<8} {m:>6}×{n:<6}×{k:<6} {:<3} {:<14} {ms:>8.3} ms {tflops:>7.1} TFLOP/s",
+        "  {:<8} {m:>6}×{n:<6}×{k:<6} {layout:<3} {dtype:<9} {epilogue:<14} {ms:>8.3} ms {tflops:>7.1} TFLOP/s",
         shape.name,
-        layout(shape),
-        epilogue
     );
-    Ok(GemmRow {
+    GemmRow {
         config,
         gemm: shape.name,
         m,
@@ -220,9 +283,10 @@ fn time(
         trans_a: shape.trans_a,
         trans_b: shape.trans_b,
         epilogue,
+        dtype,
         median_ms: ms,
         tflops,
-    })
+    }
 }
 
 /// `NN`, `NT`, `TN` or `TT`, as row-major `op(A)·op(B)`.

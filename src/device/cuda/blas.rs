@@ -89,11 +89,14 @@ pub(super) struct Blas {
     state: Mutex<State>,
 }
 
-fn data_type(dtype: DType) -> Result<sys::cudaDataType> {
+/// cuBLASLt's name of an element type; the public layer admits no other.
+fn data_type(dtype: DType) -> std::result::Result<sys::cudaDataType, CublasError> {
     match dtype {
         DType::F32 => Ok(sys::cudaDataType_t::CUDA_R_32F),
         DType::BF16 => Ok(sys::cudaDataType_t::CUDA_R_16BF),
-        _ => Err(Error::Unsupported { op: "Stream::gemm", backend: "cuda", why: "GEMMs take f32 or bf16" }),
+        DType::F8E4M3 => Ok(sys::cudaDataType_t::CUDA_R_8F_E4M3),
+        DType::F8E5M2 => Ok(sys::cudaDataType_t::CUDA_R_8F_E5M2),
+        _ => Err(CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)),
     }
 }
 
@@ -159,16 +162,17 @@ fn epilogue(kind: EpilogueKind) -> Option<sys::cublasLtEpilogue_t> {
 impl Plan {
     fn new(handle: &Handle, spec: &GemmSpec, workspace_bytes: usize) -> std::result::Result<Plan, CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as D;
-        let ty = data_type(spec.dtype).map_err(|_| CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED))?;
-        // IEEE f32 accumulation for both types: bf16 inputs, f32 sums; f32 without TF32.
+        let ty = data_type(spec.dtype)?;
+        let [a_ty, b_ty] = spec.inputs.map(data_type);
+        // IEEE f32 accumulation for every type: bf16 and FP8 inputs, f32 sums; f32 without TF32.
         let desc =
             lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)?;
         // Built first, so that every descriptor is destroyed once whatever fails below.
         let mut plan = Plan {
             desc,
             layouts: [
-                layout(ty, &spec.b, spec.batch)?,
-                layout(ty, &spec.a, spec.batch)?,
+                layout(b_ty?, &spec.b, spec.batch)?,
+                layout(a_ty?, &spec.a, spec.batch)?,
                 layout(ty, &spec.c, spec.batch)?,
             ],
             addend: None,
@@ -187,6 +191,9 @@ impl Plan {
             }
             if let Some(ld) = spec.aux_ld {
                 set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(ld as i64))?;
+            }
+            if let Some(scaled) = spec.scaled {
+                set_desc(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &i8::from(scaled.fast_accum))?;
             }
         }
         let pref = lt::create_matmul_pref()?;
@@ -224,7 +231,7 @@ impl Blas {
         workspace_bytes: usize,
     ) -> Result<()> {
         const OP: &str = "Stream::gemm";
-        let Pointers { d, a, b, c, workspace: ws, bias, aux } = Pointers::of(spec, params, args)?;
+        let Pointers { d, a, b, c, workspace: ws, bias, aux, scales } = Pointers::of(spec, params, args)?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let st = &mut *st;
         if st.handle.is_none() {
@@ -252,6 +259,14 @@ impl Blas {
             }
             if let Some(aux) = aux {
                 set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux).map_err(fail(OP))?;
+            }
+            if let Some(Scales { a_scale, b_scale, amax }) = scales {
+                // cuBLASLt's A is our B.
+                set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_scale).map_err(fail(OP))?;
+                set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scale).map_err(fail(OP))?;
+                if let Some(amax) = amax {
+                    set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax).map_err(fail(OP))?;
+                }
             }
         }
         let [layout_a, layout_b, layout_d] = plan.layouts;
@@ -298,6 +313,15 @@ struct Pointers {
     bias: Option<u64>,
     /// The epilogue's aux matrix.
     aux: Option<u64>,
+    /// An FP8 GEMM's scales and amax.
+    scales: Option<Scales>,
+}
+
+/// The device addresses of an FP8 GEMM's scales (ours: A's is cuBLASLt's B's) and D's amax.
+struct Scales {
+    a_scale: u64,
+    b_scale: u64,
+    amax: Option<u64>,
 }
 
 impl Pointers {
@@ -322,6 +346,14 @@ impl Pointers {
             EpilogueKind::DGeluBGrad | EpilogueKind::BGradA => Some(ptr("bias_grad")?),
         };
         let aux = if spec.aux_ld.is_some() { Some(ptr("aux")?) } else { None };
-        Ok(Pointers { d, a, b, c, workspace, bias, aux })
+        let scales = match spec.scaled {
+            None => None,
+            Some(s) => Some(Scales {
+                a_scale: ptr("a_scale")?,
+                b_scale: ptr("b_scale")?,
+                amax: if s.amax { Some(ptr("amax")?) } else { None },
+            }),
+        };
+        Ok(Pointers { d, a, b, c, workspace, bias, aux, scales })
     }
 }

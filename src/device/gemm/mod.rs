@@ -22,9 +22,14 @@
 
 use half::bf16;
 
-use super::kernel::{Arg, CpuArgs, Hidden, In, InOut, Kernel, Out};
+use super::kernel::{Arg, Hidden, In, InOut, Kernel, Out};
 use super::{DType, Elem, Region, View};
 use crate::{Error, Result};
+
+pub(crate) mod cpu;
+mod fp8;
+
+pub use fp8::{Fp8Gemm, Fp8Pair, FP8_ALIGN_BYTES};
 
 /// Element types cuBLASLt multiplies here.
 pub trait GemmElem: Elem {
@@ -57,42 +62,46 @@ impl GemmElem for bf16 {
     }
 }
 
-/// The kernels of one element type: cuBLASLt has no CUDA entry point to name the arguments
-/// [`Gemm::args`] passes, so each epilogue and addend gets its own name list (the buffers first,
-/// in `Gemm::args` order), its own name in reports, and the CPU path for its epilogue.
+/// The kernels of one operand and output type: cuBLASLt has no CUDA entry point to name the
+/// arguments [`GemmArgs::build`] passes, so each epilogue and addend gets its own name list (the
+/// buffers first, in that order), its own name in reports, and the CPU path for its epilogue.
+/// `[$($scales),*]` and `[$($amax),*]` name the FP8 GEMMs' scale and amax buffers, or nothing.
 macro_rules! gemm_kernels {
-    ($t:ty, $dtype:literal) => {
+    ($a:ty, $b:ty, $t:ty, $name:literal, $scaled:literal, [$($scales:literal),*], $amax:literal, [$($amax_buf:literal),*]) => {
         [
-            gemm_kernels!(@pair $t, $dtype, "", EpilogueKind::None, []),
-            gemm_kernels!(@pair $t, $dtype, "_bias", EpilogueKind::Bias, ["bias"]),
-            gemm_kernels!(@pair $t, $dtype, "_bias_gelu_aux", EpilogueKind::BiasGeluAux, ["bias", "aux"]),
-            gemm_kernels!(@pair $t, $dtype, "_dgelu_bgrad", EpilogueKind::DGeluBGrad, ["aux", "bias_grad"]),
-            gemm_kernels!(@pair $t, $dtype, "_bgrad_a", EpilogueKind::BGradA, ["bias_grad"]),
-            gemm_kernels!(@pair $t, $dtype, "_dgelu", EpilogueKind::DGelu, ["aux"]),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "", EpilogueKind::None, []),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "_bias", EpilogueKind::Bias, ["bias"]),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "_bias_gelu_aux", EpilogueKind::BiasGeluAux, ["bias", "aux"]),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "_dgelu_bgrad", EpilogueKind::DGeluBGrad, ["aux", "bias_grad"]),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "_bgrad_a", EpilogueKind::BGradA, ["bias_grad"]),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "_dgelu", EpilogueKind::DGelu, ["aux"]),
         ]
     };
-    (@pair $t:ty, $dtype:literal, $epi:literal, $kind:expr, [$($buf:literal),*]) => {
+    (@pair $a:ty, $b:ty, $t:ty, $name:literal, $scaled:literal, [$($scales:literal),*], $amax:literal, [$($amax_buf:literal),*], $epi:literal, $kind:expr, [$($buf:literal),*]) => {
         [
             Kernel {
-                name: concat!("gemm_", $dtype, $epi),
+                name: concat!($name, $epi),
                 source: "",
-                params: &["c", "a", "b", $($buf,)* "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"],
-                cpu: gemm_cpu::<$t, { $kind as usize }, false>,
+                params: &["c", "a", "b", $($scales,)* $($buf,)* $($amax_buf,)* "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"],
+                cpu: $crate::device::gemm::cpu::gemm_cpu::<$a, $b, $t, { $kind as usize }, false, $scaled, $amax>,
                 strided: true,
             },
             Kernel {
-                name: concat!("gemm_", $dtype, $epi, "_addend"),
+                name: concat!($name, $epi, "_addend"),
                 source: "",
-                params: &["c", "addend", "a", "b", $($buf,)* "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"],
-                cpu: gemm_cpu::<$t, { $kind as usize }, true>,
+                params: &["c", "addend", "a", "b", $($scales,)* $($buf,)* $($amax_buf,)* "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"],
+                cpu: $crate::device::gemm::cpu::gemm_cpu::<$a, $b, $t, { $kind as usize }, true, $scaled, $amax>,
                 strided: true,
             },
         ]
     };
 }
+pub(crate) use gemm_kernels;
 
-static GEMM_F32: [[Kernel; 2]; EpilogueKind::ALL.len()] = gemm_kernels!(f32, "f32");
-static GEMM_BF16: [[Kernel; 2]; EpilogueKind::ALL.len()] = gemm_kernels!(bf16, "bf16");
+static GEMM_F32: [[Kernel; 2]; EpilogueKind::ALL.len()] =
+    gemm_kernels!(f32, f32, f32, "gemm_f32", false, [], false, []);
+static GEMM_BF16: [[Kernel; 2]; EpilogueKind::ALL.len()] =
+    gemm_kernels!(bf16, bf16, bf16, "gemm_bf16", false, [], false, []);
 
 /// `D = alpha·op(A)·op(B) + beta·C`, then the epilogue, row-major, over `batch` matrices.
 ///
@@ -300,6 +309,19 @@ pub(crate) struct GemmSpec {
     pub(crate) epilogue: EpilogueKind,
     /// The aux matrix's leading dimension, with the GELU epilogues.
     pub(crate) aux_ld: Option<usize>,
+    /// A's and B's element types (`dtype` for every GEMM but the FP8 ones).
+    pub(crate) inputs: [DType; 2],
+    /// How an FP8 GEMM scales and accumulates.
+    pub(crate) scaled: Option<Scaled>,
+}
+
+/// What an FP8 GEMM adds to its layout: part of the plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Scaled {
+    /// cuBLASLt's `FAST_ACCUM`: accumulate in the tensor cores' own precision throughout.
+    pub(crate) fast_accum: bool,
+    /// Whether cuBLASLt writes D's amax.
+    pub(crate) amax: bool,
 }
 
 /// cuBLASLt's requirement on an epilogue's aux leading dimension, in elements.
@@ -332,101 +354,23 @@ impl<'a, T: GemmElem> Gemm<'a, T> {
 
     /// Checks the views against the dimensions and the epilogue, and derives the layout.
     pub(crate) fn spec(&self) -> Result<GemmSpec> {
-        let (m, n, k) = self.dims;
-        let batch = self.batch.max(1);
-        let (a_rows, a_cols) = if self.trans_a { (k, m) } else { (m, k) };
-        let (b_rows, b_cols) = if self.trans_b { (n, k) } else { (k, n) };
-        let matrix = |what: &str, v: &View<'_, T>, rows, cols| {
-            operand(&v.region(), batch, rows, cols).ok_or_else(|| bad_matrix(what, v, batch, rows, cols))
+        let matrices = Matrices {
+            c: self.c.region(),
+            a: self.a.region(),
+            b: self.b.region(),
+            addend: self.addend.map(|v| v.region()),
+            dims: self.dims,
+            batch: self.batch.max(1),
+            trans: (self.trans_a, self.trans_b),
         };
-        let a = matrix("A", &self.a, a_rows, a_cols)?;
-        let b = matrix("B", &self.b, b_rows, b_cols)?;
-        let c = matrix("C", &self.c, m, n)?;
-        let addend = self.addend.as_ref().map(|v| matrix("the addend", v, m, n)).transpose()?;
-        let epilogue = self.epilogue.kind();
-        if epilogue.per_matrix() && batch > 1 {
-            return Err(Error::Shape {
-                op: OP,
-                expected: format!("batch 1 with the {epilogue:?} epilogue (its aux matrix or bias gradient belongs to one GEMM); enqueue one GEMM per matrix"),
-                found: vec![batch],
-            });
-        }
-        let aux_ld = self.epilogue_aux_ld(m, n)?;
-        Ok(GemmSpec {
-            dtype: T::DTYPE,
-            m,
-            n,
-            k,
-            batch,
-            trans_a: self.trans_a,
-            trans_b: self.trans_b,
-            a,
-            b,
-            c,
-            addend,
-            epilogue,
-            aux_ld,
-        })
-    }
-
-    /// Checks the epilogue's bias (or bias gradient) and aux matrix against the `m`×`n` output;
-    /// the aux matrix's leading dimension, if it has one.
-    fn epilogue_aux_ld(&self, m: usize, n: usize) -> Result<Option<usize>> {
-        let aux_ld = |aux: &View<'_, T>| {
-            let ld = operand(&aux.region(), 1, m, n).ok_or_else(|| bad_matrix("aux", aux, 1, m, n))?.ld;
-            if ld % AUX_LD_MULTIPLE != 0 {
-                return Err(Error::Shape {
-                    op: OP,
-                    expected: format!("aux as a row-major {m}x{n} matrix whose row stride is a multiple of {AUX_LD_MULTIPLE} elements (cuBLASLt's aux leading dimension), not {ld}: pad its rows to a multiple of {AUX_LD_MULTIPLE}"),
-                    found: shape(aux),
-                });
-            }
-            Ok(ld)
-        };
-        Ok(match &self.epilogue {
-            Epilogue::None => None,
-            Epilogue::Bias(bias) => {
-                vector("the bias", bias, n)?;
-                None
-            }
-            Epilogue::BiasGeluAux { bias, aux } => {
-                vector("the bias", bias, n)?;
-                Some(aux_ld(aux)?)
-            }
-            Epilogue::DGeluBGrad { aux, bias_grad } => {
-                vector("the bias gradient (one per column of D)", bias_grad, n)?;
-                Some(aux_ld(aux)?)
-            }
-            Epilogue::DGelu { aux } => Some(aux_ld(aux)?),
-            Epilogue::BGradA { bias_grad } => {
-                vector("the bias gradient (one per row of op(A))", bias_grad, m)?;
-                None
-            }
-        })
+        matrices.spec(T::DTYPE, [T::DTYPE; 2], &self.epilogue)
     }
 
     /// The launch arguments, one per name of [`Gemm::kernel`]'s params.
     pub(crate) fn args<'w>(&'w self, spec: &GemmSpec, workspace: View<'w, u8>) -> Vec<Arg<'w>> {
-        let reads_c = self.beta != 0.0 && self.addend.is_none();
-        let mut args: Vec<Arg<'_>> = vec![if reads_c { InOut(self.c).into() } else { Out(self.c).into() }];
-        args.extend(self.addend.map(|x| In(x).into()));
-        args.extend([In(self.a).into(), In(self.b).into()]);
-        match self.epilogue {
-            Epilogue::None => {}
-            Epilogue::Bias(bias) => args.push(In(bias).into()),
-            Epilogue::BiasGeluAux { bias, aux } => args.extend([In(bias).into(), Out(aux).into()]),
-            Epilogue::DGeluBGrad { aux, bias_grad } => args.extend([In(aux).into(), Out(bias_grad).into()]),
-            Epilogue::BGradA { bias_grad } => args.push(Out(bias_grad).into()),
-            Epilogue::DGelu { aux } => args.push(In(aux).into()),
-        }
-        args.push(Hidden("gemm workspace", workspace).into());
-        let flags = u32::from(spec.trans_a) | u32::from(spec.trans_b) << 1;
-        for v in [spec.m, spec.n, spec.k, spec.batch] {
-            args.push(Arg::from(v as u64));
-        }
-        args.push(flags.into());
-        args.push(self.alpha.into());
-        args.push(self.beta.into());
+        let mut args = head(self.c, self.addend, [In(self.a).into(), In(self.b).into()], self.beta);
+        push_epilogue(&mut args, &self.epilogue);
+        push_tail(&mut args, workspace, spec, (self.alpha, self.beta));
         args
     }
 
@@ -435,134 +379,156 @@ impl<'a, T: GemmElem> Gemm<'a, T> {
     }
 }
 
+/// A GEMM's matrices as regions, whatever their element types: what its layout is checked
+/// against and derived from.
+struct Matrices {
+    c: Region,
+    a: Region,
+    b: Region,
+    addend: Option<Region>,
+    dims: (usize, usize, usize),
+    batch: usize,
+    /// (`trans_a`, `trans_b`).
+    trans: (bool, bool),
+}
+
+impl Matrices {
+    /// Checks the regions against the dimensions and `epilogue`, and derives the layout of a
+    /// GEMM of `inputs` (A's and B's element types) into `dtype`.
+    fn spec<T: GemmElem>(&self, dtype: DType, inputs: [DType; 2], epilogue: &Epilogue<'_, T>) -> Result<GemmSpec> {
+        let ((m, n, k), batch, (trans_a, trans_b)) = (self.dims, self.batch, self.trans);
+        let (a_rows, a_cols) = if trans_a { (k, m) } else { (m, k) };
+        let (b_rows, b_cols) = if trans_b { (n, k) } else { (k, n) };
+        let matrix = |what: &str, r: &Region, rows, cols| {
+            operand(r, batch, rows, cols).ok_or_else(|| bad_matrix(what, r, batch, rows, cols))
+        };
+        let a = matrix("A", &self.a, a_rows, a_cols)?;
+        let b = matrix("B", &self.b, b_rows, b_cols)?;
+        let c = matrix("C", &self.c, m, n)?;
+        let addend = self.addend.as_ref().map(|r| matrix("the addend", r, m, n)).transpose()?;
+        let kind = epilogue.kind();
+        if kind.per_matrix() && batch > 1 {
+            return Err(Error::Shape {
+                op: OP,
+                expected: format!("batch 1 with the {kind:?} epilogue (its aux matrix or bias gradient belongs to one GEMM); enqueue one GEMM per matrix"),
+                found: vec![batch],
+            });
+        }
+        let aux_ld = epilogue_aux_ld(epilogue, m, n)?;
+        Ok(GemmSpec {
+            dtype,
+            inputs,
+            m,
+            n,
+            k,
+            batch,
+            trans_a,
+            trans_b,
+            a,
+            b,
+            c,
+            addend,
+            epilogue: kind,
+            aux_ld,
+            scaled: None,
+        })
+    }
+}
+
+/// Checks the epilogue's bias (or bias gradient) and aux matrix against the `m`×`n` output;
+/// the aux matrix's leading dimension, if it has one.
+fn epilogue_aux_ld<T: GemmElem>(epilogue: &Epilogue<'_, T>, m: usize, n: usize) -> Result<Option<usize>> {
+    let aux_ld = |aux: &View<'_, T>| {
+        let r = aux.region();
+        let ld = operand(&r, 1, m, n).ok_or_else(|| bad_matrix("aux", &r, 1, m, n))?.ld;
+        if ld % AUX_LD_MULTIPLE != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                expected: format!("aux as a row-major {m}x{n} matrix whose row stride is a multiple of {AUX_LD_MULTIPLE} elements (cuBLASLt's aux leading dimension), not {ld}: pad its rows to a multiple of {AUX_LD_MULTIPLE}"),
+                found: shape(&r),
+            });
+        }
+        Ok(ld)
+    };
+    Ok(match epilogue {
+        Epilogue::None => None,
+        Epilogue::Bias(bias) => {
+            vector("the bias", bias, n)?;
+            None
+        }
+        Epilogue::BiasGeluAux { bias, aux } => {
+            vector("the bias", bias, n)?;
+            Some(aux_ld(aux)?)
+        }
+        Epilogue::DGeluBGrad { aux, bias_grad } => {
+            vector("the bias gradient (one per column of D)", bias_grad, n)?;
+            Some(aux_ld(aux)?)
+        }
+        Epilogue::DGelu { aux } => Some(aux_ld(aux)?),
+        Epilogue::BGradA { bias_grad } => {
+            vector("the bias gradient (one per row of op(A))", bias_grad, m)?;
+            None
+        }
+    })
+}
+
+/// The first launch arguments of every GEMM: D (also read when `beta ≠ 0` without an addend),
+/// the addend, A and B.
+fn head<'w, T: GemmElem>(c: View<'w, T>, addend: Option<View<'w, T>>, ab: [Arg<'w>; 2], beta: f32) -> Vec<Arg<'w>> {
+    let reads_c = beta != 0.0 && addend.is_none();
+    let mut args: Vec<Arg<'_>> = vec![if reads_c { InOut(c).into() } else { Out(c).into() }];
+    args.extend(addend.map(|x| In(x).into()));
+    args.extend(ab);
+    args
+}
+
+/// The epilogue's buffers, read or written.
+fn push_epilogue<'w, T: GemmElem>(args: &mut Vec<Arg<'w>>, epilogue: &Epilogue<'w, T>) {
+    match *epilogue {
+        Epilogue::None => {}
+        Epilogue::Bias(bias) => args.push(In(bias).into()),
+        Epilogue::BiasGeluAux { bias, aux } => args.extend([In(bias).into(), Out(aux).into()]),
+        Epilogue::DGeluBGrad { aux, bias_grad } => args.extend([In(aux).into(), Out(bias_grad).into()]),
+        Epilogue::BGradA { bias_grad } => args.push(Out(bias_grad).into()),
+        Epilogue::DGelu { aux } => args.push(In(aux).into()),
+    }
+}
+
+/// The last launch arguments of every GEMM: the workspace and the scalars.
+fn push_tail<'w>(args: &mut Vec<Arg<'w>>, workspace: View<'w, u8>, spec: &GemmSpec, (alpha, beta): (f32, f32)) {
+    args.push(Hidden("gemm workspace", workspace).into());
+    let flags = u32::from(spec.trans_a) | u32::from(spec.trans_b) << 1;
+    for v in [spec.m, spec.n, spec.k, spec.batch] {
+        args.push(Arg::from(v as u64));
+    }
+    args.push(flags.into());
+    args.push(alpha.into());
+    args.push(beta.into());
+}
+
 /// The GEMM's name in its errors.
 const OP: &str = "Stream::gemm";
 
-/// `v`'s dimensions, for an error.
-fn shape<T: GemmElem>(v: &View<'_, T>) -> Vec<usize> {
-    v.region().dims().iter().map(|d| d.count).collect()
+/// A region's dimensions, for an error.
+fn shape(r: &Region) -> Vec<usize> {
+    r.dims().iter().map(|d| d.count).collect()
 }
 
-/// The error of `v`, named `what`, that is not `batch` matrices of `rows`×`cols`.
-fn bad_matrix<T: GemmElem>(what: &str, v: &View<'_, T>, batch: usize, rows: usize, cols: usize) -> Error {
+/// The error of `r`, named `what`, that is not `batch` matrices of `rows`×`cols`.
+fn bad_matrix(what: &str, r: &Region, batch: usize, rows: usize, cols: usize) -> Error {
     Error::Shape {
         op: OP,
         expected: format!("{what} as {batch} row-major {rows}x{cols} matrices with unit column stride"),
-        found: shape(v),
+        found: shape(r),
     }
 }
 
 /// Checks that `v`, named `what`, is `len` contiguous elements.
-fn vector<T: GemmElem>(what: &str, v: &View<'_, T>, len: usize) -> Result<()> {
+fn vector<T: Elem>(what: &str, v: &View<'_, T>, len: usize) -> Result<()> {
     if v.len() == len && v.region().is_contiguous() {
         return Ok(());
     }
-    Err(Error::Shape { op: OP, expected: format!("{what} as {len} contiguous elements"), found: shape(v) })
-}
-
-/// √(2/π) as f32, as `ops/gelu.rs` (the device layer does not use the ops layer).
-const GELU_K: f32 = 0.797_884_6;
-const GELU_CUBE: f32 = 0.044715;
-/// 3·`GELU_CUBE`.
-const GELU_CUBE3: f32 = 0.134145;
-
-fn gelu(x: f32) -> f32 {
-    0.5 * x * (1.0 + (GELU_K * (x + GELU_CUBE * x * x * x)).tanh())
-}
-
-/// d gelu/dx, with sech² = 1 − tanh².
-fn gelu_grad(x: f32) -> f32 {
-    let t = (GELU_K * (x + GELU_CUBE * x * x * x)).tanh();
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + GELU_CUBE3 * x * x)
-}
-
-/// The simulator's GEMM: f32 accumulation over `k` in index order for every element (the loop
-/// runs row by row over op(B)'s contiguous rows, so that it vectorizes; the order of each sum is
-/// unchanged), then the epilogue in f32; every stored value (D, aux, a bias gradient) is rounded
-/// to `T` once. A bias gradient is summed in f32 in index order (rows of D, or `k` for op(A))
-/// from the unrounded values.
-fn gemm_cpu<T: GemmElem, const KIND: usize, const ADDEND: bool>(args: &CpuArgs) -> Result<()> {
-    let kind = const { EpilogueKind::ALL[KIND] };
-    let [m, n, k, batch] = ["m", "n", "k", "batch"].map(|p| args.u64(p).map(|v| v as usize));
-    let (m, n, k, batch) = (m?, n?, k?, batch?);
-    let flags = args.u32("flags")?;
-    let (alpha, beta) = (args.f32("alpha")?, args.f32("beta")?);
-    let (trans_a, trans_b) = (flags & 1 != 0, flags & 2 != 0);
-    let a = args.input::<T>("a")?;
-    let b = args.input::<T>("b")?;
-    let f32s = |p: &str| -> Result<Vec<f32>> { Ok(args.input::<T>(p)?.iter().map(|v| v.to_f32()).collect()) };
-    let bias = if matches!(kind, EpilogueKind::Bias | EpilogueKind::BiasGeluAux) { Some(f32s("bias")?) } else { None };
-    let aux_in = if matches!(kind, EpilogueKind::DGeluBGrad | EpilogueKind::DGelu) { Some(f32s("aux")?) } else { None };
-    let addend = if ADDEND { Some(args.input::<T>("addend")?) } else { None };
-    let mut aux_out = if kind == EpilogueKind::BiasGeluAux { Some(args.output::<T>("aux")?) } else { None };
-    let mut grad = vec![
-        0.0f32;
-        match kind {
-            EpilogueKind::DGeluBGrad => n,
-            EpilogueKind::BGradA => m,
-            _ => 0,
-        }
-    ];
-    let mut c = args.output::<T>("c")?;
-    let mut op_a = vec![0.0f32; m * k];
-    let mut op_b = vec![0.0f32; k * n];
-    let mut acc = vec![0.0f32; n];
-    for p in 0..batch {
-        let (a, b) = (&a[p * m * k..(p + 1) * m * k], &b[p * k * n..(p + 1) * k * n]);
-        op_into(&mut op_a, a, (m, k), trans_a);
-        op_into(&mut op_b, b, (k, n), trans_b);
-        if kind == EpilogueKind::BGradA {
-            // `per_matrix` epilogues have batch 1: the sums are this matrix's.
-            for (g, row) in grad.iter_mut().zip(op_a.chunks_exact(k)) {
-                *g = row.iter().fold(0.0, |s, x| s + x);
-            }
-        }
-        for i in 0..m {
-            acc.fill(0.0);
-            for q in 0..k {
-                let x = op_a[i * k + q];
-                for (acc, y) in acc.iter_mut().zip(&op_b[q * n..(q + 1) * n]) {
-                    *acc += x * y;
-                }
-            }
-            for (j, sum) in acc.iter().enumerate() {
-                let at = p * m * n + i * n + j;
-                let mut v = alpha * sum;
-                if beta != 0.0 {
-                    v += beta * addend.as_ref().map_or(c[at], |x| x[at]).to_f32();
-                }
-                if let Some(bias) = &bias {
-                    v += bias[j];
-                }
-                if let Some(aux) = aux_out.as_mut() {
-                    aux[at] = T::from_f32(v);
-                    v = gelu(v);
-                } else if let Some(aux) = &aux_in {
-                    v *= gelu_grad(aux[at]);
-                    if let Some(g) = grad.get_mut(j) {
-                        *g += v;
-                    }
-                }
-                c[at] = T::from_f32(v);
-            }
-        }
-    }
-    if !grad.is_empty() {
-        for (out, g) in args.output::<T>("bias_grad")?.iter_mut().zip(&grad) {
-            *out = T::from_f32(*g);
-        }
-    }
-    Ok(())
-}
-
-/// `op(src)`, a `rows`×`cols` matrix that `src` stores transposed when `trans`, into `dst` as
-/// row-major f32.
-fn op_into<T: GemmElem>(dst: &mut [f32], src: &[T], (rows, cols): (usize, usize), trans: bool) {
-    for i in 0..rows {
-        for j in 0..cols {
-            dst[i * cols + j] = if trans { src[j * rows + i] } else { src[i * cols + j] }.to_f32();
-        }
-    }
+    Err(Error::Shape { op: OP, expected: format!("{what} as {len} contiguous elements"), found: shape(&v.region()) })
 }
 
 #[cfg(test)]
@@ -630,6 +596,7 @@ mod tests {
 
     #[test]
     fn gelu_grad_is_the_derivative_of_gelu() {
+        use cpu::{gelu, gelu_grad};
         for x in [-3.0f32, -1.0, -0.25, 0.0, 0.5, 2.0] {
             let h = 1e-2;
             let numeric = (gelu(x + h) - gelu(x - h)) / (2.0 * h);
