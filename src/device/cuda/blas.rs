@@ -260,13 +260,10 @@ impl Blas {
             if let Some(aux) = aux {
                 set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux).map_err(fail(OP))?;
             }
-            if let Some(Scales { a_scale, b_scale, amax }) = scales {
+            if let Some(Scales { a_scale, b_scale }) = scales {
                 // cuBLASLt's A is our B.
                 set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_scale).map_err(fail(OP))?;
                 set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scale).map_err(fail(OP))?;
-                if let Some(amax) = amax {
-                    set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax).map_err(fail(OP))?;
-                }
             }
         }
         let [layout_a, layout_b, layout_d] = plan.layouts;
@@ -313,15 +310,14 @@ struct Pointers {
     bias: Option<u64>,
     /// The epilogue's aux matrix.
     aux: Option<u64>,
-    /// An FP8 GEMM's scales and amax.
+    /// An FP8 GEMM's scales.
     scales: Option<Scales>,
 }
 
-/// The device addresses of an FP8 GEMM's scales (ours: A's is cuBLASLt's B's) and D's amax.
+/// The device addresses of an FP8 GEMM's scales (ours: A's is cuBLASLt's B's).
 struct Scales {
     a_scale: u64,
     b_scale: u64,
-    amax: Option<u64>,
 }
 
 impl Pointers {
@@ -348,11 +344,7 @@ impl Pointers {
         let aux = if spec.aux_ld.is_some() { Some(ptr("aux")?) } else { None };
         let scales = match spec.scaled {
             None => None,
-            Some(s) => Some(Scales {
-                a_scale: ptr("a_scale")?,
-                b_scale: ptr("b_scale")?,
-                amax: if s.amax { Some(ptr("amax")?) } else { None },
-            }),
+            Some(_) => Some(Scales { a_scale: ptr("a_scale")?, b_scale: ptr("b_scale")? }),
         };
         Ok(Pointers { d, a, b, c, workspace, bias, aux, scales })
     }

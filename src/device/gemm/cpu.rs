@@ -62,8 +62,7 @@ pub(super) fn gelu_grad(x: f32) -> f32 {
 /// is summed in f32 in index order (rows of D, or `k` for op(A)) from the unrounded values.
 ///
 /// `SCALED` (the FP8 GEMMs) multiplies the product by `alpha·(a_scale·b_scale)`, the scales read
-/// from device memory; `AMAX` writes the largest magnitude of the f32 values stored to D (NaN if
-/// any is NaN: a NaN is never hidden from a scaling recipe).
+/// from device memory.
 pub(super) fn gemm_cpu<
     A: GemmInput,
     B: GemmInput,
@@ -71,7 +70,6 @@ pub(super) fn gemm_cpu<
     const KIND: usize,
     const ADDEND: bool,
     const SCALED: bool,
-    const AMAX: bool,
 >(
     args: &CpuArgs,
 ) -> Result<()> {
@@ -79,11 +77,7 @@ pub(super) fn gemm_cpu<
     let [m, n, k, batch] = ["m", "n", "k", "batch"].map(|p| args.u64(p).map(|v| v as usize));
     let (m, n, k, batch) = (m?, n?, k?, batch?);
     let flags = args.u32("flags")?;
-    let (mut alpha, beta) = (args.f32("alpha")?, args.f32("beta")?);
-    if SCALED {
-        let scale = |p: &str| -> Result<f32> { Ok(args.input::<f32>(p)?[0]) };
-        alpha *= scale("a_scale")? * scale("b_scale")?;
-    }
+    let (alpha, beta) = (scaled_alpha::<SCALED>(args)?, args.f32("beta")?);
     let (trans_a, trans_b) = (flags & 1 != 0, flags & 2 != 0);
     let a = args.input::<A>("a")?;
     let b = args.input::<B>("b")?;
@@ -92,15 +86,12 @@ pub(super) fn gemm_cpu<
     let aux_in = if matches!(kind, EpilogueKind::DGeluBGrad | EpilogueKind::DGelu) { Some(f32s("aux")?) } else { None };
     let addend = if ADDEND { Some(args.input::<T>("addend")?) } else { None };
     let mut aux_out = if kind == EpilogueKind::BiasGeluAux { Some(args.output::<T>("aux")?) } else { None };
-    let mut grad = vec![
-        0.0f32;
-        match kind {
-            EpilogueKind::DGeluBGrad => n,
-            EpilogueKind::BGradA => m,
-            _ => 0,
-        }
-    ];
-    let mut amax = 0.0f32;
+    let sums = match kind {
+        EpilogueKind::DGeluBGrad => n,
+        EpilogueKind::BGradA => m,
+        _ => 0,
+    };
+    let mut grad = vec![0.0f32; sums];
     let mut c = args.output::<T>("c")?;
     let mut op_a = vec![0.0f32; m * k];
     let mut op_b = vec![0.0f32; k * n];
@@ -111,9 +102,7 @@ pub(super) fn gemm_cpu<
         op_into(&mut op_b, b, (k, n), trans_b);
         if kind == EpilogueKind::BGradA {
             // `per_matrix` epilogues have batch 1: the sums are this matrix's.
-            for (g, row) in grad.iter_mut().zip(op_a.chunks_exact(k)) {
-                *g = row.iter().fold(0.0, |s, x| s + x);
-            }
+            row_sums(&mut grad, &op_a, k);
         }
         for i in 0..m {
             acc.fill(0.0);
@@ -141,9 +130,6 @@ pub(super) fn gemm_cpu<
                         *g += v;
                     }
                 }
-                if AMAX {
-                    amax = if v.is_nan() || amax.is_nan() { f32::NAN } else { amax.max(v.abs()) };
-                }
                 c[at] = T::from_f32(v);
             }
         }
@@ -153,10 +139,24 @@ pub(super) fn gemm_cpu<
             *out = T::from_f32(*g);
         }
     }
-    if AMAX {
-        args.output::<f32>("amax")?[0] = amax;
-    }
     Ok(())
+}
+
+/// `alpha`, times A's and B's scales when `SCALED`.
+fn scaled_alpha<const SCALED: bool>(args: &CpuArgs) -> Result<f32> {
+    let alpha = args.f32("alpha")?;
+    if !SCALED {
+        return Ok(alpha);
+    }
+    let scale = |p: &str| -> Result<f32> { Ok(args.input::<f32>(p)?[0]) };
+    Ok(alpha * (scale("a_scale")? * scale("b_scale")?))
+}
+
+/// `sums[i]` = the sum of row `i` of the row-major `rows × k` matrix `m`, in index order.
+fn row_sums(sums: &mut [f32], m: &[f32], k: usize) {
+    for (g, row) in sums.iter_mut().zip(m.chunks_exact(k)) {
+        *g = row.iter().fold(0.0, |s, x| s + x);
+    }
 }
 
 /// `op(src)`, a `rows`×`cols` matrix that `src` stores transposed when `trans`, into `dst` as

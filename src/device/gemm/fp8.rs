@@ -1,6 +1,11 @@
 //! FP8 GEMMs: FP8 operands, each with its per-tensor scale read from device memory, a bf16
-//! output, and the bf16 GEMM's addend and epilogues (cuBLASLt's FP8 matmul on CUDA, the
+//! output, and the bf16 GEMM's addend and epilogues but one (cuBLASLt's FP8 matmul on CUDA, the
 //! simulator's one GEMM loop otherwise).
+//!
+//! What cuBLASLt 13.1 refused on the H200 (probed with every epilogue, with and without an
+//! addend): `BGRADB` (our [`Epilogue::BGradA`]) is not supported, and D's amax
+//! (`AMAX_D_POINTER`) is an invalid value when D is bf16. So an FP8 GEMM refuses `BGradA` on both
+//! devices, and has no amax output: FP8 recipes take their amaxes from the casts that quantize.
 //!
 //! Hopper's FP8 tensor cores take both operands with `k` contiguous (cuBLASLt's "TN" layout), so
 //! an FP8 GEMM is `D = A·Bᵀ` with A stored `m × k` and B stored `n × k`: the type has no
@@ -14,33 +19,44 @@ use half::bf16;
 
 use super::{gemm_kernels, head, push_epilogue, push_tail, vector, Epilogue, EpilogueKind, GemmSpec, Matrices, Scaled};
 use super::{shape, OP};
-use crate::device::kernel::{Arg, In, Kernel, Out};
+use crate::device::kernel::{Arg, In, Kernel};
 use crate::device::{DType, Elem, Float8, View};
 use crate::{Error, Result};
 
 /// The FP8 operand formats cuBLASLt multiplies: `(A, B)` as E4M3 × E4M3, E4M3 × E5M2 (a
 /// gradient in E5M2 on the right) or E5M2 × E4M3 (on the left).
+///
+/// Two E5M2 operands do not compile:
+///
+/// ```compile_fail
+/// use float8::F8E5M2;
+/// use graphed::device::{Device, Fp8Gemm};
+/// let dev = Device::sim();
+/// let s = dev.stream()?;
+/// let x = dev.alloc::<F8E5M2>(256)?;
+/// let (c, one) = (dev.alloc::<half::bf16>(256)?, dev.alloc::<f32>(1)?);
+/// s.fp8_gemm(Fp8Gemm::new(c.view(), x.view(), x.view(), (one.view(), one.view()), (16, 16, 16)))?;
+/// # Ok::<(), graphed::Error>(())
+/// ```
 pub trait Fp8Pair {
-    /// The kernels of the pair, `[amax][epilogue kind][addend]`.
+    /// The kernels of the pair, `[epilogue kind][addend]`.
     #[doc(hidden)]
-    const KERNELS: &'static [[[Kernel; 2]; EpilogueKind::ALL.len()]; 2];
+    const KERNELS: &'static [[Kernel; 2]; EpilogueKind::ALL.len()];
 }
 
 macro_rules! fp8_pair {
-    ($a:ty, $b:ty, $table:ident, $name:literal, $amax_name:literal) => {
-        static $table: [[[Kernel; 2]; EpilogueKind::ALL.len()]; 2] = [
-            gemm_kernels!($a, $b, bf16, $name, true, ["a_scale", "b_scale"], false, []),
-            gemm_kernels!($a, $b, bf16, $amax_name, true, ["a_scale", "b_scale"], true, ["amax"]),
-        ];
+    ($a:ty, $b:ty, $table:ident, $name:literal) => {
+        static $table: [[Kernel; 2]; EpilogueKind::ALL.len()] =
+            gemm_kernels!($a, $b, bf16, $name, true, ["a_scale", "b_scale"]);
         impl Fp8Pair for ($a, $b) {
-            const KERNELS: &'static [[[Kernel; 2]; EpilogueKind::ALL.len()]; 2] = &$table;
+            const KERNELS: &'static [[Kernel; 2]; EpilogueKind::ALL.len()] = &$table;
         }
     };
 }
 
-fp8_pair!(F8E4M3, F8E4M3, GEMM_E4M3_E4M3, "gemm_e4m3_e4m3_bf16", "gemm_e4m3_e4m3_bf16_amax");
-fp8_pair!(F8E4M3, F8E5M2, GEMM_E4M3_E5M2, "gemm_e4m3_e5m2_bf16", "gemm_e4m3_e5m2_bf16_amax");
-fp8_pair!(F8E5M2, F8E4M3, GEMM_E5M2_E4M3, "gemm_e5m2_e4m3_bf16", "gemm_e5m2_e4m3_bf16_amax");
+fp8_pair!(F8E4M3, F8E4M3, GEMM_E4M3_E4M3, "gemm_e4m3_e4m3_bf16");
+fp8_pair!(F8E4M3, F8E5M2, GEMM_E4M3_E5M2, "gemm_e4m3_e5m2_bf16");
+fp8_pair!(F8E5M2, F8E4M3, GEMM_E5M2_E4M3, "gemm_e5m2_e4m3_bf16");
 
 /// Bytes to which cuBLASLt's FP8 GEMMs want every matrix's start and row stride aligned.
 pub const FP8_ALIGN_BYTES: usize = 16;
@@ -83,10 +99,8 @@ pub struct Fp8Gemm<'a, A: Float8, B: Float8> {
     pub b_scale_inv: View<'a, f32>,
     /// A separate C, `m × n`, as [`super::Gemm::addend`].
     pub addend: Option<View<'a, bf16>>,
-    /// What is fused into the store (default: nothing).
+    /// What is fused into the store (default: nothing); any but [`Epilogue::BGradA`].
     pub epilogue: Epilogue<'a, bf16>,
-    /// One f32 that receives the largest magnitude of D (for a recipe that scales D later).
-    pub amax: Option<View<'a, f32>>,
     /// (m, n, k).
     pub dims: (usize, usize, usize),
     /// Scales the product.
@@ -101,8 +115,8 @@ impl<'a, A: Float8, B: Float8> Fp8Gemm<'a, A, B>
 where
     (A, B): Fp8Pair,
 {
-    /// `C = (a_scale_inv·b_scale_inv)·A·Bᵀ` for `(m, n, k)`: no addend, no epilogue, no amax,
-    /// precise accumulation.
+    /// `C = (a_scale_inv·b_scale_inv)·A·Bᵀ` for `(m, n, k)`: no addend, no epilogue, precise
+    /// accumulation.
     pub fn new(
         c: View<'a, bf16>,
         a: View<'a, A>,
@@ -118,7 +132,6 @@ where
             b_scale_inv,
             addend: None,
             epilogue: Epilogue::None,
-            amax: None,
             dims,
             alpha: 1.0,
             beta: 0.0,
@@ -129,6 +142,13 @@ where
     /// Checks the views against the dimensions, the epilogue and FP8's alignment, and derives
     /// the layout.
     pub(crate) fn spec(&self) -> Result<GemmSpec> {
+        if let Epilogue::BGradA { .. } = self.epilogue {
+            return Err(Error::Unsupported {
+                op: OP,
+                backend: "any",
+                why: "cuBLASLt's FP8 GEMMs have no BGradA epilogue (its BGRADB); sum the gradient's rows with the cast that quantizes it, or run this GEMM in bf16",
+            });
+        }
         let matrices = Matrices {
             c: self.c.region(),
             a: self.a.region(),
@@ -141,16 +161,13 @@ where
         let mut spec = matrices.spec(DType::BF16, [A::DTYPE, B::DTYPE], &self.epilogue)?;
         vector("A's scale", &self.a_scale_inv, 1)?;
         vector("B's scale", &self.b_scale_inv, 1)?;
-        if let Some(amax) = &self.amax {
-            vector("the amax", amax, 1)?;
-        }
         aligned("A", &self.a, spec.a.ld)?;
         aligned("B", &self.b, spec.b.ld)?;
         aligned("C", &self.c, spec.c.ld)?;
         if let (Some(addend), Some(o)) = (&self.addend, spec.addend) {
             aligned("the addend", addend, o.ld)?;
         }
-        spec.scaled = Some(Scaled { fast_accum: self.fast_accum, amax: self.amax.is_some() });
+        spec.scaled = Some(Scaled { fast_accum: self.fast_accum });
         Ok(spec)
     }
 
@@ -159,14 +176,12 @@ where
         let mut args = head(self.c, self.addend, [In(self.a).into(), In(self.b).into()], self.beta);
         args.extend([In(self.a_scale_inv).into(), In(self.b_scale_inv).into()]);
         push_epilogue(&mut args, &self.epilogue);
-        args.extend(self.amax.map(|v| Out(v).into()));
         push_tail(&mut args, workspace, spec, (self.alpha, self.beta));
         args
     }
 
     pub(crate) fn kernel(&self) -> &'static Kernel {
-        let by_amax = &<(A, B)>::KERNELS[usize::from(self.amax.is_some())];
-        &by_amax[self.epilogue.kind() as usize][usize::from(self.addend.is_some())]
+        &<(A, B)>::KERNELS[self.epilogue.kind() as usize][usize::from(self.addend.is_some())]
     }
 }
 

@@ -65,32 +65,32 @@ impl GemmElem for bf16 {
 /// The kernels of one operand and output type: cuBLASLt has no CUDA entry point to name the
 /// arguments [`GemmArgs::build`] passes, so each epilogue and addend gets its own name list (the
 /// buffers first, in that order), its own name in reports, and the CPU path for its epilogue.
-/// `[$($scales),*]` and `[$($amax),*]` name the FP8 GEMMs' scale and amax buffers, or nothing.
+/// `[$($scales),*]` names the FP8 GEMMs' scale buffers, or nothing.
 macro_rules! gemm_kernels {
-    ($a:ty, $b:ty, $t:ty, $name:literal, $scaled:literal, [$($scales:literal),*], $amax:literal, [$($amax_buf:literal),*]) => {
+    ($a:ty, $b:ty, $t:ty, $name:literal, $scaled:literal, [$($scales:literal),*]) => {
         [
-            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "", EpilogueKind::None, []),
-            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "_bias", EpilogueKind::Bias, ["bias"]),
-            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "_bias_gelu_aux", EpilogueKind::BiasGeluAux, ["bias", "aux"]),
-            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "_dgelu_bgrad", EpilogueKind::DGeluBGrad, ["aux", "bias_grad"]),
-            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "_bgrad_a", EpilogueKind::BGradA, ["bias_grad"]),
-            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], $amax, [$($amax_buf),*], "_dgelu", EpilogueKind::DGelu, ["aux"]),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], "", EpilogueKind::None, []),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], "_bias", EpilogueKind::Bias, ["bias"]),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], "_bias_gelu_aux", EpilogueKind::BiasGeluAux, ["bias", "aux"]),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], "_dgelu_bgrad", EpilogueKind::DGeluBGrad, ["aux", "bias_grad"]),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], "_bgrad_a", EpilogueKind::BGradA, ["bias_grad"]),
+            gemm_kernels!(@pair $a, $b, $t, $name, $scaled, [$($scales),*], "_dgelu", EpilogueKind::DGelu, ["aux"]),
         ]
     };
-    (@pair $a:ty, $b:ty, $t:ty, $name:literal, $scaled:literal, [$($scales:literal),*], $amax:literal, [$($amax_buf:literal),*], $epi:literal, $kind:expr, [$($buf:literal),*]) => {
+    (@pair $a:ty, $b:ty, $t:ty, $name:literal, $scaled:literal, [$($scales:literal),*], $epi:literal, $kind:expr, [$($buf:literal),*]) => {
         [
             Kernel {
                 name: concat!($name, $epi),
                 source: "",
-                params: &["c", "a", "b", $($scales,)* $($buf,)* $($amax_buf,)* "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"],
-                cpu: $crate::device::gemm::cpu::gemm_cpu::<$a, $b, $t, { $kind as usize }, false, $scaled, $amax>,
+                params: &["c", "a", "b", $($scales,)* $($buf,)* "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"],
+                cpu: $crate::device::gemm::cpu::gemm_cpu::<$a, $b, $t, { $kind as usize }, false, $scaled>,
                 strided: true,
             },
             Kernel {
                 name: concat!($name, $epi, "_addend"),
                 source: "",
-                params: &["c", "addend", "a", "b", $($scales,)* $($buf,)* $($amax_buf,)* "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"],
-                cpu: $crate::device::gemm::cpu::gemm_cpu::<$a, $b, $t, { $kind as usize }, true, $scaled, $amax>,
+                params: &["c", "addend", "a", "b", $($scales,)* $($buf,)* "workspace", "m", "n", "k", "batch", "flags", "alpha", "beta"],
+                cpu: $crate::device::gemm::cpu::gemm_cpu::<$a, $b, $t, { $kind as usize }, true, $scaled>,
                 strided: true,
             },
         ]
@@ -98,10 +98,8 @@ macro_rules! gemm_kernels {
 }
 pub(crate) use gemm_kernels;
 
-static GEMM_F32: [[Kernel; 2]; EpilogueKind::ALL.len()] =
-    gemm_kernels!(f32, f32, f32, "gemm_f32", false, [], false, []);
-static GEMM_BF16: [[Kernel; 2]; EpilogueKind::ALL.len()] =
-    gemm_kernels!(bf16, bf16, bf16, "gemm_bf16", false, [], false, []);
+static GEMM_F32: [[Kernel; 2]; EpilogueKind::ALL.len()] = gemm_kernels!(f32, f32, f32, "gemm_f32", false, []);
+static GEMM_BF16: [[Kernel; 2]; EpilogueKind::ALL.len()] = gemm_kernels!(bf16, bf16, bf16, "gemm_bf16", false, []);
 
 /// `D = alpha·op(A)·op(B) + beta·C`, then the epilogue, row-major, over `batch` matrices.
 ///
@@ -320,8 +318,6 @@ pub(crate) struct GemmSpec {
 pub(crate) struct Scaled {
     /// cuBLASLt's `FAST_ACCUM`: accumulate in the tensor cores' own precision throughout.
     pub(crate) fast_accum: bool,
-    /// Whether cuBLASLt writes D's amax.
-    pub(crate) amax: bool,
 }
 
 /// cuBLASLt's requirement on an epilogue's aux leading dimension, in elements.
