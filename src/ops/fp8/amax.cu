@@ -10,23 +10,23 @@ __device__ __forceinline__ unsigned amax_bits(float x) {
     return a > 0x7f800000u ? 0x7fffffffu : a;
 }
 
-__device__ __forceinline__ unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
+__device__ __forceinline__ unsigned max_bits(unsigned a, unsigned b) { return a > b ? a : b; }
 
-__device__ __forceinline__ unsigned warp_umax(unsigned v) {
+__device__ __forceinline__ unsigned warp_max_bits(unsigned v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = umax(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = max_bits(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
 // Every thread of the block calls it with its own maximum; one atomicMax per block.
 __device__ __forceinline__ void block_amax(float* amax, unsigned v) {
     __shared__ unsigned warps[32];
-    v = warp_umax(v);
+    v = warp_max_bits(v);
     if ((threadIdx.x & 31u) == 0) warps[threadIdx.x >> 5] = v;
     __syncthreads();
     if (threadIdx.x < 32) {
         v = threadIdx.x < (blockDim.x + 31) / 32 ? warps[threadIdx.x] : 0u;
-        v = warp_umax(v);
+        v = warp_max_bits(v);
         if (threadIdx.x == 0 && v != 0) atomicMax(reinterpret_cast<unsigned*>(amax), v);
     }
 }
@@ -39,10 +39,10 @@ template <typename T> __device__ void amax_accumulate(float* amax, const T* inp,
     for (unsigned long long j = first_thread(); j < chunks; j += grid_threads()) {
         Chunk<T, W> c = load_chunk<T, W>(inp + j * W);
 #pragma unroll
-        for (int e = 0; e < W; ++e) v = umax(v, amax_bits(to_f32(c.v[e])));
+        for (int e = 0; e < W; ++e) v = max_bits(v, amax_bits(to_f32(c.v[e])));
     }
     for (unsigned long long i = chunks * W + first_thread(); i < n; i += grid_threads()) {
-        v = umax(v, amax_bits(to_f32(inp[i])));
+        v = max_bits(v, amax_bits(to_f32(inp[i])));
     }
     block_amax(amax, v);
 }

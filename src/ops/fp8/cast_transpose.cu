@@ -58,7 +58,7 @@ __device__ unsigned cast_tile(O* out, unsigned (*tile)[QUADS + 1], const I* inp,
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 if (col + e < cols) {
-                    v = umax(v, amax_bits(x[e]));
+                    v = max_bits(v, amax_bits(x[e]));
                     word |= (unsigned)fp8_bits<O>(x[e] * s) << (8 * e);
                 }
             }
@@ -106,7 +106,7 @@ __device__ void cast_transpose(O* out, O* out_t, float* amax, const I* inp, cons
     unsigned v = 0;
     for (unsigned long long t = blockIdx.x; t < tiles; t += gridDim.x) {
         unsigned r0 = (unsigned)(t / tiles_c) * TILE, c0 = (unsigned)(t % tiles_c) * TILE;
-        v = umax(v, cast_tile<O, I, ROW>(out, tile, inp, s, rows, cols, r0, c0, vec_in, vec_out));
+        v = max_bits(v, cast_tile<O, I, ROW>(out, tile, inp, s, rows, cols, r0, c0, vec_in, vec_out));
         if (COL) {
             __syncthreads();
             store_transposed(out_t, tile, rows, cols, r0, c0, vec_t);

@@ -6,8 +6,9 @@
 // host once), the previous scale when the amax is 0 or not finite; an infinite scale (a tiny
 // amax) becomes FLT_MAX.
 __device__ __forceinline__ float scale_for(float amax, float previous, float scaled_max) {
-    float s = isfinite(amax) && amax > 0.0f ? scaled_max / amax : previous;
-    return isinf(s) ? __uint_as_float(0x7f7fffffu) : s;
+    bool finite = (__float_as_uint(amax) & 0x7f800000u) != 0x7f800000u;
+    float s = finite && amax > 0.0f ? scaled_max / amax : previous;
+    return (__float_as_uint(s) & 0x7fffffffu) == 0x7f800000u ? __uint_as_float(0x7f7fffffu) : s;
 }
 
 __device__ __forceinline__ void set_scale(float* scale, float* scale_inv, float s) {
