@@ -356,6 +356,10 @@ pub enum Error {
     #[error("model configuration: {0}")]
     Config(crate::nn::ConfigLimit),
 
+    /// An FP8 scaling recipe was refused at construction; the kind says why.
+    #[error("FP8 scaling configuration: {0}")]
+    Scaling(crate::ops::fp8::ScalingConfigError),
+
     /// A module was called with inputs it does not take (counted as positional and named).
     #[error("{op}: takes {expected}, but was given {positional} positional and {named} named inputs; pass the inputs it takes")]
     InputArity {

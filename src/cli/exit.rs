@@ -82,7 +82,7 @@ fn is_refusal(e: &anyhow::Error) -> bool {
         cause.downcast_ref::<Refused>().is_some()
             || cause.downcast_ref::<crate::cli::report::ReportError>().is_some()
             || match cause.downcast_ref::<Error>() {
-                Some(Error::Checkpoint { .. } | Error::Config(_)) => true,
+                Some(Error::Checkpoint { .. } | Error::Config(_) | Error::Scaling(_)) => true,
                 Some(Error::Offload(kind)) => kind.is_config(),
                 _ => false,
             }

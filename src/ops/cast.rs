@@ -138,7 +138,7 @@ pub fn residual_add(out: &Tensor, a: &Tensor, b: &Tensor, stream: &Stream) -> Re
 }
 
 /// The FP8 element types (for [`Error::UnsupportedDType`]).
-const FP8: &str = "f8e4m3 or f8e5m2";
+pub(crate) const FP8: &str = "f8e4m3 or f8e5m2";
 
 /// The FP8 conversion kernels: `name`, the scale's parameter name, the CPU path.
 macro_rules! fp8_kernels {
@@ -183,7 +183,7 @@ fn dequantize_cpu<O: Float, I: Float8>(a: &CpuArgs) -> Result<()> {
 
 /// NaN as the GPU's f32 arithmetic returns it (`0x7fffffff`); a CPU's multiply may return
 /// another one (x86 gives `0xffc00000` for ∞ · 0).
-fn canonical(v: f32) -> f32 {
+pub(crate) fn canonical(v: f32) -> f32 {
     if v.is_nan() {
         f32::from_bits(0x7fff_ffff)
     } else {
@@ -192,7 +192,7 @@ fn canonical(v: f32) -> f32 {
 }
 
 /// The scale a CPU path received as parameter `param`.
-fn scale_of(a: &CpuArgs, param: &str) -> Result<f32> {
+pub(crate) fn scale_of(a: &CpuArgs, param: &str) -> Result<f32> {
     a.input::<f32>(param)?.first().copied().ok_or_else(|| Error::KernelArg {
         kernel: a.kernel.name,
         param: param.into(),
@@ -263,7 +263,7 @@ fn scaled<O: Elem, I: Elem>(
 }
 
 /// A scale's view: an f32 tensor of one element (of any shape).
-fn one_f32<'t>(op: &'static str, t: &'t Tensor) -> Result<View<'t, f32>> {
+pub(crate) fn one_f32<'t>(op: &'static str, t: &'t Tensor) -> Result<View<'t, f32>> {
     if t.numel() != 1 {
         return Err(Error::Shape { op, expected: "a scale of 1 f32 element".into(), found: t.shape().to_vec() });
     }

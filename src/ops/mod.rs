@@ -18,6 +18,7 @@ pub mod cast;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
+pub mod fp8;
 pub mod gelu;
 pub mod heads;
 pub mod layernorm;
@@ -182,6 +183,7 @@ mod tests {
     fn all_kernels() -> Vec<&'static Kernel> {
         use super::*;
         let mut kernels = vec![&adamw::ADAMW, &adamw::ADAMW_BF16, &adamw::NONFINITE_SCAN, &adamw::NONFINITE_SCAN_BF16];
+        kernels.extend(fp8::CAST_TRANSPOSE.iter().copied());
         for table in [&attention::FORWARD, &attention::DELTA, &attention::BACKWARD_DKDV, &attention::BACKWARD_DQ] {
             kernels.extend(table.iter().copied());
         }
@@ -198,6 +200,10 @@ mod tests {
             &cast::DEQUANTIZE_E5M2_TO_F32,
             &cast::DEQUANTIZE_E4M3_TO_BF16,
             &cast::DEQUANTIZE_E5M2_TO_BF16,
+            &fp8::AMAX,
+            &fp8::AMAX_BF16,
+            &fp8::DELAYED_SCALING_UPDATE,
+            &fp8::CURRENT_SCALING_UPDATE,
             &dropout::DROPOUT_FORWARD,
             &dropout::DROPOUT_FORWARD_BF16,
             &dropout::DROPOUT_BACKWARD,

@@ -1,0 +1,56 @@
+// FP8 scaling recipes on the device (after amax.cu), TransformerEngine's arithmetic in its order
+// (Note [Scaling arithmetic] in scaling.rs): nothing is read back by the host, so the kernels run
+// inside graphs and each replay uses the amaxes and scales in memory at its replay.
+
+// The scale for an amax: scaled_max / amax (scaled_max = fp8 max · 2^-margin, computed by the
+// host once), the previous scale when the amax is 0 or not finite; an infinite scale (a tiny
+// amax) becomes FLT_MAX.
+__device__ __forceinline__ float scale_for(float amax, float previous, float scaled_max) {
+    bool finite = (__float_as_uint(amax) & 0x7f800000u) != 0x7f800000u;
+    float s = finite && amax > 0.0f ? scaled_max / amax : previous;
+    return (__float_as_uint(s) & 0x7fffffffu) == 0x7f800000u ? __uint_as_float(0x7f7fffffu) : s;
+}
+
+__device__ __forceinline__ void set_scale(float* scale, float* scale_inv, float s) {
+    *scale = s;
+    *scale_inv = canonical(1.0f / s);
+}
+
+// Delayed scaling, one block of 256 threads per tensor i: history is [len, n] (history[k·n + i]),
+// row 0 the slot this step's casts accumulate into. The history rolls by one toward row 0: row
+// k takes row k + 1 (k ≥ 1), row len - 1 takes row 0, and row 0 is zeroed for the next step;
+// the amax is row 0 (most_recent) or the max over every row before the roll (fmaxf, which skips
+// NaNs, as TransformerEngine's). In each pass of 256 rows every thread reads before any writes,
+// and a pass writes only rows that later passes do not read.
+extern "C" __global__ void delayed_scaling_update(float* history, float* scale, float* scale_inv, unsigned len,
+                                                  unsigned n, unsigned most_recent, float scaled_max) {
+    __shared__ float partial[256];
+    const unsigned i = blockIdx.x, tid = threadIdx.x;
+    if (i >= n) return;
+    const float last = history[i];
+    float amax = 0.0f;
+    for (unsigned off = 0; off < len; off += blockDim.x) {
+        unsigned k = off + tid;
+        float a = 0.0f;
+        if (k < len) {
+            a = k + 1 < len ? history[(unsigned long long)(k + 1) * n + i] : last;
+            amax = fmaxf(amax, a);
+        }
+        __syncthreads();
+        if (k < len) history[(unsigned long long)k * n + i] = k > 0 ? a : 0.0f;
+    }
+    partial[tid] = amax;
+    __syncthreads();
+    for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+        if (tid < half) partial[tid] = fmaxf(partial[tid], partial[tid + half]);
+        __syncthreads();
+    }
+    if (tid == 0) set_scale(scale + i, scale_inv + i, scale_for(most_recent ? last : partial[0], scale[i], scaled_max));
+}
+
+// Current scaling: the scale of tensor i from amax[i], measured this step.
+extern "C" __global__ void current_scaling_update(float* scale, float* scale_inv, const float* amax, unsigned n,
+                                                  float scaled_max) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) set_scale(scale + i, scale_inv + i, scale_for(amax[i], scale[i], scaled_max));
+}
