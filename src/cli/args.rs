@@ -90,10 +90,38 @@ pub struct DTypeArgs {
 impl DTypeArgs {
     /// The element type to run in on `dev`: as given, else bf16 on CUDA and f32 on the simulator
     /// (whose CPU kernels gain nothing from the narrower type).
-    pub fn resolve(&self, dev: &graphed::device::Device) -> DType {
+    ///
+    /// # Errors
+    /// For `--dtype fp8`, which only `train` and `bench graphs` run (they call
+    /// [`DTypeArgs::storage`]).
+    pub fn resolve(&self, dev: &graphed::device::Device) -> anyhow::Result<DType> {
+        if self.fp8() {
+            anyhow::bail!("--dtype fp8 runs in `graphed train` and `graphed bench graphs`; pass --dtype bf16 here");
+        }
+        Ok(self.storage(dev))
+    }
+
+    /// The element type of weights and activations: as [`DTypeArgs::resolve`], bf16 for
+    /// `--dtype fp8`.
+    pub fn storage(&self, dev: &graphed::device::Device) -> DType {
         match (self.dtype, dev.kind()) {
-            (Some(DTypeArg::Bf16), _) | (None, graphed::device::DeviceKind::Cuda) => DType::BF16,
+            (Some(DTypeArg::Bf16 | DTypeArg::Fp8), _) | (None, graphed::device::DeviceKind::Cuda) => DType::BF16,
             _ => DType::F32,
+        }
+    }
+
+    /// Whether the Linear layers run their GEMMs in FP8 (`--dtype fp8`; the weights and
+    /// activations are bf16).
+    pub fn fp8(&self) -> bool {
+        self.dtype == Some(DTypeArg::Fp8)
+    }
+
+    /// The name of the precision in reports: `fp8`, else the element type.
+    pub fn label(&self, dev: &graphed::device::Device) -> String {
+        if self.fp8() {
+            "fp8".into()
+        } else {
+            self.storage(dev).to_string()
         }
     }
 }
@@ -262,6 +290,9 @@ pub enum NonFiniteArg {
 pub enum DTypeArg {
     Bf16,
     F32,
+    /// bf16 weights and activations, the Linear layers' GEMMs in FP8 (E4M3 forward, E5M2
+    /// gradients) with TransformerEngine's delayed scaling.
+    Fp8,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,8 +10,8 @@ use graphed::device::{Device, DeviceKind, Event, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    AttentionBackend, AttentionKind, AttentionSpec, Builder, Inputs, KeepOnDevice, Layers, Module, ParamStore, Stack,
-    TransformerLayer,
+    AttentionBackend, AttentionKind, AttentionSpec, Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers,
+    Module, ParamStore, Stack, TransformerLayer,
 };
 use graphed::offload::OffloadManager;
 use graphed::tensor::Tensor;
@@ -143,12 +143,25 @@ pub struct BenchModel {
     pub dy: Tensor,
     /// The layers' parameters and gradients.
     pub store: ParamStore,
+    /// With `--dtype fp8`, the model's FP8 state, stepped at the end of every step.
+    pub fp8: Option<Fp8Training>,
 }
 
 impl BenchModel {
     /// Builds `config`'s layers, input and upstream gradient from `alloc`, on `stream`.
     pub fn new(alloc: &CachingAllocator, stream: &Stream, config: Config, dtype: DType) -> graphed::Result<BenchModel> {
         BenchModel::with_layers(alloc, stream, config, dtype, &(0..config.layers).collect::<Vec<_>>())
+    }
+
+    /// As [`BenchModel::new`] in bf16, the layers' GEMMs in FP8 (delayed scaling, started).
+    pub fn with_fp8(alloc: &CachingAllocator, stream: &Stream, config: Config) -> graphed::Result<BenchModel> {
+        let fp8 = Fp8Training::new(alloc, Fp8Recipe::default());
+        let global = (0..config.layers).collect::<Vec<_>>();
+        let model = BenchModel::build(alloc, stream, (config, DType::BF16), &global, Some(fp8))?;
+        if let Some(fp8) = &model.fp8 {
+            fp8.start(stream)?;
+        }
+        Ok(model)
     }
 
     /// Only the layers `global` of `config` (as numbered in the whole model, each initialised
@@ -160,12 +173,27 @@ impl BenchModel {
         dtype: DType,
         global: &[usize],
     ) -> graphed::Result<BenchModel> {
+        BenchModel::build(alloc, stream, (config, dtype), global, None)
+    }
+
+    fn build(
+        alloc: &CachingAllocator,
+        stream: &Stream,
+        (config, dtype): (Config, DType),
+        global: &[usize],
+        fp8: Option<Fp8Training>,
+    ) -> graphed::Result<BenchModel> {
         let Config { dim, batch, seq, .. } = config;
         let count = global.len() * TransformerLayer::parameter_count(dim);
         let store = ParamStore::with_dtype(alloc, stream, count, dtype)?;
+        let vb = Builder::new(&store, alloc, stream)?.with_seed(1);
+        let vb = match &fp8 {
+            Some(f) => vb.with_fp8(f),
+            None => vb,
+        };
         // Init seeds four apart: each layer seeds its linear layers from `seed` to `seed + 3`.
         let layers = TransformerLayer::stack(
-            &Builder::new(&store, alloc, stream)?.with_seed(1),
+            &vb,
             config.attention_spec(),
             &Layers::of(global.iter().copied()).named("layer").seed_stride(4),
         )?;
@@ -173,15 +201,21 @@ impl BenchModel {
         let x: Vec<f32> = (0..numel).map(|i| (i * 7919 % 1000) as f32 / 1000.0 - 0.5).collect();
         let x = Tensor::from_f32(alloc, stream, &x, &[batch, seq, dim], dtype)?;
         let dy = Tensor::from_f32(alloc, stream, &vec![1.0f32; numel], &[batch, seq, dim], dtype)?;
-        Ok(BenchModel { stack: Stack::new(layers), x, dy, store })
+        Ok(BenchModel { stack: Stack::new(layers), x, dy, store, fp8 })
     }
 
     /// One eager step on `stream`: every forward in order, then every backward in reverse from
-    /// `dy`; parameter gradients accumulate.
+    /// `dy`; parameter gradients accumulate. Then [`BenchModel::end_step`].
     pub fn eager_step(&self, stream: &Stream) -> graphed::Result<()> {
         let (_, ctx) = self.stack.forward(&Inputs::one(&self.x), &KeepOnDevice, stream)?;
         self.stack.backward(ctx, &[&self.dy], stream)?;
-        Ok(())
+        self.end_step(stream)
+    }
+
+    /// What ends a step besides the passes (the benchmark has no optimizer): FP8's scale update
+    /// and weight quantization, which a training step runs after its optimizer.
+    pub fn end_step(&self, stream: &Stream) -> graphed::Result<()> {
+        self.fp8.as_ref().map_or(Ok(()), |f| f.step(stream))
     }
 
     /// Graphs the stack into one pool, its layers chained so that they replay with no copies

@@ -25,7 +25,7 @@ pub fn run(dev: &Device, args: &InspectArgs) -> anyhow::Result<()> {
     config.check_device(dev, "--config")?;
     let alloc = CachingAllocator::new(dev);
     let stream = dev.stream()?;
-    let model = BenchModel::new(&alloc, &stream, config, args.dtype.resolve(dev))?;
+    let model = BenchModel::new(&alloc, &stream, config, args.dtype.resolve(dev)?)?;
     let event = if args.side_stream { Some(dev.event()?) } else { None };
     let offload = args.offload.config(dev).map(|c| OffloadManager::new(&alloc, c)).transpose()?;
     let stack = model.graph(&alloc, event.as_ref(), offload.as_ref())?;

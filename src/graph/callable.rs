@@ -68,6 +68,9 @@ pub trait Callable: Sync + sealed::Sealed {
 
     /// [`Module::parameters`].
     fn parameters_dyn(&self) -> Vec<&Param>;
+
+    /// [`Module::pass_state`].
+    fn pass_state_dyn(&self) -> Vec<Tensor>;
 }
 
 impl<M: Module> Callable for M {
@@ -109,5 +112,9 @@ impl<M: Module> Callable for M {
 
     fn parameters_dyn(&self) -> Vec<&Param> {
         self.parameters()
+    }
+
+    fn pass_state_dyn(&self) -> Vec<Tensor> {
+        self.pass_state()
     }
 }

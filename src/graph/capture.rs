@@ -254,7 +254,10 @@ fn capture(
             params.push(p.clone());
         }
     }
-    let grads_before = snapshot(&stream, &params)?;
+    // What the warmup writes and must leave as it found it: the gradients and the passes' state.
+    let kept: Vec<Tensor> =
+        params.iter().map(|p| p.grad.clone()).chain(callables.iter().flat_map(|c| c.pass_state_dyn())).collect();
+    let kept_before = snapshot(&stream, &kept)?;
 
     if let Some(h) = &mut options.pre_warmup {
         h(&stream)?;
@@ -263,8 +266,8 @@ fn capture(
     // not yet restored), so that a failed probe is undone as a failed warmup is.
     let warmed = warmup(&plan, &mut options).and_then(|()| probe_windows(&plan, layout.as_ref(), &mut options));
     let post = options.post_warmup.as_mut().map_or(Ok(()), |h| h(&stream));
-    let restored = restore(alloc, &stream, &params, &grads_before);
-    drop(grads_before);
+    let restored = restore(alloc, &stream, &kept, &kept_before);
+    drop(kept_before);
     warmed?;
     post?;
     restored?;
@@ -419,33 +422,32 @@ pub(crate) fn distinct(pools: &[GraphPool]) -> Vec<&GraphPool> {
     out
 }
 
-/// A parameter's gradient as it was before the warmup, which accumulates into it: kept in host
-/// memory, since a device copy of every gradient would add their whole size to the capture's
-/// peak (1.6 GB at the benchmark's L); none when it was all zero bits (the common case of a capture
-/// before the first step), restored by zeroing.
-struct HostGrad(Option<Vec<u8>>);
+/// A tensor the warmup writes (a parameter's gradient, which it accumulates into; an FP8 amax
+/// slot) as it was before: kept in host memory, since a device copy of every gradient would add
+/// their whole size to the capture's peak (1.6 GB at the benchmark's L); none when it was all
+/// zero bits (the common case of a capture before the first step), restored by zeroing.
+struct HostCopy(Option<Vec<u8>>);
 
-fn snapshot(stream: &Stream, params: &[Param]) -> Result<Vec<HostGrad>> {
-    params
+fn snapshot(stream: &Stream, tensors: &[Tensor]) -> Result<Vec<HostCopy>> {
+    tensors
         .iter()
-        .map(|p| {
-            let bytes: Vec<u8> =
-                with_dtype!(p.grad.dtype(), T => bytemuck::cast_slice(&p.grad.to_vec::<T>(stream)?).to_vec());
-            Ok(HostGrad(bytes.iter().any(|b| *b != 0).then_some(bytes)))
+        .map(|t| {
+            let bytes: Vec<u8> = with_dtype!(t.dtype(), T => bytemuck::cast_slice(&t.to_vec::<T>(stream)?).to_vec());
+            Ok(HostCopy(bytes.iter().any(|b| *b != 0).then_some(bytes)))
         })
         .collect()
 }
 
-fn restore(alloc: &CachingAllocator, stream: &Stream, params: &[Param], saved: &[HostGrad]) -> Result<()> {
-    for (p, HostGrad(bytes)) in params.iter().zip(saved) {
+fn restore(alloc: &CachingAllocator, stream: &Stream, tensors: &[Tensor], saved: &[HostCopy]) -> Result<()> {
+    for (t, HostCopy(bytes)) in tensors.iter().zip(saved) {
         let Some(bytes) = bytes else {
-            p.grad.zero(stream)?;
+            t.zero(stream)?;
             continue;
         };
-        with_dtype!(p.grad.dtype(), T => {
-            let mut values = vec![<T as bytemuck::Zeroable>::zeroed(); bytes.len() / p.grad.dtype().size()];
+        with_dtype!(t.dtype(), T => {
+            let mut values = vec![<T as bytemuck::Zeroable>::zeroed(); bytes.len() / t.dtype().size()];
             bytemuck::cast_slice_mut(&mut values).copy_from_slice(bytes);
-            p.grad.copy_from(&Tensor::from_host(alloc, stream, &values, p.grad.shape())?, stream)?;
+            t.copy_from(&Tensor::from_host(alloc, stream, &values, t.shape())?, stream)?;
         });
     }
     stream.synchronize()

@@ -556,6 +556,10 @@ impl Module for CausalSelfAttention {
         [self.qkv.parameters(), self.proj.parameters()].concat()
     }
 
+    fn pass_state(&self) -> Vec<Tensor> {
+        [self.qkv.pass_state(), self.proj.pass_state()].concat()
+    }
+
     /// Turns its attention dropout on or off.
     fn set_training(&mut self, training: bool) {
         self.training = training;

@@ -8,7 +8,7 @@
 //! a composite one gives its parts fixed offsets from it (`Mlp`: `fc1` from the seed, `fc2` from
 //! seed + 1), so that a model's initial parameters are the same on every device and every run.
 
-use super::{DropoutSpec, Param, ParamStore};
+use super::{DropoutSpec, Fp8Training, Param, ParamStore};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::tensor::Tensor;
@@ -43,6 +43,8 @@ pub struct Builder<'a> {
     seed: u64,
     /// What a dropout built here draws from; its site is the next dropout's.
     dropout: DropoutSpec,
+    /// The FP8 state its Linear layers register with.
+    fp8: Option<Fp8Training>,
 }
 
 impl<'a> Builder<'a> {
@@ -60,6 +62,7 @@ impl<'a> Builder<'a> {
             prefix: String::new(),
             seed: 0,
             dropout: DropoutSpec { p: 0.0, seed: 0, site: 0, step },
+            fp8: None,
         })
     }
 
@@ -83,6 +86,18 @@ impl<'a> Builder<'a> {
     /// dropouts draw independent masks: Note [Graph-safe RNG] in `ops/rng.rs`).
     pub fn with_site(self, site: u32) -> Builder<'a> {
         Builder { dropout: DropoutSpec { site, ..self.dropout }, ..self }
+    }
+
+    /// The same builder, the [`Linear`](super::Linear) layers built from it running their GEMMs
+    /// in FP8 with `fp8`'s recipe (a bf16 store's weights only; call [`Fp8Training::start`] once
+    /// the model is built).
+    pub fn with_fp8(self, fp8: &Fp8Training) -> Builder<'a> {
+        Builder { fp8: Some(fp8.clone()), ..self }
+    }
+
+    /// The FP8 state the layers built here register with, if any.
+    pub fn fp8(&self) -> Option<&Fp8Training> {
+        self.fp8.as_ref()
     }
 
     /// The full name of `leaf` below the prefix.

@@ -3,8 +3,9 @@
 //! launch updates them all.
 
 use super::{
-    input_grad, AttentionBackend, AttentionKind, AttentionSpec, Builder, Embedding, Inputs, KeepOnDevice, LayerNorm,
-    LayerNormCtx, Layers, LmHead, LmHeadCtx, Module, ParamStore, SaveHook, Stack, StackCtx, TransformerLayer,
+    input_grad, AttentionBackend, AttentionKind, AttentionSpec, Builder, Embedding, Fp8Recipe, Fp8Training, Inputs,
+    KeepOnDevice, LayerNorm, LayerNormCtx, Layers, LmHead, LmHeadCtx, Module, ParamStore, SaveHook, Stack, StackCtx,
+    TransformerLayer,
 };
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
@@ -195,6 +196,8 @@ pub struct Gpt {
     ln_f: LayerNorm,
     head: LmHead,
     step: Tensor,
+    /// With FP8 training, the state of the transformer layers' Linear layers.
+    fp8: Option<Fp8Training>,
 }
 
 /// What a forward saves for the backward.
@@ -220,6 +223,30 @@ impl Gpt {
     /// [`Error::Config`] when [`GptConfig::validate`] refuses the configuration, before
     /// anything is allocated; device errors.
     pub fn new(alloc: &CachingAllocator, config: GptConfig, stream: &Stream) -> Result<Gpt> {
+        Gpt::build(alloc, config, None, stream)
+    }
+
+    /// As [`Gpt::new`] (with a bf16 `config.dtype`), the transformer layers' Linear layers
+    /// running their GEMMs in FP8 with `recipe`, the state started (see [`Fp8Training`]); the
+    /// embedding and the head stay bf16. Step the state with the optimizer
+    /// ([`AdamW::with_fp8`](crate::optim::AdamW::with_fp8) of [`Gpt::fp8`]).
+    ///
+    /// # Errors
+    /// As [`Gpt::new`], and [`Error::DTypeMismatch`] unless `config.dtype` is bf16.
+    pub fn with_fp8(alloc: &CachingAllocator, config: GptConfig, recipe: Fp8Recipe, stream: &Stream) -> Result<Gpt> {
+        let gpt = Gpt::build(alloc, config, Some(Fp8Training::new(alloc, recipe)), stream)?;
+        if let Some(fp8) = &gpt.fp8 {
+            fp8.start(stream)?;
+        }
+        Ok(gpt)
+    }
+
+    /// The FP8 state of the layers, with [`Gpt::with_fp8`].
+    pub fn fp8(&self) -> Option<&Fp8Training> {
+        self.fp8.as_ref()
+    }
+
+    fn build(alloc: &CachingAllocator, config: GptConfig, fp8: Option<Fp8Training>, stream: &Stream) -> Result<Gpt> {
         config.validate().map_err(Error::Config)?;
         let store = ParamStore::with_dtype(alloc, stream, config.parameter_count(), config.dtype)?;
         let (c, seed) = (config.dim, config.seed);
@@ -228,6 +255,10 @@ impl Gpt {
         let attention = AttentionSpec::new(c, config.heads).kind(config.attention).backend(config.attention_backend);
         // Layer l seeded `seed + 1000·(l + 1)`.
         let layers_vb = vb.clone().with_seed(seed.wrapping_add(1000));
+        let layers_vb = match &fp8 {
+            Some(f) => layers_vb.with_fp8(f),
+            None => layers_vb,
+        };
         let layers = TransformerLayer::stack(&layers_vb, attention, &Layers::first(config.layers).seed_stride(1000))?;
         let ln_f = LayerNorm::new(&vb.pp("ln_f"), c)?;
         let head = LmHead::new(&vb.pp("head").with_seed(seed.wrapping_add(7)), (c, config.vocab))?;
@@ -241,6 +272,7 @@ impl Gpt {
             ln_f,
             head,
             step,
+            fp8,
         })
     }
 

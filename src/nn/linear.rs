@@ -9,12 +9,15 @@
 //! ([`Linear::forward_with`], [`Linear::forward_gelu`], [`Linear::data_grad`],
 //! [`Linear::data_grad_through_gelu`], [`Linear::weight_grads`]) to fuse across layers.
 
+use half::bf16;
+
+use super::fp8::Fp8Linear;
 use super::params::init_uniform;
 use super::{Builder, Inputs, Module, Param, SaveHook, SavedTensor};
-use crate::device::Stream;
+use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::elementwise;
-use crate::ops::matmul::{matmul, Fused, Matmul};
+use crate::ops::matmul::{fp8_matmul, matmul, Fp8Matmul, Fused, Matmul};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -43,6 +46,8 @@ pub struct Linear {
     /// With a split weight gradient, the work that [`Module::backward_dw`] still owes; `None`
     /// when `backward` computes the weight gradients itself.
     deferred: Option<Mutex<Vec<Deferred>>>,
+    /// With FP8 training ([`Builder::with_fp8`]), the layer's handle on the model's FP8 state.
+    fp8: Option<Fp8Linear>,
     /// `(out, in)`.
     pub weight: Param,
     /// `(out)`.
@@ -71,7 +76,8 @@ impl Linear {
         let bound = 1.0 / (inputs as f32).sqrt();
         let weight = vb.add("weight", &[outputs, inputs], &init_uniform(inputs * outputs, bound, vb.seed()))?;
         let bias = vb.add("bias", &[outputs], &vec![0.0; outputs])?;
-        Ok(Linear { name: vb.prefix().to_string(), alloc: vb.alloc().clone(), deferred: None, weight, bias })
+        let fp8 = vb.fp8().map(|f| f.register(&weight.value, vb.stream())).transpose()?;
+        Ok(Linear { name: vb.prefix().to_string(), alloc: vb.alloc().clone(), deferred: None, fp8, weight, bias })
     }
 
     /// Splits the weight gradient out of `backward` into [`Module::backward_dw`] (or joins it
@@ -89,14 +95,7 @@ impl Linear {
             r.expect_shape(OP, &[n, o])?;
         }
         let y = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
-        let gemm = Matmul {
-            fused: Fused::Bias(&self.bias.value),
-            addend: residual,
-            beta: if residual.is_some() { 1.0 } else { 0.0 },
-            trans_b: true,
-            ..Matmul::new(&y, x, &self.weight.value, (n, o, i))
-        };
-        matmul(gemm, stream)?;
+        self.forward_gemm(&y, x, Fused::Bias(&self.bias.value), residual, stream)?;
         Ok(y)
     }
 
@@ -107,12 +106,7 @@ impl Linear {
         let n = self.rows("Linear::forward_gelu", x, i)?;
         let act = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
         let pre = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
-        let gemm = Matmul {
-            fused: Fused::BiasGeluAux { bias: &self.bias.value, aux: &pre },
-            trans_b: true,
-            ..Matmul::new(&act, x, &self.weight.value, (n, o, i))
-        };
-        matmul(gemm, stream)?;
+        self.forward_gemm(&act, x, Fused::BiasGeluAux { bias: &self.bias.value, aux: &pre }, None, stream)?;
         Ok((act, pre))
     }
 
@@ -121,7 +115,7 @@ impl Linear {
         let (i, o) = self.dims();
         let n = self.rows("Linear::backward", dy, o)?;
         let dx = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
-        matmul(Matmul::new(&dx, dy, &self.weight.value, (n, i, o)), stream)?;
+        self.data_gemm(&dx, dy, Fused::None, stream)?;
         Ok(dx)
     }
 
@@ -133,8 +127,7 @@ impl Linear {
         let (i, o) = self.dims();
         let n = self.rows("Linear::data_grad_through_gelu", dy, o)?;
         let dpre = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
-        let gemm = Matmul { fused: Fused::DGelu { aux: pre }, ..Matmul::new(&dpre, dy, &self.weight.value, (n, i, o)) };
-        matmul(gemm, stream)?;
+        self.data_gemm(&dpre, dy, Fused::DGelu { aux: pre }, stream)?;
         Ok(dpre)
     }
 
@@ -150,10 +143,89 @@ impl Linear {
         }
     }
 
+    /// `y = x·Wᵀ` with `fused` (and `residual` as C), in bf16 or FP8.
+    fn forward_gemm(
+        &self,
+        y: &Tensor,
+        x: &Tensor,
+        fused: Fused<'_>,
+        residual: Option<&Tensor>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (i, o) = self.dims();
+        let (n, beta) = (x.shape()[0], if residual.is_some() { 1.0 } else { 0.0 });
+        let Some(f) = &self.fp8 else {
+            let gemm = Matmul {
+                fused,
+                addend: residual,
+                beta,
+                trans_b: true,
+                ..Matmul::new(y, x, &self.weight.value, (n, o, i))
+            };
+            return matmul(gemm, stream);
+        };
+        let (xs, ws) = (f.input()?, f.weight_scale()?);
+        let x8 = f.quantize(&self.alloc, x, (&xs, DType::F8E4M3, false), stream)?;
+        let scales = (&xs.scale_inv, &ws.scale_inv);
+        let gemm = Fp8Matmul {
+            fused,
+            addend: residual,
+            beta,
+            fast_accum: true,
+            ..Fp8Matmul::new(y, (&x8, f.weights().0), scales, (n, o, i))
+        };
+        fp8_matmul(gemm, stream)
+    }
+
+    /// `dx = dy·W` with `fused`, in bf16 or FP8 (`dy` in E5M2 against the weight's transpose).
+    fn data_gemm(&self, dx: &Tensor, dy: &Tensor, fused: Fused<'_>, stream: &Stream) -> Result<()> {
+        let (i, o) = self.dims();
+        let n = dy.shape()[0];
+        let Some(f) = &self.fp8 else {
+            return matmul(Matmul { fused, ..Matmul::new(dx, dy, &self.weight.value, (n, i, o)) }, stream);
+        };
+        let (gs, ws) = (f.grad()?, f.weight_scale()?);
+        let dy8 = f.quantize(&self.alloc, dy, (&gs, DType::F8E5M2, false), stream)?;
+        let scales = (&gs.scale_inv, &ws.scale_inv);
+        fp8_matmul(Fp8Matmul { fused, ..Fp8Matmul::new(dx, (&dy8, f.weights().1), scales, (n, i, o)) }, stream)
+    }
+
+    /// `dW += dyᵀ·x` in FP8, both operands quantized transposed, and `Σ_rows dy` (bf16, a GEMM
+    /// with a row of ones: cuBLASLt has no FP8 bias-gradient epilogue) when `bias` computes it.
+    fn weight_grads_fp8(
+        &self,
+        f: &Fp8Linear,
+        (dy, x): (&Tensor, &Tensor),
+        bias: &BiasGrad,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (i, o) = self.dims();
+        let n = dy.shape()[0];
+        let (gs, xs) = (f.grad()?, f.input()?);
+        let dy8_t = f.quantize(&self.alloc, dy, (&gs, DType::F8E5M2, true), stream)?;
+        let x8_t = f.quantize(&self.alloc, x, (&xs, DType::F8E4M3, true), stream)?;
+        let scales = (&gs.scale_inv, &xs.scale_inv);
+        fp8_matmul(
+            Fp8Matmul { beta: 1.0, ..Fp8Matmul::new(&self.weight.grad, (&dy8_t, &x8_t), scales, (o, i, n)) },
+            stream,
+        )?;
+        if let BiasGrad::Compute = bias {
+            let ones = Tensor::uninit(&self.alloc, stream, &[1, n], DType::BF16)?;
+            elementwise::fill(ones.view::<bf16>()?, 1.0, stream)?;
+            let db = Tensor::uninit(&self.alloc, stream, &[o], DType::BF16)?;
+            matmul(Matmul::new(&db, &ones, dy, (1, o, n)), stream)?;
+            elementwise::accumulate(&self.bias.grad, &db, stream)?;
+        }
+        Ok(())
+    }
+
     fn weight_grads_now(&self, dy: &Tensor, x: &Tensor, bias: &BiasGrad, stream: &Stream) -> Result<()> {
         let (i, o) = self.dims();
         let n = self.rows("Linear::weight_grads", dy, o)?;
         self.rows("Linear::weight_grads", x, i)?;
+        if let Some(f) = &self.fp8 {
+            return self.weight_grads_fp8(f, (dy, x), bias, stream);
+        }
         let scratch = match bias {
             BiasGrad::Compute => Some(Tensor::uninit(&self.alloc, stream, &[o], dy.dtype())?),
             _ => None,
@@ -214,6 +286,10 @@ impl Module for Linear {
 
     fn parameters(&self) -> Vec<&Param> {
         vec![&self.weight, &self.bias]
+    }
+
+    fn pass_state(&self) -> Vec<Tensor> {
+        self.fp8.as_ref().map_or_else(Vec::new, Fp8Linear::amaxes)
     }
 
     fn set_training(&mut self, _training: bool) {}

@@ -109,5 +109,9 @@ impl Module for Mlp {
         [self.fc1.parameters(), self.fc2.parameters()].concat()
     }
 
+    fn pass_state(&self) -> Vec<Tensor> {
+        [self.fc1.pass_state(), self.fc2.pass_state()].concat()
+    }
+
     fn set_training(&mut self, _training: bool) {}
 }

@@ -19,6 +19,7 @@ mod attention;
 mod builder;
 mod dropout;
 mod embedding;
+mod fp8;
 mod gpt;
 mod grad_hook;
 mod inputs;
@@ -37,6 +38,7 @@ pub use attention::{AttentionCtx, AttentionKind, AttentionSpec, BackendsRan, Cau
 pub use builder::Builder;
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;
+pub use fp8::{Fp8Recipe, Fp8Training};
 pub use gpt::{ConfigLimit, Gpt, GptConfig, GptCtx, HeadCtx};
 pub use grad_hook::{GradHook, NoGradHook};
 pub use inputs::{Input, Inputs};
@@ -204,6 +206,14 @@ pub trait Module: Send + Sync {
 
     /// The module's parameters.
     fn parameters(&self) -> Vec<&Param>;
+
+    /// Device state besides its parameters' gradients that its passes write: the amax slots of
+    /// FP8 training ([`Fp8Training`]). A capture's warmup leaves it as it found it, as it does
+    /// the gradients (TransformerEngine saves and restores its FP8 metadata around its warmup
+    /// likewise). The default writes none.
+    fn pass_state(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
 
     /// Turns training behaviour (dropout) on or off.
     fn set_training(&mut self, training: bool);

@@ -253,6 +253,10 @@ impl<M: Module> Module for Stack<M> {
         self.layers.iter().flat_map(Module::parameters).collect()
     }
 
+    fn pass_state(&self) -> Vec<Tensor> {
+        self.layers.iter().flat_map(Module::pass_state).collect()
+    }
+
     fn set_training(&mut self, training: bool) {
         self.training = training;
         self.layers.iter_mut().for_each(|l| l.set_training(training));

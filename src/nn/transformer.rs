@@ -257,6 +257,10 @@ impl Module for TransformerLayer {
         [self.ln1.parameters(), self.attn.parameters(), self.ln2.parameters(), self.mlp.parameters()].concat()
     }
 
+    fn pass_state(&self) -> Vec<Tensor> {
+        [self.attn.pass_state(), self.mlp.pass_state()].concat()
+    }
+
     fn set_training(&mut self, training: bool) {
         self.attn.set_training(training);
         self.drop1.set_training(training);

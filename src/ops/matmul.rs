@@ -17,9 +17,12 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use crate::device::{Epilogue, Gemm, GemmElem, Stream};
+use float8::{F8E4M3, F8E5M2};
+use half::bf16;
+
+use crate::device::{DType, Epilogue, Float8, Fp8Gemm, Fp8Pair, Gemm, GemmElem, Stream};
 use crate::tensor::Tensor;
-use crate::Result;
+use crate::{Error, Result};
 
 /// What the GEMM's store does besides writing the product: [`Epilogue`] on tensors.
 #[derive(Clone, Copy, Default)]
@@ -155,6 +158,100 @@ pub fn matmul(m: Matmul<'_>, stream: &Stream) -> Result<()> {
         t.expect_dtype(OP, dtype)?;
     }
     super::with_float!(OP, dtype, T => m.typed::<T>(stream))
+}
+
+/// An FP8 GEMM on tensors (the device layer's [`Fp8Gemm`]): `C = alpha·(a_scale_inv·b_scale_inv)·
+/// A·Bᵀ + beta·C'`, then the epilogue, with A (`m × k`) and B (`n × k`) in FP8, C, the addend and
+/// the epilogue's tensors in bf16, the scales one f32 each.
+pub struct Fp8Matmul<'t> {
+    /// Output, bf16 `m × n`.
+    pub c: &'t Tensor,
+    /// Left operand, `m × k`, E4M3 or E5M2.
+    pub a: &'t Tensor,
+    /// Right operand, `n × k`, E4M3 or E5M2 (not both E5M2).
+    pub b: &'t Tensor,
+    /// A's dequantization factor.
+    pub a_scale_inv: &'t Tensor,
+    /// B's dequantization factor.
+    pub b_scale_inv: &'t Tensor,
+    /// A separate C.
+    pub addend: Option<&'t Tensor>,
+    /// The epilogue (not [`Fused::BGradA`]).
+    pub fused: Fused<'t>,
+    /// (m, n, k).
+    pub dims: (usize, usize, usize),
+    /// Scales C's previous contents or the addend.
+    pub beta: f32,
+    /// Accumulate in the tensor cores' precision throughout (the forward's GEMMs).
+    pub fast_accum: bool,
+}
+
+impl<'t> Fp8Matmul<'t> {
+    /// `C = (a_scale_inv·b_scale_inv)·A·Bᵀ` for `(m, n, k)`.
+    pub fn new(
+        c: &'t Tensor,
+        (a, b): (&'t Tensor, &'t Tensor),
+        (a_scale_inv, b_scale_inv): (&'t Tensor, &'t Tensor),
+        dims: (usize, usize, usize),
+    ) -> Fp8Matmul<'t> {
+        Fp8Matmul {
+            c,
+            a,
+            b,
+            a_scale_inv,
+            b_scale_inv,
+            addend: None,
+            fused: Fused::None,
+            dims,
+            beta: 0.0,
+            fast_accum: false,
+        }
+    }
+
+    fn typed<A: Float8, B: Float8>(&self, stream: &Stream) -> Result<()>
+    where
+        (A, B): Fp8Pair,
+    {
+        stream.fp8_gemm(Fp8Gemm {
+            addend: self.addend.map(Tensor::view::<bf16>).transpose()?,
+            epilogue: self.fused.typed()?,
+            beta: self.beta,
+            fast_accum: self.fast_accum,
+            ..Fp8Gemm::new(
+                self.c.view()?,
+                self.a.view()?,
+                self.b.view()?,
+                (self.a_scale_inv.view()?, self.b_scale_inv.view()?),
+                self.dims,
+            )
+        })
+    }
+}
+
+/// Runs `m` on `stream`.
+///
+/// # Errors
+/// [`Error::DTypeMismatch`] unless C, the addend and the epilogue's tensors are bf16 and the
+/// scales f32; [`Error::UnsupportedDType`] unless A and B are E4M3 × E4M3, E4M3 × E5M2 or
+/// E5M2 × E4M3; as [`Stream::fp8_gemm`] otherwise.
+pub fn fp8_matmul(m: Fp8Matmul<'_>, stream: &Stream) -> Result<()> {
+    const OP: &str = "fp8_matmul";
+    for t in [m.c].into_iter().chain(m.addend).chain(m.fused.tensors()) {
+        t.expect_dtype(OP, DType::BF16)?;
+    }
+    for t in [m.a_scale_inv, m.b_scale_inv] {
+        t.expect_dtype(OP, DType::F32)?;
+    }
+    match (m.a.dtype(), m.b.dtype()) {
+        (DType::F8E4M3, DType::F8E4M3) => m.typed::<F8E4M3, F8E4M3>(stream),
+        (DType::F8E4M3, DType::F8E5M2) => m.typed::<F8E4M3, F8E5M2>(stream),
+        (DType::F8E5M2, DType::F8E4M3) => m.typed::<F8E5M2, F8E4M3>(stream),
+        (a, b) => Err(Error::UnsupportedDType {
+            op: OP,
+            dtype: if matches!(a, DType::F8E4M3 | DType::F8E5M2) { b } else { a },
+            supported: "f8e4m3 × f8e4m3, f8e4m3 × f8e5m2 or f8e5m2 × f8e4m3",
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use crate::device::{DType, RangeName, Stream};
 use crate::memory::CachingAllocator;
-use crate::nn::ParamStore;
+use crate::nn::{Fp8Training, ParamStore};
 use crate::ops::adamw::{adamw_step, nonfinite_guard, read_guard, AdamWHyper, NonFinite};
 use crate::ops::schedule::{lr_schedule_step, LrSchedule};
 use crate::tensor::Tensor;
@@ -66,6 +66,8 @@ pub struct AdamW {
     schedule: LrSchedule,
     /// The range of its steps (`optimizer step`), made once.
     range: RangeName,
+    /// FP8 training's state, stepped after every update.
+    fp8: Option<Fp8Training>,
 }
 
 impl AdamW {
@@ -98,7 +100,15 @@ impl AdamW {
         let guard = nonfinite_guard(alloc, stream)?;
         let names = store.ranges();
         let range = RangeName::new("optimizer step");
-        Ok(AdamW { params, weights, grads, m, v, lr, step, guard, names, hyper, schedule, range })
+        Ok(AdamW { params, weights, grads, m, v, lr, step, guard, names, hyper, schedule, range, fp8: None })
+    }
+
+    /// The same optimizer, each step followed by `fp8`'s ([`Fp8Training::step`]): the scales
+    /// updated and the weights quantized once, right after the launch that rewrites them, so
+    /// that a graph of the step covers both and every microbatch of the next step reads the same
+    /// FP8 weights.
+    pub fn with_fp8(self, fp8: &Fp8Training) -> AdamW {
+        AdamW { fp8: Some(fp8.clone()), ..self }
     }
 
     /// One step, enqueued on `stream`: the step counter advances, the learning rate of the new
@@ -114,6 +124,9 @@ impl AdamW {
         let (p, w) = (&self.params, self.weights.as_ref());
         let (g, guard) = (&self.grads, &self.guard);
         adamw_step(p, w, g, &self.m, &self.v, &self.lr, &self.step, guard, &self.hyper, stream)?;
+        if let Some(fp8) = &self.fp8 {
+            fp8.step(stream)?;
+        }
         self.grads.zero(stream)
     }
 

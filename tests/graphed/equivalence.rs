@@ -26,8 +26,13 @@ enum How {
 /// Trains twin models, one eagerly and one graphed (its optimizer step a graph too), and
 /// compares everything bitwise.
 fn twin_training(dev: &Device, how: How, dtype: DType) -> Result {
-    let eager = Model::with_dtype(dev, dtype)?;
-    let graphed = Model::with_dtype(dev, dtype)?;
+    twins(dev, how, &|dev| Model::with_dtype(dev, dtype))
+}
+
+/// As [`twin_training`], of the models `make` builds.
+fn twins(dev: &Device, how: How, make: &dyn Fn(&Device) -> Result<Model>) -> Result {
+    let eager = make(dev)?;
+    let graphed = make(dev)?;
     let side = dev.stream()?;
     let event = dev.event()?;
     let options = match how {
@@ -79,7 +84,7 @@ fn twin_training(dev: &Device, how: How, dtype: DType) -> Result {
         graphed.step.to_vec::<u64>(&graphed.s)? == draws,
         "the graphed stack advanced its step counter once per forward"
     );
-    ensure!(eager.params()? != Model::with_dtype(dev, dtype)?.params()?, "training changed nothing");
+    ensure!(eager.params()? != make(dev)?.params()?, "training changed nothing");
     Ok(())
 }
 
@@ -102,6 +107,16 @@ pub fn stack_caller_matches_eager_in_bf16(dev: &Device) -> Result {
 
 pub fn stack_side_stream_matches_eager_in_bf16(dev: &Device) -> Result {
     twin_training(dev, How::Side, DType::BF16)
+}
+
+/// FP8: the layers' GEMMs in FP8, the scales updated and the weights quantized by the
+/// optimizer's step (graphed with it on the graphed side).
+pub fn stack_caller_matches_eager_in_fp8(dev: &Device) -> Result {
+    twins(dev, How::Caller, &Model::fp8)
+}
+
+pub fn stack_side_stream_matches_eager_in_fp8(dev: &Device) -> Result {
+    twins(dev, How::Side, &Model::fp8)
 }
 
 /// Per layer, not chained: every input is copied into its layer's static input.

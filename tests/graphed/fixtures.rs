@@ -8,8 +8,8 @@ use graphed::device::{Device, Event, Stream};
 use graphed::graph::{make_graphed_stack, Callable, GraphOptions, GraphedCallable, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    backward_pass, forward_pass, input_grad, Builder, Inputs, KeepOnDevice, Layers, Module, Param, ParamStore,
-    SaveHook, SavedTensor, Stack, TransformerLayer, Traverse,
+    backward_pass, forward_pass, input_grad, Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers, Module,
+    Param, ParamStore, SaveHook, SavedTensor, Stack, TransformerLayer, Traverse,
 };
 use graphed::ops::cast::residual_add;
 use graphed::ops::elementwise;
@@ -22,6 +22,8 @@ pub type Result<T = ()> = anyhow::Result<T>;
 
 /// Batch, sequence, width; heads; layers; dropout.
 pub const SHAPE: [usize; 3] = [2, 4, 32];
+/// [`Model::fp8`]'s: 16 tokens.
+pub const FP8_SHAPE: [usize; 3] = [2, 8, 32];
 /// One head of 32 features: the narrowest the fused attention (the default form) runs.
 const HEADS: usize = 1;
 pub const LAYERS: usize = 2;
@@ -30,6 +32,8 @@ const DROPOUT: f32 = 0.25;
 /// A stack of transformer layers, its parameters, step counter and optimizer.
 pub struct Model {
     pub dtype: DType,
+    /// Batch, sequence, width of the data.
+    pub shape: [usize; 3],
     pub s: Stream,
     pub alloc: CachingAllocator,
     pub store: ParamStore,
@@ -47,15 +51,38 @@ impl Model {
     /// As [`Model::new`], with weights and activations of `dtype` (f32 master weights in the
     /// optimizer for bf16).
     pub fn with_dtype(dev: &Device, dtype: DType) -> Result<Model> {
+        Model::build(dev, dtype, SHAPE, None)
+    }
+
+    /// As [`Model::new`] in bf16, its layers' GEMMs in FP8 (the optimizer stepping the FP8
+    /// state), over 16 tokens: an FP8 GEMM's k, here the tokens of the weight gradient, is a
+    /// multiple of 16.
+    pub fn fp8(dev: &Device) -> Result<Model> {
+        Model::build(dev, DType::BF16, FP8_SHAPE, Some(Fp8Recipe { history_len: 4, ..Fp8Recipe::default() }))
+    }
+
+    fn build(dev: &Device, dtype: DType, shape: [usize; 3], fp8: Option<Fp8Recipe>) -> Result<Model> {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
-        let c = SHAPE[2];
+        let fp8 = fp8.map(|recipe| Fp8Training::new(&alloc, recipe));
+        let c = shape[2];
         let store = ParamStore::with_dtype(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c), dtype)?;
         let vb = Builder::new(&store, &alloc, &s)?.with_seed(10).with_dropout(DROPOUT, 77);
+        let vb = match &fp8 {
+            Some(f) => vb.with_fp8(f),
+            None => vb,
+        };
         let layers = TransformerLayer::stack(&vb, (c, HEADS), &Layers::first(LAYERS))?;
         let step = vb.step().clone();
         let optimizer = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-2), &s)?;
-        Ok(Model { dtype, s, alloc, store, stack: Stack::new(layers).with_rng_step(&step), step, optimizer })
+        let optimizer = match &fp8 {
+            Some(f) => {
+                f.start(&s)?;
+                optimizer.with_fp8(f)
+            }
+            None => optimizer,
+        };
+        Ok(Model { dtype, shape, s, alloc, store, stack: Stack::new(layers).with_rng_step(&step), step, optimizer })
     }
 
     pub fn layers(&self) -> &[TransformerLayer] {
@@ -68,9 +95,9 @@ impl Model {
 
     /// Microbatch `k`'s input and upstream gradient: new values every microbatch.
     pub fn data(&self, k: u64) -> Result<(Tensor, Tensor)> {
-        let n: usize = SHAPE.iter().product();
-        let x = Tensor::from_f32(&self.alloc, &self.s, &lcg(n, 100 + k), &SHAPE, self.dtype)?;
-        let dy = Tensor::from_f32(&self.alloc, &self.s, &lcg(n, 200 + k), &SHAPE, self.dtype)?;
+        let n: usize = self.shape.iter().product();
+        let x = Tensor::from_f32(&self.alloc, &self.s, &lcg(n, 100 + k), &self.shape, self.dtype)?;
+        let dy = Tensor::from_f32(&self.alloc, &self.s, &lcg(n, 200 + k), &self.shape, self.dtype)?;
         Ok((x, dy))
     }
 

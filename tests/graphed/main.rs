@@ -29,6 +29,8 @@ per_device!(
     stack_side_stream_matches_eager,
     stack_caller_matches_eager_in_bf16,
     stack_side_stream_matches_eager_in_bf16,
+    stack_caller_matches_eager_in_fp8,
+    stack_side_stream_matches_eager_in_fp8,
     layers_unchained_match_eager,
     graphed_callables_draw_new_masks_every_microbatch,
     split_weight_gradient_matches_eager,

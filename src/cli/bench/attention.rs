@@ -32,7 +32,7 @@ pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
     let dev = super::super::open_device(&args.device)?;
     anyhow::ensure!(dev.kind() == DeviceKind::Cuda, "bench attention times GPU kernels; run it on a CUDA device");
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
-    let dtype = args.dtype.resolve(&dev);
+    let dtype = args.dtype.resolve(&dev)?;
     let heads = [args.batch, args.heads, args.seq, args.head_dim];
     let rows = [args.batch, args.heads, args.seq];
     let n: usize = heads.iter().product();

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use graphed::device::{CaptureMode, DType, Device, DeviceKind, Event, Stream};
+use graphed::device::{CaptureMode, Device, DeviceKind, Event, Stream};
 use graphed::graph::{GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::offload::{OffloadConfig, OffloadManager};
@@ -88,14 +88,17 @@ pub(super) struct Samples {
 pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "graphs", "--configs tiny")?;
     let configs = args.configs.resolve(&dev, args.attention)?;
-    let dtype = args.dtype.resolve(&dev);
+    let dtype = args.dtype.storage(&dev);
     println!("{dtype} weights and activations; f32 statistics and GEMM accumulation");
+    if args.dtype.fp8() {
+        println!("the Linear layers' GEMMs in FP8: E4M3 forward, E5M2 gradients, delayed scaling");
+    }
     let mut rows = Vec::new();
     for &config in &configs {
         println!("{config}");
         let first = rows.len();
         for variant in VARIANTS {
-            let row = run_variant(&dev, (config, dtype), variant, args)?;
+            let row = run_variant(&dev, config, variant, args)?;
             print_row(&row);
             rows.push(row);
         }
@@ -108,15 +111,13 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     write_json(&args.json, &Report::new("graphs", &dev, args.steps, rows))
 }
 
-fn run_variant(
-    dev: &Device,
-    (config, dtype): (Config, DType),
-    variant: Variant,
-    args: &GraphsBenchArgs,
-) -> anyhow::Result<GraphsRow> {
+fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenchArgs) -> anyhow::Result<GraphsRow> {
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
-    let model = BenchModel::new(&alloc, &main, config, dtype)?;
+    let model = match args.dtype.fp8() {
+        true => BenchModel::with_fp8(&alloc, &main, config)?,
+        false => BenchModel::new(&alloc, &main, config, args.dtype.storage(dev))?,
+    };
     let (samples, capture_ms, calls) = match variant {
         Variant::Eager => {
             (measure(dev, &main, (args.warmup, args.steps), &mut || Ok(model.eager_step(&main)?))?, None, None)
@@ -158,7 +159,7 @@ fn run_variant(
     let stats = alloc.stats();
     let host_us = spread(samples.host_us);
     Ok(GraphsRow {
-        case: Case::new(config, dtype, variant.name()),
+        case: Case::new(config, args.dtype.label(dev), variant.name()),
         wall_ms: spread(samples.wall_ms),
         host_us,
         gpu_ms: (!samples.gpu_ms.is_empty()).then(|| spread(samples.gpu_ms)),
@@ -214,7 +215,7 @@ pub(super) fn graphed_step(
     graphed.forward(main, graphed.static_input()?, replay)?;
     graphed.backward(main, graphed.static_grad_output()?.unwrap_or(&model.dy))?;
     graphed.join(main)?;
-    Ok(())
+    Ok(model.end_step(main)?)
 }
 
 /// Runs `step` `warmup` times untimed, then `steps` times timed.

@@ -146,7 +146,7 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
         );
     }
     let configs = args.configs.resolve(&dev, args.attention)?;
-    let dtype = args.dtype.resolve(&dev);
+    let dtype = args.dtype.resolve(&dev)?;
     let s = dev.stream()?;
     let mut rows = Vec::new();
     for config in configs {

@@ -89,7 +89,7 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "memory", "--config tiny")?;
     let config = Config::named(&args.config)?.with_attention(args.attention);
     config.check_device(&dev, "--config")?;
-    let dtype = args.dtype.resolve(&dev);
+    let dtype = args.dtype.resolve(&dev)?;
     let (free, _) = dev.memory_info()?;
     anyhow::ensure!(
         args.budget <= free,

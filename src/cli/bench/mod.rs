@@ -106,7 +106,7 @@ struct Case {
 }
 
 impl Case {
-    fn new(config: crate::cli::bench_model::Config, dtype: graphed::device::DType, variant: &'static str) -> Case {
+    fn new(config: crate::cli::bench_model::Config, dtype: impl std::fmt::Display, variant: &'static str) -> Case {
         let crate::cli::bench_model::Config { name, dim, layers, batch, seq, attention, .. } = config;
         Case { config: name, dim, layers, batch, seq, dtype: dtype.to_string(), attention: attention.name(), variant }
     }

@@ -100,7 +100,7 @@ struct Rows {
 pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "offload", "--configs tiny")?;
     let configs = args.configs.resolve(&dev, args.attention)?;
-    let dtype = args.dtype.resolve(&dev);
+    let dtype = args.dtype.resolve(&dev)?;
     let on_gpu = dev.kind() == DeviceKind::Cuda;
     let mut rows = Rows { variants: Vec::new(), copies: Vec::new() };
     for &config in &configs {

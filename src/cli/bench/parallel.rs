@@ -84,7 +84,7 @@ impl<'a> ParallelBench<'a> {
         let env = RankEnv::from_env()?;
         let local = env.as_ref().map_or(0, |e| e.local_rank);
         let dev = Device::cuda(local).map_err(|e| anyhow::anyhow!("bench parallel times GPUs: {e}"))?;
-        let dtype = args.dtype.resolve(&dev);
+        let dtype = args.dtype.resolve(&dev)?;
         let configs = args.configs.iter().map(|n| Ok(Config::named(n)?.with_attention(args.attention)));
         let configs = configs.collect::<anyhow::Result<Vec<_>>>()?;
         for c in &configs {

@@ -42,7 +42,7 @@ pub fn run(args: &ParityBenchArgs) -> anyhow::Result<()> {
             config.name
         );
     }
-    let dtype = args.dtype.resolve(&dev);
+    let dtype = args.dtype.resolve(&dev)?;
     let alloc = CachingAllocator::new(&dev);
     let s = dev.stream()?;
     let model = BenchModel::new(&alloc, &s, config, dtype)?;

@@ -44,7 +44,7 @@ pub fn run(args: &ScheduleBenchArgs) -> anyhow::Result<()> {
     let config = Config::named(args.config.as_deref().unwrap_or(if on_gpu { "M" } else { "tiny" }))?
         .with_attention(args.attention);
     config.check_device(&dev, "--config")?;
-    let dtype = args.dtype.resolve(&dev);
+    let dtype = args.dtype.resolve(&dev)?;
     let (schedule, _) = args.schedule.resolve(config.layers)?;
     println!("{config}, {dtype}; {schedule}");
     let mut rows = Vec::new();

@@ -62,12 +62,15 @@ fn data_digest(args: &TrainArgs) -> anyhow::Result<String> {
 }
 
 /// What a checkpoint keeps, by name: every parameter (`param.` and its module name), the
-/// optimizer's state (`optim.`) and the dropout step counter.
+/// optimizer's state (`optim.`), the dropout step counter and, with FP8, the scaling recipes'
+/// state (`fp8.`).
 fn state(model: &Gpt, optimizer: &AdamW) -> anyhow::Result<Vec<(String, Tensor)>> {
     let params = model.parameters().named_values()?.into_iter().map(|(name, t)| (format!("param.{name}"), t));
     let optim = optimizer.state().into_iter().map(|(name, t)| (format!("optim.{name}"), t.clone()));
     let rng = std::iter::once(("rng.dropout_step".to_string(), model.dropout_step().clone()));
-    Ok(params.chain(optim).chain(rng).collect())
+    let fp8 = model.fp8().map(|f| f.named_state()).transpose()?.unwrap_or_default();
+    let fp8 = fp8.into_iter().map(|(name, t)| (format!("fp8.{name}"), t));
+    Ok(params.chain(optim).chain(rng).chain(fp8).collect())
 }
 
 /// Writes the state after `done` steps to `dir` (the previous checkpoint stays whole until the
@@ -163,6 +166,9 @@ pub fn resume(
     }
     for (name, t) in &targets {
         ckpt.restore(name, t, alloc, stream)?;
+    }
+    if let Some(fp8) = model.fp8() {
+        fp8.refresh_weights(stream)?;
     }
     Ok(done)
 }

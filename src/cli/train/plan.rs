@@ -44,7 +44,7 @@ impl Plan {
             attention_backend: args.attention.backend(),
             dropout: args.dropout,
             seed: args.seed,
-            dtype: args.dtype.resolve(dev),
+            dtype: args.dtype.storage(dev),
         };
         if config.attention_backend.requires_cudnn() {
             let fused = config.attention == AttentionKind::Fused;

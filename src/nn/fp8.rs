@@ -1,0 +1,287 @@
+//! FP8 training of the [`Linear`](super::Linear) layers: TransformerEngine's delayed scaling
+//! (E4M3 in the forward, E5M2 for gradients, bf16 everywhere else), with every amax, history and
+//! scale on the device and no global state.
+//!
+//! One [`Fp8Training`] value belongs to one model: the layers built with it
+//! ([`Builder::with_fp8`](super::Builder::with_fp8)) register their weights and get their slots
+//! in its two recipes, and [`Fp8Training::start`] makes the state once the model is built.
+//! Per step:
+//!
+//! - the forward quantizes each input with its scale and records its amax
+//!   ([`ops::fp8::cast_transpose`]), and multiplies it with the FP8 weight (fast accumulation, as
+//!   TransformerEngine's forward);
+//! - the backward quantizes each output gradient to E5M2 likewise, and runs the data gradient
+//!   (`dy·W`, against the weight's FP8 transpose) and the weight gradient (`dyᵀ·x`, both operands
+//!   quantized transposed) as FP8 GEMMs; the bias gradient is a bf16 column sum, as cuBLASLt has
+//!   no FP8 bias-gradient epilogue;
+//! - [`Fp8Training::step`], which the optimizer runs right after it rewrites the bf16 weights
+//!   ([`AdamW::with_fp8`](crate::optim::AdamW::with_fp8)), updates the scales from the amax
+//!   histories and quantizes every weight and its transpose once, with the new scales, so every
+//!   microbatch of the next step reads the same FP8 weights.
+//!
+//! Nothing of this is process-wide: a second model, or a capture after an FP8 capture, sees none
+//! of it. Graph replays read the scales in memory when they run, so the graphs of a step are
+//! captured once and follow the recipe.
+
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use crate::device::{DType, Stream};
+use crate::memory::CachingAllocator;
+use crate::ops::fp8::{cast_transpose, AmaxAlgo, DelayedScaling, DelayedScalingConfig, Fp8Format};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// The recipe of an [`Fp8Training`]: TransformerEngine's `DelayedScaling` options.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fp8Recipe {
+    /// Steps of amax history per tensor (TransformerEngine: `amax_history_len`).
+    pub history_len: usize,
+    /// How a history becomes an amax.
+    pub algo: AmaxAlgo,
+    /// The scale leaves `2^margin` of headroom.
+    pub margin: i32,
+}
+
+impl Default for Fp8Recipe {
+    /// TransformerEngine's defaults: 1024 steps, the max of the window, no margin.
+    fn default() -> Fp8Recipe {
+        Fp8Recipe { history_len: 1024, algo: AmaxAlgo::Max, margin: 0 }
+    }
+}
+
+/// FP8 training state of one model (see the module doc). Clones share it.
+#[derive(Clone)]
+pub struct Fp8Training {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    alloc: CachingAllocator,
+    recipe: Fp8Recipe,
+    /// Each registered layer's bf16 weight and its FP8 copies, in registration order.
+    weights: Mutex<Vec<Fp8Weight>>,
+    /// Made by `start`: the forward's recipe (slots `2i` the input of layer `i`, `2i + 1` its
+    /// weight) and the backward's (slot `i` layer `i`'s output gradient).
+    state: OnceLock<(DelayedScaling, DelayedScaling)>,
+}
+
+/// A weight and its FP8 forms, written by [`Fp8Training::step`].
+#[derive(Clone)]
+struct Fp8Weight {
+    /// bf16, `(out, in)`.
+    value: Tensor,
+    /// E4M3, `(out, in)`: the forward's B.
+    fp8: Tensor,
+    /// E4M3, `(in, out)`: the data gradient's B.
+    fp8_t: Tensor,
+}
+
+/// One layer's handle on its model's FP8 state.
+#[derive(Clone)]
+pub(crate) struct Fp8Linear {
+    training: Fp8Training,
+    index: usize,
+    weight: Fp8Weight,
+}
+
+/// The tensors of one quantized operand: its scale (to quantize), inverse scale (for the GEMM) and
+/// amax slot.
+pub(crate) struct Scaled {
+    pub(crate) scale: Tensor,
+    pub(crate) scale_inv: Tensor,
+    pub(crate) amax: Tensor,
+}
+
+impl Fp8Training {
+    /// FP8 state for a model to be built, with `recipe`.
+    pub fn new(alloc: &CachingAllocator, recipe: Fp8Recipe) -> Fp8Training {
+        let inner = Inner { alloc: alloc.clone(), recipe, weights: Mutex::default(), state: OnceLock::new() };
+        Fp8Training { inner: Arc::new(inner) }
+    }
+
+    /// Registers a layer's bf16 weight `(out, in)`; the layer quantizes through the handle.
+    pub(crate) fn register(&self, value: &Tensor, stream: &Stream) -> Result<Fp8Linear> {
+        const OP: &str = "Fp8Training::register";
+        value.expect_dtype(OP, DType::BF16)?;
+        if self.inner.state.get().is_some() {
+            return Err(Error::Unsupported {
+                op: OP,
+                backend: "any",
+                why: "the FP8 state was started before this layer was built; build every layer, then call Fp8Training::start",
+            });
+        }
+        let &[out, inp] = value.shape() else {
+            return Err(Error::Shape { op: OP, expected: "a (out, in) weight".into(), found: value.shape().to_vec() });
+        };
+        let alloc = &self.inner.alloc;
+        let weight = Fp8Weight {
+            value: value.clone(),
+            fp8: Tensor::zeros(alloc, stream, &[out, inp], DType::F8E4M3)?,
+            fp8_t: Tensor::zeros(alloc, stream, &[inp, out], DType::F8E4M3)?,
+        };
+        let mut weights = self.inner.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        weights.push(weight.clone());
+        Ok(Fp8Linear { training: self.clone(), index: weights.len() - 1, weight })
+    }
+
+    /// Makes the recipes' state for the layers registered so far, and quantizes their weights:
+    /// first to learn their amaxes, then with the scales those give. Inputs and gradients start
+    /// with scale 1, as in TransformerEngine.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when called twice or before any layer registered; as the
+    /// allocations and launches.
+    pub fn start(&self, stream: &Stream) -> Result<()> {
+        let layers = self.layers();
+        if layers == 0 || self.inner.state.get().is_some() {
+            return Err(Error::Unsupported {
+                op: "Fp8Training::start",
+                backend: "any",
+                why: "start the FP8 state once, after building a model with Builder::with_fp8",
+            });
+        }
+        let config = |format| DelayedScalingConfig {
+            format,
+            history_len: self.inner.recipe.history_len,
+            algo: self.inner.recipe.algo,
+            margin: self.inner.recipe.margin,
+        };
+        let alloc = &self.inner.alloc;
+        let forward = DelayedScaling::new(alloc, stream, config(Fp8Format::E4M3), 2 * layers)?;
+        let backward = DelayedScaling::new(alloc, stream, config(Fp8Format::E5M2), layers)?;
+        // `set` cannot fail: `state` was empty above and `start` takes no other path to it.
+        let _ = self.inner.state.set((forward, backward));
+        self.quantize_weights(stream)?;
+        self.step(stream)
+    }
+
+    /// Quantizes every weight again with its current scale, without a step: after the weights
+    /// and the recipes' state were restored from a checkpoint.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] before [`Fp8Training::start`]; as the launches.
+    pub fn refresh_weights(&self, stream: &Stream) -> Result<()> {
+        self.quantize_weights(stream)
+    }
+
+    /// The recipes' tensors a checkpoint keeps, by name: each history, scale and inverse scale.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] before [`Fp8Training::start`].
+    pub fn named_state(&self) -> Result<Vec<(String, Tensor)>> {
+        let (forward, backward) = self.state()?;
+        let mut named = Vec::new();
+        for (recipe, r) in [("forward", forward), ("backward", backward)] {
+            for (part, t) in [("history", r.history()), ("scale", r.scales()), ("scale_inv", r.scale_invs())] {
+                named.push((format!("{recipe}.{part}"), t.clone()));
+            }
+        }
+        Ok(named)
+    }
+
+    /// Once per step, after the optimizer rewrote the bf16 weights: the scales from the amax
+    /// histories (the history then moves on a step), and every weight quantized with its new
+    /// scale.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] before [`Fp8Training::start`]; as the launches.
+    pub fn step(&self, stream: &Stream) -> Result<()> {
+        let (forward, backward) = self.state()?;
+        forward.update(stream)?;
+        backward.update(stream)?;
+        self.quantize_weights(stream)
+    }
+
+    /// The layers registered.
+    pub fn layers(&self) -> usize {
+        self.inner.weights.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// The recipes' state, for checkpoints and reports: the forward's (E4M3: layer `i`'s input in
+    /// slot `2i`, its weight in `2i + 1`) and the backward's (E5M2: layer `i`'s output gradient).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] before [`Fp8Training::start`].
+    pub fn state(&self) -> Result<&(DelayedScaling, DelayedScaling)> {
+        self.inner.state.get().ok_or(Error::Unsupported {
+            op: "Fp8Training",
+            backend: "any",
+            why: "the FP8 state is not started: call Fp8Training::start after building the model",
+        })
+    }
+
+    fn quantize_weights(&self, stream: &Stream) -> Result<()> {
+        let (forward, _) = self.state()?;
+        let weights = self.inner.weights.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        for (i, w) in weights.iter().enumerate() {
+            let slot = 2 * i + 1;
+            cast_transpose(
+                Some(&w.fp8),
+                Some(&w.fp8_t),
+                &forward.amax(slot)?,
+                &w.value,
+                &forward.scale(slot)?,
+                stream,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl Fp8Linear {
+    /// The layer's input: E4M3, slot `2i` of the forward's recipe.
+    pub(crate) fn input(&self) -> Result<Scaled> {
+        self.scaled(0, 2 * self.index)
+    }
+
+    /// The layer's weight: E4M3, slot `2i + 1`.
+    pub(crate) fn weight_scale(&self) -> Result<Scaled> {
+        self.scaled(0, 2 * self.index + 1)
+    }
+
+    /// The layer's output gradient: E5M2, slot `i` of the backward's recipe.
+    pub(crate) fn grad(&self) -> Result<Scaled> {
+        self.scaled(1, self.index)
+    }
+
+    /// The amax slots the layer's passes write (its input's and its output gradient's), once the
+    /// state is started.
+    pub(crate) fn amaxes(&self) -> Vec<Tensor> {
+        [self.input(), self.grad()].into_iter().filter_map(|s| s.ok()).map(|s| s.amax).collect()
+    }
+
+    /// The weight in E4M3, `(out, in)`, and its transpose.
+    pub(crate) fn weights(&self) -> (&Tensor, &Tensor) {
+        (&self.weight.fp8, &self.weight.fp8_t)
+    }
+
+    fn scaled(&self, recipe: usize, slot: usize) -> Result<Scaled> {
+        let (forward, backward) = self.training.state()?;
+        let r = if recipe == 0 { forward } else { backward };
+        Ok(Scaled { scale: r.scale(slot)?, scale_inv: r.scale_inv(slot)?, amax: r.amax(slot)? })
+    }
+
+    /// `x` (`(n, c)`, bf16) quantized with `s` in the format `dtype` into a tensor of `alloc`
+    /// (the layer's, which a capture allocates from): row-major, or transposed (`(c, n)`), its
+    /// amax recorded.
+    pub(crate) fn quantize(
+        &self,
+        alloc: &CachingAllocator,
+        x: &Tensor,
+        (s, dtype, transposed): (&Scaled, DType, bool),
+        stream: &Stream,
+    ) -> Result<Tensor> {
+        let &[n, c] = x.shape() else {
+            return Err(Error::Shape {
+                op: "Linear (FP8)",
+                expected: "(n, features)".into(),
+                found: x.shape().to_vec(),
+            });
+        };
+        let shape = if transposed { [c, n] } else { [n, c] };
+        let q = Tensor::uninit(alloc, stream, &shape, dtype)?;
+        let (out, out_t) = if transposed { (None, Some(&q)) } else { (Some(&q), None) };
+        cast_transpose(out, out_t, &s.amax, x, &s.scale, stream)?;
+        Ok(q)
+    }
+}
