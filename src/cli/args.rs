@@ -92,11 +92,13 @@ impl DTypeArgs {
     /// (whose CPU kernels gain nothing from the narrower type).
     ///
     /// # Errors
-    /// For `--dtype fp8`, which only `train` and `bench graphs` run (they call
+    /// For `--dtype fp8`, which only `train`, `bench graphs` and `bench layer` run (they call
     /// [`DTypeArgs::storage`]).
     pub fn resolve(&self, dev: &graphed::device::Device) -> anyhow::Result<DType> {
         if self.fp8() {
-            anyhow::bail!("--dtype fp8 runs in `graphed train` and `graphed bench graphs`; pass --dtype bf16 here");
+            anyhow::bail!(
+                "--dtype fp8 runs in `graphed train`, `graphed bench graphs` and `graphed bench layer`; pass --dtype bf16 here"
+            );
         }
         Ok(self.storage(dev))
     }

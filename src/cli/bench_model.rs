@@ -7,7 +7,7 @@ use std::fmt;
 
 use anyhow::bail;
 use graphed::device::{Device, DeviceKind, Event, Stream};
-use graphed::graph::{make_graphed_stack, GraphOptions, GraphedStack};
+use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, GraphedFn, GraphedStack};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     AttentionBackend, AttentionKind, AttentionSpec, Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers,
@@ -145,6 +145,9 @@ pub struct BenchModel {
     pub store: ParamStore,
     /// With `--dtype fp8`, the model's FP8 state, stepped at the end of every step.
     pub fp8: Option<Fp8Training>,
+    /// With `--dtype fp8`, the FP8 step captured as a graph, which graphed steps replay (a
+    /// training step's runs in its optimizer's graph).
+    fp8_step: Option<GraphedFn>,
 }
 
 impl BenchModel {
@@ -157,10 +160,9 @@ impl BenchModel {
     pub fn with_fp8(alloc: &CachingAllocator, stream: &Stream, config: Config) -> graphed::Result<BenchModel> {
         let fp8 = Fp8Training::new(alloc, Fp8Recipe::default());
         let global = (0..config.layers).collect::<Vec<_>>();
-        let model = BenchModel::build(alloc, stream, (config, DType::BF16), &global, Some(fp8))?;
-        if let Some(fp8) = &model.fp8 {
-            fp8.start(stream)?;
-        }
+        let mut model = BenchModel::build(alloc, stream, (config, DType::BF16), &global, Some(fp8.clone()))?;
+        fp8.start(stream)?;
+        model.fp8_step = Some(make_graphed_fn(alloc, |s| fp8.step(s))?.with_name("fp8 step"));
         Ok(model)
     }
 
@@ -201,7 +203,7 @@ impl BenchModel {
         let x: Vec<f32> = (0..numel).map(|i| (i * 7919 % 1000) as f32 / 1000.0 - 0.5).collect();
         let x = Tensor::from_f32(alloc, stream, &x, &[batch, seq, dim], dtype)?;
         let dy = Tensor::from_f32(alloc, stream, &vec![1.0f32; numel], &[batch, seq, dim], dtype)?;
-        Ok(BenchModel { stack: Stack::new(layers), x, dy, store, fp8 })
+        Ok(BenchModel { stack: Stack::new(layers), x, dy, store, fp8, fp8_step: None })
     }
 
     /// One eager step on `stream`: every forward in order, then every backward in reverse from
@@ -216,6 +218,11 @@ impl BenchModel {
     /// and weight quantization, which a training step runs after its optimizer.
     pub fn end_step(&self, stream: &Stream) -> graphed::Result<()> {
         self.fp8.as_ref().map_or(Ok(()), |f| f.step(stream))
+    }
+
+    /// [`BenchModel::end_step`] replayed as its graph, for the graphed steps.
+    pub fn end_step_graphed(&self, stream: &Stream) -> graphed::Result<()> {
+        self.fp8_step.as_ref().map_or(Ok(()), |g| g.replay(stream))
     }
 
     /// Graphs the stack into one pool, its layers chained so that they replay with no copies

@@ -215,7 +215,7 @@ pub(super) fn graphed_step(
     graphed.forward(main, graphed.static_input()?, replay)?;
     graphed.backward(main, graphed.static_grad_output()?.unwrap_or(&model.dy))?;
     graphed.join(main)?;
-    Ok(model.end_step(main)?)
+    Ok(model.end_step_graphed(main)?)
 }
 
 /// Runs `step` `warmup` times untimed, then `steps` times timed.

@@ -18,7 +18,7 @@ use rand::{Rng, SeedableRng};
 use anyhow::bail;
 use graphed::device::{DType, Device, DeviceKind, KernelTime, Stream};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Builder, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
+use graphed::nn::{Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -146,7 +146,8 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
         );
     }
     let configs = args.configs.resolve(&dev, args.attention)?;
-    let dtype = args.dtype.resolve(&dev)?;
+    let dtype = args.dtype.storage(&dev);
+    let label = args.dtype.label(&dev);
     let s = dev.stream()?;
     let mut rows = Vec::new();
     for config in configs {
@@ -154,7 +155,7 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
         let gpu =
             row.gpu_ms.map_or_else(|| "no GPU time (the simulator has no clock)".into(), |ms| format!("{ms:.3} ms"));
         println!(
-            "{}: d={} batch={} seq={} {dtype}: {gpu} per forward+backward, {:.3} ms host; kernels: {} forward, {} backward",
+            "{}: d={} batch={} seq={} {label}: {gpu} per forward+backward, {:.3} ms host; kernels: {} forward, {} backward",
             row.config, row.dim, row.batch, row.seq, row.host_ms, row.kernels_forward, row.kernels_backward
         );
         if let Some(classes) = &row.profile {
@@ -191,7 +192,17 @@ fn run_config(
     let alloc = CachingAllocator::new(dev);
     let store = ParamStore::with_dtype(&alloc, s, TransformerLayer::parameter_count(d), dtype)?;
     let vb = Builder::new(&store, &alloc, s)?.with_seed(1).pp("layer");
+    // With `--dtype fp8`, the Linear layers' GEMMs in FP8; the recipe's step is not timed (a
+    // training step runs it once, in its optimizer's graph).
+    let fp8 = args.dtype.fp8().then(|| Fp8Training::new(&alloc, Fp8Recipe::default()));
+    let vb = match &fp8 {
+        Some(f) => vb.with_fp8(f),
+        None => vb,
+    };
     let layer = TransformerLayer::new(&vb, config.attention_spec())?;
+    if let Some(f) = &fp8 {
+        f.start(s)?;
+    }
     let mut rng = SmallRng::seed_from_u64(0);
     let mut random = || (0..b * t * d).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>();
     let x = Tensor::from_f32(&alloc, s, &random(), &[b, t, d], dtype)?;

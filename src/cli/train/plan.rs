@@ -20,6 +20,8 @@ pub struct Plan {
     pub steps: usize,
     /// The step this process stops at (`--stop-at`, at most `steps`).
     pub stop: usize,
+    /// The precision in reports: the element type, and whether the layers' GEMMs run in FP8.
+    pub precision: String,
 }
 
 impl Plan {
@@ -72,7 +74,11 @@ impl Plan {
         if stop > steps {
             refuse!("--stop-at {stop} is past the run's {steps} steps; pass at most that");
         }
-        Ok(Plan { config, lr, batch, steps, stop })
+        let precision = match args.dtype.fp8() {
+            true => format!("{} (the layers' GEMMs in FP8, delayed scaling)", config.dtype),
+            false => config.dtype.to_string(),
+        };
+        Ok(Plan { config, lr, batch, steps, stop, precision })
     }
 
     /// What a checkpoint records of the plan, and a resumed run must match.

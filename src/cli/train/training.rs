@@ -393,7 +393,7 @@ fn announce_model(lead: bool, plan: &Plan, stepper: &Stepper, group: Option<&Pro
             cfg.heads,
             cfg.attention,
             cfg.parameter_count(),
-            cfg.dtype,
+            plan.precision,
             plan.batch,
             plan.steps,
             stepper.describe()

@@ -1,0 +1,161 @@
+//! FP8 training of the Linear layers (`nn::Fp8Training`): a layer in FP8 against the same layer in
+//! bf16, the recipe's scales moving with the data, a bf16 capture after an FP8 one, and the
+//! refusals. Graphed = eager bitwise in FP8 is in tests/graphed (`*_in_fp8`).
+
+#[path = "common/mod.rs"]
+mod common;
+
+use anyhow::ensure;
+use common::lcg;
+use graphed::device::{DType, Device, Stream};
+use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{
+    input_grad, Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers, Linear, Module, ParamStore, Stack,
+    TransformerLayer,
+};
+use graphed::tensor::Tensor;
+use graphed::Error;
+
+/// Tokens and width: multiples of 16, as FP8 GEMMs need; heads of 32.
+const TOKENS: usize = 32;
+const DIM: usize = 64;
+
+/// One transformer layer (seed 5) in bf16, its Linear layers in FP8 with `fp8`.
+struct Layer {
+    s: Stream,
+    alloc: CachingAllocator,
+    store: ParamStore,
+    stack: Stack<TransformerLayer>,
+    fp8: Option<Fp8Training>,
+}
+
+impl Layer {
+    fn new(dev: &Device, fp8: bool) -> anyhow::Result<Layer> {
+        let s = dev.stream()?;
+        let alloc = CachingAllocator::new(dev);
+        let store = ParamStore::with_dtype(&alloc, &s, TransformerLayer::parameter_count(DIM), DType::BF16)?;
+        let fp8 = fp8.then(|| Fp8Training::new(&alloc, Fp8Recipe { history_len: 2, ..Fp8Recipe::default() }));
+        let vb = Builder::new(&store, &alloc, &s)?.with_seed(5);
+        let vb = match &fp8 {
+            Some(f) => vb.with_fp8(f),
+            None => vb,
+        };
+        let layers = TransformerLayer::stack(&vb, (DIM, DIM / 32), &Layers::first(1))?;
+        if let Some(f) = &fp8 {
+            f.start(&s)?;
+        }
+        Ok(Layer { s, alloc, store, stack: Stack::new(layers), fp8 })
+    }
+
+    fn data(&self, seed: u64) -> anyhow::Result<(Tensor, Tensor)> {
+        let s = &self.s;
+        let x = Tensor::from_f32(&self.alloc, s, &lcg(TOKENS * DIM, seed), &[1, TOKENS, DIM], DType::BF16)?;
+        let dy = Tensor::from_f32(&self.alloc, s, &lcg(TOKENS * DIM, seed + 1), &[1, TOKENS, DIM], DType::BF16)?;
+        Ok((x, dy))
+    }
+
+    /// Forward and backward of `x`; (y, dx, parameter gradients).
+    fn run(&self, x: &Tensor, dy: &Tensor) -> anyhow::Result<[Vec<f32>; 3]> {
+        let s = &self.s;
+        let (y, ctx) = self.stack.forward(&Inputs::one(x), &KeepOnDevice, s)?;
+        let dx = input_grad("fp8 test", self.stack.backward(ctx, &[dy], s)?)?;
+        Ok([y[0].to_f32_vec(s)?, dx.to_f32_vec(s)?, self.store.grads()?.to_f32_vec(s)?])
+    }
+}
+
+/// ‖got − want‖ / ‖want‖.
+fn relative(got: &[f32], want: &[f32]) -> f64 {
+    let diff: f64 = got.iter().zip(want).map(|(g, w)| f64::from(g - w).powi(2)).sum();
+    let norm: f64 = want.iter().map(|w| f64::from(*w).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+/// The FP8 layer computes what the bf16 layer does within FP8's rounding: E4M3 keeps 3 bits of
+/// mantissa (relative error up to 2⁻⁴ per value) and E5M2 2 bits (2⁻³), which sums over k
+/// average down; the bound is loose enough for that and far below a wrong scale or layout.
+fn fp8_layer_tracks_the_bf16_layer(dev: &Device) -> anyhow::Result<()> {
+    let (bf16, fp8) = (Layer::new(dev, false)?, Layer::new(dev, true)?);
+    let (x, dy) = bf16.data(1)?;
+    let (x8, dy8) = fp8.data(1)?;
+    let [want_y, want_dx, want_g] = bf16.run(&x, &dy)?;
+    let [y, dx, g] = fp8.run(&x8, &dy8)?;
+    for (what, got, want, bound) in
+        [("y", &y, &want_y, 0.05), ("dx", &dx, &want_dx, 0.15), ("grads", &g, &want_g, 0.15)]
+    {
+        let r = relative(got, want);
+        ensure!(r < bound, "{what}: relative error {r:.4} against bf16 (bound {bound})");
+        ensure!(r > 0.0, "{what}: equal to bf16, so FP8 did not run");
+    }
+    Ok(())
+}
+
+/// After a step the scales are the recipe's (fp8 max / amax of what the passes saw), not the
+/// starting 1, and finite.
+fn the_step_sets_scales_from_the_amaxes(dev: &Device) -> anyhow::Result<()> {
+    let layer = Layer::new(dev, true)?;
+    let (s, fp8) = (&layer.s, layer.fp8.as_ref().expect("fp8"));
+    let (x, dy) = layer.data(3)?;
+    layer.run(&x, &dy)?;
+    fp8.step(s)?;
+    let (forward, backward) = fp8.state()?;
+    let scales = forward.scales().to_vec::<f32>(s)?;
+    ensure!(scales.iter().all(|v| v.is_finite() && *v > 0.0), "{scales:?}");
+    ensure!(scales.iter().any(|v| *v != 1.0), "no scale moved: {scales:?}");
+    let grads = backward.scales().to_vec::<f32>(s)?;
+    ensure!(grads.iter().all(|v| v.is_finite() && *v > 0.0 && *v != 1.0), "gradient scales: {grads:?}");
+    Ok(())
+}
+
+/// A bf16 model graphed after an FP8 model was graphed and stepped computes exactly what a bf16
+/// model graphed alone does: nothing of FP8 is process-wide.
+fn a_capture_after_an_fp8_capture_carries_nothing_over(dev: &Device) -> anyhow::Result<()> {
+    let step = |layer: &Layer| -> anyhow::Result<Vec<f32>> {
+        let (s, (x, dy)) = (&layer.s, layer.data(7)?);
+        let g = make_graphed_stack(&layer.alloc, &layer.stack, &x, GraphOptions::default())?;
+        let y = g.forward(s, &x, Replay::caller())?.get()?.to_f32_vec(s)?;
+        g.backward(s, &dy)?;
+        g.join(s)?;
+        Ok([y, layer.store.grads()?.to_f32_vec(s)?].concat())
+    };
+    let alone = step(&Layer::new(dev, false)?)?;
+    let fp8 = Layer::new(dev, true)?;
+    step(&fp8)?;
+    fp8.fp8.as_ref().expect("fp8").step(&fp8.s)?;
+    let after = step(&Layer::new(dev, false)?)?;
+    ensure!(alone == after, "the bf16 model after an FP8 capture differs");
+    Ok(())
+}
+
+/// FP8 needs bf16 weights, a started state and aligned shapes; each is refused with a typed
+/// error, before the layer computes anything.
+fn fp8_misuse_is_refused(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let fp8 = Fp8Training::new(&alloc, Fp8Recipe::default());
+    let f32_store = ParamStore::new(&alloc, &s, Linear::parameter_count((16, 16)))?;
+    let r = Linear::new(&Builder::new(&f32_store, &alloc, &s)?.with_fp8(&fp8).pp("fc"), (16, 16));
+    ensure!(matches!(r, Err(Error::DTypeMismatch { .. })), "an f32 weight: {:?}", r.err());
+    ensure!(matches!(fp8.start(&s), Err(Error::Unsupported { .. })), "started with no layer");
+    let store = ParamStore::with_dtype(&alloc, &s, Linear::parameter_count((24, 16)) + 2 * 256, DType::BF16)?;
+    let vb = Builder::new(&store, &alloc, &s)?.with_fp8(&fp8);
+    let fc = Linear::new(&vb.pp("fc"), (24, 16))?;
+    let x = Tensor::from_f32(&alloc, &s, &lcg(16 * 24, 1), &[16, 24], DType::BF16)?;
+    let r = fc.forward(&Inputs::one(&x), &KeepOnDevice, &s);
+    ensure!(matches!(r, Err(Error::Unsupported { .. })), "a forward before start: {:?}", r.err());
+    fp8.start(&s)?;
+    ensure!(matches!(fp8.start(&s), Err(Error::Unsupported { .. })), "started twice");
+    let r = Linear::new(&vb.pp("late"), (16, 16));
+    ensure!(matches!(r, Err(Error::Unsupported { .. })), "a layer after start: {:?}", r.err());
+    // 24 input features: rows of 24 bytes in E4M3, not a multiple of 16.
+    let r = fc.forward(&Inputs::one(&x), &KeepOnDevice, &s);
+    ensure!(matches!(r, Err(Error::Shape { .. })), "misaligned k: {:?}", r.err());
+    Ok(())
+}
+
+crate::per_device!(
+    fp8_layer_tracks_the_bf16_layer,
+    the_step_sets_scales_from_the_amaxes,
+    a_capture_after_an_fp8_capture_carries_nothing_over,
+    fp8_misuse_is_refused,
+);
