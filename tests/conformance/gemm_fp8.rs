@@ -5,7 +5,9 @@
 
 use anyhow::ensure;
 use float8::{F8E4M3, F8E5M2};
-use graphed::device::{CaptureMode, Device, DeviceBuffer, DeviceKind, Epilogue, Float8, Fp8Gemm, Fp8Pair, Gemm};
+use graphed::device::{
+    CaptureMode, Device, DeviceBuffer, DeviceKind, Epilogue, Float8, Fp8Gemm, Fp8Pair, Gemm, FP8_SCALE_ALIGN_BYTES,
+};
 use graphed::Error;
 use half::bf16;
 
@@ -218,6 +220,55 @@ fn misaligned_or_malformed_fp8_gemms_are_refused(dev: &Device) -> anyhow::Result
     Ok(())
 }
 
+/// The layouts a training step hands an FP8 GEMM: scales in slots 256 bytes apart (a recipe's
+/// scale vector), the weight gradient accumulated in place (`beta = 1`, C = D), fast
+/// accumulation with the bias epilogue, and the bias gradient's bf16 GEMV; scales 4 bytes apart,
+/// which cuBLASLt refuses at launch, are refused before.
+fn fp8_gemms_in_a_training_steps_layouts(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let (m, n, k) = (32, 64, 48);
+    let one = F8E4M3::from_f32(0.5);
+    let (a, b) = (dev.alloc_from(&s, &vec![one; m * k])?, dev.alloc_from(&s, &vec![one; n * k])?);
+    let slots: Vec<f32> = (0..4 * FP8_SCALE_ALIGN).map(|i| (1 << (i / FP8_SCALE_ALIGN)) as f32).collect();
+    let scales = dev.alloc_from(&s, &slots)?;
+    let slot = |i: usize| scales.slice(i * FP8_SCALE_ALIGN..i * FP8_SCALE_ALIGN + 1);
+    let c = dev.alloc_from(&s, &vec![bf16::from_f32(1.0); m * n])?;
+    let bias = dev.alloc_from(&s, &vec![bf16::from_f32(0.5); n])?;
+    let g = |sa: usize, sb: usize| Fp8Gemm::new(c.view(), a.view(), b.view(), (slot(sa), slot(sb)), (m, n, k));
+    let cases: [(&str, Fp8Gemm<'_, F8E4M3, F8E4M3>, f32); 4] = [
+        ("scales in slots 1 and 2", g(1, 2), 12.0 * 8.0),
+        ("in place, beta 1", Fp8Gemm { beta: 1.0, ..g(0, 0) }, 13.0),
+        (
+            "fast accumulation with a bias",
+            Fp8Gemm { fast_accum: true, epilogue: Epilogue::Bias(bias.view()), ..g(0, 0) },
+            12.5,
+        ),
+        (
+            "fast accumulation with a bias, scales in slots",
+            Fp8Gemm { fast_accum: true, epilogue: Epilogue::Bias(bias.view()), ..g(3, 0) },
+            12.0 * 8.0 + 0.5,
+        ),
+    ];
+    for (what, gemm, want) in cases {
+        c.write_from(&s, &vec![bf16::from_f32(1.0); m * n])?;
+        s.fp8_gemm(gemm).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        let got = c.to_vec(&s)?[0].to_f32();
+        ensure!(got == want, "{what}: {got}, want {want}");
+    }
+    let packed = Fp8Gemm::new(c.view(), a.view(), b.view(), (scales.slice(1..2), slot(0)), (m, n, k));
+    let r = s.fp8_gemm(packed);
+    ensure!(matches!(r, Err(Error::Shape { .. })), "a scale 4 bytes into its allocation: {r:?}");
+    let ones = dev.alloc_from(&s, &vec![bf16::from_f32(1.0); m])?;
+    let dy = dev.alloc_from(&s, &vec![bf16::from_f32(0.25); m * n])?;
+    let db = dev.alloc::<bf16>(n)?;
+    s.gemm(Gemm::new(db.view(), ones.view(), dy.view(), (1, n, m)))?;
+    ensure!(db.to_vec(&s)?[0].to_f32() == 8.0, "the bias gradient's GEMV");
+    Ok(())
+}
+
+/// f32s between two aligned scales.
+const FP8_SCALE_ALIGN: usize = FP8_SCALE_ALIGN_BYTES / 4;
+
 crate::per_device!(
     e4m3_e4m3_gemm_equals_bf16,
     e4m3_e5m2_gemm_equals_bf16,
@@ -225,4 +276,5 @@ crate::per_device!(
     fast_accumulation_stays_within_rounding,
     a_replay_reads_the_scales_written_since_capture,
     misaligned_or_malformed_fp8_gemms_are_refused,
+    fp8_gemms_in_a_training_steps_layouts,
 );

@@ -241,9 +241,20 @@ impl Backend for CudaDevice {
         let capture = capture::active_id(&stream.raw).map_err(|e| err::at(name, CaptureSite::Stream(stream.id), e))?;
         match *op {
             Op::Kernel { kernel, dims, args } => self.kernels.launch(stream, kernel, &dims, args)?,
-            Op::Gemm { kernel, args, spec, alpha, beta } => {
-                self.blas.gemm(stream, &spec, kernel.params, args, (alpha, beta), self.gemm_workspace_bytes())?
-            }
+            Op::Gemm { kernel, args, spec, alpha, beta } => self
+                .blas
+                .gemm(stream, &spec, kernel.params, args, (alpha, beta), self.gemm_workspace_bytes())
+                .map_err(|e| match e {
+                    // Which GEMM: a layer runs a dozen.
+                    crate::Error::Cuda { op, message } => crate::Error::Cuda {
+                        op,
+                        message: format!(
+                            "{message} ({} of {}×{}×{}, beta {beta})",
+                            kernel.name, spec.m, spec.n, spec.k
+                        ),
+                    },
+                    e => e,
+                })?,
             Op::Sdpa { kernel, args, spec } => self.cudnn.execute(stream, &spec, kernel.params, args)?,
             Op::Copy { dir, src, src_offset, dst, dst_offset, bytes } => {
                 memory::copy(name, stream, dir, (&src.raw, src_offset), (&dst.raw, dst_offset), bytes)?

@@ -61,6 +61,13 @@ fp8_pair!(F8E5M2, F8E4M3, GEMM_E5M2_E4M3, "gemm_e5m2_e4m3_bf16");
 /// Bytes to which cuBLASLt's FP8 GEMMs want every matrix's start and row stride aligned.
 pub const FP8_ALIGN_BYTES: usize = 16;
 
+/// Bytes to which an FP8 GEMM's scales are aligned. cuBLASLt documents no alignment for its
+/// scale pointers; on the H200, cuBLASLt 13.1 refused scales 4 and 8 bytes into an allocation
+/// with `CUBLAS_STATUS_NOT_SUPPORTED` at launch, and ran them at 256 bytes, which it assumes of
+/// every pointer it is not told about. `ops::fp8`'s recipes keep their inverse scales this far
+/// apart.
+pub const FP8_SCALE_ALIGN_BYTES: usize = 256;
+
 /// `D = alpha·(a_scale_inv·b_scale_inv)·A·Bᵀ + beta·C`, then the epilogue, with A (`m × k`) and
 /// B (`n × k`) in FP8 and D in bf16, row-major.
 ///
@@ -69,7 +76,8 @@ pub const FP8_ALIGN_BYTES: usize = 16;
 /// graph uses the scales a recipe wrote since. The f32 sums are exact products of FP8 values;
 /// cuBLASLt's `fast_accum` keeps the whole sum in the tensor cores' accumulator, which is
 /// faster and less precise (TransformerEngine uses it in the forward only). Every matrix starts
-/// on, and strides by, a multiple of [`FP8_ALIGN_BYTES`] bytes.
+/// on, and strides by, a multiple of [`FP8_ALIGN_BYTES`] bytes, and each scale starts on a
+/// multiple of [`FP8_SCALE_ALIGN_BYTES`].
 ///
 /// ```
 /// use float8::F8E4M3;
@@ -159,8 +167,10 @@ where
             trans: (false, true),
         };
         let mut spec = matrices.spec(DType::BF16, [A::DTYPE, B::DTYPE], &self.epilogue)?;
-        vector("A's scale", &self.a_scale_inv, 1)?;
-        vector("B's scale", &self.b_scale_inv, 1)?;
+        for (what, scale) in [("A's scale", &self.a_scale_inv), ("B's scale", &self.b_scale_inv)] {
+            vector(what, scale, 1)?;
+            scale_aligned(what, scale)?;
+        }
         aligned("A", &self.a, spec.a.ld)?;
         aligned("B", &self.b, spec.b.ld)?;
         aligned("C", &self.c, spec.c.ld)?;
@@ -183,6 +193,23 @@ where
     pub(crate) fn kernel(&self) -> &'static Kernel {
         &<(A, B)>::KERNELS[self.epilogue.kind() as usize][usize::from(self.addend.is_some())]
     }
+}
+
+/// Checks that the scale `v`, named `what`, starts on an [`FP8_SCALE_ALIGN_BYTES`] boundary of
+/// its allocation.
+fn scale_aligned(what: &str, v: &View<'_, f32>) -> Result<()> {
+    let start = v.absolute().offset() * 4;
+    if start.is_multiple_of(FP8_SCALE_ALIGN_BYTES) {
+        return Ok(());
+    }
+    Err(Error::Shape {
+        op: OP,
+        expected: format!(
+            "{what} of an FP8 GEMM starting at a multiple of {FP8_SCALE_ALIGN_BYTES} bytes of its allocation (it starts at byte {start}), as cuBLASLt needs: keep scales {} f32s apart, as ops::fp8's recipes do",
+            FP8_SCALE_ALIGN_BYTES / 4
+        ),
+        found: shape(&v.region()),
+    })
 }
 
 /// Checks that `v`, named `what`, starts on an [`FP8_ALIGN_BYTES`] boundary of its allocation

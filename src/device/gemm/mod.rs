@@ -29,7 +29,7 @@ use crate::{Error, Result};
 pub(crate) mod cpu;
 mod fp8;
 
-pub use fp8::{Fp8Gemm, Fp8Pair, FP8_ALIGN_BYTES};
+pub use fp8::{Fp8Gemm, Fp8Pair, FP8_ALIGN_BYTES, FP8_SCALE_ALIGN_BYTES};
 
 /// Element types cuBLASLt multiplies here.
 pub trait GemmElem: Elem {

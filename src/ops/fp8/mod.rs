@@ -37,7 +37,7 @@ pub use amax::{amax, Amax, AMAX, AMAX_BF16};
 pub use cast_transpose::{cast_transpose, CAST_TRANSPOSE};
 pub use scaling::{
     AmaxAlgo, CurrentScaling, DelayedScaling, DelayedScalingConfig, ScalingConfigError, CURRENT_SCALING_UPDATE,
-    DELAYED_SCALING_UPDATE,
+    DELAYED_SCALING_UPDATE, SCALE_INV_STRIDE,
 };
 
 use crate::device::DType;

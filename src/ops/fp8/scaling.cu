@@ -23,7 +23,8 @@ __device__ __forceinline__ void set_scale(float* scale, float* scale_inv, float 
 // NaNs, as TransformerEngine's). In each pass of 256 rows every thread reads before any writes,
 // and a pass writes only rows that later passes do not read.
 extern "C" __global__ void delayed_scaling_update(float* history, float* scale, float* scale_inv, unsigned len,
-                                                  unsigned n, unsigned most_recent, float scaled_max) {
+                                                  unsigned n, unsigned most_recent, float scaled_max,
+                                                  unsigned inv_stride) {
     __shared__ float partial[256];
     const unsigned i = blockIdx.x, tid = threadIdx.x;
     if (i >= n) return;
@@ -45,12 +46,14 @@ extern "C" __global__ void delayed_scaling_update(float* history, float* scale, 
         if (tid < half) partial[tid] = fmaxf(partial[tid], partial[tid + half]);
         __syncthreads();
     }
-    if (tid == 0) set_scale(scale + i, scale_inv + i, scale_for(most_recent ? last : partial[0], scale[i], scaled_max));
+    if (tid == 0)
+        set_scale(scale + i, scale_inv + (unsigned long long)i * inv_stride,
+                  scale_for(most_recent ? last : partial[0], scale[i], scaled_max));
 }
 
 // Current scaling: the scale of tensor i from amax[i], measured this step.
 extern "C" __global__ void current_scaling_update(float* scale, float* scale_inv, const float* amax, unsigned n,
-                                                  float scaled_max) {
+                                                  float scaled_max, unsigned inv_stride) {
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) set_scale(scale + i, scale_inv + i, scale_for(amax[i], scale[i], scaled_max));
+    if (i < n) set_scale(scale + i, scale_inv + (unsigned long long)i * inv_stride, scale_for(amax[i], scale[i], scaled_max));
 }

@@ -107,6 +107,16 @@ fn ones(alloc: &CachingAllocator, stream: &Stream, n: usize) -> Result<Tensor> {
     Tensor::from_host(alloc, stream, &vec![1.0f32; n], &[n])
 }
 
+/// f32s from one tensor's `1 / scale` to the next's, so that each is as aligned as the FP8 GEMMs
+/// need their scales ([`FP8_SCALE_ALIGN_BYTES`](crate::device::FP8_SCALE_ALIGN_BYTES)).
+pub const SCALE_INV_STRIDE: usize = crate::device::FP8_SCALE_ALIGN_BYTES / 4;
+
+/// The `1 / scale` slots of `tensors` tensors, all 1, [`SCALE_INV_STRIDE`] apart.
+fn inverse_ones(alloc: &CachingAllocator, stream: &Stream, tensors: usize) -> Result<Tensor> {
+    let n = tensors.checked_mul(SCALE_INV_STRIDE).ok_or(Error::Scaling(ScalingConfigError::NoTensors))?;
+    ones(alloc, stream, n)
+}
+
 /// `fp8_max · 2^-margin` (Note [Scaling arithmetic]).
 fn scaled_max(format: Fp8Format, margin: i32) -> f32 {
     format.max() * 2f32.powi(-margin)
@@ -139,7 +149,7 @@ impl DelayedScaling {
             _ => return refuse(too_large),
         }
         let history = Tensor::zeros(alloc, stream, &[config.history_len, tensors], DType::F32)?;
-        let (scale, scale_inv) = (ones(alloc, stream, tensors)?, ones(alloc, stream, tensors)?);
+        let (scale, scale_inv) = (ones(alloc, stream, tensors)?, inverse_ones(alloc, stream, tensors)?);
         let amaxes = history.select(0, 0)?;
         Ok(DelayedScaling { config, tensors, history, amaxes, scale, scale_inv })
     }
@@ -161,7 +171,8 @@ impl DelayedScaling {
             len,
             n,
             most_recent,
-            scaled_max
+            scaled_max,
+            SCALE_INV_STRIDE as u32
         ];
         stream.launch(&DELAYED_SCALING_UPDATE, grid(OP, self.tensors, 256)?, &list)
     }
@@ -194,7 +205,7 @@ impl DelayedScaling {
     /// # Errors
     /// [`Error::Shape`] for `i` past the tensors.
     pub fn scale_inv(&self, i: usize) -> Result<Tensor> {
-        self.scale_inv.narrow(0, i, 1)
+        self.scale_inv.narrow(0, i.saturating_mul(SCALE_INV_STRIDE), 1)
     }
 
     /// The history, `[history_len, N]` (state for a checkpoint).
@@ -207,7 +218,8 @@ impl DelayedScaling {
         &self.scale
     }
 
-    /// Every `1 / scale`, `[N]`.
+    /// Every `1 / scale`, tensor `i`'s at `i ·` [`SCALE_INV_STRIDE`] of `[N · SCALE_INV_STRIDE]`
+    /// (the rest ones).
     pub fn scale_invs(&self) -> &Tensor {
         &self.scale_inv
     }
@@ -250,7 +262,7 @@ impl CurrentScaling {
         }
         count("CurrentScaling::new", tensors)?;
         let amax = Tensor::zeros(alloc, stream, &[tensors], DType::F32)?;
-        let (scale, scale_inv) = (ones(alloc, stream, tensors)?, ones(alloc, stream, tensors)?);
+        let (scale, scale_inv) = (ones(alloc, stream, tensors)?, inverse_ones(alloc, stream, tensors)?);
         Ok(CurrentScaling { format, amax, scale, scale_inv })
     }
 
@@ -267,7 +279,8 @@ impl CurrentScaling {
             Out(self.scale_inv.view::<f32>()?),
             In(self.amax.view::<f32>()?),
             count(OP, n)?,
-            scaled_max(self.format, 0)
+            scaled_max(self.format, 0),
+            SCALE_INV_STRIDE as u32
         ];
         stream.launch(&CURRENT_SCALING_UPDATE, LaunchDims::for_elems(n), &list)
     }
@@ -293,7 +306,7 @@ impl CurrentScaling {
     /// # Errors
     /// [`Error::Shape`] for `i` past the tensors.
     pub fn scale_inv(&self, i: usize) -> Result<Tensor> {
-        self.scale_inv.narrow(0, i, 1)
+        self.scale_inv.narrow(0, i.saturating_mul(SCALE_INV_STRIDE), 1)
     }
 
     /// Every amax slot, `[N]`.
@@ -312,7 +325,7 @@ impl fmt::Debug for CurrentScaling {
 pub static DELAYED_SCALING_UPDATE: Kernel = Kernel {
     name: "delayed_scaling_update",
     source: SOURCE,
-    params: &["history", "scale", "scale_inv", "len", "n", "most_recent", "scaled_max"],
+    params: &["history", "scale", "scale_inv", "len", "n", "most_recent", "scaled_max", "inv_stride"],
     cpu: delayed_cpu,
     strided: false,
 };
@@ -321,7 +334,7 @@ pub static DELAYED_SCALING_UPDATE: Kernel = Kernel {
 pub static CURRENT_SCALING_UPDATE: Kernel = Kernel {
     name: "current_scaling_update",
     source: SOURCE,
-    params: &["scale", "scale_inv", "amax", "n", "scaled_max"],
+    params: &["scale", "scale_inv", "amax", "n", "scaled_max", "inv_stride"],
     cpu: current_cpu,
     strided: false,
 };
@@ -350,7 +363,7 @@ fn delayed_cpu(a: &CpuArgs) -> Result<()> {
             history[k * n + i] = if k > 0 { v } else { 0.0 };
         }
         scale[i] = scale_for(if most_recent { last } else { amax }, scale[i], scaled_max);
-        scale_inv[i] = canonical(1.0 / scale[i]);
+        scale_inv[i * SCALE_INV_STRIDE] = canonical(1.0 / scale[i]);
     }
     Ok(())
 }
@@ -358,7 +371,7 @@ fn delayed_cpu(a: &CpuArgs) -> Result<()> {
 fn current_cpu(a: &CpuArgs) -> Result<()> {
     let (amax, scaled_max) = (a.input::<f32>("amax")?, a.f32("scaled_max")?);
     let (mut scale, mut scale_inv) = (a.output::<f32>("scale")?, a.output::<f32>("scale_inv")?);
-    for ((s, inv), &m) in scale.iter_mut().zip(scale_inv.iter_mut()).zip(amax.iter()) {
+    for ((s, inv), &m) in scale.iter_mut().zip(scale_inv.iter_mut().step_by(SCALE_INV_STRIDE)).zip(amax.iter()) {
         *s = scale_for(m, *s, scaled_max);
         *inv = canonical(1.0 / *s);
     }
