@@ -25,8 +25,9 @@ template <> struct Fp8<e5m2> {
 };
 
 // Round to nearest, ties to even; magnitudes that round past MAX (infinity included) saturate to
-// it; every NaN becomes 0x7f (cuda_fp8.hpp makes NaNs canonical before converting).
-template <typename T> __device__ __forceinline__ unsigned char fp8_bits(float x) {
+// it; every NaN becomes 0x7f (cuda_fp8.hpp makes NaNs canonical before converting). This is the
+// conversion of GPUs before sm_89, which have no FP8 instruction (fp8_bits below).
+template <typename T> __device__ __forceinline__ unsigned char fp8_bits_by_integers(float x) {
     constexpr int M = Fp8<T>::M, BIAS = Fp8<T>::BIAS, EMIN = 1 - BIAS;
     constexpr int EMAX = (int)(Fp8<T>::MAX >> M) - BIAS;
     unsigned u = __float_as_uint(x), a = u & 0x7fffffffu, sign = (u >> 24) & 0x80u;
@@ -45,6 +46,34 @@ template <typename T> __device__ __forceinline__ unsigned char fp8_bits(float x)
     // implicit bit into the exponent, and a round-up past a binade's end carries on.
     unsigned code = ((unsigned)(ee + BIAS - 1) << M) + n;
     return (unsigned char)(sign | (code < Fp8<T>::MAX ? code : Fp8<T>::MAX));
+}
+
+// The conversion: on sm_89 and later the GPU's own instruction (cvt.rn.satfinite, as cuda_fp8.h
+// issues it), which gives fp8_bits_by_integers' bytes (tests/ops_fp8.rs checks both against the
+// simulator's) at a fraction of its instructions: the casts of a training step are bound by
+// memory with it and by integer throughput without.
+template <typename T> struct Cvt;
+template <> struct Cvt<e4m3> {
+    __device__ static __forceinline__ unsigned short pair(float lo, float hi) {
+        unsigned short p;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p) : "f"(hi), "f"(lo));
+        return p;
+    }
+};
+template <> struct Cvt<e5m2> {
+    __device__ static __forceinline__ unsigned short pair(float lo, float hi) {
+        unsigned short p;
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(p) : "f"(hi), "f"(lo));
+        return p;
+    }
+};
+
+template <typename T> __device__ __forceinline__ unsigned char fp8_bits(float x) {
+#if __CUDA_ARCH__ >= 890
+    return (unsigned char)(Cvt<T>::pair(x, 0.0f) & 0xffu);
+#else
+    return fp8_bits_by_integers<T>(x);
+#endif
 }
 
 // Exact; NaNs as the canonical f32 NaN (0x7fffffff), as the GPU's f32 arithmetic returns them.
