@@ -137,6 +137,49 @@ fn train_resumes_bit_for_bit() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// In FP8 too: the recipes' histories and scales are in the checkpoint, the resumed run
+/// continues bit for bit, and a resume in another precision is refused.
+#[test]
+fn fp8_train_resumes_bit_for_bit() {
+    let dir = temp_dir("resume-fp8");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["train", "--device", "sim", "--steps", "20", "--dtype", "fp8", "--eval", "5"];
+        args.extend_from_slice(extra);
+        graphed(&dir, &args)
+    };
+    let straight = run(&["--save", "whole"]);
+    run(&["--stop-at", "10", "--save", "half"]);
+    let resumed = run(&["--resume", "half", "--save", "resumed"]);
+    let load = |d: &str| Checkpoint::load(&dir.join(d).join("checkpoint.safetensors")).unwrap();
+    assert_eq!(load("resumed"), load("whole"), "the resumed run's state differs from the straight run's");
+    let saved = std::fs::read(dir.join("whole").join("checkpoint.safetensors")).unwrap();
+    let names = safetensors::SafeTensors::deserialize(&saved)
+        .unwrap()
+        .names()
+        .into_iter()
+        .map(str::to_string)
+        .collect::<Vec<_>>();
+    for part in ["fp8.forward.history", "fp8.forward.scale", "fp8.backward.scale_inv"] {
+        assert!(names.iter().any(|n| n == part), "{part} is not in the checkpoint: {names:?}");
+    }
+    let losses = |out: &str| {
+        out.lines()
+            .filter(|l| l.starts_with("step") && !l.starts_with("step     0"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(losses(&resumed), losses(&straight), "losses after the resume");
+    let exe = std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string());
+    let out = Command::new(exe)
+        .current_dir(&dir)
+        .args(["train", "--device", "sim", "--steps", "20", "--dtype", "bf16", "--resume", "half"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("fp8"), "a bf16 resume of an FP8 run: {stderr}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// The checkpoint the damage tests start from (tensors of three element types and two metadata
 /// keys) and the bytes of its file.
 fn saved() -> &'static (Checkpoint, Vec<u8>) {

@@ -32,7 +32,7 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
         ("layers", c.layers.to_string()),
         ("heads", c.heads.to_string()),
         (ATTENTION, c.attention.name().to_string()),
-        ("dtype", c.dtype.to_string()),
+        ("dtype", if model.fp8().is_some() { "fp8".into() } else { c.dtype.to_string() }),
         ("dropout", c.dropout.to_string()),
         ("seed", args.seed.to_string()),
         ("batch", batch.to_string()),

@@ -69,6 +69,7 @@ impl Plan {
         }
         let batch = pick(args.batch, 256, 64);
         check_batch(&config, batch)?;
+        check_fp8(args, &config, batch)?;
         let steps = args.steps.map_or(1000, |s| s as usize);
         let stop = args.stop_at.map_or(steps, |k| k as usize);
         if stop > steps {
@@ -125,6 +126,26 @@ impl Plan {
             self.steps
         )
     }
+}
+
+/// Refuses `--dtype fp8` where an FP8 GEMM could not run: every `k` of the layers' GEMMs (the
+/// width, and the tokens of what one forward takes, a batch or a schedule's microbatch) must be
+/// a multiple of 16.
+fn check_fp8(args: &TrainArgs, config: &GptConfig, batch: usize) -> anyhow::Result<()> {
+    if !args.dtype.fp8() {
+        return Ok(());
+    }
+    let per_forward = if args.schedule { batch / args.schedule_args.microbatches().max(1) } else { batch };
+    let tokens = per_forward * config.max_len;
+    if !config.dim.is_multiple_of(16) || !tokens.is_multiple_of(16) {
+        refuse!(
+            "--dtype fp8 needs the width ({}) and the tokens of one forward ({per_forward} sequences of {}: {tokens}) to be multiples of 16, as FP8 GEMMs do; change --dim, --batch{}",
+            config.dim,
+            config.max_len,
+            if args.schedule { " or --microbatches" } else { " or --context" }
+        );
+    }
+    Ok(())
 }
 
 /// Refuses flags that would do nothing (schedule settings without `--schedule`) and the one
