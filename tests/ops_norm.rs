@@ -4,7 +4,7 @@
 mod common;
 
 use anyhow::ensure;
-use common::{ensure_close, numeric_grad};
+use common::{ensure_close, lcg, numeric_grad};
 use graphed::device::{CaptureMode, DType, Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::ops::layernorm::{self, LayerNormWorkspace, ResidualGrad};
@@ -740,6 +740,24 @@ fn gelu_gradients(dev: &Device) -> anyhow::Result<()> {
     ensure_close("dinp", &got[1].1, &numeric_grad(|p| g.gelu_loss(&ctx, p), &g.x, FD_STEP)?, FD_ATOL, FD_RTOL)
 }
 
+/// In bf16, GELU's backward is the f32 one of the widened values, rounded once, on each device.
+fn gelu_backward_in_bf16_is_the_f32_product_rounded_once(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let n = 4099;
+    let widen = |v: Vec<f32>| v.into_iter().map(|x| half::bf16::from_f32(x).to_f32()).collect::<Vec<_>>();
+    let (x, g) = (widen(lcg(n, 3).iter().map(|v| 8.0 * v).collect()), widen(lcg(n, 4)));
+    let bf = |v: &[f32]| Tensor::from_f32(&alloc, &s, v, &[n], DType::BF16);
+    let f = |v: &[f32]| Tensor::from_host(&alloc, &s, v, &[n]);
+    let (d16, d32) = (Tensor::zeros(&alloc, &s, &[n], DType::BF16)?, Tensor::zeros(&alloc, &s, &[n], DType::F32)?);
+    gelu::gelu_backward(&d16, &bf(&x)?, &bf(&g)?, &s)?;
+    gelu::gelu_backward(&d32, &f(&x)?, &f(&g)?, &s)?;
+    let want: Vec<u16> = d32.to_vec::<f32>(&s)?.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
+    let got: Vec<u16> = d16.to_vec::<half::bf16>(&s)?.iter().map(|v| v.to_bits()).collect();
+    ensure!(got == want, "bf16 GELU backward differs from the f32 one rounded");
+    Ok(())
+}
+
 fn bias_gelu_gradients(dev: &Device) -> anyhow::Result<()> {
     if dev.kind() != DeviceKind::Sim {
         let cases = [(3, 8), (5, 700)];
@@ -989,6 +1007,7 @@ fn bad_types_and_layouts_are_refused_before_anything_runs(dev: &Device) -> anyho
 }
 
 crate::per_device!(
+    gelu_backward_in_bf16_is_the_f32_product_rounded_once,
     layernorm_gradients,
     layernorm_matches_an_f64_reference,
     layernorm_backward_small_n_path,

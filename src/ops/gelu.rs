@@ -23,12 +23,14 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use super::{checked, count, rows_cols};
-use crate::device::{args, CpuArgs, In, InOut, Kernel, LaunchDims, Out, Stream};
+use half::bf16;
+
+use super::{checked, count, rows_cols, with_float, PerFloat};
+use crate::device::{args, CpuArgs, Float, In, InOut, Kernel, LaunchDims, Out, Stream};
 use crate::tensor::Tensor;
 use crate::Result;
 
-const SOURCE: &str = include_str!("gelu.cu");
+const SOURCE: &str = concat!(include_str!("float.cu"), include_str!("gelu.cu"));
 
 /// √(2/π) as f32 (`GELU_K` in `gelu.cu`).
 const GELU_K: f32 = 0.797_884_6;
@@ -70,36 +72,51 @@ pub fn gelu_forward(out: &Tensor, inp: &Tensor, stream: &Stream) -> Result<()> {
     stream.launch(&GELU_FORWARD, LaunchDims::for_elems(inp.numel()), &args)
 }
 
-/// `dinp = gelu'(inp)·dout`, elementwise.
+/// `dinp = gelu'(inp)·dout`, elementwise, in f32.
 pub static GELU_BACKWARD: Kernel = Kernel {
     name: "gelu_backward_f32",
     source: SOURCE,
     params: &["dinp", "inp", "dout", "n"],
-    cpu: backward_cpu,
+    cpu: backward_cpu::<f32>,
     strided: false,
 };
 
-fn backward_cpu(a: &CpuArgs) -> Result<()> {
-    let (inp, dout) = (a.input::<f32>("inp")?, a.input::<f32>("dout")?);
-    let mut dinp = a.output::<f32>("dinp")?;
-    dinp.iter_mut().zip(inp.iter().zip(dout.iter())).for_each(|(dx, (&x, g))| *dx = gelu_grad(x) * g);
+/// As [`GELU_BACKWARD`] in bf16: the product of the widened values, rounded once.
+pub static GELU_BACKWARD_BF16: Kernel = Kernel {
+    name: "gelu_backward_bf16",
+    source: SOURCE,
+    params: &["dinp", "inp", "dout", "n"],
+    cpu: backward_cpu::<bf16>,
+    strided: false,
+};
+
+fn backward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let (inp, dout) = (a.input::<T>("inp")?, a.input::<T>("dout")?);
+    let mut dinp = a.output::<T>("dinp")?;
+    (dinp.iter_mut().zip(inp.iter().zip(dout.iter())))
+        .for_each(|(dx, (x, g))| *dx = T::from_f32(gelu_grad(x.to_f32()) * g.to_f32()));
     Ok(())
 }
 
-/// Writes `dinp = gelu'(inp)·dout` for tensors of one shape.
+/// Writes `dinp = gelu'(inp)·dout` for f32 or bf16 tensors of one shape and type.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) if the shapes differ; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`](crate::Error::Shape) if the shapes differ; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor;
+/// [`Error::UnsupportedDType`](crate::Error::UnsupportedDType) for another type (and a mismatch
+/// is refused as the views are taken).
 pub fn gelu_backward(dinp: &Tensor, inp: &Tensor, dout: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "gelu_backward";
-    let shape = inp.shape();
-    let args = args![
-        Out(checked::<f32>(OP, "dinp", dinp, shape)?),
-        In(checked::<f32>(OP, "inp", inp, shape)?),
-        In(checked::<f32>(OP, "dout", dout, shape)?),
-        n_of(OP, inp)?,
-    ];
-    stream.launch(&GELU_BACKWARD, LaunchDims::for_elems(inp.numel()), &args)
+    with_float!(OP, inp.dtype(), T => {
+        let shape = inp.shape();
+        let kernel = PerFloat { f32: &GELU_BACKWARD, bf16: &GELU_BACKWARD_BF16 }.of::<T>(OP)?;
+        let args = args![
+            Out(checked::<T>(OP, "dinp", dinp, shape)?),
+            In(checked::<T>(OP, "inp", inp, shape)?),
+            In(checked::<T>(OP, "dout", dout, shape)?),
+            n_of(OP, inp)?,
+        ];
+        stream.launch(kernel, LaunchDims::for_elems(inp.numel()), &args)
+    })
 }
 
 /// `out[r, c] = gelu(inp[r, c] + bias[c])`, elementwise.

@@ -228,6 +228,7 @@ mod tests {
             &embedding::EMBEDDING_BACKWARD_WPE_BF16,
             &gelu::GELU_FORWARD,
             &gelu::GELU_BACKWARD,
+            &gelu::GELU_BACKWARD_BF16,
             &gelu::BIAS_GELU_FORWARD,
             &gelu::BIAS_GELU_BACKWARD,
             &gelu::COLUMN_SUM_ADD,
