@@ -6,6 +6,7 @@ use crate::nn::Chunk;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum OffloadErrorKind {
+    // ---- calls during an iteration --------------------------------------------------------------
     /// A chunk's modules saved in another order than in the recording iteration (H13).
     #[error(
         "{chunk} saved {found} where the recording iteration saved {expected}: the schedule must be the same in \

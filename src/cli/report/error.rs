@@ -5,6 +5,7 @@ use std::path::PathBuf;
 /// An error of `graphed report`.
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
+    // ---- files and git --------------------------------------------------------------------------
     /// A file or folder could not be read or written.
     #[error("{}: {source}", path.display())]
     Io {
@@ -34,6 +35,8 @@ pub enum ReportError {
         /// Why it failed.
         reason: String,
     },
+
+    // ---- results files --------------------------------------------------------------------------
     /// A `.json` file of the results folder whose name does not say its benchmark and commit.
     #[error(
         "{}: not named `<date>-<gpu>-<bench>[-<tag>]-<commit>.json` (e.g. 2026-12-01-h200-graphs-a92ca49.json); \
@@ -104,6 +107,8 @@ pub enum ReportError {
         /// The file.
         file: PathBuf,
     },
+
+    // ---- pages ----------------------------------------------------------------------------------
     /// No page has the block of a benchmark that has results.
     #[error(
         "no `<!-- report:{bench} -->` block for the `{bench}` results in {pages}; add the lines \
@@ -139,6 +144,8 @@ pub enum ReportError {
         /// The repository's top folder.
         root: PathBuf,
     },
+
+    // ---- what report writes ---------------------------------------------------------------------
     /// A plot that plotters could not draw.
     #[error("cannot draw the plot of `{bench}`: {source}")]
     Draw {

@@ -7,6 +7,7 @@ use crate::Error;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum CommErrorKind {
+    // ---- ranks that disagree, stall or leave ----------------------------------------------------
     /// Ranks issued different operations at the same place in their order.
     #[error("rank {rank} issued {found} as operation #{seq} of the communicator, but rank {other} issued {expected}; every rank must issue the same collectives in the same order (NCCL would hang or corrupt data here)")]
     Mismatch {
@@ -52,6 +53,8 @@ pub enum CommErrorKind {
         /// The panic's message (its `&str` or `String` payload), or a note that it had none.
         message: String,
     },
+
+    // ---- arguments of a collective --------------------------------------------------------------
     /// A rank number outside the group.
     #[error("peer {peer} is not a rank of this group of {size}; pass a rank below {size} other than your own")]
     BadPeer {
@@ -73,6 +76,14 @@ pub enum CommErrorKind {
         /// Which buffers overlap.
         what: String,
     },
+    /// A reduction of an element type that has no sum here.
+    #[error("cannot sum {dtype}; reduce f32, bf16 or f16")]
+    DType {
+        /// The element type.
+        dtype: DType,
+    },
+
+    // ---- gradient buckets of data parallelism ---------------------------------------------------
     /// Gradient buckets of two graphed callables that overlap
     /// ([`DataParallel::new`](crate::dist::DataParallel::new)): a gradient in both would be
     /// summed twice, the second sum doubling the first.
@@ -106,12 +117,8 @@ pub enum CommErrorKind {
         /// The callable's index.
         callable: usize,
     },
-    /// A reduction of an element type that has no sum here.
-    #[error("cannot sum {dtype}; reduce f32, bf16 or f16")]
-    DType {
-        /// The element type.
-        dtype: DType,
-    },
+
+    // ---- NCCL, the rendezvous and the launch ----------------------------------------------------
     /// NCCL returned an error.
     #[error("NCCL: {0}")]
     Nccl(String),
