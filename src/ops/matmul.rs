@@ -149,8 +149,8 @@ impl<'t> Matmul<'t> {
 /// Runs `m` on `stream`.
 ///
 /// # Errors
-/// [`Error::DTypeMismatch`](crate::Error::DTypeMismatch) unless every operand has C's element type;
-/// [`Error::UnsupportedDType`](crate::Error::UnsupportedDType) unless that is f32 or bf16; as [`Stream::gemm`] otherwise.
+/// [`Error::DTypeMismatch`] unless every operand has C's element type;
+/// [`Error::UnsupportedDType`] unless that is f32 or bf16; as [`Stream::gemm`] otherwise.
 pub fn matmul(m: Matmul<'_>, stream: &Stream) -> Result<()> {
     const OP: &str = "matmul";
     let dtype = m.c.dtype();
