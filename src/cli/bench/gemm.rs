@@ -108,7 +108,8 @@ pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
         let operands = Operands::new(&dev, &s, square.dims)?;
         rows.push(time(&dev, &s, "-", &square, &operands, args.reps)?);
         if args.fp8 {
-            rows.push(time_fp8(&dev, &s, "-", &square, &operands, args.reps)?);
+            let fp8 = Fp8Operands::new(&dev, &s, square.dims)?;
+            rows.push(time_fp8(&dev, &s, "-", &square, (&fp8, &operands.c), args.reps)?);
         }
     }
     for config in &configs {
@@ -128,7 +129,8 @@ pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
                 rows.push(time(&dev, &s, config.name, &plain, &operands, args.reps)?);
             }
             if args.fp8 {
-                rows.push(time_fp8(&dev, &s, config.name, &plain, &operands, args.reps)?);
+                let fp8 = Fp8Operands::new(&dev, &s, shape.dims)?;
+                rows.push(time_fp8(&dev, &s, config.name, &plain, (&fp8, &operands.c), args.reps)?);
             }
         }
     }
@@ -144,50 +146,72 @@ struct Operands {
     side: DeviceBuffer<bf16>,
     /// The bias (`n`) or the bias gradient (`m`).
     vector: DeviceBuffer<bf16>,
-    /// The FP8 operands, `m × k` and `n × k` (the layout an FP8 GEMM reads), in E4M3, and A in
-    /// E5M2 (a gradient), with a scale of one.
-    fp8: (DeviceBuffer<F8E4M3>, DeviceBuffer<F8E4M3>, DeviceBuffer<F8E5M2>, DeviceBuffer<f32>),
+}
+
+/// Small values that nothing overflows with, the same for every operand and type.
+fn values(len: usize) -> impl Iterator<Item = f32> {
+    (0..len).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+}
+
+/// The FP8 operands of one shape, made only with `--fp8`: A (`m × k`) in E4M3 and in E5M2 (a
+/// gradient), B (`n × k`, the layout an FP8 GEMM reads) in E4M3, and a scale of one.
+struct Fp8Operands {
+    a: DeviceBuffer<F8E4M3>,
+    grad: DeviceBuffer<F8E5M2>,
+    b: DeviceBuffer<F8E4M3>,
+    one: DeviceBuffer<f32>,
+}
+
+impl Fp8Operands {
+    fn new(dev: &Device, s: &Stream, (m, n, k): (usize, usize, usize)) -> anyhow::Result<Fp8Operands> {
+        fn quantized<F: Float8>(len: usize) -> Vec<F> {
+            values(len).map(F::from_f32).collect()
+        }
+        Ok(Fp8Operands {
+            a: dev.alloc_from(s, &quantized(m * k))?,
+            grad: dev.alloc_from(s, &quantized(m * k))?,
+            b: dev.alloc_from(s, &quantized(n * k))?,
+            one: dev.alloc_from(s, &[1.0f32])?,
+        })
+    }
+
+    /// The FP8 GEMM of `shape`'s dimensions into `c` as an FP8 training step runs it (see
+    /// [`fp8_formats`]), the forward's with fast accumulation, as TransformerEngine's.
+    fn gemm(&self, s: &Stream, c: &DeviceBuffer<bf16>, shape: &Shape) -> graphed::Result<()> {
+        let scales = (self.one.view(), self.one.view());
+        if is_forward(shape) {
+            let g = Fp8Gemm::new(c.view(), self.a.view(), self.b.view(), scales, shape.dims);
+            return s.fp8_gemm(Fp8Gemm { fast_accum: true, ..g });
+        }
+        s.fp8_gemm(Fp8Gemm::new(c.view(), self.grad.view(), self.b.view(), scales, shape.dims))
+    }
+}
+
+/// Whether `shape` is a forward GEMM (`x·Wᵀ`).
+fn is_forward(shape: &Shape) -> bool {
+    !shape.trans_a && shape.trans_b
+}
+
+/// The FP8 formats a training step multiplies `shape` in: E4M3 × E4M3 in the forward, an E5M2
+/// gradient times E4M3 in the backward.
+fn fp8_formats(shape: &Shape) -> &'static str {
+    if is_forward(shape) {
+        "e4m3×e4m3"
+    } else {
+        "e5m2×e4m3"
+    }
 }
 
 impl Operands {
     fn new(dev: &Device, s: &Stream, (m, n, k): (usize, usize, usize)) -> anyhow::Result<Operands> {
-        let fill = |len: usize| -> Vec<bf16> {
-            (0..len).map(|i| bf16::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5)).collect()
-        };
-        fn quantized<F: Float8>(len: usize) -> Vec<F> {
-            (0..len).map(|i| F::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5)).collect()
-        }
+        let fill = |len: usize| -> Vec<bf16> { values(len).map(bf16::from_f32).collect() };
         Ok(Operands {
             a: dev.alloc_from(s, &fill(m * k))?,
             b: dev.alloc_from(s, &fill(k * n))?,
             c: dev.alloc_from(s, &fill(m * n))?,
             side: dev.alloc_from(s, &fill(m * n))?,
             vector: dev.alloc_from(s, &fill(m.max(n)))?,
-            fp8: (
-                dev.alloc_from(s, &quantized(m * k))?,
-                dev.alloc_from(s, &quantized(n * k))?,
-                dev.alloc_from(s, &quantized(m * k))?,
-                dev.alloc_from(s, &[1.0f32])?,
-            ),
         })
-    }
-
-    /// The FP8 GEMM of `shape`'s dimensions as an FP8 training step runs it: E4M3 × E4M3 in the
-    /// forward (with fast accumulation, as TransformerEngine), an E5M2 gradient times E4M3
-    /// otherwise.
-    fn fp8_gemm(&self, s: &Stream, shape: &Shape) -> graphed::Result<&'static str> {
-        let (a, b, grad, one) = &self.fp8;
-        let forward = !shape.trans_a && shape.trans_b;
-        let scales = (one.view(), one.view());
-        if forward {
-            s.fp8_gemm(Fp8Gemm {
-                fast_accum: true,
-                ..Fp8Gemm::new(self.c.view(), a.view(), b.view(), scales, shape.dims)
-            })?;
-            return Ok("e4m3×e4m3");
-        }
-        s.fp8_gemm(Fp8Gemm::new(self.c.view(), grad.view(), b.view(), scales, shape.dims))?;
-        Ok("e5m2×e4m3")
     }
 
     fn gemm(&self, shape: &Shape) -> Gemm<'_, bf16> {
@@ -232,19 +256,18 @@ fn time(
     Ok(row(config, shape, layout(shape), "bf16", ms))
 }
 
-/// As [`time`], the FP8 GEMM of `shape`'s dimensions (see [`Operands::fp8_gemm`]), without
-/// epilogue, in FP8's one layout (`NT`).
+/// As [`time`], the FP8 GEMM of `shape`'s dimensions into `c` (see [`Fp8Operands::gemm`]),
+/// without epilogue, in FP8's one layout (`NT`).
 fn time_fp8(
     dev: &Device,
     s: &Stream,
     config: &'static str,
     shape: &Shape,
-    operands: &Operands,
+    (fp8, c): (&Fp8Operands, &DeviceBuffer<bf16>),
     reps: u32,
 ) -> anyhow::Result<GemmRow> {
-    let dtype = operands.fp8_gemm(s, shape)?;
-    let ms = median_ms(dev, s, reps, || operands.fp8_gemm(s, shape).map(|_| ()))?;
-    Ok(row(config, &Shape { trans_a: false, trans_b: true, ..*shape }, "NT", dtype, ms))
+    let ms = median_ms(dev, s, reps, || fp8.gemm(s, c, shape))?;
+    Ok(row(config, &Shape { trans_a: false, trans_b: true, ..*shape }, "NT", fp8_formats(shape), ms))
 }
 
 /// The median of `reps` timings of `enqueue`, each between two events, after five untimed.
