@@ -82,11 +82,19 @@ fn tensors_round_trip_and_bad_files_are_typed_errors() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// The binary: under a nextest archive (the GPU machine) it is elsewhere, and nextest says where.
+fn exe() -> String {
+    std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string())
+}
+
+/// The loss lines a run printed after its first step.
+fn losses(out: &str) -> Vec<String> {
+    out.lines().filter(|l| l.starts_with("step") && !l.starts_with("step     0")).map(str::to_string).collect()
+}
+
 /// Runs the binary with `args` in `dir`; returns its stdout, failing with its stderr.
 fn graphed(dir: &Path, args: &[&str]) -> String {
-    // Under a nextest archive (the GPU machine) the binary is elsewhere; nextest says where.
-    let exe = std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string());
-    let out = Command::new(exe).current_dir(dir).args(args).output().expect("the binary runs");
+    let out = Command::new(exe()).current_dir(dir).args(args).output().expect("the binary runs");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "graphed {args:?} failed:\n{stderr}\n{stdout}");
     stdout.into_owned()
@@ -110,19 +118,11 @@ fn train_resumes_bit_for_bit() {
     assert_eq!(load("resumed"), load("whole"), "the resumed run's state differs from the straight run's");
     let bytes = |d: &str| std::fs::read(dir.join(d).join("checkpoint.safetensors")).unwrap();
     assert!(bytes("resumed") == bytes("whole"), "equal checkpoints are equal files");
-    let losses = |out: &str| {
-        out.lines()
-            .filter(|l| l.starts_with("step") && !l.starts_with("step     0"))
-            .map(str::to_string)
-            .collect::<Vec<_>>()
-    };
     assert_eq!(losses(&resumed), losses(&straight), "losses after the resume");
     let refused = |extra: &[&str], why: &str| {
-        let exe =
-            std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string());
         let mut args = vec!["train", "--device", "sim", "--steps", "30"];
         args.extend_from_slice(extra);
-        let out = Command::new(exe).current_dir(&dir).args(&args).output().unwrap();
+        let out = Command::new(exe()).current_dir(&dir).args(&args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && stderr.contains(why), "{extra:?}: {stderr}");
     };
@@ -162,15 +162,8 @@ fn fp8_train_resumes_bit_for_bit() {
     for part in ["fp8.forward.history", "fp8.forward.scale", "fp8.backward.scale_inv"] {
         assert!(names.iter().any(|n| n == part), "{part} is not in the checkpoint: {names:?}");
     }
-    let losses = |out: &str| {
-        out.lines()
-            .filter(|l| l.starts_with("step") && !l.starts_with("step     0"))
-            .map(str::to_string)
-            .collect::<Vec<_>>()
-    };
     assert_eq!(losses(&resumed), losses(&straight), "losses after the resume");
-    let exe = std::env::var("NEXTEST_BIN_EXE_graphed").unwrap_or_else(|_| env!("CARGO_BIN_EXE_graphed").to_string());
-    let out = Command::new(exe)
+    let out = Command::new(exe())
         .current_dir(&dir)
         .args(["train", "--device", "sim", "--steps", "20", "--dtype", "bf16", "--resume", "half"])
         .output()
