@@ -9,7 +9,7 @@ use std::path::Path;
 use graphed::checkpoint::Checkpoint;
 use graphed::device::Stream;
 use graphed::memory::CachingAllocator;
-use graphed::nn::Gpt;
+use graphed::nn::{AttentionKind, Gpt};
 use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 
@@ -32,6 +32,7 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
         ("layers", c.layers.to_string()),
         ("heads", c.heads.to_string()),
         (ATTENTION, c.attention.name().to_string()),
+        (ATTENTION_BACKEND, c.attention_backend.name().to_string()),
         ("dtype", if model.fp8().is_some() { "fp8".into() } else { c.dtype.to_string() }),
         ("dropout", c.dropout.to_string()),
         ("seed", args.seed.to_string()),
@@ -48,6 +49,12 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
 /// round differently, so the resumed run would not continue bit for bit as the saved one would
 /// have. Checkpoints from before the key existed were trained unfused, the only form then.
 const ATTENTION: &str = "attention";
+
+/// The metadata key of the fused attention's backend setting (`auto`, `cudnn`, `kernels` or
+/// `cudnn-nondeterministic`). cuDNN and graphed's kernels round differently, so a fused run
+/// resumes only with its own setting; checkpoints from before the key existed ran `auto`, the
+/// only setting then. An unfused run runs no backend and resumes under any.
+const ATTENTION_BACKEND: &str = "attention_backend";
 
 /// The metadata key of the data file's size and hash (`none` for the addition task, whose data
 /// is generated).
@@ -121,7 +128,17 @@ pub fn resume(
             dir.display()
         );
     }
-    for (k, v) in settings(model, args, plan).into_iter().filter(|(k, _)| *k != ATTENTION) {
+    let (saved_backend, backend) =
+        (ckpt.meta(ATTENTION_BACKEND).unwrap_or("auto"), model.config().attention_backend.name());
+    if model.config().attention == AttentionKind::Fused && saved_backend != backend {
+        refuse!(
+            "{}: the run saved there ran fused attention on backend {saved_backend}, this one on {backend}; the \
+             backends round differently, so the run would not continue as it would have; pass --attention-backend \
+             {saved_backend}",
+            dir.display()
+        );
+    }
+    for (k, v) in settings(model, args, plan).into_iter().filter(|(k, _)| ![ATTENTION, ATTENTION_BACKEND].contains(k)) {
         ckpt.expect_meta(k, v)?;
     }
     let Some(done) = ckpt.meta("done").and_then(|d| d.parse::<usize>().ok()) else {
