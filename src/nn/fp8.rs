@@ -19,13 +19,18 @@
 //!   histories and quantizes every weight and its transpose once, with the new scales, so every
 //!   microbatch of the next step reads the same FP8 weights.
 //!
+//! With data parallelism ([`Fp8Training::reduce_amaxes_over`]), the step first takes each amax
+//! slot's max across the ranks, so that every rank computes the same scales and quantizes as one
+//! rank running the whole batch would.
+//!
 //! Nothing of this is process-wide: a second model, or a capture after an FP8 capture, sees none
 //! of it. Graph replays read the scales in memory when they run, so the graphs of a step are
 //! captured once and follow the recipe.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use crate::device::{DType, Stream};
+use crate::device::{Communicator, DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::fp8::{cast_transpose, AmaxAlgo, DelayedScaling, DelayedScalingConfig, Fp8Format};
 use crate::tensor::Tensor;
@@ -63,6 +68,10 @@ struct Inner {
     /// Made by `start`: the forward's recipe (slots `2i` the input of layer `i`, `2i + 1` its
     /// weight) and the backward's (slot `i` layer `i`'s output gradient).
     state: OnceLock<(DelayedScaling, DelayedScaling)>,
+    /// The data-parallel ranks whose amaxes each step reduces, if any.
+    group: OnceLock<Communicator>,
+    /// Whether a step was enqueued after `start`'s own: the group can no longer be set.
+    stepped: AtomicBool,
 }
 
 /// A weight and its FP8 forms, written by [`Fp8Training::step`].
@@ -95,7 +104,14 @@ pub(crate) struct Scaled {
 impl Fp8Training {
     /// FP8 state for a model to be built, with `recipe`.
     pub fn new(alloc: &CachingAllocator, recipe: Fp8Recipe) -> Fp8Training {
-        let inner = Inner { alloc: alloc.clone(), recipe, weights: Mutex::default(), state: OnceLock::new() };
+        let inner = Inner {
+            alloc: alloc.clone(),
+            recipe,
+            weights: Mutex::default(),
+            state: OnceLock::new(),
+            group: OnceLock::new(),
+            stepped: AtomicBool::new(false),
+        };
         Fp8Training { inner: Arc::new(inner) }
     }
 
@@ -152,7 +168,33 @@ impl Fp8Training {
         // `set` cannot fail: `state` was empty above and `start` takes no other path to it.
         let _ = self.inner.state.set((forward, backward));
         self.quantize_weights(stream)?;
-        self.step(stream)
+        self.update_and_quantize(stream)
+    }
+
+    /// Makes every [`step`](Fp8Training::step) take the max of each amax slot across `comm`'s
+    /// ranks (data parallelism) before it updates the scales, as TransformerEngine's
+    /// `amax_reduction_group`: every rank then holds the same scales, the ones one rank running
+    /// all their microbatches would compute. One collective per recipe (`2 × layers` and
+    /// `layers` floats), enqueued inside the optimizer's step, so inside its graph when the step
+    /// is graphed; nothing reaches the host.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when a group was set already, or after a step ran or was captured
+    /// (its graph would not reduce); [`Error::WrongDevice`] for a communicator of another
+    /// device.
+    pub fn reduce_amaxes_over(&self, comm: &Communicator) -> Result<()> {
+        const OP: &str = "Fp8Training::reduce_amaxes_over";
+        if let Some(s) = self.inner.state.get() {
+            comm.device().check_same(OP, "FP8 state", s.0.amaxes().device_id())?;
+        }
+        if self.inner.stepped.load(Ordering::Acquire) || self.inner.group.set(comm.clone()).is_err() {
+            return Err(Error::Unsupported {
+                op: OP,
+                backend: "any",
+                why: "set the amax group once, before the optimizer's first step runs or is captured",
+            });
+        }
+        Ok(())
     }
 
     /// Quantizes every weight again with its current scale, without a step: after the weights
@@ -179,13 +221,24 @@ impl Fp8Training {
         Ok(named)
     }
 
-    /// Once per step, after the optimizer rewrote the bf16 weights: the scales from the amax
-    /// histories (the history then moves on a step), and every weight quantized with its new
-    /// scale.
+    /// Once per step, after the optimizer rewrote the bf16 weights: the amaxes reduced across
+    /// the group if there is one, the scales from the amax histories (the history then moves on
+    /// a step), and every weight quantized with its new scale.
     ///
     /// # Errors
     /// [`Error::Unsupported`] before [`Fp8Training::start`]; as the launches.
     pub fn step(&self, stream: &Stream) -> Result<()> {
+        let (forward, backward) = self.state()?;
+        self.inner.stepped.store(true, Ordering::Release);
+        if let Some(comm) = self.inner.group.get() {
+            comm.all_reduce_amax(stream, forward.amaxes().view::<f32>()?)?;
+            comm.all_reduce_amax(stream, backward.amaxes().view::<f32>()?)?;
+        }
+        self.update_and_quantize(stream)
+    }
+
+    /// The scales from the histories, then the weights quantized with them.
+    fn update_and_quantize(&self, stream: &Stream) -> Result<()> {
         let (forward, backward) = self.state()?;
         forward.update(stream)?;
         backward.update(stream)?;

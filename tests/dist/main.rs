@@ -18,6 +18,7 @@ use graphed::Error;
 
 #[path = "../common/mod.rs"]
 mod common;
+mod fp8;
 mod pipeline;
 
 use common::Ranks;

@@ -120,6 +120,10 @@ impl<'a> Training<'a> {
         let rank = group.as_ref().map_or(0, |g| g.env().rank);
         announce_device(dev, args, group.as_ref(), lead, start);
         let comm = group.as_ref().map(|g| g.comm());
+        // Every rank's scales from the amaxes of the whole batch, as one GPU would compute them.
+        if let (Some(fp8), Some(c)) = (model.fp8(), comm) {
+            fp8.reduce_amaxes_over(c)?;
+        }
         let stepper = Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args, comm)?;
         let summary_shown = announce_model(lead, &plan, &stepper, group.as_ref(), &task);
         let mut rng = SmallRng::seed_from_u64(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9));

@@ -16,6 +16,9 @@ use crate::{Error, Result};
 pub(crate) enum Collective {
     /// Sum in place across ranks.
     AllReduce,
+    /// Max in place across ranks, of non-negative f32 values compared as their bits
+    /// ([`Communicator::all_reduce_amax`]).
+    AllReduceAmax,
     /// Sum across ranks, each rank keeping its slice.
     ReduceScatter,
     /// Every rank's input, concatenated in rank order, on every rank.
@@ -30,6 +33,7 @@ impl Collective {
     pub(crate) fn name(self) -> &'static str {
         match self {
             Collective::AllReduce => "all_reduce",
+            Collective::AllReduceAmax => "all_reduce_amax",
             Collective::ReduceScatter => "reduce_scatter",
             Collective::AllGather => "all_gather",
             Collective::Send(_) => "send",
@@ -50,7 +54,26 @@ impl Communicator {
         let count = buf.len();
         self.enqueue(
             stream,
+            T::DTYPE,
             &[Planned { kind: Collective::AllReduce, first: (&buf, AccessMode::ReadWrite), second: None, count }],
+        )
+    }
+
+    /// The max across ranks of FP8 amaxes, in place, on `stream`: non-negative f32 values, NaN
+    /// as `0x7fffffff` (above +∞; see [`ops::fp8::amax`](crate::ops::fp8::amax)). They are
+    /// compared as their bits, which order such values as their magnitudes and keep a NaN of any
+    /// rank, exactly and in any order; NCCL's float max leaves NaN to its `fmax`. A negative
+    /// value would compare above every positive one: the amax kernels never write one.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Communicator::all_reduce).
+    pub fn all_reduce_amax<'b>(&self, stream: &Stream, buf: impl IntoView<'b, Elem = f32>) -> Result<()> {
+        let buf = buf.into_view();
+        let count = buf.len();
+        self.enqueue(
+            stream,
+            DType::U32,
+            &[Planned { kind: Collective::AllReduceAmax, first: (&buf, AccessMode::ReadWrite), second: None, count }],
         )
     }
 
@@ -70,7 +93,7 @@ impl Communicator {
         self.reducible(Collective::ReduceScatter, T::DTYPE)?;
         self.sized(Collective::ReduceScatter, src.len(), dst.len())?;
         let (kind, count) = (Collective::ReduceScatter, dst.len());
-        self.enqueue(stream, &[Planned { kind, first: (&src, AccessMode::Read), second: Some(&dst), count }])
+        self.enqueue(stream, T::DTYPE, &[Planned { kind, first: (&src, AccessMode::Read), second: Some(&dst), count }])
     }
 
     /// Every rank's `src`, concatenated in rank order, into `dst` (`size` times as long).
@@ -88,7 +111,7 @@ impl Communicator {
         let (src, dst) = (src.into_view(), dst.into_view());
         self.sized(Collective::AllGather, dst.len(), src.len())?;
         let (kind, count) = (Collective::AllGather, src.len());
-        self.enqueue(stream, &[Planned { kind, first: (&src, AccessMode::Read), second: Some(&dst), count }])
+        self.enqueue(stream, T::DTYPE, &[Planned { kind, first: (&src, AccessMode::Read), second: Some(&dst), count }])
     }
 
     /// Sends `src` to rank `peer`, which receives it with [`recv`](Communicator::recv). The send
@@ -148,7 +171,7 @@ impl Communicator {
             self.check_peer(kind.name(), peer)?;
             planned.push(Planned { kind, first: (view, mode), second: None, count: view.len() });
         }
-        self.enqueue(stream, &planned)
+        self.enqueue(stream, T::DTYPE, &planned)
     }
 
     fn reducible(&self, op: Collective, dtype: DType) -> Result<()> {
@@ -175,8 +198,9 @@ impl Communicator {
         Ok(())
     }
 
-    /// Checks and enqueues one operation, or one group of them.
-    fn enqueue<T: Elem>(&self, stream: &Stream, planned: &[Planned<'_, '_, T>]) -> Result<()> {
+    /// Checks and enqueues one operation, or one group of them, on elements of `dtype` (`T`'s, or
+    /// for the amax max, the bits of `T` as an integer of its size).
+    fn enqueue<T: Elem>(&self, stream: &Stream, dtype: DType, planned: &[Planned<'_, '_, T>]) -> Result<()> {
         let op = match planned {
             [] => return Ok(()),
             [one] => one.kind.name(),
@@ -205,7 +229,7 @@ impl Communicator {
                 return Err(comm_error(op, self.rank(), CommErrorKind::Overlap { what }));
             }
         }
-        let elem = T::DTYPE.size();
+        let elem = dtype.size();
         fn at<'v, T: Elem>(v: &View<'v, T>, elem: usize) -> (&'v Arc<Block>, usize) {
             (v.block, v.absolute().offset() * elem)
         }
@@ -217,7 +241,7 @@ impl Communicator {
                 count: p.count,
             })
             .collect();
-        stream.enqueue_op(&Op::Collective { comm: &self.inner.repr, parts: &parts, dtype: T::DTYPE })?;
+        stream.enqueue_op(&Op::Collective { comm: &self.inner.repr, parts: &parts, dtype })?;
         let (mut accesses, mut blocks) = (Vec::new(), Vec::new());
         for p in planned {
             let second = p.second.map(|v| (v, AccessMode::Write));

@@ -662,6 +662,7 @@ impl CollectiveTask {
             },
             Collective::AllGather => posted.iter().flat_map(|p| p.iter().copied()).collect(),
             Collective::AllReduce => sum(self.dtype, &posted),
+            Collective::AllReduceAmax => max_bits(&posted),
             Collective::ReduceScatter => sum(self.dtype, &posted)[self.rank.rank * bytes..][..bytes].to_vec(),
         };
         mem(&self.dst.0)?.write(self.kind.name(), self.dst.1, &out)
@@ -687,6 +688,17 @@ fn sum(dtype: DType, parts: &[Arc<Vec<u8>>]) -> Vec<u8> {
         DType::F16 => add::<f16>(parts, |a, b| f16::from_f32(a.to_f32() + b.to_f32())),
         _ => add::<f32>(parts, |a, b| a + b),
     }
+}
+
+/// The element-wise max of the parts as `u32`s (FP8 amaxes compared as their bits).
+fn max_bits(parts: &[Arc<Vec<u8>>]) -> Vec<u8> {
+    let mut acc: Vec<u32> = parts[0].chunks_exact(4).map(bytemuck::pod_read_unaligned).collect();
+    for p in &parts[1..] {
+        for (a, b) in acc.iter_mut().zip(p.chunks_exact(4).map(bytemuck::pod_read_unaligned::<u32>)) {
+            *a = (*a).max(b);
+        }
+    }
+    bytemuck::cast_slice(&acc).to_vec()
 }
 
 fn mem(block: &Block) -> Result<&SimMem> {
