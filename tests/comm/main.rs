@@ -42,8 +42,8 @@ fn collectives_give_nccl_results_under_every_policy() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// All-reduce, reduce-scatter, all-gather and a ring of sends on `n` ranks, against sums taken
-/// on the host.
+/// All-reduce, reduce-scatter, all-gather, the amaxes' max and a ring of sends on `n` ranks,
+/// against sums and maxima taken on the host.
 fn collectives_give_nccl_results(on: Ranks, n: usize) -> anyhow::Result<()> {
     let out = all_ok(on.run(n, CommOptions { timeout: LONG }, |c| {
         let (dev, s) = (c.device(), c.device().stream()?);
@@ -65,12 +65,30 @@ fn collectives_give_nccl_results(on: Ranks, n: usize) -> anyhow::Result<()> {
             c.recv(&s, &got, prev)?;
             c.send(&s, &token, next)?;
         }
-        Ok((x.to_vec(&s)?, part.to_vec(&s)?, gathered.to_vec(&s)?, got.to_vec(&s)?))
+        // FP8 amaxes: each rank's own largest in its own place, and a NaN (the amax kernels'
+        // 0x7fffffff) on the last rank only, which must win.
+        let inf = if c.rank() % 2 == 1 { f32::INFINITY } else { 0.0 };
+        let mut amaxes = vec![0.5f32, 0.0, inf, 2.0];
+        amaxes[c.rank() % 4] = 10.0 + c.rank() as f32;
+        if c.rank() + 1 == c.size() {
+            amaxes[3] = f32::from_bits(0x7fff_ffff);
+        }
+        let amaxes = dev.alloc_from(&s, &amaxes)?;
+        c.all_reduce_amax(&s, &amaxes)?;
+        let amaxes: Vec<u32> = amaxes.to_vec(&s)?.iter().map(|a| a.to_bits()).collect();
+        Ok((x.to_vec(&s)?, part.to_vec(&s)?, gathered.to_vec(&s)?, got.to_vec(&s)?, amaxes))
     })?)?;
     let sum =
         |len: usize| -> Vec<f32> { (0..len).map(|i| (0..n).fold(0.0f32, |acc, r| acc + values(r, len)[i])).collect() };
     let full_sum = sum(6 * n);
-    for (r, (reduced, part, gathered, got)) in out.iter().enumerate() {
+    let amax = |i: usize| -> f32 {
+        let own = (0..n).filter(|r| r % 4 == i).map(|r| 10.0 + r as f32).fold(0.0f32, f32::max);
+        let inf = if i == 2 && n > 1 { f32::INFINITY } else { 0.0 };
+        own.max([0.5, 0.0, 0.0, 2.0][i]).max(inf)
+    };
+    let amaxes: Vec<u32> = (0..3).map(|i| amax(i).to_bits()).chain([0x7fff_ffff]).collect();
+    for (r, (reduced, part, gathered, got, maxed)) in out.iter().enumerate() {
+        ensure!(*maxed == amaxes, "{on:?}, {n} ranks: all_reduce_amax on rank {r}: {maxed:x?}");
         ensure!(*reduced == sum(6), "{on:?}, {n} ranks: all_reduce on rank {r}");
         ensure!(*part == full_sum[r * 6..][..6], "{on:?}, {n} ranks: reduce_scatter on rank {r}");
         ensure!(*gathered == full_sum, "{on:?}, {n} ranks: all_gather on rank {r}");
