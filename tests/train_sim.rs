@@ -64,3 +64,20 @@ fn graphed_training_follows_eager_bitwise_in_bf16() {
     let eager = losses(&["--eager", "--dtype", "bf16"]);
     assert_eq!(losses(&["--dtype", "bf16"]), eager, "graphed train --dtype bf16 against --eager");
 }
+
+/// FP8: the casts, amax slots and scales inside the layers' graphs and the optimizer's, with
+/// activations offloaded inside the graphs, and under a pipeline schedule (each against the same
+/// run eagerly: the schedule's microbatches accumulate in its own order).
+#[test]
+fn graphed_training_follows_eager_bitwise_in_fp8_offloaded_and_scheduled() {
+    let fp8 = ["--dtype", "fp8"];
+    let eager = losses(&[&fp8[..], &["--eager"]].concat());
+    assert_eq!(losses(&fp8), eager, "graphed train --dtype fp8 against --eager");
+    let offload = [&fp8[..], &["--offload", "listed", "--offload-margin", "0"]].concat();
+    let eager_offload = losses(&[&offload[..], &["--eager"]].concat());
+    assert_eq!(eager_offload, eager, "offloading in FP8 changes nothing eagerly");
+    assert_eq!(losses(&offload), eager, "graphed and offloaded in FP8 against --eager");
+    let scheduled = [&fp8[..], &["--schedule", "--microbatches", "2", "--virtual-stages", "2"]].concat();
+    let eager_scheduled = losses(&[&scheduled[..], &["--eager"]].concat());
+    assert_eq!(losses(&scheduled), eager_scheduled, "graphed under a schedule in FP8 against --eager");
+}
