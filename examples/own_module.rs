@@ -38,10 +38,9 @@ impl Module for Classifier {
         let [dy] = dy else {
             return Err(graphed::Error::MissingGradient { op: "Classifier::backward", what: "the logits".into() });
         };
-        let dpre = self.fc2.data_grad_through_gelu(dy, &pre, s)?;
-        self.fc2.weight_grads(dy, &act, BiasGrad::Compute, s)?; // parameter gradients +=
-        let dx = self.fc1.data_grad(&dpre, s)?;
-        self.fc1.weight_grads(&dpre, &x, BiasGrad::Compute, s)?;
+        // Input gradients returned, parameter gradients +=; GELU's backward in fc2's GEMM.
+        let dpre = self.fc2.backward_with(dy, &act, Some(&pre), BiasGrad::Compute, s)?;
+        let dx = self.fc1.backward_with(&dpre, &x, None, BiasGrad::Compute, s)?;
         Ok(vec![Some(dx)])
     }
 

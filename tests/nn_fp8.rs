@@ -127,6 +127,34 @@ fn a_capture_after_an_fp8_capture_carries_nothing_over(dev: &Device) -> anyhow::
     Ok(())
 }
 
+/// With the weight gradients split out (zero-bubble schedules), an FP8 layer keeps the output
+/// gradient's transposed E5M2 copy for `backward_dw` and ends with the gradients of the layer
+/// that computes them at once, bit for bit, the amaxes included.
+fn fp8_split_weight_gradients_equal_the_joined_ones(dev: &Device) -> anyhow::Result<()> {
+    let run = |split: bool| -> anyhow::Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let mut layer = Layer::new(dev, true)?;
+        for linear in layer
+            .stack
+            .layers_mut()
+            .iter_mut()
+            .flat_map(|l| [&mut l.attn.qkv, &mut l.attn.proj, &mut l.mlp.fc1, &mut l.mlp.fc2])
+        {
+            linear.set_split_dw(split);
+        }
+        let (x, dy) = layer.data(3)?;
+        let [_, dx, before] = layer.run(&x, &dy)?;
+        layer.stack.backward_dw(&layer.s)?;
+        let grads = layer.store.grads()?.to_f32_vec(&layer.s)?;
+        if split {
+            ensure!(before.iter().any(|g| *g != 0.0) && before != grads, "the split layers deferred nothing");
+        }
+        let (_, backward) = layer.fp8.as_ref().expect("fp8").state()?;
+        Ok((dx, grads, backward.amaxes().to_f32_vec(&layer.s)?))
+    };
+    ensure!(run(true)? == run(false)?, "split and joined weight gradients differ");
+    Ok(())
+}
+
 /// FP8 needs bf16 weights, a started state and aligned shapes; each is refused with a typed
 /// error, before the layer computes anything.
 fn fp8_misuse_is_refused(dev: &Device) -> anyhow::Result<()> {
@@ -157,5 +185,6 @@ crate::per_device!(
     fp8_layer_tracks_the_bf16_layer,
     the_step_sets_scales_from_the_amaxes,
     a_capture_after_an_fp8_capture_carries_nothing_over,
+    fp8_split_weight_gradients_equal_the_joined_ones,
     fp8_misuse_is_refused,
 );

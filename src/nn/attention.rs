@@ -440,9 +440,8 @@ impl CausalSelfAttention {
         let (bt, c, dtype) = (d.batch * d.seq, d.heads * d.hd, dy.dtype());
         dy.expect_shape(OP, &[d.batch, d.seq, c])?;
         let dy = dy.reshape(&[bt, c])?;
-        let datt = self.proj.data_grad(&dy, stream)?;
         let att = ctx.att.take(stream)?;
-        self.proj.weight_grads(&dy, &att, proj_bias, stream)?;
+        let datt = self.proj.backward_with(&dy, &att, None, proj_bias, stream)?;
         let (q, k, v) = (&ctx.q.take(stream)?, &ctx.k.take(stream)?, &ctx.v.take(stream)?);
         let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dtype)?;
         match ctx.form {
@@ -471,8 +470,7 @@ impl CausalSelfAttention {
                 heads::merge_qkv(&dqkv, &dq, &dk, &dv, stream)?;
             }
         }
-        let dx = self.qkv.data_grad(&dqkv, stream)?;
-        self.qkv.weight_grads(&dqkv, &ctx.x.take(stream)?, BiasGrad::Compute, stream)?;
+        let dx = self.qkv.backward_with(&dqkv, &ctx.x.take(stream)?, None, BiasGrad::Compute, stream)?;
         dx.reshape(&[d.batch, d.seq, c])
     }
 

@@ -314,27 +314,58 @@ impl Fp8Linear {
         Ok(Scaled { scale: r.scale(slot)?, scale_inv: r.scale_inv(slot)?, amax: r.amax(slot)? })
     }
 
-    /// `x` (`(n, c)`, bf16) quantized with `s` in the format `dtype` into a tensor of `alloc`
-    /// (the layer's, which a capture allocates from): row-major, or transposed (`(c, n)`), its
-    /// amax recorded.
+    /// `x` (`(n, c)`, bf16) quantized with `s` in the format `dtype`, row-major `(n, c)`, into
+    /// a tensor of `alloc` (the layer's, which a capture allocates from); its amax recorded.
     pub(crate) fn quantize(
         &self,
         alloc: &CachingAllocator,
         x: &Tensor,
-        (s, dtype, transposed): (&Scaled, DType, bool),
+        s: &Scaled,
+        dtype: DType,
         stream: &Stream,
     ) -> Result<Tensor> {
-        let &[n, c] = x.shape() else {
-            return Err(Error::Shape {
-                op: "Linear (FP8)",
-                expected: "(n, features)".into(),
-                found: x.shape().to_vec(),
-            });
-        };
-        let shape = if transposed { [c, n] } else { [n, c] };
-        let q = Tensor::uninit(alloc, stream, &shape, dtype)?;
-        let (out, out_t) = if transposed { (None, Some(&q)) } else { (Some(&q), None) };
-        cast_transpose(out, out_t, &s.amax, x, &s.scale, stream)?;
+        let (n, c) = rows_of(x)?;
+        let q = Tensor::uninit(alloc, stream, &[n, c], dtype)?;
+        cast_transpose(Some(&q), None, &s.amax, x, &s.scale, stream)?;
         Ok(q)
+    }
+
+    /// As [`quantize`](Fp8Linear::quantize), transposed: `(c, n)`.
+    pub(crate) fn quantize_transposed(
+        &self,
+        alloc: &CachingAllocator,
+        x: &Tensor,
+        s: &Scaled,
+        dtype: DType,
+        stream: &Stream,
+    ) -> Result<Tensor> {
+        let (n, c) = rows_of(x)?;
+        let q_t = Tensor::uninit(alloc, stream, &[c, n], dtype)?;
+        cast_transpose(None, Some(&q_t), &s.amax, x, &s.scale, stream)?;
+        Ok(q_t)
+    }
+
+    /// Both layouts of [`quantize`](Fp8Linear::quantize), from one read of `x`: `((n, c), (c, n))`.
+    pub(crate) fn quantize_both(
+        &self,
+        alloc: &CachingAllocator,
+        x: &Tensor,
+        s: &Scaled,
+        dtype: DType,
+        stream: &Stream,
+    ) -> Result<(Tensor, Tensor)> {
+        let (n, c) = rows_of(x)?;
+        let q = Tensor::uninit(alloc, stream, &[n, c], dtype)?;
+        let q_t = Tensor::uninit(alloc, stream, &[c, n], dtype)?;
+        cast_transpose(Some(&q), Some(&q_t), &s.amax, x, &s.scale, stream)?;
+        Ok((q, q_t))
+    }
+}
+
+/// The `(n, features)` of an FP8 operand.
+fn rows_of(x: &Tensor) -> Result<(usize, usize)> {
+    match *x.shape() {
+        [n, c] => Ok((n, c)),
+        _ => Err(Error::Shape { op: "Linear (FP8)", expected: "(n, features)".into(), found: x.shape().to_vec() }),
     }
 }

@@ -6,8 +6,8 @@
 //! Gradients: `dx = dy·W` (written), `dW += dyᵀ·x` (the GEMM accumulates with `beta = 1`),
 //! `db += Σ_rows dy` (the weight-gradient GEMM writes the sum, in cuBLASLt's fixed order, to a
 //! scratch vector that one kernel adds to the gradient). The composite modules use the pieces
-//! ([`Linear::forward_with`], [`Linear::forward_gelu`], [`Linear::data_grad`],
-//! [`Linear::data_grad_through_gelu`], [`Linear::weight_grads`]) to fuse across layers.
+//! ([`Linear::forward_with`], [`Linear::forward_gelu`], [`Linear::backward_with`]) to fuse
+//! across layers.
 
 use half::bf16;
 
@@ -38,7 +38,17 @@ pub enum BiasGrad {
 
 /// A weight-gradient computation left for `backward_dw`: the output gradient, the input, and who
 /// adds the bias gradient.
-type Deferred = (Tensor, Tensor, BiasGrad);
+type Deferred = (OutputGrad, Tensor, BiasGrad);
+
+/// An output gradient as the weight-gradient GEMM reads it: bf16, and in FP8 training its E5M2
+/// transpose, quantized in the same pass as the data gradient's row-major copy.
+#[derive(Clone)]
+struct OutputGrad {
+    /// `(n, out)`, bf16 or f32.
+    dy: Tensor,
+    /// `(out, n)`, E5M2: FP8 training only.
+    fp8_t: Option<Tensor>,
+}
 
 /// A fully connected layer over the last dimension of an `(n, in)` input.
 pub struct Linear {
@@ -101,7 +111,7 @@ impl Linear {
     }
 
     /// `(GELU(pre), pre)` with `pre = x·Wᵀ + b`: one GEMM, the GELU in its epilogue, `pre` kept
-    /// for [`Linear::data_grad_through_gelu`] of the next layer.
+    /// for the next layer's [`Linear::backward_with`].
     pub fn forward_gelu(&self, x: &Tensor, stream: &Stream) -> Result<(Tensor, Tensor)> {
         let (i, o) = self.dims();
         let n = self.rows("Linear::forward_gelu", x, i)?;
@@ -111,36 +121,49 @@ impl Linear {
         Ok((act, pre))
     }
 
-    /// `dx = dy·W`.
-    pub fn data_grad(&self, dy: &Tensor, stream: &Stream) -> Result<Tensor> {
+    /// The backward of `y = x·Wᵀ + b`: returns `dx = dy·W`, or with `gelu_pre` (the
+    /// pre-activation of a GELU whose output was `x`, [`Linear::forward_gelu`]'s) the gradient
+    /// of that pre-activation, `(dy·W) ⊙ GELU′(pre)`; `dW += dyᵀ·x` and the bias gradient as
+    /// `bias` says, now or (with a split weight gradient) at [`Module::backward_dw`].
+    ///
+    /// GELU's backward is cuBLASLt's `DGELU` epilogue. (Its `DGELU_BGRAD`, which would also sum
+    /// the columns into the bias gradient of the layer before, took 95.6 µs against 44.8 µs for
+    /// the `DGELU` GEMM at BENCH.md's M on the H200, more than that layer's `BGRADB` costs.) In
+    /// FP8, `dy` is quantized to E5M2 once, row-major for the data gradient and transposed for the
+    /// weight gradient, in one pass.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] unless `dy` is `(n, out)`, `x` `(n, in)` and `gelu_pre` `(n, in)`; as the
+    /// GEMMs.
+    pub fn backward_with(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        gelu_pre: Option<&Tensor>,
+        bias: BiasGrad,
+        stream: &Stream,
+    ) -> Result<Tensor> {
+        const OP: &str = "Linear::backward";
         let (i, o) = self.dims();
-        let n = self.rows("Linear::backward", dy, o)?;
+        let n = self.rows(OP, dy, o)?;
+        if self.rows(OP, x, i)? != n {
+            return Err(Error::Shape { op: OP, expected: format!("({n}, {i}) inputs"), found: x.shape().to_vec() });
+        }
         let dx = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
-        self.data_gemm(&dx, dy, Fused::None, stream)?;
+        let fused = gelu_pre.map_or(Fused::None, |aux| Fused::DGelu { aux });
+        let grad = self.data_gemm(&dx, dy, fused, stream)?;
+        self.weight_grads(grad, x, bias, stream)?;
         Ok(dx)
     }
 
-    /// The gradient through this layer and the GELU before it, `dpre = (dy·W) ⊙ GELU′(pre)`:
-    /// one GEMM. (cuBLASLt's `DGELU` epilogue. Its `DGELU_BGRAD`, which would also sum the
-    /// columns into the bias gradient of the layer before, took 95.6 µs against 44.8 µs for
-    /// this at BENCH.md's M on the H200, more than that layer's `BGRADB` costs.)
-    pub fn data_grad_through_gelu(&self, dy: &Tensor, pre: &Tensor, stream: &Stream) -> Result<Tensor> {
-        let (i, o) = self.dims();
-        let n = self.rows("Linear::data_grad_through_gelu", dy, o)?;
-        let dpre = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
-        self.data_gemm(&dpre, dy, Fused::DGelu { aux: pre }, stream)?;
-        Ok(dpre)
-    }
-
-    /// `dW += dyᵀ·x` and the bias gradient as `bias` says, now or (with a split weight
-    /// gradient) at [`Module::backward_dw`].
-    pub fn weight_grads(&self, dy: &Tensor, x: &Tensor, bias: BiasGrad, stream: &Stream) -> Result<()> {
+    /// The weight gradients now, or queued for `backward_dw` with a split weight gradient.
+    fn weight_grads(&self, dy: OutputGrad, x: &Tensor, bias: BiasGrad, stream: &Stream) -> Result<()> {
         match &self.deferred {
             Some(queue) => {
-                queue.lock().unwrap_or_else(PoisonError::into_inner).push((dy.clone(), x.clone(), bias));
+                queue.lock().unwrap_or_else(PoisonError::into_inner).push((dy, x.clone(), bias));
                 Ok(())
             }
-            None => self.weight_grads_now(dy, x, &bias, stream),
+            None => self.weight_grads_now(&dy, x, &bias, stream),
         }
     }
 
@@ -166,7 +189,7 @@ impl Linear {
             return matmul(gemm, stream);
         };
         let (xs, ws) = (f.input()?, f.weight_scale()?);
-        let x8 = f.quantize(&self.alloc, x, (&xs, DType::F8E4M3, false), stream)?;
+        let x8 = f.quantize(&self.alloc, x, &xs, DType::F8E4M3, stream)?;
         let scales = (&xs.scale_inv, &ws.scale_inv);
         let gemm = Fp8Matmul {
             fused,
@@ -178,33 +201,39 @@ impl Linear {
         fp8_matmul(gemm, stream)
     }
 
-    /// `dx = dy·W` with `fused`, in bf16 or FP8 (`dy` in E5M2 against the weight's transpose).
-    fn data_gemm(&self, dx: &Tensor, dy: &Tensor, fused: Fused<'_>, stream: &Stream) -> Result<()> {
+    /// `dx = dy·W` with `fused`, in bf16 or FP8 (`dy` in E5M2 against the weight's transpose);
+    /// `dy` as the weight gradient reads it.
+    fn data_gemm(&self, dx: &Tensor, dy: &Tensor, fused: Fused<'_>, stream: &Stream) -> Result<OutputGrad> {
         let (i, o) = self.dims();
         let n = dy.shape()[0];
         let Some(f) = &self.fp8 else {
-            return matmul(Matmul { fused, ..Matmul::new(dx, dy, &self.weight.value, (n, i, o)) }, stream);
+            matmul(Matmul { fused, ..Matmul::new(dx, dy, &self.weight.value, (n, i, o)) }, stream)?;
+            return Ok(OutputGrad { dy: dy.clone(), fp8_t: None });
         };
         let (gs, ws) = (f.grad()?, f.weight_scale()?);
-        let dy8 = f.quantize(&self.alloc, dy, (&gs, DType::F8E5M2, false), stream)?;
+        let (dy8, dy8_t) = f.quantize_both(&self.alloc, dy, &gs, DType::F8E5M2, stream)?;
+        let grad = OutputGrad { dy: dy.clone(), fp8_t: Some(dy8_t) };
         let scales = (&gs.scale_inv, &ws.scale_inv);
         let gemm = |out: &Tensor| fp8_matmul(Fp8Matmul::new(out, (&dy8, f.weights().1), scales, (n, i, o)), stream);
         match fused {
-            Fused::None => gemm(dx),
+            Fused::None => gemm(dx)?,
             // cuBLASLt's FP8 DGELU epilogue ran at 605 TFLOP/s against 1276 without it on the
             // H200 at L (0.91 against 0.43 ms): the GEMM alone and GELU's backward as a kernel
             // (one more rounding, to bf16, between the two).
             Fused::DGelu { aux } => {
                 let dact = Tensor::uninit(&self.alloc, stream, dx.shape(), dx.dtype())?;
                 gemm(&dact)?;
-                gelu_backward(dx, aux, &dact, stream)
+                gelu_backward(dx, aux, &dact, stream)?;
             }
-            _ => Err(Error::Unsupported {
-                op: "Linear (FP8)",
-                backend: "any",
-                why: "an FP8 data gradient fuses GELU's backward only; please report this as a bug",
-            }),
+            _ => {
+                return Err(Error::Unsupported {
+                    op: "Linear (FP8)",
+                    backend: "any",
+                    why: "an FP8 data gradient fuses GELU's backward only; please report this as a bug",
+                })
+            }
         }
+        Ok(grad)
     }
 
     /// `dW += dyᵀ·x` in FP8, both operands quantized transposed, and `Σ_rows dy` (bf16, a GEMM
@@ -212,15 +241,19 @@ impl Linear {
     fn weight_grads_fp8(
         &self,
         f: &Fp8Linear,
-        (dy, x): (&Tensor, &Tensor),
+        (grad, x): (&OutputGrad, &Tensor),
         bias: &BiasGrad,
         stream: &Stream,
     ) -> Result<()> {
         let (i, o) = self.dims();
+        let dy = &grad.dy;
         let n = dy.shape()[0];
         let (gs, xs) = (f.grad()?, f.input()?);
-        let dy8_t = f.quantize(&self.alloc, dy, (&gs, DType::F8E5M2, true), stream)?;
-        let x8_t = f.quantize(&self.alloc, x, (&xs, DType::F8E4M3, true), stream)?;
+        let dy8_t = match &grad.fp8_t {
+            Some(t) => t.clone(),
+            None => f.quantize_transposed(&self.alloc, dy, &gs, DType::F8E5M2, stream)?,
+        };
+        let x8_t = f.quantize_transposed(&self.alloc, x, &xs, DType::F8E4M3, stream)?;
         let scales = (&gs.scale_inv, &xs.scale_inv);
         fp8_matmul(
             Fp8Matmul { beta: 1.0, ..Fp8Matmul::new(&self.weight.grad, (&dy8_t, &x8_t), scales, (o, i, n)) },
@@ -236,12 +269,11 @@ impl Linear {
         Ok(())
     }
 
-    fn weight_grads_now(&self, dy: &Tensor, x: &Tensor, bias: &BiasGrad, stream: &Stream) -> Result<()> {
+    fn weight_grads_now(&self, grad: &OutputGrad, x: &Tensor, bias: &BiasGrad, stream: &Stream) -> Result<()> {
         let (i, o) = self.dims();
-        let n = self.rows("Linear::weight_grads", dy, o)?;
-        self.rows("Linear::weight_grads", x, i)?;
+        let (dy, n) = (&grad.dy, grad.dy.shape()[0]);
         if let Some(f) = &self.fp8 {
-            return self.weight_grads_fp8(f, (dy, x), bias, stream);
+            return self.weight_grads_fp8(f, (grad, x), bias, stream);
         }
         let scratch = match bias {
             BiasGrad::Compute => Some(Tensor::uninit(&self.alloc, stream, &[o], dy.dtype())?),
@@ -286,8 +318,7 @@ impl Module for Linear {
             expected: "one output gradient".into(),
             found: vec![],
         })?;
-        let dx = self.data_grad(dy, stream)?;
-        self.weight_grads(dy, &ctx.input.take(stream)?, BiasGrad::Compute, stream)?;
+        let dx = self.backward_with(dy, &ctx.input.take(stream)?, None, BiasGrad::Compute, stream)?;
         Ok(vec![Some(dx)])
     }
 

@@ -73,10 +73,9 @@ impl Mlp {
         const OP: &str = "Mlp::backward";
         dy.expect_shape(OP, &ctx.shape)?;
         let dy = as_rows(OP, dy, self.dim())?;
-        let dpre = self.fc2.data_grad_through_gelu(&dy, &ctx.pre.take(stream)?, stream)?;
-        self.fc2.weight_grads(&dy, &ctx.act.take(stream)?, fc2_bias, stream)?;
-        let dx = self.fc1.data_grad(&dpre, stream)?;
-        self.fc1.weight_grads(&dpre, &ctx.x.take(stream)?, BiasGrad::Compute, stream)?;
+        let (act, pre) = (ctx.act.take(stream)?, ctx.pre.take(stream)?);
+        let dpre = self.fc2.backward_with(&dy, &act, Some(&pre), fc2_bias, stream)?;
+        let dx = self.fc1.backward_with(&dpre, &ctx.x.take(stream)?, None, BiasGrad::Compute, stream)?;
         dx.reshape(&ctx.shape)
     }
 }

@@ -44,7 +44,8 @@ fn model(dev: &Device) -> graphed::Result<Model> {
 /// Microbatch `k` of step `step`, `(x, dy)`: microbatch `k`'s values are `k + 1` times as large,
 /// so that the ranks' amaxes differ and only their max gives one rank's scales.
 fn data(m: &Model, step: u64, k: u64) -> graphed::Result<(Tensor, Tensor)> {
-    let at = |salt: u64| -> Vec<f32> { lcg(TOKENS * DIM, step * 17 + salt).iter().map(|v| v * (k + 1) as f32).collect() };
+    let at =
+        |salt: u64| -> Vec<f32> { lcg(TOKENS * DIM, step * 17 + salt).iter().map(|v| v * (k + 1) as f32).collect() };
     Ok((
         Tensor::from_f32(&m.alloc, &m.s, &at(1), &[1, TOKENS, DIM], DType::BF16)?,
         Tensor::from_f32(&m.alloc, &m.s, &at(2), &[1, TOKENS, DIM], DType::BF16)?,
@@ -117,7 +118,10 @@ fn ranks_agree_and_scale_as_one(want: &Trace, on: Ranks) -> anyhow::Result<()> {
         ranks.map(|(r, t)| t.with_context(|| format!("rank {r} {on:?}"))).collect()
     };
     let reduced = traces(true)?;
-    ensure!(reduced[0][0][2] == want[0][2], "{on:?}: the first step's scales differ from one rank's with both microbatches");
+    ensure!(
+        reduced[0][0][2] == want[0][2],
+        "{on:?}: the first step's scales differ from one rank's with both microbatches"
+    );
     for (step, (a, b)) in reduced[0].iter().zip(&reduced[1]).enumerate() {
         ensure!(a[2] == b[2], "{on:?}: the ranks' scales differ at step {step}");
         ensure!(a[1] == b[1], "{on:?}: the ranks' parameters differ at step {step}");

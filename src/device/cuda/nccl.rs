@@ -416,9 +416,7 @@ pub(super) fn enqueue(stream: &CuStream, op: &Op<'_>) -> Result<()> {
             let done = unsafe {
                 match p.kind {
                     Collective::AllReduce => result::all_reduce(s, d, count, t, sum, c, raw),
-                    Collective::AllReduceAmax => {
-                        result::all_reduce(s, d, count, t, sys::ncclRedOp_t::ncclMax, c, raw)
-                    }
+                    Collective::AllReduceAmax => result::all_reduce(s, d, count, t, sys::ncclRedOp_t::ncclMax, c, raw),
                     Collective::ReduceScatter => result::reduce_scatter(s, d, count, t, sum, c, raw),
                     Collective::AllGather => result::all_gather(s, d, count, t, c, raw),
                     Collective::Send(peer) => result::send(s, count, t, peer as i32, c, raw),
