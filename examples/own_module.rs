@@ -30,8 +30,10 @@ impl Module for Classifier {
 
     fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor>, Saved)> {
         let x = inputs.only("Classifier::forward")?;
-        let (act, pre) = self.fc1.forward_gelu(x, s)?; // GELU in the GEMM's epilogue
-        Ok((vec![self.fc2.forward_with(&act, None, s)?], Saved(x.clone(), pre, act)))
+        // GELU in the GEMM's epilogue; each layer hands back its input as its backward reads it.
+        let (fc1, pre) = self.fc1.forward_gelu(x, s)?;
+        let fc2 = self.fc2.forward_keeping_input(&fc1.y, None, s)?;
+        Ok((vec![fc2.y], Saved(fc1.input, pre, fc2.input)))
     }
 
     fn backward(&self, Saved(x, pre, act): Saved, dy: &[&Tensor], s: &Stream) -> graphed::Result<Vec<Option<Tensor>>> {

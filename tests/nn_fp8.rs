@@ -11,7 +11,7 @@ use graphed::device::{DType, Device, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    input_grad, Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers, Linear, Module, ParamStore, Stack,
+    input_grad, BiasGrad, Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers, Linear, Module, ParamStore, Stack,
     TransformerLayer,
 };
 use graphed::tensor::Tensor;
@@ -155,6 +155,32 @@ fn fp8_split_weight_gradients_equal_the_joined_ones(dev: &Device) -> anyhow::Res
     Ok(())
 }
 
+/// An FP8 Linear's forward keeps its input as the E4M3 transpose its cast wrote (half the bytes
+/// of the bf16 input), and its backward from that gives the gradients it gives from the input
+/// itself, bit for bit; a layer not in FP8 refuses such an input.
+fn fp8_forward_keeps_the_input_quantized_and_transposed(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let fp8 = Fp8Training::new(&alloc, Fp8Recipe::default());
+    let store = ParamStore::with_dtype(&alloc, &s, 2 * Linear::parameter_count((32, 16)), DType::BF16)?;
+    let fc = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(2).with_fp8(&fp8).pp("fc"), (32, 16))?;
+    let plain = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(2).pp("plain"), (32, 16))?;
+    fp8.start(&s)?;
+    let x = Tensor::from_f32(&alloc, &s, &lcg(48 * 32, 4), &[48, 32], DType::BF16)?;
+    let dy = Tensor::from_f32(&alloc, &s, &lcg(48 * 16, 5), &[48, 16], DType::BF16)?;
+    let kept = fc.forward_keeping_input(&x, None, &s)?;
+    ensure!(kept.input.dtype() == DType::F8E4M3 && kept.input.shape() == [32, 48], "kept {:?}", kept.input.shape());
+    let grads = |input: &Tensor| -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
+        store.grads()?.zero(&s)?;
+        let dx = fc.backward_with(&dy, input, None, BiasGrad::Compute, &s)?;
+        Ok((dx.to_f32_vec(&s)?, store.grads()?.to_f32_vec(&s)?))
+    };
+    ensure!(grads(&kept.input)? == grads(&x)?, "the kept input's gradients differ from the input's");
+    let r = plain.backward_with(&dy, &kept.input, None, BiasGrad::Compute, &s);
+    ensure!(matches!(r, Err(Error::DTypeMismatch { .. })), "an FP8 input to a bf16 layer: {:?}", r.err());
+    Ok(())
+}
+
 /// FP8 needs bf16 weights, a started state and aligned shapes; each is refused with a typed
 /// error, before the layer computes anything.
 fn fp8_misuse_is_refused(dev: &Device) -> anyhow::Result<()> {
@@ -186,5 +212,6 @@ crate::per_device!(
     the_step_sets_scales_from_the_amaxes,
     a_capture_after_an_fp8_capture_carries_nothing_over,
     fp8_split_weight_gradients_equal_the_joined_ones,
+    fp8_forward_keeps_the_input_quantized_and_transposed,
     fp8_misuse_is_refused,
 );

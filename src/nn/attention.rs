@@ -29,7 +29,7 @@
 //! the counter before this backward runs.
 
 use super::layernorm::single_input;
-use super::{BiasGrad, Builder, DropoutSpec, Inputs, Linear, Module, Param, SaveHook, SavedTensor};
+use super::{BiasGrad, Builder, DropoutSpec, Inputs, Linear, LinearForward, Module, Param, SaveHook, SavedTensor};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::attention::{self, AttentionBackend, AttentionDropout, AttentionRun, ForwardSaved, HEAD_DIMS};
@@ -339,7 +339,7 @@ impl CausalSelfAttention {
             r.expect_shape(OP, x.shape())?;
         }
         let rows = x.reshape(&[bt, c])?;
-        let qkv = self.qkv.forward_with(&rows, None, stream)?;
+        let LinearForward { y: qkv, input: kept } = self.qkv.forward_keeping_input(&rows, None, stream)?;
         let (q, k, v) =
             (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
         heads::split_qkv(&q, &k, &v, &qkv, stream)?;
@@ -357,7 +357,7 @@ impl CausalSelfAttention {
         let residual = residual.map(|r| r.reshape(&[bt, c])).transpose()?;
         let y = self.proj.forward_with(&att, residual.as_ref(), stream)?;
         hook.open_group(&self.name)?;
-        let x = hook.save("input", rows, stream)?;
+        let x = hook.save("input", kept, stream)?;
         let (q, k, v) = (hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?);
         let form = match form {
             Unsaved::Fused { lse, step } => FormCtx::Fused { lse: hook.save("lse", lse, stream)?, step },

@@ -65,10 +65,30 @@ pub struct Linear {
     pub bias: Param,
 }
 
-/// What the forward saves: the input.
+/// What the forward saves: the input as the backward reads it.
 pub struct LinearCtx {
-    /// `(n, in)`.
+    /// [`LinearForward::input`].
     pub input: SavedTensor,
+}
+
+/// A forward's output and its input as the layer's backward ([`Linear::backward_with`]) reads
+/// it: the input itself, or in FP8 training its E4M3 transpose `(in, n)`, which the forward's
+/// cast writes in the same read as the GEMM's operand. Keeping that instead of the input halves
+/// the bytes kept (or offloaded) and saves the backward a second cast.
+pub struct LinearForward {
+    /// The output `(n, out)`.
+    pub y: Tensor,
+    /// For the backward's weight gradient.
+    pub input: Tensor,
+}
+
+/// Whether a forward keeps its input for the backward itself.
+#[derive(Clone, Copy)]
+enum Keep {
+    /// The caller keeps the input (needed unquantized elsewhere).
+    Nothing,
+    /// The forward returns it, in FP8 quantized transposed in the same pass.
+    Input,
 }
 
 impl Linear {
@@ -97,34 +117,54 @@ impl Linear {
         self.deferred = split.then(|| Mutex::new(Vec::new()));
     }
 
-    /// `y = x·Wᵀ + b (+ residual)`: one GEMM, the residual added as its C.
+    /// `y = x·Wᵀ + b (+ residual)`: one GEMM, the residual added as its C. For a caller that
+    /// keeps `x` itself for the backward; else [`forward_keeping_input`](Linear::forward_keeping_input).
     pub fn forward_with(&self, x: &Tensor, residual: Option<&Tensor>, stream: &Stream) -> Result<Tensor> {
-        const OP: &str = "Linear::forward";
         let (i, o) = self.dims();
-        let n = self.rows(OP, x, i)?;
+        let n = self.rows("Linear::forward", x, i)?;
         if let Some(r) = residual {
-            r.expect_shape(OP, &[n, o])?;
+            r.expect_shape("Linear::forward", &[n, o])?;
         }
         let y = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
-        self.forward_gemm(&y, x, Fused::Bias(&self.bias.value), residual, stream)?;
+        self.forward_gemm(&y, x, Fused::Bias(&self.bias.value), residual, Keep::Nothing, stream)?;
         Ok(y)
     }
 
-    /// `(GELU(pre), pre)` with `pre = x·Wᵀ + b`: one GEMM, the GELU in its epilogue, `pre` kept
-    /// for the next layer's [`Linear::backward_with`].
-    pub fn forward_gelu(&self, x: &Tensor, stream: &Stream) -> Result<(Tensor, Tensor)> {
+    /// As [`forward_with`](Linear::forward_with), with the input as the backward reads it.
+    pub fn forward_keeping_input(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        stream: &Stream,
+    ) -> Result<LinearForward> {
+        let (i, o) = self.dims();
+        let n = self.rows("Linear::forward", x, i)?;
+        if let Some(r) = residual {
+            r.expect_shape("Linear::forward", &[n, o])?;
+        }
+        let y = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
+        let input = self.forward_gemm(&y, x, Fused::Bias(&self.bias.value), residual, Keep::Input, stream)?;
+        Ok(LinearForward { y, input })
+    }
+
+    /// `GELU(pre)` (as `y`) and the input as the backward reads it, and `pre = x·Wᵀ + b`: one
+    /// GEMM, the GELU in its epilogue, `pre` kept for the next layer's
+    /// [`Linear::backward_with`].
+    pub fn forward_gelu(&self, x: &Tensor, stream: &Stream) -> Result<(LinearForward, Tensor)> {
         let (i, o) = self.dims();
         let n = self.rows("Linear::forward_gelu", x, i)?;
         let act = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
         let pre = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
-        self.forward_gemm(&act, x, Fused::BiasGeluAux { bias: &self.bias.value, aux: &pre }, None, stream)?;
-        Ok((act, pre))
+        let fused = Fused::BiasGeluAux { bias: &self.bias.value, aux: &pre };
+        let input = self.forward_gemm(&act, x, fused, None, Keep::Input, stream)?;
+        Ok((LinearForward { y: act, input }, pre))
     }
 
     /// The backward of `y = x·Wᵀ + b`: returns `dx = dy·W`, or with `gelu_pre` (the
     /// pre-activation of a GELU whose output was `x`, [`Linear::forward_gelu`]'s) the gradient
     /// of that pre-activation, `(dy·W) ⊙ GELU′(pre)`; `dW += dyᵀ·x` and the bias gradient as
-    /// `bias` says, now or (with a split weight gradient) at [`Module::backward_dw`].
+    /// `bias` says, now or (with a split weight gradient) at [`Module::backward_dw`]. `x` is the
+    /// input as the forward kept it ([`LinearForward::input`]) or the input itself.
     ///
     /// GELU's backward is cuBLASLt's `DGELU` epilogue. (Its `DGELU_BGRAD`, which would also sum
     /// the columns into the bias gradient of the layer before, took 95.6 µs against 44.8 µs for
@@ -133,8 +173,9 @@ impl Linear {
     /// weight gradient, in one pass.
     ///
     /// # Errors
-    /// [`Error::Shape`] unless `dy` is `(n, out)`, `x` `(n, in)` and `gelu_pre` `(n, in)`; as the
-    /// GEMMs.
+    /// [`Error::Shape`] unless `dy` is `(n, out)`, `x` `(n, in)` (or FP8's kept `(in, n)`) and
+    /// `gelu_pre` `(n, in)`; [`Error::DTypeMismatch`] for an FP8 input to a layer not in FP8; as
+    /// the GEMMs.
     pub fn backward_with(
         &self,
         dy: &Tensor,
@@ -146,8 +187,12 @@ impl Linear {
         const OP: &str = "Linear::backward";
         let (i, o) = self.dims();
         let n = self.rows(OP, dy, o)?;
-        if self.rows(OP, x, i)? != n {
-            return Err(Error::Shape { op: OP, expected: format!("({n}, {i}) inputs"), found: x.shape().to_vec() });
+        match (x.dtype(), &self.fp8) {
+            (DType::F8E4M3, Some(_)) => x.expect_shape(OP, &[i, n])?,
+            (DType::F8E4M3, None) => {
+                return Err(Error::DTypeMismatch { op: OP, expected: dy.dtype(), found: x.dtype() })
+            }
+            _ => x.expect_shape(OP, &[n, i])?,
         }
         let dx = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
         let fused = gelu_pre.map_or(Fused::None, |aux| Fused::DGelu { aux });
@@ -167,15 +212,17 @@ impl Linear {
         }
     }
 
-    /// `y = x·Wᵀ` with `fused` (and `residual` as C), in bf16 or FP8.
+    /// `y = x·Wᵀ` with `fused` (and `residual` as C), in bf16 or FP8; the input as the backward
+    /// reads it (in FP8 with `keep`, the transpose that the input's cast writes as well).
     fn forward_gemm(
         &self,
         y: &Tensor,
         x: &Tensor,
         fused: Fused<'_>,
         residual: Option<&Tensor>,
+        keep: Keep,
         stream: &Stream,
-    ) -> Result<()> {
+    ) -> Result<Tensor> {
         let (i, o) = self.dims();
         let (n, beta) = (x.shape()[0], if residual.is_some() { 1.0 } else { 0.0 });
         let Some(f) = &self.fp8 else {
@@ -186,10 +233,14 @@ impl Linear {
                 trans_b: true,
                 ..Matmul::new(y, x, &self.weight.value, (n, o, i))
             };
-            return matmul(gemm, stream);
+            matmul(gemm, stream)?;
+            return Ok(x.clone());
         };
         let (xs, ws) = (f.input()?, f.weight_scale()?);
-        let x8 = f.quantize(&self.alloc, x, &xs, DType::F8E4M3, stream)?;
+        let (x8, kept) = match keep {
+            Keep::Input => f.quantize_both(&self.alloc, x, &xs, DType::F8E4M3, stream)?,
+            Keep::Nothing => (f.quantize(&self.alloc, x, &xs, DType::F8E4M3, stream)?, x.clone()),
+        };
         let scales = (&xs.scale_inv, &ws.scale_inv);
         let gemm = Fp8Matmul {
             fused,
@@ -198,7 +249,8 @@ impl Linear {
             fast_accum: true,
             ..Fp8Matmul::new(y, (&x8, f.weights().0), scales, (n, o, i))
         };
-        fp8_matmul(gemm, stream)
+        fp8_matmul(gemm, stream)?;
+        Ok(kept)
     }
 
     /// `dx = dy·W` with `fused`, in bf16 or FP8 (`dy` in E5M2 against the weight's transpose);
@@ -253,7 +305,10 @@ impl Linear {
             Some(t) => t.clone(),
             None => f.quantize_transposed(&self.alloc, dy, &gs, DType::F8E5M2, stream)?,
         };
-        let x8_t = f.quantize_transposed(&self.alloc, x, &xs, DType::F8E4M3, stream)?;
+        let x8_t = match x.dtype() {
+            DType::F8E4M3 => x.clone(),
+            _ => f.quantize_transposed(&self.alloc, x, &xs, DType::F8E4M3, stream)?,
+        };
         let scales = (&gs.scale_inv, &xs.scale_inv);
         fp8_matmul(
             Fp8Matmul { beta: 1.0, ..Fp8Matmul::new(&self.weight.grad, (&dy8_t, &x8_t), scales, (o, i, n)) },
@@ -305,9 +360,9 @@ impl Module for Linear {
 
     fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, LinearCtx)> {
         let x = inputs.only("Linear::forward")?;
-        let y = self.forward_with(x, None, stream)?;
+        let LinearForward { y, input } = self.forward_keeping_input(x, None, stream)?;
         hook.open_group(&self.name)?;
-        let input = hook.save("input", x.clone(), stream)?;
+        let input = hook.save("input", input, stream)?;
         hook.commit_group(&self.name, stream)?;
         Ok((vec![y], LinearCtx { input }))
     }

@@ -4,7 +4,7 @@
 //! epilogue, the weight gradients' GEMMs the bias gradients).
 
 use super::layernorm::{as_rows, single_input};
-use super::{BiasGrad, Builder, Inputs, Linear, Module, Param, SaveHook, SavedTensor};
+use super::{BiasGrad, Builder, Inputs, Linear, LinearForward, Module, Param, SaveHook, SavedTensor};
 use crate::device::Stream;
 use crate::tensor::Tensor;
 use crate::Result;
@@ -58,10 +58,11 @@ impl Mlp {
         const OP: &str = "Mlp::forward";
         let rows = as_rows(OP, x, self.dim())?;
         let residual = residual.map(|r| as_rows(OP, r, self.dim())).transpose()?;
-        let (act, pre) = self.fc1.forward_gelu(&rows, stream)?;
-        let y = self.fc2.forward_with(&act, residual.as_ref(), stream)?;
+        let (LinearForward { y: act, input: kept_x }, pre) = self.fc1.forward_gelu(&rows, stream)?;
+        let LinearForward { y, input: kept_act } = self.fc2.forward_keeping_input(&act, residual.as_ref(), stream)?;
         hook.open_group(&self.name)?;
-        let saved = (hook.save("input", rows, stream)?, hook.save("pre", pre, stream)?, hook.save("act", act, stream)?);
+        let saved =
+            (hook.save("input", kept_x, stream)?, hook.save("pre", pre, stream)?, hook.save("act", kept_act, stream)?);
         hook.commit_group(&self.name, stream)?;
         let (x_saved, pre, act) = saved;
         Ok((y.reshape(x.shape())?, MlpCtx { shape: x.shape().to_vec(), x: x_saved, pre, act }))

@@ -155,7 +155,8 @@ impl SaveHook for ChunkHook {
         };
         let s = c.run[g].slots.len();
         if !frozen {
-            let copyable = t.is_contiguous() && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16);
+            let copyable = t.is_contiguous()
+                && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16 | DType::F8E4M3 | DType::F8E5M2);
             let layout = TensorLayout {
                 name: name.into(),
                 shape: t.shape().to_vec(),
