@@ -172,6 +172,15 @@ fn fp8_train_resumes_bit_for_bit() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("fp8"), "a bf16 resume of an FP8 run: {stderr}");
+    let out = Command::new(exe())
+        .current_dir(&dir)
+        .args(["train", "--device", "sim", "--steps", "20", "--dtype", "fp8", "--fp8-scaling", "current"])
+        .args(["--resume", "half"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let named = stderr.contains("--fp8-scaling delayed");
+    assert!(!out.status.success() && named, "a current-scaling resume of a delayed-scaling run: {stderr}");
     std::fs::remove_dir_all(dir).ok();
 }
 

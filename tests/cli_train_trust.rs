@@ -93,6 +93,8 @@ fn refusals_exit_2_before_the_first_step_and_change_nothing() {
         (&["--offload", "--pool-per-layer", "--side-stream"], "drop one of the three"),
         // FP8 GEMMs need k a multiple of 16: 8 microbatches of 8 sums of 11 tokens are 88.
         (&["--dtype", "fp8", "--schedule"], "--dtype fp8 needs"),
+        // A scaling without FP8 would change nothing.
+        (&["--fp8-scaling", "current"], "pass --dtype fp8 with it"),
     ];
     for (args, why) in cases {
         let started = Instant::now();

@@ -11,8 +11,8 @@ use graphed::device::{DType, Device, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    input_grad, BiasGrad, Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers, Linear, Module, ParamStore, Stack,
-    TransformerLayer,
+    input_grad, BiasGrad, Builder, DelayedRecipe, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers, Linear, Module,
+    ParamStore, Stack, TransformerLayer,
 };
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -35,7 +35,9 @@ impl Layer {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let store = ParamStore::with_dtype(&alloc, &s, TransformerLayer::parameter_count(DIM), DType::BF16)?;
-        let fp8 = fp8.then(|| Fp8Training::new(&alloc, Fp8Recipe { history_len: 2, ..Fp8Recipe::default() }));
+        let fp8 = fp8.then(|| {
+            Fp8Training::new(&alloc, Fp8Recipe::Delayed(DelayedRecipe { history_len: 2, ..DelayedRecipe::default() }))
+        });
         let vb = Builder::new(&store, &alloc, &s)?.with_seed(5);
         let vb = match &fp8 {
             Some(f) => vb.with_fp8(f),
@@ -181,6 +183,66 @@ fn fp8_forward_keeps_the_input_quantized_and_transposed(dev: &Device) -> anyhow:
     Ok(())
 }
 
+/// Current scaling: each tensor's scale is E4M3's max over its own amax, set just before its
+/// cast (the weight's when the state starts, the input's in the forward), and the layer computes
+/// what the bf16 layer does within FP8's rounding; the state keeps no history.
+fn current_scaling_scales_each_tensor_by_its_own_amax(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let fp8 = Fp8Training::new(&alloc, Fp8Recipe::Current);
+    let store = ParamStore::with_dtype(&alloc, &s, 2 * Linear::parameter_count((32, 16)), DType::BF16)?;
+    let fc = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(2).with_fp8(&fp8).pp("fc"), (32, 16))?;
+    let plain = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(2).pp("plain"), (32, 16))?;
+    fp8.start(&s)?;
+    let x = Tensor::from_f32(&alloc, &s, &lcg(48 * 32, 4), &[48, 32], DType::BF16)?;
+    let amax = |t: &Tensor| -> anyhow::Result<f32> { Ok(t.to_f32_vec(&s)?.iter().fold(0.0f32, |m, v| m.max(v.abs()))) };
+    let y = fc.forward_with(&x, None, &s)?.to_f32_vec(&s)?;
+    let want = plain.forward_with(&x, None, &s)?.to_f32_vec(&s)?;
+    let scales = fp8.scales()?.0.to_vec::<f32>(&s)?;
+    ensure!(scales[0] == 448.0 / amax(&x)?, "the input's scale {} from its amax {}", scales[0], amax(&x)?);
+    ensure!(scales[1] == 448.0 / amax(&fc.weight.value)?, "the weight's scale {}", scales[1]);
+    let r = relative(&y, &want);
+    ensure!(r > 0.0 && r < 0.05, "y: relative error {r:.4} against bf16");
+    ensure!(matches!(fp8.state(), Err(Error::Unsupported { .. })), "current scaling has no history to show");
+    ensure!(fp8.named_state()?.is_empty(), "nothing for a checkpoint to keep");
+    Ok(())
+}
+
+/// Under current scaling a microbatch's backward reads nothing another microbatch's cast
+/// rescaled: two forwards then two backwards (a schedule's order) accumulate the gradients that
+/// each forward followed by its backward does, bit for bit. (Under delayed scaling the scales
+/// hold for the whole step, so the forward may keep its FP8 input; here it may not.)
+fn current_scaling_keeps_microbatches_apart(dev: &Device) -> anyhow::Result<()> {
+    let run = |interleaved: bool| -> anyhow::Result<Vec<f32>> {
+        let s = dev.stream()?;
+        let alloc = CachingAllocator::new(dev);
+        let fp8 = Fp8Training::new(&alloc, Fp8Recipe::Current);
+        let store = ParamStore::with_dtype(&alloc, &s, Linear::parameter_count((32, 16)), DType::BF16)?;
+        let fc = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(2).with_fp8(&fp8).pp("fc"), (32, 16))?;
+        fp8.start(&s)?;
+        // Microbatch k's values are k + 1 times as large: their scales differ.
+        let data = |k: usize, n: usize, seed: u64| -> graphed::Result<Tensor> {
+            let v: Vec<f32> = lcg(16 * n, seed).iter().map(|v| v * (k + 1) as f32).collect();
+            Tensor::from_f32(&alloc, &s, &v, &[16, n], DType::BF16)
+        };
+        let (x, dy) = ([data(0, 32, 1)?, data(1, 32, 2)?], [data(0, 16, 3)?, data(1, 16, 4)?]);
+        if interleaved {
+            let (_, c0) = fc.forward(&Inputs::one(&x[0]), &KeepOnDevice, &s)?;
+            let (_, c1) = fc.forward(&Inputs::one(&x[1]), &KeepOnDevice, &s)?;
+            fc.backward(c1, &[&dy[1]], &s)?;
+            fc.backward(c0, &[&dy[0]], &s)?;
+        } else {
+            let (_, c1) = fc.forward(&Inputs::one(&x[1]), &KeepOnDevice, &s)?;
+            fc.backward(c1, &[&dy[1]], &s)?;
+            let (_, c0) = fc.forward(&Inputs::one(&x[0]), &KeepOnDevice, &s)?;
+            fc.backward(c0, &[&dy[0]], &s)?;
+        }
+        Ok(store.grads()?.to_f32_vec(&s)?)
+    };
+    ensure!(run(true)? == run(false)?, "a backward read another microbatch's scale");
+    Ok(())
+}
+
 /// FP8 needs bf16 weights, a started state and aligned shapes; each is refused with a typed
 /// error, before the layer computes anything.
 fn fp8_misuse_is_refused(dev: &Device) -> anyhow::Result<()> {
@@ -213,5 +275,7 @@ crate::per_device!(
     a_capture_after_an_fp8_capture_carries_nothing_over,
     fp8_split_weight_gradients_equal_the_joined_ones,
     fp8_forward_keeps_the_input_quantized_and_transposed,
+    current_scaling_scales_each_tensor_by_its_own_amax,
+    current_scaling_keeps_microbatches_apart,
     fp8_misuse_is_refused,
 );

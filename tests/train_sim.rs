@@ -80,4 +80,10 @@ fn graphed_training_follows_eager_bitwise_in_fp8_offloaded_and_scheduled() {
     let scheduled = [&fp8[..], &["--schedule", "--microbatches", "2", "--virtual-stages", "2"]].concat();
     let eager_scheduled = losses(&[&scheduled[..], &["--eager"]].concat());
     assert_eq!(losses(&scheduled), eager_scheduled, "graphed under a schedule in FP8 against --eager");
+    // Current scaling rescales every cast: under a schedule, a tensor kept from one microbatch
+    // must not be read with a scale another microbatch's cast wrote.
+    let current = [&scheduled[..], &["--fp8-scaling", "current"]].concat();
+    let eager_current = losses(&[&current[..], &["--eager"]].concat());
+    assert_eq!(losses(&current), eager_current, "graphed under a schedule with current scaling against --eager");
+    assert_ne!(eager_current, eager_scheduled, "current scaling trains as delayed scaling does");
 }

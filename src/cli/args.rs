@@ -85,6 +85,11 @@ pub struct DTypeArgs {
     /// the optimizer's master weights stay f32). Default: bf16 on CUDA, f32 on the simulator.
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeArg>,
+    /// With `--dtype fp8`, how tensors are scaled: `delayed` (TransformerEngine's default, from
+    /// the amaxes of the last steps) or `current` (each tensor from its own amax, one more read
+    /// of it).
+    #[arg(long = "fp8-scaling", value_enum)]
+    pub fp8_scaling: Option<Fp8ScalingArg>,
 }
 
 impl DTypeArgs {
@@ -95,6 +100,7 @@ impl DTypeArgs {
     /// For `--dtype fp8`, which only `train`, `bench graphs` and `bench layer` run (they call
     /// [`DTypeArgs::storage`]).
     pub fn resolve(&self, dev: &graphed::device::Device) -> anyhow::Result<DType> {
+        self.fp8_recipe()?;
         if self.fp8() {
             anyhow::bail!(
                 "--dtype fp8 runs in `graphed train`, `graphed bench graphs` and `graphed bench layer`; pass --dtype bf16 here"
@@ -118,12 +124,27 @@ impl DTypeArgs {
         self.dtype == Some(DTypeArg::Fp8)
     }
 
-    /// The name of the precision in reports: `fp8`, else the element type.
+    /// The FP8 recipe with `--dtype fp8` (`--fp8-scaling`, delayed by default), else `None`.
+    ///
+    /// # Errors
+    /// `--fp8-scaling` without `--dtype fp8`, where it would change nothing.
+    pub fn fp8_recipe(&self) -> anyhow::Result<Option<graphed::nn::Fp8Recipe>> {
+        use graphed::nn::Fp8Recipe;
+        match (self.fp8(), self.fp8_scaling) {
+            (false, None) => Ok(None),
+            (false, Some(_)) => anyhow::bail!("--fp8-scaling scales FP8 tensors; pass --dtype fp8 with it, or drop it"),
+            (true, None | Some(Fp8ScalingArg::Delayed)) => Ok(Some(Fp8Recipe::default())),
+            (true, Some(Fp8ScalingArg::Current)) => Ok(Some(Fp8Recipe::Current)),
+        }
+    }
+
+    /// The name of the precision in reports: `fp8` (`fp8-current` with current scaling), else
+    /// the element type.
     pub fn label(&self, dev: &graphed::device::Device) -> String {
-        if self.fp8() {
-            "fp8".into()
-        } else {
-            self.storage(dev).to_string()
+        match (self.fp8(), self.fp8_scaling) {
+            (true, Some(Fp8ScalingArg::Current)) => "fp8-current".into(),
+            (true, _) => "fp8".into(),
+            (false, _) => self.storage(dev).to_string(),
         }
     }
 }
@@ -293,8 +314,17 @@ pub enum DTypeArg {
     Bf16,
     F32,
     /// bf16 weights and activations, the Linear layers' GEMMs in FP8 (E4M3 forward, E5M2
-    /// gradients) with TransformerEngine's delayed scaling.
+    /// gradients), scaled as `--fp8-scaling` says.
     Fp8,
+}
+
+/// How FP8 tensors are scaled (`graphed::nn::Fp8Recipe`).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8ScalingArg {
+    /// TransformerEngine's delayed scaling: each scale from the amaxes of the last 1024 steps.
+    Delayed,
+    /// Each tensor's scale from its own amax, taken just before its cast.
+    Current,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]

@@ -156,9 +156,14 @@ impl BenchModel {
         BenchModel::with_layers(alloc, stream, config, dtype, &(0..config.layers).collect::<Vec<_>>())
     }
 
-    /// As [`BenchModel::new`] in bf16, the layers' GEMMs in FP8 (delayed scaling, started).
-    pub fn with_fp8(alloc: &CachingAllocator, stream: &Stream, config: Config) -> graphed::Result<BenchModel> {
-        let fp8 = Fp8Training::new(alloc, Fp8Recipe::default());
+    /// As [`BenchModel::new`] in bf16, the layers' GEMMs in FP8 with `recipe` (started).
+    pub fn with_fp8(
+        alloc: &CachingAllocator,
+        stream: &Stream,
+        config: Config,
+        recipe: Fp8Recipe,
+    ) -> graphed::Result<BenchModel> {
+        let fp8 = Fp8Training::new(alloc, recipe);
         let global = (0..config.layers).collect::<Vec<_>>();
         let mut model = BenchModel::build(alloc, stream, (config, DType::BF16), &global, Some(fp8.clone()))?;
         fp8.start(stream)?;

@@ -32,13 +32,43 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use crate::device::{Communicator, DType, Stream};
 use crate::memory::CachingAllocator;
-use crate::ops::fp8::{cast_transpose, AmaxAlgo, DelayedScaling, DelayedScalingConfig, Fp8Format};
+use crate::ops::fp8::{
+    amax, cast_transpose, Amax, AmaxAlgo, CurrentScaling, DelayedScaling, DelayedScalingConfig, Fp8Format,
+};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-/// The recipe of an [`Fp8Training`]: TransformerEngine's `DelayedScaling` options.
+/// How an [`Fp8Training`] scales its tensors.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Fp8Recipe {
+pub enum Fp8Recipe {
+    /// TransformerEngine's `DelayedScaling` (the default): each tensor's scale comes from the
+    /// amaxes its casts recorded over the last steps, updated once per step by the optimizer.
+    Delayed(DelayedRecipe),
+    /// TransformerEngine's `Float8CurrentScaling`: each tensor's scale comes from its own amax,
+    /// taken just before its cast (one more read of it, and two small launches), so a spike is
+    /// never clipped by an older scale. No history to keep, reduce or checkpoint.
+    Current,
+}
+
+impl Default for Fp8Recipe {
+    fn default() -> Fp8Recipe {
+        Fp8Recipe::Delayed(DelayedRecipe::default())
+    }
+}
+
+impl std::fmt::Display for Fp8Recipe {
+    /// `delayed scaling` or `current scaling`, as reports name it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Fp8Recipe::Delayed(_) => "delayed scaling",
+            Fp8Recipe::Current => "current scaling",
+        })
+    }
+}
+
+/// The options of delayed scaling: TransformerEngine's `DelayedScaling`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DelayedRecipe {
     /// Steps of amax history per tensor (TransformerEngine: `amax_history_len`).
     pub history_len: usize,
     /// How a history becomes an amax.
@@ -47,11 +77,18 @@ pub struct Fp8Recipe {
     pub margin: i32,
 }
 
-impl Default for Fp8Recipe {
+impl Default for DelayedRecipe {
     /// TransformerEngine's defaults: 1024 steps, the max of the window, no margin.
-    fn default() -> Fp8Recipe {
-        Fp8Recipe { history_len: 1024, algo: AmaxAlgo::Max, margin: 0 }
+    fn default() -> DelayedRecipe {
+        DelayedRecipe { history_len: 1024, algo: AmaxAlgo::Max, margin: 0 }
     }
+}
+
+/// The two recipes' state (forward: slots `2i` the input of layer `i`, `2i + 1` its weight;
+/// backward: slot `i` layer `i`'s output gradient).
+enum Scalings {
+    Delayed(DelayedScaling, DelayedScaling),
+    Current(CurrentScaling, CurrentScaling),
 }
 
 /// FP8 training state of one model (see the module doc). Clones share it.
@@ -65,9 +102,8 @@ struct Inner {
     recipe: Fp8Recipe,
     /// Each registered layer's bf16 weight and its FP8 copies, in registration order.
     weights: Mutex<Vec<Fp8Weight>>,
-    /// Made by `start`: the forward's recipe (slots `2i` the input of layer `i`, `2i + 1` its
-    /// weight) and the backward's (slot `i` layer `i`'s output gradient).
-    state: OnceLock<(DelayedScaling, DelayedScaling)>,
+    /// Made by `start`.
+    state: OnceLock<Scalings>,
     /// The data-parallel ranks whose amaxes each step reduces, if any.
     group: OnceLock<Communicator>,
     /// Whether a step was enqueued after `start`'s own: the group can no longer be set.
@@ -94,11 +130,24 @@ pub(crate) struct Fp8Linear {
 }
 
 /// The tensors of one quantized operand: its scale (to quantize), inverse scale (for the GEMM) and
-/// amax slot.
+/// amax slot; under current scaling, the state and slot that set the scale from the amax.
 pub(crate) struct Scaled {
     pub(crate) scale: Tensor,
     pub(crate) scale_inv: Tensor,
     pub(crate) amax: Tensor,
+    current: Option<(CurrentScaling, usize)>,
+}
+
+impl Scaled {
+    /// Quantizes `x` into `out` and/or `out_t` (at least one): under current scaling, first its
+    /// amax and its scale from that.
+    fn cast(&self, out: Option<&Tensor>, out_t: Option<&Tensor>, x: &Tensor, stream: &Stream) -> Result<()> {
+        if let Some((scaling, slot)) = &self.current {
+            amax(&self.amax, x, Amax::Overwrite, stream)?;
+            scaling.update_one(*slot, stream)?;
+        }
+        cast_transpose(out, out_t, &self.amax, x, &self.scale, stream)
+    }
 }
 
 impl Fp8Training {
@@ -140,9 +189,9 @@ impl Fp8Training {
         Ok(Fp8Linear { training: self.clone(), index: weights.len() - 1, weight })
     }
 
-    /// Makes the recipes' state for the layers registered so far, and quantizes their weights:
-    /// first to learn their amaxes, then with the scales those give. Inputs and gradients start
-    /// with scale 1, as in TransformerEngine.
+    /// Makes the recipes' state for the layers registered so far, and quantizes their weights
+    /// (delayed scaling: first to learn their amaxes, then with the scales those give). Inputs
+    /// and gradients start with scale 1, as in TransformerEngine.
     ///
     /// # Errors
     /// [`Error::Unsupported`] when called twice or before any layer registered; as the
@@ -156,18 +205,28 @@ impl Fp8Training {
                 why: "start the FP8 state once, after building a model with Builder::with_fp8",
             });
         }
-        let config = |format| DelayedScalingConfig {
-            format,
-            history_len: self.inner.recipe.history_len,
-            algo: self.inner.recipe.algo,
-            margin: self.inner.recipe.margin,
-        };
         let alloc = &self.inner.alloc;
-        let forward = DelayedScaling::new(alloc, stream, config(Fp8Format::E4M3), 2 * layers)?;
-        let backward = DelayedScaling::new(alloc, stream, config(Fp8Format::E5M2), layers)?;
+        let scalings = match self.inner.recipe {
+            Fp8Recipe::Delayed(r) => {
+                let config = |format| DelayedScalingConfig {
+                    format,
+                    history_len: r.history_len,
+                    algo: r.algo,
+                    margin: r.margin,
+                };
+                let forward = DelayedScaling::new(alloc, stream, config(Fp8Format::E4M3), 2 * layers)?;
+                Scalings::Delayed(forward, DelayedScaling::new(alloc, stream, config(Fp8Format::E5M2), layers)?)
+            }
+            Fp8Recipe::Current => Scalings::Current(
+                CurrentScaling::new(alloc, stream, Fp8Format::E4M3, 2 * layers)?,
+                CurrentScaling::new(alloc, stream, Fp8Format::E5M2, layers)?,
+            ),
+        };
         // `set` cannot fail: `state` was empty above and `start` takes no other path to it.
-        let _ = self.inner.state.set((forward, backward));
-        self.quantize_weights(stream)?;
+        let _ = self.inner.state.set(scalings);
+        if let Fp8Recipe::Delayed(_) = self.inner.recipe {
+            self.quantize_weights(stream)?;
+        }
         self.update_and_quantize(stream)
     }
 
@@ -176,7 +235,8 @@ impl Fp8Training {
     /// `amax_reduction_group`: every rank then holds the same scales, the ones one rank running
     /// all their microbatches would compute. One collective per recipe (`2 × layers` and
     /// `layers` floats), enqueued inside the optimizer's step, so inside its graph when the step
-    /// is graphed; nothing reaches the host.
+    /// is graphed; nothing reaches the host. Current scaling scales each microbatch's tensors by
+    /// their own amaxes, as one rank does, so its steps reduce nothing.
     ///
     /// # Errors
     /// [`Error::Unsupported`] when a group was set already, or after a step ran or was captured
@@ -184,9 +244,7 @@ impl Fp8Training {
     /// device.
     pub fn reduce_amaxes_over(&self, comm: &Communicator) -> Result<()> {
         const OP: &str = "Fp8Training::reduce_amaxes_over";
-        if let Some(s) = self.inner.state.get() {
-            comm.device().check_same(OP, "FP8 state", s.0.amaxes().device_id())?;
-        }
+        comm.device().check_same(OP, "FP8 state", self.inner.alloc.device().id())?;
         if self.inner.stepped.load(Ordering::Acquire) || self.inner.group.set(comm.clone()).is_err() {
             return Err(Error::Unsupported {
                 op: OP,
@@ -206,12 +264,15 @@ impl Fp8Training {
         self.quantize_weights(stream)
     }
 
-    /// The recipes' tensors a checkpoint keeps, by name: each history, scale and inverse scale.
+    /// The recipes' tensors a checkpoint keeps, by name: under delayed scaling each history,
+    /// scale and inverse scale; under current scaling none (every scale comes from its tensor).
     ///
     /// # Errors
     /// [`Error::Unsupported`] before [`Fp8Training::start`].
     pub fn named_state(&self) -> Result<Vec<(String, Tensor)>> {
-        let (forward, backward) = self.state()?;
+        let Scalings::Delayed(forward, backward) = self.scalings()? else {
+            return Ok(Vec::new());
+        };
         let mut named = Vec::new();
         for (recipe, r) in [("forward", forward), ("backward", backward)] {
             for (part, t) in [("history", r.history()), ("scale", r.scales()), ("scale_inv", r.scale_invs())] {
@@ -221,27 +282,29 @@ impl Fp8Training {
         Ok(named)
     }
 
-    /// Once per step, after the optimizer rewrote the bf16 weights: the amaxes reduced across
-    /// the group if there is one, the scales from the amax histories (the history then moves on
-    /// a step), and every weight quantized with its new scale.
+    /// Once per step, after the optimizer rewrote the bf16 weights: under delayed scaling the
+    /// amaxes reduced across the group if there is one and the scales from the amax histories
+    /// (the history then moves on a step); then every weight quantized with its new scale (under
+    /// current scaling, its scale from its own amax first).
     ///
     /// # Errors
     /// [`Error::Unsupported`] before [`Fp8Training::start`]; as the launches.
     pub fn step(&self, stream: &Stream) -> Result<()> {
-        let (forward, backward) = self.state()?;
+        let scalings = self.scalings()?;
         self.inner.stepped.store(true, Ordering::Release);
-        if let Some(comm) = self.inner.group.get() {
+        if let (Some(comm), Scalings::Delayed(forward, backward)) = (self.inner.group.get(), scalings) {
             comm.all_reduce_amax(stream, forward.amaxes().view::<f32>()?)?;
             comm.all_reduce_amax(stream, backward.amaxes().view::<f32>()?)?;
         }
         self.update_and_quantize(stream)
     }
 
-    /// The scales from the histories, then the weights quantized with them.
+    /// The scales from the histories (delayed scaling), then the weights quantized with them.
     fn update_and_quantize(&self, stream: &Stream) -> Result<()> {
-        let (forward, backward) = self.state()?;
-        forward.update(stream)?;
-        backward.update(stream)?;
+        if let Scalings::Delayed(forward, backward) = self.scalings()? {
+            forward.update(stream)?;
+            backward.update(stream)?;
+        }
         self.quantize_weights(stream)
     }
 
@@ -255,7 +318,39 @@ impl Fp8Training {
     ///
     /// # Errors
     /// [`Error::Unsupported`] before [`Fp8Training::start`].
-    pub fn state(&self) -> Result<&(DelayedScaling, DelayedScaling)> {
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] before [`Fp8Training::start`] and under current scaling, which
+    /// keeps no history.
+    pub fn state(&self) -> Result<(&DelayedScaling, &DelayedScaling)> {
+        match self.scalings()? {
+            Scalings::Delayed(forward, backward) => Ok((forward, backward)),
+            Scalings::Current(..) => Err(Error::Unsupported {
+                op: "Fp8Training::state",
+                backend: "any",
+                why: "current scaling keeps no history: read the scales with Fp8Training::scales",
+            }),
+        }
+    }
+
+    /// The scales of both recipes, `[2 × layers]` (forward) and `[layers]` (backward), as the
+    /// last casts left them.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] before [`Fp8Training::start`].
+    pub fn scales(&self) -> Result<(&Tensor, &Tensor)> {
+        Ok(match self.scalings()? {
+            Scalings::Delayed(forward, backward) => (forward.scales(), backward.scales()),
+            Scalings::Current(forward, backward) => (forward.scales(), backward.scales()),
+        })
+    }
+
+    /// The recipe.
+    pub fn recipe(&self) -> Fp8Recipe {
+        self.inner.recipe
+    }
+
+    fn scalings(&self) -> Result<&Scalings> {
         self.inner.state.get().ok_or(Error::Unsupported {
             op: "Fp8Training",
             backend: "any",
@@ -263,19 +358,26 @@ impl Fp8Training {
         })
     }
 
+    /// The scale, inverse scale and amax slot of `slot` of the forward's (`recipe` 0) or the
+    /// backward's recipe.
+    fn scaled(&self, recipe: usize, slot: usize) -> Result<Scaled> {
+        Ok(match self.scalings()? {
+            Scalings::Delayed(forward, backward) => {
+                let r = if recipe == 0 { forward } else { backward };
+                Scaled { scale: r.scale(slot)?, scale_inv: r.scale_inv(slot)?, amax: r.amax(slot)?, current: None }
+            }
+            Scalings::Current(forward, backward) => {
+                let r = if recipe == 0 { forward } else { backward };
+                let current = Some((r.clone(), slot));
+                Scaled { scale: r.scale(slot)?, scale_inv: r.scale_inv(slot)?, amax: r.amax(slot)?, current }
+            }
+        })
+    }
+
     fn quantize_weights(&self, stream: &Stream) -> Result<()> {
-        let (forward, _) = self.state()?;
         let weights = self.inner.weights.lock().unwrap_or_else(PoisonError::into_inner).clone();
         for (i, w) in weights.iter().enumerate() {
-            let slot = 2 * i + 1;
-            cast_transpose(
-                Some(&w.fp8),
-                Some(&w.fp8_t),
-                &forward.amax(slot)?,
-                &w.value,
-                &forward.scale(slot)?,
-                stream,
-            )?;
+            self.scaled(0, 2 * i + 1)?.cast(Some(&w.fp8), Some(&w.fp8_t), &w.value, stream)?;
         }
         Ok(())
     }
@@ -303,15 +405,20 @@ impl Fp8Linear {
         [self.input(), self.grad()].into_iter().filter_map(|s| s.ok()).map(|s| s.amax).collect()
     }
 
+    /// Whether a tensor quantized now may be read later in the step: its scale holds until the
+    /// next optimizer step under delayed scaling, while under current scaling the next cast into
+    /// its slot (another microbatch's) rewrites it.
+    pub(crate) fn scales_hold_for_the_step(&self) -> bool {
+        matches!(self.training.inner.recipe, Fp8Recipe::Delayed(_))
+    }
+
     /// The weight in E4M3, `(out, in)`, and its transpose.
     pub(crate) fn weights(&self) -> (&Tensor, &Tensor) {
         (&self.weight.fp8, &self.weight.fp8_t)
     }
 
     fn scaled(&self, recipe: usize, slot: usize) -> Result<Scaled> {
-        let (forward, backward) = self.training.state()?;
-        let r = if recipe == 0 { forward } else { backward };
-        Ok(Scaled { scale: r.scale(slot)?, scale_inv: r.scale_inv(slot)?, amax: r.amax(slot)? })
+        self.training.scaled(recipe, slot)
     }
 
     /// `x` (`(n, c)`, bf16) quantized with `s` in the format `dtype`, row-major `(n, c)`, into
@@ -326,7 +433,7 @@ impl Fp8Linear {
     ) -> Result<Tensor> {
         let (n, c) = rows_of(x)?;
         let q = Tensor::uninit(alloc, stream, &[n, c], dtype)?;
-        cast_transpose(Some(&q), None, &s.amax, x, &s.scale, stream)?;
+        s.cast(Some(&q), None, x, stream)?;
         Ok(q)
     }
 
@@ -341,7 +448,7 @@ impl Fp8Linear {
     ) -> Result<Tensor> {
         let (n, c) = rows_of(x)?;
         let q_t = Tensor::uninit(alloc, stream, &[c, n], dtype)?;
-        cast_transpose(None, Some(&q_t), &s.amax, x, &s.scale, stream)?;
+        s.cast(None, Some(&q_t), x, stream)?;
         Ok(q_t)
     }
 
@@ -357,7 +464,7 @@ impl Fp8Linear {
         let (n, c) = rows_of(x)?;
         let q = Tensor::uninit(alloc, stream, &[n, c], dtype)?;
         let q_t = Tensor::uninit(alloc, stream, &[c, n], dtype)?;
-        cast_transpose(Some(&q), Some(&q_t), &s.amax, x, &s.scale, stream)?;
+        s.cast(Some(&q), Some(&q_t), x, stream)?;
         Ok((q, q_t))
     }
 }

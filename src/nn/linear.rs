@@ -72,9 +72,11 @@ pub struct LinearCtx {
 }
 
 /// A forward's output and its input as the layer's backward ([`Linear::backward_with`]) reads
-/// it: the input itself, or in FP8 training its E4M3 transpose `(in, n)`, which the forward's
-/// cast writes in the same read as the GEMM's operand. Keeping that instead of the input halves
-/// the bytes kept (or offloaded) and saves the backward a second cast.
+/// it: the input itself, or in FP8 training with delayed scaling its E4M3 transpose `(in, n)`,
+/// which the forward's cast writes in the same read as the GEMM's operand. Keeping that instead
+/// of the input halves the bytes kept (or offloaded) and saves the backward a second cast.
+/// (Under current scaling another microbatch's cast would rescale its slot before the backward
+/// reads it, so the layer keeps the input itself.)
 pub struct LinearForward {
     /// The output `(n, out)`.
     pub y: Tensor,
@@ -202,9 +204,13 @@ impl Linear {
     }
 
     /// The weight gradients now, or queued for `backward_dw` with a split weight gradient.
-    fn weight_grads(&self, dy: OutputGrad, x: &Tensor, bias: BiasGrad, stream: &Stream) -> Result<()> {
+    fn weight_grads(&self, mut dy: OutputGrad, x: &Tensor, bias: BiasGrad, stream: &Stream) -> Result<()> {
         match &self.deferred {
             Some(queue) => {
+                // Read after other microbatches' casts: kept only if its scale holds until then.
+                if !self.fp8.as_ref().is_some_and(Fp8Linear::scales_hold_for_the_step) {
+                    dy.fp8_t = None;
+                }
                 queue.lock().unwrap_or_else(PoisonError::into_inner).push((dy, x.clone(), bias));
                 Ok(())
             }
@@ -238,8 +244,10 @@ impl Linear {
         };
         let (xs, ws) = (f.input()?, f.weight_scale()?);
         let (x8, kept) = match keep {
-            Keep::Input => f.quantize_both(&self.alloc, x, &xs, DType::F8E4M3, stream)?,
-            Keep::Nothing => (f.quantize(&self.alloc, x, &xs, DType::F8E4M3, stream)?, x.clone()),
+            Keep::Input if f.scales_hold_for_the_step() => {
+                f.quantize_both(&self.alloc, x, &xs, DType::F8E4M3, stream)?
+            }
+            _ => (f.quantize(&self.alloc, x, &xs, DType::F8E4M3, stream)?, x.clone()),
         };
         let scales = (&xs.scale_inv, &ws.scale_inv);
         let gemm = Fp8Matmul {

@@ -119,6 +119,12 @@ pub fn stack_side_stream_matches_eager_in_fp8(dev: &Device) -> Result {
     twins(dev, How::Side, &Model::fp8)
 }
 
+/// FP8 with current scaling: the amax and scale of every tensor inside the graphs, before its
+/// cast.
+pub fn stack_side_stream_matches_eager_in_fp8_current(dev: &Device) -> Result {
+    twins(dev, How::Side, &Model::fp8_current)
+}
+
 /// Per layer, not chained: every input is copied into its layer's static input.
 pub fn layers_unchained_match_eager(dev: &Device) -> Result {
     twin_training(dev, How::PerLayer, DType::F32)

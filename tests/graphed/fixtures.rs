@@ -8,8 +8,8 @@ use graphed::device::{Device, Event, Stream};
 use graphed::graph::{make_graphed_stack, Callable, GraphOptions, GraphedCallable, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    backward_pass, forward_pass, input_grad, Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers, Module,
-    Param, ParamStore, SaveHook, SavedTensor, Stack, TransformerLayer, Traverse,
+    backward_pass, forward_pass, input_grad, Builder, DelayedRecipe, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice,
+    Layers, Module, Param, ParamStore, SaveHook, SavedTensor, Stack, TransformerLayer, Traverse,
 };
 use graphed::ops::cast::residual_add;
 use graphed::ops::elementwise;
@@ -58,7 +58,18 @@ impl Model {
     /// state), over 16 tokens: an FP8 GEMM's k, here the tokens of the weight gradient, is a
     /// multiple of 16.
     pub fn fp8(dev: &Device) -> Result<Model> {
-        Model::build(dev, DType::BF16, FP8_SHAPE, Some(Fp8Recipe { history_len: 4, ..Fp8Recipe::default() }))
+        Model::build(
+            dev,
+            DType::BF16,
+            FP8_SHAPE,
+            Some(Fp8Recipe::Delayed(DelayedRecipe { history_len: 4, ..DelayedRecipe::default() })),
+        )
+    }
+
+    /// As [`Model::fp8`] with current scaling: every scale from its tensor's amax just before
+    /// its cast.
+    pub fn fp8_current(dev: &Device) -> Result<Model> {
+        Model::build(dev, DType::BF16, FP8_SHAPE, Some(Fp8Recipe::Current))
     }
 
     fn build(dev: &Device, dtype: DType, shape: [usize; 3], fp8: Option<Fp8Recipe>) -> Result<Model> {

@@ -31,6 +31,7 @@ per_device!(
     stack_side_stream_matches_eager_in_bf16,
     stack_caller_matches_eager_in_fp8,
     stack_side_stream_matches_eager_in_fp8,
+    stack_side_stream_matches_eager_in_fp8_current,
     layers_unchained_match_eager,
     graphed_callables_draw_new_masks_every_microbatch,
     split_weight_gradient_matches_eager,

@@ -90,8 +90,8 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     let configs = args.configs.resolve(&dev, args.attention)?;
     let dtype = args.dtype.storage(&dev);
     println!("{dtype} weights and activations; f32 statistics and GEMM accumulation");
-    if args.dtype.fp8() {
-        println!("the Linear layers' GEMMs in FP8: E4M3 forward, E5M2 gradients, delayed scaling");
+    if let Some(recipe) = args.dtype.fp8_recipe()? {
+        println!("the Linear layers' GEMMs in FP8: E4M3 forward, E5M2 gradients, {recipe}");
     }
     let mut rows = Vec::new();
     for &config in &configs {
@@ -114,9 +114,9 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
 fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenchArgs) -> anyhow::Result<GraphsRow> {
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
-    let model = match args.dtype.fp8() {
-        true => BenchModel::with_fp8(&alloc, &main, config)?,
-        false => BenchModel::new(&alloc, &main, config, args.dtype.storage(dev))?,
+    let model = match args.dtype.fp8_recipe()? {
+        Some(recipe) => BenchModel::with_fp8(&alloc, &main, config, recipe)?,
+        None => BenchModel::new(&alloc, &main, config, args.dtype.storage(dev))?,
     };
     let (samples, capture_ms, calls) = match variant {
         Variant::Eager => {

@@ -18,7 +18,7 @@ use rand::{Rng, SeedableRng};
 use anyhow::bail;
 use graphed::device::{DType, Device, DeviceKind, KernelTime, Stream};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
+use graphed::nn::{Builder, Fp8Training, Inputs, KeepOnDevice, Module, ParamStore, TransformerLayer};
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -194,7 +194,7 @@ fn run_config(
     let vb = Builder::new(&store, &alloc, s)?.with_seed(1).pp("layer");
     // With `--dtype fp8`, the Linear layers' GEMMs in FP8; the recipe's step is not timed (a
     // training step runs it once, in its optimizer's graph).
-    let fp8 = args.dtype.fp8().then(|| Fp8Training::new(&alloc, Fp8Recipe::default()));
+    let fp8 = args.dtype.fp8_recipe()?.map(|recipe| Fp8Training::new(&alloc, recipe));
     let vb = match &fp8 {
         Some(f) => vb.with_fp8(f),
         None => vb,

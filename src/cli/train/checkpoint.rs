@@ -34,6 +34,7 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
         (ATTENTION, c.attention.name().to_string()),
         (ATTENTION_BACKEND, c.attention_backend.name().to_string()),
         ("dtype", if model.fp8().is_some() { "fp8".into() } else { c.dtype.to_string() }),
+        (FP8_SCALING, model.fp8().map_or("none".into(), |f| f.recipe().to_string())),
         ("dropout", c.dropout.to_string()),
         ("seed", args.seed.to_string()),
         ("batch", batch.to_string()),
@@ -55,6 +56,11 @@ const ATTENTION: &str = "attention";
 /// resumes only with its own setting; checkpoints from before the key existed ran `auto`, the
 /// only setting then. An unfused run runs no backend and resumes under any.
 const ATTENTION_BACKEND: &str = "attention_backend";
+
+/// The metadata key of the FP8 recipe (`delayed scaling`, `current scaling`, or `none` without
+/// FP8). Checkpoints from before the key existed ran delayed scaling, the only recipe then, if
+/// any.
+const FP8_SCALING: &str = "fp8_scaling";
 
 /// The metadata key of the data file's size and hash (`none` for the addition task, whose data
 /// is generated).
@@ -138,7 +144,21 @@ pub fn resume(
             dir.display()
         );
     }
-    for (k, v) in settings(model, args, plan).into_iter().filter(|(k, _)| ![ATTENTION, ATTENTION_BACKEND].contains(k)) {
+    let (saved_fp8, fp8) = (ckpt.meta(FP8_SCALING), model.fp8().map(|f| f.recipe().to_string()));
+    let saved_fp8 = saved_fp8.map(str::to_string).or_else(|| fp8.is_some().then(|| "delayed scaling".into()));
+    if let (Some(saved), Some(now)) = (&saved_fp8, &fp8) {
+        if saved != now {
+            refuse!(
+                "{}: the run saved there ran FP8 with {saved}, this one with {now}; pass --fp8-scaling {}",
+                dir.display(),
+                saved.trim_end_matches(" scaling")
+            );
+        }
+    }
+    for (k, v) in settings(model, args, plan)
+        .into_iter()
+        .filter(|(k, _)| ![ATTENTION, ATTENTION_BACKEND, FP8_SCALING].contains(k))
+    {
         ckpt.expect_meta(k, v)?;
     }
     let Some(done) = ckpt.meta("done").and_then(|d| d.parse::<usize>().ok()) else {

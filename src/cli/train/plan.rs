@@ -75,9 +75,9 @@ impl Plan {
         if stop > steps {
             refuse!("--stop-at {stop} is past the run's {steps} steps; pass at most that");
         }
-        let precision = match args.dtype.fp8() {
-            true => format!("{} (the layers' GEMMs in FP8, delayed scaling)", config.dtype),
-            false => config.dtype.to_string(),
+        let precision = match args.dtype.fp8_recipe()? {
+            Some(recipe) => format!("{} (the layers' GEMMs in FP8, {recipe})", config.dtype),
+            None => config.dtype.to_string(),
         };
         Ok(Plan { config, lr, batch, steps, stop, precision })
     }
@@ -128,10 +128,13 @@ impl Plan {
     }
 }
 
-/// Refuses `--dtype fp8` where an FP8 GEMM could not run: every `k` of the layers' GEMMs (the
-/// width, and the tokens of what one forward takes, a batch or a schedule's microbatch) must be
-/// a multiple of 16.
+/// Refuses `--fp8-scaling` without `--dtype fp8`, and `--dtype fp8` where an FP8 GEMM could not
+/// run: every `k` of the layers' GEMMs (the width, and the tokens of what one forward takes, a
+/// batch or a schedule's microbatch) must be a multiple of 16.
 fn check_fp8(args: &TrainArgs, config: &GptConfig, batch: usize) -> anyhow::Result<()> {
+    if let Err(e) = args.dtype.fp8_recipe() {
+        refuse!("{e}");
+    }
     if !args.dtype.fp8() {
         return Ok(());
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use graphed::device::{CommErrorKind, Device, DeviceKind, Stream};
 use graphed::dist::{ProcessGroup, RankEnv};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Fp8Recipe, Gpt};
+use graphed::nn::Gpt;
 use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -103,9 +103,9 @@ impl<'a> Training<'a> {
         let interrupt = Interrupt::install()?;
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
-        let model = match args.dtype.fp8() {
-            true => Gpt::with_fp8(&alloc, plan.config, Fp8Recipe::default(), &s)?,
-            false => Gpt::new(&alloc, plan.config, &s)?,
+        let model = match args.dtype.fp8_recipe()? {
+            Some(recipe) => Gpt::with_fp8(&alloc, plan.config, recipe, &s)?,
+            None => Gpt::new(&alloc, plan.config, &s)?,
         };
         let optimizer = AdamW::new(&alloc, model.parameters(), Plan::hyper(args), plan.lr_schedule(), &s)?;
         let optimizer = match model.fp8() {

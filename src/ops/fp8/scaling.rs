@@ -240,7 +240,8 @@ impl fmt::Debug for DelayedScaling {
 /// first). A step writes tensor i's amax into [`amax`](CurrentScaling::amax) (with
 /// [`amax`](super::amax()) and [`Amax::Overwrite`](super::Amax::Overwrite)), calls
 /// [`update`](CurrentScaling::update), then casts with `scale(i)`: two reads of each tensor, the
-/// scale of this step's values.
+/// scale of this step's values. Clones share the state.
+#[derive(Clone)]
 pub struct CurrentScaling {
     format: Fp8Format,
     /// `[N]` f32.
@@ -285,6 +286,24 @@ impl CurrentScaling {
         stream.launch(&CURRENT_SCALING_UPDATE, LaunchDims::for_elems(n), &list)
     }
 
+    /// As [`update`](CurrentScaling::update), for tensor `i` alone: between its amax and its
+    /// cast, where the tensors of one step are cast one after another.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for `i` past the tensors; device errors.
+    pub fn update_one(&self, i: usize, stream: &Stream) -> Result<()> {
+        let (scale, scale_inv, amax) = (self.scale(i)?, self.scale_inv(i)?, self.amax(i)?);
+        let list = args![
+            InOut(scale.view::<f32>()?),
+            Out(scale_inv.view::<f32>()?),
+            In(amax.view::<f32>()?),
+            1u32,
+            scaled_max(self.format, 0),
+            SCALE_INV_STRIDE as u32
+        ];
+        stream.launch(&CURRENT_SCALING_UPDATE, LaunchDims::for_elems(1), &list)
+    }
+
     /// Tensor `i`'s amax slot.
     ///
     /// # Errors
@@ -312,6 +331,11 @@ impl CurrentScaling {
     /// Every amax slot, `[N]`.
     pub fn amaxes(&self) -> &Tensor {
         &self.amax
+    }
+
+    /// Every scale, `[N]`.
+    pub fn scales(&self) -> &Tensor {
+        &self.scale
     }
 }
 
