@@ -87,8 +87,8 @@ impl Default for DelayedRecipe {
 /// The two recipes' state (forward: slots `2i` the input of layer `i`, `2i + 1` its weight;
 /// backward: slot `i` layer `i`'s output gradient).
 enum Scalings {
-    Delayed(DelayedScaling, DelayedScaling),
-    Current(CurrentScaling, CurrentScaling),
+    Delayed(Box<DelayedScaling>, Box<DelayedScaling>),
+    Current(Box<CurrentScaling>, Box<CurrentScaling>),
 }
 
 /// FP8 training state of one model (see the module doc). Clones share it.
@@ -215,11 +215,12 @@ impl Fp8Training {
                     margin: r.margin,
                 };
                 let forward = DelayedScaling::new(alloc, stream, config(Fp8Format::E4M3), 2 * layers)?;
-                Scalings::Delayed(forward, DelayedScaling::new(alloc, stream, config(Fp8Format::E5M2), layers)?)
+                let backward = DelayedScaling::new(alloc, stream, config(Fp8Format::E5M2), layers)?;
+                Scalings::Delayed(Box::new(forward), Box::new(backward))
             }
             Fp8Recipe::Current => Scalings::Current(
-                CurrentScaling::new(alloc, stream, Fp8Format::E4M3, 2 * layers)?,
-                CurrentScaling::new(alloc, stream, Fp8Format::E5M2, layers)?,
+                Box::new(CurrentScaling::new(alloc, stream, Fp8Format::E4M3, 2 * layers)?),
+                Box::new(CurrentScaling::new(alloc, stream, Fp8Format::E5M2, layers)?),
             ),
         };
         // `set` cannot fail: `state` was empty above and `start` takes no other path to it.
@@ -324,7 +325,7 @@ impl Fp8Training {
     /// keeps no history.
     pub fn state(&self) -> Result<(&DelayedScaling, &DelayedScaling)> {
         match self.scalings()? {
-            Scalings::Delayed(forward, backward) => Ok((forward, backward)),
+            Scalings::Delayed(forward, backward) => Ok((forward.as_ref(), backward.as_ref())),
             Scalings::Current(..) => Err(Error::Unsupported {
                 op: "Fp8Training::state",
                 backend: "any",
@@ -368,7 +369,7 @@ impl Fp8Training {
             }
             Scalings::Current(forward, backward) => {
                 let r = if recipe == 0 { forward } else { backward };
-                let current = Some((r.clone(), slot));
+                let current = Some((CurrentScaling::clone(r), slot));
                 Scaled { scale: r.scale(slot)?, scale_inv: r.scale_inv(slot)?, amax: r.amax(slot)?, current }
             }
         })
