@@ -47,9 +47,10 @@ pub(crate) fn build(
             what: what.into(),
             writers: t.map_or_else(|| Arc::from([]), |t| writers_of(pool, t)),
         };
-        let output_origins = outputs.iter().enumerate().map(|(k, y)| origin(format!("output {k}"), Some(y))).collect();
+        let output_origins =
+            outputs.iter().enumerate().map(|(k, y)| origin(format!("output {k}"), Some(y.tensor()))).collect();
         let grad_origins = (dxs.iter().zip(inputs.iter()).enumerate())
-            .map(|(k, (d, x))| origin(format!("gradient of {}", x.label(k)), d.as_ref()))
+            .map(|(k, (d, x))| origin(format!("gradient of {}", x.label(k)), d.as_ref().map(|d| d.tensor())))
             .collect();
         out.push(GraphedCallable {
             name: callable.clone(),
@@ -107,7 +108,7 @@ fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded
             add(format!("{name} {}", x.label(k)), &x.tensor, input_owner);
         }
         for (k, y) in recorded.outputs[i].iter().enumerate() {
-            add(format!("{name} output {k}"), y, fwd);
+            add(format!("{name} output {k}"), y.tensor(), fwd);
         }
         let grad_owner = if plan.feeds_next(i) { graph_of(i + 1, Pass::Backward) } else { None };
         for (k, d) in recorded.grad_outputs[i].iter().enumerate() {
@@ -115,7 +116,7 @@ fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded
         }
         for (k, d) in recorded.grad_inputs[i].iter().enumerate() {
             if let Some(d) = d {
-                add(format!("{name} gradient of input {k}"), d, bwd);
+                add(format!("{name} gradient of input {k}"), d.tensor(), bwd);
             }
         }
         for p in plan.callables[i].parameters_dyn() {

@@ -1,9 +1,10 @@
 //! Where a replay runs and how the caller resumes (replay contract R1–R4, R6, R8), the tail
 //! handle, and outputs that know when a later replay overwrote them.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use super::error::refusal;
+use super::output::StaticOutput;
 use super::GraphedErrorKind;
 use crate::device::{Event, GraphId, Stream};
 use crate::memory::{CachingAllocator, GraphPool};
@@ -248,11 +249,17 @@ pub(crate) struct Origin {
 
 /// An output or input gradient of a graphed call: a view of a static buffer in the graph pool.
 /// The next replay of any graph of the pool that writes that memory (its own graph, or another
-/// whose internals reuse it) overwrites it, and the tensor then refuses to be read instead of
-/// giving stale data; copy it with [`to_owned`](StaticTensor::to_owned) to keep it.
+/// whose internals reuse it, as the next layer's graphs do with an output shared under a
+/// schedule) overwrites it, and the tensor then refuses to be read instead of giving stale data;
+/// copy it with [`to_owned`](StaticTensor::to_owned) to keep it. A tensor taken out of it
+/// ([`get`](StaticTensor::get)) is a plain handle that nothing checks: read it before the next
+/// replay.
 #[derive(Clone)]
 pub struct StaticTensor {
     tensor: Tensor,
+    /// For memory that the pool shares with later graphs, which the callable does not own: alive
+    /// while the callable's static state is (Note [Shared static outputs]).
+    lent: Option<Weak<()>>,
     pool: GraphPool,
     /// The graphs that write its memory, and their launch counts when it was made.
     writers: Arc<[GraphId]>,
@@ -264,11 +271,12 @@ pub struct StaticTensor {
 }
 
 impl StaticTensor {
-    pub(crate) fn new(tensor: &Tensor, pool: &GraphPool, origin: &Origin) -> StaticTensor {
+    pub(crate) fn new(output: &StaticOutput, pool: &GraphPool, origin: &Origin) -> StaticTensor {
         let made_at = pool.launch_counts(&origin.writers);
         let (pool, writers) = (pool.clone(), origin.writers.clone());
         let (callable, what) = (origin.callable.clone(), origin.what.clone());
-        StaticTensor { tensor: tensor.clone(), pool, writers, made_at, callable, what }
+        let (tensor, lent) = (output.tensor().clone(), output.lent());
+        StaticTensor { tensor, lent, pool, writers, made_at, callable, what }
     }
 
     /// The first writer launched since this tensor was made, with its launch count then and now.
@@ -281,23 +289,35 @@ impl StaticTensor {
             .map(|(g, (a, b))| (*g, *a, b))
     }
 
+    /// Whether it is memory shared with later graphs of the pool whose callable was released.
+    fn released(&self) -> bool {
+        self.lent.as_ref().is_some_and(|l| l.strong_count() == 0)
+    }
+
     /// The tensor, if no later replay has overwritten it.
     ///
     /// # Errors
-    /// [`GraphedErrorKind::StaleOutput`] after a later replay of a graph that writes its memory.
+    /// [`GraphedErrorKind::StaleOutput`] after a later replay of a graph that writes its memory;
+    /// [`GraphedErrorKind::OutputReleased`] for memory shared with the pool's later graphs once
+    /// its callable was released.
     pub fn get(&self) -> Result<&Tensor> {
+        let err = |kind| Err(Error::Graphed { callable: self.callable.to_string(), kind });
+        if self.released() {
+            return err(GraphedErrorKind::OutputReleased { what: self.what.to_string() });
+        }
         match self.overwritten() {
             None => Ok(&self.tensor),
-            Some((graph, made_by, now)) => Err(Error::Graphed {
-                callable: self.callable.to_string(),
-                kind: GraphedErrorKind::StaleOutput { what: self.what.to_string(), graph, made_by, now },
-            }),
+            Some((graph, made_by, now)) => {
+                let (what, graph_name) = (self.what.to_string(), self.pool.graph_name(graph));
+                err(GraphedErrorKind::StaleOutput { what, graph, graph_name, made_by, now })
+            }
         }
     }
 
-    /// Whether no later replay has overwritten it.
+    /// Whether no later replay has overwritten it (and its memory is still its callable's to
+    /// read).
     pub fn is_fresh(&self) -> bool {
-        self.overwritten().is_none()
+        !self.released() && self.overwritten().is_none()
     }
 
     /// A copy in fresh memory from `alloc`, made on `stream` (after the replay, on the caller's

@@ -245,6 +245,15 @@ impl Tensor {
         })
     }
 
+    /// The same view through a handle that does not own the memory
+    /// ([`DeviceBuffer::alias`]): the memory goes back to its allocator when the last owning
+    /// handle drops, whatever aliases remain. For a graph pool's shared static outputs, whose
+    /// holders check that the pool did not give the memory to another use before they read it.
+    pub(crate) fn alias(&self) -> Result<Tensor> {
+        let buf: Arc<dyn Any + Send + Sync> = with_dtype!(self.dtype, T => Arc::new(self.buffer::<T>("Tensor::alias")?.alias()));
+        Ok(Tensor { buf, ..self.clone() })
+    }
+
     /// The same elements with another shape (contiguous tensors only).
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         if shape.iter().product::<usize>() != self.numel() {
