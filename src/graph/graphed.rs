@@ -522,7 +522,11 @@ impl GraphedCallable {
             input_shapes: state.inputs.iter().map(|s| s.input.tensor.shape().to_vec()).collect(),
             output_shapes: state.outputs.iter().map(|y| y.tensor().shape().to_vec()).collect(),
             shared_outputs: state.outputs.iter().map(StaticOutput::is_shared).collect(),
-            shared_grad_inputs: state.grad_inputs.iter().map(|d| d.as_ref().is_some_and(StaticOutput::is_shared)).collect(),
+            shared_grad_inputs: state
+                .grad_inputs
+                .iter()
+                .map(|d| d.as_ref().is_some_and(StaticOutput::is_shared))
+                .collect(),
             static_bytes: bytes(&mut state.inputs.iter().filter(|s| !s.chained).map(|s| &s.input.tensor))
                 + bytes(&mut state.grad_outputs.iter()),
         })

@@ -250,7 +250,8 @@ impl Tensor {
     /// handle drops, whatever aliases remain. For a graph pool's shared static outputs, whose
     /// holders check that the pool did not give the memory to another use before they read it.
     pub(crate) fn alias(&self) -> Result<Tensor> {
-        let buf: Arc<dyn Any + Send + Sync> = with_dtype!(self.dtype, T => Arc::new(self.buffer::<T>("Tensor::alias")?.alias()));
+        let buf: Arc<dyn Any + Send + Sync> =
+            with_dtype!(self.dtype, T => Arc::new(self.buffer::<T>("Tensor::alias")?.alias()));
         Ok(Tensor { buf, ..self.clone() })
     }
 

@@ -55,9 +55,8 @@ impl Chain {
 /// microbatch's loss and input gradient.
 fn step(model: &Model, g: &GraphedSchedule, step: u64) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
     let m = g.schedule().microbatches();
-    let inputs = (0..m)
-        .map(|j| Ok(model.data(10 * step + j as u64)?.0.reshape(&ROWS)?))
-        .collect::<Result<Vec<Tensor>>>()?;
+    let inputs =
+        (0..m).map(|j| Ok(model.data(10 * step + j as u64)?.0.reshape(&ROWS)?)).collect::<Result<Vec<Tensor>>>()?;
     let mut losses = vec![0.0; m];
     let mut head = |j: usize, y: StaticTensor| -> graphed::Result<Tensor> {
         let y = y.get()?.to_f32_vec(&model.s)?;
@@ -200,7 +199,9 @@ pub fn stale_reads_of_shared_outputs_are_refused(dev: &Device) -> Result {
         // The next graph of the pool's order: layer 1's forward, whose output takes that memory.
         let (_, _tail) = c[1].forward(&model.s, &Inputs::one(y[0].get()?), Replay::caller())?;
         let text = match y[0].get() {
-            Err(e) if e.graphed_kind().is_some_and(|k| matches!(k, GraphedErrorKind::StaleOutput { .. })) => e.to_string(),
+            Err(e) if e.graphed_kind().is_some_and(|k| matches!(k, GraphedErrorKind::StaleOutput { .. })) => {
+                e.to_string()
+            }
             other => anyhow::bail!("order check {guarded}: expected StaleOutput, got {:?}", other.map(|_| ())),
         };
         ensure!(text.contains(&format!("{} Forward", c[1].name())), "names the graph that overwrote it: {text}");
