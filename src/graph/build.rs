@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use super::graphed::{Captured, GraphedCallable, Pass, Shared, Slot, StaticState};
 use super::options::GraphOptions;
+use super::output::StaticOutput;
 use super::plan::Plan;
 use super::record::Recorded;
 use super::replay::{Origin, Route};
@@ -42,15 +43,18 @@ pub(crate) fn build(
         let slots = inputs.iter().map(|x| Slot { input: x.clone(), chained: fed }).collect();
         let name = &plan.names[i];
         let callable: Arc<str> = name.as_str().into();
-        let origin = |what: String, t: Option<&Tensor>| Origin {
+        // Every graph of the pool so far: a later capture into the pool may be given what is
+        // shared, and no checker summary of this capture names it.
+        let known: Arc<[GraphId]> = pool.order().into();
+        let origin = |what: String, t: Option<&StaticOutput>| Origin {
             callable: callable.clone(),
             what: what.into(),
-            writers: t.map_or_else(|| Arc::from([]), |t| writers_of(pool, t)),
+            writers: t.map_or_else(|| Arc::from([]), |t| writers_of(pool, t.tensor())),
+            known: t.filter(|t| t.is_shared()).map(|_| known.clone()),
         };
-        let output_origins =
-            outputs.iter().enumerate().map(|(k, y)| origin(format!("output {k}"), Some(y.tensor()))).collect();
+        let output_origins = outputs.iter().enumerate().map(|(k, y)| origin(format!("output {k}"), Some(y))).collect();
         let grad_origins = (dxs.iter().zip(inputs.iter()).enumerate())
-            .map(|(k, (d, x))| origin(format!("gradient of {}", x.label(k)), d.as_ref().map(|d| d.tensor())))
+            .map(|(k, (d, x))| origin(format!("gradient of {}", x.label(k)), d.as_ref()))
             .collect();
         out.push(GraphedCallable {
             name: callable.clone(),

@@ -21,7 +21,9 @@
 //! every graph that writes an output's memory (computed from the checker's summary of each
 //! capture), so a read after such a graph is refused (`StaleOutput`, naming that graph) rather
 //! than silently reading the later graph's data, and the pool refuses a replay out of its order
-//! (`PoolOrder`). The callable owns nothing of a shared output: releasing its static state drops
+//! (`PoolOrder`). A shared output's memory may also be free when the capture ends, and a later
+//! capture into the same pool may be given it, which no summary of this capture shows: for a
+//! shared output, every graph captured into the pool afterwards counts as a writer too. The callable owns nothing of a shared output: releasing its static state drops
 //! the handle and frees nothing, the pool keeps the memory (its blocks go back to the device when
 //! no graph of the pool can run and the pool is trimmed), and a `StaticTensor` made from it then
 //! refuses to be read (`OutputReleased`), since the memory may serve another capture.

@@ -245,6 +245,10 @@ pub(crate) struct Origin {
     /// Which of its outputs it is ("output 0", "gradient of input 0").
     pub(crate) what: Arc<str>,
     pub(crate) writers: Arc<[GraphId]>,
+    /// For memory shared with the pool's later graphs, the graphs of the pool when `writers`
+    /// was computed: any graph captured into the pool after them may have been given the memory,
+    /// so it counts as a writer too.
+    pub(crate) known: Option<Arc<[GraphId]>>,
 }
 
 /// An output or input gradient of a graphed call: a view of a static buffer in the graph pool.
@@ -264,6 +268,10 @@ pub struct StaticTensor {
     /// The graphs that write its memory, and their launch counts when it was made.
     writers: Arc<[GraphId]>,
     made_at: Vec<u64>,
+    /// For shared memory, the graphs of the pool when its writers were computed: the others
+    /// (captured into the pool later, and not among `writers`) count as writers never launched
+    /// when it was made.
+    known: Option<Arc<[GraphId]>>,
     /// The callable that returned it.
     callable: Arc<str>,
     /// Which of its outputs it is.
@@ -272,21 +280,34 @@ pub struct StaticTensor {
 
 impl StaticTensor {
     pub(crate) fn new(output: &StaticOutput, pool: &GraphPool, origin: &Origin) -> StaticTensor {
-        let made_at = pool.launch_counts(&origin.writers);
-        let (pool, writers) = (pool.clone(), origin.writers.clone());
+        let mut writers = origin.writers.clone();
+        if let Some(known) = &origin.known {
+            // Graphs captured into the pool since its writers were computed: writers too.
+            let later: Vec<GraphId> = pool.order().into_iter().filter(|g| !known.contains(g)).collect();
+            if !later.is_empty() {
+                writers = writers.iter().copied().chain(later.into_iter().filter(|g| !writers.contains(g))).collect();
+            }
+        }
+        let made_at = pool.launch_counts(&writers);
         let (callable, what) = (origin.callable.clone(), origin.what.clone());
-        let (tensor, lent) = (output.tensor().clone(), output.lent());
-        StaticTensor { tensor, lent, pool, writers, made_at, callable, what }
+        let (tensor, lent, known) = (output.tensor().clone(), output.lent(), origin.known.clone());
+        StaticTensor { tensor, lent, pool: pool.clone(), writers, made_at, known, callable, what }
     }
 
-    /// The first writer launched since this tensor was made, with its launch count then and now.
+    /// The first writer launched since this tensor was made, with its launch count then and now;
+    /// for shared memory, else the first graph captured into the pool since that was launched.
     fn overwritten(&self) -> Option<(GraphId, u64, u64)> {
         let now = self.pool.launch_counts(&self.writers);
-        self.writers
-            .iter()
-            .zip(self.made_at.iter().zip(now))
+        let known_writer = (self.writers.iter().zip(self.made_at.iter().zip(now)))
             .find(|(_, (a, b))| **a != *b)
-            .map(|(g, (a, b))| (*g, *a, b))
+            .map(|(g, (a, b))| (*g, *a, b));
+        let Some(known) = &self.known else { return known_writer };
+        known_writer.or_else(|| {
+            let later: Vec<GraphId> =
+                self.pool.order().into_iter().filter(|g| !known.contains(g) && !self.writers.contains(g)).collect();
+            let counts = self.pool.launch_counts(&later);
+            later.into_iter().zip(counts).find(|(_, n)| *n > 0).map(|(g, n)| (g, 0, n))
+        })
     }
 
     /// Whether it is memory shared with later graphs of the pool whose callable was released.

@@ -74,6 +74,7 @@ per_device!(
     shared_outputs_lower_the_pool_peak_by_their_bytes,
     shared_outputs_change_no_result,
     stale_reads_of_shared_outputs_are_refused,
+    later_captures_into_the_pool_count_as_writers_of_shared_outputs,
     chunk_handler_runs_once_per_chunk_in_schedule_order,
     ranges_name_every_pass_of_a_graphed_step,
     scheduled_replay_ranges_name_the_microbatch,

@@ -4,16 +4,20 @@
 //! refused, naming the graph that overwrote them.
 
 use anyhow::ensure;
-use graphed::device::{DType, Device};
+use graphed::device::{AccessMode, DType, Device, Stream};
 use graphed::graph::{
-    make_graphed_schedule, Callable, GraphOptions, GraphedErrorKind, GraphedSchedule, Replay, StaticTensor,
+    make_graphed_callables, make_graphed_schedule, Callable, GraphOptions, GraphedErrorKind, GraphedSchedule, Replay,
+    StaticTensor,
 };
-use graphed::nn::{Builder, Inputs, Linear, ParamStore, Schedule};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{Builder, Inputs, Linear, Module, Param, ParamStore, SaveHook, Schedule};
+use graphed::ops::cast::residual_add;
+use graphed::ops::elementwise;
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 
 use super::api::expect_kind;
-use super::fixtures::{Model, Result, SHAPE};
+use super::fixtures::{lcg, Model, Result, SHAPE};
 
 /// The chain's activations: the fixture's data as rows of its width.
 const ROWS: [usize; 2] = [SHAPE[0] * SHAPE[1], SHAPE[2]];
@@ -215,5 +219,86 @@ pub fn stale_reads_of_shared_outputs_are_refused(dev: &Device) -> Result {
             ensure!(last[0].get()?.to_f32_vec(&model.s)? == want, "an owned output keeps its values after release");
         }
     }
+    Ok(())
+}
+
+/// Flat tensors of `2 · HALF` or `HALF` elements: `y = 2 · x[..HALF]` when `halves`, else
+/// `y = (2 · x, 2 · x)`. Halving keeps one more tensor of `HALF` elements for its backward,
+/// allocated after its output, so that the output's memory, once shared, is not at the pool's
+/// free end: the layers' sizes then leave it free when the capture ends.
+struct Halve {
+    alloc: CachingAllocator,
+    halves: bool,
+}
+
+/// Elements of a [`Halve`]'s narrow side.
+const HALF: usize = 256;
+
+impl Module for Halve {
+    type Ctx = Option<Tensor>;
+
+    fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor>, Self::Ctx)> {
+        let x = &inputs.iter().next().expect("one input").tensor;
+        if self.halves {
+            let y = Tensor::uninit(&self.alloc, s, &[HALF], DType::F32)?;
+            elementwise::scale(y.view::<f32>()?, x.narrow(0, 0, HALF)?.view::<f32>()?, 2.0, s)?;
+            let kept = Tensor::zeros(&self.alloc, s, &[HALF], DType::F32)?;
+            return Ok((vec![y], Some(kept)));
+        }
+        let y = Tensor::uninit(&self.alloc, s, &[2 * HALF], DType::F32)?;
+        for k in 0..2 {
+            elementwise::scale(y.narrow(0, k * HALF, HALF)?.view::<f32>()?, x.view::<f32>()?, 2.0, s)?;
+        }
+        Ok((vec![y], None))
+    }
+
+    fn backward(&self, _kept: Self::Ctx, dys: &[&Tensor], s: &Stream) -> graphed::Result<Vec<Option<Tensor>>> {
+        let dy = dys[0];
+        if self.halves {
+            let dx = Tensor::zeros(&self.alloc, s, &[2 * HALF], DType::F32)?;
+            elementwise::scale(dx.narrow(0, 0, HALF)?.view::<f32>()?, dy.view::<f32>()?, 2.0, s)?;
+            return Ok(vec![Some(dx)]);
+        }
+        let dx = Tensor::uninit(&self.alloc, s, &[HALF], DType::F32)?;
+        residual_add(&dx, &dy.narrow(0, 0, HALF)?, &dy.narrow(0, HALF, HALF)?, s)?;
+        Ok(vec![Some(dx)])
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        Vec::new()
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}
+
+/// A graph captured into the pool after the schedule may be given the memory of a shared output
+/// that the schedule's graphs left free: it counts as a writer, so a read after its replay is
+/// refused (`StaleOutput`, naming it) even though no checker summary of the schedule's capture
+/// names it.
+pub fn later_captures_into_the_pool_count_as_writers_of_shared_outputs(dev: &Device) -> Result {
+    let model = Model::new(dev)?;
+    let halve = |halves| Halve { alloc: model.alloc.clone(), halves };
+    let layers = [halve(true), halve(false)];
+    let callables: Vec<&dyn Callable> = layers.iter().map(|l| l as &dyn Callable).collect();
+    let x = Tensor::from_f32(&model.alloc, &model.s, &lcg(2 * HALF, 3), &[2 * HALF], DType::F32)?;
+    let h = Tensor::zeros(&model.alloc, &model.s, &[HALF], DType::F32)?;
+    let schedule = Schedule::all_forward_then_backward(1, 1)?;
+    let options = GraphOptions::default().reuse_buffers(true);
+    let g = make_graphed_schedule(&model.alloc, &callables, &schedule, &[Inputs::one(&x), Inputs::one(&h)], options)?;
+    let pool = g.callables()[0].pool().clone();
+    let later = halve(true);
+    let options = GraphOptions::default().pool(&pool);
+    let later = make_graphed_callables(&model.alloc, &[&later as &dyn Callable], &[Inputs::one(&x)], options)?;
+    pool.disable_order_check();
+    let (y, _tail) = g.callables()[0].forward(&model.s, &Inputs::one(&x), Replay::caller())?;
+    let place = |t: &Tensor| t.access(AccessMode::Read).map(|a| (a.memory, a.at));
+    let shared_at = place(y[0].get()?)?;
+    let (z, _tail) = later[0].forward(&model.s, &Inputs::one(&x), Replay::caller())?;
+    ensure!(place(z[0].get()?)? == shared_at, "the later capture was given the shared output's memory");
+    let text = match y[0].get() {
+        Err(e) if e.graphed_kind().is_some_and(|k| matches!(k, GraphedErrorKind::StaleOutput { .. })) => e.to_string(),
+        other => anyhow::bail!("expected StaleOutput, got {:?}", other.map(|_| ())),
+    };
+    ensure!(text.contains(&format!("{} Forward", later[0].name())), "names the later graph: {text}");
     Ok(())
 }
