@@ -126,6 +126,13 @@ impl Block {
     fn release_on_handle_drop(&self) -> bool {
         self.owner.as_ref().is_some_and(|o| o.release_on_handle_drop())
     }
+
+    /// The same memory (same identity, so accesses through it are the block's own) owned by
+    /// nobody: dropping it gives nothing back. Its holder must know from elsewhere when the
+    /// memory is someone else's (a graph pool's shared static outputs).
+    fn alias(&self) -> Block {
+        Block::new(self.raw.clone(), self.base, Some(self.bytes), self.id, None)
+    }
 }
 
 impl Drop for Block {
@@ -290,6 +297,13 @@ buffer_common!(DeviceBuffer, View);
 buffer_common!(PinnedBuffer, HostView);
 
 impl<T: Elem> DeviceBuffer<T> {
+    /// A handle to the same memory that does not own it: dropping it never gives the block back
+    /// to its allocator, and holding it does not keep the block from going back when this
+    /// buffer is dropped. For static outputs that a graph pool shares between its graphs.
+    pub(crate) fn alias(&self) -> DeviceBuffer<T> {
+        DeviceBuffer { block: Arc::new(self.block.alias()), len: self.len, _t: PhantomData }
+    }
+
     /// A strided view: `dims` are `(count, stride)` pairs in elements, outermost first, at most
     /// three. Returns `None` for more than three dimensions; bounds are checked when it is used.
     pub fn strided(&self, offset: usize, dims: &[(usize, usize)]) -> Option<View<'_, T>> {

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use super::graphed::{Captured, GraphedCallable, Pass, Shared, Slot, StaticState};
 use super::options::GraphOptions;
+use super::output::StaticOutput;
 use super::plan::Plan;
 use super::record::Recorded;
 use super::replay::{Origin, Route};
@@ -42,10 +43,14 @@ pub(crate) fn build(
         let slots = inputs.iter().map(|x| Slot { input: x.clone(), chained: fed }).collect();
         let name = &plan.names[i];
         let callable: Arc<str> = name.as_str().into();
-        let origin = |what: String, t: Option<&Tensor>| Origin {
+        // Every graph of the pool so far: a later capture into the pool may be given what is
+        // shared, and no checker summary of this capture names it.
+        let known: Arc<[GraphId]> = pool.order().into();
+        let origin = |what: String, t: Option<&StaticOutput>| Origin {
             callable: callable.clone(),
             what: what.into(),
-            writers: t.map_or_else(|| Arc::from([]), |t| writers_of(pool, t)),
+            writers: t.map_or_else(|| Arc::from([]), |t| writers_of(pool, t.tensor())),
+            known: t.filter(|t| t.is_shared()).map(|_| known.clone()),
         };
         let output_origins = outputs.iter().enumerate().map(|(k, y)| origin(format!("output {k}"), Some(y))).collect();
         let grad_origins = (dxs.iter().zip(inputs.iter()).enumerate())
@@ -107,7 +112,7 @@ fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded
             add(format!("{name} {}", x.label(k)), &x.tensor, input_owner);
         }
         for (k, y) in recorded.outputs[i].iter().enumerate() {
-            add(format!("{name} output {k}"), y, fwd);
+            add(format!("{name} output {k}"), y.tensor(), fwd);
         }
         let grad_owner = if plan.feeds_next(i) { graph_of(i + 1, Pass::Backward) } else { None };
         for (k, d) in recorded.grad_outputs[i].iter().enumerate() {
@@ -115,7 +120,7 @@ fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded
         }
         for (k, d) in recorded.grad_inputs[i].iter().enumerate() {
             if let Some(d) = d {
-                add(format!("{name} gradient of input {k}"), d, bwd);
+                add(format!("{name} gradient of input {k}"), d.tensor(), bwd);
             }
         }
         for p in plan.callables[i].parameters_dyn() {

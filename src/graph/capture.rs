@@ -113,7 +113,7 @@ pub fn make_graphed_callables(
         }
         first += n;
     }
-    let mut layout = Layout { schedule, layers, grad_sets: None };
+    let mut layout = Layout { schedule, layers, grad_sets: None, share_outputs: false };
     let mut input_sets = None;
     if options.reuse_buffers && options.mode == Mode::Training {
         // Inputs are keyed by their names, shapes and types, so that any layers may share.
@@ -123,6 +123,7 @@ pub fn make_graphed_callables(
         let (inputs, grads) = layout.sharing(signature);
         input_sets = Some(inputs);
         layout.grad_sets = Some(grads);
+        layout.share_outputs = true;
     }
     let samples = samples.iter().cloned().map(Some).collect();
     capture(alloc, &instances, names, samples, input_sets.as_deref(), options, Some(layout))

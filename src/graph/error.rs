@@ -194,17 +194,30 @@ pub enum GraphedErrorKind {
     SideIsCaller,
     /// An output (or input gradient) was read after a later replay overwrote its static buffer.
     #[error(
-        "{what} was overwritten by launch {now} of graph {graph} (it was returned after launch {made_by}); copy it (StaticTensor::to_owned) before replaying further"
+        "{what} was overwritten by launch {now} of graph {}{} (it was returned after launch {made_by}); copy it (StaticTensor::to_owned) before replaying further",
+        graph, graph_name.as_ref().map_or_else(String::new, |n| format!(" ({n})"))
     )]
     StaleOutput {
         /// Which one ("output 0", "gradient of input 0"), of the callable the error names.
         what: String,
         /// The graph whose replay overwrote it.
         graph: GraphId,
+        /// That graph's name in its pool (module, microbatch and pass), if it has one.
+        graph_name: Option<String>,
         /// That graph's launches when the tensor was returned.
         made_by: u64,
         /// Its launches now.
         now: u64,
+    },
+    /// A [`StaticTensor`](super::StaticTensor) read after its callable was released, when its
+    /// memory is shared with the pool's later graphs (under a schedule with buffer reuse): the
+    /// callable did not own it, so the pool may use it for other captures now.
+    #[error(
+        "{what} is memory its graph pool shares with later graphs, and its callable was released; copy it (StaticTensor::to_owned) before releasing"
+    )]
+    OutputReleased {
+        /// Which one ("output 0", "gradient of input 0"), of the callable the error names.
+        what: String,
     },
     /// The callable's static state was released
     /// ([`GraphedCallable::release_static_state`](super::GraphedCallable::release_static_state),

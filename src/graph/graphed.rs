@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::error::refusal;
+use super::output::StaticOutput;
 use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
 use crate::check::Checker;
@@ -88,14 +89,15 @@ pub struct GraphedCallable {
 
 /// What a graphed callable holds for its replays, and gives back in
 /// [`release_static_state`](GraphedCallable::release_static_state): its graphs and executables,
-/// the static buffers they replay over (outputs and input gradients in the graph pool, static
-/// inputs and output gradients in the cache), and the save hook they baked in.
+/// the static buffers they replay over (outputs and input gradients in the graph pool, owned or
+/// shared with the pool's later graphs (Note [Shared static outputs]); static inputs and output
+/// gradients in the cache), and the save hook they baked in.
 pub(crate) struct StaticState {
     pub(crate) graphs: Vec<Captured>,
     pub(crate) inputs: Vec<Slot>,
-    pub(crate) outputs: Vec<Tensor>,
+    pub(crate) outputs: Vec<StaticOutput>,
     pub(crate) grad_outputs: Vec<Tensor>,
-    pub(crate) grad_inputs: Vec<Option<Tensor>>,
+    pub(crate) grad_inputs: Vec<Option<StaticOutput>>,
     /// Per output, and per input gradient, what it is and the graphs that write its memory.
     pub(crate) output_origins: Vec<Origin>,
     pub(crate) grad_origins: Vec<Origin>,
@@ -362,14 +364,14 @@ impl GraphedCallable {
     /// The outputs of the last forward replay.
     pub(crate) fn static_outputs(&self) -> Result<Vec<StaticTensor>> {
         let state = self.state()?;
-        Ok(state.outputs.iter().zip(&state.output_origins).map(|(t, o)| StaticTensor::new(t, &self.pool, o)).collect())
+        Ok(state.outputs.iter().zip(&state.output_origins).map(|(y, o)| StaticTensor::new(y, &self.pool, o)).collect())
     }
 
     /// The input gradients of the last backward replay.
     pub(crate) fn static_grad_inputs(&self) -> Result<Vec<Option<StaticTensor>>> {
         let state = self.state()?;
         Ok((state.grad_inputs.iter().zip(&state.grad_origins))
-            .map(|(g, o)| g.as_ref().map(|t| StaticTensor::new(t, &self.pool, o)))
+            .map(|(g, o)| g.as_ref().map(|d| StaticTensor::new(d, &self.pool, o)))
             .collect())
     }
 
@@ -518,7 +520,13 @@ impl GraphedCallable {
             name: self.name.to_string(),
             graphs,
             input_shapes: state.inputs.iter().map(|s| s.input.tensor.shape().to_vec()).collect(),
-            output_shapes: state.outputs.iter().map(|t| t.shape().to_vec()).collect(),
+            output_shapes: state.outputs.iter().map(|y| y.tensor().shape().to_vec()).collect(),
+            shared_outputs: state.outputs.iter().map(StaticOutput::is_shared).collect(),
+            shared_grad_inputs: state
+                .grad_inputs
+                .iter()
+                .map(|d| d.as_ref().is_some_and(StaticOutput::is_shared))
+                .collect(),
             static_bytes: bytes(&mut state.inputs.iter().filter(|s| !s.chained).map(|s| &s.input.tensor))
                 + bytes(&mut state.grad_outputs.iter()),
         })
@@ -625,6 +633,13 @@ pub struct CallableReport {
     pub input_shapes: Vec<Vec<usize>>,
     /// Shapes of the static outputs.
     pub output_shapes: Vec<Vec<usize>>,
+    /// Per output, whether its memory is shared with the pool's later graphs (under a schedule
+    /// with buffer reuse, an output read only by the next layer of its chunk), not the
+    /// callable's own.
+    pub shared_outputs: Vec<bool>,
+    /// Per input, whether its gradient's memory is shared with the pool's later graphs (an
+    /// input gradient read only by the previous layer of its chunk); `false` for no gradient.
+    pub shared_grad_inputs: Vec<bool>,
     /// Bytes of static buffers outside the pool (inputs not chained, output gradients).
     pub static_bytes: usize,
 }

@@ -33,6 +33,7 @@ mod grad_sync;
 mod graphed;
 mod graphed_fn;
 mod options;
+mod output;
 mod plan;
 mod probe;
 mod record;

@@ -225,7 +225,13 @@ impl GraphOptions {
     /// buffers where the schedule never uses them at once (TransformerEngine's
     /// `_reuse_graph_input_output_buffers`): a callable's inputs are in use from its forward to
     /// its backward (or split weight-gradient pass), its output gradients from its backward to
-    /// that pass. The caller then must replay in the schedule's order, which the pool enforces.
+    /// that pass. Outputs that only the next layer of their chunk reads, and input gradients
+    /// that only the previous layer of their chunk reads, go back to the pool once the capture
+    /// reaches that reader, so that the graphs captured after it reuse their memory (Note
+    /// [Shared static outputs] in `graph/output.rs`); what crosses a chunk stays the callable's.
+    /// The caller then must replay in the schedule's order, which the pool enforces, and read an
+    /// output before the next graph replays, which its [`StaticTensor`](super::StaticTensor)
+    /// enforces.
     pub fn reuse_buffers(mut self, yes: bool) -> GraphOptions {
         self.reuse_buffers = yes;
         self

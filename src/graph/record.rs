@@ -7,6 +7,7 @@ use super::callable::Saved;
 use super::grad_sync::CallableGrads;
 use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
+use super::output::StaticOutput;
 use super::plan::Plan;
 use crate::memory::{GraphPool, PoolGraph};
 use crate::nn::{backward_pass, forward_pass, GradHook, Inputs, NoGradHook, Schedule, Step, Traverse};
@@ -20,12 +21,12 @@ pub(crate) struct Recorded {
     pub(crate) graphs: Vec<Vec<(Pass, PoolGraph)>>,
     /// The inputs its forward was captured with (static buffers, or the previous outputs).
     pub(crate) inputs: Vec<Inputs>,
-    pub(crate) outputs: Vec<Vec<Tensor>>,
+    pub(crate) outputs: Vec<Vec<StaticOutput>>,
     /// Its output gradients: static buffers outside the pool, or the next callable's input
     /// gradients when it feeds that callable.
     pub(crate) grad_outputs: Vec<Vec<Tensor>>,
     /// Its input gradients (`None` for constant or unused inputs).
-    pub(crate) grad_inputs: Vec<Vec<Option<Tensor>>>,
+    pub(crate) grad_inputs: Vec<Vec<Option<StaticOutput>>>,
 }
 
 /// Where each callable of a scheduled capture sits: callable `instance(k, j, l)` is layer `l`
@@ -35,6 +36,9 @@ pub(crate) struct Layout {
     pub(crate) layers: Vec<usize>,
     /// With buffer reuse, per callable, the set of static output gradients it shares.
     pub(crate) grad_sets: Option<Vec<usize>>,
+    /// With buffer reuse, whether outputs and input gradients read only inside their chunk are
+    /// shared with later graphs of the pool (Note [Shared static outputs]).
+    pub(crate) share_outputs: bool,
 }
 
 impl Layout {
@@ -122,9 +126,9 @@ pub(crate) fn record(
     let recorded = Recorded {
         graphs: (0..n).map(|_| Vec::new()).collect(),
         inputs: Vec::with_capacity(n),
-        outputs: vec![Vec::new(); n],
+        outputs: (0..n).map(|_| Vec::new()).collect(),
         grad_outputs: vec![Vec::new(); n],
-        grad_inputs: vec![Vec::new(); n],
+        grad_inputs: (0..n).map(|_| Vec::new()).collect(),
     };
     let grad_sets = layout.and_then(|l| l.grad_sets.clone());
     let mut pass = Record {
@@ -278,12 +282,25 @@ impl Record<'_, '_> {
 
     /// Every step of the schedule, each chunk's layers in order (forward) or in reverse; split
     /// weight gradients in the weight-gradient steps, which the capture's checks made sure
-    /// their chunks have.
+    /// their chunks have. With shared outputs, the output (input gradient) that the step's
+    /// previous layer handed to this one goes back to the pool before this one's graph is
+    /// captured (Note [Shared static outputs]).
     fn scheduled(&mut self, layout: &Layout) -> Result<()> {
         let n = self.plan.len();
         let mut saved: Vec<Option<Saved>> = (0..n).map(|_| None).collect();
-        for v in layout.schedule.visits(&layout.layers) {
+        let (schedule, layers) = (&layout.schedule, &layout.layers[..]);
+        for v in schedule.visits(layers) {
             let i = v.instance;
+            // The pass before in this step: the chunk's previous layer (forward) or next one
+            // (backward), whose output this pass's replay copies in just before its graph.
+            let handed_by = match v.step {
+                Step::Forward(_) => v.in_chunk.checked_sub(1).map(|_| v.layer - 1),
+                Step::Backward(k) => (v.in_chunk + 1 < layers[k]).then_some(v.layer + 1),
+                Step::WeightGrad(_) => None,
+            };
+            if let Some(layer) = handed_by.filter(|_| layout.share_outputs) {
+                self.share(schedule.instance(layers, layer, v.microbatch), v.step)?;
+            }
             match v.step {
                 Step::Forward(_) => saved[i] = Some(self.forward(i, Vec::new())?.1),
                 Step::Backward(_) => {
@@ -292,6 +309,21 @@ impl Record<'_, '_> {
                 }
                 Step::WeightGrad(_) => self.weight_grad(i)?,
             }
+        }
+        Ok(())
+    }
+
+    /// Shares callable `i`'s outputs (before a forward `step`) or input gradients (before a
+    /// backward) with the graphs captured from now on.
+    fn share(&mut self, i: usize, step: Step) -> Result<()> {
+        let (alloc, pool) = (self.plan.alloc, &self.pools[i]);
+        if let Step::Forward(_) = step {
+            let outputs = std::mem::take(&mut self.recorded.outputs[i]);
+            self.recorded.outputs[i] = outputs.into_iter().map(|y| y.share(alloc, pool)).collect::<Result<_>>()?;
+        } else {
+            let grads = std::mem::take(&mut self.recorded.grad_inputs[i]);
+            self.recorded.grad_inputs[i] =
+                grads.into_iter().map(|d| d.map(|d| d.share(alloc, pool)).transpose()).collect::<Result<_>>()?;
         }
         Ok(())
     }
@@ -329,7 +361,7 @@ impl Traverse for Record<'_, '_> {
             }
         }
         self.inputs[i] = Some(inputs);
-        self.recorded.outputs[i] = outputs.clone();
+        self.recorded.outputs[i] = outputs.iter().cloned().map(StaticOutput::Owned).collect();
         Ok((outputs, saved))
     }
 
@@ -353,7 +385,7 @@ impl Traverse for Record<'_, '_> {
         let grads: Vec<Option<Tensor>> =
             grads.into_iter().zip(inputs.iter()).map(|(g, x)| g.filter(|_| x.differentiable)).collect();
         self.recorded.graphs[i].push((Pass::Backward, g));
-        self.recorded.grad_inputs[i] = grads.clone();
+        self.recorded.grad_inputs[i] = grads.iter().map(|d| d.clone().map(StaticOutput::Owned)).collect();
         self.recorded.grad_outputs[i] = dys;
         Ok(grads)
     }

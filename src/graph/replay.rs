@@ -1,9 +1,10 @@
 //! Where a replay runs and how the caller resumes (replay contract R1–R4, R6, R8), the tail
 //! handle, and outputs that know when a later replay overwrote them.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use super::error::refusal;
+use super::output::StaticOutput;
 use super::GraphedErrorKind;
 use crate::device::{Event, GraphId, Stream};
 use crate::memory::{CachingAllocator, GraphPool};
@@ -244,19 +245,33 @@ pub(crate) struct Origin {
     /// Which of its outputs it is ("output 0", "gradient of input 0").
     pub(crate) what: Arc<str>,
     pub(crate) writers: Arc<[GraphId]>,
+    /// For memory shared with the pool's later graphs, the graphs of the pool when `writers`
+    /// was computed: any graph captured into the pool after them may have been given the memory,
+    /// so it counts as a writer too.
+    pub(crate) known: Option<Arc<[GraphId]>>,
 }
 
 /// An output or input gradient of a graphed call: a view of a static buffer in the graph pool.
 /// The next replay of any graph of the pool that writes that memory (its own graph, or another
-/// whose internals reuse it) overwrites it, and the tensor then refuses to be read instead of
-/// giving stale data; copy it with [`to_owned`](StaticTensor::to_owned) to keep it.
+/// whose internals reuse it, as the next layer's graphs do with an output shared under a
+/// schedule) overwrites it, and the tensor then refuses to be read instead of giving stale data;
+/// copy it with [`to_owned`](StaticTensor::to_owned) to keep it. A tensor taken out of it
+/// ([`get`](StaticTensor::get)) is a plain handle that nothing checks: read it before the next
+/// replay.
 #[derive(Clone)]
 pub struct StaticTensor {
     tensor: Tensor,
+    /// For memory that the pool shares with later graphs, which the callable does not own: alive
+    /// while the callable's static state is (Note [Shared static outputs]).
+    lent: Option<Weak<()>>,
     pool: GraphPool,
     /// The graphs that write its memory, and their launch counts when it was made.
     writers: Arc<[GraphId]>,
     made_at: Vec<u64>,
+    /// For shared memory, the graphs of the pool when its writers were computed: the others
+    /// (captured into the pool later, and not among `writers`) count as writers never launched
+    /// when it was made.
+    known: Option<Arc<[GraphId]>>,
     /// The callable that returned it.
     callable: Arc<str>,
     /// Which of its outputs it is.
@@ -264,40 +279,66 @@ pub struct StaticTensor {
 }
 
 impl StaticTensor {
-    pub(crate) fn new(tensor: &Tensor, pool: &GraphPool, origin: &Origin) -> StaticTensor {
-        let made_at = pool.launch_counts(&origin.writers);
-        let (pool, writers) = (pool.clone(), origin.writers.clone());
+    pub(crate) fn new(output: &StaticOutput, pool: &GraphPool, origin: &Origin) -> StaticTensor {
+        let mut writers = origin.writers.clone();
+        if let Some(known) = &origin.known {
+            // Graphs captured into the pool since its writers were computed: writers too.
+            let later: Vec<GraphId> = pool.order().into_iter().filter(|g| !known.contains(g)).collect();
+            if !later.is_empty() {
+                writers = writers.iter().copied().chain(later.into_iter().filter(|g| !writers.contains(g))).collect();
+            }
+        }
+        let made_at = pool.launch_counts(&writers);
         let (callable, what) = (origin.callable.clone(), origin.what.clone());
-        StaticTensor { tensor: tensor.clone(), pool, writers, made_at, callable, what }
+        let (tensor, lent, known) = (output.tensor().clone(), output.lent(), origin.known.clone());
+        StaticTensor { tensor, lent, pool: pool.clone(), writers, made_at, known, callable, what }
     }
 
-    /// The first writer launched since this tensor was made, with its launch count then and now.
+    /// The first writer launched since this tensor was made, with its launch count then and now;
+    /// for shared memory, else the first graph captured into the pool since that was launched.
     fn overwritten(&self) -> Option<(GraphId, u64, u64)> {
         let now = self.pool.launch_counts(&self.writers);
-        self.writers
-            .iter()
-            .zip(self.made_at.iter().zip(now))
+        let known_writer = (self.writers.iter().zip(self.made_at.iter().zip(now)))
             .find(|(_, (a, b))| **a != *b)
-            .map(|(g, (a, b))| (*g, *a, b))
+            .map(|(g, (a, b))| (*g, *a, b));
+        let Some(known) = &self.known else { return known_writer };
+        known_writer.or_else(|| {
+            let later: Vec<GraphId> =
+                self.pool.order().into_iter().filter(|g| !known.contains(g) && !self.writers.contains(g)).collect();
+            let counts = self.pool.launch_counts(&later);
+            later.into_iter().zip(counts).find(|(_, n)| *n > 0).map(|(g, n)| (g, 0, n))
+        })
+    }
+
+    /// Whether it is memory shared with later graphs of the pool whose callable was released.
+    fn released(&self) -> bool {
+        self.lent.as_ref().is_some_and(|l| l.strong_count() == 0)
     }
 
     /// The tensor, if no later replay has overwritten it.
     ///
     /// # Errors
-    /// [`GraphedErrorKind::StaleOutput`] after a later replay of a graph that writes its memory.
+    /// [`GraphedErrorKind::StaleOutput`] after a later replay of a graph that writes its memory;
+    /// [`GraphedErrorKind::OutputReleased`] for memory shared with the pool's later graphs once
+    /// its callable was released.
     pub fn get(&self) -> Result<&Tensor> {
+        let err = |kind| Err(Error::Graphed { callable: self.callable.to_string(), kind });
+        if self.released() {
+            return err(GraphedErrorKind::OutputReleased { what: self.what.to_string() });
+        }
         match self.overwritten() {
             None => Ok(&self.tensor),
-            Some((graph, made_by, now)) => Err(Error::Graphed {
-                callable: self.callable.to_string(),
-                kind: GraphedErrorKind::StaleOutput { what: self.what.to_string(), graph, made_by, now },
-            }),
+            Some((graph, made_by, now)) => {
+                let (what, graph_name) = (self.what.to_string(), self.pool.graph_name(graph));
+                err(GraphedErrorKind::StaleOutput { what, graph, graph_name, made_by, now })
+            }
         }
     }
 
-    /// Whether no later replay has overwritten it.
+    /// Whether no later replay has overwritten it (and its memory is still its callable's to
+    /// read).
     pub fn is_fresh(&self) -> bool {
-        self.overwritten().is_none()
+        !self.released() && self.overwritten().is_none()
     }
 
     /// A copy in fresh memory from `alloc`, made on `stream` (after the replay, on the caller's

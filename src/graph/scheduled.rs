@@ -19,10 +19,14 @@ use crate::{Error, Result};
 /// capture order (R5) because the step walks the schedule it was captured with.
 ///
 /// Each pass hands on its static output (or input gradient) as a [`StaticTensor`]: the next pass
-/// copies it into its own static buffer (no graph of the pool writes a callable's outputs but its
-/// own), and what reaches the caller (the head's input, the step's input gradients) refuses to be
-/// read once the next step's replay overwrote it, as a stack's outputs do; copy it
-/// ([`StaticTensor::to_owned`]) to keep it.
+/// copies it into its own static buffer, and what reaches the caller (the head's input, the
+/// step's input gradients) refuses to be read once the next step's replay overwrote it, as a
+/// stack's outputs do; copy it ([`StaticTensor::to_owned`]) to keep it. Without buffer reuse no
+/// graph of the pool writes a callable's outputs but its own. With
+/// [`GraphOptions::reuse_buffers`], an output that only the next layer of its chunk reads (and an
+/// input gradient that only the previous layer reads) is memory the pool shares with the graphs
+/// captured after that read, so it is valid only until the next graph of the step: the pool's
+/// peak drops by those buffers (Note [Shared static outputs] in `graph/output.rs`).
 ///
 /// ```
 /// use graphed::device::Device;

@@ -238,6 +238,11 @@ impl GraphPool {
         self.alloc.with_pool(self.id, |p| p.names.insert(graph, name));
     }
 
+    /// The name given to `graph` ([`GraphPool::name_graph`]), if any.
+    pub fn graph_name(&self, graph: GraphId) -> Option<String> {
+        self.alloc.with_pool(self.id, |p| p.names.get(&graph).cloned()).flatten()
+    }
+
     /// How many times each of `graphs` was launched.
     pub(crate) fn launch_counts(&self, graphs: &[GraphId]) -> Vec<u64> {
         self.alloc

@@ -245,6 +245,16 @@ impl Tensor {
         })
     }
 
+    /// The same view through a handle that does not own the memory
+    /// ([`DeviceBuffer::alias`]): the memory goes back to its allocator when the last owning
+    /// handle drops, whatever aliases remain. For a graph pool's shared static outputs, whose
+    /// holders check that the pool did not give the memory to another use before they read it.
+    pub(crate) fn alias(&self) -> Result<Tensor> {
+        let buf: Arc<dyn Any + Send + Sync> =
+            with_dtype!(self.dtype, T => Arc::new(self.buffer::<T>("Tensor::alias")?.alias()));
+        Ok(Tensor { buf, ..self.clone() })
+    }
+
     /// The same elements with another shape (contiguous tensors only).
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         if shape.iter().product::<usize>() != self.numel() {
@@ -412,6 +422,36 @@ mod tests {
         assert!(t.reshape(&[7]).is_err());
         assert!(matches!(t.narrow(4, 0, 1), Err(Error::Shape { .. })));
         assert_eq!(t.transpose(0, 3).unwrap().shape(), &[5, 3, 4, 2]);
+    }
+
+    /// An alias reads the memory it views but never holds it: the pool block goes back when its
+    /// owner drops, and dropping the alias gives nothing back a second time.
+    #[test]
+    fn an_alias_neither_holds_nor_frees_its_memory() -> Result<()> {
+        let dev = Device::sim();
+        let s = dev.stream()?;
+        let alloc = CachingAllocator::new(&dev);
+        let pool = alloc.new_pool();
+        let cap = alloc.capture(&s, crate::device::CaptureMode::ThreadLocal, &pool)?;
+        let owner = Tensor::uninit(&alloc, &s, &[4, 8], DType::F32)?;
+        owner.zero(&s)?;
+        let graph = cap.finish()?;
+        let alias = owner.alias()?;
+        assert!(alias.is_same_view(&owner) && alias.access(AccessMode::Read)? == owner.access(AccessMode::Read)?);
+        graph.instantiate()?.launch(&s)?;
+        assert_eq!(alias.to_vec::<f32>(&s)?, vec![0.0; 32]);
+        drop(owner);
+        assert_eq!(pool.stats().allocated, 0, "the owner's drop gave the block back");
+        let reused = alloc.capture(&s, crate::device::CaptureMode::ThreadLocal, &pool)?;
+        let next = Tensor::uninit(&alloc, &s, &[4, 8], DType::F32)?;
+        let place = |t: &Tensor| t.access(AccessMode::Write).map(|a| (a.memory, a.at));
+        assert_eq!(place(&next)?, place(&alias)?, "a later capture reuses the block");
+        let held = pool.stats().allocated;
+        drop(alias);
+        assert_eq!(pool.stats().allocated, held, "dropping the alias freed nothing");
+        drop(next);
+        reused.finish()?;
+        Ok(())
     }
 
     #[test]

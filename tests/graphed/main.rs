@@ -13,6 +13,7 @@ mod misuse;
 mod ranges;
 mod release;
 mod schedules;
+mod sharing;
 
 pub use api::*;
 pub use contract::*;
@@ -22,6 +23,7 @@ pub use misuse::*;
 pub use ranges::*;
 pub use release::*;
 pub use schedules::*;
+pub use sharing::*;
 
 per_device!(
     stack_caller_matches_eager,
@@ -70,6 +72,10 @@ per_device!(
     out_of_schedule_replay_is_refused,
     schedule_outputs_refuse_stale_reads,
     schedule_shapes_are_checked,
+    shared_outputs_lower_the_pool_peak_by_their_bytes,
+    shared_outputs_change_no_result,
+    stale_reads_of_shared_outputs_are_refused,
+    later_captures_into_the_pool_count_as_writers_of_shared_outputs,
     chunk_handler_runs_once_per_chunk_in_schedule_order,
     ranges_name_every_pass_of_a_graphed_step,
     scheduled_replay_ranges_name_the_microbatch,

@@ -1,8 +1,9 @@
 //! `graphed bench schedule`: `BENCH.md`'s layers split into virtual stages and stepped under
 //! interleaved 1F1B over several microbatches on one GPU (all stages local): eagerly, and as one
 //! graph per (layer, microbatch) captured and replayed in the schedule's order, without and with
-//! buffer reuse across microbatches. Per variant: step time, capture time and graph count,
-//! static and pool memory.
+//! buffer reuse across microbatches (static inputs and output gradients, and the outputs and
+//! input gradients shared inside each chunk). Per variant: step time, capture time and graph
+//! count, static and pool memory; then what reuse took off the pool's peak.
 
 use std::time::Instant;
 
@@ -53,8 +54,15 @@ pub fn run(args: &ScheduleBenchArgs) -> anyhow::Result<()> {
         print_row(&row);
         rows.push(row);
     }
-    if let [eager, graphed, _] = &rows[..] {
+    if let [eager, graphed, reuse] = &rows[..] {
         println!("  wall time: graphed/eager {:.2}x", graphed.wall_ms.median / eager.wall_ms.median);
+        // Outputs shared inside each chunk (graph/output.rs) are what reuse takes off the pool.
+        if let (Some(without), Some(with)) = (graphed.pool_peak_bytes, reuse.pool_peak_bytes) {
+            let less = without
+                .checked_sub(with)
+                .map_or_else(|| format!("{} more", size(Some(with - without))), |d| format!("{} less", size(Some(d))));
+            println!("  pool peak with reuse: {less} ({} against {})", size(Some(with)), size(Some(without)));
+        }
     }
     println!("{}", crate::cli::checker_summary(&dev));
     write_json(&args.json, &Report::new("schedule", &dev, args.steps, rows))
@@ -106,9 +114,17 @@ fn run_variant(
     })
 }
 
+/// Bytes in MiB, or in KiB below one MiB (the simulator's small configurations); `-` for none.
+fn size(bytes: Option<usize>) -> String {
+    match bytes {
+        None => "-".to_string(),
+        Some(b) if b < 1 << 20 => format!("{:.1} KiB", b as f64 / 1024.0),
+        Some(b) => format!("{:.1} MiB", b as f64 / (1 << 20) as f64),
+    }
+}
+
 fn print_row(r: &ScheduleRow) {
-    let mib =
-        |b: Option<usize>| b.map_or_else(|| "-".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64));
+    let mib = size;
     println!(
         "  {:<24} wall {:.3} ms [{:.3}–{:.3}]  host {:.0} µs  graphs {}  capture {}  static {}  pool peak {}  pool reserved {}",
         r.case.variant,
