@@ -288,6 +288,24 @@ pub enum NonFiniteArg {
     Skip,
 }
 
+/// How `train`'s ranks combine their gradients (`graphed::dist::GradReduction`).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradReduceArg {
+    /// Averaged over the ranks; each rank's loss is its own batch's mean.
+    Mean,
+    /// Summed over the ranks; each rank's loss is weighed by the whole batch.
+    Sum,
+}
+
+impl From<GradReduceArg> for graphed::dist::GradReduction {
+    fn from(r: GradReduceArg) -> graphed::dist::GradReduction {
+        match r {
+            GradReduceArg::Mean => graphed::dist::GradReduction::Mean,
+            GradReduceArg::Sum => graphed::dist::GradReduction::Sum,
+        }
+    }
+}
+
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DTypeArg {
     Bf16,
@@ -413,6 +431,13 @@ pub struct TrainArgs {
     /// update and go on.
     #[arg(long = "on-nonfinite", value_enum, default_value_t = NonFiniteArg::Stop)]
     pub on_nonfinite: NonFiniteArg,
+    /// Launched as several ranks: average the gradients over the ranks (each rank's loss the
+    /// mean over its own batch, as PyTorch's DDP), or sum them (each rank's loss weighed by the
+    /// whole batch, as Megatron-LM's per-token loss). Either way the step is the whole batch's
+    /// mean loss, the loss `train` prints; the sum is the exact one for a number of ranks that is
+    /// not a power of two (docs/several-gpus.md).
+    #[arg(long = "grad-reduce", value_enum, default_value_t = GradReduceArg::Mean)]
+    pub grad_reduce: GradReduceArg,
     /// Held-out sums to evaluate on (default: 1000 on CUDA, 100 on the simulator; the addition
     /// task only).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000), conflicts_with = "data")]
