@@ -152,5 +152,24 @@ fn refusals_come_before_any_simulated_rank_is_built() {
         .output()
         .expect("the binary runs");
     expect(&as_rank, out, "graphed launch --gpus 2 -- train --device sim");
+    // Every rank refuses a checkpoint that is not there, before it joins the others.
+    let absent = ["launch", "--", "train", "--device", "sim", "--resume", "absent"];
+    expect(&absent, graphed(&dir, &absent), "absent");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A step that fails on every rank (its gradients not finite) ends the launcher with that
+/// failure (exit status 1) instead of a hang: each rank's run is dropped, which ends its part in
+/// the group; nothing is reported as finished.
+#[test]
+fn a_failed_step_ends_every_simulated_rank_and_the_launcher_with_it() {
+    let dir = temp_dir("failed");
+    let mut args = vec!["launch", "--", "train", "--batch", "2", "--lr", "1e30"];
+    args.extend(TINY);
+    let out = graphed(&dir, &args);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stderr.contains("not finite") && stderr.contains("failed first"), "{stderr}");
+    assert!(!stdout.contains("final loss") && !stderr.contains("no hazards"), "{stdout}{stderr}");
     std::fs::remove_dir_all(dir).ok();
 }
