@@ -78,26 +78,30 @@ fn saved(dir: &Path, save: &str) -> Vec<(String, Vec<u8>)> {
     named
 }
 
-/// Two simulated ranks, their gradients averaged (the default) or summed, print the losses and
-/// end with the parameters and optimizer state of one process that accumulates both ranks'
-/// batches, bit for bit; rank 0 alone reports and saves, every rank says where it is, and each
-/// rank's checker stays quiet.
+/// Two simulated ranks, their gradients averaged (the default; inside the graphs, or after an
+/// eager step) or summed, print the losses and end with the parameters and optimizer state of one
+/// process that accumulates both ranks' batches, bit for bit; rank 0 alone reports and saves,
+/// every rank says where it is, and each rank's checker stays quiet.
 #[test]
 fn two_simulated_ranks_train_as_one_process_on_the_whole_batch_averaged_or_summed() {
     let dir = temp_dir("two");
     let (one, _) = one_process(&dir, 2, 2, "one");
     let want = saved(&dir, "one");
     assert_eq!(losses(&one).len(), 3, "{one}");
-    for (reduce, save) in [(None, "mean"), (Some("sum"), "sum")] {
-        let extra: Vec<&str> = reduce.map(|r| vec!["--grad-reduce", r]).unwrap_or_default();
-        let (out, err) = launched(&dir, 2, save, &[&["--batch", "2"], extra.as_slice()].concat());
+    let averaged = "gradients averaged over the ranks";
+    let cases: [(&[&str], &str, &str); 3] = [
+        (&[], "mean", averaged),
+        (&["--eager"], "eager", averaged),
+        (&["--grad-reduce", "sum"], "sum", "gradients summed over the ranks"),
+    ];
+    for (extra, save, how) in cases {
+        let (out, err) = launched(&dir, 2, save, &[&["--batch", "2"], extra].concat());
         for r in 0..2 {
             let line = format!("rank {r} of 2 (simulated device {r}, a thread of this process)");
             assert!(out.contains(&line), "{save}: no line `{line}`:\n{out}");
             let checker = format!("rank {r}: stream-safety checker: no hazards found");
             assert!(err.contains(&checker), "{save}: no line `{checker}`:\n{err}");
         }
-        let how = if save == "mean" { "gradients averaged over the ranks" } else { "gradients summed over the ranks" };
         assert!(out.contains(how), "{save}: the banner must say how gradients combine:\n{out}");
         for once in ["device: simulator", "final loss", "saved the state after 30 steps", "exact-match accuracy"] {
             assert_eq!(out.matches(once).count(), 1, "{save}: rank 0 alone says `{once}`:\n{out}");
