@@ -414,6 +414,27 @@ mod tests {
         assert!(refused, "overlapping ones are refused as BucketOverlap");
     }
 
+    /// The mean scales in f32 or bf16: gradients of another type are refused before anything is
+    /// enqueued (rank 0 alone asks, and its next collective still meets rank 1's); their sum runs.
+    #[test]
+    fn a_mean_of_gradients_it_cannot_scale_is_refused_before_the_sum() {
+        let out = crate::dist::on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
+            let (alloc, s) = (CachingAllocator::new(c.device()), c.device().stream()?);
+            let grads = Tensor::zeros(&alloc, &s, &[4], DType::F16)?;
+            let mean = DataParallel::new(c, Vec::new())?;
+            let refused = match c.rank() {
+                0 => Some(mean.all_reduce(&s, &grads)),
+                _ => None,
+            };
+            mean.with_reduction(GradReduction::Sum)?.all_reduce(&s, &grads)?;
+            s.synchronize()?;
+            Ok(refused.map(|r| r.map_err(|e| (matches!(e, Error::UnsupportedDType { .. }), e.to_string()))))
+        });
+        let mut ranks = out.into_iter().map(|r| r.expect("the sum ran on every rank"));
+        let Some(Some(Err((typed, message)))) = ranks.next() else { panic!("rank 0's mean of f16 was not refused") };
+        assert!(typed && message.contains("DataParallel::all_reduce (mean)"), "{message}");
+    }
+
     #[test]
     fn a_layers_mlp_half_told_final_is_reduced_at_once_and_only_the_rest_waits() {
         let out = crate::dist::on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| {
