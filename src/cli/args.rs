@@ -29,7 +29,8 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Start one process per GPU of this host, each with torchrun's variables (RANK,
     /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), running `graphed <ARGS>`: for example
-    /// `graphed launch --gpus 2 -- train` trains data parallel.
+    /// `graphed launch --gpus 2 -- train` trains data parallel. `graphed launch --gpus 2 -- train
+    /// --device sim` trains two simulated ranks instead, threads of this process, on any machine.
     Launch(LaunchArgs),
     /// Regenerate the performance tables of the README and docs/benchmarks.md and the benchmarks'
     /// SVG plots from the newest results file of each benchmark (or, with `--check`, fail if they
@@ -40,7 +41,8 @@ pub enum Command {
 /// Arguments of `launch`.
 #[derive(Args, Debug, Clone)]
 pub struct LaunchArgs {
-    /// How many processes on this host (one GPU each).
+    /// How many processes on this host (one GPU each); with `train --device sim`, how many
+    /// simulated ranks.
     #[arg(long, default_value_t = 2)]
     pub gpus: usize,
     /// How many hosts run a launcher with the same `--gpus` (torchrun's `--nnodes`).

@@ -275,6 +275,17 @@ mod tests {
     }
 
     #[test]
+    fn only_train_on_the_simulator_runs_as_threads() {
+        let command = |words: &[&str]| words.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+        let sim = simulated_train(&command(&["train", "--device", "sim", "--grad-reduce", "sum"]));
+        assert!(sim.is_some_and(|t| t.grad_reduce == crate::cli::args::GradReduceArg::Sum));
+        for processes in [&["train"][..], &["train", "--device", "cuda"], &["bench", "parallel"], &["train", "--bogus"]]
+        {
+            assert!(simulated_train(&command(processes)).is_none(), "{processes:?} runs as processes");
+        }
+    }
+
+    #[test]
     fn flags_that_cannot_make_a_group_are_refused_naming_the_flag() {
         for (bad, flag) in [
             (args(0, 1, 0, None), "--gpus"),
