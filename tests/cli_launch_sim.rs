@@ -1,6 +1,7 @@
 //! `graphed launch --gpus N -- train --device sim`: simulated ranks, threads of the launcher, train
 //! data parallel as processes on GPUs do, bit for bit as one process that accumulates the whole
-//! batch's microbatches; and what is refused before any rank is built.
+//! batch's microbatches, and resume so; what is refused before any rank is built; a failure that
+//! ends them all.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -81,7 +82,8 @@ fn saved(dir: &Path, save: &str) -> Vec<(String, Vec<u8>)> {
 /// Two simulated ranks, their gradients averaged (the default; inside the graphs, or after an
 /// eager step) or summed, print the losses and end with the parameters and optimizer state of one
 /// process that accumulates both ranks' batches, bit for bit; rank 0 alone reports and saves,
-/// every rank says where it is, and each rank's checker stays quiet.
+/// every rank says where it is, each rank's checker stays quiet, and rank 0's checkpoint resumes
+/// the group bit for bit.
 #[test]
 fn two_simulated_ranks_train_as_one_process_on_the_whole_batch_averaged_or_summed() {
     let dir = temp_dir("two");
@@ -112,6 +114,14 @@ fn two_simulated_ranks_train_as_one_process_on_the_whole_batch_averaged_or_summe
             "{save}: the group's parameters or optimizer state differ from one process's"
         );
     }
+    // Rank 0's checkpoint resumes the group bit for bit: stopped at step 15 and resumed, it ends
+    // as the run that never stopped (the same file), printing the same losses after the resume.
+    launched(&dir, 2, "half", &["--batch", "2", "--stop-at", "15"]);
+    let (resumed, _) = launched(&dir, 2, "resumed", &["--batch", "2", "--resume", "half"]);
+    assert!(resumed.contains("resumed from half after 15 steps"), "{resumed}");
+    let file = |save: &str| std::fs::read(dir.join(save).join("checkpoint.safetensors")).expect("a checkpoint");
+    assert!(file("resumed") == file("mean"), "the resumed group's checkpoint differs from the straight run's");
+    assert_eq!(losses(&resumed), losses(&one)[1..], "the resumed group's losses");
     std::fs::remove_dir_all(dir).ok();
 }
 

@@ -15,7 +15,7 @@ use graphed::device::{CommOptions, Device, SimConfig};
 use graphed::dist::{on_sim_ranks, ProcessGroup};
 
 use super::args::{Cli, DeviceChoice, LaunchArgs, TrainArgs};
-use super::exit::refuse;
+use super::exit::{refuse, Interrupted};
 use super::train::{self, Joining};
 
 /// The variables of each of this host's processes, or why the flags cannot give them.
@@ -202,10 +202,14 @@ fn simulated(args: &LaunchArgs, train_args: &TrainArgs) -> anyhow::Result<()> {
     failures.sort_by_key(|(at, rank, _)| (*at, *rank));
     let mut failures = failures.into_iter();
     let Some((_, first, error)) = failures.next() else { return Ok(()) };
-    for (_, rank, e) in failures {
+    // An interrupt stops every rank at the same step, each saying so: not failures to list.
+    let interrupted = |e: &anyhow::Error| e.downcast_ref::<Interrupted>().is_some();
+    for (_, rank, e) in failures.filter(|(_, _, e)| !interrupted(e)) {
         eprintln!("graphed launch: rank {rank} failed too: {e:#}");
     }
-    eprintln!("graphed launch: rank {first} failed first");
+    if !interrupted(&error) {
+        eprintln!("graphed launch: rank {first} failed first");
+    }
     Err(error)
 }
 
