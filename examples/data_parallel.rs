@@ -1,6 +1,7 @@
 //! Data parallelism on two devices: each rank steps a graphed stack on its own microbatch, the
-//! gradients reduced inside the captured backward graphs; the result equals one device that
-//! accumulates both microbatches, bit for bit.
+//! gradients averaged inside the captured backward graphs; the result equals one device that
+//! accumulates both microbatches, halved, bit for bit (halving is exact: one device whose loss is
+//! the mean over both microbatches, its output gradients halved, gets the same).
 //!
 //! `cargo run --example data_parallel`: two simulated devices in this process, one thread each
 //! (`dist::on_sim_ranks`). Started as two ranks with torchrun's variables (`RANK`, `WORLD_SIZE`,
@@ -44,7 +45,7 @@ fn rank(comm: &Communicator) -> graphed::Result<Vec<f32>> {
     store.grads()?.to_vec::<f32>(&s)
 }
 
-/// The gradients of one device on `dev` that accumulates both microbatches.
+/// The gradients of one device on `dev` that accumulates both microbatches, halved: their mean.
 fn one_device(dev: &Device) -> graphed::Result<Vec<f32>> {
     let (alloc, s, store, stack) = model(dev)?;
     let (x0, _) = microbatch(&alloc, &s, 0)?;
@@ -54,7 +55,7 @@ fn one_device(dev: &Device) -> graphed::Result<Vec<f32>> {
         graphed.forward(&s, &x, Replay::caller())?;
         graphed.backward(&s, &dy)?;
     }
-    store.grads()?.to_vec::<f32>(&s)
+    Ok(store.grads()?.to_vec::<f32>(&s)?.into_iter().map(|g| g * 0.5).collect())
 }
 
 fn main() -> graphed::Result<()> {
@@ -63,7 +64,9 @@ fn main() -> graphed::Result<()> {
         let ranks = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), rank);
         for (r, grads) in ranks.into_iter().enumerate() {
             let same = grads? == want;
-            println!("rank {r}: gradients equal to one device with both microbatches, bit for bit: {same}");
+            println!(
+                "rank {r}: gradients equal to their mean on one device with both microbatches, bit for bit: {same}"
+            );
             assert!(same);
         }
         return Ok(());
@@ -74,7 +77,9 @@ fn main() -> graphed::Result<()> {
     let group = ProcessGroup::join(&dev, env, "examples/data_parallel", CommOptions::default())?;
     let same = rank(group.comm())? == one_device(&dev)?;
     let r = group.comm().rank();
-    println!("rank {r}: gradients over NCCL equal to one GPU with both microbatches, bit for bit: {same}");
+    println!(
+        "rank {r}: gradients over NCCL equal to their mean on one GPU with both microbatches, bit for bit: {same}"
+    );
     assert!(same, "rank {r}'s gradients must equal one GPU's");
     group.leave();
     Ok(())

@@ -1,7 +1,8 @@
 //! Megatron-LM's grid on four ranks: two data-parallel replicas of a two-stage pipeline. Rank
 //! `stage · 2 + replica` splits the world into its replica's pipeline and its stage's replicas;
 //! each replica pipelines its own four microbatches under 1F1B, graphed, and each stage's
-//! replicas sum its gradients inside the schedule's backward graphs. Every layer's gradients
+//! replicas sum its gradients inside the schedule's backward graphs (`GradReduction::Sum`; the
+//! default, the mean, would halve them, exactly). Every layer's gradients
 //! equal the sum of both replicas' on one device, bit for bit (one sum of two values, which no
 //! order changes).
 //!
@@ -11,7 +12,7 @@
 //! (`ProcessGroup::split`), and each rank checks its layers against its own GPU.
 
 use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, SimConfig, Stream};
-use graphed::dist::{on_sim_ranks, DataParallel, P2pLinks, ProcessGroup, RankEnv};
+use graphed::dist::{on_sim_ranks, DataParallel, GradReduction, P2pLinks, ProcessGroup, RankEnv};
 use graphed::graph::{make_graphed_schedule, Callable, GraphOptions, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
@@ -108,7 +109,7 @@ fn rank(
         (0..MICROBATCHES).map(|j| microbatch(&p, replica * MICROBATCHES + j)).collect::<graphed::Result<Vec<_>>>()?;
     let callables: Vec<&dyn Callable> = p.layers.iter().map(|l| l as &dyn Callable).collect();
     let samples: Vec<Inputs> = (0..p.layers.len() * MICROBATCHES).map(|_| Inputs::one(&data[0].0)).collect();
-    let reduce = DataParallel::for_callables(&replicas, &p.store, &callables)?;
+    let reduce = DataParallel::for_callables(&replicas, &p.store, &callables)?.with_reduction(GradReduction::Sum)?;
     let options = GraphOptions::default().reuse_buffers(true).grad_sync(reduce);
     let graphed = make_graphed_schedule(&p.alloc, &callables, &schedule, &samples, options)?;
     let mut links = P2pLinks::graphed(&pipeline, &p.alloc, &p.s, &SHAPE, DType::F32);

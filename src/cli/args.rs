@@ -29,7 +29,8 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Start one process per GPU of this host, each with torchrun's variables (RANK,
     /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), running `graphed <ARGS>`: for example
-    /// `graphed launch --gpus 2 -- train` trains data parallel.
+    /// `graphed launch --gpus 2 -- train` trains data parallel. `graphed launch --gpus 2 -- train
+    /// --device sim` trains two simulated ranks instead, threads of this process, on any machine.
     Launch(LaunchArgs),
     /// Regenerate the performance tables of the README and docs/benchmarks.md and the benchmarks'
     /// SVG plots from the newest results file of each benchmark (or, with `--check`, fail if they
@@ -40,7 +41,8 @@ pub enum Command {
 /// Arguments of `launch`.
 #[derive(Args, Debug, Clone)]
 pub struct LaunchArgs {
-    /// How many processes on this host (one GPU each).
+    /// How many processes on this host (one GPU each); with `train --device sim`, how many
+    /// simulated ranks.
     #[arg(long, default_value_t = 2)]
     pub gpus: usize,
     /// How many hosts run a launcher with the same `--gpus` (torchrun's `--nnodes`).
@@ -309,6 +311,24 @@ pub enum NonFiniteArg {
     Skip,
 }
 
+/// How `train`'s ranks combine their gradients (`graphed::dist::GradReduction`).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradReduceArg {
+    /// Averaged over the ranks; each rank's loss is its own batch's mean.
+    Mean,
+    /// Summed over the ranks; each rank's loss is weighed by the whole batch.
+    Sum,
+}
+
+impl From<GradReduceArg> for graphed::dist::GradReduction {
+    fn from(r: GradReduceArg) -> graphed::dist::GradReduction {
+        match r {
+            GradReduceArg::Mean => graphed::dist::GradReduction::Mean,
+            GradReduceArg::Sum => graphed::dist::GradReduction::Sum,
+        }
+    }
+}
+
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DTypeArg {
     Bf16,
@@ -443,6 +463,13 @@ pub struct TrainArgs {
     /// update and go on.
     #[arg(long = "on-nonfinite", value_enum, default_value_t = NonFiniteArg::Stop)]
     pub on_nonfinite: NonFiniteArg,
+    /// Launched as several ranks: average the gradients over the ranks (each rank's loss the
+    /// mean over its own batch, as PyTorch's DDP), or sum them (each rank's loss weighed by the
+    /// whole batch, as Megatron-LM's per-token loss). Either way the step is the whole batch's
+    /// mean loss, the loss `train` prints; the sum is the exact one for a number of ranks that is
+    /// not a power of two (docs/several-gpus.md).
+    #[arg(long = "grad-reduce", value_enum, default_value_t = GradReduceArg::Mean)]
+    pub grad_reduce: GradReduceArg,
     /// Held-out sums to evaluate on (default: 1000 on CUDA, 100 on the simulator; the addition
     /// task only).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000), conflicts_with = "data")]

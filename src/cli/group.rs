@@ -92,6 +92,18 @@ pub fn mean_over_ranks(
     Ok(values.iter().map(|&b| f64::from_bits(b)).sum::<f64>() / values.len() as f64)
 }
 
+/// The sum over the ranks of `value`, as [`mean_over_ranks`] gathers it (in rank order, the
+/// same on every rank); `value` itself without a group.
+pub fn sum_over_ranks(
+    ranks: Option<&impl Ranks>,
+    alloc: &CachingAllocator,
+    s: &Stream,
+    value: f64,
+) -> graphed::Result<f64> {
+    let Some(ranks) = ranks else { return Ok(value) };
+    Ok(gather(ranks, alloc, s, value.to_bits())?.iter().map(|&b| f64::from_bits(b)).sum())
+}
+
 /// Whether `flag` is set on any rank (every rank calls it at the same point): how a group learns
 /// of one rank's interrupt at the same step on every rank.
 pub fn any_rank(ranks: &impl Ranks, alloc: &CachingAllocator, s: &Stream, flag: bool) -> graphed::Result<bool> {
@@ -140,6 +152,19 @@ mod tests {
             assert_eq!(m?.to_bits(), value(0).to_bits());
         }
         assert_eq!(mean_on(None, &Device::sim(), 1)?.to_bits(), value(1).to_bits());
+        Ok(())
+    }
+
+    #[test]
+    fn every_rank_gets_the_sum_of_all_ranks_values_in_rank_order() -> graphed::Result<()> {
+        let sums = on_sim_ranks(3, SimConfig::default(), CommOptions::default(), |c| {
+            let (s, alloc) = (c.device().stream()?, CachingAllocator::new(c.device()));
+            sum_over_ranks(Some(c), &alloc, &s, value(c.rank()))
+        });
+        let want = value(0) + value(1) + value(2);
+        for sum in sums {
+            assert_eq!(sum?.to_bits(), want.to_bits());
+        }
         Ok(())
     }
 

@@ -2,13 +2,21 @@
 //! `graphed launch --gpus 2 -- train` runs data parallel. On several hosts, start one launcher
 //! per host with the same `--nnodes`, `--master-addr` and `--port` and its own `--node-rank`
 //! (torchrun's flags; torchrun itself works as well): the processes only read the variables, and
-//! NCCL picks its transports itself.
+//! NCCL picks its transports itself. `graphed launch --gpus N -- train --device sim` runs N
+//! simulated ranks instead, as threads of the launcher ([`simulated`]).
 
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use super::args::LaunchArgs;
+use clap::Parser;
+use graphed::check::Checker;
+use graphed::device::{CommOptions, Device, SimConfig};
+use graphed::dist::{on_sim_ranks, ProcessGroup};
+
+use super::args::{Cli, DeviceChoice, LaunchArgs, TrainArgs};
+use super::exit::{refuse, Interrupted};
+use super::train::{self, Joining};
 
 /// The variables of each of this host's processes, or why the flags cannot give them.
 fn rank_vars(args: &LaunchArgs) -> anyhow::Result<Vec<Vec<(&'static str, String)>>> {
@@ -60,8 +68,21 @@ fn stop(children: &mut Vec<(usize, Child)>) {
     children.clear();
 }
 
-/// Starts the processes and waits for them; the first failure is the launcher's.
+/// `train --device sim`'s arguments, when the command to launch is that.
+fn simulated_train(command: &[String]) -> Option<TrainArgs> {
+    let cli = Cli::try_parse_from(std::iter::once("graphed").chain(command.iter().map(String::as_str))).ok()?;
+    match cli.command {
+        super::args::Command::Train(t) if t.device.device == DeviceChoice::Sim => Some(t),
+        _ => None,
+    }
+}
+
+/// Starts the processes and waits for them; the first failure is the launcher's. A `train
+/// --device sim` runs its ranks as threads of this process instead ([`simulated`]).
 pub fn run(args: &LaunchArgs) -> anyhow::Result<()> {
+    if let Some(train) = simulated_train(&args.args) {
+        return simulated(args, &train);
+    }
     let vars = rank_vars(args)?;
     let exe = std::env::current_exe()?;
     let nccl = nccl_library_folder()?;
@@ -123,6 +144,73 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<()> {
         Some((rank, status, _)) => anyhow::bail!("rank {rank} failed ({status}); see its error above"),
         None => Ok(()),
     }
+}
+
+/// Runs `train` (`--device sim`) as `--gpus` simulated ranks, one thread each: the simulator's
+/// counterpart of the processes, so that data-parallel training can be tried and tested on any
+/// machine.
+///
+/// Threads, not processes, because the simulator's collectives live in one process's memory:
+/// a group's ranks meet in a world they share (`Communicator::sim_group`), and a deadlock is
+/// found by looking at every rank's waits at once, across groups. Simulated ranks as processes
+/// would need a second implementation of those collectives over a transport of their own, with
+/// its own deadlock detection; threads reuse the one the tests use (`dist::on_sim_ranks`). The
+/// training is the same code either way: each thread runs `train` as a rank whose
+/// [`ProcessGroup`] is made from its simulated communicator ([`Joining::Simulated`]) rather than
+/// joined over TCP and NCCL, and everything after (rank 0 alone reporting, saving and plotting,
+/// the rank lines, the group's losses and gradient reduction) is the launched processes' path.
+/// Rank `r`'s device is the simulator with `--sim-policy` and seed `--sim-seed + r`.
+///
+/// What rank 0 would refuse is refused once, before any rank is built. The first rank to fail
+/// (in time, as the process launcher's) gives the launcher's error and exit status; the others'
+/// errors are shown above it.
+fn simulated(args: &LaunchArgs, train_args: &TrainArgs) -> anyhow::Result<()> {
+    if args.gpus == 0 {
+        refuse!("--gpus must be at least 1");
+    }
+    if args.nnodes != 1 {
+        refuse!(
+            "--nnodes {}: simulated ranks are threads of this process, on this host; drop --nnodes (and --node-rank)",
+            args.nnodes
+        );
+    }
+    let d = &train_args.device;
+    let sim = SimConfig { policy: d.policy.into(), seed: d.sim_seed, ..SimConfig::default() };
+    train::check(&Device::sim_with(sim), train_args)?;
+    let ranks = on_sim_ranks(args.gpus, sim, CommOptions::default(), |comm| {
+        let group = ProcessGroup::simulated(comm.clone())?;
+        let trained = train::run(comm.device(), train_args, Joining::Simulated(group));
+        let ended = Instant::now();
+        // Each rank's checker line, as each process's `main` shows its own.
+        let found = Checker::of(comm.device()).is_some_and(|c| c.found() > 0);
+        if trained.is_ok() || found {
+            // One write: the other ranks' threads print too.
+            let line = format!("rank {}: {}\n", comm.rank(), super::checker_summary(comm.device()));
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        }
+        Ok((trained, ended))
+    });
+    let mut failures: Vec<(Instant, usize, anyhow::Error)> = Vec::new();
+    for (rank, outcome) in ranks.into_iter().enumerate() {
+        match outcome {
+            Ok((Ok(()), _)) => {}
+            Ok((Err(e), at)) => failures.push((at, rank, e)),
+            // The group could not be made, or the rank's thread panicked.
+            Err(e) => failures.push((Instant::now(), rank, e.into())),
+        }
+    }
+    failures.sort_by_key(|(at, rank, _)| (*at, *rank));
+    let mut failures = failures.into_iter();
+    let Some((_, first, error)) = failures.next() else { return Ok(()) };
+    // An interrupt stops every rank at the same step, each saying so: not failures to list.
+    let interrupted = |e: &anyhow::Error| e.downcast_ref::<Interrupted>().is_some();
+    for (_, rank, e) in failures.filter(|(_, _, e)| !interrupted(e)) {
+        eprintln!("graphed launch: rank {rank} failed too: {e:#}");
+    }
+    if !interrupted(&error) {
+        eprintln!("graphed launch: rank {first} failed first");
+    }
+    Err(error)
 }
 
 /// A folder with `libnccl.so` for cudarc, which does not look for the `libnccl.so.2` that
@@ -188,6 +276,17 @@ mod tests {
         assert_eq!(got, ["9", "1", "12", "10.0.0.1", "29511"]);
         let one_host = &rank_vars(&args(2, 1, 0, None)).expect("valid flags")[1];
         assert_eq!((var(one_host, "RANK"), var(one_host, "MASTER_ADDR")), ("1".into(), "127.0.0.1".into()));
+    }
+
+    #[test]
+    fn only_train_on_the_simulator_runs_as_threads() {
+        let command = |words: &[&str]| words.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+        let sim = simulated_train(&command(&["train", "--device", "sim", "--grad-reduce", "sum"]));
+        assert!(sim.is_some_and(|t| t.grad_reduce == crate::cli::args::GradReduceArg::Sum));
+        for processes in [&["train"][..], &["train", "--device", "cuda"], &["bench", "parallel"], &["train", "--bogus"]]
+        {
+            assert!(simulated_train(&command(processes)).is_none(), "{processes:?} runs as processes");
+        }
     }
 
     #[test]

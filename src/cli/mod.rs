@@ -26,11 +26,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(a) => match RankEnv::from_env()? {
             // Launched as one rank of several: this rank's GPU, data parallel.
             Some(env) => {
-                let dev = env.gpu()?;
-                let result = train::run(&dev, &a, Some(env));
+                let dev = rank_gpu(&env, &a.device)?;
+                let result = train::run(&dev, &a, train::Joining::Launched(env));
                 (dev, result)
             }
-            None => with_device(&a.device, |dev| train::run(dev, &a, None))?,
+            None => with_device(&a.device, |dev| train::run(dev, &a, train::Joining::Alone))?,
         },
         Command::Launch(a) => return launch::run(&a),
         Command::Demo(a) => with_device(&a.device, |dev| demo::run(dev, &a))?,
@@ -45,6 +45,27 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         eprintln!("{}", checker_summary(&dev));
     }
     result
+}
+
+/// The GPU of a process launched as rank `env.rank` (GPU `LOCAL_RANK`), or why it has none:
+/// simulated ranks are threads of one process, which `graphed launch` starts itself.
+fn rank_gpu(env: &RankEnv, choice: &args::DeviceArgs) -> anyhow::Result<Device> {
+    let (rank, world) = (env.rank, env.world);
+    if choice.device == DeviceChoice::Sim {
+        exit::refuse!(
+            "--device sim in a process launched as rank {rank} of {world}: simulated ranks are threads of one \
+             process, not processes; start them with `graphed launch --gpus {world} -- train --device sim`"
+        );
+    }
+    env.gpu().map_err(|e| {
+        let hint = match e {
+            graphed::Error::CudaUnavailable { .. } => {
+                format!("; without GPUs, run the ranks on the simulator: `graphed launch --gpus {world} -- train --device sim`")
+            }
+            _ => String::new(),
+        };
+        anyhow::Error::new(e).context(format!("rank {rank} of {world} has no GPU {}{hint}", env.local_rank))
+    })
 }
 
 /// Opens the device and runs `f` on it, keeping the device for the checker's summary.

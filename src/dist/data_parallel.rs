@@ -1,5 +1,5 @@
 //! Data parallelism: every rank runs the whole model on its own microbatch, and the parameter
-//! gradients are summed across ranks before the optimizer step.
+//! gradients are averaged across ranks before the optimizer step (or summed: [`GradReduction`]).
 //!
 //! Inside graphs, each layer's gradients are one bucket (a contiguous slice of the flat gradient
 //! buffer) reduced on a communication stream forked from the backward graphs: the parameters a
@@ -7,23 +7,71 @@
 //! backward, and the rest in the next backward graph, overlapping the layer before (see
 //! [`GradSync`]). Two ranks with one microbatch each then hold the gradients one rank
 //! accumulates over both (a sum of two f32 values is exact to order), so the optimizer steps are
-//! equal bit for bit.
+//! equal bit for bit; averaged, those gradients halved, which is exact too (see
+//! [`GradReduction::Mean`] for other world sizes).
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use crate::device::CommErrorKind;
-use crate::device::{with_dtype, Access, AccessMode, BufferId, Communicator, Stream};
+use crate::device::{with_dtype, Access, AccessMode, BufferId, Communicator, DType, Stream};
 use crate::graph::{Callable, GradSync};
 use crate::nn::{Module, Param, ParamStore, Stack};
+use crate::ops::elementwise::scale;
+use crate::ops::with_float;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
+/// How data parallelism combines the ranks' gradients.
+///
+/// Note [Where the mean divides]: the mean is the sum multiplied by `1/world` (rounded to f32
+/// once), in place, on the communication stream right after each bucket's all-reduce, inside
+/// the same graph (a `scale` kernel the checker sees like any other). It then equals bit for bit
+/// one rank that accumulates every rank's microbatch and scales the sum the same way, for any
+/// world size, wherever the sum does (on the simulator, which adds in rank order, always; on
+/// GPUs, for two ranks, whose one addition is exact to order). For a world that is a power of
+/// two, the scaling is exact (barring underflow below f32's normal range), so the mean also
+/// equals one rank whose loss is the whole batch's mean (its output gradients divided by the
+/// world), since a backward is linear in its output gradient and halving commutes with every
+/// rounding. For other worlds (3 ranks, 6, ...) `1/world` is not a power of two and the mean is
+/// one rounding away from that: there [`Sum`](GradReduction::Sum) with every rank's loss
+/// weighed by the whole batch (the loss's `1/world` in its weights, as Megatron-LM's per-token
+/// loss does) is the exact one, as `graphed train --grad-reduce sum` does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradReduction {
+    /// The mean over the ranks, as PyTorch's DDP and Megatron-LM average: each rank's loss is the
+    /// mean over its own microbatch, and the step is that of the whole batch's mean loss.
+    #[default]
+    Mean,
+    /// The sum over the ranks: what one rank accumulating every rank's microbatch holds, for a
+    /// loss that each rank already weighs by the whole batch (or a learning rate meant for it).
+    Sum,
+}
+
+impl GradReduction {
+    /// Its name on the command line: `mean` or `sum`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GradReduction::Mean => "mean",
+            GradReduction::Sum => "sum",
+        }
+    }
+}
+
+impl std::fmt::Display for GradReduction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The gradient reduction of data parallelism, for one rank: give it to
 /// [`GraphOptions::grad_sync`](crate::graph::GraphOptions::grad_sync) to reduce inside the
-/// captured backward passes, or call [`all_reduce`](DataParallel::all_reduce) eagerly.
+/// captured backward passes, or call [`all_reduce`](DataParallel::all_reduce) eagerly. It
+/// averages the gradients unless made to sum them ([`with_reduction`](DataParallel::with_reduction)).
 pub struct DataParallel {
     comm: Communicator,
+    /// Mean or sum.
+    reduction: GradReduction,
     /// The communication stream, forked from the backward passes.
     stream: Stream,
     /// Per graphed callable, its gradients.
@@ -34,6 +82,7 @@ pub struct DataParallel {
 }
 
 /// One graphed callable's gradients.
+#[derive(Clone)]
 struct Bucket {
     /// As one flat tensor.
     grads: Tensor,
@@ -62,7 +111,7 @@ impl State {
 impl DataParallel {
     /// The reduction over `comm` of `buckets[i]`, the gradients of graphed callable `i` (see
     /// [`ParamStore::grads_of`](crate::nn::ParamStore::grads_of)), each reduced whole after its
-    /// callable's backward. [`for_callables`](DataParallel::for_callables) and
+    /// callable's backward, averaged over the ranks. [`for_callables`](DataParallel::for_callables) and
     /// [`for_stack`](DataParallel::for_stack) know the parameters, and reduce those a module
     /// tells final early at once.
     ///
@@ -73,10 +122,47 @@ impl DataParallel {
         DataParallel::with_buckets(
             comm,
             buckets.into_iter().map(|grads| Bucket { grads, params: Vec::new() }).collect(),
+            GradReduction::Mean,
         )
     }
 
-    fn with_buckets(comm: &Communicator, buckets: Vec<Bucket>) -> Result<Arc<DataParallel>> {
+    /// The same reduction over the same buckets, combining the gradients as `reduction` says:
+    /// a new one (with a communication stream of its own), to give to the graphs in place of
+    /// this one.
+    ///
+    /// ```
+    /// use graphed::device::{CommOptions, SimConfig};
+    /// use graphed::dist::{DataParallel, GradReduction};
+    /// use graphed::memory::CachingAllocator;
+    /// use graphed::tensor::Tensor;
+    /// let ranks = graphed::dist::on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |comm| {
+    ///     let (alloc, s) = (CachingAllocator::new(comm.device()), comm.device().stream()?);
+    ///     let mine = [comm.rank() as f32 + 1.0; 2];
+    ///     let (a, b) = (Tensor::from_host(&alloc, &s, &mine, &[2])?, Tensor::from_host(&alloc, &s, &mine, &[2])?);
+    ///     let mean = DataParallel::new(comm, Vec::new())?;
+    ///     let sum = mean.with_reduction(GradReduction::Sum)?;
+    ///     mean.all_reduce(&s, &a)?;
+    ///     sum.all_reduce(&s, &b)?;
+    ///     Ok((mean.reduction(), a.to_vec::<f32>(&s)?, b.to_vec::<f32>(&s)?))
+    /// });
+    /// for rank in ranks {
+    ///     assert_eq!(rank?, (GradReduction::Mean, vec![1.5; 2], vec![3.0; 2]));
+    /// }
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// A stream that cannot be made.
+    pub fn with_reduction(&self, reduction: GradReduction) -> Result<Arc<DataParallel>> {
+        DataParallel::with_buckets(&self.comm, self.buckets.clone(), reduction)
+    }
+
+    /// How it combines the ranks' gradients.
+    pub fn reduction(&self) -> GradReduction {
+        self.reduction
+    }
+
+    fn with_buckets(comm: &Communicator, buckets: Vec<Bucket>, reduction: GradReduction) -> Result<Arc<DataParallel>> {
         let mut seen = Vec::with_capacity(buckets.len());
         for (i, b) in buckets.iter().enumerate() {
             comm.device().check_same("DataParallel::new", "gradient bucket", b.grads.device_id())?;
@@ -90,11 +176,12 @@ impl DataParallel {
         }
         let stream = comm.device().stream()?;
         let memory = seen.iter().map(|a| a.memory).collect();
-        Ok(Arc::new(DataParallel { comm: comm.clone(), stream, buckets, memory, state: Mutex::default() }))
+        Ok(Arc::new(DataParallel { comm: comm.clone(), reduction, stream, buckets, memory, state: Mutex::default() }))
     }
 
     /// The reduction of a graphed stack's gradients, one bucket per layer of `stack`, whose
-    /// parameters live in `store`: [`for_callables`](DataParallel::for_callables) of its layers.
+    /// parameters live in `store`, averaged over the ranks: [`for_callables`](DataParallel::for_callables)
+    /// of its layers.
     ///
     /// # Errors
     /// As [`for_callables`](DataParallel::for_callables).
@@ -109,7 +196,7 @@ impl DataParallel {
 
     /// The reduction of the gradients of `callables`, as given to
     /// [`make_graphed_callables`](crate::graph::make_graphed_callables), one bucket per callable,
-    /// whose parameters live in `store`. Knowing each callable's parameters, it reduces those its
+    /// whose parameters live in `store`, averaged over the ranks. Knowing each callable's parameters, it reduces those its
     /// module tells final early at once (a whole stack graphed as one callable: layer by layer).
     ///
     /// # Errors
@@ -128,7 +215,7 @@ impl DataParallel {
             let params = params.iter().zip(ranges).map(|(p, r)| (p.name.clone(), r.start - start..r.end - start));
             Ok(Bucket { grads, params: params.collect() })
         };
-        DataParallel::with_buckets(comm, callables.iter().map(bucket).collect::<Result<_>>()?)
+        DataParallel::with_buckets(comm, callables.iter().map(bucket).collect::<Result<_>>()?, GradReduction::Mean)
     }
 
     /// The communicator.
@@ -136,10 +223,26 @@ impl DataParallel {
         &self.comm
     }
 
-    /// Sums `grads` across ranks on `stream`, now (eager parts of the model, or every gradient
-    /// of an eager step).
+    /// Averages (or sums) `grads` across ranks on `stream`, now (eager parts of the model, or
+    /// every gradient of an eager step); inside a capture, the graph's own (the buckets'
+    /// reductions go through here).
+    ///
+    /// # Errors
+    /// [`Communicator::all_reduce`]'s, and the scaling kernel's for the mean.
     pub fn all_reduce(&self, stream: &Stream, grads: &Tensor) -> Result<()> {
-        with_dtype!(grads.dtype(), T => self.comm.all_reduce(stream, grads.view::<T>()?))
+        let world = self.comm.size();
+        let mean = self.reduction == GradReduction::Mean && world > 1;
+        if mean && !matches!(grads.dtype(), DType::F32 | DType::BF16) {
+            // Refused before the sum is enqueued, so that no rank is left with half a mean.
+            return Err(crate::ops::unsupported_dtype("DataParallel::all_reduce (mean)", grads.dtype()));
+        }
+        with_dtype!(grads.dtype(), T => self.comm.all_reduce(stream, grads.view::<T>()?))?;
+        if !mean {
+            return Ok(());
+        }
+        // See Note [Where the mean divides]: after the sum, on the same stream, one rounding.
+        let k = 1.0 / world as f32;
+        with_float!("DataParallel::all_reduce", grads.dtype(), T => scale::<T>(grads.view()?, grads.view()?, k, stream))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -309,6 +412,27 @@ mod tests {
         assert_eq!(apart, None, "adjacent buckets are fine");
         let refused = shared.is_some_and(|(kind, e)| kind && e.contains("callables 0 and 1 overlap"));
         assert!(refused, "overlapping ones are refused as BucketOverlap");
+    }
+
+    /// The mean scales in f32 or bf16: gradients of another type are refused before anything is
+    /// enqueued (rank 0 alone asks, and its next collective still meets rank 1's); their sum runs.
+    #[test]
+    fn a_mean_of_gradients_it_cannot_scale_is_refused_before_the_sum() {
+        let out = crate::dist::on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
+            let (alloc, s) = (CachingAllocator::new(c.device()), c.device().stream()?);
+            let grads = Tensor::zeros(&alloc, &s, &[4], DType::F16)?;
+            let mean = DataParallel::new(c, Vec::new())?;
+            let refused = match c.rank() {
+                0 => Some(mean.all_reduce(&s, &grads)),
+                _ => None,
+            };
+            mean.with_reduction(GradReduction::Sum)?.all_reduce(&s, &grads)?;
+            s.synchronize()?;
+            Ok(refused.map(|r| r.map_err(|e| (matches!(e, Error::UnsupportedDType { .. }), e.to_string()))))
+        });
+        let mut ranks = out.into_iter().map(|r| r.expect("the sum ran on every rank"));
+        let Some(Some(Err((typed, message)))) = ranks.next() else { panic!("rank 0's mean of f16 was not refused") };
+        assert!(typed && message.contains("DataParallel::all_reduce (mean)"), "{message}");
     }
 
     #[test]

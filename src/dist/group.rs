@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::{rendezvous, RankWatch};
-use crate::device::{CommErrorKind, CommOptions, Communicator, Device, NcclId, SimConfig, Stream};
+use crate::device::{CommErrorKind, CommOptions, Communicator, Device, DeviceKind, NcclId, SimConfig, Stream};
 use crate::{Error, Result};
 
 /// Where this process sits in its group, as torchrun and `graphed launch` say it.
@@ -96,7 +96,8 @@ fn env_error(var: &'static str, why: String) -> Error {
 
 /// A rank of a group of processes, one GPU each, joined by NCCL, and watching the others: a
 /// rank whose process dies, or that drops its group without [`leave`](ProcessGroup::leave), is
-/// named to the others (see [`ProcessGroup::wait`]).
+/// named to the others (see [`ProcessGroup::wait`]). On the simulator, a rank of simulated
+/// devices, threads of one process ([`ProcessGroup::simulated`]).
 #[derive(Debug, Clone)]
 pub struct ProcessGroup {
     env: RankEnv,
@@ -158,6 +159,45 @@ impl ProcessGroup {
         let id = NcclId::from_bytes(bytes);
         let comm = Communicator::nccl_watching(dev, env.rank, env.world, &id, options, &|| watch.error())?;
         watch.abort_on_death(&comm);
+        Ok(ProcessGroup { env, comm, watch: Arc::new(watch) })
+    }
+
+    /// Rank `comm.rank()` of a group of simulated devices (a communicator of
+    /// [`Communicator::sim_group`], whose ranks are threads of this process), as a process group:
+    /// so that a program written for processes runs its ranks on the simulator with nothing
+    /// else changed (`graphed launch -- train --device sim`). Its place says rank and world,
+    /// `local_rank` is the rank (its simulated device), and there is no rendezvous
+    /// (`master_addr` is empty, `master_port` 0). A rank that leaves is seen by the simulator's
+    /// collectives themselves: the others' waits on it fail with [`CommErrorKind::RankGone`]
+    /// naming it, so [`check`](ProcessGroup::check) has nothing more to say.
+    ///
+    /// ```
+    /// use graphed::device::{CommOptions, SimConfig};
+    /// use graphed::dist::{on_sim_ranks, ProcessGroup};
+    /// let places = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |comm| {
+    ///     let group = ProcessGroup::simulated(comm.clone())?;
+    ///     group.check()?;
+    ///     Ok((group.env().rank, group.env().world))
+    /// });
+    /// assert_eq!(places.into_iter().collect::<graphed::Result<Vec<_>>>()?, [(0, 2), (1, 2)]);
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a communicator of GPUs (join those with
+    /// [`join`](ProcessGroup::join)).
+    pub fn simulated(comm: Communicator) -> Result<ProcessGroup> {
+        if comm.device().kind() != DeviceKind::Sim {
+            return Err(Error::Unsupported {
+                op: "ProcessGroup::simulated",
+                backend: "cuda",
+                why: "a simulated group takes a communicator of Communicator::sim_group; a rank of GPUs joins with ProcessGroup::join",
+            });
+        }
+        let (rank, world) = (comm.rank(), comm.size());
+        let env = RankEnv { rank, world, local_rank: rank, master_addr: String::new(), master_port: 0 };
+        // Nothing to watch: no other process holds a rank.
+        let watch = RankWatch::start(rank, Vec::new())?;
         Ok(ProcessGroup { env, comm, watch: Arc::new(watch) })
     }
 

@@ -1,5 +1,6 @@
-//! Several devices, beside layer 7 (above the graph layer): process groups, data parallelism and
-//! pipeline parallelism over the collectives of [`Communicator`](crate::device::Communicator).
+//! Several devices, beside layer 7 (above the graph layer): process groups, data parallelism (the
+//! gradients averaged over the ranks by default, or summed: [`GradReduction`]) and pipeline
+//! parallelism over the collectives of [`Communicator`](crate::device::Communicator).
 //!
 //! One process per GPU, started by `graphed launch` or any launcher that sets torchrun's
 //! variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`):
@@ -20,6 +21,6 @@ mod watch;
 pub use rendezvous::meet;
 pub use watch::RankWatch;
 
-pub use data_parallel::DataParallel;
+pub use data_parallel::{DataParallel, GradReduction};
 pub use group::{on_ranks, on_sim_ranks, ProcessGroup, RankEnv};
 pub use pipeline::P2pLinks;

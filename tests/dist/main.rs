@@ -1,17 +1,18 @@
 //! Several ranks: the rendezvous, and data parallelism inside the captured backward graphs,
-//! bit for bit against one rank that accumulates every microbatch, on simulated ranks and (the
+//! averaged or summed, bit for bit against one rank that accumulates every microbatch, on simulated ranks and (the
 //! `two_gpus` tests) on two GPUs through NCCL.
 
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use graphed::device::{AccessMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, Stream};
-use graphed::dist::{meet, on_sim_ranks, DataParallel, RankEnv, RankWatch};
+use graphed::dist::{meet, on_sim_ranks, DataParallel, GradReduction, RankEnv, RankWatch};
 use graphed::graph::{make_graphed_callables, make_graphed_stack, Callable, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     Builder, GradHook, Inputs, Layers, Module, Param, ParamStore, SaveHook, Stack, TransformerCtx, TransformerLayer,
 };
+use graphed::ops::elementwise::scale;
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -66,19 +67,42 @@ const STEPS: u64 = 3;
 /// Per step, the gradients before the optimizer and the parameters after it.
 type Trace = Vec<(Vec<f32>, Vec<f32>)>;
 
-/// One rank, graphed, accumulating `ranks` microbatches per step.
-fn one_rank(dev: &Device, ranks: u64) -> anyhow::Result<Trace> {
+/// What one rank that sees every rank's microbatch takes as its step's gradients.
+#[derive(Debug, Clone, Copy)]
+enum Whole {
+    /// The microbatches' gradients accumulated: what the ranks' sum holds.
+    Sum,
+    /// The gradients of the whole batch's mean loss: each microbatch's output gradient divided
+    /// by the `ranks` (a power of two: exact), accumulated. What the ranks' mean holds.
+    MeanLoss,
+    /// The accumulated gradients scaled by `1/ranks` once, as the ranks' mean scales its sum:
+    /// what the mean holds for any number of ranks (see Note [Where the mean divides]).
+    SumScaled,
+}
+
+/// One rank, graphed, accumulating `ranks` microbatches per step, its gradients as `whole` says.
+fn one_rank(dev: &Device, ranks: u64, whole: Whole) -> anyhow::Result<Trace> {
     let m = model(dev, false)?;
     let (x0, _) = data(&m, 0, 0)?;
     let graphed = make_graphed_stack(&m.alloc, &m.stack, &x0, GraphOptions::default())?;
+    let k = 1.0 / ranks as f32;
     let mut trace = Vec::new();
     for step in 0..STEPS {
-        for k in 0..ranks {
-            let (x, dy) = data(&m, step, k)?;
+        for r in 0..ranks {
+            let (x, mut dy) = data(&m, step, r)?;
+            if let Whole::MeanLoss = whole {
+                let scaled = Tensor::zeros(&m.alloc, &m.s, dy.shape(), dy.dtype())?;
+                scale::<f32>(scaled.view()?, dy.view()?, k, &m.s)?;
+                dy = scaled;
+            }
             graphed.forward(&m.s, &x, Replay::caller())?;
             graphed.backward(&m.s, &dy)?;
         }
         graphed.join(&m.s)?;
+        if let Whole::SumScaled = whole {
+            let grads = m.store.grads()?;
+            scale::<f32>(grads.view()?, grads.view()?, k, &m.s)?;
+        }
         let grads = m.store.grads()?.to_vec::<f32>(&m.s)?;
         m.opt.step(&m.s)?;
         trace.push((grads, m.store.values()?.to_vec::<f32>(&m.s)?));
@@ -86,12 +110,30 @@ fn one_rank(dev: &Device, ranks: u64) -> anyhow::Result<Trace> {
     Ok(trace)
 }
 
+/// The reduction of `comm`'s data-parallel group over `m`'s layers, combining as `reduction` says.
+fn reduction_of(
+    comm: &Communicator,
+    m: &Model,
+    callables: Option<&[&dyn Callable]>,
+    reduction: GradReduction,
+) -> graphed::Result<std::sync::Arc<DataParallel>> {
+    let dp = match callables {
+        Some(c) => DataParallel::for_callables(comm, &m.store, c)?,
+        None => DataParallel::for_stack(comm, &m.store, &m.stack)?,
+    };
+    match reduction {
+        // The default.
+        GradReduction::Mean => Ok(dp),
+        other => dp.with_reduction(other),
+    }
+}
+
 /// Rank `comm.rank()` of a data-parallel group, graphed with the reduction inside the backward
 /// graphs and replayed on a side stream; with `split_dw`, the layers' weight gradients in passes
 /// of their own, which the reduction follows.
-fn data_parallel(comm: &Communicator, split_dw: bool) -> anyhow::Result<Trace> {
+fn data_parallel(comm: &Communicator, split_dw: bool, reduction: GradReduction) -> anyhow::Result<Trace> {
     let m = model(comm.device(), split_dw)?;
-    let dp = DataParallel::for_stack(comm, &m.store, &m.stack)?;
+    let dp = reduction_of(comm, &m, None, reduction)?;
     let (x0, _) = data(&m, 0, 0)?;
     let (side, ready) = (comm.device().stream()?, comm.device().event()?);
     let options = GraphOptions::default().sync_event(&ready).grad_sync(dp);
@@ -114,10 +156,10 @@ fn data_parallel(comm: &Communicator, split_dw: bool) -> anyhow::Result<Trace> {
 
 /// As [`data_parallel`], with the whole stack graphed as one callable: its layers tell the
 /// reduction one by one, inside the one backward graph.
-fn data_parallel_one_callable(comm: &Communicator) -> anyhow::Result<Trace> {
+fn data_parallel_one_callable(comm: &Communicator, reduction: GradReduction) -> anyhow::Result<Trace> {
     let m = model(comm.device(), false)?;
     let callables: [&dyn Callable; 1] = [&m.stack];
-    let dp = DataParallel::for_callables(comm, &m.store, &callables)?;
+    let dp = reduction_of(comm, &m, Some(&callables), reduction)?;
     let (x0, _) = data(&m, 0, 0)?;
     let (side, ready) = (comm.device().stream()?, comm.device().event()?);
     let options = GraphOptions::default().sync_event(&ready).grad_sync(dp);
@@ -138,22 +180,48 @@ fn data_parallel_one_callable(comm: &Communicator) -> anyhow::Result<Trace> {
 
 #[test]
 fn two_ranks_with_a_microbatch_each_equal_one_rank_with_both_bit_for_bit_and_race_free() -> anyhow::Result<()> {
-    let want = one_rank(&Device::sim(), 2)?;
-    for policy in Policy::ALL {
-        data_parallel_equals(&want, Ranks::Sim(policy), |c| data_parallel(c, false))?;
+    let sim = Device::sim();
+    for (reduction, whole) in [(GradReduction::Sum, Whole::Sum), (GradReduction::Mean, Whole::MeanLoss)] {
+        let want = one_rank(&sim, 2, whole)?;
+        for policy in Policy::ALL {
+            data_parallel_equals(&want, Ranks::Sim(policy), 2, |c| data_parallel(c, false, reduction))?;
+        }
+        data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 2, |c| data_parallel(c, true, reduction))?;
+        data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 2, |c| data_parallel_one_callable(c, reduction))?;
     }
-    data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), |c| data_parallel(c, true))?;
-    data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), data_parallel_one_callable)
+    // Halving is exact: the mean is the whole batch's mean loss, and the sum scaled once.
+    ensure!(one_rank(&sim, 2, Whole::MeanLoss)? == one_rank(&sim, 2, Whole::SumScaled)?);
+    Ok(())
 }
 
-/// Two data-parallel ranks `on`, each running `rank`, give `want`'s gradients and parameters at
+/// Three ranks, whose `1/3` is not a power of two: the sum is still one rank accumulating the
+/// three microbatches (the simulator adds in rank order, as that rank does), and the mean that
+/// sum scaled once, bit for bit; the default reduction is the mean.
+#[test]
+fn three_ranks_sum_as_one_rank_accumulates_and_average_as_it_scales_that_sum_once() -> anyhow::Result<()> {
+    let sim = Device::sim();
+    for (reduction, whole) in [(GradReduction::Sum, Whole::Sum), (GradReduction::Mean, Whole::SumScaled)] {
+        let want = one_rank(&sim, 3, whole)?;
+        data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 3, |c| data_parallel(c, true, reduction))?;
+    }
+    let defaults = on_sim_ranks(3, SimConfig::default(), CommOptions::default(), |c| {
+        Ok(DataParallel::new(c, Vec::new())?.reduction())
+    });
+    for d in defaults {
+        ensure!(d? == GradReduction::Mean, "the default reduction averages");
+    }
+    Ok(())
+}
+
+/// `n` data-parallel ranks `on`, each running `rank`, give `want`'s gradients and parameters at
 /// every step, and their checkers stay quiet.
 fn data_parallel_equals(
     want: &Trace,
     on: Ranks,
+    n: usize,
     rank: impl Fn(&Communicator) -> anyhow::Result<Trace> + Sync,
 ) -> anyhow::Result<()> {
-    let ranks = on.run(2, CommOptions::default(), |c| {
+    let ranks = on.run(n, CommOptions::default(), |c| {
         let trace = rank(c);
         Ok((trace, graphed::check::Checker::of(c.device()).expect("checked").take_hazards()))
     })?;
@@ -243,8 +311,9 @@ fn a_layer_that_tells_its_gradients_final_too_early_is_caught_by_the_checker() -
         ensure!(!hazards.is_empty(), "rank {r}: the early reduction went unnoticed");
         for h in &hazards {
             let earlier = h.earlier.as_ref().map(|o| o.op.as_str());
+            // The reduction is the all-reduce and, for the mean, the scaling after it.
             ensure!(
-                h.buffer == Some(grads) && earlier == Some("all_reduce"),
+                h.buffer == Some(grads) && matches!(earlier, Some("all_reduce" | "scale_f32")),
                 "rank {r}: a hazard other than the reduction racing the gradients: {h:?}"
             );
         }
@@ -443,9 +512,13 @@ mod two_gpus {
     #[test]
     #[ignore = "needs two CUDA GPUs and NCCL"]
     fn two_gpus_with_a_microbatch_each_equal_one_gpu_with_both_bit_for_bit() -> anyhow::Result<()> {
-        let want = one_rank(&Device::cuda_checked(0)?, 2)?;
-        data_parallel_equals(&want, Ranks::Gpus, |c| data_parallel(c, false))?;
-        data_parallel_equals(&want, Ranks::Gpus, |c| data_parallel(c, true))?;
-        data_parallel_equals(&want, Ranks::Gpus, data_parallel_one_callable)
+        let gpu = Device::cuda_checked(0)?;
+        for (reduction, whole) in [(GradReduction::Sum, Whole::Sum), (GradReduction::Mean, Whole::MeanLoss)] {
+            let want = one_rank(&gpu, 2, whole)?;
+            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, false, reduction))?;
+            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, true, reduction))?;
+            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel_one_callable(c, reduction))?;
+        }
+        Ok(())
     }
 }

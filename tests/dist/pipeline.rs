@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use anyhow::{ensure, Context};
 use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
-use graphed::dist::{on_sim_ranks, DataParallel, P2pLinks};
+use graphed::dist::{on_sim_ranks, DataParallel, GradReduction, P2pLinks};
 
 use crate::common::Ranks;
 use graphed::graph::{make_graphed_schedule, Callable, GraphOptions, GraphedSchedule};
@@ -166,7 +166,9 @@ fn stage(comm: &Communicator, dp: Option<&Communicator>, pipe: Pipeline, how: Ho
             let samples: Vec<Inputs> = (0..p.layers.len() * microbatches).map(|_| Inputs::one(&x0)).collect();
             let mut options = GraphOptions::default().reuse_buffers(true);
             if let Some(dp) = dp {
-                options = options.grad_sync(DataParallel::for_callables(dp, &p.store, &layers)?);
+                // Summed, as the eager path's all-reduce sums (the default mean is tested in main.rs).
+                let reduce = DataParallel::for_callables(dp, &p.store, &layers)?.with_reduction(GradReduction::Sum)?;
+                options = options.grad_sync(reduce);
             }
             Some(make_graphed_schedule(&p.alloc, &layers, &schedule, &samples, options)?)
         }

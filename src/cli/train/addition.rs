@@ -66,21 +66,38 @@ pub fn held_out(n: usize, seed: u64) -> Vec<(u32, u32)> {
 }
 
 /// A training batch: inputs and next-token targets `(B·INPUT)`, and loss weights that keep the
-/// answer positions only, averaged over the batch.
+/// answer positions only, averaged over the batch (or over a larger one it is a part of).
 pub struct Batch {
     pub inputs: Vec<u32>,
     pub targets: Vec<u32>,
     pub weights: Vec<f32>,
 }
 
-/// Draws a batch of `b` sums that are not in `held_out`.
-pub fn batch(rng: &mut SmallRng, b: usize, held_out: &HashSet<(u32, u32)>) -> Batch {
+impl Batch {
+    /// Part `index` of `parts` equal parts, in order (a rank's share of the whole batch), its
+    /// weights as they were.
+    pub fn part(self, index: usize, parts: usize) -> Batch {
+        fn cut<T>(v: Vec<T>, index: usize, parts: usize) -> Vec<T> {
+            let len = v.len() / parts;
+            v.into_iter().skip(index * len).take(len).collect()
+        }
+        Batch {
+            inputs: cut(self.inputs, index, parts),
+            targets: cut(self.targets, index, parts),
+            weights: cut(self.weights, index, parts),
+        }
+    }
+}
+
+/// Draws a batch of `b` sums that are not in `held_out`, whose weights average over `over` sums
+/// (`b`, or the whole batch `b` is a rank's part of).
+pub fn batch(rng: &mut SmallRng, b: usize, over: usize, held_out: &HashSet<(u32, u32)>) -> Batch {
     let mut batch = Batch {
         inputs: Vec::with_capacity(b * INPUT),
         targets: Vec::with_capacity(b * INPUT),
         weights: Vec::with_capacity(b * INPUT),
     };
-    let weight = 1.0 / (b * ANSWER) as f32;
+    let weight = 1.0 / (over * ANSWER) as f32;
     while batch.inputs.len() < b * INPUT {
         let pair = (rng.random_range(0..MAX), rng.random_range(0..MAX));
         if held_out.contains(&pair) {
@@ -109,7 +126,7 @@ mod tests {
     fn batches_avoid_held_out_sums_and_weigh_only_answers() {
         let held: HashSet<(u32, u32)> = held_out(500, 1).into_iter().collect();
         let mut rng = SmallRng::seed_from_u64(2);
-        let b = batch(&mut rng, 64, &held);
+        let b = batch(&mut rng, 64, 64, &held);
         assert_eq!(b.inputs.len(), 64 * INPUT);
         assert!((b.weights.iter().sum::<f32>() - 1.0).abs() < 1e-5);
         for ex in b.inputs.chunks(INPUT) {
@@ -117,5 +134,16 @@ mod tests {
             let c = ex[4..7].iter().fold(0, |acc, d| acc * 10 + d);
             assert!(!held.contains(&(a, c)));
         }
+    }
+
+    #[test]
+    fn a_part_of_a_batch_is_its_slice_of_whole_sums_with_the_wholes_weights() {
+        let mut rng = SmallRng::seed_from_u64(3);
+        let whole = batch(&mut rng, 6, 6, &HashSet::new());
+        let (inputs, weights) = (whole.inputs.clone(), whole.weights.clone());
+        let second = whole.part(1, 3);
+        assert_eq!(second.inputs, inputs[2 * INPUT..4 * INPUT]);
+        assert_eq!(second.targets.len(), 2 * INPUT);
+        assert_eq!(second.weights, weights[2 * INPUT..4 * INPUT]);
     }
 }

@@ -21,16 +21,41 @@ mod training;
 mod upload;
 
 use graphed::device::Device;
-use graphed::dist::RankEnv;
+use graphed::dist::{ProcessGroup, RankEnv};
 
 use super::args::TrainArgs;
+pub use training::check;
 use training::Training;
 
-/// Trains; `env` when launched as one rank of several (data parallel, rank 0 reports). Nothing
-/// runs unless the whole run can ([`Training::setup`]); its steps' failure, once what was
-/// reported is kept, or its interrupt, once saved, is returned for `main` to end with.
-pub fn run(dev: &Device, args: &TrainArgs, env: Option<RankEnv>) -> anyhow::Result<()> {
-    let mut training = Training::setup(dev, args, env)?;
+/// Where a `train` run finds the other ranks of its group: the only thing that differs between
+/// a single process, a process launched as a rank of several and a simulated rank.
+pub enum Joining {
+    /// One process, on its own.
+    Alone,
+    /// One process per GPU (`graphed launch`, torchrun): it meets the others over TCP and joins
+    /// their NCCL group once the run is known to be able to start.
+    Launched(RankEnv),
+    /// A simulated rank, a thread of this process, whose group is made already (`graphed launch
+    /// -- train --device sim`).
+    Simulated(ProcessGroup),
+}
+
+impl Joining {
+    /// Whether this rank reports, saves and plots for the group: rank 0, or the only one.
+    fn lead(&self) -> bool {
+        match self {
+            Joining::Alone => true,
+            Joining::Launched(env) => env.rank == 0,
+            Joining::Simulated(g) => g.env().rank == 0,
+        }
+    }
+}
+
+/// Trains, alone or as a rank of a data-parallel group (`joining`; rank 0 reports). Nothing runs
+/// unless the whole run can ([`Training::setup`]); its steps' failure, once what was reported is
+/// kept, or its interrupt, once saved, is returned for `main` to end with.
+pub fn run(dev: &Device, args: &TrainArgs, joining: Joining) -> anyhow::Result<()> {
+    let mut training = Training::setup(dev, args, joining)?;
     let trained = training.steps();
     training.finish(trained)
 }

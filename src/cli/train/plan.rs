@@ -103,8 +103,10 @@ impl Plan {
     }
 
     /// What every rank of a group must agree on to build the same model and issue the same
-    /// collectives, for a run resumed after `start` steps: the same steps, and each reduced the
-    /// same way (after an eager step, or inside the graphs of a stack or of a schedule).
+    /// collectives, for a run resumed after `start` steps: the same steps, each reduced the
+    /// same way (after an eager step, or inside the graphs of a stack or of a schedule), and the
+    /// gradients combined the same way (a rank that sums among ranks that average would weigh
+    /// its loss otherwise and skip their scaling).
     pub fn signature(&self, args: &TrainArgs, start: usize) -> String {
         let reduced = match (args.schedule, args.eager) {
             (false, true) => "eagerly".to_string(),
@@ -118,12 +120,13 @@ impl Plan {
             }
         };
         format!(
-            "{:?}; {} parameters; batch {}; steps {start} to {} of {}; reduced {reduced}",
+            "{:?}; {} parameters; batch {}; steps {start} to {} of {}; reduced {reduced}; gradients' {}",
             self.config,
             self.config.parameter_count(),
             self.batch,
             self.stop,
-            self.steps
+            self.steps,
+            graphed::dist::GradReduction::from(args.grad_reduce)
         )
     }
 }

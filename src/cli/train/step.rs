@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use graphed::device::{Communicator, Stream};
-use graphed::dist::DataParallel;
+use graphed::dist::{DataParallel, GradReduction};
 use graphed::graph::{make_graphed_fn, make_graphed_stack, GradSync, GraphOptions, GraphedFn, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Chunk, Gpt, KeepOnDevice, Module, SaveHook};
@@ -63,14 +63,21 @@ impl Stepper {
         comm: Option<&Communicator>,
     ) -> anyhow::Result<Stepper> {
         let dev = stream.device();
+        let reduction = GradReduction::from(args.grad_reduce);
+        let reducing = |dp: Arc<DataParallel>| match reduction {
+            GradReduction::Mean => Ok(dp),
+            other => dp.with_reduction(other),
+        };
         let data_parallel = match comm {
             None => None,
             // Eager, every gradient is reduced after the step's last backward.
-            Some(c) if args.eager => Some((DataParallel::new(c, Vec::new())?, vec![model.parameters().grads()?])),
+            Some(c) if args.eager => {
+                Some((reducing(DataParallel::new(c, Vec::new())?)?, vec![model.parameters().grads()?]))
+            }
             Some(c) => {
                 let in_layers: Vec<_> = model.layers().layers().iter().flat_map(|l| l.parameters()).collect();
                 let rest = model.parameters().grads_outside(&in_layers)?;
-                Some((DataParallel::for_stack(c, model.parameters(), model.layers())?, rest))
+                Some((reducing(DataParallel::for_stack(c, model.parameters(), model.layers())?)?, rest))
             }
         };
         let offload = args.offload.config(dev).map(|c| OffloadManager::new(alloc, c)).transpose()?;
@@ -119,7 +126,7 @@ impl Stepper {
     pub fn describe(&self) -> String {
         let offload = if self.offload.is_some() { ", activations offloaded to host memory" } else { "" };
         let parallel = match &self.data_parallel {
-            Some((dp, _)) => format!(", data parallel over {} ranks", dp.comm().size()),
+            Some((dp, _)) => format!(", data parallel over {} ranks (gradients' {})", dp.comm().size(), dp.reduction()),
             None => String::new(),
         };
         let optimizer = if self.optimizer.is_some() { " and a graphed optimizer step" } else { "" };

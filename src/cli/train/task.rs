@@ -4,12 +4,14 @@
 use std::collections::HashSet;
 
 use graphed::device::Stream;
+use graphed::dist::GradReduction;
 use graphed::memory::CachingAllocator;
 use graphed::nn::Gpt;
 use graphed::tensor::Tensor;
 use rand::rngs::SmallRng;
 
-use super::{addition, text};
+use super::addition::{self, Batch};
+use super::text;
 use crate::cli::args::TrainArgs;
 
 /// What the model learns.
@@ -41,12 +43,29 @@ impl Task {
         }
     }
 
-    /// A training batch of `b` sequences.
-    pub fn batch(&self, rng: &mut SmallRng, b: usize) -> addition::Batch {
-        match self {
-            Task::Addition { held_set, .. } => addition::batch(rng, b, held_set),
-            Task::Text(c) => c.batch(rng, b),
-        }
+    /// Rank `rank`'s training batch of `b` sequences: its part of the whole batch of the `world`
+    /// ranks, drawn whole by every rank (so that the data does not depend on how the batch is
+    /// split: a group trains on what one process does with the whole batch). Its loss weights
+    /// average over its own `b` sequences when the ranks' gradients are averaged, over the
+    /// whole batch when they are summed: either way the gradients combine into the whole
+    /// batch's mean loss.
+    pub fn batch(
+        &self,
+        rng: &mut SmallRng,
+        b: usize,
+        (rank, world): (usize, usize),
+        reduction: GradReduction,
+    ) -> Batch {
+        let whole = b * world;
+        let over = match reduction {
+            GradReduction::Mean => b,
+            GradReduction::Sum => whole,
+        };
+        let batch = match self {
+            Task::Addition { held_set, .. } => addition::batch(rng, whole, over, held_set),
+            Task::Text(c) => c.batch(rng, whole, over),
+        };
+        batch.part(rank, world)
     }
 
     /// What the loss is of.

@@ -52,8 +52,9 @@ impl Corpus {
     }
 
     /// `b` random windows of the training bytes: each position predicts the next byte, every
-    /// position weighed `1 / (b · seq)` (the loss is the mean cross-entropy per byte).
-    pub fn batch(&self, rng: &mut SmallRng, b: usize) -> Batch {
+    /// position weighed `1 / (over · seq)` (the loss is the mean cross-entropy per byte over
+    /// `over` windows: `b`, or the whole batch `b` is a rank's part of).
+    pub fn batch(&self, rng: &mut SmallRng, b: usize, over: usize) -> Batch {
         let mut batch = Batch { inputs: Vec::new(), targets: Vec::new(), weights: Vec::new() };
         for _ in 0..b {
             let at = rng.random_range(0..self.train.len() - self.seq);
@@ -61,7 +62,7 @@ impl Corpus {
             batch.inputs.extend(window[..self.seq].iter().map(|&c| u32::from(c)));
             batch.targets.extend(window[1..].iter().map(|&c| u32::from(c)));
         }
-        batch.weights = vec![1.0 / (b * self.seq) as f32; b * self.seq];
+        batch.weights = vec![1.0 / (over * self.seq) as f32; b * self.seq];
         batch
     }
 

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use graphed::device::{CommErrorKind, Device, DeviceKind, Stream};
-use graphed::dist::{ProcessGroup, RankEnv};
+use graphed::dist::{GradReduction, ProcessGroup};
 use graphed::memory::CachingAllocator;
 use graphed::nn::Gpt;
 use graphed::optim::AdamW;
@@ -26,7 +26,7 @@ use super::plan::{self, Plan};
 use super::step::Stepper;
 use super::task::Task;
 use super::upload::{Uploaded, Uploader};
-use super::{checkpoint, memory, outputs};
+use super::{checkpoint, memory, outputs, Joining};
 use crate::cli::args::TrainArgs;
 use crate::cli::exit::Interrupted;
 use crate::cli::group;
@@ -85,8 +85,12 @@ pub struct Training<'a> {
     summary_shown: bool,
     stepper: Stepper,
     group: Option<ProcessGroup>,
-    /// This process's rank; 0 without a group.
+    /// This rank; 0 without a group.
     rank: usize,
+    /// The group's ranks; 1 without a group.
+    world: usize,
+    /// How the ranks' gradients combine, which decides what each rank's loss weighs.
+    reduction: GradReduction,
     interrupt: Interrupt,
     optimizer: AdamW,
     model: Gpt,
@@ -96,9 +100,9 @@ pub struct Training<'a> {
 
 impl<'a> Training<'a> {
     /// Refuses the run before anything is built if it cannot run as asked, then builds it on
-    /// `dev`; `env` when launched as one rank of several (data parallel, rank 0 reports).
-    pub fn setup(dev: &Device, args: &'a TrainArgs, env: Option<RankEnv>) -> anyhow::Result<Training<'a>> {
-        let lead = env.as_ref().is_none_or(|e| e.rank == 0);
+    /// `dev`, alone or joining a data-parallel group as `joining` says (rank 0 reports).
+    pub fn setup(dev: &Device, args: &'a TrainArgs, joining: Joining) -> anyhow::Result<Training<'a>> {
+        let lead = joining.lead();
         let (task, plan) = refusals(dev, args, lead)?;
         let interrupt = Interrupt::install()?;
         let s = dev.stream()?;
@@ -116,8 +120,14 @@ impl<'a> Training<'a> {
             Some(dir) => checkpoint::resume(dir, (&model, &optimizer), &alloc, &s, args, plan.saved(), plan.stop)?,
             None => 0,
         };
-        let group = group::join(dev, env, &plan.signature(args, start))?;
-        let rank = group.as_ref().map_or(0, |g| g.env().rank);
+        let group = match joining {
+            Joining::Alone => None,
+            Joining::Launched(env) => group::join(dev, Some(env), &plan.signature(args, start))?,
+            // Its ranks are threads of this process, given the same arguments: the same model.
+            Joining::Simulated(g) => Some(g),
+        };
+        let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.env().rank, g.env().world));
+        let reduction = GradReduction::from(args.grad_reduce);
         announce_device(dev, args, group.as_ref(), lead, start);
         let comm = group.as_ref().map(|g| g.comm());
         // Every rank's scales from the amaxes of the whole batch, as one GPU would compute them.
@@ -125,13 +135,14 @@ impl<'a> Training<'a> {
             fp8.reduce_amaxes_over(c)?;
         }
         let stepper = Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args, comm)?;
-        let summary_shown = announce_model(lead, &plan, &stepper, group.as_ref(), &task);
-        let mut rng = SmallRng::seed_from_u64(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9));
+        let summary_shown = announce_model(lead, &plan, &stepper, group.as_ref(), &task, reduction);
+        // Every rank draws the whole batch and keeps its part (see `Task::batch`).
+        let mut rng = SmallRng::seed_from_u64(args.seed);
         let started = Instant::now();
         let metrics = Metrics::open(args.metrics.as_deref().filter(|_| lead), args.resume.as_ref().map(|_| start))?;
         // The data of the steps a resumed run already took, drawn and dropped.
         for _ in 0..start {
-            task.batch(&mut rng, plan.batch);
+            task.batch(&mut rng, plan.batch, (rank, world), reduction);
         }
         let uploader = Uploader::new(dev, plan.batch, plan.config.max_len)?;
         let bar = progress_bar(lead, plan.steps, start);
@@ -151,6 +162,8 @@ impl<'a> Training<'a> {
             stepper,
             group,
             rank,
+            world,
+            reduction,
             interrupt,
             optimizer,
             model,
@@ -177,7 +190,7 @@ impl<'a> Training<'a> {
             // Nothing more for a group that lost a rank: its error names the rank.
             g.check()?;
         }
-        let batch = self.task.batch(&mut self.rng, self.plan.batch);
+        let batch = self.task.batch(&mut self.rng, self.plan.batch, (self.rank, self.world), self.reduction);
         // A group's check, polled by waits that a dead rank's collectives would otherwise block.
         let watch = self.group.as_ref().map(|g| move || g.check());
         let watch = watch.as_ref().map(|w| w as &dyn Fn() -> graphed::Result<()>);
@@ -227,8 +240,12 @@ impl<'a> Training<'a> {
     fn report(&mut self, step: usize, losses: &Tensor, weights: &[f32]) -> anyhow::Result<()> {
         let l = losses.to_vec::<f32>(&self.s)?;
         let mine = l.iter().zip(weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
-        // Data parallel: the loss of the whole batch, every rank's part of it.
-        let loss = group::mean_over_ranks(self.group.as_ref(), &self.alloc, &self.s, mine)?;
+        // Data parallel: the loss of the whole batch, every rank's part of it: the mean of the
+        // ranks' own means, or the sum of their shares of the whole batch's (see `Task::batch`).
+        let loss = match self.reduction {
+            GradReduction::Mean => group::mean_over_ranks(self.group.as_ref(), &self.alloc, &self.s, mine)?,
+            GradReduction::Sum => group::sum_over_ranks(self.group.as_ref(), &self.alloc, &self.s, mine)?,
+        };
         self.progress.last_loss = loss;
         health::loss(step, loss, self.args.on_nonfinite)?;
         self.bar.set_message(format!("loss {loss:.4}"));
@@ -290,11 +307,14 @@ impl<'a> Training<'a> {
         self.score(wall)
     }
 
-    /// The error `e` of a rank whose group failed, with nothing of the run dropped. A group that
-    /// failed cannot be torn down: its collectives may never end, and freeing the memory they use
-    /// (or the graphs and communicators) waits for them. So the run is forgotten, not dropped:
-    /// `main` ends the process with the error, and the driver reclaims the GPU as the process
-    /// ends, as after PyTorch's NCCL watchdog.
+    /// The error `e` of a rank whose group failed, with nothing of the run dropped on GPUs. A
+    /// group of GPUs that failed cannot be torn down: its collectives may never end, and freeing
+    /// the memory they use (or the graphs and communicators) waits for them. So the run is
+    /// forgotten, not dropped: `main` ends the process with the error, and the driver reclaims
+    /// the GPU as the process ends, as after PyTorch's NCCL watchdog. Simulated ranks are
+    /// threads of a process that goes on, and the simulator's waits end by themselves (a rank
+    /// gone, a deadlock, the timeout): there the run is dropped, which takes this rank out of
+    /// the group, so that the others' waits on it fail at once naming it.
     fn abandon(self, e: &anyhow::Error) -> anyhow::Error {
         // A dead rank explains whatever failed after it died (work of the aborted communicator):
         // its error comes first, the failure it caused below it.
@@ -304,7 +324,10 @@ impl<'a> Training<'a> {
             _ => anyhow::anyhow!("{e:#}"),
         };
         let rank = self.rank;
-        std::mem::forget(self);
+        match self.s.device().kind() {
+            DeviceKind::Cuda => std::mem::forget(self),
+            DeviceKind::Sim => drop(self),
+        }
         err.context(format!("rank {rank}"))
     }
 
@@ -349,6 +372,13 @@ fn say(lead: bool, line: &str) {
     }
 }
 
+/// Refuses, as rank 0 of a group or a single process would, a run that cannot run on `dev`:
+/// what simulated ranks check once, before any rank is built (each rank checks again as it
+/// sets up, as every process does).
+pub fn check(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
+    refusals(dev, args, true).map(drop)
+}
+
 /// What can be refused before anything is built: the flags, the output files (rank 0's, `lead`),
 /// the task's data, the plan and the memory it needs.
 fn refusals(dev: &Device, args: &TrainArgs, lead: bool) -> anyhow::Result<(Task, Plan)> {
@@ -367,7 +397,14 @@ fn refusals(dev: &Device, args: &TrainArgs, lead: bool) -> anyhow::Result<(Task,
 /// where a resumed run starts.
 fn announce_device(dev: &Device, args: &TrainArgs, group: Option<&ProcessGroup>, lead: bool, start: usize) {
     if let Some(g) = group {
-        println!("rank {} of {} (GPU {} of this host)", g.env().rank, g.env().world, g.env().local_rank);
+        let (env, kind) = (g.env(), g.comm().device().kind());
+        match kind {
+            DeviceKind::Cuda => println!("rank {} of {} (GPU {} of this host)", env.rank, env.world, env.local_rank),
+            DeviceKind::Sim => println!(
+                "rank {} of {} (simulated device {}, a thread of this process)",
+                env.rank, env.world, env.local_rank
+            ),
+        }
     }
     say(lead, &format!("device: {}{}", dev.name(), nvtx(dev)));
     if let Some(dir) = &args.resume {
@@ -384,9 +421,17 @@ fn nvtx(dev: &Device) -> &'static str {
     }
 }
 
-/// Says what runs: the model and its step, the group's losses, the offload policy once frozen,
-/// the data; whether the offload policy's table was shown.
-fn announce_model(lead: bool, plan: &Plan, stepper: &Stepper, group: Option<&ProcessGroup>, task: &Task) -> bool {
+/// Says what runs: the model and its step, the group's losses and gradients (combined as
+/// `reduction` says), the offload policy once frozen, the data; whether the offload policy's
+/// table was shown.
+fn announce_model(
+    lead: bool,
+    plan: &Plan,
+    stepper: &Stepper,
+    group: Option<&ProcessGroup>,
+    task: &Task,
+    reduction: GradReduction,
+) -> bool {
     let cfg = &plan.config;
     say(
         lead,
@@ -404,8 +449,12 @@ fn announce_model(lead: bool, plan: &Plan, stepper: &Stepper, group: Option<&Pro
         ),
     );
     if let Some(g) = group {
-        let world = g.env().world;
-        say(lead, &format!("losses: the whole batch's, the mean over the {world} ranks' batches of {}", plan.batch));
+        let (world, batch) = (g.env().world, plan.batch);
+        let how = match reduction {
+            GradReduction::Mean => "gradients averaged over the ranks, each rank's loss its own batch's mean",
+            GradReduction::Sum => "gradients summed over the ranks, each rank's loss weighed by the whole batch",
+        };
+        say(lead, &format!("losses: the whole batch's ({world} ranks × {batch}, each its part of it); {how}"));
     }
     let summary_shown = stepper.offload_summary().inspect(|s| say(lead, s)).is_some();
     if let Some(data) = task.describe() {
