@@ -2,8 +2,9 @@
 //! static surface (R2, R3, R7), executables instantiated and uploaded, outputs' origins computed.
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use super::graphed::{Captured, GraphedCallable, Pass, Shared, Slot, StaticState};
+use super::graphed::{CaptureTimes, Captured, GraphedCallable, Pass, Shared, Slot, StaticState};
 use super::options::GraphOptions;
 use super::output::StaticOutput;
 use super::plan::Plan;
@@ -17,28 +18,36 @@ use crate::tensor::Tensor;
 use crate::Result;
 
 /// Verifies the recorded graphs and makes one graphed callable per callable.
+/// `times` holds the warmup's and the recording's; the instantiation's is measured here.
 pub(crate) fn build(
     plan: &Plan<'_>,
     pools: &[GraphPool],
     options: &GraphOptions,
     recorded: Recorded,
+    mut times: CaptureTimes,
 ) -> Result<Vec<GraphedCallable>> {
+    let began = Instant::now();
     verify(plan, pools, options, &recorded)?;
-    let shared = Arc::new(Shared { sync_event: options.sync_event.clone(), mode: options.mode });
     let (stream, dev) = (plan.stream, plan.stream.device());
     let _range = dev.range_with(|| "instantiate".into());
     let Recorded { graphs, inputs, outputs, grad_outputs, grad_inputs } = recorded;
     let mut out = Vec::with_capacity(plan.len());
-    let per_callable = graphs.into_iter().zip(inputs).zip(outputs).zip(grad_outputs.into_iter().zip(grad_inputs));
-    for (i, (((mine, inputs), outputs), (dys, dxs))) in per_callable.enumerate() {
-        let pool = &pools[i];
+    let mut executables = Vec::with_capacity(graphs.len());
+    for (i, mine) in graphs.into_iter().enumerate() {
         let mut captured = Vec::with_capacity(mine.len());
         for (pass, graph) in mine {
-            pool.name_graph(graph.graph().id(), format!("{} {pass:?}", plan.names[i]));
+            pools[i].name_graph(graph.graph().id(), format!("{} {pass:?}", plan.names[i]));
             let exec = graph.instantiate()?;
             exec.upload(stream)?;
             captured.push(Captured { pass, graph, exec });
         }
+        executables.push(captured);
+    }
+    times.instantiate = began.elapsed();
+    let shared = Arc::new(Shared { sync_event: options.sync_event.clone(), mode: options.mode, times });
+    let per_callable = executables.into_iter().zip(inputs).zip(outputs).zip(grad_outputs.into_iter().zip(grad_inputs));
+    for (i, (((captured, inputs), outputs), (dys, dxs))) in per_callable.enumerate() {
+        let pool = &pools[i];
         let fed = plan.statics[i].is_none();
         let slots = inputs.iter().map(|x| Slot { input: x.clone(), chained: fed }).collect();
         let name = &plan.names[i];

@@ -5,7 +5,7 @@
 use super::build::build;
 use super::callable::Callable;
 use super::error::refusal;
-use super::graphed::Draws;
+use super::graphed::{CaptureTimes, Draws};
 use super::options::{GraphOptions, Mode};
 use super::plan::{Named, Plan, RangeLabel};
 use super::probe::probe_windows;
@@ -18,6 +18,7 @@ use crate::nn::{Chunk, Inputs, Module, Param, SaveHook, Schedule, Stack, Step};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 use std::sync::Arc;
+use std::time::Instant;
 
 fn refuse(kind: GraphedErrorKind) -> Error {
     Error::Graphed { callable: "make_graphed_callables".into(), kind }
@@ -260,6 +261,7 @@ fn capture(
         params.iter().map(|p| p.grad.clone()).chain(callables.iter().flat_map(|c| c.pass_state_dyn())).collect();
     let kept_before = snapshot(&stream, &kept)?;
 
+    let began = Instant::now();
     if let Some(h) = &mut options.pre_warmup {
         h(&stream)?;
     }
@@ -272,10 +274,15 @@ fn capture(
     warmed?;
     post?;
     restored?;
+    stream.synchronize()?;
+    let warmup_time = began.elapsed();
 
     let marks: Vec<(GraphPool, usize)> = distinct(&pools).into_iter().map(|p| (p.clone(), p.order_len())).collect();
-    let captured = record(&plan, &pools, &mut options, layout.as_ref())
-        .and_then(|recorded| build(&plan, &pools, &options, recorded));
+    let began = Instant::now();
+    let captured = record(&plan, &pools, &mut options, layout.as_ref()).and_then(|recorded| {
+        let times = CaptureTimes { warmup: warmup_time, record: began.elapsed(), ..CaptureTimes::default() };
+        build(&plan, &pools, &options, recorded, times)
+    });
     if captured.is_err() {
         for (pool, mark) in &marks {
             pool.roll_back(*mark);

@@ -50,6 +50,28 @@ pub(crate) struct Captured {
 pub(crate) struct Shared {
     pub(crate) sync_event: Option<Event>,
     pub(crate) mode: Mode,
+    pub(crate) times: CaptureTimes,
+}
+
+/// Where the host time of one [`make_graphed_callables`](super::make_graphed_callables) (or
+/// stack, or schedule) went: shared by the callables it made. vLLM reports its captures taking
+/// up to a minute; these say which phase to shorten.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CaptureTimes {
+    /// The warmup passes, the window probe if any, and restoring what the warmup changed, until
+    /// the device finished them.
+    pub warmup: std::time::Duration,
+    /// Recording the passes into graphs (host work only: a capture runs nothing).
+    pub record: std::time::Duration,
+    /// Verifying the graphs, instantiating them and enqueueing their uploads.
+    pub instantiate: std::time::Duration,
+}
+
+impl CaptureTimes {
+    /// The three together.
+    pub fn total(&self) -> std::time::Duration {
+        self.warmup + self.record + self.instantiate
+    }
 }
 
 /// A static tensor of a surface and what it is.
@@ -497,6 +519,11 @@ impl GraphedCallable {
         let reset: Vec<Result<()>> = state.graphs.iter_mut().map(|c| c.exec.reset()).collect();
         drop(state);
         reset.into_iter().collect()
+    }
+
+    /// Where the host time of the capture that made this callable went.
+    pub fn capture_times(&self) -> CaptureTimes {
+        self.shared.times
     }
 
     /// What was captured, for `graphed inspect`.

@@ -47,7 +47,7 @@ pub use callable::{Callable, Saved};
 pub use capture::{make_graphed_callables, make_graphed_stack};
 pub use error::GraphedErrorKind;
 pub use grad_sync::GradSync;
-pub use graphed::{static_bytes, CallableReport, GraphReport, GraphedCallable, Pass, TailOp};
+pub use graphed::{static_bytes, CallableReport, CaptureTimes, GraphReport, GraphedCallable, Pass, TailOp};
 pub use graphed_fn::{make_graphed_fn, GraphedFn};
 pub use options::{GraphOptions, Mode, Phase};
 pub(crate) use probe::{PassTimes, PROBE_REPLAYS};

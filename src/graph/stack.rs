@@ -5,7 +5,7 @@ use std::sync::{Mutex, PoisonError};
 
 use super::capture::distinct;
 use super::error::refusal;
-use super::graphed::{GraphedCallable, Pass};
+use super::graphed::{CaptureTimes, GraphedCallable, Pass};
 use super::replay::{Route, StaticTensor, Tails};
 use super::{GraphedErrorKind, Replay};
 use crate::device::{Event, RangeName, Stream};
@@ -200,6 +200,11 @@ impl GraphedStack {
     /// stack.
     pub fn layers(&self) -> &[GraphedCallable] {
         &self.layers
+    }
+
+    /// Where the host time of the stack's capture went (one capture made every layer).
+    pub fn capture_times(&self) -> CaptureTimes {
+        self.layers.first().map_or_else(CaptureTimes::default, GraphedCallable::capture_times)
     }
 
     /// The pool of the first layer (of every layer, unless captured with a pool per layer).

@@ -71,9 +71,29 @@ struct GraphsRow {
     /// Wall time of `make_graphed_callables` (its warmup iterations included) or of the floor's
     /// capture, instantiation and upload; none for eager.
     capture_ms: Option<f64>,
+    /// Of the graphed variants' `capture_ms`: the warmup's, the recording's and the
+    /// instantiation's share (issue 35's goal: the whole L step captured and instantiated in
+    /// 200 ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    capture_phases_ms: Option<CapturePhases>,
     /// What ran the layers' fused attention (`--attention-backend`), if they have one.
     #[serde(skip_serializing_if = "Option::is_none")]
     attention_backends: Option<super::layer::Backends>,
+}
+
+/// [`graphed::graph::CaptureTimes`] in milliseconds.
+#[derive(Serialize, Debug, Clone, Copy)]
+struct CapturePhases {
+    warmup: f64,
+    record: f64,
+    instantiate: f64,
+}
+
+impl CapturePhases {
+    fn of(t: graphed::graph::CaptureTimes) -> CapturePhases {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        CapturePhases { warmup: ms(t.warmup), record: ms(t.record), instantiate: ms(t.instantiate) }
+    }
 }
 
 /// Per-step samples of one variant.
@@ -118,9 +138,10 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
         Some(recipe) => BenchModel::with_fp8(&alloc, &main, config, recipe)?,
         None => BenchModel::new(&alloc, &main, config, args.dtype.storage(dev))?,
     };
-    let (samples, capture_ms, calls) = match variant {
+    let (samples, capture_ms, calls, phases) = match variant {
         Variant::Eager => {
-            (measure(dev, &main, (args.warmup, args.steps), &mut || Ok(model.eager_step(&main)?))?, None, None)
+            let samples = measure(dev, &main, (args.warmup, args.steps), &mut || Ok(model.eager_step(&main)?))?;
+            (samples, None, None, None)
         }
         Variant::Graphed | Variant::Side | Variant::Offload => {
             let (side, event) = (dev.stream()?, dev.event()?);
@@ -131,7 +152,8 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
             let on_side = (variant != Variant::Graphed).then_some((&side, &event));
             let timed =
                 time_graphed(dev, (&alloc, &main), &model, on_side, offload.as_ref(), (args.warmup, args.steps))?;
-            (timed.samples, Some(timed.capture_ms), Some(2 * config.layers))
+            let phases = CapturePhases::of(timed.graphed.capture_times());
+            (timed.samples, Some(timed.capture_ms), Some(2 * config.layers), Some(phases))
         }
         Variant::Floor => {
             // Warm up as make_graphed_callables does: the capture then sees a warm allocator
@@ -152,6 +174,7 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
                 measure(dev, &main, (args.warmup, args.steps), &mut || Ok(exec.launch(&main)?))?,
                 Some(capture_ms),
                 Some(1),
+                None,
             )
         }
     };
@@ -167,6 +190,7 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
         reserved_bytes: stats.total.reserved,
         memory: MemoryRow::of(&stats),
         capture_ms,
+        capture_phases_ms: phases,
         attention_backends: model.stack.layers().first().and_then(|l| super::layer::Backends::of(&l.attn)),
     })
 }
@@ -251,7 +275,10 @@ fn print_row(r: &GraphsRow) {
     let range = |s: &Spread, unit: &str| format!("{:.3} {unit} [{:.3}–{:.3}]", s.median, s.min, s.max);
     let gpu = r.gpu_ms.as_ref().map_or_else(|| "-".to_string(), |s| range(s, "ms"));
     let per_call = r.host_us_per_call.map_or_else(|| "-".to_string(), |v| format!("{v:.2} µs"));
-    let capture = r.capture_ms.map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms"));
+    let phases = r.capture_phases_ms.map_or_else(String::new, |p| {
+        format!(" (warmup {:.1}, record {:.1}, instantiate {:.1})", p.warmup, p.record, p.instantiate)
+    });
+    let capture = r.capture_ms.map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms{phases}"));
     println!(
         "  {:<14} wall {}  host {}  gpu {}  host/call {}  reserved {:.1} MiB  capture {}",
         r.case.variant,
