@@ -238,6 +238,26 @@ pub enum GraphedErrorKind {
         "it is a layer of a graphed stack, whose inputs are the previous layer's outputs; replay the GraphedStack"
     )]
     StackLayer,
+
+    // ---- typed edges between graphs (graph::GraphEdge) -------------------------------------------
+    /// A capture that would take an edge's end another graph holds, or both ends of one edge.
+    #[error("edge `{edge}` {why}")]
+    EdgeTaken {
+        /// The edge's name.
+        edge: String,
+        /// Which end, and what to do instead.
+        why: &'static str,
+    },
+    /// A consumer replayed before its producer's replay of this step: it would wait on the
+    /// previous step's event (or on none) and read stale data.
+    #[error(
+        "it waits on edge `{edge}`, whose producer has not been replayed since this graph's last replay; replay the \
+         producer first in every step"
+    )]
+    EdgeNotProduced {
+        /// The edge's name.
+        edge: String,
+    },
 }
 
 /// What to do about a broken sync contract, by rule.

@@ -1,6 +1,8 @@
 //! Any eager work captured as one graph, replayed on the caller's stream: the optimizer step of
 //! a graphed training loop, say.
 
+use super::edge::{Edges, End, GraphEdge};
+use super::error::GraphedErrorKind;
 use crate::device::{CaptureMode, Graph, RangeName, Stream};
 use crate::memory::{CachingAllocator, GraphPool, PoolExec, PoolGraph};
 use crate::Result;
@@ -9,8 +11,12 @@ use crate::Result;
 pub struct GraphedFn {
     graph: PoolGraph,
     exec: PoolExec,
+    /// Its name in errors (`graphed fn`, or as `with_name` says).
+    name: String,
     /// Its replays' range name: `replay graphed fn`, or `replay {name}` (see `with_name`).
     range: RangeName,
+    /// The edges it waits on or records ([`make_graphed_fn_with_edges`]).
+    edges: Vec<(GraphEdge, End)>,
 }
 
 /// Captures what `f` enqueues on a capture stream into one graph (in a new pool of `alloc`, so
@@ -41,17 +47,55 @@ pub struct GraphedFn {
 /// `f`'s own errors and capture errors (work that cannot be captured); the capture then leaves
 /// nothing behind.
 pub fn make_graphed_fn(alloc: &CachingAllocator, f: impl FnOnce(&Stream) -> Result<()>) -> Result<GraphedFn> {
+    make_graphed_fn_with_edges(alloc, Edges::default(), f)
+}
+
+/// As [`make_graphed_fn`], the graph taking part in typed edges ([`GraphEdge`]): it waits on
+/// `edges.waits_on` before its work and records `edges.signals` after all of it, and each replay
+/// of it that waits on an edge is refused unless the edge's producer was replayed since (see the
+/// example on [`GraphEdge`]).
+///
+/// # Errors
+/// [`GraphedErrorKind::EdgeTaken`] for an edge end another graph holds, or both ends of one edge,
+/// before anything is captured; as [`make_graphed_fn`]. A failed capture takes no edge.
+pub fn make_graphed_fn_with_edges(
+    alloc: &CachingAllocator,
+    edges: Edges<'_>,
+    f: impl FnOnce(&Stream) -> Result<()>,
+) -> Result<GraphedFn> {
+    const NAME: &str = "graphed fn";
+    let ends: Vec<(GraphEdge, End)> = (edges.waits_on.iter().map(|e| ((*e).clone(), End::Consumer)))
+        .chain(edges.signals.iter().map(|e| ((*e).clone(), End::Producer)))
+        .collect();
+    for (i, (edge, end)) in ends.iter().enumerate() {
+        edge.check_free(*end).map_err(|k| GraphEdge::error(NAME, k))?;
+        if ends[..i].iter().any(|(other, _)| other.same(edge)) {
+            let why =
+                "appears twice in one capture (a graph waiting on its own record would wait forever); give it one end";
+            return Err(GraphEdge::error(NAME, GraphedErrorKind::EdgeTaken { edge: edge.name().to_string(), why }));
+        }
+        alloc.device().check_same("make_graphed_fn_with_edges", "edge", edge.event().device().id())?;
+    }
     let _range = alloc.device().range_with(|| "capture graphed fn".into());
     let stream = alloc.device().stream()?;
     let pool: GraphPool = alloc.new_pool();
     // The allocator's capture waits for the device first, so `f` may use work of any stream.
     let cap = alloc.capture(&stream, CaptureMode::ThreadLocal, &pool)?;
+    for (edge, _) in ends.iter().filter(|(_, end)| *end == End::Consumer) {
+        stream.wait_external(edge.event())?;
+    }
     f(&stream)?;
+    for (edge, _) in ends.iter().filter(|(_, end)| *end == End::Producer) {
+        stream.record_external(edge.event())?;
+    }
     let graph = cap.finish()?;
     let exec = graph.instantiate()?;
     exec.upload(&stream)?;
     stream.synchronize()?;
-    Ok(GraphedFn { graph, exec, range: RangeName::new("replay graphed fn") })
+    for (edge, end) in &ends {
+        edge.claim(*end);
+    }
+    Ok(GraphedFn { graph, exec, name: NAME.into(), range: RangeName::new("replay graphed fn"), edges: ends })
 }
 
 impl GraphedFn {
@@ -59,13 +103,26 @@ impl GraphedFn {
     /// `replay graphed fn`.
     pub fn with_name(mut self, name: &str) -> GraphedFn {
         self.range = RangeName::new(&format!("replay {name}"));
+        self.name = name.to_string();
         self
     }
 
-    /// Replays the work on `caller`, after everything queued there.
+    /// Replays the work on `caller`, after everything queued there (and, for the edges it waits
+    /// on, after their producers' replays, on whatever stream those ran).
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::EdgeNotProduced`] when an edge it waits on was not produced since its
+    /// last replay, before anything is enqueued; launch errors.
     pub fn replay(&self, caller: &Stream) -> Result<()> {
+        for (edge, _) in self.edges.iter().filter(|(_, end)| *end == End::Consumer) {
+            edge.check_produced().map_err(|k| GraphEdge::error(&self.name, k))?;
+        }
         let _range = caller.device().range(&self.range);
-        self.exec.launch(caller)
+        self.exec.launch(caller)?;
+        for (edge, end) in &self.edges {
+            edge.launched(*end);
+        }
+        Ok(())
     }
 
     /// The captured graph, for inspection.

@@ -28,6 +28,7 @@
 mod build;
 mod callable;
 mod capture;
+mod edge;
 mod error;
 mod grad_sync;
 mod graphed;
@@ -45,10 +46,11 @@ mod warmup;
 
 pub use callable::{Callable, Saved};
 pub use capture::{make_graphed_callables, make_graphed_stack};
+pub use edge::{Edges, GraphEdge};
 pub use error::GraphedErrorKind;
 pub use grad_sync::GradSync;
 pub use graphed::{static_bytes, CallableReport, CaptureTimes, GraphReport, GraphedCallable, Pass, TailOp};
-pub use graphed_fn::{make_graphed_fn, GraphedFn};
+pub use graphed_fn::{make_graphed_fn, make_graphed_fn_with_edges, GraphedFn};
 pub use options::{GraphOptions, Mode, Phase};
 pub(crate) use probe::{PassTimes, PROBE_REPLAYS};
 pub use replay::{Replay, StaticTensor, Tail, Tails};

@@ -6,6 +6,7 @@ mod common;
 
 mod api;
 mod contract;
+mod edges;
 mod equivalence;
 mod fixtures;
 mod grad_sync;
@@ -17,6 +18,7 @@ mod sharing;
 
 pub use api::*;
 pub use contract::*;
+pub use edges::*;
 pub use equivalence::*;
 pub use grad_sync::*;
 pub use misuse::*;
@@ -55,6 +57,9 @@ per_device!(
     tail_writing_output_is_refused,
     event_recorded_twice_is_refused,
     external_wait_is_refused,
+    an_edge_orders_a_consumer_on_another_stream,
+    without_the_edge_the_checker_sees_the_race,
+    edge_misuse_is_refused,
     module_recording_the_sync_event_is_refused,
     side_stream_resumes_before_tail_ends,
     pool_order_is_enforced_across_calls,
