@@ -96,7 +96,8 @@ echo "# $gpus GPU(s); filter: ${only:-none}" | tee -a "$OUT/tests.log"
 # The device tool returns at most 8 files: train's logs go into one.
 logs=$(mktemp -d)
 if [ "${ONLY_PARALLEL:-0}" != 1 ]; then
-    for mode in graphed side-stream pool-per-layer eager f32 offload offload-side offload-eager schedule schedule-eager; do
+    for mode in graphed side-stream pool-per-layer whole-step eager f32 offload offload-side offload-eager schedule \
+            schedule-eager; do
         flag=$(case $mode in
             graphed) ;;
             f32) echo "--dtype f32" ;;
@@ -111,8 +112,8 @@ if [ "${ONLY_PARALLEL:-0}" != 1 ]; then
         tail -3 "$logs/$mode.log"
     done
     # Microbatches change the GEMMs' shapes: the schedule's modes compare with each other.
-    for pair in graphed:side-stream graphed:pool-per-layer graphed:eager graphed:offload graphed:offload-side \
-            graphed:offload-eager schedule:schedule-eager; do
+    for pair in graphed:side-stream graphed:pool-per-layer graphed:whole-step graphed:eager graphed:offload \
+            graphed:offload-side graphed:offload-eager schedule:schedule-eager; do
         base=${pair%%:*} mode=${pair#*:}
         same_loss "$logs/$base.log" "$logs/$mode.log" "train $mode" "$base"
     done | tee -a "$OUT/train.log"

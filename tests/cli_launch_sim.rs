@@ -91,9 +91,11 @@ fn two_simulated_ranks_train_as_one_process_on_the_whole_batch_averaged_or_summe
     let want = saved(&dir, "one");
     assert_eq!(losses(&one).len(), 3, "{one}");
     let averaged = "gradients averaged over the ranks";
-    let cases: [(&[&str], &str, &str); 3] = [
+    let cases: [(&[&str], &str, &str); 4] = [
         (&[], "mean", averaged),
         (&["--eager"], "eager", averaged),
+        // The whole step as two graphs: the reduction inside the backward graph.
+        (&["--whole-step"], "whole", averaged),
         (&["--grad-reduce", "sum"], "sum", "gradients summed over the ranks"),
     ];
     for (extra, save, how) in cases {

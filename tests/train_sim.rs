@@ -54,7 +54,7 @@ fn losses(extra: &[&str]) -> Vec<String> {
 #[test]
 fn graphed_training_follows_eager_bitwise() {
     let eager = losses(&["--eager"]);
-    for mode in [&[][..], &["--side-stream"], &["--pool-per-layer"]] {
+    for mode in [&[][..], &["--side-stream"], &["--pool-per-layer"], &["--whole-step"]] {
         assert_eq!(losses(mode), eager, "graphed train {mode:?} against --eager");
     }
 }
@@ -63,6 +63,7 @@ fn graphed_training_follows_eager_bitwise() {
 fn graphed_training_follows_eager_bitwise_in_bf16() {
     let eager = losses(&["--eager", "--dtype", "bf16"]);
     assert_eq!(losses(&["--dtype", "bf16"]), eager, "graphed train --dtype bf16 against --eager");
+    assert_eq!(losses(&["--dtype", "bf16", "--whole-step"]), eager, "the whole step graphed, in bf16");
 }
 
 /// FP8: the casts, amax slots and scales inside the layers' graphs and the optimizer's, with

@@ -3,9 +3,9 @@
 //! launch updates them all.
 
 use super::{
-    input_grad, AttentionBackend, AttentionKind, AttentionSpec, Builder, Embedding, Fp8Recipe, Fp8Training, Inputs,
-    KeepOnDevice, LayerNorm, LayerNormCtx, Layers, LmHead, LmHeadCtx, Module, ParamStore, SaveHook, Stack, StackCtx,
-    TransformerLayer,
+    input_grad, AttentionBackend, AttentionKind, AttentionSpec, Builder, Embedding, Fp8Recipe, Fp8Training, GradHook,
+    Inputs, KeepOnDevice, LayerNorm, LayerNormCtx, Layers, LmHead, LmHeadCtx, Module, NoGradHook, Param, ParamStore,
+    SaveHook, Stack, StackCtx, TransformerLayer,
 };
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
@@ -356,8 +356,17 @@ impl Gpt {
 
     /// Accumulates every parameter's gradient of `Σ dlosses ⊙ losses`.
     pub fn backward(&self, ctx: GptCtx, dlosses: &Tensor, stream: &Stream) -> Result<()> {
+        self.backward_telling(ctx, dlosses, &NoGradHook, stream)
+    }
+
+    /// [`backward`](Gpt::backward), telling `hook` of each part's parameters as their gradients
+    /// become final: the head's and final LayerNorm's first, the layers' one by one, the
+    /// embedding's last.
+    fn backward_telling(&self, ctx: GptCtx, dlosses: &Tensor, hook: &dyn GradHook, stream: &Stream) -> Result<()> {
         let dy = self.head_backward(ctx.head, dlosses, stream)?;
-        let dx = input_grad("Gpt::backward", self.layers.backward(ctx.layers, &[&dy], stream)?)?;
+        hook.grads_final(&[self.ln_f.parameters(), self.head.parameters()].concat(), stream)?;
+        let dx = self.layers.backward_hooked(ctx.layers, &[&dy], hook, stream)?;
+        let dx = input_grad("Gpt::backward", dx)?;
         self.embed_backward(&ctx.tokens, &dx, stream)
     }
 
@@ -366,5 +375,65 @@ impl Gpt {
         let targets = Tensor::zeros(&self.alloc, stream, &[tokens.numel()], DType::U32)?;
         let (_, ctx) = self.forward(tokens, &targets, stream)?;
         Ok(ctx.head.head.probs)
+    }
+}
+
+/// The whole model as one module, for capturing a training step whole
+/// ([`make_graphed_callables`](crate::graph::make_graphed_callables) of `[&gpt]`: one forward
+/// graph and one backward graph): constant inputs `tokens` `(B, T)` and `targets` `(B·T)`, one
+/// output, the per-position losses `(B·T)`, whose gradient (the loss weights) the backward takes.
+/// The inputs get no gradient; the backward tells a data-parallel reduction of each part's
+/// parameters as they become final.
+impl Module for Gpt {
+    type Ctx = GptCtx;
+
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, stream: &Stream) -> Result<(Vec<Tensor>, GptCtx)> {
+        let input = |name: &str| {
+            inputs.get(name).ok_or(Error::Shape {
+                op: "Gpt::forward",
+                expected: "the constant inputs `tokens` (B, T) and `targets` (B·T)".into(),
+                found: Vec::new(),
+            })
+        };
+        let (losses, ctx) = self.forward_with(input("tokens")?, input("targets")?, hook, stream)?;
+        Ok((vec![losses], ctx))
+    }
+
+    fn backward(&self, ctx: GptCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
+        self.backward_hooked(ctx, grad_outputs, &NoGradHook, stream)
+    }
+
+    fn backward_hooked(
+        &self,
+        ctx: GptCtx,
+        grad_outputs: &[&Tensor],
+        hook: &dyn GradHook,
+        stream: &Stream,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let [dlosses] = grad_outputs else {
+            return Err(Error::MissingGradient { op: "Gpt::backward", what: "the losses".into() });
+        };
+        self.backward_telling(ctx, dlosses, hook, stream)?;
+        Ok(vec![None, None])
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        let mut params = self.embedding.parameters();
+        params.extend(self.layers.parameters());
+        params.extend(self.ln_f.parameters());
+        params.extend(self.head.parameters());
+        params
+    }
+
+    /// The layers' (FP8 amaxes) and the dropout step counter, which the layers' stack advances
+    /// in every forward: a capture's warmup leaves both as it found them.
+    fn pass_state(&self) -> Vec<Tensor> {
+        let mut state = self.layers.pass_state();
+        state.push(self.step.clone());
+        state
+    }
+
+    fn set_training(&mut self, training: bool) {
+        Gpt::set_training(self, training);
     }
 }

@@ -1,15 +1,20 @@
 //! One training step: forward, backward and the optimizer, eager, or with the transformer layers
-//! replayed as a graphed stack between the eager embedding and head and the optimizer replayed as
-//! one more graph; with `--offload`, the layers' activations go to host memory and back (inside
-//! the graphs when graphed).
+//! replayed as a graphed stack between the eager embedding and head (with `--whole-step`, the
+//! whole model as one forward and one backward graph) and the optimizer replayed as one more
+//! graph; with `--offload`, the layers' activations go to host memory and back (inside the
+//! graphs when graphed).
 
 use std::sync::Arc;
 
+use graphed::device::DType;
 use graphed::device::{Communicator, Stream};
 use graphed::dist::{DataParallel, GradReduction};
-use graphed::graph::{make_graphed_fn, make_graphed_stack, GradSync, GraphOptions, GraphedFn, GraphedStack, Replay};
+use graphed::graph::{
+    make_graphed_callables, make_graphed_fn, make_graphed_stack, Callable, GradSync, GraphOptions, GraphedCallable,
+    GraphedFn, GraphedStack, Replay,
+};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Chunk, Gpt, KeepOnDevice, Module, SaveHook};
+use graphed::nn::{Chunk, Gpt, Inputs, KeepOnDevice, Module, SaveHook};
 use graphed::offload::OffloadManager;
 use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
@@ -47,6 +52,9 @@ enum Layers {
     },
     /// Under a pipeline schedule (`--schedule`), graphed unless `--eager`.
     Scheduled(Scheduled),
+    /// The whole model graphed as one callable (`--whole-step`): embedding, layers, head and
+    /// loss in its forward graph, their gradients in its backward graph.
+    Whole(GraphedCallable),
 }
 
 impl Stepper {
@@ -74,6 +82,11 @@ impl Stepper {
             Some(c) if args.eager => {
                 Some((reducing(DataParallel::new(c, Vec::new())?)?, vec![model.parameters().grads()?]))
             }
+            // Whole, every gradient is reduced inside the backward graph.
+            Some(c) if args.whole_step => {
+                let whole: [&dyn Callable; 1] = [model];
+                Some((reducing(DataParallel::for_callables(c, model.parameters(), &whole)?)?, Vec::new()))
+            }
             Some(c) => {
                 let in_layers: Vec<_> = model.layers().layers().iter().flat_map(|l| l.parameters()).collect();
                 let rest = model.parameters().grads_outside(&in_layers)?;
@@ -82,6 +95,18 @@ impl Stepper {
         };
         let offload = args.offload.config(dev).map(|c| OffloadManager::new(alloc, c)).transpose()?;
         let layers = match (args.schedule, args.eager) {
+            _ if args.whole_step => {
+                let (b, t) = (batch, model.config().max_len);
+                let tokens = Tensor::zeros(alloc, stream, &[b, t], DType::U32)?;
+                let targets = Tensor::zeros(alloc, stream, &[b * t], DType::U32)?;
+                let mut options = GraphOptions::default();
+                if let Some((dp, _)) = &data_parallel {
+                    options = options.grad_sync(dp.clone());
+                }
+                let whole: [&dyn Callable; 1] = [model];
+                let samples = [Inputs::new().constant("tokens", &tokens).constant("targets", &targets)];
+                Layers::Whole(make_graphed_callables(alloc, &whole, &samples, options)?.remove(0))
+            }
             (true, _) => {
                 let sync = data_parallel.as_ref().map(|(dp, _)| dp.clone() as Arc<dyn GradSync>);
                 Layers::Scheduled(Scheduled::new(model, alloc, stream, batch, args, sync)?)
@@ -139,6 +164,7 @@ impl Stepper {
                 if *pool_per_layer { "a pool per layer" } else { "one shared pool" }
             ),
             Layers::Scheduled(s) => format!("a pipeline schedule, {}", s.describe()),
+            Layers::Whole(_) => "the whole step graphed (one forward and one backward graph)".into(),
         };
         format!("{how}{optimizer}{offload}{parallel}")
     }
@@ -167,6 +193,16 @@ impl Stepper {
                 losses
             }
             Layers::Scheduled(s) => s.step(model, &self.alloc, stream, (tokens, targets, weights))?,
+            Layers::Whole(g) => {
+                let inputs = Inputs::new().constant("tokens", tokens).constant("targets", targets);
+                let (losses, forward) = g.forward(stream, &inputs, Replay::caller())?;
+                // The next step's replay writes the losses' static buffer: the caller's copy.
+                let losses = losses[0].to_owned(&self.alloc, stream)?;
+                let (_, backward) = g.backward(stream, &[weights])?;
+                forward.join(stream)?;
+                backward.join(stream)?;
+                losses
+            }
             Layers::Stack { stack, side, .. } => {
                 let replay = side.as_ref().map_or(Replay::caller(), Replay::side);
                 let h = model.embed(tokens, stream)?;
