@@ -46,7 +46,7 @@ fn inspect_reports_every_graph_and_writes_dot_files() {
 #[test]
 fn bench_graphs_runs_every_variant_on_the_simulator() {
     let out = graphed(&["bench", "graphs", "--device", "sim", "--configs", "tiny", "--steps", "2", "--warmup", "1"]);
-    for variant in ["graphed-eager", "graphed", "graphed-side", "graphed-floor"] {
+    for variant in ["graphed-eager", "graphed", "graphed-side", "graphed-offload", "graphed-whole", "graphed-floor"] {
         assert!(out.lines().any(|l| l.split_whitespace().next() == Some(variant)), "no row for {variant} in:\n{out}");
     }
 }

@@ -9,8 +9,9 @@
 use std::time::Instant;
 
 use graphed::device::{CaptureMode, Device, DeviceKind, Event, Stream};
-use graphed::graph::{GraphedStack, Replay};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
+use graphed::nn::Inputs;
 use graphed::offload::{OffloadConfig, OffloadManager};
 use serde::Serialize;
 
@@ -30,11 +31,15 @@ enum Variant {
     Side,
     /// As `Side`, with the default activation offloading inside the graphs.
     Offload,
+    /// The whole stack graphed as one callable: one forward and one backward graph, with the
+    /// replay contract's checks (`train --whole-step`'s form).
+    Whole,
     /// The whole eager step captured as one graph.
     Floor,
 }
 
-const VARIANTS: [Variant; 5] = [Variant::Eager, Variant::Graphed, Variant::Side, Variant::Offload, Variant::Floor];
+const VARIANTS: [Variant; 6] =
+    [Variant::Eager, Variant::Graphed, Variant::Side, Variant::Offload, Variant::Whole, Variant::Floor];
 
 impl Variant {
     /// Its name in `BENCH.md`.
@@ -44,6 +49,7 @@ impl Variant {
             Variant::Graphed => "graphed",
             Variant::Side => "graphed-side",
             Variant::Offload => "graphed-offload",
+            Variant::Whole => "graphed-whole",
             Variant::Floor => "graphed-floor",
         }
     }
@@ -154,6 +160,24 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
                 time_graphed(dev, (&alloc, &main), &model, on_side, offload.as_ref(), (args.warmup, args.steps))?;
             let phases = CapturePhases::of(timed.graphed.capture_times());
             (timed.samples, Some(timed.capture_ms), Some(2 * config.layers), Some(phases))
+        }
+        Variant::Whole => {
+            let began = Instant::now();
+            let whole: [&dyn Callable; 1] = [&model.stack];
+            let g = make_graphed_callables(&alloc, &whole, &[Inputs::one(&model.x)], GraphOptions::default())?;
+            let g = g.into_iter().next().ok_or_else(|| anyhow::anyhow!("one callable graphed, none returned"))?;
+            let capture_ms = began.elapsed().as_secs_f64() * 1e3;
+            g.static_grad_outputs()?[0].copy_from(&model.dy, &main)?;
+            let (x, dy) = (g.static_inputs()?[0].clone(), g.static_grad_outputs()?[0].clone());
+            let step = &mut || -> anyhow::Result<()> {
+                let (_, forward) = g.forward(&main, &Inputs::one(&x), Replay::caller())?;
+                let (_, backward) = g.backward(&main, &[&dy])?;
+                forward.join(&main)?;
+                backward.join(&main)?;
+                Ok(model.end_step_graphed(&main)?)
+            };
+            let samples = measure(dev, &main, (args.warmup, args.steps), step)?;
+            (samples, Some(capture_ms), Some(2), Some(CapturePhases::of(g.capture_times())))
         }
         Variant::Floor => {
             // Warm up as make_graphed_callables does: the capture then sees a warm allocator
