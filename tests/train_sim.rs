@@ -74,6 +74,7 @@ fn graphed_training_follows_eager_bitwise_in_fp8_offloaded_and_scheduled() {
     let fp8 = ["--dtype", "fp8"];
     let eager = losses(&[&fp8[..], &["--eager"]].concat());
     assert_eq!(losses(&fp8), eager, "graphed train --dtype fp8 against --eager");
+    assert_eq!(losses(&[&fp8[..], &["--whole-step"]].concat()), eager, "the whole step graphed in FP8");
     let offload = [&fp8[..], &["--offload", "listed", "--offload-margin", "0"]].concat();
     let eager_offload = losses(&[&offload[..], &["--eager"]].concat());
     assert_eq!(eager_offload, eager, "offloading in FP8 changes nothing eagerly");
