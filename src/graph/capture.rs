@@ -259,9 +259,9 @@ fn capture(
     // What the warmup writes and must leave as it found it: the gradients and the passes' state.
     let kept: Vec<Tensor> =
         params.iter().map(|p| p.grad.clone()).chain(callables.iter().flat_map(|c| c.pass_state_dyn())).collect();
+    let began = Instant::now();
     let kept_before = snapshot(&stream, &kept)?;
 
-    let began = Instant::now();
     if let Some(h) = &mut options.pre_warmup {
         h(&stream)?;
     }

@@ -58,8 +58,9 @@ pub(crate) struct Shared {
 /// up to a minute; these say which phase to shorten.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct CaptureTimes {
-    /// The warmup passes, the window probe if any, and restoring what the warmup changed, until
-    /// the device finished them.
+    /// Saving what the warmup changes (the gradients and the passes' state, to the host), the
+    /// warmup passes, the window probe if any, and restoring what they changed, until the device
+    /// finished them.
     pub warmup: std::time::Duration,
     /// Recording the passes into graphs (host work only: a capture runs nothing).
     pub record: std::time::Duration,
