@@ -122,14 +122,7 @@ impl Linear {
     /// `y = x·Wᵀ + b (+ residual)`: one GEMM, the residual added as its C. For a caller that
     /// keeps `x` itself for the backward; else [`forward_keeping_input`](Linear::forward_keeping_input).
     pub fn forward_with(&self, x: &Tensor, residual: Option<&Tensor>, stream: &Stream) -> Result<Tensor> {
-        let (i, o) = self.dims();
-        let n = self.rows("Linear::forward", x, i)?;
-        if let Some(r) = residual {
-            r.expect_shape("Linear::forward", &[n, o])?;
-        }
-        let y = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
-        self.forward_gemm(&y, x, Fused::Bias(&self.bias.value), residual, Keep::Nothing, stream)?;
-        Ok(y)
+        Ok(self.forward_residual(x, residual, Keep::Nothing, stream)?.y)
     }
 
     /// As [`forward_with`](Linear::forward_with), with the input as the backward reads it.
@@ -139,13 +132,23 @@ impl Linear {
         residual: Option<&Tensor>,
         stream: &Stream,
     ) -> Result<LinearForward> {
+        self.forward_residual(x, residual, Keep::Input, stream)
+    }
+
+    fn forward_residual(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        keep: Keep,
+        stream: &Stream,
+    ) -> Result<LinearForward> {
         let (i, o) = self.dims();
         let n = self.rows("Linear::forward", x, i)?;
         if let Some(r) = residual {
             r.expect_shape("Linear::forward", &[n, o])?;
         }
         let y = Tensor::uninit(&self.alloc, stream, &[n, o], x.dtype())?;
-        let input = self.forward_gemm(&y, x, Fused::Bias(&self.bias.value), residual, Keep::Input, stream)?;
+        let input = self.forward_gemm(&y, x, Fused::Bias(&self.bias.value), residual, keep, stream)?;
         Ok(LinearForward { y, input })
     }
 
