@@ -103,6 +103,9 @@ impl Stepper {
                 if let Some((dp, _)) = &data_parallel {
                     options = options.grad_sync(dp.clone());
                 }
+                if let Some(m) = &offload {
+                    options = m.graph_options(options);
+                }
                 let whole: [&dyn Callable; 1] = [model];
                 let samples = [Inputs::new().constant("tokens", &tokens).constant("targets", &targets)];
                 Layers::Whole(make_graphed_callables(alloc, &whole, &samples, options)?.remove(0))
