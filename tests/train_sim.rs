@@ -54,7 +54,7 @@ fn losses(extra: &[&str]) -> Vec<String> {
 #[test]
 fn graphed_training_follows_eager_bitwise() {
     let eager = losses(&["--eager"]);
-    let whole_offloaded = ["--whole-step", "--offload", "listed", "--offload-margin", "0"];
+    let whole_offloaded = ["--whole-step", "--side-stream", "--offload", "listed", "--offload-margin", "0"];
     for mode in [&[][..], &["--side-stream"], &["--pool-per-layer"], &["--whole-step"], &whole_offloaded] {
         assert_eq!(losses(mode), eager, "graphed train {mode:?} against --eager");
     }

@@ -416,8 +416,9 @@ pub struct TrainArgs {
     /// Capture the whole step (embedding, layers, head and loss) as one forward graph and one
     /// backward graph, the gradients' data-parallel reduction inside the backward, instead of a
     /// graph per layer with the embedding and head eager (the optimizer step is a graph of its
-    /// own either way); with `--offload`, the copies inside those two graphs.
-    #[arg(long, conflicts_with_all = ["eager", "side_stream", "pool_per_layer", "schedule"])]
+    /// own either way); with `--offload`, the copies inside those two graphs; with
+    /// `--side-stream`, replayed on a side stream.
+    #[arg(long, conflicts_with_all = ["eager", "pool_per_layer", "schedule"])]
     pub whole_step: bool,
     /// Optimizer steps (default: 1000).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]

@@ -54,7 +54,11 @@ enum Layers {
     Scheduled(Scheduled),
     /// The whole model graphed as one callable (`--whole-step`): embedding, layers, head and
     /// loss in its forward graph, their gradients in its backward graph.
-    Whole(GraphedCallable),
+    Whole {
+        graphed: GraphedCallable,
+        /// The side stream, with `--side-stream`.
+        side: Option<Stream>,
+    },
 }
 
 impl Stepper {
@@ -106,9 +110,17 @@ impl Stepper {
                 if let Some(m) = &offload {
                     options = m.graph_options(options);
                 }
+                let (side, event) = match args.side_stream {
+                    true => (Some(dev.stream()?), Some(dev.event()?)),
+                    false => (None, None),
+                };
+                if let Some(e) = &event {
+                    options = options.sync_event(e);
+                }
                 let whole: [&dyn Callable; 1] = [model];
                 let samples = [Inputs::new().constant("tokens", &tokens).constant("targets", &targets)];
-                Layers::Whole(make_graphed_callables(alloc, &whole, &samples, options)?.remove(0))
+                let graphed = make_graphed_callables(alloc, &whole, &samples, options)?.remove(0);
+                Layers::Whole { graphed, side }
             }
             (true, _) => {
                 let sync = data_parallel.as_ref().map(|(dp, _)| dp.clone() as Arc<dyn GradSync>);
@@ -167,7 +179,10 @@ impl Stepper {
                 if *pool_per_layer { "a pool per layer" } else { "one shared pool" }
             ),
             Layers::Scheduled(s) => format!("a pipeline schedule, {}", s.describe()),
-            Layers::Whole(_) => "the whole step graphed (one forward and one backward graph)".into(),
+            Layers::Whole { side, .. } => format!(
+                "the whole step graphed (one forward and one backward graph, {})",
+                if side.is_some() { "side stream, resuming at the in-graph event" } else { "caller's stream" }
+            ),
         };
         format!("{how}{optimizer}{offload}{parallel}")
     }
@@ -196,9 +211,10 @@ impl Stepper {
                 losses
             }
             Layers::Scheduled(s) => s.step(model, &self.alloc, stream, (tokens, targets, weights))?,
-            Layers::Whole(g) => {
+            Layers::Whole { graphed: g, side } => {
+                let replay = side.as_ref().map_or(Replay::caller(), Replay::side);
                 let inputs = Inputs::new().constant("tokens", tokens).constant("targets", targets);
-                let (losses, forward) = g.forward(stream, &inputs, Replay::caller())?;
+                let (losses, forward) = g.forward(stream, &inputs, replay)?;
                 // The next step's replay writes the losses' static buffer: the caller's copy.
                 let losses = losses[0].to_owned(&self.alloc, stream)?;
                 let (_, backward) = g.backward(stream, &[weights])?;
