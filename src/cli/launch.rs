@@ -176,7 +176,7 @@ fn simulated(args: &LaunchArgs, train_args: &TrainArgs) -> anyhow::Result<()> {
     }
     let d = &train_args.device;
     let sim = SimConfig { policy: d.policy.into(), seed: d.sim_seed, ..SimConfig::default() };
-    train::check(&Device::sim_with(sim), train_args)?;
+    train::check(&Device::sim_with(sim), train_args, args.gpus)?;
     let ranks = on_sim_ranks(args.gpus, sim, CommOptions::default(), |comm| {
         let group = ProcessGroup::simulated(comm.clone())?;
         let trained = train::run(comm.device(), train_args, Joining::Simulated(group));

@@ -1,7 +1,7 @@
 //! One training step: forward, backward and the optimizer, eager, or with the transformer layers
 //! replayed as a graphed stack between the eager embedding and head and the optimizer replayed as
 //! one more graph; with `--offload`, the layers' activations go to host memory and back (inside
-//! the graphs when graphed).
+//! the graphs when graphed). With `--pipeline`, a stage's part of the model under the schedule.
 
 use std::sync::Arc;
 
@@ -52,7 +52,9 @@ enum Layers {
 impl Stepper {
     /// Captures the model's layers and the optimizer step unless `--eager`: the layers into one
     /// pool (chained, so that no copies run between layers), with `--pool-per-layer` one pool
-    /// per layer, with `--schedule` one graph per (layer, microbatch).
+    /// per layer, with `--schedule` one graph per (layer, microbatch). The gradients are reduced
+    /// over `data_parallel`'s ranks when given; `pipeline`, when given, is this stage's pipeline
+    /// (`--pipeline`, under the schedule).
     pub fn new(
         model: &Gpt,
         optimizer: &AdamW,
@@ -60,7 +62,7 @@ impl Stepper {
         stream: &Stream,
         batch: usize,
         args: &TrainArgs,
-        comm: Option<&Communicator>,
+        (data_parallel, pipeline): (Option<&Communicator>, Option<&Communicator>),
     ) -> anyhow::Result<Stepper> {
         let dev = stream.device();
         let reduction = GradReduction::from(args.grad_reduce);
@@ -68,7 +70,7 @@ impl Stepper {
             GradReduction::Mean => Ok(dp),
             other => dp.with_reduction(other),
         };
-        let data_parallel = match comm {
+        let data_parallel = match data_parallel {
             None => None,
             // Eager, every gradient is reduced after the step's last backward.
             Some(c) if args.eager => {
@@ -84,7 +86,7 @@ impl Stepper {
         let layers = match (args.schedule, args.eager) {
             (true, _) => {
                 let sync = data_parallel.as_ref().map(|(dp, _)| dp.clone() as Arc<dyn GradSync>);
-                Layers::Scheduled(Scheduled::new(model, alloc, stream, batch, args, sync)?)
+                Layers::Scheduled(Scheduled::new(model, (alloc, stream), batch, args, sync, pipeline)?)
             }
             (false, true) => Layers::Eager,
             (false, false) => {
@@ -143,17 +145,19 @@ impl Stepper {
         format!("{how}{optimizer}{offload}{parallel}")
     }
 
-    /// Forward, backward and optimizer step of one batch; returns the per-position losses.
+    /// Forward, backward and optimizer step of one batch; returns the per-position losses, on
+    /// the rank whose part of the model computes them (`None` on a pipeline stage without the
+    /// head).
     pub fn step(
-        &self,
+        &mut self,
         model: &Gpt,
         optimizer: &AdamW,
         tokens: &Tensor,
         targets: &Tensor,
         weights: &Tensor,
-    ) -> anyhow::Result<Tensor> {
+    ) -> anyhow::Result<Option<Tensor>> {
         let stream = &self.stream;
-        let losses = match &self.layers {
+        let losses = match &mut self.layers {
             Layers::Eager => {
                 let hook: Box<dyn SaveHook> = match &self.offload {
                     Some(m) => Box::new(m.chunk(Chunk::default())),
@@ -164,7 +168,7 @@ impl Stepper {
                 if let Some(m) = &self.offload {
                     m.end_iteration(stream)?;
                 }
-                losses
+                Some(losses)
             }
             Layers::Scheduled(s) => s.step(model, &self.alloc, stream, (tokens, targets, weights))?,
             Layers::Stack { stack, side, .. } => {
@@ -178,7 +182,7 @@ impl Stepper {
                 model.embed_backward(tokens, dx.get()?, stream)?;
                 // The optimizer reads every gradient: join the tails first (R4).
                 stack.join(stream)?;
-                losses
+                Some(losses)
             }
         };
         if let Some((dp, rest)) = &self.data_parallel {
