@@ -181,6 +181,28 @@ fn load(dir: &Path, place: Place) -> anyhow::Result<Checkpoint> {
     Ok(ckpt)
 }
 
+/// Refuses a `--resume` from `dir` that the ranks of a grid of `stages` × `replicas` could not
+/// resume: another grid's checkpoint, a stage's file missing, or stages' files of different
+/// steps (a save cut short between them). What the launcher of simulated ranks checks once,
+/// before any rank is built (each rank checks its own file as it resumes; launched processes
+/// that would start at different steps are refused by the rendezvous).
+pub fn check_resumable(dir: &Path, stages: usize, replicas: usize) -> anyhow::Result<()> {
+    let mut done: Vec<String> = Vec::with_capacity(stages);
+    for s in 0..stages {
+        let ckpt = load(dir, Place { stage: Stage::new(s, stages)?, replicas })?;
+        done.push(ckpt.meta("done").unwrap_or("none").to_string());
+    }
+    if done.iter().any(|d| *d != done[0]) {
+        refuse!(
+            "{}: the stages' files are of different steps ({}): a save was cut short between them; resume from a \
+             folder whose files one run wrote together",
+            dir.display(),
+            done.iter().enumerate().map(|(s, d)| format!("stage {s} after {d}")).collect::<Vec<_>>().join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// Restores the state of `place`'s stage saved in `dir` for a run that stops after `stop` steps;
 /// returns the steps it had taken. Every tensor and setting, the grid's shape and the step count
 /// are checked before anything is restored.

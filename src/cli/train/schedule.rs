@@ -38,12 +38,8 @@ impl Scheduled {
     ) -> anyhow::Result<Scheduled> {
         let stage = pipeline.map_or(Ok(Stage::single()), |c| Stage::new(c.rank(), c.size()))?;
         let (schedule, per_chunk) = args.schedule_args.resolve(model.config().layers, stage)?;
+        // The batch splits into the microbatches (refused before anything is built otherwise).
         let m = schedule.microbatches();
-        if !batch.is_multiple_of(m) {
-            anyhow::bail!(
-                "a batch of {batch} does not split into {m} microbatches; pass --batch or --microbatches to fit"
-            );
-        }
         let shape = [batch / m, model.config().max_len, model.config().dim];
         let dtype = model.config().dtype;
         let sample = Tensor::zeros(alloc, stream, &shape, dtype)?;

@@ -28,7 +28,7 @@ use super::task::Task;
 use super::upload::{Uploaded, Uploader};
 use super::{checkpoint, memory, outputs, Joining};
 use crate::cli::args::TrainArgs;
-use crate::cli::exit::Interrupted;
+use crate::cli::exit::{refuse, Interrupted};
 use crate::cli::group;
 
 /// Where the steps stand, and their clocks.
@@ -413,11 +413,14 @@ fn say(lead: bool, line: &str) {
     }
 }
 
-/// Refuses, as rank 0 of a group or a single process would, a run that cannot run on `dev`:
-/// what simulated ranks check once, before any rank is built (each rank checks again as it
-/// sets up, as every process does).
+/// Refuses, as rank 0 of a group of `world` ranks or a single process would, a run that cannot
+/// run on `dev`, and a checkpoint to resume that is not there, of another grid or cut short: what
+/// simulated ranks check once, before any rank is built (each rank checks again as it sets up,
+/// as every process does).
 pub fn check(dev: &Device, args: &TrainArgs, world: usize) -> anyhow::Result<()> {
-    refusals(dev, args, true, world).map(drop)
+    refusals(dev, args, true, world)?;
+    let p = args.pipeline as usize;
+    args.resume.as_ref().map_or(Ok(()), |dir| checkpoint::check_resumable(dir, p, world / p))
 }
 
 /// What can be refused before anything is built for a rank of `world` ranks: the flags, the
@@ -434,6 +437,10 @@ fn refusals(dev: &Device, args: &TrainArgs, lead: bool, world: usize) -> anyhow:
     if args.schedule {
         // Every stage's schedule fits as the first one's does.
         args.schedule_args.resolve(plan.config.layers, Stage::new(0, args.pipeline as usize)?)?;
+        let (batch, m) = (plan.batch, args.schedule_args.microbatches());
+        if !batch.is_multiple_of(m) {
+            refuse!("a batch of {batch} does not split into {m} microbatches; pass --batch or --microbatches to fit");
+        }
     }
     memory::check(dev, &plan.config, plan.batch, args)?;
     Ok((task, plan))
