@@ -100,7 +100,8 @@ fn rank(group: &ProcessGroup) -> graphed::Result<Vec<(usize, Vec<f32>)>> {
         (0..MICROBATCHES).map(|j| microbatch(&p, replica * MICROBATCHES + j)).collect::<graphed::Result<Vec<_>>>()?;
     let callables: Vec<&dyn Callable> = p.layers.iter().map(|l| l as &dyn Callable).collect();
     let samples: Vec<Inputs> = (0..p.layers.len() * MICROBATCHES).map(|_| Inputs::one(&data[0].0)).collect();
-    let reduce = DataParallel::for_callables(grid.data_parallel(), &p.store, &callables)?.with_reduction(GradReduction::Sum)?;
+    let reduce =
+        DataParallel::for_callables(grid.data_parallel(), &p.store, &callables)?.with_reduction(GradReduction::Sum)?;
     let options = GraphOptions::default().reuse_buffers(true).grad_sync(reduce);
     let graphed = make_graphed_schedule(&p.alloc, &callables, &schedule, &samples, options)?;
     let mut links = P2pLinks::graphed(grid.pipeline(), &p.alloc, &p.s, &SHAPE, DType::F32);

@@ -675,7 +675,8 @@ impl ScheduleArgs {
     pub fn resolve(&self, layers: usize, stage: Stage) -> anyhow::Result<(graphed::nn::Schedule, Vec<usize>)> {
         let (v, m, p) = (self.virtual_stages(), self.microbatches(), stage.count());
         if !layers.is_multiple_of(v * p) {
-            let flags = if p > 1 { format!("--pipeline {p} × --virtual-stages {v}") } else { format!("{v} virtual stages") };
+            let flags =
+                if p > 1 { format!("--pipeline {p} × --virtual-stages {v}") } else { format!("{v} virtual stages") };
             return Err(Refused::error(format!(
                 "{layers} layers do not split into {flags} chunks of equal layers; pass --layers or --virtual-stages to fit"
             )));

@@ -170,7 +170,9 @@ fn load(dir: &Path, place: Place) -> anyhow::Result<Checkpoint> {
     if !path.exists() {
         // Another grid's file says which flags to pass.
         let other = std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.path()).find(|p| {
-            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("checkpoint") && n.ends_with(".safetensors"))
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("checkpoint") && n.ends_with(".safetensors"))
         });
         if let Some(ckpt) = other.and_then(|o| Checkpoint::load_unverified(&o).ok()) {
             check_shape(&ckpt, dir, place)?;

@@ -213,7 +213,8 @@ impl<'a> Training<'a> {
             // Nothing more for a group that lost a rank: its error names the rank.
             g.check()?;
         }
-        let batch = self.task.batch(&mut self.rng, self.plan.batch, (self.replica, self.place.replicas), self.reduction);
+        let batch =
+            self.task.batch(&mut self.rng, self.plan.batch, (self.replica, self.place.replicas), self.reduction);
         // A group's check, polled by waits that a dead rank's collectives would otherwise block.
         let watch = self.group.as_ref().map(|g| move || g.check());
         let watch = watch.as_ref().map(|w| w as &dyn Fn() -> graphed::Result<()>);
@@ -461,7 +462,12 @@ fn announce_device(
         let stage = place.stage;
         let grid = match stage.count() {
             1 => String::new(),
-            p => format!(", stage {} of {p} of replica {} of {}", stage.index(), env.rank % place.replicas, place.replicas),
+            p => format!(
+                ", stage {} of {p} of replica {} of {}",
+                stage.index(),
+                env.rank % place.replicas,
+                place.replicas
+            ),
         };
         match kind {
             DeviceKind::Cuda => {
