@@ -122,7 +122,7 @@ mod tests {
     }
 
     #[test]
-    fn every_rank_gets_the_sum_of_all_ranks_values_in_rank_order() -> graphed::Result<()> {
+    fn every_rank_gets_the_sum_of_all_ranks_values_in_rank_order_and_one_rank_its_own() -> graphed::Result<()> {
         let sums = on_sim_ranks(3, SimConfig::default(), CommOptions::default(), |c| {
             let (s, alloc) = (c.device().stream()?, CachingAllocator::new(c.device()));
             sum_over_ranks(Some(c), &alloc, &s, value(c.rank()))
@@ -138,7 +138,8 @@ mod tests {
         for sum in one {
             assert_eq!(sum?.to_bits(), value(0).to_bits());
         }
-        let (s, alloc) = (Device::sim().stream()?, CachingAllocator::new(&Device::sim()));
+        let dev = Device::sim();
+        let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
         assert_eq!(sum_over_ranks(None::<&Communicator>, &alloc, &s, value(1))?.to_bits(), value(1).to_bits());
         Ok(())
     }
