@@ -33,7 +33,9 @@ pub fn file(dir: &Path) -> PathBuf {
 /// has of it (the data-parallel ranks; 1 for a process alone).
 #[derive(Debug, Clone, Copy)]
 pub struct Place {
+    /// Its stage: which file it saves and resumes from ([`Stage::single`] without a pipeline).
     pub stage: Stage,
+    /// The grid's replicas of the stage, which decide each replica's part of the batch.
     pub replicas: usize,
 }
 

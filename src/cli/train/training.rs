@@ -68,7 +68,8 @@ impl Progress {
 /// last.
 pub struct Training<'a> {
     args: &'a TrainArgs,
-    /// Rank 0, or the only process: the one that reports, saves and plots.
+    /// Rank 0, or the only process: the one that reports and plots (and, without a pipeline,
+    /// saves).
     lead: bool,
     /// Its pipeline stage (the only one without `--pipeline`) and the grid's replicas.
     place: checkpoint::Place,
@@ -103,7 +104,8 @@ pub struct Training<'a> {
 
 impl<'a> Training<'a> {
     /// Refuses the run before anything is built if it cannot run as asked, then builds it on
-    /// `dev`, alone or joining a data-parallel group as `joining` says (rank 0 reports).
+    /// `dev`, alone or joining a data-parallel group, or a grid of pipelines with `--pipeline`,
+    /// as `joining` says (rank 0 reports).
     pub fn setup(dev: &Device, args: &'a TrainArgs, joining: Joining) -> anyhow::Result<Training<'a>> {
         let lead = joining.lead();
         let (rank, world) = joining.place();
