@@ -1,7 +1,8 @@
 //! `graphed launch --gpus N -- train --pipeline P --device sim`: Megatron-LM's grid of P
 //! pipeline stages × N / P data-parallel replicas on simulated ranks, against one process running
 //! the same schedule on the whole batch (bit for bit where the arithmetic is the same), its
-//! checkpoints (a file per stage) resumed, and the flags refused before any rank is built.
+//! checkpoints (a file per stage) resumed, and the flags refused before any rank is built; and
+//! two stages on two GPUs, which CI reports as not run.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -34,8 +35,13 @@ fn graphed(dir: &Path, args: &[&str]) -> Output {
 /// `graphed words` with [`TINY`] and `--save save` after them, in `dir`; its stdout, failing
 /// with its output unless it succeeded.
 fn run(dir: &Path, words: &[&str], save: &str) -> String {
+    run_on(dir, words, &TINY, save)
+}
+
+/// [`run`] with `device` (the device and the run's length) instead of [`TINY`].
+fn run_on(dir: &Path, words: &[&str], device: &[&str], save: &str) -> String {
     let mut args = words.to_vec();
-    args.extend(TINY);
+    args.extend(device);
     args.extend(["--save", save]);
     let out = graphed(dir, &args);
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -90,16 +96,19 @@ fn files(dir: &Path, save: &str) -> Vec<String> {
 
 /// Two ranks as two pipeline stages (interleaved: two chunks each), graphed and eager, print the
 /// losses of one process running the same schedule on the same batch and end with its
-/// parameters, bit for bit: a pipeline moves the layers, not the arithmetic. Each stage saves its
-/// own file, the first stage's holding the embedding, the last's the head.
+/// parameters, bit for bit, dropout on: a pipeline moves the layers, not the arithmetic, and each
+/// stage draws a microbatch's masks as the whole model does. Each stage saves its own file, the
+/// first stage's holding the embedding, the last's the head.
 #[test]
 fn two_pipeline_stages_train_as_one_process_bit_for_bit() {
     let dir = temp_dir("stages");
-    let one = run(&dir, &[train("4", "2", "2", &[]), vec!["--layers", "4"]].concat(), "one");
+    let model = ["--layers", "4", "--dropout", "0.1"];
+    let one = run(&dir, &[train("4", "2", "2", &[]), model.to_vec()].concat(), "one");
     let want = parameters(&dir, "one");
     for (save, extra) in [("graphed", &[][..]), ("eager", &["--eager"][..])] {
         let mut extra = extra.to_vec();
-        extra.extend(["--layers", "4", "--pipeline", "2"]);
+        extra.extend(model);
+        extra.extend(["--pipeline", "2"]);
         let out = run(&dir, &launch("2", train("4", "2", "2", &extra)), save);
         for r in 0..2 {
             let line = format!(
@@ -129,6 +138,22 @@ fn two_pipeline_stages_train_as_one_process_bit_for_bit() {
             assert_eq!(held, modules, "{save}: stage {stage}'s parameters");
         }
     }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Two GPUs, a process each joined through NCCL, as two pipeline stages: the losses and
+/// parameters of one process on one GPU running the same schedule, bit for bit in f32 (the same
+/// kernels on the same shapes, the activations and gradients crossing unchanged).
+#[test]
+#[ignore = "needs two CUDA GPUs and NCCL"]
+fn two_gpus_as_two_pipeline_stages_train_as_one_gpu_bit_for_bit() {
+    let dir = temp_dir("gpus");
+    let gpu = ["--device", "cuda", "--dtype", "f32", "--layers", "4", "--steps", "30", "--eval", "5"];
+    let one = run_on(&dir, &train("8", "4", "2", &[]), &gpu, "one");
+    let out = run_on(&dir, &launch("2", train("8", "4", "2", &["--pipeline", "2"])), &gpu, "pipeline");
+    assert!(out.contains("rank 1 of 2 (GPU 1 of this host, stage 1 of 2 of replica 0 of 1)"), "{out}");
+    assert_eq!(losses(&out), losses(&one), "the pipeline's losses are one GPU's");
+    assert!(parameters(&dir, "pipeline") == parameters(&dir, "one"), "the stages' parameters differ from one GPU's");
     std::fs::remove_dir_all(dir).ok();
 }
 
