@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use graphed::device::{CommErrorKind, Device, DeviceKind, Stream};
 use graphed::dist::{GradReduction, Grid, ProcessGroup};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Gpt, GptPart, Stage};
+use graphed::nn::{Gpt, GptConfig, GptPart, Stage};
 use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -445,7 +445,10 @@ fn refusals(dev: &Device, args: &TrainArgs, lead: bool, world: usize) -> anyhow:
             refuse!("a batch of {batch} does not split into {m} microbatches; pass --batch or --microbatches to fit");
         }
     }
-    memory::check(dev, &plan.config, plan.batch, args)?;
+    // A stage holds its share of the layers (the embedding's and head's parameters counted on
+    // every stage, the whole batch's activations as without a pipeline: a bound on its part).
+    let held = GptConfig { layers: plan.config.layers / args.pipeline as usize, ..plan.config };
+    memory::check(dev, &held, plan.batch, args)?;
     Ok((task, plan))
 }
 
