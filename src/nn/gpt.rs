@@ -1,6 +1,7 @@
 //! A small GPT: token and position embedding, pre-LN transformer layers, a final LayerNorm and a
 //! language-model head with cross-entropy. Parameters live in one [`ParamStore`], so one AdamW
-//! launch updates them all.
+//! launch updates them all. A pipeline stage builds its part of the model ([`GptPart`]), with
+//! the whole model's names and initial values.
 
 use super::{
     input_grad, AttentionBackend, AttentionKind, AttentionSpec, Builder, Embedding, Fp8Recipe, Fp8Training, Inputs,
@@ -471,5 +472,59 @@ impl Gpt {
         let targets = Tensor::zeros(&self.alloc, stream, &[tokens.numel()], DType::U32)?;
         let (_, ctx) = self.forward(tokens, &targets, stream)?;
         Ok(ctx.head.head.probs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::device::Device;
+
+    fn config(layers: usize) -> GptConfig {
+        GptConfig {
+            vocab: 7,
+            max_len: 4,
+            dim: 32,
+            layers,
+            heads: 1,
+            attention: AttentionKind::Fused,
+            attention_backend: AttentionBackend::Auto,
+            dropout: 0.0,
+            seed: 3,
+            dtype: DType::F32,
+        }
+    }
+
+    /// Every parameter of `gpt` by name, its bits.
+    fn named(gpt: &Gpt, s: &Stream) -> Result<BTreeMap<String, Vec<u32>>> {
+        (gpt.parameters().named_values()?.into_iter())
+            .map(|(name, t)| Ok((name, t.to_vec::<f32>(s)?.into_iter().map(f32::to_bits).collect())))
+            .collect()
+    }
+
+    #[test]
+    fn the_stages_parts_hold_the_whole_models_parameters_and_refuse_what_they_do_not_hold() -> Result<()> {
+        let dev = Device::sim();
+        let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
+        let whole = named(&Gpt::new(&alloc, config(4), &s)?, &s)?;
+        let mut parts = BTreeMap::new();
+        let mut last = None;
+        for (index, layers) in [(0, [0, 2]), (1, [1, 3])] {
+            let part = GptPart::stage(4, Stage::new(index, 2)?, 2)?;
+            assert_eq!(part.layers(), layers, "stage {index}: chunk k is the model's chunk 2k + {index}");
+            let gpt = Gpt::part(&alloc, config(4), &part, &s)?;
+            assert_eq!((gpt.has_embedding(), gpt.has_head()), (index == 0, index == 1));
+            parts.extend(named(&gpt, &s)?);
+            last = Some(gpt);
+        }
+        assert!(parts == whole, "the parts' parameters are the whole model's, names and initial values");
+        let tokens = Tensor::zeros(&alloc, &s, &[1, 4], DType::U32)?;
+        let refused = last.map(|gpt| gpt.embed(&tokens, &s).err());
+        assert!(matches!(refused, Some(Some(Error::NotInPart { op: "Gpt::embed", .. }))), "{refused:?}");
+        let unsplit = GptPart::stage(3, Stage::new(0, 2)?, 1);
+        assert!(matches!(unsplit, Err(Error::Config(ConfigLimit { field: "layers", value: 3, .. }))), "{unsplit:?}");
+        Ok(())
     }
 }
