@@ -1,23 +1,24 @@
 //! Megatron-LM's grid on four ranks: two data-parallel replicas of a two-stage pipeline. Rank
-//! `stage · 2 + replica` splits the world into its replica's pipeline and its stage's replicas;
+//! `stage · 2 + replica` splits the world into its replica's pipeline and its stage's replicas
+//! (`ProcessGroup::grid`, as `graphed train --pipeline` does);
 //! each replica pipelines its own four microbatches under 1F1B, graphed, and each stage's
 //! replicas sum its gradients inside the schedule's backward graphs (`GradReduction::Sum`; the
 //! default, the mean, would halve them, exactly). Every layer's gradients
 //! equal the sum of both replicas' on one device, bit for bit (one sum of two values, which no
 //! order changes).
 //!
-//! `cargo run --example grid`: four simulated devices in this process, one thread each. Started
-//! as four ranks with torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
-//! `MASTER_PORT`), the same rank code runs one process per GPU through NCCL
-//! (`ProcessGroup::split`), and each rank checks its layers against its own GPU.
+//! `cargo run --example grid`: four simulated devices in this process, one thread each
+//! (`ProcessGroup::simulated`). Started as four ranks with torchrun's variables (`RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), the same rank code runs one process
+//! per GPU through NCCL (`ProcessGroup::join`), and each rank checks its layers against its own
+//! GPU.
 
-use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, SimConfig, Stream};
+use graphed::device::{CommOptions, DType, Device, SimConfig, Stream};
 use graphed::dist::{on_sim_ranks, DataParallel, GradReduction, P2pLinks, ProcessGroup, RankEnv};
 use graphed::graph::{make_graphed_schedule, Callable, GraphOptions, StaticTensor};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    run_schedule, Builder, EagerPasses, Inputs, KeepOnDevice, Layers, Module, ParamStore, Schedule, Stage,
-    TransformerLayer,
+    run_schedule, Builder, EagerPasses, Inputs, KeepOnDevice, Layers, Module, ParamStore, Schedule, TransformerLayer,
 };
 use graphed::tensor::Tensor;
 
@@ -87,32 +88,23 @@ fn replicas_summed(dev: &Device) -> graphed::Result<Vec<(usize, Vec<f32>)>> {
     Ok(sum)
 }
 
-/// Rank `world.rank()` of the grid, splitting the world with `split` (every rank calls it):
-/// its stage of its replica's pipeline, graphed, its gradients reduced across the stage's
-/// replicas inside the backward graphs. Its layers' gradients.
-fn rank(
-    world: &Communicator,
-    split: &dyn Fn(u32, usize) -> graphed::Result<Option<Communicator>>,
-) -> graphed::Result<Vec<(usize, Vec<f32>)>> {
-    let (at, replica) = (world.rank() / REPLICAS, world.rank() % REPLICAS);
-    let not_split = || graphed::Error::Comm {
-        op: "grid",
-        rank: world.rank(),
-        kind: CommErrorKind::Nccl("a split with a color gave no group".into()),
-    };
-    let pipeline = split(replica as u32, at)?.ok_or_else(not_split)?;
-    let replicas = split(at as u32, replica)?.ok_or_else(not_split)?;
-    let stage = Stage::new(pipeline.rank(), STAGES)?;
-    let p = part(world.device(), stage.model_layers(1, PER_STAGE))?;
+/// Rank `group`'s place in the grid (every rank splits the world): its stage of its replica's
+/// pipeline, graphed, its gradients reduced across the stage's replicas inside the backward
+/// graphs. Its layers' gradients.
+fn rank(group: &ProcessGroup) -> graphed::Result<Vec<(usize, Vec<f32>)>> {
+    let grid = group.grid(STAGES)?;
+    let (stage, replica) = (grid.stage(), grid.replica());
+    let p = part(group.comm().device(), stage.model_layers(1, PER_STAGE))?;
     let schedule = Schedule::interleaved_1f1b(STAGES, stage.index(), 1, MICROBATCHES)?;
     let data =
         (0..MICROBATCHES).map(|j| microbatch(&p, replica * MICROBATCHES + j)).collect::<graphed::Result<Vec<_>>>()?;
     let callables: Vec<&dyn Callable> = p.layers.iter().map(|l| l as &dyn Callable).collect();
     let samples: Vec<Inputs> = (0..p.layers.len() * MICROBATCHES).map(|_| Inputs::one(&data[0].0)).collect();
-    let reduce = DataParallel::for_callables(&replicas, &p.store, &callables)?.with_reduction(GradReduction::Sum)?;
+    let reduce =
+        DataParallel::for_callables(grid.data_parallel(), &p.store, &callables)?.with_reduction(GradReduction::Sum)?;
     let options = GraphOptions::default().reuse_buffers(true).grad_sync(reduce);
     let graphed = make_graphed_schedule(&p.alloc, &callables, &schedule, &samples, options)?;
-    let mut links = P2pLinks::graphed(&pipeline, &p.alloc, &p.s, &SHAPE, DType::F32);
+    let mut links = P2pLinks::graphed(grid.pipeline(), &p.alloc, &p.s, &SHAPE, DType::F32);
     let inputs: Vec<Tensor> = match stage.index() {
         0 => data.iter().map(|(x, _)| x.clone()).collect(),
         _ => Vec::new(),
@@ -132,7 +124,7 @@ fn main() -> graphed::Result<()> {
     let Some(env) = RankEnv::from_env()? else {
         let want = replicas_summed(&Device::sim())?;
         let ranks = on_sim_ranks(world, SimConfig::default(), CommOptions::default(), |c| {
-            rank(c, &|color, key| c.split(Some(color), key))
+            rank(&ProcessGroup::simulated(c.clone())?)
         });
         for (r, got) in ranks.into_iter().enumerate() {
             let same = equal(&got?, &want);
@@ -145,7 +137,7 @@ fn main() -> graphed::Result<()> {
     env.require_world(world, &format!("this example's grid is {STAGES} stages × {REPLICAS} replicas"))?;
     let dev = env.gpu()?;
     let group = ProcessGroup::join(&dev, env, "examples/grid", CommOptions::default())?;
-    let got = rank(group.comm(), &|color, key| group.split(Some(color), key))?;
+    let got = rank(&group)?;
     let r = group.comm().rank();
     let same = equal(&got, &replicas_summed(&dev)?);
     println!("rank {r}: gradients over NCCL equal to both replicas on this GPU, summed, bit for bit: {same}");

@@ -356,6 +356,16 @@ pub enum Error {
     #[error("model configuration: {0}")]
     Config(crate::nn::ConfigLimit),
 
+    /// A call on a pipeline stage's part of a model ([`Gpt::part`](crate::nn::Gpt::part)) that
+    /// needs a module the part does not hold.
+    #[error("{op}: this part of the model does not hold {module}; call it on the pipeline stage that does (the first holds the embedding, the last the final LayerNorm and the head)")]
+    NotInPart {
+        /// The call.
+        op: &'static str,
+        /// The module it needs.
+        module: &'static str,
+    },
+
     /// An FP8 scaling recipe was refused at construction; the kind says why.
     #[error("FP8 scaling configuration: {0}")]
     Scaling(crate::ops::fp8::ScalingConfigError),

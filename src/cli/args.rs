@@ -2,6 +2,7 @@
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use graphed::device::{DType, Policy};
+use graphed::nn::Stage;
 
 use super::exit::Refused;
 
@@ -420,6 +421,14 @@ pub struct TrainArgs {
     /// `--side-stream`, replayed on a side stream.
     #[arg(long, conflicts_with_all = ["eager", "pool_per_layer", "schedule"])]
     pub whole_step: bool,
+    /// Launched as several ranks (`graphed launch --gpus N`): split them into Megatron-LM's grid
+    /// of this many pipeline stages × N / P data-parallel replicas. Each stage holds its chunks
+    /// of the layers (the first the embedding, the last the head and the loss) and runs the
+    /// `--schedule` (1F1B, or interleaved with `--virtual-stages` above 1) with the stages
+    /// before and after it; each stage's gradients are reduced over its replicas
+    /// (`--grad-reduce`). Must divide the ranks, and its stages × `--virtual-stages` the layers.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub pipeline: u32,
     /// Optimizer steps (default: 1000).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub steps: Option<u32>,
@@ -640,7 +649,7 @@ pub struct InspectArgs {
 }
 
 /// A pipeline schedule to run: interleaved 1F1B (1F1B with one virtual stage) for one pipeline
-/// rank of one stage, all its chunks on this GPU.
+/// stage, all its chunks on this GPU: the only stage, or one of `train --pipeline`'s.
 #[derive(Args, Debug, Clone)]
 pub struct ScheduleArgs {
     /// Microbatches per step (default: 8).
@@ -668,16 +677,25 @@ impl ScheduleArgs {
         self.microbatches.is_some() || self.virtual_stages.is_some()
     }
 
-    /// The schedule, and the layers of each chunk for `layers` layers.
-    pub fn resolve(&self, layers: usize) -> anyhow::Result<(graphed::nn::Schedule, Vec<usize>)> {
-        let v = self.virtual_stages();
-        if !layers.is_multiple_of(v) {
+    /// Pipeline stage `stage`'s schedule, and the layers of each of its chunks, for a model of
+    /// `layers` layers split into `stage.count()` stages of `--virtual-stages` chunks each.
+    pub fn resolve(&self, layers: usize, stage: Stage) -> anyhow::Result<(graphed::nn::Schedule, Vec<usize>)> {
+        let (v, m, p) = (self.virtual_stages(), self.microbatches(), stage.count());
+        if !layers.is_multiple_of(v * p) {
+            let flags =
+                if p > 1 { format!("--pipeline {p} × --virtual-stages {v}") } else { format!("{v} virtual stages") };
             return Err(Refused::error(format!(
-                "{layers} layers do not split into {v} virtual stages; pass a divisor of {layers} to --virtual-stages"
+                "{layers} layers do not split into {flags} chunks of equal layers; pass --layers or --virtual-stages to fit"
             )));
         }
-        let schedule = graphed::nn::Schedule::interleaved_1f1b(1, 0, v, self.microbatches())?;
-        Ok((schedule, vec![layers / v; v]))
+        if v > 1 && !m.is_multiple_of(p) {
+            return Err(Refused::error(format!(
+                "interleaving ({v} virtual stages) runs microbatches in groups of the --pipeline {p} stages: --microbatches \
+                 {m} is not a multiple of {p}; pass a multiple, or --virtual-stages 1"
+            )));
+        }
+        let schedule = graphed::nn::Schedule::interleaved_1f1b(p, stage.index(), v, m)?;
+        Ok((schedule, vec![layers / (v * p); v]))
     }
 }
 

@@ -77,23 +77,10 @@ impl Ranks for Communicator {
     }
 }
 
-/// The mean over the ranks of `value`, each rank's own (every rank calls it at the same point,
+/// The sum over the ranks of `value`, each rank's own (every rank calls it at the same point,
 /// as it would a collective); `value` itself without a group. The values travel as their bits
 /// (an all-gather) and are summed here in rank order, so a group of one gives `value` back
-/// exactly and every rank gets the same mean.
-pub fn mean_over_ranks(
-    ranks: Option<&impl Ranks>,
-    alloc: &CachingAllocator,
-    s: &Stream,
-    value: f64,
-) -> graphed::Result<f64> {
-    let Some(ranks) = ranks else { return Ok(value) };
-    let values = gather(ranks, alloc, s, value.to_bits())?;
-    Ok(values.iter().map(|&b| f64::from_bits(b)).sum::<f64>() / values.len() as f64)
-}
-
-/// The sum over the ranks of `value`, as [`mean_over_ranks`] gathers it (in rank order, the
-/// same on every rank); `value` itself without a group.
+/// exactly and every rank gets the same sum.
 pub fn sum_over_ranks(
     ranks: Option<&impl Ranks>,
     alloc: &CachingAllocator,
@@ -134,29 +121,8 @@ mod tests {
         0.1 + 0.2 * rank as f64
     }
 
-    fn mean_on(comm: Option<&Communicator>, dev: &Device, rank: usize) -> graphed::Result<f64> {
-        let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-        mean_over_ranks(comm, &alloc, &s, value(rank))
-    }
-
     #[test]
-    fn every_rank_gets_the_mean_of_all_ranks_values_and_one_rank_its_own() -> graphed::Result<()> {
-        let means =
-            on_sim_ranks(3, SimConfig::default(), CommOptions::default(), |c| mean_on(Some(c), c.device(), c.rank()));
-        let want = (value(0) + value(1) + value(2)) / 3.0;
-        for m in means {
-            assert_eq!(m?.to_bits(), want.to_bits());
-        }
-        let one = on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| mean_on(Some(c), c.device(), 0));
-        for m in one {
-            assert_eq!(m?.to_bits(), value(0).to_bits());
-        }
-        assert_eq!(mean_on(None, &Device::sim(), 1)?.to_bits(), value(1).to_bits());
-        Ok(())
-    }
-
-    #[test]
-    fn every_rank_gets_the_sum_of_all_ranks_values_in_rank_order() -> graphed::Result<()> {
+    fn every_rank_gets_the_sum_of_all_ranks_values_in_rank_order_and_one_rank_its_own() -> graphed::Result<()> {
         let sums = on_sim_ranks(3, SimConfig::default(), CommOptions::default(), |c| {
             let (s, alloc) = (c.device().stream()?, CachingAllocator::new(c.device()));
             sum_over_ranks(Some(c), &alloc, &s, value(c.rank()))
@@ -165,6 +131,16 @@ mod tests {
         for sum in sums {
             assert_eq!(sum?.to_bits(), want.to_bits());
         }
+        let one = on_sim_ranks(1, SimConfig::default(), CommOptions::default(), |c| {
+            let (s, alloc) = (c.device().stream()?, CachingAllocator::new(c.device()));
+            sum_over_ranks(Some(c), &alloc, &s, value(0))
+        });
+        for sum in one {
+            assert_eq!(sum?.to_bits(), value(0).to_bits());
+        }
+        let dev = Device::sim();
+        let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
+        assert_eq!(sum_over_ranks(None::<&Communicator>, &alloc, &s, value(1))?.to_bits(), value(1).to_bits());
         Ok(())
     }
 

@@ -1,5 +1,6 @@
 //! `graphed launch`: one process per GPU of this host, with torchrun's variables, so that
-//! `graphed launch --gpus 2 -- train` runs data parallel. On several hosts, start one launcher
+//! `graphed launch --gpus 2 -- train` runs data parallel (and `-- train --pipeline P` a grid of
+//! pipelines). On several hosts, start one launcher
 //! per host with the same `--nnodes`, `--master-addr` and `--port` and its own `--node-rank`
 //! (torchrun's flags; torchrun itself works as well): the processes only read the variables, and
 //! NCCL picks its transports itself. `graphed launch --gpus N -- train --device sim` runs N
@@ -176,7 +177,7 @@ fn simulated(args: &LaunchArgs, train_args: &TrainArgs) -> anyhow::Result<()> {
     }
     let d = &train_args.device;
     let sim = SimConfig { policy: d.policy.into(), seed: d.sim_seed, ..SimConfig::default() };
-    train::check(&Device::sim_with(sim), train_args)?;
+    train::check(&Device::sim_with(sim), train_args, args.gpus)?;
     let ranks = on_sim_ranks(args.gpus, sim, CommOptions::default(), |comm| {
         let group = ProcessGroup::simulated(comm.clone())?;
         let trained = train::run(comm.device(), train_args, Joining::Simulated(group));

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::{rendezvous, RankWatch};
+use super::{rendezvous, Grid, RankWatch};
 use crate::device::{CommErrorKind, CommOptions, Communicator, Device, DeviceKind, NcclId, SimConfig, Stream};
 use crate::{Error, Result};
 
@@ -258,6 +258,16 @@ impl ProcessGroup {
             self.watch.abort_on_death(c);
         }
         Ok(split)
+    }
+
+    /// The grid of `stages` pipeline stages × `world / stages` data-parallel replicas, split from
+    /// this group ([`Grid::split`] through [`split`](ProcessGroup::split), so that a rank's death
+    /// aborts both groups too). Every rank calls it.
+    ///
+    /// # Errors
+    /// As [`Grid::split`].
+    pub fn grid(&self, stages: usize) -> Result<Grid> {
+        Grid::split(&self.comm, stages, &|color, key| self.split(color, key))
     }
 }
 

@@ -10,9 +10,10 @@
 //! without GPUs; [`on_ranks`] runs the same programs on the GPUs of one process. Data and
 //! pipeline parallelism combine through
 //! [`Communicator::split`](crate::device::Communicator::split): each replica's pipeline and each
-//! stage's data-parallel group are splits of the world.
+//! stage's data-parallel group are splits of the world ([`Grid`]).
 
 mod data_parallel;
+mod grid;
 mod group;
 mod pipeline;
 mod rendezvous;
@@ -22,5 +23,6 @@ pub use rendezvous::meet;
 pub use watch::RankWatch;
 
 pub use data_parallel::{DataParallel, GradReduction};
+pub use grid::Grid;
 pub use group::{on_ranks, on_sim_ranks, ProcessGroup, RankEnv};
 pub use pipeline::P2pLinks;

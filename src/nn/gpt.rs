@@ -1,11 +1,12 @@
 //! A small GPT: token and position embedding, pre-LN transformer layers, a final LayerNorm and a
 //! language-model head with cross-entropy. Parameters live in one [`ParamStore`], so one AdamW
-//! launch updates them all.
+//! launch updates them all. A pipeline stage builds its part of the model ([`GptPart`]), with
+//! the whole model's names and initial values.
 
 use super::{
     input_grad, AttentionBackend, AttentionKind, AttentionSpec, Builder, Embedding, Fp8Recipe, Fp8Training, GradHook,
     Inputs, KeepOnDevice, LayerNorm, LayerNormCtx, Layers, LmHead, LmHeadCtx, Module, NoGradHook, Param, ParamStore,
-    SaveHook, Stack, StackCtx, TransformerLayer,
+    SaveHook, Stack, StackCtx, Stage, TransformerLayer,
 };
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
@@ -186,15 +187,70 @@ impl GptConfig {
     }
 }
 
-/// The model.
+/// Which modules of a [`Gpt`] one process builds: the whole model, or a pipeline stage's part of
+/// it (Megatron-LM's split: the embedding on the first stage, the final LayerNorm and the head on
+/// the last, and the stage's layers). A part's modules keep the whole model's names and seeds, so
+/// the parts of every stage together hold the whole model's initial parameters, and its
+/// checkpoints' names are the whole model's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GptPart {
+    /// The model's layers it holds, in the order the stage runs them (its chunks' order).
+    layers: Vec<usize>,
+    /// Whether it holds the embedding (the first stage).
+    embedding: bool,
+    /// Whether it holds the final LayerNorm and the head (the last stage).
+    head: bool,
+}
+
+impl GptPart {
+    /// Every module of a model of `layers` layers.
+    pub fn whole(layers: usize) -> GptPart {
+        GptPart { layers: (0..layers).collect(), embedding: true, head: true }
+    }
+
+    /// Pipeline stage `stage`'s part of a model of `layers` layers split into `chunks` chunks per
+    /// stage of equal layers: chunk k of the stage is the model's chunk `k·stages + stage`
+    /// ([`Stage::model_layers`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] (field `layers`) when the layers do not split into the stages' chunks.
+    pub fn stage(layers: usize, stage: Stage, chunks: usize) -> Result<GptPart> {
+        let split = stage.count() * chunks;
+        if chunks == 0 || !layers.is_multiple_of(split) {
+            let why = format!("must split into {} stages × {chunks} chunks of equal layers", stage.count());
+            return Err(Error::Config(ConfigLimit { field: "layers", value: layers, why }));
+        }
+        Ok(GptPart {
+            layers: stage.model_layers(chunks, layers / split),
+            embedding: stage.index() == 0,
+            head: stage.index() + 1 == stage.count(),
+        })
+    }
+
+    /// The model's layers it holds, in the stage's order.
+    pub fn layers(&self) -> &[usize] {
+        &self.layers
+    }
+
+    /// Its parameters, as its modules add them to the store.
+    fn parameter_count(&self, config: &GptConfig) -> usize {
+        let (v, t, c) = (config.vocab, config.max_len, config.dim);
+        let embedding = if self.embedding { Embedding::parameter_count((v, t, c)) } else { 0 };
+        let head = if self.head { LayerNorm::parameter_count(c) + LmHead::parameter_count((c, v)) } else { 0 };
+        embedding + self.layers.len() * TransformerLayer::parameter_count(c) + head
+    }
+}
+
+/// The model, or a pipeline stage's part of it ([`Gpt::part`]).
 pub struct Gpt {
     config: GptConfig,
     alloc: CachingAllocator,
     store: ParamStore,
-    embedding: Embedding,
+    /// `None` on a part without it (not the first stage).
+    embedding: Option<Embedding>,
     layers: Stack<TransformerLayer>,
-    ln_f: LayerNorm,
-    head: LmHead,
+    /// The final LayerNorm and the head; `None` on a part without them (not the last stage).
+    head: Option<(LayerNorm, LmHead)>,
     step: Tensor,
     /// With FP8 training, the state of the transformer layers' Linear layers.
     fp8: Option<Fp8Training>,
@@ -223,7 +279,17 @@ impl Gpt {
     /// [`Error::Config`] when [`GptConfig::validate`] refuses the configuration, before
     /// anything is allocated; device errors.
     pub fn new(alloc: &CachingAllocator, config: GptConfig, stream: &Stream) -> Result<Gpt> {
-        Gpt::build(alloc, config, None, stream)
+        Gpt::build(alloc, config, &GptPart::whole(config.layers), None, stream)
+    }
+
+    /// The modules of `part` of the model [`Gpt::new`] builds from `config`, with the same names
+    /// and initial parameters: a pipeline stage's. Calls that need a module the part does not hold
+    /// ([`embed`](Gpt::embed) off the first stage, [`head`](Gpt::head) off the last) fail.
+    ///
+    /// # Errors
+    /// As [`Gpt::new`].
+    pub fn part(alloc: &CachingAllocator, config: GptConfig, part: &GptPart, stream: &Stream) -> Result<Gpt> {
+        Gpt::build(alloc, config, part, None, stream)
     }
 
     /// As [`Gpt::new`] (with a bf16 `config.dtype`), the transformer layers' Linear layers
@@ -234,7 +300,8 @@ impl Gpt {
     /// # Errors
     /// As [`Gpt::new`], and [`Error::DTypeMismatch`] unless `config.dtype` is bf16.
     pub fn with_fp8(alloc: &CachingAllocator, config: GptConfig, recipe: Fp8Recipe, stream: &Stream) -> Result<Gpt> {
-        let gpt = Gpt::build(alloc, config, Some(Fp8Training::new(alloc, recipe)), stream)?;
+        let whole = GptPart::whole(config.layers);
+        let gpt = Gpt::build(alloc, config, &whole, Some(Fp8Training::new(alloc, recipe)), stream)?;
         if let Some(fp8) = &gpt.fp8 {
             fp8.start(stream)?;
         }
@@ -246,12 +313,19 @@ impl Gpt {
         self.fp8.as_ref()
     }
 
-    fn build(alloc: &CachingAllocator, config: GptConfig, fp8: Option<Fp8Training>, stream: &Stream) -> Result<Gpt> {
+    fn build(
+        alloc: &CachingAllocator,
+        config: GptConfig,
+        part: &GptPart,
+        fp8: Option<Fp8Training>,
+        stream: &Stream,
+    ) -> Result<Gpt> {
         config.validate().map_err(Error::Config)?;
-        let store = ParamStore::with_dtype(alloc, stream, config.parameter_count(), config.dtype)?;
+        let store = ParamStore::with_dtype(alloc, stream, part.parameter_count(&config), config.dtype)?;
         let (c, seed) = (config.dim, config.seed);
         let vb = Builder::new(&store, alloc, stream)?.with_seed(seed).with_dropout(config.dropout, seed as u32);
-        let embedding = Embedding::new(&vb.pp("emb"), (config.vocab, config.max_len, c))?;
+        let embedding =
+            part.embedding.then(|| Embedding::new(&vb.pp("emb"), (config.vocab, config.max_len, c))).transpose()?;
         let attention = AttentionSpec::new(c, config.heads).kind(config.attention).backend(config.attention_backend);
         // Layer l seeded `seed + 1000·(l + 1)`.
         let layers_vb = vb.clone().with_seed(seed.wrapping_add(1000));
@@ -259,9 +333,15 @@ impl Gpt {
             Some(f) => layers_vb.with_fp8(f),
             None => layers_vb,
         };
-        let layers = TransformerLayer::stack(&layers_vb, attention, &Layers::first(config.layers).seed_stride(1000))?;
-        let ln_f = LayerNorm::new(&vb.pp("ln_f"), c)?;
-        let head = LmHead::new(&vb.pp("head").with_seed(seed.wrapping_add(7)), (c, config.vocab))?;
+        let which = Layers::of(part.layers.iter().copied()).seed_stride(1000);
+        let layers = TransformerLayer::stack(&layers_vb, attention, &which)?;
+        let head = part
+            .head
+            .then(|| -> Result<_> {
+                let ln_f = LayerNorm::new(&vb.pp("ln_f"), c)?;
+                Ok((ln_f, LmHead::new(&vb.pp("head").with_seed(seed.wrapping_add(7)), (c, config.vocab))?))
+            })
+            .transpose()?;
         let step = vb.step().clone();
         Ok(Gpt {
             config,
@@ -269,7 +349,6 @@ impl Gpt {
             store,
             embedding,
             layers: Stack::new(layers).with_rng_step(&step),
-            ln_f,
             head,
             step,
             fp8,
@@ -303,13 +382,38 @@ impl Gpt {
     }
 
     /// The `(B, T, dim)` embeddings of `(B, T)` tokens: the first layer's input.
+    ///
+    /// # Errors
+    /// [`Error::NotInPart`] on a part without the embedding; device errors.
     pub fn embed(&self, tokens: &Tensor, stream: &Stream) -> Result<Tensor> {
-        self.embedding.forward(tokens, stream)
+        self.embedding("Gpt::embed")?.forward(tokens, stream)
     }
 
     /// Accumulates the embedding tables' gradients from the first layer's input gradient.
+    ///
+    /// # Errors
+    /// As [`embed`](Gpt::embed).
     pub fn embed_backward(&self, tokens: &Tensor, dx: &Tensor, stream: &Stream) -> Result<()> {
-        self.embedding.backward(tokens, dx, stream)
+        self.embedding("Gpt::embed_backward")?.backward(tokens, dx, stream)
+    }
+
+    /// Whether this model (or part) holds the embedding: the whole model's, or the first stage's.
+    pub fn has_embedding(&self) -> bool {
+        self.embedding.is_some()
+    }
+
+    /// Whether this model (or part) holds the final LayerNorm and the head, which compute the
+    /// loss: the whole model's, or the last stage's.
+    pub fn has_head(&self) -> bool {
+        self.head.is_some()
+    }
+
+    fn embedding(&self, op: &'static str) -> Result<&Embedding> {
+        self.embedding.as_ref().ok_or(Error::NotInPart { op, module: "the embedding" })
+    }
+
+    fn ln_f_and_head(&self, op: &'static str) -> Result<&(LayerNorm, LmHead)> {
+        self.head.as_ref().ok_or(Error::NotInPart { op, module: "the final LayerNorm and the head" })
     }
 
     /// The final LayerNorm and the head: per-position losses `(B·T)` of the last layer's output
@@ -318,16 +422,18 @@ impl Gpt {
         let [b, t, c] = *x.shape() else {
             return Err(Error::Shape { op: "Gpt::head", expected: "(B, T, dim)".into(), found: x.shape().to_vec() });
         };
-        let (mut normed, ln_f) = self.ln_f.forward(&Inputs::one(&x.reshape(&[b * t, c])?), &KeepOnDevice, stream)?;
-        let (losses, head) = self.head.forward(&normed.remove(0), targets, stream)?;
+        let (ln, lm) = self.ln_f_and_head("Gpt::head")?;
+        let (mut normed, ln_f) = ln.forward(&Inputs::one(&x.reshape(&[b * t, c])?), &KeepOnDevice, stream)?;
+        let (losses, head) = lm.forward(&normed.remove(0), targets, stream)?;
         Ok((losses, HeadCtx { b, t, ln_f, head }))
     }
 
     /// The gradient `(B, T, dim)` of `Σ dlosses ⊙ losses` with respect to the last layer's
     /// output; accumulates the head's and final LayerNorm's parameter gradients.
     pub fn head_backward(&self, ctx: HeadCtx, dlosses: &Tensor, stream: &Stream) -> Result<Tensor> {
-        let dnormed = self.head.backward(ctx.head, dlosses, stream)?;
-        input_grad("Gpt::head_backward", self.ln_f.backward(ctx.ln_f, &[&dnormed], stream)?)?.reshape(&[
+        let (ln, lm) = self.ln_f_and_head("Gpt::head_backward")?;
+        let dnormed = lm.backward(ctx.head, dlosses, stream)?;
+        input_grad("Gpt::head_backward", ln.backward(ctx.ln_f, &[&dnormed], stream)?)?.reshape(&[
             ctx.b,
             ctx.t,
             self.config.dim,
@@ -364,7 +470,8 @@ impl Gpt {
     /// embedding's last.
     fn backward_telling(&self, ctx: GptCtx, dlosses: &Tensor, hook: &dyn GradHook, stream: &Stream) -> Result<()> {
         let dy = self.head_backward(ctx.head, dlosses, stream)?;
-        hook.grads_final(&[self.ln_f.parameters(), self.head.parameters()].concat(), stream)?;
+        let (ln, lm) = self.ln_f_and_head("Gpt::backward")?;
+        hook.grads_final(&[ln.parameters(), lm.parameters()].concat(), stream)?;
         let dx = self.layers.backward_hooked(ctx.layers, &[&dy], hook, stream)?;
         let dx = input_grad("Gpt::backward", dx)?;
         self.embed_backward(&ctx.tokens, &dx, stream)
@@ -418,10 +525,12 @@ impl Module for Gpt {
     }
 
     fn parameters(&self) -> Vec<&Param> {
-        let mut params = self.embedding.parameters();
+        let mut params = self.embedding.as_ref().map_or_else(Vec::new, Embedding::parameters);
         params.extend(self.layers.parameters());
-        params.extend(self.ln_f.parameters());
-        params.extend(self.head.parameters());
+        if let Some((ln, lm)) = &self.head {
+            params.extend(ln.parameters());
+            params.extend(lm.parameters());
+        }
         params
     }
 
@@ -435,5 +544,59 @@ impl Module for Gpt {
 
     fn set_training(&mut self, training: bool) {
         Gpt::set_training(self, training);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::device::Device;
+
+    fn config(layers: usize) -> GptConfig {
+        GptConfig {
+            vocab: 7,
+            max_len: 4,
+            dim: 32,
+            layers,
+            heads: 1,
+            attention: AttentionKind::Fused,
+            attention_backend: AttentionBackend::Auto,
+            dropout: 0.0,
+            seed: 3,
+            dtype: DType::F32,
+        }
+    }
+
+    /// Every parameter of `gpt` by name, its bits.
+    fn named(gpt: &Gpt, s: &Stream) -> Result<BTreeMap<String, Vec<u32>>> {
+        (gpt.parameters().named_values()?.into_iter())
+            .map(|(name, t)| Ok((name, t.to_vec::<f32>(s)?.into_iter().map(f32::to_bits).collect())))
+            .collect()
+    }
+
+    #[test]
+    fn the_stages_parts_hold_the_whole_models_parameters_and_refuse_what_they_do_not_hold() -> Result<()> {
+        let dev = Device::sim();
+        let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
+        let whole = named(&Gpt::new(&alloc, config(4), &s)?, &s)?;
+        let mut parts = BTreeMap::new();
+        let mut last = None;
+        for (index, layers) in [(0, [0, 2]), (1, [1, 3])] {
+            let part = GptPart::stage(4, Stage::new(index, 2)?, 2)?;
+            assert_eq!(part.layers(), layers, "stage {index}: chunk k is the model's chunk 2k + {index}");
+            let gpt = Gpt::part(&alloc, config(4), &part, &s)?;
+            assert_eq!((gpt.has_embedding(), gpt.has_head()), (index == 0, index == 1));
+            parts.extend(named(&gpt, &s)?);
+            last = Some(gpt);
+        }
+        assert!(parts == whole, "the parts' parameters are the whole model's, names and initial values");
+        let tokens = Tensor::zeros(&alloc, &s, &[1, 4], DType::U32)?;
+        let refused = last.map(|gpt| gpt.embed(&tokens, &s).err());
+        assert!(matches!(refused, Some(Some(Error::NotInPart { op: "Gpt::embed", .. }))), "{refused:?}");
+        let unsplit = GptPart::stage(3, Stage::new(0, 2)?, 1);
+        assert!(matches!(unsplit, Err(Error::Config(ConfigLimit { field: "layers", value: 3, .. }))), "{unsplit:?}");
+        Ok(())
     }
 }

@@ -39,7 +39,7 @@ pub use builder::Builder;
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;
 pub use fp8::{DelayedRecipe, Fp8Recipe, Fp8Training};
-pub use gpt::{ConfigLimit, Gpt, GptConfig, GptCtx, HeadCtx};
+pub use gpt::{ConfigLimit, Gpt, GptConfig, GptCtx, GptPart, HeadCtx};
 pub use grad_hook::{GradHook, NoGradHook};
 pub use inputs::{Input, Inputs};
 pub use layernorm::{LayerNorm, LayerNormCtx};

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use anyhow::{ensure, Context};
 use graphed::device::{CommErrorKind, CommOptions, Communicator, DType, Device, Policy, SimConfig, Stream};
-use graphed::dist::{on_sim_ranks, DataParallel, GradReduction, P2pLinks};
+use graphed::dist::{on_sim_ranks, DataParallel, GradReduction, Grid, P2pLinks};
 
 use crate::common::Ranks;
 use graphed::graph::{make_graphed_schedule, Callable, GraphOptions, GraphedSchedule};
@@ -341,10 +341,9 @@ fn grid_equals_replicas_summed(pipe: Pipeline, replicas: usize, on: Ranks, one: 
         .collect::<anyhow::Result<_>>()?;
     for how in HOWS {
         let ranks = on.run(pipe.stages * replicas, CommOptions::default(), |world| {
-            let (at, replica) = (world.rank() / replicas, world.rank() % replicas);
-            let pp = world.split(Some(replica as u32), at)?.expect("every rank pipelines");
-            let dp = world.split(Some(at as u32), replica)?.expect("every rank has replicas");
-            let trace = stage(&pp, Some(&dp), pipe, how)?;
+            let grid = Grid::split(world, pipe.stages, &|color, key| world.split(color, key))?;
+            let replica = grid.replica();
+            let trace = stage(grid.pipeline(), Some(grid.data_parallel()), pipe, how)?;
             let hazards = graphed::check::Checker::of(world.device()).expect("checked").take_hazards();
             Ok((replica, trace, hazards))
         })?;

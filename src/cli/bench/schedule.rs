@@ -10,6 +10,7 @@ use std::time::Instant;
 use graphed::device::{DType, Device, DeviceKind};
 use graphed::graph::{static_bytes, GraphOptions};
 use graphed::memory::CachingAllocator;
+use graphed::nn::Stage;
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -46,7 +47,7 @@ pub fn run(args: &ScheduleBenchArgs) -> anyhow::Result<()> {
         .with_attention(args.attention);
     config.check_device(&dev, "--config")?;
     let dtype = args.dtype.resolve(&dev)?;
-    let (schedule, _) = args.schedule.resolve(config.layers)?;
+    let (schedule, _) = args.schedule.resolve(config.layers, Stage::single())?;
     println!("{config}, {dtype}; {schedule}");
     let mut rows = Vec::new();
     for variant in ["schedule-eager", "schedule-graphed", "schedule-graphed-reuse"] {
@@ -77,7 +78,7 @@ fn run_variant(
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
     let model = BenchModel::new(&alloc, &main, config, dtype)?;
-    let (schedule, per_chunk) = args.schedule.resolve(config.layers)?;
+    let (schedule, per_chunk) = args.schedule.resolve(config.layers, Stage::single())?;
     let m = schedule.microbatches();
     let inputs = vec![model.x.clone(); m];
     let layers = model.stack.layers();

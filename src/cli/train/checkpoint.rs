@@ -3,13 +3,19 @@
 //! `DIR/checkpoint.safetensors` (every tensor and the metadata under a checksum, verified before
 //! anything is restored), with the run's settings as metadata that a resumed run must match, and
 //! the `--data` file's size and hash, which it must match unless `--accept-changed-data`.
+//!
+//! A grid run (`--pipeline P` on N ranks) saves one file per stage, written by the stage's first
+//! replica (its replicas hold the same state): `DIR/checkpoint-stage-S-of-P.safetensors`, each
+//! with its stage's parameters under the whole model's names, its optimizer state and its
+//! dropout counter. Each stage's ranks resume from their stage's file; every file records the
+//! grid's shape, and a run of another shape is refused naming the flags.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use graphed::checkpoint::Checkpoint;
 use graphed::device::Stream;
 use graphed::memory::CachingAllocator;
-use graphed::nn::{AttentionKind, Gpt};
+use graphed::nn::{AttentionKind, Gpt, Stage};
 use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 
@@ -18,10 +24,35 @@ use crate::cli::exit::refuse;
 
 const FILE: &str = "checkpoint.safetensors";
 
-/// The checkpoint file of the folder `dir`.
-pub fn file(dir: &Path) -> std::path::PathBuf {
+/// The checkpoint file of the folder `dir` of a run without a pipeline.
+pub fn file(dir: &Path) -> PathBuf {
     dir.join(FILE)
 }
+
+/// Where a rank's state sits in a grid run: its pipeline stage, and how many replicas the grid
+/// has of it (the data-parallel ranks; 1 for a process alone).
+#[derive(Debug, Clone, Copy)]
+pub struct Place {
+    /// Its stage: which file it saves and resumes from ([`Stage::single`] without a pipeline).
+    pub stage: Stage,
+    /// The grid's replicas of the stage, which decide each replica's part of the batch.
+    pub replicas: usize,
+}
+
+impl Place {
+    /// The file of this place's stage in the folder `dir` ([`file`] without a pipeline).
+    fn file(self, dir: &Path) -> PathBuf {
+        match self.stage.count() {
+            1 => file(dir),
+            p => dir.join(format!("checkpoint-stage-{}-of-{p}.safetensors", self.stage.index())),
+        }
+    }
+}
+
+/// The metadata keys of the grid's shape: its pipeline stages and its data-parallel replicas.
+/// Checkpoints from before the keys existed are of one stage, and of replicas unknown (any).
+const PIPELINE: &str = "pipeline";
+const REPLICAS: &str = "replicas";
 
 /// The settings a resumed run must share with the saved one.
 fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f32)) -> Vec<(&'static str, String)> {
@@ -86,15 +117,14 @@ fn state(model: &Gpt, optimizer: &AdamW) -> anyhow::Result<Vec<(String, Tensor)>
     Ok(params.chain(optim).chain(rng).chain(fp8).collect())
 }
 
-/// Writes the state after `done` steps to `dir` (the previous checkpoint stays whole until the
-/// new one is).
+/// Writes the state after `done` steps of the stage at `place` to its file in `dir` (the
+/// previous checkpoint stays whole until the new one is).
 pub fn save(
     dir: &Path,
-    model: &Gpt,
-    optimizer: &AdamW,
+    (model, optimizer): (&Gpt, &AdamW),
     stream: &Stream,
     args: &TrainArgs,
-    plan: (usize, usize, f32),
+    (plan, place): ((usize, usize, f32), Place),
     done: usize,
 ) -> anyhow::Result<()> {
     let mut ckpt = Checkpoint::new();
@@ -106,26 +136,89 @@ pub fn save(
     }
     ckpt.set_meta("done", done);
     ckpt.set_meta(DATA_DIGEST, data_digest(args)?);
+    ckpt.set_meta(PIPELINE, place.stage.count());
+    ckpt.set_meta(REPLICAS, place.replicas);
     // A failure to write is a failure of the run, not a refusal of its input: kept as text.
     std::fs::create_dir_all(dir)
         .map_err(anyhow::Error::from)
-        .and_then(|()| Ok(ckpt.save(&file(dir))?))
+        .and_then(|()| Ok(ckpt.save(&place.file(dir))?))
         .map_err(|e| anyhow::anyhow!("cannot save to --save {}: {e}", dir.display()))
 }
 
-/// Restores the state saved in `dir` for a run that stops after `stop` steps; returns the steps
-/// it had taken. Every tensor and setting, and the step count, is checked before anything is
-/// restored.
+/// Refuses the checkpoint `ckpt` in `dir` unless it was saved by a grid of `place`'s shape: a
+/// stage's state belongs to that stage, and its data to that many replicas.
+fn check_shape(ckpt: &Checkpoint, dir: &Path, place: Place) -> anyhow::Result<()> {
+    let (p, r) = (place.stage.count(), place.replicas);
+    let saved_p: usize = ckpt.meta(PIPELINE).and_then(|v| v.parse().ok()).unwrap_or(1);
+    let saved_r: Option<usize> = ckpt.meta(REPLICAS).and_then(|v| v.parse().ok());
+    if saved_p != p || saved_r.is_some_and(|s| s != r) {
+        let (ranks, was) = match saved_r {
+            Some(s) => (format!(" and `graphed launch --gpus {}`", saved_p * s), format!("{saved_p} × {s}")),
+            None => (String::new(), format!("{saved_p} × some")),
+        };
+        refuse!(
+            "{}: the run saved there was a grid of {was} (pipeline stages × data-parallel replicas), this one is \
+             {p} × {r}; a stage's state and the replicas' data belong to that grid: resume with --pipeline \
+             {saved_p}{ranks}",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// The checkpoint of `place`'s stage in `dir`, refused when the folder holds another grid's.
+fn load(dir: &Path, place: Place) -> anyhow::Result<Checkpoint> {
+    let path = place.file(dir);
+    if !path.exists() {
+        // Another grid's file says which flags to pass.
+        let other = std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.path()).find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("checkpoint") && n.ends_with(".safetensors"))
+        });
+        if let Some(ckpt) = other.and_then(|o| Checkpoint::load_unverified(&o).ok()) {
+            check_shape(&ckpt, dir, place)?;
+        }
+    }
+    let ckpt = Checkpoint::load(&path)?;
+    check_shape(&ckpt, dir, place)?;
+    Ok(ckpt)
+}
+
+/// Refuses a `--resume` from `dir` that the ranks of a grid of `stages` × `replicas` could not
+/// resume: another grid's checkpoint, a stage's file missing, or stages' files of different
+/// steps (a save cut short between them). What the launcher of simulated ranks checks once,
+/// before any rank is built (each rank checks its own file as it resumes; launched processes
+/// that would start at different steps are refused by the rendezvous).
+pub fn check_resumable(dir: &Path, stages: usize, replicas: usize) -> anyhow::Result<()> {
+    let mut done: Vec<String> = Vec::with_capacity(stages);
+    for s in 0..stages {
+        let ckpt = load(dir, Place { stage: Stage::new(s, stages)?, replicas })?;
+        done.push(ckpt.meta("done").unwrap_or("none").to_string());
+    }
+    if done.iter().any(|d| *d != done[0]) {
+        refuse!(
+            "{}: the stages' files are of different steps ({}): a save was cut short between them; resume from a \
+             folder whose files one run wrote together",
+            dir.display(),
+            done.iter().enumerate().map(|(s, d)| format!("stage {s} after {d}")).collect::<Vec<_>>().join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Restores the state of `place`'s stage saved in `dir` for a run that stops after `stop` steps;
+/// returns the steps it had taken. Every tensor and setting, the grid's shape and the step count
+/// are checked before anything is restored.
 pub fn resume(
     dir: &Path,
     (model, optimizer): (&Gpt, &AdamW),
-    alloc: &CachingAllocator,
-    stream: &Stream,
+    (alloc, stream): (&CachingAllocator, &Stream),
     args: &TrainArgs,
-    plan: (usize, usize, f32),
+    (plan, place): ((usize, usize, f32), Place),
     stop: usize,
 ) -> anyhow::Result<usize> {
-    let ckpt = Checkpoint::load(&file(dir))?;
+    let ckpt = load(dir, place)?;
     let (saved_form, form) = (ckpt.meta(ATTENTION).unwrap_or("unfused"), model.config().attention.name());
     if saved_form != form {
         refuse!(

@@ -49,9 +49,19 @@ impl Joining {
             Joining::Simulated(g) => g.env().rank == 0,
         }
     }
+
+    /// This rank and the group's ranks: `(0, 1)` alone.
+    fn place(&self) -> (usize, usize) {
+        match self {
+            Joining::Alone => (0, 1),
+            Joining::Launched(env) => (env.rank, env.world),
+            Joining::Simulated(g) => (g.env().rank, g.env().world),
+        }
+    }
 }
 
-/// Trains, alone or as a rank of a data-parallel group (`joining`; rank 0 reports). Nothing runs
+/// Trains, alone or as a rank of a data-parallel group or of a grid of pipelines (`joining`;
+/// rank 0 reports). Nothing runs
 /// unless the whole run can ([`Training::setup`]); its steps' failure, once what was reported is
 /// kept, or its interrupt, once saved, is returned for `main` to end with.
 pub fn run(dev: &Device, args: &TrainArgs, joining: Joining) -> anyhow::Result<()> {

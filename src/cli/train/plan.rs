@@ -120,9 +120,10 @@ impl Plan {
             }
         };
         format!(
-            "{:?}; {} parameters; batch {}; steps {start} to {} of {}; reduced {reduced}; gradients' {}",
+            "{:?}; {} parameters; {} pipeline stages; batch {}; steps {start} to {} of {}; reduced {reduced}; gradients' {}",
             self.config,
             self.config.parameter_count(),
+            args.pipeline,
             self.batch,
             self.stop,
             self.steps,
@@ -154,9 +155,48 @@ fn check_fp8(args: &TrainArgs, config: &GptConfig, batch: usize) -> anyhow::Resu
     Ok(())
 }
 
-/// Refuses flags that would do nothing (schedule settings without `--schedule`) and the one
-/// combination the graphs cannot replay.
-pub fn check_flags(args: &TrainArgs) -> anyhow::Result<()> {
+/// Refuses a `--pipeline` that cannot split `world` ranks (1 for a process alone) into a grid, or
+/// that asks for what stages do not run; the layers' and microbatches' fit to the stages is
+/// the schedule's to refuse ([`ScheduleArgs::resolve`](crate::cli::args::ScheduleArgs::resolve)).
+fn check_grid(args: &TrainArgs, world: usize) -> anyhow::Result<()> {
+    let p = args.pipeline as usize;
+    if p == 1 {
+        return Ok(());
+    }
+    if world == 1 {
+        refuse!(
+            "--pipeline {p} splits the layers over {p} ranks, and this is one process; start them with `graphed launch \
+             --gpus {p} -- train ...` (with --device sim, as simulated ranks), or drop --pipeline"
+        );
+    }
+    if !world.is_multiple_of(p) {
+        refuse!(
+            "--pipeline {p} does not divide the {world} ranks into replicas of {p} stages; launch a multiple of {p} \
+             (--gpus), or pass a --pipeline that divides {world}"
+        );
+    }
+    if !args.schedule {
+        refuse!("--pipeline runs the layers under a pipeline schedule; add --schedule (and --microbatches, --virtual-stages)");
+    }
+    if args.dtype.fp8() {
+        refuse!(
+            "--dtype fp8 is not split over pipeline stages (its scales are reduced over data-parallel ranks holding \
+             every layer); drop --pipeline or --dtype fp8"
+        );
+    }
+    if args.on_nonfinite == NonFiniteArg::Skip {
+        refuse!(
+            "--on-nonfinite skip with --pipeline: each stage sees only its own gradients, so stages could skip \
+             different steps and the model's parts drift apart; pass --on-nonfinite stop"
+        );
+    }
+    Ok(())
+}
+
+/// Refuses flags that would do nothing (schedule settings without `--schedule`), the one
+/// combination the graphs cannot replay, and a grid that `world` ranks cannot make.
+pub fn check_flags(args: &TrainArgs, world: usize) -> anyhow::Result<()> {
+    check_grid(args, world)?;
     if !args.schedule && args.schedule_args.given() {
         refuse!("--microbatches and --virtual-stages shape a pipeline schedule; add --schedule, or drop them");
     }

@@ -2,7 +2,7 @@
 //! replayed as a graphed stack between the eager embedding and head (with `--whole-step`, the
 //! whole model as one forward and one backward graph) and the optimizer replayed as one more
 //! graph; with `--offload`, the layers' activations go to host memory and back (inside the
-//! graphs when graphed).
+//! graphs when graphed). With `--pipeline`, a stage's part of the model under the schedule.
 
 use std::sync::Arc;
 
@@ -64,7 +64,9 @@ enum Layers {
 impl Stepper {
     /// Captures the model's layers and the optimizer step unless `--eager`: the layers into one
     /// pool (chained, so that no copies run between layers), with `--pool-per-layer` one pool
-    /// per layer, with `--schedule` one graph per (layer, microbatch).
+    /// per layer, with `--schedule` one graph per (layer, microbatch). The gradients are reduced
+    /// over `data_parallel`'s ranks when given; `pipeline`, when given, is this stage's pipeline
+    /// (`--pipeline`, under the schedule).
     pub fn new(
         model: &Gpt,
         optimizer: &AdamW,
@@ -72,7 +74,7 @@ impl Stepper {
         stream: &Stream,
         batch: usize,
         args: &TrainArgs,
-        comm: Option<&Communicator>,
+        (data_parallel, pipeline): (Option<&Communicator>, Option<&Communicator>),
     ) -> anyhow::Result<Stepper> {
         let dev = stream.device();
         let reduction = GradReduction::from(args.grad_reduce);
@@ -80,7 +82,7 @@ impl Stepper {
             GradReduction::Mean => Ok(dp),
             other => dp.with_reduction(other),
         };
-        let data_parallel = match comm {
+        let data_parallel = match data_parallel {
             None => None,
             // Eager, every gradient is reduced after the step's last backward.
             Some(c) if args.eager => {
@@ -124,7 +126,7 @@ impl Stepper {
             }
             (true, _) => {
                 let sync = data_parallel.as_ref().map(|(dp, _)| dp.clone() as Arc<dyn GradSync>);
-                Layers::Scheduled(Scheduled::new(model, alloc, stream, batch, args, sync)?)
+                Layers::Scheduled(Scheduled::new(model, (alloc, stream), batch, args, sync, pipeline)?)
             }
             (false, true) => Layers::Eager,
             (false, false) => {
@@ -187,17 +189,19 @@ impl Stepper {
         format!("{how}{optimizer}{offload}{parallel}")
     }
 
-    /// Forward, backward and optimizer step of one batch; returns the per-position losses.
+    /// Forward, backward and optimizer step of one batch; returns the per-position losses, on
+    /// the rank whose part of the model computes them (`None` on a pipeline stage without the
+    /// head).
     pub fn step(
-        &self,
+        &mut self,
         model: &Gpt,
         optimizer: &AdamW,
         tokens: &Tensor,
         targets: &Tensor,
         weights: &Tensor,
-    ) -> anyhow::Result<Tensor> {
+    ) -> anyhow::Result<Option<Tensor>> {
         let stream = &self.stream;
-        let losses = match &self.layers {
+        let losses = match &mut self.layers {
             Layers::Eager => {
                 let hook: Box<dyn SaveHook> = match &self.offload {
                     Some(m) => Box::new(m.chunk(Chunk::default())),
@@ -208,7 +212,7 @@ impl Stepper {
                 if let Some(m) = &self.offload {
                     m.end_iteration(stream)?;
                 }
-                losses
+                Some(losses)
             }
             Layers::Scheduled(s) => s.step(model, &self.alloc, stream, (tokens, targets, weights))?,
             Layers::Whole { graphed: g, side } => {
@@ -220,7 +224,7 @@ impl Stepper {
                 let (_, backward) = g.backward(stream, &[weights])?;
                 forward.join(stream)?;
                 backward.join(stream)?;
-                losses
+                Some(losses)
             }
             Layers::Stack { stack, side, .. } => {
                 let replay = side.as_ref().map_or(Replay::caller(), Replay::side);
@@ -233,7 +237,7 @@ impl Stepper {
                 model.embed_backward(tokens, dx.get()?, stream)?;
                 // The optimizer reads every gradient: join the tails first (R4).
                 stack.join(stream)?;
-                losses
+                Some(losses)
             }
         };
         if let Some((dp, rest)) = &self.data_parallel {

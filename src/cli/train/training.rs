@@ -9,9 +9,9 @@
 use std::time::{Duration, Instant};
 
 use graphed::device::{CommErrorKind, Device, DeviceKind, Stream};
-use graphed::dist::{GradReduction, ProcessGroup};
+use graphed::dist::{GradReduction, Grid, ProcessGroup};
 use graphed::memory::CachingAllocator;
-use graphed::nn::Gpt;
+use graphed::nn::{Gpt, GptConfig, GptPart, Stage};
 use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -28,7 +28,7 @@ use super::task::Task;
 use super::upload::{Uploaded, Uploader};
 use super::{checkpoint, memory, outputs, Joining};
 use crate::cli::args::TrainArgs;
-use crate::cli::exit::Interrupted;
+use crate::cli::exit::{refuse, Interrupted};
 use crate::cli::group;
 
 /// Where the steps stand, and their clocks.
@@ -68,8 +68,14 @@ impl Progress {
 /// last.
 pub struct Training<'a> {
     args: &'a TrainArgs,
-    /// Rank 0, or the only process: the one that reports, saves and plots.
+    /// Rank 0, or the only process: the one that reports and plots (and, without a pipeline,
+    /// saves).
     lead: bool,
+    /// Its pipeline stage (the only one without `--pipeline`) and the grid's replicas.
+    place: checkpoint::Place,
+    /// Its replica: which part of the whole batch it trains on (see `Task::batch`); its rank
+    /// without `--pipeline`. The first replica of each stage saves the stage's state.
+    replica: usize,
     plan: Plan,
     /// Steps a resumed run had taken before it; 0 for a fresh one.
     start: usize,
@@ -87,8 +93,6 @@ pub struct Training<'a> {
     group: Option<ProcessGroup>,
     /// This rank; 0 without a group.
     rank: usize,
-    /// The group's ranks; 1 without a group.
-    world: usize,
     /// How the ranks' gradients combine, which decides what each rank's loss weighs.
     reduction: GradReduction,
     interrupt: Interrupt,
@@ -100,15 +104,24 @@ pub struct Training<'a> {
 
 impl<'a> Training<'a> {
     /// Refuses the run before anything is built if it cannot run as asked, then builds it on
-    /// `dev`, alone or joining a data-parallel group as `joining` says (rank 0 reports).
+    /// `dev`, alone or joining a data-parallel group, or a grid of pipelines with `--pipeline`,
+    /// as `joining` says (rank 0 reports).
     pub fn setup(dev: &Device, args: &'a TrainArgs, joining: Joining) -> anyhow::Result<Training<'a>> {
         let lead = joining.lead();
-        let (task, plan) = refusals(dev, args, lead)?;
+        let (rank, world) = joining.place();
+        let (task, plan) = refusals(dev, args, lead, world)?;
+        // This rank's stage and replica in the grid (`--pipeline`; refused above unless it fits).
+        let (stage, replica) = Grid::place(rank, world, args.pipeline as usize)?;
+        let place = checkpoint::Place { stage, replicas: world / stage.count() };
         let interrupt = Interrupt::install()?;
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let model = match args.dtype.fp8_recipe()? {
             Some(recipe) => Gpt::with_fp8(&alloc, plan.config, recipe, &s)?,
+            None if stage.count() > 1 => {
+                let part = GptPart::stage(plan.config.layers, stage, args.schedule_args.virtual_stages())?;
+                Gpt::part(&alloc, plan.config, &part, &s)?
+            }
             None => Gpt::new(&alloc, plan.config, &s)?,
         };
         let optimizer = AdamW::new(&alloc, model.parameters(), Plan::hyper(args), plan.lr_schedule(), &s)?;
@@ -117,7 +130,9 @@ impl<'a> Training<'a> {
             None => optimizer,
         };
         let start = match &args.resume {
-            Some(dir) => checkpoint::resume(dir, (&model, &optimizer), &alloc, &s, args, plan.saved(), plan.stop)?,
+            Some(dir) => {
+                checkpoint::resume(dir, (&model, &optimizer), (&alloc, &s), args, (plan.saved(), place), plan.stop)?
+            }
             None => 0,
         };
         let group = match joining {
@@ -126,23 +141,32 @@ impl<'a> Training<'a> {
             // Its ranks are threads of this process, given the same arguments: the same model.
             Joining::Simulated(g) => Some(g),
         };
-        let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.env().rank, g.env().world));
         let reduction = GradReduction::from(args.grad_reduce);
-        announce_device(dev, args, group.as_ref(), lead, start);
-        let comm = group.as_ref().map(|g| g.comm());
+        announce_device(dev, args, group.as_ref(), lead, start, place);
+        let grid = match &group {
+            Some(g) if stage.count() > 1 => Some(g.grid(stage.count())?),
+            _ => None,
+        };
+        // The gradients are reduced over the stage's replicas: the whole group without a
+        // pipeline, none for a grid of one replica.
+        let data_parallel = match &grid {
+            Some(g) => Some(g.data_parallel()).filter(|c| c.size() > 1),
+            None => group.as_ref().map(|g| g.comm()),
+        };
         // Every rank's scales from the amaxes of the whole batch, as one GPU would compute them.
-        if let (Some(fp8), Some(c)) = (model.fp8(), comm) {
+        if let (Some(fp8), Some(c)) = (model.fp8(), data_parallel) {
             fp8.reduce_amaxes_over(c)?;
         }
-        let stepper = Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args, comm)?;
-        let summary_shown = announce_model(lead, &plan, &stepper, group.as_ref(), &task, reduction);
+        let comms = (data_parallel, grid.as_ref().map(Grid::pipeline));
+        let stepper = Stepper::new(&model, &optimizer, &alloc, &s, plan.batch, args, comms)?;
+        let summary_shown = announce_model(lead, &plan, &stepper, group.as_ref(), &task, (reduction, place));
         // Every rank draws the whole batch and keeps its part (see `Task::batch`).
         let mut rng = SmallRng::seed_from_u64(args.seed);
         let started = Instant::now();
         let metrics = Metrics::open(args.metrics.as_deref().filter(|_| lead), args.resume.as_ref().map(|_| start))?;
         // The data of the steps a resumed run already took, drawn and dropped.
         for _ in 0..start {
-            task.batch(&mut rng, plan.batch, (rank, world), reduction);
+            task.batch(&mut rng, plan.batch, (replica, place.replicas), reduction);
         }
         let uploader = Uploader::new(dev, plan.batch, plan.config.max_len)?;
         let bar = progress_bar(lead, plan.steps, start);
@@ -150,6 +174,8 @@ impl<'a> Training<'a> {
         Ok(Training {
             args,
             lead,
+            place,
+            replica,
             plan,
             start,
             task,
@@ -162,7 +188,6 @@ impl<'a> Training<'a> {
             stepper,
             group,
             rank,
-            world,
             reduction,
             interrupt,
             optimizer,
@@ -190,7 +215,8 @@ impl<'a> Training<'a> {
             // Nothing more for a group that lost a rank: its error names the rank.
             g.check()?;
         }
-        let batch = self.task.batch(&mut self.rng, self.plan.batch, (self.rank, self.world), self.reduction);
+        let batch =
+            self.task.batch(&mut self.rng, self.plan.batch, (self.replica, self.place.replicas), self.reduction);
         // A group's check, polled by waits that a dead rank's collectives would otherwise block.
         let watch = self.group.as_ref().map(|g| move || g.check());
         let watch = watch.as_ref().map(|w| w as &dyn Fn() -> graphed::Result<()>);
@@ -210,7 +236,7 @@ impl<'a> Training<'a> {
             self.settle()?;
         }
         if reporting {
-            self.report(step, &losses, &batch.weights)?;
+            self.report(step, losses.as_ref(), &batch.weights)?;
         }
         if saving {
             self.save()?;
@@ -235,16 +261,26 @@ impl<'a> Training<'a> {
         health::gradients(&self.optimizer, &self.s, self.args.on_nonfinite)
     }
 
-    /// Reports the loss of `step` from its per-position `losses` and their `weights`: on the
-    /// progress bar, in the metrics, as a line, and as a warning if the run diverges.
-    fn report(&mut self, step: usize, losses: &Tensor, weights: &[f32]) -> anyhow::Result<()> {
-        let l = losses.to_vec::<f32>(&self.s)?;
-        let mine = l.iter().zip(weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum();
-        // Data parallel: the loss of the whole batch, every rank's part of it: the mean of the
-        // ranks' own means, or the sum of their shares of the whole batch's (see `Task::batch`).
+    /// Reports the loss of `step` from its per-position `losses` (on the rank that computes
+    /// them: with `--pipeline`, the last stage's) and their `weights`: on the progress bar, in
+    /// the metrics, as a line, and as a warning if the run diverges.
+    fn report(&mut self, step: usize, losses: Option<&Tensor>, weights: &[f32]) -> anyhow::Result<()> {
+        let mine = match losses {
+            Some(losses) => {
+                let l = losses.to_vec::<f32>(&self.s)?;
+                l.iter().zip(weights).map(|(l, w)| f64::from(*l) * f64::from(*w)).sum()
+            }
+            // A stage without the head adds nothing (an exact zero) to the sum below.
+            None => 0.0,
+        };
+        // Data parallel: the loss of the whole batch, every replica's part of it: the mean of the
+        // replicas' own means, or the sum of their shares of the whole batch's (see
+        // `Task::batch`). The world's gather (in rank order) brings the last stages' losses to
+        // rank 0 in the grid: the one collective of a reporting step, no send of its own.
+        let sum = group::sum_over_ranks(self.group.as_ref(), &self.alloc, &self.s, mine)?;
         let loss = match self.reduction {
-            GradReduction::Mean => group::mean_over_ranks(self.group.as_ref(), &self.alloc, &self.s, mine)?,
-            GradReduction::Sum => group::sum_over_ranks(self.group.as_ref(), &self.alloc, &self.s, mine)?,
+            GradReduction::Mean => sum / self.place.replicas as f64,
+            GradReduction::Sum => sum,
         };
         self.progress.last_loss = loss;
         health::loss(step, loss, self.args.on_nonfinite)?;
@@ -262,10 +298,12 @@ impl<'a> Training<'a> {
         Ok(())
     }
 
-    /// Saves the state after the steps done to `--save`, if given (rank 0 saves for the group).
+    /// Saves the state after the steps done to `--save`, if given: the first replica of each
+    /// stage saves the stage's for its replicas (rank 0 the whole model's without a pipeline).
     fn save(&self) -> anyhow::Result<()> {
-        let Some(dir) = self.args.save.as_ref().filter(|_| self.lead) else { return Ok(()) };
-        checkpoint::save(dir, &self.model, &self.optimizer, &self.s, self.args, self.plan.saved(), self.progress.done)
+        let Some(dir) = self.args.save.as_ref().filter(|_| self.replica == 0) else { return Ok(()) };
+        let (model, at) = ((&self.model, &self.optimizer), (self.plan.saved(), self.place));
+        checkpoint::save(dir, model, &self.s, self.args, at, self.progress.done)
     }
 
     /// Whether an interrupt asks the run to stop. A group stops together: every rank learns of
@@ -360,6 +398,12 @@ impl<'a> Training<'a> {
         let which = if timed_steps + 1 == self.plan.stop - self.start { " (after the first)" } else { "" };
         println!("time per step{which}: wall {:.0} µs, host issuing {:.0} µs", per_step(wall), per_step(host));
         println!("{}", memory::summary(&self.alloc.stats()));
+        let stages = self.place.stage.count();
+        if stages > 1 {
+            // Decoding runs the whole model on one device, which no rank of a pipeline holds.
+            println!("no held-out score: the model is split over {stages} pipeline stages");
+            return Ok(());
+        }
         self.task.report(&self.model, &self.alloc, &self.s)
     }
 }
@@ -372,36 +416,70 @@ fn say(lead: bool, line: &str) {
     }
 }
 
-/// Refuses, as rank 0 of a group or a single process would, a run that cannot run on `dev`:
-/// what simulated ranks check once, before any rank is built (each rank checks again as it
-/// sets up, as every process does).
-pub fn check(dev: &Device, args: &TrainArgs) -> anyhow::Result<()> {
-    refusals(dev, args, true).map(drop)
+/// Refuses, as rank 0 of a group of `world` ranks or a single process would, a run that cannot
+/// run on `dev`, and a checkpoint to resume that is not there, of another grid or cut short: what
+/// simulated ranks check once, before any rank is built (each rank checks again as it sets up,
+/// as every process does).
+pub fn check(dev: &Device, args: &TrainArgs, world: usize) -> anyhow::Result<()> {
+    refusals(dev, args, true, world)?;
+    let p = args.pipeline as usize;
+    args.resume.as_ref().map_or(Ok(()), |dir| checkpoint::check_resumable(dir, p, world / p))
 }
 
-/// What can be refused before anything is built: the flags, the output files (rank 0's, `lead`),
-/// the task's data, the plan and the memory it needs.
-fn refusals(dev: &Device, args: &TrainArgs, lead: bool) -> anyhow::Result<(Task, Plan)> {
-    plan::check_flags(args)?;
+/// What can be refused before anything is built for a rank of `world` ranks: the flags, the
+/// output files (rank 0's, `lead`), the task's data, the plan, the schedule's fit to the grid
+/// and the memory it needs.
+fn refusals(dev: &Device, args: &TrainArgs, lead: bool, world: usize) -> anyhow::Result<(Task, Plan)> {
+    plan::check_flags(args, world)?;
     if lead {
         outputs::check(args)?;
     }
     let eval = args.eval.unwrap_or(if dev.kind() == DeviceKind::Cuda { 1000 } else { 100 });
     let task = Task::new(args, eval as usize)?;
     let plan = Plan::new(dev, args, task.shape())?;
-    memory::check(dev, &plan.config, plan.batch, args)?;
+    if args.schedule {
+        // Every stage's schedule fits as the first one's does.
+        args.schedule_args.resolve(plan.config.layers, Stage::new(0, args.pipeline as usize)?)?;
+        let (batch, m) = (plan.batch, args.schedule_args.microbatches());
+        if !batch.is_multiple_of(m) {
+            refuse!("a batch of {batch} does not split into {m} microbatches; pass --batch or --microbatches to fit");
+        }
+    }
+    // A stage holds its share of the layers (the embedding's and head's parameters counted on
+    // every stage, the whole batch's activations as without a pipeline: a bound on its part).
+    let held = GptConfig { layers: plan.config.layers / args.pipeline as usize, ..plan.config };
+    memory::check(dev, &held, plan.batch, args)?;
     Ok((task, plan))
 }
 
-/// Says where the run is: its rank in the `group` (every rank), then on rank 0 the device and
-/// where a resumed run starts.
-fn announce_device(dev: &Device, args: &TrainArgs, group: Option<&ProcessGroup>, lead: bool, start: usize) {
+/// Says where the run is: its rank in the `group` (every rank; with `--pipeline`, its `place`
+/// in the grid), then on rank 0 the device and where a resumed run starts.
+fn announce_device(
+    dev: &Device,
+    args: &TrainArgs,
+    group: Option<&ProcessGroup>,
+    lead: bool,
+    start: usize,
+    place: checkpoint::Place,
+) {
     if let Some(g) = group {
         let (env, kind) = (g.env(), g.comm().device().kind());
+        let stage = place.stage;
+        let grid = match stage.count() {
+            1 => String::new(),
+            p => format!(
+                ", stage {} of {p} of replica {} of {}",
+                stage.index(),
+                env.rank % place.replicas,
+                place.replicas
+            ),
+        };
         match kind {
-            DeviceKind::Cuda => println!("rank {} of {} (GPU {} of this host)", env.rank, env.world, env.local_rank),
+            DeviceKind::Cuda => {
+                println!("rank {} of {} (GPU {} of this host{grid})", env.rank, env.world, env.local_rank)
+            }
             DeviceKind::Sim => println!(
-                "rank {} of {} (simulated device {}, a thread of this process)",
+                "rank {} of {} (simulated device {}, a thread of this process{grid})",
                 env.rank, env.world, env.local_rank
             ),
         }
@@ -421,16 +499,16 @@ fn nvtx(dev: &Device) -> &'static str {
     }
 }
 
-/// Says what runs: the model and its step, the group's losses and gradients (combined as
-/// `reduction` says), the offload policy once frozen, the data; whether the offload policy's
-/// table was shown.
+/// Says what runs: the model and its step (rank 0's stage's, with a pipeline), the group's
+/// losses and gradients (combined over the replicas of the grid at `place` as `reduction` says),
+/// the offload policy once frozen, the data; whether the offload policy's table was shown.
 fn announce_model(
     lead: bool,
     plan: &Plan,
     stepper: &Stepper,
     group: Option<&ProcessGroup>,
     task: &Task,
-    reduction: GradReduction,
+    (reduction, place): (GradReduction, checkpoint::Place),
 ) -> bool {
     let cfg = &plan.config;
     say(
@@ -449,12 +527,22 @@ fn announce_model(
         ),
     );
     if let Some(g) = group {
-        let (world, batch) = (g.env().world, plan.batch);
+        let (world, batch, stages, replicas) = (g.env().world, plan.batch, place.stage.count(), place.replicas);
+        if stages > 1 {
+            say(
+                lead,
+                &format!(
+                    "grid: {world} ranks as {stages} pipeline stages × {replicas} data-parallel replicas; the last \
+                     stage computes each replica's loss"
+                ),
+            );
+        }
         let how = match reduction {
             GradReduction::Mean => "gradients averaged over the ranks, each rank's loss its own batch's mean",
             GradReduction::Sum => "gradients summed over the ranks, each rank's loss weighed by the whole batch",
         };
-        say(lead, &format!("losses: the whole batch's ({world} ranks × {batch}, each its part of it); {how}"));
+        let ranks = if stages > 1 { "replicas" } else { "ranks" };
+        say(lead, &format!("losses: the whole batch's ({replicas} {ranks} × {batch}, each its part of it); {how}"));
     }
     let summary_shown = stepper.offload_summary().inspect(|s| say(lead, s)).is_some();
     if let Some(data) = task.describe() {

@@ -137,6 +137,15 @@ pub enum CommErrorKind {
         /// What that rank builds.
         theirs: String,
     },
+    /// A world that does not split into a grid of that many pipeline stages
+    /// ([`Grid`](crate::dist::Grid)): every stage needs as many replicas.
+    #[error("a world of {world} ranks does not split into {stages} pipeline stages of equal replicas; start a multiple of the stages, or pass a number of stages that divides the ranks")]
+    GridShape {
+        /// The world's ranks.
+        world: usize,
+        /// The stages asked for.
+        stages: usize,
+    },
     /// The launcher's environment is missing or wrong.
     #[error("environment variable {var}: {why}; launch with `graphed launch` or torchrun, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")]
     Env {
