@@ -34,7 +34,10 @@ pub(crate) fn build(
         let pool = &pools[i];
         let mut captured = Vec::with_capacity(mine.len());
         for (pass, graph) in mine {
-            pool.name_graph(graph.graph().id(), format!("{} {pass:?}", plan.names[i]));
+            let name = format!("{} {pass:?}", plan.names[i]);
+            // Named in the pool's errors and in the reports of the collectives it holds.
+            graph.graph().set_name(&name);
+            pool.name_graph(graph.graph().id(), name);
             let exec = graph.instantiate()?;
             exec.upload(stream)?;
             captured.push(Captured { pass, graph, exec });

@@ -48,6 +48,7 @@ pub fn make_graphed_fn(alloc: &CachingAllocator, f: impl FnOnce(&Stream) -> Resu
     let cap = alloc.capture(&stream, CaptureMode::ThreadLocal, &pool)?;
     f(&stream)?;
     let graph = cap.finish()?;
+    graph.graph().set_name("graphed fn");
     let exec = graph.instantiate()?;
     exec.upload(&stream)?;
     stream.synchronize()?;
@@ -56,8 +57,9 @@ pub fn make_graphed_fn(alloc: &CachingAllocator, f: impl FnOnce(&Stream) -> Resu
 
 impl GraphedFn {
     /// Names its replays' profiler ranges `replay {name}` (`replay optimizer step`) instead of
-    /// `replay graphed fn`.
+    /// `replay graphed fn`, and its graph `name` in the reports of the collectives it holds.
     pub fn with_name(mut self, name: &str) -> GraphedFn {
+        self.graph.graph().set_name(name);
         self.range = RangeName::new(&format!("replay {name}"));
         self
     }

@@ -54,6 +54,31 @@ pub enum CommErrorKind {
         message: String,
     },
 
+    /// A launch of a graph that holds collectives did not complete: one of its collectives
+    /// waited past the timeout, or on a rank that died ([`Communicator::wait`](super::Communicator::wait)
+    /// reports it so, naming what the graph's capture recorded; see `docs/several-gpus.md`).
+    #[error(
+        "graph `{graph}` (launch {launch} of it) did not complete: it waits in {collective}; {}; {cause}",
+        ranks_line(arrived.as_deref(), missing.as_deref())
+    )]
+    GraphStalled {
+        /// The graph's name (the graph layer's: module and pass, or a graphed function's name).
+        graph: String,
+        /// Which launch of it, counted from 1.
+        launch: u64,
+        /// The collective it waits in, as its capture recorded it (op, elements, its place in
+        /// the graph, the rank and size of its communicator); on GPUs, when the graph holds
+        /// several collectives of the group, each of them.
+        collective: String,
+        /// The ranks that reached the collective, where known (the simulator knows).
+        arrived: Option<Vec<usize>>,
+        /// The ranks that did not, where known (the simulator; on GPUs, a rank the group's
+        /// watch saw die).
+        missing: Option<Vec<usize>>,
+        /// What ended the wait: the timeout, or the rank gone.
+        cause: Box<CommErrorKind>,
+    },
+
     // ---- arguments of a collective --------------------------------------------------------------
     /// A rank number outside the group.
     #[error("peer {peer} is not a rank of this group of {size}; pass a rank below {size} other than your own")]
@@ -145,6 +170,20 @@ pub enum CommErrorKind {
         /// What is wrong with it.
         why: String,
     },
+}
+
+/// The ranks of a [`CommErrorKind::GraphStalled`] in words.
+fn ranks_line(arrived: Option<&[usize]>, missing: Option<&[usize]>) -> String {
+    let list = |r: &[usize]| match r {
+        [] => "none".to_string(),
+        r => r.iter().map(usize::to_string).collect::<Vec<_>>().join(", "),
+    };
+    match (arrived, missing) {
+        (Some(a), Some(m)) => format!("ranks arrived: {}; ranks missing: {}", list(a), list(m)),
+        (None, Some(m)) => format!("ranks missing: {} (the others' progress is not known on GPUs)", list(m)),
+        (Some(a), None) => format!("ranks arrived: {}", list(a)),
+        (None, None) => "which ranks arrived is not known on GPUs: look for the rank whose log stops first".into(),
+    }
 }
 
 /// The error of operation `op` on `rank`.

@@ -60,8 +60,10 @@ impl<'w> Patience<'w> {
                 (Instant::now() > self.deadline).then(|| CommErrorKind::Timeout { waiting: waiting(), secs })
             });
             if let Some(kind) = ended {
+                // Made first: the report looks at what had not completed before the abort.
+                let e = fail(kind);
                 abort();
-                return Err(fail(kind));
+                return Err(e);
             }
             state?;
             std::thread::sleep(Duration::from_micros(50));
@@ -89,9 +91,10 @@ impl Communicator {
     /// `watch`'s error, and as [`wait`](Communicator::wait).
     pub fn wait_watching(&self, stream: &Stream, watch: &dyn Fn() -> Option<CommErrorKind>) -> Result<()> {
         match &self.inner.repr {
-            Repr::Sim(_) => stream.synchronize(),
+            // The simulator's own wait ends at the timeout, a rank gone or a deadlock.
+            Repr::Sim(_) => stream.synchronize().map_err(|e| self.explained(e)),
             Repr::Cuda(c) => {
-                let fail = |kind| comm_error("Communicator::wait", self.rank(), kind);
+                let fail = |kind| comm_error("Communicator::wait", self.rank(), self.explain(kind));
                 let waiting = || format!("the work queued on stream {}", stream.id());
                 // An error of NCCL's ends the group; one of the stream's (a query refused during a
                 // capture) is the caller's to handle. The watch aborts the group itself when a
