@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use graphed::device::{CommErrorKind, Device, DeviceKind, Stream};
+use graphed::device::{CommErrorKind, Device, DeviceKind, Event, Stream};
 use graphed::dist::{GradReduction, ProcessGroup};
 use graphed::memory::CachingAllocator;
 use graphed::nn::Gpt;
@@ -191,10 +191,10 @@ impl<'a> Training<'a> {
             g.check()?;
         }
         let batch = self.task.batch(&mut self.rng, self.plan.batch, (self.rank, self.world), self.reduction);
-        // A group's check, polled by waits that a dead rank's collectives would otherwise block.
-        let watch = self.group.as_ref().map(|g| move || g.check());
-        let watch = watch.as_ref().map(|w| w as &dyn Fn() -> graphed::Result<()>);
-        let Uploaded { tokens, targets, weights } = self.uploader.upload(&self.alloc, &self.s, &batch, watch)?;
+        // The group's watchdog, for a wait that a dead or stalled rank's collectives would block.
+        let watched = self.group.as_ref().map(|g| move |e: &Event| g.wait_event(e));
+        let watched = watched.as_ref().map(|w| w as &dyn Fn(&Event) -> graphed::Result<()>);
+        let Uploaded { tokens, targets, weights } = self.uploader.upload(&self.alloc, &self.s, &batch, watched)?;
         let issued = Instant::now();
         let losses = {
             // A profiler's timeline shows the step's replays and optimizer step inside this.
@@ -318,7 +318,13 @@ impl<'a> Training<'a> {
     fn abandon(self, e: &anyhow::Error) -> anyhow::Error {
         // A dead rank explains whatever failed after it died (work of the aborted communicator):
         // its error comes first, the failure it caused below it.
-        let named = matches!(e.downcast_ref(), Some(Error::Comm { kind: CommErrorKind::RankGone { .. }, .. }));
+        let named = match e.downcast_ref() {
+            Some(Error::Comm { kind: CommErrorKind::RankGone { .. }, .. }) => true,
+            Some(Error::Comm { kind: CommErrorKind::GraphStalled { cause, .. }, .. }) => {
+                matches!(**cause, CommErrorKind::RankGone { .. })
+            }
+            _ => false,
+        };
         let err = match (named, self.group.as_ref().map(ProcessGroup::check)) {
             (false, Some(Err(gone))) => anyhow::anyhow!("{e:#}").context(gone),
             _ => anyhow::anyhow!("{e:#}"),

@@ -48,27 +48,22 @@ impl Uploader {
     }
 
     /// Copies `batch` to the GPU on `stream`; blocks only while the slot's copy of two batches
-    /// ago has not run. In a process group, `watch` (the group's check) is polled meanwhile: that
-    /// copy is queued behind the step's collectives, which a dead rank never completes, so a
-    /// plain wait would outlive the death unseen.
+    /// ago has not run. In a process group that wait is `watched` (the group's watchdog): that
+    /// copy is queued behind the step's collectives, which a dead or stalled rank never
+    /// completes, so a plain wait would outlive the death unseen, and a stall forever.
     pub fn upload(
         &mut self,
         alloc: &CachingAllocator,
         stream: &Stream,
         batch: &Batch,
-        watch: Option<&dyn Fn() -> graphed::Result<()>>,
+        watched: Option<&dyn Fn(&Event) -> graphed::Result<()>>,
     ) -> graphed::Result<Uploaded> {
         let slot = &mut self.slots[self.next];
         self.next = 1 - self.next;
-        match (&slot.copied, watch) {
+        match (&slot.copied, watched) {
             (None, _) => {}
             (Some(copied), None) => copied.synchronize()?,
-            (Some(copied), Some(watch)) => {
-                while !copied.query()? {
-                    watch()?;
-                    std::thread::sleep(std::time::Duration::from_micros(50));
-                }
-            }
+            (Some(copied), Some(wait)) => wait(copied)?,
         }
         slot.inputs.write(&batch.inputs)?;
         slot.targets.write(&batch.targets)?;
