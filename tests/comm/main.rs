@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use graphed::device::{CaptureMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, Transfer};
+use graphed::device::{
+    CaptureMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, StalledGraph, Transfer,
+};
 use graphed::Error;
 
 #[path = "../common/mod.rs"]
@@ -361,23 +363,26 @@ fn a_rank_that_stalls_in_a_graph_is_reported(on: Ranks, stall: Stall) -> anyhow:
         }
         waited
     })?;
-    let Some(CommErrorKind::GraphStalled { graph, launch, collective, arrived, missing, cause }) = kind_of(&out[0])
-    else {
+    let Some(CommErrorKind::GraphStalled(stalled)) = kind_of(&out[0]) else {
         anyhow::bail!("{on:?}, {stall:?}: expected a stalled graph, got {:?}", out[0]);
     };
+    let StalledGraph { graph, launch, collective, arrived, missing, cause } = &**stalled;
     ensure!(graph == "fp8 step" && *launch == 1, "{on:?}: {graph} launch {launch}");
     let first = "all_gather of 4 × f32 (collective 1 of 2 in the graph, rank 0 of a group of 2)";
     match (on, stall) {
         (Ranks::Sim(_), _) => {
             ensure!(collective == first, "{on:?}: {collective}");
-            ensure!(arrived.as_deref() == Some(&[0][..]) && missing.as_deref() == Some(&[1][..]), "{arrived:?} {missing:?}");
+            ensure!(
+                arrived.as_deref() == Some(&[0][..]) && missing.as_deref() == Some(&[1][..]),
+                "{arrived:?} {missing:?}"
+            );
         }
         // NCCL does not say which collective of the graph waits, nor who arrived.
         (Ranks::Gpus, _) => ensure!(collective.contains(first) && arrived.is_none(), "{collective}, {arrived:?}"),
     }
     match stall {
-        Stall::NeverLaunches => ensure!(matches!(**cause, CommErrorKind::Timeout { .. }), "{cause:?}"),
-        Stall::Dies => ensure!(matches!(**cause, CommErrorKind::RankGone { rank: 1 }), "{cause:?}"),
+        Stall::NeverLaunches => ensure!(matches!(cause, CommErrorKind::Timeout { .. }), "{cause:?}"),
+        Stall::Dies => ensure!(matches!(cause, CommErrorKind::RankGone { rank: 1 }), "{cause:?}"),
     }
     let message = out[0].as_ref().err().map(|e| e.to_string()).unwrap_or_default();
     ensure!(message.contains("graph `fp8 step` (launch 1 of it) did not complete"), "{message}");
@@ -385,8 +390,8 @@ fn a_rank_that_stalls_in_a_graph_is_reported(on: Ranks, stall: Stall) -> anyhow:
 }
 
 #[test]
-fn a_rank_that_never_launches_a_graph_is_named_with_the_graph_its_collective_and_the_missing_rank(
-) -> anyhow::Result<()> {
+fn a_rank_that_never_launches_a_graph_is_named_with_the_graph_its_collective_and_the_missing_rank() -> anyhow::Result<()>
+{
     for policy in Policy::ALL {
         a_rank_that_stalls_in_a_graph_is_reported(Ranks::Sim(policy), Stall::NeverLaunches)?;
     }

@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use graphed::device::{AccessMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, Stream};
+use graphed::device::{
+    AccessMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, StalledGraph, Stream,
+};
 use graphed::dist::{meet, on_sim_ranks, DataParallel, GradReduction, RankEnv, RankWatch};
 use graphed::graph::{make_graphed_callables, make_graphed_stack, Callable, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
@@ -539,11 +541,10 @@ fn a_rank_stalled_in_a_graphed_step_is_named(on: Ranks, dies: bool) -> anyhow::R
         }
         waited
     })?;
-    let Err(Error::Comm { kind: CommErrorKind::GraphStalled { graph, collective, arrived, missing, cause, .. }, .. }) =
-        &out[0]
-    else {
+    let Err(Error::Comm { kind: CommErrorKind::GraphStalled(stalled), .. }) = &out[0] else {
         anyhow::bail!("{on:?}: expected a stalled graph on rank 0, got {:?}", out[0]);
     };
+    let StalledGraph { graph, collective, arrived, missing, cause, .. } = &**stalled;
     ensure!(graph == "TransformerLayer#2 (h2) Backward", "{on:?}: {graph}");
     ensure!(collective.contains("all_reduce of") && collective.contains("rank 0 of a group of 2"), "{collective}");
     match (on, dies) {
@@ -554,8 +555,8 @@ fn a_rank_stalled_in_a_graphed_step_is_named(on: Ranks, dies: bool) -> anyhow::R
         (Ranks::Gpus, _) => ensure!(arrived.is_none(), "{arrived:?}"),
     }
     match dies {
-        true => ensure!(matches!(**cause, CommErrorKind::RankGone { rank: 1 }), "{cause:?}"),
-        false => ensure!(matches!(**cause, CommErrorKind::Timeout { .. }), "{cause:?}"),
+        true => ensure!(matches!(cause, CommErrorKind::RankGone { rank: 1 }), "{cause:?}"),
+        false => ensure!(matches!(cause, CommErrorKind::Timeout { .. }), "{cause:?}"),
     }
     Ok(())
 }

@@ -25,7 +25,7 @@ use super::metrics::Metrics;
 use super::plan::{self, Plan};
 use super::step::Stepper;
 use super::task::Task;
-use super::upload::{Uploaded, Uploader};
+use super::upload::{Uploaded, Uploader, WaitFor};
 use super::{checkpoint, memory, outputs, Joining};
 use crate::cli::args::TrainArgs;
 use crate::cli::exit::Interrupted;
@@ -193,7 +193,7 @@ impl<'a> Training<'a> {
         let batch = self.task.batch(&mut self.rng, self.plan.batch, (self.rank, self.world), self.reduction);
         // The group's watchdog, for a wait that a dead or stalled rank's collectives would block.
         let watched = self.group.as_ref().map(|g| move |e: &Event| g.wait_event(e));
-        let watched = watched.as_ref().map(|w| w as &dyn Fn(&Event) -> graphed::Result<()>);
+        let watched = watched.as_ref().map(|w| w as &WaitFor<'_>);
         let Uploaded { tokens, targets, weights } = self.uploader.upload(&self.alloc, &self.s, &batch, watched)?;
         let issued = Instant::now();
         let losses = {
@@ -320,8 +320,8 @@ impl<'a> Training<'a> {
         // its error comes first, the failure it caused below it.
         let named = match e.downcast_ref() {
             Some(Error::Comm { kind: CommErrorKind::RankGone { .. }, .. }) => true,
-            Some(Error::Comm { kind: CommErrorKind::GraphStalled { cause, .. }, .. }) => {
-                matches!(**cause, CommErrorKind::RankGone { .. })
+            Some(Error::Comm { kind: CommErrorKind::GraphStalled(s), .. }) => {
+                matches!(s.cause, CommErrorKind::RankGone { .. })
             }
             _ => false,
         };

@@ -10,6 +10,9 @@ use graphed::tensor::Tensor;
 
 use super::addition::Batch;
 
+/// A wait for the work before an event, under a process group's watchdog.
+pub type WaitFor<'a> = dyn Fn(&Event) -> graphed::Result<()> + 'a;
+
 /// A batch on the GPU: its tokens `[batch, seq]`, and per token its target and loss weight.
 pub struct Uploaded {
     pub tokens: Tensor,
@@ -56,7 +59,7 @@ impl Uploader {
         alloc: &CachingAllocator,
         stream: &Stream,
         batch: &Batch,
-        watched: Option<&dyn Fn(&Event) -> graphed::Result<()>>,
+        watched: Option<&WaitFor<'_>>,
     ) -> graphed::Result<Uploaded> {
         let slot = &mut self.slots[self.next];
         self.next = 1 - self.next;

@@ -57,27 +57,8 @@ pub enum CommErrorKind {
     /// A launch of a graph that holds collectives did not complete: one of its collectives
     /// waited past the timeout, or on a rank that died ([`Communicator::wait`](super::Communicator::wait)
     /// reports it so, naming what the graph's capture recorded; see `docs/several-gpus.md`).
-    #[error(
-        "graph `{graph}` (launch {launch} of it) did not complete: it waits in {collective}; {}; {cause}",
-        ranks_line(arrived.as_deref(), missing.as_deref())
-    )]
-    GraphStalled {
-        /// The graph's name (the graph layer's: module and pass, or a graphed function's name).
-        graph: String,
-        /// Which launch of it, counted from 1.
-        launch: u64,
-        /// The collective it waits in, as its capture recorded it (op, elements, its place in
-        /// the graph, the rank and size of its communicator); on GPUs, when the graph holds
-        /// several collectives of the group, each of them.
-        collective: String,
-        /// The ranks that reached the collective, where known (the simulator knows).
-        arrived: Option<Vec<usize>>,
-        /// The ranks that did not, where known (the simulator; on GPUs, a rank the group's
-        /// watch saw die).
-        missing: Option<Vec<usize>>,
-        /// What ended the wait: the timeout, or the rank gone.
-        cause: Box<CommErrorKind>,
-    },
+    #[error("{0}")]
+    GraphStalled(Box<StalledGraph>),
 
     // ---- arguments of a collective --------------------------------------------------------------
     /// A rank number outside the group.
@@ -172,7 +153,42 @@ pub enum CommErrorKind {
     },
 }
 
-/// The ranks of a [`CommErrorKind::GraphStalled`] in words.
+/// What [`CommErrorKind::GraphStalled`] reports: the launch that did not complete, the
+/// collective it waits in, the ranks, and what ended the wait.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StalledGraph {
+    /// The graph's name (the graph layer's: module and pass, or a graphed function's name).
+    pub graph: String,
+    /// Which launch of it, counted from 1.
+    pub launch: u64,
+    /// The collective it waits in, as its capture recorded it (op, elements, its place in the
+    /// graph, the rank and size of its communicator); on GPUs, when the graph holds several
+    /// collectives of the group, each of them.
+    pub collective: String,
+    /// The ranks that reached the collective, where known (the simulator knows).
+    pub arrived: Option<Vec<usize>>,
+    /// The ranks that did not, where known (the simulator; on GPUs, a rank the group's watch saw
+    /// die).
+    pub missing: Option<Vec<usize>>,
+    /// What ended the wait: the timeout, or the rank gone.
+    pub cause: CommErrorKind,
+}
+
+impl std::fmt::Display for StalledGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "graph `{}` (launch {} of it) did not complete: it waits in {}; {}; {}",
+            self.graph,
+            self.launch,
+            self.collective,
+            ranks_line(self.arrived.as_deref(), self.missing.as_deref()),
+            self.cause
+        )
+    }
+}
+
+/// The ranks of a [`StalledGraph`] in words.
 fn ranks_line(arrived: Option<&[usize]>, missing: Option<&[usize]>) -> String {
     let list = |r: &[usize]| match r {
         [] => "none".to_string(),

@@ -44,7 +44,7 @@ use super::{cuda, sim, Device};
 pub(crate) use collectives::Collective;
 pub use collectives::Transfer;
 pub(crate) use error::comm_error;
-pub use error::CommErrorKind;
+pub use error::{CommErrorKind, StalledGraph};
 pub(crate) use group::per_rank_thread;
 pub use group::NcclId;
 pub use wait::CommOptions;
@@ -86,15 +86,17 @@ pub(crate) type CommRepr = Repr<sim::SimLink, cuda::NcclComm>;
 
 impl Communicator {
     fn new(dev: Device, rank: usize, size: usize, options: CommOptions, repr: CommRepr) -> Communicator {
-        Communicator { inner: Arc::new(CommInner {
-            dev,
-            rank,
-            size,
-            options,
-            repr,
-            abort: Mutex::new(None),
-            ledger: Mutex::default(),
-        }) }
+        Communicator {
+            inner: Arc::new(CommInner {
+                dev,
+                rank,
+                size,
+                options,
+                repr,
+                abort: Mutex::new(None),
+                ledger: Mutex::default(),
+            }),
+        }
     }
 
     /// This rank.

@@ -134,9 +134,8 @@ impl Communicator {
                     fail(kind)
                 };
                 let abort = || self.abort();
-                Patience::new(self.inner.options.timeout, watch).poll(waiting, &abort, fail, || {
-                    Ok(query()? || c.async_error().map(|()| false).map_err(failed)?)
-                })
+                Patience::new(self.inner.options.timeout, watch)
+                    .poll(waiting, &abort, fail, || Ok(query()? || c.async_error().map(|()| false).map_err(failed)?))
             }
         }
     }

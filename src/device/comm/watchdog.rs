@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
-use super::{CommErrorKind, CommInner, Communicator};
+use super::{CommErrorKind, CommInner, Communicator, StalledGraph};
 use crate::device::backend::Repr;
 use crate::device::{DType, DeviceId, Event, GraphId, Stream};
 use crate::{Error, Result};
@@ -186,7 +186,14 @@ pub(crate) struct Stuck {
 impl Communicator {
     /// Records that a capture on `stream` holds `collective` of this communicator (nothing
     /// outside a capture).
-    pub(crate) fn note_captured(&self, stream: &Stream, op: String, elements: usize, dtype: DType, ordered: bool) -> Result<()> {
+    pub(crate) fn note_captured(
+        &self,
+        stream: &Stream,
+        op: String,
+        elements: usize,
+        dtype: DType,
+        ordered: bool,
+    ) -> Result<()> {
         let Some(capture) = stream.capture_id()? else { return Ok(()) };
         let mut log = CAPTURING.lock().unwrap_or_else(PoisonError::into_inner);
         let held = log.get_or_insert_with(HashMap::new).entry((stream.device().id(), capture)).or_default();
@@ -285,6 +292,7 @@ impl Communicator {
             (None, CommErrorKind::RankGone { rank }) => (None, Some(vec![*rank])),
             (None, _) => (None, None),
         };
-        CommErrorKind::GraphStalled { graph, launch: launch.number, collective, arrived, missing, cause: Box::new(cause) }
+        let launch = launch.number;
+        CommErrorKind::GraphStalled(Box::new(StalledGraph { graph, launch, collective, arrived, missing, cause }))
     }
 }
