@@ -342,7 +342,7 @@ fn a_rank_that_stalls_in_a_graph_is_reported(on: Ranks, stall: Stall) -> anyhow:
         let held: Vec<String> = fp8_step.graph().collectives().iter().map(|x| x.to_string()).collect();
         let want = [
             format!("all_gather of 4 × f32 (collective 1 of 2 in the graph, rank {} of a group of 2)", c.rank()),
-            format!("all_reduce_amax of 4 × u32 (collective 2 of 2 in the graph, rank {} of a group of 2)", c.rank()),
+            format!("all_reduce_amax of 4 × f32 (collective 2 of 2 in the graph, rank {} of a group of 2)", c.rank()),
         ];
         assert_eq!(held, want, "what the capture recorded");
         forward.instantiate()?.launch(&s)?;

@@ -247,7 +247,8 @@ impl Communicator {
             _ => format!("p2p_group ({})", planned.iter().map(|p| describe(p.kind)).collect::<Vec<_>>().join(", ")),
         };
         let ordered = !matches!(planned, [] | [Planned { kind: Collective::Send(_) | Collective::Recv(_), .. }, ..]);
-        self.note_captured(stream, described, planned.iter().map(|p| p.count).sum(), dtype, ordered)?;
+        // In the caller's element type: the amaxes are f32, whatever their max compares.
+        self.note_captured(stream, described, planned.iter().map(|p| p.count).sum(), T::DTYPE, ordered)?;
         let (mut accesses, mut blocks) = (Vec::new(), Vec::new());
         for p in planned {
             let second = p.second.map(|v| (v, AccessMode::Write));
