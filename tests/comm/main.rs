@@ -322,7 +322,11 @@ enum Stall {
 /// replay of both fails within the timeout naming the graph, the first collective that rank 1
 /// never reached, and the ranks (on the simulator; NCCL says neither).
 fn a_rank_that_stalls_in_a_graph_is_reported(on: Ranks, stall: Stall) -> anyhow::Result<()> {
-    let timeout = Duration::from_millis(300);
+    // On GPUs the timeout also bounds NCCL's making of the group, which takes seconds.
+    let timeout = match on {
+        Ranks::Sim(_) => Duration::from_millis(300),
+        Ranks::Gpus => Duration::from_secs(10),
+    };
     let rank_0_done = std::sync::Barrier::new(2);
     let out = on.run(2, CommOptions { timeout }, |c| {
         let (dev, s) = (c.device(), c.device().stream()?);
