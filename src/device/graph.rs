@@ -3,7 +3,10 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use std::sync::Arc;
+
 use super::backend::{dispatch, ExecRepr, GraphRepr};
+use super::comm::{CapturedCollective, GraphCollectives};
 use super::{ids, Device, EventId, GraphId, Stream};
 use crate::{Error, Result};
 
@@ -48,21 +51,53 @@ pub struct NodeInfo {
 }
 
 /// A captured graph (CUDA's `CUgraph`): inspect it, then [`instantiate`](Graph::instantiate) it.
-/// It keeps alive every buffer and event its nodes use.
+/// It keeps alive every buffer and event its nodes use, and knows, from its capture, the
+/// collectives it holds: a wait on their group that fails names the launch, the graph and the
+/// collective (see [`Communicator::wait`](super::Communicator::wait)).
 pub struct Graph {
     dev: Device,
     id: GraphId,
     repr: GraphRepr,
+    info: Arc<GraphCollectives>,
 }
 
 impl Graph {
-    pub(crate) fn new(dev: Device, repr: GraphRepr) -> Result<Graph> {
-        Ok(Graph { dev, id: GraphId(ids::next_id()), repr })
+    pub(crate) fn new(dev: Device, repr: GraphRepr, info: GraphCollectives) -> Result<Graph> {
+        Ok(Graph { dev, id: GraphId(ids::next_id()), repr, info: Arc::new(info) })
     }
 
     /// The graph's identity (shared by its executables).
     pub fn id(&self) -> GraphId {
         self.id
+    }
+
+    /// The collectives it holds, in capture order, as its capture recorded them.
+    ///
+    /// ```
+    /// use graphed::device::{CaptureMode, CommOptions, Communicator, Device};
+    /// let comm = Communicator::sim_group(&[Device::sim()], CommOptions::default())?.remove(0);
+    /// let s = comm.device().stream()?;
+    /// let x = comm.device().alloc::<f32>(8)?;
+    /// let cap = s.capture(CaptureMode::ThreadLocal)?;
+    /// comm.all_reduce(&s, &x)?;
+    /// let graph = cap.finish()?;
+    /// assert_eq!(graph.collectives()[0].to_string(),
+    ///            "all_reduce of 8 × f32 (collective 1 of 1 in the graph, rank 0 of a group of 1)");
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    pub fn collectives(&self) -> &[CapturedCollective] {
+        self.info.collectives()
+    }
+
+    /// Names the graph (for its executables too) in the reports of the collectives it holds;
+    /// the graph layer names its graphs by module and pass.
+    pub fn set_name(&self, name: &str) {
+        self.info.set_name(name);
+    }
+
+    /// The name given with [`set_name`](Graph::set_name), if any.
+    pub fn name(&self) -> Option<String> {
+        self.info.name().map(|n| n.to_string())
     }
 
     /// The device it was captured on.
@@ -97,7 +132,8 @@ impl Graph {
     /// Instantiates an executable graph.
     pub fn instantiate(&self) -> Result<GraphExec> {
         let repr = dispatch!(self.dev.backend(), |b, pick| b.wrap_exec(b.instantiate(pick!(self.repr))?));
-        Ok(GraphExec { dev: self.dev.clone(), id: self.id, exec: ids::next_id(), repr: Some(repr) })
+        let info = self.info.clone();
+        Ok(GraphExec { dev: self.dev.clone(), id: self.id, exec: ids::next_id(), repr: Some(repr), info })
     }
 }
 
@@ -109,6 +145,7 @@ pub struct GraphExec {
     /// This executable's own identity (a graph may be instantiated more than once).
     exec: u64,
     repr: Option<ExecRepr>,
+    info: Arc<GraphCollectives>,
 }
 
 impl GraphExec {
@@ -134,17 +171,31 @@ impl GraphExec {
         dispatch!(self.dev.backend(), |b, pick| b.upload(pick!(repr), pick!(stream.repr())))
     }
 
+    /// The collectives its graph holds (see [`Graph::collectives`]).
+    pub fn collectives(&self) -> &[CapturedCollective] {
+        self.info.collectives()
+    }
+
     /// Launches the graph on `stream` (any stream of the device, not only the capture stream).
+    /// A graph that holds collectives is noted by their communicators, with an event recorded
+    /// after the launch, for the report of a wait on them that fails.
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         const OP: &str = "GraphExec::launch";
         self.dev.check_err()?;
         self.check_stream(OP, stream)?;
         let repr = self.repr(OP)?;
+        let comms = match self.info.collectives() {
+            [] => Vec::new(),
+            _ => self.info.before_launch(),
+        };
         dispatch!(self.dev.backend(), |b, pick| b.launch(pick!(repr), pick!(stream.repr())))?;
-        match self.dev.observer() {
-            Some(o) => o.launch(self.id, self.exec, stream.id()),
-            None => Ok(()),
+        if let Some(o) = self.dev.observer() {
+            o.launch(self.id, self.exec, stream.id())?;
         }
+        if comms.is_empty() {
+            return Ok(());
+        }
+        self.info.launched(self.id, stream, comms)
     }
 
     /// Destroys the executable now; later launches return [`Error::GraphReset`]. Launches

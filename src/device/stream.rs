@@ -4,6 +4,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use super::backend::{dispatch, CopyDir, Op, StreamRepr};
 use super::capture::{Capture, CaptureMode, CaptureStatus};
+use super::comm::GraphCollectives;
 use super::gemm::{Fp8Gemm, Fp8Pair, Gemm, GemmElem, GemmSpec};
 use super::kernel::{Arg, IntoView, Kernel, LaunchDims};
 use super::memory::{access_of, Block};
@@ -528,15 +529,15 @@ impl Stream {
     /// [`Error::Capture`] with `Unmatched` on a stream that did not begin a capture, `Unjoined`
     /// if a forked stream was not joined back, `Invalidated` if the capture was invalidated.
     pub fn end_capture(&self) -> Result<Graph> {
-        let observed = match self.inner.dev.observer() {
-            Some(o) => self.capture_id()?.map(|id| (o, id)),
-            None => None,
-        };
+        let capture = self.capture_id()?;
+        let observed = self.inner.dev.observer().and_then(|o| capture.map(|id| (o, id)));
         let ended = dispatch!(self.inner.dev.backend(), |b, pick| b
             .end_capture(pick!(self.inner.repr))
             .map(|g| b.wrap_graph(g)));
+        // The collectives the capture recorded, taken whether it gave a graph or not.
+        let collectives = GraphCollectives::take(self.inner.dev.id(), capture);
         let graph = match ended {
-            Ok(repr) => Graph::new(self.inner.dev.clone(), repr)?,
+            Ok(repr) => Graph::new(self.inner.dev.clone(), repr, collectives)?,
             Err(e) => {
                 if let Some((o, id)) = observed {
                     o.end_capture(id, None)?;

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::{rendezvous, Grid, RankWatch};
-use crate::device::{CommErrorKind, CommOptions, Communicator, Device, DeviceKind, NcclId, SimConfig, Stream};
+use crate::device::{CommErrorKind, CommOptions, Communicator, Device, DeviceKind, Event, NcclId, SimConfig, Stream};
 use crate::{Error, Result};
 
 /// Where this process sits in its group, as torchrun and `graphed launch` say it.
@@ -219,9 +219,19 @@ impl ProcessGroup {
     /// instead of hanging.
     ///
     /// # Errors
-    /// [`CommErrorKind::RankGone`] naming the dead rank, as [`Communicator::wait`] otherwise.
+    /// [`CommErrorKind::RankGone`] naming the dead rank, as [`Communicator::wait`] otherwise;
+    /// either as [`CommErrorKind::GraphStalled`] when a graph's launch was waiting on the rank.
     pub fn wait(&self, stream: &Stream) -> Result<()> {
         self.comm.wait_watching(stream, &|| self.watch.error())
+    }
+
+    /// As [`wait`](ProcessGroup::wait), for the work before `event`'s latest record: the
+    /// watchdog of a wait for an earlier step's copy, which that step's collectives hold up.
+    ///
+    /// # Errors
+    /// As [`wait`](ProcessGroup::wait).
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.comm.wait_event_watching(event, &|| self.watch.error())
     }
 
     /// What this rank knows of the others' processes.

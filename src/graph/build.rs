@@ -36,7 +36,10 @@ pub(crate) fn build(
     for (i, mine) in graphs.into_iter().enumerate() {
         let mut captured = Vec::with_capacity(mine.len());
         for (pass, graph) in mine {
-            pools[i].name_graph(graph.graph().id(), format!("{} {pass:?}", plan.names[i]));
+            let name = format!("{} {pass:?}", plan.names[i]);
+            // Named in the pool's errors and in the reports of the collectives it holds.
+            graph.graph().set_name(&name);
+            pools[i].name_graph(graph.graph().id(), name);
             let exec = graph.instantiate()?;
             exec.upload(stream)?;
             captured.push(Captured { pass, graph, exec });

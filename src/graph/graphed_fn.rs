@@ -89,6 +89,7 @@ pub fn make_graphed_fn_with_edges(
         stream.record_external(edge.event())?;
     }
     let graph = cap.finish()?;
+    graph.graph().set_name(NAME);
     let exec = graph.instantiate()?;
     exec.upload(&stream)?;
     stream.synchronize()?;
@@ -100,8 +101,9 @@ pub fn make_graphed_fn_with_edges(
 
 impl GraphedFn {
     /// Names its replays' profiler ranges `replay {name}` (`replay optimizer step`) instead of
-    /// `replay graphed fn`.
+    /// `replay graphed fn`, and its graph `name` in the reports of the collectives it holds.
     pub fn with_name(mut self, name: &str) -> GraphedFn {
+        self.graph.graph().set_name(name);
         self.range = RangeName::new(&format!("replay {name}"));
         self.name = name.to_string();
         self

@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use graphed::device::{CaptureMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, Transfer};
+use graphed::device::{
+    CaptureMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, StalledGraph, Transfer,
+};
 use graphed::Error;
 
 #[path = "../common/mod.rs"]
@@ -304,6 +306,136 @@ fn a_rank_that_never_arrives_times_out() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How a rank takes part in [`a_rank_that_stalls_in_a_graph_is_reported`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Stall {
+    /// It never launches the second graph, and stays in the group until the other rank's
+    /// wait failed.
+    NeverLaunches,
+    /// It fails before the second graph (its thread ends: its communicator goes).
+    Dies,
+}
+
+/// Two graphs on each rank, `forward` (an all-reduce) and `fp8 step` (a graphed function: an
+/// all-gather, then an amax all-reduce, as an FP8 optimizer step's), both captured on every
+/// rank; rank 1 replays only `forward`, then stalls as `stall` says. Rank 0's wait for its
+/// replay of both fails within the timeout naming the graph, the first collective that rank 1
+/// never reached, and the ranks (on the simulator; NCCL says neither).
+fn a_rank_that_stalls_in_a_graph_is_reported(on: Ranks, stall: Stall) -> anyhow::Result<()> {
+    // On GPUs the timeout also bounds NCCL's making of the group, which takes seconds.
+    let timeout = match on {
+        Ranks::Sim(_) => Duration::from_millis(300),
+        Ranks::Gpus => Duration::from_secs(10),
+    };
+    let rank_0_done = std::sync::Barrier::new(2);
+    let out = on.run(2, CommOptions { timeout }, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        let alloc = graphed::memory::CachingAllocator::new(dev);
+        let x = dev.alloc_from(&s, &[1.0f32; 8])?;
+        let (part, all) = (dev.alloc_from(&s, &[2.0f32; 4])?, dev.alloc::<f32>(8)?);
+        let amaxes = dev.alloc_from(&s, &[0.5f32; 4])?;
+        let cap = s.capture(CaptureMode::ThreadLocal)?;
+        c.all_reduce(&s, &x)?;
+        let forward = cap.finish()?;
+        forward.set_name("forward");
+        let fp8_step = graphed::graph::make_graphed_fn(&alloc, |g| {
+            c.all_gather(g, &part, &all)?;
+            c.all_reduce_amax(g, &amaxes)
+        })?
+        .with_name("fp8 step");
+        let held: Vec<String> = fp8_step.graph().collectives().iter().map(|x| x.to_string()).collect();
+        let want = [
+            format!("all_gather of 4 × f32 (collective 1 of 2 in the graph, rank {} of a group of 2)", c.rank()),
+            format!("all_reduce_amax of 4 × f32 (collective 2 of 2 in the graph, rank {} of a group of 2)", c.rank()),
+        ];
+        assert_eq!(held, want, "what the capture recorded");
+        forward.instantiate()?.launch(&s)?;
+        c.wait(&s)?;
+        if c.rank() == 1 {
+            match stall {
+                Stall::NeverLaunches => {
+                    rank_0_done.wait();
+                    return Ok(());
+                }
+                Stall::Dies => return Err(Error::Unsupported { op: "test", backend: "sim", why: "rank 1 dies" }),
+            }
+        }
+        fp8_step.replay(&s)?;
+        let waited = c.wait(&s);
+        if stall == Stall::NeverLaunches {
+            rank_0_done.wait();
+        }
+        waited
+    })?;
+    let Some(CommErrorKind::GraphStalled(stalled)) = kind_of(&out[0]) else {
+        anyhow::bail!("{on:?}, {stall:?}: expected a stalled graph, got {:?}", out[0]);
+    };
+    let StalledGraph { graph, launch, collective, arrived, missing, cause } = &**stalled;
+    ensure!(graph == "fp8 step" && *launch == 1, "{on:?}: {graph} launch {launch}");
+    let first = "all_gather of 4 × f32 (collective 1 of 2 in the graph, rank 0 of a group of 2)";
+    match (on, stall) {
+        (Ranks::Sim(_), _) => {
+            ensure!(collective == first, "{on:?}: {collective}");
+            ensure!(
+                arrived.as_deref() == Some(&[0][..]) && missing.as_deref() == Some(&[1][..]),
+                "{arrived:?} {missing:?}"
+            );
+        }
+        // NCCL does not say which collective of the graph waits, nor who arrived.
+        (Ranks::Gpus, _) => ensure!(collective.contains(first) && arrived.is_none(), "{collective}, {arrived:?}"),
+    }
+    match stall {
+        Stall::NeverLaunches => ensure!(matches!(cause, CommErrorKind::Timeout { .. }), "{cause:?}"),
+        Stall::Dies => ensure!(matches!(cause, CommErrorKind::RankGone { rank: 1 }), "{cause:?}"),
+    }
+    let message = out[0].as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(message.contains("graph `fp8 step` (launch 1 of it) did not complete"), "{message}");
+    Ok(())
+}
+
+#[test]
+fn a_rank_that_never_launches_a_graph_is_named_with_the_graph_its_collective_and_the_missing_rank() -> anyhow::Result<()>
+{
+    for policy in Policy::ALL {
+        a_rank_that_stalls_in_a_graph_is_reported(Ranks::Sim(policy), Stall::NeverLaunches)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_rank_that_dies_before_a_graph_is_named_with_the_graph_its_collective_and_the_rank() -> anyhow::Result<()> {
+    for policy in Policy::ALL {
+        a_rank_that_stalls_in_a_graph_is_reported(Ranks::Sim(policy), Stall::Dies)?;
+    }
+    Ok(())
+}
+
+/// A wait that fails outside any graph is reported as before: no graph explains it.
+#[test]
+fn a_timeout_of_an_eager_collective_names_no_graph() -> anyhow::Result<()> {
+    let timeout = Duration::from_millis(200);
+    let rank_0_done = std::sync::Barrier::new(2);
+    let out = on_ranks(2, Policy::Random, timeout, |c| {
+        let (dev, s) = (c.device(), c.device().stream()?);
+        let x = dev.alloc::<f32>(4)?;
+        let cap = s.capture(CaptureMode::ThreadLocal)?;
+        c.all_reduce(&s, &x)?;
+        let exec = cap.finish()?.instantiate()?;
+        exec.launch(&s)?;
+        c.wait(&s)?;
+        if c.rank() == 1 {
+            rank_0_done.wait();
+            return Ok(());
+        }
+        c.all_reduce(&s, &x)?;
+        let waited = c.wait(&s);
+        rank_0_done.wait();
+        waited
+    });
+    ensure!(matches!(kind_of(&out[0]), Some(CommErrorKind::Timeout { .. })), "{:?}", out[0]);
+    Ok(())
+}
+
 #[test]
 fn splits_form_groups_by_color_ranked_by_key() -> anyhow::Result<()> {
     for n in [3, 4] {
@@ -586,6 +718,14 @@ mod two_gpus {
     #[ignore = "needs two CUDA GPUs and NCCL"]
     fn splits_give_the_simulators_groups() -> anyhow::Result<()> {
         splits_give_groups_by_color_ranked_by_key(Ranks::Gpus, 2)
+    }
+
+    /// A rank that never launches a graph holding collectives: the other's wait fails after
+    /// the timeout naming the graph and its collectives instead of hanging.
+    #[test]
+    #[ignore = "needs two CUDA GPUs and NCCL"]
+    fn a_rank_that_never_launches_a_graph_is_named_with_the_graph() -> anyhow::Result<()> {
+        a_rank_that_stalls_in_a_graph_is_reported(Ranks::Gpus, Stall::NeverLaunches)
     }
 
     /// A split that one rank never joins ends, on the rank that waits in it, with the watch's

@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use anyhow::{ensure, Context};
-use graphed::device::{AccessMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, Stream};
+use graphed::device::{
+    AccessMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, StalledGraph, Stream,
+};
 use graphed::dist::{meet, on_sim_ranks, DataParallel, GradReduction, RankEnv, RankWatch};
 use graphed::graph::{make_graphed_callables, make_graphed_stack, Callable, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
@@ -505,6 +507,73 @@ fn the_launchers_variables_are_read_or_refused_by_name() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Rank 1 of a data-parallel group stalls inside a graphed step: it replays the forward, then
+/// never launches its backward graphs (whose gradient all-reduces rank 0's wait for), staying in
+/// the group (`dies`: failing, as a rank whose process ends). Rank 0's wait for an event after
+/// its step (as train's wait for an earlier step's copy) fails
+/// within the timeout, naming the last layer's backward graph (replayed first), its
+/// all-reduce and rank 1 as missing, instead of hanging.
+fn a_rank_stalled_in_a_graphed_step_is_named(on: Ranks, dies: bool) -> anyhow::Result<()> {
+    // On GPUs the timeout also bounds NCCL's making of the group, which takes seconds.
+    let timeout = match on {
+        Ranks::Sim(_) => Duration::from_millis(500),
+        Ranks::Gpus => Duration::from_secs(10),
+    };
+    let rank_0_done = std::sync::Barrier::new(2);
+    let out = on.run(2, CommOptions { timeout }, |c| {
+        let m = model(c.device(), false)?;
+        let dp = reduction_of(c, &m, None, GradReduction::Mean)?;
+        let (x, dy) = data(&m, 0, c.rank() as u64)?;
+        let graphed = make_graphed_stack(&m.alloc, &m.stack, &x, GraphOptions::default().grad_sync(dp))?;
+        graphed.forward(&m.s, &x, Replay::caller())?;
+        c.wait(&m.s)?;
+        if c.rank() == 1 {
+            if dies {
+                return Err(Error::Unsupported { op: "test", backend: "sim", why: "rank 1 dies mid-step" });
+            }
+            rank_0_done.wait();
+            return Ok(());
+        }
+        graphed.backward(&m.s, &dy)?;
+        graphed.join(&m.s)?;
+        // As train waits for the copy of an earlier step: an event behind the step's collectives.
+        let copied = c.device().event()?;
+        m.s.record(&copied)?;
+        let waited = c.wait_event_watching(&copied, &|| None);
+        if !dies {
+            rank_0_done.wait();
+        }
+        waited
+    })?;
+    let Err(Error::Comm { kind: CommErrorKind::GraphStalled(stalled), .. }) = &out[0] else {
+        anyhow::bail!("{on:?}: expected a stalled graph on rank 0, got {:?}", out[0]);
+    };
+    let StalledGraph { graph, collective, arrived, missing, cause, .. } = &**stalled;
+    ensure!(graph == "TransformerLayer#2 (h2) Backward", "{on:?}: {graph}");
+    ensure!(collective.contains("all_reduce of") && collective.contains("rank 0 of a group of 2"), "{collective}");
+    match (on, dies) {
+        (Ranks::Sim(_), _) => ensure!(
+            arrived.as_deref() == Some(&[0][..]) && missing.as_deref() == Some(&[1][..]),
+            "{arrived:?} {missing:?}"
+        ),
+        (Ranks::Gpus, _) => ensure!(arrived.is_none(), "{arrived:?}"),
+    }
+    match dies {
+        true => ensure!(matches!(cause, CommErrorKind::RankGone { rank: 1 }), "{cause:?}"),
+        false => ensure!(matches!(cause, CommErrorKind::Timeout { .. }), "{cause:?}"),
+    }
+    Ok(())
+}
+
+#[test]
+fn a_rank_stalled_or_dead_inside_a_graphed_data_parallel_step_is_named_with_the_graph_and_collective(
+) -> anyhow::Result<()> {
+    for dies in [false, true] {
+        a_rank_stalled_in_a_graphed_step_is_named(Ranks::Sim(Policy::Random), dies)?;
+    }
+    Ok(())
+}
+
 /// The same programs on two GPUs of one process, against one GPU.
 mod two_gpus {
     use super::*;
@@ -520,5 +589,13 @@ mod two_gpus {
             data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel_one_callable(c, reduction))?;
         }
         Ok(())
+    }
+
+    /// A rank that never launches its backward graphs: the other's wait fails after the
+    /// timeout naming the graph and its all-reduce instead of hanging.
+    #[test]
+    #[ignore = "needs two CUDA GPUs and NCCL"]
+    fn a_rank_stalled_inside_a_graphed_step_is_named_with_the_graph() -> anyhow::Result<()> {
+        a_rank_stalled_in_a_graphed_step_is_named(Ranks::Gpus, false)
     }
 }

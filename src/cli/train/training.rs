@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use graphed::device::{CommErrorKind, Device, DeviceKind, Stream};
+use graphed::device::{CommErrorKind, Device, DeviceKind, Event, Stream};
 use graphed::dist::{GradReduction, Grid, ProcessGroup};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Gpt, GptConfig, GptPart, Stage};
@@ -25,7 +25,7 @@ use super::metrics::Metrics;
 use super::plan::{self, Plan};
 use super::step::Stepper;
 use super::task::Task;
-use super::upload::{Uploaded, Uploader};
+use super::upload::{Uploaded, Uploader, WaitFor};
 use super::{checkpoint, memory, outputs, Joining};
 use crate::cli::args::TrainArgs;
 use crate::cli::exit::{refuse, Interrupted};
@@ -217,10 +217,10 @@ impl<'a> Training<'a> {
         }
         let batch =
             self.task.batch(&mut self.rng, self.plan.batch, (self.replica, self.place.replicas), self.reduction);
-        // A group's check, polled by waits that a dead rank's collectives would otherwise block.
-        let watch = self.group.as_ref().map(|g| move || g.check());
-        let watch = watch.as_ref().map(|w| w as &dyn Fn() -> graphed::Result<()>);
-        let Uploaded { tokens, targets, weights } = self.uploader.upload(&self.alloc, &self.s, &batch, watch)?;
+        // The group's watchdog, for a wait that a dead or stalled rank's collectives would block.
+        let watched = self.group.as_ref().map(|g| move |e: &Event| g.wait_event(e));
+        let watched = watched.as_ref().map(|w| w as &WaitFor<'_>);
+        let Uploaded { tokens, targets, weights } = self.uploader.upload(&self.alloc, &self.s, &batch, watched)?;
         let issued = Instant::now();
         let losses = {
             // A profiler's timeline shows the step's replays and optimizer step inside this.
@@ -356,7 +356,13 @@ impl<'a> Training<'a> {
     fn abandon(self, e: &anyhow::Error) -> anyhow::Error {
         // A dead rank explains whatever failed after it died (work of the aborted communicator):
         // its error comes first, the failure it caused below it.
-        let named = matches!(e.downcast_ref(), Some(Error::Comm { kind: CommErrorKind::RankGone { .. }, .. }));
+        let named = match e.downcast_ref() {
+            Some(Error::Comm { kind: CommErrorKind::RankGone { .. }, .. }) => true,
+            Some(Error::Comm { kind: CommErrorKind::GraphStalled(s), .. }) => {
+                matches!(s.cause, CommErrorKind::RankGone { .. })
+            }
+            _ => false,
+        };
         let err = match (named, self.group.as_ref().map(ProcessGroup::check)) {
             (false, Some(Err(gone))) => anyhow::anyhow!("{e:#}").context(gone),
             _ => anyhow::anyhow!("{e:#}"),

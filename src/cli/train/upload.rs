@@ -10,6 +10,9 @@ use graphed::tensor::Tensor;
 
 use super::addition::Batch;
 
+/// A wait for the work before an event, under a process group's watchdog.
+pub type WaitFor<'a> = dyn Fn(&Event) -> graphed::Result<()> + 'a;
+
 /// A batch on the GPU: its tokens `[batch, seq]`, and per token its target and loss weight.
 pub struct Uploaded {
     pub tokens: Tensor,
@@ -48,27 +51,22 @@ impl Uploader {
     }
 
     /// Copies `batch` to the GPU on `stream`; blocks only while the slot's copy of two batches
-    /// ago has not run. In a process group, `watch` (the group's check) is polled meanwhile: that
-    /// copy is queued behind the step's collectives, which a dead rank never completes, so a
-    /// plain wait would outlive the death unseen.
+    /// ago has not run. In a process group that wait is `watched` (the group's watchdog): that
+    /// copy is queued behind the step's collectives, which a dead or stalled rank never
+    /// completes, so a plain wait would outlive the death unseen, and a stall forever.
     pub fn upload(
         &mut self,
         alloc: &CachingAllocator,
         stream: &Stream,
         batch: &Batch,
-        watch: Option<&dyn Fn() -> graphed::Result<()>>,
+        watched: Option<&WaitFor<'_>>,
     ) -> graphed::Result<Uploaded> {
         let slot = &mut self.slots[self.next];
         self.next = 1 - self.next;
-        match (&slot.copied, watch) {
+        match (&slot.copied, watched) {
             (None, _) => {}
             (Some(copied), None) => copied.synchronize()?,
-            (Some(copied), Some(watch)) => {
-                while !copied.query()? {
-                    watch()?;
-                    std::thread::sleep(std::time::Duration::from_micros(50));
-                }
-            }
+            (Some(copied), Some(wait)) => wait(copied)?,
         }
         slot.inputs.write(&batch.inputs)?;
         slot.targets.write(&batch.targets)?;
@@ -87,5 +85,53 @@ impl Uploader {
         stream.record(&copied)?;
         slot.copied = Some(copied);
         Ok(Uploaded { tokens, targets, weights })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use graphed::device::{CaptureMode, CommErrorKind, CommOptions, SimConfig};
+    use graphed::dist::{on_sim_ranks, ProcessGroup};
+    use graphed::Error;
+
+    /// A rank whose peer never launches the step's graph: the upload that waits for the copy
+    /// queued behind that graph's all-reduce ends at the group's timeout, naming the graph,
+    /// instead of polling forever (it used to poll only for a dead rank).
+    #[test]
+    fn an_upload_behind_a_stalled_graph_ends_at_the_timeout_naming_it() {
+        let timeout = std::time::Duration::from_millis(200);
+        let rank_0_done = std::sync::Barrier::new(2);
+        let out = on_sim_ranks(2, SimConfig::default(), CommOptions { timeout }, |c| {
+            let (dev, s) = (c.device(), c.device().stream()?);
+            let x = dev.alloc::<f32>(4)?;
+            let cap = s.capture(CaptureMode::ThreadLocal)?;
+            c.all_reduce(&s, &x)?;
+            let graph = cap.finish()?;
+            graph.set_name("step");
+            let exec = graph.instantiate()?;
+            if c.rank() == 1 {
+                rank_0_done.wait();
+                return Ok(());
+            }
+            let group = ProcessGroup::simulated(c.clone())?;
+            let (alloc, mut uploader) = (CachingAllocator::new(dev), Uploader::new(dev, 1, 2)?);
+            let wait = |e: &Event| group.wait_event(e);
+            let batch = || Batch { inputs: vec![0; 2], targets: vec![0; 2], weights: vec![1.0; 2] };
+            // The third upload reuses the first's slot, whose copy follows the first launch.
+            let uploaded = (0..3).try_for_each(|_| {
+                exec.launch(&s)?;
+                uploader.upload(&alloc, &s, &batch(), Some(&wait)).map(drop)
+            });
+            rank_0_done.wait();
+            uploaded
+        });
+        match &out[0] {
+            Err(Error::Comm { kind: CommErrorKind::GraphStalled(stalled), .. }) => {
+                assert_eq!((stalled.graph.as_str(), stalled.launch), ("step", 1), "{stalled}");
+                assert_eq!(stalled.missing.as_deref(), Some(&[1][..]), "{stalled}");
+            }
+            other => panic!("expected the stalled graph, got {other:?}"),
+        }
     }
 }

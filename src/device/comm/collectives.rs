@@ -242,6 +242,13 @@ impl Communicator {
             })
             .collect();
         stream.enqueue_op(&Op::Collective { comm: &self.inner.repr, parts: &parts, dtype })?;
+        let described = match planned {
+            [one] => describe(one.kind),
+            _ => format!("p2p_group ({})", planned.iter().map(|p| describe(p.kind)).collect::<Vec<_>>().join(", ")),
+        };
+        let ordered = !matches!(planned, [] | [Planned { kind: Collective::Send(_) | Collective::Recv(_), .. }, ..]);
+        // In the caller's element type: the amaxes are f32, whatever their max compares.
+        self.note_captured(stream, described, planned.iter().map(|p| p.count).sum(), T::DTYPE, ordered)?;
         let (mut accesses, mut blocks) = (Vec::new(), Vec::new());
         for p in planned {
             let second = p.second.map(|v| (v, AccessMode::Write));
@@ -251,6 +258,15 @@ impl Communicator {
             }
         }
         stream.enqueued_on(op, &blocks, &accesses)
+    }
+}
+
+/// An operation in the words of a report: its name, and a send's or receive's peer.
+fn describe(kind: Collective) -> String {
+    match kind {
+        Collective::Send(peer) => format!("send to rank {peer}"),
+        Collective::Recv(peer) => format!("recv from rank {peer}"),
+        other => other.name().to_string(),
     }
 }
 

@@ -54,6 +54,12 @@ pub enum CommErrorKind {
         message: String,
     },
 
+    /// A launch of a graph that holds collectives did not complete: one of its collectives
+    /// waited past the timeout, or on a rank that died ([`Communicator::wait`](super::Communicator::wait)
+    /// reports it so, naming what the graph's capture recorded; see `docs/several-gpus.md`).
+    #[error("{0}")]
+    GraphStalled(Box<StalledGraph>),
+
     // ---- arguments of a collective --------------------------------------------------------------
     /// A rank number outside the group.
     #[error("peer {peer} is not a rank of this group of {size}; pass a rank below {size} other than your own")]
@@ -154,6 +160,55 @@ pub enum CommErrorKind {
         /// What is wrong with it.
         why: String,
     },
+}
+
+/// What [`CommErrorKind::GraphStalled`] reports: the launch that did not complete, the
+/// collective it waits in, the ranks, and what ended the wait.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StalledGraph {
+    /// The graph's name (the graph layer's: module and pass, or a graphed function's name).
+    pub graph: String,
+    /// Which launch of it, counted from 1.
+    pub launch: u64,
+    /// The collective it waits in, as its capture recorded it (op, elements, its place in the
+    /// graph, the rank and size of its communicator); on GPUs, when the graph holds several
+    /// collectives of the group, each of them.
+    pub collective: String,
+    /// The ranks that reached the collective, where known (the simulator knows).
+    pub arrived: Option<Vec<usize>>,
+    /// The ranks that did not, where known (the simulator; on GPUs, a rank the group's watch saw
+    /// die).
+    pub missing: Option<Vec<usize>>,
+    /// What ended the wait: the timeout, or the rank gone.
+    pub cause: CommErrorKind,
+}
+
+impl std::fmt::Display for StalledGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "graph `{}` (launch {} of it) did not complete: it waits in {}; {}; {}",
+            self.graph,
+            self.launch,
+            self.collective,
+            ranks_line(self.arrived.as_deref(), self.missing.as_deref()),
+            self.cause
+        )
+    }
+}
+
+/// The ranks of a [`StalledGraph`] in words.
+fn ranks_line(arrived: Option<&[usize]>, missing: Option<&[usize]>) -> String {
+    let list = |r: &[usize]| match r {
+        [] => "none".to_string(),
+        r => r.iter().map(usize::to_string).collect::<Vec<_>>().join(", "),
+    };
+    match (arrived, missing) {
+        (Some(a), Some(m)) => format!("ranks arrived: {}; ranks missing: {}", list(a), list(m)),
+        (None, Some(m)) => format!("ranks missing: {} (the others' progress is not known on GPUs)", list(m)),
+        (Some(a), None) => format!("ranks arrived: {}", list(a)),
+        (None, None) => "which ranks arrived is not known on GPUs: look for the rank whose log stops first".into(),
+    }
 }
 
 /// The error of operation `op` on `rank`.

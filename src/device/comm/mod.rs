@@ -26,12 +26,14 @@
 //!
 //! One file per purpose: `group.rs` makes groups (simulated, NCCL, splits) and the NCCL
 //! identity, `collectives.rs` checks and enqueues the operations, `wait.rs` holds what a rank
-//! waits for at the host, `error.rs` why a collective or a group fails.
+//! waits for at the host, `watchdog.rs` what graphs hold of the group's collectives and the
+//! report of a launch that did not complete, `error.rs` why a collective or a group fails.
 
 mod collectives;
 mod error;
 mod group;
 mod wait;
+mod watchdog;
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -42,11 +44,13 @@ use super::{cuda, sim, Device};
 pub(crate) use collectives::Collective;
 pub use collectives::Transfer;
 pub(crate) use error::comm_error;
-pub use error::CommErrorKind;
+pub use error::{CommErrorKind, StalledGraph};
 pub(crate) use group::per_rank_thread;
 pub use group::NcclId;
 pub use wait::CommOptions;
 pub(crate) use wait::Patience;
+pub use watchdog::CapturedCollective;
+pub(crate) use watchdog::{GraphCollectives, Stuck};
 
 /// One rank's handle on a group of devices that exchange data (an NCCL communicator, or a group
 /// of simulated devices). Cloning yields the same handle.
@@ -63,6 +67,8 @@ struct CommInner {
     repr: CommRepr,
     /// NCCL's abort, under way on a thread of its own (see [`Communicator::abort`]).
     abort: Mutex<Option<JoinHandle<()>>>,
+    /// Its launches of graphs that hold its collectives, for the report of a wait that fails.
+    ledger: Mutex<watchdog::Ledger>,
 }
 
 impl Drop for CommInner {
@@ -80,7 +86,17 @@ pub(crate) type CommRepr = Repr<sim::SimLink, cuda::NcclComm>;
 
 impl Communicator {
     fn new(dev: Device, rank: usize, size: usize, options: CommOptions, repr: CommRepr) -> Communicator {
-        Communicator { inner: Arc::new(CommInner { dev, rank, size, options, repr, abort: Mutex::new(None) }) }
+        Communicator {
+            inner: Arc::new(CommInner {
+                dev,
+                rank,
+                size,
+                options,
+                repr,
+                abort: Mutex::new(None),
+                ledger: Mutex::default(),
+            }),
+        }
     }
 
     /// This rank.
@@ -111,6 +127,8 @@ impl Communicator {
     /// that exits mid-abort, or frees the context under it, crashes inside NCCL).
     pub(crate) fn abort(&self) {
         let Repr::Cuda(c) = &self.inner.repr else { return };
+        // What had not completed, before the abort ends it (the report of a wait that fails).
+        self.freeze_ledger();
         if !c.begin_abort() {
             return;
         }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::{comm_error, CommErrorKind, Communicator};
 use crate::device::backend::Repr;
-use crate::device::Stream;
+use crate::device::{Event, Stream};
 use crate::Result;
 
 /// What a communicator's operations may wait for.
@@ -60,8 +60,10 @@ impl<'w> Patience<'w> {
                 (Instant::now() > self.deadline).then(|| CommErrorKind::Timeout { waiting: waiting(), secs })
             });
             if let Some(kind) = ended {
+                // Made first: the report looks at what had not completed before the abort.
+                let e = fail(kind);
                 abort();
-                return Err(fail(kind));
+                return Err(e);
             }
             state?;
             std::thread::sleep(Duration::from_micros(50));
@@ -75,8 +77,14 @@ impl Communicator {
     /// training loop. On a GPU a wait that fails for the group (the timeout, NCCL's error)
     /// aborts the communicator, since its work cannot finish; make a new group to go on.
     ///
+    /// A failure for the group (the timeout, a rank gone) that a launch of a graph holding this
+    /// group's collectives explains is reported as [`CommErrorKind::GraphStalled`]: the graph,
+    /// its launch, the collective and the ranks that arrived and did not (on the simulator;
+    /// `docs/several-gpus.md` says what GPUs can tell).
+    ///
     /// # Errors
-    /// [`CommErrorKind::Timeout`], an error NCCL reported, or the stream's own errors.
+    /// [`CommErrorKind::Timeout`] or [`CommErrorKind::GraphStalled`], an error NCCL reported,
+    /// or the stream's own errors.
     pub fn wait(&self, stream: &Stream) -> Result<()> {
         self.wait_watching(stream, &|| None)
     }
@@ -88,11 +96,35 @@ impl Communicator {
     /// # Errors
     /// `watch`'s error, and as [`wait`](Communicator::wait).
     pub fn wait_watching(&self, stream: &Stream, watch: &dyn Fn() -> Option<CommErrorKind>) -> Result<()> {
+        let waiting = || format!("the work queued on stream {}", stream.id());
+        self.wait_until(&waiting, || stream.synchronize(), || stream.query(), watch)
+    }
+
+    /// As [`wait_watching`](Communicator::wait_watching), for the work before `event`'s latest
+    /// record instead of a stream's: a training loop that waits for the copy of an earlier step
+    /// (queued behind that step's collectives) waits under the watchdog too.
+    ///
+    /// # Errors
+    /// As [`wait_watching`](Communicator::wait_watching).
+    pub fn wait_event_watching(&self, event: &Event, watch: &dyn Fn() -> Option<CommErrorKind>) -> Result<()> {
+        let waiting = || format!("the work before event {}", event.id());
+        self.wait_until(&waiting, || event.synchronize(), || event.query(), watch)
+    }
+
+    /// Waits on the simulator with `wait` (its own waits end at the timeout, a rank gone or a
+    /// deadlock), on GPUs by polling `query` under the timeout and `watch`; a failure for the
+    /// group is reported with the graph launch it stopped, if one did.
+    fn wait_until(
+        &self,
+        waiting: &dyn Fn() -> String,
+        wait: impl FnOnce() -> Result<()>,
+        mut query: impl FnMut() -> Result<bool>,
+        watch: &dyn Fn() -> Option<CommErrorKind>,
+    ) -> Result<()> {
         match &self.inner.repr {
-            Repr::Sim(_) => stream.synchronize(),
+            Repr::Sim(_) => wait().map_err(|e| self.explained(e)),
             Repr::Cuda(c) => {
-                let fail = |kind| comm_error("Communicator::wait", self.rank(), kind);
-                let waiting = || format!("the work queued on stream {}", stream.id());
+                let fail = |kind| comm_error("Communicator::wait", self.rank(), self.explain(kind));
                 // An error of NCCL's ends the group; one of the stream's (a query refused during a
                 // capture) is the caller's to handle. The watch aborts the group itself when a
                 // rank dies, or this wait does when it fails: either way it fails at once, not after
@@ -102,9 +134,8 @@ impl Communicator {
                     fail(kind)
                 };
                 let abort = || self.abort();
-                Patience::new(self.inner.options.timeout, watch).poll(&waiting, &abort, fail, || {
-                    Ok(stream.query()? || c.async_error().map(|()| false).map_err(failed)?)
-                })
+                Patience::new(self.inner.options.timeout, watch)
+                    .poll(waiting, &abort, fail, || Ok(query()? || c.async_error().map(|()| false).map_err(failed)?))
             }
         }
     }

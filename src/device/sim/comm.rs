@@ -16,7 +16,7 @@ use half::{bf16, f16};
 
 use super::task::SimMem;
 use crate::device::backend::Repr;
-use crate::device::comm::{comm_error, Collective};
+use crate::device::comm::{comm_error, Collective, Stuck};
 use crate::device::memory::Block;
 use crate::device::{CommErrorKind, DType, DeviceId};
 use crate::{Error, Result};
@@ -49,6 +49,7 @@ impl SimLink {
                 gone: vec![false; size],
                 stalled: vec![None; size],
                 broken: None,
+                stuck: None,
                 split_calls: vec![0; size],
                 splits: HashMap::new(),
             }),
@@ -69,6 +70,22 @@ impl SimLink {
             let (rank, size) = (link.rank.rank, link.rank.world.size);
             (link, rank, size)
         }))
+    }
+
+    /// Collectives this rank issued so far: the place in the group's order of its next.
+    pub(crate) fn issued(&self) -> u64 {
+        self.rank.world.lock().issued[self.rank.rank]
+    }
+
+    /// Where the wait that broke the group by a timeout or a rank gone stood, if one did.
+    pub(crate) fn stuck(&self) -> Option<Stuck> {
+        let st = self.rank.world.lock();
+        let (key, arrived, missing) = st.stuck.clone()?;
+        let seq = match key {
+            Key::Collective(seq) => Some(seq),
+            Key::Message { .. } | Key::Split(_) => None,
+        };
+        Some(Stuck { seq, arrived, missing })
     }
 }
 
@@ -141,6 +158,9 @@ struct WorldState {
     stalled: Vec<Option<Vec<Key>>>,
     /// The first failure: every later operation of the group fails with it.
     broken: Option<CommErrorKind>,
+    /// Where the wait that broke the group stood, when it timed out or lost a rank: the key,
+    /// the ranks that had arrived there and those that had not.
+    stuck: Option<(Key, Vec<usize>, Vec<usize>)>,
     /// Per rank, splits called.
     split_calls: Vec<u64>,
     /// Splits in progress, by their number in every rank's order.
@@ -186,6 +206,16 @@ impl WorldState {
             Key::Split(_) => Vec::new(),
         };
         needed.into_iter().filter(|r| slot.parts[*r].is_none()).collect()
+    }
+
+    /// Records that the wait of `rank` on `key` broke the group: who had arrived, who had not.
+    fn stick(&mut self, key: Key, rank: usize) {
+        let missing = self.missing(key, rank);
+        let arrived = match self.slots.get(&key) {
+            Some(slot) => (0..slot.parts.len()).filter(|r| slot.parts[*r].is_some()).collect(),
+            None => Vec::new(),
+        };
+        self.stuck.get_or_insert((key, arrived, missing));
     }
 
     /// What each rank waits for, when every rank waits on another (a deadlock).
@@ -487,14 +517,22 @@ impl Rank {
         if keys.iter().any(|k| st.missing(*k, self.rank).is_empty()) {
             return Some(Ok(()));
         }
-        let gone = keys.iter().flat_map(|k| st.missing(*k, self.rank)).find(|r| st.gone[*r]);
-        gone.map(|rank| Err(self.world.break_with(st, CommErrorKind::RankGone { rank })))
+        let gone = keys.iter().find_map(|k| Some((*k, st.missing(*k, self.rank).into_iter().find(|r| st.gone[*r])?)));
+        gone.map(|(key, rank)| {
+            if st.broken.is_none() {
+                st.stick(key, self.rank);
+            }
+            Err(self.world.break_with(st, CommErrorKind::RankGone { rank }))
+        })
     }
 
     /// Breaks the group: this rank waited on `key` past the timeout.
     fn time_out(&self, st: &mut WorldState, key: Key) -> CommErrorKind {
         let waiting = st.describe(key, self.rank);
         let secs = self.world.timeout.as_secs_f64();
+        if st.broken.is_none() {
+            st.stick(key, self.rank);
+        }
         self.world.break_with(st, CommErrorKind::Timeout { waiting, secs })
     }
 
