@@ -252,8 +252,7 @@ impl P2pLinks {
         let graph = make_graphed_fn(&self.alloc, |s| enqueue(&self.comm, s, sends, &recvs))?;
         // Named in profiles and in the watchdog's report of a stalled exchange.
         let peers = |ts: &[(usize, Tensor)]| ts.iter().map(|(p, _)| *p).collect::<Vec<_>>();
-        let name =
-            format!("pipeline exchange {index} (sends to {:?}, receives from {:?})", peers(sends), peers(&recvs));
+        let name = format!("pipeline exchange {index}: send to {:?}, receive from {:?}", peers(sends), peers(&recvs));
         let graph = graph.with_name(&name);
         let got = recvs.iter().map(|(_, t)| t.clone()).collect();
         captured.push(Captured { sends: sends.to_vec(), recvs, graph });
