@@ -130,15 +130,49 @@ pub(crate) struct Fp8Linear {
 }
 
 /// The tensors of one quantized operand: its scale (to quantize), inverse scale (for the GEMM) and
-/// amax slot; under current scaling, the state and slot that set the scale from the amax.
+/// amax slot, and its recipe's format; under current scaling, the state and slot that set the
+/// scale from the amax.
 pub(crate) struct Scaled {
     pub(crate) scale: Tensor,
     pub(crate) scale_inv: Tensor,
     pub(crate) amax: Tensor,
+    /// E4M3 in the forward's recipe, E5M2 in the backward's.
+    dtype: DType,
     current: Option<(CurrentScaling, usize)>,
 }
 
 impl Scaled {
+    /// `x` (`(n, c)`, bf16) quantized row-major `(n, c)` into a tensor of `alloc` (the layer's,
+    /// which a capture allocates from); its amax recorded.
+    pub(crate) fn quantize(&self, alloc: &CachingAllocator, x: &Tensor, stream: &Stream) -> Result<Tensor> {
+        let (n, c) = rows_of(x)?;
+        let q = Tensor::uninit(alloc, stream, &[n, c], self.dtype)?;
+        self.cast(Some(&q), None, x, stream)?;
+        Ok(q)
+    }
+
+    /// As [`quantize`](Scaled::quantize), transposed: `(c, n)`.
+    pub(crate) fn quantize_transposed(&self, alloc: &CachingAllocator, x: &Tensor, stream: &Stream) -> Result<Tensor> {
+        let (n, c) = rows_of(x)?;
+        let q_t = Tensor::uninit(alloc, stream, &[c, n], self.dtype)?;
+        self.cast(None, Some(&q_t), x, stream)?;
+        Ok(q_t)
+    }
+
+    /// Both layouts of [`quantize`](Scaled::quantize), from one read of `x`: `((n, c), (c, n))`.
+    pub(crate) fn quantize_both(
+        &self,
+        alloc: &CachingAllocator,
+        x: &Tensor,
+        stream: &Stream,
+    ) -> Result<(Tensor, Tensor)> {
+        let (n, c) = rows_of(x)?;
+        let q = Tensor::uninit(alloc, stream, &[n, c], self.dtype)?;
+        let q_t = Tensor::uninit(alloc, stream, &[c, n], self.dtype)?;
+        self.cast(Some(&q), Some(&q_t), x, stream)?;
+        Ok((q, q_t))
+    }
+
     /// Quantizes `x` into `out` and/or `out_t` (at least one): under current scaling, first its
     /// amax and its scale from that.
     fn cast(&self, out: Option<&Tensor>, out_t: Option<&Tensor>, x: &Tensor, stream: &Stream) -> Result<()> {
@@ -362,17 +396,18 @@ impl Fp8Training {
     /// The scale, inverse scale and amax slot of `slot` of the forward's (`recipe` 0) or the
     /// backward's recipe.
     fn scaled(&self, recipe: usize, slot: usize) -> Result<Scaled> {
-        Ok(match self.scalings()? {
+        let dtype = if recipe == 0 { DType::F8E4M3 } else { DType::F8E5M2 };
+        let (scale, scale_inv, amax, current) = match self.scalings()? {
             Scalings::Delayed(forward, backward) => {
                 let r = if recipe == 0 { forward } else { backward };
-                Scaled { scale: r.scale(slot)?, scale_inv: r.scale_inv(slot)?, amax: r.amax(slot)?, current: None }
+                (r.scale(slot)?, r.scale_inv(slot)?, r.amax(slot)?, None)
             }
             Scalings::Current(forward, backward) => {
                 let r = if recipe == 0 { forward } else { backward };
-                let current = Some((CurrentScaling::clone(r), slot));
-                Scaled { scale: r.scale(slot)?, scale_inv: r.scale_inv(slot)?, amax: r.amax(slot)?, current }
+                (r.scale(slot)?, r.scale_inv(slot)?, r.amax(slot)?, Some((CurrentScaling::clone(r), slot)))
             }
-        })
+        };
+        Ok(Scaled { scale, scale_inv, amax, dtype, current })
     }
 
     fn quantize_weights(&self, stream: &Stream) -> Result<()> {
@@ -387,17 +422,17 @@ impl Fp8Training {
 impl Fp8Linear {
     /// The layer's input: E4M3, slot `2i` of the forward's recipe.
     pub(crate) fn input(&self) -> Result<Scaled> {
-        self.scaled(0, 2 * self.index)
+        self.training.scaled(0, 2 * self.index)
     }
 
     /// The layer's weight: E4M3, slot `2i + 1`.
     pub(crate) fn weight_scale(&self) -> Result<Scaled> {
-        self.scaled(0, 2 * self.index + 1)
+        self.training.scaled(0, 2 * self.index + 1)
     }
 
     /// The layer's output gradient: E5M2, slot `i` of the backward's recipe.
     pub(crate) fn grad(&self) -> Result<Scaled> {
-        self.scaled(1, self.index)
+        self.training.scaled(1, self.index)
     }
 
     /// The amax slots the layer's passes write (its input's and its output gradient's), once the
@@ -416,57 +451,6 @@ impl Fp8Linear {
     /// The weight in E4M3, `(out, in)`, and its transpose.
     pub(crate) fn weights(&self) -> (&Tensor, &Tensor) {
         (&self.weight.fp8, &self.weight.fp8_t)
-    }
-
-    fn scaled(&self, recipe: usize, slot: usize) -> Result<Scaled> {
-        self.training.scaled(recipe, slot)
-    }
-
-    /// `x` (`(n, c)`, bf16) quantized with `s` in the format `dtype`, row-major `(n, c)`, into
-    /// a tensor of `alloc` (the layer's, which a capture allocates from); its amax recorded.
-    pub(crate) fn quantize(
-        &self,
-        alloc: &CachingAllocator,
-        x: &Tensor,
-        s: &Scaled,
-        dtype: DType,
-        stream: &Stream,
-    ) -> Result<Tensor> {
-        let (n, c) = rows_of(x)?;
-        let q = Tensor::uninit(alloc, stream, &[n, c], dtype)?;
-        s.cast(Some(&q), None, x, stream)?;
-        Ok(q)
-    }
-
-    /// As [`quantize`](Fp8Linear::quantize), transposed: `(c, n)`.
-    pub(crate) fn quantize_transposed(
-        &self,
-        alloc: &CachingAllocator,
-        x: &Tensor,
-        s: &Scaled,
-        dtype: DType,
-        stream: &Stream,
-    ) -> Result<Tensor> {
-        let (n, c) = rows_of(x)?;
-        let q_t = Tensor::uninit(alloc, stream, &[c, n], dtype)?;
-        s.cast(None, Some(&q_t), x, stream)?;
-        Ok(q_t)
-    }
-
-    /// Both layouts of [`quantize`](Fp8Linear::quantize), from one read of `x`: `((n, c), (c, n))`.
-    pub(crate) fn quantize_both(
-        &self,
-        alloc: &CachingAllocator,
-        x: &Tensor,
-        s: &Scaled,
-        dtype: DType,
-        stream: &Stream,
-    ) -> Result<(Tensor, Tensor)> {
-        let (n, c) = rows_of(x)?;
-        let q = Tensor::uninit(alloc, stream, &[n, c], dtype)?;
-        let q_t = Tensor::uninit(alloc, stream, &[c, n], dtype)?;
-        s.cast(Some(&q), Some(&q_t), x, stream)?;
-        Ok((q, q_t))
     }
 }
 

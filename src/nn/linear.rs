@@ -247,10 +247,8 @@ impl Linear {
         };
         let (xs, ws) = (f.input()?, f.weight_scale()?);
         let (x8, kept) = match keep {
-            Keep::Input if f.scales_hold_for_the_step() => {
-                f.quantize_both(&self.alloc, x, &xs, DType::F8E4M3, stream)?
-            }
-            _ => (f.quantize(&self.alloc, x, &xs, DType::F8E4M3, stream)?, x.clone()),
+            Keep::Input if f.scales_hold_for_the_step() => xs.quantize_both(&self.alloc, x, stream)?,
+            _ => (xs.quantize(&self.alloc, x, stream)?, x.clone()),
         };
         let scales = (&xs.scale_inv, &ws.scale_inv);
         let gemm = Fp8Matmul {
@@ -274,7 +272,7 @@ impl Linear {
             return Ok(OutputGrad { dy: dy.clone(), fp8_t: None });
         };
         let (gs, ws) = (f.grad()?, f.weight_scale()?);
-        let (dy8, dy8_t) = f.quantize_both(&self.alloc, dy, &gs, DType::F8E5M2, stream)?;
+        let (dy8, dy8_t) = gs.quantize_both(&self.alloc, dy, stream)?;
         let grad = OutputGrad { dy: dy.clone(), fp8_t: Some(dy8_t) };
         let scales = (&gs.scale_inv, &ws.scale_inv);
         let gemm = |out: &Tensor| fp8_matmul(Fp8Matmul::new(out, (&dy8, f.weights().1), scales, (n, i, o)), stream);
@@ -314,11 +312,11 @@ impl Linear {
         let (gs, xs) = (f.grad()?, f.input()?);
         let dy8_t = match &grad.fp8_t {
             Some(t) => t.clone(),
-            None => f.quantize_transposed(&self.alloc, dy, &gs, DType::F8E5M2, stream)?,
+            None => gs.quantize_transposed(&self.alloc, dy, stream)?,
         };
         let x8_t = match x.dtype() {
             DType::F8E4M3 => x.clone(),
-            _ => f.quantize_transposed(&self.alloc, x, &xs, DType::F8E4M3, stream)?,
+            _ => xs.quantize_transposed(&self.alloc, x, stream)?,
         };
         let scales = (&gs.scale_inv, &xs.scale_inv);
         fp8_matmul(
