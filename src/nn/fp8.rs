@@ -56,13 +56,20 @@ impl Default for Fp8Recipe {
     }
 }
 
+impl Fp8Recipe {
+    /// `delayed` or `current`, as the command line spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Fp8Recipe::Delayed(_) => "delayed",
+            Fp8Recipe::Current => "current",
+        }
+    }
+}
+
 impl std::fmt::Display for Fp8Recipe {
     /// `delayed scaling` or `current scaling`, as reports name it.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Fp8Recipe::Delayed(_) => "delayed scaling",
-            Fp8Recipe::Current => "current scaling",
-        })
+        write!(f, "{} scaling", self.name())
     }
 }
 

@@ -65,7 +65,7 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
         (ATTENTION, c.attention.name().to_string()),
         (ATTENTION_BACKEND, c.attention_backend.name().to_string()),
         ("dtype", if model.fp8().is_some() { "fp8".into() } else { c.dtype.to_string() }),
-        (FP8_SCALING, model.fp8().map_or("none".into(), |f| f.recipe().to_string())),
+        (FP8_SCALING, model.fp8().map_or("none", |f| f.recipe().name()).into()),
         ("dropout", c.dropout.to_string()),
         ("seed", args.seed.to_string()),
         ("batch", batch.to_string()),
@@ -88,10 +88,59 @@ const ATTENTION: &str = "attention";
 /// only setting then. An unfused run runs no backend and resumes under any.
 const ATTENTION_BACKEND: &str = "attention_backend";
 
-/// The metadata key of the FP8 recipe (`delayed scaling`, `current scaling`, or `none` without
-/// FP8). Checkpoints from before the key existed ran delayed scaling, the only recipe then, if
-/// any.
+/// The metadata key of the FP8 recipe (`--fp8-scaling`'s `delayed` or `current`, or `none`
+/// without FP8). The recipes round differently; checkpoints from before the key existed ran
+/// delayed scaling, the only recipe then, if any. A resume in another precision is the `dtype`
+/// key's refusal.
 const FP8_SCALING: &str = "fp8_scaling";
+
+/// A setting a resume checks with the flag that sets it as the way out, rather than as a damaged
+/// or foreign checkpoint: it rounds its own way, and older checkpoints lack it.
+struct Flagged {
+    key: &'static str,
+    /// Its value in checkpoints from before the key existed.
+    absent: &'static str,
+    /// What the saved run did, before its value: `computed attention`.
+    what: &'static str,
+    /// The values' kind, plural: `forms`.
+    kind: &'static str,
+    flag: &'static str,
+    /// Whether it bears on this run (a backend only on the fused form; a recipe only between two
+    /// FP8 runs).
+    applies: bool,
+}
+
+/// The settings `resume` checks as [`Flagged`], for `model` resuming `ckpt`.
+fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 3] {
+    let fused = model.config().attention == AttentionKind::Fused;
+    let fp8 = model.fp8().is_some() && ckpt.meta("dtype") == Some("fp8");
+    [
+        Flagged {
+            key: ATTENTION,
+            absent: "unfused",
+            what: "computed attention",
+            kind: "forms",
+            flag: "--attention",
+            applies: true,
+        },
+        Flagged {
+            key: ATTENTION_BACKEND,
+            absent: "auto",
+            what: "ran fused attention on backend",
+            kind: "backends",
+            flag: "--attention-backend",
+            applies: fused,
+        },
+        Flagged {
+            key: FP8_SCALING,
+            absent: "delayed",
+            what: "ran FP8 with scaling",
+            kind: "recipes",
+            flag: "--fp8-scaling",
+            applies: fp8,
+        },
+    ]
+}
 
 /// The metadata key of the data file's size and hash (`none` for the addition task, whose data
 /// is generated).
@@ -219,39 +268,20 @@ pub fn resume(
     stop: usize,
 ) -> anyhow::Result<usize> {
     let ckpt = load(dir, place)?;
-    let (saved_form, form) = (ckpt.meta(ATTENTION).unwrap_or("unfused"), model.config().attention.name());
-    if saved_form != form {
-        refuse!(
-            "{}: the run saved there computed attention {saved_form}, this one {form}; the forms round differently, \
-             so the run would not continue as it would have; pass --attention {saved_form}",
-            dir.display()
-        );
-    }
-    let (saved_backend, backend) =
-        (ckpt.meta(ATTENTION_BACKEND).unwrap_or("auto"), model.config().attention_backend.name());
-    if model.config().attention == AttentionKind::Fused && saved_backend != backend {
-        refuse!(
-            "{}: the run saved there ran fused attention on backend {saved_backend}, this one on {backend}; the \
-             backends round differently, so the run would not continue as it would have; pass --attention-backend \
-             {saved_backend}",
-            dir.display()
-        );
-    }
-    let (saved_fp8, fp8) = (ckpt.meta(FP8_SCALING), model.fp8().map(|f| f.recipe().to_string()));
-    let saved_fp8 = saved_fp8.map(str::to_string).or_else(|| fp8.is_some().then(|| "delayed scaling".into()));
-    if let (Some(saved), Some(now)) = (&saved_fp8, &fp8) {
-        if saved != now {
+    let settings = settings(model, args, plan);
+    let flagged = flagged(model, &ckpt);
+    for Flagged { key, absent, what, kind, flag, applies } in &flagged {
+        let now = settings.iter().find(|(k, _)| k == key).map_or("", |(_, v)| v.as_str());
+        let saved = ckpt.meta(key).unwrap_or(absent);
+        if *applies && saved != now {
             refuse!(
-                "{}: the run saved there ran FP8 with {saved}, this one with {now}; pass --fp8-scaling {}",
-                dir.display(),
-                saved.trim_end_matches(" scaling")
+                "{}: the run saved there {what} {saved}, this one {now}; the {kind} round differently, so the run \
+                 would not continue as it would have; pass {flag} {saved}",
+                dir.display()
             );
         }
     }
-    for (k, v) in settings(model, args, plan)
-        .into_iter()
-        .filter(|(k, _)| ![ATTENTION, ATTENTION_BACKEND, FP8_SCALING].contains(k))
-    {
+    for (k, v) in settings.into_iter().filter(|(k, _)| !flagged.iter().any(|f| f.key == *k)) {
         ckpt.expect_meta(k, v)?;
     }
     let Some(done) = ckpt.meta("done").and_then(|d| d.parse::<usize>().ok()) else {
