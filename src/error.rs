@@ -201,6 +201,16 @@ pub enum Error {
         op: &'static str,
     },
 
+    /// [`GraphExec::rebind`](crate::device::GraphExec::rebind) was refused, before anything
+    /// changed; `kind` says why.
+    #[error("rebinding graph {graph}: {kind}; {}", kind.fix())]
+    Rebind {
+        /// The graph.
+        graph: crate::device::GraphId,
+        /// Why.
+        kind: crate::device::RebindErrorKind,
+    },
+
     /// A captured graph contains stream-ordered allocation or free nodes (`cudaMallocAsync`
     /// inside the capture, by code other than graphed). graphed refuses such graphs: their memory
     /// lives in the driver's graph pool and binds replays to one stream.

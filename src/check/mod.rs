@@ -125,6 +125,8 @@ struct State {
     stream_launch: HashMap<StreamId, (u64, GraphId)>,
     /// The clock after each executable's latest launch: the next launch of it runs after.
     exec_end: HashMap<u64, Clock>,
+    /// For executables whose reads were rebound, their graph's summary through the rebinding.
+    rebound: HashMap<u64, Arc<GraphSummary>>,
     next_launch: u64,
     /// The reports kept, the first [`MAX_KEPT_HAZARDS`] found.
     hazards: Vec<Hazard>,
@@ -560,7 +562,7 @@ impl Observer for Checker {
         }
         let mut st = self.lock();
         let before = st.hazards.len();
-        let Some(summary) = st.graphs.get(&graph).cloned() else { return Ok(()) };
+        let Some(summary) = st.rebound.get(&exec).or_else(|| st.graphs.get(&graph)).cloned() else { return Ok(()) };
         st.next_launch += 1;
         let launch = st.next_launch;
         let host = st.host.clone();
@@ -620,6 +622,19 @@ impl Observer for Checker {
             }
         }
         self.finish(&mut st, before)
+    }
+
+    fn rebind(&self, graph: GraphId, exec: u64, remaps: &[crate::device::patch::Remap]) -> Result<()> {
+        let mut st = self.lock();
+        match st.graphs.get(&graph).cloned() {
+            Some(summary) if !remaps.is_empty() => {
+                st.rebound.insert(exec, Arc::new(summary.remapped(remaps)));
+            }
+            _ => {
+                st.rebound.remove(&exec);
+            }
+        }
+        Ok(())
     }
 
     fn host_sync(&self, what: HostSync) {

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use super::clock::{Clock, Lane};
 use super::report::{Hazard, OpRef, Site};
 use super::{conflict, fix_for};
+use crate::device::patch::Remap;
 use crate::device::{Access, BufferId, EventId, GraphId};
 
 /// A node as the capture saw it.
@@ -63,6 +64,25 @@ pub(crate) struct GraphSummary {
     lane_end: Vec<u64>,
     records: Vec<(EventId, Vec<(u32, u64)>)>,
     pub(crate) waits: Vec<EventId>,
+}
+
+/// `a`, made of the buffer a remap moves its bytes to, if one does.
+fn moved(a: &Access, remaps: &[Remap]) -> Access {
+    let e = a.elem_bytes;
+    let (start, end) = (a.region.offset() * e, a.region.end() * e);
+    let hit = remaps.iter().find(|r| r.from == a.buffer && r.start <= start && end <= r.end && !a.region.is_empty());
+    let Some(r) = hit else { return *a };
+    let first = r.to_start + (start - r.start);
+    if first % e != 0 || r.to_base % e != 0 {
+        return *a;
+    }
+    Access {
+        buffer: r.to,
+        memory: r.to_memory,
+        at: a.at.moved_to((r.to_base + first) / e),
+        region: a.region.moved_to(first / e),
+        ..*a
+    }
 }
 
 fn rebase(clock: &Clock, lanes: &HashMap<Lane, u32>) -> Vec<(u32, u64)> {
@@ -129,6 +149,35 @@ impl GraphSummary {
         }
         let records = records.iter().map(|(e, c)| (*e, rebase(c, &lanes))).collect();
         (GraphSummary { nodes: summary_nodes, by_memory, footprint, lane_end, records, waits }, races)
+    }
+
+    /// The same graph with the reads that `remaps` move made of the buffers they move to.
+    pub(crate) fn remapped(&self, remaps: &[Remap]) -> GraphSummary {
+        let mut by_memory: HashMap<BufferId, Vec<(usize, Access)>> = HashMap::new();
+        let mut footprint: Vec<(usize, Access)> = Vec::new();
+        for (n, a) in self.by_memory.values().flatten() {
+            let a = moved(a, remaps);
+            by_memory.entry(a.memory).or_default().push((*n, a));
+        }
+        for list in by_memory.values_mut() {
+            list.sort_by_key(|(n, _)| *n);
+        }
+        let mut all: Vec<&(usize, Access)> = by_memory.values().flatten().collect();
+        all.sort_by_key(|(n, _)| *n);
+        for (n, a) in all {
+            if !footprint.iter().any(|(_, f)| f.memory == a.memory && f.at == a.at && f.mode == a.mode) {
+                footprint.push((*n, *a));
+            }
+        }
+        let nodes = self.nodes.iter().map(|n| SummaryNode { op: n.op, lane: n.lane, pos: n.pos }).collect();
+        GraphSummary {
+            nodes,
+            by_memory,
+            footprint,
+            lane_end: self.lane_end.clone(),
+            records: self.records.clone(),
+            waits: self.waits.clone(),
+        }
     }
 
     /// The record of `event` in this graph and the accesses after it (see [`SyncPoint`]).

@@ -88,6 +88,11 @@ impl Region {
         self.offset
     }
 
+    /// The same dimensions from another first element.
+    pub(crate) fn moved_to(&self, offset: usize) -> Region {
+        Region { offset, ..*self }
+    }
+
     /// The dimensions, outermost first.
     pub fn dims(&self) -> &[Dim] {
         &self.dims[..self.rank as usize]

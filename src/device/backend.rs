@@ -197,7 +197,13 @@ pub(crate) trait Backend: Send + Sync + 'static {
 
     fn graph_nodes(&self, graph: &Self::Graph) -> Result<Vec<NodeInfo>>;
     fn graph_dot(&self, graph: &Self::Graph) -> Result<String>;
+    /// How each captured operation's node names buffers, in capture order.
+    fn graph_sites(&self, graph: &Self::Graph) -> Arc<[super::patch::Site]>;
     fn instantiate(&self, graph: &Self::Graph) -> Result<Self::Exec>;
+    /// Points the uses of the listed sites (indices into `sites`) at their bound buffers in the
+    /// executable, the others as captured, for later launches.
+    fn rebind(&self, exec: &Self::Exec, sites: &[super::patch::Site], changes: &[super::patch::SiteChange])
+        -> Result<()>;
     fn upload(&self, exec: &Self::Exec, stream: &Self::Stream) -> Result<()>;
     fn launch(&self, exec: &Self::Exec, stream: &Self::Stream) -> Result<()>;
 }

@@ -3,10 +3,12 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::backend::{dispatch, ExecRepr, GraphRepr};
 use super::comm::{CapturedCollective, GraphCollectives};
+use super::memory::Block;
+use super::patch::{self, Bound, Rebind, Remap, Site};
 use super::{ids, Device, EventId, GraphId, Stream};
 use crate::{Error, Result};
 
@@ -59,11 +61,22 @@ pub struct Graph {
     id: GraphId,
     repr: GraphRepr,
     info: Arc<GraphCollectives>,
+    /// How each captured operation's node names buffers (see [`Rebind`]).
+    sites: Arc<[Site]>,
 }
 
 impl Graph {
     pub(crate) fn new(dev: Device, repr: GraphRepr, info: GraphCollectives) -> Result<Graph> {
-        Ok(Graph { dev, id: GraphId(ids::next_id()), repr, info: Arc::new(info) })
+        let sites = dispatch!(dev.backend(), |b, pick| b.graph_sites(pick!(repr)));
+        Ok(Graph { dev, id: GraphId(ids::next_id()), repr, info: Arc::new(info), sites })
+    }
+
+    /// Whether its executables would accept `rebinds` ([`GraphExec::rebind`]), changing nothing.
+    ///
+    /// # Errors
+    /// [`Error::Rebind`] with the reason one would be refused.
+    pub fn check_rebind(&self, rebinds: &[Rebind<'_>]) -> Result<()> {
+        patch::plan(&self.sites, rebinds).map(|_| ()).map_err(|kind| Error::Rebind { graph: self.id, kind })
     }
 
     /// The graph's identity (shared by its executables).
@@ -132,9 +145,20 @@ impl Graph {
     /// Instantiates an executable graph.
     pub fn instantiate(&self) -> Result<GraphExec> {
         let repr = dispatch!(self.dev.backend(), |b, pick| b.wrap_exec(b.instantiate(pick!(self.repr))?));
-        let info = self.info.clone();
-        Ok(GraphExec { dev: self.dev.clone(), id: self.id, exec: ids::next_id(), repr: Some(repr), info })
+        let (info, sites) = (self.info.clone(), self.sites.clone());
+        let rebound = Mutex::new(Rebound::default());
+        Ok(GraphExec { dev: self.dev.clone(), id: self.id, exec: ids::next_id(), repr: Some(repr), info, sites, rebound })
     }
+}
+
+/// Where an executable's rebound uses point now.
+#[derive(Default)]
+struct Rebound {
+    /// By (site, use), the uses that do not point where they were captured.
+    bound: BTreeMap<(usize, usize), Bound>,
+    /// The blocks they point at, once each: every launch notes its stream on them, so that
+    /// memory freed while a launch reads it is reused in stream order.
+    blocks: Vec<Arc<Block>>,
 }
 
 /// An executable graph (CUDA's `CUgraphExec`): launch it on any stream of its device. Launches
@@ -146,6 +170,8 @@ pub struct GraphExec {
     exec: u64,
     repr: Option<ExecRepr>,
     info: Arc<GraphCollectives>,
+    sites: Arc<[Site]>,
+    rebound: Mutex<Rebound>,
 }
 
 impl GraphExec {
@@ -189,6 +215,9 @@ impl GraphExec {
             _ => self.info.before_launch(),
         };
         dispatch!(self.dev.backend(), |b, pick| b.launch(pick!(repr), pick!(stream.repr())))?;
+        for block in &self.rebound().blocks {
+            block.note_use(stream.id());
+        }
         if let Some(o) = self.dev.observer() {
             o.launch(self.id, self.exec, stream.id())?;
         }
@@ -196,6 +225,76 @@ impl GraphExec {
             return Ok(());
         }
         self.info.launched(self.id, stream, comms)
+    }
+
+    fn rebound(&self) -> std::sync::MutexGuard<'_, Rebound> {
+        // Updated only after the backend accepted a rebind: consistent after a panic.
+        self.rebound.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Points the executable's captured reads of each rebind's `from` at its `to`, for every
+    /// later launch (launches already queued read what they were launched with): a replay then
+    /// reads the caller's buffers in place, with nothing copied in. Reads rebound by an earlier
+    /// call and not named here stay rebound. The executable holds the buffers it reads until they
+    /// are rebound again, and the checker sees the launches read them. Returns how many nodes
+    /// changed (none when every use already points there, so a rebind per replay with the same
+    /// buffers costs no driver call).
+    ///
+    /// The buffers are read while a launch runs, not when it is enqueued: keep their contents
+    /// until the launches that read them are done, as for any operand of queued work.
+    ///
+    /// # Errors
+    /// [`Error::Rebind`] when a node that names the bytes writes them, reads them through a
+    /// library call graphed does not lay out (a GEMM, attention, a collective), or reads bytes
+    /// partly outside them, or when no node reads them; [`Error::WrongDevice`] for a buffer of
+    /// another device; [`Error::GraphReset`] after [`reset`](GraphExec::reset). A refused call
+    /// changes nothing.
+    pub fn rebind(&self, rebinds: &[Rebind<'_>]) -> Result<usize> {
+        const OP: &str = "GraphExec::rebind";
+        self.dev.check_err()?;
+        for r in rebinds {
+            self.dev.check_same(OP, "buffer", r.from.raw.device)?;
+            self.dev.check_same(OP, "buffer", r.to.raw.device)?;
+        }
+        let repr = self.repr(OP)?;
+        let moved = patch::plan(&self.sites, rebinds).map_err(|kind| Error::Rebind { graph: self.id, kind })?;
+        let mut st = self.rebound();
+        let mut next = st.bound.clone();
+        let mut changed = std::collections::BTreeSet::new();
+        for (s, u, to) in moved {
+            let captured = &self.sites[s].uses[u];
+            let now = next.get(&(s, u)).map_or((captured.block.id, captured.start), |b| (b.block.id, b.start));
+            if now == (to.block.id, to.start) {
+                continue;
+            }
+            changed.insert(s);
+            if (to.block.id, to.start) == (captured.block.id, captured.start) {
+                next.remove(&(s, u));
+            } else {
+                next.insert((s, u), to);
+            }
+        }
+        if changed.is_empty() {
+            return Ok(0);
+        }
+        let changes: Vec<patch::SiteChange> = changed
+            .iter()
+            .map(|&s| (s, next.range((s, 0)..(s + 1, 0)).map(|((_, u), b)| (*u, b.clone())).collect()))
+            .collect();
+        dispatch!(self.dev.backend(), |b, pick| b.rebind(pick!(repr), &self.sites, &changes))?;
+        let mut blocks: Vec<Arc<Block>> = Vec::new();
+        for b in next.values() {
+            if !blocks.iter().any(|k| k.id == b.block.id) {
+                blocks.push(b.block.clone());
+            }
+        }
+        let remaps: Vec<Remap> = next.iter().map(|((s, u), b)| Remap::of(&self.sites[*s].uses[*u], b)).collect();
+        *st = Rebound { bound: next, blocks };
+        drop(st);
+        if let Some(o) = self.dev.observer() {
+            o.rebind(self.id, self.exec, &remaps)?;
+        }
+        Ok(changed.len())
     }
 
     /// Destroys the executable now; later launches return [`Error::GraphReset`]. Launches

@@ -39,6 +39,9 @@ pub(crate) trait Observer: Send + Sync {
     /// A launch of executable `exec` (launches of one executable run in order) of `graph`.
     fn launch(&self, graph: GraphId, exec: u64, stream: StreamId) -> Result<()>;
     fn reset(&self, graph: GraphId) -> Result<()>;
+    /// Executable `exec` of `graph` now reads through `remaps` (all of its rebound ranges; none
+    /// puts it back as captured).
+    fn rebind(&self, graph: GraphId, exec: u64, remaps: &[super::patch::Remap]) -> Result<()>;
     fn host_sync(&self, what: HostSync);
     /// The host reads or writes memory now, after the work queued on `after` (blocking copies)
     /// or with no ordering (pinned host memory).

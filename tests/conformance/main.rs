@@ -13,3 +13,4 @@ mod graphs;
 mod memory;
 mod misuse;
 mod pools;
+mod rebind;

@@ -22,11 +22,13 @@ use cudarc::driver::{sys, CudaStream, DriverError};
 
 use super::error as err;
 use super::ffi::{self, OwnedGraph, CAPTURE_ACTIVE, CAPTURE_INVALIDATED, CAPTURE_NONE};
+use super::graph::PatchNode;
 use super::memory::Alloc;
 use super::stream::{CuStream, EventInner};
 use crate::device::backend::Op;
 use crate::device::kernel::Arg;
 use crate::device::memory::Block;
+use crate::device::patch::Site;
 use crate::device::{BufferId, CaptureMode, CaptureStatus, EventId, StreamId};
 use crate::error::{CaptureErrorKind, CaptureSite};
 use crate::{Error, Result};
@@ -39,6 +41,10 @@ pub(super) struct Holdings {
     events: HashMap<EventId, Arc<EventInner>>,
     /// The communicators of captured collectives.
     comms: Vec<Arc<super::nccl::NcclInner>>,
+    /// How each captured operation's node names buffers, in capture order, and the node where
+    /// graphed can patch it.
+    pub(super) sites: Vec<Site>,
+    pub(super) nodes: Vec<Option<PatchNode>>,
 }
 
 impl Holdings {
@@ -155,9 +161,16 @@ pub(super) fn relaxed<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     out
 }
 
-/// Holds everything `op` names for as long as capture `id`'s graph lives.
-pub(super) fn hold_op(id: u64, op: &Op<'_>) {
-    with_holdings(id, |h| h.add_op(op));
+/// Holds everything `op` names for as long as capture `id`'s graph lives, and notes how its
+/// node names buffers (`node`: where it can be patched, if it can).
+pub(super) fn hold_op(id: u64, op: &Op<'_>, node: Option<PatchNode>) {
+    let site = Site::of(op);
+    let site = if node.is_some() { site } else { site.opaque() };
+    with_holdings(id, |h| {
+        h.add_op(op);
+        h.sites.push(site);
+        h.nodes.push(node);
+    });
 }
 
 /// Holds an event recorded or waited on with the external flag (it is named by a node).

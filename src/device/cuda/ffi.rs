@@ -55,6 +55,35 @@ pub(super) fn capture_info(stream: &CudaStream) -> Result<CaptureInfo, DriverErr
     Ok(CaptureInfo { status, id })
 }
 
+/// The nodes a capturing stream's next work would depend on (`cuStreamGetCaptureInfo_v3`'s
+/// dependencies): right after an enqueue, the nodes it added at the stream's end.
+pub(super) fn capture_frontier(stream: &CudaStream) -> Result<Vec<RawNode>, DriverError> {
+    let mut status: u32 = CAPTURE_NONE;
+    let mut id: u64 = 0;
+    let mut deps: *const sys::CUgraphNode = ptr::null();
+    let mut count: usize = 0;
+    // SAFETY: the stream is alive while borrowed; the status is a 4-byte C enum written into a
+    // `u32`. The driver points `deps` at an array it owns, valid until the next call on the
+    // stream, and copied out below before any.
+    unsafe {
+        sys::cuStreamGetCaptureInfo_v3(
+            stream.cu_stream(),
+            (&mut status as *mut u32).cast::<sys::CUstreamCaptureStatus>(),
+            &mut id,
+            ptr::null_mut(),
+            &mut deps,
+            ptr::null_mut(),
+            &mut count,
+        )
+    }
+    .result()?;
+    if deps.is_null() || count == 0 || status != CAPTURE_ACTIVE {
+        return Ok(Vec::new());
+    }
+    // SAFETY: the driver's array holds `count` nodes (see above).
+    Ok(unsafe { std::slice::from_raw_parts(deps, count) }.iter().map(|n| RawNode(*n)).collect())
+}
+
 /// `cuStreamQuery`: `Ok(false)` while work is pending (`CUDA_ERROR_NOT_READY`).
 pub(super) fn stream_query(stream: &CudaStream) -> Result<bool, DriverError> {
     // SAFETY: the stream is alive while borrowed.
@@ -392,6 +421,17 @@ pub(super) fn end_capture(
     Ok(OwnedGraph { raw, ctx: ctx.clone(), errors: errors.clone() })
 }
 
+/// A node's handle as a capture reported it: valid while the graph that capture ended in lives
+/// (whoever keeps it keeps that graph too).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawNode(sys::CUgraphNode);
+
+// SAFETY: a node handle is an opaque driver value; calls that take it are serialized by the lock
+// of its graph's or executable's owner.
+unsafe impl Send for RawNode {}
+// SAFETY: as for Send; nothing mutates through the handle itself.
+unsafe impl Sync for RawNode {}
+
 /// A node of an [`OwnedGraph`], valid while the graph is borrowed.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub(super) struct Node<'g> {
@@ -553,6 +593,59 @@ impl OwnedExec {
     pub(super) fn launch(&self, stream: &CudaStream) -> Result<(), DriverError> {
         // SAFETY: the executable and the stream are alive while borrowed.
         unsafe { result::graph::launch(self.raw, stream.cu_stream()) }
+    }
+
+    /// `cuGraphExecKernelNodeSetParams_v2`: kernel node `node` of the executable's graph runs
+    /// `func` with `dims` and the parameters in `values` (one 8-byte slot each, as launched) at
+    /// later launches.
+    ///
+    /// # Safety
+    /// `node` is a kernel node of the graph this executable was instantiated from, that graph is
+    /// alive, `func`'s module is loaded, `values` matches the function's signature as for
+    /// [`launch`], and every device address among them stays alive while a launch can read it.
+    pub(super) unsafe fn set_kernel_params(
+        &self,
+        node: RawNode,
+        func: Function,
+        dims: &LaunchDims,
+        values: &mut [u64],
+    ) -> Result<(), DriverError> {
+        let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| ptr::from_mut(v).cast()).collect();
+        let p = sys::CUDA_KERNEL_NODE_PARAMS {
+            func: func.0,
+            gridDimX: dims.grid.0,
+            gridDimY: dims.grid.1,
+            gridDimZ: dims.grid.2,
+            blockDimX: dims.block.0,
+            blockDimY: dims.block.1,
+            blockDimZ: dims.block.2,
+            sharedMemBytes: dims.shared_mem_bytes,
+            kernelParams: params.as_mut_ptr(),
+            extra: ptr::null_mut(),
+            kern: ptr::null_mut(),
+            ctx: ptr::null_mut(),
+        };
+        // SAFETY: the caller's guarantees; the driver copies the parameter values during the call.
+        unsafe { sys::cuGraphExecKernelNodeSetParams_v2(self.raw, node.0, &p) }.result()
+    }
+
+    /// Points memcpy node `node` of the executable's graph at device address `src` as its source
+    /// for later launches (`cuGraphMemcpyNodeGetParams`, then `cuGraphExecMemcpyNodeSetParams`
+    /// with only the source address changed, so the memory types the driver recorded stay).
+    ///
+    /// # Safety
+    /// `node` is a memcpy node of the graph this executable was instantiated from, whose source
+    /// is device memory, that graph is alive, and `src` addresses as many bytes of live device
+    /// memory as the node copies, alive while a launch can read them.
+    pub(super) unsafe fn set_memcpy_src(&self, node: RawNode, src: sys::CUdeviceptr) -> Result<(), DriverError> {
+        let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
+        // SAFETY: the node is a memcpy node of a live graph; the driver fills the struct.
+        unsafe { sys::cuGraphMemcpyNodeGetParams(node.0, p.as_mut_ptr()) }.result()?;
+        // SAFETY: filled by the driver above (and all-zero is a valid value of the plain struct).
+        let mut p = unsafe { p.assume_init() };
+        p.srcDevice = src;
+        // SAFETY: the caller's guarantees; the context is the executable's own.
+        unsafe { sys::cuGraphExecMemcpyNodeSetParams(self.raw, node.0, &p, self._ctx.cu_ctx()) }.result()
     }
 
     /// `cuGraphUpload` on any stream of the device.

@@ -9,22 +9,39 @@ use cudarc::driver::sys::CUgraphNodeType;
 
 use super::capture::Holdings;
 use super::error as err;
-use super::ffi::{Node, OwnedExec, OwnedGraph};
+use super::ffi::{Function, Node, OwnedExec, OwnedGraph, RawNode};
 use super::launch::Kernels;
-use crate::device::{NodeInfo, NodeKind};
+use crate::device::patch::{Site, SiteChange, Slot};
+use crate::device::{LaunchDims, NodeInfo, NodeKind};
 use crate::{Error, Result};
+
+/// Where graphed can patch a captured node, and what it was launched with.
+pub(crate) struct PatchNode {
+    pub(super) node: RawNode,
+    pub(super) template: Template,
+}
+
+/// What a patchable node does, to rebuild its parameters from.
+pub(super) enum Template {
+    /// A kernel: its function, dimensions and parameter slots as launched.
+    Kernel { func: Function, dims: LaunchDims, values: Vec<u64> },
+    /// A device-to-host or device-to-device copy.
+    Copy,
+}
 
 /// A captured graph and everything its nodes use.
 pub(crate) struct CuGraph {
-    graph: Mutex<OwnedGraph>,
+    graph: Arc<Mutex<OwnedGraph>>,
     held: Arc<Holdings>,
+    sites: Arc<[Site]>,
 }
 
 /// An executable graph. Field order matters: the executable is destroyed before its holdings are
-/// released.
+/// released. It keeps its graph, whose node handles a patch names.
 pub(crate) struct CuExec {
     exec: Mutex<OwnedExec>,
     held: Arc<Holdings>,
+    graph: Arc<Mutex<OwnedGraph>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -33,14 +50,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl CuGraph {
-    pub(super) fn new(graph: OwnedGraph, held: Holdings) -> CuGraph {
-        CuGraph { graph: Mutex::new(graph), held: Arc::new(held) }
+    pub(super) fn new(graph: OwnedGraph, mut held: Holdings) -> CuGraph {
+        let sites = std::mem::take(&mut held.sites).into();
+        CuGraph { graph: Arc::new(Mutex::new(graph)), held: Arc::new(held), sites }
+    }
+
+    pub(super) fn sites(&self) -> Arc<[Site]> {
+        self.sites.clone()
     }
 
     /// Instantiates the graph. The device's context must be bound.
     pub(super) fn instantiate(&self) -> Result<CuExec> {
         let exec = lock(&self.graph).instantiate().map_err(|e| err::driver("Graph::instantiate", None, e))?;
-        Ok(CuExec { exec: Mutex::new(exec), held: self.held.clone() })
+        Ok(CuExec { exec: Mutex::new(exec), held: self.held.clone(), graph: self.graph.clone() })
     }
 
     /// The graph's nodes in a topological order, with dependencies as indices into the list.
@@ -135,6 +157,51 @@ impl CuExec {
     /// The rank of an aborted communicator whose collectives the graph holds, if any.
     pub(super) fn aborted_comm(&self) -> Option<usize> {
         self.held.aborted_comm()
+    }
+
+    /// Points the listed sites' uses at their bound buffers (the others as captured). The
+    /// device's context must be bound.
+    pub(super) fn rebind(&self, sites: &[Site], changes: &[SiteChange]) -> Result<()> {
+        const OP: &str = "GraphExec::rebind";
+        let bug = |why: &str| Error::Cuda { op: OP, message: format!("{why}; please report this as a bug") };
+        let _graph = lock(&self.graph);
+        let exec = lock(&self.exec);
+        for (site, bound) in changes {
+            let Some(Some(patch)) = self.held.nodes.get(*site) else { return Err(bug("a site with no patchable node")) };
+            let address = |block: &Arc<crate::device::memory::Block>, start: usize| {
+                super::memory::kernel_arg(OP, &block.raw, block.base + start)
+            };
+            match &patch.template {
+                Template::Kernel { func, dims, values } => {
+                    let mut values = values.clone();
+                    for (u, b) in bound {
+                        let Slot::Param(i) = sites[*site].uses[*u].slot else { return Err(bug("a kernel use that is no parameter")) };
+                        values[i] = address(&b.block, b.start)?;
+                    }
+                    // SAFETY: the node is a kernel node of this executable's graph, kept alive
+                    // by `self.graph`; the function stays loaded in `Kernels`; the values are the
+                    // launch's own with pointer slots replaced by addresses of blocks that the
+                    // public executable holds while they are bound.
+                    unsafe { exec.set_kernel_params(patch.node, *func, dims, &mut values) }
+                        .map_err(|e| err::driver(OP, None, e))?;
+                }
+                Template::Copy => {
+                    let restore = sites[*site].uses.iter().position(|u| u.slot == Slot::CopySrc);
+                    let src = match bound.iter().find(|(u, _)| sites[*site].uses[*u].slot == Slot::CopySrc) {
+                        Some((_, b)) => address(&b.block, b.start)?,
+                        None => {
+                            let u = restore.ok_or_else(|| bug("a copy with no source"))?;
+                            let captured = &sites[*site].uses[u];
+                            address(&captured.block, captured.start)?
+                        }
+                    };
+                    // SAFETY: the node is a device-source memcpy node of this executable's
+                    // graph, kept alive by `self.graph`; `src` addresses a held block's bytes.
+                    unsafe { exec.set_memcpy_src(patch.node, src) }.map_err(|e| err::driver(OP, None, e))?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `cuGraphUpload` on `stream`. The device's context must be bound.

@@ -137,13 +137,35 @@ impl Kernels {
     }
 }
 
+impl Kernels {
+    /// The function and parameter slots a launch of `kernel` with `args` passes (kept by a
+    /// capture, so that a patched node is rebuilt from them).
+    pub(super) fn template(&self, stream: &CuStream, kernel: &'static Kernel, args: &[Arg<'_>]) -> Result<(Function, Vec<u64>)> {
+        let func = self.function(kernel, CaptureSite::Stream(stream.id))?;
+        let mut values = vec![0; args.len()];
+        marshal(kernel.name, args, &mut values)?;
+        Ok((func, values))
+    }
+}
+
+/// Writes each argument into its 8-byte slot: a buffer as the device address of its view's first
+/// element; a scalar with [`Scalar::bytes`](crate::device::Scalar), so its slot begins with the
+/// value in its own type and size (4 bytes for `f32`, `u32`, `i32`), which is what the driver
+/// copies for a parameter of that type.
+fn marshal(name: &'static str, args: &[Arg<'_>], values: &mut [u64]) -> Result<()> {
+    for (value, arg) in values.iter_mut().zip(args) {
+        *value = match arg {
+            Arg::Buf(b) => memory::kernel_arg(name, b.raw, b.region.offset() * b.dtype.size())?,
+            Arg::Scalar(s) => u64::from_ne_bytes(s.bytes()),
+        };
+    }
+    Ok(())
+}
+
 /// Marshals `args` into `values` (one 8-byte slot each) and `params` (a pointer to each slot),
 /// and launches.
 ///
-/// A buffer argument is the device address of its view's first element. A scalar is stored with
-/// [`Scalar::bytes`](crate::device::Scalar), so its slot begins with the value in its own type
-/// and size (4 bytes for `f32`, `u32`, `i32`), which is what the driver copies for a parameter of
-/// that type.
+/// See [`marshal`] for the slots.
 fn launch_with(
     func: Function,
     stream: &CuStream,
@@ -153,12 +175,7 @@ fn launch_with(
     values: &mut [u64],
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    for (value, arg) in values.iter_mut().zip(args) {
-        *value = match arg {
-            Arg::Buf(b) => memory::kernel_arg(name, b.raw, b.region.offset() * b.dtype.size())?,
-            Arg::Scalar(s) => u64::from_ne_bytes(s.bytes()),
-        };
-    }
+    marshal(name, args, values)?;
     for (param, value) in params.iter_mut().zip(values.iter_mut()) {
         *param = ptr::from_mut(value).cast();
     }

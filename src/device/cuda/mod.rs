@@ -66,6 +66,28 @@ pub(crate) struct CudaDevice {
 }
 
 impl CudaDevice {
+    /// Where the node that `op` just added to `stream`'s capture can be patched: our own
+    /// kernels and device-source copies, when they added exactly one node (the capture's new
+    /// frontier); `None` for library calls, collectives, memsets and anything else.
+    fn patch_node(&self, stream: &CuStream, op: &Op<'_>) -> Result<Option<graph::PatchNode>> {
+        let template = match *op {
+            Op::Kernel { kernel, dims, args } => {
+                let (func, values) = self.kernels.template(stream, kernel, args)?;
+                graph::Template::Kernel { func, dims, values }
+            }
+            Op::Copy { dir: crate::device::backend::CopyDir::DeviceToHost | crate::device::backend::CopyDir::DeviceToDevice, .. } => {
+                graph::Template::Copy
+            }
+            _ => return Ok(None),
+        };
+        let frontier = ffi::capture_frontier(&stream.raw)
+            .map_err(|e| err::at(op.name(), CaptureSite::Stream(stream.id), e))?;
+        Ok(match frontier[..] {
+            [node] => Some(graph::PatchNode { node, template }),
+            _ => None,
+        })
+    }
+
     /// Opens GPU `ordinal`; [`Error::CudaUnavailable`](crate::Error::CudaUnavailable) when the
     /// driver, NVRTC or the GPU is missing, or the GPU is older than compute capability 7.0.
     /// Handles whose destruction fails keep the error in `errors`.
@@ -263,7 +285,8 @@ impl Backend for CudaDevice {
             Op::Collective { .. } => nccl::enqueue(stream, op)?,
         }
         if let Some(id) = capture {
-            capture::hold_op(id, op);
+            let node = self.patch_node(stream, op)?;
+            capture::hold_op(id, op, node);
         }
         Ok(())
     }
@@ -342,9 +365,23 @@ impl Backend for CudaDevice {
         graph.dot()
     }
 
+    fn graph_sites(&self, graph: &CuGraph) -> Arc<[crate::device::patch::Site]> {
+        graph.sites()
+    }
+
     fn instantiate(&self, graph: &CuGraph) -> Result<CuExec> {
         self.bind("Graph::instantiate")?;
         graph.instantiate()
+    }
+
+    fn rebind(
+        &self,
+        exec: &CuExec,
+        sites: &[crate::device::patch::Site],
+        changes: &[crate::device::patch::SiteChange],
+    ) -> Result<()> {
+        self.bind("GraphExec::rebind")?;
+        exec.rebind(sites, changes)
     }
 
     fn upload(&self, exec: &CuExec, stream: &CuStream) -> Result<()> {

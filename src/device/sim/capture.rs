@@ -4,6 +4,7 @@ use std::collections::BTreeSet;
 use std::thread::ThreadId;
 
 use super::graph::{NodeTask, SimGraph, SimNode};
+use crate::device::patch::Site;
 use super::{Record, State};
 use crate::device::{CaptureMode, CaptureStatus, NodeKind, StreamId};
 use crate::error::CaptureErrorKind;
@@ -15,6 +16,8 @@ pub(crate) struct CaptureState {
     thread: ThreadId,
     invalid: bool,
     nodes: Vec<SimNode>,
+    /// How each node of an enqueued operation names buffers, with the node.
+    sites: Vec<(usize, Site)>,
     /// Every stream that joined, the origin included.
     members: Vec<StreamId>,
 }
@@ -53,6 +56,11 @@ impl State {
         let id = nodes.len() - 1;
         self.stream(stream).frontier = vec![id];
         id
+    }
+
+    /// Notes how node `node` of capture `cap` names buffers, for patched replays.
+    pub(super) fn add_site(&mut self, cap: u64, node: usize, site: Site) {
+        self.captures.get_mut(&cap).expect("active capture exists").sites.push((node, site));
     }
 
     /// A plain wait by a capturing stream.
@@ -151,7 +159,15 @@ impl State {
         let thread = std::thread::current().id();
         self.captures.insert(
             cap,
-            CaptureState { origin: stream, mode, thread, invalid: false, nodes: vec![], members: vec![stream] },
+            CaptureState {
+                origin: stream,
+                mode,
+                thread,
+                invalid: false,
+                nodes: vec![],
+                sites: vec![],
+                members: vec![stream],
+            },
         );
         Ok(())
     }
@@ -185,7 +201,7 @@ impl State {
         if c.invalid {
             return Err(err(OP, stream, CaptureErrorKind::Invalidated));
         }
-        let graph = SimGraph::new(c.nodes);
+        let graph = SimGraph::new(c.nodes, c.sites);
         let origin_frontier = &frontiers.iter().find(|(m, _)| *m == stream).expect("origin is a member").1;
         let joined = graph.ancestors_of(origin_frontier);
         for (m, f) in &frontiers {

@@ -1,15 +1,17 @@
 //! Captured graphs on the simulator, and their launches as DAGs of queued work.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::schedule::{Action, WorkId};
 use super::task::Task;
 use super::{Record, State};
+use crate::device::patch::{Site, SiteChange};
 use crate::device::{ids, EventId, NodeInfo, NodeKind, StreamId};
 use crate::error::{CaptureErrorKind, CaptureSite};
 use crate::{Error, Result};
 
+#[derive(Clone)]
 pub(crate) enum NodeTask {
     Run(Arc<Task>),
     /// An external event record: every launch re-records the event when the node runs.
@@ -18,6 +20,7 @@ pub(crate) enum NodeTask {
     Wait(EventId),
 }
 
+#[derive(Clone)]
 pub(crate) struct SimNode {
     pub(super) kind: NodeKind,
     pub(super) name: String,
@@ -29,11 +32,20 @@ pub(crate) struct SimNode {
 /// A captured graph: shared by the graph handle and its executables.
 pub(crate) struct SimGraph {
     nodes: Arc<Vec<SimNode>>,
+    /// How each operation's node names buffers, in capture order.
+    sites: Arc<[Site]>,
+    /// The node of each site.
+    site_nodes: Arc<[usize]>,
 }
 
 impl SimGraph {
-    pub(super) fn new(nodes: Vec<SimNode>) -> SimGraph {
-        SimGraph { nodes: Arc::new(nodes) }
+    pub(super) fn new(nodes: Vec<SimNode>, sites: Vec<(usize, Site)>) -> SimGraph {
+        let (site_nodes, sites): (Vec<usize>, Vec<Site>) = sites.into_iter().unzip();
+        SimGraph { nodes: Arc::new(nodes), sites: sites.into(), site_nodes: site_nodes.into() }
+    }
+
+    pub(crate) fn sites(&self) -> Arc<[Site]> {
+        self.sites.clone()
     }
 
     /// The given nodes and all their ancestors.
@@ -67,12 +79,42 @@ impl SimGraph {
 /// An executable: the graph's nodes plus an identity that orders its launches.
 pub(crate) struct SimExec {
     id: u64,
-    nodes: Arc<Vec<SimNode>>,
+    /// The nodes as captured.
+    captured: Arc<Vec<SimNode>>,
+    /// The nodes its launches run: the captured ones, some rebound. A launch takes the list as it
+    /// is then, so a later rebind changes later launches only, as on CUDA.
+    nodes: Mutex<Arc<Vec<SimNode>>>,
+    site_nodes: Arc<[usize]>,
 }
 
 impl SimExec {
     pub(super) fn new(graph: &SimGraph) -> SimExec {
-        SimExec { id: ids::next_id(), nodes: graph.nodes.clone() }
+        let (captured, site_nodes) = (graph.nodes.clone(), graph.site_nodes.clone());
+        SimExec { id: ids::next_id(), nodes: Mutex::new(captured.clone()), captured, site_nodes }
+    }
+
+    fn nodes(&self) -> Arc<Vec<SimNode>> {
+        self.nodes.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Points the listed sites' nodes at their bound uses (the other uses as captured).
+    pub(super) fn rebind(&self, sites: &[Site], changes: &[SiteChange]) -> Result<()> {
+        let mut nodes = self.nodes.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut next: Vec<SimNode> = (**nodes).clone();
+        for (site, bound) in changes {
+            let n = self.site_nodes[*site];
+            let NodeTask::Run(task) = &self.captured[n].task else {
+                return Err(Error::Unsupported {
+                    op: "GraphExec::rebind",
+                    backend: "sim",
+                    why: "a site names an event node; please report this as a bug",
+                });
+            };
+            let uses: Vec<_> = bound.iter().map(|(u, b)| (sites[*site].uses[*u].slot, b)).collect();
+            next[n].task = NodeTask::Run(Arc::new(task.rebound(&uses)?));
+        }
+        *nodes = Arc::new(next);
+        Ok(())
     }
 }
 
@@ -87,10 +129,11 @@ impl State {
             return Err(capture_error(OP, stream, CaptureErrorKind::Unsupported));
         }
         let before = [self.stream(stream).last, self.exec_last.get(&exec.id).copied()];
-        let mut work: Vec<WorkId> = Vec::with_capacity(exec.nodes.len());
-        let mut has_dependent = vec![false; exec.nodes.len()];
+        let nodes = exec.nodes();
+        let mut work: Vec<WorkId> = Vec::with_capacity(nodes.len());
+        let mut has_dependent = vec![false; nodes.len()];
         let mut records: HashMap<EventId, WorkId> = HashMap::new();
-        for node in exec.nodes.iter() {
+        for node in nodes.iter() {
             let mut deps: Vec<Option<WorkId>> = node.deps.iter().map(|d| Some(work[*d])).collect();
             for d in &node.deps {
                 has_dependent[*d] = true;

@@ -161,12 +161,13 @@ impl State {
         id
     }
 
-    fn enqueue(&mut self, op_name: &'static str, stream: StreamId, task: Task) -> Result<()> {
-        let task = Arc::new(task);
-        if let Some(cap) = self.active_capture_of(op_name, stream)? {
+    fn enqueue(&mut self, op: &Op<'_>, stream: StreamId) -> Result<()> {
+        let task = Arc::new(Task::from_op(op)?);
+        if let Some(cap) = self.active_capture_of(op.name(), stream)? {
             let kind = task.node_kind();
             let name = task.name();
-            self.add_node(cap, stream, kind, name, graph::NodeTask::Run(task));
+            let node = self.add_node(cap, stream, kind, name, graph::NodeTask::Run(task));
+            self.add_site(cap, node, crate::device::patch::Site::of(op));
             return Ok(());
         }
         let last = self.stream(stream).last;
@@ -373,7 +374,7 @@ impl Backend for SimDevice {
     }
 
     fn enqueue(&self, stream: &SimStream, op: &Op<'_>) -> Result<()> {
-        self.lock().enqueue(op.name(), stream.id, Task::from_op(op)?)
+        self.lock().enqueue(op, stream.id)
     }
 
     fn record(&self, stream: &SimStream, event: &SimEvent, external: bool) -> Result<()> {
@@ -467,8 +468,21 @@ impl Backend for SimDevice {
         Ok(super::graph::dot_of(&graph.node_infos()))
     }
 
+    fn graph_sites(&self, graph: &SimGraph) -> Arc<[crate::device::patch::Site]> {
+        graph.sites()
+    }
+
     fn instantiate(&self, graph: &SimGraph) -> Result<SimExec> {
         Ok(SimExec::new(graph))
+    }
+
+    fn rebind(
+        &self,
+        exec: &SimExec,
+        sites: &[crate::device::patch::Site],
+        changes: &[crate::device::patch::SiteChange],
+    ) -> Result<()> {
+        exec.rebind(sites, changes)
     }
 
     fn upload(&self, _exec: &SimExec, stream: &SimStream) -> Result<()> {

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::device::backend::{Op, Repr};
+use crate::device::patch::{Bound, Slot};
 use crate::device::kernel::{Arg, CpuArgs, CpuSlot, Gathered, Kernel};
 use crate::device::memory::{Block, RawBuffer};
 use crate::device::{AccessMode, DType, Region};
@@ -162,6 +163,7 @@ fn sim_mem(raw: &RawBuffer) -> Result<&SimMem> {
 }
 
 /// A buffer argument, owned: the queue keeps the allocation alive until the task has run.
+#[derive(Clone)]
 pub(crate) struct OwnedBuf {
     block: Arc<Block>,
     region: Region,
@@ -169,6 +171,7 @@ pub(crate) struct OwnedBuf {
     mode: AccessMode,
 }
 
+#[derive(Clone)]
 pub(crate) enum OwnedArg {
     Buf(OwnedBuf),
     Scalar(crate::device::Scalar),
@@ -225,6 +228,39 @@ impl Task {
             Op::Memset { dst, offset, bytes, value } => Task::Memset { dst: dst.clone(), offset, bytes, value },
             Op::Collective { .. } => Task::Collective(super::comm::CollectiveTask::from_op(op)?),
         })
+    }
+
+    /// The same operation with the uses in `bound` pointed elsewhere: a kernel parameter or a
+    /// copy's source (what [`patch::plan`](crate::device::patch::plan) moves).
+    pub(crate) fn rebound(&self, bound: &[(Slot, &Bound)]) -> Result<Task> {
+        let bug = |why| Error::Unsupported { op: "GraphExec::rebind", backend: "sim", why };
+        match self {
+            Task::Kernel { kernel, args } => {
+                let mut args = args.clone();
+                for (slot, b) in bound {
+                    let Slot::Param(i) = slot else { return Err(bug("a kernel use that is no parameter")) };
+                    let Some(OwnedArg::Buf(arg)) = args.get_mut(*i) else { return Err(bug("no such buffer parameter")) };
+                    let first = b.block.base + b.start;
+                    if first % arg.dtype.size() != 0 {
+                        return Err(bug("a rebound view not aligned to its element"));
+                    }
+                    arg.region = arg.region.moved_to(first / arg.dtype.size());
+                    arg.block = b.block.clone();
+                }
+                Ok(Task::Kernel { kernel, args })
+            }
+            Task::Copy { name, src, src_offset, dst, dst_offset, bytes } => {
+                let (mut src, mut src_offset) = (src.clone(), *src_offset);
+                for (slot, b) in bound {
+                    if *slot != Slot::CopySrc {
+                        return Err(bug("a copy use that is not its source"));
+                    }
+                    (src, src_offset) = (b.block.clone(), b.block.base + b.start);
+                }
+                Ok(Task::Copy { name, src, src_offset, dst: dst.clone(), dst_offset: *dst_offset, bytes: *bytes })
+            }
+            Task::Memset { .. } | Task::Collective(_) => Err(bug("a memset or collective rebound")),
+        }
     }
 
     /// The name shown in graph nodes.

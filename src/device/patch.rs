@@ -1,0 +1,300 @@
+//! Patched replays: an executable pointed at other buffers than those it was captured with,
+//! without a new capture and without copying the data in.
+//!
+//! A capture records, for every node it adds, how the node names buffers (a [`Site`]): which
+//! kernel parameter holds which bytes of which block, or which side of a copy. Kernel arguments
+//! are typed ([`Kernel::params`](super::Kernel::params)), so this is exact, views included;
+//! PyTorch's pointer-patched replay has to guess pointers among 8-byte values. A [`Rebind`] moves
+//! every captured read of some bytes to the same bytes of another buffer; the device then
+//! rewrites those nodes' parameters in the executable (`cuGraphExecKernelNodeSetParams`,
+//! `cuGraphExecMemcpyNodeSetParams`; on the simulator, the node's task).
+//!
+//! Only reads move. A node that writes the bytes, or a library call whose arguments graphed does
+//! not know (cuBLASLt, cuDNN, NCCL), refuses the rebind as a whole, before anything changes: its
+//! bytes must be copied in instead.
+
+use std::sync::Arc;
+
+use super::backend::Op;
+use super::kernel::Arg;
+use super::memory::Block;
+use super::{BufferId, Elem, View};
+use crate::{Error, Result};
+
+/// Moves a graph executable's captured reads of `from` to the same elements of `to` (see
+/// [`GraphExec::rebind`](super::GraphExec::rebind)).
+///
+/// ```
+/// use graphed::device::{CaptureMode, Device, Rebind};
+/// use graphed::ops::elementwise;
+///
+/// let dev = Device::sim();
+/// let s = dev.stream()?;
+/// let (x, y) = (dev.alloc_from(&s, &[1.0f32, 2.0])?, dev.alloc::<f32>(2)?);
+/// let cap = s.capture(CaptureMode::ThreadLocal)?;
+/// elementwise::scale(y.view(), x.view(), 2.0, &s)?;
+/// let exec = cap.finish()?.instantiate()?;
+///
+/// let other = dev.alloc_from(&s, &[10.0f32, 20.0])?;
+/// assert_eq!(exec.rebind(&[Rebind::new(x.view(), other.view())?])?, 1); // one node now reads `other`
+/// exec.launch(&s)?;
+/// assert_eq!(y.to_vec(&s)?, vec![20.0, 40.0]);
+/// # Ok::<(), graphed::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Rebind<'a> {
+    pub(crate) from: &'a Arc<Block>,
+    /// Bytes from the start of `from`.
+    pub(crate) from_start: usize,
+    pub(crate) to: &'a Arc<Block>,
+    /// Bytes from the start of `to`.
+    pub(crate) to_start: usize,
+    pub(crate) bytes: usize,
+}
+
+impl<'a> Rebind<'a> {
+    /// Moves the captured reads of `from` to `to`: two contiguous views of one element type and
+    /// length on one device. `Rebind::new(x, x)` moves them back to where they were captured.
+    ///
+    /// # Errors
+    /// [`Error::NotContiguous`] for a strided view, [`Error::LengthMismatch`] for views of other
+    /// lengths, [`Error::WrongDevice`] for buffers of two devices.
+    pub fn new<T: Elem>(from: View<'a, T>, to: View<'a, T>) -> Result<Rebind<'a>> {
+        const OP: &str = "Rebind::new";
+        for v in [&from, &to] {
+            if !v.region.is_contiguous() {
+                return Err(Error::NotContiguous { op: OP, buffer: v.block.id });
+            }
+        }
+        if from.len() != to.len() {
+            return Err(Error::LengthMismatch { op: OP, src: from.len(), dst: to.len() });
+        }
+        if from.block.raw.device != to.block.raw.device {
+            return Err(Error::WrongDevice {
+                op: OP,
+                what: "buffer",
+                expected: from.block.raw.device,
+                found: to.block.raw.device,
+            });
+        }
+        let size = T::DTYPE.size();
+        Ok(Rebind {
+            from: from.block,
+            from_start: from.region.offset() * size,
+            to: to.block,
+            to_start: to.region.offset() * size,
+            bytes: from.len() * size,
+        })
+    }
+
+    /// The buffer whose reads it moves.
+    pub fn from(&self) -> BufferId {
+        self.from.id
+    }
+}
+
+/// Why a [`Rebind`] was refused. Nothing changed: copy those bytes into the captured buffer
+/// instead (what a replay without patching does).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RebindErrorKind {
+    /// No captured node names the bytes.
+    #[error("no captured node reads buffer {buffer} there")]
+    NotRead {
+        /// The buffer.
+        buffer: BufferId,
+    },
+    /// A node names them through a library call whose arguments graphed does not know.
+    #[error("`{op}` reads buffer {buffer} through arguments graphed does not know (a library call)")]
+    Opaque {
+        /// The operation.
+        op: &'static str,
+        /// The buffer.
+        buffer: BufferId,
+    },
+    /// A node writes them: moving the write would write the caller's buffer.
+    #[error("`{op}` writes buffer {buffer}")]
+    Written {
+        /// The operation.
+        op: &'static str,
+        /// The buffer.
+        buffer: BufferId,
+    },
+    /// A node reads bytes of the buffer partly outside those rebound.
+    #[error("`{op}` reads bytes {start}..{end} of buffer {buffer}, not all within the rebound {from}..{to}")]
+    Partial {
+        /// The operation.
+        op: &'static str,
+        /// The buffer.
+        buffer: BufferId,
+        /// The bytes the node reads.
+        start: usize,
+        /// Past the last byte it reads.
+        end: usize,
+        /// The bytes rebound.
+        from: usize,
+        /// Past the last byte rebound.
+        to: usize,
+    },
+}
+
+impl RebindErrorKind {
+    /// What to do about it.
+    pub fn fix(&self) -> &'static str {
+        "copy the data into the captured buffer instead (a replay without rebinding)"
+    }
+}
+
+/// Where a node names a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// Kernel parameter `i`.
+    Param(usize),
+    /// The source of a copy.
+    CopySrc,
+    /// The destination of a copy.
+    CopyDst,
+    /// The destination of a memset.
+    Memset,
+    /// An argument of a library call or collective, which graphed passes but does not lay out.
+    Opaque,
+}
+
+/// One buffer a node names: bytes `start..end` of `block`.
+pub(crate) struct BufferUse {
+    pub(crate) block: Arc<Block>,
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) slot: Slot,
+    pub(crate) writes: bool,
+}
+
+/// How one captured node names buffers.
+pub(crate) struct Site {
+    pub(crate) op: &'static str,
+    pub(crate) uses: Vec<BufferUse>,
+}
+
+impl Site {
+    /// The site of `op`, captured as one node.
+    pub(crate) fn of(op: &Op<'_>) -> Site {
+        let name = op.name();
+        let whole = |block: &Arc<Block>, offset: usize, bytes: usize, slot, writes| BufferUse {
+            block: block.clone(),
+            start: offset - block.base,
+            end: offset - block.base + bytes,
+            slot,
+            writes,
+        };
+        let uses = match op {
+            Op::Kernel { args, .. } | Op::Gemm { args, .. } | Op::Sdpa { args, .. } => {
+                let library = !matches!(op, Op::Kernel { .. });
+                args.iter()
+                    .enumerate()
+                    .filter_map(|(i, a)| match a {
+                        Arg::Buf(b) => Some(BufferUse {
+                            block: b.block.clone(),
+                            start: b.view.offset() * b.dtype.size(),
+                            end: b.view.end() * b.dtype.size(),
+                            slot: if library { Slot::Opaque } else { Slot::Param(i) },
+                            writes: b.mode.writes(),
+                        }),
+                        Arg::Scalar(_) => None,
+                    })
+                    .collect()
+            }
+            Op::Copy { src, src_offset, dst, dst_offset, bytes, .. } => vec![
+                whole(src, *src_offset, *bytes, Slot::CopySrc, false),
+                whole(dst, *dst_offset, *bytes, Slot::CopyDst, true),
+            ],
+            Op::Memset { dst, offset, bytes, .. } => vec![whole(dst, *offset, *bytes, Slot::Memset, true)],
+            Op::Collective { parts, .. } => parts
+                .iter()
+                .flat_map(|p| [(p.src.0, true), (p.dst.0, true)])
+                .map(|(block, writes)| BufferUse {
+                    block: block.clone(),
+                    start: 0,
+                    end: block.bytes,
+                    slot: Slot::Opaque,
+                    writes,
+                })
+                .collect(),
+        };
+        Site { op: name, uses }
+    }
+
+    /// The site of a node graphed cannot patch (a call that added other than one node).
+    pub(crate) fn opaque(mut self) -> Site {
+        self.uses.iter_mut().for_each(|u| u.slot = Slot::Opaque);
+        self
+    }
+}
+
+/// Where a use of a site points now: bytes `start..` of `block`.
+#[derive(Clone)]
+pub(crate) struct Bound {
+    pub(crate) block: Arc<Block>,
+    pub(crate) start: usize,
+}
+
+/// A site and where its moved uses point now, by use index (the others as captured).
+pub(crate) type SiteChange = (usize, Vec<(usize, Bound)>);
+
+/// The uses that `rebinds` move, as `(site, use, where it points)`, or why one is refused.
+pub(crate) fn plan(sites: &[Site], rebinds: &[Rebind<'_>]) -> std::result::Result<Vec<(usize, usize, Bound)>, RebindErrorKind> {
+    let mut moved = Vec::new();
+    for r in rebinds {
+        let (from, to) = (r.from_start, r.from_start + r.bytes);
+        let buffer = r.from.id;
+        let mut any = false;
+        for (s, site) in sites.iter().enumerate() {
+            for (u, x) in site.uses.iter().enumerate() {
+                if x.block.id != buffer || x.end <= from || to <= x.start {
+                    continue;
+                }
+                let op = site.op;
+                if x.slot == Slot::Opaque {
+                    return Err(RebindErrorKind::Opaque { op, buffer });
+                }
+                if x.writes {
+                    return Err(RebindErrorKind::Written { op, buffer });
+                }
+                if x.start < from || to < x.end {
+                    return Err(RebindErrorKind::Partial { op, buffer, start: x.start, end: x.end, from, to });
+                }
+                any = true;
+                moved.push((s, u, Bound { block: r.to.clone(), start: r.to_start + (x.start - from) }));
+            }
+        }
+        if !any {
+            return Err(RebindErrorKind::NotRead { buffer });
+        }
+    }
+    Ok(moved)
+}
+
+/// A moved range, as the checker sees it: reads of bytes `start..end` of block `from` are reads
+/// of block `to` (of allocation `to_memory`, at `to_base` in it) from byte `to_start` on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Remap {
+    pub(crate) from: BufferId,
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) to: BufferId,
+    pub(crate) to_memory: BufferId,
+    pub(crate) to_base: usize,
+    pub(crate) to_start: usize,
+}
+
+impl Remap {
+    pub(crate) fn of(captured: &BufferUse, bound: &Bound) -> Remap {
+        Remap {
+            from: captured.block.id,
+            start: captured.start,
+            end: captured.end,
+            to: bound.block.id,
+            to_memory: bound.block.raw.id,
+            to_base: bound.block.base,
+            to_start: bound.start,
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! Patched replays: an executable rebound to other buffers reads them in place, bit for bit as a
+//! replay that copies them in, and a rebind it cannot do is refused with nothing changed.
+
+use anyhow::ensure;
+use graphed::device::{CaptureMode, Device, Gemm, GraphExec, Rebind, RebindErrorKind, Stream};
+use graphed::ops::elementwise;
+use graphed::Error;
+
+fn values(n: usize, seed: f32) -> Vec<f32> {
+    (0..n).map(|i| seed + (i as f32 * 0.37).sin()).collect()
+}
+
+fn refusal(e: Error) -> anyhow::Result<RebindErrorKind> {
+    match e {
+        Error::Rebind { kind, .. } => Ok(kind),
+        other => anyhow::bail!("expected a rebind refusal, got {other}"),
+    }
+}
+
+/// Two kernels and a copy read `x`: rebound, they read `other`, and the results equal those of
+/// a second executable of the same graph into whose `x` the same values were copied.
+fn rebound_reads_equal_a_copy_in_replay(dev: &Device) -> anyhow::Result<()> {
+    const N: usize = 1000;
+    let s = dev.stream()?;
+    let x = dev.alloc_from(&s, &values(N, 1.0))?;
+    let (y, z) = (dev.alloc::<f32>(N)?, dev.alloc_from(&s, &vec![0.5f32; N])?);
+    let host = dev.alloc_pinned::<f32>(N)?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    elementwise::scale(y.view(), x.view(), 3.0, &s)?;
+    elementwise::axpy(z.view(), x.view(), -1.0, &s)?;
+    s.copy_d2h(x.view(), host.view())?;
+    let graph = cap.finish()?;
+    let (patched, copied) = (graph.instantiate()?, graph.instantiate()?);
+
+    let other = dev.alloc_from(&s, &values(N, -4.0))?;
+    ensure!(patched.rebind(&[Rebind::new(x.view(), other.view())?])? == 3, "three nodes read x");
+    ensure!(patched.rebind(&[Rebind::new(x.view(), other.view())?])? == 0, "already there: no driver call");
+    let run = |exec: &GraphExec, s: &Stream| -> anyhow::Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        z.write_from(s, &[0.5f32; N])?;
+        exec.launch(s)?;
+        s.synchronize()?;
+        Ok((y.to_vec(s)?, z.to_vec(s)?, host.read()?))
+    };
+    let in_place = run(&patched, &s)?;
+    ensure!(x.to_vec(&s)? == values(N, 1.0), "the captured buffer is not read or written");
+    s.copy_d2d(other.view(), x.view())?;
+    let copied_in = run(&copied, &s)?;
+    ensure!(in_place == copied_in, "a rebound replay equals a copy-in replay bit for bit");
+    ensure!(in_place.0[7] == 3.0 * values(N, -4.0)[7]);
+
+    // Back where it was captured.
+    x.write_from(&s, &values(N, 2.0))?;
+    ensure!(patched.rebind(&[Rebind::new(x.view(), x.view())?])? == 3);
+    let back = run(&patched, &s)?;
+    ensure!(back.0[7] == 3.0 * values(N, 2.0)[7], "rebound back, it reads x again");
+    Ok(())
+}
+
+/// A view at an offset moves with its offset, and the executable keeps the buffer it reads after
+/// the caller dropped its handle.
+fn a_view_moves_with_its_offset_and_is_held(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let x = dev.alloc_from(&s, &values(64, 0.0))?;
+    let y = dev.alloc::<f32>(32)?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    elementwise::scale(y.view(), x.slice(16..48), 1.0, &s)?;
+    let exec = cap.finish()?.instantiate()?;
+    let big = dev.alloc_from(&s, &values(256, 10.0))?;
+    exec.rebind(&[Rebind::new(x.view(), big.slice(100..164))?])?;
+    drop(big);
+    let _churn = dev.alloc_from(&s, &vec![-1.0f32; 256])?;
+    exec.launch(&s)?;
+    ensure!(y.to_vec(&s)? == values(256, 10.0)[116..148].to_vec(), "elements 16..48 of the rebound view");
+    Ok(())
+}
+
+/// A launch already queued reads what it was launched with; the rebind changes later launches.
+fn queued_launches_keep_their_buffers(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let (a, b) = (dev.alloc_from(&s, &vec![1.0f32; 4096])?, dev.alloc_from(&s, &vec![100.0f32; 4096])?);
+    let acc = dev.alloc_from(&s, &vec![0.0f32; 4096])?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    elementwise::axpy(acc.view(), a.view(), 1.0, &s)?;
+    let exec = cap.finish()?.instantiate()?;
+    exec.launch(&s)?;
+    exec.rebind(&[Rebind::new(a.view(), b.view())?])?;
+    exec.launch(&s)?;
+    ensure!(acc.to_vec(&s)?.iter().all(|v| *v == 101.0));
+    Ok(())
+}
+
+/// What cannot move is refused, each with its reason, and the executable still replays as
+/// captured: a write, a GEMM operand, a part of what a node reads, bytes no node reads.
+fn refused_rebinds_change_nothing(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let (x, w, a) = (dev.alloc_from(&s, &[1.0f32; 64])?, dev.alloc_from(&s, &[2.0f32; 64])?, dev.alloc_from(&s, &[1.0f32; 64])?);
+    let (y, c) = (dev.alloc::<f32>(64)?, dev.alloc::<f32>(64)?);
+    let unread = dev.alloc::<f32>(64)?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    elementwise::scale(y.view(), x.view(), 2.0, &s)?;
+    elementwise::add_scalar(w.view(), 1.0, &s)?;
+    s.gemm(Gemm::new(c.view(), a.view(), a.view(), (8, 8, 8)))?;
+    let graph = cap.finish()?;
+    let exec = graph.instantiate()?;
+    let other = dev.alloc_from(&s, &[5.0f32; 64])?;
+    let tries = [
+        (Rebind::new(w.view(), other.view())?, "written"),
+        (Rebind::new(a.view(), other.view())?, "opaque"),
+        (Rebind::new(x.slice(0..32), other.slice(0..32))?, "partial"),
+        (Rebind::new(unread.view(), other.view())?, "not read"),
+    ];
+    for (r, what) in &tries {
+        let kind = refusal(exec.rebind(std::slice::from_ref(r)).unwrap_err())?;
+        let ok = match what {
+            &"written" => matches!(kind, RebindErrorKind::Written { .. }),
+            &"opaque" => matches!(kind, RebindErrorKind::Opaque { .. }),
+            &"partial" => matches!(kind, RebindErrorKind::Partial { .. }),
+            _ => matches!(kind, RebindErrorKind::NotRead { .. }),
+        };
+        ensure!(ok, "{what}: {kind}");
+        ensure!(graph.check_rebind(std::slice::from_ref(r)).is_err(), "{what}: the graph refuses it too");
+    }
+    // A refused list moves none of its rebinds, the acceptable one included.
+    let mixed = [Rebind::new(x.view(), other.view())?, Rebind::new(w.view(), other.view())?];
+    ensure!(exec.rebind(&mixed).is_err());
+    exec.launch(&s)?;
+    ensure!(y.to_vec(&s)?.iter().all(|v| *v == 2.0), "x is still read");
+    Ok(())
+}
+
+crate::per_device!(
+    rebound_reads_equal_a_copy_in_replay,
+    a_view_moves_with_its_offset_and_is_held,
+    queued_launches_keep_their_buffers,
+    refused_rebinds_change_nothing,
+);
