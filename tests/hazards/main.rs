@@ -384,7 +384,31 @@ fn strict_mode_returns_the_hazard(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A rebound graph reads the caller's buffer where it is: a write to that buffer on another
+/// stream, unordered with the launch, races with it (and no longer with the captured buffer).
+fn rebound_read_races_a_write_to_the_new_buffer(dev: &Device) -> anyhow::Result<()> {
+    use graphed::device::Rebind;
+    let (g, other) = (dev.stream()?, dev.stream()?);
+    let (x, y, fresh) = (dev.alloc_from(&g, &[1.0f32; 64])?, dev.alloc::<f32>(64)?, dev.alloc_from(&g, &[2.0f32; 64])?);
+    let cap = g.capture(CaptureMode::ThreadLocal)?;
+    elementwise::scale(y.view(), x.view(), 2.0, &g)?;
+    let exec = cap.finish()?.instantiate()?;
+    exec.rebind(&[Rebind::new(x.view(), fresh.view())?])?;
+    dev.synchronize()?;
+    exec.launch(&g)?;
+    elementwise::fill(fresh.view(), 3.0, &other)?;
+    let h = one_hazard(dev)?;
+    ensure!(h.kind == HazardKind::WriteAfterRead && h.buffer == Some(fresh.id()), "{h}");
+    dev.synchronize()?;
+    exec.launch(&g)?;
+    elementwise::fill(x.view(), 3.0, &other)?;
+    no_hazard(dev)?;
+    dev.synchronize()?;
+    Ok(())
+}
+
 per_device!(
+    rebound_read_races_a_write_to_the_new_buffer,
     never_recorded_event,
     event_recorded_before_the_last_output,
     static_input_overwritten_under_the_tail,
