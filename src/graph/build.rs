@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::graphed::{CaptureTimes, Captured, GraphedCallable, Pass, Shared, Slot, StaticState};
+use super::in_place::{readers, Named, Readers};
 use super::options::GraphOptions;
 use super::output::StaticOutput;
 use super::plan::Plan;
@@ -47,12 +48,30 @@ pub(crate) fn build(
         executables.push(captured);
     }
     times.instantiate = began.elapsed();
+    let all: Vec<Vec<Named<'_>>> = (executables.iter())
+        .map(|mine| mine.iter().map(|c| (c.pass, c.graph.graph(), c.graph.graph().buffers())).collect())
+        .collect();
+    let input_readers: Vec<Vec<Readers>> = (inputs.iter().enumerate())
+        .map(|(i, xs)| {
+            let fed = plan.statics[i].is_none();
+            xs.iter().map(|x| if fed { None } else { readers(&all, i, &x.tensor) }).collect()
+        })
+        .collect();
+    let grad_readers: Vec<Vec<Readers>> = (grad_outputs.iter().enumerate())
+        .map(|(i, dys)| dys.iter().map(|d| readers(&all, i, d)).collect())
+        .collect();
+    drop(all);
     let shared = Arc::new(Shared { sync_event: options.sync_event.clone(), mode: options.mode, times });
     let per_callable = executables.into_iter().zip(inputs).zip(outputs).zip(grad_outputs.into_iter().zip(grad_inputs));
-    for (i, (((captured, inputs), outputs), (dys, dxs))) in per_callable.enumerate() {
+    let readers = input_readers.into_iter().zip(grad_readers);
+    for (i, ((((captured, inputs), outputs), (dys, dxs)), (input_readers, grad_readers))) in
+        per_callable.zip(readers).enumerate()
+    {
         let pool = &pools[i];
         let fed = plan.statics[i].is_none();
-        let slots = inputs.iter().map(|x| Slot { input: x.clone(), chained: fed }).collect();
+        let slots = (inputs.iter().zip(input_readers))
+            .map(|(x, readers)| Slot { input: x.clone(), chained: fed, readers })
+            .collect();
         let name = &plan.names[i];
         let callable: Arc<str> = name.as_str().into();
         // Every graph of the pool so far: a later capture into the pool may be given what is
@@ -79,6 +98,7 @@ pub(crate) fn build(
                 inputs: slots,
                 outputs,
                 grad_outputs: dys,
+                grad_readers,
                 grad_inputs: dxs,
                 output_origins,
                 grad_origins,

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::error::refusal;
+use super::in_place::Readers;
 use super::output::StaticOutput;
 use super::replay::{Origin, Route, StaticTensor, Tail};
 use super::{GraphedErrorKind, Mode, Replay};
@@ -80,6 +81,8 @@ pub(crate) struct Slot {
     pub(crate) input: Input,
     /// Whether it is the previous layer's output (in a stack): never copied into.
     pub(crate) chained: bool,
+    /// The passes that read it, if a replay can read the caller's tensor in place instead.
+    pub(crate) readers: Readers,
 }
 
 /// One callable of [`make_graphed_callables`](super::make_graphed_callables) (or one layer of a
@@ -120,6 +123,8 @@ pub(crate) struct StaticState {
     pub(crate) inputs: Vec<Slot>,
     pub(crate) outputs: Vec<StaticOutput>,
     pub(crate) grad_outputs: Vec<Tensor>,
+    /// Per output gradient, the passes that read it, if it can be read in place.
+    pub(crate) grad_readers: Vec<Readers>,
     pub(crate) grad_inputs: Vec<Option<StaticOutput>>,
     /// Per output, and per input gradient, what it is and the graphs that write its memory.
     pub(crate) output_origins: Vec<Origin>,
@@ -242,7 +247,7 @@ impl GraphedCallable {
         self.route.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
-    fn refuse_in_stack(&self) -> Result<()> {
+    pub(crate) fn refuse_in_stack(&self) -> Result<()> {
         match self.in_stack {
             true => Err(self.err(GraphedErrorKind::StackLayer)),
             false => Ok(()),
@@ -251,7 +256,7 @@ impl GraphedCallable {
 
     /// Checks `given` against the static input slots: the same positional count, every named
     /// input once, equal shapes. Returns, per slot, the tensor to copy from (`None`: no copy).
-    fn match_inputs<'a>(&self, given: &'a Inputs) -> Result<Vec<Option<&'a Tensor>>> {
+    pub(crate) fn match_inputs<'a>(&self, given: &'a Inputs) -> Result<Vec<Option<&'a Tensor>>> {
         let slots = &self.state()?.inputs;
         let positional = given.positional_inputs();
         if positional.len() != self.positional {
@@ -410,13 +415,7 @@ impl GraphedCallable {
     /// replay choice, a layer of a stack, a stream of another device, a replay out of the pool's
     /// order; nothing was copied or enqueued then.
     pub fn forward(&self, caller: &Stream, inputs: &Inputs, replay: Replay<'_>) -> Result<(Vec<StaticTensor>, Tail)> {
-        self.refuse_in_stack()?;
-        self.exec(Pass::Forward)?;
-        let route = self.route_for(caller, replay)?;
-        let sources = self.match_inputs(inputs)?;
-        let statics = self.static_inputs()?;
-        let tail = self.replay(Pass::Forward, caller, &route, &sources, &statics)?;
-        Ok((self.static_outputs()?, tail))
+        self.forward_fed(caller, inputs, replay, false)
     }
 
     /// Replays the backward graph the way the last forward replayed: copies `grad_outputs` into
@@ -444,12 +443,7 @@ impl GraphedCallable {
         grad_outputs: &[&Tensor],
         route: Route,
     ) -> Result<(Vec<Option<StaticTensor>>, Tail)> {
-        self.refuse_in_stack()?;
-        self.exec(Pass::Backward)?;
-        let sources = self.match_grad_outputs(grad_outputs)?;
-        let statics: Vec<&Tensor> = self.static_grad_outputs()?.iter().collect();
-        let tail = self.replay(Pass::Backward, caller, &route, &sources, &statics)?;
-        Ok((self.static_grad_inputs()?, tail))
+        self.backward_fed(caller, grad_outputs, route, false)
     }
 
     /// Replays the split weight-gradient graph (after the backward), the way the backward's

@@ -33,6 +33,7 @@ mod error;
 mod grad_sync;
 mod graphed;
 mod graphed_fn;
+mod in_place;
 mod options;
 mod output;
 mod plan;

@@ -352,6 +352,11 @@ impl PoolExec {
         Ok(())
     }
 
+    /// Moves the executable's captured reads (see [`GraphExec::rebind`]).
+    pub fn rebind(&self, rebinds: &[crate::device::Rebind<'_>]) -> Result<usize> {
+        self.exec.rebind(rebinds)
+    }
+
     /// Destroys the executable (see [`GraphExec::reset`]) and takes its graph out of the pool's
     /// replay order, so that the pool's other graphs replay without it.
     pub fn reset(&mut self) -> Result<()> {

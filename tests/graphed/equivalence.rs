@@ -4,7 +4,7 @@
 
 use anyhow::ensure;
 use graphed::device::{DType, Device};
-use graphed::graph::{make_graphed_callables, make_graphed_fn, Callable, GraphOptions, Replay};
+use graphed::graph::{GraphedCallable, make_graphed_callables, make_graphed_fn, Callable, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Builder, Inputs, KeepOnDevice, Linear, Module, ParamStore};
 use graphed::tensor::Tensor;
@@ -14,13 +14,15 @@ use super::fixtures::{lcg, Model, Result};
 const STEPS: u64 = 3;
 const MICROBATCHES: u64 = 2;
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum How {
     Caller,
     Joined,
     Side,
     /// One graphed callable per layer, each input copied in.
     PerLayer,
+    /// One graphed callable per layer, each reading its input in place.
+    InPlace,
 }
 
 /// Trains twin models, one eagerly and one graphed (its optimizer step a graph too), and
@@ -42,7 +44,7 @@ fn twins(dev: &Device, how: How, make: &dyn Fn(&Device) -> Result<Model>) -> Res
     let step_before = graphed.step.to_vec::<u64>(&graphed.s)?;
     let grads_before = graphed.grads()?;
     let (stack, layers) = match how {
-        How::PerLayer => {
+        How::PerLayer | How::InPlace => {
             let (x0, _) = graphed.data(0)?;
             let samples: Vec<Inputs> = graphed.layers().iter().map(|_| Inputs::one(&x0)).collect();
             (None, make_graphed_callables(&graphed.alloc, &graphed.callables(), &samples, options)?)
@@ -53,8 +55,18 @@ fn twins(dev: &Device, how: How, make: &dyn Fn(&Device) -> Result<Model>) -> Res
     ensure!(graphed.step.to_vec::<u64>(&graphed.s)? == step_before, "warmup and capture moved the RNG step counter");
     ensure!(graphed.grads()? == grads_before, "warmup left gradients behind");
     ensure!(graphed.optimizer.steps(&graphed.s)? == 0, "capturing the optimizer stepped it");
+    let statics = |g: &GraphedCallable| -> Result<[Vec<f32>; 2]> {
+        Ok([g.static_inputs()?[0].to_f32_vec(&graphed.s)?, g.static_grad_outputs()?[0].to_f32_vec(&graphed.s)?])
+    };
+    let statics_before: Vec<[Vec<f32>; 2]> = layers.iter().map(statics).collect::<Result<_>>()?;
+    if how == How::InPlace {
+        for g in &layers {
+            // Read by the layer norm and the residual add: our own kernels.
+            ensure!(g.in_place_inputs()? == [true], "{}: {:?}", g.name(), g.in_place_inputs()?);
+        }
+    }
     let replay = match how {
-        How::Caller | How::PerLayer => Replay::caller(),
+        How::Caller | How::PerLayer | How::InPlace => Replay::caller(),
         How::Joined => Replay::joined(&side),
         How::Side => Replay::side(&side),
     };
@@ -66,6 +78,7 @@ fn twins(dev: &Device, how: How, make: &dyn Fn(&Device) -> Result<Model>) -> Res
             let (x, dy) = graphed.data(k)?;
             let (yg, dxg) = match &stack {
                 Some(g) => graphed.graphed(g, &x, &dy, replay)?,
+                None if how == How::InPlace => graphed.per_layer_in_place(&layers, &x, &dy)?,
                 None => graphed.per_layer(&layers, &x, &dy)?,
             };
             ensure!(ye == yg, "step {step} microbatch {mb}: outputs differ");
@@ -85,6 +98,14 @@ fn twins(dev: &Device, how: How, make: &dyn Fn(&Device) -> Result<Model>) -> Res
         "the graphed stack advanced its step counter once per forward"
     );
     ensure!(eager.params()? != make(dev)?.params()?, "training changed nothing");
+    for (g, before) in layers.iter().zip(&statics_before) {
+        let now = statics(g)?;
+        let in_place = [g.in_place_inputs()?[0], g.in_place_grad_outputs()?[0]];
+        for k in 0..2 {
+            let copied = now[k] != before[k];
+            ensure!(copied != (how == How::InPlace && in_place[k]), "{how:?}: static {k} of {}", g.name());
+        }
+    }
     Ok(())
 }
 
@@ -131,6 +152,17 @@ pub fn layers_unchained_match_eager(dev: &Device) -> Result {
 }
 
 /// A Linear with its weight gradient split out: backward then backward_dw, graphed and eager.
+/// One graphed callable per layer, each reading its input where the caller's tensor (or the
+/// previous layer's output) is: bit for bit eager, and nothing copied into the static inputs.
+pub fn layers_read_in_place_match_eager(dev: &Device) -> Result {
+    twin_training(dev, How::InPlace, DType::F32)
+}
+
+/// As [`layers_read_in_place_match_eager`] in bf16.
+pub fn layers_read_in_place_match_eager_in_bf16(dev: &Device) -> Result {
+    twin_training(dev, How::InPlace, DType::BF16)
+}
+
 pub fn split_weight_gradient_matches_eager(dev: &Device) -> Result {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);

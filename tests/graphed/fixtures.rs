@@ -146,7 +146,18 @@ impl Model {
     /// copied into its layer's static input: the stack traversal over the escape hatch (the
     /// callables advance the step counter, as the stack does).
     pub fn per_layer(&self, g: &[GraphedCallable], x: &Tensor, dy: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
-        let mut t = PerLayer { g, s: &self.s };
+        self.per_layer_fed(g, x, dy, false)
+    }
+
+    /// As [`Model::per_layer`], each layer reading its input and output gradient in place where
+    /// it can (`forward_in_place`, `backward_in_place`): a layer reads the previous layer's
+    /// output where that layer's graph wrote it.
+    pub fn per_layer_in_place(&self, g: &[GraphedCallable], x: &Tensor, dy: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.per_layer_fed(g, x, dy, true)
+    }
+
+    fn per_layer_fed(&self, g: &[GraphedCallable], x: &Tensor, dy: &Tensor, in_place: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+        let mut t = PerLayer { g, s: &self.s, in_place };
         let (y, saved) = forward_pass(&mut t, g.len(), x.clone())?;
         let y = y.to_f32_vec(&self.s)?;
         let dx = backward_pass(&mut t, saved, dy.clone())?;
@@ -172,6 +183,7 @@ impl Model {
 struct PerLayer<'a> {
     g: &'a [GraphedCallable],
     s: &'a Stream,
+    in_place: bool,
 }
 
 impl Traverse for PerLayer<'_> {
@@ -180,12 +192,18 @@ impl Traverse for PerLayer<'_> {
     type Saved = ();
 
     fn forward(&mut self, i: usize, x: Tensor) -> graphed::Result<(Tensor, ())> {
-        let (y, _tail) = self.g[i].forward(self.s, &Inputs::one(&x), Replay::caller())?;
+        let (y, _tail) = match self.in_place {
+            true => self.g[i].forward_in_place(self.s, &Inputs::one(&x), Replay::caller())?,
+            false => self.g[i].forward(self.s, &Inputs::one(&x), Replay::caller())?,
+        };
         Ok((y[0].get()?.clone(), ()))
     }
 
     fn backward(&mut self, i: usize, (): (), dy: Tensor) -> graphed::Result<Tensor> {
-        let (dx, _tail) = self.g[i].backward(self.s, &[&dy])?;
+        let (dx, _tail) = match self.in_place {
+            true => self.g[i].backward_in_place(self.s, &[&dy])?,
+            false => self.g[i].backward(self.s, &[&dy])?,
+        };
         let dx = dx.into_iter().next().flatten();
         let dx = dx.ok_or(graphed::Error::MissingGradient { op: "PerLayer::backward", what: "input 0".into() })?;
         Ok(dx.get()?.clone())

@@ -37,6 +37,8 @@ per_device!(
     stack_side_stream_matches_eager_in_fp8,
     stack_side_stream_matches_eager_in_fp8_current,
     layers_unchained_match_eager,
+    layers_read_in_place_match_eager,
+    layers_read_in_place_match_eager_in_bf16,
     graphed_callables_draw_new_masks_every_microbatch,
     split_weight_gradient_matches_eager,
     stack_split_weight_gradient_matches_eager,
