@@ -10,6 +10,7 @@ mod edges;
 mod equivalence;
 mod fixtures;
 mod grad_sync;
+mod in_place;
 mod misuse;
 mod ranges;
 mod release;
@@ -21,6 +22,7 @@ pub use contract::*;
 pub use edges::*;
 pub use equivalence::*;
 pub use grad_sync::*;
+pub use in_place::*;
 pub use misuse::*;
 pub use ranges::*;
 pub use release::*;
@@ -39,6 +41,9 @@ per_device!(
     layers_unchained_match_eager,
     layers_read_in_place_match_eager,
     layers_read_in_place_match_eager_in_bf16,
+    gemm_operands_are_copied_in,
+    a_copy_in_replay_after_an_in_place_one_reads_the_static_input,
+    a_refused_in_place_replay_rebinds_nothing,
     graphed_callables_draw_new_masks_every_microbatch,
     split_weight_gradient_matches_eager,
     stack_split_weight_gradient_matches_eager,
