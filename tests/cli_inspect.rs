@@ -1,4 +1,4 @@
-//! The binary's `inspect` and `bench graphs` on the simulator: they graph a stack of transformer
+//! The binary's `inspect`, `bench graphs` and `bench rebind` on the simulator: they graph transformer
 //! layers end to end, so these catch a CLI that no longer runs against the graph API.
 
 use std::path::PathBuf;
@@ -49,4 +49,35 @@ fn bench_graphs_runs_every_variant_on_the_simulator() {
     for variant in ["graphed-eager", "graphed", "graphed-side", "graphed-offload", "graphed-whole", "graphed-floor"] {
         assert!(out.lines().any(|l| l.split_whitespace().next() == Some(variant)), "no row for {variant} in:\n{out}");
     }
+}
+
+#[test]
+fn bench_rebind_reads_a_layer_with_dropout_in_place_bit_for_bit() {
+    let dir = temp_dir("rebind");
+    let json = dir.join("rebind.json");
+    graphed(&[
+        "bench",
+        "rebind",
+        "--device",
+        "sim",
+        "--configs",
+        "tiny",
+        "--reps",
+        "2",
+        "--json",
+        json.to_str().expect("UTF-8"),
+    ]);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("written")).expect("JSON");
+    let rows = report["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "one row per dropout: {rows:?}");
+    for row in rows {
+        assert_eq!(row["bitwise_equal"], true, "{row}");
+        // Without dropout the residual add rides in a cuBLASLt epilogue, which cannot be rebound.
+        let in_place = row["dropout"].as_f64().expect("dropout") > 0.0;
+        assert_eq!(row["input_in_place"], in_place, "{row}");
+        assert_eq!(row["in_place_bytes"].as_u64() == Some(0), in_place, "{row}");
+        assert_eq!(row["nodes_rebound"].as_u64().expect("count") > 0, in_place, "{row}");
+    }
+    std::fs::remove_dir_all(&dir).expect("the temporary directory can be removed");
 }

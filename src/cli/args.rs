@@ -563,6 +563,10 @@ pub enum BenchCommand {
     /// equals bit for bit), written with its weights, output and gradients to a safetensors
     /// file, for `bench/torch_reference.py parity` to check PyTorch's module against.
     Parity(ParityBenchArgs),
+    /// One transformer layer graphed, its forward replayed with the input copied in against
+    /// read in place (`forward_in_place`): bytes copied, host time per replay and per rebound
+    /// node, GPU time, and whether both give the same bits.
+    Rebind(RebindBenchArgs),
 }
 
 impl BenchCommand {
@@ -580,6 +584,7 @@ impl BenchCommand {
             BenchCommand::Memory(a) => &a.json,
             BenchCommand::Schedule(a) => &a.json,
             BenchCommand::Parallel(a) => &a.json,
+            BenchCommand::Rebind(a) => &a.json,
             BenchCommand::Parity(a) => return Some(("--out", &a.out)),
         };
         json.as_deref().map(|path| ("--json", path))
@@ -843,6 +848,28 @@ pub struct LayerBenchArgs {
     /// roofs (also in the JSON).
     #[arg(long)]
     pub profile: bool,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// Arguments of `bench rebind`.
+#[derive(Args, Debug, Clone)]
+pub struct RebindBenchArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
+    pub dtype: DTypeArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
+    #[command(flatten)]
+    pub configs: ConfigsArgs,
+    /// Dropout probabilities of the layer, each a row per configuration.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.0, 0.1])]
+    pub dropout: Vec<f32>,
+    /// Timed replays per way of feeding the input (the median is reported).
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub reps: u32,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,

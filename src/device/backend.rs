@@ -202,8 +202,12 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn instantiate(&self, graph: &Self::Graph) -> Result<Self::Exec>;
     /// Points the uses of the listed sites (indices into `sites`) at their bound buffers in the
     /// executable, the others as captured, for later launches.
-    fn rebind(&self, exec: &Self::Exec, sites: &[super::patch::Site], changes: &[super::patch::SiteChange])
-        -> Result<()>;
+    fn rebind(
+        &self,
+        exec: &Self::Exec,
+        sites: &[super::patch::Site],
+        changes: &[super::patch::SiteChange],
+    ) -> Result<()>;
     fn upload(&self, exec: &Self::Exec, stream: &Self::Stream) -> Result<()>;
     fn launch(&self, exec: &Self::Exec, stream: &Self::Stream) -> Result<()>;
 }

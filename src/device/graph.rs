@@ -152,7 +152,15 @@ impl Graph {
         let repr = dispatch!(self.dev.backend(), |b, pick| b.wrap_exec(b.instantiate(pick!(self.repr))?));
         let (info, sites) = (self.info.clone(), self.sites.clone());
         let rebound = Mutex::new(Rebound::default());
-        Ok(GraphExec { dev: self.dev.clone(), id: self.id, exec: ids::next_id(), repr: Some(repr), info, sites, rebound })
+        Ok(GraphExec {
+            dev: self.dev.clone(),
+            id: self.id,
+            exec: ids::next_id(),
+            repr: Some(repr),
+            info,
+            sites,
+            rebound,
+        })
     }
 }
 

@@ -240,7 +240,10 @@ pub(crate) struct Bound {
 pub(crate) type SiteChange = (usize, Vec<(usize, Bound)>);
 
 /// The uses that `rebinds` move, as `(site, use, where it points)`, or why one is refused.
-pub(crate) fn plan(sites: &[Site], rebinds: &[Rebind<'_>]) -> std::result::Result<Vec<(usize, usize, Bound)>, RebindErrorKind> {
+pub(crate) fn plan(
+    sites: &[Site],
+    rebinds: &[Rebind<'_>],
+) -> std::result::Result<Vec<(usize, usize, Bound)>, RebindErrorKind> {
     let mut moved = Vec::new();
     for r in rebinds {
         let (from, to) = (r.from_start, r.from_start + r.bytes);

@@ -57,9 +57,8 @@ pub(crate) fn build(
             xs.iter().map(|x| if fed { None } else { readers(&all, i, &x.tensor) }).collect()
         })
         .collect();
-    let grad_readers: Vec<Vec<Readers>> = (grad_outputs.iter().enumerate())
-        .map(|(i, dys)| dys.iter().map(|d| readers(&all, i, d)).collect())
-        .collect();
+    let grad_readers: Vec<Vec<Readers>> =
+        (grad_outputs.iter().enumerate()).map(|(i, dys)| dys.iter().map(|d| readers(&all, i, d)).collect()).collect();
     drop(all);
     let shared = Arc::new(Shared { sync_event: options.sync_event.clone(), mode: options.mode, times });
     let per_callable = executables.into_iter().zip(inputs).zip(outputs).zip(grad_outputs.into_iter().zip(grad_inputs));
@@ -108,6 +107,7 @@ pub(crate) fn build(
             route: Mutex::new(Route::Caller),
             done: dev.event()?,
             ranges: Pass::ALL.map(|pass| RangeName::new(&plan.ranges[i].name("replay", pass))),
+            rebound: Default::default(),
         });
     }
     Ok(out)

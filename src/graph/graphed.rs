@@ -1,6 +1,7 @@
 //! A graphed callable: its captured graphs, static surfaces and replay.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::error::refusal;
@@ -111,6 +112,9 @@ pub struct GraphedCallable {
     /// that share it; `None` when it draws nothing, or when a stack or a schedule's traversal
     /// advances the counter.
     pub(crate) draws: Option<(Arc<Draws>, usize)>,
+    /// How many graph nodes the last replay's rebinding changed (see
+    /// [`rebound_nodes`](GraphedCallable::rebound_nodes)).
+    pub(crate) rebound: AtomicUsize,
 }
 
 /// What a graphed callable holds for its replays, and gives back in

@@ -12,6 +12,7 @@ use super::graphed::{GraphedCallable, Pass};
 use super::replay::{Route, StaticTensor, Tail};
 use super::Replay;
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 
 use crate::device::{with_dtype, BufferId, Graph, Rebind, RebindErrorKind, Stream};
 use crate::memory::PoolExec;
@@ -99,6 +100,13 @@ impl GraphedCallable {
         self.backward_fed(caller, grad_outputs, self.last_route(), true)
     }
 
+    /// How many graph nodes the last replay (forward or backward, in place or copying in)
+    /// pointed at other tensors: none when it read the tensors the one before read, so a loop
+    /// that feeds the same tensors every step rebinds once.
+    pub fn rebound_nodes(&self) -> usize {
+        self.rebound.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn forward_fed(
         &self,
         caller: &Stream,
@@ -153,6 +161,7 @@ impl GraphedCallable {
         PoolExec::check_launches(&[exec], route.stream(caller), caller)
             .map_err(|e| super::error::refusal(self.name(), e))?;
         let mut copies = sources.to_vec();
+        let mut nodes = 0;
         for (k, readers) in readers.iter().enumerate() {
             let Some(passes) = readers else { continue };
             let to = match sources[k] {
@@ -163,9 +172,11 @@ impl GraphedCallable {
                 _ => statics[k],
             };
             for p in passes {
-                with_dtype!(to.dtype(), T => self.exec(*p)?.rebind(&[Rebind::new(statics[k].view::<T>()?, to.view::<T>()?)?]))?;
+                let rebind = with_dtype!(to.dtype(), T => Rebind::new(statics[k].view::<T>()?, to.view::<T>()?))?;
+                nodes += self.exec(*p)?.rebind(&[rebind])?;
             }
         }
+        self.rebound.store(nodes, Ordering::Relaxed);
         self.replay_checked(pass, caller, route, &copies, statics)
     }
 }

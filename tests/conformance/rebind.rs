@@ -93,7 +93,8 @@ fn queued_launches_keep_their_buffers(dev: &Device) -> anyhow::Result<()> {
 /// captured: a write, a GEMM operand, a part of what a node reads, bytes no node reads.
 fn refused_rebinds_change_nothing(dev: &Device) -> anyhow::Result<()> {
     let s = dev.stream()?;
-    let (x, w, a) = (dev.alloc_from(&s, &[1.0f32; 64])?, dev.alloc_from(&s, &[2.0f32; 64])?, dev.alloc_from(&s, &[1.0f32; 64])?);
+    let (x, w, a) =
+        (dev.alloc_from(&s, &[1.0f32; 64])?, dev.alloc_from(&s, &[2.0f32; 64])?, dev.alloc_from(&s, &[1.0f32; 64])?);
     let (y, c) = (dev.alloc::<f32>(64)?, dev.alloc::<f32>(64)?);
     let unread = dev.alloc::<f32>(64)?;
     let cap = s.capture(CaptureMode::ThreadLocal)?;
@@ -111,10 +112,10 @@ fn refused_rebinds_change_nothing(dev: &Device) -> anyhow::Result<()> {
     ];
     for (r, what) in &tries {
         let kind = refusal(exec.rebind(std::slice::from_ref(r)).unwrap_err())?;
-        let ok = match what {
-            &"written" => matches!(kind, RebindErrorKind::Written { .. }),
-            &"opaque" => matches!(kind, RebindErrorKind::Opaque { .. }),
-            &"partial" => matches!(kind, RebindErrorKind::Partial { .. }),
+        let ok = match *what {
+            "written" => matches!(kind, RebindErrorKind::Written { .. }),
+            "opaque" => matches!(kind, RebindErrorKind::Opaque { .. }),
+            "partial" => matches!(kind, RebindErrorKind::Partial { .. }),
             _ => matches!(kind, RebindErrorKind::NotRead { .. }),
         };
         ensure!(ok, "{what}: {kind}");

@@ -4,7 +4,7 @@
 
 use anyhow::ensure;
 use graphed::device::{DType, Device};
-use graphed::graph::{GraphedCallable, make_graphed_callables, make_graphed_fn, Callable, GraphOptions, Replay};
+use graphed::graph::{make_graphed_callables, make_graphed_fn, Callable, GraphOptions, GraphedCallable, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Builder, Inputs, KeepOnDevice, Linear, Module, ParamStore};
 use graphed::tensor::Tensor;

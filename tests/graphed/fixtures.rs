@@ -156,7 +156,13 @@ impl Model {
         self.per_layer_fed(g, x, dy, true)
     }
 
-    fn per_layer_fed(&self, g: &[GraphedCallable], x: &Tensor, dy: &Tensor, in_place: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+    fn per_layer_fed(
+        &self,
+        g: &[GraphedCallable],
+        x: &Tensor,
+        dy: &Tensor,
+        in_place: bool,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         let mut t = PerLayer { g, s: &self.s, in_place };
         let (y, saved) = forward_pass(&mut t, g.len(), x.clone())?;
         let y = y.to_f32_vec(&self.s)?;

@@ -1,6 +1,6 @@
 //! Replays that read the caller's tensors in place (`forward_in_place`, `backward_in_place`):
-//! what cannot be read in place is copied in, a copy-in replay after an in-place one reads the
-//! static input again, and a refused replay rebinds nothing.
+//! what cannot be read in place is copied in, and a copy-in replay after an in-place one reads
+//! the static input again.
 
 use anyhow::ensure;
 use graphed::device::Device;
@@ -21,7 +21,9 @@ pub fn gemm_operands_are_copied_in(dev: &Device) -> Result {
     let vb = Builder::new(&store, &alloc, &s)?.with_seed(3);
     let (a, b) = (Linear::new(&vb.pp("a"), (8, 4))?, Linear::new(&vb.pp("a"), (8, 4))?);
     let x0 = Tensor::from_host(&alloc, &s, &lcg(24, 1), &[3, 8])?;
-    let graph = |l: &Linear| make_graphed_callables(&alloc, &[l as &dyn Callable], &[Inputs::one(&x0)], GraphOptions::default());
+    let graph = |l: &Linear| {
+        make_graphed_callables(&alloc, &[l as &dyn Callable], &[Inputs::one(&x0)], GraphOptions::default())
+    };
     let (ga, gb) = (graph(&a)?, graph(&b)?);
     ensure!(gb[0].in_place_inputs()? == [false], "a GEMM operand");
     for k in 0..2 {
@@ -47,12 +49,19 @@ pub fn gemm_operands_are_copied_in(dev: &Device) -> Result {
 pub fn a_copy_in_replay_after_an_in_place_one_reads_the_static_input(dev: &Device) -> Result {
     let (twin, model) = (Model::new(dev)?, Model::new(dev)?);
     let (x0, _) = model.data(0)?;
-    let graph = |m: &Model| make_graphed_callables(&m.alloc, &m.callables()[..1], &[Inputs::one(&x0)], GraphOptions::default());
+    let graph =
+        |m: &Model| make_graphed_callables(&m.alloc, &m.callables()[..1], &[Inputs::one(&x0)], GraphOptions::default());
     let (copying, mine) = (graph(&twin)?, graph(&model)?);
     ensure!(mine[0].in_place_inputs()? == [true]);
     // Microbatch `k` (input `x`) through `g`, read in place or copied in; `between` runs after
     // the forward.
-    let run = |m: &Model, g: &GraphedCallable, k: u64, x: &Tensor, in_place: bool, between: &dyn Fn() -> Result| -> Result<(Vec<f32>, Vec<f32>)> {
+    let run = |m: &Model,
+               g: &GraphedCallable,
+               k: u64,
+               x: &Tensor,
+               in_place: bool,
+               between: &dyn Fn() -> Result|
+     -> Result<(Vec<f32>, Vec<f32>)> {
         let (y, _t) = match in_place {
             true => g.forward_in_place(&m.s, &Inputs::one(x), Replay::caller())?,
             false => g.forward(&m.s, &Inputs::one(x), Replay::caller())?,
@@ -74,22 +83,23 @@ pub fn a_copy_in_replay_after_an_in_place_one_reads_the_static_input(dev: &Devic
     Ok(())
 }
 
-/// A replay out of the pool's order is refused before anything is rebound: the layer keeps
-/// reading its static input.
-pub fn a_refused_in_place_replay_rebinds_nothing(dev: &Device) -> Result {
-    let (twin, model) = (Model::new(dev)?, Model::new(dev)?);
+/// A replay that feeds the tensors the one before fed rebinds nothing; a new tensor moves the
+/// same nodes, and a copy-in replay moves them back.
+pub fn rebinding_happens_only_when_the_tensors_change(dev: &Device) -> Result {
+    let model = Model::new(dev)?;
     let (x0, _) = model.data(0)?;
-    let samples = [Inputs::one(&x0), Inputs::one(&x0)];
-    let (copying, mine) = (
-        make_graphed_callables(&twin.alloc, &twin.callables(), &samples, GraphOptions::default())?,
-        make_graphed_callables(&model.alloc, &model.callables(), &samples, GraphOptions::default())?,
-    );
-    let (x, _) = model.data(1)?;
-    let refused = mine[1].forward_in_place(&model.s, &Inputs::one(&x), Replay::caller());
-    ensure!(refused.is_err_and(|e| matches!(e.refused_by(), Some(graphed::Error::PoolOrder { .. }))));
-    elementwise::fill(x.view::<f32>()?, 1e3, &model.s)?;
-    let ((x2, dy2), (tx2, tdy2)) = (model.data(2)?, twin.data(2)?);
-    let (a, b) = (model.per_layer(&mine, &x2, &dy2)?, twin.per_layer(&copying, &tx2, &tdy2)?);
-    ensure!(a == b, "the refused replay left the layer reading the tensor it was given");
+    let g =
+        make_graphed_callables(&model.alloc, &model.callables()[..1], &[Inputs::one(&x0)], GraphOptions::default())?;
+    let ((x1, dy), (x2, _)) = (model.data(1)?, model.data(2)?);
+    let mut moved = Vec::new();
+    for (x, in_place) in [(&x1, true), (&x1, true), (&x2, true), (&x2, false)] {
+        let (_y, _t) = match in_place {
+            true => g[0].forward_in_place(&model.s, &Inputs::one(x), Replay::caller())?,
+            false => g[0].forward(&model.s, &Inputs::one(x), Replay::caller())?,
+        };
+        moved.push(g[0].rebound_nodes());
+        let (_dx, _tail) = g[0].backward(&model.s, &[&dy])?;
+    }
+    ensure!(moved[0] > 0 && moved == [moved[0], 0, moved[0], moved[0]], "nodes moved per replay: {moved:?}");
     Ok(())
 }

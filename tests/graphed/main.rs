@@ -43,7 +43,7 @@ per_device!(
     layers_read_in_place_match_eager_in_bf16,
     gemm_operands_are_copied_in,
     a_copy_in_replay_after_an_in_place_one_reads_the_static_input,
-    a_refused_in_place_replay_rebinds_nothing,
+    rebinding_happens_only_when_the_tensors_change,
     graphed_callables_draw_new_masks_every_microbatch,
     split_weight_gradient_matches_eager,
     stack_split_weight_gradient_matches_eager,

@@ -12,6 +12,7 @@ mod offload;
 mod parallel;
 mod parity;
 mod pipeline;
+mod rebind;
 mod schedule;
 
 use std::path::PathBuf;
@@ -39,6 +40,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         BenchCommand::Schedule(a) => schedule::run(a),
         BenchCommand::Parallel(a) => parallel::run(a),
         BenchCommand::Parity(a) => parity::run(a),
+        BenchCommand::Rebind(a) => rebind::run(a),
     }
 }
 

@@ -167,7 +167,9 @@ impl CuExec {
         let _graph = lock(&self.graph);
         let exec = lock(&self.exec);
         for (site, bound) in changes {
-            let Some(Some(patch)) = self.held.nodes.get(*site) else { return Err(bug("a site with no patchable node")) };
+            let Some(Some(patch)) = self.held.nodes.get(*site) else {
+                return Err(bug("a site with no patchable node"));
+            };
             let address = |block: &Arc<crate::device::memory::Block>, start: usize| {
                 super::memory::kernel_arg(OP, &block.raw, block.base + start)
             };
@@ -175,7 +177,9 @@ impl CuExec {
                 Template::Kernel { func, dims, values } => {
                     let mut values = values.clone();
                     for (u, b) in bound {
-                        let Slot::Param(i) = sites[*site].uses[*u].slot else { return Err(bug("a kernel use that is no parameter")) };
+                        let Slot::Param(i) = sites[*site].uses[*u].slot else {
+                            return Err(bug("a kernel use that is no parameter"));
+                        };
                         values[i] = address(&b.block, b.start)?;
                     }
                     // SAFETY: the node is a kernel node of this executable's graph, kept alive

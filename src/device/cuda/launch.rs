@@ -140,7 +140,12 @@ impl Kernels {
 impl Kernels {
     /// The function and parameter slots a launch of `kernel` with `args` passes (kept by a
     /// capture, so that a patched node is rebuilt from them).
-    pub(super) fn template(&self, stream: &CuStream, kernel: &'static Kernel, args: &[Arg<'_>]) -> Result<(Function, Vec<u64>)> {
+    pub(super) fn template(
+        &self,
+        stream: &CuStream,
+        kernel: &'static Kernel,
+        args: &[Arg<'_>],
+    ) -> Result<(Function, Vec<u64>)> {
         let func = self.function(kernel, CaptureSite::Stream(stream.id))?;
         let mut values = vec![0; args.len()];
         marshal(kernel.name, args, &mut values)?;

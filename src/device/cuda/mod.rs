@@ -75,13 +75,14 @@ impl CudaDevice {
                 let (func, values) = self.kernels.template(stream, kernel, args)?;
                 graph::Template::Kernel { func, dims, values }
             }
-            Op::Copy { dir: crate::device::backend::CopyDir::DeviceToHost | crate::device::backend::CopyDir::DeviceToDevice, .. } => {
-                graph::Template::Copy
-            }
+            Op::Copy {
+                dir: crate::device::backend::CopyDir::DeviceToHost | crate::device::backend::CopyDir::DeviceToDevice,
+                ..
+            } => graph::Template::Copy,
             _ => return Ok(None),
         };
-        let frontier = ffi::capture_frontier(&stream.raw)
-            .map_err(|e| err::at(op.name(), CaptureSite::Stream(stream.id), e))?;
+        let frontier =
+            ffi::capture_frontier(&stream.raw).map_err(|e| err::at(op.name(), CaptureSite::Stream(stream.id), e))?;
         Ok(match frontier[..] {
             [node] => Some(graph::PatchNode { node, template }),
             _ => None,

@@ -4,8 +4,8 @@ use std::collections::BTreeSet;
 use std::thread::ThreadId;
 
 use super::graph::{NodeTask, SimGraph, SimNode};
-use crate::device::patch::Site;
 use super::{Record, State};
+use crate::device::patch::Site;
 use crate::device::{CaptureMode, CaptureStatus, NodeKind, StreamId};
 use crate::error::CaptureErrorKind;
 use crate::Result;

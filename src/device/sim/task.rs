@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::device::backend::{Op, Repr};
-use crate::device::patch::{Bound, Slot};
 use crate::device::kernel::{Arg, CpuArgs, CpuSlot, Gathered, Kernel};
 use crate::device::memory::{Block, RawBuffer};
+use crate::device::patch::{Bound, Slot};
 use crate::device::{AccessMode, DType, Region};
 use crate::{Error, Result};
 
@@ -239,7 +239,9 @@ impl Task {
                 let mut args = args.clone();
                 for (slot, b) in bound {
                     let Slot::Param(i) = slot else { return Err(bug("a kernel use that is no parameter")) };
-                    let Some(OwnedArg::Buf(arg)) = args.get_mut(*i) else { return Err(bug("no such buffer parameter")) };
+                    let Some(OwnedArg::Buf(arg)) = args.get_mut(*i) else {
+                        return Err(bug("no such buffer parameter"));
+                    };
                     let first = b.block.base + b.start;
                     if first % arg.dtype.size() != 0 {
                         return Err(bug("a rebound view not aligned to its element"));

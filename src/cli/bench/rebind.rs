@@ -1,0 +1,192 @@
+//! `graphed bench rebind`: one transformer layer of `BENCH.md`'s configurations graphed, its
+//! forward replayed with the input copied into the static buffer against read in place
+//! (`forward_in_place`): the bytes copied, the host time of the replay call when the input stays
+//! the same tensor and when it changes every replay (which rebinds the nodes that read it), the
+//! host time per rebound node, the GPU time of the forward, and whether both give the same bits.
+//!
+//! Each configuration runs without dropout (BENCH.md's layer) and with it (`--dropout`): without,
+//! the residual add rides in the output projection's cuBLASLt epilogue, whose arguments graphed
+//! does not lay out, so the input is copied in; with it, the add is graphed's own kernel and the
+//! input is read in place.
+
+use std::time::Instant;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use graphed::device::{DType, Device, DeviceKind, Stream};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, Replay};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{Builder, Inputs, ParamStore, TransformerLayer};
+use graphed::tensor::Tensor;
+use serde::Serialize;
+
+use super::{median, write_json, Report};
+use crate::cli::args::RebindBenchArgs;
+use crate::cli::bench_model::Config;
+
+#[derive(Serialize, Debug)]
+struct RebindRow {
+    config: &'static str,
+    dtype: String,
+    /// The layer's dropout probability.
+    dropout: f32,
+    /// Whether the layer's input qualifies to be read in place (its readers are our kernels).
+    input_in_place: bool,
+    /// Bytes a forward replay copies into its static input: copying in, and in place.
+    copy_in_bytes: usize,
+    in_place_bytes: usize,
+    /// Host µs of the forward replay call (medians).
+    copy_in_host_us: f64,
+    in_place_same_host_us: f64,
+    in_place_moving_host_us: f64,
+    /// Nodes rebound by a replay whose input changed.
+    nodes_rebound: usize,
+    /// (moving − same) / nodes: the host cost of rebinding one node.
+    host_us_per_node: Option<f64>,
+    /// GPU µs of the forward (medians); none on the simulator, which has no clock.
+    copy_in_gpu_us: Option<f64>,
+    in_place_gpu_us: Option<f64>,
+    /// Whether the in-place forward's output equals the copy-in forward's bit for bit.
+    bitwise_equal: bool,
+}
+
+pub fn run(args: &RebindBenchArgs) -> anyhow::Result<()> {
+    let dev = super::open_timing_device(&args.device, "rebind", "--configs tiny")?;
+    let configs = args.configs.resolve(&dev, args.attention)?;
+    let dtype = args.dtype.storage(&dev);
+    let s = dev.stream()?;
+    let mut rows = Vec::new();
+    let cases = configs.into_iter().flat_map(|c| args.dropout.iter().map(move |p| (c, *p)));
+    for (config, dropout) in cases {
+        let row = run_config(&dev, &s, config, dtype, dropout, args.reps)?;
+        let gpu = |us: Option<f64>| us.map_or_else(|| "-".to_string(), |us| format!("{us:.1} µs GPU"));
+        println!(
+            "{} {} dropout {}: input read in place: {}; copy-in {} B, {:.2} µs host, {}; in place {} B, {:.2} µs host \
+             (same tensor), {:.2} µs (new tensor: {} nodes rebound, {}), {}; bit for bit: {}",
+            row.config,
+            row.dtype,
+            row.dropout,
+            row.input_in_place,
+            row.copy_in_bytes,
+            row.copy_in_host_us,
+            gpu(row.copy_in_gpu_us),
+            row.in_place_bytes,
+            row.in_place_same_host_us,
+            row.in_place_moving_host_us,
+            row.nodes_rebound,
+            row.host_us_per_node.map_or_else(|| "-".into(), |us| format!("{us:.3} µs per node")),
+            gpu(row.in_place_gpu_us),
+            row.bitwise_equal,
+        );
+        rows.push(row);
+    }
+    write_json(&args.json, &Report::new("rebind", &dev, args.reps, rows))
+}
+
+/// How a timed forward is fed.
+#[derive(Clone, Copy, PartialEq)]
+enum Feed {
+    CopyIn,
+    InPlaceSame,
+    InPlaceMoving,
+}
+
+fn run_config(
+    dev: &Device,
+    s: &Stream,
+    config: Config,
+    dtype: DType,
+    dropout: f32,
+    reps: u32,
+) -> anyhow::Result<RebindRow> {
+    let Config { dim: d, batch: b, seq: t, .. } = config;
+    let alloc = CachingAllocator::new(dev);
+    let mut rng = SmallRng::seed_from_u64(0);
+    let mut random = || -> graphed::Result<Tensor> {
+        let v: Vec<f32> = (0..b * t * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        Tensor::from_f32(&alloc, s, &v, &[b, t, d], dtype)
+    };
+    let (x0, xa, xb, dy) = (random()?, random()?, random()?, random()?);
+    // Twins with the same parameters and dropout masks: one copies its input in, one reads it in
+    // place, and their first forwards of `xb` (at the same step of the dropout counter) match.
+    let layer = || -> graphed::Result<(ParamStore, TransformerLayer)> {
+        let store = ParamStore::with_dtype(&alloc, s, TransformerLayer::parameter_count(d), dtype)?;
+        let vb = Builder::new(&store, &alloc, s)?.with_seed(1).with_dropout(dropout, 7).pp("layer");
+        let layer = TransformerLayer::new(&vb, config.attention_spec())?;
+        Ok((store, layer))
+    };
+    let (twin, mine) = (layer()?, layer()?);
+    let graph = |l: &TransformerLayer| {
+        make_graphed_callables(&alloc, &[l as &dyn Callable], &[Inputs::one(&x0)], GraphOptions::default())
+    };
+    let (copying, g) = (graph(&twin.1)?, graph(&mine.1)?);
+    let (copying, g) = (&copying[0], &g[0]);
+    let bitwise_equal = output(copying, s, &xb, &dy, false)? == output(g, s, &xb, &dy, true)?;
+    let input_in_place = g.in_place_inputs()?[0];
+    let bytes = x0.numel() * dtype.size();
+    let on_gpu = dev.kind() == DeviceKind::Cuda;
+    let (start, end) = (dev.timing_event()?, dev.timing_event()?);
+    let mut nodes_rebound = 0;
+    let mut time = |feed: Feed| -> anyhow::Result<(f64, Option<f64>)> {
+        let (mut host, mut gpu) = (Vec::new(), Vec::new());
+        for rep in 0..reps + 3 {
+            let x = if feed == Feed::InPlaceMoving && rep % 2 == 1 { &xb } else { &xa };
+            s.synchronize()?;
+            s.record(&start)?;
+            let issued = Instant::now();
+            let (_y, _tail) = match feed {
+                Feed::CopyIn => copying.forward(s, &Inputs::one(x), Replay::caller())?,
+                _ => g.forward_in_place(s, &Inputs::one(x), Replay::caller())?,
+            };
+            let h = issued.elapsed().as_secs_f64() * 1e6;
+            s.record(&end)?;
+            if feed == Feed::InPlaceMoving && rep >= 1 {
+                nodes_rebound = nodes_rebound.max(g.rebound_nodes());
+            }
+            let replayed = if feed == Feed::CopyIn { copying } else { g };
+            let (_dx, _tail) = replayed.backward(s, &[&dy])?;
+            end.synchronize()?;
+            if rep >= 3 {
+                host.push(h);
+                if on_gpu {
+                    gpu.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
+                }
+            }
+        }
+        Ok((median(host), (!gpu.is_empty()).then(|| median(gpu))))
+    };
+    let (copy_in_host_us, copy_in_gpu_us) = time(Feed::CopyIn)?;
+    let (in_place_same_host_us, in_place_gpu_us) = time(Feed::InPlaceSame)?;
+    let (in_place_moving_host_us, _) = time(Feed::InPlaceMoving)?;
+    let host_us_per_node =
+        (nodes_rebound > 0).then(|| (in_place_moving_host_us - in_place_same_host_us) / nodes_rebound as f64);
+    Ok(RebindRow {
+        config: config.name,
+        dtype: dtype.to_string(),
+        dropout,
+        input_in_place,
+        copy_in_bytes: bytes,
+        in_place_bytes: if input_in_place { 0 } else { bytes },
+        copy_in_host_us,
+        in_place_same_host_us,
+        in_place_moving_host_us,
+        nodes_rebound,
+        host_us_per_node,
+        copy_in_gpu_us,
+        in_place_gpu_us,
+        bitwise_equal,
+    })
+}
+
+/// The forward's output for `x`, copied in or read in place (exactly, as f32), with the backward
+/// of `dy` replayed after it to keep the pool's order.
+fn output(g: &GraphedCallable, s: &Stream, x: &Tensor, dy: &Tensor, in_place: bool) -> anyhow::Result<Vec<f32>> {
+    let (y, _tail) = match in_place {
+        true => g.forward_in_place(s, &Inputs::one(x), Replay::caller())?,
+        false => g.forward(s, &Inputs::one(x), Replay::caller())?,
+    };
+    let out = y[0].get()?.to_f32_vec(s)?;
+    let (_dx, _tail) = g.backward(s, &[dy])?;
+    Ok(out)
+}
