@@ -92,6 +92,49 @@ fn a_killed_rank_ends_the_other_with_an_error_naming_it() {
     }
 }
 
+/// A rank stopped mid-run (SIGSTOP: alive, its connections open, its collectives never
+/// entered) ends the other within its `--comm-timeout`, with an error naming the graph that did
+/// not complete and the collective it waits in, instead of a hang.
+#[test]
+#[ignore = "needs a CUDA GPU and NCCL"]
+fn a_stalled_rank_ends_the_other_naming_the_graph_and_collective() {
+    const TIMEOUT_S: u64 = 10;
+    let port = free_port();
+    let timeout = TIMEOUT_S.to_string();
+    let args = ["train", "--steps", "100000", "--comm-timeout", &timeout];
+    let mut ranks: Vec<Child> = (0..2)
+        .map(|r| {
+            let mut cmd = rank(r, 2, port, &args);
+            cmd.stdout(if r == 0 { Stdio::piped() } else { Stdio::null() }).stderr(Stdio::piped());
+            cmd.spawn().expect("the binary starts")
+        })
+        .collect();
+    let stdout = ranks[0].stdout.take().expect("rank 0's output");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with("step") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    assert!(rx.recv_timeout(Duration::from_secs(120)).is_ok(), "the two ranks never stepped");
+    let stopped = Command::new("kill").args(["-STOP", &ranks[1].id().to_string()]).status().expect("kill runs");
+    assert!(stopped.success(), "rank 1 could not be stopped");
+    let status = wait_at_most(&mut ranks[0], Duration::from_secs(TIMEOUT_S + 60));
+    let _ = ranks[1].kill();
+    let _ = ranks[1].wait();
+    let mut stderr = String::new();
+    if let Some(mut e) = ranks[0].stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
+    }
+    let Some(status) = status else { panic!("rank 0 still ran {} s after rank 1 stopped", TIMEOUT_S + 60) };
+    assert_eq!(status.code(), Some(1), "rank 0: {status}; {stderr}");
+    for named in ["did not complete", "waits in", "collective"] {
+        assert!(stderr.contains(named), "rank 0's error does not say `{named}`: {stderr}");
+    }
+}
+
 /// `NCCL_COMM_BLOCKING`, which NCCL would apply over both of a rank's communicators, is refused
 /// naming it, before any group is made.
 #[test]

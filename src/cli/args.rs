@@ -493,6 +493,18 @@ pub struct TrainArgs {
     /// Seed of the data, initialization and dropout.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Launched as several ranks: seconds a rank waits for the others (joining the group, and
+    /// for a step whose collectives a stalled rank never completes) before it ends with an error
+    /// naming the graph, the collective and the ranks (PyTorch's process-group timeout).
+    #[arg(long = "comm-timeout", value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub comm_timeout: u64,
+}
+
+impl TrainArgs {
+    /// The group's options from `--comm-timeout`.
+    pub fn comm_options(&self) -> graphed::device::CommOptions {
+        graphed::device::CommOptions { timeout: std::time::Duration::from_secs(self.comm_timeout) }
+    }
 }
 
 #[derive(Args, Debug, Clone)]

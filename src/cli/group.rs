@@ -16,17 +16,23 @@ const GRACE: Duration = Duration::from_secs(10);
 /// done, so a peer's death no longer ends it.
 static LEFT: AtomicBool = AtomicBool::new(false);
 
-/// Joins the group of `env` (none for a single process) on `dev`, every rank building `model`.
+/// Joins the group of `env` (none for a single process) on `dev`, every rank building `model`,
+/// with `options` (its timeout).
 /// When a rank dies, this one's communicator is aborted and its next check or wait fails naming
 /// the dead rank, and its error path ends the process; should it not have ended [`GRACE`] later
 /// (its host blocked on work that waited for that rank), the process is ended then, with that
 /// error and exit status 1, as `main`'s failures do ([`exit::now`](crate::cli::exit::now)), unless
 /// it has left its group by then ([`leave`]): a death no longer concerns it.
-pub fn join(dev: &Device, env: Option<RankEnv>, model: &str) -> anyhow::Result<Option<ProcessGroup>> {
+pub fn join(
+    dev: &Device,
+    env: Option<RankEnv>,
+    model: &str,
+    options: CommOptions,
+) -> anyhow::Result<Option<ProcessGroup>> {
     let Some(env) = env else { return Ok(None) };
     let rank = env.rank;
     // Given before NCCL's initialization, so that no wait of this process outlives a dead rank.
-    let group = ProcessGroup::join_with_on_death(dev, env, model, CommOptions::default(), move |dead| {
+    let group = ProcessGroup::join_with_on_death(dev, env, model, options, move |dead| {
         std::thread::sleep(GRACE);
         if LEFT.load(Ordering::SeqCst) {
             return;

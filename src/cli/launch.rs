@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use graphed::check::Checker;
-use graphed::device::{CommOptions, Device, SimConfig};
+use graphed::device::{Device, SimConfig};
 use graphed::dist::{on_sim_ranks, ProcessGroup};
 
 use super::args::{Cli, DeviceChoice, LaunchArgs, TrainArgs};
@@ -178,7 +178,7 @@ fn simulated(args: &LaunchArgs, train_args: &TrainArgs) -> anyhow::Result<()> {
     let d = &train_args.device;
     let sim = SimConfig { policy: d.policy.into(), seed: d.sim_seed, ..SimConfig::default() };
     train::check(&Device::sim_with(sim), train_args, args.gpus)?;
-    let ranks = on_sim_ranks(args.gpus, sim, CommOptions::default(), |comm| {
+    let ranks = on_sim_ranks(args.gpus, sim, train_args.comm_options(), |comm| {
         let group = ProcessGroup::simulated(comm.clone())?;
         let trained = train::run(comm.device(), train_args, Joining::Simulated(group));
         let ended = Instant::now();

@@ -95,7 +95,7 @@ impl<'a> ParallelBench<'a> {
             "bench parallel {:?} {dtype}; {} steps after {} warmup; {} microbatches",
             args.configs, args.steps, args.warmup, args.microbatches
         );
-        let group = crate::cli::group::join(&dev, env, &signature)?;
+        let group = crate::cli::group::join(&dev, env, &signature, graphed::device::CommOptions::default())?;
         let ranks = group.as_ref().map_or(1, |g| g.env().world);
         let lead = group.as_ref().is_none_or(|g| g.env().rank == 0);
         if lead {

@@ -137,7 +137,7 @@ impl<'a> Training<'a> {
         };
         let group = match joining {
             Joining::Alone => None,
-            Joining::Launched(env) => group::join(dev, Some(env), &plan.signature(args, start))?,
+            Joining::Launched(env) => group::join(dev, Some(env), &plan.signature(args, start), args.comm_options())?,
             // Its ranks are threads of this process, given the same arguments: the same model.
             Joining::Simulated(g) => Some(g),
         };
