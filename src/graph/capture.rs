@@ -12,9 +12,10 @@ use super::probe::probe_windows;
 use super::record::{record, Layout};
 use super::warmup::warmup;
 use super::{GraphedCallable, GraphedErrorKind, GraphedStack};
-use crate::device::{with_dtype, Stream};
+use crate::device::{with_dtype, DType, Stream};
 use crate::memory::{CachingAllocator, GraphPool};
 use crate::nn::{Chunk, Inputs, Module, Param, SaveHook, Schedule, Stack, Step};
+use crate::ops::elementwise;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -436,10 +437,33 @@ pub(crate) fn distinct(pools: &[GraphPool]) -> Vec<&GraphPool> {
 /// zero bits (the common case of a capture before the first step), restored by zeroing.
 struct HostCopy(Option<Vec<u8>>);
 
+/// The kept tensors as the warmup must give them back. Which are all zero bits is found on the
+/// device, one flag per tensor read back at once, so that zero gradients (a capture before
+/// training, or after an optimizer step) cost no copy of their bytes to the host; the others
+/// are copied.
 fn snapshot(stream: &Stream, tensors: &[Tensor]) -> Result<Vec<HostCopy>> {
+    if tensors.is_empty() {
+        return Ok(Vec::new());
+    }
+    let dev = stream.device();
+    let tested = |t: &Tensor| t.is_contiguous() && matches!(t.dtype(), DType::F32 | DType::BF16);
+    let start: Vec<u32> = tensors.iter().map(|t| u32::from(!tested(t))).collect();
+    let flags = dev.alloc_from(stream, &start)?;
+    for (i, t) in tensors.iter().enumerate().filter(|(_, t)| tested(t)) {
+        let flag = flags.slice(i..i + 1);
+        match t.dtype() {
+            DType::BF16 => elementwise::any_nonzero(flag, t.view::<half::bf16>()?, stream)?,
+            _ => elementwise::any_nonzero(flag, t.view::<f32>()?, stream)?,
+        }
+    }
+    let flags = flags.to_vec(stream)?;
     tensors
         .iter()
-        .map(|t| {
+        .zip(flags)
+        .map(|(t, set)| {
+            if set == 0 {
+                return Ok(HostCopy(None));
+            }
             let bytes: Vec<u8> = with_dtype!(t.dtype(), T => bytemuck::cast_slice(&t.to_vec::<T>(stream)?).to_vec());
             Ok(HostCopy(bytes.iter().any(|b| *b != 0).then_some(bytes)))
         })

@@ -45,6 +45,20 @@ template <typename T> __device__ void accumulate(T* dst, const T* src, unsigned 
 extern "C" __global__ void accumulate_f32(float* dst, const float* src, unsigned n) { accumulate(dst, src, n); }
 extern "C" __global__ void accumulate_bf16(bf16* dst, const bf16* src, unsigned n) { accumulate(dst, src, n); }
 
+// *flag = 1 if any element of x has a bit set (-0.0 and NaN included); else *flag is left as is.
+template <typename Bits> __device__ void any_nonzero(unsigned* flag, const Bits* x, unsigned n) {
+    bool found = false;
+    for (unsigned long long i = first_thread(); i < n; i += grid_threads()) found |= x[i] != 0;
+    if (found) *flag = 1u;
+}
+
+extern "C" __global__ void any_nonzero_f32(unsigned* flag, const float* x, unsigned n) {
+    any_nonzero(flag, reinterpret_cast<const unsigned*>(x), n);
+}
+extern "C" __global__ void any_nonzero_bf16(unsigned* flag, const bf16* x, unsigned n) {
+    any_nonzero(flag, reinterpret_cast<const unsigned short*>(x), n);
+}
+
 // y[r, c] = k * x[r, c] for r < rows, c < cols, with leading dimensions ld_y and ld_x.
 template <typename T>
 __device__ void scale_rows(T* y, const T* x, float k, unsigned rows, unsigned cols, unsigned ld_y, unsigned ld_x) {

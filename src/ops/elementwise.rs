@@ -194,6 +194,61 @@ pub fn accumulate(dst: &Tensor, src: &Tensor, stream: &Stream) -> Result<()> {
     })
 }
 
+/// `flag = 1` if an f32 of `x` has a bit set.
+pub static ANY_NONZERO: Kernel = Kernel {
+    name: "any_nonzero_f32",
+    source: SOURCE,
+    params: &["flag", "x", "n"],
+    cpu: any_nonzero_cpu::<f32>,
+    strided: false,
+};
+
+/// `flag = 1` if a bf16 of `x` has a bit set.
+pub static ANY_NONZERO_BF16: Kernel = Kernel {
+    name: "any_nonzero_bf16",
+    source: SOURCE,
+    params: &["flag", "x", "n"],
+    cpu: any_nonzero_cpu::<bf16>,
+    strided: false,
+};
+
+fn any_nonzero_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    if a.input::<T>("x")?.iter().any(|v| bytemuck::bytes_of(v).iter().any(|b| *b != 0)) {
+        a.output::<u32>("flag")?[0] = 1;
+    }
+    Ok(())
+}
+
+/// Sets `flag` (one `u32`) to 1 if any element of `x` has a bit set, `-0.0` and NaN included;
+/// leaves it as it is otherwise (zero it first). A whole buffer is tested on the device, with
+/// four bytes to read back.
+///
+/// ```
+/// use graphed::device::Device;
+/// use graphed::ops::elementwise;
+/// let dev = Device::sim();
+/// let s = dev.stream()?;
+/// let (x, flag) = (dev.alloc_from(&s, &[0.0f32, -0.0, 0.0])?, dev.alloc_from(&s, &[0u32])?);
+/// elementwise::any_nonzero(flag.view(), x.slice(0..1), &s)?;
+/// assert_eq!(flag.to_vec(&s)?, vec![0]);
+/// elementwise::any_nonzero(flag.view(), x.view(), &s)?; // -0.0 has its sign bit set
+/// assert_eq!(flag.to_vec(&s)?, vec![1]);
+/// # Ok::<(), graphed::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::UnsupportedDType`] unless `T` is f32 or bf16; [`Error::LengthMismatch`] unless
+/// `flag` has one element.
+pub fn any_nonzero<T: Float>(flag: View<'_, u32>, x: View<'_, T>, stream: &Stream) -> Result<()> {
+    const OP: &str = "any_nonzero";
+    let kernel = PerFloat { f32: &ANY_NONZERO, bf16: &ANY_NONZERO_BF16 }.of::<T>(OP)?;
+    if flag.len() != 1 {
+        return Err(Error::LengthMismatch { op: OP, src: 1, dst: flag.len() });
+    }
+    let n = count(OP, x.len())?;
+    stream.launch(kernel, stride_dims(x.len()), &args![InOut(flag), In(x), n])
+}
+
 /// `y[r, c] = k·x[r, c]` over two strided matrix views, in f32.
 pub static SCALE_ROWS: Kernel = Kernel {
     name: "scale_rows_f32",

@@ -218,6 +218,8 @@ mod tests {
             &elementwise::AXPY_BF16,
             &elementwise::ACCUMULATE,
             &elementwise::ACCUMULATE_BF16,
+            &elementwise::ANY_NONZERO,
+            &elementwise::ANY_NONZERO_BF16,
             &elementwise::SCALE_ROWS,
             &elementwise::SCALE_ROWS_BF16,
             &embedding::EMBEDDING_FORWARD,

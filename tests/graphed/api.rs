@@ -143,6 +143,23 @@ pub fn post_warmup_runs_when_warmup_fails(dev: &Device) -> Result {
     Ok(())
 }
 
+/// Gradients accumulated before a capture come back from its warmup bit for bit: the first
+/// layer's (values, and `-0.0`, whose bits are not zero) from a host copy, the second layer's
+/// (all zero bits, found so on the device) by zeroing.
+pub fn warmup_gives_nonzero_gradients_back_bit_for_bit(dev: &Device) -> Result {
+    let stack = Model::new(dev)?;
+    let grads = stack.store.grads()?;
+    let n = grads.numel();
+    let first = stack.layers()[0].parameters().iter().map(|p| p.grad.numel()).sum::<usize>();
+    let planted: Vec<f32> =
+        (0..n).map(|i| if i >= first { 0.0 } else if i % 3 == 0 { -0.0 } else { i as f32 * 1e-3 }).collect();
+    grads.copy_from(&Tensor::from_host(&stack.alloc, &stack.s, &planted, grads.shape())?, &stack.s)?;
+    make_graphed_callables(&stack.alloc, &stack.callables(), &samples(&stack)?, GraphOptions::default())?;
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    ensure!(bits(stack.grads()?) == bits(planted), "the warmup changed the gradients' bits");
+    Ok(())
+}
+
 /// A capture that fails midway (the second callable's forward capture) leaves the shared pool's
 /// order, the gradients and the step counter as they were; the pool's earlier graphs still
 /// replay, and a new capture into it works.
