@@ -172,6 +172,8 @@ struct Rebound {
     /// The blocks they point at, once each: every launch notes its stream on them, so that
     /// memory freed while a launch reads it is reused in stream order.
     blocks: Vec<Arc<Block>>,
+    /// Whether a failed rebind left some nodes moved and others not.
+    broken: bool,
 }
 
 /// An executable graph (CUDA's `CUgraphExec`): launch it on any stream of its device. Launches
@@ -217,12 +219,16 @@ impl GraphExec {
 
     /// Launches the graph on `stream` (any stream of the device, not only the capture stream).
     /// A graph that holds collectives is noted by their communicators, with an event recorded
-    /// after the launch, for the report of a wait on them that fails.
+    /// after the launch, for the report of a wait on them that fails. An executable that a failed
+    /// [`rebind`](GraphExec::rebind) left half moved is refused ([`Error::Rebind`]).
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         const OP: &str = "GraphExec::launch";
         self.dev.check_err()?;
         self.check_stream(OP, stream)?;
         let repr = self.repr(OP)?;
+        if self.rebound().broken {
+            return Err(Error::Rebind { graph: self.id, kind: patch::RebindErrorKind::Broken });
+        }
         let comms = match self.info.collectives() {
             [] => Vec::new(),
             _ => self.info.before_launch(),
@@ -270,6 +276,9 @@ impl GraphExec {
             self.dev.check_same(OP, "buffer", r.to.raw.device)?;
         }
         let repr = self.repr(OP)?;
+        if self.rebound().broken {
+            return Err(Error::Rebind { graph: self.id, kind: patch::RebindErrorKind::Broken });
+        }
         let identity = |r: &Rebind<'_>| r.from.id == r.to.id && r.from_start == r.to_start;
         if rebinds.iter().all(identity) && self.rebound().bound.is_empty() {
             // Everything already reads where it was captured (a copy-in replay's check).
@@ -295,11 +304,18 @@ impl GraphExec {
         if changed.is_empty() {
             return Ok(0);
         }
-        let changes: Vec<patch::SiteChange> = changed
-            .iter()
-            .map(|&s| (s, next.range((s, 0)..(s + 1, 0)).map(|((_, u), b)| (*u, b.clone())).collect()))
-            .collect();
-        dispatch!(self.dev.backend(), |b, pick| b.rebind(pick!(repr), &self.sites, &changes))?;
+        let of = |bound: &BTreeMap<(usize, usize), Bound>| -> Vec<patch::SiteChange> {
+            let site = |s: usize| bound.range((s, 0)..(s + 1, 0)).map(|((_, u), b)| (*u, b.clone())).collect();
+            changed.iter().map(|&s| (s, site(s))).collect()
+        };
+        let applied = dispatch!(self.dev.backend(), |b, pick| b.rebind(pick!(repr), &self.sites, &of(&next)));
+        if let Err(e) = applied {
+            // Some sites may have moved: put them back, or refuse every later launch of a
+            // half-moved executable.
+            let undone = dispatch!(self.dev.backend(), |b, pick| b.rebind(pick!(repr), &self.sites, &of(&st.bound)));
+            st.broken |= undone.is_err();
+            return Err(e);
+        }
         let mut blocks: Vec<Arc<Block>> = Vec::new();
         for b in next.values() {
             if !blocks.iter().any(|k| k.id == b.block.id) {
@@ -307,7 +323,7 @@ impl GraphExec {
             }
         }
         let remaps: Vec<Remap> = next.iter().map(|((s, u), b)| Remap::of(&self.sites[*s].uses[*u], b)).collect();
-        *st = Rebound { bound: next, blocks };
+        *st = Rebound { bound: next, blocks, broken: false };
         drop(st);
         if let Some(o) = self.dev.observer() {
             o.rebind(self.id, self.exec, &remaps)?;

@@ -135,12 +135,19 @@ pub enum RebindErrorKind {
         /// Past the last byte rebound.
         to: usize,
     },
+    /// The driver refused a rebind midway and then refused to undo it: the executable's nodes
+    /// read partly where they were and partly where they were moved, so it is not launched.
+    #[error("a rebind failed midway and could not be undone")]
+    Broken,
 }
 
 impl RebindErrorKind {
     /// What to do about it.
     pub fn fix(&self) -> &'static str {
-        "copy the data into the captured buffer instead (a replay without rebinding)"
+        match self {
+            RebindErrorKind::Broken => "capture the graph again",
+            _ => "copy the data into the captured buffer instead (a replay without rebinding)",
+        }
     }
 }
 

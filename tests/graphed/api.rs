@@ -151,8 +151,17 @@ pub fn warmup_gives_nonzero_gradients_back_bit_for_bit(dev: &Device) -> Result {
     let grads = stack.store.grads()?;
     let n = grads.numel();
     let first = stack.layers()[0].parameters().iter().map(|p| p.grad.numel()).sum::<usize>();
-    let planted: Vec<f32> =
-        (0..n).map(|i| if i >= first { 0.0 } else if i % 3 == 0 { -0.0 } else { i as f32 * 1e-3 }).collect();
+    let planted: Vec<f32> = (0..n)
+        .map(|i| {
+            if i >= first {
+                0.0
+            } else if i % 3 == 0 {
+                -0.0
+            } else {
+                i as f32 * 1e-3
+            }
+        })
+        .collect();
     grads.copy_from(&Tensor::from_host(&stack.alloc, &stack.s, &planted, grads.shape())?, &stack.s)?;
     make_graphed_callables(&stack.alloc, &stack.callables(), &samples(&stack)?, GraphOptions::default())?;
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();

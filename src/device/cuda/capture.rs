@@ -161,11 +161,24 @@ pub(super) fn relaxed<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     out
 }
 
+/// Whether a captured operation's node can be patched.
+pub(super) enum Patchable {
+    /// At this node.
+    At(PatchNode),
+    /// Not by graphed's design: its site says why a rebind of what it names is refused.
+    Never,
+    /// It should be, but its node was not found: every use counts as opaque.
+    Unknown,
+}
+
 /// Holds everything `op` names for as long as capture `id`'s graph lives, and notes how its
-/// node names buffers (`node`: where it can be patched, if it can).
-pub(super) fn hold_op(id: u64, op: &Op<'_>, node: Option<PatchNode>) {
-    let site = Site::of(op);
-    let site = if node.is_some() { site } else { site.opaque() };
+/// node names buffers and where it can be patched.
+pub(super) fn hold_op(id: u64, op: &Op<'_>, patchable: Patchable) {
+    let (site, node) = match patchable {
+        Patchable::At(node) => (Site::of(op), Some(node)),
+        Patchable::Never => (Site::of(op), None),
+        Patchable::Unknown => (Site::of(op).opaque(), None),
+    };
     with_holdings(id, |h| {
         h.add_op(op);
         h.sites.push(site);

@@ -48,7 +48,7 @@ use self::graph::{CuExec, CuGraph};
 use self::launch::Kernels;
 use self::memory::CuMem;
 use self::stream::{CuEvent, CuStream};
-use super::backend::{Backend, Op};
+use super::backend::{Backend, CopyDir, Op};
 use super::memory::MemKind;
 use super::{CaptureMode, CaptureStatus, DeviceId, ErrorSlot, EventId, NodeInfo, StreamId};
 use crate::error::CaptureSite;
@@ -67,25 +67,24 @@ pub(crate) struct CudaDevice {
 
 impl CudaDevice {
     /// Where the node that `op` just added to `stream`'s capture can be patched: our own
-    /// kernels and device-source copies, when they added exactly one node (the capture's new
-    /// frontier); `None` for library calls, collectives, memsets and anything else.
-    fn patch_node(&self, stream: &CuStream, op: &Op<'_>) -> Result<Option<graph::PatchNode>> {
+    /// kernels and device-source copies, found as the capture's new frontier.
+    fn patch_node(&self, stream: &CuStream, op: &Op<'_>) -> Result<capture::Patchable> {
         let template = match *op {
             Op::Kernel { kernel, dims, args } => {
                 let (func, values) = self.kernels.template(stream, kernel, args)?;
                 graph::Template::Kernel { func, dims, values }
             }
-            Op::Copy {
-                dir: crate::device::backend::CopyDir::DeviceToHost | crate::device::backend::CopyDir::DeviceToDevice,
-                ..
-            } => graph::Template::Copy,
-            _ => return Ok(None),
+            Op::Copy { dir: CopyDir::DeviceToHost | CopyDir::DeviceToDevice, .. } => graph::Template::Copy,
+            // A copy from pinned memory, which no rebind moves (its destination is a write), a
+            // memset (a write), library calls and collectives (their sites are opaque).
+            _ => return Ok(capture::Patchable::Never),
         };
         let frontier =
             ffi::capture_frontier(&stream.raw).map_err(|e| err::at(op.name(), CaptureSite::Stream(stream.id), e))?;
         Ok(match frontier[..] {
-            [node] => Some(graph::PatchNode { node, template }),
-            _ => None,
+            [node] => capture::Patchable::At(graph::PatchNode { node, template }),
+            // Not the one node expected: left alone, and what it reads refuses to move.
+            _ => capture::Patchable::Unknown,
         })
     }
 
