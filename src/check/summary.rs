@@ -40,9 +40,9 @@ pub struct TailAccess {
 pub struct SyncPoint {
     /// How many record nodes of the event the graph has (exactly one makes a well-defined point).
     pub records: usize,
-    /// Whether the graph also waits on external events (a replay that resumes the caller at the
-    /// record could then deadlock: replay contract R7).
-    pub waits_external: bool,
+    /// The external events the graph waits on (a replay that resumes the caller at the record
+    /// could deadlock on one the caller signals later: replay contract R7).
+    pub external_waits: Vec<EventId>,
     /// The accesses of the nodes that are not ancestors of the record (all of them if the event
     /// is never recorded).
     pub tail: Vec<TailAccess>,
@@ -193,7 +193,7 @@ impl GraphSummary {
             .filter(|(n, _)| !before(&self.nodes[*n]))
             .map(|(n, a)| TailAccess { op: self.nodes[*n].op, access: *a })
             .collect();
-        SyncPoint { records: records.len(), waits_external: !self.waits.is_empty(), tail }
+        SyncPoint { records: records.len(), external_waits: self.waits.clone(), tail }
     }
 
     /// Whether some node writes memory that `a` touches.

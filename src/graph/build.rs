@@ -43,7 +43,8 @@ pub(crate) fn build(
             pools[i].name_graph(graph.graph().id(), name);
             let exec = graph.instantiate()?;
             exec.upload(stream)?;
-            captured.push(Captured { pass, graph, exec });
+            let edges = options.edges_of(i, pass).map(|e| (e.edge.clone(), e.end)).collect();
+            captured.push(Captured { pass, graph, exec, edges });
         }
         executables.push(captured);
     }
@@ -110,6 +111,9 @@ pub(crate) fn build(
             rebound: Default::default(),
         });
     }
+    for e in &options.edges {
+        e.edge.claim(e.end);
+    }
     Ok(out)
 }
 
@@ -163,9 +167,10 @@ fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded
             }
         }
     }
+    let edge_events: Vec<_> = options.edges.iter().map(|e| e.edge.event().id()).collect();
     for (i, mine) in recorded.graphs.iter().enumerate() {
         for (_, g) in mine {
-            verify_sync_point(plan.alloc, &pools[i], g.graph(), event, &surfaces, &tail_memory)
+            verify_sync_point(plan.alloc, &pools[i], g.graph(), event, &surfaces, &tail_memory, &edge_events)
                 .map_err(|kind| plan.err(i, kind))?;
         }
     }

@@ -5,7 +5,7 @@
 use super::build::build;
 use super::callable::Callable;
 use super::error::refusal;
-use super::graphed::{CaptureTimes, Draws};
+use super::graphed::{CaptureTimes, Draws, Pass};
 use super::options::{GraphOptions, Mode};
 use super::plan::{Named, Plan, RangeLabel};
 use super::probe::probe_windows;
@@ -211,6 +211,11 @@ pub fn make_graphed_stack<M: Module>(
     if options.schedule.is_some() {
         return Err(refuse(GraphedErrorKind::ScheduleForStack));
     }
+    if let Some(e) = options.edges.first() {
+        let (edge, pass) = (e.edge.name().to_string(), format!("layer {}'s {}", e.callable, e.pass.name()));
+        let why = "replays only as part of its stack's pass (give edges to make_graphed_callables' callables)";
+        return Err(refuse(GraphedErrorKind::EdgePass { edge, pass, why }));
+    }
     let samples = (0..callables.len()).map(|i| (i == 0).then(|| Inputs::one(sample))).collect();
     // Graphs for inference draw nothing: only training replays advance the counter.
     let rng_step = stack.rng_step().filter(|_| options.mode == Mode::Training).cloned();
@@ -250,6 +255,7 @@ fn capture(
     alloc.synchronize()?;
     let hooks = chunk_hooks(&mut options, n, layout.as_ref())?;
     let plan = Plan::new(alloc, &stream, callables, names, &samples, input_sets, &options, hooks)?;
+    check_edges(&plan, &options, layout.is_some())?;
     // A schedule's layers appear once per microbatch: their parameters once.
     let mut params: Vec<Param> = Vec::new();
     for p in callables.iter().flat_map(|c| c.parameters_dyn()) {
@@ -298,6 +304,44 @@ fn capture(
     let callables = captured?;
     stream.synchronize()?;
     Ok(callables)
+}
+
+/// The edges' refusals, before anything runs: an edge given to a pass the capture does not make,
+/// an end another graph holds, or both ends of one edge in one graph.
+fn check_edges(plan: &Plan<'_>, options: &GraphOptions, scheduled: bool) -> Result<()> {
+    const OP: &str = "make_graphed_callables";
+    for (k, e) in options.edges.iter().enumerate() {
+        let name = e.edge.name().to_string();
+        let pass = format!("callable {}'s {}", e.callable, e.pass.name());
+        let why = if scheduled {
+            Some("is a pass of a schedule's microbatches (edges are given to callables captured without a schedule)")
+        } else if e.callable >= plan.len() {
+            Some("does not exist: there are fewer callables")
+        } else if e.pass != Pass::Forward && !plan.training {
+            Some("an inference capture does not make")
+        } else if e.pass == Pass::BackwardDw && !plan.callables[e.callable].splits_dw_dyn() {
+            Some("does not exist: the callable does not split its weight gradients out")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(refuse(GraphedErrorKind::EdgePass { edge: name, pass, why }));
+        }
+        e.edge.check_free(e.end).map_err(refuse)?;
+        let earlier = options.edges[..k].iter().filter(|o| o.edge.same(&e.edge));
+        for o in earlier {
+            let why = if o.callable == e.callable && o.pass == e.pass {
+                "appears twice in one graph (a graph waiting on its own record would wait forever); give it one end"
+            } else if o.end == e.end {
+                "is given the same end twice; make one edge per producer and consumer"
+            } else {
+                continue;
+            };
+            return Err(refuse(GraphedErrorKind::EdgeTaken { edge: name, why }));
+        }
+        plan.alloc.device().check_same(OP, "edge", e.edge.event().device().id()).map_err(|e| refusal(OP, e))?;
+    }
+    Ok(())
 }
 
 /// [`capture`]'s refusals of its `n` callables' options and samples, before anything runs.

@@ -248,6 +248,16 @@ pub enum GraphedErrorKind {
         /// Which end, and what to do instead.
         why: &'static str,
     },
+    /// An edge given to a pass the capture does not make.
+    #[error("edge `{edge}` is given to {pass}, which {why}")]
+    EdgePass {
+        /// The edge's name.
+        edge: String,
+        /// The callable and pass it was given to.
+        pass: String,
+        /// Why the capture does not make that pass.
+        why: &'static str,
+    },
     /// A consumer replayed before its producer's replay of this step: it would wait on the
     /// previous step's event (or on none) and read stale data.
     #[error(

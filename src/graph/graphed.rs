@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use super::edge::{End, GraphEdge};
 use super::error::refusal;
 use super::in_place::Readers;
 use super::output::StaticOutput;
@@ -46,6 +47,8 @@ pub(crate) struct Captured {
     pub(crate) pass: Pass,
     pub(crate) graph: PoolGraph,
     pub(crate) exec: PoolExec,
+    /// The typed edges it records or waits on ([`GraphOptions::signals`](super::GraphOptions::signals)).
+    pub(crate) edges: Vec<(GraphEdge, End)>,
 }
 
 /// What the callables of one capture share.
@@ -346,7 +349,21 @@ impl GraphedCallable {
     ) -> Result<Tail> {
         let exec = self.exec(pass)?;
         PoolExec::check_launches(&[exec], route.stream(caller), caller).map_err(|e| refusal(&self.name, e))?;
+        self.check_edges(pass)?;
         self.replay_checked(pass, caller, route, sources, statics)
+    }
+
+    /// The edge ends of `pass`'s graph.
+    fn edges(&self, pass: Pass) -> Result<&[(GraphEdge, End)]> {
+        Ok(self.state()?.graphs.iter().find(|c| c.pass == pass).map_or(&[][..], |c| &c.edges[..]))
+    }
+
+    /// Refuses a replay of `pass` whose graph waits on an edge not produced since its last replay.
+    pub(crate) fn check_edges(&self, pass: Pass) -> Result<()> {
+        for (edge, _) in self.edges(pass)?.iter().filter(|(_, end)| *end == End::Consumer) {
+            edge.check_produced().map_err(|kind| self.err(kind))?;
+        }
+        Ok(())
     }
 
     /// [`replay`](GraphedCallable::replay) for a caller that has already checked this launch
@@ -370,6 +387,9 @@ impl GraphedCallable {
             }
         }
         let tail = self.launch(exec, caller, route)?;
+        for (edge, end) in self.edges(pass)? {
+            edge.launched(*end);
+        }
         self.state()?.hook.replayed(caller)?;
         if pass == Pass::Forward {
             *self.route.lock().unwrap_or_else(PoisonError::into_inner) = route.clone();

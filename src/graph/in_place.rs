@@ -160,6 +160,7 @@ impl GraphedCallable {
         let exec = self.exec(pass)?;
         PoolExec::check_launches(&[exec], route.stream(caller), caller)
             .map_err(|e| super::error::refusal(self.name(), e))?;
+        self.check_edges(pass)?;
         let mut copies = sources.to_vec();
         let mut nodes = 0;
         for (k, readers) in readers.iter().enumerate() {

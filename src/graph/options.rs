@@ -75,6 +75,17 @@ pub struct GraphOptions {
     pub(crate) window_probe: Option<WindowProbe>,
     pub(crate) pass_hook: Option<PassHook>,
     pub(crate) grad_sync: Option<Arc<dyn super::GradSync>>,
+    /// Typed edges the callables' passes take part in.
+    pub(crate) edges: Vec<PassEdge>,
+}
+
+/// An end of a typed edge held by one pass of one callable.
+#[derive(Clone, Debug)]
+pub(crate) struct PassEdge {
+    pub(crate) callable: usize,
+    pub(crate) pass: super::Pass,
+    pub(crate) edge: super::GraphEdge,
+    pub(crate) end: super::edge::End,
 }
 
 impl Default for GraphOptions {
@@ -100,6 +111,7 @@ impl Default for GraphOptions {
             window_probe: None,
             pass_hook: None,
             grad_sync: None,
+            edges: Vec::new(),
         }
     }
 }
@@ -275,6 +287,29 @@ impl GraphOptions {
     /// Runs the first-iteration hook, if any.
     pub(crate) fn run_first_iteration_hook(&mut self, stream: &Stream) -> Result<()> {
         self.first_iteration.as_mut().map_or(Ok(()), |h| h(stream))
+    }
+
+    /// Callable `callable`'s `pass` graph records `edge` as its last node, after all its work,
+    /// tail included: it is the edge's producer ([`GraphEdge`](super::GraphEdge)).
+    pub fn signals(mut self, callable: usize, pass: super::Pass, edge: &super::GraphEdge) -> GraphOptions {
+        let (edge, end) = (edge.clone(), super::edge::End::Producer);
+        self.edges.push(PassEdge { callable, pass, edge, end });
+        self
+    }
+
+    /// Callable `callable`'s `pass` graph waits on `edge` before its work: it is the edge's
+    /// consumer, replayed only after the producer's replay of the same step, on any stream.
+    /// With a sync event, such a wait is the one external wait a graph may have (R7): its
+    /// producer was enqueued before it, so the caller cannot be the one to signal it.
+    pub fn waits_on(mut self, callable: usize, pass: super::Pass, edge: &super::GraphEdge) -> GraphOptions {
+        let (edge, end) = (edge.clone(), super::edge::End::Consumer);
+        self.edges.push(PassEdge { callable, pass, edge, end });
+        self
+    }
+
+    /// The edge ends of callable `i`'s `pass` graph.
+    pub(crate) fn edges_of(&self, i: usize, pass: super::Pass) -> impl Iterator<Item = &PassEdge> + '_ {
+        self.edges.iter().filter(move |e| e.callable == i && e.pass == pass)
     }
 
     /// Runs the capture-time hook, if any, for pass `phase` of callable `i`.

@@ -4,6 +4,7 @@
 //! a graph of its callable's pool, with the sync event recorded at its end.
 
 use super::callable::Saved;
+use super::edge::End;
 use super::grad_sync::CallableGrads;
 use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
@@ -225,6 +226,9 @@ impl Record<'_, '_> {
         let (stream, options) = (self.plan.stream, &*self.options);
         let _range = stream.device().range_with(|| self.plan.ranges[i].name("capture", pass));
         let cap = self.plan.alloc.capture(stream, options.capture_mode, &self.pools[i])?;
+        for e in options.edges_of(i, pass).filter(|e| e.end == End::Consumer) {
+            stream.wait_external(e.edge.event())?;
+        }
         f()?;
         if let (Some(sync), true) = (&options.grad_sync, last_grad_pass) {
             sync.finish(stream)?;
@@ -235,6 +239,10 @@ impl Record<'_, '_> {
         self.plan.hooks[i].end_pass(stream)?;
         if let Some(sync) = &options.grad_sync {
             sync.end_pass(stream)?;
+        }
+        // Last, after the tail joined: a consumer sees everything the pass wrote.
+        for e in options.edges_of(i, pass).filter(|e| e.end == End::Producer) {
+            stream.record_external(e.edge.event())?;
         }
         cap.finish()
     }

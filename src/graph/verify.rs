@@ -12,7 +12,7 @@
 
 use super::GraphedErrorKind;
 use crate::check::Checker;
-use crate::device::{Access, AccessMode, BufferId, Event, Graph, GraphId};
+use crate::device::{Access, AccessMode, BufferId, Event, EventId, Graph, GraphId};
 use crate::memory::{CachingAllocator, GraphPool};
 use crate::tensor::Tensor;
 
@@ -31,6 +31,7 @@ pub(crate) fn verify_sync_point(
     event: &Event,
     surfaces: &[Surface<'_>],
     tail_memory: &[BufferId],
+    edge_events: &[EventId],
 ) -> Result<(), GraphedErrorKind> {
     let checker = Checker::of(graph.device()).ok_or(GraphedErrorKind::Unverifiable)?;
     let point = checker.sync_point(graph.id(), event.id()).ok_or(GraphedErrorKind::Unverifiable)?;
@@ -39,7 +40,9 @@ pub(crate) fn verify_sync_point(
         let detail = format!("event {} is recorded {} times inside the graph, not once", event.id(), point.records);
         return Err(contract("R2", detail));
     }
-    if point.waits_external {
+    // A typed edge's wait is exempt: its producer is launched before it (checked at every
+    // replay), so its record is enqueued before the caller resumes.
+    if point.external_waits.iter().any(|e| !edge_events.contains(e)) {
         let detail =
             "the graph waits on an external event, which the caller may only signal after resuming at the sync event"
                 .into();

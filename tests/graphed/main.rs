@@ -66,6 +66,7 @@ per_device!(
     event_recorded_twice_is_refused,
     external_wait_is_refused,
     an_edge_orders_a_consumer_on_another_stream,
+    edges_order_callables_on_two_streams,
     without_the_edge_the_checker_sees_the_race,
     edge_misuse_is_refused,
     module_recording_the_sync_event_is_refused,
