@@ -148,7 +148,8 @@ pub fn edges_order_callables_on_two_streams(dev: &Device) -> Result {
         let (dx1, _t) = g[1].backward(&s1, &[&dy])?;
         let dx1 = dx1[0].as_ref().expect("an input gradient");
         let (dx0, _t) = g[0].backward_in_place(&s0, &[dx1.get()?])?;
-        let (y, dx) = (y1[0].get()?.to_f32_vec(&s1)?, dx0[0].as_ref().expect("an input gradient").get()?.to_f32_vec(&s0)?);
+        let (y, dx) =
+            (y1[0].get()?.to_f32_vec(&s1)?, dx0[0].as_ref().expect("an input gradient").get()?.to_f32_vec(&s0)?);
         let (ex, edy) = eager.data(k)?;
         ensure!(eager.eager(&ex, &edy)? == (y, dx), "step {k}: the two-stream replay differs from eager");
     }
