@@ -26,9 +26,10 @@ extern "C" __global__ void gelu_forward_f32(float* out, const float* inp, unsign
     if (i < n) out[i] = gelu(inp[i]);
 }
 
+// 16-byte accesses in a grid-stride loop (map2): one element per thread moved 2-byte accesses of
+// bf16 at a third of HBM's rate.
 template <typename T> __device__ void gelu_backward(T* dinp, const T* inp, const T* dout, unsigned n) {
-    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) dinp[i] = from_f32<T>(gelu_grad(to_f32(inp[i])) * to_f32(dout[i]));
+    map2<Lanes<T>::N>(dinp, inp, dout, n, [](float x, float d) { return gelu_grad(x) * d; });
 }
 
 extern "C" __global__ void gelu_backward_f32(float* dinp, const float* inp, const float* dout, unsigned n) {

@@ -25,7 +25,7 @@
 
 use half::bf16;
 
-use super::{checked, count, rows_cols, with_float, PerFloat};
+use super::{checked, count, lanes, rows_cols, stride_dims, with_float, PerFloat};
 use crate::device::{args, CpuArgs, Float, In, InOut, Kernel, LaunchDims, Out, Stream};
 use crate::tensor::Tensor;
 use crate::Result;
@@ -115,7 +115,7 @@ pub fn gelu_backward(dinp: &Tensor, inp: &Tensor, dout: &Tensor, stream: &Stream
             In(checked::<T>(OP, "dout", dout, shape)?),
             n_of(OP, inp)?,
         ];
-        stream.launch(kernel, LaunchDims::for_elems(inp.numel()), &args)
+        stream.launch(kernel, stride_dims(inp.numel().div_ceil(lanes::<T>())), &args)
     })
 }
 

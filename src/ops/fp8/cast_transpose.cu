@@ -5,7 +5,8 @@
 //
 // A block of 256 threads walks 64 x 64 tiles (a grid-stride loop over tiles, so there is one
 // atomicMax per block, not per tile). Each thread converts quads, 4 consecutive elements of a
-// row: one 16-byte (f32) or 8-byte (bf16) load and one 4-byte store of the row-major bytes. The
+// row, four rows of a tile: their four 16-byte (f32) or 8-byte (bf16) loads first, then one
+// 4-byte store of the row-major bytes each. The
 // tile's bytes go through shared memory, and the transposed quads (4 consecutive rows of one
 // column) leave as one 4-byte store each: both outputs are written by whole 64-byte row pieces
 // per 16 threads. Quads that are not whole or not aligned (edge tiles, widths not a multiple of
@@ -37,29 +38,45 @@ __device__ __forceinline__ void load_quad(const bf16* p, float* v) {
     }
 }
 
+// Threads per block (ops/mod.rs: stride_dims launches 256), and so the rows of a tile each thread
+// converts: its loads are all issued before it converts, so that enough bytes are in flight to
+// keep HBM busy (one quad at a time kept the cast near a third of the H200's bandwidth).
+constexpr unsigned BLOCK = 256;
+constexpr int ROWS_PER_THREAD = TILE * QUADS / BLOCK;
+
 // Converts the tile at (r0, c0): row-major bytes to `out` (when ROW) and to `tile`, whose word
 // [r][q] holds columns 4q..4q+3 of row r, low byte first; returns the thread's amax bits.
 template <typename O, typename I, bool ROW>
 __device__ unsigned cast_tile(O* out, unsigned (*tile)[QUADS + 1], const I* inp, float s, unsigned rows,
                               unsigned cols, unsigned r0, unsigned c0, bool vec_in, bool vec_out) {
-    unsigned v = 0;
-    const unsigned q = threadIdx.x % QUADS;
-    for (unsigned r = threadIdx.x / QUADS; r < TILE; r += blockDim.x / QUADS) {
-        unsigned row = r0 + r, col = c0 + 4 * q, word = 0;
+    const unsigned q = threadIdx.x % QUADS, first = threadIdx.x / QUADS, col = c0 + 4 * q;
+    const bool whole = col + 4 <= cols;
+    float x[ROWS_PER_THREAD][4];
+#pragma unroll
+    for (int k = 0; k < ROWS_PER_THREAD; ++k) {
+        unsigned row = r0 + first + k * (BLOCK / QUADS);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[k][e] = 0.0f;
         if (row < rows && col < cols) {
             unsigned long long at = (unsigned long long)row * cols + col;
-            bool whole = col + 4 <= cols;
-            float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             if (whole && vec_in) {
-                load_quad(inp + at, x);
+                load_quad(inp + at, x[k]);
             } else {
-                for (unsigned e = 0; e < 4 && col + e < cols; ++e) x[e] = to_f32(inp[at + e]);
+                for (unsigned e = 0; e < 4 && col + e < cols; ++e) x[k][e] = to_f32(inp[at + e]);
             }
+        }
+    }
+    unsigned v = 0;
+#pragma unroll
+    for (int k = 0; k < ROWS_PER_THREAD; ++k) {
+        unsigned r = first + k * (BLOCK / QUADS), row = r0 + r, word = 0;
+        if (row < rows && col < cols) {
+            unsigned long long at = (unsigned long long)row * cols + col;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 if (col + e < cols) {
-                    v = max_bits(v, amax_bits(x[e]));
-                    word |= (unsigned)fp8_bits<O>(x[e] * s) << (8 * e);
+                    v = max_bits(v, amax_bits(x[k][e]));
+                    word |= (unsigned)fp8_bits<O>(x[k][e] * s) << (8 * e);
                 }
             }
             if (ROW && whole && vec_out) {
@@ -78,7 +95,7 @@ template <typename O>
 __device__ void store_transposed(O* out_t, unsigned (*tile)[QUADS + 1], unsigned rows, unsigned cols, unsigned r0,
                                  unsigned c0, bool vec) {
     const unsigned rq = threadIdx.x % QUADS;
-    for (unsigned c = threadIdx.x / QUADS; c < TILE; c += blockDim.x / QUADS) {
+    for (unsigned c = threadIdx.x / QUADS; c < TILE; c += BLOCK / QUADS) {
         unsigned col = c0 + c, row = r0 + 4 * rq;
         if (col >= cols || row >= rows) continue;
         unsigned word = 0;
