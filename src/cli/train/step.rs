@@ -218,10 +218,12 @@ impl Stepper {
             Layers::Whole { graphed: g, side } => {
                 let replay = side.as_ref().map_or(Replay::caller(), Replay::side);
                 let inputs = Inputs::new().constant("tokens", tokens).constant("targets", targets);
-                let (losses, forward) = g.forward(stream, &inputs, replay)?;
+                // The step's uploaded batch is read where it is (our embedding and loss kernels
+                // read it): nothing is copied in, and the batch lives until the step is done.
+                let (losses, forward) = g.forward_in_place(stream, &inputs, replay)?;
                 // The next step's replay writes the losses' static buffer: the caller's copy.
                 let losses = losses[0].to_owned(&self.alloc, stream)?;
-                let (_, backward) = g.backward(stream, &[weights])?;
+                let (_, backward) = g.backward_in_place(stream, &[weights])?;
                 forward.join(stream)?;
                 backward.join(stream)?;
                 Some(losses)
