@@ -129,7 +129,87 @@ fn refused_rebinds_change_nothing(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A small random number generator for the cases below (the same cases on every device).
+struct Draws(u64);
+
+impl Draws {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 33) as usize) % n.max(1)
+    }
+}
+
+/// Random graphs of kernels and copies reading views of `x`, and random rebinds of a range of
+/// `x` to a range of a larger buffer: a rebind is accepted exactly when every read that meets
+/// the range lies inside it and one does, and an accepted one gives the bits of a replay into
+/// whose `x` the same values were copied.
+fn random_views_rebound_equal_copy_in(dev: &Device) -> anyhow::Result<()> {
+    const N: usize = 256;
+    let s = dev.stream()?;
+    let mut rng = Draws(7);
+    for case in 0..32 {
+        let x = dev.alloc_from(&s, &values(N, case as f32))?;
+        let big = dev.alloc_from(&s, &values(4 * N, 100.0 + case as f32))?;
+        let reads: Vec<(usize, usize)> = (0..1 + rng.below(4))
+            .map(|_| {
+                let a = rng.below(N - 1);
+                (a, a + 1 + rng.below(N - a - 1))
+            })
+            .collect();
+        let outs = reads.iter().map(|(a, b)| dev.alloc::<f32>(b - a)).collect::<graphed::Result<Vec<_>>>()?;
+        let copied = dev.alloc::<f32>(N)?;
+        let cap = s.capture(CaptureMode::ThreadLocal)?;
+        for (k, ((a, b), y)) in reads.iter().zip(&outs).enumerate() {
+            if k % 2 == 0 {
+                elementwise::scale(y.view(), x.slice(*a..*b), 1.0 + k as f32, &s)?;
+            } else {
+                s.copy_d2d(x.slice(*a..*b), copied.slice(*a..*b))?;
+            }
+        }
+        let graph = cap.finish()?;
+        let (patched, plain) = (graph.instantiate()?, graph.instantiate()?);
+        // The hull of every read (accepted), of the first read (accepted unless another read
+        // crosses its ends), or any range.
+        let (r0, r1) = match rng.below(3) {
+            0 => (reads.iter().map(|r| r.0).min().unwrap_or(0), reads.iter().map(|r| r.1).max().unwrap_or(N)),
+            1 => reads[0],
+            _ => {
+                let r0 = rng.below(N - 1);
+                (r0, r0 + 1 + rng.below(N - r0 - 1))
+            }
+        };
+        let t0 = rng.below(3 * N);
+        let rebind = Rebind::new(x.slice(r0..r1), big.slice(t0..t0 + (r1 - r0)))?;
+        let meets: Vec<&(usize, usize)> = reads.iter().filter(|(a, b)| *a < r1 && r0 < *b).collect();
+        let inside = meets.iter().all(|(a, b)| r0 <= *a && *b <= r1);
+        match patched.rebind(std::slice::from_ref(&rebind)) {
+            Ok(_) => ensure!(!meets.is_empty() && inside, "case {case}: accepted {r0}..{r1} over reads {reads:?}"),
+            Err(e) => {
+                let kind = refusal(e)?;
+                let expected = match (meets.is_empty(), inside) {
+                    (true, _) => matches!(kind, RebindErrorKind::NotRead { .. }),
+                    (false, false) => matches!(kind, RebindErrorKind::Partial { .. }),
+                    (false, true) => false,
+                };
+                ensure!(expected, "case {case}: {r0}..{r1} over reads {reads:?} refused: {kind}");
+                continue;
+            }
+        }
+        let run = |exec: &GraphExec| -> anyhow::Result<Vec<Vec<f32>>> {
+            exec.launch(&s)?;
+            let mut all = outs.iter().map(|y| y.to_vec(&s)).collect::<graphed::Result<Vec<_>>>()?;
+            all.push(copied.to_vec(&s)?);
+            Ok(all)
+        };
+        let in_place = run(&patched)?;
+        s.copy_d2d(big.slice(t0..t0 + (r1 - r0)), x.slice(r0..r1))?;
+        ensure!(in_place == run(&plain)?, "case {case}: {r0}..{r1} -> {t0} over reads {reads:?}");
+    }
+    Ok(())
+}
+
 crate::per_device!(
+    random_views_rebound_equal_copy_in,
     rebound_reads_equal_a_copy_in_replay,
     a_view_moves_with_its_offset_and_is_held,
     queued_launches_keep_their_buffers,
