@@ -142,10 +142,8 @@ impl GraphedCallable {
         Ok((self.static_grad_inputs()?, tail))
     }
 
-    /// Replays `pass` with each static tensor fed from its source: read in place (`in_place`, a
-    /// contiguous source, a tensor that qualifies), else copied in; every tensor that qualifies
-    /// and is copied in (or is its own source) is read where it was captured again. The pool's
-    /// order is checked first, so a refused replay rebinds nothing.
+    /// Replays `pass` with each static tensor fed from its source ([`bind_sources`](Self::bind_sources)).
+    /// The pool's order is checked first, so a refused replay rebinds nothing.
     #[allow(clippy::too_many_arguments)]
     fn feed(
         &self,
@@ -161,6 +159,21 @@ impl GraphedCallable {
         PoolExec::check_launches(&[exec], route.stream(caller), caller)
             .map_err(|e| super::error::refusal(self.name(), e))?;
         self.check_edges(pass)?;
+        let copies = self.bind_sources(sources, statics, readers, in_place)?;
+        self.replay_checked(pass, caller, route, &copies, statics)
+    }
+
+    /// Points the graphs that read each static tensor at its source, where `in_place`, the
+    /// source is contiguous and the tensor qualifies (`readers`), and back at the static tensor
+    /// otherwise; returns the sources still to copy in. Counts the nodes moved
+    /// ([`rebound_nodes`](GraphedCallable::rebound_nodes)).
+    pub(crate) fn bind_sources<'a>(
+        &self,
+        sources: &[Option<&'a Tensor>],
+        statics: &[&Tensor],
+        readers: &[&Readers],
+        in_place: bool,
+    ) -> Result<Vec<Option<&'a Tensor>>> {
         let mut copies = sources.to_vec();
         let mut nodes = 0;
         for (k, readers) in readers.iter().enumerate() {
@@ -178,6 +191,17 @@ impl GraphedCallable {
             }
         }
         self.rebound.store(nodes, Ordering::Relaxed);
-        self.replay_checked(pass, caller, route, &copies, statics)
+        Ok(copies)
+    }
+
+    /// The readers of the static tensor a stack feeds this layer in `pass`: its input (forward),
+    /// or its output gradient (backward).
+    pub(crate) fn fed_readers(&self, pass: Pass) -> Result<&Readers> {
+        let state = self.state()?;
+        let readers = match pass {
+            Pass::Forward => state.inputs.first().map(|s| &s.readers),
+            _ => state.grad_readers.first(),
+        };
+        Ok(readers.unwrap_or(&None))
     }
 }

@@ -38,8 +38,11 @@ struct Replayer<'a> {
     caller: &'a Stream,
     /// The forward's route; the backward uses each layer's last one.
     route: Option<Route>,
-    /// The stack's input (forward) or upstream gradient (backward), when it must be copied.
+    /// The stack's input (forward) or upstream gradient (backward), unless it is the static
+    /// buffer itself.
     source: Option<&'a Tensor>,
+    /// Whether the layer it feeds reads it in place where it can, rather than a copy.
+    in_place: bool,
     tails: Tails,
 }
 
@@ -48,7 +51,11 @@ impl Replayer<'_> {
         let layer = &self.layers[i];
         let route = self.route.clone().unwrap_or_else(|| layer.last_route());
         let (sources, statics) = match feeds_source {
-            true => (vec![self.source], vec![layer.static_copy_target(pass)?]),
+            true => {
+                let target = layer.static_copy_target(pass)?;
+                let readers = layer.fed_readers(pass)?;
+                (layer.bind_sources(&[self.source], &[target], &[readers], self.in_place)?, vec![target])
+            }
             false => (Vec::new(), Vec::new()),
         };
         // `GraphedStack::run` checked the whole pass against the pools' order.
@@ -92,7 +99,14 @@ impl GraphedStack {
         self.layers.iter().try_for_each(|l| l.exec(pass).map(|_| ()))
     }
 
-    fn run(&self, pass: Pass, caller: &Stream, route: Option<Route>, source: Option<&Tensor>) -> Result<()> {
+    fn run(
+        &self,
+        pass: Pass,
+        caller: &Stream,
+        route: Option<Route>,
+        source: Option<&Tensor>,
+        in_place: bool,
+    ) -> Result<()> {
         let _range = caller.device().range(&self.ranges[pass as usize]);
         // The whole pass is checked against the pools' order before the input is copied.
         let mut execs = Vec::with_capacity(self.layers.len());
@@ -108,7 +122,7 @@ impl GraphedStack {
         if let (Pass::Forward, Some(step)) = (pass, &self.rng_step) {
             crate::ops::rng::step_add(step, 1, caller)?;
         }
-        let mut r = Replayer { layers: &self.layers, caller, route, source, tails: Tails::new() };
+        let mut r = Replayer { layers: &self.layers, caller, route, source, in_place, tails: Tails::new() };
         let result = match pass {
             Pass::Forward => forward_pass(&mut r, self.layers.len(), ()).map(|_| ()),
             _ => backward_pass(&mut r, vec![(); self.layers.len()], ()),
@@ -126,13 +140,46 @@ impl GraphedStack {
     /// stream of another device, a replay out of the pool's order); nothing was copied or
     /// enqueued then.
     pub fn forward(&self, caller: &Stream, x: &Tensor, replay: Replay<'_>) -> Result<StaticTensor> {
+        self.forward_fed(caller, x, replay, false)
+    }
+
+    /// As [`forward`](GraphedStack::forward), the first layer reading `x` where it is instead of
+    /// a copy when its graphs allow it ([`in_place_input`](GraphedStack::in_place_input)); keep
+    /// `x` unchanged until the backward has run, as [`GraphedCallable::forward_in_place`] says.
+    ///
+    /// # Errors
+    /// As [`forward`](GraphedStack::forward).
+    pub fn forward_in_place(&self, caller: &Stream, x: &Tensor, replay: Replay<'_>) -> Result<StaticTensor> {
+        self.forward_fed(caller, x, replay, true)
+    }
+
+    fn forward_fed(&self, caller: &Stream, x: &Tensor, replay: Replay<'_>, in_place: bool) -> Result<StaticTensor> {
         self.check_ready(Pass::Forward)?;
         let first = self.first();
         let route = first.route_for(caller, replay)?;
         let target = first.static_copy_target(Pass::Forward)?;
         let source = first.copy_source(x, target, || "input 0".into())?;
-        self.run(Pass::Forward, caller, Some(route), source)?;
+        self.run(Pass::Forward, caller, Some(route), source, in_place)?;
         self.last().static_outputs()?.into_iter().next().ok_or_else(|| self.no_output())
+    }
+
+    /// Whether [`forward_in_place`](GraphedStack::forward_in_place) reads its input in place: the
+    /// first layer's graphs read it only through graphed's kernels (without dropout, the residual
+    /// add rides in a cuBLASLt epilogue, and the input is copied in).
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::Released`] after [`release_static_state`](GraphedStack::release_static_state).
+    pub fn in_place_input(&self) -> Result<bool> {
+        Ok(self.first().fed_readers(Pass::Forward)?.is_some())
+    }
+
+    /// Whether [`backward_in_place`](GraphedStack::backward_in_place) reads its upstream
+    /// gradient in place.
+    ///
+    /// # Errors
+    /// As [`in_place_input`](GraphedStack::in_place_input).
+    pub fn in_place_grad_output(&self) -> Result<bool> {
+        Ok(self.last().fed_readers(Pass::Backward)?.is_some())
     }
 
     /// Replays every layer's backward, last layer first, each the way its forward replayed (R8):
@@ -143,10 +190,23 @@ impl GraphedStack {
     /// # Errors
     /// As [`forward`](GraphedStack::forward).
     pub fn backward(&self, caller: &Stream, dy: &Tensor) -> Result<Option<StaticTensor>> {
+        self.backward_fed(caller, dy, false)
+    }
+
+    /// As [`backward`](GraphedStack::backward), the last layer reading `dy` where it is when its
+    /// graphs allow it (keep `dy` unchanged until the replay has run).
+    ///
+    /// # Errors
+    /// As [`backward`](GraphedStack::backward).
+    pub fn backward_in_place(&self, caller: &Stream, dy: &Tensor) -> Result<Option<StaticTensor>> {
+        self.backward_fed(caller, dy, true)
+    }
+
+    fn backward_fed(&self, caller: &Stream, dy: &Tensor, in_place: bool) -> Result<Option<StaticTensor>> {
         self.check_ready(Pass::Backward)?;
         let last = self.last();
         let source = last.match_grad_outputs(&[dy])?.pop().flatten();
-        self.run(Pass::Backward, caller, None, source)?;
+        self.run(Pass::Backward, caller, None, source, in_place)?;
         Ok(self.first().static_grad_inputs()?.into_iter().next().flatten())
     }
 

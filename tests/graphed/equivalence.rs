@@ -4,7 +4,9 @@
 
 use anyhow::ensure;
 use graphed::device::{DType, Device};
-use graphed::graph::{make_graphed_callables, make_graphed_fn, Callable, GraphOptions, GraphedCallable, Replay};
+use graphed::graph::{
+    make_graphed_callables, make_graphed_fn, Callable, GraphOptions, GraphedCallable, GraphedStack, Replay,
+};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Builder, Inputs, KeepOnDevice, Linear, Module, ParamStore};
 use graphed::tensor::Tensor;
@@ -23,6 +25,8 @@ enum How {
     PerLayer,
     /// One graphed callable per layer, each reading its input in place.
     InPlace,
+    /// A stack on a side stream, reading its input and upstream gradient in place.
+    StackInPlace,
 }
 
 /// Trains twin models, one eagerly and one graphed (its optimizer step a graph too), and
@@ -38,7 +42,7 @@ fn twins(dev: &Device, how: How, make: &dyn Fn(&Device) -> Result<Model>) -> Res
     let side = dev.stream()?;
     let event = dev.event()?;
     let options = match how {
-        How::Side => GraphOptions::default().sync_event(&event),
+        How::Side | How::StackInPlace => GraphOptions::default().sync_event(&event),
         _ => GraphOptions::default(),
     };
     let step_before = graphed.step.to_vec::<u64>(&graphed.s)?;
@@ -68,8 +72,13 @@ fn twins(dev: &Device, how: How, make: &dyn Fn(&Device) -> Result<Model>) -> Res
     let replay = match how {
         How::Caller | How::PerLayer | How::InPlace => Replay::caller(),
         How::Joined => Replay::joined(&side),
-        How::Side => Replay::side(&side),
+        How::Side | How::StackInPlace => Replay::side(&side),
     };
+    if let (How::StackInPlace, Some(g)) = (how, &stack) {
+        ensure!(g.in_place_input()? && g.in_place_grad_output()?, "the fixture's layers read both in place");
+    }
+    let stack_input = |g: &GraphedStack| -> Result<Vec<f32>> { Ok(g.static_input()?.to_f32_vec(&graphed.s)?) };
+    let stack_before = stack.as_ref().map(stack_input).transpose()?;
     for step in 0..STEPS {
         for mb in 0..MICROBATCHES {
             let k = step * MICROBATCHES + mb;
@@ -77,6 +86,7 @@ fn twins(dev: &Device, how: How, make: &dyn Fn(&Device) -> Result<Model>) -> Res
             let (ye, dxe) = eager.eager(&x, &dy)?;
             let (x, dy) = graphed.data(k)?;
             let (yg, dxg) = match &stack {
+                Some(g) if how == How::StackInPlace => graphed.graphed_in_place(g, &x, &dy, replay)?,
                 Some(g) => graphed.graphed(g, &x, &dy, replay)?,
                 None if how == How::InPlace => graphed.per_layer_in_place(&layers, &x, &dy)?,
                 None => graphed.per_layer(&layers, &x, &dy)?,
@@ -98,6 +108,10 @@ fn twins(dev: &Device, how: How, make: &dyn Fn(&Device) -> Result<Model>) -> Res
         "the graphed stack advanced its step counter once per forward"
     );
     ensure!(eager.params()? != make(dev)?.params()?, "training changed nothing");
+    if let (Some(g), Some(before)) = (&stack, &stack_before) {
+        let copied = stack_input(g)? != *before;
+        ensure!(copied != (how == How::StackInPlace), "{how:?}: the stack's static input");
+    }
     for (g, before) in layers.iter().zip(&statics_before) {
         let now = statics(g)?;
         let in_place = [g.in_place_inputs()?[0], g.in_place_grad_outputs()?[0]];
@@ -156,6 +170,11 @@ pub fn layers_unchained_match_eager(dev: &Device) -> Result {
 /// previous layer's output) is: bit for bit eager, and nothing copied into the static inputs.
 pub fn layers_read_in_place_match_eager(dev: &Device) -> Result {
     twin_training(dev, How::InPlace, DType::F32)
+}
+
+/// A stack on a side stream reading its input and upstream gradient in place: bit for bit eager.
+pub fn stack_read_in_place_matches_eager(dev: &Device) -> Result {
+    twin_training(dev, How::StackInPlace, DType::F32)
 }
 
 /// As [`layers_read_in_place_match_eager`] in bf16.

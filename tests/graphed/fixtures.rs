@@ -135,8 +135,37 @@ impl Model {
         dy: &Tensor,
         replay: Replay<'_>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let y = g.forward(&self.s, x, replay)?.get()?.to_f32_vec(&self.s)?;
-        let dx = g.backward(&self.s, dy)?.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+        self.graphed_fed(g, (x, dy), replay, false)
+    }
+
+    /// As [`Model::graphed`], the stack reading `x` and `dy` in place where it can.
+    pub fn graphed_in_place(
+        &self,
+        g: &GraphedStack,
+        x: &Tensor,
+        dy: &Tensor,
+        replay: Replay<'_>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.graphed_fed(g, (x, dy), replay, true)
+    }
+
+    fn graphed_fed(
+        &self,
+        g: &GraphedStack,
+        (x, dy): (&Tensor, &Tensor),
+        replay: Replay<'_>,
+        in_place: bool,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let y = match in_place {
+            true => g.forward_in_place(&self.s, x, replay)?,
+            false => g.forward(&self.s, x, replay)?,
+        };
+        let y = y.get()?.to_f32_vec(&self.s)?;
+        let dx = match in_place {
+            true => g.backward_in_place(&self.s, dy)?,
+            false => g.backward(&self.s, dy)?,
+        };
+        let dx = dx.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
         let dx = dx.get()?.to_f32_vec(&self.s)?;
         g.join(&self.s)?;
         Ok((y, dx))

@@ -41,6 +41,7 @@ per_device!(
     layers_unchained_match_eager,
     layers_read_in_place_match_eager,
     layers_read_in_place_match_eager_in_bf16,
+    stack_read_in_place_matches_eager,
     gemm_operands_are_copied_in,
     a_copy_in_replay_after_an_in_place_one_reads_the_static_input,
     rebinding_happens_only_when_the_tensors_change,

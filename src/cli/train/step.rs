@@ -231,10 +231,12 @@ impl Stepper {
             Layers::Stack { stack, side, .. } => {
                 let replay = side.as_ref().map_or(Replay::caller(), Replay::side);
                 let h = model.embed(tokens, stream)?;
-                let y = stack.forward(stream, &h, replay)?;
+                // Read where they are when the layers' graphs allow it (with dropout; without,
+                // the first residual add reads the input in a cuBLASLt epilogue: copied in).
+                let y = stack.forward_in_place(stream, &h, replay)?;
                 let (losses, head) = model.head(y.get()?, targets, stream)?;
                 let dy = model.head_backward(head, weights, stream)?;
-                let dx = stack.backward(stream, &dy)?;
+                let dx = stack.backward_in_place(stream, &dy)?;
                 let dx = dx.ok_or_else(|| anyhow::anyhow!("the first layer gave no input gradient"))?;
                 model.embed_backward(tokens, dx.get()?, stream)?;
                 // The optimizer reads every gradient: join the tails first (R4).
