@@ -40,6 +40,8 @@ fn inspect_reports_every_graph_and_writes_dot_files() {
         }
     }
     assert!(out.contains("replay order: "), "no replay order in:\n{out}");
+    // Without dropout the first residual add reads the input in a GEMM's epilogue.
+    assert!(out.contains("the input copied in, the upstream gradient "), "no in-place line in:\n{out}");
     std::fs::remove_dir_all(&dir).expect("the temporary directory can be removed");
 }
 

@@ -36,6 +36,12 @@ pub fn run(dev: &Device, args: &InspectArgs) -> anyhow::Result<()> {
     let pool = stack.pool();
     let sync = stack.sync_event().map_or_else(|| "no sync event".to_string(), |e| format!("sync event {}", e.id()));
     println!("{config}: a graphed stack of {} layers in {}, {sync}", graphed.len(), pool.id());
+    let fed = |in_place: bool| if in_place { "read in place" } else { "copied in" };
+    println!(
+        "with forward_in_place and backward_in_place: the input {}, the upstream gradient {}",
+        fed(stack.in_place_input()?),
+        fed(stack.in_place_grad_output()?)
+    );
 
     // Graph ids name the graphs in the replay order and the DOT files.
     let mut names: BTreeMap<GraphId, String> = BTreeMap::new();
