@@ -501,7 +501,7 @@ impl OwnedGraph {
     pub(super) fn instantiate(&self) -> Result<OwnedExec, DriverError> {
         // SAFETY: the graph is alive; the executable returned is owned by the caller.
         let raw = unsafe { result::graph::instantiate(self.raw, sys::CUgraphInstantiate_flags(0)) }?;
-        Ok(OwnedExec { raw, _ctx: self.ctx.clone(), errors: self.errors.clone() })
+        Ok(OwnedExec { raw, ctx: self.ctx.clone(), errors: self.errors.clone() })
     }
 }
 
@@ -571,8 +571,8 @@ impl Node<'_> {
 /// A `CUgraphExec`, destroyed on drop; like [`OwnedGraph`], used by one thread at a time.
 pub(super) struct OwnedExec {
     raw: sys::CUgraphExec,
-    /// Keeps the context alive until the executable is destroyed.
-    _ctx: Arc<CudaContext>,
+    /// Keeps the context alive until the executable is destroyed; copies are patched in it.
+    ctx: Arc<CudaContext>,
     errors: Arc<ErrorSlot>,
 }
 
@@ -645,7 +645,7 @@ impl OwnedExec {
         let mut p = unsafe { p.assume_init() };
         p.srcDevice = src;
         // SAFETY: the caller's guarantees; the context is the executable's own.
-        unsafe { sys::cuGraphExecMemcpyNodeSetParams(self.raw, node.0, &p, self._ctx.cu_ctx()) }.result()
+        unsafe { sys::cuGraphExecMemcpyNodeSetParams(self.raw, node.0, &p, self.ctx.cu_ctx()) }.result()
     }
 
     /// `cuGraphUpload` on any stream of the device.
