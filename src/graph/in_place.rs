@@ -73,7 +73,9 @@ impl GraphedCallable {
     /// The graphs read the tensors while they run, as eager work does: keep them unchanged until
     /// the backward replay that pairs with this forward has run (and its tail was joined), as an
     /// eager module's saved tensors must be. The graphs hold them until a later replay feeds
-    /// other tensors.
+    /// other tensors. Another graphed call's output qualifies only if no replay before that
+    /// backward rewrites it: the outputs a schedule with buffer reuse shares with later graphs
+    /// do get rewritten, and [`StaticTensor::get`] can only say so when it is called.
     ///
     /// # Errors
     /// As [`forward`](GraphedCallable::forward); nothing is rebound, copied or enqueued then.
