@@ -598,11 +598,12 @@ impl Observer for Checker {
         self.finish(&mut st, before)
     }
 
-    fn reset(&self, graph: GraphId) -> Result<()> {
+    fn reset(&self, graph: GraphId, exec: u64) -> Result<()> {
+        let mut st = self.lock();
+        st.rebound.remove(&exec);
         if self.inner.captures_only {
             return Ok(());
         }
-        let mut st = self.lock();
         let before = st.hazards.len();
         if let Some(launch) = st.last_launch.remove(&graph) {
             if let Some(l) = st.launches.get(&launch) {
@@ -625,6 +626,10 @@ impl Observer for Checker {
     }
 
     fn rebind(&self, graph: GraphId, exec: u64, remaps: &[crate::device::patch::Remap]) -> Result<()> {
+        if self.inner.captures_only {
+            // Launches are not checked: their summaries are not needed.
+            return Ok(());
+        }
         let mut st = self.lock();
         match st.graphs.get(&graph).cloned() {
             Some(summary) if !remaps.is_empty() => {

@@ -322,10 +322,13 @@ impl GraphExec {
                 blocks.push(b.block.clone());
             }
         }
-        let remaps: Vec<Remap> = next.iter().map(|((s, u), b)| Remap::of(&self.sites[*s].uses[*u], b)).collect();
+        let remaps = |bound: &BTreeMap<(usize, usize), Bound>| -> Vec<Remap> {
+            bound.iter().map(|((s, u), b)| Remap::of(&self.sites[*s].uses[*u], b)).collect()
+        };
+        let observed = self.dev.observer().filter(|o| o.watching()).map(|o| (o, remaps(&next)));
         *st = Rebound { bound: next, blocks, broken: false };
         drop(st);
-        if let Some(o) = self.dev.observer() {
+        if let Some((o, remaps)) = observed {
             o.rebind(self.id, self.exec, &remaps)?;
         }
         Ok(changed.len())
@@ -340,7 +343,7 @@ impl GraphExec {
     pub fn reset(&mut self) -> Result<()> {
         if self.repr.take().is_some() {
             if let Some(o) = self.dev.observer() {
-                return o.reset(self.id);
+                return o.reset(self.id, self.exec);
             }
         }
         Ok(())

@@ -38,7 +38,8 @@ pub(crate) trait Observer: Send + Sync {
     fn end_capture(&self, capture: u64, graph: Option<GraphId>) -> Result<()>;
     /// A launch of executable `exec` (launches of one executable run in order) of `graph`.
     fn launch(&self, graph: GraphId, exec: u64, stream: StreamId) -> Result<()>;
-    fn reset(&self, graph: GraphId) -> Result<()>;
+    /// Executable `exec` of `graph` was destroyed.
+    fn reset(&self, graph: GraphId, exec: u64) -> Result<()>;
     /// Executable `exec` of `graph` now reads through `remaps` (all of its rebound ranges; none
     /// puts it back as captured).
     fn rebind(&self, graph: GraphId, exec: u64, remaps: &[super::patch::Remap]) -> Result<()>;
