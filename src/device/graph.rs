@@ -61,19 +61,22 @@ pub struct Graph {
     id: GraphId,
     repr: GraphRepr,
     info: Arc<GraphCollectives>,
-    /// How each captured operation's node names buffers (see [`Rebind`]).
+    /// How each captured operation's node names buffers (see [`Rebind`]), and where each block
+    /// is named.
     sites: Arc<[Site]>,
+    index: Arc<patch::UsesByBlock>,
 }
 
 impl Graph {
     pub(crate) fn new(dev: Device, repr: GraphRepr, info: GraphCollectives) -> Result<Graph> {
         let sites = dispatch!(dev.backend(), |b, pick| b.graph_sites(pick!(repr)));
-        Ok(Graph { dev, id: GraphId(ids::next_id()), repr, info: Arc::new(info), sites })
+        let index = Arc::new(patch::uses_by_block(&sites));
+        Ok(Graph { dev, id: GraphId(ids::next_id()), repr, info: Arc::new(info), sites, index })
     }
 
-    /// Every block its nodes name.
-    pub(crate) fn buffers(&self) -> std::collections::HashSet<super::BufferId> {
-        self.sites.iter().flat_map(|s| s.uses.iter().map(|u| u.block.id)).collect()
+    /// Whether a node names `block`.
+    pub(crate) fn names(&self, block: super::BufferId) -> bool {
+        self.index.contains_key(&block)
     }
 
     /// Whether its executables would accept `rebinds` ([`GraphExec::rebind`]), changing nothing.
@@ -81,7 +84,9 @@ impl Graph {
     /// # Errors
     /// [`Error::Rebind`] with the reason one would be refused.
     pub fn check_rebind(&self, rebinds: &[Rebind<'_>]) -> Result<()> {
-        patch::plan(&self.sites, rebinds).map(|_| ()).map_err(|kind| Error::Rebind { graph: self.id, kind })
+        patch::plan(&self.sites, &self.index, rebinds)
+            .map(|_| ())
+            .map_err(|kind| Error::Rebind { graph: self.id, kind })
     }
 
     /// The graph's identity (shared by its executables).
@@ -150,7 +155,7 @@ impl Graph {
     /// Instantiates an executable graph.
     pub fn instantiate(&self) -> Result<GraphExec> {
         let repr = dispatch!(self.dev.backend(), |b, pick| b.wrap_exec(b.instantiate(pick!(self.repr))?));
-        let (info, sites) = (self.info.clone(), self.sites.clone());
+        let (info, sites, index) = (self.info.clone(), self.sites.clone(), self.index.clone());
         let rebound = Mutex::new(Rebound::default());
         Ok(GraphExec {
             dev: self.dev.clone(),
@@ -159,6 +164,7 @@ impl Graph {
             repr: Some(repr),
             info,
             sites,
+            index,
             rebound,
         })
     }
@@ -186,6 +192,7 @@ pub struct GraphExec {
     repr: Option<ExecRepr>,
     info: Arc<GraphCollectives>,
     sites: Arc<[Site]>,
+    index: Arc<patch::UsesByBlock>,
     rebound: Mutex<Rebound>,
 }
 
@@ -284,7 +291,8 @@ impl GraphExec {
             // Everything already reads where it was captured (a copy-in replay's check).
             return Ok(0);
         }
-        let moved = patch::plan(&self.sites, rebinds).map_err(|kind| Error::Rebind { graph: self.id, kind })?;
+        let moved =
+            patch::plan(&self.sites, &self.index, rebinds).map_err(|kind| Error::Rebind { graph: self.id, kind })?;
         let mut st = self.rebound();
         let mut next = st.bound.clone();
         let mut changed = std::collections::BTreeSet::new();

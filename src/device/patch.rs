@@ -13,6 +13,7 @@
 //! not know (cuBLASLt, cuDNN, NCCL), refuses the rebind as a whole, before anything changes: its
 //! bytes must be copied in instead.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::backend::Op;
@@ -246,9 +247,25 @@ pub(crate) struct Bound {
 /// A site and where its moved uses point now, by use index (the others as captured).
 pub(crate) type SiteChange = (usize, Vec<(usize, Bound)>);
 
+/// Where each block is named: its (site, use) pairs, in capture order.
+pub(crate) type UsesByBlock = HashMap<BufferId, Vec<(usize, usize)>>;
+
+/// The index of `sites` by block.
+pub(crate) fn uses_by_block(sites: &[Site]) -> UsesByBlock {
+    let mut index: UsesByBlock = HashMap::new();
+    for (s, site) in sites.iter().enumerate() {
+        for (u, x) in site.uses.iter().enumerate() {
+            index.entry(x.block.id).or_default().push((s, u));
+        }
+    }
+    index
+}
+
 /// The uses that `rebinds` move, as `(site, use, where it points)`, or why one is refused.
+/// `index` is [`uses_by_block`] of `sites`.
 pub(crate) fn plan(
     sites: &[Site],
+    index: &UsesByBlock,
     rebinds: &[Rebind<'_>],
 ) -> std::result::Result<Vec<(usize, usize, Bound)>, RebindErrorKind> {
     let mut moved = Vec::new();
@@ -256,24 +273,23 @@ pub(crate) fn plan(
         let (from, to) = (r.from_start, r.from_start + r.bytes);
         let buffer = r.from.id;
         let mut any = false;
-        for (s, site) in sites.iter().enumerate() {
-            for (u, x) in site.uses.iter().enumerate() {
-                if x.block.id != buffer || x.end <= from || to <= x.start {
-                    continue;
-                }
-                let op = site.op;
-                if x.slot == Slot::Opaque {
-                    return Err(RebindErrorKind::Opaque { op, buffer });
-                }
-                if x.writes {
-                    return Err(RebindErrorKind::Written { op, buffer });
-                }
-                if x.start < from || to < x.end {
-                    return Err(RebindErrorKind::Partial { op, buffer, start: x.start, end: x.end, from, to });
-                }
-                any = true;
-                moved.push((s, u, Bound { block: r.to.clone(), start: r.to_start + (x.start - from) }));
+        for &(s, u) in index.get(&buffer).into_iter().flatten() {
+            let (site, x) = (&sites[s], &sites[s].uses[u]);
+            if x.end <= from || to <= x.start {
+                continue;
             }
+            let op = site.op;
+            if x.slot == Slot::Opaque {
+                return Err(RebindErrorKind::Opaque { op, buffer });
+            }
+            if x.writes {
+                return Err(RebindErrorKind::Written { op, buffer });
+            }
+            if x.start < from || to < x.end {
+                return Err(RebindErrorKind::Partial { op, buffer, start: x.start, end: x.end, from, to });
+            }
+            any = true;
+            moved.push((s, u, Bound { block: r.to.clone(), start: r.to_start + (x.start - from) }));
         }
         if !any {
             return Err(RebindErrorKind::NotRead { buffer });

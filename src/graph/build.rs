@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::graphed::{CaptureTimes, Captured, GraphedCallable, Pass, Shared, Slot, StaticState};
-use super::in_place::{readers, Named, Readers};
+use super::in_place::{readers, Readers};
 use super::options::GraphOptions;
 use super::output::StaticOutput;
 use super::plan::Plan;
@@ -49,9 +49,8 @@ pub(crate) fn build(
         executables.push(captured);
     }
     times.instantiate = began.elapsed();
-    let all: Vec<Vec<Named<'_>>> = (executables.iter())
-        .map(|mine| mine.iter().map(|c| (c.pass, c.graph.graph(), c.graph.graph().buffers())).collect())
-        .collect();
+    let all: Vec<Vec<(Pass, &crate::device::Graph)>> =
+        executables.iter().map(|mine| mine.iter().map(|c| (c.pass, c.graph.graph())).collect()).collect();
     let input_readers: Vec<Vec<Readers>> = (inputs.iter().enumerate())
         .map(|(i, xs)| {
             let fed = plan.statics[i].is_none();

@@ -11,10 +11,9 @@
 use super::graphed::{GraphedCallable, Pass};
 use super::replay::{Route, StaticTensor, Tail};
 use super::Replay;
-use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
-use crate::device::{with_dtype, BufferId, Graph, Rebind, RebindErrorKind, Stream};
+use crate::device::{with_dtype, Graph, Rebind, RebindErrorKind, Stream};
 use crate::memory::PoolExec;
 use crate::nn::Inputs;
 use crate::tensor::Tensor;
@@ -24,16 +23,13 @@ use crate::{Error, Result};
 /// read in place (none read it: an empty list); `None` when it must be copied in.
 pub(crate) type Readers = Option<Vec<Pass>>;
 
-/// A graph of a callable, with its pass and the blocks it names.
-pub(crate) type Named<'g> = (Pass, &'g Graph, HashSet<BufferId>);
-
 /// The readers of static tensor `t` of callable `mine` among the graphs of every callable
-/// captured with it (`all`, by callable).
-pub(crate) fn readers(all: &[Vec<Named<'_>>], mine: usize, t: &Tensor) -> Readers {
+/// captured with it (`all`, by callable, each graph with its pass).
+pub(crate) fn readers(all: &[Vec<(Pass, &Graph)>], mine: usize, t: &Tensor) -> Readers {
     let identity = with_dtype!(t.dtype(), T => t.view::<T>().and_then(|v| Rebind::new(v, v))).ok()?;
     let mut passes = Vec::new();
     for (i, graphs) in all.iter().enumerate() {
-        for (pass, graph, _) in graphs.iter().filter(|(_, _, named)| named.contains(&t.id())) {
+        for (pass, graph) in graphs.iter().filter(|(_, g)| g.names(t.id())) {
             match graph.check_rebind(std::slice::from_ref(&identity)) {
                 Ok(()) if i == mine => passes.push(*pass),
                 Err(Error::Rebind { kind: RebindErrorKind::NotRead { .. }, .. }) => {}
