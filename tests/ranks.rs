@@ -48,63 +48,14 @@ fn wait_at_most(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
     None
 }
 
-/// A rank killed mid-run (rank 1, then rank 0, whose death the other sees directly) ends the
-/// other by itself, with exit status 1 (a failure while running) and an error naming the dead
-/// rank, instead of a hang.
-#[test]
-#[ignore = "needs a CUDA GPU and NCCL"]
-fn a_killed_rank_ends_the_other_with_an_error_naming_it() {
-    for dead in [1, 0] {
-        let port = free_port();
-        let args = ["train", "--steps", "100000"];
-        // Rank 0 reports; the other's output is not needed.
-        let mut ranks: Vec<Child> = (0..2)
-            .map(|r| {
-                let mut cmd = rank(r, 2, port, &args);
-                cmd.stdout(if r == 0 { Stdio::piped() } else { Stdio::null() }).stderr(Stdio::piped());
-                cmd.spawn().expect("the binary starts")
-            })
-            .collect();
-        // Once rank 0 reports a step, the group trains; its output is read to the end, so that
-        // it never waits on a full pipe.
-        let stdout = ranks[0].stdout.take().expect("rank 0's output");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line.starts_with("step") {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        let stepping = rx.recv_timeout(Duration::from_secs(120)).is_ok();
-        assert!(stepping, "the two ranks never stepped");
-        ranks[dead].kill().expect("the rank can be killed");
-        let _ = ranks[dead].wait();
-        let survivor = &mut ranks[1 - dead];
-        let status = wait_at_most(survivor, Duration::from_secs(60));
-        let mut stderr = String::new();
-        if let Some(mut e) = survivor.stderr.take() {
-            let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
-        }
-        let Some(status) = status else { panic!("rank {} still ran 60 s after rank {dead} was killed", 1 - dead) };
-        assert_eq!(status.code(), Some(1), "rank {}: {status}; {stderr}", 1 - dead);
-        assert!(stderr.contains(&format!("rank {dead} left the group")), "rank {}: {stderr}", 1 - dead);
-    }
-}
-
-/// A rank stopped mid-run (SIGSTOP: alive, its connections open, its collectives never
-/// entered) ends the other within its `--comm-timeout`, with an error naming the graph that did
-/// not complete and the collective it waits in, instead of a hang.
-#[test]
-#[ignore = "needs a CUDA GPU and NCCL"]
-fn a_stalled_rank_ends_the_other_naming_the_graph_and_collective() {
-    const TIMEOUT_S: u64 = 10;
+/// Ranks 0 and 1 of a group of two running `graphed args`, once rank 0 reports a step (the
+/// group trains). Rank 0's output is read to the end, so that it never waits on a full pipe; the
+/// other's is not needed. Both ranks' stderr is piped.
+fn two_stepping_ranks(args: &[&str]) -> Vec<Child> {
     let port = free_port();
-    let timeout = TIMEOUT_S.to_string();
-    let args = ["train", "--steps", "100000", "--comm-timeout", &timeout];
     let mut ranks: Vec<Child> = (0..2)
         .map(|r| {
-            let mut cmd = rank(r, 2, port, &args);
+            let mut cmd = rank(r, 2, port, args);
             cmd.stdout(if r == 0 { Stdio::piped() } else { Stdio::null() }).stderr(Stdio::piped());
             cmd.spawn().expect("the binary starts")
         })
@@ -119,15 +70,52 @@ fn a_stalled_rank_ends_the_other_naming_the_graph_and_collective() {
         }
     });
     assert!(rx.recv_timeout(Duration::from_secs(120)).is_ok(), "the two ranks never stepped");
+    ranks
+}
+
+/// What a finished child wrote to its piped stderr.
+fn stderr_of(child: &mut Child) -> String {
+    let mut stderr = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
+    }
+    stderr
+}
+
+/// A rank killed mid-run (rank 1, then rank 0, whose death the other sees directly) ends the
+/// other by itself, with exit status 1 (a failure while running) and an error naming the dead
+/// rank, instead of a hang.
+#[test]
+#[ignore = "needs a CUDA GPU and NCCL"]
+fn a_killed_rank_ends_the_other_with_an_error_naming_it() {
+    for dead in [1, 0] {
+        let mut ranks = two_stepping_ranks(&["train", "--steps", "100000"]);
+        ranks[dead].kill().expect("the rank can be killed");
+        let _ = ranks[dead].wait();
+        let survivor = &mut ranks[1 - dead];
+        let status = wait_at_most(survivor, Duration::from_secs(60));
+        let stderr = stderr_of(survivor);
+        let Some(status) = status else { panic!("rank {} still ran 60 s after rank {dead} was killed", 1 - dead) };
+        assert_eq!(status.code(), Some(1), "rank {}: {status}; {stderr}", 1 - dead);
+        assert!(stderr.contains(&format!("rank {dead} left the group")), "rank {}: {stderr}", 1 - dead);
+    }
+}
+
+/// A rank stopped mid-run (SIGSTOP: alive, its connections open, its collectives never
+/// entered) ends the other within its `--comm-timeout`, with an error naming the graph that did
+/// not complete and the collective it waits in, instead of a hang.
+#[test]
+#[ignore = "needs a CUDA GPU and NCCL"]
+fn a_stalled_rank_ends_the_other_naming_the_graph_and_collective() {
+    const TIMEOUT_S: u64 = 10;
+    let timeout = TIMEOUT_S.to_string();
+    let mut ranks = two_stepping_ranks(&["train", "--steps", "100000", "--comm-timeout", &timeout]);
     let stopped = Command::new("kill").args(["-STOP", &ranks[1].id().to_string()]).status().expect("kill runs");
     assert!(stopped.success(), "rank 1 could not be stopped");
     let status = wait_at_most(&mut ranks[0], Duration::from_secs(TIMEOUT_S + 60));
     let _ = ranks[1].kill();
     let _ = ranks[1].wait();
-    let mut stderr = String::new();
-    if let Some(mut e) = ranks[0].stderr.take() {
-        let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
-    }
+    let stderr = stderr_of(&mut ranks[0]);
     let Some(status) = status else { panic!("rank 0 still ran {} s after rank 1 stopped", TIMEOUT_S + 60) };
     assert_eq!(status.code(), Some(1), "rank 0: {status}; {stderr}");
     for named in ["did not complete", "waits in", "collective"] {

@@ -337,22 +337,6 @@ impl GraphedCallable {
             .collect()
     }
 
-    /// Checks that `pass` may replay under `route` (the pool's order, R5), then copies `sources`
-    /// into `statics` on `caller` and launches: a refused replay copies and enqueues nothing.
-    pub(crate) fn replay(
-        &self,
-        pass: Pass,
-        caller: &Stream,
-        route: &Route,
-        sources: &[Option<&Tensor>],
-        statics: &[&Tensor],
-    ) -> Result<Tail> {
-        let exec = self.exec(pass)?;
-        PoolExec::check_launches(&[exec], route.stream(caller), caller).map_err(|e| refusal(&self.name, e))?;
-        self.check_edges(pass)?;
-        self.replay_checked(pass, caller, route, sources, statics)
-    }
-
     /// The edge ends of `pass`'s graph.
     fn edges(&self, pass: Pass) -> Result<&[(GraphEdge, End)]> {
         Ok(self.state()?.graphs.iter().find(|c| c.pass == pass).map_or(&[][..], |c| &c.edges[..]))
@@ -366,7 +350,7 @@ impl GraphedCallable {
         Ok(())
     }
 
-    /// [`replay`](GraphedCallable::replay) for a caller that has already checked this launch
+    /// `replay` (`in_place.rs`) for a caller that has already checked this launch
     /// against the pool's order (a graphed stack checks its whole pass at once).
     pub(crate) fn replay_checked(
         &self,
@@ -474,7 +458,7 @@ impl GraphedCallable {
     /// forward replayed.
     pub fn backward_dw(&self, caller: &Stream) -> Result<Tail> {
         self.refuse_in_stack()?;
-        self.replay(Pass::BackwardDw, caller, &self.last_route(), &[], &[])
+        self.replay(Pass::BackwardDw, caller, &self.last_route(), (&[], &[]), &[], false)
     }
 
     /// Gives back what the callable holds for its replays, once it will not be replayed again:

@@ -119,7 +119,7 @@ impl GraphedCallable {
         let state = self.state()?;
         let statics: Vec<&Tensor> = state.inputs.iter().map(|s| &s.input.tensor).collect();
         let readers: Vec<&Readers> = state.inputs.iter().map(|s| &s.readers).collect();
-        let tail = self.feed(Pass::Forward, caller, &route, &sources, &statics, &readers, in_place)?;
+        let tail = self.replay(Pass::Forward, caller, &route, (&sources, &statics), &readers, in_place)?;
         Ok((self.static_outputs()?, tail))
     }
 
@@ -136,20 +136,19 @@ impl GraphedCallable {
         let state = self.state()?;
         let statics: Vec<&Tensor> = state.grad_outputs.iter().collect();
         let readers: Vec<&Readers> = state.grad_readers.iter().collect();
-        let tail = self.feed(Pass::Backward, caller, &route, &sources, &statics, &readers, in_place)?;
+        let tail = self.replay(Pass::Backward, caller, &route, (&sources, &statics), &readers, in_place)?;
         Ok((self.static_grad_inputs()?, tail))
     }
 
-    /// Replays `pass` with each static tensor fed from its source ([`bind_sources`](Self::bind_sources)).
-    /// The pool's order is checked first, so a refused replay rebinds nothing.
-    #[allow(clippy::too_many_arguments)]
-    fn feed(
+    /// Replays `pass` under `route` with each static tensor of `statics` fed from its source
+    /// ([`bind_sources`](Self::bind_sources)): the pool's order (R5) and the edges are checked
+    /// first, so a refused replay rebinds, copies and enqueues nothing.
+    pub(crate) fn replay(
         &self,
         pass: Pass,
         caller: &Stream,
         route: &Route,
-        sources: &[Option<&Tensor>],
-        statics: &[&Tensor],
+        (sources, statics): (&[Option<&Tensor>], &[&Tensor]),
         readers: &[&Readers],
         in_place: bool,
     ) -> Result<Tail> {

@@ -36,52 +36,50 @@ pub(super) struct CaptureInfo {
 
 /// `cuStreamGetCaptureInfo_v3` (the only form bound for CUDA 13.0), without the graph outputs.
 pub(super) fn capture_info(stream: &CudaStream) -> Result<CaptureInfo, DriverError> {
-    let mut status: u32 = CAPTURE_NONE;
-    let mut id: u64 = 0;
-    // SAFETY: the stream is alive while borrowed. The status is a 4-byte C enum written into a
-    // `u32`. The graph, dependency, edge-data and count outputs are optional and passed as null.
-    unsafe {
-        sys::cuStreamGetCaptureInfo_v3(
-            stream.cu_stream(),
-            (&mut status as *mut u32).cast::<sys::CUstreamCaptureStatus>(),
-            &mut id,
-            ptr::null_mut(),
-            ptr::null_mut(),
-            ptr::null_mut(),
-            ptr::null_mut(),
-        )
-    }
-    .result()?;
-    Ok(CaptureInfo { status, id })
+    query_capture(stream, None)
 }
 
 /// The nodes a capturing stream's next work would depend on (`cuStreamGetCaptureInfo_v3`'s
 /// dependencies): right after an enqueue, the nodes it added at the stream's end.
 pub(super) fn capture_frontier(stream: &CudaStream) -> Result<Vec<RawNode>, DriverError> {
+    let mut frontier = Vec::new();
+    let info = query_capture(stream, Some(&mut frontier))?;
+    Ok(if info.status == CAPTURE_ACTIVE { frontier } else { Vec::new() })
+}
+
+/// `cuStreamGetCaptureInfo_v3`, with the dependencies copied into `frontier` when asked for.
+fn query_capture(stream: &CudaStream, frontier: Option<&mut Vec<RawNode>>) -> Result<CaptureInfo, DriverError> {
     let mut status: u32 = CAPTURE_NONE;
     let mut id: u64 = 0;
     let mut deps: *const sys::CUgraphNode = ptr::null();
     let mut count: usize = 0;
+    let (deps_out, count_out) = match frontier {
+        Some(_) => (&mut deps as *mut *const sys::CUgraphNode, &mut count as *mut usize),
+        None => (ptr::null_mut(), ptr::null_mut()),
+    };
     // SAFETY: the stream is alive while borrowed; the status is a 4-byte C enum written into a
-    // `u32`. The driver points `deps` at an array it owns, valid until the next call on the
-    // stream, and copied out below before any.
+    // `u32`. The graph and edge-data outputs are optional and passed as null, and so are the
+    // dependency outputs unless asked for; then the driver points `deps` at an array it owns,
+    // valid until the next call on the stream, copied out below before any.
     unsafe {
         sys::cuStreamGetCaptureInfo_v3(
             stream.cu_stream(),
             (&mut status as *mut u32).cast::<sys::CUstreamCaptureStatus>(),
             &mut id,
             ptr::null_mut(),
-            &mut deps,
+            deps_out,
             ptr::null_mut(),
-            &mut count,
+            count_out,
         )
     }
     .result()?;
-    if deps.is_null() || count == 0 || status != CAPTURE_ACTIVE {
-        return Ok(Vec::new());
+    if let Some(out) = frontier {
+        if !deps.is_null() && count > 0 {
+            // SAFETY: the driver's array holds `count` nodes (see above).
+            out.extend(unsafe { std::slice::from_raw_parts(deps, count) }.iter().map(|n| RawNode(*n)));
+        }
     }
-    // SAFETY: the driver's array holds `count` nodes (see above).
-    Ok(unsafe { std::slice::from_raw_parts(deps, count) }.iter().map(|n| RawNode(*n)).collect())
+    Ok(CaptureInfo { status, id })
 }
 
 /// `cuStreamQuery`: `Ok(false)` while work is pending (`CUDA_ERROR_NOT_READY`).
