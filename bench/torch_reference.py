@@ -301,7 +301,7 @@ def kernels(name: str, dtype: str, steps: int) -> dict:
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     d, n, b, t = SHAPES[name]
     layers = list(Stack(d, n, True).cuda().to(dt).children())
-    x = torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True)
+    x = bench_input(b, t, d, dt)
     dy = torch.ones(b, t, d, device="cuda", dtype=dt)
 
     def step():
@@ -387,7 +387,21 @@ def layer_sdpa_probe(name: str, dt: torch.dtype) -> dict:
     return probe
 
 
-def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup: int) -> dict:
+def bench_input(b: int, t: int, d: int, dt: torch.dtype, constant: bool = False) -> "torch.Tensor":
+    """The step's input x, graphed's (`BenchModel`'s): element i is (i * 7919 mod 1000) / 1000 - 0.5,
+    rounded from f32, so that both sides time the same data. `constant`: every element 0.5, what
+    this file timed before 2026-12-05; LayerNorm turns such rows into its bias (zeros), so every
+    GEMM after it reads degenerate data, which draws less power, and at L, where the H200 runs at
+    its power cap, clocks higher (bench/results/HISTORY.md)."""
+    if constant:
+        return torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True)
+    i = torch.arange(b * t * d, device="cuda", dtype=torch.int64)
+    x = ((i * 7919 % 1000).to(torch.float32) / 1000 - 0.5).to(dt).view(b, t, d)
+    return x.requires_grad_()
+
+
+def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup: int,
+                   constant: bool = False) -> dict:
     """One (configuration, variant) of `graphs`, in a function so that its memory goes on return;
     a torch-sdpa-* variant is its torch-* variant with fused attention. Peak memory is the
     variant's: the peaks are reset at its start."""
@@ -396,7 +410,7 @@ def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup:
     mode = variant.replace("torch-sdpa-", "torch-", 1)
     torch.cuda.reset_peak_memory_stats()
     layers = list(Stack(d, n, fused).cuda().to(dt).children())
-    x = torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True)
+    x = bench_input(b, t, d, dt, constant)
     dy = torch.ones(b, t, d, device="cuda", dtype=dt)
     capture_ms = None
 
@@ -474,7 +488,8 @@ def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup:
     return row
 
 
-def graphs(configs: list, dtype: str, steps: int, warmup: int, variants: list, forms: list) -> dict:
+def graphs(configs: list, dtype: str, steps: int, warmup: int, variants: list, forms: list,
+           constant: bool = False) -> dict:
     """BENCH.md's step (every layer's forward, then backward from ones; no optimizer), as
     `graphed bench graphs` runs it: torch-eager, torch-graphed (make_graphed_callables, one
     callable per layer), torch-floor (the whole step in one torch.cuda.graph) and torch-compile
@@ -483,7 +498,7 @@ def graphs(configs: list, dtype: str, steps: int, warmup: int, variants: list, f
     (`match_graphed_numerics`); `parity` checks this module against graphed's, in its form.
     Between variants the compiler's caches are dropped (each torch-compile variant compiles anew,
     with the shapes of its own configuration) and the freed memory is handed back, so that each
-    variant's peaks are its own."""
+    variant's peaks are its own. The input is graphed's (`bench_input`; `constant`: all 0.5)."""
     match_graphed_numerics()
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
     rows, sdpa = [], {}
@@ -492,7 +507,8 @@ def graphs(configs: list, dtype: str, steps: int, warmup: int, variants: list, f
             if form == "fused":
                 sdpa[name] = layer_sdpa_probe(name, dt)
             for variant in variants:
-                row = graphs_variant(name, variant_name(variant, form), dt, steps, warmup)
+                row = graphs_variant(name, variant_name(variant, form), dt, steps, warmup, constant)
+                row["input"] = "constant" if constant else "graphed"
                 if form == "fused":
                     row["sdpa_backend"] = sdpa[name]["default"]
                 rows.append(row)
@@ -675,7 +691,7 @@ def memory_probe(name: str, search: str, size: int, variant: str, dt: torch.dtyp
         layers = [Checkpointed(m) for m in layers]
     offload = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)) if variant == "torch-sdpa-save-on-cpu" \
         else contextlib.nullcontext
-    x = torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True)
+    x = bench_input(b, t, d, dt)
     dy = torch.ones(b, t, d, device="cuda", dtype=dt)
     if graphed:
         samples = tuple((torch.full((b, t, d), 0.5, device="cuda", dtype=dt, requires_grad=True),) for _ in layers)
@@ -825,6 +841,8 @@ def main() -> None:
     gr.add_argument("--variants", default=",".join(VARIANTS),
                     help="comma-separated variants, each run with every form of --attention (default: %(default)s)")
     gr.add_argument("--attention", **forms)
+    gr.add_argument("--input", default="graphed", choices=["graphed", "constant"],
+                    help="x as graphed's bench sets it (default), or every element 0.5 (the older, degenerate input)")
     at = sub.add_parser("attention", help="SDPA alone, per backend: forward and forward+backward, ms and TFLOP/s")
     at.add_argument("--batch", type=int, default=2)
     at.add_argument("--heads", type=int, default=64)
@@ -868,7 +886,8 @@ def main() -> None:
         if unknown:
             p.error(f"graphs: unknown variants {unknown}: name them as {VARIANTS} and pick the attention form "
                     "with --attention (fused runs them as torch-sdpa-*)")
-        print(json.dumps(graphs(args.configs.split(","), args.dtype, 20, 5, variants, FORMS[args.attention])))
+        print(json.dumps(graphs(args.configs.split(","), args.dtype, 20, 5, variants, FORMS[args.attention],
+                                args.input == "constant")))
     elif args.which == "memory":
         print(json.dumps(memory(args.config, args.budget, args.search.split(","), args.variants.split(","), args.steps,
                                 args.warmup, args.json)))

@@ -102,11 +102,13 @@ fn a_killed_rank_ends_the_other_with_an_error_naming_it() {
 }
 
 /// A rank stopped mid-run (SIGSTOP: alive, its connections open, its collectives never
-/// entered) ends the other within its `--comm-timeout`, with an error naming the graph that did
-/// not complete and the collective it waits in, instead of a hang.
+/// entered) ends the other within its `--comm-timeout`, with an error naming the collective it
+/// waits in, and the graph holding it when it is captured, instead of a hang. Where rank 1 stops
+/// decides which: a layer's backward graph (its gradients' reduction) or the embedding's and
+/// head's reduction outside graphs.
 #[test]
 #[ignore = "needs a CUDA GPU and NCCL"]
-fn a_stalled_rank_ends_the_other_naming_the_graph_and_collective() {
+fn a_stalled_rank_ends_the_other_naming_the_stalled_collective() {
     const TIMEOUT_S: u64 = 10;
     let timeout = TIMEOUT_S.to_string();
     let mut ranks = two_stepping_ranks(&["train", "--steps", "100000", "--comm-timeout", &timeout]);
@@ -118,9 +120,11 @@ fn a_stalled_rank_ends_the_other_naming_the_graph_and_collective() {
     let stderr = stderr_of(&mut ranks[0]);
     let Some(status) = status else { panic!("rank 0 still ran {} s after rank 1 stopped", TIMEOUT_S + 60) };
     assert_eq!(status.code(), Some(1), "rank 0: {status}; {stderr}");
-    for named in ["did not complete", "waits in", "collective"] {
-        assert!(stderr.contains(named), "rank 0's error does not say `{named}`: {stderr}");
-    }
+    assert!(stderr.contains("did not complete"), "rank 0's error names no stalled collective: {stderr}");
+    let in_graph = stderr.contains("(launch ") && stderr.contains("waits in");
+    assert!(in_graph || stderr.contains("outside graphs"), "rank 0's error says neither where: {stderr}");
+    let ops = ["all_reduce", "reduce_scatter", "all_gather"];
+    assert!(ops.iter().any(|op| stderr.contains(op)), "rank 0's error names no collective: {stderr}");
 }
 
 /// `NCCL_COMM_BLOCKING`, which NCCL would apply over both of a rank's communicators, is refused

@@ -44,7 +44,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 pub use access::{Access, AccessMode, AccessRole, Dim, Region};
 pub use capture::{Capture, CaptureMode, CaptureStatus};
 pub(crate) use comm::per_rank_thread;
-pub use comm::{CapturedCollective, CommErrorKind, CommOptions, Communicator, NcclId, StalledGraph, Transfer};
+pub use comm::{
+    CapturedCollective, CommErrorKind, CommOptions, Communicator, NcclId, Stalled, StalledLaunch, Transfer,
+};
 /// `graphed bench launch`'s yardstick, not part of the product: public only because the
 /// benchmark is a binary of this package and only `cuda/` may name cudarc.
 pub use cuda::baseline;

@@ -220,7 +220,8 @@ impl ProcessGroup {
     ///
     /// # Errors
     /// [`CommErrorKind::RankGone`] naming the dead rank, as [`Communicator::wait`] otherwise;
-    /// either as [`CommErrorKind::GraphStalled`] when a graph's launch was waiting on the rank.
+    /// either as [`CommErrorKind::Stalled`] when a collective (in a graph's launch or not) was
+    /// waiting on the rank.
     pub fn wait(&self, stream: &Stream) -> Result<()> {
         self.comm.wait_watching(stream, &|| self.watch.error())
     }

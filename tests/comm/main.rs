@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context};
 use graphed::device::{
-    CaptureMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, StalledGraph, Transfer,
+    CaptureMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, Stalled, StalledLaunch, Transfer,
 };
 use graphed::Error;
 
@@ -367,11 +367,12 @@ fn a_rank_that_stalls_in_a_graph_is_reported(on: Ranks, stall: Stall) -> anyhow:
         }
         waited
     })?;
-    let Some(CommErrorKind::GraphStalled(stalled)) = kind_of(&out[0]) else {
+    let Some(CommErrorKind::Stalled(stalled)) = kind_of(&out[0]) else {
         anyhow::bail!("{on:?}, {stall:?}: expected a stalled graph, got {:?}", out[0]);
     };
-    let StalledGraph { graph, launch, collective, arrived, missing, cause } = &**stalled;
-    ensure!(graph == "fp8 step" && *launch == 1, "{on:?}: {graph} launch {launch}");
+    let Stalled { graph, collective, arrived, missing, cause } = &**stalled;
+    let want = StalledLaunch { graph: "fp8 step".into(), launch: 1 };
+    ensure!(graph.as_ref() == Some(&want), "{on:?}: {graph:?}");
     let first = "all_gather of 4 × f32 (collective 1 of 2 in the graph, rank 0 of a group of 2)";
     match (on, stall) {
         (Ranks::Sim(_), _) => {
@@ -410,9 +411,10 @@ fn a_rank_that_dies_before_a_graph_is_named_with_the_graph_its_collective_and_th
     Ok(())
 }
 
-/// A wait that fails outside any graph is reported as before: no graph explains it.
+/// A wait that fails in a collective enqueued outside graphs names that collective, no graph,
+/// and the ranks, even after a graph holding a collective of the group was launched.
 #[test]
-fn a_timeout_of_an_eager_collective_names_no_graph() -> anyhow::Result<()> {
+fn a_timeout_of_an_eager_collective_names_it_and_no_graph() -> anyhow::Result<()> {
     let timeout = Duration::from_millis(200);
     let rank_0_done = std::sync::Barrier::new(2);
     let out = on_ranks(2, Policy::Random, timeout, |c| {
@@ -432,7 +434,16 @@ fn a_timeout_of_an_eager_collective_names_no_graph() -> anyhow::Result<()> {
         rank_0_done.wait();
         waited
     });
-    ensure!(matches!(kind_of(&out[0]), Some(CommErrorKind::Timeout { .. })), "{:?}", out[0]);
+    let Some(CommErrorKind::Stalled(stalled)) = kind_of(&out[0]) else {
+        anyhow::bail!("expected the stalled collective, got {:?}", out[0]);
+    };
+    let Stalled { graph, collective, arrived, missing, cause } = &**stalled;
+    ensure!(graph.is_none(), "{graph:?}");
+    ensure!(collective == "all_reduce of 4 × f32 outside graphs (rank 0 of a group of 2)", "{collective}");
+    ensure!(arrived.as_deref() == Some(&[0][..]) && missing.as_deref() == Some(&[1][..]), "{arrived:?} {missing:?}");
+    ensure!(matches!(cause, CommErrorKind::Timeout { .. }), "{cause:?}");
+    let message = out[0].as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(message.contains("a collective did not complete: all_reduce of 4 × f32 outside graphs"), "{message}");
     Ok(())
 }
 

@@ -358,7 +358,7 @@ impl<'a> Training<'a> {
         // its error comes first, the failure it caused below it.
         let named = match e.downcast_ref() {
             Some(Error::Comm { kind: CommErrorKind::RankGone { .. }, .. }) => true,
-            Some(Error::Comm { kind: CommErrorKind::GraphStalled(s), .. }) => {
+            Some(Error::Comm { kind: CommErrorKind::Stalled(s), .. }) => {
                 matches!(s.cause, CommErrorKind::RankGone { .. })
             }
             _ => false,

@@ -127,8 +127,9 @@ mod tests {
             uploaded
         });
         match &out[0] {
-            Err(Error::Comm { kind: CommErrorKind::GraphStalled(stalled), .. }) => {
-                assert_eq!((stalled.graph.as_str(), stalled.launch), ("step", 1), "{stalled}");
+            Err(Error::Comm { kind: CommErrorKind::Stalled(stalled), .. }) => {
+                let launch = stalled.graph.as_ref().map(|g| (g.graph.as_str(), g.launch));
+                assert_eq!(launch, Some(("step", 1)), "{stalled}");
                 assert_eq!(stalled.missing.as_deref(), Some(&[1][..]), "{stalled}");
             }
             other => panic!("expected the stalled graph, got {other:?}"),

@@ -241,6 +241,7 @@ impl Communicator {
                 count: p.count,
             })
             .collect();
+        let first = self.issued();
         stream.enqueue_op(&Op::Collective { comm: &self.inner.repr, parts: &parts, dtype })?;
         let described = match planned {
             [one] => describe(one.kind),
@@ -248,7 +249,7 @@ impl Communicator {
         };
         let ordered = !matches!(planned, [] | [Planned { kind: Collective::Send(_) | Collective::Recv(_), .. }, ..]);
         // In the caller's element type: the amaxes are f32, whatever their max compares.
-        self.note_captured(stream, described, planned.iter().map(|p| p.count).sum(), T::DTYPE, ordered)?;
+        self.note_collective(stream, (described, planned.iter().map(|p| p.count).sum(), T::DTYPE), ordered, first)?;
         let (mut accesses, mut blocks) = (Vec::new(), Vec::new());
         for p in planned {
             let second = p.second.map(|v| (v, AccessMode::Write));

@@ -54,11 +54,11 @@ pub enum CommErrorKind {
         message: String,
     },
 
-    /// A launch of a graph that holds collectives did not complete: one of its collectives
-    /// waited past the timeout, or on a rank that died ([`Communicator::wait`](super::Communicator::wait)
-    /// reports it so, naming what the graph's capture recorded; see `docs/several-gpus.md`).
+    /// A collective did not complete, inside a graph's launch or outside graphs: it waited past
+    /// the timeout, or on a rank that died ([`Communicator::wait`](super::Communicator::wait)
+    /// reports it so, naming the graph and what its capture recorded; see `docs/several-gpus.md`).
     #[error("{0}")]
-    GraphStalled(Box<StalledGraph>),
+    Stalled(Box<Stalled>),
 
     // ---- arguments of a collective --------------------------------------------------------------
     /// A rank number outside the group.
@@ -162,17 +162,15 @@ pub enum CommErrorKind {
     },
 }
 
-/// What [`CommErrorKind::GraphStalled`] reports: the launch that did not complete, the
-/// collective it waits in, the ranks, and what ended the wait.
+/// What [`CommErrorKind::Stalled`] reports: the graph launch that did not complete (if the
+/// collective was in one), the collective it waits in, the ranks, and what ended the wait.
 #[derive(Debug, Clone, PartialEq)]
-pub struct StalledGraph {
-    /// The graph's name (the graph layer's: module and pass, or a graphed function's name).
-    pub graph: String,
-    /// Which launch of it, counted from 1.
-    pub launch: u64,
-    /// The collective it waits in, as its capture recorded it (op, elements, its place in the
-    /// graph, the rank and size of its communicator); on GPUs, when the graph holds several
-    /// collectives of the group, each of them.
+pub struct Stalled {
+    /// The graph launch that did not complete; `None` for a collective enqueued outside graphs.
+    pub graph: Option<StalledLaunch>,
+    /// The collective it waits in: as its capture recorded it (op, elements, its place in the
+    /// graph, the rank and size of its communicator), on GPUs, when the graph holds several
+    /// collectives of the group, each of them; or as it was enqueued outside graphs.
     pub collective: String,
     /// The ranks that reached the collective, where known (the simulator knows).
     pub arrived: Option<Vec<usize>>,
@@ -183,21 +181,30 @@ pub struct StalledGraph {
     pub cause: CommErrorKind,
 }
 
-impl std::fmt::Display for StalledGraph {
+/// The graph launch of a [`Stalled`] report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StalledLaunch {
+    /// The graph's name (the graph layer's: module and pass, or a graphed function's name).
+    pub graph: String,
+    /// Which launch of it, counted from 1.
+    pub launch: u64,
+}
+
+impl std::fmt::Display for Stalled {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "graph `{}` (launch {} of it) did not complete: it waits in {}; {}; {}",
-            self.graph,
-            self.launch,
-            self.collective,
-            ranks_line(self.arrived.as_deref(), self.missing.as_deref()),
-            self.cause
-        )
+        let ranks = ranks_line(self.arrived.as_deref(), self.missing.as_deref());
+        match &self.graph {
+            Some(StalledLaunch { graph, launch }) => write!(
+                f,
+                "graph `{graph}` (launch {launch} of it) did not complete: it waits in {}; {ranks}; {}",
+                self.collective, self.cause
+            ),
+            None => write!(f, "a collective did not complete: {}; {ranks}; {}", self.collective, self.cause),
+        }
     }
 }
 
-/// The ranks of a [`StalledGraph`] in words.
+/// The ranks of a [`Stalled`] report in words.
 fn ranks_line(arrived: Option<&[usize]>, missing: Option<&[usize]>) -> String {
     let list = |r: &[usize]| match r {
         [] => "none".to_string(),

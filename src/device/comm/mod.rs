@@ -44,7 +44,7 @@ use super::{cuda, sim, Device};
 pub(crate) use collectives::Collective;
 pub use collectives::Transfer;
 pub(crate) use error::comm_error;
-pub use error::{CommErrorKind, StalledGraph};
+pub use error::{CommErrorKind, Stalled, StalledLaunch};
 pub(crate) use group::per_rank_thread;
 pub use group::NcclId;
 pub use wait::CommOptions;

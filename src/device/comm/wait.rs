@@ -78,12 +78,12 @@ impl Communicator {
     /// aborts the communicator, since its work cannot finish; make a new group to go on.
     ///
     /// A failure for the group (the timeout, a rank gone) that a launch of a graph holding this
-    /// group's collectives explains is reported as [`CommErrorKind::GraphStalled`]: the graph,
+    /// group's collectives explains is reported as [`CommErrorKind::Stalled`]: the graph,
     /// its launch, the collective and the ranks that arrived and did not (on the simulator;
     /// `docs/several-gpus.md` says what GPUs can tell).
     ///
     /// # Errors
-    /// [`CommErrorKind::Timeout`] or [`CommErrorKind::GraphStalled`], an error NCCL reported,
+    /// [`CommErrorKind::Timeout`] or [`CommErrorKind::Stalled`], an error NCCL reported,
     /// or the stream's own errors.
     pub fn wait(&self, stream: &Stream) -> Result<()> {
         self.wait_watching(stream, &|| None)

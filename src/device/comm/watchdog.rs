@@ -1,13 +1,14 @@
-//! The watchdog of collectives inside graphs. A capture records, on the host, every collective
-//! it captures ([`CapturedCollective`]); a launch of a graph that holds some is noted by each
-//! communicator involved, with an event recorded after it; and a wait on the group that fails
-//! (its timeout, a rank gone) is reported as the launch that did not complete, the collective
-//! it waits in and the ranks that reached it ([`CommErrorKind::GraphStalled`]).
+//! The watchdog of collectives, inside graphs and out. A capture records, on the host, every
+//! collective it captures ([`CapturedCollective`]); a launch of a graph that holds some is noted
+//! by each communicator involved, with an event recorded after it, and so is every collective
+//! enqueued outside a capture; a wait on the group that fails (its timeout, a rank gone) is
+//! reported as the launch or collective that did not complete, the collective it waits in and
+//! the ranks that reached it ([`CommErrorKind::Stalled`]).
 //!
 //! On the simulator the group's order is known: the failed wait says which collective of the
 //! group's order it waited in and which ranks had arrived, and each launch noted where its
 //! collectives start in that order. On GPUs NCCL says neither: the launch is the first one
-//! whose event has not completed, its collective is named when the graph holds one of the
+//! (graph or collective outside graphs) whose event has not completed, its collective is named when the graph holds one of the
 //! group's (each is listed otherwise), and the ranks are known only when the group's watch saw
 //! one die. `docs/several-gpus.md` says why nothing more is exchanged.
 
@@ -15,7 +16,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
-use super::{CommErrorKind, CommInner, Communicator, StalledGraph};
+use super::{CommErrorKind, CommInner, Communicator, Stalled, StalledLaunch};
 use crate::device::backend::Repr;
 use crate::device::{DType, DeviceId, Event, GraphId, Stream};
 use crate::{Error, Result};
@@ -57,6 +58,14 @@ impl std::fmt::Display for CapturedCollective {
             self.rank,
             self.size
         )
+    }
+}
+
+impl CapturedCollective {
+    /// The collective in a report's words when it was enqueued outside graphs.
+    fn outside_graphs(&self) -> String {
+        let CapturedCollective { op, elements, dtype, rank, size, .. } = self;
+        format!("{op} of {elements} × {dtype} outside graphs (rank {rank} of a group of {size})")
     }
 }
 
@@ -149,19 +158,34 @@ pub(crate) struct Ledger {
 struct Launch {
     /// Its place among the communicator's noted launches.
     serial: usize,
-    graph: Arc<GraphCollectives>,
-    id: GraphId,
-    number: u64,
+    what: Launched,
     /// Where its ordered collectives start in the group's order (the simulator's).
     first: Option<u64>,
     done: Event,
 }
 
+/// What a noted launch was.
+enum Launched {
+    /// Launch `number` of graph `id`, which holds collectives of the communicator.
+    Graph { graph: Arc<GraphCollectives>, id: GraphId, number: u64 },
+    /// One collective enqueued outside any capture.
+    Eager(CapturedCollective),
+}
+
 impl Launch {
-    /// The graph's collectives of `comm`.
-    fn of<'g>(&'g self, comm: &Communicator) -> impl Iterator<Item = &'g CapturedCollective> + 'g {
-        let inner = Arc::as_ptr(&comm.inner);
-        (self.graph.collectives.iter().zip(&self.graph.comms)).filter(move |(_, c)| c.as_ptr() == inner).map(|(x, _)| x)
+    /// Its collectives of `comm`: the graph's, or the one collective.
+    fn of<'g>(&'g self, comm: &Communicator) -> Box<dyn Iterator<Item = &'g CapturedCollective> + 'g> {
+        match &self.what {
+            Launched::Graph { graph, .. } => {
+                let inner = Arc::as_ptr(&comm.inner);
+                Box::new(
+                    (graph.collectives.iter().zip(&graph.comms))
+                        .filter(move |(_, c)| c.as_ptr() == inner)
+                        .map(|(x, _)| x),
+                )
+            }
+            Launched::Eager(c) => Box::new(std::iter::once(c)),
+        }
     }
 }
 
@@ -184,21 +208,25 @@ pub(crate) struct Stuck {
 }
 
 impl Communicator {
-    /// Records that a capture on `stream` holds `collective` of this communicator (nothing
-    /// outside a capture).
-    pub(crate) fn note_captured(
+    /// Notes a collective of this communicator just enqueued on `stream`: in a capture, as one
+    /// the graph holds; outside, as a launch of its own, with an event recorded after it, so that
+    /// a wait that fails behind it names it too. `first` is where it stands in the group's order
+    /// (the simulator's count before it was enqueued).
+    pub(crate) fn note_collective(
         &self,
         stream: &Stream,
-        op: String,
-        elements: usize,
-        dtype: DType,
+        (op, elements, dtype): (String, usize, DType),
         ordered: bool,
+        first: Option<u64>,
     ) -> Result<()> {
-        let Some(capture) = stream.capture_id()? else { return Ok(()) };
+        let (rank, size) = (self.rank(), self.size());
+        let Some(capture) = stream.capture_id()? else {
+            let collective = CapturedCollective { op, elements, dtype, rank, size, index: 0, of: 0, ordered };
+            return self.note(Launched::Eager(collective), first, stream);
+        };
         let mut log = CAPTURING.lock().unwrap_or_else(PoisonError::into_inner);
         let held = log.get_or_insert_with(HashMap::new).entry((stream.device().id(), capture)).or_default();
-        let (rank, size, index) = (self.rank(), self.size(), held.len());
-        let collective = CapturedCollective { op, elements, dtype, rank, size, index, of: 0, ordered };
+        let collective = CapturedCollective { op, elements, dtype, rank, size, index: held.len(), of: 0, ordered };
         held.push((collective, Arc::downgrade(&self.inner)));
         Ok(())
     }
@@ -213,14 +241,14 @@ impl Communicator {
 
     /// Collectives this rank issued so far in its group's order (the simulator counts them;
     /// NCCL's count is not the host's to read).
-    fn issued(&self) -> Option<u64> {
+    pub(crate) fn issued(&self) -> Option<u64> {
         match &self.inner.repr {
             Repr::Sim(link) => Some(link.issued()),
             Repr::Cuda(_) => None,
         }
     }
 
-    /// Notes launch `number` of graph `id` on `stream`, with an event recorded after it.
+    /// Notes launch `number` of graph `id` on `stream`.
     fn note_launch(
         &self,
         graph: &Arc<GraphCollectives>,
@@ -229,6 +257,11 @@ impl Communicator {
         first: Option<u64>,
         stream: &Stream,
     ) -> Result<()> {
+        self.note(Launched::Graph { graph: graph.clone(), id, number }, first, stream)
+    }
+
+    /// Notes `what`, just enqueued on `stream`, with an event recorded after it.
+    fn note(&self, what: Launched, first: Option<u64>, stream: &Stream) -> Result<()> {
         let mut ledger = self.inner.ledger.lock().unwrap_or_else(PoisonError::into_inner);
         let slot = ledger.noted % KEPT;
         if ledger.events.len() <= slot {
@@ -240,14 +273,14 @@ impl Communicator {
             ledger.launches.pop_front();
         }
         let serial = ledger.noted;
-        ledger.launches.push_back(Launch { serial, graph: graph.clone(), id, number, first, done });
+        ledger.launches.push_back(Launch { serial, what, first, done });
         ledger.noted += 1;
         Ok(())
     }
 
-    /// `e` as the report of the graph launch it stopped, when it is a wait on this group that
-    /// failed for the group (its timeout, a rank gone) and a launch of a graph holding this
-    /// group's collectives explains it.
+    /// `e` as the report of the launch it stopped, when it is a wait on this group that failed
+    /// for the group (its timeout, a rank gone) and a noted launch (a graph holding this group's
+    /// collectives, or one of its collectives outside graphs) explains it.
     pub(crate) fn explained(&self, e: Error) -> Error {
         match e {
             Error::Comm { op, rank, kind } => Error::Comm { op, rank, kind: self.explain(kind) },
@@ -255,7 +288,7 @@ impl Communicator {
         }
     }
 
-    /// `cause` as [`CommErrorKind::GraphStalled`] where a launch explains it (see
+    /// `cause` as [`CommErrorKind::Stalled`] where a launch explains it (see
     /// [`explained`](Communicator::explained)).
     pub(crate) fn explain(&self, cause: CommErrorKind) -> CommErrorKind {
         if !matches!(cause, CommErrorKind::Timeout { .. } | CommErrorKind::RankGone { .. }) {
@@ -282,17 +315,22 @@ impl Communicator {
             }),
         };
         let Some((launch, collectives)) = found else { return cause };
-        let collective = match &collectives[..] {
-            [one] => one.to_string(),
-            many => format!("one of {}", many.iter().map(|c| c.to_string()).collect::<Vec<_>>().join("; ")),
+        let (graph, collective) = match &launch.what {
+            Launched::Graph { graph, id, number } => {
+                let name = graph.name().map_or_else(|| format!("{id} (unnamed)"), |n| n.to_string());
+                let collective = match &collectives[..] {
+                    [one] => one.to_string(),
+                    many => format!("one of {}", many.iter().map(|c| c.to_string()).collect::<Vec<_>>().join("; ")),
+                };
+                (Some(StalledLaunch { graph: name, launch: *number }), collective)
+            }
+            Launched::Eager(c) => (None, c.outside_graphs()),
         };
-        let graph = launch.graph.name().map_or_else(|| format!("{} (unnamed)", launch.id), |n| n.to_string());
         let (arrived, missing) = match (stuck, &cause) {
             (Some(s), _) => (Some(s.arrived), Some(s.missing)),
             (None, CommErrorKind::RankGone { rank }) => (None, Some(vec![*rank])),
             (None, _) => (None, None),
         };
-        let launch = launch.number;
-        CommErrorKind::GraphStalled(Box::new(StalledGraph { graph, launch, collective, arrived, missing, cause }))
+        CommErrorKind::Stalled(Box::new(Stalled { graph, collective, arrived, missing, cause }))
     }
 }
