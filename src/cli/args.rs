@@ -620,9 +620,23 @@ pub struct GraphsBenchArgs {
     /// Untimed steps per variant before the timed ones.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=100_000))]
     pub warmup: u32,
+    /// The step's input x: `varied` (element i is (i·7919 mod 1000)/1000 − 0.5), or `constant`
+    /// (every element 0.5, which LayerNorm turns into zeros: the GEMMs then read degenerate data,
+    /// which draws less power; for comparing with runs that used it).
+    #[arg(long, value_enum, default_value_t = BenchInput::Varied)]
+    pub input: BenchInput,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+}
+
+/// The input x of `bench graphs`'s step.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchInput {
+    /// Varied values, as every other benchmark feeds.
+    Varied,
+    /// Every element 0.5.
+    Constant,
 }
 
 /// Arguments of `bench parity`.

@@ -91,7 +91,7 @@ pub(crate) struct PassEdge {
 impl Default for GraphOptions {
     fn default() -> GraphOptions {
         GraphOptions {
-            warmup_iters: 3,
+            warmup_iters: 1,
             mode: Mode::Training,
             pool: None,
             stream: None,
@@ -118,7 +118,11 @@ impl Default for GraphOptions {
 
 impl GraphOptions {
     /// Eager iterations before capture, each running every callable's forward and then its
-    /// backward, callable by callable; default 3, at least 1 in training.
+    /// backward, callable by callable; at least 1 in training. Default 1, where PyTorch and
+    /// TransformerEngine take 3: graphed's modules make every lazy state (kernel modules,
+    /// cuBLASLt and cuDNN plans, their workspaces) in their first call, and each further
+    /// iteration costs a whole eager step of capture time (about 40 ms of the L step's). Raise
+    /// it for callables that settle over several calls.
     pub fn warmup_iters(mut self, n: usize) -> GraphOptions {
         self.warmup_iters = n;
         self

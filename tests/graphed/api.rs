@@ -183,7 +183,8 @@ pub fn failed_capture_changes_nothing(dev: &Device) -> Result {
     // Warmup 3 forwards, then the capture's forward fails.
     let failing = Failing { inner: &stack.layers()[1], fail_at: 4, calls: AtomicUsize::new(0) };
     let both: Vec<&dyn Callable> = vec![&stack.layers()[0], &failing];
-    let r = make_graphed_callables(&stack.alloc, &both, &samples(&stack)?, GraphOptions::default().pool(&pool));
+    let options = GraphOptions::default().pool(&pool).warmup_iters(3);
+    let r = make_graphed_callables(&stack.alloc, &both, &samples(&stack)?, options);
     ensure!(r.is_err(), "the planted capture failure passed");
     ensure!(pool.order() == order, "the failed capture left graphs in the pool's order");
     ensure!(stack.grads()? == grads && stack.step.to_vec::<u64>(&stack.s)? == step, "the failed capture changed state");

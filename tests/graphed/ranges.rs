@@ -47,12 +47,12 @@ pub fn ranges_name_every_pass_of_a_graphed_step(dev: &Device) -> Result {
     let eager = [("offload h0.attn", 0), ("offload h0.mlp", 0), ("reload h0.attn", 0), ("reload h0.mlp", 0)];
     ensure!(take_spans(dev)? == owned(&eager), "eager offload ranges");
 
-    let options = offload.graph_options(GraphOptions::default().sync_event(&ready));
+    let options = offload.graph_options(GraphOptions::default().sync_event(&ready).warmup_iters(2));
     let graphed = m.graph(options)?;
     let optimizer = make_graphed_fn(&m.alloc, |s| m.optimizer.step(s))?.with_name("optimizer step");
     let mut capture = vec![("graph capture", 0), ("warmup", 1)];
-    for _ in 0..3 {
-        // The default warmup iterations, layer by layer; offloading is off in them.
+    for _ in 0..2 {
+        // The warmup iterations, layer by layer; offloading is off in them.
         capture.extend(
             ["warmup h0.forward", "warmup h0.backward", "warmup h1.forward", "warmup h1.backward"].map(|n| (n, 2)),
         );

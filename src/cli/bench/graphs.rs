@@ -16,8 +16,9 @@ use graphed::offload::{OffloadConfig, OffloadManager};
 use serde::Serialize;
 
 use super::{spread, write_json, Case, MemoryRow, Report, Spread};
-use crate::cli::args::GraphsBenchArgs;
+use crate::cli::args::{BenchInput, GraphsBenchArgs};
 use crate::cli::bench_model::{BenchModel, Config};
+use graphed::tensor::Tensor;
 
 /// How a step runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,10 +141,13 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
 fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenchArgs) -> anyhow::Result<GraphsRow> {
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
-    let model = match args.dtype.fp8_recipe()? {
+    let mut model = match args.dtype.fp8_recipe()? {
         Some(recipe) => BenchModel::with_fp8(&alloc, &main, config, recipe)?,
         None => BenchModel::new(&alloc, &main, config, args.dtype.storage(dev))?,
     };
+    if args.input == BenchInput::Constant {
+        model.x = Tensor::from_f32(&alloc, &main, &vec![0.5; model.x.numel()], model.x.shape(), model.x.dtype())?;
+    }
     let (samples, capture_ms, calls, phases) = match variant {
         Variant::Eager => {
             let samples = measure(dev, &main, (args.warmup, args.steps), &mut || Ok(model.eager_step(&main)?))?;
