@@ -6,9 +6,8 @@
 // A block of 256 threads walks 64 x 64 tiles (a grid-stride loop over tiles, so there is one
 // atomicMax per block, not per tile). Each thread converts quads, 4 consecutive elements of a
 // row, four rows of a tile: their four 16-byte (f32) or 8-byte (bf16) loads first, then one
-// 4-byte store of the row-major bytes each. The next tile's loads are issued before this tile's
-// transposed stores, so that they are in flight while those run. The tile's bytes go through
-// shared memory, and the transposed quads (4 consecutive rows of one
+// 4-byte store of the row-major bytes each. The
+// tile's bytes go through shared memory, and the transposed quads (4 consecutive rows of one
 // column) leave as one 4-byte store each: both outputs are written by whole 64-byte row pieces
 // per 16 threads. Quads that are not whole or not aligned (edge tiles, widths not a multiple of
 // 4) take the same path one element at a time.
@@ -45,13 +44,14 @@ __device__ __forceinline__ void load_quad(const bf16* p, float* v) {
 constexpr unsigned BLOCK = 256;
 constexpr int ROWS_PER_THREAD = TILE * QUADS / BLOCK;
 
-// Loads the thread's quads of the tile at (r0, c0) into x: ROWS_PER_THREAD rows of it, four
-// consecutive columns each, zeros outside the matrix. All the loads are issued before any is used.
-template <typename I>
-__device__ __forceinline__ void load_tile(float (&x)[ROWS_PER_THREAD][4], const I* inp, unsigned rows, unsigned cols,
-                                          unsigned r0, unsigned c0, bool vec_in) {
+// Converts the tile at (r0, c0): row-major bytes to `out` (when ROW) and to `tile`, whose word
+// [r][q] holds columns 4q..4q+3 of row r, low byte first; returns the thread's amax bits.
+template <typename O, typename I, bool ROW>
+__device__ unsigned cast_tile(O* out, unsigned (*tile)[QUADS + 1], const I* inp, float s, unsigned rows,
+                              unsigned cols, unsigned r0, unsigned c0, bool vec_in, bool vec_out) {
     const unsigned q = threadIdx.x % QUADS, first = threadIdx.x / QUADS, col = c0 + 4 * q;
     const bool whole = col + 4 <= cols;
+    float x[ROWS_PER_THREAD][4];
 #pragma unroll
     for (int k = 0; k < ROWS_PER_THREAD; ++k) {
         unsigned row = r0 + first + k * (BLOCK / QUADS);
@@ -66,16 +66,6 @@ __device__ __forceinline__ void load_tile(float (&x)[ROWS_PER_THREAD][4], const 
             }
         }
     }
-}
-
-// Converts the quads load_tile loaded for the tile at (r0, c0): row-major bytes to `out` (when
-// ROW) and to `tile`, whose word [r][q] holds columns 4q..4q+3 of row r, low byte first; returns
-// the thread's amax bits.
-template <typename O, bool ROW>
-__device__ unsigned convert_tile(O* out, unsigned (*tile)[QUADS + 1], const float (&x)[ROWS_PER_THREAD][4], float s,
-                                 unsigned rows, unsigned cols, unsigned r0, unsigned c0, bool vec_out) {
-    const unsigned q = threadIdx.x % QUADS, first = threadIdx.x / QUADS, col = c0 + 4 * q;
-    const bool whole = col + 4 <= cols;
     unsigned v = 0;
 #pragma unroll
     for (int k = 0; k < ROWS_PER_THREAD; ++k) {
@@ -120,14 +110,6 @@ __device__ void store_transposed(O* out_t, unsigned (*tile)[QUADS + 1], unsigned
     }
 }
 
-// The first row and column of tile t of a matrix `tiles_c` tiles wide.
-__device__ __forceinline__ unsigned tile_row(unsigned long long t, unsigned tiles_c) {
-    return (unsigned)(t / tiles_c) * TILE;
-}
-__device__ __forceinline__ unsigned tile_col(unsigned long long t, unsigned tiles_c) {
-    return (unsigned)(t % tiles_c) * TILE;
-}
-
 template <typename O, typename I, bool ROW, bool COL>
 __device__ void cast_transpose(O* out, O* out_t, float* amax, const I* inp, const float* scale, unsigned rows,
                                unsigned cols) {
@@ -139,14 +121,9 @@ __device__ void cast_transpose(O* out, O* out_t, float* amax, const I* inp, cons
     const unsigned tiles_c = (cols + TILE - 1) / TILE;
     const unsigned long long tiles = (unsigned long long)((rows + TILE - 1) / TILE) * tiles_c;
     unsigned v = 0;
-    float x[ROWS_PER_THREAD][4];
-    if (blockIdx.x < tiles) load_tile(x, inp, rows, cols, tile_row(blockIdx.x, tiles_c), tile_col(blockIdx.x, tiles_c), vec_in);
     for (unsigned long long t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const unsigned r0 = tile_row(t, tiles_c), c0 = tile_col(t, tiles_c);
-        v = max_bits(v, convert_tile<O, ROW>(out, tile, x, s, rows, cols, r0, c0, vec_out));
-        // The next tile's loads leave before this one's transposed stores, and overlap them.
-        const unsigned long long next = t + gridDim.x;
-        if (next < tiles) load_tile(x, inp, rows, cols, tile_row(next, tiles_c), tile_col(next, tiles_c), vec_in);
+        unsigned r0 = (unsigned)(t / tiles_c) * TILE, c0 = (unsigned)(t % tiles_c) * TILE;
+        v = max_bits(v, cast_tile<O, I, ROW>(out, tile, inp, s, rows, cols, r0, c0, vec_in, vec_out));
         if (COL) {
             __syncthreads();
             store_transposed(out_t, tile, rows, cols, r0, c0, vec_t);
