@@ -45,12 +45,38 @@ fn inspect_reports_every_graph_and_writes_dot_files() {
     std::fs::remove_dir_all(&dir).expect("the temporary directory can be removed");
 }
 
+/// Every variant runs and is reported, and the JSON says which input the step was fed.
 #[test]
 fn bench_graphs_runs_every_variant_on_the_simulator() {
-    let out = graphed(&["bench", "graphs", "--device", "sim", "--configs", "tiny", "--steps", "2", "--warmup", "1"]);
-    for variant in ["graphed-eager", "graphed", "graphed-side", "graphed-offload", "graphed-whole", "graphed-floor"] {
+    let dir = temp_dir("graphs");
+    let json = dir.join("graphs.json");
+    let json_arg = json.to_str().expect("UTF-8");
+    let out = graphed(&[
+        "bench",
+        "graphs",
+        "--device",
+        "sim",
+        "--configs",
+        "tiny",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--input",
+        "constant",
+        "--json",
+        json_arg,
+    ]);
+    let variants = ["graphed-eager", "graphed", "graphed-side", "graphed-offload", "graphed-whole", "graphed-floor"];
+    for variant in variants {
         assert!(out.lines().any(|l| l.split_whitespace().next() == Some(variant)), "no row for {variant} in:\n{out}");
     }
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("written")).expect("JSON");
+    let rows = report["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), variants.len(), "{rows:?}");
+    assert!(rows.iter().all(|r| r["input"] == "constant"), "{rows:?}");
+    std::fs::remove_dir_all(&dir).expect("the temporary directory can be removed");
 }
 
 #[test]

@@ -631,7 +631,8 @@ pub struct GraphsBenchArgs {
 }
 
 /// The input x of `bench graphs`'s step.
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum BenchInput {
     /// Varied values, as every other benchmark feeds.
     Varied,

@@ -86,6 +86,8 @@ struct GraphsRow {
     /// What ran the layers' fused attention (`--attention-backend`), if they have one.
     #[serde(skip_serializing_if = "Option::is_none")]
     attention_backends: Option<super::layer::Backends>,
+    /// The step's input x (`--input`).
+    input: BenchInput,
 }
 
 /// [`graphed::graph::CaptureTimes`] in milliseconds.
@@ -220,6 +222,7 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
         capture_ms,
         capture_phases_ms: phases,
         attention_backends: model.stack.layers().first().and_then(|l| super::layer::Backends::of(&l.attn)),
+        input: args.input,
     })
 }
 
