@@ -630,7 +630,7 @@ pub struct GraphsBenchArgs {
     pub json: Option<std::path::PathBuf>,
 }
 
-/// The input x of `bench graphs`'s step.
+/// The input x of the step `bench graphs` and `bench offload` time.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BenchInput {

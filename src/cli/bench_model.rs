@@ -16,6 +16,8 @@ use graphed::nn::{
 use graphed::offload::OffloadManager;
 use graphed::tensor::Tensor;
 
+use crate::cli::args::BenchInput;
+
 /// One model configuration: a `BENCH.md` row, or `tiny`, small enough for the simulator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Config {
@@ -154,6 +156,16 @@ impl BenchModel {
     /// Builds `config`'s layers, input and upstream gradient from `alloc`, on `stream`.
     pub fn new(alloc: &CachingAllocator, stream: &Stream, config: Config, dtype: DType) -> graphed::Result<BenchModel> {
         BenchModel::with_layers(alloc, stream, config, dtype, &(0..config.layers).collect::<Vec<_>>())
+    }
+
+    /// Feeds the step `input` (see [`BenchInput`]): the varied x it was built with, or every
+    /// element 0.5.
+    pub fn feed(&mut self, alloc: &CachingAllocator, stream: &Stream, input: BenchInput) -> graphed::Result<()> {
+        if input == BenchInput::Constant {
+            let constant = vec![0.5; self.x.numel()];
+            self.x = Tensor::from_f32(alloc, stream, &constant, self.x.shape(), self.x.dtype())?;
+        }
+        Ok(())
     }
 
     /// As [`BenchModel::new`] in bf16, the layers' GEMMs in FP8 with `recipe` (started).

@@ -18,7 +18,6 @@ use serde::Serialize;
 use super::{spread, write_json, Case, MemoryRow, Report, Spread};
 use crate::cli::args::{BenchInput, GraphsBenchArgs};
 use crate::cli::bench_model::{BenchModel, Config};
-use graphed::tensor::Tensor;
 
 /// How a step runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,9 +146,7 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
         Some(recipe) => BenchModel::with_fp8(&alloc, &main, config, recipe)?,
         None => BenchModel::new(&alloc, &main, config, args.dtype.storage(dev))?,
     };
-    if args.input == BenchInput::Constant {
-        model.x = Tensor::from_f32(&alloc, &main, &vec![0.5; model.x.numel()], model.x.shape(), model.x.dtype())?;
-    }
+    model.feed(&alloc, &main, args.input)?;
     let (samples, capture_ms, calls, phases) = match variant {
         Variant::Eager => {
             let samples = measure(dev, &main, (args.warmup, args.steps), &mut || Ok(model.eager_step(&main)?))?;

@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::graphs::{time_graphed, TimedGraphed};
 use super::{spread, write_json, Case, MemoryRow, Report, Spread};
-use crate::cli::args::GraphsBenchArgs;
+use crate::cli::args::{BenchInput, GraphsBenchArgs};
 use crate::cli::bench_model::{BenchModel, Config};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +77,8 @@ struct OffloadRow {
     summary: Option<String>,
     /// The allocator's statistics after the timed steps: the cache's and every pool's peaks.
     memory: MemoryRow,
+    /// The step's input x (`--input`).
+    input: BenchInput,
 }
 
 /// The copy rates of one configuration, GB/s.
@@ -141,7 +143,8 @@ fn run_variant(
 ) -> anyhow::Result<(OffloadRow, Option<CopyRates>)> {
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
-    let model = BenchModel::new(&alloc, &main, config, dtype)?;
+    let mut model = BenchModel::new(&alloc, &main, config, dtype)?;
+    model.feed(&alloc, &main, args.input)?;
     let manager = variant.config().map(|c| OffloadManager::new(&alloc, c)).transpose()?;
     let (side, event) = (dev.stream()?, dev.event()?);
     let TimedGraphed { graphed, samples, .. } =
@@ -173,6 +176,7 @@ fn run_variant(
         backward_lead_ms: leads.map(|l| l.1),
         summary: summary.map(|s| s.to_string()),
         memory: MemoryRow::of(&stats),
+        input: args.input,
     };
     Ok((row, rates))
 }
