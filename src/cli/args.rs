@@ -236,8 +236,9 @@ pub struct OffloadArgs {
     /// simulator, whose default models are small).
     #[arg(long = "offload-min-elements", requires = "offload")]
     pub min_elements: Option<usize>,
-    /// The last layers keep their activations on the device.
-    #[arg(long = "offload-margin", default_value_t = 1, requires = "offload")]
+    /// The last layers keep their activations on the device (two: the next-to-last layer's copy
+    /// would save nothing, since the backward prefetches it while the last layer's are there).
+    #[arg(long = "offload-margin", default_value_t = 2, requires = "offload")]
     pub margin: usize,
 }
 

@@ -58,7 +58,7 @@ impl Default for OffloadConfig {
         OffloadConfig {
             sites: DEFAULT_SITES.iter().map(|s| s.to_string()).collect(),
             min_elements: 1 << 16,
-            margin: 1,
+            margin: 2,
             max_bytes: None,
             policy: Policy::Listed,
             delay_eager_commits: false,
@@ -82,8 +82,12 @@ impl OffloadConfig {
         self
     }
 
-    /// The last `n` layers of each chunk keep their activations (default 1): their backward
-    /// comes right after their forward, so a copy out and back would only stall it.
+    /// The last `n` layers of each chunk keep their activations (default 2): their backward
+    /// comes right after their forward, so a copy out and back would only stall it. With one
+    /// layer kept, the next-to-last layer's copy saves nothing: the backward prefetches it while
+    /// the last layer's activations are still there, which is the peak a margin of two has
+    /// anyway (`Summary::expected_peak_saving`); two keep the same peak with one layer fewer
+    /// copied.
     pub fn margin(mut self, n: usize) -> OffloadConfig {
         self.margin = n;
         self

@@ -265,17 +265,32 @@ impl Summary {
         self.rows.iter().map(|r| r.offloaded).sum()
     }
 
-    /// The device memory the offloading is expected to save at the peak, per chunk: every
-    /// offloaded byte but the last offloaded unit's, which the first unit of the backward
-    /// prefetches while its own activations are still on the device.
+    /// The device memory the offloading is expected to save at the peak, per chunk, of the
+    /// selected tensors (the others stay either way): all of them are on the device at the
+    /// backward's start without offloading; with it, while unit `q` runs (its forward, where the
+    /// copy out of unit `q - 1` runs, or its backward, which prefetches unit `q - 1`), the device
+    /// holds the kept bytes of units up to `q` and the offloaded bytes of units `q` and `q - 1`.
+    /// The saving is the difference of the two peaks: a margin of one unit saves every offloaded
+    /// byte but the last offloaded unit's; a margin of two saves every offloaded byte.
     pub fn expected_peak_saving(&self) -> usize {
-        let mut by_chunk: std::collections::BTreeMap<Chunk, (usize, usize)> = Default::default();
-        for r in self.rows.iter().filter(|r| r.offloaded > 0) {
-            let e = by_chunk.entry(r.chunk).or_default();
-            e.0 += r.offloaded;
-            e.1 = r.offloaded;
+        let mut by_chunk: std::collections::BTreeMap<Chunk, Vec<&SummaryRow>> = Default::default();
+        for r in &self.rows {
+            by_chunk.entry(r.chunk).or_default().push(r);
         }
-        by_chunk.values().map(|(sum, last)| sum - last).sum()
+        by_chunk
+            .values_mut()
+            .map(|units| {
+                units.sort_by_key(|r| r.pass);
+                let all: usize = units.iter().map(|r| r.offloaded + r.kept).sum();
+                let (mut kept, mut peak, mut before) = (0, 0, 0);
+                for r in units.iter() {
+                    kept += r.kept;
+                    peak = peak.max(kept + r.offloaded + before);
+                    before = r.offloaded;
+                }
+                all.saturating_sub(peak)
+            })
+            .sum()
     }
 }
 

@@ -127,7 +127,7 @@ impl Model {
 
 /// The configuration the tests use: the default sites, tensors of at least 256 elements.
 pub fn config() -> OffloadConfig {
-    OffloadConfig::default().min_elements(256)
+    OffloadConfig::default().min_elements(256).margin(1)
 }
 
 /// Fails unless the device's checker reported at least one hazard, every one of them on an

@@ -35,22 +35,38 @@ fn offloaded(groups: &[GroupLayout]) -> Vec<(usize, String)> {
 
 #[test]
 fn listed_policy_takes_the_default_sites_outside_the_margin() {
-    let mut g = layout(3, 1 << 16);
+    let mut g = layout(4, 1 << 16);
     decide(&OffloadConfig::default(), &mut g, None);
     let got = offloaded(&g);
-    assert_eq!(got.len(), 2 * 6, "six tensors per unit, units 0 and 1: {got:?}");
+    assert_eq!(got.len(), 2 * 6, "six tensors per unit, units 0 and 1 (the last two are the margin): {got:?}");
     assert!(got.iter().all(|(p, n)| *p < 2 && !n.ends_with("probs") && !n.ends_with("pre")), "{got:?}");
-    let mut g = layout(3, 1 << 16);
+    let mut g = layout(4, 1 << 16);
     decide(&OffloadConfig::default().margin(0), &mut g, None);
-    assert_eq!(offloaded(&g).len(), 18, "no margin: every unit");
+    assert_eq!(offloaded(&g).len(), 24, "no margin: every unit");
+}
+
+/// The expected saving at the peak: with one unit kept, the next-to-last unit's copy saves
+/// nothing (it is prefetched while the last unit's activations are there); two kept units save
+/// every offloaded byte, as much as one kept unit does; three save one unit's.
+#[test]
+fn the_expected_saving_counts_the_prefetch_only_where_it_sets_the_peak() {
+    let unit = 6 * (1 << 16) * 2;
+    for (margin, offloaded_units, saved_units) in [(1, 3, 2), (2, 2, 2), (3, 1, 1), (4, 0, 0)] {
+        let config = OffloadConfig::default().margin(margin);
+        let mut g = layout(4, 1 << 16);
+        decide(&config, &mut g, None);
+        let s = Summary::from_layouts(&[(Default::default(), &g)], None, &config);
+        assert_eq!(s.offloaded_bytes(), offloaded_units * unit, "margin {margin}: {s}");
+        assert_eq!(s.expected_peak_saving(), saved_units * unit, "margin {margin}: {s}");
+    }
 }
 
 #[test]
 fn small_tensors_and_the_budget_stay_on_the_device() {
-    let mut g = layout(3, 1000);
+    let mut g = layout(4, 1000);
     decide(&OffloadConfig::default(), &mut g, None);
     assert!(offloaded(&g).is_empty(), "below the minimum size");
-    let mut g = layout(3, 1 << 16);
+    let mut g = layout(4, 1 << 16);
     let each = (1 << 16) * 2;
     decide(&OffloadConfig::default().max_bytes(7 * each), &mut g, None);
     let got = offloaded(&g);
@@ -62,7 +78,7 @@ fn small_tensors_and_the_budget_stay_on_the_device() {
 fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
     let n = 1 << 20;
     let each = (2 * n) as f64;
-    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES);
+    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
     // The next unit's forward hides 10 tensors' worth of copy out, its backward 20 of copy back.
     let timings = Timings {
         forward_ms: vec![10.0; 3],
@@ -99,7 +115,7 @@ fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
 fn auto_policy_keeps_what_the_graphed_windows_cannot_hide() {
     let n = 1 << 20;
     let each = 2 * n;
-    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES);
+    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
     // Windows as the probe measures them in graph replays: unit 1's forward hides two tensors'
     // copies, unit 2's none, unit 3's ten.
     let timings = Timings {
