@@ -36,8 +36,9 @@ pub fn ranges_name_every_pass_of_a_graphed_step(dev: &Device) -> Result {
     let m = Model::new(dev)?;
     let (side, ready) = (dev.stream()?, dev.event()?);
     let (x, dy) = m.data(0)?;
-    // Groups of 64 elements or more leave the device; the last layer's stay, as in Megatron.
-    let offload = OffloadManager::new(&m.alloc, OffloadConfig::default().min_elements(64))?;
+    // Groups of 64 elements or more leave the device; the last layer's stay (of two layers, one
+    // kept).
+    let offload = OffloadManager::new(&m.alloc, OffloadConfig::default().min_elements(64).margin(1))?;
     // The warmup iteration only records what is saved; ranges are not recorded yet.
     eager_offload_iteration(&m, &offload, &x, &dy)?;
     ensure!(dev.take_ranges().events.is_empty(), "recording is off until asked for");
