@@ -14,11 +14,12 @@ use std::time::Instant;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use graphed::device::{DType, Device, DeviceKind, Stream};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, Replay};
+use graphed::device::{DType, Device, DeviceKind, Rebind, Stream};
+use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, Pass, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Builder, Inputs, ParamStore, TransformerLayer};
 use graphed::tensor::Tensor;
+use half::bf16;
 use serde::Serialize;
 
 use super::{median, write_json, Report};
@@ -44,6 +45,10 @@ struct RebindRow {
     nodes_rebound: usize,
     /// (moving − same) / nodes: the host cost of rebinding one node.
     host_us_per_node: Option<f64>,
+    /// `GraphExec::rebind` alone, per node moved: another executable of the forward graph with
+    /// its input rebound to two tensors in turn, nothing launched. What `host_us_per_node` adds
+    /// beyond it is the launch after an update, and the backward's executable.
+    rebind_call_us_per_node: Option<f64>,
     /// GPU µs of the forward (medians); none on the simulator, which has no clock.
     copy_in_gpu_us: Option<f64>,
     in_place_gpu_us: Option<f64>,
@@ -63,7 +68,7 @@ pub fn run(args: &RebindBenchArgs) -> anyhow::Result<()> {
         let gpu = |us: Option<f64>| us.map_or_else(|| "-".to_string(), |us| format!("{us:.1} µs GPU"));
         println!(
             "{} {} dropout {}: input read in place: {}; copy-in {} B, {:.2} µs host, {}; in place {} B, {:.2} µs host \
-             (same tensor), {:.2} µs (new tensor: {} nodes rebound, {}), {}; bit for bit: {}",
+             (same tensor), {:.2} µs (new tensor: {} nodes rebound, {}; the rebind call alone {}), {}; bit for bit: {}",
             row.config,
             row.dtype,
             row.dropout,
@@ -76,6 +81,7 @@ pub fn run(args: &RebindBenchArgs) -> anyhow::Result<()> {
             row.in_place_moving_host_us,
             row.nodes_rebound,
             row.host_us_per_node.map_or_else(|| "-".into(), |us| format!("{us:.3} µs per node")),
+            row.rebind_call_us_per_node.map_or_else(|| "-".into(), |us| format!("{us:.3} µs per node")),
             gpu(row.in_place_gpu_us),
             row.bitwise_equal,
         );
@@ -161,6 +167,10 @@ fn run_config(
     let (in_place_moving_host_us, _) = time(Feed::InPlaceMoving)?;
     let host_us_per_node =
         (nodes_rebound > 0).then(|| (in_place_moving_host_us - in_place_same_host_us) / nodes_rebound as f64);
+    let rebind_call_us_per_node = match input_in_place {
+        true => Some(rebind_call_us(g, (&xa, &xb), reps)?),
+        false => None,
+    };
     Ok(RebindRow {
         config: config.name,
         dtype: dtype.to_string(),
@@ -173,10 +183,39 @@ fn run_config(
         in_place_moving_host_us,
         nodes_rebound,
         host_us_per_node,
+        rebind_call_us_per_node,
         copy_in_gpu_us,
         in_place_gpu_us,
         bitwise_equal,
     })
+}
+
+/// Host µs per node moved of [`GraphExec::rebind`](graphed::device::GraphExec::rebind) alone:
+/// the forward graph instantiated once more, its static input rebound to `a` and `b` in turn,
+/// nothing launched (the median of `reps` calls).
+fn rebind_call_us(g: &GraphedCallable, (a, b): (&Tensor, &Tensor), reps: u32) -> anyhow::Result<f64> {
+    let graphs = g.graphs();
+    let Some((_, graph)) = graphs.iter().find(|(p, _)| *p == Pass::Forward) else {
+        anyhow::bail!("the layer has no forward graph")
+    };
+    let exec = graph.instantiate()?;
+    let x = &g.static_inputs()?[0];
+    let rebind = |to: &Tensor| -> graphed::Result<usize> {
+        match x.dtype() {
+            DType::BF16 => exec.rebind(&[Rebind::new(x.view::<bf16>()?, to.view::<bf16>()?)?]),
+            _ => exec.rebind(&[Rebind::new(x.view::<f32>()?, to.view::<f32>()?)?]),
+        }
+    };
+    let mut per_node = Vec::new();
+    for rep in 0..reps + 3 {
+        let issued = Instant::now();
+        let nodes = rebind(if rep % 2 == 0 { a } else { b })?;
+        let us = issued.elapsed().as_secs_f64() * 1e6;
+        if rep >= 3 && nodes > 0 {
+            per_node.push(us / nodes as f64);
+        }
+    }
+    Ok(median(per_node))
 }
 
 /// The forward's output for `x`, copied in or read in place (exactly, as f32), with the backward
