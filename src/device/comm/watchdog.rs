@@ -7,10 +7,11 @@
 //!
 //! On the simulator the group's order is known: the failed wait says which collective of the
 //! group's order it waited in and which ranks had arrived, and each launch noted where its
-//! collectives start in that order. On GPUs NCCL says neither: the launch is the first one
-//! (graph or collective outside graphs) whose event has not completed, its collective is named when the graph holds one of the
-//! group's (each is listed otherwise), and the ranks are known only when the group's watch saw
-//! one die. `docs/several-gpus.md` says why nothing more is exchanged.
+//! collectives start in that order. On GPUs NCCL says neither: the launch is the first one (a
+//! graph's, or a collective's outside graphs) whose event has not completed, its collective is
+//! named when it holds one of the group's (each is listed otherwise), and the ranks are known
+//! only when the group's watch saw one die. `docs/several-gpus.md` says why nothing more is
+//! exchanged.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
