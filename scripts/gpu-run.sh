@@ -101,9 +101,10 @@ if [ "${ONLY_PARALLEL:-0}" != 1 ]; then
         flag=$(case $mode in
             graphed) ;;
             f32) echo "--dtype f32" ;;
-            offload) echo "--offload" ;;
-            offload-side) echo "--offload --side-stream" ;;
-            offload-eager) echo "--offload --eager" ;;
+            # Margin 0: the default two-layer model would keep both layers (the margin of two).
+            offload) echo "--offload --offload-margin 0" ;;
+            offload-side) echo "--offload --offload-margin 0 --side-stream" ;;
+            offload-eager) echo "--offload --offload-margin 0 --eager" ;;
             schedule-eager) echo "--schedule --eager" ;;
             *) echo "--$mode" ;;
         esac)
