@@ -13,7 +13,7 @@ use super::replay::{Route, StaticTensor, Tail};
 use super::Replay;
 use std::sync::atomic::Ordering;
 
-use crate::device::{with_dtype, Graph, Rebind, RebindErrorKind, Stream};
+use crate::device::{Graph, RebindErrorKind, Stream};
 use crate::memory::PoolExec;
 use crate::nn::Inputs;
 use crate::tensor::Tensor;
@@ -26,7 +26,7 @@ pub(crate) type Readers = Option<Vec<Pass>>;
 /// The readers of static tensor `t` of callable `mine` among the graphs of every callable
 /// captured with it (`all`, by callable, each graph with its pass).
 pub(crate) fn readers(all: &[Vec<(Pass, &Graph)>], mine: usize, t: &Tensor) -> Readers {
-    let identity = with_dtype!(t.dtype(), T => t.view::<T>().and_then(|v| Rebind::new(v, v))).ok()?;
+    let identity = t.rebind_to(t).ok()?;
     let mut passes = Vec::new();
     for (i, graphs) in all.iter().enumerate() {
         for (pass, graph) in graphs.iter().filter(|(_, g)| g.names(t.id())) {
@@ -183,7 +183,7 @@ impl GraphedCallable {
                 _ => statics[k],
             };
             for p in passes {
-                let rebind = with_dtype!(to.dtype(), T => Rebind::new(statics[k].view::<T>()?, to.view::<T>()?))?;
+                let rebind = statics[k].rebind_to(to)?;
                 nodes += self.exec(*p)?.rebind(&[rebind])?;
             }
         }

@@ -28,7 +28,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::device::{
-    with_dtype, Access, AccessMode, BufferId, DType, DeviceBuffer, DeviceId, Elem, Float, Float8, Stream, View,
+    with_dtype, Access, AccessMode, BufferId, DType, DeviceBuffer, DeviceId, Elem, Float, Float8, Rebind, Stream, View,
 };
 use crate::memory::CachingAllocator;
 use crate::{Error, Result};
@@ -363,6 +363,15 @@ impl Tensor {
         src.expect_dtype(OP, self.dtype)?;
         src.expect_shape(OP, &self.shape)?;
         with_dtype!(self.dtype, T => stream.copy_d2d(src.view::<T>()?, self.view::<T>()?))
+    }
+
+    /// A [`Rebind`] of a graph's captured reads of this tensor to `to` (this tensor itself moves
+    /// them back to where they were captured), in this tensor's element type.
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] for `to` of another element type; as [`Rebind::new`].
+    pub fn rebind_to<'a>(&'a self, to: &'a Tensor) -> Result<Rebind<'a>> {
+        with_dtype!(self.dtype, T => Rebind::new(self.view::<T>()?, to.view::<T>()?))
     }
 
     /// The access an operation touching this tensor's elements with `mode` declares (for the

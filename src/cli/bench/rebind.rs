@@ -14,12 +14,11 @@ use std::time::Instant;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use graphed::device::{DType, Device, DeviceKind, Rebind, Stream};
+use graphed::device::{DType, Device, DeviceKind, Stream};
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, Pass, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Builder, Inputs, ParamStore, TransformerLayer};
 use graphed::tensor::Tensor;
-use half::bf16;
 use serde::Serialize;
 
 use super::{median, write_json, Report};
@@ -200,12 +199,7 @@ fn rebind_call_us(g: &GraphedCallable, (a, b): (&Tensor, &Tensor), reps: u32) ->
     };
     let exec = graph.instantiate()?;
     let x = &g.static_inputs()?[0];
-    let rebind = |to: &Tensor| -> graphed::Result<usize> {
-        match x.dtype() {
-            DType::BF16 => exec.rebind(&[Rebind::new(x.view::<bf16>()?, to.view::<bf16>()?)?]),
-            _ => exec.rebind(&[Rebind::new(x.view::<f32>()?, to.view::<f32>()?)?]),
-        }
-    };
+    let rebind = |to: &Tensor| exec.rebind(&[x.rebind_to(to)?]);
     let mut per_node = Vec::new();
     for rep in 0..reps + 3 {
         let issued = Instant::now();

@@ -77,10 +77,11 @@ impl Communicator {
     /// training loop. On a GPU a wait that fails for the group (the timeout, NCCL's error)
     /// aborts the communicator, since its work cannot finish; make a new group to go on.
     ///
-    /// A failure for the group (the timeout, a rank gone) that a launch of a graph holding this
-    /// group's collectives explains is reported as [`CommErrorKind::Stalled`]: the graph,
-    /// its launch, the collective and the ranks that arrived and did not (on the simulator;
-    /// `docs/several-gpus.md` says what GPUs can tell).
+    /// A failure for the group (the timeout, a rank gone) that a noted launch explains (of a
+    /// graph holding this group's collectives, or of one of them outside graphs) is reported as
+    /// [`CommErrorKind::Stalled`]: the graph and its launch if there is one, the collective and
+    /// the ranks that arrived and did not (on the simulator; `docs/several-gpus.md` says what
+    /// GPUs can tell).
     ///
     /// # Errors
     /// [`CommErrorKind::Timeout`] or [`CommErrorKind::Stalled`], an error NCCL reported,
