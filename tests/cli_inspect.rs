@@ -76,6 +76,15 @@ fn bench_graphs_runs_every_variant_on_the_simulator() {
     let rows = report["rows"].as_array().expect("rows");
     assert_eq!(rows.len(), variants.len(), "{rows:?}");
     assert!(rows.iter().all(|r| r["input"] == "constant"), "{rows:?}");
+    // The bytes held are read while the graphs live: each graphed variant's pool still holds
+    // its memory, and the total counts it.
+    for row in rows.iter().filter(|r| r["variant"] != "graphed-eager") {
+        let pools = row["memory"]["pools"].as_array().expect("pools");
+        let pooled: u64 = pools.iter().map(|p| p["reserved_bytes"].as_u64().expect("bytes")).sum();
+        assert!(pooled > 0, "{} reports its pool released: {row}", row["variant"]);
+        let cache = row["memory"]["cache"]["reserved_bytes"].as_u64().expect("bytes");
+        assert_eq!(row["reserved_bytes"].as_u64(), Some(cache + pooled), "{row}");
+    }
     std::fs::remove_dir_all(&dir).expect("the temporary directory can be removed");
 }
 

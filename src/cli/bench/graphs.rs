@@ -68,11 +68,11 @@ struct GraphsRow {
     gpu_ms: Option<Spread>,
     /// Median host time per graphed call or graph launch; none for eager.
     host_us_per_call: Option<f64>,
-    /// Device memory the allocator holds after the timed steps (cache and graph pool together):
-    /// the variant's steady footprint. The areas' peaks are not added up, as they do not
-    /// coincide (the warmup's cache is emptied before capture).
+    /// Device memory the allocator holds after the timed steps, with the variant's graphs still
+    /// alive (cache and graph pool together): the variant's steady footprint. The areas' peaks
+    /// are not added up, as they do not coincide (the warmup's cache is emptied before capture).
     reserved_bytes: usize,
-    /// The allocator's statistics after the timed steps, peaks included.
+    /// The allocator's statistics after the timed steps, graphs alive, peaks included.
     memory: MemoryRow,
     /// Wall time of `make_graphed_callables` (its warmup iterations included) or of the floor's
     /// capture, instantiation and upload; none for eager.
@@ -147,10 +147,16 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
         None => BenchModel::new(&alloc, &main, config, args.dtype.storage(dev))?,
     };
     model.feed(&alloc, &main, args.input)?;
-    let (samples, capture_ms, calls, phases) = match variant {
+    // Each arm reads the allocator's statistics while its graphs are alive, so that the bytes
+    // held are the step's footprint with its graph pool, as PyTorch's side measures its own.
+    let held = || -> anyhow::Result<graphed::memory::MemoryStats> {
+        alloc.synchronize()?;
+        Ok(alloc.stats())
+    };
+    let (samples, capture_ms, calls, phases, stats) = match variant {
         Variant::Eager => {
             let samples = measure(dev, &main, (args.warmup, args.steps), &mut || Ok(model.eager_step(&main)?))?;
-            (samples, None, None, None)
+            (samples, None, None, None, held()?)
         }
         Variant::Graphed | Variant::Side | Variant::Offload => {
             let (side, event) = (dev.stream()?, dev.event()?);
@@ -162,7 +168,7 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
             let timed =
                 time_graphed(dev, (&alloc, &main), &model, on_side, offload.as_ref(), (args.warmup, args.steps))?;
             let phases = CapturePhases::of(timed.graphed.capture_times());
-            (timed.samples, Some(timed.capture_ms), Some(2 * config.layers), Some(phases))
+            (timed.samples, Some(timed.capture_ms), Some(2 * config.layers), Some(phases), held()?)
         }
         Variant::Whole => {
             let began = Instant::now();
@@ -180,7 +186,7 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
                 Ok(model.end_step_graphed(&main)?)
             };
             let samples = measure(dev, &main, (args.warmup, args.steps), step)?;
-            (samples, Some(capture_ms), Some(2), Some(CapturePhases::of(g.capture_times())))
+            (samples, Some(capture_ms), Some(2), Some(CapturePhases::of(g.capture_times())), held()?)
         }
         Variant::Floor => {
             // Warm up as make_graphed_callables does: the capture then sees a warm allocator
@@ -197,16 +203,10 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
             exec.upload(&main)?;
             main.synchronize()?;
             let capture_ms = began.elapsed().as_secs_f64() * 1e3;
-            (
-                measure(dev, &main, (args.warmup, args.steps), &mut || Ok(exec.launch(&main)?))?,
-                Some(capture_ms),
-                Some(1),
-                None,
-            )
+            let samples = measure(dev, &main, (args.warmup, args.steps), &mut || Ok(exec.launch(&main)?))?;
+            (samples, Some(capture_ms), Some(1), None, held()?)
         }
     };
-    alloc.synchronize()?;
-    let stats = alloc.stats();
     let host_us = spread(samples.host_us);
     Ok(GraphsRow {
         case: Case::new(config, args.dtype.label(dev), variant.name()),
@@ -308,13 +308,14 @@ fn print_row(r: &GraphsRow) {
     });
     let capture = r.capture_ms.map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms{phases}"));
     println!(
-        "  {:<14} wall {}  host {}  gpu {}  host/call {}  reserved {:.1} MiB  capture {}",
+        "  {:<14} wall {}  host {}  gpu {}  host/call {}  reserved {:.1} MiB (peak {:.1})  capture {}",
         r.case.variant,
         range(&r.wall_ms, "ms"),
         range(&r.host_us, "µs"),
         gpu,
         per_call,
         r.reserved_bytes as f64 / (1 << 20) as f64,
+        r.memory.total.peak_reserved_bytes as f64 / (1 << 20) as f64,
         capture
     );
 }

@@ -19,7 +19,20 @@ struct Row {
     variant: String,
     wall_ms: Median,
     host_us: Median,
-    reserved_bytes: f64,
+    /// Absent in results older than the allocator's statistics.
+    memory: Option<MemoryRow>,
+}
+
+/// Of graphed's `memory`: the total's peaks, which cover the capture and the timed steps alike
+/// (its `reserved_bytes` missed the graph pool in results before 2026-12-05's fix).
+#[derive(Debug, Deserialize)]
+struct MemoryRow {
+    total: PeakRow,
+}
+
+#[derive(Debug, Deserialize)]
+struct PeakRow {
+    peak_reserved_bytes: f64,
 }
 
 /// PyTorch's file: its rows hold medians as plain numbers.
@@ -34,11 +47,11 @@ struct TorchRow {
     variant: String,
     wall_ms: f64,
     host_us: f64,
-    reserved_bytes: f64,
+    peak_reserved_bytes: Option<f64>,
 }
 
-/// One cell's numbers: wall ms, host µs, bytes held.
-type Cell = (f64, f64, f64);
+/// One cell's numbers: wall ms, host µs, peak bytes reserved.
+type Cell = (f64, f64, Option<f64>);
 
 pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
     let report = Report::<Row>::of(run)?;
@@ -52,17 +65,19 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
     let cell = |config: &str, variant: &str| -> Option<Cell> {
         let ours = report.rows.iter().find(|r| r.case.config == config && r.variant == variant);
         let theirs = torch.iter().find(|r| r.config == config && r.variant == variant);
-        ours.map(|r| (r.wall_ms.median, r.host_us.median, r.reserved_bytes))
-            .or(theirs.map(|r| (r.wall_ms, r.host_us, r.reserved_bytes)))
+        ours.map(|r| (r.wall_ms.median, r.host_us.median, r.memory.as_ref().map(|m| m.total.peak_reserved_bytes)))
+            .or(theirs.map(|r| (r.wall_ms, r.host_us, r.peak_reserved_bytes)))
     };
     // PyTorch with fused attention (`torch-sdpa-*`) is the anchor to beat: its graphed variant's
-    // memory too, when the run has it.
+    // memory too, when the run has it. Memory is the peak reserved on both sides: PyTorch's
+    // allocated counter drops a graph's memory once the capture frees its tensors, though the
+    // replays keep using it, so only reserved bytes compare.
     let sdpa = theirs.contains(&"torch-sdpa-graphed");
     let mut header = vec!["config", "goal"];
     header.extend(&variants);
     header.push(match sdpa {
-        true => "MiB held (graphed / torch-graphed / torch-sdpa-graphed)",
-        false => "MiB held (graphed / torch-graphed)",
+        true => "peak MiB reserved (graphed / torch-graphed / torch-sdpa-graphed)",
+        false => "peak MiB reserved (graphed / torch-graphed)",
     });
     let mut table = Table::new(&header);
     let mut panels = Vec::new();
@@ -71,7 +86,7 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
         let goal = GOALS.iter().find(|g| g.0 == config).map(|g| g.1.to_string());
         let mut cells = vec![config.to_string(), or_dash(goal)];
         cells.extend(variants.iter().map(|v| or_dash(cell(config, v).map(|(w, h, _)| format!("{w:.3} [{h:.0}]")))));
-        let held = |v: &str| or_dash(cell(config, v).map(|c| mib(c.2)));
+        let held = |v: &str| or_dash(cell(config, v).and_then(|c| c.2).map(mib));
         let mut held_cell = format!("{} / {}", held("graphed"), held("torch-graphed"));
         if sdpa {
             held_cell = format!("{held_cell} / {}", held("torch-sdpa-graphed"));
@@ -99,13 +114,14 @@ mod tests {
 
     const OURS: &str = r#"{"commit": "abc1234", "device": "H200", "reps": 20, "rows": [
         {"config": "S", "dim": 256, "layers": 8, "batch": 2, "seq": 64, "dtype": "bf16", "variant": "graphed",
-         "wall_ms": {"median": 1.0}, "host_us": {"median": 50.0}, "reserved_bytes": 1048576}]}"#;
+         "wall_ms": {"median": 1.0}, "host_us": {"median": 50.0}, "reserved_bytes": 1048576,
+         "memory": {"total": {"peak_reserved_bytes": 3145728}}}]}"#;
 
     fn torch_row(variant: &str, attention: &str, wall_ms: f64, mib: u32) -> String {
         format!(
             r#"{{"config": "S", "variant": "{variant}", "attention": "{attention}", "dtype": "bfloat16",
                 "wall_ms": {wall_ms}, "wall_min_ms": 0.5, "wall_max_ms": 9.0, "host_us": 100.0,
-                "reserved_bytes": {}, "peak_allocated_bytes": 1, "peak_reserved_bytes": 2,
+                "reserved_bytes": 1, "peak_allocated_bytes": 1, "peak_reserved_bytes": {},
                 "capture_ms": null, "sdpa_backend": "cudnn"}}"#,
             mib << 20
         )
@@ -135,10 +151,10 @@ mod tests {
                 "graphed",
                 "torch-graphed",
                 "torch-sdpa-graphed",
-                "MiB held (graphed / torch-graphed / torch-sdpa-graphed)"
+                "peak MiB reserved (graphed / torch-graphed / torch-sdpa-graphed)"
             ]
         );
-        assert_eq!(table.rows[0][2..], ["1.000 [50]", "2.500 [100]", "2.000 [100]", "1 / 230 / 200"]);
+        assert_eq!(table.rows[0][2..], ["1.000 [50]", "2.500 [100]", "2.000 [100]", "3 / 230 / 200"]);
     }
 
     /// A run whose PyTorch side has no fused attention keeps the table it had.
@@ -153,7 +169,7 @@ mod tests {
             ],
         );
         let table = &figure(&run).unwrap().tables[0];
-        assert_eq!(table.header.last().unwrap(), "MiB held (graphed / torch-graphed)");
-        assert_eq!(table.rows[0].last().unwrap(), "1 / 230");
+        assert_eq!(table.header.last().unwrap(), "peak MiB reserved (graphed / torch-graphed)");
+        assert_eq!(table.rows[0].last().unwrap(), "3 / 230");
     }
 }
