@@ -400,6 +400,28 @@ def bench_input(b: int, t: int, d: int, dt: torch.dtype, constant: bool = False)
     return x.requires_grad_()
 
 
+def held_breakdown(layers: list) -> dict:
+    """Where the variant's reserved bytes are, after its timed steps: the parameters, their
+    gradients, the reserved segments of graph pools (a nonzero pool id; `None` where this PyTorch's
+    snapshot has no pool ids) and how many gradient bytes lie inside those segments. graphed's
+    gradients live outside its graph pool; this says whether PyTorch's share the pool with the
+    activations."""
+    params = [p for m in layers for p in m.parameters()]
+    grads = [p.grad for p in params if p.grad is not None]
+    segments = torch.cuda.memory_snapshot()
+    pooled = [s for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    has_ids = all("segment_pool_id" in s for s in segments)
+
+    def in_pool(t: torch.Tensor) -> bool:
+        at = t.untyped_storage().data_ptr()
+        return any(s["address"] <= at < s["address"] + s["total_size"] for s in pooled)
+
+    size = lambda t: t.untyped_storage().nbytes()
+    return {"param_bytes": sum(size(p) for p in params), "grad_bytes": sum(size(g) for g in grads),
+            "graph_pool_reserved_bytes": sum(s["total_size"] for s in pooled) if has_ids else None,
+            "grad_bytes_in_graph_pools": sum(size(g) for g in grads if in_pool(g)) if has_ids else None}
+
+
 def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup: int,
                    constant: bool = False) -> dict:
     """One (configuration, variant) of `graphs`, in a function so that its memory goes on return;
@@ -481,7 +503,8 @@ def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup:
            "gpu_ms": statistics.median(gpu), "gpu_min_ms": min(gpu), "gpu_max_ms": max(gpu),
            "reserved_bytes": torch.cuda.memory_reserved(),
            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-           "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "capture_ms": capture_ms}
+           "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "capture_ms": capture_ms,
+           "held": held_breakdown(layers)}
     print(f"{name} {variant:19} wall {row['wall_ms']:.3f} ms  host {row['host_us']:.1f} us  "
           f"gpu {row['gpu_ms']:.3f} ms  peak allocated / reserved {row['peak_allocated_bytes'] / 2**20:.0f} / "
           f"{row['peak_reserved_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
