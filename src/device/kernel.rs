@@ -77,13 +77,39 @@ pub struct LaunchDims {
     pub block: (u32, u32, u32),
     /// Dynamic shared memory in bytes.
     pub shared_mem_bytes: u32,
+    /// The kernel covers its work with a grid-stride loop, so any number of blocks computes
+    /// the same result. A CUDA device then launches at most one wave of `grid.0`: the blocks
+    /// its SMs hold at once at the function's occupancy (registers, shared memory). A grid
+    /// sized for 8 blocks of 256 threads per SM would otherwise leave a partial second wave for
+    /// a kernel whose registers fit 5.
+    pub grid_stride: bool,
 }
 
 impl LaunchDims {
     /// One thread per element, blocks of 256.
     pub fn for_elems(n: usize) -> LaunchDims {
         let blocks = n.div_ceil(256).max(1) as u32;
-        LaunchDims { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }
+        LaunchDims { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0, grid_stride: false }
+    }
+
+    /// These dims with at most one wave of blocks on a device of `sms` multiprocessors, each of
+    /// which holds `resident` blocks of this launch at once: unchanged unless the launch is
+    /// [`grid_stride`](LaunchDims::grid_stride), and never below one block per SM (an
+    /// occupancy of 0 means the launch cannot run at all, which the launch itself reports).
+    ///
+    /// ```
+    /// use graphed::device::LaunchDims;
+    ///
+    /// let dims = LaunchDims { grid: (1056, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0, grid_stride: true };
+    /// assert_eq!(dims.one_wave(132, 5).grid, (660, 1, 1));
+    /// assert_eq!(LaunchDims { grid_stride: false, ..dims }.one_wave(132, 5).grid, (1056, 1, 1));
+    /// ```
+    pub fn one_wave(self, sms: u32, resident: u32) -> LaunchDims {
+        if !self.grid_stride || resident == 0 {
+            return self;
+        }
+        let wave = sms.saturating_mul(resident).max(1);
+        LaunchDims { grid: (self.grid.0.min(wave), self.grid.1, self.grid.2), ..self }
     }
 }
 

@@ -198,7 +198,7 @@ fn row_blocks(op: &'static str, n: usize) -> Result<Option<LaunchDims>> {
         backend: "any",
         why: "at most 2^31 − 1 rows (CUDA's grid limit); split the batch",
     })?;
-    Ok(Some(LaunchDims { grid: (grid, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: 0 }))
+    Ok(Some(LaunchDims { grid: (grid, 1, 1), block: (THREADS, 1, 1), shared_mem_bytes: 0, grid_stride: false }))
 }
 
 #[cfg(test)]

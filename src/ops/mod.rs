@@ -97,11 +97,13 @@ const SMS: usize = 132;
 const BLOCKS_PER_SM: usize = 8;
 
 /// Blocks of 256 threads for a grid-stride kernel over `units` work items (`float.cu`): one
-/// item per thread up to 132 × 8 blocks, which fill every SM once; past that each thread loops,
-/// so no grid waits for a second wave. At least one block, as CUDA refuses an empty grid.
+/// item per thread up to 132 × 8 blocks, the most an SM's 2048 threads hold; past that each
+/// thread loops. The launch is marked [`grid_stride`](LaunchDims::grid_stride), so a CUDA
+/// device trims it to the blocks its SMs hold at once at the kernel's occupancy: one wave, with
+/// no partial second one. At least one block, as CUDA refuses an empty grid.
 pub(crate) fn stride_dims(units: usize) -> LaunchDims {
     let blocks = units.div_ceil(256).clamp(1, SMS * BLOCKS_PER_SM) as u32;
-    LaunchDims { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0 }
+    LaunchDims { grid: (blocks, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0, grid_stride: true }
 }
 
 /// The tensor's view as `T`, refused unless the tensor holds `T` and is contiguous: the CUDA
@@ -154,7 +156,12 @@ pub(crate) fn row_group(len: usize, vals: usize) -> usize {
 /// A grid of `blocks` blocks (at least one, as CUDA refuses an empty grid; the kernels skip rows
 /// past the end) of `block` threads.
 pub(crate) fn grid(op: &'static str, blocks: usize, block: usize) -> Result<LaunchDims> {
-    Ok(LaunchDims { grid: (count(op, blocks.max(1))?, 1, 1), block: (count(op, block)?, 1, 1), shared_mem_bytes: 0 })
+    Ok(LaunchDims {
+        grid: (count(op, blocks.max(1))?, 1, 1),
+        block: (count(op, block)?, 1, 1),
+        shared_mem_bytes: 0,
+        grid_stride: false,
+    })
 }
 
 /// The error of an op with f32 and bf16 kernels (or of a float-only store) given another

@@ -133,7 +133,8 @@ pub fn step_add(step: &Tensor, by: u64, stream: &Stream) -> Result<()> {
     stream.launch(&STEP_ADD, ONE_THREAD, &args![InOut(step_view("step_add", step)?), by])
 }
 
-const ONE_THREAD: LaunchDims = LaunchDims { grid: (1, 1, 1), block: (1, 1, 1), shared_mem_bytes: 0 };
+const ONE_THREAD: LaunchDims =
+    LaunchDims { grid: (1, 1, 1), block: (1, 1, 1), shared_mem_bytes: 0, grid_stride: false };
 
 /// The view of a step counter: one contiguous `u64`.
 pub(crate) fn step_view<'t>(op: &'static str, step: &'t Tensor) -> Result<View<'t, u64>> {

@@ -83,7 +83,8 @@ fn lr_schedule_step_cpu(a: &CpuArgs) -> Result<()> {
     Ok(())
 }
 
-const ONE_THREAD: LaunchDims = LaunchDims { grid: (1, 1, 1), block: (1, 1, 1), shared_mem_bytes: 0 };
+const ONE_THREAD: LaunchDims =
+    LaunchDims { grid: (1, 1, 1), block: (1, 1, 1), shared_mem_bytes: 0, grid_stride: false };
 
 /// Advances `step` by one and writes the learning rate of that step into `lr` (one element).
 ///

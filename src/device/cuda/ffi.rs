@@ -352,6 +352,19 @@ impl Function {
         self.0 as usize
     }
 
+    /// Blocks of `threads` threads with `shared` bytes of dynamic shared memory that one SM
+    /// holds at once (`cuOccupancyMaxActiveBlocksPerMultiprocessor`).
+    ///
+    /// # Safety
+    /// The function's module is loaded.
+    pub(super) unsafe fn resident_blocks(self, threads: u32, shared: u32) -> Result<u32, DriverError> {
+        let threads = c_int::try_from(threads).unwrap_or(c_int::MAX);
+        // SAFETY: the caller guarantees the handle is live.
+        let blocks =
+            unsafe { result::occupancy::max_active_block_per_multiprocessor(self.0, threads, shared as usize) }?;
+        Ok(u32::try_from(blocks).unwrap_or(0))
+    }
+
     /// Allows launches with up to `bytes` of dynamic shared memory
     /// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`; beyond 48 KiB a kernel must opt in).
     ///

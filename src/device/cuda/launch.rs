@@ -1,15 +1,16 @@
 //! Kernels: each source compiled once for the GPU's architecture (see [`nvrtc`](super::nvrtc)),
 //! loaded once per device, and launched with arguments marshalled on the stack.
 //!
-//! The hot path of a launch is one lock and one pointer-keyed lookup; the source text is hashed
-//! only the first time a kernel is launched.
+//! The hot path of a launch is one lock and one pointer-keyed lookup (two for a grid-stride
+//! launch, whose grid is trimmed to one wave); the source text is hashed only the first time a
+//! kernel is launched.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudarc::driver::{CudaContext, CudaModule};
+use cudarc::driver::{sys, CudaContext, CudaModule};
 use cudarc::nvrtc::Ptx;
 
 use super::error as err;
@@ -28,6 +29,8 @@ const INLINE_ARGS: usize = 16;
 pub(super) struct Kernels {
     ctx: Arc<CudaContext>,
     compiler: Compiler,
+    /// The device's multiprocessors, for one wave of a grid-stride launch.
+    sms: u32,
     loaded: Mutex<Loaded>,
 }
 
@@ -42,14 +45,20 @@ struct Loaded {
     /// The dynamic shared memory each function has been allowed beyond the default 48 KiB, by
     /// [`Function::key`].
     shared: HashMap<usize, u32>,
+    /// Blocks per SM at once (`cuOccupancyMaxActiveBlocksPerMultiprocessor`), by function key,
+    /// threads per block and dynamic shared memory: asked once, for grid-stride launches.
+    resident: HashMap<(usize, u32, u32), u32>,
 }
 
 /// Dynamic shared memory a launch may use without opting in.
 const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
 
 impl Kernels {
-    pub(super) fn new(ctx: Arc<CudaContext>, compiler: Compiler) -> Kernels {
-        Kernels { ctx, compiler, loaded: Mutex::new(Loaded::default()) }
+    pub(super) fn new(ctx: Arc<CudaContext>, compiler: Compiler) -> Result<Kernels> {
+        let attribute = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        let sms = ctx.attribute(attribute).map_err(|e| err::driver("Device::cuda", None, e))?;
+        let sms = u32::try_from(sms).unwrap_or(1).max(1);
+        Ok(Kernels { ctx, compiler, sms, loaded: Mutex::new(Loaded::default()) })
     }
 
     /// The name of a kernel loaded here, by its function's key.
@@ -64,14 +73,42 @@ impl Kernels {
 
     /// Loads the kernel's module now (see `Device::load_kernel`).
     pub(super) fn load(&self, kernel: &'static Kernel, on: CaptureSite) -> Result<()> {
-        self.function(kernel, on).map(|_| ())
+        self.function(&mut self.lock(), kernel, on).map(|_| ())
     }
 
-    /// The kernel's function, compiling and loading its source on first use. The lock is held
-    /// throughout, so concurrent first launches compile a source once.
-    fn function(&self, kernel: &'static Kernel, on: CaptureSite) -> Result<Function> {
-        let key = ptr::from_ref(kernel) as usize;
+    /// The kernel's function and the dims it launches `dims` with: one wave of a grid-stride
+    /// launch ([`LaunchDims::one_wave`]) at the function's occupancy, which the driver is asked
+    /// once. One lock for both.
+    fn launchable(
+        &self,
+        kernel: &'static Kernel,
+        dims: &LaunchDims,
+        on: CaptureSite,
+    ) -> Result<(Function, LaunchDims)> {
         let mut loaded = self.lock();
+        let func = self.function(&mut loaded, kernel, on)?;
+        if !dims.grid_stride {
+            return Ok((func, *dims));
+        }
+        let threads = dims.block.0.saturating_mul(dims.block.1).saturating_mul(dims.block.2);
+        let at = (func.key(), threads, dims.shared_mem_bytes);
+        let resident = match loaded.resident.get(&at) {
+            Some(&r) => r,
+            None => {
+                // SAFETY: the function's module stays loaded in `Kernels`.
+                let r = unsafe { func.resident_blocks(threads, dims.shared_mem_bytes) }
+                    .map_err(|e| err::at(kernel.name, on, e))?;
+                loaded.resident.insert(at, r);
+                r
+            }
+        };
+        Ok((func, dims.one_wave(self.sms, resident)))
+    }
+
+    /// The kernel's function, compiling and loading its source on first use. The caller holds
+    /// the lock throughout, so concurrent first launches compile a source once.
+    fn function(&self, loaded: &mut Loaded, kernel: &'static Kernel, on: CaptureSite) -> Result<Function> {
+        let key = ptr::from_ref(kernel) as usize;
         if let Some(f) = loaded.functions.get(&key) {
             return Ok(*f);
         }
@@ -122,7 +159,7 @@ impl Kernels {
         args: &[Arg<'_>],
     ) -> Result<()> {
         let on = CaptureSite::Stream(stream.id);
-        let func = self.function(kernel, on)?;
+        let (func, dims) = self.launchable(kernel, dims, on)?;
         if dims.shared_mem_bytes > DEFAULT_DYNAMIC_SHARED {
             self.allow_shared(func, kernel.name, dims.shared_mem_bytes, on)?;
         }
@@ -130,26 +167,27 @@ impl Kernels {
         if n <= INLINE_ARGS {
             let mut values = [0u64; INLINE_ARGS];
             let mut params = [ptr::null_mut(); INLINE_ARGS];
-            launch_with(func, stream, kernel.name, dims, args, &mut values[..n], &mut params[..n])
+            launch_with(func, stream, kernel.name, &dims, args, &mut values[..n], &mut params[..n])
         } else {
-            launch_with(func, stream, kernel.name, dims, args, &mut vec![0; n], &mut vec![ptr::null_mut(); n])
+            launch_with(func, stream, kernel.name, &dims, args, &mut vec![0; n], &mut vec![ptr::null_mut(); n])
         }
     }
 }
 
 impl Kernels {
-    /// The function and parameter slots a launch of `kernel` with `args` passes (kept by a
-    /// capture, so that a patched node is rebuilt from them).
+    /// The function, dims and parameter slots a launch of `kernel` with `dims` and `args`
+    /// passes (kept by a capture, so that a patched node is rebuilt from them as launched).
     pub(super) fn template(
         &self,
         stream: &CuStream,
         kernel: &'static Kernel,
+        dims: &LaunchDims,
         args: &[Arg<'_>],
-    ) -> Result<(Function, Vec<u64>)> {
-        let func = self.function(kernel, CaptureSite::Stream(stream.id))?;
+    ) -> Result<(Function, LaunchDims, Vec<u64>)> {
+        let (func, dims) = self.launchable(kernel, dims, CaptureSite::Stream(stream.id))?;
         let mut values = vec![0; args.len()];
         marshal(kernel.name, args, &mut values)?;
-        Ok((func, values))
+        Ok((func, dims, values))
     }
 }
 

@@ -71,7 +71,7 @@ impl CudaDevice {
     fn patch_node(&self, stream: &CuStream, op: &Op<'_>) -> Result<capture::Patchable> {
         let template = match *op {
             Op::Kernel { kernel, dims, args } => {
-                let (func, values) = self.kernels.template(stream, kernel, args)?;
+                let (func, dims, values) = self.kernels.template(stream, kernel, &dims, args)?;
                 graph::Template::Kernel { func, dims, values }
             }
             Op::Copy { dir: CopyDir::DeviceToHost | CopyDir::DeviceToDevice, .. } => graph::Template::Copy,
@@ -98,7 +98,7 @@ impl CudaDevice {
         let description =
             format!("{} ({}, driver {}.{})", opened.name, compiler.arch(), version / 1000, version % 1000 / 10);
         Ok(CudaDevice {
-            kernels: Kernels::new(opened.ctx.clone(), compiler),
+            kernels: Kernels::new(opened.ctx.clone(), compiler)?,
             blas: blas::Blas::default(),
             cudnn: cudnn::Cudnn::default(),
             ctx: opened.ctx,

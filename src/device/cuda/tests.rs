@@ -51,6 +51,30 @@ static BROKEN: Kernel = Kernel {
     strided: false,
 };
 
+/// A grid-stride fill of `out[1..n]` whose block 0 writes the grid it ran with into `out[0]`. Its
+/// 40 KiB of shared memory keep an SM of any current GPU (228 KiB at most) below 8 blocks.
+const GRID_OF_SOURCE: &str = r#"
+extern "C" __global__ void grid_of(unsigned* out, unsigned n) {
+    __shared__ unsigned pad[10240];
+    pad[threadIdx.x] = threadIdx.x;
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x == 0) out[0] = gridDim.x;
+    unsigned other = threadIdx.x ^ 1u;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i + 1 < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        out[i + 1] = (unsigned)(i + 1) + pad[other] - other;
+    }
+}
+"#;
+static GRID_OF: Kernel = Kernel {
+    name: "grid_of",
+    source: GRID_OF_SOURCE,
+    params: &["out", "n"],
+    // Never run: the test launching it needs a GPU.
+    cpu: |_| Ok(()),
+    strided: false,
+};
+
 /// Serializes the tests that use the GPU in one process: a global-mode capture in one would
 /// refuse the allocations and frees of the others.
 pub(super) fn serial() -> MutexGuard<'static, ()> {
@@ -113,7 +137,7 @@ fn scalars_of_every_type_and_long_argument_lists_are_passed() -> Result<()> {
 
 #[test]
 fn the_test_kernels_name_their_parameters_as_their_sources_do() {
-    for k in [&ADD_ONE, &MANY] {
+    for k in [&ADD_ONE, &MANY, &GRID_OF] {
         assert_eq!(crate::device::kernel::entry_params(k.source, k.name).as_deref(), Some(k.params), "{}", k.name);
     }
 }
@@ -235,4 +259,37 @@ fn a_graph_of_an_aborted_communicator_is_refused() -> Result<()> {
         Err(Error::Comm { kind: CommErrorKind::Nccl(why), .. }) if why.contains("aborted") => Ok(()),
         other => panic!("expected the launch refused, got {other:?}"),
     }
+}
+
+/// A grid-stride launch asking for 8 blocks per SM runs the one wave its occupancy allows, eagerly
+/// and in a graph alike, and still covers its work; any other launch keeps its grid.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_grid_stride_launch_runs_one_wave_of_blocks() -> Result<()> {
+    let (dev, _serial) = gpu();
+    let s = dev.stream()?;
+    let n = 1u32 << 22;
+    let out = dev.alloc::<u32>(n as usize)?;
+    let asked = 132 * 8;
+    let dims = |grid_stride| LaunchDims { grid: (asked, 1, 1), block: (256, 1, 1), shared_mem_bytes: 0, grid_stride };
+    let covered = |got: &[u32]| got[1..].iter().enumerate().all(|(i, &v)| v as usize == i + 1);
+
+    s.launch(&GRID_OF, dims(true), &args![Out(&out), n])?;
+    let got = out.to_vec(&s)?;
+    let wave = got[0];
+    assert!(wave >= 1 && wave < asked, "a grid-stride launch ran {wave} blocks of the {asked} asked");
+    assert!(covered(&got), "the trimmed grid left elements unwritten");
+
+    s.memset(&out, 0)?;
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    s.launch(&GRID_OF, dims(true), &args![Out(&out), n])?;
+    let exec = cap.finish()?.instantiate()?;
+    exec.launch(&s)?;
+    let got = out.to_vec(&s)?;
+    assert_eq!(got[0], wave, "the graph's node runs the eager launch's grid");
+    assert!(covered(&got));
+
+    s.launch(&GRID_OF, dims(false), &args![Out(&out), n])?;
+    assert_eq!(out.to_vec(&s)?[0], asked, "a launch that is not grid-stride keeps its grid");
+    dev.synchronize()
 }

@@ -52,7 +52,12 @@ pub(crate) fn launch_dims(pass: Pass, dtype: DType, hd: usize, seq: usize, pairs
     if pass == Pass::Delta {
         let rows_per_block = DELTA_THREADS as usize / (hd / 8);
         let blocks = (pairs * seq).div_ceil(rows_per_block).max(1) as u32;
-        return LaunchDims { grid: (blocks, 1, 1), block: (DELTA_THREADS, 1, 1), shared_mem_bytes: 0 };
+        return LaunchDims {
+            grid: (blocks, 1, 1),
+            block: (DELTA_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+            grid_stride: false,
+        };
     }
     let (rows, threads, smem) = if dtype == DType::F32 {
         // One row per hd/32 threads; the other operand in static shared memory.
@@ -78,7 +83,12 @@ pub(crate) fn launch_dims(pass: Pass, dtype: DType, hd: usize, seq: usize, pairs
             }
         }
     };
-    LaunchDims { grid: (pairs as u32, tiles(rows), 1), block: (threads, 1, 1), shared_mem_bytes: smem }
+    LaunchDims {
+        grid: (pairs as u32, tiles(rows), 1),
+        block: (threads, 1, 1),
+        shared_mem_bytes: smem,
+        grid_stride: false,
+    }
 }
 
 /// Query or key rows one CTA of `pass` owns (grid.y tiles).

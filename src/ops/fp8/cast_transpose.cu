@@ -19,16 +19,28 @@ __device__ __forceinline__ bool aligned_to(const void* p, unsigned bytes) {
     return ((unsigned long long)p & (bytes - 1)) == 0;
 }
 
-__device__ __forceinline__ void load_quad(const float* p, float* v) {
-    float4 f = *reinterpret_cast<const float4*>(p);
+// A quad as loaded (one 16-byte f32 or 8-byte bf16 access), taken apart only when converted, so
+// that a thread's four quads in flight hold 8 registers in bf16 rather than 16.
+template <typename I> struct Quad;
+template <> struct Quad<float> {
+    using Raw = float4;
+};
+template <> struct Quad<bf16> {
+    using Raw = uint2;
+};
+
+template <typename I> __device__ __forceinline__ typename Quad<I>::Raw load_quad(const I* p) {
+    return *reinterpret_cast<const typename Quad<I>::Raw*>(p);
+}
+
+__device__ __forceinline__ void quad_values(float4 f, float* v) {
     v[0] = f.x;
     v[1] = f.y;
     v[2] = f.z;
     v[3] = f.w;
 }
 
-__device__ __forceinline__ void load_quad(const bf16* p, float* v) {
-    uint2 u = *reinterpret_cast<const uint2*>(p);
+__device__ __forceinline__ void quad_values(uint2 u, float* v) {
     unsigned words[2] = {u.x, u.y};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -36,6 +48,19 @@ __device__ __forceinline__ void load_quad(const bf16* p, float* v) {
         h.bits = (unsigned short)(words[e / 2] >> (16 * (e % 2)));
         v[e] = to_f32(h);
     }
+}
+
+// The raw quad of `count` (< 4) elements at p, one element at a time, zeros past them.
+template <typename I> __device__ __forceinline__ typename Quad<I>::Raw load_partial(const I* p, unsigned count);
+template <> __device__ __forceinline__ float4 load_partial<float>(const float* p, unsigned count) {
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (unsigned e = 0; e < count; ++e) v[e] = p[e];
+    return make_float4(v[0], v[1], v[2], v[3]);
+}
+template <> __device__ __forceinline__ uint2 load_partial<bf16>(const bf16* p, unsigned count) {
+    unsigned words[2] = {0u, 0u};
+    for (unsigned e = 0; e < count; ++e) words[e / 2] |= (unsigned)p[e].bits << (16 * (e % 2));
+    return make_uint2(words[0], words[1]);
 }
 
 // Threads per block (ops/mod.rs: stride_dims launches 256), and so the rows of a tile each thread
@@ -51,19 +76,14 @@ __device__ unsigned cast_tile(O* out, unsigned (*tile)[QUADS + 1], const I* inp,
                               unsigned cols, unsigned r0, unsigned c0, bool vec_in, bool vec_out) {
     const unsigned q = threadIdx.x % QUADS, first = threadIdx.x / QUADS, col = c0 + 4 * q;
     const bool whole = col + 4 <= cols;
-    float x[ROWS_PER_THREAD][4];
+    typename Quad<I>::Raw raw[ROWS_PER_THREAD];
 #pragma unroll
     for (int k = 0; k < ROWS_PER_THREAD; ++k) {
         unsigned row = r0 + first + k * (BLOCK / QUADS);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[k][e] = 0.0f;
+        raw[k] = load_partial<I>(inp, 0);
         if (row < rows && col < cols) {
             unsigned long long at = (unsigned long long)row * cols + col;
-            if (whole && vec_in) {
-                load_quad(inp + at, x[k]);
-            } else {
-                for (unsigned e = 0; e < 4 && col + e < cols; ++e) x[k][e] = to_f32(inp[at + e]);
-            }
+            raw[k] = whole && vec_in ? load_quad<I>(inp + at) : load_partial<I>(inp + at, min(4u, cols - col));
         }
     }
     unsigned v = 0;
@@ -72,11 +92,13 @@ __device__ unsigned cast_tile(O* out, unsigned (*tile)[QUADS + 1], const I* inp,
         unsigned r = first + k * (BLOCK / QUADS), row = r0 + r, word = 0;
         if (row < rows && col < cols) {
             unsigned long long at = (unsigned long long)row * cols + col;
+            float x[4];
+            quad_values(raw[k], x);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 if (col + e < cols) {
-                    v = max_bits(v, amax_bits(x[k][e]));
-                    word |= (unsigned)fp8_bits<O>(x[k][e] * s) << (8 * e);
+                    v = max_bits(v, amax_bits(x[e]));
+                    word |= (unsigned)fp8_bits<O>(x[e] * s) << (8 * e);
                 }
             }
             if (ROW && whole && vec_out) {
