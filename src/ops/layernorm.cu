@@ -35,15 +35,23 @@ __device__ void layernorm_forward_rows(T* out, float* mean, float* rstd, const T
     const bool live = row < rows;  // a group past the last row still takes part in the barriers
     const unsigned long long at = (unsigned long long)row * C;
 
-    float x[K][W];
+    // The row's chunks stay as loaded and are widened in each pass: fewer registers, so more
+    // blocks per SM overlap one row's reductions with another's loads.
+    Raw<T, W> raw[K];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (live && c < C) load_raw<T, W>(inp + at + c, raw[k]);
+    }
     float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; k++) {
         unsigned c = (k * G + t) * W;
         if (live && c < C) {
-            load<T, W>(inp + at + c, x[k]);
+            float x[W];
+            widen<T, W>(raw[k], x);
 #pragma unroll
-            for (int i = 0; i < W; i++) sum += x[k][i];
+            for (int i = 0; i < W; i++) sum += x[i];
         }
     }
     const float m = group_sum(sum, G, red) / (float)C;
@@ -53,9 +61,11 @@ __device__ void layernorm_forward_rows(T* out, float* mean, float* rstd, const T
     for (int k = 0; k < K; k++) {
         unsigned c = (k * G + t) * W;
         if (live && c < C) {
+            float x[W];
+            widen<T, W>(raw[k], x);
 #pragma unroll
             for (int i = 0; i < W; i++) {
-                float d = x[k][i] - m;
+                float d = x[i] - m;
                 sq += d * d;
             }
         }
@@ -66,11 +76,12 @@ __device__ void layernorm_forward_rows(T* out, float* mean, float* rstd, const T
     for (int k = 0; k < K; k++) {
         unsigned c = (k * G + t) * W;
         if (live && c < C) {
-            float w[W], b[W], y[W];
+            float x[W], w[W], b[W], y[W];
+            widen<T, W>(raw[k], x);
             load<T, W>(weight + c, w);
             load<T, W>(bias + c, b);
 #pragma unroll
-            for (int i = 0; i < W; i++) y[i] = (x[k][i] - m) * r * w[i] + b[i];
+            for (int i = 0; i < W; i++) y[i] = (x[i] - m) * r * w[i] + b[i];
             store<T, W>(out + at + c, y);
         }
     }
