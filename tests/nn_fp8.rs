@@ -11,8 +11,8 @@ use graphed::device::{DType, Device, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    input_grad, BiasGrad, Builder, DelayedRecipe, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers, Linear, Module,
-    ParamStore, Stack, TransformerLayer,
+    input_grad, BiasGrad, Builder, DelayedRecipe, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers, Linear, Mlp,
+    Module, ParamStore, Recompute, Stack, TransformerLayer,
 };
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -243,8 +243,8 @@ fn current_scaling_keeps_microbatches_apart(dev: &Device) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// FP8 needs bf16 weights, a started state and aligned shapes; each is refused with a typed
-/// error, before the layer computes anything.
+/// FP8 needs bf16 weights, a started state and aligned shapes, and keeps the MLP's activation;
+/// each is refused with a typed error, before the layer computes or adds anything.
 fn fp8_misuse_is_refused(dev: &Device) -> anyhow::Result<()> {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
@@ -256,6 +256,10 @@ fn fp8_misuse_is_refused(dev: &Device) -> anyhow::Result<()> {
     let store = ParamStore::with_dtype(&alloc, &s, Linear::parameter_count((24, 16)) + 2 * 256, DType::BF16)?;
     let vb = Builder::new(&store, &alloc, &s)?.with_fp8(&fp8);
     let fc = Linear::new(&vb.pp("fc"), (24, 16))?;
+    let before = store.ranges().len();
+    let r = Mlp::new(&vb.clone().with_recompute(Recompute::Gelu).pp("mlp"), 16);
+    ensure!(matches!(r, Err(Error::Unsupported { .. })), "a recomputed GELU output in FP8: {:?}", r.err());
+    ensure!(store.ranges().len() == before, "the refused MLP added parameters");
     let x = Tensor::from_f32(&alloc, &s, &lcg(16 * 24, 1), &[16, 24], DType::BF16)?;
     let r = fc.forward(&Inputs::one(&x), &KeepOnDevice, &s);
     ensure!(matches!(r, Err(Error::Unsupported { .. })), "a forward before start: {:?}", r.err());

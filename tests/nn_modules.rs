@@ -13,7 +13,7 @@ use graphed::device::{Device, DeviceKind, Stream};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     AttentionKind, AttentionSpec, Builder, CausalSelfAttention, Dropout, Inputs, KeepOnDevice, LayerNorm, Layers, Mlp,
-    Module, ParamStore, TransformerLayer,
+    Module, ParamStore, Recompute, TransformerLayer,
 };
 use graphed::ops::rng;
 use graphed::tensor::Tensor;
@@ -149,6 +149,46 @@ fn layernorm_gradients(dev: &Device) -> Result {
 
 fn mlp_gradients(dev: &Device) -> Result {
     check_gradients(dev, |vb| Mlp::new(&vb.pp("mlp").with_seed(3), SHAPE[2]), 3)
+}
+
+fn mlp_recomputing_its_activation_gradients(dev: &Device) -> Result {
+    check_gradients(dev, |vb| Mlp::new(&vb.pp("mlp").with_seed(3).with_recompute(Recompute::Gelu), SHAPE[2]), 3)
+}
+
+/// What one MLP forward (f32, `(2, 64, 32)`) holds for its backward, and its output, input
+/// gradient and parameter gradients, with its backward recomputing the GELU output or not.
+fn mlp_held_and_run(dev: &Device, recompute: Recompute) -> Result<(usize, Run)> {
+    const ROWS: usize = 128;
+    let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+    let store = ParamStore::new(&alloc, &s, Mlp::parameter_count(32))?;
+    let m = Mlp::new(&Builder::new(&store, &alloc, &s)?.with_seed(3).with_recompute(recompute).pp("mlp"), 32)?;
+    let x = Tensor::from_host(&alloc, &s, &lcg(ROWS * 32, 1), &[2, 64, 32])?;
+    let dy = Tensor::from_host(&alloc, &s, &lcg(ROWS * 32, 2), &[2, 64, 32])?;
+    s.synchronize()?;
+    let before = alloc.stats().total.allocated;
+    let (y, ctx) = m.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+    let y = y[0].to_vec(&s)?;
+    let held = alloc.stats().total.allocated - before;
+    let dx = m.backward(ctx, &[&dy], &s)?.remove(0).ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+    Ok((held, Run { y, dx: dx.to_vec(&s)?, grads: store.grads()?.to_vec(&s)? }))
+}
+
+/// Recomputing the GELU output keeps exactly its bytes (rows × 4C f32) fewer from the forward to
+/// the backward. On the simulator, in f32, the recomputed output is the forward's bit for bit
+/// (the same GELU on the same unrounded pre-activation), so every gradient is too; on CUDA the
+/// forward's GELU is cuBLASLt's epilogue, so they agree within rounding.
+fn mlp_recompute_holds_less_and_matches(dev: &Device) -> Result {
+    let (kept, want) = mlp_held_and_run(dev, Recompute::Nothing)?;
+    let (recomputed, got) = mlp_held_and_run(dev, Recompute::Gelu)?;
+    ensure!(kept - recomputed == 128 * 4 * 32 * 4, "the forward held {kept} B kept against {recomputed} B recomputed");
+    ensure!(got.y == want.y, "the forward does not depend on the backward's recompute");
+    if dev.kind() == DeviceKind::Cuda {
+        let wide = |v: &[f32]| v.iter().map(|x| f64::from(*x)).collect::<Vec<_>>();
+        ensure_close("input gradient", &got.dx, &wide(&want.dx), 1e-5, 1e-4)?;
+        return ensure_close("parameter gradients", &got.grads, &wide(&want.grads), 1e-5, 1e-4);
+    }
+    ensure!(got.dx == want.dx && got.grads == want.grads, "the recomputed activation's gradients differ");
+    Ok(())
 }
 
 fn attention_gradients(dev: &Device) -> Result {
@@ -480,6 +520,8 @@ per_device!(
     stack_builds_each_layer_as_new_does,
     layernorm_gradients,
     mlp_gradients,
+    mlp_recomputing_its_activation_gradients,
+    mlp_recompute_holds_less_and_matches,
     attention_gradients,
     transformer_layer_gradients,
     dropout_gradients,

@@ -14,6 +14,22 @@ use crate::memory::CachingAllocator;
 use crate::tensor::Tensor;
 use crate::Result;
 
+/// Which saved activations a layer's backward recomputes instead of keeping them from its
+/// forward: memory against time (docs/design.md, "Where a step's memory goes").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Recompute {
+    /// Keep every saved tensor.
+    #[default]
+    Nothing,
+    /// The MLP's GELU output, 4 of the 16 activation-sized tensors a transformer layer saves: the
+    /// backward runs GELU again on the saved pre-activation, one memory-bound pass, for FC2's
+    /// weight gradient. The pre-activation is stored rounded to the model's type, so in bf16 the
+    /// recomputed output can differ from the forward's in the last bit (in f32 on the simulator
+    /// it is the same); graphed still equals eager bit for bit. Not with FP8, whose FC2 keeps
+    /// its input quantized.
+    Gelu,
+}
+
 /// Where a module's constructor puts its parameters and what it initializes them from.
 /// Cloning is cheap: clones share the store and the dropout's step counter.
 ///
@@ -45,6 +61,8 @@ pub struct Builder<'a> {
     dropout: DropoutSpec,
     /// The FP8 state its Linear layers register with.
     fp8: Option<Fp8Training>,
+    /// What its layers' backward recomputes.
+    recompute: Recompute,
 }
 
 impl<'a> Builder<'a> {
@@ -63,6 +81,7 @@ impl<'a> Builder<'a> {
             seed: 0,
             dropout: DropoutSpec { p: 0.0, seed: 0, site: 0, step },
             fp8: None,
+            recompute: Recompute::Nothing,
         })
     }
 
@@ -93,6 +112,16 @@ impl<'a> Builder<'a> {
     /// the model is built).
     pub fn with_fp8(self, fp8: &Fp8Training) -> Builder<'a> {
         Builder { fp8: Some(fp8.clone()), ..self }
+    }
+
+    /// The same builder, its layers' backward recomputing what `recompute` names.
+    pub fn with_recompute(self, recompute: Recompute) -> Builder<'a> {
+        Builder { recompute, ..self }
+    }
+
+    /// What the layers built here recompute in their backward.
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
     }
 
     /// The FP8 state the layers built here register with, if any.

@@ -4,10 +4,12 @@
 //! epilogue, the weight gradients' GEMMs the bias gradients).
 
 use super::layernorm::{as_rows, single_input};
-use super::{BiasGrad, Builder, Inputs, Linear, LinearForward, Module, Param, SaveHook, SavedTensor};
+use super::{BiasGrad, Builder, Inputs, Linear, LinearForward, Module, Param, Recompute, SaveHook, SavedTensor};
 use crate::device::Stream;
+use crate::memory::CachingAllocator;
+use crate::ops::gelu;
 use crate::tensor::Tensor;
-use crate::Result;
+use crate::{Error, Result};
 
 /// The MLP of a transformer layer over `(.., C)` inputs.
 pub struct Mlp {
@@ -16,14 +18,18 @@ pub struct Mlp {
     pub fc1: Linear,
     /// `4C → C`.
     pub fc2: Linear,
+    /// Whether the backward recomputes the activation ([`Recompute::Gelu`]) instead of saving it.
+    recompute_act: bool,
+    alloc: CachingAllocator,
 }
 
-/// What the forward saves: the input rows, the pre-activation and the activation.
+/// What the forward saves: the input rows, the pre-activation and the activation (none when
+/// the backward recomputes it).
 pub struct MlpCtx {
     shape: Vec<usize>,
     x: SavedTensor,
     pre: SavedTensor,
-    act: SavedTensor,
+    act: Option<SavedTensor>,
 }
 
 impl Mlp {
@@ -33,14 +39,24 @@ impl Mlp {
     }
 
     /// An MLP on `dim` features: `{prefix}.fc1` initialized from `vb`'s seed, `{prefix}.fc2`
-    /// from seed + 1.
+    /// from seed + 1; its backward recomputes what `vb`'s [`Recompute`] says.
     ///
     /// # Errors
-    /// [`Error::Shape`](crate::Error::Shape) when the store is full.
+    /// [`Error::Shape`] when the store is full; [`Error::Unsupported`] for
+    /// [`Recompute::Gelu`] with FP8, before any parameter is added.
     pub fn new(vb: &Builder, dim: usize) -> Result<Mlp> {
+        let recompute_act = vb.recompute() == Recompute::Gelu;
+        if recompute_act && vb.fp8().is_some() {
+            return Err(Error::Unsupported {
+                op: "Mlp::new",
+                backend: "any",
+                why: "recomputing the GELU output is not supported with FP8, whose FC2 keeps its input quantized; \
+                      drop the recompute setting (--recompute none) or train in bf16",
+            });
+        }
         let fc1 = Linear::new(&vb.pp("fc1"), (dim, 4 * dim))?;
         let fc2 = Linear::new(&vb.pp("fc2").with_seed(vb.seed().wrapping_add(1)), (4 * dim, dim))?;
-        Ok(Mlp { name: vb.prefix().to_string(), fc1, fc2 })
+        Ok(Mlp { name: vb.prefix().to_string(), fc1, fc2, recompute_act, alloc: vb.alloc().clone() })
     }
 
     fn dim(&self) -> usize {
@@ -61,10 +77,12 @@ impl Mlp {
         let (LinearForward { y: act, input: kept_x }, pre) = self.fc1.forward_gelu(&rows, stream)?;
         let LinearForward { y, input: kept_act } = self.fc2.forward_keeping_input(&act, residual.as_ref(), stream)?;
         hook.open_group(&self.name)?;
-        let saved =
-            (hook.save("input", kept_x, stream)?, hook.save("pre", pre, stream)?, hook.save("act", kept_act, stream)?);
+        let (x_saved, pre) = (hook.save("input", kept_x, stream)?, hook.save("pre", pre, stream)?);
+        let act = match self.recompute_act {
+            true => None,
+            false => Some(hook.save("act", kept_act, stream)?),
+        };
         hook.commit_group(&self.name, stream)?;
-        let (x_saved, pre, act) = saved;
         Ok((y.reshape(x.shape())?, MlpCtx { shape: x.shape().to_vec(), x: x_saved, pre, act }))
     }
 
@@ -74,7 +92,15 @@ impl Mlp {
         const OP: &str = "Mlp::backward";
         dy.expect_shape(OP, &ctx.shape)?;
         let dy = as_rows(OP, dy, self.dim())?;
-        let (act, pre) = (ctx.act.take(stream)?, ctx.pre.take(stream)?);
+        let pre = ctx.pre.take(stream)?;
+        let act = match ctx.act {
+            Some(act) => act.take(stream)?,
+            None => {
+                let act = Tensor::uninit(&self.alloc, stream, pre.shape(), pre.dtype())?;
+                gelu::gelu_forward(&act, &pre, stream)?;
+                act
+            }
+        };
         let dpre = self.fc2.backward_with(&dy, &act, Some(&pre), fc2_bias, stream)?;
         let dx = self.fc1.backward_with(&dpre, &ctx.x.take(stream)?, None, BiasGrad::Compute, stream)?;
         dx.reshape(&ctx.shape)

@@ -35,7 +35,7 @@ mod transformer;
 
 pub use crate::ops::attention::AttentionBackend;
 pub use attention::{AttentionCtx, AttentionKind, AttentionSpec, BackendsRan, CausalSelfAttention};
-pub use builder::Builder;
+pub use builder::{Builder, Recompute};
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;
 pub use fp8::{DelayedRecipe, Fp8Recipe, Fp8Training};

@@ -1,4 +1,4 @@
-// GELU, tanh approximation (PyTorch's gelu(approximate='tanh')), on f32; the CPU paths in gelu.rs
+// GELU, tanh approximation (PyTorch's gelu(approximate='tanh')), on f32 (and bf16 where noted); the CPU paths in gelu.rs
 // use the same formulas and constants.
 //
 // Determinism: the elementwise kernels have no reductions. column_sum_add_f32 runs one thread per
@@ -21,10 +21,15 @@ __device__ float gelu_grad(float x) {
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * GELU_K * (1.0f + GELU_CUBE3 * x * x);
 }
 
-extern "C" __global__ void gelu_forward_f32(float* out, const float* inp, unsigned n) {
-    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = gelu(inp[i]);
+// 16-byte accesses in a grid-stride loop (map1), as gelu_backward.
+template <typename T> __device__ void gelu_forward(T* out, const T* inp, unsigned n) {
+    map1<Lanes<T>::N>(out, inp, n, [](float x) { return gelu(x); });
 }
+
+extern "C" __global__ void gelu_forward_f32(float* out, const float* inp, unsigned n) { gelu_forward(out, inp, n); }
+
+// In bf16: the MLP's activation recomputed from its saved pre-activation (nn::Recompute::Gelu).
+extern "C" __global__ void gelu_forward_bf16(bf16* out, const bf16* inp, unsigned n) { gelu_forward(out, inp, n); }
 
 // 16-byte accesses in a grid-stride loop (map2): one element per thread moved 2-byte accesses of
 // bf16 at a third of HBM's rate.

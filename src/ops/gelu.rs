@@ -50,26 +50,44 @@ fn gelu_grad(x: f32) -> f32 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + GELU_CUBE3 * x * x)
 }
 
-/// `out = gelu(inp)`, elementwise.
-pub static GELU_FORWARD: Kernel =
-    Kernel { name: "gelu_forward_f32", source: SOURCE, params: &["out", "inp", "n"], cpu: forward_cpu, strided: false };
+/// `out = gelu(inp)`, elementwise, in f32.
+pub static GELU_FORWARD: Kernel = Kernel {
+    name: "gelu_forward_f32",
+    source: SOURCE,
+    params: &["out", "inp", "n"],
+    cpu: forward_cpu::<f32>,
+    strided: false,
+};
 
-fn forward_cpu(a: &CpuArgs) -> Result<()> {
-    let inp = a.input::<f32>("inp")?;
-    a.output::<f32>("out")?.iter_mut().zip(inp.iter()).for_each(|(y, &x)| *y = gelu(x));
+/// As [`GELU_FORWARD`] in bf16: GELU of the widened value, rounded once.
+pub static GELU_FORWARD_BF16: Kernel = Kernel {
+    name: "gelu_forward_bf16",
+    source: SOURCE,
+    params: &["out", "inp", "n"],
+    cpu: forward_cpu::<bf16>,
+    strided: false,
+};
+
+fn forward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let inp = a.input::<T>("inp")?;
+    a.output::<T>("out")?.iter_mut().zip(inp.iter()).for_each(|(y, x)| *y = T::from_f32(gelu(x.to_f32())));
     Ok(())
 }
 
-/// `out = gelu(inp)` for tensors of one shape.
+/// `out = gelu(inp)` for f32 or bf16 tensors of one shape and type.
 ///
 /// # Errors
-/// [`Error::Shape`](crate::Error::Shape) if the shapes differ; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor.
+/// [`Error::Shape`](crate::Error::Shape) if the shapes differ; [`Error::NotContiguous`](crate::Error::NotContiguous) for a strided tensor;
+/// [`Error::UnsupportedDType`](crate::Error::UnsupportedDType) for another type.
 pub fn gelu_forward(out: &Tensor, inp: &Tensor, stream: &Stream) -> Result<()> {
     const OP: &str = "gelu_forward";
-    let shape = inp.shape();
-    let args =
-        args![Out(checked::<f32>(OP, "out", out, shape)?), In(checked::<f32>(OP, "inp", inp, shape)?), n_of(OP, inp)?];
-    stream.launch(&GELU_FORWARD, LaunchDims::for_elems(inp.numel()), &args)
+    with_float!(OP, inp.dtype(), T => {
+        let shape = inp.shape();
+        let kernel = PerFloat { f32: &GELU_FORWARD, bf16: &GELU_FORWARD_BF16 }.of::<T>(OP)?;
+        let args =
+            args![Out(checked::<T>(OP, "out", out, shape)?), In(checked::<T>(OP, "inp", inp, shape)?), n_of(OP, inp)?];
+        stream.launch(kernel, stride_dims(inp.numel().div_ceil(lanes::<T>())), &args)
+    })
 }
 
 /// `dinp = gelu'(inp)·dout`, elementwise, in f32.

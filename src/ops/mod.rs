@@ -236,6 +236,7 @@ mod tests {
             &embedding::EMBEDDING_BACKWARD_WPE,
             &embedding::EMBEDDING_BACKWARD_WPE_BF16,
             &gelu::GELU_FORWARD,
+            &gelu::GELU_FORWARD_BF16,
             &gelu::GELU_BACKWARD,
             &gelu::GELU_BACKWARD_BF16,
             &gelu::BIAS_GELU_FORWARD,

@@ -11,7 +11,7 @@ use graphed::memory::CachingAllocator;
 use graphed::nn::{Builder, Inputs, KeepOnDevice, Linear, Module, ParamStore};
 use graphed::tensor::Tensor;
 
-use super::fixtures::{lcg, Model, Result};
+use super::fixtures::{lcg, Model, Result, LAYERS, SHAPE};
 
 const STEPS: u64 = 3;
 const MICROBATCHES: u64 = 2;
@@ -142,6 +142,35 @@ pub fn stack_caller_matches_eager_in_bf16(dev: &Device) -> Result {
 
 pub fn stack_side_stream_matches_eager_in_bf16(dev: &Device) -> Result {
     twin_training(dev, How::Side, DType::BF16)
+}
+
+/// bf16 with the MLPs' GELU output recomputed in the backward: graphed and eager recompute it
+/// alike.
+pub fn stack_side_stream_matches_eager_recomputing(dev: &Device) -> Result {
+    twins(dev, How::Side, &Model::recomputing)
+}
+
+/// Recomputing the GELU output lowers the graph pool's peak: from the forward to the backward no
+/// layer holds its activation (batch · seq · 4C). By how much depends on where the peak falls:
+/// in the last layer's backward it is every other layer's activation, in the first layer's
+/// backward nothing, as that layer then holds its recomputed one.
+pub fn recomputing_lowers_the_pool_peak(dev: &Device) -> Result {
+    let peak = |m: &Model| -> Result<usize> {
+        let g = m.graph(GraphOptions::default())?;
+        let (x, dy) = m.data(0)?;
+        m.graphed(&g, &x, &dy, Replay::caller())?;
+        let id = g.pool().id();
+        let stats = m.alloc.stats();
+        let pool = stats.pools.iter().find(|(p, _)| *p == id).ok_or_else(|| anyhow::anyhow!("no pool"))?;
+        Ok(pool.1.peak_allocated)
+    };
+    let (kept, recomputed) = (peak(&Model::with_dtype(dev, DType::BF16)?)?, peak(&Model::recomputing(dev)?)?);
+    let act = SHAPE[0] * SHAPE[1] * 4 * SHAPE[2] * DType::BF16.size();
+    ensure!(
+        recomputed < kept && kept - recomputed <= (LAYERS - 1) * act,
+        "the pool peaked at {kept} B kept, {recomputed} B recomputed"
+    );
+    Ok(())
 }
 
 /// FP8: the layers' GEMMs in FP8, the scales updated and the weights quantized by the

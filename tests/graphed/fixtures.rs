@@ -9,7 +9,7 @@ use graphed::graph::{make_graphed_stack, Callable, GraphOptions, GraphedCallable
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     backward_pass, forward_pass, input_grad, Builder, DelayedRecipe, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice,
-    Layers, Module, Param, ParamStore, SaveHook, SavedTensor, Stack, TransformerLayer, Traverse,
+    Layers, Module, Param, ParamStore, Recompute, SaveHook, SavedTensor, Stack, TransformerLayer, Traverse,
 };
 use graphed::ops::cast::residual_add;
 use graphed::ops::elementwise;
@@ -72,13 +72,28 @@ impl Model {
         Model::build(dev, DType::BF16, FP8_SHAPE, Some(Fp8Recipe::Current))
     }
 
+    /// As [`Model::with_dtype`] in bf16, the MLPs' backward recomputing their GELU output.
+    pub fn recomputing(dev: &Device) -> Result<Model> {
+        Model::build_with(dev, DType::BF16, SHAPE, None, Recompute::Gelu)
+    }
+
     fn build(dev: &Device, dtype: DType, shape: [usize; 3], fp8: Option<Fp8Recipe>) -> Result<Model> {
+        Model::build_with(dev, dtype, shape, fp8, Recompute::Nothing)
+    }
+
+    fn build_with(
+        dev: &Device,
+        dtype: DType,
+        shape: [usize; 3],
+        fp8: Option<Fp8Recipe>,
+        recompute: Recompute,
+    ) -> Result<Model> {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let fp8 = fp8.map(|recipe| Fp8Training::new(&alloc, recipe));
         let c = shape[2];
         let store = ParamStore::with_dtype(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c), dtype)?;
-        let vb = Builder::new(&store, &alloc, &s)?.with_seed(10).with_dropout(DROPOUT, 77);
+        let vb = Builder::new(&store, &alloc, &s)?.with_seed(10).with_dropout(DROPOUT, 77).with_recompute(recompute);
         let vb = match &fp8 {
             Some(f) => vb.with_fp8(f),
             None => vb,

@@ -38,6 +38,8 @@ per_device!(
     stack_caller_matches_eager_in_fp8,
     stack_side_stream_matches_eager_in_fp8,
     stack_side_stream_matches_eager_in_fp8_current,
+    stack_side_stream_matches_eager_recomputing,
+    recomputing_lowers_the_pool_peak,
     layers_unchained_match_eager,
     layers_read_in_place_match_eager,
     layers_read_in_place_match_eager_in_bf16,
