@@ -129,6 +129,8 @@ fn train_resumes_bit_for_bit() {
     refused(&["--dropout", "0.2", "--resume", "half"], "dropout");
     // The fused attention's backend rounds its own way: another one is refused, naming the flag.
     refused(&["--dropout", "0.1", "--resume", "half", "--attention-backend", "kernels"], "--attention-backend auto");
+    // So does a recomputed GELU output.
+    refused(&["--dropout", "0.1", "--resume", "half", "--recompute", "gelu"], "pass --recompute none");
     // Resumed past where the run stops, or from a step count past the run's: refused, naming it.
     refused(&["--dropout", "0.1", "--resume", "half", "--stop-at", "10"], "not before --stop-at 10");
     let mut damaged = load("half");

@@ -38,9 +38,24 @@ fn every_search_ends_with_the_largest_size_that_fits_next_to_one_that_does_not()
         rows.iter().map(|r| (r["variant"].as_str().unwrap(), r["search"].as_str().unwrap())).collect();
     assert_eq!(
         searches,
-        [("graphed", "batch"), ("graphed", "layers"), ("graphed-offload", "batch"), ("graphed-offload", "layers")],
+        [
+            ("graphed", "batch"),
+            ("graphed", "layers"),
+            ("graphed-offload", "batch"),
+            ("graphed-offload", "layers"),
+            ("graphed-recompute", "batch"),
+            ("graphed-recompute", "layers")
+        ],
         "the automatic policy is skipped on the simulator"
     );
+    // Recomputing the GELU output keeps less from the forward to the backward, never more.
+    let largest = |variant: &str, search: &str| {
+        let row = rows.iter().find(|r| r["variant"] == variant && r["search"] == search);
+        row.and_then(|r| r["largest"].as_u64()).unwrap_or(0)
+    };
+    for search in ["batch", "layers"] {
+        assert!(largest("graphed-recompute", search) >= largest("graphed", search), "{search}: {rows:?}");
+    }
     for r in rows {
         let largest = r["largest"].as_u64().expect("a tiny model fits 12 MiB") as usize;
         let probes = r["probes"].as_array().unwrap();

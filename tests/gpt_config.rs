@@ -7,7 +7,7 @@ use graphed::device::{DType, Device};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     AttentionBackend, AttentionKind, AttentionSpec, Builder, Gpt, GptConfig, Inputs, KeepOnDevice, Module, ParamStore,
-    TransformerLayer,
+    Recompute, TransformerLayer,
 };
 use graphed::tensor::Tensor;
 use proptest::prelude::*;
@@ -39,6 +39,7 @@ fn config(dim: usize, heads: usize, max_len: usize) -> GptConfig {
         dropout: 0.0,
         seed: 3,
         dtype: DType::F32,
+        recompute: Recompute::Nothing,
     }
 }
 

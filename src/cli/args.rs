@@ -210,6 +210,35 @@ impl AttentionBackendArg {
     }
 }
 
+/// What the layers' backward recomputes instead of saving it from the forward.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct RecomputeArgs {
+    /// What the layers' backward recomputes instead of keeping it from the forward: `none`, or
+    /// `gelu` (the MLP's GELU output, a quarter of what a layer saves, recomputed from its input
+    /// by one memory-bound pass; not with `--dtype fp8`).
+    #[arg(long, value_enum, default_value_t = RecomputeArg::None)]
+    pub recompute: RecomputeArg,
+}
+
+impl RecomputeArgs {
+    /// The setting, as the library names it.
+    pub fn recompute(&self) -> graphed::nn::Recompute {
+        match self.recompute {
+            RecomputeArg::None => graphed::nn::Recompute::Nothing,
+            RecomputeArg::Gelu => graphed::nn::Recompute::Gelu,
+        }
+    }
+}
+
+/// `--recompute`'s values.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecomputeArg {
+    /// Keep everything the backward reads (the default).
+    None,
+    /// Recompute the MLP's GELU output.
+    Gelu,
+}
+
 /// `--attention`'s values.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionArg {
@@ -381,6 +410,8 @@ pub struct TrainArgs {
     pub dtype: DTypeArgs,
     #[command(flatten)]
     pub attention: AttentionArgs,
+    #[command(flatten)]
+    pub recompute: RecomputeArgs,
     /// Transformer layers (default: 2).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub layers: Option<u32>,
@@ -614,6 +645,8 @@ pub struct GraphsBenchArgs {
     #[command(flatten)]
     pub attention: AttentionArgs,
     #[command(flatten)]
+    pub recompute: RecomputeArgs,
+    #[command(flatten)]
     pub configs: ConfigsArgs,
     /// Timed steps per variant (median, min and max are reported).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -754,7 +787,7 @@ pub struct MemoryBenchArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [MemorySearch::Batch, MemorySearch::Layers])]
     pub search: Vec<MemorySearch>,
     /// The variants searched, in order.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [MemoryVariant::Graphed, MemoryVariant::GraphedOffload, MemoryVariant::GraphedOffloadAuto])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [MemoryVariant::Graphed, MemoryVariant::GraphedOffload, MemoryVariant::GraphedOffloadAuto, MemoryVariant::GraphedRecompute])]
     pub variants: Vec<MemoryVariant>,
     /// Timed steps per probe (the step time is their median).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
@@ -785,6 +818,10 @@ pub enum MemoryVariant {
     GraphedOffload,
     /// The automatic offload policy (CUDA only: it times the layers).
     GraphedOffloadAuto,
+    /// Per-layer graphs, the MLPs' GELU output recomputed in the backward (`--recompute gelu`).
+    GraphedRecompute,
+    /// The GELU output recomputed, and the automatic offload policy.
+    GraphedRecomputeOffloadAuto,
 }
 
 /// A byte count with an optional binary unit (`24GiB`, `512MiB`, `4096`): a `--budget`.

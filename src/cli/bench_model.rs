@@ -11,7 +11,7 @@ use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, GraphedF
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
     AttentionBackend, AttentionKind, AttentionSpec, Builder, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers,
-    Module, ParamStore, Stack, TransformerLayer,
+    Module, ParamStore, Recompute, Stack, TransformerLayer,
 };
 use graphed::offload::OffloadManager;
 use graphed::tensor::Tensor;
@@ -35,6 +35,8 @@ pub struct Config {
     pub attention: AttentionKind,
     /// What runs the fused attention (`--attention-backend`; automatic unless changed).
     pub attention_backend: AttentionBackend,
+    /// What the layers' backward recomputes (`--recompute`; nothing unless changed).
+    pub recompute: Recompute,
 }
 
 /// Every configuration, smallest first; S, M and L are `BENCH.md`'s.
@@ -47,6 +49,7 @@ pub const CONFIGS: [Config; 4] = [
         seq: 16,
         attention: AttentionKind::Fused,
         attention_backend: AttentionBackend::Auto,
+        recompute: Recompute::Nothing,
     },
     Config {
         name: "S",
@@ -56,6 +59,7 @@ pub const CONFIGS: [Config; 4] = [
         seq: 64,
         attention: AttentionKind::Fused,
         attention_backend: AttentionBackend::Auto,
+        recompute: Recompute::Nothing,
     },
     Config {
         name: "M",
@@ -65,6 +69,7 @@ pub const CONFIGS: [Config; 4] = [
         seq: 512,
         attention: AttentionKind::Fused,
         attention_backend: AttentionBackend::Auto,
+        recompute: Recompute::Nothing,
     },
     Config {
         name: "L",
@@ -74,6 +79,7 @@ pub const CONFIGS: [Config; 4] = [
         seq: 2048,
         attention: AttentionKind::Fused,
         attention_backend: AttentionBackend::Auto,
+        recompute: Recompute::Nothing,
     },
 ];
 
@@ -92,6 +98,11 @@ impl Config {
     /// The same configuration with its attention as `attention` says (form and backend).
     pub fn with_attention(self, attention: crate::cli::args::AttentionArgs) -> Config {
         Config { attention: attention.kind(), attention_backend: attention.backend(), ..self }
+    }
+
+    /// The same configuration, its layers' backward recomputing what `recompute` names.
+    pub fn with_recompute(self, recompute: Recompute) -> Config {
+        Config { recompute, ..self }
     }
 
     /// The layers' attention: form, backend, heads of [`Config::heads`].
@@ -130,7 +141,11 @@ impl fmt::Display for Config {
             self.batch,
             self.seq,
             self.attention
-        )
+        )?;
+        match self.recompute {
+            Recompute::Nothing => Ok(()),
+            r => write!(f, " recompute={}", r.name()),
+        }
     }
 }
 
@@ -205,7 +220,7 @@ impl BenchModel {
         let Config { dim, batch, seq, .. } = config;
         let count = global.len() * TransformerLayer::parameter_count(dim);
         let store = ParamStore::with_dtype(alloc, stream, count, dtype)?;
-        let vb = Builder::new(&store, alloc, stream)?.with_seed(1);
+        let vb = Builder::new(&store, alloc, stream)?.with_seed(1).with_recompute(config.recompute);
         let vb = match &fp8 {
             Some(f) => vb.with_fp8(f),
             None => vb,

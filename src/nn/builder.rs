@@ -30,6 +30,16 @@ pub enum Recompute {
     Gelu,
 }
 
+impl Recompute {
+    /// `none` or `gelu`, as `--recompute` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::Nothing => "none",
+            Recompute::Gelu => "gelu",
+        }
+    }
+}
+
 /// Where a module's constructor puts its parameters and what it initializes them from.
 /// Cloning is cheap: clones share the store and the dropout's step counter.
 ///

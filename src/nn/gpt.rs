@@ -6,7 +6,7 @@
 use super::{
     input_grad, AttentionBackend, AttentionKind, AttentionSpec, Builder, Embedding, Fp8Recipe, Fp8Training, GradHook,
     Inputs, KeepOnDevice, LayerNorm, LayerNormCtx, Layers, LmHead, LmHeadCtx, Module, NoGradHook, Param, ParamStore,
-    SaveHook, Stack, StackCtx, Stage, TransformerLayer,
+    Recompute, SaveHook, Stack, StackCtx, Stage, TransformerLayer,
 };
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
@@ -39,6 +39,8 @@ pub struct GptConfig {
     /// Element type of the weights and activations (f32 or bf16); LayerNorm statistics, the
     /// loss and the optimizer's master weights are f32 whatever it is.
     pub dtype: DType,
+    /// What the layers' backward recomputes instead of saving it (memory against time).
+    pub recompute: Recompute,
 }
 
 /// What one [`GptConfig`] field (or the batch) is, when the kernels cannot run it.
@@ -63,10 +65,11 @@ impl GptConfig {
     ///
     /// ```
     /// use graphed::device::DType;
-    /// use graphed::nn::{AttentionBackend, AttentionKind, GptConfig};
+    /// use graphed::nn::{AttentionBackend, AttentionKind, GptConfig, Recompute};
     /// let config = GptConfig {
     ///     vocab: 16, max_len: 8, dim: 3, layers: 1, heads: 1, attention: AttentionKind::Fused,
     ///     attention_backend: AttentionBackend::Auto, dropout: 0.0, seed: 0, dtype: DType::F32,
+    ///     recompute: Recompute::Nothing,
     /// };
     /// assert_eq!(config.validate().unwrap_err().field, "dim");
     /// // Heads of 16 features: only the unfused attention runs them.
@@ -323,7 +326,9 @@ impl Gpt {
         config.validate().map_err(Error::Config)?;
         let store = ParamStore::with_dtype(alloc, stream, part.parameter_count(&config), config.dtype)?;
         let (c, seed) = (config.dim, config.seed);
-        let vb = Builder::new(&store, alloc, stream)?.with_seed(seed).with_dropout(config.dropout, seed as u32);
+        let vb = (Builder::new(&store, alloc, stream)?.with_seed(seed))
+            .with_dropout(config.dropout, seed as u32)
+            .with_recompute(config.recompute);
         let embedding =
             part.embedding.then(|| Embedding::new(&vb.pp("emb"), (config.vocab, config.max_len, c))).transpose()?;
         let attention = AttentionSpec::new(c, config.heads).kind(config.attention).backend(config.attention_backend);
@@ -566,6 +571,7 @@ mod tests {
             dropout: 0.0,
             seed: 3,
             dtype: DType::F32,
+            recompute: Recompute::Nothing,
         }
     }
 

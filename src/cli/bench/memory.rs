@@ -12,6 +12,7 @@
 
 use graphed::device::{DType, Device, DeviceKind};
 use graphed::memory::CachingAllocator;
+use graphed::nn::Recompute;
 use graphed::offload::{OffloadConfig, OffloadManager};
 use serde::Serialize;
 
@@ -27,6 +28,16 @@ impl MemoryVariant {
             MemoryVariant::Graphed => "graphed",
             MemoryVariant::GraphedOffload => "graphed-offload",
             MemoryVariant::GraphedOffloadAuto => "graphed-offload-auto",
+            MemoryVariant::GraphedRecompute => "graphed-recompute",
+            MemoryVariant::GraphedRecomputeOffloadAuto => "graphed-recompute-offload-auto",
+        }
+    }
+
+    /// What its layers' backward recomputes.
+    fn recompute(self) -> Recompute {
+        match self {
+            MemoryVariant::GraphedRecompute | MemoryVariant::GraphedRecomputeOffloadAuto => Recompute::Gelu,
+            _ => Recompute::Nothing,
         }
     }
 
@@ -34,9 +45,11 @@ impl MemoryVariant {
     /// automatic policy (both replayed on a side stream).
     fn offload(self) -> Option<OffloadConfig> {
         match self {
-            MemoryVariant::Graphed => None,
+            MemoryVariant::Graphed | MemoryVariant::GraphedRecompute => None,
             MemoryVariant::GraphedOffload => Some(OffloadConfig::default()),
-            MemoryVariant::GraphedOffloadAuto => Some(super::offload::automatic()),
+            MemoryVariant::GraphedOffloadAuto | MemoryVariant::GraphedRecomputeOffloadAuto => {
+                Some(super::offload::automatic())
+            }
         }
     }
 }
@@ -100,7 +113,9 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
     println!("{config}, {dtype}; budget {} of peak reserved memory", gib(args.budget));
     let mut rows = Vec::new();
     for &variant in &args.variants {
-        if variant == MemoryVariant::GraphedOffloadAuto && dev.kind() != DeviceKind::Cuda {
+        let automatic =
+            matches!(variant, MemoryVariant::GraphedOffloadAuto | MemoryVariant::GraphedRecomputeOffloadAuto);
+        if automatic && dev.kind() != DeviceKind::Cuda {
             println!("  {:<22} skipped: the automatic policy needs the GPU's clock", variant.name());
             continue;
         }
@@ -224,7 +239,7 @@ fn probe(
 ) -> anyhow::Result<Probe> {
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
-    let model = BenchModel::new(&alloc, &main, config, dtype)?;
+    let model = BenchModel::new(&alloc, &main, config.with_recompute(variant.recompute()), dtype)?;
     let manager = variant.offload().map(|c| OffloadManager::new(&alloc, c)).transpose()?;
     let (side, event) = (dev.stream()?, dev.event()?);
     let on_side = manager.is_some().then_some((&side, &event));

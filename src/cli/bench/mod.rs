@@ -104,13 +104,18 @@ struct Case {
     dtype: String,
     /// `fused` or `unfused`.
     attention: &'static str,
+    /// What the backward recomputed (`--recompute`), when anything.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    recompute: Option<&'static str>,
     variant: &'static str,
 }
 
 impl Case {
     fn new(config: crate::cli::bench_model::Config, dtype: impl std::fmt::Display, variant: &'static str) -> Case {
-        let crate::cli::bench_model::Config { name, dim, layers, batch, seq, attention, .. } = config;
-        Case { config: name, dim, layers, batch, seq, dtype: dtype.to_string(), attention: attention.name(), variant }
+        let crate::cli::bench_model::Config { name, dim, layers, batch, seq, attention, recompute, .. } = config;
+        let recompute = (recompute != graphed::nn::Recompute::Nothing).then(|| recompute.name());
+        let dtype = dtype.to_string();
+        Case { config: name, dim, layers, batch, seq, dtype, attention: attention.name(), recompute, variant }
     }
 }
 

@@ -101,7 +101,9 @@ struct Rows {
 
 pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "offload", "--configs tiny")?;
-    let configs = args.configs.resolve(&dev, args.attention)?;
+    let recompute = args.recompute.recompute();
+    let configs: Vec<_> =
+        args.configs.resolve(&dev, args.attention)?.into_iter().map(|c| c.with_recompute(recompute)).collect();
     let dtype = args.dtype.resolve(&dev)?;
     let on_gpu = dev.kind() == DeviceKind::Cuda;
     let mut rows = Rows { variants: Vec::new(), copies: Vec::new() };

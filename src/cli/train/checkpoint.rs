@@ -66,6 +66,7 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
         (ATTENTION_BACKEND, c.attention_backend.name().to_string()),
         ("dtype", if model.fp8().is_some() { "fp8".into() } else { c.dtype.to_string() }),
         (FP8_SCALING, model.fp8().map_or("none", |f| f.recipe().name()).into()),
+        (RECOMPUTE, c.recompute.name().into()),
         ("dropout", c.dropout.to_string()),
         ("seed", args.seed.to_string()),
         ("batch", batch.to_string()),
@@ -94,6 +95,11 @@ const ATTENTION_BACKEND: &str = "attention_backend";
 /// key's refusal.
 const FP8_SCALING: &str = "fp8_scaling";
 
+/// The metadata key of what the backward recomputes (`--recompute`'s `none` or `gelu`). A
+/// recomputed GELU output can differ from the kept one in its last bit, so a run resumes only
+/// with its own setting; checkpoints from before the key existed recomputed nothing.
+const RECOMPUTE: &str = "recompute";
+
 /// A setting a resume checks with the flag that sets it as the way out, rather than as a damaged
 /// or foreign checkpoint: it rounds its own way, and older checkpoints lack it.
 struct Flagged {
@@ -111,7 +117,7 @@ struct Flagged {
 }
 
 /// The settings `resume` checks as [`Flagged`], for `model` resuming `ckpt`.
-fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 3] {
+fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 4] {
     let fused = model.config().attention == AttentionKind::Fused;
     let fp8 = model.fp8().is_some() && ckpt.meta("dtype") == Some("fp8");
     [
@@ -138,6 +144,14 @@ fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 3] {
             kind: "recipes",
             flag: "--fp8-scaling",
             applies: fp8,
+        },
+        Flagged {
+            key: RECOMPUTE,
+            absent: "none",
+            what: "ran with --recompute",
+            kind: "settings",
+            flag: "--recompute",
+            applies: true,
         },
     ]
 }

@@ -3,7 +3,7 @@
 //! the steps, and the flags that would do nothing.
 
 use graphed::device::{Device, DeviceKind};
-use graphed::nn::{AttentionKind, GptConfig};
+use graphed::nn::{AttentionKind, GptConfig, Recompute};
 use graphed::ops::attention::cudnn_refusal;
 use graphed::optim::{AdamWHyper, LrSchedule, NonFinite};
 
@@ -47,6 +47,7 @@ impl Plan {
             dropout: args.dropout,
             seed: args.seed,
             dtype: args.dtype.storage(dev),
+            recompute: args.recompute.recompute(),
         };
         if config.attention_backend.requires_cudnn() {
             let fused = config.attention == AttentionKind::Fused;
@@ -141,6 +142,12 @@ fn check_fp8(args: &TrainArgs, config: &GptConfig, batch: usize) -> anyhow::Resu
     }
     if !args.dtype.fp8() {
         return Ok(());
+    }
+    if config.recompute != Recompute::Nothing {
+        refuse!(
+            "--recompute {} is not supported with --dtype fp8, whose layers keep the MLP's activation quantized; pass --recompute none or another --dtype",
+            config.recompute.name()
+        );
     }
     let per_forward = if args.schedule { batch / args.schedule_args.microbatches().max(1) } else { batch };
     let tokens = per_forward * config.max_len;
@@ -237,5 +244,16 @@ mod tests {
         for backend in ["auto", "kernels"] {
             assert_eq!(refusal(&["--attention-backend", backend]), None, "{backend} runs anywhere");
         }
+    }
+
+    #[test]
+    fn recomputing_in_fp8_is_refused_before_anything_is_built() {
+        let dev = Device::sim();
+        let refusal = |extra: &[&str]| Plan::new(&dev, &train_args(extra), (12, 128)).err().map(|e| e.to_string());
+        let fp8 = refusal(&["--dtype", "fp8", "--dim", "32", "--batch", "16", "--recompute", "gelu"]);
+        let fp8 = fp8.expect("refused in FP8");
+        assert!(fp8.contains("--recompute none"), "{fp8}");
+        assert_eq!(refusal(&["--dtype", "fp8", "--dim", "32", "--batch", "16"]), None, "FP8 alone runs");
+        assert_eq!(refusal(&["--recompute", "gelu"]), None, "bf16 and f32 recompute");
     }
 }
