@@ -422,6 +422,14 @@ def held_breakdown(layers: list) -> dict:
             "grad_bytes_in_graph_pools": sum(size(g) for g in grads if in_pool(g)) if has_ids else None}
 
 
+def held_or_why(layers: list) -> dict:
+    """`held_breakdown`, or why this PyTorch could not say: a diagnostic never ends a timed run."""
+    try:
+        return held_breakdown(layers)
+    except (KeyError, TypeError, RuntimeError, AttributeError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup: int,
                    constant: bool = False) -> dict:
     """One (configuration, variant) of `graphs`, in a function so that its memory goes on return;
@@ -504,7 +512,7 @@ def graphs_variant(name: str, variant: str, dt: torch.dtype, steps: int, warmup:
            "reserved_bytes": torch.cuda.memory_reserved(),
            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
            "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "capture_ms": capture_ms,
-           "held": held_breakdown(layers)}
+           "held": held_or_why(layers)}
     print(f"{name} {variant:19} wall {row['wall_ms']:.3f} ms  host {row['host_us']:.1f} us  "
           f"gpu {row['gpu_ms']:.3f} ms  peak allocated / reserved {row['peak_allocated_bytes'] / 2**20:.0f} / "
           f"{row['peak_reserved_bytes'] / 2**20:.0f} MiB", file=sys.stderr)

@@ -26,12 +26,35 @@ use super::{median, write_json, Report};
 use crate::cli::args::{DeviceChoice, LayerBenchArgs};
 use crate::cli::bench_model::Config;
 
-/// The NVIDIA H200's roofs (SXM datasheet): HBM3e bandwidth in bytes/s.
-const HBM_BYTES_PER_S: f64 = 4.8e12;
-/// Dense bf16 on the tensor cores, FLOP/s.
-const BF16_FLOP_PER_S: f64 = 989e12;
-/// f32 FMA without TF32 (graphed's f32 GEMMs are IEEE f32), FLOP/s.
-const F32_FLOP_PER_S: f64 = 67e12;
+/// A GPU's roofs (SXM datasheets) that a profile rates its kernels against.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Roofs {
+    /// The GPU they are of.
+    gpu: &'static str,
+    /// HBM bandwidth, bytes/s.
+    hbm_bytes_per_s: f64,
+    /// Dense bf16 on the tensor cores, FLOP/s.
+    bf16_flop_per_s: f64,
+    /// f32 FMA without TF32 (graphed's f32 GEMMs are IEEE f32), FLOP/s.
+    f32_flop_per_s: f64,
+}
+
+impl Roofs {
+    const H200: Roofs =
+        Roofs { gpu: "NVIDIA H200", hbm_bytes_per_s: 4.8e12, bf16_flop_per_s: 989e12, f32_flop_per_s: 67e12 };
+    const H100: Roofs =
+        Roofs { gpu: "NVIDIA H100 SXM", hbm_bytes_per_s: 3.35e12, bf16_flop_per_s: 989e12, f32_flop_per_s: 67e12 };
+
+    /// The roofs of the GPU `name` describes (`Device::name`): an H100 SXM's (80 GB of HBM3)
+    /// or, for any other GPU, an H200's, which the printout then says are assumed.
+    fn of(name: &str) -> (Roofs, bool) {
+        if name.contains("H100 80GB HBM3") {
+            (Roofs::H100, true)
+        } else {
+            (Roofs::H200, name.contains("H200"))
+        }
+    }
+}
 
 #[derive(Serialize, Debug)]
 struct LayerRow {
@@ -159,7 +182,7 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
             row.config, row.dim, row.batch, row.seq, row.host_ms, row.kernels_forward, row.kernels_backward
         );
         if let Some(classes) = &row.profile {
-            print_classes(classes, row.gpu_ms, dtype);
+            print_classes(classes, row.gpu_ms, dtype, Roofs::of(&dev.name()));
         }
         if let Some(ran) = &row.attention_backends {
             println!("  fused attention ran on: forward {}, backward {}", ran.forward, ran.backward);
@@ -234,7 +257,8 @@ fn run_config(
     let backward = profile.finish()?;
     let (kernels_forward, kernels_backward) = (forward.len(), backward.len());
     let times = [forward, backward].concat();
-    let profile = args.profile.then(|| classes(&times, gpu_ms.map(|ms| ms * 1e3), dtype));
+    let roofs = Roofs::of(&dev.name()).0;
+    let profile = args.profile.then(|| classes(&times, gpu_ms.map(|ms| ms * 1e3), dtype, roofs));
     let attention_rates = args.profile.then(|| attention_rates(&times)).flatten();
     Ok(LayerRow {
         config: config.name,
@@ -255,10 +279,10 @@ fn run_config(
 
 /// The launches grouped by kernel name, the longest first (in first-launch order without a
 /// clock); `layer_us` is the layer's GPU time that shares are of.
-fn classes(times: &[KernelTime], layer_us: Option<f64>, dtype: DType) -> Vec<ClassRow> {
+fn classes(times: &[KernelTime], layer_us: Option<f64>, dtype: DType, roofs: Roofs) -> Vec<ClassRow> {
     let (peak_name, peak) = match dtype {
-        DType::BF16 => ("bf16 TC", BF16_FLOP_PER_S),
-        _ => ("f32", F32_FLOP_PER_S),
+        DType::BF16 => ("bf16 TC", roofs.bf16_flop_per_s),
+        _ => ("f32", roofs.f32_flop_per_s),
     };
     let mut names: Vec<&'static str> = Vec::new();
     for t in times {
@@ -274,7 +298,7 @@ fn classes(times: &[KernelTime], layer_us: Option<f64>, dtype: DType) -> Vec<Cla
             let flops = launches.iter().filter_map(|t| t.flops).reduce(|a, b| a + b);
             let total_us = launches.iter().map(|t| t.elapsed_us).sum::<Option<f64>>();
             // The roofline: the longer of the bytes at HBM speed and the FLOPs at the peak.
-            let hbm_s = bytes as f64 / HBM_BYTES_PER_S;
+            let hbm_s = bytes as f64 / roofs.hbm_bytes_per_s;
             let compute_s = flops.map_or(0.0, |f| f as f64 / peak);
             let (roof, bound_s) = if compute_s > hbm_s { (peak_name, compute_s) } else { ("HBM", hbm_s) };
             let per_s = |amount: f64| total_us.map(|us| amount / (us * 1e-6));
@@ -296,7 +320,7 @@ fn classes(times: &[KernelTime], layer_us: Option<f64>, dtype: DType) -> Vec<Cla
     rows
 }
 
-fn print_classes(rows: &[ClassRow], gpu_ms: Option<f64>, dtype: DType) {
+fn print_classes(rows: &[ClassRow], gpu_ms: Option<f64>, dtype: DType, (roofs, known): (Roofs, bool)) {
     let opt = |v: Option<f64>, prec: usize| v.map_or_else(|| "-".to_string(), |v| format!("{v:.prec$}"));
     let pct = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{:.1}%", 100.0 * v));
     let w = rows.iter().map(|r| r.class.len()).max().unwrap_or(0).max("all kernels".len());
@@ -331,10 +355,12 @@ fn print_classes(rows: &[ClassRow], gpu_ms: Option<f64>, dtype: DType) {
         pct(share),
     );
     println!(
-        "  roofs (NVIDIA H200): HBM3e {:.1} TB/s; dense bf16 tensor core {:.0} TFLOP/s; f32 without TF32 {:.0} TFLOP/s",
-        HBM_BYTES_PER_S / 1e12,
-        BF16_FLOP_PER_S / 1e12,
-        F32_FLOP_PER_S / 1e12,
+        "  roofs ({}{}): HBM {:.2} TB/s; dense bf16 tensor core {:.0} TFLOP/s; f32 without TF32 {:.0} TFLOP/s",
+        roofs.gpu,
+        if known { "" } else { "'s, assumed: this GPU's are not known here" },
+        roofs.hbm_bytes_per_s / 1e12,
+        roofs.bf16_flop_per_s / 1e12,
+        roofs.f32_flop_per_s / 1e12,
     );
     println!(
         "  of roof: the roofline's bound (declared bytes at HBM speed, or declared FLOPs (GEMMs, fused attention) at \
@@ -347,6 +373,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_roofs_are_the_gpus_the_profile_ran_on() {
+        assert_eq!(Roofs::of("NVIDIA H100 80GB HBM3 (sm_90, driver 13.0)"), (Roofs::H100, true));
+        assert_eq!(Roofs::of("NVIDIA H200 (sm_90, driver 13.0)"), (Roofs::H200, true));
+        assert_eq!(Roofs::of("the simulator"), (Roofs::H200, false));
+    }
+
+    #[test]
     fn classes_group_by_name_and_pick_the_binding_roof() {
         let t = |name, bytes, flops, us| KernelTime { name, bytes, flops, elapsed_us: Some(us) };
         let times = [
@@ -355,7 +388,7 @@ mod tests {
             t("gemm_bf16_bias", 1_000_000, Some(989_000_000_000), 1000.0),
             t("gemm_bf16", 4_800_000_000, Some(1_000), 2000.0),
         ];
-        let rows = classes(&times, Some(5000.0), DType::BF16);
+        let rows = classes(&times, Some(5000.0), DType::BF16, Roofs::H200);
         let summary: Vec<_> = rows.iter().map(|r| (r.class, r.count, r.bytes, r.flops, r.roof)).collect();
         assert_eq!(
             summary,
