@@ -288,14 +288,17 @@ impl OffloadArgs {
             OffloadPolicyArg::Listed => Policy::Listed,
             OffloadPolicyArg::Auto => Policy::Auto,
         };
-        let fallback: &[&str] = if policy == Policy::Auto { &AUTO_CANDIDATES } else { &DEFAULT_SITES };
-        let sites: Vec<&str> = match &self.sites {
-            Some(s) => s.iter().map(String::as_str).collect(),
-            None => fallback.to_vec(),
+        let config = OffloadConfig::default().policy(policy);
+        // Sites the user names must each select something; the automatic policy's built-in
+        // candidates need not (a recomputed GELU output is not saved).
+        let config = match (&self.sites, policy) {
+            (Some(s), _) => config.sites(&s.iter().map(String::as_str).collect::<Vec<_>>()),
+            (None, Policy::Auto) => config.candidates(&AUTO_CANDIDATES),
+            (None, Policy::Listed) => config.sites(&DEFAULT_SITES),
         };
         let on_gpu = dev.kind() == graphed::device::DeviceKind::Cuda;
         let min = self.min_elements.unwrap_or(if on_gpu { 1 << 16 } else { 1024 });
-        Some(OffloadConfig::default().policy(policy).sites(&sites).min_elements(min).margin(self.margin))
+        Some(config.min_elements(min).margin(self.margin))
     }
 }
 

@@ -45,6 +45,9 @@ pub enum Policy {
 #[derive(Debug, Clone, PartialEq)]
 pub struct OffloadConfig {
     pub(crate) sites: Vec<String>,
+    /// Whether a site selector that selects nothing the model saves is refused (sites a user
+    /// names) or skipped (a built-in list of candidates, [`OffloadConfig::candidates`]).
+    pub(crate) exact_sites: bool,
     pub(crate) min_elements: usize,
     pub(crate) margin: usize,
     pub(crate) max_bytes: Option<usize>,
@@ -57,6 +60,7 @@ impl Default for OffloadConfig {
     fn default() -> OffloadConfig {
         OffloadConfig {
             sites: DEFAULT_SITES.iter().map(|s| s.to_string()).collect(),
+            exact_sites: true,
             min_elements: 1 << 16,
             margin: 2,
             max_bytes: None,
@@ -72,6 +76,17 @@ impl OffloadConfig {
     /// selectors; `module.*` selects all of a module's tensors.
     pub fn sites(mut self, sites: &[&str]) -> OffloadConfig {
         self.sites = sites.iter().map(|s| s.to_string()).collect();
+        self.exact_sites = true;
+        self
+    }
+
+    /// As [`sites`](OffloadConfig::sites), for a list that names what a model may save rather
+    /// than what it does ([`AUTO_CANDIDATES`]): a selector that selects nothing is skipped, not
+    /// refused. A model whose MLP recomputes its activation (`nn::Recompute::Gelu`) saves no
+    /// `mlp.act`, which the automatic policy's candidates name.
+    pub fn candidates(mut self, sites: &[&str]) -> OffloadConfig {
+        self = self.sites(sites);
+        self.exact_sites = false;
         self
     }
 
@@ -145,6 +160,9 @@ impl OffloadConfig {
     /// everything the model saved, offloadable or not), with what it could have selected: a
     /// misspelt selector would otherwise offload nothing without a word.
     pub(crate) fn unmatched<'a>(&self, saved: impl Iterator<Item = (&'a str, &'a str)> + Clone) -> Option<Error> {
+        if !self.exact_sites {
+            return None;
+        }
         let bad = self.sites.iter().find(|sel| !saved.clone().any(|(site, name)| selector_selects(sel, site, name)))?;
         let mut known: Vec<String> =
             saved.map(|(site, name)| format!("{}.{name}", site.rsplit('.').next().unwrap_or(site))).collect();

@@ -50,6 +50,20 @@ fn eager_twins(dev: &Device, dtype: DType, attention: AttentionKind) -> Result {
     Ok(())
 }
 
+/// Candidate sites (`OffloadConfig::candidates`) that select nothing the model saves are
+/// skipped, where the same list as sites is refused, naming the selector.
+pub fn candidates_that_select_nothing_are_skipped(dev: &Device) -> Result {
+    let model = Model::new(dev, DIMS, DType::F32)?;
+    let sites = ["attn.q", "mlp.nothing"];
+    let err = model.offload(config().sites(&sites)).err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(err.contains("mlp.nothing"), "sites: {err}");
+    let model = Model::new(dev, DIMS, DType::F32)?;
+    let m = model.offload(config().candidates(&sites))?;
+    let summary = m.summary().ok_or_else(|| anyhow::anyhow!("no summary"))?;
+    ensure!(summary.offloaded_bytes() == 3 * 512 * 4, "q of units 0..3 offloaded: {summary}");
+    Ok(())
+}
+
 pub fn eager_offload_is_bitwise_eager(dev: &Device) -> Result {
     eager_twins(dev, DType::F32, AttentionKind::Fused)
 }

@@ -19,6 +19,7 @@ pub use warmup::*;
 
 per_device!(
     eager_offload_is_bitwise_eager,
+    candidates_that_select_nothing_are_skipped,
     eager_offload_is_bitwise_eager_in_bf16,
     eager_offload_is_bitwise_eager_unfused,
     graphed_offload_on_caller_matches,

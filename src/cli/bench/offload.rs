@@ -49,7 +49,7 @@ impl Variant {
 
 /// The automatic policy choosing among its candidate sites, filling the whole measured window.
 pub(super) fn automatic() -> OffloadConfig {
-    OffloadConfig::default().policy(Policy::Auto).sites(&AUTO_CANDIDATES)
+    OffloadConfig::default().policy(Policy::Auto).candidates(&AUTO_CANDIDATES)
 }
 
 /// One (configuration, variant).
