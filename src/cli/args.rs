@@ -667,6 +667,16 @@ pub struct GraphsBenchArgs {
     pub json: Option<std::path::PathBuf>,
 }
 
+impl GraphsBenchArgs {
+    /// The configurations `bench graphs` and `bench offload` run, with the attention and
+    /// recompute settings given ([`ConfigsArgs::resolve`]'s refusals included).
+    pub fn configs(&self, dev: &graphed::device::Device) -> anyhow::Result<Vec<super::bench_model::Config>> {
+        let recompute = self.recompute.recompute();
+        let configs = self.configs.resolve(dev, self.attention)?;
+        Ok(configs.into_iter().map(|c| c.with_recompute(recompute)).collect())
+    }
+}
+
 /// The input x of the step `bench graphs` and `bench offload` time.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

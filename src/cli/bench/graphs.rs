@@ -115,9 +115,7 @@ pub(super) struct Samples {
 /// Runs every requested configuration through every variant.
 pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "graphs", "--configs tiny")?;
-    let recompute = args.recompute.recompute();
-    let configs: Vec<_> =
-        args.configs.resolve(&dev, args.attention)?.into_iter().map(|c| c.with_recompute(recompute)).collect();
+    let configs = args.configs(&dev)?;
     let dtype = args.dtype.storage(&dev);
     println!("{dtype} weights and activations; f32 statistics and GEMM accumulation");
     if let Some(recipe) = args.dtype.fp8_recipe()? {

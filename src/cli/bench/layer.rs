@@ -171,10 +171,11 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
     let configs = args.configs.resolve(&dev, args.attention)?;
     let dtype = args.dtype.storage(&dev);
     let label = args.dtype.label(&dev);
+    let roofs = Roofs::of(&dev.name());
     let s = dev.stream()?;
     let mut rows = Vec::new();
     for config in configs {
-        let row = run_config(&dev, &s, config, dtype, args)?;
+        let row = run_config(&dev, &s, (config, dtype, roofs.0), args)?;
         let gpu =
             row.gpu_ms.map_or_else(|| "no GPU time (the simulator has no clock)".into(), |ms| format!("{ms:.3} ms"));
         println!(
@@ -182,7 +183,7 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
             row.config, row.dim, row.batch, row.seq, row.host_ms, row.kernels_forward, row.kernels_backward
         );
         if let Some(classes) = &row.profile {
-            print_classes(classes, row.gpu_ms, dtype, Roofs::of(&dev.name()));
+            print_classes(classes, row.gpu_ms, dtype, roofs);
         }
         if let Some(ran) = &row.attention_backends {
             println!("  fused attention ran on: forward {}, backward {}", ran.forward, ran.backward);
@@ -204,11 +205,11 @@ pub fn run(args: &LayerBenchArgs) -> anyhow::Result<()> {
     write_json(&args.json, &Report::new("layer", &dev, args.reps, rows))
 }
 
+/// One configuration's layer timed (and profiled against `roofs` with `--profile`).
 fn run_config(
     dev: &Device,
     s: &Stream,
-    config: Config,
-    dtype: DType,
+    (config, dtype, roofs): (Config, DType, Roofs),
     args: &LayerBenchArgs,
 ) -> anyhow::Result<LayerRow> {
     let Config { dim: d, batch: b, seq: t, .. } = config;
@@ -257,7 +258,6 @@ fn run_config(
     let backward = profile.finish()?;
     let (kernels_forward, kernels_backward) = (forward.len(), backward.len());
     let times = [forward, backward].concat();
-    let roofs = Roofs::of(&dev.name()).0;
     let profile = args.profile.then(|| classes(&times, gpu_ms.map(|ms| ms * 1e3), dtype, roofs));
     let attention_rates = args.profile.then(|| attention_rates(&times)).flatten();
     Ok(LayerRow {

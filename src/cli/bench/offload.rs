@@ -101,9 +101,7 @@ struct Rows {
 
 pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "offload", "--configs tiny")?;
-    let recompute = args.recompute.recompute();
-    let configs: Vec<_> =
-        args.configs.resolve(&dev, args.attention)?.into_iter().map(|c| c.with_recompute(recompute)).collect();
+    let configs = args.configs(&dev)?;
     let dtype = args.dtype.resolve(&dev)?;
     let on_gpu = dev.kind() == DeviceKind::Cuda;
     let mut rows = Rows { variants: Vec::new(), copies: Vec::new() };
