@@ -158,6 +158,8 @@ struct Ctx {
     s: Stream,
     alloc: CachingAllocator,
     backend: AttentionBackend,
+    /// The limit on cuDNN's backward scratch, if not the default.
+    scratch_limit: Option<usize>,
 }
 
 /// What one run of the op on a device gives: out, lse, dq, dk, dv (bf16 widened exactly).
@@ -169,11 +171,12 @@ impl Ctx {
     }
 
     fn on(dev: &Device, backend: AttentionBackend) -> anyhow::Result<Ctx> {
-        Ok(Ctx { s: dev.stream()?, alloc: CachingAllocator::with_poison(dev), backend })
+        Ok(Ctx { s: dev.stream()?, alloc: CachingAllocator::with_poison(dev), backend, scratch_limit: None })
     }
 
     fn attn(&self) -> AttentionRun<'_> {
-        AttentionRun::new(self.backend, &self.alloc)
+        let run = AttentionRun::new(self.backend, &self.alloc);
+        self.scratch_limit.map_or(run, |bytes| run.with_scratch_limit(bytes))
     }
 
     fn tensor(&self, data: &[f32], shape: &[usize], dtype: DType) -> graphed::Result<Tensor> {
@@ -602,6 +605,40 @@ mod cudnn_cuda {
             let ran = ctx.compute(&ctx.operands(dropped, &dropped.inputs(2))?, dropped)?;
             ensure!(ran == [AttentionBackend::Kernels; 2], "hd {hd} with dropout: Auto ran {ran:?}");
         }
+        Ok(())
+    }
+
+    /// cuDNN's deterministic backward in chunks, with a limit of one or two pairs' `T × T`
+    /// scratch: against the f64 reference on contiguous heads (chunks of pairs) and on the row
+    /// views a layer keeps (whole batch elements, and ranges of heads of one), one cuDNN
+    /// execution per chunk; `Auto` runs the kernels where not even one pair's scratch fits.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cudnn_backward_runs_in_chunks_within_its_scratch_limit() -> anyhow::Result<()> {
+        let dev = gpu();
+        let (seq, hd) = (256, 64);
+        let pair = seq * seq * 2;
+        for (pairs, batch, limit, executions) in
+            [(4, None, pair, 4), (6, None, 2 * pair, 3), (4, Some(2), 2 * pair, 2), (8, Some(2), 2 * pair, 4)]
+        {
+            let case = Case { pairs, seq, hd, dtype: DType::BF16, p: 0.0 };
+            let inputs = case.inputs(pairs as u64 + 5);
+            let ctx = Ctx { scratch_limit: Some(limit), ..Ctx::on(&dev, AttentionBackend::Cudnn)? };
+            let profile = ctx.s.profile()?;
+            let (run, untouched) = match batch {
+                None => (ctx.run(case, &inputs)?, true),
+                Some(batch) => ctx.run_rows(case, batch, &inputs)?,
+            };
+            let ran = profile.finish()?.iter().filter(|k| k.name == "cudnn_sdpa_backward_bf16").count();
+            let what = format!("{case:?} in batches of {batch:?}, scratch limit {limit} bytes");
+            check_run(&what, case, &run, &case.reference(&inputs))?;
+            ensure!(untouched, "{what}: cuDNN wrote outside the row views");
+            ensure!(ran == executions, "{what}: {ran} cuDNN backward executions, expected {executions}");
+        }
+        let case = Case { pairs: 2, seq, hd, dtype: DType::BF16, p: 0.0 };
+        let ctx = Ctx { scratch_limit: Some(pair - 1), ..Ctx::on(&dev, AttentionBackend::Auto)? };
+        let ran = ctx.compute(&ctx.operands(case, &case.inputs(9))?, case)?;
+        ensure!(ran == [AttentionBackend::Cudnn, AttentionBackend::Kernels], "no pair fits: Auto ran {ran:?}");
         Ok(())
     }
 

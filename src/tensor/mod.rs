@@ -227,9 +227,12 @@ impl Tensor {
         Ok(())
     }
 
-    /// Whether the elements are consecutive in row-major order.
+    /// Whether the elements are consecutive in row-major order. A dimension of size 1 is never
+    /// stepped, so its stride does not matter: a narrowed `(1, g, T)` slice of a dense
+    /// `(B, H, T)` tensor is contiguous.
     pub fn is_contiguous(&self) -> bool {
-        self.strides == contiguous_strides(&self.shape) || self.numel() <= 1
+        let dense = contiguous_strides(&self.shape);
+        self.shape.iter().zip(self.strides.iter().zip(&dense)).all(|(&n, (s, d))| n == 1 || s == d) || self.numel() <= 1
     }
 
     /// Buffer indices of the elements, in row-major order.
@@ -431,6 +434,22 @@ mod tests {
         assert!(t.reshape(&[7]).is_err());
         assert!(matches!(t.narrow(4, 0, 1), Err(Error::Shape { .. })));
         assert_eq!(t.transpose(0, 3).unwrap().shape(), &[5, 3, 4, 2]);
+    }
+
+    /// A size-1 dimension's stride is never stepped: a slice of one batch element and a range of
+    /// heads of a dense `(B, H, T)` tensor is contiguous, one of a range of columns is not.
+    #[test]
+    fn contiguity_ignores_the_strides_of_dimensions_of_size_one() {
+        let dev = Device::sim();
+        let s = dev.stream().unwrap();
+        let alloc = CachingAllocator::new(&dev);
+        let rows = Tensor::zeros(&alloc, &s, &[2, 8, 16], DType::F32).unwrap();
+        let heads = rows.narrow(0, 1, 1).unwrap().narrow(1, 2, 4).unwrap();
+        assert_eq!((heads.strides(), heads.offset()), (&[128, 16, 1][..], 160));
+        assert!(heads.is_contiguous());
+        assert_eq!(heads.reshape(&[64]).unwrap().offset(), 160);
+        assert!(!rows.narrow(0, 1, 1).unwrap().narrow(2, 0, 8).unwrap().is_contiguous());
+        assert!(!rows.narrow(1, 2, 4).unwrap().is_contiguous(), "two batch elements' head ranges are apart");
     }
 
     /// An alias reads the memory it views but never holds it: the pool block goes back when its

@@ -26,6 +26,8 @@ struct AttentionRow {
     forward_tflops: f64,
     backward_ms: f64,
     backward_tflops: f64,
+    /// The limit on cuDNN's backward scratch the run had, MiB.
+    scratch_limit_mib: u64,
 }
 
 pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
@@ -44,7 +46,14 @@ pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
     let head = || Tensor::uninit(&alloc, &s, &heads, dtype);
     let (out, dq, dk, dv) = (head()?, head()?, head()?, head()?);
     let (lse, delta) = (Tensor::uninit(&alloc, &s, &rows, DType::F32)?, Tensor::uninit(&alloc, &s, &rows, DType::F32)?);
-    let run = AttentionRun::new(args.backend.backend(), &alloc);
+    let mut run = AttentionRun::new(args.backend.backend(), &alloc);
+    if let Some(mib) = args.scratch_limit_mib {
+        run = run.with_scratch_limit((mib as usize) << 20);
+    }
+    let scratch_limit_mib = (run
+        .scratch_limit
+        .unwrap_or_else(|| attention::default_scratch_limit(n / args.head_dim / args.seq, args.seq, args.head_dim))
+        >> 20) as u64;
     let forward = || attention::attention_forward(&out, &lse, (&q, &k, &v), None, run, &s);
     let saved = ForwardSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
     let backward = || attention::attention_backward((&dq, &dk, &dv), &dout, saved, &delta, None, run, &s);
@@ -78,11 +87,14 @@ pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
         forward_tflops: flops / (forward_ms * 1e-3) / 1e12,
         backward_ms,
         backward_tflops: 2.5 * flops / (backward_ms * 1e-3) / 1e12,
+        scratch_limit_mib,
     };
     println!(
         "graphed fused attention {dtype} b={} h={} s={} d={}: forward {:.3} ms ({:.0} TFLOP/s), backward {:.3} ms ({:.0} TFLOP/s)",
         row.batch, row.heads, row.seq, row.head_dim, row.forward_ms, row.forward_tflops, row.backward_ms, row.backward_tflops
     );
-    println!("attention backend: forward on {forward_backend}, backward on {backward_backend}");
+    println!(
+        "attention backend: forward on {forward_backend}, backward on {backward_backend} (cuDNN's backward scratch at most {scratch_limit_mib} MiB)"
+    );
     write_json(&args.json, &Report::new("attention", &dev, args.reps, vec![row]))
 }

@@ -15,10 +15,10 @@ use crate::memory::CachingAllocator;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum AttentionBackend {
     /// cuDNN where it is available and runs the call, else graphed's kernels; on the simulator,
-    /// graphed's kernels (their CPU paths). The backward of sequences longer than
-    /// [`AUTO_BACKWARD_SEQ_PER_HEAD_DIM`](super::AUTO_BACKWARD_SEQ_PER_HEAD_DIM) times the head
-    /// width runs on graphed's kernels: cuDNN's deterministic backward keeps a `T × T` scratch
-    /// per (batch element, head), which would set the run's peak memory there.
+    /// graphed's kernels (their CPU paths). cuDNN's deterministic backward keeps a `T × T`
+    /// scratch per (batch element, head), so it runs in chunks of pairs whose scratch fits the
+    /// run's limit ([`AttentionRun::with_scratch_limit`]); where not even one pair's fits, the
+    /// backward runs on graphed's kernels.
     #[default]
     Auto,
     /// cuDNN, or a refusal ([`Error::CudnnUnavailable`](crate::Error::CudnnUnavailable)) before
@@ -70,20 +70,32 @@ impl std::fmt::Display for AttentionBackend {
     }
 }
 
-/// How one call runs: the backend setting, and the allocator that cuDNN's scratch memory (its
+/// How one call runs: the backend setting, the allocator that cuDNN's scratch memory (its
 /// plan's workspace, the backward's dQ accumulator) comes from, so that under a capture it lives
-/// in the graph's pool like every other temporary.
+/// in the graph's pool like every other temporary, and how much of it cuDNN's backward may keep
+/// at once.
 #[derive(Clone, Copy)]
 pub struct AttentionRun<'a> {
     /// Which implementation.
     pub backend: AttentionBackend,
     /// Where cuDNN's scratch comes from (unused by graphed's kernels).
     pub scratch: &'a CachingAllocator,
+    /// The most bytes of `T × T` scratch cuDNN's deterministic backward may keep at once; `None`
+    /// for [`default_scratch_limit`](super::default_scratch_limit).
+    pub scratch_limit: Option<usize>,
 }
 
 impl<'a> AttentionRun<'a> {
-    /// `backend`, its scratch from `scratch`.
+    /// `backend`, its scratch from `scratch`, within the default limit.
     pub fn new(backend: AttentionBackend, scratch: &'a CachingAllocator) -> AttentionRun<'a> {
-        AttentionRun { backend, scratch }
+        AttentionRun { backend, scratch, scratch_limit: None }
+    }
+
+    /// The same run with cuDNN's backward keeping at most `bytes` of `T × T` scratch at once: a
+    /// call whose pairs' scratch exceeds it runs as several cuDNN executions over groups of
+    /// pairs, one after another on the call's stream, sharing one workspace. Lower it to trade a
+    /// little speed for memory; raise it to run a long sequence's backward in fewer executions.
+    pub fn with_scratch_limit(self, bytes: usize) -> AttentionRun<'a> {
+        AttentionRun { scratch_limit: Some(bytes), ..self }
     }
 }

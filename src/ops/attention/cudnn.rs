@@ -17,25 +17,90 @@ pub const CUDNN_HEAD_DIMS: [usize; 2] = [64, 128];
 /// fault in graph replay otherwise (notes/attention.md §2.9).
 pub const CUDNN_SEQ_MULTIPLE: usize = 128;
 
-/// [`AttentionBackend::Auto`] runs cuDNN's backward for sequences up to this many times the head
-/// width, and graphed's backward kernels beyond. cuDNN's deterministic backward (the only one
-/// whose results are the same bits run to run) keeps a `T × T` bf16 scratch per (batch element,
-/// head), `T / (8·hd)` times the call's eight operands and gradients (q, k, v, out, dout, dq, dk,
-/// dv): up to `T = 8·hd` it is no larger than they are; at L's 2048 tokens of 64 features it is
-/// 1 GiB per two sequences, which set the run's peak and cost a third of the batch that fits
-/// (`bench/results/2026-12-03-h200-memory-0b6ab2a.txt`).
-pub const AUTO_BACKWARD_SEQ_PER_HEAD_DIM: usize = 8;
+/// The default for [`AttentionRun::scratch_limit`](super::AttentionRun): cuDNN's deterministic
+/// backward (the only one whose results are the same bits run to run) keeps a bf16 `T × T`
+/// scratch per (batch element, head) pair, `T / (8·hd)` times the pair's eight operands and
+/// gradients (q, k, v, out, dout, dq, dk, dv). In one execution at L's 2048 tokens of 64 features
+/// that is 1 GiB per two sequences, which set the run's peak and cost a third of the batch that
+/// fits (`bench/results/2026-12-03-h200-memory-0b6ab2a.txt`). The default keeps it to half the
+/// call's operands, or [`MIN_SCRATCH_LIMIT`] where that is more, so a call whose scratch is larger
+/// runs in chunks of pairs; `pairs` of `seq` tokens of `hd` features, bf16.
+pub fn default_scratch_limit(pairs: usize, seq: usize, hd: usize) -> usize {
+    let operands = 8 * pairs * seq * hd * DType::BF16.size();
+    (operands / 2).max(MIN_SCRATCH_LIMIT)
+}
 
-/// Whether [`AttentionBackend::Auto`] leaves the backward of `seq` tokens over heads of `hd`
-/// features to graphed's kernels, for cuDNN's scratch (see [`AUTO_BACKWARD_SEQ_PER_HEAD_DIM`]).
-fn auto_keeps_backward(seq: usize, hd: usize) -> bool {
-    seq > AUTO_BACKWARD_SEQ_PER_HEAD_DIM * hd
+/// The least [`default_scratch_limit`]: a short call's scratch, below this, is never chunked.
+pub const MIN_SCRATCH_LIMIT: usize = 64 << 20;
+
+/// The bytes of `T × T` scratch cuDNN's deterministic backward keeps per pair.
+fn scratch_per_pair(seq: usize) -> usize {
+    seq * seq * DType::BF16.size()
+}
+
+/// The pairs of one cuDNN execution: `batch` whole batch elements when `heads` is every head of
+/// the call, else a range of `heads` heads of one batch element. Both divide the call's, so every
+/// execution has one shape and one plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Chunk {
+    batch: usize,
+    heads: usize,
+}
+
+impl Chunk {
+    /// The whole call in one execution.
+    fn whole(h: &Heads) -> Chunk {
+        Chunk { batch: h.pairs / h.heads, heads: h.heads }
+    }
+
+    /// The largest chunk of `h`'s pairs whose scratch fits `limit` bytes, or `None` where one
+    /// pair's does not.
+    fn within(h: &Heads, limit: usize) -> Option<Chunk> {
+        let fit = limit / scratch_per_pair(h.seq);
+        let largest_divisor = |n: usize, most: usize| (1..=most.min(n)).rev().find(|d| n.is_multiple_of(*d));
+        let batch = h.pairs / h.heads;
+        if fit >= h.heads {
+            largest_divisor(batch, fit / h.heads).map(|batch| Chunk { batch, heads: h.heads })
+        } else {
+            largest_divisor(h.heads, fit).map(|heads| Chunk { batch: 1, heads })
+        }
+    }
+
+    /// The first (batch element, head) of every execution, in order.
+    fn starts(self, h: &Heads) -> impl Iterator<Item = (usize, usize)> {
+        let (batch, heads, step) = (h.pairs / h.heads, h.heads, self.heads);
+        (0..batch).step_by(self.batch).flat_map(move |b| (0..heads).step_by(step).map(move |head| (b, head)))
+    }
+
+    /// The part of `t` that the execution at `(b, head)` reads or writes: `t` is one of the
+    /// call's operands (`tail` = `[T, hd]`) or per-row terms (`tail` = `[T]`), as `(B, H, ..)`
+    /// views when `four_d`, else contiguous over `h.pairs` leading pairs.
+    fn part(
+        self,
+        t: &Tensor,
+        h: &Heads,
+        (four_d, tail): (bool, &[usize]),
+        (b, head): (usize, usize),
+    ) -> Result<Tensor> {
+        if four_d {
+            t.narrow(0, b, self.batch)?.narrow(1, head, self.heads)
+        } else {
+            t.reshape(&[&[h.pairs][..], tail].concat())?.narrow(0, b, self.batch)
+        }
+    }
 }
 
 /// How a call runs.
 pub(super) enum Choice {
     Kernels,
-    Cudnn { spec: SdpaSpec, workspace: usize, dq_accumulator: bool },
+    /// cuDNN, in executions of `chunk`'s pairs (all of them but in the deterministic backward)
+    /// planned as `spec`.
+    Cudnn {
+        spec: SdpaSpec,
+        workspace: usize,
+        dq_accumulator: bool,
+        chunk: Chunk,
+    },
 }
 
 /// Why cuDNN's backend does not run attention of element type `dtype` over heads of `hd`
@@ -62,36 +127,49 @@ fn strides(h: &Heads, r: Rows) -> [usize; 3] {
     [r.batch as usize, head as usize, r.row as usize]
 }
 
-/// Whether the call of `pass` runs on cuDNN or on graphed's kernels, as `backend` says; for
-/// cuDNN, its plan (made now if this layout has none yet).
+/// Whether the call of `pass` runs on cuDNN or on graphed's kernels, as `run`'s backend says;
+/// for cuDNN, its plan (made now if this layout has none yet) and, for the deterministic
+/// backward, the chunks of pairs whose `T × T` scratch fits `run`'s limit. Where not even one
+/// pair's does, [`AttentionBackend::Auto`] runs the kernels and [`AttentionBackend::Cudnn`] one
+/// pair per execution.
 ///
 /// # Errors
 /// [`Error::CudnnUnavailable`] for [`AttentionBackend::Cudnn`] and
 /// [`AttentionBackend::CudnnNondeterministic`] where cuDNN cannot run the call.
 pub(super) fn choose(
     op: &'static str,
-    backend: AttentionBackend,
+    run: AttentionRun<'_>,
     (pass, dtype, h): (SdpaPass, DType, &Heads),
     [inputs, grads, outs]: [Rows; 3],
     dropout: Option<&AttentionDropout<'_>>,
     stream: &Stream,
 ) -> Result<Choice> {
+    let backend = run.backend;
     let refuse = |why: String| match backend.requires_cudnn() {
         true => Err(Error::CudnnUnavailable { op, why }),
         false => Ok(Choice::Kernels),
     };
-    let lean = backend == AttentionBackend::Auto && pass == SdpaPass::Backward && auto_keeps_backward(h.seq, h.hd);
-    if backend == AttentionBackend::Kernels || lean {
+    if backend == AttentionBackend::Kernels {
         return Ok(Choice::Kernels);
     }
     if let Some(why) = cudnn_refusal(dtype, h.hd, h.seq, dropout.map_or(0.0, |d| d.p)) {
         return refuse(why.into());
     }
+    // Only the deterministic backward keeps the `T × T` scratch; the nondeterministic one
+    // accumulates dQ in f32 instead.
+    let limit = run.scratch_limit.unwrap_or_else(|| default_scratch_limit(h.pairs, h.seq, h.hd));
+    let limited = pass == SdpaPass::Backward && backend != AttentionBackend::CudnnNondeterministic;
+    let chunk = match limited.then(|| Chunk::within(h, limit)) {
+        None => Chunk::whole(h),
+        Some(Some(chunk)) => chunk,
+        Some(None) if backend == AttentionBackend::Auto => return Ok(Choice::Kernels),
+        Some(None) => Chunk { batch: 1, heads: 1 },
+    };
     let spec = SdpaSpec {
         pass,
         dtype,
-        batch: h.pairs / h.heads,
-        heads: h.heads,
+        batch: chunk.batch,
+        heads: chunk.heads,
         seq: h.seq,
         hd: h.hd,
         inputs: strides(h, inputs),
@@ -100,7 +178,7 @@ pub(super) fn choose(
         deterministic: backend != AttentionBackend::CudnnNondeterministic,
     };
     match stream.sdpa_plan(&spec)? {
-        SdpaPlan::Ready { workspace, dq_accumulator } => Ok(Choice::Cudnn { spec, workspace, dq_accumulator }),
+        SdpaPlan::Ready { workspace, dq_accumulator } => Ok(Choice::Cudnn { spec, workspace, dq_accumulator, chunk }),
         SdpaPlan::Unavailable(why) => refuse(why),
     }
 }
@@ -127,47 +205,116 @@ pub(super) fn forward(
     stream.sdpa(&call, spec, &scratch, 1.0 / (spec.hd as f32).sqrt())
 }
 
-/// The backward on cuDNN, as `choose` planned it.
+/// The backward on cuDNN, as `choose` planned it for heads `h`: one execution per chunk of
+/// pairs, in order on `stream`, sharing one workspace (and dQ accumulator). Every chunk's views
+/// are made before the first is enqueued.
 pub(super) fn backward(
     (dq, dk, dv): (&Tensor, &Tensor, &Tensor),
     dout: &Tensor,
     saved: ForwardSaved<'_>,
     delta: &Tensor,
-    (spec, bytes, dq_accumulator): (SdpaSpec, usize, bool),
-    run: AttentionRun<'_>,
+    (spec, bytes, dq_accumulator, chunk): (SdpaSpec, usize, bool, Chunk),
+    (h, run): (&Heads, AttentionRun<'_>),
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "attention_backward";
     let ForwardSaved { q, k, v, out, lse } = saved;
-    let (lse, delta) = (super::rows_view(OP, "lse", lse, q)?, super::rows_view(OP, "delta", delta, q)?);
+    let four_d = q.shape().len() == 4;
+    let (heads_tail, rows_tail) = ([h.seq, h.hd], [h.seq]);
+    let parts = chunk
+        .starts(h)
+        .map(|at| {
+            let part = |t: &Tensor| chunk.part(t, h, (four_d, &heads_tail), at);
+            let row_part = |t: &Tensor| chunk.part(t, h, (four_d, &rows_tail), at);
+            Ok([
+                part(q)?,
+                part(k)?,
+                part(v)?,
+                part(out)?,
+                part(dout)?,
+                part(dq)?,
+                part(dk)?,
+                part(dv)?,
+                row_part(lse)?,
+                row_part(delta)?,
+            ])
+        })
+        .collect::<Result<Vec<_>>>()?;
     let ws = workspace(run, bytes, stream)?;
-    let accumulator =
-        if dq_accumulator { Some(Tensor::uninit(run.scratch, stream, q.shape(), DType::F32)?) } else { None };
-    let call = Sdpa {
-        inputs: [q.view()?, k.view()?, v.view()?],
-        out: out.view()?,
-        lse,
-        backward: Some(SdpaGrads { dout: dout.view()?, grads: [dq.view()?, dk.view()?, dv.view()?], delta }),
+    let accumulator = match (dq_accumulator, parts.first()) {
+        (true, Some([q, ..])) => Some(Tensor::uninit(run.scratch, stream, q.shape(), DType::F32)?),
+        _ => None,
     };
-    let dq_accumulator = match &accumulator {
-        Some(a) => a.view()?,
-        None => delta.nothing(),
-    };
-    let scratch = SdpaScratch { workspace: ws.view()?, dq_accumulator };
-    stream.sdpa(&call, spec, &scratch, 1.0 / (spec.hd as f32).sqrt())
+    for [q, k, v, out, dout, dq, dk, dv, lse, delta] in &parts {
+        let (lse, delta) = (super::rows_view(OP, "lse", lse, q)?, super::rows_view(OP, "delta", delta, q)?);
+        let call = Sdpa {
+            inputs: [q.view()?, k.view()?, v.view()?],
+            out: out.view()?,
+            lse,
+            backward: Some(SdpaGrads { dout: dout.view()?, grads: [dq.view()?, dk.view()?, dv.view()?], delta }),
+        };
+        let dq_accumulator = match &accumulator {
+            Some(a) => a.view()?,
+            None => delta.nothing(),
+        };
+        let scratch = SdpaScratch { workspace: ws.view()?, dq_accumulator };
+        stream.sdpa(&call, spec, &scratch, 1.0 / (spec.hd as f32).sqrt())?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn heads(batch: usize, heads: usize, seq: usize) -> Heads {
+        Heads { pairs: batch * heads, heads, seq, hd: 64 }
+    }
+
+    /// Every pair in exactly one execution, in order.
+    fn covered(h: &Heads, c: Chunk) -> bool {
+        let mut pairs: Vec<usize> = c
+            .starts(h)
+            .flat_map(|(b, head)| {
+                (b..b + c.batch).flat_map(move |b| (head..head + c.heads).map(move |x| b * h.heads + x))
+            })
+            .collect();
+        let n = pairs.len();
+        pairs.dedup();
+        n == h.pairs && pairs == (0..h.pairs).collect::<Vec<_>>()
+    }
+
     #[test]
-    fn auto_keeps_the_backward_where_cudnns_scratch_outgrows_the_operands() {
-        // M's attention (512 tokens, heads of 64): cuDNN's scratch is the operands' size.
-        assert!(!auto_keeps_backward(512, 64));
-        assert!(!auto_keeps_backward(1024, 128));
-        // L's (2048 tokens): four times them.
-        assert!(auto_keeps_backward(2048, 64));
-        assert!(auto_keeps_backward(640, 64));
+    fn the_default_limit_chunks_only_what_outgrows_the_operands() {
+        // M's attention (4 × 16 pairs of 512 tokens): 32 MiB of scratch, one execution.
+        let m = heads(4, 16, 512);
+        let limit = default_scratch_limit(m.pairs, m.seq, m.hd);
+        assert_eq!(Chunk::within(&m, limit), Some(Chunk::whole(&m)));
+        // L's (2 × 64 pairs of 2048 tokens, 8 MiB each): within half the 256 MiB of operands,
+        // 16 heads of one sequence per execution.
+        let l = heads(2, 64, 2048);
+        let limit = default_scratch_limit(l.pairs, l.seq, l.hd);
+        assert_eq!(limit, 128 << 20);
+        assert_eq!(Chunk::within(&l, limit), Some(Chunk { batch: 1, heads: 16 }));
+        // One pair of 8192 tokens keeps 128 MiB: more than the limit, so no chunk fits.
+        let long = heads(1, 1, 8192);
+        assert_eq!(Chunk::within(&long, default_scratch_limit(1, 8192, 64)), None);
+    }
+
+    #[test]
+    fn chunks_cover_every_pair_once_within_the_limit() {
+        for (batch, h, seq) in [(2, 64, 2048), (3, 12, 1024), (5, 1, 512), (1, 6, 256), (4, 7, 128)] {
+            let hs = heads(batch, h, seq);
+            for limit in [1, 100_000, 1 << 20, 3 << 20, 64 << 20, 1 << 30] {
+                match Chunk::within(&hs, limit) {
+                    Some(c) => {
+                        assert!(c.batch * c.heads * scratch_per_pair(seq) <= limit, "{hs:?} {limit}: {c:?}");
+                        assert!(c.heads == h || c.batch == 1, "{hs:?}: {c:?} is not a rectangle");
+                        assert!(covered(&hs, c), "{hs:?} {limit}: {c:?}");
+                    }
+                    None => assert!(scratch_per_pair(seq) > limit),
+                }
+            }
+        }
     }
 }

@@ -69,7 +69,7 @@ use crate::tensor::Tensor;
 use crate::{Error, Result};
 pub use backend::{AttentionBackend, AttentionRun};
 use cudnn::Choice;
-pub use cudnn::{cudnn_refusal, AUTO_BACKWARD_SEQ_PER_HEAD_DIM, CUDNN_HEAD_DIMS, CUDNN_SEQ_MULTIPLE};
+pub use cudnn::{cudnn_refusal, default_scratch_limit, CUDNN_HEAD_DIMS, CUDNN_SEQ_MULTIPLE, MIN_SCRATCH_LIMIT};
 use tiles::{launch_dims, Pass};
 
 const SOURCE: &str = concat!(include_str!("../float.cu"), include_str!("../rng.cu"), include_str!("../attention.cu"));
@@ -383,7 +383,7 @@ pub fn attention_forward(
     let outs = h.rows(OP, "out", out, shape)?;
     let layout = h.layout_args(OP, [inputs, inputs, outs])?;
     let groups = [inputs, outs, outs];
-    let choice = cudnn::choose(OP, run.backend, (SdpaPass::Forward, dtype, &h), groups, dropout.as_ref(), stream)?;
+    let choice = cudnn::choose(OP, run, (SdpaPass::Forward, dtype, &h), groups, dropout.as_ref(), stream)?;
     if let Choice::Cudnn { spec, workspace, .. } = choice {
         cudnn::forward(out, lse, (q, k, v), (spec, workspace), run, stream)?;
         return Ok(AttentionBackend::Cudnn);
@@ -429,8 +429,9 @@ pub struct ForwardSaved<'a> {
 /// `p`, seed, site and step value). `delta` is f32 `(.., T)` scratch (each row's `dout · out`);
 /// the gradients have the heads' shape and type, laid out alike, as are `out` and `dout` (Note
 /// [Attention operand layouts]). Three launches on graphed's kernels: the row terms, then `dk`
-/// and `dv` per key tile, then `dq` per query tile; one cuDNN execution (writing `delta` as its
-/// `softmax_sum`) on cuDNN. Returns the backend that ran, as [`attention_forward`] does
+/// and `dv` per key tile, then `dq` per query tile; on cuDNN one execution (writing `delta` as
+/// its `softmax_sum`) per chunk of pairs whose scratch fits `run`'s limit
+/// ([`AttentionRun::with_scratch_limit`]). Returns the backend that ran, as [`attention_forward`] does
 /// ([`AttentionBackend::CudnnNondeterministic`] where a nondeterministic cuDNN engine did).
 ///
 /// # Errors
@@ -454,10 +455,10 @@ pub fn attention_backward(
     let outs = h.group(OP, &[("out", out), ("dout", dout)], shape)?;
     let layout = h.layout_args(OP, [inputs, grads, outs])?;
     let groups = [inputs, grads, outs];
-    let choice = cudnn::choose(OP, run.backend, (SdpaPass::Backward, dtype, &h), groups, dropout.as_ref(), stream)?;
-    if let Choice::Cudnn { spec, workspace, dq_accumulator } = choice {
-        let plan = (spec, workspace, dq_accumulator);
-        cudnn::backward((dq, dk, dv), dout, saved, delta, plan, run, stream)?;
+    let choice = cudnn::choose(OP, run, (SdpaPass::Backward, dtype, &h), groups, dropout.as_ref(), stream)?;
+    if let Choice::Cudnn { spec, workspace, dq_accumulator, chunk } = choice {
+        let plan = (spec, workspace, dq_accumulator, chunk);
+        cudnn::backward((dq, dk, dv), dout, saved, delta, plan, (&h, run), stream)?;
         return Ok(if spec.deterministic { AttentionBackend::Cudnn } else { AttentionBackend::CudnnNondeterministic });
     }
     let dims = |pass| launch_dims(pass, dtype, h.hd, h.seq, h.pairs);
