@@ -997,8 +997,8 @@ pub struct AttentionBenchArgs {
     #[arg(long = "attention-backend", value_enum, default_value_t = AttentionBackendArg::Auto)]
     pub backend: AttentionBackendArg,
     /// The most MiB of `T × T` scratch cuDNN's deterministic backward keeps at once; more runs
-    /// as several executions over groups of (batch element, head) pairs (default: half the
-    /// call's operands, at least 64 MiB).
+    /// as several executions over groups of (batch element, head) pairs (default: the call's
+    /// operands' size, at least 64 MiB).
     #[arg(long = "scratch-limit-mib", value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
     pub scratch_limit_mib: Option<u32>,
     #[command(flatten)]

@@ -22,12 +22,16 @@ pub const CUDNN_SEQ_MULTIPLE: usize = 128;
 /// scratch per (batch element, head) pair, `T / (8·hd)` times the pair's eight operands and
 /// gradients (q, k, v, out, dout, dq, dk, dv). In one execution at L's 2048 tokens of 64 features
 /// that is 1 GiB per two sequences, which set the run's peak and cost a third of the batch that
-/// fits (`bench/results/2026-12-03-h200-memory-0b6ab2a.txt`). The default keeps it to half the
-/// call's operands, or [`MIN_SCRATCH_LIMIT`] where that is more, so a call whose scratch is larger
-/// runs in chunks of pairs; `pairs` of `seq` tokens of `hd` features, bf16.
+/// fits (`bench/results/2026-12-03-h200-memory-0b6ab2a.txt`). The default keeps it to the size of
+/// the call's operands, or [`MIN_SCRATCH_LIMIT`] where that is more, so a call whose scratch is
+/// larger runs in chunks of pairs; `pairs` of `seq` tokens of `hd` features, bf16. Each chunk
+/// costs a fixed time, so the limit is as large as leaves the peak alone: at L, half the operands
+/// (eight chunks) and the operands (four) left the step's peak reserved memory where the
+/// kernels' backward has it, twice them (two) raised it by 512 MiB
+/// (`bench/results/2026-12-05-h100-attention-chunks-ad8e278.txt`).
 pub fn default_scratch_limit(pairs: usize, seq: usize, hd: usize) -> usize {
     let operands = 8 * pairs * seq * hd * DType::BF16.size();
-    (operands / 2).max(MIN_SCRATCH_LIMIT)
+    operands.max(MIN_SCRATCH_LIMIT)
 }
 
 /// The least [`default_scratch_limit`]: a short call's scratch, below this, is never chunked.
@@ -290,12 +294,12 @@ mod tests {
         let m = heads(4, 16, 512);
         let limit = default_scratch_limit(m.pairs, m.seq, m.hd);
         assert_eq!(Chunk::within(&m, limit), Some(Chunk::whole(&m)));
-        // L's (2 × 64 pairs of 2048 tokens, 8 MiB each): within half the 256 MiB of operands,
-        // 16 heads of one sequence per execution.
+        // L's (2 × 64 pairs of 2048 tokens, 8 MiB each): within the 256 MiB of operands, 32
+        // heads of one sequence per execution.
         let l = heads(2, 64, 2048);
         let limit = default_scratch_limit(l.pairs, l.seq, l.hd);
-        assert_eq!(limit, 128 << 20);
-        assert_eq!(Chunk::within(&l, limit), Some(Chunk { batch: 1, heads: 16 }));
+        assert_eq!(limit, 256 << 20);
+        assert_eq!(Chunk::within(&l, limit), Some(Chunk { batch: 1, heads: 32 }));
         // One pair of 8192 tokens keeps 128 MiB: more than the limit, so no chunk fits.
         let long = heads(1, 1, 8192);
         assert_eq!(Chunk::within(&long, default_scratch_limit(1, 8192, 64)), None);
