@@ -513,7 +513,42 @@ fn fused_attention_allocates_nothing_of_size_t_squared(dev: &Device) -> Result {
     Ok(())
 }
 
+/// A layer's scratch limit reaches cuDNN's backward: bf16 attention of two sequences of 256
+/// tokens in two heads of 64 runs its backward as one cuDNN execution by default, and as one per
+/// (sequence, head) pair with room for one pair's `T × T` scratch; the output and gradients
+/// agree within bf16 rounding. Where cuDNN does not run (the simulator), neither runs any.
+fn attention_scratch_limit_reaches_cudnn(dev: &Device) -> Result {
+    let (b, t, c, heads) = (2, 256, 128, 2);
+    let run = |limit: Option<usize>| -> Result<(usize, Run)> {
+        let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+        let store = ParamStore::with_dtype(&alloc, &s, CausalSelfAttention::parameter_count(c), DType::BF16)?;
+        let vb = Builder::new(&store, &alloc, &s)?.with_seed(4).pp("attn");
+        let spec = AttentionSpec::new(c, heads);
+        let m = CausalSelfAttention::new(&vb, limit.map_or(spec, |bytes| spec.scratch_limit(bytes)))?;
+        let x = Tensor::from_f32(&alloc, &s, &lcg(b * t * c, 1), &[b, t, c], DType::BF16)?;
+        let dy = Tensor::from_f32(&alloc, &s, &lcg(b * t * c, 2), &[b, t, c], DType::BF16)?;
+        let (y, ctx) = m.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+        let profile = s.profile()?;
+        let dx = m.backward(ctx, &[&dy], &s)?.into_iter().next().flatten();
+        let ran = profile.finish()?.iter().filter(|k| k.name == "cudnn_sdpa_backward_bf16").count();
+        let dx = dx.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+        Ok((ran, Run { y: y[0].to_f32_vec(&s)?, dx: dx.to_f32_vec(&s)?, grads: store.grads()?.to_f32_vec(&s)? }))
+    };
+    let (whole, one) = (run(None)?, run(Some(t * t * 2))?);
+    let cudnn = usize::from(whole.0 > 0);
+    ensure!(
+        (whole.0, one.0) == (cudnn, cudnn * b * heads),
+        "cuDNN backward executions: {} by default, {} per pair",
+        whole.0,
+        one.0
+    );
+    close_to_scale("output", &one.1.y, &whole.1.y, 0.0)?;
+    close_to_scale("input gradient", &one.1.dx, &whole.1.dx, 1.0 / 64.0)?;
+    close_to_scale("parameter gradients", &one.1.grads, &whole.1.grads, 1.0 / 64.0)
+}
+
 per_device!(
+    attention_scratch_limit_reaches_cudnn,
     transformer_layer_split_weight_gradients,
     parameter_counts_are_exact,
     stack_runs_its_layers_in_order,

@@ -96,12 +96,16 @@ pub struct AttentionSpec {
     pub kind: AttentionKind,
     /// Which implementation runs the fused form (cuDNN or graphed's kernels).
     pub backend: AttentionBackend,
+    /// The most bytes of `T × T` scratch cuDNN's deterministic backward keeps at once
+    /// ([`AttentionRun::with_scratch_limit`]); `None` for the default.
+    pub scratch_limit: Option<usize>,
 }
 
 impl AttentionSpec {
     /// `dim` features in `heads` heads, in the default form on the default backend.
     pub fn new(dim: usize, heads: usize) -> AttentionSpec {
-        AttentionSpec { dim, heads, kind: AttentionKind::default(), backend: AttentionBackend::default() }
+        let (kind, backend) = (AttentionKind::default(), AttentionBackend::default());
+        AttentionSpec { dim, heads, kind, backend, scratch_limit: None }
     }
 
     /// The same shape in form `kind`.
@@ -112,6 +116,13 @@ impl AttentionSpec {
     /// The same, the fused form running on `backend`.
     pub fn backend(self, backend: AttentionBackend) -> AttentionSpec {
         AttentionSpec { backend, ..self }
+    }
+
+    /// The same, cuDNN's backward keeping at most `bytes` of `T × T` scratch at once: lower
+    /// trades speed for memory, higher the reverse
+    /// ([`default_scratch_limit`](crate::ops::attention::default_scratch_limit) says the default).
+    pub fn scratch_limit(self, bytes: usize) -> AttentionSpec {
+        AttentionSpec { scratch_limit: Some(bytes), ..self }
     }
 }
 
@@ -143,6 +154,7 @@ pub struct CausalSelfAttention {
     heads: usize,
     kind: AttentionKind,
     backend: AttentionBackend,
+    scratch_limit: Option<usize>,
     /// What the fused calls ran on, for a benchmark to say.
     ran: std::sync::Mutex<BackendsRan>,
     /// Dropout on the probabilities, if any (p > 0).
@@ -248,7 +260,7 @@ impl CausalSelfAttention {
     /// `[0, 1)`; all before anything is allocated.
     pub fn new(vb: &Builder, spec: impl Into<AttentionSpec>) -> Result<CausalSelfAttention> {
         const OP: &str = "CausalSelfAttention::new";
-        let AttentionSpec { dim, heads, kind, backend } = spec.into();
+        let AttentionSpec { dim, heads, kind, backend, scratch_limit } = spec.into();
         if heads == 0 || dim == 0 || dim % heads != 0 {
             return Err(Error::Shape {
                 op: OP,
@@ -273,6 +285,7 @@ impl CausalSelfAttention {
             heads,
             kind,
             backend,
+            scratch_limit,
             ran: std::sync::Mutex::default(),
             dropout: (dropout.p > 0.0).then(|| dropout.clone()),
             training: true,
@@ -299,9 +312,11 @@ impl CausalSelfAttention {
         f(&mut self.ran.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
     }
 
-    /// The fused calls' backend, with cuDNN's scratch from the layer's allocator.
+    /// The fused calls' backend, with cuDNN's scratch from the layer's allocator, within the
+    /// layer's limit.
     fn run(&self) -> AttentionRun<'_> {
-        AttentionRun::new(self.backend, &self.alloc)
+        let run = AttentionRun::new(self.backend, &self.alloc);
+        self.scratch_limit.map_or(run, |bytes| run.with_scratch_limit(bytes))
     }
 
     /// The dropout it draws in this forward, if any (training with p > 0).
