@@ -175,8 +175,7 @@ impl Ctx {
     }
 
     fn attn(&self) -> AttentionRun<'_> {
-        let run = AttentionRun::new(self.backend, &self.alloc);
-        self.scratch_limit.map_or(run, |bytes| run.with_scratch_limit(bytes))
+        AttentionRun { scratch_limit: self.scratch_limit, ..AttentionRun::new(self.backend, &self.alloc) }
     }
 
     fn tensor(&self, data: &[f32], shape: &[usize], dtype: DType) -> graphed::Result<Tensor> {

@@ -315,8 +315,7 @@ impl CausalSelfAttention {
     /// The fused calls' backend, with cuDNN's scratch from the layer's allocator, within the
     /// layer's limit.
     fn run(&self) -> AttentionRun<'_> {
-        let run = AttentionRun::new(self.backend, &self.alloc);
-        self.scratch_limit.map_or(run, |bytes| run.with_scratch_limit(bytes))
+        AttentionRun { scratch_limit: self.scratch_limit, ..AttentionRun::new(self.backend, &self.alloc) }
     }
 
     /// The dropout it draws in this forward, if any (training with p > 0).

@@ -46,14 +46,11 @@ pub fn run(args: &AttentionBenchArgs) -> anyhow::Result<()> {
     let head = || Tensor::uninit(&alloc, &s, &heads, dtype);
     let (out, dq, dk, dv) = (head()?, head()?, head()?, head()?);
     let (lse, delta) = (Tensor::uninit(&alloc, &s, &rows, DType::F32)?, Tensor::uninit(&alloc, &s, &rows, DType::F32)?);
-    let mut run = AttentionRun::new(args.backend.backend(), &alloc);
-    if let Some(mib) = args.scratch_limit_mib {
-        run = run.with_scratch_limit((mib as usize) << 20);
-    }
-    let scratch_limit_mib = (run
-        .scratch_limit
-        .unwrap_or_else(|| attention::default_scratch_limit(n / args.head_dim / args.seq, args.seq, args.head_dim))
-        >> 20) as u64;
+    let run = AttentionRun {
+        scratch_limit: args.scratch_limit_mib.map(|mib| (mib as usize) << 20),
+        ..AttentionRun::new(args.backend.backend(), &alloc)
+    };
+    let scratch_limit_mib = (run.scratch_limit_for(args.batch * args.heads, args.seq, args.head_dim) >> 20) as u64;
     let forward = || attention::attention_forward(&out, &lse, (&q, &k, &v), None, run, &s);
     let saved = ForwardSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
     let backward = || attention::attention_backward((&dq, &dk, &dv), &dout, saved, &delta, None, run, &s);

@@ -98,4 +98,10 @@ impl<'a> AttentionRun<'a> {
     pub fn with_scratch_limit(self, bytes: usize) -> AttentionRun<'a> {
         AttentionRun { scratch_limit: Some(bytes), ..self }
     }
+
+    /// The limit this run keeps cuDNN's backward scratch of `pairs` pairs of `seq` tokens of
+    /// `hd` features within: its own, else [`default_scratch_limit`](super::default_scratch_limit).
+    pub fn scratch_limit_for(&self, pairs: usize, seq: usize, hd: usize) -> usize {
+        self.scratch_limit.unwrap_or_else(|| super::default_scratch_limit(pairs, seq, hd))
+    }
 }

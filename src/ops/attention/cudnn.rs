@@ -161,7 +161,7 @@ pub(super) fn choose(
     }
     // Only the deterministic backward keeps the `T × T` scratch; the nondeterministic one
     // accumulates dQ in f32 instead.
-    let limit = run.scratch_limit.unwrap_or_else(|| default_scratch_limit(h.pairs, h.seq, h.hd));
+    let limit = run.scratch_limit_for(h.pairs, h.seq, h.hd);
     let limited = pass == SdpaPass::Backward && backend != AttentionBackend::CudnnNondeterministic;
     let chunk = match limited.then(|| Chunk::within(h, limit)) {
         None => Chunk::whole(h),
@@ -210,8 +210,8 @@ pub(super) fn forward(
 }
 
 /// The backward on cuDNN, as `choose` planned it for heads `h`: one execution per chunk of
-/// pairs, in order on `stream`, sharing one workspace (and dQ accumulator). Every chunk's views
-/// are made before the first is enqueued.
+/// pairs, in order on `stream`, sharing one workspace (and dQ accumulator). Every chunk's call is
+/// made and checked before the first is enqueued.
 pub(super) fn backward(
     (dq, dk, dv): (&Tensor, &Tensor, &Tensor),
     dout: &Tensor,
@@ -244,25 +244,25 @@ pub(super) fn backward(
             ])
         })
         .collect::<Result<Vec<_>>>()?;
+    let calls = parts
+        .iter()
+        .map(|[q, k, v, out, dout, dq, dk, dv, lse, delta]| {
+            let (lse, delta) = (super::rows_view(OP, "lse", lse, q)?, super::rows_view(OP, "delta", delta, q)?);
+            let grads = SdpaGrads { dout: dout.view()?, grads: [dq.view()?, dk.view()?, dv.view()?], delta };
+            let call = Sdpa { inputs: [q.view()?, k.view()?, v.view()?], out: out.view()?, lse, backward: Some(grads) };
+            // Without an accumulator the call names an empty view of its row terms instead.
+            Ok((call, delta.nothing()))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let ws = workspace(run, bytes, stream)?;
     let accumulator = match (dq_accumulator, parts.first()) {
         (true, Some([q, ..])) => Some(Tensor::uninit(run.scratch, stream, q.shape(), DType::F32)?),
         _ => None,
     };
-    for [q, k, v, out, dout, dq, dk, dv, lse, delta] in &parts {
-        let (lse, delta) = (super::rows_view(OP, "lse", lse, q)?, super::rows_view(OP, "delta", delta, q)?);
-        let call = Sdpa {
-            inputs: [q.view()?, k.view()?, v.view()?],
-            out: out.view()?,
-            lse,
-            backward: Some(SdpaGrads { dout: dout.view()?, grads: [dq.view()?, dk.view()?, dv.view()?], delta }),
-        };
-        let dq_accumulator = match &accumulator {
-            Some(a) => a.view()?,
-            None => delta.nothing(),
-        };
-        let scratch = SdpaScratch { workspace: ws.view()?, dq_accumulator };
-        stream.sdpa(&call, spec, &scratch, 1.0 / (spec.hd as f32).sqrt())?;
+    let (workspace, accumulator) = (ws.view()?, accumulator.as_ref().map(Tensor::view).transpose()?);
+    for (call, no_accumulator) in &calls {
+        let dq_accumulator = accumulator.unwrap_or(*no_accumulator);
+        stream.sdpa(call, spec, &SdpaScratch { workspace, dq_accumulator }, 1.0 / (spec.hd as f32).sqrt())?;
     }
     Ok(())
 }
