@@ -1,8 +1,8 @@
 //! The fused FP8 cast of a matrix, TransformerEngine's cast_transpose: Hopper's FP8 GEMMs take
 //! both operands with K contiguous, so the backward needs activations, gradients and weights
 //! transposed as well as row-major. One read of x writes `fp8(x · scale)` in either layout or
-//! both, and records max |x| for the recipe (`cast_transpose.cu`: 64 × 64 tiles through shared
-//! memory).
+//! both, and records max |x| for the recipe (`cast_transpose.cu`: tiles through shared memory,
+//! 16-byte loads and 8-byte transposed stores).
 
 use float8::{F8E4M3, F8E5M2};
 use half::bf16;
@@ -14,6 +14,10 @@ use crate::ops::cast::{one_f32, scale_of, FP8};
 use crate::ops::{checked, count, dense, stride_dims, unsupported_dtype};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
+
+/// `CT_ROWS` and `CT_COLS` in `cast_transpose.cu`: the tile a block converts per trip.
+const TILE_ROWS: usize = 64;
+const TILE_COLS: usize = 64;
 
 const BOTH: &[&str] = &["out", "out_t", "amax", "inp", "scale", "rows", "cols"];
 const ROWS: &[&str] = &["out", "amax", "inp", "scale", "rows", "cols"];
@@ -166,7 +170,7 @@ impl Operands<'_> {
             return Ok(());
         }
         list.extend([InOut(amax).into(), In(inp).into(), In(scale).into(), r.into(), c.into()]);
-        let tiles = rows.div_ceil(64) * cols.div_ceil(64);
+        let tiles = rows.div_ceil(TILE_ROWS) * cols.div_ceil(TILE_COLS);
         stream.launch(CAST_TRANSPOSE[first + which], stride_dims(tiles * 256), &list)
     }
 }
