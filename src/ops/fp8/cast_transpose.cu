@@ -47,10 +47,10 @@ template <typename I> struct CtGeometry {
 
 using CtTile = unsigned[CT_ROWS][CT_COLS / 4 + 1];
 
-// Converts the tile at (r0, c0): row-major bytes to `out` (when ROW) and to `tile`, whose word
-// [r][w] holds columns 4w..4w+3 of row r, low byte first; returns the thread's amax bits.
-// `fast`: the tile is whole and every access may be wide.
-template <typename O, typename I, bool ROW>
+// Converts the tile at (r0, c0): row-major bytes to `out` (when ROW) and to `tile` (when COL),
+// whose word [r][w] holds columns 4w..4w+3 of row r, low byte first; returns the thread's amax
+// bits. `fast`: the tile is whole and every access may be wide.
+template <typename O, typename I, bool ROW, bool COL>
 __device__ unsigned cast_tile(O* out, CtTile& tile, const I* inp, float s, unsigned rows, unsigned cols, unsigned r0,
                               unsigned c0, bool fast) {
     using G = CtGeometry<I>;
@@ -78,7 +78,7 @@ __device__ unsigned cast_tile(O* out, CtTile& tile, const I* inp, float s, unsig
                     word |= (unsigned)fp8_bits<O>(x[4 * w + e] * s) << (8 * e);
                 }
                 words[w] = word;
-                tile[r][(G::E / 4) * q + w] = word;
+                if (COL) tile[r][(G::E / 4) * q + w] = word;
             }
             if (ROW) {
                 O* at = out + (unsigned long long)(r0 + r) * cols + col;
@@ -103,7 +103,7 @@ __device__ unsigned cast_tile(O* out, CtTile& tile, const I* inp, float s, unsig
                     if (ROW) out[at].bits = b;
                 }
             }
-            tile[r][(G::E / 4) * q + w] = word;
+            if (COL) tile[r][(G::E / 4) * q + w] = word;
         }
     }
     return v;
@@ -155,7 +155,7 @@ __device__ void cast_transpose(O* out, O* out_t, float* amax, const I* inp, cons
     for (unsigned long long t = blockIdx.x; t < tiles; t += gridDim.x) {
         const unsigned r0 = (unsigned)(t / tiles_c) * CT_ROWS, c0 = (unsigned)(t % tiles_c) * CT_COLS;
         const bool fast = wide && r0 + CT_ROWS <= rows && c0 + CT_COLS <= cols;
-        v = max_bits(v, cast_tile<O, I, ROW>(out, tile, inp, s, rows, cols, r0, c0, fast));
+        v = max_bits(v, cast_tile<O, I, ROW, COL>(out, tile, inp, s, rows, cols, r0, c0, fast));
         if (COL) {
             __syncthreads();
             store_transposed(out_t, tile, rows, cols, r0, c0, fast);
