@@ -3,19 +3,21 @@
 // `amax` (accumulated, Note [Amax as integer bits]), in one read of x. Each element is
 // converted once, as quantize converts it, so both outputs equal quantize's bytes.
 //
-// A block of 256 threads walks CT_ROWS x CT_COLS tiles (a grid-stride loop, so there is one
-// atomicMax per block, not per tile). A thread loads 16 bytes of a tile row at a time (8 bf16 or
-// 4 f32), and issues all its loads of a tile before it converts any, so that a block keeps
-// CT_ROWS x CT_COLS input elements in flight. It stores the row-major bytes of each load at once
-// and puts them in shared memory; the transposed tile then leaves in 8-byte stores, 8
-// consecutive rows of one column each, CT_ROWS / 8 threads writing one whole row piece of out_t.
+// A block of 256 threads converts a CT_ROWS x CT_COLS tile, and the grid has a block per tile
+// (cast_transpose.rs): on an H100, L's casts ran up to 17% faster this way than with the one-wave
+// grid-stride grid of the elementwise kernels, whose blocks wait on each tile's loads in turn
+// (the loop over tiles stays, for a grid smaller than the tiles). A thread loads 16 bytes of a
+// tile row at a time (8 bf16 or 4 f32) and issues all its loads before it converts any. It
+// stores the row-major bytes of each load at once and puts them in shared memory; the
+// transposed tile then leaves in CT_OUT_T-byte stores, consecutive rows of one column each,
+// CT_ROWS / CT_OUT_T threads writing one whole 64-byte piece of a row of out_t.
 // Tiles that are not whole, and inputs or outputs whose widths or addresses do not allow the
 // wide accesses, take the same steps one element at a time (`slow`), with the same bytes.
 
 constexpr unsigned CT_BLOCK = 256;
 constexpr int CT_ROWS = 64;
 constexpr int CT_COLS = 64;
-constexpr int CT_OUT_T = 8;  // bytes per transposed store: consecutive rows of one column
+constexpr int CT_OUT_T = 4;  // bytes per transposed store: consecutive rows of one column
 
 __device__ __forceinline__ bool aligned_to(const void* p, unsigned bytes) {
     return ((unsigned long long)p & (bytes - 1)) == 0;

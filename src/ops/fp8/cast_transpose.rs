@@ -2,7 +2,7 @@
 //! both operands with K contiguous, so the backward needs activations, gradients and weights
 //! transposed as well as row-major. One read of x writes `fp8(x · scale)` in either layout or
 //! both, and records max |x| for the recipe (`cast_transpose.cu`: tiles through shared memory,
-//! 16-byte loads and 8-byte transposed stores).
+//! 16-byte loads and 4-byte transposed stores, a block per tile).
 
 use float8::{F8E4M3, F8E5M2};
 use half::bf16;
@@ -11,7 +11,7 @@ use super::amax::{accumulate_amax, amax_bits};
 use super::SOURCE;
 use crate::device::{Arg, CpuArgs, DType, Elem, Float, Float8, In, InOut, Kernel, Out, Stream};
 use crate::ops::cast::{one_f32, scale_of, FP8};
-use crate::ops::{checked, count, dense, stride_dims, unsupported_dtype};
+use crate::ops::{checked, count, dense, grid, unsupported_dtype};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -171,6 +171,7 @@ impl Operands<'_> {
         }
         list.extend([InOut(amax).into(), In(inp).into(), In(scale).into(), r.into(), c.into()]);
         let tiles = rows.div_ceil(TILE_ROWS) * cols.div_ceil(TILE_COLS);
-        stream.launch(CAST_TRANSPOSE[first + which], stride_dims(tiles * 256), &list)
+        // A block per tile, not one wave of blocks looping over tiles (`cast_transpose.cu`).
+        stream.launch(CAST_TRANSPOSE[first + which], grid(op, tiles, 256)?, &list)
     }
 }
