@@ -161,9 +161,8 @@ pub(super) fn choose(
     }
     // Only the deterministic backward keeps the `T × T` scratch; the nondeterministic one
     // accumulates dQ in f32 instead.
-    let limit = run.scratch_limit_for(h.pairs, h.seq, h.hd);
     let limited = pass == SdpaPass::Backward && backend != AttentionBackend::CudnnNondeterministic;
-    let chunk = match limited.then(|| Chunk::within(h, limit)) {
+    let chunk = match limited.then(|| Chunk::within(h, run.scratch_limit_for(h.pairs, h.seq, h.hd))) {
         None => Chunk::whole(h),
         Some(Some(chunk)) => chunk,
         Some(None) if backend == AttentionBackend::Auto => return Ok(Choice::Kernels),

@@ -9,15 +9,14 @@
 // (the loop over tiles stays, for a grid smaller than the tiles). A thread loads 16 bytes of a
 // tile row at a time (8 bf16 or 4 f32) and issues all its loads before it converts any. It
 // stores the row-major bytes of each load at once and puts them in shared memory; the
-// transposed tile then leaves in CT_OUT_T-byte stores, consecutive rows of one column each,
-// CT_ROWS / CT_OUT_T threads writing one whole 64-byte piece of a row of out_t.
+// transposed tile then leaves in 4-byte stores, 4 consecutive rows of one column each, 16
+// threads writing one whole 64-byte piece of a row of out_t (8-byte stores were no faster).
 // Tiles that are not whole, and inputs or outputs whose widths or addresses do not allow the
-// wide accesses, take the same steps one element at a time (`slow`), with the same bytes.
+// wide accesses, take the same steps one element at a time, with the same bytes.
 
 constexpr unsigned CT_BLOCK = 256;
 constexpr int CT_ROWS = 64;
 constexpr int CT_COLS = 64;
-constexpr int CT_OUT_T = 4;  // bytes per transposed store: consecutive rows of one column
 
 __device__ __forceinline__ bool aligned_to(const void* p, unsigned bytes) {
     return ((unsigned long long)p & (bytes - 1)) == 0;
@@ -41,10 +40,9 @@ __device__ __forceinline__ void load_values(uint4 u, const bf16*, float* v) {
 }
 
 // The tile geometry for input type I: E elements per load, TPR threads per tile row, RPP rows
-// per pass of the block, LOADS loads per thread, W 4-byte words per tile row.
+// per pass of the block, LOADS loads per thread.
 template <typename I> struct CtGeometry {
     static constexpr int E = 16 / sizeof(I), TPR = CT_COLS / E, RPP = CT_BLOCK / TPR, LOADS = CT_ROWS / RPP;
-    static constexpr int W = CT_COLS / 4;
 };
 
 using CtTile = unsigned[CT_ROWS][CT_COLS / 4 + 1];
@@ -112,31 +110,23 @@ __device__ unsigned cast_tile(O* out, CtTile& tile, const I* inp, float s, unsig
 }
 
 // Writes the tile at (r0, c0) transposed: row c0 + c of `out_t` gets rows r0.. of column c,
-// CT_OUT_T consecutive rows per thread and store.
+// 4 consecutive rows per thread and store.
 template <typename O>
 __device__ void store_transposed(O* out_t, CtTile& tile, unsigned rows, unsigned cols, unsigned r0, unsigned c0,
                                  bool fast) {
-    constexpr int TPC = CT_ROWS / CT_OUT_T, CPP = CT_BLOCK / TPC;
+    constexpr int TPC = CT_ROWS / 4, CPP = CT_BLOCK / TPC;
     const unsigned rq = threadIdx.x % TPC;
 #pragma unroll
     for (int p = 0; p < CT_COLS / CPP; ++p) {
-        const unsigned c = threadIdx.x / TPC + p * CPP, col = c0 + c, row = r0 + CT_OUT_T * rq;
-        unsigned words[CT_OUT_T / 4];
+        const unsigned c = threadIdx.x / TPC + p * CPP, col = c0 + c, row = r0 + 4 * rq;
+        unsigned word = 0;
 #pragma unroll
-        for (int w = 0; w < CT_OUT_T / 4; ++w) {
-            unsigned word = 0;
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                word |= ((tile[CT_OUT_T * rq + 4 * w + e][c / 4] >> (8 * (c % 4))) & 0xffu) << (8 * e);
-            words[w] = word;
-        }
+        for (int e = 0; e < 4; ++e) word |= ((tile[4 * rq + e][c / 4] >> (8 * (c % 4))) & 0xffu) << (8 * e);
         O* at = out_t + (unsigned long long)col * rows + row;
         if (fast) {
-            if (CT_OUT_T == 8) *reinterpret_cast<uint2*>(at) = make_uint2(words[0], words[CT_OUT_T / 4 - 1]);
-            else *reinterpret_cast<unsigned*>(at) = words[0];
+            *reinterpret_cast<unsigned*>(at) = word;
         } else if (col < cols) {
-            for (unsigned e = 0; e < CT_OUT_T && row + e < rows; ++e)
-                at[e].bits = (unsigned char)(words[e / 4] >> (8 * (e % 4)));
+            for (unsigned e = 0; e < 4 && row + e < rows; ++e) at[e].bits = (unsigned char)(word >> (8 * e));
         }
     }
 }
@@ -148,9 +138,9 @@ __device__ void cast_transpose(O* out, O* out_t, float* amax, const I* inp, cons
     __shared__ CtTile tile;
     const float s = *scale;
     // Whether whole tiles may take the wide accesses: 16-byte loads, G::E-byte row stores,
-    // CT_OUT_T-byte transposed stores.
+    // 4-byte transposed stores.
     const bool wide = cols % G::E == 0 && aligned_to(inp, 16) && (!ROW || aligned_to(out, G::E)) &&
-                      (!COL || (rows % CT_OUT_T == 0 && aligned_to(out_t, CT_OUT_T)));
+                      (!COL || (rows % 4 == 0 && aligned_to(out_t, 4)));
     const unsigned tiles_c = (cols + CT_COLS - 1) / CT_COLS;
     const unsigned long long tiles = (unsigned long long)((rows + CT_ROWS - 1) / CT_ROWS) * tiles_c;
     unsigned v = 0;
