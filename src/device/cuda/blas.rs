@@ -1,6 +1,6 @@
-//! cuBLASLt GEMMs: one handle per device, and a plan (descriptors and the algorithm the
-//! heuristic picked) per GEMM layout, made once and reused, so a GEMM in a training step costs a
-//! lookup and one `cublasLtMatmul`.
+//! cuBLASLt GEMMs: one handle per device, and a plan (descriptors and the algorithm chosen at its
+//! first call, `blas_tune.rs`) per GEMM layout, made once and reused, so a GEMM in a training step
+//! costs a lookup and one `cublasLtMatmul`.
 //!
 //! graphed's GEMMs are row-major; cuBLASLt is column-major. A row-major `C = op(A)·op(B)` is the
 //! column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`, so cuBLASLt gets B as its first operand and A as its second,
@@ -21,8 +21,9 @@ use std::sync::{Mutex, PoisonError};
 use cudarc::cublaslt::result::{self as lt, CublasError};
 use cudarc::cublaslt::sys;
 
-use super::memory;
+use super::blas_tune::{self as tune, Scratch, Tuner};
 use super::stream::CuStream;
+use super::{capture, error as err, memory};
 use crate::device::gemm::{EpilogueKind, GemmSpec, Operand};
 use crate::device::kernel::Arg;
 use crate::device::DType;
@@ -57,6 +58,9 @@ struct Plan {
     /// cuBLASLt's C when it is not D (an addend).
     addend: Option<sys::cublasLtMatrixLayout_t>,
     algo: sys::cublasLtMatmulAlgo_t,
+    /// The heuristic's candidates, its first first, until the plan's first call chooses `algo`
+    /// among them; then `None`, and `algo` never changes.
+    candidates: Option<Vec<sys::cublasLtMatmulAlgo_t>>,
 }
 
 // SAFETY: the descriptors are plain host objects, used under the `Blas` lock.
@@ -84,9 +88,11 @@ struct State {
 }
 
 /// The device's cuBLASLt state.
-#[derive(Default)]
 pub(super) struct Blas {
     state: Mutex<State>,
+    tuner: Tuner,
+    /// The GPU as `CudaDevice::describe` names it: part of a stored choice's key.
+    device: String,
 }
 
 /// cuBLASLt's name of an element type; the public layer admits no other.
@@ -178,6 +184,7 @@ impl Plan {
             addend: None,
             // SAFETY: a plain C struct that the heuristic below fills before it is read.
             algo: unsafe { MaybeUninit::zeroed().assume_init() },
+            candidates: None,
         };
         plan.addend = spec.addend.map(|o| layout(ty, &o, spec.batch)).transpose()?;
         // The bias and aux pointers are set per call (`Blas::gemm`); their types default to D's.
@@ -198,27 +205,166 @@ impl Plan {
         }
         let pref = lt::create_matmul_pref()?;
         let bytes = workspace_bytes as u64;
-        // SAFETY: `pref` is live; the workspace limit is a uint64; it is destroyed once, below.
-        let found = unsafe {
+        // SAFETY: a plain C struct that the heuristic fills (`count` of them) before any is read.
+        let mut found: [sys::cublasLtMatmulHeuristicResult_t; tune::CANDIDATES] =
+            unsafe { MaybeUninit::zeroed().assume_init() };
+        let mut count = 0;
+        // SAFETY: `pref` is live; the workspace limit is a uint64; `found` holds the count asked
+        // for; `pref` is destroyed once, below.
+        let asked = unsafe {
             let set = lt::set_matmul_pref_attribute(
                 pref,
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 (&bytes as *const u64).cast::<c_void>(),
                 size_of::<u64>(),
             );
-            let found = set.and_then(|_| {
+            let asked = set.and_then(|_| {
                 let [a, b, d] = plan.layouts;
-                lt::get_matmul_algo_heuristic(handle.0, desc, a, b, plan.addend.unwrap_or(d), d, pref)
+                let c = plan.addend.unwrap_or(d);
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    handle.0,
+                    desc,
+                    a,
+                    b,
+                    c,
+                    d,
+                    pref,
+                    tune::CANDIDATES as i32,
+                    found.as_mut_ptr(),
+                    &mut count,
+                )
+                .result()
             });
             let _ = lt::destroy_matmul_pref(pref);
-            found?
+            asked
         };
-        plan.algo = found.algo;
+        asked?;
+        let count = usize::try_from(count).unwrap_or(0).min(tune::CANDIDATES);
+        if count == 0 {
+            return Err(CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED));
+        }
+        plan.algo = found[0].algo;
+        plan.candidates = Some(found[..count].iter().map(|f| f.algo).collect());
         Ok(plan)
+    }
+
+    /// Whether cuBLASLt runs `algo` with this plan's descriptors (a stored choice is checked so).
+    fn admits(&self, handle: &Handle, algo: &sys::cublasLtMatmulAlgo_t) -> bool {
+        let [a, b, d] = self.layouts;
+        // SAFETY: a plain C struct that the check fills.
+        let mut result: sys::cublasLtMatmulHeuristicResult_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        // SAFETY: the handle and descriptors are live; `algo` and `result` are valid for the call.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoCheck(handle.0, self.desc, a, b, self.addend.unwrap_or(d), d, algo, &mut result)
+        };
+        status.result().is_ok()
+    }
+
+    /// Enqueues `D = alpha·op(A)·op(B) + beta·C` with `algo` on `stream`.
+    ///
+    /// # Safety
+    /// The addresses in `call` (and those the epilogue's attributes hold) must address live
+    /// allocations laid out as the plan's layouts and epilogue say; the workspace must hold
+    /// `call.workspace_bytes`.
+    unsafe fn matmul(
+        &self,
+        handle: &Handle,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        call: &Call,
+        stream: &CuStream,
+    ) -> std::result::Result<(), CublasError> {
+        let [layout_a, layout_b, layout_d] = self.layouts;
+        let layout_c = self.addend.unwrap_or(layout_d);
+        // SAFETY: forwarded from the caller; the stream is live. Buffers outlive the call as for
+        // kernels.
+        unsafe {
+            lt::matmul(
+                handle.0,
+                self.desc,
+                (&call.alpha as *const f32).cast(),
+                (&call.beta as *const f32).cast(),
+                tune::dptr(call.b),
+                layout_a,
+                tune::dptr(call.a),
+                layout_b,
+                tune::dptr(call.c),
+                layout_c,
+                tune::dptr(call.d) as *mut c_void,
+                layout_d,
+                algo,
+                tune::dptr(call.workspace) as *mut c_void,
+                call.workspace_bytes,
+                stream.raw.cu_stream() as sys::cudaStream_t,
+            )
+        }
     }
 }
 
+/// One call's operands and scalars (our A and B: cuBLASLt's B and A).
+#[derive(Clone, Copy)]
+struct Call {
+    a: u64,
+    b: u64,
+    c: u64,
+    d: u64,
+    workspace: u64,
+    workspace_bytes: usize,
+    alpha: f32,
+    beta: f32,
+}
+
+/// The algorithm a plan keeps from its `candidates` at its first call (`blas_tune.rs`): a stored
+/// choice cuBLASLt admits, else, outside every capture and with timing on, the fastest on the
+/// call's own operands (its output replaced by scratch where it accumulates in place), kept in
+/// the cache unless another process kept one first; else the heuristic's first.
+fn choose(
+    (handle, plan, candidates): (&Handle, &Plan, Vec<sys::cublasLtMatmulAlgo_t>),
+    (tuner, key): (&Tuner, String),
+    (spec, call, stream): (&GemmSpec, &Call, &CuStream),
+) -> Result<sys::cublasLtMatmulAlgo_t> {
+    const OP: &str = "Stream::gemm (timing cuBLASLt's algorithms)";
+    if let Some(stored) = tuner.stored(&key).filter(|a| plan.admits(handle, a)) {
+        return Ok(stored);
+    }
+    let first = candidates[0];
+    // Timing synchronizes, which would break any capture in progress, on any thread.
+    if !tuner.enabled() || candidates.len() < 2 || capture::any_active() {
+        return Ok(first);
+    }
+    let raw = stream.raw.cu_stream();
+    let in_place = call.beta != 0.0 && call.c == call.d;
+    let scratch = match in_place {
+        true => match Scratch::zeroed(tune::extent(&spec.c, spec.batch, spec.dtype.size()), raw)
+            .map_err(|e| err::driver(OP, None, e))?
+        {
+            Some(scratch) => Some(scratch),
+            None => return Ok(first),
+        },
+        false => None,
+    };
+    let target = scratch.as_ref().map_or(*call, |s| Call { c: s.ptr(), d: s.ptr(), ..*call });
+    let times: std::result::Result<Vec<Option<f32>>, _> = candidates
+        .iter()
+        // SAFETY: `target` holds the call's own addresses, its output replaced by scratch of
+        // the output's extent where it accumulates in place.
+        .map(|algo| tune::time(raw, &|| unsafe { plan.matmul(handle, algo, &target, stream) }))
+        .collect();
+    let freed = scratch.map_or(Ok(()), |s| s.free(raw));
+    let times = times.map_err(|e| err::driver(OP, None, e))?;
+    freed.map_err(|e| err::driver(OP, None, e))?;
+    let chosen = candidates[tune::fastest(&times)];
+    tracing::debug!(?spec, ?times, chosen = tune::fastest(&times), "graphed: timed cuBLASLt's candidates");
+    let kept = tuner.keep(&key, chosen);
+    Ok(if plan.admits(handle, &kept) { kept } else { chosen })
+}
+
 impl Blas {
+    /// No handle yet (made at the first GEMM); choices keyed by `device`, `CudaDevice::describe`'s
+    /// name of the GPU.
+    pub(super) fn new(device: String) -> Blas {
+        Blas { state: Mutex::default(), tuner: Tuner::from_env(), device }
+    }
+
     /// Enqueues the GEMM on `stream`. `args` are laid out as `Gemm::args` makes them, one per
     /// name of `params`.
     pub(super) fn gemm(
@@ -243,15 +389,16 @@ impl Blas {
             }
             st.handle = Some(Handle(lt::create_handle().map_err(fail(OP))?));
         }
-        let handle = st.handle.as_ref().expect("created above");
-        if !st.plans.contains_key(spec) {
+        let State { handle, plans } = &mut *st;
+        let handle = handle.as_ref().expect("created above");
+        if !plans.contains_key(spec) {
             let plan = Plan::new(handle, spec, workspace_bytes).map_err(fail(OP))?;
-            st.plans.insert(*spec, plan);
+            plans.insert(*spec, plan);
         }
-        let plan = &st.plans[spec];
+        let plan = plans.get_mut(spec).expect("inserted above");
         use sys::cublasLtMatmulDescAttributes_t as D;
         // SAFETY: the plan's descriptor is live; the pointers are device addresses (pointer-sized
-        // values, as the attributes expect), set under the lock right before the call that reads
+        // values, as the attributes expect), set under the lock right before the calls that read
         // them.
         unsafe {
             if let Some(bias) = bias {
@@ -266,33 +413,17 @@ impl Blas {
                 set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scale).map_err(fail(OP))?;
             }
         }
-        let [layout_a, layout_b, layout_d] = plan.layouts;
-        let layout_c = plan.addend.unwrap_or(layout_d);
+        let call = Call { a, b, c, d, workspace: ws, workspace_bytes, alpha, beta };
+        if let Some(candidates) = plan.candidates.take() {
+            let key = tune::key(&self.device, spec, workspace_bytes);
+            plan.algo = choose((handle, plan, candidates), (&self.tuner, key), (spec, &call, stream))?;
+        }
         // SAFETY: the pointers (and the epilogue's, set above) address live, range-checked
         // allocations laid out as the plan's layouts and epilogue say (the public layer checked
         // the views against the dimensions and the epilogue); the workspace holds
-        // `workspace_bytes`; the stream is live. Buffers outlive the call as for kernels.
-        unsafe {
-            lt::matmul(
-                handle.0,
-                plan.desc,
-                (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                b as *const c_void,
-                layout_a,
-                a as *const c_void,
-                layout_b,
-                c as *const c_void,
-                layout_c,
-                d as *mut c_void,
-                layout_d,
-                &plan.algo,
-                ws as *mut c_void,
-                workspace_bytes,
-                stream.raw.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(|e| Error::Cuda { op: OP, message: format!("cuBLASLt matmul: {:?}", e.0) })
+        // `workspace_bytes`.
+        unsafe { plan.matmul(handle, &plan.algo, &call, stream) }
+            .map_err(|e| Error::Cuda { op: OP, message: format!("cuBLASLt matmul: {:?}", e.0) })
     }
 }
 

@@ -1,0 +1,236 @@
+//! Each GEMM layout's cuBLASLt algorithm, chosen by timing the heuristic's candidates once per
+//! machine.
+//!
+//! cuBLASLt's heuristic ranks its algorithms without running them. On an H200 at L's shapes its
+//! first choice left 3.5% of the bf16 GEMMs' time and 10.1% of the FP8 GEMMs' time to another of
+//! its first eight (`bench/results/2026-12-05-h200-gemm-algos-ae2660b.txt`): up to 26% on one
+//! FP8 shape. So a plan's first call outside any capture times those candidates on the call's
+//! own operands and keeps the fastest, which must beat the first by [`MARGIN`].
+//!
+//! The choice is part of the result's bits: candidates may split `k` differently. Within a
+//! process a plan's algorithm never changes after its first call, so eager and graphed steps
+//! agree bit for bit. Across processes the choice is stored in graphed's disk cache, the first
+//! process to store one wins ([`DiskCache::put_first`]), and every later process, or one that
+//! timed at the same moment, takes the stored one: a resumed run, the ranks of one machine and a
+//! benchmark after the tests all run the same algorithms. Without a cache directory nothing is
+//! timed (the heuristic's first, as before), since a choice that could differ run to run would
+//! make runs differ. `GRAPHED_GEMM_TUNE=0` turns timing off.
+//!
+//! A plan first used inside a capture takes the stored choice or the heuristic's first: timing
+//! synchronizes, which would break a capture. Graphed's warmup runs every layer eagerly before
+//! its capture, so a step's GEMMs are timed there.
+
+use std::ffi::c_void;
+
+use cudarc::cublaslt::result::CublasError;
+use cudarc::cublaslt::sys;
+use cudarc::driver::{result, sys as driver, DriverError};
+
+use super::disk_cache::DiskCache;
+use crate::device::gemm::{GemmSpec, Operand};
+
+/// How many of the heuristic's candidates a plan asks for (on the H200 at L and M it returned
+/// eight, the fastest among them every time).
+pub(super) const CANDIDATES: usize = 8;
+
+/// Another candidate replaces the heuristic's first only if it takes at most `1 - MARGIN` of its
+/// time: within that, timing noise would decide.
+pub(super) const MARGIN: f32 = 0.01;
+
+/// Timed rounds per candidate (the median is kept) and launches per round, after one untimed.
+const ROUNDS: usize = 3;
+const RUNS: usize = 3;
+
+/// Whether and where choices are made and kept.
+pub(super) struct Tuner {
+    cache: DiskCache,
+    enabled: bool,
+}
+
+impl Tuner {
+    /// Timing as the environment says: on with a cache directory, unless `GRAPHED_GEMM_TUNE=0`.
+    pub(super) fn from_env() -> Tuner {
+        let cache = DiskCache::from_env();
+        let enabled = cache.is_set() && std::env::var("GRAPHED_GEMM_TUNE").map_or(true, |v| v != "0");
+        Tuner { cache, enabled }
+    }
+
+    /// The stored choice for `key`, if a sound one is.
+    pub(super) fn stored(&self, key: &str) -> Option<sys::cublasLtMatmulAlgo_t> {
+        self.cache.get("algo", key, "cuBLASLt algorithm").and_then(|bytes| decode(&bytes))
+    }
+
+    /// Whether plans may be timed at all.
+    pub(super) fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Stores `chosen` for `key` unless another process stored one first, and returns the stored
+    /// one.
+    pub(super) fn keep(&self, key: &str, chosen: sys::cublasLtMatmulAlgo_t) -> sys::cublasLtMatmulAlgo_t {
+        decode(&self.cache.put_first("algo", key, &encode(&chosen), "cuBLASLt algorithm")).unwrap_or(chosen)
+    }
+}
+
+/// The disk cache's key of a plan: the GPU (its name, architecture and driver), cuBLASLt's version,
+/// the workspace and the layout, since a choice holds for exactly these.
+pub(super) fn key(device: &str, spec: &GemmSpec, workspace_bytes: usize) -> String {
+    // SAFETY: returns a number; callers have loaded the library (a handle exists).
+    let version = unsafe { sys::cublasLtGetVersion() };
+    format!("cublaslt-algo-1 {device} cublasLt {version} workspace {workspace_bytes} {spec:?}")
+}
+
+/// An algorithm as the cache stores it: its eight words, little-endian.
+fn encode(algo: &sys::cublasLtMatmulAlgo_t) -> Vec<u8> {
+    algo.data.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+fn decode(bytes: &[u8]) -> Option<sys::cublasLtMatmulAlgo_t> {
+    let words: Vec<u64> = bytes.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes"))).collect();
+    let data: [u64; 8] = words.try_into().ok().filter(|_| bytes.len() == 64)?;
+    Some(sys::cublasLtMatmulAlgo_t { data })
+}
+
+/// The candidate to keep given each one's time (`None`: it failed to run), the heuristic's first
+/// at index 0: the fastest, if it beats the first by [`MARGIN`], else the first.
+pub(super) fn fastest(times: &[Option<f32>]) -> usize {
+    let best = times
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| t.map(|t| (i, t)))
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+    match (times.first().copied().flatten(), best) {
+        (Some(first), Some((i, t))) if t <= first * (1.0 - MARGIN) => i,
+        (None, Some((i, _))) => i,
+        _ => 0,
+    }
+}
+
+/// Bytes a row-major operand spans: its last batch's last row ends the range.
+pub(super) fn extent(o: &Operand, batch: usize, elem: usize) -> usize {
+    ((batch - 1) * o.batch_stride + (o.rows - 1) * o.ld + o.cols) * elem
+}
+
+/// Writable memory for timing a GEMM that accumulates into its output in place, whose real
+/// output must not be touched. Freed by [`Scratch::free`], which every path calls: a destructor
+/// could not return the error.
+pub(super) struct Scratch(driver::CUdeviceptr);
+
+impl Scratch {
+    /// `bytes` of zeros (set on `stream`), or `None` where the device has no room: then nothing
+    /// is timed.
+    pub(super) fn zeroed(bytes: usize, stream: driver::CUstream) -> Result<Option<Scratch>, DriverError> {
+        // SAFETY: a plain allocation, zeroed in stream order before any use on `stream`.
+        let ptr = match unsafe { result::malloc_sync(bytes) } {
+            Ok(ptr) => ptr,
+            Err(e) if e.0 == driver::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let scratch = Scratch(ptr);
+        // SAFETY: `ptr` holds `bytes`.
+        match unsafe { result::memset_d8_async(ptr, 0, bytes, stream) } {
+            Ok(()) => Ok(Some(scratch)),
+            Err(e) => scratch.free(stream).and(Err(e)),
+        }
+    }
+
+    pub(super) fn ptr(&self) -> u64 {
+        self.0
+    }
+
+    /// Frees the memory after the work on `stream` that used it.
+    pub(super) fn free(self, stream: driver::CUstream) -> Result<(), DriverError> {
+        // SAFETY: allocated by `zeroed`, freed once (`self` is consumed), after the stream's
+        // work that used it.
+        unsafe {
+            result::stream::synchronize(stream)?;
+            result::free_sync(self.0)
+        }
+    }
+}
+
+/// The median time of [`RUNS`] launches of `run` in ms over [`ROUNDS`] rounds on `stream`,
+/// after one untimed launch; `None` if a launch fails (the candidate does not run here).
+pub(super) fn time(
+    stream: driver::CUstream,
+    run: &dyn Fn() -> Result<(), CublasError>,
+) -> Result<Option<f32>, DriverError> {
+    if run().is_err() {
+        return Ok(None);
+    }
+    let start = result::event::create(driver::CUevent_flags::CU_EVENT_DEFAULT)?;
+    let end = match result::event::create(driver::CUevent_flags::CU_EVENT_DEFAULT) {
+        Ok(end) => end,
+        Err(e) => {
+            // SAFETY: created above, destroyed once.
+            let _ = unsafe { result::event::destroy(start) };
+            return Err(e);
+        }
+    };
+    let mut rounds = Vec::with_capacity(ROUNDS);
+    let timed = (|| {
+        for _ in 0..ROUNDS {
+            // SAFETY: both events and the stream are live.
+            unsafe { result::event::record(start, stream)? };
+            let ran = (0..RUNS).try_for_each(|_| run());
+            // SAFETY: as above.
+            unsafe {
+                result::event::record(end, stream)?;
+                result::event::synchronize(end)?;
+            }
+            if ran.is_err() {
+                return Ok(None);
+            }
+            // SAFETY: both recorded and complete.
+            rounds.push(unsafe { result::event::elapsed(start, end)? } / RUNS as f32);
+        }
+        rounds.sort_by(f32::total_cmp);
+        Ok(Some(rounds[ROUNDS / 2]))
+    })();
+    // SAFETY: created above, destroyed once, after the synchronization that used them.
+    let destroyed = unsafe { result::event::destroy(start).and(result::event::destroy(end)) };
+    let t = timed?;
+    destroyed?;
+    Ok(t)
+}
+
+/// The void pointer cuBLASLt takes for a device address.
+pub(super) fn dptr(p: u64) -> *const c_void {
+    p as *const c_void
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_heuristics_first_stays_unless_another_is_clearly_faster() {
+        assert_eq!(fastest(&[Some(1.0), Some(0.995), Some(1.2)]), 0);
+        assert_eq!(fastest(&[Some(1.0), Some(0.95), Some(0.9)]), 2);
+        assert_eq!(fastest(&[Some(1.0), None, Some(0.99)]), 2);
+        // The first did not run: the fastest that did.
+        assert_eq!(fastest(&[None, Some(2.0), Some(1.5)]), 2);
+        assert_eq!(fastest(&[None, None]), 0);
+        assert_eq!(fastest(&[]), 0);
+        // Equal times: the earlier in the heuristic's order.
+        assert_eq!(fastest(&[Some(1.0), Some(0.5), Some(0.5)]), 1);
+    }
+
+    #[test]
+    fn an_algorithm_round_trips_through_its_bytes_and_nothing_else_decodes() {
+        let algo = sys::cublasLtMatmulAlgo_t { data: [1, 2, 3, u64::MAX, 5, 6, 7, 1 << 63] };
+        let bytes = encode(&algo);
+        assert_eq!(bytes.len(), 64);
+        assert_eq!(decode(&bytes).map(|a| a.data), Some(algo.data));
+        assert!(decode(&bytes[..63]).is_none());
+        assert!(decode(&[bytes.clone(), vec![0; 8]].concat()).is_none());
+        assert!(decode(&[]).is_none());
+    }
+
+    #[test]
+    fn an_operands_extent_ends_at_its_last_batchs_last_row() {
+        let o = Operand { rows: 3, cols: 4, ld: 6, batch_stride: 20 };
+        assert_eq!(extent(&o, 1, 2), (2 * 6 + 4) * 2);
+        assert_eq!(extent(&o, 2, 4), (20 + 2 * 6 + 4) * 4);
+    }
+}
