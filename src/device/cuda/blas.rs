@@ -313,8 +313,9 @@ struct Call {
     beta: f32,
 }
 
-/// The algorithm a plan keeps from its `candidates` at its first call (`blas_tune.rs`): a stored
-/// choice cuBLASLt admits, else, outside every capture and with timing on, the fastest on the
+/// The algorithm a plan keeps from its `candidates` at its first call (`blas_tune.rs`): with
+/// timing off the heuristic's first; else a stored choice cuBLASLt admits; else, outside every
+/// capture, the fastest on the
 /// call's own operands (its output replaced by scratch where it accumulates in place), kept in
 /// the cache unless another process kept one first; else the heuristic's first.
 fn choose(
@@ -323,12 +324,15 @@ fn choose(
     (spec, call, stream): (&GemmSpec, &Call, &CuStream),
 ) -> Result<sys::cublasLtMatmulAlgo_t> {
     const OP: &str = "Stream::gemm (timing cuBLASLt's algorithms)";
+    let first = candidates[0];
+    if !tuner.enabled() {
+        return Ok(first);
+    }
     if let Some(stored) = tuner.stored(&key).filter(|a| plan.admits(handle, a)) {
         return Ok(stored);
     }
-    let first = candidates[0];
     // Timing synchronizes, which would break any capture in progress, on any thread.
-    if !tuner.enabled() || candidates.len() < 2 || capture::any_active() {
+    if candidates.len() < 2 || capture::any_active() {
         return Ok(first);
     }
     let raw = stream.raw.cu_stream();

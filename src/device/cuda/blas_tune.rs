@@ -14,7 +14,8 @@
 //! timed at the same moment, takes the stored one: a resumed run, the ranks of one machine and a
 //! benchmark after the tests all run the same algorithms. Without a cache directory nothing is
 //! timed (the heuristic's first, as before), since a choice that could differ run to run would
-//! make runs differ. `GRAPHED_GEMM_TUNE=0` turns timing off.
+//! make runs differ. `GRAPHED_GEMM_TUNE=0` turns timing and stored choices off: every plan takes
+//! the heuristic's first.
 //!
 //! A plan first used inside a capture takes the stored choice or the heuristic's first: timing
 //! synchronizes, which would break a capture. Graphed's warmup runs every layer eagerly before
