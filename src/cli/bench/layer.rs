@@ -35,15 +35,27 @@ struct Roofs {
     hbm_bytes_per_s: f64,
     /// Dense bf16 on the tensor cores, FLOP/s.
     bf16_flop_per_s: f64,
+    /// Dense FP8 on the tensor cores, FLOP/s: the roof of the FP8 GEMMs.
+    fp8_flop_per_s: f64,
     /// f32 FMA without TF32 (graphed's f32 GEMMs are IEEE f32), FLOP/s.
     f32_flop_per_s: f64,
 }
 
 impl Roofs {
-    const H200: Roofs =
-        Roofs { gpu: "NVIDIA H200", hbm_bytes_per_s: 4.8e12, bf16_flop_per_s: 989e12, f32_flop_per_s: 67e12 };
-    const H100: Roofs =
-        Roofs { gpu: "NVIDIA H100 SXM", hbm_bytes_per_s: 3.35e12, bf16_flop_per_s: 989e12, f32_flop_per_s: 67e12 };
+    const H200: Roofs = Roofs {
+        gpu: "NVIDIA H200",
+        hbm_bytes_per_s: 4.8e12,
+        bf16_flop_per_s: 989e12,
+        fp8_flop_per_s: 1979e12,
+        f32_flop_per_s: 67e12,
+    };
+    const H100: Roofs = Roofs {
+        gpu: "NVIDIA H100 SXM",
+        hbm_bytes_per_s: 3.35e12,
+        bf16_flop_per_s: 989e12,
+        fp8_flop_per_s: 1979e12,
+        f32_flop_per_s: 67e12,
+    };
 
     /// The roofs of the GPU `name` describes (`Device::name`): an H100 SXM's (80 GB of HBM3)
     /// or, for any other GPU, an H200's, which the printout then says are assumed.
@@ -299,6 +311,11 @@ fn classes(times: &[KernelTime], layer_us: Option<f64>, dtype: DType, roofs: Roo
             let total_us = launches.iter().map(|t| t.elapsed_us).sum::<Option<f64>>();
             // The roofline: the longer of the bytes at HBM speed and the FLOPs at the peak.
             let hbm_s = bytes as f64 / roofs.hbm_bytes_per_s;
+            // FP8 GEMMs (named by their operands' formats) against the FP8 peak.
+            let (peak_name, peak) = match class.starts_with("gemm_e4m3") || class.starts_with("gemm_e5m2") {
+                true => ("fp8 TC", roofs.fp8_flop_per_s),
+                false => (peak_name, peak),
+            };
             let compute_s = flops.map_or(0.0, |f| f as f64 / peak);
             let (roof, bound_s) = if compute_s > hbm_s { (peak_name, compute_s) } else { ("HBM", hbm_s) };
             let per_s = |amount: f64| total_us.map(|us| amount / (us * 1e-6));
@@ -355,16 +372,19 @@ fn print_classes(rows: &[ClassRow], gpu_ms: Option<f64>, dtype: DType, (roofs, k
         pct(share),
     );
     println!(
-        "  roofs ({}{}): HBM {:.2} TB/s; dense bf16 tensor core {:.0} TFLOP/s; f32 without TF32 {:.0} TFLOP/s",
+        "  roofs ({}{}): HBM {:.2} TB/s; dense bf16 tensor core {:.0} TFLOP/s; dense FP8 {:.0} TFLOP/s; f32 without \
+         TF32 {:.0} TFLOP/s",
         roofs.gpu,
         if known { "" } else { "'s, assumed: this GPU's are not known here" },
         roofs.hbm_bytes_per_s / 1e12,
         roofs.bf16_flop_per_s / 1e12,
+        roofs.fp8_flop_per_s / 1e12,
         roofs.f32_flop_per_s / 1e12,
     );
     println!(
         "  of roof: the roofline's bound (declared bytes at HBM speed, or declared FLOPs (GEMMs, fused attention) at \
-         the {dtype} peak, whichever is longer) over the measured time; shares are of the median GPU time above"
+         the {dtype} peak, the FP8 one for FP8 GEMMs, whichever is longer) over the measured time; shares are of the \
+         median GPU time above"
     );
 }
 
@@ -387,6 +407,7 @@ mod tests {
             t("layernorm_forward_bf16", 2_400_000, None, 1.0),
             t("gemm_bf16_bias", 1_000_000, Some(989_000_000_000), 1000.0),
             t("gemm_bf16", 4_800_000_000, Some(1_000), 2000.0),
+            t("gemm_e4m3_e4m3_bf16_bias", 1_000_000, Some(1_979_000_000_000), 1500.0),
         ];
         let rows = classes(&times, Some(5000.0), DType::BF16, Roofs::H200);
         let summary: Vec<_> = rows.iter().map(|r| (r.class, r.count, r.bytes, r.flops, r.roof)).collect();
@@ -395,6 +416,7 @@ mod tests {
             vec![
                 ("gemm_bf16_bias", 2, 2_000_000, Some(1_978_000_000_000), "bf16 TC"),
                 ("gemm_bf16", 1, 4_800_000_000, Some(1_000), "HBM"),
+                ("gemm_e4m3_e4m3_bf16_bias", 1, 1_000_000, Some(1_979_000_000_000), "fp8 TC"),
                 ("layernorm_forward_bf16", 1, 2_400_000, None, "HBM"),
             ],
             "longest first; a GEMM whose bytes take longer than its FLOPs is bound by HBM"
@@ -404,7 +426,9 @@ mod tests {
         assert!(close(rows[0].tflop_per_s, 989.0) && close(rows[0].of_roof, 1.0) && close(rows[0].share, 0.4));
         // 4.8 GB in 2 ms: 2400 GB/s, half of HBM's 4.8 TB/s.
         assert!(close(rows[1].gb_per_s, 2400.0) && close(rows[1].of_roof, 0.5));
-        assert!(close(rows[2].gb_per_s, 2400.0) && rows[2].tflop_per_s.is_none());
+        // 1.979 PFLOP in 1.5 ms against FP8's 1979 TFLOP/s: two thirds of its roof.
+        assert!(close(rows[2].of_roof, 1.0 / 1.5));
+        assert!(close(rows[3].gb_per_s, 2400.0) && rows[3].tflop_per_s.is_none());
     }
 
     #[test]
