@@ -369,6 +369,14 @@ impl Blas {
         Blas { state: Mutex::default(), tuner: Tuner::from_env(), device }
     }
 
+    /// How plans pick their algorithm.
+    pub(super) fn algorithms(&self) -> crate::device::GemmAlgorithms {
+        match self.tuner.enabled() {
+            true => crate::device::GemmAlgorithms::Timed,
+            false => crate::device::GemmAlgorithms::Heuristic,
+        }
+    }
+
     /// Enqueues the GEMM on `stream`. `args` are laid out as `Gemm::args` makes them, one per
     /// name of `params`.
     pub(super) fn gemm(

@@ -114,6 +114,11 @@ impl CudaDevice {
         self.ctx.ordinal()
     }
 
+    /// How the GEMMs pick their cuBLASLt algorithm (`blas_tune.rs`).
+    pub(crate) fn gemm_algorithms(&self) -> crate::device::GemmAlgorithms {
+        self.blas.algorithms()
+    }
+
     /// "NVIDIA H200 (sm_90, driver 13.0)".
     pub(crate) fn describe(&self) -> String {
         self.description.clone()
