@@ -72,13 +72,14 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
     // memory too, when the run has it. Memory is the peak reserved on both sides: PyTorch's
     // allocated counter drops a graph's memory once the capture frees its tensors, though the
     // replays keep using it, so only reserved bytes compare.
-    let sdpa = theirs.contains(&"torch-sdpa-graphed");
+    // The memory column names the graphed variants the run has of each side.
+    let held_by: Vec<&str> = std::iter::once("graphed")
+        .chain(["torch-graphed", "torch-sdpa-graphed"].into_iter().filter(|v| theirs.contains(v)))
+        .collect();
+    let held_title = format!("peak MiB reserved ({})", held_by.join(" / "));
     let mut header = vec!["config", "goal"];
     header.extend(&variants);
-    header.push(match sdpa {
-        true => "peak MiB reserved (graphed / torch-graphed / torch-sdpa-graphed)",
-        false => "peak MiB reserved (graphed / torch-graphed)",
-    });
+    header.push(&held_title);
     let mut table = Table::new(&header);
     let mut panels = Vec::new();
     for case in cases(&report.rows, |r| &r.case) {
@@ -86,12 +87,8 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
         let goal = GOALS.iter().find(|g| g.0 == config).map(|g| g.1.to_string());
         let mut cells = vec![config.to_string(), or_dash(goal)];
         cells.extend(variants.iter().map(|v| or_dash(cell(config, v).map(|(w, h, _)| format!("{w:.3} [{h:.0}]")))));
-        let held = |v: &str| or_dash(cell(config, v).and_then(|c| c.2).map(mib));
-        let mut held_cell = format!("{} / {}", held("graphed"), held("torch-graphed"));
-        if sdpa {
-            held_cell = format!("{held_cell} / {}", held("torch-sdpa-graphed"));
-        }
-        cells.push(held_cell);
+        let held = |v: &&str| or_dash(cell(config, v).and_then(|c| c.2).map(mib));
+        cells.push(held_by.iter().map(held).collect::<Vec<_>>().join(" / "));
         table.row(cells);
         let wall = |v: &str| cell(config, v).map(|c| c.0);
         let bars = (ours.iter().filter_map(|v| Some(Bar::ours(*v, wall(v)?))))
@@ -155,6 +152,23 @@ mod tests {
             ]
         );
         assert_eq!(table.rows[0][2..], ["1.000 [50]", "2.500 [100]", "2.000 [100]", "3 / 230 / 200"]);
+    }
+
+    /// A run whose PyTorch side has only fused attention names only its variant in the memory
+    /// column.
+    #[test]
+    fn with_fused_attention_alone_the_memory_column_names_what_ran() {
+        let torch = format!(r#"{{"rows": [{}]}}"#, torch_row("torch-sdpa-graphed", "fused", 2.0, 200));
+        let run = Run::written(
+            "graphs-fused-only",
+            &[
+                ("2026-12-03-h200-graphs-abc1234.json", OURS),
+                ("2026-12-03-h200-graphs-torch-bf16-abc1234.json", &torch),
+            ],
+        );
+        let table = &figure(&run).unwrap().tables[0];
+        assert_eq!(table.header.last().unwrap(), "peak MiB reserved (graphed / torch-sdpa-graphed)");
+        assert_eq!(table.rows[0].last().unwrap(), "3 / 200");
     }
 
     /// A run whose PyTorch side has no fused attention keeps the table it had.
