@@ -347,12 +347,10 @@ fn choose(
         false => None,
     };
     let target = scratch.as_ref().map_or(*call, |s| Call { c: s.ptr(), d: s.ptr(), ..*call });
-    let times: std::result::Result<Vec<Option<f32>>, _> = candidates
-        .iter()
-        // SAFETY: `target` holds the call's own addresses, its output replaced by scratch of
-        // the output's extent where it accumulates in place.
-        .map(|algo| tune::time(raw, &|| unsafe { plan.matmul(handle, algo, &target, stream) }))
-        .collect();
+    // SAFETY: `target` holds the call's own addresses, its output replaced by scratch of the
+    // output's extent where it accumulates in place.
+    let run = |i: usize| unsafe { plan.matmul(handle, &candidates[i], &target, stream) };
+    let times = tune::time(raw, &run, candidates.len());
     let freed = scratch.map_or(Ok(()), |s| s.free(raw));
     let times = times.map_err(|e| err::driver(OP, None, e))?;
     freed.map_err(|e| err::driver(OP, None, e))?;

@@ -5,7 +5,8 @@
 //! first choice left 3.5% of the bf16 GEMMs' time and 10.1% of the FP8 GEMMs' time to another of
 //! its first eight (`bench/results/2026-12-05-h200-gemm-algos-ae2660b.txt`): up to 26% on one
 //! FP8 shape. So a plan's first call outside any capture times those candidates on the call's
-//! own operands and keeps the fastest, which must beat the first by [`MARGIN`].
+//! own operands, in rounds that take every candidate in turn, and keeps the fastest, which must
+//! beat the first by [`MARGIN`].
 //!
 //! The choice is part of the result's bits: candidates may split `k` differently. Within a
 //! process a plan's algorithm never changes after its first call, so eager and graphed steps
@@ -36,11 +37,12 @@ pub(super) const CANDIDATES: usize = 8;
 
 /// Another candidate replaces the heuristic's first only if it takes at most `1 - MARGIN` of its
 /// time: within that, timing noise would decide.
-pub(super) const MARGIN: f32 = 0.01;
+pub(super) const MARGIN: f32 = 0.02;
 
-/// Timed rounds per candidate (the median is kept) and launches per round, after one untimed.
-const ROUNDS: usize = 3;
-const RUNS: usize = 3;
+/// Timed rounds (the median of a candidate's is kept) and launches per candidate and round: at
+/// L's shapes about 100 ms per layout, once per machine.
+const ROUNDS: usize = 5;
+const RUNS: usize = 5;
 
 /// Whether and where choices are made and kept.
 pub(super) struct Tuner {
@@ -150,49 +152,59 @@ impl Scratch {
     }
 }
 
-/// The median time of [`RUNS`] launches of `run` in ms over [`ROUNDS`] rounds on `stream`,
-/// after one untimed launch; `None` if a launch fails (the candidate does not run here).
+/// Each candidate's time per launch in ms (`None`: it failed to launch): every candidate
+/// launched once untimed, so the GPU has left idle clocks before anything is timed; then
+/// [`ROUNDS`] rounds, each of [`RUNS`] launches of every candidate in turn, all enqueued before
+/// one synchronization with an event between each candidate's launches, and the median of a
+/// candidate's rounds. The GPU runs them back to back, as a training step runs its GEMMs, and
+/// rounds in turn spread any drift of clocks or power over every candidate alike. Timed one
+/// candidate after another, with a synchronization after each three launches, an H100 kept
+/// choices that ran up to 12% slower in a benchmark's steady state: short bursts favour the
+/// kernels that a power-capped GPU slows most.
 pub(super) fn time(
     stream: driver::CUstream,
-    run: &dyn Fn() -> Result<(), CublasError>,
-) -> Result<Option<f32>, DriverError> {
-    if run().is_err() {
-        return Ok(None);
-    }
-    let start = result::event::create(driver::CUevent_flags::CU_EVENT_DEFAULT)?;
-    let end = match result::event::create(driver::CUevent_flags::CU_EVENT_DEFAULT) {
-        Ok(end) => end,
-        Err(e) => {
-            // SAFETY: created above, destroyed once.
-            let _ = unsafe { result::event::destroy(start) };
-            return Err(e);
-        }
-    };
-    let mut rounds = Vec::with_capacity(ROUNDS);
+    run: &dyn Fn(usize) -> Result<(), CublasError>,
+    candidates: usize,
+) -> Result<Vec<Option<f32>>, DriverError> {
+    let mut runs: Vec<bool> = (0..candidates).map(|i| run(i).is_ok()).collect();
+    let mut events = Vec::with_capacity(ROUNDS * candidates + 1);
     let timed = (|| {
+        let mark = |events: &mut Vec<driver::CUevent>| -> Result<(), DriverError> {
+            let e = result::event::create(driver::CUevent_flags::CU_EVENT_DEFAULT)?;
+            events.push(e);
+            // SAFETY: the event was just created; the stream is live.
+            unsafe { result::event::record(e, stream) }
+        };
+        mark(&mut events)?;
         for _ in 0..ROUNDS {
-            // SAFETY: both events and the stream are live.
-            unsafe { result::event::record(start, stream)? };
-            let ran = (0..RUNS).try_for_each(|_| run());
-            // SAFETY: as above.
-            unsafe {
-                result::event::record(end, stream)?;
-                result::event::synchronize(end)?;
+            for (i, ok) in runs.iter_mut().enumerate() {
+                if *ok && (0..RUNS).try_for_each(|_| run(i)).is_err() {
+                    *ok = false;
+                }
+                mark(&mut events)?;
             }
-            if ran.is_err() {
-                return Ok(None);
-            }
-            // SAFETY: both recorded and complete.
-            rounds.push(unsafe { result::event::elapsed(start, end)? } / RUNS as f32);
         }
-        rounds.sort_by(f32::total_cmp);
-        Ok(Some(rounds[ROUNDS / 2]))
+        // SAFETY: the last event is recorded.
+        unsafe { result::event::synchronize(*events.last().expect("marked above"))? };
+        let mut rounds: Vec<Vec<f32>> = vec![Vec::with_capacity(ROUNDS); candidates];
+        for (k, pair) in events.windows(2).enumerate() {
+            // SAFETY: both recorded and complete.
+            rounds[k % candidates].push(unsafe { result::event::elapsed(pair[0], pair[1])? } / RUNS as f32);
+        }
+        Ok(rounds)
     })();
-    // SAFETY: created above, destroyed once, after the synchronization that used them.
-    let destroyed = unsafe { result::event::destroy(start).and(result::event::destroy(end)) };
-    let t = timed?;
+    // SAFETY: each created above and destroyed once, after the synchronization that used them.
+    // Every event is destroyed; the first failure is kept.
+    let destroyed = events.into_iter().map(|e| unsafe { result::event::destroy(e) }).fold(Ok(()), Result::and);
+    let rounds = timed?;
     destroyed?;
-    Ok(t)
+    Ok(rounds.into_iter().zip(runs).map(|(r, ran)| ran.then(|| median(r))).collect())
+}
+
+/// The median of `v` (not empty): its middle element once sorted.
+fn median(mut v: Vec<f32>) -> f32 {
+    v.sort_by(f32::total_cmp);
+    v[v.len() / 2]
 }
 
 /// The void pointer cuBLASLt takes for a device address.
@@ -206,9 +218,9 @@ mod tests {
 
     #[test]
     fn the_heuristics_first_stays_unless_another_is_clearly_faster() {
-        assert_eq!(fastest(&[Some(1.0), Some(0.995), Some(1.2)]), 0);
+        assert_eq!(fastest(&[Some(1.0), Some(0.985), Some(1.2)]), 0);
         assert_eq!(fastest(&[Some(1.0), Some(0.95), Some(0.9)]), 2);
-        assert_eq!(fastest(&[Some(1.0), None, Some(0.99)]), 2);
+        assert_eq!(fastest(&[Some(1.0), None, Some(0.98)]), 2);
         // The first did not run: the fastest that did.
         assert_eq!(fastest(&[None, Some(2.0), Some(1.5)]), 2);
         assert_eq!(fastest(&[None, None]), 0);
