@@ -1,12 +1,14 @@
 //! Each GEMM layout's cuBLASLt algorithm, chosen by timing the heuristic's candidates once per
-//! machine.
+//! machine, where `GRAPHED_GEMM_TUNE=1` asks for it.
 //!
-//! cuBLASLt's heuristic ranks its algorithms without running them. On an H200 at L's shapes its
-//! first choice left 3.5% of the bf16 GEMMs' time and 10.1% of the FP8 GEMMs' time to another of
-//! its first eight (`bench/results/2026-12-05-h200-gemm-algos-ae2660b.txt`): up to 26% on one
-//! FP8 shape. So a plan's first call outside any capture times those candidates on the call's
-//! own operands, in rounds that take every candidate in turn, and keeps the fastest, which must
-//! beat the first by [`MARGIN`].
+//! cuBLASLt's heuristic ranks its algorithms without running them. A probe on an H200 at L's
+//! shapes, timing each candidate after the one before, found another of its first eight faster
+//! by 3.5% of the bf16 GEMMs' time and 10.1% of the FP8 GEMMs' time
+//! (`bench/results/2026-12-05-h200-gemm-algos-ae2660b.txt`). With timing on, a plan's first call
+//! outside any capture times those candidates on the call's own operands, in rounds that take
+//! every candidate in turn, and keeps the fastest, which must beat the first by [`MARGIN`].
+//! On an H100 the choices did not shorten L's step (`…-h100-gemm-timed-c3df07b.txt`), so timing is
+//! off by default: every plan takes the heuristic's first.
 //!
 //! The choice is part of the result's bits: candidates may split `k` differently. Within a
 //! process a plan's algorithm never changes after its first call, so eager and graphed steps
@@ -14,9 +16,7 @@
 //! process to store one wins ([`DiskCache::put_first`]), and every later process, or one that
 //! timed at the same moment, takes the stored one: a resumed run, the ranks of one machine and a
 //! benchmark after the tests all run the same algorithms. Without a cache directory nothing is
-//! timed (the heuristic's first, as before), since a choice that could differ run to run would
-//! make runs differ. `GRAPHED_GEMM_TUNE=0` turns timing and stored choices off: every plan takes
-//! the heuristic's first.
+//! timed, since a choice that could differ run to run would make runs differ.
 //!
 //! A plan first used inside a capture takes the stored choice or the heuristic's first: timing
 //! synchronizes, which would break a capture. Graphed's warmup runs every layer eagerly before
@@ -51,10 +51,10 @@ pub(super) struct Tuner {
 }
 
 impl Tuner {
-    /// Timing as the environment says: on with a cache directory, unless `GRAPHED_GEMM_TUNE=0`.
+    /// Timing as the environment says: on with `GRAPHED_GEMM_TUNE=1` and a cache directory.
     pub(super) fn from_env() -> Tuner {
         let cache = DiskCache::from_env();
-        let enabled = cache.is_set() && std::env::var("GRAPHED_GEMM_TUNE").map_or(true, |v| v != "0");
+        let enabled = cache.is_set() && std::env::var("GRAPHED_GEMM_TUNE").is_ok_and(|v| v == "1");
         Tuner { cache, enabled }
     }
 
