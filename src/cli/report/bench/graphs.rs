@@ -154,36 +154,31 @@ mod tests {
         assert_eq!(table.rows[0][2..], ["1.000 [50]", "2.500 [100]", "2.000 [100]", "3 / 230 / 200"]);
     }
 
-    /// A run whose PyTorch side has only fused attention names only its variant in the memory
-    /// column.
-    #[test]
-    fn with_fused_attention_alone_the_memory_column_names_what_ran() {
-        let torch = format!(r#"{{"rows": [{}]}}"#, torch_row("torch-sdpa-graphed", "fused", 2.0, 200));
+    /// The memory column of a run whose PyTorch side has one attention form: its title and S's cell.
+    fn memory_column(name: &str, torch_row: &str) -> (String, String) {
+        let torch = format!(r#"{{"rows": [{torch_row}]}}"#);
         let run = Run::written(
-            "graphs-fused-only",
+            name,
             &[
                 ("2026-12-03-h200-graphs-abc1234.json", OURS),
                 ("2026-12-03-h200-graphs-torch-bf16-abc1234.json", &torch),
             ],
         );
-        let table = &figure(&run).unwrap().tables[0];
-        assert_eq!(table.header.last().unwrap(), "peak MiB reserved (graphed / torch-sdpa-graphed)");
-        assert_eq!(table.rows[0].last().unwrap(), "3 / 200");
+        let table = figure(&run).unwrap().tables.remove(0);
+        (table.header.last().unwrap().clone(), table.rows[0].last().unwrap().clone())
     }
 
-    /// A run whose PyTorch side has no fused attention keeps the table it had.
+    /// A run whose PyTorch side has no fused attention keeps the table it had; one with fused
+    /// attention alone names only its variant in the memory column.
     #[test]
-    fn without_fused_attention_the_table_is_as_before() {
-        let torch = format!(r#"{{"rows": [{}]}}"#, torch_row("torch-graphed", "unfused", 2.5, 230));
-        let run = Run::written(
-            "graphs-unfused",
-            &[
-                ("2026-12-03-h200-graphs-abc1234.json", OURS),
-                ("2026-12-03-h200-graphs-torch-bf16-abc1234.json", &torch),
-            ],
+    fn the_memory_column_names_the_graphed_variants_that_ran() {
+        assert_eq!(
+            memory_column("graphs-unfused", &torch_row("torch-graphed", "unfused", 2.5, 230)),
+            ("peak MiB reserved (graphed / torch-graphed)".to_string(), "3 / 230".to_string())
         );
-        let table = &figure(&run).unwrap().tables[0];
-        assert_eq!(table.header.last().unwrap(), "peak MiB reserved (graphed / torch-graphed)");
-        assert_eq!(table.rows[0].last().unwrap(), "3 / 230");
+        assert_eq!(
+            memory_column("graphs-fused-only", &torch_row("torch-sdpa-graphed", "fused", 2.0, 200)),
+            ("peak MiB reserved (graphed / torch-sdpa-graphed)".to_string(), "3 / 200".to_string())
+        );
     }
 }
