@@ -88,6 +88,28 @@ fn bench_graphs_runs_every_variant_on_the_simulator() {
     std::fs::remove_dir_all(&dir).expect("the temporary directory can be removed");
 }
 
+/// `--variants` times only the variants named, in the order given.
+#[test]
+fn bench_graphs_times_only_the_variants_asked_for() {
+    let out = graphed(&[
+        "bench",
+        "graphs",
+        "--device",
+        "sim",
+        "--configs",
+        "tiny",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--variants",
+        "graphed-floor,graphed",
+    ]);
+    let rows: Vec<&str> =
+        out.lines().filter_map(|l| l.split_whitespace().next()).filter(|w| w.starts_with("graphed")).collect();
+    assert_eq!(rows, ["graphed-floor", "graphed"], "in:\n{out}");
+}
+
 #[test]
 fn bench_rebind_reads_a_layer_with_dropout_in_place_bit_for_bit() {
     let dir = temp_dir("rebind");

@@ -585,7 +585,7 @@ pub enum BenchCommand {
     Layer(LayerBenchArgs),
     /// Per-layer graphed training step against eager and a whole-step graph (BENCH.md's
     /// configurations).
-    Graphs(GraphsBenchArgs),
+    Graphs(GraphsArgs),
     /// Activation offloading inside the graphs: device memory saved, step-time overhead against
     /// graphed-side, copy rates against the pinned peak, how early the caller resumes (BENCH.md's
     /// configurations; M and L are the ones the goals name).
@@ -627,7 +627,8 @@ impl BenchCommand {
             BenchCommand::Gemm(a) => &a.json,
             BenchCommand::Attention(a) => &a.json,
             BenchCommand::Layer(a) => &a.json,
-            BenchCommand::Graphs(a) | BenchCommand::Offload(a) => &a.json,
+            BenchCommand::Graphs(a) => &a.bench.json,
+            BenchCommand::Offload(a) => &a.json,
             BenchCommand::Memory(a) => &a.json,
             BenchCommand::Schedule(a) => &a.json,
             BenchCommand::Parallel(a) => &a.json,
@@ -665,6 +666,64 @@ pub struct GraphsBenchArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+}
+
+/// `bench graphs`: the step of each configuration in each variant asked for.
+#[derive(Args, Debug, Clone)]
+pub struct GraphsArgs {
+    #[command(flatten)]
+    pub bench: GraphsBenchArgs,
+    /// The variants to time, comma-separated, in the order given (default: all six, as below).
+    /// Fewer variants make a comparison of two settings cheaper on a GPU.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub variants: Vec<GraphsVariant>,
+}
+
+/// How `bench graphs` runs a step; named as in BENCH.md.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GraphsVariant {
+    /// Module by module, kernel by kernel, on the main stream.
+    #[value(name = "graphed-eager")]
+    Eager,
+    /// One graphed callable per layer, replayed on the main stream.
+    #[value(name = "graphed")]
+    Graphed,
+    /// One graphed callable per layer, replayed on a side stream; the main stream resumes at
+    /// the event each graph records.
+    #[value(name = "graphed-side")]
+    Side,
+    /// As `graphed-side`, with the default activation offloading inside the graphs.
+    #[value(name = "graphed-offload")]
+    Offload,
+    /// The whole stack graphed as one callable: one forward and one backward graph, with the
+    /// replay contract's checks (`train --whole-step`'s form).
+    #[value(name = "graphed-whole")]
+    Whole,
+    /// The whole eager step captured as one graph.
+    #[value(name = "graphed-floor")]
+    Floor,
+}
+
+impl GraphsVariant {
+    /// Its name in BENCH.md and the results.
+    pub fn name(self) -> &'static str {
+        match self {
+            GraphsVariant::Eager => "graphed-eager",
+            GraphsVariant::Graphed => "graphed",
+            GraphsVariant::Side => "graphed-side",
+            GraphsVariant::Offload => "graphed-offload",
+            GraphsVariant::Whole => "graphed-whole",
+            GraphsVariant::Floor => "graphed-floor",
+        }
+    }
+
+    /// The variants `asked` names, or every one where it names none.
+    pub fn asked(asked: &[GraphsVariant]) -> &[GraphsVariant] {
+        match asked {
+            [] => GraphsVariant::value_variants(),
+            some => some,
+        }
+    }
 }
 
 impl GraphsBenchArgs {

@@ -16,44 +16,8 @@ use graphed::offload::{OffloadConfig, OffloadManager};
 use serde::Serialize;
 
 use super::{spread, write_json, Case, MemoryRow, Report, Spread};
-use crate::cli::args::{BenchInput, GraphsBenchArgs};
+use crate::cli::args::{BenchInput, GraphsArgs, GraphsBenchArgs, GraphsVariant as Variant};
 use crate::cli::bench_model::{BenchModel, Config};
-
-/// How a step runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Variant {
-    /// Module by module, kernel by kernel, on the main stream.
-    Eager,
-    /// One graphed callable per layer, replayed on the main stream.
-    Graphed,
-    /// One graphed callable per layer, replayed on a side stream; the main stream resumes at
-    /// the event each graph records.
-    Side,
-    /// As `Side`, with the default activation offloading inside the graphs.
-    Offload,
-    /// The whole stack graphed as one callable: one forward and one backward graph, with the
-    /// replay contract's checks (`train --whole-step`'s form).
-    Whole,
-    /// The whole eager step captured as one graph.
-    Floor,
-}
-
-const VARIANTS: [Variant; 6] =
-    [Variant::Eager, Variant::Graphed, Variant::Side, Variant::Offload, Variant::Whole, Variant::Floor];
-
-impl Variant {
-    /// Its name in `BENCH.md`.
-    fn name(self) -> &'static str {
-        match self {
-            Variant::Eager => "graphed-eager",
-            Variant::Graphed => "graphed",
-            Variant::Side => "graphed-side",
-            Variant::Offload => "graphed-offload",
-            Variant::Whole => "graphed-whole",
-            Variant::Floor => "graphed-floor",
-        }
-    }
-}
 
 /// One (configuration, variant): times per step, memory and capture cost.
 #[derive(Serialize, Debug)]
@@ -112,8 +76,8 @@ pub(super) struct Samples {
     pub(super) gpu_ms: Vec<f64>,
 }
 
-/// Runs every requested configuration through every variant.
-pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
+/// Runs every requested configuration through each variant asked for (every one by default).
+pub fn run(GraphsArgs { bench: args, variants }: &GraphsArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "graphs", "--configs tiny")?;
     let configs = args.configs(&dev)?;
     let dtype = args.dtype.storage(&dev);
@@ -126,7 +90,7 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     for &config in &configs {
         println!("{config}");
         let first = rows.len();
-        for variant in VARIANTS {
+        for &variant in Variant::asked(variants) {
             let row = run_variant(&dev, config, variant, args)?;
             print_row(&row);
             rows.push(row);
