@@ -314,10 +314,10 @@ struct Call {
 }
 
 /// The algorithm a plan keeps from its `candidates` at its first call (`blas_tune.rs`): with
-/// timing off the heuristic's first; else a stored choice cuBLASLt admits; else, outside every
-/// capture, the fastest on the
-/// call's own operands (its output replaced by scratch where it accumulates in place), kept in
-/// the cache unless another process kept one first; else the heuristic's first.
+/// timing off, the heuristic's first; else a stored choice cuBLASLt admits; else, outside every
+/// capture, the fastest on the call's own operands (its output replaced by scratch where it
+/// accumulates in place), kept in the cache unless another process kept one first; else the
+/// heuristic's first.
 fn choose(
     (handle, plan, candidates): (&Handle, &Plan, Vec<sys::cublasLtMatmulAlgo_t>),
     (tuner, key): (&Tuner, String),
@@ -354,8 +354,9 @@ fn choose(
     let freed = scratch.map_or(Ok(()), |s| s.free(raw));
     let times = times.map_err(|e| err::driver(OP, None, e))?;
     freed.map_err(|e| err::driver(OP, None, e))?;
-    let chosen = candidates[tune::fastest(&times)];
-    tracing::debug!(?spec, ?times, chosen = tune::fastest(&times), "graphed: timed cuBLASLt's candidates");
+    let fastest = tune::fastest(&times);
+    tracing::debug!(?spec, ?times, fastest, "graphed: timed cuBLASLt's candidates");
+    let chosen = candidates[fastest];
     let kept = tuner.keep(&key, chosen);
     Ok(if plan.admits(handle, &kept) { kept } else { chosen })
 }

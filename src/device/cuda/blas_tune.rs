@@ -31,8 +31,8 @@ use cudarc::driver::{result, sys as driver, DriverError};
 use super::disk_cache::DiskCache;
 use crate::device::gemm::{GemmSpec, Operand};
 
-/// How many of the heuristic's candidates a plan asks for (on the H200 at L and M it returned
-/// eight, the fastest among them every time).
+/// How many of the heuristic's candidates a plan asks for (on the H200 at L's and M's shapes it
+/// returned eight).
 pub(super) const CANDIDATES: usize = 8;
 
 /// Another candidate replaces the heuristic's first only if it takes at most `1 - MARGIN` of its
@@ -111,7 +111,7 @@ pub(super) fn fastest(times: &[Option<f32>]) -> usize {
 
 /// Bytes a row-major operand spans: its last batch's last row ends the range.
 pub(super) fn extent(o: &Operand, batch: usize, elem: usize) -> usize {
-    ((batch - 1) * o.batch_stride + (o.rows - 1) * o.ld + o.cols) * elem
+    (batch.saturating_sub(1) * o.batch_stride + o.rows.saturating_sub(1) * o.ld + o.cols) * elem
 }
 
 /// Writable memory for timing a GEMM that accumulates into its output in place, whose real

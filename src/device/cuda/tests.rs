@@ -293,3 +293,47 @@ fn a_grid_stride_launch_runs_one_wave_of_blocks() -> Result<()> {
     assert_eq!(out.to_vec(&s)?[0], asked, "a launch that is not grid-stride keeps its grid");
     dev.synchronize()
 }
+
+/// The GEMM timing's parts on their own (`blas_tune.rs`): a candidate that fails to launch has no
+/// time and is not launched again; the others are launched once untimed and then in every round;
+/// scratch for an in-place GEMM starts as zeros.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_timing_skips_what_fails_and_its_scratch_starts_zeroed() -> Result<()> {
+    use cudarc::cublaslt::result::CublasError;
+    use cudarc::cublaslt::sys::cublasStatus_t;
+    use cudarc::driver::result as driver;
+
+    use super::blas_tune::{time, Scratch};
+
+    let (dev, _serial) = gpu();
+    // Makes the device's context current on this thread, as the raw calls below need.
+    let s = dev.stream()?;
+    s.synchronize()?;
+    let raw = driver::stream::null();
+    let fail = |e| super::error::driver("gemm timing test", None, e);
+    let launches = std::cell::RefCell::new([0usize; 3]);
+    let run = |i: usize| {
+        launches.borrow_mut()[i] += 1;
+        match i {
+            1 => Err(CublasError(cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)),
+            _ => Ok(()),
+        }
+    };
+    let times = time(raw, &run, 3).map_err(fail)?;
+    assert!(times[0].is_some_and(|t| t >= 0.0) && times[2].is_some_and(|t| t >= 0.0), "{times:?}");
+    assert_eq!(times[1], None);
+    let [first, failed, last] = *launches.borrow();
+    assert_eq!((failed, first), (1, last), "the failing candidate is launched once, the others alike");
+    assert!(first > 1, "{first}");
+    let scratch = Scratch::zeroed(1 << 20, raw).map_err(fail)?.expect("1 MiB is free");
+    let mut host = vec![0xffu8; 1 << 20];
+    // SAFETY: the scratch holds 1 MiB; the null stream's memset is complete after synchronizing.
+    unsafe {
+        driver::stream::synchronize(raw).map_err(fail)?;
+        driver::memcpy_dtoh_sync(&mut host, scratch.ptr()).map_err(fail)?;
+    }
+    scratch.free(raw).map_err(fail)?;
+    assert!(host.iter().all(|&b| b == 0));
+    Ok(())
+}
