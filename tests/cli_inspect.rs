@@ -45,28 +45,18 @@ fn inspect_reports_every_graph_and_writes_dot_files() {
     std::fs::remove_dir_all(&dir).expect("the temporary directory can be removed");
 }
 
+/// `graphed bench graphs` of the tiny configuration on the simulator, with `more` arguments.
+fn bench_graphs_tiny(more: &[&str]) -> String {
+    graphed(&[&["bench", "graphs", "--device", "sim", "--configs", "tiny"], more].concat())
+}
+
 /// Every variant runs and is reported, and the JSON says which input the step was fed.
 #[test]
 fn bench_graphs_runs_every_variant_on_the_simulator() {
     let dir = temp_dir("graphs");
     let json = dir.join("graphs.json");
     let json_arg = json.to_str().expect("UTF-8");
-    let out = graphed(&[
-        "bench",
-        "graphs",
-        "--device",
-        "sim",
-        "--configs",
-        "tiny",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--input",
-        "constant",
-        "--json",
-        json_arg,
-    ]);
+    let out = bench_graphs_tiny(&["--steps", "2", "--warmup", "1", "--input", "constant", "--json", json_arg]);
     let variants = ["graphed-eager", "graphed", "graphed-side", "graphed-offload", "graphed-whole", "graphed-floor"];
     for variant in variants {
         assert!(out.lines().any(|l| l.split_whitespace().next() == Some(variant)), "no row for {variant} in:\n{out}");
@@ -92,20 +82,7 @@ fn bench_graphs_runs_every_variant_on_the_simulator() {
 /// `--variants` times only the variants named, in the order given.
 #[test]
 fn bench_graphs_times_only_the_variants_asked_for() {
-    let out = graphed(&[
-        "bench",
-        "graphs",
-        "--device",
-        "sim",
-        "--configs",
-        "tiny",
-        "--steps",
-        "1",
-        "--warmup",
-        "0",
-        "--variants",
-        "graphed-floor,graphed",
-    ]);
+    let out = bench_graphs_tiny(&["--steps", "1", "--warmup", "0", "--variants", "graphed-floor,graphed"]);
     let rows: Vec<&str> =
         out.lines().filter_map(|l| l.split_whitespace().next()).filter(|w| w.starts_with("graphed")).collect();
     assert_eq!(rows, ["graphed-floor", "graphed"], "in:\n{out}");
