@@ -58,7 +58,7 @@ struct Plan {
     /// cuBLASLt's C when it is not D (an addend).
     addend: Option<sys::cublasLtMatrixLayout_t>,
     algo: sys::cublasLtMatmulAlgo_t,
-    /// The heuristic's candidates, its first first, until the plan's first call chooses `algo`
+    /// The heuristic's candidates in its order, until the plan's first call chooses `algo`
     /// among them; then `None`, and `algo` never changes.
     candidates: Option<Vec<sys::cublasLtMatmulAlgo_t>>,
 }
