@@ -7,6 +7,7 @@
 # scripts/gpu-prepare.sh; logs and samples in $OUT.
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-clocks-L.sh
 set -u
+source scripts/gpu-unpack.sh
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels NCCL_NVLS_ENABLE=0

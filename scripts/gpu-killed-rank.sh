@@ -8,6 +8,7 @@
 # NCCL_RUNTIME_CONNECT is passed through (default 1).
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-killed-rank.sh
 set -uo pipefail
+source scripts/gpu-unpack.sh
 G=$PWD/.gpu/graphed
 fifo=$(mktemp -u)
 env_of() { # env_of RANK PORT: the rank's environment, as tests/ranks.rs sets it

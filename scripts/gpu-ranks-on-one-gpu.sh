@@ -10,6 +10,7 @@
 # and their exchanges go through host sockets.
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-ranks-on-one-gpu.sh > $OUT/ranks.log 2>&1
 set -uo pipefail
+source scripts/gpu-unpack.sh
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels

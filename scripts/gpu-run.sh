@@ -18,6 +18,7 @@
 # tests and the several-GPU runs.
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-run.sh
 set -uo pipefail
+source scripts/gpu-unpack.sh
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels

@@ -6,6 +6,7 @@
 # each rank's exit status, its last lines (the final loss, the step times), and the wall time.
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-soak-ranks.sh > $OUT/soak.log 2>&1
 set -uo pipefail
+source scripts/gpu-unpack.sh
 export GRAPHED_KERNEL_CACHE=$PWD/.gpu/kernels
 # NVLink multicast can take a shared host's GPUs out of service: never on here.
 export NCCL_NVLS_ENABLE=0

@@ -8,6 +8,7 @@
 # Usage (device tool, carry [".gpu"]): bash scripts/gpu-trust.sh
 # (GRAPHED=target/release/graphed DEVICE=sim tries it here, on the simulator.)
 set -uo pipefail
+source scripts/gpu-unpack.sh
 dev=${DEVICE:-cuda}
 work=$(mktemp -d)
 failed=0
