@@ -25,7 +25,7 @@ use super::blas_tune::{self as tune, Scratch, Tuner};
 use super::stream::CuStream;
 use super::{capture, error as err, memory};
 use crate::device::gemm::{EpilogueKind, GemmSpec, Operand};
-use crate::device::kernel::Arg;
+use crate::device::kernel::{Arg, BufArg};
 use crate::device::DType;
 use crate::{Error, Result};
 
@@ -166,7 +166,13 @@ fn epilogue(kind: EpilogueKind) -> Option<sys::cublasLtEpilogue_t> {
 }
 
 impl Plan {
-    fn new(handle: &Handle, spec: &GemmSpec, workspace_bytes: usize) -> std::result::Result<Plan, CublasError> {
+    /// The descriptors of `spec`'s layout and the first `asked` of the heuristic's candidates.
+    fn new(
+        handle: &Handle,
+        spec: &GemmSpec,
+        workspace_bytes: usize,
+        asked: usize,
+    ) -> std::result::Result<Plan, CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as D;
         let ty = data_type(spec.dtype)?;
         let [a_ty, b_ty] = spec.inputs.map(data_type);
@@ -229,7 +235,7 @@ impl Plan {
                     c,
                     d,
                     pref,
-                    tune::CANDIDATES as i32,
+                    asked.min(tune::CANDIDATES) as i32,
                     found.as_mut_ptr(),
                     &mut count,
                 )
@@ -307,6 +313,8 @@ struct Call {
     b: u64,
     c: u64,
     d: u64,
+    /// The bytes D spans: the scratch that replaces it while candidates are timed.
+    d_bytes: usize,
     workspace: u64,
     workspace_bytes: usize,
     alpha: f32,
@@ -320,7 +328,7 @@ struct Call {
 /// heuristic's first.
 fn choose(
     (handle, plan, candidates): (&Handle, &Plan, Vec<sys::cublasLtMatmulAlgo_t>),
-    (tuner, key): (&Tuner, String),
+    (tuner, device): (&Tuner, &str),
     (spec, call, stream): (&GemmSpec, &Call, &CuStream),
 ) -> Result<sys::cublasLtMatmulAlgo_t> {
     const OP: &str = "Stream::gemm (timing cuBLASLt's algorithms)";
@@ -328,6 +336,7 @@ fn choose(
     if !tuner.enabled() {
         return Ok(first);
     }
+    let key = tune::key(device, spec, call.workspace_bytes);
     if let Some(stored) = tuner.stored(&key).filter(|a| plan.admits(handle, a)) {
         return Ok(stored);
     }
@@ -338,9 +347,7 @@ fn choose(
     let raw = stream.raw.cu_stream();
     let in_place = call.beta != 0.0 && call.c == call.d;
     let scratch = match in_place {
-        true => match Scratch::zeroed(tune::extent(&spec.c, spec.batch, spec.dtype.size()), raw)
-            .map_err(|e| err::driver(OP, None, e))?
-        {
+        true => match Scratch::zeroed(call.d_bytes, raw).map_err(|e| err::driver(OP, None, e))? {
             Some(scratch) => Some(scratch),
             None => return Ok(first),
         },
@@ -388,7 +395,7 @@ impl Blas {
         workspace_bytes: usize,
     ) -> Result<()> {
         const OP: &str = "Stream::gemm";
-        let Pointers { d, a, b, c, workspace: ws, bias, aux, scales } = Pointers::of(spec, params, args)?;
+        let Pointers { d, d_bytes, a, b, c, workspace: ws, bias, aux, scales } = Pointers::of(spec, params, args)?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let st = &mut *st;
         if st.handle.is_none() {
@@ -403,7 +410,7 @@ impl Blas {
         let State { handle, plans } = &mut *st;
         let handle = handle.as_ref().expect("created above");
         if !plans.contains_key(spec) {
-            let plan = Plan::new(handle, spec, workspace_bytes).map_err(fail(OP))?;
+            let plan = Plan::new(handle, spec, workspace_bytes, self.tuner.candidates()).map_err(fail(OP))?;
             plans.insert(*spec, plan);
         }
         let plan = plans.get_mut(spec).expect("inserted above");
@@ -424,10 +431,9 @@ impl Blas {
                 set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scale).map_err(fail(OP))?;
             }
         }
-        let call = Call { a, b, c, d, workspace: ws, workspace_bytes, alpha, beta };
+        let call = Call { a, b, c, d, d_bytes, workspace: ws, workspace_bytes, alpha, beta };
         if let Some(candidates) = plan.candidates.take() {
-            let key = tune::key(&self.device, spec, workspace_bytes);
-            plan.algo = choose((handle, plan, candidates), (&self.tuner, key), (spec, &call, stream))?;
+            plan.algo = choose((handle, plan, candidates), (&self.tuner, &self.device), (spec, &call, stream))?;
         }
         // SAFETY: the pointers (and the epilogue's, set above) address live, range-checked
         // allocations laid out as the plan's layouts and epilogue say (the public layer checked
@@ -442,6 +448,8 @@ impl Blas {
 struct Pointers {
     /// The output D (`c` among the arguments).
     d: u64,
+    /// The bytes D spans.
+    d_bytes: usize,
     a: u64,
     b: u64,
     /// The matrix C added to the product: the addend, else D itself.
@@ -466,17 +474,20 @@ impl Pointers {
     /// The addresses in `args`, one per name of `params`, that `spec` uses.
     fn of(spec: &GemmSpec, params: &[&str], args: &[Arg<'_>]) -> Result<Pointers> {
         const OP: &str = "Stream::gemm";
-        let ptr = |name: &str| -> Result<u64> {
-            match params.iter().position(|p| *p == name).and_then(|i| args.get(i)) {
-                Some(Arg::Buf(b)) => memory::kernel_arg(OP, b.raw, b.region.offset() * b.dtype.size()),
-                _ => Err(Error::Unsupported {
-                    op: OP,
-                    backend: "cuda",
-                    why: "a GEMM's arguments are malformed; please report this as a bug",
-                }),
-            }
+        let buf = |name: &str| match params.iter().position(|p| *p == name).and_then(|i| args.get(i)) {
+            Some(Arg::Buf(b)) => Ok(b),
+            _ => Err(Error::Unsupported {
+                op: OP,
+                backend: "cuda",
+                why: "a GEMM's arguments are malformed; please report this as a bug",
+            }),
         };
-        let (d, a, b, workspace) = (ptr("c")?, ptr("a")?, ptr("b")?, ptr("workspace")?);
+        let addr = |b: &BufArg<'_>| memory::kernel_arg(OP, b.raw, b.region.offset() * b.dtype.size());
+        let ptr = |name: &str| buf(name).and_then(addr);
+        let out = buf("c")?;
+        let (d, a, b, workspace) = (addr(out)?, ptr("a")?, ptr("b")?, ptr("workspace")?);
+        // The bytes D's view spans, from its first element to one past its last.
+        let d_bytes = (out.region.end() - out.region.offset()) * out.dtype.size();
         let c = if spec.addend.is_some() { ptr("addend")? } else { d };
         let bias = match spec.epilogue {
             EpilogueKind::None | EpilogueKind::DGelu => None,
@@ -488,6 +499,6 @@ impl Pointers {
             None => None,
             Some(_) => Some(Scales { a_scale: ptr("a_scale")?, b_scale: ptr("b_scale")? }),
         };
-        Ok(Pointers { d, a, b, c, workspace, bias, aux, scales })
+        Ok(Pointers { d, d_bytes, a, b, c, workspace, bias, aux, scales })
     }
 }

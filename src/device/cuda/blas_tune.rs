@@ -29,7 +29,7 @@ use cudarc::cublaslt::sys;
 use cudarc::driver::{result, sys as driver, DriverError};
 
 use super::disk_cache::DiskCache;
-use crate::device::gemm::{GemmSpec, Operand};
+use crate::device::gemm::GemmSpec;
 
 /// How many of the heuristic's candidates a plan asks for (on the H200 at L's and M's shapes it
 /// returned eight).
@@ -66,6 +66,16 @@ impl Tuner {
     /// Whether plans may be timed at all.
     pub(super) fn enabled(&self) -> bool {
         self.enabled
+    }
+
+    /// How many of the heuristic's candidates a plan asks for: [`CANDIDATES`] with timing on,
+    /// else only its first.
+    pub(super) fn candidates(&self) -> usize {
+        if self.enabled {
+            CANDIDATES
+        } else {
+            1
+        }
     }
 
     /// Stores `chosen` for `key` unless another process stored one first, and returns the stored
@@ -107,11 +117,6 @@ pub(super) fn fastest(times: &[Option<f32>]) -> usize {
         (None, Some((i, _))) => i,
         _ => 0,
     }
-}
-
-/// Bytes a row-major operand spans: its last batch's last row ends the range.
-pub(super) fn extent(o: &Operand, batch: usize, elem: usize) -> usize {
-    (batch.saturating_sub(1) * o.batch_stride + o.rows.saturating_sub(1) * o.ld + o.cols) * elem
 }
 
 /// Writable memory for timing a GEMM that accumulates into its output in place, whose real
@@ -238,12 +243,5 @@ mod tests {
         assert!(decode(&bytes[..63]).is_none());
         assert!(decode(&[bytes.clone(), vec![0; 8]].concat()).is_none());
         assert!(decode(&[]).is_none());
-    }
-
-    #[test]
-    fn an_operands_extent_ends_at_its_last_batchs_last_row() {
-        let o = Operand { rows: 3, cols: 4, ld: 6, batch_stride: 20 };
-        assert_eq!(extent(&o, 1, 2), (2 * 6 + 4) * 2);
-        assert_eq!(extent(&o, 2, 4), (20 + 2 * 6 + 4) * 4);
     }
 }
