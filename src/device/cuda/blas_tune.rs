@@ -44,6 +44,10 @@ pub(super) const MARGIN: f32 = 0.02;
 const ROUNDS: usize = 5;
 const RUNS: usize = 5;
 
+/// The cache files' extension, and what its warnings call an entry.
+const EXT: &str = "algo";
+const WHAT: &str = "cuBLASLt algorithm";
+
 /// Whether and where choices are made and kept.
 pub(super) struct Tuner {
     cache: DiskCache,
@@ -60,7 +64,7 @@ impl Tuner {
 
     /// The stored choice for `key`, if a sound one is.
     pub(super) fn stored(&self, key: &str) -> Option<sys::cublasLtMatmulAlgo_t> {
-        self.cache.get("algo", key, "cuBLASLt algorithm").and_then(|bytes| decode(&bytes))
+        self.cache.get(EXT, key, WHAT).and_then(|bytes| decode(&bytes))
     }
 
     /// Whether plans may be timed at all.
@@ -81,7 +85,7 @@ impl Tuner {
     /// Stores `chosen` for `key` unless another process stored one first, and returns the stored
     /// one.
     pub(super) fn keep(&self, key: &str, chosen: sys::cublasLtMatmulAlgo_t) -> sys::cublasLtMatmulAlgo_t {
-        decode(&self.cache.put_first("algo", key, &encode(&chosen), "cuBLASLt algorithm")).unwrap_or(chosen)
+        decode(&self.cache.put_first(EXT, key, &encode(&chosen), WHAT)).unwrap_or(chosen)
     }
 }
 
