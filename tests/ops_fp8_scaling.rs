@@ -13,9 +13,10 @@ use graphed::graph::make_graphed_fn;
 use graphed::memory::CachingAllocator;
 use graphed::ops::cast::quantize;
 use graphed::ops::fp8::{
-    amax, cast_transpose, Amax, AmaxAlgo, CurrentScaling, DelayedScaling, DelayedScalingConfig, Fp8Format,
-    ScalingConfigError, SCALE_INV_STRIDE,
+    amax, cast_transpose, dgelu_cast_transpose, sum_tiles, tile_rows, Amax, AmaxAlgo, CurrentScaling, DelayedScaling,
+    DelayedScalingConfig, Fp8Format, ScalingConfigError, SCALE_INV_STRIDE,
 };
+use graphed::ops::gelu::gelu_backward;
 use graphed::tensor::Tensor;
 use graphed::Error;
 use half::bf16;
@@ -233,6 +234,69 @@ fn cast_transpose_equals_quantize_and_a_host_transpose(dev: &Device) -> Result {
     Ok(())
 }
 
+// ---- GELU's backward, cast ------------------------------------------------------------------------------
+
+/// Column `c`'s sum over the tile of 64 rows from `r0`, in the order `cast_transpose.cu` states:
+/// each of a block's 256 threads (8 per tile row, so 32 rows at a time) adds its rows `first`,
+/// `first + 32` from 0; the 4 threads of a warp that share a column combine as a butterfly; the
+/// 8 warps are added in order from 0.
+fn host_tile_sum(g: &[f32], (rows, cols): (usize, usize), r0: usize, c: usize) -> f32 {
+    let thread = |first: usize| {
+        [first, first + 32].iter().filter(|&&r| r0 + r < rows).fold(0.0f32, |s, r| s + g[(r0 + r) * cols + c])
+    };
+    (0..8).fold(0.0f32, |total, warp| {
+        let v: Vec<f32> = (0..4).map(|j| thread(4 * warp + j)).collect();
+        let v: Vec<f32> = (0..4).map(|j| v[j] + v[j ^ 1]).collect();
+        total + (v[0] + v[2])
+    })
+}
+
+/// `dgelu_cast_transpose` against `gelu_backward` then `cast_transpose` on the same device: the
+/// same E5M2 bytes in both layouts and the same amax, bit for bit; its tile sums are the host's
+/// sums of the device's GELU backward in the kernel's order, bit for bit, and `sum_tiles` adds
+/// them in tile order, within bf16's rounding of the exact column sums. Odd shapes (partial
+/// tiles, narrow columns), a scale that saturates some values, and pre-activations far out on
+/// both sides. (The devices' `tanhf` differ in the last bits, so each is compared with itself.)
+fn dgelu_cast_transpose_equals_gelu_backward_then_cast(dev: &Device) -> Result {
+    let env = Env::new(dev)?;
+    for (rows, cols) in [(1, 8), (33, 72), (64, 64), (130, 264), (200, 68), (256, 512)] {
+        let what = format!("[{rows}, {cols}]");
+        let n = rows * cols;
+        let pre = env.input(&values(n, n as u64, 4.0, &[-0.0, 30.0, -30.0, 1e-3]), &[rows, cols], DType::BF16)?;
+        let dout = env.input(&values(n, n as u64 + 1, 2.0, &[]), &[rows, cols], DType::BF16)?;
+        let scale = env.one(20_000.0)?;
+        let g = env.input(&vec![0.0; n], &[rows, cols], DType::BF16)?;
+        gelu_backward(&g, &pre, &dout, &env.s)?;
+        let (want, want_t, want_amax) =
+            (env.fp8(&[rows, cols], DType::F8E5M2)?, env.fp8(&[cols, rows], DType::F8E5M2)?, env.one(0.5)?);
+        cast_transpose(Some(&want), Some(&want_t), &want_amax, &g, &scale, &env.s)?;
+        let (out, out_t, amax) =
+            (env.fp8(&[rows, cols], DType::F8E5M2)?, env.fp8(&[cols, rows], DType::F8E5M2)?, env.one(0.5)?);
+        let tiles = env.put(&vec![f32::NAN; tile_rows(rows) * cols], &[tile_rows(rows), cols])?;
+        dgelu_cast_transpose((&out, &out_t), &amax, &tiles, (&dout, &pre), &scale, &env.s)?;
+        ensure!(env.bytes(&out)? == env.bytes(&want)?, "{what}: row-major bytes");
+        ensure!(env.bytes(&out_t)? == env.bytes(&want_t)?, "{what}: transposed bytes");
+        ensure!(env.bits(&amax)? == env.bits(&want_amax)?, "{what}: amax");
+        let gh = g.to_f32_vec(&env.s)?;
+        let want_tiles: Vec<u32> = (0..tile_rows(rows))
+            .flat_map(|t| (0..cols).map(move |c| (t, c)))
+            .map(|(t, c)| host_tile_sum(&gh, (rows, cols), 64 * t, c).to_bits())
+            .collect();
+        ensure!(env.bits(&tiles)? == want_tiles, "{what}: tile sums");
+        let db = env.input(&vec![f32::NAN; cols], &[cols], DType::BF16)?;
+        sum_tiles(&db, &tiles, &env.s)?;
+        let tiles = tiles.to_vec::<f32>(&env.s)?;
+        for (c, got) in db.to_f32_vec(&env.s)?.iter().enumerate() {
+            let summed = (0..tile_rows(rows)).fold(0.0f32, |s, t| s + tiles[t * cols + c]);
+            ensure!(got.to_bits() == bf16::from_f32(summed).to_f32().to_bits(), "{what}: column {c} {got} of {summed}");
+            let exact: f64 = (0..rows).map(|r| f64::from(gh[r * cols + c])).sum();
+            let magnitude: f64 = (0..rows).map(|r| f64::from(gh[r * cols + c].abs())).sum();
+            ensure!((f64::from(*got) - exact).abs() <= exact.abs() / 256.0 + magnitude * 1e-6, "{what}: column {c}");
+        }
+    }
+    Ok(())
+}
+
 // ---- recipes ------------------------------------------------------------------------------------------
 
 /// Delayed scaling over 7 steps for 3 tensors (one all zeros, one with a NaN at step 3 and ∞ at
@@ -361,6 +425,8 @@ fn refusals_write_nothing(dev: &Device) -> Result {
     let e5 = env.put(&[F8E5M2::from_bits(0x11); 6], &[3, 2])?;
     let strided = env.put(&[1.0f32; 12], &[2, 6])?.narrow(1, 0, 3)?;
     let two = env.put(&[1.0f32; 2], &[2])?;
+    let (g, g_t) = (env.put(&[bf16::ONE; 6], &[2, 3])?, env.put(&[bf16::ONE; 6], &[3, 2])?);
+    let (e5_rows, tiles) = (env.put(&[F8E5M2::from_bits(0x11); 6], &[2, 3])?, env.put(&[0.25f32; 3], &[1, 3])?);
     let ct = |o: Option<&Tensor>, t: Option<&Tensor>, a: &Tensor, i: &Tensor, s: &Tensor| {
         cast_transpose(o, t, a, i, s, &env.s)
     };
@@ -381,6 +447,12 @@ fn refusals_write_nothing(dev: &Device) -> Result {
         ("bf16 scale", ct(Some(&out), Some(&out_t), &slot, &x, &env.put(&[bf16::ONE], &[1])?)),
         ("two amaxes", ct(Some(&out), Some(&out_t), &two, &x, &scale)),
         ("strided input", ct(Some(&out), Some(&out_t), &slot, &strided, &scale)),
+        ("dgelu of f32", dgelu_cast_transpose((&e5_rows, &e5), &slot, &tiles, (&x, &x), &scale, &env.s)),
+        ("dgelu to E4M3", dgelu_cast_transpose((&out, &out_t), &slot, &tiles, (&g, &g), &scale, &env.s)),
+        ("dgelu tile rows", dgelu_cast_transpose((&e5_rows, &e5), &slot, &two, (&g, &g), &scale, &env.s)),
+        ("dgelu pre shape", dgelu_cast_transpose((&e5_rows, &e5), &slot, &tiles, (&g, &g_t), &scale, &env.s)),
+        ("sum_tiles to f32", sum_tiles(&x.reshape(&[6])?.narrow(0, 0, 3)?, &tiles, &env.s)),
+        ("sum_tiles width", sum_tiles(&env.put(&[bf16::ONE; 2], &[2])?, &tiles, &env.s)),
     ];
     for (name, r) in cases {
         let ok = matches!(
@@ -395,6 +467,8 @@ fn refusals_write_nothing(dev: &Device) -> Result {
     }
     ensure!(env.bytes(&out)? == vec![0x5a; 6] && env.bytes(&out_t)? == vec![0x5a; 6], "a refused cast wrote");
     ensure!(env.bits(&slot)? == vec![0.5f32.to_bits()], "a refused call wrote the amax slot");
+    ensure!(env.bytes(&e5_rows)? == vec![0x11; 6] && env.bytes(&e5)? == vec![0x11; 6], "a refused dgelu cast wrote");
+    ensure!(env.bits(&tiles)? == vec![0.25f32.to_bits(); 3], "a refused call wrote the tile sums");
 
     let config = DelayedScalingConfig::default();
     let refused = [
@@ -452,6 +526,7 @@ fn a_replayed_step_uses_the_scale_of_the_previous_update(dev: &Device) -> Result
 per_device!(
     amax_matches_the_host_reference,
     cast_transpose_equals_quantize_and_a_host_transpose,
+    dgelu_cast_transpose_equals_gelu_backward_then_cast,
     delayed_scaling_follows_transformer_engine,
     current_scaling_scales_from_this_steps_amax,
     refusals_write_nothing,

@@ -17,6 +17,7 @@ use super::{Builder, Inputs, Module, Param, SaveHook, SavedTensor};
 use crate::device::{DType, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::elementwise;
+use crate::ops::fp8::{dgelu_cast_transpose, sum_tiles, tile_rows};
 use crate::ops::gelu::gelu_backward;
 use crate::ops::matmul::{fp8_matmul, matmul, Fp8Matmul, Fused, Matmul};
 use crate::tensor::Tensor;
@@ -40,14 +41,33 @@ pub enum BiasGrad {
 /// adds the bias gradient.
 type Deferred = (OutputGrad, Tensor, BiasGrad);
 
-/// An output gradient as the weight-gradient GEMM reads it: bf16, and in FP8 training its E5M2
-/// transpose, quantized in the same pass as the data gradient's row-major copy.
+/// An output gradient as the weight-gradient GEMM reads it.
 #[derive(Clone)]
-struct OutputGrad {
-    /// `(n, out)`, bf16 or f32.
-    dy: Tensor,
-    /// `(out, n)`, E5M2: FP8 training only.
-    fp8_t: Option<Tensor>,
+enum OutputGrad {
+    /// As the layer received it, `(n, out)` in bf16 or f32, and in FP8 training its E5M2
+    /// transpose `(out, n)`, quantized in the same pass as the data gradient's row-major copy.
+    Given { dy: Tensor, fp8_t: Option<Tensor> },
+    /// Quantized by the layer above in GELU's backward ([`PreActGrad::Quantized`]): its E5M2
+    /// transpose and its column sums per tile of rows.
+    Quantized { fp8_t: Tensor, tile_sums: Tensor },
+}
+
+/// The gradient of a GELU's pre-activation, as [`Linear::backward_through_gelu`] leaves it for
+/// the layer whose output the pre-activation was ([`Linear::backward_from`]).
+pub enum PreActGrad {
+    /// `(n, features)`, as [`Linear::backward_with`] returns it.
+    Plain(Tensor),
+    /// FP8 under delayed scaling: GELU's backward, its cast to E5M2 in both layouts (with the
+    /// receiving layer's gradient scale) and its column sums in one pass
+    /// ([`dgelu_cast_transpose`]), so no bf16 copy of it is ever written.
+    Quantized {
+        /// `(n, features)`, E5M2: the data gradient's operand.
+        q: Tensor,
+        /// `(features, n)`, E5M2: the weight gradient's.
+        q_t: Tensor,
+        /// `(tile_rows(n), features)`, f32: the bias gradient's partial sums ([`sum_tiles`]).
+        tile_sums: Tensor,
+    },
 }
 
 /// A fully connected layer over the last dimension of an `(n, in)` input.
@@ -192,12 +212,9 @@ impl Linear {
         const OP: &str = "Linear::backward";
         let (i, o) = self.dims();
         let n = self.rows(OP, dy, o)?;
-        match (x.dtype(), &self.fp8) {
-            (DType::F8E4M3, Some(_)) => x.expect_shape(OP, &[i, n])?,
-            (DType::F8E4M3, None) => {
-                return Err(Error::DTypeMismatch { op: OP, expected: dy.dtype(), found: x.dtype() })
-            }
-            _ => x.expect_shape(OP, &[n, i])?,
+        self.check_input(OP, x, n, dy.dtype())?;
+        if let Some(pre) = gelu_pre {
+            pre.expect_shape(OP, &[n, i])?;
         }
         let dx = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
         let fused = gelu_pre.map_or(Fused::None, |aux| Fused::DGelu { aux });
@@ -206,13 +223,99 @@ impl Linear {
         Ok(dx)
     }
 
+    /// [`backward_with`](Linear::backward_with) through a GELU whose pre-activation `pre` is
+    /// `below`'s output: the gradient of `pre`, as `below`'s [`backward_from`](Linear::backward_from)
+    /// takes it. In FP8 under delayed scaling (both layers) it leaves quantized for `below`
+    /// ([`PreActGrad::Quantized`]): the data-gradient GEMM writes `dy·W` in bf16, and one pass
+    /// applies GELU's backward and casts the result with `below`'s gradient scale, which saves
+    /// `below` its own cast and its bias GEMV. Elsewhere ([`PreActGrad::Plain`]) it is
+    /// `backward_with`'s, GELU's backward in the GEMM's epilogue (bf16) or a kernel after it
+    /// (FP8 under current scaling, whose cast needs the amax of the finished gradient first).
+    ///
+    /// # Errors
+    /// As [`backward_with`](Linear::backward_with), before anything is enqueued.
+    pub fn backward_through_gelu(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        pre: &Tensor,
+        bias: BiasGrad,
+        below: &Linear,
+        stream: &Stream,
+    ) -> Result<PreActGrad> {
+        const OP: &str = "Linear::backward_through_gelu";
+        let fused = self.fp8.is_some()
+            && below.fp8.as_ref().is_some_and(Fp8Linear::scales_hold_for_the_step)
+            && dy.dtype() == DType::BF16
+            && pre.dtype() == DType::BF16;
+        if !fused {
+            return self.backward_with(dy, x, Some(pre), bias, stream).map(PreActGrad::Plain);
+        }
+        let (i, o) = self.dims();
+        let n = self.rows(OP, dy, o)?;
+        self.check_input(OP, x, n, dy.dtype())?;
+        pre.expect_shape(OP, &[n, i])?;
+        let into = below.fp8.as_ref().map(Fp8Linear::grad).transpose()?.ok_or(Error::Unsupported {
+            op: OP,
+            backend: "any",
+            why: "the layer below lost its FP8 state; please report this as a bug",
+        })?;
+        let dact = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
+        let grad = self.data_gemm(&dact, dy, Fused::None, stream)?;
+        let q = Tensor::uninit(&self.alloc, stream, &[n, i], DType::F8E5M2)?;
+        let q_t = Tensor::uninit(&self.alloc, stream, &[i, n], DType::F8E5M2)?;
+        let tile_sums = Tensor::uninit(&self.alloc, stream, &[tile_rows(n), i], DType::F32)?;
+        dgelu_cast_transpose((&q, &q_t), &into.amax, &tile_sums, (&dact, pre), &into.scale, stream)?;
+        self.weight_grads(grad, x, bias, stream)?;
+        Ok(PreActGrad::Quantized { q, q_t, tile_sums })
+    }
+
+    /// The backward from the gradient of this layer's output as a layer above's
+    /// [`backward_through_gelu`](Linear::backward_through_gelu) left it: returns `dx`, and the
+    /// weight and bias gradients (now, or at [`Module::backward_dw`] with a split weight
+    /// gradient), as [`backward_with`](Linear::backward_with) with [`BiasGrad::Compute`].
+    ///
+    /// # Errors
+    /// As [`backward_with`](Linear::backward_with); [`Error::Shape`] for a gradient of another
+    /// width; [`Error::DTypeMismatch`] for a quantized gradient given to a layer not in FP8.
+    pub fn backward_from(&self, grad: PreActGrad, x: &Tensor, stream: &Stream) -> Result<Tensor> {
+        const OP: &str = "Linear::backward_from";
+        let (q, q_t, tile_sums) = match grad {
+            PreActGrad::Plain(dy) => return self.backward_with(&dy, x, None, BiasGrad::Compute, stream),
+            PreActGrad::Quantized { q, q_t, tile_sums } => (q, q_t, tile_sums),
+        };
+        let Some(f) = &self.fp8 else {
+            return Err(Error::DTypeMismatch { op: OP, expected: DType::BF16, found: q.dtype() });
+        };
+        let (i, o) = self.dims();
+        let n = self.rows(OP, &q, o)?;
+        self.check_input(OP, x, n, DType::BF16)?;
+        let dx = Tensor::uninit(&self.alloc, stream, &[n, i], DType::BF16)?;
+        self.data_gemm_fp8(f, &dx, &q, stream)?;
+        self.weight_grads(OutputGrad::Quantized { fp8_t: q_t, tile_sums }, x, BiasGrad::Compute, stream)?;
+        Ok(dx)
+    }
+
+    /// Checks a backward's `x`: `(n, in)`, or in FP8 the forward's kept E4M3 transpose `(in, n)`.
+    fn check_input(&self, op: &'static str, x: &Tensor, n: usize, grad_dtype: DType) -> Result<()> {
+        let i = self.dims().0;
+        match (x.dtype(), &self.fp8) {
+            (DType::F8E4M3, Some(_)) => x.expect_shape(op, &[i, n]),
+            (DType::F8E4M3, None) => Err(Error::DTypeMismatch { op, expected: grad_dtype, found: x.dtype() }),
+            _ => x.expect_shape(op, &[n, i]),
+        }
+    }
+
     /// The weight gradients now, or queued for `backward_dw` with a split weight gradient.
     fn weight_grads(&self, mut dy: OutputGrad, x: &Tensor, bias: BiasGrad, stream: &Stream) -> Result<()> {
         match &self.deferred {
             Some(queue) => {
-                // Read after other microbatches' casts: kept only if its scale holds until then.
-                if !self.fp8.as_ref().is_some_and(Fp8Linear::scales_hold_for_the_step) {
-                    dy.fp8_t = None;
+                // Read after other microbatches' casts: kept only if its scale holds until then
+                // (a quantized gradient exists only where it does).
+                if let OutputGrad::Given { fp8_t, .. } = &mut dy {
+                    if !self.fp8.as_ref().is_some_and(Fp8Linear::scales_hold_for_the_step) {
+                        *fp8_t = None;
+                    }
                 }
                 queue.lock().unwrap_or_else(PoisonError::into_inner).push((dy, x.clone(), bias));
                 Ok(())
@@ -269,21 +372,18 @@ impl Linear {
         let n = dy.shape()[0];
         let Some(f) = &self.fp8 else {
             matmul(Matmul { fused, ..Matmul::new(dx, dy, &self.weight.value, (n, i, o)) }, stream)?;
-            return Ok(OutputGrad { dy: dy.clone(), fp8_t: None });
+            return Ok(OutputGrad::Given { dy: dy.clone(), fp8_t: None });
         };
-        let (gs, ws) = (f.grad()?, f.weight_scale()?);
-        let (dy8, dy8_t) = gs.quantize_both(&self.alloc, dy, stream)?;
-        let grad = OutputGrad { dy: dy.clone(), fp8_t: Some(dy8_t) };
-        let scales = (&gs.scale_inv, &ws.scale_inv);
-        let gemm = |out: &Tensor| fp8_matmul(Fp8Matmul::new(out, (&dy8, f.weights().1), scales, (n, i, o)), stream);
+        let (dy8, dy8_t) = f.grad()?.quantize_both(&self.alloc, dy, stream)?;
+        let grad = OutputGrad::Given { dy: dy.clone(), fp8_t: Some(dy8_t) };
         match fused {
-            Fused::None => gemm(dx)?,
+            Fused::None => self.data_gemm_fp8(f, dx, &dy8, stream)?,
             // cuBLASLt's FP8 DGELU epilogue ran at 605 TFLOP/s against 1276 without it on the
             // H200 at L (0.91 against 0.43 ms): the GEMM alone and GELU's backward as a kernel
             // (one more rounding, to bf16, between the two).
             Fused::DGelu { aux } => {
                 let dact = Tensor::uninit(&self.alloc, stream, dx.shape(), dx.dtype())?;
-                gemm(&dact)?;
+                self.data_gemm_fp8(f, &dact, &dy8, stream)?;
                 gelu_backward(dx, aux, &dact, stream)?;
             }
             _ => {
@@ -297,8 +397,18 @@ impl Linear {
         Ok(grad)
     }
 
-    /// `dW += dyᵀ·x` in FP8, both operands quantized transposed, and `Σ_rows dy` (bf16, a GEMM
-    /// with a row of ones: cuBLASLt has no FP8 bias-gradient epilogue) when `bias` computes it.
+    /// `dx = dy8·W` (`dy8` the E5M2 output gradient in this layer's gradient slot, against the
+    /// weight's FP8 transpose), in bf16.
+    fn data_gemm_fp8(&self, f: &Fp8Linear, dx: &Tensor, dy8: &Tensor, stream: &Stream) -> Result<()> {
+        let (i, o) = self.dims();
+        let (gs, ws) = (f.grad()?, f.weight_scale()?);
+        let scales = (&gs.scale_inv, &ws.scale_inv);
+        fp8_matmul(Fp8Matmul::new(dx, (dy8, f.weights().1), scales, (dy8.shape()[0], i, o)), stream)
+    }
+
+    /// `dW += dyᵀ·x` in FP8, both operands quantized transposed, and `Σ_rows dy` when `bias`
+    /// computes it: from the tiles' sums of a quantized gradient, else in bf16 by a GEMM with a
+    /// row of ones (cuBLASLt has no FP8 bias-gradient epilogue).
     fn weight_grads_fp8(
         &self,
         f: &Fp8Linear,
@@ -307,13 +417,12 @@ impl Linear {
         stream: &Stream,
     ) -> Result<()> {
         let (i, o) = self.dims();
-        let dy = &grad.dy;
-        let n = dy.shape()[0];
         let (gs, xs) = (f.grad()?, f.input()?);
-        let dy8_t = match &grad.fp8_t {
-            Some(t) => t.clone(),
-            None => gs.quantize_transposed(&self.alloc, dy, stream)?,
+        let dy8_t = match grad {
+            OutputGrad::Given { fp8_t: Some(t), .. } | OutputGrad::Quantized { fp8_t: t, .. } => t.clone(),
+            OutputGrad::Given { dy, fp8_t: None } => gs.quantize_transposed(&self.alloc, dy, stream)?,
         };
+        let n = dy8_t.shape()[1];
         let x8_t = match x.dtype() {
             DType::F8E4M3 => x.clone(),
             _ => xs.quantize_transposed(&self.alloc, x, stream)?,
@@ -324,10 +433,15 @@ impl Linear {
             stream,
         )?;
         if let BiasGrad::Compute = bias {
-            let ones = Tensor::uninit(&self.alloc, stream, &[1, n], DType::BF16)?;
-            elementwise::fill(ones.view::<bf16>()?, 1.0, stream)?;
             let db = Tensor::uninit(&self.alloc, stream, &[o], DType::BF16)?;
-            matmul(Matmul::new(&db, &ones, dy, (1, o, n)), stream)?;
+            match grad {
+                OutputGrad::Quantized { tile_sums, .. } => sum_tiles(&db, tile_sums, stream)?,
+                OutputGrad::Given { dy, .. } => {
+                    let ones = Tensor::uninit(&self.alloc, stream, &[1, n], DType::BF16)?;
+                    elementwise::fill(ones.view::<bf16>()?, 1.0, stream)?;
+                    matmul(Matmul::new(&db, &ones, dy, (1, o, n)), stream)?;
+                }
+            }
             elementwise::accumulate(&self.bias.grad, &db, stream)?;
         }
         Ok(())
@@ -335,10 +449,17 @@ impl Linear {
 
     fn weight_grads_now(&self, grad: &OutputGrad, x: &Tensor, bias: &BiasGrad, stream: &Stream) -> Result<()> {
         let (i, o) = self.dims();
-        let (dy, n) = (&grad.dy, grad.dy.shape()[0]);
         if let Some(f) = &self.fp8 {
             return self.weight_grads_fp8(f, (grad, x), bias, stream);
         }
+        let OutputGrad::Given { dy, .. } = grad else {
+            return Err(Error::Unsupported {
+                op: "Linear::backward",
+                backend: "any",
+                why: "a quantized gradient reached a layer not in FP8; please report this as a bug",
+            });
+        };
+        let n = dy.shape()[0];
         let scratch = match bias {
             BiasGrad::Compute => Some(Tensor::uninit(&self.alloc, stream, &[o], dy.dtype())?),
             _ => None,

@@ -1,7 +1,8 @@
 //! The feed-forward block of the benchmark layer: `FC2(GELU_tanh(FC1(x)))` with FC1: C → 4C and
 //! FC2: 4C → C, in two GEMMs forward (FC1's bias and the GELU in its epilogue, FC2's bias and an
 //! optional residual in its) and four backward (FC2's data gradient carries GELU's backward in its
-//! epilogue, the weight gradients' GEMMs the bias gradients).
+//! epilogue, the weight gradients' GEMMs the bias gradients). In FP8, GELU's backward is instead
+//! fused with FC1's cast of its gradient and FC1's bias gradient ([`Linear::backward_through_gelu`]).
 
 use super::layernorm::{as_rows, single_input};
 use super::{BiasGrad, Builder, Inputs, Linear, LinearForward, Module, Param, Recompute, SaveHook, SavedTensor};
@@ -101,8 +102,8 @@ impl Mlp {
                 act
             }
         };
-        let dpre = self.fc2.backward_with(&dy, &act, Some(&pre), fc2_bias, stream)?;
-        let dx = self.fc1.backward_with(&dpre, &ctx.x.take(stream)?, None, BiasGrad::Compute, stream)?;
+        let dpre = self.fc2.backward_through_gelu(&dy, &act, &pre, fc2_bias, &self.fc1, stream)?;
+        let dx = self.fc1.backward_from(dpre, &ctx.x.take(stream)?, stream)?;
         dx.reshape(&ctx.shape)
     }
 }

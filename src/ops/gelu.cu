@@ -1,25 +1,9 @@
-// GELU, tanh approximation (PyTorch's gelu(approximate='tanh')), on f32 (and bf16 where noted); the CPU paths in gelu.rs
-// use the same formulas and constants.
+// GELU, tanh approximation (PyTorch's gelu(approximate='tanh')), on f32 (and bf16 where noted),
+// after gelu_math.cu's gelu and gelu_grad; the CPU paths in gelu.rs use the same formulas.
 //
 // Determinism: the elementwise kernels have no reductions. column_sum_add_f32 runs one thread per
 // column that sums its rows 0, 1, 2, ... in order and adds the total once, without atomics, so
 // every result has one fixed order of additions.
-
-#define GELU_K 0.7978846f       // sqrt(2 / pi) as f32; GELU_K in gelu.rs is the same value
-#define GELU_CUBE 0.044715f
-#define GELU_CUBE3 0.134145f    // 3 * GELU_CUBE, the derivative of the cubic term
-
-__device__ float gelu(float x) {
-    float cube = GELU_CUBE * x * x * x;
-    return 0.5f * x * (1.0f + tanhf(GELU_K * (x + cube)));
-}
-
-// d gelu / dx, with sech^2 = 1 - tanh^2 (no coshf, which overflows for large arguments).
-__device__ float gelu_grad(float x) {
-    float cube = GELU_CUBE * x * x * x;
-    float t = tanhf(GELU_K * (x + cube));
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * GELU_K * (1.0f + GELU_CUBE3 * x * x);
-}
 
 // 16-byte accesses in a grid-stride loop (map1), as gelu_backward.
 template <typename T> __device__ void gelu_forward(T* out, const T* inp, unsigned n) {

@@ -30,9 +30,9 @@ use crate::device::{args, CpuArgs, Float, In, InOut, Kernel, LaunchDims, Out, St
 use crate::tensor::Tensor;
 use crate::Result;
 
-const SOURCE: &str = concat!(include_str!("float.cu"), include_str!("gelu.cu"));
+const SOURCE: &str = concat!(include_str!("float.cu"), include_str!("gelu_math.cu"), include_str!("gelu.cu"));
 
-/// √(2/π) as f32 (`GELU_K` in `gelu.cu`).
+/// √(2/π) as f32 (`GELU_K` in `gelu_math.cu`).
 const GELU_K: f32 = 0.797_884_6;
 const GELU_CUBE: f32 = 0.044715;
 /// 3·`GELU_CUBE`, written as in `gelu.cu` so both round to the same f32.
@@ -43,8 +43,8 @@ fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + (GELU_K * (x + cube)).tanh())
 }
 
-/// d gelu/dx, with sech² = 1 − tanh² (as `gelu.cu`).
-fn gelu_grad(x: f32) -> f32 {
+/// d gelu/dx, with sech² = 1 − tanh² (as `gelu_math.cu`).
+pub(crate) fn gelu_grad(x: f32) -> f32 {
     let cube = GELU_CUBE * x * x * x;
     let t = (GELU_K * (x + cube)).tanh();
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + GELU_CUBE3 * x * x)
@@ -259,7 +259,7 @@ mod tests {
     fn constants_match_the_cuda_source() {
         assert_eq!(GELU_K, (2.0 / std::f64::consts::PI).sqrt() as f32);
         for (name, v) in [("GELU_K", GELU_K), ("GELU_CUBE", GELU_CUBE), ("GELU_CUBE3", GELU_CUBE3)] {
-            assert!(SOURCE.contains(&format!("#define {name} {v}f")), "{name} differs in gelu.cu");
+            assert!(SOURCE.contains(&format!("#define {name} {v}f")), "{name} differs in gelu_math.cu");
         }
     }
 

@@ -209,6 +209,8 @@ mod tests {
             &cast::DEQUANTIZE_E5M2_TO_BF16,
             &fp8::AMAX,
             &fp8::AMAX_BF16,
+            &fp8::DGELU_CAST_TRANSPOSE,
+            &fp8::SUM_TILES,
             &fp8::DELAYED_SCALING_UPDATE,
             &fp8::CURRENT_SCALING_UPDATE,
             &dropout::DROPOUT_FORWARD,

@@ -13,6 +13,16 @@
 // threads writing one whole 64-byte piece of a row of out_t (8-byte stores were no faster).
 // Tiles that are not whole, and inputs or outputs whose widths or addresses do not allow the
 // wide accesses, take the same steps one element at a time, with the same bytes.
+//
+// fp8_dgelu_cast_transpose_bf16_e5m2 reads GELU's backward instead of a matrix: each value is
+// bf16(gelu'(pre) · dout), what gelu_backward_bf16 writes, cast as above; and each tile's column
+// sums go to `tile_sums` ([row tiles, cols], f32) in a fixed order, which fp8_sum_tiles_bf16 adds
+// up per column in tile order (the bias gradient of the layer whose output was `pre`). So FP8's MLP
+// backward reads the pre-activation and its gradient once, where GELU's backward, the cast and the
+// bias GEMV read it three times (TransformerEngine's dgelu-cast-transpose-dbias). The order of the
+// sums (dgelu_cast.rs repeats it on the CPU): each thread adds its rows of a column in row order
+// from 0, the threads of a warp that share a column combine by xor shuffles (a balanced tree over
+// their rows in order), and one thread per column adds the warps in order from 0.
 
 constexpr unsigned CT_BLOCK = 256;
 constexpr int CT_ROWS = 64;
@@ -39,6 +49,41 @@ __device__ __forceinline__ void load_values(uint4 u, const bf16*, float* v) {
     }
 }
 
+// Where a tile's values come from: a matrix of I, as cast_transpose reads it...
+template <typename I> struct Plain {
+    using Elem = I;
+    using Raw = uint4;
+    const I* inp;
+    __device__ __forceinline__ bool aligned() const { return aligned_to(inp, 16); }
+    __device__ __forceinline__ Raw load(unsigned long long at) const { return *reinterpret_cast<const uint4*>(inp + at); }
+    __device__ __forceinline__ void values(const Raw& r, float* v) const { load_values(r, inp, v); }
+    __device__ __forceinline__ float value(unsigned long long at) const { return to_f32(inp[at]); }
+};
+
+// ...or GELU's backward in bf16, rounded as gelu_backward_bf16 rounds it.
+struct DGelu {
+    using Elem = bf16;
+    struct Raw {
+        uint4 dout, pre;
+    };
+    const bf16* dout;
+    const bf16* pre;
+    __device__ __forceinline__ bool aligned() const { return aligned_to(dout, 16) && aligned_to(pre, 16); }
+    __device__ __forceinline__ Raw load(unsigned long long at) const {
+        return Raw{*reinterpret_cast<const uint4*>(dout + at), *reinterpret_cast<const uint4*>(pre + at)};
+    }
+    __device__ __forceinline__ void values(const Raw& r, float* v) const {
+        float d[8], p[8];
+        load_values(r.dout, dout, d);
+        load_values(r.pre, pre, p);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = to_f32(from_f32<bf16>(gelu_grad(p[e]) * d[e]));
+    }
+    __device__ __forceinline__ float value(unsigned long long at) const {
+        return to_f32(from_f32<bf16>(gelu_grad(to_f32(pre[at])) * to_f32(dout[at])));
+    }
+};
+
 // The tile geometry for input type I: E elements per load, TPR threads per tile row, RPP rows
 // per pass of the block, LOADS loads per thread.
 template <typename I> struct CtGeometry {
@@ -47,27 +92,36 @@ template <typename I> struct CtGeometry {
 
 using CtTile = unsigned[CT_ROWS][CT_COLS / 4 + 1];
 
-// Converts the tile at (r0, c0): row-major bytes to `out` (when ROW) and to `tile` (when COL),
-// whose word [r][w] holds columns 4w..4w+3 of row r, low byte first; returns the thread's amax
-// bits. `fast`: the tile is whole and every access may be wide.
-template <typename O, typename I, bool ROW, bool COL>
-__device__ unsigned cast_tile(O* out, CtTile& tile, const I* inp, float s, unsigned rows, unsigned cols, unsigned r0,
-                              unsigned c0, bool fast) {
-    using G = CtGeometry<I>;
+// Converts the tile at (r0, c0) of `src`: row-major bytes to `out` (when ROW) and to `tile` (when
+// COL), whose word [r][w] holds columns 4w..4w+3 of row r, low byte first; returns the thread's
+// amax bits. With SUMS, `sums` gets the thread's column sums (its rows in order, from 0).
+// `fast`: the tile is whole and every access may be wide.
+template <typename O, bool ROW, bool COL, bool SUMS, typename Src>
+__device__ unsigned cast_tile(O* out, CtTile& tile, float* sums, const Src& src, float s, unsigned rows,
+                              unsigned cols, unsigned r0, unsigned c0, bool fast) {
+    using G = CtGeometry<typename Src::Elem>;
     const unsigned q = threadIdx.x % G::TPR, first = threadIdx.x / G::TPR, col = c0 + G::E * q;
     unsigned v = 0;
+    if (SUMS) {
+#pragma unroll
+        for (int e = 0; e < G::E; ++e) sums[e] = 0.0f;
+    }
     if (fast) {
-        uint4 raw[G::LOADS];
+        typename Src::Raw raw[G::LOADS];
 #pragma unroll
         for (int k = 0; k < G::LOADS; ++k) {
             unsigned long long at = (unsigned long long)(r0 + first + k * G::RPP) * cols + col;
-            raw[k] = *reinterpret_cast<const uint4*>(inp + at);
+            raw[k] = src.load(at);
         }
 #pragma unroll
         for (int k = 0; k < G::LOADS; ++k) {
             const unsigned r = first + k * G::RPP;
             float x[G::E];
-            load_values(raw[k], inp, x);
+            src.values(raw[k], x);
+            if (SUMS) {
+#pragma unroll
+                for (int e = 0; e < G::E; ++e) sums[e] += x[e];
+            }
             unsigned words[G::E / 4];
 #pragma unroll
             for (int w = 0; w < G::E / 4; ++w) {
@@ -96,8 +150,9 @@ __device__ unsigned cast_tile(O* out, CtTile& tile, const I* inp, float s, unsig
                 const unsigned c = col + 4 * w + e;
                 if (row < rows && c < cols) {
                     const unsigned long long at = (unsigned long long)row * cols + c;
-                    const float x = to_f32(inp[at]);
+                    const float x = src.value(at);
                     const unsigned char b = fp8_bits<O>(x * s);
+                    if (SUMS) sums[4 * w + e] += x;
                     v = max_bits(v, amax_bits(x));
                     word |= (unsigned)b << (8 * e);
                     if (ROW) out[at].bits = b;
@@ -131,15 +186,39 @@ __device__ void store_transposed(O* out_t, CtTile& tile, unsigned rows, unsigned
     }
 }
 
-template <typename O, typename I, bool ROW, bool COL>
-__device__ void cast_transpose(O* out, O* out_t, float* amax, const I* inp, const float* scale, unsigned rows,
-                               unsigned cols) {
+// The tile's column sums from each thread's `sums`, in the order the header describes, into row
+// r0 / CT_ROWS of `tile_sums`.
+template <typename I>
+__device__ void store_tile_sums(float* tile_sums, float (&warps)[CT_BLOCK / 32][CT_COLS], float* sums, unsigned cols,
+                                unsigned r0, unsigned c0) {
     using G = CtGeometry<I>;
+    const unsigned q = threadIdx.x % G::TPR, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int e = 0; e < G::E; ++e) {
+#pragma unroll
+        for (int o = G::TPR; o < 32; o *= 2) sums[e] += __shfl_xor_sync(0xffffffffu, sums[e], o);
+        if (lane < G::TPR) warps[warp][G::E * q + e] = sums[e];
+    }
+    __syncthreads();
+    if (threadIdx.x < CT_COLS && c0 + threadIdx.x < cols) {
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < CT_BLOCK / 32; ++w) total += warps[w][threadIdx.x];
+        tile_sums[(unsigned long long)(r0 / CT_ROWS) * cols + c0 + threadIdx.x] = total;
+    }
+}
+
+template <typename O, bool ROW, bool COL, bool SUMS, typename Src>
+__device__ void cast_transpose(O* out, O* out_t, float* amax, float* tile_sums, const Src& src, const float* scale,
+                               unsigned rows, unsigned cols) {
+    using G = CtGeometry<typename Src::Elem>;
     __shared__ CtTile tile;
+    __shared__ float warps[SUMS ? CT_BLOCK / 32 : 1][CT_COLS];
+    float sums[G::E];
     const float s = *scale;
     // Whether whole tiles may take the wide accesses: 16-byte loads, G::E-byte row stores,
     // 4-byte transposed stores.
-    const bool wide = cols % G::E == 0 && aligned_to(inp, 16) && (!ROW || aligned_to(out, G::E)) &&
+    const bool wide = cols % G::E == 0 && src.aligned() && (!ROW || aligned_to(out, G::E)) &&
                       (!COL || (rows % 4 == 0 && aligned_to(out_t, 4)));
     const unsigned tiles_c = (cols + CT_COLS - 1) / CT_COLS;
     const unsigned long long tiles = (unsigned long long)((rows + CT_ROWS - 1) / CT_ROWS) * tiles_c;
@@ -147,10 +226,11 @@ __device__ void cast_transpose(O* out, O* out_t, float* amax, const I* inp, cons
     for (unsigned long long t = blockIdx.x; t < tiles; t += gridDim.x) {
         const unsigned r0 = (unsigned)(t / tiles_c) * CT_ROWS, c0 = (unsigned)(t % tiles_c) * CT_COLS;
         const bool fast = wide && r0 + CT_ROWS <= rows && c0 + CT_COLS <= cols;
-        v = max_bits(v, cast_tile<O, I, ROW, COL>(out, tile, inp, s, rows, cols, r0, c0, fast));
-        if (COL) {
+        v = max_bits(v, cast_tile<O, ROW, COL, SUMS>(out, tile, sums, src, s, rows, cols, r0, c0, fast));
+        if constexpr (SUMS) store_tile_sums<typename Src::Elem>(tile_sums, warps, sums, cols, r0, c0);
+        if (COL || SUMS) {
             __syncthreads();
-            store_transposed(out_t, tile, rows, cols, r0, c0, fast);
+            if (COL) store_transposed(out_t, tile, rows, cols, r0, c0, fast);
             __syncthreads();
         }
     }
@@ -159,52 +239,68 @@ __device__ void cast_transpose(O* out, O* out_t, float* amax, const I* inp, cons
 // Entry points: both outputs, the row-major one only, the transposed one only.
 extern "C" __global__ void fp8_cast_transpose_f32_e4m3(e4m3* out, e4m3* out_t, float* amax, const float* inp,
                                                  const float* scale, unsigned rows, unsigned cols) {
-    cast_transpose<e4m3, float, true, true>(out, out_t, amax, inp, scale, rows, cols);
+    cast_transpose<e4m3, true, true, false>(out, out_t, amax, nullptr, Plain<float>{inp}, scale, rows, cols);
 }
 extern "C" __global__ void fp8_cast_rows_f32_e4m3(e4m3* out, float* amax, const float* inp, const float* scale,
                                             unsigned rows, unsigned cols) {
-    cast_transpose<e4m3, float, true, false>(out, nullptr, amax, inp, scale, rows, cols);
+    cast_transpose<e4m3, true, false, false>(out, nullptr, amax, nullptr, Plain<float>{inp}, scale, rows, cols);
 }
 extern "C" __global__ void fp8_cast_cols_f32_e4m3(e4m3* out_t, float* amax, const float* inp, const float* scale,
                                             unsigned rows, unsigned cols) {
-    cast_transpose<e4m3, float, false, true>(nullptr, out_t, amax, inp, scale, rows, cols);
+    cast_transpose<e4m3, false, true, false>(nullptr, out_t, amax, nullptr, Plain<float>{inp}, scale, rows, cols);
 }
 
 extern "C" __global__ void fp8_cast_transpose_f32_e5m2(e5m2* out, e5m2* out_t, float* amax, const float* inp,
                                                  const float* scale, unsigned rows, unsigned cols) {
-    cast_transpose<e5m2, float, true, true>(out, out_t, amax, inp, scale, rows, cols);
+    cast_transpose<e5m2, true, true, false>(out, out_t, amax, nullptr, Plain<float>{inp}, scale, rows, cols);
 }
 extern "C" __global__ void fp8_cast_rows_f32_e5m2(e5m2* out, float* amax, const float* inp, const float* scale,
                                             unsigned rows, unsigned cols) {
-    cast_transpose<e5m2, float, true, false>(out, nullptr, amax, inp, scale, rows, cols);
+    cast_transpose<e5m2, true, false, false>(out, nullptr, amax, nullptr, Plain<float>{inp}, scale, rows, cols);
 }
 extern "C" __global__ void fp8_cast_cols_f32_e5m2(e5m2* out_t, float* amax, const float* inp, const float* scale,
                                             unsigned rows, unsigned cols) {
-    cast_transpose<e5m2, float, false, true>(nullptr, out_t, amax, inp, scale, rows, cols);
+    cast_transpose<e5m2, false, true, false>(nullptr, out_t, amax, nullptr, Plain<float>{inp}, scale, rows, cols);
 }
 
 extern "C" __global__ void fp8_cast_transpose_bf16_e4m3(e4m3* out, e4m3* out_t, float* amax, const bf16* inp,
                                                  const float* scale, unsigned rows, unsigned cols) {
-    cast_transpose<e4m3, bf16, true, true>(out, out_t, amax, inp, scale, rows, cols);
+    cast_transpose<e4m3, true, true, false>(out, out_t, amax, nullptr, Plain<bf16>{inp}, scale, rows, cols);
 }
 extern "C" __global__ void fp8_cast_rows_bf16_e4m3(e4m3* out, float* amax, const bf16* inp, const float* scale,
                                             unsigned rows, unsigned cols) {
-    cast_transpose<e4m3, bf16, true, false>(out, nullptr, amax, inp, scale, rows, cols);
+    cast_transpose<e4m3, true, false, false>(out, nullptr, amax, nullptr, Plain<bf16>{inp}, scale, rows, cols);
 }
 extern "C" __global__ void fp8_cast_cols_bf16_e4m3(e4m3* out_t, float* amax, const bf16* inp, const float* scale,
                                             unsigned rows, unsigned cols) {
-    cast_transpose<e4m3, bf16, false, true>(nullptr, out_t, amax, inp, scale, rows, cols);
+    cast_transpose<e4m3, false, true, false>(nullptr, out_t, amax, nullptr, Plain<bf16>{inp}, scale, rows, cols);
 }
 
 extern "C" __global__ void fp8_cast_transpose_bf16_e5m2(e5m2* out, e5m2* out_t, float* amax, const bf16* inp,
                                                  const float* scale, unsigned rows, unsigned cols) {
-    cast_transpose<e5m2, bf16, true, true>(out, out_t, amax, inp, scale, rows, cols);
+    cast_transpose<e5m2, true, true, false>(out, out_t, amax, nullptr, Plain<bf16>{inp}, scale, rows, cols);
 }
 extern "C" __global__ void fp8_cast_rows_bf16_e5m2(e5m2* out, float* amax, const bf16* inp, const float* scale,
                                             unsigned rows, unsigned cols) {
-    cast_transpose<e5m2, bf16, true, false>(out, nullptr, amax, inp, scale, rows, cols);
+    cast_transpose<e5m2, true, false, false>(out, nullptr, amax, nullptr, Plain<bf16>{inp}, scale, rows, cols);
 }
 extern "C" __global__ void fp8_cast_cols_bf16_e5m2(e5m2* out_t, float* amax, const bf16* inp, const float* scale,
                                             unsigned rows, unsigned cols) {
-    cast_transpose<e5m2, bf16, false, true>(nullptr, out_t, amax, inp, scale, rows, cols);
+    cast_transpose<e5m2, false, true, false>(nullptr, out_t, amax, nullptr, Plain<bf16>{inp}, scale, rows, cols);
+}
+
+// GELU's backward cast to E5M2 in both layouts, with its amax and its tiles' column sums.
+extern "C" __global__ void fp8_dgelu_cast_transpose_bf16_e5m2(e5m2* out, e5m2* out_t, float* amax, float* tile_sums,
+                                                        const bf16* dout, const bf16* pre, const float* scale,
+                                                        unsigned rows, unsigned cols) {
+    cast_transpose<e5m2, true, true, true>(out, out_t, amax, tile_sums, DGelu{dout, pre}, scale, rows, cols);
+}
+
+// out[c] = bf16(sum over t in order, from 0, of tile_sums[t, c]): a thread per column.
+extern "C" __global__ void fp8_sum_tiles_bf16(bf16* out, const float* tile_sums, unsigned tiles, unsigned cols) {
+    const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float total = 0.0f;
+    for (unsigned t = 0; t < tiles; ++t) total += tile_sums[(unsigned long long)t * cols + c];
+    out[c] = from_f32<bf16>(total);
 }

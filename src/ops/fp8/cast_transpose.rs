@@ -16,8 +16,10 @@ use crate::tensor::Tensor;
 use crate::{Error, Result};
 
 /// `CT_ROWS` and `CT_COLS` in `cast_transpose.cu`: the tile a block converts per trip.
-const TILE_ROWS: usize = 64;
-const TILE_COLS: usize = 64;
+pub(super) const TILE_ROWS: usize = 64;
+pub(super) const TILE_COLS: usize = 64;
+/// `CT_BLOCK`: the threads of a block.
+pub(super) const TILE_THREADS: usize = 256;
 
 const BOTH: &[&str] = &["out", "out_t", "amax", "inp", "scale", "rows", "cols"];
 const ROWS: &[&str] = &["out", "amax", "inp", "scale", "rows", "cols"];
@@ -54,13 +56,22 @@ cast_kernels! {
 }
 
 fn cast_cpu<O: Float8, I: Float, const ROW: bool, const COL: bool>(a: &CpuArgs) -> Result<()> {
-    let (inp, s) = (a.input::<I>("inp")?, scale_of(a, "scale")?);
+    let inp = a.input::<I>("inp")?;
+    cast_values_cpu::<O, ROW, COL>(a, inp.iter().map(|x| x.to_f32()))
+}
+
+/// The CPU path of every cast here once its values are known: `values` (row-major, `rows × cols`
+/// of the call) converted into the outputs the call has, their amax folded into its slot.
+pub(super) fn cast_values_cpu<O: Float8, const ROW: bool, const COL: bool>(
+    a: &CpuArgs,
+    values: impl Iterator<Item = f32>,
+) -> Result<()> {
+    let s = scale_of(a, "scale")?;
     let (rows, cols) = (a.u32("rows")? as usize, a.u32("cols")? as usize);
     let mut out = if ROW { Some(a.output::<O>("out")?) } else { None };
     let mut out_t = if COL { Some(a.output::<O>("out_t")?) } else { None };
     let mut bits = 0;
-    for (at, x) in inp.iter().enumerate().take(rows * cols) {
-        let x = x.to_f32();
+    for (at, x) in values.enumerate().take(rows * cols) {
         bits = bits.max(amax_bits(x));
         let q = O::from_f32(x * s);
         if let Some(out) = out.as_deref_mut() {
@@ -172,6 +183,6 @@ impl Operands<'_> {
         list.extend([InOut(amax).into(), In(inp).into(), In(scale).into(), r.into(), c.into()]);
         let tiles = rows.div_ceil(TILE_ROWS) * cols.div_ceil(TILE_COLS);
         // A block per tile, not one wave of blocks looping over tiles (`cast_transpose.cu`).
-        stream.launch(CAST_TRANSPOSE[first + which], grid(op, tiles, 256)?, &list)
+        stream.launch(CAST_TRANSPOSE[first + which], grid(op, tiles, TILE_THREADS)?, &list)
     }
 }

@@ -1,5 +1,6 @@
 //! FP8 scaling on the device (issue 34, item 3): the amax of a tensor ([`amax()`]), the fused cast
-//! that writes a matrix and its transpose in FP8 with its amax ([`cast_transpose()`]), and the
+//! that writes a matrix and its transpose in FP8 with its amax ([`cast_transpose()`]), the same
+//! cast of GELU's backward with its column sums ([`dgelu_cast_transpose()`]), and the
 //! recipes that turn amaxes into scales ([`DelayedScaling`], [`CurrentScaling`]). The conversions
 //! themselves are [`cast::quantize`](super::cast::quantize)'s.
 //!
@@ -31,10 +32,12 @@
 
 mod amax;
 mod cast_transpose;
+mod dgelu_cast;
 mod scaling;
 
 pub use amax::{amax, Amax, AMAX, AMAX_BF16};
 pub use cast_transpose::{cast_transpose, CAST_TRANSPOSE};
+pub use dgelu_cast::{dgelu_cast_transpose, sum_tiles, tile_rows, DGELU_CAST_TRANSPOSE, SUM_TILES};
 pub use scaling::{
     AmaxAlgo, CurrentScaling, DelayedScaling, DelayedScalingConfig, ScalingConfigError, CURRENT_SCALING_UPDATE,
     DELAYED_SCALING_UPDATE, SCALE_INV_STRIDE,
@@ -42,11 +45,12 @@ pub use scaling::{
 
 use crate::device::DType;
 
-/// The CUDA source of every kernel here: float.cu's and fp8.cu's types and conversions, then
-/// the amax reduction, which the fused cast uses too.
+/// The CUDA source of every kernel here: float.cu's and fp8.cu's types and conversions, GELU's
+/// derivative, then the amax reduction, which the fused casts use too.
 const SOURCE: &str = concat!(
     include_str!("../float.cu"),
     include_str!("../fp8.cu"),
+    include_str!("../gelu_math.cu"),
     include_str!("amax.cu"),
     include_str!("cast_transpose.cu"),
     include_str!("scaling.cu")
