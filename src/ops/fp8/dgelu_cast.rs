@@ -64,6 +64,10 @@ pub static SUM_TILES: Kernel = Kernel {
     strided: false,
 };
 
+/// The threads of a [`sum_tiles`] block: 64, so that L's 16384 columns make 256 blocks, about
+/// two per SM, each thread's loads in flight together.
+const SUM_THREADS: usize = 64;
+
 /// bf16 elements of one 16-byte load, and the threads that load one tile row (`CtGeometry`).
 const LANES: usize = 8;
 const THREADS_PER_ROW: usize = TILE_COLS / LANES;
@@ -144,7 +148,7 @@ pub fn sum_tiles(out: &Tensor, tile_sums: &Tensor, stream: &Stream) -> Result<()
     if cols == 0 {
         return Ok(());
     }
-    stream.launch(&SUM_TILES, grid(OP, cols.div_ceil(TILE_THREADS), TILE_THREADS)?, &list)
+    stream.launch(&SUM_TILES, grid(OP, cols.div_ceil(SUM_THREADS), SUM_THREADS)?, &list)
 }
 
 fn dgelu_cast_cpu(a: &CpuArgs) -> Result<()> {
