@@ -72,12 +72,18 @@ struct DGelu {
     __device__ __forceinline__ Raw load(unsigned long long at) const {
         return Raw{*reinterpret_cast<const uint4*>(dout + at), *reinterpret_cast<const uint4*>(pre + at)};
     }
+    // Widened by a shift alone, without to_f32's quieting of NaNs: arithmetic on any NaN gives
+    // the canonical one, so the bf16 results are gelu_backward_bf16's all the same, and the
+    // rounded bf16 (whose NaNs are quiet) widens by a shift too. The kernel is bound by its
+    // arithmetic (tanhf), so every operation saved per element counts.
     __device__ __forceinline__ void values(const Raw& r, float* v) const {
-        float d[8], p[8];
-        load_values(r.dout, dout, d);
-        load_values(r.pre, pre, p);
+        const unsigned ds[4] = {r.dout.x, r.dout.y, r.dout.z, r.dout.w}, ps[4] = {r.pre.x, r.pre.y, r.pre.z, r.pre.w};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = to_f32(from_f32<bf16>(gelu_grad(p[e]) * d[e]));
+        for (int e = 0; e < 8; ++e) {
+            const unsigned shift = e % 2 ? 0u : 16u, mask = 0xffff0000u;
+            const float d = __uint_as_float((ds[e / 2] << shift) & mask), p = __uint_as_float((ps[e / 2] << shift) & mask);
+            v[e] = __uint_as_float((unsigned)from_f32<bf16>(gelu_grad(p) * d).bits << 16);
+        }
     }
     __device__ __forceinline__ float value(unsigned long long at) const {
         return to_f32(from_f32<bf16>(gelu_grad(to_f32(pre[at])) * to_f32(dout[at])));
@@ -125,12 +131,10 @@ __device__ unsigned cast_tile(O* out, CtTile& tile, float* sums, const Src& src,
             unsigned words[G::E / 4];
 #pragma unroll
             for (int w = 0; w < G::E / 4; ++w) {
-                unsigned word = 0;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    v = max_bits(v, amax_bits(x[4 * w + e]));
-                    word |= (unsigned)fp8_bits<O>(x[4 * w + e] * s) << (8 * e);
-                }
+                for (int e = 0; e < 4; ++e) v = max_bits(v, amax_bits(x[4 * w + e]));
+                const float* quad = x + 4 * w;
+                const unsigned word = fp8_quad<O>(quad[0] * s, quad[1] * s, quad[2] * s, quad[3] * s);
                 words[w] = word;
                 if (COL) tile[r][(G::E / 4) * q + w] = word;
             }
