@@ -94,16 +94,6 @@ echo "# $gpus GPU(s); filter: ${only:-none}" | tee -a "$OUT/tests.log"
 .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
     ${only:+-E "$only"} --no-fail-fast 2>&1 | tee -a "$OUT/tests.log" \
     | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary|passed|failed|two_gpus" | tail -60
-# The GEMM tests again with cuBLASLt's algorithms timed (off by default), in a cache of their own
-# so that every plan is timed: a candidate must never disturb the call's memory.
-if [ "${ONLY_PARALLEL:-0}" != 1 ]; then
-    tuned=$(mktemp -d)
-    echo "# GRAPHED_GEMM_TUNE=1, cache $tuned: test(gemm) | test(fp8)" | tee -a "$OUT/tests.log"
-    GRAPHED_GEMM_TUNE=1 GRAPHED_KERNEL_CACHE=$tuned .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst \
-        --workspace-remap . --run-ignored all -E '(test(gemm) | test(fp8)) & not test(two_gpus)' --no-fail-fast 2>&1 \
-        | tee -a "$OUT/tests.log" | grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary" | tail -20
-    rm -rf "$tuned"
-fi
 # The device tool returns at most 8 files: train's logs go into one.
 logs=$(mktemp -d)
 if [ "${ONLY_PARALLEL:-0}" != 1 ]; then

@@ -63,7 +63,6 @@ fn bench_graphs_runs_every_variant_on_the_simulator() {
     }
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).expect("written")).expect("JSON");
-    assert_eq!(report["gemm_algorithms"], "the simulator's loop", "{report}");
     let rows = report["rows"].as_array().expect("rows");
     assert_eq!(rows.len(), variants.len(), "{rows:?}");
     assert!(rows.iter().all(|r| r["input"] == "constant"), "{rows:?}");

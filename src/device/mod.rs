@@ -53,9 +53,7 @@ pub use cuda::baseline;
 pub(crate) use dtype::with_dtype;
 pub use dtype::{DType, Elem, Float, Float8};
 pub use event::Event;
-pub use gemm::{
-    Epilogue, Fp8Gemm, Fp8Pair, Gemm, GemmAlgorithms, GemmElem, AUX_LD_MULTIPLE, FP8_ALIGN_BYTES, FP8_SCALE_ALIGN_BYTES,
-};
+pub use gemm::{Epilogue, Fp8Gemm, Fp8Pair, Gemm, GemmElem, AUX_LD_MULTIPLE, FP8_ALIGN_BYTES, FP8_SCALE_ALIGN_BYTES};
 pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};
 pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
 pub use kernel::{args, Arg, CpuArgs, In, InOut, IntoView, Kernel, LaunchDims, Out, Scalar};
@@ -235,14 +233,6 @@ impl Device {
         match &self.inner.backend {
             BackendImpl::Sim(b) => b.describe(),
             BackendImpl::Cuda(b) => b.describe(),
-        }
-    }
-
-    /// How this device's GEMMs pick their algorithm (`train` and the benchmarks print it).
-    pub fn gemm_algorithms(&self) -> GemmAlgorithms {
-        match &self.inner.backend {
-            BackendImpl::Sim(_) => GemmAlgorithms::Loop,
-            BackendImpl::Cuda(b) => b.gemm_algorithms(),
         }
     }
 

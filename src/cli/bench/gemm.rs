@@ -101,7 +101,6 @@ pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(dev.kind() == DeviceKind::Cuda, "bench gemm times GPU kernels; run it on a CUDA device");
     let configs = args.configs.iter().map(|name| Config::named(name)).collect::<anyhow::Result<Vec<_>>>()?;
     let s = dev.stream()?;
-    println!("GEMM algorithms: {}", dev.gemm_algorithms());
     let mut rows = Vec::new();
     if configs.is_empty() {
         let d = args.d;

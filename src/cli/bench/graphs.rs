@@ -82,7 +82,6 @@ pub fn run(GraphsArgs { bench: args, variants }: &GraphsArgs) -> anyhow::Result<
     let configs = args.configs(&dev)?;
     let dtype = args.dtype.storage(&dev);
     println!("{dtype} weights and activations; f32 statistics and GEMM accumulation");
-    println!("GEMM algorithms: {}", dev.gemm_algorithms());
     if let Some(recipe) = args.dtype.fp8_recipe()? {
         println!("the Linear layers' GEMMs in FP8: E4M3 forward, E5M2 gradients, {recipe}");
     }

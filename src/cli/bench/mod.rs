@@ -62,8 +62,6 @@ struct Report<R: Serialize> {
     bench: &'static str,
     date: String,
     device: String,
-    /// How the GEMMs picked their cuBLASLt algorithm (`Device::gemm_algorithms`).
-    gemm_algorithms: String,
     commit: &'static str,
     reps: u32,
     rows: Vec<R>,
@@ -75,7 +73,6 @@ impl<R: Serialize> Report<R> {
             bench,
             date: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
             device: dev.name(),
-            gemm_algorithms: dev.gemm_algorithms().to_string(),
             commit: env!("GRAPHED_COMMIT"),
             reps,
             rows,

@@ -490,7 +490,7 @@ fn announce_device(
             ),
         }
     }
-    say(lead, &format!("device: {}{}; GEMM algorithms: {}", dev.name(), nvtx(dev), dev.gemm_algorithms()));
+    say(lead, &format!("device: {}{}", dev.name(), nvtx(dev)));
     if let Some(dir) = &args.resume {
         say(lead, &format!("resumed from {} after {start} steps", dir.display()));
     }

@@ -1,6 +1,6 @@
-//! cuBLASLt GEMMs: one handle per device, and a plan (descriptors and the algorithm chosen at its
-//! first call, `blas_tune.rs`) per GEMM layout, made once and reused, so a GEMM in a training step
-//! costs a lookup and one `cublasLtMatmul`.
+//! cuBLASLt GEMMs: one handle per device, and a plan (descriptors and the algorithm the
+//! heuristic picked) per GEMM layout, made once and reused, so a GEMM in a training step costs a
+//! lookup and one `cublasLtMatmul`.
 //!
 //! graphed's GEMMs are row-major; cuBLASLt is column-major. A row-major `C = op(A)·op(B)` is the
 //! column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`, so cuBLASLt gets B as its first operand and A as its second,
@@ -21,11 +21,10 @@ use std::sync::{Mutex, PoisonError};
 use cudarc::cublaslt::result::{self as lt, CublasError};
 use cudarc::cublaslt::sys;
 
-use super::blas_tune::{self as tune, Scratch, Tuner};
+use super::memory;
 use super::stream::CuStream;
-use super::{capture, error as err, memory};
 use crate::device::gemm::{EpilogueKind, GemmSpec, Operand};
-use crate::device::kernel::{Arg, BufArg};
+use crate::device::kernel::Arg;
 use crate::device::DType;
 use crate::{Error, Result};
 
@@ -58,9 +57,6 @@ struct Plan {
     /// cuBLASLt's C when it is not D (an addend).
     addend: Option<sys::cublasLtMatrixLayout_t>,
     algo: sys::cublasLtMatmulAlgo_t,
-    /// The heuristic's candidates in its order, until the plan's first call chooses `algo`
-    /// among them; then `None`, and `algo` never changes.
-    candidates: Option<Vec<sys::cublasLtMatmulAlgo_t>>,
 }
 
 // SAFETY: the descriptors are plain host objects, used under the `Blas` lock.
@@ -88,11 +84,9 @@ struct State {
 }
 
 /// The device's cuBLASLt state.
+#[derive(Default)]
 pub(super) struct Blas {
     state: Mutex<State>,
-    tuner: Tuner,
-    /// The GPU as `CudaDevice::describe` names it: part of a stored choice's key.
-    device: String,
 }
 
 /// cuBLASLt's name of an element type; the public layer admits no other.
@@ -166,13 +160,7 @@ fn epilogue(kind: EpilogueKind) -> Option<sys::cublasLtEpilogue_t> {
 }
 
 impl Plan {
-    /// The descriptors of `spec`'s layout and the first `asked` of the heuristic's candidates.
-    fn new(
-        handle: &Handle,
-        spec: &GemmSpec,
-        workspace_bytes: usize,
-        asked: usize,
-    ) -> std::result::Result<Plan, CublasError> {
+    fn new(handle: &Handle, spec: &GemmSpec, workspace_bytes: usize) -> std::result::Result<Plan, CublasError> {
         use sys::cublasLtMatmulDescAttributes_t as D;
         let ty = data_type(spec.dtype)?;
         let [a_ty, b_ty] = spec.inputs.map(data_type);
@@ -190,7 +178,6 @@ impl Plan {
             addend: None,
             // SAFETY: a plain C struct that the heuristic below fills before it is read.
             algo: unsafe { MaybeUninit::zeroed().assume_init() },
-            candidates: None,
         };
         plan.addend = spec.addend.map(|o| layout(ty, &o, spec.batch)).transpose()?;
         // The bias and aux pointers are set per call (`Blas::gemm`); their types default to D's.
@@ -211,178 +198,27 @@ impl Plan {
         }
         let pref = lt::create_matmul_pref()?;
         let bytes = workspace_bytes as u64;
-        // SAFETY: a plain C struct that the heuristic fills (`count` of them) before any is read.
-        let mut found: [sys::cublasLtMatmulHeuristicResult_t; tune::CANDIDATES] =
-            unsafe { MaybeUninit::zeroed().assume_init() };
-        let mut count = 0;
-        // SAFETY: `pref` is live; the workspace limit is a uint64; `found` holds the count asked
-        // for; `pref` is destroyed once, below.
-        let asked = unsafe {
+        // SAFETY: `pref` is live; the workspace limit is a uint64; it is destroyed once, below.
+        let found = unsafe {
             let set = lt::set_matmul_pref_attribute(
                 pref,
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 (&bytes as *const u64).cast::<c_void>(),
                 size_of::<u64>(),
             );
-            let asked = set.and_then(|_| {
+            let found = set.and_then(|_| {
                 let [a, b, d] = plan.layouts;
-                let c = plan.addend.unwrap_or(d);
-                sys::cublasLtMatmulAlgoGetHeuristic(
-                    handle.0,
-                    desc,
-                    a,
-                    b,
-                    c,
-                    d,
-                    pref,
-                    asked.min(tune::CANDIDATES) as i32,
-                    found.as_mut_ptr(),
-                    &mut count,
-                )
-                .result()
+                lt::get_matmul_algo_heuristic(handle.0, desc, a, b, plan.addend.unwrap_or(d), d, pref)
             });
             let _ = lt::destroy_matmul_pref(pref);
-            asked
+            found?
         };
-        asked?;
-        let count = usize::try_from(count).unwrap_or(0).min(tune::CANDIDATES);
-        if count == 0 {
-            return Err(CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED));
-        }
-        plan.algo = found[0].algo;
-        plan.candidates = Some(found[..count].iter().map(|f| f.algo).collect());
+        plan.algo = found.algo;
         Ok(plan)
     }
-
-    /// Whether cuBLASLt runs `algo` with this plan's descriptors (a stored choice is checked so).
-    fn admits(&self, handle: &Handle, algo: &sys::cublasLtMatmulAlgo_t) -> bool {
-        let [a, b, d] = self.layouts;
-        // SAFETY: a plain C struct that the check fills.
-        let mut result: sys::cublasLtMatmulHeuristicResult_t = unsafe { MaybeUninit::zeroed().assume_init() };
-        // SAFETY: the handle and descriptors are live; `algo` and `result` are valid for the call.
-        let status = unsafe {
-            sys::cublasLtMatmulAlgoCheck(handle.0, self.desc, a, b, self.addend.unwrap_or(d), d, algo, &mut result)
-        };
-        status.result().is_ok()
-    }
-
-    /// Enqueues `D = alpha·op(A)·op(B) + beta·C` with `algo` on `stream`.
-    ///
-    /// # Safety
-    /// The addresses in `call` (and those the epilogue's attributes hold) must address live
-    /// allocations laid out as the plan's layouts and epilogue say; the workspace must hold
-    /// `call.workspace_bytes`.
-    unsafe fn matmul(
-        &self,
-        handle: &Handle,
-        algo: &sys::cublasLtMatmulAlgo_t,
-        call: &Call,
-        stream: &CuStream,
-    ) -> std::result::Result<(), CublasError> {
-        let [layout_a, layout_b, layout_d] = self.layouts;
-        let layout_c = self.addend.unwrap_or(layout_d);
-        // SAFETY: forwarded from the caller; the stream is live. Buffers outlive the call as for
-        // kernels.
-        unsafe {
-            lt::matmul(
-                handle.0,
-                self.desc,
-                (&call.alpha as *const f32).cast(),
-                (&call.beta as *const f32).cast(),
-                tune::dptr(call.b),
-                layout_a,
-                tune::dptr(call.a),
-                layout_b,
-                tune::dptr(call.c),
-                layout_c,
-                tune::dptr(call.d) as *mut c_void,
-                layout_d,
-                algo,
-                tune::dptr(call.workspace) as *mut c_void,
-                call.workspace_bytes,
-                stream.raw.cu_stream() as sys::cudaStream_t,
-            )
-        }
-    }
-}
-
-/// One call's operands and scalars (our A and B: cuBLASLt's B and A).
-#[derive(Clone, Copy)]
-struct Call {
-    a: u64,
-    b: u64,
-    c: u64,
-    d: u64,
-    /// The bytes D spans: the scratch that replaces it while candidates are timed.
-    d_bytes: usize,
-    workspace: u64,
-    workspace_bytes: usize,
-    alpha: f32,
-    beta: f32,
-}
-
-/// The algorithm a plan keeps from its `candidates` at its first call (`blas_tune.rs`): with
-/// timing off, the heuristic's first; else a stored choice cuBLASLt admits; else, outside every
-/// capture, the fastest on the call's own operands (its output replaced by scratch where it
-/// accumulates in place), kept in the cache unless another process kept one first; else the
-/// heuristic's first.
-fn choose(
-    (handle, plan, candidates): (&Handle, &Plan, Vec<sys::cublasLtMatmulAlgo_t>),
-    (tuner, device): (&Tuner, &str),
-    (spec, call, stream): (&GemmSpec, &Call, &CuStream),
-) -> Result<sys::cublasLtMatmulAlgo_t> {
-    const OP: &str = "Stream::gemm (timing cuBLASLt's algorithms)";
-    let first = candidates[0];
-    if !tuner.enabled() {
-        return Ok(first);
-    }
-    let key = tune::key(device, spec, call.workspace_bytes);
-    if let Some(stored) = tuner.stored(&key).filter(|a| plan.admits(handle, a)) {
-        return Ok(stored);
-    }
-    // Timing synchronizes, which would break any capture in progress, on any thread.
-    if candidates.len() < 2 || capture::any_active() {
-        return Ok(first);
-    }
-    let raw = stream.raw.cu_stream();
-    let in_place = call.beta != 0.0 && call.c == call.d;
-    let scratch = match in_place {
-        true => match Scratch::zeroed(call.d_bytes, raw).map_err(|e| err::driver(OP, None, e))? {
-            Some(scratch) => Some(scratch),
-            None => return Ok(first),
-        },
-        false => None,
-    };
-    let target = scratch.as_ref().map_or(*call, |s| Call { c: s.ptr(), d: s.ptr(), ..*call });
-    // SAFETY: `target` holds the call's own addresses, its output replaced by scratch of the
-    // output's extent where it accumulates in place.
-    let run = |i: usize| unsafe { plan.matmul(handle, &candidates[i], &target, stream) };
-    let times = tune::time(raw, &run, candidates.len());
-    let freed = scratch.map_or(Ok(()), |s| s.free(raw));
-    let times = times.map_err(|e| err::driver(OP, None, e))?;
-    freed.map_err(|e| err::driver(OP, None, e))?;
-    let fastest = tune::fastest(&times);
-    tracing::debug!(?spec, ?times, fastest, "graphed: timed cuBLASLt's candidates");
-    let chosen = candidates[fastest];
-    let kept = tuner.keep(&key, chosen);
-    Ok(if plan.admits(handle, &kept) { kept } else { chosen })
 }
 
 impl Blas {
-    /// No handle yet (made at the first GEMM); choices keyed by `device`, `CudaDevice::describe`'s
-    /// name of the GPU.
-    pub(super) fn new(device: String) -> Blas {
-        Blas { state: Mutex::default(), tuner: Tuner::from_env(), device }
-    }
-
-    /// How plans pick their algorithm.
-    pub(super) fn algorithms(&self) -> crate::device::GemmAlgorithms {
-        match self.tuner.enabled() {
-            true => crate::device::GemmAlgorithms::Timed,
-            false => crate::device::GemmAlgorithms::Heuristic,
-        }
-    }
-
     /// Enqueues the GEMM on `stream`. `args` are laid out as `Gemm::args` makes them, one per
     /// name of `params`.
     pub(super) fn gemm(
@@ -395,7 +231,7 @@ impl Blas {
         workspace_bytes: usize,
     ) -> Result<()> {
         const OP: &str = "Stream::gemm";
-        let Pointers { d, d_bytes, a, b, c, workspace: ws, bias, aux, scales } = Pointers::of(spec, params, args)?;
+        let Pointers { d, a, b, c, workspace: ws, bias, aux, scales } = Pointers::of(spec, params, args)?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let st = &mut *st;
         if st.handle.is_none() {
@@ -407,16 +243,15 @@ impl Blas {
             }
             st.handle = Some(Handle(lt::create_handle().map_err(fail(OP))?));
         }
-        let State { handle, plans } = &mut *st;
-        let handle = handle.as_ref().expect("created above");
-        if !plans.contains_key(spec) {
-            let plan = Plan::new(handle, spec, workspace_bytes, self.tuner.candidates()).map_err(fail(OP))?;
-            plans.insert(*spec, plan);
+        let handle = st.handle.as_ref().expect("created above");
+        if !st.plans.contains_key(spec) {
+            let plan = Plan::new(handle, spec, workspace_bytes).map_err(fail(OP))?;
+            st.plans.insert(*spec, plan);
         }
-        let plan = plans.get_mut(spec).expect("inserted above");
+        let plan = &st.plans[spec];
         use sys::cublasLtMatmulDescAttributes_t as D;
         // SAFETY: the plan's descriptor is live; the pointers are device addresses (pointer-sized
-        // values, as the attributes expect), set under the lock right before the calls that read
+        // values, as the attributes expect), set under the lock right before the call that reads
         // them.
         unsafe {
             if let Some(bias) = bias {
@@ -431,16 +266,33 @@ impl Blas {
                 set_desc(plan.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_scale).map_err(fail(OP))?;
             }
         }
-        let call = Call { a, b, c, d, d_bytes, workspace: ws, workspace_bytes, alpha, beta };
-        if let Some(candidates) = plan.candidates.take() {
-            plan.algo = choose((handle, plan, candidates), (&self.tuner, &self.device), (spec, &call, stream))?;
-        }
+        let [layout_a, layout_b, layout_d] = plan.layouts;
+        let layout_c = plan.addend.unwrap_or(layout_d);
         // SAFETY: the pointers (and the epilogue's, set above) address live, range-checked
         // allocations laid out as the plan's layouts and epilogue say (the public layer checked
         // the views against the dimensions and the epilogue); the workspace holds
-        // `workspace_bytes`.
-        unsafe { plan.matmul(handle, &plan.algo, &call, stream) }
-            .map_err(|e| Error::Cuda { op: OP, message: format!("cuBLASLt matmul: {:?}", e.0) })
+        // `workspace_bytes`; the stream is live. Buffers outlive the call as for kernels.
+        unsafe {
+            lt::matmul(
+                handle.0,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                b as *const c_void,
+                layout_a,
+                a as *const c_void,
+                layout_b,
+                c as *const c_void,
+                layout_c,
+                d as *mut c_void,
+                layout_d,
+                &plan.algo,
+                ws as *mut c_void,
+                workspace_bytes,
+                stream.raw.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| Error::Cuda { op: OP, message: format!("cuBLASLt matmul: {:?}", e.0) })
     }
 }
 
@@ -448,8 +300,6 @@ impl Blas {
 struct Pointers {
     /// The output D (`c` among the arguments).
     d: u64,
-    /// The bytes D spans.
-    d_bytes: usize,
     a: u64,
     b: u64,
     /// The matrix C added to the product: the addend, else D itself.
@@ -474,20 +324,17 @@ impl Pointers {
     /// The addresses in `args`, one per name of `params`, that `spec` uses.
     fn of(spec: &GemmSpec, params: &[&str], args: &[Arg<'_>]) -> Result<Pointers> {
         const OP: &str = "Stream::gemm";
-        let buf = |name: &str| match params.iter().position(|p| *p == name).and_then(|i| args.get(i)) {
-            Some(Arg::Buf(b)) => Ok(b),
-            _ => Err(Error::Unsupported {
-                op: OP,
-                backend: "cuda",
-                why: "a GEMM's arguments are malformed; please report this as a bug",
-            }),
+        let ptr = |name: &str| -> Result<u64> {
+            match params.iter().position(|p| *p == name).and_then(|i| args.get(i)) {
+                Some(Arg::Buf(b)) => memory::kernel_arg(OP, b.raw, b.region.offset() * b.dtype.size()),
+                _ => Err(Error::Unsupported {
+                    op: OP,
+                    backend: "cuda",
+                    why: "a GEMM's arguments are malformed; please report this as a bug",
+                }),
+            }
         };
-        let addr = |b: &BufArg<'_>| memory::kernel_arg(OP, b.raw, b.region.offset() * b.dtype.size());
-        let ptr = |name: &str| buf(name).and_then(addr);
-        let out = buf("c")?;
-        let (d, a, b, workspace) = (addr(out)?, ptr("a")?, ptr("b")?, ptr("workspace")?);
-        // The bytes D's view spans, from its first element to one past its last.
-        let d_bytes = (out.region.end() - out.region.offset()) * out.dtype.size();
+        let (d, a, b, workspace) = (ptr("c")?, ptr("a")?, ptr("b")?, ptr("workspace")?);
         let c = if spec.addend.is_some() { ptr("addend")? } else { d };
         let bias = match spec.epilogue {
             EpilogueKind::None | EpilogueKind::DGelu => None,
@@ -499,6 +346,6 @@ impl Pointers {
             None => None,
             Some(_) => Some(Scales { a_scale: ptr("a_scale")?, b_scale: ptr("b_scale")? }),
         };
-        Ok(Pointers { d, d_bytes, a, b, c, workspace, bias, aux, scales })
+        Ok(Pointers { d, a, b, c, workspace, bias, aux, scales })
     }
 }

@@ -130,7 +130,7 @@ fn lock() -> MutexGuard<'static, State> {
 
 /// Whether any capture graphed began is still active, on any thread: synchronous calls (an
 /// allocation, an event wait) could then invalidate it.
-pub(super) fn any_active() -> bool {
+fn any_active() -> bool {
     REGISTRY.active.load(Ordering::SeqCst) > 0
 }
 

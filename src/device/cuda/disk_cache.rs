@@ -27,11 +27,6 @@ impl DiskCache {
         DiskCache { dir: cache_dir(|var| std::env::var_os(var)) }
     }
 
-    /// Whether the environment names a directory (else nothing is stored).
-    pub(super) fn is_set(&self) -> bool {
-        self.dir.is_some()
-    }
-
     /// The payload stored for `key` in files ending `.{ext}`, if a sound one is; `what` names the
     /// entry in the warning about a damaged file.
     pub(super) fn get(&self, ext: &str, key: &str, what: &str) -> Option<Vec<u8>> {
@@ -52,31 +47,6 @@ impl DiskCache {
         let Some(path) = self.path(ext, key) else { return };
         if let Err(e) = write_cached(&path, key, payload) {
             tracing::warn!("graphed: could not cache the {what} at {}: {e}", path.display());
-        }
-    }
-
-    /// Stores `payload` for `key` unless a sound entry is there already, and returns the entry
-    /// that the cache holds after the call: the first process to store one wins, so processes
-    /// that computed different payloads at the same time all leave with the same one. Without a
-    /// cache, or where it fails (a warning), `payload` itself.
-    pub(super) fn put_first(&self, ext: &str, key: &str, payload: &[u8], what: &str) -> Vec<u8> {
-        let Some(path) = self.path(ext, key) else { return payload.to_vec() };
-        match link_cached(&path, key, payload) {
-            Ok(()) => payload.to_vec(),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => match read_cached(&path, key) {
-                Cached::Hit(first) => first,
-                // Another key's entry under the same hash: left alone.
-                Cached::Miss => payload.to_vec(),
-                Cached::Damaged(why) => {
-                    tracing::warn!("graphed: the cached {what} at {} is damaged ({why}); replacing it", path.display());
-                    self.put(ext, key, payload, what);
-                    payload.to_vec()
-                }
-            },
-            Err(e) => {
-                tracing::warn!("graphed: could not cache the {what} at {}: {e}", path.display());
-                payload.to_vec()
-            }
         }
     }
 
@@ -166,32 +136,16 @@ fn read_cached(path: &Path, key: &str) -> Cached {
 }
 
 fn write_cached(path: &Path, key: &str, cubin: &[u8]) -> std::io::Result<()> {
-    let tmp = write_temporary(path, key, cubin)?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        // The rename's error is the one to report; a leftover temporary file is harmless.
-        let _ = std::fs::remove_file(&tmp);
-    })
-}
-
-/// As [`write_cached`], but fails with `AlreadyExists` where `path` exists: a hard link, unlike a
-/// rename, never replaces a file.
-fn link_cached(path: &Path, key: &str, payload: &[u8]) -> std::io::Result<()> {
-    let tmp = write_temporary(path, key, payload)?;
-    let linked = std::fs::hard_link(&tmp, path);
-    let _ = std::fs::remove_file(&tmp);
-    linked
-}
-
-/// The whole cache file for `path`, written under a temporary name beside it (unique to this
-/// process and call), so that no reader ever sees part of it.
-fn write_temporary(path: &Path, key: &str, payload: &[u8]) -> std::io::Result<PathBuf> {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = dir.join(format!(".{file_name}.{}.{}.tmp", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
-    std::fs::write(&tmp, encode(key, payload))?;
-    Ok(tmp)
+    std::fs::write(&tmp, encode(key, cubin))?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        // The rename's error is the one to report; a leftover temporary file is harmless.
+        let _ = std::fs::remove_file(&tmp);
+    })
 }
 
 #[cfg(test)]
@@ -229,25 +183,6 @@ mod tests {
             overwritten[at..at + 64].iter_mut().for_each(|b| *b = !*b);
             assert!(matches!(decode(&overwritten, "the key"), Cached::Damaged(_)), "64 bytes overwritten at {at}");
         }
-    }
-
-    #[test]
-    fn the_first_entry_stored_wins_and_a_damaged_one_is_replaced() {
-        let dir = std::env::temp_dir().join(format!("graphed-disk-cache-first-{}", std::process::id()));
-        let cache = DiskCache { dir: Some(dir.clone()) };
-        assert_eq!(cache.put_first("algo", "k", b"first", "entry"), b"first");
-        // A later process that chose otherwise leaves with the first one's choice.
-        assert_eq!(cache.put_first("algo", "k", b"second", "entry"), b"first");
-        assert_eq!(cache.get("algo", "k", "entry"), Some(b"first".to_vec()));
-        let path = cache.path("algo", "k").expect("a cache directory is set");
-        let mut bytes = std::fs::read(&path).expect("stored above");
-        *bytes.last_mut().expect("not empty") ^= 0xff;
-        std::fs::write(&path, bytes).expect("temporary directory is writable");
-        assert_eq!(cache.put_first("algo", "k", b"third", "entry"), b"third");
-        assert_eq!(cache.get("algo", "k", "entry"), Some(b"third".to_vec()));
-        // Without a directory nothing is stored and the payload comes back.
-        assert_eq!(DiskCache { dir: None }.put_first("algo", "k", b"own", "entry"), b"own");
-        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
     #[test]

@@ -9,7 +9,6 @@
 //! - [`graph`] owns graphs and executables and reads nodes back;
 //! - [`ffi`] holds the few raw driver and NVRTC calls, each wrapped once; [`error`] maps result
 //!   codes to [`Error`](crate::Error);
-//! - [`blas`] runs GEMMs through cuBLASLt, each layout's algorithm chosen by [`blas_tune`];
 //! - [`cudnn`] runs fused attention through cuDNN's backend graph API, after probing for it;
 //! - [`nvtx`] pushes and pops profiler ranges, after probing for NVTX's library;
 //! - [`baseline`] measures raw cudarc launches, the yardstick for graphed's launch overhead
@@ -22,7 +21,6 @@
 
 pub mod baseline;
 mod blas;
-mod blas_tune;
 
 pub(crate) use nccl::{nccl_unique_id, NcclComm};
 mod capture;
@@ -101,7 +99,7 @@ impl CudaDevice {
             format!("{} ({}, driver {}.{})", opened.name, compiler.arch(), version / 1000, version % 1000 / 10);
         Ok(CudaDevice {
             kernels: Kernels::new(opened.ctx.clone(), compiler)?,
-            blas: blas::Blas::new(description.clone()),
+            blas: blas::Blas::default(),
             cudnn: cudnn::Cudnn::default(),
             ctx: opened.ctx,
             description,
@@ -112,11 +110,6 @@ impl CudaDevice {
     /// The GPU's ordinal in this process.
     pub(crate) fn ordinal(&self) -> usize {
         self.ctx.ordinal()
-    }
-
-    /// How the GEMMs pick their cuBLASLt algorithm (`blas_tune.rs`).
-    pub(crate) fn gemm_algorithms(&self) -> crate::device::GemmAlgorithms {
-        self.blas.algorithms()
     }
 
     /// "NVIDIA H200 (sm_90, driver 13.0)".

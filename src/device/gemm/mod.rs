@@ -288,31 +288,6 @@ pub(crate) struct Operand {
     pub(crate) batch_stride: usize,
 }
 
-/// How a device picks the algorithm of each GEMM layout ([`Device::gemm_algorithms`](super::Device::gemm_algorithms)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GemmAlgorithms {
-    /// The simulator's one CPU loop.
-    Loop,
-    /// cuBLASLt's heuristic's first choice: the default (and with `GRAPHED_GEMM_TUNE=1` but no
-    /// cache directory to keep timed choices in).
-    Heuristic,
-    /// The fastest of the heuristic's first candidates, timed at a layout's first call outside a
-    /// capture and kept in the disk cache, so every process of the machine runs the same.
-    Timed,
-}
-
-impl std::fmt::Display for GemmAlgorithms {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            GemmAlgorithms::Loop => "the simulator's loop",
-            GemmAlgorithms::Heuristic => "cuBLASLt's heuristic's first (GRAPHED_GEMM_TUNE=1 times its first 8)",
-            GemmAlgorithms::Timed => {
-                "cuBLASLt's fastest of its heuristic's first 8, timed once per machine (GRAPHED_GEMM_TUNE=1)"
-            }
-        })
-    }
-}
-
 /// The layout of a GEMM, the key under which CUDA caches its algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct GemmSpec {
