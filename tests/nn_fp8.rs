@@ -277,7 +277,7 @@ fn fp8_mlp_fuses_gelu_backward_into_the_cast(dev: &Device) -> anyhow::Result<()>
         let profile = s.profile()?;
         let (dx, dpre) = if fused {
             let dpre = mlp.fc2.backward_through_gelu(&dy, &kept_act, &pre, BiasGrad::Compute, &mlp.fc1, &s)?;
-            ensure!(matches!(dpre, PreActGrad::Quantized { .. }), "delayed scaling: the gradient leaves quantized");
+            ensure!(matches!(dpre, PreActGrad::Quantized(_)), "delayed scaling: the gradient leaves quantized");
             (mlp.fc1.backward_from(dpre, &kept_x, &s)?, None)
         } else {
             let dpre = mlp.fc2.backward_with(&dy, &kept_act, Some(&pre), BiasGrad::Compute, &s)?;
@@ -311,6 +311,33 @@ fn fp8_mlp_fuses_gelu_backward_into_the_cast(dev: &Device) -> anyhow::Result<()>
     ensure!(fused.kernels.contains(&"fp8_dgelu_cast_transpose_bf16_e5m2"), "not fused: {:?}", fused.kernels);
     ensure!(!fused.kernels.contains(&"gelu_backward_bf16"), "GELU's backward ran alone: {:?}", fused.kernels);
     ensure!(fused.bytes < plain.bytes, "fused moved {} bytes, unfused {}", fused.bytes, plain.bytes);
+    Ok(())
+}
+
+/// A quantized pre-activation gradient carries the layer whose gradient scale made it: given to
+/// another layer of the same shape (another MLP's FC1), it is refused with a typed error and
+/// nothing changes; its own layer takes it.
+fn a_quantized_gradient_goes_only_to_its_layer(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let fp8 = Fp8Training::new(&alloc, Fp8Recipe::default());
+    let store = ParamStore::with_dtype(&alloc, &s, 2 * Mlp::parameter_count(DIM), DType::BF16)?;
+    let vb = Builder::new(&store, &alloc, &s)?.with_seed(3).with_fp8(&fp8);
+    let (mlp, other) = (Mlp::new(&vb.pp("mlp"), DIM)?, Mlp::new(&vb.pp("other"), DIM)?);
+    fp8.start(&s)?;
+    let x = Tensor::from_f32(&alloc, &s, &lcg(TOKENS * DIM, 8), &[TOKENS, DIM], DType::BF16)?;
+    let dy = Tensor::from_f32(&alloc, &s, &lcg(TOKENS * DIM, 9), &[TOKENS, DIM], DType::BF16)?;
+    let (LinearForward { y: act, input: kept_x }, pre) = mlp.fc1.forward_gelu(&x, &s)?;
+    let kept_act = mlp.fc2.forward_keeping_input(&act, None, &s)?.input;
+    let pass = |layer: &Linear| -> anyhow::Result<graphed::Result<Tensor>> {
+        let grad = mlp.fc2.backward_through_gelu(&dy, &kept_act, &pre, BiasGrad::Compute, &mlp.fc1, &s)?;
+        Ok(layer.backward_from(grad, &kept_x, &s))
+    };
+    let before = other.fc1.weight.grad.to_f32_vec(&s)?;
+    let r = pass(&other.fc1)?;
+    ensure!(matches!(r, Err(Error::Unsupported { .. })), "another layer's quantized gradient: {:?}", r.err());
+    ensure!(other.fc1.weight.grad.to_f32_vec(&s)? == before, "the refused backward changed a gradient");
+    ensure!(pass(&mlp.fc1)?.is_ok(), "its own layer takes it");
     Ok(())
 }
 
@@ -353,5 +380,6 @@ crate::per_device!(
     current_scaling_scales_each_tensor_by_its_own_amax,
     current_scaling_keeps_microbatches_apart,
     fp8_mlp_fuses_gelu_backward_into_the_cast,
+    a_quantized_gradient_goes_only_to_its_layer,
     fp8_misuse_is_refused,
 );

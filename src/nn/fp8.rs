@@ -455,6 +455,11 @@ impl Fp8Linear {
         matches!(self.training.inner.recipe, Fp8Recipe::Delayed(_))
     }
 
+    /// Whether `other` is this handle: the same layer of the same model's FP8 state.
+    pub(crate) fn is_slot_of(&self, other: &Fp8Linear) -> bool {
+        Arc::ptr_eq(&self.training.inner, &other.training.inner) && self.index == other.index
+    }
+
     /// The weight in E4M3, `(out, in)`, and its transpose.
     pub(crate) fn weights(&self) -> (&Tensor, &Tensor) {
         (&self.weight.fp8, &self.weight.fp8_t)

@@ -57,17 +57,22 @@ enum OutputGrad {
 pub enum PreActGrad {
     /// `(n, features)`, as [`Linear::backward_with`] returns it.
     Plain(Tensor),
-    /// FP8 under delayed scaling: GELU's backward, its cast to E5M2 in both layouts (with the
-    /// receiving layer's gradient scale) and its column sums in one pass
-    /// ([`dgelu_cast_transpose`]), so no bf16 copy of it is ever written.
-    Quantized {
-        /// `(n, features)`, E5M2: the data gradient's operand.
-        q: Tensor,
-        /// `(features, n)`, E5M2: the weight gradient's.
-        q_t: Tensor,
-        /// `(tile_rows(n), features)`, f32: the bias gradient's partial sums ([`sum_tiles`]).
-        tile_sums: Tensor,
-    },
+    /// FP8 under delayed scaling: GELU's backward, its cast to E5M2 in both layouts and its
+    /// column sums, from one pass ([`dgelu_cast_transpose`]), so no bf16 copy of it is written.
+    Quantized(Box<QuantizedGrad>),
+}
+
+/// [`PreActGrad::Quantized`]'s tensors, quantized with one layer's gradient scale: only that
+/// layer's [`Linear::backward_from`] takes them (another's would read them with its own scale).
+pub struct QuantizedGrad {
+    /// `(n, features)`, E5M2: the data gradient's operand.
+    q: Tensor,
+    /// `(features, n)`, E5M2: the weight gradient's.
+    q_t: Tensor,
+    /// `(tile_rows(n), features)`, f32: the bias gradient's partial sums ([`sum_tiles`]).
+    tile_sums: Tensor,
+    /// The layer whose gradient slot scaled them.
+    slot: Fp8Linear,
 }
 
 /// A fully connected layer over the last dimension of an `(n, in)` input.
@@ -255,11 +260,12 @@ impl Linear {
         let n = self.rows(OP, dy, o)?;
         self.check_input(OP, x, n, dy.dtype())?;
         pre.expect_shape(OP, &[n, i])?;
-        let into = below.fp8.as_ref().map(Fp8Linear::grad).transpose()?.ok_or(Error::Unsupported {
+        let slot = below.fp8.clone().ok_or(Error::Unsupported {
             op: OP,
             backend: "any",
             why: "the layer below lost its FP8 state; please report this as a bug",
         })?;
+        let into = slot.grad()?;
         let dact = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
         let grad = self.data_gemm(&dact, dy, Fused::None, stream)?;
         let q = Tensor::uninit(&self.alloc, stream, &[n, i], DType::F8E5M2)?;
@@ -267,7 +273,7 @@ impl Linear {
         let tile_sums = Tensor::uninit(&self.alloc, stream, &[tile_rows(n), i], DType::F32)?;
         dgelu_cast_transpose((&q, &q_t), &into.amax, &tile_sums, (&dact, pre), &into.scale, stream)?;
         self.weight_grads(grad, x, bias, stream)?;
-        Ok(PreActGrad::Quantized { q, q_t, tile_sums })
+        Ok(PreActGrad::Quantized(Box::new(QuantizedGrad { q, q_t, tile_sums, slot })))
     }
 
     /// The backward from the gradient of this layer's output as a layer above's
@@ -277,15 +283,21 @@ impl Linear {
     ///
     /// # Errors
     /// As [`backward_with`](Linear::backward_with); [`Error::Shape`] for a gradient of another
-    /// width; [`Error::DTypeMismatch`] for a quantized gradient given to a layer not in FP8.
+    /// width; [`Error::Unsupported`] for a quantized gradient made for another layer (it was
+    /// scaled with that layer's gradient scale), before anything is enqueued.
     pub fn backward_from(&self, grad: PreActGrad, x: &Tensor, stream: &Stream) -> Result<Tensor> {
         const OP: &str = "Linear::backward_from";
-        let (q, q_t, tile_sums) = match grad {
+        let QuantizedGrad { q, q_t, tile_sums, slot } = match grad {
             PreActGrad::Plain(dy) => return self.backward_with(&dy, x, None, BiasGrad::Compute, stream),
-            PreActGrad::Quantized { q, q_t, tile_sums } => (q, q_t, tile_sums),
+            PreActGrad::Quantized(quantized) => *quantized,
         };
-        let Some(f) = &self.fp8 else {
-            return Err(Error::DTypeMismatch { op: OP, expected: DType::BF16, found: q.dtype() });
+        let Some(f) = self.fp8.as_ref().filter(|f| f.is_slot_of(&slot)) else {
+            return Err(Error::Unsupported {
+                op: OP,
+                backend: "any",
+                why: "this quantized gradient was scaled for another layer: pass that layer as `below` to \
+                      backward_through_gelu, or give the gradient to the layer it names",
+            });
         };
         let (i, o) = self.dims();
         let n = self.rows(OP, &q, o)?;

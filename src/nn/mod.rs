@@ -43,7 +43,7 @@ pub use gpt::{ConfigLimit, Gpt, GptConfig, GptCtx, GptPart, HeadCtx};
 pub use grad_hook::{GradHook, NoGradHook};
 pub use inputs::{Input, Inputs};
 pub use layernorm::{LayerNorm, LayerNormCtx};
-pub use linear::{BiasGrad, Linear, LinearCtx, LinearForward, PreActGrad};
+pub use linear::{BiasGrad, Linear, LinearCtx, LinearForward, PreActGrad, QuantizedGrad};
 pub use lm_head::{LmHead, LmHeadCtx};
 pub use mlp::{Mlp, MlpCtx};
 pub use params::{Param, ParamStore};
