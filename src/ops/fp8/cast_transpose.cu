@@ -7,7 +7,8 @@
 // (cast_transpose.rs): on an H100, L's casts ran up to 17% faster this way than with the one-wave
 // grid-stride grid of the elementwise kernels, whose blocks wait on each tile's loads in turn
 // (the loop over tiles stays, for a grid smaller than the tiles). A thread loads 16 bytes of a
-// tile row at a time (8 bf16 or 4 f32) and issues all its loads before it converts any. It
+// tile row at a time (8 bf16 or 4 f32) and issues all its loads before it converts any, four
+// values to a word by two paired conversions (fp8_quad). It
 // stores the row-major bytes of each load at once and puts them in shared memory; the
 // transposed tile then leaves in 4-byte stores, 4 consecutive rows of one column each, 16
 // threads writing one whole 64-byte piece of a row of out_t (8-byte stores were no faster).
@@ -18,8 +19,9 @@
 // bf16(gelu'(pre) · dout), what gelu_backward_bf16 writes, cast as above; and each tile's column
 // sums go to `tile_sums` ([row tiles, cols], f32) in a fixed order, which fp8_sum_tiles_bf16 adds
 // up per column in tile order (the bias gradient of the layer whose output was `pre`). So FP8's MLP
-// backward reads the pre-activation and its gradient once, where GELU's backward, the cast and the
-// bias GEMV read it three times (TransformerEngine's dgelu-cast-transpose-dbias). The order of the
+// backward reads the pre-activation and the activation's gradient once, where GELU's backward
+// wrote its result in bf16 and the cast and the bias GEMV each read that again
+// (TransformerEngine's dgelu-cast-transpose-dbias). The order of the
 // sums (dgelu_cast.rs repeats it on the CPU): each thread adds its rows of a column in row order
 // from 0, the threads of a warp that share a column combine by xor shuffles (a balanced tree over
 // their rows in order), and one thread per column adds the warps in order from 0.
