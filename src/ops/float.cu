@@ -116,6 +116,16 @@ template <typename T, int W> __device__ __forceinline__ void store_chunk(T* p, c
 
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15u) == 0; }
 
+// Column c of a row-major [rows, C] f32 matrix summed in row order from 0: the one order of the
+// column-sum kernels (a thread per column), which ops::column_sums repeats on the CPU. The
+// unrolled loop issues its loads ahead of the additions, which keep their order.
+__device__ __forceinline__ float column_sum(const float* x, unsigned rows, unsigned C, unsigned c) {
+    float sum = 0.0f;
+#pragma unroll 16
+    for (unsigned r = 0; r < rows; ++r) sum += x[(unsigned long long)r * C + c];
+    return sum;
+}
+
 // Grid-stride loops: grids are sized for the GPU's SMs (ops/mod.rs: stride_dims), not the data.
 __device__ __forceinline__ unsigned long long first_thread() {
     return (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;

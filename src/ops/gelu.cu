@@ -48,7 +48,5 @@ extern "C" __global__ void bias_gelu_backward_f32(float* dinp, const float* inp,
 extern "C" __global__ void column_sum_add_f32(float* acc, const float* x, unsigned rows, unsigned C) {
     unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    float sum = 0.0f;
-    for (unsigned r = 0; r < rows; r++) sum += x[(unsigned long long)r * C + c];
-    acc[c] += sum;
+    acc[c] += column_sum(x, rows, C, c);
 }

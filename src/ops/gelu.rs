@@ -25,7 +25,7 @@
 
 use half::bf16;
 
-use super::{checked, count, lanes, rows_cols, stride_dims, with_float, PerFloat};
+use super::{checked, column_sums, count, lanes, rows_cols, stride_dims, with_float, PerFloat};
 use crate::device::{args, CpuArgs, Float, In, InOut, Kernel, LaunchDims, Out, Stream};
 use crate::tensor::Tensor;
 use crate::Result;
@@ -205,13 +205,7 @@ pub static COLUMN_SUM_ADD: Kernel = Kernel {
 };
 
 fn column_sum_add_cpu(a: &CpuArgs) -> Result<()> {
-    let x = a.input::<f32>("x")?;
-    let c = a.u32("C")? as usize;
-    // The CUDA kernel's order: each column summed from zero over rows in order, added once.
-    let mut sums = vec![0.0f32; c];
-    for row in x.chunks_exact(c) {
-        sums.iter_mut().zip(row).for_each(|(s, v)| *s += v);
-    }
+    let sums = column_sums(&a.input::<f32>("x")?, a.u32("C")? as usize);
     a.output::<f32>("acc")?.iter_mut().zip(sums).for_each(|(acc, s)| *acc += s);
     Ok(())
 }

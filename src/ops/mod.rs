@@ -166,6 +166,20 @@ pub(crate) fn grid(op: &'static str, blocks: usize, block: usize) -> Result<Laun
 
 /// The error of an op with f32 and bf16 kernels (or of a float-only store) given another
 /// element type.
+/// The column sums of a row-major matrix of `cols` columns (whole rows of `x`), each column's rows
+/// added in order from 0: the CPU side of `float.cu`'s `column_sum`, the one order of the
+/// column-sum kernels.
+pub(crate) fn column_sums(x: &[f32], cols: usize) -> Vec<f32> {
+    let mut sums = vec![0.0f32; cols];
+    if cols == 0 {
+        return sums;
+    }
+    for row in x.chunks_exact(cols) {
+        sums.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+    }
+    sums
+}
+
 pub(crate) fn unsupported_dtype(op: &'static str, dtype: DType) -> Error {
     Error::UnsupportedDType { op, dtype, supported: FLOATS }
 }

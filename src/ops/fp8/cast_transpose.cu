@@ -302,14 +302,11 @@ extern "C" __global__ void fp8_dgelu_cast_transpose_bf16_e5m2(e5m2* out, e5m2* o
     cast_transpose<e5m2, true, true, true>(out, out_t, amax, tile_sums, DGelu{dout, pre}, scale, rows, cols);
 }
 
-// out[c] = bf16(sum over t in order, from 0, of tile_sums[t, c]): a thread per column, with
-// small blocks (sum_tiles in dgelu_cast.rs) so that a few thousand columns spread over the SMs;
-// the unrolled loop issues its loads ahead of the additions, which keep their order.
+// out[c] = bf16(sum over t in order, from 0, of tile_sums[t, c]) (float.cu's column_sum): a
+// thread per column, with small blocks (sum_tiles in dgelu_cast.rs) so that a few thousand
+// columns spread over the SMs.
 extern "C" __global__ void fp8_sum_tiles_bf16(bf16* out, const float* tile_sums, unsigned tiles, unsigned cols) {
     const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cols) return;
-    float total = 0.0f;
-#pragma unroll 16
-    for (unsigned t = 0; t < tiles; ++t) total += tile_sums[(unsigned long long)t * cols + c];
-    out[c] = from_f32<bf16>(total);
+    out[c] = from_f32<bf16>(column_sum(tile_sums, tiles, cols, c));
 }

@@ -42,7 +42,7 @@ use super::SOURCE;
 use crate::device::{args, CpuArgs, DType, In, InOut, Kernel, Out, Stream};
 use crate::ops::cast::one_f32;
 use crate::ops::gelu::gelu_grad;
-use crate::ops::{checked, count, dense, grid};
+use crate::ops::{checked, column_sums, count, dense, grid};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -190,9 +190,7 @@ fn tile_column_sum(g: &[f32], (rows, cols): (usize, usize), r0: usize, c: usize)
 
 fn sum_tiles_cpu(a: &CpuArgs) -> Result<()> {
     let (tiles, cols) = (a.u32("tiles")? as usize, a.u32("cols")? as usize);
-    let sums = a.input::<f32>("tile_sums")?;
-    for (c, out) in a.output::<bf16>("out")?.iter_mut().enumerate().take(cols) {
-        *out = bf16::from_f32((0..tiles).fold(0.0f32, |s, t| s + sums[t * cols + c]));
-    }
+    let sums = column_sums(&a.input::<f32>("tile_sums")?[..tiles * cols], cols);
+    a.output::<bf16>("out")?.iter_mut().zip(sums).for_each(|(out, s)| *out = bf16::from_f32(s));
     Ok(())
 }
