@@ -249,10 +249,13 @@ impl Linear {
         stream: &Stream,
     ) -> Result<PreActGrad> {
         const OP: &str = "Linear::backward_through_gelu";
+        // What the fused kernel reads must suit it, or it would refuse after the GEMM before it
+        // was enqueued: elsewhere the unfused path decides.
         let fused = self.fp8.is_some()
             && below.fp8.as_ref().is_some_and(Fp8Linear::scales_hold_for_the_step)
             && dy.dtype() == DType::BF16
-            && pre.dtype() == DType::BF16;
+            && pre.dtype() == DType::BF16
+            && pre.is_contiguous();
         if !fused {
             return self.backward_with(dy, x, Some(pre), bias, stream).map(PreActGrad::Plain);
         }
