@@ -6,12 +6,13 @@ use std::time::Instant;
 
 use super::graphed::{CaptureTimes, Captured, GraphedCallable, Pass, Shared, Slot, StaticState};
 use super::in_place::{readers, Readers};
+use super::lend::Lending;
 use super::options::GraphOptions;
 use super::output::StaticOutput;
 use super::plan::Plan;
 use super::record::Recorded;
 use super::replay::{Origin, Route};
-use super::verify::{verify_sync_point, Surface};
+use super::verify::{verify_sync_point, Surface, TailMemory};
 use crate::check::Checker;
 use crate::device::{AccessMode, GraphId, RangeName};
 use crate::memory::GraphPool;
@@ -19,16 +20,18 @@ use crate::tensor::Tensor;
 use crate::Result;
 
 /// Verifies the recorded graphs and makes one graphed callable per callable.
-/// `times` holds the warmup's and the recording's; the instantiation's is measured here.
+/// `times` holds the warmup's and the recording's; the instantiation's is measured here;
+/// `lending` says which gradients each graph may have used as pool memory.
 pub(crate) fn build(
     plan: &Plan<'_>,
     pools: &[GraphPool],
     options: &GraphOptions,
     recorded: Recorded,
     mut times: CaptureTimes,
+    lending: Option<&Lending>,
 ) -> Result<Vec<GraphedCallable>> {
     let began = Instant::now();
-    verify(plan, pools, options, &recorded)?;
+    verify(plan, pools, options, &recorded, lending)?;
     let (stream, dev) = (plan.stream, plan.stream.device());
     let _range = dev.range_with(|| "instantiate".into());
     let Recorded { graphs, inputs, outputs, grad_outputs, grad_inputs } = recorded;
@@ -127,7 +130,13 @@ fn writers_of(pool: &GraphPool, t: &Tensor) -> Arc<[GraphId]> {
 }
 
 /// Checks every graph's sync event against the static surfaces (R2, R3, R7).
-fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded: &Recorded) -> Result<()> {
+fn verify(
+    plan: &Plan<'_>,
+    pools: &[GraphPool],
+    options: &GraphOptions,
+    recorded: &Recorded,
+    lending: Option<&Lending>,
+) -> Result<()> {
     let Some(event) = &options.sync_event else { return Ok(()) };
     let mut tail_memory: Vec<_> = plan.hooks.iter().flat_map(|h| h.tail_memory()).collect();
     tail_memory.extend(options.grad_sync.iter().flat_map(|g| g.tail_memory()));
@@ -139,37 +148,39 @@ fn verify(plan: &Plan<'_>, pools: &[GraphPool], options: &GraphOptions, recorded
     for (i, inputs) in recorded.inputs.iter().enumerate() {
         let name = &plan.names[i];
         let (fwd, bwd) = (graph_of(i, Pass::Forward), graph_of(i, Pass::Backward));
-        let mut add = |what: String, tensor, owner| surfaces.push(Surface { what, tensor, owner });
+        let mut add = |what: String, tensor, owner, gradient| surfaces.push(Surface { what, tensor, owner, gradient });
         // An input fed by the previous callable is that callable's output: its forward makes it.
         let input_owner =
             if plan.statics[i].is_none() { i.checked_sub(1).and_then(|p| graph_of(p, Pass::Forward)) } else { None };
         for (k, x) in inputs.iter().enumerate() {
-            add(format!("{name} {}", x.label(k)), &x.tensor, input_owner);
+            add(format!("{name} {}", x.label(k)), &x.tensor, input_owner, false);
         }
         for (k, y) in recorded.outputs[i].iter().enumerate() {
-            add(format!("{name} output {k}"), y.tensor(), fwd);
+            add(format!("{name} output {k}"), y.tensor(), fwd, false);
         }
         let grad_owner = if plan.feeds_next(i) { graph_of(i + 1, Pass::Backward) } else { None };
         for (k, d) in recorded.grad_outputs[i].iter().enumerate() {
-            add(format!("{name} output gradient {k}"), d, grad_owner);
+            add(format!("{name} output gradient {k}"), d, grad_owner, false);
         }
         for (k, d) in recorded.grad_inputs[i].iter().enumerate() {
             if let Some(d) = d {
-                add(format!("{name} gradient of input {k}"), d.tensor(), bwd);
+                add(format!("{name} gradient of input {k}"), d.tensor(), bwd, false);
             }
         }
         for p in plan.callables[i].parameters_dyn() {
-            add(format!("parameter {}", p.name), &p.value, None);
+            add(format!("parameter {}", p.name), &p.value, None, false);
             // With gradient work in the tail, gradients are complete only after the join (R4).
             if options.grad_sync.is_none() {
-                add(format!("gradient of {}", p.name), &p.grad, None);
+                add(format!("gradient of {}", p.name), &p.grad, None, true);
             }
         }
     }
     let edge_events: Vec<_> = options.edges.iter().map(|e| e.edge.event().id()).collect();
     for (i, mine) in recorded.graphs.iter().enumerate() {
-        for (_, g) in mine {
-            verify_sync_point(plan.alloc, &pools[i], g.graph(), event, &surfaces, &tail_memory, &edge_events)
+        for (pass, g) in mine {
+            let lent = lending.map(|l| pools[i].lent_memory(&l.lenders(i, *pass))).unwrap_or_default();
+            let tail = TailMemory { hook: &tail_memory, lent: &lent };
+            verify_sync_point(plan.alloc, &pools[i], g.graph(), event, &surfaces, tail, &edge_events)
                 .map_err(|kind| plan.err(i, kind))?;
         }
     }

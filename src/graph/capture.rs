@@ -6,6 +6,7 @@ use super::build::build;
 use super::callable::Callable;
 use super::error::refusal;
 use super::graphed::{CaptureTimes, Draws, Pass};
+use super::lend::Lending;
 use super::options::{GraphOptions, Mode};
 use super::plan::{Named, Plan, RangeLabel};
 use super::probe::probe_windows;
@@ -78,6 +79,10 @@ pub fn make_graphed_callables(
     samples: &[Inputs],
     options: GraphOptions,
 ) -> Result<Vec<GraphedCallable>> {
+    if options.lend_gradients {
+        let why = "is for make_graphed_stack, whose layers feed each other in a known order; graph a stack";
+        return Err(refuse(GraphedErrorKind::LendGradients { why }));
+    }
     let Some(schedule) = options.schedule.clone() else {
         if samples.len() != callables.len() {
             return Err(refuse(GraphedErrorKind::SampleCount { callables: callables.len(), samples: samples.len() }));
@@ -238,6 +243,7 @@ fn capture(
     layout: Option<Layout>,
 ) -> Result<Vec<GraphedCallable>> {
     check(alloc, callables.len(), &names, &samples, &options)?;
+    let lending = Lending::plan(callables, &options)?;
     let n = callables.len();
     let dev = alloc.device().clone();
     // The whole capture, warmup included: its passes' ranges nest inside.
@@ -286,13 +292,21 @@ fn capture(
 
     let marks: Vec<(GraphPool, usize)> = distinct(&pools).into_iter().map(|p| (p.clone(), p.order_len())).collect();
     let began = Instant::now();
-    let captured = record(&plan, &pools, &mut options, layout.as_ref()).and_then(|recorded| {
+    let lent = lending.as_ref().map_or(Ok(()), |l| l.lend(&pools[0]));
+    let captured = lent.and_then(|()| record(&plan, &pools, &mut options, layout.as_ref(), lending.as_ref()));
+    let captured = captured.and_then(|mut recorded| {
+        if lending.is_some() {
+            Lending::seal(alloc, &pools[0], &mut recorded)?;
+        }
         let times = CaptureTimes { warmup: warmup_time, record: began.elapsed(), ..CaptureTimes::default() };
-        build(&plan, &pools, &options, recorded, times)
+        build(&plan, &pools, &options, recorded, times, lending.as_ref())
     });
     if captured.is_err() {
         for (pool, mark) in &marks {
             pool.roll_back(*mark);
+        }
+        if let Some(lending) = &lending {
+            lending.give_back(&pools[0]);
         }
         if let Some(sync) = &options.grad_sync {
             sync.abandon();
@@ -302,6 +316,9 @@ fn capture(
         }
     }
     let callables = captured?;
+    if let Some(lending) = &lending {
+        lending.unpin(&pools[0]);
+    }
     stream.synchronize()?;
     Ok(callables)
 }

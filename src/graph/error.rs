@@ -27,6 +27,22 @@ pub enum GraphedErrorKind {
         /// Where, and what to do instead.
         why: &'static str,
     },
+    /// Lent gradients (`GraphOptions::lend_gradients`) asked for where they cannot be lent.
+    #[error("GraphOptions::lend_gradients {why}")]
+    LendGradients {
+        /// Where, and what to do instead.
+        why: &'static str,
+    },
+    /// A block of lent gradient memory was still held after the capture by something that is
+    /// no static buffer: state a module made during the recorded pass, which the next backward
+    /// would zero.
+    #[error(
+        "{bytes} bytes of lent gradient memory are still held after the capture by something other than a static          buffer (state a module created while being captured); create such state in the warmup, or graph without          lend_gradients"
+    )]
+    LentState {
+        /// The bytes held.
+        bytes: usize,
+    },
     /// No callables (or an empty stack) were given.
     #[error("no callables to graph; pass at least one")]
     NoCallables,

@@ -34,6 +34,7 @@ mod grad_sync;
 mod graphed;
 mod graphed_fn;
 mod in_place;
+mod lend;
 mod options;
 mod output;
 mod plan;

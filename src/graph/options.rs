@@ -61,6 +61,7 @@ pub struct GraphOptions {
     pub(crate) schedule: Option<Schedule>,
     pub(crate) layers_per_chunk: Option<Vec<usize>>,
     pub(crate) reuse_buffers: bool,
+    pub(crate) lend_gradients: bool,
     pub(crate) pre_warmup: Option<WarmupHook>,
     pub(crate) post_warmup: Option<WarmupHook>,
     /// Called after the first warmup iteration, on the warmup stream: where an offload manager
@@ -104,6 +105,7 @@ impl Default for GraphOptions {
             schedule: None,
             layers_per_chunk: None,
             reuse_buffers: false,
+            lend_gradients: false,
             pre_warmup: None,
             post_warmup: None,
             first_iteration: None,
@@ -250,6 +252,25 @@ impl GraphOptions {
     /// enforces.
     pub fn reuse_buffers(mut self, yes: bool) -> GraphOptions {
         self.reuse_buffers = yes;
+        self
+    }
+
+    /// For [`make_graphed_stack`](super::make_graphed_stack) in training: each layer lends the
+    /// memory of its parameters' gradients to the graph pool while they are dead, from the
+    /// optimizer's read to the layer's backward, so that the activations of the layers above it
+    /// live there instead of in more pool memory (PyTorch's graph pools get the same saving by
+    /// placing gradients among the activations). Each layer's backward graph then begins by
+    /// zeroing its gradients. The price is a contract: **the parameters' gradients hold data
+    /// only from the backward replay to the next forward replay**, so one backward per
+    /// optimizer step (no accumulation over microbatches: a second backward would start from
+    /// zero), and the optimizer and anything else that reads gradients run between the backward
+    /// and the next forward. Note [Lent gradients] in `graph/lend.rs` gives the rules.
+    ///
+    /// Refused ([`GraphedErrorKind::LendGradients`](super::GraphedErrorKind::LendGradients)) in
+    /// inference, with gradient work (`grad_sync`), with a pool per callable, and by
+    /// `make_graphed_callables`.
+    pub fn lend_gradients(mut self, yes: bool) -> GraphOptions {
+        self.lend_gradients = yes;
         self
     }
 

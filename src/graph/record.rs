@@ -7,6 +7,7 @@ use super::callable::Saved;
 use super::edge::End;
 use super::grad_sync::CallableGrads;
 use super::graphed::Pass;
+use super::lend::Lending;
 use super::options::{GraphOptions, Phase};
 use super::output::StaticOutput;
 use super::plan::Plan;
@@ -116,12 +117,14 @@ fn share<S: PartialEq>(uses: Vec<(usize, usize)>, signature: &dyn Fn(usize) -> S
 }
 
 /// Captures every pass of the plan's callables, callable `i`'s into `pools[i]`, in the stack's
-/// order or in `layout`'s schedule.
+/// order or in `layout`'s schedule; with `lending`, each pass may allocate from the gradients
+/// lent to it, and each backward begins by zeroing its layer's (Note [Lent gradients]).
 pub(crate) fn record(
     plan: &Plan<'_>,
     pools: &[GraphPool],
     options: &mut GraphOptions,
     layout: Option<&Layout>,
+    lending: Option<&Lending>,
 ) -> Result<Recorded> {
     let n = plan.len();
     let recorded = Recorded {
@@ -141,6 +144,7 @@ pub(crate) fn record(
         grad_sets,
         grad_buffers: HashMap::new(),
         grad_passes: GradPasses::new(plan, layout),
+        lending,
     };
     match layout {
         None => {
@@ -170,6 +174,7 @@ struct Record<'p, 'o> {
     grad_sets: Option<Vec<usize>>,
     grad_buffers: HashMap<usize, Vec<Tensor>>,
     grad_passes: GradPasses,
+    lending: Option<&'p Lending>,
 }
 
 /// The passes that accumulate parameter gradients (backward, and split weight-gradient passes),
@@ -223,8 +228,23 @@ impl Record<'_, '_> {
         last_grad_pass: bool,
         f: &mut dyn FnMut() -> Result<()>,
     ) -> Result<PoolGraph> {
+        let _range = self.plan.stream.device().range_with(|| self.plan.ranges[i].name("capture", pass));
+        let Some(lending) = self.lending else { return self.capture_in_pool(i, pass, last_grad_pass, f) };
+        lending.open_for(&self.pools[i], i, pass);
+        let graph = self.capture_in_pool(i, pass, last_grad_pass, f);
+        self.pools[i].open_lent(&[]);
+        graph
+    }
+
+    /// [`capture_pass`](Self::capture_pass)'s capture into the pool.
+    fn capture_in_pool(
+        &self,
+        i: usize,
+        pass: Pass,
+        last_grad_pass: bool,
+        f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<PoolGraph> {
         let (stream, options) = (self.plan.stream, &*self.options);
-        let _range = stream.device().range_with(|| self.plan.ranges[i].name("capture", pass));
         let cap = self.plan.alloc.capture(stream, options.capture_mode, &self.pools[i])?;
         for e in options.edges_of(i, pass).filter(|e| e.end == End::Consumer) {
             stream.wait_external(e.edge.event())?;
@@ -258,8 +278,11 @@ impl Record<'_, '_> {
         work: &mut dyn FnMut(&dyn GradHook) -> Result<()>,
     ) -> Result<PoolGraph> {
         let (completes, last) = self.grad_passes.count(i);
-        let (sync, stream) = (self.options.grad_sync.clone(), self.plan.stream);
+        let (sync, stream, lending) = (self.options.grad_sync.clone(), self.plan.stream, self.lending);
         self.capture_pass(i, pass, last, &mut || {
+            if let (Some(lending), Pass::Backward) = (lending, pass) {
+                lending.zero(i, stream)?;
+            }
             if let Some(sync) = &sync {
                 sync.begin_grad_pass(stream)?;
             }

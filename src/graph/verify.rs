@@ -1,8 +1,9 @@
 //! Capture-time verification of a graph's sync event from the checker's access summary: the
 //! event is recorded once (R2), every write the caller can observe comes before it (R2), the
 //! tail touches only pool memory outside the static surfaces the caller may use meanwhile, and
-//! the memory the save hook declares as its tail's (host buffers of offload copies) (R3), and the
-//! graph waits on no external event (R7).
+//! the memory the save hook declares as its tail's (host buffers of offload copies) and the
+//! gradients lent to the pool that the graph may use (R3), and the graph waits on no external
+//! event (R7).
 //!
 //! Pool memory is reused across the pool's graphs: a block that one graph uses internally can
 //! be another graph's output. The tail may touch such a block when a graph between the owner and
@@ -22,6 +23,25 @@ pub(crate) struct Surface<'a> {
     pub(crate) what: String,
     pub(crate) tensor: &'a Tensor,
     pub(crate) owner: Option<GraphId>,
+    /// A parameter's gradient: no surface where the graph may use it as lent pool memory.
+    pub(crate) gradient: bool,
+}
+
+/// Memory outside the pool's segments that a graph's tail may touch: the save hook's (host
+/// buffers of offload copies), and gradients lent to the pool that the graph may allocate from
+/// (Note [Lent gradients] in `lend.rs`), each an allocation and a byte range there.
+#[derive(Clone, Copy)]
+pub(crate) struct TailMemory<'a> {
+    pub(crate) hook: &'a [BufferId],
+    pub(crate) lent: &'a [(BufferId, std::ops::Range<usize>)],
+}
+
+impl TailMemory<'_> {
+    /// Whether `a` lies inside lent memory.
+    fn lent(&self, a: &Access) -> bool {
+        let (start, end) = a.byte_hull();
+        self.lent.iter().any(|(memory, r)| *memory == a.memory && r.start <= start && end <= r.end)
+    }
 }
 
 pub(crate) fn verify_sync_point(
@@ -30,7 +50,7 @@ pub(crate) fn verify_sync_point(
     graph: &Graph,
     event: &Event,
     surfaces: &[Surface<'_>],
-    tail_memory: &[BufferId],
+    tail_memory: TailMemory<'_>,
     edge_events: &[EventId],
 ) -> Result<(), GraphedErrorKind> {
     let checker = Checker::of(graph.device()).ok_or(GraphedErrorKind::Unverifiable)?;
@@ -63,7 +83,8 @@ pub(crate) fn verify_sync_point(
     let pool_memory = alloc.pool_segments(pool);
     for t in &point.tail {
         let a = &t.access;
-        let hit = guarded.iter().find(|(_, at)| at.overlaps(a)).map(|(s, _)| s);
+        let lent = tail_memory.lent(a);
+        let hit = guarded.iter().find(|(s, at)| at.overlaps(a) && !(lent && s.gradient)).map(|(s, _)| s);
         match hit {
             Some(s) if a.mode.writes() => {
                 return Err(contract("R2", format!("{} writes {} after the event", t.op, s.what)));
@@ -74,7 +95,7 @@ pub(crate) fn verify_sync_point(
                     format!("{} reads {} after the event, while the caller may overwrite it", t.op, s.what),
                 ));
             }
-            None if !pool_memory.contains(&a.memory) && !tail_memory.contains(&a.memory) => {
+            None if !pool_memory.contains(&a.memory) && !tail_memory.hook.contains(&a.memory) && !lent => {
                 return Err(contract(
                     "R3",
                     format!(

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use super::arena::{block_size, segment_size, Arena, BlockInfo, FreeTag, SegmentId, Stats, StreamKey};
-use super::pool::{GraphPool, PoolGraph, PoolId, PoolState};
+use super::pool::{GraphPool, Lent, PoolGraph, PoolId, PoolState};
 use crate::device::memory::{Block, BlockOwner, Fence, MemKind, RawBuffer};
 use crate::device::{ids, BufferId, Capture, CaptureMode, Device, DeviceBuffer, Elem, Stream, StreamId};
 use crate::{Error, Result};
@@ -129,6 +129,8 @@ pub struct BlockEntry {
     pub info: BlockInfo,
     /// The buffer holding it, if handed out.
     pub buffer: Option<BufferId>,
+    /// Whether it is memory lent to its pool (the parameters' gradients a graphed stack lends).
+    pub lent: bool,
 }
 
 /// A caching allocator over one device's memory.
@@ -190,6 +192,8 @@ struct State {
     default: Arena,
     pools: HashMap<PoolId, PoolState>,
     segments: HashMap<SegmentId, Arc<RawBuffer>>,
+    /// Where each lent segment begins in its allocation, in bytes (other segments begin at 0).
+    bases: HashMap<SegmentId, usize>,
     next_segment: SegmentId,
     next_pool: u64,
     /// Which pool each allocator capture allocates from, by capture id.
@@ -216,6 +220,25 @@ impl State {
         }
     }
 
+    /// Gives the memory `lenders` lent to `pool` back to its owners (`None`: of every lender,
+    /// but not what a capture in progress was lent), each segment none of whose blocks is handed
+    /// out, and closes the pool's lent memory to captures. The caller knows that no graph that
+    /// may run uses those segments' free blocks.
+    pub(crate) fn give_back_lent(&mut self, pool: PoolId, lenders: Option<&[usize]>) {
+        let Some(p) = self.pools.get_mut(&pool) else { return };
+        let given: Vec<SegmentId> = (p.lent.iter())
+            .filter(|l| lenders.map_or(!l.pinned, |ids| ids.contains(&l.lender)))
+            .map(|l| l.segment)
+            .filter(|s| p.arena.remove_lent(*s))
+            .collect();
+        p.lent.retain(|l| !given.contains(&l.segment));
+        p.close_lent();
+        for segment in given {
+            self.segments.remove(&segment);
+            self.bases.remove(&segment);
+        }
+    }
+
     /// The sums over all arenas, with the allocator's own peaks.
     fn total(&mut self) -> Stats {
         let mut total = self.default.stats();
@@ -223,6 +246,7 @@ impl State {
             let s = p.arena.stats();
             total.allocated += s.allocated;
             total.reserved += s.reserved;
+            total.lent += s.lent;
             total.largest_free = total.largest_free.max(s.largest_free);
         }
         self.peak_allocated = self.peak_allocated.max(total.allocated);
@@ -382,7 +406,49 @@ impl Inner {
             // last of them drops.
             st.segments.remove(&segment);
         }
+        st.give_back_lent(pool, None);
         self.release_free_ends(st, Some(pool))
+    }
+
+    /// Lends `bytes` bytes at `start` in `block`'s allocation (256-byte aligned, inside the block)
+    /// to `pool`, for the captures that `lender` is open to (Note [Lent gradients]); the pool
+    /// keeps the block alive until it gives the memory back, and keeps the memory while pinned
+    /// (until [`GraphPool::unpin_lent`]), even when none of its graphs can run.
+    pub(crate) fn lend(&self, pool: PoolId, lender: usize, block: Arc<Block>, start: usize, bytes: usize) {
+        let mut st = lock(&self.state);
+        if !st.pools.contains_key(&pool) {
+            return;
+        }
+        st.next_segment += 1;
+        let segment = st.next_segment;
+        st.segments.insert(segment, block.raw.clone());
+        st.bases.insert(segment, start);
+        let p = st.pools.get_mut(&pool).expect("checked above");
+        p.arena.add_lent(segment, bytes);
+        p.lent.push(Lent { segment, lender, bytes, pinned: true, _keep: block });
+    }
+
+    /// Each lent segment of `pool` whose lender is in `lenders`: its allocation and its byte
+    /// range there.
+    pub(crate) fn lent_memory(&self, pool: PoolId, lenders: &[usize]) -> Vec<(BufferId, std::ops::Range<usize>)> {
+        let st = lock(&self.state);
+        let Some(p) = st.pools.get(&pool) else { return Vec::new() };
+        p.lent
+            .iter()
+            .filter(|l| lenders.contains(&l.lender))
+            .filter_map(|l| {
+                let (raw, base) = (st.segments.get(&l.segment)?, st.bases.get(&l.segment)?);
+                Some((raw.id, *base..*base + l.bytes))
+            })
+            .collect()
+    }
+
+    /// Gives back the memory `lenders` (all: `None`) lent to `pool` that none of its blocks
+    /// holds (see [`State::give_back_lent`]).
+    pub(crate) fn give_back_lent(&self, pool: PoolId, lenders: Option<&[usize]>) {
+        let mut st = lock(&self.state);
+        self.take_returned(&mut st);
+        st.give_back_lent(pool, lenders);
     }
 
     /// Waits for the device, then gives back what `pool` holds free if none of its graphs can
@@ -468,8 +534,14 @@ impl CachingAllocator {
             Some(id) => Some(*st.captures.get(&id).ok_or(Error::NoCapturePool { op: OP, stream: stream.id() })?),
         };
         let key = stream.id().raw();
+        // Memory lent to the pool serves first the requests it is open to (Note [Lent gradients]).
+        let open = pool.and_then(|p| st.pools.get(&p)).map(|p| p.open_lent()).unwrap_or_default();
         let arena = st.arena(pool).ok_or(Error::NoCapturePool { op: OP, stream: stream.id() })?;
-        let (segment, offset, size) = match arena.alloc(bytes, key) {
+        let lent = match open.is_empty() {
+            true => None,
+            false => arena.alloc_lent(bytes, key, &|s| open.contains(&s)),
+        };
+        let (segment, offset, size) = match lent.or_else(|| arena.alloc(bytes, key)) {
             Some(b) => b,
             None => {
                 // Grown in relaxed mode, so that a capture on this thread is not invalidated (the
@@ -481,11 +553,12 @@ impl CachingAllocator {
         };
         st.total();
         let raw = st.segments[&segment].clone();
+        let base = st.bases.get(&segment).copied().unwrap_or(0);
         let id = BufferId(ids::next_id());
         st.live.insert((pool, segment, offset), id);
         drop(st);
         let lease = Lease { alloc: Arc::downgrade(&self.inner), pool, segment, offset };
-        let block = Block::new(raw, offset, Some(bytes.min(size)), id, Some(Arc::new(lease)));
+        let block = Block::new(raw, base + offset, Some(bytes.min(size)), id, Some(Arc::new(lease)));
         let buf = DeviceBuffer::from_block(block);
         if self.inner.poison {
             stream.memset(&buf, 0xFF)?;
@@ -585,17 +658,18 @@ impl CachingAllocator {
                     pool,
                     info,
                     buffer: live.get(&(pool, info.segment, info.offset)).copied(),
+                    lent: arena.is_lent(info.segment),
                 })
             })
             .collect()
     }
 
     /// The segments of `pool`, as the [`Access::memory`](crate::device::Access::memory) of their
-    /// blocks' accesses.
+    /// blocks' accesses; not the memory lent to it.
     pub fn pool_segments(&self, pool: &GraphPool) -> Vec<BufferId> {
         let st = lock(&self.inner.state);
         let mut ids: Vec<BufferId> = (st.pools.get(&pool.id).into_iter())
-            .flat_map(|p| p.arena.blocks())
+            .flat_map(|p| p.arena.blocks().into_iter().filter(|b| !p.arena.is_lent(b.segment)))
             .filter_map(|b| st.segments.get(&b.segment).map(|raw| raw.id))
             .collect();
         ids.sort_unstable();

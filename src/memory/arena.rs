@@ -6,6 +6,13 @@
 //! prefix is mapped, grown at its end by [`Arena::grow`] when no free block fits, and shrunk by
 //! [`Arena::shrink`] when its end is free (Note [Expandable segments] in `allocator.rs`).
 //!
+//! Lent segments ([`Arena::add_lent`]) are memory that another owner lends to the arena for a
+//! while (a graph pool borrowing the parameters' gradients, Note [Lent gradients] in
+//! `graph/lend.rs`): their blocks are handed out only by [`Arena::alloc_lent`], to the requests
+//! the caller allows, they count in neither `allocated` nor `reserved` (their owner's arena
+//! counts the bytes), and they are never released to the device, only given back whole
+//! ([`Arena::remove_lent`]).
+//!
 //! Stream-ordered reuse: a block freed by stream S may be reused at once by S (its queue orders
 //! the new use after the old one), but by another stream only after the allocator has seen an
 //! ordering — [`Arena::mark_ordered`] after S was synchronized or joined — because that stream's
@@ -74,6 +81,9 @@ pub struct Stats {
     pub peak_reserved: usize,
     /// The largest free block in reserved memory: the largest request served without growing.
     pub largest_free: usize,
+    /// Bytes in blocks handed out from lent memory ([`Arena::add_lent`]), which `allocated`
+    /// leaves out: their owner counts them.
+    pub lent: usize,
 }
 
 #[derive(Debug)]
@@ -83,6 +93,8 @@ struct Segment {
     /// Bytes the segment may grow to: its address range if expandable, else `size`.
     capacity: usize,
     expandable: bool,
+    /// Memory lent by another owner ([`Arena::add_lent`]).
+    lent: bool,
     blocks: BTreeMap<usize, (usize, BlockState)>,
 }
 
@@ -97,12 +109,17 @@ pub struct Growth {
     tag: FreeTag,
 }
 
+/// A free block's key: (tag, size, segment, offset), ordered for best fit.
+type FreeKey = (FreeTag, usize, SegmentId, usize);
+
 /// Segments and blocks of one pool.
 #[derive(Debug, Default)]
 pub struct Arena {
     segments: BTreeMap<SegmentId, Segment>,
-    /// Free blocks by (tag, size, segment, offset), for best fit.
-    free: BTreeSet<(FreeTag, usize, SegmentId, usize)>,
+    /// Free blocks of the arena's own segments, for best fit.
+    free: BTreeSet<FreeKey>,
+    /// Free blocks of lent segments, apart so that only [`Arena::alloc_lent`] sees them.
+    lent_free: BTreeSet<FreeKey>,
     stats: Stats,
 }
 
@@ -152,14 +169,52 @@ impl Arena {
     pub fn add_segment(&mut self, id: SegmentId, size: usize) {
         let mut blocks = BTreeMap::new();
         blocks.insert(0, (size, BlockState::Free(FreeTag::Any)));
-        self.segments.insert(id, Segment { size, capacity: size, expandable: false, blocks });
+        self.segments.insert(id, Segment { size, capacity: size, expandable: false, lent: false, blocks });
         self.free.insert((FreeTag::Any, size, id, 0));
         self.note_reserved(size);
     }
 
     /// Adds an expandable segment that may grow to `capacity` bytes, with nothing usable yet.
     pub fn add_expandable(&mut self, id: SegmentId, capacity: usize) {
-        self.segments.insert(id, Segment { size: 0, capacity, expandable: true, blocks: BTreeMap::new() });
+        let segment = Segment { size: 0, capacity, expandable: true, lent: false, blocks: BTreeMap::new() };
+        self.segments.insert(id, segment);
+    }
+
+    /// Adds `size` bytes (a multiple of [`ALIGN`]) that another owner lends to the arena, free
+    /// to any stream: handed out only by [`alloc_lent`](Arena::alloc_lent), counted in neither
+    /// `allocated` nor `reserved`, never released by [`release_empty`](Arena::release_empty).
+    pub fn add_lent(&mut self, id: SegmentId, size: usize) {
+        let mut blocks = BTreeMap::new();
+        blocks.insert(0, (size, BlockState::Free(FreeTag::Any)));
+        self.segments.insert(id, Segment { size, capacity: size, expandable: false, lent: true, blocks });
+        self.lent_free.insert((FreeTag::Any, size, id, 0));
+    }
+
+    /// Gives a lent segment back to its owner, if none of its blocks is handed out (returns
+    /// whether it did). The caller knows that no graph that may run still uses its blocks.
+    pub fn remove_lent(&mut self, id: SegmentId) -> bool {
+        let Some(seg) = self.segments.get(&id).filter(|s| s.lent) else { return false };
+        if seg.blocks.values().any(|(_, state)| matches!(state, BlockState::Used(_))) {
+            return false;
+        }
+        let keys: Vec<FreeKey> = seg
+            .blocks
+            .iter()
+            .filter_map(|(off, (size, state))| match state {
+                BlockState::Free(tag) => Some((*tag, *size, id, *off)),
+                BlockState::Used(_) => None,
+            })
+            .collect();
+        for key in keys {
+            self.lent_free.remove(&key);
+        }
+        self.segments.remove(&id);
+        true
+    }
+
+    /// Whether `segment` is lent memory ([`add_lent`](Arena::add_lent)).
+    pub fn is_lent(&self, segment: SegmentId) -> bool {
+        self.segments.get(&segment).is_some_and(|s| s.lent)
     }
 
     fn note_reserved(&mut self, added: usize) {
@@ -256,34 +311,65 @@ impl Arena {
         true
     }
 
-    fn best_fit(&self, tag: FreeTag, size: usize) -> Option<(FreeTag, usize, SegmentId, usize)> {
-        self.free.range((tag, size, 0, 0)..=(tag, usize::MAX, SegmentId::MAX, usize::MAX)).next().copied()
+    /// The best fit for `size` bytes on `stream` among `set`'s blocks of segments `allowed`:
+    /// the smallest of the stream's own and those free to any stream.
+    fn best_fit(
+        set: &BTreeSet<FreeKey>,
+        stream: StreamKey,
+        size: usize,
+        allowed: &dyn Fn(SegmentId) -> bool,
+    ) -> Option<FreeKey> {
+        let fit = |tag| {
+            set.range((tag, size, 0, 0)..=(tag, usize::MAX, SegmentId::MAX, usize::MAX)).find(|k| allowed(k.2)).copied()
+        };
+        match (fit(FreeTag::Stream(stream)), fit(FreeTag::Any)) {
+            (Some(a), Some(b)) => Some(if a.1 <= b.1 { a } else { b }),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Hands out a block of `block_size(bytes)` for `stream`, or `None` if no free block fits
     /// (then add a segment of `segment_size` and ask again). Returns (segment, offset, size).
+    /// Lent segments are left to [`alloc_lent`](Arena::alloc_lent).
     pub fn alloc(&mut self, bytes: usize, stream: StreamKey) -> Option<(SegmentId, usize, usize)> {
         let size = block_size(bytes);
-        let own = self.best_fit(FreeTag::Stream(stream), size);
-        let any = self.best_fit(FreeTag::Any, size);
-        let chosen = match (own, any) {
-            (Some(a), Some(b)) => Some(if a.1 <= b.1 { a } else { b }),
-            (a, b) => a.or(b),
-        }?;
+        let chosen = Arena::best_fit(&self.free, stream, size, &|_| true)?;
+        Some(self.take(chosen, size, stream))
+    }
+
+    /// As [`alloc`](Arena::alloc), from lent segments for which `allowed` holds only, or `None`.
+    pub fn alloc_lent(
+        &mut self,
+        bytes: usize,
+        stream: StreamKey,
+        allowed: &dyn Fn(SegmentId) -> bool,
+    ) -> Option<(SegmentId, usize, usize)> {
+        let size = block_size(bytes);
+        let chosen = Arena::best_fit(&self.lent_free, stream, size, allowed)?;
+        Some(self.take(chosen, size, stream))
+    }
+
+    /// Hands out `size` bytes of the free block `chosen` for `stream`, splitting off the rest.
+    fn take(&mut self, chosen: FreeKey, size: usize, stream: StreamKey) -> (SegmentId, usize, usize) {
         let (tag, found, seg, off) = chosen;
-        self.free.remove(&chosen);
-        let blocks = &mut self.segments.get_mut(&seg).expect("free blocks belong to segments").blocks;
+        let segment = self.segments.get_mut(&seg).expect("free blocks belong to segments");
+        let free = if segment.lent { &mut self.lent_free } else { &mut self.free };
+        free.remove(&chosen);
         let taken = if found - size >= MIN_SPLIT {
-            blocks.insert(off + size, (found - size, BlockState::Free(tag)));
-            self.free.insert((tag, found - size, seg, off + size));
+            segment.blocks.insert(off + size, (found - size, BlockState::Free(tag)));
+            free.insert((tag, found - size, seg, off + size));
             size
         } else {
             found
         };
-        blocks.insert(off, (taken, BlockState::Used(stream)));
-        self.stats.allocated += taken;
-        self.stats.peak_allocated = self.stats.peak_allocated.max(self.stats.allocated);
-        Some((seg, off, taken))
+        segment.blocks.insert(off, (taken, BlockState::Used(stream)));
+        if segment.lent {
+            self.stats.lent += taken;
+        } else {
+            self.stats.allocated += taken;
+            self.stats.peak_allocated = self.stats.peak_allocated.max(self.stats.allocated);
+        }
+        (seg, off, taken)
     }
 
     /// Records that the used block at (`segment`, `offset`) is now used on `stream` as well;
@@ -310,18 +396,23 @@ impl Arena {
         let Some(seg) = self.segments.get_mut(&segment) else { return false };
         let Some(&(size, BlockState::Used(stream))) = seg.blocks.get(&offset) else { return false };
         seg.blocks.remove(&offset);
-        self.stats.allocated -= size;
+        match seg.lent {
+            true => self.stats.lent -= size,
+            false => self.stats.allocated -= size,
+        }
         self.insert_free(segment, offset, size, tag.unwrap_or(FreeTag::Stream(stream)));
         true
     }
 
     /// Inserts a free block and merges it with free neighbours of the same tag.
     fn insert_free(&mut self, segment: SegmentId, mut offset: usize, mut size: usize, tag: FreeTag) {
-        let blocks = &mut self.segments.get_mut(&segment).expect("caller checked").blocks;
+        let seg = self.segments.get_mut(&segment).expect("caller checked");
+        let free = if seg.lent { &mut self.lent_free } else { &mut self.free };
+        let blocks = &mut seg.blocks;
         if let Some((&prev_off, &(prev_size, BlockState::Free(t)))) = blocks.range(..offset).next_back() {
             if t == tag && prev_off + prev_size == offset {
                 blocks.remove(&prev_off);
-                self.free.remove(&(tag, prev_size, segment, prev_off));
+                free.remove(&(tag, prev_size, segment, prev_off));
                 offset = prev_off;
                 size += prev_size;
             }
@@ -329,12 +420,12 @@ impl Arena {
         if let Some(&(next_size, BlockState::Free(t))) = blocks.get(&(offset + size)) {
             if t == tag {
                 blocks.remove(&(offset + size));
-                self.free.remove(&(tag, next_size, segment, offset + size));
+                free.remove(&(tag, next_size, segment, offset + size));
                 size += next_size;
             }
         }
         blocks.insert(offset, (size, BlockState::Free(tag)));
-        self.free.insert((tag, size, segment, offset));
+        free.insert((tag, size, segment, offset));
     }
 
     /// The allocator has seen that everything `stream` freed so far is ordered before any later
@@ -342,10 +433,11 @@ impl Arena {
     /// blocks become reusable by all.
     pub fn mark_ordered(&mut self, stream: StreamKey) {
         let tag = FreeTag::Stream(stream);
-        let moved: Vec<_> =
-            self.free.range((tag, 0, 0, 0)..=(tag, usize::MAX, SegmentId::MAX, usize::MAX)).copied().collect();
+        let range = (tag, 0, 0, 0)..=(tag, usize::MAX, SegmentId::MAX, usize::MAX);
+        let moved: Vec<FreeKey> = self.free.range(range.clone()).chain(self.lent_free.range(range)).copied().collect();
         for key @ (_, size, seg, off) in moved {
             self.free.remove(&key);
+            self.lent_free.remove(&key);
             self.segments.get_mut(&seg).expect("free blocks belong to segments").blocks.remove(&off);
             self.insert_free(seg, off, size, FreeTag::Any);
         }
@@ -353,7 +445,8 @@ impl Arena {
 
     /// Every free block becomes reusable by all streams (the device was synchronized).
     pub fn mark_all_ordered(&mut self) {
-        let tags: BTreeSet<FreeTag> = self.free.iter().map(|k| k.0).filter(|t| *t != FreeTag::Any).collect();
+        let tags: BTreeSet<FreeTag> =
+            self.free.iter().chain(&self.lent_free).map(|k| k.0).filter(|t| *t != FreeTag::Any).collect();
         for tag in tags {
             if let FreeTag::Stream(s) = tag {
                 self.mark_ordered(s);
@@ -370,6 +463,7 @@ impl Arena {
             .iter()
             .filter(|(_, s)| {
                 !s.expandable
+                    && !s.lent
                     && matches!(s.blocks.get(&0), Some(&(size, BlockState::Free(FreeTag::Any))) if size == s.size)
             })
             .map(|(id, s)| (*id, s.size))
@@ -458,6 +552,29 @@ mod tests {
         a.grow(g);
         assert_eq!(a.alloc(16384, 8).map(|b| b.1), Some(8192));
         assert_eq!(a.plan_growth(1 << 30, 8, 8192), None, "no room left in the range");
+    }
+
+    #[test]
+    fn lent_memory_serves_only_the_requests_allowed_and_goes_back_whole() {
+        let mut a = Arena::new();
+        a.add_segment(1, 4096);
+        a.add_lent(2, 8192);
+        a.add_lent(3, 8192);
+        assert_eq!(a.alloc(6000, 0), None, "plain requests never see lent memory");
+        assert_eq!(a.alloc_lent(6000, 0, &|s| s == 3).map(|b| b.0), Some(3));
+        assert_eq!(a.alloc_lent(6000, 0, &|s| s == 3), None, "segment 3 is taken and 2 is not allowed");
+        let (seg, off, size) = a.alloc_lent(100, 0, &|_| true).expect("fits the rest of segment 3");
+        assert_eq!((seg, off, size), (3, 6144, 256), "best fit: the smallest free block allowed");
+        let st = a.stats();
+        assert_eq!((st.allocated, st.reserved, st.lent), (0, 4096, 6400), "lent bytes count apart");
+        assert_eq!(st.largest_free, 4096, "lent free blocks serve no plain request");
+        assert!(!a.remove_lent(3), "a block of it is handed out");
+        assert!(a.free(3, off) && a.free(3, 0));
+        assert_eq!(a.release_empty(), vec![(1, 4096)], "lent segments are never released to the device");
+        a.mark_ordered(0);
+        assert!(a.remove_lent(3) && a.remove_lent(2));
+        assert!(!a.remove_lent(2), "given back once");
+        assert_eq!((a.stats(), a.blocks().len()), (Stats { peak_reserved: 4096, ..Stats::default() }, 0));
     }
 
     #[test]

@@ -18,8 +18,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::allocator::Inner;
-use super::arena::{Arena, Stats, StreamKey};
-use crate::device::{Event, Graph, GraphExec, GraphId, Stream};
+use super::arena::{Arena, SegmentId, Stats, StreamKey, ALIGN};
+use crate::device::memory::Block;
+use crate::device::{BufferId, DeviceBuffer, Elem, Event, Graph, GraphExec, GraphId, Stream};
 use crate::{Error, Result};
 
 /// Identity of a [`GraphPool`].
@@ -51,6 +52,22 @@ pub(crate) struct PoolState {
     launches: HashMap<GraphId, u64>,
     /// Names given to graphs, for errors.
     names: HashMap<GraphId, String>,
+    /// Memory lent to the pool (Note [Lent gradients]), and the lent segments the capture in
+    /// progress may allocate from.
+    pub(crate) lent: Vec<Lent>,
+    open: Vec<SegmentId>,
+}
+
+/// A range of another owner's memory lent to a pool: a segment of its arena.
+pub(crate) struct Lent {
+    pub(crate) segment: SegmentId,
+    /// Who lent it: the graph layer's index of the lender (a layer of a graphed stack).
+    pub(crate) lender: usize,
+    pub(crate) bytes: usize,
+    /// Lent for a capture in progress: kept while the pool has no graph yet.
+    pub(crate) pinned: bool,
+    /// The owner's block, kept alive while the pool may hand out its memory.
+    pub(crate) _keep: Arc<Block>,
 }
 
 impl PoolState {
@@ -63,6 +80,16 @@ impl PoolState {
     /// whatever it is asked to). Only then may the pool give memory back.
     pub(crate) fn idle(&self) -> bool {
         self.order.is_empty() && self.capturing.is_none() && !self.unguarded
+    }
+
+    /// The lent segments the capture in progress may allocate from.
+    pub(crate) fn open_lent(&self) -> Vec<SegmentId> {
+        self.open.clone()
+    }
+
+    /// No capture may allocate from lent memory until [`GraphPool::open_lent`] again.
+    pub(crate) fn close_lent(&mut self) {
+        self.open.clear();
     }
 
     /// The host saw everything finish: a replay may use any stream next.
@@ -190,6 +217,56 @@ impl GraphPool {
     /// pool.
     pub(crate) fn trim(&self) -> Result<()> {
         self.alloc.trim_pool(self.id)
+    }
+
+    /// Lends the 256-byte aligned part of `buffer`'s elements `range` to the pool, to be handed
+    /// out only to the captures that lender `lender` is opened to ([`GraphPool::open_lent`]);
+    /// returns the bytes lent. The pool keeps `buffer`'s memory alive and gives it back when none
+    /// of its graphs can run any more and none of its blocks there is held (Note [Lent gradients]
+    /// in `graph/lend.rs` says when that is safe).
+    pub(crate) fn lend<T: Elem>(
+        &self,
+        lender: usize,
+        buffer: &DeviceBuffer<T>,
+        range: std::ops::Range<usize>,
+    ) -> usize {
+        let block = buffer.block.clone();
+        let size = T::DTYPE.size();
+        let start = (block.base + range.start * size).div_ceil(ALIGN) * ALIGN;
+        let end = (block.base + range.end.min(buffer.len()) * size) / ALIGN * ALIGN;
+        if end <= start {
+            return 0;
+        }
+        self.alloc.lend(self.id, lender, block, start, end - start);
+        end - start
+    }
+
+    /// Lets the capture in progress allocate from the memory of `lenders` (none: no lent memory).
+    pub(crate) fn open_lent(&self, lenders: &[usize]) {
+        self.alloc.with_pool(self.id, |p| {
+            p.open = p.lent.iter().filter(|l| lenders.contains(&l.lender)).map(|l| l.segment).collect();
+        });
+    }
+
+    /// The memory `lenders` lent to the pool: each range's allocation and bytes there, as the
+    /// accesses of its blocks name them.
+    pub(crate) fn lent_memory(&self, lenders: &[usize]) -> Vec<(BufferId, std::ops::Range<usize>)> {
+        self.alloc.lent_memory(self.id, lenders)
+    }
+
+    /// Ends the pin of the memory `lenders` lent: the capture it was lent for ended, and the pool
+    /// gives the memory back once none of its graphs can run.
+    pub(crate) fn unpin_lent(&self, lenders: &[usize]) {
+        self.alloc.with_pool(self.id, |p| {
+            p.lent.iter_mut().filter(|l| lenders.contains(&l.lender)).for_each(|l| l.pinned = false);
+        });
+    }
+
+    /// Gives the memory lent by `lenders` (all lenders: `None`) that no block holds back to its
+    /// owners, and closes the pool's lent memory to captures. The caller knows that no graph
+    /// that may run uses it.
+    pub(crate) fn give_back_lent(&self, lenders: Option<&[usize]>) {
+        self.alloc.give_back_lent(self.id, lenders);
     }
 
     /// How many graphs the pool's order holds: a mark to [`GraphPool::roll_back`] to.

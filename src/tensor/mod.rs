@@ -299,6 +299,16 @@ impl Tensor {
         Ok(t)
     }
 
+    /// Elements `range` of its buffer, as a flat contiguous view of the same memory (whatever
+    /// this view's shape): a run of views of one buffer taken as one.
+    pub(crate) fn flat(&self, range: std::ops::Range<usize>) -> Result<Tensor> {
+        let len = with_dtype!(self.dtype, T => self.buffer::<T>("Tensor::flat")?.len());
+        if range.start > range.end || range.end > len {
+            return Err(shape_error("Tensor::flat", format!("elements {range:?} of a buffer of {len}"), &self.shape));
+        }
+        Ok(Tensor { offset: range.start, shape: vec![range.len()], strides: vec![1], ..self.clone() })
+    }
+
     /// Its first element's position in its buffer, in elements.
     pub fn offset(&self) -> usize {
         self.offset

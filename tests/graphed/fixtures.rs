@@ -74,11 +74,16 @@ impl Model {
 
     /// As [`Model::with_dtype`] in bf16, the MLPs' backward recomputing their GELU output.
     pub fn recomputing(dev: &Device) -> Result<Model> {
-        Model::build_with(dev, DType::BF16, SHAPE, None, Recompute::Gelu)
+        Model::build_with(dev, DType::BF16, SHAPE, None, Recompute::Gelu, LAYERS)
+    }
+
+    /// As [`Model::with_dtype`], with `layers` layers.
+    pub fn deep(dev: &Device, dtype: DType, layers: usize) -> Result<Model> {
+        Model::build_with(dev, dtype, SHAPE, None, Recompute::Nothing, layers)
     }
 
     fn build(dev: &Device, dtype: DType, shape: [usize; 3], fp8: Option<Fp8Recipe>) -> Result<Model> {
-        Model::build_with(dev, dtype, shape, fp8, Recompute::Nothing)
+        Model::build_with(dev, dtype, shape, fp8, Recompute::Nothing, LAYERS)
     }
 
     fn build_with(
@@ -87,18 +92,19 @@ impl Model {
         shape: [usize; 3],
         fp8: Option<Fp8Recipe>,
         recompute: Recompute,
+        layers: usize,
     ) -> Result<Model> {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let fp8 = fp8.map(|recipe| Fp8Training::new(&alloc, recipe));
         let c = shape[2];
-        let store = ParamStore::with_dtype(&alloc, &s, LAYERS * TransformerLayer::parameter_count(c), dtype)?;
+        let store = ParamStore::with_dtype(&alloc, &s, layers * TransformerLayer::parameter_count(c), dtype)?;
         let vb = Builder::new(&store, &alloc, &s)?.with_seed(10).with_dropout(DROPOUT, 77).with_recompute(recompute);
         let vb = match &fp8 {
             Some(f) => vb.with_fp8(f),
             None => vb,
         };
-        let layers = TransformerLayer::stack(&vb, (c, HEADS), &Layers::first(LAYERS))?;
+        let layers = TransformerLayer::stack(&vb, (c, HEADS), &Layers::first(layers))?;
         let step = vb.step().clone();
         let optimizer = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-2), &s)?;
         let optimizer = match &fp8 {

@@ -11,6 +11,7 @@ mod equivalence;
 mod fixtures;
 mod grad_sync;
 mod in_place;
+mod lending;
 mod misuse;
 mod ranges;
 mod release;
@@ -23,6 +24,7 @@ pub use edges::*;
 pub use equivalence::*;
 pub use grad_sync::*;
 pub use in_place::*;
+pub use lending::*;
 pub use misuse::*;
 pub use ranges::*;
 pub use release::*;
@@ -40,6 +42,11 @@ per_device!(
     stack_side_stream_matches_eager_in_fp8_current,
     stack_side_stream_matches_eager_recomputing,
     recomputing_lowers_the_pool_peak,
+    lent_gradients_match_eager,
+    lent_gradients_match_eager_on_a_side_stream_in_bf16,
+    lent_gradients_lower_the_pool_peak,
+    a_lent_output_refuses_reads_once_zeroed,
+    lending_is_refused_where_it_cannot_work,
     layers_unchained_match_eager,
     layers_read_in_place_match_eager,
     layers_read_in_place_match_eager_in_bf16,

@@ -1,0 +1,189 @@
+//! Lent gradients: a graphed stack's layers lend their parameters' gradient memory to the graph
+//! pool while it holds nothing anyone reads (`GraphOptions::lend_gradients`).
+//!
+//! Note [Lent gradients]: in a training step (forward of layers 0..n, backward of n..0, then the
+//! optimizer), layer `i`'s gradients are dead from the optimizer's read to layer `i`'s backward,
+//! which writes them; the saved activations of every layer above `i` are born and die in that
+//! window. So the pool may place them in layer `i`'s gradient memory instead of growing. PyTorch's
+//! graph pools get the same saving the other way round: a backward graph's gradients are outputs
+//! in the pool, among the activations freed by the layers above. The rules:
+//!
+//! - A block allocated while capturing layer `j`'s forward may take memory of layers `i < j`:
+//!   whatever it holds (a saved activation, the forward's output) is read at the latest by
+//!   backward `j + 1` or `j`, both before backward `i`, and rewritten by the next step's forward
+//!   `j` before it is read again.
+//! - A block allocated in layer `k`'s backward may take memory of layers `i < k - 1` only: its
+//!   static output, layer `k`'s input gradient, is read by backward `k - 1`. Split weight-gradient
+//!   passes take none.
+//! - Layer `i`'s backward graph begins by zeroing its gradients, after which its kernels
+//!   accumulate as they do without lending; so eager and graphed steps give the same bits, and a
+//!   gradient accumulated over several backwards is lost: one backward per optimizer step.
+//! - State a module creates in the recorded pass and keeps across steps must not be lent, since
+//!   the next backward would zero it: the warmup makes such state, and a lent block still held
+//!   after the capture by anything but a static buffer refuses the capture (`LentState`).
+//! - A static output in lent memory is the pool's, not the callable's (as a shared output is,
+//!   Note [Shared static outputs]): its `StaticTensor` refuses reads once a backward zeroed it,
+//!   and after the static state is released.
+//! - The sync-point verification (R2, R3) treats a lent range as the pool's memory, and as no
+//!   gradient, in the graphs that may allocate from it: the caller reads no gradient there.
+//! - Replays keep the order: the optimizer (on the caller's stream, after the tails' join, R4)
+//!   comes before the next forward, which every replay stream waits for (R1).
+
+use super::callable::Callable;
+use super::graphed::Pass;
+use super::options::{GraphOptions, Mode};
+use super::output::StaticOutput;
+use super::record::Recorded;
+use super::GraphedErrorKind;
+use crate::device::{ids, with_dtype, BufferId, Stream};
+use crate::memory::{CachingAllocator, GraphPool};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// What a stack's layers lend: per layer, its gradients as one flat range and the id of that
+/// range in the pool, if it lends them.
+pub(crate) struct Lending {
+    lenders: Vec<Option<(usize, Tensor)>>,
+}
+
+fn refuse(why: &'static str) -> Error {
+    Error::Graphed { callable: "make_graphed_stack".into(), kind: GraphedErrorKind::LendGradients { why } }
+}
+
+impl Lending {
+    /// The lending `options` ask for over the stack's layers `callables`: `None` unless asked;
+    /// refused where it cannot work. A layer lends when its parameters' gradients are one
+    /// contiguous range that no other layer's parameters touch, and a layer above it exists to
+    /// borrow it (the last layer lends nothing).
+    pub(crate) fn plan(callables: &[&dyn Callable], options: &GraphOptions) -> Result<Option<Lending>> {
+        if !options.lend_gradients {
+            return Ok(None);
+        }
+        if options.mode == Mode::Inference {
+            return Err(refuse("needs training mode: gradients are lent until the backward that writes them"));
+        }
+        if options.grad_sync.is_some() {
+            return Err(refuse(
+                "does not combine with grad_sync: the reduction reads gradients on its own stream; graph without one \
+                 of them",
+            ));
+        }
+        if options.pool_per_callable {
+            return Err(refuse("needs one pool for the stack's layers; drop pool_per_callable"));
+        }
+        let spans: Vec<Option<(BufferId, usize, usize, Tensor)>> = callables.iter().map(|c| span(*c)).collect();
+        let overlaps = |i: usize, (id, start, end): (BufferId, usize, usize)| {
+            (callables.iter().enumerate()).any(|(j, c)| {
+                j != i
+                    && c.parameters_dyn()
+                        .iter()
+                        .any(|p| p.grad.id() == id && p.grad.offset() < end && start < p.grad.offset() + p.grad.numel())
+            })
+        };
+        let n = callables.len();
+        let lenders = (spans.into_iter().enumerate())
+            .map(|(i, s)| {
+                let (id, start, end, grads) = s?;
+                (i + 1 < n && !overlaps(i, (id, start, end))).then(|| (ids::next_id() as usize, grads))
+            })
+            .collect();
+        Ok(Some(Lending { lenders }))
+    }
+
+    /// Lends every lending layer's gradients to `pool`, closed to every capture until
+    /// [`open_for`](Lending::open_for).
+    pub(crate) fn lend(&self, pool: &GraphPool) -> Result<()> {
+        for (id, grads) in self.lenders.iter().flatten() {
+            with_dtype!(grads.dtype(), T => {
+                let buffer = grads.buffer::<T>("make_graphed_stack")?;
+                pool.lend(*id, buffer, grads.offset()..grads.offset() + grads.numel());
+            });
+        }
+        Ok(())
+    }
+
+    fn ids(&self) -> Vec<usize> {
+        self.lenders.iter().flatten().map(|(id, _)| *id).collect()
+    }
+
+    /// Gives back what the layers lent to `pool` (a failed capture: no graph uses it).
+    pub(crate) fn give_back(&self, pool: &GraphPool) {
+        pool.give_back_lent(Some(&self.ids()));
+    }
+
+    /// The capture succeeded: `pool` keeps what the layers lent until none of its graphs can run.
+    pub(crate) fn unpin(&self, pool: &GraphPool) {
+        pool.unpin_lent(&self.ids());
+    }
+
+    /// The lenders whose memory the capture of layer `i`'s `pass` may take (Note [Lent
+    /// gradients]).
+    pub(crate) fn lenders(&self, i: usize, pass: Pass) -> Vec<usize> {
+        let below = match pass {
+            Pass::Forward => i,
+            Pass::Backward => i.saturating_sub(1),
+            Pass::BackwardDw => 0,
+        };
+        self.lenders[..below.min(self.lenders.len())].iter().flatten().map(|(id, _)| *id).collect()
+    }
+
+    /// Opens `pool`'s lent memory to the capture of layer `i`'s `pass` about to begin.
+    pub(crate) fn open_for(&self, pool: &GraphPool, i: usize, pass: Pass) {
+        pool.open_lent(&self.lenders(i, pass));
+    }
+
+    /// Zeroes layer `i`'s gradients on `stream`, if it lends them: the first work of its
+    /// backward graph.
+    pub(crate) fn zero(&self, i: usize, stream: &Stream) -> Result<()> {
+        match self.lenders.get(i) {
+            Some(Some((_, grads))) => grads.zero(stream),
+            _ => Ok(()),
+        }
+    }
+
+    /// After the recording: refuses lent memory that something other than a static buffer
+    /// still holds, and makes the static outputs in lent memory the pool's (Note [Lent
+    /// gradients]).
+    pub(crate) fn seal(alloc: &CachingAllocator, pool: &GraphPool, recorded: &mut Recorded) -> Result<()> {
+        let statics: Vec<BufferId> = (recorded.inputs.iter().flat_map(|x| x.iter().map(|x| x.tensor.id())))
+            .chain(recorded.outputs.iter().flatten().map(|y| y.tensor().id()))
+            .chain(recorded.grad_inputs.iter().flatten().flatten().map(|d| d.tensor().id()))
+            .collect();
+        let held: usize = (alloc.blocks().into_iter())
+            .filter(|b| b.lent && b.pool == Some(pool.id()))
+            .filter(|b| b.buffer.is_some_and(|id| !statics.contains(&id)))
+            .map(|b| b.info.size)
+            .sum();
+        if held > 0 {
+            let kind = GraphedErrorKind::LentState { bytes: held };
+            return Err(Error::Graphed { callable: "make_graphed_stack".into(), kind });
+        }
+        let lent = |t: &Tensor| alloc.block_of(t.id()).is_some_and(|b| b.lent);
+        let share = |y: StaticOutput| if lent(y.tensor()) { y.share(alloc, pool) } else { Ok(y) };
+        for outputs in &mut recorded.outputs {
+            *outputs = std::mem::take(outputs).into_iter().map(share).collect::<Result<_>>()?;
+        }
+        for grads in &mut recorded.grad_inputs {
+            *grads = std::mem::take(grads).into_iter().map(|d| d.map(share).transpose()).collect::<Result<_>>()?;
+        }
+        Ok(())
+    }
+}
+
+/// A callable's parameters' gradients as one contiguous flat range of one buffer: its buffer,
+/// first and past-the-last element, and a view of it; `None` if it has no parameters or they
+/// are not one contiguous range.
+fn span(c: &dyn Callable) -> Option<(BufferId, usize, usize, Tensor)> {
+    let mut grads: Vec<&Tensor> = c.parameters_dyn().into_iter().map(|p| &p.grad).collect();
+    grads.sort_by_key(|g| g.offset());
+    let first = *grads.first()?;
+    let mut end = first.offset();
+    for g in &grads {
+        if g.id() != first.id() || !g.is_contiguous() || g.offset() != end {
+            return None;
+        }
+        end += g.numel();
+    }
+    let view = first.flat(first.offset()..end).ok()?;
+    Some((first.id(), first.offset(), end, view))
+}

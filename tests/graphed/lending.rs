@@ -1,0 +1,128 @@
+//! Lent gradients (`GraphOptions::lend_gradients`): the layers' gradient memory holds the
+//! activations of the layers above while it is dead, with the results of eager training bit for
+//! bit, a lower pool peak, outputs that refuse reads once zeroed, and refusals that change nothing.
+
+use anyhow::ensure;
+use graphed::device::{AccessMode, DType, Device};
+use graphed::graph::{
+    make_graphed_callables, make_graphed_fn, make_graphed_stack, GraphOptions, GraphedErrorKind, Replay,
+};
+use graphed::nn::{Inputs, TransformerLayer};
+use graphed::tensor::Tensor;
+
+use super::api::expect_kind;
+use super::fixtures::{Model, Result};
+
+/// Three layers: layer 0 lends to the forwards of layers 1 and 2 and to layer 2's backward,
+/// layer 1 to layer 2's forward.
+const LAYERS: usize = 3;
+const STEPS: u64 = 3;
+
+fn lend() -> GraphOptions {
+    GraphOptions::default().lend_gradients(true)
+}
+
+/// Twin models, eager and graphed with lent gradients (side stream, so the sync-point rules are
+/// verified with lent memory in the tails), one microbatch per step: outputs, input gradients,
+/// parameter gradients after each backward and parameters after each AdamW step, bit for bit.
+fn lent_training(dev: &Device, dtype: DType, side: bool) -> Result {
+    let eager = Model::deep(dev, dtype, LAYERS)?;
+    let graphed = Model::deep(dev, dtype, LAYERS)?;
+    let (stream, event) = (dev.stream()?, dev.event()?);
+    let (options, replay) = match side {
+        true => (lend().sync_event(&event), Replay::side(&stream)),
+        false => (lend(), Replay::caller()),
+    };
+    let g = graphed.graph(options)?;
+    let optimizer = make_graphed_fn(&graphed.alloc, |s| graphed.optimizer.step(s))?;
+    ensure!(graphed.alloc.blocks().iter().any(|b| b.lent), "no layer lent its gradients");
+    for step in 0..STEPS {
+        let (x, dy) = eager.data(step)?;
+        let want = eager.eager(&x, &dy)?;
+        let (x, dy) = graphed.data(step)?;
+        ensure!(graphed.graphed(&g, &x, &dy, replay)? == want, "step {step}: outputs or input gradients differ");
+        ensure!(eager.grads()? == graphed.grads()?, "step {step}: parameter gradients differ");
+        eager.optimizer_step()?;
+        optimizer.replay(&graphed.s)?;
+        ensure!(eager.params()? == graphed.params()?, "step {step}: parameters differ after AdamW");
+    }
+    ensure!(eager.params()? != Model::deep(dev, dtype, LAYERS)?.params()?, "training changed nothing");
+    Ok(())
+}
+
+pub fn lent_gradients_match_eager(dev: &Device) -> Result {
+    lent_training(dev, DType::F32, false)
+}
+
+pub fn lent_gradients_match_eager_on_a_side_stream_in_bf16(dev: &Device) -> Result {
+    lent_training(dev, DType::BF16, true)
+}
+
+/// The pool's peak drops: the layers above layer 0 keep their activations in its gradients,
+/// by at most what the lending layers' gradients hold. (Reserved memory comes in 2 MiB pages,
+/// more than this model's pool: the benchmarks measure it.)
+pub fn lent_gradients_lower_the_pool_peak(dev: &Device) -> Result {
+    let peak = |options: GraphOptions| -> Result<usize> {
+        let m = Model::deep(dev, DType::BF16, LAYERS)?;
+        let g = m.graph(options)?;
+        let (x, dy) = m.data(0)?;
+        m.graphed(&g, &x, &dy, Replay::caller())?;
+        Ok(g.pool().stats().peak_allocated)
+    };
+    let (kept, lent) = (peak(GraphOptions::default())?, peak(lend())?);
+    let m = Model::deep(dev, DType::BF16, LAYERS)?;
+    let unit = m.shape.iter().product::<usize>() * DType::BF16.size();
+    let lendable = (LAYERS - 1) * TransformerLayer::parameter_count(m.shape[2]) * DType::BF16.size();
+    ensure!(
+        lent + 4 * unit <= kept && kept - lent <= lendable,
+        "the pool peaked at {lent} B lending, {kept} B not; four activations are {} B, the lent gradients {lendable} B",
+        4 * unit
+    );
+    Ok(())
+}
+
+/// The stack's output lies in lent memory: readable until the backward zeroes it, refused after
+/// (a stale read, not gradients read as activations), and refused after release; the pool then
+/// holds nothing, and the gradients, zeroed, train eagerly as a model's that never lent.
+pub fn a_lent_output_refuses_reads_once_zeroed(dev: &Device) -> Result {
+    let m = Model::deep(dev, DType::F32, LAYERS)?;
+    let mut g = m.graph(lend())?;
+    let (x, dy) = m.data(1)?;
+    let y = g.forward(&m.s, &x, Replay::caller())?;
+    let grads = m.store.grads()?.access(AccessMode::Read)?;
+    ensure!(y.get()?.access(AccessMode::Read)?.overlaps(&grads), "the last layer's output is not in lent memory");
+    y.get()?.to_f32_vec(&m.s)?;
+    g.backward(&m.s, &dy)?;
+    g.join(&m.s)?;
+    expect_kind(y.get(), |k| matches!(k, GraphedErrorKind::StaleOutput { .. }))?;
+    let y = g.forward(&m.s, &x, Replay::caller())?;
+    y.get()?;
+    g.release_static_state()?;
+    expect_kind(y.get(), |k| matches!(k, GraphedErrorKind::OutputReleased { .. }))?;
+    ensure!(m.alloc.blocks().iter().all(|b| !b.lent), "released, the pool still holds lent memory");
+    let held = g.pool().stats();
+    ensure!((held.allocated, held.reserved, held.lent) == (0, 0, 0), "released, the pool holds {held:?}");
+    // The forward left the gradients undefined (the contract); from zero they are the store's.
+    let twin = Model::deep(dev, DType::F32, LAYERS)?;
+    let drawn = Tensor::from_host(&twin.alloc, &twin.s, &m.step.to_vec::<u64>(&m.s)?, &[1])?;
+    twin.step.copy_from(&drawn, &twin.s)?;
+    m.store.grads()?.zero(&m.s)?;
+    ensure!(m.eager(&x, &dy)? == twin.eager(&x, &dy)?, "eager after the release differs from a model that never lent");
+    ensure!(m.grads()? == twin.grads()?, "eager gradients after the release differ from a model that never lent");
+    Ok(())
+}
+
+/// Lending is refused where it cannot work, before anything runs: inference, a pool per
+/// callable, and callables graphed one by one.
+pub fn lending_is_refused_where_it_cannot_work(dev: &Device) -> Result {
+    let m = Model::deep(dev, DType::F32, LAYERS)?;
+    let before = (m.grads()?, m.alloc.stats().pools.len());
+    let refused = |k: &GraphedErrorKind| matches!(k, GraphedErrorKind::LendGradients { .. });
+    let (x0, _) = m.data(0)?;
+    expect_kind(make_graphed_stack(&m.alloc, &m.stack, &x0, lend().inference()), refused)?;
+    expect_kind(make_graphed_stack(&m.alloc, &m.stack, &x0, lend().pool_per_callable(true)), refused)?;
+    let samples: Vec<Inputs> = m.layers().iter().map(|_| Inputs::one(&x0)).collect();
+    expect_kind(make_graphed_callables(&m.alloc, &m.callables(), &samples, lend()), refused)?;
+    ensure!((m.grads()?, m.alloc.stats().pools.len()) == before, "a refused capture changed the model or made a pool");
+    Ok(())
+}
