@@ -15,9 +15,11 @@
 //! - A block allocated in layer `k`'s backward may take memory of layers `i < k - 1` only: its
 //!   static output, layer `k`'s input gradient, is read by backward `k - 1`. Split weight-gradient
 //!   passes take none.
-//! - Layer `i`'s backward graph begins by zeroing its gradients, after which its kernels
-//!   accumulate as they do without lending; so eager and graphed steps give the same bits, and a
-//!   gradient accumulated over several backwards is lost: one backward per optimizer step.
+//! - Every layer's backward graph begins by zeroing its gradients (lending or not, so that all
+//!   behave alike), after which its kernels accumulate as they do without lending; so eager and
+//!   graphed steps give the same bits, and a gradient accumulated over several backwards is
+//!   lost: one backward per optimizer step. A parameter shared by two layers would accumulate
+//!   over both backwards, so it refuses lending.
 //! - State a module creates in the recorded pass and keeps across steps must not be lent, since
 //!   the next backward would zero it: the warmup makes such state, and a lent block still held
 //!   after the capture by anything but a static buffer refuses the capture (`LentState`).
@@ -40,9 +42,10 @@ use crate::memory::{CachingAllocator, GraphPool};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-/// What a stack's layers lend: per layer, its gradients as one flat range and the id of that
-/// range in the pool, if it lends them.
+/// What a stack's layers lend: per layer, the gradients its backward zeroes first, and the id
+/// and flat range of what it lends, if it lends.
 pub(crate) struct Lending {
+    zeroed: Vec<Vec<Tensor>>,
     lenders: Vec<Option<(usize, Tensor)>>,
 }
 
@@ -52,9 +55,9 @@ fn refuse(why: &'static str) -> Error {
 
 impl Lending {
     /// The lending `options` ask for over the stack's layers `callables`: `None` unless asked;
-    /// refused where it cannot work. A layer lends when its parameters' gradients are one
-    /// contiguous range that no other layer's parameters touch, and a layer above it exists to
-    /// borrow it (the last layer lends nothing).
+    /// refused where it cannot work. Every layer's backward zeroes its gradients first, so that
+    /// each backward gives its own, lending or not; a layer lends when its parameters' gradients
+    /// are one contiguous range and a layer above it exists to borrow it (the last lends nothing).
     pub(crate) fn plan(callables: &[&dyn Callable], options: &GraphOptions) -> Result<Option<Lending>> {
         if !options.lend_gradients {
             return Ok(None);
@@ -71,23 +74,30 @@ impl Lending {
         if options.pool_per_callable {
             return Err(refuse("needs one pool for the stack's layers; drop pool_per_callable"));
         }
-        let spans: Vec<Option<(BufferId, usize, usize, Tensor)>> = callables.iter().map(|c| span(*c)).collect();
-        let overlaps = |i: usize, (id, start, end): (BufferId, usize, usize)| {
-            (callables.iter().enumerate()).any(|(j, c)| {
-                j != i
-                    && c.parameters_dyn()
-                        .iter()
-                        .any(|p| p.grad.id() == id && p.grad.offset() < end && start < p.grad.offset() + p.grad.numel())
-            })
+        let grads: Vec<Vec<&Tensor>> =
+            callables.iter().map(|c| c.parameters_dyn().into_iter().map(|p| &p.grad).collect()).collect();
+        let touches = |a: &Tensor, b: &Tensor| {
+            a.id() == b.id() && a.offset() < b.offset() + b.numel() && b.offset() < a.offset() + a.numel()
         };
+        for (i, mine) in grads.iter().enumerate() {
+            if grads[i + 1..].iter().flatten().any(|g| mine.iter().any(|m| touches(m, g))) {
+                return Err(refuse(
+                    "needs every parameter in one layer: a parameter shared by two layers accumulates over both \
+                     backwards, which lending zeroes; graph without lend_gradients",
+                ));
+            }
+        }
         let n = callables.len();
-        let lenders = (spans.into_iter().enumerate())
-            .map(|(i, s)| {
-                let (id, start, end, grads) = s?;
-                (i + 1 < n && !overlaps(i, (id, start, end))).then(|| (ids::next_id() as usize, grads))
-            })
-            .collect();
-        Ok(Some(Lending { lenders }))
+        let mut lending = Lending { zeroed: Vec::with_capacity(n), lenders: Vec::with_capacity(n) };
+        for (i, mine) in grads.into_iter().enumerate() {
+            let span = span(&mine);
+            lending.zeroed.push(match &span {
+                Some(all) => vec![all.clone()],
+                None => mine.into_iter().cloned().collect(),
+            });
+            lending.lenders.push(span.filter(|_| i + 1 < n).map(|all| (ids::next_id() as usize, all)));
+        }
+        Ok(Some(lending))
     }
 
     /// Lends every lending layer's gradients to `pool`, closed to every capture until
@@ -132,13 +142,9 @@ impl Lending {
         pool.open_lent(&self.lenders(i, pass));
     }
 
-    /// Zeroes layer `i`'s gradients on `stream`, if it lends them: the first work of its
-    /// backward graph.
+    /// Zeroes layer `i`'s gradients on `stream`: the first work of its backward graph.
     pub(crate) fn zero(&self, i: usize, stream: &Stream) -> Result<()> {
-        match self.lenders.get(i) {
-            Some(Some((_, grads))) => grads.zero(stream),
-            _ => Ok(()),
-        }
+        self.zeroed.get(i).into_iter().flatten().try_for_each(|g| g.zero(stream))
     }
 
     /// After the recording: refuses lent memory that something other than a static buffer
@@ -170,11 +176,10 @@ impl Lending {
     }
 }
 
-/// A callable's parameters' gradients as one contiguous flat range of one buffer: its buffer,
-/// first and past-the-last element, and a view of it; `None` if it has no parameters or they
-/// are not one contiguous range.
-fn span(c: &dyn Callable) -> Option<(BufferId, usize, usize, Tensor)> {
-    let mut grads: Vec<&Tensor> = c.parameters_dyn().into_iter().map(|p| &p.grad).collect();
+/// Gradients of one layer's parameters as one flat view, if they are one contiguous range of one
+/// buffer.
+fn span(grads: &[&Tensor]) -> Option<Tensor> {
+    let mut grads = grads.to_vec();
     grads.sort_by_key(|g| g.offset());
     let first = *grads.first()?;
     let mut end = first.offset();
@@ -184,6 +189,5 @@ fn span(c: &dyn Callable) -> Option<(BufferId, usize, usize, Tensor)> {
         }
         end += g.numel();
     }
-    let view = first.flat(first.offset()..end).ok()?;
-    Some((first.id(), first.offset(), end, view))
+    first.flat(first.offset()..end).ok()
 }

@@ -259,7 +259,7 @@ impl GraphOptions {
     /// memory of its parameters' gradients to the graph pool while they are dead, from the
     /// optimizer's read to the layer's backward, so that the activations of the layers above it
     /// live there instead of in more pool memory (PyTorch's graph pools get the same saving by
-    /// placing gradients among the activations). Each layer's backward graph then begins by
+    /// placing gradients among the activations). Every layer's backward graph then begins by
     /// zeroing its gradients. The price is a contract: **the parameters' gradients hold data
     /// only from the backward replay to the next forward replay**, so one backward per
     /// optimizer step (no accumulation over microbatches: a second backward would start from
@@ -267,8 +267,8 @@ impl GraphOptions {
     /// and the next forward. Note [Lent gradients] in `graph/lend.rs` gives the rules.
     ///
     /// Refused ([`GraphedErrorKind::LendGradients`](super::GraphedErrorKind::LendGradients)) in
-    /// inference, with gradient work (`grad_sync`), with a pool per callable, and by
-    /// `make_graphed_callables`.
+    /// inference, with gradient work (`grad_sync`), with a pool per callable, for a parameter
+    /// shared by two layers, and by `make_graphed_callables`.
     pub fn lend_gradients(mut self, yes: bool) -> GraphOptions {
         self.lend_gradients = yes;
         self

@@ -134,6 +134,31 @@ pub fn graphed_offload_side_stream_matches_in_bf16(dev: &Device) -> Result {
     graphed_twins(dev, How::Side, DType::BF16)
 }
 
+/// Offloading with lent gradients (`GraphOptions::lend_gradients`), on a side stream: the
+/// copies out in the forwards' tails read activations that live in the gradients of the layers
+/// below, which the sync-point rules accept as pool memory, and every microbatch equals eager
+/// with offloading bit for bit, its gradients those of that microbatch alone (each backward
+/// zeroes its layer's gradients first).
+pub fn graphed_offload_with_lent_gradients_matches(dev: &Device) -> Result {
+    let eager = Model::new(dev, DIMS, DType::BF16)?;
+    let off = Model::new(dev, DIMS, DType::BF16)?;
+    let me = eager.offload(config())?;
+    let mo = OffloadManager::new(&off.alloc, config())?;
+    off.skip_first()?;
+    let (side, event) = (dev.stream()?, dev.event()?);
+    let go = off.graph(mo.graph_options(GraphOptions::default().sync_event(&event).lend_gradients(true)))?;
+    ensure!(off.alloc.blocks().iter().any(|b| b.lent), "no layer lent its gradients");
+    let hook = me.chunk(Chunk::default());
+    for k in 1..=STEPS {
+        eager.store.grads()?.zero(&eager.s)?;
+        let want = eager.eager(&hook, k)?;
+        ensure!(off.graphed(&go, k, Replay::side(&side))? == want, "microbatch {k}: outputs or input gradients differ");
+        ensure!(off.grads()? == eager.grads()?, "microbatch {k}: parameter gradients differ");
+        me.end_iteration(&eager.s)?;
+    }
+    Ok(())
+}
+
 /// The whole stack as one graphed callable: every unit's copies and copies back are in one
 /// forward and one backward graph, so a copy back and its use meet in one capture and are
 /// joined there (H5).

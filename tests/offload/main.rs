@@ -26,6 +26,7 @@ per_device!(
     graphed_offload_joined_matches,
     graphed_offload_side_stream_matches,
     graphed_offload_side_stream_matches_in_bf16,
+    graphed_offload_with_lent_gradients_matches,
     whole_stack_graph_with_offload_matches,
     peak_memory_falls_by_the_offloaded_bytes,
     h1_side_replay_without_sync_event_is_refused,
