@@ -55,7 +55,11 @@ fn losses(extra: &[&str]) -> Vec<String> {
 fn graphed_training_follows_eager_bitwise() {
     let eager = losses(&["--eager"]);
     let whole_offloaded = ["--whole-step", "--side-stream", "--offload", "listed", "--offload-margin", "0"];
-    for mode in [&[][..], &["--side-stream"], &["--pool-per-layer"], &["--whole-step"], &whole_offloaded] {
+    // Lent gradients: each backward starts its layer's from zero, as the optimizer left them.
+    let lent_offloaded = ["--lend-gradients", "--side-stream", "--offload", "listed", "--offload-margin", "0"];
+    let modes =
+        [&[][..], &["--side-stream"], &["--pool-per-layer"], &["--whole-step"], &whole_offloaded, &lent_offloaded];
+    for mode in modes {
         assert_eq!(losses(mode), eager, "graphed train {mode:?} against --eager");
     }
 }
@@ -65,6 +69,7 @@ fn graphed_training_follows_eager_bitwise_in_bf16() {
     let eager = losses(&["--eager", "--dtype", "bf16"]);
     assert_eq!(losses(&["--dtype", "bf16"]), eager, "graphed train --dtype bf16 against --eager");
     assert_eq!(losses(&["--dtype", "bf16", "--whole-step"]), eager, "the whole step graphed, in bf16");
+    assert_eq!(losses(&["--dtype", "bf16", "--lend-gradients"]), eager, "the layers' gradients lent, in bf16");
 }
 
 /// FP8: the casts, amax slots and scales inside the layers' graphs and the optimizer's, with
@@ -76,6 +81,7 @@ fn graphed_training_follows_eager_bitwise_in_fp8_offloaded_and_scheduled() {
     let eager = losses(&[&fp8[..], &["--eager"]].concat());
     assert_eq!(losses(&fp8), eager, "graphed train --dtype fp8 against --eager");
     assert_eq!(losses(&[&fp8[..], &["--whole-step"]].concat()), eager, "the whole step graphed in FP8");
+    assert_eq!(losses(&[&fp8[..], &["--lend-gradients"]].concat()), eager, "the layers' gradients lent in FP8");
     let offload = [&fp8[..], &["--offload", "listed", "--offload-margin", "0"]].concat();
     let eager_offload = losses(&[&offload[..], &["--eager"]].concat());
     assert_eq!(eager_offload, eager, "offloading in FP8 changes nothing eagerly");

@@ -230,6 +230,18 @@ impl RecomputeArgs {
     }
 }
 
+/// Whether a graphed stack's layers lend their gradients' memory to its graph pool.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct LendArgs {
+    /// Let each graphed layer lend its parameters' gradient memory to the graph pool while the
+    /// gradients hold nothing (from the optimizer to the layer's backward), for the activations
+    /// of the layers above it: a smaller pool, each backward starting its layer's gradients
+    /// from zero (docs/design.md, "Where a step's memory goes"). The graphed stack's variants
+    /// only (graphed, graphed-side, graphed-offload).
+    #[arg(long)]
+    pub lend_gradients: bool,
+}
+
 /// `--recompute`'s values.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecomputeArg {
@@ -449,6 +461,12 @@ pub struct TrainArgs {
     pub schedule: bool,
     #[command(flatten)]
     pub schedule_args: ScheduleArgs,
+    /// Let each graphed layer lend its parameters' gradient memory to the graph pool while the
+    /// gradients hold nothing (from the optimizer to the layer's backward), for the activations
+    /// of the layers above it: a smaller pool, each backward starting its layer's gradients
+    /// from zero (docs/design.md, "Where a step's memory goes"). Not with several ranks.
+    #[arg(long, conflicts_with_all = ["eager", "pool_per_layer", "schedule", "whole_step"])]
+    pub lend_gradients: bool,
     /// Capture the whole step (embedding, layers, head and loss) as one forward graph and one
     /// backward graph, the gradients' data-parallel reduction inside the backward, instead of a
     /// graph per layer with the embedding and head eager (the optimizer step is a graph of its
@@ -651,6 +669,8 @@ pub struct GraphsBenchArgs {
     #[command(flatten)]
     pub recompute: RecomputeArgs,
     #[command(flatten)]
+    pub lend: LendArgs,
+    #[command(flatten)]
     pub configs: ConfigsArgs,
     /// Timed steps per variant (median, min and max are reported).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -730,9 +750,9 @@ impl GraphsBenchArgs {
     /// The configurations `bench graphs` and `bench offload` run, with the attention and
     /// recompute settings given ([`ConfigsArgs::resolve`]'s refusals included).
     pub fn configs(&self, dev: &graphed::device::Device) -> anyhow::Result<Vec<super::bench_model::Config>> {
-        let recompute = self.recompute.recompute();
+        let (recompute, lend) = (self.recompute.recompute(), self.lend.lend_gradients);
         let configs = self.configs.resolve(dev, self.attention)?;
-        Ok(configs.into_iter().map(|c| c.with_recompute(recompute)).collect())
+        Ok(configs.into_iter().map(|c| c.with_recompute(recompute).with_lending(lend)).collect())
     }
 }
 
@@ -846,6 +866,8 @@ pub struct MemoryBenchArgs {
     pub dtype: DTypeArgs,
     #[command(flatten)]
     pub attention: AttentionArgs,
+    #[command(flatten)]
+    pub lend: LendArgs,
     /// The BENCH.md configuration whose width and sequence length the searches keep (`tiny` on
     /// the simulator).
     #[arg(long, ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES, default_value = "L")]

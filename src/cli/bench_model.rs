@@ -37,6 +37,9 @@ pub struct Config {
     pub attention_backend: AttentionBackend,
     /// What the layers' backward recomputes (`--recompute`; nothing unless changed).
     pub recompute: Recompute,
+    /// Whether the graphed stack's layers lend their gradients' memory to its graph pool
+    /// (`--lend-gradients`; not unless changed).
+    pub lend_gradients: bool,
 }
 
 /// Every configuration, smallest first; S, M and L are `BENCH.md`'s.
@@ -50,6 +53,7 @@ pub const CONFIGS: [Config; 4] = [
         attention: AttentionKind::Fused,
         attention_backend: AttentionBackend::Auto,
         recompute: Recompute::Nothing,
+        lend_gradients: false,
     },
     Config {
         name: "S",
@@ -60,6 +64,7 @@ pub const CONFIGS: [Config; 4] = [
         attention: AttentionKind::Fused,
         attention_backend: AttentionBackend::Auto,
         recompute: Recompute::Nothing,
+        lend_gradients: false,
     },
     Config {
         name: "M",
@@ -70,6 +75,7 @@ pub const CONFIGS: [Config; 4] = [
         attention: AttentionKind::Fused,
         attention_backend: AttentionBackend::Auto,
         recompute: Recompute::Nothing,
+        lend_gradients: false,
     },
     Config {
         name: "L",
@@ -80,6 +86,7 @@ pub const CONFIGS: [Config; 4] = [
         attention: AttentionKind::Fused,
         attention_backend: AttentionBackend::Auto,
         recompute: Recompute::Nothing,
+        lend_gradients: false,
     },
 ];
 
@@ -103,6 +110,11 @@ impl Config {
     /// The same configuration, its layers' backward recomputing what `recompute` names.
     pub fn with_recompute(self, recompute: Recompute) -> Config {
         Config { recompute, ..self }
+    }
+
+    /// The same configuration, its graphed stack's layers lending their gradients or not.
+    pub fn with_lending(self, lend_gradients: bool) -> Config {
+        Config { lend_gradients, ..self }
     }
 
     /// The layers' attention: form, backend, heads of [`Config::heads`].
@@ -142,9 +154,12 @@ impl fmt::Display for Config {
             self.seq,
             self.attention
         )?;
-        match self.recompute {
-            Recompute::Nothing => Ok(()),
-            r => write!(f, " recompute={}", r.name()),
+        if self.recompute != Recompute::Nothing {
+            write!(f, " recompute={}", self.recompute.name())?;
+        }
+        match self.lend_gradients {
+            true => write!(f, " lend-gradients"),
+            false => Ok(()),
         }
     }
 }
@@ -165,6 +180,8 @@ pub struct BenchModel {
     /// With `--dtype fp8`, the FP8 step captured as a graph, which graphed steps replay (a
     /// training step's runs in its optimizer's graph).
     fp8_step: Option<GraphedFn>,
+    /// Whether [`BenchModel::graph`] lends the layers' gradients to the pool.
+    lend_gradients: bool,
 }
 
 impl BenchModel {
@@ -235,7 +252,8 @@ impl BenchModel {
         let x: Vec<f32> = (0..numel).map(|i| (i * 7919 % 1000) as f32 / 1000.0 - 0.5).collect();
         let x = Tensor::from_f32(alloc, stream, &x, &[batch, seq, dim], dtype)?;
         let dy = Tensor::from_f32(alloc, stream, &vec![1.0f32; numel], &[batch, seq, dim], dtype)?;
-        Ok(BenchModel { stack: Stack::new(layers), x, dy, store, fp8, fp8_step: None })
+        let lend_gradients = config.lend_gradients;
+        Ok(BenchModel { stack: Stack::new(layers), x, dy, store, fp8, fp8_step: None, lend_gradients })
     }
 
     /// One eager step on `stream`: every forward in order, then every backward in reverse from
@@ -260,14 +278,16 @@ impl BenchModel {
     /// Graphs the stack into one pool, its layers chained so that they replay with no copies
     /// between them; with `sync_event`, every graph records it for side-stream replay; with
     /// `offload`, activations go to host memory inside the graphs (the capture's warmup records
-    /// the manager's policy if it is not frozen yet).
+    /// the manager's policy if it is not frozen yet); with the configuration's
+    /// `lend_gradients`, the layers lend their gradients to the pool (the benchmark's step has
+    /// one backward and no optimizer, which the contract allows).
     pub fn graph(
         &self,
         alloc: &CachingAllocator,
         sync_event: Option<&Event>,
         offload: Option<&OffloadManager>,
     ) -> graphed::Result<GraphedStack> {
-        let mut options = GraphOptions::default();
+        let mut options = GraphOptions::default().lend_gradients(self.lend_gradients);
         if let Some(event) = sync_event {
             options = options.sync_event(event);
         }

@@ -104,6 +104,9 @@ pub fn run(GraphsArgs { bench: args, variants }: &GraphsArgs) -> anyhow::Result<
 }
 
 fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenchArgs) -> anyhow::Result<GraphsRow> {
+    // Only the graphed stack lends its layers' gradients.
+    let stack = matches!(variant, Variant::Graphed | Variant::Side | Variant::Offload);
+    let config = config.with_lending(config.lend_gradients && stack);
     let alloc = CachingAllocator::new(dev);
     let main = dev.stream()?;
     let mut model = match args.dtype.fp8_recipe()? {

@@ -100,7 +100,7 @@ struct SearchRow {
 
 pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "memory", "--config tiny")?;
-    let config = Config::named(&args.config)?.with_attention(args.attention);
+    let config = Config::named(&args.config)?.with_attention(args.attention).with_lending(args.lend.lend_gradients);
     config.check_device(&dev, "--config")?;
     let dtype = args.dtype.resolve(&dev)?;
     let (free, _) = dev.memory_info()?;

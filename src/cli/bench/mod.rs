@@ -107,15 +107,20 @@ struct Case {
     /// What the backward recomputed (`--recompute`), when anything.
     #[serde(skip_serializing_if = "Option::is_none")]
     recompute: Option<&'static str>,
+    /// Whether the graphed stack's layers lent their gradients to its pool (`--lend-gradients`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    lend_gradients: bool,
     variant: &'static str,
 }
 
 impl Case {
     fn new(config: crate::cli::bench_model::Config, dtype: impl std::fmt::Display, variant: &'static str) -> Case {
-        let crate::cli::bench_model::Config { name, dim, layers, batch, seq, attention, recompute, .. } = config;
+        let crate::cli::bench_model::Config {
+            name, dim, layers, batch, seq, attention, recompute, lend_gradients, ..
+        } = config;
         let recompute = (recompute != graphed::nn::Recompute::Nothing).then(|| recompute.name());
-        let dtype = dtype.to_string();
-        Case { config: name, dim, layers, batch, seq, dtype, attention: attention.name(), recompute, variant }
+        let (dtype, attention) = (dtype.to_string(), attention.name());
+        Case { config: name, dim, layers, batch, seq, dtype, attention, recompute, lend_gradients, variant }
     }
 }
 

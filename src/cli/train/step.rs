@@ -49,6 +49,8 @@ enum Layers {
         /// The side stream, with `--side-stream`.
         side: Option<Stream>,
         pool_per_layer: bool,
+        /// With `--lend-gradients`.
+        lends: bool,
     },
     /// Under a pipeline schedule (`--schedule`), graphed unless `--eager`.
     Scheduled(Scheduled),
@@ -140,7 +142,8 @@ impl Stepper {
                     true => (Some(dev.stream()?), Some(dev.event()?)),
                     false => (None, None),
                 };
-                let mut options = GraphOptions::default().pool_per_callable(args.pool_per_layer);
+                let mut options =
+                    GraphOptions::default().pool_per_callable(args.pool_per_layer).lend_gradients(args.lend_gradients);
                 if let Some(e) = &event {
                     options = options.sync_event(e);
                 }
@@ -151,7 +154,7 @@ impl Stepper {
                     options = options.grad_sync(dp.clone());
                 }
                 let stack = make_graphed_stack(alloc, model.layers(), &x, options)?;
-                Layers::Stack { stack, side, pool_per_layer: args.pool_per_layer }
+                Layers::Stack { stack, side, pool_per_layer: args.pool_per_layer, lends: args.lend_gradients }
             }
         };
         let optimizer = (!args.eager).then(|| make_graphed_fn(alloc, |s| optimizer.step(s))).transpose()?;
@@ -174,11 +177,12 @@ impl Stepper {
         let optimizer = if self.optimizer.is_some() { " and a graphed optimizer step" } else { "" };
         let how = match &self.layers {
             Layers::Eager => "eager".into(),
-            Layers::Stack { stack, side, pool_per_layer } => format!(
-                "a graphed stack of {} layers ({}, {})",
+            Layers::Stack { stack, side, pool_per_layer, lends } => format!(
+                "a graphed stack of {} layers ({}, {}{})",
                 stack.layers().len(),
                 if side.is_some() { "side stream, resuming at the in-graph event" } else { "caller's stream" },
-                if *pool_per_layer { "a pool per layer" } else { "one shared pool" }
+                if *pool_per_layer { "a pool per layer" } else { "one shared pool" },
+                if *lends { ", the layers' gradients lent to it" } else { "" }
             ),
             Layers::Scheduled(s) => format!("a pipeline schedule, {}", s.describe()),
             Layers::Whole { side, .. } => format!(
