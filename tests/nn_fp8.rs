@@ -357,6 +357,9 @@ fn fp8_misuse_is_refused(dev: &Device) -> anyhow::Result<()> {
     let before = store.ranges().len();
     let r = Mlp::new(&vb.clone().with_recompute(Recompute::Gelu).pp("mlp"), 16);
     ensure!(matches!(r, Err(Error::Unsupported { .. })), "a recomputed GELU output in FP8: {:?}", r.err());
+    let r = TransformerLayer::new(&vb.clone().with_recompute(Recompute::Norms).pp("layer"), (32, 1));
+    let why = r.err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(why.contains("recomputing the LayerNorm outputs"), "recomputed LayerNorm outputs in FP8: {why}");
     ensure!(store.ranges().len() == before, "the refused MLP added parameters");
     let x = Tensor::from_f32(&alloc, &s, &lcg(16 * 24, 1), &[16, 24], DType::BF16)?;
     let r = fc.forward(&Inputs::one(&x), &KeepOnDevice, &s);

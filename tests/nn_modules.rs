@@ -191,6 +191,41 @@ fn mlp_recompute_holds_less_and_matches(dev: &Device) -> Result {
     Ok(())
 }
 
+fn transformer_layer_recomputing_its_norms_gradients(dev: &Device) -> Result {
+    check_gradients(dev, |vb| layer(&vb.clone().with_recompute(Recompute::GeluAndNorms), 0.0), 5)
+}
+
+/// What one transformer layer's forward (f32, `(2, 64, 32)`, one head) holds for its backward,
+/// and its output, input gradient and parameter gradients, as `recompute` says.
+fn layer_held_and_run(dev: &Device, recompute: Recompute) -> Result<(usize, Run)> {
+    const ROWS: usize = 128;
+    let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
+    let store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(32))?;
+    let vb = Builder::new(&store, &alloc, &s)?.with_seed(9).with_recompute(recompute);
+    let l = TransformerLayer::new(&vb.pp("layer"), tiny(32, 1))?;
+    let x = Tensor::from_host(&alloc, &s, &lcg(ROWS * 32, 1), &[2, 64, 32])?;
+    let dy = Tensor::from_host(&alloc, &s, &lcg(ROWS * 32, 2), &[2, 64, 32])?;
+    s.synchronize()?;
+    let before = alloc.stats().total.allocated;
+    let (y, ctx) = l.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+    let y = y[0].to_vec(&s)?;
+    let held = alloc.stats().total.allocated - before;
+    let dx = l.backward(ctx, &[&dy], &s)?.remove(0).ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+    Ok((held, Run { y, dx: dx.to_vec(&s)?, grads: store.grads()?.to_vec(&s)? }))
+}
+
+/// Recomputing the LayerNorm outputs keeps exactly their bytes (2 × rows × C f32) fewer from
+/// the forward to the backward, and changes no bit: the backward runs the same LayerNorm kernel
+/// on the same saved input, on either device.
+fn layer_norm_recompute_holds_less_and_matches(dev: &Device) -> Result {
+    let (kept, want) = layer_held_and_run(dev, Recompute::Nothing)?;
+    let (recomputed, got) = layer_held_and_run(dev, Recompute::Norms)?;
+    ensure!(kept - recomputed == 2 * 128 * 32 * 4, "the forward held {kept} B kept against {recomputed} B recomputed");
+    ensure!(got.y == want.y, "the forward does not depend on the backward's recompute");
+    ensure!(got.dx == want.dx && got.grads == want.grads, "the recomputed LayerNorm outputs' gradients differ");
+    Ok(())
+}
+
 fn attention_gradients(dev: &Device) -> Result {
     check_gradients(dev, |vb| CausalSelfAttention::new(&vb.pp("attn").with_seed(5), tiny(SHAPE[2], HEADS)), 2)
 }
@@ -557,6 +592,8 @@ per_device!(
     mlp_gradients,
     mlp_recomputing_its_activation_gradients,
     mlp_recompute_holds_less_and_matches,
+    transformer_layer_recomputing_its_norms_gradients,
+    layer_norm_recompute_holds_less_and_matches,
     attention_gradients,
     transformer_layer_gradients,
     dropout_gradients,

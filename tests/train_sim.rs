@@ -70,6 +70,15 @@ fn graphed_training_follows_eager_bitwise_in_bf16() {
     assert_eq!(losses(&["--dtype", "bf16"]), eager, "graphed train --dtype bf16 against --eager");
     assert_eq!(losses(&["--dtype", "bf16", "--whole-step"]), eager, "the whole step graphed, in bf16");
     assert_eq!(losses(&["--dtype", "bf16", "--lend-gradients"]), eager, "the layers' gradients lent, in bf16");
+    // Recomputing the LayerNorm outputs runs the same kernel on the same bits: no bit changes,
+    // with the default offloading (whose sites it no longer saves two of) or the second
+    // LayerNorm's input offloaded and brought back early for the recomputation.
+    let norm = ["--dtype", "bf16", "--recompute", "norm", "--side-stream", "--lend-gradients"];
+    assert_eq!(losses(&norm), eager, "the LayerNorm outputs recomputed, in bf16");
+    let offloaded = ["--offload", "listed", "--offload-margin", "0"];
+    assert_eq!(losses(&[&norm[..], &offloaded].concat()), eager, "recomputed and offloaded at the default sites");
+    let ln2 = [&norm[..], &offloaded, &["--offload-sites", "ln2.input,attn.q"]].concat();
+    assert_eq!(losses(&ln2), eager, "recomputed from an offloaded LayerNorm input");
 }
 
 /// FP8: the casts, amax slots and scales inside the layers' graphs and the optimizer's, with

@@ -213,9 +213,11 @@ impl AttentionBackendArg {
 /// What the layers' backward recomputes instead of saving it from the forward.
 #[derive(Args, Debug, Clone, Copy)]
 pub struct RecomputeArgs {
-    /// What the layers' backward recomputes instead of keeping it from the forward: `none`, or
+    /// What the layers' backward recomputes instead of keeping it from the forward: `none`,
     /// `gelu` (the MLP's GELU output, a quarter of what a layer saves, recomputed from its input
-    /// by one memory-bound pass; not with `--dtype fp8`).
+    /// by one memory-bound pass), `norm` (the two LayerNorm outputs, an eighth, each recomputed
+    /// by the LayerNorm's forward kernel, with the same bits) or `gelu-norm` (both); not with
+    /// `--dtype fp8`.
     #[arg(long, value_enum, default_value_t = RecomputeArg::None)]
     pub recompute: RecomputeArg,
 }
@@ -226,6 +228,8 @@ impl RecomputeArgs {
         match self.recompute {
             RecomputeArg::None => graphed::nn::Recompute::Nothing,
             RecomputeArg::Gelu => graphed::nn::Recompute::Gelu,
+            RecomputeArg::Norm => graphed::nn::Recompute::Norms,
+            RecomputeArg::GeluNorm => graphed::nn::Recompute::GeluAndNorms,
         }
     }
 }
@@ -249,6 +253,10 @@ pub enum RecomputeArg {
     None,
     /// Recompute the MLP's GELU output.
     Gelu,
+    /// Recompute the LayerNorms' outputs.
+    Norm,
+    /// Recompute both.
+    GeluNorm,
 }
 
 /// `--attention`'s values.
@@ -301,12 +309,12 @@ impl OffloadArgs {
             OffloadPolicyArg::Auto => Policy::Auto,
         };
         let config = OffloadConfig::default().policy(policy);
-        // Sites the user names must each select something; the automatic policy's built-in
-        // candidates need not (a recomputed GELU output is not saved).
+        // Sites the user names must each select something; the built-in lists need not (a
+        // recomputed GELU or LayerNorm output is not saved).
         let config = match (&self.sites, policy) {
             (Some(s), _) => config.sites(&s.iter().map(String::as_str).collect::<Vec<_>>()),
             (None, Policy::Auto) => config.candidates(&AUTO_CANDIDATES),
-            (None, Policy::Listed) => config.sites(&DEFAULT_SITES),
+            (None, Policy::Listed) => config.candidates(&DEFAULT_SITES),
         };
         let on_gpu = dev.kind() == graphed::device::DeviceKind::Cuda;
         let min = self.min_elements.unwrap_or(if on_gpu { 1 << 16 } else { 1024 });

@@ -160,13 +160,16 @@ pub struct CausalSelfAttention {
     /// Dropout on the probabilities, if any (p > 0).
     dropout: Option<DropoutSpec>,
     training: bool,
+    /// Whether the forward saves its input; when not, whoever runs the backward gives it again
+    /// (a [`TransformerLayer`](super::TransformerLayer) recomputing its LayerNorm output).
+    keep_input: bool,
 }
 
-/// What the forward saves: the projections' inputs (x and att), the heads of q, k and v, and
-/// what the form needs besides (see the module docs).
+/// What the forward saves: the projections' inputs (x, none when the caller gives it again,
+/// and att), the heads of q, k and v, and what the form needs besides (see the module docs).
 pub struct AttentionCtx {
     dims: Dims,
-    x: SavedTensor,
+    x: Option<SavedTensor>,
     q: SavedTensor,
     k: SavedTensor,
     v: SavedTensor,
@@ -289,7 +292,14 @@ impl CausalSelfAttention {
             ran: std::sync::Mutex::default(),
             dropout: (dropout.p > 0.0).then(|| dropout.clone()),
             training: true,
+            keep_input: true,
         })
+    }
+
+    /// Stops saving the input: the backward then needs it given again
+    /// ([`backward_with`](CausalSelfAttention::backward_with)'s `input`).
+    pub(crate) fn forget_input(&mut self) {
+        self.keep_input = false;
     }
 
     /// The form it computes in.
@@ -371,7 +381,10 @@ impl CausalSelfAttention {
         let residual = residual.map(|r| r.reshape(&[bt, c])).transpose()?;
         let y = self.proj.forward_with(&att, residual.as_ref(), stream)?;
         hook.open_group(&self.name)?;
-        let x = hook.save("input", kept, stream)?;
+        let x = match self.keep_input {
+            true => Some(hook.save("input", kept, stream)?),
+            false => None,
+        };
         let (q, k, v) = (hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?);
         let form = match form {
             Unsaved::Fused { lse, step } => FormCtx::Fused { lse: hook.save("lse", lse, stream)?, step },
@@ -441,18 +454,28 @@ impl CausalSelfAttention {
     }
 
     /// The input gradient from the output gradient `dy`; parameter gradients `+=`, the output
-    /// projection's bias gradient as `proj_bias` says.
+    /// projection's bias gradient as `proj_bias` says. `input` is the forward's input again, for
+    /// an attention that did not save it.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the forward did not save its input and `input` is `None`.
     pub fn backward_with(
         &self,
         ctx: AttentionCtx,
         dy: &Tensor,
         proj_bias: BiasGrad,
+        input: Option<&Tensor>,
         stream: &Stream,
     ) -> Result<Tensor> {
         const OP: &str = "CausalSelfAttention::backward";
         let d = ctx.dims;
         let (bt, c, dtype) = (d.batch * d.seq, d.heads * d.hd, dy.dtype());
         dy.expect_shape(OP, &[d.batch, d.seq, c])?;
+        let x = match (ctx.x, input) {
+            (Some(saved), _) => saved.take(stream)?,
+            (None, Some(x)) => x.reshape(&[bt, c])?,
+            (None, None) => return Err(super::mlp::unsaved_input(OP)),
+        };
         let dy = dy.reshape(&[bt, c])?;
         let att = ctx.att.take(stream)?;
         let datt = self.proj.backward_with(&dy, &att, None, proj_bias, stream)?;
@@ -484,7 +507,7 @@ impl CausalSelfAttention {
                 heads::merge_qkv(&dqkv, &dq, &dk, &dv, stream)?;
             }
         }
-        let dx = self.qkv.backward_with(&dqkv, &ctx.x.take(stream)?, None, BiasGrad::Compute, stream)?;
+        let dx = self.qkv.backward_with(&dqkv, &x, None, BiasGrad::Compute, stream)?;
         dx.reshape(&[d.batch, d.seq, c])
     }
 
@@ -547,7 +570,7 @@ impl Module for CausalSelfAttention {
 
     fn backward(&self, ctx: AttentionCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         let dy = single_input("CausalSelfAttention::backward", grad_outputs)?;
-        Ok(vec![Some(self.backward_with(ctx, dy, BiasGrad::Compute, stream)?)])
+        Ok(vec![Some(self.backward_with(ctx, dy, BiasGrad::Compute, None, stream)?)])
     }
 
     /// The weight gradients its projections left for later, if split (`Linear::set_split_dw`).

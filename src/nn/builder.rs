@@ -28,15 +28,34 @@ pub enum Recompute {
     /// it is the same); graphed still equals eager bit for bit. Not with FP8, whose FC2 keeps
     /// its input quantized.
     Gelu,
+    /// The two LayerNorm outputs (the attention's and the MLP's inputs), 2 of the 16: the
+    /// backward runs each LayerNorm's forward again on its saved input, for the QKV and FC1
+    /// weight gradients. The same kernel on the same bits gives the same bits, so the gradients
+    /// are those of keeping them. Not with FP8, whose linears keep their inputs quantized.
+    Norms,
+    /// Both: 6 of the 16.
+    GeluAndNorms,
 }
 
 impl Recompute {
-    /// `none` or `gelu`, as `--recompute` spells it.
+    /// `none`, `gelu`, `norm` or `gelu-norm`, as `--recompute` spells it.
     pub fn name(self) -> &'static str {
         match self {
             Recompute::Nothing => "none",
             Recompute::Gelu => "gelu",
+            Recompute::Norms => "norm",
+            Recompute::GeluAndNorms => "gelu-norm",
         }
+    }
+
+    /// Whether the MLP's GELU output is recomputed.
+    pub fn gelu(self) -> bool {
+        matches!(self, Recompute::Gelu | Recompute::GeluAndNorms)
+    }
+
+    /// Whether the LayerNorms' outputs are recomputed.
+    pub fn norms(self) -> bool {
+        matches!(self, Recompute::Norms | Recompute::GeluAndNorms)
     }
 }
 

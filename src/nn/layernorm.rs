@@ -67,6 +67,22 @@ impl LayerNorm {
         self.weight.value.numel()
     }
 
+    /// The forward's output again, `(N, C)` rows, from the input `ctx` saved (brought back once
+    /// if it was away, and kept for the backward): the same kernel on the same bits, so the same
+    /// bits (for a caller that did not keep the output, `nn::Recompute::norms`).
+    ///
+    /// # Errors
+    /// The save hook's, for an input that was away; the allocation's.
+    pub fn recompute(&self, ctx: &mut LayerNormCtx, stream: &Stream) -> Result<Tensor> {
+        let rows = ctx.input.peek(stream)?;
+        let n = rows.shape()[0];
+        let out = Tensor::uninit(&self.alloc, stream, rows.shape(), rows.dtype())?;
+        let stats = || Tensor::uninit(&self.alloc, stream, &[n], DType::F32);
+        let (mean, rstd) = (stats()?, stats()?);
+        layernorm::layernorm_forward(&out, &mean, &rstd, &rows, &self.weight.value, &self.bias.value, EPS, stream)?;
+        Ok(out)
+    }
+
     /// The input gradient from the output gradient `dy`, plus `residual.grad` when given (the
     /// gradient that reaches the same input around the layer, added in the same kernel), whose
     /// column sums it also adds to `residual.colsum` when given; parameter gradients `+=`.

@@ -5,7 +5,7 @@
 //! fused with FC1's cast of its gradient and FC1's bias gradient ([`Linear::backward_through_gelu`]).
 
 use super::layernorm::{as_rows, single_input};
-use super::{BiasGrad, Builder, Inputs, Linear, LinearForward, Module, Param, Recompute, SaveHook, SavedTensor};
+use super::{BiasGrad, Builder, Inputs, Linear, LinearForward, Module, Param, SaveHook, SavedTensor};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
 use crate::ops::gelu;
@@ -19,16 +19,19 @@ pub struct Mlp {
     pub fc1: Linear,
     /// `4C → C`.
     pub fc2: Linear,
-    /// Whether the backward recomputes the activation ([`Recompute::Gelu`]) instead of saving it.
+    /// Whether the backward recomputes the activation ([`Recompute::gelu`]) instead of saving it.
     recompute_act: bool,
+    /// Whether the forward saves its input; when not, whoever runs the backward gives it again
+    /// (a [`TransformerLayer`](super::TransformerLayer) recomputing its LayerNorm output).
+    keep_input: bool,
     alloc: CachingAllocator,
 }
 
-/// What the forward saves: the input rows, the pre-activation and the activation (none when
-/// the backward recomputes it).
+/// What the forward saves: the input rows (none when the caller gives them again), the
+/// pre-activation and the activation (none when the backward recomputes it).
 pub struct MlpCtx {
     shape: Vec<usize>,
-    x: SavedTensor,
+    x: Option<SavedTensor>,
     pre: SavedTensor,
     act: Option<SavedTensor>,
 }
@@ -44,9 +47,9 @@ impl Mlp {
     ///
     /// # Errors
     /// [`Error::Shape`] when the store is full; [`Error::Unsupported`] for
-    /// [`Recompute::Gelu`] with FP8, before any parameter is added.
+    /// the GELU output recomputed with FP8, before any parameter is added.
     pub fn new(vb: &Builder, dim: usize) -> Result<Mlp> {
-        let recompute_act = vb.recompute() == Recompute::Gelu;
+        let recompute_act = vb.recompute().gelu();
         if recompute_act && vb.fp8().is_some() {
             return Err(Error::Unsupported {
                 op: "Mlp::new",
@@ -57,7 +60,14 @@ impl Mlp {
         }
         let fc1 = Linear::new(&vb.pp("fc1"), (dim, 4 * dim))?;
         let fc2 = Linear::new(&vb.pp("fc2").with_seed(vb.seed().wrapping_add(1)), (4 * dim, dim))?;
-        Ok(Mlp { name: vb.prefix().to_string(), fc1, fc2, recompute_act, alloc: vb.alloc().clone() })
+        let alloc = vb.alloc().clone();
+        Ok(Mlp { name: vb.prefix().to_string(), fc1, fc2, recompute_act, keep_input: true, alloc })
+    }
+
+    /// Stops saving the input: the backward then needs it given again
+    /// ([`backward_with`](Mlp::backward_with)'s `input`).
+    pub(crate) fn forget_input(&mut self) {
+        self.keep_input = false;
     }
 
     fn dim(&self) -> usize {
@@ -78,7 +88,11 @@ impl Mlp {
         let (LinearForward { y: act, input: kept_x }, pre) = self.fc1.forward_gelu(&rows, stream)?;
         let LinearForward { y, input: kept_act } = self.fc2.forward_keeping_input(&act, residual.as_ref(), stream)?;
         hook.open_group(&self.name)?;
-        let (x_saved, pre) = (hook.save("input", kept_x, stream)?, hook.save("pre", pre, stream)?);
+        let x_saved = match self.keep_input {
+            true => Some(hook.save("input", kept_x, stream)?),
+            false => None,
+        };
+        let pre = hook.save("pre", pre, stream)?;
         let act = match self.recompute_act {
             true => None,
             false => Some(hook.save("act", kept_act, stream)?),
@@ -89,9 +103,25 @@ impl Mlp {
 
     /// The input gradient from the output gradient `dy`; parameter gradients `+=`, FC2's bias
     /// gradient as `fc2_bias` says (a LayerNorm backward that also reads `dy` can add it).
-    pub fn backward_with(&self, ctx: MlpCtx, dy: &Tensor, fc2_bias: BiasGrad, stream: &Stream) -> Result<Tensor> {
+    /// `input` is the forward's input again, for an MLP that did not save it.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the forward did not save its input and `input` is `None`.
+    pub fn backward_with(
+        &self,
+        ctx: MlpCtx,
+        dy: &Tensor,
+        fc2_bias: BiasGrad,
+        input: Option<&Tensor>,
+        stream: &Stream,
+    ) -> Result<Tensor> {
         const OP: &str = "Mlp::backward";
         dy.expect_shape(OP, &ctx.shape)?;
+        let x = match (ctx.x, input) {
+            (Some(saved), _) => saved.take(stream)?,
+            (None, Some(x)) => as_rows(OP, x, self.dim())?,
+            (None, None) => return Err(unsaved_input(OP)),
+        };
         let dy = as_rows(OP, dy, self.dim())?;
         let pre = ctx.pre.take(stream)?;
         let act = match ctx.act {
@@ -103,8 +133,17 @@ impl Mlp {
             }
         };
         let dpre = self.fc2.backward_through_gelu(&dy, &act, &pre, fc2_bias, &self.fc1, stream)?;
-        let dx = self.fc1.backward_from(dpre, &ctx.x.take(stream)?, stream)?;
+        let dx = self.fc1.backward_from(dpre, &x, stream)?;
         dx.reshape(&ctx.shape)
+    }
+}
+
+/// The refusal of a backward whose forward did not save its input, and that was not given it.
+pub(super) fn unsaved_input(op: &'static str) -> Error {
+    Error::Unsupported {
+        op,
+        backend: "any",
+        why: "the forward did not save its input (its layer recomputes it): run the backward through that layer",
     }
 }
 
@@ -119,7 +158,7 @@ impl Module for Mlp {
 
     fn backward(&self, ctx: MlpCtx, grad_outputs: &[&Tensor], stream: &Stream) -> Result<Vec<Option<Tensor>>> {
         let dy = single_input("Mlp::backward", grad_outputs)?;
-        Ok(vec![Some(self.backward_with(ctx, dy, BiasGrad::Compute, stream)?)])
+        Ok(vec![Some(self.backward_with(ctx, dy, BiasGrad::Compute, None, stream)?)])
     }
 
     /// The weight gradients its linears left for later, if split (`Linear::set_split_dw`).

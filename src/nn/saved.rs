@@ -36,6 +36,8 @@ pub struct SavedTensor(Holder);
 enum Holder {
     Kept(Tensor),
     Away(Box<dyn Restore>),
+    /// A reload that failed in [`SavedTensor::peek`].
+    Gone,
 }
 
 impl SavedTensor {
@@ -62,7 +64,33 @@ impl SavedTensor {
         match self.0 {
             Holder::Kept(t) => Ok(t),
             Holder::Away(r) => r.restore(stream),
+            Holder::Gone => Err(gone()),
         }
+    }
+
+    /// The tensor, for work enqueued on `stream`, read before the backward that
+    /// [`take`](SavedTensor::take)s it (a recomputation from it): a tensor that was away comes
+    /// back once and is kept from then on.
+    ///
+    /// # Errors
+    /// The hook's, for a tensor that was away; the tensor is then gone.
+    pub fn peek(&mut self, stream: &Stream) -> Result<Tensor> {
+        if let Holder::Kept(t) = &self.0 {
+            return Ok(t.clone());
+        }
+        let Holder::Away(r) = std::mem::replace(&mut self.0, Holder::Gone) else { return Err(gone()) };
+        let t = r.restore(stream)?;
+        self.0 = Holder::Kept(t.clone());
+        Ok(t)
+    }
+}
+
+/// What reading a saved tensor whose reload failed in [`SavedTensor::peek`] gives.
+fn gone() -> crate::Error {
+    crate::Error::Unsupported {
+        op: "SavedTensor::take",
+        backend: "any",
+        why: "its reload failed before (see that error); the saved tensor is gone",
     }
 }
 
@@ -71,6 +99,7 @@ impl std::fmt::Debug for SavedTensor {
         match &self.0 {
             Holder::Kept(t) => write!(f, "SavedTensor::kept({:?})", t.shape()),
             Holder::Away(_) => write!(f, "SavedTensor::away"),
+            Holder::Gone => write!(f, "SavedTensor::gone"),
         }
     }
 }

@@ -35,6 +35,8 @@ pub struct TransformerLayer {
     pub drop1: Dropout,
     /// After the MLP, before the second residual add.
     pub drop2: Dropout,
+    /// Whether the backward recomputes the LayerNorms' outputs ([`Recompute::norms`](super::Recompute::norms)).
+    norms: bool,
 }
 
 /// Which of a model's layers [`TransformerLayer::stack`] builds, and how it names and seeds them.
@@ -109,16 +111,32 @@ impl TransformerLayer {
             backend: "any",
             why: "the dropout site must be below 2^31 (the sites from 2^31 up are the attention dropouts')",
         })?;
+        let norms = vb.recompute().norms();
+        if norms && vb.fp8().is_some() {
+            return Err(Error::Unsupported {
+                op: "TransformerLayer::new",
+                backend: "any",
+                why: "recomputing the LayerNorm outputs is not supported with FP8, whose linears keep their inputs \
+                      quantized; drop the recompute setting (--recompute none) or train in bf16",
+            });
+        }
         let ln1 = LayerNorm::new(&vb.pp("ln1"), dim)?;
-        let attn = CausalSelfAttention::new(&vb.pp("attn").with_site(attn_site), attention)?;
+        let mut attn = CausalSelfAttention::new(&vb.pp("attn").with_site(attn_site), attention)?;
+        let ln2 = LayerNorm::new(&vb.pp("ln2"), dim)?;
+        let mut mlp = Mlp::new(&vb.pp("mlp").with_seed(vb.seed().wrapping_add(2)), dim)?;
+        if norms {
+            attn.forget_input();
+            mlp.forget_input();
+        }
         Ok(TransformerLayer {
             alloc: vb.alloc().clone(),
             ln1,
             attn,
-            ln2: LayerNorm::new(&vb.pp("ln2"), dim)?,
-            mlp: Mlp::new(&vb.pp("mlp").with_seed(vb.seed().wrapping_add(2)), dim)?,
+            ln2,
+            mlp,
             drop1: Dropout::new(vb)?,
             drop2: Dropout::new(&vb.clone().with_site(second_site))?,
+            norms,
         })
     }
 
@@ -223,9 +241,12 @@ impl Module for TransformerLayer {
         // Each LayerNorm backward adds the residual stream's gradient to its own; when the
         // branch's dropout was the identity, the branch's output gradient is that same tensor,
         // so the LayerNorm also sums its columns into the projection's bias gradient.
+        let mut ctx = ctx;
         let fused = ctx.drop2.is_identity();
         let dm = input_grad(OP, self.drop2.backward(ctx.drop2, &[dy], stream)?)?;
-        let dm = self.mlp.backward_with(ctx.mlp, &dm, bias_grad(fused), stream)?;
+        let m = self.norms.then(|| self.ln2.recompute(&mut ctx.ln2, stream)).transpose()?;
+        let dm = self.mlp.backward_with(ctx.mlp, &dm, bias_grad(fused), m.as_ref(), stream)?;
+        drop(m);
         let colsum = fused.then_some(&self.mlp.fc2.bias.grad);
         let dh = self.ln2.backward_with(ctx.ln2, &dm, Some(ResidualGrad { grad: dy, colsum }), stream)?;
         if !self.mlp.splits_dw() {
@@ -233,7 +254,9 @@ impl Module for TransformerLayer {
         }
         let fused = ctx.drop1.is_identity();
         let da = input_grad(OP, self.drop1.backward(ctx.drop1, &[&dh], stream)?)?;
-        let da = self.attn.backward_with(ctx.attn, &da, bias_grad(fused), stream)?;
+        let a = self.norms.then(|| self.ln1.recompute(&mut ctx.ln1, stream)).transpose()?;
+        let da = self.attn.backward_with(ctx.attn, &da, bias_grad(fused), a.as_ref(), stream)?;
+        drop(a);
         let colsum = fused.then_some(&self.attn.proj.bias.grad);
         let dx = self.ln1.backward_with(ctx.ln1, &da, Some(ResidualGrad { grad: &dh, colsum }), stream)?;
         Ok(vec![Some(dx)])

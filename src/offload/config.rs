@@ -60,7 +60,9 @@ impl Default for OffloadConfig {
     fn default() -> OffloadConfig {
         OffloadConfig {
             sites: DEFAULT_SITES.iter().map(|s| s.to_string()).collect(),
-            exact_sites: true,
+            // A built-in list: a model that recomputes its LayerNorm outputs saves no
+            // `attn.input` or `mlp.input`.
+            exact_sites: false,
             min_elements: 1 << 16,
             margin: 2,
             max_bytes: None,
@@ -81,9 +83,11 @@ impl OffloadConfig {
     }
 
     /// As [`sites`](OffloadConfig::sites), for a list that names what a model may save rather
-    /// than what it does ([`AUTO_CANDIDATES`]): a selector that selects nothing is skipped, not
-    /// refused. A model whose MLP recomputes its activation (`nn::Recompute::Gelu`) saves no
-    /// `mlp.act`, which the automatic policy's candidates name.
+    /// than what it does ([`AUTO_CANDIDATES`], and [`DEFAULT_SITES`], the default's): a selector
+    /// that selects nothing is skipped, not refused. A model whose MLP recomputes its activation
+    /// (`nn::Recompute::Gelu`) saves no `mlp.act`, which the automatic policy's candidates name;
+    /// one that recomputes its LayerNorm outputs (`nn::Recompute::Norms`) no `attn.input` or
+    /// `mlp.input`, which the default sites name.
     pub fn candidates(mut self, sites: &[&str]) -> OffloadConfig {
         self = self.sites(sites);
         self.exact_sites = false;

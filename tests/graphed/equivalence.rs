@@ -150,6 +150,11 @@ pub fn stack_side_stream_matches_eager_recomputing(dev: &Device) -> Result {
     twins(dev, How::Side, &Model::recomputing)
 }
 
+/// bf16 with the GELU output and the LayerNorm outputs recomputed in the backward.
+pub fn stack_side_stream_matches_eager_recomputing_all(dev: &Device) -> Result {
+    twins(dev, How::Side, &Model::recomputing_all)
+}
+
 /// Recomputing the GELU output lowers the graph pool's peak: from the forward to the backward no
 /// layer holds its activation (batch · seq · 4C). By how much depends on where the peak falls:
 /// in the last layer's backward it is every other layer's activation, in the first layer's

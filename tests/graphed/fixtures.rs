@@ -82,6 +82,11 @@ impl Model {
         Model::build_with(dev, dtype, SHAPE, None, Recompute::Nothing, layers)
     }
 
+    /// As [`Model::recomputing`], the LayerNorm outputs recomputed too.
+    pub fn recomputing_all(dev: &Device) -> Result<Model> {
+        Model::build_with(dev, DType::BF16, SHAPE, None, Recompute::GeluAndNorms, LAYERS)
+    }
+
     fn build(dev: &Device, dtype: DType, shape: [usize; 3], fp8: Option<Fp8Recipe>) -> Result<Model> {
         Model::build_with(dev, dtype, shape, fp8, Recompute::Nothing, LAYERS)
     }

@@ -41,6 +41,7 @@ per_device!(
     stack_side_stream_matches_eager_in_fp8,
     stack_side_stream_matches_eager_in_fp8_current,
     stack_side_stream_matches_eager_recomputing,
+    stack_side_stream_matches_eager_recomputing_all,
     recomputing_lowers_the_pool_peak,
     lent_gradients_match_eager,
     lent_gradients_match_eager_on_a_side_stream_in_bf16,
