@@ -241,7 +241,7 @@ pub struct LendArgs {
     /// gradients hold nothing (from the optimizer to the layer's backward), for the activations
     /// of the layers above it: a smaller pool, each backward starting its layer's gradients
     /// from zero (docs/design.md, "Where a step's memory goes"). The graphed stack's variants
-    /// only (graphed, graphed-side, graphed-offload).
+    /// only (of `bench graphs`: graphed, graphed-side and graphed-offload).
     #[arg(long)]
     pub lend_gradients: bool,
 }
