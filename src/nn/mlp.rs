@@ -19,7 +19,8 @@ pub struct Mlp {
     pub fc1: Linear,
     /// `4C → C`.
     pub fc2: Linear,
-    /// Whether the backward recomputes the activation ([`Recompute::gelu`]) instead of saving it.
+    /// Whether the backward recomputes the activation
+    /// ([`Recompute::gelu`](super::Recompute::gelu)) instead of saving it.
     recompute_act: bool,
     /// Whether the forward saves its input; when not, whoever runs the backward gives it again
     /// (a [`TransformerLayer`](super::TransformerLayer) recomputing its LayerNorm output).
@@ -43,7 +44,7 @@ impl Mlp {
     }
 
     /// An MLP on `dim` features: `{prefix}.fc1` initialized from `vb`'s seed, `{prefix}.fc2`
-    /// from seed + 1; its backward recomputes what `vb`'s [`Recompute`] says.
+    /// from seed + 1; its backward recomputes what `vb`'s [`Recompute`](super::Recompute) says.
     ///
     /// # Errors
     /// [`Error::Shape`] when the store is full; [`Error::Unsupported`] for

@@ -135,6 +135,14 @@ struct StatsRow {
     peak_allocated_bytes: usize,
     peak_reserved_bytes: usize,
     largest_free_bytes: usize,
+    /// Bytes of lent memory in use (the gradients a graphed stack's layers lend its pool),
+    /// counted in the cache's allocated bytes, not here.
+    #[serde(skip_serializing_if = "is_zero")]
+    lent_bytes: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl StatsRow {
@@ -146,6 +154,7 @@ impl StatsRow {
             peak_allocated_bytes: s.peak_allocated,
             peak_reserved_bytes: s.peak_reserved,
             largest_free_bytes: s.largest_free,
+            lent_bytes: s.lent,
         }
     }
 }
