@@ -472,7 +472,7 @@ pub struct TrainArgs {
     /// Let each graphed layer lend its parameters' gradient memory to the graph pool while the
     /// gradients hold nothing (from the optimizer to the layer's backward), for the activations
     /// of the layers above it: a smaller pool, each backward starting its layer's gradients
-    /// from zero (docs/design.md, "Where a step's memory goes"). Not with several ranks.
+    /// from zero (docs/design.md, "Where a step's memory goes").
     #[arg(long, conflicts_with_all = ["eager", "pool_per_layer", "schedule", "whole_step"])]
     pub lend_gradients: bool,
     /// Capture the whole step (embedding, layers, head and loss) as one forward graph and one

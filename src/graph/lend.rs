@@ -19,7 +19,9 @@
 //!   behave alike), after which its kernels accumulate as they do without lending; so eager and
 //!   graphed steps give the same bits, and a gradient accumulated over several backwards is
 //!   lost: one backward per optimizer step. A parameter shared by two layers would accumulate
-//!   over both backwards, so it refuses lending.
+//!   over both backwards, so it refuses lending; so does a layer that splits its weight
+//!   gradients out (`backward_dw`), whose inputs and output gradients, kept for that pass, would
+//!   live past the backwards below it, which zero the memory they may lie in.
 //! - State a module creates in the recorded pass and keeps across steps must not be lent, since
 //!   the next backward would zero it: the warmup makes such state, and a lent block still held
 //!   after the capture by anything but a static buffer refuses the capture (`LentState`).
@@ -30,6 +32,10 @@
 //!   gradient, in the graphs that may allocate from it: the caller reads no gradient there.
 //! - Replays keep the order: the optimizer (on the caller's stream, after the tails' join, R4)
 //!   comes before the next forward, which every replay stream waits for (R1).
+//! - Gradient work (`grad_sync`: the data-parallel reduction) reads and writes layer `i`'s
+//!   gradients on its own stream from backward `i` on, joined before the optimizer (R4). No
+//!   later capture of the step may take layer `i`'s memory (backward `k < i` takes only
+//!   `i' < k - 1`), and the next step's forwards come after the optimizer.
 
 use super::callable::Callable;
 use super::graphed::Pass;
@@ -65,14 +71,14 @@ impl Lending {
         if options.mode == Mode::Inference {
             return Err(refuse("needs training mode: gradients are lent until the backward that writes them"));
         }
-        if options.grad_sync.is_some() {
-            return Err(refuse(
-                "does not combine with grad_sync: the reduction reads gradients on its own stream; graph without one \
-                 of them",
-            ));
-        }
         if options.pool_per_callable {
             return Err(refuse("needs one pool for the stack's layers; drop pool_per_callable"));
+        }
+        if callables.iter().any(|c| c.splits_dw_dyn()) {
+            return Err(refuse(
+                "does not combine with split weight gradients: a layer that leaves them to backward_dw keeps what \
+                 they read until after the backwards below it zeroed their gradients; graph without one of them",
+            ));
         }
         let grads: Vec<Vec<&Tensor>> =
             callables.iter().map(|c| c.parameters_dyn().into_iter().map(|p| &p.grad).collect()).collect();

@@ -267,8 +267,9 @@ impl GraphOptions {
     /// and the next forward. Note [Lent gradients] in `graph/lend.rs` gives the rules.
     ///
     /// Refused ([`GraphedErrorKind::LendGradients`](super::GraphedErrorKind::LendGradients)) in
-    /// inference, with gradient work (`grad_sync`), with a pool per callable, for a parameter
-    /// shared by two layers, and by `make_graphed_callables`.
+    /// inference, with a pool per callable, for a parameter shared by two layers or a layer that
+    /// splits its weight gradients out, and by `make_graphed_callables`. Gradient work (`grad_sync`) runs on lent gradients as on kept
+    /// ones: it has them from the backward on, until the join before the optimizer.
     pub fn lend_gradients(mut self, yes: bool) -> GraphOptions {
         self.lend_gradients = yes;
         self

@@ -132,13 +132,14 @@ fn reduction_of(
 
 /// Rank `comm.rank()` of a data-parallel group, graphed with the reduction inside the backward
 /// graphs and replayed on a side stream; with `split_dw`, the layers' weight gradients in passes
-/// of their own, which the reduction follows.
-fn data_parallel(comm: &Communicator, split_dw: bool, reduction: GradReduction) -> anyhow::Result<Trace> {
+/// of their own, which the reduction follows; with `lend`, the layers' gradients lent to the
+/// pool until their backward.
+fn data_parallel(comm: &Communicator, split_dw: bool, reduction: GradReduction, lend: bool) -> anyhow::Result<Trace> {
     let m = model(comm.device(), split_dw)?;
     let dp = reduction_of(comm, &m, None, reduction)?;
     let (x0, _) = data(&m, 0, 0)?;
     let (side, ready) = (comm.device().stream()?, comm.device().event()?);
-    let options = GraphOptions::default().sync_event(&ready).grad_sync(dp);
+    let options = GraphOptions::default().sync_event(&ready).grad_sync(dp).lend_gradients(lend);
     let graphed = make_graphed_stack(&m.alloc, &m.stack, &x0, options)?;
     let mut trace = Vec::new();
     for step in 0..STEPS {
@@ -186,9 +187,11 @@ fn two_ranks_with_a_microbatch_each_equal_one_rank_with_both_bit_for_bit_and_rac
     for (reduction, whole) in [(GradReduction::Sum, Whole::Sum), (GradReduction::Mean, Whole::MeanLoss)] {
         let want = one_rank(&sim, 2, whole)?;
         for policy in Policy::ALL {
-            data_parallel_equals(&want, Ranks::Sim(policy), 2, |c| data_parallel(c, false, reduction))?;
+            data_parallel_equals(&want, Ranks::Sim(policy), 2, |c| data_parallel(c, false, reduction, false))?;
+            // Lent gradients: the reduction has them from each backward to the join.
+            data_parallel_equals(&want, Ranks::Sim(policy), 2, |c| data_parallel(c, false, reduction, true))?;
         }
-        data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 2, |c| data_parallel(c, true, reduction))?;
+        data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 2, |c| data_parallel(c, true, reduction, false))?;
         data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 2, |c| data_parallel_one_callable(c, reduction))?;
     }
     // Halving is exact: the mean is the whole batch's mean loss, and the sum scaled once.
@@ -204,7 +207,7 @@ fn three_ranks_sum_as_one_rank_accumulates_and_average_as_it_scales_that_sum_onc
     let sim = Device::sim();
     for (reduction, whole) in [(GradReduction::Sum, Whole::Sum), (GradReduction::Mean, Whole::SumScaled)] {
         let want = one_rank(&sim, 3, whole)?;
-        data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 3, |c| data_parallel(c, true, reduction))?;
+        data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 3, |c| data_parallel(c, true, reduction, false))?;
     }
     let defaults = on_sim_ranks(3, SimConfig::default(), CommOptions::default(), |c| {
         Ok(DataParallel::new(c, Vec::new())?.reduction())
@@ -585,8 +588,9 @@ mod two_gpus {
         let gpu = Device::cuda_checked(0)?;
         for (reduction, whole) in [(GradReduction::Sum, Whole::Sum), (GradReduction::Mean, Whole::MeanLoss)] {
             let want = one_rank(&gpu, 2, whole)?;
-            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, false, reduction))?;
-            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, true, reduction))?;
+            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, false, reduction, false))?;
+            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, true, reduction, false))?;
+            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, false, reduction, true))?;
             data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel_one_callable(c, reduction))?;
         }
         Ok(())

@@ -7,7 +7,7 @@ use graphed::device::{AccessMode, DType, Device};
 use graphed::graph::{
     make_graphed_callables, make_graphed_fn, make_graphed_stack, GraphOptions, GraphedErrorKind, Replay,
 };
-use graphed::nn::{Inputs, TransformerLayer};
+use graphed::nn::{Builder, Inputs, Linear, ParamStore, Stack, TransformerLayer};
 use graphed::tensor::Tensor;
 
 use super::api::expect_kind;
@@ -113,7 +113,8 @@ pub fn a_lent_output_refuses_reads_once_zeroed(dev: &Device) -> Result {
 }
 
 /// Lending is refused where it cannot work, before anything runs: inference, a pool per
-/// callable, and callables graphed one by one.
+/// callable, callables graphed one by one, and layers that split their weight gradients out
+/// (what `backward_dw` reads would live past the backwards below, which zero it).
 pub fn lending_is_refused_where_it_cannot_work(dev: &Device) -> Result {
     let m = Model::deep(dev, DType::F32, LAYERS)?;
     let before = (m.grads()?, m.alloc.stats().pools.len());
@@ -124,5 +125,11 @@ pub fn lending_is_refused_where_it_cannot_work(dev: &Device) -> Result {
     let samples: Vec<Inputs> = m.layers().iter().map(|_| Inputs::one(&x0)).collect();
     expect_kind(make_graphed_callables(&m.alloc, &m.callables(), &samples, lend()), refused)?;
     ensure!((m.grads()?, m.alloc.stats().pools.len()) == before, "a refused capture changed the model or made a pool");
+    let store = ParamStore::new(&m.alloc, &m.s, 2 * Linear::parameter_count((8, 8)))?;
+    let vb = Builder::new(&store, &m.alloc, &m.s)?;
+    let mut layers = vec![Linear::new(&vb.pp("fc0"), (8, 8))?, Linear::new(&vb.pp("fc1"), (8, 8))?];
+    layers[1].set_split_dw(true);
+    let x = Tensor::from_host(&m.alloc, &m.s, &[0.5f32; 24], &[3, 8])?;
+    expect_kind(make_graphed_stack(&m.alloc, &Stack::new(layers), &x, lend()), refused)?;
     Ok(())
 }

@@ -207,12 +207,6 @@ pub fn check_flags(args: &TrainArgs, world: usize) -> anyhow::Result<()> {
     if !args.schedule && args.schedule_args.given() {
         refuse!("--microbatches and --virtual-stages shape a pipeline schedule; add --schedule, or drop them");
     }
-    if args.lend_gradients && world > 1 {
-        refuse!(
-            "--lend-gradients does not combine with several ranks: the gradients' reduction reads them on its own \
-             stream while the next forward may already use their memory; drop --lend-gradients"
-        );
-    }
     if args.offload.offload.is_some() && args.pool_per_layer && args.side_stream {
         refuse!(
             "--offload with --pool-per-layer cannot replay on a --side-stream: a layer's graph copies the layer \
@@ -250,14 +244,6 @@ mod tests {
         for backend in ["auto", "kernels"] {
             assert_eq!(refusal(&["--attention-backend", backend]), None, "{backend} runs anywhere");
         }
-    }
-
-    #[test]
-    fn lent_gradients_are_refused_with_several_ranks() {
-        let refusal = |world| check_flags(&train_args(&["--lend-gradients"]), world).err().map(|e| e.to_string());
-        let several = refusal(2).expect("refused with two ranks");
-        assert!(several.contains("drop --lend-gradients"), "{several}");
-        assert_eq!(refusal(1), None, "one rank lends");
     }
 
     #[test]
