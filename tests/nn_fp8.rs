@@ -276,7 +276,7 @@ fn fp8_mlp_fuses_gelu_backward_into_the_cast(dev: &Device) -> anyhow::Result<()>
         let kept_act = mlp.fc2.forward_keeping_input(&act, None, &s)?.input;
         let profile = s.profile()?;
         let (dx, dpre) = if fused {
-            let dpre = mlp.fc2.backward_through_gelu(&dy, &kept_act, &pre, BiasGrad::Compute, &mlp.fc1, &s)?;
+            let dpre = mlp.fc2.backward_through_gelu(&dy, kept_act.clone(), &pre, BiasGrad::Compute, &mlp.fc1, &s)?;
             ensure!(matches!(dpre, PreActGrad::Quantized(_)), "delayed scaling: the gradient leaves quantized");
             (mlp.fc1.backward_from(dpre, &kept_x, &s)?, None)
         } else {
@@ -330,7 +330,7 @@ fn a_quantized_gradient_goes_only_to_its_layer(dev: &Device) -> anyhow::Result<(
     let (LinearForward { y: act, input: kept_x }, pre) = mlp.fc1.forward_gelu(&x, &s)?;
     let kept_act = mlp.fc2.forward_keeping_input(&act, None, &s)?.input;
     let pass = |layer: &Linear| -> anyhow::Result<graphed::Result<Tensor>> {
-        let grad = mlp.fc2.backward_through_gelu(&dy, &kept_act, &pre, BiasGrad::Compute, &mlp.fc1, &s)?;
+        let grad = mlp.fc2.backward_through_gelu(&dy, kept_act.clone(), &pre, BiasGrad::Compute, &mlp.fc1, &s)?;
         Ok(layer.backward_from(grad, &kept_x, &s))
     };
     let before = other.fc1.weight.grad.to_f32_vec(&s)?;

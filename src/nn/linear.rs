@@ -237,18 +237,34 @@ impl Linear {
     /// `backward_with`'s, GELU's backward in the GEMM's epilogue (bf16) or a kernel after it
     /// (FP8 under current scaling, whose cast needs the amax of the finished gradient first).
     ///
+    /// It takes the GELU output `x` (this layer's input) and lets it go as soon as its last
+    /// reader is enqueued: without FP8 and a split weight gradient, the weight gradient comes
+    /// first, so that a recomputed (or no longer saved) `x` and the pre-activation's gradient, both
+    /// four widths, are not held at once.
+    ///
     /// # Errors
     /// As [`backward_with`](Linear::backward_with), before anything is enqueued.
     pub fn backward_through_gelu(
         &self,
         dy: &Tensor,
-        x: &Tensor,
+        x: Tensor,
         pre: &Tensor,
         bias: BiasGrad,
         below: &Linear,
         stream: &Stream,
     ) -> Result<PreActGrad> {
         const OP: &str = "Linear::backward_through_gelu";
+        let (i, o) = self.dims();
+        let n = self.rows(OP, dy, o)?;
+        self.check_input(OP, &x, n, dy.dtype())?;
+        pre.expect_shape(OP, &[n, i])?;
+        if self.fp8.is_none() && self.deferred.is_none() {
+            self.weight_grads_now(&OutputGrad::Given { dy: dy.clone(), fp8_t: None }, &x, &bias, stream)?;
+            drop(x);
+            let dx = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
+            self.data_gemm(&dx, dy, Fused::DGelu { aux: pre }, stream)?;
+            return Ok(PreActGrad::Plain(dx));
+        }
         // What the fused kernel reads must suit it, or it would refuse after the GEMM before it
         // was enqueued: elsewhere the unfused path decides.
         let fused = self.fp8.is_some()
@@ -257,12 +273,8 @@ impl Linear {
             && pre.dtype() == DType::BF16
             && pre.is_contiguous();
         if !fused {
-            return self.backward_with(dy, x, Some(pre), bias, stream).map(PreActGrad::Plain);
+            return self.backward_with(dy, &x, Some(pre), bias, stream).map(PreActGrad::Plain);
         }
-        let (i, o) = self.dims();
-        let n = self.rows(OP, dy, o)?;
-        self.check_input(OP, x, n, dy.dtype())?;
-        pre.expect_shape(OP, &[n, i])?;
         let slot = below.fp8.clone().ok_or(Error::Unsupported {
             op: OP,
             backend: "any",
@@ -275,7 +287,7 @@ impl Linear {
         let q_t = Tensor::uninit(&self.alloc, stream, &[i, n], DType::F8E5M2)?;
         let tile_sums = Tensor::uninit(&self.alloc, stream, &[tile_rows(n), i], DType::F32)?;
         dgelu_cast_transpose((&q, &q_t), &into.amax, &tile_sums, (&dact, pre), &into.scale, stream)?;
-        self.weight_grads(grad, x, bias, stream)?;
+        self.weight_grads(grad, &x, bias, stream)?;
         Ok(PreActGrad::Quantized(Box::new(QuantizedGrad { q, q_t, tile_sums, slot })))
     }
 

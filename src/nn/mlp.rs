@@ -133,7 +133,7 @@ impl Mlp {
                 act
             }
         };
-        let dpre = self.fc2.backward_through_gelu(&dy, &act, &pre, fc2_bias, &self.fc1, stream)?;
+        let dpre = self.fc2.backward_through_gelu(&dy, act, &pre, fc2_bias, &self.fc1, stream)?;
         let dx = self.fc1.backward_from(dpre, &x, stream)?;
         dx.reshape(&ctx.shape)
     }
