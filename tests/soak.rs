@@ -167,8 +167,8 @@ impl Model {
 }
 
 /// The graphed stack with offloading, replayed on a side stream and joined, then the optimizer's
-/// graph, `steps` times.
-fn soak_graphed_offload(dev: &Device) -> Result {
+/// graph, `steps` times; with `lend`, the layers' gradients lent to the pool.
+fn soak_graphed_offload(dev: &Device, lend: bool) -> Result {
     let steps = steps(dev)?;
     let model = Model::new(dev)?;
     let s = &model.s;
@@ -177,7 +177,7 @@ fn soak_graphed_offload(dev: &Device) -> Result {
     let offload = OffloadManager::new(&model.alloc, OffloadConfig::default().min_elements(256).margin(1))?;
     let (side, event) = (dev.stream()?, dev.event()?);
     // The capture's warmup decides what the manager offloads.
-    let options = offload.graph_options(GraphOptions::default().sync_event(&event));
+    let options = offload.graph_options(GraphOptions::default().sync_event(&event).lend_gradients(lend));
     let graph = make_graphed_stack(&model.alloc, &model.stack, &model.inputs[0], options)?;
     let summary = offload.summary().context("no offload decision after the capture")?;
     ensure!(summary.offloaded_bytes() > 0, "the manager offloads nothing");
@@ -196,7 +196,14 @@ fn soak_graphed_offload(dev: &Device) -> Result {
         }
     }
     ensure!(model.optimizer.steps(s)? == steps, "every replay stepped the optimizer");
-    expect_flat("graphed stack, offloading on, side stream", &samples)
+    expect_flat(
+        if lend {
+            "graphed stack, offloading on, side stream, lent gradients"
+        } else {
+            "graphed stack, offloading on, side stream"
+        },
+        &samples,
+    )
 }
 
 /// The layers under interleaved 1F1B (one rank, two chunks of one layer, four microbatches),
@@ -242,7 +249,14 @@ fn expect_no_hazards(dev: &Device) -> Result {
 #[test]
 fn graphed_offload_side_stream_soak_sim() -> Result {
     let dev = Device::sim();
-    soak_graphed_offload(&dev)?;
+    soak_graphed_offload(&dev, false)?;
+    expect_no_hazards(&dev)
+}
+
+#[test]
+fn graphed_offload_lent_gradients_soak_sim() -> Result {
+    let dev = Device::sim();
+    soak_graphed_offload(&dev, true)?;
     expect_no_hazards(&dev)
 }
 
@@ -258,7 +272,13 @@ fn graphed_schedule_soak_sim() -> Result {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn graphed_offload_side_stream_soak_cuda() -> Result {
-    soak_graphed_offload(&Device::cuda(0)?)
+    soak_graphed_offload(&Device::cuda(0)?, false)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graphed_offload_lent_gradients_soak_cuda() -> Result {
+    soak_graphed_offload(&Device::cuda(0)?, true)
 }
 
 #[test]
