@@ -155,13 +155,17 @@ fn mlp_recomputing_its_activation_gradients(dev: &Device) -> Result {
     check_gradients(dev, |vb| Mlp::new(&vb.pp("mlp").with_seed(3).with_recompute(Recompute::Gelu), SHAPE[2]), 3)
 }
 
-/// What one MLP forward (f32, `(2, 64, 32)`) holds for its backward, and its output, input
-/// gradient and parameter gradients, with its backward recomputing the GELU output or not.
-fn mlp_held_and_run(dev: &Device, recompute: Recompute) -> Result<(usize, Run)> {
+/// What the forward of the module `build` makes (f32, `(2, 64, 32)` in, `count` parameters)
+/// holds for its backward, and its output, input gradient and parameter gradients.
+fn held_and_run<M: Module>(
+    dev: &Device,
+    count: usize,
+    build: impl Fn(&Builder) -> graphed::Result<M>,
+) -> Result<(usize, Run)> {
     const ROWS: usize = 128;
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-    let store = ParamStore::new(&alloc, &s, Mlp::parameter_count(32))?;
-    let m = Mlp::new(&Builder::new(&store, &alloc, &s)?.with_seed(3).with_recompute(recompute).pp("mlp"), 32)?;
+    let store = ParamStore::new(&alloc, &s, count)?;
+    let m = build(&Builder::new(&store, &alloc, &s)?)?;
     let x = Tensor::from_host(&alloc, &s, &lcg(ROWS * 32, 1), &[2, 64, 32])?;
     let dy = Tensor::from_host(&alloc, &s, &lcg(ROWS * 32, 2), &[2, 64, 32])?;
     s.synchronize()?;
@@ -171,6 +175,13 @@ fn mlp_held_and_run(dev: &Device, recompute: Recompute) -> Result<(usize, Run)> 
     let held = alloc.stats().total.allocated - before;
     let dx = m.backward(ctx, &[&dy], &s)?.remove(0).ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
     Ok((held, Run { y, dx: dx.to_vec(&s)?, grads: store.grads()?.to_vec(&s)? }))
+}
+
+/// [`held_and_run`] of an MLP on 32 features, recomputing as `recompute` says.
+fn mlp_held_and_run(dev: &Device, recompute: Recompute) -> Result<(usize, Run)> {
+    held_and_run(dev, Mlp::parameter_count(32), |vb| {
+        Mlp::new(&vb.clone().with_seed(3).with_recompute(recompute).pp("mlp"), 32)
+    })
 }
 
 /// Recomputing the GELU output keeps exactly its bytes (rows × 4C f32) fewer from the forward to
@@ -195,23 +206,12 @@ fn transformer_layer_recomputing_its_norms_gradients(dev: &Device) -> Result {
     check_gradients(dev, |vb| layer(&vb.clone().with_recompute(Recompute::GeluAndNorms), 0.0), 5)
 }
 
-/// What one transformer layer's forward (f32, `(2, 64, 32)`, one head) holds for its backward,
-/// and its output, input gradient and parameter gradients, as `recompute` says.
+/// [`held_and_run`] of a transformer layer on 32 features in one head, recomputing as
+/// `recompute` says.
 fn layer_held_and_run(dev: &Device, recompute: Recompute) -> Result<(usize, Run)> {
-    const ROWS: usize = 128;
-    let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-    let store = ParamStore::new(&alloc, &s, TransformerLayer::parameter_count(32))?;
-    let vb = Builder::new(&store, &alloc, &s)?.with_seed(9).with_recompute(recompute);
-    let l = TransformerLayer::new(&vb.pp("layer"), tiny(32, 1))?;
-    let x = Tensor::from_host(&alloc, &s, &lcg(ROWS * 32, 1), &[2, 64, 32])?;
-    let dy = Tensor::from_host(&alloc, &s, &lcg(ROWS * 32, 2), &[2, 64, 32])?;
-    s.synchronize()?;
-    let before = alloc.stats().total.allocated;
-    let (y, ctx) = l.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
-    let y = y[0].to_vec(&s)?;
-    let held = alloc.stats().total.allocated - before;
-    let dx = l.backward(ctx, &[&dy], &s)?.remove(0).ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
-    Ok((held, Run { y, dx: dx.to_vec(&s)?, grads: store.grads()?.to_vec(&s)? }))
+    held_and_run(dev, TransformerLayer::parameter_count(32), |vb| {
+        TransformerLayer::new(&vb.clone().with_seed(9).with_recompute(recompute).pp("layer"), tiny(32, 1))
+    })
 }
 
 /// Recomputing the LayerNorm outputs keeps exactly their bytes (2 × rows × C f32) fewer from

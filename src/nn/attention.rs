@@ -471,11 +471,7 @@ impl CausalSelfAttention {
         let d = ctx.dims;
         let (bt, c, dtype) = (d.batch * d.seq, d.heads * d.hd, dy.dtype());
         dy.expect_shape(OP, &[d.batch, d.seq, c])?;
-        let x = match (ctx.x, input) {
-            (Some(saved), _) => saved.take(stream)?,
-            (None, Some(x)) => x.reshape(&[bt, c])?,
-            (None, None) => return Err(super::mlp::unsaved_input(OP)),
-        };
+        let x = super::saved::saved_or_given(ctx.x, input, OP, stream)?.reshape(&[bt, c])?;
         let dy = dy.reshape(&[bt, c])?;
         let att = ctx.att.take(stream)?;
         let datt = self.proj.backward_with(&dy, &att, None, proj_bias, stream)?;

@@ -5,6 +5,7 @@
 //! fused with FC1's cast of its gradient and FC1's bias gradient ([`Linear::backward_through_gelu`]).
 
 use super::layernorm::{as_rows, single_input};
+use super::saved::saved_or_given;
 use super::{BiasGrad, Builder, Inputs, Linear, LinearForward, Module, Param, SaveHook, SavedTensor};
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
@@ -118,11 +119,7 @@ impl Mlp {
     ) -> Result<Tensor> {
         const OP: &str = "Mlp::backward";
         dy.expect_shape(OP, &ctx.shape)?;
-        let x = match (ctx.x, input) {
-            (Some(saved), _) => saved.take(stream)?,
-            (None, Some(x)) => as_rows(OP, x, self.dim())?,
-            (None, None) => return Err(unsaved_input(OP)),
-        };
+        let x = as_rows(OP, &saved_or_given(ctx.x, input, OP, stream)?, self.dim())?;
         let dy = as_rows(OP, dy, self.dim())?;
         let pre = ctx.pre.take(stream)?;
         let act = match ctx.act {
@@ -136,15 +133,6 @@ impl Mlp {
         let dpre = self.fc2.backward_through_gelu(&dy, act, &pre, fc2_bias, &self.fc1, stream)?;
         let dx = self.fc1.backward_from(dpre, &x, stream)?;
         dx.reshape(&ctx.shape)
-    }
-}
-
-/// The refusal of a backward whose forward did not save its input, and that was not given it.
-pub(super) fn unsaved_input(op: &'static str) -> Error {
-    Error::Unsupported {
-        op,
-        backend: "any",
-        why: "the forward did not save its input (its layer recomputes it): run the backward through that layer",
     }
 }
 

@@ -85,6 +85,29 @@ impl SavedTensor {
     }
 }
 
+/// A backward's input: the tensor its forward saved, else `given` (the caller's recomputation
+/// of it, for a forward that did not save it).
+///
+/// # Errors
+/// [`Error::Unsupported`](crate::Error::Unsupported) naming `op` when neither is there; the save
+/// hook's, for a saved tensor that was away.
+pub(crate) fn saved_or_given(
+    saved: Option<SavedTensor>,
+    given: Option<&Tensor>,
+    op: &'static str,
+    stream: &Stream,
+) -> Result<Tensor> {
+    match (saved, given) {
+        (Some(saved), _) => saved.take(stream),
+        (None, Some(t)) => Ok(t.clone()),
+        (None, None) => Err(crate::Error::Unsupported {
+            op,
+            backend: "any",
+            why: "the forward did not save its input (its layer recomputes it): run the backward through that layer",
+        }),
+    }
+}
+
 /// What reading a saved tensor whose reload failed in [`SavedTensor::peek`] gives.
 fn gone() -> crate::Error {
     crate::Error::Unsupported {
