@@ -471,7 +471,10 @@ impl CausalSelfAttention {
         let d = ctx.dims;
         let (bt, c, dtype) = (d.batch * d.seq, d.heads * d.hd, dy.dtype());
         dy.expect_shape(OP, &[d.batch, d.seq, c])?;
-        let x = super::saved::saved_or_given(ctx.x, input, OP, stream)?.reshape(&[bt, c])?;
+        // A saved input is as the QKV projection kept it (in FP8 its quantized transpose); one
+        // given is `(B, T, C)`.
+        let given = input.map(|x| x.reshape(&[bt, c])).transpose()?;
+        let x = super::saved::saved_or_given(ctx.x, given.as_ref(), OP, stream)?;
         let dy = dy.reshape(&[bt, c])?;
         let att = ctx.att.take(stream)?;
         let datt = self.proj.backward_with(&dy, &att, None, proj_bias, stream)?;

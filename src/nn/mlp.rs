@@ -119,7 +119,9 @@ impl Mlp {
     ) -> Result<Tensor> {
         const OP: &str = "Mlp::backward";
         dy.expect_shape(OP, &ctx.shape)?;
-        let x = as_rows(OP, &saved_or_given(ctx.x, input, OP, stream)?, self.dim())?;
+        // A saved input is as FC1 kept it (in FP8 its quantized transpose); one given is rows.
+        let given = input.map(|x| as_rows(OP, x, self.dim())).transpose()?;
+        let x = saved_or_given(ctx.x, given.as_ref(), OP, stream)?;
         let dy = as_rows(OP, dy, self.dim())?;
         let pre = ctx.pre.take(stream)?;
         let act = match ctx.act {
