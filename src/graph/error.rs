@@ -37,7 +37,9 @@ pub enum GraphedErrorKind {
     /// no static buffer: state a module made during the recorded pass, which the next backward
     /// would zero.
     #[error(
-        "{bytes} bytes of lent gradient memory are still held after the capture by something other than a static          buffer (state a module created while being captured); create such state in the warmup, or graph without          lend_gradients"
+        "{bytes} bytes of lent gradient memory are still held after the capture by something other than a static \
+         buffer (state a module created while being captured); create such state in the warmup, or graph without \
+         lend_gradients"
     )]
     LentState {
         /// The bytes held.

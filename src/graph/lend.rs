@@ -43,7 +43,7 @@ use super::options::{GraphOptions, Mode};
 use super::output::StaticOutput;
 use super::record::Recorded;
 use super::GraphedErrorKind;
-use crate::device::{ids, with_dtype, BufferId, Stream};
+use crate::device::{ids, with_dtype, Access, AccessMode, BufferId, Stream};
 use crate::memory::{CachingAllocator, GraphPool};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -82,11 +82,11 @@ impl Lending {
         }
         let grads: Vec<Vec<&Tensor>> =
             callables.iter().map(|c| c.parameters_dyn().into_iter().map(|p| &p.grad).collect()).collect();
-        let touches = |a: &Tensor, b: &Tensor| {
-            a.id() == b.id() && a.offset() < b.offset() + b.numel() && b.offset() < a.offset() + a.numel()
-        };
-        for (i, mine) in grads.iter().enumerate() {
-            if grads[i + 1..].iter().flatten().any(|g| mine.iter().any(|m| touches(m, g))) {
+        let accesses: Vec<Vec<Access>> = (grads.iter())
+            .map(|mine| mine.iter().map(|g| g.access(AccessMode::Read)).collect::<Result<_>>())
+            .collect::<Result<_>>()?;
+        for (i, mine) in accesses.iter().enumerate() {
+            if accesses[i + 1..].iter().flatten().any(|g| mine.iter().any(|m| m.overlaps(g))) {
                 return Err(refuse(
                     "needs every parameter in one layer: a parameter shared by two layers accumulates over both \
                      backwards, which lending zeroes; graph without lend_gradients",

@@ -268,8 +268,9 @@ impl GraphOptions {
     ///
     /// Refused ([`GraphedErrorKind::LendGradients`](super::GraphedErrorKind::LendGradients)) in
     /// inference, with a pool per callable, for a parameter shared by two layers or a layer that
-    /// splits its weight gradients out, and by `make_graphed_callables`. Gradient work (`grad_sync`) runs on lent gradients as on kept
-    /// ones: it has them from the backward on, until the join before the optimizer.
+    /// splits its weight gradients out, and by `make_graphed_callables`. Gradient work
+    /// (`grad_sync`) runs on lent gradients as on kept ones: it has them from the backward on,
+    /// until the join before the optimizer.
     pub fn lend_gradients(mut self, yes: bool) -> GraphOptions {
         self.lend_gradients = yes;
         self

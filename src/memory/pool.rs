@@ -220,25 +220,18 @@ impl GraphPool {
     }
 
     /// Lends the 256-byte aligned part of `buffer`'s elements `range` to the pool, to be handed
-    /// out only to the captures that lender `lender` is opened to ([`GraphPool::open_lent`]);
-    /// returns the bytes lent. The pool keeps `buffer`'s memory alive and gives it back when none
-    /// of its graphs can run any more and none of its blocks there is held (Note [Lent gradients]
-    /// in `graph/lend.rs` says when that is safe).
-    pub(crate) fn lend<T: Elem>(
-        &self,
-        lender: usize,
-        buffer: &DeviceBuffer<T>,
-        range: std::ops::Range<usize>,
-    ) -> usize {
+    /// out only to the captures that lender `lender` is opened to ([`GraphPool::open_lent`]).
+    /// The pool keeps `buffer`'s memory alive and gives it back when none of its graphs can run
+    /// any more and none of its blocks there is held (Note [Lent gradients] in `graph/lend.rs`
+    /// says when that is safe).
+    pub(crate) fn lend<T: Elem>(&self, lender: usize, buffer: &DeviceBuffer<T>, range: std::ops::Range<usize>) {
         let block = buffer.block.clone();
         let size = T::DTYPE.size();
         let start = (block.base + range.start * size).div_ceil(ALIGN) * ALIGN;
         let end = (block.base + range.end.min(buffer.len()) * size) / ALIGN * ALIGN;
-        if end <= start {
-            return 0;
+        if end > start {
+            self.alloc.lend(self.id, lender, block, start, end - start);
         }
-        self.alloc.lend(self.id, lender, block, start, end - start);
-        end - start
     }
 
     /// Lets the capture in progress allocate from the memory of `lenders` (none: no lent memory).
