@@ -55,6 +55,15 @@ cast_kernels! {
     COLS_BF16_E5M2 = "fp8_cast_cols_bf16_e5m2", COLS, F8E5M2, bf16, false, true;
 }
 
+/// The rows and columns of `t`, which the tile kernels read as one matrix; [`Error::Shape`]
+/// naming `op` for another rank.
+pub(super) fn matrix(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+    match *t.shape() {
+        [rows, cols] => Ok((rows, cols)),
+        _ => Err(Error::Shape { op, expected: "a matrix [rows, cols]".into(), found: t.shape().to_vec() }),
+    }
+}
+
 fn cast_cpu<O: Float8, I: Float, const ROW: bool, const COL: bool>(a: &CpuArgs) -> Result<()> {
     let inp = a.input::<I>("inp")?;
     cast_values_cpu::<O, ROW, COL>(a, inp.iter().map(|x| x.to_f32()))
@@ -105,9 +114,7 @@ pub fn cast_transpose(
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "cast_transpose";
-    let [rows, cols] = *inp.shape() else {
-        return Err(Error::Shape { op: OP, expected: "a matrix [rows, cols]".into(), found: inp.shape().to_vec() });
-    };
+    let (rows, cols) = matrix(OP, inp)?;
     let outputs = match (out, out_t) {
         (Some(o), Some(t)) => {
             t.expect_dtype(OP, o.dtype())?;

@@ -37,7 +37,7 @@
 use float8::F8E5M2;
 use half::bf16;
 
-use super::cast_transpose::{cast_values_cpu, TILE_COLS, TILE_ROWS, TILE_THREADS};
+use super::cast_transpose::{cast_values_cpu, matrix, TILE_COLS, TILE_ROWS, TILE_THREADS};
 use super::SOURCE;
 use crate::device::{args, CpuArgs, DType, In, InOut, Kernel, Out, Stream};
 use crate::ops::cast::one_f32;
@@ -100,9 +100,7 @@ pub fn dgelu_cast_transpose(
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "dgelu_cast_transpose";
-    let [rows, cols] = *dout.shape() else {
-        return Err(Error::Shape { op: OP, expected: "a matrix [rows, cols]".into(), found: dout.shape().to_vec() });
-    };
+    let (rows, cols) = matrix(OP, dout)?;
     for t in [dout, pre] {
         if t.dtype() != DType::BF16 {
             return Err(Error::UnsupportedDType { op: OP, dtype: t.dtype(), supported: "bf16" });
