@@ -6,7 +6,7 @@ use super::build::build;
 use super::callable::Callable;
 use super::error::refusal;
 use super::graphed::{CaptureTimes, Draws, Pass};
-use super::lend::Lending;
+use super::lend::{Learned, Lending};
 use super::options::{GraphOptions, Mode};
 use super::plan::{Named, Plan, RangeLabel};
 use super::probe::probe_windows;
@@ -280,7 +280,9 @@ fn capture(
     }
     // The window probe, if asked for, runs with the warmup's state (offloading off, gradients
     // not yet restored), so that a failed probe is undone as a failed warmup is.
-    let warmed = warmup(&plan, &mut options).and_then(|()| probe_windows(&plan, layout.as_ref(), &mut options));
+    let mut learned = Learned::new(lending.is_some());
+    let warmed =
+        warmup(&plan, &mut options, &mut learned).and_then(|()| probe_windows(&plan, layout.as_ref(), &mut options));
     let post = options.post_warmup.as_mut().map_or(Ok(()), |h| h(&stream));
     let restored = restore(alloc, &stream, &kept, &kept_before);
     drop(kept_before);
@@ -293,7 +295,7 @@ fn capture(
     let marks: Vec<(GraphPool, usize)> = distinct(&pools).into_iter().map(|p| (p.clone(), p.order_len())).collect();
     let began = Instant::now();
     let lent = lending.as_ref().map_or(Ok(()), |l| l.lend(&pools[0]));
-    let captured = lent.and_then(|()| record(&plan, &pools, &mut options, layout.as_ref(), lending.as_ref()));
+    let captured = lent.and_then(|()| record(&plan, &pools, &mut options, layout.as_ref(), lending.as_ref(), &learned));
     let captured = captured.and_then(|mut recorded| {
         if lending.is_some() {
             Lending::seal(alloc, &pools[0], &mut recorded)?;

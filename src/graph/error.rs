@@ -45,6 +45,16 @@ pub enum GraphedErrorKind {
         /// The bytes held.
         bytes: usize,
     },
+    /// With lent gradients, a captured pass held blocks past its end that its warmup freed
+    /// within the pass: they lie in gradient memory lent for the pass alone (Note [Pass-local
+    /// blocks] in `memory`), which a later pass zeroes.
+    #[error(
+        "{bytes} bytes that the warmup of this pass freed within it were still held when the captured pass ended:          the module allocates differently while captured than in the warmup, and lent gradient memory cannot hold          what outlives the pass; make the captured pass allocate as the warmup does, or graph without lend_gradients"
+    )]
+    PassLocalHeld {
+        /// The bytes held.
+        bytes: usize,
+    },
     /// No callables (or an empty stack) were given.
     #[error("no callables to graph; pass at least one")]
     NoCallables,

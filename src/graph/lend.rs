@@ -15,6 +15,11 @@
 //! - A block allocated in layer `k`'s backward may take memory of layers `i < k - 1` only: its
 //!   static output, layer `k`'s input gradient, is read by backward `k - 1`. Split weight-gradient
 //!   passes take none.
+//! - A block that dies within its pass may take more (Note [Pass-local blocks] in
+//!   `memory/lifetimes.rs`, which says how the pool knows): in a forward, any layer's memory,
+//!   the last layer's included (which lends for such blocks alone); in backward `k`, layer
+//!   `k - 1`'s too. The backward's transients, cuDNN's scratch among them, and the first
+//!   forward's, which no lower layer could hold, leave the pool.
 //! - Every layer's backward graph begins by zeroing its gradients (lending or not, so that all
 //!   behave alike), after which its kernels accumulate as they do without lending; so eager and
 //!   graphed steps give the same bits, and a gradient accumulated over several backwards is
@@ -44,9 +49,10 @@ use super::output::StaticOutput;
 use super::record::Recorded;
 use super::GraphedErrorKind;
 use crate::device::{ids, with_dtype, Access, AccessMode, BufferId, Stream};
-use crate::memory::{CachingAllocator, GraphPool};
+use crate::memory::{CachingAllocator, GraphPool, Lifetimes};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
+use std::collections::HashMap;
 
 /// What a stack's layers lend: per layer, the gradients its backward zeroes first, and the id
 /// and flat range of what it lends, if it lends.
@@ -63,7 +69,8 @@ impl Lending {
     /// The lending `options` ask for over the stack's layers `callables`: `None` unless asked;
     /// refused where it cannot work. Every layer's backward zeroes its gradients first, so that
     /// each backward gives its own, lending or not; a layer lends when its parameters' gradients
-    /// are one contiguous range and a layer above it exists to borrow it (the last lends nothing).
+    /// are one contiguous range (the last layer's serves blocks that die within a pass only:
+    /// Note [Pass-local blocks] in `memory`).
     pub(crate) fn plan(callables: &[&dyn Callable], options: &GraphOptions) -> Result<Option<Lending>> {
         if !options.lend_gradients {
             return Ok(None);
@@ -95,13 +102,13 @@ impl Lending {
         }
         let n = callables.len();
         let mut lending = Lending { zeroed: Vec::with_capacity(n), lenders: Vec::with_capacity(n) };
-        for (i, mine) in grads.into_iter().enumerate() {
+        for mine in grads {
             let span = span(&mine);
             lending.zeroed.push(match &span {
                 Some(all) => vec![all.clone()],
                 None => mine.into_iter().cloned().collect(),
             });
-            lending.lenders.push(span.filter(|_| i + 1 < n).map(|all| (ids::next_id() as usize, all)));
+            lending.lenders.push(span.map(|all| (ids::next_id() as usize, all)));
         }
         Ok(Some(lending))
     }
@@ -143,6 +150,20 @@ impl Lending {
         self.lenders[..below.min(self.lenders.len())].iter().flatten().map(|(id, _)| *id).collect()
     }
 
+    /// The lenders whose memory a block that dies within the capture of layer `i`'s `pass` may
+    /// take besides [`lenders`](Lending::lenders)' (Note [Pass-local blocks] in `memory`): every
+    /// layer's gradients are dead during a forward, and layer `i - 1`'s during backward `i`,
+    /// which writes only its own. Split weight-gradient passes take none.
+    pub(crate) fn wide(&self, i: usize, pass: Pass) -> Vec<usize> {
+        let n = self.lenders.len();
+        let range = match pass {
+            Pass::Forward => i.min(n)..n,
+            Pass::Backward => i.saturating_sub(1).min(n)..i.min(n),
+            Pass::BackwardDw => 0..0,
+        };
+        self.lenders[range].iter().flatten().map(|(id, _)| *id).collect()
+    }
+
     /// Opens `pool`'s lent memory to the capture of layer `i`'s `pass` about to begin.
     pub(crate) fn open_for(&self, pool: &GraphPool, i: usize, pass: Pass) {
         pool.open_lent(&self.lenders(i, pass));
@@ -179,6 +200,60 @@ impl Lending {
             *grads = std::mem::take(grads).into_iter().map(|d| d.map(share).transpose()).collect::<Result<_>>()?;
         }
         Ok(())
+    }
+}
+
+/// What the warmup learned of each pass's allocations (Note [Pass-local blocks] in `memory`),
+/// by layer and pass; nothing unless gradients are lent.
+pub(crate) struct Learned {
+    on: bool,
+    passes: HashMap<(usize, Pass), Lifetimes>,
+}
+
+impl Learned {
+    /// Learns when `on` (the stack lends its gradients).
+    pub(crate) fn new(on: bool) -> Learned {
+        Learned { on, passes: HashMap::new() }
+    }
+
+    /// Runs `f`, layer `i`'s own work in its warmup `pass` on `stream`, learning its
+    /// allocations; a later warmup iteration's account replaces an earlier one's.
+    pub(crate) fn learn<T>(
+        &mut self,
+        alloc: &CachingAllocator,
+        stream: &Stream,
+        (i, pass): (usize, Pass),
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        if !self.on {
+            return f();
+        }
+        let learning = alloc.learn(stream);
+        let out = f()?;
+        self.passes.insert((i, pass), learning.finish()?);
+        Ok(out)
+    }
+
+    /// Runs `f`, layer `i`'s own work in its captured `pass`, with `pool` expecting the
+    /// allocations the warmup learned for it, so that those the warmup freed may take the
+    /// lenders [`Lending::wide`] names; refuses the capture if any of them outlived the pass.
+    pub(crate) fn expect<T>(
+        &self,
+        lending: Option<&Lending>,
+        pool: &GraphPool,
+        (i, pass): (usize, Pass),
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let (Some(lending), Some(lifetimes)) = (lending, self.passes.get(&(i, pass))) else { return f() };
+        pool.expect(lifetimes, &lending.wide(i, pass));
+        let out = f();
+        let held = pool.end_expect();
+        let out = out?;
+        if held > 0 {
+            let kind = GraphedErrorKind::PassLocalHeld { bytes: held };
+            return Err(Error::Graphed { callable: "make_graphed_stack".into(), kind });
+        }
+        Ok(out)
     }
 }
 

@@ -7,7 +7,7 @@ use super::callable::Saved;
 use super::edge::End;
 use super::grad_sync::CallableGrads;
 use super::graphed::Pass;
-use super::lend::Lending;
+use super::lend::{Learned, Lending};
 use super::options::{GraphOptions, Phase};
 use super::output::StaticOutput;
 use super::plan::Plan;
@@ -125,6 +125,7 @@ pub(crate) fn record(
     options: &mut GraphOptions,
     layout: Option<&Layout>,
     lending: Option<&Lending>,
+    learned: &Learned,
 ) -> Result<Recorded> {
     let n = plan.len();
     let recorded = Recorded {
@@ -145,6 +146,7 @@ pub(crate) fn record(
         grad_buffers: HashMap::new(),
         grad_passes: GradPasses::new(plan, layout),
         lending,
+        learned,
     };
     match layout {
         None => {
@@ -175,6 +177,8 @@ struct Record<'p, 'o> {
     grad_buffers: HashMap<usize, Vec<Tensor>>,
     grad_passes: GradPasses,
     lending: Option<&'p Lending>,
+    /// What the warmup learned of each pass's allocations (Note [Pass-local blocks]).
+    learned: &'p Learned,
 }
 
 /// The passes that accumulate parameter gradients (backward, and split weight-gradient passes),
@@ -371,9 +375,11 @@ impl Traverse for Record<'_, '_> {
         self.options.run_pass_hook(i, Phase::ForwardPre, stream)?;
         let mut result = None;
         let hook = plan.hooks[i].clone();
+        let (lending, learned, pool) = (self.lending, self.learned, &self.pools[i]);
         let g = self.capture(i, Pass::Forward, &mut || {
             hook.begin_forward(stream)?;
-            result = Some(plan.callables[i].forward_dyn(&inputs, hook.as_ref(), stream)?);
+            let forward = || plan.callables[i].forward_dyn(&inputs, hook.as_ref(), stream);
+            result = Some(learned.expect(lending, pool, (i, Pass::Forward), forward)?);
             Ok(())
         })?;
         self.options.run_pass_hook(i, Phase::Forward, stream)?;
@@ -404,9 +410,11 @@ impl Traverse for Record<'_, '_> {
         };
         self.options.run_pass_hook(i, Phase::BackwardPre, stream)?;
         let (mut saved, mut result) = (Some(saved), None);
+        let (lending, learned, pools) = (self.lending, self.learned, self.pools);
         let g = self.capture_grad_pass(i, Pass::Backward, &mut |hook| {
             let s = saved.take().expect("captured once");
-            result = Some(plan.callables[i].backward_dyn(s, &dys.iter().collect::<Vec<_>>(), hook, stream)?);
+            let backward = || plan.callables[i].backward_dyn(s, &dys.iter().collect::<Vec<_>>(), hook, stream);
+            result = Some(learned.expect(lending, &pools[i], (i, Pass::Backward), backward)?);
             Ok(())
         })?;
         self.options.run_pass_hook(i, Phase::Backward, stream)?;

@@ -10,6 +10,7 @@
 //! whether it gives them is checked in its own backward (`Plan::check_grads`).
 
 use super::graphed::Pass;
+use super::lend::Learned;
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
 use crate::nn::NoGradHook;
@@ -24,12 +25,12 @@ use crate::Result;
 /// stream's blocks, but only after a wait for blocks used on several streams, and on the
 /// simulator, which runs work when the host observes it), so that the next callable reuses it
 /// on every device. It costs a host wait per callable, once per capture.
-pub(crate) fn warmup(plan: &Plan<'_>, options: &mut GraphOptions) -> Result<()> {
+pub(crate) fn warmup(plan: &Plan<'_>, options: &mut GraphOptions, learned: &mut Learned) -> Result<()> {
     let _range = plan.stream.device().range_with(|| "warmup".into());
     for iteration in 0..options.warmup_iters {
         let mut previous = Vec::new();
         for i in 0..plan.len() {
-            previous = warm(plan, options, i, previous)?;
+            previous = warm(plan, options, learned, i, previous)?;
             plan.stream.synchronize()?;
         }
         if iteration == 0 {
@@ -41,7 +42,13 @@ pub(crate) fn warmup(plan: &Plan<'_>, options: &mut GraphOptions) -> Result<()> 
 
 /// Callable `i`'s forward of `previous` (or of its static inputs), then, in training, its
 /// backward (and split weight-gradient pass); returns its outputs.
-fn warm(plan: &Plan<'_>, options: &mut GraphOptions, i: usize, previous: Vec<Tensor>) -> Result<Vec<Tensor>> {
+fn warm(
+    plan: &Plan<'_>,
+    options: &mut GraphOptions,
+    learned: &mut Learned,
+    i: usize,
+    previous: Vec<Tensor>,
+) -> Result<Vec<Tensor>> {
     let (stream, callable) = (plan.stream, plan.callables[i]);
     let inputs = plan.inputs(i, &previous);
     drop(previous);
@@ -49,7 +56,9 @@ fn warm(plan: &Plan<'_>, options: &mut GraphOptions, i: usize, previous: Vec<Ten
         let _range = stream.device().range_with(|| plan.ranges[i].name("warmup", Pass::Forward));
         options.run_pass_hook(i, Phase::ForwardPre, stream)?;
         plan.hooks[i].begin_forward(stream)?;
-        let forward = callable.forward_dyn(&inputs, plan.hooks[i].as_ref(), stream)?;
+        let forward = learned.learn(plan.alloc, stream, (i, Pass::Forward), || {
+            callable.forward_dyn(&inputs, plan.hooks[i].as_ref(), stream)
+        })?;
         options.run_pass_hook(i, Phase::Forward, stream)?;
         forward
     };
@@ -61,7 +70,9 @@ fn warm(plan: &Plan<'_>, options: &mut GraphOptions, i: usize, previous: Vec<Ten
     let dys = (outputs.iter())
         .map(|y| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype()))
         .collect::<Result<Vec<_>>>()?;
-    let grads = callable.backward_dyn(saved, &dys.iter().collect::<Vec<_>>(), &NoGradHook, stream)?;
+    let grads = learned.learn(plan.alloc, stream, (i, Pass::Backward), || {
+        callable.backward_dyn(saved, &dys.iter().collect::<Vec<_>>(), &NoGradHook, stream)
+    })?;
     plan.check_grads(i, &inputs, &grads)?;
     if callable.splits_dw_dyn() {
         callable.backward_dw_dyn(stream)?;

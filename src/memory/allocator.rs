@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use super::arena::{block_size, segment_size, Arena, BlockInfo, FreeTag, SegmentId, Stats, StreamKey};
+use super::lifetimes::{Learning, Lifetimes, Place};
 use super::pool::{GraphPool, Lent, PoolGraph, PoolId, PoolState};
 use crate::device::memory::{Block, BlockOwner, Fence, MemKind, RawBuffer};
 use crate::device::{ids, BufferId, Capture, CaptureMode, Device, DeviceBuffer, Elem, Stream, StreamId};
@@ -205,6 +206,8 @@ struct State {
     /// Highest sums over all arenas of allocated and of reserved bytes.
     peak_allocated: usize,
     peak_reserved: usize,
+    /// The allocations of a pass being learned ([`CachingAllocator::learn`]).
+    learning: Option<Learning>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -222,8 +225,9 @@ impl State {
 
     /// Gives the memory `lenders` lent to `pool` back to its owners (`None`: of every lender,
     /// but not what a capture in progress was lent), each segment none of whose blocks is handed
-    /// out, and closes the pool's lent memory to captures. The caller knows that no graph that
-    /// may run uses those segments' free blocks.
+    /// out, and closes the pool's lent memory to captures; a segment of `lenders` that a block
+    /// still holds goes back once the pool is idle and the block free. The caller knows that no
+    /// graph that may run uses those segments' free blocks.
     pub(crate) fn give_back_lent(&mut self, pool: PoolId, lenders: Option<&[usize]>) {
         let Some(p) = self.pools.get_mut(&pool) else { return };
         let given: Vec<SegmentId> = (p.lent.iter())
@@ -232,6 +236,8 @@ impl State {
             .filter(|s| p.arena.remove_lent(*s))
             .collect();
         p.lent.retain(|l| !given.contains(&l.segment));
+        // What a block still holds goes back once the pool is idle and the block free.
+        p.lent.iter_mut().filter(|l| lenders.is_some_and(|ids| ids.contains(&l.lender))).for_each(|l| l.pinned = false);
         p.close_lent();
         for segment in given {
             self.segments.remove(&segment);
@@ -315,6 +321,18 @@ impl Inner {
                 arena.free_with(r.segment, r.offset, Some(tag));
             }
         }
+    }
+
+    /// Ends `pool`'s expectation (Note [Pass-local blocks]): the bytes of the blocks it placed
+    /// where only pass-local blocks may go that are still held.
+    pub(crate) fn end_expect(&self, pool: PoolId) -> usize {
+        let mut st = lock(&self.state);
+        self.take_returned(&mut st);
+        let Some(e) = st.pools.get_mut(&pool).and_then(|p| p.expect.take()) else { return 0 };
+        let held = |&&(segment, offset, id, _): &&(SegmentId, usize, BufferId, usize)| {
+            st.live.get(&(Some(pool), segment, offset)) == Some(&id)
+        };
+        e.placed.iter().filter(held).map(|p| p.3).sum()
     }
 
     pub(crate) fn with_pool<T>(&self, pool: PoolId, f: impl FnOnce(&mut PoolState) -> T) -> Option<T> {
@@ -534,13 +552,22 @@ impl CachingAllocator {
             Some(id) => Some(*st.captures.get(&id).ok_or(Error::NoCapturePool { op: OP, stream: stream.id() })?),
         };
         let key = stream.id().raw();
-        // Memory lent to the pool serves first the requests it is open to (Note [Lent gradients]).
-        let open = pool.and_then(|p| st.pools.get(&p)).map(|p| p.open_lent()).unwrap_or_default();
-        let arena = st.arena(pool).ok_or(Error::NoCapturePool { op: OP, stream: stream.id() })?;
-        let lent = match open.is_empty() {
-            true => None,
-            false => arena.alloc_lent(bytes, key, &|s| open.contains(&s)),
+        // Memory lent to the pool serves first the requests it is open to (Note [Lent gradients]);
+        // a block expected to die within its pass first the lent memory only such blocks may take
+        // (Note [Pass-local blocks]), which is of no use to the others.
+        let (open, wide) = match pool.and_then(|p| st.pools.get_mut(&p)) {
+            Some(p) => (p.open_lent(), p.wide_for(bytes)),
+            None => Default::default(),
         };
+        let only_wide = |s: SegmentId| wide.contains(&s) && !open.contains(&s);
+        let arena = st.arena(pool).ok_or(Error::NoCapturePool { op: OP, stream: stream.id() })?;
+        let mut lent = None;
+        if !wide.is_empty() {
+            lent = arena.alloc_lent(bytes, key, &only_wide);
+        }
+        if lent.is_none() && !open.is_empty() {
+            lent = arena.alloc_lent(bytes, key, &|s| open.contains(&s));
+        }
         let (segment, offset, size) = match lent.or_else(|| arena.alloc(bytes, key)) {
             Some(b) => b,
             None => {
@@ -556,6 +583,14 @@ impl CachingAllocator {
         let base = st.bases.get(&segment).copied().unwrap_or(0);
         let id = BufferId(ids::next_id());
         st.live.insert((pool, segment, offset), id);
+        if only_wide(segment) {
+            if let Some(e) = pool.and_then(|p| st.pools.get_mut(&p)).and_then(|p| p.expect.as_mut()) {
+                e.placed.push((segment, offset, id, size));
+            }
+        }
+        if let Some(l) = st.learning.as_mut().filter(|l| l.stream == key && pool.is_none()) {
+            l.seen.push((bytes, (pool, segment, offset), id));
+        }
         drop(st);
         let lease = Lease { alloc: Arc::downgrade(&self.inner), pool, segment, offset };
         let block = Block::new(raw, base + offset, Some(bytes.min(size)), id, Some(Arc::new(lease)));
@@ -584,6 +619,14 @@ impl CachingAllocator {
         }
         drop(st);
         Ok(PoolCapture { cap: Some(cap), alloc: self.inner.clone(), pool: pool.clone(), id })
+    }
+
+    /// Learns which of the allocations on `stream` (outside captures) die before the returned
+    /// guard's [`finish`](Learn::finish): the warmup's account of a pass, which its capture
+    /// expects (Note [Pass-local blocks]). One stream at a time; a new call replaces the last.
+    pub(crate) fn learn(&self, stream: &Stream) -> Learn<'_> {
+        lock(&self.inner.state).learning = Some(Learning { stream: stream.id().raw(), seen: Vec::new() });
+        Learn { alloc: self, stream: stream.clone() }
     }
 
     /// Refuses a pool that another allocator made.
@@ -713,6 +756,34 @@ impl PoolCapture<'_> {
         let graph = graph?;
         pool.add_graph(graph.id());
         Ok(PoolGraph { graph, pool: self.pool.clone() })
+    }
+}
+
+/// Allocations being learned ([`CachingAllocator::learn`]); dropping it stops the learning.
+pub(crate) struct Learn<'a> {
+    alloc: &'a CachingAllocator,
+    stream: Stream,
+}
+
+impl Learn<'_> {
+    /// What was learned: each allocation's size, and whether it was freed by now. Waits for the
+    /// stream first: a block dropped while queued work still uses it comes back after that work.
+    ///
+    /// # Errors
+    /// Device errors while waiting.
+    pub(crate) fn finish(self) -> Result<Lifetimes> {
+        self.stream.synchronize()?;
+        let mut st = lock(&self.alloc.inner.state);
+        self.alloc.inner.take_returned(&mut st);
+        let seen = st.learning.take().map(|l| l.seen).unwrap_or_default();
+        let freed = |(bytes, place, id): (usize, Place, BufferId)| (bytes, st.live.get(&place) != Some(&id));
+        Ok(Lifetimes(seen.into_iter().map(freed).collect()))
+    }
+}
+
+impl Drop for Learn<'_> {
+    fn drop(&mut self) {
+        lock(&self.alloc.inner.state).learning = None;
     }
 }
 

@@ -3,8 +3,10 @@
 
 mod allocator;
 pub mod arena;
+mod lifetimes;
 mod pool;
 
 pub use allocator::{AllocatorConfig, BlockEntry, CachingAllocator, MemoryStats, PoolCapture, EXPANDABLE_ENV};
 pub use arena::Stats;
+pub(crate) use lifetimes::Lifetimes;
 pub use pool::{GraphPool, PoolExec, PoolGraph, PoolId};

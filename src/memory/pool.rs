@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use super::allocator::Inner;
 use super::arena::{Arena, SegmentId, Stats, StreamKey, ALIGN};
+use super::lifetimes::{Expectation, Lifetimes};
 use crate::device::memory::Block;
 use crate::device::{BufferId, DeviceBuffer, Elem, Event, Graph, GraphExec, GraphId, Stream};
 use crate::{Error, Result};
@@ -56,6 +57,8 @@ pub(crate) struct PoolState {
     /// progress may allocate from.
     pub(crate) lent: Vec<Lent>,
     open: Vec<SegmentId>,
+    /// What the capture in progress expects of its allocations (Note [Pass-local blocks]).
+    pub(crate) expect: Option<Expectation>,
 }
 
 /// A range of another owner's memory lent to a pool: a segment of its arena.
@@ -90,6 +93,19 @@ impl PoolState {
     /// No capture may allocate from lent memory until [`GraphPool::open_lent`] again.
     pub(crate) fn close_lent(&mut self) {
         self.open.clear();
+        self.expect = None;
+    }
+
+    /// The lent segments an allocation of `bytes` may take besides the open ones: those the
+    /// expectation names if it dies within the pass (Note [Pass-local blocks]), else none.
+    pub(crate) fn wide_for(&mut self, bytes: usize) -> Vec<SegmentId> {
+        match self.expect.as_mut() {
+            Some(e) => match e.pass_local(bytes) {
+                true => e.wide.clone(),
+                false => Vec::new(),
+            },
+            None => Vec::new(),
+        }
     }
 
     /// The host saw everything finish: a replay may use any stream next.
@@ -241,6 +257,23 @@ impl GraphPool {
         });
     }
 
+    /// Until [`GraphPool::end_expect`], the capture in progress expects its allocations on the
+    /// capture stream to follow `lifetimes`, learned in the warmup of the same pass: those the
+    /// warmup freed may take the memory of `wide` (lenders) too (Note [Pass-local blocks]).
+    pub(crate) fn expect(&self, lifetimes: &Lifetimes, wide: &[usize]) {
+        self.alloc.with_pool(self.id, |p| {
+            let wide = p.lent.iter().filter(|l| wide.contains(&l.lender)).map(|l| l.segment).collect();
+            p.expect = Some(Expectation::new(lifetimes.clone(), wide));
+        });
+    }
+
+    /// Ends the expectation [`GraphPool::expect`] began: the bytes of the blocks it placed in
+    /// memory that only pass-local blocks may take and that are still held (a capture that holds
+    /// any must be refused).
+    pub(crate) fn end_expect(&self) -> usize {
+        self.alloc.end_expect(self.id)
+    }
+
     /// The memory `lenders` lent to the pool: each range's allocation and bytes there, as the
     /// accesses of its blocks name them.
     pub(crate) fn lent_memory(&self, lenders: &[usize]) -> Vec<(BufferId, std::ops::Range<usize>)> {
@@ -256,8 +289,8 @@ impl GraphPool {
     }
 
     /// Gives the memory lent by `lenders` (all lenders: `None`) that no block holds back to its
-    /// owners, and closes the pool's lent memory to captures. The caller knows that no graph
-    /// that may run uses it.
+    /// owners, and the rest of `lenders`' once the pool is idle and its blocks free; closes the
+    /// pool's lent memory to captures. The caller knows that no graph that may run uses it.
     pub(crate) fn give_back_lent(&self, lenders: Option<&[usize]>) {
         self.alloc.give_back_lent(self.id, lenders);
     }

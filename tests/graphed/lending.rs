@@ -3,12 +3,15 @@
 //! bit, a lower pool peak, outputs that refuse reads once zeroed, and refusals that change nothing.
 
 use anyhow::ensure;
-use graphed::device::{AccessMode, DType, Device};
+use graphed::device::{AccessMode, DType, Device, Stream};
 use graphed::graph::{
-    make_graphed_callables, make_graphed_fn, make_graphed_stack, GraphOptions, GraphedErrorKind, Replay,
+    make_graphed_callables, make_graphed_fn, make_graphed_stack, GraphOptions, GraphedErrorKind, Phase, Replay,
 };
-use graphed::nn::{Builder, Inputs, Linear, ParamStore, Stack, TransformerLayer};
+use graphed::memory::CachingAllocator;
+use graphed::nn::{Builder, Inputs, Linear, Module, Param, ParamStore, SaveHook, Stack, TransformerLayer};
+use graphed::ops::elementwise;
 use graphed::tensor::Tensor;
+use std::sync::{Arc, Mutex};
 
 use super::api::expect_kind;
 use super::fixtures::{Model, Result};
@@ -131,5 +134,103 @@ pub fn lending_is_refused_where_it_cannot_work(dev: &Device) -> Result {
     layers[1].set_split_dw(true);
     let x = Tensor::from_host(&m.alloc, &m.s, &[0.5f32; 24], &[3, 8])?;
     expect_kind(make_graphed_stack(&m.alloc, &Stack::new(layers), &x, lend()), refused)?;
+    Ok(())
+}
+
+/// The pool's (peak, allocated) bytes after each forward a capture-time hook sees (the warmup's
+/// too, before the pool holds anything), for the stack graphed with `options`.
+fn after_forwards(dev: &Device, options: GraphOptions) -> Result<Vec<(usize, usize)>> {
+    let m = Model::deep(dev, DType::BF16, LAYERS)?;
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (alloc, log) = (m.alloc.clone(), seen.clone());
+    let options = options.capture_time_hook(move |_, phase, _| {
+        if let (Phase::Forward, Some((_, p))) = (phase, alloc.stats().pools.last()) {
+            log.lock().unwrap().push((p.peak_allocated, p.allocated));
+        }
+        Ok(())
+    });
+    m.graph(options)?;
+    let seen = seen.lock().unwrap().clone();
+    Ok(seen)
+}
+
+/// Blocks that die within their pass take gradient memory dead for that pass alone (Note
+/// [Pass-local blocks]): every layer's gradients, the last layer's included, during any forward.
+/// So no captured forward raises the pool above what it keeps, as it does when the gradients are
+/// kept (the first forward's transients, which no lower layer's gradients could take).
+pub fn pass_local_blocks_take_gradients_dead_for_their_pass(dev: &Device) -> Result {
+    let lent = after_forwards(dev, lend())?;
+    ensure!(lent.iter().any(|&(_, allocated)| allocated > 0), "the hook never saw the pool hold anything: {lent:?}");
+    ensure!(
+        lent.iter().all(|&(peak, allocated)| peak == allocated),
+        "a forward's transients were in the pool: {lent:?}"
+    );
+    let kept = after_forwards(dev, GraphOptions::default())?;
+    ensure!(
+        kept.iter().any(|&(peak, allocated)| peak > allocated),
+        "keeping the gradients, no transient was: {kept:?}"
+    );
+    Ok(())
+}
+
+/// `y = x` with a parameter whose gradient the backward bumps, and a scratch block of `x`'s size
+/// that the forward frees in the warmup but keeps when captured: a pass that allocates otherwise
+/// when captured than in the warmup.
+struct Hoarder {
+    p: Param,
+    alloc: CachingAllocator,
+    kept: Mutex<Option<Tensor>>,
+}
+
+impl Module for Hoarder {
+    type Ctx = ();
+
+    fn forward(&self, inputs: &Inputs, _hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor>, ())> {
+        let x = inputs.only("Hoarder::forward")?;
+        let scratch = Tensor::zeros(&self.alloc, s, x.shape(), x.dtype())?;
+        let y = Tensor::uninit(&self.alloc, s, x.shape(), x.dtype())?;
+        y.copy_from(x, s)?;
+        if s.capture_id()?.is_some() {
+            *self.kept.lock().unwrap() = Some(scratch);
+        }
+        Ok((vec![y], ()))
+    }
+
+    fn backward(&self, (): (), dys: &[&Tensor], s: &Stream) -> graphed::Result<Vec<Option<Tensor>>> {
+        let dx = Tensor::uninit(&self.alloc, s, dys[0].shape(), dys[0].dtype())?;
+        dx.copy_from(dys[0], s)?;
+        elementwise::add_scalar(self.p.grad.view::<f32>()?, 1.0, s)?;
+        Ok(vec![Some(dx)])
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        vec![&self.p]
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}
+
+/// A pass whose capture keeps a block its warmup freed is refused when gradients are lent: the
+/// block would lie in gradient memory lent for the pass alone, which a later pass zeroes. The
+/// refusal leaves the gradients as they were, and the pool gives the lent memory back once the
+/// kept blocks are dropped; the same stack graphs without lending.
+pub fn a_pass_that_keeps_what_its_warmup_freed_is_refused(dev: &Device) -> Result {
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let store = ParamStore::new(&alloc, &s, 2 * 1024)?;
+    let layer = |i: usize| -> Result<Hoarder> {
+        let p = store.add(&format!("hoarder{i}.p"), &[1024], &[0.0; 1024], &s)?;
+        Ok(Hoarder { p, alloc: alloc.clone(), kept: Mutex::new(None) })
+    };
+    let stack = Stack::new(vec![layer(0)?, layer(1)?]);
+    let x = Tensor::from_host(&alloc, &s, &[0.5f32; 64], &[2, 32])?;
+    let before = store.grads()?.to_f32_vec(&s)?;
+    let held = |k: &GraphedErrorKind| matches!(k, GraphedErrorKind::PassLocalHeld { bytes } if *bytes > 0);
+    expect_kind(make_graphed_stack(&alloc, &stack, &x, lend()), held)?;
+    ensure!(store.grads()?.to_f32_vec(&s)? == before, "the refused capture changed the gradients");
+    stack.layers().iter().for_each(|h| drop(h.kept.lock().unwrap().take()));
+    alloc.empty_cache()?;
+    ensure!(alloc.blocks().iter().all(|b| !b.lent), "lent memory is held by more than what the layers kept");
+    make_graphed_stack(&alloc, &stack, &x, GraphOptions::default())?;
     Ok(())
 }

@@ -48,6 +48,8 @@ per_device!(
     lent_gradients_lower_the_pool_peak,
     a_lent_output_refuses_reads_once_zeroed,
     lending_is_refused_where_it_cannot_work,
+    pass_local_blocks_take_gradients_dead_for_their_pass,
+    a_pass_that_keeps_what_its_warmup_freed_is_refused,
     layers_unchained_match_eager,
     layers_read_in_place_match_eager,
     layers_read_in_place_match_eager_in_bf16,
