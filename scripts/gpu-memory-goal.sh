@@ -5,7 +5,8 @@
 # 1. The GPU tests of what it rests on: lent gradients, recomputation, offloading, the graphed
 #    stack, and the FP8 and GEMM tests owed since the seventh session (tests.log).
 # 2. `bench graphs --configs L --variants graphed` in bf16 four ways (none, lend, gelu-norm,
-#    both, then none again), then torch-sdpa-graphed at L (graphs.log; JSON of none and both).
+#    both, then none again; RUNS="name:flag,flag … name:flag" for others),
+#    then torch-sdpa-graphed at L (graphs.log; JSON of the runs named none and both).
 # 3. `bench memory` at 24 GiB, batch search, with lent gradients (memory.log, memory.json).
 # Seven files in $OUT (the device tool returns eight). Parts 1 and 2 take about six minutes
 # and part 3 about four, so a call of the device tool (ten at most) runs PART=1 (1 and 2) or
@@ -26,12 +27,14 @@ tests+=' & not test(two_gpus)'
 .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
     -E "$tests" --no-fail-fast >> "$OUT/tests.log" 2>&1
 grep -E "^\s+(FAIL|SIGSEGV|TIMEOUT)|Summary" "$OUT/tests.log" | tail -20
-for run in none:"" lend:"--lend-gradients" gelu-norm:"--recompute gelu-norm" \
-        both:"--recompute gelu-norm --lend-gradients" none-again:""; do
+runs="none: lend:--lend-gradients gelu-norm:--recompute,gelu-norm both:--recompute,gelu-norm,--lend-gradients none-again:"
+for run in ${RUNS:-$runs}; do
     name=${run%%:*}
+    flags=${run#*:}
+    flags=${flags//,/ }
     json=$(case $name in none|both) echo "--json $OUT/graphs-$name.json" ;; esac)
-    echo "# graphed bench graphs --configs L --variants graphed ${run#*:}" | tee -a "$OUT/graphs.log"
-    .gpu/graphed bench graphs --device cuda --configs L --variants graphed ${run#*:} --steps 10 $json 2>&1 \
+    echo "# graphed bench graphs --configs L --variants graphed $flags" | tee -a "$OUT/graphs.log"
+    .gpu/graphed bench graphs --device cuda --configs L --variants graphed $flags --steps 10 $json 2>&1 \
         | tee -a "$OUT/graphs.log" | grep -E "^  graphed "
 done
 # PyTorch's side at L, fused attention: torch-sdpa-graphed's reserved peak is the goal's yardstick.
