@@ -234,18 +234,18 @@ impl Learned {
         Ok(out)
     }
 
-    /// Runs `f`, layer `i`'s own work in its captured `pass`, with `pool` expecting the
-    /// allocations the warmup learned for it, so that those the warmup freed may take the
+    /// Runs `f`, layer `i`'s own work in its captured `pass` on `stream`, with `pool` expecting
+    /// the allocations the warmup learned for it, so that those the warmup freed may take the
     /// lenders [`Lending::wide`] names; refuses the capture if any of them outlived the pass.
     pub(crate) fn expect<T>(
         &self,
         lending: Option<&Lending>,
-        pool: &GraphPool,
+        (pool, stream): (&GraphPool, &Stream),
         (i, pass): (usize, Pass),
         f: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
         let (Some(lending), Some(lifetimes)) = (lending, self.passes.get(&(i, pass))) else { return f() };
-        pool.expect(lifetimes, &lending.wide(i, pass));
+        pool.expect(stream, lifetimes, &lending.wide(i, pass));
         let out = f();
         let held = pool.end_expect();
         let out = out?;

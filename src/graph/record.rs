@@ -379,7 +379,7 @@ impl Traverse for Record<'_, '_> {
         let g = self.capture(i, Pass::Forward, &mut || {
             hook.begin_forward(stream)?;
             let forward = || plan.callables[i].forward_dyn(&inputs, hook.as_ref(), stream);
-            result = Some(learned.expect(lending, pool, (i, Pass::Forward), forward)?);
+            result = Some(learned.expect(lending, (pool, stream), (i, Pass::Forward), forward)?);
             Ok(())
         })?;
         self.options.run_pass_hook(i, Phase::Forward, stream)?;
@@ -414,7 +414,7 @@ impl Traverse for Record<'_, '_> {
         let g = self.capture_grad_pass(i, Pass::Backward, &mut |hook| {
             let s = saved.take().expect("captured once");
             let backward = || plan.callables[i].backward_dyn(s, &dys.iter().collect::<Vec<_>>(), hook, stream);
-            result = Some(learned.expect(lending, &pools[i], (i, Pass::Backward), backward)?);
+            result = Some(learned.expect(lending, (&pools[i], stream), (i, Pass::Backward), backward)?);
             Ok(())
         })?;
         self.options.run_pass_hook(i, Phase::Backward, stream)?;

@@ -556,7 +556,7 @@ impl CachingAllocator {
         // a block expected to die within its pass first the lent memory only such blocks may take
         // (Note [Pass-local blocks]), which is of no use to the others.
         let (open, wide) = match pool.and_then(|p| st.pools.get_mut(&p)) {
-            Some(p) => (p.open_lent(), p.wide_for(bytes)),
+            Some(p) => (p.open_lent(), p.wide_for(bytes, key)),
             None => Default::default(),
         };
         let only_wide = |s: SegmentId| wide.contains(&s) && !open.contains(&s);

@@ -38,6 +38,8 @@ pub(crate) struct Learning {
 
 /// What the capture in progress expects of its allocations.
 pub(crate) struct Expectation {
+    /// The capture stream: allocations on streams forked from it are not expected.
+    pub(crate) stream: StreamKey,
     lifetimes: Lifetimes,
     /// The index of the next allocation expected; `None` once one differed.
     next: Option<usize>,
@@ -48,8 +50,8 @@ pub(crate) struct Expectation {
 }
 
 impl Expectation {
-    pub(crate) fn new(lifetimes: Lifetimes, wide: Vec<SegmentId>) -> Expectation {
-        Expectation { lifetimes, next: Some(0), wide, placed: Vec::new() }
+    pub(crate) fn new(stream: StreamKey, lifetimes: Lifetimes, wide: Vec<SegmentId>) -> Expectation {
+        Expectation { stream, lifetimes, next: Some(0), wide, placed: Vec::new() }
     }
 
     /// Whether the next allocation, of `bytes`, dies within the pass by the warmup's account;
@@ -94,12 +96,12 @@ mod tests {
         pool.lend(7, &grads, 0..4096);
         let lent = |b: &crate::device::DeviceBuffer<f32>| alloc.block_of(b.id()).is_some_and(|e| e.lent);
         let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
-        pool.expect(&lifetimes, &[7]);
+        pool.expect(&s, &lifetimes, &[7]);
         let (short, long) = (alloc.alloc::<f32>(&s, 256)?, alloc.alloc::<f32>(&s, 256)?);
         assert!(lent(&short) && !lent(&long), "only the block the warmup freed is lent memory");
         drop(short);
         assert_eq!(pool.end_expect(), 0);
-        pool.expect(&lifetimes, &[7]);
+        pool.expect(&s, &lifetimes, &[7]);
         let held = alloc.alloc::<f32>(&s, 256)?;
         assert!(lent(&held));
         assert_eq!(pool.end_expect(), 1024, "a pass-local block outlived the pass");
@@ -110,7 +112,7 @@ mod tests {
 
     #[test]
     fn an_allocation_the_warmup_did_not_make_ends_the_expectation() {
-        let mut e = Expectation::new(Lifetimes(vec![(8, true), (16, false), (8, true), (8, true)]), vec![1]);
+        let mut e = Expectation::new(0, Lifetimes(vec![(8, true), (16, false), (8, true), (8, true)]), vec![1]);
         assert!(e.pass_local(8));
         assert!(!e.pass_local(16), "the warmup kept the second");
         assert!(!e.pass_local(32), "a size the warmup did not ask for");
@@ -120,7 +122,7 @@ mod tests {
 
     #[test]
     fn more_allocations_than_the_warmup_made_are_not_pass_local() {
-        let mut e = Expectation::new(Lifetimes(vec![(8, true)]), vec![1]);
+        let mut e = Expectation::new(0, Lifetimes(vec![(8, true)]), vec![1]);
         assert!(e.pass_local(8));
         assert!(!e.pass_local(8));
     }

@@ -96,10 +96,11 @@ impl PoolState {
         self.expect = None;
     }
 
-    /// The lent segments an allocation of `bytes` may take besides the open ones: those the
-    /// expectation names if it dies within the pass (Note [Pass-local blocks]), else none.
-    pub(crate) fn wide_for(&mut self, bytes: usize) -> Vec<SegmentId> {
-        match self.expect.as_mut() {
+    /// The lent segments an allocation of `bytes` on `stream` may take besides the open ones:
+    /// those the expectation names if it dies within the pass (Note [Pass-local blocks]), else
+    /// none.
+    pub(crate) fn wide_for(&mut self, bytes: usize, stream: StreamKey) -> Vec<SegmentId> {
+        match self.expect.as_mut().filter(|e| e.stream == stream) {
             Some(e) => match e.pass_local(bytes) {
                 true => e.wide.clone(),
                 false => Vec::new(),
@@ -257,13 +258,14 @@ impl GraphPool {
         });
     }
 
-    /// Until [`GraphPool::end_expect`], the capture in progress expects its allocations on the
-    /// capture stream to follow `lifetimes`, learned in the warmup of the same pass: those the
-    /// warmup freed may take the memory of `wide` (lenders) too (Note [Pass-local blocks]).
-    pub(crate) fn expect(&self, lifetimes: &Lifetimes, wide: &[usize]) {
+    /// Until [`GraphPool::end_expect`], the capture in progress expects its allocations on
+    /// `stream`, the capture stream, to follow `lifetimes`, learned in the warmup of the same
+    /// pass: those the warmup freed may take the memory of `wide` (lenders) too (Note
+    /// [Pass-local blocks]).
+    pub(crate) fn expect(&self, stream: &Stream, lifetimes: &Lifetimes, wide: &[usize]) {
         self.alloc.with_pool(self.id, |p| {
             let wide = p.lent.iter().filter(|l| wide.contains(&l.lender)).map(|l| l.segment).collect();
-            p.expect = Some(Expectation::new(lifetimes.clone(), wide));
+            p.expect = Some(Expectation::new(stream.id().raw(), lifetimes.clone(), wide));
         });
     }
 
