@@ -49,7 +49,9 @@ pub enum GraphedErrorKind {
     /// within the pass: they lie in gradient memory lent for the pass alone (Note [Pass-local
     /// blocks] in `memory`), which a later pass zeroes.
     #[error(
-        "{bytes} bytes that the warmup of this pass freed within it were still held when the captured pass ended:          the module allocates differently while captured than in the warmup, and lent gradient memory cannot hold          what outlives the pass; make the captured pass allocate as the warmup does, or graph without lend_gradients"
+        "{bytes} bytes that the warmup of this pass freed within it were still held when the captured pass ended: \
+         the module allocates differently while captured than in the warmup, and lent gradient memory cannot hold \
+         what outlives the pass; make the captured pass allocate as the warmup does, or graph without lend_gradients"
     )]
     PassLocalHeld {
         /// The bytes held.

@@ -217,7 +217,7 @@ impl Learned {
     }
 
     /// Runs `f`, layer `i`'s own work in its warmup `pass` on `stream`, learning its
-    /// allocations; a later warmup iteration's account replaces an earlier one's.
+    /// allocations.
     pub(crate) fn learn<T>(
         &mut self,
         alloc: &CachingAllocator,

@@ -27,10 +27,13 @@ use crate::Result;
 /// on every device. It costs a host wait per callable, once per capture.
 pub(crate) fn warmup(plan: &Plan<'_>, options: &mut GraphOptions, learned: &mut Learned) -> Result<()> {
     let _range = plan.stream.device().range_with(|| "warmup".into());
+    // The passes' allocations are learned in the last iteration, the one the captures follow.
+    let mut not_learned = Learned::new(false);
     for iteration in 0..options.warmup_iters {
         let mut previous = Vec::new();
+        let learning = if iteration + 1 == options.warmup_iters { &mut *learned } else { &mut not_learned };
         for i in 0..plan.len() {
-            previous = warm(plan, options, learned, i, previous)?;
+            previous = warm(plan, options, learning, i, previous)?;
             plan.stream.synchronize()?;
         }
         if iteration == 0 {

@@ -100,12 +100,11 @@ impl PoolState {
     /// those the expectation names if it dies within the pass (Note [Pass-local blocks]), else
     /// none.
     pub(crate) fn wide_for(&mut self, bytes: usize, stream: StreamKey) -> Vec<SegmentId> {
-        match self.expect.as_mut().filter(|e| e.stream == stream) {
-            Some(e) => match e.pass_local(bytes) {
-                true => e.wide.clone(),
-                false => Vec::new(),
-            },
-            None => Vec::new(),
+        let Some(e) = self.expect.as_mut().filter(|e| e.stream == stream) else { return Vec::new() };
+        if e.pass_local(bytes) {
+            e.wide.clone()
+        } else {
+            Vec::new()
         }
     }
 
