@@ -312,6 +312,12 @@ impl CausalSelfAttention {
         self.backend
     }
 
+    /// The most bytes of `T × T` scratch its cuDNN backward keeps at once, if it sets a limit
+    /// (else the default, [`default_scratch_limit`](crate::ops::attention::default_scratch_limit)).
+    pub fn scratch_limit(&self) -> Option<usize> {
+        self.scratch_limit
+    }
+
     /// What ran its latest fused forward and backward.
     pub fn backends_ran(&self) -> BackendsRan {
         *self.ran.lock().unwrap_or_else(std::sync::PoisonError::into_inner)

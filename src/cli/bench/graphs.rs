@@ -185,7 +185,7 @@ fn run_variant(dev: &Device, config: Config, variant: Variant, args: &GraphsBenc
         memory: MemoryRow::of(&stats),
         capture_ms,
         capture_phases_ms: phases,
-        attention_backends: model.stack.layers().first().and_then(|l| super::layer::Backends::of(&l.attn)),
+        attention_backends: super::layer::Backends::of_layers(model.stack.layers().iter().map(|l| &l.attn)),
         input: args.input,
     })
 }

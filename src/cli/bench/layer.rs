@@ -105,8 +105,24 @@ pub(super) struct Backends {
 impl Backends {
     /// What `attn` ran, if it ran fused.
     pub(super) fn of(attn: &graphed::nn::CausalSelfAttention) -> Option<Backends> {
-        let ran = attn.backends_ran();
-        Some(Backends { forward: ran.forward?.to_string(), backward: ran.backward?.to_string() })
+        Backends::of_layers([attn])
+    }
+
+    /// What the layers' attentions ran, if they ran fused: one name where all ran the same,
+    /// else each layer's, in order (a stack that lends its gradients runs its lowest layer's
+    /// backward on graphed's kernels).
+    pub(super) fn of_layers<'a>(
+        attns: impl IntoIterator<Item = &'a graphed::nn::CausalSelfAttention>,
+    ) -> Option<Backends> {
+        let ran: Vec<_> = attns.into_iter().map(|a| a.backends_ran()).collect();
+        let names = |pass: &dyn Fn(&graphed::nn::BackendsRan) -> Option<graphed::ops::attention::AttentionBackend>| {
+            let names: Vec<String> = ran.iter().map(|r| pass(r).map(|b| b.to_string())).collect::<Option<_>>()?;
+            match names.iter().all(|n| *n == names[0]) {
+                true => names.first().cloned(),
+                false => Some(format!("per layer {}", names.join(", "))),
+            }
+        };
+        Some(Backends { forward: names(&|r| r.forward)?, backward: names(&|r| r.backward)? })
     }
 }
 
