@@ -190,6 +190,7 @@ fn soak_graphed_offload(dev: &Device, lend: bool) -> Result {
         let loss = model.loss_grad(&dy, y.get()?, read)?;
         graph.backward(s, &dy)?.context("no input gradient")?;
         graph.join(s)?;
+        graph.take_gradients()?;
         optimizer.replay(s)?;
         if read {
             samples.push(model.sample(step, loss)?);

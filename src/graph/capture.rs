@@ -225,10 +225,11 @@ pub fn make_graphed_stack<M: Module>(
     // Graphs for inference draw nothing: only training replays advance the counter.
     let rng_step = stack.rng_step().filter(|_| options.mode == Mode::Training).cloned();
     let names = callables.iter().enumerate().map(|(i, c)| named(i, *c)).collect();
+    let lends = options.lend_gradients;
     let mut graphed = capture(alloc, &callables, names, samples, None, options, None)?;
     // Its layers replay only through the stack: their inputs are their neighbours' buffers.
     graphed.iter_mut().for_each(|g| g.in_stack = true);
-    Ok(GraphedStack::new(graphed, rng_step))
+    Ok(GraphedStack::new(graphed, rng_step, lends))
 }
 
 /// Warms up and captures `callables` (named `names`), in `layout`'s schedule if given, else as a

@@ -57,6 +57,19 @@ pub enum GraphedErrorKind {
         /// The bytes held.
         bytes: usize,
     },
+    /// With lent gradients, a stack's replay or
+    /// [`take_gradients`](super::GraphedStack::take_gradients) out of the one order lent memory
+    /// allows: forward, backward, take the gradients (before the optimizer reads them), forward
+    /// again (Note [Lent gradients]). Refused before anything is enqueued.
+    #[error(
+        "with lent gradients, {what}; lent memory allows one backward per optimizer step: replay the forward, the \
+         backward, then call GraphedStack::take_gradients before the optimizer reads them (to accumulate gradients \
+         over microbatches, graph without lend_gradients)"
+    )]
+    LentOrder {
+        /// What the call would have done.
+        what: &'static str,
+    },
     /// No callables (or an empty stack) were given.
     #[error("no callables to graph; pass at least one")]
     NoCallables,

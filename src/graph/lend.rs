@@ -25,7 +25,10 @@
 //! - Every layer's backward graph begins by zeroing its gradients (lending or not, so that all
 //!   behave alike), after which its kernels accumulate as they do without lending; so eager and
 //!   graphed steps give the same bits, and a gradient accumulated over several backwards is
-//!   lost: one backward per optimizer step. A parameter shared by two layers would accumulate
+//!   lost: one backward per optimizer step. The stack holds the caller to it before anything is
+//!   enqueued (`GraphedStack::take_gradients`, called before the optimizer): a forward or a
+//!   backward while a backward's gradients wait to be taken, and a take with no backward since
+//!   the last, are refused (`LentOrder`). A parameter shared by two layers would accumulate
 //!   over both backwards, so it refuses lending; so does a layer that splits its weight
 //!   gradients out (`backward_dw`), whose inputs and output gradients, kept for that pass, would
 //!   live past the backwards below it, which zero the memory they may lie in.

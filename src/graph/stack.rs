@@ -21,7 +21,9 @@ use crate::{Error, Result};
 /// [`join`](GraphedStack::join). Replays take `&self`.
 ///
 /// A step of several microbatches is `forward`, `backward` per microbatch, then `join` before
-/// anything reads what the tails wrote (the optimizer).
+/// anything reads what the tails wrote (the optimizer). With lent gradients
+/// (`GraphOptions::lend_gradients`) a step is one microbatch, and
+/// [`take_gradients`](GraphedStack::take_gradients) comes before the optimizer.
 pub struct GraphedStack {
     layers: Vec<GraphedCallable>,
     tails: Mutex<Tails>,
@@ -30,6 +32,9 @@ pub struct GraphedStack {
     /// The range names of its passes (`stack forward`), indexed by `pass as usize`: the
     /// layers' replay ranges nest inside.
     ranges: [RangeName; 3],
+    /// With lent gradients, whether a backward wrote the layers' gradients since they were last
+    /// taken ([`take_gradients`](GraphedStack::take_gradients)); `None` without.
+    written: Option<Mutex<bool>>,
 }
 
 /// Replays every layer's graph of one pass, layer by layer, collecting the tails.
@@ -80,9 +85,75 @@ impl Traverse for Replayer<'_> {
 }
 
 impl GraphedStack {
-    pub(crate) fn new(layers: Vec<GraphedCallable>, rng_step: Option<Tensor>) -> GraphedStack {
+    /// `lends`: its layers lend their gradients (`GraphOptions::lend_gradients`).
+    pub(crate) fn new(layers: Vec<GraphedCallable>, rng_step: Option<Tensor>, lends: bool) -> GraphedStack {
         let ranges = Pass::ALL.map(|p| RangeName::new(&format!("stack {}", p.name())));
-        GraphedStack { layers, tails: Mutex::new(Tails::new()), rng_step, ranges }
+        let written = lends.then(|| Mutex::new(false));
+        GraphedStack { layers, tails: Mutex::new(Tails::new()), rng_step, ranges, written }
+    }
+
+    /// With lent gradients, refuses a `pass` that the gradients' state does not allow: any
+    /// replay while a backward's gradients wait to be taken (a forward would overwrite them with
+    /// activations, a backward zero them). Changes nothing.
+    fn check_lent(&self, pass: Pass) -> Result<()> {
+        let Some(written) = &self.written else { return Ok(()) };
+        match (*written.lock().unwrap_or_else(PoisonError::into_inner), pass) {
+            (false, _) => Ok(()),
+            (true, Pass::Forward) => Err(self.lent_order(
+                "this forward would overwrite the gradients the last backward wrote, which were not taken",
+            )),
+            (true, _) => {
+                Err(self
+                    .lent_order("this backward would zero the gradients the last backward wrote, which were not taken"))
+            }
+        }
+    }
+
+    fn lent_order(&self, what: &'static str) -> Error {
+        let kind = GraphedErrorKind::LentOrder { what };
+        Error::Graphed { callable: format!("graphed stack of {} layers", self.layers.len()), kind }
+    }
+
+    /// Says that the layers' gradients are about to be read (the optimizer step), so that the
+    /// next forward may hold activations in their memory again: with lent gradients
+    /// (`GraphOptions::lend_gradients`), call it once per step, after the backward and before
+    /// the optimizer; without, it does nothing. It checks that the gradients are whole:
+    /// lent memory holds the activations of the layers above until a backward writes it, and
+    /// every backward zeroes it first, so a step must be one forward, one backward, then this.
+    ///
+    /// ```
+    /// # use graphed::{device::Device, memory::CachingAllocator, graph::{make_graphed_stack, GraphOptions, Replay}};
+    /// # use graphed::nn::{Builder, Linear, ParamStore, Stack};
+    /// # use graphed::tensor::Tensor;
+    /// # let dev = Device::sim();
+    /// # let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
+    /// # let store = ParamStore::new(&alloc, &s, 2 * (8 * 8 + 8))?;
+    /// # let vb = Builder::new(&store, &alloc, &s)?;
+    /// # let stack = Stack::new(vec![Linear::new(&vb.pp("a"), (8, 8))?, Linear::new(&vb.pp("b"), (8, 8))?]);
+    /// # let x = Tensor::zeros(&alloc, &s, &[4, 8], graphed::device::DType::F32)?;
+    /// let g = make_graphed_stack(&alloc, &stack, &x, GraphOptions::default().lend_gradients(true))?;
+    /// g.forward(&s, &x, Replay::caller())?;
+    /// g.backward(&s, &x)?;
+    /// g.join(&s)?;
+    /// g.take_gradients()?; // then the optimizer step
+    /// assert!(g.take_gradients().is_err(), "no backward since");
+    /// g.forward(&s, &x, Replay::caller())?;
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`GraphedErrorKind::LentOrder`] with lent gradients when no backward ran since the last
+    /// call (after a forward alone, they hold activations); nothing changes then.
+    pub fn take_gradients(&self) -> Result<()> {
+        let Some(written) = &self.written else { return Ok(()) };
+        let mut written = written.lock().unwrap_or_else(PoisonError::into_inner);
+        if !*written {
+            return Err(self.lent_order(
+                "the gradients were taken with no backward since they were last taken: they hold activations",
+            ));
+        }
+        *written = false;
+        Ok(())
     }
 
     fn first(&self) -> &GraphedCallable {
@@ -155,6 +226,7 @@ impl GraphedStack {
 
     fn forward_fed(&self, caller: &Stream, x: &Tensor, replay: Replay<'_>, in_place: bool) -> Result<StaticTensor> {
         self.check_ready(Pass::Forward)?;
+        self.check_lent(Pass::Forward)?;
         let first = self.first();
         let route = first.route_for(caller, replay)?;
         let target = first.static_copy_target(Pass::Forward)?;
@@ -204,9 +276,13 @@ impl GraphedStack {
 
     fn backward_fed(&self, caller: &Stream, dy: &Tensor, in_place: bool) -> Result<Option<StaticTensor>> {
         self.check_ready(Pass::Backward)?;
+        self.check_lent(Pass::Backward)?;
         let last = self.last();
         let source = last.match_grad_outputs(&[dy])?.pop().flatten();
         self.run(Pass::Backward, caller, None, source, in_place)?;
+        if let Some(written) = &self.written {
+            *written.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        }
         Ok(self.first().static_grad_inputs()?.into_iter().next().flatten())
     }
 

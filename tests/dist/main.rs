@@ -150,6 +150,7 @@ fn data_parallel(comm: &Communicator, split_dw: bool, reduction: GradReduction, 
             graphed.backward_dw(&m.s)?;
         }
         graphed.join(&m.s)?;
+        graphed.take_gradients()?;
         let grads = m.store.grads()?.to_vec::<f32>(&m.s)?;
         m.opt.step(&m.s)?;
         trace.push((grads, m.store.values()?.to_vec::<f32>(&m.s)?));

@@ -50,6 +50,7 @@ fn lent_training(dev: &Device, dtype: DType, side: bool) -> Result {
         ensure!(graphed.graphed(&g, &x, &dy, replay)? == want, "step {step}: outputs or input gradients differ");
         ensure!(eager.grads()? == graphed.grads()?, "step {step}: parameter gradients differ");
         eager.optimizer_step()?;
+        g.take_gradients()?;
         optimizer.replay(&graphed.s)?;
         ensure!(eager.params()? == graphed.params()?, "step {step}: parameters differ after AdamW");
     }
@@ -102,6 +103,7 @@ pub fn a_lent_output_refuses_reads_once_zeroed(dev: &Device) -> Result {
     g.backward(&m.s, &dy)?;
     g.join(&m.s)?;
     expect_kind(y.get(), |k| matches!(k, GraphedErrorKind::StaleOutput { .. }))?;
+    g.take_gradients()?;
     let y = g.forward(&m.s, &x, Replay::caller())?;
     y.get()?;
     g.release_static_state()?;
@@ -305,5 +307,37 @@ pub fn a_lending_stack_keeps_attention_scratch_out_of_its_lowest_backward(dev: &
     ensure!(ran[0] == Some(AttentionBackend::Kernels), "the lowest backward ran on {:?}", ran[0]);
     ensure!(ran[1] == plain_ran[1], "the layer above ran on {:?}, without lending on {:?}", ran[1], plain_ran[1]);
     ensure!(eager.backward_backends() == ran, "the eager twin ran {:?}", eager.backward_backends());
+    Ok(())
+}
+
+/// Lent memory allows one backward per optimizer step, and the stack says so before anything
+/// runs: a second forward or backward before the gradients are taken is refused (it would write
+/// activations into them, or zero them), as is taking them after a forward alone (they hold
+/// activations); each refusal changes nothing, and the step then goes on as without it.
+pub fn lent_gradients_refuse_a_step_out_of_order(dev: &Device) -> Result {
+    let eager = Model::deep(dev, DType::F32, LAYERS)?;
+    let m = Model::deep(dev, DType::F32, LAYERS)?;
+    let g = m.graph(lend())?;
+    let out_of_order = |k: &GraphedErrorKind| matches!(k, GraphedErrorKind::LentOrder { .. });
+    let (x, dy) = m.data(0)?;
+    g.forward(&m.s, &x, Replay::caller())?;
+    expect_kind(g.take_gradients(), out_of_order)?;
+    g.backward(&m.s, &dy)?;
+    g.join(&m.s)?;
+    let grads = m.grads()?;
+    expect_kind(g.forward(&m.s, &x, Replay::caller()), out_of_order)?;
+    expect_kind(g.backward(&m.s, &dy), out_of_order)?;
+    ensure!(m.grads()? == grads, "a refused replay changed the gradients");
+    let (ex, edy) = eager.data(0)?;
+    eager.eager(&ex, &edy)?;
+    ensure!(grads == eager.grads()?, "the gradients differ from eager");
+    g.take_gradients()?;
+    expect_kind(g.take_gradients(), out_of_order)?;
+    let (x, dy) = m.data(1)?;
+    eager.store.grads()?.zero(&eager.s)?;
+    let (ex, edy) = eager.data(1)?;
+    ensure!(m.graphed(&g, &x, &dy, Replay::caller())? == eager.eager(&ex, &edy)?, "the next step differs from eager");
+    ensure!(m.grads()? == eager.grads()?, "the next step's gradients differ from eager");
+    g.take_gradients()?;
     Ok(())
 }

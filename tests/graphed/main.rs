@@ -50,6 +50,7 @@ per_device!(
     lending_is_refused_where_it_cannot_work,
     pass_local_blocks_take_gradients_dead_for_their_pass,
     a_lending_stack_keeps_attention_scratch_out_of_its_lowest_backward,
+    lent_gradients_refuse_a_step_out_of_order,
     a_pass_that_keeps_what_its_warmup_freed_is_refused,
     layers_unchained_match_eager,
     layers_read_in_place_match_eager,

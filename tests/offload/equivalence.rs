@@ -154,6 +154,7 @@ pub fn graphed_offload_with_lent_gradients_matches(dev: &Device) -> Result {
         let want = eager.eager(&hook, k)?;
         ensure!(off.graphed(&go, k, Replay::side(&side))? == want, "microbatch {k}: outputs or input gradients differ");
         ensure!(off.grads()? == eager.grads()?, "microbatch {k}: parameter gradients differ");
+        go.take_gradients()?;
         me.end_iteration(&eager.s)?;
     }
     Ok(())

@@ -234,6 +234,8 @@ pub(super) fn graphed_step(
     graphed.forward(main, graphed.static_input()?, replay)?;
     graphed.backward(main, graphed.static_grad_output()?.unwrap_or(&model.dy))?;
     graphed.join(main)?;
+    // Where the optimizer would read the gradients (lent ones are checked whole here).
+    graphed.take_gradients()?;
     Ok(model.end_step_graphed(main)?)
 }
 

@@ -200,6 +200,7 @@ fn leads(
         main.record(&resumed_b)?;
         side.record(&tail_b)?;
         graphed.join(main)?;
+        graphed.take_gradients()?;
         main.synchronize()?;
         fwd.push(f64::from(resumed_f.elapsed_ms(&tail_f)?));
         bwd.push(f64::from(resumed_b.elapsed_ms(&tail_b)?));

@@ -243,8 +243,10 @@ impl Stepper {
                 let dx = stack.backward_in_place(stream, &dy)?;
                 let dx = dx.ok_or_else(|| anyhow::anyhow!("the first layer gave no input gradient"))?;
                 model.embed_backward(tokens, dx.get()?, stream)?;
-                // The optimizer reads every gradient: join the tails first (R4).
+                // The optimizer reads every gradient: join the tails first (R4), and take them
+                // (lent ones are checked whole).
                 stack.join(stream)?;
+                stack.take_gradients()?;
                 Some(losses)
             }
         };
