@@ -8,6 +8,9 @@
 //! the residual add rides in the output projection's cuBLASLt epilogue, whose arguments graphed
 //! does not lay out, so the input is copied in; with it, the add is graphed's own kernel and the
 //! input is read in place.
+//!
+//! Then the rebind call's scaling: graphs of more and more kernels reading one buffer, whose
+//! slope is the host cost of one more patched node (issue 35's goal is stated per node).
 
 use std::time::Instant;
 
@@ -15,9 +18,10 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use graphed::device::{DType, Device, DeviceKind, Stream};
-use graphed::graph::{make_graphed_callables, Callable, GraphOptions, GraphedCallable, Pass, Replay};
+use graphed::graph::{make_graphed_callables, make_graphed_fn, Callable, GraphOptions, GraphedCallable, Pass, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Builder, Inputs, ParamStore, TransformerLayer};
+use graphed::ops::elementwise;
 use graphed::tensor::Tensor;
 use serde::Serialize;
 
@@ -84,9 +88,71 @@ pub fn run(args: &RebindBenchArgs) -> anyhow::Result<()> {
             gpu(row.in_place_gpu_us),
             row.bitwise_equal,
         );
-        rows.push(row);
+        rows.push(Row::Layer(row));
     }
+    let scaling = rebind_scaling(&dev, &s, args.reps)?;
+    let calls: Vec<String> =
+        (scaling.nodes.iter().zip(&scaling.call_us)).map(|(n, us)| format!("{n} nodes {us:.2} µs")).collect();
+    println!(
+        "GraphExec::rebind of one buffer read by n kernels, per call: {}; {:.3} µs per added node",
+        calls.join(", "),
+        scaling.us_per_added_node
+    );
+    rows.push(Row::Scaling(scaling));
     write_json(&args.json, &Report::new("rebind", &dev, args.reps, rows))
+}
+
+/// A row of the report: a layer's, or the rebind call's scaling.
+#[derive(Serialize, Debug)]
+#[serde(untagged)]
+enum Row {
+    Layer(RebindRow),
+    Scaling(ScalingRow),
+}
+
+/// The host cost of [`GraphExec::rebind`](graphed::device::GraphExec::rebind) as a graph has
+/// more nodes to patch: a layer's input has a few readers, whose per-node figure carries the
+/// call's fixed cost; the slope over graphs of many readers is the cost of one more node.
+#[derive(Serialize, Debug)]
+struct ScalingRow {
+    /// Kernels reading the rebound buffer, per graph.
+    nodes: Vec<usize>,
+    /// Host µs of one rebind call (median), per graph.
+    call_us: Vec<f64>,
+    /// The slope between the two largest graphs.
+    us_per_added_node: f64,
+}
+
+/// Graphs of 1, 16 and 128 kernels that each read one buffer (and write their own), each
+/// instantiated and the buffer rebound to two others in turn, nothing launched: the median host
+/// µs of a call, `reps` calls per graph.
+fn rebind_scaling(dev: &Device, s: &Stream, reps: u32) -> anyhow::Result<ScalingRow> {
+    const NODES: [usize; 3] = [1, 16, 128];
+    let alloc = CachingAllocator::new(dev);
+    let buffer = || Tensor::zeros(&alloc, s, &[4096], DType::F32);
+    let (x, a, b) = (buffer()?, buffer()?, buffer()?);
+    let mut call_us = Vec::new();
+    for n in NODES {
+        let outs = (0..n).map(|_| buffer()).collect::<graphed::Result<Vec<_>>>()?;
+        let g = make_graphed_fn(&alloc, |st| {
+            outs.iter().try_for_each(|y| elementwise::scale(y.view::<f32>()?, x.view()?, 2.0, st))
+        })?;
+        let exec = g.graph().instantiate()?;
+        let mut us = Vec::new();
+        for rep in 0..reps + 3 {
+            let to = if rep % 2 == 0 { &a } else { &b };
+            let issued = Instant::now();
+            let moved = exec.rebind(&[x.rebind_to(to)?])?;
+            let elapsed = issued.elapsed().as_secs_f64() * 1e6;
+            anyhow::ensure!(moved == n, "the rebind moved {moved} of {n} nodes");
+            if rep >= 3 {
+                us.push(elapsed);
+            }
+        }
+        call_us.push(median(us));
+    }
+    let us_per_added_node = (call_us[2] - call_us[1]) / (NODES[2] - NODES[1]) as f64;
+    Ok(ScalingRow { nodes: NODES.to_vec(), call_us, us_per_added_node })
 }
 
 /// How a timed forward is fed.
