@@ -21,7 +21,7 @@ source scripts/gpu-libraries.sh > /dev/null
 part=${PART:-all}
 if [ "$part" != 3 ]; then
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .gpu/commit.txt; } | tee "$OUT/tests.log"
-tests='(binary(graphed) | binary(offload) | binary(nn_modules) | test(lent) | test(recompute) | test(gemm)'
+tests='(binary(graphed) | binary(offload) | binary(nn_modules) | test(lent) | test(lend) | test(recompute) | test(gemm)'
 tests+=' | test(fp8) | test(cast) | test(gelu) | test(matmul) | test(linear) | test(cudnn) | binary(nn_fp8))'
 tests+=' & not test(two_gpus)'
 .gpu/cargo-nextest nextest run --archive-file .gpu/tests.tar.zst --workspace-remap . --run-ignored all \
@@ -35,7 +35,7 @@ for run in ${RUNS:-$runs}; do
     json=$(case $name in none|both) echo "--json $OUT/graphs-$name.json" ;; esac)
     echo "# graphed bench graphs --configs L --variants graphed $flags" | tee -a "$OUT/graphs.log"
     .gpu/graphed bench graphs --device cuda --configs L --variants graphed $flags --steps 10 $json 2>&1 \
-        | tee -a "$OUT/graphs.log" | grep -E "^  graphed "
+        | tee -a "$OUT/graphs.log" | grep -E "^  graphed |ran on"
 done
 # PyTorch's side at L, fused attention: torch-sdpa-graphed's reserved peak is the goal's yardstick.
 python3 bench/torch_reference.py graphs --configs L --attention fused --variants torch-graphed \
