@@ -150,7 +150,8 @@ impl TransformerLayer {
     /// fused attention on the automatic backend keeps no `T × T` scratch (scratch limit 0, so
     /// its backward runs on graphed's kernels unless `attention` sets a limit): that backward
     /// has no lent memory, and cuDNN's deterministic scratch there would set the graph pool's
-    /// peak (256 MiB at `BENCH.md`'s L, for 0.24 ms of an H200's time).
+    /// peak (256 MiB at `BENCH.md`'s L, where graphed's kernels took 1.11 ms for the backward
+    /// against cuDNN's 0.88 on an H200: `bench/results/2026-12-05-h200-attention-chunks-ad8e278.txt`).
     ///
     /// # Errors
     /// As [`TransformerLayer::new`]; [`Error::Unsupported`] when a layer's sites pass `2^31`.
