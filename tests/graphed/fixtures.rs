@@ -24,10 +24,34 @@ pub type Result<T = ()> = anyhow::Result<T>;
 pub const SHAPE: [usize; 3] = [2, 4, 32];
 /// [`Model::fp8`]'s: 16 tokens.
 pub const FP8_SHAPE: [usize; 3] = [2, 8, 32];
+/// [`Model::cudnn_shaped`]'s: 128 tokens of 128 features.
+const CUDNN_SHAPE: [usize; 3] = [1, 128, 128];
 /// One head of 32 features: the narrowest the fused attention (the default form) runs.
 const HEADS: usize = 1;
 pub const LAYERS: usize = 2;
 const DROPOUT: f32 = 0.25;
+
+/// What [`Model::build`] builds: the element type, the data's shape, the FP8 recipe if any, what
+/// the backward recomputes, the layers and their heads, the dropout, and whether the layers are
+/// built for a stack that lends its gradients.
+struct Spec {
+    dtype: DType,
+    shape: [usize; 3],
+    fp8: Option<Fp8Recipe>,
+    recompute: Recompute,
+    layers: usize,
+    heads: usize,
+    dropout: f32,
+    lends: bool,
+}
+
+impl Spec {
+    /// The defaults, in `dtype`.
+    fn of(dtype: DType) -> Spec {
+        let recompute = Recompute::Nothing;
+        Spec { dtype, shape: SHAPE, fp8: None, recompute, layers: LAYERS, heads: HEADS, dropout: DROPOUT, lends: false }
+    }
+}
 
 /// A stack of transformer layers, its parameters, step counter and optimizer.
 pub struct Model {
@@ -51,65 +75,60 @@ impl Model {
     /// As [`Model::new`], with weights and activations of `dtype` (f32 master weights in the
     /// optimizer for bf16).
     pub fn with_dtype(dev: &Device, dtype: DType) -> Result<Model> {
-        Model::build(dev, dtype, SHAPE, None)
+        Model::build(dev, Spec::of(dtype))
     }
 
     /// As [`Model::new`] in bf16, its layers' GEMMs in FP8 (the optimizer stepping the FP8
     /// state), over 16 tokens: an FP8 GEMM's k, here the tokens of the weight gradient, is a
     /// multiple of 16.
     pub fn fp8(dev: &Device) -> Result<Model> {
-        Model::build(
-            dev,
-            DType::BF16,
-            FP8_SHAPE,
-            Some(Fp8Recipe::Delayed(DelayedRecipe { history_len: 4, ..DelayedRecipe::default() })),
-        )
+        let fp8 = Some(Fp8Recipe::Delayed(DelayedRecipe { history_len: 4, ..DelayedRecipe::default() }));
+        Model::build(dev, Spec { shape: FP8_SHAPE, fp8, ..Spec::of(DType::BF16) })
     }
 
     /// As [`Model::fp8`] with current scaling: every scale from its tensor's amax just before
     /// its cast.
     pub fn fp8_current(dev: &Device) -> Result<Model> {
-        Model::build(dev, DType::BF16, FP8_SHAPE, Some(Fp8Recipe::Current))
+        Model::build(dev, Spec { shape: FP8_SHAPE, fp8: Some(Fp8Recipe::Current), ..Spec::of(DType::BF16) })
     }
 
     /// As [`Model::with_dtype`] in bf16, the MLPs' backward recomputing their GELU output.
     pub fn recomputing(dev: &Device) -> Result<Model> {
-        Model::build_with(dev, DType::BF16, SHAPE, None, Recompute::Gelu, LAYERS)
+        Model::build(dev, Spec { recompute: Recompute::Gelu, ..Spec::of(DType::BF16) })
     }
 
     /// As [`Model::with_dtype`], with `layers` layers.
     pub fn deep(dev: &Device, dtype: DType, layers: usize) -> Result<Model> {
-        Model::build_with(dev, dtype, SHAPE, None, Recompute::Nothing, layers)
+        Model::build(dev, Spec { layers, ..Spec::of(dtype) })
     }
 
     /// As [`Model::recomputing`], the LayerNorm outputs recomputed too.
     pub fn recomputing_all(dev: &Device) -> Result<Model> {
-        Model::build_with(dev, DType::BF16, SHAPE, None, Recompute::GeluAndNorms, LAYERS)
+        Model::build(dev, Spec { recompute: Recompute::GeluAndNorms, ..Spec::of(DType::BF16) })
     }
 
-    fn build(dev: &Device, dtype: DType, shape: [usize; 3], fp8: Option<Fp8Recipe>) -> Result<Model> {
-        Model::build_with(dev, dtype, shape, fp8, Recompute::Nothing, LAYERS)
+    /// In bf16 over [`CUDNN_SHAPE`], two heads of 64 features and no dropout (a call cuDNN's
+    /// fused attention runs), its layers built for a stack that lends its gradients or not
+    /// (`Builder::with_lending`).
+    pub fn cudnn_shaped(dev: &Device, lends: bool) -> Result<Model> {
+        Model::build(dev, Spec { shape: CUDNN_SHAPE, heads: 2, dropout: 0.0, lends, ..Spec::of(DType::BF16) })
     }
 
-    fn build_with(
-        dev: &Device,
-        dtype: DType,
-        shape: [usize; 3],
-        fp8: Option<Fp8Recipe>,
-        recompute: Recompute,
-        layers: usize,
-    ) -> Result<Model> {
+    fn build(dev: &Device, spec: Spec) -> Result<Model> {
+        let Spec { dtype, shape, fp8, recompute, layers, heads, dropout, lends } = spec;
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let fp8 = fp8.map(|recipe| Fp8Training::new(&alloc, recipe));
         let c = shape[2];
         let store = ParamStore::with_dtype(&alloc, &s, layers * TransformerLayer::parameter_count(c), dtype)?;
-        let vb = Builder::new(&store, &alloc, &s)?.with_seed(10).with_dropout(DROPOUT, 77).with_recompute(recompute);
+        let vb = (Builder::new(&store, &alloc, &s)?.with_seed(10).with_dropout(dropout, 77))
+            .with_recompute(recompute)
+            .with_lending(lends);
         let vb = match &fp8 {
             Some(f) => vb.with_fp8(f),
             None => vb,
         };
-        let layers = TransformerLayer::stack(&vb, (c, HEADS), &Layers::first(layers))?;
+        let layers = TransformerLayer::stack(&vb, (c, heads), &Layers::first(layers))?;
         let step = vb.step().clone();
         let optimizer = AdamW::new(&alloc, &store, AdamWHyper::default(), LrSchedule::Constant(1e-2), &s)?;
         let optimizer = match &fp8 {

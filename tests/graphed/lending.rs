@@ -8,10 +8,7 @@ use graphed::graph::{
     make_graphed_callables, make_graphed_fn, make_graphed_stack, GraphOptions, GraphedErrorKind, Phase, Replay,
 };
 use graphed::memory::CachingAllocator;
-use graphed::nn::{
-    input_grad, Builder, Inputs, KeepOnDevice, Layers, Linear, Module, Param, ParamStore, SaveHook, Stack,
-    TransformerLayer,
-};
+use graphed::nn::{Builder, Inputs, Linear, Module, Param, ParamStore, SaveHook, Stack, TransformerLayer};
 use graphed::ops::attention::AttentionBackend;
 use graphed::ops::elementwise;
 use graphed::tensor::Tensor;
@@ -241,46 +238,9 @@ pub fn a_pass_that_keeps_what_its_warmup_freed_is_refused(dev: &Device) -> Resul
     Ok(())
 }
 
-/// Two layers of two heads of 64 features over 128 tokens, bf16: a shape cuDNN's fused
-/// attention runs.
-const CUDNN_SHAPE: [usize; 3] = [1, 128, 128];
-
-/// A two-layer stack in bf16 at [`CUDNN_SHAPE`], without dropout, built for a stack that lends
-/// its gradients or not.
-struct Twin {
-    s: Stream,
-    alloc: CachingAllocator,
-    store: ParamStore,
-    stack: Stack<TransformerLayer>,
-}
-
-impl Twin {
-    fn new(dev: &Device, lends: bool) -> Result<Twin> {
-        let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
-        let c = CUDNN_SHAPE[2];
-        let store = ParamStore::with_dtype(&alloc, &s, 2 * TransformerLayer::parameter_count(c), DType::BF16)?;
-        let vb = Builder::new(&store, &alloc, &s)?.with_seed(3).with_lending(lends);
-        let stack = Stack::new(TransformerLayer::stack(&vb, (c, c / 64), &Layers::first(2))?);
-        Ok(Twin { s, alloc, store, stack })
-    }
-
-    fn data(&self, seed: u64) -> Result<Tensor> {
-        let n = CUDNN_SHAPE.iter().product();
-        Ok(Tensor::from_f32(&self.alloc, &self.s, &super::fixtures::lcg(n, seed), &CUDNN_SHAPE, DType::BF16)?)
-    }
-
-    /// One eager forward and backward: output, input gradient, parameter gradients.
-    fn eager(&self) -> Result<[Vec<f32>; 3]> {
-        let (x, dy) = (self.data(1)?, self.data(2)?);
-        let (y, ctx) = self.stack.forward(&Inputs::one(&x), &KeepOnDevice, &self.s)?;
-        let dx = input_grad("eager", self.stack.backward(ctx, &[&dy], &self.s)?)?;
-        Ok([y[0].to_f32_vec(&self.s)?, dx.to_f32_vec(&self.s)?, self.store.grads()?.to_f32_vec(&self.s)?])
-    }
-
-    /// What ran each layer's latest attention backward.
-    fn backward_backends(&self) -> Vec<Option<AttentionBackend>> {
-        self.stack.layers().iter().map(|l| l.attn.backends_ran().backward).collect()
-    }
+/// What ran each of `m`'s layers' latest attention backward.
+fn backward_backends(m: &Model) -> Vec<Option<AttentionBackend>> {
+    m.layers().iter().map(|l| l.attn.backends_ran().backward).collect()
 }
 
 /// A stack built to lend its gradients keeps cuDNN's backward scratch out of its lowest layer's
@@ -288,25 +248,24 @@ impl Twin {
 /// backward on graphed's kernels), the layer above runs as it does without lending, and the
 /// graphed stack matches its eager twin, built alike, bit for bit.
 pub fn a_lending_stack_keeps_attention_scratch_out_of_its_lowest_backward(dev: &Device) -> Result {
-    let (eager, graphed, plain) = (Twin::new(dev, true)?, Twin::new(dev, true)?, Twin::new(dev, false)?);
-    let limits: Vec<_> = graphed.stack.layers().iter().map(|l| l.attn.scratch_limit()).collect();
-    ensure!(limits == [Some(0), None], "scratch limits {limits:?}");
-    let plain_limits: Vec<_> = plain.stack.layers().iter().map(|l| l.attn.scratch_limit()).collect();
-    ensure!(plain_limits == [None, None], "without lending: {plain_limits:?}");
-    let want = eager.eager()?;
-    plain.eager()?;
-    let g = make_graphed_stack(&graphed.alloc, &graphed.stack, &graphed.data(1)?, lend())?;
+    let (eager, graphed) = (Model::cudnn_shaped(dev, true)?, Model::cudnn_shaped(dev, true)?);
+    let plain = Model::cudnn_shaped(dev, false)?;
+    let limits = |m: &Model| m.layers().iter().map(|l| l.attn.scratch_limit()).collect::<Vec<_>>();
+    ensure!(limits(&graphed) == [Some(0), None], "scratch limits {:?}", limits(&graphed));
+    ensure!(limits(&plain) == [None, None], "without lending: {:?}", limits(&plain));
+    let (x, dy) = eager.data(1)?;
+    let want = eager.eager(&x, &dy)?;
+    let (x, dy) = plain.data(1)?;
+    plain.eager(&x, &dy)?;
+    let g = graphed.graph(lend())?;
     ensure!(graphed.alloc.blocks().iter().any(|b| b.lent), "no layer lent its gradients");
-    let y = g.forward(&graphed.s, &graphed.data(1)?, Replay::caller())?.get()?.to_f32_vec(&graphed.s)?;
-    let dx = g.backward(&graphed.s, &graphed.data(2)?)?.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
-    let dx = dx.get()?.to_f32_vec(&graphed.s)?;
-    g.join(&graphed.s)?;
-    let got = [y, dx, graphed.store.grads()?.to_f32_vec(&graphed.s)?];
-    ensure!(got == want, "the graphed stack differs from its eager twin");
-    let (ran, plain_ran) = (graphed.backward_backends(), plain.backward_backends());
+    let (x, dy) = graphed.data(1)?;
+    ensure!(graphed.graphed(&g, &x, &dy, Replay::caller())? == want, "the graphed stack differs from its eager twin");
+    ensure!(graphed.grads()? == eager.grads()?, "parameter gradients differ from the eager twin's");
+    let (ran, plain_ran) = (backward_backends(&graphed), backward_backends(&plain));
     ensure!(ran[0] == Some(AttentionBackend::Kernels), "the lowest backward ran on {:?}", ran[0]);
     ensure!(ran[1] == plain_ran[1], "the layer above ran on {:?}, without lending on {:?}", ran[1], plain_ran[1]);
-    ensure!(eager.backward_backends() == ran, "the eager twin ran {:?}", eager.backward_backends());
+    ensure!(backward_backends(&eager) == ran, "the eager twin ran {:?}", backward_backends(&eager));
     Ok(())
 }
 
