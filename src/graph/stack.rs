@@ -1,6 +1,7 @@
 //! A graphed stack: the layers of an `nn::Stack` replayed as chained graphed callables, through
 //! the same traversal as the eager stack.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use super::capture::distinct;
@@ -34,7 +35,7 @@ pub struct GraphedStack {
     ranges: [RangeName; 3],
     /// With lent gradients, whether a backward wrote the layers' gradients since they were last
     /// taken ([`take_gradients`](GraphedStack::take_gradients)); `None` without.
-    written: Option<Mutex<bool>>,
+    written: Option<AtomicBool>,
 }
 
 /// Replays every layer's graph of one pass, layer by layer, collecting the tails.
@@ -88,7 +89,7 @@ impl GraphedStack {
     /// `lends`: its layers lend their gradients (`GraphOptions::lend_gradients`).
     pub(crate) fn new(layers: Vec<GraphedCallable>, rng_step: Option<Tensor>, lends: bool) -> GraphedStack {
         let ranges = Pass::ALL.map(|p| RangeName::new(&format!("stack {}", p.name())));
-        let written = lends.then(|| Mutex::new(false));
+        let written = lends.then(|| AtomicBool::new(false));
         GraphedStack { layers, tails: Mutex::new(Tails::new()), rng_step, ranges, written }
     }
 
@@ -96,17 +97,13 @@ impl GraphedStack {
     /// replay while a backward's gradients wait to be taken (a forward would overwrite them with
     /// activations, a backward zero them). Changes nothing.
     fn check_lent(&self, pass: Pass) -> Result<()> {
-        let Some(written) = &self.written else { return Ok(()) };
-        match (*written.lock().unwrap_or_else(PoisonError::into_inner), pass) {
-            (false, _) => Ok(()),
-            (true, Pass::Forward) => Err(self.lent_order(
-                "this forward would overwrite the gradients the last backward wrote, which were not taken",
-            )),
-            (true, _) => {
-                Err(self
-                    .lent_order("this backward would zero the gradients the last backward wrote, which were not taken"))
-            }
+        if !self.written.as_ref().is_some_and(|w| w.load(Ordering::Acquire)) {
+            return Ok(());
         }
+        Err(self.lent_order(match pass {
+            Pass::Forward => "this forward would overwrite the gradients the last backward wrote, which were not taken",
+            _ => "this backward would zero the gradients the last backward wrote, which were not taken",
+        }))
     }
 
     fn lent_order(&self, what: &'static str) -> Error {
@@ -146,14 +143,12 @@ impl GraphedStack {
     /// call (after a forward alone, they hold activations); nothing changes then.
     pub fn take_gradients(&self) -> Result<()> {
         let Some(written) = &self.written else { return Ok(()) };
-        let mut written = written.lock().unwrap_or_else(PoisonError::into_inner);
-        if !*written {
-            return Err(self.lent_order(
+        match written.compare_exchange(true, false, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Ok(()),
+            Err(_) => Err(self.lent_order(
                 "the gradients were taken with no backward since they were last taken: they hold activations",
-            ));
+            )),
         }
-        *written = false;
-        Ok(())
     }
 
     fn first(&self) -> &GraphedCallable {
@@ -281,7 +276,7 @@ impl GraphedStack {
         let source = last.match_grad_outputs(&[dy])?.pop().flatten();
         self.run(Pass::Backward, caller, None, source, in_place)?;
         if let Some(written) = &self.written {
-            *written.lock().unwrap_or_else(PoisonError::into_inner) = true;
+            written.store(true, Ordering::Release);
         }
         Ok(self.first().static_grad_inputs()?.into_iter().next().flatten())
     }
