@@ -17,7 +17,7 @@ use std::time::Instant;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use graphed::device::{DType, Device, DeviceKind, Stream};
+use graphed::device::{DType, Device, DeviceKind, GraphExec, Stream};
 use graphed::graph::{make_graphed_callables, make_graphed_fn, Callable, GraphOptions, GraphedCallable, Pass, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Builder, Inputs, ParamStore, TransformerLayer};
@@ -137,19 +137,9 @@ fn rebind_scaling(dev: &Device, s: &Stream, reps: u32) -> anyhow::Result<Scaling
         let g = make_graphed_fn(&alloc, |st| {
             outs.iter().try_for_each(|y| elementwise::scale(y.view::<f32>()?, x.view()?, 2.0, st))
         })?;
-        let exec = g.graph().instantiate()?;
-        let mut us = Vec::new();
-        for rep in 0..reps + 3 {
-            let to = if rep % 2 == 0 { &a } else { &b };
-            let issued = Instant::now();
-            let moved = exec.rebind(&[x.rebind_to(to)?])?;
-            let elapsed = issued.elapsed().as_secs_f64() * 1e6;
-            anyhow::ensure!(moved == n, "the rebind moved {moved} of {n} nodes");
-            if rep >= 3 {
-                us.push(elapsed);
-            }
-        }
-        call_us.push(median(us));
+        let (us, moved) = time_rebinds(&g.graph().instantiate()?, &x, (&a, &b), reps)?;
+        anyhow::ensure!(moved == n, "the rebind moved {moved} of {n} nodes");
+        call_us.push(us);
     }
     let us_per_added_node = (call_us[2] - call_us[1]) / (NODES[2] - NODES[1]) as f64;
     Ok(ScalingRow { nodes: NODES.to_vec(), call_us, us_per_added_node })
@@ -263,19 +253,25 @@ fn rebind_call_us(g: &GraphedCallable, (a, b): (&Tensor, &Tensor), reps: u32) ->
     let Some((_, graph)) = graphs.iter().find(|(p, _)| *p == Pass::Forward) else {
         anyhow::bail!("the layer has no forward graph")
     };
-    let exec = graph.instantiate()?;
-    let x = &g.static_inputs()?[0];
-    let rebind = |to: &Tensor| exec.rebind(&[x.rebind_to(to)?]);
-    let mut per_node = Vec::new();
+    let (us, nodes) = time_rebinds(&graph.instantiate()?, g.static_inputs()?[0], (a, b), reps)?;
+    anyhow::ensure!(nodes > 0, "the rebind moved no node");
+    Ok(us / nodes as f64)
+}
+
+/// The median host µs of `exec.rebind` moving `x` to `a` and `b` in turn (`reps` calls after
+/// three untimed ones), nothing launched; and the nodes a call moved.
+fn time_rebinds(exec: &GraphExec, x: &Tensor, (a, b): (&Tensor, &Tensor), reps: u32) -> anyhow::Result<(f64, usize)> {
+    let (mut us, mut nodes) = (Vec::new(), 0);
     for rep in 0..reps + 3 {
+        let to = if rep % 2 == 0 { a } else { b };
         let issued = Instant::now();
-        let nodes = rebind(if rep % 2 == 0 { a } else { b })?;
-        let us = issued.elapsed().as_secs_f64() * 1e6;
-        if rep >= 3 && nodes > 0 {
-            per_node.push(us / nodes as f64);
+        nodes = exec.rebind(&[x.rebind_to(to)?])?;
+        let elapsed = issued.elapsed().as_secs_f64() * 1e6;
+        if rep >= 3 {
+            us.push(elapsed);
         }
     }
-    Ok(median(per_node))
+    Ok((median(us), nodes))
 }
 
 /// The forward's output for `x`, copied in or read in place (exactly, as f32), with the backward
