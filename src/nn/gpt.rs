@@ -42,8 +42,8 @@ pub struct GptConfig {
     /// What the layers' backward recomputes instead of saving it (memory against time).
     pub recompute: Recompute,
     /// Whether the layers are built for a graphed stack that lends its gradients
-    /// ([`Builder::with_lending`]): the lowest layer's attention backward then keeps no cuDNN
-    /// scratch, which rounds differently from cuDNN.
+    /// ([`Builder::with_lending`]): the lowest layer's attention backward then runs on
+    /// graphed's kernels, without cuDNN's scratch, and rounds as they do.
     pub lending: bool,
 }
 
