@@ -38,10 +38,22 @@ pub enum GraphedErrorKind {
     /// would zero.
     #[error(
         "{bytes} bytes of lent gradient memory are still held after the capture by something other than a static \
-         buffer (state a module created while being captured); create such state in the warmup, or graph without \
-         lend_gradients"
+         buffer (state a module created while being captured); create such state before graphing (one eager step \
+         does), or graph without lend_gradients"
     )]
     LentState {
+        /// The bytes held.
+        bytes: usize,
+    },
+    /// With lent gradients, blocks that the warmup placed in lent gradient memory were still
+    /// held after it (Note [Lent gradients in the warmup] in `graph/lend.rs`): state a module
+    /// created in its first pass, which the gradients, restored after the warmup, overwrite.
+    #[error(
+        "{bytes} bytes that the warmup allocated in lent gradient memory are still held after it (state a module \
+         created in its first pass), and the gradients overwrite that memory; rebuild the module and create such \
+         state before graphing (one eager step does), or graph without lend_gradients"
+    )]
+    WarmupLentState {
         /// The bytes held.
         bytes: usize,
     },

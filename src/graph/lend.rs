@@ -46,6 +46,19 @@
 //!   gradients on its own stream from backward `i` on, joined before the optimizer (R4). No
 //!   later capture of the step may take layer `i`'s memory (backward `k < i` takes only
 //!   `i' < k - 1`), and the next step's forwards come after the optimizer.
+//!
+//! Note [Lent gradients in the warmup]: the warmup runs each layer's passes eagerly, one layer
+//! at a time, before the pool holds anything: its peak is the cache's steady memory plus one
+//! layer's saved activations and backward transients (cuDNN's scratch among them), which at L
+//! was above the captured step's. The gradients it writes are thrown away (the capture
+//! restores them), so the warmup may place its blocks in gradient memory too: the cache is lent
+//! every lending layer's gradients for the warmup's stream (`CachingAllocator::lend_eager`), and
+//! layer `i`'s passes take the memory of every layer but `i`, whose backward writes its own. A
+//! block outlives its layer's passes only as an output that feeds layer `i + 1`, which is
+//! copied out first if it lies in layer `i + 1`'s memory. The lending ends with the warmup,
+//! after a device synchronize; a block still held there then is state a module made in its
+//! first pass, which the restored gradients would overwrite: the capture is refused
+//! (`WarmupLentState`).
 
 use super::callable::Callable;
 use super::graphed::Pass;
@@ -54,7 +67,7 @@ use super::output::StaticOutput;
 use super::record::Recorded;
 use super::GraphedErrorKind;
 use crate::device::{ids, with_dtype, Access, AccessMode, BufferId, Stream};
-use crate::memory::{CachingAllocator, GraphPool, Lifetimes};
+use crate::memory::{CachingAllocator, EagerLending, GraphPool, LentRange, Lifetimes};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -121,13 +134,41 @@ impl Lending {
     /// Lends every lending layer's gradients to `pool`, closed to every capture until
     /// [`open_for`](Lending::open_for).
     pub(crate) fn lend(&self, pool: &GraphPool) -> Result<()> {
+        self.ranges()?.into_iter().for_each(|lent| pool.lend(lent));
+        Ok(())
+    }
+
+    /// Lends every lending layer's gradients to `alloc`'s cache for the warmup's passes on
+    /// `stream`, none open until [`EagerLending::open`] (Note [Lent gradients in the warmup]).
+    pub(crate) fn lend_to_warmup<'a>(&self, alloc: &'a CachingAllocator, stream: &Stream) -> Result<EagerLending<'a>> {
+        Ok(alloc.lend_eager(stream, self.ranges()?))
+    }
+
+    /// What each lending layer lends: its gradients' aligned range.
+    fn ranges(&self) -> Result<Vec<LentRange>> {
+        let mut ranges = Vec::new();
         for (id, grads) in self.lenders.iter().flatten() {
             with_dtype!(grads.dtype(), T => {
                 let buffer = grads.buffer::<T>("make_graphed_stack")?;
-                pool.lend(*id, buffer, grads.offset()..grads.offset() + grads.numel());
+                ranges.extend(LentRange::of(*id, buffer, grads.offset()..grads.offset() + grads.numel()));
             });
         }
-        Ok(())
+        Ok(ranges)
+    }
+
+    /// The lenders whose memory the warmup of layer `i` may take: every layer's but `i`'s, which
+    /// its backward writes (Note [Lent gradients in the warmup]).
+    pub(crate) fn warmup_lenders(&self, i: usize) -> Vec<usize> {
+        (self.lenders.iter().enumerate())
+            .filter(|(j, _)| *j != i)
+            .filter_map(|(_, l)| l.as_ref().map(|l| l.0))
+            .collect()
+    }
+
+    /// Whether `t` lies in the memory layer `i` lends.
+    pub(crate) fn in_lent_memory(&self, i: usize, t: &Tensor) -> Result<bool> {
+        let Some(Some((_, grads))) = self.lenders.get(i) else { return Ok(false) };
+        Ok(t.access(AccessMode::Read)?.overlaps(&grads.access(AccessMode::Read)?))
     }
 
     fn ids(&self) -> Vec<usize> {

@@ -10,12 +10,14 @@
 //! whether it gives them is checked in its own backward (`Plan::check_grads`).
 
 use super::graphed::Pass;
-use super::lend::Learned;
+use super::lend::{Learned, Lending};
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
+use super::GraphedErrorKind;
+use crate::memory::EagerLending;
 use crate::nn::NoGradHook;
 use crate::tensor::Tensor;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Runs `options.warmup_iters` iterations; the first-iteration hook runs after the first (an
 /// offload manager records in it).
@@ -25,14 +27,46 @@ use crate::Result;
 /// stream's blocks, but only after a wait for blocks used on several streams, and on the
 /// simulator, which runs work when the host observes it), so that the next callable reuses it
 /// on every device. It costs a host wait per callable, once per capture.
-pub(crate) fn warmup(plan: &Plan<'_>, options: &mut GraphOptions, learned: &mut Learned) -> Result<()> {
+///
+/// With lent gradients, the passes' allocations take the gradient memory of the layers other
+/// than their own (Note [Lent gradients in the warmup] in `lend.rs`); a block still held there
+/// after the warmup is refused (`WarmupLentState`).
+pub(crate) fn warmup(
+    plan: &Plan<'_>,
+    options: &mut GraphOptions,
+    learned: &mut Learned,
+    lending: Option<&Lending>,
+) -> Result<()> {
     let _range = plan.stream.device().range_with(|| "warmup".into());
+    let lent = lending.map(|l| l.lend_to_warmup(plan.alloc, plan.stream)).transpose()?;
+    let ran = iterations(plan, options, learned, lending.zip(lent.as_ref()));
+    let held = lent.map_or(Ok(0), EagerLending::finish);
+    ran?;
+    match held? {
+        0 => Ok(()),
+        bytes => Err(Error::Graphed {
+            callable: "make_graphed_stack".into(),
+            kind: GraphedErrorKind::WarmupLentState { bytes },
+        }),
+    }
+}
+
+fn iterations(
+    plan: &Plan<'_>,
+    options: &mut GraphOptions,
+    learned: &mut Learned,
+    lent: Option<(&Lending, &EagerLending<'_>)>,
+) -> Result<()> {
     // The passes' allocations are learned in the last iteration, the one the captures follow.
     let mut not_learned = Learned::new(false);
     for iteration in 0..options.warmup_iters {
         let mut previous = Vec::new();
         let learning = if iteration + 1 == options.warmup_iters { &mut *learned } else { &mut not_learned };
         for i in 0..plan.len() {
+            if let Some((lending, lent)) = lent {
+                lent.open(&lending.warmup_lenders(i));
+                previous = out_of_lent(plan, lending, i, previous)?;
+            }
             previous = warm(plan, options, learning, i, previous)?;
             plan.stream.synchronize()?;
         }
@@ -41,6 +75,21 @@ pub(crate) fn warmup(plan: &Plan<'_>, options: &mut GraphOptions, learned: &mut 
         }
     }
     Ok(())
+}
+
+/// `previous`, the outputs that feed layer `i`, each copied out of the memory layer `i` lends
+/// if it lies there: its backward writes that memory while they are its inputs.
+fn out_of_lent(plan: &Plan<'_>, lending: &Lending, i: usize, previous: Vec<Tensor>) -> Result<Vec<Tensor>> {
+    (previous.into_iter())
+        .map(|y| {
+            if !lending.in_lent_memory(i, &y)? {
+                return Ok(y);
+            }
+            let copy = Tensor::uninit(plan.alloc, plan.stream, y.shape(), y.dtype())?;
+            copy.copy_from(&y, plan.stream)?;
+            Ok(copy)
+        })
+        .collect()
 }
 
 /// Callable `i`'s forward of `previous` (or of its static inputs), then, in training, its

@@ -19,9 +19,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
-use super::arena::{block_size, segment_size, Arena, BlockInfo, FreeTag, SegmentId, Stats, StreamKey};
+use super::arena::{block_size, segment_size, Arena, BlockInfo, BlockState, FreeTag, SegmentId, Stats, StreamKey};
 use super::lifetimes::{Learning, Lifetimes, Place};
-use super::pool::{GraphPool, Lent, PoolGraph, PoolId, PoolState};
+use super::pool::{GraphPool, Lent, LentRange, PoolGraph, PoolId, PoolState};
 use crate::device::memory::{Block, BlockOwner, Fence, MemKind, RawBuffer};
 use crate::device::{ids, BufferId, Capture, CaptureMode, Device, DeviceBuffer, Elem, Stream, StreamId};
 use crate::{Error, Result};
@@ -208,6 +208,22 @@ struct State {
     peak_reserved: usize,
     /// The allocations of a pass being learned ([`CachingAllocator::learn`]).
     learning: Option<Learning>,
+    /// Memory lent to the cache for one stream's eager allocations
+    /// ([`CachingAllocator::lend_eager`]).
+    eager_lent: Option<EagerLent>,
+    /// Lent segments of the cache that a block still held when their lending ended: kept, with
+    /// their lenders' blocks, so that neither is handed out again.
+    _stuck_lent: Vec<(SegmentId, Arc<Block>)>,
+}
+
+/// Memory lent to the cache for the allocations of one stream outside captures: a lending
+/// stack's warmup (Note [Lent gradients in the warmup] in `graph/lend.rs`).
+struct EagerLent {
+    stream: StreamKey,
+    /// Each lent segment, its lender, and the lender's block, kept alive while lent.
+    lent: Vec<(SegmentId, usize, Arc<Block>)>,
+    /// The segments that the stream's allocations may take now.
+    open: Vec<SegmentId>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -221,6 +237,35 @@ impl State {
             None => Some(&mut self.default),
             Some(p) => self.pools.get_mut(&p).map(|p| &mut p.arena),
         }
+    }
+
+    /// A new segment id for memory lent from `block`'s allocation, `start` bytes into it.
+    fn lent_segment(&mut self, block: &Block, start: usize) -> SegmentId {
+        self.next_segment += 1;
+        let segment = self.next_segment;
+        self.segments.insert(segment, block.raw.clone());
+        self.bases.insert(segment, start);
+        segment
+    }
+
+    /// Ends the cache's eager lending: gives back each lent segment none of whose blocks is
+    /// handed out; returns the bytes of the blocks still held, whose segments stay apart.
+    fn end_eager_lent(&mut self) -> usize {
+        let Some(e) = self.eager_lent.take() else { return 0 };
+        let mut held = 0;
+        for (segment, _, keep) in e.lent {
+            if self.default.remove_lent(segment) {
+                self.segments.remove(&segment);
+                self.bases.remove(&segment);
+            } else {
+                held += (self.default.blocks().iter())
+                    .filter(|b| b.segment == segment && matches!(b.state, BlockState::Used(_)))
+                    .map(|b| b.size)
+                    .sum::<usize>();
+                self._stuck_lent.push((segment, keep));
+            }
+        }
+        held
     }
 
     /// Gives the memory `lenders` lent to `pool` back to its owners (`None`: of every lender,
@@ -432,15 +477,12 @@ impl Inner {
     /// to `pool`, for the captures that `lender` is open to (Note [Lent gradients]); the pool
     /// keeps the block alive until it gives the memory back, and keeps the memory while pinned
     /// (until [`GraphPool::unpin_lent`]), even when none of its graphs can run.
-    pub(crate) fn lend(&self, pool: PoolId, lender: usize, block: Arc<Block>, start: usize, bytes: usize) {
+    pub(crate) fn lend(&self, pool: PoolId, LentRange { lender, block, start, bytes }: LentRange) {
         let mut st = lock(&self.state);
         if !st.pools.contains_key(&pool) {
             return;
         }
-        st.next_segment += 1;
-        let segment = st.next_segment;
-        st.segments.insert(segment, block.raw.clone());
-        st.bases.insert(segment, start);
+        let segment = st.lent_segment(&block, start);
         let p = st.pools.get_mut(&pool).expect("checked above");
         p.arena.add_lent(segment, bytes);
         p.lent.push(Lent { segment, lender, bytes, pinned: true, _keep: block });
@@ -555,9 +597,14 @@ impl CachingAllocator {
         // Memory lent to the pool serves first the requests it is open to (Note [Lent gradients]);
         // a block expected to die within its pass first the lent memory only such blocks may take
         // (Note [Pass-local blocks]), which is of no use to the others.
-        let (open, wide) = match pool.and_then(|p| st.pools.get_mut(&p)) {
-            Some(p) => (p.open_lent(), p.wide_for(bytes, key)),
-            None => Default::default(),
+        // Outside captures, memory lent to the cache serves its stream (Note [Lent gradients in
+        // the warmup]).
+        let (open, wide) = match pool {
+            Some(p) => st.pools.get_mut(&p).map(|p| (p.open_lent(), p.wide_for(bytes, key))).unwrap_or_default(),
+            None => match st.eager_lent.as_ref().filter(|e| e.stream == key) {
+                Some(e) => (e.open.clone(), Vec::new()),
+                None => Default::default(),
+            },
         };
         let only_wide = |s: SegmentId| wide.contains(&s) && !open.contains(&s);
         let arena = st.arena(pool).ok_or(Error::NoCapturePool { op: OP, stream: stream.id() })?;
@@ -627,6 +674,24 @@ impl CachingAllocator {
     pub(crate) fn learn(&self, stream: &Stream) -> Learn<'_> {
         lock(&self.inner.state).learning = Some(Learning { stream: stream.id().raw(), seen: Vec::new() });
         Learn { alloc: self, stream: stream.clone() }
+    }
+
+    /// Lends `lent` to the cache for the allocations on `stream` outside captures, until the
+    /// returned guard ends the lending; they take none of it until
+    /// [`EagerLending::open`] names its lenders (Note [Lent gradients in the warmup] in
+    /// `graph/lend.rs`). One stream at a time; a new call ends the last one's first.
+    pub(crate) fn lend_eager(&self, stream: &Stream, lent: Vec<LentRange>) -> EagerLending<'_> {
+        let mut st = lock(&self.inner.state);
+        self.inner.take_returned(&mut st);
+        st.end_eager_lent();
+        let mut segments = Vec::with_capacity(lent.len());
+        for LentRange { lender, block, start, bytes } in lent {
+            let segment = st.lent_segment(&block, start);
+            st.default.add_lent(segment, bytes);
+            segments.push((segment, lender, block));
+        }
+        st.eager_lent = Some(EagerLent { stream: stream.id().raw(), lent: segments, open: Vec::new() });
+        EagerLending { alloc: self }
     }
 
     /// Refuses a pool that another allocator made.
@@ -756,6 +821,44 @@ impl PoolCapture<'_> {
         let graph = graph?;
         pool.add_graph(graph.id());
         Ok(PoolGraph { graph, pool: self.pool.clone() })
+    }
+}
+
+/// Memory lent to the cache for one stream's eager allocations
+/// ([`CachingAllocator::lend_eager`]); dropping it ends the lending as
+/// [`finish`](EagerLending::finish) does, without its count.
+pub(crate) struct EagerLending<'a> {
+    alloc: &'a CachingAllocator,
+}
+
+impl EagerLending<'_> {
+    /// Lets the stream's allocations take the memory of `lenders` (none: no lent memory), the
+    /// blocks that fit there first.
+    pub(crate) fn open(&self, lenders: &[usize]) {
+        if let Some(e) = lock(&self.alloc.inner.state).eager_lent.as_mut() {
+            e.open = e.lent.iter().filter(|l| lenders.contains(&l.1)).map(|l| l.0).collect();
+        }
+    }
+
+    /// Waits for the device, then gives the lent memory back; returns the bytes of blocks there
+    /// still held, which the caller refuses: their memory stays with the cache, never handed
+    /// out again, but its owner will write it.
+    ///
+    /// # Errors
+    /// Device errors while waiting.
+    pub(crate) fn finish(self) -> Result<usize> {
+        self.alloc.synchronize()?;
+        let mut st = lock(&self.alloc.inner.state);
+        self.alloc.inner.take_returned(&mut st);
+        Ok(st.end_eager_lent())
+    }
+}
+
+impl Drop for EagerLending<'_> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.alloc.inner.state);
+        self.alloc.inner.take_returned(&mut st);
+        st.end_eager_lent();
     }
 }
 

@@ -93,7 +93,7 @@ mod tests {
         assert_eq!(lifetimes, Lifetimes(vec![(1024, true), (1024, false)]));
         drop(long);
         let pool = alloc.new_pool();
-        pool.lend(7, &grads, 0..4096);
+        pool.lend(super::super::LentRange::of(7, &grads, 0..4096).expect("aligned"));
         let lent = |b: &crate::device::DeviceBuffer<f32>| alloc.block_of(b.id()).is_some_and(|e| e.lent);
         let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
         pool.expect(&s, &lifetimes, &[7]);

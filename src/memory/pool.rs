@@ -73,6 +73,31 @@ pub(crate) struct Lent {
     pub(crate) _keep: Arc<Block>,
 }
 
+/// Memory one owner lends: the 256-byte aligned part of a range of its block.
+pub(crate) struct LentRange {
+    /// Who lends it (a layer of a graphed stack).
+    pub(crate) lender: usize,
+    pub(crate) block: Arc<Block>,
+    /// Where it begins in the block's allocation, and its length, in bytes.
+    pub(crate) start: usize,
+    pub(crate) bytes: usize,
+}
+
+impl LentRange {
+    /// The aligned part of `buffer`'s elements `range`; `None` if nothing of it is aligned.
+    pub(crate) fn of<T: Elem>(
+        lender: usize,
+        buffer: &DeviceBuffer<T>,
+        range: std::ops::Range<usize>,
+    ) -> Option<LentRange> {
+        let block = buffer.block.clone();
+        let size = T::DTYPE.size();
+        let start = (block.base + range.start * size).div_ceil(ALIGN) * ALIGN;
+        let end = (block.base + range.end.min(buffer.len()) * size) / ALIGN * ALIGN;
+        (end > start).then_some(LentRange { lender, block, start, bytes: end - start })
+    }
+}
+
 impl PoolState {
     pub(crate) fn add_graph(&mut self, graph: GraphId) {
         self.order.push(graph);
@@ -235,19 +260,12 @@ impl GraphPool {
         self.alloc.trim_pool(self.id)
     }
 
-    /// Lends the 256-byte aligned part of `buffer`'s elements `range` to the pool, to be handed
-    /// out only to the captures that lender `lender` is opened to ([`GraphPool::open_lent`]).
-    /// The pool keeps `buffer`'s memory alive and gives it back when none of its graphs can run
+    /// Lends `lent` to the pool, to be handed out only to the captures that its lender is opened
+    /// to ([`GraphPool::open_lent`]). The pool keeps the lender's memory alive and gives it back when none of its graphs can run
     /// any more and none of its blocks there is held (Note [Lent gradients] in `graph/lend.rs`
     /// says when that is safe).
-    pub(crate) fn lend<T: Elem>(&self, lender: usize, buffer: &DeviceBuffer<T>, range: std::ops::Range<usize>) {
-        let block = buffer.block.clone();
-        let size = T::DTYPE.size();
-        let start = (block.base + range.start * size).div_ceil(ALIGN) * ALIGN;
-        let end = (block.base + range.end.min(buffer.len()) * size) / ALIGN * ALIGN;
-        if end > start {
-            self.alloc.lend(self.id, lender, block, start, end - start);
-        }
+    pub(crate) fn lend(&self, lent: LentRange) {
+        self.alloc.lend(self.id, lent);
     }
 
     /// Lets the capture in progress allocate from the memory of `lenders` (none: no lent memory).

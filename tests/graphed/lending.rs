@@ -8,7 +8,9 @@ use graphed::graph::{
     make_graphed_callables, make_graphed_fn, make_graphed_stack, GraphOptions, GraphedErrorKind, Phase, Replay,
 };
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Builder, Inputs, Linear, Module, Param, ParamStore, SaveHook, Stack, TransformerLayer};
+use graphed::nn::{
+    Builder, Inputs, KeepOnDevice, Linear, Module, Param, ParamStore, SaveHook, Stack, TransformerLayer,
+};
 use graphed::ops::attention::AttentionBackend;
 use graphed::ops::elementwise;
 use graphed::tensor::Tensor;
@@ -83,6 +85,30 @@ pub fn lent_gradients_lower_the_pool_peak(dev: &Device) -> Result {
         "the pool peaked at {lent} B lending, {kept} B not; four activations are {} B, the lent gradients {lendable} B",
         4 * unit
     );
+    Ok(())
+}
+
+/// The cache's rise over its steady allocation while `m`'s stack is captured with `options`:
+/// the warmup's, which holds one layer's activations and transients at a time.
+fn warmup_rise(m: &Model, options: GraphOptions) -> Result<usize> {
+    let steady = m.alloc.stats().default.allocated;
+    let g = m.graph(options)?;
+    let rise = m.alloc.stats().default.peak_allocated - steady;
+    drop(g);
+    Ok(rise)
+}
+
+/// A lending stack's warmup places its passes' blocks in the gradients of the layers other
+/// than their own (Note [Lent gradients in the warmup]): the cache rises during the capture by
+/// at most what does not fit there, with the results of eager training still bit for bit.
+pub fn a_lending_stack_warms_up_in_its_gradients(dev: &Device) -> Result {
+    const DEEP: usize = 4;
+    let kept = warmup_rise(&Model::deep(dev, DType::BF16, DEEP)?, GraphOptions::default())?;
+    let m = Model::deep(dev, DType::BF16, DEEP)?;
+    let lent = warmup_rise(&m, lend())?;
+    let unit = m.shape.iter().product::<usize>() * DType::BF16.size();
+    ensure!(lent + 4 * unit <= kept, "the warmup rose by {lent} B lending, {kept} B not: one unit is {unit} B");
+    ensure!(m.alloc.blocks().iter().all(|b| !b.lent), "the warmup left lent memory in the cache");
     Ok(())
 }
 
@@ -177,12 +203,13 @@ pub fn pass_local_blocks_take_gradients_dead_for_their_pass(dev: &Device) -> Res
 }
 
 /// `y = x` with a parameter whose gradient the backward bumps, and a scratch block of `x`'s size
-/// that the forward frees in the warmup but keeps when captured: a pass that allocates otherwise
-/// when captured than in the warmup.
+/// that the forward keeps when captured (a pass that allocates otherwise when captured than in
+/// the warmup), or, `first`, on its first pass (state made in the warmup).
 struct Hoarder {
     p: Param,
     alloc: CachingAllocator,
     kept: Mutex<Option<Tensor>>,
+    first: bool,
 }
 
 impl Module for Hoarder {
@@ -193,8 +220,9 @@ impl Module for Hoarder {
         let scratch = Tensor::zeros(&self.alloc, s, x.shape(), x.dtype())?;
         let y = Tensor::uninit(&self.alloc, s, x.shape(), x.dtype())?;
         y.copy_from(x, s)?;
-        if s.capture_id()?.is_some() {
-            *self.kept.lock().unwrap() = Some(scratch);
+        let mut kept = self.kept.lock().unwrap();
+        if (self.first && kept.is_none()) || (!self.first && s.capture_id()?.is_some()) {
+            *kept = Some(scratch);
         }
         Ok((vec![y], ()))
     }
@@ -218,14 +246,7 @@ impl Module for Hoarder {
 /// refusal leaves the gradients as they were, and the pool gives the lent memory back once the
 /// kept blocks are dropped; the same stack graphs without lending.
 pub fn a_pass_that_keeps_what_its_warmup_freed_is_refused(dev: &Device) -> Result {
-    let s = dev.stream()?;
-    let alloc = CachingAllocator::new(dev);
-    let store = ParamStore::new(&alloc, &s, 2 * 1024)?;
-    let layer = |i: usize| -> Result<Hoarder> {
-        let p = store.add(&format!("hoarder{i}.p"), &[1024], &[0.0; 1024], &s)?;
-        Ok(Hoarder { p, alloc: alloc.clone(), kept: Mutex::new(None) })
-    };
-    let stack = Stack::new(vec![layer(0)?, layer(1)?]);
+    let (alloc, s, store, stack) = hoarders(dev, false)?;
     let x = Tensor::from_host(&alloc, &s, &[0.5f32; 64], &[2, 32])?;
     let before = store.grads()?.to_f32_vec(&s)?;
     let held = |k: &GraphedErrorKind| matches!(k, GraphedErrorKind::PassLocalHeld { bytes } if *bytes > 0);
@@ -235,6 +256,39 @@ pub fn a_pass_that_keeps_what_its_warmup_freed_is_refused(dev: &Device) -> Resul
     alloc.empty_cache()?;
     ensure!(alloc.blocks().iter().all(|b| !b.lent), "lent memory is held by more than what the layers kept");
     make_graphed_stack(&alloc, &stack, &x, GraphOptions::default())?;
+    Ok(())
+}
+
+/// Two hoarders (`first`: keeping state made in their first pass) over one store.
+fn hoarders(dev: &Device, first: bool) -> Result<(CachingAllocator, Stream, ParamStore, Stack<Hoarder>)> {
+    let s = dev.stream()?;
+    let alloc = CachingAllocator::new(dev);
+    let store = ParamStore::new(&alloc, &s, 2 * 1024)?;
+    let layer = |i: usize| -> Result<Hoarder> {
+        let p = store.add(&format!("hoarder{i}.p"), &[1024], &[0.0; 1024], &s)?;
+        Ok(Hoarder { p, alloc: alloc.clone(), kept: Mutex::new(None), first })
+    };
+    let stack = Stack::new(vec![layer(0)?, layer(1)?]);
+    Ok((alloc, s, store, stack))
+}
+
+/// State a module makes in its first pass lands, in a lending stack's warmup, in another
+/// layer's gradient memory, which the restored gradients overwrite: the capture is refused,
+/// gradients as they were, and no pool is left holding lent memory. Made before graphing (one
+/// eager step), the same state graphs with lending.
+pub fn state_made_in_a_lending_warmup_is_refused(dev: &Device) -> Result {
+    let (alloc, s, store, stack) = hoarders(dev, true)?;
+    let x = Tensor::from_host(&alloc, &s, &[0.5f32; 64], &[2, 32])?;
+    let before = store.grads()?.to_f32_vec(&s)?;
+    let held = |k: &GraphedErrorKind| matches!(k, GraphedErrorKind::WarmupLentState { bytes } if *bytes > 0);
+    expect_kind(make_graphed_stack(&alloc, &stack, &x, lend()), held)?;
+    ensure!(store.grads()?.to_f32_vec(&s)? == before, "the refused capture changed the gradients");
+    ensure!(alloc.stats().pools.iter().all(|(_, p)| p.lent == 0), "a pool holds lent memory after the refusal");
+    let (alloc, s, _store, stack) = hoarders(dev, true)?;
+    let x = Tensor::from_host(&alloc, &s, &[0.5f32; 64], &[2, 32])?;
+    let (_, ctx) = stack.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
+    drop(ctx);
+    make_graphed_stack(&alloc, &stack, &x, lend())?;
     Ok(())
 }
 

@@ -65,6 +65,8 @@ struct OffloadRow {
     pool_peak_bytes: usize,
     /// graphed-side's pool peak minus this one's.
     saved_bytes: Option<i64>,
+    /// graphed-side's peak reserved bytes (graph pools and cache together) minus this one's.
+    reserved_saved_bytes: Option<i64>,
     /// What the frozen policy expects to save at the peak.
     expected_saving_bytes: usize,
     /// Bytes copied out (and back) per step.
@@ -163,6 +165,8 @@ fn run_variant(
         (Variant::Listed, Some(m)) if dev.kind() == DeviceKind::Cuda => Some(copy_rates(config, m, &alloc, &main)?),
         _ => None,
     };
+    let memory = MemoryRow::of(&stats);
+    let reserved = |m: &MemoryRow| m.total.peak_reserved_bytes as i64;
     let row = OffloadRow {
         case: Case::new(config, dtype, variant.name()),
         wall_ms: wall,
@@ -170,12 +174,13 @@ fn run_variant(
         overhead_pct: baseline.map(|b| 100.0 * (wall.median / b.wall_ms.median - 1.0)),
         pool_peak_bytes,
         saved_bytes: baseline.map(|b| b.pool_peak_bytes as i64 - pool_peak_bytes as i64),
+        reserved_saved_bytes: baseline.map(|b| reserved(&b.memory) - reserved(&memory)),
         expected_saving_bytes: summary.as_ref().map_or(0, |s| s.expected_peak_saving()),
         offloaded_bytes: summary.as_ref().map_or(0, |s| s.offloaded_bytes()),
         forward_lead_ms: leads.map(|l| l.0),
         backward_lead_ms: leads.map(|l| l.1),
         summary: summary.map(|s| s.to_string()),
-        memory: MemoryRow::of(&stats),
+        memory,
         input: args.input,
     };
     Ok((row, rates))
@@ -291,7 +296,7 @@ fn print_row(r: &OffloadRow) {
     let opt = |v: Option<f64>, unit: &str| v.map_or_else(|| "-".to_string(), |v| format!("{v:.3}{unit}"));
     println!(
         "  {:<22} wall {:.3} ms [{:.3}–{:.3}]  overhead {}  pool peak {:.1} MiB  saved {} (expected {:.1} MiB)  \
-         offloaded {:.1} MiB  resumes before the tails: fwd {} bwd {}",
+         offloaded {:.1} MiB  reserved peak {:.1} MiB, saved {}  resumes before the tails: fwd {} bwd {}",
         r.case.variant,
         r.wall_ms.median,
         r.wall_ms.min,
@@ -301,6 +306,8 @@ fn print_row(r: &OffloadRow) {
         r.saved_bytes.map_or_else(|| "-".to_string(), |b| format!("{:.1} MiB", mib(b as f64))),
         mib(r.expected_saving_bytes as f64),
         mib(r.offloaded_bytes as f64),
+        mib(r.memory.total.peak_reserved_bytes as f64),
+        r.reserved_saved_bytes.map_or_else(|| "-".to_string(), |b| format!("{:.1} MiB", mib(b as f64))),
         opt(r.forward_lead_ms, " ms"),
         opt(r.backward_lead_ms, " ms"),
     );

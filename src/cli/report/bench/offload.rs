@@ -27,6 +27,19 @@ struct Variant {
     offloaded_bytes: f64,
     saved_bytes: Option<f64>,
     expected_saving_bytes: f64,
+    memory: Memory,
+}
+
+/// The allocator's statistics of a variant's run: its totals.
+#[derive(Debug, Deserialize)]
+struct Memory {
+    total: Totals,
+}
+
+#[derive(Debug, Deserialize)]
+struct Totals {
+    peak_allocated_bytes: f64,
+    peak_reserved_bytes: f64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -49,12 +62,26 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
         "overhead",
         "offloaded MiB per step",
         "pool peak saved MiB (expected)",
+        "peak reserved MiB (÷ allocated)",
+        "reserved saved MiB (÷ offloaded)",
     ]);
     let mut panels = Vec::new();
     for case in cases(&variants, |v| &v.case) {
         let of_case: Vec<&&Variant> = variants.iter().filter(|v| v.case.config == case.config).collect();
+        // The first variant of a configuration is the baseline, graphed-side.
+        let baseline = of_case.first().map(|b| b.memory.total.peak_reserved_bytes);
         for v in &of_case {
             let saved = v.saved_bytes.map(|s| format!("{} ({})", mib(s), mib(v.expected_saving_bytes)));
+            let total = &v.memory.total;
+            let reserved = format!(
+                "{} ({:.3})",
+                mib(total.peak_reserved_bytes),
+                total.peak_reserved_bytes / total.peak_allocated_bytes
+            );
+            let reserved_saved = baseline.filter(|_| v.offloaded_bytes > 0.0).map(|b| {
+                let saved = b - total.peak_reserved_bytes;
+                format!("{} ({:.0}%)", mib(saved), 100.0 * saved / v.offloaded_bytes)
+            });
             steps.row(vec![
                 case.config.clone(),
                 v.variant.clone(),
@@ -62,6 +89,8 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
                 or_dash(v.overhead_pct.map(|p| format!("{p:.2}%"))),
                 mib(v.offloaded_bytes),
                 or_dash(saved),
+                reserved,
+                or_dash(reserved_saved),
             ]);
         }
         let bars = of_case.iter().map(|v| Bar::ours(&v.variant, v.wall_ms.median)).collect();
@@ -82,7 +111,7 @@ pub(super) fn figure(run: &Run) -> Result<Figure, ReportError> {
         sources: vec![run.ours.name.clone()],
         provenance: report.provenance(),
         note: format!(
-            "wall ms per step, median of {} timed steps; overhead against graphed-side; saved is the graph pool's peak",
+            "wall ms per step, median of {} timed steps; overhead against graphed-side; saved is the graph pool's peak; reserved is the allocator's, graph pools and cache together, and its saving against graphed-side",
             report.reps
         ),
         chart: Bars { title: "graphed bench offload: activations offloaded inside the graphs".into(), panels },
