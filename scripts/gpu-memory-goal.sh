@@ -6,7 +6,7 @@
 #    stack, and the FP8 and GEMM tests owed since the seventh session (tests.log).
 # 2. `bench graphs --configs L --variants graphed` in bf16 four ways (none, lend, gelu-norm,
 #    both, then none again; RUNS="name:flag,flag … name:flag" for others),
-#    then torch-sdpa-graphed at L (graphs.log; JSON of the runs named none and both).
+#    then torch-sdpa-graphed at L (graphs.log; JSON of the runs named none, both and kernels-both).
 # 3. `bench memory` at 24 GiB, batch search, with lent gradients (memory.log, memory.json).
 # Seven files in $OUT (the device tool returns eight). Parts 1 and 2 take about six minutes
 # and part 3 about four, so a call of the device tool (ten at most) runs PART=1 (1 and 2) or
@@ -32,7 +32,7 @@ for run in ${RUNS:-$runs}; do
     name=${run%%:*}
     flags=${run#*:}
     flags=${flags//,/ }
-    json=$(case $name in none|both) echo "--json $OUT/graphs-$name.json" ;; esac)
+    json=$(case $name in none|both|kernels-both) echo "--json $OUT/graphs-$name.json" ;; esac)
     echo "# graphed bench graphs --configs L --variants graphed $flags" | tee -a "$OUT/graphs.log"
     .gpu/graphed bench graphs --device cuda --configs L --variants graphed $flags --steps 10 $json 2>&1 \
         | tee -a "$OUT/graphs.log" | grep -E "^  graphed |ran on"

@@ -680,6 +680,12 @@ pub struct GraphsBenchArgs {
     pub lend: LendArgs,
     #[command(flatten)]
     pub configs: ConfigsArgs,
+    /// The most MiB of `T × T` scratch cuDNN's deterministic attention backward keeps at once,
+    /// in every layer; 0 runs every attention backward on graphed's kernels under the automatic
+    /// backend (default: the call's operands' size, at least 64 MiB, and 0 in the lowest layer
+    /// of a stack that lends its gradients).
+    #[arg(long = "scratch-limit-mib", value_parser = clap::value_parser!(u32).range(0..=1 << 20))]
+    pub scratch_limit_mib: Option<u32>,
     /// Timed steps per variant (median, min and max are reported).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub steps: u32,
@@ -760,7 +766,11 @@ impl GraphsBenchArgs {
     pub fn configs(&self, dev: &graphed::device::Device) -> anyhow::Result<Vec<super::bench_model::Config>> {
         let (recompute, lend) = (self.recompute.recompute(), self.lend.lend_gradients);
         let configs = self.configs.resolve(dev, self.attention)?;
-        Ok(configs.into_iter().map(|c| c.with_recompute(recompute).with_lending(lend)).collect())
+        let scratch = self.scratch_limit_mib.map(|mib| (mib as usize) << 20);
+        Ok(configs
+            .into_iter()
+            .map(|c| c.with_recompute(recompute).with_lending(lend).with_scratch_limit(scratch))
+            .collect())
     }
 }
 

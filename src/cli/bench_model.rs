@@ -40,6 +40,9 @@ pub struct Config {
     /// Whether the graphed stack's layers lend their gradients' memory to its graph pool
     /// (`--lend-gradients`; not unless changed).
     pub lend_gradients: bool,
+    /// The most bytes of `T × T` scratch cuDNN's deterministic attention backward keeps at once,
+    /// in every layer (`--scratch-limit-mib`; the library's default unless changed).
+    pub scratch_limit: Option<usize>,
 }
 
 /// Every configuration, smallest first; S, M and L are `BENCH.md`'s.
@@ -54,6 +57,7 @@ pub const CONFIGS: [Config; 4] = [
         attention_backend: AttentionBackend::Auto,
         recompute: Recompute::Nothing,
         lend_gradients: false,
+        scratch_limit: None,
     },
     Config {
         name: "S",
@@ -65,6 +69,7 @@ pub const CONFIGS: [Config; 4] = [
         attention_backend: AttentionBackend::Auto,
         recompute: Recompute::Nothing,
         lend_gradients: false,
+        scratch_limit: None,
     },
     Config {
         name: "M",
@@ -76,6 +81,7 @@ pub const CONFIGS: [Config; 4] = [
         attention_backend: AttentionBackend::Auto,
         recompute: Recompute::Nothing,
         lend_gradients: false,
+        scratch_limit: None,
     },
     Config {
         name: "L",
@@ -87,6 +93,7 @@ pub const CONFIGS: [Config; 4] = [
         attention_backend: AttentionBackend::Auto,
         recompute: Recompute::Nothing,
         lend_gradients: false,
+        scratch_limit: None,
     },
 ];
 
@@ -117,9 +124,15 @@ impl Config {
         Config { lend_gradients, ..self }
     }
 
-    /// The layers' attention: form, backend, heads of [`Config::heads`].
+    /// The same configuration, cuDNN's attention backward keeping at most `bytes` of scratch.
+    pub fn with_scratch_limit(self, bytes: Option<usize>) -> Config {
+        Config { scratch_limit: bytes, ..self }
+    }
+
+    /// The layers' attention: form, backend, heads of [`Config::heads`], scratch limit.
     pub fn attention_spec(&self) -> AttentionSpec {
-        AttentionSpec::new(self.dim, self.heads()).kind(self.attention).backend(self.attention_backend)
+        let spec = AttentionSpec::new(self.dim, self.heads()).kind(self.attention).backend(self.attention_backend);
+        self.scratch_limit.map_or(spec, |bytes| spec.scratch_limit(bytes))
     }
 
     /// Heads of 64 features, as `BENCH.md` says (one for a model narrower than that).
@@ -157,9 +170,12 @@ impl fmt::Display for Config {
         if self.recompute != Recompute::Nothing {
             write!(f, " recompute={}", self.recompute.name())?;
         }
-        match self.lend_gradients {
-            true => write!(f, " lend-gradients"),
-            false => Ok(()),
+        if self.lend_gradients {
+            write!(f, " lend-gradients")?;
+        }
+        match self.scratch_limit {
+            Some(bytes) => write!(f, " scratch-limit={}MiB", bytes >> 20),
+            None => Ok(()),
         }
     }
 }

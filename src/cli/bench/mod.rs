@@ -110,17 +110,42 @@ struct Case {
     /// Whether the graphed stack's layers lent their gradients to its pool (`--lend-gradients`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     lend_gradients: bool,
+    /// cuDNN's attention backward scratch limit in every layer (`--scratch-limit-mib`), if set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scratch_limit_mib: Option<usize>,
     variant: &'static str,
 }
 
 impl Case {
     fn new(config: crate::cli::bench_model::Config, dtype: impl std::fmt::Display, variant: &'static str) -> Case {
         let crate::cli::bench_model::Config {
-            name, dim, layers, batch, seq, attention, recompute, lend_gradients, ..
+            name,
+            dim,
+            layers,
+            batch,
+            seq,
+            attention,
+            recompute,
+            lend_gradients,
+            scratch_limit,
+            ..
         } = config;
         let recompute = (recompute != graphed::nn::Recompute::Nothing).then(|| recompute.name());
         let (dtype, attention) = (dtype.to_string(), attention.name());
-        Case { config: name, dim, layers, batch, seq, dtype, attention, recompute, lend_gradients, variant }
+        let scratch_limit_mib = scratch_limit.map(|bytes| bytes >> 20);
+        Case {
+            config: name,
+            dim,
+            layers,
+            batch,
+            seq,
+            dtype,
+            attention,
+            recompute,
+            lend_gradients,
+            scratch_limit_mib,
+            variant,
+        }
     }
 }
 
