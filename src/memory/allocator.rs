@@ -208,9 +208,9 @@ struct State {
     peak_reserved: usize,
     /// The allocations of a pass being learned ([`CachingAllocator::learn`]).
     learning: Option<Learning>,
-    /// Memory lent to the cache for one stream's eager allocations
+    /// Memory lent to the cache for the eager allocations of a stream, by stream
     /// ([`CachingAllocator::lend_eager`]).
-    eager_lent: Option<EagerLent>,
+    eager_lent: HashMap<StreamKey, EagerLent>,
     /// Lent segments of the cache that a block still held when their lending ended: kept, with
     /// their lenders' blocks, so that neither is handed out again.
     _stuck_lent: Vec<(SegmentId, Arc<Block>)>,
@@ -219,7 +219,6 @@ struct State {
 /// Memory lent to the cache for the allocations of one stream outside captures: a lending
 /// stack's warmup (Note [Lent gradients in the warmup] in `graph/lend.rs`).
 struct EagerLent {
-    stream: StreamKey,
     /// Each lent segment, its lender, and the lender's block, kept alive while lent.
     lent: Vec<(SegmentId, usize, Arc<Block>)>,
     /// The segments that the stream's allocations may take now.
@@ -248,10 +247,11 @@ impl State {
         segment
     }
 
-    /// Ends the cache's eager lending: gives back each lent segment none of whose blocks is
-    /// handed out; returns the bytes of the blocks still held, whose segments stay apart.
-    fn end_eager_lent(&mut self) -> usize {
-        let Some(e) = self.eager_lent.take() else { return 0 };
+    /// Ends the cache's eager lending to `stream`: gives back each lent segment none of whose
+    /// blocks is handed out; returns the bytes of the blocks still held, whose segments stay
+    /// apart.
+    fn end_eager_lent(&mut self, stream: StreamKey) -> usize {
+        let Some(e) = self.eager_lent.remove(&stream) else { return 0 };
         let mut held = 0;
         for (segment, _, keep) in e.lent {
             if self.default.remove_lent(segment) {
@@ -601,7 +601,7 @@ impl CachingAllocator {
         // the warmup]).
         let (open, wide) = match pool {
             Some(p) => st.pools.get_mut(&p).map(|p| (p.open_lent(), p.wide_for(bytes, key))).unwrap_or_default(),
-            None => match st.eager_lent.as_ref().filter(|e| e.stream == key) {
+            None => match st.eager_lent.get(&key) {
                 Some(e) => (e.open.clone(), Vec::new()),
                 None => Default::default(),
             },
@@ -679,19 +679,20 @@ impl CachingAllocator {
     /// Lends `lent` to the cache for the allocations on `stream` outside captures, until the
     /// returned guard ends the lending; they take none of it until
     /// [`EagerLending::open`] names its lenders (Note [Lent gradients in the warmup] in
-    /// `graph/lend.rs`). One stream at a time; a new call ends the last one's first.
+    /// `graph/lend.rs`). A new call for the same stream ends its last lending first.
     pub(crate) fn lend_eager(&self, stream: &Stream, lent: Vec<LentRange>) -> EagerLending<'_> {
+        let key = stream.id().raw();
         let mut st = lock(&self.inner.state);
         self.inner.take_returned(&mut st);
-        st.end_eager_lent();
+        st.end_eager_lent(key);
         let mut segments = Vec::with_capacity(lent.len());
         for LentRange { lender, block, start, bytes } in lent {
             let segment = st.lent_segment(&block, start);
             st.default.add_lent(segment, bytes);
             segments.push((segment, lender, block));
         }
-        st.eager_lent = Some(EagerLent { stream: stream.id().raw(), lent: segments, open: Vec::new() });
-        EagerLending { alloc: self }
+        st.eager_lent.insert(key, EagerLent { lent: segments, open: Vec::new() });
+        EagerLending { alloc: self, stream: key }
     }
 
     /// Refuses a pool that another allocator made.
@@ -829,13 +830,14 @@ impl PoolCapture<'_> {
 /// [`finish`](EagerLending::finish) does, without its count.
 pub(crate) struct EagerLending<'a> {
     alloc: &'a CachingAllocator,
+    stream: StreamKey,
 }
 
 impl EagerLending<'_> {
     /// Lets the stream's allocations take the memory of `lenders` (none: no lent memory), the
     /// blocks that fit there first.
     pub(crate) fn open(&self, lenders: &[usize]) {
-        if let Some(e) = lock(&self.alloc.inner.state).eager_lent.as_mut() {
+        if let Some(e) = lock(&self.alloc.inner.state).eager_lent.get_mut(&self.stream) {
             e.open = e.lent.iter().filter(|l| lenders.contains(&l.1)).map(|l| l.0).collect();
         }
     }
@@ -850,7 +852,7 @@ impl EagerLending<'_> {
         self.alloc.synchronize()?;
         let mut st = lock(&self.alloc.inner.state);
         self.alloc.inner.take_returned(&mut st);
-        Ok(st.end_eager_lent())
+        Ok(st.end_eager_lent(self.stream))
     }
 }
 
@@ -858,7 +860,7 @@ impl Drop for EagerLending<'_> {
     fn drop(&mut self) {
         let mut st = lock(&self.alloc.inner.state);
         self.alloc.inner.take_returned(&mut st);
-        st.end_eager_lent();
+        st.end_eager_lent(self.stream);
     }
 }
 
