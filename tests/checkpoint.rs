@@ -131,8 +131,6 @@ fn train_resumes_bit_for_bit() {
     refused(&["--dropout", "0.1", "--resume", "half", "--attention-backend", "kernels"], "--attention-backend auto");
     // So does a recomputed GELU output.
     refused(&["--dropout", "0.1", "--resume", "half", "--recompute", "gelu"], "pass --recompute none");
-    // And layers built for lent gradients (the lowest attention backward off cuDNN).
-    refused(&["--dropout", "0.1", "--resume", "half", "--lend-gradients"], "drop --lend-gradients");
     // Resumed past where the run stops, or from a step count past the run's: refused, naming it.
     refused(&["--dropout", "0.1", "--resume", "half", "--stop-at", "10"], "not before --stop-at 10");
     let mut damaged = load("half");

@@ -40,7 +40,6 @@ fn config(dim: usize, heads: usize, max_len: usize) -> GptConfig {
         seed: 3,
         dtype: DType::F32,
         recompute: Recompute::Nothing,
-        lending: false,
     }
 }
 

@@ -682,8 +682,7 @@ pub struct GraphsBenchArgs {
     pub configs: ConfigsArgs,
     /// The most MiB of `T × T` scratch cuDNN's deterministic attention backward keeps at once,
     /// in every layer; 0 runs every attention backward on graphed's kernels under the automatic
-    /// backend (default: the call's operands' size, at least 64 MiB, and 0 in the lowest layer
-    /// of a stack that lends its gradients).
+    /// backend (default: the call's operands' size, at least 64 MiB).
     #[arg(long = "scratch-limit-mib", value_parser = clap::value_parser!(u32).range(0..=1 << 20))]
     pub scratch_limit_mib: Option<u32>,
     /// Timed steps per variant (median, min and max are reported).

@@ -254,7 +254,6 @@ impl BenchModel {
         let count = global.len() * TransformerLayer::parameter_count(dim);
         let store = ParamStore::with_dtype(alloc, stream, count, dtype)?;
         let vb = Builder::new(&store, alloc, stream)?.with_seed(1).with_recompute(config.recompute);
-        let vb = vb.with_lending(config.lend_gradients);
         let vb = match &fp8 {
             Some(f) => vb.with_fp8(f),
             None => vb,

@@ -20,8 +20,7 @@
 //!   the last layer's included (which lends for such blocks alone); in backward `k`, layer
 //!   `k - 1`'s too. The backward's transients, cuDNN's scratch among them, and the first
 //!   forward's, which no lower layer could hold, leave the pool. The lowest layer's backward
-//!   has no lent memory; a model built for lending (`nn::Builder::with_lending`) keeps cuDNN's
-//!   attention scratch out of it.
+//!   has no lent memory.
 //! - Every layer's backward graph begins by zeroing its gradients (lending or not, so that all
 //!   behave alike), after which its kernels accumulate as they do without lending; so eager and
 //!   graphed steps give the same bits, and a gradient accumulated over several backwards is

@@ -92,8 +92,6 @@ pub struct Builder<'a> {
     fp8: Option<Fp8Training>,
     /// What its layers' backward recomputes.
     recompute: Recompute,
-    /// Whether its layers form a graphed stack that lends its gradients.
-    lends: bool,
 }
 
 impl<'a> Builder<'a> {
@@ -113,7 +111,6 @@ impl<'a> Builder<'a> {
             dropout: DropoutSpec { p: 0.0, seed: 0, site: 0, step },
             fp8: None,
             recompute: Recompute::Nothing,
-            lends: false,
         })
     }
 
@@ -154,22 +151,6 @@ impl<'a> Builder<'a> {
     /// What the layers built here recompute in their backward.
     pub fn recompute(&self) -> Recompute {
         self.recompute
-    }
-
-    /// The same builder, its layers to be graphed as a stack that lends its gradients
-    /// ([`GraphOptions::lend_gradients`](crate::graph::GraphOptions::lend_gradients)) when
-    /// `lends`. No layer's gradients are dead during the lowest layer's backward, so its
-    /// transients grow the graph pool where the others' fit lent memory; a
-    /// [`TransformerLayer::stack`](super::TransformerLayer::stack) built so keeps cuDNN's
-    /// backward scratch out of that pass. Set it for the eager twin of such a stack too: both
-    /// then compute the same bits.
-    pub fn with_lending(self, lends: bool) -> Builder<'a> {
-        Builder { lends, ..self }
-    }
-
-    /// Whether the layers built here are for a stack that lends its gradients.
-    pub fn lends(&self) -> bool {
-        self.lends
     }
 
     /// The FP8 state the layers built here register with, if any.

@@ -41,10 +41,6 @@ pub struct GptConfig {
     pub dtype: DType,
     /// What the layers' backward recomputes instead of saving it (memory against time).
     pub recompute: Recompute,
-    /// Whether the layers are built for a graphed stack that lends its gradients
-    /// ([`Builder::with_lending`]): the lowest layer's attention backward then runs on
-    /// graphed's kernels, without cuDNN's scratch, and rounds as they do.
-    pub lending: bool,
 }
 
 /// What one [`GptConfig`] field (or the batch) is, when the kernels cannot run it.
@@ -73,7 +69,7 @@ impl GptConfig {
     /// let config = GptConfig {
     ///     vocab: 16, max_len: 8, dim: 3, layers: 1, heads: 1, attention: AttentionKind::Fused,
     ///     attention_backend: AttentionBackend::Auto, dropout: 0.0, seed: 0, dtype: DType::F32,
-    ///     recompute: Recompute::Nothing, lending: false,
+    ///     recompute: Recompute::Nothing,
     /// };
     /// assert_eq!(config.validate().unwrap_err().field, "dim");
     /// // Heads of 16 features: only the unfused attention runs them.
@@ -332,8 +328,7 @@ impl Gpt {
         let (c, seed) = (config.dim, config.seed);
         let vb = (Builder::new(&store, alloc, stream)?.with_seed(seed))
             .with_dropout(config.dropout, seed as u32)
-            .with_recompute(config.recompute)
-            .with_lending(config.lending);
+            .with_recompute(config.recompute);
         let embedding =
             part.embedding.then(|| Embedding::new(&vb.pp("emb"), (config.vocab, config.max_len, c))).transpose()?;
         let attention = AttentionSpec::new(c, config.heads).kind(config.attention).backend(config.attention_backend);
@@ -577,7 +572,6 @@ mod tests {
             seed: 3,
             dtype: DType::F32,
             recompute: Recompute::Nothing,
-            lending: false,
         }
     }
 

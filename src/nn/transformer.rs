@@ -10,8 +10,8 @@ use super::dropout::DropoutCtx;
 use super::layernorm::{single_input, LayerNormCtx};
 use super::mlp::MlpCtx;
 use super::{
-    attention_dropout_site, input_grad, AttentionBackend, AttentionSpec, BiasGrad, Builder, CausalSelfAttention,
-    Dropout, GradHook, Inputs, LayerNorm, Mlp, Module, NoGradHook, Param, SaveHook,
+    attention_dropout_site, input_grad, AttentionSpec, BiasGrad, Builder, CausalSelfAttention, Dropout, GradHook,
+    Inputs, LayerNorm, Mlp, Module, NoGradHook, Param, SaveHook,
 };
 use crate::device::Stream;
 use crate::memory::CachingAllocator;
@@ -146,26 +146,12 @@ impl TransformerLayer {
     /// `s + 2l` and `s + 2l + 1` from `vb`'s site `s`. So a pipeline stage that builds some of
     /// the layers builds them as the whole model does.
     ///
-    /// For a stack that lends its gradients ([`Builder::with_lending`]), the lowest layer's
-    /// fused attention on the automatic backend keeps no `T × T` scratch (scratch limit 0, so
-    /// its backward runs on graphed's kernels unless `attention` sets a limit): that backward
-    /// has no lent memory, and cuDNN's deterministic scratch there would set the graph pool's
-    /// peak (256 MiB at `BENCH.md`'s L, where graphed's kernels took 1.11 ms for the backward
-    /// against cuDNN's 0.88 on an H200: `bench/results/2026-12-05-h200-attention-chunks-ad8e278.txt`).
-    ///
     /// # Errors
     /// As [`TransformerLayer::new`]; [`Error::Unsupported`] when a layer's sites pass `2^31`.
     pub fn stack(vb: &Builder, attention: impl Into<AttentionSpec>, layers: &Layers) -> Result<Vec<TransformerLayer>> {
         let attention = attention.into();
-        let lowest = match attention {
-            AttentionSpec { backend: AttentionBackend::Auto, scratch_limit: None, .. } if vb.lends() => {
-                attention.scratch_limit(0)
-            }
-            _ => attention,
-        };
         (layers.indices.iter())
-            .enumerate()
-            .map(|(k, &l)| {
+            .map(|&l| {
                 let site = (u32::try_from(l).ok())
                     .and_then(|l| l.checked_mul(2)?.checked_add(vb.dropout().site))
                     .ok_or(Error::Unsupported {
@@ -175,7 +161,7 @@ impl TransformerLayer {
                     })?;
                 let seed = vb.seed().wrapping_add((l as u64).wrapping_mul(layers.seed_stride));
                 let layer = vb.pp(&format!("{}{l}", layers.name)).with_seed(seed).with_site(site);
-                TransformerLayer::new(&layer, if k == 0 { lowest } else { attention })
+                TransformerLayer::new(&layer, attention)
             })
             .collect()
     }

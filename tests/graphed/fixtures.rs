@@ -32,8 +32,7 @@ pub const LAYERS: usize = 2;
 const DROPOUT: f32 = 0.25;
 
 /// What [`Model::build`] builds: the element type, the data's shape, the FP8 recipe if any, what
-/// the backward recomputes, the layers and their heads, the dropout, and whether the layers are
-/// built for a stack that lends its gradients.
+/// the backward recomputes, the layers and their heads, and the dropout.
 struct Spec {
     dtype: DType,
     shape: [usize; 3],
@@ -42,14 +41,13 @@ struct Spec {
     layers: usize,
     heads: usize,
     dropout: f32,
-    lends: bool,
 }
 
 impl Spec {
     /// The defaults, in `dtype`.
     fn of(dtype: DType) -> Spec {
         let recompute = Recompute::Nothing;
-        Spec { dtype, shape: SHAPE, fp8: None, recompute, layers: LAYERS, heads: HEADS, dropout: DROPOUT, lends: false }
+        Spec { dtype, shape: SHAPE, fp8: None, recompute, layers: LAYERS, heads: HEADS, dropout: DROPOUT }
     }
 }
 
@@ -108,22 +106,19 @@ impl Model {
     }
 
     /// In bf16 over [`CUDNN_SHAPE`], two heads of 64 features and no dropout (a call cuDNN's
-    /// fused attention runs), its layers built for a stack that lends its gradients or not
-    /// (`Builder::with_lending`).
-    pub fn cudnn_shaped(dev: &Device, lends: bool) -> Result<Model> {
-        Model::build(dev, Spec { shape: CUDNN_SHAPE, heads: 2, dropout: 0.0, lends, ..Spec::of(DType::BF16) })
+    /// fused attention runs).
+    pub fn cudnn_shaped(dev: &Device) -> Result<Model> {
+        Model::build(dev, Spec { shape: CUDNN_SHAPE, heads: 2, dropout: 0.0, ..Spec::of(DType::BF16) })
     }
 
     fn build(dev: &Device, spec: Spec) -> Result<Model> {
-        let Spec { dtype, shape, fp8, recompute, layers, heads, dropout, lends } = spec;
+        let Spec { dtype, shape, fp8, recompute, layers, heads, dropout } = spec;
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
         let fp8 = fp8.map(|recipe| Fp8Training::new(&alloc, recipe));
         let c = shape[2];
         let store = ParamStore::with_dtype(&alloc, &s, layers * TransformerLayer::parameter_count(c), dtype)?;
-        let vb = (Builder::new(&store, &alloc, &s)?.with_seed(10).with_dropout(dropout, 77))
-            .with_recompute(recompute)
-            .with_lending(lends);
+        let vb = (Builder::new(&store, &alloc, &s)?.with_seed(10).with_dropout(dropout, 77)).with_recompute(recompute);
         let vb = match &fp8 {
             Some(f) => vb.with_fp8(f),
             None => vb,

@@ -49,7 +49,7 @@ per_device!(
     a_lent_output_refuses_reads_once_zeroed,
     lending_is_refused_where_it_cannot_work,
     pass_local_blocks_take_gradients_dead_for_their_pass,
-    a_lending_stack_keeps_attention_scratch_out_of_its_lowest_backward,
+    a_lending_stack_on_cudnn_matches_eager,
     a_lending_stack_warms_up_in_its_gradients,
     lent_gradients_refuse_a_step_out_of_order,
     a_pass_that_keeps_what_its_warmup_freed_is_refused,

@@ -109,8 +109,7 @@ impl Backends {
     }
 
     /// What the layers' attentions ran, if they ran fused: one name where all ran the same,
-    /// else each layer's, in order (a stack that lends its gradients runs its lowest layer's
-    /// backward on graphed's kernels).
+    /// else each layer's, in order (the automatic backend decides per call).
     pub(super) fn of_layers<'a>(
         attns: impl IntoIterator<Item = &'a graphed::nn::CausalSelfAttention>,
     ) -> Option<Backends> {

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use graphed::checkpoint::Checkpoint;
 use graphed::device::Stream;
 use graphed::memory::CachingAllocator;
-use graphed::nn::{AttentionBackend, AttentionKind, Gpt, Stage};
+use graphed::nn::{AttentionKind, Gpt, Stage};
 use graphed::optim::AdamW;
 use graphed::tensor::Tensor;
 
@@ -67,7 +67,6 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
         ("dtype", if model.fp8().is_some() { "fp8".into() } else { c.dtype.to_string() }),
         (FP8_SCALING, model.fp8().map_or("none", |f| f.recipe().name()).into()),
         (RECOMPUTE, c.recompute.name().into()),
-        (LENDING, c.lending.to_string()),
         ("dropout", c.dropout.to_string()),
         ("seed", args.seed.to_string()),
         ("batch", batch.to_string()),
@@ -101,13 +100,6 @@ const FP8_SCALING: &str = "fp8_scaling";
 /// with its own setting; checkpoints from before the key existed recomputed nothing.
 const RECOMPUTE: &str = "recompute";
 
-/// The metadata key of whether the layers were built for lent gradients (`--lend-gradients`):
-/// the lowest layer's attention backward then runs on graphed's kernels where cuDNN's would run
-/// otherwise, which round differently, so a fused run on the automatic backend resumes only with
-/// its own setting; checkpoints from before the key existed lent nothing, or built their layers
-/// alike either way.
-const LENDING: &str = "lend_gradients";
-
 /// A setting a resume checks with the flag that sets it as the way out, rather than as a damaged
 /// or foreign checkpoint: it rounds its own way, and older checkpoints lack it.
 struct Flagged {
@@ -119,17 +111,14 @@ struct Flagged {
     /// The values' kind, plural: `forms`.
     kind: &'static str,
     flag: &'static str,
-    /// Whether the flag is a switch (`true` or `false`, passed or not) rather than a value.
-    switch: bool,
     /// Whether it bears on this run (a backend only on the fused form; a recipe only between two
     /// FP8 runs).
     applies: bool,
 }
 
 /// The settings `resume` checks as [`Flagged`], for `model` resuming `ckpt`.
-fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 5] {
+fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 4] {
     let fused = model.config().attention == AttentionKind::Fused;
-    let auto = model.config().attention_backend == AttentionBackend::Auto;
     let fp8 = model.fp8().is_some() && ckpt.meta("dtype") == Some("fp8");
     [
         Flagged {
@@ -138,7 +127,6 @@ fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 5] {
             what: "computed attention",
             kind: "forms",
             flag: "--attention",
-            switch: false,
             applies: true,
         },
         Flagged {
@@ -147,7 +135,6 @@ fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 5] {
             what: "ran fused attention on backend",
             kind: "backends",
             flag: "--attention-backend",
-            switch: false,
             applies: fused,
         },
         Flagged {
@@ -156,7 +143,6 @@ fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 5] {
             what: "ran FP8 with scaling",
             kind: "recipes",
             flag: "--fp8-scaling",
-            switch: false,
             applies: fp8,
         },
         Flagged {
@@ -165,17 +151,7 @@ fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 5] {
             what: "ran with --recompute",
             kind: "settings",
             flag: "--recompute",
-            switch: false,
             applies: true,
-        },
-        Flagged {
-            key: LENDING,
-            absent: "false",
-            what: "built its layers for --lend-gradients:",
-            kind: "settings",
-            flag: "--lend-gradients",
-            switch: true,
-            applies: fused && auto,
         },
     ]
 }
@@ -308,18 +284,13 @@ pub fn resume(
     let ckpt = load(dir, place)?;
     let settings = settings(model, args, plan);
     let flagged = flagged(model, &ckpt);
-    for Flagged { key, absent, what, kind, flag, switch, applies } in &flagged {
+    for Flagged { key, absent, what, kind, flag, applies } in &flagged {
         let now = settings.iter().find(|(k, _)| k == key).map_or("", |(_, v)| v.as_str());
         let saved = ckpt.meta(key).unwrap_or(absent);
         if *applies && saved != now {
-            let fix = match (switch, saved) {
-                (true, "true") => format!("pass {flag}"),
-                (true, _) => format!("drop {flag}"),
-                (false, _) => format!("pass {flag} {saved}"),
-            };
             refuse!(
                 "{}: the run saved there {what} {saved}, this one {now}; the {kind} round differently, so the run \
-                 would not continue as it would have; {fix}",
+                 would not continue as it would have; pass {flag} {saved}",
                 dir.display()
             );
         }

@@ -167,7 +167,6 @@ mod tests {
                 seed: 1,
                 dtype: DType::F32,
                 recompute,
-                lending: false,
             };
             for graphed in [false, true] {
                 let (peak, estimate) = (measured_peak(config, 32, graphed)?, estimate(&config, 32, graphed));
@@ -197,7 +196,6 @@ mod tests {
             seed: 1,
             dtype: DType::F32,
             recompute: Recompute::Nothing,
-            lending: false,
         };
         assert!(estimate(&config, 1024, true) > free as u128, "the host has more memory than the test assumes");
         let args = crate::cli::train::outputs::tests::train_args(&[]);

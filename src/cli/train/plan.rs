@@ -48,7 +48,6 @@ impl Plan {
             seed: args.seed,
             dtype: args.dtype.storage(dev),
             recompute: args.recompute.recompute(),
-            lending: args.lend_gradients,
         };
         if config.attention_backend.requires_cudnn() {
             let fused = config.attention == AttentionKind::Fused;
