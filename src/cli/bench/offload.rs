@@ -3,8 +3,8 @@
 //! (graphed-offload) and with the automatic policy filling the whole measured window (its
 //! default) and 80% of it (graphed-offload-auto, graphed-offload-auto-0.8). Per variant: the step
 //! time and its overhead against the baseline, the graph pool's peak (the device memory saved,
-//! against the policy's expectation), and how early the caller resumes before the tails (the
-//! copies) end; per configuration, the pinned copy peak and the rate of the same copies captured
+//! against the policy's expectation), each pass's time with its tails (the copies), and how
+//! early the caller resumes before the tails end; per configuration, the pinned copy peak and the rate of the same copies captured
 //! in a graph, measured in the same run.
 
 use graphed::device::{CaptureMode, DType, Device, DeviceKind, Event, Stream};
@@ -75,6 +75,10 @@ struct OffloadRow {
     /// included, minus the moment the main stream resumed after it.
     forward_lead_ms: Option<f64>,
     backward_lead_ms: Option<f64>,
+    /// Median over the same steps: the forward pass from the step's start to its tails' end, and
+    /// the backward from there to its tails' end.
+    forward_ms: Option<f64>,
+    backward_ms: Option<f64>,
     /// The policy's summary table.
     summary: Option<String>,
     /// The allocator's statistics after the timed steps: the cache's and every pool's peaks.
@@ -177,8 +181,10 @@ fn run_variant(
         reserved_saved_bytes: baseline.map(|b| reserved(&b.memory) - reserved(&memory)),
         expected_saving_bytes: summary.as_ref().map_or(0, |s| s.expected_peak_saving()),
         offloaded_bytes: summary.as_ref().map_or(0, |s| s.offloaded_bytes()),
-        forward_lead_ms: leads.map(|l| l.0),
-        backward_lead_ms: leads.map(|l| l.1),
+        forward_lead_ms: leads.as_ref().map(|l| l.forward),
+        backward_lead_ms: leads.as_ref().map(|l| l.backward),
+        forward_ms: leads.as_ref().map(|l| l.forward_ms),
+        backward_ms: leads.as_ref().map(|l| l.backward_ms),
         summary: summary.map(|s| s.to_string()),
         memory,
         input: args.input,
@@ -186,18 +192,29 @@ fn run_variant(
     Ok((row, rates))
 }
 
-/// How early the main stream resumes before each pass's tails end (median of 5 steps).
+/// Per pass, median of 5 steps: how early the main stream resumes before the pass's tails end,
+/// and how long the pass takes, tails included (from the step's start for the forward, from
+/// the forward's end for the backward).
+struct Leads {
+    forward: f64,
+    backward: f64,
+    forward_ms: f64,
+    backward_ms: f64,
+}
+
 fn leads(
     dev: &Device,
     graphed: &GraphedStack,
     model: &BenchModel,
     main: &Stream,
     side: &Stream,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<Leads> {
     let ev = || dev.timing_event();
-    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+    let (mut fwd, mut bwd, mut fwd_ms, mut bwd_ms) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..5 {
         let (resumed_f, tail_f, resumed_b, tail_b): (Event, Event, Event, Event) = (ev()?, ev()?, ev()?, ev()?);
+        let start = ev()?;
+        main.record(&start)?;
         graphed.forward(main, graphed.static_input()?, Replay::side(side))?;
         main.record(&resumed_f)?;
         side.record(&tail_f)?;
@@ -209,8 +226,11 @@ fn leads(
         main.synchronize()?;
         fwd.push(f64::from(resumed_f.elapsed_ms(&tail_f)?));
         bwd.push(f64::from(resumed_b.elapsed_ms(&tail_b)?));
+        fwd_ms.push(f64::from(start.elapsed_ms(&tail_f)?));
+        bwd_ms.push(f64::from(tail_f.elapsed_ms(&tail_b)?));
     }
-    Ok((spread(fwd).median, spread(bwd).median))
+    let median = |v: Vec<f64>| spread(v).median;
+    Ok(Leads { forward: median(fwd), backward: median(bwd), forward_ms: median(fwd_ms), backward_ms: median(bwd_ms) })
 }
 
 /// The pinned peak, and the rate of the first offloaded unit's copies captured in a graph.
@@ -296,7 +316,7 @@ fn print_row(r: &OffloadRow) {
     let opt = |v: Option<f64>, unit: &str| v.map_or_else(|| "-".to_string(), |v| format!("{v:.3}{unit}"));
     println!(
         "  {:<22} wall {:.3} ms [{:.3}–{:.3}]  overhead {}  pool peak {:.1} MiB  saved {} (expected {:.1} MiB)  \
-         offloaded {:.1} MiB  reserved peak {:.1} MiB, saved {}  resumes before the tails: fwd {} bwd {}",
+         offloaded {:.1} MiB  reserved peak {:.1} MiB, saved {}  passes: fwd {} bwd {}  resumes before the tails: fwd {} bwd {}",
         r.case.variant,
         r.wall_ms.median,
         r.wall_ms.min,
@@ -308,6 +328,8 @@ fn print_row(r: &OffloadRow) {
         mib(r.offloaded_bytes as f64),
         mib(r.memory.total.peak_reserved_bytes as f64),
         r.reserved_saved_bytes.map_or_else(|| "-".to_string(), |b| format!("{:.1} MiB", mib(b as f64))),
+        opt(r.forward_ms, " ms"),
+        opt(r.backward_ms, " ms"),
         opt(r.forward_lead_ms, " ms"),
         opt(r.backward_lead_ms, " ms"),
     );
