@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::probe::PassTimes;
+use super::probe::Probe;
 use crate::device::{CaptureMode, Event, Stream};
 use crate::memory::GraphPool;
 use crate::nn::{Chunk, KeepOnDevice, SaveHook, Schedule};
@@ -35,7 +35,7 @@ type WarmupHook = Box<dyn FnMut(&Stream) -> Result<()>>;
 type PassHook = Box<dyn FnMut(usize, Phase, &Stream) -> Result<()>>;
 type ChunkHandler = Box<dyn FnMut(Chunk) -> Result<Arc<dyn SaveHook>>>;
 /// Given the capture stream and the probe to run, if it wants the callables' graph times.
-type WindowProbe = Box<dyn FnMut(&Stream, &mut dyn FnMut() -> Result<Vec<PassTimes>>) -> Result<()>>;
+type WindowProbe = Box<dyn FnMut(&Stream, &mut Probe<'_>) -> Result<()>>;
 
 /// Options of [`make_graphed_callables`](super::make_graphed_callables) and
 /// [`make_graphed_stack`](super::make_graphed_stack), built by chaining.
@@ -305,7 +305,7 @@ impl GraphOptions {
     /// Sets the hook run after the warmup with the window probe.
     pub(crate) fn window_probe(
         mut self,
-        f: impl FnMut(&Stream, &mut dyn FnMut() -> Result<Vec<PassTimes>>) -> Result<()> + 'static,
+        f: impl FnMut(&Stream, &mut Probe<'_>) -> Result<()> + 'static,
     ) -> GraphOptions {
         self.window_probe = Some(Box::new(f));
         self

@@ -5,13 +5,18 @@
 //! released callable by callable, before the next callable and before the real capture. The
 //! times are then those of graph replays, without the launch gaps of the eager warmup.
 //!
+//! Given work to run beside the passes (an offload manager's copies, [`Beside`]), it times each
+//! pass again with that work started with it: what the work costs the pass's kernels.
+//!
 //! The probe holds one callable's graphs at a time, and, in a stack, a copy of the outputs that
 //! feed the next callable. Its backward replays accumulate into the parameters' gradients, which
 //! the capture restores after the warmup, as it does for the warmup's own backwards.
 
+use super::graphed::Pass;
 use super::options::{GraphOptions, Phase};
 use super::plan::Plan;
 use super::record::Layout;
+use crate::device::Stream;
 use crate::memory::{GraphPool, PoolExec};
 use crate::nn::{KeepOnDevice, NoGradHook, Step};
 use crate::tensor::Tensor;
@@ -30,13 +35,29 @@ pub(crate) struct PassTimes {
     pub(crate) unit: usize,
     pub(crate) forward_ms: Option<f64>,
     pub(crate) backward_ms: Option<f64>,
+    /// The same, with the probe's [`Beside`] work started with each replay (`None` without).
+    pub(crate) forward_beside_ms: Option<f64>,
+    pub(crate) backward_beside_ms: Option<f64>,
 }
+
+/// Work the window probe starts beside each timed replay of a forward or backward, as the graphs
+/// will run it (an offload manager's copies out beside a forward, back beside a backward).
+pub(crate) trait Beside {
+    /// Starts the work for `pass` on a stream of its own, after `stream`'s work so far.
+    fn start(&self, pass: Pass, stream: &Stream) -> Result<()>;
+    /// Orders `stream` after the work started.
+    fn join(&self, stream: &Stream) -> Result<()>;
+}
+
+/// The probe a window-probe hook calls: the callables' times, with `beside` started with each
+/// replay if given.
+pub(crate) type Probe<'a> = dyn FnMut(Option<&dyn Beside>) -> Result<Vec<PassTimes>> + 'a;
 
 /// Runs the options' window probe hook, if any, with the probe of `plan`'s callables (probed
 /// once per layer: under a schedule, its first microbatch's callable) for it to call.
 pub(crate) fn probe_windows(plan: &Plan<'_>, layout: Option<&Layout>, options: &mut GraphOptions) -> Result<()> {
     let Some(mut hook) = options.window_probe.take() else { return Ok(()) };
-    let result = hook(plan.stream, &mut || probe(plan, layout, options));
+    let result = hook(plan.stream, &mut |beside| probe(plan, layout, options, beside));
     options.window_probe = Some(hook);
     result
 }
@@ -55,7 +76,12 @@ fn probed(plan: &Plan<'_>, layout: Option<&Layout>) -> Vec<(usize, usize)> {
 
 /// Probes the callables one by one in a new pool, which gives its memory back at the end, also
 /// after a failure.
-fn probe(plan: &Plan<'_>, layout: Option<&Layout>, options: &mut GraphOptions) -> Result<Vec<PassTimes>> {
+fn probe(
+    plan: &Plan<'_>,
+    layout: Option<&Layout>,
+    options: &mut GraphOptions,
+    beside: Option<&dyn Beside>,
+) -> Result<Vec<PassTimes>> {
     let _range = plan.stream.device().range_with(|| "window probe".into());
     let pool = plan.alloc.new_pool();
     let mut times = Vec::new();
@@ -63,7 +89,7 @@ fn probe(plan: &Plan<'_>, layout: Option<&Layout>, options: &mut GraphOptions) -
     let mut result = Ok(());
     for (i, unit) in probed(plan, layout) {
         let mut execs = Vec::new();
-        let timed = probe_one(plan, options, &pool, (i, unit), &previous, &mut execs);
+        let timed = probe_one(plan, options, (&pool, beside), (i, unit), &previous, &mut execs);
         // The replays end before their executables are destroyed, and the pool then holds
         // nothing that can run: the next callable reuses its blocks.
         let released = release(plan, &mut execs);
@@ -95,12 +121,13 @@ fn release(plan: &Plan<'_>, execs: &mut Vec<PoolExec>) -> Result<()> {
 
 /// Callable `i` (unit `unit`) captured into `pool` with its inputs (its static inputs, or copies
 /// of `previous` outputs) and the capture-time hooks around its forward and backward, as in the
-/// capture; its executables, in `execs`, replayed [`PROBE_REPLAYS`] times. Returns its times,
-/// and copies of its outputs when they feed the next callable.
+/// capture; its executables, in `execs`, replayed [`PROBE_REPLAYS`] times, and as many again
+/// with `beside` if given. Returns its times, and copies of its outputs when they feed the next
+/// callable.
 fn probe_one(
     plan: &Plan<'_>,
     options: &mut GraphOptions,
-    pool: &GraphPool,
+    (pool, beside): (&GraphPool, Option<&dyn Beside>),
     (i, unit): (usize, usize),
     previous: &[Tensor],
     execs: &mut Vec<PoolExec>,
@@ -140,8 +167,18 @@ fn probe_one(
             execs.push(capture(None, &mut || callable.backward_dw_dyn(stream))?);
         }
     }
-    let ms = replay(plan, execs)?;
-    let times = PassTimes { unit, forward_ms: ms[0], backward_ms: ms.get(1).copied().flatten() };
+    let ms = replay(plan, execs, None)?;
+    let with = match beside {
+        Some(b) => replay(plan, execs, Some(b))?,
+        None => vec![None; execs.len()],
+    };
+    let times = PassTimes {
+        unit,
+        forward_ms: ms[0],
+        backward_ms: ms.get(1).copied().flatten(),
+        forward_beside_ms: with[0],
+        backward_beside_ms: with.get(1).copied().flatten(),
+    };
     let kept = match plan.feeds_next(i) {
         true => outputs.iter().map(|y| copy(plan, y)).collect::<Result<Vec<_>>>()?,
         false => Vec::new(),
@@ -156,18 +193,27 @@ fn copy(plan: &Plan<'_>, y: &Tensor) -> Result<Tensor> {
     Ok(t)
 }
 
-/// Launches `execs` in their capture order [`PROBE_REPLAYS`] times on the plan's stream, a timing
-/// event before and after each launch; per executable, the median milliseconds (`None` without
-/// a clock).
-fn replay(plan: &Plan<'_>, execs: &[PoolExec]) -> Result<Vec<Option<f64>>> {
+/// Launches `execs` (forward, backward, then a split weight-gradient pass) in their capture
+/// order [`PROBE_REPLAYS`] times on the plan's stream, a timing event before and after each
+/// launch, `beside`'s work started with each forward and backward and joined after it; per
+/// executable, the median milliseconds (`None` without a clock).
+fn replay(plan: &Plan<'_>, execs: &[PoolExec], beside: Option<&dyn Beside>) -> Result<Vec<Option<f64>>> {
     let (stream, dev) = (plan.stream, plan.stream.device());
     let mut events = Vec::with_capacity(PROBE_REPLAYS * execs.len());
     for _ in 0..PROBE_REPLAYS {
-        for exec in execs {
+        for (k, exec) in execs.iter().enumerate() {
+            let pass = [Pass::Forward, Pass::Backward].get(k).copied();
+            let beside = beside.zip(pass);
+            if let Some((b, pass)) = beside {
+                b.start(pass, stream)?;
+            }
             let (start, end) = (dev.timing_event()?, dev.timing_event()?);
             stream.record(&start)?;
             exec.launch(stream)?;
             stream.record(&end)?;
+            if let Some((b, _)) = beside {
+                b.join(stream)?;
+            }
             events.push((start, end));
         }
     }
@@ -234,7 +280,7 @@ mod tests {
                 Ok(())
             })
             .window_probe(move |_, probe| {
-                *t.lock().unwrap() = probe()?;
+                *t.lock().unwrap() = probe(None)?;
                 Ok(())
             });
         let g = make_graphed_stack(&alloc, &stack, &x, options)?;
@@ -250,13 +296,58 @@ mod tests {
         Ok(())
     }
 
+    /// Counts what the probe starts beside its passes, and the joins.
+    #[derive(Default)]
+    struct Counted {
+        started: Mutex<Vec<Pass>>,
+        joined: Mutex<usize>,
+    }
+
+    impl Beside for Counted {
+        fn start(&self, pass: Pass, _stream: &Stream) -> Result<()> {
+            self.started.lock().unwrap().push(pass);
+            Ok(())
+        }
+
+        fn join(&self, _stream: &Stream) -> Result<()> {
+            *self.joined.lock().unwrap() += 1;
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_probe_starts_the_work_beside_each_timed_forward_and_backward() -> Result<()> {
+        let (_dev, s, alloc, _store, stack) = stack(2)?;
+        let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
+        let counted = Arc::new(Counted::default());
+        let (c, times) = (counted.clone(), Arc::new(Mutex::new(Vec::new())));
+        let t = times.clone();
+        let options = GraphOptions::default().window_probe(move |_, probe| {
+            *t.lock().unwrap() = probe(Some(c.as_ref()))?;
+            Ok(())
+        });
+        make_graphed_stack(&alloc, &stack, &x, options)?;
+        let started = counted.started.lock().unwrap().clone();
+        let per_layer = [vec![Pass::Forward; PROBE_REPLAYS], vec![Pass::Backward; PROBE_REPLAYS]].concat();
+        assert_eq!(started.len(), 2 * per_layer.len(), "{started:?}");
+        for layer in started.chunks(2 * PROBE_REPLAYS) {
+            let mut sorted = layer.to_vec();
+            sorted.sort_by_key(|p| *p != Pass::Forward);
+            assert_eq!(sorted, per_layer, "each replay of each pass, once");
+        }
+        assert_eq!(*counted.joined.lock().unwrap(), started.len(), "every start joined");
+        let times = times.lock().unwrap().clone();
+        assert!(times.iter().all(|t| t.forward_beside_ms.is_none()), "the simulator has no clock");
+        Ok(())
+    }
+
     #[test]
     fn a_failed_probe_changes_nothing() -> Result<()> {
         let (_dev, s, alloc, store, stack) = stack(2)?;
         let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
         let pool = alloc.new_pool();
         let options = GraphOptions::default().pool(&pool).window_probe(|_, probe| {
-            probe()?;
+            probe(None)?;
             Err(Error::GraphReset { op: "the probe's user" })
         });
         let refused = make_graphed_stack(&alloc, &stack, &x, options).map(drop);
@@ -276,7 +367,7 @@ mod tests {
         let units = Arc::new(Mutex::new(Vec::new()));
         let u = units.clone();
         let options = GraphOptions::default().schedule(&schedule).window_probe(move |_, probe| {
-            *u.lock().unwrap() = probe()?.into_iter().map(|t| t.unit).collect();
+            *u.lock().unwrap() = probe(None)?.into_iter().map(|t| t.unit).collect();
             Ok(())
         });
         let g = make_graphed_callables(&alloc, &callables, &samples, options)?;

@@ -79,12 +79,23 @@ pub enum OffloadErrorKind {
         /// The share given.
         slack: f64,
     },
+    /// [`OffloadConfig::max_overhead`](super::OffloadConfig::max_overhead) outside [0, 1].
+    #[error(
+        "max_overhead {share} is not in [0, 1]; pass the share of the step the copies may cost, 0 for none at all"
+    )]
+    MaxOverhead {
+        /// The share given.
+        share: f64,
+    },
 }
 
 impl OffloadErrorKind {
     /// Whether this refuses the configuration (a user's input) rather than a call or a schedule.
     pub fn is_config(&self) -> bool {
-        matches!(self, Self::BadSelector { .. } | Self::UnmatchedSelector { .. } | Self::Slack { .. })
+        matches!(
+            self,
+            Self::BadSelector { .. } | Self::UnmatchedSelector { .. } | Self::Slack { .. } | Self::MaxOverhead { .. }
+        )
     }
 }
 

@@ -4,13 +4,14 @@ use std::sync::{Arc, OnceLock};
 
 use super::chunk::{bake, ChunkHook};
 use super::config::{OffloadConfig, Policy};
+use super::copy_probe::{fastest_of_three, CopyGraphs};
 use super::error::OffloadErrorKind;
 use super::host::HostBuffer;
 use super::policy::{decide, mark_eligible, GroupLayout, Summary, TensorLayout, Timings, Windows};
 use super::shared::Inner;
 use super::state::{Baked, Fault, Mark, PassTiming, State};
 use crate::device::{DType, Stream};
-use crate::graph::{GraphOptions, PassTimes, PROBE_REPLAYS};
+use crate::graph::{GraphOptions, PassTimes, Probe, PROBE_REPLAYS};
 use crate::memory::CachingAllocator;
 use crate::nn::{Chunk, SaveHook};
 use crate::tensor::Tensor;
@@ -168,15 +169,17 @@ impl OffloadManager {
         Ok(())
     }
 
-    /// After the warmup, if the automatic policy waits for windows: runs the window `probe`,
-    /// times the copies in a graph, decides and freezes. Nothing changes when it fails (the
-    /// warmup's end then forgets the recording).
-    fn time_windows(&self, stream: &Stream, probe: &mut dyn FnMut() -> Result<Vec<PassTimes>>) -> Result<()> {
+    /// After the warmup, if the automatic policy waits for windows: captures one unit's
+    /// candidate copies in graphs, runs the window `probe` with them beside each pass, times
+    /// the copies alone, decides and freezes. Nothing changes when it fails (the warmup's end
+    /// then forgets the recording).
+    fn time_windows(&self, stream: &Stream, probe: &mut Probe<'_>) -> Result<()> {
         if !self.inner.lock().awaiting_windows {
             return Ok(());
         }
+        let copies = CopyGraphs::new(&self.inner, stream, &self.candidate_sizes())?;
         // Not under the lock: the probe runs the modules, whose hooks take it.
-        let timings = self.graph_timings(stream, &probe()?)?;
+        let timings = self.graph_timings(stream, &probe(Some(&copies))?, &copies)?;
         let mut st = self.inner.lock();
         st.awaiting_windows = false;
         self.freeze(&mut st, Some(&timings))?;
@@ -342,25 +345,56 @@ impl OffloadManager {
             }
         }
         let (out, back) = self.copy_bandwidth(stream)?;
-        Ok(Timings { forward_ms, backward_ms, out_bytes_per_ms: out, in_bytes_per_ms: back, windows: Windows::Eager })
+        let (forward_interference, backward_interference) = (Vec::new(), Vec::new());
+        let windows = Windows::Eager;
+        Ok(Timings {
+            forward_ms,
+            backward_ms,
+            out_bytes_per_ms: out,
+            in_bytes_per_ms: back,
+            forward_interference,
+            backward_interference,
+            windows,
+        })
     }
 
-    /// The window probe's graph times per unit (the slowest chunk's) and the rate of the
-    /// copies of [`candidate_sizes`](OffloadManager::candidate_sizes) captured in a graph.
+    /// The window probe's graph times per unit (the slowest chunk's), the rate of `copies`
+    /// (one unit's candidate tensors, [`candidate_sizes`](OffloadManager::candidate_sizes))
+    /// alone, and what they cost each pass they ran beside in the probe: the pass's extra time
+    /// per millisecond of copy it overlapped (the largest of the chunks').
     ///
     /// # Errors
     /// [`OffloadErrorKind::NoClock`] for a probe without times (on the simulator, whose probe
     /// runs the graphs but cannot time them); those of the copy probe.
-    fn graph_timings(&self, stream: &Stream, probed: &[PassTimes]) -> Result<Timings> {
-        let (mut forward_ms, mut backward_ms) = (Vec::<f64>::new(), Vec::<f64>::new());
-        for p in probed {
-            let Some(forward) = p.forward_ms else { return Err(Error::Offload(OffloadErrorKind::NoClock)) };
-            keep_slowest(&mut forward_ms, p.unit, forward);
-            keep_slowest(&mut backward_ms, p.unit, p.backward_ms.unwrap_or(0.0));
+    fn graph_timings(&self, stream: &Stream, probed: &[PassTimes], copies: &CopyGraphs) -> Result<Timings> {
+        if probed.iter().any(|p| p.forward_ms.is_none()) {
+            return Err(Error::Offload(OffloadErrorKind::NoClock));
         }
-        let (out, back) = self.graph_copy_bandwidth(stream, &self.candidate_sizes())?;
+        let (out, back) = copies.rates(stream)?;
+        let copy_ms = |rate: f64| copies.bytes() as f64 / rate;
+        // The pass's extra time over the part of the copy that it overlapped.
+        let share = |alone: f64, beside: Option<f64>, copy: f64| {
+            beside.map_or(0.0, |with| (with - alone).max(0.0) / copy.min(with).max(1e-6))
+        };
+        let (mut forward_ms, mut backward_ms) = (Vec::<f64>::new(), Vec::<f64>::new());
+        let (mut forward_interference, mut backward_interference) = (Vec::<f64>::new(), Vec::<f64>::new());
+        for p in probed {
+            let (forward, backward) = (p.forward_ms.unwrap_or(0.0), p.backward_ms.unwrap_or(0.0));
+            keep_slowest(&mut forward_ms, p.unit, forward);
+            keep_slowest(&mut backward_ms, p.unit, backward);
+            keep_slowest(&mut forward_interference, p.unit, share(forward, p.forward_beside_ms, copy_ms(out)));
+            keep_slowest(&mut backward_interference, p.unit, share(backward, p.backward_beside_ms, copy_ms(back)));
+        }
         let windows = Windows::Graphs { replays: PROBE_REPLAYS };
-        Ok(Timings { forward_ms, backward_ms, out_bytes_per_ms: out, in_bytes_per_ms: back, windows })
+        Ok(Timings {
+            forward_ms,
+            backward_ms,
+            out_bytes_per_ms: out,
+            in_bytes_per_ms: back,
+            forward_interference,
+            backward_interference,
+            windows,
+        })
     }
 
     /// The bytes of each eligible tensor of the unit with the most eligible bytes, among the
@@ -401,34 +435,6 @@ impl OffloadManager {
         Ok((out, back))
     }
 
-    /// Bytes per millisecond of copies of `sizes` bytes each, captured in one graph on the copy
-    /// streams forked from `stream` as the offload graphs do, each way (the best of three
-    /// replays): the rate the automatic policy plans the graphs' tails with.
-    fn graph_copy_bandwidth(&self, stream: &Stream, sizes: &[usize]) -> Result<(f64, f64)> {
-        let (dev, alloc) = (stream.device(), &self.inner.alloc);
-        let mut pairs = Vec::with_capacity(sizes.len());
-        for &bytes in sizes {
-            let n = bytes / DType::BF16.size();
-            pairs.push((HostBuffer::new(dev, DType::BF16, n)?, Tensor::zeros(alloc, stream, &[n], DType::BF16)?));
-        }
-        stream.synchronize()?;
-        let total: usize = pairs.iter().map(|(h, _)| h.bytes()).sum();
-        let rate = |side: &Stream, copy: &dyn Fn(&HostBuffer, &Tensor) -> Result<()>| -> Result<f64> {
-            // A pool of its own: the graph replays three times in a row.
-            let cap = alloc.capture(stream, crate::device::CaptureMode::ThreadLocal, &alloc.new_pool())?;
-            side.wait_stream(stream)?;
-            for (h, t) in &pairs {
-                copy(h, t)?;
-            }
-            stream.wait_stream(side)?;
-            let exec = cap.finish()?.instantiate()?;
-            Ok(total as f64 / fastest_of_three(stream, &|| exec.launch(stream))?)
-        };
-        let out = rate(&self.inner.d2h, &|h, t| h.copy_out(t, &self.inner.d2h))?;
-        let back = rate(&self.inner.h2d, &|h, t| h.copy_in(t, &self.inner.h2d))?;
-        Ok((out, back))
-    }
-
     /// The frozen policy's summary (`None` before the recording iteration ended).
     pub fn summary(&self) -> Option<Summary> {
         self.inner.lock().summary.clone()
@@ -454,22 +460,6 @@ fn keep_slowest(v: &mut Vec<f64>, p: usize, ms: f64) {
         v.resize(p + 1, 0.0);
     }
     v[p] = v[p].max(ms);
-}
-
-/// The milliseconds of the fastest of three runs of `work` on `stream`, timed by events there
-/// (never below a nanosecond, so that rates stay finite).
-fn fastest_of_three(stream: &Stream, work: &dyn Fn() -> Result<()>) -> Result<f64> {
-    let dev = stream.device();
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let (a, b) = (dev.timing_event()?, dev.timing_event()?);
-        stream.record(&a)?;
-        work()?;
-        stream.record(&b)?;
-        b.synchronize()?;
-        best = best.min(f64::from(a.elapsed_ms(&b)?));
-    }
-    Ok(best.max(1e-6))
 }
 
 /// Byte counts of an [`OffloadManager`].

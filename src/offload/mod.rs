@@ -20,6 +20,7 @@
 
 mod chunk;
 mod config;
+mod copy_probe;
 mod error;
 mod host;
 mod manager;

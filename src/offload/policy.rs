@@ -61,8 +61,29 @@ pub struct Timings {
     pub out_bytes_per_ms: f64,
     /// Host-to-device bytes per millisecond.
     pub in_bytes_per_ms: f64,
+    /// Per unit, the milliseconds its forward loses per millisecond of copy out running beside
+    /// it (the window probe's; none measured: 0).
+    pub forward_interference: Vec<f64>,
+    /// Per unit, the same for its backward and the copies back.
+    pub backward_interference: Vec<f64>,
     /// Where the unit times and the bandwidths come from.
     pub windows: Windows,
+}
+
+impl Timings {
+    /// The milliseconds the copies of `bytes` out beside unit `q`'s forward and back beside its
+    /// backward are expected to cost those passes.
+    pub fn copy_cost_ms(&self, q: usize, bytes: usize) -> f64 {
+        let share = |v: &[f64]| v.get(q).copied().unwrap_or(0.0);
+        let b = bytes as f64;
+        share(&self.forward_interference) * b / self.out_bytes_per_ms
+            + share(&self.backward_interference) * b / self.in_bytes_per_ms
+    }
+
+    /// The measured step: every unit's forward and backward.
+    pub fn step_ms(&self) -> f64 {
+        self.forward_ms.iter().chain(&self.backward_ms).sum()
+    }
 }
 
 /// Where the automatic policy's [`Timings`] were measured.
@@ -73,8 +94,9 @@ pub enum Windows {
     /// eager pinned copies of 64 MiB.
     Eager,
     /// A capture's window probe: each unit's forward and backward captured without offloading
-    /// and replayed as graphs, the median of `replays` replays; the copies those of one unit's
-    /// candidate tensors captured in a graph on the copy streams (the best of three replays).
+    /// and replayed as graphs, the median of `replays` replays, alone and with one unit's
+    /// candidate copies beside them; the copies captured in a graph on the copy streams (the
+    /// best of three replays).
     Graphs {
         /// Replays per pass.
         replays: usize,
@@ -96,11 +118,13 @@ impl fmt::Display for Windows {
 /// a unit outside the margin (the last `margin` units). [`Policy::Listed`] takes every eligible
 /// tensor, earlier units first, within the byte budget; [`Policy::Auto`] takes, per unit `p`,
 /// the largest eligible tensors whose copy out fits `slack` of unit `p + 1`'s forward and whose
-/// copy back fits `slack` of its backward (where the copies run: see the module docs), within
-/// the byte budget.
+/// copy back fits `slack` of its backward (where the copies run: see the module docs), and whose
+/// cost to the kernels they overlap ([`Timings::copy_cost_ms`]) fits what is left of
+/// `max_overhead` of the measured step, earlier units first; within the byte budget.
 pub fn decide(config: &OffloadConfig, groups: &mut [GroupLayout], timings: Option<&Timings>) {
     let units = mark_eligible(config, groups);
     if let (Policy::Auto, Some(timings)) = (config.policy, timings) {
+        let mut cost_budget = config.max_overhead * timings.step_ms();
         for p in 0..units {
             let window = |ms: &[f64]| ms.get(p + 1).copied().unwrap_or(0.0) * config.slack;
             let mut out_budget = window(&timings.forward_ms) * timings.out_bytes_per_ms;
@@ -114,10 +138,12 @@ pub fn decide(config: &OffloadConfig, groups: &mut [GroupLayout], timings: Optio
             for (gi, ti) in candidates {
                 let t = &mut groups[gi].tensors[ti];
                 let b = t.bytes() as f64;
-                t.offload = b <= out_budget && b <= in_budget;
+                let cost = timings.copy_cost_ms(p + 1, t.bytes());
+                t.offload = b <= out_budget && b <= in_budget && cost <= cost_budget;
                 if t.offload {
                     out_budget -= b;
                     in_budget -= b;
+                    cost_budget -= cost;
                 }
             }
         }
@@ -163,6 +189,9 @@ pub struct SummaryRow {
     pub window_ms: Option<f64>,
     /// The copy out at the measured bandwidth (ms; `None` without timings).
     pub copy_ms: Option<f64>,
+    /// What the copies out and back are expected to cost the passes they overlap (ms; `None`
+    /// without timings).
+    pub cost_ms: Option<f64>,
 }
 
 impl SummaryRow {
@@ -190,6 +219,8 @@ pub struct Summary {
     pub bandwidth_gbps: Option<(f64, f64)>,
     /// Where the automatic policy's windows and bandwidths were measured.
     pub windows: Option<Windows>,
+    /// The measured step (every unit's forward and backward), ms, with the automatic policy.
+    pub step_ms: Option<f64>,
 }
 
 impl Summary {
@@ -212,6 +243,7 @@ impl Summary {
                     kept: 0,
                     window_ms: None,
                     copy_ms: None,
+                    cost_ms: None,
                 };
                 for g in mine {
                     let names: Vec<&str> = g.tensors.iter().filter(|t| t.offload).map(|t| t.name.as_str()).collect();
@@ -227,12 +259,14 @@ impl Summary {
                 if let Some(t) = timings {
                     row.window_ms = t.forward_ms.get(p + 1).copied().or(Some(0.0));
                     row.copy_ms = Some(row.offloaded as f64 / t.out_bytes_per_ms);
+                    row.cost_ms = Some(t.copy_cost_ms(p + 1, row.offloaded));
                 }
                 rows.push(row);
             }
         }
         let bandwidth_gbps = timings.map(|t| (t.out_bytes_per_ms / 1e6, t.in_bytes_per_ms / 1e6));
         let windows = timings.map(|t| t.windows);
+        let step_ms = timings.map(Timings::step_ms);
         let nothing_offloaded = rows.iter().all(|r| r.offloaded == 0).then(|| {
             let units = rows.iter().map(|r| r.pass + 1).max().unwrap_or(0);
             let selected = chunks.iter().flat_map(|(_, groups)| groups.iter()).flat_map(|g| {
@@ -250,14 +284,24 @@ impl Summary {
                 ));
             }
             if config.policy == Policy::Auto {
-                why.push("the automatic policy found no copy that the next layer's time hides".into());
+                why.push(format!(
+                    "the automatic policy found no copy that the next layer's time hides at a cost to its kernels \
+                     within {:.1}% of the step (max_overhead)",
+                    100.0 * config.max_overhead
+                ));
             }
             format!(
                 "nothing is offloaded: {}; lower the margin or the minimum size, or select other sites",
                 why.join("; ")
             )
         });
-        Summary { rows, nothing_offloaded, bandwidth_gbps, windows }
+        Summary { rows, nothing_offloaded, bandwidth_gbps, windows, step_ms }
+    }
+
+    /// What the copies are expected to cost the passes they overlap, in milliseconds (`None`
+    /// without timings).
+    pub fn expected_cost_ms(&self) -> Option<f64> {
+        self.rows.iter().map(|r| r.cost_ms).sum()
     }
 
     /// Bytes offloaded per iteration.
@@ -308,15 +352,15 @@ impl fmt::Display for Summary {
         }
         writeln!(
             f,
-            "{:>5} {:>4} {:>10} {:>9} {:>10} {:>9} {:>8}  groups",
-            "chunk", "unit", "offl. MiB", "kept MiB", "window ms", "copy ms", "hidden"
+            "{:>5} {:>4} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8}  groups",
+            "chunk", "unit", "offl. MiB", "kept MiB", "window ms", "copy ms", "hidden", "cost ms"
         )?;
         for r in &self.rows {
             let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
             let hidden = r.expected_overlap().map_or("-".to_string(), |o| format!("{:.0}%", o * 100.0));
             writeln!(
                 f,
-                "{:>5} {:>4} {:>10.1} {:>9.1} {:>10} {:>9} {:>8}  {}",
+                "{:>5} {:>4} {:>10.1} {:>9.1} {:>10} {:>9} {:>8} {:>8}  {}",
                 format!("{}/{}", r.chunk.microbatch, r.chunk.stage),
                 r.pass,
                 mib(r.offloaded),
@@ -324,6 +368,7 @@ impl fmt::Display for Summary {
                 ms(r.window_ms),
                 ms(r.copy_ms),
                 hidden,
+                ms(r.cost_ms),
                 if r.groups.is_empty() { "-".to_string() } else { r.groups.join(" ") }
             )?;
         }
@@ -335,6 +380,12 @@ impl fmt::Display for Summary {
             "offloaded {:.1} MiB per iteration; expected peak saving {:.1} MiB",
             mib(self.offloaded_bytes()),
             mib(self.expected_peak_saving())
-        )
+        )?;
+        match (self.expected_cost_ms(), self.step_ms) {
+            (Some(cost), Some(step)) if step > 0.0 => {
+                write!(f, "; expected cost {cost:.3} ms, {:.1}% of the {step:.3} ms step", 100.0 * cost / step)
+            }
+            _ => Ok(()),
+        }
     }
 }

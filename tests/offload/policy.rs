@@ -85,6 +85,8 @@ fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
         backward_ms: vec![20.0; 3],
         out_bytes_per_ms: each,
         in_bytes_per_ms: each,
+        forward_interference: Vec::new(),
+        backward_interference: Vec::new(),
         windows: Windows::Graphs { replays: 5 },
     };
     let mut g = layout(3, n);
@@ -123,6 +125,8 @@ fn auto_policy_keeps_what_the_graphed_windows_cannot_hide() {
         backward_ms: vec![20.0; 4],
         out_bytes_per_ms: each as f64,
         in_bytes_per_ms: each as f64,
+        forward_interference: Vec::new(),
+        backward_interference: Vec::new(),
         windows: Windows::Graphs { replays: 5 },
     };
     let mut g = layout(4, n);
@@ -133,4 +137,40 @@ fn auto_policy_keeps_what_the_graphed_windows_cannot_hide() {
     // The layer whose copy cannot hide keeps every candidate: 14 tensors' worth per unit.
     assert_eq!(s.rows[1].kept, 14 * each, "{s}");
     assert!(s.to_string().contains("graph replays (the median of 5)"), "{s}");
+}
+
+#[test]
+fn auto_policy_charges_copies_what_they_cost_the_kernels_beside_them() {
+    let n = 1 << 20;
+    let each = 2 * n;
+    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
+    // Every window hides ten tensors' copies, 1 ms each way; the step measures 4 · 30 = 120 ms.
+    let free = Timings {
+        forward_ms: vec![10.0; 4],
+        backward_ms: vec![20.0; 4],
+        out_bytes_per_ms: each as f64,
+        in_bytes_per_ms: each as f64,
+        forward_interference: Vec::new(),
+        backward_interference: Vec::new(),
+        windows: Windows::Graphs { replays: 5 },
+    };
+    let offloaded_per_unit = |config: &OffloadConfig, t: &Timings| -> Vec<usize> {
+        let mut g = layout(4, n);
+        decide(config, &mut g, Some(t));
+        Summary::from_layouts(&[(Default::default(), &g)], Some(t), config).rows.iter().map(|r| r.offloaded).collect()
+    };
+    assert_eq!(offloaded_per_unit(&config, &free), [10 * each, 10 * each, 10 * each, 0]);
+    // Copies that slow the passes beside them by a quarter of their time: each tensor costs
+    // 0.25 ms out and 0.25 back, and 2% of the step (2.4 ms) pays for four of them, unit 0's
+    // first; with no budget, nothing.
+    let costly = Timings { forward_interference: vec![0.25; 4], backward_interference: vec![0.25; 4], ..free.clone() };
+    assert_eq!(offloaded_per_unit(&config, &costly), [4 * each, 0, 0, 0]);
+    assert_eq!(offloaded_per_unit(&config.clone().max_overhead(0.0), &costly), [0, 0, 0, 0]);
+    let mut g = layout(4, n);
+    decide(&config, &mut g, Some(&costly));
+    let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&costly), &config);
+    assert_eq!(s.expected_cost_ms(), Some(2.0), "{s}");
+    assert!(s.to_string().contains("expected cost 2.000 ms, 1.7% of the 120.000 ms step"), "{s}");
+    // A share outside [0, 1] is refused.
+    assert!(config.max_overhead(1.5).validate().is_err());
 }
