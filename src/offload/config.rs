@@ -145,10 +145,10 @@ impl OffloadConfig {
     }
 
     /// The share of the measured step that the automatic policy's copies may cost the kernels
-    /// they run beside (default 0.02). Copies that fit their windows still slow the kernels
-    /// they overlap: on an H100 at `M`, about 20 µs of a layer's pass per 77 µs copy, which made
-    /// six hidden copies cost 5% of the step. The window probe times each pass with one layer's
-    /// candidate copies running beside it, and the policy charges each copy its share.
+    /// they run beside (default 0.02): the window probe times each pass with one layer's
+    /// candidate copies running beside it, and the policy charges each copy it picks its share
+    /// of the difference. (On an H100 at `M` that charge is 0.9% of the step, while the copies in
+    /// the graphs' tails cost 5.8%: docs/offload.md.)
     pub fn max_overhead(mut self, share: f64) -> OffloadConfig {
         self.max_overhead = share;
         self
