@@ -344,18 +344,7 @@ impl OffloadManager {
                 }
             }
         }
-        let (out, back) = self.copy_bandwidth(stream)?;
-        let (forward_interference, backward_interference) = (Vec::new(), Vec::new());
-        let windows = Windows::Eager;
-        Ok(Timings {
-            forward_ms,
-            backward_ms,
-            out_bytes_per_ms: out,
-            in_bytes_per_ms: back,
-            forward_interference,
-            backward_interference,
-            windows,
-        })
+        Ok(Timings::new(forward_ms, backward_ms, self.copy_bandwidth(stream)?, Windows::Eager))
     }
 
     /// The window probe's graph times per unit (the slowest chunk's), the rate of `copies`
@@ -387,13 +376,9 @@ impl OffloadManager {
         }
         let windows = Windows::Graphs { replays: PROBE_REPLAYS };
         Ok(Timings {
-            forward_ms,
-            backward_ms,
-            out_bytes_per_ms: out,
-            in_bytes_per_ms: back,
             forward_interference,
             backward_interference,
-            windows,
+            ..Timings::new(forward_ms, backward_ms, (out, back), windows)
         })
     }
 

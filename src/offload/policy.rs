@@ -71,6 +71,19 @@ pub struct Timings {
 }
 
 impl Timings {
+    /// Timings with no measured cost of copies to the kernels beside them.
+    pub fn new(forward_ms: Vec<f64>, backward_ms: Vec<f64>, (out, back): (f64, f64), windows: Windows) -> Timings {
+        Timings {
+            forward_ms,
+            backward_ms,
+            out_bytes_per_ms: out,
+            in_bytes_per_ms: back,
+            forward_interference: Vec::new(),
+            backward_interference: Vec::new(),
+            windows,
+        }
+    }
+
     /// The milliseconds the copies of `bytes` out beside unit `q`'s forward and back beside its
     /// backward are expected to cost those passes.
     pub fn copy_cost_ms(&self, q: usize, bytes: usize) -> f64 {

@@ -246,12 +246,8 @@ impl Module for Hoarder {
 /// refusal leaves the gradients as they were, and the pool gives the lent memory back once the
 /// kept blocks are dropped; the same stack graphs without lending.
 pub fn a_pass_that_keeps_what_its_warmup_freed_is_refused(dev: &Device) -> Result {
-    let (alloc, s, store, stack) = hoarders(dev, false)?;
-    let x = Tensor::from_host(&alloc, &s, &[0.5f32; 64], &[2, 32])?;
-    let before = store.grads()?.to_f32_vec(&s)?;
     let held = |k: &GraphedErrorKind| matches!(k, GraphedErrorKind::PassLocalHeld { bytes } if *bytes > 0);
-    expect_kind(make_graphed_stack(&alloc, &stack, &x, lend()), held)?;
-    ensure!(store.grads()?.to_f32_vec(&s)? == before, "the refused capture changed the gradients");
+    let (alloc, stack, x) = hoarders_refused(dev, false, held)?;
     stack.layers().iter().for_each(|h| drop(h.kept.lock().unwrap().take()));
     alloc.empty_cache()?;
     ensure!(alloc.blocks().iter().all(|b| !b.lent), "lent memory is held by more than what the layers kept");
@@ -259,8 +255,8 @@ pub fn a_pass_that_keeps_what_its_warmup_freed_is_refused(dev: &Device) -> Resul
     Ok(())
 }
 
-/// Two hoarders (`first`: keeping state made in their first pass) over one store.
-fn hoarders(dev: &Device, first: bool) -> Result<(CachingAllocator, Stream, ParamStore, Stack<Hoarder>)> {
+/// Two hoarders (`first`: keeping state made in their first pass) over one store, and an input.
+fn hoarders(dev: &Device, first: bool) -> Result<(CachingAllocator, Stream, ParamStore, Stack<Hoarder>, Tensor)> {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
     let store = ParamStore::new(&alloc, &s, 2 * 1024)?;
@@ -269,7 +265,21 @@ fn hoarders(dev: &Device, first: bool) -> Result<(CachingAllocator, Stream, Para
         Ok(Hoarder { p, alloc: alloc.clone(), kept: Mutex::new(None), first })
     };
     let stack = Stack::new(vec![layer(0)?, layer(1)?]);
-    Ok((alloc, s, store, stack))
+    let x = Tensor::from_host(&alloc, &s, &[0.5f32; 64], &[2, 32])?;
+    Ok((alloc, s, store, stack, x))
+}
+
+/// [`hoarders`] whose lending capture is refused as `held` says, the gradients left as they were.
+fn hoarders_refused(
+    dev: &Device,
+    first: bool,
+    held: impl Fn(&GraphedErrorKind) -> bool,
+) -> Result<(CachingAllocator, Stack<Hoarder>, Tensor)> {
+    let (alloc, s, store, stack, x) = hoarders(dev, first)?;
+    let before = store.grads()?.to_f32_vec(&s)?;
+    expect_kind(make_graphed_stack(&alloc, &stack, &x, lend()), held)?;
+    ensure!(store.grads()?.to_f32_vec(&s)? == before, "the refused capture changed the gradients");
+    Ok((alloc, stack, x))
 }
 
 /// State a module makes in its first pass lands, in a lending stack's warmup, in another
@@ -277,15 +287,10 @@ fn hoarders(dev: &Device, first: bool) -> Result<(CachingAllocator, Stream, Para
 /// gradients as they were, and no pool is left holding lent memory. Made before graphing (one
 /// eager step), the same state graphs with lending.
 pub fn state_made_in_a_lending_warmup_is_refused(dev: &Device) -> Result {
-    let (alloc, s, store, stack) = hoarders(dev, true)?;
-    let x = Tensor::from_host(&alloc, &s, &[0.5f32; 64], &[2, 32])?;
-    let before = store.grads()?.to_f32_vec(&s)?;
     let held = |k: &GraphedErrorKind| matches!(k, GraphedErrorKind::WarmupLentState { bytes } if *bytes > 0);
-    expect_kind(make_graphed_stack(&alloc, &stack, &x, lend()), held)?;
-    ensure!(store.grads()?.to_f32_vec(&s)? == before, "the refused capture changed the gradients");
+    let (alloc, _, _) = hoarders_refused(dev, true, held)?;
     ensure!(alloc.stats().pools.iter().all(|(_, p)| p.lent == 0), "a pool holds lent memory after the refusal");
-    let (alloc, s, _store, stack) = hoarders(dev, true)?;
-    let x = Tensor::from_host(&alloc, &s, &[0.5f32; 64], &[2, 32])?;
+    let (alloc, s, _store, stack, x) = hoarders(dev, true)?;
     let (_, ctx) = stack.forward(&Inputs::one(&x), &KeepOnDevice, &s)?;
     drop(ctx);
     make_graphed_stack(&alloc, &stack, &x, lend())?;

@@ -80,15 +80,7 @@ fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
     let each = (2 * n) as f64;
     let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
     // The next unit's forward hides 10 tensors' worth of copy out, its backward 20 of copy back.
-    let timings = Timings {
-        forward_ms: vec![10.0; 3],
-        backward_ms: vec![20.0; 3],
-        out_bytes_per_ms: each,
-        in_bytes_per_ms: each,
-        forward_interference: Vec::new(),
-        backward_interference: Vec::new(),
-        windows: Windows::Graphs { replays: 5 },
-    };
+    let timings = graphed_windows(vec![10.0; 3], vec![20.0; 3], each);
     let mut g = layout(3, n);
     decide(&config, &mut g, Some(&timings));
     for p in 0..2 {
@@ -120,15 +112,7 @@ fn auto_policy_keeps_what_the_graphed_windows_cannot_hide() {
     let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
     // Windows as the probe measures them in graph replays: unit 1's forward hides two tensors'
     // copies, unit 2's none, unit 3's ten.
-    let timings = Timings {
-        forward_ms: vec![10.0, 2.0, 0.0, 10.0],
-        backward_ms: vec![20.0; 4],
-        out_bytes_per_ms: each as f64,
-        in_bytes_per_ms: each as f64,
-        forward_interference: Vec::new(),
-        backward_interference: Vec::new(),
-        windows: Windows::Graphs { replays: 5 },
-    };
+    let timings = graphed_windows(vec![10.0, 2.0, 0.0, 10.0], vec![20.0; 4], each as f64);
     let mut g = layout(4, n);
     decide(&config, &mut g, Some(&timings));
     let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&timings), &config);
@@ -145,15 +129,7 @@ fn auto_policy_charges_copies_what_they_cost_the_kernels_beside_them() {
     let each = 2 * n;
     let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
     // Every window hides ten tensors' copies, 1 ms each way; the step measures 4 · 30 = 120 ms.
-    let free = Timings {
-        forward_ms: vec![10.0; 4],
-        backward_ms: vec![20.0; 4],
-        out_bytes_per_ms: each as f64,
-        in_bytes_per_ms: each as f64,
-        forward_interference: Vec::new(),
-        backward_interference: Vec::new(),
-        windows: Windows::Graphs { replays: 5 },
-    };
+    let free = graphed_windows(vec![10.0; 4], vec![20.0; 4], each as f64);
     let offloaded_per_unit = |config: &OffloadConfig, t: &Timings| -> Vec<usize> {
         let mut g = layout(4, n);
         decide(config, &mut g, Some(t));
@@ -173,4 +149,9 @@ fn auto_policy_charges_copies_what_they_cost_the_kernels_beside_them() {
     assert!(s.to_string().contains("expected cost 2.000 ms, 1.7% of the 120.000 ms step"), "{s}");
     // A share outside [0, 1] is refused.
     assert!(config.max_overhead(1.5).validate().is_err());
+}
+
+/// Windows as the probe measures them in graph replays, copies at `rate` bytes per ms each way.
+fn graphed_windows(forward_ms: Vec<f64>, backward_ms: Vec<f64>, rate: f64) -> Timings {
+    Timings::new(forward_ms, backward_ms, (rate, rate), Windows::Graphs { replays: 5 })
 }
