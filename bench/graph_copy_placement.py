@@ -1,0 +1,111 @@
+"""What a device-to-host copy costs the kernels of CUDA graphs, by where the copy runs.
+
+A probe for issue 32's automatic offload policy at M, where six 4 MiB copies that fit their
+windows cost 5.8% of the step. It captures, on one stream, a chain of bf16 GEMMs shaped like one
+M layer's forward (2048 tokens of width 1024: QKV, projection, FC1, FC2) and times, over eight
+graphs replayed back to back as the step replays its layers:
+
+- alone: the layer graph only;
+- tail: each layer graph with a 4 MiB copy into pinned memory on a stream forked at the graph's
+  start and joined at its end, as graphed's offload graphs copy in their tails;
+- beside: the layer graph alone, with the same copy captured in a graph of its own launched on
+  another stream at the same time, as graphed's window probe times it.
+
+Prints the median of 50 runs of each, in milliseconds, and the copy alone.
+Usage (the GPU machine): python3 bench/graph_copy_placement.py
+"""
+
+import statistics
+
+import torch
+
+LAYERS = 8
+RUNS = 50
+COPY_ELEMENTS = 2 * 1024 * 1024  # 4 MiB of bf16
+
+
+def main():
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    x = torch.randn(2048, 1024, device=dev, dtype=bf16)
+    shapes = [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)]
+    w = [torch.randn(*s, device=dev, dtype=bf16) * 0.02 for s in shapes]
+    src = torch.randn(COPY_ELEMENTS, device=dev, dtype=bf16)
+    host = torch.empty(COPY_ELEMENTS, dtype=bf16, pin_memory=True)
+    main_s, fork, other = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+
+    def layer():
+        qkv = x @ w[0]
+        proj = qkv[:, :1024] @ w[1]
+        hidden = proj @ w[2]
+        return hidden @ w[3]
+
+    def capture(body):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(main_s):
+            body()  # warm up outside the capture
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g, stream=main_s):
+                body()
+        return g
+
+    def with_tail():
+        fork.wait_stream(main_s)
+        with torch.cuda.stream(fork):
+            host.copy_(src, non_blocking=True)
+        layer()
+        main_s.wait_stream(fork)
+
+    def copy_only():
+        host.copy_(src, non_blocking=True)
+
+    alone, tail = capture(layer), capture(with_tail)
+    copy = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(other):
+        torch.cuda.synchronize()
+        with torch.cuda.graph(copy, stream=other):
+            copy_only()
+
+    def timed(step):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(main_s):
+            start.record(main_s)
+            step()
+            end.record(main_s)
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def run(graph, beside=False):
+        for _ in range(LAYERS):
+            if beside:
+                other.wait_stream(main_s)
+                with torch.cuda.stream(other):
+                    copy.replay()
+            graph.replay()
+            if beside:
+                main_s.wait_stream(other)
+
+    def median(step):
+        for _ in range(5):
+            timed(step)
+        return statistics.median(timed(step) for _ in range(RUNS))
+
+    def copy_alone():
+        with torch.cuda.stream(other):
+            copy.replay()
+        main_s.wait_stream(other)
+
+    a = median(lambda: run(alone))
+    t = median(lambda: run(tail))
+    b = median(lambda: run(alone, beside=True))
+    c = median(copy_alone)
+    print(f"{LAYERS} layer graphs back to back, median of {RUNS} (ms):")
+    print(f"  alone  {a:.4f}  ({a / LAYERS:.4f} per layer)")
+    print(f"  tail   {t:.4f}  (+{(t - a) / LAYERS * 1000:.1f} us per layer)")
+    print(f"  beside {b:.4f}  (+{(b - a) / LAYERS * 1000:.1f} us per layer)")
+    print(f"  one 4 MiB copy in a graph alone: {c:.4f} ms")
+
+
+if __name__ == "__main__":
+    main()
