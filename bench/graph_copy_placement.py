@@ -9,7 +9,11 @@ graphs replayed back to back as the step replays its layers:
 - tail: each layer graph with a 4 MiB copy into pinned memory on a stream forked at the graph's
   start and joined at its end, as graphed's offload graphs copy in their tails;
 - beside: the layer graph alone, with the same copy captured in a graph of its own launched on
-  another stream at the same time, as graphed's window probe times it.
+  another stream at the same time, as graphed's window probe times it;
+- side: as tail, each graph also recording an external event after its compute (before the
+  join), replayed on a side stream that waits for the caller's stream first, the caller waiting
+  for the event: graphed's side-stream replay (where PyTorch has `Event(external=True)`), with
+  and without the copy.
 
 Prints the median of 50 runs of each, in milliseconds, and the copy alone.
 Usage (the GPU machine): python3 bench/graph_copy_placement.py
@@ -60,7 +64,27 @@ def main():
     def copy_only():
         host.copy_(src, non_blocking=True)
 
+    try:
+        ready = torch.cuda.Event(external=True)
+    except TypeError:
+        ready = None
+
+    def with_tail_and_event():
+        fork.wait_stream(main_s)
+        with torch.cuda.stream(fork):
+            host.copy_(src, non_blocking=True)
+        layer()
+        ready.record(main_s)
+        main_s.wait_stream(fork)
+
+    def with_event():
+        layer()
+        ready.record(main_s)
+
     alone, tail = capture(layer), capture(with_tail)
+    side_stream = torch.cuda.Stream()
+    evented = capture(with_tail_and_event) if ready is not None else None
+    evented_alone = capture(with_event) if ready is not None else None
     copy = torch.cuda.CUDAGraph()
     with torch.cuda.stream(other):
         torch.cuda.synchronize()
@@ -86,6 +110,15 @@ def main():
             if beside:
                 main_s.wait_stream(other)
 
+    def run_side(graph):
+        # The caller's stream is main_s (timed); the graphs replay on side_stream.
+        for _ in range(LAYERS):
+            side_stream.wait_stream(main_s)
+            with torch.cuda.stream(side_stream):
+                graph.replay()
+            main_s.wait_event(ready)
+        main_s.wait_stream(side_stream)
+
     def median(step):
         for _ in range(5):
             timed(step)
@@ -100,10 +133,17 @@ def main():
     t = median(lambda: run(tail))
     b = median(lambda: run(alone, beside=True))
     c = median(copy_alone)
+    e = median(lambda: run_side(evented)) if evented is not None else None
+    e0 = median(lambda: run_side(evented_alone)) if evented is not None else None
     print(f"{LAYERS} layer graphs back to back, median of {RUNS} (ms):")
     print(f"  alone  {a:.4f}  ({a / LAYERS:.4f} per layer)")
     print(f"  tail   {t:.4f}  (+{(t - a) / LAYERS * 1000:.1f} us per layer)")
     print(f"  beside {b:.4f}  (+{(b - a) / LAYERS * 1000:.1f} us per layer)")
+    if e is None:
+        print("  side   - (this PyTorch has no Event(external=True))")
+    else:
+        print(f"  side, no copy   {e0:.4f}  (+{(e0 - a) / LAYERS * 1000:.1f} us per layer)")
+        print(f"  side, tail copy {e:.4f}  (+{(e - e0) / LAYERS * 1000:.1f} us per layer over side, no copy)")
     print(f"  one 4 MiB copy in a graph alone: {c:.4f} ms")
 
 
