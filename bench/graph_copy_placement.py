@@ -54,36 +54,33 @@ def main():
                 body()
         return g
 
-    def with_tail():
-        fork.wait_stream(main_s)
-        with torch.cuda.stream(fork):
-            host.copy_(src, non_blocking=True)
-        layer()
-        main_s.wait_stream(fork)
-
     def copy_only():
         host.copy_(src, non_blocking=True)
+
+    def with_tail(compute):
+        """`compute` with the copy on a stream forked before it and joined after it."""
+
+        def body():
+            fork.wait_stream(main_s)
+            with torch.cuda.stream(fork):
+                copy_only()
+            compute()
+            main_s.wait_stream(fork)
+
+        return body
 
     try:
         ready = torch.cuda.Event(external=True)
     except TypeError:
         ready = None
 
-    def with_tail_and_event():
-        fork.wait_stream(main_s)
-        with torch.cuda.stream(fork):
-            host.copy_(src, non_blocking=True)
-        layer()
-        ready.record(main_s)
-        main_s.wait_stream(fork)
-
     def with_event():
         layer()
         ready.record(main_s)
 
-    alone, tail = capture(layer), capture(with_tail)
+    alone, tail = capture(layer), capture(with_tail(layer))
     side_stream = torch.cuda.Stream()
-    evented = capture(with_tail_and_event) if ready is not None else None
+    evented = capture(with_tail(with_event)) if ready is not None else None
     evented_alone = capture(with_event) if ready is not None else None
     copy = torch.cuda.CUDAGraph()
     with torch.cuda.stream(other):
