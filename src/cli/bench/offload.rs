@@ -3,9 +3,10 @@
 //! (graphed-offload) and with the automatic policy filling the whole measured window (its
 //! default) and 80% of it (graphed-offload-auto, graphed-offload-auto-0.8). Per variant: the step
 //! time and its overhead against the baseline, the graph pool's peak (the device memory saved,
-//! against the policy's expectation), each pass's time with its tails (the copies), and how
-//! early the caller resumes before the tails end; per configuration, the pinned copy peak and the rate of the same copies captured
-//! in a graph, measured in the same run.
+//! against the policy's expectation) and the reserved peak (pools and cache), each pass's time
+//! with its tails (the copies), and how early the caller resumes before the tails end; per
+//! configuration, the pinned copy peak and the rate of the same copies captured in a graph,
+//! measured in the same run.
 
 use graphed::device::{CaptureMode, DType, Device, DeviceKind, Event, Stream};
 use graphed::graph::{GraphedStack, Replay};
@@ -314,6 +315,7 @@ fn fastest_of_three(stream: &Stream, work: &dyn Fn() -> graphed::Result<()>) -> 
 fn print_row(r: &OffloadRow) {
     let mib = |b: f64| b / (1 << 20) as f64;
     let opt = |v: Option<f64>, unit: &str| v.map_or_else(|| "-".to_string(), |v| format!("{v:.3}{unit}"));
+    let saved = |b: Option<i64>| b.map_or_else(|| "-".to_string(), |b| format!("{:.1} MiB", mib(b as f64)));
     println!(
         "  {:<22} wall {:.3} ms [{:.3}–{:.3}]  overhead {}  pool peak {:.1} MiB  saved {} (expected {:.1} MiB)  \
          offloaded {:.1} MiB  reserved peak {:.1} MiB, saved {}  passes: fwd {} bwd {}  resumes before the tails: fwd {} bwd {}",
@@ -323,11 +325,11 @@ fn print_row(r: &OffloadRow) {
         r.wall_ms.max,
         opt(r.overhead_pct, "%"),
         mib(r.pool_peak_bytes as f64),
-        r.saved_bytes.map_or_else(|| "-".to_string(), |b| format!("{:.1} MiB", mib(b as f64))),
+        saved(r.saved_bytes),
         mib(r.expected_saving_bytes as f64),
         mib(r.offloaded_bytes as f64),
         mib(r.memory.total.peak_reserved_bytes as f64),
-        r.reserved_saved_bytes.map_or_else(|| "-".to_string(), |b| format!("{:.1} MiB", mib(b as f64))),
+        saved(r.reserved_saved_bytes),
         opt(r.forward_ms, " ms"),
         opt(r.backward_ms, " ms"),
         opt(r.forward_lead_ms, " ms"),
