@@ -7,6 +7,10 @@
 //! with its tails (the copies), and how early the caller resumes before the tails end; per
 //! configuration, the pinned copy peak and the rate of the same copies captured in a graph,
 //! measured in the same run.
+//!
+//! Every variant of a configuration is captured first and then timed in alternating rounds
+//! ([`ROUNDS`]), so that a drift of the GPU's clock over the run falls on every variant alike
+//! instead of on whichever ran last: an overhead of a few percent is the figure at stake.
 
 use graphed::device::{CaptureMode, DType, Device, DeviceKind, Event, Stream};
 use graphed::graph::{GraphedStack, Replay};
@@ -15,7 +19,7 @@ use graphed::nn::Chunk;
 use graphed::offload::{OffloadConfig, OffloadManager, Policy, AUTO_CANDIDATES};
 use serde::Serialize;
 
-use super::graphs::{time_graphed, TimedGraphed};
+use super::graphs::{graphed_step, measure, Samples};
 use super::{spread, write_json, Case, MemoryRow, Report, Spread};
 use crate::cli::args::{BenchInput, GraphsBenchArgs};
 use crate::cli::bench_model::{BenchModel, Config};
@@ -114,13 +118,28 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     let mut rows = Rows { variants: Vec::new(), copies: Vec::new() };
     for &config in &configs {
         println!("{config}, {dtype}");
-        let first = rows.variants.len();
+        let mut built = Vec::new();
         for variant in [Variant::Side, Variant::Listed, Variant::Auto, Variant::AutoPartial] {
             if matches!(variant, Variant::Auto | Variant::AutoPartial) && !on_gpu {
                 println!("  {:<22} skipped: the automatic policy needs the GPU's clock", variant.name());
                 continue;
             }
-            let (row, rates) = run_variant(&dev, (config, dtype), variant, args, rows.variants.get(first))?;
+            built.push(Built::new(&dev, (config, dtype), variant, args)?);
+        }
+        let mut samples: Vec<Samples> = built.iter().map(|_| Samples::default()).collect();
+        for round in 0..ROUNDS {
+            let steps = args.steps / ROUNDS + u32::from(round < args.steps % ROUNDS);
+            let warmup = if round == 0 { args.warmup } else { 1 };
+            for (b, s) in built.iter().zip(&mut samples) {
+                let step = measure(&dev, &b.main, (warmup, steps), &mut || b.step())?;
+                s.wall_ms.extend(step.wall_ms);
+                s.host_us.extend(step.host_us);
+                s.gpu_ms.extend(step.gpu_ms);
+            }
+        }
+        let first = rows.variants.len();
+        for (b, s) in built.into_iter().zip(samples) {
+            let (row, rates) = b.finish((config, dtype), s, args, rows.variants.get(first))?;
             print_row(&row);
             rows.variants.push(row);
             rows.copies.extend(rates);
@@ -141,56 +160,92 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     write_json(&args.json, &Report::new("offload", &dev, args.steps, vec![rows]))
 }
 
-fn run_variant(
-    dev: &Device,
-    (config, dtype): (Config, DType),
+/// The rounds each variant's timed steps are split into, the variants taking turns.
+const ROUNDS: u32 = 4;
+
+/// One variant of a configuration, captured and ready to time: each has an allocator of its
+/// own, so that its memory statistics are its alone.
+struct Built {
     variant: Variant,
-    args: &GraphsBenchArgs,
-    baseline: Option<&OffloadRow>,
-) -> anyhow::Result<(OffloadRow, Option<CopyRates>)> {
-    let alloc = CachingAllocator::new(dev);
-    let main = dev.stream()?;
-    let mut model = BenchModel::new(&alloc, &main, config, dtype)?;
-    model.feed(&alloc, &main, args.input)?;
-    let manager = variant.config().map(|c| OffloadManager::new(&alloc, c)).transpose()?;
-    let (side, event) = (dev.stream()?, dev.event()?);
-    let TimedGraphed { graphed, samples, .. } =
-        time_graphed(dev, (&alloc, &main), &model, Some((&side, &event)), manager.as_ref(), (args.warmup, args.steps))?;
-    let leads = match dev.kind() {
-        DeviceKind::Cuda => Some(leads(dev, &graphed, &model, &main, &side)?),
-        _ => None,
-    };
-    alloc.synchronize()?;
-    let pool = graphed.pool().id();
-    let stats = alloc.stats();
-    let pool_peak_bytes = stats.pools.iter().find(|(id, _)| *id == pool).map_or(0, |(_, s)| s.peak_allocated);
-    let summary = manager.as_ref().and_then(OffloadManager::summary);
-    let wall = spread(samples.wall_ms);
-    let rates = match (variant, &manager) {
-        (Variant::Listed, Some(m)) if dev.kind() == DeviceKind::Cuda => Some(copy_rates(config, m, &alloc, &main)?),
-        _ => None,
-    };
-    let memory = MemoryRow::of(&stats);
-    let reserved = |m: &MemoryRow| m.total.peak_reserved_bytes as i64;
-    let row = OffloadRow {
-        case: Case::new(config, dtype, variant.name()),
-        wall_ms: wall,
-        gpu_ms: (!samples.gpu_ms.is_empty()).then(|| spread(samples.gpu_ms)),
-        overhead_pct: baseline.map(|b| 100.0 * (wall.median / b.wall_ms.median - 1.0)),
-        pool_peak_bytes,
-        saved_bytes: baseline.map(|b| b.pool_peak_bytes as i64 - pool_peak_bytes as i64),
-        reserved_saved_bytes: baseline.map(|b| reserved(&b.memory) - reserved(&memory)),
-        expected_saving_bytes: summary.as_ref().map_or(0, |s| s.expected_peak_saving()),
-        offloaded_bytes: summary.as_ref().map_or(0, |s| s.offloaded_bytes()),
-        forward_lead_ms: leads.as_ref().map(|l| l.forward),
-        backward_lead_ms: leads.as_ref().map(|l| l.backward),
-        forward_ms: leads.as_ref().map(|l| l.forward_ms),
-        backward_ms: leads.as_ref().map(|l| l.backward_ms),
-        summary: summary.map(|s| s.to_string()),
-        memory,
-        input: args.input,
-    };
-    Ok((row, rates))
+    alloc: CachingAllocator,
+    main: Stream,
+    side: Stream,
+    model: BenchModel,
+    manager: Option<OffloadManager>,
+    graphed: GraphedStack,
+}
+
+impl Built {
+    fn new(
+        dev: &Device,
+        (config, dtype): (Config, DType),
+        variant: Variant,
+        args: &GraphsBenchArgs,
+    ) -> anyhow::Result<Built> {
+        let alloc = CachingAllocator::new(dev);
+        let main = dev.stream()?;
+        let mut model = BenchModel::new(&alloc, &main, config, dtype)?;
+        model.feed(&alloc, &main, args.input)?;
+        let manager = variant.config().map(|c| OffloadManager::new(&alloc, c)).transpose()?;
+        let (side, event) = (dev.stream()?, dev.event()?);
+        let graphed = model.graph(&alloc, Some(&event), manager.as_ref())?;
+        if let Some(static_dy) = graphed.static_grad_output()? {
+            static_dy.copy_from(&model.dy, &main)?;
+        }
+        Ok(Built { variant, alloc, main, side, model, manager, graphed })
+    }
+
+    fn step(&self) -> anyhow::Result<()> {
+        graphed_step(&self.graphed, &self.model, &self.main, Replay::side(&self.side))
+    }
+
+    /// The variant's row from its timed `samples`, after the pass timings and copy rates that
+    /// need its graphs.
+    fn finish(
+        self,
+        (config, dtype): (Config, DType),
+        samples: Samples,
+        args: &GraphsBenchArgs,
+        baseline: Option<&OffloadRow>,
+    ) -> anyhow::Result<(OffloadRow, Option<CopyRates>)> {
+        let Built { variant, alloc, main, side, model, manager, graphed } = self;
+        let dev = main.device();
+        let leads = match dev.kind() {
+            DeviceKind::Cuda => Some(leads(dev, &graphed, &model, &main, &side)?),
+            _ => None,
+        };
+        alloc.synchronize()?;
+        let pool = graphed.pool().id();
+        let stats = alloc.stats();
+        let pool_peak_bytes = stats.pools.iter().find(|(id, _)| *id == pool).map_or(0, |(_, s)| s.peak_allocated);
+        let summary = manager.as_ref().and_then(OffloadManager::summary);
+        let wall = spread(samples.wall_ms);
+        let rates = match (variant, &manager) {
+            (Variant::Listed, Some(m)) if dev.kind() == DeviceKind::Cuda => Some(copy_rates(config, m, &alloc, &main)?),
+            _ => None,
+        };
+        let memory = MemoryRow::of(&stats);
+        let reserved = |m: &MemoryRow| m.total.peak_reserved_bytes as i64;
+        let row = OffloadRow {
+            case: Case::new(config, dtype, variant.name()),
+            wall_ms: wall,
+            gpu_ms: (!samples.gpu_ms.is_empty()).then(|| spread(samples.gpu_ms)),
+            overhead_pct: baseline.map(|b| 100.0 * (wall.median / b.wall_ms.median - 1.0)),
+            pool_peak_bytes,
+            saved_bytes: baseline.map(|b| b.pool_peak_bytes as i64 - pool_peak_bytes as i64),
+            reserved_saved_bytes: baseline.map(|b| reserved(&b.memory) - reserved(&memory)),
+            expected_saving_bytes: summary.as_ref().map_or(0, |s| s.expected_peak_saving()),
+            offloaded_bytes: summary.as_ref().map_or(0, |s| s.offloaded_bytes()),
+            forward_lead_ms: leads.as_ref().map(|l| l.forward),
+            backward_lead_ms: leads.as_ref().map(|l| l.backward),
+            forward_ms: leads.as_ref().map(|l| l.forward_ms),
+            backward_ms: leads.as_ref().map(|l| l.backward_ms),
+            summary: summary.map(|s| s.to_string()),
+            memory,
+            input: args.input,
+        };
+        Ok((row, rates))
+    }
 }
 
 /// Per pass, median of 5 steps: how early the main stream resumes before the pass's tails end,
