@@ -54,7 +54,7 @@ pub use grad_sync::GradSync;
 pub use graphed::{static_bytes, CallableReport, CaptureTimes, GraphReport, GraphedCallable, Pass, TailOp};
 pub use graphed_fn::{make_graphed_fn, make_graphed_fn_with_edges, GraphedFn};
 pub use options::{GraphOptions, Mode, Phase};
-pub(crate) use probe::{Beside, PassTimes, Probe, PROBE_REPLAYS};
+pub(crate) use probe::{PassTimes, Probe, ProbeCopies, PROBE_REPLAYS};
 pub use replay::{Replay, StaticTensor, Tail, Tails};
 pub use scheduled::{make_graphed_schedule, GraphedPasses, GraphedSchedule};
 pub use stack::GraphedStack;

@@ -5,8 +5,11 @@
 //! released callable by callable, before the next callable and before the real capture. The
 //! times are then those of graph replays, without the launch gaps of the eager warmup.
 //!
-//! Given work to run beside the passes (an offload manager's copies, [`Beside`]), it times each
-//! pass again with that work started with it: what the work costs the pass's kernels.
+//! Given copies to plan with (an offload manager's, [`ProbeCopies`]), it times each pass twice
+//! more: with the copies started beside it, in a graph of their own (what copy traffic costs the
+//! pass's kernels), and captured again with a small copy in its own graph's tail, forked at its
+//! start and joined at its end as the offload graphs carry theirs (what a graph pays for
+//! carrying copies at all: on an H100 about 8 µs per graph at M, however small the copy).
 //!
 //! The probe holds one callable's graphs at a time, and, in a stack, a copy of the outputs that
 //! feed the next callable. Its backward replays accumulate into the parameters' gradients, which
@@ -35,29 +38,35 @@ pub(crate) struct PassTimes {
     pub(crate) unit: usize,
     pub(crate) forward_ms: Option<f64>,
     pub(crate) backward_ms: Option<f64>,
-    /// The same, with the probe's [`Beside`] work started with each replay (`None` without).
+    /// The same, with the probe's [`ProbeCopies`] started beside each replay (`None` without).
     pub(crate) forward_beside_ms: Option<f64>,
     pub(crate) backward_beside_ms: Option<f64>,
+    /// The same passes captured with the probe's small copy in their graph's tail (`None`
+    /// without [`ProbeCopies`]).
+    pub(crate) forward_tail_ms: Option<f64>,
+    pub(crate) backward_tail_ms: Option<f64>,
 }
 
-/// Work the window probe starts beside each timed replay of a forward or backward, as the graphs
-/// will run it (an offload manager's copies out beside a forward, back beside a backward).
-pub(crate) trait Beside {
-    /// Starts the work for `pass` on a stream of its own, after `stream`'s work so far.
-    fn start(&self, pass: Pass, stream: &Stream) -> Result<()>;
-    /// Orders `stream` after the work started.
-    fn join(&self, stream: &Stream) -> Result<()>;
+/// Copies the window probe times the passes with, as the offload graphs will run them: out with
+/// a forward, back with a backward.
+pub(crate) trait ProbeCopies {
+    /// Starts one unit's copies for `pass` on a stream of their own, after `stream`'s work so far.
+    fn start_beside(&self, pass: Pass, stream: &Stream) -> Result<()>;
+    /// Orders `stream` after the copies started beside it.
+    fn join_beside(&self, stream: &Stream) -> Result<()>;
+    /// Inside a capture on `stream`: forks a small copy for `pass` from it, runs `body` (the pass),
+    /// and joins the copy back, as an offload graph's tail.
+    fn capture_in_tail(&self, pass: Pass, stream: &Stream, body: &mut dyn FnMut() -> Result<()>) -> Result<()>;
 }
 
-/// The probe a window-probe hook calls: the callables' times, with `beside` started with each
-/// replay if given.
-pub(crate) type Probe<'a> = dyn FnMut(Option<&dyn Beside>) -> Result<Vec<PassTimes>> + 'a;
+/// The probe a window-probe hook calls: the callables' times, with `copies` if given.
+pub(crate) type Probe<'a> = dyn FnMut(Option<&dyn ProbeCopies>) -> Result<Vec<PassTimes>> + 'a;
 
 /// Runs the options' window probe hook, if any, with the probe of `plan`'s callables (probed
 /// once per layer: under a schedule, its first microbatch's callable) for it to call.
 pub(crate) fn probe_windows(plan: &Plan<'_>, layout: Option<&Layout>, options: &mut GraphOptions) -> Result<()> {
     let Some(mut hook) = options.window_probe.take() else { return Ok(()) };
-    let result = hook(plan.stream, &mut |beside| probe(plan, layout, options, beside));
+    let result = hook(plan.stream, &mut |copies| probe(plan, layout, options, copies));
     options.window_probe = Some(hook);
     result
 }
@@ -80,7 +89,7 @@ fn probe(
     plan: &Plan<'_>,
     layout: Option<&Layout>,
     options: &mut GraphOptions,
-    beside: Option<&dyn Beside>,
+    copies: Option<&dyn ProbeCopies>,
 ) -> Result<Vec<PassTimes>> {
     let _range = plan.stream.device().range_with(|| "window probe".into());
     let pool = plan.alloc.new_pool();
@@ -89,7 +98,7 @@ fn probe(
     let mut result = Ok(());
     for (i, unit) in probed(plan, layout) {
         let mut execs = Vec::new();
-        let timed = probe_one(plan, options, (&pool, beside), (i, unit), &previous, &mut execs);
+        let timed = probe_one(plan, options, (&pool, copies), (i, unit), &previous, &mut execs);
         // The replays end before their executables are destroyed, and the pool then holds
         // nothing that can run: the next callable reuses its blocks.
         let released = release(plan, &mut execs);
@@ -121,25 +130,69 @@ fn release(plan: &Plan<'_>, execs: &mut Vec<PoolExec>) -> Result<()> {
 
 /// Callable `i` (unit `unit`) captured into `pool` with its inputs (its static inputs, or copies
 /// of `previous` outputs) and the capture-time hooks around its forward and backward, as in the
-/// capture; its executables, in `execs`, replayed [`PROBE_REPLAYS`] times, and as many again
-/// with `beside` if given. Returns its times, and copies of its outputs when they feed the next
-/// callable.
+/// capture; its executables, in `execs`, replayed [`PROBE_REPLAYS`] times; with `copies`, as many
+/// again with them beside, then its passes captured again with a copy in their tails and every
+/// executable replayed as often. Returns its times, and copies of its outputs when they feed the
+/// next callable.
 fn probe_one(
     plan: &Plan<'_>,
     options: &mut GraphOptions,
-    (pool, beside): (&GraphPool, Option<&dyn Beside>),
+    (pool, copies): (&GraphPool, Option<&dyn ProbeCopies>),
     (i, unit): (usize, usize),
     previous: &[Tensor],
     execs: &mut Vec<PoolExec>,
 ) -> Result<(PassTimes, Vec<Tensor>)> {
+    let mut outputs = Vec::new();
+    execs.append(&mut capture_passes(plan, options, pool, i, previous, None, &mut outputs)?);
+    let plain = execs.len();
+    let ms = replay(plan, execs, None)?;
+    let (mut with, mut tail) = (vec![None; plain], vec![None; plain]);
+    if let Some(c) = copies {
+        with = replay(plan, execs, Some(c))?;
+        // Captured after the plain passes, so replayed after them in the pool's order.
+        execs.append(&mut capture_passes(plan, options, pool, i, previous, Some(c), &mut Vec::new())?);
+        tail = replay(plan, execs, None)?.split_off(plain);
+    }
+    let backward = |v: &[Option<f64>]| v.get(1).copied().flatten().filter(|_| plan.training);
+    let times = PassTimes {
+        unit,
+        forward_ms: ms[0],
+        backward_ms: backward(&ms),
+        forward_beside_ms: with[0],
+        backward_beside_ms: backward(&with),
+        forward_tail_ms: tail[0],
+        backward_tail_ms: backward(&tail),
+    };
+    let kept = match plan.feeds_next(i) {
+        true => outputs.iter().map(|y| copy(plan, y)).collect::<Result<Vec<_>>>()?,
+        false => Vec::new(),
+    };
+    Ok((times, kept))
+}
+
+/// Callable `i`'s forward, and in training its backward (and split weight-gradient pass),
+/// captured into `pool` in that order with their capture-time hooks, each with `tail`'s copy in
+/// its graph's tail if given; the forward's outputs go to `outputs`.
+fn capture_passes(
+    plan: &Plan<'_>,
+    options: &mut GraphOptions,
+    pool: &GraphPool,
+    i: usize,
+    previous: &[Tensor],
+    tail: Option<&dyn ProbeCopies>,
+    outputs: &mut Vec<Tensor>,
+) -> Result<Vec<PoolExec>> {
     let (stream, callable, mode) = (plan.stream, plan.callables[i], options.capture_mode);
     let inputs = plan.inputs(i, previous);
-    let mut capture = |phases: Option<[Phase; 2]>, f: &mut dyn FnMut() -> Result<()>| -> Result<PoolExec> {
+    let mut capture = |phases: Option<[Phase; 2]>, pass: Pass, f: &mut dyn FnMut() -> Result<()>| -> Result<PoolExec> {
         if let Some([pre, _]) = phases {
             options.run_pass_hook(i, pre, stream)?;
         }
         let cap = plan.alloc.capture(stream, mode, pool)?;
-        f()?;
+        match tail {
+            Some(c) if pass != Pass::BackwardDw => c.capture_in_tail(pass, stream, f)?,
+            _ => f()?,
+        }
         let exec = cap.finish()?.instantiate()?;
         if let Some([_, post]) = phases {
             options.run_pass_hook(i, post, stream)?;
@@ -147,43 +200,28 @@ fn probe_one(
         exec.upload(stream)?;
         Ok(exec)
     };
+    let mut execs = Vec::new();
     let mut result = None;
-    execs.push(capture(Some([Phase::ForwardPre, Phase::Forward]), &mut || {
+    execs.push(capture(Some([Phase::ForwardPre, Phase::Forward]), Pass::Forward, &mut || {
         result = Some(callable.forward_dyn(&inputs, &KeepOnDevice, stream)?);
         Ok(())
     })?);
-    let (outputs, saved) = result.expect("the capture ran the forward");
+    let (ys, saved) = result.expect("the capture ran the forward");
     if plan.training {
-        let dys = (outputs.iter())
-            .map(|y| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype()))
-            .collect::<Result<Vec<_>>>()?;
+        let dys =
+            (ys.iter()).map(|y| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype())).collect::<Result<Vec<_>>>()?;
         let mut saved = Some(saved);
-        execs.push(capture(Some([Phase::BackwardPre, Phase::Backward]), &mut || {
+        execs.push(capture(Some([Phase::BackwardPre, Phase::Backward]), Pass::Backward, &mut || {
             let s = saved.take().expect("captured once");
             callable.backward_dyn(s, &dys.iter().collect::<Vec<_>>(), &NoGradHook, stream).map(drop)
         })?);
         // Replayed in the cycle that the pool's order asks for, not timed.
         if callable.splits_dw_dyn() {
-            execs.push(capture(None, &mut || callable.backward_dw_dyn(stream))?);
+            execs.push(capture(None, Pass::BackwardDw, &mut || callable.backward_dw_dyn(stream))?);
         }
     }
-    let ms = replay(plan, execs, None)?;
-    let with = match beside {
-        Some(b) => replay(plan, execs, Some(b))?,
-        None => vec![None; execs.len()],
-    };
-    let times = PassTimes {
-        unit,
-        forward_ms: ms[0],
-        backward_ms: ms.get(1).copied().flatten(),
-        forward_beside_ms: with[0],
-        backward_beside_ms: with.get(1).copied().flatten(),
-    };
-    let kept = match plan.feeds_next(i) {
-        true => outputs.iter().map(|y| copy(plan, y)).collect::<Result<Vec<_>>>()?,
-        false => Vec::new(),
-    };
-    Ok((times, kept))
+    *outputs = ys;
+    Ok(execs)
 }
 
 /// `y` copied into the allocator's cache, on the plan's stream.
@@ -193,26 +231,26 @@ fn copy(plan: &Plan<'_>, y: &Tensor) -> Result<Tensor> {
     Ok(t)
 }
 
-/// Launches `execs` (forward, backward, then a split weight-gradient pass) in their capture
-/// order [`PROBE_REPLAYS`] times on the plan's stream, a timing event before and after each
-/// launch, `beside`'s work started with each forward and backward and joined after it; per
-/// executable, the median milliseconds (`None` without a clock).
-fn replay(plan: &Plan<'_>, execs: &[PoolExec], beside: Option<&dyn Beside>) -> Result<Vec<Option<f64>>> {
+/// Launches `execs` (per capture, its forward, backward, then a split weight-gradient pass) in
+/// their capture order [`PROBE_REPLAYS`] times on the plan's stream, a timing event before and
+/// after each launch, `copies` started beside each forward and backward and joined after it;
+/// per executable, the median milliseconds (`None` without a clock).
+fn replay(plan: &Plan<'_>, execs: &[PoolExec], copies: Option<&dyn ProbeCopies>) -> Result<Vec<Option<f64>>> {
     let (stream, dev) = (plan.stream, plan.stream.device());
     let mut events = Vec::with_capacity(PROBE_REPLAYS * execs.len());
     for _ in 0..PROBE_REPLAYS {
         for (k, exec) in execs.iter().enumerate() {
             let pass = [Pass::Forward, Pass::Backward].get(k).copied();
-            let beside = beside.zip(pass);
-            if let Some((b, pass)) = beside {
-                b.start(pass, stream)?;
+            let beside = copies.zip(pass);
+            if let Some((c, pass)) = beside {
+                c.start_beside(pass, stream)?;
             }
             let (start, end) = (dev.timing_event()?, dev.timing_event()?);
             stream.record(&start)?;
             exec.launch(stream)?;
             stream.record(&end)?;
-            if let Some((b, _)) = beside {
-                b.join(stream)?;
+            if let Some((c, _)) = beside {
+                c.join_beside(stream)?;
             }
             events.push((start, end));
         }
@@ -296,28 +334,37 @@ mod tests {
         Ok(())
     }
 
-    /// Counts what the probe starts beside its passes, and the joins.
+    /// Counts what the probe starts beside its passes, the joins, and the passes captured with a
+    /// tail.
     #[derive(Default)]
     struct Counted {
         started: Mutex<Vec<Pass>>,
         joined: Mutex<usize>,
+        tailed: Mutex<Vec<Pass>>,
     }
 
-    impl Beside for Counted {
-        fn start(&self, pass: Pass, _stream: &Stream) -> Result<()> {
+    impl ProbeCopies for Counted {
+        fn start_beside(&self, pass: Pass, _stream: &Stream) -> Result<()> {
             self.started.lock().unwrap().push(pass);
             Ok(())
         }
 
-        fn join(&self, _stream: &Stream) -> Result<()> {
+        fn join_beside(&self, _stream: &Stream) -> Result<()> {
             *self.joined.lock().unwrap() += 1;
+            Ok(())
+        }
+
+        fn capture_in_tail(&self, pass: Pass, stream: &Stream, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+            assert!(stream.capture_id()?.is_some(), "the tail is captured with its pass");
+            body()?;
+            self.tailed.lock().unwrap().push(pass);
             Ok(())
         }
     }
 
     #[test]
-    fn the_probe_starts_the_work_beside_each_timed_forward_and_backward() -> Result<()> {
-        let (_dev, s, alloc, _store, stack) = stack(2)?;
+    fn the_probe_times_each_pass_with_copies_beside_it_and_in_its_tail() -> Result<()> {
+        let (dev, s, alloc, store, stack) = stack(2)?;
         let x = Tensor::from_host(&alloc, &s, &[0.5f32; 8], &[2, 4])?;
         let counted = Arc::new(Counted::default());
         let (c, times) = (counted.clone(), Arc::new(Mutex::new(Vec::new())));
@@ -326,7 +373,7 @@ mod tests {
             *t.lock().unwrap() = probe(Some(c.as_ref()))?;
             Ok(())
         });
-        make_graphed_stack(&alloc, &stack, &x, options)?;
+        let g = make_graphed_stack(&alloc, &stack, &x, options)?;
         let started = counted.started.lock().unwrap().clone();
         let per_layer = [vec![Pass::Forward; PROBE_REPLAYS], vec![Pass::Backward; PROBE_REPLAYS]].concat();
         assert_eq!(started.len(), 2 * per_layer.len(), "{started:?}");
@@ -336,8 +383,14 @@ mod tests {
             assert_eq!(sorted, per_layer, "each replay of each pass, once");
         }
         assert_eq!(*counted.joined.lock().unwrap(), started.len(), "every start joined");
+        let tailed = counted.tailed.lock().unwrap().clone();
+        assert_eq!(tailed, [Pass::Forward, Pass::Backward].repeat(2), "each layer's passes captured once with a tail");
         let times = times.lock().unwrap().clone();
-        assert!(times.iter().all(|t| t.forward_beside_ms.is_none()), "the simulator has no clock");
+        let timed = |t: &PassTimes| [t.forward_beside_ms, t.forward_tail_ms, t.backward_tail_ms];
+        assert!(times.iter().flat_map(timed).all(|ms| ms.is_none()), "the simulator has no clock");
+        assert!(probe_pool_released(&alloc, Some(g.pool())), "{:?}", alloc.stats());
+        assert_eq!(store.grads()?.to_vec::<f32>(&s)?, vec![0.25f32; 40], "the probe's backwards were undone");
+        assert!(Checker::of(&dev).is_some_and(|c| c.hazards().is_empty()));
         Ok(())
     }
 

@@ -144,11 +144,11 @@ impl OffloadConfig {
         self
     }
 
-    /// The share of the measured step that the automatic policy's copies may cost the kernels
-    /// they run beside (default 0.02): the window probe times each pass with one layer's
-    /// candidate copies running beside it, and the policy charges each copy it picks its share
-    /// of the difference. (On an H100 at `M` that charge is 0.9% of the step, while the copies in
-    /// the graphs' tails cost 5.8%: docs/offload.md.)
+    /// The share of the measured step that the automatic policy's copies may cost (default
+    /// 0.02): the window probe times each pass with one layer's candidate copies running beside
+    /// it, and again with a small copy in its graph's tail, and the policy charges each copy it
+    /// picks its share of the first difference, and each offloading layer once the second
+    /// (docs/offload.md).
     pub fn max_overhead(mut self, share: f64) -> OffloadConfig {
         self.max_overhead = share;
         self

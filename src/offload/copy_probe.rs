@@ -1,24 +1,34 @@
 //! The copies the automatic policy plans with, captured in graphs on the copy streams as the
-//! offload graphs' tails run them: their rate each way, and the work the window probe starts
-//! beside each forward and backward to time what copies cost the kernels they overlap.
+//! offload graphs' tails run them: their rate each way; the work the window probe starts beside
+//! each forward and backward, to time what copy traffic costs the kernels it overlaps; and the
+//! small copy it captures in a tail of each pass's graph, to time what a graph pays for
+//! carrying copies at all.
 
 use super::host::HostBuffer;
 use super::shared::Inner;
 use crate::device::{CaptureMode, DType, Stream};
-use crate::graph::{Beside, Pass};
+use crate::graph::{Pass, ProbeCopies};
 use crate::memory::PoolExec;
 use crate::tensor::Tensor;
 use crate::Result;
 
 /// One unit's candidate copies, out and back, each way a graph in a pool of its own, and the
-/// stream they run on beside the probe's passes.
+/// stream they run on beside the probe's passes; the small copy for the passes' tails, and the
+/// copy streams it runs on.
 pub(super) struct CopyGraphs {
     bytes: usize,
     out: PoolExec,
     back: PoolExec,
     beside: Stream,
     _buffers: Vec<(HostBuffer, Tensor)>,
+    tail: (HostBuffer, Tensor),
+    d2h: Stream,
+    h2d: Stream,
 }
+
+/// Elements (bf16) of the copy in each probed pass's tail: small, so that the probe times what
+/// carrying a copy costs the graph rather than the copy's traffic (timed beside the passes).
+const TAIL_ELEMENTS: usize = 32 << 10;
 
 impl CopyGraphs {
     /// Copies of `sizes` bytes each, captured from `stream` on `inner`'s copy streams.
@@ -45,7 +55,12 @@ impl CopyGraphs {
         let out = capture(&inner.d2h, &|h, t| h.copy_out(t, &inner.d2h))?;
         let back = capture(&inner.h2d, &|h, t| h.copy_in(t, &inner.h2d))?;
         let bytes = buffers.iter().map(|(h, _)| h.bytes()).sum();
-        Ok(CopyGraphs { bytes, out, back, beside: dev.stream()?, _buffers: buffers })
+        let tail = (
+            HostBuffer::new(dev, DType::BF16, TAIL_ELEMENTS)?,
+            Tensor::zeros(alloc, stream, &[TAIL_ELEMENTS], DType::BF16)?,
+        );
+        let (d2h, h2d) = (inner.d2h.clone(), inner.h2d.clone());
+        Ok(CopyGraphs { bytes, out, back, beside: dev.stream()?, _buffers: buffers, tail, d2h, h2d })
     }
 
     /// Bytes per millisecond each way on `stream`, the best of three replays.
@@ -66,8 +81,8 @@ impl CopyGraphs {
     }
 }
 
-impl Beside for CopyGraphs {
-    fn start(&self, pass: Pass, stream: &Stream) -> Result<()> {
+impl ProbeCopies for CopyGraphs {
+    fn start_beside(&self, pass: Pass, stream: &Stream) -> Result<()> {
         self.beside.wait_stream(stream)?;
         match pass {
             Pass::Forward => self.out.launch(&self.beside),
@@ -75,8 +90,20 @@ impl Beside for CopyGraphs {
         }
     }
 
-    fn join(&self, stream: &Stream) -> Result<()> {
+    fn join_beside(&self, stream: &Stream) -> Result<()> {
         stream.wait_stream(&self.beside)
+    }
+
+    fn capture_in_tail(&self, pass: Pass, stream: &Stream, body: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let (host, t) = &self.tail;
+        let side = if pass == Pass::Forward { &self.d2h } else { &self.h2d };
+        side.wait_stream(stream)?;
+        match pass {
+            Pass::Forward => host.copy_out(t, side)?,
+            _ => host.copy_in(t, side)?,
+        }
+        body()?;
+        stream.wait_stream(side)
     }
 }
 

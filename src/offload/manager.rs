@@ -170,8 +170,8 @@ impl OffloadManager {
     }
 
     /// After the warmup, if the automatic policy waits for windows: captures one unit's
-    /// candidate copies in graphs, runs the window `probe` with them beside each pass, times
-    /// the copies alone, decides and freezes. Nothing changes when it fails (the warmup's end
+    /// candidate copies in graphs, runs the window `probe` with them (beside each pass, and a
+    /// small one in each pass's tail), times the copies alone, decides and freezes. Nothing changes when it fails (the warmup's end
     /// then forgets the recording).
     fn time_windows(&self, stream: &Stream, probe: &mut Probe<'_>) -> Result<()> {
         if !self.inner.lock().awaiting_windows {
@@ -349,8 +349,9 @@ impl OffloadManager {
 
     /// The window probe's graph times per unit (the slowest chunk's), the rate of `copies`
     /// (one unit's candidate tensors, [`candidate_sizes`](OffloadManager::candidate_sizes))
-    /// alone, and what they cost each pass they ran beside in the probe: the pass's extra time
-    /// per millisecond of copy it overlapped (the largest of the chunks').
+    /// alone, what they cost each pass they ran beside in the probe (the pass's extra time per
+    /// millisecond of copy it overlapped), and what each pass's graph lost with a small copy in
+    /// its tail (the largest of the chunks').
     ///
     /// # Errors
     /// [`OffloadErrorKind::NoClock`] for a probe without times (on the simulator, whose probe
@@ -366,18 +367,24 @@ impl OffloadManager {
             beside.map_or(0.0, |with| (with - alone).max(0.0) / copy.min(with).max(1e-6))
         };
         let (mut forward_ms, mut backward_ms) = (Vec::<f64>::new(), Vec::<f64>::new());
+        let carrying = |alone: f64, tailed: Option<f64>| tailed.map_or(0.0, |with| (with - alone).max(0.0));
         let (mut forward_interference, mut backward_interference) = (Vec::<f64>::new(), Vec::<f64>::new());
+        let (mut forward_tail_ms, mut backward_tail_ms) = (Vec::<f64>::new(), Vec::<f64>::new());
         for p in probed {
             let (forward, backward) = (p.forward_ms.unwrap_or(0.0), p.backward_ms.unwrap_or(0.0));
             keep_slowest(&mut forward_ms, p.unit, forward);
             keep_slowest(&mut backward_ms, p.unit, backward);
             keep_slowest(&mut forward_interference, p.unit, share(forward, p.forward_beside_ms, copy_ms(out)));
             keep_slowest(&mut backward_interference, p.unit, share(backward, p.backward_beside_ms, copy_ms(back)));
+            keep_slowest(&mut forward_tail_ms, p.unit, carrying(forward, p.forward_tail_ms));
+            keep_slowest(&mut backward_tail_ms, p.unit, carrying(backward, p.backward_tail_ms));
         }
         let windows = Windows::Graphs { replays: PROBE_REPLAYS };
         Ok(Timings {
             forward_interference,
             backward_interference,
+            forward_tail_ms,
+            backward_tail_ms,
             ..Timings::new(forward_ms, backward_ms, (out, back), windows)
         })
     }

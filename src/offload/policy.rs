@@ -66,6 +66,11 @@ pub struct Timings {
     pub forward_interference: Vec<f64>,
     /// Per unit, the same for its backward and the copies back.
     pub backward_interference: Vec<f64>,
+    /// Per unit, the milliseconds its forward's graph loses by carrying copies in its tail at
+    /// all, however small (the window probe's; none measured: 0).
+    pub forward_tail_ms: Vec<f64>,
+    /// Per unit, the same for its backward's graph.
+    pub backward_tail_ms: Vec<f64>,
     /// Where the unit times and the bandwidths come from.
     pub windows: Windows,
 }
@@ -80,17 +85,22 @@ impl Timings {
             in_bytes_per_ms: back,
             forward_interference: Vec::new(),
             backward_interference: Vec::new(),
+            forward_tail_ms: Vec::new(),
+            backward_tail_ms: Vec::new(),
             windows,
         }
     }
 
-    /// The milliseconds the copies of `bytes` out beside unit `q`'s forward and back beside its
-    /// backward are expected to cost those passes.
-    pub fn copy_cost_ms(&self, q: usize, bytes: usize) -> f64 {
-        let share = |v: &[f64]| v.get(q).copied().unwrap_or(0.0);
+    /// The milliseconds the copies of `bytes` out in unit `q`'s forward and back in its backward
+    /// are expected to cost those passes: their traffic's cost to the kernels they overlap, plus,
+    /// for the first bytes the unit copies (`first`), what its two graphs pay for carrying copies.
+    pub fn copy_cost_ms(&self, q: usize, bytes: usize, first: bool) -> f64 {
+        let at = |v: &[f64]| v.get(q).copied().unwrap_or(0.0);
         let b = bytes as f64;
-        share(&self.forward_interference) * b / self.out_bytes_per_ms
-            + share(&self.backward_interference) * b / self.in_bytes_per_ms
+        let carrying = if first { at(&self.forward_tail_ms) + at(&self.backward_tail_ms) } else { 0.0 };
+        carrying
+            + at(&self.forward_interference) * b / self.out_bytes_per_ms
+            + at(&self.backward_interference) * b / self.in_bytes_per_ms
     }
 
     /// The measured step: every unit's forward and backward.
@@ -107,9 +117,9 @@ pub enum Windows {
     /// eager pinned copies of 64 MiB.
     Eager,
     /// A capture's window probe: each unit's forward and backward captured without offloading
-    /// and replayed as graphs, the median of `replays` replays, alone and with one unit's
-    /// candidate copies beside them; the copies captured in a graph on the copy streams (the
-    /// best of three replays).
+    /// and replayed as graphs, the median of `replays` replays, alone, with one unit's candidate
+    /// copies beside them, and captured again with a small copy in their tails; the copies
+    /// captured in a graph on the copy streams (the best of three replays).
     Graphs {
         /// Replays per pass.
         replays: usize,
@@ -132,8 +142,9 @@ impl fmt::Display for Windows {
 /// tensor, earlier units first, within the byte budget; [`Policy::Auto`] takes, per unit `p`,
 /// the largest eligible tensors whose copy out fits `slack` of unit `p + 1`'s forward and whose
 /// copy back fits `slack` of its backward (where the copies run: see the module docs), and whose
-/// cost to the kernels they overlap ([`Timings::copy_cost_ms`]) fits what is left of
-/// `max_overhead` of the measured step, earlier units first; within the byte budget.
+/// cost ([`Timings::copy_cost_ms`]: to the kernels they overlap, and, for a unit's first copy,
+/// to the graphs that carry them) fits what is left of `max_overhead` of the measured step,
+/// earlier units first; within the byte budget.
 pub fn decide(config: &OffloadConfig, groups: &mut [GroupLayout], timings: Option<&Timings>) {
     let units = mark_eligible(config, groups);
     if let (Policy::Auto, Some(timings)) = (config.policy, timings) {
@@ -148,15 +159,17 @@ pub fn decide(config: &OffloadConfig, groups: &mut [GroupLayout], timings: Optio
                 .collect();
             // Largest first (ties in save order): the most bytes for the window.
             candidates.sort_by_key(|&(gi, ti)| std::cmp::Reverse(groups[gi].tensors[ti].bytes()));
+            let mut first = true;
             for (gi, ti) in candidates {
                 let t = &mut groups[gi].tensors[ti];
                 let b = t.bytes() as f64;
-                let cost = timings.copy_cost_ms(p + 1, t.bytes());
+                let cost = timings.copy_cost_ms(p + 1, t.bytes(), first);
                 t.offload = b <= out_budget && b <= in_budget && cost <= cost_budget;
                 if t.offload {
                     out_budget -= b;
                     in_budget -= b;
                     cost_budget -= cost;
+                    first = false;
                 }
             }
         }
@@ -272,7 +285,7 @@ impl Summary {
                 if let Some(t) = timings {
                     row.window_ms = t.forward_ms.get(p + 1).copied().or(Some(0.0));
                     row.copy_ms = Some(row.offloaded as f64 / t.out_bytes_per_ms);
-                    row.cost_ms = Some(t.copy_cost_ms(p + 1, row.offloaded));
+                    row.cost_ms = Some(t.copy_cost_ms(p + 1, row.offloaded, row.offloaded > 0));
                 }
                 rows.push(row);
             }

@@ -151,6 +151,23 @@ fn auto_policy_charges_copies_what_they_cost_the_kernels_beside_them() {
     assert!(config.max_overhead(1.5).validate().is_err());
 }
 
+#[test]
+fn auto_policy_charges_each_unit_once_for_the_graphs_that_carry_its_copies() {
+    let n = 1 << 20;
+    let each = 2 * n;
+    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
+    let free = graphed_windows(vec![10.0; 4], vec![20.0; 4], each as f64);
+    // Carrying copies costs each graph 0.5 ms whatever they copy: 1 ms per offloading unit (its
+    // next unit's forward and backward), so 2% of the 120 ms step pays for two units whole.
+    let carrying = Timings { forward_tail_ms: vec![0.5; 4], backward_tail_ms: vec![0.5; 4], ..free };
+    let mut g = layout(4, n);
+    decide(&config, &mut g, Some(&carrying));
+    let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&carrying), &config);
+    let per_unit: Vec<usize> = s.rows.iter().map(|r| r.offloaded).collect();
+    assert_eq!(per_unit, [10 * each, 10 * each, 0, 0], "{s}");
+    assert_eq!(s.expected_cost_ms(), Some(2.0), "{s}");
+}
+
 /// Windows as the probe measures them in graph replays, copies at `rate` bytes per ms each way.
 fn graphed_windows(forward_ms: Vec<f64>, backward_ms: Vec<f64>, rate: f64) -> Timings {
     Timings::new(forward_ms, backward_ms, (rate, rate), Windows::Graphs { replays: 5 })
