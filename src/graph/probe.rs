@@ -142,15 +142,14 @@ fn probe_one(
     previous: &[Tensor],
     execs: &mut Vec<PoolExec>,
 ) -> Result<(PassTimes, Vec<Tensor>)> {
-    let mut outputs = Vec::new();
-    execs.append(&mut capture_passes(plan, options, pool, i, previous, None, &mut outputs)?);
+    let outputs = capture_passes(plan, options, (pool, i, previous), None, execs)?;
     let plain = execs.len();
     let ms = replay(plan, execs, None)?;
     let (mut with, mut tail) = (vec![None; plain], vec![None; plain]);
     if let Some(c) = copies {
         with = replay(plan, execs, Some(c))?;
         // Captured after the plain passes, so replayed after them in the pool's order.
-        execs.append(&mut capture_passes(plan, options, pool, i, previous, Some(c), &mut Vec::new())?);
+        capture_passes(plan, options, (pool, i, previous), Some(c), execs)?;
         tail = replay(plan, execs, None)?.split_off(plain);
     }
     let backward = |v: &[Option<f64>]| v.get(1).copied().flatten().filter(|_| plan.training);
@@ -172,16 +171,15 @@ fn probe_one(
 
 /// Callable `i`'s forward, and in training its backward (and split weight-gradient pass),
 /// captured into `pool` in that order with their capture-time hooks, each with `tail`'s copy in
-/// its graph's tail if given; the forward's outputs go to `outputs`.
+/// its graph's tail if given, their executables pushed to `execs` as they are made (so that a
+/// failure leaves them for the caller to release); returns the forward's outputs.
 fn capture_passes(
     plan: &Plan<'_>,
     options: &mut GraphOptions,
-    pool: &GraphPool,
-    i: usize,
-    previous: &[Tensor],
+    (pool, i, previous): (&GraphPool, usize, &[Tensor]),
     tail: Option<&dyn ProbeCopies>,
-    outputs: &mut Vec<Tensor>,
-) -> Result<Vec<PoolExec>> {
+    execs: &mut Vec<PoolExec>,
+) -> Result<Vec<Tensor>> {
     let (stream, callable, mode) = (plan.stream, plan.callables[i], options.capture_mode);
     let inputs = plan.inputs(i, previous);
     let mut capture = |phases: Option<[Phase; 2]>, pass: Pass, f: &mut dyn FnMut() -> Result<()>| -> Result<PoolExec> {
@@ -200,7 +198,6 @@ fn capture_passes(
         exec.upload(stream)?;
         Ok(exec)
     };
-    let mut execs = Vec::new();
     let mut result = None;
     execs.push(capture(Some([Phase::ForwardPre, Phase::Forward]), Pass::Forward, &mut || {
         result = Some(callable.forward_dyn(&inputs, &KeepOnDevice, stream)?);
@@ -220,8 +217,7 @@ fn capture_passes(
             execs.push(capture(None, Pass::BackwardDw, &mut || callable.backward_dw_dyn(stream))?);
         }
     }
-    *outputs = ys;
-    Ok(execs)
+    Ok(ys)
 }
 
 /// `y` copied into the allocator's cache, on the plan's stream.
