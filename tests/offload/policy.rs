@@ -123,28 +123,37 @@ fn auto_policy_keeps_what_the_graphed_windows_cannot_hide() {
     assert!(s.to_string().contains("graph replays (the median of 5)"), "{s}");
 }
 
+/// The automatic policy with a margin of one over `layout(4, 1 << 20)` (tensors of 2 MiB and
+/// its multiples), and graph windows that each hide ten 2 MiB copies, 1 ms each way: a step of
+/// 4 · 30 = 120 ms. Returns the 2 MiB, the configuration and the windows.
+fn ten_per_window() -> (usize, OffloadConfig, Timings) {
+    let each = 2 << 20;
+    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
+    (each, config, graphed_windows(vec![10.0; 4], vec![20.0; 4], each as f64))
+}
+
+/// What `config` decides for `ten_per_window`'s layout under `t`, summarized.
+fn decided(config: &OffloadConfig, t: &Timings) -> Summary {
+    let mut g = layout(4, 1 << 20);
+    decide(config, &mut g, Some(t));
+    Summary::from_layouts(&[(Default::default(), &g)], Some(t), config)
+}
+
+fn offloaded_per_unit(s: &Summary) -> Vec<usize> {
+    s.rows.iter().map(|r| r.offloaded).collect()
+}
+
 #[test]
 fn auto_policy_charges_copies_what_they_cost_the_kernels_beside_them() {
-    let n = 1 << 20;
-    let each = 2 * n;
-    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
-    // Every window hides ten tensors' copies, 1 ms each way; the step measures 4 · 30 = 120 ms.
-    let free = graphed_windows(vec![10.0; 4], vec![20.0; 4], each as f64);
-    let offloaded_per_unit = |config: &OffloadConfig, t: &Timings| -> Vec<usize> {
-        let mut g = layout(4, n);
-        decide(config, &mut g, Some(t));
-        Summary::from_layouts(&[(Default::default(), &g)], Some(t), config).rows.iter().map(|r| r.offloaded).collect()
-    };
-    assert_eq!(offloaded_per_unit(&config, &free), [10 * each, 10 * each, 10 * each, 0]);
+    let (each, config, free) = ten_per_window();
+    assert_eq!(offloaded_per_unit(&decided(&config, &free)), [10 * each, 10 * each, 10 * each, 0]);
     // Copies that slow the passes beside them by a quarter of their time: each tensor costs
     // 0.25 ms out and 0.25 back, and 2% of the step (2.4 ms) pays for four of them, unit 0's
     // first; with no budget, nothing.
-    let costly = Timings { forward_interference: vec![0.25; 4], backward_interference: vec![0.25; 4], ..free.clone() };
-    assert_eq!(offloaded_per_unit(&config, &costly), [4 * each, 0, 0, 0]);
-    assert_eq!(offloaded_per_unit(&config.clone().max_overhead(0.0), &costly), [0, 0, 0, 0]);
-    let mut g = layout(4, n);
-    decide(&config, &mut g, Some(&costly));
-    let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&costly), &config);
+    let costly = Timings { forward_interference: vec![0.25; 4], backward_interference: vec![0.25; 4], ..free };
+    let s = decided(&config, &costly);
+    assert_eq!(offloaded_per_unit(&s), [4 * each, 0, 0, 0]);
+    assert_eq!(offloaded_per_unit(&decided(&config.clone().max_overhead(0.0), &costly)), [0, 0, 0, 0]);
     assert_eq!(s.expected_cost_ms(), Some(2.0), "{s}");
     assert!(s.to_string().contains("expected cost 2.000 ms, 1.7% of the 120.000 ms step"), "{s}");
     // A share outside [0, 1] is refused.
@@ -153,18 +162,12 @@ fn auto_policy_charges_copies_what_they_cost_the_kernels_beside_them() {
 
 #[test]
 fn auto_policy_charges_each_unit_once_for_the_graphs_that_carry_its_copies() {
-    let n = 1 << 20;
-    let each = 2 * n;
-    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
-    let free = graphed_windows(vec![10.0; 4], vec![20.0; 4], each as f64);
+    let (each, config, free) = ten_per_window();
     // Carrying copies costs each graph 0.5 ms whatever they copy: 1 ms per offloading unit (its
     // next unit's forward and backward), so 2% of the 120 ms step pays for two units whole.
     let carrying = Timings { forward_tail_ms: vec![0.5; 4], backward_tail_ms: vec![0.5; 4], ..free };
-    let mut g = layout(4, n);
-    decide(&config, &mut g, Some(&carrying));
-    let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&carrying), &config);
-    let per_unit: Vec<usize> = s.rows.iter().map(|r| r.offloaded).collect();
-    assert_eq!(per_unit, [10 * each, 10 * each, 0, 0], "{s}");
+    let s = decided(&config, &carrying);
+    assert_eq!(offloaded_per_unit(&s), [10 * each, 10 * each, 0, 0], "{s}");
     assert_eq!(s.expected_cost_ms(), Some(2.0), "{s}");
 }
 
