@@ -13,7 +13,10 @@ graphs replayed back to back as the step replays its layers:
 - side: as tail, each graph also recording an external event after its compute (before the
   join), replayed on a side stream that waits for the caller's stream first, the caller waiting
   for the event: graphed's side-stream replay (where PyTorch has `Event(external=True)`), with
-  and without the copy.
+  and without the copy;
+- which: the side-stream replay with the copy (2 KiB or 4 MiB) in the tails of only some of the
+  eight graphs (the second; the second and third; the second to seventh, as the automatic policy
+  picks at M; all), to tell a cost per copying graph from one per step.
 
 Prints the median of 50 runs of each, in milliseconds, and the copy alone.
 Usage (the GPU machine): python3 bench/graph_copy_placement.py
@@ -26,6 +29,7 @@ import torch
 LAYERS = 8
 RUNS = 50
 COPY_ELEMENTS = 2 * 1024 * 1024  # 4 MiB of bf16
+SMALL_ELEMENTS = 1024  # 2 KiB
 
 
 def main():
@@ -37,6 +41,7 @@ def main():
     w = [torch.randn(*s, device=dev, dtype=bf16) * 0.02 for s in shapes]
     src = torch.randn(COPY_ELEMENTS, device=dev, dtype=bf16)
     host = torch.empty(COPY_ELEMENTS, dtype=bf16, pin_memory=True)
+    small_src, small_host = src[:SMALL_ELEMENTS], host[:SMALL_ELEMENTS]
     main_s, fork, other = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
 
     def layer():
@@ -57,13 +62,16 @@ def main():
     def copy_only():
         host.copy_(src, non_blocking=True)
 
-    def with_tail(compute):
-        """`compute` with the copy on a stream forked before it and joined after it."""
+    def copy_small():
+        small_host.copy_(small_src, non_blocking=True)
+
+    def with_tail(compute, copy=copy_only):
+        """`compute` with `copy` on a stream forked before it and joined after it."""
 
         def body():
             fork.wait_stream(main_s)
             with torch.cuda.stream(fork):
-                copy_only()
+                copy()
             compute()
             main_s.wait_stream(fork)
 
@@ -108,8 +116,11 @@ def main():
                 main_s.wait_stream(other)
 
     def run_side(graph):
+        run_list([graph] * LAYERS)
+
+    def run_list(graphs):
         # The caller's stream is main_s (timed); the graphs replay on side_stream.
-        for _ in range(LAYERS):
+        for graph in graphs:
             side_stream.wait_stream(main_s)
             with torch.cuda.stream(side_stream):
                 graph.replay()
@@ -142,6 +153,23 @@ def main():
         print(f"  side, no copy   {e0:.4f}  (+{(e0 - a) / LAYERS * 1000:.1f} us per layer)")
         print(f"  side, tail copy {e:.4f}  (+{(e - e0) / LAYERS * 1000:.1f} us per layer over side, no copy)")
     print(f"  one 4 MiB copy in a graph alone: {c:.4f} ms")
+    if evented is None:
+        return
+    evented_small = capture(with_tail(with_event, copy_small))
+    print(f"side-stream replay, the copy in some graphs' tails only, median of {RUNS} (over side, no copy):")
+
+    def pattern(copying, graph, first=None):
+        graphs = [graph if k in copying else evented_alone for k in range(LAYERS)]
+        if first is not None:
+            graphs[0] = first
+        return graphs
+
+    for name, copying in [("2nd", {1}), ("2nd-3rd", {1, 2}), ("2nd-7th", set(range(1, 7))), ("all", set(range(LAYERS)))]:
+        big = median(lambda: run_list(pattern(copying, evented)))
+        small = median(lambda: run_list(pattern(copying, evented_small)))
+        print(f"  {name:<8} 4 MiB +{(big - e0) * 1000:.1f} us   2 KiB +{(small - e0) * 1000:.1f} us")
+    warmed = median(lambda: run_list(pattern({1, 2}, evented, first=evented_small)))
+    print(f"  2nd-3rd 4 MiB, a 2 KiB copy in the 1st: +{(warmed - e0) * 1000:.1f} us")
 
 
 if __name__ == "__main__":
