@@ -160,7 +160,8 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     write_json(&args.json, &Report::new("offload", &dev, args.steps, vec![rows]))
 }
 
-/// The rounds each variant's timed steps are split into, the variants taking turns.
+/// The rounds each variant's timed steps are split into, the variants taking turns; the first
+/// round begins with the `--warmup` steps, each later one with one untimed step.
 const ROUNDS: u32 = 4;
 
 /// One variant of a configuration, captured and ready to time: each has an allocator of its
