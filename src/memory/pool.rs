@@ -261,9 +261,9 @@ impl GraphPool {
     }
 
     /// Lends `lent` to the pool, to be handed out only to the captures that its lender is opened
-    /// to ([`GraphPool::open_lent`]). The pool keeps the lender's memory alive and gives it back when none of its graphs can run
-    /// any more and none of its blocks there is held (Note [Lent gradients] in `graph/lend.rs`
-    /// says when that is safe).
+    /// to ([`GraphPool::open_lent`]). The pool keeps the lender's memory alive and gives it back
+    /// when none of its graphs can run any more and none of its blocks there is held (Note [Lent
+    /// gradients] in `graph/lend.rs` says when that is safe).
     pub(crate) fn lend(&self, lent: LentRange) {
         self.alloc.lend(self.id, lent);
     }

@@ -171,8 +171,8 @@ impl OffloadManager {
 
     /// After the warmup, if the automatic policy waits for windows: captures one unit's
     /// candidate copies in graphs, runs the window `probe` with them (beside each pass, and a
-    /// small one in each pass's tail), times the copies alone, decides and freezes. Nothing changes when it fails (the warmup's end
-    /// then forgets the recording).
+    /// small one in each pass's tail), times the copies alone, decides and freezes. Nothing
+    /// changes when it fails (the warmup's end then forgets the recording).
     fn time_windows(&self, stream: &Stream, probe: &mut Probe<'_>) -> Result<()> {
         if !self.inner.lock().awaiting_windows {
             return Ok(());
