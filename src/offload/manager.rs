@@ -344,7 +344,7 @@ impl OffloadManager {
                 }
             }
         }
-        Ok(Timings::new(forward_ms, backward_ms, self.copy_bandwidth(stream)?, Windows::Eager))
+        Ok(Timings::new(forward_ms, backward_ms, self.pinned_copy_rates(stream)?, Windows::Eager))
     }
 
     /// The window probe's graph times per unit (the slowest chunk's), the rate of `copies`
@@ -412,8 +412,12 @@ impl OffloadManager {
         largest
     }
 
-    /// Bytes per millisecond of a pinned copy each way on the copy streams (the best of three).
-    fn copy_bandwidth(&self, stream: &Stream) -> Result<(f64, f64)> {
+    /// Bytes per millisecond of a pinned copy of 64 MiB each way on the manager's copy streams,
+    /// after `stream`'s work (the best of three): the rate an eagerly recorded policy plans with.
+    ///
+    /// # Errors
+    /// Allocation, host-buffer, copy and timing errors.
+    pub fn pinned_copy_rates(&self, stream: &Stream) -> Result<(f64, f64)> {
         let dev = stream.device();
         let len = PROBE_BYTES / 2;
         let host = HostBuffer::new(dev, DType::BF16, len)?;
@@ -425,6 +429,17 @@ impl OffloadManager {
         let out = time(&self.inner.d2h, &|s| host.copy_out(&t, s))?;
         let back = time(&self.inner.h2d, &|s| host.copy_in(&t, s))?;
         Ok((out, back))
+    }
+
+    /// Bytes per millisecond each way of copies of `sizes` bytes each (bf16 tensors), captured in
+    /// one graph on the manager's copy streams as the offload graphs' tails run them, with
+    /// nothing else running (the best of three replays): the rate a policy timed in graphs plans
+    /// with.
+    ///
+    /// # Errors
+    /// Allocation, host-buffer, capture and timing errors.
+    pub fn graph_copy_rates(&self, stream: &Stream, sizes: &[usize]) -> Result<(f64, f64)> {
+        CopyGraphs::new(&self.inner, stream, sizes)?.rates(stream)
     }
 
     /// The frozen policy's summary (`None` before the recording iteration ended).

@@ -12,7 +12,7 @@
 //! ([`ROUNDS`]), so that a drift of the GPU's clock over the run falls on every variant alike
 //! instead of on whichever ran last: an overhead of a few percent is the figure at stake.
 
-use graphed::device::{CaptureMode, DType, Device, DeviceKind, Event, Stream};
+use graphed::device::{DType, Device, DeviceKind, Event, Stream};
 use graphed::graph::{GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::Chunk;
@@ -222,7 +222,7 @@ impl Built {
         let summary = manager.as_ref().and_then(OffloadManager::summary);
         let wall = spread(samples.wall_ms);
         let rates = match (variant, &manager) {
-            (Variant::Listed, Some(m)) if dev.kind() == DeviceKind::Cuda => Some(copy_rates(config, m, &alloc, &main)?),
+            (Variant::Listed, Some(m)) if dev.kind() == DeviceKind::Cuda => Some(copy_rates(config, m, &main)?),
             _ => None,
         };
         let memory = MemoryRow::of(&stats);
@@ -290,21 +290,17 @@ fn leads(
     Ok(Leads { forward: median(fwd), backward: median(bwd), forward_ms: median(fwd_ms), backward_ms: median(bwd_ms) })
 }
 
-/// The pinned peak, and the rate of the first offloaded unit's copies captured in a graph.
-fn copy_rates(
-    config: Config,
-    m: &OffloadManager,
-    alloc: &CachingAllocator,
-    main: &Stream,
-) -> anyhow::Result<CopyRates> {
-    let (peak_out, peak_in) = copy_rate(alloc, main, &[PEAK_BYTES], false)?;
+/// The pinned peak, and the rate of the first offloaded unit's copies captured in a graph, each
+/// as `m` measures them for its policy.
+fn copy_rates(config: Config, m: &OffloadManager, main: &Stream) -> anyhow::Result<CopyRates> {
+    let (peak_out, peak_in) = m.pinned_copy_rates(main)?;
     let layout = m.layout(Chunk::default());
     let first = layout.iter().filter(|g| g.offloaded_bytes() > 0).map(|g| g.pass).min();
     let sizes: Vec<usize> = (layout.iter())
         .filter(|g| Some(g.pass) == first)
         .flat_map(|g| g.tensors.iter().filter(|t| t.offload).map(|t| t.bytes()))
         .collect();
-    let (graph_out, graph_in) = if sizes.is_empty() { (0.0, 0.0) } else { copy_rate(alloc, main, &sizes, true)? };
+    let (graph_out, graph_in) = if sizes.is_empty() { (0.0, 0.0) } else { m.graph_copy_rates(main, &sizes)? };
     let gbps = |bytes_per_ms: f64| bytes_per_ms / 1e6;
     Ok(CopyRates {
         config: config.name,
@@ -313,59 +309,6 @@ fn copy_rates(
         graph_out_gbps: gbps(graph_out),
         graph_in_gbps: gbps(graph_in),
     })
-}
-
-/// The size of the eager copies that measure the pinned peak, each way.
-const PEAK_BYTES: usize = 64 << 20;
-
-/// Bytes per millisecond of pinned copies of `sizes` bytes each, device to host, then host to
-/// device, each way on a copy stream forked from `main` and joined back, as the offload graphs
-/// issue them: eagerly, or `captured` in one graph (its in-graph rate with nothing else
-/// running). The best of three runs.
-fn copy_rate(alloc: &CachingAllocator, main: &Stream, sizes: &[usize], captured: bool) -> anyhow::Result<(f64, f64)> {
-    let dev = main.device();
-    let mut pairs = Vec::with_capacity(sizes.len());
-    for &bytes in sizes {
-        let on_device = alloc.alloc::<u8>(main, bytes)?;
-        main.memset(&on_device, 0)?;
-        pairs.push((dev.alloc_pinned::<u8>(bytes)?, on_device));
-    }
-    main.synchronize()?;
-    let total = sizes.iter().sum::<usize>() as f64;
-    let copy = dev.stream()?;
-    let forked = |copies: &dyn Fn() -> graphed::Result<()>| -> graphed::Result<()> {
-        copy.wait_stream(main)?;
-        copies()?;
-        main.wait_stream(&copy)
-    };
-    let rate = |copies: &dyn Fn() -> graphed::Result<()>| -> anyhow::Result<f64> {
-        if !captured {
-            return Ok(total / fastest_of_three(main, &|| forked(copies))?);
-        }
-        // A pool of its own: the graph replays three times in a row.
-        let cap = alloc.capture(main, CaptureMode::ThreadLocal, &alloc.new_pool())?;
-        forked(copies)?;
-        let exec = cap.finish()?.instantiate()?;
-        Ok(total / fastest_of_three(main, &|| exec.launch(main))?)
-    };
-    let out = rate(&|| pairs.iter().try_for_each(|(host, d)| copy.copy_d2h(d, host.view())))?;
-    let back = rate(&|| pairs.iter().try_for_each(|(host, d)| copy.copy_h2d(host.view(), d)))?;
-    Ok((out, back))
-}
-
-/// The milliseconds of the fastest of three runs of `work` on `stream`, each between two events
-/// (never below a nanosecond, so that rates stay finite).
-fn fastest_of_three(stream: &Stream, work: &dyn Fn() -> graphed::Result<()>) -> anyhow::Result<f64> {
-    let (start, end) = (stream.device().timing_event()?, stream.device().timing_event()?);
-    let mut times = Vec::with_capacity(3);
-    for _ in 0..3 {
-        stream.record(&start)?;
-        work()?;
-        stream.record(&end)?;
-        end.synchronize()?;
-        times.push(f64::from(start.elapsed_ms(&end)?));
-    }
-    Ok(spread(times).min.max(1e-6))
 }
 
 fn print_row(r: &OffloadRow) {
