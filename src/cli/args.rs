@@ -615,7 +615,7 @@ pub enum BenchCommand {
     /// Activation offloading inside the graphs: device memory saved, step-time overhead against
     /// graphed-side, copy rates against the pinned peak, how early the caller resumes (BENCH.md's
     /// configurations; M and L are the ones the goals name).
-    Offload(GraphsBenchArgs),
+    Offload(OffloadBenchArgs),
     /// The largest batch, and separately the largest layer count, whose training step fits a
     /// device-memory budget (peak reserved bytes, graph pools and cache together), graphed with
     /// and without activation offloading, each with its step time (compare with
@@ -654,7 +654,7 @@ impl BenchCommand {
             BenchCommand::Attention(a) => &a.json,
             BenchCommand::Layer(a) => &a.json,
             BenchCommand::Graphs(a) => &a.bench.json,
-            BenchCommand::Offload(a) => &a.json,
+            BenchCommand::Offload(a) => &a.bench.json,
             BenchCommand::Memory(a) => &a.json,
             BenchCommand::Schedule(a) => &a.json,
             BenchCommand::Parallel(a) => &a.json,
@@ -699,6 +699,20 @@ pub struct GraphsBenchArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+}
+
+/// `bench offload`: the step with and without offloading, and the automatic policy under each
+/// budget asked for.
+#[derive(Args, Debug, Clone)]
+pub struct OffloadBenchArgs {
+    #[command(flatten)]
+    pub bench: GraphsBenchArgs,
+    /// More variants of the automatic policy, comma-separated, one per budget: the most step time
+    /// its copies may cost, in percent of the measured step (`OffloadConfig::max_overhead`; the
+    /// `graphed-offload-auto` variant's is the default, 2). They are captured and timed with the
+    /// others, in the same rounds.
+    #[arg(long = "max-overhead", value_delimiter = ',', value_parser = parse_percent)]
+    pub max_overhead: Vec<f64>,
 }
 
 /// `bench graphs`: the step of each configuration in each variant asked for.
@@ -936,6 +950,14 @@ pub enum MemoryVariant {
 }
 
 /// A byte count with an optional binary unit (`24GiB`, `512MiB`, `4096`): a `--budget`.
+/// A percentage from 0 to 100, as a share (`1.5` is 0.015).
+fn parse_percent(text: &str) -> Result<f64, String> {
+    match text.trim().trim_end_matches('%').parse::<f64>() {
+        Ok(p) if (0.0..=100.0).contains(&p) => Ok(p / 100.0),
+        _ => Err(format!("`{text}` is not a percentage from 0 to 100 (say 1.5 or 1.5%)")),
+    }
+}
+
 fn parse_bytes(text: &str) -> Result<usize, String> {
     let text = text.trim();
     let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());

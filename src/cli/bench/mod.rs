@@ -113,11 +113,11 @@ struct Case {
     /// cuDNN's attention backward scratch limit in every layer (`--scratch-limit-mib`), if set.
     #[serde(skip_serializing_if = "Option::is_none")]
     scratch_limit_mib: Option<usize>,
-    variant: &'static str,
+    variant: String,
 }
 
 impl Case {
-    fn new(config: crate::cli::bench_model::Config, dtype: impl std::fmt::Display, variant: &'static str) -> Case {
+    fn new(config: crate::cli::bench_model::Config, dtype: impl std::fmt::Display, variant: impl Into<String>) -> Case {
         let crate::cli::bench_model::Config {
             name,
             dim,
@@ -144,7 +144,7 @@ impl Case {
             recompute,
             lend_gradients,
             scratch_limit_mib,
-            variant,
+            variant: variant.into(),
         }
     }
 }

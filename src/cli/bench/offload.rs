@@ -1,7 +1,8 @@
 //! `graphed bench offload`: `bench graphs`' training step replayed on a side stream without
 //! offloading (graphed-side, the baseline), with the default sites offloaded inside the graphs
 //! (graphed-offload) and with the automatic policy filling the whole measured window (its
-//! default) and 80% of it (graphed-offload-auto, graphed-offload-auto-0.8). Per variant: the step
+//! default) and 80% of it (graphed-offload-auto, graphed-offload-auto-0.8), and under each budget
+//! `--max-overhead` asks for (graphed-offload-auto-max1%, say). Per variant: the step
 //! time and its overhead against the baseline, the graph pool's peak (the device memory saved,
 //! against the policy's expectation) and the reserved peak (pools and cache), each pass's time
 //! with its tails (the copies), and how early the caller resumes before the tails end; per
@@ -21,24 +22,27 @@ use serde::Serialize;
 
 use super::graphs::{graphed_step, measure, Samples};
 use super::{spread, write_json, Case, MemoryRow, Report, Spread};
-use crate::cli::args::{BenchInput, GraphsBenchArgs};
+use crate::cli::args::{BenchInput, GraphsBenchArgs, OffloadBenchArgs};
 use crate::cli::bench_model::{BenchModel, Config};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 enum Variant {
     Side,
     Listed,
     Auto,
     AutoPartial,
+    /// The automatic policy with this `max_overhead` (a share of the step).
+    AutoWithin(f64),
 }
 
 impl Variant {
-    fn name(self) -> &'static str {
+    fn name(self) -> String {
         match self {
-            Variant::Side => "graphed-side",
-            Variant::Listed => "graphed-offload",
-            Variant::Auto => "graphed-offload-auto",
-            Variant::AutoPartial => "graphed-offload-auto-0.8",
+            Variant::Side => "graphed-side".into(),
+            Variant::Listed => "graphed-offload".into(),
+            Variant::Auto => "graphed-offload-auto".into(),
+            Variant::AutoPartial => "graphed-offload-auto-0.8".into(),
+            Variant::AutoWithin(share) => format!("graphed-offload-auto-max{}%", 100.0 * share),
         }
     }
 
@@ -47,8 +51,13 @@ impl Variant {
             Variant::Side => None,
             Variant::Listed => Some(OffloadConfig::default()),
             Variant::Auto => Some(automatic()),
-            Variant::AutoPartial => Variant::Auto.config().map(|c| c.slack(0.8)),
+            Variant::AutoPartial => Some(automatic().slack(0.8)),
+            Variant::AutoWithin(share) => Some(automatic().max_overhead(share)),
         }
+    }
+
+    fn automatic(self) -> bool {
+        matches!(self, Variant::Auto | Variant::AutoPartial | Variant::AutoWithin(_))
     }
 }
 
@@ -110,7 +119,8 @@ struct Rows {
     copies: Vec<CopyRates>,
 }
 
-pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
+pub fn run(offload: &OffloadBenchArgs) -> anyhow::Result<()> {
+    let args = &offload.bench;
     let dev = super::open_timing_device(&args.device, "offload", "--configs tiny")?;
     let configs = args.configs(&dev)?;
     let dtype = args.dtype.resolve(&dev)?;
@@ -119,8 +129,9 @@ pub fn run(args: &GraphsBenchArgs) -> anyhow::Result<()> {
     for &config in &configs {
         println!("{config}, {dtype}");
         let mut built = Vec::new();
-        for variant in [Variant::Side, Variant::Listed, Variant::Auto, Variant::AutoPartial] {
-            if matches!(variant, Variant::Auto | Variant::AutoPartial) && !on_gpu {
+        let within = offload.max_overhead.iter().map(|&share| Variant::AutoWithin(share));
+        for variant in [Variant::Side, Variant::Listed, Variant::Auto, Variant::AutoPartial].into_iter().chain(within) {
+            if variant.automatic() && !on_gpu {
                 println!("  {:<22} skipped: the automatic policy needs the GPU's clock", variant.name());
                 continue;
             }
