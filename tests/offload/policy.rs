@@ -78,7 +78,11 @@ fn small_tensors_and_the_budget_stay_on_the_device() {
 fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
     let n = 1 << 20;
     let each = (2 * n) as f64;
-    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
+    let config = OffloadConfig::default()
+        .policy(Policy::Auto)
+        .sites(&graphed::offload::AUTO_CANDIDATES)
+        .margin(1)
+        .max_overhead(0.02);
     // The next unit's forward hides 10 tensors' worth of copy out, its backward 20 of copy back.
     let timings = graphed_windows(vec![10.0; 3], vec![20.0; 3], each);
     let mut g = layout(3, n);
@@ -109,7 +113,11 @@ fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
 fn auto_policy_keeps_what_the_graphed_windows_cannot_hide() {
     let n = 1 << 20;
     let each = 2 * n;
-    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
+    let config = OffloadConfig::default()
+        .policy(Policy::Auto)
+        .sites(&graphed::offload::AUTO_CANDIDATES)
+        .margin(1)
+        .max_overhead(0.02);
     // Windows as the probe measures them in graph replays: unit 1's forward hides two tensors'
     // copies, unit 2's none, unit 3's ten.
     let timings = graphed_windows(vec![10.0, 2.0, 0.0, 10.0], vec![20.0; 4], each as f64);
@@ -123,12 +131,16 @@ fn auto_policy_keeps_what_the_graphed_windows_cannot_hide() {
     assert!(s.to_string().contains("graph replays (the median of 5)"), "{s}");
 }
 
-/// The automatic policy with a margin of one over `layout(4, 1 << 20)` (tensors of 2 MiB and
-/// its multiples), and graph windows that each hide ten 2 MiB copies, 1 ms each way: a step of
-/// 4 · 30 = 120 ms. Returns the 2 MiB, the configuration and the windows.
+/// The automatic policy with a margin of one and a 2% budget over `layout(4, 1 << 20)` (tensors
+/// of 2 MiB and its multiples), and graph windows that each hide ten 2 MiB copies, 1 ms each way:
+/// a step of 4 · 30 = 120 ms. Returns the 2 MiB, the configuration and the windows.
 fn ten_per_window() -> (usize, OffloadConfig, Timings) {
     let each = 2 << 20;
-    let config = OffloadConfig::default().policy(Policy::Auto).sites(&graphed::offload::AUTO_CANDIDATES).margin(1);
+    let config = OffloadConfig::default()
+        .policy(Policy::Auto)
+        .sites(&graphed::offload::AUTO_CANDIDATES)
+        .margin(1)
+        .max_overhead(0.02);
     (each, config, graphed_windows(vec![10.0; 4], vec![20.0; 4], each as f64))
 }
 
