@@ -73,6 +73,12 @@ struct Probe {
     fits: bool,
     peak_reserved_bytes: usize,
     peak_allocated_bytes: usize,
+    /// The same peaks of the cache outside graph pools, and of the graph pools (the sum of each
+    /// pool's): where the reserved bytes beyond the allocated ones are.
+    cache_peak_reserved_bytes: usize,
+    cache_peak_allocated_bytes: usize,
+    pools_peak_reserved_bytes: usize,
+    pools_peak_allocated_bytes: usize,
     /// Median wall time of a step.
     wall_ms: f64,
     /// Bytes copied to host memory per step.
@@ -148,12 +154,18 @@ fn search_variant(
     let probes = largest_fitting(args.budget, free, &mut |n| {
         let p = probe(dev, (sized(n), dtype, n), variant, (args.warmup, args.steps), args.budget)?;
         println!(
-            "    {} {:<6} {n:>5}: peak reserved {} ({}), {:.3} ms",
+            "    {} {:<6} {n:>5}: peak reserved {} ({}), {:.3} ms; peak allocated {}; cache {} reserved, {} allocated; \
+             pools {} reserved, {} allocated",
             variant.name(),
             search.name(),
             gib(p.peak_reserved_bytes),
             if p.fits { "fits" } else { "over" },
-            p.wall_ms
+            p.wall_ms,
+            gib(p.peak_allocated_bytes),
+            gib(p.cache_peak_reserved_bytes),
+            gib(p.cache_peak_allocated_bytes),
+            gib(p.pools_peak_reserved_bytes),
+            gib(p.pools_peak_allocated_bytes),
         );
         Ok(p)
     })?;
@@ -245,12 +257,17 @@ fn probe(
     let on_side = manager.is_some().then_some((&side, &event));
     let timed = time_graphed(dev, (&alloc, &main), &model, on_side, manager.as_ref(), (warmup, steps))?;
     alloc.synchronize()?;
-    let total = alloc.stats().total;
+    let stats = alloc.stats();
+    let (total, pools) = (&stats.total, stats.pools.iter().map(|(_, s)| s));
     Ok(Probe {
         size,
         fits: total.peak_reserved <= budget,
         peak_reserved_bytes: total.peak_reserved,
         peak_allocated_bytes: total.peak_allocated,
+        cache_peak_reserved_bytes: stats.default.peak_reserved,
+        cache_peak_allocated_bytes: stats.default.peak_allocated,
+        pools_peak_reserved_bytes: pools.clone().map(|s| s.peak_reserved).sum(),
+        pools_peak_allocated_bytes: pools.map(|s| s.peak_allocated).sum(),
         wall_ms: spread(timed.samples.wall_ms).median,
         offloaded_bytes: manager.as_ref().and_then(OffloadManager::summary).map_or(0, |s| s.offloaded_bytes()),
     })
@@ -310,6 +327,10 @@ mod tests {
                 fits: peak <= budget,
                 peak_reserved_bytes: peak,
                 peak_allocated_bytes: peak,
+                cache_peak_reserved_bytes: peak,
+                cache_peak_allocated_bytes: peak,
+                pools_peak_reserved_bytes: 0,
+                pools_peak_allocated_bytes: 0,
                 wall_ms: size as f64,
                 offloaded_bytes: 0,
             })
