@@ -680,11 +680,8 @@ pub struct GraphsBenchArgs {
     pub lend: LendArgs,
     #[command(flatten)]
     pub configs: ConfigsArgs,
-    /// The most MiB of `T × T` scratch cuDNN's deterministic attention backward keeps at once,
-    /// in every layer; 0 runs every attention backward on graphed's kernels under the automatic
-    /// backend (default: the call's operands' size, at least 64 MiB).
-    #[arg(long = "scratch-limit-mib", value_parser = clap::value_parser!(u32).range(0..=1 << 20))]
-    pub scratch_limit_mib: Option<u32>,
+    #[command(flatten)]
+    pub scratch: ScratchArgs,
     /// Timed steps per variant (median, min and max are reported).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub steps: u32,
@@ -713,6 +710,23 @@ pub struct OffloadBenchArgs {
     /// others, in the same rounds.
     #[arg(long = "max-overhead", value_delimiter = ',', value_parser = parse_percent)]
     pub max_overhead: Vec<f64>,
+}
+
+/// The scratch of cuDNN's attention backward in the models the benchmarks build.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct ScratchArgs {
+    /// The most MiB of `T × T` scratch cuDNN's deterministic attention backward keeps at once,
+    /// in every layer; 0 runs every attention backward on graphed's kernels under the automatic
+    /// backend (default: the call's operands' size, at least 64 MiB).
+    #[arg(long = "scratch-limit-mib", value_parser = clap::value_parser!(u32).range(0..=1 << 20))]
+    pub scratch_limit_mib: Option<u32>,
+}
+
+impl ScratchArgs {
+    /// The limit in bytes, if one was given.
+    pub fn bytes(&self) -> Option<usize> {
+        self.scratch_limit_mib.map(|mib| (mib as usize) << 20)
+    }
 }
 
 /// `bench graphs`: the step of each configuration in each variant asked for.
@@ -779,10 +793,9 @@ impl GraphsBenchArgs {
     pub fn configs(&self, dev: &graphed::device::Device) -> anyhow::Result<Vec<super::bench_model::Config>> {
         let (recompute, lend) = (self.recompute.recompute(), self.lend.lend_gradients);
         let configs = self.configs.resolve(dev, self.attention)?;
-        let scratch = self.scratch_limit_mib.map(|mib| (mib as usize) << 20);
         Ok(configs
             .into_iter()
-            .map(|c| c.with_recompute(recompute).with_lending(lend).with_scratch_limit(scratch))
+            .map(|c| c.with_recompute(recompute).with_lending(lend).with_scratch_limit(self.scratch.bytes()))
             .collect())
     }
 }
@@ -899,6 +912,8 @@ pub struct MemoryBenchArgs {
     pub attention: AttentionArgs,
     #[command(flatten)]
     pub lend: LendArgs,
+    #[command(flatten)]
+    pub scratch: ScratchArgs,
     /// The BENCH.md configuration whose width and sequence length the searches keep (`tiny` on
     /// the simulator).
     #[arg(long, ignore_case = true, value_parser = super::bench_model::CONFIG_NAMES, default_value = "L")]

@@ -106,7 +106,9 @@ struct SearchRow {
 
 pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
     let dev = super::open_timing_device(&args.device, "memory", "--config tiny")?;
-    let config = Config::named(&args.config)?.with_attention(args.attention).with_lending(args.lend.lend_gradients);
+    let config = (Config::named(&args.config)?.with_attention(args.attention))
+        .with_lending(args.lend.lend_gradients)
+        .with_scratch_limit(args.scratch.bytes());
     config.check_device(&dev, "--config")?;
     let dtype = args.dtype.resolve(&dev)?;
     let (free, _) = dev.memory_info()?;
