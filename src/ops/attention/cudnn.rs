@@ -28,14 +28,24 @@ pub const CUDNN_SEQ_MULTIPLE: usize = 128;
 /// costs a fixed time, so the limit is as large as leaves the peak alone: at L, half the operands
 /// (eight chunks) and the operands (four) left the step's peak reserved memory where the
 /// kernels' backward has it, twice them (two) raised it by 512 MiB
-/// (`bench/results/2026-12-05-h100-attention-chunks-ad8e278.txt`).
+/// (`bench/results/2026-12-05-h100-attention-chunks-ad8e278.txt`). It stops growing at
+/// [`MAX_SCRATCH_LIMIT`].
 pub fn default_scratch_limit(pairs: usize, seq: usize, hd: usize) -> usize {
     let operands = 8 * pairs * seq * hd * DType::BF16.size();
-    operands.max(MIN_SCRATCH_LIMIT)
+    operands.clamp(MIN_SCRATCH_LIMIT, MAX_SCRATCH_LIMIT)
 }
 
 /// The least [`default_scratch_limit`]: a short call's scratch, below this, is never chunked.
 pub const MIN_SCRATCH_LIMIT: usize = 64 << 20;
+
+/// The most [`default_scratch_limit`]. A larger scratch block does not fit where the layer's
+/// backward has freed memory, and the reservation grows by about its size: at L's width and
+/// 2048 tokens near 24 GiB, graphed's batches whose scratch was 1.5 or 2 GiB (18, 20) reserved
+/// 1.8 and 1.9 GiB beyond their allocated peak, its prime batches (0.5 GiB of scratch) 0.4, and
+/// batch 20 under this limit 0.1 (`bench/results/2026-12-06-h100-memory-parts-08574da.txt`,
+/// `…-h200-memory-scratch-289ed41.txt`). The price is executions (about 74 µs each): a batch of
+/// 18 runs nine a layer instead of six.
+pub const MAX_SCRATCH_LIMIT: usize = 1 << 30;
 
 /// The bytes of `T × T` scratch cuDNN's deterministic backward keeps per pair.
 fn scratch_per_pair(seq: usize) -> usize {
@@ -288,7 +298,7 @@ mod tests {
     }
 
     #[test]
-    fn the_default_limit_chunks_only_what_outgrows_the_operands() {
+    fn the_default_limit_chunks_what_outgrows_the_operands_or_a_gibibyte() {
         // M's attention (4 × 16 pairs of 512 tokens): 32 MiB of scratch, one execution.
         let m = heads(4, 16, 512);
         let limit = default_scratch_limit(m.pairs, m.seq, m.hd);
@@ -299,6 +309,12 @@ mod tests {
         let limit = default_scratch_limit(l.pairs, l.seq, l.hd);
         assert_eq!(limit, 256 << 20);
         assert_eq!(Chunk::within(&l, limit), Some(Chunk { batch: 1, heads: 32 }));
+        // A batch of 18 at L's shape: 2.25 GiB of operands, but executions of at most 1 GiB,
+        // two whole sequences each.
+        let large = heads(18, 64, 2048);
+        let limit = default_scratch_limit(large.pairs, large.seq, large.hd);
+        assert_eq!(limit, MAX_SCRATCH_LIMIT);
+        assert_eq!(Chunk::within(&large, limit), Some(Chunk { batch: 2, heads: 64 }));
         // One pair of 8192 tokens keeps 128 MiB: more than the limit, so no chunk fits.
         let long = heads(1, 1, 8192);
         assert_eq!(Chunk::within(&long, default_scratch_limit(1, 8192, 64)), None);
