@@ -187,33 +187,37 @@ fn search_variant(
 /// The largest batch or layer count a search probes.
 const MAX_SIZE: usize = 1 << 16;
 
-/// Probes sizes from 1 up until the largest whose peak fits `budget` is bracketed by one that
-/// does not, and returns every probe. The next size is the secant's guess through the last two
-/// probes, kept strictly inside the bracket and, while no probe has failed, below the size the
-/// guess expects to reserve `limit` (the device's free memory), so that no probe runs out.
+/// Probes sizes from 1 up until the largest whose peak fits `budget` is followed by two sizes
+/// that do not, and returns every probe. The second is probed because the reserved peak need not
+/// grow with the size: a larger block (cuDNN's scratch, whose executions take a divisor of the
+/// batch) can leave more memory unusable at one size than at the next. The next size is the
+/// secant's guess through the last two probes, kept strictly inside the bracket and, while no
+/// probe has failed, below the size the guess expects to reserve `limit` (the device's free
+/// memory), so that no probe runs out.
 fn largest_fitting(
     budget: usize,
     limit: usize,
     probe: &mut dyn FnMut(usize) -> anyhow::Result<Probe>,
 ) -> anyhow::Result<Vec<Probe>> {
     let mut probes: Vec<Probe> = Vec::new();
-    let (mut fits, mut over): (usize, Option<usize>) = (0, None);
     let mut next = 1;
     loop {
-        let p = probe(next)?;
-        if p.fits {
-            fits = fits.max(p.size);
-        } else {
-            over = Some(over.map_or(p.size, |o| o.min(p.size)));
-        }
-        probes.push(p);
-        if fits == 0 && over.is_some() || over == Some(fits + 1) || fits >= MAX_SIZE {
+        probes.push(probe(next)?);
+        let fits = probes.iter().filter(|p| p.fits).map(|p| p.size).max().unwrap_or(0);
+        let over = |size: usize| probes.iter().any(|p| p.size == size && !p.fits);
+        // The smallest size above the largest that fits that does not.
+        let above = probes.iter().filter(|p| !p.fits && p.size > fits).map(|p| p.size).min();
+        if fits == 0 && above.is_some() || over(fits + 1) && over(fits + 2) || fits >= MAX_SIZE {
             return Ok(probes);
+        }
+        if above == Some(fits + 1) {
+            next = (fits + 2).min(MAX_SIZE);
+            continue;
         }
         let guess = |target: usize| secant(&probes, target);
         // A flat line (reserved memory grows in segments) says nothing: double instead.
         let mut n = guess(budget).unwrap_or(2 * fits).max(fits + 1);
-        match over {
+        match above {
             Some(o) => n = n.min(o - 1),
             None => {
                 let safe = guess(limit).unwrap_or(usize::MAX);
@@ -348,8 +352,27 @@ mod tests {
         let mut p = affine(3000, 100, 10_000);
         let probes = largest_fitting(10_000, usize::MAX, &mut p).unwrap();
         assert_eq!(largest(&probes), Some(70));
-        assert!(probes.iter().any(|p| p.size == 71 && !p.fits), "the boundary is shown by a failing probe");
-        assert!(probes.len() <= 4, "{} probes", probes.len());
+        let failed: Vec<usize> = probes.iter().filter(|p| !p.fits).map(|p| p.size).collect();
+        assert!(
+            failed.contains(&71) && failed.contains(&72),
+            "the boundary is shown by two failing probes: {failed:?}"
+        );
+        assert!(probes.len() <= 5, "{} probes", probes.len());
+    }
+
+    #[test]
+    fn a_size_that_reserves_more_than_the_next_does_not_end_the_search() {
+        // Even sizes reserve 450 more than their neighbours (a larger scratch block): 16 and 18
+        // are over while 17 and 19 fit; 20 and 21 are over.
+        let mut probe = |size: usize| {
+            let bump = if size % 2 == 0 { 450 } else { 0 };
+            let mut p = affine(1000 + 100 * size + bump, 0, 3_000)(size)?;
+            p.peak_allocated_bytes = 1000 + 100 * size;
+            Ok(p)
+        };
+        let probes = largest_fitting(3_000, usize::MAX, &mut probe).unwrap();
+        assert_eq!(largest(&probes), Some(19), "{:?}", probes.iter().map(|p| (p.size, p.fits)).collect::<Vec<_>>());
+        assert!(probes.iter().any(|p| !p.fits && p.size < 19), "the search went past a size that was over");
     }
 
     #[test]

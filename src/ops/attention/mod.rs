@@ -69,7 +69,9 @@ use crate::tensor::Tensor;
 use crate::{Error, Result};
 pub use backend::{AttentionBackend, AttentionRun};
 use cudnn::Choice;
-pub use cudnn::{cudnn_refusal, default_scratch_limit, CUDNN_HEAD_DIMS, CUDNN_SEQ_MULTIPLE, MIN_SCRATCH_LIMIT};
+pub use cudnn::{
+    cudnn_refusal, default_scratch_limit, CUDNN_HEAD_DIMS, CUDNN_SEQ_MULTIPLE, MAX_SCRATCH_LIMIT, MIN_SCRATCH_LIMIT,
+};
 use tiles::{launch_dims, Pass};
 
 const SOURCE: &str = concat!(include_str!("../float.cu"), include_str!("../rng.cu"), include_str!("../attention.cu"));
