@@ -365,7 +365,7 @@ mod tests {
         // Even sizes reserve 450 more than their neighbours (a larger scratch block): 16 and 18
         // are over while 17 and 19 fit; 20 and 21 are over.
         let mut probe = |size: usize| {
-            let bump = if size % 2 == 0 { 450 } else { 0 };
+            let bump = if size.is_multiple_of(2) { 450 } else { 0 };
             let mut p = affine(1000 + 100 * size + bump, 0, 3_000)(size)?;
             p.peak_allocated_bytes = 1000 + 100 * size;
             Ok(p)
