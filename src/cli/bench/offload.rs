@@ -42,7 +42,8 @@ impl Variant {
             Variant::Listed => "graphed-offload".into(),
             Variant::Auto => "graphed-offload-auto".into(),
             Variant::AutoPartial => "graphed-offload-auto-0.8".into(),
-            Variant::AutoWithin(share) => format!("graphed-offload-auto-max{}%", 100.0 * share),
+            // Rounded so that 7% reads `7%`, not its binary neighbour's digits.
+            Variant::AutoWithin(share) => format!("graphed-offload-auto-max{}%", (1e6 * share).round() / 1e4),
         }
     }
 
