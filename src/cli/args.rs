@@ -706,7 +706,7 @@ pub struct OffloadBenchArgs {
     pub bench: GraphsBenchArgs,
     /// More variants of the automatic policy, comma-separated, one per budget: the most step time
     /// its copies may cost, in percent of the measured step (`OffloadConfig::max_overhead`; the
-    /// `graphed-offload-auto` variant's is the default, 2). They are captured and timed with the
+    /// `graphed-offload-auto` variant's is the default, 1). They are captured and timed with the
     /// others, in the same rounds.
     #[arg(long = "max-overhead", value_delimiter = ',', value_parser = parse_percent)]
     pub max_overhead: Vec<f64>,
@@ -964,7 +964,6 @@ pub enum MemoryVariant {
     GraphedRecomputeOffloadAuto,
 }
 
-/// A byte count with an optional binary unit (`24GiB`, `512MiB`, `4096`): a `--budget`.
 /// A percentage from 0 to 100, as a share (`1.5` is 0.015).
 fn parse_percent(text: &str) -> Result<f64, String> {
     match text.trim().trim_end_matches('%').parse::<f64>() {
@@ -973,6 +972,7 @@ fn parse_percent(text: &str) -> Result<f64, String> {
     }
 }
 
+/// A byte count with an optional binary unit (`24GiB`, `512MiB`, `4096`): a `--budget`.
 fn parse_bytes(text: &str) -> Result<usize, String> {
     let text = text.trim();
     let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());

@@ -207,11 +207,12 @@ fn largest_fitting(
         let over = |size: usize| probes.iter().any(|p| p.size == size && !p.fits);
         // The smallest size above the largest that fits that does not.
         let above = probes.iter().filter(|p| !p.fits && p.size > fits).map(|p| p.size).min();
-        if fits == 0 && above.is_some() || over(fits + 1) && over(fits + 2) || fits >= MAX_SIZE {
+        let confirmed = over(fits + 1) && (over(fits + 2) || fits + 2 > MAX_SIZE);
+        if fits == 0 && above.is_some() || confirmed || fits >= MAX_SIZE {
             return Ok(probes);
         }
         if above == Some(fits + 1) {
-            next = (fits + 2).min(MAX_SIZE);
+            next = fits + 2;
             continue;
         }
         let guess = |target: usize| secant(&probes, target);
@@ -385,6 +386,16 @@ mod tests {
         let probes = largest_fitting(20_000, usize::MAX, &mut probe).unwrap();
         assert_eq!(largest(&probes), Some(55));
         assert!(probes.iter().any(|p| p.size == 56 && !p.fits));
+    }
+
+    #[test]
+    fn a_boundary_at_the_largest_size_ends_the_search() {
+        // Every size below the largest probed fits, the largest does not: there is no size after
+        // it to confirm the boundary with.
+        let mut p = affine(0, 1, MAX_SIZE - 1);
+        let probes = largest_fitting(MAX_SIZE - 1, usize::MAX, &mut p).unwrap();
+        assert_eq!(largest(&probes), Some(MAX_SIZE - 1));
+        assert!(probes.iter().any(|p| p.size == MAX_SIZE && !p.fits));
     }
 
     #[test]
