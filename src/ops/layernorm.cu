@@ -194,13 +194,15 @@ __device__ void layernorm_forward(T* out, float* mean, float* rstd, const T* inp
 
 // Four blocks of LN_FWD_BLOCK threads per SM at most 64 registers a thread: the ring holds the
 // rows in flight, so more blocks would add no bytes in flight, only registers.
-extern "C" __global__ __launch_bounds__(LN_FWD_BLOCK, 4) void layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
+extern "C" __global__ __launch_bounds__(LN_FWD_BLOCK, 4) void layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias, float eps, unsigned rows, unsigned C, unsigned G);
+extern "C" __global__ void layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
                                                  const float* weight, const float* bias, float eps, unsigned rows,
                                                  unsigned C, unsigned G) {
     layernorm_forward<float>(out, mean, rstd, inp, weight, bias, eps, rows, C, G);
 }
 
-extern "C" __global__ __launch_bounds__(LN_FWD_BLOCK, 4) void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* inp,
+extern "C" __global__ __launch_bounds__(LN_FWD_BLOCK, 4) void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight, const bf16* bias, float eps, unsigned rows, unsigned C, unsigned G);
+extern "C" __global__ void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* inp,
                                                   const bf16* weight, const bf16* bias, float eps, unsigned rows,
                                                   unsigned C, unsigned G) {
     layernorm_forward<bf16>(out, mean, rstd, inp, weight, bias, eps, rows, C, G);

@@ -42,16 +42,13 @@ struct Loaded {
     modules: HashMap<&'static str, Arc<CudaModule>>,
     /// Kernel names by [`Function::key`], for graph introspection.
     names: HashMap<usize, &'static str>,
-    /// The dynamic shared memory each function has been allowed beyond the default 48 KiB, by
+    /// The dynamic shared memory each function has been allowed (opted into), by
     /// [`Function::key`].
     shared: HashMap<usize, u32>,
     /// Blocks per SM at once (`cuOccupancyMaxActiveBlocksPerMultiprocessor`), by function key,
     /// threads per block and dynamic shared memory: asked once, for grid-stride launches.
     resident: HashMap<(usize, u32, u32), u32>,
 }
-
-/// Dynamic shared memory a launch may use without opting in.
-const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
 
 impl Kernels {
     pub(super) fn new(ctx: Arc<CudaContext>, compiler: Compiler) -> Result<Kernels> {
@@ -138,7 +135,10 @@ impl Kernels {
         Ok(f)
     }
 
-    /// Raises `func`'s dynamic shared memory limit to `bytes` unless an earlier launch did.
+    /// Raises `func`'s dynamic shared memory limit to `bytes` unless an earlier launch did. Every
+    /// launch with dynamic shared memory opts in, not only those above the 48 KiB a launch gets
+    /// without: that limit counts the kernel's static shared memory too, so 48 KiB of dynamic
+    /// memory beside a few bytes of static is already beyond it.
     fn allow_shared(&self, func: Function, name: &'static str, bytes: u32, on: CaptureSite) -> Result<()> {
         let mut loaded = self.lock();
         if loaded.shared.get(&func.key()).is_some_and(|&allowed| allowed >= bytes) {
@@ -160,7 +160,7 @@ impl Kernels {
     ) -> Result<()> {
         let on = CaptureSite::Stream(stream.id);
         let (func, dims) = self.launchable(kernel, dims, on)?;
-        if dims.shared_mem_bytes > DEFAULT_DYNAMIC_SHARED {
+        if dims.shared_mem_bytes > 0 {
             self.allow_shared(func, kernel.name, dims.shared_mem_bytes, on)?;
         }
         let n = args.len();
