@@ -1,9 +1,8 @@
 // Fused causal attention (FlashAttention-2, Dao 2023): forward, the row dot products D = rowsum(dO∘O),
 // and a backward in two kernels, in f32 (SIMT, tiles in shared memory) and bf16 (tensor cores through
-// inline PTX: mma.sync m16n8k16, ldmatrix, cp.async). Compiled after float.cu (bf16, conversions),
-// async_copy.cu (cp.async) and rng.cu (philox_block). docs/attention-kernels.md describes tiles,
-// layouts and limits; tiles.rs computes the launch geometry, whose constants must match the ones
-// here (ATTN_* below).
+// inline PTX: mma.sync m16n8k16, ldmatrix, cp.async). Compiled after float.cu (bf16, conversions) and
+// rng.cu (philox_block). docs/attention-kernels.md describes tiles, layouts and limits; tiles.rs
+// computes the launch geometry, whose constants must match the ones here (ATTN_* below).
 //
 // Layout: q, k, v, out, dout, dq, dk, dv are (B, H, seq, HD) views whose rows are HD contiguous
 // elements (AttnLayout: one batch, head and row stride per group of operands, so that a layer's
@@ -380,6 +379,10 @@ __device__ void attention_dq_f32(float* dq, const float* q, const float* k, cons
 // 8 distinct 16-byte bank groups, and so do cp.async's writes.
 // =================================================================================================
 
+__device__ __forceinline__ unsigned attn_smem(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
 // Byte offset of chunk c (8 bf16) of row r in a swizzled tile of HD-wide rows. HD >= 64: a row
 // is >= 128 bytes; xor the low 3 bits of the chunk with r & 7. HD == 32: a row is 64 bytes, two rows
 // per 128-byte line; xor the 2 chunk bits with (r >> 1) & 3, so rows r, r+2, r+4, r+6 use different
@@ -387,6 +390,16 @@ __device__ void attention_dq_f32(float* dq, const float* q, const float* k, cons
 template <int HD> __device__ __forceinline__ unsigned attn_swz(unsigned r, unsigned c) {
     if (HD >= 64) return r * (HD * 2) + ((c ^ (r & 7)) << 4);
     return r * (HD * 2) + ((c ^ ((r >> 1) & 3)) << 4);
+}
+
+__device__ __forceinline__ void attn_cp16(unsigned dst, const void* src, bool valid) {
+    // src-size 0 fills the 16 bytes with zeros without reading (src is still a valid address).
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void attn_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void attn_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void attn_ldsm4(unsigned (&r)[4], unsigned addr) {
@@ -438,7 +451,7 @@ __device__ __forceinline__ void attn_load_tile(unsigned s, const bf16* g, unsign
         const unsigned r = x / CH, c = x % CH;
         const bool valid = r0 + r < seq;
         const bf16* src = valid ? g + (r0 + r) * ld + c * 8 : g;
-        copy16_async(s + attn_swz<HD>(r, c), src, valid);
+        attn_cp16(s + attn_swz<HD>(r, c), src, valid);
     }
 }
 
@@ -544,7 +557,7 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
     constexpr int BM = 16 * MW * NW, NT = 32 * NW, NB = BN / 8, ND = HD / 8;
     constexpr unsigned QBYTES = BM * HD * 2, KVBYTES = BN * HD * 2;
     extern __shared__ __align__(128) unsigned char attn_shared[];
-    const unsigned sQ = smem_address(attn_shared), sK = sQ + QBYTES, sV = sK + 2 * KVBYTES;
+    const unsigned sQ = attn_smem(attn_shared), sK = sQ + QBYTES, sV = sK + 2 * KVBYTES;
 
     const unsigned seq = L.seq;
     const unsigned long long pair = blockIdx.x, ld = L.in.row;
@@ -559,8 +572,8 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
     attn_load_tile<HD, BM, NT>(sQ, qp, ld, q0, seq);
     attn_load_tile<HD, BN, NT>(sK, kp, ld, 0, seq);
     attn_load_tile<HD, BN, NT>(sV, vp, ld, 0, seq);
-    copy_async_commit();
-    copy_async_wait<0>();
+    attn_cp_commit();
+    attn_cp_wait<0>();
     __syncthreads();
 
     unsigned qf[MW][HD / 16][4];
@@ -584,7 +597,7 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
             attn_load_tile<HD, BN, NT>(sK + (buf ^ 1) * KVBYTES, kp, ld, k0 + BN, seq);
             attn_load_tile<HD, BN, NT>(sV + (buf ^ 1) * KVBYTES, vp, ld, k0 + BN, seq);
         }
-        copy_async_commit();
+        attn_cp_commit();
 
         // The diagonal or seq crosses this tile: elements need the mask.
         const bool masked = k0 + BN - 1 > q0 || k0 + BN > seq;
@@ -657,7 +670,7 @@ __device__ void attention_forward_mma(bf16* out, float* lse, const bf16* q, cons
             elementwise(AttnFlag<false>());
         }
         attn_mma_pv<HD, BN / 16, MW>(o, s, sV + buf * KVBYTES, lane);
-        copy_async_wait<0>();
+        attn_cp_wait<0>();
         __syncthreads();
     }
 
@@ -696,7 +709,7 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
     constexpr int BN = 16 * NW, NT = 32 * NW, NQ = BM / 8, ND = HD / 8, KD = HD / 16;
     constexpr unsigned KBYTES = BN * HD * 2, QBYTES = BM * HD * 2;
     extern __shared__ __align__(128) unsigned char attn_shared[];
-    const unsigned sK = smem_address(attn_shared), sV = sK + KBYTES, sQ = sV + KBYTES, sO = sQ + 2 * QBYTES;
+    const unsigned sK = attn_smem(attn_shared), sV = sK + KBYTES, sQ = sV + KBYTES, sO = sQ + 2 * QBYTES;
     float* sL = reinterpret_cast<float*>(attn_shared + 2 * KBYTES + 4 * QBYTES);  // [2][BM]
     float* sD = sL + 2 * BM;                                                        // [2][BM]
 
@@ -715,13 +728,13 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
     attn_load_tile<HD, BN, NT>(sV, v + ib, L.in.row, k0, seq);
     attn_load_tile<HD, BM, NT>(sQ, qp, L.in.row, qt0 * BM, seq);
     attn_load_tile<HD, BM, NT>(sO, op, L.outs.row, qt0 * BM, seq);
-    copy_async_commit();
+    attn_cp_commit();
     for (unsigned x = threadIdx.x; x < BM; x += NT) {
         const unsigned i = qt0 * BM + x;
         sL[x] = i < seq ? lp[i] * ATTN_LOG2E : attn_pos_inf();  // +inf: p = 0 for rows past seq
         sD[x] = i < seq ? dp_[i] : 0.0f;
     }
-    copy_async_wait<0>();
+    attn_cp_wait<0>();
     __syncthreads();
 
     unsigned kf[KV_REGS ? KD : 1][4], vf[KV_REGS ? KD : 1][4];
@@ -752,7 +765,7 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
                 nd_ = i < seq ? dp_[i] : 0.0f;
             }
         }
-        copy_async_commit();
+        attn_cp_commit();
 
         // Some row of the tile sees some key of the warp (the last row is at or past the first key).
         if (q0 + BM - 1 >= wk && wk < seq) {
@@ -835,7 +848,7 @@ __device__ void attention_dkdv_mma(bf16* dk, bf16* dv, const bf16* q, const bf16
             sL[(buf ^ 1) * BM + threadIdx.x] = nl;
             sD[(buf ^ 1) * BM + threadIdx.x] = nd_;
         }
-        copy_async_wait<0>();
+        attn_cp_wait<0>();
         __syncthreads();
     }
 
@@ -859,7 +872,7 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
     constexpr int BM = 16 * NW, NT = 32 * NW, NB = BN / 8, ND = HD / 8;
     constexpr unsigned QBYTES = BM * HD * 2, KVBYTES = BN * HD * 2;
     extern __shared__ __align__(128) unsigned char attn_shared[];
-    const unsigned sQ = smem_address(attn_shared), sO = sQ + QBYTES, sK = sO + QBYTES, sV = sK + 2 * KVBYTES;
+    const unsigned sQ = attn_smem(attn_shared), sO = sQ + QBYTES, sK = sO + QBYTES, sV = sK + 2 * KVBYTES;
     // lse₂ and delta of the CTA's rows, [BM] each: read from shared memory in every key tile rather than
     // held in registers (at HD 64 that is what lets the kernel fit in 128 registers).
     float* sL = reinterpret_cast<float*>(attn_shared + 2 * QBYTES + 4 * KVBYTES);
@@ -878,13 +891,13 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
     attn_load_tile<HD, BM, NT>(sO, dout + L.outs.at(pair, L.heads), L.outs.row, q0, seq);
     attn_load_tile<HD, BN, NT>(sK, kp, L.in.row, 0, seq);
     attn_load_tile<HD, BN, NT>(sV, vp, L.in.row, 0, seq);
-    copy_async_commit();
+    attn_cp_commit();
     for (unsigned x = threadIdx.x; x < BM; x += NT) {
         const unsigned row = q0 + x;
         sL[x] = row < seq ? lse[pair * seq + row] * ATTN_LOG2E : attn_pos_inf();  // +inf: p = 0 past seq
         sD[x] = row < seq ? delta[pair * seq + row] : 0.0f;
     }
-    copy_async_wait<0>();
+    attn_cp_wait<0>();
     __syncthreads();
 
     unsigned qf[HD / 16][4], of[HD / 16][4];
@@ -900,7 +913,7 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
             attn_load_tile<HD, BN, NT>(sK + (buf ^ 1) * KVBYTES, kp, L.in.row, k0 + BN, seq);
             attn_load_tile<HD, BN, NT>(sV + (buf ^ 1) * KVBYTES, vp, L.in.row, k0 + BN, seq);
         }
-        copy_async_commit();
+        attn_cp_commit();
 
         if (k0 <= wr + 15) {  // some key of the tile is visible to some row of the warp
             const bool masked = k0 + BN - 1 > wr || k0 + BN > seq || wr + 16 > seq;
@@ -945,7 +958,7 @@ __device__ void attention_dq_mma(bf16* dq, const bf16* q, const bf16* k, const b
             }
             attn_mma_pv<HD, BN / 16>(gq, s, sK + buf * KVBYTES, lane);
         }
-        copy_async_wait<0>();
+        attn_cp_wait<0>();
         __syncthreads();
     }
     attn_store_rows<HD>(dq + L.grad.at(pair, L.heads), L.grad.row, gq, wr, scale, scale, seq, lane);

@@ -1,21 +1,11 @@
 // LayerNorm over the last dimension of a row-major (rows, C) matrix of T (float or bf16), with f32
 // statistics and f32 math: each value is widened once when loaded and rounded once when stored.
-// The CPU paths in layernorm.rs compute the same formulas with sequential sums. async_copy.cu
-// (cp.async) and rows.cu (the row groups, vector accesses and reductions) are prepended to this
-// source.
+// The CPU paths in layernorm.rs compute the same formulas with sequential sums. rows.cu (the row
+// groups, vector accesses and reductions) is prepended to this source.
 //
 // Launch contract (layernorm.rs computes it): blocks of blockDim.x threads split into row groups
 // of G threads, G a power of two dividing blockDim.x, and C <= G * LN_*_VALS, so that a thread
 // keeps its part of a row in registers and every value is loaded once.
-//
-// Rows staged ahead: both kernels walk their rows (row group g of block b: rows b·R + g,
-// b·R + g + gridDim.x·R, ...) through a ring of LN_STAGES stages in dynamic shared memory, the
-// reads of the next LN_STAGES - 1 rows in flight by cp.async while a row is reduced. A row's
-// reductions have barriers and a latency of their own, so loads issued only when a row starts (or
-// one row ahead, in registers) left HBM idle: at N = C = 4096 on the H200 both kernels moved
-// their bytes at 1.2-1.9 TB/s. A thread copies and reads back only its own chunks, so the ring
-// needs no barrier. The ring is at the start of the dynamic shared memory (ln_ring_bytes), the
-// backward's block sums after it. Rows are computed as before, so results do not change.
 //
 // Determinism: row sums as rows.cu says. In the backward, each thread sums its columns' parameter
 // gradients over its rows in row order, and the row groups of a block add their sums in group
@@ -28,157 +18,76 @@
 // workspace, no second kernel.
 
 #define LN_FWD_VALS 16
-// The threads of a forward block (FWD_BLOCK in layernorm.rs).
-#define LN_FWD_BLOCK 256
 #define LN_BWD_VALS 8
-// The ring's stages: rows in flight are one fewer. f32 rows are twice the bytes, so fewer stages
-// keep the backward's ring and block sums within an SM's shared memory.
-#define LN_STAGES_BF16 4
-#define LN_STAGES_F32 3
 // The threads of a backward block (BWD_BLOCK in layernorm.rs), and of the column sums' runs of
 // slots per column, one warp each (SUM_BLOCK / 32).
 #define LN_BWD_BLOCK 512
 #define LN_SUM_RUNS 8
-
-template <typename T> struct LnStages {
-    static constexpr int N = sizeof(T) == 2 ? LN_STAGES_BF16 : LN_STAGES_F32;
-};
-
-// The dynamic shared memory, 16-byte aligned.
-__device__ __forceinline__ unsigned char* ln_dynamic_shared() {
-    extern __shared__ uint4 ln_dynamic[];
-    return reinterpret_cast<unsigned char*>(ln_dynamic);
-}
-
-// Bytes of the ring: per stage and thread, `parts` operands of `vals` elements of T and `stats` floats.
-template <typename T>
-__device__ __forceinline__ unsigned ln_ring_bytes(unsigned vals, unsigned parts, unsigned stats) {
-    return LnStages<T>::N * blockDim.x * (parts * vals * (unsigned)sizeof(T) + stats * 4u);
-}
-
-// Copies one chunk of a row into this thread's place in a stage: by cp.async where the chunk is 16
-// bytes, else (the unvectorized path) by a plain load and store.
-template <typename T, int W> __device__ __forceinline__ void ln_stage(Raw<T, W>* dst, const T* src) {
-    if constexpr (W == 1) {
-        dst->u = *src;
-    } else {
-        copy16_async(smem_address(dst), src);
-    }
-}
-
-// This thread's chunk k of operand `part` in stage s (`parts` operands of K chunks per stage).
-template <typename T, int W, int K>
-__device__ __forceinline__ Raw<T, W>* ln_chunk(Raw<T, W>* ring, int s, unsigned parts, unsigned part, int k) {
-    return ring + ((s * parts + part) * K + k) * blockDim.x + threadIdx.x;
-}
 
 // out = (inp - mean) * rstd * weight + bias; saves mean and rstd = 1 / sqrt(var + eps), the
 // biased variance computed in a second pass over the row in registers.
 template <typename T, int W>
 __device__ void layernorm_forward_rows(T* out, float* mean, float* rstd, const T* inp, const T* weight,
                                        const T* bias, float eps, unsigned rows, unsigned C, unsigned G) {
-    constexpr int K = LN_FWD_VALS / W, S = LnStages<T>::N;
+    constexpr int K = LN_FWD_VALS / W;
     __shared__ float red[64];
-    Raw<T, W>* ring = reinterpret_cast<Raw<T, W>*>(ln_dynamic_shared());
-    const unsigned R = blockDim.x / G, g = threadIdx.x / G, t = threadIdx.x % G;
-    const unsigned first = blockIdx.x * R, step = gridDim.x * R;
+    const unsigned t = threadIdx.x % G, row = blockIdx.x * (blockDim.x / G) + threadIdx.x / G;
+    const bool live = row < rows;  // a group past the last row still takes part in the barriers
+    const unsigned long long at = (unsigned long long)row * C;
 
-    // This thread's columns are the same in every row: on the vectorized path their weights and
-    // biases stay as loaded (4 registers a chunk); the unvectorized path, whose 16 scalars would
-    // double the kernel's registers, reads them again for each row.
-    constexpr bool keep = W > 1;
-    Raw<T, W> w_raw[keep ? K : 1], b_raw[keep ? K : 1];
-    if constexpr (keep) {
+    // The row's chunks stay as loaded and are widened in each pass: fewer registers, so more
+    // blocks per SM overlap one row's reductions with another's loads.
+    Raw<T, W> raw[K];
 #pragma unroll
-        for (int k = 0; k < K; k++) {
-            unsigned c = (k * G + t) * W;
-            if (c < C) {
-                load_raw<T, W>(weight + c, w_raw[k]);
-                load_raw<T, W>(bias + c, b_raw[k]);
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (live && c < C) load_raw<T, W>(inp + at + c, raw[k]);
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (live && c < C) {
+            float x[W];
+            widen<T, W>(raw[k], x);
+#pragma unroll
+            for (int i = 0; i < W; i++) sum += x[i];
+        }
+    }
+    const float m = group_sum(sum, G, red) / (float)C;
+
+    float sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (live && c < C) {
+            float x[W];
+            widen<T, W>(raw[k], x);
+#pragma unroll
+            for (int i = 0; i < W; i++) {
+                float d = x[i] - m;
+                sq += d * d;
             }
         }
     }
-    // Row `row`'s chunks into stage s, as one group of copies (none past the last row).
-    auto issue = [&](int s, unsigned row) {
-        if (row < rows) {
-#pragma unroll
-            for (int k = 0; k < K; k++) {
-                unsigned c = (k * G + t) * W;
-                if (c < C) ln_stage<T, W>(ln_chunk<T, W, K>(ring, s, 1, 0, k), inp + (unsigned long long)row * C + c);
-            }
-        }
-        copy_async_commit();
-    };
-    for (int s = 0; s < S; s++) issue(s, first + s * step + g);
-
-    int s = 0;
-    // `base` is uniform over the block, so every thread meets the reductions' barriers.
-    for (unsigned base = first; base < rows; base += step) {
-        const unsigned row = base + g;
-        const bool live = row < rows;  // a group past the last row still takes part in the barriers
-        const unsigned long long at = (unsigned long long)row * C;
-        copy_async_wait<S - 1>();
-        // The row's chunks stay as loaded and are widened in each pass: fewer registers.
-        Raw<T, W> raw[K];
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            unsigned c = (k * G + t) * W;
-            if (live && c < C) raw[k] = *ln_chunk<T, W, K>(ring, s, 1, 0, k);
-        }
-        float sum = 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            unsigned c = (k * G + t) * W;
-            if (live && c < C) {
-                float x[W];
-                widen<T, W>(raw[k], x);
-#pragma unroll
-                for (int i = 0; i < W; i++) sum += x[i];
-            }
-        }
-        const float m = group_sum(sum, G, red) / (float)C;
-
-        float sq = 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            unsigned c = (k * G + t) * W;
-            if (live && c < C) {
-                float x[W];
-                widen<T, W>(raw[k], x);
-#pragma unroll
-                for (int i = 0; i < W; i++) {
-                    float d = x[i] - m;
-                    sq += d * d;
-                }
-            }
-        }
-        const float r = 1.0f / sqrtf(group_sum(sq, G, red) / (float)C + eps);
+    const float r = 1.0f / sqrtf(group_sum(sq, G, red) / (float)C + eps);
 
 #pragma unroll
-        for (int k = 0; k < K; k++) {
-            unsigned c = (k * G + t) * W;
-            if (live && c < C) {
-                float x[W], w[W], b[W], y[W];
-                widen<T, W>(raw[k], x);
-                if constexpr (keep) {
-                    widen<T, W>(w_raw[k], w);
-                    widen<T, W>(b_raw[k], b);
-                } else {
-                    load<T, W>(weight + c, w);
-                    load<T, W>(bias + c, b);
-                }
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (live && c < C) {
+            float x[W], w[W], b[W], y[W];
+            widen<T, W>(raw[k], x);
+            load<T, W>(weight + c, w);
+            load<T, W>(bias + c, b);
 #pragma unroll
-                for (int i = 0; i < W; i++) y[i] = (x[i] - m) * r * w[i] + b[i];
-                store<T, W>(out + at + c, y);
-            }
+            for (int i = 0; i < W; i++) y[i] = (x[i] - m) * r * w[i] + b[i];
+            store<T, W>(out + at + c, y);
         }
-        if (live && t == 0) {
-            mean[row] = m;
-            rstd[row] = r;
-        }
-        // The stage is read (its values are in the stores above): refill it S rows ahead.
-        issue(s, base + S * step + g);
-        s = s + 1 == S ? 0 : s + 1;
+    }
+    if (live && t == 0) {
+        mean[row] = m;
+        rstd[row] = r;
     }
 }
 
@@ -192,16 +101,12 @@ __device__ void layernorm_forward(T* out, float* mean, float* rstd, const T* inp
     }
 }
 
-// Four blocks of LN_FWD_BLOCK threads per SM at most 64 registers a thread: the ring holds the
-// rows in flight, so more blocks would add no bytes in flight, only registers.
-extern "C" __global__ __launch_bounds__(LN_FWD_BLOCK, 4) void layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias, float eps, unsigned rows, unsigned C, unsigned G);
 extern "C" __global__ void layernorm_forward_f32(float* out, float* mean, float* rstd, const float* inp,
                                                  const float* weight, const float* bias, float eps, unsigned rows,
                                                  unsigned C, unsigned G) {
     layernorm_forward<float>(out, mean, rstd, inp, weight, bias, eps, rows, C, G);
 }
 
-extern "C" __global__ __launch_bounds__(LN_FWD_BLOCK, 4) void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight, const bf16* bias, float eps, unsigned rows, unsigned C, unsigned G);
 extern "C" __global__ void layernorm_forward_bf16(bf16* out, float* mean, float* rstd, const bf16* inp,
                                                   const bf16* weight, const bf16* bias, float eps, unsigned rows,
                                                   unsigned C, unsigned G) {
@@ -215,68 +120,30 @@ extern "C" __global__ void layernorm_forward_bf16(bf16* out, float* mean, float*
 // flags bit 2: the small-N path (layernorm_backward_cols), which splits the columns over the grid.
 #define LN_COLUMNS 4u
 
-// The backward's ring: per stage and thread, the chunks of inp, dout and residual (LN_BWD_PARTS
-// operands of K chunks) and the row's mean and rstd.
-#define LN_BWD_PARTS 3
-#define LN_BWD_STATS 2
-
-// What one row's sums read, as stored: row group g's lanes' chunks of inp, dout and (where the
-// lane writes dinp) the residual, and the row's statistics, taken from its stage of the ring.
+// What one row's sums read, as stored: row group g's lanes' chunks of inp and dout, and the
+// row's statistics. Loaded one row ahead of their use (see Raw in rows.cu), so each block keeps
+// two rows' reads in flight across the row sums' barriers.
 template <typename T, int W, int K> struct RowReads {
-    Raw<T, W> x[K], dy[K], res[K];
+    Raw<T, W> x[K], dy[K];
     float m, r;
 };
 
-// This thread's stat j (mean, rstd) in stage s of the ring, after its chunks.
-template <typename T>
-__device__ __forceinline__ float* ln_stat(unsigned char* ring, int s, int j) {
-    const unsigned chunks = LnStages<T>::N * blockDim.x * LN_BWD_PARTS * LN_BWD_VALS * (unsigned)sizeof(T);
-    return reinterpret_cast<float*>(ring + chunks) + (s * LN_BWD_STATS + j) * blockDim.x + threadIdx.x;
-}
-
-// Issues the copies of row `row`'s reads (none past the last row) for lane t into stage s, as one
-// group: the residual's only where the lane writes dinp (`mine`).
+// The reads of row `row` (none past the last row) for lane t.
 template <typename T, int W, int K>
-__device__ __forceinline__ void layernorm_backward_issue(unsigned char* ring, int s, const T* dout, const T* inp,
-                                                         const float* mean, const float* rstd,
-                                                         const T* residual, unsigned row, unsigned rows,
-                                                         bool mine, unsigned C, unsigned G, unsigned t,
-                                                         unsigned flags) {
-    if (row < rows) {
-        Raw<T, W>* chunks = reinterpret_cast<Raw<T, W>*>(ring);
-        const unsigned long long at = (unsigned long long)row * C;
-        copy4_async(smem_address(ln_stat<T>(ring, s, 0)), mean + row);
-        copy4_async(smem_address(ln_stat<T>(ring, s, 1)), rstd + row);
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            unsigned c = (k * G + t) * W;
-            if (c < C) {
-                ln_stage<T, W>(ln_chunk<T, W, K>(chunks, s, LN_BWD_PARTS, 0, k), inp + at + c);
-                ln_stage<T, W>(ln_chunk<T, W, K>(chunks, s, LN_BWD_PARTS, 1, k), dout + at + c);
-                if ((flags & LN_RESIDUAL) && mine) {
-                    ln_stage<T, W>(ln_chunk<T, W, K>(chunks, s, LN_BWD_PARTS, 2, k), residual + at + c);
-                }
-            }
-        }
-    }
-    copy_async_commit();
-}
-
-// Row `row`'s reads for lane t from stage s (the row exists; its copies are complete).
-template <typename T, int W, int K>
-__device__ __forceinline__ void layernorm_backward_read(RowReads<T, W, K>& in, unsigned char* ring, int s,
-                                                        bool writes, unsigned C, unsigned G, unsigned t,
-                                                        unsigned flags) {
-    Raw<T, W>* chunks = reinterpret_cast<Raw<T, W>*>(ring);
-    in.m = *ln_stat<T>(ring, s, 0);
-    in.r = *ln_stat<T>(ring, s, 1);
+__device__ __forceinline__ void layernorm_backward_load(RowReads<T, W, K>& in, const T* dout, const T* inp,
+                                                        const float* mean, const float* rstd, const T* residual,
+                                                        unsigned row, unsigned rows, unsigned C, unsigned G,
+                                                        unsigned t, unsigned flags) {
+    if (row >= rows) return;
+    const unsigned long long at = (unsigned long long)row * C;
+    in.m = mean[row];
+    in.r = rstd[row];
 #pragma unroll
     for (int k = 0; k < K; k++) {
         unsigned c = (k * G + t) * W;
         if (c < C) {
-            in.x[k] = *ln_chunk<T, W, K>(chunks, s, LN_BWD_PARTS, 0, k);
-            in.dy[k] = *ln_chunk<T, W, K>(chunks, s, LN_BWD_PARTS, 1, k);
-            if ((flags & LN_RESIDUAL) && writes) in.res[k] = *ln_chunk<T, W, K>(chunks, s, LN_BWD_PARTS, 2, k);
+            load_raw<T, W>(inp + at + c, in.x[k]);
+            load_raw<T, W>(dout + at + c, in.dy[k]);
         }
     }
 }
@@ -286,7 +153,7 @@ __device__ __forceinline__ void layernorm_backward_read(RowReads<T, W, K>& in, u
 // the small-N path, the lane owns its columns) store dinp and add the residual into dr. Every
 // thread of the block calls it, as group_sum2 has barriers.
 template <typename T, int W, int K>
-__device__ __forceinline__ void layernorm_backward_row(T* dinp, const RowReads<T, W, K>& in,
+__device__ __forceinline__ void layernorm_backward_row(T* dinp, const RowReads<T, W, K>& in, const T* residual,
                                                        const float (&w)[K][W], float (&dw)[K][W],
                                                        float (&db)[K][W], float (&dr)[K][W], float* red,
                                                        unsigned row, unsigned rows, bool writes, unsigned C,
@@ -315,6 +182,13 @@ __device__ __forceinline__ void layernorm_backward_row(T* dinp, const RowReads<T
             }
         }
     }
+    // The residual's reads in flight during the row's sums.
+    Raw<T, W> res_raw[K];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        unsigned c = (k * G + t) * W;
+        if (has_residual && writes && c < C) load_raw<T, W>(residual + at + c, res_raw[k]);
+    }
     const float2 s = group_sum2(a, b, G, red);
     const float mean_a = s.x / (float)C, mean_b = s.y / (float)C;
     if (!writes) return;
@@ -327,7 +201,7 @@ __device__ __forceinline__ void layernorm_backward_row(T* dinp, const RowReads<T
             for (int i = 0; i < W; i++) d[i] = (dnorm[k][i] - mean_a - norm[k][i] * mean_b) * r;
             if (has_residual) {
                 float res[W];
-                widen<T, W>(in.res[k], res);
+                widen<T, W>(res_raw[k], res);
 #pragma unroll
                 for (int i = 0; i < W; i++) {
                     d[i] += res[i];
@@ -339,14 +213,9 @@ __device__ __forceinline__ void layernorm_backward_row(T* dinp, const RowReads<T
     }
 }
 
-// The dynamic shared memory after the backward's ring: the block's column sums.
-template <typename T> __device__ __forceinline__ float* ln_block_sums() {
-    return reinterpret_cast<float*>(ln_dynamic_shared() + ln_ring_bytes<T>(LN_BWD_VALS, LN_BWD_PARTS, LN_BWD_STATS));
-}
-
-// Rows first, first + step, ... below `rows` through layernorm_backward_row, the reads of the
-// next LN_STAGES - 1 rows in flight (the ring at the start of the dynamic shared memory) while a
-// row is reduced. `mine` as layernorm_backward_row's `writes`, for the rows that exist.
+// Rows first, first + step, ... below `rows` through layernorm_backward_row, each row's reads
+// issued while the row before it is reduced. `mine` as layernorm_backward_row's `writes`, for
+// the rows that exist.
 template <typename T, int W, int K>
 __device__ __forceinline__ void layernorm_backward_walk(T* dinp, const T* dout, const T* inp, const float* mean,
                                                         const float* rstd, const T* residual,
@@ -355,26 +224,18 @@ __device__ __forceinline__ void layernorm_backward_walk(T* dinp, const T* dout, 
                                                         unsigned first, unsigned step,
                                                         unsigned rows, bool mine, unsigned C, unsigned G,
                                                         unsigned t, unsigned flags) {
-    constexpr int S = LnStages<T>::N;
     const unsigned g = threadIdx.x / G;
-    unsigned char* ring = ln_dynamic_shared();
-    for (int s = 0; s < S; s++) {
-        layernorm_backward_issue<T, W, K>(ring, s, dout, inp, mean, rstd, residual, first + s * step + g, rows, mine,
-                                          C, G, t, flags);
-    }
-    int s = 0;
+    RowReads<T, W, K> cur;
+    layernorm_backward_load<T, W, K>(cur, dout, inp, mean, rstd, residual, first + g, rows, C, G, t, flags);
     // `first` and `step` are uniform over the block, so every thread meets the barriers.
     for (unsigned base = first; base < rows; base += step) {
+        RowReads<T, W, K> next;
+        layernorm_backward_load<T, W, K>(next, dout, inp, mean, rstd, residual, base + step + g, rows, C, G, t,
+                                         flags);
         const unsigned row = base + g;
-        const bool writes = row < rows && mine;
-        copy_async_wait<S - 1>();
-        RowReads<T, W, K> in;
-        if (row < rows) layernorm_backward_read<T, W, K>(in, ring, s, writes, C, G, t, flags);
-        layernorm_backward_row<T, W, K>(dinp, in, w, dw, db, dr, red, row, rows, writes, C, G, t, flags);
-        // The stage is read (its values are in the sums and stores above): refill it S rows ahead.
-        layernorm_backward_issue<T, W, K>(ring, s, dout, inp, mean, rstd, residual, base + S * step + g, rows, mine,
-                                          C, G, t, flags);
-        s = s + 1 == S ? 0 : s + 1;
+        layernorm_backward_row<T, W, K>(dinp, cur, residual, w, dw, db, dr, red, row, rows, row < rows && mine, C,
+                                        G, t, flags);
+        cur = next;
     }
 }
 
@@ -405,10 +266,9 @@ __device__ void layernorm_backward_rows(T* dinp, float* scratch, const T* dout, 
                                      gridDim.x * R, rows, true, C, G, t, flags);
 
     // The block's partial sums into its slot, row group after row group. With several row groups
-    // they are added in shared memory (parts * C floats of the dynamic shared memory, after the
-    // ring), whose round trips are short, and the slot is written once; one row group writes the
-    // slot directly.
-    float* block_sums = ln_block_sums<T>();
+    // they are added in shared memory (parts * C floats, the launch's dynamic shared memory), whose
+    // round trips are short, and the slot is written once; one row group writes the slot directly.
+    extern __shared__ float block_sums[];
     const unsigned long long C3 = 3ull * C;
     const unsigned parts = has_colsum ? 3u : 2u;
     float* slot = scratch + blockIdx.x * C3;
@@ -444,7 +304,7 @@ __device__ void layernorm_backward_rows(T* dinp, float* scratch, const T* dout, 
 // in the row path) and walks every row: each row group computes its row's two sums over the whole
 // row, in the row path's order (dinp is the row path's formula and order), and only the owning lanes write
 // dinp and sum their columns' parameter gradients, in row order. The row groups' sums meet in
-// shared memory (R * 3 * L * LN_BWD_VALS floats of the dynamic shared memory, after the ring) and are
+// shared memory (the launch's dynamic shared memory, R * 3 * L * LN_BWD_VALS floats) and are
 // added in group order into the gradients: a column's sums never leave its block, so the scratch
 // is not touched, and the order depends only on N and C.
 template <typename T, int W>
@@ -474,7 +334,7 @@ __device__ void layernorm_backward_cols(T* dinp, T* dweight, T* dbias, T* dcolsu
     // Row group g's sums of part p (dweight, dbias, dcolsum) for value v of owning lane q at
     // sums[((g * 3 + p) * L + q) * LN_BWD_VALS + v]; then one thread per (p, q, v) adds them in
     // group order into the gradient.
-    float* block_sums = ln_block_sums<T>();
+    extern __shared__ float block_sums[];
     if (mine) {
         const unsigned q = t - first;
 #pragma unroll
@@ -524,7 +384,8 @@ __device__ void layernorm_backward(T* dinp, T* dweight, T* dbias, T* dcolsum, fl
     }
 }
 
-// 128 registers at most, so that the 512 threads of a block fit an SM.
+// 128 registers at most, so that the 512 threads of a block fit an SM (their reads of the next
+// row in flight cost registers; ptxas spills a few).
 extern "C" __global__ __launch_bounds__(LN_BWD_BLOCK) void layernorm_backward_f32(float* dinp, float* dweight, float* dbias, float* dcolsum, float* scratch, const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd, const float* residual, unsigned rows, unsigned C, unsigned G, unsigned flags);
 extern "C" __global__ void layernorm_backward_f32(float* dinp, float* dweight, float* dbias, float* dcolsum,
                                                   float* scratch, const float* dout,

@@ -74,7 +74,7 @@ use crate::memory::CachingAllocator;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-const SOURCE: &str = concat!(include_str!("async_copy.cu"), include_str!("rows.cu"), include_str!("layernorm.cu"));
+const SOURCE: &str = concat!(include_str!("rows.cu"), include_str!("layernorm.cu"));
 
 /// The most features (C) a row may have: each thread keeps its part of a row in registers (a
 /// row group of up to 512 threads in the backward, 8 values each, which its registers allow).
@@ -84,9 +84,6 @@ pub const MAX_FEATURES: usize = 4096;
 /// per block.
 const FWD_VALS: usize = 16;
 const FWD_BLOCK: usize = 256;
-/// The forward's blocks at most (four per SM of an H200): each walks its rows through the ring
-/// of staged rows, so a block is worth having only while it has several rows.
-pub const FORWARD_BLOCKS: usize = 4 * 132;
 /// Values of a row per thread in the backward (`LN_BWD_VALS`) and its threads per block: its
 /// registers (about 120 a thread) allow at most 512.
 const BWD_VALS: usize = 8;
@@ -104,20 +101,6 @@ const COLUMN_PATH_ROWS: usize = 8;
 /// The small-N path's blocks at most: within one wave of an H200's 132 SMs, and a power of two,
 /// so that it divides every row group.
 const COLUMN_BLOCKS: usize = 128;
-/// Stages of the ring of rows that each kernel reads ahead (`LN_STAGES_BF16`, `LN_STAGES_F32`).
-const STAGES_BF16: usize = 4;
-const STAGES_F32: usize = 3;
-/// Operands and f32 statistics per row in a backward stage (`LN_BWD_PARTS`, `LN_BWD_STATS`).
-const BWD_PARTS: usize = 3;
-const BWD_STATS: usize = 2;
-
-/// Bytes of a kernel's ring of staged rows for elements of `size` bytes: per stage and thread,
-/// `parts` operands of `vals` elements and `stats` floats (`ln_ring_bytes` in `layernorm.cu`).
-fn ring_bytes(size: usize, block: usize, vals: usize, parts: usize, stats: usize) -> usize {
-    let stages = if size == 2 { STAGES_BF16 } else { STAGES_F32 };
-    stages * block * (parts * vals * size + stats * std::mem::size_of::<f32>())
-}
-
 /// The backward's `flags` (`LN_RESIDUAL`, `LN_COLSUM`, `LN_COLUMNS`).
 const RESIDUAL: u32 = 1;
 const COLSUM: u32 = 2;
@@ -167,8 +150,7 @@ fn forward_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
 /// On CUDA a row group of 32 to 256 threads (C/16 rounded up to a power of two) holds each row in
 /// registers, 16 values a thread, in 16-byte loads where C allows (a multiple of 8 for bf16, of 4
 /// for f32, else one element at a time); blocks of 256 threads, so several rows per block for
-/// C ≤ 2048, at most [`FORWARD_BLOCKS`] of them walking the rows with the next rows' reads in
-/// flight (copied ahead into shared memory, three rows in bf16, two in f32).
+/// C ≤ 2048.
 ///
 /// # Errors
 /// Before anything is enqueued: [`Error::UnsupportedDType`] unless `inp` is f32 or bf16;
@@ -214,12 +196,7 @@ fn forward<T: Float>(kernel: &'static Kernel, tensors: [&Tensor; 6], eps: f32, s
         count(OP, c)?,
         count(OP, g)?,
     ];
-    // As few blocks as give each the same number of row groups, within FORWARD_BLOCKS.
-    let groups = n.div_ceil(FWD_BLOCK / g);
-    let blocks = groups.div_ceil(groups.div_ceil(FORWARD_BLOCKS));
-    let mut dims = grid(OP, blocks, FWD_BLOCK)?;
-    dims.shared_mem_bytes = count(OP, ring_bytes(std::mem::size_of::<T>(), FWD_BLOCK, FWD_VALS, 1, 0))?;
-    stream.launch(kernel, dims, &args)
+    stream.launch(kernel, grid(OP, n.div_ceil(FWD_BLOCK / g), FWD_BLOCK)?, &args)
 }
 
 const BACKWARD_PARAMS: &[&str] = &[
@@ -387,9 +364,8 @@ impl LayerNormWorkspace {
 /// On CUDA at most [`BACKWARD_BLOCKS`] blocks of 512 threads, one per SM, walk the rows, a row
 /// group of 32 to 512 threads (C/8 rounded up to a power of two) per row, 8 values a thread kept
 /// in registers between the row's two sums and its write, in 16-byte accesses where C allows, the
-/// next rows' `inp`, `dout`, residual and statistics read (copied ahead into shared memory, three
-/// rows in bf16, two in f32) while this row's sums cross the group; each thread sums its columns'
-/// parameter gradients over its rows in registers, and the
+/// next row's `inp` and `dout` (and this row's residual) read while this row's sums cross the
+/// group; each thread sums its columns' parameter gradients over its rows in registers, and the
 /// blocks' sums meet as Note [LayerNorm backward's column sums] says.
 ///
 /// Small N (at most [`backward_column_path_rows`]`(C)` rows: 8 row groups' worth, 128 rows at
@@ -495,8 +471,7 @@ fn backward<T: Float>(
         flags,
     ];
     let mut dims = grid(OP, shape.blocks, BWD_BLOCK)?;
-    let ring = ring_bytes(std::mem::size_of::<T>(), BWD_BLOCK, BWD_VALS, BWD_PARTS, BWD_STATS);
-    dims.shared_mem_bytes = count(OP, ring + shape.shared_floats * std::mem::size_of::<f32>())?;
+    dims.shared_mem_bytes = count(OP, shape.shared_floats * std::mem::size_of::<f32>())?;
     stream.launch(kernel, dims, &args)?;
     if shape.columns {
         return Ok(());
@@ -577,17 +552,12 @@ mod tests {
     fn constants_match_the_cuda_source() {
         let defines = [
             format!("LN_FWD_VALS {FWD_VALS}"),
-            format!("LN_FWD_BLOCK {FWD_BLOCK}"),
             format!("LN_BWD_VALS {BWD_VALS}"),
             format!("LN_BWD_BLOCK {BWD_BLOCK}"),
             format!("LN_SUM_RUNS {}", SUM_BLOCK / SUM_COLUMNS),
             format!("LN_RESIDUAL {RESIDUAL}u"),
             format!("LN_COLSUM {COLSUM}u"),
             format!("LN_COLUMNS {COLUMNS}u"),
-            format!("LN_STAGES_BF16 {STAGES_BF16}"),
-            format!("LN_STAGES_F32 {STAGES_F32}"),
-            format!("LN_BWD_PARTS {BWD_PARTS}"),
-            format!("LN_BWD_STATS {BWD_STATS}"),
         ];
         for d in defines {
             assert!(SOURCE.contains(&format!("#define {d}\n")), "layernorm.cu does not define {d}");
@@ -609,9 +579,8 @@ mod tests {
 
     /// The backward's two paths meet at [`backward_column_path_rows`], where the row path would
     /// have [`COLUMN_PATH_ROWS`] blocks; the column split divides every row group and stays
-    /// within one wave of 132 SMs; each path's block sums with the ring of staged rows fit the
-    /// 227 KiB of shared memory a block of an H100 or H200 may opt into. Config S (128 rows of
-    /// 256) takes the column path, M and L the row path.
+    /// within one wave of 132 SMs; each path's shared memory fits the 48 KiB a launch gets
+    /// without opting in. Config S (128 rows of 256) takes the column path, M and L the row path.
     #[test]
     fn backward_paths_meet_at_the_threshold() {
         for c in (1..=MAX_FEATURES).step_by(7).chain([256, 1024, 4096]) {
@@ -621,10 +590,7 @@ mod tests {
             assert_eq!(limit.div_ceil(BWD_BLOCK / small.group), COLUMN_PATH_ROWS, "C = {c}");
             assert!(small.group.is_multiple_of(small.blocks) && small.blocks <= COLUMN_BLOCKS, "C = {c}: {small:?}");
             for shape in [small, large, BackwardShape::of(1, c), BackwardShape::of(100_000, c)] {
-                for size in [2, 4] {
-                    let bytes = ring_bytes(size, BWD_BLOCK, BWD_VALS, BWD_PARTS, BWD_STATS) + shape.shared_floats * 4;
-                    assert!(bytes <= 227 * 1024 && shape.blocks >= 1, "C = {c}, {size}-byte elements: {shape:?}");
-                }
+                assert!(shape.shared_floats * 4 <= 48 * 1024 && shape.blocks >= 1, "C = {c}: {shape:?}");
             }
         }
         assert_eq!(backward_column_path_rows(256), 128);

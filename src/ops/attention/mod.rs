@@ -74,12 +74,7 @@ pub use cudnn::{
 };
 use tiles::{launch_dims, Pass};
 
-const SOURCE: &str = concat!(
-    include_str!("../float.cu"),
-    include_str!("../async_copy.cu"),
-    include_str!("../rng.cu"),
-    include_str!("../attention.cu")
-);
+const SOURCE: &str = concat!(include_str!("../float.cu"), include_str!("../rng.cu"), include_str!("../attention.cu"));
 
 /// The head widths the kernels are built for.
 pub const HEAD_DIMS: [usize; 3] = [32, 64, 128];
