@@ -73,9 +73,10 @@ impl Kernels {
         self.function(&mut self.lock(), kernel, on).map(|_| ())
     }
 
-    /// The kernel's function and the dims it launches `dims` with: one wave of a grid-stride
-    /// launch ([`LaunchDims::one_wave`]) at the function's occupancy, which the driver is asked
-    /// once. One lock for both.
+    /// The kernel's function, its dynamic shared memory allowed ([`Kernels::allow_shared`]), and
+    /// the dims it launches `dims` with: one wave of a grid-stride launch
+    /// ([`LaunchDims::one_wave`]) at the function's occupancy, which the driver is asked once.
+    /// One lock for all three.
     fn launchable(
         &self,
         kernel: &'static Kernel,
@@ -84,6 +85,9 @@ impl Kernels {
     ) -> Result<(Function, LaunchDims)> {
         let mut loaded = self.lock();
         let func = self.function(&mut loaded, kernel, on)?;
+        if dims.shared_mem_bytes > 0 {
+            Self::allow_shared(&mut loaded, func, kernel.name, dims.shared_mem_bytes, on)?;
+        }
         if !dims.grid_stride {
             return Ok((func, *dims));
         }
@@ -139,8 +143,13 @@ impl Kernels {
     /// launch with dynamic shared memory opts in, not only those above the 48 KiB a launch gets
     /// without: that limit counts the kernel's static shared memory too, so 48 KiB of dynamic
     /// memory beside a few bytes of static is already beyond it.
-    fn allow_shared(&self, func: Function, name: &'static str, bytes: u32, on: CaptureSite) -> Result<()> {
-        let mut loaded = self.lock();
+    fn allow_shared(
+        loaded: &mut Loaded,
+        func: Function,
+        name: &'static str,
+        bytes: u32,
+        on: CaptureSite,
+    ) -> Result<()> {
         if loaded.shared.get(&func.key()).is_some_and(|&allowed| allowed >= bytes) {
             return Ok(());
         }
@@ -160,9 +169,6 @@ impl Kernels {
     ) -> Result<()> {
         let on = CaptureSite::Stream(stream.id);
         let (func, dims) = self.launchable(kernel, dims, on)?;
-        if dims.shared_mem_bytes > 0 {
-            self.allow_shared(func, kernel.name, dims.shared_mem_bytes, on)?;
-        }
         let n = args.len();
         if n <= INLINE_ARGS {
             let mut values = [0u64; INLINE_ARGS];
