@@ -128,6 +128,13 @@ pub enum CommErrorKind {
     /// NCCL returned an error.
     #[error("NCCL: {0}")]
     Nccl(String),
+    /// NCCL reported that another rank failed (`ncclRemoteError`: it died or aborted) and no
+    /// watch of the group named it within [`PEER_NAMING_GRACE`](super::PEER_NAMING_GRACE).
+    #[error("NCCL: {call} failed because another rank failed (ncclRemoteError); see the other ranks' logs for which and why")]
+    PeerFailed {
+        /// The NCCL call, or the work, that failed.
+        call: String,
+    },
     /// The rendezvous of a process group failed.
     #[error("rendezvous: {0}")]
     Rendezvous(String),

@@ -47,8 +47,8 @@ pub(crate) use error::comm_error;
 pub use error::{CommErrorKind, Stalled, StalledLaunch};
 pub(crate) use group::per_rank_thread;
 pub use group::NcclId;
-pub use wait::CommOptions;
 pub(crate) use wait::Patience;
+pub use wait::{CommOptions, PEER_NAMING_GRACE};
 pub use watchdog::CapturedCollective;
 pub(crate) use watchdog::{GraphCollectives, Stuck};
 

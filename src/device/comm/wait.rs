@@ -33,10 +33,39 @@ pub(crate) struct Patience<'w> {
     watch: &'w dyn Fn() -> Option<CommErrorKind>,
 }
 
+/// How long a wait that NCCL ended with [`CommErrorKind::PeerFailed`] gives its watch to name the
+/// rank that failed. NCCL may see a dead peer's sockets close before the watch sees its own
+/// connection to that rank close (observed under load on the GPU machine), and "rank 1 left the
+/// group" tells a user where to look where "another rank failed" does not.
+pub const PEER_NAMING_GRACE: Duration = Duration::from_secs(2);
+
 impl<'w> Patience<'w> {
     /// Waits of up to `timeout` from now, ended early by `watch`'s answer.
     pub(crate) fn new(timeout: Duration, watch: &'w dyn Fn() -> Option<CommErrorKind>) -> Patience<'w> {
         Patience { deadline: Instant::now() + timeout, timeout, watch }
+    }
+
+    /// `kind` as the watch names it: for [`CommErrorKind::PeerFailed`], the watch's answer if
+    /// it gives one within `grace`; any other kind as it is, at once.
+    pub(crate) fn named_within(&self, kind: CommErrorKind, grace: Duration) -> CommErrorKind {
+        if !matches!(kind, CommErrorKind::PeerFailed { .. }) {
+            return kind;
+        }
+        let until = Instant::now() + grace;
+        loop {
+            if let Some(named) = (self.watch)() {
+                return named;
+            }
+            if Instant::now() >= until {
+                return kind;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// [`named_within`](Patience::named_within) [`PEER_NAMING_GRACE`].
+    pub(crate) fn named(&self, kind: CommErrorKind) -> CommErrorKind {
+        self.named_within(kind, PEER_NAMING_GRACE)
     }
 
     /// Polls `ready` until it says the wait for `waiting` is over. Fails on the watch's answer
@@ -125,19 +154,66 @@ impl Communicator {
         match &self.inner.repr {
             Repr::Sim(_) => wait().map_err(|e| self.explained(e)),
             Repr::Cuda(c) => {
+                let patience = Patience::new(self.inner.options.timeout, watch);
                 let fail = |kind| comm_error("Communicator::wait", self.rank(), self.explain(kind));
                 // An error of NCCL's ends the group; one of the stream's (a query refused during a
                 // capture) is the caller's to handle. The watch aborts the group itself when a
                 // rank dies, or this wait does when it fails: either way it fails at once, not after
-                // NCCL's abort returns.
+                // NCCL's abort returns. A peer's failure is named by the watch where it can.
                 let failed = |kind| {
                     self.abort();
-                    fail(kind)
+                    fail(patience.named(kind))
                 };
                 let abort = || self.abort();
-                Patience::new(self.inner.options.timeout, watch)
-                    .poll(waiting, &abort, fail, || Ok(query()? || c.async_error().map(|()| false).map_err(failed)?))
+                patience.poll(
+                    waiting,
+                    &abort,
+                    fail,
+                    || Ok(query()? || c.async_error().map(|()| false).map_err(failed)?),
+                )
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    fn peer_failed() -> CommErrorKind {
+        CommErrorKind::PeerFailed { call: "the communicator's work".into() }
+    }
+
+    #[test]
+    fn a_peer_failure_is_named_by_a_watch_that_answers_within_the_grace() {
+        let asked = AtomicUsize::new(0);
+        // The watch learns of the death on its fourth look, as a closing connection arrives late.
+        let watch = || (asked.fetch_add(1, Ordering::SeqCst) >= 3).then_some(CommErrorKind::RankGone { rank: 1 });
+        let patience = Patience::new(Duration::from_secs(60), &watch);
+        let named = patience.named_within(peer_failed(), Duration::from_secs(60));
+        assert_eq!(named, CommErrorKind::RankGone { rank: 1 });
+        assert_eq!(asked.load(Ordering::SeqCst), 4);
+    }
+
+    #[test]
+    fn a_peer_failure_no_watch_names_stays_nccls_after_the_grace() {
+        let watch = || None;
+        let patience = Patience::new(Duration::from_secs(60), &watch);
+        assert_eq!(patience.named_within(peer_failed(), Duration::from_millis(20)), peer_failed());
+    }
+
+    #[test]
+    fn other_errors_pass_without_asking_the_watch() {
+        let asked = AtomicUsize::new(0);
+        let watch = || {
+            asked.fetch_add(1, Ordering::SeqCst);
+            Some(CommErrorKind::RankGone { rank: 1 })
+        };
+        let patience = Patience::new(Duration::from_secs(60), &watch);
+        let nccl = CommErrorKind::Nccl("ncclCommGetAsyncError failed with ncclInternalError".into());
+        assert_eq!(patience.named(nccl.clone()), nccl);
+        assert_eq!(asked.load(Ordering::SeqCst), 0);
     }
 }

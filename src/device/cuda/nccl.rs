@@ -131,7 +131,7 @@ impl Handle {
     /// Waits until [`ready`](Handle::ready), polling against `patience`; aborts the
     /// communicator when the wait fails (NCCL's error included: what it waited for is over).
     fn settle(&self, patience: &Patience<'_>, waiting: &str) -> Result<(), CommErrorKind> {
-        let ready = || self.ready().inspect_err(|_| self.abort());
+        let ready = || self.ready().map_err(|kind| patience.named(kind)).inspect_err(|_| self.abort());
         patience.poll(&|| waiting.to_string(), &|| self.abort(), |kind| kind, ready)
     }
 
@@ -251,7 +251,10 @@ fn present() -> Result<(), CommErrorKind> {
 }
 
 fn nccl(call: &str, e: result::NcclError) -> CommErrorKind {
-    CommErrorKind::Nccl(format!("{call} failed with {:?}", e.0))
+    match e.0 {
+        sys::ncclResult_t::ncclRemoteError => CommErrorKind::PeerFailed { call: call.to_string() },
+        other => CommErrorKind::Nccl(format!("{call} failed with {other:?}")),
+    }
 }
 
 /// A new unique id (opens rank 0's bootstrap socket).
