@@ -64,19 +64,19 @@ pub struct Graph {
     /// How each captured operation's node names buffers (see [`Rebind`]), and where each block
     /// is named.
     sites: Arc<[Site]>,
-    index: Arc<patch::UsesByBlock>,
+    index: Arc<patch::UseIndex>,
 }
 
 impl Graph {
     pub(crate) fn new(dev: Device, repr: GraphRepr, info: GraphCollectives) -> Result<Graph> {
         let sites = dispatch!(dev.backend(), |b, pick| b.graph_sites(pick!(repr)));
-        let index = Arc::new(patch::uses_by_block(&sites));
+        let index = Arc::new(patch::UseIndex::of(&sites));
         Ok(Graph { dev, id: GraphId(ids::next_id()), repr, info: Arc::new(info), sites, index })
     }
 
     /// Whether a node names `block`.
     pub(crate) fn names(&self, block: super::BufferId) -> bool {
-        self.index.contains_key(&block)
+        self.index.names(block)
     }
 
     /// Whether its executables would accept `rebinds` ([`GraphExec::rebind`]), changing nothing.
@@ -173,8 +173,9 @@ impl Graph {
 /// Where an executable's rebound uses point now.
 #[derive(Default)]
 struct Rebound {
-    /// By (site, use), the uses that do not point where they were captured.
-    bound: BTreeMap<(usize, usize), Bound>,
+    /// By use (the flat numbering of [`patch::UseIndex`]), where it points if not where it was
+    /// captured; empty until the first rebind.
+    bound: Vec<Option<Bound>>,
     /// The blocks they point at, once each: every launch notes its stream on them, so that
     /// memory freed while a launch reads it is reused in stream order.
     blocks: Vec<Arc<Block>>,
@@ -192,7 +193,7 @@ pub struct GraphExec {
     repr: Option<ExecRepr>,
     info: Arc<GraphCollectives>,
     sites: Arc<[Site]>,
-    index: Arc<patch::UsesByBlock>,
+    index: Arc<patch::UseIndex>,
     rebound: Mutex<Rebound>,
 }
 
@@ -287,35 +288,34 @@ impl GraphExec {
             return Err(Error::Rebind { graph: self.id, kind: patch::RebindErrorKind::Broken });
         }
         let identity = |r: &Rebind<'_>| r.from.id == r.to.id && r.from_start == r.to_start;
-        if rebinds.iter().all(identity) && self.rebound().bound.is_empty() {
+        if rebinds.iter().all(identity) && self.rebound().blocks.is_empty() {
             // Everything already reads where it was captured (a copy-in replay's check).
             return Ok(0);
         }
         let moved =
             patch::plan(&self.sites, &self.index, rebinds).map_err(|kind| Error::Rebind { graph: self.id, kind })?;
         let mut st = self.rebound();
-        let mut next = st.bound.clone();
-        let mut changed = std::collections::BTreeSet::new();
+        let mut next = match st.bound.is_empty() {
+            true => vec![None; self.index.uses()],
+            false => st.bound.clone(),
+        };
+        let mut changed = Vec::new();
         for (s, u, to) in moved {
             let captured = &self.sites[s].uses[u];
-            let now = next.get(&(s, u)).map_or((captured.block.id, captured.start), |b| (b.block.id, b.start));
-            if now == (to.block.id, to.start) {
+            let at_capture = (captured.block.id, captured.start);
+            let bound = &mut next[self.index.of_site(s).start + u];
+            if bound.as_ref().map_or(at_capture, |b| (b.block.id, b.start)) == (to.block.id, to.start) {
                 continue;
             }
-            changed.insert(s);
-            if (to.block.id, to.start) == (captured.block.id, captured.start) {
-                next.remove(&(s, u));
-            } else {
-                next.insert((s, u), to);
-            }
+            changed.push(s);
+            *bound = ((to.block.id, to.start) != at_capture).then_some(to);
         }
+        changed.sort_unstable();
+        changed.dedup();
         if changed.is_empty() {
             return Ok(0);
         }
-        let of = |bound: &BTreeMap<(usize, usize), Bound>| -> Vec<patch::SiteChange> {
-            let site = |s: usize| bound.range((s, 0)..(s + 1, 0)).map(|((_, u), b)| (*u, b.clone())).collect();
-            changed.iter().map(|&s| (s, site(s))).collect()
-        };
+        let of = |bound| self.index.changes(&changed, bound);
         let applied = dispatch!(self.dev.backend(), |b, pick| b.rebind(pick!(repr), &self.sites, &of(&next)));
         if let Err(e) = applied {
             // Some sites may have moved: put them back, or refuse every later launch of a
@@ -325,16 +325,19 @@ impl GraphExec {
             return Err(e);
         }
         let mut blocks: Vec<Arc<Block>> = Vec::new();
-        for b in next.values() {
+        for b in next.iter().flatten() {
             if !blocks.iter().any(|k| k.id == b.block.id) {
                 blocks.push(b.block.clone());
             }
         }
-        let remaps = |bound: &BTreeMap<(usize, usize), Bound>| -> Vec<Remap> {
-            bound.iter().map(|((s, u), b)| Remap::of(&self.sites[*s].uses[*u], b)).collect()
-        };
-        let observed = self.dev.observer().filter(|o| o.watching()).map(|o| (o, remaps(&next)));
-        *st = Rebound { bound: next, blocks, broken: false };
+        let observed = self.dev.observer().filter(|o| o.watching()).map(|o| {
+            let remaps = (0..self.sites.len())
+                .flat_map(|s| self.sites[s].uses.iter().zip(&next[self.index.of_site(s)]))
+                .filter_map(|(captured, b)| b.as_ref().map(|b| Remap::of(captured, b)))
+                .collect::<Vec<_>>();
+            (o, remaps)
+        });
+        *st = Rebound { bound: if blocks.is_empty() { Vec::new() } else { next }, blocks, broken: false };
         drop(st);
         if let Some((o, remaps)) = observed {
             o.rebind(self.id, self.exec, &remaps)?;

@@ -244,28 +244,61 @@ pub(crate) struct Bound {
     pub(crate) start: usize,
 }
 
-/// A site and where its moved uses point now, by use index (the others as captured).
-pub(crate) type SiteChange = (usize, Vec<(usize, Bound)>);
+/// A site and where each of its uses points now, by use index (`None`: as captured).
+pub(crate) type SiteChange<'b> = (usize, &'b [Option<Bound>]);
 
-/// Where each block is named: its (site, use) pairs, in capture order.
-pub(crate) type UsesByBlock = HashMap<BufferId, Vec<(usize, usize)>>;
+/// The uses of a graph's sites: where each block is named, and a flat numbering of all uses
+/// (site `s`'s use `u` is use `first[s] + u`) that an executable's bindings are kept in.
+pub(crate) struct UseIndex {
+    /// By block, its (site, use) pairs, in capture order.
+    by_block: HashMap<BufferId, Vec<(usize, usize)>>,
+    /// Where each site's uses start in the flat numbering, and the number of uses last.
+    first: Vec<usize>,
+}
 
-/// The index of `sites` by block.
-pub(crate) fn uses_by_block(sites: &[Site]) -> UsesByBlock {
-    let mut index: UsesByBlock = HashMap::new();
-    for (s, site) in sites.iter().enumerate() {
-        for (u, x) in site.uses.iter().enumerate() {
-            index.entry(x.block.id).or_default().push((s, u));
+impl UseIndex {
+    /// The index of `sites`.
+    pub(crate) fn of(sites: &[Site]) -> UseIndex {
+        let mut by_block: HashMap<BufferId, Vec<(usize, usize)>> = HashMap::new();
+        let mut first = Vec::with_capacity(sites.len() + 1);
+        let mut uses = 0;
+        for (s, site) in sites.iter().enumerate() {
+            first.push(uses);
+            uses += site.uses.len();
+            for (u, x) in site.uses.iter().enumerate() {
+                by_block.entry(x.block.id).or_default().push((s, u));
+            }
         }
+        first.push(uses);
+        UseIndex { by_block, first }
     }
-    index
+
+    /// Whether a use names `block`.
+    pub(crate) fn names(&self, block: BufferId) -> bool {
+        self.by_block.contains_key(&block)
+    }
+
+    /// How many uses the sites have.
+    pub(crate) fn uses(&self) -> usize {
+        self.first.last().copied().unwrap_or(0)
+    }
+
+    /// Site `s`'s uses in the flat numbering.
+    pub(crate) fn of_site(&self, s: usize) -> std::ops::Range<usize> {
+        self.first[s]..self.first[s + 1]
+    }
+
+    /// The sites `changed` with where their uses point in `bound` (flat; empty: all as captured).
+    pub(crate) fn changes<'b>(&self, changed: &[usize], bound: &'b [Option<Bound>]) -> Vec<SiteChange<'b>> {
+        changed.iter().map(|&s| (s, bound.get(self.of_site(s)).unwrap_or_default())).collect()
+    }
 }
 
 /// The uses that `rebinds` move, as `(site, use, where it points)`, or why one is refused.
-/// `index` is [`uses_by_block`] of `sites`.
+/// `index` is [`UseIndex::of`] `sites`.
 pub(crate) fn plan(
     sites: &[Site],
-    index: &UsesByBlock,
+    index: &UseIndex,
     rebinds: &[Rebind<'_>],
 ) -> std::result::Result<Vec<(usize, usize, Bound)>, RebindErrorKind> {
     let mut moved = Vec::new();
@@ -273,7 +306,7 @@ pub(crate) fn plan(
         let (from, to) = (r.from_start, r.from_start + r.bytes);
         let buffer = r.from.id;
         let mut any = false;
-        for &(s, u) in index.get(&buffer).into_iter().flatten() {
+        for &(s, u) in index.by_block.get(&buffer).into_iter().flatten() {
             let (site, x) = (&sites[s], &sites[s].uses[u]);
             if x.end <= from || to <= x.start {
                 continue;

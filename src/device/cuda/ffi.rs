@@ -608,7 +608,8 @@ impl OwnedExec {
 
     /// `cuGraphExecKernelNodeSetParams_v2`: kernel node `node` of the executable's graph runs
     /// `func` with `dims` and the parameters in `values` (one 8-byte slot each, as launched) at
-    /// later launches.
+    /// later launches. `params` is scratch for the pointers to them, reused across calls so
+    /// that a rebind of many nodes allocates nothing per node.
     ///
     /// # Safety
     /// `node` is a kernel node of the graph this executable was instantiated from, that graph is
@@ -620,8 +621,10 @@ impl OwnedExec {
         func: Function,
         dims: &LaunchDims,
         values: &mut [u64],
+        params: &mut Vec<*mut c_void>,
     ) -> Result<(), DriverError> {
-        let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| ptr::from_mut(v).cast()).collect();
+        params.clear();
+        params.extend(values.iter_mut().map(|v| ptr::from_mut(v).cast::<c_void>()));
         let p = sys::CUDA_KERNEL_NODE_PARAMS {
             func: func.0,
             gridDimX: dims.grid.0,

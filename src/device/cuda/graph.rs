@@ -166,6 +166,8 @@ impl CuExec {
         let bug = |why: &str| Error::Cuda { op: OP, message: format!("{why}; please report this as a bug") };
         let _graph = lock(&self.graph);
         let exec = lock(&self.exec);
+        // Scratch for every kernel node's parameters, reused across nodes.
+        let (mut values, mut params) = (Vec::new(), Vec::new());
         for (site, bound) in changes {
             let Some(Some(patch)) = self.held.nodes.get(*site) else {
                 return Err(bug("a site with no patchable node"));
@@ -174,10 +176,11 @@ impl CuExec {
                 super::memory::kernel_arg(OP, &block.raw, block.base + start)
             };
             match &patch.template {
-                Template::Kernel { func, dims, values } => {
-                    let mut values = values.clone();
-                    for (u, b) in bound {
-                        let Slot::Param(i) = sites[*site].uses[*u].slot else {
+                Template::Kernel { func, dims, values: launched } => {
+                    values.clear();
+                    values.extend_from_slice(launched);
+                    for (u, b) in bound.iter().enumerate().filter_map(|(u, b)| Some((u, b.as_ref()?))) {
+                        let Slot::Param(i) = sites[*site].uses[u].slot else {
                             return Err(bug("a kernel use that is no parameter"));
                         };
                         values[i] = address(&b.block, b.start)?;
@@ -186,13 +189,14 @@ impl CuExec {
                     // by `self.graph`; the function stays loaded in `Kernels`; the values are the
                     // launch's own with pointer slots replaced by addresses of blocks that the
                     // public executable holds while they are bound.
-                    unsafe { exec.set_kernel_params(patch.node, *func, dims, &mut values) }
+                    unsafe { exec.set_kernel_params(patch.node, *func, dims, &mut values, &mut params) }
                         .map_err(|e| err::driver(OP, None, e))?;
                 }
                 Template::Copy => {
                     let restore = sites[*site].uses.iter().position(|u| u.slot == Slot::CopySrc);
-                    let src = match bound.iter().find(|(u, _)| sites[*site].uses[*u].slot == Slot::CopySrc) {
-                        Some((_, b)) => address(&b.block, b.start)?,
+                    let moved = |u: usize| bound.get(u).and_then(Option::as_ref);
+                    let src = match restore.and_then(moved) {
+                        Some(b) => address(&b.block, b.start)?,
                         None => {
                             let u = restore.ok_or_else(|| bug("a copy with no source"))?;
                             let captured = &sites[*site].uses[u];

@@ -110,7 +110,8 @@ impl SimExec {
                     why: "a site names an event node; please report this as a bug",
                 });
             };
-            let uses: Vec<_> = bound.iter().map(|(u, b)| (sites[*site].uses[*u].slot, b)).collect();
+            let uses: Vec<_> =
+                sites[*site].uses.iter().zip(bound.iter()).filter_map(|(x, b)| Some((x.slot, b.as_ref()?))).collect();
             next[n].task = NodeTask::Run(Arc::new(task.rebound(&uses)?));
         }
         *nodes = Arc::new(next);
