@@ -676,6 +676,29 @@ impl CachingAllocator {
         Learn { alloc: self, stream: stream.clone() }
     }
 
+    /// Runs `f`, whose allocations on `stream` are outside the sequence the capture in progress
+    /// expects (Note [Pass-local blocks]): they take no memory lent for the pass alone and do
+    /// not move the expectation on. For allocations the pass's warmup does not make, which
+    /// would otherwise stand in for the warmup's next allocation of the same size: the
+    /// offload's reloads (its warmup runs with offloading off), which outlive the pass that
+    /// issues them. Outside a capture, or without an expectation, it only runs `f`.
+    pub(crate) fn outside_expectation<T>(&self, stream: &Stream, f: impl FnOnce() -> T) -> T {
+        let key = stream.id().raw();
+        let capture = stream.capture_id().ok().flatten();
+        let pause = |paused: bool| -> Option<bool> {
+            let mut st = lock(&self.inner.state);
+            let pool = *st.captures.get(&capture?)?;
+            let e = st.pools.get_mut(&pool)?.expect.as_mut().filter(|e| e.stream == key)?;
+            Some(std::mem::replace(&mut e.paused, paused))
+        };
+        let was = pause(true);
+        let out = f();
+        if let Some(was) = was {
+            pause(was);
+        }
+        out
+    }
+
     /// Lends `lent` to the cache for the allocations on `stream` outside captures, until the
     /// returned guard ends the lending; they take none of it until
     /// [`EagerLending::open`] names its lenders (Note [Lent gradients in the warmup] in

@@ -16,6 +16,10 @@
 //! the pass. When the captured pass ends, every block placed in memory only a pass-local block
 //! may take must be free again, or the capture is refused: a pass that allocates differently
 //! when captured than in the warmup cannot leave anything where a later pass zeroes it.
+//! Allocations that a captured pass makes by design and its warmup does not (the offload's
+//! reloads, whose warmup runs with offloading off) are made outside the expectation
+//! ([`CachingAllocator::outside_expectation`](super::CachingAllocator::outside_expectation)),
+//! so that they neither stand in for the warmup's allocations nor end the expectation early.
 
 use super::arena::{SegmentId, StreamKey};
 use super::pool::PoolId;
@@ -47,17 +51,20 @@ pub(crate) struct Expectation {
     pub(crate) wide: Vec<SegmentId>,
     /// The blocks placed where only pass-local blocks may go: segment, offset, buffer and size.
     pub(crate) placed: Vec<(SegmentId, usize, BufferId, usize)>,
+    /// Whether allocations now are outside the pass's sequence
+    /// ([`CachingAllocator::outside_expectation`](super::CachingAllocator::outside_expectation)).
+    pub(crate) paused: bool,
 }
 
 impl Expectation {
     pub(crate) fn new(stream: StreamKey, lifetimes: Lifetimes, wide: Vec<SegmentId>) -> Expectation {
-        Expectation { stream, lifetimes, next: Some(0), wide, placed: Vec::new() }
+        Expectation { stream, lifetimes, next: Some(0), wide, placed: Vec::new(), paused: false }
     }
 
     /// Whether the next allocation, of `bytes`, dies within the pass by the warmup's account;
     /// an allocation the warmup did not make ends the expectation.
     pub(crate) fn pass_local(&mut self, bytes: usize) -> bool {
-        let Some(i) = self.next else { return false };
+        let Some(i) = self.next.filter(|_| !self.paused) else { return false };
         match self.lifetimes.0.get(i) {
             Some(&(size, freed)) if size == bytes => {
                 self.next = Some(i + 1);
@@ -106,6 +113,36 @@ mod tests {
         assert!(lent(&held));
         assert_eq!(pool.end_expect(), 1024, "a pass-local block outlived the pass");
         drop((held, long));
+        cap.finish()?;
+        Ok(())
+    }
+
+    /// The offload's reloads, which the warmup (offloading off) never made and which outlive
+    /// the pass: allocated outside the expectation, one the size of the warmup's next
+    /// pass-local allocation neither takes lent memory nor moves the expectation on, so the
+    /// warmup's allocation after it still does.
+    #[test]
+    fn allocations_outside_the_expectation_take_no_pass_local_memory() -> Result<()> {
+        let dev = Device::sim_with(SimConfig { policy: Policy::InOrder, seed: 0, memory: 64 << 20 });
+        let s = dev.stream()?;
+        let alloc = CachingAllocator::new(&dev);
+        let grads = alloc.alloc::<f32>(&s, 4096)?;
+        let learning = alloc.learn(&s);
+        drop(alloc.alloc::<f32>(&s, 256)?);
+        let lifetimes = learning.finish()?;
+        assert_eq!(lifetimes, Lifetimes(vec![(1024, true)]));
+        let pool = alloc.new_pool();
+        pool.lend(super::super::LentRange::of(7, &grads, 0..4096).expect("aligned"));
+        let lent = |b: &crate::device::DeviceBuffer<f32>| alloc.block_of(b.id()).is_some_and(|e| e.lent);
+        let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
+        pool.expect(&s, &lifetimes, &[7]);
+        let reload = alloc.outside_expectation(&s, || alloc.alloc::<f32>(&s, 256))?;
+        assert!(!lent(&reload), "an allocation outside the expectation took pass-local memory");
+        let own = alloc.alloc::<f32>(&s, 256)?;
+        assert!(lent(&own), "the warmup's allocation after it was not expected");
+        drop(own);
+        assert_eq!(pool.end_expect(), 0, "the reload outlives the pass outside lent memory");
+        drop(reload);
         cap.finish()?;
         Ok(())
     }
