@@ -81,18 +81,24 @@ impl Expectation {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::{CaptureMode, Device, Policy, SimConfig};
+    use crate::device::{CaptureMode, Device, DeviceBuffer, Policy, SimConfig, Stream};
     use crate::memory::CachingAllocator;
     use crate::Result;
+
+    /// A stream of an in-order simulator, its allocator, and 16 KiB of gradients to lend.
+    fn lender() -> Result<(Stream, CachingAllocator, DeviceBuffer<f32>)> {
+        let dev = Device::sim_with(SimConfig { policy: Policy::InOrder, seed: 0, memory: 64 << 20 });
+        let s = dev.stream()?;
+        let alloc = CachingAllocator::new(&dev);
+        let grads = alloc.alloc::<f32>(&s, 4096)?;
+        Ok((s, alloc, grads))
+    }
 
     /// A block the warmup freed within its pass takes memory lent for the pass alone; one it kept
     /// does not; a pass-local block still held when the pass ends is reported.
     #[test]
     fn blocks_the_warmup_freed_take_memory_lent_for_the_pass() -> Result<()> {
-        let dev = Device::sim_with(SimConfig { policy: Policy::InOrder, seed: 0, memory: 64 << 20 });
-        let s = dev.stream()?;
-        let alloc = CachingAllocator::new(&dev);
-        let grads = alloc.alloc::<f32>(&s, 4096)?;
+        let (s, alloc, grads) = lender()?;
         let learning = alloc.learn(&s);
         let (short, long) = (alloc.alloc::<f32>(&s, 256)?, alloc.alloc::<f32>(&s, 256)?);
         drop(short);
@@ -101,7 +107,7 @@ mod tests {
         drop(long);
         let pool = alloc.new_pool();
         pool.lend(super::super::LentRange::of(7, &grads, 0..4096).expect("aligned"));
-        let lent = |b: &crate::device::DeviceBuffer<f32>| alloc.block_of(b.id()).is_some_and(|e| e.lent);
+        let lent = |b: &DeviceBuffer<f32>| alloc.block_of(b.id()).is_some_and(|e| e.lent);
         let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
         pool.expect(&s, &lifetimes, &[7]);
         let (short, long) = (alloc.alloc::<f32>(&s, 256)?, alloc.alloc::<f32>(&s, 256)?);
@@ -123,17 +129,14 @@ mod tests {
     /// warmup's allocation after it still does.
     #[test]
     fn allocations_outside_the_expectation_take_no_pass_local_memory() -> Result<()> {
-        let dev = Device::sim_with(SimConfig { policy: Policy::InOrder, seed: 0, memory: 64 << 20 });
-        let s = dev.stream()?;
-        let alloc = CachingAllocator::new(&dev);
-        let grads = alloc.alloc::<f32>(&s, 4096)?;
+        let (s, alloc, grads) = lender()?;
         let learning = alloc.learn(&s);
         drop(alloc.alloc::<f32>(&s, 256)?);
         let lifetimes = learning.finish()?;
         assert_eq!(lifetimes, Lifetimes(vec![(1024, true)]));
         let pool = alloc.new_pool();
         pool.lend(super::super::LentRange::of(7, &grads, 0..4096).expect("aligned"));
-        let lent = |b: &crate::device::DeviceBuffer<f32>| alloc.block_of(b.id()).is_some_and(|e| e.lent);
+        let lent = |b: &DeviceBuffer<f32>| alloc.block_of(b.id()).is_some_and(|e| e.lent);
         let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
         pool.expect(&s, &lifetimes, &[7]);
         let reload = alloc.outside_expectation(&s, || alloc.alloc::<f32>(&s, 256))?;
