@@ -331,8 +331,10 @@ impl GraphExec {
             }
         }
         let observed = self.dev.observer().filter(|o| o.watching()).map(|o| {
-            let remaps = (0..self.sites.len())
-                .flat_map(|s| self.sites[s].uses.iter().zip(&next[self.index.of_site(s)]))
+            // The flat numbering is the sites' uses in order.
+            let captured = self.sites.iter().flat_map(|s| &s.uses);
+            let remaps = captured
+                .zip(&next)
                 .filter_map(|(captured, b)| b.as_ref().map(|b| Remap::of(captured, b)))
                 .collect::<Vec<_>>();
             (o, remaps)

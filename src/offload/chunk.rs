@@ -22,7 +22,7 @@ use super::error::OffloadErrorKind;
 use super::host::HostBuffer;
 use super::policy::{GroupLayout, TensorLayout};
 use super::shared::Inner;
-use super::state::{Baked, BakedRef, ChunkState, Fault, HostRef, Mark, PassTiming, Phase, Slot, State};
+use super::state::{Baked, BakedRef, ChunkState, Fault, HostRef, Mark, PassTiming, Phase, State};
 use crate::device::{BufferId, DType, Stream};
 use crate::nn::{Chunk, Restore, SaveHook, SavedTensor};
 use crate::tensor::Tensor;
@@ -416,14 +416,17 @@ fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, captur
     let run = &mut c.run[g];
     // Allocations the warmup (offloading off) never made, outliving this pass: outside what
     // the capture expects of it (Note [Pass-local blocks] in `memory`).
-    let dsts = inner.alloc.outside_expectation(stream, || {
-        let reload = |(s, slot): (usize, &Slot)| match slot.host {
-            Some(_) => {
-                Tensor::uninit(&inner.alloc, stream, &layout.tensors[s].shape, layout.tensors[s].dtype).map(Some)
-            }
-            None => Ok(None),
-        };
-        run.slots.iter().enumerate().map(reload).collect::<Result<Vec<_>>>()
+    let dsts = inner.alloc.outside_expectation(stream, || -> Result<Vec<Option<Tensor>>> {
+        let mut dsts = Vec::with_capacity(run.slots.len());
+        for (s, slot) in run.slots.iter().enumerate() {
+            let t = &layout.tensors[s];
+            let dst = match slot.host {
+                Some(_) => Some(Tensor::uninit(&inner.alloc, stream, &t.shape, t.dtype)?),
+                None => None,
+            };
+            dsts.push(dst);
+        }
+        Ok(dsts)
     })?;
     match capture {
         Some(cap) => {

@@ -193,15 +193,14 @@ impl CuExec {
                         .map_err(|e| err::driver(OP, None, e))?;
                 }
                 Template::Copy => {
-                    let restore = sites[*site].uses.iter().position(|u| u.slot == Slot::CopySrc);
-                    let moved = |u: usize| bound.get(u).and_then(Option::as_ref);
-                    let src = match restore.and_then(moved) {
+                    let uses = &sites[*site].uses;
+                    let u = uses
+                        .iter()
+                        .position(|u| u.slot == Slot::CopySrc)
+                        .ok_or_else(|| bug("a copy with no source"))?;
+                    let src = match bound.get(u).and_then(Option::as_ref) {
                         Some(b) => address(&b.block, b.start)?,
-                        None => {
-                            let u = restore.ok_or_else(|| bug("a copy with no source"))?;
-                            let captured = &sites[*site].uses[u];
-                            address(&captured.block, captured.start)?
-                        }
+                        None => address(&uses[u].block, uses[u].start)?,
                     };
                     // SAFETY: the node is a device-source memcpy node of this executable's
                     // graph, kept alive by `self.graph`; `src` addresses a held block's bytes.
