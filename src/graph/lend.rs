@@ -155,6 +155,13 @@ impl Lending {
         Ok(ranges)
     }
 
+    /// Per layer, the bytes it lends (0 for a layer that lends nothing).
+    pub(crate) fn lent_bytes(&self) -> Result<Vec<usize>> {
+        let ranges = self.ranges()?;
+        let of = |id: usize| ranges.iter().filter(|r| r.lender == id).map(|r| r.bytes).sum();
+        Ok(self.lenders.iter().map(|l| l.as_ref().map_or(0, |(id, _)| of(*id))).collect())
+    }
+
     /// The lenders whose memory the warmup of layer `i` may take: every layer's but `i`'s, which
     /// its backward writes (Note [Lent gradients in the warmup]).
     pub(crate) fn warmup_lenders(&self, i: usize) -> Vec<usize> {

@@ -32,6 +32,9 @@ pub enum Mode {
 }
 
 type WarmupHook = Box<dyn FnMut(&Stream) -> Result<()>>;
+/// The first-iteration hook: the warmup's stream, and what each layer lends the pool (empty
+/// without lending).
+type FirstIterationHook = Box<dyn FnMut(&Stream, &[usize]) -> Result<()>>;
 type PassHook = Box<dyn FnMut(usize, Phase, &Stream) -> Result<()>>;
 type ChunkHandler = Box<dyn FnMut(Chunk) -> Result<Arc<dyn SaveHook>>>;
 /// Given the capture stream and the probe to run, if it wants the callables' graph times.
@@ -64,9 +67,10 @@ pub struct GraphOptions {
     pub(crate) lend_gradients: bool,
     pub(crate) pre_warmup: Option<WarmupHook>,
     pub(crate) post_warmup: Option<WarmupHook>,
-    /// Called after the first warmup iteration, on the warmup stream: where an offload manager
-    /// whose policy is not frozen yet ends its recording iteration.
-    pub(crate) first_iteration: Option<WarmupHook>,
+    /// Called after the first warmup iteration, on the warmup stream, with what each layer
+    /// lends the pool: where an offload manager whose policy is not frozen yet ends its
+    /// recording iteration.
+    pub(crate) first_iteration: Option<FirstIterationHook>,
     /// Called when the capture fails after a warmup that succeeded: where that offload manager
     /// forgets the policy the warmup froze, so that a refused capture changes nothing.
     pub(crate) abandoned: Option<Box<dyn FnMut()>>,
@@ -291,7 +295,10 @@ impl GraphOptions {
     }
 
     /// Sets the hook run after the first warmup iteration.
-    pub(crate) fn after_first_iteration(mut self, f: impl FnMut(&Stream) -> Result<()> + 'static) -> GraphOptions {
+    pub(crate) fn after_first_iteration(
+        mut self,
+        f: impl FnMut(&Stream, &[usize]) -> Result<()> + 'static,
+    ) -> GraphOptions {
         self.first_iteration = Some(Box::new(f));
         self
     }
@@ -311,9 +318,9 @@ impl GraphOptions {
         self
     }
 
-    /// Runs the first-iteration hook, if any.
-    pub(crate) fn run_first_iteration_hook(&mut self, stream: &Stream) -> Result<()> {
-        self.first_iteration.as_mut().map_or(Ok(()), |h| h(stream))
+    /// Runs the first-iteration hook, if any, with what each layer lends (`lent`).
+    pub(crate) fn run_first_iteration_hook(&mut self, stream: &Stream, lent: &[usize]) -> Result<()> {
+        self.first_iteration.as_mut().map_or(Ok(()), |h| h(stream, lent))
     }
 
     /// Callable `callable`'s `pass` graph records `edge` as its last node, after all its work,

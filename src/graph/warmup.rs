@@ -71,7 +71,8 @@ fn iterations(
             plan.stream.synchronize()?;
         }
         if iteration == 0 {
-            options.run_first_iteration_hook(plan.stream)?;
+            let lends = lent.map(|(lending, _)| lending.lent_bytes()).transpose()?.unwrap_or_default();
+            options.run_first_iteration_hook(plan.stream, &lends)?;
         }
     }
     Ok(())

@@ -115,7 +115,7 @@ impl OffloadManager {
                 pre.begin_warmup();
                 Ok(())
             })
-            .after_first_iteration(move |stream| first.end_recording(stream))
+            .after_first_iteration(move |stream, lent| first.end_recording(stream, lent))
             .window_probe(move |stream, probe| timer.time_windows(stream, probe))
             .post_warmup(move |_| {
                 post.end_warmup();
@@ -154,10 +154,16 @@ impl OffloadManager {
     }
 
     /// After the warmup's first iteration: ends the recording iteration, if it was one (the
-    /// automatic policy then waits for the window probe); then offloading is off for the rest
-    /// of the warmup.
-    fn end_recording(&self, stream: &Stream) -> Result<()> {
-        let recording = std::mem::replace(&mut self.inner.lock().warmup_recording, false);
+    /// automatic policy then waits for the window probe), deciding with what each layer lends
+    /// the pool (`lent`); then offloading is off for the rest of the warmup.
+    fn end_recording(&self, stream: &Stream, lent: &[usize]) -> Result<()> {
+        let recording = {
+            let mut st = self.inner.lock();
+            if st.warmup_recording {
+                st.lent = lent.to_vec();
+            }
+            std::mem::replace(&mut st.warmup_recording, false)
+        };
         if recording && self.inner.config.policy == Policy::Auto {
             let mut st = self.inner.lock();
             st.awaiting_windows = self.close_iteration(&mut st)?.is_some();
@@ -195,6 +201,7 @@ impl OffloadManager {
             st.frozen = false;
             st.summary = None;
             st.chunks.clear();
+            st.lent.clear();
         }
     }
 
@@ -207,6 +214,7 @@ impl OffloadManager {
         if !st.frozen {
             st.chunks.clear();
             st.unbaked.clear();
+            st.lent.clear();
         }
         st.enabled = true;
     }
@@ -294,7 +302,7 @@ impl OffloadManager {
     fn freeze(&self, st: &mut State, timings: Option<&Timings>) -> Result<()> {
         let config = &self.inner.config;
         for c in st.chunks.values_mut() {
-            decide(config, &mut c.layout, timings);
+            decide(config, &mut c.layout, timings, &st.lent);
             c.offloads = c.layout.iter().any(|g| g.offloaded_bytes() > 0);
         }
         let baked = match self.bake_unbaked(st) {
@@ -310,7 +318,7 @@ impl OffloadManager {
             let _ = slot.set(buffers);
         }
         let layouts: Vec<(Chunk, &[GroupLayout])> = st.chunks.iter().map(|(k, c)| (*k, c.layout.as_slice())).collect();
-        st.summary = Some(Summary::from_layouts(&layouts, timings, config));
+        st.summary = Some(Summary::from_layouts(&layouts, timings, config, &st.lent));
         st.frozen = true;
         Ok(())
     }

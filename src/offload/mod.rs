@@ -25,6 +25,7 @@ mod error;
 mod host;
 mod manager;
 mod policy;
+mod saving;
 mod shared;
 mod state;
 

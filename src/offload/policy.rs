@@ -5,6 +5,7 @@
 use std::fmt;
 
 use super::config::{OffloadConfig, Policy};
+use super::saving::{self, UnitBlocks};
 use crate::device::DType;
 use crate::nn::Chunk;
 
@@ -144,8 +145,11 @@ impl fmt::Display for Windows {
 /// copy back fits `slack` of its backward (where the copies run: see the module docs), and whose
 /// cost ([`Timings::copy_cost_ms`]: to the kernels they overlap, and, for a unit's first copy,
 /// to the graphs that carry them) fits what is left of `max_overhead` of the measured step,
-/// earlier units first; within the byte budget.
-pub fn decide(config: &OffloadConfig, groups: &mut [GroupLayout], timings: Option<&Timings>) {
+/// earlier units first; within the byte budget. Where the layers lend their gradients to the
+/// pool (`lent[i]`: what layer `i` lends; empty: no lending), the automatic policy then keeps
+/// every unit whose copies would not lower the pool's peak (Note [Offloading lent memory] in
+/// `offload/saving.rs`), earlier units first.
+pub fn decide(config: &OffloadConfig, groups: &mut [GroupLayout], timings: Option<&Timings>, lent: &[usize]) {
     let units = mark_eligible(config, groups);
     if let (Policy::Auto, Some(timings)) = (config.policy, timings) {
         let mut cost_budget = config.max_overhead * timings.step_ms();
@@ -179,6 +183,26 @@ pub fn decide(config: &OffloadConfig, groups: &mut [GroupLayout], timings: Optio
         for t in groups.iter_mut().flat_map(|g| g.tensors.iter_mut()).filter(|t| t.offload) {
             t.offload = total + t.bytes() <= max;
             total += if t.offload { t.bytes() } else { 0 };
+        }
+    }
+    if config.policy == Policy::Auto && !lent.is_empty() {
+        keep_units_that_save_nothing(groups, units, lent);
+    }
+}
+
+/// Keeps on the device, earlier units first, every unit whose offloaded tensors do not lower
+/// the pool's replayed peak given the other units' choices.
+fn keep_units_that_save_nothing(groups: &mut [GroupLayout], units: usize, lent: &[usize]) {
+    for p in 0..units {
+        let mine = |g: &GroupLayout| g.pass == p && g.offloaded_bytes() > 0;
+        if !groups.iter().any(mine) {
+            continue;
+        }
+        let with = saving::expected_saving(&UnitBlocks::of(groups), lent);
+        let mut without = groups.to_vec();
+        without.iter_mut().filter(|g| g.pass == p).flat_map(|g| g.tensors.iter_mut()).for_each(|t| t.offload = false);
+        if with <= saving::expected_saving(&UnitBlocks::of(&without), lent) {
+            groups.clone_from_slice(&without);
         }
     }
 }
@@ -247,14 +271,19 @@ pub struct Summary {
     pub windows: Option<Windows>,
     /// The measured step (every unit's forward and backward), ms, with the automatic policy.
     pub step_ms: Option<f64>,
+    /// Whether the layers lend their gradients to the pool, which the expected saving counts.
+    pub lent: bool,
+    saving: i64,
 }
 
 impl Summary {
-    /// The summary of chunks' decided layouts, with the timings they were decided from.
+    /// The summary of chunks' decided layouts, with the timings they were decided from and
+    /// what each layer lends the pool (`lent`, as [`decide`] takes it).
     pub fn from_layouts(
         chunks: &[(Chunk, &[GroupLayout])],
         timings: Option<&Timings>,
         config: &OffloadConfig,
+        lent: &[usize],
     ) -> Summary {
         let mut rows = Vec::new();
         for (chunk, groups) in chunks {
@@ -316,12 +345,20 @@ impl Summary {
                     100.0 * config.max_overhead
                 ));
             }
+            if config.policy == Policy::Auto && !lent.is_empty() {
+                why.push(
+                    "or, with the layers' gradients lent to the pool, no copy would lower its own peak (their \
+                     activations lie in lent memory)"
+                        .into(),
+                );
+            }
             format!(
                 "nothing is offloaded: {}; lower the margin or the minimum size, or select other sites",
                 why.join("; ")
             )
         });
-        Summary { rows, nothing_offloaded, bandwidth_gbps, windows, step_ms }
+        let saving = chunks.iter().map(|(_, groups)| saving::expected_saving(&UnitBlocks::of(groups), lent)).sum();
+        Summary { rows, nothing_offloaded, bandwidth_gbps, windows, step_ms, lent: !lent.is_empty(), saving }
     }
 
     /// What the copies are expected to cost the passes they overlap, in milliseconds (`None`
@@ -335,32 +372,16 @@ impl Summary {
         self.rows.iter().map(|r| r.offloaded).sum()
     }
 
-    /// The device memory the offloading is expected to save at the peak, per chunk, of the
-    /// selected tensors (the others stay either way): all of them are on the device at the
-    /// backward's start without offloading; with it, while unit `q` runs (its forward, where the
-    /// copy out of unit `q - 1` runs, or its backward, which prefetches unit `q - 1`), the device
-    /// holds the kept bytes of units up to `q` and the offloaded bytes of units `q` and `q - 1`.
-    /// The saving is the difference of the two peaks: a margin of one unit saves every offloaded
-    /// byte but the last offloaded unit's; a margin of two saves every offloaded byte.
-    pub fn expected_peak_saving(&self) -> usize {
-        let mut by_chunk: std::collections::BTreeMap<Chunk, Vec<&SummaryRow>> = Default::default();
-        for r in &self.rows {
-            by_chunk.entry(r.chunk).or_default().push(r);
-        }
-        by_chunk
-            .values_mut()
-            .map(|units| {
-                units.sort_by_key(|r| r.pass);
-                let all: usize = units.iter().map(|r| r.offloaded + r.kept).sum();
-                let (mut kept, mut peak, mut before) = (0, 0, 0);
-                for r in units.iter() {
-                    kept += r.kept;
-                    peak = peak.max(kept + r.offloaded + before);
-                    before = r.offloaded;
-                }
-                all.saturating_sub(peak)
-            })
-            .sum()
+    /// The memory the offloading is expected to save at the graph pool's peak, in bytes, over
+    /// its chunks; negative where it raises the peak (lent gradient memory: Note [Offloading
+    /// lent memory] in `offload/saving.rs`). Each chunk's step is replayed through the pool's
+    /// bookkeeping with every saved tensor, offloaded as decided and with nothing offloaded:
+    /// while unit `q` runs (its forward, where the copy out of unit `q - 1` runs, or its
+    /// backward, which prefetches unit `q - 1`) the device holds the kept bytes of units up to
+    /// `q` and the offloaded bytes of units `q` and `q - 1`. So a margin of one unit saves every
+    /// offloaded byte but the last offloaded unit's, and a margin of two saves every one.
+    pub fn expected_peak_saving(&self) -> i64 {
+        self.saving
     }
 }
 
@@ -403,9 +424,10 @@ impl fmt::Display for Summary {
         }
         write!(
             f,
-            "offloaded {:.1} MiB per iteration; expected peak saving {:.1} MiB",
+            "offloaded {:.1} MiB per iteration; expected peak saving {:.1} MiB{}",
             mib(self.offloaded_bytes()),
-            mib(self.expected_peak_saving())
+            self.expected_peak_saving() as f64 / (1024.0 * 1024.0),
+            if self.lent { " (of the pool's own memory: lent gradient memory is the gradients')" } else { "" }
         )?;
         match (self.expected_cost_ms(), self.step_ms) {
             (Some(cost), Some(step)) if step > 0.0 => {

@@ -169,6 +169,9 @@ pub(crate) struct State {
     /// Streams forked into the capture in progress: (copy out, copy back).
     pub(crate) forked: (bool, bool),
     pub(crate) summary: Option<Summary>,
+    /// What each layer of the capture under way lends its pool (empty: no lending), for the
+    /// policy's expected saving (Note [Offloading lent memory] in `offload/saving.rs`).
+    pub(crate) lent: Vec<usize>,
     /// Bytes copied out since the manager was made, eagerly and in captures.
     pub(crate) copied_out: usize,
     /// A step of the protocol left out on purpose (tests of the hazards).
@@ -218,6 +221,7 @@ impl State {
             delayed: Vec::new(),
             forked: (false, false),
             summary: None,
+            lent: Vec::new(),
             copied_out: 0,
             fault: None,
         }

@@ -29,6 +29,7 @@ per_device!(
     graphed_offload_with_lent_gradients_matches,
     whole_stack_graph_with_offload_matches,
     peak_memory_falls_by_the_offloaded_bytes,
+    lent_peak_falls_by_the_expected_saving,
     h1_side_replay_without_sync_event_is_refused,
     h3_unjoined_copies_fail_the_capture,
     h4_wait_outside_capture_fails_the_capture,

@@ -36,12 +36,12 @@ fn offloaded(groups: &[GroupLayout]) -> Vec<(usize, String)> {
 #[test]
 fn listed_policy_takes_the_default_sites_outside_the_margin() {
     let mut g = layout(4, 1 << 16);
-    decide(&OffloadConfig::default(), &mut g, None);
+    decide(&OffloadConfig::default(), &mut g, None, &[]);
     let got = offloaded(&g);
     assert_eq!(got.len(), 2 * 6, "six tensors per unit, units 0 and 1 (the last two are the margin): {got:?}");
     assert!(got.iter().all(|(p, n)| *p < 2 && !n.ends_with("probs") && !n.ends_with("pre")), "{got:?}");
     let mut g = layout(4, 1 << 16);
-    decide(&OffloadConfig::default().margin(0), &mut g, None);
+    decide(&OffloadConfig::default().margin(0), &mut g, None, &[]);
     assert_eq!(offloaded(&g).len(), 24, "no margin: every unit");
 }
 
@@ -54,21 +54,21 @@ fn the_expected_saving_counts_the_prefetch_only_where_it_sets_the_peak() {
     for (margin, offloaded_units, saved_units) in [(1, 3, 2), (2, 2, 2), (3, 1, 1), (4, 0, 0)] {
         let config = OffloadConfig::default().margin(margin);
         let mut g = layout(4, 1 << 16);
-        decide(&config, &mut g, None);
-        let s = Summary::from_layouts(&[(Default::default(), &g)], None, &config);
+        decide(&config, &mut g, None, &[]);
+        let s = Summary::from_layouts(&[(Default::default(), &g)], None, &config, &[]);
         assert_eq!(s.offloaded_bytes(), offloaded_units * unit, "margin {margin}: {s}");
-        assert_eq!(s.expected_peak_saving(), saved_units * unit, "margin {margin}: {s}");
+        assert_eq!(s.expected_peak_saving(), (saved_units * unit) as i64, "margin {margin}: {s}");
     }
 }
 
 #[test]
 fn small_tensors_and_the_budget_stay_on_the_device() {
     let mut g = layout(4, 1000);
-    decide(&OffloadConfig::default(), &mut g, None);
+    decide(&OffloadConfig::default(), &mut g, None, &[]);
     assert!(offloaded(&g).is_empty(), "below the minimum size");
     let mut g = layout(4, 1 << 16);
     let each = (1 << 16) * 2;
-    decide(&OffloadConfig::default().max_bytes(7 * each), &mut g, None);
+    decide(&OffloadConfig::default().max_bytes(7 * each), &mut g, None, &[]);
     let got = offloaded(&g);
     assert_eq!(got.len(), 7, "seven tensors fit the budget: {got:?}");
     assert!(got[..6].iter().all(|(p, _)| *p == 0), "earlier units first: {got:?}");
@@ -86,7 +86,7 @@ fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
     // The next unit's forward hides 10 tensors' worth of copy out, its backward 20 of copy back.
     let timings = graphed_windows(vec![10.0; 3], vec![20.0; 3], each);
     let mut g = layout(3, n);
-    decide(&config, &mut g, Some(&timings));
+    decide(&config, &mut g, Some(&timings), &[]);
     for p in 0..2 {
         let mine: Vec<_> = offloaded(&g).into_iter().filter(|(q, _)| *q == p).map(|(_, n)| n).collect();
         let bytes: usize = g.iter().filter(|x| x.pass == p).map(|x| x.offloaded_bytes()).sum();
@@ -100,12 +100,12 @@ fn auto_policy_fills_the_next_units_time_with_the_largest_tensors() {
     // A slow copy: nothing fits.
     let slow = Timings { out_bytes_per_ms: 1.0, ..timings.clone() };
     let mut g = layout(3, n);
-    decide(&config, &mut g, Some(&slow));
+    decide(&config, &mut g, Some(&slow), &[]);
     assert!(offloaded(&g).is_empty());
     // The summary reports the expected overlap.
     let mut g = layout(3, n);
-    decide(&config, &mut g, Some(&timings));
-    let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&timings), &config);
+    decide(&config, &mut g, Some(&timings), &[]);
+    let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&timings), &config, &[]);
     assert!(s.rows[0].expected_overlap() == Some(1.0) && s.rows[2].offloaded == 0, "{s}");
 }
 
@@ -122,8 +122,8 @@ fn auto_policy_keeps_what_the_graphed_windows_cannot_hide() {
     // copies, unit 2's none, unit 3's ten.
     let timings = graphed_windows(vec![10.0, 2.0, 0.0, 10.0], vec![20.0; 4], each as f64);
     let mut g = layout(4, n);
-    decide(&config, &mut g, Some(&timings));
-    let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&timings), &config);
+    decide(&config, &mut g, Some(&timings), &[]);
+    let s = Summary::from_layouts(&[(Default::default(), &g)], Some(&timings), &config, &[]);
     let offloaded: Vec<usize> = s.rows.iter().map(|r| r.offloaded).collect();
     assert_eq!(offloaded, [2 * each, 0, 10 * each, 0], "{s}");
     // The layer whose copy cannot hide keeps every candidate: 14 tensors' worth per unit.
@@ -147,8 +147,8 @@ fn ten_per_window() -> (usize, OffloadConfig, Timings) {
 /// What `config` decides for `ten_per_window`'s layout under `t`, summarized.
 fn decided(config: &OffloadConfig, t: &Timings) -> Summary {
     let mut g = layout(4, 1 << 20);
-    decide(config, &mut g, Some(t));
-    Summary::from_layouts(&[(Default::default(), &g)], Some(t), config)
+    decide(config, &mut g, Some(t), &[]);
+    Summary::from_layouts(&[(Default::default(), &g)], Some(t), config, &[])
 }
 
 fn offloaded_per_unit(s: &Summary) -> Vec<usize> {
@@ -186,4 +186,27 @@ fn auto_policy_charges_each_unit_once_for_the_graphs_that_carry_its_copies() {
 /// Windows as the probe measures them in graph replays, copies at `rate` bytes per ms each way.
 fn graphed_windows(forward_ms: Vec<f64>, backward_ms: Vec<f64>, rate: f64) -> Timings {
     Timings::new(forward_ms, backward_ms, (rate, rate), Windows::Graphs { replays: 5 })
+}
+
+/// Under lent gradients (Note [Offloading lent memory]) the automatic policy keeps every unit
+/// whose copies would not lower the pool's own peak: with lent memory that holds every unit
+/// above the first, nothing; with little lent memory, what it chose without lending but the
+/// last offloading unit, whose copies are still held while the peak is reached.
+#[test]
+fn auto_policy_under_lent_gradients_keeps_what_would_not_lower_the_peak() {
+    let (each, config, free) = ten_per_window();
+    let unit = 30 * each;
+    let lent_decided = |lent: &[usize]| {
+        let mut g = layout(4, 1 << 20);
+        decide(&config, &mut g, Some(&free), lent);
+        Summary::from_layouts(&[(Default::default(), &g)], Some(&free), &config, lent)
+    };
+    assert_eq!(offloaded_per_unit(&decided(&config, &free)), [10 * each, 10 * each, 10 * each, 0], "without lending");
+    let ample = lent_decided(&[4 * unit; 4]);
+    assert_eq!(offloaded_per_unit(&ample), [0; 4], "{ample}");
+    assert_eq!(ample.expected_peak_saving(), 0, "{ample}");
+    assert!(ample.to_string().contains("no copy would lower its own peak"), "{ample}");
+    let scarce = lent_decided(&[each; 4]);
+    assert_eq!(offloaded_per_unit(&scarce), [10 * each, 10 * each, 0, 0], "{scarce}");
+    assert_eq!(scarce.expected_peak_saving(), 20 * each as i64, "{scarce}");
 }

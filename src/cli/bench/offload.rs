@@ -83,7 +83,7 @@ struct OffloadRow {
     /// graphed-side's peak reserved bytes (graph pools and cache together) minus this one's.
     reserved_saved_bytes: Option<i64>,
     /// What the frozen policy expects to save at the peak.
-    expected_saving_bytes: usize,
+    expected_saving_bytes: i64,
     /// Bytes copied out (and back) per step.
     offloaded_bytes: usize,
     /// Median over a few steps: the side stream's end of the forward (or backward) pass, tails
