@@ -283,7 +283,7 @@ fn capture(
     // not yet restored), so that a failed probe is undone as a failed warmup is.
     let mut learned = Learned::new(lending.is_some());
     let warmed = warmup(&plan, &mut options, &mut learned, lending.as_ref())
-        .and_then(|()| probe_windows(&plan, layout.as_ref(), &mut options));
+        .and_then(|()| probe_windows(&plan, layout.as_ref(), lending.as_ref(), &mut options));
     let post = options.post_warmup.as_mut().map_or(Ok(()), |h| h(&stream));
     let restored = restore(alloc, &stream, &kept, &kept_before);
     drop(kept_before);

@@ -46,4 +46,5 @@ per_device!(
     random_delays_and_sizes_change_nothing,
     capture_peak_grows_by_less_than_each_layers_activations,
     auto_policy_windows_come_from_graph_replays,
+    the_probe_of_a_lending_stack_borrows_the_gradients,
 );

@@ -77,3 +77,31 @@ pub fn auto_policy_windows_come_from_graph_replays(dev: &Device) -> Result {
     model.graphed(&g, 1, Replay::caller())?;
     Ok(())
 }
+
+/// Where the stack lends its gradients, the window probe's pool borrows them as the warmup does
+/// (every layer's but the probed one's): its own peak is lower than the same probe's without
+/// lending, it holds nothing afterwards, the gradients come back as they were, and the capture
+/// then lends to its own pool (on the simulator, which has no clock, the capture is refused
+/// after the probe with nothing changed).
+pub fn the_probe_of_a_lending_stack_borrows_the_gradients(dev: &Device) -> Result {
+    // Activations large against the parameters, so that lent memory matters.
+    let dims = Dims { batch: 4, seq: 32, ..DIMS };
+    let probe_peak = |lend: bool| -> Result<usize> {
+        let model = Model::new(dev, dims, DType::F32)?;
+        let m = OffloadManager::new(&model.alloc, config().policy(Policy::Auto).sites(&AUTO_CANDIDATES))?;
+        let grads = model.grads()?;
+        let captured = model.graph(m.graph_options(GraphOptions::default().lend_gradients(lend)));
+        let kept = captured.as_ref().ok().map(|g| g.pool().id());
+        let others: Vec<_> = model.alloc.stats().pools.into_iter().filter(|(id, _)| Some(*id) != kept).collect();
+        ensure!(others.iter().all(|(_, s)| s.allocated == 0 && s.reserved == 0), "the probe kept memory: {others:?}");
+        if captured.is_err() {
+            ensure!(model.grads()? == grads, "the refused capture changed the gradients (lending {lend})");
+            ensure!(!model.alloc.blocks().iter().any(|b| b.lent), "lent memory still lent after a refused capture");
+        }
+        Ok(others.iter().map(|(_, s)| s.peak_allocated).max().unwrap_or(0))
+    };
+    let (plain, lent) = (probe_peak(false)?, probe_peak(true)?);
+    ensure!(plain > 0, "no probe ran");
+    ensure!(lent < plain, "the probe of a lending stack held {lent} B of its own, {plain} B without lending");
+    Ok(())
+}
