@@ -216,7 +216,7 @@ impl Lending {
         self.lenders[range].iter().flatten().map(|(id, _)| *id).collect()
     }
 
-    /// Opens `pool`'s lent memory to the capture of layer `i`'s `pass` about to begin.
+    /// Opens `pool`'s lent memory to the capture of layer `i`'s `pass`, which just began.
     pub(crate) fn open_for(&self, pool: &GraphPool, i: usize, pass: Pass) {
         pool.open_lent(&self.lenders(i, pass));
     }

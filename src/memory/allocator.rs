@@ -1011,4 +1011,27 @@ mod tests {
         cap.finish()?;
         Ok(())
     }
+
+    /// Beginning a capture on an idle pool closes its lent memory: memory opened before the
+    /// capture began serves none of it, memory opened after serves it (`GraphPool::open_lent`).
+    #[test]
+    fn lent_memory_opened_before_a_capture_of_an_idle_pool_is_closed() -> Result<()> {
+        let dev = small_sim();
+        let s = dev.stream()?;
+        let alloc = CachingAllocator::new(&dev);
+        let grads = alloc.alloc::<f32>(&s, MIB)?;
+        let pool = alloc.new_pool();
+        pool.lend(LentRange::of(7, &grads, 0..MIB).expect("aligned"));
+        let lent = |b: &DeviceBuffer<f32>| alloc.block_of(b.id()).is_some_and(|e| e.lent);
+        pool.open_lent(&[7]);
+        let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
+        let before = alloc.alloc::<f32>(&s, 1024)?;
+        pool.open_lent(&[7]);
+        let after = alloc.alloc::<f32>(&s, 1024)?;
+        assert!(!lent(&before) && lent(&after), "opened before the capture began: {}", lent(&before));
+        drop((before, after));
+        cap.finish()?;
+        pool.give_back_lent(None);
+        Ok(())
+    }
 }

@@ -269,6 +269,8 @@ impl GraphPool {
     }
 
     /// Lets the capture in progress allocate from the memory of `lenders` (none: no lent memory).
+    /// Call it once the capture began: beginning a capture on an idle pool gives back what no
+    /// graph needs and closes the rest ([`CachingAllocator::capture`](super::CachingAllocator::capture)).
     pub(crate) fn open_lent(&self, lenders: &[usize]) {
         self.alloc.with_pool(self.id, |p| {
             p.open = p.lent.iter().filter(|l| lenders.contains(&l.lender)).map(|l| l.segment).collect();
