@@ -940,6 +940,12 @@ mod tests {
         Device::sim_with(SimConfig { policy: Policy::InOrder, seed: 0, memory: 256 * MIB })
     }
 
+    /// A stream of [`small_sim`] and a caching allocator of fixed segments.
+    fn stream_and_allocator() -> Result<(Stream, CachingAllocator)> {
+        let dev = small_sim();
+        Ok((dev.stream()?, CachingAllocator::new(&dev)))
+    }
+
     #[test]
     fn pages_given_back_are_free_on_the_device_again() -> Result<()> {
         let dev = small_sim();
@@ -993,9 +999,7 @@ mod tests {
 
     #[test]
     fn total_peaks_are_peaks_of_the_sums() -> Result<()> {
-        let dev = small_sim();
-        let s = dev.stream()?;
-        let alloc = CachingAllocator::new(&dev);
+        let (s, alloc) = stream_and_allocator()?;
         let eager = alloc.alloc::<f32>(&s, MIB)?;
         drop(eager);
         let pool = alloc.new_pool();
@@ -1016,9 +1020,7 @@ mod tests {
     /// capture began serves none of it, memory opened after serves it (`GraphPool::open_lent`).
     #[test]
     fn lent_memory_opened_before_a_capture_of_an_idle_pool_is_closed() -> Result<()> {
-        let dev = small_sim();
-        let s = dev.stream()?;
-        let alloc = CachingAllocator::new(&dev);
+        let (s, alloc) = stream_and_allocator()?;
         let grads = alloc.alloc::<f32>(&s, MIB)?;
         let pool = alloc.new_pool();
         pool.lend(LentRange::of(7, &grads, 0..MIB).expect("aligned"));
