@@ -186,9 +186,9 @@ fn probe_one(
 
 /// Callable `i`'s forward, and in training its backward (and split weight-gradient pass),
 /// captured into `pool`, open to the memory `lenders` lent it, in that order with their
-/// capture-time hooks, each with `tail`'s copy in
-/// its graph's tail if given, their executables pushed to `execs` as they are made (so that a
-/// failure leaves them for the caller to release); returns the forward's outputs.
+/// capture-time hooks, each with `tail`'s copy in its graph's tail if given, their executables
+/// pushed to `execs` as they are made (so that a failure leaves them for the caller to
+/// release); returns the forward's outputs.
 fn capture_passes(
     plan: &Plan<'_>,
     options: &mut GraphOptions,

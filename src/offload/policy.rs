@@ -198,10 +198,10 @@ fn keep_units_that_save_nothing(groups: &mut [GroupLayout], units: usize, lent: 
         if !groups.iter().any(mine) {
             continue;
         }
-        let with = saving::expected_saving(&UnitBlocks::of(groups), lent);
         let mut without = groups.to_vec();
         without.iter_mut().filter(|g| g.pass == p).flat_map(|g| g.tensors.iter_mut()).for_each(|t| t.offload = false);
-        if with <= saving::expected_saving(&UnitBlocks::of(&without), lent) {
+        // Both savings are from the same peak with nothing offloaded: compare the peaks.
+        if saving::own_peak(&UnitBlocks::of(groups), lent) >= saving::own_peak(&UnitBlocks::of(&without), lent) {
             groups.clone_from_slice(&without);
         }
     }
