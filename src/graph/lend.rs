@@ -66,7 +66,7 @@ use super::output::StaticOutput;
 use super::record::Recorded;
 use super::GraphedErrorKind;
 use crate::device::{ids, with_dtype, Access, AccessMode, BufferId, Stream};
-use crate::memory::{CachingAllocator, EagerLending, GraphPool, LentRange, Lifetimes};
+use crate::memory::{CachingAllocator, EagerLending, GraphPool, LentRange, Lifetimes, PoolCapture};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -216,9 +216,9 @@ impl Lending {
         self.lenders[range].iter().flatten().map(|(id, _)| *id).collect()
     }
 
-    /// Opens `pool`'s lent memory to the capture of layer `i`'s `pass`, which just began.
-    pub(crate) fn open_for(&self, pool: &GraphPool, i: usize, pass: Pass) {
-        pool.open_lent(&self.lenders(i, pass));
+    /// Opens the pool's lent memory to `cap`, the capture of layer `i`'s `pass`.
+    pub(crate) fn open_for(&self, cap: &PoolCapture<'_>, i: usize, pass: Pass) {
+        cap.open_lent(&self.lenders(i, pass));
     }
 
     /// Zeroes layer `i`'s gradients on `stream`: the first work of its backward graph.

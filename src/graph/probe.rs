@@ -203,8 +203,7 @@ fn capture_passes(
             options.run_pass_hook(i, pre, stream)?;
         }
         let cap = plan.alloc.capture(stream, mode, pool)?;
-        // Opened once the capture began, which closes an idle pool's lent memory.
-        pool.open_lent(lenders);
+        cap.open_lent(lenders);
         match tail {
             Some(c) if pass != Pass::BackwardDw => c.capture_in_tail(pass, stream, f)?,
             _ => f()?,

@@ -233,26 +233,10 @@ impl Record<'_, '_> {
         f: &mut dyn FnMut() -> Result<()>,
     ) -> Result<PoolGraph> {
         let _range = self.plan.stream.device().range_with(|| self.plan.ranges[i].name("capture", pass));
-        let graph = self.capture_in_pool(i, pass, last_grad_pass, f);
-        if self.lending.is_some() {
-            self.pools[i].open_lent(&[]);
-        }
-        graph
-    }
-
-    /// [`capture_pass`](Self::capture_pass)'s capture into the pool.
-    fn capture_in_pool(
-        &self,
-        i: usize,
-        pass: Pass,
-        last_grad_pass: bool,
-        f: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<PoolGraph> {
         let (stream, options) = (self.plan.stream, &*self.options);
         let cap = self.plan.alloc.capture(stream, options.capture_mode, &self.pools[i])?;
-        // Opened once the capture began, which closes an idle pool's lent memory.
         if let Some(lending) = self.lending {
-            lending.open_for(&self.pools[i], i, pass);
+            lending.open_for(&cap, i, pass);
         }
         for e in options.edges_of(i, pass).filter(|e| e.end == End::Consumer) {
             stream.wait_external(e.edge.event())?;

@@ -826,6 +826,12 @@ pub struct PoolCapture<'s> {
 }
 
 impl PoolCapture<'_> {
+    /// Lets this capture allocate from the memory `lenders` lent its pool (none: no lent
+    /// memory), until it ends (Note [Lent gradients] in `graph/lend.rs`).
+    pub(crate) fn open_lent(&self, lenders: &[usize]) {
+        self.pool.open_lent(lenders);
+    }
+
     /// Ends the capture and returns the graph, registered in the pool's replay order.
     pub fn finish(mut self) -> Result<PoolGraph> {
         let cap = self.cap.take().expect("finish consumes the guard");
@@ -837,6 +843,7 @@ impl PoolCapture<'_> {
             return Err(Error::ForeignPool { op: "PoolCapture::finish", pool: self.pool.id });
         };
         pool.capturing = None;
+        pool.close_lent();
         // Every stream of the capture was joined back before it ended, so what they freed is
         // ordered before the end of the graph: later captures of the pool may reuse it.
         for stream in std::mem::take(&mut pool.capture_frees) {
@@ -922,6 +929,7 @@ impl Drop for PoolCapture<'_> {
             st.captures.remove(&self.id);
             if let Some(p) = st.pools.get_mut(&self.pool.id) {
                 p.capturing = None;
+                p.close_lent();
             }
         }
     }
@@ -1016,22 +1024,27 @@ mod tests {
         Ok(())
     }
 
-    /// Beginning a capture on an idle pool closes its lent memory: memory opened before the
-    /// capture began serves none of it, memory opened after serves it (`GraphPool::open_lent`).
+    /// Lent memory is opened through a capture's guard, for that capture alone: it serves the
+    /// capture's allocations from the opening on, and none of the next capture's, which opens
+    /// none (`PoolCapture::open_lent`).
     #[test]
-    fn lent_memory_opened_before_a_capture_of_an_idle_pool_is_closed() -> Result<()> {
+    fn lent_memory_opened_by_a_capture_serves_that_capture_alone() -> Result<()> {
         let (s, alloc) = stream_and_allocator()?;
         let grads = alloc.alloc::<f32>(&s, MIB)?;
         let pool = alloc.new_pool();
         pool.lend(LentRange::of(7, &grads, 0..MIB).expect("aligned"));
         let lent = |b: &DeviceBuffer<f32>| alloc.block_of(b.id()).is_some_and(|e| e.lent);
-        pool.open_lent(&[7]);
         let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
         let before = alloc.alloc::<f32>(&s, 1024)?;
-        pool.open_lent(&[7]);
+        cap.open_lent(&[7]);
         let after = alloc.alloc::<f32>(&s, 1024)?;
-        assert!(!lent(&before) && lent(&after), "opened before the capture began: {}", lent(&before));
+        assert!(!lent(&before) && lent(&after), "before the opening: {}, after: {}", lent(&before), lent(&after));
         drop((before, after));
+        cap.finish()?;
+        let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
+        let next = alloc.alloc::<f32>(&s, 1024)?;
+        assert!(!lent(&next), "the next capture took memory the last one opened");
+        drop(next);
         cap.finish()?;
         pool.give_back_lent(None);
         Ok(())

@@ -115,7 +115,8 @@ impl PoolState {
         self.open.clone()
     }
 
-    /// No capture may allocate from lent memory until [`GraphPool::open_lent`] again.
+    /// No capture may allocate from lent memory until one opens it again
+    /// ([`PoolCapture::open_lent`](super::PoolCapture::open_lent)).
     pub(crate) fn close_lent(&mut self) {
         self.open.clear();
         self.expect = None;
@@ -268,10 +269,10 @@ impl GraphPool {
         self.alloc.lend(self.id, lent);
     }
 
-    /// Lets the capture in progress allocate from the memory of `lenders` (none: no lent memory).
-    /// Call it once the capture began: beginning a capture on an idle pool gives back what no
-    /// graph needs and closes the rest ([`CachingAllocator::capture`](super::CachingAllocator::capture)).
-    pub(crate) fn open_lent(&self, lenders: &[usize]) {
+    /// Lets the capture in progress allocate from the memory of `lenders` (none: no lent memory):
+    /// through its guard ([`PoolCapture::open_lent`](super::PoolCapture::open_lent)), since
+    /// beginning a capture on an idle pool closes the pool's lent memory, and ending one does.
+    pub(super) fn open_lent(&self, lenders: &[usize]) {
         self.alloc.with_pool(self.id, |p| {
             p.open = p.lent.iter().filter(|l| lenders.contains(&l.lender)).map(|l| l.segment).collect();
         });
