@@ -641,6 +641,49 @@ mod cudnn_cuda {
         Ok(())
     }
 
+    /// cuDNN's deterministic backward gives the same bits however its pairs are chunked: one
+    /// execution over every pair, or several over whole batch elements or ranges of one's heads
+    /// (the layer's row views), at a short and at L's sequence length. A scratch limit may then
+    /// follow the memory free at the call without changing a bit of training.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cudnn_backward_bits_do_not_depend_on_its_chunks() -> anyhow::Result<()> {
+        let dev = gpu();
+        let bits = |r: &Run| r.iter().map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
+        for seq in [256, 2048] {
+            let (pairs, batch, hd) = (8, 2, 64);
+            let pair = seq * seq * 2;
+            let case = Case { pairs, seq, hd, dtype: DType::BF16, p: 0.0 };
+            let inputs = case.inputs(seq as u64 + 11);
+            let mut first: Option<(usize, Vec<Vec<u32>>)> = None;
+            for (limit, executions) in [(pairs * pair, 1), (4 * pair, 2), (2 * pair, 4), (pair, 8)] {
+                let ctx = Ctx { scratch_limit: Some(limit), ..Ctx::on(&dev, AttentionBackend::Cudnn)? };
+                let profile = ctx.s.profile()?;
+                let (run, _) = ctx.run_rows(case, batch, &inputs)?;
+                let ran = profile.finish()?.iter().filter(|k| k.name == "cudnn_sdpa_backward_bf16").count();
+                ensure!(
+                    ran == executions,
+                    "T = {seq}: {ran} executions at a limit of {limit} B, expected {executions}"
+                );
+                let got = bits(&run);
+                match &first {
+                    None => first = Some((executions, got)),
+                    Some((one, want)) => {
+                        for (name, (g, w)) in ["out", "lse", "dq", "dk", "dv"].iter().zip(got.iter().zip(want)) {
+                            let differ = g.iter().zip(w).filter(|(a, b)| a != b).count();
+                            ensure!(
+                                differ == 0,
+                                "T = {seq}: {name} in {executions} executions differs from {one} in {differ} of {} values",
+                                g.len()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Two eager runs are bitwise equal, and a graph capturing the forward and backward
     /// (its scratch from the graph's pool) replays them bit for bit, twice.
     #[test]
