@@ -31,8 +31,8 @@ fn refuse(kind: GraphedErrorKind) -> Error {
 /// own inputs (for a stack of layers that feed each other, see [`make_graphed_stack`]).
 ///
 /// In order: `pre_warmup`; `warmup_iters` eager iterations on the capture stream, each running
-/// every callable's forward and at once its backward with zero output gradients, callable by
-/// callable (as PyTorch and TransformerEngine do: the warmup holds one callable's saved
+/// every callable's forward and at once its backward (its outputs as their own gradients),
+/// callable by callable (as PyTorch and TransformerEngine do: the warmup holds one callable's saved
 /// activations at a time), capture-time hooks around each pass; with an offload manager's
 /// automatic policy, its window probe (each callable's passes captured without offloading into
 /// a pool of their own, replayed between timing events, and released); `post_warmup` (also when

@@ -5,9 +5,14 @@
 //! forward before any backward would hold the whole stack's: the run's peak memory would be set
 //! there, before the graphs exist.
 //!
-//! A callable fed by the previous one takes that one's warmup outputs. Every backward gets zero
-//! output gradients: the next callable's input gradients do not exist yet in this order, and
-//! whether it gives them is checked in its own backward (`Plan::check_grads`).
+//! A callable fed by the previous one takes that one's warmup outputs. Every backward gets its
+//! own outputs as output gradients: the next callable's input gradients do not exist yet in this
+//! order (whether it gives them is checked in its own backward, `Plan::check_grads`), and the
+//! gradients the warmup accumulates are thrown away, so any finite values of the outputs' shape
+//! and layout serve. The outputs are held anyway, for the next callable; new zeros would add a
+//! buffer and a memset per output to the warmup's peak and time. An output that is not a
+//! contiguous tensor gets zeros instead, so that the backward sees the layout its captured
+//! replays will (a static output gradient is contiguous).
 
 use super::graphed::Pass;
 use super::lend::{Learned, Lending};
@@ -120,12 +125,12 @@ fn warm(
     }
     let _range = stream.device().range_with(|| plan.ranges[i].name("warmup", Pass::Backward));
     options.run_pass_hook(i, Phase::BackwardPre, stream)?;
-    let dys = (outputs.iter())
-        .map(|y| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype()))
+    let zeros = (outputs.iter())
+        .map(|y| (!y.is_contiguous()).then(|| Tensor::zeros(plan.alloc, stream, y.shape(), y.dtype())).transpose())
         .collect::<Result<Vec<_>>>()?;
-    let grads = learned.learn(plan.alloc, stream, (i, Pass::Backward), || {
-        callable.backward_dyn(saved, &dys.iter().collect::<Vec<_>>(), &NoGradHook, stream)
-    })?;
+    let dys: Vec<&Tensor> = outputs.iter().zip(&zeros).map(|(y, zero)| zero.as_ref().unwrap_or(y)).collect();
+    let grads = learned
+        .learn(plan.alloc, stream, (i, Pass::Backward), || callable.backward_dyn(saved, &dys, &NoGradHook, stream))?;
     plan.check_grads(i, &inputs, &grads)?;
     if callable.splits_dw_dyn() {
         callable.backward_dw_dyn(stream)?;

@@ -5,9 +5,10 @@ use graphed::device::DType;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use anyhow::{bail, ensure};
-use graphed::device::{Device, Stream};
+use graphed::device::{AccessMode, BufferId, Device, Region, Stream};
 use graphed::graph::{make_graphed_callables, make_graphed_stack, Callable, GraphOptions, GraphedErrorKind, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Builder, Inputs, Linear, Module, Param, ParamStore, SaveHook, Stack};
@@ -114,6 +115,59 @@ impl<M: Module> Module for Failing<'_, M> {
     }
 
     fn set_training(&mut self, _training: bool) {}
+}
+
+/// A module whose backward notes whether its output gradient lies where its latest forward's
+/// output does.
+struct Echoed<'a, M: Module> {
+    inner: &'a M,
+    output: Mutex<Option<(BufferId, Region)>>,
+    read_output: Mutex<Vec<bool>>,
+}
+
+fn place(t: &Tensor) -> graphed::Result<(BufferId, Region)> {
+    t.access(AccessMode::Read).map(|a| (a.memory, a.at))
+}
+
+impl<M: Module> Module for Echoed<'_, M> {
+    type Ctx = M::Ctx;
+
+    fn forward(&self, inputs: &Inputs, hook: &dyn SaveHook, s: &Stream) -> graphed::Result<(Vec<Tensor>, M::Ctx)> {
+        let (ys, ctx) = self.inner.forward(inputs, hook, s)?;
+        *self.output.lock().unwrap() = Some(place(&ys[0])?);
+        Ok((ys, ctx))
+    }
+
+    fn backward(&self, ctx: M::Ctx, dys: &[&Tensor], s: &Stream) -> graphed::Result<Vec<Option<Tensor>>> {
+        let same = *self.output.lock().unwrap() == Some(place(dys[0])?);
+        self.read_output.lock().unwrap().push(same);
+        self.inner.backward(ctx, dys, s)
+    }
+
+    fn parameters(&self) -> Vec<&Param> {
+        self.inner.parameters()
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}
+
+/// The warmup's backward takes its forward's output as the output gradient instead of a new
+/// buffer of zeros (the gradients it accumulates are given back); the capture's backward reads
+/// the static output gradient. The gradients come back as they were.
+pub fn the_warmups_backward_reads_its_forwards_output(dev: &Device) -> Result {
+    let stack = Model::new(dev)?;
+    let before = stack.grads()?;
+    let layers: Vec<Echoed<'_, _>> = (stack.layers().iter())
+        .map(|inner| Echoed { inner, output: Mutex::new(None), read_output: Mutex::new(Vec::new()) })
+        .collect();
+    let callables: Vec<&dyn Callable> = layers.iter().map(|l| l as &dyn Callable).collect();
+    make_graphed_callables(&stack.alloc, &callables, &samples(&stack)?, GraphOptions::default())?;
+    for (i, layer) in layers.iter().enumerate() {
+        let seen = layer.read_output.lock().unwrap().clone();
+        ensure!(seen == [true, false], "layer {i}: backward read its forward's output {seen:?} (warmup, capture)");
+    }
+    ensure!(stack.grads()? == before, "the warmup's gradients were not given back");
+    Ok(())
 }
 
 /// The post-warmup hook pairs with the pre-warmup hook when the warmup fails, and the gradients

@@ -68,6 +68,7 @@ per_device!(
     hooks_run_in_order_outside_capture,
     post_warmup_runs_when_warmup_fails,
     warmup_gives_nonzero_gradients_back_bit_for_bit,
+    the_warmups_backward_reads_its_forwards_output,
     failed_capture_changes_nothing,
     release_gives_the_pool_back,
     release_returns_fixed_and_expandable_segments,
