@@ -758,6 +758,13 @@ impl CachingAllocator {
         Ok(())
     }
 
+    /// The bytes its reserved memory moves by, where segments are expandable: they grow and
+    /// give back whole pages of this size (Note [Expandable segments]). `None` with fixed
+    /// segments, which come in several sizes.
+    pub fn page_bytes(&self) -> Option<usize> {
+        self.inner.expandable.map(|x| x.chunk)
+    }
+
     /// Byte counts: allocated, reserved and their peaks, and the largest free range, in total,
     /// outside pools and per pool.
     pub fn stats(&self) -> MemoryStats {

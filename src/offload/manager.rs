@@ -318,7 +318,8 @@ impl OffloadManager {
             let _ = slot.set(buffers);
         }
         let layouts: Vec<(Chunk, &[GroupLayout])> = st.chunks.iter().map(|(k, c)| (*k, c.layout.as_slice())).collect();
-        st.summary = Some(Summary::from_layouts(&layouts, timings, config, &st.lent));
+        let summary = Summary::from_layouts(&layouts, timings, config, &st.lent);
+        st.summary = Some(summary.in_pages(self.inner.alloc.page_bytes()));
         st.frozen = true;
         Ok(())
     }

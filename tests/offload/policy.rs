@@ -61,6 +61,26 @@ fn the_expected_saving_counts_the_prefetch_only_where_it_sets_the_peak() {
     }
 }
 
+/// In pages, the expected saving bounds the reserved peak's fall: between the whole pages within
+/// it and the pages that cover it. A saving of six 128 KiB tensors (768 KiB) in 2 MiB pages
+/// lowers the reserved peak by 0 or 2 MiB, twelve (1.5 MiB) in 512 KiB pages by exactly 1.5 MiB,
+/// and nothing is said without pages.
+#[test]
+fn the_expected_saving_in_pages_bounds_the_reserved_fall() {
+    const KIB: i64 = 1024;
+    for (margin, page, want) in [(3, 2048 * KIB, 0..=2048 * KIB), (2, 512 * KIB, 1536 * KIB..=1536 * KIB)] {
+        let config = OffloadConfig::default().margin(margin);
+        let mut g = layout(4, 1 << 16);
+        decide(&config, &mut g, None, &[]);
+        let s = Summary::from_layouts(&[(Default::default(), &g)], None, &config, &[]);
+        assert_eq!(s.expected_reserved_saving(), None, "no pages, no range: {s}");
+        let s = s.in_pages(Some(page as usize));
+        assert_eq!(s.expected_reserved_saving(), Some(want.clone()), "margin {margin}, pages of {page} B: {s}");
+        let said = s.to_string().contains("reserved peak falls by");
+        assert_eq!(said, want.start() != want.end(), "the summary names the range only when it is one: {s}");
+    }
+}
+
 #[test]
 fn small_tensors_and_the_budget_stay_on_the_device() {
     let mut g = layout(4, 1000);

@@ -84,6 +84,9 @@ struct OffloadRow {
     reserved_saved_bytes: Option<i64>,
     /// What the frozen policy expects to save at the peak.
     expected_saving_bytes: i64,
+    /// What that saving can do to the reserved peak, which moves in whole pages: the least and
+    /// the most (`Summary::expected_reserved_saving`).
+    expected_reserved_saving_bytes: Option<[i64; 2]>,
     /// Bytes copied out (and back) per step.
     offloaded_bytes: usize,
     /// Median over a few steps: the side stream's end of the forward (or backward) pass, tails
@@ -248,6 +251,9 @@ impl Built {
             saved_bytes: baseline.map(|b| b.pool_peak_bytes as i64 - pool_peak_bytes as i64),
             reserved_saved_bytes: baseline.map(|b| reserved(&b.memory) - reserved(&memory)),
             expected_saving_bytes: summary.as_ref().map_or(0, |s| s.expected_peak_saving()),
+            expected_reserved_saving_bytes: (summary.as_ref())
+                .and_then(|s| s.expected_reserved_saving())
+                .map(|r| [*r.start(), *r.end()]),
             offloaded_bytes: summary.as_ref().map_or(0, |s| s.offloaded_bytes()),
             forward_lead_ms: leads.as_ref().map(|l| l.forward),
             backward_lead_ms: leads.as_ref().map(|l| l.backward),
@@ -329,7 +335,7 @@ fn print_row(r: &OffloadRow) {
     let saved = |b: Option<i64>| b.map_or_else(|| "-".to_string(), |b| format!("{:.1} MiB", mib(b as f64)));
     println!(
         "  {:<22} wall {:.3} ms [{:.3}–{:.3}]  overhead {}  pool peak {:.1} MiB  saved {} (expected {:.1} MiB)  \
-         offloaded {:.1} MiB  reserved peak {:.1} MiB, saved {}  passes: fwd {} bwd {}  resumes before the tails: fwd {} bwd {}",
+         offloaded {:.1} MiB  reserved peak {:.1} MiB, saved {}{}  passes: fwd {} bwd {}  resumes before the tails: fwd {} bwd {}",
         r.case.variant,
         r.wall_ms.median,
         r.wall_ms.min,
@@ -341,6 +347,10 @@ fn print_row(r: &OffloadRow) {
         mib(r.offloaded_bytes as f64),
         mib(r.memory.total.peak_reserved_bytes as f64),
         saved(r.reserved_saved_bytes),
+        r.expected_reserved_saving_bytes.map_or_else(String::new, |[lo, hi]| match lo == hi {
+            true => format!(" (expected {:.1} MiB)", mib(lo as f64)),
+            false => format!(" (expected {:.1} to {:.1} MiB)", mib(lo as f64), mib(hi as f64)),
+        }),
         opt(r.forward_ms, " ms"),
         opt(r.backward_ms, " ms"),
         opt(r.forward_lead_ms, " ms"),
