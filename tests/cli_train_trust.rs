@@ -110,7 +110,7 @@ fn refusals_exit_2_before_the_first_step_and_change_nothing() {
     // The bogus site is refused listing what the model saves: the fused attention's log-sum-exp,
     // no probabilities; the unfused attention's probabilities, which it offers.
     let (_, _, stderr) = run(d, &["--offload", "--offload-sites", "attn.bogus"]);
-    assert!(stderr.contains("attn.q") && stderr.contains("mlp.input"), "{stderr}");
+    assert!(stderr.contains("attn.qkv") && stderr.contains("mlp.input"), "{stderr}");
     assert!(stderr.contains("attn.lse") && !stderr.contains("attn.probs"), "{stderr}");
     let (_, _, stderr) = run(d, &["--attention", "unfused", "--offload", "--offload-sites", "attn.bogus"]);
     assert!(stderr.contains("attn.probs") && !stderr.contains("attn.lse"), "{stderr}");

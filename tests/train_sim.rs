@@ -77,7 +77,7 @@ fn graphed_training_follows_eager_bitwise_in_bf16() {
     assert_eq!(losses(&norm), eager, "the LayerNorm outputs recomputed, in bf16");
     let offloaded = ["--offload", "listed", "--offload-margin", "0"];
     assert_eq!(losses(&[&norm[..], &offloaded].concat()), eager, "recomputed and offloaded at the default sites");
-    let ln2 = [&norm[..], &offloaded, &["--offload-sites", "ln2.input,attn.q"]].concat();
+    let ln2 = [&norm[..], &offloaded, &["--offload-sites", "ln2.input,attn.qkv"]].concat();
     assert_eq!(losses(&ln2), eager, "recomputed from an offloaded LayerNorm input");
 }
 

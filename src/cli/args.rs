@@ -277,8 +277,9 @@ pub struct OffloadArgs {
     #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "listed")]
     pub offload: Option<OffloadPolicyArg>,
     /// Saved tensors to offload (or to pick from, with `auto`), as `module.tensor` or
-    /// `module.*`, comma-separated (default: attn.input,attn.q,attn.k,attn.v,attn.att,mlp.input;
-    /// with `auto`, also mlp.pre,mlp.act,ln2.input).
+    /// `module.*`, comma-separated (default: attn.input,attn.qkv,attn.att,mlp.input, with the
+    /// unfused attention attn.q,attn.k,attn.v for attn.qkv; with `auto`, also
+    /// mlp.pre,mlp.act,ln2.input).
     #[arg(long = "offload-sites", value_delimiter = ',', requires = "offload")]
     pub sites: Option<Vec<String>>,
     /// Tensors with fewer elements stay on the device (default: 65536 on CUDA, 1024 on the

@@ -1,19 +1,22 @@
 //! Causal multi-head self-attention, in one of two forms ([`AttentionKind`]), around the same
-//! parameters: a QKV projection; the heads of Q, K and V permuted from column blocks of the
-//! `(B·T, 3C)` activation into `(B, H, T, hd)` in one launch (`ops::heads::split_qkv`); the
-//! attention proper, its output as `(B·T, C)` rows; and the output projection, which can add a
-//! residual in its GEMM. A call costs a fixed number of launches, whatever the batch.
+//! parameters: a QKV projection into a `(B·T, 3C)` activation whose column blocks hold the heads
+//! of Q, K and V; the attention proper, its output as `(B·T, C)` rows; and the output
+//! projection, which can add a residual in its GEMM. A call costs a fixed number of launches,
+//! whatever the batch.
 //!
 //! - [`AttentionKind::Fused`] (the default) runs [`ops::attention`](crate::ops::attention): one
 //!   kernel forward, keeping each query row's log-sum-exp, and three backward, recomputing the
 //!   probabilities tile by tile. Nothing of size `T × T` is ever allocated. The kernels write the
 //!   output straight into the projection's input rows and, in the backward, read it and its
 //!   gradient from such rows and write the gradients of q, k and v into the column blocks of the
-//!   QKV projection's `(B·T, 3C)` gradient: no permutes but the forward's split (Note [Attention
-//!   operand layouts] in `ops::attention`). It saves the input, q, k, v, `att` (the output rows,
-//!   which the projection's weight gradient needs anyway) and `lse`. Head widths of
-//!   [`HEAD_DIMS`](crate::ops::attention::HEAD_DIMS) only.
-//!   The unfused form permutes its output into rows and, in the backward, the gradients back.
+//!   QKV projection's `(B·T, 3C)` gradient. They read q, k and v where the QKV projection wrote
+//!   them, as views of its column blocks: no permute at all (Note [Attention operand layouts] in
+//!   `ops::attention`). It saves the input, `qkv` (the projection's output, one tensor), `att`
+//!   (the output rows, which the projection's weight gradient needs anyway) and `lse`. Head
+//!   widths of [`HEAD_DIMS`](crate::ops::attention::HEAD_DIMS) only.
+//!   The unfused form permutes the heads of Q, K and V into `(B, H, T, hd)` in one launch
+//!   (`ops::heads::split_qkv`), saves them as `q`, `k` and `v`, permutes its output into rows
+//!   and, in the backward, the gradients back.
 //! - [`AttentionKind::Unfused`] is the benchmark layer of `BENCH.md`: `scores = Q·Kᵀ` in one
 //!   strided-batched GEMM over every (batch element, head) pair, a causal softmax, `att =
 //!   probs·V`. The 1/√head_dim scale rides in the score GEMM's alpha (and the gradient GEMMs'),
@@ -166,25 +169,23 @@ pub struct CausalSelfAttention {
 }
 
 /// What the forward saves: the projections' inputs (x, none when the caller gives it again,
-/// and att), the heads of q, k and v, and what the form needs besides (see the module docs).
+/// and att), and what the form needs besides (see the module docs).
 pub struct AttentionCtx {
     dims: Dims,
     x: Option<SavedTensor>,
-    q: SavedTensor,
-    k: SavedTensor,
-    v: SavedTensor,
     att: SavedTensor,
     form: FormCtx,
 }
 
 /// What one form saves besides the common tensors.
 enum FormCtx {
-    /// The log-sum-exp `(B, H, T)` f32, and the step counter's value at the forward when it
-    /// dropped (a one-element `u64` copy).
-    Fused { lse: SavedTensor, step: Option<Tensor> },
-    /// The probabilities `(B, H, T, T)` before dropout, and the dropout mask (`u8`, same shape)
-    /// when it dropped.
-    Unfused { probs: SavedTensor, mask: Option<Tensor> },
+    /// The QKV projection's `(B·T, 3C)` output, whose column blocks the kernels read as the
+    /// heads of q, k and v; the log-sum-exp `(B, H, T)` f32; and the step counter's value at the
+    /// forward when it dropped (a one-element `u64` copy).
+    Fused { qkv: SavedTensor, lse: SavedTensor, step: Option<Tensor> },
+    /// The heads of q, k and v `(B, H, T, hd)`; the probabilities `(B, H, T, T)` before dropout,
+    /// and the dropout mask (`u8`, same shape) when it dropped.
+    Unfused { heads: [SavedTensor; 3], probs: SavedTensor, mask: Option<Tensor> },
 }
 
 /// Batch, sequence, heads and head width of one call.
@@ -370,16 +371,21 @@ impl CausalSelfAttention {
         }
         let rows = x.reshape(&[bt, c])?;
         let LinearForward { y: qkv, input: kept } = self.qkv.forward_keeping_input(&rows, None, stream)?;
-        let (q, k, v) =
-            (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
-        heads::split_qkv(&q, &k, &v, &qkv, stream)?;
-        // The fused kernels write the heads straight into the output projection's input rows.
+        // The fused kernels read the heads where the QKV projection wrote them, and write theirs
+        // straight into the output projection's input rows.
         let att = Tensor::uninit(&self.alloc, stream, &[bt, c], dtype)?;
         let form = match self.kind {
-            AttentionKind::Fused => self.fused_forward(&d, &d.heads_of_rows(&att, 1, 0)?, (&q, &k, &v), stream)?,
+            AttentionKind::Fused => {
+                let (q, k, v) =
+                    (d.heads_of_rows(&qkv, 3, 0)?, d.heads_of_rows(&qkv, 3, 1)?, d.heads_of_rows(&qkv, 3, 2)?);
+                self.fused_forward(&d, &d.heads_of_rows(&att, 1, 0)?, (&q, &k, &v), stream)?
+            }
             AttentionKind::Unfused => {
+                let (q, k, v) =
+                    (self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?, self.heads(&d, dtype, stream)?);
+                heads::split_qkv(&q, &k, &v, &qkv, stream)?;
                 let att_heads = self.heads(&d, dtype, stream)?;
-                let form = self.unfused_forward(&d, &att_heads, (&q, &k, &v), stream)?;
+                let form = self.unfused_forward(&d, &att_heads, [q, k, v], stream)?;
                 heads::rows_from_heads(&att, 0, &att_heads, stream)?;
                 form
             }
@@ -391,14 +397,20 @@ impl CausalSelfAttention {
             true => Some(hook.save("input", kept, stream)?),
             false => None,
         };
-        let (q, k, v) = (hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?);
         let form = match form {
-            Unsaved::Fused { lse, step } => FormCtx::Fused { lse: hook.save("lse", lse, stream)?, step },
-            Unsaved::Unfused { probs, mask } => FormCtx::Unfused { probs: hook.save("probs", probs, stream)?, mask },
+            Unsaved::Fused { lse, step } => {
+                let qkv = hook.save("qkv", qkv, stream)?;
+                FormCtx::Fused { qkv, lse: hook.save("lse", lse, stream)?, step }
+            }
+            Unsaved::Unfused { heads: [q, k, v], probs, mask } => {
+                drop(qkv);
+                let heads = [hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?];
+                FormCtx::Unfused { heads, probs: hook.save("probs", probs, stream)?, mask }
+            }
         };
         let att = hook.save("att", att, stream)?;
         hook.commit_group(&self.name, stream)?;
-        Ok((y.reshape(&[d.batch, d.seq, c])?, AttentionCtx { dims: d, x, q, k, v, att, form }))
+        Ok((y.reshape(&[d.batch, d.seq, c])?, AttentionCtx { dims: d, x, att, form }))
     }
 
     /// The fused attention into `out` (heads), with the log-sum-exp and the step snapshot.
@@ -429,14 +441,10 @@ impl CausalSelfAttention {
         Some(AttentionDropout { p: spec.p, seed: spec.seed, site: spec.site, step })
     }
 
-    /// Scores, causal softmax, dropout and `probs·V` into `out` (heads).
-    fn unfused_forward(
-        &self,
-        d: &Dims,
-        out: &Tensor,
-        (q, k, v): (&Tensor, &Tensor, &Tensor),
-        stream: &Stream,
-    ) -> Result<Unsaved> {
+    /// Scores, causal softmax, dropout and `probs·V` into `out` (heads), from the heads of q, k
+    /// and v, which it keeps.
+    fn unfused_forward(&self, d: &Dims, out: &Tensor, heads: [Tensor; 3], stream: &Stream) -> Result<Unsaved> {
+        let [q, k, v] = &heads;
         let dtype = q.dtype();
         let square = || Tensor::uninit(&self.alloc, stream, &d.square_shape(), dtype);
         let (scores, probs) = (square()?, square()?);
@@ -456,7 +464,7 @@ impl CausalSelfAttention {
                 None
             }
         };
-        Ok(Unsaved::Unfused { probs, mask })
+        Ok(Unsaved::Unfused { heads, probs, mask })
     }
 
     /// The input gradient from the output gradient `dy`; parameter gradients `+=`, the output
@@ -484,25 +492,29 @@ impl CausalSelfAttention {
         let dy = dy.reshape(&[bt, c])?;
         let att = ctx.att.take(stream)?;
         let datt = self.proj.backward_with(&dy, &att, None, proj_bias, stream)?;
-        let (q, k, v) = (&ctx.q.take(stream)?, &ctx.k.take(stream)?, &ctx.v.take(stream)?);
         let dqkv = Tensor::uninit(&self.alloc, stream, &[bt, 3 * c], dtype)?;
         match ctx.form {
-            FormCtx::Fused { lse, step } => {
-                // The kernels read the output and its gradient where the projection keeps them,
-                // and write q's, k's and v's gradients into the QKV projection's gradient rows.
+            FormCtx::Fused { qkv, lse, step } => {
+                // The kernels read q, k, v, the output and its gradient where the projections
+                // keep them, and write q's, k's and v's gradients into the QKV projection's
+                // gradient rows.
+                let qkv = qkv.take(stream)?;
+                let (q, k, v) =
+                    (d.heads_of_rows(&qkv, 3, 0)?, d.heads_of_rows(&qkv, 3, 1)?, d.heads_of_rows(&qkv, 3, 2)?);
                 let (out, dout) = (d.heads_of_rows(&att, 1, 0)?, d.heads_of_rows(&datt, 1, 0)?);
                 let (dq, dk, dv) =
                     (d.heads_of_rows(&dqkv, 3, 0)?, d.heads_of_rows(&dqkv, 3, 1)?, d.heads_of_rows(&dqkv, 3, 2)?);
                 let lse = lse.take(stream)?;
                 let delta = Tensor::uninit(&self.alloc, stream, &d.row_shape(), DType::F32)?;
-                let saved = ForwardSaved { q, k, v, out: &out, lse: &lse };
+                let saved = ForwardSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };
                 let dropout = self.kernel_dropout(step.as_ref());
                 let grads = (&dq, &dk, &dv);
                 let ran = attention::attention_backward(grads, &dout, saved, &delta, dropout, self.run(), stream)?;
                 self.note(|r| r.backward = Some(ran));
             }
-            FormCtx::Unfused { probs, mask } => {
+            FormCtx::Unfused { heads: [q, k, v], probs, mask } => {
                 drop(att);
+                let (q, k, v) = (&q.take(stream)?, &k.take(stream)?, &v.take(stream)?);
                 let datt_heads = self.heads(&d, dtype, stream)?;
                 heads::heads_from_rows(&datt_heads, &datt, 0, stream)?;
                 let (dq, dk, dv) =
@@ -560,7 +572,7 @@ impl CausalSelfAttention {
 /// A form's tensors before they pass through the save hook.
 enum Unsaved {
     Fused { lse: Tensor, step: Option<Tensor> },
-    Unfused { probs: Tensor, mask: Option<Tensor> },
+    Unfused { heads: [Tensor; 3], probs: Tensor, mask: Option<Tensor> },
 }
 
 impl Module for CausalSelfAttention {

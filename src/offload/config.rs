@@ -5,19 +5,30 @@ use crate::{Error, Result};
 
 /// The saved tensors offloaded by default, as `module.tensor` selectors (the module is the last
 /// part of a site's name: `layer3.attn` is an `attn`): the attention's input (the first
-/// LayerNorm's output), q, k, v, its output (the projection's input), and the MLP's input (the
-/// second LayerNorm's output): what both attention forms save
-/// ([`AttentionKind`](crate::nn::AttentionKind)). Besides these, the fused attention saves
-/// `attn.lse` (f32 `(B, heads, T)`, a `1/head_dim` of q's elements: not worth a copy by default)
-/// and the unfused one `attn.probs`, the `(B, heads, T, T)` softmax (1 GiB per layer at `L`,
-/// never by default); either may be listed explicitly, for the form that saves it.
-pub const DEFAULT_SITES: [&str; 6] = ["attn.input", "attn.q", "attn.k", "attn.v", "attn.att", "mlp.input"];
+/// LayerNorm's output), its q, k and v (the fused form's `qkv`, the QKV projection's output
+/// whose column blocks its kernels read; the unfused form's `q`, `k` and `v`, permuted into
+/// heads), its output (the projection's input), and the MLP's input (the second LayerNorm's
+/// output) ([`AttentionKind`](crate::nn::AttentionKind)). Besides these, the fused attention
+/// saves `attn.lse` (f32 `(B, heads, T)`, a `1/(3·head_dim)` of qkv's elements: not worth a copy
+/// by default) and the unfused one `attn.probs`, the `(B, heads, T, T)` softmax (1 GiB per layer
+/// at `L`, never by default); either may be listed explicitly, for the form that saves it.
+pub const DEFAULT_SITES: [&str; 7] = ["attn.input", "attn.qkv", "attn.q", "attn.k", "attn.v", "attn.att", "mlp.input"];
 
 /// What the automatic policy chooses from: the default sites, the MLP's pre-activation and
 /// activation (four times as wide), and the second LayerNorm's input. A LayerNorm's input at the
 /// start of a layer is the layer's input, which a graph's tail must not read (R3).
-pub const AUTO_CANDIDATES: [&str; 9] =
-    ["attn.input", "attn.q", "attn.k", "attn.v", "attn.att", "mlp.input", "mlp.pre", "mlp.act", "ln2.input"];
+pub const AUTO_CANDIDATES: [&str; 10] = [
+    "attn.input",
+    "attn.qkv",
+    "attn.q",
+    "attn.k",
+    "attn.v",
+    "attn.att",
+    "mlp.input",
+    "mlp.pre",
+    "mlp.act",
+    "ln2.input",
+];
 
 /// How the offloaded tensors are chosen after the recording iteration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -39,7 +50,7 @@ pub enum Policy {
 ///
 /// ```
 /// use graphed::offload::{OffloadConfig, Policy};
-/// let config = OffloadConfig::default().sites(&["attn.q", "attn.k", "attn.v"]).margin(1).policy(Policy::Listed);
+/// let config = OffloadConfig::default().sites(&["attn.qkv", "attn.att"]).margin(1).policy(Policy::Listed);
 /// assert!(config.validate().is_ok());
 /// ```
 #[derive(Debug, Clone, PartialEq)]

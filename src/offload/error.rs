@@ -50,7 +50,7 @@ pub enum OffloadErrorKind {
     /// A site selector of [`OffloadConfig::sites`](super::OffloadConfig::sites) that is not
     /// `module.tensor` or `module.*`.
     #[error(
-        "site selector `{selector}` is not `module.tensor` or `module.*` (e.g. `attn.q`); name a module and one of its \
+        "site selector `{selector}` is not `module.tensor` or `module.*` (e.g. `attn.qkv`); name a module and one of its \
          tensors, or `*` for all of them"
     )]
     BadSelector {

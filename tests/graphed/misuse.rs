@@ -105,8 +105,8 @@ impl ConfigPick {
             ConfigPick::Good => c,
             ConfigPick::Delayed => c.delay_eager_commits(true),
             ConfigPick::Wildcard => c.sites(&["mlp.*"]),
-            ConfigPick::Malformed => c.sites(&["attn.q", "attn"]),
-            ConfigPick::Unmatched => c.sites(&["attn.q", "attn.nothing"]),
+            ConfigPick::Malformed => c.sites(&["attn.qkv", "attn"]),
+            ConfigPick::Unmatched => c.sites(&["attn.qkv", "attn.nothing"]),
         }
     }
 }

@@ -54,13 +54,13 @@ fn eager_twins(dev: &Device, dtype: DType, attention: AttentionKind) -> Result {
 /// skipped, where the same list as sites is refused, naming the selector.
 pub fn candidates_that_select_nothing_are_skipped(dev: &Device) -> Result {
     let model = Model::new(dev, DIMS, DType::F32)?;
-    let sites = ["attn.q", "mlp.nothing"];
+    let sites = ["attn.qkv", "mlp.nothing"];
     let err = model.offload(config().sites(&sites)).err().map(|e| e.to_string()).unwrap_or_default();
     ensure!(err.contains("mlp.nothing"), "sites: {err}");
     let model = Model::new(dev, DIMS, DType::F32)?;
     let m = model.offload(config().candidates(&sites))?;
     let summary = m.summary().ok_or_else(|| anyhow::anyhow!("no summary"))?;
-    ensure!(summary.offloaded_bytes() == 3 * 512 * 4, "q of units 0..3 offloaded: {summary}");
+    ensure!(summary.offloaded_bytes() == 3 * 3 * 512 * 4, "qkv of units 0..3 offloaded: {summary}");
     Ok(())
 }
 

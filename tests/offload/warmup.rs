@@ -52,7 +52,7 @@ pub fn capture_peak_grows_by_less_than_each_layers_activations(dev: &Device) -> 
 /// capture is refused with nothing changed.
 pub fn auto_policy_windows_come_from_graph_replays(dev: &Device) -> Result {
     let model = Model::new(dev, DIMS, DType::F32)?;
-    let m = OffloadManager::new(&model.alloc, config().policy(Policy::Auto).sites(&AUTO_CANDIDATES))?;
+    let m = OffloadManager::new(&model.alloc, config().policy(Policy::Auto).candidates(&AUTO_CANDIDATES))?;
     let grads = model.grads()?;
     let captured = model.graph(m.graph_options(GraphOptions::default()));
     let kept = captured.as_ref().ok().map(|g| g.pool().id());
@@ -88,7 +88,7 @@ pub fn the_probe_of_a_lending_stack_borrows_the_gradients(dev: &Device) -> Resul
     let dims = Dims { batch: 4, seq: 32, ..DIMS };
     let probe_peak = |lend: bool| -> Result<usize> {
         let model = Model::new(dev, dims, DType::F32)?;
-        let m = OffloadManager::new(&model.alloc, config().policy(Policy::Auto).sites(&AUTO_CANDIDATES))?;
+        let m = OffloadManager::new(&model.alloc, config().policy(Policy::Auto).candidates(&AUTO_CANDIDATES))?;
         let grads = model.grads()?;
         let captured = model.graph(m.graph_options(GraphOptions::default().lend_gradients(lend)));
         let kept = captured.as_ref().ok().map(|g| g.pool().id());
