@@ -402,7 +402,8 @@ impl CausalSelfAttention {
                 let qkv = hook.save("qkv", qkv, stream)?;
                 FormCtx::Fused { qkv, lse: hook.save("lse", lse, stream)?, step }
             }
-            Unsaved::Unfused { heads: [q, k, v], probs, mask } => {
+            Unsaved::Unfused { heads, probs, mask } => {
+                let [q, k, v] = *heads;
                 drop(qkv);
                 let heads = [hook.save("q", q, stream)?, hook.save("k", k, stream)?, hook.save("v", v, stream)?];
                 FormCtx::Unfused { heads, probs: hook.save("probs", probs, stream)?, mask }
@@ -464,7 +465,7 @@ impl CausalSelfAttention {
                 None
             }
         };
-        Ok(Unsaved::Unfused { heads, probs, mask })
+        Ok(Unsaved::Unfused { heads: Box::new(heads), probs, mask })
     }
 
     /// The input gradient from the output gradient `dy`; parameter gradients `+=`, the output
@@ -572,7 +573,7 @@ impl CausalSelfAttention {
 /// A form's tensors before they pass through the save hook.
 enum Unsaved {
     Fused { lse: Tensor, step: Option<Tensor> },
-    Unfused { heads: [Tensor; 3], probs: Tensor, mask: Option<Tensor> },
+    Unfused { heads: Box<[Tensor; 3]>, probs: Tensor, mask: Option<Tensor> },
 }
 
 impl Module for CausalSelfAttention {
