@@ -210,6 +210,12 @@ impl Dims {
         rows.reshape(&[self.batch, self.seq, parts, self.heads, self.hd])?.select(2, part)?.transpose(1, 2)
     }
 
+    /// The heads of q, k and v in `(B·T, 3C)` rows (the QKV projection's output, or its
+    /// gradient): views of the three column blocks.
+    fn qkv_heads(&self, rows: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        Ok((self.heads_of_rows(rows, 3, 0)?, self.heads_of_rows(rows, 3, 1)?, self.heads_of_rows(rows, 3, 2)?))
+    }
+
     /// `(B, H, T)`, the layout of per-row terms (the log-sum-exp).
     fn row_shape(&self) -> [usize; 3] {
         [self.batch, self.heads, self.seq]
@@ -376,8 +382,7 @@ impl CausalSelfAttention {
         let att = Tensor::uninit(&self.alloc, stream, &[bt, c], dtype)?;
         let form = match self.kind {
             AttentionKind::Fused => {
-                let (q, k, v) =
-                    (d.heads_of_rows(&qkv, 3, 0)?, d.heads_of_rows(&qkv, 3, 1)?, d.heads_of_rows(&qkv, 3, 2)?);
+                let (q, k, v) = d.qkv_heads(&qkv)?;
                 self.fused_forward(&d, &d.heads_of_rows(&att, 1, 0)?, (&q, &k, &v), stream)?
             }
             AttentionKind::Unfused => {
@@ -500,11 +505,9 @@ impl CausalSelfAttention {
                 // keep them, and write q's, k's and v's gradients into the QKV projection's
                 // gradient rows.
                 let qkv = qkv.take(stream)?;
-                let (q, k, v) =
-                    (d.heads_of_rows(&qkv, 3, 0)?, d.heads_of_rows(&qkv, 3, 1)?, d.heads_of_rows(&qkv, 3, 2)?);
+                let (q, k, v) = d.qkv_heads(&qkv)?;
                 let (out, dout) = (d.heads_of_rows(&att, 1, 0)?, d.heads_of_rows(&datt, 1, 0)?);
-                let (dq, dk, dv) =
-                    (d.heads_of_rows(&dqkv, 3, 0)?, d.heads_of_rows(&dqkv, 3, 1)?, d.heads_of_rows(&dqkv, 3, 2)?);
+                let (dq, dk, dv) = d.qkv_heads(&dqkv)?;
                 let lse = lse.take(stream)?;
                 let delta = Tensor::uninit(&self.alloc, stream, &d.row_shape(), DType::F32)?;
                 let saved = ForwardSaved { q: &q, k: &k, v: &v, out: &out, lse: &lse };

@@ -450,9 +450,9 @@ impl fmt::Display for Summary {
         )?;
         if let (Some(range), Some(page)) = (self.expected_reserved_saving(), self.page_bytes) {
             if range.start() != range.end() {
-                let mib = |b: i64| b as f64 / (1024.0 * 1024.0);
-                let page = mib(page as i64);
-                let (lo, hi) = (mib(*range.start()), mib(*range.end()));
+                let signed_mib = |b: i64| b as f64 / (1024.0 * 1024.0);
+                let (lo, hi) = (signed_mib(*range.start()), signed_mib(*range.end()));
+                let page = mib(page);
                 write!(f, " (reserved memory moves in {page:.0} MiB pages: the reserved peak falls by {lo:.0} to {hi:.0} MiB)")?;
             }
         }
