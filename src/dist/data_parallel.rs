@@ -8,7 +8,8 @@
 //! [`GradSync`]). Two ranks with one microbatch each then hold the gradients one rank
 //! accumulates over both (a sum of two f32 values is exact to order), so the optimizer steps are
 //! equal bit for bit; averaged, those gradients halved, which is exact too (see
-//! [`GradReduction::Mean`] for other world sizes).
+//! [`GradReduction::Mean`] for other world sizes). [`ReductionGraphs`](super::ReductionGraphs)
+//! reduces the same buckets on graphs of their own instead, after typed edges from the backward.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -221,6 +222,21 @@ impl DataParallel {
     /// The communicator.
     pub fn comm(&self) -> &Communicator {
         &self.comm
+    }
+
+    /// The communication stream, where the reductions run.
+    pub(super) fn comm_stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// How many buckets it reduces.
+    pub(super) fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Each bucket's gradients, as one flat tensor, in the callables' order.
+    pub(super) fn bucket_grads(&self) -> impl Iterator<Item = &Tensor> {
+        self.buckets.iter().map(|b| &b.grads)
     }
 
     /// Averages (or sums) `grads` across ranks on `stream`, now (eager parts of the model, or

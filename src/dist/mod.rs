@@ -1,6 +1,7 @@
 //! Several devices, beside layer 7 (above the graph layer): process groups, data parallelism (the
-//! gradients averaged over the ranks by default, or summed: [`GradReduction`]) and pipeline
-//! parallelism over the collectives of [`Communicator`](crate::device::Communicator).
+//! gradients averaged over the ranks by default, or summed: [`GradReduction`]; inside the
+//! backward graphs, or on graphs of their own: [`ReductionGraphs`]) and pipeline parallelism over
+//! the collectives of [`Communicator`](crate::device::Communicator).
 //!
 //! One process per GPU, started by `graphed launch` or any launcher that sets torchrun's
 //! variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`):
@@ -16,6 +17,7 @@ mod data_parallel;
 mod grid;
 mod group;
 mod pipeline;
+mod reduction_graphs;
 mod rendezvous;
 mod watch;
 
@@ -26,3 +28,4 @@ pub use data_parallel::{DataParallel, GradReduction};
 pub use grid::Grid;
 pub use group::{on_ranks, on_sim_ranks, ProcessGroup, RankEnv};
 pub use pipeline::P2pLinks;
+pub use reduction_graphs::ReductionGraphs;

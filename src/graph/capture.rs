@@ -4,6 +4,7 @@
 
 use super::build::build;
 use super::callable::Callable;
+use super::edge::End;
 use super::error::refusal;
 use super::graphed::{CaptureTimes, Draws, Pass};
 use super::lend::{Learned, Lending};
@@ -216,9 +217,12 @@ pub fn make_graphed_stack<M: Module>(
     if options.schedule.is_some() {
         return Err(refuse(GraphedErrorKind::ScheduleForStack));
     }
-    if let Some(e) = options.edges.first() {
+    // A stack replays each pass of its layers at once and checks no wait there; its layers'
+    // records are counted as any callable's are.
+    if let Some(e) = options.edges.iter().find(|e| e.end == End::Consumer) {
         let (edge, pass) = (e.edge.name().to_string(), format!("layer {}'s {}", e.callable, e.pass.name()));
-        let why = "replays only as part of its stack's pass (give edges to make_graphed_callables' callables)";
+        let why = "would wait inside its stack's pass, which replays its layers at once (a stack's layers may \
+                   signal edges; give waits to make_graphed_callables' callables)";
         return Err(refuse(GraphedErrorKind::EdgePass { edge, pass, why }));
     }
     let samples = (0..callables.len()).map(|i| (i == 0).then(|| Inputs::one(sample))).collect();
@@ -262,6 +266,7 @@ fn capture(
     alloc.synchronize()?;
     let hooks = chunk_hooks(&mut options, n, layout.as_ref())?;
     let plan = Plan::new(alloc, &stream, callables, names, &samples, input_sets, &options, hooks)?;
+    options.place_gradient_edges(|i| callables.get(i).is_some_and(|c| c.splits_dw_dyn()));
     check_edges(&plan, &options, layout.is_some())?;
     // A schedule's layers appear once per microbatch: their parameters once.
     let mut params: Vec<Param> = Vec::new();

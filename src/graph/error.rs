@@ -303,7 +303,7 @@ pub enum GraphedErrorKind {
         /// Which end, and what to do instead.
         why: &'static str,
     },
-    /// An edge given to a pass the capture does not make.
+    /// An edge given to a pass the capture does not make, or to a wait no replay would check.
     #[error("edge `{edge}` is given to {pass}, which {why}")]
     EdgePass {
         /// The edge's name.

@@ -127,6 +127,11 @@ impl GraphedFn {
         Ok(())
     }
 
+    /// Its name in errors: `graphed fn`, or as [`with_name`](Self::with_name) set it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The captured graph, for inspection.
     pub fn graph(&self) -> &Graph {
         self.graph.graph()

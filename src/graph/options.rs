@@ -91,6 +91,10 @@ pub(crate) struct PassEdge {
     pub(crate) pass: super::Pass,
     pub(crate) edge: super::GraphEdge,
     pub(crate) end: super::edge::End,
+    /// Given as the pass that completes the callable's gradients ([`GraphOptions::signals_gradients`]):
+    /// `pass` is the backward until the capture knows whether the callable splits its weight
+    /// gradients out.
+    pub(crate) gradients: bool,
 }
 
 impl Default for GraphOptions {
@@ -327,7 +331,17 @@ impl GraphOptions {
     /// tail included: it is the edge's producer ([`GraphEdge`](super::GraphEdge)).
     pub fn signals(mut self, callable: usize, pass: super::Pass, edge: &super::GraphEdge) -> GraphOptions {
         let (edge, end) = (edge.clone(), super::edge::End::Producer);
-        self.edges.push(PassEdge { callable, pass, edge, end });
+        self.edges.push(PassEdge { callable, pass, edge, end, gradients: false });
+        self
+    }
+
+    /// The pass that completes callable `callable`'s parameter gradients records `edge` after
+    /// all its work, tail included: its backward, or its weight-gradient pass where it splits
+    /// those out. A consumer of `edge` then reads the gradients complete, whichever pass wrote
+    /// them last ([`ReductionGraphs`](crate::dist::ReductionGraphs) reduces them so).
+    pub fn signals_gradients(mut self, callable: usize, edge: &super::GraphEdge) -> GraphOptions {
+        let (edge, end, pass) = (edge.clone(), super::edge::End::Producer, super::Pass::Backward);
+        self.edges.push(PassEdge { callable, pass, edge, end, gradients: true });
         self
     }
 
@@ -337,8 +351,16 @@ impl GraphOptions {
     /// producer was enqueued before it, so the caller cannot be the one to signal it.
     pub fn waits_on(mut self, callable: usize, pass: super::Pass, edge: &super::GraphEdge) -> GraphOptions {
         let (edge, end) = (edge.clone(), super::edge::End::Consumer);
-        self.edges.push(PassEdge { callable, pass, edge, end });
+        self.edges.push(PassEdge { callable, pass, edge, end, gradients: false });
         self
+    }
+
+    /// Moves the edges given as the gradients' ([`signals_gradients`](Self::signals_gradients))
+    /// to the weight-gradient pass of the callables that `splits` says split theirs out.
+    pub(crate) fn place_gradient_edges(&mut self, splits: impl Fn(usize) -> bool) {
+        for e in self.edges.iter_mut().filter(|e| e.gradients && splits(e.callable)) {
+            e.pass = super::Pass::BackwardDw;
+        }
     }
 
     /// The edge ends of callable `i`'s `pass` graph.

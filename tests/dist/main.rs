@@ -1,6 +1,7 @@
-//! Several ranks: the rendezvous, and data parallelism inside the captured backward graphs,
-//! averaged or summed, bit for bit against one rank that accumulates every microbatch, on simulated ranks and (the
-//! `two_gpus` tests) on two GPUs through NCCL.
+//! Several ranks: the rendezvous, and data parallelism inside the captured backward graphs or on
+//! graphs of its own after typed edges, averaged or summed, bit for bit against one rank that
+//! accumulates every microbatch, on simulated ranks and (the `two_gpus` tests) on two GPUs
+//! through NCCL.
 
 use std::time::Duration;
 
@@ -8,7 +9,7 @@ use anyhow::{ensure, Context};
 use graphed::device::{
     AccessMode, CommErrorKind, CommOptions, Communicator, Device, Policy, SimConfig, Stalled, StalledLaunch, Stream,
 };
-use graphed::dist::{meet, on_sim_ranks, DataParallel, GradReduction, RankEnv, RankWatch};
+use graphed::dist::{meet, on_sim_ranks, DataParallel, GradReduction, RankEnv, RankWatch, ReductionGraphs};
 use graphed::graph::{make_graphed_callables, make_graphed_stack, Callable, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
@@ -130,16 +131,38 @@ fn reduction_of(
     }
 }
 
-/// Rank `comm.rank()` of a data-parallel group, graphed with the reduction inside the backward
-/// graphs and replayed on a side stream; with `split_dw`, the layers' weight gradients in passes
+/// Where a graphed rank reduces its gradients.
+#[derive(Debug, Clone, Copy)]
+enum Placement {
+    /// Inside the backward graphs (`GraphOptions::grad_sync`).
+    InBackward,
+    /// On graphs of their own, after typed edges from the backward (`ReductionGraphs`).
+    OwnGraphs,
+}
+
+/// Rank `comm.rank()` of a data-parallel group, graphed with the reduction where `placement`
+/// says and replayed on a side stream; with `split_dw`, the layers' weight gradients in passes
 /// of their own, which the reduction follows; with `lend`, the layers' gradients lent to the
 /// pool until their backward.
-fn data_parallel(comm: &Communicator, split_dw: bool, reduction: GradReduction, lend: bool) -> anyhow::Result<Trace> {
+fn data_parallel(
+    comm: &Communicator,
+    split_dw: bool,
+    reduction: GradReduction,
+    lend: bool,
+    placement: Placement,
+) -> anyhow::Result<Trace> {
     let m = model(comm.device(), split_dw)?;
     let dp = reduction_of(comm, &m, None, reduction)?;
     let (x0, _) = data(&m, 0, 0)?;
     let (side, ready) = (comm.device().stream()?, comm.device().event()?);
-    let options = GraphOptions::default().sync_event(&ready).grad_sync(dp).lend_gradients(lend);
+    let options = GraphOptions::default().sync_event(&ready).lend_gradients(lend);
+    let (options, own) = match placement {
+        Placement::InBackward => (options.grad_sync(dp), None),
+        Placement::OwnGraphs => {
+            let graphs = ReductionGraphs::capture(&m.alloc, dp)?;
+            (graphs.signalled(options), Some(graphs))
+        }
+    };
     let graphed = make_graphed_stack(&m.alloc, &m.stack, &x0, options)?;
     let mut trace = Vec::new();
     for step in 0..STEPS {
@@ -148,6 +171,9 @@ fn data_parallel(comm: &Communicator, split_dw: bool, reduction: GradReduction, 
         graphed.backward(&m.s, &dy)?;
         if split_dw {
             graphed.backward_dw(&m.s)?;
+        }
+        if let Some(graphs) = &own {
+            graphs.replay(&m.s)?;
         }
         graphed.join(&m.s)?;
         graphed.take_gradients()?;
@@ -187,12 +213,17 @@ fn two_ranks_with_a_microbatch_each_equal_one_rank_with_both_bit_for_bit_and_rac
     let sim = Device::sim();
     for (reduction, whole) in [(GradReduction::Sum, Whole::Sum), (GradReduction::Mean, Whole::MeanLoss)] {
         let want = one_rank(&sim, 2, whole)?;
-        for policy in Policy::ALL {
-            data_parallel_equals(&want, Ranks::Sim(policy), 2, |c| data_parallel(c, false, reduction, false))?;
-            // Lent gradients: the reduction has them from each backward to the join.
-            data_parallel_equals(&want, Ranks::Sim(policy), 2, |c| data_parallel(c, false, reduction, true))?;
+        for placement in [Placement::InBackward, Placement::OwnGraphs] {
+            for policy in Policy::ALL {
+                let on = Ranks::Sim(policy);
+                data_parallel_equals(&want, on, 2, |c| data_parallel(c, false, reduction, false, placement))?;
+                // Lent gradients: the reduction has them from each backward to the join.
+                data_parallel_equals(&want, on, 2, |c| data_parallel(c, false, reduction, true, placement))?;
+            }
+            // Split weight gradients: the reduction follows the pass that completes them.
+            let on = Ranks::Sim(Policy::Adversarial);
+            data_parallel_equals(&want, on, 2, |c| data_parallel(c, true, reduction, false, placement))?;
         }
-        data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 2, |c| data_parallel(c, true, reduction, false))?;
         data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 2, |c| data_parallel_one_callable(c, reduction))?;
     }
     // Halving is exact: the mean is the whole batch's mean loss, and the sum scaled once.
@@ -208,7 +239,10 @@ fn three_ranks_sum_as_one_rank_accumulates_and_average_as_it_scales_that_sum_onc
     let sim = Device::sim();
     for (reduction, whole) in [(GradReduction::Sum, Whole::Sum), (GradReduction::Mean, Whole::SumScaled)] {
         let want = one_rank(&sim, 3, whole)?;
-        data_parallel_equals(&want, Ranks::Sim(Policy::Adversarial), 3, |c| data_parallel(c, true, reduction, false))?;
+        for placement in [Placement::InBackward, Placement::OwnGraphs] {
+            let on = Ranks::Sim(Policy::Adversarial);
+            data_parallel_equals(&want, on, 3, |c| data_parallel(c, true, reduction, false, placement))?;
+        }
     }
     let defaults = on_sim_ranks(3, SimConfig::default(), CommOptions::default(), |c| {
         Ok(DataParallel::new(c, Vec::new())?.reduction())
@@ -254,6 +288,57 @@ fn grad_sync_without_a_backward_is_refused_before_anything_runs() -> anyhow::Res
     });
     let err = out.into_iter().next().context("one rank")??.context("refused")?;
     ensure!(err.to_string().contains("grad_sync needs training mode"), "{err}");
+    Ok(())
+}
+
+/// The reduction on graphs of its own refuses before anything is enqueued: a `DataParallel`
+/// something else holds (a capture's `grad_sync` would reduce the gradients twice), a replay
+/// with no backward since the last one (the gradients stay as they were), and a stack whose
+/// layer would wait on an edge (a stack's layers may only signal).
+#[test]
+fn reduction_graphs_refuse_a_shared_reduction_and_a_stale_replay_before_anything_runs() -> anyhow::Result<()> {
+    use graphed::graph::{GraphEdge, GraphedErrorKind, Pass};
+    // `Ok` where `e` is a graphed refusal that `is` accepts, else what it was.
+    fn refused(e: Option<Error>, is: fn(&GraphedErrorKind) -> bool) -> Result<(), String> {
+        match e {
+            Some(e) if e.graphed_kind().is_some_and(is) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    }
+    let not_produced = |k: &GraphedErrorKind| matches!(k, GraphedErrorKind::EdgeNotProduced { .. });
+    let out = on_sim_ranks(2, SimConfig::default(), CommOptions::default(), |c| {
+        let m = model(c.device(), false)?;
+        let dp = DataParallel::for_stack(c, &m.store, &m.stack)?.with_reduction(GradReduction::Sum)?;
+        let shared = ReductionGraphs::capture(&m.alloc, dp.clone()).err();
+        let graphs = ReductionGraphs::capture(&m.alloc, dp)?;
+        let (x, dy) = data(&m, 0, c.rank() as u64)?;
+        let graphed = make_graphed_stack(&m.alloc, &m.stack, &x, graphs.signalled(GraphOptions::default()))?;
+        let unproduced = refused(graphs.replay(&m.s).err(), not_produced);
+        graphed.forward(&m.s, &x, Replay::caller())?;
+        graphed.backward(&m.s, &dy)?;
+        graphs.replay(&m.s)?;
+        graphed.join(&m.s)?;
+        let reduced = m.store.grads()?.to_vec::<f32>(&m.s)?;
+        let stale = refused(graphs.replay(&m.s).err(), not_produced);
+        let unchanged = reduced == m.store.grads()?.to_vec::<f32>(&m.s)?;
+        let edge = GraphEdge::new(c.device(), "a wait")?;
+        let waits = GraphOptions::default().waits_on(0, Pass::Forward, &edge);
+        let waiting = make_graphed_stack(&m.alloc, &m.stack, &x, waits).err();
+        let waiting = refused(waiting, |k| matches!(k, GraphedErrorKind::EdgePass { .. }));
+        Ok((shared, unproduced, stale, unchanged, waiting))
+    });
+    for (r, res) in out.into_iter().enumerate() {
+        let (shared, unproduced, stale, unchanged, waiting) = res.with_context(|| format!("rank {r}"))?;
+        let shared = shared.context("a DataParallel held twice was taken")?;
+        ensure!(
+            matches!(shared, Error::Comm { kind: CommErrorKind::ReducedTwice { holders: 1 }, .. }),
+            "rank {r}: {shared}"
+        );
+        unproduced.map_err(|e| anyhow::anyhow!("rank {r}: a replay before any backward: {e}"))?;
+        stale.map_err(|e| anyhow::anyhow!("rank {r}: a second replay after one backward: {e}"))?;
+        ensure!(unchanged, "rank {r}: the refused replay changed the gradients");
+        waiting.map_err(|e| anyhow::anyhow!("rank {r}: a stack's layer waiting on an edge: {e}"))?;
+    }
     Ok(())
 }
 
@@ -579,6 +664,26 @@ fn a_rank_stalled_or_dead_inside_a_graphed_data_parallel_step_is_named_with_the_
     Ok(())
 }
 
+/// One rank over NCCL on one GPU: its gradients reduced inside the backward graphs and on
+/// graphs of their own (NCCL's one-rank all-reduce, captured, after typed edges on the device),
+/// against the GPU stepping alone, bit for bit and race-free.
+mod one_gpu {
+    use super::*;
+
+    #[test]
+    #[ignore = "needs a CUDA GPU and NCCL"]
+    fn one_gpu_rank_reducing_on_graphs_of_its_own_equals_the_gpu_alone() -> anyhow::Result<()> {
+        let want = one_rank(&Device::cuda_checked(0)?, 1, Whole::Sum)?;
+        for placement in [Placement::InBackward, Placement::OwnGraphs] {
+            for (split_dw, lend) in [(false, false), (true, false), (false, true)] {
+                let mean = GradReduction::Mean;
+                data_parallel_equals(&want, Ranks::Gpus, 1, |c| data_parallel(c, split_dw, mean, lend, placement))?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The same programs on two GPUs of one process, against one GPU.
 mod two_gpus {
     use super::*;
@@ -589,9 +694,11 @@ mod two_gpus {
         let gpu = Device::cuda_checked(0)?;
         for (reduction, whole) in [(GradReduction::Sum, Whole::Sum), (GradReduction::Mean, Whole::MeanLoss)] {
             let want = one_rank(&gpu, 2, whole)?;
-            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, false, reduction, false))?;
-            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, true, reduction, false))?;
-            data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, false, reduction, true))?;
+            for placement in [Placement::InBackward, Placement::OwnGraphs] {
+                data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, false, reduction, false, placement))?;
+                data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, true, reduction, false, placement))?;
+                data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel(c, false, reduction, true, placement))?;
+            }
             data_parallel_equals(&want, Ranks::Gpus, 2, |c| data_parallel_one_callable(c, reduction))?;
         }
         Ok(())

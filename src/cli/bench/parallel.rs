@@ -3,7 +3,9 @@
 //! stepping its own copy alone (graphed, side-stream replay); `dp-eager`, eager steps with every
 //! gradient reduced after the backward; `dp-graphed-layer`, graphed steps with each layer's
 //! gradients reduced whole inside the next backward graph; `dp-graphed`, the same with each
-//! layer's MLP half reduced during its own attention backward (`Module::backward_hooked`); then
+//! layer's MLP half reduced during its own attention backward (`Module::backward_hooked`);
+//! `dp-reduction-graphs`, each layer's gradients reduced whole in a graph of its own on the
+//! communication stream, after a typed edge from its backward (`dist::ReductionGraphs`); then
 //! the pipeline variants of `pipeline.rs` over `--microbatches` (exchanges on the compute
 //! stream, or overlapping it), with their bubbles (with two ranks or more), and each one's
 //! stages timed alone (`-alone`: as many stages as ranks, two on
@@ -14,7 +16,7 @@
 use std::sync::Arc;
 
 use graphed::device::{Communicator, DType, Device};
-use graphed::dist::{DataParallel, ProcessGroup, RankEnv};
+use graphed::dist::{DataParallel, ProcessGroup, RankEnv, ReductionGraphs};
 use graphed::graph::{GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{Module, Stage};
@@ -62,7 +64,7 @@ pub fn run(args: &ParallelBenchArgs) -> anyhow::Result<()> {
 
 /// `one-gpu`, the speedups' base, then the data parallel variants, each reducing the gradients
 /// its own way (see the module's doc).
-const DATA_PARALLEL: [&str; 4] = ["one-gpu", "dp-eager", "dp-graphed-layer", "dp-graphed"];
+const DATA_PARALLEL: [&str; 5] = ["one-gpu", "dp-eager", "dp-graphed-layer", "dp-graphed", "dp-reduction-graphs"];
 
 /// A `bench parallel` run on this rank's GPU: its group, and the rows measured so far.
 struct ParallelBench<'a> {
@@ -139,7 +141,8 @@ impl<'a> ParallelBench<'a> {
 
     /// Times a step of `config` as `variant` runs it: eager steps with every gradient reduced
     /// after the backward (`dp-eager`), else graphed steps replayed on a side stream, whose
-    /// gradients `comm` reduces inside the backward graphs (none for `one-gpu`).
+    /// gradients `comm` reduces inside the backward graphs or on graphs of their own
+    /// (`dp-reduction-graphs`; none for `one-gpu`).
     fn time_step(&self, config: Config, variant: &str, comm: Option<&Communicator>) -> anyhow::Result<Samples> {
         let (dev, timing) = (&self.dev, (self.args.warmup, self.args.steps));
         let alloc = CachingAllocator::new(dev);
@@ -156,13 +159,23 @@ impl<'a> ParallelBench<'a> {
         }
         let (side, ready) = (dev.stream()?, dev.event()?);
         let mut options = GraphOptions::default().sync_event(&ready);
-        if let Some(c) = comm {
-            options = options.grad_sync(reduction(c, &model, variant)?);
+        let mut own = None;
+        match comm {
+            Some(c) if variant == "dp-reduction-graphs" => {
+                let graphs = ReductionGraphs::capture(&alloc, reduction(c, &model, variant)?)?;
+                options = graphs.signalled(options);
+                own = Some(graphs);
+            }
+            Some(c) => options = options.grad_sync(reduction(c, &model, variant)?),
+            None => {}
         }
         let graphed = model.graph_with(&alloc, options)?;
         measure(dev, &main, timing, &mut || {
             graphed.forward(&main, &model.x, Replay::side(&side))?;
             graphed.backward(&main, &model.dy)?;
+            if let Some(graphs) = &own {
+                graphs.replay(&main)?;
+            }
             graphed.join(&main)?;
             Ok(())
         })
@@ -229,12 +242,13 @@ impl<'a> ParallelBench<'a> {
     }
 }
 
-/// The gradient reduction inside the backward graphs of a graphed `variant` over `comm`: each
-/// layer's gradients whole inside the next backward graph (`dp-graphed-layer`), or each layer's
-/// MLP half during its own attention backward (`dp-graphed`, `Module::backward_hooked`).
+/// The gradient reduction of a graphed `variant` over `comm`: each layer's gradients whole
+/// (`dp-graphed-layer` inside the next backward graph, `dp-reduction-graphs` on a graph of their
+/// own), or each layer's MLP half during its own attention backward (`dp-graphed`,
+/// `Module::backward_hooked`).
 fn reduction(comm: &Communicator, model: &BenchModel, variant: &str) -> anyhow::Result<Arc<DataParallel>> {
     Ok(match variant {
-        "dp-graphed-layer" => {
+        "dp-graphed-layer" | "dp-reduction-graphs" => {
             let layers = model.stack.layers().iter();
             let buckets = layers.map(|l| model.store.grads_of(&l.parameters()));
             DataParallel::new(comm, buckets.collect::<graphed::Result<_>>()?)?

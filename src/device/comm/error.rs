@@ -124,6 +124,18 @@ pub enum CommErrorKind {
         callable: usize,
     },
 
+    /// A [`DataParallel`](crate::dist::DataParallel) given to
+    /// [`ReductionGraphs`](crate::dist::ReductionGraphs) while something else holds it: a
+    /// capture's `grad_sync` would reduce the same gradients a second time.
+    #[error(
+        "the DataParallel is held in {holders} other place(s), such as a capture's grad_sync, which would reduce its \
+         gradients a second time; reduce them one way: give ReductionGraphs::capture a DataParallel nothing else holds"
+    )]
+    ReducedTwice {
+        /// How many other handles to it there are.
+        holders: usize,
+    },
+
     // ---- NCCL, the rendezvous and the launch ----------------------------------------------------
     /// NCCL returned an error.
     #[error("NCCL: {0}")]
