@@ -88,7 +88,9 @@ impl ReductionGraphs {
     /// Replays every bucket's reduction on the communication stream, in the order the backward
     /// completes them (the last callable's first), each after its edge's record; then `caller`
     /// waits for them all, so that the optimizer enqueued next reads reduced gradients. Call it
-    /// once per step, after the backward (or the last microbatch's) is enqueued.
+    /// once per step, after the backward (or the last microbatch's, when they accumulate) is
+    /// enqueued: nothing else reduces the gradients, and a step without it leaves each rank
+    /// with its own.
     ///
     /// # Errors
     /// [`GraphedErrorKind::EdgeNotProduced`](crate::graph::GraphedErrorKind::EdgeNotProduced)
