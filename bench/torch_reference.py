@@ -694,14 +694,26 @@ def parity(path: str, device: str) -> dict:
 MEMORY_VARIANTS = ["torch-sdpa-graphed", "torch-sdpa-save-on-cpu", "torch-sdpa-checkpoint"]
 
 
+def host_available_bytes() -> int:
+    """The host memory the kernel says new allocations may take without swapping (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise SystemExit("memory: /proc/meminfo has no MemAvailable; the host-memory bound needs it")
+
+
 def memory_probe(name: str, search: str, size: int, variant: str, dt: torch.dtype, steps: int, warmup: int,
-                 budget: int, graphed: bool) -> dict:
+                 budget: int, graphed: bool, host_start: int) -> dict:
     """One size of `memory`: configuration `name` with its batch or its layer count (`search`) set to
     `size`, built anew and stepped as `variant` says, graphed per layer (make_graphed_callables) when
     `graphed`: torch-sdpa-graphed as `graphs` runs it, torch-sdpa-save-on-cpu with every saved
     activation in pinned host memory (torch.autograd.graph.save_on_cpu), torch-sdpa-checkpoint with
     each layer's activations recomputed in the backward (torch.utils.checkpoint, non-reentrant). The
-    peaks are this probe's alone: freed memory is handed back and the peaks reset first."""
+    peaks are this probe's alone: freed memory is handed back and the peaks reset first. `host_bytes`
+    is how far the host's available memory fell below `host_start` by the end of the steps: the
+    pinned copies save_on_cpu keeps (PyTorch's host allocator caches them), which the search bounds
+    as the device's free memory bounds the rest; the cache is emptied after, where PyTorch can."""
     d, n, b, t = SHAPES[name]
     b, n = (size, n) if search == "batch" else (b, size)
     gc.collect()
@@ -745,28 +757,35 @@ def memory_probe(name: str, search: str, size: int, variant: str, dt: torch.dtyp
         if i >= warmup:
             wall.append((time.perf_counter() - issued) * 1e3)
     peak = torch.cuda.max_memory_reserved()
+    host_bytes = max(host_start - host_available_bytes(), 0)
+    gc.collect()
+    getattr(torch._C, "_host_emptyCache", lambda: None)()
     return {"size": size, "fits": peak <= budget, "peak_reserved_bytes": peak,
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "wall_ms": statistics.median(wall)}
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "host_bytes": host_bytes,
+            "wall_ms": statistics.median(wall)}
 
 
-def secant(probes: list, target: int):
+def secant(probes: list, target: int, key: str = "peak_allocated_bytes"):
     """As `graphed bench memory`: the size where the line through the last two probes of different
-    sizes (allocated peaks, plus the last one's reserved excess) reaches `target`; None if it does
-    not rise."""
+    sizes reaches `target`, of their allocated peaks plus the last one's reserved excess (or, with
+    another `key`, of that alone); None if it does not rise."""
     last = probes[-1]
     other = next((p for p in reversed(probes) if p["size"] != last["size"]), None)
     if other is None:
         return None
-    slope = (last["peak_allocated_bytes"] - other["peak_allocated_bytes"]) / (last["size"] - other["size"])
+    slope = (last[key] - other[key]) / (last["size"] - other["size"])
     if slope <= 0:
         return None
-    excess = max(last["peak_reserved_bytes"] - last["peak_allocated_bytes"], 0)
-    return max(int((last["size"] + (target - excess - last["peak_allocated_bytes"]) / slope) // 1), 1)
+    excess = max(last["peak_reserved_bytes"] - last["peak_allocated_bytes"], 0) if key == "peak_allocated_bytes" else 0
+    return max(int((last["size"] + (target - excess - last[key]) / slope) // 1), 1)
 
 
-def largest_fitting(budget: int, limit: int, probe) -> list:
+def largest_fitting(budget: int, limit: int, probe, host_limit: int) -> tuple:
     """`graphed bench memory`'s search: sizes from 1 until the largest that fits is next to one that
-    does not, each guessed by the secant, kept inside the bracket and below the device's free memory."""
+    does not, each guessed by the secant, kept inside the bracket and below the device's free memory
+    (`limit`) and the host memory the probes may take (`host_limit`: save_on_cpu's pinned copies,
+    which grow with the size where the device's memory barely does). Returns the probes, and what
+    ended the search: "budget", or "host memory" where the next size would not fit the host."""
     probes, fits, over, size = [], 0, None, 1
     while True:
         p = probe(size)
@@ -776,7 +795,7 @@ def largest_fitting(budget: int, limit: int, probe) -> list:
             over = p["size"] if over is None else min(over, p["size"])
         probes.append(p)
         if (fits == 0 and over is not None) or over == fits + 1 or fits >= 1 << 16:
-            return probes
+            return probes, "budget"
         guess = secant(probes, budget)
         n = max(guess if guess is not None else 2 * fits, fits + 1)
         if over is not None:
@@ -786,7 +805,10 @@ def largest_fitting(budget: int, limit: int, probe) -> list:
             if safe is not None and safe <= fits:
                 raise SystemExit(f"memory: size {fits + 1} would exceed the device's free memory before the budget")
             n = min(n, safe if safe is not None else n)
-        size = min(n, 1 << 16)
+        host = secant(probes, host_limit, "host_bytes") if p["host_bytes"] > 0 else None
+        if host is not None and host <= fits:
+            return probes, "host memory"
+        size = min(n, host if host is not None else n, 1 << 16)
 
 
 def memory(name: str, budget: int, searches: list, variants: list, steps: int, warmup: int, path=None) -> dict:
@@ -800,6 +822,9 @@ def memory(name: str, budget: int, searches: list, variants: list, steps: int, w
     free, _ = torch.cuda.mem_get_info()
     if budget > free:
         raise SystemExit(f"memory: the budget {budget} is more than the device's free memory ({free}); lower it")
+    # What the probes' pinned host copies may take: most of what the host has free now.
+    host_start = host_available_bytes()
+    host_limit = int(0.8 * host_start)
     rows = []
     for variant in variants:
         graphed, why = True, None
@@ -807,7 +832,8 @@ def memory(name: str, budget: int, searches: list, variants: list, steps: int, w
             def probe(size):
                 nonlocal graphed, why
                 try:
-                    p = memory_probe(name, search, size, variant, torch.bfloat16, steps, warmup, budget, graphed)
+                    p = memory_probe(name, search, size, variant, torch.bfloat16, steps, warmup, budget, graphed,
+                                     host_start)
                 except torch.cuda.OutOfMemoryError:
                     raise
                 except Exception as e:  # noqa: BLE001: a capture PyTorch refuses; the variant runs eagerly
@@ -816,19 +842,22 @@ def memory(name: str, budget: int, searches: list, variants: list, steps: int, w
                     graphed, why = False, f"{type(e).__name__}: {e}"[:300]
                     gc.collect()
                     torch.cuda.synchronize()
-                    p = memory_probe(name, search, size, variant, torch.bfloat16, steps, warmup, budget, graphed)
+                    p = memory_probe(name, search, size, variant, torch.bfloat16, steps, warmup, budget, graphed,
+                                     host_start)
                 print(f"  {variant} {search} {size}: peak reserved {p['peak_reserved_bytes'] / 2**30:.2f} GiB "
                       f"({'fits' if p['fits'] else 'over'}), {p['wall_ms']:.3f} ms", file=sys.stderr)
                 return p
 
-            probes = largest_fitting(budget, free, probe)
+            probes, bound = largest_fitting(budget, free, probe, host_limit)
             best = max((p for p in probes if p["fits"]), key=lambda p: p["size"], default=None)
             rows.append({"config": name, "variant": variant, "search": search, "budget_bytes": budget,
                          "graphed": graphed, "graphed_error": why, "largest": best and best["size"],
+                         "bound": bound, "host_limit_bytes": host_limit,
                          "at_largest": best, "ms_per_unit": best and best["wall_ms"] / best["size"],
                          "probes": probes})
+            bounded = "" if bound == "budget" else " (the host's memory, not the budget, bounds it)"
             print(f"{variant} ({'graphed' if graphed else 'eager'}): largest {search} "
-                  f"{best and best['size']}", file=sys.stderr)
+                  f"{best and best['size']}{bounded}", file=sys.stderr)
             result = {"bench": "memory", "impl": "torch", "rows": rows, "torch": torch.__version__,
                       "gpu": torch.cuda.get_device_name()}
             if path:
