@@ -55,7 +55,9 @@ pub struct ReductionGraphs {
 impl ReductionGraphs {
     /// Captures a graph per bucket of `dp` (in new pools of `alloc`) that waits on an edge of its
     /// own and then reduces the bucket as `dp` does (averaged or summed). Give the captures of the
-    /// callables [`signalled`](Self::signalled) options. Nothing runs.
+    /// callables [`signalled`](Self::signalled) options. Nothing runs. Under a pipeline schedule,
+    /// whose passes take no edges, reduce inside the backward graphs instead
+    /// ([`GraphOptions::grad_sync`]).
     ///
     /// # Errors
     /// [`CommErrorKind::ReducedTwice`] when `dp` is held elsewhere (a capture's `grad_sync` would
