@@ -229,11 +229,6 @@ impl DataParallel {
         &self.stream
     }
 
-    /// How many buckets it reduces.
-    pub(super) fn bucket_count(&self) -> usize {
-        self.buckets.len()
-    }
-
     /// Each bucket's gradients, as one flat tensor, in the callables' order.
     pub(super) fn bucket_grads(&self) -> impl Iterator<Item = &Tensor> {
         self.buckets.iter().map(|b| &b.grads)

@@ -71,13 +71,14 @@ impl ReductionGraphs {
             kind: CommErrorKind::ReducedTwice { holders: Arc::strong_count(&held) - 1 },
         })?;
         let dev = dp.comm().device().clone();
-        let mut buckets = Vec::with_capacity(dp.bucket_count());
-        for (i, grads) in dp.bucket_grads().enumerate() {
-            let edge = GraphEdge::new(&dev, &format!("gradients of callable {i}"))?;
-            let waits = Edges { waits_on: &[&edge], ..Edges::default() };
-            let graph = make_graphed_fn_with_edges(alloc, waits, |s| dp.all_reduce(s, grads))?;
-            buckets.push((edge, graph.with_name(&format!("reduction of callable {i}'s gradients"))));
-        }
+        let buckets = (dp.bucket_grads().enumerate())
+            .map(|(i, grads)| {
+                let edge = GraphEdge::new(&dev, &format!("gradients of callable {i}"))?;
+                let waits = Edges { waits_on: &[&edge], ..Edges::default() };
+                let graph = make_graphed_fn_with_edges(alloc, waits, |s| dp.all_reduce(s, grads))?;
+                Ok((edge, graph.with_name(&format!("reduction of callable {i}'s gradients"))))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(ReductionGraphs { dp, buckets })
     }
 

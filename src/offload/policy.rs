@@ -408,6 +408,11 @@ fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
+/// As [`mib`], for a saving that may be negative.
+fn signed_mib(bytes: i64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some((out, back)) = self.bandwidth_gbps {
@@ -445,12 +450,11 @@ impl fmt::Display for Summary {
             f,
             "offloaded {:.1} MiB per iteration; expected peak saving {:.1} MiB{}",
             mib(self.offloaded_bytes()),
-            self.expected_peak_saving() as f64 / (1024.0 * 1024.0),
+            signed_mib(self.expected_peak_saving()),
             if self.lent { " (of the pool's own memory: lent gradient memory is the gradients')" } else { "" }
         )?;
         if let (Some(range), Some(page)) = (self.expected_reserved_saving(), self.page_bytes) {
             if range.start() != range.end() {
-                let signed_mib = |b: i64| b as f64 / (1024.0 * 1024.0);
                 let (lo, hi) = (signed_mib(*range.start()), signed_mib(*range.end()));
                 let page = mib(page);
                 write!(f, " (reserved memory moves in {page:.0} MiB pages: the reserved peak falls by {lo:.0} to {hi:.0} MiB)")?;
