@@ -703,6 +703,12 @@ def host_available_bytes() -> int:
     raise SystemExit("memory: /proc/meminfo has no MemAvailable; the host-memory bound needs it")
 
 
+def host_refused(e: Exception) -> bool:
+    """Whether `e` is a pinned host allocation the driver refused (save_on_cpu's copies): PyTorch raises
+    it as an out-of-memory error that is not the device's OutOfMemoryError."""
+    return "out of memory" in str(e) and not isinstance(e, torch.cuda.OutOfMemoryError)
+
+
 def memory_probe(name: str, search: str, size: int, variant: str, dt: torch.dtype, steps: int, warmup: int,
                  budget: int, graphed: bool, host_start: int) -> dict:
     """One size of `memory`: configuration `name` with its batch or its layer count (`search`) set to
@@ -785,27 +791,37 @@ def largest_fitting(budget: int, limit: int, probe, host_limit: int) -> tuple:
     does not, each guessed by the secant, kept inside the bracket and below the device's free memory
     (`limit`) and the host memory the probes may take (`host_limit`: save_on_cpu's pinned copies,
     which grow with the size where the device's memory barely does). Returns the probes, and what
-    ended the search: "budget", or "host memory" where the next size would not fit the host."""
+    ended the search: "budget", or "host memory" where the next size would not fit the host or a
+    probe's pinned allocation was refused (a probe returning `host_over`)."""
     probes, fits, over, size = [], 0, None, 1
+    # Whether the smallest size that did not fit failed for the host's memory (a pinned allocation
+    # refused), not the budget.
+    host_over = False
     while True:
         p = probe(size)
         if p["fits"]:
             fits = max(fits, p["size"])
-        else:
-            over = p["size"] if over is None else min(over, p["size"])
+        elif over is None or p["size"] < over:
+            over, host_over = p["size"], bool(p.get("host_over"))
         probes.append(p)
+        bound = "host memory" if host_over else "budget"
         if (fits == 0 and over is not None) or over == fits + 1 or fits >= 1 << 16:
-            return probes, "budget"
-        guess = secant(probes, budget)
+            return probes, bound
+        if p.get("host_over"):
+            # No peaks to extrapolate from: halve the bracket.
+            size = (fits + over) // 2
+            continue
+        measured = [q for q in probes if not q.get("host_over")]
+        guess = secant(measured, budget)
         n = max(guess if guess is not None else 2 * fits, fits + 1)
         if over is not None:
             n = min(n, over - 1)
         else:
-            safe = secant(probes, limit)
+            safe = secant(measured, limit)
             if safe is not None and safe <= fits:
                 raise SystemExit(f"memory: size {fits + 1} would exceed the device's free memory before the budget")
             n = min(n, safe if safe is not None else n)
-        host = secant(probes, host_limit, "host_bytes") if p["host_bytes"] > 0 else None
+        host = secant(measured, host_limit, "host_bytes") if p["host_bytes"] > 0 else None
         if host is not None and host <= fits:
             return probes, "host memory"
         size = min(n, host if host is not None else n, 1 << 16)
@@ -837,6 +853,13 @@ def memory(name: str, budget: int, searches: list, variants: list, steps: int, w
                 except torch.cuda.OutOfMemoryError:
                     raise
                 except Exception as e:  # noqa: BLE001: a capture PyTorch refuses; the variant runs eagerly
+                    if host_refused(e):
+                        # save_on_cpu's pinned copies: the host, not the device, ran out at this size.
+                        print(f"  {variant} {search} {size}: pinned host memory refused ({e})"[:200], file=sys.stderr)
+                        gc.collect()
+                        torch.cuda.synchronize()
+                        getattr(torch._C, "_host_emptyCache", lambda: None)()
+                        return {"size": size, "fits": False, "host_over": True}
                     if not graphed:
                         raise
                     graphed, why = False, f"{type(e).__name__}: {e}"[:300]
