@@ -111,6 +111,15 @@ struct Launch {
     summary: Arc<GraphSummary>,
 }
 
+/// What an executable changed of its graph: its rebound ranges, and which of its `sites`
+/// captured operations it turned off.
+#[derive(Default)]
+struct ExecPatch {
+    remaps: Vec<crate::device::patch::Remap>,
+    sites: usize,
+    disabled: Vec<usize>,
+}
+
 #[derive(Default)]
 struct State {
     streams: HashMap<StreamId, Clock>,
@@ -125,8 +134,11 @@ struct State {
     stream_launch: HashMap<StreamId, (u64, GraphId)>,
     /// The clock after each executable's latest launch: the next launch of it runs after.
     exec_end: HashMap<u64, Clock>,
-    /// For executables whose reads were rebound, their graph's summary through the rebinding.
+    /// For executables whose reads were rebound or whose nodes were turned off, their graph's
+    /// summary through those changes.
     rebound: HashMap<u64, Arc<GraphSummary>>,
+    /// By executable, its rebound ranges, and its captured operations with those turned off.
+    patches: HashMap<u64, ExecPatch>,
     next_launch: u64,
     /// The reports kept, the first [`MAX_KEPT_HAZARDS`] found.
     hazards: Vec<Hazard>,
@@ -191,6 +203,20 @@ fn byte_range(later: &Access, prior: &Access) -> (usize, usize) {
 }
 
 impl State {
+    /// Executable `exec`'s summary of `graph` through its patch (none: the graph's own).
+    fn repatch(&mut self, graph: GraphId, exec: u64) {
+        let patch = self.patches.get(&exec).filter(|p| !p.remaps.is_empty() || !p.disabled.is_empty());
+        match (self.graphs.get(&graph), patch) {
+            (Some(summary), Some(p)) => {
+                let patched = Arc::new(summary.patched(&p.remaps, p.sites, &p.disabled));
+                self.rebound.insert(exec, patched);
+            }
+            _ => {
+                self.rebound.remove(&exec);
+            }
+        }
+    }
+
     fn stream_clock(&mut self, stream: StreamId) -> &mut Clock {
         self.streams.entry(stream).or_default()
     }
@@ -601,6 +627,7 @@ impl Observer for Checker {
     fn reset(&self, graph: GraphId, exec: u64) -> Result<()> {
         let mut st = self.lock();
         st.rebound.remove(&exec);
+        st.patches.remove(&exec);
         if self.inner.captures_only {
             return Ok(());
         }
@@ -631,14 +658,19 @@ impl Observer for Checker {
             return Ok(());
         }
         let mut st = self.lock();
-        match st.graphs.get(&graph).cloned() {
-            Some(summary) if !remaps.is_empty() => {
-                st.rebound.insert(exec, Arc::new(summary.remapped(remaps)));
-            }
-            _ => {
-                st.rebound.remove(&exec);
-            }
+        st.patches.entry(exec).or_default().remaps = remaps.to_vec();
+        st.repatch(graph, exec);
+        Ok(())
+    }
+
+    fn set_enabled(&self, graph: GraphId, exec: u64, sites: usize, disabled: &[usize]) -> Result<()> {
+        if self.inner.captures_only {
+            return Ok(());
         }
+        let mut st = self.lock();
+        let patch = st.patches.entry(exec).or_default();
+        (patch.sites, patch.disabled) = (sites, disabled.to_vec());
+        st.repatch(graph, exec);
         Ok(())
     }
 

@@ -151,11 +151,16 @@ impl GraphSummary {
         (GraphSummary { nodes: summary_nodes, by_memory, footprint, lane_end, records, waits }, races)
     }
 
-    /// The same graph with the reads that `remaps` move made of the buffers they move to.
-    pub(crate) fn remapped(&self, remaps: &[Remap]) -> GraphSummary {
+    /// The same graph with the reads that `remaps` move made of the buffers they move to, and
+    /// without the accesses of the nodes in `disabled` (sorted), which a launch runs as nothing.
+    /// A node is an operation of the capture, numbered as its sites are: where the capture had
+    /// another number of operations than `sites`, every node is kept (the checker then sees
+    /// more than runs, never less).
+    pub(crate) fn patched(&self, remaps: &[Remap], sites: usize, disabled: &[usize]) -> GraphSummary {
+        let off = |n: &usize| self.nodes.len() == sites && disabled.binary_search(n).is_ok();
         let mut by_memory: HashMap<BufferId, Vec<(usize, Access)>> = HashMap::new();
         let mut footprint: Vec<(usize, Access)> = Vec::new();
-        for (n, a) in self.by_memory.values().flatten() {
+        for (n, a) in self.by_memory.values().flatten().filter(|(n, _)| !off(n)) {
             let a = moved(a, remaps);
             by_memory.entry(a.memory).or_default().push((*n, a));
         }

@@ -208,6 +208,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
         sites: &[super::patch::Site],
         changes: &[super::patch::SiteChange],
     ) -> Result<()>;
+    /// Turns the nodes of the listed sites off or on in the executable, for later launches.
+    fn set_enabled(&self, exec: &Self::Exec, sites: &[usize], enabled: bool) -> Result<()>;
     fn upload(&self, exec: &Self::Exec, stream: &Self::Stream) -> Result<()>;
     fn launch(&self, exec: &Self::Exec, stream: &Self::Stream) -> Result<()>;
 }

@@ -181,6 +181,8 @@ struct Rebound {
     blocks: Vec<Arc<Block>>,
     /// Whether a failed rebind left some nodes moved and others not.
     broken: bool,
+    /// The sites whose nodes are turned off ([`GraphExec::set_enabled`]), in order.
+    disabled: Vec<usize>,
 }
 
 /// An executable graph (CUDA's `CUgraphExec`): launch it on any stream of its device. Launches
@@ -339,10 +341,78 @@ impl GraphExec {
                 .collect::<Vec<_>>();
             (o, remaps)
         });
-        *st = Rebound { bound: if blocks.is_empty() { Vec::new() } else { next }, blocks, broken: false };
+        let disabled = std::mem::take(&mut st.disabled);
+        *st = Rebound { bound: if blocks.is_empty() { Vec::new() } else { next }, blocks, broken: false, disabled };
         drop(st);
         if let Some((o, remaps)) = observed {
             o.rebind(self.id, self.exec, &remaps)?;
+        }
+        Ok(changed.len())
+    }
+
+    /// Turns off (`enabled == false`) or on again every node that names `buffer` (any of its
+    /// bytes), for later launches: a node turned off does nothing, and what waited on it still
+    /// waits on what it waited on (CUDA's `cuGraphNodeSetEnabled`, which keeps a disabled node's
+    /// edges; HIP's drops them). Only kernels, copies and memsets can be turned off. The checker
+    /// sees the launches without what the nodes turned off read and write. Returns how many nodes
+    /// changed.
+    ///
+    /// ```
+    /// use graphed::device::{CaptureMode, Device};
+    /// use graphed::ops::elementwise;
+    ///
+    /// let dev = Device::sim();
+    /// let s = dev.stream()?;
+    /// let (x, y) = (dev.alloc_from(&s, &[1.0f32, 2.0])?, dev.alloc_from(&s, &[0.0f32; 2])?);
+    /// let cap = s.capture(CaptureMode::ThreadLocal)?;
+    /// elementwise::add_scalar(x.view(), 1.0, &s)?;
+    /// elementwise::scale(y.view(), x.view(), 10.0, &s)?;
+    /// let exec = cap.finish()?.instantiate()?;
+    /// assert_eq!(exec.set_enabled(y.id(), false)?, 1); // the scale is off
+    /// exec.launch(&s)?;
+    /// assert_eq!((x.to_vec(&s)?, y.to_vec(&s)?), (vec![2.0, 3.0], vec![0.0, 0.0]));
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Rebind`] when no node names `buffer` or a library call or collective does (its
+    /// nodes are the library's); [`Error::GraphReset`] after [`reset`](GraphExec::reset). A
+    /// refused call changes nothing.
+    pub fn set_enabled(&self, buffer: super::BufferId, enabled: bool) -> Result<usize> {
+        const OP: &str = "GraphExec::set_enabled";
+        self.dev.check_err()?;
+        let repr = self.repr(OP)?;
+        let named =
+            patch::naming(&self.sites, &self.index, buffer).map_err(|kind| Error::Rebind { graph: self.id, kind })?;
+        let mut st = self.rebound();
+        if st.broken {
+            return Err(Error::Rebind { graph: self.id, kind: patch::RebindErrorKind::Broken });
+        }
+        let changed: Vec<usize> =
+            named.into_iter().filter(|s| st.disabled.binary_search(s).is_ok() == enabled).collect();
+        if changed.is_empty() {
+            return Ok(0);
+        }
+        let applied = dispatch!(self.dev.backend(), |b, pick| b.set_enabled(pick!(repr), &changed, enabled));
+        if let Err(e) = applied {
+            // Some nodes may have changed: put them back, or refuse every later launch.
+            let undone = dispatch!(self.dev.backend(), |b, pick| b.set_enabled(pick!(repr), &changed, !enabled));
+            st.broken |= undone.is_err();
+            return Err(e);
+        }
+        for s in &changed {
+            match (st.disabled.binary_search(s), enabled) {
+                (Ok(i), true) => {
+                    st.disabled.remove(i);
+                }
+                (Err(i), false) => st.disabled.insert(i, *s),
+                _ => {}
+            }
+        }
+        let disabled = st.disabled.clone();
+        drop(st);
+        if let Some(o) = self.dev.observer() {
+            o.set_enabled(self.id, self.exec, self.sites.len(), &disabled)?;
         }
         Ok(changed.len())
     }

@@ -43,6 +43,9 @@ pub(crate) trait Observer: Send + Sync {
     /// Executable `exec` of `graph` now reads through `remaps` (all of its rebound ranges; none
     /// puts it back as captured).
     fn rebind(&self, graph: GraphId, exec: u64, remaps: &[super::patch::Remap]) -> Result<()>;
+    /// Executable `exec` of `graph` (of `sites` captured operations) now runs without the nodes
+    /// of the sites in `disabled` (all of them; none puts it back as captured).
+    fn set_enabled(&self, graph: GraphId, exec: u64, sites: usize, disabled: &[usize]) -> Result<()>;
     fn host_sync(&self, what: HostSync);
     /// The host reads or writes memory now, after the work queued on `after` (blocking copies)
     /// or with no ordering (pinned host memory).

@@ -105,7 +105,7 @@ pub enum RebindErrorKind {
         buffer: BufferId,
     },
     /// A node names them through a library call whose arguments graphed does not know.
-    #[error("`{op}` reads buffer {buffer} through arguments graphed does not know (a library call)")]
+    #[error("`{op}` names buffer {buffer} through arguments graphed does not know (a library call)")]
     Opaque {
         /// The operation.
         op: &'static str,
@@ -140,6 +140,14 @@ pub enum RebindErrorKind {
     /// read partly where they were and partly where they were moved, so it is not launched.
     #[error("a rebind failed midway and could not be undone")]
     Broken,
+    /// No captured node names the buffer at all (what [`GraphExec::set_enabled`] turns off).
+    ///
+    /// [`GraphExec::set_enabled`]: super::GraphExec::set_enabled
+    #[error("no captured node names buffer {buffer}")]
+    NotNamed {
+        /// The buffer.
+        buffer: BufferId,
+    },
 }
 
 impl RebindErrorKind {
@@ -147,6 +155,7 @@ impl RebindErrorKind {
     pub fn fix(&self) -> &'static str {
         match self {
             RebindErrorKind::Broken => "capture the graph again",
+            RebindErrorKind::NotNamed { .. } => "name a buffer that the graph's operations use",
             _ => "copy the data into the captured buffer instead (a replay without rebinding)",
         }
     }
@@ -329,6 +338,27 @@ pub(crate) fn plan(
         }
     }
     Ok(moved)
+}
+
+/// The sites that name `buffer`, in capture order, for [`GraphExec::set_enabled`]; refused
+/// where one is a library call or collective (graphed does not hold its nodes: a call may add
+/// several) or where none names it. `index` is [`UseIndex::of`] `sites`.
+///
+/// [`GraphExec::set_enabled`]: super::GraphExec::set_enabled
+pub(crate) fn naming(
+    sites: &[Site],
+    index: &UseIndex,
+    buffer: BufferId,
+) -> std::result::Result<Vec<usize>, RebindErrorKind> {
+    let mut named: Vec<usize> = index.by_block.get(&buffer).into_iter().flatten().map(|&(s, _)| s).collect();
+    named.dedup();
+    if named.is_empty() {
+        return Err(RebindErrorKind::NotNamed { buffer });
+    }
+    if let Some(&s) = named.iter().find(|&&s| sites[s].uses.iter().any(|u| u.slot == Slot::Opaque)) {
+        return Err(RebindErrorKind::Opaque { op: sites[s].op, buffer });
+    }
+    Ok(named)
 }
 
 /// A moved range, as the checker sees it: reads of bytes `start..end` of block `from` are reads

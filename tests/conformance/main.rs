@@ -5,6 +5,7 @@
 mod common;
 
 mod capture;
+mod disabled;
 mod events;
 mod expandable;
 mod gemm;

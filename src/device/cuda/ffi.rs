@@ -662,6 +662,17 @@ impl OwnedExec {
         unsafe { sys::cuGraphExecMemcpyNodeSetParams(self.raw, node.0, &p, self.ctx.cu_ctx()) }.result()
     }
 
+    /// `cuGraphNodeSetEnabled`: node `node` runs (or does nothing, its edges kept) at later
+    /// launches.
+    ///
+    /// # Safety
+    /// `node` is a kernel, memcpy or memset node of the graph this executable was instantiated
+    /// from, and that graph is alive.
+    pub(super) unsafe fn set_enabled(&self, node: RawNode, enabled: bool) -> Result<(), DriverError> {
+        // SAFETY: the caller's guarantees.
+        unsafe { sys::cuGraphNodeSetEnabled(self.raw, node.0, u32::from(enabled)) }.result()
+    }
+
     /// `cuGraphUpload` on any stream of the device.
     pub(super) fn upload(&self, stream: &CudaStream) -> Result<(), DriverError> {
         // SAFETY: the executable and the stream are alive while borrowed.

@@ -27,6 +27,8 @@ pub(super) enum Template {
     Kernel { func: Function, dims: LaunchDims, values: Vec<u64> },
     /// A device-to-host or device-to-device copy.
     Copy,
+    /// A copy from pinned memory or a memset: turned off and on, never rebound.
+    Fixed,
 }
 
 /// A captured graph and everything its nodes use.
@@ -206,7 +208,27 @@ impl CuExec {
                     // graph, kept alive by `self.graph`; `src` addresses a held block's bytes.
                     unsafe { exec.set_memcpy_src(patch.node, src) }.map_err(|e| err::driver(OP, None, e))?;
                 }
+                Template::Fixed => return Err(bug("a rebind of a node whose uses are writes or host memory")),
             }
+        }
+        Ok(())
+    }
+
+    /// Turns the listed sites' nodes off or on (`cuGraphNodeSetEnabled`). The device's context
+    /// must be bound.
+    pub(super) fn set_enabled(&self, sites: &[usize], enabled: bool) -> Result<()> {
+        const OP: &str = "GraphExec::set_enabled";
+        let _graph = lock(&self.graph);
+        let exec = lock(&self.exec);
+        for site in sites {
+            let Some(Some(patch)) = self.held.nodes.get(*site) else {
+                return Err(Error::Cuda {
+                    op: OP,
+                    message: "a site with no node held; please report this as a bug".into(),
+                });
+            };
+            // SAFETY: the node is a node of this executable's graph, kept alive by `self.graph`.
+            unsafe { exec.set_enabled(patch.node, enabled) }.map_err(|e| err::driver(OP, None, e))?;
         }
         Ok(())
     }

@@ -75,8 +75,10 @@ impl CudaDevice {
                 graph::Template::Kernel { func, dims, values }
             }
             Op::Copy { dir: CopyDir::DeviceToHost | CopyDir::DeviceToDevice, .. } => graph::Template::Copy,
-            // A copy from pinned memory, which no rebind moves (its destination is a write), a
-            // memset (a write), library calls and collectives (their sites are opaque).
+            // A copy from pinned memory, which no rebind moves (its destination is a write), and
+            // a memset (a write): held to be turned off and on.
+            Op::Copy { .. } | Op::Memset { .. } => graph::Template::Fixed,
+            // Library calls and collectives: their sites are opaque.
             _ => return Ok(capture::Patchable::Never),
         };
         let frontier =
@@ -382,6 +384,11 @@ impl Backend for CudaDevice {
     ) -> Result<()> {
         self.bind("GraphExec::rebind")?;
         exec.rebind(sites, changes)
+    }
+
+    fn set_enabled(&self, exec: &CuExec, sites: &[usize], enabled: bool) -> Result<()> {
+        self.bind("GraphExec::set_enabled")?;
+        exec.set_enabled(sites, enabled)
     }
 
     fn upload(&self, exec: &CuExec, stream: &CuStream) -> Result<()> {

@@ -52,7 +52,7 @@ impl State {
     ) -> usize {
         let deps = std::mem::take(&mut self.stream(stream).frontier);
         let nodes = &mut self.captures.get_mut(&cap).expect("active capture exists").nodes;
-        nodes.push(SimNode { kind, name, deps, task });
+        nodes.push(SimNode { kind, name, deps, task, disabled: false });
         let id = nodes.len() - 1;
         self.stream(stream).frontier = vec![id];
         id

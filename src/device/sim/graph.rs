@@ -27,6 +27,8 @@ pub(crate) struct SimNode {
     /// Earlier nodes this one depends on (nodes are in capture order, so topological).
     pub(super) deps: Vec<usize>,
     pub(super) task: NodeTask,
+    /// Turned off by `GraphExec::set_enabled`: a launch runs it as nothing, its edges kept.
+    pub(super) disabled: bool,
 }
 
 /// A captured graph: shared by the graph handle and its executables.
@@ -117,6 +119,16 @@ impl SimExec {
         *nodes = Arc::new(next);
         Ok(())
     }
+
+    /// Turns the listed sites' nodes off or on for later launches.
+    pub(super) fn set_enabled(&self, sites: &[usize], enabled: bool) {
+        let mut nodes = self.nodes.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut next: Vec<SimNode> = (**nodes).clone();
+        for s in sites {
+            next[self.site_nodes[*s]].disabled = !enabled;
+        }
+        *nodes = Arc::new(next);
+    }
 }
 
 impl State {
@@ -143,6 +155,7 @@ impl State {
                 deps.extend(before);
             }
             let id = match &node.task {
+                NodeTask::Run(_) if node.disabled => self.queue.push(deps, Action::Nop),
                 NodeTask::Run(task) => self.push_task(deps, task)?,
                 NodeTask::Record(e) => {
                     let id = self.queue.push(deps, Action::Nop);

@@ -485,6 +485,11 @@ impl Backend for SimDevice {
         exec.rebind(sites, changes)
     }
 
+    fn set_enabled(&self, exec: &SimExec, sites: &[usize], enabled: bool) -> Result<()> {
+        exec.set_enabled(sites, enabled);
+        Ok(())
+    }
+
     fn upload(&self, _exec: &SimExec, stream: &SimStream) -> Result<()> {
         self.lock().active_capture_of("GraphExec::upload", stream.id).map(|_| ())
     }
