@@ -98,6 +98,14 @@ pub fn run(args: &RebindBenchArgs) -> anyhow::Result<()> {
         calls.join(", "),
         scaling.us_per_added_node
     );
+    let toggles: Vec<String> = (scaling.nodes.iter().zip(&scaling.set_enabled_call_us))
+        .map(|(n, us)| format!("{n} nodes {us:.2} µs"))
+        .collect();
+    println!(
+        "GraphExec::set_enabled of the same nodes, per call: {}; {:.3} µs per added node",
+        toggles.join(", "),
+        scaling.set_enabled_us_per_added_node
+    );
     rows.push(Row::Scaling(scaling));
     write_json(&args.json, &Report::new("rebind", &dev, args.reps, rows))
 }
@@ -112,7 +120,9 @@ enum Row {
 
 /// The host cost of [`GraphExec::rebind`](graphed::device::GraphExec::rebind) as a graph has
 /// more nodes to patch: a layer's input has a few readers, whose per-node figure carries the
-/// call's fixed cost; the slope over graphs of many readers is the cost of one more node.
+/// call's fixed cost; the slope over graphs of many readers is the cost of one more node. The
+/// same for [`GraphExec::set_enabled`](graphed::device::GraphExec::set_enabled) turning those
+/// nodes off and on.
 #[derive(Serialize, Debug)]
 struct ScalingRow {
     /// Kernels reading the rebound buffer, per graph.
@@ -121,28 +131,58 @@ struct ScalingRow {
     call_us: Vec<f64>,
     /// The slope between the two largest graphs.
     us_per_added_node: f64,
+    /// Host µs of one `set_enabled` call (median), per graph.
+    set_enabled_call_us: Vec<f64>,
+    /// Its slope between the two largest graphs.
+    set_enabled_us_per_added_node: f64,
 }
 
 /// Graphs of 1, 16 and 128 kernels that each read one buffer (and write their own), each
-/// instantiated and the buffer rebound to two others in turn, nothing launched: the median host
-/// µs of a call, `reps` calls per graph.
+/// instantiated and the buffer rebound to two others in turn, then the kernels turned off and on
+/// in turn, nothing launched: the median host µs of a call, `reps` calls of each per graph.
 fn rebind_scaling(dev: &Device, s: &Stream, reps: u32) -> anyhow::Result<ScalingRow> {
     const NODES: [usize; 3] = [1, 16, 128];
     let alloc = CachingAllocator::new(dev);
     let buffer = || Tensor::zeros(&alloc, s, &[4096], DType::F32);
     let (x, a, b) = (buffer()?, buffer()?, buffer()?);
-    let mut call_us = Vec::new();
+    let (mut call_us, mut set_enabled_call_us) = (Vec::new(), Vec::new());
     for n in NODES {
         let outs = (0..n).map(|_| buffer()).collect::<graphed::Result<Vec<_>>>()?;
         let g = make_graphed_fn(&alloc, |st| {
             outs.iter().try_for_each(|y| elementwise::scale(y.view::<f32>()?, x.view()?, 2.0, st))
         })?;
-        let (us, moved) = time_rebinds(&g.graph().instantiate()?, &x, (&a, &b), reps)?;
+        let exec = g.graph().instantiate()?;
+        let (us, moved) = time_rebinds(&exec, &x, (&a, &b), reps)?;
         anyhow::ensure!(moved == n, "the rebind moved {moved} of {n} nodes");
         call_us.push(us);
+        let (us, toggled) = time_toggles(&exec, &x, reps)?;
+        anyhow::ensure!(toggled == n, "set_enabled changed {toggled} of {n} nodes");
+        set_enabled_call_us.push(us);
     }
-    let us_per_added_node = (call_us[2] - call_us[1]) / (NODES[2] - NODES[1]) as f64;
-    Ok(ScalingRow { nodes: NODES.to_vec(), call_us, us_per_added_node })
+    let slope = |us: &[f64]| (us[2] - us[1]) / (NODES[2] - NODES[1]) as f64;
+    Ok(ScalingRow {
+        nodes: NODES.to_vec(),
+        us_per_added_node: slope(&call_us),
+        call_us,
+        set_enabled_us_per_added_node: slope(&set_enabled_call_us),
+        set_enabled_call_us,
+    })
+}
+
+/// The median host µs of `exec.set_enabled` turning the nodes that name `x` off and on in turn
+/// (`reps` calls after three untimed ones, ending on), nothing launched; and the nodes a call
+/// changed.
+fn time_toggles(exec: &GraphExec, x: &Tensor, reps: u32) -> anyhow::Result<(f64, usize)> {
+    let (mut us, mut nodes) = (Vec::new(), 0);
+    for rep in 0..(reps + 4) & !1 {
+        let issued = Instant::now();
+        nodes = exec.set_enabled(x.id(), rep % 2 == 1)?;
+        let elapsed = issued.elapsed().as_secs_f64() * 1e6;
+        if rep >= 3 {
+            us.push(elapsed);
+        }
+    }
+    Ok((median(us), nodes))
 }
 
 /// How a timed forward is fed.
