@@ -51,6 +51,8 @@ pub struct Rebind<'a> {
     /// Bytes from the start of `to`.
     pub(crate) to_start: usize,
     pub(crate) bytes: usize,
+    /// Whether writes move too ([`Rebind::moving_writes`]).
+    pub(crate) writes: bool,
 }
 
 impl<'a> Rebind<'a> {
@@ -85,7 +87,17 @@ impl<'a> Rebind<'a> {
             to: to.block,
             to_start: to.region.offset() * size,
             bytes: from.len() * size,
+            writes: false,
         })
+    }
+
+    /// Moves the captured writes of `from` too (a kernel's output parameter, a device-to-device
+    /// copy's destination): the launches then write `to`, which the caller gives for that. A
+    /// memset's destination still refuses to move.
+    #[must_use]
+    pub fn moving_writes(mut self) -> Rebind<'a> {
+        self.writes = true;
+        self
     }
 
     /// The buffer whose reads it moves.
@@ -112,7 +124,8 @@ pub enum RebindErrorKind {
         /// The buffer.
         buffer: BufferId,
     },
-    /// A node writes them: moving the write would write the caller's buffer.
+    /// A node writes them: moving the write would write the caller's buffer (allowed with
+    /// [`Rebind::moving_writes`], except a memset's).
     #[error("`{op}` writes buffer {buffer}")]
     Written {
         /// The operation.
@@ -324,7 +337,7 @@ pub(crate) fn plan(
             if x.slot == Slot::Opaque {
                 return Err(RebindErrorKind::Opaque { op, buffer });
             }
-            if x.writes {
+            if x.writes && (!r.writes || x.slot == Slot::Memset) {
                 return Err(RebindErrorKind::Written { op, buffer });
             }
             if x.start < from || to < x.end {
@@ -361,8 +374,8 @@ pub(crate) fn naming(
     Ok(named)
 }
 
-/// A moved range, as the checker sees it: reads of bytes `start..end` of block `from` are reads
-/// of block `to` (of allocation `to_memory`, at `to_base` in it) from byte `to_start` on.
+/// A moved range, as the checker sees it: accesses of bytes `start..end` of block `from` are
+/// accesses of block `to` (of allocation `to_memory`, at `to_base` in it) from byte `to_start` on.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Remap {
     pub(crate) from: BufferId,

@@ -129,6 +129,98 @@ fn refused_rebinds_change_nothing(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// With `moving_writes`, a kernel's output and a device copy's destination move too: the
+/// launches write the new buffers and leave the captured ones alone. Without it they are refused
+/// (`Written`), and a memset's destination is refused either way.
+fn writes_move_when_asked(dev: &Device) -> anyhow::Result<()> {
+    const N: usize = 256;
+    let s = dev.stream()?;
+    let x = dev.alloc_from(&s, &values(N, 1.0))?;
+    let (y, z, m) = (dev.alloc_from(&s, &[0.0f32; N])?, dev.alloc_from(&s, &[0.0f32; N])?, dev.alloc::<f32>(N)?);
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    elementwise::scale(y.view(), x.view(), 2.0, &s)?;
+    s.copy_d2d(x.view(), z.view())?;
+    s.memset(m.view(), 0)?;
+    let exec = cap.finish()?.instantiate()?;
+    let (y2, z2, m2) = (dev.alloc_from(&s, &[-1.0f32; N])?, dev.alloc_from(&s, &[-1.0f32; N])?, dev.alloc::<f32>(N)?);
+    let kind = refusal(exec.rebind(&[Rebind::new(y.view(), y2.view())?]).unwrap_err())?;
+    ensure!(matches!(kind, RebindErrorKind::Written { .. }), "a write without moving_writes: {kind}");
+    let kind = refusal(exec.rebind(&[Rebind::new(m.view(), m2.view())?.moving_writes()]).unwrap_err())?;
+    ensure!(matches!(kind, RebindErrorKind::Written { .. }), "a memset's destination: {kind}");
+    let moves = [Rebind::new(y.view(), y2.view())?.moving_writes(), Rebind::new(z.view(), z2.view())?.moving_writes()];
+    ensure!(exec.rebind(&moves)? == 2, "the scale and the copy");
+    exec.launch(&s)?;
+    let expected: Vec<f32> = values(N, 1.0).iter().map(|v| 2.0 * v).collect();
+    ensure!(y2.to_vec(&s)? == expected && z2.to_vec(&s)? == values(N, 1.0), "the new buffers are written");
+    ensure!(y.to_vec(&s)? == vec![0.0; N] && z.to_vec(&s)? == vec![0.0; N], "the captured ones are not");
+    Ok(())
+}
+
+/// The pattern a switch of offloading without a new capture uses: a forward graph copies `x` out
+/// to pinned memory and, beside it, into a stand-in buffer; a backward graph copies back from
+/// the host or from the stand-in into `r`, which it reads. The stand-in's copies start off. After
+/// the forward, `x` is overwritten (its memory reused). Switched to a resident buffer (the
+/// stand-in's copies rebound to it and turned on, the host's turned off) the backward reads the
+/// same values without touching the host's memory; switched back, the host's again.
+fn host_copies_switch_to_a_resident_buffer_and_back(dev: &Device) -> anyhow::Result<()> {
+    const N: usize = 4096;
+    let (s, d2h, h2d) = (dev.stream()?, dev.stream()?, dev.stream()?);
+    let x = dev.alloc_from(&s, &values(N, 3.0))?;
+    let (stand_in, r, out) = (dev.alloc::<f32>(N)?, dev.alloc::<f32>(N)?, dev.alloc::<f32>(N)?);
+    let host = dev.alloc_pinned::<f32>(N)?;
+    let forward = {
+        let cap = s.capture(CaptureMode::ThreadLocal)?;
+        d2h.wait_stream(&s)?;
+        d2h.copy_d2h(x.view(), host.view())?;
+        d2h.copy_d2d(x.view(), stand_in.view())?;
+        s.wait_stream(&d2h)?;
+        cap.finish()?.instantiate()?
+    };
+    let backward = {
+        let cap = s.capture(CaptureMode::ThreadLocal)?;
+        h2d.wait_stream(&s)?;
+        h2d.copy_h2d(host.view(), r.view())?;
+        h2d.copy_d2d(stand_in.view(), r.view())?;
+        s.wait_stream(&h2d)?;
+        elementwise::scale(out.view(), r.view(), 2.0, &s)?;
+        cap.finish()?.instantiate()?
+    };
+    for exec in [&forward, &backward] {
+        ensure!(exec.set_enabled(stand_in.id(), false)? == 1, "one stand-in copy per graph");
+    }
+    let expected: Vec<f32> = values(N, 3.0).iter().map(|v| 2.0 * v).collect();
+    let step = |x_now: f32| -> anyhow::Result<Vec<f32>> {
+        x.write_from(&s, &values(N, x_now))?;
+        forward.launch(&s)?;
+        elementwise::fill(x.view(), -7.0, &s)?;
+        backward.launch(&s)?;
+        Ok(out.to_vec(&s)?)
+    };
+    ensure!(step(3.0)? == expected, "through the host");
+
+    let resident = dev.alloc::<f32>(N)?;
+    for exec in [&forward, &backward] {
+        exec.rebind(&[Rebind::new(stand_in.view(), resident.view())?.moving_writes()])?;
+        exec.set_enabled(stand_in.id(), true)?;
+        exec.set_enabled(host.id(), false)?;
+    }
+    s.synchronize()?;
+    host.write(&[11.0; N])?;
+    ensure!(step(3.0)? == expected, "through the resident buffer");
+    ensure!(host.read()? == vec![11.0; N], "the host's memory untouched");
+
+    for exec in [&forward, &backward] {
+        exec.set_enabled(host.id(), true)?;
+        exec.set_enabled(stand_in.id(), false)?;
+        exec.rebind(&[Rebind::new(stand_in.view(), stand_in.view())?.moving_writes()])?;
+    }
+    drop(resident);
+    ensure!(step(3.0)? == expected, "through the host again");
+    s.synchronize()?;
+    ensure!(host.read()? == values(N, 3.0), "the host's memory holds x");
+    Ok(())
+}
+
 /// A small random number generator for the cases below (the same cases on every device).
 struct Draws(u64);
 
@@ -214,4 +306,6 @@ crate::per_device!(
     a_view_moves_with_its_offset_and_is_held,
     queued_launches_keep_their_buffers,
     refused_rebinds_change_nothing,
+    writes_move_when_asked,
+    host_copies_switch_to_a_resident_buffer_and_back,
 );

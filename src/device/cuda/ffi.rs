@@ -644,20 +644,33 @@ impl OwnedExec {
     }
 
     /// Points memcpy node `node` of the executable's graph at device address `src` as its source
-    /// for later launches (`cuGraphMemcpyNodeGetParams`, then `cuGraphExecMemcpyNodeSetParams`
-    /// with only the source address changed, so the memory types the driver recorded stay).
+    /// and `dst` as its destination (each where given) for later launches
+    /// (`cuGraphMemcpyNodeGetParams`, then `cuGraphExecMemcpyNodeSetParams` with only those
+    /// addresses changed, so the memory types the driver recorded stay: it refuses a change of
+    /// type, such as a host destination made a device one).
     ///
     /// # Safety
     /// `node` is a memcpy node of the graph this executable was instantiated from, whose source
-    /// is device memory, that graph is alive, and `src` addresses as many bytes of live device
-    /// memory as the node copies, alive while a launch can read them.
-    pub(super) unsafe fn set_memcpy_src(&self, node: RawNode, src: sys::CUdeviceptr) -> Result<(), DriverError> {
+    /// (and destination, where `dst` is given) is device memory, that graph is alive, and `src`
+    /// and `dst` address as many bytes of live device memory as the node copies, alive while a
+    /// launch can use them.
+    pub(super) unsafe fn set_memcpy(
+        &self,
+        node: RawNode,
+        src: Option<sys::CUdeviceptr>,
+        dst: Option<sys::CUdeviceptr>,
+    ) -> Result<(), DriverError> {
         let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
         // SAFETY: the node is a memcpy node of a live graph; the driver fills the struct.
         unsafe { sys::cuGraphMemcpyNodeGetParams(node.0, p.as_mut_ptr()) }.result()?;
         // SAFETY: filled by the driver above (and all-zero is a valid value of the plain struct).
         let mut p = unsafe { p.assume_init() };
-        p.srcDevice = src;
+        if let Some(src) = src {
+            p.srcDevice = src;
+        }
+        if let Some(dst) = dst {
+            p.dstDevice = dst;
+        }
         // SAFETY: the caller's guarantees; the context is the executable's own.
         unsafe { sys::cuGraphExecMemcpyNodeSetParams(self.raw, node.0, &p, self.ctx.cu_ctx()) }.result()
     }

@@ -12,7 +12,7 @@ use super::error as err;
 use super::ffi::{Function, Node, OwnedExec, OwnedGraph, RawNode};
 use super::launch::Kernels;
 use crate::device::patch::{Site, SiteChange, Slot};
-use crate::device::{LaunchDims, NodeInfo, NodeKind};
+use crate::device::{LaunchDims, MemKind, NodeInfo, NodeKind};
 use crate::{Error, Result};
 
 /// Where graphed can patch a captured node, and what it was launched with.
@@ -196,17 +196,24 @@ impl CuExec {
                 }
                 Template::Copy => {
                     let uses = &sites[*site].uses;
-                    let u = uses
-                        .iter()
-                        .position(|u| u.slot == Slot::CopySrc)
-                        .ok_or_else(|| bug("a copy with no source"))?;
-                    let src = match bound.get(u).and_then(Option::as_ref) {
-                        Some(b) => address(&b.block, b.start)?,
-                        None => address(&uses[u].block, uses[u].start)?,
+                    // Where a side points now, if it was ever moved (a device-to-host copy's
+                    // destination never is: only device views are rebound).
+                    let side = |slot: Slot| -> Result<Option<u64>> {
+                        let u =
+                            uses.iter().position(|u| u.slot == slot).ok_or_else(|| bug("a copy with no such side"))?;
+                        Ok(match bound.get(u).and_then(Option::as_ref) {
+                            Some(b) => Some(address(&b.block, b.start)?),
+                            None if bound.is_empty() => None,
+                            None => (uses[u].block.raw.kind == MemKind::Device)
+                                .then(|| address(&uses[u].block, uses[u].start))
+                                .transpose()?,
+                        })
                     };
+                    let (src, dst) = (side(Slot::CopySrc)?, side(Slot::CopyDst)?);
                     // SAFETY: the node is a device-source memcpy node of this executable's
-                    // graph, kept alive by `self.graph`; `src` addresses a held block's bytes.
-                    unsafe { exec.set_memcpy_src(patch.node, src) }.map_err(|e| err::driver(OP, None, e))?;
+                    // graph, kept alive by `self.graph`; `src` and `dst` address held device
+                    // blocks' bytes, `dst` only where the copy's destination is device memory.
+                    unsafe { exec.set_memcpy(patch.node, src, dst) }.map_err(|e| err::driver(OP, None, e))?;
                 }
                 Template::Fixed => return Err(bug("a rebind of a node whose uses are writes or host memory")),
             }

@@ -231,7 +231,7 @@ impl Task {
     }
 
     /// The same operation with the uses in `bound` pointed elsewhere: a kernel parameter or a
-    /// copy's source (what [`patch::plan`](crate::device::patch::plan) moves).
+    /// copy's source or destination (what [`patch::plan`](crate::device::patch::plan) moves).
     pub(crate) fn rebound(&self, bound: &[(Slot, &Bound)]) -> Result<Task> {
         let bug = |why| Error::Unsupported { op: "GraphExec::rebind", backend: "sim", why };
         match self {
@@ -253,13 +253,15 @@ impl Task {
             }
             Task::Copy { name, src, src_offset, dst, dst_offset, bytes } => {
                 let (mut src, mut src_offset) = (src.clone(), *src_offset);
+                let (mut dst, mut dst_offset) = (dst.clone(), *dst_offset);
                 for (slot, b) in bound {
-                    if *slot != Slot::CopySrc {
-                        return Err(bug("a copy use that is not its source"));
+                    match slot {
+                        Slot::CopySrc => (src, src_offset) = (b.block.clone(), b.block.base + b.start),
+                        Slot::CopyDst => (dst, dst_offset) = (b.block.clone(), b.block.base + b.start),
+                        _ => return Err(bug("a copy use that is neither its source nor its destination")),
                     }
-                    (src, src_offset) = (b.block.clone(), b.block.base + b.start);
                 }
-                Ok(Task::Copy { name, src, src_offset, dst: dst.clone(), dst_offset: *dst_offset, bytes: *bytes })
+                Ok(Task::Copy { name, src, src_offset, dst, dst_offset, bytes: *bytes })
             }
             Task::Memset { .. } | Task::Collective(_) => Err(bug("a memset or collective rebound")),
         }
