@@ -725,6 +725,7 @@ def memory_probe(name: str, search: str, size: int, variant: str, dt: torch.dtyp
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    getattr(torch.cuda, "reset_peak_host_memory_stats", lambda: None)()
     layers = list(Stack(d, n, True).cuda().to(dt).children())
     if variant == "torch-sdpa-checkpoint":
         from torch.utils.checkpoint import checkpoint
@@ -763,7 +764,11 @@ def memory_probe(name: str, search: str, size: int, variant: str, dt: torch.dtyp
         if i >= warmup:
             wall.append((time.perf_counter() - issued) * 1e3)
     peak = torch.cuda.max_memory_reserved()
-    host_bytes = max(host_start - host_available_bytes(), 0)
+    # The pinned allocator's own peak where PyTorch reports it (its key changed between versions),
+    # else what the host's available memory says.
+    pinned = getattr(torch.cuda, "host_memory_stats", dict)()
+    pinned_peak = max(pinned.get("allocated_bytes.peak", 0), pinned.get("reserved_bytes.peak", 0))
+    host_bytes = max(host_start - host_available_bytes(), pinned_peak, 0)
     gc.collect()
     getattr(torch._C, "_host_emptyCache", lambda: None)()
     return {"size": size, "fits": peak <= budget, "peak_reserved_bytes": peak,
@@ -824,6 +829,10 @@ def largest_fitting(budget: int, limit: int, probe, host_limit: int) -> tuple:
         host = secant(measured, host_limit, "host_bytes") if p["host_bytes"] > 0 else None
         if host is not None and host <= fits:
             return probes, "host memory"
+        if any(q["host_bytes"] > 0 for q in measured) and over is None:
+            # Host memory in use and no size over yet: at most double, since a size the host
+            # cannot hold may be killed by the kernel rather than refused.
+            n = min(n, 2 * fits)
         size = min(n, host if host is not None else n, 1 << 16)
 
 
