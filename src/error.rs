@@ -578,6 +578,10 @@ pub enum CaptureErrorKind {
     /// CUDA_ERROR_INVALID_VALUE, and a capturing stream's wait invalidates its capture).
     #[error("the event was last recorded inside a capture that has ended")]
     RecordOfEndedCapture,
+    /// `Stream::capture_off` on a stream that is not capturing: only captured work can start
+    /// turned off.
+    #[error("work to capture turned off, on a stream that is not capturing")]
+    OffOutsideCapture,
 }
 
 /// Why a kernel profile could not start.
@@ -618,6 +622,7 @@ impl CaptureErrorKind {
             Self::AlreadyCapturing => "end the current capture first",
             Self::RecordOfEndedCapture => "record the event again outside a capture (or in a live one) before waiting on it; to wait for a graph's work, record after its launch or use an external record node",
             Self::ExternalOutsideCapture => "record or wait with Stream::record or Stream::wait outside a capture; inside graphed capture, the sync event is recorded by GraphOptions::sync_event, not by the module",
+            Self::OffOutsideCapture => "call Stream::capture_off inside the capture whose graph should hold the work",
         }
     }
 }

@@ -152,12 +152,16 @@ impl Graph {
         dispatch!(self.dev.backend(), |b, pick| b.graph_dot(pick!(self.repr)))
     }
 
-    /// Instantiates an executable graph.
+    /// Instantiates an executable graph, with the nodes captured inside
+    /// [`Stream::capture_off`](super::Stream::capture_off) turned off.
     pub fn instantiate(&self) -> Result<GraphExec> {
         let repr = dispatch!(self.dev.backend(), |b, pick| b.wrap_exec(b.instantiate(pick!(self.repr))?));
+        let off: Vec<usize> = self.sites.iter().enumerate().filter(|(_, s)| s.off).map(|(i, _)| i).collect();
+        if !off.is_empty() {
+            dispatch!(self.dev.backend(), |b, pick| b.set_enabled(pick!(repr), &off, false))?;
+        }
         let (info, sites, index) = (self.info.clone(), self.sites.clone(), self.index.clone());
-        let rebound = Mutex::new(Rebound::default());
-        Ok(GraphExec {
+        let exec = GraphExec {
             dev: self.dev.clone(),
             id: self.id,
             exec: ids::next_id(),
@@ -165,8 +169,12 @@ impl Graph {
             info,
             sites,
             index,
-            rebound,
-        })
+            rebound: Mutex::new(Rebound { disabled: off.clone(), ..Rebound::default() }),
+        };
+        if let (Some(o), false) = (self.dev.observer(), off.is_empty()) {
+            o.set_enabled(exec.id, exec.exec, exec.sites.len(), &off)?;
+        }
+        Ok(exec)
     }
 }
 

@@ -202,6 +202,22 @@ pub(crate) struct BufferUse {
 pub(crate) struct Site {
     pub(crate) op: &'static str,
     pub(crate) uses: Vec<BufferUse>,
+    /// Captured inside [`Stream::capture_off`](super::Stream::capture_off): every executable
+    /// starts with its node turned off.
+    pub(crate) off: bool,
+}
+
+thread_local! {
+    /// Whether this thread is inside [`Stream::capture_off`](super::Stream::capture_off).
+    static CAPTURING_OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the operations this thread captures marked to start turned off.
+pub(crate) fn capturing_off<T>(f: impl FnOnce() -> T) -> T {
+    let before = CAPTURING_OFF.with(|c| c.replace(true));
+    let out = f();
+    CAPTURING_OFF.with(|c| c.set(before));
+    out
 }
 
 impl Site {
@@ -249,7 +265,7 @@ impl Site {
                 })
                 .collect(),
         };
-        Site { op: name, uses }
+        Site { op: name, uses, off: CAPTURING_OFF.with(std::cell::Cell::get) }
     }
 
     /// The site of a node graphed cannot patch (a call that added other than one node).

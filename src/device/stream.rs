@@ -118,6 +118,23 @@ impl Stream {
         }
     }
 
+    /// Runs `f`, whose operations this thread captures start turned off in every executable of
+    /// the graph ([`GraphExec::set_enabled`](super::GraphExec::set_enabled) turns them on): work
+    /// kept ready in a graph for when it is wanted, such as copies a replay may switch to.
+    ///
+    /// # Errors
+    /// [`Error::Capture`] when this stream is not capturing; `f`'s own.
+    pub fn capture_off<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        if self.capture_id()?.is_none() {
+            return Err(Error::Capture {
+                op: "Stream::capture_off",
+                on: crate::error::CaptureSite::Stream(self.inner.id),
+                kind: crate::CaptureErrorKind::OffOutsideCapture,
+            });
+        }
+        super::patch::capturing_off(f)
+    }
+
     /// Enqueues a kernel. Its declared accesses are derived from `args` (see [`Kernel`]).
     ///
     /// # Errors

@@ -5,7 +5,7 @@
 use anyhow::ensure;
 use graphed::device::{CaptureMode, Device, Gemm, RebindErrorKind};
 use graphed::ops::elementwise;
-use graphed::Error;
+use graphed::{CaptureErrorKind, Error};
 
 /// `x += 1` on the capture stream, then on a second stream a copy of `x` into `y` and `z = 2x`.
 /// With the copy turned off, `z` still sees the increment (the copy's edges are kept: under the
@@ -89,7 +89,36 @@ fn what_cannot_be_turned_off_is_refused(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Work captured inside `capture_off` starts turned off in every executable of the graph, and
+/// runs once turned on; outside a capture the call is refused before `f` runs.
+fn work_captured_off_starts_off(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let (x, y) = (dev.alloc_from(&s, &[2.0f32; 128])?, dev.alloc_from(&s, &[0.0f32; 128])?);
+    let mut ran = false;
+    match s.capture_off(|| {
+        ran = true;
+        Ok(())
+    }) {
+        Err(Error::Capture { kind: CaptureErrorKind::OffOutsideCapture, .. }) => {}
+        other => anyhow::bail!("capture_off outside a capture: {other:?}"),
+    }
+    ensure!(!ran, "refused before anything ran");
+    let cap = s.capture(CaptureMode::ThreadLocal)?;
+    s.capture_off(|| elementwise::scale(y.view(), x.view(), 3.0, &s))?;
+    elementwise::add_scalar(x.view(), 1.0, &s)?;
+    let graph = cap.finish()?;
+    let (first, second) = (graph.instantiate()?, graph.instantiate()?);
+    first.launch(&s)?;
+    ensure!(y.to_vec(&s)? == vec![0.0; 128] && x.to_vec(&s)? == vec![3.0; 128], "the scale starts off");
+    ensure!(second.set_enabled(y.id(), true)? == 1, "each executable starts with it off");
+    second.launch(&s)?;
+    ensure!(y.to_vec(&s)? == vec![9.0; 128], "turned on, it runs");
+    ensure!(second.set_enabled(y.id(), false)? == 1 && first.set_enabled(y.id(), false)? == 0);
+    Ok(())
+}
+
 crate::per_device!(
+    work_captured_off_starts_off,
     a_node_turned_off_does_nothing_and_keeps_its_edges,
     the_checker_sees_launches_without_what_is_off,
     what_cannot_be_turned_off_is_refused,
