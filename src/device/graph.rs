@@ -358,6 +358,11 @@ impl GraphExec {
         Ok(changed.len())
     }
 
+    /// How many captured nodes name `buffer`.
+    pub(crate) fn naming(&self, buffer: super::BufferId) -> usize {
+        self.index.sites_naming(buffer)
+    }
+
     /// Turns off (`enabled == false`) or on again every node that names `buffer` (any of its
     /// bytes), for later launches: a node turned off does nothing, and what waited on it still
     /// waits on what it waited on (CUDA's `cuGraphNodeSetEnabled`, which keeps a disabled node's

@@ -361,6 +361,22 @@ impl<T: Elem> PinnedBuffer<T> {
         self.block.raw.id
     }
 
+    /// The same page-locked memory as a device buffer, at its device address (unified
+    /// addressing): device-to-device copies and kernels read and write it across the bus. It is
+    /// another buffer (its own [`id`](DeviceBuffer::id), so that a graph's nodes naming it are
+    /// told apart from those naming this one) of the same memory (the checker orders their
+    /// accesses as one), and keeps the memory alive.
+    pub fn device_alias(&self) -> DeviceBuffer<T> {
+        let block = Block::new(
+            self.block.raw.clone(),
+            self.block.base,
+            Some(self.block.bytes),
+            BufferId(super::ids::next_id()),
+            None,
+        );
+        DeviceBuffer::from_block(block)
+    }
+
     /// Copies the buffer's contents to a `Vec` on the host, now. Not ordered against queued
     /// copies: synchronize the copy's event or stream first.
     pub fn read(&self) -> crate::Result<Vec<T>> {

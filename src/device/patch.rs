@@ -316,6 +316,12 @@ impl UseIndex {
         self.by_block.contains_key(&block)
     }
 
+    /// How many sites name `block`.
+    pub(crate) fn sites_naming(&self, block: BufferId) -> usize {
+        let uses = self.by_block.get(&block).map_or(&[][..], Vec::as_slice);
+        uses.iter().enumerate().filter(|(i, (s, _))| *i == 0 || uses[i - 1].0 != *s).count()
+    }
+
     /// How many uses the sites have.
     pub(crate) fn uses(&self) -> usize {
         self.first.last().copied().unwrap_or(0)

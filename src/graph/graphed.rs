@@ -192,6 +192,11 @@ impl GraphedCallable {
     }
 
     /// Its graphs and static buffers, unless released.
+    /// Its executables, every pass's (none once its static state is released).
+    pub(crate) fn executables(&self) -> impl Iterator<Item = &PoolExec> {
+        self.state.iter().flat_map(|st| st.graphs.iter().map(|c| &c.exec))
+    }
+
     pub(crate) fn state(&self) -> Result<&StaticState> {
         self.state.as_ref().ok_or_else(|| self.err(GraphedErrorKind::Released))
     }

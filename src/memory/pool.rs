@@ -482,6 +482,27 @@ impl PoolExec {
         self.exec.rebind(rebinds)
     }
 
+    /// Turns the nodes naming `buffer` off or on (see [`GraphExec::set_enabled`]).
+    pub fn set_enabled(&self, buffer: crate::device::BufferId, enabled: bool) -> Result<usize> {
+        self.exec.set_enabled(buffer, enabled)
+    }
+
+    /// How many captured nodes name `buffer`.
+    pub(crate) fn naming(&self, buffer: crate::device::BufferId) -> usize {
+        self.exec.naming(buffer)
+    }
+
+    /// The name its pool knows its graph by, if any.
+    pub(crate) fn name(&self) -> Option<String> {
+        self.pool.graph_name(self.exec.id())
+    }
+
+    /// Whether the pool's next graph in its replay order is its first: its replays are between
+    /// two runs of the order (steps), not inside one.
+    pub(crate) fn between_runs(&self) -> bool {
+        self.pool.alloc.with_pool(self.pool.id, |p| p.cursor == 0).unwrap_or(true)
+    }
+
     /// Destroys the executable (see [`GraphExec::reset`]) and takes its graph out of the pool's
     /// replay order, so that the pool's other graphs replay without it.
     pub fn reset(&mut self) -> Result<()> {

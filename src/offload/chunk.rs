@@ -394,6 +394,7 @@ fn copy_out_captured(
                 .and_then(|b| b.get(g, s))
                 .ok_or_else(|| schedule(chunk, "a baked host buffer".into(), "none".into()))?;
             b.copy_out(&t, &inner.d2h)?;
+            b.capture_alias_out(&t, &inner.d2h)?;
             bytes += b.bytes();
             slot.host = Some(HostRef::Baked);
         }
@@ -444,6 +445,7 @@ fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, captur
                     .and_then(|b| b.get(g, s))
                     .ok_or_else(|| schedule(hook.chunk, "a baked host buffer".into(), "none".into()))?;
                 b.copy_in(&dst, &inner.h2d)?;
+                b.capture_alias_in(&dst, &inner.h2d)?;
                 run.slots[s].back = Some(dst);
             }
             let done = dev.event()?;
@@ -491,12 +493,13 @@ fn range_name(verb: &str, group: &GroupLayout, chunk: Chunk) -> String {
     }
 }
 
-/// Host buffers for every offloaded tensor of `layout`, for one chunk's graphs.
-pub(crate) fn bake(dev: &crate::device::Device, layout: &[GroupLayout]) -> Result<Baked> {
+/// Host buffers for every offloaded tensor of `layout`, for one chunk's graphs (with device
+/// aliases where `switchable`).
+pub(crate) fn bake(dev: &crate::device::Device, layout: &[GroupLayout], switchable: bool) -> Result<Baked> {
     let mut buffers = std::collections::BTreeMap::new();
     for (g, group) in layout.iter().enumerate() {
         for (s, t) in group.tensors.iter().enumerate().filter(|(_, t)| t.offload) {
-            buffers.insert((g, s), HostBuffer::new(dev, t.dtype, t.shape.iter().product())?);
+            buffers.insert((g, s), HostBuffer::new(dev, t.dtype, t.shape.iter().product(), switchable)?);
         }
     }
     Ok(Baked { buffers })

@@ -66,6 +66,7 @@ pub struct OffloadConfig {
     pub(crate) delay_eager_commits: bool,
     pub(crate) slack: f64,
     pub(crate) max_overhead: f64,
+    pub(crate) switchable: bool,
 }
 
 impl Default for OffloadConfig {
@@ -82,6 +83,7 @@ impl Default for OffloadConfig {
             delay_eager_commits: false,
             slack: 1.0,
             max_overhead: 0.01,
+            switchable: false,
         }
     }
 }
@@ -164,6 +166,16 @@ impl OffloadConfig {
     /// half of what they measured (1.3–1.6% expected, 2.1–3.3% measured).
     pub fn max_overhead(mut self, share: f64) -> OffloadConfig {
         self.max_overhead = share;
+        self
+    }
+
+    /// Whether the graphs can keep offloaded tensors on the device later without a new capture
+    /// ([`OffloadManager::keep_resident`](super::OffloadManager::keep_resident); default off).
+    /// Each offloaded tensor's graphs then also hold a device copy of it into its host buffer's
+    /// device address, and one back, both captured turned off: nothing runs or is held for them
+    /// until a switch points them at device memory and turns the host copies off.
+    pub fn switchable(mut self, yes: bool) -> OffloadConfig {
+        self.switchable = yes;
         self
     }
 

@@ -45,6 +45,28 @@ pub enum OffloadErrorKind {
          their hooks from `OffloadManager::graph_options`"
     )]
     NotForGraphs,
+    /// [`keep_resident`](super::OffloadManager::keep_resident) on graphs captured without
+    /// [`OffloadConfig::switchable`](super::OffloadConfig::switchable): they hold no device
+    /// copies to switch to.
+    #[error(
+        "the graphs hold no device copies to keep offloaded tensors resident: capture them with          OffloadConfig::switchable(true), or capture again with another policy"
+    )]
+    NotSwitchable,
+    /// A switch between a forward replay and its backward: the backward would read where the
+    /// forward did not write.
+    #[error("a switch of what stays resident while {graph} is not the next graph of its pool: switch between steps")]
+    SwitchMidStep {
+        /// The graph's name, or its id.
+        graph: String,
+    },
+    /// A switch given only some of the graphs that copy a tensor out and back.
+    #[error(
+        "a switch given {found} of the 2 graph nodes that copy an offloaded tensor out or back: pass every graph          captured with this manager (a stack's layers, a schedule's callables)"
+    )]
+    SwitchGraphs {
+        /// The copy nodes found among the graphs given.
+        found: usize,
+    },
 
     // ---- configuration ------------------------------------------------------------------------
     /// A site selector of [`OffloadConfig::sites`](super::OffloadConfig::sites) that is not

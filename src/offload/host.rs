@@ -7,7 +7,7 @@ use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use crate::device::{with_dtype, BufferId, DType, Device, Event, PinnedBuffer, Stream};
+use crate::device::{with_dtype, BufferId, DType, Device, DeviceBuffer, Event, PinnedBuffer, Rebind, Stream};
 use crate::tensor::Tensor;
 use crate::Result;
 
@@ -15,6 +15,9 @@ use crate::Result;
 pub(crate) struct HostBuffer {
     /// A `PinnedBuffer<T>` with `T::DTYPE == dtype`.
     buf: Arc<dyn Any + Send + Sync>,
+    /// For a switchable graph's buffer, its device alias: a `DeviceBuffer<T>` of the same memory
+    /// (`PinnedBuffer::device_alias`), which the copies a switch turns on name.
+    alias: Option<Arc<dyn Any + Send + Sync>>,
     dtype: DType,
     len: usize,
     memory: BufferId,
@@ -25,12 +28,58 @@ pub(crate) struct HostBuffer {
 }
 
 impl HostBuffer {
-    /// A new buffer of `len` elements of `dtype`.
-    pub(crate) fn new(dev: &Device, dtype: DType, len: usize) -> Result<HostBuffer> {
+    /// A new buffer of `len` elements of `dtype`, with a device alias where `switchable`.
+    pub(crate) fn new(dev: &Device, dtype: DType, len: usize, switchable: bool) -> Result<HostBuffer> {
         with_dtype!(dtype, T => {
             let b = dev.alloc_pinned::<T>(len)?;
             let memory = b.memory_id();
-            Ok(HostBuffer { buf: Arc::new(b), dtype, len, memory, last_out: None, last_in: None })
+            let alias = switchable.then(|| Arc::new(b.device_alias()) as Arc<dyn Any + Send + Sync>);
+            Ok(HostBuffer { buf: Arc::new(b), alias, dtype, len, memory, last_out: None, last_in: None })
+        })
+    }
+
+    /// The buffer's identity: what the host copies' graph nodes name.
+    pub(crate) fn id(&self) -> BufferId {
+        with_dtype!(self.dtype, T => self.pinned::<T>().id())
+    }
+
+    /// Its device alias's identity, where it has one: what the copies a switch turns on name.
+    pub(crate) fn alias_id(&self) -> Option<BufferId> {
+        with_dtype!(self.dtype, T => self.alias::<T>().map(DeviceBuffer::id))
+    }
+
+    fn alias<T: crate::device::Elem>(&self) -> Option<&DeviceBuffer<T>> {
+        self.alias.as_ref().map(|a| a.downcast_ref().expect("the alias's type is its dtype's"))
+    }
+
+    /// Where it has a device alias: captures, turned off, a device copy of `src` into the alias
+    /// beside the copy out, which a switch points at device memory ([`Self::rebind_alias`]).
+    pub(crate) fn capture_alias_out(&self, src: &Tensor, stream: &Stream) -> Result<()> {
+        with_dtype!(self.dtype, T => match self.alias::<T>() {
+            Some(alias) => stream.capture_off(|| stream.copy_d2d(src.view::<T>()?, alias.view())),
+            None => Ok(()),
+        })
+    }
+
+    /// Where it has a device alias: captures, turned off, a device copy of the alias into `dst`
+    /// beside the copy back.
+    pub(crate) fn capture_alias_in(&self, dst: &Tensor, stream: &Stream) -> Result<()> {
+        with_dtype!(self.dtype, T => match self.alias::<T>() {
+            Some(alias) => stream.capture_off(|| stream.copy_d2d(alias.view(), dst.view::<T>()?)),
+            None => Ok(()),
+        })
+    }
+
+    /// Points the nodes naming its alias in `exec` at `to` (writes too), or back at the alias
+    /// (`None`).
+    pub(crate) fn rebind_alias(&self, exec: &crate::memory::PoolExec, to: Option<&Tensor>) -> Result<usize> {
+        with_dtype!(self.dtype, T => {
+            let Some(alias) = self.alias::<T>() else { return Ok(0) };
+            let to = match to {
+                Some(t) => t.view::<T>()?,
+                None => alias.view(),
+            };
+            exec.rebind(&[Rebind::new(alias.view(), to)?.moving_writes()])
         })
     }
 
@@ -79,7 +128,7 @@ impl HostPool {
         if let Some(b) = self.free.get_mut(&(len, dtype)).and_then(VecDeque::pop_front) {
             return Ok(b);
         }
-        let b = HostBuffer::new(dev, dtype, len)?;
+        let b = HostBuffer::new(dev, dtype, len, false)?;
         self.bytes += b.bytes();
         Ok(b)
     }

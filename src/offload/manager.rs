@@ -11,8 +11,8 @@ use super::policy::{decide, mark_eligible, GroupLayout, Summary, TensorLayout, T
 use super::shared::Inner;
 use super::state::{Baked, Fault, Mark, PassTiming, State};
 use crate::device::{DType, Stream};
-use crate::graph::{GraphOptions, PassTimes, Probe, PROBE_REPLAYS};
-use crate::memory::CachingAllocator;
+use crate::graph::{GraphOptions, GraphedCallable, PassTimes, Probe, PROBE_REPLAYS};
+use crate::memory::{CachingAllocator, PoolExec};
 use crate::nn::{Chunk, SaveHook};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -63,6 +63,36 @@ pub struct OffloadManager {
 fn schedule_error(chunk: Chunk, found: &str) -> Error {
     let (expected, found) = ("nothing (the chunk was not in it)".into(), found.into());
     Error::Offload(OffloadErrorKind::Schedule { chunk, expected, found })
+}
+
+/// Points `host`'s device copies in `execs` at `resident` and turns them on, its host copies
+/// off; or (`None`) the reverse, the device copies pointed back at the alias.
+fn switch_nodes(execs: &[&PoolExec], host: &HostBuffer, resident: Option<&Tensor>) -> Result<()> {
+    let alias = host.alias_id().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
+    for exec in execs {
+        if exec.naming(alias) > 0 {
+            if resident.is_some() {
+                host.rebind_alias(exec, resident)?;
+            }
+            exec.set_enabled(alias, resident.is_some())?;
+            if resident.is_none() {
+                host.rebind_alias(exec, None)?;
+            }
+        }
+        if exec.naming(host.id()) > 0 {
+            exec.set_enabled(host.id(), resident.is_none())?;
+        }
+    }
+    Ok(())
+}
+
+/// What [`OffloadManager::keep_resident`] left resident.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resident {
+    /// Offloaded tensors kept on the device.
+    pub tensors: usize,
+    /// Their bytes, allocated for them.
+    pub bytes: usize,
 }
 
 /// Each chunk's timing marks of an eager recording iteration (none where it was not timed).
@@ -131,7 +161,7 @@ impl OffloadManager {
         let slot = match st.frozen {
             true => {
                 let c = st.chunks.get(&chunk).ok_or_else(|| schedule_error(chunk, "a capture"))?;
-                Arc::new(OnceLock::from(bake(self.inner.alloc.device(), &c.layout)?))
+                Arc::new(OnceLock::from(bake(self.inner.alloc.device(), &c.layout, self.inner.config.switchable)?))
             }
             false => {
                 let slot = Arc::new(OnceLock::new());
@@ -139,7 +169,79 @@ impl OffloadManager {
                 slot
             }
         };
+        st.baked.push((chunk, Arc::downgrade(&slot)));
         Ok(Arc::new(ChunkHook { inner: self.inner.clone(), chunk, baked: Some(slot) }))
+    }
+
+    /// Keeps on the device, from the next step of `graphs` on, the offloaded tensors of the
+    /// groups `keep` chooses, and offloads the others again, without a new capture. `graphs` are
+    /// every graphed callable captured with this manager (a stack's
+    /// [`layers`](crate::graph::GraphedStack::layers), a schedule's
+    /// [`callables`](crate::graph::GraphedSchedule::callables)), captured with
+    /// [`OffloadConfig::switchable`]. Between steps only: every pool's next graph is its first.
+    ///
+    /// A tensor kept resident gets device memory of its own (from the allocator, now), and its
+    /// graphs' copies to and from the host are turned off; the device copies captured beside
+    /// them, into and out of that memory, are turned on. Why not only turn the host copies off:
+    /// the memory the tensor had in the graph pool is handed to later allocations of the step,
+    /// and the backward reads the copy back's destination (docs/offload.md). Offloaded again, its
+    /// memory is given back. Returns the tensors and bytes now resident.
+    ///
+    /// # Errors
+    /// [`OffloadErrorKind::NotSwitchable`], [`OffloadErrorKind::SwitchMidStep`] and
+    /// [`OffloadErrorKind::SwitchGraphs`], decided before anything changes; allocation and
+    /// device errors.
+    pub fn keep_resident(
+        &self,
+        graphs: &[GraphedCallable],
+        keep: impl Fn(Chunk, &GroupLayout) -> bool,
+    ) -> Result<Resident> {
+        let execs: Vec<&PoolExec> = graphs.iter().flat_map(GraphedCallable::executables).collect();
+        if let Some(e) = execs.iter().find(|e| !e.between_runs()) {
+            let graph = e.name().unwrap_or_else(|| e.id().to_string());
+            return Err(Error::Offload(OffloadErrorKind::SwitchMidStep { graph }));
+        }
+        let mut st = self.inner.lock();
+        let baked: Vec<(Chunk, Arc<OnceLock<Baked>>)> =
+            st.baked.iter().filter_map(|(c, w)| Some((*c, w.upgrade()?))).collect();
+        // What changes, each checked before anything does: (chunk, group, slot, keep).
+        let mut changes = Vec::new();
+        for (chunk, slot) in &baked {
+            let (Some(b), Some(c)) = (slot.get(), st.chunks.get(chunk)) else { continue };
+            for (&(g, s), host) in &b.buffers {
+                let want = keep(*chunk, &c.layout[g]);
+                if want == st.resident.contains_key(&(*chunk, g, s)) {
+                    continue;
+                }
+                let alias = host.alias_id().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
+                for buffer in [host.id(), alias] {
+                    let found: usize = execs.iter().map(|e| e.naming(buffer)).sum();
+                    if found != 2 {
+                        return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found }));
+                    }
+                }
+                changes.push((*chunk, g, s, want));
+            }
+        }
+        let mut kept = Vec::new();
+        for &(chunk, g, s, _) in changes.iter().filter(|c| c.3) {
+            let t = &st.chunks[&chunk].layout[g].tensors[s];
+            kept.push(((chunk, g, s), Tensor::uninit(&self.inner.alloc, &self.inner.d2h, &t.shape, t.dtype)?));
+        }
+        let host_of = |chunk: Chunk, g: usize, s: usize| {
+            let slot = &baked.iter().find(|(c, _)| *c == chunk).expect("a change's chunk is baked").1;
+            slot.get().and_then(|b| b.get(g, s)).expect("a change's buffer is baked")
+        };
+        for (key, t) in kept {
+            let host = host_of(key.0, key.1, key.2);
+            switch_nodes(&execs, host, Some(&t))?;
+            st.resident.insert(key, t);
+        }
+        for &(chunk, g, s, _) in changes.iter().filter(|c| !c.3) {
+            switch_nodes(&execs, host_of(chunk, g, s), None)?;
+            st.resident.remove(&(chunk, g, s));
+        }
+        Ok(Resident { tensors: st.resident.len(), bytes: st.resident.values().map(Tensor::bytes).sum() })
     }
 
     /// Before a capture's warmup: its first iteration records if the policy is not frozen,
@@ -331,7 +433,7 @@ impl OffloadManager {
         (st.unbaked.iter())
             .map(|(chunk, slot)| {
                 let c = st.chunks.get(chunk).ok_or_else(|| schedule_error(*chunk, "a capture"))?;
-                Ok((slot.clone(), bake(dev, &c.layout)?))
+                Ok((slot.clone(), bake(dev, &c.layout, self.inner.config.switchable)?))
             })
             .collect()
     }
@@ -429,7 +531,7 @@ impl OffloadManager {
     pub fn pinned_copy_rates(&self, stream: &Stream) -> Result<(f64, f64)> {
         let dev = stream.device();
         let len = PROBE_BYTES / 2;
-        let host = HostBuffer::new(dev, DType::BF16, len)?;
+        let host = HostBuffer::new(dev, DType::BF16, len, false)?;
         let t = Tensor::zeros(&self.inner.alloc, stream, &[len], DType::BF16)?;
         stream.synchronize()?;
         let time = |s: &Stream, copy: &dyn Fn(&Stream) -> Result<()>| -> Result<f64> {

@@ -32,6 +32,6 @@ mod state;
 pub use chunk::ChunkHook;
 pub use config::{OffloadConfig, Policy, AUTO_CANDIDATES, DEFAULT_SITES};
 pub use error::OffloadErrorKind;
-pub use manager::{OffloadManager, OffloadStats};
+pub use manager::{OffloadManager, OffloadStats, Resident};
 pub use policy::{decide, GroupLayout, Summary, SummaryRow, TensorLayout, Timings, Windows};
 pub use state::Fault;

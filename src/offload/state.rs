@@ -174,6 +174,10 @@ pub(crate) struct State {
     pub(crate) lent: Vec<usize>,
     /// Bytes copied out since the manager was made, eagerly and in captures.
     pub(crate) copied_out: usize,
+    /// Every chunk's baked buffers, for switches (those of dropped graphs are gone).
+    pub(crate) baked: Vec<(Chunk, std::sync::Weak<OnceLock<Baked>>)>,
+    /// The device buffers of the offloaded tensors kept resident, by (chunk, group, slot).
+    pub(crate) resident: BTreeMap<(Chunk, usize, usize), Tensor>,
     /// A step of the protocol left out on purpose (tests of the hazards).
     pub(crate) fault: Option<Fault>,
 }
@@ -223,6 +227,8 @@ impl State {
             summary: None,
             lent: Vec::new(),
             copied_out: 0,
+            baked: Vec::new(),
+            resident: BTreeMap::new(),
             fault: None,
         }
     }

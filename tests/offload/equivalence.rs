@@ -5,7 +5,7 @@ use anyhow::ensure;
 use graphed::device::{DType, Device};
 use graphed::graph::{make_graphed_callables, Callable, GraphOptions, Replay};
 use graphed::nn::{AttentionKind, Chunk, Inputs, KeepOnDevice};
-use graphed::offload::{OffloadConfig, OffloadManager};
+use graphed::offload::{OffloadConfig, OffloadErrorKind, OffloadManager};
 
 use super::fixtures::{config, Dims, Model, Result, DIMS};
 
@@ -262,5 +262,69 @@ pub fn lent_peak_falls_by_the_expected_saving(dev: &Device) -> Result {
             }
         }
     }
+    Ok(())
+}
+
+/// Offloading switched without a new capture (`OffloadConfig::switchable`): the graphs with
+/// offloading equal those without it bit for bit on every step, offloaded, with every offloaded
+/// tensor kept resident from the third step, and offloaded again from the fifth; kept resident,
+/// the tensors' bytes are allocated on the device, and offloaded again they are given back. A
+/// switch between a forward and its backward, or given only some of the graphs, is refused with
+/// nothing changed, and graphs captured without the setting refuse any switch.
+pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
+    let plain = Model::new(dev, DIMS, DType::F32)?;
+    let off = Model::new(dev, DIMS, DType::F32)?;
+    let mo = OffloadManager::new(&off.alloc, config().switchable(true))?;
+    plain.skip_first()?;
+    off.skip_first()?;
+    let (side, e1, e2) = (dev.stream()?, dev.event()?, dev.event()?);
+    let gp = plain.graph(GraphOptions::default().sync_event(&e1))?;
+    let go = off.graph(mo.graph_options(GraphOptions::default().sync_event(&e2)))?;
+    let offloaded = mo.summary().ok_or_else(|| anyhow::anyhow!("no summary"))?.offloaded_bytes();
+    ensure!(offloaded > 0, "nothing offloaded");
+    let refusal = |e: graphed::Error| match e {
+        graphed::Error::Offload(kind) => Ok(kind),
+        other => Err(anyhow::anyhow!("expected an offload refusal, got {other}")),
+    };
+    let allocated = || off.alloc.stats().total.allocated;
+    for k in 1..=6 {
+        match k {
+            3 => {
+                // Some of the graphs, then mid-step: refused; then between steps, every graph.
+                let some = refusal(mo.keep_resident(&go.layers()[..1], |_, _| true).unwrap_err())?;
+                ensure!(matches!(some, OffloadErrorKind::SwitchGraphs { .. }), "{some}");
+                let (x, _) = off.data(k)?;
+                let (y, _) = (go.forward(&off.s, &x, Replay::side(&side))?, ());
+                let mid = refusal(mo.keep_resident(go.layers(), |_, _| true).unwrap_err())?;
+                ensure!(matches!(mid, OffloadErrorKind::SwitchMidStep { .. }), "{mid}");
+                drop(y);
+                let (_, dy) = off.data(k)?;
+                go.backward(&off.s, &dy)?;
+                go.join(&off.s)?;
+                plain.graphed(&gp, k, Replay::side(&side))?;
+                let before = allocated();
+                let kept = mo.keep_resident(go.layers(), |_, _| true)?;
+                ensure!(kept.bytes == offloaded, "{} B kept of {offloaded} B offloaded", kept.bytes);
+                ensure!(allocated() >= before + offloaded, "the kept tensors' memory is allocated");
+                continue;
+            }
+            5 => {
+                let before = allocated();
+                ensure!(mo.keep_resident(go.layers(), |_, _| false)?.tensors == 0);
+                ensure!(allocated() + offloaded <= before, "offloaded again, their memory is given back");
+            }
+            _ => {}
+        }
+        let want = plain.graphed(&gp, k, Replay::side(&side))?;
+        ensure!(off.graphed(&go, k, Replay::side(&side))? == want, "step {k}: graphed with offloading differs");
+        ensure!(off.grads()? == plain.grads()?, "step {k}: parameter gradients differ");
+    }
+    // Captured without the setting: nothing to switch to.
+    let other = Model::new(dev, DIMS, DType::F32)?;
+    let m = OffloadManager::new(&other.alloc, config())?;
+    other.skip_first()?;
+    let g = other.graph(m.graph_options(GraphOptions::default().sync_event(&e1)))?;
+    let not = refusal(m.keep_resident(g.layers(), |_, _| true).unwrap_err())?;
+    ensure!(matches!(not, OffloadErrorKind::NotSwitchable), "{not}");
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! `graphed bench offload`: `bench graphs`' training step replayed on a side stream without
 //! offloading (graphed-side, the baseline), with the default sites offloaded inside the graphs
-//! (graphed-offload) and with the automatic policy filling the whole measured window (its
+//! (graphed-offload), the same captured switchable and switched to keep them on the device
+//! (graphed-offload-resident, with the switch's host time), and with the automatic policy filling the whole measured window (its
 //! default) and 80% of it (graphed-offload-auto, graphed-offload-auto-0.8), and under each budget
 //! `--max-overhead` asks for (graphed-offload-auto-max1%, say). Per variant: the step
 //! time and its overhead against the baseline, the graph pool's peak (the device memory saved,
@@ -29,6 +30,9 @@ use crate::cli::bench_model::{BenchModel, Config};
 enum Variant {
     Side,
     Listed,
+    /// The listed policy captured switchable, then switched to keep every offloaded tensor
+    /// resident (`OffloadManager::keep_resident`).
+    Resident,
     Auto,
     AutoPartial,
     /// The automatic policy with this `max_overhead` (a share of the step).
@@ -40,6 +44,7 @@ impl Variant {
         match self {
             Variant::Side => "graphed-side".into(),
             Variant::Listed => "graphed-offload".into(),
+            Variant::Resident => "graphed-offload-resident".into(),
             Variant::Auto => "graphed-offload-auto".into(),
             Variant::AutoPartial => "graphed-offload-auto-0.8".into(),
             // Rounded so that 7% reads `7%`, not its binary neighbour's digits.
@@ -51,6 +56,7 @@ impl Variant {
         match self {
             Variant::Side => None,
             Variant::Listed => Some(OffloadConfig::default()),
+            Variant::Resident => Some(OffloadConfig::default().switchable(true)),
             Variant::Auto => Some(automatic()),
             Variant::AutoPartial => Some(automatic().slack(0.8)),
             Variant::AutoWithin(share) => Some(automatic().max_overhead(share)),
@@ -87,8 +93,12 @@ struct OffloadRow {
     /// What that saving can do to the reserved peak, which moves in whole pages: the least and
     /// the most (`Summary::expected_reserved_saving`).
     expected_reserved_saving_bytes: Option<[i64; 2]>,
-    /// Bytes copied out (and back) per step.
+    /// Bytes copied out (and back) per step (kept on the device instead, for
+    /// graphed-offload-resident).
     offloaded_bytes: usize,
+    /// graphed-offload-resident: the host µs of a switch to keep every offloaded tensor resident,
+    /// and of one back, medians of [`SWITCHES`] each, nothing launched between them.
+    switch_us: Option<[f64; 2]>,
     /// Median over a few steps: the side stream's end of the forward (or backward) pass, tails
     /// included, minus the moment the main stream resumed after it.
     forward_lead_ms: Option<f64>,
@@ -134,7 +144,8 @@ pub fn run(offload: &OffloadBenchArgs) -> anyhow::Result<()> {
         println!("{config}, {dtype}");
         let mut built = Vec::new();
         let within = offload.max_overhead.iter().map(|&share| Variant::AutoWithin(share));
-        for variant in [Variant::Side, Variant::Listed, Variant::Auto, Variant::AutoPartial].into_iter().chain(within) {
+        let fixed = [Variant::Side, Variant::Listed, Variant::Resident, Variant::Auto, Variant::AutoPartial];
+        for variant in fixed.into_iter().chain(within) {
             if variant.automatic() && !on_gpu {
                 println!("  {:<22} skipped: the automatic policy needs the GPU's clock", variant.name());
                 continue;
@@ -189,6 +200,30 @@ struct Built {
     model: BenchModel,
     manager: Option<OffloadManager>,
     graphed: GraphedStack,
+    switch_us: Option<[f64; 2]>,
+}
+
+/// The switches each way that graphed-offload-resident times.
+const SWITCHES: usize = 20;
+
+/// Switches `graphed`'s offloaded tensors to resident and back [`SWITCHES`] times each, ending
+/// resident: the median host µs of each way.
+fn time_switches(m: &OffloadManager, graphed: &GraphedStack) -> anyhow::Result<[f64; 2]> {
+    let (mut there, mut back) = (Vec::new(), Vec::new());
+    for i in 0..2 * SWITCHES + 1 {
+        let resident = i % 2 == 0;
+        let issued = std::time::Instant::now();
+        m.keep_resident(graphed.layers(), |_, _| resident)?;
+        let us = issued.elapsed().as_secs_f64() * 1e6;
+        if i < 2 * SWITCHES {
+            if resident {
+                there.push(us)
+            } else {
+                back.push(us)
+            }
+        }
+    }
+    Ok([spread(there).median, spread(back).median])
 }
 
 impl Built {
@@ -208,7 +243,11 @@ impl Built {
         if let Some(static_dy) = graphed.static_grad_output()? {
             static_dy.copy_from(&model.dy, &main)?;
         }
-        Ok(Built { variant, alloc, main, side, model, manager, graphed })
+        let switch_us = match (variant, &manager) {
+            (Variant::Resident, Some(m)) => Some(time_switches(m, &graphed)?),
+            _ => None,
+        };
+        Ok(Built { variant, alloc, main, side, model, manager, graphed, switch_us })
     }
 
     fn step(&self) -> anyhow::Result<()> {
@@ -224,7 +263,7 @@ impl Built {
         args: &GraphsBenchArgs,
         baseline: Option<&OffloadRow>,
     ) -> anyhow::Result<(OffloadRow, Option<CopyRates>)> {
-        let Built { variant, alloc, main, side, model, manager, graphed } = self;
+        let Built { variant, alloc, main, side, model, manager, graphed, switch_us } = self;
         let dev = main.device();
         let leads = match dev.kind() {
             DeviceKind::Cuda => Some(leads(dev, &graphed, &model, &main, &side)?),
@@ -255,6 +294,7 @@ impl Built {
                 .and_then(|s| s.expected_reserved_saving())
                 .map(|r| [*r.start(), *r.end()]),
             offloaded_bytes: summary.as_ref().map_or(0, |s| s.offloaded_bytes()),
+            switch_us,
             forward_lead_ms: leads.as_ref().map(|l| l.forward),
             backward_lead_ms: leads.as_ref().map(|l| l.backward),
             forward_ms: leads.as_ref().map(|l| l.forward_ms),
@@ -356,6 +396,9 @@ fn print_row(r: &OffloadRow) {
         opt(r.forward_lead_ms, " ms"),
         opt(r.backward_lead_ms, " ms"),
     );
+    if let Some([there, back]) = r.switch_us {
+        println!("    switched without a new capture: {there:.1} µs host to keep every offloaded tensor resident, {back:.1} µs back");
+    }
     if let Some(s) = &r.summary {
         for line in s.lines() {
             println!("    {line}");

@@ -12,7 +12,7 @@ use super::error as err;
 use super::ffi::{Function, Node, OwnedExec, OwnedGraph, RawNode};
 use super::launch::Kernels;
 use crate::device::patch::{Site, SiteChange, Slot};
-use crate::device::{LaunchDims, MemKind, NodeInfo, NodeKind};
+use crate::device::{LaunchDims, NodeInfo, NodeKind};
 use crate::{Error, Result};
 
 /// Where graphed can patch a captured node, and what it was launched with.
@@ -25,8 +25,8 @@ pub(crate) struct PatchNode {
 pub(super) enum Template {
     /// A kernel: its function, dimensions and parameter slots as launched.
     Kernel { func: Function, dims: LaunchDims, values: Vec<u64> },
-    /// A device-to-host or device-to-device copy.
-    Copy,
+    /// A device-to-host (`device_dst` false) or device-to-device copy.
+    Copy { device_dst: bool },
     /// A copy from pinned memory or a memset: turned off and on, never rebound.
     Fixed,
 }
@@ -194,22 +194,20 @@ impl CuExec {
                     unsafe { exec.set_kernel_params(patch.node, *func, dims, &mut values, &mut params) }
                         .map_err(|e| err::driver(OP, None, e))?;
                 }
-                Template::Copy => {
+                Template::Copy { device_dst } => {
                     let uses = &sites[*site].uses;
-                    // Where a side points now, if it was ever moved (a device-to-host copy's
-                    // destination never is: only device views are rebound).
-                    let side = |slot: Slot| -> Result<Option<u64>> {
+                    // Where a side points now: where it is bound, else where it was captured.
+                    let side = |slot: Slot| -> Result<u64> {
                         let u =
                             uses.iter().position(|u| u.slot == slot).ok_or_else(|| bug("a copy with no such side"))?;
-                        Ok(match bound.get(u).and_then(Option::as_ref) {
-                            Some(b) => Some(address(&b.block, b.start)?),
-                            None if bound.is_empty() => None,
-                            None => (uses[u].block.raw.kind == MemKind::Device)
-                                .then(|| address(&uses[u].block, uses[u].start))
-                                .transpose()?,
-                        })
+                        match bound.get(u).and_then(Option::as_ref) {
+                            Some(b) => address(&b.block, b.start),
+                            None => address(&uses[u].block, uses[u].start),
+                        }
                     };
-                    let (src, dst) = (side(Slot::CopySrc)?, side(Slot::CopyDst)?);
+                    // A device-to-host copy's destination is never moved (only device views
+                    // are rebound, and the driver refuses a change of memory type).
+                    let (src, dst) = (Some(side(Slot::CopySrc)?), device_dst.then(|| side(Slot::CopyDst)).transpose()?);
                     // SAFETY: the node is a device-source memcpy node of this executable's
                     // graph, kept alive by `self.graph`; `src` and `dst` address held device
                     // blocks' bytes, `dst` only where the copy's destination is device memory.

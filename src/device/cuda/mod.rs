@@ -74,7 +74,8 @@ impl CudaDevice {
                 let (func, dims, values) = self.kernels.template(stream, kernel, &dims, args)?;
                 graph::Template::Kernel { func, dims, values }
             }
-            Op::Copy { dir: CopyDir::DeviceToHost | CopyDir::DeviceToDevice, .. } => graph::Template::Copy,
+            Op::Copy { dir: CopyDir::DeviceToHost, .. } => graph::Template::Copy { device_dst: false },
+            Op::Copy { dir: CopyDir::DeviceToDevice, .. } => graph::Template::Copy { device_dst: true },
             // A copy from pinned memory, which no rebind moves (its destination is a write), and
             // a memset (a write): held to be turned off and on.
             Op::Copy { .. } | Op::Memset { .. } => graph::Template::Fixed,
