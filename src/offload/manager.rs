@@ -174,18 +174,20 @@ impl OffloadManager {
     }
 
     /// Keeps on the device, from the next step of `graphs` on, the offloaded tensors of the
-    /// groups `keep` chooses, and offloads the others again, without a new capture. `graphs` are
-    /// every graphed callable captured with this manager (a stack's
-    /// [`layers`](crate::graph::GraphedStack::layers), a schedule's
-    /// [`callables`](crate::graph::GraphedSchedule::callables)), captured with
-    /// [`OffloadConfig::switchable`]. Between steps only: every pool's next graph is its first.
+    /// groups `keep` chooses, and offloads the others again, without a new capture: the tensors
+    /// that `graphs` copy out and back, graphed callables captured with this manager and
+    /// [`OffloadConfig::switchable`] (a stack's [`layers`](crate::graph::GraphedStack::layers),
+    /// a schedule's [`callables`](crate::graph::GraphedSchedule::callables); a layer's tensors
+    /// are copied by the graphs of the layer above it). Between steps only: every pool's next
+    /// graph is its first.
     ///
     /// A tensor kept resident gets device memory of its own (from the allocator, now), and its
     /// graphs' copies to and from the host are turned off; the device copies captured beside
     /// them, into and out of that memory, are turned on. Why not only turn the host copies off:
     /// the memory the tensor had in the graph pool is handed to later allocations of the step,
     /// and the backward reads the copy back's destination (docs/offload.md). Offloaded again, its
-    /// memory is given back. Returns the tensors and bytes now resident.
+    /// memory is given back (as it is at the next switch after its graphs are dropped, or with
+    /// the manager). Returns the tensors and bytes now resident.
     ///
     /// # Errors
     /// [`OffloadErrorKind::NotSwitchable`], [`OffloadErrorKind::SwitchMidStep`] and
@@ -202,15 +204,26 @@ impl OffloadManager {
             return Err(Error::Offload(OffloadErrorKind::SwitchMidStep { graph }));
         }
         let mut st = self.inner.lock();
-        let baked: Vec<(Chunk, Arc<OnceLock<Baked>>)> =
-            st.baked.iter().filter_map(|(c, w)| Some((*c, w.upgrade()?))).collect();
-        // What changes, each checked before anything does: (chunk, group, slot, keep).
+        // Graphs dropped since: their baked buffers are gone, and their tensors' memory goes too.
+        st.baked.retain(|(_, w)| w.strong_count() > 0);
+        let alive: Vec<usize> = st.baked.iter().map(|(_, w)| w.as_ptr() as usize).collect();
+        st.resident.retain(|(b, _, _), _| alive.contains(b));
+        // The baked buffers of the graphs given (another capture's of the same chunk aside), by
+        // identity: a resident tensor's key is (its buffers' identity, group, slot).
+        let baked: Vec<(Chunk, Arc<OnceLock<Baked>>)> = (st.baked.iter())
+            .filter_map(|(c, w)| Some((*c, w.upgrade()?)))
+            .filter(|(_, b)| {
+                b.get().is_some_and(|b| b.buffers.values().any(|h| execs.iter().any(|e| e.naming(h.id()) > 0)))
+            })
+            .collect();
+        // What changes, each checked before anything does.
         let mut changes = Vec::new();
         for (chunk, slot) in &baked {
             let (Some(b), Some(c)) = (slot.get(), st.chunks.get(chunk)) else { continue };
             for (&(g, s), host) in &b.buffers {
+                let key = (Arc::as_ptr(slot) as usize, g, s);
                 let want = keep(*chunk, &c.layout[g]);
-                if want == st.resident.contains_key(&(*chunk, g, s)) {
+                if want == st.resident.contains_key(&key) {
                     continue;
                 }
                 let alias = host.alias_id().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
@@ -220,28 +233,27 @@ impl OffloadManager {
                         return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found }));
                     }
                 }
-                changes.push((*chunk, g, s, want));
+                let t = &c.layout[g].tensors[s];
+                changes.push((key, host, want.then_some((t.shape.clone(), t.dtype))));
             }
         }
         let mut kept = Vec::new();
-        for &(chunk, g, s, _) in changes.iter().filter(|c| c.3) {
-            let t = &st.chunks[&chunk].layout[g].tensors[s];
-            kept.push(((chunk, g, s), Tensor::uninit(&self.inner.alloc, &self.inner.d2h, &t.shape, t.dtype)?));
+        for (key, host, want) in &changes {
+            if let Some((shape, dtype)) = want {
+                kept.push((*key, *host, Tensor::uninit(&self.inner.alloc, &self.inner.d2h, shape, *dtype)?));
+            }
         }
-        let host_of = |chunk: Chunk, g: usize, s: usize| {
-            let slot = &baked.iter().find(|(c, _)| *c == chunk).expect("a change's chunk is baked").1;
-            slot.get().and_then(|b| b.get(g, s)).expect("a change's buffer is baked")
-        };
-        for (key, t) in kept {
-            let host = host_of(key.0, key.1, key.2);
+        for (key, host, t) in kept {
             switch_nodes(&execs, host, Some(&t))?;
             st.resident.insert(key, t);
         }
-        for &(chunk, g, s, _) in changes.iter().filter(|c| !c.3) {
-            switch_nodes(&execs, host_of(chunk, g, s), None)?;
-            st.resident.remove(&(chunk, g, s));
+        for (key, host, _) in changes.iter().filter(|c| c.2.is_none()) {
+            switch_nodes(&execs, host, None)?;
+            st.resident.remove(key);
         }
-        Ok(Resident { tensors: st.resident.len(), bytes: st.resident.values().map(Tensor::bytes).sum() })
+        let mine = |(b, _, _): &(usize, usize, usize)| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == *b);
+        let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();
+        Ok(Resident { tensors: resident.len(), bytes: resident.iter().map(|t| t.bytes()).sum() })
     }
 
     /// Before a capture's warmup: its first iteration records if the policy is not frozen,

@@ -176,8 +176,9 @@ pub(crate) struct State {
     pub(crate) copied_out: usize,
     /// Every chunk's baked buffers, for switches (those of dropped graphs are gone).
     pub(crate) baked: Vec<(Chunk, std::sync::Weak<OnceLock<Baked>>)>,
-    /// The device buffers of the offloaded tensors kept resident, by (chunk, group, slot).
-    pub(crate) resident: BTreeMap<(Chunk, usize, usize), Tensor>,
+    /// The device buffers of the offloaded tensors kept resident, by (the identity of their
+    /// chunk's baked buffers, group, slot).
+    pub(crate) resident: BTreeMap<(usize, usize, usize), Tensor>,
     /// A step of the protocol left out on purpose (tests of the hazards).
     pub(crate) fault: Option<Fault>,
 }
