@@ -316,10 +316,12 @@ impl UseIndex {
         self.by_block.contains_key(&block)
     }
 
-    /// How many sites name `block`.
-    pub(crate) fn sites_naming(&self, block: BufferId) -> usize {
-        let uses = self.by_block.get(&block).map_or(&[][..], Vec::as_slice);
-        uses.iter().enumerate().filter(|(i, (s, _))| *i == 0 || uses[i - 1].0 != *s).count()
+    /// The sites that name `block`, in capture order.
+    pub(crate) fn sites_naming(&self, block: BufferId) -> Vec<usize> {
+        let mut sites: Vec<usize> = self.by_block.get(&block).into_iter().flatten().map(|&(s, _)| s).collect();
+        // A site's uses are listed together.
+        sites.dedup();
+        sites
     }
 
     /// How many uses the sites have.
@@ -385,8 +387,7 @@ pub(crate) fn naming(
     index: &UseIndex,
     buffer: BufferId,
 ) -> std::result::Result<Vec<usize>, RebindErrorKind> {
-    let mut named: Vec<usize> = index.by_block.get(&buffer).into_iter().flatten().map(|&(s, _)| s).collect();
-    named.dedup();
+    let named = index.sites_naming(buffer);
     if named.is_empty() {
         return Err(RebindErrorKind::NotNamed { buffer });
     }
