@@ -168,23 +168,31 @@ fn host_copies_switch_to_a_resident_buffer_and_back(dev: &Device) -> anyhow::Res
     let x = dev.alloc_from(&s, &values(N, 3.0))?;
     let (stand_in, r, out) = (dev.alloc::<f32>(N)?, dev.alloc::<f32>(N)?, dev.alloc::<f32>(N)?);
     let host = dev.alloc_pinned::<f32>(N)?;
-    let forward = {
+    // A graph whose copies run on `side`, forked from `s` and joined back before `then`.
+    let forked = |side: &Stream, copies: &dyn Fn() -> graphed::Result<()>, then: &dyn Fn() -> graphed::Result<()>| {
         let cap = s.capture(CaptureMode::ThreadLocal)?;
-        d2h.wait_stream(&s)?;
-        d2h.copy_d2h(x.view(), host.view())?;
-        d2h.copy_d2d(x.view(), stand_in.view())?;
-        s.wait_stream(&d2h)?;
-        cap.finish()?.instantiate()?
+        side.wait_stream(&s)?;
+        copies()?;
+        s.wait_stream(side)?;
+        then()?;
+        cap.finish()?.instantiate()
     };
-    let backward = {
-        let cap = s.capture(CaptureMode::ThreadLocal)?;
-        h2d.wait_stream(&s)?;
-        h2d.copy_h2d(host.view(), r.view())?;
-        h2d.copy_d2d(stand_in.view(), r.view())?;
-        s.wait_stream(&h2d)?;
-        elementwise::scale(out.view(), r.view(), 2.0, &s)?;
-        cap.finish()?.instantiate()?
-    };
+    let forward = forked(
+        &d2h,
+        &|| {
+            d2h.copy_d2h(x.view(), host.view())?;
+            d2h.copy_d2d(x.view(), stand_in.view())
+        },
+        &|| Ok(()),
+    )?;
+    let backward = forked(
+        &h2d,
+        &|| {
+            h2d.copy_h2d(host.view(), r.view())?;
+            h2d.copy_d2d(stand_in.view(), r.view())
+        },
+        &|| elementwise::scale(out.view(), r.view(), 2.0, &s),
+    )?;
     for exec in [&forward, &backward] {
         ensure!(exec.set_enabled(stand_in.id(), false)? == 1, "one stand-in copy per graph");
     }
