@@ -297,6 +297,27 @@ buffer_common!(DeviceBuffer, View);
 buffer_common!(PinnedBuffer, HostView);
 
 impl<T: Elem> DeviceBuffer<T> {
+    /// Another buffer of `len` elements of `U` over the start of this one's memory: its own
+    /// [`id`](DeviceBuffer::id), so that a graph's nodes naming it are told apart from those
+    /// naming this buffer or its other aliases, while the checker orders their accesses as the
+    /// same memory. It keeps the memory alive.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`](crate::Error::LengthMismatch) when `len` elements of `U` do not
+    /// fit in this buffer.
+    pub fn aliased_as<U: Elem>(&self, len: usize) -> crate::Result<DeviceBuffer<U>> {
+        let bytes = len * U::DTYPE.size();
+        if bytes > self.block.bytes {
+            return Err(crate::Error::LengthMismatch {
+                op: "DeviceBuffer::aliased_as",
+                src: bytes,
+                dst: self.block.bytes,
+            });
+        }
+        let id = BufferId(super::ids::next_id());
+        Ok(DeviceBuffer::from_block(Block::new(self.block.raw.clone(), self.block.base, Some(bytes), id, None)))
+    }
+
     /// A handle to the same memory that does not own it: dropping it never gives the block back
     /// to its allocator, and holding it does not keep the block from going back when this
     /// buffer is dropped. For static outputs that a graph pool shares between its graphs.
@@ -359,22 +380,6 @@ impl<T: Elem> PinnedBuffer<T> {
     /// host memory that a graph's tail may touch.
     pub fn memory_id(&self) -> BufferId {
         self.block.raw.id
-    }
-
-    /// The same page-locked memory as a device buffer, at its device address (unified
-    /// addressing): device-to-device copies and kernels read and write it across the bus. It is
-    /// another buffer (its own [`id`](DeviceBuffer::id), so that a graph's nodes naming it are
-    /// told apart from those naming this one) of the same memory (the checker orders their
-    /// accesses as one), and keeps the memory alive.
-    pub fn device_alias(&self) -> DeviceBuffer<T> {
-        let block = Block::new(
-            self.block.raw.clone(),
-            self.block.base,
-            Some(self.block.bytes),
-            BufferId(super::ids::next_id()),
-            None,
-        );
-        DeviceBuffer::from_block(block)
     }
 
     /// Copies the buffer's contents to a `Vec` on the host, now. Not ordered against queued

@@ -19,7 +19,7 @@
 use std::sync::Arc;
 
 use super::error::OffloadErrorKind;
-use super::host::HostBuffer;
+use super::host::{HostBuffer, Scratch};
 use super::policy::{GroupLayout, TensorLayout};
 use super::shared::Inner;
 use super::state::{Baked, BakedRef, ChunkState, Fault, HostRef, Mark, PassTiming, Phase, State};
@@ -241,7 +241,11 @@ impl SaveHook for ChunkHook {
 
     fn tail_memory(&self) -> Vec<BufferId> {
         let baked = self.baked.as_ref().and_then(|b| b.get());
-        baked.map_or_else(Vec::new, |b| b.buffers.values().map(HostBuffer::memory).collect())
+        let mut memories: Vec<BufferId> =
+            baked.map_or_else(Vec::new, |b| b.buffers.values().flat_map(HostBuffer::tail_memories).collect());
+        memories.sort_unstable();
+        memories.dedup();
+        memories
     }
 }
 
@@ -394,7 +398,7 @@ fn copy_out_captured(
                 .and_then(|b| b.get(g, s))
                 .ok_or_else(|| schedule(chunk, "a baked host buffer".into(), "none".into()))?;
             b.copy_out(&t, &inner.d2h)?;
-            b.capture_alias_out(&t, &inner.d2h)?;
+            b.capture_twin_out(&t, &inner.d2h)?;
             bytes += b.bytes();
             slot.host = Some(HostRef::Baked);
         }
@@ -445,7 +449,7 @@ fn copy_back(hook: &ChunkHook, st: &mut State, g: usize, stream: &Stream, captur
                     .and_then(|b| b.get(g, s))
                     .ok_or_else(|| schedule(hook.chunk, "a baked host buffer".into(), "none".into()))?;
                 b.copy_in(&dst, &inner.h2d)?;
-                b.capture_alias_in(&dst, &inner.h2d)?;
+                b.capture_twin_back(&dst, &inner.h2d)?;
                 run.slots[s].back = Some(dst);
             }
             let done = dev.event()?;
@@ -493,14 +497,19 @@ fn range_name(verb: &str, group: &GroupLayout, chunk: Chunk) -> String {
     }
 }
 
-/// Host buffers for every offloaded tensor of `layout`, for one chunk's graphs (with device
-/// aliases where `switchable`).
-pub(crate) fn bake(dev: &crate::device::Device, layout: &[GroupLayout], switchable: bool) -> Result<Baked> {
+/// Host buffers for every offloaded tensor of `layout`, for one chunk's graphs (with aliases of
+/// `scratch` for a switchable graph's device copies).
+pub(crate) fn bake(dev: &crate::device::Device, layout: &[GroupLayout], scratch: Option<&Scratch>) -> Result<Baked> {
     let mut buffers = std::collections::BTreeMap::new();
     for (g, group) in layout.iter().enumerate() {
         for (s, t) in group.tensors.iter().enumerate().filter(|(_, t)| t.offload) {
-            buffers.insert((g, s), HostBuffer::new(dev, t.dtype, t.shape.iter().product(), switchable)?);
+            buffers.insert((g, s), HostBuffer::new(dev, t.dtype, t.shape.iter().product(), scratch)?);
         }
     }
     Ok(Baked { buffers })
+}
+
+/// The bytes of `layout`'s largest offloaded tensor.
+pub(crate) fn largest_offloaded(layout: &[GroupLayout]) -> usize {
+    layout.iter().flat_map(|g| &g.tensors).filter(|t| t.offload).map(|t| t.bytes()).max().unwrap_or(0)
 }

@@ -171,9 +171,10 @@ impl OffloadConfig {
 
     /// Whether the graphs can keep offloaded tensors on the device later without a new capture
     /// ([`OffloadManager::keep_resident`](super::OffloadManager::keep_resident); default off).
-    /// Each offloaded tensor's graphs then also hold a device copy of it into its host buffer's
-    /// device address, and one back, both captured turned off: nothing runs or is held for them
-    /// until a switch points them at device memory and turns the host copies off.
+    /// Each offloaded tensor's graphs then also hold a device copy of it out and one back, both
+    /// captured turned off, naming a scratch buffer the manager holds (two, each as long as the
+    /// largest offloaded tensor): nothing runs for them until a switch points them at memory of
+    /// the tensor's own and turns the host copies off.
     pub fn switchable(mut self, yes: bool) -> OffloadConfig {
         self.switchable = yes;
         self

@@ -49,7 +49,8 @@ pub enum OffloadErrorKind {
     /// [`OffloadConfig::switchable`](super::OffloadConfig::switchable): they hold no device
     /// copies to switch to.
     #[error(
-        "the graphs hold no device copies to keep offloaded tensors resident: capture them with          OffloadConfig::switchable(true), or capture again with another policy"
+        "the graphs hold no device copies to keep offloaded tensors resident: capture them with \
+         OffloadConfig::switchable(true), or capture again with another policy"
     )]
     NotSwitchable,
     /// A switch between a forward replay and its backward: the backward would read where the
@@ -61,7 +62,8 @@ pub enum OffloadErrorKind {
     },
     /// A switch given only some of the graphs that copy a tensor out and back.
     #[error(
-        "a switch given {found} of the 2 graph nodes that copy an offloaded tensor out or back: pass every graph          captured with this manager (a stack's layers, a schedule's callables)"
+        "a switch given {found} of the 4 graph nodes that copy an offloaded tensor out and back (to the host and on \
+         the device): pass every graph captured with this manager (a stack's layers, a schedule's callables)"
     )]
     SwitchGraphs {
         /// The copy nodes found among the graphs given.

@@ -11,13 +11,42 @@ use crate::device::{with_dtype, BufferId, DType, Device, DeviceBuffer, Event, Pi
 use crate::tensor::Tensor;
 use crate::Result;
 
+/// The device buffers that a switchable graph's device copies name at capture, one for the
+/// copies out and one for the copies back, each as long as the largest offloaded tensor: every
+/// tensor's copies name aliases of them (their own ids), turned off until a switch points them
+/// at memory of the tensor's own. Two, so that a copy back never reads what a copy out of the
+/// same capture writes on another stream.
+pub(crate) struct Scratch {
+    out: DeviceBuffer<f32>,
+    back: DeviceBuffer<f32>,
+}
+
+impl Scratch {
+    /// Scratch for tensors of up to `bytes`, from `alloc` on `stream`.
+    pub(crate) fn new(alloc: &crate::memory::CachingAllocator, stream: &Stream, bytes: usize) -> Result<Scratch> {
+        let len = bytes.div_ceil(4);
+        Ok(Scratch { out: alloc.alloc(stream, len)?, back: alloc.alloc(stream, len)? })
+    }
+
+    /// The largest tensor it serves, in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.out.len() * 4
+    }
+}
+
+/// A switchable graph's device copies of one tensor: aliases of a [`Scratch`], each a
+/// `DeviceBuffer<T>` with `T::DTYPE` the tensor's.
+struct Twins {
+    out: Arc<dyn Any + Send + Sync>,
+    back: Arc<dyn Any + Send + Sync>,
+}
+
 /// One pinned host buffer and the events of its last copies.
 pub(crate) struct HostBuffer {
     /// A `PinnedBuffer<T>` with `T::DTYPE == dtype`.
     buf: Arc<dyn Any + Send + Sync>,
-    /// For a switchable graph's buffer, its device alias: a `DeviceBuffer<T>` of the same memory
-    /// (`PinnedBuffer::device_alias`), which the copies a switch turns on name.
-    alias: Option<Arc<dyn Any + Send + Sync>>,
+    /// For a switchable graph's buffer, the buffers its device copies name.
+    twins: Option<Twins>,
     dtype: DType,
     len: usize,
     memory: BufferId,
@@ -28,13 +57,20 @@ pub(crate) struct HostBuffer {
 }
 
 impl HostBuffer {
-    /// A new buffer of `len` elements of `dtype`, with a device alias where `switchable`.
-    pub(crate) fn new(dev: &Device, dtype: DType, len: usize, switchable: bool) -> Result<HostBuffer> {
+    /// A new buffer of `len` elements of `dtype`, with aliases of `scratch` for a switchable
+    /// graph's device copies.
+    pub(crate) fn new(dev: &Device, dtype: DType, len: usize, scratch: Option<&Scratch>) -> Result<HostBuffer> {
         with_dtype!(dtype, T => {
             let b = dev.alloc_pinned::<T>(len)?;
             let memory = b.memory_id();
-            let alias = switchable.then(|| Arc::new(b.device_alias()) as Arc<dyn Any + Send + Sync>);
-            Ok(HostBuffer { buf: Arc::new(b), alias, dtype, len, memory, last_out: None, last_in: None })
+            let twins = match scratch {
+                Some(s) => Some(Twins {
+                    out: Arc::new(s.out.aliased_as::<T>(len)?),
+                    back: Arc::new(s.back.aliased_as::<T>(len)?),
+                }),
+                None => None,
+            };
+            Ok(HostBuffer { buf: Arc::new(b), twins, dtype, len, memory, last_out: None, last_in: None })
         })
     }
 
@@ -43,43 +79,59 @@ impl HostBuffer {
         with_dtype!(self.dtype, T => self.pinned::<T>().id())
     }
 
-    /// Its device alias's identity, where it has one: what the copies a switch turns on name.
-    pub(crate) fn alias_id(&self) -> Option<BufferId> {
-        with_dtype!(self.dtype, T => self.alias::<T>().map(DeviceBuffer::id))
+    /// The allocations its copies touch in a graph's tail: its own, and where it has device
+    /// copies, the scratch's (for graph verification).
+    pub(crate) fn tail_memories(&self) -> Vec<BufferId> {
+        let twins = with_dtype!(self.dtype, T => self.twins::<T>().map(|(o, b)| {
+            [o, b].map(|t| t.view().access(crate::device::AccessMode::Write).memory)
+        }));
+        std::iter::once(self.memory).chain(twins.into_iter().flatten()).collect()
     }
 
-    fn alias<T: crate::device::Elem>(&self) -> Option<&DeviceBuffer<T>> {
-        self.alias.as_ref().map(|a| a.downcast_ref().expect("the alias's type is its dtype's"))
+    /// What its device copies name, out and back, where it has them.
+    pub(crate) fn twin_ids(&self) -> Option<[BufferId; 2]> {
+        with_dtype!(self.dtype, T => self.twins::<T>().map(|(o, b)| [o.id(), b.id()]))
     }
 
-    /// Where it has a device alias: captures, turned off, a device copy of `src` into the alias
-    /// beside the copy out, which a switch points at device memory ([`Self::rebind_alias`]).
-    pub(crate) fn capture_alias_out(&self, src: &Tensor, stream: &Stream) -> Result<()> {
-        with_dtype!(self.dtype, T => match self.alias::<T>() {
-            Some(alias) => stream.capture_off(|| stream.copy_d2d(src.view::<T>()?, alias.view())),
+    fn twins<T: crate::device::Elem>(&self) -> Option<(&DeviceBuffer<T>, &DeviceBuffer<T>)> {
+        fn typed<T: crate::device::Elem>(a: &Arc<dyn Any + Send + Sync>) -> &DeviceBuffer<T> {
+            a.downcast_ref().expect("a twin's type is its tensor's dtype's")
+        }
+        self.twins.as_ref().map(|t| (typed(&t.out), typed(&t.back)))
+    }
+
+    /// Where it has device copies: captures, turned off, a device copy of `src` beside the copy
+    /// out, which a switch points at device memory ([`Self::rebind_twins`]).
+    pub(crate) fn capture_twin_out(&self, src: &Tensor, stream: &Stream) -> Result<()> {
+        with_dtype!(self.dtype, T => match self.twins::<T>() {
+            Some((out, _)) => stream.capture_off(|| stream.copy_d2d(src.view::<T>()?, out.view())),
             None => Ok(()),
         })
     }
 
-    /// Where it has a device alias: captures, turned off, a device copy of the alias into `dst`
-    /// beside the copy back.
-    pub(crate) fn capture_alias_in(&self, dst: &Tensor, stream: &Stream) -> Result<()> {
-        with_dtype!(self.dtype, T => match self.alias::<T>() {
-            Some(alias) => stream.capture_off(|| stream.copy_d2d(alias.view(), dst.view::<T>()?)),
+    /// Where it has device copies: captures, turned off, a device copy into `dst` beside the
+    /// copy back.
+    pub(crate) fn capture_twin_back(&self, dst: &Tensor, stream: &Stream) -> Result<()> {
+        with_dtype!(self.dtype, T => match self.twins::<T>() {
+            Some((_, back)) => stream.capture_off(|| stream.copy_d2d(back.view(), dst.view::<T>()?)),
             None => Ok(()),
         })
     }
 
-    /// Points the nodes naming its alias in `exec` at `to` (writes too), or back at the alias
-    /// (`None`).
-    pub(crate) fn rebind_alias(&self, exec: &crate::memory::PoolExec, to: Option<&Tensor>) -> Result<usize> {
+    /// Points its device copies in `exec` at `to` (the copy out's destination, the copy back's
+    /// source), or back where they were captured (`None`); returns the nodes changed.
+    pub(crate) fn rebind_twins(&self, exec: &crate::memory::PoolExec, to: Option<&Tensor>) -> Result<usize> {
         with_dtype!(self.dtype, T => {
-            let Some(alias) = self.alias::<T>() else { return Ok(0) };
-            let to = match to {
-                Some(t) => t.view::<T>()?,
-                None => alias.view(),
-            };
-            exec.rebind(&[Rebind::new(alias.view(), to)?.moving_writes()])
+            let Some((out, back)) = self.twins::<T>() else { return Ok(0) };
+            let mut moved = 0;
+            for twin in [out, back].into_iter().filter(|t| exec.naming(t.id()) > 0) {
+                let to = match to {
+                    Some(t) => t.view::<T>()?,
+                    None => twin.view(),
+                };
+                moved += exec.rebind(&[Rebind::new(twin.view(), to)?.moving_writes()])?;
+            }
+            Ok(moved)
         })
     }
 
@@ -89,11 +141,6 @@ impl HostBuffer {
 
     pub(crate) fn bytes(&self) -> usize {
         self.len * self.dtype.size()
-    }
-
-    /// The allocation its copies name, for graph verification.
-    pub(crate) fn memory(&self) -> BufferId {
-        self.memory
     }
 
     fn pinned<T: crate::device::Elem>(&self) -> &PinnedBuffer<T> {
@@ -128,7 +175,7 @@ impl HostPool {
         if let Some(b) = self.free.get_mut(&(len, dtype)).and_then(VecDeque::pop_front) {
             return Ok(b);
         }
-        let b = HostBuffer::new(dev, dtype, len, false)?;
+        let b = HostBuffer::new(dev, dtype, len, None)?;
         self.bytes += b.bytes();
         Ok(b)
     }

@@ -2,11 +2,11 @@
 
 use std::sync::{Arc, OnceLock};
 
-use super::chunk::{bake, ChunkHook};
+use super::chunk::{bake, largest_offloaded, ChunkHook};
 use super::config::{OffloadConfig, Policy};
 use super::copy_probe::{fastest_of_three, CopyGraphs};
 use super::error::OffloadErrorKind;
-use super::host::HostBuffer;
+use super::host::{HostBuffer, Scratch};
 use super::policy::{decide, mark_eligible, GroupLayout, Summary, TensorLayout, Timings, Windows};
 use super::shared::Inner;
 use super::state::{Baked, Fault, Mark, PassTiming, State};
@@ -66,18 +66,18 @@ fn schedule_error(chunk: Chunk, found: &str) -> Error {
 }
 
 /// Points `host`'s device copies in `execs` at `resident` and turns them on, its host copies
-/// off; or (`None`) the reverse, the device copies pointed back at the alias.
+/// off; or (`None`) the reverse, the device copies pointed back where they were captured.
 fn switch_nodes(execs: &[&PoolExec], host: &HostBuffer, resident: Option<&Tensor>) -> Result<()> {
-    let alias = host.alias_id().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
+    let twins = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
     for exec in execs {
-        if exec.naming(alias) > 0 {
-            if resident.is_some() {
-                host.rebind_alias(exec, resident)?;
-            }
-            exec.set_enabled(alias, resident.is_some())?;
-            if resident.is_none() {
-                host.rebind_alias(exec, None)?;
-            }
+        if resident.is_some() {
+            host.rebind_twins(exec, resident)?;
+        }
+        for twin in twins.into_iter().filter(|t| exec.naming(*t) > 0) {
+            exec.set_enabled(twin, resident.is_some())?;
+        }
+        if resident.is_none() {
+            host.rebind_twins(exec, None)?;
         }
         if exec.naming(host.id()) > 0 {
             exec.set_enabled(host.id(), resident.is_none())?;
@@ -161,7 +161,10 @@ impl OffloadManager {
         let slot = match st.frozen {
             true => {
                 let c = st.chunks.get(&chunk).ok_or_else(|| schedule_error(chunk, "a capture"))?;
-                Arc::new(OnceLock::from(bake(self.inner.alloc.device(), &c.layout, self.inner.config.switchable)?))
+                let largest = largest_offloaded(&c.layout);
+                let scratch = self.scratch(&mut st, largest)?;
+                let c = st.chunks.get(&chunk).ok_or_else(|| schedule_error(chunk, "a capture"))?;
+                Arc::new(OnceLock::from(bake(self.inner.alloc.device(), &c.layout, scratch.as_deref())?))
             }
             false => {
                 let slot = Arc::new(OnceLock::new());
@@ -226,12 +229,12 @@ impl OffloadManager {
                 if want == st.resident.contains_key(&key) {
                     continue;
                 }
-                let alias = host.alias_id().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
-                for buffer in [host.id(), alias] {
-                    let found: usize = execs.iter().map(|e| e.naming(buffer)).sum();
-                    if found != 2 {
-                        return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found }));
-                    }
+                let [out, back] = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
+                // Two host copies and two device copies, one each way.
+                let found: usize =
+                    [host.id(), out, back].iter().map(|b| execs.iter().map(|e| e.naming(*b)).sum::<usize>()).sum();
+                if found != 4 {
+                    return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found }));
                 }
                 let t = &c.layout[g].tensors[s];
                 changes.push((key, host, want.then_some((t.shape.clone(), t.dtype))));
@@ -440,14 +443,30 @@ impl OffloadManager {
 
     /// Host buffers for the graph hooks made before the policy froze, from `st`'s decided
     /// layouts.
-    fn bake_unbaked(&self, st: &State) -> Result<Vec<(Arc<OnceLock<Baked>>, Baked)>> {
+    fn bake_unbaked(&self, st: &mut State) -> Result<Vec<(Arc<OnceLock<Baked>>, Baked)>> {
         let dev = self.inner.alloc.device();
+        let layouts = st.unbaked.iter().filter_map(|(chunk, _)| st.chunks.get(chunk));
+        let largest = layouts.map(|c| largest_offloaded(&c.layout)).max().unwrap_or(0);
+        let scratch = self.scratch(st, largest)?;
         (st.unbaked.iter())
             .map(|(chunk, slot)| {
                 let c = st.chunks.get(chunk).ok_or_else(|| schedule_error(*chunk, "a capture"))?;
-                Ok((slot.clone(), bake(dev, &c.layout, self.inner.config.switchable)?))
+                Ok((slot.clone(), bake(dev, &c.layout, scratch.as_deref())?))
             })
             .collect()
+    }
+
+    /// For a switchable capture, the scratch its device copies name, for tensors of up to
+    /// `largest` bytes: the manager's, made now (or made larger: graphs captured before keep
+    /// the old one).
+    fn scratch(&self, st: &mut State, largest: usize) -> Result<Option<Arc<Scratch>>> {
+        if !self.inner.config.switchable {
+            return Ok(None);
+        }
+        if st.scratch.as_ref().is_none_or(|s| s.bytes() < largest) {
+            st.scratch = Some(Arc::new(Scratch::new(&self.inner.alloc, &self.inner.d2h, largest)?));
+        }
+        Ok(st.scratch.clone())
     }
 
     /// The eager recording iteration's unit times (the slowest chunk's, per unit; each mark's
@@ -543,7 +562,7 @@ impl OffloadManager {
     pub fn pinned_copy_rates(&self, stream: &Stream) -> Result<(f64, f64)> {
         let dev = stream.device();
         let len = PROBE_BYTES / 2;
-        let host = HostBuffer::new(dev, DType::BF16, len, false)?;
+        let host = HostBuffer::new(dev, DType::BF16, len, None)?;
         let t = Tensor::zeros(&self.inner.alloc, stream, &[len], DType::BF16)?;
         stream.synchronize()?;
         let time = |s: &Stream, copy: &dyn Fn(&Stream) -> Result<()>| -> Result<f64> {

@@ -176,6 +176,8 @@ pub(crate) struct State {
     pub(crate) copied_out: usize,
     /// Every chunk's baked buffers, for switches (those of dropped graphs are gone).
     pub(crate) baked: Vec<(Chunk, std::sync::Weak<OnceLock<Baked>>)>,
+    /// What a switchable capture's device copies name (`None` until one needs it).
+    pub(crate) scratch: Option<Arc<super::host::Scratch>>,
     /// The device buffers of the offloaded tensors kept resident, by (the identity of their
     /// chunk's baked buffers, group, slot).
     pub(crate) resident: BTreeMap<(usize, usize, usize), Tensor>,
@@ -229,6 +231,7 @@ impl State {
             lent: Vec::new(),
             copied_out: 0,
             baked: Vec::new(),
+            scratch: None,
             resident: BTreeMap::new(),
             fault: None,
         }

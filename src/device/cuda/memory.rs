@@ -268,10 +268,6 @@ fn device_ptr(op: &'static str, raw: &RawBuffer, offset: usize, len: usize) -> R
     check_range(op, mem, offset, len)?;
     match (raw.kind, mem.ptr) {
         (MemKind::Device, Ptr::Device(p)) => Ok(p + offset as u64),
-        // A device alias of pinned memory (`PinnedBuffer::device_alias`): with unified
-        // addressing, which graphed's devices have (64-bit, compute capability 7.0 and up), the
-        // host address of page-locked memory from `cuMemAllocHost` is its device address.
-        (MemKind::Pinned, Ptr::Host(p)) => Ok(p.as_ptr().wrapping_add(offset) as u64),
         _ => Err(bug(
             op,
             "a pinned buffer reached the CUDA backend where device memory was expected; please report this as a bug",
