@@ -132,7 +132,25 @@ fn memory_info_follows_allocations(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// An alias of another element type over a buffer's start is the same memory under its own id:
+/// a kernel's write through it is read through the buffer, and one longer than the buffer is
+/// refused.
+fn an_alias_is_the_same_memory_under_its_own_id(dev: &Device) -> anyhow::Result<()> {
+    let s = dev.stream()?;
+    let x = dev.alloc_from(&s, &[0.0f32; 64])?;
+    let half = x.aliased_as::<f32>(32)?;
+    ensure!(half.id() != x.id() && half.len() == 32);
+    elementwise::fill(half.view(), 2.5, &s)?;
+    let back = x.to_vec(&s)?;
+    ensure!(back[..32].iter().all(|v| *v == 2.5) && back[32..].iter().all(|v| *v == 0.0), "{back:?}");
+    match x.aliased_as::<f32>(65) {
+        Err(Error::LengthMismatch { .. }) => Ok(()),
+        other => anyhow::bail!("an alias past the buffer's end: {:?}", other.map(|b| b.len())),
+    }
+}
+
 crate::per_device!(
+    an_alias_is_the_same_memory_under_its_own_id,
     memory_info_follows_allocations,
     allocation_beyond_the_device_memory_is_a_typed_error,
     blocking_writes_land_before_later_work,
