@@ -360,7 +360,7 @@ impl GraphExec {
 
     /// How many captured nodes name `buffer`.
     pub(crate) fn naming(&self, buffer: super::BufferId) -> usize {
-        self.index.sites_naming(buffer).len()
+        self.index.sites_naming(buffer).count()
     }
 
     /// Turns off (`enabled == false`) or on again every node that names `buffer` (any of its

@@ -317,11 +317,10 @@ impl UseIndex {
     }
 
     /// The sites that name `block`, in capture order.
-    pub(crate) fn sites_naming(&self, block: BufferId) -> Vec<usize> {
-        let mut sites: Vec<usize> = self.by_block.get(&block).into_iter().flatten().map(|&(s, _)| s).collect();
-        // A site's uses are listed together.
-        sites.dedup();
-        sites
+    pub(crate) fn sites_naming(&self, block: BufferId) -> impl Iterator<Item = usize> + '_ {
+        let uses = self.by_block.get(&block).map_or(&[][..], Vec::as_slice);
+        // A site's uses are listed together: each site once, at its first use.
+        (0..uses.len()).filter(move |&i| i == 0 || uses[i - 1].0 != uses[i].0).map(move |i| uses[i].0)
     }
 
     /// How many uses the sites have.
@@ -387,7 +386,7 @@ pub(crate) fn naming(
     index: &UseIndex,
     buffer: BufferId,
 ) -> std::result::Result<Vec<usize>, RebindErrorKind> {
-    let named = index.sites_naming(buffer);
+    let named: Vec<usize> = index.sites_naming(buffer).collect();
     if named.is_empty() {
         return Err(RebindErrorKind::NotNamed { buffer });
     }

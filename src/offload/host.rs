@@ -24,13 +24,13 @@ pub(crate) struct Scratch {
 impl Scratch {
     /// Scratch for tensors of up to `bytes`, from `alloc` on `stream`.
     pub(crate) fn new(alloc: &crate::memory::CachingAllocator, stream: &Stream, bytes: usize) -> Result<Scratch> {
-        let len = bytes.div_ceil(4);
+        let len = bytes.div_ceil(DType::F32.size());
         Ok(Scratch { out: alloc.alloc(stream, len)?, back: alloc.alloc(stream, len)? })
     }
 
     /// The largest tensor it serves, in bytes.
     pub(crate) fn bytes(&self) -> usize {
-        self.out.len() * 4
+        self.out.len() * DType::F32.size()
     }
 }
 

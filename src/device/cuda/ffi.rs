@@ -644,7 +644,7 @@ impl OwnedExec {
     }
 
     /// Points memcpy node `node` of the executable's graph at device address `src` as its source
-    /// and `dst` as its destination (each where given) for later launches
+    /// and `dst` as its destination (where given) for later launches
     /// (`cuGraphMemcpyNodeGetParams`, then `cuGraphExecMemcpyNodeSetParams` with only those
     /// addresses changed, so the memory types the driver recorded stay: it refuses a change of
     /// type, such as a host destination made a device one).
@@ -657,7 +657,7 @@ impl OwnedExec {
     pub(super) unsafe fn set_memcpy(
         &self,
         node: RawNode,
-        src: Option<sys::CUdeviceptr>,
+        src: sys::CUdeviceptr,
         dst: Option<sys::CUdeviceptr>,
     ) -> Result<(), DriverError> {
         let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
@@ -665,9 +665,7 @@ impl OwnedExec {
         unsafe { sys::cuGraphMemcpyNodeGetParams(node.0, p.as_mut_ptr()) }.result()?;
         // SAFETY: filled by the driver above (and all-zero is a valid value of the plain struct).
         let mut p = unsafe { p.assume_init() };
-        if let Some(src) = src {
-            p.srcDevice = src;
-        }
+        p.srcDevice = src;
         if let Some(dst) = dst {
             p.dstDevice = dst;
         }

@@ -207,7 +207,7 @@ impl CuExec {
                     };
                     // A device-to-host copy's destination is never moved (only device views
                     // are rebound, and the driver refuses a change of memory type).
-                    let (src, dst) = (Some(side(Slot::CopySrc)?), device_dst.then(|| side(Slot::CopyDst)).transpose()?);
+                    let (src, dst) = (side(Slot::CopySrc)?, device_dst.then(|| side(Slot::CopyDst)).transpose()?);
                     // SAFETY: the node is a device-source memcpy node of this executable's
                     // graph, kept alive by `self.graph`; `src` and `dst` address held device
                     // blocks' bytes, `dst` only where the copy's destination is device memory.
