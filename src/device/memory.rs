@@ -300,8 +300,8 @@ impl<T: Elem> DeviceBuffer<T> {
     /// Another buffer of `len` elements of `U` over the start of this one's memory: its own
     /// [`id`](DeviceBuffer::id), so that a graph's nodes naming it are told apart from those
     /// naming this buffer or its other aliases, while the checker orders their accesses as the
-    /// same memory. Like [`alias`](DeviceBuffer::alias) it does not own the block: keep this
-    /// buffer while the alias is used, or its memory goes back to its allocator.
+    /// same memory. It does not own the block: keep this buffer while the alias is used, or its
+    /// memory goes back to its allocator.
     ///
     /// # Errors
     /// [`Error::LengthMismatch`](crate::Error::LengthMismatch) when `len` elements of `U` do not
