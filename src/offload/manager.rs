@@ -87,7 +87,7 @@ fn switch_nodes(execs: &[&PoolExec], host: &HostBuffer, resident: Option<&Tensor
 }
 
 /// What [`OffloadManager::keep_resident`] left resident.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Resident {
     /// Offloaded tensors kept on the device.
     pub tensors: usize,

@@ -96,9 +96,8 @@ struct OffloadRow {
     /// Bytes copied out (and back) per step (kept on the device instead, for
     /// graphed-offload-resident).
     offloaded_bytes: usize,
-    /// graphed-offload-resident: the host µs of a switch to keep every offloaded tensor resident,
-    /// and of one back, medians of [`SWITCHES`] each, nothing launched between them.
-    switch_us: Option<[f64; 2]>,
+    /// graphed-offload-resident: the switches timed before its steps.
+    switch: Option<Switch>,
     /// Median over a few steps: the side stream's end of the forward (or backward) pass, tails
     /// included, minus the moment the main stream resumed after it.
     forward_lead_ms: Option<f64>,
@@ -200,21 +199,36 @@ struct Built {
     model: BenchModel,
     manager: Option<OffloadManager>,
     graphed: GraphedStack,
-    switch_us: Option<[f64; 2]>,
+    switch: Option<Switch>,
 }
 
 /// The switches each way that graphed-offload-resident times.
 const SWITCHES: usize = 20;
 
+/// graphed-offload-resident's switches without a new capture, nothing launched between them.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Switch {
+    /// Host µs to keep every offloaded tensor resident (median of [`SWITCHES`]).
+    to_resident_us: f64,
+    /// Host µs to offload them again (median of [`SWITCHES`]).
+    back_us: f64,
+    /// The tensors each switch moves, and their bytes.
+    tensors: usize,
+    bytes: usize,
+}
+
 /// Switches `graphed`'s offloaded tensors to resident and back [`SWITCHES`] times each, ending
-/// resident: the median host µs of each way.
-fn time_switches(m: &OffloadManager, graphed: &GraphedStack) -> anyhow::Result<[f64; 2]> {
-    let (mut there, mut back) = (Vec::new(), Vec::new());
+/// resident.
+fn time_switches(m: &OffloadManager, graphed: &GraphedStack) -> anyhow::Result<Switch> {
+    let (mut there, mut back, mut moved) = (Vec::new(), Vec::new(), None);
     for i in 0..2 * SWITCHES + 1 {
         let resident = i % 2 == 0;
         let issued = std::time::Instant::now();
-        m.keep_resident(graphed.layers(), |_, _| resident)?;
+        let now = m.keep_resident(graphed.layers(), |_, _| resident)?;
         let us = issued.elapsed().as_secs_f64() * 1e6;
+        if resident {
+            moved.get_or_insert(now);
+        }
         if i < 2 * SWITCHES {
             if resident {
                 there.push(us)
@@ -223,7 +237,13 @@ fn time_switches(m: &OffloadManager, graphed: &GraphedStack) -> anyhow::Result<[
             }
         }
     }
-    Ok([spread(there).median, spread(back).median])
+    let moved = moved.unwrap_or_default();
+    Ok(Switch {
+        to_resident_us: spread(there).median,
+        back_us: spread(back).median,
+        tensors: moved.tensors,
+        bytes: moved.bytes,
+    })
 }
 
 impl Built {
@@ -243,11 +263,11 @@ impl Built {
         if let Some(static_dy) = graphed.static_grad_output()? {
             static_dy.copy_from(&model.dy, &main)?;
         }
-        let switch_us = match (variant, &manager) {
+        let switch = match (variant, &manager) {
             (Variant::Resident, Some(m)) => Some(time_switches(m, &graphed)?),
             _ => None,
         };
-        Ok(Built { variant, alloc, main, side, model, manager, graphed, switch_us })
+        Ok(Built { variant, alloc, main, side, model, manager, graphed, switch })
     }
 
     fn step(&self) -> anyhow::Result<()> {
@@ -263,7 +283,7 @@ impl Built {
         args: &GraphsBenchArgs,
         baseline: Option<&OffloadRow>,
     ) -> anyhow::Result<(OffloadRow, Option<CopyRates>)> {
-        let Built { variant, alloc, main, side, model, manager, graphed, switch_us } = self;
+        let Built { variant, alloc, main, side, model, manager, graphed, switch } = self;
         let dev = main.device();
         let leads = match dev.kind() {
             DeviceKind::Cuda => Some(leads(dev, &graphed, &model, &main, &side)?),
@@ -294,7 +314,7 @@ impl Built {
                 .and_then(|s| s.expected_reserved_saving())
                 .map(|r| [*r.start(), *r.end()]),
             offloaded_bytes: summary.as_ref().map_or(0, |s| s.offloaded_bytes()),
-            switch_us,
+            switch,
             forward_lead_ms: leads.as_ref().map(|l| l.forward),
             backward_lead_ms: leads.as_ref().map(|l| l.backward),
             forward_ms: leads.as_ref().map(|l| l.forward_ms),
@@ -396,8 +416,14 @@ fn print_row(r: &OffloadRow) {
         opt(r.forward_lead_ms, " ms"),
         opt(r.backward_lead_ms, " ms"),
     );
-    if let Some([there, back]) = r.switch_us {
-        println!("    switched without a new capture: {there:.1} µs host to keep every offloaded tensor resident, {back:.1} µs back");
+    if let Some(w) = r.switch {
+        println!(
+            "    switched without a new capture: {} tensors ({:.1} MiB) kept resident in {:.1} µs host, offloaded again in {:.1} µs",
+            w.tensors,
+            mib(w.bytes as f64),
+            w.to_resident_us,
+            w.back_us
+        );
     }
     if let Some(s) = &r.summary {
         for line in s.lines() {
