@@ -9,7 +9,7 @@ use super::error::OffloadErrorKind;
 use super::host::{HostBuffer, Scratch};
 use super::policy::{decide, mark_eligible, GroupLayout, Summary, TensorLayout, Timings, Windows};
 use super::shared::Inner;
-use super::state::{Baked, Fault, Mark, PassTiming, State};
+use super::state::{Baked, Fault, Mark, PassTiming, ResidentKey, State};
 use crate::device::{DType, Stream};
 use crate::graph::{GraphOptions, GraphedCallable, PassTimes, Probe, PROBE_REPLAYS};
 use crate::memory::{CachingAllocator, PoolExec};
@@ -210,9 +210,8 @@ impl OffloadManager {
         // Graphs dropped since: their baked buffers are gone, and their tensors' memory goes too.
         st.baked.retain(|(_, w)| w.strong_count() > 0);
         let alive: Vec<usize> = st.baked.iter().map(|(_, w)| w.as_ptr() as usize).collect();
-        st.resident.retain(|(b, _, _), _| alive.contains(b));
-        // The baked buffers of the graphs given (another capture's of the same chunk aside), by
-        // identity: a resident tensor's key is (its buffers' identity, group, slot).
+        st.resident.retain(|k, _| alive.contains(&k.baked));
+        // The baked buffers of the graphs given (another capture's of the same chunk aside).
         let baked: Vec<(Chunk, Arc<OnceLock<Baked>>)> = (st.baked.iter())
             .filter_map(|(c, w)| Some((*c, w.upgrade()?)))
             .filter(|(_, b)| {
@@ -224,7 +223,7 @@ impl OffloadManager {
         for (chunk, slot) in &baked {
             let (Some(b), Some(c)) = (slot.get(), st.chunks.get(chunk)) else { continue };
             for (&(g, s), host) in &b.buffers {
-                let key = (Arc::as_ptr(slot) as usize, g, s);
+                let key = ResidentKey { baked: Arc::as_ptr(slot) as usize, group: g, slot: s };
                 let want = keep(*chunk, &c.layout[g]);
                 if want == st.resident.contains_key(&key) {
                     continue;
@@ -254,7 +253,7 @@ impl OffloadManager {
             switch_nodes(&execs, host, None)?;
             st.resident.remove(key);
         }
-        let mine = |(b, _, _): &(usize, usize, usize)| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == *b);
+        let mine = |k: &ResidentKey| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == k.baked);
         let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();
         Ok(Resident { tensors: resident.len(), bytes: resident.iter().map(|t| t.bytes()).sum() })
     }

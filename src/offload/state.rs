@@ -178,9 +178,8 @@ pub(crate) struct State {
     pub(crate) baked: Vec<(Chunk, std::sync::Weak<OnceLock<Baked>>)>,
     /// What a switchable capture's device copies name (`None` until one needs it).
     pub(crate) scratch: Option<Arc<super::host::Scratch>>,
-    /// The device buffers of the offloaded tensors kept resident, by (the identity of their
-    /// chunk's baked buffers, group, slot).
-    pub(crate) resident: BTreeMap<(usize, usize, usize), Tensor>,
+    /// The device buffers of the offloaded tensors kept resident.
+    pub(crate) resident: BTreeMap<ResidentKey, Tensor>,
     /// A step of the protocol left out on purpose (tests of the hazards).
     pub(crate) fault: Option<Fault>,
 }
@@ -253,3 +252,13 @@ impl Baked {
 /// A chunk's baked buffers, if its hook was made for graphs: set when the policy freezes (at once
 /// for a hook made after that).
 pub(crate) type BakedRef = Option<Arc<OnceLock<Baked>>>;
+
+/// Which offloaded tensor is kept resident: its chunk's baked buffers (by the address of their
+/// shared slot, which lives as long as a graph of that capture does), its group and its slot.
+/// A new capture of the same chunk bakes new buffers, so its tensors have keys of their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct ResidentKey {
+    pub(crate) baked: usize,
+    pub(crate) group: usize,
+    pub(crate) slot: usize,
+}
