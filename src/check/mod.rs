@@ -118,6 +118,9 @@ struct ExecPatch {
     remaps: Vec<crate::device::patch::Remap>,
     sites: usize,
     disabled: Vec<usize>,
+    /// Changed since its summary was last rebuilt: the next launch rebuilds it, once for any
+    /// number of changes (a switch of offloading changes many nodes of one executable).
+    stale: bool,
 }
 
 #[derive(Default)]
@@ -205,6 +208,9 @@ fn byte_range(later: &Access, prior: &Access) -> (usize, usize) {
 impl State {
     /// Executable `exec`'s summary of `graph` through its patch (none: the graph's own).
     fn repatch(&mut self, graph: GraphId, exec: u64) {
+        if let Some(p) = self.patches.get_mut(&exec) {
+            p.stale = false;
+        }
         let patch = self.patches.get(&exec).filter(|p| !p.remaps.is_empty() || !p.disabled.is_empty());
         match (self.graphs.get(&graph), patch) {
             (Some(summary), Some(p)) => {
@@ -588,6 +594,9 @@ impl Observer for Checker {
         }
         let mut st = self.lock();
         let before = st.hazards.len();
+        if st.patches.get(&exec).is_some_and(|p| p.stale) {
+            st.repatch(graph, exec);
+        }
         let Some(summary) = st.rebound.get(&exec).or_else(|| st.graphs.get(&graph)).cloned() else { return Ok(()) };
         st.next_launch += 1;
         let launch = st.next_launch;
@@ -652,25 +661,24 @@ impl Observer for Checker {
         self.finish(&mut st, before)
     }
 
-    fn rebind(&self, graph: GraphId, exec: u64, remaps: &[crate::device::patch::Remap]) -> Result<()> {
+    fn rebind(&self, _graph: GraphId, exec: u64, remaps: &[crate::device::patch::Remap]) -> Result<()> {
         if self.inner.captures_only {
             // Launches are not checked: their summaries are not needed.
             return Ok(());
         }
         let mut st = self.lock();
-        st.patches.entry(exec).or_default().remaps = remaps.to_vec();
-        st.repatch(graph, exec);
+        let patch = st.patches.entry(exec).or_default();
+        (patch.remaps, patch.stale) = (remaps.to_vec(), true);
         Ok(())
     }
 
-    fn set_enabled(&self, graph: GraphId, exec: u64, sites: usize, disabled: &[usize]) -> Result<()> {
+    fn set_enabled(&self, _graph: GraphId, exec: u64, sites: usize, disabled: &[usize]) -> Result<()> {
         if self.inner.captures_only {
             return Ok(());
         }
         let mut st = self.lock();
         let patch = st.patches.entry(exec).or_default();
-        (patch.sites, patch.disabled) = (sites, disabled.to_vec());
-        st.repatch(graph, exec);
+        (patch.sites, patch.disabled, patch.stale) = (sites, disabled.to_vec(), true);
         Ok(())
     }
 
