@@ -223,6 +223,12 @@ macro_rules! buffer_common {
                 self.block.id
             }
 
+            /// The allocation its accesses name ([`Access::memory`]), shared with its aliases:
+            /// how graph verification recognizes memory that a graph's tail may touch.
+            pub fn memory_id(&self) -> BufferId {
+                self.block.raw.id
+            }
+
             /// The device whose memory it is.
             pub fn device_id(&self) -> DeviceId {
                 self.block.raw.device
@@ -377,12 +383,6 @@ impl<T: Elem> View<'_, T> {
 }
 
 impl<T: Elem> PinnedBuffer<T> {
-    /// The allocation its accesses name ([`Access::memory`]): how graph verification recognizes
-    /// host memory that a graph's tail may touch.
-    pub fn memory_id(&self) -> BufferId {
-        self.block.raw.id
-    }
-
     /// Copies the buffer's contents to a `Vec` on the host, now. Not ordered against queued
     /// copies: synchronize the copy's event or stream first.
     pub fn read(&self) -> crate::Result<Vec<T>> {

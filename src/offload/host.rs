@@ -82,9 +82,7 @@ impl HostBuffer {
     /// The allocations its copies touch in a graph's tail: its own, and where it has device
     /// copies, the scratch's (for graph verification).
     pub(crate) fn tail_memories(&self) -> Vec<BufferId> {
-        let twins = with_dtype!(self.dtype, T => self.twins::<T>().map(|(o, b)| {
-            [o, b].map(|t| t.view().access(crate::device::AccessMode::Write).memory)
-        }));
+        let twins = with_dtype!(self.dtype, T => self.twins::<T>().map(|(o, b)| [o.memory_id(), b.memory_id()]));
         std::iter::once(self.memory).chain(twins.into_iter().flatten()).collect()
     }
 
