@@ -106,6 +106,17 @@ fn print_callable(g: &GraphedCallable) -> anyhow::Result<()> {
                 graph.tail.iter().map(|t| format!("{} x{} ({})", t.op, t.writes, bytes(t.bytes))).collect();
             println!("    tail (after the sync event): {}", ops.join(", "));
         }
+        if !graph.disabled.is_empty() {
+            let mut off: Vec<(&str, usize)> = Vec::new();
+            for op in &graph.disabled {
+                match off.iter_mut().find(|(o, _)| o == op) {
+                    Some((_, n)) => *n += 1,
+                    None => off.push((op, 1)),
+                }
+            }
+            let ops: Vec<String> = off.iter().map(|(op, n)| format!("{op} x{n}")).collect();
+            println!("    turned off: {}", ops.join(", "));
+        }
     }
     Ok(())
 }

@@ -548,6 +548,7 @@ impl GraphedCallable {
                 nodes: c.graph.graph().node_counts()?,
                 records: c.graph.graph().external_record_events()?,
                 tail: self.tail_of(c.graph.graph()),
+                disabled: c.exec.disabled_ops(),
             });
         }
         let bytes = |ts: &mut dyn Iterator<Item = &Tensor>| ts.map(Tensor::bytes).sum::<usize>();
@@ -644,6 +645,9 @@ pub struct GraphReport {
     pub records: Vec<EventId>,
     /// What it writes after the sync event (its tail), per operation; empty without one.
     pub tail: Vec<TailOp>,
+    /// The operations of its executable's nodes turned off now, in capture order
+    /// ([`GraphExec::disabled_ops`](crate::device::GraphExec::disabled_ops)).
+    pub disabled: Vec<&'static str>,
 }
 
 /// Writes of one operation in a graph's tail (offload copies, say).

@@ -487,6 +487,11 @@ impl PoolExec {
         self.exec.set_enabled(buffer, enabled)
     }
 
+    /// See [`GraphExec::disabled_ops`].
+    pub fn disabled_ops(&self) -> Vec<&'static str> {
+        self.exec.disabled_ops()
+    }
+
     /// How many captured nodes name `buffer`.
     pub(crate) fn naming(&self, buffer: crate::device::BufferId) -> usize {
         self.exec.naming(buffer)

@@ -65,8 +65,9 @@ fn schedule_error(chunk: Chunk, found: &str) -> Error {
     Error::Offload(OffloadErrorKind::Schedule { chunk, expected, found })
 }
 
-/// Points `host`'s device copies in `execs` at `resident` and turns them on, its host copies
-/// off; or (`None`) the reverse, the device copies pointed back where they were captured.
+/// Points `host`'s device copies in `execs` (those that name its copies) at `resident` and
+/// turns them on, its host copies off; or (`None`) the reverse, the device copies pointed back
+/// where they were captured.
 fn switch_nodes(execs: &[&PoolExec], host: &HostBuffer, resident: Option<&Tensor>) -> Result<()> {
     let twins = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
     for exec in execs {
@@ -229,28 +230,35 @@ impl OffloadManager {
                     continue;
                 }
                 let [out, back] = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
-                // Two host copies and two device copies, one each way.
-                let found: usize =
-                    [host.id(), out, back].iter().map(|b| execs.iter().map(|e| e.naming(*b)).sum::<usize>()).sum();
+                // Two host copies and two device copies, one each way; the executables that
+                // hold them are the ones the switch visits.
+                let (mut found, mut naming) = (0, Vec::new());
+                for e in &execs {
+                    let here: usize = [host.id(), out, back].iter().map(|b| e.naming(*b)).sum();
+                    if here > 0 {
+                        found += here;
+                        naming.push(*e);
+                    }
+                }
                 if found != 4 {
                     return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found }));
                 }
                 let t = &c.layout[g].tensors[s];
-                changes.push((key, host, want.then_some((t.shape.clone(), t.dtype))));
+                changes.push((key, host, naming, want.then_some((t.shape.clone(), t.dtype))));
             }
         }
         let mut kept = Vec::new();
-        for (key, host, want) in &changes {
+        for (key, host, naming, want) in &changes {
             if let Some((shape, dtype)) = want {
-                kept.push((*key, *host, Tensor::uninit(&self.inner.alloc, &self.inner.d2h, shape, *dtype)?));
+                kept.push((*key, *host, naming, Tensor::uninit(&self.inner.alloc, &self.inner.d2h, shape, *dtype)?));
             }
         }
-        for (key, host, t) in kept {
-            switch_nodes(&execs, host, Some(&t))?;
+        for (key, host, naming, t) in kept {
+            switch_nodes(naming, host, Some(&t))?;
             st.resident.insert(key, t);
         }
-        for (key, host, _) in changes.iter().filter(|c| c.2.is_none()) {
-            switch_nodes(&execs, host, None)?;
+        for (key, host, naming, _) in changes.iter().filter(|c| c.3.is_none()) {
+            switch_nodes(naming, host, None)?;
             st.resident.remove(key);
         }
         let mine = |k: &ResidentKey| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == k.baked);

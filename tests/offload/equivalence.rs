@@ -287,6 +287,18 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
         other => Err(anyhow::anyhow!("expected an offload refusal, got {other}")),
     };
     let allocated = || off.alloc.stats().total.allocated;
+    // The copies turned off across the graphs: the device copies while offloading, the host
+    // copies while kept resident.
+    let turned_off = || -> anyhow::Result<Vec<&'static str>> {
+        let mut ops = Vec::new();
+        for layer in go.layers() {
+            ops.extend(layer.report()?.graphs.into_iter().flat_map(|g| g.disabled));
+        }
+        ops.sort_unstable();
+        ops.dedup();
+        Ok(ops)
+    };
+    ensure!(turned_off()? == ["memcpy_d2d"], "offloading: {:?} off", turned_off()?);
     for k in 1..=6 {
         match k {
             3 => {
@@ -307,12 +319,14 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
                 let kept = mo.keep_resident(go.layers(), |_, _| true)?;
                 ensure!(kept.bytes == offloaded, "{} B kept of {offloaded} B offloaded", kept.bytes);
                 ensure!(allocated() >= before + offloaded, "the kept tensors' memory is allocated");
+                ensure!(turned_off()? == ["memcpy_d2h", "memcpy_h2d"], "kept resident: {:?} off", turned_off()?);
                 continue;
             }
             5 => {
                 let before = allocated();
                 ensure!(mo.keep_resident(go.layers(), |_, _| false)?.tensors == 0);
                 ensure!(allocated() + offloaded <= before, "offloaded again, their memory is given back");
+                ensure!(turned_off()? == ["memcpy_d2d"], "offloaded again: {:?} off", turned_off()?);
             }
             _ => {}
         }
