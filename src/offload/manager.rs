@@ -87,6 +87,15 @@ fn switch_nodes(execs: &[&PoolExec], host: &HostBuffer, resident: Option<&Tensor
     Ok(())
 }
 
+/// One tensor's switch in [`OffloadManager::keep_resident`]: which executables hold its copies,
+/// and its shape and type where it is to be kept resident (offloaded again: none).
+struct Switch<'a> {
+    key: ResidentKey,
+    host: &'a HostBuffer,
+    execs: Vec<&'a PoolExec>,
+    keep: Option<(Vec<usize>, DType)>,
+}
+
 /// What [`OffloadManager::keep_resident`] left resident.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Resident {
@@ -244,22 +253,23 @@ impl OffloadManager {
                     return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found }));
                 }
                 let t = &c.layout[g].tensors[s];
-                changes.push((key, host, naming, want.then_some((t.shape.clone(), t.dtype))));
+                let keep = want.then_some((t.shape.clone(), t.dtype));
+                changes.push(Switch { key, host, execs: naming, keep });
             }
         }
         let mut kept = Vec::new();
-        for (key, host, naming, want) in &changes {
-            if let Some((shape, dtype)) = want {
-                kept.push((*key, *host, naming, Tensor::uninit(&self.inner.alloc, &self.inner.d2h, shape, *dtype)?));
+        for c in &changes {
+            if let Some((shape, dtype)) = &c.keep {
+                kept.push((c, Tensor::uninit(&self.inner.alloc, &self.inner.d2h, shape, *dtype)?));
             }
         }
-        for (key, host, naming, t) in kept {
-            switch_nodes(naming, host, Some(&t))?;
-            st.resident.insert(key, t);
+        for (c, t) in kept {
+            switch_nodes(&c.execs, c.host, Some(&t))?;
+            st.resident.insert(c.key, t);
         }
-        for (key, host, naming, _) in changes.iter().filter(|c| c.3.is_none()) {
-            switch_nodes(naming, host, None)?;
-            st.resident.remove(key);
+        for c in changes.iter().filter(|c| c.keep.is_none()) {
+            switch_nodes(&c.execs, c.host, None)?;
+            st.resident.remove(&c.key);
         }
         let mine = |k: &ResidentKey| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == k.baked);
         let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();
