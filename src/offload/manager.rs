@@ -65,9 +65,8 @@ fn schedule_error(chunk: Chunk, found: &str) -> Error {
     Error::Offload(OffloadErrorKind::Schedule { chunk, expected, found })
 }
 
-/// Points `host`'s device copies in `execs` (those that name its copies) at `resident` and
-/// turns them on, its host copies off; or (`None`) the reverse, the device copies pointed back
-/// where they were captured.
+/// Points `host`'s device copies in `execs` at `resident` and turns them on, its host copies
+/// off; or (`None`) the reverse, the device copies pointed back where they were captured.
 fn switch_nodes(execs: &[&PoolExec], host: &HostBuffer, resident: Option<&Tensor>) -> Result<()> {
     let twins = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
     for exec in execs {
@@ -85,15 +84,6 @@ fn switch_nodes(execs: &[&PoolExec], host: &HostBuffer, resident: Option<&Tensor
         }
     }
     Ok(())
-}
-
-/// One tensor's switch in [`OffloadManager::keep_resident`]: which executables hold its copies,
-/// and its shape and type where it is to be kept resident (offloaded again: none).
-struct Switch<'a> {
-    key: ResidentKey,
-    host: &'a HostBuffer,
-    execs: Vec<&'a PoolExec>,
-    keep: Option<(Vec<usize>, DType)>,
 }
 
 /// What [`OffloadManager::keep_resident`] left resident.
@@ -239,37 +229,29 @@ impl OffloadManager {
                     continue;
                 }
                 let [out, back] = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
-                // Two host copies and two device copies, one each way; the executables that
-                // hold them are the ones the switch visits.
-                let (mut found, mut naming) = (0, Vec::new());
-                for e in &execs {
-                    let here: usize = [host.id(), out, back].iter().map(|b| e.naming(*b)).sum();
-                    if here > 0 {
-                        found += here;
-                        naming.push(*e);
-                    }
-                }
+                // Two host copies and two device copies, one each way.
+                let found: usize =
+                    [host.id(), out, back].iter().map(|b| execs.iter().map(|e| e.naming(*b)).sum::<usize>()).sum();
                 if found != 4 {
                     return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found }));
                 }
                 let t = &c.layout[g].tensors[s];
-                let keep = want.then_some((t.shape.clone(), t.dtype));
-                changes.push(Switch { key, host, execs: naming, keep });
+                changes.push((key, host, want.then_some((t.shape.clone(), t.dtype))));
             }
         }
         let mut kept = Vec::new();
-        for c in &changes {
-            if let Some((shape, dtype)) = &c.keep {
-                kept.push((c, Tensor::uninit(&self.inner.alloc, &self.inner.d2h, shape, *dtype)?));
+        for (key, host, want) in &changes {
+            if let Some((shape, dtype)) = want {
+                kept.push((*key, *host, Tensor::uninit(&self.inner.alloc, &self.inner.d2h, shape, *dtype)?));
             }
         }
-        for (c, t) in kept {
-            switch_nodes(&c.execs, c.host, Some(&t))?;
-            st.resident.insert(c.key, t);
+        for (key, host, t) in kept {
+            switch_nodes(&execs, host, Some(&t))?;
+            st.resident.insert(key, t);
         }
-        for c in changes.iter().filter(|c| c.keep.is_none()) {
-            switch_nodes(&c.execs, c.host, None)?;
-            st.resident.remove(&c.key);
+        for (key, host, _) in changes.iter().filter(|c| c.2.is_none()) {
+            switch_nodes(&execs, host, None)?;
+            st.resident.remove(key);
         }
         let mine = |k: &ResidentKey| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == k.baked);
         let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();
