@@ -212,15 +212,18 @@ struct Switch {
     to_resident_us: f64,
     /// Host µs to offload them again (median of [`SWITCHES`]).
     back_us: f64,
+    /// Host µs of a switch that changes nothing, every tensor already resident (median of
+    /// [`SWITCHES`]): the part of a switch that does not grow with the tensors it moves.
+    unchanged_us: f64,
     /// The tensors each switch moves, and their bytes.
     tensors: usize,
     bytes: usize,
 }
 
 /// Switches `graphed`'s offloaded tensors to resident and back [`SWITCHES`] times each, ending
-/// resident.
+/// resident, then asks for them resident [`SWITCHES`] times more, which changes nothing.
 fn time_switches(m: &OffloadManager, graphed: &GraphedStack) -> anyhow::Result<Switch> {
-    let (mut there, mut back, mut moved) = (Vec::new(), Vec::new(), None);
+    let (mut there, mut back, mut unchanged, mut moved) = (Vec::new(), Vec::new(), Vec::new(), None);
     for i in 0..2 * SWITCHES + 1 {
         let resident = i % 2 == 0;
         let issued = std::time::Instant::now();
@@ -237,10 +240,16 @@ fn time_switches(m: &OffloadManager, graphed: &GraphedStack) -> anyhow::Result<S
             }
         }
     }
+    for _ in 0..SWITCHES {
+        let issued = std::time::Instant::now();
+        m.keep_resident(graphed.layers(), |_, _| true)?;
+        unchanged.push(issued.elapsed().as_secs_f64() * 1e6);
+    }
     let moved = moved.unwrap_or_default();
     Ok(Switch {
         to_resident_us: spread(there).median,
         back_us: spread(back).median,
+        unchanged_us: spread(unchanged).median,
         tensors: moved.tensors,
         bytes: moved.bytes,
     })
@@ -418,11 +427,12 @@ fn print_row(r: &OffloadRow) {
     );
     if let Some(w) = r.switch {
         println!(
-            "    switched without a new capture: {} tensors ({:.1} MiB) kept resident in {:.1} µs host, offloaded again in {:.1} µs",
+            "    switched without a new capture: {} tensors ({:.1} MiB) kept resident in {:.1} µs host, offloaded again in {:.1} µs; a switch that changes nothing {:.1} µs",
             w.tensors,
             mib(w.bytes as f64),
             w.to_resident_us,
-            w.back_us
+            w.back_us,
+            w.unchanged_us
         );
     }
     if let Some(s) = &r.summary {
