@@ -223,12 +223,16 @@ struct Switch {
 /// Switches `graphed`'s offloaded tensors to resident and back [`SWITCHES`] times each, ending
 /// resident, then asks for them resident [`SWITCHES`] times more, which changes nothing.
 fn time_switches(m: &OffloadManager, graphed: &GraphedStack) -> anyhow::Result<Switch> {
+    // One switch: what it left resident, and its host µs.
+    let switch = |resident: bool| -> graphed::Result<(graphed::offload::Resident, f64)> {
+        let issued = std::time::Instant::now();
+        let now = m.keep_resident(graphed.layers(), |_, _| resident)?;
+        Ok((now, issued.elapsed().as_secs_f64() * 1e6))
+    };
     let (mut there, mut back, mut unchanged, mut moved) = (Vec::new(), Vec::new(), Vec::new(), None);
     for i in 0..2 * SWITCHES + 1 {
         let resident = i % 2 == 0;
-        let issued = std::time::Instant::now();
-        let now = m.keep_resident(graphed.layers(), |_, _| resident)?;
-        let us = issued.elapsed().as_secs_f64() * 1e6;
+        let (now, us) = switch(resident)?;
         if resident {
             moved.get_or_insert(now);
         }
@@ -241,9 +245,7 @@ fn time_switches(m: &OffloadManager, graphed: &GraphedStack) -> anyhow::Result<S
         }
     }
     for _ in 0..SWITCHES {
-        let issued = std::time::Instant::now();
-        m.keep_resident(graphed.layers(), |_, _| true)?;
-        unchanged.push(issued.elapsed().as_secs_f64() * 1e6);
+        unchanged.push(switch(true)?.1);
     }
     let moved = moved.unwrap_or_default();
     Ok(Switch {
