@@ -371,8 +371,13 @@ impl GraphExec {
         self.index.sites_naming(buffer).count()
     }
 
-    /// Turns off (`enabled == false`) or on again every node that names `buffer` (any of its
-    /// bytes), for later launches: a node turned off does nothing, and what waited on it still
+    /// Whether a captured node names `buffer`.
+    pub(crate) fn names(&self, buffer: super::BufferId) -> bool {
+        self.index.names(buffer)
+    }
+
+    /// Turns off (`enabled == false`) or on again every node that names one of `buffers` (any
+    /// of its bytes), for later launches: a node turned off does nothing, and what waited on it still
     /// waits on what it waited on (CUDA's `cuGraphNodeSetEnabled`, which keeps a disabled node's
     /// edges; HIP's drops them). Only kernels, copies and memsets can be turned off. The checker
     /// sees the launches without what the nodes turned off read and write. Returns how many nodes
@@ -389,22 +394,27 @@ impl GraphExec {
     /// elementwise::add_scalar(x.view(), 1.0, &s)?;
     /// elementwise::scale(y.view(), x.view(), 10.0, &s)?;
     /// let exec = cap.finish()?.instantiate()?;
-    /// assert_eq!(exec.set_enabled(y.id(), false)?, 1); // the scale is off
+    /// assert_eq!(exec.set_enabled(&[y.id()], false)?, 1); // the scale is off
     /// exec.launch(&s)?;
     /// assert_eq!((x.to_vec(&s)?, y.to_vec(&s)?), (vec![2.0, 3.0], vec![0.0, 0.0]));
     /// # Ok::<(), graphed::Error>(())
     /// ```
     ///
     /// # Errors
-    /// [`Error::Rebind`] when no node names `buffer` or a library call or collective does (its
-    /// nodes are the library's); [`Error::GraphReset`] after [`reset`](GraphExec::reset). A
-    /// refused call changes nothing.
-    pub fn set_enabled(&self, buffer: super::BufferId, enabled: bool) -> Result<usize> {
+    /// [`Error::Rebind`] when no node names one of `buffers` or a library call or collective
+    /// does (its nodes are the library's); [`Error::GraphReset`] after
+    /// [`reset`](GraphExec::reset). A refused call changes nothing.
+    pub fn set_enabled(&self, buffers: &[super::BufferId], enabled: bool) -> Result<usize> {
         const OP: &str = "GraphExec::set_enabled";
         self.dev.check_err()?;
         let repr = self.repr(OP)?;
-        let named =
-            patch::naming(&self.sites, &self.index, buffer).map_err(|kind| Error::Rebind { graph: self.id, kind })?;
+        let mut named = Vec::new();
+        for &buffer in buffers {
+            let sites = patch::naming(&self.sites, &self.index, buffer);
+            named.extend(sites.map_err(|kind| Error::Rebind { graph: self.id, kind })?);
+        }
+        named.sort_unstable();
+        named.dedup();
         let mut st = self.rebound();
         if st.broken {
             return Err(Error::Rebind { graph: self.id, kind: patch::RebindErrorKind::Broken });
@@ -430,9 +440,9 @@ impl GraphExec {
                 _ => {}
             }
         }
-        let disabled = st.disabled.clone();
+        let disabled = self.dev.observer().map(|o| (o, st.disabled.clone()));
         drop(st);
-        if let Some(o) = self.dev.observer() {
+        if let Some((o, disabled)) = disabled {
             o.set_enabled(self.id, self.exec, self.sites.len(), &disabled)?;
         }
         Ok(changed.len())

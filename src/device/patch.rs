@@ -13,7 +13,7 @@
 //! not know (cuBLASLt, cuDNN, NCCL), refuses the rebind as a whole, before anything changes: its
 //! bytes must be copied in instead.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::Arc;
 
 use super::backend::Op;
@@ -297,7 +297,7 @@ pub(crate) struct UseIndex {
 impl UseIndex {
     /// The index of `sites`.
     pub(crate) fn of(sites: &[Site]) -> UseIndex {
-        let mut by_block: HashMap<BufferId, Vec<(usize, usize)>> = HashMap::new();
+        let mut by_block: HashMap<BufferId, Vec<(usize, usize)>> = HashMap::default();
         let mut first = Vec::with_capacity(sites.len() + 1);
         let mut uses = 0;
         for (s, site) in sites.iter().enumerate() {

@@ -482,9 +482,9 @@ impl PoolExec {
         self.exec.rebind(rebinds)
     }
 
-    /// Turns the nodes naming `buffer` off or on (see [`GraphExec::set_enabled`]).
-    pub fn set_enabled(&self, buffer: crate::device::BufferId, enabled: bool) -> Result<usize> {
-        self.exec.set_enabled(buffer, enabled)
+    /// Turns the nodes naming `buffers` off or on (see [`GraphExec::set_enabled`]).
+    pub fn set_enabled(&self, buffers: &[crate::device::BufferId], enabled: bool) -> Result<usize> {
+        self.exec.set_enabled(buffers, enabled)
     }
 
     /// See [`GraphExec::disabled_ops`].
@@ -495,6 +495,11 @@ impl PoolExec {
     /// How many captured nodes name `buffer`.
     pub(crate) fn naming(&self, buffer: crate::device::BufferId) -> usize {
         self.exec.naming(buffer)
+    }
+
+    /// Whether a captured node names `buffer`.
+    pub(crate) fn names(&self, buffer: crate::device::BufferId) -> bool {
+        self.exec.names(buffer)
     }
 
     /// The name its pool knows its graph by, if any.

@@ -50,6 +50,9 @@ pub(crate) struct HostBuffer {
     dtype: DType,
     len: usize,
     memory: BufferId,
+    /// What the host copies' graph nodes name, and where it has device copies, what they name:
+    /// kept, as a switch looks them up for every executable.
+    ids: (BufferId, Option<[BufferId; 2]>),
     /// Recorded after its last copy out (on the copy-out stream).
     pub(crate) last_out: Option<Event>,
     /// Recorded after its last copy back (on the copy-back stream).
@@ -63,20 +66,20 @@ impl HostBuffer {
         with_dtype!(dtype, T => {
             let b = dev.alloc_pinned::<T>(len)?;
             let memory = b.memory_id();
-            let twins = match scratch {
-                Some(s) => Some(Twins {
-                    out: Arc::new(s.out.aliased_as::<T>(len)?),
-                    back: Arc::new(s.back.aliased_as::<T>(len)?),
-                }),
-                None => None,
-            };
-            Ok(HostBuffer { buf: Arc::new(b), twins, dtype, len, memory, last_out: None, last_in: None })
+            let (mut twins, mut twin_ids) = (None, None);
+            if let Some(s) = scratch {
+                let (out, back) = (s.out.aliased_as::<T>(len)?, s.back.aliased_as::<T>(len)?);
+                twin_ids = Some([out.id(), back.id()]);
+                twins = Some(Twins { out: Arc::new(out), back: Arc::new(back) });
+            }
+            let ids = (b.id(), twin_ids);
+            Ok(HostBuffer { buf: Arc::new(b), twins, dtype, len, memory, ids, last_out: None, last_in: None })
         })
     }
 
     /// The buffer's identity: what the host copies' graph nodes name.
     pub(crate) fn id(&self) -> BufferId {
-        with_dtype!(self.dtype, T => self.pinned::<T>().id())
+        self.ids.0
     }
 
     /// The allocations its copies touch in a graph's tail: its own, and where it has device
@@ -88,7 +91,7 @@ impl HostBuffer {
 
     /// What its device copies name, out and back, where it has them.
     pub(crate) fn twin_ids(&self) -> Option<[BufferId; 2]> {
-        with_dtype!(self.dtype, T => self.twins::<T>().map(|(o, b)| [o.id(), b.id()]))
+        self.ids.1
     }
 
     fn twins<T: crate::device::Elem>(&self) -> Option<(&DeviceBuffer<T>, &DeviceBuffer<T>)> {
@@ -99,7 +102,7 @@ impl HostBuffer {
     }
 
     /// Where it has device copies: captures, turned off, a device copy of `src` beside the copy
-    /// out, which a switch points at device memory ([`Self::rebind_twins`]).
+    /// out, which a switch points at device memory ([`Self::twin_rebinds`]).
     pub(crate) fn capture_twin_out(&self, src: &Tensor, stream: &Stream) -> Result<()> {
         with_dtype!(self.dtype, T => match self.twins::<T>() {
             Some((out, _)) => stream.capture_off(|| stream.copy_d2d(src.view::<T>()?, out.view())),
@@ -116,20 +119,24 @@ impl HostBuffer {
         })
     }
 
-    /// Points its device copies in `exec` at `to` (the copy out's destination, the copy back's
-    /// source), or back where they were captured (`None`); returns the nodes changed.
-    pub(crate) fn rebind_twins(&self, exec: &crate::memory::PoolExec, to: Option<&Tensor>) -> Result<usize> {
+    /// The rebinds that point its device copies in `exec` at `to` (the copy out's destination,
+    /// the copy back's source), or back where they were captured (`None`).
+    pub(crate) fn twin_rebinds<'a>(
+        &'a self,
+        exec: &crate::memory::PoolExec,
+        to: Option<&'a Tensor>,
+    ) -> Result<Vec<Rebind<'a>>> {
         with_dtype!(self.dtype, T => {
-            let Some((out, back)) = self.twins::<T>() else { return Ok(0) };
-            let mut moved = 0;
-            for twin in [out, back].into_iter().filter(|t| exec.naming(t.id()) > 0) {
+            let Some((out, back)) = self.twins::<T>() else { return Ok(Vec::new()) };
+            let mut rebinds = Vec::new();
+            for twin in [out, back].into_iter().filter(|t| exec.names(t.id())) {
                 let to = match to {
                     Some(t) => t.view::<T>()?,
                     None => twin.view(),
                 };
-                moved += exec.rebind(&[Rebind::new(twin.view(), to)?.moving_writes()])?;
+                rebinds.push(Rebind::new(twin.view(), to)?.moving_writes());
             }
-            Ok(moved)
+            Ok(rebinds)
         })
     }
 

@@ -65,22 +65,28 @@ fn schedule_error(chunk: Chunk, found: &str) -> Error {
     Error::Offload(OffloadErrorKind::Schedule { chunk, expected, found })
 }
 
-/// Points `host`'s device copies in `execs` at `resident` and turns them on, its host copies
-/// off; or (`None`) the reverse, the device copies pointed back where they were captured.
-fn switch_nodes(execs: &[&PoolExec], host: &HostBuffer, resident: Option<&Tensor>) -> Result<()> {
-    let twins = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
-    for exec in execs {
-        if resident.is_some() {
-            host.rebind_twins(exec, resident)?;
-        }
-        for twin in twins.into_iter().filter(|t| exec.naming(*t) > 0) {
-            exec.set_enabled(twin, resident.is_some())?;
-        }
-        if resident.is_none() {
-            host.rebind_twins(exec, None)?;
-        }
-        if exec.naming(host.id()) > 0 {
-            exec.set_enabled(host.id(), resident.is_none())?;
+/// Switches the copies in `exec` of each tensor of `switches`: kept resident (`Some`), its
+/// device copies point at that memory and are on, its host copies off; offloaded again
+/// (`None`), the reverse, the device copies pointed back where they were captured. One rebind
+/// and one call each way for the whole executable, as each costs a walk of its bindings.
+fn switch_nodes(exec: &PoolExec, switches: &[(&HostBuffer, Option<&Tensor>)]) -> Result<()> {
+    let (mut rebinds, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
+    for &(host, resident) in switches {
+        let twins = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
+        rebinds.extend(host.twin_rebinds(exec, resident)?);
+        let (twins_to, host_to) = match resident {
+            Some(_) => (&mut on, &mut off),
+            None => (&mut off, &mut on),
+        };
+        twins_to.extend(twins.into_iter().filter(|t| exec.names(*t)));
+        host_to.extend(Some(host.id()).filter(|h| exec.names(*h)));
+    }
+    if !rebinds.is_empty() {
+        exec.rebind(&rebinds)?;
+    }
+    for (buffers, enabled) in [(off, false), (on, true)] {
+        if !buffers.is_empty() {
+            exec.set_enabled(&buffers, enabled)?;
         }
     }
     Ok(())
@@ -214,11 +220,10 @@ impl OffloadManager {
         // The baked buffers of the graphs given (another capture's of the same chunk aside).
         let baked: Vec<(Chunk, Arc<OnceLock<Baked>>)> = (st.baked.iter())
             .filter_map(|(c, w)| Some((*c, w.upgrade()?)))
-            .filter(|(_, b)| {
-                b.get().is_some_and(|b| b.buffers.values().any(|h| execs.iter().any(|e| e.naming(h.id()) > 0)))
-            })
+            .filter(|(_, b)| b.get().is_some_and(|b| b.buffers.values().any(|h| execs.iter().any(|e| e.names(h.id())))))
             .collect();
-        // What changes, each checked before anything does.
+        // What changes, each checked before anything does, and the executables that hold the
+        // tensor's copies: the only ones the switch visits.
         let mut changes = Vec::new();
         for (chunk, slot) in &baked {
             let (Some(b), Some(c)) = (slot.get(), st.chunks.get(chunk)) else { continue };
@@ -230,28 +235,43 @@ impl OffloadManager {
                 }
                 let [out, back] = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
                 // Two host copies and two device copies, one each way.
-                let found: usize =
-                    [host.id(), out, back].iter().map(|b| execs.iter().map(|e| e.naming(*b)).sum::<usize>()).sum();
+                let (mut found, mut holding) = (0, Vec::new());
+                for (e, exec) in execs.iter().enumerate() {
+                    let here: usize = [host.id(), out, back].iter().map(|b| exec.naming(*b)).sum();
+                    if here > 0 {
+                        found += here;
+                        holding.push(e);
+                    }
+                }
                 if found != 4 {
                     return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found }));
                 }
                 let t = &c.layout[g].tensors[s];
-                changes.push((key, host, want.then_some((t.shape.clone(), t.dtype))));
+                changes.push((key, host, holding, want.then_some((t.shape.clone(), t.dtype))));
             }
         }
-        let mut kept = Vec::new();
-        for (key, host, want) in &changes {
-            if let Some((shape, dtype)) = want {
-                kept.push((*key, *host, Tensor::uninit(&self.inner.alloc, &self.inner.d2h, shape, *dtype)?));
+        let mut kept = Vec::with_capacity(changes.len());
+        for (_, _, _, want) in &changes {
+            kept.push(match want {
+                Some((shape, dtype)) => Some(Tensor::uninit(&self.inner.alloc, &self.inner.d2h, shape, *dtype)?),
+                None => None,
+            });
+        }
+        let mut by_exec: Vec<Vec<(&HostBuffer, Option<&Tensor>)>> = vec![Vec::new(); execs.len()];
+        for ((_, host, holding, _), t) in changes.iter().zip(&kept) {
+            for &e in holding {
+                by_exec[e].push((*host, t.as_ref()));
             }
         }
-        for (key, host, t) in kept {
-            switch_nodes(&execs, host, Some(&t))?;
-            st.resident.insert(key, t);
+        for (exec, switches) in execs.iter().zip(&by_exec).filter(|(_, s)| !s.is_empty()) {
+            switch_nodes(exec, switches)?;
         }
-        for (key, host, _) in changes.iter().filter(|c| c.2.is_none()) {
-            switch_nodes(&execs, host, None)?;
-            st.resident.remove(key);
+        drop(by_exec);
+        for ((key, ..), t) in changes.iter().zip(kept) {
+            match t {
+                Some(t) => st.resident.insert(*key, t),
+                None => st.resident.remove(key),
+            };
         }
         let mine = |k: &ResidentKey| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == k.baked);
         let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();

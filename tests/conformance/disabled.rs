@@ -25,15 +25,15 @@ fn a_node_turned_off_does_nothing_and_keeps_its_edges(dev: &Device) -> anyhow::R
     s.wait_stream(&side)?;
     let exec = cap.finish()?.instantiate()?;
 
-    ensure!(exec.set_enabled(y.id(), false)? == 1, "one node names y");
-    ensure!(exec.set_enabled(y.id(), false)? == 0, "already off: nothing changes");
+    ensure!(exec.set_enabled(&[y.id()], false)? == 1, "one node names y");
+    ensure!(exec.set_enabled(&[y.id()], false)? == 0, "already off: nothing changes");
     exec.launch(&s)?;
     s.synchronize()?;
     ensure!(x.to_vec(&s)? == vec![2.0; N], "the increment ran");
     ensure!(y.to_vec(&s)? == vec![-1.0; N], "the copy did not");
     ensure!(z.to_vec(&s)? == vec![4.0; N], "the scale ran after the increment");
 
-    ensure!(exec.set_enabled(y.id(), true)? == 1);
+    ensure!(exec.set_enabled(&[y.id()], true)? == 1);
     exec.launch(&s)?;
     s.synchronize()?;
     ensure!(y.to_vec(&s)? == vec![3.0; N], "on again, the copy runs");
@@ -54,7 +54,7 @@ fn the_checker_sees_launches_without_what_is_off(dev: &Device) -> anyhow::Result
     elementwise::add_scalar(x.view(), 1.0, &s)?;
     s.copy_d2h(x.view(), host.view())?;
     let exec = cap.finish()?.instantiate()?;
-    ensure!(exec.set_enabled(host.id(), false)? == 1);
+    ensure!(exec.set_enabled(&[host.id()], false)? == 1);
     exec.launch(&s)?;
     ensure!(host.read()? == vec![7.0; 64], "nothing copied into the host's memory");
     s.synchronize()?;
@@ -73,7 +73,7 @@ fn what_cannot_be_turned_off_is_refused(dev: &Device) -> anyhow::Result<()> {
     elementwise::add_scalar(w.view(), 1.0, &s)?;
     let exec = cap.finish()?.instantiate()?;
     for (buffer, what) in [(a.id(), "opaque"), (unnamed.id(), "not named")] {
-        let kind = match exec.set_enabled(buffer, false) {
+        let kind = match exec.set_enabled(&[buffer], false) {
             Err(Error::Rebind { kind, .. }) => kind,
             other => anyhow::bail!("{what}: expected a refusal, got {other:?}"),
         };
@@ -110,10 +110,10 @@ fn work_captured_off_starts_off(dev: &Device) -> anyhow::Result<()> {
     let (first, second) = (graph.instantiate()?, graph.instantiate()?);
     first.launch(&s)?;
     ensure!(y.to_vec(&s)? == vec![0.0; 128] && x.to_vec(&s)? == vec![3.0; 128], "the scale starts off");
-    ensure!(second.set_enabled(y.id(), true)? == 1, "each executable starts with it off");
+    ensure!(second.set_enabled(&[y.id()], true)? == 1, "each executable starts with it off");
     second.launch(&s)?;
     ensure!(y.to_vec(&s)? == vec![9.0; 128], "turned on, it runs");
-    ensure!(second.set_enabled(y.id(), false)? == 1 && first.set_enabled(y.id(), false)? == 0);
+    ensure!(second.set_enabled(&[y.id()], false)? == 1 && first.set_enabled(&[y.id()], false)? == 0);
     Ok(())
 }
 

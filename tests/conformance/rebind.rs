@@ -194,7 +194,7 @@ fn host_copies_switch_to_a_resident_buffer_and_back(dev: &Device) -> anyhow::Res
         &|| elementwise::scale(out.view(), r.view(), 2.0, &s),
     )?;
     for exec in [&forward, &backward] {
-        ensure!(exec.set_enabled(stand_in.id(), false)? == 1, "one stand-in copy per graph");
+        ensure!(exec.set_enabled(&[stand_in.id()], false)? == 1, "one stand-in copy per graph");
     }
     let expected: Vec<f32> = values(N, 3.0).iter().map(|v| 2.0 * v).collect();
     let step = |x_now: f32| -> anyhow::Result<Vec<f32>> {
@@ -209,8 +209,8 @@ fn host_copies_switch_to_a_resident_buffer_and_back(dev: &Device) -> anyhow::Res
     let resident = dev.alloc::<f32>(N)?;
     for exec in [&forward, &backward] {
         exec.rebind(&[Rebind::new(stand_in.view(), resident.view())?.moving_writes()])?;
-        exec.set_enabled(stand_in.id(), true)?;
-        exec.set_enabled(host.id(), false)?;
+        exec.set_enabled(&[stand_in.id()], true)?;
+        exec.set_enabled(&[host.id()], false)?;
     }
     s.synchronize()?;
     host.write(&[11.0; N])?;
@@ -218,8 +218,8 @@ fn host_copies_switch_to_a_resident_buffer_and_back(dev: &Device) -> anyhow::Res
     ensure!(host.read()? == vec![11.0; N], "the host's memory untouched");
 
     for exec in [&forward, &backward] {
-        exec.set_enabled(host.id(), true)?;
-        exec.set_enabled(stand_in.id(), false)?;
+        exec.set_enabled(&[host.id()], true)?;
+        exec.set_enabled(&[stand_in.id()], false)?;
         exec.rebind(&[Rebind::new(stand_in.view(), stand_in.view())?.moving_writes()])?;
     }
     drop(resident);

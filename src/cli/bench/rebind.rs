@@ -176,7 +176,7 @@ fn time_toggles(exec: &GraphExec, x: &Tensor, reps: u32) -> anyhow::Result<(f64,
     let (mut us, mut nodes) = (Vec::new(), 0);
     for rep in 0..(reps + 4) & !1 {
         let issued = Instant::now();
-        nodes = exec.set_enabled(x.id(), rep % 2 == 1)?;
+        nodes = exec.set_enabled(&[x.id()], rep % 2 == 1)?;
         let elapsed = issued.elapsed().as_secs_f64() * 1e6;
         if rep >= 3 {
             us.push(elapsed);
