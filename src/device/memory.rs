@@ -339,8 +339,9 @@ impl<T: Elem> DeviceBuffer<T> {
     }
 
     /// Lets an allocator reuse this memory for `stream` once `event` has completed, when it is
-    /// freed. Memory used on several streams is otherwise reused only after a device-wide
-    /// synchronize; this is PyTorch's `record_stream`, the other way round. The caller promises
+    /// freed. Without it, memory used on several streams is reused only after a device-wide
+    /// synchronize, and memory used on one stream only by that stream; this is PyTorch's
+    /// `record_stream`, the other way round. The caller promises
     /// that every use of the buffer on another stream than `stream` is enqueued before `event`'s
     /// latest record (a copy on a side stream, then the event on that stream).
     pub fn release_after(&self, event: &Event, stream: &super::Stream) {

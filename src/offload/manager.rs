@@ -188,15 +188,18 @@ impl OffloadManager {
     /// [`OffloadConfig::switchable`] (a stack's [`layers`](crate::graph::GraphedStack::layers),
     /// a schedule's [`callables`](crate::graph::GraphedSchedule::callables); a layer's tensors
     /// are copied by the graphs of the layer above it). Between steps only: every pool's next
-    /// graph is its first.
+    /// graph is its first, and `stream` is the one the steps join on
+    /// ([`GraphedStack::join`](crate::graph::GraphedStack::join)), after the last step's join.
     ///
-    /// A tensor kept resident gets device memory of its own (from the allocator, now), and its
-    /// graphs' copies to and from the host are turned off; the device copies captured beside
-    /// them, into and out of that memory, are turned on. Why not only turn the host copies off:
-    /// the memory the tensor had in the graph pool is handed to later allocations of the step,
-    /// and the backward reads the copy back's destination (docs/offload.md). Offloaded again, its
-    /// memory is given back (as it is at the next switch after its graphs are dropped, or with
-    /// the manager). Returns the tensors and bytes now resident.
+    /// A tensor kept resident gets device memory of its own (from the allocator, now, for
+    /// `stream`), and its graphs' copies to and from the host are turned off; the device copies
+    /// captured beside them, into and out of that memory, are turned on. Why not only turn the
+    /// host copies off: the memory the tensor had in the graph pool is handed to later
+    /// allocations of the step, and the backward reads the copy back's destination
+    /// (docs/offload.md). Offloaded again, its memory is given back to the allocator for
+    /// `stream` after the work enqueued there so far, so that the next switch can reuse it (as
+    /// it is at the next switch after its graphs are dropped, or with the manager). Returns the
+    /// tensors and bytes now resident.
     ///
     /// # Errors
     /// [`OffloadErrorKind::NotSwitchable`], [`OffloadErrorKind::SwitchMidStep`] and
@@ -205,6 +208,7 @@ impl OffloadManager {
     pub fn keep_resident(
         &self,
         graphs: &[GraphedCallable],
+        stream: &Stream,
         keep: impl Fn(Chunk, &GroupLayout) -> bool,
     ) -> Result<Resident> {
         let execs: Vec<&PoolExec> = graphs.iter().flat_map(GraphedCallable::executables).collect();
@@ -212,11 +216,13 @@ impl OffloadManager {
             let graph = e.name().unwrap_or_else(|| e.id().to_string());
             return Err(Error::Offload(OffloadErrorKind::SwitchMidStep { graph }));
         }
+        self.inner.alloc.device().check_same("OffloadManager::keep_resident", "stream", stream.device().id())?;
         let mut st = self.inner.lock();
         // Graphs dropped since: their baked buffers are gone, and their tensors' memory goes too.
         st.baked.retain(|(_, w)| w.strong_count() > 0);
         let alive: Vec<usize> = st.baked.iter().map(|(_, w)| w.as_ptr() as usize).collect();
-        st.resident.retain(|k, _| alive.contains(&k.baked));
+        let gone: Vec<ResidentKey> = st.resident.keys().filter(|k| !alive.contains(&k.baked)).copied().collect();
+        let mut released: Vec<Tensor> = gone.iter().filter_map(|k| st.resident.remove(k)).collect();
         // The baked buffers of the graphs given (another capture's of the same chunk aside).
         let baked: Vec<(Chunk, Arc<OnceLock<Baked>>)> = (st.baked.iter())
             .filter_map(|(c, w)| Some((*c, w.upgrade()?)))
@@ -253,7 +259,7 @@ impl OffloadManager {
         let mut kept = Vec::with_capacity(changes.len());
         for (_, _, _, want) in &changes {
             kept.push(match want {
-                Some((shape, dtype)) => Some(Tensor::uninit(&self.inner.alloc, &self.inner.d2h, shape, *dtype)?),
+                Some((shape, dtype)) => Some(Tensor::uninit(&self.inner.alloc, stream, shape, *dtype)?),
                 None => None,
             });
         }
@@ -269,9 +275,21 @@ impl OffloadManager {
         drop(by_exec);
         for ((key, ..), t) in changes.iter().zip(kept) {
             match t {
-                Some(t) => st.resident.insert(*key, t),
-                None => st.resident.remove(key),
-            };
+                Some(t) => {
+                    st.resident.insert(*key, t);
+                }
+                None => released.extend(st.resident.remove(key)),
+            }
+        }
+        // Their last reads and writes were graph launches on `stream` or joined into it: given
+        // back after them, the memory serves `stream` at once and the other streams after the
+        // event (freed without it, memory that several streams used waits for a synchronize of
+        // the device, and every switch would reserve more).
+        if !released.is_empty() {
+            stream.record(&self.inner.released)?;
+            for t in &released {
+                t.release_after(&self.inner.released, stream)?;
+            }
         }
         let mine = |k: &ResidentKey| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == k.baked);
         let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();

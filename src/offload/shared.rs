@@ -6,7 +6,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::config::{OffloadConfig, Policy};
 use super::state::State;
-use crate::device::Stream;
+use crate::device::{Event, Stream};
 use crate::memory::CachingAllocator;
 use crate::Result;
 
@@ -17,6 +17,8 @@ pub(crate) struct Inner {
     pub(crate) d2h: Stream,
     /// Copies back (host to device).
     pub(crate) h2d: Stream,
+    /// Recorded on the caller's stream when a switch gives resident tensors' memory back.
+    pub(crate) released: Event,
     pub(crate) config: OffloadConfig,
     state: Mutex<State>,
 }
@@ -29,6 +31,7 @@ impl Inner {
             alloc: alloc.clone(),
             d2h: dev.stream()?,
             h2d: dev.stream()?,
+            released: dev.event()?,
             config,
             state: Mutex::new(State::new()),
         })

@@ -305,10 +305,10 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
                 // The first layer's graphs copy nothing (a layer's tensors are copied out and
                 // back by the graphs of the layer above): nothing of theirs switches. Mid-step:
                 // refused. Then between steps, every graph.
-                ensure!(mo.keep_resident(&go.layers()[..1], |_, _| true)?.tensors == 0);
+                ensure!(mo.keep_resident(&go.layers()[..1], &off.s, |_, _| true)?.tensors == 0);
                 let (x, _) = off.data(k)?;
                 let (y, _) = (go.forward(&off.s, &x, Replay::side(&side))?, ());
-                let mid = refusal(mo.keep_resident(go.layers(), |_, _| true).unwrap_err())?;
+                let mid = refusal(mo.keep_resident(go.layers(), &off.s, |_, _| true).unwrap_err())?;
                 ensure!(matches!(mid, OffloadErrorKind::SwitchMidStep { .. }), "{mid}");
                 drop(y);
                 let (_, dy) = off.data(k)?;
@@ -316,7 +316,7 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
                 go.join(&off.s)?;
                 plain.graphed(&gp, k, Replay::side(&side))?;
                 let before = allocated();
-                let kept = mo.keep_resident(go.layers(), |_, _| true)?;
+                let kept = mo.keep_resident(go.layers(), &off.s, |_, _| true)?;
                 ensure!(kept.bytes == offloaded, "{} B kept of {offloaded} B offloaded", kept.bytes);
                 ensure!(allocated() >= before + offloaded, "the kept tensors' memory is allocated");
                 ensure!(turned_off()? == ["memcpy_d2h", "memcpy_h2d"], "kept resident: {:?} off", turned_off()?);
@@ -324,7 +324,7 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
             }
             5 => {
                 let before = allocated();
-                ensure!(mo.keep_resident(go.layers(), |_, _| false)?.tensors == 0);
+                ensure!(mo.keep_resident(go.layers(), &off.s, |_, _| false)?.tensors == 0);
                 ensure!(allocated() + offloaded <= before, "offloaded again, their memory is given back");
                 ensure!(turned_off()? == ["memcpy_d2d"], "offloaded again: {:?} off", turned_off()?);
             }
@@ -339,7 +339,33 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
     let m = OffloadManager::new(&other.alloc, config())?;
     other.skip_first()?;
     let g = other.graph(m.graph_options(GraphOptions::default().sync_event(&e1)))?;
-    let not = refusal(m.keep_resident(g.layers(), |_, _| true).unwrap_err())?;
+    let not = refusal(m.keep_resident(g.layers(), &other.s, |_, _| true).unwrap_err())?;
     ensure!(matches!(not, OffloadErrorKind::NotSwitchable), "{not}");
+    Ok(())
+}
+
+/// Switched back and forth between steps whose graphs run on a side stream, the tensors kept
+/// resident reuse the memory given back at the last switch: the reserved bytes stay those of the
+/// first switch (memory one stream used, freed without an ordering, would wait for a
+/// synchronize of the device, and every switch would reserve more). Tensors large enough that
+/// what a switch leaves unused cannot hide in a segment's free space.
+pub fn switching_again_reuses_the_memory_given_back(dev: &Device) -> Result {
+    let dims = Dims { batch: 2, seq: 128, dim: 128, layers: 3, dropout: 0.0, ..DIMS };
+    let off = Model::new(dev, dims, DType::F32)?;
+    let mo = OffloadManager::new(&off.alloc, config().switchable(true))?;
+    off.skip_first()?;
+    let (side, ready) = (dev.stream()?, dev.event()?);
+    let go = off.graph(mo.graph_options(GraphOptions::default().sync_event(&ready)))?;
+    let reserved = || off.alloc.stats().total.reserved;
+    let mut first = None;
+    for k in 1..=4 {
+        let kept = mo.keep_resident(go.layers(), &off.s, |_, _| true)?;
+        ensure!(kept.bytes > 1 << 20, "{} B kept resident: too little to test", kept.bytes);
+        let now = reserved();
+        ensure!(now <= *first.get_or_insert(now), "switch {k}: {now} B reserved, {first:?} B at the first");
+        off.graphed(&go, k, Replay::side(&side))?;
+        ensure!(mo.keep_resident(go.layers(), &off.s, |_, _| false)?.tensors == 0);
+        off.graphed(&go, k, Replay::side(&side))?;
+    }
     Ok(())
 }

@@ -222,11 +222,11 @@ struct Switch {
 
 /// Switches `graphed`'s offloaded tensors to resident and back [`SWITCHES`] times each, ending
 /// resident, then asks for them resident [`SWITCHES`] times more, which changes nothing.
-fn time_switches(m: &OffloadManager, graphed: &GraphedStack) -> anyhow::Result<Switch> {
+fn time_switches(m: &OffloadManager, graphed: &GraphedStack, stream: &Stream) -> anyhow::Result<Switch> {
     // One switch: what it left resident, and its host µs.
     let switch = |resident: bool| -> graphed::Result<(graphed::offload::Resident, f64)> {
         let issued = std::time::Instant::now();
-        let now = m.keep_resident(graphed.layers(), |_, _| resident)?;
+        let now = m.keep_resident(graphed.layers(), stream, |_, _| resident)?;
         Ok((now, issued.elapsed().as_secs_f64() * 1e6))
     };
     let (mut there, mut back, mut unchanged, mut moved) = (Vec::new(), Vec::new(), Vec::new(), None);
@@ -275,7 +275,7 @@ impl Built {
             static_dy.copy_from(&model.dy, &main)?;
         }
         let switch = match (variant, &manager) {
-            (Variant::Resident, Some(m)) => Some(time_switches(m, &graphed)?),
+            (Variant::Resident, Some(m)) => Some(time_switches(m, &graphed, &main)?),
             _ => None,
         };
         Ok(Built { variant, alloc, main, side, model, manager, graphed, switch })
