@@ -432,6 +432,31 @@ pub(super) fn end_capture(
     Ok(OwnedGraph { raw, ctx: ctx.clone(), errors: errors.clone() })
 }
 
+/// A memcpy node's parameters as captured (`cuGraphMemcpyNodeGetParams`), read once and kept:
+/// each rebind of the node changes only its addresses.
+#[derive(Clone, Copy)]
+pub(super) struct MemcpyParams(sys::CUDA_MEMCPY3D);
+
+// SAFETY: plain data; its pointers are addresses the driver reads at a later update, never
+// dereferenced here, and the memory they name is held by the executable that keeps them.
+unsafe impl Send for MemcpyParams {}
+// SAFETY: as for `Send`; shared only to be copied.
+unsafe impl Sync for MemcpyParams {}
+
+impl MemcpyParams {
+    /// The parameters of memcpy node `node`.
+    ///
+    /// # Safety
+    /// `node` is a memcpy node of a live graph.
+    pub(super) unsafe fn of(node: RawNode) -> Result<MemcpyParams, DriverError> {
+        let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
+        // SAFETY: the caller's guarantees; the driver fills the struct.
+        unsafe { sys::cuGraphMemcpyNodeGetParams(node.0, p.as_mut_ptr()) }.result()?;
+        // SAFETY: filled by the driver above (and all-zero is a valid value of the plain struct).
+        Ok(MemcpyParams(unsafe { p.assume_init() }))
+    }
+}
+
 /// A node's handle as a capture reported it: valid while the graph that capture ended in lives
 /// (whoever keeps it keeps that graph too).
 #[derive(Clone, Copy, Debug)]
@@ -645,26 +670,23 @@ impl OwnedExec {
 
     /// Points memcpy node `node` of the executable's graph at device address `src` as its source
     /// and `dst` as its destination (where given) for later launches
-    /// (`cuGraphMemcpyNodeGetParams`, then `cuGraphExecMemcpyNodeSetParams` with only those
-    /// addresses changed, so the memory types the driver recorded stay: it refuses a change of
-    /// type, such as a host destination made a device one).
+    /// (`cuGraphExecMemcpyNodeSetParams` with only those addresses of `captured` changed, so the
+    /// memory types the driver recorded stay: it refuses a change of type, such as a host
+    /// destination made a device one).
     ///
     /// # Safety
     /// `node` is a memcpy node of the graph this executable was instantiated from, whose source
-    /// (and destination, where `dst` is given) is device memory, that graph is alive, and `src`
-    /// and `dst` address as many bytes of live device memory as the node copies, alive while a
-    /// launch can use them.
+    /// (and destination, where `dst` is given) is device memory, that graph is alive,
+    /// `captured` is that node's [`MemcpyParams::of`], and `src` and `dst` address as many
+    /// bytes of live device memory as the node copies, alive while a launch can use them.
     pub(super) unsafe fn set_memcpy(
         &self,
         node: RawNode,
+        captured: &MemcpyParams,
         src: sys::CUdeviceptr,
         dst: Option<sys::CUdeviceptr>,
     ) -> Result<(), DriverError> {
-        let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
-        // SAFETY: the node is a memcpy node of a live graph; the driver fills the struct.
-        unsafe { sys::cuGraphMemcpyNodeGetParams(node.0, p.as_mut_ptr()) }.result()?;
-        // SAFETY: filled by the driver above (and all-zero is a valid value of the plain struct).
-        let mut p = unsafe { p.assume_init() };
+        let mut p = captured.0;
         p.srcDevice = src;
         if let Some(dst) = dst {
             p.dstDevice = dst;

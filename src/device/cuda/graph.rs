@@ -3,13 +3,13 @@
 use std::collections::{BinaryHeap, HashMap};
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::sys::CUgraphNodeType;
 
 use super::capture::Holdings;
 use super::error as err;
-use super::ffi::{Function, Node, OwnedExec, OwnedGraph, RawNode};
+use super::ffi::{Function, MemcpyParams, Node, OwnedExec, OwnedGraph, RawNode};
 use super::launch::Kernels;
 use crate::device::patch::{Site, SiteChange, Slot};
 use crate::device::{LaunchDims, NodeInfo, NodeKind};
@@ -25,8 +25,9 @@ pub(crate) struct PatchNode {
 pub(super) enum Template {
     /// A kernel: its function, dimensions and parameter slots as launched.
     Kernel { func: Function, dims: LaunchDims, values: Vec<u64> },
-    /// A device-to-host (`device_dst` false) or device-to-device copy.
-    Copy { device_dst: bool },
+    /// A device-to-host (`device_dst` false) or device-to-device copy, and its parameters as
+    /// captured, read at its first rebind.
+    Copy { device_dst: bool, captured: OnceLock<MemcpyParams> },
     /// A copy from pinned memory or a memset: turned off and on, never rebound.
     Fixed,
 }
@@ -194,7 +195,7 @@ impl CuExec {
                     unsafe { exec.set_kernel_params(patch.node, *func, dims, &mut values, &mut params) }
                         .map_err(|e| err::driver(OP, None, e))?;
                 }
-                Template::Copy { device_dst } => {
+                Template::Copy { device_dst, captured } => {
                     let uses = &sites[*site].uses;
                     // Where a side points now: where it is bound, else where it was captured.
                     let side = |slot: Slot| -> Result<u64> {
@@ -208,10 +209,21 @@ impl CuExec {
                     // A device-to-host copy's destination is never moved (only device views
                     // are rebound, and the driver refuses a change of memory type).
                     let (src, dst) = (side(Slot::CopySrc)?, device_dst.then(|| side(Slot::CopyDst)).transpose()?);
+                    let captured = match captured.get() {
+                        Some(p) => *p,
+                        None => {
+                            // SAFETY: the node is a memcpy node of this executable's graph,
+                            // kept alive by `self.graph`.
+                            let p = unsafe { MemcpyParams::of(patch.node) }.map_err(|e| err::driver(OP, None, e))?;
+                            *captured.get_or_init(|| p)
+                        }
+                    };
                     // SAFETY: the node is a device-source memcpy node of this executable's
-                    // graph, kept alive by `self.graph`; `src` and `dst` address held device
-                    // blocks' bytes, `dst` only where the copy's destination is device memory.
-                    unsafe { exec.set_memcpy(patch.node, src, dst) }.map_err(|e| err::driver(OP, None, e))?;
+                    // graph, kept alive by `self.graph`, and `captured` its parameters; `src`
+                    // and `dst` address held device blocks' bytes, `dst` only where the copy's
+                    // destination is device memory.
+                    unsafe { exec.set_memcpy(patch.node, &captured, src, dst) }
+                        .map_err(|e| err::driver(OP, None, e))?;
                 }
                 Template::Fixed => return Err(bug("a rebind of a node whose uses are writes or host memory")),
             }

@@ -39,7 +39,7 @@ mod stream;
 #[cfg(test)]
 mod tests;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{result, CudaContext};
 
@@ -74,8 +74,12 @@ impl CudaDevice {
                 let (func, dims, values) = self.kernels.template(stream, kernel, &dims, args)?;
                 graph::Template::Kernel { func, dims, values }
             }
-            Op::Copy { dir: CopyDir::DeviceToHost, .. } => graph::Template::Copy { device_dst: false },
-            Op::Copy { dir: CopyDir::DeviceToDevice, .. } => graph::Template::Copy { device_dst: true },
+            Op::Copy { dir: CopyDir::DeviceToHost, .. } => {
+                graph::Template::Copy { device_dst: false, captured: OnceLock::new() }
+            }
+            Op::Copy { dir: CopyDir::DeviceToDevice, .. } => {
+                graph::Template::Copy { device_dst: true, captured: OnceLock::new() }
+            }
             // A copy from pinned memory, which no rebind moves (its destination is a write), and
             // a memset (a write): held to be turned off and on.
             Op::Copy { .. } | Op::Memset { .. } => graph::Template::Fixed,
