@@ -27,7 +27,7 @@ pub(super) enum Template {
     Kernel { func: Function, dims: LaunchDims, values: Vec<u64> },
     /// A device-to-host (`device_dst` false) or device-to-device copy, and its parameters as
     /// captured, read at its first rebind.
-    Copy { device_dst: bool, captured: OnceLock<MemcpyParams> },
+    Copy { device_dst: bool, captured: OnceLock<Box<MemcpyParams>> },
     /// A copy from pinned memory or a memset: turned off and on, never rebound.
     Fixed,
 }
@@ -210,12 +210,12 @@ impl CuExec {
                     // are rebound, and the driver refuses a change of memory type).
                     let (src, dst) = (side(Slot::CopySrc)?, device_dst.then(|| side(Slot::CopyDst)).transpose()?);
                     let captured = match captured.get() {
-                        Some(p) => *p,
+                        Some(p) => **p,
                         None => {
                             // SAFETY: the node is a memcpy node of this executable's graph,
                             // kept alive by `self.graph`.
                             let p = unsafe { MemcpyParams::of(patch.node) }.map_err(|e| err::driver(OP, None, e))?;
-                            *captured.get_or_init(|| p)
+                            **captured.get_or_init(|| Box::new(p))
                         }
                     };
                     // SAFETY: the node is a device-source memcpy node of this executable's
