@@ -9,8 +9,9 @@
 //! does not lay out, so the input is copied in; with it, the add is graphed's own kernel and the
 //! input is read in place.
 //!
-//! Then the rebind call's scaling: graphs of more and more kernels reading one buffer, whose
-//! slope is the host cost of one more patched node (issue 35's goal is stated per node).
+//! Then the rebind call's scaling: graphs of more and more kernels, then device-to-device copies,
+//! reading one buffer, whose slope is the host cost of one more patched node (issue 35's goal is
+//! stated per node; an offload switch moves copies).
 
 use std::time::Instant;
 
@@ -90,24 +91,46 @@ pub fn run(args: &RebindBenchArgs) -> anyhow::Result<()> {
         );
         rows.push(Row::Layer(row));
     }
-    let scaling = rebind_scaling(&dev, &s, args.reps)?;
-    let calls: Vec<String> =
-        (scaling.nodes.iter().zip(&scaling.call_us)).map(|(n, us)| format!("{n} nodes {us:.2} µs")).collect();
-    println!(
-        "GraphExec::rebind of one buffer read by n kernels, per call: {}; {:.3} µs per added node",
-        calls.join(", "),
-        scaling.us_per_added_node
-    );
-    let toggles: Vec<String> = (scaling.nodes.iter().zip(&scaling.set_enabled_call_us))
-        .map(|(n, us)| format!("{n} nodes {us:.2} µs"))
-        .collect();
-    println!(
-        "GraphExec::set_enabled of the same nodes, per call: {}; {:.3} µs per added node",
-        toggles.join(", "),
-        scaling.set_enabled_us_per_added_node
-    );
-    rows.push(Row::Scaling(scaling));
+    for reader in [Reader::Kernel, Reader::Copy] {
+        let scaling = rebind_scaling(&dev, &s, reader, args.reps)?;
+        let per_call = |us: &[f64]| -> String {
+            let calls: Vec<String> =
+                scaling.nodes.iter().zip(us).map(|(n, us)| format!("{n} nodes {us:.2} µs")).collect();
+            calls.join(", ")
+        };
+        println!(
+            "GraphExec::rebind of one buffer read by n {}, per call: {}; {:.3} µs per added node",
+            scaling.reader,
+            per_call(&scaling.call_us),
+            scaling.us_per_added_node
+        );
+        println!(
+            "GraphExec::set_enabled of the same nodes, per call: {}; {:.3} µs per added node",
+            per_call(&scaling.set_enabled_call_us),
+            scaling.set_enabled_us_per_added_node
+        );
+        rows.push(Row::Scaling(scaling));
+    }
     write_json(&args.json, &Report::new("rebind", &dev, args.reps, rows))
+}
+
+/// What the nodes of [`rebind_scaling`]'s graphs are: each reads the rebound buffer.
+#[derive(Clone, Copy)]
+enum Reader {
+    /// A kernel of graphed's (its pointer argument patched).
+    Kernel,
+    /// A device-to-device copy (a memcpy node's source moved, as an offload switch moves its
+    /// device copies').
+    Copy,
+}
+
+impl Reader {
+    fn name(self) -> &'static str {
+        match self {
+            Reader::Kernel => "kernels",
+            Reader::Copy => "device-to-device copies",
+        }
+    }
 }
 
 /// A row of the report: a layer's, or the rebind call's scaling.
@@ -125,7 +148,9 @@ enum Row {
 /// nodes off and on.
 #[derive(Serialize, Debug)]
 struct ScalingRow {
-    /// Kernels reading the rebound buffer, per graph.
+    /// What reads the rebound buffer: `kernels` or `device-to-device copies`.
+    reader: &'static str,
+    /// Nodes reading the rebound buffer, per graph.
     nodes: Vec<usize>,
     /// Host µs of one rebind call (median), per graph.
     call_us: Vec<f64>,
@@ -137,10 +162,10 @@ struct ScalingRow {
     set_enabled_us_per_added_node: f64,
 }
 
-/// Graphs of 1, 16 and 128 kernels that each read one buffer (and write their own), each
-/// instantiated and the buffer rebound to two others in turn, then the kernels turned off and on
+/// Graphs of 1, 16 and 128 `reader` nodes that each read one buffer (and write their own), each
+/// instantiated and the buffer rebound to two others in turn, then the nodes turned off and on
 /// in turn, nothing launched: the median host µs of a call, `reps` calls of each per graph.
-fn rebind_scaling(dev: &Device, s: &Stream, reps: u32) -> anyhow::Result<ScalingRow> {
+fn rebind_scaling(dev: &Device, s: &Stream, reader: Reader, reps: u32) -> anyhow::Result<ScalingRow> {
     const NODES: [usize; 3] = [1, 16, 128];
     let alloc = CachingAllocator::new(dev);
     let buffer = || Tensor::zeros(&alloc, s, &[4096], DType::F32);
@@ -149,7 +174,10 @@ fn rebind_scaling(dev: &Device, s: &Stream, reps: u32) -> anyhow::Result<Scaling
     for n in NODES {
         let outs = (0..n).map(|_| buffer()).collect::<graphed::Result<Vec<_>>>()?;
         let g = make_graphed_fn(&alloc, |st| {
-            outs.iter().try_for_each(|y| elementwise::scale(y.view::<f32>()?, x.view()?, 2.0, st))
+            outs.iter().try_for_each(|y| match reader {
+                Reader::Kernel => elementwise::scale(y.view::<f32>()?, x.view()?, 2.0, st),
+                Reader::Copy => y.copy_from(&x, st),
+            })
         })?;
         let exec = g.graph().instantiate()?;
         let (us, moved) = time_rebinds(&exec, &x, (&a, &b), reps)?;
@@ -161,6 +189,7 @@ fn rebind_scaling(dev: &Device, s: &Stream, reps: u32) -> anyhow::Result<Scaling
     }
     let slope = |us: &[f64]| (us[2] - us[1]) / (NODES[2] - NODES[1]) as f64;
     Ok(ScalingRow {
+        reader: reader.name(),
         nodes: NODES.to_vec(),
         us_per_added_node: slope(&call_us),
         call_us,
