@@ -50,9 +50,10 @@ pub(crate) struct HostBuffer {
     dtype: DType,
     len: usize,
     memory: BufferId,
-    /// What the host copies' graph nodes name, and where it has device copies, what they name:
-    /// kept, as a switch looks them up for every executable.
-    ids: (BufferId, Option<[BufferId; 2]>),
+    /// What the host copies' graph nodes name, kept (a switch looks it up in every executable).
+    id: BufferId,
+    /// Where it has device copies, what they name, out and back.
+    twin_ids: Option<[BufferId; 2]>,
     /// Recorded after its last copy out (on the copy-out stream).
     pub(crate) last_out: Option<Event>,
     /// Recorded after its last copy back (on the copy-back stream).
@@ -72,14 +73,14 @@ impl HostBuffer {
                 twin_ids = Some([out.id(), back.id()]);
                 twins = Some(Twins { out: Arc::new(out), back: Arc::new(back) });
             }
-            let ids = (b.id(), twin_ids);
-            Ok(HostBuffer { buf: Arc::new(b), twins, dtype, len, memory, ids, last_out: None, last_in: None })
+            let id = b.id();
+            Ok(HostBuffer { buf: Arc::new(b), twins, dtype, len, memory, id, twin_ids, last_out: None, last_in: None })
         })
     }
 
     /// The buffer's identity: what the host copies' graph nodes name.
     pub(crate) fn id(&self) -> BufferId {
-        self.ids.0
+        self.id
     }
 
     /// The allocations its copies touch in a graph's tail: its own, and where it has device
@@ -91,7 +92,7 @@ impl HostBuffer {
 
     /// What its device copies name, out and back, where it has them.
     pub(crate) fn twin_ids(&self) -> Option<[BufferId; 2]> {
-        self.ids.1
+        self.twin_ids
     }
 
     fn twins<T: crate::device::Elem>(&self) -> Option<(&DeviceBuffer<T>, &DeviceBuffer<T>)> {
