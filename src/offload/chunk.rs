@@ -19,7 +19,7 @@
 use std::sync::Arc;
 
 use super::error::OffloadErrorKind;
-use super::host::{HostBuffer, Scratch};
+use super::host::HostBuffer;
 use super::policy::{GroupLayout, TensorLayout};
 use super::shared::Inner;
 use super::state::{Baked, BakedRef, ChunkState, Fault, HostRef, Mark, PassTiming, Phase, State};
@@ -497,19 +497,14 @@ fn range_name(verb: &str, group: &GroupLayout, chunk: Chunk) -> String {
     }
 }
 
-/// Host buffers for every offloaded tensor of `layout`, for one chunk's graphs (with aliases of
-/// `scratch` for a switchable graph's device copies).
-pub(crate) fn bake(dev: &crate::device::Device, layout: &[GroupLayout], scratch: Option<&Scratch>) -> Result<Baked> {
+/// Host buffers for every offloaded tensor of `layout`, for one chunk's graphs (a switchable
+/// graph's device copies are aliased after the warmup, `HostBuffer::alias_twins`).
+pub(crate) fn bake(dev: &crate::device::Device, layout: &[GroupLayout]) -> Result<Baked> {
     let mut buffers = std::collections::BTreeMap::new();
     for (g, group) in layout.iter().enumerate() {
         for (s, t) in group.tensors.iter().enumerate().filter(|(_, t)| t.offload) {
-            buffers.insert((g, s), HostBuffer::new(dev, t.dtype, t.shape.iter().product(), scratch)?);
+            buffers.insert((g, s), HostBuffer::new(dev, t.dtype, t.shape.iter().product())?);
         }
     }
     Ok(Baked { buffers })
-}
-
-/// The bytes of `layout`'s largest offloaded tensor.
-pub(crate) fn largest_offloaded(layout: &[GroupLayout]) -> usize {
-    layout.iter().flat_map(|g| &g.tensors).filter(|t| t.offload).map(|t| t.bytes()).max().unwrap_or(0)
 }

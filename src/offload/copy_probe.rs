@@ -40,8 +40,7 @@ impl CopyGraphs {
         let mut buffers = Vec::with_capacity(sizes.len());
         for &bytes in sizes {
             let n = bytes / DType::BF16.size();
-            buffers
-                .push((HostBuffer::new(dev, DType::BF16, n, None)?, Tensor::zeros(alloc, stream, &[n], DType::BF16)?));
+            buffers.push((HostBuffer::new(dev, DType::BF16, n)?, Tensor::zeros(alloc, stream, &[n], DType::BF16)?));
         }
         stream.synchronize()?;
         let capture = |side: &Stream, copy: &dyn Fn(&HostBuffer, &Tensor) -> Result<()>| -> Result<PoolExec> {
@@ -57,7 +56,7 @@ impl CopyGraphs {
         let back = capture(&inner.h2d, &|h, t| h.copy_in(t, &inner.h2d))?;
         let bytes = buffers.iter().map(|(h, _)| h.bytes()).sum();
         let tail = (
-            HostBuffer::new(dev, DType::BF16, TAIL_ELEMENTS, None)?,
+            HostBuffer::new(dev, DType::BF16, TAIL_ELEMENTS)?,
             Tensor::zeros(alloc, stream, &[TAIL_ELEMENTS], DType::BF16)?,
         );
         let (d2h, h2d) = (inner.d2h.clone(), inner.h2d.clone());

@@ -5,7 +5,7 @@
 
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::device::{with_dtype, BufferId, DType, Device, DeviceBuffer, Event, PinnedBuffer, Rebind, Stream};
 use crate::tensor::Tensor;
@@ -35,25 +35,28 @@ impl Scratch {
 }
 
 /// A switchable graph's device copies of one tensor: aliases of a [`Scratch`], each a
-/// `DeviceBuffer<T>` with `T::DTYPE` the tensor's.
+/// `DeviceBuffer<T>` with `T::DTYPE` the tensor's, and the scratch they alias, held as long as
+/// they are.
 struct Twins {
     out: Arc<dyn Any + Send + Sync>,
     back: Arc<dyn Any + Send + Sync>,
+    /// What they name, out and back.
+    ids: [BufferId; 2],
+    _scratch: Arc<Scratch>,
 }
 
 /// One pinned host buffer and the events of its last copies.
 pub(crate) struct HostBuffer {
     /// A `PinnedBuffer<T>` with `T::DTYPE == dtype`.
     buf: Arc<dyn Any + Send + Sync>,
-    /// For a switchable graph's buffer, the buffers its device copies name.
-    twins: Option<Twins>,
+    /// For a switchable graph's buffer, the buffers its device copies name: set after the
+    /// capture's warmup ([`alias_twins`](HostBuffer::alias_twins)).
+    twins: OnceLock<Twins>,
     dtype: DType,
     len: usize,
     memory: BufferId,
     /// What the host copies' graph nodes name, kept (a switch looks it up in every executable).
     id: BufferId,
-    /// Where it has device copies, what they name, out and back.
-    twin_ids: Option<[BufferId; 2]>,
     /// Recorded after its last copy out (on the copy-out stream).
     pub(crate) last_out: Option<Event>,
     /// Recorded after its last copy back (on the copy-back stream).
@@ -61,20 +64,30 @@ pub(crate) struct HostBuffer {
 }
 
 impl HostBuffer {
-    /// A new buffer of `len` elements of `dtype`, with aliases of `scratch` for a switchable
-    /// graph's device copies.
-    pub(crate) fn new(dev: &Device, dtype: DType, len: usize, scratch: Option<&Scratch>) -> Result<HostBuffer> {
+    /// A new buffer of `len` elements of `dtype`.
+    pub(crate) fn new(dev: &Device, dtype: DType, len: usize) -> Result<HostBuffer> {
         with_dtype!(dtype, T => {
             let b = dev.alloc_pinned::<T>(len)?;
-            let memory = b.memory_id();
-            let (mut twins, mut twin_ids) = (None, None);
-            if let Some(s) = scratch {
-                let (out, back) = (s.out.aliased_as::<T>(len)?, s.back.aliased_as::<T>(len)?);
-                twin_ids = Some([out.id(), back.id()]);
-                twins = Some(Twins { out: Arc::new(out), back: Arc::new(back) });
-            }
-            let id = b.id();
-            Ok(HostBuffer { buf: Arc::new(b), twins, dtype, len, memory, id, twin_ids, last_out: None, last_in: None })
+            let (memory, id) = (b.memory_id(), b.id());
+            Ok(HostBuffer { buf: Arc::new(b), twins: OnceLock::new(), dtype, len, memory, id, last_out: None, last_in: None })
+        })
+    }
+
+    /// For a switchable graph's buffer: the buffers its device copies will name, aliases of
+    /// `scratch` (nothing if it has them already). Called after the capture's warmup has given
+    /// its memory back, so that the scratch does not pin the warmup's peak in the cache
+    /// (docs/offload.md).
+    pub(crate) fn alias_twins(&self, scratch: &Arc<Scratch>) -> Result<()> {
+        if self.twins.get().is_some() {
+            return Ok(());
+        }
+        with_dtype!(self.dtype, T => {
+            let (out, back) = (scratch.out.aliased_as::<T>(self.len)?, scratch.back.aliased_as::<T>(self.len)?);
+            let ids = [out.id(), back.id()];
+            let twins = Twins { out: Arc::new(out), back: Arc::new(back), ids, _scratch: scratch.clone() };
+            // Under the manager's lock: nothing sets them in between.
+            let _ = self.twins.set(twins);
+            Ok(())
         })
     }
 
@@ -92,14 +105,14 @@ impl HostBuffer {
 
     /// What its device copies name, out and back, where it has them.
     pub(crate) fn twin_ids(&self) -> Option<[BufferId; 2]> {
-        self.twin_ids
+        self.twins.get().map(|t| t.ids)
     }
 
     fn twins<T: crate::device::Elem>(&self) -> Option<(&DeviceBuffer<T>, &DeviceBuffer<T>)> {
         fn typed<T: crate::device::Elem>(a: &Arc<dyn Any + Send + Sync>) -> &DeviceBuffer<T> {
             a.downcast_ref().expect("a twin's type is its tensor's dtype's")
         }
-        self.twins.as_ref().map(|t| (typed(&t.out), typed(&t.back)))
+        self.twins.get().map(|t| (typed(&t.out), typed(&t.back)))
     }
 
     /// Where it has device copies: captures, turned off, a device copy of `src` beside the copy
@@ -181,7 +194,7 @@ impl HostPool {
         if let Some(b) = self.free.get_mut(&(len, dtype)).and_then(VecDeque::pop_front) {
             return Ok(b);
         }
-        let b = HostBuffer::new(dev, dtype, len, None)?;
+        let b = HostBuffer::new(dev, dtype, len)?;
         self.bytes += b.bytes();
         Ok(b)
     }

@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use super::chunk::{bake, largest_offloaded, ChunkHook};
+use super::chunk::{bake, ChunkHook};
 use super::config::{OffloadConfig, Policy};
 use super::copy_probe::{fastest_of_three, CopyGraphs};
 use super::error::OffloadErrorKind;
@@ -153,10 +153,7 @@ impl OffloadManager {
             })
             .after_first_iteration(move |stream, lent| first.end_recording(stream, lent))
             .window_probe(move |stream, probe| timer.time_windows(stream, probe))
-            .post_warmup(move |_| {
-                post.end_warmup();
-                Ok(())
-            })
+            .post_warmup(move |stream| post.end_warmup(stream))
             .on_abandon(move || abandoned.forget_capture_recording())
     }
 
@@ -167,10 +164,7 @@ impl OffloadManager {
         let slot = match st.frozen {
             true => {
                 let c = st.chunks.get(&chunk).ok_or_else(|| schedule_error(chunk, "a capture"))?;
-                let largest = largest_offloaded(&c.layout);
-                let scratch = self.scratch(&mut st, largest)?;
-                let c = st.chunks.get(&chunk).ok_or_else(|| schedule_error(chunk, "a capture"))?;
-                Arc::new(OnceLock::from(bake(self.inner.alloc.device(), &c.layout, scratch.as_deref())?))
+                Arc::new(OnceLock::from(bake(self.inner.alloc.device(), &c.layout)?))
             }
             false => {
                 let slot = Arc::new(OnceLock::new());
@@ -359,9 +353,10 @@ impl OffloadManager {
         }
     }
 
-    /// After a capture's warmup, also a failed one (H17): offloading on again, and what a
-    /// recording that did not end recorded forgotten, so that the next iteration records anew.
-    fn end_warmup(&self) {
+    /// After a capture's warmup, also a failed one (H17): offloading on again, what a recording
+    /// that did not end recorded forgotten, so that the next iteration records anew, and a
+    /// switchable capture's device copies aliased.
+    fn end_warmup(&self, stream: &Stream) -> Result<()> {
         let mut st = self.inner.lock();
         st.warmup_recording = false;
         st.awaiting_windows = false;
@@ -371,6 +366,7 @@ impl OffloadManager {
             st.lent.clear();
         }
         st.enabled = true;
+        self.alias_twins(&mut st, stream)
     }
 
     /// Turns offloading off: every hook keeps tensors on the device and its state stays as it
@@ -482,28 +478,34 @@ impl OffloadManager {
     /// layouts.
     fn bake_unbaked(&self, st: &mut State) -> Result<Vec<(Arc<OnceLock<Baked>>, Baked)>> {
         let dev = self.inner.alloc.device();
-        let layouts = st.unbaked.iter().filter_map(|(chunk, _)| st.chunks.get(chunk));
-        let largest = layouts.map(|c| largest_offloaded(&c.layout)).max().unwrap_or(0);
-        let scratch = self.scratch(st, largest)?;
         (st.unbaked.iter())
             .map(|(chunk, slot)| {
                 let c = st.chunks.get(chunk).ok_or_else(|| schedule_error(*chunk, "a capture"))?;
-                Ok((slot.clone(), bake(dev, &c.layout, scratch.as_deref())?))
+                Ok((slot.clone(), bake(dev, &c.layout)?))
             })
             .collect()
     }
 
-    /// For a switchable capture, the scratch its device copies name, for tensors of up to
-    /// `largest` bytes: the manager's, made now (or made larger: graphs captured before keep
-    /// the old one).
-    fn scratch(&self, st: &mut State, largest: usize) -> Result<Option<Arc<Scratch>>> {
+    /// For a switchable capture, after its warmup on `stream`: aliases of the manager's scratch
+    /// for the device copies of every baked host buffer that has none yet, the scratch made now
+    /// for `stream` (or made larger: the buffers aliased before hold the old one). Now and for
+    /// that stream, not when the policy freezes: the warmup's memory, free for that stream, then
+    /// takes it, instead of the scratch growing the cache above that memory and pinning it
+    /// there (the cache gives back only the free end of a segment).
+    fn alias_twins(&self, st: &mut State, stream: &Stream) -> Result<()> {
         if !self.inner.config.switchable {
-            return Ok(None);
+            return Ok(());
         }
+        let slots: Vec<Arc<OnceLock<Baked>>> = st.baked.iter().filter_map(|(_, w)| w.upgrade()).collect();
+        let buffers = || slots.iter().filter_map(|s| s.get()).flat_map(|b| b.buffers.values());
+        let Some(largest) = buffers().filter(|h| h.twin_ids().is_none()).map(HostBuffer::bytes).max() else {
+            return Ok(());
+        };
         if st.scratch.as_ref().is_none_or(|s| s.bytes() < largest) {
-            st.scratch = Some(Arc::new(Scratch::new(&self.inner.alloc, &self.inner.d2h, largest)?));
+            st.scratch = Some(Arc::new(Scratch::new(&self.inner.alloc, stream, largest)?));
         }
-        Ok(st.scratch.clone())
+        let scratch = st.scratch.clone().expect("made above");
+        buffers().try_for_each(|h| h.alias_twins(&scratch))
     }
 
     /// The eager recording iteration's unit times (the slowest chunk's, per unit; each mark's
@@ -599,7 +601,7 @@ impl OffloadManager {
     pub fn pinned_copy_rates(&self, stream: &Stream) -> Result<(f64, f64)> {
         let dev = stream.device();
         let len = PROBE_BYTES / 2;
-        let host = HostBuffer::new(dev, DType::BF16, len, None)?;
+        let host = HostBuffer::new(dev, DType::BF16, len)?;
         let t = Tensor::zeros(&self.inner.alloc, stream, &[len], DType::BF16)?;
         stream.synchronize()?;
         let time = |s: &Stream, copy: &dyn Fn(&Stream) -> Result<()>| -> Result<f64> {
