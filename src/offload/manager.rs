@@ -212,11 +212,11 @@ impl OffloadManager {
         }
         self.inner.alloc.device().check_same("OffloadManager::keep_resident", "stream", stream.device().id())?;
         let mut st = self.inner.lock();
-        // Graphs dropped since: their baked buffers are gone, and their tensors' memory goes too.
+        // Graphs dropped since: their baked buffers are gone, and their tensors' memory goes too
+        // (below, once the switch is not refused).
         st.baked.retain(|(_, w)| w.strong_count() > 0);
         let alive: Vec<usize> = st.baked.iter().map(|(_, w)| w.as_ptr() as usize).collect();
         let gone: Vec<ResidentKey> = st.resident.keys().filter(|k| !alive.contains(&k.baked)).copied().collect();
-        let mut released: Vec<Tensor> = gone.iter().filter_map(|k| st.resident.remove(k)).collect();
         // The baked buffers of the graphs given (another capture's of the same chunk aside).
         let baked: Vec<(Chunk, Arc<OnceLock<Baked>>)> = (st.baked.iter())
             .filter_map(|(c, w)| Some((*c, w.upgrade()?)))
@@ -250,6 +250,7 @@ impl OffloadManager {
                 changes.push((key, host, holding, want.then_some((t.shape.clone(), t.dtype))));
             }
         }
+        let mut released: Vec<Tensor> = gone.iter().filter_map(|k| st.resident.remove(k)).collect();
         let mut kept = Vec::with_capacity(changes.len());
         for (_, _, _, want) in &changes {
             kept.push(match want {
