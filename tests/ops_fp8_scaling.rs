@@ -35,6 +35,14 @@ fn host_amax(x: &[f32]) -> u32 {
 
 /// TransformerEngine's delayed-scaling update (`delayed_scaling.cu`) of one tensor's history
 /// (`h[k]` = row k), in f32: returns the new scale.
+/// `v` as the device holds it in `dtype` (f32 or bf16).
+fn rounded(v: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => bf16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
 fn te_update(h: &mut [f32], scale: f32, algo: AmaxAlgo, fp8_max: f32, margin: i32) -> f32 {
     let last = h[0];
     let window_max = h.iter().fold(0.0f32, |m, &v| if v.is_nan() { m } else { m.max(v) });
@@ -129,10 +137,7 @@ fn amax_matches_the_host_reference(dev: &Device) -> Result {
     ];
     for (name, x) in &cases {
         for dtype in [DType::F32, DType::BF16] {
-            let rounded: Vec<f32> = match dtype {
-                DType::BF16 => x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
-                _ => x.clone(),
-            };
+            let rounded: Vec<f32> = x.iter().map(|&v| rounded(v, dtype)).collect();
             let want = host_amax(&rounded);
             for (mode, start) in [(Amax::Overwrite, 7.0f32), (Amax::Accumulate, 0.25)] {
                 let got = on_both(dev, |env| {
@@ -358,23 +363,41 @@ fn delayed_scaling_follows_transformer_engine(dev: &Device) -> Result {
     Ok(())
 }
 
-/// Current scaling for 4 tensors over 2 steps: each scale is `fp8_max / amax` of this step,
-/// the previous (computed) scale where the amax is 0 (tensor 1 at step 1) or not finite (tensor
-/// 2 at step 1), `f32::MAX` where the division overflows (tensor 3, a subnormal amax).
+/// Current scaling for 4 tensors over 3 steps, the amaxes and scales written by `amax` then
+/// `update`, and by `measure` (one launch each, f32 and bf16): each scale is `fp8_max / amax` of
+/// this step, the previous (computed) scale where the amax is 0 (tensor 1 at step 1) or not
+/// finite (tensor 2 at step 1), `f32::MAX` where the division overflows (tensor 3, a subnormal
+/// amax). Tensor 0 spans many blocks, and its amax falls at step 2: `measure` keeps nothing of
+/// an earlier launch.
 fn current_scaling_scales_from_this_steps_amax(dev: &Device) -> Result {
     let steps = [
-        [values(100, 1, 5.0, &[]), values(10, 2, 2.0, &[]), values(10, 3, 1.0, &[]), vec![1e-44; 3]],
-        [values(100, 4, 9.0, &[]), vec![0.0; 10], values(10, 5, 1.0, &[f32::INFINITY]), vec![-1e-44; 3]],
+        [values(300_000, 1, 5.0, &[]), values(10, 2, 2.0, &[]), values(10, 3, 1.0, &[]), vec![1e-39; 3]],
+        [values(300_000, 4, 9.0, &[]), vec![0.0; 10], values(10, 5, 1.0, &[f32::INFINITY]), vec![-1e-39; 3]],
+        [values(200_003, 6, 0.5, &[]), values(10, 7, 2.0, &[]), values(10, 8, 1.0, &[]), vec![1e-39; 3]],
     ];
-    for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+    for (format, dtype, measure) in [
+        (Fp8Format::E4M3, DType::F32, false),
+        (Fp8Format::E5M2, DType::F32, false),
+        (Fp8Format::E4M3, DType::F32, true),
+        (Fp8Format::E5M2, DType::BF16, true),
+    ] {
+        let steps: Vec<Vec<Vec<f32>>> = (steps.iter())
+            .map(|inputs| inputs.iter().map(|x| x.iter().map(|&v| rounded(v, dtype)).collect()).collect())
+            .collect();
         let run = |env: &Env| -> Result<Vec<[Vec<u32>; 3]>> {
             let recipe = CurrentScaling::new(&env.alloc, &env.s, format, 4)?;
             let mut out = Vec::new();
             for inputs in &steps {
                 for (i, x) in inputs.iter().enumerate() {
-                    amax(&recipe.amax(i)?, &env.put(x, &[x.len()])?, Amax::Overwrite, &env.s)?;
+                    let x = env.input(x, &[x.len()], dtype)?;
+                    match measure {
+                        true => recipe.measure(i, &x, &env.s)?,
+                        false => amax(&recipe.amax(i)?, &x, Amax::Overwrite, &env.s)?,
+                    }
                 }
-                recipe.update(&env.s)?;
+                if !measure {
+                    recipe.update(&env.s)?;
+                }
                 let inv: Vec<u32> =
                     (0..4).map(|i| env.bits(&recipe.scale_inv(i)?).map(|b| b[0])).collect::<Result<_>>()?;
                 out.push([
@@ -386,10 +409,11 @@ fn current_scaling_scales_from_this_steps_amax(dev: &Device) -> Result {
             Ok(out)
         };
         let mut scales = [1.0f32; 4];
+        let case = format!("{format:?} {dtype}{}", if measure { " measure" } else { "" });
         for (step, ([amaxes, got, inv], inputs)) in on_both(dev, run)?.iter().zip(&steps).enumerate() {
             for i in 0..4 {
                 let m = f32::from_bits(host_amax(&inputs[i]));
-                ensure!(amaxes[i] == m.to_bits(), "{format:?} step {step} tensor {i}: amax");
+                ensure!(amaxes[i] == m.to_bits(), "{case} step {step} tensor {i}: amax");
                 if m.is_finite() && m > 0.0 {
                     scales[i] = format.max() / m;
                 }
@@ -398,17 +422,14 @@ fn current_scaling_scales_from_this_steps_amax(dev: &Device) -> Result {
                 }
                 ensure!(
                     got[i] == scales[i].to_bits(),
-                    "{format:?} step {step} tensor {i}: {}, want {}",
+                    "{case} step {step} tensor {i}: {}, want {}",
                     f32::from_bits(got[i]),
                     scales[i]
                 );
-                ensure!(inv[i] == (1.0 / scales[i]).to_bits(), "{format:?} step {step} tensor {i}: scale_inv");
+                ensure!(inv[i] == (1.0 / scales[i]).to_bits(), "{case} step {step} tensor {i}: scale_inv");
             }
         }
-        ensure!(
-            scales[3] == f32::MAX && scales[1] == format.max() / f32::from_bits(host_amax(&steps[0][1])),
-            "{format:?}"
-        );
+        ensure!(scales[3] == f32::MAX && scales[1] == format.max() / f32::from_bits(host_amax(&steps[2][1])), "{case}");
     }
     Ok(())
 }
@@ -427,6 +448,7 @@ fn refusals_write_nothing(dev: &Device) -> Result {
     let two = env.put(&[1.0f32; 2], &[2])?;
     let (g, g_t) = (env.put(&[bf16::ONE; 6], &[2, 3])?, env.put(&[bf16::ONE; 6], &[3, 2])?);
     let (e5_rows, tiles) = (env.put(&[F8E5M2::from_bits(0x11); 6], &[2, 3])?, env.put(&[0.25f32; 3], &[1, 3])?);
+    let current = CurrentScaling::new(&env.alloc, &env.s, Fp8Format::E4M3, 1)?;
     let ct = |o: Option<&Tensor>, t: Option<&Tensor>, a: &Tensor, i: &Tensor, s: &Tensor| {
         cast_transpose(o, t, a, i, s, &env.s)
     };
@@ -453,6 +475,9 @@ fn refusals_write_nothing(dev: &Device) -> Result {
         ("dgelu pre shape", dgelu_cast_transpose((&e5_rows, &e5), &slot, &tiles, (&g, &g_t), &scale, &env.s)),
         ("sum_tiles to f32", sum_tiles(&x.reshape(&[6])?.narrow(0, 0, 3)?, &tiles, &env.s)),
         ("sum_tiles width", sum_tiles(&env.put(&[bf16::ONE; 2], &[2])?, &tiles, &env.s)),
+        ("measure of fp8", current.measure(0, &out, &env.s)),
+        ("measure of strided", current.measure(0, &strided, &env.s)),
+        ("measure past the tensors", current.measure(1, &x, &env.s)),
     ];
     for (name, r) in cases {
         let ok = matches!(
@@ -469,6 +494,10 @@ fn refusals_write_nothing(dev: &Device) -> Result {
     ensure!(env.bits(&slot)? == vec![0.5f32.to_bits()], "a refused call wrote the amax slot");
     ensure!(env.bytes(&e5_rows)? == vec![0x11; 6] && env.bytes(&e5)? == vec![0x11; 6], "a refused dgelu cast wrote");
     ensure!(env.bits(&tiles)? == vec![0.25f32.to_bits(); 3], "a refused call wrote the tile sums");
+    ensure!(
+        env.bits(current.amaxes())? == vec![0] && env.bits(current.scales())? == vec![1.0f32.to_bits()],
+        "a refused measure wrote"
+    );
 
     let config = DelayedScalingConfig::default();
     let refused = [

@@ -32,9 +32,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use crate::device::{Communicator, DType, Stream};
 use crate::memory::CachingAllocator;
-use crate::ops::fp8::{
-    amax, cast_transpose, Amax, AmaxAlgo, CurrentScaling, DelayedScaling, DelayedScalingConfig, Fp8Format,
-};
+use crate::ops::fp8::{cast_transpose, AmaxAlgo, CurrentScaling, DelayedScaling, DelayedScalingConfig, Fp8Format};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -184,8 +182,7 @@ impl Scaled {
     /// amax and its scale from that.
     fn cast(&self, out: Option<&Tensor>, out_t: Option<&Tensor>, x: &Tensor, stream: &Stream) -> Result<()> {
         if let Some((scaling, slot)) = &self.current {
-            amax(&self.amax, x, Amax::Overwrite, stream)?;
-            scaling.update_one(*slot, stream)?;
+            scaling.measure(*slot, x, stream)?;
         }
         cast_transpose(out, out_t, &self.amax, x, &self.scale, stream)
     }

@@ -18,8 +18,8 @@ __device__ __forceinline__ unsigned warp_max_bits(unsigned v) {
     return v;
 }
 
-// Every thread of the block calls it with its own maximum; one atomicMax per block.
-__device__ __forceinline__ void block_amax(float* amax, unsigned v) {
+// Every thread of the block calls it with its own maximum; thread 0 gets the block's.
+__device__ __forceinline__ unsigned block_max_bits(unsigned v) {
     __shared__ unsigned warps[32];
     v = warp_max_bits(v);
     if ((threadIdx.x & 31u) == 0) warps[threadIdx.x >> 5] = v;
@@ -27,25 +27,42 @@ __device__ __forceinline__ void block_amax(float* amax, unsigned v) {
     if (threadIdx.x < 32) {
         v = threadIdx.x < (blockDim.x + 31) / 32 ? warps[threadIdx.x] : 0u;
         v = warp_max_bits(v);
-        if (threadIdx.x == 0 && v != 0) atomicMax(reinterpret_cast<unsigned*>(amax), v);
     }
+    return v;
 }
 
-// amax[0] = max(amax[0], max |inp|), 16-byte chunks when aligned (as map1), then the tail.
-template <typename T> __device__ void amax_accumulate(float* amax, const T* inp, unsigned n) {
+// As block_max_bits, folded into amax[0]: one atomicMax per block.
+__device__ __forceinline__ void block_amax(float* amax, unsigned v) {
+    v = block_max_bits(v);
+    if (threadIdx.x == 0 && v != 0) atomicMax(reinterpret_cast<unsigned*>(amax), v);
+}
+
+// This thread's share of max |inp| as amax bits: 16-byte chunks when aligned, UNROLL of them
+// loaded before any is compared (as map1: one chunk per trip left the kernel at 64% of an H100's
+// HBM), then the tail.
+template <typename T> __device__ __forceinline__ unsigned thread_amax(const T* inp, unsigned n) {
     constexpr int W = Lanes<T>::N;
     unsigned v = 0;
-    unsigned long long chunks = aligned16(inp) ? n / W : 0;
-    for (unsigned long long j = first_thread(); j < chunks; j += grid_threads()) {
-        Chunk<T, W> c = load_chunk<T, W>(inp + j * W);
+    const unsigned long long chunks = aligned16(inp) ? n / W : 0, step = grid_threads();
+    for (unsigned long long j = first_thread(); j < chunks; j += UNROLL * step) {
+        Raw<T, W> a[UNROLL];
 #pragma unroll
-        for (int e = 0; e < W; ++e) v = max_bits(v, amax_bits(to_f32(c.v[e])));
+        for (int u = 0; u < UNROLL; ++u) {
+            if (j + u * step < chunks) a[u] = load_raw<T, W>(inp + (j + u * step) * W);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (j + u * step >= chunks) break;
+            const Chunk<T, W> c = unpack_raw(a[u]);
+#pragma unroll
+            for (int e = 0; e < W; ++e) v = max_bits(v, amax_bits(to_f32(c.v[e])));
+        }
     }
-    for (unsigned long long i = chunks * W + first_thread(); i < n; i += grid_threads()) {
+    for (unsigned long long i = chunks * W + first_thread(); i < n; i += step) {
         v = max_bits(v, amax_bits(to_f32(inp[i])));
     }
-    block_amax(amax, v);
+    return v;
 }
 
-extern "C" __global__ void amax_f32(float* amax, const float* inp, unsigned n) { amax_accumulate(amax, inp, n); }
-extern "C" __global__ void amax_bf16(float* amax, const bf16* inp, unsigned n) { amax_accumulate(amax, inp, n); }
+extern "C" __global__ void amax_f32(float* amax, const float* inp, unsigned n) { block_amax(amax, thread_amax(inp, n)); }
+extern "C" __global__ void amax_bf16(float* amax, const bf16* inp, unsigned n) { block_amax(amax, thread_amax(inp, n)); }

@@ -39,8 +39,8 @@ pub use amax::{amax, Amax, AMAX, AMAX_BF16};
 pub use cast_transpose::{cast_transpose, CAST_TRANSPOSE};
 pub use dgelu_cast::{dgelu_cast_transpose, sum_tiles, tile_rows, DGELU_CAST_TRANSPOSE, SUM_TILES};
 pub use scaling::{
-    AmaxAlgo, CurrentScaling, DelayedScaling, DelayedScalingConfig, ScalingConfigError, CURRENT_SCALING_UPDATE,
-    DELAYED_SCALING_UPDATE, SCALE_INV_STRIDE,
+    AmaxAlgo, CurrentScaling, DelayedScaling, DelayedScalingConfig, ScalingConfigError, AMAX_SCALE, AMAX_SCALE_BF16,
+    CURRENT_SCALING_UPDATE, DELAYED_SCALING_UPDATE, SCALE_INV_STRIDE,
 };
 
 use crate::device::DType;

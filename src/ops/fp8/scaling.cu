@@ -57,3 +57,30 @@ extern "C" __global__ void current_scaling_update(float* scale, float* scale_inv
     unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) set_scale(scale + i, scale_inv + (unsigned long long)i * inv_stride, scale_for(amax[i], scale[i], scaled_max));
 }
+
+// Current scaling of one tensor in one launch: its amax and, in the last block to finish, its
+// scale. work[0] gathers the blocks' amax bits and work[1] counts the blocks done; the last block
+// takes both back to 0 (they are 0 between launches), so no memset or update node comes with each
+// cast. The blocks' atomicMax lands before their count (the fence), so the last one reads them all.
+template <typename T>
+__device__ __forceinline__ void amax_scale(unsigned* work, float* amax, float* scale, float* scale_inv, const T* inp,
+                                           unsigned n, float scaled_max) {
+    const unsigned v = block_max_bits(thread_amax(inp, n));
+    if (threadIdx.x != 0) return;
+    if (v != 0) atomicMax(work, v);
+    __threadfence();
+    if (atomicAdd(work + 1, 1u) != gridDim.x - 1) return;
+    const float a = __uint_as_float(atomicExch(work, 0u));
+    work[1] = 0u;
+    *amax = a;
+    set_scale(scale, scale_inv, scale_for(a, *scale, scaled_max));
+}
+
+extern "C" __global__ void amax_scale_f32(unsigned* work, float* amax, float* scale, float* scale_inv, const float* inp,
+                                          unsigned n, float scaled_max) {
+    amax_scale(work, amax, scale, scale_inv, inp, n, scaled_max);
+}
+extern "C" __global__ void amax_scale_bf16(unsigned* work, float* amax, float* scale, float* scale_inv, const bf16* inp,
+                                           unsigned n, float scaled_max) {
+    amax_scale(work, amax, scale, scale_inv, inp, n, scaled_max);
+}

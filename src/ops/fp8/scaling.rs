@@ -17,10 +17,13 @@
 use std::fmt;
 
 use super::{Fp8Format, SOURCE};
-use crate::device::{args, CpuArgs, DType, In, InOut, Kernel, LaunchDims, Out, Stream};
+use half::bf16;
+
+use super::amax::amax_bits;
+use crate::device::{args, Arg, CpuArgs, DType, Float, In, InOut, Kernel, LaunchDims, Out, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::cast::canonical;
-use crate::ops::{count, grid};
+use crate::ops::{count, dense, grid, lanes, stride_dims, unsupported_dtype};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -237,15 +240,35 @@ impl fmt::Debug for DelayedScaling {
 }
 
 /// Current scaling for N tensors: an amax slot, a scale and its inverse per tensor (scales 1 at
-/// first). A step writes tensor i's amax into [`amax`](CurrentScaling::amax) (with
-/// [`amax`](super::amax()) and [`Amax::Overwrite`](super::Amax::Overwrite)), calls
-/// [`update`](CurrentScaling::update), then casts with `scale(i)`: two reads of each tensor, the
-/// scale of this step's values. Clones share the state.
+/// first). Before tensor i's cast, [`measure`](CurrentScaling::measure) writes its amax and its
+/// scale in one launch; then the cast uses `scale(i)`: two reads of each tensor, the scale of this
+/// step's values. (Or write the amaxes with [`amax`](super::amax()) and
+/// [`Amax::Overwrite`](super::Amax::Overwrite) and call [`update`](CurrentScaling::update) for
+/// all of them at once.) Clones share the state.
+///
+/// ```
+/// use graphed::device::Device;
+/// use graphed::memory::CachingAllocator;
+/// use graphed::ops::fp8::{CurrentScaling, Fp8Format};
+/// use graphed::tensor::Tensor;
+/// let dev = Device::sim();
+/// let s = dev.stream()?;
+/// let alloc = CachingAllocator::new(&dev);
+/// let recipe = CurrentScaling::new(&alloc, &s, Fp8Format::E4M3, 1)?;
+/// let x = Tensor::from_host(&alloc, &s, &[1.0f32, -8.0, 3.0], &[3])?;
+/// recipe.measure(0, &x, &s)?;
+/// assert_eq!(recipe.amax(0)?.to_vec::<f32>(&s)?, vec![8.0]);
+/// assert_eq!(recipe.scale(0)?.to_vec::<f32>(&s)?, vec![56.0]); // 448 / 8
+/// # Ok::<(), graphed::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct CurrentScaling {
     format: Fp8Format,
     /// `[N]` f32.
     amax: Tensor,
+    /// `[2N]` u32, 0 between launches: [`measure`](CurrentScaling::measure)'s partial amax and
+    /// count of blocks done for each tensor (`scaling.cu`).
+    work: Tensor,
     /// `[N]` f32.
     scale: Tensor,
     /// `[N]` f32, `1 / scale`.
@@ -263,8 +286,9 @@ impl CurrentScaling {
         }
         count("CurrentScaling::new", tensors)?;
         let amax = Tensor::zeros(alloc, stream, &[tensors], DType::F32)?;
+        let work = Tensor::zeros(alloc, stream, &[2 * tensors], DType::U32)?;
         let (scale, scale_inv) = (ones(alloc, stream, tensors)?, inverse_ones(alloc, stream, tensors)?);
-        Ok(CurrentScaling { format, amax, scale, scale_inv })
+        Ok(CurrentScaling { format, amax, work, scale, scale_inv })
     }
 
     /// Enqueues the scales of every tensor from its amax (Note [Scaling arithmetic], margin 0):
@@ -286,22 +310,35 @@ impl CurrentScaling {
         stream.launch(&CURRENT_SCALING_UPDATE, LaunchDims::for_elems(n), &list)
     }
 
-    /// As [`update`](CurrentScaling::update), for tensor `i` alone: between its amax and its
-    /// cast, where the tensors of one step are cast one after another.
+    /// Tensor `i`'s amax from `inp` (f32 or bf16, contiguous), and its scale from that amax (as
+    /// [`update`](CurrentScaling::update) computes it), in one launch: what goes between a
+    /// tensor's production and its cast, with nothing to reset before it.
     ///
     /// # Errors
-    /// [`Error::Shape`] for `i` past the tensors; device errors.
-    pub fn update_one(&self, i: usize, stream: &Stream) -> Result<()> {
+    /// [`Error::Shape`] for `i` past the tensors, [`Error::UnsupportedDType`] for another input
+    /// type, [`Error::NotContiguous`] for a strided input: all before anything is enqueued.
+    pub fn measure(&self, i: usize, inp: &Tensor, stream: &Stream) -> Result<()> {
+        const OP: &str = "CurrentScaling::measure";
         let (scale, scale_inv, amax) = (self.scale(i)?, self.scale_inv(i)?, self.amax(i)?);
-        let list = args![
-            InOut(scale.view::<f32>()?),
-            Out(scale_inv.view::<f32>()?),
-            In(amax.view::<f32>()?),
-            1u32,
-            scaled_max(self.format, 0),
-            SCALE_INV_STRIDE as u32
-        ];
-        stream.launch(&CURRENT_SCALING_UPDATE, LaunchDims::for_elems(1), &list)
+        let work = self.work.narrow(0, 2 * i, 2)?;
+        let scaled_max = scaled_max(self.format, 0);
+        let launch = |kernel: &'static Kernel, n: usize, lanes: usize, inp: Arg<'_>| -> Result<()> {
+            let list = args![
+                InOut(work.view::<u32>()?),
+                Out(amax.view::<f32>()?),
+                InOut(scale.view::<f32>()?),
+                Out(scale_inv.view::<f32>()?),
+                inp,
+                count(OP, n)?,
+                scaled_max
+            ];
+            stream.launch(kernel, stride_dims(n.div_ceil(lanes)), &list)
+        };
+        match inp.dtype() {
+            DType::F32 => launch(&AMAX_SCALE, inp.numel(), lanes::<f32>(), In(dense::<f32>(OP, inp)?).into()),
+            DType::BF16 => launch(&AMAX_SCALE_BF16, inp.numel(), lanes::<bf16>(), In(dense::<bf16>(OP, inp)?).into()),
+            dtype => Err(unsupported_dtype(OP, dtype)),
+        }
     }
 
     /// Tensor `i`'s amax slot.
@@ -363,6 +400,24 @@ pub static CURRENT_SCALING_UPDATE: Kernel = Kernel {
     strided: false,
 };
 
+/// [`CurrentScaling::measure`] over f32: one tensor's amax, then its scale in the last block.
+pub static AMAX_SCALE: Kernel = Kernel {
+    name: "amax_scale_f32",
+    source: SOURCE,
+    params: &["work", "amax", "scale", "scale_inv", "inp", "n", "scaled_max"],
+    cpu: amax_scale_cpu::<f32>,
+    strided: false,
+};
+
+/// [`CurrentScaling::measure`] over bf16.
+pub static AMAX_SCALE_BF16: Kernel = Kernel {
+    name: "amax_scale_bf16",
+    source: SOURCE,
+    params: &["work", "amax", "scale", "scale_inv", "inp", "n", "scaled_max"],
+    cpu: amax_scale_cpu::<bf16>,
+    strided: false,
+};
+
 /// The scale for `amax` (Note [Scaling arithmetic]).
 fn scale_for(amax: f32, previous: f32, scaled_max: f32) -> f32 {
     let s = if amax.is_finite() && amax > 0.0 { scaled_max / amax } else { previous };
@@ -399,5 +454,25 @@ fn current_cpu(a: &CpuArgs) -> Result<()> {
         *s = scale_for(m, *s, scaled_max);
         *inv = canonical(1.0 / *s);
     }
+    Ok(())
+}
+
+/// The work slots stay 0: the CUDA kernel's last block leaves them so.
+fn amax_scale_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
+    let bits = a.input::<T>("inp")?.iter().map(|x| amax_bits(x.to_f32())).max().unwrap_or(0);
+    let amax = f32::from_bits(bits);
+    let (mut slot, mut scale, mut scale_inv) =
+        (a.output::<f32>("amax")?, a.output::<f32>("scale")?, a.output::<f32>("scale_inv")?);
+    let (Some(slot), Some(scale), Some(inv)) = (slot.first_mut(), scale.first_mut(), scale_inv.first_mut()) else {
+        return Err(Error::KernelArg {
+            kernel: a.kernel.name,
+            param: "amax".into(),
+            expected: "one f32 each for the amax, the scale and its inverse".into(),
+            found: "an empty buffer".into(),
+        });
+    };
+    *slot = amax;
+    *scale = scale_for(amax, *scale, a.f32("scaled_max")?);
+    *inv = canonical(1.0 / *scale);
     Ok(())
 }
