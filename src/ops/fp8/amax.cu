@@ -37,26 +37,17 @@ __device__ __forceinline__ void block_amax(float* amax, unsigned v) {
     if (threadIdx.x == 0 && v != 0) atomicMax(reinterpret_cast<unsigned*>(amax), v);
 }
 
-// This thread's share of max |inp| as amax bits: 16-byte chunks when aligned, UNROLL of them
-// loaded before any is compared (as map1: one chunk per trip left the kernel at 64% of an H100's
-// HBM), then the tail.
+// This thread's share of max |inp| as amax bits: 16-byte chunks when aligned, then the tail. (One
+// chunk per trip: keeping four in flight, as map1 does, was no faster here, 2.0–2.5 TB/s on an
+// H100 either way, `…-h100-fp8-current-measure-*.txt`.)
 template <typename T> __device__ __forceinline__ unsigned thread_amax(const T* inp, unsigned n) {
     constexpr int W = Lanes<T>::N;
     unsigned v = 0;
     const unsigned long long chunks = aligned16(inp) ? n / W : 0, step = grid_threads();
-    for (unsigned long long j = first_thread(); j < chunks; j += UNROLL * step) {
-        Raw<T, W> a[UNROLL];
+    for (unsigned long long j = first_thread(); j < chunks; j += step) {
+        const Chunk<T, W> c = load_chunk<T, W>(inp + j * W);
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (j + u * step < chunks) a[u] = load_raw<T, W>(inp + (j + u * step) * W);
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (j + u * step >= chunks) break;
-            const Chunk<T, W> c = unpack_raw(a[u]);
-#pragma unroll
-            for (int e = 0; e < W; ++e) v = max_bits(v, amax_bits(to_f32(c.v[e])));
-        }
+        for (int e = 0; e < W; ++e) v = max_bits(v, amax_bits(to_f32(c.v[e])));
     }
     for (unsigned long long i = chunks * W + first_thread(); i < n; i += step) {
         v = max_bits(v, amax_bits(to_f32(inp[i])));
