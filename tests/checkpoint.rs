@@ -142,7 +142,7 @@ fn train_resumes_bit_for_bit() {
 }
 
 /// In FP8 too: the recipes' histories and scales are in the checkpoint, the resumed run
-/// continues bit for bit, and a resume in another precision is refused.
+/// continues bit for bit, and a resume in another precision, scaling or gradient format is refused.
 #[test]
 fn fp8_train_resumes_bit_for_bit() {
     let dir = temp_dir("resume-fp8");
@@ -183,6 +183,15 @@ fn fp8_train_resumes_bit_for_bit() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let named = stderr.contains("--fp8-scaling delayed");
     assert!(!out.status.success() && named, "a current-scaling resume of a delayed-scaling run: {stderr}");
+    let out = Command::new(exe())
+        .current_dir(&dir)
+        .args(["train", "--device", "sim", "--steps", "20", "--dtype", "fp8", "--fp8-gradients", "e4m3"])
+        .args(["--resume", "half"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let named = stderr.contains("--fp8-gradients e5m2");
+    assert!(!out.status.success() && named, "an E4M3-gradient resume of an E5M2-gradient run: {stderr}");
     std::fs::remove_dir_all(dir).ok();
 }
 

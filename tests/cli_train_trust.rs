@@ -95,6 +95,7 @@ fn refusals_exit_2_before_the_first_step_and_change_nothing() {
         (&["--dtype", "fp8", "--schedule"], "--dtype fp8 needs"),
         // A scaling without FP8 would change nothing.
         (&["--fp8-scaling", "current"], "pass --dtype fp8 with it"),
+        (&["--fp8-gradients", "e4m3"], "--fp8-gradients sets how FP8"),
     ];
     for (args, why) in cases {
         let started = Instant::now();

@@ -11,9 +11,10 @@ use graphed::device::{DType, Device, Stream};
 use graphed::graph::{make_graphed_stack, GraphOptions, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    input_grad, BiasGrad, Builder, DelayedRecipe, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice, Layers, Linear,
-    LinearForward, Mlp, Module, ParamStore, PreActGrad, Recompute, Stack, TransformerLayer,
+    input_grad, BiasGrad, Builder, DelayedRecipe, Fp8Recipe, Fp8Scaling, Fp8Training, Inputs, KeepOnDevice, Layers,
+    Linear, LinearForward, Mlp, Module, ParamStore, PreActGrad, Recompute, Stack, TransformerLayer,
 };
+use graphed::ops::fp8::Fp8Format;
 use graphed::tensor::Tensor;
 use graphed::Error;
 
@@ -36,7 +37,13 @@ impl Layer {
         let alloc = CachingAllocator::new(dev);
         let store = ParamStore::with_dtype(&alloc, &s, TransformerLayer::parameter_count(DIM), DType::BF16)?;
         let fp8 = fp8.then(|| {
-            Fp8Training::new(&alloc, Fp8Recipe::Delayed(DelayedRecipe { history_len: 2, ..DelayedRecipe::default() }))
+            Fp8Training::new(
+                &alloc,
+                Fp8Recipe {
+                    scaling: Fp8Scaling::Delayed(DelayedRecipe { history_len: 2, ..DelayedRecipe::default() }),
+                    ..Fp8Recipe::default()
+                },
+            )
         });
         let vb = Builder::new(&store, &alloc, &s)?.with_seed(5);
         let vb = match &fp8 {
@@ -189,7 +196,7 @@ fn fp8_forward_keeps_the_input_quantized_and_transposed(dev: &Device) -> anyhow:
 fn current_scaling_scales_each_tensor_by_its_own_amax(dev: &Device) -> anyhow::Result<()> {
     let s = dev.stream()?;
     let alloc = CachingAllocator::new(dev);
-    let fp8 = Fp8Training::new(&alloc, Fp8Recipe::Current);
+    let fp8 = Fp8Training::new(&alloc, Fp8Recipe { scaling: Fp8Scaling::Current, ..Fp8Recipe::default() });
     let store = ParamStore::with_dtype(&alloc, &s, 2 * Linear::parameter_count((32, 16)), DType::BF16)?;
     let fc = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(2).with_fp8(&fp8).pp("fc"), (32, 16))?;
     let plain = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(2).pp("plain"), (32, 16))?;
@@ -216,7 +223,7 @@ fn current_scaling_keeps_microbatches_apart(dev: &Device) -> anyhow::Result<()> 
     let run = |interleaved: bool| -> anyhow::Result<Vec<f32>> {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
-        let fp8 = Fp8Training::new(&alloc, Fp8Recipe::Current);
+        let fp8 = Fp8Training::new(&alloc, Fp8Recipe { scaling: Fp8Scaling::Current, ..Fp8Recipe::default() });
         let store = ParamStore::with_dtype(&alloc, &s, Linear::parameter_count((32, 16)), DType::BF16)?;
         let fc = Linear::new(&Builder::new(&store, &alloc, &s)?.with_seed(2).with_fp8(&fp8).pp("fc"), (32, 16))?;
         fp8.start(&s)?;
@@ -243,8 +250,8 @@ fn current_scaling_keeps_microbatches_apart(dev: &Device) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// FP8's MLP backward under delayed scaling runs GELU's backward fused with FC1's E5M2 cast and
-/// its bias sums (`Linear::backward_through_gelu`): it gives what the unfused composition gives
+/// FP8's MLP backward under delayed scaling runs GELU's backward fused with FC1's cast (to E5M2,
+/// or E4M3 with those gradients, and then no E5M2 kernel runs) and its bias sums (`Linear::backward_through_gelu`): it gives what the unfused composition gives
 /// (FC2's backward to the bf16 pre-activation gradient, then FC1's backward from that) bit for
 /// bit, input gradient, weight gradients and amaxes, and FC1's bias gradient, summed in another
 /// order, within bf16's rounding of the exact column sums; it launches no GELU backward and moves
@@ -260,10 +267,10 @@ fn fp8_mlp_fuses_gelu_backward_into_the_cast(dev: &Device) -> anyhow::Result<()>
         kernels: Vec<&'static str>,
         bytes: u64,
     }
-    let run = |fused: bool| -> anyhow::Result<Run> {
+    let run = |fused: bool, gradients: Fp8Format| -> anyhow::Result<Run> {
         let s = dev.stream()?;
         let alloc = CachingAllocator::new(dev);
-        let fp8 = Fp8Training::new(&alloc, Fp8Recipe::default());
+        let fp8 = Fp8Training::new(&alloc, Fp8Recipe { gradients, ..Fp8Recipe::default() });
         let store = ParamStore::with_dtype(&alloc, &s, Mlp::parameter_count(DIM), DType::BF16)?;
         let mlp = Mlp::new(&Builder::new(&store, &alloc, &s)?.with_seed(3).with_fp8(&fp8).pp("mlp"), DIM)?;
         fp8.start(&s)?;
@@ -296,21 +303,26 @@ fn fp8_mlp_fuses_gelu_backward_into_the_cast(dev: &Device) -> anyhow::Result<()>
             bytes: launches.iter().map(|k| k.bytes).sum(),
         })
     };
-    let (fused, plain) = (run(true)?, run(false)?);
-    ensure!(fused.dx == plain.dx, "dx differs from the unfused composition's");
-    ensure!(fused.grads == plain.grads, "a weight gradient or FC2's bias gradient differs");
-    ensure!(fused.amaxes == plain.amaxes, "the amaxes differ");
-    let dpre = plain.dpre.expect("the unfused run keeps its gradient");
-    let cols = 4 * DIM;
-    for (c, got) in fused.fc1_bias.iter().enumerate() {
-        let exact: f64 = (0..N).map(|r| f64::from(dpre[r * cols + c])).sum();
-        let magnitude: f64 = (0..N).map(|r| f64::from(dpre[r * cols + c].abs())).sum();
-        let bound = exact.abs() / 256.0 + magnitude * 1e-6;
-        ensure!((f64::from(*got) - exact).abs() <= bound, "FC1's bias gradient {c}: {got}, exactly {exact}");
+    for gradients in [Fp8Format::E5M2, Fp8Format::E4M3] {
+        let (fused, plain) = (run(true, gradients)?, run(false, gradients)?);
+        ensure!(fused.dx == plain.dx, "dx differs from the unfused composition's");
+        ensure!(fused.grads == plain.grads, "a weight gradient or FC2's bias gradient differs");
+        ensure!(fused.amaxes == plain.amaxes, "the amaxes differ");
+        let dpre = plain.dpre.expect("the unfused run keeps its gradient");
+        let cols = 4 * DIM;
+        for (c, got) in fused.fc1_bias.iter().enumerate() {
+            let exact: f64 = (0..N).map(|r| f64::from(dpre[r * cols + c])).sum();
+            let magnitude: f64 = (0..N).map(|r| f64::from(dpre[r * cols + c].abs())).sum();
+            let bound = exact.abs() / 256.0 + magnitude * 1e-6;
+            ensure!((f64::from(*got) - exact).abs() <= bound, "FC1's bias gradient {c}: {got}, exactly {exact}");
+        }
+        let dgelu = format!("fp8_dgelu_cast_transpose_bf16_{}", gradients.name());
+        ensure!(fused.kernels.contains(&dgelu.as_str()), "not fused: {:?}", fused.kernels);
+        let e5m2 = fused.kernels.iter().any(|k| k.contains("e5m2"));
+        ensure!(e5m2 == (gradients == Fp8Format::E5M2), "{gradients:?} gradients ran {:?}", fused.kernels);
+        ensure!(!fused.kernels.contains(&"gelu_backward_bf16"), "GELU's backward ran alone: {:?}", fused.kernels);
+        ensure!(fused.bytes < plain.bytes, "fused moved {} bytes, unfused {}", fused.bytes, plain.bytes);
     }
-    ensure!(fused.kernels.contains(&"fp8_dgelu_cast_transpose_bf16_e5m2"), "not fused: {:?}", fused.kernels);
-    ensure!(!fused.kernels.contains(&"gelu_backward_bf16"), "GELU's backward ran alone: {:?}", fused.kernels);
-    ensure!(fused.bytes < plain.bytes, "fused moved {} bytes, unfused {}", fused.bytes, plain.bytes);
     Ok(())
 }
 

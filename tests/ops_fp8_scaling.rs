@@ -257,26 +257,27 @@ fn host_tile_sum(g: &[f32], (rows, cols): (usize, usize), r0: usize, c: usize) -
 }
 
 /// `dgelu_cast_transpose` against `gelu_backward` then `cast_transpose` on the same device: the
-/// same E5M2 bytes in both layouts and the same amax, bit for bit; its tile sums are the host's
-/// sums of the device's GELU backward in the kernel's order, bit for bit, and `sum_tiles` adds
+/// same E5M2 (and E4M3) bytes in both layouts and the same amax, bit for bit; its tile sums are
+/// the host's sums of the device's GELU backward in the kernel's order, bit for bit, and `sum_tiles` adds
 /// them in tile order, within bf16's rounding of the exact column sums. Odd shapes (partial
 /// tiles, narrow columns), a scale that saturates some values, and pre-activations far out on
 /// both sides. (The devices' `tanhf` differ in the last bits, so each is compared with itself.)
 fn dgelu_cast_transpose_equals_gelu_backward_then_cast(dev: &Device) -> Result {
     let env = Env::new(dev)?;
-    for (rows, cols) in [(1, 8), (33, 72), (64, 64), (130, 264), (200, 68), (256, 512)] {
-        let what = format!("[{rows}, {cols}]");
+    let shapes = [(1, 8), (33, 72), (64, 64), (130, 264), (200, 68), (256, 512)];
+    let cases = shapes.iter().flat_map(|&s| [(s, DType::F8E5M2, 20_000.0f32), (s, DType::F8E4M3, 100.0)]);
+    for ((rows, cols), format, scale) in cases {
+        let what = format!("[{rows}, {cols}] {format}");
         let n = rows * cols;
         let pre = env.input(&values(n, n as u64, 4.0, &[-0.0, 30.0, -30.0, 1e-3]), &[rows, cols], DType::BF16)?;
         let dout = env.input(&values(n, n as u64 + 1, 2.0, &[]), &[rows, cols], DType::BF16)?;
-        let scale = env.one(20_000.0)?;
+        let scale = env.one(scale)?;
         let g = env.input(&vec![0.0; n], &[rows, cols], DType::BF16)?;
         gelu_backward(&g, &pre, &dout, &env.s)?;
         let (want, want_t, want_amax) =
-            (env.fp8(&[rows, cols], DType::F8E5M2)?, env.fp8(&[cols, rows], DType::F8E5M2)?, env.one(0.5)?);
+            (env.fp8(&[rows, cols], format)?, env.fp8(&[cols, rows], format)?, env.one(0.5)?);
         cast_transpose(Some(&want), Some(&want_t), &want_amax, &g, &scale, &env.s)?;
-        let (out, out_t, amax) =
-            (env.fp8(&[rows, cols], DType::F8E5M2)?, env.fp8(&[cols, rows], DType::F8E5M2)?, env.one(0.5)?);
+        let (out, out_t, amax) = (env.fp8(&[rows, cols], format)?, env.fp8(&[cols, rows], format)?, env.one(0.5)?);
         let tiles = env.put(&vec![f32::NAN; tile_rows(rows) * cols], &[tile_rows(rows), cols])?;
         dgelu_cast_transpose((&out, &out_t), &amax, &tiles, (&dout, &pre), &scale, &env.s)?;
         ensure!(env.bytes(&out)? == env.bytes(&want)?, "{what}: row-major bytes");
@@ -470,7 +471,8 @@ fn refusals_write_nothing(dev: &Device) -> Result {
         ("two amaxes", ct(Some(&out), Some(&out_t), &two, &x, &scale)),
         ("strided input", ct(Some(&out), Some(&out_t), &slot, &strided, &scale)),
         ("dgelu of f32", dgelu_cast_transpose((&e5_rows, &e5), &slot, &tiles, (&x, &x), &scale, &env.s)),
-        ("dgelu to E4M3", dgelu_cast_transpose((&out, &out_t), &slot, &tiles, (&g, &g), &scale, &env.s)),
+        ("dgelu to f32", dgelu_cast_transpose((&x, &x), &slot, &tiles, (&g, &g), &scale, &env.s)),
+        ("dgelu two formats", dgelu_cast_transpose((&out, &e5), &slot, &tiles, (&g, &g), &scale, &env.s)),
         ("dgelu tile rows", dgelu_cast_transpose((&e5_rows, &e5), &slot, &two, (&g, &g), &scale, &env.s)),
         ("dgelu pre shape", dgelu_cast_transpose((&e5_rows, &e5), &slot, &tiles, (&g, &g_t), &scale, &env.s)),
         ("sum_tiles to f32", sum_tiles(&x.reshape(&[6])?.narrow(0, 0, 3)?, &tiles, &env.s)),

@@ -93,6 +93,10 @@ pub struct DTypeArgs {
     /// of it).
     #[arg(long = "fp8-scaling", value_enum)]
     pub fp8_scaling: Option<Fp8ScalingArg>,
+    /// With `--dtype fp8`, the gradients' format: `e5m2` (TransformerEngine's HYBRID, the
+    /// default: more range) or `e4m3` (as the forward's tensors: one more bit of precision).
+    #[arg(long = "fp8-gradients", value_enum)]
+    pub fp8_gradients: Option<Fp8GradientsArg>,
 }
 
 impl DTypeArgs {
@@ -127,28 +131,41 @@ impl DTypeArgs {
         self.dtype == Some(DTypeArg::Fp8)
     }
 
-    /// The FP8 recipe with `--dtype fp8` (`--fp8-scaling`, delayed by default), else `None`.
+    /// The FP8 recipe with `--dtype fp8` (`--fp8-scaling`, delayed by default, and
+    /// `--fp8-gradients`, E5M2 by default), else `None`.
     ///
     /// # Errors
-    /// `--fp8-scaling` without `--dtype fp8`, where it would change nothing.
+    /// `--fp8-scaling` or `--fp8-gradients` without `--dtype fp8`, where it would change nothing.
     pub fn fp8_recipe(&self) -> anyhow::Result<Option<graphed::nn::Fp8Recipe>> {
-        use graphed::nn::Fp8Recipe;
-        match (self.fp8(), self.fp8_scaling) {
-            (false, None) => Ok(None),
-            (false, Some(_)) => anyhow::bail!("--fp8-scaling scales FP8 tensors; pass --dtype fp8 with it, or drop it"),
-            (true, None | Some(Fp8ScalingArg::Delayed)) => Ok(Some(Fp8Recipe::default())),
-            (true, Some(Fp8ScalingArg::Current)) => Ok(Some(Fp8Recipe::Current)),
+        use graphed::nn::{Fp8Recipe, Fp8Scaling};
+        use graphed::ops::fp8::Fp8Format;
+        if !self.fp8() {
+            if self.fp8_scaling.is_some() || self.fp8_gradients.is_some() {
+                let flag = if self.fp8_scaling.is_some() { "--fp8-scaling" } else { "--fp8-gradients" };
+                anyhow::bail!("{flag} sets how FP8 tensors are made; pass --dtype fp8 with it, or drop it");
+            }
+            return Ok(None);
         }
+        let scaling = match self.fp8_scaling {
+            None | Some(Fp8ScalingArg::Delayed) => Fp8Scaling::default(),
+            Some(Fp8ScalingArg::Current) => Fp8Scaling::Current,
+        };
+        let gradients = match self.fp8_gradients {
+            None | Some(Fp8GradientsArg::E5m2) => Fp8Format::E5M2,
+            Some(Fp8GradientsArg::E4m3) => Fp8Format::E4M3,
+        };
+        Ok(Some(Fp8Recipe { scaling, gradients }))
     }
 
-    /// The name of the precision in reports: `fp8` (`fp8-current` with current scaling), else
-    /// the element type.
+    /// The name of the precision in reports: `fp8`, with `-current` under current scaling and
+    /// `-e4m3g` with E4M3 gradients; else the element type.
     pub fn label(&self, dev: &graphed::device::Device) -> String {
-        match (self.fp8(), self.fp8_scaling) {
-            (true, Some(Fp8ScalingArg::Current)) => "fp8-current".into(),
-            (true, _) => "fp8".into(),
-            (false, _) => self.storage(dev).to_string(),
+        if !self.fp8() {
+            return self.storage(dev).to_string();
         }
+        let current = if self.fp8_scaling == Some(Fp8ScalingArg::Current) { "-current" } else { "" };
+        let e4m3 = if self.fp8_gradients == Some(Fp8GradientsArg::E4m3) { "-e4m3g" } else { "" };
+        format!("fp8{current}{e4m3}")
     }
 }
 
@@ -388,8 +405,8 @@ impl From<GradReduceArg> for graphed::dist::GradReduction {
 pub enum DTypeArg {
     Bf16,
     F32,
-    /// bf16 weights and activations, the Linear layers' GEMMs in FP8 (E4M3 forward, E5M2
-    /// gradients), scaled as `--fp8-scaling` says.
+    /// bf16 weights and activations, the Linear layers' GEMMs in FP8 (E4M3 forward, gradients
+    /// as `--fp8-gradients` says, E5M2 by default), scaled as `--fp8-scaling` says.
     Fp8,
 }
 
@@ -400,6 +417,15 @@ pub enum Fp8ScalingArg {
     Delayed,
     /// Each tensor's scale from its own amax, taken just before its cast.
     Current,
+}
+
+/// The FP8 gradients' format (`graphed::nn::Fp8Recipe::gradients`).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8GradientsArg {
+    /// TransformerEngine's HYBRID: E5M2 gradients, more range.
+    E5m2,
+    /// E4M3 gradients, as the forward's tensors: one more bit of precision.
+    E4m3,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! FP8 training of the [`Linear`](super::Linear) layers: TransformerEngine's delayed scaling
-//! (E4M3 in the forward, E5M2 for gradients, bf16 everywhere else), with every amax, history and
-//! scale on the device and no global state.
+//! (E4M3 in the forward, E5M2 for gradients unless the recipe says E4M3, bf16 everywhere else),
+//! with every amax, history and scale on the device and no global state.
 //!
 //! One [`Fp8Training`] value belongs to one model: the layers built with it
 //! ([`Builder::with_fp8`](super::Builder::with_fp8)) register their weights and get their slots
@@ -10,7 +10,7 @@
 //! - the forward quantizes each input with its scale and records its amax
 //!   ([`ops::fp8::cast_transpose`]), and multiplies it with the FP8 weight (fast accumulation, as
 //!   TransformerEngine's forward);
-//! - the backward quantizes each output gradient to E5M2 likewise, and runs the data gradient
+//! - the backward quantizes each output gradient to the recipe's gradient format likewise, and runs the data gradient
 //!   (`dy·W`, against the weight's FP8 transpose) and the weight gradient (`dyᵀ·x`, both operands
 //!   quantized transposed) as FP8 GEMMs; the bias gradient is a bf16 column sum, as cuBLASLt has
 //!   no FP8 bias-gradient epilogue;
@@ -36,35 +36,67 @@ use crate::ops::fp8::{cast_transpose, AmaxAlgo, CurrentScaling, DelayedScaling, 
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-/// How an [`Fp8Training`] scales its tensors.
+/// How an [`Fp8Training`] runs: TransformerEngine's recipe, the scaling of its tensors and the
+/// format of its gradients. The default is TransformerEngine's: delayed scaling, E4M3 in the
+/// forward and E5M2 for the gradients (its `Format.HYBRID`).
+///
+/// ```
+/// use graphed::nn::{Fp8Recipe, Fp8Scaling};
+/// use graphed::ops::fp8::Fp8Format;
+/// // Current scaling, and the gradients in E4M3 as the forward's tensors (`Format.E4M3`).
+/// let recipe = Fp8Recipe { scaling: Fp8Scaling::Current, gradients: Fp8Format::E4M3 };
+/// assert_eq!(recipe.to_string(), "current scaling, E4M3 gradients");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Fp8Recipe {
-    /// TransformerEngine's `DelayedScaling` (the default): each tensor's scale comes from the
-    /// amaxes its casts recorded over the last steps, updated once per step by the optimizer.
-    Delayed(DelayedRecipe),
-    /// TransformerEngine's `Float8CurrentScaling`: each tensor's scale comes from its own amax,
-    /// taken just before its cast (one more read of it, and two small launches), so a spike is
-    /// never clipped by an older scale. No history to keep, reduce or checkpoint.
-    Current,
+pub struct Fp8Recipe {
+    /// Where the scales come from.
+    pub scaling: Fp8Scaling,
+    /// The output gradients' format: E5M2 (more range) or E4M3 (one more bit of precision).
+    pub gradients: Fp8Format,
 }
 
 impl Default for Fp8Recipe {
     fn default() -> Fp8Recipe {
-        Fp8Recipe::Delayed(DelayedRecipe::default())
-    }
-}
-
-impl Fp8Recipe {
-    /// `delayed` or `current`, as the command line spells it.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Fp8Recipe::Delayed(_) => "delayed",
-            Fp8Recipe::Current => "current",
-        }
+        Fp8Recipe { scaling: Fp8Scaling::default(), gradients: Fp8Format::E5M2 }
     }
 }
 
 impl std::fmt::Display for Fp8Recipe {
+    /// `delayed scaling, E5M2 gradients`, as reports name it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}, {} gradients", self.scaling, self.gradients.name().to_uppercase())
+    }
+}
+
+/// How an [`Fp8Training`] scales its tensors.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fp8Scaling {
+    /// TransformerEngine's `DelayedScaling` (the default): each tensor's scale comes from the
+    /// amaxes its casts recorded over the last steps, updated once per step by the optimizer.
+    Delayed(DelayedRecipe),
+    /// TransformerEngine's `Float8CurrentScaling`: each tensor's scale comes from its own amax,
+    /// taken just before its cast (one more read of it, and one small launch), so a spike is
+    /// never clipped by an older scale. No history to keep, reduce or checkpoint.
+    Current,
+}
+
+impl Default for Fp8Scaling {
+    fn default() -> Fp8Scaling {
+        Fp8Scaling::Delayed(DelayedRecipe::default())
+    }
+}
+
+impl Fp8Scaling {
+    /// `delayed` or `current`, as the command line spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Fp8Scaling::Delayed(_) => "delayed",
+            Fp8Scaling::Current => "current",
+        }
+    }
+}
+
+impl std::fmt::Display for Fp8Scaling {
     /// `delayed scaling` or `current scaling`, as reports name it.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} scaling", self.name())
@@ -141,12 +173,17 @@ pub(crate) struct Scaled {
     pub(crate) scale: Tensor,
     pub(crate) scale_inv: Tensor,
     pub(crate) amax: Tensor,
-    /// E4M3 in the forward's recipe, E5M2 in the backward's.
+    /// E4M3 in the forward's recipe, the gradients' format in the backward's.
     dtype: DType,
     current: Option<(CurrentScaling, usize)>,
 }
 
 impl Scaled {
+    /// The element type of what it quantizes: E4M3, or the gradients' format.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// `x` (`(n, c)`, bf16) quantized row-major `(n, c)` into a tensor of `alloc` (the layer's,
     /// which a capture allocates from); its amax recorded.
     pub(crate) fn quantize(&self, alloc: &CachingAllocator, x: &Tensor, stream: &Stream) -> Result<Tensor> {
@@ -244,8 +281,9 @@ impl Fp8Training {
             });
         }
         let alloc = &self.inner.alloc;
-        let scalings = match self.inner.recipe {
-            Fp8Recipe::Delayed(r) => {
+        let gradients = self.inner.recipe.gradients;
+        let scalings = match self.inner.recipe.scaling {
+            Fp8Scaling::Delayed(r) => {
                 let config = |format| DelayedScalingConfig {
                     format,
                     history_len: r.history_len,
@@ -253,17 +291,17 @@ impl Fp8Training {
                     margin: r.margin,
                 };
                 let forward = DelayedScaling::new(alloc, stream, config(Fp8Format::E4M3), 2 * layers)?;
-                let backward = DelayedScaling::new(alloc, stream, config(Fp8Format::E5M2), layers)?;
+                let backward = DelayedScaling::new(alloc, stream, config(gradients), layers)?;
                 Scalings::Delayed(Box::new(forward), Box::new(backward))
             }
-            Fp8Recipe::Current => Scalings::Current(
+            Fp8Scaling::Current => Scalings::Current(
                 Box::new(CurrentScaling::new(alloc, stream, Fp8Format::E4M3, 2 * layers)?),
-                Box::new(CurrentScaling::new(alloc, stream, Fp8Format::E5M2, layers)?),
+                Box::new(CurrentScaling::new(alloc, stream, gradients, layers)?),
             ),
         };
         // `set` cannot fail: `state` was empty above and `start` takes no other path to it.
         let _ = self.inner.state.set(scalings);
-        if let Fp8Recipe::Delayed(_) = self.inner.recipe {
+        if let Fp8Scaling::Delayed(_) = self.inner.recipe.scaling {
             self.quantize_weights(stream)?;
         }
         self.update_and_quantize(stream)
@@ -353,7 +391,8 @@ impl Fp8Training {
     }
 
     /// The recipes' state, for checkpoints and reports: the forward's (E4M3: layer `i`'s input in
-    /// slot `2i`, its weight in `2i + 1`) and the backward's (E5M2: layer `i`'s output gradient).
+    /// slot `2i`, its weight in `2i + 1`) and the backward's (the gradients' format: layer `i`'s
+    /// output gradient).
     ///
     /// # Errors
     /// [`Error::Unsupported`] before [`Fp8Training::start`].
@@ -400,7 +439,7 @@ impl Fp8Training {
     /// The scale, inverse scale and amax slot of `slot` of the forward's (`recipe` 0) or the
     /// backward's recipe.
     fn scaled(&self, recipe: usize, slot: usize) -> Result<Scaled> {
-        let dtype = if recipe == 0 { DType::F8E4M3 } else { DType::F8E5M2 };
+        let dtype = if recipe == 0 { DType::F8E4M3 } else { self.inner.recipe.gradients.dtype() };
         let (scale, scale_inv, amax, current) = match self.scalings()? {
             Scalings::Delayed(forward, backward) => {
                 let r = if recipe == 0 { forward } else { backward };
@@ -434,7 +473,7 @@ impl Fp8Linear {
         self.training.scaled(0, 2 * self.index + 1)
     }
 
-    /// The layer's output gradient: E5M2, slot `i` of the backward's recipe.
+    /// The layer's output gradient: in the gradients' format, slot `i` of the backward's recipe.
     pub(crate) fn grad(&self) -> Result<Scaled> {
         self.training.scaled(1, self.index)
     }
@@ -449,7 +488,7 @@ impl Fp8Linear {
     /// next optimizer step under delayed scaling, while under current scaling the next cast into
     /// its slot (another microbatch's) rewrites it.
     pub(crate) fn scales_hold_for_the_step(&self) -> bool {
-        matches!(self.training.inner.recipe, Fp8Recipe::Delayed(_))
+        matches!(self.training.inner.recipe.scaling, Fp8Scaling::Delayed(_))
     }
 
     /// Whether `other` is this handle: the same layer of the same model's FP8 state.

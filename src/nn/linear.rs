@@ -44,10 +44,10 @@ type Deferred = (OutputGrad, Tensor, BiasGrad);
 /// An output gradient as the weight-gradient GEMM reads it.
 #[derive(Clone)]
 enum OutputGrad {
-    /// As the layer received it, `(n, out)` in bf16 or f32, and in FP8 training its E5M2
+    /// As the layer received it, `(n, out)` in bf16 or f32, and in FP8 training its FP8
     /// transpose `(out, n)`, quantized in the same pass as the data gradient's row-major copy.
     Given { dy: Tensor, fp8_t: Option<Tensor> },
-    /// Quantized by the layer above in GELU's backward ([`PreActGrad::Quantized`]): its E5M2
+    /// Quantized by the layer above in GELU's backward ([`PreActGrad::Quantized`]): its FP8
     /// transpose and its column sums per tile of rows.
     Quantized { fp8_t: Tensor, tile_sums: Tensor },
 }
@@ -57,17 +57,18 @@ enum OutputGrad {
 pub enum PreActGrad {
     /// `(n, features)`, as [`Linear::backward_with`] returns it.
     Plain(Tensor),
-    /// FP8 under delayed scaling: GELU's backward, its cast to E5M2 in both layouts and its
-    /// column sums, from one pass ([`dgelu_cast_transpose`]), so no bf16 copy of it is written.
+    /// FP8 under delayed scaling: GELU's backward, its cast to the gradients' format in both
+    /// layouts and its column sums, from one pass ([`dgelu_cast_transpose`]), so no bf16 copy of
+    /// it is written.
     Quantized(Box<QuantizedGrad>),
 }
 
 /// [`PreActGrad::Quantized`]'s tensors, quantized with one layer's gradient scale: only that
 /// layer's [`Linear::backward_from`] takes them (another's would read them with its own scale).
 pub struct QuantizedGrad {
-    /// `(n, features)`, E5M2: the data gradient's operand.
+    /// `(n, features)`, in the gradients' format: the data gradient's operand.
     q: Tensor,
-    /// `(features, n)`, E5M2: the weight gradient's.
+    /// `(features, n)`, likewise: the weight gradient's.
     q_t: Tensor,
     /// `(tile_rows(n), features)`, f32: the bias gradient's partial sums ([`sum_tiles`]).
     tile_sums: Tensor,
@@ -199,8 +200,8 @@ impl Linear {
     /// GELU's backward is cuBLASLt's `DGELU` epilogue. (Its `DGELU_BGRAD`, which would also sum
     /// the columns into the bias gradient of the layer before, took 95.6 µs against 44.8 µs for
     /// the `DGELU` GEMM at BENCH.md's M on the H200, more than that layer's `BGRADB` costs.) In
-    /// FP8, `dy` is quantized to E5M2 once, row-major for the data gradient and transposed for the
-    /// weight gradient, in one pass.
+    /// FP8, `dy` is quantized once to the recipe's gradient format, row-major for the data
+    /// gradient and transposed for the weight gradient, in one pass.
     ///
     /// # Errors
     /// [`Error::Shape`] unless `dy` is `(n, out)`, `x` `(n, in)` (or FP8's kept `(in, n)`) and
@@ -283,8 +284,8 @@ impl Linear {
         let into = slot.grad()?;
         let dact = Tensor::uninit(&self.alloc, stream, &[n, i], dy.dtype())?;
         let grad = self.data_gemm(&dact, dy, Fused::None, stream)?;
-        let q = Tensor::uninit(&self.alloc, stream, &[n, i], DType::F8E5M2)?;
-        let q_t = Tensor::uninit(&self.alloc, stream, &[i, n], DType::F8E5M2)?;
+        let q = Tensor::uninit(&self.alloc, stream, &[n, i], into.dtype())?;
+        let q_t = Tensor::uninit(&self.alloc, stream, &[i, n], into.dtype())?;
         let tile_sums = Tensor::uninit(&self.alloc, stream, &[tile_rows(n), i], DType::F32)?;
         dgelu_cast_transpose((&q, &q_t), &into.amax, &tile_sums, (&dact, pre), &into.scale, stream)?;
         self.weight_grads(grad, &x, bias, stream)?;
@@ -392,7 +393,7 @@ impl Linear {
         Ok(kept)
     }
 
-    /// `dx = dy·W` with `fused`, in bf16 or FP8 (`dy` in E5M2 against the weight's transpose);
+    /// `dx = dy·W` with `fused`, in bf16 or FP8 (`dy` in the gradients' format against the weight's transpose);
     /// `dy` as the weight gradient reads it.
     fn data_gemm(&self, dx: &Tensor, dy: &Tensor, fused: Fused<'_>, stream: &Stream) -> Result<OutputGrad> {
         let (i, o) = self.dims();
@@ -424,7 +425,7 @@ impl Linear {
         Ok(grad)
     }
 
-    /// `dx = dy8·W` (`dy8` the E5M2 output gradient in this layer's gradient slot, against the
+    /// `dx = dy8·W` (`dy8` the FP8 output gradient in this layer's gradient slot, against the
     /// weight's FP8 transpose), in bf16.
     fn data_gemm_fp8(&self, f: &Fp8Linear, dx: &Tensor, dy8: &Tensor, stream: &Stream) -> Result<()> {
         let (i, o) = self.dims();

@@ -38,7 +38,7 @@ pub use attention::{AttentionCtx, AttentionKind, AttentionSpec, BackendsRan, Cau
 pub use builder::{Builder, Recompute};
 pub use dropout::{Dropout, DropoutCtx, DropoutSpec};
 pub use embedding::Embedding;
-pub use fp8::{DelayedRecipe, Fp8Recipe, Fp8Training};
+pub use fp8::{DelayedRecipe, Fp8Recipe, Fp8Scaling, Fp8Training};
 pub use gpt::{ConfigLimit, Gpt, GptConfig, GptCtx, GptPart, HeadCtx};
 pub use grad_hook::{GradHook, NoGradHook};
 pub use inputs::{Input, Inputs};

@@ -6,7 +6,9 @@ use anyhow::{ensure, Context};
 use graphed::device::{CommOptions, Communicator, DType, Device, Policy, Stream};
 use graphed::graph::{make_graphed_fn, make_graphed_stack, GraphOptions, GraphedFn, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
-use graphed::nn::{Builder, DelayedRecipe, Fp8Recipe, Fp8Training, Layers, ParamStore, Stack, TransformerLayer};
+use graphed::nn::{
+    Builder, DelayedRecipe, Fp8Recipe, Fp8Scaling, Fp8Training, Layers, ParamStore, Stack, TransformerLayer,
+};
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -33,8 +35,13 @@ struct Model {
 fn model(dev: &Device) -> graphed::Result<Model> {
     let (s, alloc) = (dev.stream()?, CachingAllocator::new(dev));
     let store = ParamStore::with_dtype(&alloc, &s, 2 * TransformerLayer::parameter_count(DIM), DType::BF16)?;
-    let fp8 =
-        Fp8Training::new(&alloc, Fp8Recipe::Delayed(DelayedRecipe { history_len: 4, ..DelayedRecipe::default() }));
+    let fp8 = Fp8Training::new(
+        &alloc,
+        Fp8Recipe {
+            scaling: Fp8Scaling::Delayed(DelayedRecipe { history_len: 4, ..DelayedRecipe::default() }),
+            ..Fp8Recipe::default()
+        },
+    );
     let vb = Builder::new(&store, &alloc, &s)?.with_seed(3).with_fp8(&fp8);
     let stack = Stack::new(TransformerLayer::stack(&vb, (DIM, 1), &Layers::first(2))?);
     fp8.start(&s)?;

@@ -188,6 +188,11 @@ pub fn stack_side_stream_matches_eager_in_fp8(dev: &Device) -> Result {
     twins(dev, How::Side, &Model::fp8)
 }
 
+/// FP8 with E4M3 gradients: GELU's fused backward cast to E4M3, the backward's GEMMs E4M3 × E4M3.
+pub fn stack_side_stream_matches_eager_in_fp8_e4m3_gradients(dev: &Device) -> Result {
+    twins(dev, How::Side, &Model::fp8_e4m3_gradients)
+}
+
 /// FP8 with current scaling: the amax and scale of every tensor inside the graphs, before its
 /// cast.
 pub fn stack_side_stream_matches_eager_in_fp8_current(dev: &Device) -> Result {

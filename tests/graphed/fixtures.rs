@@ -8,11 +8,13 @@ use graphed::device::{Device, Event, Stream};
 use graphed::graph::{make_graphed_stack, Callable, GraphOptions, GraphedCallable, GraphedStack, Replay};
 use graphed::memory::CachingAllocator;
 use graphed::nn::{
-    backward_pass, forward_pass, input_grad, Builder, DelayedRecipe, Fp8Recipe, Fp8Training, Inputs, KeepOnDevice,
-    Layers, Module, Param, ParamStore, Recompute, SaveHook, SavedTensor, Stack, TransformerLayer, Traverse,
+    backward_pass, forward_pass, input_grad, Builder, DelayedRecipe, Fp8Recipe, Fp8Scaling, Fp8Training, Inputs,
+    KeepOnDevice, Layers, Module, Param, ParamStore, Recompute, SaveHook, SavedTensor, Stack, TransformerLayer,
+    Traverse,
 };
 use graphed::ops::cast::residual_add;
 use graphed::ops::elementwise;
+use graphed::ops::fp8::Fp8Format;
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 
@@ -80,14 +82,20 @@ impl Model {
     /// state), over 16 tokens: an FP8 GEMM's k, here the tokens of the weight gradient, is a
     /// multiple of 16.
     pub fn fp8(dev: &Device) -> Result<Model> {
-        let fp8 = Some(Fp8Recipe::Delayed(DelayedRecipe { history_len: 4, ..DelayedRecipe::default() }));
-        Model::build(dev, Spec { shape: FP8_SHAPE, fp8, ..Spec::of(DType::BF16) })
+        Model::build(dev, Spec { shape: FP8_SHAPE, fp8: Some(short_history(Fp8Format::E5M2)), ..Spec::of(DType::BF16) })
+    }
+
+    /// As [`Model::fp8`] with the gradients in E4M3 (TransformerEngine's `Format.E4M3`): GELU's
+    /// backward cast to E4M3 in its fused kernel, the backward's GEMMs E4M3 × E4M3.
+    pub fn fp8_e4m3_gradients(dev: &Device) -> Result<Model> {
+        Model::build(dev, Spec { shape: FP8_SHAPE, fp8: Some(short_history(Fp8Format::E4M3)), ..Spec::of(DType::BF16) })
     }
 
     /// As [`Model::fp8`] with current scaling: every scale from its tensor's amax just before
     /// its cast.
     pub fn fp8_current(dev: &Device) -> Result<Model> {
-        Model::build(dev, Spec { shape: FP8_SHAPE, fp8: Some(Fp8Recipe::Current), ..Spec::of(DType::BF16) })
+        let fp8 = Fp8Recipe { scaling: Fp8Scaling::Current, ..Fp8Recipe::default() };
+        Model::build(dev, Spec { shape: FP8_SHAPE, fp8: Some(fp8), ..Spec::of(DType::BF16) })
     }
 
     /// As [`Model::with_dtype`] in bf16, the MLPs' backward recomputing their GELU output.
@@ -421,4 +429,10 @@ impl SaveHook for TailHook {
         }
         Ok(())
     }
+}
+
+/// Delayed scaling over 4 steps of history, the gradients in `gradients`.
+fn short_history(gradients: Fp8Format) -> Fp8Recipe {
+    let delayed = DelayedRecipe { history_len: 4, ..DelayedRecipe::default() };
+    Fp8Recipe { scaling: Fp8Scaling::Delayed(delayed), gradients }
 }

@@ -39,6 +39,7 @@ per_device!(
     stack_side_stream_matches_eager_in_bf16,
     stack_caller_matches_eager_in_fp8,
     stack_side_stream_matches_eager_in_fp8,
+    stack_side_stream_matches_eager_in_fp8_e4m3_gradients,
     stack_side_stream_matches_eager_in_fp8_current,
     stack_side_stream_matches_eager_recomputing,
     stack_side_stream_matches_eager_recomputing_all,

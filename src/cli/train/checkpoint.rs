@@ -65,7 +65,8 @@ fn settings(model: &Gpt, args: &TrainArgs, (batch, steps, lr): (usize, usize, f3
         (ATTENTION, c.attention.name().to_string()),
         (ATTENTION_BACKEND, c.attention_backend.name().to_string()),
         ("dtype", if model.fp8().is_some() { "fp8".into() } else { c.dtype.to_string() }),
-        (FP8_SCALING, model.fp8().map_or("none", |f| f.recipe().name()).into()),
+        (FP8_SCALING, model.fp8().map_or("none", |f| f.recipe().scaling.name()).into()),
+        (FP8_GRADIENTS, model.fp8().map_or("none", |f| f.recipe().gradients.name()).into()),
         (RECOMPUTE, c.recompute.name().into()),
         ("dropout", c.dropout.to_string()),
         ("seed", args.seed.to_string()),
@@ -95,6 +96,11 @@ const ATTENTION_BACKEND: &str = "attention_backend";
 /// key's refusal.
 const FP8_SCALING: &str = "fp8_scaling";
 
+/// The metadata key of the FP8 gradients' format (`--fp8-gradients`'s `e5m2` or `e4m3`, or
+/// `none` without FP8). The formats round differently; checkpoints from before the key existed
+/// ran E5M2, the only format then, if any.
+const FP8_GRADIENTS: &str = "fp8_gradients";
+
 /// The metadata key of what the backward recomputes (`--recompute`'s `none` or `gelu`). A
 /// recomputed GELU output can differ from the kept one in its last bit, so a run resumes only
 /// with its own setting; checkpoints from before the key existed recomputed nothing.
@@ -117,7 +123,7 @@ struct Flagged {
 }
 
 /// The settings `resume` checks as [`Flagged`], for `model` resuming `ckpt`.
-fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 4] {
+fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 5] {
     let fused = model.config().attention == AttentionKind::Fused;
     let fp8 = model.fp8().is_some() && ckpt.meta("dtype") == Some("fp8");
     [
@@ -143,6 +149,14 @@ fn flagged(model: &Gpt, ckpt: &Checkpoint) -> [Flagged; 4] {
             what: "ran FP8 with scaling",
             kind: "recipes",
             flag: "--fp8-scaling",
+            applies: fp8,
+        },
+        Flagged {
+            key: FP8_GRADIENTS,
+            absent: "e5m2",
+            what: "ran FP8 with gradients in",
+            kind: "formats",
+            flag: "--fp8-gradients",
             applies: fp8,
         },
         Flagged {

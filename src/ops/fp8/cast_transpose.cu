@@ -295,7 +295,12 @@ extern "C" __global__ void fp8_cast_cols_bf16_e5m2(e5m2* out_t, float* amax, con
     cast_transpose<e5m2, false, true, false>(nullptr, out_t, amax, nullptr, Plain<bf16>{inp}, scale, rows, cols);
 }
 
-// GELU's backward cast to E5M2 in both layouts, with its amax and its tiles' column sums.
+// GELU's backward cast to E5M2 (or E4M3) in both layouts, with its amax and its tiles' column sums.
+extern "C" __global__ void fp8_dgelu_cast_transpose_bf16_e4m3(e4m3* out, e4m3* out_t, float* amax, float* tile_sums,
+                                                        const bf16* dout, const bf16* pre, const float* scale,
+                                                        unsigned rows, unsigned cols) {
+    cast_transpose<e4m3, true, true, true>(out, out_t, amax, tile_sums, DGelu{dout, pre}, scale, rows, cols);
+}
 extern "C" __global__ void fp8_dgelu_cast_transpose_bf16_e5m2(e5m2* out, e5m2* out_t, float* amax, float* tile_sums,
                                                         const bf16* dout, const bf16* pre, const float* scale,
                                                         unsigned rows, unsigned cols) {

@@ -34,26 +34,35 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use float8::F8E5M2;
+use float8::{F8E4M3, F8E5M2};
 use half::bf16;
 
 use super::cast_transpose::{cast_values_cpu, matrix, TILE_COLS, TILE_ROWS, TILE_THREADS};
 use super::SOURCE;
-use crate::device::{args, CpuArgs, DType, In, InOut, Kernel, Out, Stream};
+use crate::device::{args, CpuArgs, DType, Elem, Float8, In, InOut, Kernel, Out, Stream};
 use crate::ops::cast::one_f32;
 use crate::ops::gelu::gelu_grad;
 use crate::ops::{checked, column_sums, count, dense, grid};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-/// `fp8_dgelu_cast_transpose_bf16_e5m2` in `cast_transpose.cu`.
-pub static DGELU_CAST_TRANSPOSE: Kernel = Kernel {
-    name: "fp8_dgelu_cast_transpose_bf16_e5m2",
-    source: SOURCE,
-    params: &["out", "out_t", "amax", "tile_sums", "dout", "pre", "scale", "rows", "cols"],
-    cpu: dgelu_cast_cpu,
-    strided: false,
-};
+/// `fp8_dgelu_cast_transpose_bf16_e5m2` and `…_e4m3` in `cast_transpose.cu`, by output format.
+pub static DGELU_CAST_TRANSPOSE: [Kernel; 2] = [
+    Kernel {
+        name: "fp8_dgelu_cast_transpose_bf16_e5m2",
+        source: SOURCE,
+        params: &["out", "out_t", "amax", "tile_sums", "dout", "pre", "scale", "rows", "cols"],
+        cpu: dgelu_cast_cpu::<F8E5M2>,
+        strided: false,
+    },
+    Kernel {
+        name: "fp8_dgelu_cast_transpose_bf16_e4m3",
+        source: SOURCE,
+        params: &["out", "out_t", "amax", "tile_sums", "dout", "pre", "scale", "rows", "cols"],
+        cpu: dgelu_cast_cpu::<F8E4M3>,
+        strided: false,
+    },
+];
 
 /// `fp8_sum_tiles_bf16` in `cast_transpose.cu`.
 pub static SUM_TILES: Kernel = Kernel {
@@ -82,15 +91,17 @@ pub fn tile_rows(rows: usize) -> usize {
 }
 
 /// GELU's backward, `g = bf16(GELU′(pre) · dout)` (as [`gelu_backward`](crate::ops::gelu::gelu_backward)
-/// in bf16), cast to E5M2 with `scale` into `out` (`[rows, cols]`) and `out_t` (its transpose), its
+/// in bf16), cast to E5M2 or E4M3 (the outputs' type) with `scale` into `out` (`[rows, cols]`)
+/// and `out_t` (its transpose), its
 /// amax folded into `amax`, and the column sums of `g` over each tile of 64 rows written to
 /// `tile_sums` (`[tile_rows(rows), cols]`, f32), which [`sum_tiles`] adds up: one pass over `pre`
 /// and `dout` (`[rows, cols]`, bf16).
 ///
 /// # Errors
-/// [`Error::UnsupportedDType`] unless `dout` and `pre` are bf16; [`Error::DTypeMismatch`] unless
-/// the outputs are E5M2 and `tile_sums`, `amax` and `scale` f32; [`Error::Shape`] for shapes that
-/// do not match; [`Error::NotContiguous`] for a strided tensor; all before anything is enqueued.
+/// [`Error::UnsupportedDType`] unless `dout` and `pre` are bf16 and `out` E5M2 or E4M3;
+/// [`Error::DTypeMismatch`] unless `out_t` is of `out`'s type and `tile_sums`, `amax` and `scale`
+/// f32; [`Error::Shape`] for shapes that do not match; [`Error::NotContiguous`] for a strided
+/// tensor; all before anything is enqueued.
 pub fn dgelu_cast_transpose(
     (out, out_t): (&Tensor, &Tensor),
     amax: &Tensor,
@@ -100,15 +111,37 @@ pub fn dgelu_cast_transpose(
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "dgelu_cast_transpose";
-    let (rows, cols) = matrix(OP, dout)?;
+    matrix(OP, dout)?;
     for t in [dout, pre] {
         if t.dtype() != DType::BF16 {
             return Err(Error::UnsupportedDType { op: OP, dtype: t.dtype(), supported: "bf16" });
         }
     }
+    match out.dtype() {
+        DType::F8E5M2 => {
+            launch::<F8E5M2>(&DGELU_CAST_TRANSPOSE[0], (out, out_t), amax, tile_sums, (dout, pre), scale, stream)
+        }
+        DType::F8E4M3 => {
+            launch::<F8E4M3>(&DGELU_CAST_TRANSPOSE[1], (out, out_t), amax, tile_sums, (dout, pre), scale, stream)
+        }
+        dtype => Err(Error::UnsupportedDType { op: OP, dtype, supported: "f8e5m2 or f8e4m3 outputs" }),
+    }
+}
+
+fn launch<O: Elem>(
+    kernel: &'static Kernel,
+    (out, out_t): (&Tensor, &Tensor),
+    amax: &Tensor,
+    tile_sums: &Tensor,
+    (dout, pre): (&Tensor, &Tensor),
+    scale: &Tensor,
+    stream: &Stream,
+) -> Result<()> {
+    const OP: &str = "dgelu_cast_transpose";
+    let (rows, cols) = matrix(OP, dout)?;
     let list = args![
-        Out(checked::<F8E5M2>(OP, "out", out, &[rows, cols])?),
-        Out(checked::<F8E5M2>(OP, "out_t", out_t, &[cols, rows])?),
+        Out(checked::<O>(OP, "out", out, &[rows, cols])?),
+        Out(checked::<O>(OP, "out_t", out_t, &[cols, rows])?),
         InOut(one_f32(OP, amax)?),
         Out(checked::<f32>(OP, "tile_sums", tile_sums, &[tile_rows(rows), cols])?),
         In(dense::<bf16>(OP, dout)?),
@@ -122,7 +155,7 @@ pub fn dgelu_cast_transpose(
         return Ok(());
     }
     let tiles = tile_rows(rows) * cols.div_ceil(TILE_COLS);
-    stream.launch(&DGELU_CAST_TRANSPOSE, grid(OP, tiles, TILE_THREADS)?, &list)
+    stream.launch(kernel, grid(OP, tiles, TILE_THREADS)?, &list)
 }
 
 /// `out[c] = Σ_t tile_sums[t, c]`, in tile order from 0, rounded once to bf16: the column sums
@@ -149,7 +182,7 @@ pub fn sum_tiles(out: &Tensor, tile_sums: &Tensor, stream: &Stream) -> Result<()
     stream.launch(&SUM_TILES, grid(OP, cols.div_ceil(SUM_THREADS), SUM_THREADS)?, &list)
 }
 
-fn dgelu_cast_cpu(a: &CpuArgs) -> Result<()> {
+fn dgelu_cast_cpu<O: Float8>(a: &CpuArgs) -> Result<()> {
     let (dout, pre) = (a.input::<bf16>("dout")?, a.input::<bf16>("pre")?);
     let (rows, cols) = (a.u32("rows")? as usize, a.u32("cols")? as usize);
     let g: Vec<f32> = (pre.iter().zip(dout.iter()))
@@ -161,7 +194,7 @@ fn dgelu_cast_cpu(a: &CpuArgs) -> Result<()> {
             *sum = tile_column_sum(&g, (rows, cols), t * TILE_ROWS, c);
         }
     }
-    cast_values_cpu::<F8E5M2, true, true>(a, g.into_iter())
+    cast_values_cpu::<O, true, true>(a, g.into_iter())
 }
 
 /// Column `c`'s sum over the tile from row `r0`, in the kernel's order: each thread adds its rows

@@ -61,7 +61,8 @@ const SOURCE: &str = concat!(
 pub enum Fp8Format {
     /// [`DType::F8E4M3`], ±448: forward tensors (activations, weights).
     E4M3,
-    /// [`DType::F8E5M2`], ±57344: gradients.
+    /// [`DType::F8E5M2`], ±57344: gradients (TransformerEngine's `HYBRID` format; E4M3 is the
+    /// other choice for them).
     E5M2,
 }
 
@@ -71,6 +72,14 @@ impl Fp8Format {
         match self {
             Fp8Format::E4M3 => 448.0,
             Fp8Format::E5M2 => 57344.0,
+        }
+    }
+
+    /// `e4m3` or `e5m2`, as the command line spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Format::E4M3 => "e4m3",
+            Fp8Format::E5M2 => "e5m2",
         }
     }
 
