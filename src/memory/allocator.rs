@@ -23,7 +23,7 @@ use super::arena::{block_size, segment_size, Arena, BlockInfo, BlockState, FreeT
 use super::lifetimes::{Learning, Lifetimes, Place};
 use super::pool::{GraphPool, Lent, LentRange, PoolGraph, PoolId, PoolState};
 use crate::device::memory::{Block, BlockOwner, Fence, MemKind, RawBuffer};
-use crate::device::{ids, BufferId, Capture, CaptureMode, Device, DeviceBuffer, Elem, Stream, StreamId};
+use crate::device::{ids, BufferId, Capture, CaptureMode, Device, DeviceBuffer, Elem, GraphId, Stream, StreamId};
 use crate::{Error, Result};
 
 /// A stream key for blocks used on several streams: only a full synchronize orders them.
@@ -41,8 +41,10 @@ pub const EXPANDABLE_ENV: &str = "GRAPHED_EXPANDABLE";
 /// Byte counts of the allocator: in total, outside pools, and per pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryStats {
-    /// Everything. Its peaks are the peaks of the sums (not the sums of the arenas' peaks), and
-    /// its `largest_free` the largest of any arena.
+    /// Everything. Its peaks are the peaks of the sums (not the sums of the arenas' peaks), a
+    /// pool counted at its capture peak whenever one of its graphs is launched (a replay
+    /// re-enacts the capture beside what the cache holds then), and its `largest_free` the
+    /// largest of any arena.
     pub total: Stats,
     /// Blocks allocated outside captures.
     pub default: Stats,
@@ -203,7 +205,8 @@ struct State {
     live: HashMap<(Option<PoolId>, SegmentId, usize), BufferId>,
     /// Freed blocks waiting for their fence's event.
     fenced: Vec<Returned>,
-    /// Highest sums over all arenas of allocated and of reserved bytes.
+    /// Highest sums over all arenas of allocated and of reserved bytes; a pool counts at its
+    /// capture peak while its graphs replay ([`Inner::launched`]).
     peak_allocated: usize,
     peak_reserved: usize,
     /// The allocations of a pass being learned ([`CachingAllocator::learn`]).
@@ -384,6 +387,20 @@ impl Inner {
 
     pub(crate) fn with_pool<T>(&self, pool: PoolId, f: impl FnOnce(&mut PoolState) -> T) -> Option<T> {
         lock(&self.state).pools.get_mut(&pool).map(f)
+    }
+
+    /// Notes a launch of `graph`, of `pool`, on `stream`. A replay re-enacts the pool's captures,
+    /// so its blocks are live up to the pool's capture peak again, beside what the other arenas
+    /// hold now: the allocator's total peak counts that, or memory allocated after the capture
+    /// (in the cache, say) would never be counted together with the pool's peak.
+    pub(crate) fn launched(&self, pool: PoolId, graph: GraphId, stream: &Stream) {
+        let mut st = lock(&self.state);
+        let Some(p) = st.pools.get_mut(&pool) else { return };
+        p.launched(graph, stream);
+        let replay = p.arena.peak_allocated();
+        let others = st.default.allocated()
+            + (st.pools.iter()).filter(|(id, _)| **id != pool).map(|(_, p)| p.arena.allocated()).sum::<usize>();
+        st.peak_allocated = st.peak_allocated.max(others + replay);
     }
 
     pub(crate) fn pool_stats(&self, pool: PoolId) -> Option<Stats> {
@@ -1052,7 +1069,13 @@ mod tests {
         assert_eq!(st.total.allocated, 4 * MIB);
         assert_eq!(pool.stats(), st.pools[0].1);
         drop(captured);
-        cap.finish()?;
+        let exec = cap.finish()?.instantiate()?;
+        // Allocated after the capture, and live while the graph replays at its capture peak.
+        let later = alloc.alloc::<f32>(&s, 2 * MIB)?;
+        assert_eq!(alloc.stats().total.peak_allocated, 8 * MIB, "nothing replayed yet");
+        exec.launch(&s)?;
+        assert_eq!(alloc.stats().total.peak_allocated, 12 * MIB, "the replay's pool beside the later block");
+        drop(later);
         Ok(())
     }
 

@@ -145,6 +145,16 @@ impl Arena {
         Arena::default()
     }
 
+    /// Bytes in blocks handed out now (`stats().allocated`, without the free list's scan).
+    pub(crate) fn allocated(&self) -> usize {
+        self.stats.allocated
+    }
+
+    /// The highest `allocated` seen.
+    pub(crate) fn peak_allocated(&self) -> usize {
+        self.stats.peak_allocated
+    }
+
     /// Byte counts.
     pub fn stats(&self) -> Stats {
         Stats { largest_free: self.free.iter().map(|k| k.1).max().unwrap_or(0), ..self.stats }

@@ -187,7 +187,7 @@ impl PoolState {
         Ok(())
     }
 
-    fn launched(&mut self, graph: GraphId, stream: &Stream) {
+    pub(crate) fn launched(&mut self, graph: GraphId, stream: &Stream) {
         if let Some(i) = self.order.iter().position(|g| *g == graph) {
             self.cursor = (i + 1) % self.order.len();
         }
@@ -454,8 +454,7 @@ impl PoolExec {
             self.pool.join_from(caller, stream, &self.entry)?;
         }
         self.exec.launch(stream)?;
-        let graph = self.exec.id();
-        self.pool.alloc.with_pool(self.pool.id, |p| p.launched(graph, stream));
+        self.pool.alloc.launched(self.pool.id, self.exec.id(), stream);
         Ok(())
     }
 
