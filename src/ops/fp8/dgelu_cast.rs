@@ -39,7 +39,7 @@ use half::bf16;
 
 use super::cast_transpose::{cast_values_cpu, matrix, TILE_COLS, TILE_ROWS, TILE_THREADS};
 use super::SOURCE;
-use crate::device::{args, CpuArgs, DType, Elem, Float8, In, InOut, Kernel, Out, Stream};
+use crate::device::{args, Arg, CpuArgs, DType, Elem, Float8, In, InOut, Kernel, Out, Stream};
 use crate::ops::cast::one_f32;
 use crate::ops::gelu::gelu_grad;
 use crate::ops::{checked, column_sums, count, dense, grid};
@@ -111,37 +111,20 @@ pub fn dgelu_cast_transpose(
     stream: &Stream,
 ) -> Result<()> {
     const OP: &str = "dgelu_cast_transpose";
-    matrix(OP, dout)?;
+    let (rows, cols) = matrix(OP, dout)?;
     for t in [dout, pre] {
         if t.dtype() != DType::BF16 {
             return Err(Error::UnsupportedDType { op: OP, dtype: t.dtype(), supported: "bf16" });
         }
     }
-    match out.dtype() {
-        DType::F8E5M2 => {
-            launch::<F8E5M2>(&DGELU_CAST_TRANSPOSE[0], (out, out_t), amax, tile_sums, (dout, pre), scale, stream)
-        }
-        DType::F8E4M3 => {
-            launch::<F8E4M3>(&DGELU_CAST_TRANSPOSE[1], (out, out_t), amax, tile_sums, (dout, pre), scale, stream)
-        }
-        dtype => Err(Error::UnsupportedDType { op: OP, dtype, supported: "f8e5m2 or f8e4m3 outputs" }),
-    }
-}
-
-fn launch<O: Elem>(
-    kernel: &'static Kernel,
-    (out, out_t): (&Tensor, &Tensor),
-    amax: &Tensor,
-    tile_sums: &Tensor,
-    (dout, pre): (&Tensor, &Tensor),
-    scale: &Tensor,
-    stream: &Stream,
-) -> Result<()> {
-    const OP: &str = "dgelu_cast_transpose";
-    let (rows, cols) = matrix(OP, dout)?;
+    let (kernel, [out, out_t]) = match out.dtype() {
+        DType::F8E5M2 => (&DGELU_CAST_TRANSPOSE[0], outputs::<F8E5M2>(OP, out, out_t, (rows, cols))?),
+        DType::F8E4M3 => (&DGELU_CAST_TRANSPOSE[1], outputs::<F8E4M3>(OP, out, out_t, (rows, cols))?),
+        dtype => return Err(Error::UnsupportedDType { op: OP, dtype, supported: "f8e5m2 or f8e4m3 outputs" }),
+    };
     let list = args![
-        Out(checked::<O>(OP, "out", out, &[rows, cols])?),
-        Out(checked::<O>(OP, "out_t", out_t, &[cols, rows])?),
+        out,
+        out_t,
         InOut(one_f32(OP, amax)?),
         Out(checked::<f32>(OP, "tile_sums", tile_sums, &[tile_rows(rows), cols])?),
         In(dense::<bf16>(OP, dout)?),
@@ -156,6 +139,20 @@ fn launch<O: Elem>(
     }
     let tiles = tile_rows(rows) * cols.div_ceil(TILE_COLS);
     stream.launch(kernel, grid(OP, tiles, TILE_THREADS)?, &list)
+}
+
+/// `out` (`[rows, cols]`) and `out_t` (`[cols, rows]`) as outputs of `O`, the FP8 format the
+/// kernel writes.
+fn outputs<'t, O: Elem>(
+    op: &'static str,
+    out: &'t Tensor,
+    out_t: &'t Tensor,
+    (rows, cols): (usize, usize),
+) -> Result<[Arg<'t>; 2]> {
+    Ok([
+        Out(checked::<O>(op, "out", out, &[rows, cols])?).into(),
+        Out(checked::<O>(op, "out_t", out_t, &[cols, rows])?).into(),
+    ])
 }
 
 /// `out[c] = Σ_t tile_sums[t, c]`, in tile order from 0, rounded once to bf16: the column sums
