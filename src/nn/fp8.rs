@@ -10,10 +10,10 @@
 //! - the forward quantizes each input with its scale and records its amax
 //!   ([`ops::fp8::cast_transpose`]), and multiplies it with the FP8 weight (fast accumulation, as
 //!   TransformerEngine's forward);
-//! - the backward quantizes each output gradient to the recipe's gradient format likewise, and runs the data gradient
-//!   (`dy·W`, against the weight's FP8 transpose) and the weight gradient (`dyᵀ·x`, both operands
-//!   quantized transposed) as FP8 GEMMs; the bias gradient is a bf16 column sum, as cuBLASLt has
-//!   no FP8 bias-gradient epilogue;
+//! - the backward quantizes each output gradient to the recipe's gradient format likewise, and
+//!   runs the data gradient (`dy·W`, against the weight's FP8 transpose) and the weight gradient
+//!   (`dyᵀ·x`, both operands quantized transposed) as FP8 GEMMs; the bias gradient is a bf16
+//!   column sum, as cuBLASLt has no FP8 bias-gradient epilogue;
 //! - [`Fp8Training::step`], which the optimizer runs right after it rewrites the bf16 weights
 //!   ([`AdamW::with_fp8`](crate::optim::AdamW::with_fp8)), updates the scales from the amax
 //!   histories and quantizes every weight and its transpose once, with the new scales, so every
