@@ -133,17 +133,14 @@ impl HostBuffer {
         })
     }
 
-    /// The rebinds that point its device copies in `exec` at `to` (the copy out's destination,
-    /// the copy back's source), or back where they were captured (`None`).
-    pub(crate) fn twin_rebinds<'a>(
-        &'a self,
-        exec: &crate::memory::PoolExec,
-        to: Option<&'a Tensor>,
-    ) -> Result<Vec<Rebind<'a>>> {
+    /// The rebinds that point those of its device copies whose buffers are in `named` (the ones
+    /// an executable's nodes name) at `to` (the copy out's destination, the copy back's source),
+    /// or back where they were captured (`None`).
+    pub(crate) fn twin_rebinds<'a>(&'a self, named: &[BufferId], to: Option<&'a Tensor>) -> Result<Vec<Rebind<'a>>> {
         with_dtype!(self.dtype, T => {
             let Some((out, back)) = self.twins::<T>() else { return Ok(Vec::new()) };
             let mut rebinds = Vec::new();
-            for twin in [out, back].into_iter().filter(|t| exec.names(t.id())) {
+            for twin in [out, back].into_iter().filter(|t| named.contains(&t.id())) {
                 let to = match to {
                     Some(t) => t.view::<T>()?,
                     None => twin.view(),

@@ -10,7 +10,7 @@ use super::host::{HostBuffer, Scratch};
 use super::policy::{decide, mark_eligible, GroupLayout, Summary, TensorLayout, Timings, Windows};
 use super::shared::Inner;
 use super::state::{Baked, Fault, Mark, PassTiming, ResidentKey, State};
-use crate::device::{DType, Stream};
+use crate::device::{BufferId, DType, Stream};
 use crate::graph::{GraphOptions, GraphedCallable, PassTimes, Probe, PROBE_REPLAYS};
 use crate::memory::{CachingAllocator, PoolExec};
 use crate::nn::{Chunk, SaveHook};
@@ -65,21 +65,30 @@ fn schedule_error(chunk: Chunk, found: &str) -> Error {
     Error::Offload(OffloadErrorKind::Schedule { chunk, expected, found })
 }
 
+/// One tensor's switch in one executable: its host buffer, the memory it is kept in (`None`:
+/// offloaded again), and which of its copies' buffers (the host buffer, the two device copies)
+/// the executable's nodes name.
+type Switch<'a> = (&'a HostBuffer, Option<&'a Tensor>, &'a [BufferId]);
+
 /// Switches the copies in `exec` of each tensor of `switches`: kept resident (`Some`), its
 /// device copies point at that memory and are on, its host copies off; offloaded again
 /// (`None`), the reverse, the device copies pointed back where they were captured. One rebind
 /// and one call each way for the whole executable, as each costs a walk of its bindings.
-fn switch_nodes(exec: &PoolExec, switches: &[(&HostBuffer, Option<&Tensor>)]) -> Result<()> {
+fn switch_nodes(exec: &PoolExec, switches: &[Switch<'_>]) -> Result<()> {
     let (mut rebinds, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
-    for &(host, resident) in switches {
-        let twins = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
-        rebinds.extend(host.twin_rebinds(exec, resident)?);
+    for &(host, resident, named) in switches {
+        rebinds.extend(host.twin_rebinds(named, resident)?);
         let (twins_to, host_to) = match resident {
             Some(_) => (&mut on, &mut off),
             None => (&mut off, &mut on),
         };
-        twins_to.extend(twins.into_iter().filter(|t| exec.names(*t)));
-        host_to.extend(Some(host.id()).filter(|h| exec.names(*h)));
+        for &b in named {
+            if b == host.id() {
+                host_to.push(b)
+            } else {
+                twins_to.push(b)
+            }
+        }
     }
     if !rebinds.is_empty() {
         exec.rebind(&rebinds)?;
@@ -237,10 +246,16 @@ impl OffloadManager {
                 // Two host copies and two device copies, one each way.
                 let (mut found, mut holding) = (0, Vec::new());
                 for (e, exec) in execs.iter().enumerate() {
-                    let here: usize = [host.id(), out, back].iter().map(|b| exec.naming(*b)).sum();
-                    if here > 0 {
-                        found += here;
-                        holding.push(e);
+                    let mut named = Vec::new();
+                    for b in [host.id(), out, back] {
+                        let here = exec.naming(b);
+                        if here > 0 {
+                            found += here;
+                            named.push(b);
+                        }
+                    }
+                    if !named.is_empty() {
+                        holding.push((e, named));
                     }
                 }
                 if found != 4 {
@@ -258,10 +273,10 @@ impl OffloadManager {
                 None => None,
             });
         }
-        let mut by_exec: Vec<Vec<(&HostBuffer, Option<&Tensor>)>> = vec![Vec::new(); execs.len()];
+        let mut by_exec: Vec<Vec<Switch<'_>>> = vec![Vec::new(); execs.len()];
         for ((_, host, holding, _), t) in changes.iter().zip(&kept) {
-            for &e in holding {
-                by_exec[e].push((*host, t.as_ref()));
+            for (e, named) in holding {
+                by_exec[*e].push((*host, t.as_ref(), named));
             }
         }
         for (exec, switches) in execs.iter().zip(&by_exec).filter(|(_, s)| !s.is_empty()) {
@@ -502,10 +517,14 @@ impl OffloadManager {
         let Some(largest) = buffers().filter(|h| h.twin_ids().is_none()).map(HostBuffer::bytes).max() else {
             return Ok(());
         };
-        if st.scratch.as_ref().is_none_or(|s| s.bytes() < largest) {
-            st.scratch = Some(Arc::new(Scratch::new(&self.inner.alloc, stream, largest)?));
-        }
-        let scratch = st.scratch.clone().expect("made above");
+        let scratch = match &st.scratch {
+            Some(s) if s.bytes() >= largest => s.clone(),
+            _ => {
+                let s = Arc::new(Scratch::new(&self.inner.alloc, stream, largest)?);
+                st.scratch = Some(s.clone());
+                s
+            }
+        };
         buffers().try_for_each(|h| h.alias_twins(&scratch))
     }
 
