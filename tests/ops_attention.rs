@@ -684,6 +684,42 @@ mod cudnn_cuda {
         Ok(())
     }
 
+    /// Under the default limit, cuDNN's backward runs in fewer executions where its allocator
+    /// already holds the scratch free below its peak (a lower layer's backward, once the layers
+    /// above have freed their activations), with the same bits and no memory added; where it
+    /// holds no more than the last backward kept, a repeat runs as the first did.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cudnn_backward_takes_the_room_its_allocator_already_holds() -> anyhow::Result<()> {
+        let dev = gpu();
+        // 32 pairs of 2048 tokens: 256 MiB of scratch, four executions within the default
+        // 64 MiB (the operands' size), one in the room of a freed 512 MiB block.
+        let (case, batch) = (Case { pairs: 32, seq: 2048, hd: 64, dtype: DType::BF16, p: 0.0 }, 2);
+        let inputs = case.inputs(5);
+        let ctx = Ctx::on(&dev, AttentionBackend::Cudnn)?;
+        let executions = || -> anyhow::Result<(usize, Vec<Vec<u32>>)> {
+            let profile = ctx.s.profile()?;
+            let (run, _) = ctx.run_rows(case, batch, &inputs)?;
+            let ran = profile.finish()?.iter().filter(|k| k.name == "cudnn_sdpa_backward_bf16").count();
+            Ok((ran, run.iter().map(|v| v.iter().map(|x| x.to_bits()).collect()).collect()))
+        };
+        let (first, want) = executions()?;
+        ensure!(first == 4, "{first} executions in a new allocator, expected the default's 4");
+        let (again, _) = executions()?;
+        ensure!(again == 4, "{again} executions on a repeat: the room grew by itself");
+        drop(ctx.alloc.alloc::<u8>(&ctx.s, 512 << 20)?);
+        let before = ctx.alloc.stats().total;
+        let (roomy, got) = executions()?;
+        let after = ctx.alloc.stats().total;
+        ensure!(roomy == 1, "{roomy} executions with 512 MiB free below the peak, expected 1");
+        ensure!(got == want, "one execution differs from four");
+        ensure!(
+            (after.reserved, after.peak_allocated) == (before.reserved, before.peak_allocated),
+            "the room cost memory: {before:?} then {after:?}"
+        );
+        Ok(())
+    }
+
     /// Two eager runs are bitwise equal, and a graph capturing the forward and backward
     /// (its scratch from the graph's pool) replays them bit for bit, twice.
     #[test]

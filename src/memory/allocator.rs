@@ -234,6 +234,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl State {
+    /// The pool that `stream`, capturing as `capture` (its id; `None` outside captures),
+    /// allocates from.
+    fn pool_of(&self, op: &'static str, stream: &Stream, capture: Option<u64>) -> Result<Option<PoolId>> {
+        match capture {
+            None => Ok(None),
+            Some(id) => Ok(Some(*self.captures.get(&id).ok_or(Error::NoCapturePool { op, stream: stream.id() })?)),
+        }
+    }
+
     fn arena(&mut self, pool: Option<PoolId>) -> Option<&mut Arena> {
         match pool {
             None => Some(&mut self.default),
@@ -608,10 +617,7 @@ impl CachingAllocator {
         let bytes = len * T::DTYPE.size();
         let mut st = lock(&self.inner.state);
         self.inner.take_returned(&mut st);
-        let pool = match capture {
-            None => None,
-            Some(id) => Some(*st.captures.get(&id).ok_or(Error::NoCapturePool { op: OP, stream: stream.id() })?),
-        };
+        let pool = st.pool_of(OP, stream, capture)?;
         let key = stream.id().raw();
         // Memory lent to the pool serves first the requests it is open to (Note [Lent gradients]);
         // a block expected to die within its pass first the lent memory only such blocks may take
@@ -797,6 +803,36 @@ impl CachingAllocator {
             pools,
             expandable: self.inner.expandable.is_some(),
         }
+    }
+
+    /// The most bytes one request on `stream` can take now without reserving more memory or
+    /// raising the peak of its arena (the pool `stream` captures into, else the cache outside
+    /// pools): the largest block free to it, at most the arena's peak allocated bytes less what
+    /// it holds now. Scratch whose size is a speed choice (cuDNN's attention backward runs in
+    /// fewer executions with more) asks this, so that it costs the run no memory. 0 while the
+    /// stream's pass has its allocations learned or expected for lent gradients (Note
+    /// [Pass-local blocks]): their sizes must not depend on what is free.
+    ///
+    /// # Errors
+    /// [`Error::NoCapturePool`] on a stream capturing without the allocator; device errors.
+    pub fn headroom(&self, stream: &Stream) -> Result<usize> {
+        const OP: &str = "CachingAllocator::headroom";
+        self.inner.dev.check_same(OP, "stream", stream.device().id())?;
+        let capture = stream.capture_id()?;
+        let mut st = lock(&self.inner.state);
+        self.inner.take_returned(&mut st);
+        let pool = st.pool_of(OP, stream, capture)?;
+        let key = stream.id().raw();
+        // A pass whose allocations are learned or expected (Note [Pass-local blocks]) must ask
+        // for the same sizes in its warmup and its capture, which see different rooms.
+        let learned = st.learning.as_ref().is_some_and(|l| l.stream == key && pool.is_none());
+        let expected = pool.and_then(|p| st.pools.get(&p)).is_some_and(|p| p.expect.is_some());
+        if learned || expected {
+            return Ok(0);
+        }
+        let arena = st.arena(pool).ok_or(Error::NoCapturePool { op: OP, stream: stream.id() })?;
+        let below_peak = arena.peak_allocated() - arena.allocated();
+        Ok(arena.largest_free_for(key).min(below_peak))
     }
 
     /// Every block: its pool (`None`: outside pools), place and state, and the buffer that

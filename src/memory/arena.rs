@@ -155,6 +155,16 @@ impl Arena {
         self.stats.peak_allocated
     }
 
+    /// The largest block [`alloc`](Arena::alloc) could hand `stream` now without a new segment
+    /// or growth: the largest free block of its own or free to any stream.
+    pub fn largest_free_for(&self, stream: StreamKey) -> usize {
+        let largest = |tag| {
+            let tagged = (tag, 0, 0, 0)..=(tag, usize::MAX, SegmentId::MAX, usize::MAX);
+            self.free.range(tagged).next_back().map_or(0, |k| k.1)
+        };
+        largest(FreeTag::Stream(stream)).max(largest(FreeTag::Any))
+    }
+
     /// Byte counts.
     pub fn stats(&self) -> Stats {
         Stats { largest_free: self.free.iter().map(|k| k.1).max().unwrap_or(0), ..self.stats }
@@ -662,7 +672,9 @@ mod tests {
             for s in steps {
                 match s {
                     Step::Alloc { bytes, stream } => {
+                        let (room, reserved) = (a.largest_free_for(stream), a.stats().reserved);
                         let (seg, off, size) = alloc_growing(&mut a, &mut m, expandable, bytes, stream)?;
+                        prop_assert_eq!(a.stats().reserved > reserved, block_size(bytes) > room, "largest_free_for({}) = {} and {} bytes", stream, room, bytes);
                         prop_assert!(size >= bytes && off % ALIGN == 0 && off + size <= m.segments[&seg]);
                         for (s2, o2, n2, _) in &m.live {
                             prop_assert!(*s2 != seg || off + size <= *o2 || o2 + n2 <= off, "overlaps a live block");

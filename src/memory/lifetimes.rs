@@ -102,8 +102,10 @@ mod tests {
         let learning = alloc.learn(&s);
         let (short, long) = (alloc.alloc::<f32>(&s, 256)?, alloc.alloc::<f32>(&s, 256)?);
         drop(short);
+        assert_eq!(alloc.headroom(&s)?, 0, "a learned pass's sizes must not follow the room");
         let lifetimes = learning.finish()?;
         assert_eq!(lifetimes, Lifetimes(vec![(1024, true), (1024, false)]));
+        assert_eq!(alloc.headroom(&s)?, 1024, "the freed block, once the learning ended");
         drop(long);
         let pool = alloc.new_pool();
         pool.lend(super::super::LentRange::of(7, &grads, 0..4096).expect("aligned"));
@@ -113,6 +115,7 @@ mod tests {
         let (short, long) = (alloc.alloc::<f32>(&s, 256)?, alloc.alloc::<f32>(&s, 256)?);
         assert!(lent(&short) && !lent(&long), "only the block the warmup freed is lent memory");
         drop(short);
+        assert_eq!(alloc.headroom(&s)?, 0, "an expected pass's sizes must not follow the room");
         assert_eq!(pool.end_expect(), 0);
         pool.expect(&s, &lifetimes, &[7]);
         let held = alloc.alloc::<f32>(&s, 256)?;

@@ -207,7 +207,43 @@ fn a_pool_of_another_allocator_is_refused(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `headroom` is the largest request its stream's arena serves without reserving more or
+/// raising its allocated peak: the cache's outside captures, the pool's within one.
+fn headroom_is_what_a_request_takes_without_growing_the_arena(dev: &Device) -> anyhow::Result<()> {
+    const MIB: usize = 1 << 20;
+    let alloc = CachingAllocator::new(dev);
+    let s = dev.stream()?;
+    ensure!(alloc.headroom(&s)? == 0, "a new allocator holds nothing");
+    let a = alloc.alloc::<u8>(&s, 4 * MIB)?;
+    let b = alloc.alloc::<u8>(&s, 4 * MIB)?;
+    ensure!(alloc.headroom(&s)? == 0, "at its peak, any request would raise it");
+    drop(a);
+    ensure!(alloc.headroom(&s)? == 4 * MIB, "the freed block, which is the peak's margin too");
+    let before = alloc.stats().total;
+    let c = alloc.alloc::<u8>(&s, alloc.headroom(&s)?)?;
+    let after = alloc.stats().total;
+    ensure!(
+        (after.reserved, after.peak_allocated) == (before.reserved, before.peak_allocated),
+        "taking the headroom grew the allocator: {before:?} then {after:?}"
+    );
+    ensure!(alloc.headroom(&s)? == 0);
+    let pool = alloc.new_pool();
+    let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
+    ensure!(alloc.headroom(&s)? == 0, "a capture asks its pool, which holds nothing yet");
+    let x = alloc.alloc::<f32>(&s, MIB)?;
+    elementwise::fill(x.view(), 1.0, &s)?;
+    drop(x);
+    ensure!(alloc.headroom(&s)? == 4 * MIB, "the pool's freed block");
+    cap.finish()?;
+    let foreign = s.capture(CaptureMode::ThreadLocal)?;
+    ensure!(matches!(alloc.headroom(&s), Err(Error::NoCapturePool { .. })));
+    foreign.finish()?;
+    drop((b, c));
+    Ok(())
+}
+
 crate::per_device!(
+    headroom_is_what_a_request_takes_without_growing_the_arena,
     a_pool_of_another_allocator_is_refused,
     a_block_is_reused_by_its_stream_and_by_others_after_an_ordering,
     poisoned_blocks_read_as_nan,

@@ -81,7 +81,8 @@ pub struct AttentionRun<'a> {
     /// Where cuDNN's scratch comes from (unused by graphed's kernels).
     pub scratch: &'a CachingAllocator,
     /// The most bytes of `T × T` scratch cuDNN's deterministic backward may keep at once; `None`
-    /// for [`default_scratch_limit`](super::default_scratch_limit).
+    /// for [`default_scratch_limit`](super::default_scratch_limit), or the room the allocator
+    /// holds free below its peak where that is more.
     pub scratch_limit: Option<usize>,
 }
 
@@ -95,6 +96,7 @@ impl<'a> AttentionRun<'a> {
     /// call whose pairs' scratch exceeds it runs as several cuDNN executions over groups of
     /// pairs, one after another on the call's stream, sharing one workspace. Lower it to trade a
     /// little speed for memory; raise it to run a long sequence's backward in fewer executions.
+    /// A set limit is kept even where the allocator has more room.
     pub fn with_scratch_limit(self, bytes: usize) -> AttentionRun<'a> {
         AttentionRun { scratch_limit: Some(bytes), ..self }
     }

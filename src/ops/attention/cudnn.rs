@@ -8,6 +8,7 @@ use half::bf16;
 use super::{AttentionBackend, AttentionDropout, AttentionRun, ForwardSaved, Heads, Rows};
 use crate::device::sdpa::{Sdpa, SdpaGrads, SdpaPass, SdpaPlan, SdpaScratch, SdpaSpec};
 use crate::device::{DType, Stream};
+use crate::memory::arena::block_size;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -29,7 +30,9 @@ pub const CUDNN_SEQ_MULTIPLE: usize = 128;
 /// (eight chunks) and the operands (four) left the step's peak reserved memory where the
 /// kernels' backward has it, twice them (two) raised it by 512 MiB
 /// (`bench/results/2026-12-05-h100-attention-chunks-ad8e278.txt`). It stops growing at
-/// [`MAX_SCRATCH_LIMIT`].
+/// [`MAX_SCRATCH_LIMIT`]. Where the run's allocator already holds more free below its peak
+/// ([`CachingAllocator::headroom`](crate::memory::CachingAllocator::headroom)), the default
+/// takes that room instead, as the chunks change no bit.
 pub fn default_scratch_limit(pairs: usize, seq: usize, hd: usize) -> usize {
     let operands = 8 * pairs * seq * hd * DType::BF16.size();
     operands.clamp(MIN_SCRATCH_LIMIT, MAX_SCRATCH_LIMIT)
@@ -80,6 +83,11 @@ impl Chunk {
         }
     }
 
+    /// The pairs of one execution.
+    fn pairs(self) -> usize {
+        self.batch * self.heads
+    }
+
     /// The first (batch element, head) of every execution, in order.
     fn starts(self, h: &Heads) -> impl Iterator<Item = (usize, usize)> {
         let (batch, heads, step) = (h.pairs / h.heads, h.heads, self.heads);
@@ -117,6 +125,23 @@ pub(super) enum Choice {
     },
 }
 
+impl Choice {
+    /// The bytes a cuDNN call takes from the run's allocator, in the blocks it hands out: the
+    /// plan's workspace, and the dQ accumulator of one execution's pairs if the plan has one.
+    fn scratch_bytes(&self, h: &Heads) -> usize {
+        match *self {
+            Choice::Kernels => 0,
+            Choice::Cudnn { workspace, dq_accumulator, chunk, .. } => {
+                let accumulator = match dq_accumulator {
+                    true => block_size(chunk.pairs() * h.seq * h.hd * DType::F32.size()),
+                    false => 0,
+                };
+                block_size(workspace) + accumulator
+            }
+        }
+    }
+}
+
 /// Why cuDNN's backend does not run attention of element type `dtype` over heads of `hd`
 /// features and sequences of `seq`, with drop probability `dropout_p`, if it does not (on a GPU
 /// with cuDNN; the rule [`AttentionBackend::Cudnn`] refuses by, for a caller to refuse early).
@@ -143,8 +168,9 @@ fn strides(h: &Heads, r: Rows) -> [usize; 3] {
 
 /// Whether the call of `pass` runs on cuDNN or on graphed's kernels, as `run`'s backend says;
 /// for cuDNN, its plan (made now if this layout has none yet) and, for the deterministic
-/// backward, the chunks of pairs whose `T × T` scratch fits `run`'s limit. Where not even one
-/// pair's does, [`AttentionBackend::Auto`] runs the kernels and [`AttentionBackend::Cudnn`] one
+/// backward, the chunks of pairs whose `T × T` scratch fits `run`'s limit (under the default
+/// limit, or the room its allocator holds where that is more: [`roomier_chunk`]). Where not even
+/// one pair's fits the limit, [`AttentionBackend::Auto`] runs the kernels and [`AttentionBackend::Cudnn`] one
 /// pair per execution.
 ///
 /// # Errors
@@ -178,22 +204,51 @@ pub(super) fn choose(
         Some(None) if backend == AttentionBackend::Auto => return Ok(Choice::Kernels),
         Some(None) => Chunk { batch: 1, heads: 1 },
     };
-    let spec = SdpaSpec {
-        pass,
-        dtype,
-        batch: chunk.batch,
-        heads: chunk.heads,
-        seq: h.seq,
-        hd: h.hd,
-        inputs: strides(h, inputs),
-        outs: strides(h, outs),
-        grads: strides(h, grads),
-        deterministic: backend != AttentionBackend::CudnnNondeterministic,
+    let plan = |chunk: Chunk| {
+        let spec = SdpaSpec {
+            pass,
+            dtype,
+            batch: chunk.batch,
+            heads: chunk.heads,
+            seq: h.seq,
+            hd: h.hd,
+            inputs: strides(h, inputs),
+            outs: strides(h, outs),
+            grads: strides(h, grads),
+            deterministic: backend != AttentionBackend::CudnnNondeterministic,
+        };
+        Ok(match stream.sdpa_plan(&spec)? {
+            SdpaPlan::Ready { workspace, dq_accumulator } => {
+                Ok(Choice::Cudnn { spec, workspace, dq_accumulator, chunk })
+            }
+            SdpaPlan::Unavailable(why) => Err(why),
+        })
     };
-    match stream.sdpa_plan(&spec)? {
-        SdpaPlan::Ready { workspace, dq_accumulator } => Ok(Choice::Cudnn { spec, workspace, dq_accumulator, chunk }),
-        SdpaPlan::Unavailable(why) => refuse(why),
+    if limited && run.scratch_limit.is_none() {
+        if let Some(roomy) = roomier_chunk(h, chunk, run, stream)? {
+            if let Ok(choice) = plan(roomy)? {
+                if choice.scratch_bytes(h) <= run.scratch.headroom(stream)? {
+                    return Ok(choice);
+                }
+            }
+        }
     }
+    plan(chunk)?.or_else(refuse)
+}
+
+/// Under the default limit, a chunk of more pairs than `chunk` whose scratch the run's
+/// allocator already holds free below its peak ([`CachingAllocator::headroom`]): fewer
+/// executions at no memory cost. Where the layers above have freed their activations, a lower
+/// layer's backward has room for all its pairs at once. The bits do not depend on the chunks, so
+/// a graphed step still equals an eager one whose allocator had another amount free.
+///
+/// [`CachingAllocator::headroom`]: crate::memory::CachingAllocator::headroom
+fn roomier_chunk(h: &Heads, chunk: Chunk, run: AttentionRun<'_>, stream: &Stream) -> Result<Option<Chunk>> {
+    if chunk == Chunk::whole(h) {
+        return Ok(None);
+    }
+    let room = run.scratch.headroom(stream)?;
+    Ok(Chunk::within(h, room).filter(|roomy| roomy.pairs() > chunk.pairs()))
 }
 
 /// The plan's workspace, from the run's allocator (at least one byte: cuDNN gets an address).
