@@ -744,7 +744,9 @@ pub struct OffloadBenchArgs {
 pub struct ScratchArgs {
     /// The most MiB of `T × T` scratch cuDNN's deterministic attention backward keeps at once,
     /// in every layer; 0 runs every attention backward on graphed's kernels under the automatic
-    /// backend (default: the call's operands' size, at least 64 MiB and at most 1 GiB).
+    /// backend (default: the call's operands' size, at least 64 MiB and at most 1 GiB, or the
+    /// memory free below the allocator's peak at the call where that is more; a limit given is
+    /// kept).
     #[arg(long = "scratch-limit-mib", value_parser = clap::value_parser!(u32).range(0..=1 << 20))]
     pub scratch_limit_mib: Option<u32>,
 }
@@ -1160,7 +1162,8 @@ pub struct AttentionBenchArgs {
     pub backend: AttentionBackendArg,
     /// The most MiB of `T × T` scratch cuDNN's deterministic backward keeps at once; more runs
     /// as several executions over groups of (batch element, head) pairs (default: the call's
-    /// operands' size, at least 64 MiB and at most 1 GiB).
+    /// operands' size, at least 64 MiB and at most 1 GiB, or the memory free below the
+    /// allocator's peak at the call where that is more; a limit given is kept).
     #[arg(long = "scratch-limit-mib", value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
     pub scratch_limit_mib: Option<u32>,
     #[command(flatten)]
