@@ -248,7 +248,12 @@ fn roomier_chunk(h: &Heads, chunk: Chunk, run: AttentionRun<'_>, stream: &Stream
         return Ok(None);
     }
     let room = run.scratch.headroom(stream)?;
-    Ok(Chunk::within(h, room).filter(|roomy| roomy.pairs() > chunk.pairs()))
+    let roomy = Chunk::within(h, room).filter(|roomy| roomy.pairs() > chunk.pairs());
+    tracing::debug!(
+        "graphed: cuDNN attention backward: {} MiB free below the peak, {chunk:?} by default, {roomy:?} in that room",
+        room >> 20
+    );
+    Ok(roomy)
 }
 
 /// The plan's workspace, from the run's allocator (at least one byte: cuDNN gets an address).
