@@ -378,6 +378,7 @@ impl Inner {
                 // Never used by any stream: nothing can still be reading it.
                 let tag = r.stream.map_or(FreeTag::Any, FreeTag::Stream);
                 arena.free_with(r.segment, r.offset, Some(tag));
+                tracing::trace!(pool = ?r.pool, segment = r.segment, offset = r.offset, "graphed: free");
             }
         }
     }
@@ -439,6 +440,7 @@ impl Inner {
             let id = st.next_segment;
             st.segments.insert(id, Arc::new(raw));
             st.arena(pool).ok_or_else(missing)?.add_segment(id, seg_bytes);
+            tracing::trace!(?pool, segment = id, size = seg_bytes, "graphed: segment");
             return Ok(());
         };
         let plan = st.arena(pool).ok_or_else(missing)?.plan_growth(bytes, key, x.chunk);
@@ -460,7 +462,10 @@ impl Inner {
         let mapped = self.dev.map_raw(&raw, growth.size, relaxed);
         let arena = st.arena(pool).ok_or_else(missing)?;
         match mapped {
-            Ok(()) => arena.grow(growth),
+            Ok(()) => {
+                arena.grow(growth);
+                tracing::trace!(?pool, segment = growth.segment, size = growth.size, "graphed: grow");
+            }
             Err(e) => {
                 arena.track_mapped(growth.segment, raw.mapped());
                 return Err(out_of_memory(growth.size, "more pages of an expandable segment")(e));
@@ -496,6 +501,7 @@ impl Inner {
             // The graphs that named the segment are gone or cannot run: it is freed when the
             // last of them drops.
             st.segments.remove(&segment);
+            tracing::trace!(pool = ?Some(pool), segment, "graphed: release");
         }
         st.give_back_lent(pool, None);
         self.release_free_ends(st, Some(pool))
@@ -558,6 +564,7 @@ impl Inner {
             if let Some(arena) = st.arena(pool) {
                 arena.track_mapped(segment, raw.mapped());
             }
+            tracing::trace!(?pool, segment, size = raw.mapped(), "graphed: shrink");
             unmapped?;
         }
         Ok(())
@@ -651,6 +658,7 @@ impl CachingAllocator {
             }
         };
         st.total();
+        tracing::trace!(?pool, segment, offset, size, bytes, stream = key, "graphed: alloc");
         let raw = st.segments[&segment].clone();
         let base = st.bases.get(&segment).copied().unwrap_or(0);
         let id = BufferId(ids::next_id());
@@ -769,6 +777,7 @@ impl CachingAllocator {
         let mut st = lock(&self.inner.state);
         for (segment, _) in st.default.release_empty() {
             st.segments.remove(&segment);
+            tracing::trace!(pool = ?None::<PoolId>, segment, "graphed: release");
         }
         if !st.captures.is_empty() {
             // A capture of this allocator began on another thread after the synchronize: its
