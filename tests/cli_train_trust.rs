@@ -239,3 +239,18 @@ fn a_damaged_checkpoint_and_a_changed_data_file_are_refused() {
     let (code, _, stderr) = run(d, &[&data[..], &["--resume", "text", "--accept-changed-data"]].concat());
     assert_eq!(code, Some(0), "{stderr}");
 }
+
+/// A log that goes to a pipe or a file is plain text, without a terminal's colour codes, and
+/// the allocator's trace (`GRAPHED_LOG=graphed::memory=trace`) names each allocation's place.
+#[test]
+fn logs_to_a_pipe_are_plain_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = train(dir.path(), &["--steps", "1"]).env("GRAPHED_LOG", "graphed::memory=trace").output().unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "train failed: {err}");
+    let alloc = err.lines().find(|l| l.contains("graphed: alloc")).expect("the allocator's trace");
+    for field in ["pool=", "segment=", "offset=", "size=", "bytes=", "stream="] {
+        assert!(alloc.contains(field), "no {field} in {alloc:?}");
+    }
+    assert!(!err.contains('\u{1b}'), "colour codes in a piped log: {:?}", alloc);
+}
