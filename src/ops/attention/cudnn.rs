@@ -238,9 +238,10 @@ pub(super) fn choose(
 
 /// Under the default limit, a chunk of more pairs than `chunk` whose scratch the run's
 /// allocator already holds free below its peak ([`CachingAllocator::headroom`]): fewer
-/// executions at no memory cost. Where the layers above have freed their activations, a lower
-/// layer's backward has room for all its pairs at once. The bits do not depend on the chunks, so
-/// a graphed step still equals an eager one whose allocator had another amount free.
+/// executions at no memory cost. In an eager step the layers above have freed their
+/// activations by a lower layer's backward, which then has room for more pairs; in a pool the
+/// freed blocks are smaller (docs/attention-kernels.md). The bits do not depend on the chunks,
+/// so a graphed step still equals an eager one whose allocator had another amount free.
 ///
 /// [`CachingAllocator::headroom`]: crate::memory::CachingAllocator::headroom
 fn roomier_chunk(h: &Heads, chunk: Chunk, run: AttentionRun<'_>, stream: &Stream) -> Result<Option<Chunk>> {
