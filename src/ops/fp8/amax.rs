@@ -44,9 +44,13 @@ pub(crate) fn accumulate_amax(a: &CpuArgs, bits: u32) -> Result<()> {
     Ok(())
 }
 
+/// The amax bits ([`amax_bits`]) of the input a CPU path received as `inp` (0 when empty).
+pub(crate) fn input_amax_bits<T: Float>(a: &CpuArgs) -> Result<u32> {
+    Ok(a.input::<T>("inp")?.iter().map(|x| amax_bits(x.to_f32())).max().unwrap_or(0))
+}
+
 fn amax_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
-    let bits = a.input::<T>("inp")?.iter().map(|x| amax_bits(x.to_f32())).max().unwrap_or(0);
-    accumulate_amax(a, bits)
+    accumulate_amax(a, input_amax_bits::<T>(a)?)
 }
 
 /// Whether [`amax()`] replaces the value in its slot or folds into it.

@@ -46,19 +46,22 @@ use crate::ops::{checked, column_sums, count, dense, grid};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
+/// The parameters of both [`DGELU_CAST_TRANSPOSE`] kernels.
+const DGELU_PARAMS: &[&str] = &["out", "out_t", "amax", "tile_sums", "dout", "pre", "scale", "rows", "cols"];
+
 /// `fp8_dgelu_cast_transpose_bf16_e5m2` and `…_e4m3` in `cast_transpose.cu`, by output format.
 pub static DGELU_CAST_TRANSPOSE: [Kernel; 2] = [
     Kernel {
         name: "fp8_dgelu_cast_transpose_bf16_e5m2",
         source: SOURCE,
-        params: &["out", "out_t", "amax", "tile_sums", "dout", "pre", "scale", "rows", "cols"],
+        params: DGELU_PARAMS,
         cpu: dgelu_cast_cpu::<F8E5M2>,
         strided: false,
     },
     Kernel {
         name: "fp8_dgelu_cast_transpose_bf16_e4m3",
         source: SOURCE,
-        params: &["out", "out_t", "amax", "tile_sums", "dout", "pre", "scale", "rows", "cols"],
+        params: DGELU_PARAMS,
         cpu: dgelu_cast_cpu::<F8E4M3>,
         strided: false,
     },

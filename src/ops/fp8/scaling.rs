@@ -19,7 +19,7 @@ use std::fmt;
 use super::{Fp8Format, SOURCE};
 use half::bf16;
 
-use super::amax::amax_bits;
+use super::amax::input_amax_bits;
 use crate::device::{args, Arg, CpuArgs, DType, Float, In, InOut, Kernel, LaunchDims, Out, Stream};
 use crate::memory::CachingAllocator;
 use crate::ops::cast::canonical;
@@ -400,11 +400,14 @@ pub static CURRENT_SCALING_UPDATE: Kernel = Kernel {
     strided: false,
 };
 
+/// The parameters of [`AMAX_SCALE`] and [`AMAX_SCALE_BF16`].
+const AMAX_SCALE_PARAMS: &[&str] = &["work", "amax", "scale", "scale_inv", "inp", "n", "scaled_max"];
+
 /// [`CurrentScaling::measure`] over f32: one tensor's amax, then its scale in the last block.
 pub static AMAX_SCALE: Kernel = Kernel {
     name: "amax_scale_f32",
     source: SOURCE,
-    params: &["work", "amax", "scale", "scale_inv", "inp", "n", "scaled_max"],
+    params: AMAX_SCALE_PARAMS,
     cpu: amax_scale_cpu::<f32>,
     strided: false,
 };
@@ -413,7 +416,7 @@ pub static AMAX_SCALE: Kernel = Kernel {
 pub static AMAX_SCALE_BF16: Kernel = Kernel {
     name: "amax_scale_bf16",
     source: SOURCE,
-    params: &["work", "amax", "scale", "scale_inv", "inp", "n", "scaled_max"],
+    params: AMAX_SCALE_PARAMS,
     cpu: amax_scale_cpu::<bf16>,
     strided: false,
 };
@@ -426,6 +429,12 @@ fn scale_for(amax: f32, previous: f32, scaled_max: f32) -> f32 {
     } else {
         s
     }
+}
+
+/// A scale and its inverse, as `set_scale` in `scaling.cu` writes them.
+fn set_scale(scale: &mut f32, scale_inv: &mut f32, s: f32) {
+    *scale = s;
+    *scale_inv = canonical(1.0 / s);
 }
 
 fn delayed_cpu(a: &CpuArgs) -> Result<()> {
@@ -441,8 +450,8 @@ fn delayed_cpu(a: &CpuArgs) -> Result<()> {
             amax = amax.max(v);
             history[k * n + i] = if k > 0 { v } else { 0.0 };
         }
-        scale[i] = scale_for(if most_recent { last } else { amax }, scale[i], scaled_max);
-        scale_inv[i * SCALE_INV_STRIDE] = canonical(1.0 / scale[i]);
+        let s = scale_for(if most_recent { last } else { amax }, scale[i], scaled_max);
+        set_scale(&mut scale[i], &mut scale_inv[i * SCALE_INV_STRIDE], s);
     }
     Ok(())
 }
@@ -451,16 +460,14 @@ fn current_cpu(a: &CpuArgs) -> Result<()> {
     let (amax, scaled_max) = (a.input::<f32>("amax")?, a.f32("scaled_max")?);
     let (mut scale, mut scale_inv) = (a.output::<f32>("scale")?, a.output::<f32>("scale_inv")?);
     for ((s, inv), &m) in scale.iter_mut().zip(scale_inv.iter_mut().step_by(SCALE_INV_STRIDE)).zip(amax.iter()) {
-        *s = scale_for(m, *s, scaled_max);
-        *inv = canonical(1.0 / *s);
+        set_scale(s, inv, scale_for(m, *s, scaled_max));
     }
     Ok(())
 }
 
 /// The work slots stay 0: the CUDA kernel's last block leaves them so.
 fn amax_scale_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
-    let bits = a.input::<T>("inp")?.iter().map(|x| amax_bits(x.to_f32())).max().unwrap_or(0);
-    let amax = f32::from_bits(bits);
+    let amax = f32::from_bits(input_amax_bits::<T>(a)?);
     let (mut slot, mut scale, mut scale_inv) =
         (a.output::<f32>("amax")?, a.output::<f32>("scale")?, a.output::<f32>("scale_inv")?);
     let (Some(slot), Some(scale), Some(inv)) = (slot.first_mut(), scale.first_mut(), scale_inv.first_mut()) else {
@@ -472,7 +479,6 @@ fn amax_scale_cpu<T: Float>(a: &CpuArgs) -> Result<()> {
         });
     };
     *slot = amax;
-    *scale = scale_for(amax, *scale, a.f32("scaled_max")?);
-    *inv = canonical(1.0 / *scale);
+    set_scale(scale, inv, scale_for(amax, *scale, a.f32("scaled_max")?));
     Ok(())
 }
