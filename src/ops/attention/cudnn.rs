@@ -225,9 +225,9 @@ pub(super) fn choose(
         })
     };
     if limited && run.scratch_limit.is_none() {
-        if let Some(roomy) = roomier_chunk(h, chunk, run, stream)? {
+        if let Some((roomy, room)) = roomier_chunk(h, chunk, run, stream)? {
             if let Ok(choice) = plan(roomy)? {
-                if choice.scratch_bytes(h) <= run.scratch.headroom(stream)? {
+                if choice.scratch_bytes(h) <= room {
                     return Ok(choice);
                 }
             }
@@ -237,14 +237,15 @@ pub(super) fn choose(
 }
 
 /// Under the default limit, a chunk of more pairs than `chunk` whose scratch the run's
-/// allocator already holds free below its peak ([`CachingAllocator::headroom`]): fewer
+/// allocator already holds free below its peak ([`CachingAllocator::headroom`]), with that room
+/// in bytes (planning takes nothing from the allocator, so it still holds after): fewer
 /// executions at no memory cost. In an eager step the layers above have freed their
 /// activations by a lower layer's backward, which then has room for more pairs; in a pool the
 /// freed blocks are smaller (docs/attention-kernels.md). The bits do not depend on the chunks,
 /// so a graphed step still equals an eager one whose allocator had another amount free.
 ///
 /// [`CachingAllocator::headroom`]: crate::memory::CachingAllocator::headroom
-fn roomier_chunk(h: &Heads, chunk: Chunk, run: AttentionRun<'_>, stream: &Stream) -> Result<Option<Chunk>> {
+fn roomier_chunk(h: &Heads, chunk: Chunk, run: AttentionRun<'_>, stream: &Stream) -> Result<Option<(Chunk, usize)>> {
     if chunk == Chunk::whole(h) {
         return Ok(None);
     }
@@ -254,7 +255,7 @@ fn roomier_chunk(h: &Heads, chunk: Chunk, run: AttentionRun<'_>, stream: &Stream
         "graphed: cuDNN attention backward: {} MiB free below the peak, {chunk:?} by default, {roomy:?} in that room",
         room >> 20
     );
-    Ok(roomy)
+    Ok(roomy.map(|c| (c, room)))
 }
 
 /// The plan's workspace, from the run's allocator (at least one byte: cuDNN gets an address).
