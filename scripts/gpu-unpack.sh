@@ -3,5 +3,5 @@
 # examples), unless they are unpacked already. They are packed because the device tool carries at
 # most 64 MiB with the tree.
 if [ ! -x .gpu/graphed ] && [ -f .gpu/bins.tar.gz ]; then
-    tar xzf .gpu/bins.tar.gz -C .gpu
+    tar xf .gpu/bins.tar.gz -C .gpu
 fi
