@@ -1,6 +1,7 @@
 //! The offload manager: its copy streams, host buffers, chunks and policy.
 
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use super::chunk::{bake, ChunkHook};
 use super::config::{OffloadConfig, Policy};
@@ -74,7 +75,8 @@ type Switch<'a> = (&'a HostBuffer, Option<&'a Tensor>, &'a [BufferId]);
 /// device copies point at that memory and are on, its host copies off; offloaded again
 /// (`None`), the reverse, the device copies pointed back where they were captured. One rebind
 /// and one call each way for the whole executable, as each costs a walk of its bindings.
-fn switch_nodes(exec: &PoolExec, switches: &[Switch<'_>]) -> Result<()> {
+fn switch_nodes(exec: &PoolExec, switches: &[Switch<'_>], times: &mut SwitchTimes) -> Result<()> {
+    let start = Instant::now();
     let (mut rebinds, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
     for &(host, resident, named) in switches {
         rebinds.extend(host.twin_rebinds(named, resident)?);
@@ -90,15 +92,34 @@ fn switch_nodes(exec: &PoolExec, switches: &[Switch<'_>]) -> Result<()> {
             }
         }
     }
+    let planned = Instant::now();
     if !rebinds.is_empty() {
         exec.rebind(&rebinds)?;
     }
+    let rebound = Instant::now();
     for (buffers, enabled) in [(off, false), (on, true)] {
         if !buffers.is_empty() {
             exec.set_enabled(&buffers, enabled)?;
         }
     }
+    times.nodes += planned - start;
+    times.rebind += rebound - planned;
+    times.toggle += rebound.elapsed();
     Ok(())
+}
+
+/// Where a switch's host time goes, logged at `debug` (`GRAPHED_LOG=graphed::offload=debug`):
+/// the checks and lookups before anything changes, the resident tensors' allocations, the
+/// nodes' new bindings and which to turn off (`nodes`), the executables' rebinds and their
+/// nodes turned off or on (each a driver call per node on CUDA), and the memory given back.
+#[derive(Debug, Default)]
+struct SwitchTimes {
+    plan: Duration,
+    alloc: Duration,
+    nodes: Duration,
+    rebind: Duration,
+    toggle: Duration,
+    release: Duration,
 }
 
 /// What [`OffloadManager::keep_resident`] left resident.
@@ -214,6 +235,7 @@ impl OffloadManager {
         stream: &Stream,
         keep: impl Fn(Chunk, &GroupLayout) -> bool,
     ) -> Result<Resident> {
+        let (start, mut times) = (Instant::now(), SwitchTimes::default());
         let execs: Vec<&PoolExec> = graphs.iter().flat_map(GraphedCallable::executables).collect();
         if let Some(e) = execs.iter().find(|e| !e.between_runs()) {
             let graph = e.name().unwrap_or_else(|| e.id().to_string());
@@ -266,6 +288,8 @@ impl OffloadManager {
             }
         }
         let mut released: Vec<Tensor> = gone.iter().filter_map(|k| st.resident.remove(k)).collect();
+        let planned = Instant::now();
+        times.plan = planned - start;
         let mut kept = Vec::with_capacity(changes.len());
         for (_, _, _, want) in &changes {
             kept.push(match want {
@@ -273,6 +297,7 @@ impl OffloadManager {
                 None => None,
             });
         }
+        times.alloc = planned.elapsed();
         let mut by_exec: Vec<Vec<Switch<'_>>> = vec![Vec::new(); execs.len()];
         for ((_, host, holding, _), t) in changes.iter().zip(&kept) {
             for (e, named) in holding {
@@ -280,9 +305,10 @@ impl OffloadManager {
             }
         }
         for (exec, switches) in execs.iter().zip(&by_exec).filter(|(_, s)| !s.is_empty()) {
-            switch_nodes(exec, switches)?;
+            switch_nodes(exec, switches, &mut times)?;
         }
         drop(by_exec);
+        let switched = Instant::now();
         for ((key, ..), t) in changes.iter().zip(kept) {
             match t {
                 Some(t) => {
@@ -301,6 +327,8 @@ impl OffloadManager {
                 t.release_after(&self.inner.released, stream)?;
             }
         }
+        times.release = switched.elapsed();
+        tracing::debug!(tensors = changes.len(), executables = execs.len(), ?times, "graphed: offload switch");
         let mine = |k: &ResidentKey| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == k.baked);
         let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();
         Ok(Resident { tensors: resident.len(), bytes: resident.iter().map(|t| t.bytes()).sum() })
