@@ -11,7 +11,7 @@ use graphed::device::{DType, Device, DeviceKind, Elem, Float, Stream};
 use graphed::graph::make_graphed_fn;
 use graphed::memory::CachingAllocator;
 use graphed::nn::ParamStore;
-use graphed::ops::{adamw, cast, dropout, elementwise, embedding, heads, loss, rng};
+use graphed::ops::{adamw, cast, copy, dropout, elementwise, embedding, heads, loss, rng};
 use graphed::optim::{AdamW, AdamWHyper, LrSchedule};
 use graphed::tensor::Tensor;
 use graphed::Error;
@@ -519,6 +519,45 @@ fn mixed_precision_adamw_tracks_f32_and_keeps_the_weights_rounded(dev: &Device) 
     Ok(())
 }
 
+// ---- copies ------------------------------------------------------------------------------------
+
+/// `copy::bytes` (the kernel that switchable offload graphs capture for their device copies)
+/// copies every bit of any element type: NaN payloads, lengths off the 16-byte chunks, views that
+/// start off a chunk's alignment (the byte loop), and nothing outside the destination view. A
+/// length mismatch is refused before anything is enqueued.
+fn copy_bytes_copies_every_bit_of_any_element_type(dev: &Device) -> Result {
+    let env = Env::new(dev)?;
+    let s = &env.s;
+    for n in [1usize, 15, 16, 17, 1000, 4099] {
+        let x: Vec<u8> = lcg(n + 3, n as u64).iter().map(|v| (v.to_bits() >> 7) as u8).collect();
+        for (at_x, at_y) in [(0, 0), (1, 0), (3, 2)] {
+            let (xb, yb) = (dev.alloc_from(s, &x)?, dev.alloc_from(s, &vec![0xA5u8; n + 3])?);
+            copy::bytes(yb.slice(at_y..at_y + n), xb.slice(at_x..at_x + n), s)?;
+            let y = yb.to_vec(s)?;
+            ensure!(y[at_y..at_y + n] == x[at_x..at_x + n], "u8, {n} bytes at {at_x} -> {at_y}");
+            ensure!(y[..at_y].iter().chain(&y[at_y + n..]).all(|&b| b == 0xA5), "bytes outside were written");
+        }
+    }
+    // f32 NaNs with payloads and signs, and bf16 signalling NaNs: no arithmetic touches them.
+    let f: Vec<f32> = [0x7fc0_0001u32, 0xff80_0002, 0x7f80_0000, 0x8000_0000, 0x3f80_0001]
+        .iter()
+        .map(|&b| f32::from_bits(b))
+        .collect();
+    let (fx, fy) = (dev.alloc_from(s, &f)?, dev.alloc::<f32>(f.len())?);
+    copy::bytes(fy.view(), fx.view(), s)?;
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    ensure!(bits(&fy.to_vec(s)?) == bits(&f), "f32 bits");
+    let h: Vec<bf16> = [0x7f81u16, 0xffc1, 0x0001, 0x8000].iter().map(|&b| bf16::from_bits(b)).collect();
+    let (hx, hy) = (dev.alloc_from(s, &h)?, dev.alloc::<bf16>(h.len())?);
+    copy::bytes(hy.view(), hx.view(), s)?;
+    ensure!(hy.to_vec(s)?.iter().map(|v| v.to_bits()).eq(h.iter().map(|v| v.to_bits())), "bf16 bits");
+    let (kept, four) = (dev.alloc_from(s, &[9u8; 4])?, dev.alloc_from(s, &[1u8; 4])?);
+    let r = copy::bytes(kept.slice(..3), four.view(), s);
+    ensure!(matches!(r, Err(Error::LengthMismatch { .. })), "unequal lengths: {r:?}");
+    ensure!(kept.to_vec(s)? == vec![9u8; 4], "a refused copy wrote");
+    Ok(())
+}
+
 // ---- refusals ----------------------------------------------------------------------------------
 
 fn expect_dtype_error<T: std::fmt::Debug>(what: &str, op: &str, r: graphed::Result<T>) -> Result {
@@ -662,4 +701,5 @@ per_device!(
     cross_entropy_of_bf16_logits_is_the_f32_loss_of_their_values,
     mixed_precision_adamw_tracks_f32_and_keeps_the_weights_rounded,
     wrong_element_types_are_refused_before_anything_runs,
+    copy_bytes_copies_every_bit_of_any_element_type,
 );

@@ -330,24 +330,27 @@ impl CpuArgs {
         Error::KernelArg { kernel: self.kernel.name, param: param.to_string(), expected, found }
     }
 
-    fn buf<T: Elem>(&self, param: &str, want_read: bool) -> Result<(usize, &RefCell<Gathered>)> {
+    /// Slot `param`, a buffer the kernel reads (`want_read`) or writes, of element type `dtype`
+    /// (any, for `None`).
+    fn buf(&self, param: &str, want_read: bool, dtype: Option<DType>) -> Result<(usize, &RefCell<Gathered>)> {
         let index = self.index(param)?;
         match self.slots.get(index) {
-            Some(CpuSlot::Buf { dtype, mode, data })
-                if *dtype == T::DTYPE && (if want_read { mode.reads() } else { mode.writes() }) =>
+            Some(CpuSlot::Buf { dtype: d, mode, data })
+                if dtype.is_none_or(|t| t == *d) && (if want_read { mode.reads() } else { mode.writes() }) =>
             {
                 Ok((index, data))
             }
             _ => {
                 let what = if want_read { "In/InOut" } else { "Out/InOut" };
-                Err(self.mismatch(param, index, format!("an {what} {} buffer", T::DTYPE)))
+                let of = dtype.map(|t| format!(" {t}")).unwrap_or_default();
+                Err(self.mismatch(param, index, format!("an {what}{of} buffer")))
             }
         }
     }
 
     /// Argument `param` as a read-only slice (`In` or `InOut`).
     pub fn input<T: Elem>(&self, param: &str) -> Result<Ref<'_, [T]>> {
-        let (index, cell) = self.buf::<T>(param, true)?;
+        let (index, cell) = self.buf(param, true, Some(T::DTYPE))?;
         let r =
             cell.try_borrow().map_err(|_| self.mismatch(param, index, "an argument not borrowed mutably".into()))?;
         Ok(Ref::map(r, |g| bytemuck::cast_slice(g.as_bytes())))
@@ -356,11 +359,28 @@ impl CpuArgs {
     /// Argument `param` as a mutable slice (`Out` or `InOut`); `Out` slices start with the
     /// region's current contents.
     pub fn output<T: Elem>(&self, param: &str) -> Result<RefMut<'_, [T]>> {
-        let (index, cell) = self.buf::<T>(param, false)?;
+        let (index, cell) = self.buf(param, false, Some(T::DTYPE))?;
         let r = cell
             .try_borrow_mut()
             .map_err(|_| self.mismatch(param, index, "an argument not borrowed elsewhere".into()))?;
         Ok(RefMut::map(r, |g| bytemuck::cast_slice_mut(g.as_bytes_mut())))
+    }
+
+    /// Argument `param`'s bytes, read-only, whatever its element type (`In` or `InOut`).
+    pub fn input_bytes(&self, param: &str) -> Result<Ref<'_, [u8]>> {
+        let (index, cell) = self.buf(param, true, None)?;
+        let r =
+            cell.try_borrow().map_err(|_| self.mismatch(param, index, "an argument not borrowed mutably".into()))?;
+        Ok(Ref::map(r, Gathered::as_bytes))
+    }
+
+    /// Argument `param`'s bytes, mutable, whatever its element type (`Out` or `InOut`).
+    pub fn output_bytes(&self, param: &str) -> Result<RefMut<'_, [u8]>> {
+        let (index, cell) = self.buf(param, false, None)?;
+        let r = cell
+            .try_borrow_mut()
+            .map_err(|_| self.mismatch(param, index, "an argument not borrowed elsewhere".into()))?;
+        Ok(RefMut::map(r, Gathered::as_bytes_mut))
     }
 
     fn scalar<T>(&self, param: &str, expected: &str, pick: fn(Scalar) -> Option<T>) -> Result<T> {

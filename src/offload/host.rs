@@ -8,6 +8,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, OnceLock};
 
 use crate::device::{with_dtype, BufferId, DType, Device, DeviceBuffer, Event, PinnedBuffer, Rebind, Stream};
+use crate::ops::copy;
 use crate::tensor::Tensor;
 use crate::Result;
 
@@ -116,10 +117,12 @@ impl HostBuffer {
     }
 
     /// Where it has device copies: captures, turned off, a device copy of `src` beside the copy
-    /// out, which a switch points at device memory ([`Self::twin_rebinds`]).
+    /// out, which a switch points at device memory ([`Self::twin_rebinds`]). A copy kernel, not
+    /// a memcpy node: a switch updates its parameters, which the driver does for less than half
+    /// a memcpy node's cost.
     pub(crate) fn capture_twin_out(&self, src: &Tensor, stream: &Stream) -> Result<()> {
         with_dtype!(self.dtype, T => match self.twins::<T>() {
-            Some((out, _)) => stream.capture_off(|| stream.copy_d2d(src.view::<T>()?, out.view())),
+            Some((out, _)) => stream.capture_off(|| copy::bytes(out.view(), src.view::<T>()?, stream)),
             None => Ok(()),
         })
     }
@@ -128,7 +131,7 @@ impl HostBuffer {
     /// copy back.
     pub(crate) fn capture_twin_back(&self, dst: &Tensor, stream: &Stream) -> Result<()> {
         with_dtype!(self.dtype, T => match self.twins::<T>() {
-            Some((_, back)) => stream.capture_off(|| stream.copy_d2d(back.view(), dst.view::<T>()?)),
+            Some((_, back)) => stream.capture_off(|| copy::bytes(dst.view::<T>()?, back.view(), stream)),
             None => Ok(()),
         })
     }

@@ -15,6 +15,7 @@
 pub mod adamw;
 pub mod attention;
 pub mod cast;
+pub mod copy;
 pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
@@ -221,6 +222,7 @@ mod tests {
             &cast::DEQUANTIZE_E5M2_TO_F32,
             &cast::DEQUANTIZE_E4M3_TO_BF16,
             &cast::DEQUANTIZE_E5M2_TO_BF16,
+            &copy::COPY_BYTES,
             &fp8::AMAX,
             &fp8::AMAX_BF16,
             &fp8::DGELU_CAST_TRANSPOSE[0],

@@ -298,7 +298,7 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
         ops.dedup();
         Ok(ops)
     };
-    ensure!(turned_off()? == ["memcpy_d2d"], "offloading: {:?} off", turned_off()?);
+    ensure!(turned_off()? == ["copy_bytes"], "offloading: {:?} off", turned_off()?);
     for k in 1..=6 {
         match k {
             3 => {
@@ -326,7 +326,7 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
                 let before = allocated();
                 ensure!(mo.keep_resident(go.layers(), &off.s, |_, _| false)?.tensors == 0);
                 ensure!(allocated() + offloaded <= before, "offloaded again, their memory is given back");
-                ensure!(turned_off()? == ["memcpy_d2d"], "offloaded again: {:?} off", turned_off()?);
+                ensure!(turned_off()? == ["copy_bytes"], "offloaded again: {:?} off", turned_off()?);
             }
             _ => {}
         }
