@@ -2,7 +2,8 @@
 """Replays the allocator's trace and says where a reservation beyond the allocated bytes comes from.
 
 Input: the stderr of a graphed run with GRAPHED_LOG=graphed::memory=trace (a file, or - for
-stdin); other lines are skipped. Output, per arena (the cache outside pools, each graph pool):
+stdin); other lines are skipped. Output, per allocator and arena (the cache outside pools, each
+graph pool):
 every growth that came while the arena already held enough free bytes for the request, but in no
 single block (growth from fragmentation), with the largest free blocks then; and the arena's
 blocks at the moment its reservation peaked. Lent segments (another owner's memory) count in
@@ -89,13 +90,14 @@ def main():
         m = EVENT.search(ANSI.sub("", line))
         if m:
             f = dict(FIELD.findall(m.group(2)))
-            arenas[f.get("pool", "None")].event(m.group(1), int(f.get("segment", 0)), f)
-    for pool, a in sorted(arenas.items()):
+            # Pool and segment numbers are each allocator's own (a benchmark makes several).
+            arenas[(int(f.get("allocator", 0)), f.get("pool", "None"))].event(m.group(1), int(f.get("segment", 0)), f)
+    for (allocator, pool), a in sorted(arenas.items()):
         reserved, state = a.peak
         if state is None:
             continue
         allocated, free = state
-        print(f"# arena {pool}: reserved peaked at {mib(reserved)}; right after that growth's request, "
+        print(f"# allocator {allocator}, arena {pool}: reserved peaked at {mib(reserved)}; right after that growth's request, "
               f"{mib(allocated)} allocated and {mib(reserved - allocated)} free in {len(free)} blocks")
         for size, seg, off in free[:10]:
             print(f"  free {mib(size):>12}  segment {seg} offset {off}")

@@ -241,7 +241,8 @@ fn a_damaged_checkpoint_and_a_changed_data_file_are_refused() {
 }
 
 /// A log that goes to a pipe or a file is plain text, without a terminal's colour codes, and
-/// the allocator's trace (`GRAPHED_LOG=graphed::memory=trace`) names each allocation's place.
+/// the allocator's trace (`GRAPHED_LOG=graphed::memory=trace`) names each allocation's place
+/// (the allocator's too: a benchmark makes several, each numbering its pools and segments).
 #[test]
 fn logs_to_a_pipe_are_plain_text() {
     let dir = tempfile::tempdir().unwrap();
@@ -249,7 +250,7 @@ fn logs_to_a_pipe_are_plain_text() {
     let err = text(&out.stderr);
     assert!(out.status.success(), "train failed: {err}");
     let alloc = err.lines().find(|l| l.contains("graphed: alloc")).expect("the allocator's trace");
-    for field in ["pool=", "segment=", "offset=", "size=", "bytes=", "stream="] {
+    for field in ["allocator=", "pool=", "segment=", "offset=", "size=", "bytes=", "stream="] {
         assert!(alloc.contains(field), "no {field} in {alloc:?}");
     }
     assert!(!err.contains('\u{1b}'), "colour codes in a piped log: {:?}", alloc);

@@ -171,6 +171,9 @@ pub struct CachingAllocator {
 
 pub(crate) struct Inner {
     pub(crate) dev: Device,
+    /// Names the allocator in the memory trace (`GRAPHED_LOG=graphed::memory=trace`), whose pool
+    /// and segment numbers are the allocator's own.
+    id: u64,
     poison: bool,
     /// `None`: fixed segments.
     expandable: Option<Expandable>,
@@ -378,7 +381,7 @@ impl Inner {
                 // Never used by any stream: nothing can still be reading it.
                 let tag = r.stream.map_or(FreeTag::Any, FreeTag::Stream);
                 arena.free_with(r.segment, r.offset, Some(tag));
-                tracing::trace!(pool = ?r.pool, segment = r.segment, offset = r.offset, "graphed: free");
+                tracing::trace!(allocator = self.id, pool = ?r.pool, segment = r.segment, offset = r.offset, "graphed: free");
             }
         }
     }
@@ -440,7 +443,7 @@ impl Inner {
             let id = st.next_segment;
             st.segments.insert(id, Arc::new(raw));
             st.arena(pool).ok_or_else(missing)?.add_segment(id, seg_bytes);
-            tracing::trace!(?pool, segment = id, size = seg_bytes, "graphed: segment");
+            tracing::trace!(allocator = self.id, ?pool, segment = id, size = seg_bytes, "graphed: segment");
             return Ok(());
         };
         let plan = st.arena(pool).ok_or_else(missing)?.plan_growth(bytes, key, x.chunk);
@@ -464,7 +467,13 @@ impl Inner {
         match mapped {
             Ok(()) => {
                 arena.grow(growth);
-                tracing::trace!(?pool, segment = growth.segment, size = growth.size, "graphed: grow");
+                tracing::trace!(
+                    allocator = self.id,
+                    ?pool,
+                    segment = growth.segment,
+                    size = growth.size,
+                    "graphed: grow"
+                );
             }
             Err(e) => {
                 arena.track_mapped(growth.segment, raw.mapped());
@@ -501,7 +510,7 @@ impl Inner {
             // The graphs that named the segment are gone or cannot run: it is freed when the
             // last of them drops.
             st.segments.remove(&segment);
-            tracing::trace!(pool = ?Some(pool), segment, "graphed: release");
+            tracing::trace!(allocator = self.id, pool = ?Some(pool), segment, "graphed: release");
         }
         st.give_back_lent(pool, None);
         self.release_free_ends(st, Some(pool))
@@ -564,7 +573,7 @@ impl Inner {
             if let Some(arena) = st.arena(pool) {
                 arena.track_mapped(segment, raw.mapped());
             }
-            tracing::trace!(?pool, segment, size = raw.mapped(), "graphed: shrink");
+            tracing::trace!(allocator = self.id, ?pool, segment, size = raw.mapped(), "graphed: shrink");
             unmapped?;
         }
         Ok(())
@@ -594,7 +603,14 @@ impl CachingAllocator {
     }
 
     fn build(dev: &Device, poison: bool, expandable: Option<Expandable>) -> CachingAllocator {
-        let inner = Inner { dev: dev.clone(), poison, expandable, state: Mutex::default(), returned: Mutex::default() };
+        let inner = Inner {
+            dev: dev.clone(),
+            id: crate::device::ids::next_id(),
+            poison,
+            expandable,
+            state: Mutex::default(),
+            returned: Mutex::default(),
+        };
         CachingAllocator { inner: Arc::new(inner) }
     }
 
@@ -658,7 +674,7 @@ impl CachingAllocator {
             }
         };
         st.total();
-        tracing::trace!(?pool, segment, offset, size, bytes, stream = key, "graphed: alloc");
+        tracing::trace!(allocator = self.inner.id, ?pool, segment, offset, size, bytes, stream = key, "graphed: alloc");
         let raw = st.segments[&segment].clone();
         let base = st.bases.get(&segment).copied().unwrap_or(0);
         let id = BufferId(ids::next_id());
@@ -777,7 +793,7 @@ impl CachingAllocator {
         let mut st = lock(&self.inner.state);
         for (segment, _) in st.default.release_empty() {
             st.segments.remove(&segment);
-            tracing::trace!(pool = ?None::<PoolId>, segment, "graphed: release");
+            tracing::trace!(allocator = self.inner.id, pool = ?None::<PoolId>, segment, "graphed: release");
         }
         if !st.captures.is_empty() {
             // A capture of this allocator began on another thread after the synchronize: its
