@@ -15,11 +15,20 @@
 //!   [`CachingAllocator::empty_cache`], after a device synchronize and never while a capture of
 //!   this allocator is active; a graph pool's end goes back only while no graph of the pool can
 //!   run (every executable reset), since replays would touch it.
+//!
+//! Note [Small segments]: requests of at most 1 MiB take blocks of 2 MiB fixed segments of their
+//! own, in expandable arenas too, and only they do (PyTorch's small pool). Otherwise a small
+//! request best-fits into a freed large block, and the rest of it no longer serves a later
+//! request of the larger size: at L, a 1 MiB block in a freed 32 MiB activation left 30 MiB
+//! that the next activation could not use, and the offloading pool grew by that much
+//! (`bench/results/2026-12-07-h100-offload-trace-741a33b.txt`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
-use super::arena::{block_size, segment_size, Arena, BlockInfo, BlockState, FreeTag, SegmentId, Stats, StreamKey};
+use super::arena::{
+    block_size, is_small, segment_size, Arena, BlockInfo, BlockState, FreeTag, SegmentId, Stats, StreamKey,
+};
 use super::lifetimes::{Learning, Lifetimes, Place};
 use super::pool::{GraphPool, Lent, LentRange, PoolGraph, PoolId, PoolState};
 use crate::device::memory::{Block, BlockOwner, Fence, MemKind, RawBuffer};
@@ -423,7 +432,8 @@ impl Inner {
     }
 
     /// Makes room in `pool`'s arena for `bytes` on stream `key`: grows an expandable segment
-    /// (reserving a new one if none has room) or adds a fixed segment. `relaxed` while the
+    /// (reserving a new one if none has room) or adds a fixed segment (always, for a small
+    /// request: Note [Small segments]). `relaxed` while the
     /// stream captures, so that the capture is not invalidated.
     fn grow(&self, st: &mut State, pool: Option<PoolId>, bytes: usize, key: StreamKey, relaxed: bool) -> Result<()> {
         const OP: &str = "CachingAllocator::alloc";
@@ -434,7 +444,7 @@ impl Inner {
             }
         };
         let missing = || Error::NoCapturePool { op: OP, stream: StreamId(key) };
-        let Some(x) = self.expandable else {
+        let Some(x) = self.expandable.filter(|_| !is_small(bytes)) else {
             let seg_bytes = segment_size(block_size(bytes));
             let what = "a new segment of the caching allocator";
             let raw =
@@ -1072,10 +1082,11 @@ mod tests {
         let dev = small_sim();
         let s = dev.stream()?;
         let alloc = CachingAllocator::with_config(&dev, AllocatorConfig::default().expandable(true))?;
-        let out = dev.alloc::<f32>(16)?;
+        // Above 1 MiB: small requests take fixed segments (Note [Small segments]).
+        let out = dev.alloc::<f32>(1 << 19)?;
         let pool = alloc.new_pool();
         let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
-        let tmp = alloc.alloc::<f32>(&s, 16)?;
+        let tmp = alloc.alloc::<f32>(&s, 1 << 19)?;
         elementwise::fill(tmp.view(), 2.0, &s)?;
         elementwise::scale(out.view(), tmp.view(), 1.0, &s)?;
         drop(tmp);

@@ -24,7 +24,9 @@ use std::collections::{BTreeMap, BTreeSet};
 pub const ALIGN: usize = 256;
 /// A split leaves a remainder only if it is at least this large.
 const MIN_SPLIT: usize = 512;
-/// Requests up to this size share 2 MiB segments.
+/// Requests up to this size share 2 MiB segments of their own, expandable arenas included: a
+/// small request never splits a larger block, whose remainder a later request of the larger
+/// size could not use (PyTorch's small pool; Note [Small segments]).
 const SMALL: usize = 1 << 20;
 const SMALL_SEGMENT: usize = 2 << 20;
 /// Requests under this size share 20 MiB segments; larger ones get their own.
@@ -93,6 +95,8 @@ struct Segment {
     /// Bytes the segment may grow to: its address range if expandable, else `size`.
     capacity: usize,
     expandable: bool,
+    /// Holds requests of at most [`SMALL`] bytes only, and only they go there.
+    small: bool,
     /// Memory lent by another owner ([`Arena::add_lent`]).
     lent: bool,
     blocks: BTreeMap<usize, (usize, BlockState)>,
@@ -128,6 +132,11 @@ pub fn block_size(bytes: usize) -> usize {
     bytes.max(1).div_ceil(ALIGN) * ALIGN
 }
 
+/// Whether a request of `bytes` is small: served only by small segments, which only it uses.
+pub fn is_small(bytes: usize) -> bool {
+    block_size(bytes) <= SMALL
+}
+
 /// The size of the segment to allocate when no free block fits `block` bytes.
 pub fn segment_size(block: usize) -> usize {
     if block <= SMALL {
@@ -156,11 +165,18 @@ impl Arena {
     }
 
     /// The largest block [`alloc`](Arena::alloc) could hand `stream` now without a new segment
-    /// or growth: the largest free block of its own or free to any stream.
+    /// or growth, for a request of more than [`SMALL`] bytes: the largest free block of its own
+    /// or free to any stream, outside small segments.
     pub fn largest_free_for(&self, stream: StreamKey) -> usize {
+        self.largest_free_in(stream, false)
+    }
+
+    /// As [`largest_free_for`](Arena::largest_free_for), in small segments (`small`) or the
+    /// others.
+    fn largest_free_in(&self, stream: StreamKey, small: bool) -> usize {
         let largest = |tag| {
             let tagged = (tag, 0, 0, 0)..=(tag, usize::MAX, SegmentId::MAX, usize::MAX);
-            self.free.range(tagged).next_back().map_or(0, |k| k.1)
+            self.free.range(tagged).rev().find(|k| self.segments[&k.2].small == small).map_or(0, |k| k.1)
         };
         largest(FreeTag::Stream(stream)).max(largest(FreeTag::Any))
     }
@@ -185,18 +201,22 @@ impl Arena {
             .collect()
     }
 
-    /// Adds a fixed segment of `size` bytes (a multiple of [`ALIGN`]), all free to any stream.
+    /// Adds a fixed segment of `size` bytes (a multiple of [`ALIGN`]), all free to any stream: a
+    /// small segment, for small requests only, if `size` is at most the 2 MiB that
+    /// [`segment_size`] gives them.
     pub fn add_segment(&mut self, id: SegmentId, size: usize) {
         let mut blocks = BTreeMap::new();
         blocks.insert(0, (size, BlockState::Free(FreeTag::Any)));
-        self.segments.insert(id, Segment { size, capacity: size, expandable: false, lent: false, blocks });
+        let small = size <= SMALL_SEGMENT;
+        self.segments.insert(id, Segment { size, capacity: size, expandable: false, small, lent: false, blocks });
         self.free.insert((FreeTag::Any, size, id, 0));
         self.note_reserved(size);
     }
 
     /// Adds an expandable segment that may grow to `capacity` bytes, with nothing usable yet.
     pub fn add_expandable(&mut self, id: SegmentId, capacity: usize) {
-        let segment = Segment { size: 0, capacity, expandable: true, lent: false, blocks: BTreeMap::new() };
+        let segment =
+            Segment { size: 0, capacity, expandable: true, small: false, lent: false, blocks: BTreeMap::new() };
         self.segments.insert(id, segment);
     }
 
@@ -206,7 +226,7 @@ impl Arena {
     pub fn add_lent(&mut self, id: SegmentId, size: usize) {
         let mut blocks = BTreeMap::new();
         blocks.insert(0, (size, BlockState::Free(FreeTag::Any)));
-        self.segments.insert(id, Segment { size, capacity: size, expandable: false, lent: true, blocks });
+        self.segments.insert(id, Segment { size, capacity: size, expandable: false, small: false, lent: true, blocks });
         self.lent_free.insert((FreeTag::Any, size, id, 0));
     }
 
@@ -245,8 +265,12 @@ impl Arena {
     /// How to grow an expandable segment, in multiples of `step` bytes (a multiple of
     /// [`ALIGN`]), so that [`alloc`](Arena::alloc)`(bytes, stream)` then succeeds: the segment
     /// whose growth is the smallest, counting a free tail that `stream` may reuse as part of the
-    /// request. `None` if no expandable segment has room.
+    /// request. `None` if no expandable segment has room, or for a small request (it takes a
+    /// small segment: [`is_small`]).
     pub fn plan_growth(&self, bytes: usize, stream: StreamKey, step: usize) -> Option<Growth> {
+        if is_small(bytes) {
+            return None;
+        }
         let size = block_size(bytes);
         self.segments
             .iter()
@@ -349,11 +373,14 @@ impl Arena {
     }
 
     /// Hands out a block of `block_size(bytes)` for `stream`, or `None` if no free block fits
-    /// (then add a segment of `segment_size` and ask again). Returns (segment, offset, size).
-    /// Lent segments are left to [`alloc_lent`](Arena::alloc_lent).
+    /// (then grow an expandable segment or add a segment of `segment_size`, always the latter
+    /// for a small request, and ask again). Returns (segment, offset, size). A small request
+    /// ([`is_small`]) takes a block of a small segment, any other never does; lent segments are
+    /// left to [`alloc_lent`](Arena::alloc_lent).
     pub fn alloc(&mut self, bytes: usize, stream: StreamKey) -> Option<(SegmentId, usize, usize)> {
-        let size = block_size(bytes);
-        let chosen = Arena::best_fit(&self.free, stream, size, &|_| true)?;
+        let (size, small) = (block_size(bytes), is_small(bytes));
+        let segments = &self.segments;
+        let chosen = Arena::best_fit(&self.free, stream, size, &|s| segments[&s].small == small)?;
         Some(self.take(chosen, size, stream))
     }
 
@@ -561,17 +588,39 @@ mod tests {
 
     #[test]
     fn growth_skips_a_tail_another_stream_freed() {
+        const MIB: usize = 1 << 20;
         let mut a = Arena::new();
         a.add_expandable(1, 1 << 30);
-        let g = a.plan_growth(8192, 7, 8192).unwrap();
+        let g = a.plan_growth(2 * MIB, 7, MIB).unwrap();
         a.grow(g);
-        let (_, off, _) = a.alloc(8192, 7).unwrap();
+        let (_, off, _) = a.alloc(2 * MIB, 7).unwrap();
         assert!(a.free(1, off));
-        let g = a.plan_growth(16384, 8, 8192).unwrap();
-        assert_eq!(g.size, 8192 + 16384, "stream 8 may not reuse stream 7's tail, so it maps after it");
+        let g = a.plan_growth(4 * MIB, 8, MIB).unwrap();
+        assert_eq!(g.size, 6 * MIB, "stream 8 may not reuse stream 7's tail, so it maps after it");
         a.grow(g);
-        assert_eq!(a.alloc(16384, 8).map(|b| b.1), Some(8192));
-        assert_eq!(a.plan_growth(1 << 30, 8, 8192), None, "no room left in the range");
+        assert_eq!(a.alloc(4 * MIB, 8).map(|b| b.1), Some(2 * MIB));
+        assert_eq!(a.plan_growth(1 << 30, 8, MIB), None, "no room left in the range");
+    }
+
+    #[test]
+    fn small_requests_take_small_segments_only_and_never_split_a_large_block() {
+        const MIB: usize = 1 << 20;
+        let mut a = Arena::new();
+        a.add_expandable(1, 1 << 30);
+        a.grow(a.plan_growth(32 * MIB, 0, 2 * MIB).unwrap());
+        let (_, big, _) = a.alloc(32 * MIB, 0).unwrap();
+        assert!(a.free(1, big));
+        assert_eq!(a.plan_growth(MIB, 0, 2 * MIB), None, "a small request never grows the range");
+        assert_eq!(a.alloc(MIB, 0), None, "nor takes a piece of the freed 32 MiB");
+        a.add_segment(2, segment_size(block_size(MIB)));
+        assert_eq!(a.alloc(MIB, 0).map(|b| b.0), Some(2));
+        assert_eq!(a.alloc(MIB + 1, 0).map(|b| b.0), Some(1), "a larger one never takes a small segment");
+        assert_eq!(a.alloc(32 * MIB, 0), None, "the large block was split by the larger request only");
+        assert_eq!(
+            a.largest_free_for(0),
+            32 * MIB - block_size(MIB + 1),
+            "small segments are not room for large requests"
+        );
     }
 
     #[test]
@@ -614,7 +663,8 @@ mod tests {
 
     fn step() -> impl Strategy<Value = Step> {
         prop_oneof![
-            4 => (1usize..40_000, 0u64..3).prop_map(|(bytes, stream)| Step::Alloc { bytes, stream }),
+            3 => (1usize..40_000, 0u64..3).prop_map(|(bytes, stream)| Step::Alloc { bytes, stream }),
+            2 => (SMALL - 20_000..SMALL + 60_000, 0u64..3).prop_map(|(bytes, stream)| Step::Alloc { bytes, stream }),
             3 => any::<usize>().prop_map(|pick| Step::Free { pick }),
             1 => (0u64..3).prop_map(|stream| Step::Ordered { stream }),
             1 => Just(Step::Release),
@@ -643,7 +693,7 @@ mod tests {
         if let Some(b) = a.alloc(bytes, stream) {
             return Ok(b);
         }
-        if expandable {
+        if expandable && !is_small(bytes) {
             let g = a.plan_growth(bytes, stream, STEP).expect("the range is large enough");
             prop_assert!(g.size.is_multiple_of(STEP) && g.size > m.segments[&g.segment]);
             a.grow(g);
@@ -672,10 +722,11 @@ mod tests {
             for s in steps {
                 match s {
                     Step::Alloc { bytes, stream } => {
-                        let (room, reserved) = (a.largest_free_for(stream), a.stats().reserved);
+                        let (room, reserved) = (a.largest_free_in(stream, is_small(bytes)), a.stats().reserved);
                         let (seg, off, size) = alloc_growing(&mut a, &mut m, expandable, bytes, stream)?;
                         prop_assert_eq!(a.stats().reserved > reserved, block_size(bytes) > room, "largest_free_for({}) = {} and {} bytes", stream, room, bytes);
                         prop_assert!(size >= bytes && off % ALIGN == 0 && off + size <= m.segments[&seg]);
+                        prop_assert_eq!(a.segments[&seg].small, is_small(bytes), "a request of the other class's segment");
                         for (s2, o2, n2, _) in &m.live {
                             prop_assert!(*s2 != seg || off + size <= *o2 || o2 + n2 <= off, "overlaps a live block");
                         }
@@ -721,12 +772,12 @@ mod tests {
             for stream in 0..3 {
                 a.mark_ordered(stream);
             }
+            let fixed = m.segments.len() - usize::from(expandable);
+            prop_assert_eq!(a.release_empty().len(), fixed, "everything coalesces back into whole segments");
             if expandable {
                 for (seg, size) in a.free_tails(STEP) {
                     prop_assert!(size == 0 && a.shrink(seg, size), "an idle segment shrinks to nothing");
                 }
-            } else {
-                prop_assert_eq!(a.release_empty().len(), m.segments.len(), "everything coalesces back into whole segments");
             }
             prop_assert_eq!(a.stats().reserved, 0);
         }

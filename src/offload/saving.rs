@@ -19,12 +19,14 @@
 //! layer saves as its input and so are counted there.
 
 use super::policy::GroupLayout;
-use crate::memory::arena::{Arena, SegmentId};
+use crate::memory::arena::{block_size, segment_size, Arena, SegmentId};
 
 /// The replay's one stream: the pool reuses a block in capture order.
 const STREAM: u64 = 1;
 /// The pool's own memory, one segment large enough for any step.
 const OWN: SegmentId = 0;
+/// The ids of small segments start above this one.
+const SMALL_SEGMENTS: SegmentId = SegmentId::MAX / 2;
 
 /// Per unit of a chunk (counted from 0), the bytes of each block it keeps on the device and of
 /// each block it offloads, in save order.
@@ -73,12 +75,19 @@ pub(crate) fn own_peak(units: &[UnitBlocks], lent: &[usize]) -> usize {
     for (i, &bytes) in lent.iter().enumerate().filter(|(_, b)| **b > 0) {
         arena.add_lent(lender(i), bytes);
     }
-    // A block placed while layer `below` runs takes the memory of layers under `below` only.
-    let place = |arena: &mut Arena, bytes: usize, below: usize| {
+    // A block placed while layer `below` runs takes the memory of layers under `below` only;
+    // a small one not lent takes a small segment, new ones as needed (Note [Small segments]).
+    let mut next_small = SMALL_SEGMENTS;
+    let mut place = |arena: &mut Arena, bytes: usize, below: usize| {
         let allowed = |s: SegmentId| s != OWN && (s as usize) <= below;
-        let (segment, offset, _) = (arena.alloc_lent(bytes, STREAM, &allowed))
-            .or_else(|| arena.alloc(bytes, STREAM))
-            .expect("the pool's own segment holds any step");
+        let placed = arena.alloc_lent(bytes, STREAM, &allowed).or_else(|| arena.alloc(bytes, STREAM));
+        let (segment, offset, _) = placed
+            .or_else(|| {
+                next_small += 1;
+                arena.add_segment(next_small, segment_size(block_size(bytes)));
+                arena.alloc(bytes, STREAM)
+            })
+            .expect("the pool's own segment holds any step, and a new small segment any small block");
         (segment, offset)
     };
     let n = units.len();
@@ -97,7 +106,7 @@ pub(crate) fn own_peak(units: &[UnitBlocks], lent: &[usize]) -> usize {
     let mut back = vec![Vec::new(); n];
     for k in (0..n).rev() {
         // Backward `k` takes the memory of the layers under `k - 1` only: `k - 1` reads its output.
-        let reload = |arena: &mut Arena, q: usize| -> Vec<_> {
+        let mut reload = |arena: &mut Arena, q: usize| -> Vec<_> {
             units[q].offloaded.iter().map(|&b| place(arena, b, k.saturating_sub(1))).collect()
         };
         if k + 1 == n {

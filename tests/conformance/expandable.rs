@@ -56,36 +56,43 @@ fn freed_blocks_serve_a_larger_request_in_a_pool(dev: &Device) -> anyhow::Result
     Ok(())
 }
 
-/// A 20 MiB block after a small one, freed: `empty_cache` unmaps the pages past the small one
-/// and keeps the small one's page, whose contents stay.
+/// Elements of an f32 buffer just above 1 MiB: the smallest that an expandable segment serves
+/// (smaller requests take small segments, Note [Small segments]).
+const JUST_LARGE: usize = MIB / 4 + 256;
+
+/// A 20 MiB block after a 1 MiB one, freed: `empty_cache` unmaps the pages past the first one
+/// and keeps the first one's page, whose contents stay.
 fn the_free_end_of_the_cache_goes_back_to_the_device(dev: &Device) -> anyhow::Result<()> {
     let alloc = allocator(dev, true)?;
     let s = dev.stream()?;
-    let a = alloc.alloc::<f32>(&s, 1024)?;
+    let a = alloc.alloc::<f32>(&s, JUST_LARGE)?;
     let b = alloc.alloc::<f32>(&s, 5 * MIB)?;
     elementwise::fill(a.view(), 3.0, &s)?;
     elementwise::fill(b.view(), 4.0, &s)?;
     let st = alloc.stats();
-    ensure!(st.expandable && st.default.reserved == 22 * MIB, "a 2 MiB page, then 20 MiB after a's 4 KiB: {st:?}");
+    ensure!(st.expandable && st.default.reserved == 22 * MIB, "a 2 MiB page, then 20 MiB after a's 1 MiB: {st:?}");
     let seg = |buf: &graphed::device::DeviceBuffer<f32>| alloc.block_of(buf.id()).map(|e| e.info.segment);
     ensure!(seg(&a) == seg(&b), "b extends the segment a is in");
     let (free_before, _) = dev.memory_info()?;
     drop(b);
     alloc.empty_cache()?;
     let st = alloc.stats().default;
-    ensure!(st.reserved == 2 * MIB && st.largest_free == 2 * MIB - 4096 && st.peak_reserved == 22 * MIB, "{st:?}");
+    ensure!(
+        st.reserved == 2 * MIB && st.largest_free == 2 * MIB - 4 * JUST_LARGE && st.peak_reserved == 22 * MIB,
+        "{st:?}"
+    );
     if dev.kind() == DeviceKind::Cuda {
         // The simulator's free memory also depends on the host's; the lib tests check it exactly.
         let (free_after, _) = dev.memory_info()?;
         ensure!(free_after >= free_before + 16 * MIB, "the driver got no pages back: {free_before} -> {free_after}");
     }
-    ensure!(a.to_vec(&s)? == vec![3.0; 1024], "the page kept mapped keeps its contents");
+    ensure!(a.to_vec(&s)? == vec![3.0; JUST_LARGE], "the page kept mapped keeps its contents");
     drop(a);
     alloc.empty_cache()?;
     ensure!(alloc.stats().default.reserved == 0, "{:?}", alloc.stats());
-    let c = alloc.alloc::<f32>(&s, 1024)?;
+    let c = alloc.alloc::<f32>(&s, JUST_LARGE)?;
     elementwise::fill(c.view(), 1.0, &s)?;
-    ensure!(c.to_vec(&s)? == vec![1.0; 1024], "pages map again where they were given back");
+    ensure!(c.to_vec(&s)? == vec![1.0; JUST_LARGE], "pages map again where they were given back");
     Ok(())
 }
 
@@ -93,7 +100,7 @@ fn the_free_end_of_the_cache_goes_back_to_the_device(dev: &Device) -> anyhow::Re
 /// pool grows after the activation; a third graph reads the activation. Replays see the right
 /// data (addresses did not move), and the pool keeps its pages while its graphs can run.
 fn a_pool_that_grows_between_captures_keeps_earlier_graphs_valid(dev: &Device) -> anyhow::Result<()> {
-    const N: usize = 1024;
+    const N: usize = JUST_LARGE;
     const BIG: usize = 6 * MIB;
     let alloc = allocator(dev, true)?;
     let s = dev.stream()?;
@@ -160,6 +167,46 @@ fn a_pool_grows_inside_a_global_capture(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A 32 MiB activation freed in one capture of a pool, below a 4 MiB block that stays, then two
+/// 1 MiB requests and a 32 MiB one in the next capture (what an offloading pool does at L): the
+/// small requests take a 2 MiB small segment and the freed 32 MiB serves the larger request
+/// whole, so the pool reserves 38 MiB, not the 68 it did when the small requests split the freed
+/// block and the 32 MiB went past the block that stays (Note [Small segments]). The replays read
+/// what each capture wrote.
+fn small_requests_leave_a_freed_large_block_whole(dev: &Device) -> anyhow::Result<()> {
+    const ACT: usize = 8 * MIB; // f32 elements: 32 MiB
+    const ONE: usize = MIB / 4; // 1 MiB
+    let alloc = allocator(dev, true)?;
+    let s = dev.stream()?;
+    let out = dev.alloc::<f32>(3)?;
+    let pool = alloc.new_pool();
+    let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
+    let (act, kept) = (alloc.alloc::<f32>(&s, ACT)?, alloc.alloc::<f32>(&s, MIB)?);
+    elementwise::fill(act.view(), 2.0, &s)?;
+    elementwise::fill(kept.view(), 0.0, &s)?;
+    elementwise::scale(out.slice(0..1), act.slice(ACT - 1..), 1.0, &s)?;
+    drop(act);
+    let first = cap.finish()?.instantiate()?;
+    let cap = alloc.capture(&s, CaptureMode::ThreadLocal, &pool)?;
+    let (one, two) = (alloc.alloc::<f32>(&s, ONE)?, alloc.alloc::<f32>(&s, ONE)?);
+    let next = alloc.alloc::<f32>(&s, ACT)?;
+    elementwise::fill(one.view(), 3.0, &s)?;
+    elementwise::fill(two.view(), 4.0, &s)?;
+    elementwise::fill(next.view(), 5.0, &s)?;
+    elementwise::scale(out.slice(1..2), one.slice(ONE - 1..), 1.0, &s)?;
+    elementwise::axpy(out.slice(1..2), two.slice(ONE - 1..), 1.0, &s)?;
+    elementwise::scale(out.slice(2..3), next.slice(ACT - 1..), 1.0, &s)?;
+    let same = alloc.block_of(next.id()).map(|e| e.info.offset) == Some(0);
+    drop((one, two, next, kept));
+    let second = cap.finish()?.instantiate()?;
+    let st = pool.stats();
+    ensure!(same && st.reserved == 38 * MIB, "the freed 32 MiB should serve the next 32 MiB: {st:?}");
+    first.launch(&s)?;
+    second.launch(&s)?;
+    ensure!(out.to_vec(&s)? == vec![2.0, 7.0, 5.0], "replays read {:?}", out.to_vec(&s)?);
+    Ok(())
+}
+
 /// With expandable segments off, segments are fixed device allocations as before: sized by
 /// request class, reused, and given back whole.
 fn fixed_segments_serve_as_before_when_expandable_is_off(dev: &Device) -> anyhow::Result<()> {
@@ -194,6 +241,7 @@ fn fixed_segments_serve_as_before_when_expandable_is_off(dev: &Device) -> anyhow
 crate::per_device!(
     freed_blocks_serve_a_larger_request_in_a_pool,
     the_free_end_of_the_cache_goes_back_to_the_device,
+    small_requests_leave_a_freed_large_block_whole,
     a_pool_that_grows_between_captures_keeps_earlier_graphs_valid,
     a_pool_grows_inside_a_global_capture,
     fixed_segments_serve_as_before_when_expandable_is_off,

@@ -379,19 +379,25 @@ pub fn switchable_capture_reserves_only_its_scratch(dev: &Device) -> Result {
 /// synchronize of the device, and every switch would reserve more). Tensors large enough that
 /// what a switch leaves unused cannot hide in a segment's free space.
 pub fn switching_again_reuses_the_memory_given_back(dev: &Device) -> Result {
-    let dims = Dims { batch: 2, seq: 128, dim: 128, layers: 3, dropout: 0.0, ..DIMS };
+    let dims = Dims { batch: 4, seq: 128, dim: 128, layers: 3, dropout: 0.0, ..DIMS };
     let off = Model::new(dev, dims, DType::F32)?;
     let mo = OffloadManager::new(&off.alloc, config().switchable(true))?;
     off.skip_first()?;
     let (side, ready) = (dev.stream()?, dev.event()?);
     let go = off.graph(mo.graph_options(GraphOptions::default().sync_event(&ready)))?;
     let reserved = || off.alloc.stats().total.reserved;
+    // The tensors, of 128 KiB each, share small segments (Note [Small segments]) with the step's
+    // own small blocks, and which blocks are back in the allocator at a switch depends on when
+    // the device's last references to them dropped: one small segment more is that order's,
+    // not a switch reserving the tensors anew (each would add all of their bytes).
+    const SLACK: usize = 2 << 20;
     let mut first = None;
     for k in 1..=4 {
         let kept = mo.keep_resident(go.layers(), &off.s, |_, _| true)?;
-        ensure!(kept.bytes > 1 << 20, "{} B kept resident: too little to test", kept.bytes);
+        ensure!(kept.bytes > SLACK, "{} B kept resident: too little to test", kept.bytes);
         let now = reserved();
-        ensure!(now <= *first.get_or_insert(now), "switch {k}: {now} B reserved, {first:?} B at the first");
+        let first = *first.get_or_insert(now);
+        ensure!(now <= first + SLACK, "switch {k}: {now} B reserved, {first} B at the first");
         off.graphed(&go, k, Replay::side(&side))?;
         ensure!(mo.keep_resident(go.layers(), &off.s, |_, _| false)?.tensors == 0);
         off.graphed(&go, k, Replay::side(&side))?;
