@@ -165,7 +165,7 @@ impl Arena {
     }
 
     /// The largest block [`alloc`](Arena::alloc) could hand `stream` now without a new segment
-    /// or growth, for a request of more than [`SMALL`] bytes: the largest free block of its own
+    /// or growth, for a request that is not small ([`is_small`]): the largest free block of its own
     /// or free to any stream, outside small segments.
     pub fn largest_free_for(&self, stream: StreamKey) -> usize {
         self.largest_free_in(stream, false)
