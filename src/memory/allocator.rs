@@ -19,8 +19,8 @@
 //! Note [Small segments]: requests of at most 1 MiB take blocks of 2 MiB fixed segments of their
 //! own, in expandable arenas too, and only they do (PyTorch's small pool). Otherwise a small
 //! request best-fits into a freed large block, and the rest of it no longer serves a later
-//! request of the larger size: at L, a 1 MiB block in a freed 32 MiB activation left 30 MiB
-//! that the next activation could not use, and the offloading pool grew by that much
+//! request of the larger size: at L, two 1 MiB blocks at the front of a freed 32 MiB activation
+//! left 30 MiB that the next activation could not use, and the offloading pool grew by that much
 //! (`bench/results/2026-12-07-h100-offload-trace-741a33b.txt`).
 
 use std::collections::HashMap;
@@ -433,8 +433,8 @@ impl Inner {
 
     /// Makes room in `pool`'s arena for `bytes` on stream `key`: grows an expandable segment
     /// (reserving a new one if none has room) or adds a fixed segment (always, for a small
-    /// request: Note [Small segments]). `relaxed` while the
-    /// stream captures, so that the capture is not invalidated.
+    /// request: Note [Small segments]). `relaxed` while the stream captures, so that the capture
+    /// is not invalidated.
     fn grow(&self, st: &mut State, pool: Option<PoolId>, bytes: usize, key: StreamKey, relaxed: bool) -> Result<()> {
         const OP: &str = "CachingAllocator::alloc";
         let out_of_memory = |requested: usize, what: &'static str| {
