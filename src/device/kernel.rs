@@ -348,39 +348,42 @@ impl CpuArgs {
         }
     }
 
-    /// Argument `param` as a read-only slice (`In` or `InOut`).
-    pub fn input<T: Elem>(&self, param: &str) -> Result<Ref<'_, [T]>> {
-        let (index, cell) = self.buf(param, true, Some(T::DTYPE))?;
-        let r =
-            cell.try_borrow().map_err(|_| self.mismatch(param, index, "an argument not borrowed mutably".into()))?;
-        Ok(Ref::map(r, |g| bytemuck::cast_slice(g.as_bytes())))
-    }
-
-    /// Argument `param` as a mutable slice (`Out` or `InOut`); `Out` slices start with the
-    /// region's current contents.
-    pub fn output<T: Elem>(&self, param: &str) -> Result<RefMut<'_, [T]>> {
-        let (index, cell) = self.buf(param, false, Some(T::DTYPE))?;
-        let r = cell
-            .try_borrow_mut()
-            .map_err(|_| self.mismatch(param, index, "an argument not borrowed elsewhere".into()))?;
-        Ok(RefMut::map(r, |g| bytemuck::cast_slice_mut(g.as_bytes_mut())))
-    }
-
-    /// Argument `param`'s bytes, read-only, whatever its element type (`In` or `InOut`).
-    pub fn input_bytes(&self, param: &str) -> Result<Ref<'_, [u8]>> {
-        let (index, cell) = self.buf(param, true, None)?;
+    /// Slot `param`'s bytes, read-only (`In` or `InOut`), of element type `dtype` (any, for `None`).
+    fn read(&self, param: &str, dtype: Option<DType>) -> Result<Ref<'_, [u8]>> {
+        let (index, cell) = self.buf(param, true, dtype)?;
         let r =
             cell.try_borrow().map_err(|_| self.mismatch(param, index, "an argument not borrowed mutably".into()))?;
         Ok(Ref::map(r, Gathered::as_bytes))
     }
 
-    /// Argument `param`'s bytes, mutable, whatever its element type (`Out` or `InOut`).
-    pub fn output_bytes(&self, param: &str) -> Result<RefMut<'_, [u8]>> {
-        let (index, cell) = self.buf(param, false, None)?;
+    /// Slot `param`'s bytes, mutable (`Out` or `InOut`), of element type `dtype` (any, for `None`).
+    fn write(&self, param: &str, dtype: Option<DType>) -> Result<RefMut<'_, [u8]>> {
+        let (index, cell) = self.buf(param, false, dtype)?;
         let r = cell
             .try_borrow_mut()
             .map_err(|_| self.mismatch(param, index, "an argument not borrowed elsewhere".into()))?;
         Ok(RefMut::map(r, Gathered::as_bytes_mut))
+    }
+
+    /// Argument `param` as a read-only slice (`In` or `InOut`).
+    pub fn input<T: Elem>(&self, param: &str) -> Result<Ref<'_, [T]>> {
+        Ok(Ref::map(self.read(param, Some(T::DTYPE))?, |b| bytemuck::cast_slice(b)))
+    }
+
+    /// Argument `param` as a mutable slice (`Out` or `InOut`); `Out` slices start with the
+    /// region's current contents.
+    pub fn output<T: Elem>(&self, param: &str) -> Result<RefMut<'_, [T]>> {
+        Ok(RefMut::map(self.write(param, Some(T::DTYPE))?, |b| bytemuck::cast_slice_mut(b)))
+    }
+
+    /// Argument `param`'s bytes, read-only, whatever its element type (`In` or `InOut`).
+    pub fn input_bytes(&self, param: &str) -> Result<Ref<'_, [u8]>> {
+        self.read(param, None)
+    }
+
+    /// Argument `param`'s bytes, mutable, whatever its element type (`Out` or `InOut`).
+    pub fn output_bytes(&self, param: &str) -> Result<RefMut<'_, [u8]>> {
+        self.write(param, None)
     }
 
     fn scalar<T>(&self, param: &str, expected: &str, pick: fn(Scalar) -> Option<T>) -> Result<T> {

@@ -16,7 +16,7 @@
 //! # Ok::<(), graphed::Error>(())
 //! ```
 
-use super::stride_dims;
+use super::{same_len, stride_dims};
 use crate::device::{args, CpuArgs, Elem, In, Kernel, Out, Stream, View};
 use crate::{Error, Result};
 
@@ -38,9 +38,7 @@ fn copy_bytes_cpu(a: &CpuArgs) -> Result<()> {
 /// [`Error::LengthMismatch`] for unequal lengths, [`Error::NotContiguous`] for a strided view.
 pub fn bytes<T: Elem>(y: View<'_, T>, x: View<'_, T>, stream: &Stream) -> Result<()> {
     const OP: &str = "copy::bytes";
-    if y.len() != x.len() {
-        return Err(Error::LengthMismatch { op: OP, src: x.len(), dst: y.len() });
-    }
+    same_len(OP, &y, &x)?;
     for v in [&y, &x] {
         if !v.region.is_contiguous() {
             return Err(Error::NotContiguous { op: OP, buffer: v.block.id });

@@ -25,7 +25,7 @@
 
 use half::bf16;
 
-use super::{count, float_dtype, lanes, stride_dims, with_float, PerFloat};
+use super::{count, float_dtype, lanes, same_len, stride_dims, with_float, PerFloat};
 use crate::device::{args, CpuArgs, Float, In, InOut, Kernel, Out, Stream, View};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -298,13 +298,6 @@ fn matrix_of(r: &crate::device::Region) -> Option<(usize, usize, usize)> {
         [col] if col.stride == 1 => Some((1, col.count, col.count)),
         _ => None,
     }
-}
-
-fn same_len<T: Float>(op: &'static str, y: &View<'_, T>, x: &View<'_, T>) -> Result<()> {
-    if y.len() != x.len() {
-        return Err(Error::LengthMismatch { op, src: x.len(), dst: y.len() });
-    }
-    Ok(())
 }
 
 #[cfg(test)]

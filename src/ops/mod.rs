@@ -131,6 +131,14 @@ pub(crate) fn checked<'t, T: Elem>(
     dense(op, t)
 }
 
+/// [`Error::LengthMismatch`] naming `op` unless `y` and `x` have the same length.
+pub(crate) fn same_len<T: Elem>(op: &'static str, y: &View<'_, T>, x: &View<'_, T>) -> Result<()> {
+    if y.len() != x.len() {
+        return Err(Error::LengthMismatch { op, src: x.len(), dst: y.len() });
+    }
+    Ok(())
+}
+
 /// A size as the kernels' `unsigned`.
 pub(crate) fn count(op: &'static str, n: usize) -> Result<u32> {
     u32::try_from(n).map_err(|_| Error::Unsupported {
