@@ -259,6 +259,15 @@ pub(crate) fn mapped(raw: &RawBuffer) -> usize {
     }
 }
 
+/// The address a kernel is given for byte `offset` of `raw`: CUDA's device pointer, or the
+/// simulator's own ([`sim::address`]).
+pub(crate) fn device_address(raw: &RawBuffer, offset: usize) -> Result<u64> {
+    match &raw.mem {
+        Repr::Sim(_) => Ok(sim::address(raw.id, offset)),
+        Repr::Cuda(_) => cuda::kernel_address(raw, offset),
+    }
+}
+
 pub(crate) fn read_pinned(block: &Block, out: &mut [u8]) -> Result<()> {
     match &block.raw.mem {
         Repr::Sim(m) => <sim::SimDevice as Backend>::read_pinned(m, block.base, out),

@@ -275,7 +275,8 @@ impl GraphExec {
     /// call and not named here stay rebound. The executable holds the buffers it reads until they
     /// are rebound again, and the checker sees the launches read them. Returns how many nodes
     /// changed (none when every use already points there, so a rebind per replay with the same
-    /// buffers costs no driver call).
+    /// buffers costs no driver call). A node whose moved addresses its kernel reads from a table
+    /// (the offload switch's device copies) counts, though on CUDA only the table changes.
     ///
     /// The buffers are read while a launch runs, not when it is enqueued: keep their contents
     /// until the launches that read them are done, as for any operand of queued work.
@@ -317,11 +318,17 @@ impl GraphExec {
             if bound.as_ref().map_or(at_capture, |b| (b.block.id, b.start)) == (to.block.id, to.start) {
                 continue;
             }
-            changed.push(s);
+            changed.push((s, !matches!(captured.slot, patch::Slot::Indirect(_))));
             *bound = ((to.block.id, to.start) != at_capture).then_some(to);
         }
+        // One entry per site, its node changed if any of its moved uses is the node's own.
         changed.sort_unstable();
-        changed.dedup();
+        changed.dedup_by(|later, kept| {
+            later.0 == kept.0 && {
+                kept.1 |= later.1;
+                true
+            }
+        });
         if changed.is_empty() {
             return Ok(0);
         }

@@ -178,6 +178,8 @@ pub struct BufArg<'a> {
     pub(crate) mode: AccessMode,
     /// Set for a hidden access of a library call (a workspace), named for reports.
     pub(crate) hidden: Option<&'static str>,
+    /// Whether the CUDA code reads this buffer's address from a device table ([`Indirect`]).
+    pub(crate) indirect: bool,
 }
 
 /// Something that can be viewed as a device region of `Elem`: a buffer or a view.
@@ -220,6 +222,7 @@ fn buf_arg<'a, V: IntoView<'a>>(v: V, mode: AccessMode) -> Arg<'a> {
         dtype: V::Elem::DTYPE,
         mode,
         hidden: None,
+        indirect: false,
     })
 }
 
@@ -231,6 +234,22 @@ impl<'a, V: IntoView<'a>> From<Hidden<V>> for Arg<'a> {
     fn from(h: Hidden<V>) -> Self {
         match buf_arg(h.1, AccessMode::ReadWrite) {
             Arg::Buf(b) => Arg::Buf(BufArg { hidden: Some(h.0), ..b }),
+            scalar => scalar,
+        }
+    }
+}
+
+/// A buffer argument whose address the CUDA code reads from a device table the caller keeps,
+/// not from its parameter: the argument still declares the access (for the checker, the
+/// simulator and rebinds), and a rebind of it changes no graph node on CUDA, where the caller
+/// rewrites the table instead, ordered on a stream before the launches that read it
+/// (`ops::copy::bytes_via`).
+pub(crate) struct Indirect<A>(pub A);
+
+impl<'a, A: Into<Arg<'a>>> From<Indirect<A>> for Arg<'a> {
+    fn from(a: Indirect<A>) -> Self {
+        match a.0.into() {
+            Arg::Buf(b) => Arg::Buf(BufArg { indirect: true, ..b }),
             scalar => scalar,
         }
     }
@@ -299,7 +318,13 @@ impl Gathered {
 }
 
 pub(crate) enum CpuSlot {
-    Buf { dtype: DType, mode: AccessMode, data: RefCell<Gathered> },
+    /// `address`: the region's first byte as the device addresses it ([`super::backend::device_address`]).
+    Buf {
+        dtype: DType,
+        mode: AccessMode,
+        data: RefCell<Gathered>,
+        address: u64,
+    },
     Scalar(Scalar),
 }
 
@@ -335,7 +360,7 @@ impl CpuArgs {
     fn buf(&self, param: &str, want_read: bool, dtype: Option<DType>) -> Result<(usize, &RefCell<Gathered>)> {
         let index = self.index(param)?;
         match self.slots.get(index) {
-            Some(CpuSlot::Buf { dtype: d, mode, data })
+            Some(CpuSlot::Buf { dtype: d, mode, data, .. })
                 if dtype.is_none_or(|t| t == *d) && (if want_read { mode.reads() } else { mode.writes() }) =>
             {
                 Ok((index, data))
@@ -384,6 +409,16 @@ impl CpuArgs {
     /// Argument `param`'s bytes, mutable, whatever its element type (`Out` or `InOut`).
     pub fn output_bytes(&self, param: &str) -> Result<RefMut<'_, [u8]>> {
         self.write(param, None)
+    }
+
+    /// The device address of buffer argument `param`'s first element: what a table that names
+    /// the buffer must hold (the simulator's are its own, unique per byte as CUDA's are).
+    pub fn address(&self, param: &str) -> Result<u64> {
+        let index = self.index(param)?;
+        match self.slots.get(index) {
+            Some(CpuSlot::Buf { address, .. }) => Ok(*address),
+            _ => Err(self.mismatch(param, index, "a buffer".into())),
+        }
     }
 
     fn scalar<T>(&self, param: &str, expected: &str, pick: fn(Scalar) -> Option<T>) -> Result<T> {
@@ -477,7 +512,12 @@ mod tests {
     #[test]
     fn cpu_args_refuse_the_wrong_form() {
         let slots = vec![
-            CpuSlot::Buf { dtype: DType::F32, mode: AccessMode::Read, data: RefCell::new(Gathered::zeroed(8)) },
+            CpuSlot::Buf {
+                dtype: DType::F32,
+                mode: AccessMode::Read,
+                data: RefCell::new(Gathered::zeroed(8)),
+                address: 0,
+            },
             CpuSlot::Scalar(Scalar::U32(3)),
         ];
         let a = CpuArgs { kernel: &TWO, slots };

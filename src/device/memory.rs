@@ -381,6 +381,12 @@ impl<T: Elem> View<'_, T> {
     pub(crate) fn dtype_size(&self) -> usize {
         T::DTYPE.size()
     }
+
+    /// The device address of the view's first element: what a kernel is given for it, and what
+    /// a table of addresses that a kernel reads must hold for it.
+    pub(crate) fn device_address(&self) -> crate::Result<u64> {
+        super::backend::device_address(&self.block.raw, self.absolute().offset() * T::DTYPE.size())
+    }
 }
 
 impl<T: Elem> PinnedBuffer<T> {

@@ -179,6 +179,10 @@ impl RebindErrorKind {
 pub(crate) enum Slot {
     /// Kernel parameter `i`.
     Param(usize),
+    /// Kernel parameter `i`, whose address the CUDA code reads from a table the caller keeps
+    /// ([`Indirect`](super::kernel::Indirect)): a rebind moves what the checker and the
+    /// simulator see, and on CUDA changes no node.
+    Indirect(usize),
     /// The source of a copy.
     CopySrc,
     /// The destination of a copy.
@@ -241,7 +245,11 @@ impl Site {
                             block: b.block.clone(),
                             start: b.view.offset() * b.dtype.size(),
                             end: b.view.end() * b.dtype.size(),
-                            slot: if library { Slot::Opaque } else { Slot::Param(i) },
+                            slot: match (library, b.indirect) {
+                                (true, _) => Slot::Opaque,
+                                (false, false) => Slot::Param(i),
+                                (false, true) => Slot::Indirect(i),
+                            },
                             writes: b.mode.writes(),
                         }),
                         Arg::Scalar(_) => None,
@@ -282,8 +290,10 @@ pub(crate) struct Bound {
     pub(crate) start: usize,
 }
 
-/// A site and where each of its uses points now, by use index (`None`: as captured).
-pub(crate) type SiteChange<'b> = (usize, &'b [Option<Bound>]);
+/// A site, where each of its uses points now, by use index (`None`: as captured), and whether
+/// a use that the node itself holds moved (not only [`Slot::Indirect`] ones, which CUDA reads
+/// from the caller's table).
+pub(crate) type SiteChange<'b> = (usize, &'b [Option<Bound>], bool);
 
 /// The uses of a graph's sites: where each block is named, and a flat numbering of all uses
 /// (site `s`'s use `u` is use `first[s] + u`) that an executable's bindings are kept in.
@@ -333,9 +343,10 @@ impl UseIndex {
         self.first[s]..self.first[s + 1]
     }
 
-    /// The sites `changed` with where their uses point in `bound` (flat; empty: all as captured).
-    pub(crate) fn changes<'b>(&self, changed: &[usize], bound: &'b [Option<Bound>]) -> Vec<SiteChange<'b>> {
-        changed.iter().map(|&s| (s, bound.get(self.of_site(s)).unwrap_or_default())).collect()
+    /// The sites `changed` (each with whether its node changes) with where their uses point in
+    /// `bound` (flat; empty: all as captured).
+    pub(crate) fn changes<'b>(&self, changed: &[(usize, bool)], bound: &'b [Option<Bound>]) -> Vec<SiteChange<'b>> {
+        changed.iter().map(|&(s, node)| (s, bound.get(self.of_site(s)).unwrap_or_default(), node)).collect()
     }
 }
 

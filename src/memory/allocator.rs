@@ -32,7 +32,9 @@ use super::arena::{
 use super::lifetimes::{Learning, Lifetimes, Place};
 use super::pool::{GraphPool, Lent, LentRange, PoolGraph, PoolId, PoolState};
 use crate::device::memory::{Block, BlockOwner, Fence, MemKind, RawBuffer};
-use crate::device::{ids, BufferId, Capture, CaptureMode, Device, DeviceBuffer, Elem, GraphId, Stream, StreamId};
+use crate::device::{
+    ids, BufferId, Capture, CaptureMode, Device, DeviceBuffer, Elem, EventId, GraphId, Stream, StreamId,
+};
 use crate::{Error, Result};
 
 /// A stream key for blocks used on several streams: only a full synchronize orders them.
@@ -367,17 +369,29 @@ impl Inner {
     fn take_returned(&self, st: &mut State) {
         let mut returned = std::mem::take(&mut *lock(&self.returned));
         returned.append(&mut st.fenced);
+        // Blocks given back together share their fence: each event is asked once (a driver call
+        // on CUDA).
+        let mut asked: Vec<(EventId, Option<bool>)> = Vec::new();
         for mut r in returned {
             if let Some(f) = r.fence.take() {
-                match f.event.query() {
-                    Ok(true) => r.stream = Some(f.stream.raw()),
-                    Ok(false) => {
+                let id = f.event.id();
+                let done = match asked.iter().find(|(e, _)| *e == id) {
+                    Some(&(_, done)) => done,
+                    None => {
+                        let done = f.event.query().ok();
+                        asked.push((id, done));
+                        done
+                    }
+                };
+                match done {
+                    Some(true) => r.stream = Some(f.stream.raw()),
+                    Some(false) => {
                         r.fence = Some(f);
                         st.fenced.push(r);
                         continue;
                     }
                     // Its record cannot be waited for: the block waits for a synchronize.
-                    Err(_) => {}
+                    None => {}
                 }
             }
             st.live.remove(&(r.pool, r.segment, r.offset));

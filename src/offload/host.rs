@@ -7,6 +7,7 @@ use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, OnceLock};
 
+use super::table::CopyTable;
 use crate::device::{with_dtype, BufferId, DType, Device, DeviceBuffer, Event, PinnedBuffer, Rebind, Stream};
 use crate::ops::copy;
 use crate::tensor::Tensor;
@@ -36,14 +37,17 @@ impl Scratch {
 }
 
 /// A switchable graph's device copies of one tensor: aliases of a [`Scratch`], each a
-/// `DeviceBuffer<T>` with `T::DTYPE` the tensor's, and the scratch they alias, held as long as
-/// they are.
+/// `DeviceBuffer<T>` with `T::DTYPE` the tensor's, the scratch they alias, held as long as they
+/// are, and the table entries the copies read their addresses from.
 struct Twins {
     out: Arc<dyn Any + Send + Sync>,
     back: Arc<dyn Any + Send + Sync>,
     /// What they name, out and back.
     ids: [BufferId; 2],
     _scratch: Arc<Scratch>,
+    table: Arc<CopyTable>,
+    /// The copy out's entry and the copy back's.
+    entries: [usize; 2],
 }
 
 /// One pinned host buffer and the events of its last copies.
@@ -78,14 +82,22 @@ impl HostBuffer {
     /// `scratch` (nothing if it has them already). Called after the capture's warmup has given
     /// its memory back, so that the scratch does not pin the warmup's peak in the cache
     /// (docs/offload.md).
-    pub(crate) fn alias_twins(&self, scratch: &Arc<Scratch>) -> Result<()> {
+    /// Its copies read entries `first` and `first + 1` of `table`.
+    pub(crate) fn alias_twins(&self, scratch: &Arc<Scratch>, table: &Arc<CopyTable>, first: usize) -> Result<()> {
         if self.twins.get().is_some() {
             return Ok(());
         }
         with_dtype!(self.dtype, T => {
             let (out, back) = (scratch.out.aliased_as::<T>(self.len)?, scratch.back.aliased_as::<T>(self.len)?);
             let ids = [out.id(), back.id()];
-            let twins = Twins { out: Arc::new(out), back: Arc::new(back), ids, _scratch: scratch.clone() };
+            let twins = Twins {
+                out: Arc::new(out),
+                back: Arc::new(back),
+                ids,
+                _scratch: scratch.clone(),
+                table: table.clone(),
+                entries: [first, first + 1],
+            };
             // Under the manager's lock: nothing sets them in between.
             let _ = self.twins.set(twins);
             Ok(())
@@ -98,9 +110,10 @@ impl HostBuffer {
     }
 
     /// The allocations its copies touch in a graph's tail: its own, and where it has device
-    /// copies, the scratch's (for graph verification).
+    /// copies, the scratch's and their table's (for graph verification).
     pub(crate) fn tail_memories(&self) -> Vec<BufferId> {
-        let twins = with_dtype!(self.dtype, T => self.twins::<T>().map(|(o, b)| [o.memory_id(), b.memory_id()]));
+        let twins = with_dtype!(self.dtype, T => self.twins.get().zip(self.twins::<T>())
+            .map(|(t, (o, b))| [o.memory_id(), b.memory_id(), t.table.memory_id()]));
         std::iter::once(self.memory).chain(twins.into_iter().flatten()).collect()
     }
 
@@ -116,23 +129,54 @@ impl HostBuffer {
         self.twins.get().map(|t| (typed(&t.out), typed(&t.back)))
     }
 
-    /// Where it has device copies: captures, turned off, a device copy of `src` beside the copy
-    /// out, which a switch points at device memory ([`Self::twin_rebinds`]). A copy kernel, not
-    /// a memcpy node: a switch updates its parameters, which the driver does for less than half
-    /// a memcpy node's cost.
+    /// Where it has device copies: captures a device copy of `src` beside the copy out, which
+    /// copies nothing until a switch points it at device memory ([`Self::point_twins`]). A copy
+    /// kernel that reads its addresses from the table, so that a switch updates no graph node.
     pub(crate) fn capture_twin_out(&self, src: &Tensor, stream: &Stream) -> Result<()> {
-        with_dtype!(self.dtype, T => match self.twins::<T>() {
-            Some((out, _)) => stream.capture_off(|| copy::bytes(out.view(), src.view::<T>()?, stream)),
+        with_dtype!(self.dtype, T => match self.twins.get().zip(self.twins::<T>()) {
+            Some((t, (out, _))) => {
+                let src = src.view::<T>()?;
+                t.table.set(t.entries[0], out.view().device_address()?, src.device_address()?, 0);
+                copy::bytes_via(out.view(), src, t.table.entry(t.entries[0]), stream)
+            }
             None => Ok(()),
         })
     }
 
-    /// Where it has device copies: captures, turned off, a device copy into `dst` beside the
-    /// copy back.
+    /// Where it has device copies: captures a device copy into `dst` beside the copy back,
+    /// which copies nothing until a switch points it at device memory.
     pub(crate) fn capture_twin_back(&self, dst: &Tensor, stream: &Stream) -> Result<()> {
-        with_dtype!(self.dtype, T => match self.twins::<T>() {
-            Some((_, back)) => stream.capture_off(|| copy::bytes(dst.view::<T>()?, back.view(), stream)),
+        with_dtype!(self.dtype, T => match self.twins.get().zip(self.twins::<T>()) {
+            Some((t, (_, back))) => {
+                let dst = dst.view::<T>()?;
+                t.table.set(t.entries[1], dst.device_address()?, back.view().device_address()?, 0);
+                copy::bytes_via(dst, back.view(), t.table.entry(t.entries[1]), stream)
+            }
             None => Ok(()),
+        })
+    }
+
+    /// Points its device copies' table entries at `to` (the copy out's destination and the
+    /// copy back's source, all of its bytes), or back at the scratch, copying nothing (`None`),
+    /// as [`Self::twin_rebinds`] points their bindings; the table's next upload writes them.
+    /// Returns the table, or `None` where it has no device copies.
+    pub(crate) fn point_twins(&self, to: Option<&Tensor>) -> Result<Option<&Arc<CopyTable>>> {
+        with_dtype!(self.dtype, T => {
+            let Some((t, (out, back))) = self.twins.get().zip(self.twins::<T>()) else { return Ok(None) };
+            let ([e_out, e_back], table) = (t.entries, &t.table);
+            let (src, dst) = (table.addresses(e_out).1, table.addresses(e_back).0);
+            match to {
+                Some(r) => {
+                    let (at, bytes) = (r.view::<T>()?.device_address()?, self.bytes() as u64);
+                    table.set(e_out, at, src, bytes);
+                    table.set(e_back, dst, at, bytes);
+                }
+                None => {
+                    table.set(e_out, out.view().device_address()?, src, 0);
+                    table.set(e_back, dst, back.view().device_address()?, 0);
+                }
+            }
+            Ok(Some(table))
         })
     }
 

@@ -11,6 +11,7 @@ use super::host::{HostBuffer, Scratch};
 use super::policy::{decide, mark_eligible, GroupLayout, Summary, TensorLayout, Timings, Windows};
 use super::shared::Inner;
 use super::state::{Baked, Fault, Mark, PassTiming, ResidentKey, State};
+use super::table::CopyTable;
 use crate::device::{BufferId, DType, Stream};
 use crate::graph::{GraphOptions, GraphedCallable, PassTimes, Probe, PROBE_REPLAYS};
 use crate::memory::{CachingAllocator, PoolExec};
@@ -72,23 +73,20 @@ fn schedule_error(chunk: Chunk, found: &str) -> Error {
 type Switch<'a> = (&'a HostBuffer, Option<&'a Tensor>, &'a [BufferId]);
 
 /// Switches the copies in `exec` of each tensor of `switches`: kept resident (`Some`), its
-/// device copies point at that memory and are on, its host copies off; offloaded again
-/// (`None`), the reverse, the device copies pointed back where they were captured. One rebind
-/// and one call each way for the whole executable, as each costs a walk of its bindings.
+/// device copies are bound to that memory and its host copies off; offloaded again (`None`), its
+/// device copies are bound back where they were captured and its host copies on. The device
+/// copies read their addresses from the tables ([`HostBuffer::point_twins`]): their rebind
+/// changes no node on CUDA. One rebind and one call each way for the whole executable, as each
+/// costs a walk of its bindings.
 fn switch_nodes(exec: &PoolExec, switches: &[Switch<'_>], times: &mut SwitchTimes) -> Result<()> {
     let start = Instant::now();
     let (mut rebinds, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
     for &(host, resident, named) in switches {
         rebinds.extend(host.twin_rebinds(named, resident)?);
-        let (twins_to, host_to) = match resident {
-            Some(_) => (&mut on, &mut off),
-            None => (&mut off, &mut on),
-        };
-        for &b in named {
-            if b == host.id() {
-                host_to.push(b)
-            } else {
-                twins_to.push(b)
+        if named.contains(&host.id()) {
+            match resident {
+                Some(_) => off.push(host.id()),
+                None => on.push(host.id()),
             }
         }
     }
@@ -110,8 +108,9 @@ fn switch_nodes(exec: &PoolExec, switches: &[Switch<'_>], times: &mut SwitchTime
 
 /// Where a switch's host time goes, logged at `debug` (`GRAPHED_LOG=graphed::offload=debug`):
 /// the checks and lookups before anything changes, the resident tensors' allocations, the
-/// nodes' new bindings and which to turn off (`nodes`), the executables' rebinds and their
-/// nodes turned off or on (each a driver call per node on CUDA), and the memory given back.
+/// nodes' new bindings and which to turn off (`nodes`), the executables' rebinds (bookkeeping:
+/// the device copies read the tables) and their host copies turned off or on (a driver call per
+/// node on CUDA), the tables' entries and upload, and the memory given back.
 #[derive(Debug, Default)]
 struct SwitchTimes {
     plan: Duration,
@@ -119,6 +118,7 @@ struct SwitchTimes {
     nodes: Duration,
     rebind: Duration,
     toggle: Duration,
+    table: Duration,
     release: Duration,
 }
 
@@ -265,20 +265,25 @@ impl OffloadManager {
                     continue;
                 }
                 let [out, back] = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
-                // Two host copies and two device copies, one each way.
+                // Two host copies and two device copies, one each way. A device copy is
+                // captured beside its host copy, on the same stream: only the executables that
+                // hold a host copy are searched for it.
                 let (mut found, mut holding) = (0, Vec::new());
                 for (e, exec) in execs.iter().enumerate() {
-                    let mut named = Vec::new();
-                    for b in [host.id(), out, back] {
+                    let here = exec.naming(host.id());
+                    if here == 0 {
+                        continue;
+                    }
+                    found += here;
+                    let mut named = vec![host.id()];
+                    for b in [out, back] {
                         let here = exec.naming(b);
                         if here > 0 {
                             found += here;
                             named.push(b);
                         }
                     }
-                    if !named.is_empty() {
-                        holding.push((e, named));
-                    }
+                    holding.push((e, named));
                 }
                 if found != 4 {
                     return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found }));
@@ -308,7 +313,20 @@ impl OffloadManager {
             switch_nodes(exec, switches, &mut times)?;
         }
         drop(by_exec);
+        // The device copies' addresses, written on `stream` before the launches that read them
+        // (after the last step's, which `stream` joined), once per table.
+        let pointed = Instant::now();
+        let mut tables: Vec<&Arc<CopyTable>> = Vec::new();
+        for ((_, host, ..), t) in changes.iter().zip(&kept) {
+            if let Some(table) = host.point_twins(t.as_ref())? {
+                if !tables.iter().any(|k| Arc::ptr_eq(k, table)) {
+                    tables.push(table);
+                }
+            }
+        }
+        tables.iter().try_for_each(|t| t.upload(stream))?;
         let switched = Instant::now();
+        times.table = switched - pointed;
         for ((key, ..), t) in changes.iter().zip(kept) {
             match t {
                 Some(t) => {
@@ -553,7 +571,10 @@ impl OffloadManager {
                 s
             }
         };
-        buffers().try_for_each(|h| h.alias_twins(&scratch))
+        // One table for the buffers aliased now, two entries each (out and back).
+        let new: Vec<&HostBuffer> = buffers().filter(|h| h.twin_ids().is_none()).collect();
+        let table = Arc::new(CopyTable::new(&self.inner.alloc, stream, 2 * new.len())?);
+        new.iter().enumerate().try_for_each(|(i, h)| h.alias_twins(&scratch, &table, 2 * i))
     }
 
     /// The eager recording iteration's unit times (the slowest chunk's, per unit; each mark's

@@ -28,6 +28,7 @@ mod policy;
 mod saving;
 mod shared;
 mod state;
+mod table;
 
 pub use chunk::ChunkHook;
 pub use config::{OffloadConfig, Policy, AUTO_CANDIDATES, DEFAULT_SITES};

@@ -231,6 +231,7 @@ mod tests {
             &cast::DEQUANTIZE_E4M3_TO_BF16,
             &cast::DEQUANTIZE_E5M2_TO_BF16,
             &copy::COPY_BYTES,
+            &copy::COPY_BYTES_VIA,
             &fp8::AMAX,
             &fp8::AMAX_BF16,
             &fp8::DGELU_CAST_TRANSPOSE[0],

@@ -287,8 +287,8 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
         other => Err(anyhow::anyhow!("expected an offload refusal, got {other}")),
     };
     let allocated = || off.alloc.stats().total.allocated;
-    // The copies turned off across the graphs: the device copies while offloading, the host
-    // copies while kept resident.
+    // The copies turned off across the graphs: none while offloading (the device copies copy
+    // nothing, as their table says), the host copies while kept resident.
     let turned_off = || -> anyhow::Result<Vec<&'static str>> {
         let mut ops = Vec::new();
         for layer in go.layers() {
@@ -298,7 +298,7 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
         ops.dedup();
         Ok(ops)
     };
-    ensure!(turned_off()? == ["copy_bytes"], "offloading: {:?} off", turned_off()?);
+    ensure!(turned_off()?.is_empty(), "offloading: {:?} off", turned_off()?);
     for k in 1..=6 {
         match k {
             3 => {
@@ -326,7 +326,7 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
                 let before = allocated();
                 ensure!(mo.keep_resident(go.layers(), &off.s, |_, _| false)?.tensors == 0);
                 ensure!(allocated() + offloaded <= before, "offloaded again, their memory is given back");
-                ensure!(turned_off()? == ["copy_bytes"], "offloaded again: {:?} off", turned_off()?);
+                ensure!(turned_off()?.is_empty(), "offloaded again: {:?} off", turned_off()?);
             }
             _ => {}
         }

@@ -171,7 +171,12 @@ impl CuExec {
         let exec = lock(&self.exec);
         // Scratch for every kernel node's parameters, reused across nodes.
         let (mut values, mut params) = (Vec::new(), Vec::new());
-        for (site, bound) in changes {
+        for &(site, bound, node) in changes {
+            if !node {
+                // Only addresses the kernel reads from the caller's table moved.
+                continue;
+            }
+            let site = &site;
             let Some(Some(patch)) = self.held.nodes.get(*site) else {
                 return Err(bug("a site with no patchable node"));
             };
@@ -180,13 +185,15 @@ impl CuExec {
             };
             match &patch.template {
                 Template::Kernel { func, dims, values: launched } => {
+                    let uses = &sites[*site].uses;
                     values.clear();
                     values.extend_from_slice(launched);
                     for (u, b) in bound.iter().enumerate().filter_map(|(u, b)| Some((u, b.as_ref()?))) {
-                        let Slot::Param(i) = sites[*site].uses[u].slot else {
-                            return Err(bug("a kernel use that is no parameter"));
-                        };
-                        values[i] = address(&b.block, b.start)?;
+                        match uses[u].slot {
+                            Slot::Param(i) => values[i] = address(&b.block, b.start)?,
+                            Slot::Indirect(_) => {}
+                            _ => return Err(bug("a kernel use that is no parameter")),
+                        }
                     }
                     // SAFETY: the node is a kernel node of this executable's graph, kept alive
                     // by `self.graph`; the function stays loaded in `Kernels`; the values are the

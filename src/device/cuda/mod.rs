@@ -54,6 +54,11 @@ use super::{CaptureMode, CaptureStatus, DeviceId, ErrorSlot, EventId, NodeInfo, 
 use crate::error::CaptureSite;
 use crate::Result;
 
+/// The device pointer a kernel is given for byte `offset` of `raw`.
+pub(crate) fn kernel_address(raw: &super::memory::RawBuffer, offset: usize) -> Result<u64> {
+    memory::kernel_arg("device_address", raw, offset)
+}
+
 /// One GPU, through its primary context.
 pub(crate) struct CudaDevice {
     ctx: Arc<CudaContext>,

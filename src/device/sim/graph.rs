@@ -99,11 +99,13 @@ impl SimExec {
         self.nodes.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
-    /// Points the listed sites' nodes at their bound uses (the other uses as captured).
+    /// Points the listed sites' nodes at their bound uses (the other uses as captured); those
+    /// whose addresses a kernel reads from a table too, as the task's arguments are what the
+    /// simulator runs it on (and checks the table against).
     pub(super) fn rebind(&self, sites: &[Site], changes: &[SiteChange]) -> Result<()> {
         let mut nodes = self.nodes.lock().unwrap_or_else(PoisonError::into_inner);
         let mut next: Vec<SimNode> = (**nodes).clone();
-        for (site, bound) in changes {
+        for (site, bound, _) in changes {
             let n = self.site_nodes[*site];
             let NodeTask::Run(task) = &self.captured[n].task else {
                 return Err(Error::Unsupported {

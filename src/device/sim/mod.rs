@@ -54,6 +54,13 @@ pub struct SimConfig {
     pub memory: usize,
 }
 
+/// The simulator's device address of byte `byte` of allocation `memory`: the allocation's id
+/// above bit 40 and the byte below, so that, as on CUDA, distinct bytes have distinct addresses
+/// (what a table of addresses that kernels read holds on the simulator).
+pub(crate) fn address(memory: super::BufferId, byte: usize) -> u64 {
+    (memory.0 << 40) | byte as u64
+}
+
 /// The simulated device's memory unless configured: 16 GiB.
 pub const DEFAULT_SIM_MEMORY: usize = 16 << 30;
 

@@ -238,7 +238,9 @@ impl Task {
             Task::Kernel { kernel, args } => {
                 let mut args = args.clone();
                 for (slot, b) in bound {
-                    let Slot::Param(i) = slot else { return Err(bug("a kernel use that is no parameter")) };
+                    let (Slot::Param(i) | Slot::Indirect(i)) = slot else {
+                        return Err(bug("a kernel use that is no parameter"));
+                    };
                     let Some(OwnedArg::Buf(arg)) = args.get_mut(*i) else {
                         return Err(bug("no such buffer parameter"));
                     };
@@ -316,6 +318,7 @@ fn run_kernel(kernel: &'static Kernel, args: &[OwnedArg]) -> Result<()> {
                 dtype: b.dtype,
                 mode: b.mode,
                 data: RefCell::new(sim_mem(&b.block.raw)?.gather(kernel.name, &b.region, b.dtype.size())?),
+                address: super::address(b.block.raw.id, b.region.offset() * b.dtype.size()),
             },
             OwnedArg::Scalar(s) => CpuSlot::Scalar(*s),
         });
