@@ -325,6 +325,7 @@ impl OffloadManager {
             }
         }
         tables.iter().try_for_each(|t| t.upload(stream))?;
+        let uploads = tables.len();
         let switched = Instant::now();
         times.table = switched - pointed;
         for ((key, ..), t) in changes.iter().zip(kept) {
@@ -346,7 +347,7 @@ impl OffloadManager {
             }
         }
         times.release = switched.elapsed();
-        tracing::debug!(tensors = changes.len(), executables = execs.len(), ?times, "graphed: offload switch");
+        tracing::debug!(tensors = changes.len(), executables = execs.len(), uploads, ?times, "graphed: offload switch");
         let mine = |k: &ResidentKey| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == k.baked);
         let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();
         Ok(Resident { tensors: resident.len(), bytes: resident.iter().map(|t| t.bytes()).sum() })
