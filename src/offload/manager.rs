@@ -127,46 +127,8 @@ struct SwitchTimes {
 pub struct Resident {
     /// Offloaded tensors kept on the device.
     pub tensors: usize,
-    /// Their bytes.
+    /// Their bytes, allocated for them.
     pub bytes: usize,
-    /// The device memory they are kept in: the tensors that one switch keeps resident share one
-    /// allocation per element type (each tensor 256-byte aligned in it), which goes back to the
-    /// allocator when the last of them is offloaded again; so at least `bytes`, and more while
-    /// a switch has offloaded again only some of the tensors that another kept.
-    pub allocated: usize,
-}
-
-/// Where each tensor kept resident by one switch starts in the allocation it shares.
-const RESIDENT_ALIGN: usize = 256;
-
-/// One allocation on `stream` per element type for the tensors `wanted` (shape and type, or
-/// `None` for none), each a view of it: a switch of 24 tensors then costs one allocation, not
-/// 24 (each about 0.75 µs on an H100 host).
-fn allocate_together(
-    alloc: &CachingAllocator,
-    stream: &Stream,
-    wanted: &[Option<(Vec<usize>, DType)>],
-) -> Result<Vec<Option<Tensor>>> {
-    let mut kept: Vec<Option<Tensor>> = vec![None; wanted.len()];
-    let mut dtypes: Vec<DType> = wanted.iter().flatten().map(|(_, d)| *d).collect();
-    dtypes.sort_unstable_by_key(|d| d.size());
-    dtypes.dedup();
-    for dtype in dtypes {
-        let align = RESIDENT_ALIGN / dtype.size();
-        let (mut at, mut total) = (Vec::new(), 0);
-        for (i, (shape, d)) in wanted.iter().enumerate().filter_map(|(i, w)| Some((i, w.as_ref()?))) {
-            if *d == dtype {
-                let n: usize = shape.iter().product();
-                at.push((i, shape, total, n));
-                total += n.div_ceil(align) * align;
-            }
-        }
-        let block = Tensor::uninit(alloc, stream, &[total], dtype)?;
-        for (i, shape, start, n) in at {
-            kept[i] = Some(block.flat(start..start + n)?.reshape(shape)?);
-        }
-    }
-    Ok(kept)
 }
 
 /// Each chunk's timing marks of an eager recording iteration (none where it was not timed).
@@ -333,8 +295,13 @@ impl OffloadManager {
         let mut released: Vec<Tensor> = gone.iter().filter_map(|k| st.resident.remove(k)).collect();
         let planned = Instant::now();
         times.plan = planned - start;
-        let wanted: Vec<Option<(Vec<usize>, DType)>> = changes.iter().map(|c| c.3.clone()).collect();
-        let kept = allocate_together(&self.inner.alloc, stream, &wanted)?;
+        let mut kept = Vec::with_capacity(changes.len());
+        for (_, _, _, want) in &changes {
+            kept.push(match want {
+                Some((shape, dtype)) => Some(Tensor::uninit(&self.inner.alloc, stream, shape, *dtype)?),
+                None => None,
+            });
+        }
         times.alloc = planned.elapsed();
         let mut by_exec: Vec<Vec<Switch<'_>>> = vec![Vec::new(); execs.len()];
         for ((_, host, holding, _), t) in changes.iter().zip(&kept) {
@@ -383,14 +350,7 @@ impl OffloadManager {
         tracing::debug!(tensors = changes.len(), executables = execs.len(), uploads, ?times, "graphed: offload switch");
         let mine = |k: &ResidentKey| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == k.baked);
         let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();
-        let mut allocated: Vec<(BufferId, usize)> = resident.iter().map(|t| (t.id(), t.buffer_bytes())).collect();
-        allocated.sort_unstable();
-        allocated.dedup();
-        Ok(Resident {
-            tensors: resident.len(),
-            bytes: resident.iter().map(|t| t.bytes()).sum(),
-            allocated: allocated.iter().map(|a| a.1).sum(),
-        })
+        Ok(Resident { tensors: resident.len(), bytes: resident.iter().map(|t| t.bytes()).sum() })
     }
 
     /// Before a capture's warmup: its first iteration records if the policy is not frozen,

@@ -309,11 +309,6 @@ impl Tensor {
         Ok(Tensor { offset: range.start, shape: vec![range.len()], strides: vec![1], ..self.clone() })
     }
 
-    /// Bytes of the whole buffer it views (its own bytes for a tensor that is not a view).
-    pub fn buffer_bytes(&self) -> usize {
-        with_dtype!(self.dtype, T => self.buf.downcast_ref::<DeviceBuffer<T>>().map_or(0, |b| b.len() * T::DTYPE.size()))
-    }
-
     /// Its first element's position in its buffer, in elements.
     pub fn offset(&self) -> usize {
         self.offset

@@ -267,9 +267,8 @@ pub fn lent_peak_falls_by_the_expected_saving(dev: &Device) -> Result {
 
 /// Offloading switched without a new capture (`OffloadConfig::switchable`): the graphs with
 /// offloading equal those without it bit for bit on every step, offloaded, with every offloaded
-/// tensor kept resident on the third step, one of them on the fourth, and none from the fifth;
-/// kept resident, the tensors' bytes are allocated on the device (together), and offloaded
-/// again they are given back. A
+/// tensor kept resident from the third step, and offloaded again from the fifth; kept resident,
+/// the tensors' bytes are allocated on the device, and offloaded again they are given back. A
 /// switch between a forward and its backward is refused with nothing changed, and graphs captured
 /// without the setting refuse any switch.
 pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
@@ -300,7 +299,6 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
         Ok(ops)
     };
     ensure!(turned_off()?.is_empty(), "offloading: {:?} off", turned_off()?);
-    let mut resident = graphed::offload::Resident::default();
     for k in 1..=6 {
         match k {
             3 => {
@@ -320,22 +318,9 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
                 let before = allocated();
                 let kept = mo.keep_resident(go.layers(), &off.s, |_, _| true)?;
                 ensure!(kept.bytes == offloaded, "{} B kept of {offloaded} B offloaded", kept.bytes);
-                // One allocation, each tensor 256-byte aligned in it.
-                let padded = kept.bytes + 256 * kept.tensors;
-                ensure!((kept.bytes..padded).contains(&kept.allocated), "{kept:?}: allocated, not within the padding");
                 ensure!(allocated() >= before + offloaded, "the kept tensors' memory is allocated");
-                resident = kept;
                 ensure!(turned_off()? == ["memcpy_d2h", "memcpy_h2d"], "kept resident: {:?} off", turned_off()?);
                 continue;
-            }
-            4 => {
-                // All but one offloaded again (this step runs so): their shared allocation
-                // stays until the last of them goes.
-                let first = std::cell::Cell::new(true);
-                let one = mo.keep_resident(go.layers(), &off.s, |_, _| first.replace(false))?;
-                ensure!(one.tensors == 1 && one.allocated == resident.allocated, "{one:?}, kept before {resident:?}");
-                let ops = turned_off()?;
-                ensure!(ops == ["memcpy_d2h", "memcpy_h2d"], "one kept resident: {ops:?} off");
             }
             5 => {
                 let before = allocated();
