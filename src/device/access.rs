@@ -121,6 +121,14 @@ impl Region {
         self.is_empty() || self.end() - self.offset == self.len() && self.is_injective_dense()
     }
 
+    /// Refuses a region of `buffer` that is not contiguous, for `op`, which needs one.
+    pub(crate) fn expect_contiguous(&self, op: &'static str, buffer: BufferId) -> crate::Result<()> {
+        match self.is_contiguous() {
+            true => Ok(()),
+            false => Err(crate::Error::NotContiguous { op, buffer }),
+        }
+    }
+
     fn is_injective_dense(&self) -> bool {
         let mut expected = 1;
         for d in self.dims().iter().rev() {

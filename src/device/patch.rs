@@ -65,9 +65,7 @@ impl<'a> Rebind<'a> {
     pub fn new<T: Elem>(from: View<'a, T>, to: View<'a, T>) -> Result<Rebind<'a>> {
         const OP: &str = "Rebind::new";
         for v in [&from, &to] {
-            if !v.region.is_contiguous() {
-                return Err(Error::NotContiguous { op: OP, buffer: v.block.id });
-            }
+            v.region.expect_contiguous(OP, v.block.id)?;
         }
         if from.len() != to.len() {
             return Err(Error::LengthMismatch { op: OP, src: from.len(), dst: to.len() });

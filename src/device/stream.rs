@@ -191,8 +191,8 @@ impl Stream {
                         len: b.buffer_len,
                     });
                 }
-                if !kernel.strided && !b.view.is_contiguous() {
-                    return Err(Error::NotContiguous { op: kernel.name, buffer: b.block.id });
+                if !kernel.strided {
+                    b.view.expect_contiguous(kernel.name, b.block.id)?;
                 }
             }
         }
@@ -415,9 +415,7 @@ impl Stream {
             return Err(Error::LengthMismatch { op, src: src_region.len(), dst: dst_region.len() });
         }
         for (buf, r) in [(src, src_region), (dst, dst_region)] {
-            if !r.is_contiguous() {
-                return Err(Error::NotContiguous { op, buffer: buf.id });
-            }
+            r.expect_contiguous(op, buf.id)?;
         }
         self.enqueue(&Op::Copy {
             dir,
@@ -439,9 +437,7 @@ impl Stream {
         self.inner.dev.check_err()?;
         dst.check_bounds(OP)?;
         self.check_buf(OP, dst.block.raw.device)?;
-        if !dst.region.is_contiguous() {
-            return Err(Error::NotContiguous { op: OP, buffer: dst.block.id });
-        }
+        dst.region.expect_contiguous(OP, dst.block.id)?;
         let elem = dst.dtype_size();
         let region = dst.absolute();
         self.enqueue(&Op::Memset {

@@ -68,9 +68,7 @@ fn copy_bytes_via_cpu(a: &CpuArgs) -> Result<()> {
 fn checked<T: Elem>(op: &'static str, y: &View<'_, T>, x: &View<'_, T>) -> Result<u64> {
     same_len(op, y, x)?;
     for v in [y, x] {
-        if !v.region.is_contiguous() {
-            return Err(Error::NotContiguous { op, buffer: v.block.id });
-        }
+        v.region.expect_contiguous(op, v.block.id)?;
     }
     Ok((x.len() * T::DTYPE.size()) as u64)
 }

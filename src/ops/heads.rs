@@ -131,9 +131,7 @@ fn head_dims(op: &'static str, heads: &Tensor) -> Result<[usize; 4]> {
     let &[b, h, t, hd] = heads.shape() else {
         return Err(Error::Shape { op, expected: "(B, H, T, hd) heads".into(), found: heads.shape().to_vec() });
     };
-    if !heads.is_contiguous() {
-        return Err(Error::NotContiguous { op, buffer: heads.id() });
-    }
+    heads.expect_contiguous(op)?;
     Ok([b, h, t, hd])
 }
 

@@ -112,9 +112,7 @@ pub(crate) fn stride_dims(units: usize) -> LaunchDims {
 /// and wrong on the GPU.
 pub(crate) fn dense<'t, T: Elem>(op: &'static str, t: &'t Tensor) -> Result<View<'t, T>> {
     t.expect_dtype(op, T::DTYPE)?;
-    if !t.is_contiguous() {
-        return Err(Error::NotContiguous { op, buffer: t.id() });
-    }
+    t.expect_contiguous(op)?;
     t.view()
 }
 

@@ -248,6 +248,14 @@ impl Tensor {
         })
     }
 
+    /// Refuses a tensor that is not contiguous, for `op`, which needs one.
+    pub(crate) fn expect_contiguous(&self, op: &'static str) -> Result<()> {
+        match self.is_contiguous() {
+            true => Ok(()),
+            false => Err(Error::NotContiguous { op, buffer: self.id }),
+        }
+    }
+
     /// The same view through a handle that does not own the memory
     /// ([`DeviceBuffer::alias`]): the memory goes back to its allocator when the last owning
     /// handle drops, whatever aliases remain. For a graph pool's shared static outputs, whose

@@ -9,7 +9,7 @@ use crate::device::backend::{Op, Part};
 use crate::device::kernel::IntoView;
 use crate::device::memory::{access_of, Block};
 use crate::device::{Access, AccessMode, DType, Elem, Stream, View};
-use crate::{Error, Result};
+use crate::Result;
 
 /// The operation a rank issues; every rank of a collective issues the same.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -210,9 +210,7 @@ impl Communicator {
         for v in planned.iter().flat_map(|p| std::iter::once(p.first.0).chain(p.second)) {
             self.inner.dev.check_same(op, "buffer", v.block.raw.device)?;
             v.check_bounds(op)?;
-            if !v.region.is_contiguous() {
-                return Err(Error::NotContiguous { op, buffer: v.block.id });
-            }
+            v.region.expect_contiguous(op, v.block.id)?;
         }
         // Every buffer with whether it is written (a reduce-scatter's or gather's destination, a
         // receive, an all-reduce's in-place buffer alone); no written one may meet another.
