@@ -367,8 +367,7 @@ impl GraphExec {
 
     /// The operations of the nodes turned off now ([`set_enabled`](GraphExec::set_enabled) and
     /// [`Stream::capture_off`](super::Stream::capture_off)), in capture order: `memcpy_d2h` and
-    /// `memcpy_h2d` where offloaded tensors are kept resident, `copy_bytes` (a kernel) where their
-    /// device copies wait for that.
+    /// `memcpy_h2d` where offloaded tensors are kept resident, say.
     pub fn disabled_ops(&self) -> Vec<&'static str> {
         self.rebound().disabled.iter().map(|&s| self.sites[s].op).collect()
     }

@@ -1,6 +1,8 @@
 //! A device-to-device copy as a kernel, for any element type: what a graph captures where a copy
-//! is pointed at other memory between replays (an offloaded tensor kept resident), because the
-//! driver updates a kernel node's parameters for less than half a memcpy node's.
+//! is pointed at other memory between replays, because the driver updates a kernel node's
+//! parameters for less than half a memcpy node's; and one that reads its addresses from a table
+//! in device memory (`bytes_via`), which an offloaded tensor kept resident points with no node
+//! update at all.
 //!
 //! ```
 //! use graphed::device::Device;

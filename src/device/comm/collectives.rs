@@ -46,7 +46,7 @@ impl Communicator {
     /// Sums `buf` across ranks, in place, on `stream`.
     ///
     /// # Errors
-    /// [`Error::Comm`] for an element type without a sum or a mismatch with another rank's
+    /// [`Error::Comm`](crate::Error::Comm) for an element type without a sum or a mismatch with another rank's
     /// operation; the usual errors of a stream operation (another device's buffer, a capture).
     pub fn all_reduce<'b, T: Elem>(&self, stream: &Stream, buf: impl IntoView<'b, Elem = T>) -> Result<()> {
         let buf = buf.into_view();
