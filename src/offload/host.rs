@@ -112,8 +112,8 @@ impl HostBuffer {
     /// The allocations its copies touch in a graph's tail: its own, and where it has device
     /// copies, the scratch's and their table's (for graph verification).
     pub(crate) fn tail_memories(&self) -> Vec<BufferId> {
-        let twins = with_dtype!(self.dtype, T => self.twins.get().zip(self.twins::<T>())
-            .map(|(t, (o, b))| [o.memory_id(), b.memory_id(), t.table.memory_id()]));
+        let twins = with_dtype!(self.dtype, T => self.twins::<T>()
+            .map(|(t, o, b)| [o.memory_id(), b.memory_id(), t.table.memory_id()]));
         std::iter::once(self.memory).chain(twins.into_iter().flatten()).collect()
     }
 
@@ -122,19 +122,20 @@ impl HostBuffer {
         self.twins.get().map(|t| t.ids)
     }
 
-    fn twins<T: crate::device::Elem>(&self) -> Option<(&DeviceBuffer<T>, &DeviceBuffer<T>)> {
+    /// Its device copies' buffers, out and back, typed, with the rest of what they hold.
+    fn twins<T: crate::device::Elem>(&self) -> Option<(&Twins, &DeviceBuffer<T>, &DeviceBuffer<T>)> {
         fn typed<T: crate::device::Elem>(a: &Arc<dyn Any + Send + Sync>) -> &DeviceBuffer<T> {
             a.downcast_ref().expect("a twin's type is its tensor's dtype's")
         }
-        self.twins.get().map(|t| (typed(&t.out), typed(&t.back)))
+        self.twins.get().map(|t| (t, typed(&t.out), typed(&t.back)))
     }
 
     /// Where it has device copies: captures a device copy of `src` beside the copy out, which
     /// copies nothing until a switch points it at device memory ([`Self::point_twins`]). A copy
     /// kernel that reads its addresses from the table, so that a switch updates no graph node.
     pub(crate) fn capture_twin_out(&self, src: &Tensor, stream: &Stream) -> Result<()> {
-        with_dtype!(self.dtype, T => match self.twins.get().zip(self.twins::<T>()) {
-            Some((t, (out, _))) => {
+        with_dtype!(self.dtype, T => match self.twins::<T>() {
+            Some((t, out, _)) => {
                 let src = src.view::<T>()?;
                 t.table.set(t.entries[0], out.view().device_address()?, src.device_address()?, 0);
                 copy::bytes_via(out.view(), src, t.table.entry(t.entries[0]), stream)
@@ -146,8 +147,8 @@ impl HostBuffer {
     /// Where it has device copies: captures a device copy into `dst` beside the copy back,
     /// which copies nothing until a switch points it at device memory.
     pub(crate) fn capture_twin_back(&self, dst: &Tensor, stream: &Stream) -> Result<()> {
-        with_dtype!(self.dtype, T => match self.twins.get().zip(self.twins::<T>()) {
-            Some((t, (_, back))) => {
+        with_dtype!(self.dtype, T => match self.twins::<T>() {
+            Some((t, _, back)) => {
                 let dst = dst.view::<T>()?;
                 t.table.set(t.entries[1], dst.device_address()?, back.view().device_address()?, 0);
                 copy::bytes_via(dst, back.view(), t.table.entry(t.entries[1]), stream)
@@ -162,7 +163,7 @@ impl HostBuffer {
     /// Returns the table, or `None` where it has no device copies.
     pub(crate) fn point_twins(&self, to: Option<&Tensor>) -> Result<Option<&Arc<CopyTable>>> {
         with_dtype!(self.dtype, T => {
-            let Some((t, (out, back))) = self.twins.get().zip(self.twins::<T>()) else { return Ok(None) };
+            let Some((t, out, back)) = self.twins::<T>() else { return Ok(None) };
             let ([e_out, e_back], table) = (t.entries, &t.table);
             let (src, dst) = (table.addresses(e_out).1, table.addresses(e_back).0);
             match to {
@@ -185,7 +186,7 @@ impl HostBuffer {
     /// or back where they were captured (`None`).
     pub(crate) fn twin_rebinds<'a>(&'a self, named: &[BufferId], to: Option<&'a Tensor>) -> Result<Vec<Rebind<'a>>> {
         with_dtype!(self.dtype, T => {
-            let Some((out, back)) = self.twins::<T>() else { return Ok(Vec::new()) };
+            let Some((_, out, back)) = self.twins::<T>() else { return Ok(Vec::new()) };
             let mut rebinds = Vec::new();
             for twin in [out, back].into_iter().filter(|t| named.contains(&t.id())) {
                 let to = match to {

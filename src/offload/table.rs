@@ -77,7 +77,7 @@ impl CopyTable {
     /// for the last upload to have read the pinned buffer, which a switch a step after the last
     /// one never does. Does nothing when nothing changed.
     pub(crate) fn upload(&self, stream: &Stream) -> Result<()> {
-        let mut st = self.lock();
+        let st = &mut *self.lock();
         if !st.dirty {
             return Ok(());
         }
@@ -86,12 +86,11 @@ impl CopyTable {
         }
         self.staging.write(&st.entries)?;
         stream.copy_h2d(self.staging.view(), &self.words)?;
-        let done = match st.uploaded.take() {
-            Some(e) => e,
-            None => stream.device().event()?,
+        let done = match &mut st.uploaded {
+            Some(e) => &*e,
+            none => none.insert(stream.device().event()?),
         };
-        stream.record(&done)?;
-        st.uploaded = Some(done);
+        stream.record(done)?;
         st.dirty = false;
         Ok(())
     }

@@ -176,8 +176,7 @@ impl CuExec {
                 // Only addresses the kernel reads from the caller's table moved.
                 continue;
             }
-            let site = &site;
-            let Some(Some(patch)) = self.held.nodes.get(*site) else {
+            let Some(Some(patch)) = self.held.nodes.get(site) else {
                 return Err(bug("a site with no patchable node"));
             };
             let address = |block: &Arc<crate::device::memory::Block>, start: usize| {
@@ -185,7 +184,7 @@ impl CuExec {
             };
             match &patch.template {
                 Template::Kernel { func, dims, values: launched } => {
-                    let uses = &sites[*site].uses;
+                    let uses = &sites[site].uses;
                     values.clear();
                     values.extend_from_slice(launched);
                     for (u, b) in bound.iter().enumerate().filter_map(|(u, b)| Some((u, b.as_ref()?))) {
@@ -203,7 +202,7 @@ impl CuExec {
                         .map_err(|e| err::driver(OP, None, e))?;
                 }
                 Template::Copy { device_dst, captured } => {
-                    let uses = &sites[*site].uses;
+                    let uses = &sites[site].uses;
                     // Where a side points now: where it is bound, else where it was captured.
                     let side = |slot: Slot| -> Result<u64> {
                         let u =
