@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::backend::{dispatch, ExecRepr, GraphRepr};
 use super::comm::{CapturedCollective, GraphCollectives};
 use super::memory::Block;
-use super::patch::{self, Bound, Rebind, Remap, Site};
+use super::patch::{self, Rebind, Remap, Site};
 use super::{ids, Device, EventId, GraphId, Stream};
 use crate::{Error, Result};
 
@@ -181,9 +181,8 @@ impl Graph {
 /// Where an executable's rebound uses point now.
 #[derive(Default)]
 struct Rebound {
-    /// By use (the flat numbering of [`patch::UseIndex`]), where it points if not where it was
-    /// captured; empty until the first rebind.
-    bound: Vec<Option<Bound>>,
+    /// The uses that point elsewhere than where they were captured, and where.
+    bound: patch::Bindings,
     /// The blocks they point at, once each: every launch notes its stream on them, so that
     /// memory freed while a launch reads it is reused in stream order.
     blocks: Vec<Arc<Block>>,
@@ -306,20 +305,26 @@ impl GraphExec {
         let moved =
             patch::plan(&self.sites, &self.index, rebinds).map_err(|kind| Error::Rebind { graph: self.id, kind })?;
         let mut st = self.rebound();
-        let mut next = match st.bound.is_empty() {
-            true => vec![None; self.index.uses()],
-            false => st.bound.clone(),
-        };
+        let mut next = st.bound.clone();
         let mut changed = Vec::new();
         for (s, u, to) in moved {
             let captured = &self.sites[s].uses[u];
             let at_capture = (captured.block.id, captured.start);
-            let bound = &mut next[self.index.of_site(s).start + u];
-            if bound.as_ref().map_or(at_capture, |b| (b.block.id, b.start)) == (to.block.id, to.start) {
+            let at = next.binary_search_by_key(&(s, u), |e| e.0);
+            let now = at.map_or(at_capture, |i| (next[i].1.block.id, next[i].1.start));
+            let there = (to.block.id, to.start);
+            if now == there {
                 continue;
             }
             changed.push((s, !matches!(captured.slot, patch::Slot::Indirect(_))));
-            *bound = ((to.block.id, to.start) != at_capture).then_some(to);
+            match (at, there == at_capture) {
+                (Ok(i), false) => next[i].1 = to,
+                (Ok(i), true) => {
+                    next.remove(i);
+                }
+                (Err(i), false) => next.insert(i, ((s, u), to)),
+                (Err(_), true) => {}
+            }
         }
         // One entry per site, its node changed if any of its moved uses is the node's own.
         changed.sort_unstable();
@@ -332,7 +337,7 @@ impl GraphExec {
         if changed.is_empty() {
             return Ok(0);
         }
-        let of = |bound| self.index.changes(&changed, bound);
+        let of = |bound| patch::changes(&changed, bound);
         let applied = dispatch!(self.dev.backend(), |b, pick| b.rebind(pick!(repr), &self.sites, &of(&next)));
         if let Err(e) = applied {
             // Some sites may have moved: put them back, or refuse every later launch of a
@@ -342,22 +347,17 @@ impl GraphExec {
             return Err(e);
         }
         let mut blocks: Vec<Arc<Block>> = Vec::new();
-        for b in next.iter().flatten() {
+        for (_, b) in &next {
             if !blocks.iter().any(|k| k.id == b.block.id) {
                 blocks.push(b.block.clone());
             }
         }
         let observed = self.dev.observer().filter(|o| o.watching()).map(|o| {
-            // The flat numbering is the sites' uses in order.
-            let captured = self.sites.iter().flat_map(|s| &s.uses);
-            let remaps = captured
-                .zip(&next)
-                .filter_map(|(captured, b)| b.as_ref().map(|b| Remap::of(captured, b)))
-                .collect::<Vec<_>>();
+            let remaps = next.iter().map(|((s, u), b)| Remap::of(&self.sites[*s].uses[*u], b)).collect::<Vec<_>>();
             (o, remaps)
         });
         let disabled = std::mem::take(&mut st.disabled);
-        *st = Rebound { bound: if blocks.is_empty() { Vec::new() } else { next }, blocks, broken: false, disabled };
+        *st = Rebound { bound: next, blocks, broken: false, disabled };
         drop(st);
         if let Some((o, remaps)) = observed {
             o.rebind(self.id, self.exec, &remaps)?;

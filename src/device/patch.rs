@@ -288,35 +288,38 @@ pub(crate) struct Bound {
     pub(crate) start: usize,
 }
 
-/// A site, where each of its uses points now, by use index (`None`: as captured), and whether
-/// a use that the node itself holds moved (not only [`Slot::Indirect`] ones, which CUDA reads
-/// from the caller's table).
-pub(crate) type SiteChange<'b> = (usize, &'b [Option<Bound>], bool);
+/// Where an executable's moved uses point now, by (site, use), sorted; a use not listed points
+/// where it was captured. Sparse: a switch moves a few dozen of an executable's hundreds of uses,
+/// and every rebind copies the list.
+pub(crate) type Bindings = Vec<((usize, usize), Bound)>;
 
-/// The uses of a graph's sites: where each block is named, and a flat numbering of all uses
-/// (site `s`'s use `u` is use `first[s] + u`) that an executable's bindings are kept in.
+/// A site, where its moved uses point now (its part of [`Bindings`]), and whether a use that
+/// the node itself holds moved (not only [`Slot::Indirect`] ones, which CUDA reads from the
+/// caller's table).
+pub(crate) type SiteChange<'b> = (usize, &'b [((usize, usize), Bound)], bool);
+
+/// The sites `changed` (each with whether its node changes), each with its part of `bound`.
+pub(crate) fn changes<'b>(changed: &[(usize, bool)], bound: &'b [((usize, usize), Bound)]) -> Vec<SiteChange<'b>> {
+    let of = |s: usize| &bound[bound.partition_point(|e| e.0 .0 < s)..bound.partition_point(|e| e.0 .0 <= s)];
+    changed.iter().map(|&(s, node)| (s, of(s), node)).collect()
+}
+
+/// The uses of a graph's sites, by the block they name.
 pub(crate) struct UseIndex {
     /// By block, its (site, use) pairs, in capture order.
     by_block: HashMap<BufferId, Vec<(usize, usize)>>,
-    /// Where each site's uses start in the flat numbering, and the number of uses last.
-    first: Vec<usize>,
 }
 
 impl UseIndex {
     /// The index of `sites`.
     pub(crate) fn of(sites: &[Site]) -> UseIndex {
         let mut by_block: HashMap<BufferId, Vec<(usize, usize)>> = HashMap::default();
-        let mut first = Vec::with_capacity(sites.len() + 1);
-        let mut uses = 0;
         for (s, site) in sites.iter().enumerate() {
-            first.push(uses);
-            uses += site.uses.len();
             for (u, x) in site.uses.iter().enumerate() {
                 by_block.entry(x.block.id).or_default().push((s, u));
             }
         }
-        first.push(uses);
-        UseIndex { by_block, first }
+        UseIndex { by_block }
     }
 
     /// Whether a use names `block`.
@@ -329,22 +332,6 @@ impl UseIndex {
         let uses = self.by_block.get(&block).map_or(&[][..], Vec::as_slice);
         // A site's uses are listed together: each site once, at its first use.
         (0..uses.len()).filter(move |&i| i == 0 || uses[i - 1].0 != uses[i].0).map(move |i| uses[i].0)
-    }
-
-    /// How many uses the sites have.
-    pub(crate) fn uses(&self) -> usize {
-        self.first.last().copied().unwrap_or(0)
-    }
-
-    /// Site `s`'s uses in the flat numbering.
-    pub(crate) fn of_site(&self, s: usize) -> std::ops::Range<usize> {
-        self.first[s]..self.first[s + 1]
-    }
-
-    /// The sites `changed` (each with whether its node changes) with where their uses point in
-    /// `bound` (flat; empty: all as captured).
-    pub(crate) fn changes<'b>(&self, changed: &[(usize, bool)], bound: &'b [Option<Bound>]) -> Vec<SiteChange<'b>> {
-        changed.iter().map(|&(s, node)| (s, bound.get(self.of_site(s)).unwrap_or_default(), node)).collect()
     }
 }
 

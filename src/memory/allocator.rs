@@ -23,7 +23,6 @@
 //! left 30 MiB that the next activation could not use, and the offloading pool grew by that much
 //! (`bench/results/2026-12-07-h100-offload-trace-741a33b.txt`).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use super::arena::{
@@ -31,6 +30,8 @@ use super::arena::{
 };
 use super::lifetimes::{Learning, Lifetimes, Place};
 use super::pool::{GraphPool, Lent, LentRange, PoolGraph, PoolId, PoolState};
+use foldhash::HashMap;
+
 use crate::device::memory::{Block, BlockOwner, Fence, MemKind, RawBuffer};
 use crate::device::{
     ids, BufferId, Capture, CaptureMode, Device, DeviceBuffer, Elem, EventId, GraphId, Stream, StreamId,
@@ -314,6 +315,15 @@ impl State {
             self.segments.remove(&segment);
             self.bases.remove(&segment);
         }
+    }
+
+    /// Raises the allocator's peaks to the sums of allocated and reserved bytes over all arenas
+    /// now, without [`total`](State::total)'s scan of every free list (once per allocation).
+    fn note_peaks(&mut self) {
+        let arenas = std::iter::once(&self.default).chain(self.pools.values().map(|p| &p.arena));
+        let (allocated, reserved) = arenas.fold((0, 0), |(a, r), arena| (a + arena.allocated(), r + arena.reserved()));
+        self.peak_allocated = self.peak_allocated.max(allocated);
+        self.peak_reserved = self.peak_reserved.max(reserved);
     }
 
     /// The sums over all arenas, with the allocator's own peaks.
@@ -658,13 +668,60 @@ impl CachingAllocator {
     /// # Errors
     /// [`Error::NoCapturePool`] on a stream capturing without the allocator; device errors.
     pub fn alloc<T: Elem>(&self, stream: &Stream, len: usize) -> Result<DeviceBuffer<T>> {
+        let mut one = self.alloc_many::<T>(stream, &[len])?;
+        Ok(one.pop().expect("one buffer per length"))
+    }
+
+    /// A buffer of each length of `lens`, as [`alloc`](CachingAllocator::alloc) allocates them,
+    /// under one lock and one query of the stream's capture (an offload switch allocates a few
+    /// dozen at once). If one fails, those allocated before it go back.
+    ///
+    /// ```
+    /// use graphed::device::Device;
+    /// use graphed::memory::CachingAllocator;
+    ///
+    /// let dev = Device::sim();
+    /// let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
+    /// let bufs = alloc.alloc_many::<f32>(&s, &[256, 1024])?;
+    /// assert_eq!(bufs.iter().map(|b| b.len()).collect::<Vec<_>>(), [256, 1024]);
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`alloc`](CachingAllocator::alloc).
+    pub fn alloc_many<T: Elem>(&self, stream: &Stream, lens: &[usize]) -> Result<Vec<DeviceBuffer<T>>> {
         const OP: &str = "CachingAllocator::alloc";
         self.inner.dev.check_same(OP, "stream", stream.device().id())?;
         let capture = stream.capture_id()?;
-        let bytes = len * T::DTYPE.size();
         let mut st = lock(&self.inner.state);
         self.inner.take_returned(&mut st);
         let pool = st.pool_of(OP, stream, capture)?;
+        let mut bufs = Vec::with_capacity(lens.len());
+        for &len in lens {
+            // On failure the buffers allocated so far drop and go back, as any freed block.
+            let block = self.place(&mut st, stream, pool, capture.is_some(), len * T::DTYPE.size())?;
+            bufs.push(DeviceBuffer::from_block(block));
+        }
+        st.note_peaks();
+        drop(st);
+        if self.inner.poison {
+            bufs.iter().try_for_each(|b| stream.memset(b, 0xFF))?;
+        }
+        Ok(bufs)
+    }
+
+    /// A block of `bytes` for `stream` from `pool`'s arena (the cache's for `None`), grown if
+    /// nothing free fits; `capturing` when the stream captures, so that growth does not
+    /// invalidate the capture.
+    fn place(
+        &self,
+        st: &mut State,
+        stream: &Stream,
+        pool: Option<PoolId>,
+        capturing: bool,
+        bytes: usize,
+    ) -> Result<Block> {
+        const OP: &str = "CachingAllocator::alloc";
         let key = stream.id().raw();
         // Memory lent to the pool serves first the requests it is open to (Note [Lent gradients]);
         // a block expected to die within its pass first the lent memory only such blocks may take
@@ -692,12 +749,11 @@ impl CachingAllocator {
             None => {
                 // Grown in relaxed mode, so that a capture on this thread is not invalidated (the
                 // growth itself is not captured: a plain cuMemAlloc, or pages mapped).
-                self.inner.grow(&mut st, pool, bytes, key, capture.is_some())?;
+                self.inner.grow(st, pool, bytes, key, capturing)?;
                 let arena = st.arena(pool).expect("the arena was found above");
                 arena.alloc(bytes, key).expect("the grown arena fits the request")
             }
         };
-        st.total();
         tracing::trace!(allocator = self.inner.id, ?pool, segment, offset, size, bytes, stream = key, "graphed: alloc");
         let raw = st.segments[&segment].clone();
         let base = st.bases.get(&segment).copied().unwrap_or(0);
@@ -711,14 +767,8 @@ impl CachingAllocator {
         if let Some(l) = st.learning.as_mut().filter(|l| l.stream == key && pool.is_none()) {
             l.seen.push((bytes, (pool, segment, offset), id));
         }
-        drop(st);
         let lease = Lease { alloc: Arc::downgrade(&self.inner), pool, segment, offset };
-        let block = Block::new(raw, base + offset, Some(bytes.min(size)), id, Some(Arc::new(lease)));
-        let buf = DeviceBuffer::from_block(block);
-        if self.inner.poison {
-            stream.memset(&buf, 0xFF)?;
-        }
-        Ok(buf)
+        Ok(Block::new(raw, base + offset, Some(bytes.min(size)), id, Some(Arc::new(lease))))
     }
 
     /// Begins capturing `stream` into `pool`: allocations on the capture's streams come from the

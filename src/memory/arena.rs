@@ -159,6 +159,11 @@ impl Arena {
         self.stats.allocated
     }
 
+    /// Bytes of its segments (`stats().reserved`, without the free list's scan).
+    pub(crate) fn reserved(&self) -> usize {
+        self.stats.reserved
+    }
+
     /// The highest `allocated` seen.
     pub(crate) fn peak_allocated(&self) -> usize {
         self.stats.peak_allocated

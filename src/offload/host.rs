@@ -181,13 +181,17 @@ impl HostBuffer {
         })
     }
 
-    /// The rebinds that point those of its device copies whose buffers are in `named` (the ones
-    /// an executable's nodes name) at `to` (the copy out's destination, the copy back's source),
-    /// or back where they were captured (`None`).
-    pub(crate) fn twin_rebinds<'a>(&'a self, named: &[BufferId], to: Option<&'a Tensor>) -> Result<Vec<Rebind<'a>>> {
+    /// Adds to `rebinds` those that point its device copies whose buffers are in `named` (the
+    /// ones an executable's nodes name) at `to` (the copy out's destination, the copy back's
+    /// source), or back where they were captured (`None`).
+    pub(crate) fn twin_rebinds<'a>(
+        &'a self,
+        named: &[BufferId],
+        to: Option<&'a Tensor>,
+        rebinds: &mut Vec<Rebind<'a>>,
+    ) -> Result<()> {
         with_dtype!(self.dtype, T => {
-            let Some((_, out, back)) = self.twins::<T>() else { return Ok(Vec::new()) };
-            let mut rebinds = Vec::new();
+            let Some((_, out, back)) = self.twins::<T>() else { return Ok(()) };
             for twin in [out, back].into_iter().filter(|t| named.contains(&t.id())) {
                 let to = match to {
                     Some(t) => t.view::<T>()?,
@@ -195,7 +199,7 @@ impl HostBuffer {
                 };
                 rebinds.push(Rebind::new(twin.view(), to)?.moving_writes());
             }
-            Ok(rebinds)
+            Ok(())
         })
     }
 

@@ -1,7 +1,7 @@
 //! The offload manager: its copy streams, host buffers, chunks and policy.
 
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::chunk::{bake, ChunkHook};
 use super::config::{OffloadConfig, Policy};
@@ -11,8 +11,9 @@ use super::host::{HostBuffer, Scratch};
 use super::policy::{decide, mark_eligible, GroupLayout, Summary, TensorLayout, Timings, Windows};
 use super::shared::Inner;
 use super::state::{Baked, Fault, Mark, PassTiming, ResidentKey, State};
+use super::switch::{switch_nodes, Planned, SwitchPlan, SwitchTimes};
 use super::table::CopyTable;
-use crate::device::{BufferId, DType, Stream};
+use crate::device::{DType, Stream};
 use crate::graph::{GraphOptions, GraphedCallable, PassTimes, Probe, PROBE_REPLAYS};
 use crate::memory::{CachingAllocator, PoolExec};
 use crate::nn::{Chunk, SaveHook};
@@ -65,61 +66,6 @@ pub struct OffloadManager {
 fn schedule_error(chunk: Chunk, found: &str) -> Error {
     let (expected, found) = ("nothing (the chunk was not in it)".into(), found.into());
     Error::Offload(OffloadErrorKind::Schedule { chunk, expected, found })
-}
-
-/// One tensor's switch in one executable: its host buffer, the memory it is kept in (`None`:
-/// offloaded again), and which of its copies' buffers (the host buffer, the two device copies)
-/// the executable's nodes name.
-type Switch<'a> = (&'a HostBuffer, Option<&'a Tensor>, &'a [BufferId]);
-
-/// Switches the copies in `exec` of each tensor of `switches`: kept resident (`Some`), its
-/// device copies are bound to that memory and its host copies off; offloaded again (`None`), its
-/// device copies are bound back where they were captured and its host copies on. The device
-/// copies read their addresses from the tables ([`HostBuffer::point_twins`]): their rebind
-/// changes no node on CUDA. One rebind and one call each way for the whole executable, as each
-/// costs a walk of its bindings.
-fn switch_nodes(exec: &PoolExec, switches: &[Switch<'_>], times: &mut SwitchTimes) -> Result<()> {
-    let start = Instant::now();
-    let (mut rebinds, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
-    for &(host, resident, named) in switches {
-        rebinds.extend(host.twin_rebinds(named, resident)?);
-        if named.contains(&host.id()) {
-            match resident {
-                Some(_) => off.push(host.id()),
-                None => on.push(host.id()),
-            }
-        }
-    }
-    let planned = Instant::now();
-    if !rebinds.is_empty() {
-        exec.rebind(&rebinds)?;
-    }
-    let rebound = Instant::now();
-    for (buffers, enabled) in [(off, false), (on, true)] {
-        if !buffers.is_empty() {
-            exec.set_enabled(&buffers, enabled)?;
-        }
-    }
-    times.nodes += planned - start;
-    times.rebind += rebound - planned;
-    times.toggle += rebound.elapsed();
-    Ok(())
-}
-
-/// Where a switch's host time goes, logged at `debug` (`GRAPHED_LOG=graphed::offload=debug`):
-/// the checks and lookups before anything changes, the resident tensors' allocations, the
-/// nodes' new bindings and which to turn off (`nodes`), the executables' rebinds (bookkeeping:
-/// the device copies read the tables) and their host copies turned off or on (a driver call per
-/// node on CUDA), the tables' entries and upload, and the memory given back.
-#[derive(Debug, Default)]
-struct SwitchTimes {
-    plan: Duration,
-    alloc: Duration,
-    nodes: Duration,
-    rebind: Duration,
-    toggle: Duration,
-    table: Duration,
-    release: Duration,
 }
 
 /// What [`OffloadManager::keep_resident`] left resident.
@@ -248,76 +194,47 @@ impl OffloadManager {
         st.baked.retain(|(_, w)| w.strong_count() > 0);
         let alive: Vec<usize> = st.baked.iter().map(|(_, w)| w.as_ptr() as usize).collect();
         let gone: Vec<ResidentKey> = st.resident.keys().filter(|k| !alive.contains(&k.baked)).copied().collect();
-        // The baked buffers of the graphs given (another capture's of the same chunk aside).
-        let baked: Vec<(Chunk, Arc<OnceLock<Baked>>)> = (st.baked.iter())
-            .filter_map(|(c, w)| Some((*c, w.upgrade()?)))
-            .filter(|(_, b)| b.get().is_some_and(|b| b.buffers.values().any(|h| execs.iter().any(|e| e.names(h.id())))))
-            .collect();
-        // What changes, each checked before anything does, and the executables that hold the
-        // tensor's copies: the only ones the switch visits.
-        let mut changes = Vec::new();
-        for (chunk, slot) in &baked {
-            let (Some(b), Some(c)) = (slot.get(), st.chunks.get(chunk)) else { continue };
-            for (&(g, s), host) in &b.buffers {
-                let key = ResidentKey { baked: Arc::as_ptr(slot) as usize, group: g, slot: s };
-                let want = keep(*chunk, &c.layout[g]);
-                if want == st.resident.contains_key(&key) {
-                    continue;
-                }
-                let [out, back] = host.twin_ids().ok_or(Error::Offload(OffloadErrorKind::NotSwitchable))?;
-                // Two host copies and two device copies, one each way. A device copy is
-                // captured beside its host copy, on the same stream: only the executables that
-                // hold a host copy are searched for it.
-                let (mut found, mut holding) = (0, Vec::new());
-                for (e, exec) in execs.iter().enumerate() {
-                    let here = exec.naming(host.id());
-                    if here == 0 {
-                        continue;
-                    }
-                    found += here;
-                    let mut named = vec![host.id()];
-                    for b in [out, back] {
-                        let here = exec.naming(b);
-                        if here > 0 {
-                            found += here;
-                            named.push(b);
-                        }
-                    }
-                    holding.push((e, named));
-                }
-                if found != 4 {
-                    return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found }));
-                }
-                let t = &c.layout[g].tensors[s];
-                changes.push((key, host, holding, want.then_some((t.shape.clone(), t.dtype))));
+        let (plan, slots) = self.switch_plan(&mut st, &execs);
+        // What changes, each checked before anything does.
+        let mut changes: Vec<(&Planned, &HostBuffer, bool)> = Vec::with_capacity(plan.tensors.len());
+        for t in &plan.tensors {
+            let (Some(b), Some(c)) = (slots[t.slot].get(), st.chunks.get(&t.chunk)) else { continue };
+            let want = keep(t.chunk, &c.layout[t.key.group]);
+            if want == st.resident.contains_key(&t.key) {
+                continue;
             }
+            if t.twins.is_none() {
+                return Err(Error::Offload(OffloadErrorKind::NotSwitchable));
+            }
+            if t.found != 4 {
+                return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found: t.found }));
+            }
+            let host = b.get(t.key.group, t.key.slot).expect("a planned tensor's buffer is baked");
+            changes.push((t, host, want));
         }
         let mut released: Vec<Tensor> = gone.iter().filter_map(|k| st.resident.remove(k)).collect();
         let planned = Instant::now();
         times.plan = planned - start;
-        let mut kept = Vec::with_capacity(changes.len());
-        for (_, _, _, want) in &changes {
-            kept.push(match want {
-                Some((shape, dtype)) => Some(Tensor::uninit(&self.inner.alloc, stream, shape, *dtype)?),
-                None => None,
-            });
-        }
+        let kept = self.allocate_kept(stream, &changes)?;
         times.alloc = planned.elapsed();
-        let mut by_exec: Vec<Vec<Switch<'_>>> = vec![Vec::new(); execs.len()];
-        for ((_, host, holding, _), t) in changes.iter().zip(&kept) {
-            for (e, named) in holding {
-                by_exec[*e].push((*host, t.as_ref(), named));
+        // Each executable's switches, in one rebind and one toggle each way.
+        let mut switches = Vec::new();
+        for (e, exec) in execs.iter().enumerate() {
+            switches.clear();
+            for ((t, host, _), kept) in changes.iter().zip(&kept) {
+                let here = t.holding.iter().filter(|(x, _)| *x == e);
+                switches.extend(here.map(|(_, named)| (*host, kept.as_ref(), named.as_slice())));
+            }
+            if !switches.is_empty() {
+                switch_nodes(exec, &switches, &mut times)?;
             }
         }
-        for (exec, switches) in execs.iter().zip(&by_exec).filter(|(_, s)| !s.is_empty()) {
-            switch_nodes(exec, switches, &mut times)?;
-        }
-        drop(by_exec);
+        drop(switches);
         // The device copies' addresses, written on `stream` before the launches that read them
         // (after the last step's, which `stream` joined), once per table.
         let pointed = Instant::now();
         let mut tables: Vec<&Arc<CopyTable>> = Vec::new();
-        for ((_, host, ..), t) in changes.iter().zip(&kept) {
+        for ((_, host, _), t) in changes.iter().zip(&kept) {
             if let Some(table) = host.point_twins(t.as_ref())? {
                 if !tables.iter().any(|k| Arc::ptr_eq(k, table)) {
                     tables.push(table);
@@ -328,12 +245,12 @@ impl OffloadManager {
         let uploads = tables.len();
         let switched = Instant::now();
         times.table = switched - pointed;
-        for ((key, ..), t) in changes.iter().zip(kept) {
-            match t {
-                Some(t) => {
-                    st.resident.insert(*key, t);
+        for ((t, ..), kept) in changes.iter().zip(kept) {
+            match kept {
+                Some(kept) => {
+                    st.resident.insert(t.key, kept);
                 }
-                None => released.extend(st.resident.remove(key)),
+                None => released.extend(st.resident.remove(&t.key)),
             }
         }
         // Their last reads and writes were graph launches on `stream` or joined into it: given
@@ -348,9 +265,50 @@ impl OffloadManager {
         }
         times.release = switched.elapsed();
         tracing::debug!(tensors = changes.len(), executables = execs.len(), uploads, ?times, "graphed: offload switch");
-        let mine = |k: &ResidentKey| baked.iter().any(|(_, s)| Arc::as_ptr(s) as usize == k.baked);
+        let mine = |k: &ResidentKey| slots.iter().any(|s| Arc::as_ptr(s) as usize == k.baked);
         let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();
         Ok(Resident { tensors: resident.len(), bytes: resident.iter().map(|t| t.bytes()).sum() })
+    }
+
+    /// The plan of a switch over `execs` ([`SwitchPlan`]): the last switch's if it was over the
+    /// same executables and their baked buffers live, else a new one, kept for the next; with
+    /// the baked buffers of its slots.
+    fn switch_plan(&self, st: &mut State, execs: &[&PoolExec]) -> (Arc<SwitchPlan>, Vec<Arc<OnceLock<Baked>>>) {
+        if let Some(plan) = st.switch_plan.as_ref().filter(|p| p.is_of(execs)) {
+            if let Some(slots) = plan.upgrade() {
+                return (plan.clone(), slots);
+            }
+        }
+        let chunks = &st.chunks;
+        let layout = |chunk: Chunk, g: usize, s: usize| {
+            let t = chunks.get(&chunk)?.layout.get(g)?.tensors.get(s)?;
+            Some((t.shape.clone(), t.dtype))
+        };
+        let plan = Arc::new(SwitchPlan::new(execs, &st.baked, layout));
+        let slots = plan.upgrade().expect("the plan's slots were alive as it was made, under the lock");
+        st.switch_plan = Some(plan.clone());
+        (plan, slots)
+    }
+
+    /// Device memory for each change that keeps its tensor resident (`None` for the others),
+    /// for `stream`: one allocator pass per element type.
+    fn allocate_kept(&self, stream: &Stream, changes: &[(&Planned, &HostBuffer, bool)]) -> Result<Vec<Option<Tensor>>> {
+        let mut kept: Vec<Option<Tensor>> = changes.iter().map(|_| None).collect();
+        let mut dtypes: Vec<DType> = Vec::new();
+        for c in changes.iter().filter(|c| c.2) {
+            if !dtypes.contains(&c.0.dtype) {
+                dtypes.push(c.0.dtype);
+            }
+        }
+        for dtype in dtypes {
+            let of = |c: &&(&Planned, &HostBuffer, bool)| c.2 && c.0.dtype == dtype;
+            let shapes: Vec<&[usize]> = changes.iter().filter(of).map(|c| c.0.shape.as_slice()).collect();
+            let mut made = Tensor::uninit_many(&self.inner.alloc, stream, &shapes, dtype)?.into_iter();
+            for (k, _) in changes.iter().enumerate().filter(|(_, c)| of(c)) {
+                kept[k] = made.next();
+            }
+        }
+        Ok(kept)
     }
 
     /// Before a capture's warmup: its first iteration records if the policy is not frozen,

@@ -28,6 +28,7 @@ mod policy;
 mod saving;
 mod shared;
 mod state;
+mod switch;
 mod table;
 
 pub use chunk::ChunkHook;

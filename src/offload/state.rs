@@ -180,6 +180,8 @@ pub(crate) struct State {
     pub(crate) scratch: Option<Arc<super::host::Scratch>>,
     /// The device buffers of the offloaded tensors kept resident.
     pub(crate) resident: BTreeMap<ResidentKey, Tensor>,
+    /// The last switch's plan, for the next switch over the same executables.
+    pub(crate) switch_plan: Option<Arc<super::switch::SwitchPlan>>,
     /// A step of the protocol left out on purpose (tests of the hazards).
     pub(crate) fault: Option<Fault>,
 }
@@ -232,6 +234,7 @@ impl State {
             baked: Vec::new(),
             scratch: None,
             resident: BTreeMap::new(),
+            switch_plan: None,
             fault: None,
         }
     }

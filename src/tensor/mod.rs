@@ -83,6 +83,21 @@ impl Tensor {
         with_dtype!(dtype, T => Ok(Tensor::of_buffer(alloc.alloc::<T>(stream, n)?, shape)))
     }
 
+    /// A contiguous tensor of each of `shapes`, all of `dtype`, as [`uninit`](Tensor::uninit)
+    /// makes them, allocated together ([`CachingAllocator::alloc_many`]).
+    pub fn uninit_many(
+        alloc: &CachingAllocator,
+        stream: &Stream,
+        shapes: &[&[usize]],
+        dtype: DType,
+    ) -> Result<Vec<Tensor>> {
+        let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+        with_dtype!(dtype, T => {
+            let bufs = alloc.alloc_many::<T>(stream, &lens)?;
+            Ok(bufs.into_iter().zip(shapes).map(|(b, shape)| Tensor::of_buffer(b, shape)).collect())
+        })
+    }
+
     /// A contiguous tensor of zeros.
     pub fn zeros(alloc: &CachingAllocator, stream: &Stream, shape: &[usize], dtype: DType) -> Result<Tensor> {
         let t = Tensor::uninit(alloc, stream, shape, dtype)?;

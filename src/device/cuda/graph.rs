@@ -187,8 +187,8 @@ impl CuExec {
                     let uses = &sites[site].uses;
                     values.clear();
                     values.extend_from_slice(launched);
-                    for (u, b) in bound.iter().enumerate().filter_map(|(u, b)| Some((u, b.as_ref()?))) {
-                        match uses[u].slot {
+                    for ((_, u), b) in bound {
+                        match uses[*u].slot {
                             Slot::Param(i) => values[i] = address(&b.block, b.start)?,
                             Slot::Indirect(_) => {}
                             _ => return Err(bug("a kernel use that is no parameter")),
@@ -207,8 +207,8 @@ impl CuExec {
                     let side = |slot: Slot| -> Result<u64> {
                         let u =
                             uses.iter().position(|u| u.slot == slot).ok_or_else(|| bug("a copy with no such side"))?;
-                        match bound.get(u).and_then(Option::as_ref) {
-                            Some(b) => address(&b.block, b.start),
+                        match bound.iter().find(|((_, x), _)| *x == u) {
+                            Some((_, b)) => address(&b.block, b.start),
                             None => address(&uses[u].block, uses[u].start),
                         }
                     };

@@ -114,8 +114,7 @@ impl SimExec {
                     why: "a site names an event node; please report this as a bug",
                 });
             };
-            let uses: Vec<_> =
-                sites[*site].uses.iter().zip(bound.iter()).filter_map(|(x, b)| Some((x.slot, b.as_ref()?))).collect();
+            let uses: Vec<_> = bound.iter().map(|((_, u), b)| (sites[*site].uses[*u].slot, b)).collect();
             next[n].task = NodeTask::Run(Arc::new(task.rebound(&uses)?));
         }
         *nodes = Arc::new(next);
