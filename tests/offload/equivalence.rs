@@ -268,8 +268,8 @@ pub fn lent_peak_falls_by_the_expected_saving(dev: &Device) -> Result {
 /// Offloading switched without a new capture (`OffloadConfig::switchable`): the graphs with
 /// offloading equal those without it bit for bit on every step, offloaded, with every offloaded
 /// tensor kept resident on the third step, one of them on the fourth, and none from the fifth;
-/// kept resident,
-/// the tensors' bytes are allocated on the device, and offloaded again they are given back. A
+/// kept resident, the tensors' bytes are allocated on the device, and offloaded again they are
+/// given back (once the work queued on the stream is done: the graphs read them before). A
 /// switch between a forward and its backward is refused with nothing changed, and graphs captured
 /// without the setting refuse any switch.
 pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
@@ -287,7 +287,12 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
         graphed::Error::Offload(kind) => Ok(kind),
         other => Err(anyhow::anyhow!("expected an offload refusal, got {other}")),
     };
-    let allocated = || off.alloc.stats().total.allocated;
+    // Memory given back after the work queued on the stream (the graphs used it on the side
+    // stream too): counted once that work is done.
+    let allocated = || -> anyhow::Result<usize> {
+        off.s.synchronize()?;
+        Ok(off.alloc.stats().total.allocated)
+    };
     // The copies turned off across the graphs: none while offloading (the device copies copy
     // nothing, as their table says), the host copies while kept resident.
     let turned_off = || -> anyhow::Result<Vec<&'static str>> {
@@ -317,26 +322,26 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
                 go.backward(&off.s, &dy)?;
                 go.join(&off.s)?;
                 plain.graphed(&gp, k, Replay::side(&side))?;
-                let before = allocated();
+                let before = allocated()?;
                 let kept = mo.keep_resident(go.layers(), &off.s, |_, _| true)?;
                 ensure!(kept.bytes == offloaded, "{} B kept of {offloaded} B offloaded", kept.bytes);
-                ensure!(allocated() >= before + offloaded, "the kept tensors' memory is allocated");
+                ensure!(allocated()? >= before + offloaded, "the kept tensors' memory is allocated");
                 ensure!(turned_off()? == ["memcpy_d2h", "memcpy_h2d"], "kept resident: {:?} off", turned_off()?);
                 continue;
             }
             4 => {
                 // All but one offloaded again, their memory given back: this step runs so.
-                let (first, before) = (std::cell::Cell::new(true), allocated());
+                let (first, before) = (std::cell::Cell::new(true), allocated()?);
                 let one = mo.keep_resident(go.layers(), &off.s, |_, _| first.replace(false))?;
-                ensure!(one.tensors == 1 && allocated() + offloaded - one.bytes <= before, "{one:?}");
+                ensure!(one.tensors == 1 && allocated()? + offloaded - one.bytes <= before, "{one:?}");
                 held = one.bytes;
                 let ops = turned_off()?;
                 ensure!(ops == ["memcpy_d2h", "memcpy_h2d"], "one kept resident: {ops:?} off");
             }
             5 => {
-                let before = allocated();
+                let before = allocated()?;
                 ensure!(mo.keep_resident(go.layers(), &off.s, |_, _| false)?.tensors == 0);
-                ensure!(allocated() + held <= before, "offloaded again, its memory is given back");
+                ensure!(allocated()? + held <= before, "offloaded again, its memory is given back");
                 ensure!(turned_off()?.is_empty(), "offloaded again: {:?} off", turned_off()?);
             }
             _ => {}
