@@ -203,7 +203,12 @@ struct Built {
 }
 
 /// The switches each way that graphed-offload-resident times.
-const SWITCHES: usize = 20;
+const SWITCHES: usize = 100;
+
+/// How long graphed-offload-resident switches back and forth untimed first: the host's clock
+/// ramps up over the first few milliseconds of a busy core (on the H200's host the first dozen
+/// switches took up to twice the later ones), and a training loop's core is busy launching.
+const SWITCH_WARMUP: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// graphed-offload-resident's switches without a new capture, nothing launched between them.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -220,8 +225,9 @@ struct Switch {
     bytes: usize,
 }
 
-/// Switches `graphed`'s offloaded tensors to resident and back [`SWITCHES`] times each, ending
-/// resident, then asks for them resident [`SWITCHES`] times more, which changes nothing.
+/// Switches `graphed`'s offloaded tensors to resident and back for [`SWITCH_WARMUP`], then
+/// [`SWITCHES`] times each, timed, ending resident, then asks for them resident [`SWITCHES`]
+/// times more, which changes nothing.
 fn time_switches(m: &OffloadManager, graphed: &GraphedStack, stream: &Stream) -> anyhow::Result<Switch> {
     // One switch: what it left resident, and its host µs.
     let switch = |resident: bool| -> graphed::Result<(graphed::offload::Resident, f64)> {
@@ -229,6 +235,11 @@ fn time_switches(m: &OffloadManager, graphed: &GraphedStack, stream: &Stream) ->
         let now = m.keep_resident(graphed.layers(), stream, |_, _| resident)?;
         Ok((now, issued.elapsed().as_secs_f64() * 1e6))
     };
+    let warming = std::time::Instant::now();
+    while warming.elapsed() < SWITCH_WARMUP {
+        switch(true)?;
+        switch(false)?;
+    }
     let (mut there, mut back, mut unchanged, mut moved) = (Vec::new(), Vec::new(), Vec::new(), None);
     for i in 0..2 * SWITCHES + 1 {
         let resident = i % 2 == 0;
