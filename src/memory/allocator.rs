@@ -25,13 +25,13 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
+use foldhash::HashMap;
+
 use super::arena::{
     block_size, is_small, segment_size, Arena, BlockInfo, BlockState, FreeTag, SegmentId, Stats, StreamKey,
 };
 use super::lifetimes::{Learning, Lifetimes, Place};
 use super::pool::{GraphPool, Lent, LentRange, PoolGraph, PoolId, PoolState};
-use foldhash::HashMap;
-
 use crate::device::memory::{Block, BlockOwner, Fence, MemKind, RawBuffer};
 use crate::device::{
     ids, BufferId, Capture, CaptureMode, Device, DeviceBuffer, Elem, EventId, GraphId, Stream, StreamId,
@@ -1113,6 +1113,22 @@ mod tests {
     fn stream_and_allocator() -> Result<(Stream, CachingAllocator)> {
         let dev = small_sim();
         Ok((dev.stream()?, CachingAllocator::new(&dev)))
+    }
+
+    #[test]
+    fn a_refused_batch_gives_back_what_it_allocated_before() -> Result<()> {
+        let (s, alloc) = stream_and_allocator()?;
+        let fits = alloc.alloc_many::<f32>(&s, &[1024, MIB])?;
+        assert_eq!(fits.iter().map(DeviceBuffer::len).collect::<Vec<_>>(), [1024, MIB]);
+        drop(fits);
+        let before = alloc.stats().total.allocated;
+        // The second request is larger than the device.
+        match alloc.alloc_many::<f32>(&s, &[MIB, 128 * MIB, 1024]) {
+            Err(Error::OutOfMemory { .. }) => {}
+            other => panic!("expected out of memory, got {:?}", other.map(|b| b.len())),
+        }
+        assert_eq!(alloc.stats().total.allocated, before, "the first buffer went back");
+        Ok(())
     }
 
     #[test]
