@@ -285,7 +285,7 @@ impl OffloadManager {
             Some((t.shape.clone(), t.dtype))
         };
         let plan = Arc::new(SwitchPlan::new(execs, &st.baked, layout));
-        let slots = plan.upgrade().expect("the plan's slots were alive as it was made, under the lock");
+        let slots = plan.upgrade().expect("the graphs given hold the baked buffers their nodes name");
         st.switch_plan = Some(plan.clone());
         (plan, slots)
     }
