@@ -42,7 +42,7 @@ pub(crate) struct SwitchPlan {
     /// The executables' graphs, in the order the switch was given them.
     graphs: Vec<GraphId>,
     /// The chunks' baked buffers that the executables' nodes name.
-    pub(super) slots: Vec<(Chunk, Weak<OnceLock<Baked>>)>,
+    slots: Vec<Weak<OnceLock<Baked>>>,
     pub(super) tensors: Vec<Planned>,
 }
 
@@ -56,12 +56,12 @@ impl SwitchPlan {
         let graphs = execs.iter().map(|e| e.id()).collect();
         // Those of the graphs given (another capture's of the same chunk aside).
         let named = |b: &Baked| b.buffers.values().any(|h| execs.iter().any(|e| e.names(h.id())));
-        let slots: Vec<(Chunk, Weak<OnceLock<Baked>>)> =
-            (baked.iter()).filter(|(_, w)| w.upgrade().is_some_and(|s| s.get().is_some_and(named))).cloned().collect();
-        let mut tensors = Vec::new();
-        for (k, (chunk, weak)) in slots.iter().enumerate() {
+        let (mut slots, mut tensors) = (Vec::new(), Vec::new());
+        for (chunk, weak) in baked {
             let Some(slot) = weak.upgrade() else { continue };
-            let Some(b) = slot.get() else { continue };
+            let Some(b) = slot.get().filter(|b| named(b)) else { continue };
+            let k = slots.len();
+            slots.push(weak.clone());
             for (&(group, s), host) in &b.buffers {
                 let Some((shape, dtype)) = layout(*chunk, group, s) else { continue };
                 let key = ResidentKey { baked: Arc::as_ptr(&slot) as usize, group, slot: s };
@@ -97,7 +97,7 @@ impl SwitchPlan {
     /// Its slots' baked buffers, or `None` if one is gone (its graphs were dropped: the plan
     /// is stale).
     pub(super) fn upgrade(&self) -> Option<Vec<Arc<OnceLock<Baked>>>> {
-        self.slots.iter().map(|(_, w)| w.upgrade()).collect()
+        self.slots.iter().map(Weak::upgrade).collect()
     }
 }
 
