@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::backend::{dispatch, ExecRepr, GraphRepr};
 use super::comm::{CapturedCollective, GraphCollectives};
 use super::memory::Block;
-use super::patch::{self, Rebind, Remap, Site};
+use super::patch::{self, Bound, Rebind, Remap, Site};
 use super::{ids, Device, EventId, GraphId, Stream};
 use crate::{Error, Result};
 
@@ -302,9 +302,66 @@ impl GraphExec {
             // Everything already reads where it was captured (a copy-in replay's check).
             return Ok(0);
         }
-        let moved =
+        let planned =
             patch::plan(&self.sites, &self.index, rebinds).map_err(|kind| Error::Rebind { graph: self.id, kind })?;
+        let moved = rebinds.iter().zip(&planned).flat_map(|(r, p)| {
+            p.moves.iter().map(|&(s, u, off)| (s, u, Bound { block: r.to.clone(), start: r.to_start + off }))
+        });
+        self.apply(repr, moved.collect())
+    }
+
+    /// The uses that `rebind` moves, found and checked once, for
+    /// [`rebind_resolved`](GraphExec::rebind_resolved).
+    ///
+    /// # Errors
+    /// As [`rebind`](GraphExec::rebind) refuses it.
+    pub(crate) fn resolve(&self, rebind: &Rebind<'_>) -> Result<patch::Resolved> {
+        let mut planned = patch::plan(&self.sites, &self.index, std::slice::from_ref(rebind))
+            .map_err(|kind| Error::Rebind { graph: self.id, kind })?;
+        Ok(planned.pop().expect("one resolved per rebind"))
+    }
+
+    /// Points the uses of each [`resolve`](GraphExec::resolve)d rebind at the block and byte
+    /// given (back where they were captured for `None`), as [`rebind`](GraphExec::rebind) does
+    /// but without finding them again: what an offload switch calls for the same uses at every
+    /// switch.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] for a destination with fewer bytes from there than the rebind
+    /// moves; [`Error::WrongDevice`]; as [`rebind`](GraphExec::rebind). A refused call changes
+    /// nothing.
+    pub(crate) fn rebind_resolved(&self, rebinds: &[patch::ResolvedRebind<'_>]) -> Result<usize> {
+        const OP: &str = "GraphExec::rebind";
+        self.dev.check_err()?;
+        let mut moved = Vec::new();
+        for &(resolved, to) in rebinds {
+            match to {
+                Some((block, start)) => {
+                    self.dev.check_same(OP, "buffer", block.raw.device)?;
+                    let room = block.bytes.saturating_sub(start);
+                    if room < resolved.bytes {
+                        return Err(Error::LengthMismatch { op: OP, src: resolved.bytes, dst: room });
+                    }
+                    let at = |off: usize| Bound { block: block.clone(), start: start + off };
+                    moved.extend(resolved.moves.iter().map(|&(s, u, off)| (s, u, at(off))));
+                }
+                None => moved.extend(resolved.moves.iter().map(|&(s, u, _)| {
+                    let captured = &self.sites[s].uses[u];
+                    (s, u, Bound { block: captured.block.clone(), start: captured.start })
+                })),
+            }
+        }
+        let repr = self.repr(OP)?;
+        self.apply(repr, moved)
+    }
+
+    /// Points each use of `moved` where it says, for later launches; the one path of
+    /// [`rebind`](GraphExec::rebind) and [`rebind_resolved`](GraphExec::rebind_resolved).
+    fn apply(&self, repr: &ExecRepr, moved: Vec<(usize, usize, Bound)>) -> Result<usize> {
         let mut st = self.rebound();
+        if st.broken {
+            return Err(Error::Rebind { graph: self.id, kind: patch::RebindErrorKind::Broken });
+        }
         let mut next = st.bound.clone();
         let mut changed = Vec::new();
         for (s, u, to) in moved {
@@ -411,9 +468,16 @@ impl GraphExec {
     /// does (its nodes are the library's); [`Error::GraphReset`] after
     /// [`reset`](GraphExec::reset). A refused call changes nothing.
     pub fn set_enabled(&self, buffers: &[super::BufferId], enabled: bool) -> Result<usize> {
-        const OP: &str = "GraphExec::set_enabled";
-        self.dev.check_err()?;
-        let repr = self.repr(OP)?;
+        let named = self.sites_naming(buffers)?;
+        self.set_sites_enabled(&named, enabled)
+    }
+
+    /// The sites of the nodes that name `buffers`, sorted, found and checked once for
+    /// [`set_sites_enabled`](GraphExec::set_sites_enabled).
+    ///
+    /// # Errors
+    /// As [`set_enabled`](GraphExec::set_enabled) refuses them.
+    pub(crate) fn sites_naming(&self, buffers: &[super::BufferId]) -> Result<Vec<usize>> {
         let mut named = Vec::new();
         for &buffer in buffers {
             let sites = patch::naming(&self.sites, &self.index, buffer);
@@ -421,12 +485,21 @@ impl GraphExec {
         }
         named.sort_unstable();
         named.dedup();
+        Ok(named)
+    }
+
+    /// Turns the nodes of `sites` (sorted, from [`sites_naming`](GraphExec::sites_naming)) off
+    /// or on, as [`set_enabled`](GraphExec::set_enabled) does without finding them again.
+    pub(crate) fn set_sites_enabled(&self, named: &[usize], enabled: bool) -> Result<usize> {
+        const OP: &str = "GraphExec::set_enabled";
+        self.dev.check_err()?;
+        let repr = self.repr(OP)?;
         let mut st = self.rebound();
         if st.broken {
             return Err(Error::Rebind { graph: self.id, kind: patch::RebindErrorKind::Broken });
         }
         let changed: Vec<usize> =
-            named.into_iter().filter(|s| st.disabled.binary_search(s).is_ok() == enabled).collect();
+            named.iter().copied().filter(|s| st.disabled.binary_search(s).is_ok() == enabled).collect();
         if changed.is_empty() {
             return Ok(0);
         }
@@ -446,7 +519,7 @@ impl GraphExec {
                 _ => {}
             }
         }
-        let disabled = self.dev.observer().map(|o| (o, st.disabled.clone()));
+        let disabled = self.dev.observer().filter(|o| o.watching()).map(|o| (o, st.disabled.clone()));
         drop(st);
         if let Some((o, disabled)) = disabled {
             o.set_enabled(self.id, self.exec, self.sites.len(), &disabled)?;

@@ -59,6 +59,7 @@ pub use graph::{Graph, GraphExec, NodeInfo, NodeKind};
 pub use ids::{BufferId, DeviceId, EventId, GraphId, StreamId};
 pub use kernel::{args, Arg, CpuArgs, In, InOut, IntoView, Kernel, LaunchDims, Out, Scalar};
 pub use memory::{DeviceBuffer, HostView, MemKind, PinnedBuffer, View};
+pub(crate) use patch::ResolvedRebind;
 pub use patch::{Rebind, RebindErrorKind};
 pub use profile::{KernelTime, Profile};
 pub use range::{Range, RangeEdge, RangeEvent, RangeFault, RangeLog, RangeName, Span, RANGE_LOG_CAPACITY};

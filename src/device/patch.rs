@@ -335,18 +335,34 @@ impl UseIndex {
     }
 }
 
-/// The uses that `rebinds` move, as `(site, use, where it points)`, or why one is refused.
-/// `index` is [`UseIndex::of`] `sites`.
+/// The uses of a graph that one [`Rebind`] moves, found once, each as (site, use, its first
+/// byte's offset from the rebind's first byte): for a caller that moves the same uses again and
+/// again (an offload switch), [`GraphExec::rebind_resolved`] applies it to any destination of
+/// its size with no search and no checks but that size.
+///
+/// [`GraphExec::rebind_resolved`]: super::GraphExec::rebind_resolved
+pub(crate) struct Resolved {
+    pub(crate) moves: Vec<(usize, usize, usize)>,
+    /// The rebind's bytes: a destination holds at least these.
+    pub(crate) bytes: usize,
+}
+
+/// A [`Resolved`] rebind and where its uses point: bytes from the given one of the block, or
+/// back where they were captured (`None`).
+pub(crate) type ResolvedRebind<'a> = (&'a Resolved, Option<(&'a Arc<Block>, usize)>);
+
+/// The uses that each of `rebinds` moves, or why one is refused. `index` is [`UseIndex::of`]
+/// `sites`.
 pub(crate) fn plan(
     sites: &[Site],
     index: &UseIndex,
     rebinds: &[Rebind<'_>],
-) -> std::result::Result<Vec<(usize, usize, Bound)>, RebindErrorKind> {
-    let mut moved = Vec::new();
+) -> std::result::Result<Vec<Resolved>, RebindErrorKind> {
+    let mut planned = Vec::with_capacity(rebinds.len());
     for r in rebinds {
         let (from, to) = (r.from_start, r.from_start + r.bytes);
         let buffer = r.from.id;
-        let mut any = false;
+        let mut moves = Vec::new();
         for &(s, u) in index.by_block.get(&buffer).into_iter().flatten() {
             let (site, x) = (&sites[s], &sites[s].uses[u]);
             if x.end <= from || to <= x.start {
@@ -362,14 +378,14 @@ pub(crate) fn plan(
             if x.start < from || to < x.end {
                 return Err(RebindErrorKind::Partial { op, buffer, start: x.start, end: x.end, from, to });
             }
-            any = true;
-            moved.push((s, u, Bound { block: r.to.clone(), start: r.to_start + (x.start - from) }));
+            moves.push((s, u, x.start - from));
         }
-        if !any {
+        if moves.is_empty() {
             return Err(RebindErrorKind::NotRead { buffer });
         }
+        planned.push(Resolved { moves, bytes: r.bytes });
     }
-    Ok(moved)
+    Ok(planned)
 }
 
 /// The sites that name `buffer`, in capture order, for [`GraphExec::set_enabled`]; refused

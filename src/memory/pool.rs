@@ -486,6 +486,26 @@ impl PoolExec {
         self.exec.set_enabled(buffers, enabled)
     }
 
+    /// See [`GraphExec::resolve`].
+    pub(crate) fn resolve(&self, rebind: &crate::device::Rebind<'_>) -> Result<crate::device::patch::Resolved> {
+        self.exec.resolve(rebind)
+    }
+
+    /// See [`GraphExec::rebind_resolved`].
+    pub(crate) fn rebind_resolved(&self, rebinds: &[crate::device::ResolvedRebind<'_>]) -> Result<usize> {
+        self.exec.rebind_resolved(rebinds)
+    }
+
+    /// See [`GraphExec::sites_naming`].
+    pub(crate) fn sites_naming(&self, buffers: &[crate::device::BufferId]) -> Result<Vec<usize>> {
+        self.exec.sites_naming(buffers)
+    }
+
+    /// See [`GraphExec::set_sites_enabled`].
+    pub(crate) fn set_sites_enabled(&self, sites: &[usize], enabled: bool) -> Result<usize> {
+        self.exec.set_sites_enabled(sites, enabled)
+    }
+
     /// See [`GraphExec::disabled_ops`].
     pub fn disabled_ops(&self) -> Vec<&'static str> {
         self.exec.disabled_ops()

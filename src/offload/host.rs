@@ -159,47 +159,34 @@ impl HostBuffer {
 
     /// Points its device copies' table entries at `to` (the copy out's destination and the
     /// copy back's source, all of its bytes), or back at the scratch, copying nothing (`None`),
-    /// as [`Self::twin_rebinds`] points their bindings; the table's next upload writes them.
+    /// as a switch points their bindings; the table's next upload writes them.
     /// Returns the table, or `None` where it has no device copies.
     pub(crate) fn point_twins(&self, to: Option<&Tensor>) -> Result<Option<&Arc<CopyTable>>> {
         with_dtype!(self.dtype, T => {
             let Some((t, out, back)) = self.twins::<T>() else { return Ok(None) };
-            let ([e_out, e_back], table) = (t.entries, &t.table);
-            let (src, dst) = (table.addresses(e_out).1, table.addresses(e_back).0);
             match to {
                 Some(r) => {
-                    let (at, bytes) = (r.view::<T>()?.device_address()?, self.bytes() as u64);
-                    table.set(e_out, at, src, bytes);
-                    table.set(e_back, dst, at, bytes);
+                    let at = r.view::<T>()?.device_address()?;
+                    t.table.point_pair(t.entries, [at, at], self.bytes() as u64);
                 }
                 None => {
-                    table.set(e_out, out.view().device_address()?, src, 0);
-                    table.set(e_back, dst, back.view().device_address()?, 0);
+                    let scratch = [out.view().device_address()?, back.view().device_address()?];
+                    t.table.point_pair(t.entries, scratch, 0);
                 }
             }
-            Ok(Some(table))
+            Ok(Some(&t.table))
         })
     }
 
-    /// Adds to `rebinds` those that point its device copies whose buffers are in `named` (the
-    /// ones an executable's nodes name) at `to` (the copy out's destination, the copy back's
-    /// source), or back where they were captured (`None`).
-    pub(crate) fn twin_rebinds<'a>(
-        &'a self,
-        named: &[BufferId],
-        to: Option<&'a Tensor>,
-        rebinds: &mut Vec<Rebind<'a>>,
-    ) -> Result<()> {
+    /// Rebinds of its device copies whose buffers are in `named` (those an executable's nodes
+    /// name) to themselves, moving writes: what a switch's plan resolves in that executable
+    /// ([`PoolExec::resolve`](crate::memory::PoolExec::resolve)), to point them at the memory a
+    /// switch keeps the tensor in, or back where they were captured. None without device copies.
+    pub(crate) fn twin_identities(&self, named: &[BufferId]) -> Result<Vec<Rebind<'_>>> {
         with_dtype!(self.dtype, T => {
-            let Some((_, out, back)) = self.twins::<T>() else { return Ok(()) };
-            for twin in [out, back].into_iter().filter(|t| named.contains(&t.id())) {
-                let to = match to {
-                    Some(t) => t.view::<T>()?,
-                    None => twin.view(),
-                };
-                rebinds.push(Rebind::new(twin.view(), to)?.moving_writes());
-            }
-            Ok(())
+            let Some((_, out, back)) = self.twins::<T>() else { return Ok(Vec::new()) };
+            let named = [out, back].into_iter().filter(|t| named.contains(&t.id()));
+            named.map(|t| Ok(Rebind::new(t.view(), t.view())?.moving_writes())).collect()
         })
     }
 

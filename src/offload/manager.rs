@@ -11,9 +11,9 @@ use super::host::{HostBuffer, Scratch};
 use super::policy::{decide, mark_eligible, GroupLayout, Summary, TensorLayout, Timings, Windows};
 use super::shared::Inner;
 use super::state::{Baked, Fault, Mark, PassTiming, ResidentKey, State};
-use super::switch::{switch_nodes, Planned, SwitchPlan, SwitchTimes};
+use super::switch::{switch_nodes, Planned, Slots, SwitchPlan, SwitchTimes};
 use super::table::CopyTable;
-use crate::device::{DType, Stream};
+use crate::device::{BufferId, DType, Stream};
 use crate::graph::{GraphOptions, GraphedCallable, PassTimes, Probe, PROBE_REPLAYS};
 use crate::memory::{CachingAllocator, PoolExec};
 use crate::nn::{Chunk, SaveHook};
@@ -194,13 +194,19 @@ impl OffloadManager {
         st.baked.retain(|(_, w)| w.strong_count() > 0);
         let alive: Vec<usize> = st.baked.iter().map(|(_, w)| w.as_ptr() as usize).collect();
         let gone: Vec<ResidentKey> = st.resident.keys().filter(|k| !alive.contains(&k.baked)).copied().collect();
-        let (plan, slots) = self.switch_plan(&mut st, &execs);
+        let (plan, slots) = self.switch_plan(&mut st, &execs)?;
         // What changes, each checked before anything does.
         let mut changes: Vec<(&Planned, &HostBuffer, bool)> = Vec::with_capacity(plan.tensors.len());
+        // Those that stay resident, each asked once (`keep` may count its calls).
+        let mut staying: Vec<(&Planned, &HostBuffer)> = Vec::new();
         for t in &plan.tensors {
             let (Some(b), Some(c)) = (slots[t.slot].get(), st.chunks.get(&t.chunk)) else { continue };
             let want = keep(t.chunk, &c.layout[t.key.group]);
+            let host = || b.get(t.key.group, t.key.slot).expect("a planned tensor's buffer is baked");
             if want == st.resident.contains_key(&t.key) {
+                if want {
+                    staying.push((t, host()));
+                }
                 continue;
             }
             if t.twins.is_none() {
@@ -209,10 +215,19 @@ impl OffloadManager {
             if t.found != 4 {
                 return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found: t.found }));
             }
-            let host = b.get(t.key.group, t.key.slot).expect("a planned tensor's buffer is baked");
-            changes.push((t, host, want));
+            changes.push((t, host(), want));
         }
-        let mut released: Vec<Tensor> = gone.iter().filter_map(|k| st.resident.remove(k)).collect();
+        // The tensors a switch keeps share one allocation, given back whole: those that stay
+        // resident beside one offloaded again (or one whose graphs were dropped) move with this
+        // switch's (between steps their contents are dead, so nothing is copied), and its
+        // memory goes back.
+        let leaving = changes.iter().filter(|c| !c.2).map(|c| &c.0.key).chain(&gone);
+        let freed: Vec<BufferId> = leaving.filter_map(|k| st.resident.get(k)).map(Tensor::id).collect();
+        for (t, host) in staying {
+            if st.resident.get(&t.key).is_some_and(|now| freed.contains(&now.id())) {
+                changes.push((t, host, true));
+            }
+        }
         let planned = Instant::now();
         times.plan = planned - start;
         let kept = self.allocate_kept(stream, &changes)?;
@@ -221,9 +236,9 @@ impl OffloadManager {
         let mut switches = Vec::new();
         for (e, exec) in execs.iter().enumerate() {
             switches.clear();
-            for ((t, host, _), kept) in changes.iter().zip(&kept) {
-                let here = t.holding.iter().filter(|(x, _)| *x == e);
-                switches.extend(here.map(|(_, named)| (*host, kept.as_ref(), named.as_slice())));
+            for ((t, ..), kept) in changes.iter().zip(&kept) {
+                let here = t.holding.iter().filter(|h| h.exec == e);
+                switches.extend(here.map(|h| (h, kept.as_ref())));
             }
             if !switches.is_empty() {
                 switch_nodes(exec, &switches, &mut times)?;
@@ -245,11 +260,10 @@ impl OffloadManager {
         let uploads = tables.len();
         let switched = Instant::now();
         times.table = switched - pointed;
+        let mut released: Vec<Tensor> = gone.iter().filter_map(|k| st.resident.remove(k)).collect();
         for ((t, ..), kept) in changes.iter().zip(kept) {
             match kept {
-                Some(kept) => {
-                    st.resident.insert(t.key, kept);
-                }
+                Some(kept) => released.extend(st.resident.insert(t.key, kept)),
                 None => released.extend(st.resident.remove(&t.key)),
             }
         }
@@ -273,10 +287,10 @@ impl OffloadManager {
     /// The plan of a switch over `execs` ([`SwitchPlan`]): the last switch's if it was over the
     /// same executables and their baked buffers live, else a new one, kept for the next; with
     /// the baked buffers of its slots.
-    fn switch_plan(&self, st: &mut State, execs: &[&PoolExec]) -> (Arc<SwitchPlan>, Vec<Arc<OnceLock<Baked>>>) {
+    fn switch_plan(&self, st: &mut State, execs: &[&PoolExec]) -> Result<(Arc<SwitchPlan>, Slots)> {
         if let Some(plan) = st.switch_plan.as_ref().filter(|p| p.is_of(execs)) {
             if let Some(slots) = plan.upgrade() {
-                return (plan.clone(), slots);
+                return Ok((plan.clone(), slots));
             }
         }
         let chunks = &st.chunks;
@@ -284,14 +298,15 @@ impl OffloadManager {
             let t = chunks.get(&chunk)?.layout.get(g)?.tensors.get(s)?;
             Some((t.shape.clone(), t.dtype))
         };
-        let plan = Arc::new(SwitchPlan::new(execs, &st.baked, layout));
+        let plan = Arc::new(SwitchPlan::new(execs, &st.baked, layout)?);
         let slots = plan.upgrade().expect("the graphs given hold the baked buffers their nodes name");
         st.switch_plan = Some(plan.clone());
-        (plan, slots)
+        Ok((plan, slots))
     }
 
     /// Device memory for each change that keeps its tensor resident (`None` for the others),
-    /// for `stream`: one allocator pass per element type.
+    /// for `stream`: one allocation per element type, shared by them
+    /// ([`Tensor::uninit_packed`]).
     fn allocate_kept(&self, stream: &Stream, changes: &[(&Planned, &HostBuffer, bool)]) -> Result<Vec<Option<Tensor>>> {
         let mut kept: Vec<Option<Tensor>> = changes.iter().map(|_| None).collect();
         let mut dtypes: Vec<DType> = Vec::new();
@@ -303,7 +318,7 @@ impl OffloadManager {
         for dtype in dtypes {
             let of = |c: &&(&Planned, &HostBuffer, bool)| c.2 && c.0.dtype == dtype;
             let shapes: Vec<&[usize]> = changes.iter().filter(of).map(|c| c.0.shape.as_slice()).collect();
-            let mut made = Tensor::uninit_many(&self.inner.alloc, stream, &shapes, dtype)?.into_iter();
+            let mut made = Tensor::uninit_packed(&self.inner.alloc, stream, &shapes, dtype)?.into_iter();
             for (k, _) in changes.iter().enumerate().filter(|(_, c)| of(c)) {
                 kept[k] = made.next();
             }

@@ -5,8 +5,8 @@
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::host::HostBuffer;
 use super::state::{Baked, ResidentKey};
+use crate::device::patch::Resolved;
 use crate::device::{BufferId, DType, GraphId};
 use crate::memory::PoolExec;
 use crate::nn::Chunk;
@@ -27,17 +27,28 @@ pub(super) struct Planned {
     /// The nodes found naming its host buffer or its device copies: two copies each way when
     /// the executables hold all of its graphs.
     pub(super) found: usize,
-    /// Each executable (by position in the list) whose nodes name its host buffer, with which
-    /// of its copies' buffers (the host buffer, the device copies) they name. A device copy is
-    /// captured beside its host copy, on the same stream: no other executable holds one.
-    pub(super) holding: Vec<(usize, Vec<BufferId>)>,
+    /// The executables whose nodes name its host buffer. A device copy is captured beside its
+    /// host copy, on the same stream: no other executable holds one.
+    pub(super) holding: Vec<Holding>,
 }
+
+/// Where one executable's nodes name a planned tensor's copies, found once.
+pub(super) struct Holding {
+    /// Its position in the list of executables.
+    pub(super) exec: usize,
+    /// The host copies' sites: turned off while the tensor is kept resident.
+    pub(super) host_sites: Vec<usize>,
+    /// The device copies' uses: pointed at the memory the tensor is kept in, or back.
+    pub(super) twin_uses: Vec<Resolved>,
+}
+
+/// The baked buffers of a plan's slots, held while a switch applies it.
+pub(super) type Slots = Vec<Arc<OnceLock<Baked>>>;
 
 /// Every offloaded tensor of a list of executables, and where its copies are. A function of the
 /// executables' graphs alone (their nodes never change, and each capture bakes host buffers of
-/// its own), so the manager keeps it for the next switch over the same graphs: finding the
-/// copies costs a lookup per tensor and executable, a switch's largest part at M (24 tensors,
-/// 16 executables).
+/// its own), so the manager keeps it for the next switch over the same graphs: a switch then
+/// applies what it found (the sites to turn off or on, the uses to move) with no lookup.
 pub(crate) struct SwitchPlan {
     /// The executables' graphs, in the order the switch was given them.
     graphs: Vec<GraphId>,
@@ -48,11 +59,15 @@ pub(crate) struct SwitchPlan {
 
 impl SwitchPlan {
     /// The plan of `execs`, among the live baked buffers `baked`, with each chunk's `layout`.
+    ///
+    /// # Errors
+    /// An executable that refuses to move a device copy's uses or turn a host copy off
+    /// ([`Error::Rebind`](crate::Error::Rebind)): not the nodes an offload capture makes.
     pub(super) fn new(
         execs: &[&PoolExec],
         baked: &[(Chunk, Weak<OnceLock<Baked>>)],
         layout: impl Fn(Chunk, usize, usize) -> Option<(Vec<usize>, DType)>,
-    ) -> SwitchPlan {
+    ) -> Result<SwitchPlan> {
         let graphs = execs.iter().map(|e| e.id()).collect();
         // Those of the graphs given (another capture's of the same chunk aside).
         let named = |b: &Baked| b.buffers.values().any(|h| execs.iter().any(|e| e.names(h.id())));
@@ -73,20 +88,16 @@ impl SwitchPlan {
                         continue;
                     }
                     found += here;
-                    let mut named = vec![host.id()];
-                    for b in twins.into_iter().flatten() {
-                        let here = exec.naming(b);
-                        if here > 0 {
-                            found += here;
-                            named.push(b);
-                        }
-                    }
-                    holding.push((e, named));
+                    let named: Vec<BufferId> = twins.into_iter().flatten().filter(|&b| exec.names(b)).collect();
+                    found += named.iter().map(|&b| exec.naming(b)).sum::<usize>();
+                    let twin_uses =
+                        host.twin_identities(&named)?.iter().map(|r| exec.resolve(r)).collect::<Result<_>>()?;
+                    holding.push(Holding { exec: e, host_sites: exec.sites_naming(&[host.id()])?, twin_uses });
                 }
                 tensors.push(Planned { key, chunk: *chunk, slot: k, shape, dtype, twins, found, holding });
             }
         }
-        SwitchPlan { graphs, slots, tensors }
+        Ok(SwitchPlan { graphs, slots, tensors })
     }
 
     /// Whether it is the plan of `execs`.
@@ -96,42 +107,41 @@ impl SwitchPlan {
 
     /// Its slots' baked buffers, or `None` if one is gone (its graphs were dropped: the plan
     /// is stale).
-    pub(super) fn upgrade(&self) -> Option<Vec<Arc<OnceLock<Baked>>>> {
+    pub(super) fn upgrade(&self) -> Option<Slots> {
         self.slots.iter().map(Weak::upgrade).collect()
     }
 }
 
-/// One tensor's switch in one executable: its host buffer, the memory it is kept in (`None`:
-/// offloaded again), and which of its copies' buffers (the host buffer, the two device copies)
-/// the executable's nodes name.
-pub(super) type Switch<'a> = (&'a HostBuffer, Option<&'a Tensor>, &'a [BufferId]);
-
-/// Switches the copies in `exec` of each tensor of `switches`: kept resident (`Some`), its
-/// device copies are bound to that memory and its host copies off; offloaded again (`None`), its
-/// device copies are bound back where they were captured and its host copies on. The device
-/// copies read their addresses from the tables ([`HostBuffer::point_twins`]): their rebind
-/// changes no node on CUDA. One rebind and one call each way for the whole executable, as each
-/// costs a walk of its bindings.
-pub(super) fn switch_nodes(exec: &PoolExec, switches: &[Switch<'_>], times: &mut SwitchTimes) -> Result<()> {
+/// Switches the copies in `exec` of each tensor of `switches`, where the executable's nodes name
+/// them, to the memory it is kept in (`Some`: its device copies point there and its host
+/// copies are off) or back to offloading (`None`: its device copies point where they were
+/// captured and its host copies are on). The device copies read their addresses from the tables
+/// ([`HostBuffer::point_twins`](super::host::HostBuffer::point_twins)): their rebind changes no
+/// node on CUDA. One rebind and one toggle each way for the whole executable.
+pub(super) fn switch_nodes(
+    exec: &PoolExec,
+    switches: &[(&Holding, Option<&Tensor>)],
+    times: &mut SwitchTimes,
+) -> Result<()> {
     let start = Instant::now();
     let (mut rebinds, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
-    for &(host, resident, named) in switches {
-        host.twin_rebinds(named, resident, &mut rebinds)?;
-        if named.contains(&host.id()) {
-            match resident {
-                Some(_) => off.push(host.id()),
-                None => on.push(host.id()),
-            }
+    for &(holding, kept) in switches {
+        let to = kept.map(Tensor::placement).transpose()?;
+        rebinds.extend(holding.twin_uses.iter().map(|r| (r, to)));
+        match to {
+            Some(_) => off.extend_from_slice(&holding.host_sites),
+            None => on.extend_from_slice(&holding.host_sites),
         }
     }
     let planned = Instant::now();
     if !rebinds.is_empty() {
-        exec.rebind(&rebinds)?;
+        exec.rebind_resolved(&rebinds)?;
     }
     let rebound = Instant::now();
-    for (buffers, enabled) in [(off, false), (on, true)] {
-        if !buffers.is_empty() {
-            exec.set_enabled(&buffers, enabled)?;
+    for (mut sites, enabled) in [(off, false), (on, true)] {
+        if !sites.is_empty() {
+            sites.sort_unstable();
+            exec.set_sites_enabled(&sites, enabled)?;
         }
     }
     times.nodes += planned - start;
@@ -141,10 +151,10 @@ pub(super) fn switch_nodes(exec: &PoolExec, switches: &[Switch<'_>], times: &mut
 }
 
 /// Where a switch's host time goes, logged at `debug` (`GRAPHED_LOG=graphed::offload=debug`):
-/// the checks and lookups before anything changes, the resident tensors' allocations, the
-/// nodes' new bindings and which to turn off (`nodes`), the executables' rebinds (bookkeeping:
-/// the device copies read the tables) and their host copies turned off or on (a driver call per
-/// node on CUDA), the tables' entries and upload, and the memory given back.
+/// the checks before anything changes, the resident tensors' allocation, what each executable
+/// changes (`nodes`), the executables' rebinds (bookkeeping: the device copies read the
+/// tables) and their host copies turned off or on (a driver call per node on CUDA), the tables'
+/// entries and upload, and the memory given back.
 #[derive(Debug, Default)]
 pub(super) struct SwitchTimes {
     pub(super) plan: Duration,

@@ -66,10 +66,19 @@ impl CopyTable {
         }
     }
 
-    /// Entry `e`'s destination and source as set.
-    pub(crate) fn addresses(&self, e: usize) -> (u64, u64) {
-        let st = self.lock();
-        (st.entries[e * WORDS], st.entries[e * WORDS + 1])
+    /// Points the pair of entries `out` (a copy out of a tensor, its source kept) and `back`
+    /// (its copy back, its destination kept) at device memory `to`: both copy `bytes` through
+    /// it. Under one lock: a switch points a few dozen pairs.
+    pub(crate) fn point_pair(&self, [out, back]: [usize; 2], to: [u64; 2], bytes: u64) {
+        let mut st = self.lock();
+        let (src, dst) = (st.entries[out * WORDS + 1], st.entries[back * WORDS]);
+        for (e, words) in [(out, [to[0], src, bytes]), (back, [dst, to[1], bytes])] {
+            let entry = &mut st.entries[e * WORDS..(e + 1) * WORDS];
+            if entry != words {
+                entry.copy_from_slice(&words);
+                st.dirty = true;
+            }
+        }
     }
 
     /// Writes the entries set since the last upload to the device on `stream`, after the work

@@ -83,18 +83,60 @@ impl Tensor {
         with_dtype!(dtype, T => Ok(Tensor::of_buffer(alloc.alloc::<T>(stream, n)?, shape)))
     }
 
-    /// A contiguous tensor of each of `shapes`, all of `dtype`, as [`uninit`](Tensor::uninit)
-    /// makes them, allocated together ([`CachingAllocator::alloc_many`]).
-    pub fn uninit_many(
+    /// A contiguous tensor of each of `shapes`, all of `dtype`, their contents unspecified,
+    /// packed into one allocation (each at an [`ALIGN`](crate::memory::arena::ALIGN)ed byte): one
+    /// placement in the allocator instead of one per tensor, and the memory goes back whole, once
+    /// the last of them is dropped. For tensors that live and die together (an offload switch's
+    /// resident tensors).
+    ///
+    /// ```
+    /// # use graphed::{device::{DType, Device}, memory::CachingAllocator, tensor::Tensor};
+    /// let dev = Device::sim();
+    /// let (s, alloc) = (dev.stream()?, CachingAllocator::new(&dev));
+    /// let ts = Tensor::uninit_packed(&alloc, &s, &[&[3, 5], &[7]], DType::F32)?;
+    /// assert_eq!((ts[0].id(), ts[1].shape()), (ts[1].id(), &[7][..])); // one allocation
+    /// assert_eq!(ts[1].offset() * 4 % graphed::memory::arena::ALIGN, 0);
+    /// # Ok::<(), graphed::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`uninit`](Tensor::uninit).
+    pub fn uninit_packed(
         alloc: &CachingAllocator,
         stream: &Stream,
         shapes: &[&[usize]],
         dtype: DType,
     ) -> Result<Vec<Tensor>> {
-        let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
-        with_dtype!(dtype, T => {
-            let bufs = alloc.alloc_many::<T>(stream, &lens)?;
-            Ok(bufs.into_iter().zip(shapes).map(|(b, shape)| Tensor::of_buffer(b, shape)).collect())
+        let step = (crate::memory::arena::ALIGN / dtype.size()).max(1);
+        let mut starts = Vec::with_capacity(shapes.len());
+        let mut len = 0;
+        for shape in shapes {
+            starts.push(len);
+            len += shape.iter().product::<usize>().div_ceil(step) * step;
+        }
+        let whole = Tensor::uninit(alloc, stream, &[len], dtype)?;
+        let at = |offset, shape: &[usize]| Tensor {
+            buf: whole.buf.clone(),
+            dtype,
+            id: whole.id,
+            device: whole.device,
+            offset,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+        };
+        Ok(shapes.iter().zip(starts).map(|(shape, start)| at(start, shape)).collect())
+    }
+
+    /// Its block and its first byte in it, for a contiguous tensor: where a rebind points a
+    /// graph's uses of another tensor at this one.
+    ///
+    /// # Errors
+    /// [`Error::NotContiguous`] for a strided view.
+    pub(crate) fn placement(&self) -> Result<(&Arc<crate::device::memory::Block>, usize)> {
+        with_dtype!(self.dtype, T => {
+            let v = self.view::<T>()?;
+            v.region.expect_contiguous("Tensor::placement", v.block.id)?;
+            Ok((v.block, v.region.offset() * T::DTYPE.size()))
         })
     }
 

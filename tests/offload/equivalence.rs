@@ -268,8 +268,8 @@ pub fn lent_peak_falls_by_the_expected_saving(dev: &Device) -> Result {
 /// Offloading switched without a new capture (`OffloadConfig::switchable`): the graphs with
 /// offloading equal those without it bit for bit on every step, offloaded, with every offloaded
 /// tensor kept resident on the third step, one of them on the fourth, and none from the fifth;
-/// kept resident, the tensors' bytes are allocated on the device, and offloaded again they are
-/// given back (once the work queued on the stream is done: the graphs read them before). A
+/// kept resident, the tensors' bytes are allocated on the device (in one block), and offloaded
+/// again they are given back (the one kept on the fourth step moves out of that block) (once the work queued on the stream is done: the graphs read them before). A
 /// switch between a forward and its backward is refused with nothing changed, and graphs captured
 /// without the setting refuse any switch.
 pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
@@ -322,10 +322,14 @@ pub fn graphed_offload_switches_to_resident_and_back(dev: &Device) -> Result {
                 go.backward(&off.s, &dy)?;
                 go.join(&off.s)?;
                 plain.graphed(&gp, k, Replay::side(&side))?;
-                let before = allocated()?;
+                let (before, handed_out) =
+                    (allocated()?, || off.alloc.blocks().iter().filter(|b| b.buffer.is_some()).count());
+                let blocks = handed_out();
                 let kept = mo.keep_resident(go.layers(), &off.s, |_, _| true)?;
                 ensure!(kept.bytes == offloaded, "{} B kept of {offloaded} B offloaded", kept.bytes);
                 ensure!(allocated()? >= before + offloaded, "the kept tensors' memory is allocated");
+                let more = handed_out() - blocks;
+                ensure!(kept.tensors > 1 && more == 1, "{} tensors kept in {more} new blocks, not one", kept.tensors);
                 ensure!(turned_off()? == ["memcpy_d2h", "memcpy_h2d"], "kept resident: {:?} off", turned_off()?);
                 continue;
             }
