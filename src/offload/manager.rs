@@ -278,7 +278,15 @@ impl OffloadManager {
             }
         }
         times.release = switched.elapsed();
-        tracing::debug!(tensors = changes.len(), executables = execs.len(), uploads, ?times, "graphed: offload switch");
+        let kept = changes.iter().filter(|c| c.2).count();
+        tracing::debug!(
+            tensors = changes.len(),
+            kept,
+            executables = execs.len(),
+            uploads,
+            ?times,
+            "graphed: offload switch"
+        );
         let mine = |k: &ResidentKey| slots.iter().any(|s| Arc::as_ptr(s) as usize == k.baked);
         let resident: Vec<&Tensor> = st.resident.iter().filter(|(k, _)| mine(k)).map(|(_, t)| t).collect();
         Ok(Resident { tensors: resident.len(), bytes: resident.iter().map(|t| t.bytes()).sum() })
