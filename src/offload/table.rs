@@ -12,11 +12,16 @@ use crate::Result;
 /// Words per entry: destination, source, bytes.
 const WORDS: usize = 3;
 
-/// A table of copy entries on the device, its host copy, and the pinned buffer it is written
+/// How many pinned buffers a table is written from, in turn: an upload waits for the one that
+/// read its buffer last, [`STAGING`] uploads ago (switches back to back, a benchmark's, would
+/// otherwise wait for the copy of the switch before).
+const STAGING: usize = 2;
+
+/// A table of copy entries on the device, its host copy, and the pinned buffers it is written
 /// from.
 pub(crate) struct CopyTable {
     words: DeviceBuffer<u64>,
-    staging: PinnedBuffer<u64>,
+    staging: [PinnedBuffer<u64>; STAGING],
     state: Mutex<TableState>,
 }
 
@@ -25,8 +30,10 @@ struct TableState {
     entries: Vec<u64>,
     /// Changed since the last upload.
     dirty: bool,
-    /// Recorded after the last upload, which read `staging`.
-    uploaded: Option<Event>,
+    /// Recorded after the last upload from each staging buffer, which read it.
+    uploaded: [Option<Event>; STAGING],
+    /// The staging buffer the next upload writes.
+    next: usize,
 }
 
 impl CopyTable {
@@ -35,8 +42,9 @@ impl CopyTable {
     pub(crate) fn new(alloc: &CachingAllocator, stream: &Stream, entries: usize) -> Result<CopyTable> {
         let words = alloc.alloc::<u64>(stream, entries * WORDS)?;
         stream.memset(&words, 0)?;
-        let staging = stream.device().alloc_pinned::<u64>(entries * WORDS)?;
-        let state = TableState { entries: vec![0; entries * WORDS], dirty: false, uploaded: None };
+        let pinned = || stream.device().alloc_pinned::<u64>(entries * WORDS);
+        let staging = [pinned()?, pinned()?];
+        let state = TableState { entries: vec![0; entries * WORDS], dirty: false, uploaded: [None, None], next: 0 };
         Ok(CopyTable { words, staging, state: Mutex::new(state) })
     }
 
@@ -83,24 +91,25 @@ impl CopyTable {
 
     /// Writes the entries set since the last upload to the device on `stream`, after the work
     /// queued there: launches enqueued on `stream` later (or ordered after it) read them. Waits
-    /// for the last upload to have read the pinned buffer, which a switch a step after the last
-    /// one never does. Does nothing when nothing changed.
+    /// for the upload [`STAGING`] uploads ago to have read the pinned buffer this one writes,
+    /// which a switch a step after the last one never does. Does nothing when nothing changed.
     pub(crate) fn upload(&self, stream: &Stream) -> Result<()> {
         let st = &mut *self.lock();
         if !st.dirty {
             return Ok(());
         }
-        if let Some(e) = &st.uploaded {
+        let (k, staging) = (st.next, &self.staging[st.next]);
+        if let Some(e) = &st.uploaded[k] {
             e.synchronize()?;
         }
-        self.staging.write(&st.entries)?;
-        stream.copy_h2d(self.staging.view(), &self.words)?;
-        let done = match &mut st.uploaded {
+        staging.write(&st.entries)?;
+        stream.copy_h2d(staging.view(), &self.words)?;
+        let done = match &mut st.uploaded[k] {
             Some(e) => &*e,
             none => none.insert(stream.device().event()?),
         };
         stream.record(done)?;
-        st.dirty = false;
+        (st.dirty, st.next) = (false, (k + 1) % STAGING);
         Ok(())
     }
 }
