@@ -385,8 +385,13 @@ impl<T: Elem> View<'_, T> {
     /// The device address of the view's first element: what a kernel is given for it, and what
     /// a table of addresses that a kernel reads must hold for it.
     pub(crate) fn device_address(&self) -> crate::Result<u64> {
-        super::backend::device_address(&self.block.raw, self.absolute().offset() * T::DTYPE.size())
+        device_address(self.block, self.region.offset() * T::DTYPE.size())
     }
+}
+
+/// The device address of byte `start` of `block`: what a kernel is given for it.
+pub(crate) fn device_address(block: &Block, start: usize) -> crate::Result<u64> {
+    super::backend::device_address(&block.raw, block.base + start)
 }
 
 impl<T: Elem> PinnedBuffer<T> {

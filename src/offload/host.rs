@@ -166,7 +166,7 @@ impl HostBuffer {
             let Some((t, out, back)) = self.twins::<T>() else { return Ok(None) };
             match to {
                 Some(r) => {
-                    let at = r.view::<T>()?.device_address()?;
+                    let at = r.device_address()?;
                     t.table.point_pair(t.entries, [at, at], self.bytes() as u64);
                 }
                 None => {

@@ -11,7 +11,7 @@ use super::host::{HostBuffer, Scratch};
 use super::policy::{decide, mark_eligible, GroupLayout, Summary, TensorLayout, Timings, Windows};
 use super::shared::Inner;
 use super::state::{Baked, Fault, Mark, PassTiming, ResidentKey, State};
-use super::switch::{switch_nodes, Planned, Slots, SwitchPlan, SwitchTimes};
+use super::switch::{switch_nodes, Slots, SwitchPlan, SwitchTimes};
 use super::table::CopyTable;
 use crate::device::{BufferId, DType, Stream};
 use crate::graph::{GraphOptions, GraphedCallable, PassTimes, Probe, PROBE_REPLAYS};
@@ -66,6 +66,14 @@ pub struct OffloadManager {
 fn schedule_error(chunk: Chunk, found: &str) -> Error {
     let (expected, found) = ("nothing (the chunk was not in it)".into(), found.into());
     Error::Offload(OffloadErrorKind::Schedule { chunk, expected, found })
+}
+
+/// A tensor that a switch changes: its place in the switch's plan, its host buffer, and whether
+/// it is kept resident (else offloaded again).
+struct Change<'a> {
+    tensor: usize,
+    host: &'a HostBuffer,
+    keep: bool,
 }
 
 /// What [`OffloadManager::keep_resident`] left resident.
@@ -196,16 +204,16 @@ impl OffloadManager {
         let gone: Vec<ResidentKey> = st.resident.keys().filter(|k| !alive.contains(&k.baked)).copied().collect();
         let (plan, slots) = self.switch_plan(&mut st, &execs)?;
         // What changes, each checked before anything does.
-        let mut changes: Vec<(&Planned, &HostBuffer, bool)> = Vec::with_capacity(plan.tensors.len());
+        let mut changes: Vec<Change<'_>> = Vec::with_capacity(plan.tensors.len());
         // Those that stay resident, each asked once (`keep` may count its calls).
-        let mut staying: Vec<(&Planned, &HostBuffer)> = Vec::new();
-        for t in &plan.tensors {
+        let mut staying: Vec<Change<'_>> = Vec::new();
+        for (tensor, t) in plan.tensors.iter().enumerate() {
             let (Some(b), Some(c)) = (slots[t.slot].get(), st.chunks.get(&t.chunk)) else { continue };
             let want = keep(t.chunk, &c.layout[t.key.group]);
-            let host = || b.get(t.key.group, t.key.slot).expect("a planned tensor's buffer is baked");
+            let host = b.get(t.key.group, t.key.slot).expect("a planned tensor's buffer is baked");
             if want == st.resident.contains_key(&t.key) {
                 if want {
-                    staying.push((t, host()));
+                    staying.push(Change { tensor, host, keep: want });
                 }
                 continue;
             }
@@ -215,30 +223,36 @@ impl OffloadManager {
             if t.found != 4 {
                 return Err(Error::Offload(OffloadErrorKind::SwitchGraphs { found: t.found }));
             }
-            changes.push((t, host(), want));
+            changes.push(Change { tensor, host, keep: want });
         }
         // The tensors a switch keeps share one allocation, given back whole: those that stay
         // resident beside one offloaded again (or one whose graphs were dropped) move with this
         // switch's (between steps their contents are dead, so nothing is copied), and its
         // memory goes back.
-        let leaving = changes.iter().filter(|c| !c.2).map(|c| &c.0.key).chain(&gone);
-        let freed: Vec<BufferId> = leaving.filter_map(|k| st.resident.get(k)).map(Tensor::id).collect();
-        for (t, host) in staying {
-            if st.resident.get(&t.key).is_some_and(|now| freed.contains(&now.id())) {
-                changes.push((t, host, true));
+        let key = |c: &Change<'_>| plan.tensors[c.tensor].key;
+        let leaving = changes.iter().filter(|c| !c.keep).map(key).chain(gone.iter().copied());
+        let freed: Vec<BufferId> = leaving.filter_map(|k| st.resident.get(&k)).map(Tensor::id).collect();
+        for c in staying {
+            if st.resident.get(&key(&c)).is_some_and(|now| freed.contains(&now.id())) {
+                changes.push(c);
             }
         }
         let planned = Instant::now();
         times.plan = planned - start;
-        let kept = self.allocate_kept(stream, &changes)?;
+        let kept = self.allocate_kept(stream, &plan, &changes)?;
         times.alloc = planned.elapsed();
         // Each executable's switches, in one rebind and one toggle each way.
+        let mut change_of = vec![None; plan.tensors.len()];
+        for (k, c) in changes.iter().enumerate() {
+            change_of[c.tensor] = Some(k);
+        }
         let mut switches = Vec::new();
-        for (e, exec) in execs.iter().enumerate() {
+        for (exec, held) in execs.iter().zip(&plan.by_exec) {
             switches.clear();
-            for ((t, ..), kept) in changes.iter().zip(&kept) {
-                let here = t.holding.iter().filter(|h| h.exec == e);
-                switches.extend(here.map(|h| (h, kept.as_ref())));
+            for &(t, h) in held {
+                if let Some(k) = change_of[t] {
+                    switches.push((&plan.tensors[t].holding[h], kept[k].as_ref()));
+                }
             }
             if !switches.is_empty() {
                 switch_nodes(exec, &switches, &mut times)?;
@@ -249,8 +263,8 @@ impl OffloadManager {
         // (after the last step's, which `stream` joined), once per table.
         let pointed = Instant::now();
         let mut tables: Vec<&Arc<CopyTable>> = Vec::new();
-        for ((_, host, _), t) in changes.iter().zip(&kept) {
-            if let Some(table) = host.point_twins(t.as_ref())? {
+        for (c, t) in changes.iter().zip(&kept) {
+            if let Some(table) = c.host.point_twins(t.as_ref())? {
                 if !tables.iter().any(|k| Arc::ptr_eq(k, table)) {
                     tables.push(table);
                 }
@@ -261,10 +275,10 @@ impl OffloadManager {
         let switched = Instant::now();
         times.table = switched - pointed;
         let mut released: Vec<Tensor> = gone.iter().filter_map(|k| st.resident.remove(k)).collect();
-        for ((t, ..), kept) in changes.iter().zip(kept) {
+        for (c, kept) in changes.iter().zip(kept) {
             match kept {
-                Some(kept) => released.extend(st.resident.insert(t.key, kept)),
-                None => released.extend(st.resident.remove(&t.key)),
+                Some(kept) => released.extend(st.resident.insert(key(c), kept)),
+                None => released.extend(st.resident.remove(&key(c))),
             }
         }
         // Their last reads and writes were graph launches on `stream` or joined into it: given
@@ -278,7 +292,7 @@ impl OffloadManager {
             }
         }
         times.release = switched.elapsed();
-        let kept = changes.iter().filter(|c| c.2).count();
+        let kept = changes.iter().filter(|c| c.keep).count();
         tracing::debug!(
             tensors = changes.len(),
             kept,
@@ -315,17 +329,19 @@ impl OffloadManager {
     /// Device memory for each change that keeps its tensor resident (`None` for the others),
     /// for `stream`: one allocation per element type, shared by them
     /// ([`Tensor::uninit_packed`]).
-    fn allocate_kept(&self, stream: &Stream, changes: &[(&Planned, &HostBuffer, bool)]) -> Result<Vec<Option<Tensor>>> {
+    fn allocate_kept(&self, stream: &Stream, plan: &SwitchPlan, changes: &[Change<'_>]) -> Result<Vec<Option<Tensor>>> {
         let mut kept: Vec<Option<Tensor>> = changes.iter().map(|_| None).collect();
         let mut dtypes: Vec<DType> = Vec::new();
-        for c in changes.iter().filter(|c| c.2) {
-            if !dtypes.contains(&c.0.dtype) {
-                dtypes.push(c.0.dtype);
+        for c in changes.iter().filter(|c| c.keep) {
+            let dtype = plan.tensors[c.tensor].dtype;
+            if !dtypes.contains(&dtype) {
+                dtypes.push(dtype);
             }
         }
         for dtype in dtypes {
-            let of = |c: &&(&Planned, &HostBuffer, bool)| c.2 && c.0.dtype == dtype;
-            let shapes: Vec<&[usize]> = changes.iter().filter(of).map(|c| c.0.shape.as_slice()).collect();
+            let of = |c: &&Change<'_>| c.keep && plan.tensors[c.tensor].dtype == dtype;
+            let shapes: Vec<&[usize]> =
+                changes.iter().filter(of).map(|c| plan.tensors[c.tensor].shape.as_slice()).collect();
             let mut made = Tensor::uninit_packed(&self.inner.alloc, stream, &shapes, dtype)?.into_iter();
             for (k, _) in changes.iter().enumerate().filter(|(_, c)| of(c)) {
                 kept[k] = made.next();

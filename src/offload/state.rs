@@ -179,7 +179,7 @@ pub(crate) struct State {
     /// What a switchable capture's device copies name (`None` until one needs it).
     pub(crate) scratch: Option<Arc<super::host::Scratch>>,
     /// The device buffers of the offloaded tensors kept resident.
-    pub(crate) resident: BTreeMap<ResidentKey, Tensor>,
+    pub(crate) resident: foldhash::HashMap<ResidentKey, Tensor>,
     /// The last switch's plan, for the next switch over the same executables.
     pub(crate) switch_plan: Option<Arc<super::switch::SwitchPlan>>,
     /// A step of the protocol left out on purpose (tests of the hazards).
@@ -233,7 +233,7 @@ impl State {
             copied_out: 0,
             baked: Vec::new(),
             scratch: None,
-            resident: BTreeMap::new(),
+            resident: foldhash::HashMap::default(),
             switch_plan: None,
             fault: None,
         }
@@ -259,7 +259,7 @@ pub(crate) type BakedRef = Option<Arc<OnceLock<Baked>>>;
 /// Which offloaded tensor is kept resident: its chunk's baked buffers (by the address of their
 /// shared slot, which lives as long as a graph of that capture does), its group and its slot.
 /// A new capture of the same chunk bakes new buffers, so its tensors have keys of their own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct ResidentKey {
     pub(crate) baked: usize,
     pub(crate) group: usize,

@@ -55,6 +55,9 @@ pub(crate) struct SwitchPlan {
     /// The chunks' baked buffers that the executables' nodes name.
     slots: Vec<Weak<OnceLock<Baked>>>,
     pub(super) tensors: Vec<Planned>,
+    /// For each executable, the (tensor, holding) pairs of [`tensors`](SwitchPlan::tensors)
+    /// whose copies it holds.
+    pub(super) by_exec: Vec<Vec<(usize, usize)>>,
 }
 
 impl SwitchPlan {
@@ -97,7 +100,13 @@ impl SwitchPlan {
                 tensors.push(Planned { key, chunk: *chunk, slot: k, shape, dtype, twins, found, holding });
             }
         }
-        Ok(SwitchPlan { graphs, slots, tensors })
+        let mut by_exec = vec![Vec::new(); execs.len()];
+        for (t, planned) in tensors.iter().enumerate() {
+            for (h, holding) in planned.holding.iter().enumerate() {
+                by_exec[holding.exec].push((t, h));
+            }
+        }
+        Ok(SwitchPlan { graphs, slots, tensors, by_exec })
     }
 
     /// Whether it is the plan of `execs`.

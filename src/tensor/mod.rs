@@ -133,11 +133,22 @@ impl Tensor {
     /// # Errors
     /// [`Error::NotContiguous`] for a strided view.
     pub(crate) fn placement(&self) -> Result<(&Arc<crate::device::memory::Block>, usize)> {
-        with_dtype!(self.dtype, T => {
-            let v = self.view::<T>()?;
-            v.region.expect_contiguous("Tensor::placement", v.block.id)?;
-            Ok((v.block, v.region.offset() * T::DTYPE.size()))
-        })
+        const OP: &str = "Tensor::placement";
+        let block = with_dtype!(self.dtype, T => &self.buffer::<T>(OP)?.block);
+        if !self.is_contiguous() {
+            return Err(Error::NotContiguous { op: OP, buffer: self.id });
+        }
+        Ok((block, self.offset * self.dtype.size()))
+    }
+
+    /// The device address of its first element, for a contiguous tensor: what a table of
+    /// addresses that a kernel reads holds for it.
+    ///
+    /// # Errors
+    /// As [`placement`](Tensor::placement).
+    pub(crate) fn device_address(&self) -> Result<u64> {
+        let (block, start) = self.placement()?;
+        crate::device::memory::device_address(block, start)
     }
 
     /// A contiguous tensor of zeros.
@@ -288,8 +299,13 @@ impl Tensor {
     /// stepped, so its stride does not matter: a narrowed `(1, g, T)` slice of a dense
     /// `(B, H, T)` tensor is contiguous.
     pub fn is_contiguous(&self) -> bool {
-        let dense = contiguous_strides(&self.shape);
-        self.shape.iter().zip(self.strides.iter().zip(&dense)).all(|(&n, (s, d))| n == 1 || s == d) || self.numel() <= 1
+        let mut dense = 1;
+        let steps_densely = self.shape.iter().zip(&self.strides).rev().all(|(&n, &s)| {
+            let ok = n == 1 || s == dense;
+            dense *= n;
+            ok
+        });
+        steps_densely || self.numel() <= 1
     }
 
     /// Buffer indices of the elements, in row-major order.
