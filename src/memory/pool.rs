@@ -526,6 +526,11 @@ impl PoolExec {
         self.pool.graph_name(self.exec.id())
     }
 
+    /// Its pool's identity.
+    pub(crate) fn pool_id(&self) -> PoolId {
+        self.pool.id
+    }
+
     /// Whether the pool's next graph in its replay order is its first: its replays are between
     /// two runs of the order (steps), not inside one.
     pub(crate) fn between_runs(&self) -> bool {

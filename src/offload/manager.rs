@@ -191,9 +191,17 @@ impl OffloadManager {
     ) -> Result<Resident> {
         let (start, mut times) = (Instant::now(), SwitchTimes::default());
         let execs: Vec<&PoolExec> = graphs.iter().flat_map(GraphedCallable::executables).collect();
-        if let Some(e) = execs.iter().find(|e| !e.between_runs()) {
-            let graph = e.name().unwrap_or_else(|| e.id().to_string());
-            return Err(Error::Offload(OffloadErrorKind::SwitchMidStep { graph }));
+        // Between runs is a pool's state: asked once per pool (a stack's graphs share one).
+        let mut pools = Vec::new();
+        for e in &execs {
+            if pools.contains(&e.pool_id()) {
+                continue;
+            }
+            pools.push(e.pool_id());
+            if !e.between_runs() {
+                let graph = e.name().unwrap_or_else(|| e.id().to_string());
+                return Err(Error::Offload(OffloadErrorKind::SwitchMidStep { graph }));
+            }
         }
         self.inner.alloc.device().check_same("OffloadManager::keep_resident", "stream", stream.device().id())?;
         let mut st = self.inner.lock();
@@ -287,6 +295,9 @@ impl OffloadManager {
         // the device, and every switch would reserve more).
         if !released.is_empty() {
             stream.record(&self.inner.released)?;
+            // Once per allocation: a switch's tensors share theirs.
+            released.sort_unstable_by_key(Tensor::id);
+            released.dedup_by_key(|t| t.id());
             for t in &released {
                 t.release_after(&self.inner.released, stream)?;
             }
