@@ -30,7 +30,6 @@ per_device!(
     whole_stack_graph_with_offload_matches,
     graphed_offload_switches_to_resident_and_back,
     switching_again_reuses_the_memory_given_back,
-    switches_back_to_back_keep_their_uploads_ordered,
     switchable_capture_reserves_only_its_scratch,
     peak_memory_falls_by_the_offloaded_bytes,
     lent_peak_falls_by_the_expected_saving,
