@@ -169,8 +169,10 @@ impl OffloadManager {
     /// graph is its first, and `stream` is the one the steps join on
     /// ([`GraphedStack::join`](crate::graph::GraphedStack::join)), after the last step's join.
     ///
-    /// A tensor kept resident gets device memory of its own (from the allocator, now, for
-    /// `stream`), and its graphs' copies to and from the host are turned off; the device copies
+    /// A tensor kept resident gets device memory (from the allocator, now, for `stream`; the
+    /// tensors a switch keeps share one allocation, and one that stays resident beside one
+    /// offloaded again moves with them, so that allocations go back whole: between steps their
+    /// contents are dead), and its graphs' copies to and from the host are turned off; the device copies
     /// captured beside them, into and out of that memory, are turned on. Why not only turn the
     /// host copies off: the memory the tensor had in the graph pool is handed to later
     /// allocations of the step, and the backward reads the copy back's destination
