@@ -84,7 +84,7 @@ impl Graph {
     /// # Errors
     /// [`Error::Rebind`] with the reason one would be refused.
     pub fn check_rebind(&self, rebinds: &[Rebind<'_>]) -> Result<()> {
-        patch::plan(&self.sites, &self.index, rebinds)
+        patch::plan(self.id, &self.sites, &self.index, rebinds)
             .map(|_| ())
             .map_err(|kind| Error::Rebind { graph: self.id, kind })
     }
@@ -302,8 +302,8 @@ impl GraphExec {
             // Everything already reads where it was captured (a copy-in replay's check).
             return Ok(0);
         }
-        let planned =
-            patch::plan(&self.sites, &self.index, rebinds).map_err(|kind| Error::Rebind { graph: self.id, kind })?;
+        let planned = patch::plan(self.id, &self.sites, &self.index, rebinds)
+            .map_err(|kind| Error::Rebind { graph: self.id, kind })?;
         let moved = rebinds.iter().zip(&planned).flat_map(|(r, p)| {
             p.moves.iter().map(|&(s, u, off)| (s, u, Bound { block: r.to.clone(), start: r.to_start + off }))
         });
@@ -316,7 +316,7 @@ impl GraphExec {
     /// # Errors
     /// As [`rebind`](GraphExec::rebind) refuses it.
     pub(crate) fn resolve(&self, rebind: &Rebind<'_>) -> Result<patch::Resolved> {
-        let mut planned = patch::plan(&self.sites, &self.index, std::slice::from_ref(rebind))
+        let mut planned = patch::plan(self.id, &self.sites, &self.index, std::slice::from_ref(rebind))
             .map_err(|kind| Error::Rebind { graph: self.id, kind })?;
         Ok(planned.pop().expect("one resolved per rebind"))
     }
@@ -335,6 +335,10 @@ impl GraphExec {
         self.dev.check_err()?;
         let mut moved = Vec::new();
         for &(resolved, to) in rebinds {
+            if resolved.graph != self.id {
+                let why = "a rebind resolved in an executable of another graph; please report this as a bug";
+                return Err(Error::Unsupported { op: OP, backend: "any", why });
+            }
             match to {
                 Some((block, start)) => {
                     self.dev.check_same(OP, "buffer", block.raw.device)?;

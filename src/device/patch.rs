@@ -19,7 +19,7 @@ use std::sync::Arc;
 use super::backend::Op;
 use super::kernel::Arg;
 use super::memory::Block;
-use super::{BufferId, Elem, View};
+use super::{BufferId, Elem, GraphId, View};
 use crate::{Error, Result};
 
 /// Moves a graph executable's captured reads of `from` to the same elements of `to` (see
@@ -342,6 +342,8 @@ impl UseIndex {
 ///
 /// [`GraphExec::rebind_resolved`]: super::GraphExec::rebind_resolved
 pub(crate) struct Resolved {
+    /// The graph whose executables it applies to.
+    pub(crate) graph: GraphId,
     pub(crate) moves: Vec<(usize, usize, usize)>,
     /// The rebind's bytes: a destination holds at least these.
     pub(crate) bytes: usize,
@@ -351,9 +353,10 @@ pub(crate) struct Resolved {
 /// back where they were captured (`None`).
 pub(crate) type ResolvedRebind<'a> = (&'a Resolved, Option<(&'a Arc<Block>, usize)>);
 
-/// The uses that each of `rebinds` moves, or why one is refused. `index` is [`UseIndex::of`]
+/// The uses of graph `graph` that each of `rebinds` moves, or why one is refused. `index` is [`UseIndex::of`]
 /// `sites`.
 pub(crate) fn plan(
+    graph: GraphId,
     sites: &[Site],
     index: &UseIndex,
     rebinds: &[Rebind<'_>],
@@ -383,7 +386,7 @@ pub(crate) fn plan(
         if moves.is_empty() {
             return Err(RebindErrorKind::NotRead { buffer });
         }
-        planned.push(Resolved { moves, bytes: r.bytes });
+        planned.push(Resolved { graph, moves, bytes: r.bytes });
     }
     Ok(planned)
 }
