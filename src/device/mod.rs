@@ -496,6 +496,33 @@ mod tests {
     }
 
     #[test]
+    fn a_resolved_rebind_moves_its_uses_in_its_own_graph_only() -> Result<()> {
+        let dev = Device::sim();
+        let s = dev.stream()?;
+        let (y, other, short) =
+            (dev.alloc_from(&s, &[0.0f32; 4])?, dev.alloc_from(&s, &[5.0f32; 4])?, dev.alloc::<f32>(2)?);
+        let capture = || -> Result<GraphExec> {
+            let cap = s.capture(CaptureMode::ThreadLocal)?;
+            launch(&s, &y)?;
+            cap.finish()?.instantiate()
+        };
+        let (exec, elsewhere) = (capture()?, capture()?);
+        let resolved = exec.resolve(&Rebind::new(y.view(), y.view())?.moving_writes())?;
+        fn to(b: &DeviceBuffer<f32>) -> Option<(&Arc<memory::Block>, usize)> {
+            Some((&b.block, 0))
+        }
+        assert!(matches!(elsewhere.rebind_resolved(&[(&resolved, to(&other))]), Err(Error::Unsupported { .. })));
+        assert!(matches!(exec.rebind_resolved(&[(&resolved, to(&short))]), Err(Error::LengthMismatch { .. })));
+        assert_eq!(exec.rebind_resolved(&[(&resolved, to(&other))])?, 1);
+        exec.launch(&s)?;
+        assert_eq!((y.to_vec(&s)?, other.to_vec(&s)?), (vec![0.0; 4], vec![6.0; 4]));
+        assert_eq!(exec.rebind_resolved(&[(&resolved, None)])?, 1); // back where it was captured
+        exec.launch(&s)?;
+        assert_eq!((y.to_vec(&s)?, other.to_vec(&s)?), (vec![1.0; 4], vec![6.0; 4]));
+        Ok(())
+    }
+
+    #[test]
     fn a_kept_error_is_returned_by_the_next_launch_once_and_the_launch_does_nothing() -> Result<()> {
         let dev = Device::sim();
         let s = dev.stream()?;
