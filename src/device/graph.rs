@@ -494,7 +494,7 @@ impl GraphExec {
 
     /// Turns the nodes of `sites` (sorted, from [`sites_naming`](GraphExec::sites_naming)) off
     /// or on, as [`set_enabled`](GraphExec::set_enabled) does without finding them again.
-    pub(crate) fn set_sites_enabled(&self, named: &[usize], enabled: bool) -> Result<usize> {
+    pub(crate) fn set_sites_enabled(&self, sites: &[usize], enabled: bool) -> Result<usize> {
         const OP: &str = "GraphExec::set_enabled";
         self.dev.check_err()?;
         let repr = self.repr(OP)?;
@@ -503,7 +503,7 @@ impl GraphExec {
             return Err(Error::Rebind { graph: self.id, kind: patch::RebindErrorKind::Broken });
         }
         let changed: Vec<usize> =
-            named.iter().copied().filter(|s| st.disabled.binary_search(s).is_ok() == enabled).collect();
+            sites.iter().copied().filter(|s| st.disabled.binary_search(s).is_ok() == enabled).collect();
         if changed.is_empty() {
             return Ok(0);
         }

@@ -353,8 +353,8 @@ pub(crate) struct Resolved {
 /// back where they were captured (`None`).
 pub(crate) type ResolvedRebind<'a> = (&'a Resolved, Option<(&'a Arc<Block>, usize)>);
 
-/// The uses of graph `graph` that each of `rebinds` moves, or why one is refused. `index` is [`UseIndex::of`]
-/// `sites`.
+/// The uses of graph `graph` that each of `rebinds` moves, or why one is refused. `index` is
+/// [`UseIndex::of`] `sites`.
 pub(crate) fn plan(
     graph: GraphId,
     sites: &[Site],
