@@ -89,6 +89,15 @@ impl Graph {
             .map_err(|kind| Error::Rebind { graph: self.id, kind })
     }
 
+    /// The uses that `rebind` moves in its executables, found and checked once, for
+    /// [`GraphExec::rebind_resolved`].
+    ///
+    /// # Errors
+    /// As [`check_rebind`](Graph::check_rebind).
+    pub(crate) fn resolve(&self, rebind: &Rebind<'_>) -> Result<patch::Resolved> {
+        patch::resolve(self.id, &self.sites, &self.index, rebind).map_err(|kind| Error::Rebind { graph: self.id, kind })
+    }
+
     /// The graph's identity (shared by its executables).
     pub fn id(&self) -> GraphId {
         self.id
@@ -304,10 +313,11 @@ impl GraphExec {
         }
         let planned = patch::plan(self.id, &self.sites, &self.index, rebinds)
             .map_err(|kind| Error::Rebind { graph: self.id, kind })?;
-        let moved = rebinds.iter().zip(&planned).flat_map(|(r, p)| {
-            p.moves.iter().map(|&(s, u, off)| (s, u, Bound { block: r.to.clone(), start: r.to_start + off }))
-        });
-        self.apply(repr, moved.collect())
+        let moved = rebinds
+            .iter()
+            .zip(&planned)
+            .flat_map(|(r, p)| p.moves.iter().map(|&(s, u, off)| (s, u, r.to, r.to_start + off)));
+        self.apply(repr, &moved.collect::<Vec<_>>())
     }
 
     /// The uses that `rebind` moves, found and checked once, for
@@ -316,9 +326,7 @@ impl GraphExec {
     /// # Errors
     /// As [`rebind`](GraphExec::rebind) refuses it.
     pub(crate) fn resolve(&self, rebind: &Rebind<'_>) -> Result<patch::Resolved> {
-        let mut planned = patch::plan(self.id, &self.sites, &self.index, std::slice::from_ref(rebind))
-            .map_err(|kind| Error::Rebind { graph: self.id, kind })?;
-        Ok(planned.pop().expect("one resolved per rebind"))
+        patch::resolve(self.id, &self.sites, &self.index, rebind).map_err(|kind| Error::Rebind { graph: self.id, kind })
     }
 
     /// Points the uses of each [`resolve`](GraphExec::resolve)d rebind at the block and byte
@@ -346,79 +354,125 @@ impl GraphExec {
                     if room < resolved.bytes {
                         return Err(Error::LengthMismatch { op: OP, src: resolved.bytes, dst: room });
                     }
-                    let at = |off: usize| Bound { block: block.clone(), start: start + off };
-                    moved.extend(resolved.moves.iter().map(|&(s, u, off)| (s, u, at(off))));
+                    moved.extend(resolved.moves.iter().map(|&(s, u, off)| (s, u, block, start + off)));
                 }
                 None => moved.extend(resolved.moves.iter().map(|&(s, u, _)| {
                     let captured = &self.sites[s].uses[u];
-                    (s, u, Bound { block: captured.block.clone(), start: captured.start })
+                    (s, u, &captured.block, captured.start)
                 })),
             }
         }
         let repr = self.repr(OP)?;
-        self.apply(repr, moved)
+        self.apply(repr, &moved)
     }
 
-    /// Points each use of `moved` where it says, for later launches; the one path of
-    /// [`rebind`](GraphExec::rebind) and [`rebind_resolved`](GraphExec::rebind_resolved).
-    fn apply(&self, repr: &ExecRepr, moved: Vec<(usize, usize, Bound)>) -> Result<usize> {
+    /// Points each use of `moved` (site, use, block, first byte) where it says, for later
+    /// launches; the one path of [`rebind`](GraphExec::rebind) and
+    /// [`rebind_resolved`](GraphExec::rebind_resolved). The bindings are changed in place, with
+    /// an undo list for a refused backend call, rather than copied whole at every call (a count
+    /// taken and dropped on a block per binding, most of them unchanged).
+    fn apply(&self, repr: &ExecRepr, moved: &[(usize, usize, &Arc<Block>, usize)]) -> Result<usize> {
         let mut st = self.rebound();
         if st.broken {
             return Err(Error::Rebind { graph: self.id, kind: patch::RebindErrorKind::Broken });
         }
-        let mut next = st.bound.clone();
-        let mut changed = Vec::new();
-        for (s, u, to) in moved {
-            let captured = &self.sites[s].uses[u];
-            let at_capture = (captured.block.id, captured.start);
-            let at = next.binary_search_by_key(&(s, u), |e| e.0);
-            let now = at.map_or(at_capture, |i| (next[i].1.block.id, next[i].1.start));
-            let there = (to.block.id, to.start);
-            if now == there {
+        let key = |e: &((usize, usize), Bound)| e.0;
+        let captured = |s: usize, u: usize| {
+            let x = &self.sites[s].uses[u];
+            (&x.block, x.start)
+        };
+        // The last move of each use wins (two rebinds of one call may name the same bytes), in
+        // (site, use) order: a stable sort keeps a use's moves in call order.
+        let mut moves: Vec<&(usize, usize, &Arc<Block>, usize)> = moved.iter().collect();
+        moves.sort_by_key(|m| (m.0, m.1));
+        moves.dedup_by(|later, kept| {
+            let same = (later.0, later.1) == (kept.0, kept.1);
+            if same {
+                *kept = *later;
+            }
+            same
+        });
+        // Per use moved, where it pointed before (`None`: where it was captured), to undo.
+        let mut undo: Vec<((usize, usize), Option<Bound>)> = Vec::with_capacity(moves.len());
+        let mut added = Vec::new();
+        let mut back = false;
+        let mut changed = Vec::with_capacity(moves.len());
+        for &&(s, u, block, start) in &moves {
+            let (at_block, at_start) = captured(s, u);
+            let at = st.bound.binary_search_by_key(&(s, u), key);
+            let now = at.map_or((at_block.id, at_start), |i| (st.bound[i].1.block.id, st.bound[i].1.start));
+            if now == (block.id, start) {
                 continue;
             }
-            changed.push((s, !matches!(captured.slot, patch::Slot::Indirect(_))));
-            match (at, there == at_capture) {
-                (Ok(i), false) => next[i].1 = to,
-                (Ok(i), true) => {
-                    next.remove(i);
+            changed.push((s, !matches!(self.sites[s].uses[u].slot, patch::Slot::Indirect(_))));
+            let to = Bound { block: block.clone(), start };
+            match at {
+                Ok(i) => {
+                    // A use moved back where it was captured keeps its entry until the end.
+                    back |= (block.id, start) == (at_block.id, at_start);
+                    undo.push(((s, u), Some(std::mem::replace(&mut st.bound[i].1, to))));
                 }
-                (Err(i), false) => next.insert(i, ((s, u), to)),
-                (Err(_), true) => {}
+                Err(_) => {
+                    undo.push(((s, u), None));
+                    added.push(((s, u), to));
+                }
             }
         }
-        // One entry per site, its node changed if any of its moved uses is the node's own.
-        changed.sort_unstable();
+        if changed.is_empty() {
+            return Ok(0);
+        }
+        if !added.is_empty() {
+            // Both runs are sorted: the sort merges them.
+            st.bound.append(&mut added);
+            st.bound.sort_by_key(key);
+        }
+        if back {
+            st.bound.retain(|((s, u), b)| {
+                let (block, start) = captured(*s, *u);
+                (b.block.id, b.start) != (block.id, start)
+            });
+        }
+        // One entry per site (in site order, as the moves), its node changed if any of its
+        // moved uses is the node's own.
         changed.dedup_by(|later, kept| {
             later.0 == kept.0 && {
                 kept.1 |= later.1;
                 true
             }
         });
-        if changed.is_empty() {
-            return Ok(0);
-        }
-        let of = |bound| patch::changes(&changed, bound);
-        let applied = dispatch!(self.dev.backend(), |b, pick| b.rebind(pick!(repr), &self.sites, &of(&next)));
+        let applied = dispatch!(self.dev.backend(), |b, pick| {
+            b.rebind(pick!(repr), &self.sites, &patch::changes(&changed, &st.bound))
+        });
         if let Err(e) = applied {
             // Some sites may have moved: put them back, or refuse every later launch of a
             // half-moved executable.
-            let undone = dispatch!(self.dev.backend(), |b, pick| b.rebind(pick!(repr), &self.sites, &of(&st.bound)));
+            for ((s, u), before) in undo.into_iter().rev() {
+                match (st.bound.binary_search_by_key(&(s, u), key), before) {
+                    (Ok(i), Some(b)) => st.bound[i].1 = b,
+                    (Ok(i), None) => {
+                        st.bound.remove(i);
+                    }
+                    (Err(i), Some(b)) => st.bound.insert(i, ((s, u), b)),
+                    (Err(_), None) => {}
+                }
+            }
+            let undone = dispatch!(self.dev.backend(), |b, pick| {
+                b.rebind(pick!(repr), &self.sites, &patch::changes(&changed, &st.bound))
+            });
             st.broken |= undone.is_err();
             return Err(e);
         }
         let mut blocks: Vec<Arc<Block>> = Vec::new();
-        for (_, b) in &next {
+        for (_, b) in &st.bound {
             if !blocks.iter().any(|k| k.id == b.block.id) {
                 blocks.push(b.block.clone());
             }
         }
+        st.blocks = blocks;
         let observed = self.dev.observer().filter(|o| o.watching()).map(|o| {
-            let remaps = next.iter().map(|((s, u), b)| Remap::of(&self.sites[*s].uses[*u], b)).collect::<Vec<_>>();
+            let remaps = st.bound.iter().map(|((s, u), b)| Remap::of(&self.sites[*s].uses[*u], b)).collect::<Vec<_>>();
             (o, remaps)
         });
-        let disabled = std::mem::take(&mut st.disabled);
-        *st = Rebound { bound: next, blocks, broken: false, disabled };
         drop(st);
         if let Some((o, remaps)) = observed {
             o.rebind(self.id, self.exec, &remaps)?;

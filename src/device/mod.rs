@@ -523,6 +523,29 @@ mod tests {
     }
 
     #[test]
+    fn the_last_rebind_of_a_call_naming_the_same_bytes_wins() -> Result<()> {
+        let dev = Device::sim();
+        let s = dev.stream()?;
+        let fill = |v: f32| dev.alloc_from(&s, &[v; 4]);
+        let (y, a, b) = (fill(0.0)?, fill(10.0)?, fill(20.0)?);
+        let cap = s.capture(CaptureMode::ThreadLocal)?;
+        launch(&s, &y)?;
+        let exec = cap.finish()?.instantiate()?;
+        fn to<'a>(y: &'a DeviceBuffer<f32>, t: &'a DeviceBuffer<f32>) -> Result<Rebind<'a>> {
+            Rebind::new(y.view(), t.view()).map(Rebind::moving_writes)
+        }
+        let values = || -> Result<Vec<Vec<f32>>> { [&y, &a, &b].iter().map(|t| t.to_vec(&s)).collect() };
+        assert_eq!(exec.rebind(&[to(&y, &a)?, to(&y, &b)?])?, 1);
+        exec.launch(&s)?;
+        assert_eq!(values()?, [vec![0.0; 4], vec![10.0; 4], vec![21.0; 4]]);
+        // Away and back where it was captured in one call: as if it had never moved.
+        assert_eq!(exec.rebind(&[to(&y, &a)?, to(&y, &y)?])?, 1);
+        exec.launch(&s)?;
+        assert_eq!(values()?, [vec![1.0; 4], vec![10.0; 4], vec![21.0; 4]]);
+        Ok(())
+    }
+
+    #[test]
     fn a_kept_error_is_returned_by_the_next_launch_once_and_the_launch_does_nothing() -> Result<()> {
         let dev = Device::sim();
         let s = dev.stream()?;

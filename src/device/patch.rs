@@ -289,8 +289,7 @@ pub(crate) struct Bound {
 }
 
 /// Where an executable's moved uses point now, by (site, use), sorted; a use not listed points
-/// where it was captured. Sparse: a switch moves a few dozen of an executable's hundreds of uses,
-/// and every rebind copies the list.
+/// where it was captured. Sparse: a switch moves a few dozen of an executable's hundreds of uses.
 pub(crate) type Bindings = Vec<((usize, usize), Bound)>;
 
 /// A site, where its moved uses point now (its part of [`Bindings`]), and whether a use that
@@ -361,34 +360,40 @@ pub(crate) fn plan(
     index: &UseIndex,
     rebinds: &[Rebind<'_>],
 ) -> std::result::Result<Vec<Resolved>, RebindErrorKind> {
-    let mut planned = Vec::with_capacity(rebinds.len());
-    for r in rebinds {
-        let (from, to) = (r.from_start, r.from_start + r.bytes);
-        let buffer = r.from.id;
-        let mut moves = Vec::new();
-        for &(s, u) in index.by_block.get(&buffer).into_iter().flatten() {
-            let (site, x) = (&sites[s], &sites[s].uses[u]);
-            if x.end <= from || to <= x.start {
-                continue;
-            }
-            let op = site.op;
-            if x.slot == Slot::Opaque {
-                return Err(RebindErrorKind::Opaque { op, buffer });
-            }
-            if x.writes && (!r.writes || x.slot == Slot::Memset) {
-                return Err(RebindErrorKind::Written { op, buffer });
-            }
-            if x.start < from || to < x.end {
-                return Err(RebindErrorKind::Partial { op, buffer, start: x.start, end: x.end, from, to });
-            }
-            moves.push((s, u, x.start - from));
+    rebinds.iter().map(|r| resolve(graph, sites, index, r)).collect()
+}
+
+/// The uses of graph `graph` that `r` moves, or why it is refused ([`plan`] of one).
+pub(crate) fn resolve(
+    graph: GraphId,
+    sites: &[Site],
+    index: &UseIndex,
+    r: &Rebind<'_>,
+) -> std::result::Result<Resolved, RebindErrorKind> {
+    let (from, to) = (r.from_start, r.from_start + r.bytes);
+    let buffer = r.from.id;
+    let mut moves = Vec::new();
+    for &(s, u) in index.by_block.get(&buffer).into_iter().flatten() {
+        let (site, x) = (&sites[s], &sites[s].uses[u]);
+        if x.end <= from || to <= x.start {
+            continue;
         }
-        if moves.is_empty() {
-            return Err(RebindErrorKind::NotRead { buffer });
+        let op = site.op;
+        if x.slot == Slot::Opaque {
+            return Err(RebindErrorKind::Opaque { op, buffer });
         }
-        planned.push(Resolved { graph, moves, bytes: r.bytes });
+        if x.writes && (!r.writes || x.slot == Slot::Memset) {
+            return Err(RebindErrorKind::Written { op, buffer });
+        }
+        if x.start < from || to < x.end {
+            return Err(RebindErrorKind::Partial { op, buffer, start: x.start, end: x.end, from, to });
+        }
+        moves.push((s, u, x.start - from));
     }
-    Ok(planned)
+    if moves.is_empty() {
+        return Err(RebindErrorKind::NotRead { buffer });
+    }
+    Ok(Resolved { graph, moves, bytes: r.bytes })
 }
 
 /// The sites that name `buffer`, in capture order, for [`GraphExec::set_enabled`]; refused

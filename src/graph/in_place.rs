@@ -13,15 +13,17 @@ use super::replay::{Route, StaticTensor, Tail};
 use super::Replay;
 use std::sync::atomic::Ordering;
 
+use crate::device::patch::Resolved;
 use crate::device::{Graph, RebindErrorKind, Stream};
 use crate::memory::PoolExec;
 use crate::nn::Inputs;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-/// The passes of a callable whose graphs read one of its static tensors, if the tensor can be
-/// read in place (none read it: an empty list); `None` when it must be copied in.
-pub(crate) type Readers = Option<Vec<Pass>>;
+/// The passes of a callable whose graphs read one of its static tensors, each with the uses
+/// that read it (found once, at capture, so that a replay moves them with no search), if the
+/// tensor can be read in place (none read it: an empty list); `None` when it must be copied in.
+pub(crate) type Readers = Option<Vec<(Pass, Resolved)>>;
 
 /// The readers of static tensor `t` of callable `mine` among the graphs of every callable
 /// captured with it (`all`, by callable, each graph with its pass).
@@ -30,8 +32,8 @@ pub(crate) fn readers(all: &[Vec<(Pass, &Graph)>], mine: usize, t: &Tensor) -> R
     let mut passes = Vec::new();
     for (i, graphs) in all.iter().enumerate() {
         for (pass, graph) in graphs.iter().filter(|(_, g)| g.names(t.id())) {
-            match graph.check_rebind(std::slice::from_ref(&identity)) {
-                Ok(()) if i == mine => passes.push(*pass),
+            match graph.resolve(&identity) {
+                Ok(uses) if i == mine => passes.push((*pass, uses)),
                 Err(Error::Rebind { kind: RebindErrorKind::NotRead { .. }, .. }) => {}
                 _ => return None,
             }
@@ -156,7 +158,7 @@ impl GraphedCallable {
         PoolExec::check_launches(&[exec], route.stream(caller), caller)
             .map_err(|e| super::error::refusal(self.name(), e))?;
         self.check_edges(pass)?;
-        let copies = self.bind_sources(sources, statics, readers, in_place)?;
+        let copies = self.bind_sources(sources, readers, in_place)?;
         self.replay_checked(pass, caller, route, &copies, statics)
     }
 
@@ -167,7 +169,6 @@ impl GraphedCallable {
     pub(crate) fn bind_sources<'a>(
         &self,
         sources: &[Option<&'a Tensor>],
-        statics: &[&Tensor],
         readers: &[&Readers],
         in_place: bool,
     ) -> Result<Vec<Option<&'a Tensor>>> {
@@ -175,16 +176,17 @@ impl GraphedCallable {
         let mut nodes = 0;
         for (k, readers) in readers.iter().enumerate() {
             let Some(passes) = readers else { continue };
+            // Where the uses point: the source's bytes, or back at the static tensor, where
+            // they were captured. The source's shape and type were matched to the static's.
             let to = match sources[k] {
                 Some(src) if in_place && src.is_contiguous() => {
                     copies[k] = None;
-                    src
+                    Some(src.placement()?)
                 }
-                _ => statics[k],
+                _ => None,
             };
-            for p in passes {
-                let rebind = statics[k].rebind_to(to)?;
-                nodes += self.exec(*p)?.rebind(&[rebind])?;
+            for (pass, uses) in passes {
+                nodes += self.exec(*pass)?.rebind_resolved(&[(uses, to)])?;
             }
         }
         self.rebound.store(nodes, Ordering::Relaxed);

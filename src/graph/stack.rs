@@ -60,7 +60,7 @@ impl Replayer<'_> {
             true => {
                 let target = layer.static_copy_target(pass)?;
                 let readers = layer.fed_readers(pass)?;
-                (layer.bind_sources(&[self.source], &[target], &[readers], self.in_place)?, vec![target])
+                (layer.bind_sources(&[self.source], &[readers], self.in_place)?, vec![target])
             }
             false => (Vec::new(), Vec::new()),
         };
