@@ -381,6 +381,14 @@ impl GraphExec {
             let x = &self.sites[s].uses[u];
             (&x.block, x.start)
         };
+        let at_capture = |&(s, u, block, start): &(usize, usize, &Arc<Block>, usize)| {
+            let (b, at) = captured(s, u);
+            (block.id, start) == (b.id, at)
+        };
+        if st.bound.is_empty() && moved.iter().all(at_capture) {
+            // A copy-in replay's check: everything reads where it was captured.
+            return Ok(0);
+        }
         // The last move of each use wins (two rebinds of one call may name the same bytes), in
         // (site, use) order: a stable sort keeps a use's moves in call order.
         let mut moves: Vec<&(usize, usize, &Arc<Block>, usize)> = moved.iter().collect();
