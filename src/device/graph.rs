@@ -377,15 +377,12 @@ impl GraphExec {
             return Err(Error::Rebind { graph: self.id, kind: patch::RebindErrorKind::Broken });
         }
         let key = |e: &((usize, usize), Bound)| e.0;
+        // Where use `u` of site `s` was captured: its block and first byte.
         let captured = |s: usize, u: usize| {
             let x = &self.sites[s].uses[u];
-            (&x.block, x.start)
+            (x.block.id, x.start)
         };
-        let at_capture = |&(s, u, block, start): &(usize, usize, &Arc<Block>, usize)| {
-            let (b, at) = captured(s, u);
-            (block.id, start) == (b.id, at)
-        };
-        if st.bound.is_empty() && moved.iter().all(at_capture) {
+        if st.bound.is_empty() && moved.iter().all(|&(s, u, block, start)| captured(s, u) == (block.id, start)) {
             // A copy-in replay's check: everything reads where it was captured.
             return Ok(0);
         }
@@ -406,10 +403,10 @@ impl GraphExec {
         let mut back = false;
         let mut changed = Vec::with_capacity(moves.len());
         for &&(s, u, block, start) in &moves {
-            let (at_block, at_start) = captured(s, u);
+            let (there, at_capture) = ((block.id, start), captured(s, u));
             let at = st.bound.binary_search_by_key(&(s, u), key);
-            let now = at.map_or((at_block.id, at_start), |i| (st.bound[i].1.block.id, st.bound[i].1.start));
-            if now == (block.id, start) {
+            let now = at.map_or(at_capture, |i| (st.bound[i].1.block.id, st.bound[i].1.start));
+            if now == there {
                 continue;
             }
             changed.push((s, !matches!(self.sites[s].uses[u].slot, patch::Slot::Indirect(_))));
@@ -417,7 +414,7 @@ impl GraphExec {
             match at {
                 Ok(i) => {
                     // A use moved back where it was captured keeps its entry until the end.
-                    back |= (block.id, start) == (at_block.id, at_start);
+                    back |= there == at_capture;
                     undo.push(((s, u), Some(std::mem::replace(&mut st.bound[i].1, to))));
                 }
                 Err(_) => {
@@ -435,10 +432,7 @@ impl GraphExec {
             st.bound.sort_by_key(key);
         }
         if back {
-            st.bound.retain(|((s, u), b)| {
-                let (block, start) = captured(*s, *u);
-                (b.block.id, b.start) != (block.id, start)
-            });
+            st.bound.retain(|((s, u), b)| (b.block.id, b.start) != captured(*s, *u));
         }
         // One entry per site (in site order, as the moves), its node changed if any of its
         // moved uses is the node's own.
